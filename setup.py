@@ -1,0 +1,5 @@
+# setuptools reads everything from pyproject.toml; this file exists only because cffi's
+# build hook (cffi_modules) is not expressible in pyproject.toml yet.
+from setuptools import setup
+
+setup(cffi_modules=["trnsim/native/build.py:ffibuilder"])
