@@ -1,0 +1,581 @@
+"""The TensorE datapath: the numpy definition, and the C core against it bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import trnsim.native as native
+from trnsim.native import dtypes, reference
+
+F32, F16, BF16 = np.float32, np.float16, ml_dtypes.bfloat16
+E4M3, E4M3FN, E5M2 = ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+FLOATS = [F32, F16, BF16, E4M3, E4M3FN, E5M2]
+NARROW = [F16, BF16, E4M3, E4M3FN, E5M2]
+PAIRS = [(t, t) for t in FLOATS] + [
+    (E4M3, E5M2),
+    (E5M2, E4M3FN),
+    (BF16, F16),
+    (F16, E4M3),
+    (F32, BF16),
+    (E4M3FN, BF16),
+]
+SHAPES = [(1, 1, 1), (3, 5, 7), (127, 13, 33), (128, 12, 32), (129, 25, 65), (300, 40, 70)]
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def name(t: type) -> str:
+    return np.dtype(t).name
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(UINT[a.dtype.itemsize])
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = bits(got), bits(want)
+    bad = np.argwhere(g != w)
+    if len(bad):
+        i = tuple(bad[0])
+        raise AssertionError(
+            f"{len(bad)} of {g.size} elements differ; first at {i}: "
+            f"got {got[i]!r} (0x{int(g[i]):x}), want {want[i]!r} (0x{int(w[i]):x})"
+        )
+
+
+def families() -> list[str]:
+    return native.kernel_families()
+
+
+@pytest.fixture(params=["generic", "avx2", "avx512"])
+def family(request: pytest.FixtureRequest) -> str:
+    if request.param not in families():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    return request.param
+
+
+def check(s: np.ndarray, v: np.ndarray, *, kernels: list[str] | None = None, **kw) -> np.ndarray:
+    """Reference result; asserts every native kernel/FMA policy gives the same bits."""
+    out0 = kw.pop("out", None)
+    want = reference.matmul(s, v, out=None if out0 is None else out0.copy(), **kw)
+    for fam in kernels or families():
+        for fma in ("auto", "never"):
+            out = None if out0 is None else out0.copy()
+            got = native._matmul_native(s, v, out=out, kernel=fam, fma=fma, **kw)
+            assert_same_bits(got, want)
+    return want
+
+
+def randn(rng: np.random.Generator, shape: tuple[int, ...], t: type, scale: float = 1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(t)
+
+
+def specials(t: type) -> tuple[np.ndarray, np.ndarray]:
+    """Edge values of format t, as t: (zeros, subnormals, extreme normals; NaN and ±Inf)."""
+    fi = ml_dtypes.finfo(t)
+    vals = [0.0, 1.0, fi.smallest_subnormal, fi.smallest_normal, fi.max, fi.eps]
+    vals = [float(x) for x in vals]
+    vals += [3 * float(fi.smallest_subnormal), float(fi.max) / 2]
+    arr = np.array(vals + [-x for x in vals], dtype=np.float32).astype(t)
+    with np.errstate(invalid="ignore"):
+        nonfinite = np.array([np.nan, np.inf, -np.inf], dtype=np.float32).astype(t)
+    return arr, nonfinite
+
+
+# --------------------------------------------------------------------------------------------
+# The definition itself
+
+
+def test_chunked_accumulation_order_is_part_of_the_definition():
+    # One dot product of [2^24, 1, 1, 1] (s all ones), k in order, fp32:
+    #   2^24 + 1 = 16777217 is a tie -> 16777216 (even); + 1 -> 16777216; + 1 -> 16777216.
+    # In chunks of 2 (PSUM accumulation group of two instructions):
+    #   chunk 0: 2^24 + 1 -> 16777216; chunk 1: 1 + 1 = 2; out = 16777216 + 2 = 16777218.
+    # (Exact: 16777219. A "simplified" single dot product or a pairwise sum gets it wrong.)
+    s = np.ones((4, 1), dtype=F32)
+    v = np.array([[2.0**24], [1.0], [1.0], [1.0]], dtype=F32)
+    for mm in (reference.matmul, native.matmul):
+        assert mm(s, v, k_chunk=4)[0, 0] == 16777216.0
+        assert mm(s, v, k_chunk=2)[0, 0] == 16777218.0
+        assert mm(s, v, k_chunk=1)[0, 0] == 16777216.0  # 2^24, +1 tie to even, ...
+        out = np.full((1, 1), 2.0, dtype=F32)
+        # accumulate: 2 + 16777216 = 16777218, then + 2 = 16777220
+        assert mm(s, v, out=out, accumulate=True, k_chunk=2)[0, 0] == 16777220.0
+
+
+def test_multiply_and_add_round_separately():
+    # k=0: acc = -(1 + 2^-22). k=1: p = (1 + 2^-23)^2 = 1 + 2^-22 + 2^-46 rounds to 1 + 2^-22,
+    # so acc = 0. A fused multiply-add would keep the 2^-46.
+    e = 2.0**-23
+    s = np.array([[1.0], [1 + e]], dtype=F32)
+    v = np.array([[-(1 + 2 * e)], [1 + e]], dtype=F32)
+    for mm in (reference.matmul, native.matmul):
+        assert bits(mm(s, v))[0, 0] == 0  # +0.0
+    fused = native._matmul_native(s, v, fma="force", kernel=families()[-1])
+    if families()[-1] != "generic":  # the generic family has no fused kernel
+        assert fused[0, 0] == 2.0**-46
+
+
+def test_accumulator_starts_at_positive_zero():
+    # -0 * 1 = -0; +0 + -0 = +0: an accumulator started at -0 (or at the first product)
+    # would give -0.
+    s = np.array([[-0.0]], dtype=F32)
+    v = np.array([[1.0]], dtype=F32)
+    for mm in (reference.matmul, native.matmul):
+        assert bits(mm(s, v))[0, 0] == 0
+
+
+def test_nan_results_are_canonical():
+    nan_payload = np.array([0xFFC12345], dtype=np.uint32).view(F32)[0]
+    s = np.array([[nan_payload, 1.0], [np.inf, 0.0]], dtype=F32)
+    v = np.array([[1.0], [0.0]], dtype=F32)  # [NaN*1 + inf*0, 1*1 + 0*0]
+    for mm in (reference.matmul, native.matmul):
+        r = bits(mm(s, v))
+        assert r[0, 0] == reference.CANONICAL_NAN_BITS and r[1, 0] == 0x3F800000
+
+
+def test_empty_k_is_one_empty_chunk():
+    s = np.zeros((0, 3), dtype=BF16)
+    v = np.zeros((0, 2), dtype=BF16)
+    out = np.full((3, 2), -0.0, dtype=F32)
+    want = check(s, v, out=out, accumulate=True)  # -0 + +0 = +0
+    assert (bits(want) == 0).all()
+    assert (check(s, v) == 0).all()
+
+
+def test_empty_m_and_n():
+    for sm, vn in ((0, 4), (4, 0)):
+        s = np.ones((5, sm), dtype=F16)
+        v = np.ones((5, vn), dtype=F16)
+        assert check(s, v).shape == (sm, vn)
+
+
+# --------------------------------------------------------------------------------------------
+# Native vs reference, bit for bit
+
+
+@pytest.mark.parametrize("k_chunk", [128, 256])
+@pytest.mark.parametrize("st,mt", PAIRS, ids=lambda t: name(t))
+def test_random_matches_reference(st, mt, k_chunk):
+    rng = np.random.default_rng(zlib.crc32(f"{name(st)} {name(mt)} {k_chunk}".encode()))
+    for K, M, N in SHAPES:
+        check(randn(rng, (K, M), st), randn(rng, (K, N), mt), k_chunk=k_chunk)
+
+
+@pytest.mark.parametrize("t", FLOATS, ids=name)
+def test_special_values(t):
+    rng = np.random.default_rng(7)
+    finite, nonfinite = specials(t)
+    K, M, N = 200, 19, 37
+    for pool, density in ((finite, 0.3), (nonfinite, 0.01)):
+        s, v = randn(rng, (K, M), t), randn(rng, (K, N), t)
+        for a in (s, v):
+            mask = rng.random(a.shape) < density
+            a[mask] = rng.choice(pool, size=int(mask.sum()))
+        check(s, v)
+        check(s, v, k_chunk=64, out=randn(rng, (M, N), F32), accumulate=True)
+    # fp8/fp16 maxima everywhere: large but finite sums
+    fmax = ml_dtypes.finfo(t).max
+    s = np.full((K, M), fmax, dtype=t)
+    v = np.where(rng.random((K, N)) < 0.5, fmax, -fmax).astype(t)
+    check(s, v)
+
+
+def test_bf16_products_that_overflow_and_underflow():
+    rng = np.random.default_rng(3)
+    K, M, N = 256, 14, 33
+    big = randn(rng, (K, M), BF16, 1e30)
+    check(big, randn(rng, (K, N), BF16, 1e10))  # products ~1e40: Inf, and Inf - Inf = NaN
+    tiny = randn(rng, (K, M), BF16, 1e-25)
+    check(tiny, randn(rng, (K, N), BF16, 1e-15))  # products ~1e-40: subnormal, inexact
+    # Chunk 0 is tame, chunk 1 is not: the FMA decision is per chunk.
+    mixed = randn(rng, (K, M), BF16)
+    mixed[200] = BF16(3e-39)  # a bf16 subnormal
+    check(mixed, randn(rng, (K, N), BF16))
+    # Underflowing products next to a nonzero accumulator make a fused kernel visibly wrong.
+    s = randn(rng, (K, M), BF16, 1e-20)
+    v = randn(rng, (K, N), BF16, 1e-19)
+    s[0], v[0] = BF16(1e-38), BF16(1.0)
+    want = check(s, v)
+    if "avx512" in families() or "avx2" in families():
+        forced = native._matmul_native(s, v, fma="force")
+        assert (bits(forced) != bits(want)).any()
+
+
+def test_fma_range_boundaries():
+    # Largest exponents the FMA proof allows (2^63 <= |x| < 2^64: products < 2^128) and the
+    # smallest (|x| >= 2^-63: products >= 2^-126), and one step past each.
+    rng = np.random.default_rng(5)
+    K, M, N = 128, 12, 32
+    for lo, hi in ((63, 64), (64, 65), (-63, -62), (-64, -63)):
+        mant = 1 + rng.random((K, M + N))
+        x = (mant * 2.0**lo).astype(F32)
+        x = np.minimum(x, np.float32(2.0**hi) * np.float32(1 - 2**-8)).astype(BF16)
+        x = np.where(rng.random(x.shape) < 0.5, x, -x).astype(BF16)
+        check(x[:, :M], x[:, M:])
+
+
+def test_fp32_products_are_rounded():
+    # fp32 x fp32 products are inexact, so a fused kernel would differ: "force" shows the test
+    # data can tell, "auto" never fuses fp32.
+    rng = np.random.default_rng(11)
+    s, v = randn(rng, (128, 24), F32), randn(rng, (128, 64), F32)
+    want = check(s, v)
+    if families()[-1] != "generic":
+        assert (bits(native._matmul_native(s, v, fma="force")) != bits(want)).any()
+
+
+def test_every_kernel_family(family):
+    rng = np.random.default_rng(13)
+    for st, mt in PAIRS:
+        for K, M, N in ((129, 25, 65), (64, 24, 64)):
+            check(randn(rng, (K, M), st), randn(rng, (K, N), mt), kernels=[family])
+
+
+def test_strided_and_transposed_views():
+    rng = np.random.default_rng(17)
+    K, M, N = 150, 30, 45
+    base_s = randn(rng, (M * 2, K * 3), BF16)  # transposed, stepped source
+    base_v = randn(rng, (K * 2, N * 2), E4M3)
+    views_s = [
+        base_s[:M, :K].T,  # [K, M] with K contiguous
+        base_s[::2, ::3].T,
+        base_s[:M, :K].T[::-1],  # negative K stride
+        base_s[:M, :K].T[:, ::-1],  # negative M stride
+    ]
+    views_v = [
+        base_v[:K, :N],
+        base_v[::2, ::2],
+        base_v[:K, :N][::-1, ::-1],
+        np.broadcast_to(base_v[0, :N], (K, N)),  # zero K stride
+        np.broadcast_to(base_v[:K, :1], (K, N)),  # zero N stride
+    ]
+    for s in views_s:
+        for v in views_v:
+            check(s, v)
+    s, v = views_s[0], views_v[0]
+    base = randn(rng, (3 * M, 4 * N), F32)
+    out_views = [
+        lambda b: b[::3, ::4],  # strided rows and columns
+        lambda b: b[:N, :M].T,  # column-major: computed as the transposed problem
+        lambda b: b[M - 1 :: -1, ::-2][:, :N],  # negative strides
+        lambda b: b[:M, :N],  # row stride wider than N
+    ]
+    for make_out in out_views:
+        for accumulate in (False, True):
+            for fam in families():
+                big = base.copy()
+                out = make_out(big)
+                assert out.shape == (M, N) and not out.flags.c_contiguous
+                want = reference.matmul(s, v, out=out.copy(), accumulate=accumulate)
+                got = native._matmul_native(s, v, out=out, accumulate=accumulate, kernel=fam)
+                assert got is out
+                assert_same_bits(out, want)
+
+
+def test_out_view_writes_only_its_elements():
+    rng = np.random.default_rng(19)
+    s, v = randn(rng, (40, 13), F16), randn(rng, (40, 35), F16)
+    big = np.full((30, 80), 7.0, dtype=F32)
+    view = big[1::2, 3::2][:13, :35]
+    native.matmul(s, v, out=view)
+    mask = np.zeros(big.shape, bool)
+    mask[1::2, 3::2][:13, :35] = True
+    assert (big[~mask] == 7.0).all()
+    assert_same_bits(view, reference.matmul(s, v))
+
+
+@pytest.mark.parametrize("k_chunk", [1, 7, 128, 256, 1000])
+def test_accumulate_into_existing_psum(k_chunk):
+    rng = np.random.default_rng(k_chunk)
+    s, v = randn(rng, (300, 17), E5M2), randn(rng, (300, 40), BF16)
+    out = randn(rng, (17, 40), F32, 100.0)
+    out[0, 0], out[1, 1], out[2, 2] = -0.0, np.nan, np.inf
+    check(s, v, out=out, accumulate=True, k_chunk=k_chunk)
+    check(s, v, out=out, accumulate=False, k_chunk=k_chunk)
+
+
+def test_threads_give_identical_results():
+    rng = np.random.default_rng(23)
+    s, v = randn(rng, (300, 50), BF16), randn(rng, (300, 300), BF16)
+    one = native._matmul_native(s, v, threads=1)
+    for t in (2, 3, 64):
+        assert_same_bits(native._matmul_native(s, v, threads=t), one)
+    assert_same_bits(one, reference.matmul(s, v))
+
+
+def test_threads_env(monkeypatch):
+    monkeypatch.delenv("TRNSIM_NATIVE", raising=False)
+    s = np.ones((3, 2), F16)
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "0")
+    with pytest.raises(ValueError, match=r"^TRNSIM_NATIVE_THREADS must be a positive int, got '0'$"):
+        native.matmul(s, s)
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "2")
+    assert_same_bits(native.matmul(s, s), reference.matmul(s, s))
+
+
+# --------------------------------------------------------------------------------------------
+# Conversions
+
+
+def _boundary_inputs(t: type) -> np.ndarray:
+    """fp32 values at and around every code of t and every midpoint between neighbours."""
+    n = 256 if np.dtype(t).itemsize == 1 else 65536
+    codes = np.arange(n, dtype=UINT[np.dtype(t).itemsize]).view(t)
+    with np.errstate(invalid="ignore", over="ignore"):
+        w = codes.astype(F32)
+    w = w[np.isfinite(w)]
+    w = np.unique(w)
+    mids = (w[:-1].astype(np.float64) + w[1:].astype(np.float64)) / 2
+    mids = mids[np.abs(mids) < 3.4e38].astype(F32)  # exact: one bit more than t has
+    pts = np.concatenate([w, mids]).view(np.uint32)
+    around = np.concatenate([pts, pts + 1, pts - 1]).view(F32)
+    return around[~np.isnan(around)]
+
+
+def _sweep_inputs() -> np.ndarray:
+    rng = np.random.default_rng(29)
+    randoms = rng.integers(0, 2**32, size=2**20, dtype=np.uint32)
+    nans = np.array(
+        [0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7FA00000, 0x7F802000, 0x7F801FFF, 0x7FC12345],
+        dtype=np.uint32,
+    )
+    edges = np.array([0, 1, 0x7FFFFF, 0x800000, 0x7F7FFFFF, 0x7F800000], dtype=np.uint32)
+    extra = np.concatenate([nans, edges])
+    return np.concatenate([randoms, extra, extra | 0x80000000]).view(F32)
+
+
+@pytest.mark.parametrize("t", FLOATS, ids=name)
+def test_convert_fp32_to_format(t):
+    x = np.concatenate([_sweep_inputs(), *[_boundary_inputs(u) for u in NARROW]])
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = x.astype(t)  # ml_dtypes (numpy for float16): the definition
+    assert_same_bits(reference.convert(x, t), want)
+    assert_same_bits(native.convert(x, t), want)
+    assert_same_bits(native.convert(x, name(t)), want)
+
+
+@pytest.mark.parametrize("t", NARROW, ids=name)
+def test_widen_every_code(t):
+    n = 256 if np.dtype(t).itemsize == 1 else 65536
+    codes = np.arange(n, dtype=UINT[np.dtype(t).itemsize]).view(t)
+    want = codes.astype(F32)
+    assert_same_bits(reference.convert(codes, F32), want)
+    assert_same_bits(native.convert(codes, "float32"), want)
+
+
+@pytest.mark.parametrize("src", NARROW, ids=name)
+@pytest.mark.parametrize("dst", NARROW, ids=name)
+def test_narrow_to_narrow_goes_through_fp32(src, dst):
+    n = 256 if np.dtype(src).itemsize == 1 else 65536
+    codes = np.arange(n, dtype=UINT[np.dtype(src).itemsize]).view(src)
+    want = reference.convert(codes, dst)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert_same_bits(want, codes.astype(F32).astype(dst))
+    assert_same_bits(native.convert(codes, dst), want)
+
+
+@pytest.mark.parametrize("t", [E4M3, E4M3FN, E5M2], ids=name)
+def test_fp8_round_trip_all_codes(t):
+    codes = np.arange(256, dtype=np.uint8).view(t)
+    wide = native.convert(codes, F32)
+    back = native.convert(wide, t)
+    with np.errstate(invalid="ignore"):
+        assert_same_bits(back, codes.astype(F32).astype(t))
+    finite = ~np.isnan(wide)
+    assert_same_bits(back[finite], codes[finite])  # every non-NaN code survives
+
+
+def test_convert_keeps_shape_and_accepts_views():
+    x = np.arange(24, dtype=F32).reshape(2, 3, 4)[:, ::-1, ::2] * 1.37
+    for t in NARROW:
+        got = native.convert(x, t)
+        assert got.shape == (2, 3, 2)
+        assert_same_bits(got, reference.convert(x, t))
+    assert native.convert(np.float32(3.0), "bf16").shape == ()
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch, build errors, argument errors
+
+
+def test_backend_switch(monkeypatch):
+    monkeypatch.delenv("TRNSIM_NATIVE", raising=False)
+    assert native.backend() == "native"
+    monkeypatch.setenv("TRNSIM_NATIVE", "0")
+    assert native.backend() == "reference"
+    calls = []
+    monkeypatch.setattr(reference, "matmul", lambda *a, **k: calls.append("matmul") or "ref")
+    monkeypatch.setattr(reference, "convert", lambda *a, **k: calls.append("convert") or "ref")
+    s = np.ones((2, 2), F32)
+    assert native.matmul(s, s) == "ref" and native.convert(s, "bf16") == "ref"
+    assert calls == ["matmul", "convert"]
+    monkeypatch.setenv("TRNSIM_NATIVE", "1")
+    assert native.backend() == "native"
+
+
+def test_backend_switch_in_a_fresh_process():
+    code = (
+        "import numpy as np, trnsim.native as n; "
+        "s = np.ones((2, 2), np.float32); "
+        "print(n.backend(), n.matmul(s, s)[0, 0])"
+    )
+    for value, want in (("0", "reference 2.0"), ("1", "native 2.0")):
+        env = dict(os.environ, TRNSIM_NATIVE=value)
+        out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want
+
+
+NOT_BUILT = (
+    "trnsim.native._datapath (the C matmul datapath) is not built: run `pip install -e .` "
+    "(needs gcc and cffi), or set TRNSIM_NATIVE=0 to use the numpy reference"
+)
+
+
+def test_missing_extension_fails_on_call_not_import():
+    # A fresh interpreter in which the compiled module cannot be found.
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'trnsim.native._datapath':\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import numpy as np, os, trnsim.native as n\n"
+        "s = np.ones((2, 2), np.float32)\n"
+        "try:\n"
+        "    n.matmul(s, s)\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "os.environ['TRNSIM_NATIVE'] = '0'\n"
+        "print(n.matmul(s, s)[0, 0])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRNSIM_NATIVE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [NOT_BUILT, "2.0"]
+
+
+@pytest.mark.parametrize("mm", [reference.matmul, native.matmul], ids=["reference", "native"])
+def test_argument_errors(mm):
+    s = np.ones((4, 3), F16)
+    v = np.ones((4, 5), BF16)
+    cases = [
+        (dict(stationary=np.ones(4, F16)), r"^stationary must be 2-D \[K, M\], got shape \(4,\)$"),
+        (dict(moving=np.ones((4, 5, 1), F16)), r"^moving must be 2-D \[K, N\], got shape \(4, 5, 1\)$"),
+        (
+            dict(moving=np.ones((3, 5), F16)),
+            r"^stationary and moving must have the same K \(partition\) extent, got 4 and 3$",
+        ),
+        (
+            dict(stationary=np.ones((4, 3))),
+            r"^stationary dtype float64 is not a float format: expected one of "
+            r"bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn, fp8_e5m2$",
+        ),
+        (dict(moving=np.ones((4, 5), np.int8)), r"^moving dtype int8 is not a float format: "),
+        (dict(k_chunk=0), r"^k_chunk must be a positive int, got 0$"),
+        (dict(k_chunk=1.5), r"^k_chunk must be a positive int, got 1\.5$"),
+        (dict(accumulate=True), r"^accumulate=True needs out \(the PSUM tile to add to\)$"),
+        (
+            dict(out=np.zeros((3, 4), F32)),
+            r"^out must be a float32 array of shape \(3, 5\), got float32 \(3, 4\)$",
+        ),
+        (
+            dict(out=np.zeros((3, 5))),
+            r"^out must be a float32 array of shape \(3, 5\), got float64 \(3, 5\)$",
+        ),
+        (dict(out=np.broadcast_to(np.zeros(5, F32), (3, 5))), r"^out must be writeable$"),
+    ]
+    for overrides, message in cases:
+        kw = dict(stationary=s, moving=v)
+        kw.update(overrides)
+        args = (kw.pop("stationary"), kw.pop("moving"))
+        with pytest.raises(ValueError, match=message):
+            mm(*args, **kw)
+    a = np.zeros((4, 4), F32)
+    with pytest.raises(ValueError, match=r"^out must not share memory with stationary or moving$"):
+        mm(a, a, out=a)
+
+
+@pytest.mark.parametrize("conv", [reference.convert, native.convert], ids=["reference", "native"])
+def test_convert_errors(conv):
+    with pytest.raises(ValueError, match=r"^unknown dtype 'fp64': expected one of bf16, fp16, "):
+        conv(np.ones(3, F32), "fp64")
+    with pytest.raises(ValueError, match=r"^target dtype int8 is not a float format: "):
+        conv(np.ones(3, F32), "int8")
+    with pytest.raises(ValueError, match=r"^source dtype float64 is not a float format: "):
+        conv(np.ones(3), "bf16")
+
+
+def test_private_kernel_errors():
+    s = np.ones((2, 2), F32)
+    with pytest.raises(ValueError, match=r"^unknown kernel family 'sse9': expected one of generic, avx2, avx512$"):
+        native._matmul_native(s, s, kernel="sse9")
+    with pytest.raises(ValueError, match=r"^unknown fma policy 'maybe': expected one of never, auto, force$"):
+        native._matmul_native(s, s, fma="maybe")
+    if "avx512" not in families():
+        with pytest.raises(ValueError, match=r"^this CPU cannot run the requested kernel family$"):
+            native._matmul_native(s, s, kernel="avx512")
+
+
+# --------------------------------------------------------------------------------------------
+# Dtype registry
+
+
+def test_dtype_registry():
+    assert dtypes.get_dtype("bf16") is dtypes.bfloat16
+    assert dtypes.get_dtype("BFloat16") is dtypes.bfloat16
+    assert dtypes.get_dtype(BF16) is dtypes.bfloat16
+    assert dtypes.get_dtype(np.dtype(E4M3FN)) is dtypes.float8_e4m3fn
+    assert dtypes.get_dtype(np.float32) is dtypes.float32
+    assert dtypes.get_dtype(dtypes.int32) is dtypes.int32
+    for alias, canonical in [
+        ("fp32", "float32"),
+        ("f32", "float32"),
+        ("fp16", "float16"),
+        ("fp8_e4m3", "float8_e4m3"),
+        ("e4m3", "float8_e4m3"),
+        ("e4m3fn", "float8_e4m3fn"),
+        ("fp8_e5m2", "float8_e5m2"),
+        ("int32", "int32"),
+        ("u8", "uint8"),
+    ]:
+        assert dtypes.get_dtype(alias).name == canonical
+    d = dtypes.bfloat16
+    assert (d.name, d.np_dtype, d.itemsize, d.is_float, d.short) == (
+        "bfloat16",
+        np.dtype(BF16),
+        2,
+        True,
+        "bf16",
+    )
+    assert not dtypes.int8.is_float and dtypes.float8_e5m2.itemsize == 1
+    assert [x.short for x in dtypes.FLOAT_DTYPES] == [
+        "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2"
+    ]
+    with pytest.raises(AttributeError):
+        d.name = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bad,shown", [("xyz", "'xyz'"), (np.float64, "'float64'"), (None, "None")])
+def test_dtype_registry_errors(bad, shown):
+    message = (
+        f"unknown dtype {shown}: expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn, "
+        "fp8_e5m2, int8, uint8, int16, int32, uint32"
+    )
+    with pytest.raises(ValueError) as info:
+        dtypes.get_dtype(bad)
+    assert str(info.value) == message

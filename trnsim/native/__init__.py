@@ -1,0 +1,215 @@
+"""The TensorE matmul datapath: a C core, with the numpy definition beside it.
+
+:mod:`trnsim.native.reference` defines the numbers (read its docstring for the rules); the C core
+(``trnsim.native._datapath``, built by ``pip install -e .`` through cffi) computes the same bits
+faster. The functions here dispatch to the C core unless the environment variable
+``TRNSIM_NATIVE=0`` is set, in which case they call the reference. The variable is read at each
+call. ``TRNSIM_NATIVE_THREADS=n`` lets the C core split one matmul's output columns over n
+threads (default 1; the result is identical for every n).
+
+If the C core was not built, importing this package still works; calling into it raises an
+ImportError that says how to build it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from trnsim.native import dtypes, reference
+from trnsim.native.dtypes import Dtype, get_dtype
+from trnsim.native.reference import check_operands
+
+__all__ = ["matmul", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype"]
+
+try:
+    from trnsim.native import _datapath  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:  # not built: fine until someone calls into it
+    _datapath = None
+    _IMPORT_ERROR = exc
+
+_NOT_BUILT = (
+    "trnsim.native._datapath (the C matmul datapath) is not built: run `pip install -e .` "
+    "(needs gcc and cffi), or set TRNSIM_NATIVE=0 to use the numpy reference"
+)
+
+# Element-format codes of datapath.h.
+_CODES = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "float8_e4m3": 3,
+    "float8_e4m3fn": 4,
+    "float8_e5m2": 5,
+}
+_ISAS = {"generic": 0, "avx2": 1, "avx512": 2}
+_FMA_POLICIES = {"never": 0, "auto": 1, "force": 2}
+_C_ERRORS = {
+    1: "unsupported dtype code",
+    2: "out of memory",
+    4: "could not start a thread",
+    5: "invalid argument",
+}
+
+
+def backend() -> str:
+    """``"reference"`` if ``TRNSIM_NATIVE=0`` is set, else ``"native"``."""
+    return "reference" if os.environ.get("TRNSIM_NATIVE", "").strip() == "0" else "native"
+
+
+def _lib() -> Any:
+    if _datapath is None:
+        raise ImportError(_NOT_BUILT) from _IMPORT_ERROR
+    return _datapath.lib
+
+
+def _threads() -> int:
+    raw = os.environ.get("TRNSIM_NATIVE_THREADS", "1").strip() or "1"
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"TRNSIM_NATIVE_THREADS must be a positive int, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"TRNSIM_NATIVE_THREADS must be a positive int, got {raw!r}")
+    return n
+
+
+def kernel_families() -> list[str]:
+    """The C kernel families this CPU can run, best last (``["generic", "avx2", "avx512"]``)."""
+    best = _lib().trn_best_isa()
+    return [name for name, code in _ISAS.items() if code <= best]
+
+
+def _operand(a: np.ndarray) -> tuple[np.ndarray, int, int, int]:
+    """(array kept alive, its address, element stride of axis 0, element stride of axis 1)."""
+    item = a.itemsize
+    if any(st % item for st in a.strides):
+        a = np.ascontiguousarray(a)
+    return a, a.ctypes.data, a.strides[0] // item, a.strides[1] // item
+
+
+def _raise_c_error(rc: int) -> None:
+    if rc == 3:
+        raise ValueError("this CPU cannot run the requested kernel family")
+    if rc == 2:
+        raise MemoryError("trnsim.native: out of memory packing matmul operands")
+    raise RuntimeError(f"trnsim.native: C datapath failed: {_C_ERRORS.get(rc, rc)}")
+
+
+def _matmul_native(
+    stationary: np.ndarray,
+    moving: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    accumulate: bool = False,
+    k_chunk: int = 128,
+    kernel: str | None = None,
+    fma: str = "auto",
+    threads: int | None = None,
+) -> np.ndarray:
+    """The C core; ``kernel``/``fma``/``threads`` exist for tests and benchmarks.
+
+    ``kernel``: ``"generic"``, ``"avx2"`` or ``"avx512"`` (default: the best this CPU runs).
+    ``fma``: ``"auto"`` (fused kernel only where proven bit-identical), ``"never"``, or
+    ``"force"`` (deliberately wrong; for showing that tests would catch a fused kernel).
+    """
+    lib = _lib()
+    s, v, K, M, N = check_operands(stationary, moving, out, accumulate, k_chunk)
+    if kernel is not None and kernel not in _ISAS:
+        raise ValueError(f"unknown kernel family {kernel!r}: expected one of {', '.join(_ISAS)}")
+    if fma not in _FMA_POLICIES:
+        raise ValueError(f"unknown fma policy {fma!r}: expected one of {', '.join(_FMA_POLICIES)}")
+    if out is None:
+        out = np.empty((M, N), dtype=np.float32)
+    s, s_ptr, s_sk, s_sm = _operand(s)
+    v, v_ptr, v_sk, v_sn = _operand(v)
+    o_item = out.itemsize
+    if any(st % o_item for st in out.strides):  # pragma: no cover - float32 views are aligned
+        raise ValueError("out must have strides that are whole float32 elements")
+    ffi = _datapath.ffi
+    rc = lib.trn_matmul(
+        ffi.cast("void *", s_ptr),
+        _CODES[s.dtype.name],
+        s_sk,
+        s_sm,
+        ffi.cast("void *", v_ptr),
+        _CODES[v.dtype.name],
+        v_sk,
+        v_sn,
+        ffi.cast("float *", out.ctypes.data),
+        out.strides[0] // o_item,
+        out.strides[1] // o_item,
+        K,
+        M,
+        N,
+        int(k_chunk),
+        int(bool(accumulate)),
+        -1 if kernel is None else _ISAS[kernel],
+        _FMA_POLICIES[fma],
+        _threads() if threads is None else int(threads),
+    )
+    if rc != 0:
+        _raise_c_error(rc)
+    return out
+
+
+def _convert_native(x: Any, dtype: Any) -> np.ndarray:
+    lib = _lib()
+    target = reference._float_dtype(dtype, "target")
+    a = np.asarray(x)
+    source = reference._float_dtype(a.dtype, "source")
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")
+    result = np.empty(a.shape, dtype=target.np_dtype)
+    ffi = _datapath.ffi
+    rc = lib.trn_convert(
+        ffi.cast("void *", a.ctypes.data),
+        _CODES[source.name],
+        ffi.cast("void *", result.ctypes.data),
+        _CODES[target.name],
+        a.size,
+    )
+    if rc != 0:
+        _raise_c_error(rc)
+    return result
+
+
+def matmul(
+    stationary: np.ndarray,
+    moving: np.ndarray,
+    *,
+    out: np.ndarray | None = None,
+    accumulate: bool = False,
+    k_chunk: int = 128,
+) -> np.ndarray:
+    """``stationary[K, M]ᵀ @ moving[K, N]`` as TensorE computes it: float32 [M, N].
+
+    Args:
+        stationary: [K, M] array (float32, float16, bfloat16 or an fp8 format); any strides.
+        moving: [K, N] array in any of those formats; any strides.
+        out: optional float32 [M, N] array (the PSUM tile; any strides); written and returned.
+        accumulate: add the first chunk's result to ``out`` instead of overwriting it.
+        k_chunk: rows of K per matmul instruction (partitions; 128, or 256 for fp8 double-row).
+
+    Rules: :mod:`trnsim.native.reference`. Dispatches on :func:`backend`.
+    """
+    if backend() == "reference":
+        return reference.matmul(
+            stationary, moving, out=out, accumulate=accumulate, k_chunk=k_chunk
+        )
+    return _matmul_native(stationary, moving, out=out, accumulate=accumulate, k_chunk=k_chunk)
+
+
+def convert(x: Any, dtype: Any) -> np.ndarray:
+    """Round ``x`` (any supported float format) to ``dtype``; returns a new array.
+
+    Round-to-nearest-even with ml_dtypes' overflow/NaN/subnormal behaviour (numpy's for
+    float16); ``dtype="float32"`` widens exactly. Dispatches on :func:`backend`.
+    """
+    if backend() == "reference":
+        return reference.convert(x, dtype)
+    return _convert_native(x, dtype)

@@ -1,0 +1,62 @@
+"""cffi (out-of-line, API mode) builder for ``trnsim.native._datapath``.
+
+``pip install -e .`` runs it through setup.py's ``cffi_modules`` and leaves
+``trnsim/native/_datapath.abi3.so`` in place; after editing datapath.c, run it again (or
+``python setup.py build_ext --inplace``, which builds the same file).
+
+Flags: ``-O3`` for speed, ``-ffp-contract=off`` so the compiler never fuses a multiply and an
+add the definition rounds separately (the only fused multiply-adds are the explicit intrinsics
+datapath.c proves exact), and no ``-ffast-math``/``-march=native``: the module must give the
+same bits on every x86-64 (it picks AVX-512 / AVX2 kernels at run time) and on other CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cffi import FFI
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+
+
+def _rel(path: str) -> str:
+    # Paths relative to the project root: setuptools runs the build from there and wants
+    # relative source paths.
+    return os.path.relpath(path, _ROOT)
+
+
+CDEF = """
+int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
+               const void *v, int v_dt, int64_t v_sk, int64_t v_sn,
+               float *out, int64_t o_sm, int64_t o_sn,
+               int64_t K, int64_t M, int64_t N, int64_t k_chunk,
+               int accumulate, int isa, int fma_policy, int nthreads);
+int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n);
+int trn_best_isa(void);
+int trn_tile_m(int isa);
+int trn_tile_n(int isa);
+"""
+
+# gcc or clang (datapath.c uses their builtins and target attributes).
+_COMPILE_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-pthread"]
+
+
+def make_ffibuilder(relative_paths: bool = True) -> FFI:
+    """The builder; relative paths for setuptools, absolute ones for ``FFI.compile(tmpdir=...)``."""
+    path = _rel if relative_paths else os.path.abspath
+    builder = FFI()
+    builder.cdef(CDEF)
+    builder.set_source(
+        "trnsim.native._datapath",
+        '#include "datapath.h"',
+        sources=[path(os.path.join(_HERE, "datapath.c"))],
+        include_dirs=[path(_HERE)],
+        depends=[path(os.path.join(_HERE, "datapath.h"))],
+        extra_compile_args=_COMPILE_ARGS,
+        extra_link_args=["-pthread"],
+    )
+    return builder
+
+
+ffibuilder = make_ffibuilder()

@@ -1,0 +1,676 @@
+/* The TensorE matmul datapath: a fast implementation of the definition in reference.py.
+ *
+ * Bit-exactness comes from three things.
+ *
+ * 1. Operands are packed into fp32 panels (widening every format is exact), then a
+ *    register-blocked micro-kernel computes an MR x NR tile of one chunk. Each output element
+ *    lives in one register lane and sees its products in k order 0..kc-1, starting from +0.0,
+ *    exactly as the definition's loop. Blocking over M and N changes nothing per element; K is
+ *    only split at chunk boundaries, where the definition itself adds chunk results to out.
+ *
+ * 2. The build uses -O3 -ffp-contract=off and never -ffast-math, so the "exact" kernels round
+ *    the multiply and the add separately, and nothing flushes subnormals. The x86 entry point
+ *    also clears FTZ/DAZ and selects round-to-nearest in MXCSR for the duration of the call, in
+ *    case something else in the process changed them.
+ *
+ * 3. A fused multiply-add kernel runs only for chunks where it is provably identical to
+ *    mul+add. fma(s, v, acc) = fl(s*v + acc), and mul+add = fl(fl(s*v) + acc); they agree when
+ *    fl(s*v) = s*v, i.e. when the exact product is representable in fp32. For one chunk we know
+ *    every operand's precision p (significand bits of its source format: fp32 24, fp16 11,
+ *    bf16 8, e4m3/e4m3fn 4, e5m2 3) and, from the packed fp32 bits, the largest and smallest
+ *    biased exponent emax/emin over its nonzero values. The product of a p-bit and a q-bit
+ *    significand has at most p+q bits, so s*v is exact if
+ *      - p_s + p_v <= 24                      (fits the fp32 significand),
+ *      - no input is Inf/NaN (emax < 255) or an fp32 subnormal (emin >= 1),
+ *      - emax_s + emax_v <= 380               (|s||v| < 2^(emax_s-126) 2^(emax_v-126) <= 2^128:
+ *                                              no overflow),
+ *      - emin_s + emin_v >= 128               (|s||v| >= 2^(emin_s-127) 2^(emin_v-127) >= 2^-126:
+ *                                              the product is a normal number),
+ *    zeros being exact products anyway. fp16 and all fp8 formats, alone or mixed, always pass;
+ *    bf16 passes when, e.g., every nonzero |x| lies in [2^-62, 2^62]. The sign of an exact zero
+ *    sum is the same for both forms (IEEE 754 6.3 treats the exact product of an fma like an
+ *    addend). Chunks that fail the test use the mul+add kernel.
+ *
+ * NaN results are written as the default quiet NaN 0x7FC00000 (see reference.py): payload
+ * propagation is the one place fused and unfused hardware legitimately differ.
+ */
+#include "datapath.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TRN_X86 1
+#else
+#define TRN_X86 0
+#endif
+
+#ifdef __FAST_MATH__
+#error "datapath.c must not be compiled with -ffast-math: the datapath is IEEE fp32"
+#endif
+
+#define CANON_NAN_BITS 0x7FC00000u
+
+typedef union {
+    float f;
+    uint32_t u;
+} f32bits;
+
+static inline float bits_f32(uint32_t u) {
+    f32bits b;
+    b.u = u;
+    return b.f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    f32bits b;
+    b.f = f;
+    return b.u;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Widening to fp32 (exact).                                                                 */
+
+/* numpy's float16 -> float32 (npy_halfbits_to_floatbits): NaN payloads kept, sNaN not quieted. */
+static inline uint32_t f16_to_f32_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7fffu;
+    uint32_t r;
+    if (em >= 0x7c00u) {
+        r = 0x7f800000u | ((em & 0x3ffu) << 13);
+    } else if (em >= 0x0400u) {
+        r = (em << 13) + 0x38000000u;
+    } else {
+        /* zero or subnormal: em * 2^-24, exact in fp32 */
+        r = f32_bits((float)em * 0x1p-24f);
+    }
+    return sign | r;
+}
+
+static inline uint32_t bf16_to_f32_bits(uint16_t h) { return (uint32_t)h << 16; }
+
+/* fp8 -> fp32 tables, filled once. ml_dtypes widens every NaN code to sign | 0x7FC00000. */
+static uint32_t tab_e4m3[256], tab_e4m3fn[256], tab_e5m2[256];
+static pthread_once_t tab_once = PTHREAD_ONCE_INIT;
+
+static uint32_t fp8_decode(unsigned code, int mbits, int bias, unsigned inf_code, unsigned nan_min) {
+    uint32_t sign = (uint32_t)(code & 0x80u) << 24;
+    unsigned a = code & 0x7fu;
+    if (a >= nan_min) return sign | CANON_NAN_BITS;
+    if (inf_code && a == inf_code) return sign | 0x7f800000u;
+    unsigned e = a >> mbits, m = a & ((1u << mbits) - 1u);
+    if (e == 0) return sign | f32_bits((float)m * ldexpf(1.0f, 1 - bias - mbits));
+    return sign | ((uint32_t)(e - bias + 127) << 23) | ((uint32_t)m << (23 - mbits));
+}
+
+static void fill_tables(void) {
+    for (unsigned c = 0; c < 256; c++) {
+        tab_e4m3[c] = fp8_decode(c, 3, 7, 0x78, 0x79);    /* 0x78 Inf, 0x79..0x7f NaN */
+        tab_e4m3fn[c] = fp8_decode(c, 3, 7, 0, 0x7f);     /* no Inf, 0x7f NaN */
+        tab_e5m2[c] = fp8_decode(c, 2, 15, 0x7c, 0x7d);   /* 0x7c Inf, 0x7d..0x7f NaN */
+    }
+}
+
+static const uint32_t *fp8_table(int dt) {
+    pthread_once(&tab_once, fill_tables);
+    switch (dt) {
+    case TRN_E4M3: return tab_e4m3;
+    case TRN_E4M3FN: return tab_e4m3fn;
+    case TRN_E5M2: return tab_e5m2;
+    default: return NULL;
+    }
+}
+
+static int dtype_ok(int dt) { return dt >= TRN_F32 && dt <= TRN_E5M2; }
+
+/* Significand bits (with the implicit one) of each format. */
+static int precision_bits(int dt) {
+    switch (dt) {
+    case TRN_F32: return 24;
+    case TRN_F16: return 11;
+    case TRN_BF16: return 8;
+    case TRN_E4M3:
+    case TRN_E4M3FN: return 4;
+    default: return 3; /* TRN_E5M2 */
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Narrowing from fp32 (round to nearest even, ml_dtypes / numpy semantics).                 */
+
+/* One routine for every target: mb mantissa bits, bias, width in bits, largest finite code
+ * (without sign), the code overflow rounds to (Inf, or NaN for e4m3fn; always maxc + 1), the
+ * code Inf maps to, the code NaN maps to (ml_dtypes: sign | quiet NaN), and numpy's float16
+ * NaN rule (keep the top payload bits, never produce Inf). */
+static inline uint32_t narrow_bits(uint32_t x, const int mb, const int bias, const int width,
+                                   const uint32_t maxc, const uint32_t ovf, const uint32_t infc,
+                                   const uint32_t qnan, const int f16_nan) {
+    uint32_t sign = (x >> 31) << (width - 1);
+    uint32_t a = x & 0x7fffffffu;
+    uint32_t code;
+    if (a > 0x7f800000u) {
+        if (f16_nan) {
+            uint32_t m = (a & 0x7fffffu) >> 13;
+            code = 0x7c00u | (m ? m : 1u);
+        } else {
+            code = qnan;
+        }
+    } else if (a == 0x7f800000u) {
+        code = infc;
+    } else if (a >= ((uint32_t)(128 - bias) << 23)) {
+        /* a normal number of the target format (or an overflow) */
+        const int sh = 23 - mb;
+        uint32_t r = a + ((1u << (sh - 1)) - 1u) + ((a >> sh) & 1u);
+        code = (r >> sh) - ((uint32_t)(127 - bias) << mb);
+        if (code > maxc) code = ovf;
+    } else {
+        /* below the target's smallest normal: round |x| / 2^(1-bias-mb) to an integer */
+        uint32_t e = a >> 23;
+        uint32_t m = (a & 0x7fffffu) | (e ? 0x800000u : 0u);
+        if (!e) e = 1;
+        int s = 151 - bias - mb - (int)e; /* >= 24 - mb >= 1 */
+        if (s > 25) {
+            code = 0; /* m < 2^24: less than half the smallest subnormal */
+        } else {
+            code = (m + (1u << (s - 1)) - 1u + ((m >> s) & 1u)) >> s;
+        }
+    }
+    return sign | code;
+}
+
+static inline uint16_t f32_to_bf16(uint32_t x) {
+    return (uint16_t)narrow_bits(x, 7, 127, 16, 0x7f7fu, 0x7f80u, 0x7f80u, 0x7fc0u, 0);
+}
+static inline uint16_t f32_to_f16(uint32_t x) {
+    return (uint16_t)narrow_bits(x, 10, 15, 16, 0x7bffu, 0x7c00u, 0x7c00u, 0, 1);
+}
+static inline uint8_t f32_to_e4m3(uint32_t x) {
+    return (uint8_t)narrow_bits(x, 3, 7, 8, 0x77u, 0x78u, 0x78u, 0x7cu, 0);
+}
+static inline uint8_t f32_to_e4m3fn(uint32_t x) {
+    return (uint8_t)narrow_bits(x, 3, 7, 8, 0x7eu, 0x7fu, 0x7fu, 0x7fu, 0);
+}
+static inline uint8_t f32_to_e5m2(uint32_t x) {
+    return (uint8_t)narrow_bits(x, 2, 15, 8, 0x7bu, 0x7cu, 0x7cu, 0x7eu, 0);
+}
+
+/* src[0..n) in src_dt -> fp32 bits */
+static void widen_block(const void *src, int dt, int64_t n, uint32_t *dst) {
+    switch (dt) {
+    case TRN_F32: memcpy(dst, src, (size_t)n * 4); break;
+    case TRN_F16: {
+        const uint16_t *p = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32_bits(p[i]);
+        break;
+    }
+    case TRN_BF16: {
+        const uint16_t *p = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32_bits(p[i]);
+        break;
+    }
+    default: {
+        const uint8_t *p = (const uint8_t *)src;
+        const uint32_t *t = fp8_table(dt);
+        for (int64_t i = 0; i < n; i++) dst[i] = t[p[i]];
+        break;
+    }
+    }
+}
+
+static void narrow_block(const uint32_t *src, int dt, int64_t n, void *dst) {
+    switch (dt) {
+    case TRN_F32: memcpy(dst, src, (size_t)n * 4); break;
+    case TRN_F16: {
+        uint16_t *p = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_f16(src[i]);
+        break;
+    }
+    case TRN_BF16: {
+        uint16_t *p = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_bf16(src[i]);
+        break;
+    }
+    case TRN_E4M3: {
+        uint8_t *p = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_e4m3(src[i]);
+        break;
+    }
+    case TRN_E4M3FN: {
+        uint8_t *p = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_e4m3fn(src[i]);
+        break;
+    }
+    default: {
+        uint8_t *p = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_e5m2(src[i]);
+        break;
+    }
+    }
+}
+
+static int64_t dt_size(int dt) {
+    switch (dt) {
+    case TRN_F32: return 4;
+    case TRN_F16:
+    case TRN_BF16: return 2;
+    default: return 1;
+    }
+}
+
+int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
+    if (!dtype_ok(src_dt) || !dtype_ok(dst_dt)) return TRN_EDTYPE;
+    if (n < 0) return TRN_EARG;
+    enum { BLK = 1024 };
+    uint32_t buf[BLK];
+    const char *s = (const char *)src;
+    char *d = (char *)dst;
+    const int64_t ss = dt_size(src_dt), ds = dt_size(dst_dt);
+    for (int64_t i = 0; i < n; i += BLK) {
+        int64_t b = n - i < BLK ? n - i : BLK;
+        widen_block(s + i * ss, src_dt, b, buf);
+        narrow_block(buf, dst_dt, b, d + i * ds);
+    }
+    return TRN_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Packing: one chunk of an operand [K, X] -> panels of R columns, each kc x R fp32, k-major,
+ * zero-padded past the last column. Also reports the biased-exponent range of the values.   */
+
+typedef struct {
+    int emax; /* largest biased exponent (255: Inf/NaN present) */
+    int emin; /* smallest biased exponent of a nonzero value (255 if none) */
+} exp_range;
+
+#define PACK_ROWS(T, CONV)                                                                     \
+    do {                                                                                       \
+        const T *base = (const T *)src;                                                        \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            const T *row = base + (k0 + k) * sk + x0 * sx;                                     \
+            uint32_t *d = dst + k * R;                                                         \
+            if (sx == 1) {                                                                     \
+                for (int64_t r = 0; r < xn; r++) d[r] = CONV(row[r]);                          \
+            } else {                                                                           \
+                for (int64_t r = 0; r < xn; r++) d[r] = CONV(row[r * sx]);                     \
+            }                                                                                  \
+            for (int64_t r = xn; r < R; r++) d[r] = 0;                                         \
+        }                                                                                      \
+    } while (0)
+
+#define CONV_F32(x) (x)
+#define CONV_F16(x) f16_to_f32_bits(x)
+#define CONV_BF16(x) bf16_to_f32_bits(x)
+#define CONV_TAB(x) tab[x]
+
+/* Pack columns [x0, x0+xn) of rows [k0, k0+kc) into dst (kc x R). */
+static void pack_panel(const void *src, int dt, int64_t sk, int64_t sx, int64_t k0, int64_t kc,
+                       int64_t x0, int64_t xn, int64_t R, uint32_t *dst) {
+    switch (dt) {
+    case TRN_F32: PACK_ROWS(uint32_t, CONV_F32); break;
+    case TRN_F16: PACK_ROWS(uint16_t, CONV_F16); break;
+    case TRN_BF16: PACK_ROWS(uint16_t, CONV_BF16); break;
+    default: {
+        const uint32_t *tab = fp8_table(dt);
+        PACK_ROWS(uint8_t, CONV_TAB);
+        break;
+    }
+    }
+}
+
+static exp_range scan_exponents(const uint32_t *p, int64_t n) {
+    uint32_t emax = 0, emin = 255;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = p[i] & 0x7fffffffu;
+        uint32_t e = a >> 23;
+        uint32_t en = a ? e : 255u;
+        emax = e > emax ? e : emax;
+        emin = en < emin ? en : emin;
+    }
+    exp_range r = {(int)emax, (int)emin};
+    return r;
+}
+
+/* The proof in the file comment, as code. */
+static int fma_is_exact(int s_dt, exp_range s, int v_dt, exp_range v) {
+    if (precision_bits(s_dt) + precision_bits(v_dt) > 24) return 0;
+    if (s.emax >= 255 || v.emax >= 255) return 0;
+    if (s.emin < 1 || v.emin < 1) return 0;
+    if (s.emax + v.emax > 380) return 0;
+    if (s.emin + v.emin < 128) return 0;
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Micro-kernels. kern(kc, a, b, dst, ldd, add):
+ *   a: kc x MR packed stationary panel, b: kc x NR packed moving panel;
+ *   acc[i][j] = +0.0, then for k in order acc = acc + a[k][i] * b[k][j];
+ *   dst[i*ldd + j] = canon(add ? dst[i*ldd + j] + acc : acc) for the full MR x NR tile.
+ * The _exact variants round the multiply and the add separately; the _fma variants fuse them
+ * and are only called where fma_is_exact() holds.                                          */
+
+typedef void (*kern_fn)(int64_t kc, const float *a, const float *b, float *dst, int64_t ldd,
+                        int add);
+
+static inline float canon_f32(float x) { return x != x ? bits_f32(CANON_NAN_BITS) : x; }
+
+/* Portable kernel: plain C the compiler vectorises for the baseline ISA. */
+#define G_MR 4
+#define G_NR 8
+
+static void kern_generic_exact(int64_t kc, const float *a, const float *b, float *dst,
+                               int64_t ldd, int add) {
+    float acc[G_MR][G_NR];
+    for (int i = 0; i < G_MR; i++)
+        for (int j = 0; j < G_NR; j++) acc[i][j] = 0.0f;
+    for (int64_t k = 0; k < kc; k++) {
+        const float *ak = a + k * G_MR, *bk = b + k * G_NR;
+        for (int i = 0; i < G_MR; i++) {
+            for (int j = 0; j < G_NR; j++) {
+                float p = ak[i] * bk[j];
+                acc[i][j] = acc[i][j] + p;
+            }
+        }
+    }
+    for (int i = 0; i < G_MR; i++) {
+        float *d = dst + i * ldd;
+        for (int j = 0; j < G_NR; j++) d[j] = canon_f32(add ? d[j] + acc[i][j] : acc[i][j]);
+    }
+}
+
+#if TRN_X86
+
+/* AVX2: 6 x 16 tile, 12 ymm accumulators. */
+#define A2_MR 6
+#define A2_NR 16
+
+#define DEFINE_AVX2_KERNEL(NAME, MADD)                                                         \
+    __attribute__((target("avx2,fma"))) static void NAME(int64_t kc, const float *a,          \
+                                                         const float *b, float *dst,          \
+                                                         int64_t ldd, int add) {              \
+        __m256 c[A2_MR][2];                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                             \
+            c[i][0] = _mm256_setzero_ps();                                                     \
+            c[i][1] = _mm256_setzero_ps();                                                     \
+        }                                                                                      \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            const __m256 b0 = _mm256_load_ps(b + k * A2_NR);                                   \
+            const __m256 b1 = _mm256_load_ps(b + k * A2_NR + 8);                               \
+            _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                         \
+                const __m256 ai = _mm256_broadcast_ss(a + k * A2_MR + i);                      \
+                c[i][0] = MADD(ai, b0, c[i][0]);                                               \
+                c[i][1] = MADD(ai, b1, c[i][1]);                                               \
+            }                                                                                  \
+        }                                                                                      \
+        const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_BITS));     \
+        _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                             \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                              \
+                float *d = dst + i * ldd + 8 * h;                                              \
+                __m256 r = c[i][h];                                                            \
+                if (add) r = _mm256_add_ps(_mm256_loadu_ps(d), r);                             \
+                r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));             \
+                _mm256_storeu_ps(d, r);                                                        \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#define MADD256_EXACT(x, y, acc) _mm256_add_ps((acc), _mm256_mul_ps((x), (y)))
+#define MADD256_FMA(x, y, acc) _mm256_fmadd_ps((x), (y), (acc))
+DEFINE_AVX2_KERNEL(kern_avx2_exact, MADD256_EXACT)
+DEFINE_AVX2_KERNEL(kern_avx2_fma, MADD256_FMA)
+
+/* AVX-512: 12 x 32 tile, 24 zmm accumulators. */
+#define A5_MR 12
+#define A5_NR 32
+
+#define DEFINE_AVX512_KERNEL(NAME, MADD)                                                       \
+    __attribute__((target("avx512f"))) static void NAME(int64_t kc, const float *a,           \
+                                                        const float *b, float *dst,           \
+                                                        int64_t ldd, int add) {               \
+        __m512 c[A5_MR][2];                                                                    \
+        _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                            \
+            c[i][0] = _mm512_setzero_ps();                                                     \
+            c[i][1] = _mm512_setzero_ps();                                                     \
+        }                                                                                      \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            const __m512 b0 = _mm512_load_ps(b + k * A5_NR);                                   \
+            const __m512 b1 = _mm512_load_ps(b + k * A5_NR + 16);                              \
+            _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                        \
+                const __m512 ai = _mm512_set1_ps(a[k * A5_MR + i]);                            \
+                c[i][0] = MADD(ai, b0, c[i][0]);                                               \
+                c[i][1] = MADD(ai, b1, c[i][1]);                                               \
+            }                                                                                  \
+        }                                                                                      \
+        const __m512 canon = _mm512_castsi512_ps(_mm512_set1_epi32((int)CANON_NAN_BITS));     \
+        _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                            \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                              \
+                float *d = dst + i * ldd + 16 * h;                                             \
+                __m512 r = c[i][h];                                                            \
+                if (add) r = _mm512_add_ps(_mm512_loadu_ps(d), r);                             \
+                r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), r, canon);    \
+                _mm512_storeu_ps(d, r);                                                        \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#define MADD512_EXACT(x, y, acc) _mm512_add_ps((acc), _mm512_mul_ps((x), (y)))
+#define MADD512_FMA(x, y, acc) _mm512_fmadd_ps((x), (y), (acc))
+DEFINE_AVX512_KERNEL(kern_avx512_exact, MADD512_EXACT)
+DEFINE_AVX512_KERNEL(kern_avx512_fma, MADD512_FMA)
+
+#endif /* TRN_X86 */
+
+typedef struct {
+    int mr, nr;
+    kern_fn exact, fma; /* fma NULL: no fused kernel for this family */
+} kernel_family;
+
+static int get_family(int isa, kernel_family *f) {
+    switch (isa) {
+    case TRN_ISA_GENERIC:
+        f->mr = G_MR, f->nr = G_NR, f->exact = kern_generic_exact, f->fma = NULL;
+        return 1;
+#if TRN_X86
+    case TRN_ISA_AVX2:
+        f->mr = A2_MR, f->nr = A2_NR, f->exact = kern_avx2_exact, f->fma = kern_avx2_fma;
+        return 1;
+    case TRN_ISA_AVX512:
+        f->mr = A5_MR, f->nr = A5_NR, f->exact = kern_avx512_exact, f->fma = kern_avx512_fma;
+        return 1;
+#endif
+    default: return 0;
+    }
+}
+
+int trn_best_isa(void) {
+#if TRN_X86
+    /* libgcc's cpu model checks XCR0 too, so these mean "CPU and OS support it". */
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return TRN_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return TRN_ISA_AVX2;
+#endif
+    return TRN_ISA_GENERIC;
+}
+
+int trn_tile_m(int isa) {
+    kernel_family f;
+    return get_family(isa, &f) ? f.mr : 0;
+}
+
+int trn_tile_n(int isa) {
+    kernel_family f;
+    return get_family(isa, &f) ? f.nr : 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Driver.                                                                                    */
+
+typedef struct {
+    const void *s;
+    int s_dt;
+    int64_t s_sk, s_sm;
+    const void *v;
+    int v_dt;
+    int64_t v_sk, v_sn;
+    float *out;
+    int64_t o_sm, o_sn;
+    int64_t K, M, N, k_chunk;
+    int accumulate, fma_policy;
+    kernel_family fam;
+    int64_t n0, n1; /* this worker's output columns */
+    int status;
+} job;
+
+static void *aligned_floats(int64_t n) {
+    void *p = NULL;
+    size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
+    bytes = (bytes + 63) & ~(size_t)63;
+    if (posix_memalign(&p, 64, bytes) != 0) return NULL;
+    return p;
+}
+
+static void run_job(job *J) {
+#if TRN_X86
+    /* IEEE behaviour regardless of the caller's MXCSR: no FTZ/DAZ, round to nearest, all
+     * exceptions masked. Restored on exit. */
+    const unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr((saved_csr & ~(0x8000u | 0x0040u | 0x6000u)) | 0x1f80u);
+#endif
+    const int64_t MR = J->fam.mr, NR = J->fam.nr;
+    const int64_t M = J->M, Nj = J->n1 - J->n0;
+    const int64_t mp = (M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
+    const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
+    const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
+    uint32_t *sp = aligned_floats(kmax * mp * MR);
+    uint32_t *vp = aligned_floats(kmax * np_ * NR);
+    float *tile = aligned_floats(MR * NR);
+    if (!sp || !vp || !tile) {
+        J->status = TRN_ENOMEM;
+        goto done;
+    }
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t k0 = c * J->k_chunk;
+        const int64_t kc = J->K - k0 < J->k_chunk ? J->K - k0 : J->k_chunk;
+        for (int64_t ip = 0; ip < mp; ip++) {
+            int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
+            pack_panel(J->s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
+        }
+        for (int64_t jp = 0; jp < np_; jp++) {
+            int64_t x0 = jp * NR, xn = Nj - x0 < NR ? Nj - x0 : NR;
+            pack_panel(J->v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + x0, xn, NR,
+                       vp + jp * kc * NR);
+        }
+        kern_fn kern = J->fam.exact;
+        if (J->fam.fma && J->fma_policy != TRN_FMA_NEVER) {
+            int use = J->fma_policy == TRN_FMA_FORCE;
+            if (!use) {
+                exp_range rs = scan_exponents(sp, kc * mp * MR);
+                exp_range rv = scan_exponents(vp, kc * np_ * NR);
+                use = fma_is_exact(J->s_dt, rs, J->v_dt, rv);
+            }
+            if (use) kern = J->fam.fma;
+        }
+        const int add = c > 0 || J->accumulate;
+        for (int64_t jp = 0; jp < np_; jp++) {
+            const int64_t j0 = jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
+            const float *b = (const float *)(vp + jp * kc * NR);
+            for (int64_t ip = 0; ip < mp; ip++) {
+                const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
+                const float *a = (const float *)(sp + ip * kc * MR);
+                float *o = J->out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
+                if (in == MR && jn == NR && J->o_sn == 1) {
+                    kern(kc, a, b, o, J->o_sm, add);
+                } else {
+                    kern(kc, a, b, tile, NR, 0);
+                    for (int64_t i = 0; i < in; i++) {
+                        for (int64_t j = 0; j < jn; j++) {
+                            float *d = o + i * J->o_sm + j * J->o_sn;
+                            float t = tile[i * NR + j];
+                            *d = canon_f32(add ? *d + t : t);
+                        }
+                    }
+                }
+            }
+        }
+    }
+done:
+    free(sp);
+    free(vp);
+    free(tile);
+#if TRN_X86
+    _mm_setcsr(saved_csr);
+#endif
+}
+
+static void *run_job_thread(void *arg) {
+    run_job((job *)arg);
+    return NULL;
+}
+
+int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
+               const void *v, int v_dt, int64_t v_sk, int64_t v_sn,
+               float *out, int64_t o_sm, int64_t o_sn,
+               int64_t K, int64_t M, int64_t N, int64_t k_chunk,
+               int accumulate, int isa, int fma_policy, int nthreads) {
+    if (!dtype_ok(s_dt) || !dtype_ok(v_dt)) return TRN_EDTYPE;
+    if (K < 0 || M < 0 || N < 0 || k_chunk < 1) return TRN_EARG;
+    if (fma_policy < TRN_FMA_NEVER || fma_policy > TRN_FMA_FORCE) return TRN_EARG;
+    if (isa == TRN_ISA_AUTO) isa = trn_best_isa();
+    if (isa > trn_best_isa()) return TRN_EISA;
+    if (M == 0 || N == 0) return TRN_OK;
+
+    /* out[m,n] = sum_k s[k,m] v[k,n] and out^T[n,m] = sum_k v[k,n] s[k,m] are the same
+     * numbers (IEEE multiplication commutes; the k order is unchanged), so a column-major out
+     * is computed as the transposed problem, whose rows are contiguous. */
+    if (o_sn != 1 && o_sm == 1) {
+        const void *tp = s;
+        int tdt = s_dt;
+        int64_t tk = s_sk, tx = s_sm, tn = M;
+        s = v, s_dt = v_dt, s_sk = v_sk, s_sm = v_sn, M = N;
+        v = tp, v_dt = tdt, v_sk = tk, v_sn = tx, N = tn;
+        o_sm = o_sn, o_sn = 1;
+    }
+
+    job base;
+    memset(&base, 0, sizeof base);
+    base.s = s, base.s_dt = s_dt, base.s_sk = s_sk, base.s_sm = s_sm;
+    base.v = v, base.v_dt = v_dt, base.v_sk = v_sk, base.v_sn = v_sn;
+    base.out = out, base.o_sm = o_sm, base.o_sn = o_sn;
+    base.K = K, base.M = M, base.N = N, base.k_chunk = k_chunk;
+    base.accumulate = accumulate, base.fma_policy = fma_policy;
+    if (!get_family(isa, &base.fam)) return TRN_EISA;
+    base.n0 = 0, base.n1 = N;
+
+    /* Threads split the output columns, NR-aligned; every element is computed exactly as in
+     * the single-threaded run, so the result does not depend on the thread count. */
+    const int64_t panels = (N + base.fam.nr - 1) / base.fam.nr;
+    int64_t nt = nthreads < 1 ? 1 : nthreads;
+    if (nt > panels) nt = panels;
+    if (nt > 64) nt = 64;
+    if (nt <= 1) {
+        run_job(&base);
+        return base.status;
+    }
+    job jobs[64];
+    pthread_t tids[64];
+    int started[64];
+    int status = TRN_OK;
+    for (int64_t t = 0; t < nt; t++) {
+        jobs[t] = base;
+        jobs[t].n0 = (panels * t / nt) * base.fam.nr;
+        jobs[t].n1 = (panels * (t + 1) / nt) * base.fam.nr;
+        if (jobs[t].n1 > N) jobs[t].n1 = N;
+    }
+    for (int64_t t = 1; t < nt; t++) {
+        started[t] = pthread_create(&tids[t], NULL, run_job_thread, &jobs[t]) == 0;
+        if (!started[t]) run_job(&jobs[t]);
+    }
+    run_job(&jobs[0]);
+    for (int64_t t = 0; t < nt; t++) {
+        if (t > 0 && started[t]) pthread_join(tids[t], NULL);
+        if (jobs[t].status != TRN_OK) status = jobs[t].status;
+    }
+    return status;
+}
