@@ -1,0 +1,724 @@
+"""The instruction set: access patterns (what memory an instruction touches) and instructions.
+
+Granularity follows NKI's ISA (``nki.isa``): one object per engine instruction. Operands are
+access patterns:
+
+* :class:`HbmAP` — a view of a device-memory (HBM) tensor: element offset plus (stride, size)
+  dimensions, row-major, like ``tensor[a:b, c:d]``.
+* :class:`TileAP` — a view of an on-chip allocation in SBUF or PSUM: an absolute partition range
+  (the parallel axis) and a free-axis pattern of up to 4 (stride, size) dimensions, in elements.
+
+An instruction lists the access patterns it reads and writes; the kernel builder derives
+RAW/WAR/WAW dependencies from them (the semaphores the Neuron compiler would insert).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import numpy as np
+
+from .native.dtypes import Dtype, get_dtype
+
+__all__ = [
+    "ENGINES",
+    "HbmTensor",
+    "HbmAP",
+    "Allocation",
+    "TileAP",
+    "Instruction",
+    "DmaCopy",
+    "MatMul",
+    "Transpose",
+    "Activation",
+    "TensorTensor",
+    "TensorScalar",
+    "TensorReduce",
+    "TensorCopy",
+    "Memset",
+    "Iota",
+    "AffineSelect",
+    "ALU_OPS",
+    "ACTIVATIONS",
+    "KernelError",
+]
+
+ENGINES = ("Tensor", "Vector", "Scalar", "GpSimd", "Sync")
+MAX_FREE_DIMS = 4
+
+
+class KernelError(ValueError):
+    """A kernel breaks a hardware rule (tile limits, alignment, capacity, shapes). One line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Device memory (HBM)
+# ---------------------------------------------------------------------------------------------
+
+
+class HbmTensor:
+    """A tensor in device memory: a kernel input, output or scratch buffer."""
+
+    __slots__ = ("name", "shape", "dtype", "kind", "uid", "strides", "size")
+
+    def __init__(self, name: str, shape: Sequence[int], dtype: Dtype, kind: str, uid: int):
+        self.name = name
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.kind = kind  # "input" | "output" | "scratch"
+        self.uid = uid
+        strides = []
+        acc = 1
+        for s in reversed(self.shape):
+            strides.append(acc)
+            acc *= s
+        self.strides = tuple(reversed(strides))
+        self.size = acc
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def full(self) -> "HbmAP":
+        dims = tuple(zip(self.strides, self.shape))
+        return HbmAP(self, 0, dims, tuple((0, s) for s in self.shape))
+
+    def __getitem__(self, idx: Any) -> "HbmAP":
+        return self.full()[idx]
+
+    def ap(self, offset: int, dims: Sequence[Sequence[int]]) -> "HbmAP":
+        """A raw access pattern: element ``offset`` and ``[[stride, size], ...]`` (outer first)."""
+        d = tuple((int(s), int(n)) for s, n in dims)
+        ap = HbmAP(self, int(offset), d, None)
+        lo, hi = ap.span()
+        if lo < 0 or hi > self.size:
+            raise KernelError(
+                f"access pattern on '{self.name}' reaches elements {lo}..{hi - 1}, outside its {self.size} elements"
+            )
+        return ap
+
+    def reshape(self, *shape: int) -> "HbmAP":
+        return self.full().reshape(*shape)
+
+    def __repr__(self) -> str:
+        return f"HbmTensor({self.name!r}, {self.shape}, {self.dtype.name}, {self.kind})"
+
+
+def _norm_index(idx: Any, ndim: int) -> list[Any]:
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(i is Ellipsis for i in idx):
+        k = idx.index(Ellipsis)
+        fill = ndim - (len(idx) - 1)
+        idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
+    if len(idx) > ndim:
+        raise KernelError(f"too many indices: {len(idx)} for {ndim} dimensions")
+    return list(idx) + [slice(None)] * (ndim - len(idx))
+
+
+def _slice_dim(i: Any, size: int, what: str) -> tuple[int, int, int] | int:
+    """Return an int index, or (start, step, length) for a slice; check bounds."""
+    if isinstance(i, (int, np.integer)):
+        j = int(i)
+        if j < 0:
+            j += size
+        if not 0 <= j < size:
+            raise KernelError(f"index {int(i)} out of range for {what} of size {size}")
+        return j
+    if isinstance(i, slice):
+        start, stop, step = i.indices(size)
+        if step <= 0:
+            raise KernelError(f"slice step must be positive, got {step} for {what}")
+        if i.stop is not None and (i.stop > size or i.stop < -size):
+            raise KernelError(f"slice end {i.stop} out of range for {what} of size {size}")
+        if i.start is not None and (i.start > size or i.start < -size):
+            raise KernelError(f"slice start {i.start} out of range for {what} of size {size}")
+        length = max(0, -(-(stop - start) // step))
+        if length == 0:
+            raise KernelError(f"empty slice {i.start}:{i.stop} for {what} of size {size}")
+        return (start, step, length)
+    raise KernelError(f"unsupported index {i!r}: use integers and slices")
+
+
+class HbmAP:
+    """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
+    came from slicing (used for exact dependency checks), else None (flat span is used)."""
+
+    __slots__ = ("tensor", "offset", "dims", "box", "size")
+    space = "hbm"
+
+    def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
+                 box: tuple[tuple[int, int], ...] | None):
+        self.tensor = tensor
+        self.offset = offset
+        self.dims = dims
+        self.box = box
+        self.size = math.prod(n for _, n in dims)
+
+    @property
+    def dtype(self) -> Dtype:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.dims)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.tensor.dtype.itemsize
+
+    def span(self) -> tuple[int, int]:
+        lo = hi = self.offset
+        for s, n in self.dims:
+            if s >= 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        return lo, hi + 1
+
+    def __getitem__(self, idx: Any) -> "HbmAP":
+        items = _norm_index(idx, len(self.dims))
+        offset = self.offset
+        dims: list[tuple[int, int]] = []
+        # the logical box is only tracked for views whose dims are still the tensor's own dims
+        box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
+        for k, (i, (s, n)) in enumerate(zip(items, self.dims)):
+            r = _slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+            if isinstance(r, int):
+                offset += r * s
+                if box is not None:
+                    lo0 = box[k][0]
+                    box[k] = (lo0 + r, lo0 + r + 1)
+            else:
+                start, step, length = r
+                offset += start * s
+                dims.append((s * step, length))
+                if box is not None:
+                    lo0 = box[k][0]
+                    box[k] = (lo0 + start, lo0 + start + step * (length - 1) + 1)
+        if not dims:
+            dims = [(1, 1)]
+        return HbmAP(self.tensor, offset, tuple(dims), tuple(box) if box is not None else None)
+
+    def reshape(self, *shape: int) -> "HbmAP":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if math.prod(shape) != self.size:
+            raise KernelError(f"cannot reshape {self.shape} of '{self.tensor.name}' to {tuple(shape)}")
+        if not self.is_contiguous():
+            raise KernelError(f"cannot reshape a non-contiguous view of '{self.tensor.name}'")
+        strides = []
+        acc = 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= s
+        return HbmAP(self.tensor, self.offset, tuple(zip(reversed(strides), shape)), None)
+
+    def is_contiguous(self) -> bool:
+        acc = 1
+        for s, n in reversed(self.dims):
+            if n != 1 and s != acc:
+                return False
+            acc *= n
+        return True
+
+    def __repr__(self) -> str:
+        return f"{self.tensor.name}@{self.offset}{list(self.dims)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory (SBUF / PSUM)
+# ---------------------------------------------------------------------------------------------
+
+
+class Allocation:
+    """A block of SBUF or PSUM: the same byte range [addr, addr+nbytes) on partitions
+    [p_start, p_start+p_count)."""
+
+    __slots__ = ("space", "name", "p_start", "p_count", "addr", "nbytes", "uid", "live")
+
+    def __init__(self, space: str, name: str, p_start: int, p_count: int, addr: int, nbytes: int, uid: int):
+        self.space = space
+        self.name = name
+        self.p_start = p_start
+        self.p_count = p_count
+        self.addr = addr
+        self.nbytes = nbytes
+        self.uid = uid
+        self.live = True
+
+    def __repr__(self) -> str:
+        return (f"Allocation({self.space}:{self.name}, partitions {self.p_start}..{self.p_start + self.p_count - 1},"
+                f" bytes {self.addr}..{self.addr + self.nbytes - 1})")
+
+
+class TileAP:
+    """A view of an SBUF/PSUM allocation: ``[partitions, free...]``.
+
+    ``offset`` and the ``dims`` strides are in elements of ``dtype`` from the allocation's byte
+    address within each partition; ``p_start`` is absolute (0..127).
+    """
+
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size")
+
+    def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
+                 dims: tuple[tuple[int, int], ...], dtype: Dtype):
+        self.alloc = alloc
+        self.p_start = p_start
+        self.p_count = p_count
+        self.offset = offset
+        self.dims = dims
+        self.dtype = dtype
+        #: elements per partition (the N of the cost formulas)
+        self.free_size = math.prod(n for _, n in dims)
+
+    @property
+    def space(self) -> str:
+        return self.alloc.space
+
+    @property
+    def name(self) -> str:
+        return self.alloc.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.p_count,) + tuple(n for _, n in self.dims)
+
+    @property
+    def size(self) -> int:
+        return self.p_count * self.free_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def byte_span(self) -> tuple[int, int]:
+        """Absolute byte range [lo, hi) touched within each partition."""
+        isz = self.dtype.itemsize
+        lo = hi = self.offset
+        for s, n in self.dims:
+            if s >= 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        return self.alloc.addr + lo * isz, self.alloc.addr + (hi + 1) * isz
+
+    def is_contiguous(self) -> bool:
+        """True when the innermost free dimension has unit stride (the perf-mode condition)."""
+        return not self.dims or self.dims[-1][0] == 1 or self.dims[-1][1] == 1
+
+    def __getitem__(self, idx: Any) -> "TileAP":
+        items = _norm_index(idx, 1 + len(self.dims))
+        r = _slice_dim(items[0], self.p_count, f"the partition dim of '{self.name}'")
+        if isinstance(r, int):
+            p_start, p_count = self.p_start + r, 1
+        else:
+            start, step, length = r
+            if step != 1:
+                raise KernelError(f"partition slices must be contiguous (step 1), got step {step} on '{self.name}'")
+            p_start, p_count = self.p_start + start, length
+        offset = self.offset
+        dims: list[tuple[int, int]] = []
+        for k, (i, (s, n)) in enumerate(zip(items[1:], self.dims)):
+            r = _slice_dim(i, n, f"free dim {k + 1} of '{self.name}'")
+            if isinstance(r, int):
+                offset += r * s
+            else:
+                start, step, length = r
+                offset += start * s
+                dims.append((s * step, length))
+        if not dims:
+            dims = [(1, 1)]
+        return TileAP(self.alloc, p_start, p_count, offset, tuple(dims), self.dtype)
+
+    def reshape(self, *shape: int) -> "TileAP":
+        """Reshape the free dims of a contiguous view; the partition count must stay."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if shape[0] != self.p_count:
+            raise KernelError(f"reshape of '{self.name}' must keep {self.p_count} partitions, got {shape[0]}")
+        free = shape[1:] or (1,)
+        if math.prod(free) != self.free_size:
+            raise KernelError(f"cannot reshape {self.shape} of '{self.name}' to {tuple(shape)}")
+        acc = 1
+        for s, n in reversed(self.dims):
+            if n != 1 and s != acc:
+                raise KernelError(f"cannot reshape a non-contiguous view of '{self.name}'")
+            acc *= n
+        strides = []
+        acc = 1
+        for n in reversed(free):
+            strides.append(acc)
+            acc *= n
+        if len(free) > MAX_FREE_DIMS:
+            raise KernelError(f"at most {MAX_FREE_DIMS} free dimensions, got {len(free)}")
+        return TileAP(self.alloc, self.p_start, self.p_count, self.offset,
+                      tuple(zip(reversed(strides), free)), self.dtype)
+
+    def broadcast_to(self, *shape: int) -> "TileAP":
+        """Broadcast size-1 free dims to ``shape`` with stride 0 (e.g. a [P,1] bias to [P,N])."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        if shape[0] != self.p_count:
+            raise KernelError(f"cannot broadcast the partition dim of '{self.name}' ({self.p_count} -> {shape[0]})")
+        free = list(shape[1:])
+        dims = list(self.dims)
+        while len(dims) < len(free):
+            dims.insert(0, (0, 1))
+        if len(dims) != len(free):
+            raise KernelError(f"cannot broadcast {self.shape} of '{self.name}' to {tuple(shape)}")
+        out = []
+        for (s, n), m in zip(dims, free):
+            if n == m:
+                out.append((s, n))
+            elif n == 1:
+                out.append((0, m))
+            else:
+                raise KernelError(f"cannot broadcast {self.shape} of '{self.name}' to {tuple(shape)}")
+        return TileAP(self.alloc, self.p_start, self.p_count, self.offset, tuple(out), self.dtype)
+
+    def __repr__(self) -> str:
+        return f"{self.space}:{self.name}[{self.p_start}:{self.p_start + self.p_count}]@{self.offset}{list(self.dims)}"
+
+
+AP = Union[HbmAP, TileAP]
+
+
+# ---------------------------------------------------------------------------------------------
+# Operators
+# ---------------------------------------------------------------------------------------------
+
+ALU_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "divide": np.divide,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+    "max": np.maximum,
+    "min": np.minimum,
+    "power": np.power,
+    "abs_max": lambda a, b: np.maximum(np.abs(a), np.abs(b)),
+    "equal": lambda a, b: (a == b),
+    "not_equal": lambda a, b: (a != b),
+    "greater": lambda a, b: (a > b),
+    "greater_equal": lambda a, b: (a >= b),
+    "less": lambda a, b: (a < b),
+    "less_equal": lambda a, b: (a <= b),
+    "bitwise_and": np.bitwise_and,
+    "bitwise_or": np.bitwise_or,
+    "bitwise_xor": np.bitwise_xor,
+    "left_shift": np.left_shift,
+    "right_shift": np.right_shift,
+}
+ALU_ALIASES = {"sub": "subtract", "mul": "multiply", "div": "divide", "pow": "power", "eq": "equal",
+               "ne": "not_equal", "gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}
+BITWISE_OPS = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift"})
+REDUCE_OPS: dict[str, Callable[..., Any]] = {"add": np.sum, "max": np.max, "min": np.min, "multiply": np.prod,
+                                              "maximum": np.max, "minimum": np.min}
+
+
+def alu_op(name: Any) -> str:
+    n = getattr(name, "__name__", name)
+    n = ALU_ALIASES.get(n, n)
+    if n not in ALU_OPS:
+        raise KernelError(f"unknown ALU op {name!r}: expected one of {', '.join(sorted(ALU_OPS))}")
+    return n
+
+
+def reduce_op(name: Any) -> str:
+    n = getattr(name, "__name__", name)
+    n = {"sum": "add", "mul": "multiply"}.get(n, n)
+    if n not in REDUCE_OPS:
+        raise KernelError(f"unknown reduce op {name!r}: expected one of add, max, min, multiply")
+    return n
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # Abramowitz-Stegun 7.1.26 is too coarse; use the exact identity through math.erf
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    xd = x.astype(np.float64)
+    return 0.5 * xd * (1.0 + _erf(xd / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    xd = x.astype(np.float64)
+    return 0.5 * xd * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (xd + 0.044715 * xd**3)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    xd = x.astype(np.float64)
+    return 1.0 / (1.0 + np.exp(-xd))
+
+
+# name -> (function computing in float64 then rounded to fp32 by the engine, PWP table set)
+# A table set of None means the function needs no activation table (no switch cost).
+ACTIVATIONS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str | None]] = {
+    "identity": (lambda x: x, None),
+    "copy": (lambda x: x, None),
+    "relu": (lambda x: np.maximum(x, 0), None),
+    "square": (lambda x: x * x, None),
+    "abs": (np.abs, None),
+    "sign": (np.sign, None),
+    "reciprocal": (lambda x: 1.0 / x, None),
+    "exp": (np.exp, "exp_and_others"),
+    "log": (np.log, "exp_and_others"),
+    "softplus": (lambda x: np.logaddexp(0.0, x), "exp_and_others"),
+    "sqrt": (np.sqrt, "exp_and_others"),
+    "rsqrt": (lambda x: 1.0 / np.sqrt(x), "exp_and_others"),
+    "sigmoid": (_sigmoid, "gelu_and_others"),
+    "tanh": (np.tanh, "gelu_and_others"),
+    "gelu": (_gelu, "gelu_and_others"),
+    "gelu_apprx_tanh": (_gelu_tanh, "gelu_and_others"),
+    "silu": (lambda x: x * _sigmoid(x), "gelu_and_others"),
+    "erf": (_erf, "gelu_and_others"),
+    "mish": (lambda x: x * np.tanh(np.logaddexp(0.0, x)), "gelu_and_others"),
+    "sin": (np.sin, "trig"),
+    "arctan": (np.arctan, "trig"),
+}
+
+
+def activation_fn(name: Any) -> str:
+    n = getattr(name, "__name__", name)
+    if n not in ACTIVATIONS:
+        raise KernelError(f"unknown activation {name!r}: expected one of {', '.join(sorted(ACTIVATIONS))}")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Instructions
+# ---------------------------------------------------------------------------------------------
+
+
+class Instruction:
+    """One engine instruction. ``reads``/``writes`` drive dependencies; ``deps`` holds the
+    indices of earlier instructions this one waits for (filled in by the builder)."""
+
+    __slots__ = ("index", "engine", "reads", "writes", "deps", "first_deps", "label")
+    opcode = "Instruction"
+
+    def __init__(self, engine: str, reads: tuple[AP, ...], writes: tuple[AP, ...], label: str = ""):
+        self.index = -1
+        self.engine = engine
+        self.reads = reads
+        self.writes = writes
+        self.deps: tuple[int, ...] = ()
+        #: the subset of ``deps`` the instruction's first phase needs (TensorE's LoadStationary
+        #: needs only the stationary operand); None when the whole instruction waits for all
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = label
+
+    def describe(self) -> str:
+        return self.opcode
+
+    def __repr__(self) -> str:
+        return f"#{self.index} {self.engine}.{self.describe()} deps={list(self.deps)}"
+
+
+class DmaCopy(Instruction):
+    """Move data between HBM and SBUF (or SBUF↔SBUF, HBM↔HBM), casting through fp32 when the
+    dtypes differ. Triggered by ``engine``'s sequencer onto DMA queue ``queue``."""
+
+    __slots__ = ("dst", "src", "queue", "plan")
+    opcode = "DmaCopy"
+
+    def __init__(self, engine: str, dst: AP, src: AP, queue: str):
+        super().__init__(engine, (src,), (dst,))
+        self.dst = dst
+        self.src = src
+        self.queue = queue  # lane name, e.g. "qSyncIO0"
+        self.plan: Any = None  # memory.dma.DmaPlan, filled by the builder
+
+    def describe(self) -> str:
+        return f"DmaCopy[{self.queue}]"
+
+
+class MatMul(Instruction):
+    """LoadStationary + MultiplyMoving: ``dst[M,N] (+)= stationary[K,M]ᵀ @ moving[K,N]``."""
+
+    __slots__ = ("dst", "stationary", "moving", "accumulate", "double_row", "load_stationary")
+    opcode = "MatMul"
+
+    def __init__(self, dst: TileAP, stationary: TileAP, moving: TileAP, accumulate: bool, double_row: bool):
+        reads: tuple[AP, ...] = (stationary, moving, dst) if accumulate else (stationary, moving)
+        super().__init__("Tensor", reads, (dst,))
+        self.dst = dst
+        self.stationary = stationary
+        self.moving = moving
+        self.accumulate = accumulate
+        self.double_row = double_row
+        self.load_stationary = True  # False when the same stationary is still in the array
+
+    @property
+    def macs(self) -> int:
+        return self.stationary.p_count * self.stationary.free_size * self.moving.free_size
+
+
+class Transpose(Instruction):
+    """PE-array transpose (``nc_transpose`` on TensorE): ``dst[F,P] = data[P,F]ᵀ``, bit exact."""
+
+    __slots__ = ("dst", "data", "load_stationary")
+    opcode = "Transpose"
+
+    def __init__(self, dst: TileAP, data: TileAP):
+        super().__init__("Tensor", (data,), (dst,))
+        self.dst = dst
+        self.data = data
+        self.load_stationary = True
+
+
+class Activation(Instruction):
+    """ScalarE ``dst = f(data * scale + bias)`` with an optional reduction along the free axis."""
+
+    __slots__ = ("dst", "data", "func", "scale", "bias", "reduce_op", "reduce_res")
+    opcode = "Activation"
+
+    def __init__(self, dst: TileAP, data: TileAP, func: str, scale: float | TileAP, bias: float | TileAP,
+                 reduce_op: str | None, reduce_res: TileAP | None):
+        reads: list[AP] = [data]
+        for x in (scale, bias):
+            if isinstance(x, TileAP):
+                reads.append(x)
+        writes: list[AP] = [dst]
+        if reduce_res is not None:
+            writes.append(reduce_res)
+        super().__init__("Scalar", tuple(reads), tuple(writes))
+        self.dst = dst
+        self.data = data
+        self.func = func
+        self.scale = scale
+        self.bias = bias
+        self.reduce_op = reduce_op
+        self.reduce_res = reduce_res
+
+    def describe(self) -> str:
+        return f"Activation[{self.func}]"
+
+
+class TensorTensor(Instruction):
+    """Elementwise ``dst = data1 op data2``."""
+
+    __slots__ = ("dst", "data1", "data2", "op")
+    opcode = "TensorTensor"
+
+    def __init__(self, engine: str, dst: TileAP, data1: TileAP, data2: TileAP, op: str):
+        super().__init__(engine, (data1, data2), (dst,))
+        self.dst = dst
+        self.data1 = data1
+        self.data2 = data2
+        self.op = op
+
+    def describe(self) -> str:
+        return f"TensorTensor[{self.op}]"
+
+
+class TensorScalar(Instruction):
+    """``dst = (data op0 operand0) op1 operand1``; operands are immediates or per-partition
+    [P,1] tiles. ``reverse0/1`` swap the operand order of each op."""
+
+    __slots__ = ("dst", "data", "op0", "operand0", "op1", "operand1", "reverse0", "reverse1")
+    opcode = "TensorScalar"
+
+    def __init__(self, engine: str, dst: TileAP, data: TileAP, op0: str, operand0: float | TileAP,
+                 op1: str | None, operand1: float | TileAP | None, reverse0: bool, reverse1: bool):
+        reads: list[AP] = [data]
+        for x in (operand0, operand1):
+            if isinstance(x, TileAP):
+                reads.append(x)
+        super().__init__(engine, tuple(reads), (dst,))
+        self.dst = dst
+        self.data = data
+        self.op0 = op0
+        self.operand0 = operand0
+        self.op1 = op1
+        self.operand1 = operand1
+        self.reverse0 = reverse0
+        self.reverse1 = reverse1
+
+    def describe(self) -> str:
+        return f"TensorScalar[{self.op0}{',' + self.op1 if self.op1 else ''}]"
+
+
+class TensorReduce(Instruction):
+    """Reduce ``data`` along free axes ``axes`` (1-based, as in NKI) with ``op``."""
+
+    __slots__ = ("dst", "data", "op", "axes", "negate")
+    opcode = "TensorReduce"
+
+    def __init__(self, engine: str, dst: TileAP, data: TileAP, op: str, axes: tuple[int, ...], negate: bool):
+        super().__init__(engine, (data,), (dst,))
+        self.dst = dst
+        self.data = data
+        self.op = op
+        self.axes = axes
+        self.negate = negate
+
+    def describe(self) -> str:
+        return f"TensorReduce[{self.op}]"
+
+
+class TensorCopy(Instruction):
+    """``dst = data`` with a dtype cast (round-to-nearest-even); PSUM evacuation uses this."""
+
+    __slots__ = ("dst", "data")
+    opcode = "TensorCopy"
+
+    def __init__(self, engine: str, dst: TileAP, data: TileAP):
+        super().__init__(engine, (data,), (dst,))
+        self.dst = dst
+        self.data = data
+
+
+class Memset(Instruction):
+    __slots__ = ("dst", "value")
+    opcode = "Memset"
+
+    def __init__(self, engine: str, dst: TileAP, value: float):
+        super().__init__(engine, (), (dst,))
+        self.dst = dst
+        self.value = value
+
+
+class Iota(Instruction):
+    """GpSimd ``dst[p, i...] = base + channel_multiplier*p + sum(pattern_stride_k * i_k)``."""
+
+    __slots__ = ("dst", "base", "channel_multiplier", "pattern")
+    opcode = "Iota"
+
+    def __init__(self, dst: TileAP, base: int, channel_multiplier: int, pattern: tuple[int, ...]):
+        super().__init__("GpSimd", (), (dst,))
+        self.dst = dst
+        self.base = base
+        self.channel_multiplier = channel_multiplier
+        self.pattern = pattern
+
+
+class AffineSelect(Instruction):
+    """GpSimd ``dst = data where (offset + channel_multiplier*p + sum(pattern_k*i_k)) cmp 0
+    else on_false``: masks such as causal attention's lower triangle."""
+
+    __slots__ = ("dst", "data", "cmp", "offset", "channel_multiplier", "pattern", "on_false")
+    opcode = "AffineSelect"
+
+    def __init__(self, dst: TileAP, data: TileAP, cmp: str, offset: int, channel_multiplier: int,
+                 pattern: tuple[int, ...], on_false: float):
+        super().__init__("GpSimd", (data,), (dst,))
+        self.dst = dst
+        self.data = data
+        self.cmp = cmp
+        self.offset = offset
+        self.channel_multiplier = channel_multiplier
+        self.pattern = pattern
+        self.on_false = on_false
+
+
+def iter_aps(ins: Instruction) -> Iterator[tuple[AP, bool]]:
+    for ap in ins.reads:
+        yield ap, False
+    for ap in ins.writes:
+        yield ap, True

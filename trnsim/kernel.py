@@ -1,0 +1,702 @@
+"""Kernels: an instruction stream over HBM tensors and SBUF/PSUM tiles, built through an
+NKI-like API.
+
+A kernel is written the way an NKI author writes one: allocate tiles, move data with
+``dma_copy``, multiply with ``nc_matmul`` into PSUM accumulation groups, evacuate with
+``tensor_copy``/``activation``, store back. Python loops unroll into instructions::
+
+    k = Kernel("add", config="trn2")
+    a = k.input("a", (128, 512), "bf16")
+    b = k.input("b", (128, 512), "bf16")
+    out = k.output("out", (128, 512), "bf16")
+    ta, tb = k.sbuf((128, 512), "bf16"), k.sbuf((128, 512), "bf16")
+    k.dma_copy(ta, a)
+    k.dma_copy(tb, b, queue=1)
+    k.tensor_tensor(ta, ta, tb, "add")
+    k.dma_copy(out, ta)
+
+Hardware rules are checked as each instruction is built — tile limits, partition alignment,
+engine/memory reachability, SBUF/PSUM capacity — with errors that name the rule and the limit.
+Dependencies between instructions (RAW/WAR/WAW on overlapping memory) are derived here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Iterator, Sequence
+
+from .config import ChipConfig, load_config
+from .isa import (
+    AP,
+    Activation,
+    AffineSelect,
+    Allocation,
+    DmaCopy,
+    HbmAP,
+    HbmTensor,
+    Instruction,
+    Iota,
+    KernelError,
+    MatMul,
+    Memset,
+    TensorCopy,
+    TensorReduce,
+    TensorScalar,
+    TensorTensor,
+    TileAP,
+    Transpose,
+    activation_fn,
+    alu_op,
+    reduce_op,
+)
+from .memory.dma import plan_dma
+from .memory.hbm import check_capacity
+from .memory.psum import PsumAllocator, check_matmul_dst
+from .memory.sbuf import OnChipAllocator
+from .native.dtypes import Dtype, get_dtype
+
+__all__ = ["Kernel", "TilePool"]
+
+_ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": "Vector", "scalar": "Scalar",
+                 "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
+                 "sp": "Sync"}
+_MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
+SBUF_GRANULE = 64  # bytes; estimate of the allocation alignment (not published)
+VECTOR_SBUF_FREE_MAX = 65536  # elements per partition per instruction, datasheet §4.3
+VECTOR_PSUM_FREE_MAX = 4096
+
+
+def engine_name(name: str, allowed: Sequence[str], what: str) -> str:
+    canon = _ENGINE_NAMES.get(str(name).lower(), str(name))
+    if canon not in allowed:
+        raise KernelError(f"{what}: engine {name!r} cannot run this instruction; expected one of "
+                          f"{', '.join(a.lower() for a in allowed)}")
+    return canon
+
+
+# ---------------------------------------------------------------------------------------------
+# Dependency tracking
+# ---------------------------------------------------------------------------------------------
+
+
+class _Access:
+    """One instruction's access to a region: ``box`` is flat (lo0, hi0, lo1, hi1, ...)."""
+
+    __slots__ = ("box", "idx", "key")
+
+    def __init__(self, box: tuple[int, ...], idx: int, key: str):
+        self.box = box
+        self.idx = idx
+        self.key = key
+
+
+def _overlap(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    if len(a) != len(b):  # an exact box vs a flat span of the same tensor: compare flat spans
+        return a[-2] < b[-1] and b[-2] < a[-1]
+    for i in range(0, len(a), 2):
+        if a[i] >= b[i + 1] or b[i] >= a[i + 1]:
+            return False
+    return True
+
+
+def _covers(outer: tuple[int, ...], inner: tuple[int, ...]) -> bool:
+    if len(outer) != len(inner):
+        return False
+    for i in range(0, len(outer), 2):
+        if inner[i] < outer[i] or inner[i + 1] > outer[i + 1]:
+            return False
+    return True
+
+
+class _History:
+    __slots__ = ("writes", "reads")
+
+    def __init__(self) -> None:
+        self.writes: list[_Access] = []
+        self.reads: list[_Access] = []
+
+
+_READ_PRUNE_WINDOW = 8  # how many recent reads a new read may replace (pruning is an optimisation)
+
+
+class DependencyTracker:
+    """Derives RAW/WAR/WAW edges from the memory each instruction reads and writes.
+
+    Each live SBUF/PSUM allocation and each HBM tensor has its own access history, so checks
+    stay local. On-chip boxes are (absolute partition range, absolute byte range): when a tile
+    is freed its history moves to a graveyard, and the next allocation placed over the same
+    bytes inherits it, so a new tile's first write still waits for the old tile's readers.
+    HBM boxes are the logical index box of a sliced view (exact) or the flat element span
+    (e.g. the (0, n) of a raw access pattern, compared by span).
+    """
+
+    def __init__(self) -> None:
+        self._hbm: dict[int, _History] = {}
+        self._live: dict[int, _History] = {}
+        self._graveyard: dict[str, list[tuple[tuple[int, ...], _History]]] = {"sbuf": [], "psum": []}
+
+    @staticmethod
+    def _alloc_box(a: Allocation) -> tuple[int, ...]:
+        return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
+
+    def allocated(self, alloc: Allocation) -> None:
+        h = _History()
+        box = self._alloc_box(alloc)
+        keep = []
+        for gbox, gh in self._graveyard[alloc.space]:
+            if _overlap(box, gbox):
+                h.writes.extend(gh.writes)
+                h.reads.extend(gh.reads)
+                if _covers(box, gbox):
+                    continue
+            keep.append((gbox, gh))
+        self._graveyard[alloc.space] = keep
+        self._live[alloc.uid] = h
+
+    def freed(self, alloc: Allocation) -> None:
+        h = self._live.pop(alloc.uid)
+        if h.writes or h.reads:
+            self._graveyard[alloc.space].append((self._alloc_box(alloc), h))
+
+    def _resolve(self, ap: AP) -> tuple[_History, tuple[int, ...]]:
+        if isinstance(ap, TileAP):
+            lo, hi = ap.byte_span()
+            return self._live[ap.alloc.uid], (ap.p_start, ap.p_start + ap.p_count, lo, hi)
+        h = self._hbm.get(ap.tensor.uid)
+        if h is None:
+            h = self._hbm[ap.tensor.uid] = _History()
+        if ap.box is not None:
+            box: tuple[int, ...] = tuple(x for lohi in ap.box for x in lohi)
+            lo, hi = ap.span()
+            return h, box + (lo, hi)  # the trailing flat span serves mixed comparisons
+        lo, hi = ap.span()
+        return h, (lo, hi)
+
+    def raw_deps(self, ap: AP) -> tuple[int, ...]:
+        """The writers an access to ``ap`` must wait for (read-after-write only)."""
+        h, box = self._resolve(ap)
+        return tuple(sorted({w.idx for w in h.writes if _overlap(w.box, box)}))
+
+    def record(self, ins: Instruction, key: str) -> tuple[int, ...]:
+        deps: set[int] = set()
+        idx = ins.index
+        new_reads: list[tuple[_History, tuple[int, ...]]] = []
+        for ap in ins.reads:
+            h, box = self._resolve(ap)
+            for w in h.writes:
+                if _overlap(w.box, box):
+                    deps.add(w.idx)
+            new_reads.append((h, box))
+        for ap in ins.writes:
+            h, box = self._resolve(ap)
+            for w in h.writes:
+                if _overlap(w.box, box):
+                    deps.add(w.idx)
+            for r in h.reads:
+                # an engine's (or queue's) own earlier reads are ordered by its in-order queue
+                if r.key != key and _overlap(r.box, box):
+                    deps.add(r.idx)
+            h.writes = [w for w in h.writes if not _covers(box, w.box)]
+            h.writes.append(_Access(box, idx, key))
+            if h.reads:
+                h.reads = [r for r in h.reads if not _covers(box, r.box)]
+        for h, box in new_reads:
+            reads = h.reads
+            n = len(reads)
+            for j in range(n - 1, max(-1, n - 1 - _READ_PRUNE_WINDOW), -1):
+                r = reads[j]
+                if r.key == key and _covers(box, r.box):
+                    del reads[j]
+            reads.append(_Access(box, idx, key))
+        deps.discard(idx)
+        return tuple(sorted(deps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile pools
+# ---------------------------------------------------------------------------------------------
+
+
+class TilePool:
+    """``bufs`` rotating buffers: ``pool.tile(shape, dtype)`` returns the next one.
+
+    ``bufs=1`` makes every iteration wait for the previous one to finish with the buffer
+    (single buffering); ``bufs=2`` lets a DMA fill one buffer while compute reads the other.
+    """
+
+    def __init__(self, kernel: "Kernel", name: str, bufs: int, space: str):
+        if bufs < 1:
+            raise KernelError(f"tile pool '{name}': bufs must be >= 1, got {bufs}")
+        self.kernel = kernel
+        self.name = name
+        self.bufs = bufs
+        self.space = space
+        self._slots: list[TileAP | None] = [None] * bufs
+        self._next = 0
+
+    def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
+        i = self._next
+        self._next = (i + 1) % self.bufs
+        dt = get_dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        old = self._slots[i]
+        nbytes = _free_elems(shape) * dt.itemsize
+        if old is not None and old.alloc.nbytes >= nbytes and old.p_count == shape[0]:
+            t = _tile_view(old.alloc, shape, dt)
+        else:
+            if old is not None:
+                self.kernel.free(old)
+            t = self.kernel._allocate(self.space, shape, dt, name or f"{self.name}[{i}]", 0, scoped=False)
+        self._slots[i] = t
+        return t
+
+    def release(self) -> None:
+        for t in self._slots:
+            if t is not None and t.alloc.live:
+                self.kernel.free(t)
+        self._slots = [None] * self.bufs
+
+
+def _free_elems(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return n
+
+
+def _tile_view(alloc: Allocation, shape: tuple[int, ...], dt: Dtype) -> TileAP:
+    free = shape[1:] or (1,)
+    strides = []
+    acc = 1
+    for n in reversed(free):
+        strides.append(acc)
+        acc *= n
+    return TileAP(alloc, alloc.p_start, shape[0], 0, tuple(zip(reversed(strides), free)), dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The builder
+# ---------------------------------------------------------------------------------------------
+
+
+class Kernel:
+    """An instruction stream for one NeuronCore, built against a chip config."""
+
+    def __init__(self, name: str = "kernel", config: ChipConfig | str = "trn2"):
+        self.name = name
+        self.config: ChipConfig = config if isinstance(config, ChipConfig) else load_config(config)
+        c = self.config.core
+        self.instructions: list[Instruction] = []
+        self.tensors: dict[str, HbmTensor] = {}
+        self.queues: dict[str, int] = {}  # lane name -> hardware queue id
+        uids = itertools.count(1)
+        self._sbuf = OnChipAllocator("sbuf", c.sbuf.partitions, c.sbuf.partition_bytes, SBUF_GRANULE,
+                                     f"{self.config.name} ({c.sbuf.partition_bytes // 1024} KiB per partition)", uids)
+        self._psum = PsumAllocator(self.config, uids)
+        self._deps = DependencyTracker()
+        self._scopes: list[list[TileAP]] = []
+        self._loaded_stationary: tuple[Any, ...] | None = None
+        self._hbm_bytes = 0
+        self._uid = 0
+
+    # ---- HBM tensors -----------------------------------------------------------------------
+    def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
+        if name in self.tensors:
+            raise KernelError(f"tensor name '{name}' is already used in kernel '{self.name}'")
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s < 1 for s in shape):
+            raise KernelError(f"tensor '{name}': shape {shape} must have positive sizes")
+        self._uid += 1
+        t = HbmTensor(name, shape, get_dtype(dtype), kind, self._uid)
+        check_capacity(self.config, self._hbm_bytes + t.nbytes, f"kernel '{self.name}' tensor '{name}'")
+        self._hbm_bytes += t.nbytes
+        self.tensors[name] = t
+        return t
+
+    def input(self, name: str, shape: Sequence[int], dtype: Any) -> HbmTensor:
+        """A kernel input in HBM; ``Chip.run`` fills it from the ``inputs`` mapping."""
+        return self._tensor(name, shape, dtype, "input")
+
+    def output(self, name: str, shape: Sequence[int], dtype: Any) -> HbmTensor:
+        """A kernel output in HBM; ``Chip.run`` returns it."""
+        return self._tensor(name, shape, dtype, "output")
+
+    def scratch(self, name: str, shape: Sequence[int], dtype: Any) -> HbmTensor:
+        """An HBM buffer private to the kernel (spills, intermediate results)."""
+        return self._tensor(name, shape, dtype, "scratch")
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self._hbm_bytes
+
+    # ---- on-chip allocation ----------------------------------------------------------------
+    def _allocate(self, space: str, shape: Sequence[int], dt: Dtype, name: str, partition_offset: int,
+                  scoped: bool = True) -> TileAP:
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s < 1 for s in shape):
+            raise KernelError(f"{space.upper()} tile '{name}': shape {shape} must have positive sizes")
+        if len(shape) > 5:
+            raise KernelError(f"{space.upper()} tile '{name}': at most 4 free dimensions, got shape {shape}")
+        alloc_ = self._sbuf if space == "sbuf" else self._psum
+        nbytes = _free_elems(shape) * dt.itemsize
+        alloc = alloc_.allocate(name, partition_offset, shape[0], nbytes)
+        self._deps.allocated(alloc)
+        t = _tile_view(alloc, shape, dt)
+        if scoped and self._scopes:
+            self._scopes[-1].append(t)
+        return t
+
+    def sbuf(self, shape: Sequence[int], dtype: Any, *, name: str | None = None, partition_offset: int = 0) -> TileAP:
+        """Allocate an SBUF tile ``[partitions, free...]`` (first axis: partitions, <= 128)."""
+        self._uid += 1
+        return self._allocate("sbuf", shape, get_dtype(dtype), name or f"sbuf{self._uid}", partition_offset)
+
+    def psum(self, shape: Sequence[int], dtype: Any = "fp32", *, name: str | None = None) -> TileAP:
+        """Allocate a PSUM tile (whole 2 KiB banks per partition)."""
+        self._uid += 1
+        return self._allocate("psum", shape, get_dtype(dtype), name or f"psum{self._uid}", 0)
+
+    def ndarray(self, shape: Sequence[int], dtype: Any, buffer: str = "sbuf", *, name: str | None = None) -> TileAP:
+        """NKI spelling of :meth:`sbuf` / :meth:`psum`."""
+        if buffer not in ("sbuf", "psum"):
+            raise KernelError(f"ndarray buffer must be 'sbuf' or 'psum', got {buffer!r} (HBM tensors: input/output/scratch)")
+        return self.sbuf(shape, dtype, name=name) if buffer == "sbuf" else self.psum(shape, dtype, name=name)
+
+    def free(self, tile: TileAP) -> None:
+        """Release a tile's memory; later tiles may reuse the address (with WAR dependencies)."""
+        (self._sbuf if tile.space == "sbuf" else self._psum).free(tile.alloc)
+        self._deps.freed(tile.alloc)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Tiles allocated inside the block are freed when it ends."""
+        self._scopes.append([])
+        try:
+            yield
+        finally:
+            for t in self._scopes.pop():
+                if t.alloc.live:
+                    self.free(t)
+
+    def tile_pool(self, name: str, bufs: int = 2, space: str = "sbuf") -> TilePool:
+        """Rotating buffers for double (or deeper) buffering; see :class:`TilePool`."""
+        if space not in ("sbuf", "psum"):
+            raise KernelError(f"tile pool '{name}': space must be 'sbuf' or 'psum', got {space!r}")
+        return TilePool(self, name, bufs, space)
+
+    @property
+    def sbuf_peak_bytes(self) -> int:
+        return self._sbuf.peak_bytes
+
+    @property
+    def psum_peak_bytes(self) -> int:
+        return self._psum.peak_bytes
+
+    # ---- emitting --------------------------------------------------------------------------
+    def _emit(self, ins: Instruction, key: str | None = None) -> Instruction:
+        for ap, _ in ((a, False) for a in ins.reads + ins.writes):
+            if isinstance(ap, TileAP) and not ap.alloc.live:
+                raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
+        ins.index = len(self.instructions)
+        if isinstance(ins, (MatMul, Transpose)):
+            # LoadStationary can start as soon as the stationary operand is ready
+            ins.first_deps = self._deps.raw_deps(ins.stationary if isinstance(ins, MatMul) else ins.data)
+        ins.deps = self._deps.record(ins, key or ins.engine)
+        self._track_stationary(ins)
+        self.instructions.append(ins)
+        return ins
+
+    def _track_stationary(self, ins: Instruction) -> None:
+        """Mark matmuls whose stationary operand is still loaded in the PE array (no LS)."""
+        if isinstance(ins, MatMul):
+            s = ins.stationary
+            key = (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
+            if key == self._loaded_stationary:
+                ins.load_stationary = False
+            self._loaded_stationary = key
+            return
+        if isinstance(ins, Transpose):
+            self._loaded_stationary = None
+            return
+        if self._loaded_stationary is not None:
+            uid = self._loaded_stationary[0]
+            if any(isinstance(w, TileAP) and w.alloc.uid == uid for w in ins.writes):
+                self._loaded_stationary = None
+
+    def _check_compute(self, what: str, engine: str, aps: Sequence[TileAP]) -> None:
+        for ap in aps:
+            if not isinstance(ap, TileAP):
+                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; load it with dma_copy first")
+            if engine == "GpSimd" and ap.space == "psum":
+                raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
+            _check_alignment(ap, what)
+            limit = VECTOR_PSUM_FREE_MAX if ap.space == "psum" else VECTOR_SBUF_FREE_MAX
+            if engine != "Tensor" and ap.free_size > limit:
+                raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
+                                  f"an instruction may touch at most {limit} in {ap.space.upper()}")
+
+    # ---- DMA -------------------------------------------------------------------------------
+    def dma_copy(self, dst: AP | HbmTensor, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaCopy:
+        """Copy ``src`` to ``dst`` (HBM<->SBUF, SBUF->SBUF, HBM->HBM), casting if dtypes differ.
+
+        The trigger runs on ``engine``'s sequencer (sync by default, like NKI's DMAs on
+        qSyncIO); the transfer runs on DMA queue ``queue`` of that engine. Transfers in one
+        queue complete in order; different queues overlap.
+        """
+        dst = dst.full() if isinstance(dst, HbmTensor) else dst
+        src = src.full() if isinstance(src, HbmTensor) else src
+        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
+        if not isinstance(queue, int) or queue < 0:
+            raise KernelError(f"dma_copy: queue must be a non-negative integer, got {queue!r}")
+        lane = f"q{eng}IO{queue}"
+        if lane not in self.queues:
+            if len(self.queues) >= self.config.core.dma.queues:
+                raise KernelError(f"dma_copy: kernel uses more than {self.config.core.dma.queues} DMA queues "
+                                  f"(core.dma.queues on {self.config.name}); reuse one of {', '.join(self.queues)}")
+            self.queues[lane] = len(self.queues)
+        ins = DmaCopy(eng, dst, src, lane)
+        ins.plan = plan_dma(dst, src, self.config)
+        return self._emit(ins, key=lane)  # type: ignore[return-value]
+
+    # ---- TensorE ---------------------------------------------------------------------------
+    def nc_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP, *, accumulate: bool = False) -> MatMul:
+        """``dst[M,N] (+)= stationary[K,M]ᵀ @ moving[K,N]`` on the PE array.
+
+        K is the partition axis of both operands (<= 128; fp8 "double-row" operands are shaped
+        [K, 2, M] and [K, 2, N] and contract over 2K). ``accumulate=True`` adds into the PSUM
+        accumulation group instead of starting it.
+        """
+        t = self.config.core.tensor
+        what = "nc_matmul"
+        self._check_compute(what, "Tensor", (dst, stationary, moving))
+        for name, ap in (("stationary", stationary), ("moving", moving)):
+            if ap.space != "sbuf":
+                raise KernelError(f"{what}: {name} '{ap.name}' is in {ap.space.upper()}; TensorE reads operands from SBUF only")
+            if ap.dtype.name not in _MATMUL_DTYPES:
+                raise KernelError(f"{what}: {name} dtype {ap.dtype.name} is not a TensorE input type; expected "
+                                  f"bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn or fp8_e5m2")
+        if dst.space != "psum":
+            raise KernelError(f"{what}: dst '{dst.name}' is in {dst.space.upper()}; TensorE writes to PSUM only")
+        if (stationary.dtype.name == "float32") != (moving.dtype.name == "float32"):
+            raise KernelError(f"{what}: if one operand is fp32 the other must be too "
+                              f"(got {stationary.dtype.name} x {moving.dtype.name})")
+        fp8 = stationary.dtype.name.startswith("float8") and moving.dtype.name.startswith("float8")
+        double_row = len(stationary.dims) == 2 and stationary.dims[0][1] == 2
+        if double_row:
+            if not (fp8 and t.fp8_double_row):
+                raise KernelError(f"{what}: a [K, 2, M] double-row stationary needs fp8 operands on a core with "
+                                  f"FP8 double-row (core.tensor.fp8_double_row on {self.config.name})")
+            if len(moving.dims) != 2 or moving.dims[0][1] != 2:
+                raise KernelError(f"{what}: double-row moving must be shaped [K, 2, N], got {moving.shape}")
+            m_size, n_size = stationary.dims[1][1], moving.dims[1][1]
+        else:
+            m_size, n_size = stationary.free_size, moving.free_size
+        k = stationary.p_count
+        if moving.p_count != k:
+            raise KernelError(f"{what}: contraction mismatch: stationary has {k} partitions, moving has {moving.p_count}")
+        if k > t.max_contraction:
+            raise KernelError(f"{what}: contraction {k} partitions exceeds {t.max_contraction} (core.tensor.max_contraction)")
+        if m_size > t.stationary_max_free:
+            raise KernelError(f"{what}: stationary free size {m_size} exceeds {t.stationary_max_free} "
+                              f"(core.tensor.stationary_max_free on {self.config.name})")
+        if dst.dtype.name == "float32":
+            n_max, key = t.moving_max_free, "core.tensor.moving_max_free"
+        elif dst.dtype.name == "bfloat16" and t.moving_max_free_bf16_dst > 0:
+            n_max, key = t.moving_max_free_bf16_dst, "core.tensor.moving_max_free_bf16_dst"
+        else:
+            raise KernelError(f"{what}: PSUM dst dtype {dst.dtype.name} unsupported on {self.config.name}; expected fp32"
+                              + (" or bf16" if t.moving_max_free_bf16_dst else ""))
+        if n_size > n_max:
+            raise KernelError(f"{what}: moving free size {n_size} exceeds {n_max} ({key} on {self.config.name})")
+        if dst.p_count != m_size or dst.free_size != n_size:
+            raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}, expected [{m_size}, {n_size}] "
+                              f"(stationary free x moving free)")
+        check_matmul_dst(dst, self.config, what)
+        return self._emit(MatMul(dst, stationary, moving, accumulate, double_row))  # type: ignore[return-value]
+
+    def nc_transpose(self, dst: TileAP, data: TileAP) -> Transpose:
+        """``dst[F, P] = data[P, F]ᵀ`` through the PE array (bit exact; 2-byte types stay 2-byte)."""
+        t = self.config.core.tensor
+        what = "nc_transpose"
+        self._check_compute(what, "Tensor", (dst, data))
+        if data.space != "sbuf" or dst.space != "psum":
+            raise KernelError(f"{what}: data must be in SBUF and dst in PSUM (got {data.space.upper()} -> {dst.space.upper()})")
+        p, f = data.p_count, data.free_size
+        if p > t.pe_rows or f > t.stationary_max_free:
+            raise KernelError(f"{what}: data [{p}, {f}] exceeds the {t.pe_rows}x{t.stationary_max_free} PE array")
+        if dst.p_count != f or dst.free_size != p:
+            raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}, expected [{f}, {p}]")
+        if dst.dtype.itemsize != data.dtype.itemsize and dst.dtype.name != "float32":
+            raise KernelError(f"{what}: dst dtype {dst.dtype.name} must be fp32 or the input dtype {data.dtype.name}")
+        check_matmul_dst(dst, self.config, what)
+        return self._emit(Transpose(dst, data))  # type: ignore[return-value]
+
+    # ---- Vector / Scalar / GpSimd ----------------------------------------------------------
+    def activation(self, dst: TileAP, op: Any, data: TileAP, *, bias: TileAP | float | None = None,
+                   scale: TileAP | float = 1.0, reduce_op: Any = None, reduce_res: TileAP | None = None) -> Activation:
+        """ScalarE ``dst = op(data * scale + bias)``; with ``reduce_op`` ('add'/'max') also writes
+        the per-partition reduction of the result to ``reduce_res`` [P, 1]."""
+        what = f"activation({getattr(op, '__name__', op)})"
+        func = activation_fn(op)
+        aps = [dst, data] + [x for x in (bias, scale, reduce_res) if isinstance(x, TileAP)]
+        self._check_compute(what, "Scalar", aps)
+        _check_same_shape(what, dst, data)
+        for nm, x in (("bias", bias), ("scale", scale)):
+            if isinstance(x, TileAP):
+                _check_per_partition(what, nm, x, data)
+            elif x is not None and not isinstance(x, (int, float)):
+                raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
+        rop = None
+        if reduce_op is not None or reduce_res is not None:
+            if reduce_op is None or reduce_res is None:
+                raise KernelError(f"{what}: reduce_op and reduce_res go together")
+            rop = reduce_op_checked(reduce_op, ("add", "max", "min"), what)
+            _check_per_partition(what, "reduce_res", reduce_res, data)
+        ins = Activation(dst, data, func, scale, 0.0 if bias is None else bias, rop, reduce_res)
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, *, engine: str = "vector") -> TensorTensor:
+        """Elementwise ``dst = data1 op data2`` (shapes equal; use ``broadcast_to`` to broadcast)."""
+        what = f"tensor_tensor({getattr(op, '__name__', op)})"
+        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        opn = alu_op(op)
+        self._check_compute(what, eng, (dst, data1, data2))
+        _check_same_shape(what, dst, data1)
+        _check_same_shape(what, dst, data2)
+        return self._emit(TensorTensor(eng, dst, data1, data2, opn))  # type: ignore[return-value]
+
+    def tensor_scalar(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, *, op1: Any = None,
+                      operand1: TileAP | float | None = None, reverse0: bool = False, reverse1: bool = False,
+                      engine: str = "vector") -> TensorScalar:
+        """``dst = (data op0 operand0) op1 operand1`` with immediate or per-partition operands."""
+        what = f"tensor_scalar({getattr(op0, '__name__', op0)})"
+        allowed = ("Vector", "GpSimd", "Scalar")
+        eng = engine_name(engine, allowed, what)
+        o0 = alu_op(op0)
+        o1 = alu_op(op1) if op1 is not None else None
+        if (op1 is None) != (operand1 is None):
+            raise KernelError(f"{what}: op1 and operand1 go together")
+        aps = [dst, data] + [x for x in (operand0, operand1) if isinstance(x, TileAP)]
+        self._check_compute(what, eng, aps)
+        _check_same_shape(what, dst, data)
+        for nm, x in (("operand0", operand0), ("operand1", operand1)):
+            if isinstance(x, TileAP):
+                _check_per_partition(what, nm, x, data)
+            elif x is not None and not isinstance(x, (int, float)):
+                raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
+        ins = TensorScalar(eng, dst, data, o0, operand0, o1, operand1, reverse0, reverse1)
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: int | Sequence[int], *, negate: bool = False,
+                      engine: str = "vector") -> TensorReduce:
+        """Reduce free axes ``axis`` (1 = the first free axis, as in NKI) of ``data`` into ``dst``."""
+        what = f"tensor_reduce({getattr(op, '__name__', op)})"
+        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        opn = reduce_op_checked(op, ("add", "max", "min", "multiply"), what)
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        nfree = len(data.dims)
+        for a in axes:
+            if not 1 <= a <= nfree:
+                raise KernelError(f"{what}: axis {a} is not a free axis of '{data.name}' (1..{nfree}); "
+                                  f"cross-partition reductions need nc_matmul with a ones vector")
+        self._check_compute(what, eng, (dst, data))
+        kept = 1
+        for i, (_, n) in enumerate(data.dims, start=1):
+            if i not in axes:
+                kept *= n
+        if dst.p_count != data.p_count or dst.free_size != kept:
+            raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}; reducing axes {axes} of "
+                              f"{data.shape} leaves [{data.p_count}, {kept}]")
+        return self._emit(TensorReduce(eng, dst, data, opn, tuple(sorted(axes)), negate))  # type: ignore[return-value]
+
+    def tensor_copy(self, dst: TileAP, src: TileAP, *, engine: str = "vector") -> TensorCopy:
+        """``dst = src`` with a cast (RNE). The usual PSUM evacuation."""
+        what = "tensor_copy"
+        eng = engine_name(engine, ("Vector", "Scalar", "GpSimd"), what)
+        self._check_compute(what, eng, (dst, src))
+        _check_same_shape(what, dst, src)
+        return self._emit(TensorCopy(eng, dst, src))  # type: ignore[return-value]
+
+    def memset(self, dst: TileAP, value: float, *, engine: str = "vector") -> Memset:
+        what = "memset"
+        eng = engine_name(engine, ("Vector", "GpSimd", "Scalar"), what)
+        self._check_compute(what, eng, (dst,))
+        return self._emit(Memset(eng, dst, float(value)))  # type: ignore[return-value]
+
+    def iota(self, dst: TileAP, *, base: int = 0, channel_multiplier: int = 0,
+             pattern: Sequence[int] | None = None) -> Iota:
+        """GpSimd: ``dst[p, i...] = base + channel_multiplier*p + sum(pattern[k] * i_k)``."""
+        what = "iota"
+        self._check_compute(what, "GpSimd", (dst,))
+        pat = tuple(int(x) for x in (pattern if pattern is not None else [1] * len(dst.dims)))
+        if len(pat) != len(dst.dims):
+            raise KernelError(f"{what}: pattern has {len(pat)} strides but dst has {len(dst.dims)} free dims")
+        return self._emit(Iota(dst, int(base), int(channel_multiplier), pat))  # type: ignore[return-value]
+
+    def affine_select(self, dst: TileAP, data: TileAP, *, cmp: str = "greater_equal", offset: int = 0,
+                      channel_multiplier: int = 0, pattern: Sequence[int] | None = None,
+                      on_false: float = 0.0) -> AffineSelect:
+        """GpSimd: keep ``data`` where ``offset + channel_multiplier*p + sum(pattern*i) cmp 0``,
+        else write ``on_false`` (e.g. -inf above the diagonal for causal attention)."""
+        what = "affine_select"
+        c = alu_op(cmp)
+        if c not in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"):
+            raise KernelError(f"{what}: cmp must be a comparison, got {cmp!r}")
+        self._check_compute(what, "GpSimd", (dst, data))
+        _check_same_shape(what, dst, data)
+        pat = tuple(int(x) for x in (pattern if pattern is not None else [1] * len(data.dims)))
+        if len(pat) != len(data.dims):
+            raise KernelError(f"{what}: pattern has {len(pat)} strides but data has {len(data.dims)} free dims")
+        ins = AffineSelect(dst, data, c, int(offset), int(channel_multiplier), pat, float(on_false))
+        return self._emit(ins)  # type: ignore[return-value]
+
+    # ---- introspection ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.instructions)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ins in self.instructions:
+            out[ins.opcode] = out.get(ins.opcode, 0) + 1
+        return out
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, {len(self.instructions)} instructions, config={self.config.name})"
+
+
+def reduce_op_checked(op: Any, allowed: Sequence[str], what: str) -> str:
+    n = reduce_op(op)
+    if n not in allowed:
+        raise KernelError(f"{what}: reduce op {op!r} not supported here; expected one of {', '.join(allowed)}")
+    return n
+
+
+def _check_alignment(ap: TileAP, what: str) -> None:
+    """Partition start rules of datasheet §4.6: 65-128 partitions start at 0, 33-64 at 0/64,
+    1-32 at a multiple of 32."""
+    n, s = ap.p_count, ap.p_start
+    if n > 64:
+        ok, need = s == 0, "0"
+    elif n > 32:
+        ok, need = s in (0, 64), "0 or 64"
+    else:
+        ok, need = s % 32 == 0, "0, 32, 64 or 96"
+    if not ok:
+        raise KernelError(f"{what}: tile '{ap.name}' covers {n} partitions starting at {s}; "
+                          f"an access of {n} partitions must start at partition {need}")
+
+
+def _check_same_shape(what: str, dst: TileAP, src: TileAP) -> None:
+    if dst.p_count != src.p_count or dst.free_size != src.free_size:
+        raise KernelError(f"{what}: shape mismatch: '{dst.name}' {dst.shape} vs '{src.name}' {src.shape}")
+    if dst.p_start != src.p_start:
+        n = dst.p_count
+        if n > 64 or (n > 32 and {dst.p_start, src.p_start} != {0, 64}):
+            raise KernelError(f"{what}: moving {n} partitions from partition {src.p_start} to {dst.p_start}; "
+                              f"engines shift partitions only across halves (<=64) or quadrants (<=32)")
+
+
+def _check_per_partition(what: str, name: str, x: TileAP, data: TileAP) -> None:
+    if x.p_count != data.p_count or x.free_size != 1:
+        raise KernelError(f"{what}: {name} '{x.name}' must be a per-partition [{data.p_count}, 1] tile, got {x.shape}")

@@ -1,0 +1,1 @@
+"""On-chip and device memory: allocation, capacity, DMA and bandwidth."""

@@ -1,0 +1,99 @@
+"""On-chip memory allocation (SBUF; PSUM builds on it).
+
+An allocation takes the same byte range on each of its partitions. Placement is first-fit by
+address, deterministic, and capacity is enforced: a tile that does not fit is a KernelError that
+says what is in use, never a silent spill (the NKI CPU simulator does not check this at all).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Iterator
+
+from ..config import format_quantity
+from ..isa import Allocation, KernelError
+
+__all__ = ["OnChipAllocator"]
+
+
+class OnChipAllocator:
+    """First-fit allocator over ``partitions`` x ``partition_bytes``.
+
+    ``granule`` is the address alignment and size rounding in bytes.
+    """
+
+    def __init__(self, space: str, partitions: int, partition_bytes: int, granule: int, label: str,
+                 uids: Iterator[int] | None = None):
+        self.space = space
+        self.partitions = partitions
+        self.partition_bytes = partition_bytes
+        self.granule = granule
+        self.label = label  # for messages, e.g. "SBUF (trn2: 224 KiB per partition)"
+        self.live: list[Allocation] = []
+        self.peak_bytes = 0  # peak bytes in use on the fullest partition
+        self._usage = [0] * partitions  # bytes in use per partition
+        self._spans: list[tuple[int, int, int, int]] = []
+        self._uids = uids if uids is not None else itertools.count(1)  # unique across memories
+
+    def _round(self, nbytes: int) -> int:
+        g = self.granule
+        return -(-nbytes // g) * g
+
+    def allocate(self, name: str, p_start: int, p_count: int, nbytes: int) -> Allocation:
+        if p_count < 1 or p_start < 0 or p_start + p_count > self.partitions:
+            raise KernelError(
+                f"{self.space.upper()} tile '{name}' needs partitions {p_start}..{p_start + p_count - 1}, "
+                f"but the {self.space.upper()} has {self.partitions} partitions (0..{self.partitions - 1})"
+            )
+        size = self._round(max(nbytes, 1))
+        if size > self.partition_bytes:
+            raise KernelError(
+                f"{self.space.upper()} tile '{name}' needs {format_quantity(size, 'bytes')} per partition, "
+                f"more than the {format_quantity(self.partition_bytes, 'bytes')} a partition holds on {self.label}"
+            )
+        p_end = p_start + p_count
+        addr = 0
+        # self._spans: (addr, end, p_start, p_end) of live allocations, sorted by address
+        for lo, hi, ps, pe in self._spans:
+            if ps >= p_end or p_start >= pe:
+                continue
+            if addr + size <= lo:
+                break
+            if hi > addr:
+                addr = hi
+        if addr + size > self.partition_bytes:
+            used = self.used_bytes(p_start, p_count)
+            holders = ", ".join(
+                f"'{a.name}' {format_quantity(self._round(a.nbytes), 'bytes')}"
+                for a in sorted(self.live, key=lambda a: -a.nbytes)[:4]
+                if a.p_start < p_end and p_start < a.p_start + a.p_count
+            )
+            more = "" if len(self.live) <= 4 else f" and {len(self.live) - 4} more"
+            raise KernelError(
+                f"{self.space.upper()} is full: tile '{name}' needs {format_quantity(size, 'bytes')} per partition "
+                f"on partitions {p_start}..{p_end - 1}, but {format_quantity(used, 'bytes')} of "
+                f"{format_quantity(self.partition_bytes, 'bytes')} are in use ({holders}{more}) on {self.label}"
+            )
+        alloc = Allocation(self.space, name, p_start, p_count, addr, nbytes, next(self._uids))
+        self.live.append(alloc)
+        bisect.insort(self._spans, (addr, addr + size, p_start, p_end))
+        use = self._usage
+        for p in range(p_start, p_end):
+            use[p] += size
+        self.peak_bytes = max(self.peak_bytes, max(use[p_start:p_end]))
+        return alloc
+
+    def free(self, alloc: Allocation) -> None:
+        if not alloc.live:
+            raise KernelError(f"{self.space.upper()} tile '{alloc.name}' was already freed")
+        alloc.live = False
+        self.live.remove(alloc)
+        size = self._round(alloc.nbytes)
+        self._spans.remove((alloc.addr, alloc.addr + size, alloc.p_start, alloc.p_start + alloc.p_count))
+        for p in range(alloc.p_start, alloc.p_start + alloc.p_count):
+            self._usage[p] -= size
+
+    def used_bytes(self, p_start: int, p_count: int) -> int:
+        """Bytes in use on the fullest partition of the range."""
+        return max(self._usage[p_start:p_start + p_count])
