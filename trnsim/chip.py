@@ -1,0 +1,121 @@
+"""Chip: run kernels on the virtual Trainium and get their values and their cost."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .config import ChipConfig, load_config
+from .cores.base import ENGINE_TYPES
+from .isa import KernelError
+from .kernel import Kernel
+from .memory.state import DeviceMemory
+from .native import convert
+from .report import KernelReport, build_report
+from .sim import simulate
+
+__all__ = ["Chip", "RunResult"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What :meth:`Chip.run` returns: output arrays by name (None in timing-only mode) and the
+    kernel's :class:`~trnsim.report.KernelReport`."""
+
+    outputs: dict[str, np.ndarray] | None
+    report: KernelReport
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self.outputs is None:
+            raise KeyError(f"no outputs in a timing-only run (asked for '{name}')")
+        return self.outputs[name]
+
+
+class Chip:
+    """A simulated chip built from a config name (``"trn2"``), a YAML path, or a ChipConfig,
+    with optional dotted overrides (``{"core.sbuf.partition_bytes": "256KiB"}``)."""
+
+    def __init__(self, config: ChipConfig | str | os.PathLike[str] = "trn2",
+                 overrides: Iterable[str] | Mapping[str, Any] | None = None):
+        self.config = load_config(config, overrides)
+
+    def kernel(self, name: str = "kernel") -> Kernel:
+        """A new kernel builder targeting this chip's cores."""
+        return Kernel(name, self.config)
+
+    def run(self, kernel: Kernel, inputs: Mapping[str, Any] | None = None, *, timing_only: bool = False,
+            core: int = 0) -> RunResult:
+        """Simulate ``kernel`` on one NeuronCore.
+
+        ``inputs`` maps each kernel input name to an array (any float/int array; it is rounded
+        to the tensor's dtype with round-to-nearest-even). With ``timing_only=True`` no values
+        are computed and ``inputs`` may be omitted; the cycles are the same either way.
+        """
+        self._check_kernel(kernel, core)
+        values = None if timing_only else self._execute(kernel, inputs or {})
+        idle = [Kernel("idle", self.config) for _ in range(core)]
+        timelines = simulate(self.config, idle + [kernel])
+        tl = timelines[core]
+        report = build_report(kernel.name, kernel.instructions, tl.segments, tl.total_ticks, self.config, core,
+                              kernel.sbuf_peak_bytes, kernel.psum_peak_bytes)
+        return RunResult(values, report)
+
+    def run_spmd(self, kernels: Sequence[Kernel], inputs: Sequence[Mapping[str, Any]] | None = None, *,
+                 timing_only: bool = False) -> list[RunResult]:
+        """Run ``kernels[c]`` on core ``c`` at the same time (sharing HBM stacks), e.g. the two
+        physical cores of an LNC=2 logical core."""
+        for c, k in enumerate(kernels):
+            self._check_kernel(k, c)
+        outs = [None if timing_only else self._execute(k, (inputs or [{}] * len(kernels))[c])
+                for c, k in enumerate(kernels)]
+        timelines = simulate(self.config, list(kernels))
+        return [RunResult(outs[c], build_report(k.name, k.instructions, tl.segments, tl.total_ticks, self.config, c,
+                                                k.sbuf_peak_bytes, k.psum_peak_bytes))
+                for c, (k, tl) in enumerate(zip(kernels, timelines))]
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check_kernel(self, kernel: Kernel, core: int) -> None:
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"Chip.run expects a trnsim.Kernel, got {type(kernel).__name__}")
+        if kernel.config.core != self.config.core:
+            raise KernelError(
+                f"kernel '{kernel.name}' was built for {kernel.config.name} cores but this chip is "
+                f"{self.config.name}; build it with Kernel(..., config=chip.config)"
+            )
+        if not 0 <= core < self.config.chip.cores:
+            raise KernelError(f"core {core} out of range: {self.config.name} has {self.config.chip.cores} cores")
+
+    def _execute(self, kernel: Kernel, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        ins_tensors = {n: t for n, t in kernel.tensors.items() if t.kind == "input"}
+        unknown = sorted(set(inputs) - set(ins_tensors))
+        if unknown:
+            raise KernelError(f"unknown input '{unknown[0]}' for kernel '{kernel.name}'; its inputs are "
+                              f"{', '.join(ins_tensors) or '(none)'}")
+        missing = [n for n in ins_tensors if n not in inputs]
+        if missing:
+            raise KernelError(f"missing input '{missing[0]}' for kernel '{kernel.name}' "
+                              f"(shape {ins_tensors[missing[0]].shape}, {ins_tensors[missing[0]].dtype.short})")
+        mem = DeviceMemory(self.config)
+        for name, t in kernel.tensors.items():
+            if t.kind == "input":
+                arr = np.asarray(inputs[name])
+                if arr.shape != t.shape:
+                    raise KernelError(f"input '{name}' has shape {arr.shape}, kernel '{kernel.name}' expects {t.shape}")
+                if arr.dtype == t.dtype.np_dtype:
+                    src = arr
+                elif t.dtype.is_float and arr.dtype == np.float32:
+                    src = convert(arr, t.dtype.name)
+                elif t.dtype.is_float:
+                    src = arr.astype(t.dtype.np_dtype)  # one rounding, straight from the source type
+                else:
+                    src = arr.astype(t.dtype.np_dtype)
+                mem.bind(t, src)
+            else:
+                mem.bind(t, None)
+        engines = {name: cls(self.config) for name, cls in ENGINE_TYPES.items()}
+        for ins in kernel.instructions:
+            engines[ins.engine].execute(ins, mem)
+        return {n: mem.hbm[t.uid].reshape(t.shape).copy() for n, t in kernel.tensors.items() if t.kind == "output"}

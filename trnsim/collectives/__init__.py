@@ -1,0 +1,1 @@
+"""NeuronLink collectives (topology, links, algorithms): not modelled yet."""

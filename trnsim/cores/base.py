@@ -1,0 +1,89 @@
+"""The interface every engine module implements.
+
+An engine gives each instruction two things (DESIGN.md, "Two models, one instruction stream"):
+
+* :meth:`Engine.plan` — *when*: given the time its dependencies are satisfied, where the
+  instruction sits on the engine's own in-order timeline (start, end, when its results become
+  visible) and which trace segments it produces. Costs are counted in the engine's own clock
+  cycles and converted to integer ticks here.
+* :meth:`Engine.execute` — *what*: the numbers, in zero simulated time.
+
+The scheduler (:mod:`trnsim.sim`) never computes data and knows no engine by name: engines
+register themselves with :func:`register_engine`, and adding one does not touch it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+from ..config import ChipConfig
+from ..isa import DmaCopy, Instruction
+
+__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES"]
+
+# (lane, label, start tick, end tick, instruction index)
+Segment = tuple[str, str, int, int, int]
+
+ENGINE_TYPES: dict[str, type["Engine"]] = {}
+
+
+def register_engine(cls: type["Engine"]) -> type["Engine"]:
+    ENGINE_TYPES[cls.name] = cls
+    return cls
+
+
+class Engine:
+    """An in-order engine with its own clock. Subclasses implement :meth:`cycles` (and may
+    override :meth:`plan` when an instruction has internal overlap, as TensorE's LS/MM do)."""
+
+    name: ClassVar[str] = "Engine"
+    #: dependencies on this engine's own earlier instructions are satisfied at their *end*
+    #: (the engine pipelines them, e.g. PSUM accumulation) rather than after the latency.
+    pipelines_own_results: ClassVar[bool] = False
+
+    def __init__(self, config: ChipConfig):
+        self.config = config
+        self.tpc = config.ticks_per_cycle(self.name)  # ticks per engine cycle
+        self.free = 0  # tick at which the engine can start its next instruction
+        self._exec: dict[str, Callable[[Any, Any], None]] = {}
+
+    # ---- timing ----------------------------------------------------------------------------
+    def cycles(self, ins: Instruction) -> int:
+        """Busy cycles of ``ins`` on this engine (its issue interval)."""
+        raise NotImplementedError(f"{self.name} engine has no cost for {ins.opcode}")
+
+    def latency_cycles(self, ins: Instruction) -> int:
+        """Cycles after the end before a dependent instruction may use the result."""
+        return 0
+
+    def lane(self, ins: Instruction) -> str:
+        return self.name
+
+    def plan(self, ins: Instruction, t_dep: int, t_first: int) -> tuple[int, int, int, list[Segment]]:
+        """Place ``ins``: return (start, end, ready, segments), all in ticks.
+
+        ``t_dep`` is when all its dependencies are satisfied, ``t_first`` when those of its
+        first phase are (see ``Instruction.first_deps``)."""
+        start = max(t_dep, self.free)
+        if isinstance(ins, DmaCopy):
+            # the sequencer writes the descriptor trigger; the transfer is the DMA system's
+            end = start + self.config.core.sync.dma_trigger_cycles * self.tpc
+            self.free = end
+            return start, end, end, [(self.name, f"DmaTrigger[{ins.queue}]", start, end, ins.index)]
+        end = start + self.cycles(ins) * self.tpc
+        self.free = end
+        ready = end + self.latency_cycles(ins) * self.tpc
+        return start, end, ready, [(self.lane(ins), ins.describe(), start, end, ins.index)]
+
+    # ---- numbers ---------------------------------------------------------------------------
+    def execute(self, ins: Instruction, mem: Any) -> None:
+        """Compute ``ins``'s results into ``mem`` (a :class:`trnsim.memory.state.DeviceMemory`)."""
+        fn = getattr(self, f"exec_{ins.opcode}", None)
+        if fn is None:
+            raise NotImplementedError(f"{self.name} engine cannot execute {ins.opcode}")
+        fn(ins, mem)
+
+    def exec_DmaCopy(self, ins: DmaCopy, mem: Any) -> None:
+        from ..memory.dma import execute_dma
+
+        execute_dma(ins, mem)

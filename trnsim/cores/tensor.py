@@ -1,0 +1,148 @@
+"""TensorE: the 128x128 systolic PE array (weight stationary), reading SBUF, writing PSUM.
+
+Each ``nc_matmul`` is two hardware instructions (datasheet §4.2): **LoadStationary** (LS) caches
+the stationary operand in the array, then **MultiplyMoving** (MM) streams the moving operand
+through it. The timing model (datasheet §7, §12.1; lessons-from-peers "issue interval and latency
+are different things"):
+
+* MM occupies the array for its issue interval ``max(min(MIN_ISSUE, M), N)`` PE cycles
+  (N = moving free size, M = stationary free size), x ``fp32_cost_multiplier`` for fp32. FP8
+  double-row contracts 2K rows in the same cycles.
+* LS costs ``ceil(M / load_stationary_speedup)`` cycles and is skipped when the same stationary
+  tile is still loaded. With ``overlap_load_stationary`` it runs in the background of the
+  previous MM (it may start once that MM has started); without it, it waits until the previous
+  result has drained (SCALE-Sim's weight-stationary schedule).
+* Results are visible in PSUM ``pe_rows + pe_cols - 2`` cycles after the MM ends (fill and
+  drain). That latency sits on the dependency path of *other* engines only: accumulating
+  matmuls into the same PSUM bank pipeline back to back.
+* Power ramp (Trn2/Trn3): after an idle gap of ``throttle_idle_reset``, the array starts at
+  ``throttle_initial_util`` of its rate and ramps linearly to 100% over ``throttle_ramp``.
+
+Numbers come from the native datapath (:mod:`trnsim.native`), bit-identical to its numpy
+reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..config import ChipConfig
+from ..isa import Instruction, MatMul, Transpose
+from ..native import convert, matmul as native_matmul
+from .alu import to_dtype
+from .base import Engine, Segment, register_engine
+
+LS_LANE = "Tensor (LS)"
+
+
+@register_engine
+class TensorEngine(Engine):
+    name = "Tensor"
+    pipelines_own_results = True
+
+    def __init__(self, config: ChipConfig):
+        super().__init__(config)
+        t = config.core.tensor
+        self.ls_free = 0          # LS unit free from
+        self.last_mm_start = 0    # the LS of the next MM may start once this MM started
+        self.last_mm_ready = 0    # ... or, without overlap, once its result drained
+        self.last_mm_end = -10**30
+        self.ramp_start: int | None = None
+        self.drain_cycles = t.pe_rows + t.pe_cols - 2
+        self.ramp_ticks = config.ps_to_ticks(t.throttle_ramp)
+        self.idle_reset_ticks = config.ps_to_ticks(t.throttle_idle_reset)
+
+    # ---- timing ----------------------------------------------------------------------------
+    def shape_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
+        """(LS cycles, MM cycles) at full rate."""
+        t = self.config.core.tensor
+        if isinstance(ins, Transpose):
+            # data goes in as the stationary [P, F], identity streams as moving [P, P]
+            m, n = ins.data.free_size, ins.data.p_count
+            mult = 1
+        else:
+            if ins.double_row:
+                m, n = ins.stationary.dims[1][1], ins.moving.dims[1][1]
+            else:
+                m, n = ins.stationary.free_size, ins.moving.free_size
+            mult = t.fp32_cost_multiplier if ins.stationary.dtype.name == "float32" else 1
+        ls = math.ceil(m / t.load_stationary_speedup) * mult if ins.load_stationary else 0
+        mm = max(min(t.min_issue_cycles, m), n) * mult
+        return ls, mm
+
+    def utilisation_limit(self, t_start: int) -> float:
+        tc = self.config.core.tensor
+        if tc.throttle_initial_util >= 1.0:
+            return 1.0
+        if self.ramp_start is None or t_start - self.last_mm_end >= self.idle_reset_ticks:
+            self.ramp_start = t_start
+        if self.ramp_ticks == 0:
+            return 1.0
+        frac = (t_start - self.ramp_start) / self.ramp_ticks
+        return min(1.0, tc.throttle_initial_util + (1.0 - tc.throttle_initial_util) * frac)
+
+    def plan(self, ins: Instruction, t_dep: int, t_first: int) -> tuple[int, int, int, list[Segment]]:
+        if not isinstance(ins, (MatMul, Transpose)):
+            return super().plan(ins, t_dep, t_first)
+        t = self.config.core.tensor
+        tpc = self.tpc
+        ls_cycles, mm_cycles = self.shape_cycles(ins)
+        segs: list[Segment] = []
+        if ls_cycles:
+            gate = self.last_mm_start if t.overlap_load_stationary else self.last_mm_ready
+            ls_start = max(t_first, self.ls_free, gate)
+            ls_end = ls_start + ls_cycles * tpc
+            self.ls_free = ls_end
+            segs.append((LS_LANE, "LoadStationary", ls_start, ls_end, ins.index))
+        else:
+            ls_start = ls_end = t_dep
+        mm_start = max(ls_end, self.free, t_dep)
+        util = self.utilisation_limit(mm_start)
+        mm_ticks = mm_cycles * tpc if util >= 1.0 else math.ceil(mm_cycles * tpc / util)
+        mm_end = mm_start + mm_ticks
+        ready = mm_end + self.drain_cycles * tpc
+        self.free = mm_end
+        self.last_mm_start = mm_start
+        self.last_mm_ready = ready
+        self.last_mm_end = mm_end
+        label = "Transpose" if isinstance(ins, Transpose) else "MultiplyMoving"
+        segs.append((self.name, label, mm_start, mm_end, ins.index))
+        return (ls_start if ls_cycles else mm_start), mm_end, ready, segs
+
+    # ---- numbers ---------------------------------------------------------------------------
+    def exec_MatMul(self, ins: MatMul, mem: Any) -> None:
+        st = mem.view(ins.stationary)
+        mv = mem.view(ins.moving)
+        if ins.double_row:
+            st = st.reshape(st.shape[0] * 2, st.shape[2])
+            mv = mv.reshape(mv.shape[0] * 2, mv.shape[2])
+        else:
+            st = st.reshape(st.shape[0], -1)
+            mv = mv.reshape(mv.shape[0], -1)
+        k = st.shape[0]
+        dst = mem.view(ins.dst)
+        if ins.dst.dtype.name == "float32":
+            out = dst.reshape(dst.shape[0], -1)
+            if np.shares_memory(out, dst):
+                native_matmul(st, mv, out=out, accumulate=ins.accumulate, k_chunk=k)
+                return
+            tmp = np.array(out)
+            native_matmul(st, mv, out=tmp, accumulate=ins.accumulate, k_chunk=k)
+            dst[...] = tmp.reshape(dst.shape)
+            return
+        # bf16 PSUM (NC-v4): upcast, add, downcast with round-to-nearest-even
+        res = native_matmul(st, mv, k_chunk=k)
+        if ins.accumulate:
+            res = (dst.reshape(res.shape).astype(np.float32) + res).astype(np.float32)
+        dst[...] = convert(res, ins.dst.dtype.name).reshape(dst.shape)
+
+    def exec_Transpose(self, ins: Transpose, mem: Any) -> None:
+        data = mem.view(ins.data).reshape(ins.data.p_count, -1)
+        dst = mem.view(ins.dst)
+        vals = data.T
+        if ins.dst.dtype != ins.data.dtype:
+            vals = to_dtype(vals.astype(np.float32), ins.dst.dtype)
+        dst[...] = vals.reshape(dst.shape)

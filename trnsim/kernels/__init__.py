@@ -1,0 +1,1 @@
+"""Built-in kernels written with the public builder API."""

@@ -1,0 +1,222 @@
+"""KernelReport: what a kernel cost, as data. Rendering lives in the CLI.
+
+Conventions (also in the README):
+
+* Time starts at tick 0, when the first instruction may issue. ``total`` is the latency until
+  the last result is visible in memory (the last DMA completed, or the last engine result
+  drained) — not the sum of issue intervals.
+* ``cycles`` means cycles of the TensorE clock (``core.tensor.clock``), the clock neuron-profile
+  reports kernels in; per-engine busy figures are also given in that engine's own cycles.
+* Busy time of an engine is the union of its instructions' intervals (TensorE: LoadStationary
+  and MultiplyMoving); ``active_percent`` is busy / total, like neuron-profile's
+  ``*_engine_active_time_percent``.
+* ``mfu_estimated_percent`` = 2·MACs / (2·PEs·clock · total), neuron-profile's definition;
+  ``hfu_estimated_percent`` weighs each matmul by its dtype's PE cost (fp32 x4, fp8 double-row
+  x0.5), the BF16-equivalent "hardware FLOPs"; ``mbu_estimated_percent`` is HBM bytes / total
+  over the core's share of HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from .config import ChipConfig
+from .cores.base import Segment
+from .isa import DmaCopy, Instruction, MatMul, TileAP, Transpose
+
+__all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    instructions: int
+    busy_ticks: int
+    busy_cycles: float  # in the engine's own clock
+    busy_us: float
+    active_percent: float
+
+
+@dataclass(frozen=True)
+class DmaStats:
+    transfers: int
+    bytes: int
+    average_bytes: float  # neuron-profile's dma_transfer_average_bytes
+    active_percent: float  # any queue moving data
+    achieved_bytes_per_s: float
+    queues: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    kernel: str
+    config: str
+    core: int
+    tick_hz: int
+    total_ticks: int
+    total_cycles: float
+    total_us: float
+    engines: dict[str, EngineStats]
+    dma: DmaStats
+    instruction_counts: dict[str, int]
+    hbm_read_bytes: int
+    hbm_write_bytes: int
+    sbuf_read_bytes: int
+    sbuf_write_bytes: int
+    psum_read_bytes: int
+    psum_write_bytes: int
+    matmul_flops: int
+    achieved_flops_per_s: float
+    mfu_estimated_percent: float
+    hfu_estimated_percent: float
+    mbu_estimated_percent: float
+    sbuf_peak_bytes: int
+    psum_peak_bytes: int
+    timeline: tuple[Segment, ...] = field(repr=False, compare=False, default=())
+
+    @property
+    def total_ns(self) -> float:
+        return self.total_ticks * 1e9 / self.tick_hz
+
+    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not timeline:
+            d.pop("timeline")
+        else:
+            d["timeline"] = [list(s) for s in self.timeline]
+        return d
+
+    def segments(self, lane: str | None = None) -> list[Segment]:
+        return [s for s in self.timeline if lane is None or s[0] == lane]
+
+
+def union_length(intervals: Iterable[tuple[int, int]]) -> int:
+    total = 0
+    cur_lo = cur_hi = None
+    for lo, hi in sorted(intervals):
+        if cur_hi is None or lo > cur_hi:
+            if cur_hi is not None:
+                total += cur_hi - cur_lo  # type: ignore[operator]
+            cur_lo, cur_hi = lo, hi
+        elif hi > cur_hi:
+            cur_hi = hi
+    if cur_hi is not None:
+        total += cur_hi - cur_lo  # type: ignore[operator]
+    return total
+
+
+def _engine_of_lane(lane: str) -> str:
+    if lane.startswith("q"):
+        return "DMA"
+    return lane.split(" ")[0]
+
+
+def _bytes(instrs: Iterable[Instruction]) -> dict[str, int]:
+    out = dict.fromkeys(("hbm_read", "hbm_write", "sbuf_read", "sbuf_write", "psum_read", "psum_write"), 0)
+    for ins in instrs:
+        if isinstance(ins, DmaCopy):
+            p = ins.plan
+            out["hbm_read"] += p.hbm_read_bytes
+            out["hbm_write"] += p.hbm_write_bytes
+            out["sbuf_read"] += p.sbuf_read_bytes
+            out["sbuf_write"] += p.sbuf_write_bytes
+            continue
+        for ap in ins.reads:
+            if isinstance(ap, TileAP):
+                out[f"{ap.space}_read"] += ap.nbytes
+        for ap in ins.writes:
+            if isinstance(ap, TileAP):
+                out[f"{ap.space}_write"] += ap.nbytes
+    return out
+
+
+def matmul_flops(ins: MatMul) -> int:
+    if ins.double_row:
+        k = 2 * ins.stationary.p_count
+        m, n = ins.stationary.dims[1][1], ins.moving.dims[1][1]
+    else:
+        k, m, n = ins.stationary.p_count, ins.stationary.free_size, ins.moving.free_size
+    return 2 * k * m * n
+
+
+def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Segment], total_ticks: int,
+                 config: ChipConfig, core: int, sbuf_peak: int, psum_peak: int) -> KernelReport:
+    tick_hz = config.tick_hz
+    total = max(total_ticks, 1)
+    seconds = total_ticks / tick_hz
+    by_engine: dict[str, list[tuple[int, int]]] = {}
+    counts_engine: dict[str, int] = {}
+    for lane, _, s, e, _ in segments:
+        by_engine.setdefault(_engine_of_lane(lane), []).append((s, e))
+    for ins in instrs:
+        counts_engine[ins.engine] = counts_engine.get(ins.engine, 0) + 1
+    clocks = config.engine_clocks
+    engines: dict[str, EngineStats] = {}
+    for name in clocks:
+        busy = union_length(by_engine.get(name, []))
+        engines[name] = EngineStats(
+            instructions=counts_engine.get(name, 0),
+            busy_ticks=busy,
+            busy_cycles=busy / config.ticks_per_cycle(name),
+            busy_us=busy / tick_hz * 1e6,
+            active_percent=100.0 * busy / total,
+        )
+    dmas = [ins for ins in instrs if isinstance(ins, DmaCopy)]
+    dma_bytes = sum(d.plan.bytes for d in dmas)
+    queues: dict[str, dict[str, float]] = {}
+    for d in dmas:
+        q = queues.setdefault(d.queue, {"transfers": 0, "bytes": 0, "busy_us": 0.0})
+        q["transfers"] += 1
+        q["bytes"] += d.plan.bytes
+    for lane in queues:
+        queues[lane]["busy_us"] = union_length((s, e) for ln, _, s, e, _ in segments if ln == lane) / tick_hz * 1e6
+    dma = DmaStats(
+        transfers=len(dmas),
+        bytes=dma_bytes,
+        average_bytes=dma_bytes / len(dmas) if dmas else 0.0,
+        active_percent=100.0 * union_length(by_engine.get("DMA", [])) / total,
+        achieved_bytes_per_s=dma_bytes / seconds if seconds else 0.0,
+        queues=queues,
+    )
+    counts: dict[str, int] = {}
+    for ins in instrs:
+        counts[ins.opcode] = counts.get(ins.opcode, 0) + 1
+    b = _bytes(instrs)
+    flops = 0
+    hw_flops = 0.0
+    for ins in instrs:
+        if isinstance(ins, MatMul):
+            f = matmul_flops(ins)
+            flops += f
+            rate = config.tensor_rate(ins.stationary.dtype.name)
+            hw_flops += f / rate
+        elif isinstance(ins, Transpose):
+            hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size
+    peak = config.peak_flops_per_core("bf16")
+    hbm_bytes = b["hbm_read"] + b["hbm_write"]
+    return KernelReport(
+        kernel=kernel_name,
+        config=config.name,
+        core=core,
+        tick_hz=tick_hz,
+        total_ticks=total_ticks,
+        total_cycles=total_ticks / config.ticks_per_cycle("Tensor"),
+        total_us=seconds * 1e6,
+        engines=engines,
+        dma=dma,
+        instruction_counts=counts,
+        hbm_read_bytes=b["hbm_read"],
+        hbm_write_bytes=b["hbm_write"],
+        sbuf_read_bytes=b["sbuf_read"],
+        sbuf_write_bytes=b["sbuf_write"],
+        psum_read_bytes=b["psum_read"],
+        psum_write_bytes=b["psum_write"],
+        matmul_flops=flops,
+        achieved_flops_per_s=flops / seconds if seconds else 0.0,
+        mfu_estimated_percent=100.0 * flops / (peak * seconds) if seconds else 0.0,
+        hfu_estimated_percent=100.0 * hw_flops / (peak * seconds) if seconds else 0.0,
+        mbu_estimated_percent=100.0 * hbm_bytes / (config.hbm_bandwidth_per_core * seconds) if seconds else 0.0,
+        sbuf_peak_bytes=sbuf_peak,
+        psum_peak_bytes=psum_peak,
+        timeline=tuple(sorted(segments, key=lambda s: (s[2], s[4], s[0]))),
+    )
