@@ -1,0 +1,74 @@
+"""The trnsim command: golden output, JSON, and one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trnsim.cli import main
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_info_trn2_golden(capsys):
+    code, out, err = run(capsys, "info", "trn2")
+    assert code == 0 and err == ""
+    assert out == (GOLDEN / "info_trn2.txt").read_text()
+
+
+def test_info_defaults_to_trn2(capsys):
+    assert run(capsys, "info")[1] == (GOLDEN / "info_trn2.txt").read_text()
+
+
+def test_demo_golden(capsys):
+    code, out, _ = run(capsys, "demo")
+    assert code == 0
+    assert out == (GOLDEN / "demo_trn2.txt").read_text()
+
+
+def test_info_json_and_overrides(capsys):
+    code, out, _ = run(capsys, "info", "trn3", "--set", "core.sbuf.partition_bytes=300KiB", "--json")
+    d = json.loads(out)
+    assert code == 0
+    assert d["sbuf_partition_bytes"] == 300 * 1024
+    assert d["overrides"] == {"core.sbuf.partition_bytes": "300KiB"}
+    assert d["peak_flops_per_core"]["mxfp8"] == pytest.approx(314.5728e12)
+    assert d["logical_cores"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["info", "trn9"], "trnsim: error: unknown config 'trn9': expected one of trn1, trn2, trn3 or a path to a .yaml file\n"),
+    (["info", "--set", "core.sbuf.partition_bytes=lots"],
+     "trnsim: error: trn2.yaml (--set core.sbuf.partition_bytes=lots): core.sbuf.partition_bytes = 'lots': "
+     "expected a bytes quantity like '224KiB'\n"),
+    (["info", "--set", "core.sbuf"], "trnsim: error: bad override 'core.sbuf': expected KEY=VALUE, e.g. "
+                                     "core.sbuf.partition_bytes=256KiB\n"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err == message
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--frobnicate"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim --help')\n"
+    with pytest.raises(SystemExit):
+        main(["bogus"])
+    assert capsys.readouterr().err.startswith("trnsim: error: argument COMMAND: invalid choice: 'bogus'")
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "trnsim.cli", "info", "trn1"], capture_output=True, text=True)
+    assert r.returncode == 0 and "trn1: AWS Trainium1" in r.stdout

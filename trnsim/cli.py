@@ -1,0 +1,265 @@
+"""The ``trnsim`` command. The only module that imports rich.
+
+    trnsim info [CONFIG] [--set K=V ...] [--json]
+    trnsim demo [--config CONFIG] [--set K=V ...]
+
+Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
+``trnsim: error: ...`` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn, Sequence
+
+from .config import ChipConfig, ConfigError, config_names, format_quantity, load_config
+from .isa import KernelError
+from .report import KernelReport
+
+__all__ = ["main", "render_info", "render_report"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"trnsim: error: {message} (see 'trnsim {self.prog.split()[-1]} --help')"
+              if " " in self.prog else f"trnsim: error: {message} (see 'trnsim --help')", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class _Out:
+    """A rich console that writes to stdout without the trailing padding rich adds to lines,
+    so output is stable text (pinned by golden tests)."""
+
+    def __init__(self, width: int = 100):
+        import io
+
+        from rich.console import Console
+
+        self._buf = io.StringIO()
+        color = sys.stdout.isatty()
+        self._console = Console(file=self._buf, highlight=False, soft_wrap=False, width=width,
+                                force_terminal=color, color_system="auto" if color else None)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self._console.print(*args, **kwargs)
+        text = self._buf.getvalue()
+        self._buf.seek(0)
+        self._buf.truncate()
+        sys.stdout.write("".join(line.rstrip() + "\n" for line in text.splitlines()))
+        sys.stdout.flush()
+
+
+def _console() -> Any:
+    return _Out()
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------------
+
+
+def info_data(cfg: ChipConfig) -> dict[str, Any]:
+    """The figures ``trnsim info`` prints, as plain data."""
+    c, chip = cfg.core, cfg.chip
+    dtypes = ["bf16", "fp16", "fp8", "fp32"] + (["mxfp8"] if c.tensor.mx_quad else [])
+    peaks = {d: cfg.peak_flops_per_core(d) for d in dtypes}
+    dma_core = c.dma.engines * c.dma.engine_bandwidth
+    return {
+        "name": cfg.name,
+        "description": cfg.description,
+        "source": cfg.source,
+        "overrides": dict(cfg.overrides),
+        "core_version": c.version,
+        "physical_cores": chip.cores,
+        "lnc": chip.lnc,
+        "logical_cores": cfg.logical_cores,
+        "clocks_hz": cfg.engine_clocks,
+        "tick_hz": cfg.tick_hz,
+        "pe_array": [c.tensor.pe_rows, c.tensor.pe_cols],
+        "peak_flops_per_core": peaks,
+        "peak_flops_per_chip": {d: v * chip.cores for d, v in peaks.items()},
+        "sbuf_bytes_per_core": c.sbuf.bytes,
+        "sbuf_partitions": c.sbuf.partitions,
+        "sbuf_partition_bytes": c.sbuf.partition_bytes,
+        "psum_bytes_per_core": c.psum.bytes,
+        "psum_banks": c.psum.banks,
+        "psum_bank_bytes": c.psum.bank_bytes,
+        "hbm_bytes": chip.hbm.capacity,
+        "hbm_bandwidth": chip.hbm.bandwidth,
+        "hbm_stacks": chip.hbm.stacks,
+        "hbm_bandwidth_per_core": cfg.hbm_bandwidth_per_core,
+        "dma_engines_per_core": c.dma.engines,
+        "dma_queues_per_engine": c.dma.queues,
+        "dma_engine_bandwidth": c.dma.engine_bandwidth,
+        "dma_bandwidth_per_core": dma_core,
+        "dma_bandwidth_per_chip": dma_core * chip.cores,
+        "dma_start_latency_ns": c.dma.start_latency / 1000,
+        "neuronlink": {
+            "version": chip.neuronlink.version,
+            "links": chip.neuronlink.links,
+            "bandwidth": chip.neuronlink.bandwidth,
+            "topology": chip.neuronlink.topology,
+            "instance_chips": chip.neuronlink.instance_chips,
+        },
+    }
+
+
+def render_info(cfg: ChipConfig, console: Any) -> None:
+    from rich.table import Table
+
+    d = info_data(cfg)
+    c = cfg.core
+    title = f"{cfg.name}: {cfg.description}"
+    if cfg.overrides:
+        title += f"  (with {cfg.describe_overrides()})"
+    t = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    bw = lambda v: format_quantity(v, "bandwidth")  # noqa: E731
+    hz = lambda v: format_quantity(v, "hz")  # noqa: E731
+    by = lambda v: format_quantity(v, "bytes")  # noqa: E731
+    t.add_row("Cores", f"{d['physical_cores']} physical {c.version}, LNC={d['lnc']} -> {d['logical_cores']} logical")
+    t.add_row("Clocks", ", ".join(f"{k} {hz(v)}" for k, v in d["clocks_hz"].items()))
+    t.add_row("PE array", f"{c.tensor.pe_rows} x {c.tensor.pe_cols}, moving tile <= {c.tensor.moving_max_free}, "
+                          f"stationary <= {c.tensor.stationary_max_free}")
+    peaks = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in d["peak_flops_per_core"].items())
+    chip_peaks = ", ".join(f"{k} {v / 1e12:.0f}" for k, v in d["peak_flops_per_chip"].items())
+    t.add_row("Peak TFLOP/s", f"per core: {peaks}")
+    t.add_row("", f"per chip: {chip_peaks}")
+    t.add_row("SBUF", f"{by(c.sbuf.bytes)} per core = {c.sbuf.partitions} partitions x {by(c.sbuf.partition_bytes)}")
+    t.add_row("PSUM", f"{by(c.psum.bytes)} per core = {c.psum.partitions} partitions x {c.psum.banks} banks x "
+                      f"{by(c.psum.bank_bytes)}")
+    t.add_row("HBM", f"{by(cfg.chip.hbm.capacity)}, {bw(cfg.chip.hbm.bandwidth)} over {cfg.chip.hbm.stacks} stacks "
+                     f"({bw(cfg.hbm_bandwidth_per_core)} per core)")
+    t.add_row("DMA", f"{c.dma.engines} engines x {c.dma.queues} queues per core, {bw(c.dma.engine_bandwidth)} per "
+                     f"engine = {bw(d['dma_bandwidth_per_core'])} per core, {bw(d['dma_bandwidth_per_chip'])} per chip; "
+                     f"start latency {format_quantity(c.dma.start_latency, 'time')}")
+    nl = cfg.chip.neuronlink
+    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
+                            f"{nl.instance_chips} chips")
+    t.add_row("Source", cfg.source_display)
+    console.print(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel reports
+# ---------------------------------------------------------------------------------------------
+
+
+def bound_of(report: KernelReport) -> str:
+    """The resource that limits the kernel: the busiest engine or the DMA system."""
+    busy = {name: s.active_percent for name, s in report.engines.items() if name != "Sync"}
+    busy["DMA/HBM"] = report.dma.active_percent
+    return max(busy, key=lambda k: busy[k])
+
+
+def render_report(report: KernelReport, console: Any, config: ChipConfig | None = None) -> None:
+    from rich.table import Table
+
+    head = Table(title=f"Kernel '{report.kernel}' on {report.config} (core {report.core})",
+                 show_header=False, title_justify="left", box=None, padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("Total", f"{report.total_cycles:,.0f} cycles ({report.total_us:,.3f} us) at the TensorE clock")
+    head.add_row("MFU", f"{report.mfu_estimated_percent:.2f}%  (HFU {report.hfu_estimated_percent:.2f}%, "
+                        f"{report.achieved_flops_per_s / 1e12:.2f} TFLOP/s)")
+    hbm = report.hbm_read_bytes + report.hbm_write_bytes
+    head.add_row("HBM", f"read {format_quantity(report.hbm_read_bytes, 'bytes')}, written "
+                        f"{format_quantity(report.hbm_write_bytes, 'bytes')}; MBU {report.mbu_estimated_percent:.1f}%")
+    if report.matmul_flops and hbm:
+        head.add_row("Intensity", f"{report.matmul_flops / hbm:.1f} FLOP/byte of HBM traffic")
+    head.add_row("DMA", f"{report.dma.transfers} transfers, {format_quantity(report.dma.bytes, 'bytes')}, "
+                        f"avg {format_quantity(report.dma.average_bytes, 'bytes')}, "
+                        f"{format_quantity(report.dma.achieved_bytes_per_s, 'bandwidth')}, "
+                        f"active {report.dma.active_percent:.1f}%")
+    head.add_row("SBUF peak", f"{format_quantity(report.sbuf_peak_bytes, 'bytes')} per partition; PSUM peak "
+                              f"{format_quantity(report.psum_peak_bytes, 'bytes')} per partition")
+    head.add_row("Bound by", bound_of(report))
+    console.print(head)
+    t = Table(title="Engines", title_justify="left")
+    for col in ("engine", "instructions", "busy cycles (own clock)", "busy us", "active"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for name, s in report.engines.items():
+        t.add_row(name, f"{s.instructions:,}", f"{s.busy_cycles:,.0f}", f"{s.busy_us:,.3f}", f"{s.active_percent:.1f}%")
+    t.add_row("DMA", f"{report.dma.transfers:,}", "", f"{report.dma.active_percent * report.total_us / 100:,.3f}",
+              f"{report.dma.active_percent:.1f}%")
+    console.print(t)
+    c = Table(title="Instructions", title_justify="left")
+    c.add_column("kind")
+    c.add_column("count", justify="right")
+    for kind, n in sorted(report.instruction_counts.items(), key=lambda kv: -kv[1]):
+        c.add_row(kind, f"{n:,}")
+    console.print(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set)
+    if args.json:
+        print(json.dumps(info_data(cfg), indent=2))
+    else:
+        render_info(cfg, _console())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .chip import Chip
+    from .kernels.matmul import build_matmul
+
+    cfg = load_config(args.config, args.set)
+    console = _console()
+    render_info(cfg, console)
+    console.print()
+    m, k, n = 512, 1024, 1024
+    kernel = build_matmul(m, k, n, "bf16", cfg)
+    rng = np.random.default_rng(0)
+    lhsT = rng.standard_normal((k, m), dtype=np.float32)
+    rhs = rng.standard_normal((k, n), dtype=np.float32)
+    result = Chip(cfg).run(kernel, {"lhsT": lhsT, "rhs": rhs})
+    ref = lhsT.T.astype(np.float64) @ rhs.astype(np.float64)
+    err = float(np.max(np.abs(result["out"].astype(np.float64) - ref)) / np.max(np.abs(ref)))
+    console.print(f"[bold]Demo:[/bold] bf16 matmul {m}x{k} @ {k}x{n} with trnsim.kernels.matmul "
+                  f"({len(kernel)} instructions); max error vs float64 {err:.2e} (bf16 output)")
+    render_report(result.report, console, cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.required = True
+    i = sub.add_parser("info", help="print a chip config: cores, clocks, peak TFLOP/s, memories, DMA, links")
+    i.add_argument("config", nargs="?", default="trnsim-default",
+                   help=f"a config name ({', '.join(config_names())}) or a YAML path; default trn2")
+    i.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="dotted override, e.g. core.sbuf.partition_bytes=256KiB (repeatable)")
+    i.add_argument("--json", action="store_true", help="print the figures as JSON")
+    i.set_defaults(fn=cmd_info)
+    d = sub.add_parser("demo", help="print trnsim info for a chip, then run a bf16 matmul kernel and its report")
+    d.add_argument("--config", default="trn2", help="config name or YAML path (default trn2)")
+    d.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted override (repeatable)")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "config", None) == "trnsim-default":
+        args.config = "trn2"
+    try:
+        return int(args.fn(args))
+    except (ConfigError, KernelError) as e:
+        print(f"trnsim: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
