@@ -213,3 +213,14 @@ def test_input_errors():
         chip.run(k, {"lhsT": np.zeros((128, 128)), "rhs": np.zeros((4, 4))})
     with pytest.raises(KernelError, match=r"^unknown input 'x' for kernel 'matmul'; its inputs are lhsT, rhs$"):
         chip.run(k, {"x": 1})
+
+
+def test_integer_ops_stay_integer():
+    a = rng.integers(-1000, 1000, size=(128, 64)).astype(np.int32)
+    b = rng.integers(1, 1000, size=(128, 64)).astype(np.int32)
+    out = run_elementwise(lambda k, o, x, y: k.tensor_tensor(o, x, y, "bitwise_and"), {"a": a, "b": b},
+                          dtype="int32")
+    assert np.array_equal(out, a & b)
+    big = np.full((128, 64), 2**30 + 1, dtype=np.int32)   # not representable in fp32
+    out = run_elementwise(lambda k, o, x, y: k.tensor_tensor(o, x, y, "add"), {"a": big, "b": b}, dtype="int32")
+    assert np.array_equal(out, big + b)

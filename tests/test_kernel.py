@@ -177,3 +177,15 @@ def test_kernel_for_another_chip_is_rejected():
     with pytest.raises(KernelError, match=r"^kernel 't' was built for trn3 cores but this chip is trn2; "
                                           r"build it with Kernel\(\.\.\., config=chip\.config\)$"):
         Chip("trn2").run(k, timing_only=True)
+
+
+def test_dependencies_through_strided_views():
+    k = Kernel("strided", "trn2")
+    y = k.output("y", (8, 1024), "fp32")
+    t = k.sbuf((8, 512), "fp32")
+    even = y[:, ::2]                     # columns 0, 2, 4, ...
+    w0 = k.dma_copy(even[:, 1:3], t[:, 0:2])      # logical columns 2 and 4
+    w1 = k.dma_copy(y[:, 4:5], t[:, 2:3], queue=1)   # column 4 again: must wait (WAW)
+    w2 = k.dma_copy(y[:, 5:6], t[:, 3:4], queue=2)   # column 5: independent
+    assert w1.deps == (w0.index,)
+    assert w2.deps == ()

@@ -186,18 +186,23 @@ class HbmAP:
         box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
         for k, (i, (s, n)) in enumerate(zip(items, self.dims)):
             r = _slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+            # the parent view's step along this tensor dim, in logical indices
+            ts = self.tensor.strides[k]
+            step0 = s // ts if box is not None and ts and s % ts == 0 else None
+            if box is not None and step0 is None:
+                box = None
             if isinstance(r, int):
                 offset += r * s
                 if box is not None:
-                    lo0 = box[k][0]
-                    box[k] = (lo0 + r, lo0 + r + 1)
+                    lo = box[k][0] + r * step0  # type: ignore[operator]
+                    box[k] = (lo, lo + 1)
             else:
                 start, step, length = r
                 offset += start * s
                 dims.append((s * step, length))
                 if box is not None:
-                    lo0 = box[k][0]
-                    box[k] = (lo0 + start, lo0 + start + step * (length - 1) + 1)
+                    lo = box[k][0] + start * step0  # type: ignore[operator]
+                    box[k] = (lo, lo + (length - 1) * step * step0 + 1)  # type: ignore[operator]
         if not dims:
             dims = [(1, 1)]
         return HbmAP(self.tensor, offset, tuple(dims), tuple(box) if box is not None else None)
