@@ -73,7 +73,7 @@ def test_override_applies_and_is_recorded():
      "trn2.yaml (--set core.tensor.clock=0.5Hz): core.tensor.clock = '0.5Hz': expected a whole number of Hz, got 0.5 Hz"),
     (["core.tensor.clock=100kHz"],
      "trn2.yaml (--set core.tensor.clock=100kHz): core.tensor.clock = '100kHz': out of range, expected 1MHz..100GHz"),
-    (["core.vector.lanes=many"], "trn2.yaml (--set core.vector.lanes=many): core.vector.lanes = 'many': expected an integer"),
+    (["core.vector.min_ii_cycles=many"], "trn2.yaml (--set core.vector.min_ii_cycles=many): core.vector.min_ii_cycles = 'many': expected an integer"),
     (["core.tensor.fp8_double_row=maybe"], "trn2.yaml (--set core.tensor.fp8_double_row=maybe): core.tensor.fp8_double_row = 'maybe': expected true or false"),
     (["chip.lnc=3"], "trn2.yaml: chip.lnc = 3: expected a divisor of chip.cores (8)"),
     (["chip.neuronlink.topology=mesh"],

@@ -198,7 +198,6 @@ class TensorEngineConfig:
     fp32_cost_multiplier: int = _int(1, 64)
     fp8_double_row: bool = _bool()
     mx_quad: bool = _bool()
-    psum_access_latency_cycles: int = _int(0, 100000)
     throttle_initial_util: float = _num(0.01, 1.0)
     throttle_ramp: int = _q("time", lo=0)
     throttle_idle_reset: int = _q("time", lo=0)
@@ -207,18 +206,15 @@ class TensorEngineConfig:
 @dataclass(frozen=True)
 class VectorEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
-    lanes: int = _int(1, 4096)
     min_ii_cycles: int = _int(0, 100000)
     dependency_latency_cycles: int = _int(0, 100000)
     perf_mode_fast: int = _int(1, 16)
     perf_mode_mid: int = _int(1, 16)
-    exp_speedup: int = _int(1, 16)
 
 
 @dataclass(frozen=True)
 class ScalarEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
-    lanes: int = _int(1, 4096)
     min_ii_cycles: int = _int(0, 100000)
     dependency_latency_cycles: int = _int(0, 100000)
     perf_mode_16bit: int = _int(1, 16)

@@ -53,6 +53,37 @@ class KernelError(ValueError):
     """A kernel breaks a hardware rule (tile limits, alignment, capacity, shapes). One line."""
 
 
+def row_major(shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(stride, size) dims of a contiguous row-major array of ``shape``."""
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(zip(reversed(strides), shape))
+
+
+def is_dense(dims: Sequence[tuple[int, int]]) -> bool:
+    """True when (stride, size) dims describe one contiguous row-major block."""
+    acc = 1
+    for s, n in reversed(dims):
+        if n != 1 and s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def span(offset: int, dims: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Element range [lo, hi) an access pattern touches."""
+    lo = hi = offset
+    for s, n in dims:
+        if s >= 0:
+            hi += s * (n - 1)
+        else:
+            lo += s * (n - 1)
+    return lo, hi + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Device memory (HBM)
 # ---------------------------------------------------------------------------------------------
@@ -69,21 +100,15 @@ class HbmTensor:
         self.dtype = dtype
         self.kind = kind  # "input" | "output" | "scratch"
         self.uid = uid
-        strides = []
-        acc = 1
-        for s in reversed(self.shape):
-            strides.append(acc)
-            acc *= s
-        self.strides = tuple(reversed(strides))
-        self.size = acc
+        self.strides = tuple(s for s, _ in row_major(self.shape))
+        self.size = math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
     def full(self) -> "HbmAP":
-        dims = tuple(zip(self.strides, self.shape))
-        return HbmAP(self, 0, dims, tuple((0, s) for s in self.shape))
+        return HbmAP(self, 0, row_major(self.shape), tuple((0, s) for s in self.shape))
 
     def __getitem__(self, idx: Any) -> "HbmAP":
         return self.full()[idx]
@@ -170,13 +195,7 @@ class HbmAP:
         return self.size * self.tensor.dtype.itemsize
 
     def span(self) -> tuple[int, int]:
-        lo = hi = self.offset
-        for s, n in self.dims:
-            if s >= 0:
-                hi += s * (n - 1)
-            else:
-                lo += s * (n - 1)
-        return lo, hi + 1
+        return span(self.offset, self.dims)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
         items = _norm_index(idx, len(self.dims))
@@ -212,22 +231,12 @@ class HbmAP:
             shape = tuple(shape[0])
         if math.prod(shape) != self.size:
             raise KernelError(f"cannot reshape {self.shape} of '{self.tensor.name}' to {tuple(shape)}")
-        if not self.is_contiguous():
+        if not is_dense(self.dims):
             raise KernelError(f"cannot reshape a non-contiguous view of '{self.tensor.name}'")
-        strides = []
-        acc = 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= s
-        return HbmAP(self.tensor, self.offset, tuple(zip(reversed(strides), shape)), None)
+        return HbmAP(self.tensor, self.offset, row_major(shape), None)
 
     def is_contiguous(self) -> bool:
-        acc = 1
-        for s, n in reversed(self.dims):
-            if n != 1 and s != acc:
-                return False
-            acc *= n
-        return True
+        return is_dense(self.dims)
 
     def __repr__(self) -> str:
         return f"{self.tensor.name}@{self.offset}{list(self.dims)}"
@@ -302,13 +311,8 @@ class TileAP:
     def byte_span(self) -> tuple[int, int]:
         """Absolute byte range [lo, hi) touched within each partition."""
         isz = self.dtype.itemsize
-        lo = hi = self.offset
-        for s, n in self.dims:
-            if s >= 0:
-                hi += s * (n - 1)
-            else:
-                lo += s * (n - 1)
-        return self.alloc.addr + lo * isz, self.alloc.addr + (hi + 1) * isz
+        lo, hi = span(self.offset, self.dims)
+        return self.alloc.addr + lo * isz, self.alloc.addr + hi * isz
 
     def is_contiguous(self) -> bool:
         """True when the innermost free dimension has unit stride (the perf-mode condition)."""
@@ -347,20 +351,11 @@ class TileAP:
         free = shape[1:] or (1,)
         if math.prod(free) != self.free_size:
             raise KernelError(f"cannot reshape {self.shape} of '{self.name}' to {tuple(shape)}")
-        acc = 1
-        for s, n in reversed(self.dims):
-            if n != 1 and s != acc:
-                raise KernelError(f"cannot reshape a non-contiguous view of '{self.name}'")
-            acc *= n
-        strides = []
-        acc = 1
-        for n in reversed(free):
-            strides.append(acc)
-            acc *= n
+        if not is_dense(self.dims):
+            raise KernelError(f"cannot reshape a non-contiguous view of '{self.name}'")
         if len(free) > MAX_FREE_DIMS:
             raise KernelError(f"at most {MAX_FREE_DIMS} free dimensions, got {len(free)}")
-        return TileAP(self.alloc, self.p_start, self.p_count, self.offset,
-                      tuple(zip(reversed(strides), free)), self.dtype)
+        return TileAP(self.alloc, self.p_start, self.p_count, self.offset, row_major(free), self.dtype)
 
     def broadcast_to(self, *shape: int) -> "TileAP":
         """Broadcast size-1 free dims to ``shape`` with stride 0 (e.g. a [P,1] bias to [P,N])."""

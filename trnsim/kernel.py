@@ -47,6 +47,7 @@ from .isa import (
     TileAP,
     Transpose,
     activation_fn,
+    row_major,
     alu_op,
     reduce_op,
 )
@@ -266,13 +267,7 @@ def _free_elems(shape: tuple[int, ...]) -> int:
 
 
 def _tile_view(alloc: Allocation, shape: tuple[int, ...], dt: Dtype) -> TileAP:
-    free = shape[1:] or (1,)
-    strides = []
-    acc = 1
-    for n in reversed(free):
-        strides.append(acc)
-        acc *= n
-    return TileAP(alloc, alloc.p_start, shape[0], 0, tuple(zip(reversed(strides), free)), dt)
+    return TileAP(alloc, alloc.p_start, shape[0], 0, row_major(shape[1:] or (1,)), dt)
 
 
 # ---------------------------------------------------------------------------------------------
