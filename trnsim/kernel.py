@@ -118,6 +118,16 @@ class _History:
         self.reads: list[_Access] = []
 
 
+class _Grave:
+    __slots__ = ("box", "hist", "alive")
+
+    def __init__(self, box: tuple[int, ...], hist: _History):
+        self.box = box
+        self.hist = hist
+        self.alive = True
+
+
+_GRAVE_CHUNK = 2048  # bytes per graveyard index bucket
 _READ_PRUNE_WINDOW = 8  # how many recent reads a new read may replace (pruning is an optimisation)
 
 
@@ -135,30 +145,46 @@ class DependencyTracker:
     def __init__(self) -> None:
         self._hbm: dict[int, _History] = {}
         self._live: dict[int, _History] = {}
-        self._graveyard: dict[str, list[tuple[tuple[int, ...], _History]]] = {"sbuf": [], "psum": []}
+        # freed regions still holding pending accesses, indexed by address chunk
+        self._graveyard: dict[str, dict[int, list[_Grave]]] = {"sbuf": {}, "psum": {}}
 
     @staticmethod
     def _alloc_box(a: Allocation) -> tuple[int, ...]:
         return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
 
+    @staticmethod
+    def _chunks(box: tuple[int, ...]) -> range:
+        return range(box[2] // _GRAVE_CHUNK, (box[3] - 1) // _GRAVE_CHUNK + 1)
+
     def allocated(self, alloc: Allocation) -> None:
         h = _History()
         box = self._alloc_box(alloc)
-        keep = []
-        for gbox, gh in self._graveyard[alloc.space]:
-            if _overlap(box, gbox):
-                h.writes.extend(gh.writes)
-                h.reads.extend(gh.reads)
-                if _covers(box, gbox):
+        buckets = self._graveyard[alloc.space]
+        seen: set[int] = set()
+        for c in self._chunks(box):
+            bucket = buckets.get(c)
+            if not bucket:
+                continue
+            for g in bucket:
+                if not g.alive or id(g) in seen:
                     continue
-            keep.append((gbox, gh))
-        self._graveyard[alloc.space] = keep
+                seen.add(id(g))
+                if _overlap(box, g.box):
+                    h.writes.extend(g.hist.writes)
+                    h.reads.extend(g.hist.reads)
+                    if _covers(box, g.box):
+                        g.alive = False  # the new tile's history now carries it
+            buckets[c] = [g for g in bucket if g.alive]
         self._live[alloc.uid] = h
 
     def freed(self, alloc: Allocation) -> None:
         h = self._live.pop(alloc.uid)
         if h.writes or h.reads:
-            self._graveyard[alloc.space].append((self._alloc_box(alloc), h))
+            box = self._alloc_box(alloc)
+            g = _Grave(box, h)
+            buckets = self._graveyard[alloc.space]
+            for c in self._chunks(box):
+                buckets.setdefault(c, []).append(g)
 
     def _resolve(self, ap: AP) -> tuple[_History, tuple[int, ...]]:
         if isinstance(ap, TileAP):
