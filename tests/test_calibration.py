@@ -111,3 +111,17 @@ def test_cores_on_one_hbm_stack_share_its_bandwidth():
     assert max(r.report.total_ticks for r in pair) > 1.8 * alone
     apart = chip.run_spmd([kernel(chip)] + [chip.kernel("idle")] * 3 + [kernel(chip)], timing_only=True)
     assert apart[4].report.total_ticks == alone  # core 4 sits on another stack
+
+
+def test_hbm_streaming_reports_bandwidth_within_what_a_core_can_reach():
+    chip = Chip("trn2")
+    k = chip.kernel("stream")
+    x = k.input("x", (128, 16 * 4096), "bf16")
+    t = k.sbuf((128, 16 * 4096), "bf16")
+    for i in range(16):
+        k.dma_copy(t[:, i * 4096:(i + 1) * 4096], x[:, i * 4096:(i + 1) * 4096], queue=i % 4)
+    rep = chip.run(k, timing_only=True).report
+    reachable = min(16 * 27.2e9, 2.9e12 / 4)  # its DMA engines, capped by its HBM stack
+    assert rep.hbm_bytes_per_s == pytest.approx(rep.hbm_read_bytes / (rep.total_us * 1e-6))
+    assert 50 < rep.mbu_estimated_percent <= 100
+    assert rep.mbu_estimated_percent == pytest.approx(100 * rep.hbm_bytes_per_s / reachable)

@@ -224,3 +224,28 @@ def test_integer_ops_stay_integer():
     big = np.full((128, 64), 2**30 + 1, dtype=np.int32)   # not representable in fp32
     out = run_elementwise(lambda k, o, x, y: k.tensor_tensor(o, x, y, "add"), {"a": big, "b": b}, dtype="int32")
     assert np.array_equal(out, big + b)
+
+
+def test_integer_immediates_and_memset_are_exact():
+    x = np.array([[1, 300, 33554431, -200]] * 128, dtype=np.int32)
+    out = run_elementwise(lambda k, o, a: k.tensor_scalar(o, a, "add", 16777217), {"x": x}, shape=(128, 4), dtype="int32")
+    assert np.array_equal(out, x + 16777217)
+    out = run_elementwise(lambda k, o, a: k.tensor_scalar(o, a, "bitwise_and", 0x1FFFFFF), {"x": x}, shape=(128, 4),
+                          dtype="int32")
+    assert np.array_equal(out, x & 0x1FFFFFF)
+    out = run_elementwise(lambda k, o, a: k.memset(o, 16777217), {"x": x}, shape=(128, 4), dtype="int32")
+    assert (out == 16777217).all()
+
+
+def test_integer_conversions_round_to_nearest_even_and_saturate():
+    chip = Chip("trn2")
+    k = chip.kernel("ints")
+    x = k.input("x", (1, 6), "int32")
+    y = k.output("y", (1, 6), "int8")
+    t = k.sbuf((1, 6), "int32")
+    u = k.sbuf((1, 6), "int8")
+    k.dma_copy(t, x)
+    k.tensor_copy(u, t)
+    k.dma_copy(y, u)
+    out = chip.run(k, {"x": np.array([[2.5, 3.5, 2.7, -2.7, 300, -300]])})["y"]
+    assert out.tolist() == [[2, 4, 3, -3, 127, -128]]

@@ -1,5 +1,6 @@
 """The kernel builder: hardware rules checked at build time with messages users can act on."""
 
+import numpy as np
 import pytest
 
 from trnsim import Chip, Kernel, KernelError
@@ -115,8 +116,10 @@ def test_dma_shapes_and_bounds(k):
     x = k.input("x", (256, 512), "bf16")
     t = k.sbuf((128, 256), "bf16", name="t")
     assert err(k.dma_copy, t, x[0:128, :]) == (
-        "dma_copy: source x@0[(512, 128), (1, 512)] has 65536 elements (shape (128, 512)) but destination "
-        "sbuf:t[0:128]@0[(1, 256)] has 32768 (shape (128, 256))")
+        "dma_copy: source x@0[(512, 128), (1, 512)] has shape (128, 512) but destination sbuf:t[0:128]@0[(1, 256)] "
+        "has shape (128, 256); shapes must match (size-1 dims aside): reshape one side to the other")
+    assert err(k.dma_copy, t, x[0:256, 0:128]).startswith("dma_copy: source")  # same size, other shape
+    k.dma_copy(t[0:1, :], x[5, 0:256])        # a row into one partition: size-1 dims aside, shapes match
     assert err(lambda: x[0:300, :]) == "slice end 300 out of range for dim 0 of 'x' of size 256"
     assert err(lambda: t[:, 300]) == "index 300 out of range for free dim 1 of 't' of size 256"
     assert err(lambda: t[0:128:2, :]) == "partition slices must be contiguous (step 1), got step 2 on 't'"
@@ -189,3 +192,93 @@ def test_dependencies_through_strided_views():
     w2 = k.dma_copy(y[:, 5:6], t[:, 3:4], queue=2)   # column 5: independent
     assert w1.deps == (w0.index,)
     assert w2.deps == ()
+
+
+def test_same_queue_dmas_still_order_hbm_reads_before_writes():
+    """A DMA queue orders completions, not data movement: a later transfer on the same queue
+    that overwrites HBM an earlier one reads must wait for it."""
+    k = Kernel("war", "trn2")
+    x = k.input("x", (128, 512), "fp32")
+    t1 = k.sbuf((64, 512), "fp32")
+    t2 = k.sbuf((128, 512), "fp32")
+    r = k.dma_copy(t1, x[0:64, :])
+    w = k.dma_copy(x[0:64, :], t2[64:128, :])
+    assert r.index in w.deps
+
+
+def test_hbm_to_hbm_copies_use_all_engines():
+    k = Kernel("copy", "trn2")
+    a = k.input("a", (1024, 1024), "fp32")
+    b = k.output("b", (1024, 1024), "fp32")
+    ins = k.dma_copy(b, a)
+    assert [e for e, _, _ in ins.plan.engines] == list(range(16))
+    assert sum(n for _, n, _ in ins.plan.engines) == 4 * 2**20
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda k, t, x: x.ap(0, [[1, -5]]), "access pattern on 'x': sizes must be >= 1, got [[1, -5]]"),
+    (lambda k, t, x: t[:, 0:1].broadcast_to(128, -3), "broadcast_to: shape (128, -3) must be positive integers"),
+    (lambda k, t, x: k.tensor_reduce(t[:, 0:1], "add", t, axis=(1, 1)), "tensor_reduce(add): axis (1, 1) names an axis twice"),
+    (lambda k, t, x: k.sbuf(128, "bf16"), "SBUF tile 'sbuf3': shape must be a tuple of sizes like (128, 512), got 128"),
+    (lambda k, t, x: k.sbuf((128, 4), "bogus", name="b"),
+     "SBUF tile 'b': unknown dtype 'bogus': expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn, fp8_e5m2, "
+     "int8, uint8, int16, int32, uint32"),
+    (lambda k, t, x: k.tile_pool("p", bufs=2.5), "tile pool 'p': bufs must be an integer >= 1, got 2.5"),
+    (lambda k, t, x: k.tensor_reduce(t[:, 0:1], "add", t, axis="1"), "tensor_reduce(add): axis must be an integer, got '1'"),
+    (lambda k, t, x: k.memset(t, "zero"), "memset: value must be a number, got 'zero'"),
+    (lambda k, t, x: k.dma_copy(t, [1, 2]), "dma_copy: src must be an HBM tensor or view or an SBUF tile, got list"),
+    (lambda k, t, x: k.free(x), "free: expected an SBUF/PSUM tile, got HbmTensor (HBM tensors live as long as the kernel)"),
+    (lambda k, t, x: k.tensor_copy(t, 3.0), "tensor_copy: operands must be SBUF/PSUM tiles, got float"),
+    (lambda k, t, x: k.dma_copy(t, x, queue=-1), "dma_copy: queue must be an integer >= 0, got -1"),
+])
+def test_bad_builder_input_is_a_kernel_error(build, message):
+    k = Kernel("bad", "trn2")
+    x = k.input("x", (128, 64), "fp32")
+    t = k.sbuf((128, 64), "fp32", name="t")
+    assert err(build, k, t, x) == message
+
+
+def test_transpose_keeps_the_dtype():
+    k = Kernel("tr", "trn2")
+    t = k.sbuf((128, 64), "bf16")
+    p16 = k.psum((64, 128), "fp16")
+    assert err(k.nc_transpose, p16, t) == "nc_transpose: dst dtype float16 must be fp32 or the input dtype bfloat16"
+    k.nc_transpose(k.psum((64, 128), "fp32"), t)
+
+
+def test_double_row_is_for_fp8_only():
+    k = Kernel("dr", "trn2")
+    st = k.sbuf((128, 2, 128), "bf16")
+    mv = k.sbuf((128, 2, 256), "bf16")
+    acc = k.psum((128, 512), "fp32")
+    assert err(k.nc_matmul, acc, st, mv) == (
+        "nc_matmul: stationary free size 256 exceeds 128 (core.tensor.stationary_max_free on trn2)")
+
+
+def test_access_pattern_limits():
+    k = Kernel("ap", "trn2")
+    t = k.sbuf((128, 2, 40000), "bf16", name="t")
+    u = k.sbuf((128, 2), "bf16", name="u")
+    assert err(k.tensor_copy, u, t[:, :, 0]) == (
+        "tensor_copy: tile 't' access pattern [(40000, 2)] needs sizes <= 65535 and strides within "
+        "-32768..32767 elements")
+
+
+def test_bad_chip_input_is_an_error():
+    from trnsim import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^a config is a name \(trn1, trn2, trn3\), a path to a \.yaml file or a "
+                                          r"ChipConfig, got NoneType$"):
+        Chip(None)
+    assert Chip("trn2", "core.sbuf.partition_bytes=256KiB").config.core.sbuf.partition_bytes == 262144
+    chip = Chip("trn2")
+    k = chip.kernel("k")
+    k.input("x", (4,), "fp32")
+    with pytest.raises(KernelError, match=r"^inputs must map input names to arrays"):
+        chip.run(k, [("x", [1, 2, 3, 4])])
+    with pytest.raises(KernelError, match=r"^core 1.5 out of range: trn2 has cores 0..7$"):
+        chip.run(k, timing_only=True, core=1.5)
+    with pytest.raises(KernelError, match=r"^input 'x' has dtype <U1; expected numbers"):
+        chip.run(k, {"x": np.array(["a", "b", "c", "d"])})
+    with pytest.raises(KernelError, match=r"^run_spmd: 2 kernels but 1 input mappings; give one per kernel$"):
+        chip.run_spmd([k, k], [{}])

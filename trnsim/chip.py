@@ -12,6 +12,8 @@ from .config import ChipConfig, load_config
 from .cores.base import ENGINE_TYPES
 from .isa import KernelError
 from .kernel import Kernel
+from .cores.alu import to_dtype
+from .memory.hbm import check_capacity
 from .memory.state import DeviceMemory
 from .native import convert
 from .report import KernelReport, build_report
@@ -55,7 +57,7 @@ class Chip:
         are computed and ``inputs`` may be omitted; the cycles are the same either way.
         """
         self._check_kernel(kernel, core)
-        values = None if timing_only else self._execute(kernel, inputs or {})
+        values = None if timing_only else self._execute(kernel, inputs)
         idle = [Kernel("idle", self.config) for _ in range(core)]
         timelines = simulate(self.config, idle + [kernel])
         tl = timelines[core]
@@ -67,9 +69,12 @@ class Chip:
                  timing_only: bool = False) -> list[RunResult]:
         """Run ``kernels[c]`` on core ``c`` at the same time (sharing HBM stacks), e.g. the two
         physical cores of an LNC=2 logical core."""
+        kernels = list(kernels)
         for c, k in enumerate(kernels):
             self._check_kernel(k, c)
-        outs = [None if timing_only else self._execute(k, (inputs or [{}] * len(kernels))[c])
+        if inputs is not None and len(inputs) != len(kernels):
+            raise KernelError(f"run_spmd: {len(kernels)} kernels but {len(inputs)} input mappings; give one per kernel")
+        outs = [None if timing_only else self._execute(k, None if inputs is None else inputs[c])
                 for c, k in enumerate(kernels)]
         timelines = simulate(self.config, list(kernels))
         return [RunResult(outs[c], build_report(k.name, k.instructions, tl.segments, tl.total_ticks, self.config, c,
@@ -85,10 +90,15 @@ class Chip:
                 f"kernel '{kernel.name}' was built for {kernel.config.name} cores but this chip is "
                 f"{self.config.name}; build it with Kernel(..., config=chip.config)"
             )
-        if not 0 <= core < self.config.chip.cores:
-            raise KernelError(f"core {core} out of range: {self.config.name} has {self.config.chip.cores} cores")
+        if isinstance(core, bool) or not isinstance(core, int) or not 0 <= core < self.config.chip.cores:
+            raise KernelError(f"core {core!r} out of range: {self.config.name} has cores 0..{self.config.chip.cores - 1}")
+        check_capacity(self.config, kernel.hbm_bytes, f"kernel '{kernel.name}'")
 
-    def _execute(self, kernel: Kernel, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def _execute(self, kernel: Kernel, inputs: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+        if inputs is None:
+            inputs = {}
+        if not isinstance(inputs, Mapping):
+            raise KernelError(f"inputs must map input names to arrays (e.g. {{'x': array}}), got {type(inputs).__name__}")
         ins_tensors = {n: t for n, t in kernel.tensors.items() if t.kind == "input"}
         unknown = sorted(set(inputs) - set(ins_tensors))
         if unknown:
@@ -102,6 +112,9 @@ class Chip:
         for name, t in kernel.tensors.items():
             if t.kind == "input":
                 arr = np.asarray(inputs[name])
+                if arr.dtype.kind not in "biuf" and arr.dtype != t.dtype.np_dtype:
+                    raise KernelError(f"input '{name}' has dtype {arr.dtype}; expected numbers "
+                                      f"(it is rounded to the tensor's {t.dtype.short})")
                 if arr.shape != t.shape:
                     raise KernelError(f"input '{name}' has shape {arr.shape}, kernel '{kernel.name}' expects {t.shape}")
                 if arr.dtype == t.dtype.np_dtype:
@@ -111,7 +124,7 @@ class Chip:
                 elif t.dtype.is_float:
                     src = arr.astype(t.dtype.np_dtype)  # one rounding, straight from the source type
                 else:
-                    src = arr.astype(t.dtype.np_dtype)
+                    src = to_dtype(arr, t.dtype)  # round to nearest even, saturate
                 mem.bind(t, src)
             else:
                 mem.bind(t, None)

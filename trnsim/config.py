@@ -233,7 +233,6 @@ class GpSimdEngineConfig:
 @dataclass(frozen=True)
 class SyncEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
-    dma_trigger_cycles: int = _int(0, 100000)
 
 
 @dataclass(frozen=True)
@@ -264,6 +263,7 @@ class PsumConfig:
 @dataclass(frozen=True)
 class DmaConfig:
     engines: int = _int(1, 1024)
+    trigger_cycles: int = _int(0, 100000, doc="sequencer cycles of the engine that triggers a DMA")
     queues: int = _int(1, 1024)
     engine_bandwidth: int = _q("bandwidth", doc="per DMA engine, bytes/s")
     start_latency: int = _q("time", lo=0, doc="trigger to data movement, ps")
@@ -338,7 +338,14 @@ class ChipConfig:
 
     @property
     def hbm_bandwidth_per_core(self) -> float:
+        """The core's share of the chip's HBM bandwidth, bytes/s."""
         return self.chip.hbm.bandwidth / self.chip.cores
+
+    @property
+    def hbm_bandwidth_reachable(self) -> float:
+        """What one core alone can pull from HBM: its DMA engines, capped by its stack."""
+        dma = self.core.dma.engines * self.core.dma.engine_bandwidth
+        return min(dma, self.chip.hbm.bandwidth / self.chip.hbm.stacks)
 
     @property
     def source_display(self) -> str:
@@ -527,6 +534,11 @@ def load_config(
     with the overrides applied on top of its source file.
     """
     prior: tuple[tuple[str, str], ...] = ()
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    if not isinstance(name_or_path, (str, os.PathLike, ChipConfig)):
+        raise ConfigError(f"a config is a name ({', '.join(config_names())}), a path to a .yaml file or a "
+                          f"ChipConfig, got {type(name_or_path).__name__}")
     if isinstance(name_or_path, ChipConfig):
         prior = name_or_path.overrides
         if not overrides:
@@ -535,7 +547,9 @@ def load_config(
     path = _resolve(name_or_path)
     where = path.name if path.parent == CONFIG_DIR else str(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
+        raise ConfigError(f"{where}: cannot read it as a YAML config ({type(e).__name__})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""

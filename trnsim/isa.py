@@ -115,7 +115,12 @@ class HbmTensor:
 
     def ap(self, offset: int, dims: Sequence[Sequence[int]]) -> "HbmAP":
         """A raw access pattern: element ``offset`` and ``[[stride, size], ...]`` (outer first)."""
-        d = tuple((int(s), int(n)) for s, n in dims)
+        try:
+            d = tuple((int(s), int(n)) for s, n in dims)
+        except (TypeError, ValueError):
+            raise KernelError(f"access pattern on '{self.name}': dims must be [[stride, size], ...], got {dims!r}") from None
+        if not d or any(n < 1 for _, n in d):
+            raise KernelError(f"access pattern on '{self.name}': sizes must be >= 1, got {[list(x) for x in d]}")
         ap = HbmAP(self, int(offset), d, None)
         lo, hi = ap.span()
         if lo < 0 or hi > self.size:
@@ -229,6 +234,8 @@ class HbmAP:
     def reshape(self, *shape: int) -> "HbmAP":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in shape):
+            raise KernelError(f"reshape: shape {tuple(shape)} must be positive integers")
         if math.prod(shape) != self.size:
             raise KernelError(f"cannot reshape {self.shape} of '{self.tensor.name}' to {tuple(shape)}")
         if not is_dense(self.dims):
@@ -346,6 +353,8 @@ class TileAP:
         """Reshape the free dims of a contiguous view; the partition count must stay."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in shape):
+            raise KernelError(f"reshape: shape {tuple(shape)} must be positive integers")
         if shape[0] != self.p_count:
             raise KernelError(f"reshape of '{self.name}' must keep {self.p_count} partitions, got {shape[0]}")
         free = shape[1:] or (1,)
@@ -361,9 +370,13 @@ class TileAP:
         """Broadcast size-1 free dims to ``shape`` with stride 0 (e.g. a [P,1] bias to [P,N])."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in shape):
+            raise KernelError(f"broadcast_to: shape {tuple(shape)} must be positive integers")
         if shape[0] != self.p_count:
             raise KernelError(f"cannot broadcast the partition dim of '{self.name}' ({self.p_count} -> {shape[0]})")
         free = list(shape[1:])
+        if len(free) > MAX_FREE_DIMS:
+            raise KernelError(f"at most {MAX_FREE_DIMS} free dimensions, got {len(free)}")
         dims = list(self.dims)
         while len(dims) < len(free):
             dims.insert(0, (0, 1))

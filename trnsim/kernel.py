@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+
+import numpy as np
 from typing import Any, Iterator, Sequence
 
 from .config import ChipConfig, load_config
@@ -66,6 +68,36 @@ _MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "fl
 SBUF_GRANULE = 64  # bytes; estimate of the allocation alignment (not published)
 VECTOR_SBUF_FREE_MAX = 65536  # elements per partition per instruction, datasheet §4.3
 VECTOR_PSUM_FREE_MAX = 4096
+
+
+def checked_shape(shape: Any, what: str) -> tuple[int, ...]:
+    """A shape given by a user: a non-empty sequence of positive ints."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise KernelError(f"{what}: shape must be a tuple of sizes like (128, 512), got {shape!r}")
+    out = tuple(shape)
+    if not out or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in out):
+        raise KernelError(f"{what}: shape {out} must be positive integers")
+    return tuple(int(n) for n in out)
+
+
+def checked_dtype(dtype: Any, what: str) -> Dtype:
+    try:
+        return get_dtype(dtype)
+    except ValueError as e:
+        raise KernelError(f"{what}: {e}") from None
+
+
+def checked_int(x: Any, what: str, lo: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or (lo is not None and x < lo):
+        bound = f" >= {lo}" if lo is not None else ""
+        raise KernelError(f"{what} must be an integer{bound}, got {x!r}")
+    return int(x)
+
+
+def checked_number(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise KernelError(f"{what} must be a number, got {x!r}")
+    return float(x)
 
 
 def engine_name(name: str, allowed: Sequence[str], what: str) -> str:
@@ -208,6 +240,7 @@ class DependencyTracker:
     def record(self, ins: Instruction, key: str) -> tuple[int, ...]:
         deps: set[int] = set()
         idx = ins.index
+        dma = isinstance(ins, DmaCopy)
         new_reads: list[tuple[_History, tuple[int, ...]]] = []
         for ap in ins.reads:
             h, box = self._resolve(ap)
@@ -221,8 +254,9 @@ class DependencyTracker:
                 if _overlap(w.box, box):
                     deps.add(w.idx)
             for r in h.reads:
-                # an engine's (or queue's) own earlier reads are ordered by its in-order queue
-                if r.key != key and _overlap(r.box, box):
+                # a compute engine's own earlier reads are done before it issues this write (in
+                # order); a DMA queue only orders completions, so its reads still need an edge
+                if (r.key != key or dma) and _overlap(r.box, box):
                     deps.add(r.idx)
             h.writes = [w for w in h.writes if not _covers(box, w.box)]
             h.writes.append(_Access(box, idx, key))
@@ -253,8 +287,7 @@ class TilePool:
     """
 
     def __init__(self, kernel: "Kernel", name: str, bufs: int, space: str):
-        if bufs < 1:
-            raise KernelError(f"tile pool '{name}': bufs must be >= 1, got {bufs}")
+        bufs = checked_int(bufs, f"tile pool '{name}': bufs", lo=1)
         self.kernel = kernel
         self.name = name
         self.bufs = bufs
@@ -265,8 +298,9 @@ class TilePool:
     def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
         i = self._next
         self._next = (i + 1) % self.bufs
-        dt = get_dtype(dtype)
-        shape = tuple(int(s) for s in shape)
+        what = f"tile pool '{self.name}'"
+        dt = checked_dtype(dtype, what)
+        shape = checked_shape(shape, what)
         old = self._slots[i]
         nbytes = _free_elems(shape) * dt.itemsize
         if old is not None and old.alloc.nbytes >= nbytes and old.p_count == shape[0]:
@@ -323,13 +357,13 @@ class Kernel:
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
+        if not isinstance(name, str) or not name:
+            raise KernelError(f"tensor names must be non-empty strings, got {name!r}")
         if name in self.tensors:
             raise KernelError(f"tensor name '{name}' is already used in kernel '{self.name}'")
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise KernelError(f"tensor '{name}': shape {shape} must have positive sizes")
+        shape = checked_shape(shape, f"tensor '{name}'")
         self._uid += 1
-        t = HbmTensor(name, shape, get_dtype(dtype), kind, self._uid)
+        t = HbmTensor(name, shape, checked_dtype(dtype, f"tensor '{name}'"), kind, self._uid)
         check_capacity(self.config, self._hbm_bytes + t.nbytes, f"kernel '{self.name}' tensor '{name}'")
         self._hbm_bytes += t.nbytes
         self.tensors[name] = t
@@ -354,9 +388,8 @@ class Kernel:
     # ---- on-chip allocation ----------------------------------------------------------------
     def _allocate(self, space: str, shape: Sequence[int], dt: Dtype, name: str, partition_offset: int,
                   scoped: bool = True) -> TileAP:
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise KernelError(f"{space.upper()} tile '{name}': shape {shape} must have positive sizes")
+        shape = checked_shape(shape, f"{space.upper()} tile '{name}'")
+        partition_offset = checked_int(partition_offset, f"{space.upper()} tile '{name}': partition_offset", lo=0)
         if len(shape) > 5:
             raise KernelError(f"{space.upper()} tile '{name}': at most 4 free dimensions, got shape {shape}")
         alloc_ = self._sbuf if space == "sbuf" else self._psum
@@ -371,12 +404,14 @@ class Kernel:
     def sbuf(self, shape: Sequence[int], dtype: Any, *, name: str | None = None, partition_offset: int = 0) -> TileAP:
         """Allocate an SBUF tile ``[partitions, free...]`` (first axis: partitions, <= 128)."""
         self._uid += 1
-        return self._allocate("sbuf", shape, get_dtype(dtype), name or f"sbuf{self._uid}", partition_offset)
+        name = name or f"sbuf{self._uid}"
+        return self._allocate("sbuf", shape, checked_dtype(dtype, f"SBUF tile '{name}'"), name, partition_offset)
 
     def psum(self, shape: Sequence[int], dtype: Any = "fp32", *, name: str | None = None) -> TileAP:
         """Allocate a PSUM tile (whole 2 KiB banks per partition)."""
         self._uid += 1
-        return self._allocate("psum", shape, get_dtype(dtype), name or f"psum{self._uid}", 0)
+        name = name or f"psum{self._uid}"
+        return self._allocate("psum", shape, checked_dtype(dtype, f"PSUM tile '{name}'"), name, 0)
 
     def ndarray(self, shape: Sequence[int], dtype: Any, buffer: str = "sbuf", *, name: str | None = None) -> TileAP:
         """NKI spelling of :meth:`sbuf` / :meth:`psum`."""
@@ -386,6 +421,9 @@ class Kernel:
 
     def free(self, tile: TileAP) -> None:
         """Release a tile's memory; later tiles may reuse the address (with WAR dependencies)."""
+        if not isinstance(tile, TileAP):
+            raise KernelError(f"free: expected an SBUF/PSUM tile, got {type(tile).__name__} "
+                              f"(HBM tensors live as long as the kernel)")
         (self._sbuf if tile.space == "sbuf" else self._psum).free(tile.alloc)
         self._deps.freed(tile.alloc)
 
@@ -448,14 +486,23 @@ class Kernel:
     def _check_compute(self, what: str, engine: str, aps: Sequence[TileAP]) -> None:
         for ap in aps:
             if not isinstance(ap, TileAP):
-                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; load it with dma_copy first")
+                if isinstance(ap, (HbmAP, HbmTensor)):
+                    raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
+                                      f"load it with dma_copy first")
+                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
             if engine == "GpSimd" and ap.space == "psum":
                 raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
             _check_alignment(ap, what)
-            limit = VECTOR_PSUM_FREE_MAX if ap.space == "psum" else VECTOR_SBUF_FREE_MAX
-            if engine != "Tensor" and ap.free_size > limit:
-                raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
-                                  f"an instruction may touch at most {limit} in {ap.space.upper()}")
+            for stride, size in ap.dims:
+                # access patterns carry uint16 sizes and int16 strides in elements (§4.6)
+                if size > 65535 or not -32768 <= stride <= 32767:
+                    raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= 65535 "
+                                      f"and strides within -32768..32767 elements")
+            if engine == "Vector":
+                limit = VECTOR_PSUM_FREE_MAX if ap.space == "psum" else VECTOR_SBUF_FREE_MAX
+                if ap.free_size > limit:
+                    raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
+                                      f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
 
     # ---- DMA -------------------------------------------------------------------------------
     def dma_copy(self, dst: AP | HbmTensor, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaCopy:
@@ -465,11 +512,13 @@ class Kernel:
         qSyncIO); the transfer runs on DMA queue ``queue`` of that engine. Transfers in one
         queue complete in order; different queues overlap.
         """
+        for nm, x in (("dst", dst), ("src", src)):
+            if not isinstance(x, (HbmTensor, HbmAP, TileAP)):
+                raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
         dst = dst.full() if isinstance(dst, HbmTensor) else dst
         src = src.full() if isinstance(src, HbmTensor) else src
         eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
-        if not isinstance(queue, int) or queue < 0:
-            raise KernelError(f"dma_copy: queue must be a non-negative integer, got {queue!r}")
+        queue = checked_int(queue, "dma_copy: queue", lo=0)
         lane = f"q{eng}IO{queue}"
         if lane not in self.queues:
             if len(self.queues) >= self.config.core.dma.queues:
@@ -503,9 +552,9 @@ class Kernel:
             raise KernelError(f"{what}: if one operand is fp32 the other must be too "
                               f"(got {stationary.dtype.name} x {moving.dtype.name})")
         fp8 = stationary.dtype.name.startswith("float8") and moving.dtype.name.startswith("float8")
-        double_row = len(stationary.dims) == 2 and stationary.dims[0][1] == 2
+        double_row = fp8 and len(stationary.dims) == 2 and stationary.dims[0][1] == 2
         if double_row:
-            if not (fp8 and t.fp8_double_row):
+            if not t.fp8_double_row:
                 raise KernelError(f"{what}: a [K, 2, M] double-row stationary needs fp8 operands on a core with "
                                   f"FP8 double-row (core.tensor.fp8_double_row on {self.config.name})")
             if len(moving.dims) != 2 or moving.dims[0][1] != 2:
@@ -548,7 +597,7 @@ class Kernel:
             raise KernelError(f"{what}: data [{p}, {f}] exceeds the {t.pe_rows}x{t.stationary_max_free} PE array")
         if dst.p_count != f or dst.free_size != p:
             raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}, expected [{f}, {p}]")
-        if dst.dtype.itemsize != data.dtype.itemsize and dst.dtype.name != "float32":
+        if dst.dtype != data.dtype and dst.dtype.name != "float32":
             raise KernelError(f"{what}: dst dtype {dst.dtype.name} must be fp32 or the input dtype {data.dtype.name}")
         check_matmul_dst(dst, self.config, what)
         return self._emit(Transpose(dst, data))  # type: ignore[return-value]
@@ -615,7 +664,11 @@ class Kernel:
         what = f"tensor_reduce({getattr(op, '__name__', op)})"
         eng = engine_name(engine, ("Vector", "GpSimd"), what)
         opn = reduce_op_checked(op, ("add", "max", "min", "multiply"), what)
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if hasattr(axis, "__iter__") else (axis,)
+        axes = tuple(checked_int(a, f"{what}: axis") for a in axes)
+        if len(set(axes)) != len(axes):
+            raise KernelError(f"{what}: axis {axes} names an axis twice")
+        self._check_compute(what, eng, (data,))
         nfree = len(data.dims)
         for a in axes:
             if not 1 <= a <= nfree:
@@ -643,17 +696,18 @@ class Kernel:
         what = "memset"
         eng = engine_name(engine, ("Vector", "GpSimd", "Scalar"), what)
         self._check_compute(what, eng, (dst,))
-        return self._emit(Memset(eng, dst, float(value)))  # type: ignore[return-value]
+        return self._emit(Memset(eng, dst, checked_number(value, "memset: value")))  # type: ignore[return-value]
 
     def iota(self, dst: TileAP, *, base: int = 0, channel_multiplier: int = 0,
              pattern: Sequence[int] | None = None) -> Iota:
         """GpSimd: ``dst[p, i...] = base + channel_multiplier*p + sum(pattern[k] * i_k)``."""
         what = "iota"
         self._check_compute(what, "GpSimd", (dst,))
-        pat = tuple(int(x) for x in (pattern if pattern is not None else [1] * len(dst.dims)))
+        pat = tuple(checked_int(x, f"{what}: pattern") for x in (pattern if pattern is not None else [1] * len(dst.dims)))
         if len(pat) != len(dst.dims):
             raise KernelError(f"{what}: pattern has {len(pat)} strides but dst has {len(dst.dims)} free dims")
-        return self._emit(Iota(dst, int(base), int(channel_multiplier), pat))  # type: ignore[return-value]
+        return self._emit(Iota(dst, checked_int(base, f"{what}: base"),
+                               checked_int(channel_multiplier, f"{what}: channel_multiplier"), pat))  # type: ignore[return-value]
 
     def affine_select(self, dst: TileAP, data: TileAP, *, cmp: str = "greater_equal", offset: int = 0,
                       channel_multiplier: int = 0, pattern: Sequence[int] | None = None,
@@ -666,10 +720,12 @@ class Kernel:
             raise KernelError(f"{what}: cmp must be a comparison, got {cmp!r}")
         self._check_compute(what, "GpSimd", (dst, data))
         _check_same_shape(what, dst, data)
-        pat = tuple(int(x) for x in (pattern if pattern is not None else [1] * len(data.dims)))
+        pat = tuple(checked_int(x, f"{what}: pattern") for x in (pattern if pattern is not None else [1] * len(data.dims)))
         if len(pat) != len(data.dims):
             raise KernelError(f"{what}: pattern has {len(pat)} strides but data has {len(data.dims)} free dims")
-        ins = AffineSelect(dst, data, c, int(offset), int(channel_multiplier), pat, float(on_false))
+        ins = AffineSelect(dst, data, c, checked_int(offset, f"{what}: offset"),
+                           checked_int(channel_multiplier, f"{what}: channel_multiplier"), pat,
+                           checked_number(on_false, f"{what}: on_false"))
         return self._emit(ins)  # type: ignore[return-value]
 
     # ---- introspection ---------------------------------------------------------------------

@@ -32,25 +32,28 @@ def store(mem: Any, ap: TileAP, values: np.ndarray) -> None:
 
 
 def to_dtype(values: np.ndarray, dt: Dtype) -> np.ndarray:
+    """Convert to ``dt``: floats round to nearest even (through fp32, as the engines do);
+    integers round to nearest even and saturate at the type's range (NaN becomes 0)."""
     if values.dtype == dt.np_dtype:
         return values
     if dt.is_float:
         if values.dtype.kind in "iub":
             values = values.astype(np.float32)
         return convert(values.astype(np.float32, copy=False), dt.name)
-    if values.dtype.kind == "f" or values.dtype.name in ("bfloat16",):
-        v = np.rint(values.astype(np.float64))
-        info = np.iinfo(dt.np_dtype)
-        v = np.nan_to_num(v, nan=0.0, posinf=info.max, neginf=info.min)
-        return np.clip(v, info.min, info.max).astype(dt.np_dtype)
-    return values.astype(dt.np_dtype)
+    info = np.iinfo(dt.np_dtype)
+    if values.dtype.kind in "iub":
+        return np.clip(values.astype(np.int64), info.min, info.max).astype(dt.np_dtype)
+    v = np.rint(values.astype(np.float64))
+    v = np.nan_to_num(v, nan=0.0, posinf=info.max, neginf=info.min)
+    return np.clip(v, info.min, info.max).astype(dt.np_dtype)
 
 
-def operand(mem: Any, x: float | TileAP | None, like: TileAP) -> Any:
-    """An immediate as fp32, or a per-partition [P,1] tile as an fp32 column."""
+def operand(mem: Any, x: float | TileAP | None, like: TileAP, int_mode: bool = False) -> Any:
+    """An immediate, or a per-partition [P,1] tile as a column: fp32, or int64 in integer mode."""
     if isinstance(x, TileAP):
-        return load_f32(mem, x).reshape(like.p_count, 1)
-    return np.float32(0.0 if x is None else x)
+        return load_any(mem, x, int_mode).reshape(like.p_count, 1)
+    v = 0 if x is None else x
+    return np.int64(v) if int_mode else np.float32(v)
 
 
 def _is_int(*dts: Dtype) -> bool:
@@ -60,9 +63,7 @@ def _is_int(*dts: Dtype) -> bool:
 def alu(op: str, a: Any, b: Any, int_mode: bool) -> np.ndarray:
     fn = ALU_OPS[op]
     if int_mode or op in BITWISE_OPS:
-        ai = np.asarray(a).astype(np.int64) if not isinstance(a, np.ndarray) or a.dtype.kind == "f" else a.astype(np.int64)
-        bi = np.asarray(b).astype(np.int64)
-        out = fn(ai, bi)
+        out = fn(np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64))
         return np.asarray(out).astype(np.int64)
     with np.errstate(all="ignore"):
         out = fn(np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32))
@@ -104,10 +105,10 @@ class ElementwiseExec:
     def exec_TensorScalar(self, ins: Any, mem: Any) -> None:
         im = int_mode_for(ins.dst, ins.data)
         x = load_any(mem, ins.data, im)
-        o0 = operand(mem, ins.operand0, ins.data)
+        o0 = operand(mem, ins.operand0, ins.data, im)
         x = alu(ins.op0, o0, x, im) if ins.reverse0 else alu(ins.op0, x, o0, im)
         if ins.op1 is not None:
-            o1 = operand(mem, ins.operand1, ins.data)
+            o1 = operand(mem, ins.operand1, ins.data, im)
             x = alu(ins.op1, o1, x, im) if ins.reverse1 else alu(ins.op1, x, o1, im)
         store(mem, ins.dst, x)
 
@@ -126,4 +127,5 @@ class ElementwiseExec:
 
     def exec_Memset(self, ins: Any, mem: Any) -> None:
         dst = mem.view(ins.dst)
-        dst[...] = to_dtype(np.full(dst.shape, ins.value, dtype=np.float32), ins.dst.dtype)
+        fill = np.int64(ins.value) if not ins.dst.dtype.is_float else np.float32(ins.value)
+        dst[...] = to_dtype(np.full(dst.shape, fill), ins.dst.dtype)

@@ -67,7 +67,7 @@ class Engine:
         start = max(t_dep, self.free)
         if isinstance(ins, DmaCopy):
             # the sequencer writes the descriptor trigger; the transfer is the DMA system's
-            end = start + self.config.core.sync.dma_trigger_cycles * self.tpc
+            end = start + self.config.core.dma.trigger_cycles * self.tpc
             self.free = end
             return start, end, end, [(self.name, f"DmaTrigger[{ins.queue}]", start, end, ins.index)]
         end = start + self.cycles(ins) * self.tpc

@@ -18,8 +18,8 @@ takes 1416 ns on Trn2 (datasheet V3).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,10 @@ class DmaPlan:
         return sum(b for _, b, _ in self.engines)
 
 
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
 def contiguous_run(dims: tuple[tuple[int, int], ...]) -> int:
     """Length in elements of the innermost contiguous run of an access pattern."""
     run = 1
@@ -62,11 +66,11 @@ def contiguous_run(dims: tuple[tuple[int, int], ...]) -> int:
 def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
     if dst.space == "psum" or src.space == "psum":
         raise KernelError("dma_copy: DMA engines cannot access PSUM; evacuate PSUM with tensor_copy or activation first")
-    n_src, n_dst = src.size, dst.size
-    if n_src != n_dst:
+    n_src = src.size
+    if _squeeze(src.shape) != _squeeze(dst.shape):
         raise KernelError(
-            f"dma_copy: source {src!r} has {n_src} elements (shape {src.shape}) but destination "
-            f"{dst!r} has {n_dst} (shape {dst.shape})"
+            f"dma_copy: source {src!r} has shape {src.shape} but destination {dst!r} has shape {dst.shape}; "
+            f"shapes must match (size-1 dims aside): reshape one side to the other"
         )
     itemsize = max(src.dtype.itemsize, dst.dtype.itemsize)
     run_src = contiguous_run(src.dims)
@@ -95,13 +99,13 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
             engines.append((e, k * per_part_elems * itemsize, k * chunks_per_part))
             p = q
     else:
+        # HBM to HBM: the transfer is split evenly over all engines (datasheet §6); each
+        # engine's share is cut into descriptors at the contiguous-run boundaries
         total = n_src
-        n_chunks = -(-total // chunk)
-        use = min(n_eng, n_chunks)
+        use = min(n_eng, total)
         for e in range(use):
-            c = n_chunks // use + (1 if e < n_chunks % use else 0)
-            elems = total * c // n_chunks
-            engines.append((e, elems * itemsize, c))
+            elems = total // use + (1 if e < total % use else 0)
+            engines.append((e, elems * itemsize, -(-elems // chunk)))
     # merge duplicate engines (a tile wider than the engine count wraps)
     merged: dict[int, list[int]] = {}
     for e, b, c in engines:
@@ -179,16 +183,19 @@ class DmaSystem:
 
 
 class BandwidthPipe:
-    """A shared link or memory port served first-come first-served at ``bandwidth`` bytes/s:
-    a reservation from ``start`` ends ``bytes/bandwidth`` after the pipe frees up."""
+    """A shared link or memory port served first-come first-served at ``bandwidth`` bytes/s
+    (an exact fraction): a reservation from ``start`` ends ``bytes/bandwidth`` (rounded up to a
+    whole tick) after the pipe frees up."""
 
-    def __init__(self, bandwidth: float, tick_hz: int):
-        self.bandwidth = bandwidth
+    def __init__(self, bandwidth: Fraction, tick_hz: int):
+        self.num = Fraction(bandwidth).numerator
+        self.den = Fraction(bandwidth).denominator
         self.tick_hz = tick_hz
         self.free = 0
         self.bytes = 0
 
     def reserve(self, nbytes: int, start: int) -> int:
-        self.free = max(self.free, start) + math.ceil(nbytes * self.tick_hz / self.bandwidth)
+        ticks = -(-nbytes * self.tick_hz * self.den // self.num)
+        self.free = max(self.free, start) + ticks
         self.bytes += nbytes
         return self.free

@@ -6,6 +6,8 @@ stack on Trn2, datasheet §1/S20), modelled in :mod:`trnsim.sim` as a FIFO bandw
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..config import ChipConfig, format_quantity
 from ..isa import KernelError
 
@@ -17,9 +19,9 @@ def stack_of_core(config: ChipConfig, core: int) -> int:
     return core * stacks // cores if stacks <= cores else core
 
 
-def stack_bandwidth(config: ChipConfig) -> float:
-    """Bytes/s of one stack (the chip total split evenly)."""
-    return config.chip.hbm.bandwidth / config.chip.hbm.stacks
+def stack_bandwidth(config: ChipConfig) -> Fraction:
+    """Bytes/s of one stack (the chip total split evenly), exact."""
+    return Fraction(config.chip.hbm.bandwidth, config.chip.hbm.stacks)
 
 
 def check_capacity(config: ChipConfig, nbytes: int, what: str) -> None:
