@@ -100,7 +100,7 @@ def parse_quantity(text: Any, kind: str) -> int:
         scale = _TIME.get(unit)
     if scale is None:
         raise ValueError(f"expected a {kind} quantity like '{example}' (unknown unit '{unit}')")
-    value = num * scale
+    value: Fraction = num * scale
     if value.denominator != 1:
         raise ValueError(f"expected a whole number of {base}, got {float(value)} {base}")
     return int(value)
@@ -108,27 +108,17 @@ def parse_quantity(text: Any, kind: str) -> int:
 
 def format_quantity(value: float, kind: str) -> str:
     """Render a base-unit quantity for humans (``229376`` bytes -> ``224 KiB``)."""
-    if kind == "bytes":
-        for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if value >= scale:
-                return f"{value / scale:g} {unit}"
-        return f"{value:g} B"
-    if kind == "hz":
-        for unit, scale in (("GHz", 1e9), ("MHz", 1e6), ("kHz", 1e3)):
-            if value >= scale:
-                return f"{value / scale:g} {unit}"
-        return f"{value:g} Hz"
-    if kind == "bandwidth":
-        for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6)):
-            if value >= scale:
-                return f"{value / scale:.4g} {unit}"
-        return f"{value:g} B/s"
-    if kind == "time":  # picoseconds
-        for unit, scale in (("s", 1e12), ("ms", 1e9), ("us", 1e6), ("ns", 1e3)):
-            if value >= scale:
-                return f"{value / scale:.4g} {unit}"
-        return f"{value:g} ps"
-    raise KeyError(kind)
+    units: dict[str, tuple[tuple[str, float], ...]] = {
+        "bytes": (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)),
+        "hz": (("GHz", 1e9), ("MHz", 1e6), ("kHz", 1e3), ("Hz", 1)),
+        "bandwidth": (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("B/s", 1)),
+        "time": (("s", 1e12), ("ms", 1e9), ("us", 1e6), ("ns", 1e3), ("ps", 1)),  # from picoseconds
+    }
+    fmt = "g" if kind in ("bytes", "hz") else ".4g"
+    for unit, scale in units[kind]:
+        if value >= scale or scale == 1:
+            return f"{value / scale:{fmt}} {unit}"
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class CoreTimeline:
         ready, end, owner = self.ready, self.end, self.owner
         own = eng.name if eng.pipelines_own_results else None
         for ins in instrs:
-            t = env.now
+            t = int(env.now)
             for d in ins.deps:
                 r = ready[d]
                 if r is None:
@@ -95,7 +95,7 @@ class CoreTimeline:
                     t = r  # type: ignore[assignment]
             t_first = t
             if ins.first_deps is not None:
-                t_first = env.now
+                t_first = int(env.now)
                 for d in ins.first_deps:
                     r = end[d] if owner[d] == own else ready[d]
                     if r > t_first:  # type: ignore[operator]
@@ -127,7 +127,7 @@ class CoreTimeline:
             t0 = t + dma.start_latency  # type: ignore[operator]
             if t0 > env.now:
                 yield env.timeout(t0 - env.now)
-            data_start, fin = dma.reserve(ins.plan, env.now)
+            data_start, fin = dma.reserve(ins.plan, int(env.now))
             fin = max(fin, last)
             last = fin
             self.end[i] = fin

@@ -35,9 +35,9 @@ def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig
     tk = t.max_contraction
     tm = t.stationary_max_free
     tn = min(t.moving_max_free, cfg.core.psum.bank_bytes // 4)
-    for dim, size, tile in (("M", m, tm), ("K", k, tk), ("N", n, tn)):
-        if size % tile:
-            raise KernelError(f"matmul: {dim}={size} must be a multiple of {tile} on {cfg.name}")
+    for dim, size, step in (("M", m, tm), ("K", k, tk), ("N", n, tn)):
+        if size % step:
+            raise KernelError(f"matmul: {dim}={size} must be a multiple of {step} on {cfg.name}")
     kt_n, mt_n, nt_n = k // tk, m // tm, n // tn
     lhsT = kern.input("lhsT", (k, m), dt)
     rhs = kern.input("rhs", (k, n), dt)
