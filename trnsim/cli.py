@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -259,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, KernelError) as e:
         print(f"trnsim: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (e.g. `trnsim demo | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
