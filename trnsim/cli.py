@@ -163,8 +163,8 @@ def render_report(report: KernelReport, console: Any, config: ChipConfig | None 
                  show_header=False, title_justify="left", box=None, padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("Total", f"{report.total_cycles:,.0f} cycles ({report.total_us:,.3f} us) of the TensorE clock, "
-                          f"from the first issue to the last result visible")
+    head.add_row("Total", f"{report.total_cycles:,.0f} cycles ({report.total_us:,.3f} us) at the TensorE clock, "
+                          f"first issue to last result")
     head.add_row("MFU", f"{report.mfu_estimated_percent:.2f}%  (HFU {report.hfu_estimated_percent:.2f}%, "
                         f"{report.achieved_flops_per_s / 1e12:.2f} TFLOP/s)")
     hbm = report.hbm_read_bytes + report.hbm_write_bytes
