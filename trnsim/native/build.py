@@ -26,17 +26,14 @@ def _rel(path: str) -> str:
     return os.path.relpath(path, _ROOT)
 
 
-CDEF = """
-int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
-               const void *v, int v_dt, int64_t v_sk, int64_t v_sn,
-               float *out, int64_t o_sm, int64_t o_sn,
-               int64_t K, int64_t M, int64_t N, int64_t k_chunk,
-               int accumulate, int isa, int fma_policy, int nthreads);
-int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n);
-int trn_best_isa(void);
-int trn_tile_m(int isa);
-int trn_tile_n(int isa);
-"""
+def _cdef() -> str:
+    """The declarations cffi needs, read from datapath.h itself (so they cannot drift):
+    everything but the preprocessor lines (include guard, #include)."""
+    with open(os.path.join(_HERE, "datapath.h"), encoding="utf-8") as f:
+        return "\n".join(line for line in f.read().splitlines() if not line.lstrip().startswith("#"))
+
+
+CDEF = _cdef()
 
 # gcc or clang (datapath.c uses their builtins and target attributes).
 _COMPILE_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-pthread"]

@@ -1,6 +1,6 @@
 /* The TensorE matmul datapath in C. trnsim/native/reference.py is the definition; this is the
- * fast implementation that must match it bit for bit. Declarations only: build.py passes the
- * same prototypes to cffi. */
+ * fast implementation that must match it bit for bit. Declarations only: build.py hands
+ * this file (minus preprocessor lines) to cffi as its cdef. */
 #ifndef TRNSIM_DATAPATH_H
 #define TRNSIM_DATAPATH_H
 
