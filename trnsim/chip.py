@@ -17,7 +17,7 @@ from .memory.hbm import check_capacity
 from .memory.state import DeviceMemory
 from .native import convert
 from .report import KernelReport, build_report
-from .sim import simulate
+from .sim import CoreTimeline, simulate
 
 __all__ = ["Chip", "RunResult"]
 
@@ -60,10 +60,7 @@ class Chip:
         values = None if timing_only else self._execute(kernel, inputs)
         idle = [Kernel("idle", self.config) for _ in range(core)]
         timelines = simulate(self.config, idle + [kernel])
-        tl = timelines[core]
-        report = build_report(kernel.name, kernel.instructions, tl.segments, tl.total_ticks, self.config, core,
-                              kernel.sbuf_peak_bytes, kernel.psum_peak_bytes)
-        return RunResult(values, report)
+        return RunResult(values, self._report(kernel, timelines[core], core))
 
     def run_spmd(self, kernels: Sequence[Kernel], inputs: Sequence[Mapping[str, Any]] | None = None, *,
                  timing_only: bool = False) -> list[RunResult]:
@@ -77,11 +74,13 @@ class Chip:
         outs = [None if timing_only else self._execute(k, None if inputs is None else inputs[c])
                 for c, k in enumerate(kernels)]
         timelines = simulate(self.config, list(kernels))
-        return [RunResult(outs[c], build_report(k.name, k.instructions, tl.segments, tl.total_ticks, self.config, c,
-                                                k.sbuf_peak_bytes, k.psum_peak_bytes))
-                for c, (k, tl) in enumerate(zip(kernels, timelines))]
+        return [RunResult(outs[c], self._report(k, tl, c)) for c, (k, tl) in enumerate(zip(kernels, timelines))]
 
     # ---- internals -------------------------------------------------------------------------
+    def _report(self, kernel: Kernel, tl: CoreTimeline, core: int) -> KernelReport:
+        return build_report(kernel.name, kernel.instructions, tl.segments, tl.total_ticks, self.config, core,
+                            kernel.sbuf_peak_bytes, kernel.psum_peak_bytes)
+
     def _check_kernel(self, kernel: Kernel, core: int) -> None:
         if not isinstance(kernel, Kernel):
             raise TypeError(f"Chip.run expects a trnsim.Kernel, got {type(kernel).__name__}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -728,10 +728,3 @@ class AffineSelect(Instruction):
         self.channel_multiplier = channel_multiplier
         self.pattern = pattern
         self.on_false = on_false
-
-
-def iter_aps(ins: Instruction) -> Iterator[tuple[AP, bool]]:
-    for ap in ins.reads:
-        yield ap, False
-    for ap in ins.writes:
-        yield ap, True

@@ -454,7 +454,7 @@ class Kernel:
 
     # ---- emitting --------------------------------------------------------------------------
     def _emit(self, ins: Instruction, key: str | None = None) -> Instruction:
-        for ap, _ in ((a, False) for a in ins.reads + ins.writes):
+        for ap in ins.reads + ins.writes:
             if isinstance(ap, TileAP) and not ap.alloc.live:
                 raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
         ins.index = len(self.instructions)
@@ -731,12 +731,6 @@ class Kernel:
     # ---- introspection ---------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.instructions)
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for ins in self.instructions:
-            out[ins.opcode] = out.get(ins.opcode, 0) + 1
-        return out
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, {len(self.instructions)} instructions, config={self.config.name})"

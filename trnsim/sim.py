@@ -71,11 +71,15 @@ class CoreTimeline:
             ev = waiters[idx] = self.env.event()
         return ev
 
-    def _set_ready(self, idx: int, t: int) -> None:
-        self.ready[idx] = t
-        ev = self._waiters.pop(idx, None)
+    @staticmethod
+    def _notify(waiters: dict[int, simpy.Event], idx: int) -> None:
+        ev = waiters.pop(idx, None)
         if ev is not None:
             ev.succeed()
+
+    def _set_ready(self, idx: int, t: int) -> None:
+        self.ready[idx] = t
+        self._notify(self._waiters, idx)
 
     # ---- processes -------------------------------------------------------------------------
     def _engine(self, eng: Engine, instrs: Sequence[Instruction]) -> Generator[simpy.Event, Any, None]:
@@ -108,9 +112,7 @@ class CoreTimeline:
             end[i] = e
             if isinstance(ins, DmaCopy):
                 self.trigger[i] = e
-                ev = self._trigger_waiters.pop(i, None)
-                if ev is not None:
-                    ev.succeed()
+                self._notify(self._trigger_waiters, i)
             else:
                 self._set_ready(i, rdy)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import ACTIVATIONS, ALU_OPS, BITWISE_OPS, TileAP
+from ..isa import ACTIVATIONS, ALU_OPS, BITWISE_OPS, REDUCE_OPS, TileAP
 from ..native import convert
 from ..native.dtypes import Dtype
 
@@ -113,8 +113,6 @@ class ElementwiseExec:
         store(mem, ins.dst, x)
 
     def exec_TensorReduce(self, ins: Any, mem: Any) -> None:
-        from ..isa import REDUCE_OPS
-
         im = int_mode_for(ins.dst, ins.data)
         v = mem.view(ins.data)
         v = v.astype(np.int64) if im else v.astype(np.float32)
