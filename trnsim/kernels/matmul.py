@@ -17,14 +17,29 @@ kernel library's job.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..config import ChipConfig
 from ..isa import KernelError
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
+from .registry import register_kernel, round_to
 
 __all__ = ["build_matmul"]
 
 
+def _inputs(shape, dtype, params, rng):
+    m, k, n = shape
+    return {"lhsT": rng.standard_normal((k, m), dtype=np.float32), "rhs": rng.standard_normal((k, n), dtype=np.float32)}
+
+
+def _reference(inputs, shape, dtype, params):
+    return {"out": round_to(inputs["lhsT"], dtype).T @ round_to(inputs["rhs"], dtype)}
+
+
+@register_kernel("matmul", dims="MxKxN", dtypes=("bf16", "fp16", "fp32", "fp8_e4m3"), default_shape=(4096, 4096, 4096),
+                 summary="out[M,N] = lhsT[K,M]^T @ rhs[K,N], PSUM accumulation over K", inputs=_inputs,
+                 reference=_reference)
 def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                  out_dtype: str | None = None, name: str = "matmul") -> Kernel:
     kern = Kernel(name, config)
