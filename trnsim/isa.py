@@ -30,6 +30,8 @@ __all__ = [
     "TileAP",
     "Instruction",
     "DmaCopy",
+    "DmaGather",
+    "DmaScatter",
     "MatMul",
     "Transpose",
     "Activation",
@@ -549,6 +551,44 @@ class DmaCopy(Instruction):
 
     def describe(self) -> str:
         return f"DmaCopy[{self.queue}]"
+
+
+class DmaGather(DmaCopy):
+    """Indirect DMA (NKI ``dma_copy`` with a dynamic index, software DGE): partition ``p`` of
+    ``dst`` receives row ``indices[p]`` of ``src`` [rows, D]. The index values are read at run
+    time, so the instruction reads all of ``src``; ``oob_mode`` says what an index outside
+    0..rows-1 does ("error" stops the run, "skip" leaves that partition unwritten)."""
+
+    __slots__ = ("indices", "oob_mode")
+    opcode = "DmaGather"
+
+    def __init__(self, engine: str, dst: TileAP, src: HbmAP, indices: TileAP, queue: str, oob_mode: str):
+        super().__init__(engine, dst, src, queue)
+        self.reads = (src, indices)
+        self.indices = indices
+        self.oob_mode = oob_mode
+
+    def describe(self) -> str:
+        return f"DmaGather[{self.queue}]"
+
+
+class DmaScatter(DmaCopy):
+    """The reverse of :class:`DmaGather`: partition ``p`` of ``src`` is written to row
+    ``indices[p]`` of ``dst`` [rows, D]. Any row of ``dst`` may be written, so the instruction
+    writes all of it; two partitions naming one row are an error (the order of their writes is
+    not defined on hardware)."""
+
+    __slots__ = ("indices", "oob_mode")
+    opcode = "DmaScatter"
+
+    def __init__(self, engine: str, dst: HbmAP, src: TileAP, indices: TileAP, queue: str, oob_mode: str):
+        super().__init__(engine, dst, src, queue)
+        self.reads = (src, indices)
+        self.indices = indices
+        self.oob_mode = oob_mode
+
+    def describe(self) -> str:
+        return f"DmaScatter[{self.queue}]"
 
 
 class MatMul(Instruction):

@@ -35,6 +35,8 @@ from .isa import (
     AffineSelect,
     Allocation,
     DmaCopy,
+    DmaGather,
+    DmaScatter,
     HbmAP,
     HbmTensor,
     Instruction,
@@ -53,7 +55,7 @@ from .isa import (
     alu_op,
     reduce_op,
 )
-from .memory.dma import plan_dma
+from .memory.dma import plan_dma, plan_indirect
 from .memory.hbm import check_capacity
 from .memory.psum import PsumAllocator, check_matmul_dst
 from .memory.sbuf import OnChipAllocator
@@ -518,16 +520,76 @@ class Kernel:
         dst = dst.full() if isinstance(dst, HbmTensor) else dst
         src = src.full() if isinstance(src, HbmTensor) else src
         eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
-        queue = checked_int(queue, "dma_copy: queue", lo=0)
-        lane = f"q{eng}IO{queue}"
-        if lane not in self.queues:
-            if len(self.queues) >= self.config.core.dma.queues:
-                raise KernelError(f"dma_copy: kernel uses more than {self.config.core.dma.queues} DMA queues "
-                                  f"(core.dma.queues on {self.config.name}); reuse one of {', '.join(self.queues)}")
-            self.queues[lane] = len(self.queues)
+        lane = self._dma_lane(eng, queue, "dma_copy")
         ins = DmaCopy(eng, dst, src, lane)
         ins.plan = plan_dma(dst, src, self.config)
         return self._emit(ins, key=lane)  # type: ignore[return-value]
+
+    def _dma_lane(self, eng: str, queue: Any, what: str) -> str:
+        """The DMA queue lane ``engine``/``queue`` names, registering it (16 per kernel at most)."""
+        queue = checked_int(queue, f"{what}: queue", lo=0)
+        lane = f"q{eng}IO{queue}"
+        if lane not in self.queues:
+            if len(self.queues) >= self.config.core.dma.queues:
+                raise KernelError(f"{what}: kernel uses more than {self.config.core.dma.queues} DMA queues "
+                                  f"(core.dma.queues on {self.config.name}); reuse one of {', '.join(self.queues)}")
+            self.queues[lane] = len(self.queues)
+        return lane
+
+    def dma_gather(self, dst: TileAP, src: HbmAP | HbmTensor, indices: TileAP, *, engine: str = "gpsimd",
+                   queue: int = 0, oob_mode: str = "error") -> DmaGather:
+        """Indirect DMA: ``dst[p, :] = src[indices[p], :]`` for each partition ``p`` of ``dst``.
+
+        ``src`` is a 2-D ``[rows, D]`` HBM view, ``dst`` an SBUF tile with D elements per
+        partition, ``indices`` an int32 ``[P, 1]`` SBUF tile whose values are read when the
+        transfer runs (NKI's ``dma_copy`` with a dynamic index). Only software descriptor
+        generation on GpSimd supports indirect access (datasheet §6), so ``engine`` must be
+        gpsimd. Each row costs one descriptor. An index outside ``0..rows-1`` stops the run
+        with an error (``oob_mode="error"``, NKI's default) or leaves that partition
+        unwritten (``oob_mode="skip"``).
+        """
+        what = "dma_gather"
+        rows, lane, eng, oob = self._indirect_operands(what, dst, src, indices, engine, queue, oob_mode, "dst", "src")
+        ins = DmaGather(eng, dst, rows, indices, lane, oob)
+        ins.plan = plan_indirect(dst, rows, True, self.config)
+        return self._emit(ins, key=lane)  # type: ignore[return-value]
+
+    def dma_scatter(self, dst: HbmAP | HbmTensor, src: TileAP, indices: TileAP, *, engine: str = "gpsimd",
+                    queue: int = 0, oob_mode: str = "error") -> DmaScatter:
+        """Indirect DMA, the reverse of :meth:`dma_gather`: ``dst[indices[p], :] = src[p, :]``.
+        Two partitions naming the same row are a run-time error (hardware leaves their order
+        undefined)."""
+        what = "dma_scatter"
+        rows, lane, eng, oob = self._indirect_operands(what, src, dst, indices, engine, queue, oob_mode, "src", "dst")
+        ins = DmaScatter(eng, rows, src, indices, lane, oob)
+        ins.plan = plan_indirect(src, rows, False, self.config)
+        return self._emit(ins, key=lane)  # type: ignore[return-value]
+
+    def _indirect_operands(self, what: str, tile: Any, rows: Any, indices: Any, engine: str, queue: Any,
+                           oob_mode: Any, tile_nm: str, rows_nm: str) -> tuple[HbmAP, str, str, str]:
+        """Check a gather/scatter's operands; return (rows view, lane, engine, oob_mode)."""
+        if not isinstance(tile, TileAP) or tile.space != "sbuf":
+            raise KernelError(f"{what}: {tile_nm} must be an SBUF tile, got {tile!r}")
+        if not isinstance(rows, (HbmTensor, HbmAP)):
+            raise KernelError(f"{what}: {rows_nm} must be an HBM tensor or view, got {type(rows).__name__}")
+        rows = rows.full() if isinstance(rows, HbmTensor) else rows
+        if len(rows.shape) != 2:
+            raise KernelError(f"{what}: {rows_nm} '{rows.tensor.name}' must be a 2-D [rows, D] view, got shape {rows.shape}")
+        if tile.free_size != rows.shape[1]:
+            raise KernelError(f"{what}: {tile_nm} '{tile.name}' has {tile.free_size} elements per partition but "
+                              f"{rows_nm} rows of '{rows.tensor.name}' have {rows.shape[1]}")
+        if not isinstance(indices, TileAP) or indices.space != "sbuf" or indices.dtype.name != "int32":
+            raise KernelError(f"{what}: indices must be an int32 SBUF tile, got {indices!r}")
+        if indices.p_count != tile.p_count or indices.free_size != 1:
+            raise KernelError(f"{what}: indices '{indices.name}' must be [{tile.p_count}, 1] (one row index per "
+                              f"partition of '{tile.name}'), got {indices.shape}")
+        eng = _ENGINE_NAMES.get(str(engine).lower(), str(engine))
+        if eng != "GpSimd":
+            raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only gpsimd "
+                              f"(software DGE) can (datasheet §6)")
+        if oob_mode not in ("error", "skip"):
+            raise KernelError(f"{what}: oob_mode must be 'error' or 'skip', got {oob_mode!r}")
+        return rows, self._dma_lane(eng, queue, what), eng, oob_mode
 
     # ---- TensorE ---------------------------------------------------------------------------
     def nc_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP, *, accumulate: bool = False) -> MatMul:

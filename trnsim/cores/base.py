@@ -87,3 +87,10 @@ class Engine:
         from ..memory.dma import execute_dma
 
         execute_dma(ins, mem)
+
+    def exec_DmaGather(self, ins: DmaCopy, mem: Any) -> None:
+        from ..memory.dma import execute_indirect_dma
+
+        execute_indirect_dma(ins, mem)
+
+    exec_DmaScatter = exec_DmaGather

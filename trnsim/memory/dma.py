@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import AP, HbmAP, KernelError, TileAP
+from ..isa import AP, DmaGather, HbmAP, KernelError, TileAP
 
-__all__ = ["DmaPlan", "plan_dma", "contiguous_run", "execute_dma", "DmaSystem", "BandwidthPipe"]
+__all__ = ["DmaPlan", "plan_dma", "plan_indirect", "contiguous_run", "execute_dma", "execute_indirect_dma", "DmaSystem",
+           "BandwidthPipe"]
 
 
 @dataclass(frozen=True)
@@ -82,22 +83,10 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
         run_src = min(run_src, per_part)
         run_dst = min(run_dst, per_part)
     chunk = max(1, min(run_src, run_dst))
-    dma = config.core.dma
-    n_eng = dma.engines
+    n_eng = config.core.dma.engines
     engines: list[tuple[int, int, int]] = []
     if tile is not None:
-        parts = config.core.sbuf.partitions
-        per_engine = max(1, parts // n_eng)
-        per_part_elems = tile.free_size
-        chunks_per_part = -(-per_part_elems // chunk)
-        p = tile.p_start
-        p_end = tile.p_start + tile.p_count
-        while p < p_end:
-            e = (p // per_engine) % n_eng
-            q = min(p_end, (p // per_engine + 1) * per_engine)
-            k = q - p
-            engines.append((e, k * per_part_elems * itemsize, k * chunks_per_part))
-            p = q
+        engines = _split_by_partition(tile, chunk, itemsize, config)
     else:
         # HBM to HBM: the transfer is split evenly over all engines (datasheet §6); each
         # engine's share is cut into descriptors at the contiguous-run boundaries
@@ -106,13 +95,7 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
         for e in range(use):
             elems = total // use + (1 if e < total % use else 0)
             engines.append((e, elems * itemsize, -(-elems // chunk)))
-    # merge duplicate engines (a tile wider than the engine count wraps)
-    merged: dict[int, list[int]] = {}
-    for e, b, c in engines:
-        m = merged.setdefault(e, [0, 0])
-        m[0] += b
-        m[1] += c
-    eng = tuple((e, b, c) for e, (b, c) in sorted(merged.items()))
+    eng = _merge_engines(engines)
     src_bytes = src.nbytes
     dst_bytes = dst.nbytes
     return DmaPlan(
@@ -125,17 +108,99 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
     )
 
 
-def execute_dma(ins: Any, mem: Any) -> None:
-    """Copy the values (the functional half of a DmaCopy); casts round to nearest even."""
+def _split_by_partition(tile: TileAP, chunk: int, itemsize: int, config: ChipConfig) -> list[tuple[int, int, int]]:
+    """(engine, bytes, chunks) per run of partitions: engine ``e`` serves its block of SBUF
+    partitions, each partition's ``tile.free_size`` elements cut into ``chunk``-element descriptors."""
+    n_eng = config.core.dma.engines
+    per_engine = max(1, config.core.sbuf.partitions // n_eng)
+    per_part_elems = tile.free_size
+    chunks_per_part = -(-per_part_elems // chunk)
+    engines = []
+    p = tile.p_start
+    p_end = tile.p_start + tile.p_count
+    while p < p_end:
+        e = (p // per_engine) % n_eng
+        q = min(p_end, (p // per_engine + 1) * per_engine)
+        k = q - p
+        engines.append((e, k * per_part_elems * itemsize, k * chunks_per_part))
+        p = q
+    return engines
+
+
+def _merge_engines(engines: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Sum the work of an engine that appears more than once (a tile wider than the engine count wraps)."""
+    merged: dict[int, list[int]] = {}
+    for e, b, c in engines:
+        m = merged.setdefault(e, [0, 0])
+        m[0] += b
+        m[1] += c
+    return tuple((e, b, c) for e, (b, c) in sorted(merged.items()))
+
+
+def plan_indirect(tile: TileAP, rows: HbmAP, gather: bool, config: ChipConfig) -> DmaPlan:
+    """Per-engine work of a gather (``rows`` -> ``tile``) or scatter (``tile`` -> ``rows``).
+
+    Every partition moves one row through its own descriptor(s): a row is contiguous in HBM
+    only within itself, so even adjacent indices pay one descriptor each. The plan depends on
+    the shapes alone, never on the index values, so timing-only runs need no values.
+    """
+    itemsize = max(tile.dtype.itemsize, rows.dtype.itemsize)
+    chunk = max(1, min(contiguous_run(rows.dims[1:]), contiguous_run(tile.dims), tile.free_size))
+    hbm_bytes = tile.p_count * tile.free_size * rows.dtype.itemsize
+    return DmaPlan(
+        engines=_merge_engines(_split_by_partition(tile, chunk, itemsize, config)),
+        hbm_read_bytes=hbm_bytes if gather else 0,
+        hbm_write_bytes=0 if gather else hbm_bytes,
+        sbuf_read_bytes=0 if gather else tile.nbytes,
+        sbuf_write_bytes=tile.nbytes if gather else 0,
+        chunk_bytes=chunk * itemsize,
+    )
+
+
+def _cast(vals: Any, src: Any, dst: Any) -> Any:
+    """``vals`` of dtype ``src`` converted to ``dst`` the way DMA casts: through fp32, RNE."""
     from ..cores.alu import to_dtype
 
+    if src == dst:
+        return vals
+    return to_dtype(np.asarray(vals) if not src.is_float else np.asarray(vals, dtype=np.float32), dst)
+
+
+def execute_dma(ins: Any, mem: Any) -> None:
+    """Copy the values (the functional half of a DmaCopy); casts round to nearest even."""
     src = mem.view(ins.src)
     dst = mem.view(ins.dst)
     vals = src.reshape(dst.shape) if src.shape != dst.shape else src
-    if ins.src.dtype != ins.dst.dtype:
-        vals = to_dtype(np.asarray(vals) if not ins.src.dtype.is_float else np.asarray(vals, dtype=np.float32),
-                        ins.dst.dtype)
-    dst[...] = vals
+    dst[...] = _cast(vals, ins.src.dtype, ins.dst.dtype)
+
+
+def execute_indirect_dma(ins: Any, mem: Any) -> None:
+    """The functional half of a DmaGather/DmaScatter: read the index tile now, check every index
+    against the indexed tensor's rows (``oob_mode``), then move the rows."""
+    gather = isinstance(ins, DmaGather)
+    rows_ap, tile = (ins.src, ins.dst) if gather else (ins.dst, ins.src)
+    n_rows = rows_ap.shape[0]
+    idx = np.asarray(mem.view(ins.indices), dtype=np.int64).reshape(-1)
+    ok = (idx >= 0) & (idx < n_rows)
+    if ins.oob_mode == "error" and not ok.all():
+        p = int(np.argmin(ok))
+        raise KernelError(f"{ins.opcode} #{ins.index}: index {idx[p]} on partition {ins.indices.p_start + p} of "
+                          f"'{ins.indices.name}' is outside rows 0..{n_rows - 1} of '{rows_ap.tensor.name}' "
+                          f"(oob_mode='error'; 'skip' leaves such partitions alone)")
+    sel = np.flatnonzero(ok)
+    rows = mem.view(rows_ap)
+    part = mem.view(tile)
+    if gather:
+        part[sel] = _cast(rows[idx[sel]], rows_ap.dtype, tile.dtype).reshape((len(sel),) + part.shape[1:])
+        return
+    uniq, counts = np.unique(idx[sel], return_counts=True)
+    if (counts > 1).any():
+        k = int(np.argmax(counts > 1))
+        ps = ins.indices.p_start + sel[idx[sel] == uniq[k]]
+        raise KernelError(f"{ins.opcode} #{ins.index}: row {uniq[k]} of '{rows_ap.tensor.name}' is named by partitions "
+                          f"{ps[0]} and {ps[1]} of '{ins.indices.name}'; scatter indices must be unique (the order "
+                          f"of two writes to one row is not defined)")
+    rows[idx[sel]] = _cast(part[sel], tile.dtype, rows_ap.dtype).reshape((len(sel),) + rows.shape[1:])
 
 
 class DmaSystem:
