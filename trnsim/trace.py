@@ -1,0 +1,137 @@
+"""Chrome trace-event JSON of kernel timelines, for ui.perfetto.dev and chrome://tracing.
+
+Layout, following Neuron Explorer's lanes: one process per NeuronCore, one thread (lane) per
+engine ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync") and per DMA queue
+("qSyncIO0", "qGpSimdIO0", ...), plus a "Kernel" lane with one span per kernel.
+
+A DMA queue keeps several transfers in flight, so its transfers overlap in time; trace viewers
+draw overlapping complete events of one thread as (wrong) nesting. Such a queue is therefore
+drawn on as many lanes as it has transfers in flight at once: "qSyncIO0", "qSyncIO0 (2)", ...
+Every lane holds non-overlapping events, and the union of a queue's lanes is its busy time.
+
+Several reports on one core are laid end to end in the order given (a core runs one kernel at a
+time, e.g. the kernels of a torch graph); reports on different cores start together, as in
+:meth:`trnsim.Chip.run_spmd`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from .report import KernelReport
+
+__all__ = ["trace_events", "write_trace"]
+
+KERNEL_LANE = "Kernel"
+_ENGINE_ORDER = ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync")
+
+
+def _sort_key(lane: str) -> tuple[int, str]:
+    """Kernel first, then engines in datapath order, then DMA queues by name."""
+    if lane == KERNEL_LANE:
+        return (0, "")
+    if lane in _ENGINE_ORDER:
+        return (1 + _ENGINE_ORDER.index(lane), "")
+    return (1 + len(_ENGINE_ORDER), lane)
+
+
+def _us(ticks: int, tick_hz: int) -> float:
+    return ticks * 1e6 / tick_hz
+
+
+def _spread(segments: list[tuple[int, int, str, int]]) -> list[list[tuple[int, int, str, int]]]:
+    """Split (start, end, label, index) segments over the fewest lanes with no overlap in any
+    lane (greedy interval partitioning: each segment goes to the first lane already free)."""
+    lanes: list[list[tuple[int, int, str, int]]] = []
+    for seg in sorted(segments):
+        for lane in lanes:
+            if lane[-1][1] <= seg[0]:
+                lane.append(seg)
+                break
+        else:
+            lanes.append([seg])
+    return lanes
+
+
+def trace_events(reports: Iterable[KernelReport]) -> list[dict[str, Any]]:
+    """The trace events (metadata first) for ``reports``; see the module docstring. All reports
+    must share one tick rate (one chip config's clocks), so their ticks lie on one time axis."""
+    reports = list(reports)
+    rates = sorted({r.tick_hz for r in reports})
+    if len(rates) > 1:
+        raise ValueError(f"trace: reports use different tick rates {rates} Hz; trace one chip config at a time")
+    hz = rates[0] if rates else 1
+    offset: dict[int, int] = {}  # per core: the tick where its next kernel starts
+    lanes: dict[tuple[int, str], list[tuple[int, int, str, int]]] = {}
+    configs: dict[int, str] = {}
+    spans: list[tuple[int, int, int, KernelReport]] = []
+    for rep in reports:
+        t0 = offset.get(rep.core, 0)
+        offset[rep.core] = t0 + rep.total_ticks
+        configs.setdefault(rep.core, rep.config)
+        spans.append((rep.core, t0, t0 + rep.total_ticks, rep))
+        for lane, label, start, end, index in rep.timeline:
+            lanes.setdefault((rep.core, lane), []).append((t0 + start, t0 + end, label, index))
+
+    meta: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    tids: dict[tuple[int, str], int] = {}
+
+    def tid_of(core: int, name: str) -> int:
+        key = (core, name)
+        if key not in tids:
+            tids[key] = len(tids) + 1
+        return tids[key]
+
+    for core in sorted(configs):
+        meta.append({"ph": "M", "name": "process_name", "pid": core, "tid": 0,
+                     "args": {"name": f"NeuronCore {core} ({configs[core]})"}})
+        meta.append({"ph": "M", "name": "process_sort_index", "pid": core, "tid": 0, "args": {"sort_index": core}})
+    named: list[tuple[int, str]] = []
+    for core, t0, t1, rep in spans:
+        tid = tid_of(core, KERNEL_LANE)
+        if (core, KERNEL_LANE) not in named:
+            named.append((core, KERNEL_LANE))
+        events.append({"ph": "X", "name": rep.kernel, "cat": "kernel", "pid": core, "tid": tid,
+                       "ts": _us(t0, hz), "dur": _us(t1 - t0, hz),
+                       "args": {"cycles": rep.total_cycles, "config": rep.config}})
+    for (core, lane), segs in sorted(lanes.items(), key=lambda kv: (kv[0][0], _sort_key(kv[0][1]))):
+        for n, part in enumerate(_spread(segs)):
+            name = lane if n == 0 else f"{lane} ({n + 1})"
+            tid = tid_of(core, name)
+            named.append((core, name))
+            for start, end, label, index in part:
+                events.append({"ph": "X", "name": label, "cat": "dma" if lane.startswith("q") else "engine",
+                               "pid": core, "tid": tid, "ts": _us(start, hz), "dur": _us(end - start, hz),
+                               "args": {"instruction": index, "label": label, "start_tick": start,
+                                        "end_tick": end}})
+    for core, name in named:
+        tid = tids[(core, name)]
+        meta.append({"ph": "M", "name": "thread_name", "pid": core, "tid": tid, "args": {"name": name}})
+        meta.append({"ph": "M", "name": "thread_sort_index", "pid": core, "tid": tid,
+                     "args": {"sort_index": tid}})
+    return meta + events
+
+
+def write_trace(path: str | os.PathLike[str], reports: KernelReport | Iterable[KernelReport]) -> Path:
+    """Write ``reports`` as a Chrome trace-event JSON file at ``path``.
+
+    The file is written to a temporary name in the same directory and renamed into place, so an
+    error (or a reader opening it meanwhile) never sees half a trace."""
+    reps = [reports] if isinstance(reports, KernelReport) else list(reports)
+    doc = {"traceEvents": trace_events(reps), "displayTimeUnit": "ns",
+           "otherData": {"generator": "trnsim", "kernels": [r.kernel for r in reps]}}
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
