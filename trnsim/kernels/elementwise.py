@@ -27,7 +27,8 @@ from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 from .registry import register_kernel, round_to
 
-__all__ = ["build_unary", "build_binary", "build_activation", "Piece", "row_pieces", "hbm_piece",
+__all__ = ["build_unary", "build_binary", "build_activation", "Piece", "row_pieces", "hbm_piece", "kernel_dtype",
+           "checked_choice", "checked_bufs",
            "compute_engines", "tile_free_elems"]
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -113,20 +114,20 @@ def compute_engines(dt: Dtype, split: bool) -> tuple[str, ...]:
     return ("vector", "vector", "vector", "gpsimd") if dt.itemsize == 2 else ("vector", "gpsimd")
 
 
-def _dtype(dtype: Any, what: str) -> Dtype:
+def kernel_dtype(dtype: Any, what: str) -> Dtype:
     dt = get_dtype(dtype)
     if dt.short not in DTYPES:
         raise KernelError(f"{what}: dtype {dt.short} not supported; expected one of {', '.join(DTYPES)}")
     return dt
 
 
-def _choice(value: Any, allowed: tuple[str, ...] | Mapping[str, Any], what: str) -> str:
+def checked_choice(value: Any, allowed: tuple[str, ...] | Mapping[str, Any], what: str) -> str:
     if value not in allowed:
         raise KernelError(f"{what}: expected one of {', '.join(allowed)}, got {value!r}")
     return str(value)
 
 
-def _bufs(bufs: Any, what: str) -> int:
+def checked_bufs(bufs: Any, what: str) -> int:
     if isinstance(bufs, bool) or not isinstance(bufs, int) or bufs < 2:
         raise KernelError(f"{what}: bufs must be an integer >= 2 (double buffering or deeper), got {bufs!r}")
     return bufs
@@ -172,8 +173,8 @@ def _unary_reference(inputs, shape, dtype, params):
 def build_unary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "neg",
                 tile_bytes: int = 16384, bufs: int = 3, split: bool = True) -> Kernel:
     what = "unary"
-    op = _choice(op, UNARY_OPS, f"{what}: op")
-    dt = _dtype(dtype, what)
+    op = checked_choice(op, UNARY_OPS, f"{what}: op")
+    dt = kernel_dtype(dtype, what)
     kern = Kernel(f"unary_{op}", config)
     x = kern.input("x", (rows, cols), dt)
     out = kern.output("out", (rows, cols), dt)
@@ -186,7 +187,7 @@ def build_unary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | 
         else:
             kern.activation(t, name, t)
 
-    _stream(kern, x, out, dt, tile_free_elems(tile_bytes, dt, what), _bufs(bufs, what), compute,
+    _stream(kern, x, out, dt, tile_free_elems(tile_bytes, dt, what), checked_bufs(bufs, what), compute,
             store_engine="scalar" if kind == "alu" else "gpsimd")
     return kern
 
@@ -213,10 +214,10 @@ def _act_reference(inputs, shape, dtype, params):
 def build_activation(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                      fn: str = "gelu", scale: float = 1.0, tile_bytes: int = 16384, bufs: int = 3) -> Kernel:
     what = "activation"
-    fn = _choice(fn, tuple(sorted(ACTIVATIONS)), f"{what}: fn")
+    fn = checked_choice(fn, tuple(sorted(ACTIVATIONS)), f"{what}: fn")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise KernelError(f"{what}: scale must be a number, got {scale!r}")
-    dt = _dtype(dtype, what)
+    dt = kernel_dtype(dtype, what)
     kern = Kernel(f"activation_{fn}", config)
     x = kern.input("x", (rows, cols), dt)
     out = kern.output("out", (rows, cols), dt)
@@ -224,7 +225,7 @@ def build_activation(rows: int, cols: int, dtype: str = "bf16", config: ChipConf
     def compute(t: TileAP, i: int) -> None:
         kern.activation(t, fn, t, scale=float(scale))
 
-    _stream(kern, x, out, dt, tile_free_elems(tile_bytes, dt, what), _bufs(bufs, what), compute,
+    _stream(kern, x, out, dt, tile_free_elems(tile_bytes, dt, what), checked_bufs(bufs, what), compute,
             store_engine="gpsimd")
     return kern
 
@@ -261,10 +262,10 @@ def _binary_reference(inputs, shape, dtype, params):
 def build_binary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "add",
                  broadcast: str = "none", tile_bytes: int = 16384, bufs: int = 3, split: bool = True) -> Kernel:
     what = "binary"
-    op = _choice(op, BINARY_OPS, f"{what}: op")
-    broadcast = _choice(broadcast, BROADCASTS, f"{what}: broadcast")
-    dt = _dtype(dtype, what)
-    bufs = _bufs(bufs, what)
+    op = checked_choice(op, BINARY_OPS, f"{what}: op")
+    broadcast = checked_choice(broadcast, BROADCASTS, f"{what}: broadcast")
+    dt = kernel_dtype(dtype, what)
+    bufs = checked_bufs(bufs, what)
     max_free = tile_free_elems(tile_bytes, dt, what)
     kern = Kernel(f"binary_{op}", config)
     a = kern.input("a", (rows, cols), dt)
