@@ -2,9 +2,14 @@
 
     trnsim info [CONFIG] [--set K=V ...] [--json]
     trnsim demo [--config CONFIG] [--set K=V ...]
+    trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
+                  [--param K=V ...] [--check] [--json] [--trace out.json]
+    trnsim kernel --list [--json]
+    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N]
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
-``trnsim: error: ...`` on stderr and exits with status 2.
+``trnsim: error: ...`` on stderr and exits with status 2. ``trnsim kernel --check`` exits with
+status 1 when the kernel's outputs do not match its reference.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from typing import Any, NoReturn, Sequence
 from .config import ChipConfig, ConfigError, config_names, format_quantity, load_config
 from .isa import KernelError
 from .report import KernelReport
+from .sweep import bound_of
 
-__all__ = ["main", "render_info", "render_report"]
+__all__ = ["main", "render_info", "render_report", "bound_of"]
+
+
+class UsageError(Exception):
+    """Bad input outside configs and kernels (a file that cannot be written, a missing flag)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -149,13 +159,6 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def bound_of(report: KernelReport) -> str:
-    """The resource that limits the kernel: the busiest engine or the DMA system."""
-    busy = {name: s.active_percent for name, s in report.engines.items() if name != "Sync"}
-    busy["DMA/HBM"] = report.dma.active_percent
-    return max(busy, key=lambda k: busy[k])
-
-
 def render_report(report: KernelReport, console: Any, config: ChipConfig | None = None) -> None:
     from rich.table import Table
 
@@ -196,6 +199,24 @@ def render_report(report: KernelReport, console: Any, config: ChipConfig | None 
     console.print(c)
 
 
+def render_dma_queues(report: KernelReport, console: Any) -> None:
+    """Per DMA queue: transfers, bytes, busy time (any transfer in flight) and the bandwidth
+    achieved while busy."""
+    from rich.table import Table
+
+    if not report.dma.queues:
+        return
+    t = Table(title="DMA queues", title_justify="left")
+    for col in ("queue", "transfers", "bytes", "busy us", "bandwidth while busy", "active"):
+        t.add_column(col, justify="left" if col == "queue" else "right")
+    for lane, q in sorted(report.dma.queues.items()):
+        busy_us = q["busy_us"]
+        bw = q["bytes"] / (busy_us * 1e-6) if busy_us else 0.0
+        t.add_row(lane, f"{q['transfers']:,.0f}", format_quantity(q["bytes"], "bytes"), f"{busy_us:,.3f}",
+                  format_quantity(bw, "bandwidth"), f"{100 * busy_us / report.total_us if report.total_us else 0:.1f}%")
+    console.print(t)
+
+
 # ---------------------------------------------------------------------------------------------
 # commands
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +255,143 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_data() -> list[dict[str, Any]]:
+    from .kernels import get_kernel, kernel_names
+
+    return [{"name": n, "dims": e.shape_doc, "dtypes": list(e.dtypes), "default_shape": list(e.default_shape),
+             "default_dtype": e.default_dtype, "params": dict(e.params), "summary": e.summary,
+             "checkable": e.reference is not None} for n in kernel_names() for e in [get_kernel(n)]]
+
+
+def cmd_kernel_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    data = _list_data()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    t = Table(title=f"{len(data)} kernels: trnsim kernel NAME [--shape ...] [--dtype ...] [--param K=V ...]",
+              title_justify="left", show_header=False, box=None, padding=(0, 2, 1, 0))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    for d in data:
+        dtypes = ", ".join(f"{x} (default)" if x == d["default_dtype"] else x for x in d["dtypes"])
+        params = ", ".join(f"{k}={json.dumps(v)}" for k, v in d["params"].items()) or "none"
+        check = "" if d["checkable"] else "; no reference (timing only)"
+        t.add_row(d["name"], Text(f"{d['summary']}\nshape {d['dims']}, default "
+                                  f"{'x'.join(map(str, d['default_shape']))}; dtypes {dtypes}\n"
+                                  f"params: {params}{check}"))
+    console = _console()
+    console.print(t)
+    console.print("A kernel in a file: trnsim kernel path/to/file.py:function --shape ...")
+    return 0
+
+
+def cmd_kernel(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
+    from .chip import Chip
+    from .kernels.registry import check_entry, parse_params, parse_shape
+    from .sweep import resolve_kernel
+    from .trace import write_trace
+
+    if args.list:
+        return cmd_kernel_list(args)
+    if not args.name:
+        raise UsageError("kernel: give a kernel NAME (see 'trnsim kernel --list') or path/to/file.py:function")
+    cfg = load_config(args.config, args.set)
+    ref = resolve_kernel(args.name)
+    if args.shape is not None:
+        shape = parse_shape(args.shape)
+    elif ref.default_shape is not None:
+        shape = ref.default_shape
+    else:
+        raise UsageError(f"kernel '{args.name}': --shape is required for a kernel from a file, e.g. --shape 1024x2048")
+    dtype = ref.dtype(args.dtype)
+    params = parse_params(args.param, ref.params, f"kernel '{args.name}'")
+    check: dict[str, Any] | None = None
+    if args.check:
+        if ref.entry is None or ref.entry.reference is None:
+            raise UsageError(f"kernel '{args.name}': --check needs a registered kernel with a reference; "
+                             f"run it without --check for timing only")
+        check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
+        report = check["report"]
+    else:
+        report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
+    if args.trace:
+        try:
+            write_trace(args.trace, report)
+        except OSError as e:
+            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    ok = check is None or bool(check["ok"])
+    if args.json:
+        doc: dict[str, Any] = {"kernel": args.name, "shape": list(shape), "dtype": dtype, "config": cfg.name,
+                               "overrides": dict(cfg.overrides), "params": params, "bound": bound_of(report)}
+        if check is not None:
+            doc["check"] = {"ok": ok, "max_error": check["errors"]}
+        doc["report"] = report.to_dict()
+        print(json.dumps(doc, indent=2))
+        return 0 if ok else 1
+    console = _console()
+    what = f"{ref.entry.shape_doc} = " if ref.entry else ""
+    run = "values checked against the reference" if check is not None else "timing only"
+    line = f"[bold]{escape(args.name)}[/bold] {what}{'x'.join(map(str, shape))}"
+    line += f", {dtype}" if dtype else ""
+    line += "".join(f", {k}={escape(str(v))}" for k, v in params.items())
+    line += f" on {cfg.name}" + (f" ({cfg.describe_overrides()})" if cfg.overrides else "") + f"; {run}"
+    console.print(line)
+    render_report(report, console, cfg)
+    render_dma_queues(report, console)
+    if args.trace:
+        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    if check is not None:
+        errs = ", ".join(f"{name} {err:.2e}" for name, err in check["errors"].items())
+        console.print(f"Check: max error relative to max |reference|: {errs} -> {'ok' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .sweep import load_spec, run_sweep
+
+    spec = load_spec(args.spec, args.out)
+    err = Console(stderr=True)
+    progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, disable=not sys.stderr.isatty(), transient=True)
+    task = progress.add_task("points", total=len(spec.points))
+    before: list[int] = []
+
+    def step(done: int, total: int) -> None:
+        if not before:
+            before.append(done)
+        progress.update(task, completed=done)
+
+    try:
+        with progress:
+            rows = run_sweep(spec, args.jobs, step)
+    except OSError as e:
+        raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
+    t = Table(title=f"Sweep {spec.path.name} on {spec.config}: {len(rows)} points", title_justify="left")
+    leaves = [key.rsplit(".", 1)[-1] for key in spec.grid]
+    for key, leaf in zip(spec.grid, leaves):
+        t.add_column(leaf if leaves.count(leaf) == 1 else key, no_wrap=True)
+    for col in ("kernel", "shape", "dtype", "cycles", "us", "MFU", "bound"):
+        t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
+    for r in rows:
+        figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
+                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}", f"{float(r['mfu_percent']):.1f}%", r["bound"]])
+        t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
+    console = _Out(width=140)
+    console.print(t)
+    old = before[0] if before else 0
+    console.print(f"{len(rows) - old} points run, {old} from a previous run; results in {spec.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -249,6 +407,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default="trn2", help="config name or YAML path (default trn2)")
     d.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted override (repeatable)")
     d.set_defaults(fn=cmd_demo)
+    k = sub.add_parser("kernel", help="run a library or user kernel and print its cycle report")
+    k.add_argument("name", nargs="?", metavar="NAME",
+                   help="a registered kernel (see --list) or path/to/file.py:function")
+    k.add_argument("--list", action="store_true", help="list the registered kernels with dims, dtypes and params")
+    k.add_argument("--shape", metavar="AxBxC", help="the kernel's dims, e.g. 4096x4096x4096 (default: the kernel's)")
+    k.add_argument("--dtype", help="input dtype, e.g. bf16 (default: the kernel's first)")
+    k.add_argument("--config", default="trn2", help="config name or YAML path (default trn2)")
+    k.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
+    k.add_argument("--param", action="append", default=[], metavar="K=V", help="kernel parameter (repeatable)")
+    k.add_argument("--check", action="store_true",
+                   help="also compute values and compare with the kernel's reference (exit 1 on mismatch)")
+    k.add_argument("--json", action="store_true", help="print the report as JSON only")
+    k.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the engine and DMA lanes")
+    k.set_defaults(fn=cmd_kernel)
+    w = sub.add_parser("sweep", help="run kernels over a grid of chip variants (timing only) into a CSV")
+    w.add_argument("spec", metavar="SPEC.yaml", help="sweep spec: config, grid, kernels, out")
+    w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
+    w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
+    w.set_defaults(fn=cmd_sweep)
     return p
 
 
@@ -258,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config = "trn2"
     try:
         return int(args.fn(args))
-    except (ConfigError, KernelError) as e:
+    except (ConfigError, KernelError, UsageError) as e:
         print(f"trnsim: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -1,0 +1,157 @@
+"""`trnsim kernel`: golden report and list, JSON, value checks, user kernel files, traces, and
+one-line errors with exit status 2.
+
+The goldens change whenever a library kernel is retuned or registered; regenerate them with
+
+    python -m trnsim.cli kernel matmul --shape 512x1024x1024 > tests/golden/kernel_matmul_trn2.txt
+    python -m trnsim.cli kernel --list > tests/golden/kernel_list.txt
+
+and read the diff: the cycle figures should move only for the reason the kernel changed.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trnsim.chip import Chip
+from trnsim.cli import main
+from trnsim.config import load_config
+from trnsim.kernel import Kernel
+from trnsim.kernels import get_kernel, kernel_names
+from trnsim.kernels.registry import KERNELS, KernelEntry
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden"
+SOFTMAX = str(ROOT / "examples" / "softmax_kernel.py") + ":build_softmax"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_matmul_report_golden(capsys):
+    code, out, err = run(capsys, "kernel", "matmul", "--shape", "512x1024x1024")
+    assert code == 0 and err == ""
+    assert out == (GOLDEN / "kernel_matmul_trn2.txt").read_text()
+
+
+def test_list_golden(capsys):
+    code, out, err = run(capsys, "kernel", "--list")
+    assert code == 0 and err == ""
+    assert out == (GOLDEN / "kernel_list.txt").read_text()
+
+
+def test_list_json_has_every_kernel(capsys):
+    code, out, _ = run(capsys, "kernel", "--list", "--json")
+    data = json.loads(out)
+    assert [d["name"] for d in data] == kernel_names()
+    mm = next(d for d in data if d["name"] == "matmul")
+    assert mm["dims"] == "MxKxN" and "bf16" in mm["dtypes"] and mm["checkable"]
+
+
+def test_json_is_the_report_of_the_same_run(capsys):
+    code, out, _ = run(capsys, "kernel", "matmul", "--shape", "256x512x1024", "--dtype", "fp16", "--config", "trn3",
+                       "--set", "core.tensor.clock=2GHz", "--json")
+    doc = json.loads(out)
+    cfg = load_config("trn3", ["core.tensor.clock=2GHz"])
+    want = Chip(cfg).run(get_kernel("matmul").make((256, 512, 1024), "fp16", cfg), timing_only=True).report
+    assert code == 0
+    assert (doc["kernel"], doc["shape"], doc["dtype"], doc["config"]) == ("matmul", [256, 512, 1024], "fp16", "trn3")
+    assert doc["overrides"] == {"core.tensor.clock": "2GHz"}
+    assert doc["report"]["total_ticks"] == want.total_ticks
+    assert doc["report"]["engines"]["Tensor"]["busy_ticks"] == want.engines["Tensor"].busy_ticks
+    assert doc["bound"] in ("Tensor", "Vector", "Scalar", "GpSimd", "DMA/HBM")
+
+
+def test_check_runs_values_and_reports_the_error(capsys):
+    code, out, _ = run(capsys, "kernel", "matmul", "--shape", "128x256x512", "--check")
+    assert code == 0
+    assert "values checked against the reference" in out
+    assert out.rstrip().splitlines()[-1].startswith("Check: max error relative to max |reference|: out ")
+    assert out.rstrip().endswith("-> ok")
+
+
+def _copy_kernel(rows, cols, dtype="fp32", config="trn2"):
+    k = Kernel("copy", config)
+    x, y = k.input("x", (rows, cols), dtype), k.output("y", (rows, cols), dtype)
+    t = k.sbuf((rows, cols), dtype)
+    k.dma_copy(t, x)
+    k.dma_copy(y, t)
+    return k
+
+
+def test_check_mismatch_exits_1(capsys, monkeypatch):
+    kernel_names()  # load the library before adding to it
+    monkeypatch.setitem(KERNELS, "wrong_copy", KernelEntry(
+        name="wrong_copy", build=_copy_kernel, dims=("R", "C"), dtypes=("fp32",), default_shape=(128, 64),
+        default_dtype="fp32", summary="a copy checked against x + 1",
+        inputs=lambda shape, dtype, params, rng: {"x": rng.standard_normal(shape, dtype=np.float32)},
+        reference=lambda inputs, shape, dtype, params: {"y": inputs["x"] + 1}))
+    code, out, _ = run(capsys, "kernel", "wrong_copy", "--check")
+    assert code == 1 and out.rstrip().endswith("-> MISMATCH")
+    code, out, _ = run(capsys, "kernel", "wrong_copy", "--check", "--json")
+    assert code == 1 and json.loads(out)["check"]["ok"] is False
+
+
+def test_user_kernel_file_runs_timing_only(capsys):
+    code, out, _ = run(capsys, "kernel", SOFTMAX, "--shape", "256x512")
+    assert code == 0
+    assert "Kernel 'softmax' on trn2 (core 0)" in out and "timing only" in out.splitlines()[0]
+
+
+def test_trace_flag_writes_a_trace(capsys, tmp_path):
+    path = tmp_path / "mm.json"
+    code, out, _ = run(capsys, "kernel", "matmul", "--shape", "128x128x512", "--trace", str(path))
+    assert code == 0 and f"Trace written to {path}" in out
+    assert any(e.get("args", {}).get("name") == "Tensor" for e in json.loads(path.read_text())["traceEvents"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kernel", "nope"], "trnsim: error: unknown kernel 'nope'; expected one of "),
+    (["kernel", "matmul", "--shape", "12xabc"],
+     "trnsim: error: --shape '12xabc': expected positive integers joined by 'x', e.g. 4096x4096x4096\n"),
+    (["kernel", "matmul", "--shape", "128x128"],
+     "trnsim: error: kernel 'matmul': --shape needs 3 dims MxKxN, got 128x128\n"),
+    (["kernel", "matmul", "--dtype", "int8", "--shape", "128x128x512"],
+     "trnsim: error: kernel 'matmul': dtype int8 not supported; expected one of "),
+    (["kernel", "matmul", "--dtype", "float7"], "trnsim: error: kernel 'matmul': unknown dtype 'float7': expected "),
+    (["kernel", "matmul", "--param", "bufs=3"], "trnsim: error: kernel 'matmul': unknown parameter 'bufs'; it takes: "),
+    (["kernel", "matmul", "--param", "transpose_a=maybe"],
+     "trnsim: error: kernel 'matmul': parameter 'transpose_a' expects true or false, got 'maybe'\n"),
+    (["kernel", "matmul", "--set", "core.sbuf.partition_bytes=lots"],
+     "trnsim: error: trn2.yaml (--set core.sbuf.partition_bytes=lots): core.sbuf.partition_bytes = 'lots': "
+     "expected a bytes quantity like '224KiB'\n"),
+    (["kernel"], "trnsim: error: kernel: give a kernel NAME (see 'trnsim kernel --list') or "
+                 "path/to/file.py:function\n"),
+    (["kernel", "no/such_file.py:build"], "trnsim: error: kernel file '"),
+    (["kernel", SOFTMAX.replace(":build_softmax", ":build_nothing"), "--shape", "128x128"],
+     "trnsim: error: kernel file '"),
+    (["kernel", SOFTMAX], f"trnsim: error: kernel '{SOFTMAX}': --shape is required for a kernel from a file, "
+                          f"e.g. --shape 1024x2048\n"),
+    (["kernel", SOFTMAX, "--shape", "128x128", "--check"],
+     f"trnsim: error: kernel '{SOFTMAX}': --check needs a registered kernel with a reference; run it without "
+     f"--check for timing only\n"),
+    (["kernel", SOFTMAX, "--shape", "128x128x1"], f"trnsim: error: kernel '{SOFTMAX}': cannot call build_softmax"),
+    (["kernel", "matmul", "--shape", "128x128x512", "--trace", "/no/such/dir/t.json"],
+     "trnsim: error: --trace /no/such/dir/t.json: cannot write it (No such file or directory)\n"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(message) and err.endswith("\n") and err.count("\n") == 1, err
+
+
+def test_missing_function_names_it(capsys):
+    code, _, err = run(capsys, "kernel", SOFTMAX.replace(":build_softmax", ":build_nothing"), "--shape", "128x128")
+    assert code == 2 and err.endswith("has no function 'build_nothing'\n")
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["kernel", "matmul", "--frobnicate"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim --help')\n"
