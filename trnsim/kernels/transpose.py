@@ -1,1 +1,95 @@
-"""(being written) transpose kernels."""
+"""``transpose``: ``out[cols, rows] = x[rows, cols]ᵀ`` of any shape, through TensorE.
+
+The kernel works on square blocks of ``B`` rows x ``B`` columns (``B = block_bytes`` per
+partition, e.g. 2048 bf16 elements for 4 KiB), so both the loads and the stores move at least
+``block_bytes`` per partition and per descriptor (datasheet §6: >= 2-4 KiB per partition
+saturates a DMA engine; a plain 128x128 tiling would store 256 B rows, deep in the
+overhead-bound range). Per block:
+
+* load ``B/128`` row tiles ``[128, B]`` (all queued at once, double-buffered across blocks, on
+  two Sync queues);
+* for each 128-column slice, ``nc_transpose`` the row tiles' slices into a PSUM bank, four
+  128x128 blocks per bank, and evacuate a whole bank per copy on VectorE/ScalarE in turn into an
+  SBUF result tile ``[128, B]`` — ``B`` consecutive output columns of 128 output rows;
+* store the result tile with one DMA triggered from GpSimd.
+
+``nc_transpose`` moves values bit for bit, and 2-byte types stay 2-byte in PSUM, so the output is
+exact for every supported dtype. Ragged edges use fewer partitions or columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ChipConfig
+from ..isa import KernelError
+from ..kernel import Kernel
+from .elementwise import DTYPES, PARTITIONS, checked_bufs, kernel_dtype
+from .registry import register_kernel, round_to
+
+__all__ = ["build_transpose"]
+
+
+def _inputs(shape, dtype, params, rng):
+    return {"x": rng.standard_normal(shape).astype(np.float32)}
+
+
+def _reference(inputs, shape, dtype, params):
+    return {"out": round_to(inputs["x"], dtype).T}
+
+
+def _exact(dtype: str) -> tuple[float, float]:
+    return (0.0, 0.0)
+
+
+@register_kernel("transpose", dims="rowsxcols", dtypes=DTYPES, default_shape=(4096, 4096),
+                 summary="out[cols,rows] = x[rows,cols]^T via TensorE nc_transpose in square blocks",
+                 params={"block_bytes": 4096, "bufs": 2}, inputs=_inputs, reference=_reference, tolerance=_exact)
+def build_transpose(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                    block_bytes: int = 4096, bufs: int = 2) -> Kernel:
+    what = "transpose"
+    dt = kernel_dtype(dtype, what)
+    bufs = checked_bufs(bufs, what)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < PARTITIONS * dt.itemsize:
+        raise KernelError(f"{what}: block_bytes must be an integer >= {PARTITIONS * dt.itemsize} "
+                          f"(128 {dt.short} elements per partition), got {block_bytes!r}")
+    kern = Kernel("transpose", config)
+    cfg = kern.config
+    pe = min(cfg.core.tensor.pe_rows, cfg.core.tensor.stationary_max_free)  # block edge per transpose
+    bank_cols = cfg.core.psum.bank_bytes // dt.itemsize  # transposed columns one PSUM bank holds
+    per_bank = max(1, bank_cols // PARTITIONS)
+    x = kern.input("x", (rows, cols), dt)
+    out = kern.output("out", (cols, rows), dt)
+    blk = block_bytes // dt.itemsize // PARTITIONS * PARTITIONS
+    tiles_per_block = -(-min(blk, rows) // PARTITIONS)
+    x_pool = kern.tile_pool("x", bufs=bufs * tiles_per_block)
+    o_pool = kern.tile_pool("out", bufs=2 * bufs)  # stores take ~2.5 us to complete; keep several in flight
+    ps_pool = kern.tile_pool("tp", bufs=4, space="psum")
+    n_load = n_evac = 0
+    for c0 in range(0, cols, blk):
+        w = min(blk, cols - c0)
+        for r0 in range(0, rows, blk):
+            h = min(blk, rows - r0)
+            tiles = []
+            for rr in range(0, h, PARTITIONS):
+                p = min(PARTITIONS, h - rr)
+                t = x_pool.tile((p, w), dt)
+                kern.dma_copy(t, x[r0 + rr:r0 + rr + p, c0:c0 + w], queue=n_load % 2)
+                n_load += 1
+                tiles.append(t)
+            for k in range(0, w, pe):
+                cb = min(pe, w - k)
+                o = o_pool.tile((cb, h), dt)
+                for g in range(0, len(tiles), per_bank):
+                    group = tiles[g:g + per_bank]
+                    gw = sum(t.p_count for t in group)
+                    ps = ps_pool.tile((cb, gw), dt)
+                    off = 0
+                    for t in group:
+                        kern.nc_transpose(ps[:, off:off + t.p_count], t[:, k:k + cb])
+                        off += t.p_count
+                    col = g * PARTITIONS
+                    kern.tensor_copy(o[:, col:col + gw], ps, engine="vector" if n_evac % 2 == 0 else "scalar")
+                    n_evac += 1
+                kern.dma_copy(out[c0 + k:c0 + k + cb, r0:r0 + h], o, engine="gpsimd", queue=0)
+    return kern
