@@ -1,1 +1,377 @@
-"""(being written) norm kernels."""
+"""Row-wise normalisations: softmax, layer norm and RMS norm (optionally fused with FP8 quantization).
+
+Each kernel works on ``x[rows, hidden]`` and is written the way an NKI author writes one:
+
+* 128 rows per tile, one row per partition, the hidden dim along the free axis; the last tile
+  may be ragged (fewer partitions, always starting at partition 0);
+* loads on the Sync queue into a pool of two or three rotating buffers (the next tile streams
+  in while this one is computed), stores triggered from GpSimd on their own queue, so a store
+  never waits behind the next load;
+* ScalarE does the full-width passes whose per-row sum or max it can fuse (``activation`` with
+  ``reduce_op``/``reduce_res``: exp + row sum, square + sum of squares, abs + row max); VectorE
+  does the [P, 1] statistics and the elementwise products with gamma/beta, so the two engines
+  split the work of a tile and overlap across tiles;
+* gamma and beta are loaded once, broadcast across the partitions by a stride-0 HBM access
+  pattern, and stay resident.
+
+Tiles are updated in place where the input is no longer needed, which keeps SBUF use to a few
+rows of ``hidden`` per partition. ``hidden`` is limited by SBUF (a clear error names the
+limit); a two-pass scheme for rows wider than SBUF is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from ..config import ChipConfig
+from ..isa import HbmTensor, KernelError, TileAP
+from ..kernel import SBUF_GRANULE, Kernel
+from ..native.dtypes import Dtype, get_dtype
+from .registry import default_tolerance, register_kernel, round_to
+
+__all__ = ["build_softmax", "build_layernorm", "build_rmsnorm", "build_rmsnorm_fp8"]
+
+FP8_OUT = ("float8_e4m3", "float8_e4m3fn")  # 3 mantissa bits: the rounding _fp8_tolerance allows for
+AP_SIZE_MAX = 65535  # elements per access-pattern dim (uint16 sizes, datasheet §4.6)
+SCRATCH_COLS = 4096  # elements per partition of the scratch tile; wider rows take several passes
+STATS_BYTES = 64 * SBUF_GRANULE  # per partition, for the [P, 1] statistics tiles (generous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared structure
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The SBUF layout shared by the three kernels."""
+
+    parts: int  # partitions per row tile (128, or fewer when rows < 128)
+    io_bufs: int  # rotating input buffers (3 when SBUF allows, else 2)
+    scratch_cols: int  # width of the scratch tile ScalarE writes discarded results to
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: int, rows_fp8: int = 0) -> _Plan:
+    """Choose the buffering and check that ``hidden`` fits SBUF.
+
+    Besides the input buffers, a kernel keeps ``rows_dt`` [P, hidden] tiles of ``dt`` (gamma,
+    beta, work buffers), ``rows_fp8`` of one byte per element (fp8 output buffers) and a
+    scratch tile of at most ``SCRATCH_COLS`` elements.
+    """
+    cfg = kern.config
+    cap = cfg.core.sbuf.partition_bytes
+
+    def need(h: int, io_bufs: int) -> int:
+        row = _round_up(h * dt.itemsize, SBUF_GRANULE)
+        scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, SBUF_GRANULE)
+        return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, SBUF_GRANULE) + scratch + STATS_BYTES
+
+    if hidden > AP_SIZE_MAX or need(hidden, 2) > cap:
+        hmax = min(AP_SIZE_MAX, cap // ((2 + rows_dt) * dt.itemsize + rows_fp8))
+        while hmax > 1 and need(hmax, 2) > cap:
+            hmax -= 1
+        raise KernelError(f"{name}: hidden={hidden} {dt.short} does not fit SBUF on {cfg.name} "
+                          f"({need(hidden, 2) // 1024} KiB per partition needed, {cap // 1024} KiB available); "
+                          f"hidden must be <= {hmax}")
+    return _Plan(parts=min(cfg.core.sbuf.partitions, rows), io_bufs=3 if need(hidden, 3) <= cap else 2,
+                 scratch_cols=min(hidden, SCRATCH_COLS))
+
+
+def _check_dims(name: str, rows: int, hidden: int) -> None:
+    for what, n in (("rows", rows), ("hidden", hidden)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise KernelError(f"{name}: {what} must be a positive integer, got {n!r}")
+
+
+def _check_eps(name: str, eps: Any) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise KernelError(f"{name}: eps must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+def _broadcast_rows(kern: Kernel, vec: HbmTensor, parts: int, queue: int) -> TileAP:
+    """Load a [hidden] vector into every partition of a resident [parts, hidden] tile."""
+    (hidden,) = vec.shape
+    tile = kern.sbuf((parts, hidden), vec.dtype, name=f"{vec.name}_bcast")
+    kern.dma_copy(tile, vec.ap(0, [[0, parts], [1, hidden]]), queue=queue)
+    return tile
+
+
+def _fused_reduce(kern: Kernel, scratch: TileAP, func: str, src: TileAP, res: TileAP, reduce_op: str,
+                  partials: Any, *, bias: TileAP | None = None) -> None:
+    """``res = reduce_op over the row of func(src + bias)`` on ScalarE, the elementwise results
+    going to ``scratch``. Rows wider than the scratch tile take one pass per chunk, each reducing
+    into a column of a ``partials`` tile, and VectorE combines the columns."""
+    p, n = src.p_count, src.free_size
+    cols = scratch.free_size
+    if n <= cols:
+        kern.activation(scratch[:p, :n], func, src, bias=bias, reduce_op=reduce_op, reduce_res=res)
+        return
+    chunks = -(-n // cols)
+    part = partials.tile((scratch.p_count, chunks), "fp32")[:p]
+    for c in range(chunks):
+        lo, hi = c * cols, min(n, (c + 1) * cols)
+        kern.activation(scratch[:p, :hi - lo], func, src[:, lo:hi], bias=bias, reduce_op=reduce_op,
+                        reduce_res=part[:, c:c + 1])
+    kern.tensor_reduce(res, reduce_op, part, axis=1)
+
+
+def _row_tiles(rows: int, parts: int) -> list[tuple[int, int]]:
+    """(first row, row count) of each tile; the last may be ragged."""
+    return [(r, min(parts, rows - r)) for r in range(0, rows, parts)]
+
+
+def _pipelined(tiles: list[tuple[int, int]], *stages: Callable[[int, int, Any], Any]) -> None:
+    """Emit the stages of successive row tiles skewed, newest tile first: with two stages
+    A(0), A(1) B(0), A(2) B(1), ... Each engine runs its instructions in program order, so this
+    queues the next tile's statistics ahead of this tile's finishing pass, and an engine waiting
+    for another's result has work to do meanwhile (what the Neuron compiler's scheduler does
+    for an NKI loop). Each stage takes (first row, row count, the previous stage's result)."""
+    states: list[Any] = [None] * len(tiles)
+    for step in range(len(tiles) + len(stages) - 1):
+        for s, stage in enumerate(stages):
+            i = step - s
+            if 0 <= i < len(tiles):
+                states[i] = stage(*tiles[i], states[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and references (float64 from the rounded inputs)
+# ---------------------------------------------------------------------------------------------
+
+
+def _x_inputs(shape, dtype, params, rng):
+    rows, hidden = shape
+    return {"x": rng.standard_normal((rows, hidden), dtype=np.float32)}
+
+
+def _affine_inputs(shape, dtype, params, rng, with_beta: bool):
+    rows, hidden = shape
+    out = _x_inputs(shape, dtype, params, rng)
+    out["gamma"] = (1.0 + 0.25 * rng.standard_normal(hidden)).astype(np.float32)
+    if with_beta:
+        out["beta"] = (0.25 * rng.standard_normal(hidden)).astype(np.float32)
+    return out
+
+
+def _softmax_reference(inputs, shape, dtype, params):
+    x = round_to(inputs["x"], dtype)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return {"y": e / e.sum(axis=1, keepdims=True)}
+
+
+def _layernorm_reference(inputs, shape, dtype, params):
+    x = round_to(inputs["x"], dtype)
+    mean = x.mean(axis=1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + params["eps"])
+    return {"y": y * round_to(inputs["gamma"], dtype) + round_to(inputs["beta"], dtype)}
+
+
+def _fp8_max(name: str) -> float:
+    return float(ml_dtypes.finfo(get_dtype(name).np_dtype).max)
+
+
+def _rmsnorm_reference(inputs, shape, dtype, params):
+    x = round_to(inputs["x"], dtype)
+    y = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + params["eps"]) * round_to(inputs["gamma"], dtype)
+    if not params.get("quantize"):
+        return {"y": y}
+    amax = np.abs(y).max(axis=1, keepdims=True)
+    scale = amax / _fp8_max(params["fp8"])
+    return {"q": y / scale, "scale": scale}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@register_kernel("softmax", dims="ROWSxCOLS", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
+                 summary="y = softmax(x) along each row, max-subtracted; exp and row sum fused on ScalarE",
+                 inputs=_x_inputs, reference=_softmax_reference)
+def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                  name: str = "softmax") -> Kernel:
+    _check_dims("softmax", rows, cols)
+    kern = Kernel(name, config)
+    dt = get_dtype(dtype)
+    plan = _plan("softmax", rows, cols, dt, kern, rows_dt=0)
+    x = kern.input("x", (rows, cols), dt)
+    y = kern.output("y", (rows, cols), dt)
+    io = kern.tile_pool("io", bufs=plan.io_bufs)
+    stats = kern.tile_pool("stats", bufs=6)
+
+    def stage_a(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
+        t = io.tile((plan.parts, cols), dt)[:p]
+        kern.dma_copy(t, x[r:r + p, :])
+        # the row max is one of the inputs, so it is exact in their dtype (and bf16 reduces at 2x)
+        neg_max = stats.tile((plan.parts, 1), dt)[:p]
+        row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
+        kern.tensor_reduce(neg_max, "max", t, axis=1, negate=True)
+        # exp(x - max) in place; the row sum is taken from the fp32 results before rounding
+        kern.activation(t, "exp", t, bias=neg_max, reduce_op="add", reduce_res=row_sum)
+        return t, row_sum
+
+    def stage_b(r: int, p: int, st: tuple[TileAP, TileAP]) -> None:
+        t, row_sum = st
+        kern.tensor_scalar(t, t, "divide", row_sum)
+        kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
+
+    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b)
+    return kern
+
+
+@register_kernel("layernorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
+                 summary="y = (x - mean) / sqrt(var + eps) * gamma + beta per row (two-pass variance)",
+                 params={"eps": 1e-5}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, True),
+                 reference=_layernorm_reference)
+def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                    eps: float = 1e-5, name: str = "layernorm") -> Kernel:
+    _check_dims("layernorm", rows, hidden)
+    eps = _check_eps("layernorm", eps)
+    kern = Kernel(name, config)
+    dt = get_dtype(dtype)
+    plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2)
+    x = kern.input("x", (rows, hidden), dt)
+    gamma = kern.input("gamma", (hidden,), dt)
+    beta = kern.input("beta", (hidden,), dt)
+    y = kern.output("y", (rows, hidden), dt)
+    g = _broadcast_rows(kern, gamma, plan.parts, queue=1)
+    b = _broadcast_rows(kern, beta, plan.parts, queue=1)
+    # ScalarE must write its squares somewhere; one scratch tile serves every row tile
+    scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
+    io = kern.tile_pool("io", bufs=plan.io_bufs)
+    stats = kern.tile_pool("stats", bufs=16)
+    partials = kern.tile_pool("partials", bufs=4)
+    inv_h = 1.0 / hidden
+
+    def load_mean(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
+        t = io.tile((plan.parts, hidden), dt)[:p]
+        kern.dma_copy(t, x[r:r + p, :])
+        neg_mean = stats.tile((plan.parts, 1), "fp32")[:p]
+        kern.tensor_reduce(neg_mean, "add", t, axis=1)
+        kern.tensor_scalar(neg_mean, neg_mean, "multiply", -inv_h)
+        return t, neg_mean
+
+    def variance(r: int, p: int, st: tuple[TileAP, TileAP]) -> tuple[TileAP, TileAP, TileAP]:
+        t, neg_mean = st
+        ssd, rstd, shift = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(3))
+        # sum((x - mean)^2): the centred second pass, fused with its sum on ScalarE
+        _fused_reduce(kern, scratch, "square", t, ssd, "add", partials, bias=neg_mean)
+        kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
+        kern.tensor_scalar(rstd, rstd, "power", -0.5)
+        kern.tensor_tensor(shift, neg_mean, rstd, "multiply")
+        return t, rstd, shift
+
+    def normalize(r: int, p: int, st: tuple[TileAP, TileAP, TileAP]) -> None:
+        t, rstd, shift = st
+        # (x - mean) * rstd as x * rstd + (-mean * rstd), one ScalarE pass in place
+        kern.activation(t, "identity", t, scale=rstd, bias=shift)
+        kern.tensor_tensor(t, t, g[:p], "multiply")
+        kern.tensor_tensor(t, t, b[:p], "add")
+        kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
+
+    _pipelined(_row_tiles(rows, plan.parts), load_mean, variance, normalize)
+    return kern
+
+
+@register_kernel("rmsnorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 8192),
+                 summary="y = x / sqrt(mean(x^2) + eps) * gamma per row; sum of squares fused on ScalarE",
+                 params={"eps": 1e-6}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
+                 reference=_rmsnorm_reference)
+def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                  eps: float = 1e-6, quantize: bool = False, fp8: str = "fp8_e4m3", name: str = "rmsnorm"
+                  ) -> Kernel:
+    """With ``quantize``, the outputs are ``q`` [rows, hidden] in ``fp8`` and ``scale`` [rows, 1]
+    fp32 with ``y = q * scale`` (per-row absmax scaling to the fp8 format's largest finite value),
+    the shape of AWS's fused "RMSNorm + FP8 quantization" kernel; ``y`` itself is not written."""
+    _check_dims("rmsnorm", rows, hidden)
+    eps = _check_eps("rmsnorm", eps)
+    if not isinstance(quantize, bool):
+        raise KernelError(f"rmsnorm: quantize must be true or false, got {quantize!r}")
+    qdt = get_dtype(fp8) if quantize else None
+    if qdt is not None and qdt.name not in FP8_OUT:
+        raise KernelError(f"rmsnorm: fp8 must be one of {', '.join(get_dtype(n).short for n in FP8_OUT)}, got {fp8!r}")
+    kern = Kernel(name, config)
+    dt = get_dtype(dtype)
+    # besides the input buffers: gamma, two work buffers (x * gamma), two fp8 output buffers
+    plan = _plan("rmsnorm", rows, hidden, dt, kern, rows_dt=3, rows_fp8=2 if qdt is not None else 0)
+    x = kern.input("x", (rows, hidden), dt)
+    gamma = kern.input("gamma", (hidden,), dt)
+    if qdt is None:
+        y = kern.output("y", (rows, hidden), dt)
+    else:
+        q = kern.output("q", (rows, hidden), qdt)
+        scale_out = kern.output("scale", (rows, 1), "fp32")
+        fp8_max = _fp8_max(qdt.name)
+        qpool = kern.tile_pool("q", bufs=2)
+    g = _broadcast_rows(kern, gamma, plan.parts, queue=1)
+    scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
+    io = kern.tile_pool("io", bufs=plan.io_bufs)
+    work = kern.tile_pool("work", bufs=2)
+    stats = kern.tile_pool("stats", bufs=15)
+    partials = kern.tile_pool("partials", bufs=4)
+    inv_h = 1.0 / hidden
+
+    def stage_a(r: int, p: int, _: None) -> tuple[TileAP, TileAP, TileAP]:
+        t = io.tile((plan.parts, hidden), dt)[:p]
+        kern.dma_copy(t, x[r:r + p, :])
+        # x * gamma on VectorE runs alongside the ScalarE sum of squares: it needs neither rstd
+        # nor to overwrite x, which ScalarE is reading
+        w = work.tile((plan.parts, hidden), dt)[:p]
+        kern.tensor_tensor(w, t, g[:p], "multiply")
+        ss, rstd = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(2))
+        _fused_reduce(kern, scratch, "square", t, ss, "add", partials)
+        kern.tensor_scalar(rstd, ss, "multiply", inv_h, op1="add", operand1=eps)
+        kern.tensor_scalar(rstd, rstd, "power", -0.5)
+        return t, w, rstd
+
+    def stage_b(r: int, p: int, st: tuple[TileAP, TileAP, TileAP]) -> None:
+        t, w, rstd = st
+        if qdt is None:
+            # back into the input buffer (free now): the work buffer is then reusable at once,
+            # and the input buffer is reloaded only after this store, as with any in-place kernel
+            kern.tensor_scalar(t, w, "multiply", rstd)
+            kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
+            return
+        # absmax of y = rstd * absmax(x * gamma) since rstd > 0: ScalarE takes it from x * gamma
+        gmax, scale, qmul = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(3))
+        _fused_reduce(kern, scratch, "abs", w, gmax, "max", partials)
+        kern.tensor_scalar(scale, gmax, "multiply", rstd, op1="max", operand1=1e-30)  # an all-zero row stays finite
+        kern.tensor_scalar(scale, scale, "multiply", 1.0 / fp8_max)  # the dequantization scale
+        kern.tensor_tensor(qmul, rstd, scale, "divide")
+        qt = qpool.tile((plan.parts, hidden), qdt)[:p]
+        kern.tensor_scalar(qt, w, "multiply", qmul)
+        kern.dma_copy(q[r:r + p, :], qt, engine="gpsimd")
+        kern.dma_copy(scale_out[r:r + p, :], scale, engine="gpsimd")
+
+    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b)
+    return kern
+
+
+def _fp8_tolerance(dtype: str) -> tuple[float, float]:
+    """The input dtype's tolerance plus half an fp8 e4m3 step (2**-4 relative): ``q`` is rounded to
+    3 mantissa bits, and a value near a rounding boundary may land in either neighbour."""
+    rtol, atol = default_tolerance(dtype)
+    return rtol + 2.0**-4, atol
+
+
+@register_kernel("rmsnorm_fp8", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(2048, 8192),
+                 summary="RMSNorm + FP8 quantization (datasheet V7): q in fp8 and a per-row scale, y ~ q * scale",
+                 params={"eps": 1e-6, "fp8": "fp8_e4m3"},
+                 inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
+                 reference=lambda i, s, d, p: _rmsnorm_reference(i, s, d, {**p, "quantize": True}),
+                 tolerance=_fp8_tolerance)
+def build_rmsnorm_fp8(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                      eps: float = 1e-6, fp8: str = "fp8_e4m3", name: str = "rmsnorm_fp8") -> Kernel:
+    """:func:`build_rmsnorm` with ``quantize=True``, registered on its own so its check allows
+    for the fp8 rounding of ``q``."""
+    return build_rmsnorm(rows, hidden, dtype, config, eps=eps, quantize=True, fp8=fp8, name=name)
