@@ -127,7 +127,7 @@ def test_trace_flag_writes_a_trace(capsys, tmp_path):
      "expected a bytes quantity like '224KiB'\n"),
     (["kernel"], "trnsim: error: kernel: give a kernel NAME (see 'trnsim kernel --list') or "
                  "path/to/file.py:function\n"),
-    (["kernel", "no/such_file.py:build"], "trnsim: error: kernel file '"),
+    (["kernel", "no/such_file.py:build"], "trnsim: error: kernel file 'no/such_file.py' not found\n"),
     (["kernel", SOFTMAX.replace(":build_softmax", ":build_nothing"), "--shape", "128x128"],
      "trnsim: error: kernel file '"),
     (["kernel", SOFTMAX], f"trnsim: error: kernel '{SOFTMAX}': --shape is required for a kernel from a file, "

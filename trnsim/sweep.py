@@ -100,22 +100,22 @@ _USER_MODULES: dict[Path, Any] = {}
 def _load_file(path: Path) -> Any:
     """Import a kernel file under a private module name (once per process), so a user's
     ``kernels.py`` never shadows or replaces an installed module of the same name."""
-    path = path.resolve()
+    shown, path = path, path.resolve()
     if path in _USER_MODULES:
         return _USER_MODULES[path]
     if not path.is_file():
-        raise KernelError(f"kernel file '{path}' not found")
+        raise KernelError(f"kernel file '{shown}' not found")
     mod_name = "_trnsim_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
-        raise KernelError(f"kernel file '{path}' cannot be imported; expected a .py file")
+        raise KernelError(f"kernel file '{shown}' cannot be imported; expected a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise KernelError(f"kernel file '{path}' failed to import: {type(e).__name__}: {e}") from None
+        raise KernelError(f"kernel file '{shown}' failed to import: {type(e).__name__}: {e}") from None
     _USER_MODULES[path] = module
     return module
 
