@@ -1,103 +1,407 @@
-"""Tiled matmul ``out[M, N] = lhsT[K, M]ᵀ @ rhs[K, N]``, written as an NKI author would.
+"""Matmul family: ``matmul`` (out[M, N] = A @ B) and ``bmm`` (batched), written as an NKI author
+would write them for TensorE.
 
-The contraction dim K sits on the partition axis of both operands, as TensorE wants it (the
-NKI matmul tutorial's ``lhsT`` layout). The kernel:
+Operand layout. TensorE contracts over the partition axis of both operands, so the kernel wants
+``lhsT[K, M]`` and ``rhs[K, N]`` in SBUF (the NKI matmul tutorial's layout). With
+``transpose_a`` A arrives as ``a[M, K]`` and with ``transpose_b`` B arrives as ``b[N, K]``; those
+are loaded row-major and turned on chip with ``nc_transpose`` through PSUM (timed like any other
+TensorE work). FP8 operands use the double-row mode (``[128, 2, M]`` tiles contracting 256 rows
+per instruction) when the core has it.
 
-* keeps a block of ``rhs`` columns resident in SBUF (loaded once per column block) and streams
-  ``lhsT`` row blocks through a double-buffered pool, so DMA overlaps compute;
-* for each stationary tile ``lhsT[k, m]`` issues the matmuls of every PSUM bank of the column
-  block back to back, so the stationary stays loaded (no LoadStationary between them);
-* accumulates over K in PSUM accumulation groups (one bank per 128x512 output tile);
-* evacuates PSUM alternately on VectorE and ScalarE, and stores on a separate DMA queue
-  triggered by GpSimd, so stores never block the loads queued on the Sync engine.
+Schedule (the tutorial's "blocked" kernel, made to stream without bubbles):
 
-Sizes must be multiples of the tile sizes (128 / 128 / 512 on NC-v3); ragged edges are the
-kernel library's job.
+* the output is cut into column blocks of ``BN`` (<= 2 PSUM banks) and row blocks of ``BM``;
+* the rhs block ``[K, BN]`` stays resident in SBUF for a whole column block. Its k-tiles live in a
+  pool with one buffer per k-tile, and the next block's k-tile ``kt`` is loaded right after the
+  last matmul that reads the current one, so the reload rolls along behind the compute instead
+  of stalling it;
+* lhsT row blocks ``[K, BM]`` stream through a double-buffered pool on the Sync queue;
+* each [BM, BN] output block accumulates over K in PSUM accumulation groups (one bank per
+  128x512 tile, two blocks' worth of banks so evacuation overlaps the next block), k-tile by
+  k-tile, the stationary tile serving every bank of its row before it changes (so LoadStationary
+  overlaps the previous multiply);
+* PSUM is evacuated alternately by VectorE and ScalarE (casting to the output dtype) and stored
+  by DMAs triggered from GpSimd on their own queue, so stores never queue behind loads.
+
+Sizes are free: partial tiles cover ragged edges on partitions and free dims. When K is so long
+that a block cannot stay resident, both operands stream a few k-tiles at a time instead (more
+HBM traffic, same PSUM accumulation).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import KernelError
-from ..kernel import Kernel
-from ..native.dtypes import get_dtype
-from .registry import register_kernel, round_to
+from ..isa import HbmAP, KernelError, TileAP
+from ..kernel import Kernel, TilePool
+from ..native.dtypes import Dtype, get_dtype
+from .registry import round_to, register_kernel
 
-__all__ = ["build_matmul"]
+__all__ = ["build_matmul", "build_bmm", "plan_blocks"]
 
-
-def _inputs(shape, dtype, params, rng):
-    m, k, n = shape
-    return {"lhsT": rng.standard_normal((k, m), dtype=np.float32), "rhs": rng.standard_normal((k, n), dtype=np.float32)}
-
-
-def _reference(inputs, shape, dtype, params):
-    return {"out": round_to(inputs["lhsT"], dtype).T @ round_to(inputs["rhs"], dtype)}
+_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+_PARAMS = {"transpose_a": False, "transpose_b": False, "out_dtype": "auto"}
+_LHS_Q, _RHS_Q, _STORE_Q = 0, 1, 2  # DMA queue ids: loads of each operand and stores never share a queue
+_GROUP = 4  # k-tiles per on-chip-transpose slab and per streaming step
 
 
-@register_kernel("matmul", dims="MxKxN", dtypes=("bf16", "fp16", "fp32", "fp8_e4m3"), default_shape=(4096, 4096, 4096),
-                 summary="out[M,N] = lhsT[K,M]^T @ rhs[K,N], PSUM accumulation over K", inputs=_inputs,
-                 reference=_reference)
-def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
-                 out_dtype: str | None = None, name: str = "matmul") -> Kernel:
-    kern = Kernel(name, config)
-    cfg = kern.config
+@dataclass
+class _Plan:
+    """Tile and block sizes of one matmul build (all in elements)."""
+
+    tk: int          # contraction rows per instruction (256 for fp8 double-row)
+    parts: int       # partitions a k-tile occupies (tk, or tk // 2 in double-row)
+    rows: int        # 1, or 2 in double-row (the [P, 2, F] middle axis)
+    tm: int          # stationary free size (output rows per tile)
+    tn: int          # moving free size (output columns per PSUM bank)
+    bm: int          # lhsT block columns (output rows per block)
+    bn: int          # rhs block columns (output columns per block)
+    resident: bool   # rhs block kept for all of K (else both operands stream, for very long K)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One output matrix: A as lhsT ``a[K, M]`` (or ``a[M, K]`` if ``ta``), B as ``b[K, N]``
+    (or ``b[N, K]`` if ``tb``), ``out[M, N]``."""
+
+    a: HbmAP
+    b: HbmAP
+    out: HbmAP
+    m: int
+    n: int
+    ta: bool
+    tb: bool
+
+
+def plan_blocks(m: int, k: int, n: int, dt: Dtype, cfg: ChipConfig, transpose_a: bool = False,
+                transpose_b: bool = False) -> _Plan:
+    """Block sizes that keep the rhs block resident and lhsT double-buffered within SBUF.
+
+    Budget (per partition): rhs k-tiles x BN, 2 x lhsT k-tiles x BM, the result tiles and the
+    staging buffers of on-chip transposes. BN is capped at two PSUM banks so that two output
+    tiles' accumulation groups (double buffering) plus the transposes' banks fit in PSUM.
+    """
     t = cfg.core.tensor
-    dt = get_dtype(dtype)
-    odt = get_dtype(out_dtype or ("float32" if dt.name == "float32" else "bfloat16"))
-    tk = t.max_contraction
+    double = dt.name.startswith("float8") and t.fp8_double_row
+    rows = 2 if double else 1
+    parts = t.max_contraction
+    tk = parts * rows
     tm = t.stationary_max_free
     tn = min(t.moving_max_free, cfg.core.psum.bank_bytes // 4)
-    for dim, size, step in (("M", m, tm), ("K", k, tk), ("N", n, tn)):
-        if size % step:
-            raise KernelError(f"matmul: {dim}={size} must be a multiple of {step} on {cfg.name}")
-    kt_n, mt_n, nt_n = k // tk, m // tm, n // tn
-    lhsT = kern.input("lhsT", (k, m), dt)
-    rhs = kern.input("rhs", (k, n), dt)
-    out = kern.output("out", (m, n), odt)
+    kt_n = -(-k // tk)
+    isz = dt.itemsize * rows
+    budget = cfg.core.sbuf.partition_bytes * 15 // 16
+    bn = min(2 * tn, -(-n // tn) * tn)
+    # result tiles (4 x BN of up to fp32) and, when transposing, two groups of 128-row slabs
+    out_bytes = 4 * bn * 4 + (2 * 8 * 4 * tk * dt.itemsize if (transpose_a or transpose_b) else 0)
+    while bn > tn and kt_n * bn * isz > (budget - out_bytes) * 5 // 8:
+        bn -= tn
+    # two row blocks' accumulation groups (bm/tm x bn/tn banks each) must fit PSUM beside the
+    # transposes' two banks
+    banks = cfg.core.psum.banks - (2 if (transpose_a or transpose_b) else 0)
+    bm = min(max(1, banks // 2 // -(-bn // tn)) * tm, -(-m // tm) * tm)
+    while bm > tm and kt_n * min(bn, n) * isz + 2 * kt_n * bm * isz + out_bytes > budget:
+        bm -= tm
+    need = kt_n * min(bn, n) * isz + 2 * kt_n * min(bm, m) * isz + out_bytes
+    if need <= budget:
+        return _Plan(tk=tk, parts=parts, rows=rows, tm=tm, tn=tn, bm=min(bm, m), bn=min(bn, n), resident=True)
+    # K too long to keep a block resident: stream both operands _GROUP k-tiles at a time
+    bn = min(2 * tn, n)
+    bm = min(max(1, banks // 2 // -(-bn // tn)) * tm, m)
+    return _Plan(tk=tk, parts=parts, rows=rows, tm=tm, tn=tn, bm=bm, bn=bn, resident=False)
 
-    # SBUF budget per partition: resident rhs block + double-buffered lhsT block + result tiles
-    budget = cfg.core.sbuf.partition_bytes * 3 // 4
-    isz = dt.itemsize
-    banks = cfg.core.psum.banks
-    bn = max(1, min(nt_n, banks // 2, (budget // 2) // max(1, kt_n * tn * isz)))
-    bm = max(1, min(mt_n, 4, (budget // 4) // max(1, kt_n * tm * isz)))
 
-    rhs_pool = kern.tile_pool("rhs", bufs=1)
-    lhs_pool = kern.tile_pool("lhsT", bufs=2)
-    res_pool = kern.tile_pool("res", bufs=2)
-    psum_pool = kern.tile_pool("acc", bufs=2 * bn, space="psum")
-    evac = 0
-    for n0 in range(0, nt_n, bn):
-        nb = min(bn, nt_n - n0)
-        rhs_tiles = []
-        for kt in range(kt_n):
-            tile = rhs_pool.tile((tk, nb * tn), dt, name=f"rhs{kt}") if kt == 0 else kern.sbuf((tk, nb * tn), dt)
-            kern.dma_copy(tile, rhs[kt * tk:(kt + 1) * tk, n0 * tn:(n0 + nb) * tn], queue=1)
-            rhs_tiles.append(tile)
-        for m0 in range(0, mt_n, bm):
-            mb = min(bm, mt_n - m0)
-            lhs_tiles = []
-            with kern.scope():
-                for kt in range(kt_n):
-                    tile = kern.sbuf((tk, mb * tm), dt)
-                    kern.dma_copy(tile, lhsT[kt * tk:(kt + 1) * tk, m0 * tm:(m0 + mb) * tm], queue=0)
-                    lhs_tiles.append(tile)
-                for mi in range(mb):
-                    accs = [psum_pool.tile((tm, tn), "fp32") for _ in range(nb)]
-                    for kt in range(kt_n):
-                        st = lhs_tiles[kt][:, mi * tm:(mi + 1) * tm]
-                        for ni in range(nb):
-                            kern.nc_matmul(accs[ni], st, rhs_tiles[kt][:, ni * tn:(ni + 1) * tn], accumulate=kt > 0)
-                    for ni in range(nb):
-                        res = res_pool.tile((tm, tn), odt)
-                        kern.tensor_copy(res, accs[ni], engine="vector" if evac % 2 == 0 else "scalar")
-                        evac += 1
-                        row = (m0 + mi) * tm
-                        col = (n0 + ni) * tn
-                        kern.dma_copy(out[row:row + tm, col:col + tn], res, engine="gpsimd", queue=0)
-        for tile in rhs_tiles[1:]:
-            kern.free(tile)
+@dataclass
+class _Mm:
+    """One kernel's matmul machinery: pools shared by every (batch, block) it emits."""
+
+    kern: Kernel
+    plan: _Plan
+    dt: Dtype
+    odt: Dtype
+    k: int
+    lhs_pool: TilePool
+    rhs_pool: TilePool
+    res_pool: TilePool
+    acc_pool: TilePool
+    raw_pool: TilePool | None
+    tr_pool: TilePool | None
+    evacs: int = 0
+
+    def evac_engine(self) -> str:
+        """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
+        self.evacs += 1
+        return "vector" if self.evacs % 2 else "scalar"
+
+    @property
+    def kt_n(self) -> int:
+        return -(-self.k // self.plan.tk)
+
+    def ks(self, kt: int) -> int:
+        return min(self.plan.tk, self.k - kt * self.plan.tk)
+
+    def kp(self, kt: int) -> int:
+        """Partitions holding k-tile ``kt`` (its row pairs in double-row mode)."""
+        return -(-self.ks(kt) // self.plan.rows)
+
+    def ktile(self, pool: TilePool, cols: int) -> TileAP:
+        p = self.plan
+        shape = (p.parts, p.rows, cols) if p.rows == 2 else (p.parts, cols)
+        return pool.tile(shape, self.dt)
+
+    def cols(self, tile: TileAP, kt: int, c0: int, c1: int) -> TileAP:
+        """The operand view of columns [c0, c1) of a k-tile, as nc_matmul wants it."""
+        kp = self.kp(kt)
+        return tile[:kp, :, c0:c1] if self.plan.rows == 2 else tile[:kp, c0:c1]
+
+    # ---- filling k-tiles -------------------------------------------------------------------
+    def load(self, tile: TileAP, src: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int) -> None:
+        """DMA ``src[k rows of kt, c0:c1]`` (src is [K, C]) into ``tile[:, :c1-c0]``."""
+        kern, p = self.kern, self.plan
+        k0, ks, w = kt * p.tk, self.ks(kt), c1 - c0
+        if p.rows == 1:
+            kern.dma_copy(tile[:ks, :w], src[k0:k0 + ks, c0:c1], engine=engine, queue=queue)
+            return
+        (s0, _), (s1, _) = src.dims
+        pairs = ks // 2
+        if ks % 2:  # odd tail: the unpaired row's partner must multiply as zero
+            kern.memset(tile[:pairs + 1], 0.0)
+        if pairs:
+            view = src.tensor.ap(src.offset + k0 * s0 + c0 * s1, [[2 * s0, pairs], [s0, 2], [s1, w]])
+            kern.dma_copy(tile[:pairs, :, :w], view, engine=engine, queue=queue)
+        if ks % 2:
+            kern.dma_copy(tile[pairs:pairs + 1, 0:1, :w], src[k0 + ks - 1:k0 + ks, c0:c1], engine=engine, queue=queue)
+
+    def fill(self, pool: TilePool, src: HbmAP, off: int, width: int, trans: bool, g0: int, g1: int, engine: str,
+             queue: int) -> list[TileAP]:
+        """New k-tiles ``g0..g1-1`` holding columns ``off:off+width`` of the [K, C] operand: loaded
+        from ``src[K, C]``, or (``trans``) from ``src[C, K]`` transposed on chip."""
+        tiles = [self.ktile(pool, self.plan.bm if pool is self.lhs_pool else self.plan.bn) for _ in range(g0, g1)]
+        if trans:
+            for t0 in range(g0, g1, _GROUP):
+                t1 = min(g1, t0 + _GROUP)
+                self.fill_transposed(tiles[t0 - g0:t1 - g0], src, off, width, t0, t1, engine, queue)
+        else:
+            for kt, tile in zip(range(g0, g1), tiles):
+                self.load(tile, src, kt, off, off + width, engine, queue)
+        return tiles
+
+    def fill_transposed(self, tiles: list[TileAP], src: HbmAP, r0: int, nrows: int, g0: int, g1: int, engine: str,
+                        queue: int) -> None:
+        """Fill k-tiles ``g0..g1-1`` (at most ``_GROUP``) with ``src[r0:r0+nrows, k-range]ᵀ``:
+        load 128-row slabs of the k-range, transpose 128x128 blocks on the PE array into one
+        PSUM tile per 512 columns, evacuate each to its k-tile."""
+        kern, p = self.kern, self.plan
+        assert self.raw_pool is not None and self.tr_pool is not None
+        tr_dt = "float32" if p.rows == 2 or self.dt.name == "float32" else self.dt.name
+        pe = p.parts
+        c0, c1 = g0 * p.tk, min(self.k, g1 * p.tk)
+        raws = []
+        for ri in range(0, nrows, pe):
+            rs = min(pe, nrows - ri)
+            raw = self.raw_pool.tile((pe, _GROUP * p.tk), self.dt)
+            kern.dma_copy(raw[:rs, :c1 - c0], src[r0 + ri:r0 + ri + rs, c0:c1], engine=engine, queue=queue)
+            raws.append(raw)
+        for kt, tile in zip(range(g0, g1), tiles):
+            ks, kp = self.ks(kt), self.kp(kt)
+            base = (kt - g0) * p.tk
+            if p.rows == 2 and ks % 2:
+                kern.memset(tile[:kp], 0.0)
+            for r in range(p.rows):
+                cnt = (ks - r + p.rows - 1) // p.rows  # k rows of this parity
+                if not cnt:
+                    continue
+                for cb in range(0, nrows, 512):
+                    w = min(512, nrows - cb)
+                    ps = self.tr_pool.tile((pe, 512), tr_dt)
+                    for ri in range(cb, cb + w, pe):
+                        rs = min(pe, nrows - ri)
+                        data = raws[ri // pe][:rs, base + r:base + ks:p.rows]
+                        kern.nc_transpose(ps[:cnt, ri - cb:ri - cb + rs], data)
+                    dst = tile[:cnt, r, cb:cb + w] if p.rows == 2 else tile[:cnt, cb:cb + w]
+                    kern.tensor_copy(dst, ps[:cnt, :w], engine=self.evac_engine())
+
+    # ---- output blocks ---------------------------------------------------------------------
+    def emit(self, jobs: list[_Job]) -> None:
+        """``out = A @ B`` for every job, column block by column block."""
+        p = self.plan
+        blocks = [(job, n0, min(p.bn, job.n - n0)) for job in jobs for n0 in range(0, job.n, p.bn)]
+        if not p.resident:
+            for job, n0, nw in blocks:
+                for m0 in range(0, job.m, p.bm):
+                    self.block_streaming(job, m0, n0, nw)
+            return
+        pending: list[TileAP] = []
+        for bi, (job, n0, nw) in enumerate(blocks):
+            rhs = pending or self.fill(self.rhs_pool, job.b, n0, nw, job.tb, 0, self.kt_n, "gpsimd", _RHS_Q)
+            nxt = blocks[bi + 1] if bi + 1 < len(blocks) and not blocks[bi + 1][0].tb else None
+            pending = []
+            # operand views are built once per block: slicing costs more than emitting a matmul
+            mvs = [[self.cols(rhs[kt], kt, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
+                   for kt in range(self.kt_n)]
+            for m0 in range(0, job.m, p.bm):
+                mw = min(p.bm, job.m - m0)
+                lhs = self.fill(self.lhs_pool, job.a, m0, mw, job.ta, 0, self.kt_n, "sync", _LHS_Q)
+
+                def roll(kt: int) -> None:
+                    """Load the next column block's rhs k-tile into the buffer just done with."""
+                    assert nxt is not None
+                    pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], False, kt, kt + 1, "gpsimd",
+                                             _RHS_Q))
+
+                last = m0 + mw == job.m and nxt is not None
+                self.block(job, m0, mw, n0, nw, lambda kt: (lhs[kt], mvs[kt]), roll if last else None)
+
+    def block_streaming(self, job: _Job, m0: int, n0: int, nw: int) -> None:
+        """One output block when K is too long to keep operands resident: both operands stream
+        through rotating pools, ``_GROUP`` k-tiles at a time, on the Sync engine's queues."""
+        p = self.plan
+        mw = min(p.bm, job.m - m0)
+        cache: dict[int, tuple[TileAP, list[TileAP]]] = {}
+
+        def operands(kt: int) -> tuple[TileAP, list[TileAP]]:
+            if kt not in cache:
+                cache.clear()
+                g1 = min(self.kt_n, kt + _GROUP)
+                lts = self.fill(self.lhs_pool, job.a, m0, mw, job.ta, kt, g1, "sync", _LHS_Q)
+                rts = self.fill(self.rhs_pool, job.b, n0, nw, job.tb, kt, g1, "sync", _RHS_Q)
+                for j, (lt, rt) in enumerate(zip(lts, rts)):
+                    cache[kt + j] = (lt, [self.cols(rt, kt + j, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)])
+            return cache[kt]
+
+        self.block(job, m0, mw, n0, nw, operands, None)
+
+    def block(self, job: _Job, m0: int, mw: int, n0: int, nw: int, operands: Any, roll: Any) -> None:
+        """Accumulate the [mw, nw] output block over K in PSUM, then evacuate and store it.
+
+        k outer: each k-tile's stationary serves every bank of its row before it changes (no
+        LoadStationary in between), and each rhs k-tile is done with once per row block, so
+        ``roll(kt)`` can refill its buffer behind the compute."""
+        kern, p = self.kern, self.plan
+        mts = [(mi, min(p.tm, mw - mi)) for mi in range(0, mw, p.tm)]
+        widths = [min(nw, c0 + p.tn) - c0 for c0 in range(0, nw, p.tn)]
+        accs = [[self.acc_pool.tile((p.tm, p.tn), "float32") for _ in widths] for _ in mts]
+        dsts = [[acc[:ms, :w] for acc, w in zip(row, widths)] for (_, ms), row in zip(mts, accs)]
+        for kt in range(self.kt_n):
+            lhs, mvs = operands(kt)
+            for (mi, ms), row in zip(mts, dsts):
+                st = self.cols(lhs, kt, mi, mi + ms)
+                for dst, mv in zip(row, mvs):
+                    kern.nc_matmul(dst, st, mv, accumulate=kt > 0)
+            if roll is not None:
+                roll(kt)
+        for (mi, ms), row in zip(mts, dsts):
+            res = self.res_pool.tile((p.tm, p.bn), self.odt)
+            c0 = 0
+            for dst in row:
+                w = dst.free_size
+                kern.tensor_copy(res[:ms, c0:c0 + w], dst, engine=self.evac_engine())
+                c0 += w
+            kern.dma_copy(job.out[m0 + mi:m0 + mi + ms, n0:n0 + nw], res[:ms, :nw], engine="gpsimd", queue=_STORE_Q)
+
+
+def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
+    """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""
+    if out_dtype in (None, "", "auto"):
+        return get_dtype("float32" if dt.name == "float32" else "bfloat16")
+    try:
+        return get_dtype(out_dtype)
+    except ValueError as e:
+        raise KernelError(f"{name}: out_dtype: {e}") from None
+
+
+def _setup(name: str, m: int, k: int, n: int, dtype: str, config: ChipConfig | str, transpose_a: bool,
+           transpose_b: bool, out_dtype: str | None) -> tuple[Kernel, _Mm]:
+    for nm, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise KernelError(f"{name}: {nm} must be true or false, got {flag!r}")
+    kern = Kernel(name, config)
+    cfg = kern.config
+    try:
+        dt = get_dtype(dtype)
+    except ValueError as e:
+        raise KernelError(f"{name}: {e}") from None
+    if dt.short not in _DTYPES:
+        raise KernelError(f"{name}: dtype {dt.short} not supported; expected one of {', '.join(_DTYPES)}")
+    odt = _out_dtype(name, dt, out_dtype)
+    plan = plan_blocks(m, k, n, dt, cfg, bool(transpose_a), bool(transpose_b))
+    kt_n = -(-k // plan.tk)
+    transposing = transpose_a or transpose_b
+    mm = _Mm(
+        kern=kern, plan=plan, dt=dt, odt=odt, k=k,
+        lhs_pool=kern.tile_pool("lhsT", bufs=2 * kt_n if plan.resident else 2 * _GROUP),
+        rhs_pool=kern.tile_pool("rhs", bufs=kt_n if plan.resident else 2 * _GROUP),
+        res_pool=kern.tile_pool("res", bufs=4),
+        acc_pool=kern.tile_pool("acc", bufs=2 * (-(-plan.bn // plan.tn)) * (-(-plan.bm // plan.tm)), space="psum"),
+        raw_pool=kern.tile_pool("raw", bufs=2 * (-(-max(plan.bm, plan.bn) // plan.parts)))
+        if transposing else None,
+        tr_pool=kern.tile_pool("tr", bufs=2, space="psum") if transposing else None,
+    )
+    return kern, mm
+
+
+def _check_dims(name: str, **dims: int) -> None:
+    for nm, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise KernelError(f"{name}: {nm} must be a positive integer, got {v!r}")
+
+
+# ---- matmul ---------------------------------------------------------------------------------
+
+
+def _mm_inputs(shape, dtype, params, rng):
+    m, k, n = shape[-3:]
+    batch = tuple(shape[:-3])
+    a = (m, k) if params.get("transpose_a") else (k, m)
+    b = (n, k) if params.get("transpose_b") else (k, n)
+    names = ("a" if params.get("transpose_a") else "lhsT", "b" if params.get("transpose_b") else "rhs")
+    return {names[0]: rng.standard_normal(batch + a, dtype=np.float32),
+            names[1]: rng.standard_normal(batch + b, dtype=np.float32)}
+
+
+def _mm_reference(inputs, shape, dtype, params):
+    a = round_to(inputs["a"], dtype) if "a" in inputs else np.swapaxes(round_to(inputs["lhsT"], dtype), -1, -2)
+    b = np.swapaxes(round_to(inputs["b"], dtype), -1, -2) if "b" in inputs else round_to(inputs["rhs"], dtype)
+    return {"out": a @ b}
+
+
+@register_kernel("matmul", dims="MxKxN", dtypes=_DTYPES, default_shape=(4096, 4096, 4096),
+                 summary="out[M,N] = A @ B from lhsT[K,M] (or a[M,K]) and rhs[K,N] (or b[N,K]); any sizes",
+                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference)
+def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                 transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",
+                 name: str = "matmul") -> Kernel:
+    """Inputs ``lhsT[K, M]`` (or ``a[M, K]`` with ``transpose_a``) and ``rhs[K, N]`` (or
+    ``b[N, K]`` with ``transpose_b``); output ``out[M, N]`` in bf16 (fp32 for fp32 inputs)."""
+    _check_dims(name, M=m, K=k, N=n)
+    kern, mm = _setup(name, m, k, n, dtype, config, transpose_a, transpose_b, out_dtype)
+    a = kern.input("a", (m, k), mm.dt) if transpose_a else kern.input("lhsT", (k, m), mm.dt)
+    b = kern.input("b", (n, k), mm.dt) if transpose_b else kern.input("rhs", (k, n), mm.dt)
+    out = kern.output("out", (m, n), mm.odt)
+    mm.emit([_Job(a.full(), b.full(), out.full(), m, n, bool(transpose_a), bool(transpose_b))])
+    return kern
+
+
+# ---- bmm ------------------------------------------------------------------------------------
+
+
+@register_kernel("bmm", dims="BxMxKxN", dtypes=_DTYPES, default_shape=(8, 1024, 1024, 1024),
+                 summary="out[B,M,N] = A[b] @ B[b] per batch, same operand options as matmul",
+                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference)
+def build_bmm(batch: int, m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+              transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",
+              name: str = "bmm") -> Kernel:
+    """Batched matmul: inputs ``lhsT[B, K, M]`` (or ``a[B, M, K]``) and ``rhs[B, K, N]`` (or
+    ``b[B, N, K]``); output ``out[B, M, N]``. Batches share the pools, so batch b+1's loads
+    overlap batch b's compute."""
+    _check_dims(name, B=batch, M=m, K=k, N=n)
+    kern, mm = _setup(name, m, k, n, dtype, config, transpose_a, transpose_b, out_dtype)
+    a = kern.input("a", (batch, m, k), mm.dt) if transpose_a else kern.input("lhsT", (batch, k, m), mm.dt)
+    b = kern.input("b", (batch, n, k), mm.dt) if transpose_b else kern.input("rhs", (batch, k, n), mm.dt)
+    out = kern.output("out", (batch, m, n), mm.odt)
+    mm.emit([_Job(a[i], b[i], out[i], m, n, bool(transpose_a), bool(transpose_b)) for i in range(batch)])
     return kern
