@@ -74,7 +74,9 @@ def test_rows_match_a_direct_run_and_a_rerun_resumes(tmp_path):
     spec = load_spec(write_spec(tmp_path, SMALL))
     assert spec.out == tmp_path / "spec.csv" and len(spec.points) == 12
     seen = []
-    rows = run_sweep(spec, jobs=1, progress=lambda done, total: seen.append((done, total)))
+    first = run_sweep(spec, jobs=1, progress=lambda done, total: seen.append((done, total)))
+    rows = first.rows
+    assert first.ran == 12
     assert seen[0] == (0, 12) and seen[-1] == (12, 12)
     cfg = load_config("trn2", {"core.sbuf.partition_bytes": "224KiB", "core.tensor.clock": "3GHz"})
     rep = Chip(cfg).run(get_kernel("matmul").make((128, 256, 512), "bf16", cfg), timing_only=True).report
@@ -92,7 +94,7 @@ def test_rows_match_a_direct_run_and_a_rerun_resumes(tmp_path):
     seen.clear()
     again = run_sweep(spec, jobs=1, progress=lambda done, total: seen.append((done, total)))
     assert seen == [(9, 12), (10, 12), (11, 12), (12, 12)]
-    assert again == rows
+    assert again.rows == rows and again.ran == 3
     assert len(read_csv(spec.out)) == 12
 
 
@@ -132,6 +134,8 @@ def test_a_csv_from_another_spec_is_refused(tmp_path, capsys):
     ("kernels: [{name: copy_kernel.py:build_copy, shape: 128x262144}]\n",
      "spec.yaml: kernels[0] (copy_kernel.py:build_copy): SBUF tile "),
     ("kernels: [{name: matmul}\n", "spec.yaml: line "),
+    ("kernels: [{name: matmul, shape: 128x128x512}, {name: matmul, shapes: [128x128x512], dtype: bf16}]\n",
+     "spec.yaml: kernels: matmul 128x128x512 bf16 is listed twice\n"),
 ])
 def test_bad_specs_fail_before_running_with_one_line(tmp_path, capsys, text, message):
     spec = write_spec(tmp_path, text)

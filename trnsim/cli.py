@@ -258,9 +258,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _list_data() -> list[dict[str, Any]]:
     from .kernels import get_kernel, kernel_names
 
-    return [{"name": n, "dims": e.shape_doc, "dtypes": list(e.dtypes), "default_shape": list(e.default_shape),
-             "default_dtype": e.default_dtype, "params": dict(e.params), "summary": e.summary,
-             "checkable": e.reference is not None} for n in kernel_names() for e in [get_kernel(n)]]
+    out = []
+    for name in kernel_names():
+        e = get_kernel(name)
+        out.append({"name": name, "dims": e.shape_doc, "dtypes": list(e.dtypes), "default_shape": list(e.default_shape),
+                    "default_dtype": e.default_dtype, "params": dict(e.params), "summary": e.summary,
+                    "checkable": e.reference is not None})
+    return out
 
 
 def cmd_kernel_list(args: argparse.Namespace) -> int:
@@ -363,18 +367,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, disable=not sys.stderr.isatty(), transient=True)
     task = progress.add_task("points", total=len(spec.points))
-    before: list[int] = []
-
-    def step(done: int, total: int) -> None:
-        if not before:
-            before.append(done)
-        progress.update(task, completed=done)
-
     try:
         with progress:
-            rows = run_sweep(spec, args.jobs, step)
+            result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done))
     except OSError as e:
         raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
+    rows = result.rows
     t = Table(title=f"Sweep {spec.path.name} on {spec.config}: {len(rows)} points", title_justify="left")
     leaves = [key.rsplit(".", 1)[-1] for key in spec.grid]
     for key, leaf in zip(spec.grid, leaves):
@@ -387,8 +385,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
-    old = before[0] if before else 0
-    console.print(f"{len(rows) - old} points run, {old} from a previous run; results in {spec.out}")
+    console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}")
     return 0
 
 

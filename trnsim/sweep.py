@@ -42,7 +42,7 @@ from .kernels.registry import KernelEntry, call_build, get_kernel, parse_params,
 from .native.dtypes import get_dtype
 from .report import KernelReport
 
-__all__ = ["KernelRef", "Point", "SweepSpec", "resolve_kernel", "load_spec", "run_sweep", "bound_of"]
+__all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "resolve_kernel", "load_spec", "run_sweep", "bound_of"]
 
 SPEC_KEYS = ("config", "grid", "kernels", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
@@ -201,7 +201,7 @@ def _as_list(value: Any, where: str) -> list[Any]:
 
 
 def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> SweepSpec:
-    """Read and check a sweep spec; every error is a ConfigError/KernelError naming the key."""
+    """Read and check a sweep spec; every error is a one-line ConfigError naming the key."""
     p = Path(path)
     where = p.name
     try:
@@ -239,6 +239,12 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     if not isinstance(kernels, list) or not kernels:
         raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
     combos = [c for i, k in enumerate(kernels) for c in _kernel_points(k, i, where, base_dir, base_cfg)]
+    seen = set()
+    for c in combos:
+        if c in seen:
+            what = " ".join(x for x in (c[0], shape_text(c[1]), c[2], params_text(c[3])) if x)
+            raise ConfigError(f"{where}: kernels: {what} is listed twice")
+        seen.add(c)
     points = [Point(v, *c) for v in variants for c in combos]
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
     return SweepSpec(p, config, grid, points, out_path, tuple(base_cfg.engine_clocks))
@@ -348,13 +354,18 @@ def _read_done(spec: SweepSpec, out: Path) -> dict[tuple[str, ...], dict[str, st
         return {tuple(r[c] for c in spec.key_columns): r for r in reader}
 
 
+@dataclass(frozen=True)
+class SweepResult:
+    rows: list[dict[str, str]]  # every point's CSV row (as text), in the spec's point order
+    ran: int  # points simulated by this run; the others came from the CSV of an earlier run
+
+
 def run_sweep(spec: SweepSpec, jobs: int | None = None,
-              progress: Callable[[int, int], None] | None = None) -> list[dict[str, str]]:
+              progress: Callable[[int, int], None] | None = None) -> SweepResult:
     """Run every point of ``spec`` not already in its CSV, appending each row as it finishes.
 
     ``jobs`` worker processes (default: one per CPU; 1 runs in this process). ``progress(done,
-    total)`` is called once before and after each point. Returns all rows (as CSV text) in the
-    spec's point order, including rows a previous run wrote."""
+    total)`` is called once before and after each point."""
     if jobs is None:
         jobs = os.cpu_count() or 1
     if jobs < 1:
@@ -397,4 +408,4 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
                 futures = {pool.submit(run_point, t): t.point for t in tasks}
                 for fut in as_completed(futures):
                     record(futures[fut], fut.result())
-    return [rows[pt.key()] for pt in spec.points]
+    return SweepResult([rows[pt.key()] for pt in spec.points], len(todo))
