@@ -1,0 +1,86 @@
+"""Registration of the ``neuron`` device with PyTorch (what the ``torch.backends`` entry point runs).
+
+This module is the entry point's target rather than the package itself: when a program imports
+``torch_bridge`` first, ``import torch`` inside it runs the entry point while the package is still
+initialising, and only a submodule can be loaded at that moment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import device as _device_module
+
+__all__ = ["register", "autoload"]
+
+_registered = False
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+    """What PyTorch asks a PrivateUse1 backend before the first ``.to('neuron')``."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def _storage_to(original: Any) -> Any:
+    """``torch.load``/``storage.to('neuron')`` allocate with ``UntypedStorage(n, device=...)``,
+    which has no allocator behind it for PrivateUse1 (it segfaults): allocate through a tensor."""
+    def _to(self: Any, device: Any, non_blocking: bool = False) -> Any:
+        device = torch.device(device)
+        if device.type != "neuron" or self.device == device:
+            return original(self, device, non_blocking)
+        storage = torch.empty(self.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+        storage.copy_(self, non_blocking)
+        return storage
+    return _to
+
+
+def _accelerator_synchronize(original: Any) -> Any:
+    """``torch.accelerator.synchronize`` asks the C++ device guard, which cannot synchronize a
+    Python backend: route neuron to :func:`torch.neuron.synchronize`."""
+    def synchronize(device: Any = None) -> None:
+        if torch.accelerator.current_accelerator().type == "neuron":
+            idx = None if device is None else (device if isinstance(device, int) else torch.device(device).index)
+            _device_module.synchronize(idx)
+            return
+        original(device)
+    return synchronize
+
+
+def register() -> None:
+    """Register the ``neuron`` device with PyTorch (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from .dispatch import register_kernels
+
+    torch.utils.rename_privateuse1_backend("neuron")
+    torch._register_device_module("neuron", _device_module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
+                                                         for_packed_sequence=True)
+    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    register_kernels()
+    torch._utils._to = _storage_to(torch._utils._to)  # type: ignore[attr-defined]
+    torch.storage._to = _storage_to(torch.storage._to)  # type: ignore[attr-defined]
+    torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
+    _registered = True
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point: runs inside ``import torch``."""
+    register()

@@ -1,0 +1,319 @@
+"""``torch.neuron``: the device module, shaped like ``torch.cuda``.
+
+Device and RNG: ``is_available``, ``device_count`` (the config's logical NeuronCores),
+``current_device``/``set_device``/``device``, ``synchronize``, ``manual_seed``. The device
+draws random numbers from PyTorch's host generator (PrivateUse1 has no Python generator API), so
+a seeded neuron run draws the same numbers as the same CPU run.
+
+Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
+``reset_peak_memory_stats``, ``mem_get_info``.
+
+Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
+(see :mod:`torch_bridge.timeline` for the model).
+
+Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from . import memory
+from .report import RunReport, build_run_report
+from .runtime import is_initialized, runtime, set_config
+from .timeline import Collector, new_stream_id, ticks_to_ms
+
+__all__ = [
+    "is_available", "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
+    "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
+    "get_amp_supported_dtype", "is_bf16_supported", "memory_allocated", "max_memory_allocated", "memory_stats",
+    "reset_peak_memory_stats", "mem_get_info", "Stream", "Event", "stream", "current_stream", "default_stream",
+    "set_config", "config", "report", "report_scope", "reset_report", "RunReport",
+]
+
+_local = threading.local()
+
+
+# ---- devices --------------------------------------------------------------------------------
+def is_available() -> bool:
+    return True
+
+
+def device_count() -> int:
+    """Logical NeuronCores of the configured chip (``chip.cores / chip.lnc``)."""
+    return runtime().device_count
+
+
+def _check_index(index: Any) -> int:
+    if isinstance(index, torch.device):
+        if index.type != "neuron":
+            raise ValueError(f"expected a neuron device, got {index}")
+        index = index.index if index.index is not None else current_device()
+    elif isinstance(index, str):
+        return _check_index(torch.device(index))
+    if index is None:
+        return current_device()
+    if not isinstance(index, int) or not 0 <= index < device_count():
+        raise RuntimeError(f"neuron:{index} does not exist: the {config().name} config has {device_count()} "
+                           f"logical NeuronCores (neuron:0..neuron:{device_count() - 1})")
+    return index
+
+
+def current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+def set_device(index: Any) -> None:
+    _local.device = _check_index(index)
+
+
+@contextlib.contextmanager
+def _device_ctx(index: Any) -> Iterator[None]:
+    prev = current_device()
+    set_device(index)
+    try:
+        yield
+    finally:
+        _local.device = prev
+
+
+class device:
+    """``with torch.neuron.device(1):`` makes neuron:1 the current device inside the block."""
+
+    def __init__(self, index: Any):
+        self.index = index
+        self._ctx: Any = None
+
+    def __enter__(self) -> None:
+        self._ctx = _device_ctx(self.index)
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def synchronize(device: Any = None) -> None:
+    """The host waits until every stream of ``device`` has finished (in simulated time)."""
+    runtime().clocks[_check_index(device)].synchronize()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+# ---- RNG: the host generator ------------------------------------------------------------------
+def manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    manual_seed(seed)
+
+
+def seed() -> None:
+    torch.default_generator.seed()
+
+
+def initial_seed() -> int:
+    return torch.default_generator.initial_seed()
+
+
+def get_rng_state(device: Any = "neuron") -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported() -> bool:
+    return True
+
+
+# ---- memory ---------------------------------------------------------------------------------
+def memory_allocated(device: Any = None) -> int:
+    """Bytes of the device's HBM share held by live tensors."""
+    return memory.pool.devices[_check_index(device)].allocated
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return memory.pool.devices[_check_index(device)].peak
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    return memory.describe(_check_index(device))
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    mem = memory.pool.devices[_check_index(device)]
+    mem.peak = mem.allocated
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of the device's HBM share."""
+    mem = memory.pool.devices[_check_index(device)]
+    return mem.capacity - mem.allocated, mem.capacity
+
+
+# ---- streams and events in simulated time -------------------------------------------------------
+class Stream:
+    """A queue of work on one NeuronCore; streams of a core overlap on its simulated timeline."""
+
+    def __init__(self, device: Any = None, priority: int = 0, *, _id: int | None = None):
+        self.device_index = _check_index(device)
+        self.priority = priority
+        self.stream_id = new_stream_id() if _id is None else _id
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("neuron", self.device_index)
+
+    def _clock(self) -> Any:
+        return runtime().clocks[self.device_index]
+
+    def wait_event(self, event: "Event") -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: "Event | None" = None) -> "Event":
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        clock = self._clock()
+        return clock.ready.get(self.stream_id, 0) <= clock.host
+
+    def synchronize(self) -> None:
+        self._clock().synchronize(self.stream_id)
+
+    def __enter__(self) -> "Stream":
+        self._prev = current_stream(self.device_index)
+        _set_current(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _set_current(self._prev)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and (other.device_index, other.stream_id) == (self.device_index, self.stream_id)
+
+    def __hash__(self) -> int:
+        return hash((self.device_index, self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
+
+
+def _set_current(s: Stream) -> None:
+    runtime().clocks[s.device_index].current_stream = s.stream_id
+
+
+def current_stream(device: Any = None) -> Stream:
+    idx = _check_index(device)
+    return Stream(idx, _id=runtime().clocks[idx].current_stream)
+
+
+def default_stream(device: Any = None) -> Stream:
+    return Stream(_check_index(device), _id=0)
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None) -> Iterator[None]:
+    """``with torch.neuron.stream(s):`` issues the block's ops on ``s`` (None: no change)."""
+    if s is None:
+        yield
+        return
+    with s:
+        yield
+
+
+class Event:
+    """A point on a stream's simulated timeline, like ``torch.cuda.Event``."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self.tick: int | None = None
+        self.device_index: int | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or current_stream()
+        self.device_index = stream.device_index
+        self.tick = runtime().clocks[stream.device_index].ready.get(stream.stream_id, 0)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Work issued later on ``stream`` starts after this event (no effect if never recorded)."""
+        if self.tick is None:
+            return
+        stream = stream or current_stream(self.device_index)
+        clock = runtime().clocks[stream.device_index]
+        clock.ready[stream.stream_id] = max(clock.ready.get(stream.stream_id, 0), self.tick)
+
+    def query(self) -> bool:
+        if self.tick is None:
+            return True
+        return self.tick <= runtime().clocks[self.device_index].host  # type: ignore[index]
+
+    def synchronize(self) -> None:
+        if self.tick is not None:
+            clock = runtime().clocks[self.device_index]  # type: ignore[index]
+            clock.host = max(clock.host, self.tick)
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Simulated milliseconds from this event to ``end_event``."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.tick is None or end_event.tick is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not end_event.query():
+            raise RuntimeError("end_event has not completed: call end_event.synchronize() first "
+                               "(as torch.cuda.Event.elapsed_time requires)")
+        return ticks_to_ms(config(), end_event.tick - self.tick)
+
+    def __repr__(self) -> str:
+        return f"<torch.neuron.Event tick={self.tick} device={self.device_index}>"
+
+
+# ---- chip and reports -----------------------------------------------------------------------
+def config() -> Any:
+    """The chip's :class:`trnsim.ChipConfig` (fixes the config: set_config fails afterwards)."""
+    return runtime().config
+
+
+def report() -> RunReport:
+    """Where simulated time went since the process started (or :func:`reset_report`)."""
+    rt = runtime()
+    return build_run_report(rt.collectors[0], rt.config)
+
+
+def reset_report() -> None:
+    rt = runtime()
+    rt.collectors[0] = Collector(trace=rt.collectors[0].events is not None)
+
+
+class report_scope:
+    """``with torch.neuron.report_scope() as scope: ...`` then ``scope.report``: only the ops
+    issued inside the block (``trace=True`` also keeps every launch for a timeline)."""
+
+    def __init__(self, trace: bool = False):
+        self._collector = Collector(trace=trace)
+        self.report: RunReport | None = None
+
+    def __enter__(self) -> "report_scope":
+        runtime().collectors.append(self._collector)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        rt = runtime()
+        rt.collectors.remove(self._collector)
+        self.report = build_run_report(self._collector, rt.config)

@@ -1,0 +1,480 @@
+"""The `neuron` device's aten kernels: one boxed fallback plus the explicit kernels PyTorch needs.
+
+Every op call on neuron tensors lands here and does two things:
+
+1. **Values.** View and metadata ops redispatch to the CPU kernels on the neuron tensors
+   themselves (they touch only metadata, so the result is a real neuron view). TensorE ops (mm,
+   addmm, bmm, baddbmm and, through them, linear/matmul/attention) run through the native
+   datapath. Every other op runs its CPU kernel on zero-copy CPU views of the device memory;
+   new results are relabelled as neuron tensors without a copy.
+2. **Time.** The call lowers to a kernel (:mod:`torch_bridge.lowering`) whose cached timing-only
+   report is charged, plus a launch overhead, to the current stream of the op's NeuronCore.
+   Views cost the launch overhead only.
+
+Every kernel is hidden from dynamo (``torch._disable_dynamo``): a Python kernel is otherwise a
+frame dynamo tries to compile. See ``shared/notes/privateuse1-python.md`` for why each explicit
+kernel exists.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from . import memory, tensore
+from .lowering import Lowered, flat_tensors
+from .runtime import runtime
+
+__all__ = ["register_kernels", "NEURON"]
+
+NEURON = "neuron"
+_CPU_KEYS = DispatchKeySet(DispatchKey.CPU)
+_libs: list[torch.library.Library] = []
+
+
+# ---- schema facts, cached per op ------------------------------------------------------------
+class _OpInfo:
+    """What the fallback needs to know about an op's schema."""
+
+    __slots__ = ("name", "is_view", "out_names", "tensor_positions", "engine_name")
+
+    def __init__(self, op: torch._ops.OpOverload):
+        schema = op._schema
+        self.name = op.overloadpacket.__name__
+        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
+            self.name in ("set_", "is_set_to", "record_stream")
+        self.out_names = tuple(a.name for a in schema.arguments
+                               if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        self.tensor_positions = tuple(i for i, a in enumerate(schema.arguments)
+                                      if str(a.type) in ("Tensor", "Optional[Tensor]") and not a.kwarg_only)
+
+
+_infos: dict[Any, _OpInfo] = {}
+
+
+def _info(op: Any) -> _OpInfo:
+    info = _infos.get(op)
+    if info is None:
+        info = _infos[op] = _OpInfo(op)
+    return info
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _is_neuron(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == NEURON
+
+
+def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
+    for t in flat_tensors(list(args) + list(kwargs.values()), []):
+        if t.device.type == NEURON:
+            return t.device.index or 0
+    dev = kwargs.get("device")
+    if dev is not None:
+        dev = torch.device(dev)
+        if dev.type == NEURON:
+            return dev.index or 0
+    return _current_device()
+
+
+def _current_device() -> int:
+    from .device import current_device
+
+    return current_device()
+
+
+class _ToCpu:
+    """Converts op arguments to CPU: neuron tensors become zero-copy views; remembers which."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != NEURON:
+                return x
+            v = memory.cpu_view(x)
+            self.views[id(v)] = x
+            return v
+        if isinstance(x, (list, tuple)):
+            return type(x)(self(y) for y in x)
+        if isinstance(x, torch.device) and x.type == NEURON:
+            return torch.device("cpu")
+        return x
+
+
+def _back(x: Any, conv: _ToCpu, index: int) -> Any:
+    """Map a CPU result back to the device: an argument's view -> that neuron tensor, a new
+    tensor -> relabelled in place of a copy."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x
+        mine = conv.views.get(id(x))
+        if mine is not None:
+            return mine
+        return memory.relabel(x, index)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_back(y, conv, index) for y in x)
+    return x
+
+
+def _profiled(name: str) -> Any:
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch._C._profiler._RecordFunctionFast(f"neuron::{name}")
+    return None
+
+
+def _charge(index: int, op: str, lowered: Lowered) -> None:
+    runtime().charge(index, op, lowered)
+
+
+def _charge_generic(index: int, op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    rt = runtime()
+    rt.charge(index, op, rt.lowering.generic(op, inputs, outputs))
+
+
+def _charge_view(index: int, op: str) -> None:
+    _charge(index, op, Lowered("view (metadata only)", False, None))
+
+
+# ---- the boxed fallback -----------------------------------------------------------------------
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    info = _info(op)
+    rec = _profiled(info.name)
+    if rec is not None:
+        with rec:
+            return _run(op, info, args, kwargs)
+    return _run(op, info, args, kwargs)
+
+
+def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    index = _device_of(args, kwargs)
+    if info.is_view:
+        if info.name == "record_stream":
+            return None
+        out = op.redispatch(_CPU_KEYS, *args, **kwargs)
+        _charge_view(index, info.name)
+        return out
+    if info.name == "_local_scalar_dense":  # item(): the host waits for the device
+        from .device import synchronize
+
+        synchronize(index)
+    conv = _ToCpu()
+    cargs = [conv(a) for a in args]
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    fresh: dict[str, torch.Tensor] = {}
+    for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
+        out = kwargs.get(name)
+        if isinstance(out, torch.Tensor) and out.device.type == NEURON and out.numel() == 0:
+            fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype)
+    call = op
+    if any(isinstance(args[i], numbers.Number) for i in info.tensor_positions if i < len(args)):
+        call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
+    result = call(*cargs, **ckwargs)
+    for name, cpu_out in fresh.items():
+        dev_out = kwargs[name]
+        dev_out.set_(memory.relabel(cpu_out, index))
+        conv.views[id(cpu_out)] = dev_out
+    out = _back(result, conv, index)
+    inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
+    outputs = flat_tensors(out, [])
+    _charge_generic(index, info.name, [t for t in inputs if t.device.type == NEURON], outputs)
+    return out
+
+
+# ---- allocation, copies, resize ---------------------------------------------------------------
+def _index(device: Any) -> int:
+    if device is None:
+        return _current_device()
+    d = torch.device(device)
+    idx = d.index if d.index is not None else _current_device()
+    count = runtime().device_count
+    if not 0 <= idx < count:
+        raise RuntimeError(f"neuron:{idx} does not exist: the {runtime().config.name} config has {count} "
+                           f"logical NeuronCores (neuron:0..neuron:{count - 1})")
+    return idx
+
+
+def _empty_memory_format(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+                         pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    stride = None
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        stride = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format).stride()
+    return memory.allocate(size, stride, dtype, _index(device))
+
+
+def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+                   pin_memory: Any = None) -> torch.Tensor:
+    return memory.allocate(size, stride, dtype or torch.get_default_dtype(), _index(device))
+
+
+def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    src_dev = self.device.type == NEURON
+    dst_dev = dst.device.type == NEURON
+    index = (self.device.index or 0) if src_dev else (dst.device.index or 0)
+    if src_dev and not dst_dev:
+        from .device import synchronize
+
+        synchronize(index)  # device -> host: the host waits for the work that produced it
+    dst_view = memory.cpu_view(dst) if dst_dev else dst
+    src_view = memory.cpu_view(self) if src_dev else self
+    dst_view.copy_(src_view)
+    kind = "copy_d2d" if src_dev and dst_dev else "copy_h2d" if dst_dev else "copy_d2h"
+    rt = runtime()
+    rt.charge(index, "_copy_from", rt.lowering.generic(kind, [self], [dst]))
+    return dst
+
+
+def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    dst.resize_(self.shape)
+    return _copy_from(self, dst)
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
+    size = tuple(size)
+    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    else:
+        stride = _contiguous_strides(size)
+    numel = 1
+    for s in size:
+        numel *= s
+    need = (self.storage_offset() + numel) * self.element_size() if numel else 0
+    storage = self.untyped_storage()
+    if need > storage.nbytes():
+        index = self.device.index or 0
+        grown = memory.allocate((need,), None, torch.uint8, index)
+        if storage.nbytes():
+            old = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            memory.cpu_view(grown)[:storage.nbytes()].copy_(memory.cpu_view(old))
+        storage = grown.untyped_storage()
+    torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU_KEYS, self, storage, self.storage_offset(), size, stride)
+    return self
+
+
+def _to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: Any = None,
+             pin_memory: Any = None, non_blocking: bool = False, memory_format: Any = None) -> torch.Tensor:
+    """``Tensor.to`` to or from neuron, without ``non_blocking`` (its pinned-memory path is not
+    implementable from Python): the copy is synchronous either way."""
+    out = torch.empty_like(self, dtype=dtype or self.dtype, device=device or self.device,
+                           memory_format=memory_format or torch.preserve_format)
+    out.copy_(self)
+    return out
+
+
+# ---- TensorE ops through the native datapath -----------------------------------------------
+def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    rt = runtime()
+    rt.charge(index, op, rt.lowering.matmul(op, batch, m, k, n, dtype))
+
+
+def _mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if tensore.on_datapath(a, b):
+        res = tensore.matmul_f32(a, b).to(self.dtype)
+    else:
+        res = torch.mm(a, b)
+    _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype)
+    return memory.relabel(res, index)
+
+
+def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+           ) -> torch.Tensor:
+    index = mat1.device.index or 0
+    a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        prod = tensore.matmul_f32(a, b)
+        if alpha != 1:
+            prod.mul_(alpha)
+        if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
+            prod.add_(c.float() if beta == 1 else c.float() * beta)
+        res = prod.to(mat1.dtype)
+    else:
+        res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype)
+    return memory.relabel(res, index)
+
+
+def _bmm_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)
+    for i in range(a.shape[0]):
+        out[i] = tensore.matmul_f32(a[i], b[i])
+    return out
+
+
+def _bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if tensore.on_datapath(a, b):
+        res = _bmm_values(a, b).to(self.dtype)
+    else:
+        res = torch.bmm(a, b)
+    _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype)
+    return memory.relabel(res, index)
+
+
+def _baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+             ) -> torch.Tensor:
+    index = batch1.device.index or 0
+    a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        prod = _bmm_values(a, b)
+        if alpha != 1:
+            prod.mul_(alpha)
+        if beta != 0:
+            prod.add_(c.float() if beta == 1 else c.float() * beta)
+        res = prod.to(batch1.dtype)
+    else:
+        res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype)
+    return memory.relabel(res, index)
+
+
+def _out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``op.out`` from its functional kernel: compute, then resize ``out`` and copy into it."""
+    def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        res = functional(*args, **kwargs)
+        if out.shape != res.shape:
+            out.resize_(res.shape)
+        memory.cpu_view(out).copy_(memory.cpu_view(res))
+        return out
+    return out_kernel
+
+
+# ---- convolution (aten sends non-CPU/CUDA convolutions to the *_overrideable ops) -------------
+def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int) -> None:
+    """A convolution is a matmul of im2col patches: M = batch x output positions,
+    K = input channels per group x kernel size, N = output channels per group; one per group."""
+    kernel_numel = 1
+    for s in weight.shape[2:]:
+        kernel_numel *= s
+    positions = 1
+    for s in out.shape[2:]:
+        positions *= s
+    m = out.shape[0] * positions
+    k = weight.shape[1] * kernel_numel
+    n = weight.shape[0] // groups
+    _matmul_time(index, op, groups, m, k, n, inp.dtype)
+
+
+def _convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
+                 dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
+    index = input.device.index or 0
+    cb = memory.cpu_view(bias) if bias is not None else None
+    res = torch.ops.aten.convolution.default(memory.cpu_view(input), memory.cpu_view(weight), cb, stride, padding,
+                                             dilation, transposed, output_padding, groups)
+    _conv_time(index, "convolution", input, weight, res, groups)
+    return memory.relabel(res, index)
+
+
+def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: Any,
+                          padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                          output_mask: Any) -> tuple[Any, Any, Any]:
+    index = input.device.index or 0
+    g, x, w = memory.cpu_view(grad_output), memory.cpu_view(input), memory.cpu_view(weight)
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
+                                                            transposed, output_padding, groups, output_mask)
+    if output_mask[0]:
+        _conv_time(index, "convolution_backward", grad_output, weight, input, groups)
+    if output_mask[1]:
+        _conv_time(index, "convolution_backward", input, weight, grad_output, groups)
+    res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
+    if output_mask[2]:
+        _charge_generic(index, "convolution_backward", [grad_output], [res[2]])
+    return res  # type: ignore[return-value]
+
+
+# ---- autocast -------------------------------------------------------------------------------
+_AUTOCAST_KEYS = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
+AUTOCAST_OPS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "conv1d", "conv2d", "conv3d",
+                "addbmm", "_convolution", "prelu", "scaled_dot_product_attention")
+
+
+def _autocast_kernel(op: Any) -> Callable[..., Any]:
+    """Lower-precision ops under ``torch.autocast("neuron")``: cast floating neuron operands to the
+    autocast dtype, then run the op with autocast excluded (autograd records the casts)."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        dt = torch.get_autocast_dtype(NEURON)
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == NEURON and x.dtype != dt:
+                return x.to(dt)
+            if isinstance(x, (list, tuple)):
+                return type(x)(cast(y) for y in x)
+            return x
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return op(*cast(list(args)), **{k: cast(v) for k, v in kwargs.items()})
+    return kernel
+
+
+# ---- registration ---------------------------------------------------------------------------
+def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch._disable_dynamo(fn, recursive=True)
+
+
+def register_kernels() -> None:
+    """Register the fallback and explicit kernels once per process."""
+    if _libs:
+        return
+    impl = torch.library.Library("aten", "IMPL")
+    fallback = torch.library.Library("_", "IMPL")
+    _libs.extend([impl, fallback])
+    kernels: dict[str, Callable[..., Any]] = {
+        "empty.memory_format": _empty_memory_format,
+        "empty_strided": _empty_strided,
+        "_copy_from": _copy_from,
+        "_copy_from_and_resize": _copy_from_and_resize,
+        "resize_": _resize_,
+        "_to_copy": _to_copy,
+        "mm": _mm,
+        "mm.out": _out_variant(_mm),
+        "addmm": _addmm,
+        "addmm.out": _out_variant(_addmm),
+        "bmm": _bmm,
+        "bmm.out": _out_variant(_bmm),
+        "baddbmm": _baddbmm,
+        "baddbmm.out": _out_variant(_baddbmm),
+        "convolution_overrideable": _convolution,
+        "convolution_backward_overrideable": _convolution_backward,
+    }
+    for name, fn in kernels.items():
+        impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
+    # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
+    impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
+    impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")
+    fallback.fallback(_hidden(_fallback), "PrivateUse1")
+    fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    for name in AUTOCAST_OPS:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            impl.impl(f"{name}.{overload}" if overload != "default" else name, _hidden(_autocast_kernel(op)),
+                      "AutocastPrivateUse1")
+
+
+def _traced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` shown in torch.profiler as ``neuron::<op>``."""
+    label = name.split(".")[0]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        rec = _profiled(label)
+        if rec is None:
+            return fn(*args, **kwargs)
+        with rec:
+            return fn(*args, **kwargs)
+    kernel.__name__ = getattr(fn, "__name__", name)
+    return kernel

@@ -1,0 +1,156 @@
+"""Device memory of the `neuron` device: real host storage, relabelled, counted against HBM.
+
+PyTorch has no Python API for a PrivateUse1 allocator, so a device tensor is a CPU allocation
+whose DLPack capsule is relabelled as device ``kDLExtDev`` (PyTorch maps it to PrivateUse1):
+``from_dlpack`` then returns a plain ``neuron:i`` tensor that owns the CPU memory, with zero
+copies. Compute runs on zero-copy CPU views of that memory (:func:`cpu_view`).
+
+Every allocation is counted against the chip config's HBM capacity per logical NeuronCore
+(``chip.hbm.capacity / logical cores``), checked *before* the host allocator is asked, so a
+request bigger than the virtual HBM raises ``torch.OutOfMemoryError`` with the sizes instead of
+exhausting the host. Frees are seen through ``weakref.finalize`` on the CPU tensor the DLPack
+capsule keeps alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from trnsim.config import format_quantity
+
+__all__ = ["DeviceMemory", "relabel", "cpu_view", "allocate", "pool"]
+
+_KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLTensorHead(ctypes.Structure):
+    """The leading fields of DLPack's ``DLTensor``: the data pointer, then the device."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice)]
+
+
+@dataclass
+class DeviceMemory:
+    """Allocation statistics of one NeuronCore's share of HBM (bytes), like ``torch.cuda``'s."""
+
+    capacity: int
+    allocated: int = 0
+    peak: int = 0
+    allocations: int = 0  # allocation requests that succeeded
+    frees: int = 0
+    ooms: int = 0
+    segments: int = 0  # live allocations
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def stats(self) -> dict[str, int]:
+        """``torch.cuda.memory_stats``-style keys for the figures we track."""
+        return {
+            "allocated_bytes.all.current": self.allocated,
+            "allocated_bytes.all.peak": self.peak,
+            "allocation.all.allocated": self.allocations,
+            "allocation.all.freed": self.frees,
+            "allocation.all.current": self.segments,
+            "num_ooms": self.ooms,
+            "capacity_bytes": self.capacity,
+        }
+
+
+class _Pool:
+    """Per-device :class:`DeviceMemory`, created when the chip config is first needed."""
+
+    def __init__(self) -> None:
+        self.devices: list[DeviceMemory] = []
+
+    def configure(self, count: int, capacity_per_device: int) -> None:
+        self.devices = [DeviceMemory(capacity_per_device) for _ in range(count)]
+
+    def reserve(self, index: int, nbytes: int) -> None:
+        """Count ``nbytes`` on device ``index`` or raise ``torch.OutOfMemoryError``."""
+        mem = self.devices[index]
+        if mem.allocated + nbytes > mem.capacity:
+            mem.ooms += 1
+            raise torch.OutOfMemoryError(
+                f"neuron:{index} out of memory: tried to allocate {nbytes} bytes ({format_quantity(nbytes, 'bytes')}); "
+                f"{mem.allocated} bytes in use of {mem.capacity} capacity "
+                f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)"
+            )
+        mem.allocated += nbytes
+        mem.allocations += 1
+        mem.segments += 1
+        mem.peak = max(mem.peak, mem.allocated)
+
+    def release(self, index: int, nbytes: int) -> None:
+        if index < len(self.devices):  # a reconfigured pool forgets earlier devices
+            mem = self.devices[index]
+            mem.allocated -= nbytes
+            mem.frees += 1
+            mem.segments -= 1
+
+
+pool = _Pool()
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tensor:
+    """Turn the CPU tensor ``cpu`` into a ``neuron:index`` tensor over the same memory (no copy).
+
+    Unless ``counted`` (the caller already reserved the bytes), its storage is counted now, which
+    may raise ``torch.OutOfMemoryError``.
+    """
+    if cpu.requires_grad:
+        cpu = cpu.detach()
+    nbytes = _storage_nbytes(cpu)
+    if not counted:
+        pool.reserve(index, nbytes)
+    weakref.finalize(cpu, pool.release, index, nbytes)
+    cap = torch.utils.dlpack.to_dlpack(cpu)  # the capsule keeps this very tensor alive
+    head = _DLTensorHead.from_address(_get_pointer(cap, b"dltensor"))
+    head.device.device_type = _KDL_EXT_DEV
+    head.device.device_id = index
+    return torch.utils.dlpack.from_dlpack(cap)
+
+
+def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, index: int) -> torch.Tensor:
+    """A new uninitialised ``neuron:index`` tensor; HBM capacity is checked first."""
+    probe = torch.empty_strided(size, stride, dtype=dtype, device="meta") if stride is not None else \
+        torch.empty(size, dtype=dtype, device="meta")
+    pool.reserve(index, probe.untyped_storage().nbytes())
+    try:
+        cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
+    except BaseException:
+        pool.release(index, probe.untyped_storage().nbytes())
+        pool.devices[index].allocations -= 1
+        raise
+    return relabel(cpu, index, counted=True)
+
+
+def cpu_view(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the same memory as the neuron tensor ``t`` (same sizes, strides, offset,
+    conj/neg bits). It does not own the memory: keep ``t`` alive while it is used."""
+    st = t.untyped_storage()
+    cst = torch._C._construct_storage_from_data_pointer(st.data_ptr(), torch.device("cpu"), st.nbytes())
+    v = torch.empty(0, dtype=t.dtype).set_(cst, t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():
+        v = torch._conj(v)
+    if t.is_neg():
+        v = torch._neg_view(v)
+    return v
+
+
+def describe(index: int) -> dict[str, Any]:
+    return pool.devices[index].stats()
