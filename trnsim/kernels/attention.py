@@ -1,1 +1,336 @@
-"""(being written) attention kernels."""
+"""Flash attention ``out = softmax(q kᵀ · scale + mask) v`` over [B, H, S, D], one NeuronCore.
+
+Written the way NKI's flash-attention forward sample is: the score matrix never leaves the
+chip and is never held whole. For each 128-query tile the kernel walks the key tiles (512 keys,
+one PSUM bank of fp32 scores) and keeps three running quantities per query row: ``nm``, minus
+the scaled row max; ``l``, the softmax denominator; ``o``, the unnormalised output. Per key
+tile, in three stages:
+
+A. TensorE ``s = q kᵀ`` into PSUM (head dim D on the partition axis of both operands); VectorE
+   the row max and the new ``nm``; ScalarE ``p = exp(scale·s + nm)`` with the row sum fused into
+   the same instruction and ``alpha = exp(nm_new - nm_old)``, the rescale of what earlier key
+   tiles summed; GpSimd ``l = l·alpha + rowsum``.
+B. TensorE ``pᵀ``, 128 keys per ``nc_transpose``; VectorE/ScalarE copy it out of PSUM.
+C. TensorE ``p v`` accumulated over those 128-key chunks in one PSUM group; GpSimd ``o·alpha``
+   and VectorE ``+ p v``.
+
+The last step divides ``o`` by ``l``. Causal masking writes -inf above the diagonal with
+``affine_select`` (GpSimd, so those scores are first copied out of PSUM) and skips key tiles
+that lie wholly above it.
+
+Engines run their instruction streams in order, so one tile's A -> B -> C chain would leave
+every engine waiting on the others. The kernel therefore software-pipelines: two query tiles
+walk the keys together, and stage A of key tile j+2 is issued before stage B of j+1 and stage
+C of j (buffers are three deep to match).
+
+Inputs arrive as [S, D] rows, so queries and keys are transposed on the PE array; keys once per
+head while three heads' K and V fit in a third of SBUF each. Longer sequences are cut into key
+blocks that are reloaded for every group of query tiles, as the NKI sample does for all lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..config import ChipConfig
+from ..isa import HbmTensor, KernelError, TileAP
+from ..kernel import Kernel
+from ..native.dtypes import Dtype, get_dtype
+from .registry import register_kernel, round_to
+
+__all__ = ["build_attention"]
+
+_Q_GROUP = 2  # query tiles that walk the keys together (measured best of 1-4 on trn2/trn3)
+_DEPTH = 3    # pipeline stages in flight, hence buffers per query tile
+_KV_SHARE = 2  # resident K/V blocks may use 1/2 of each SBUF partition; the rest is working tiles
+
+
+def _inputs(shape, dtype, params, rng):
+    b, h, s, d = shape
+    return {n: rng.standard_normal((b, h, s, d), dtype=np.float32) for n in ("q", "k", "v")}
+
+
+def _reference(inputs, shape, dtype, params):
+    q, k, v = (round_to(inputs[n], dtype) for n in ("q", "k", "v"))
+    s, d = shape[2], shape[3]
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * _scale(params.get("scale"), d)
+    if params.get("causal"):
+        scores = np.where(np.tril(np.ones((s, s), dtype=bool)), scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return {"out": np.einsum("bhqk,bhkd->bhqd", p, v)}
+
+
+def _scale(scale: Any, d: int) -> float:
+    """``scale`` as given, or the usual 1/sqrt(D)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        # the running max is taken over raw scores, which order like the scaled ones only for scale > 0
+        raise KernelError(f"attention: scale must be a positive number, got {scale!r}")
+    return float(scale)
+
+
+class _KeyBlock:
+    """Keys [k0, k0 + n) of one head in SBUF: ``kT`` [D, n] and ``v`` [128, chunks, D] (key
+    ``k0 + 128·c + p`` at partition p of chunk c)."""
+
+    def __init__(self, k0: int, n: int, kT: TileAP, v: TileAP):
+        self.k0, self.n, self.kT, self.v = k0, n, kT, v
+
+
+class _QueryTile:
+    """Queries [q0, q0 + qr) of head (bi, hi), with their running softmax state."""
+
+    def __init__(self, bi: int, hi: int, q0: int, qr: int, qT: TileAP):
+        self.bi, self.hi, self.q0, self.qr, self.qT = bi, hi, q0, qr, qT
+        self.nm: TileAP | None = None  # -scale · running row max, fp32 [qr, 1]
+        self.l: TileAP | None = None   # running sum of exp, fp32 [qr, 1]
+        self.o: TileAP | None = None   # running unnormalised output, fp32 [qr, D]
+
+
+class _Step:
+    """One (query tile, key tile) step as it moves through stages A, B, C."""
+
+    def __init__(self, qt: _QueryTile, kb: _KeyBlock, j0: int, kw: int, last: bool):
+        self.qt, self.kb, self.j0, self.kw, self.last = qt, kb, j0, kw, last
+        self.p: TileAP | None = None
+        self.pT: TileAP | None = None
+        self.alpha: TileAP | None = None  # None on a query tile's first step
+
+
+@register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
+                 summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
+                 params={"causal": False, "scale": None, "kv_block": 0}, inputs=_inputs, reference=_reference)
+def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
+                    causal: bool = False, scale: float | None = None, kv_block: int = 0,
+                    name: str = "attention") -> Kernel:
+    """``kv_block`` is how many keys stay in SBUF at once (a multiple of the 512-key tile); the
+    default 0 takes as many as fit, so K and V of a head are loaded once when they can be."""
+    kern = Kernel(name, config)
+    cfg = kern.config
+    t = cfg.core.tensor
+    dt = get_dtype(dtype)
+    if d > min(t.max_contraction, t.stationary_max_free):
+        raise KernelError(f"attention: head dim D={d} exceeds {min(t.max_contraction, t.stationary_max_free)} "
+                          f"(the PE array's contraction partitions on {cfg.name})")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise KernelError(f"attention: causal must be true or false, got {causal!r}")
+    w = _Work(kern, dt, d, _scale(scale, d), bool(causal))
+    q = kern.input("q", (b, h, s, d), dt)
+    k = kern.input("k", (b, h, s, d), dt)
+    v = kern.input("v", (b, h, s, d), dt)
+    out = kern.output("out", (b, h, s, d), dt)
+
+    isz, tk, tc = dt.itemsize, w.tk, w.tc
+    if isinstance(kv_block, bool) or not isinstance(kv_block, int) or kv_block < 0 or kv_block % tk:
+        raise KernelError(f"attention: kv_block must be 0 (auto) or a positive multiple of {tk} keys, got {kv_block!r}")
+    blk = kv_block or tk
+    if not kv_block:
+        # the largest key block (a multiple of the key tile) of which _DEPTH fit the K/V share of SBUF
+        budget = cfg.core.sbuf.partition_bytes // _KV_SHARE // _DEPTH
+        while blk < s and (blk + tk) * isz + -(-(blk + tk) // tc) * d * isz <= budget:
+            blk += tk
+    blocks = {k0: min(blk, s - k0) for k0 in range(0, s, blk)}  # first key -> keys
+
+    def batches() -> Iterator[list[_Step]]:
+        """Steps in issue order: for each group of query tiles, one batch per key tile."""
+        for bi in range(b):
+            for hi in range(h):
+                resident = None
+                for g0 in range(0, s, w.tq * _Q_GROUP):
+                    tiles = []
+                    for q0 in range(g0, min(s, g0 + w.tq * _Q_GROUP), w.tq):
+                        qr = min(w.tq, s - q0)
+                        tiles.append(_QueryTile(bi, hi, q0, qr, w.load_queries(q, bi, hi, q0, qr)))
+                    group: list[list[tuple[_QueryTile, int, int, int]]] = []
+                    for k0, n in blocks.items():
+                        for j0 in range(0, n, tk):
+                            # causal: a key tile starting after a query tile's last row is all masked
+                            batch = [(qt, k0, j0, min(tk, n - j0)) for qt in tiles
+                                     if not causal or k0 + j0 <= qt.q0 + qt.qr - 1]
+                            if batch:
+                                group.append(batch)
+                    last = {id(qt): (k0, j0) for batch in group for qt, k0, j0, _ in batch}
+                    kb = None
+                    for batch in group:
+                        k0 = batch[0][1]
+                        if kb is None or kb.k0 != k0:
+                            if len(blocks) > 1:
+                                kb = w.load_block(k, v, bi, hi, k0, blocks[k0])
+                            else:
+                                kb = resident = resident or w.load_block(k, v, bi, hi, k0, blocks[k0])
+                        yield [_Step(qt, kb, j0, kw, last[id(qt)] == (k0, j0)) for qt, _, j0, kw in batch]
+
+    inflight: list[list[_Step]] = []  # newest first: waiting for stage B, then for stage C
+    for batch in batches():
+        for st in batch:
+            w.stage_a(st)
+        inflight.insert(0, batch)
+        _advance(w, inflight, out)
+    for _ in range(_DEPTH - 1):  # drain the pipeline
+        inflight.insert(0, [])
+        _advance(w, inflight, out)
+    return kern
+
+
+def _advance(w: "_Work", inflight: list[list[_Step]], out: HbmTensor) -> None:
+    """Issue stage B of the batch after the newest and stage C (then the stores) of the one after."""
+    if len(inflight) > 1:
+        for st in inflight[1]:
+            w.stage_b(st)
+    if len(inflight) > 2:
+        for st in inflight.pop():
+            w.stage_c(st)
+            if st.last:
+                w.store(out, st.qt)
+
+
+class _Work:
+    """The tile pools of one attention kernel and the stages that use them."""
+
+    def __init__(self, kern: Kernel, dt: Dtype, d: int, scale: float, causal: bool):
+        t = kern.config.core.tensor
+        psum = kern.config.core.psum
+        self.kern, self.dt, self.d, self.scale, self.causal = kern, dt, d, scale, causal
+        self.tq = min(t.stationary_max_free, t.pe_cols)           # queries per tile: stationary free size
+        self.tc = t.pe_rows                                      # keys per transpose and per p·v contraction
+        self.tk = min(t.moving_max_free, psum.bank_bytes // 4)   # keys per score tile: one bank of fp32
+        self.tk -= self.tk % self.tc
+        self.group = psum.bank_bytes // (self.tc * dt.itemsize)  # PE transposes per PSUM bank
+        sb = kern.tile_pool
+        g, deep = _Q_GROUP, _Q_GROUP * _DEPTH
+        self.kT_pool, self.v_pool, self.kstage = sb("kT", _DEPTH), sb("v", _DEPTH), sb("kstage", 2)
+        self.q_pool, self.qT_pool = sb("q", 2 * g), sb("qT", 2 * g)
+        self.s_pool, self.red_pool = sb("s", 2 * g), sb("rowmax", 2 * g)
+        self.p_pool, self.pT_pool, self.alpha_pool = sb("p", deep), sb("pT", deep), sb("alpha", deep)
+        self.nm_pool, self.l_pool, self.sum_pool = sb("nm", deep), sb("l", deep), sb("rowsum", deep)
+        self.o_pool, self.res_pool = sb("o", 2 * g), sb("res", 2 * g)
+        quarter = max(1, psum.banks // 4)  # one bank each: transposes in, scores, pᵀ, p·v
+        self.tr_ps, self.s_ps = sb("tr_psum", quarter, space="psum"), sb("s_psum", quarter, space="psum")
+        self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
+        self.evac = 0
+
+    def _copy(self, dst: TileAP, src: TileAP) -> None:
+        """PSUM evacuation, alternating VectorE and ScalarE."""
+        self.kern.tensor_copy(dst, src, engine="vector" if self.evac % 2 == 0 else "scalar")
+        self.evac += 1
+
+    def load_block(self, k: HbmTensor, v: HbmTensor, bi: int, hi: int, k0: int, n: int) -> _KeyBlock:
+        """Keys [k0, k0+n) of head (bi, hi): kᵀ through PE transposes, v as 128-key chunks."""
+        kern, tc, d, dt = self.kern, self.tc, self.d, self.dt
+        chunks = -(-n // tc)
+        kT = self.kT_pool.tile((d, n), dt)
+        vt = self.v_pool.tile((tc, chunks, d), dt)
+        _load_rows(kern, vt, v, bi, hi, k0, n, tc, queue=2)
+        for c0 in range(0, chunks, self.group):
+            g = min(self.group, chunks - c0)
+            rows = min(g * tc, n - c0 * tc)
+            stage = self.kstage.tile((tc, g, d), dt)
+            _load_rows(kern, stage, k, bi, hi, k0 + c0 * tc, rows, tc, queue=1)
+            ps = self.tr_ps.tile((d, g * tc), dt)
+            for j in range(g):
+                kc = min(tc, rows - j * tc)
+                kern.nc_transpose(ps[:, j * tc:j * tc + kc], stage[:kc, j, :])
+            self._copy(kT[:, c0 * tc:c0 * tc + rows], ps[:, :rows])
+        return _KeyBlock(k0, n, kT, vt)
+
+    def load_queries(self, q: HbmTensor, bi: int, hi: int, q0: int, qr: int) -> TileAP:
+        """qᵀ [D, qr] of queries [q0, q0+qr): loaded as rows, transposed on the PE array."""
+        rows = self.q_pool.tile((qr, self.d), self.dt)
+        self.kern.dma_copy(rows, q[bi, hi, q0:q0 + qr, :], queue=0)
+        ps = self.tr_ps.tile((self.d, qr), self.dt)
+        self.kern.nc_transpose(ps, rows)
+        qT = self.qT_pool.tile((self.d, qr), self.dt)
+        self._copy(qT, ps)
+        return qT
+
+    def stage_a(self, st: _Step) -> None:
+        """Scores, running max, p = exp(scale·s + nm) with its row sum, alpha and l."""
+        kern, qt, kw = self.kern, st.qt, st.kw
+        qr = qt.qr
+        kt0 = st.kb.k0 + st.j0
+        s_ps = self.s_ps.tile((qr, kw), "fp32")
+        kern.nc_matmul(s_ps, qt.qT, st.kb.kT[:, st.j0:st.j0 + kw])
+        scores = s_ps
+        if self.causal and kt0 + kw - 1 > qt.q0:
+            # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only
+            scores = self.s_pool.tile((qr, kw), "fp32")
+            kern.tensor_copy(scores, s_ps, engine="vector")
+            kern.affine_select(scores, scores, cmp="greater_equal", offset=qt.q0 - kt0, channel_multiplier=1,
+                               pattern=[-1], on_false=-math.inf)
+        nm = self.nm_pool.tile((qr, 1), "fp32")
+        if qt.nm is None:
+            kern.tensor_reduce(nm, "max", scores, axis=1, negate=True)
+            kern.tensor_scalar(nm, nm, "multiply", self.scale)
+        else:
+            neg_max = self.red_pool.tile((qr, 1), "fp32")
+            kern.tensor_reduce(neg_max, "max", scores, axis=1, negate=True)
+            kern.tensor_scalar(nm, neg_max, "multiply", self.scale, op1="minimum", operand1=qt.nm)
+        st.p = self.p_pool.tile((qr, kw), self.dt)
+        rowsum = (self.l_pool if qt.l is None else self.sum_pool).tile((qr, 1), "fp32")
+        kern.activation(st.p, "exp", scores, scale=self.scale, bias=nm, reduce_op="add", reduce_res=rowsum)
+        if qt.nm is not None and qt.l is not None:
+            st.alpha = self.alpha_pool.tile((qr, 1), "fp32")
+            kern.activation(st.alpha, "exp", qt.nm, scale=-1.0, bias=nm)
+            l_new = self.l_pool.tile((qr, 1), "fp32")
+            kern.tensor_scalar(l_new, qt.l, "multiply", st.alpha, op1="add", operand1=rowsum, engine="gpsimd")
+            rowsum = l_new
+        qt.nm, qt.l = nm, rowsum
+
+    def stage_b(self, st: _Step) -> None:
+        """pᵀ, 128 keys per PE transpose, copied to SBUF as [128 keys, chunks, qr]."""
+        kern, tc, qr, kw = self.kern, self.tc, st.qt.qr, st.kw
+        assert st.p is not None
+        chunks, full = -(-kw // tc), kw // tc
+        ps = self.pT_ps.tile((tc, chunks, qr), self.dt)
+        st.pT = self.pT_pool.tile((tc, chunks, qr), self.dt)
+        for j in range(chunks):
+            kc = min(tc, kw - j * tc)
+            kern.nc_transpose(ps[:kc, j, :], st.p[:, j * tc:j * tc + kc])
+        if full:
+            self._copy(st.pT[:, :full, :], ps[:, :full, :])
+        if full < chunks:
+            kc = kw - full * tc
+            self._copy(st.pT[:kc, full, :], ps[:kc, full, :])
+
+    def stage_c(self, st: _Step) -> None:
+        """p·v over the key chunks into one PSUM group, then o = o·alpha + p·v."""
+        kern, tc, qt, kw = self.kern, self.tc, st.qt, st.kw
+        assert st.pT is not None
+        pv = self.pv_ps.tile((qt.qr, self.d), "fp32")
+        chunks, c0 = -(-kw // tc), st.j0 // tc
+        for j in range(chunks):
+            kc = min(tc, kw - j * tc)
+            kern.nc_matmul(pv, st.pT[:kc, j, :], st.kb.v[:kc, c0 + j, :], accumulate=j > 0)
+        if qt.o is None:
+            qt.o = self.o_pool.tile((qt.qr, self.d), "fp32")
+            kern.tensor_copy(qt.o, pv, engine="vector")
+            return
+        assert st.alpha is not None
+        kern.tensor_scalar(qt.o, qt.o, "multiply", st.alpha, engine="gpsimd")
+        kern.tensor_tensor(qt.o, qt.o, pv, "add")
+
+    def store(self, out: HbmTensor, qt: _QueryTile) -> None:
+        """``out = o / l`` for one query tile, stored on GpSimd's DMA queue."""
+        assert qt.o is not None and qt.l is not None
+        res = self.res_pool.tile((qt.qr, self.d), self.dt)
+        self.kern.tensor_scalar(res, qt.o, "divide", qt.l)
+        self.kern.dma_copy(out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :], res, engine="gpsimd")
+
+
+def _load_rows(kern: Kernel, dst: TileAP, src: HbmTensor, bi: int, hi: int, r0: int, n: int, tc: int,
+               queue: int) -> None:
+    """Rows [r0, r0+n) of ``src[bi, hi]`` into ``dst`` [tc, chunks, D], row r0 + tc·c + p at
+    partition p of chunk c: one DMA for the whole chunks, one for a ragged tail."""
+    _, heads, s, d = src.shape
+    full, tail = divmod(n, tc)
+    base = ((bi * heads + hi) * s + r0) * d
+    if full:
+        kern.dma_copy(dst[:, :full, :], src.ap(base, [[d, tc], [tc * d, full], [1, d]]), queue=queue)
+    if tail:
+        kern.dma_copy(dst[:tail, full, :], src[bi, hi, r0 + full * tc:r0 + n, :], queue=queue)
