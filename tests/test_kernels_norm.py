@@ -1,0 +1,146 @@
+"""softmax, layernorm, rmsnorm and rmsnorm_fp8 (trnsim/kernels/norm.py) and the V7 benchmark."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trnsim import Chip, KernelError
+from trnsim.kernels.norm import build_layernorm, build_rmsnorm, build_rmsnorm_fp8, build_softmax
+from trnsim.kernels.registry import check_entry, get_kernel, round_to
+
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_rmsnorm.py"
+_spec = importlib.util.spec_from_file_location("fidelity_rmsnorm", _BENCH)
+fr = importlib.util.module_from_spec(_spec)
+sys.modules["fidelity_rmsnorm"] = fr  # dataclasses look their module up here
+_spec.loader.exec_module(fr)
+
+KERNELS = ("softmax", "layernorm", "rmsnorm", "rmsnorm_fp8")
+SHAPES = ((1, 7), (129, 1000), (300, 4096))
+
+
+@pytest.mark.parametrize("config", ("trn2", "trn3"))
+@pytest.mark.parametrize("dtype", ("bf16", "fp32"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", KERNELS)
+def test_values_match_float64_reference(name, shape, dtype, config):
+    res = check_entry(get_kernel(name), shape, dtype, config)
+    assert res["ok"], res["errors"]
+
+
+def test_hidden_wider_than_one_tile_takes_chunked_scalar_passes():
+    # 9000 > the 4096-column scratch tile: sums and maxima are combined from per-chunk partials
+    for name in ("layernorm", "rmsnorm", "rmsnorm_fp8"):
+        res = check_entry(get_kernel(name), (130, 9000), "bf16", "trn2")
+        assert res["ok"], (name, res["errors"])
+
+
+def _run(kern, inputs, config="trn2"):
+    return Chip(config).run(kern, inputs)
+
+
+def test_softmax_is_stable_for_large_logits():
+    x = (np.random.default_rng(1).standard_normal((128, 256)) * 1000).astype(np.float32)
+    y = _run(build_softmax(128, 256, "fp32"), {"x": x})["y"].astype(np.float64)
+    xd = x.astype(np.float64)
+    ref = np.exp(xd - xd.max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    assert np.all(np.isfinite(y))
+    np.testing.assert_allclose(y, ref, atol=1e-6)
+
+
+def test_fp8_quantization_uses_the_full_range_and_dequantizes_to_y():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((200, 512)).astype(np.float32)
+    x[5] = 0.0  # an all-zero row must stay finite
+    gamma = (1 + 0.25 * rng.standard_normal(512)).astype(np.float32)
+    out = _run(build_rmsnorm_fp8(200, 512, "bf16"), {"x": x, "gamma": gamma})
+    q = out["q"].astype(np.float64)
+    scale = out["scale"].astype(np.float64)
+    assert out["q"].dtype.name == "float8_e4m3" and scale.shape == (200, 1)
+    assert np.all(np.isfinite(q)) and np.all(np.isfinite(scale))
+    assert np.all(q[5] == 0)
+    rows = np.arange(200) != 5
+    # absmax scaling: each row's largest |q| is the format's largest finite value, 240
+    assert np.all(np.abs(q[rows]).max(axis=1) == 240.0)
+    xb, gb = round_to(x, "bf16"), round_to(gamma, "bf16")
+    y = xb / np.sqrt((xb * xb).mean(axis=1, keepdims=True) + 1e-6) * gb
+    err = np.abs(q * scale - y)[rows]
+    # half an e4m3 step (2^-4 relative) plus bf16 rounding of x * gamma
+    assert np.all(err <= (2.0**-4 + 2**-8) * np.abs(y[rows]) + 1e-3 * scale[rows])
+
+
+def test_determinism_same_cycles_and_bits():
+    rng = np.random.default_rng(3)
+    inputs = {"x": rng.standard_normal((300, 1000)).astype(np.float32),
+              "gamma": rng.standard_normal(1000).astype(np.float32),
+              "beta": rng.standard_normal(1000).astype(np.float32)}
+    a = _run(build_layernorm(300, 1000, "bf16"), inputs)
+    b = _run(build_layernorm(300, 1000, "bf16"), inputs)
+    assert a.report.total_ticks == b.report.total_ticks
+    assert a["y"].tobytes() == b["y"].tobytes()
+
+
+def test_written_like_an_nki_kernel():
+    kern = build_rmsnorm_fp8(1024, 2048, "bf16")
+    ins = kern.instructions
+    dmas = [i for i in ins if type(i).__name__ == "DmaCopy"]
+    gamma_loads = [i for i in dmas if getattr(i.src, "tensor", None) is kern.tensors["gamma"]]
+    assert len(gamma_loads) == 1  # loaded once, broadcast across partitions
+    load_q = {i.queue for i in dmas if getattr(i.src, "tensor", None) is kern.tensors["x"]}
+    store_q = {i.queue for i in dmas if getattr(i.dst, "tensor", None) is kern.tensors["q"]}
+    assert load_q.isdisjoint(store_q)
+    acts = [i for i in ins if type(i).__name__ == "Activation"]
+    assert acts and all(a.reduce_op is not None for a in acts)  # every ScalarE pass fuses its reduction
+    rep = Chip("trn2").run(kern, timing_only=True).report
+    busy = rep.engines["Scalar"].busy_ticks + rep.engines["Vector"].busy_ticks
+    assert rep.total_ticks < 0.75 * busy  # ScalarE and VectorE overlap
+
+
+@pytest.mark.parametrize("build,hidden,dtype,limit", [
+    (build_rmsnorm, 70000, "bf16", 65535),
+    (build_rmsnorm, 20000, "fp32", None),
+    (build_softmax, 40000, "fp32", None),
+])
+def test_hidden_over_sbuf_is_a_one_line_error_naming_the_limit(build, hidden, dtype, limit):
+    with pytest.raises(KernelError, match=r"^\w+: hidden=\d+ \w+ does not fit SBUF on trn2 \(\d+ KiB per partition "
+                                          r"needed, 224 KiB available\); hidden must be <= \d+$") as e:
+        build(256, hidden, dtype)
+    hmax = int(str(e.value).rsplit(" ", 1)[1])
+    if limit is not None:
+        assert hmax <= limit
+    build(256, hmax, dtype)  # the stated limit builds
+    with pytest.raises(KernelError):
+        build(256, hmax + 1, dtype)
+
+
+def test_bad_params_are_clear_errors():
+    with pytest.raises(KernelError, match=r"^layernorm: eps must be a positive number, got 0$"):
+        build_layernorm(128, 64, eps=0)
+    with pytest.raises(KernelError, match=r"^rmsnorm: fp8 must be one of fp8_e4m3, fp8_e4m3fn, got 'bf16'$"):
+        build_rmsnorm(128, 64, quantize=True, fp8="bf16")
+    with pytest.raises(KernelError, match=r"^rmsnorm: quantize must be true or false, got 1$"):
+        build_rmsnorm(128, 64, quantize=1)
+    with pytest.raises(KernelError, match=r"^softmax: rows must be a positive integer, got 0$"):
+        build_softmax(0, 64)
+    with pytest.raises(KernelError, match=r"dtype fp16 not supported"):
+        get_kernel("rmsnorm").make((128, 64), "fp16", Chip("trn2").config)
+
+
+def test_lnc_split_and_v7_measurement_sits_above_its_floors():
+    assert fr.split_rows(2048, 2) == [1024, 1024] and fr.split_rows(5, 2) == [3, 2]
+    r = fr.measure(Chip("trn2"), 2048, 8192, 458.2)
+    # read 2K x 8K bf16, write it as fp8 (+ scales and the broadcast gamma)
+    assert r.hbm_bytes >= 2048 * 8192 * 3
+    assert r.sim_us >= max(r.floors_us.values())
+    assert r.sim_us <= 1.5 * r.floors_us[r.bound]  # the pipeline keeps the bound engine busy
+
+
+def test_benchmark_quick_runs_and_prints_each_v7_shape():
+    out = subprocess.run([sys.executable, str(_BENCH), "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "S=2K H=8192" in out.stdout and "458.2" in out.stdout
+    assert "S=2K H=16384" in out.stdout and "866.8" in out.stdout
