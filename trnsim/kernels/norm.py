@@ -12,11 +12,16 @@ Each kernel works on ``x[rows, hidden]`` and is written the way an NKI author wr
   does the [P, 1] statistics and the elementwise products with gamma/beta, so the two engines
   split the work of a tile and overlap across tiles;
 * gamma and beta are loaded once, broadcast across the partitions by a stride-0 HBM access
-  pattern, and stay resident.
+  pattern, and stay resident;
+* the loop over row tiles is software-pipelined (:func:`_pipelined`): engines run their
+  instructions in program order, so the next tile's statistics are queued before this tile's
+  finishing pass.
 
 Tiles are updated in place where the input is no longer needed, which keeps SBUF use to a few
-rows of ``hidden`` per partition. ``hidden`` is limited by SBUF (a clear error names the
-limit); a two-pass scheme for rows wider than SBUF is not implemented.
+rows of ``hidden`` per partition; ScalarE's discarded elementwise results go to one scratch tile
+of at most 4096 columns (wider rows take one pass per chunk). ``hidden`` is limited by SBUF (a
+one-line error names the largest that fits); a two-pass scheme over hidden chunks for rows wider
+than SBUF is not implemented.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import SBUF_GRANULE, Kernel
+from ..kernel import SBUF_GRANULE, Kernel, TilePool, checked_dtype
 from ..native.dtypes import Dtype, get_dtype
 from .registry import default_tolerance, register_kernel, round_to
 
@@ -48,7 +53,7 @@ STATS_BYTES = 64 * SBUF_GRANULE  # per partition, for the [P, 1] statistics tile
 
 @dataclass(frozen=True)
 class _Plan:
-    """The SBUF layout shared by the three kernels."""
+    """The SBUF layout shared by the kernels."""
 
     parts: int  # partitions per row tile (128, or fewer when rows < 128)
     io_bufs: int  # rotating input buffers (3 when SBUF allows, else 2)
@@ -106,7 +111,7 @@ def _broadcast_rows(kern: Kernel, vec: HbmTensor, parts: int, queue: int) -> Til
 
 
 def _fused_reduce(kern: Kernel, scratch: TileAP, func: str, src: TileAP, res: TileAP, reduce_op: str,
-                  partials: Any, *, bias: TileAP | None = None) -> None:
+                  partials: TilePool, *, bias: TileAP | None = None) -> None:
     """``res = reduce_op over the row of func(src + bias)`` on ScalarE, the elementwise results
     going to ``scratch``. Rows wider than the scratch tile take one pass per chunk, each reducing
     into a column of a ``partials`` tile, and VectorE combines the columns."""
@@ -202,7 +207,7 @@ def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig 
                   name: str = "softmax") -> Kernel:
     _check_dims("softmax", rows, cols)
     kern = Kernel(name, config)
-    dt = get_dtype(dtype)
+    dt = checked_dtype(dtype, kern.name)
     plan = _plan("softmax", rows, cols, dt, kern, rows_dt=0)
     x = kern.input("x", (rows, cols), dt)
     y = kern.output("y", (rows, cols), dt)
@@ -238,7 +243,7 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     _check_dims("layernorm", rows, hidden)
     eps = _check_eps("layernorm", eps)
     kern = Kernel(name, config)
-    dt = get_dtype(dtype)
+    dt = checked_dtype(dtype, kern.name)
     plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2)
     x = kern.input("x", (rows, hidden), dt)
     gamma = kern.input("gamma", (hidden,), dt)
@@ -297,11 +302,11 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
     eps = _check_eps("rmsnorm", eps)
     if not isinstance(quantize, bool):
         raise KernelError(f"rmsnorm: quantize must be true or false, got {quantize!r}")
-    qdt = get_dtype(fp8) if quantize else None
+    qdt = checked_dtype(fp8, "rmsnorm: fp8") if quantize else None
     if qdt is not None and qdt.name not in FP8_OUT:
         raise KernelError(f"rmsnorm: fp8 must be one of {', '.join(get_dtype(n).short for n in FP8_OUT)}, got {fp8!r}")
     kern = Kernel(name, config)
-    dt = get_dtype(dtype)
+    dt = checked_dtype(dtype, kern.name)
     # besides the input buffers: gamma, two work buffers (x * gamma), two fp8 output buffers
     plan = _plan("rmsnorm", rows, hidden, dt, kern, rows_dt=3, rows_fp8=2 if qdt is not None else 0)
     x = kern.input("x", (rows, hidden), dt)
