@@ -25,9 +25,12 @@ rest is the ramp: the first tile's load and the last tile's store do not overlap
 What it found (trn2 config): the simulated kernel is ScalarE-bound, at 0.29-0.33x of the
 targets. ScalarE makes two full-width passes per row (square + sum, abs + max) at one element
 per partition per 1.2 GHz cycle (datasheet §7's max(MIN_II, N) cycles; no 16-bit performance
-mode on NC-v3), 13.7 us per 128 x 8192 tile against VectorE's 13.3 us and the DMA's 7.3 us. The
-targets sit 5.6-6.1x above the HBM floor, so they are not memory-bound either; what makes AWS's
-kernel slower than this one is not something the published figures show.
+mode on NC-v3): 14.1 us per 128 x 8192 tile per core, against VectorE's 13.1 us and the DMA
+engines' 7.8 us. The targets sit 5.6-6.1x above the HBM floor, so they are not memory-bound
+either. Whether the 3x gap is AWS's kernel doing more work, a timing that includes launch
+overhead, or this model being optimistic (its engine costs are the datasheet's per-instruction
+formulas, with no SBUF bank conflicts or sequencer stalls) the published figures cannot tell.
+
 Exit status 1 if a simulated time beats its HBM or DMA floor, which would be a simulator bug.
 
     python benchmarks/fidelity_rmsnorm.py [--quick]

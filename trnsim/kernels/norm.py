@@ -4,7 +4,7 @@ Each kernel works on ``x[rows, hidden]`` and is written the way an NKI author wr
 
 * 128 rows per tile, one row per partition, the hidden dim along the free axis; the last tile
   may be ragged (fewer partitions, always starting at partition 0);
-* loads on the Sync queue into a pool of two or three rotating buffers (the next tile streams
+* loads on the Sync queue into a pool of rotating buffers (the next tile streams
   in while this one is computed), stores triggered from GpSimd on their own queue, so a store
   never waits behind the next load;
 * ScalarE does the full-width passes whose per-row sum or max it can fuse (``activation`` with
@@ -56,7 +56,7 @@ class _Plan:
     """The SBUF layout shared by the kernels."""
 
     parts: int  # partitions per row tile (128, or fewer when rows < 128)
-    io_bufs: int  # rotating input buffers (3 when SBUF allows, else 2)
+    io_bufs: int  # rotating input buffers (pipeline stages + 1 when SBUF allows, at least 2)
     scratch_cols: int  # width of the scratch tile ScalarE writes discarded results to
 
 
@@ -64,12 +64,14 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: int, rows_fp8: int = 0) -> _Plan:
+def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: int, rows_fp8: int = 0,
+          stages: int = 2) -> _Plan:
     """Choose the buffering and check that ``hidden`` fits SBUF.
 
     Besides the input buffers, a kernel keeps ``rows_dt`` [P, hidden] tiles of ``dt`` (gamma,
     beta, work buffers), ``rows_fp8`` of one byte per element (fp8 output buffers) and a
-    scratch tile of at most ``SCRATCH_COLS`` elements.
+    scratch tile of at most ``SCRATCH_COLS`` elements. A kernel pipelined over ``stages`` has
+    that many tiles in flight, so ``stages + 1`` input buffers let the next load run ahead.
     """
     cfg = kern.config
     cap = cfg.core.sbuf.partition_bytes
@@ -86,8 +88,8 @@ def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: i
         raise KernelError(f"{name}: hidden={hidden} {dt.short} does not fit SBUF on {cfg.name} "
                           f"({need(hidden, 2) // 1024} KiB per partition needed, {cap // 1024} KiB available); "
                           f"hidden must be <= {hmax}")
-    return _Plan(parts=min(cfg.core.sbuf.partitions, rows), io_bufs=3 if need(hidden, 3) <= cap else 2,
-                 scratch_cols=min(hidden, SCRATCH_COLS))
+    io_bufs = max(n for n in range(2, stages + 2) if need(hidden, n) <= cap)
+    return _Plan(parts=min(cfg.core.sbuf.partitions, rows), io_bufs=io_bufs, scratch_cols=min(hidden, SCRATCH_COLS))
 
 
 def _check_dims(name: str, rows: int, hidden: int) -> None:
@@ -114,7 +116,7 @@ def _fused_reduce(kern: Kernel, scratch: TileAP, func: str, src: TileAP, res: Ti
                   partials: TilePool, *, bias: TileAP | None = None) -> None:
     """``res = reduce_op over the row of func(src + bias)`` on ScalarE, the elementwise results
     going to ``scratch``. Rows wider than the scratch tile take one pass per chunk, each reducing
-    into a column of a ``partials`` tile, and VectorE combines the columns."""
+    into a column of a ``partials`` tile, and one more pass combines the columns."""
     p, n = src.p_count, src.free_size
     cols = scratch.free_size
     if n <= cols:
@@ -126,7 +128,8 @@ def _fused_reduce(kern: Kernel, scratch: TileAP, func: str, src: TileAP, res: Ti
         lo, hi = c * cols, min(n, (c + 1) * cols)
         kern.activation(scratch[:p, :hi - lo], func, src[:, lo:hi], bias=bias, reduce_op=reduce_op,
                         reduce_res=part[:, c:c + 1])
-    kern.tensor_reduce(res, reduce_op, part, axis=1)
+    # combined on ScalarE too: in order after its own passes, so no other engine waits for them
+    kern.activation(part, "copy", part, reduce_op=reduce_op, reduce_res=res)
 
 
 def _row_tiles(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -244,7 +247,7 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     eps = _check_eps("layernorm", eps)
     kern = Kernel(name, config)
     dt = checked_dtype(dtype, kern.name)
-    plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2)
+    plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2, stages=3)
     x = kern.input("x", (rows, hidden), dt)
     gamma = kern.input("gamma", (hidden,), dt)
     beta = kern.input("beta", (hidden,), dt)
@@ -258,33 +261,35 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     partials = kern.tile_pool("partials", bufs=4)
     inv_h = 1.0 / hidden
 
-    def load_mean(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
+    # ScalarE: row sum, then the centred sum of squares; VectorE: the [P, 1] statistics, then
+    # the normalisation and gamma/beta. Each stage needs only earlier stages' results, so in
+    # the skewed order every engine finds its first instruction of a step ready.
+    def load_sum(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
         t = io.tile((plan.parts, hidden), dt)[:p]
         kern.dma_copy(t, x[r:r + p, :])
-        neg_mean = stats.tile((plan.parts, 1), "fp32")[:p]
-        kern.tensor_reduce(neg_mean, "add", t, axis=1)
-        kern.tensor_scalar(neg_mean, neg_mean, "multiply", -inv_h)
-        return t, neg_mean
+        row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
+        _fused_reduce(kern, scratch, "identity", t, row_sum, "add", partials)
+        return t, row_sum
 
     def variance(r: int, p: int, st: tuple[TileAP, TileAP]) -> tuple[TileAP, TileAP, TileAP]:
-        t, neg_mean = st
-        ssd, rstd, shift = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(3))
+        t, row_sum = st
+        neg_mean, ssd = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(2))
+        kern.tensor_scalar(neg_mean, row_sum, "multiply", -inv_h)
         # sum((x - mean)^2): the centred second pass, fused with its sum on ScalarE
         _fused_reduce(kern, scratch, "square", t, ssd, "add", partials, bias=neg_mean)
-        kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
-        kern.tensor_scalar(rstd, rstd, "power", -0.5)
-        kern.tensor_tensor(shift, neg_mean, rstd, "multiply")
-        return t, rstd, shift
+        return t, neg_mean, ssd
 
     def normalize(r: int, p: int, st: tuple[TileAP, TileAP, TileAP]) -> None:
-        t, rstd, shift = st
-        # (x - mean) * rstd as x * rstd + (-mean * rstd), one ScalarE pass in place
-        kern.activation(t, "identity", t, scale=rstd, bias=shift)
+        t, neg_mean, ssd = st
+        rstd = stats.tile((plan.parts, 1), "fp32")[:p]
+        kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
+        kern.tensor_scalar(rstd, rstd, "power", -0.5)
+        kern.tensor_scalar(t, t, "add", neg_mean, op1="multiply", operand1=rstd)
         kern.tensor_tensor(t, t, g[:p], "multiply")
         kern.tensor_tensor(t, t, b[:p], "add")
         kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
 
-    _pipelined(_row_tiles(rows, plan.parts), load_mean, variance, normalize)
+    _pipelined(_row_tiles(rows, plan.parts), load_sum, variance, normalize)
     return kern
 
 
