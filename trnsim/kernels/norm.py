@@ -104,12 +104,12 @@ def _check_eps(name: str, eps: Any) -> float:
     return float(eps)
 
 
-def _broadcast_rows(kern: Kernel, vec: HbmTensor, parts: int, queue: int) -> TileAP:
-    """Load a [hidden] vector into every partition of a resident [parts, hidden] tile."""
+def _broadcast_rows(kern: Kernel, tile: TileAP, vec: HbmTensor) -> None:
+    """Load a [hidden] vector into every partition of a resident [parts, hidden] tile. Kernels
+    issue it after their first row tile's load, on a second queue, so ScalarE can start on
+    those rows while it streams in (gamma is needed only by the second pass)."""
     (hidden,) = vec.shape
-    tile = kern.sbuf((parts, hidden), vec.dtype, name=f"{vec.name}_bcast")
-    kern.dma_copy(tile, vec.ap(0, [[0, parts], [1, hidden]]), queue=queue)
-    return tile
+    kern.dma_copy(tile, vec.ap(0, [[0, tile.p_count], [1, hidden]]), queue=1)
 
 
 def _fused_reduce(kern: Kernel, scratch: TileAP, func: str, src: TileAP, res: TileAP, reduce_op: str,
@@ -252,8 +252,8 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     gamma = kern.input("gamma", (hidden,), dt)
     beta = kern.input("beta", (hidden,), dt)
     y = kern.output("y", (rows, hidden), dt)
-    g = _broadcast_rows(kern, gamma, plan.parts, queue=1)
-    b = _broadcast_rows(kern, beta, plan.parts, queue=1)
+    g = kern.sbuf((plan.parts, hidden), dt, name="gamma_bcast")
+    b = kern.sbuf((plan.parts, hidden), dt, name="beta_bcast")
     # ScalarE must write its squares somewhere; one scratch tile serves every row tile
     scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
     io = kern.tile_pool("io", bufs=plan.io_bufs)
@@ -267,6 +267,9 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     def load_sum(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
         t = io.tile((plan.parts, hidden), dt)[:p]
         kern.dma_copy(t, x[r:r + p, :])
+        if r == 0:
+            _broadcast_rows(kern, g, gamma)
+            _broadcast_rows(kern, b, beta)
         row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
         _fused_reduce(kern, scratch, "identity", t, row_sum, "add", partials)
         return t, row_sum
@@ -323,7 +326,7 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
         scale_out = kern.output("scale", (rows, 1), "fp32")
         fp8_max = _fp8_max(qdt.name)
         qpool = kern.tile_pool("q", bufs=2)
-    g = _broadcast_rows(kern, gamma, plan.parts, queue=1)
+    g = kern.sbuf((plan.parts, hidden), dt, name="gamma_bcast")
     scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
     io = kern.tile_pool("io", bufs=plan.io_bufs)
     work = kern.tile_pool("work", bufs=2)
@@ -334,6 +337,8 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
     def stage_a(r: int, p: int, _: None) -> tuple[TileAP, TileAP, TileAP]:
         t = io.tile((plan.parts, hidden), dt)[:p]
         kern.dma_copy(t, x[r:r + p, :])
+        if r == 0:
+            _broadcast_rows(kern, g, gamma)
         # x * gamma on VectorE runs alongside the ScalarE sum of squares: it needs neither rstd
         # nor to overwrite x, which ScalarE is reading
         w = work.tile((plan.parts, hidden), dt)[:p]
