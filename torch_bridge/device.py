@@ -49,6 +49,8 @@ def device_count() -> int:
 
 
 def _check_index(index: Any) -> int:
+    """A valid device index for ``index`` (None: the current device); starts the runtime."""
+    count = device_count()
     if isinstance(index, torch.device):
         if index.type != "neuron":
             raise ValueError(f"expected a neuron device, got {index}")
@@ -57,9 +59,9 @@ def _check_index(index: Any) -> int:
         return _check_index(torch.device(index))
     if index is None:
         return current_device()
-    if not isinstance(index, int) or not 0 <= index < device_count():
-        raise RuntimeError(f"neuron:{index} does not exist: the {config().name} config has {device_count()} "
-                           f"logical NeuronCores (neuron:0..neuron:{device_count() - 1})")
+    if not isinstance(index, int) or not 0 <= index < count:
+        raise RuntimeError(f"neuron:{index} does not exist: the {config().name} config has {count} "
+                           f"logical NeuronCores (neuron:0..neuron:{count - 1})")
     return index
 
 
@@ -139,27 +141,32 @@ def is_bf16_supported() -> bool:
 
 
 # ---- memory ---------------------------------------------------------------------------------
+def _memory(device: Any) -> memory.DeviceMemory:
+    index = _check_index(device)  # first: it may configure the pool
+    return memory.pool.devices[index]
+
+
 def memory_allocated(device: Any = None) -> int:
     """Bytes of the device's HBM share held by live tensors."""
-    return memory.pool.devices[_check_index(device)].allocated
+    return _memory(device).allocated
 
 
 def max_memory_allocated(device: Any = None) -> int:
-    return memory.pool.devices[_check_index(device)].peak
+    return _memory(device).peak
 
 
 def memory_stats(device: Any = None) -> dict[str, int]:
-    return memory.describe(_check_index(device))
+    return _memory(device).stats()
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
-    mem = memory.pool.devices[_check_index(device)]
+    mem = _memory(device)
     mem.peak = mem.allocated
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes of the device's HBM share."""
-    mem = memory.pool.devices[_check_index(device)]
+    mem = _memory(device)
     return mem.capacity - mem.allocated, mem.capacity
 
 

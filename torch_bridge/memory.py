@@ -130,12 +130,17 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
     probe = torch.empty_strided(size, stride, dtype=dtype, device="meta") if stride is not None else \
         torch.empty(size, dtype=dtype, device="meta")
     pool.reserve(index, probe.untyped_storage().nbytes())
+    nbytes = probe.untyped_storage().nbytes()
     try:
         cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
-    except BaseException:
-        pool.release(index, probe.untyped_storage().nbytes())
+    except RuntimeError as e:
+        pool.release(index, nbytes)
         pool.devices[index].allocations -= 1
-        raise
+        pool.devices[index].frees -= 1
+        pool.devices[index].ooms += 1
+        raise torch.OutOfMemoryError(
+            f"neuron:{index} out of memory: the host could not back {nbytes} bytes of device memory "
+            f"({format_quantity(nbytes, 'bytes')}; the virtual HBM had room): {str(e).splitlines()[0]}") from None
     return relabel(cpu, index, counted=True)
 
 
@@ -150,7 +155,3 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
     if t.is_neg():
         v = torch._neg_view(v)
     return v
-
-
-def describe(index: int) -> dict[str, Any]:
-    return pool.devices[index].stats()

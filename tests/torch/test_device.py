@@ -1,0 +1,108 @@
+"""The device itself: registration, torch.neuron, torch.accelerator, indices, config choice."""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import torch_bridge
+from torch_bridge import runtime
+
+
+def test_import_torch_registers_the_device():
+    assert torch._C._get_privateuse1_backend_name() == "neuron"
+    assert torch.neuron.is_available()
+    t = torch.ones(2).to("neuron")
+    assert type(t) is torch.Tensor and t.device == torch.device("neuron", 0)
+    assert t.is_neuron and t.cpu().neuron().device.type == "neuron"
+
+
+def test_register_is_idempotent():
+    torch_bridge.register()
+    torch_bridge.register()
+    assert torch.neuron.device_count() >= 1
+
+
+def test_device_count_follows_logical_cores():
+    cfg = torch.neuron.config()
+    assert torch.neuron.device_count() == cfg.chip.cores // cfg.chip.lnc
+
+
+def test_accelerator_reports_neuron_and_synchronizes():
+    assert torch.accelerator.current_accelerator().type == "neuron"
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.device_count() == torch.neuron.device_count()
+    torch.ones(3, device="neuron").add_(1)
+    torch.accelerator.synchronize()
+    clock = runtime.runtime().clocks[0]
+    assert clock.host == clock.now()
+
+
+def test_second_device_and_cross_device_error():
+    a = torch.ones(2, device="neuron:1")
+    assert a.device.index == 1 and (a * 2).device.index == 1
+    assert torch.neuron.memory_allocated(1) >= 8
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(2, device="neuron:0") + a
+
+
+def test_device_index_out_of_range():
+    n = torch.neuron.device_count()
+    with pytest.raises(RuntimeError, match=rf"^neuron:{n} does not exist: the trn2 config has {n} logical NeuronCores"):
+        torch.empty(1, device=f"neuron:{n}")
+
+
+def test_set_device_and_device_context():
+    assert torch.neuron.current_device() == 0
+    with torch.neuron.device(1):
+        assert torch.neuron.current_device() == 1
+    assert torch.neuron.current_device() == 0
+
+
+def test_set_config_after_first_use_is_an_error():
+    torch.ones(1, device="neuron")
+    with pytest.raises(RuntimeError, match=r"^torch.neuron.set_config: the neuron device is already in use with "
+                                           r"config 'trn2'; call set_config before"):
+        torch.neuron.set_config("trn3")
+
+
+def test_manual_seed_makes_neuron_draw_like_cpu():
+    torch.neuron.manual_seed(7)
+    a = torch.randn(5, device="neuron").cpu()
+    torch.manual_seed(7)
+    assert torch.equal(a, torch.randn(5))
+
+
+def test_unsupported_op_names_itself():
+    with pytest.raises(Exception, match="to_sparse|Sparse"):
+        torch.ones(2, 2, device="neuron").to_sparse()
+
+
+def _python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter outside the source tree (an in-tree *.egg-info written by
+    an older install would hide the package's current entry points)."""
+    full = {**os.environ, **env}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120,
+                         cwd=tempfile.gettempdir())
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_config_from_env_and_set_config_in_fresh_processes():
+    code = ("import torch; print(torch.neuron.config().name, torch.neuron.device_count(), "
+            "torch.neuron.mem_get_info()[1])")
+    assert _python(code, TRNSIM_CONFIG="trn1").split()[:2] == ["trn1", str(_logical("trn1"))]
+    code2 = ("import torch; torch.neuron.set_config('trn3', {'chip.lnc': 1}); "
+             "print(torch.neuron.config().name, torch.neuron.device_count())")
+    from trnsim import load_config
+
+    assert _python(code2).split() == ["trn3", str(load_config("trn3").chip.cores)]
+
+
+def _logical(name: str) -> int:
+    from trnsim import load_config
+
+    return load_config(name).logical_cores

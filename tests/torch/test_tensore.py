@@ -1,0 +1,53 @@
+"""TensorE ops take their values from trnsim's native datapath: fp32 PSUM accumulation in 128-row
+chunks, one RNE rounding to the output dtype."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from trnsim.native import reference
+
+
+def _ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The numpy definition of the datapath on the same operands, rounded like PSUM copy-out."""
+    an = a.float().numpy().astype(ml_dtypes.bfloat16) if a.dtype == torch.bfloat16 else a.numpy()
+    bn = b.float().numpy().astype(ml_dtypes.bfloat16) if b.dtype == torch.bfloat16 else b.numpy()
+    return torch.from_numpy(reference.matmul(np.ascontiguousarray(an.T), bn, k_chunk=128)).to(a.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mm_is_bit_exact_to_the_datapath_definition(dtype):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(33, 300, generator=g).to(dtype)
+    b = torch.randn(300, 17, generator=g).to(dtype)
+    got = (a.to("neuron") @ b.to("neuron")).cpu()
+    assert torch.equal(got, _ref(a, b))
+
+
+def test_bf16_mm_differs_from_cpu_bf16_kernel_but_is_close():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(64, 1024, generator=g).bfloat16()
+    b = torch.randn(1024, 64, generator=g).bfloat16()
+    got = (a.to("neuron") @ b.to("neuron")).cpu()
+    torch.testing.assert_close(got.float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)
+
+
+def test_linear_addmm_bmm_baddbmm_and_transposed_operands():
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(24, 10)
+    x = torch.randn(5, 24, generator=g)
+    torch.testing.assert_close(lin.to("neuron")(x.to("neuron")).cpu(), lin.cpu()(x), rtol=1e-5, atol=1e-5)
+    a, b, c = torch.randn(3, 7, 9, generator=g), torch.randn(3, 9, 4, generator=g), torch.randn(3, 7, 4, generator=g)
+    na, nb, nc = a.to("neuron"), b.to("neuron"), c.to("neuron")
+    torch.testing.assert_close(torch.bmm(na, nb).cpu(), torch.bmm(a, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.baddbmm(nc, na, nb, beta=0.5, alpha=2).cpu(),
+                               torch.baddbmm(c, a, b, beta=0.5, alpha=2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((na.transpose(1, 2).transpose(1, 2)[0].t().t() @ nb[1]).cpu(), a[0] @ b[1])
+
+
+def test_non_datapath_dtypes_use_the_cpu_kernel():
+    a = torch.randint(-5, 5, (4, 6))
+    assert torch.equal((a.to("neuron") @ a.t().to("neuron")).cpu(), a @ a.t())
+    d = torch.randn(4, 6, dtype=torch.float64)
+    assert torch.equal((d.to("neuron") @ d.t().to("neuron")).cpu(), d @ d.t())
