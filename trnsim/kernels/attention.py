@@ -150,9 +150,10 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
                     group: list[list[tuple[_QueryTile, int, int, int]]] = []
                     for k0, n in blocks.items():
                         for j0 in range(0, n, tk):
-                            # causal: a key tile starting after a query tile's last row is all masked
-                            batch = [(qt, k0, j0, min(tk, n - j0)) for qt in tiles
-                                     if not causal or k0 + j0 <= qt.q0 + qt.qr - 1]
+                            # causal: keys after a query tile's last row are all masked, so a key
+                            # tile is cut there and one that starts after it is skipped
+                            batch = [(qt, k0, j0, min(tk, n - j0, qt.q0 + qt.qr - k0 - j0) if causal else min(tk, n - j0))
+                                     for qt in tiles if not causal or k0 + j0 <= qt.q0 + qt.qr - 1]
                             if batch:
                                 group.append(batch)
                     last = {id(qt): (k0, j0) for batch in group for qt, k0, j0, _ in batch}
@@ -258,11 +259,13 @@ class _Work:
         kern.nc_matmul(s_ps, qt.qT, st.kb.kT[:, st.j0:st.j0 + kw])
         scores = s_ps
         if self.causal and kt0 + kw - 1 > qt.q0:
-            # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only
+            # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only,
+            # and only keys from q0 on can be masked
             scores = self.s_pool.tile((qr, kw), "fp32")
             kern.tensor_copy(scores, s_ps, engine="vector")
-            kern.affine_select(scores, scores, cmp="greater_equal", offset=qt.q0 - kt0, channel_multiplier=1,
-                               pattern=[-1], on_false=-math.inf)
+            c0 = max(0, qt.q0 - kt0)
+            kern.affine_select(scores[:, c0:], scores[:, c0:], cmp="greater_equal", offset=qt.q0 - kt0 - c0,
+                               channel_multiplier=1, pattern=[-1], on_false=-math.inf)
         nm = self.nm_pool.tile((qr, 1), "fp32")
         if qt.nm is None:
             kern.tensor_reduce(nm, "max", scores, axis=1, negate=True)

@@ -1,1 +1,214 @@
-"""(being written) conv kernels."""
+"""2-D convolution ``out[N, K, Ho, Wo] = conv(x[N, C, H, W], w[K, C, R, R])``, lowered onto TensorE
+the way an NKI author does it, without im2col.
+
+Input channels sit on the partition axis and are the contraction: for each filter tap (r, s)
+one matmul multiplies the weight slice ``w[:, :, r, s]ᵀ`` [C, K] (stationary) by the input
+window shifted by (r, s) (moving, a strided view of the SBUF image: no copy), and PSUM adds
+the R·R taps and the 128-channel tiles of one output tile in a single accumulation group.
+
+* C and K are tiled to 128 (ragged tiles allowed); output pixels to one PSUM bank of fp32
+  (512 = whole output rows when they fit, else row segments);
+* weights are loaded once with K on partitions (one contiguous run per output channel, as
+  DMA likes) and turned to [C, tap, K] by PE transposes, so loading them is cheap;
+* the input is loaded in bands of output rows (plus the R-1 halo rows), double-buffered so
+  the next band loads while TensorE works; zero padding is a GpSimd memset of the border;
+* for one stationary (channel tile, tap) the matmuls of several PSUM banks run back to back;
+* PSUM is evacuated alternately by VectorE and ScalarE into an output band that is stored
+  with one DMA per band on GpSimd's queue, so stores never wait behind loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..config import ChipConfig
+from ..isa import KernelError, TileAP
+from ..kernel import Kernel
+from ..native.dtypes import get_dtype
+from .registry import register_kernel, round_to
+
+__all__ = ["build_conv2d"]
+
+_W_SHARE = 3   # resident weights may use 1/3 of each SBUF partition
+_IO_SHARE = 3  # input and output bands (double-buffered) another 1/3
+
+
+def _padding(padding: Any, r: int, stride: int) -> tuple[int, int]:
+    """(before, after) zero padding of each spatial dim. The names follow PyTorch: "valid" is no
+    padding, "same" keeps H x W (stride 1; an even filter's extra row/column goes after)."""
+    word = padding.strip().lower() if isinstance(padding, str) else None
+    if word == "same":
+        if stride != 1:
+            raise KernelError(f"conv2d: padding='same' needs stride 1, got stride {stride}")
+        return (r - 1) // 2, r - 1 - (r - 1) // 2
+    if word == "valid":
+        return 0, 0
+    if word is not None and word.isdigit():
+        padding = int(word)
+    if isinstance(padding, bool) or not isinstance(padding, (int, np.integer)) or padding < 0:
+        raise KernelError(f"conv2d: padding must be an integer >= 0, 'valid' or 'same', got {padding!r}")
+    return int(padding), int(padding)
+
+
+def _inputs(shape, dtype, params, rng):
+    n, c, h, w, k, r = shape
+    return {"x": rng.standard_normal((n, c, h, w), dtype=np.float32),
+            "w": rng.standard_normal((k, c, r, r), dtype=np.float32)}
+
+
+def _reference(inputs, shape, dtype, params):
+    n, c, h, w, k, r = shape
+    stride = int(params.get("stride", 1))
+    before, after = _padding(params.get("padding", "valid"), r, stride)
+    x = np.pad(round_to(inputs["x"], dtype), ((0, 0), (0, 0), (before, after), (before, after)))
+    wt = round_to(inputs["w"], dtype)
+    ho = (h + before + after - r) // stride + 1
+    wo = (w + before + after - r) // stride + 1
+    out = np.zeros((n, k, ho, wo))
+    for i in range(r):
+        for j in range(r):
+            win = x[:, :, i:i + (ho - 1) * stride + 1:stride, j:j + (wo - 1) * stride + 1:stride]
+            out += np.einsum("nchw,kc->nkhw", win, wt[:, :, i, j])
+    return {"out": out}
+
+
+def _tiles(size: int, step: int) -> list[tuple[int, int]]:
+    return [(i, min(step, size - i)) for i in range(0, size, step)]
+
+
+@register_kernel("conv2d", dims="NxCxHxWxKxR", dtypes=("bf16", "fp16", "fp32"), default_shape=(8, 256, 56, 56, 256, 3),
+                 summary="NCHW conv2d with [K,C,R,R] weights: per-tap matmuls accumulated in PSUM, no im2col",
+                 # padding's default is a string so the CLI accepts both a number and "same"
+                 params={"stride": 1, "padding": "valid"}, inputs=_inputs, reference=_reference)
+def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "bf16",
+                 config: ChipConfig | str = "trn2", stride: int = 1, padding: int | str = "valid",
+                 name: str = "conv2d") -> Kernel:
+    kern = Kernel(name, config)
+    cfg = kern.config
+    t = cfg.core.tensor
+    dt = get_dtype(dtype)
+    if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+        raise KernelError(f"conv2d: stride must be an integer >= 1, got {stride!r}")
+    before, after = _padding(padding, r, stride)
+    hp, wp = h + before + after, w + before + after
+    if r > hp or r > wp:
+        raise KernelError(f"conv2d: filter {r}x{r} is larger than the padded input {hp}x{wp} "
+                          f"(H x W = {h}x{w} with padding {before}+{after})")
+    ho, wo = (hp - r) // stride + 1, (wp - r) // stride + 1
+    taps = r * r
+    x = kern.input("x", (n, c, h, w), dt)
+    wts = kern.input("w", (k, c, r, r), dt)
+    out = kern.output("out", (n, k, ho, wo), dt)
+
+    tc = min(t.max_contraction, cfg.core.sbuf.partitions)  # channels per contraction tile
+    tko = t.stationary_max_free                             # output channels per stationary
+    fmax = min(t.moving_max_free, cfg.core.psum.bank_bytes // 4)  # pixels per matmul: one fp32 bank
+    c_tiles, k_tiles = _tiles(c, tc), _tiles(k, tko)
+    isz = dt.itemsize
+    part = cfg.core.sbuf.partition_bytes
+
+    # output-channel tiles whose [C, tap, K] weights stay resident together
+    per_kt = len(c_tiles) * taps * tko * isz
+    k_group = max(1, min(len(k_tiles), (part // _W_SHARE) // per_kt))
+
+    # pixel tiles: whole output rows when a row fits a PSUM bank, else row segments
+    if wo <= fmax:
+        rows_per_tile, col_tiles = fmax // wo, [(0, wo)]
+    else:
+        rows_per_tile, col_tiles = 1, _tiles(wo, fmax)
+    # bands of output rows: double-buffered input rows (all channel tiles) + output rows
+    io_budget = part // _IO_SHARE
+
+    def band_bytes(rows: int) -> int:
+        in_rows = (rows - 1) * stride + r
+        return 2 * (len(c_tiles) * in_rows * wp * isz + rows * wo * isz)
+
+    if band_bytes(1) > io_budget:
+        raise KernelError(f"conv2d: one output row needs {band_bytes(1) // 2} bytes per partition of input and "
+                          f"output, over the {io_budget // 2} bytes a band may use on {cfg.name}; W={w} is too wide")
+    band = 1
+    while band < ho and band_bytes(band + 1) <= io_budget:
+        band += 1
+    if band < ho and band > rows_per_tile:
+        band -= band % rows_per_tile  # whole pixel tiles per band
+
+    banks = cfg.core.psum.banks
+    group = max(1, (banks - 2) // 2)  # PSUM banks one stationary streams into back to back
+    w_stage = kern.tile_pool("w_rows", bufs=2)
+    w_pool = kern.tile_pool("wT", bufs=len(c_tiles) * k_group)
+    x_pool = kern.tile_pool("x_band", bufs=2 * len(c_tiles))
+    o_pool = kern.tile_pool("out_band", bufs=2)
+    tr_ps = kern.tile_pool("wT_psum", bufs=2, space="psum")
+    acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
+    evac = 0
+
+    for g0 in range(0, len(k_tiles), k_group):
+        kts = k_tiles[g0:g0 + k_group]
+        # weights: rows w[k0:k0+kk] (K on partitions, one contiguous run each), PE-transposed
+        # per (channel tile, tap) to the stationary layout [cc, tap, kk]
+        wT: dict[tuple[int, int], TileAP] = {}
+        per_bank = max(1, cfg.core.psum.bank_bytes // (tko * isz))
+        for ki, (k0, kk) in enumerate(kts):
+            rows = w_stage.tile((kk, c * taps), dt)
+            kern.dma_copy(rows, wts[k0:k0 + kk].reshape(kk, c * taps), queue=1)
+            by_tap = rows.reshape(kk, c, taps)
+            for ci, (c0, cc) in enumerate(c_tiles):
+                tile = w_pool.tile((cc, taps, kk), dt)
+                for t0 in range(0, taps, per_bank):
+                    g = min(per_bank, taps - t0)
+                    ps = tr_ps.tile((cc, g, kk), dt)
+                    for j in range(g):
+                        kern.nc_transpose(ps[:, j, :], by_tap[:, c0:c0 + cc, t0 + j])
+                    kern.tensor_copy(tile[:, t0:t0 + g, :], ps, engine="vector" if evac % 2 == 0 else "scalar")
+                    evac += 1
+                wT[ki, ci] = tile
+
+        for ni in range(n):
+            for oh0 in range(0, ho, band):
+                oh1 = min(ho, oh0 + band)
+                lo = oh0 * stride - before           # first padded-input row of the band, in image rows
+                in_rows = (oh1 - 1 - oh0) * stride + r
+                xs = []
+                for c0, cc in c_tiles:
+                    xt = x_pool.tile((cc, in_rows, wp), dt)
+                    # band rows [top, end) hold image rows; zero the rest and the padding columns
+                    top = min(in_rows, max(0, -lo))
+                    end = max(top, min(in_rows, h - lo))
+                    if top:
+                        kern.memset(xt[:, :top, :], 0.0, engine="gpsimd")
+                    if end < in_rows:
+                        kern.memset(xt[:, end:, :], 0.0, engine="gpsimd")
+                    if end > top:
+                        if before:
+                            kern.memset(xt[:, top:end, :before], 0.0, engine="gpsimd")
+                        if after:
+                            kern.memset(xt[:, top:end, before + w:], 0.0, engine="gpsimd")
+                        kern.dma_copy(xt[:, top:end, before:before + w], x[ni, c0:c0 + cc, lo + top:lo + end, :],
+                                      queue=0)
+                    xs.append(xt)
+                pix = [(a, min(rows_per_tile, oh1 - oh0 - a), b0, nw)
+                       for a in range(0, oh1 - oh0, rows_per_tile) for b0, nw in col_tiles]
+                for ki, (k0, kk) in enumerate(kts):
+                    ob = o_pool.tile((kk, oh1 - oh0, wo), dt)
+                    for p0 in range(0, len(pix), group):
+                        batch = pix[p0:p0 + group]
+                        accs = [acc_ps.tile((kk, nr, nw), "fp32") for _, nr, _, nw in batch]
+                        first = True
+                        for ci, (c0, cc) in enumerate(c_tiles):
+                            for tap in range(taps):
+                                dy, dx = divmod(tap, r)
+                                st = wT[ki, ci][:, tap, :]
+                                for acc, (a, nr, b0, nw) in zip(accs, batch):
+                                    y0, x0 = a * stride + dy, b0 * stride + dx
+                                    mv = xs[ci][:, y0:y0 + (nr - 1) * stride + 1:stride,
+                                                x0:x0 + (nw - 1) * stride + 1:stride]
+                                    kern.nc_matmul(acc, st, mv, accumulate=not first)
+                                first = False
+                        for acc, (a, nr, b0, nw) in zip(accs, batch):
+                            kern.tensor_copy(ob[:, a:a + nr, b0:b0 + nw], acc,
+                                             engine="vector" if evac % 2 == 0 else "scalar")
+                            evac += 1
+                    kern.dma_copy(out[ni, k0:k0 + kk, oh0:oh1, :], ob, engine="gpsimd")
+    return kern
