@@ -51,8 +51,9 @@ def test_bmm_values(dtype, ta, tb, config):
 def test_long_k_streams_both_operands():
     """When K is too long for resident blocks (here: a small SBUF), both operands stream."""
     assert plan_blocks(4096, 8192, 8192, get_dtype("bf16"), load_config("trn2")).resident
-    small = load_config("trn2", {"core.sbuf.partition_bytes": "24KiB"})
+    small = load_config("trn2", {"core.sbuf.partition_bytes": "32KiB"})
     assert not plan_blocks(200, 3000, 600, get_dtype("bf16"), small).resident
+    assert not plan_blocks(130, 6001, 600, get_dtype("fp8_e4m3"), small, True, True).resident
     check("matmul", (200, 3000, 600), "bf16", small)
     check("matmul", (130, 6001, 600), "fp8_e4m3", small, transpose_a=True, transpose_b=True)
 

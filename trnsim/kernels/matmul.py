@@ -31,7 +31,7 @@ HBM traffic, same PSUM accumulation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable
 
 import numpy as np
 
@@ -47,6 +47,7 @@ _DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
 _PARAMS = {"transpose_a": False, "transpose_b": False, "out_dtype": "auto"}
 _LHS_Q, _RHS_Q, _STORE_Q = 0, 1, 2  # DMA queue ids: loads of each operand and stores never share a queue
 _GROUP = 4  # k-tiles per on-chip-transpose slab and per streaming step
+_LHS_BUFS = 16 * _GROUP  # lhsT k-tiles in flight: loads run ahead of TensorE across DMA bursts
 
 
 @dataclass
@@ -61,6 +62,7 @@ class _Plan:
     bm: int          # lhsT block columns (output rows per block)
     bn: int          # rhs block columns (output columns per block)
     resident: bool   # rhs block kept for all of K (else both operands stream, for very long K)
+    lhs_bufs: int    # lhsT k-tiles in flight
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,14 @@ class _Job:
 
 def plan_blocks(m: int, k: int, n: int, dt: Dtype, cfg: ChipConfig, transpose_a: bool = False,
                 transpose_b: bool = False) -> _Plan:
-    """Block sizes that keep the rhs block resident and lhsT double-buffered within SBUF.
+    """Block sizes: the widest rhs block that stays resident in SBUF, then as many row tiles as
+    PSUM allows.
 
-    Budget (per partition): rhs k-tiles x BN, 2 x lhsT k-tiles x BM, the result tiles and the
-    staging buffers of on-chip transposes. BN is capped at two PSUM banks so that two output
-    tiles' accumulation groups (double buffering) plus the transposes' banks fit in PSUM.
+    PSUM: two blocks' accumulation groups (BM/128 x BN/512 banks each, so one block evacuates
+    while the next accumulates) beside the transposes' two banks. SBUF per partition: the rhs
+    block (k-tiles x BN), the lhsT k-tiles in flight, four result tiles and, when transposing,
+    two groups of 128-row slabs. A wider BN means fewer re-reads of lhsT from HBM; it is capped
+    at two banks so a block still has room for two row tiles (longer lhsT DMA runs).
     """
     t = cfg.core.tensor
     double = dt.name.startswith("float8") and t.fp8_double_row
@@ -94,25 +99,26 @@ def plan_blocks(m: int, k: int, n: int, dt: Dtype, cfg: ChipConfig, transpose_a:
     tn = min(t.moving_max_free, cfg.core.psum.bank_bytes // 4)
     kt_n = -(-k // tk)
     isz = dt.itemsize * rows
+    transposing = transpose_a or transpose_b
+    banks = cfg.core.psum.banks - (2 if transposing else 0)
     budget = cfg.core.sbuf.partition_bytes * 15 // 16
-    bn = min(2 * tn, -(-n // tn) * tn)
-    # result tiles (4 x BN of up to fp32) and, when transposing, two groups of 128-row slabs
-    out_bytes = 4 * bn * 4 + (2 * 8 * 4 * tk * dt.itemsize if (transpose_a or transpose_b) else 0)
-    while bn > tn and kt_n * bn * isz > (budget - out_bytes) * 5 // 8:
-        bn -= tn
-    # two row blocks' accumulation groups (bm/tm x bn/tn banks each) must fit PSUM beside the
-    # transposes' two banks
-    banks = cfg.core.psum.banks - (2 if (transpose_a or transpose_b) else 0)
-    bm = min(max(1, banks // 2 // -(-bn // tn)) * tm, -(-m // tm) * tm)
-    while bm > tm and kt_n * min(bn, n) * isz + 2 * kt_n * bm * isz + out_bytes > budget:
-        bm -= tm
-    need = kt_n * min(bn, n) * isz + 2 * kt_n * min(bm, m) * isz + out_bytes
-    if need <= budget:
-        return _Plan(tk=tk, parts=parts, rows=rows, tm=tm, tn=tn, bm=min(bm, m), bn=min(bn, n), resident=True)
-    # K too long to keep a block resident: stream both operands _GROUP k-tiles at a time
-    bn = min(2 * tn, n)
-    bm = min(max(1, banks // 2 // -(-bn // tn)) * tm, m)
-    return _Plan(tk=tk, parts=parts, rows=rows, tm=tm, tn=tn, bm=bm, bn=bn, resident=False)
+
+    def need(bm: int, bn: int, resident: bool, lhs_bufs: int) -> int:
+        rhs = (kt_n if resident else 2 * _GROUP) * bn * isz
+        stage = 2 * -(-max(bm, bn) // parts) * _GROUP * tk * dt.itemsize if transposing else 0
+        return rhs + lhs_bufs * bm * isz + 4 * bn * 4 + stage
+
+    for resident in (True, False):
+        lhs_bufs = min(_LHS_BUFS, 2 * kt_n) if resident else min(2 * _GROUP, 2 * kt_n)
+        for bn in range(min(2 * tn, -(-n // tn) * tn), 0, -tn):
+            bn = min(bn, n)
+            for bm in range(min(max(1, banks // 2 // -(-bn // tn)) * tm, -(-m // tm) * tm), 0, -tm):
+                bm = min(bm, m)
+                if need(bm, bn, resident, lhs_bufs) <= budget:
+                    return _Plan(tk=tk, parts=parts, rows=rows, tm=tm, tn=tn, bm=bm, bn=bn, resident=resident,
+                                 lhs_bufs=lhs_bufs)
+    raise KernelError(f"matmul: a {tm}x{tn} block does not fit in SBUF on {cfg.name} "
+                      f"({cfg.core.sbuf.partition_bytes} bytes per partition)")
 
 
 @dataclass
@@ -233,7 +239,8 @@ class _Mm:
         if not p.resident:
             for job, n0, nw in blocks:
                 for m0 in range(0, job.m, p.bm):
-                    self.block_streaming(job, m0, n0, nw)
+                    mw = min(p.bm, job.m - m0)
+                    self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, None), None)
             return
         pending: list[TileAP] = []
         for bi, (job, n0, nw) in enumerate(blocks):
@@ -245,7 +252,6 @@ class _Mm:
                    for kt in range(self.kt_n)]
             for m0 in range(0, job.m, p.bm):
                 mw = min(p.bm, job.m - m0)
-                lhs = self.fill(self.lhs_pool, job.a, m0, mw, job.ta, 0, self.kt_n, "sync", _LHS_Q)
 
                 def roll(kt: int) -> None:
                     """Load the next column block's rhs k-tile into the buffer just done with."""
@@ -254,13 +260,14 @@ class _Mm:
                                              _RHS_Q))
 
                 last = m0 + mw == job.m and nxt is not None
-                self.block(job, m0, mw, n0, nw, lambda kt: (lhs[kt], mvs[kt]), roll if last else None)
+                self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), roll if last else None)
 
-    def block_streaming(self, job: _Job, m0: int, n0: int, nw: int) -> None:
-        """One output block when K is too long to keep operands resident: both operands stream
-        through rotating pools, ``_GROUP`` k-tiles at a time, on the Sync engine's queues."""
+    def streamer(self, job: _Job, m0: int, mw: int, n0: int, nw: int, mvs: list[list[TileAP]] | None
+                 ) -> Callable[[int], tuple[TileAP, list[TileAP]]]:
+        """The operands of k-tile ``kt`` for one block: lhsT k-tiles (and rhs ones, unless the
+        resident block's views ``mvs`` are given) load ``_GROUP`` at a time just before use, on
+        the Sync engine's queues, which run ahead of TensorE as far as the rotating pools allow."""
         p = self.plan
-        mw = min(p.bm, job.m - m0)
         cache: dict[int, tuple[TileAP, list[TileAP]]] = {}
 
         def operands(kt: int) -> tuple[TileAP, list[TileAP]]:
@@ -268,14 +275,20 @@ class _Mm:
                 cache.clear()
                 g1 = min(self.kt_n, kt + _GROUP)
                 lts = self.fill(self.lhs_pool, job.a, m0, mw, job.ta, kt, g1, "sync", _LHS_Q)
-                rts = self.fill(self.rhs_pool, job.b, n0, nw, job.tb, kt, g1, "sync", _RHS_Q)
-                for j, (lt, rt) in enumerate(zip(lts, rts)):
-                    cache[kt + j] = (lt, [self.cols(rt, kt + j, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)])
+                if mvs is None:
+                    rts = self.fill(self.rhs_pool, job.b, n0, nw, job.tb, kt, g1, "sync", _RHS_Q)
+                    views = [[self.cols(rt, kt + j, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
+                             for j, rt in enumerate(rts)]
+                else:
+                    views = mvs[kt:g1]
+                for j, (lt, mv) in enumerate(zip(lts, views)):
+                    cache[kt + j] = (lt, mv)
             return cache[kt]
 
-        self.block(job, m0, mw, n0, nw, operands, None)
+        return operands
 
-    def block(self, job: _Job, m0: int, mw: int, n0: int, nw: int, operands: Any, roll: Any) -> None:
+    def block(self, job: _Job, m0: int, mw: int, n0: int, nw: int,
+              operands: Callable[[int], tuple[TileAP, list[TileAP]]], roll: Callable[[int], None] | None) -> None:
         """Accumulate the [mw, nw] output block over K in PSUM, then evacuate and store it.
 
         k outer: each k-tile's stationary serves every bank of its row before it changes (no
@@ -333,7 +346,7 @@ def _setup(name: str, m: int, k: int, n: int, dtype: str, config: ChipConfig | s
     transposing = transpose_a or transpose_b
     mm = _Mm(
         kern=kern, plan=plan, dt=dt, odt=odt, k=k,
-        lhs_pool=kern.tile_pool("lhsT", bufs=2 * kt_n if plan.resident else 2 * _GROUP),
+        lhs_pool=kern.tile_pool("lhsT", bufs=plan.lhs_bufs),
         rhs_pool=kern.tile_pool("rhs", bufs=kt_n if plan.resident else 2 * _GROUP),
         res_pool=kern.tile_pool("res", bufs=4),
         acc_pool=kern.tile_pool("acc", bufs=2 * (-(-plan.bn // plan.tn)) * (-(-plan.bm // plan.tm)), space="psum"),
