@@ -303,9 +303,9 @@ def report() -> RunReport:
     return build_run_report(rt.collectors[0], rt.config)
 
 
-def reset_report() -> None:
-    rt = runtime()
-    rt.collectors[0] = Collector(trace=rt.collectors[0].events is not None)
+def reset_report(trace: bool = False) -> None:
+    """Start the process-wide report afresh; ``trace=True`` also keeps every launch (for a timeline)."""
+    runtime().collectors[0] = Collector(trace=trace)
 
 
 class report_scope:

@@ -6,6 +6,7 @@
                   [--param K=V ...] [--check] [--json] [--trace out.json]
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N]
+    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
 ``trnsim: error: ...`` on stderr and exits with status 2. ``trnsim kernel --check`` exits with
@@ -389,6 +390,40 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a PyTorch script on the `neuron` device and print where its simulated time went."""
+    try:
+        from torch_bridge.run import run_script, split_args
+    except ImportError as e:
+        raise UsageError(f"trnsim run needs PyTorch and torch_bridge: pip install -e '.[torch]' ({e})") from None
+    try:
+        script_args, opts = split_args(args.args)
+    except ValueError as e:
+        raise UsageError(f"run: {e}") from None
+    config = opts.get("config", args.config)
+    try:
+        status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
+                                 trace=opts.get("trace", args.trace))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UsageError(f"run: {e}") from None
+    if opts.get("json", args.json):
+        print(json.dumps(rep.to_dict(), indent=2))
+        return status
+    from rich.table import Table
+
+    t = Table(title=f"neuron run report: {args.script} on {rep.config}", title_justify="left")
+    for col in ("op", "kernel", "calls", "time us", "share", "MFU", "HBM MB", "bound"):
+        t.add_column(col, justify="right" if col in ("calls", "time us", "share", "MFU", "HBM MB") else "left")
+    for r in rep.rows:
+        t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
+                  f"{r.share_percent:.1f}%", f"{r.mfu_percent:.1f}%", f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
+    console = _Out(width=140)
+    console.print(t)
+    console.print(f"total: {rep.total_calls:,} op calls, {rep.total_us:,.1f} us simulated, "
+                  f"MFU {rep.mfu_percent:.1f}%  (* generic kernel: DMA + engine streaming, no library kernel)")
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -423,6 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
     w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
     w.set_defaults(fn=cmd_sweep)
+    r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
+    r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="script arguments (--config/--set/--trace/--json after "
+                   "the script are still trnsim's; put script arguments after -- to pass those too)")
+    r.add_argument("--config", default=None, help="config name or YAML path (default: $TRNSIM_CONFIG or trn2)")
+    r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
+    r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.set_defaults(fn=cmd_run)
     return p
 
 

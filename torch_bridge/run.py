@@ -1,0 +1,123 @@
+"""``trnsim run script.py [args]``: run an unmodified PyTorch script on the virtual device.
+
+The chip is fixed before the script starts, the script runs as ``__main__`` with its own
+``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport` (and, with a
+trace path, a Chrome/Perfetto timeline of op launches: one process per NeuronCore, one lane per
+stream). Rendering is the CLI's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+from .report import RunReport
+
+__all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
+
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json")
+
+
+def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Split what follows the script path into the script's own arguments and trnsim's options
+    (``--config``/``--set``/``--trace`` take a value, ``--json`` none); after ``--`` everything is
+    the script's."""
+    script_args: list[str] = []
+    opts: dict[str, Any] = {"set": []}
+    items = list(rest)
+    i = 0
+    while i < len(items):
+        a = items[i]
+        if a == "--":
+            script_args.extend(items[i + 1:])
+            break
+        name, eq, val = a.partition("=")
+        if name in RUN_OPTIONS:
+            if name == "--json":
+                opts["json"] = True
+                i += 1
+                continue
+            if not eq:
+                if i + 1 >= len(items):
+                    raise ValueError(f"{name} needs a value")
+                val = items[i + 1]
+                i += 1
+            if name == "--set":
+                opts["set"].append(val)
+            else:
+                opts[name[2:]] = val
+        else:
+            script_args.append(a)
+        i += 1
+    return script_args, opts
+
+
+def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
+               trace: str | None = None) -> tuple[int, RunReport]:
+    """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
+
+    A missing script raises FileNotFoundError; an exception in the script prints its traceback
+    to stderr and gives status 1 (the report still covers what ran).
+    """
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such script: {script}")
+    import torch  # noqa: F401  (registers the device through autoload, or below)
+
+    import torch_bridge
+    from torch_bridge import device, runtime
+
+    torch_bridge.register()
+    if config is not None or overrides:
+        runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
+    device.reset_report(trace=trace is not None)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    status = 0
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:  # the user's script failed: show its traceback, keep the report
+        traceback.print_exc()
+        status = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    for i in range(torch.neuron.device_count()):
+        torch.neuron.synchronize(i)
+    report = device.report()
+    if trace is not None:
+        write_op_trace(trace, report)
+    return status, report
+
+
+def write_op_trace(path: str | os.PathLike[str], report: RunReport) -> None:
+    """Chrome trace-event JSON of every op launch: pid = NeuronCore, tid = stream, times in
+    simulated us. Written to a temporary file first, so a failed write leaves nothing half-done."""
+    events: list[dict[str, Any]] = []
+    for dev in sorted({e.device for e in report.events}):
+        events.append({"ph": "M", "name": "process_name", "pid": dev,
+                       "args": {"name": f"neuron:{dev} ({report.config}, simulated)"}})
+    for dev, stream in sorted({(e.device, e.stream) for e in report.events}):
+        events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": stream,
+                       "args": {"name": "default stream" if stream == 0 else f"stream {stream}"}})
+    for e in report.events:
+        events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.device, "tid": e.stream,
+                       "ts": e.start * 1e6 / report.tick_hz, "dur": (e.end - e.start) * 1e6 / report.tick_hz,
+                       "args": {"kernel": e.kernel}})
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
