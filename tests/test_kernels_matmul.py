@@ -3,6 +3,9 @@ shapes and transposed operands on trn2 and trn3; the schedule an NKI author woul
 fp8, PE transposes, split evacuation, separate queues); the V4 fidelity targets on a smaller
 shape; pinned errors."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -101,6 +104,19 @@ def test_fidelity_targets_on_2048_cube():
     r = Chip("trn2").run(build_matmul(2048, 2048, 2048, "bf16", "trn2"), timing_only=True).report
     assert r.engines["Tensor"].active_percent >= 95.0
     assert r.mfu_estimated_percent >= 90.0
+
+
+def _bench(name):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fidelity_benchmark_quick(capsys):
+    assert _bench("fidelity_matmul").main(["--quick"]) == 0
+    assert "targets: TensorE active >= 95%, MFU >= 90%: met" in capsys.readouterr().out
 
 
 def test_deterministic():
