@@ -8,10 +8,11 @@ would write it.
   then the partials are reduced. Tiles alternate between VectorE and GpSimd.
 * ``axis=0`` (down a column) crosses partitions, which no Vector/Scalar/GpSimd instruction does.
   Sums go through TensorE: ``ones[K, 1]ᵀ @ x[K, N]`` adds the K rows of a tile into a [1, N]
-  PSUM row, and successive row tiles accumulate in the same PSUM accumulation group (fp32).
-  Max and min are combined elementwise across row tiles on VectorE into a [128, W] fp32
-  running result, which is then turned with ``nc_transpose`` (columns onto partitions) and
-  reduced along the free axis.
+  PSUM row, and successive rows and row tiles accumulate in the same PSUM accumulation group
+  (fp32). Max and min are combined elementwise across row tiles on VectorE and GpSimd into
+  [128, W] running results (exact in the input dtype), which are then turned with
+  ``nc_transpose`` (columns onto partitions) and reduced along the free axis. Narrow tensors use
+  grouped rows here too, so a partition's DMA is one contiguous block.
 
 Accumulation is fp32 throughout; the result is rounded once to the output dtype (the input's).
 The output is 1-D, as numpy's ``x.sum(axis)``: ``[rows]`` for axis=1, ``[cols]`` for axis=0.
@@ -27,8 +28,8 @@ from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import Dtype
-from .elementwise import (DTYPES, PARTITIONS, checked_bufs, checked_choice, kernel_dtype, compute_engines, hbm_piece, row_pieces,
-                          tile_free_elems)
+from .elementwise import (DTYPES, PARTITIONS, Piece, checked_bufs, checked_choice, compute_engines, hbm_piece,
+                          kernel_dtype, row_pieces, tile_free_elems)
 from .registry import register_kernel, round_to
 
 __all__ = ["build_reduce"]
@@ -49,10 +50,10 @@ def _reference(inputs, shape, dtype, params):
 @register_kernel("reduce", dims="rowsxcols", dtypes=DTYPES, default_shape=(4096, 4096),
                  summary="out = op(x, axis): sum/max/min/mean; axis=1 on VectorE/GpSimd, "
                          "axis=0 through TensorE (ones-vector matmul, or transpose for max/min)",
-                 params={"op": "sum", "axis": 1, "tile_bytes": 16384, "bufs": 3, "split": True},
+                 params={"op": "sum", "axis": 1, "tile_bytes": 16384, "bufs": 4, "split": True},
                  inputs=_inputs, reference=_reference)
 def build_reduce(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "sum",
-                 axis: int = 1, tile_bytes: int = 16384, bufs: int = 3, split: bool = True) -> Kernel:
+                 axis: int = 1, tile_bytes: int = 16384, bufs: int = 4, split: bool = True) -> Kernel:
     what = "reduce"
     op = checked_choice(op, REDUCE_OPS, f"{what}: op")
     if axis not in (0, 1) or isinstance(axis, bool):
@@ -64,21 +65,26 @@ def build_reduce(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig |
     max_free = tile_free_elems(tile_bytes, dt, what)
     bufs = checked_bufs(bufs, what)
     if axis == 1:
-        _reduce_rows(kern, x, out, dt, op, max_free, bufs, compute_engines(dt, split))
+        _reduce_rows(kern, x, out, dt, op, max_free, bufs, split)
     elif op in ("sum", "mean"):
         _sum_columns(kern, x, out, dt, op, max_free, bufs)
     else:
-        _extreme_columns(kern, x, out, dt, op, max_free, bufs)
+        _extreme_columns(kern, x, out, dt, op, max_free, bufs, split)
     return kern
 
 
 def _reduce_rows(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str, max_free: int, bufs: int,
-                 engines: tuple[str, ...]) -> None:
+                 split: bool) -> None:
     rows, cols = x.shape
     alu = _ALU[op]
     pool = kern.tile_pool("x", bufs=bufs)
     res_pool = kern.tile_pool("res", bufs=bufs)
-    acc_dt = "fp32" if op == "mean" else dt  # a mean divides the fp32 sum, then rounds once
+    mean = op == "mean"
+    acc_dt = "fp32" if mean else dt  # a mean divides the fp32 sum, then rounds once
+    # VectorE reduces bf16 -> bf16 add/max at N/2 cycles, 3x GpSimd's N at 1.2 GHz: it takes three
+    # tiles in four; otherwise VectorE's N cycles at 0.96-1.2 GHz match GpSimd's and they alternate
+    fast = dt.name == "bfloat16" and not mean and alu in ("add", "max")
+    engines = compute_engines(dt, split) if fast else ("vector", "gpsimd") if split else ("vector",)
     if cols <= max_free:  # whole rows per tile: one instruction gives g results per partition
         for i, pc in enumerate(row_pieces(rows, cols, max_free)):
             t = pool.tile((pc.p, pc.free), dt)
@@ -116,72 +122,122 @@ def _store(kern: Kernel, out: HbmTensor, r0: int, p: int, g: int, res: TileAP, d
     kern.dma_copy(view.reshape(p, g) if g > 1 else view, res, engine="scalar", queue=0)
 
 
+def _column_pieces(rows: int, cols: int, max_free: int, width: int) -> list[Piece]:
+    """Pieces for a reduction down the columns: grouped rows when a row fits in ``width``
+    columns, else column blocks of ``width`` (the outer loop) cut into 128-row tiles."""
+    if cols <= min(max_free, width):
+        return list(row_pieces(rows, cols, max_free))
+    return list(row_pieces(rows, cols, min(max_free, width)))
+
+
+def _column_blocks(pieces: list[Piece]) -> list[list[Piece]]:
+    blocks: list[list[Piece]] = []
+    for pc in pieces:
+        if not blocks or (blocks[-1][0].c0, blocks[-1][0].cols) != (pc.c0, pc.cols):
+            blocks.append([])
+        blocks[-1].append(pc)
+    return blocks
+
+
 def _sum_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str, max_free: int, bufs: int) -> None:
-    """Column sums on TensorE: ``ones[p, 1]ᵀ @ x[p, n]`` per row tile, accumulated in PSUM."""
+    """Column sums on TensorE: ``ones[p, 1]ᵀ @ x[p, n]`` for each row a partition holds,
+    accumulated in one PSUM accumulation group per column chunk (fp32)."""
     rows, cols = x.shape
     cfg = kern.config
     tn = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)  # one fp32 PSUM bank
-    banks = max(1, min(cfg.core.psum.banks // 2, max_free // tn))
-    width = tn * banks  # columns per block: several banks, so each load is a big DMA
+    banks = max(1, cfg.core.psum.banks // 2)  # half the banks, so the next block overlaps evacuation
     ones = kern.sbuf((PARTITIONS, 1), dt, name="ones")  # TensorE takes bf16/fp16/fp32 as they are
     kern.memset(ones, 1.0)
     pool = kern.tile_pool("x", bufs=bufs)
     psum = kern.tile_pool("acc", bufs=2 * banks, space="psum")
     res_pool = kern.tile_pool("res", bufs=2)
-    n_rt = -(-rows // PARTITIONS)
     i = 0
-    for c0 in range(0, cols, width):
-        w = min(width, cols - c0)
+    for block in _column_blocks(_column_pieces(rows, cols, max_free, tn * banks)):
+        c0, w = block[0].c0, block[0].cols
         accs = [psum.tile((1, min(tn, w - k)), "fp32") for k in range(0, w, tn)]
-        for rt in range(n_rt):
-            r0 = rt * PARTITIONS
-            p = min(PARTITIONS, rows - r0)
-            t = pool.tile((p, w), dt)
-            kern.dma_copy(t, x[r0:r0 + p, c0:c0 + w], queue=i % 2)
+        first = True
+        for pc in block:
+            t = pool.tile((pc.p, pc.free), dt)
+            kern.dma_copy(t, hbm_piece(x, pc), queue=i % 2)
             i += 1
-            for k, acc in enumerate(accs):
-                kern.nc_matmul(acc, ones[:p], t[:, k * tn:k * tn + acc.free_size], accumulate=rt > 0)
+            for j in range(pc.g):
+                for k, acc in enumerate(accs):
+                    lo = j * w + k * tn
+                    kern.nc_matmul(acc, ones[:pc.p], t[:, lo:lo + acc.free_size], accumulate=not first)
+                first = False
         res = res_pool.tile((1, w), dt)
         for k, acc in enumerate(accs):
             dst = res[:, k * tn:k * tn + acc.free_size]
+            eng = "vector" if k % 2 == 0 else "scalar"
             if op == "mean":
-                kern.tensor_scalar(dst, acc, "divide", float(rows), engine="vector" if k % 2 == 0 else "scalar")
+                kern.tensor_scalar(dst, acc, "divide", float(rows), engine=eng)
             else:
-                kern.tensor_copy(dst, acc, engine="vector" if k % 2 == 0 else "scalar")
+                kern.tensor_copy(dst, acc, engine=eng)
         kern.dma_copy(out[c0:c0 + w], res, engine="gpsimd", queue=0)
 
 
 def _extreme_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str, max_free: int,
-                     bufs: int) -> None:
-    """Column max/min: combine row tiles elementwise on VectorE into a [128, w] fp32 running
-    result, then put columns on partitions with ``nc_transpose`` and reduce along the free axis."""
+                     bufs: int, split: bool) -> None:
+    """Column max/min (exact in the input dtype): each tile's grouped rows are first reduced to
+    one row per partition, then combined into a running [128, w] result per engine; the
+    engines' results are combined, turned with ``nc_transpose`` (columns onto partitions) and
+    reduced along the free axis."""
     rows, cols = x.shape
     alu = _ALU[op]
-    pe = kern.config.core.tensor.stationary_max_free  # columns per transpose
+    # VectorE does a 16-bit tensor_tensor in N cycles at 0.96-1.2 GHz, GpSimd in 2N at 1.2 GHz
+    # (§7, §4.3): Vector takes two tiles for GpSimd's one; for fp32 (2N on both) they alternate
+    engines = (("vector", "vector", "gpsimd") if dt.itemsize == 2 else ("vector", "gpsimd")) if split else ("vector",)
     pool = kern.tile_pool("x", bufs=bufs)
-    acc_pool = kern.tile_pool("acc", bufs=2)
+    red_pool = kern.tile_pool("rowred", bufs=2)
+    acc_pool = kern.tile_pool("acc", bufs=4)
     tp_pool = kern.tile_pool("tp", bufs=2, space="psum")
     res_pool = kern.tile_pool("res", bufs=2)
-    n_rt = -(-rows // PARTITIONS)
-    p0 = min(PARTITIONS, rows)  # partitions holding data in the running result
     i = 0
-    for c0 in range(0, cols, max_free):
-        w = min(max_free, cols - c0)
-        acc = acc_pool.tile((p0, w), "fp32")
-        for rt in range(n_rt):
-            r0 = rt * PARTITIONS
-            p = min(PARTITIONS, rows - r0)
-            t = pool.tile((p, w), dt)
-            kern.dma_copy(t, x[r0:r0 + p, c0:c0 + w], queue=i % 2)
+    for block in _column_blocks(_column_pieces(rows, cols, max_free, max_free)):
+        c0, w = block[0].c0, block[0].cols
+        accs: dict[str, TileAP] = {}
+        for n, pc in enumerate(block):
+            t = pool.tile((pc.p, pc.free), dt)
+            kern.dma_copy(t, hbm_piece(x, pc), queue=i % 2)
             i += 1
-            if rt == 0:
-                kern.tensor_copy(acc, t)
+            # a ragged last row tile joins the first engine's result, which has every partition
+            eng = engines[n % len(engines)] if pc.p == PARTITIONS or n == 0 else engines[0]
+            part = t
+            if pc.g > 1:
+                part = red_pool.tile((pc.p, w), dt)
+                kern.tensor_reduce(part, alu, t.reshape(pc.p, pc.g, w), axis=1, engine=eng)
+            if eng not in accs:
+                accs[eng] = acc_pool.tile((pc.p, w), dt)
+                kern.tensor_copy(accs[eng], part, engine=eng)
             else:
-                kern.tensor_tensor(acc[:p], acc[:p], t, alu)
-        for k in range(0, w, pe):
-            cb = min(pe, w - k)
-            tp = tp_pool.tile((cb, p0), "fp32")
-            kern.nc_transpose(tp, acc[:, k:k + cb])
-            res = res_pool.tile((cb, 1), dt)
-            kern.tensor_reduce(res, alu, tp, axis=1)
-            kern.dma_copy(out[c0 + k:c0 + k + cb], res, engine="gpsimd", queue=0)
+                acc = accs[eng][:pc.p]
+                kern.tensor_tensor(acc, acc, part, alu, engine=eng)
+        acc, *others = accs.values()
+        for other in others:
+            kern.tensor_tensor(acc, acc, other, alu)
+        _reduce_partitions(kern, out, c0, acc, alu, dt, tp_pool, res_pool)
+
+
+def _reduce_partitions(kern: Kernel, out: HbmTensor, c0: int, acc: TileAP, alu: str, dt: Dtype, tp_pool: Any,
+                       res_pool: Any) -> None:
+    """``out[c0 + c] = alu over partitions of acc[:, c]``: turn 128-column slices onto partitions
+    with ``nc_transpose``, as many per PSUM bank as fit, and reduce each bank with one
+    instruction; result ``res[c, k]`` is column ``k*128 + c``, stored with one strided DMA."""
+    pe = kern.config.core.tensor.stationary_max_free
+    p0, w = acc.p_count, acc.free_size
+    per_bank = max(1, kern.config.core.psum.bank_bytes // (p0 * dt.itemsize))
+    full, rag = divmod(w, pe)
+    res = res_pool.tile((pe, full + (1 if rag else 0)), dt)
+    for k0 in range(0, full, per_bank):
+        nb = min(per_bank, full - k0)
+        tp = tp_pool.tile((pe, nb * p0), dt)
+        for k in range(nb):
+            kern.nc_transpose(tp[:, k * p0:(k + 1) * p0], acc[:, (k0 + k) * pe:(k0 + k + 1) * pe])
+        kern.tensor_reduce(res[:, k0:k0 + nb], alu, tp.reshape(pe, nb, p0), axis=2)
+    if full:
+        kern.dma_copy(out.ap(c0, [[1, pe], [pe, full]]), res[:, :full], engine="gpsimd", queue=0)
+    if rag:
+        tp = tp_pool.tile((rag, p0), dt)
+        kern.nc_transpose(tp, acc[:, full * pe:])
+        kern.tensor_reduce(res[:rag, full:full + 1], alu, tp, axis=1)
+        kern.dma_copy(out[c0 + full * pe:c0 + w], res[:rag, full:full + 1], engine="gpsimd", queue=0)
