@@ -1,0 +1,100 @@
+"""Kernel build and simulate speed: the big library kernels, timed the way `trnsim kernel` runs
+them (build the instruction stream, then simulate it timing-only).
+
+Prints, in one run:
+
+* the baseline — a raw simpy process doing one ``timeout`` per "instruction", the least work a
+  simpy model can do per instruction — measured here, now, on this machine;
+* per kernel: build seconds, simulate seconds, instructions, simulated instructions per second
+  and that rate against the baseline; build + simulate against the 2 s budget of
+  ``trnsim kernel matmul --shape 4096x4096x4096 --dtype bf16``;
+* that CLI command itself, run as a subprocess (Python start-up and imports included).
+
+Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import simpy  # noqa: E402
+
+from trnsim import load_config  # noqa: E402
+from trnsim.kernels import get_kernel, kernel_names  # noqa: E402
+from trnsim.sim import simulate  # noqa: E402
+
+BUDGET_S = 2.0
+BIG = [("matmul", (4096, 4096, 4096)), ("matmul", (4096, 8192, 8192)), ("bmm", (8, 1024, 1024, 1024))]
+QUICK = [("matmul", (4096, 4096, 4096)), ("bmm", (4, 512, 512, 512))]
+OTHERS = ("attention", "conv2d", "rmsnorm", "softmax")  # at their default shapes, when registered
+
+
+def raw_simpy(n: int) -> None:
+    env = simpy.Environment()
+
+    def proc():
+        for _ in range(n):
+            yield env.timeout(1)
+
+    env.process(proc())
+    env.run()
+
+
+def best(fn, repeats: int) -> tuple[float, object]:
+    out, t_best = None, float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        t_best = min(t_best, time.perf_counter() - t)
+    return t_best, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="matmul 4096^3 and a small bmm, one repeat, no CLI run")
+    args = ap.parse_args(argv)
+    repeats = 1 if args.quick else 3
+    cfg = load_config("trn2")
+    names = set(kernel_names())
+    cases = list(QUICK if args.quick else BIG)
+    if not args.quick:
+        cases += [(n, get_kernel(n).default_shape) for n in OTHERS if n in names]
+
+    n_base = 20_000 if args.quick else 200_000
+    t_base, _ = best(lambda: raw_simpy(n_base), repeats)
+    base_rate = n_base / t_base
+    print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
+    print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8}")
+    ok = True
+    for name, shape in cases:
+        entry = get_kernel(name)
+        t_build, kern = best(lambda: entry.make(shape, entry.default_dtype, cfg), repeats)
+        t_sim, _ = best(lambda: simulate(cfg, [kern]), repeats)
+        rate = len(kern) / t_sim
+        label = f"{name} {entry.default_dtype} {'x'.join(map(str, shape))}"
+        print(f"{label:<34} {len(kern):>8,} {t_build:>8.3f} {t_sim:>7.3f} {rate:>10,.0f} {rate / base_rate:>8.2f}x "
+              f"{t_build + t_sim:>8.3f}")
+        if name == "matmul" and shape == (4096, 4096, 4096):
+            ok = t_build + t_sim < BUDGET_S
+            print(f"{'':<34} build + simulate {t_build + t_sim:.3f} s; budget < {BUDGET_S:.0f} s: "
+                  f"{'met' if ok else 'MISSED'}")
+    exe = shutil.which("trnsim")
+    if not args.quick and exe:
+        cmd = [exe, "kernel", "matmul", "--shape", "4096x4096x4096", "--dtype", "bf16"]
+        t_cli, proc = best(lambda: subprocess.run(cmd, capture_output=True, text=True), repeats)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[:120]}"
+        print(f"CLI `{' '.join(['trnsim'] + cmd[1:])}`: {t_cli:.3f} s wall incl. start-up ({status})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
