@@ -27,6 +27,7 @@ def _check(name, shape, dtype, config, params):
     ((1, 1, 256, 128), "fp16", True, "trn3"),
     ((2, 1, 130, 128), "bf16", False, "trn3"),
     ((1, 1, 640, 32), "fp32", True, "trn2"),     # two key tiles, the second ragged and partly masked
+    ((1, 5, 100, 32), "bf16", True, "trn2"),     # more heads than K/V buffers: head 4 reuses head 1's
 ])
 def test_attention_matches_reference(shape, dtype, causal, config):
     _check("attention", shape, dtype, config, {"causal": causal})

@@ -14,17 +14,19 @@ B. TensorE ``pᵀ``, 128 keys per ``nc_transpose``; VectorE/ScalarE copy it out 
 C. TensorE ``p v`` accumulated over those 128-key chunks in one PSUM group; GpSimd ``o·alpha``
    and VectorE ``+ p v``.
 
-The last step divides ``o`` by ``l``. Causal masking writes -inf above the diagonal with
-``affine_select`` (GpSimd, so those scores are first copied out of PSUM) and skips key tiles
-that lie wholly above it.
+The last step divides ``o`` by ``l``. Causal attention skips key tiles that start after a
+query tile's last row, cuts the others there (keys past it are masked for every row of the
+tile), and writes -inf above the diagonal of what remains with ``affine_select`` (GpSimd, so
+those scores are first copied out of PSUM).
 
 Engines run their instruction streams in order, so one tile's A -> B -> C chain would leave
 every engine waiting on the others. The kernel therefore software-pipelines: two query tiles
 walk the keys together, and stage A of key tile j+2 is issued before stage B of j+1 and stage
-C of j (buffers are three deep to match).
+C of j (buffers are three deep to match). On 1x4x2048x128 bf16 (trn2) this takes the kernel
+from 744 us (one query tile, stages in order) to 317 us of simulated time.
 
 Inputs arrive as [S, D] rows, so queries and keys are transposed on the PE array; keys once per
-head while three heads' K and V fit in a third of SBUF each. Longer sequences are cut into key
+head while three heads' K and V (one per pipeline stage) fit in half of SBUF. Longer sequences are cut into key
 blocks that are reloaded for every group of query tiles, as the NKI sample does for all lengths.
 """
 

@@ -11,7 +11,10 @@ the R·R taps and the 128-channel tiles of one output tile in a single accumulat
 * weights are loaded once with K on partitions (one contiguous run per output channel, as
   DMA likes) and turned to [C, tap, K] by PE transposes, so loading them is cheap;
 * the input is loaded in bands of output rows (plus the R-1 halo rows), double-buffered so
-  the next band loads while TensorE works; zero padding is a GpSimd memset of the border;
+  the next band loads while TensorE works, and in slices so the first matmuls need not wait
+  for the whole band; zero padding is a GpSimd memset of the border, and padded rows arrive
+  through a contiguous staging tile (a VectorE copy) rather than as one short DMA descriptor
+  per row (8x256x56x56x256x3 bf16, padding 1, trn2: 546 us -> 396 us, TensorE 72% -> 96% busy);
 * for one stationary (channel tile, tap) the matmuls of several PSUM banks run back to back;
 * PSUM is evacuated alternately by VectorE and ScalarE into an output band that is stored
   with one DMA per band on GpSimd's queue, so stores never wait behind loads.
@@ -136,9 +139,11 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
 
     banks = cfg.core.psum.banks
     group = max(1, (banks - 2) // 2)  # PSUM banks one stationary streams into back to back
+    load_rows = max(1, rows_per_tile * max(1, group // len(col_tiles))) * stride
     w_stage = kern.tile_pool("w_rows", bufs=2)
     w_pool = kern.tile_pool("wT", bufs=len(c_tiles) * k_group)
     x_pool = kern.tile_pool("x_band", bufs=2 * len(c_tiles))
+    x_stage = kern.tile_pool("x_rows", bufs=2 * len(c_tiles))
     o_pool = kern.tile_pool("out_band", bufs=2)
     tr_ps = kern.tile_pool("wT_psum", bufs=2, space="psum")
     acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
@@ -170,24 +175,35 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                 oh1 = min(ho, oh0 + band)
                 lo = oh0 * stride - before           # first padded-input row of the band, in image rows
                 in_rows = (oh1 - 1 - oh0) * stride + r
+                # band rows [top, end) hold image rows; the rest and the padding columns are zero
+                top = min(in_rows, max(0, -lo))
+                end = max(top, min(in_rows, h - lo))
                 xs = []
                 for c0, cc in c_tiles:
                     xt = x_pool.tile((cc, in_rows, wp), dt)
-                    # band rows [top, end) hold image rows; zero the rest and the padding columns
-                    top = min(in_rows, max(0, -lo))
-                    end = max(top, min(in_rows, h - lo))
                     if top:
                         kern.memset(xt[:, :top, :], 0.0, engine="gpsimd")
                     if end < in_rows:
                         kern.memset(xt[:, end:, :], 0.0, engine="gpsimd")
-                    if end > top:
-                        if before:
-                            kern.memset(xt[:, top:end, :before], 0.0, engine="gpsimd")
-                        if after:
-                            kern.memset(xt[:, top:end, before + w:], 0.0, engine="gpsimd")
-                        kern.dma_copy(xt[:, top:end, before:before + w], x[ni, c0:c0 + cc, lo + top:lo + end, :],
-                                      queue=0)
+                    if end > top and before:
+                        kern.memset(xt[:, top:end, :before], 0.0, engine="gpsimd")
+                    if end > top and after:
+                        kern.memset(xt[:, top:end, before + w:], 0.0, engine="gpsimd")
                     xs.append(xt)
+                # loaded in slices of the rows one PSUM group of pixel tiles reads, so the first
+                # matmuls start when the first slice (of every channel tile) has landed. With
+                # padding columns a padded row is a separate short DMA descriptor, so rows land
+                # contiguously in a staging tile and VectorE places them (4x mode, 16-bit)
+                for y0 in range(top, end, load_rows):
+                    y1 = min(end, y0 + load_rows)
+                    for (c0, cc), xt in zip(c_tiles, xs):
+                        src = x[ni, c0:c0 + cc, lo + y0:lo + y1, :]
+                        if before or after:
+                            stage = x_stage.tile((cc, y1 - y0, w), dt)
+                            kern.dma_copy(stage, src, queue=0)
+                            kern.tensor_copy(xt[:, y0:y1, before:before + w], stage, engine="vector")
+                        else:
+                            kern.dma_copy(xt[:, y0:y1, :], src, queue=0)
                 pix = [(a, min(rows_per_tile, oh1 - oh0 - a), b0, nw)
                        for a in range(0, oh1 - oh0, rows_per_tile) for b0, nw in col_tiles]
                 for ki, (k0, kk) in enumerate(kts):
