@@ -18,6 +18,7 @@ kernel exists.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Callable
 
@@ -180,7 +181,9 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     out = _back(result, conv, index)
     inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
     outputs = flat_tensors(out, [])
-    _charge_generic(index, info.name, [t for t in inputs if t.device.type == NEURON], outputs)
+    rt = runtime()
+    rt.charge(index, info.name, rt.lowering.op(info.name, args, kwargs, [t for t in inputs if t.device.type == NEURON],
+                                               outputs))
     return out
 
 
@@ -275,9 +278,15 @@ def _to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, devic
 
 
 # ---- TensorE ops through the native datapath -----------------------------------------------
-def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype) -> None:
+def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
+                 a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
+    """Charge a matmul; the operands' memory layouts pick the kernel's operand forms: a row-major
+    A[M,K] is loaded as ``a`` (transpose_a), a column-major one is already lhsT[K,M]; a row-major
+    B[K,N] is ``rhs``, a column-major one (``x @ w.t()``) is stored as b[N,K] (transpose_b)."""
+    ta = a is not None and a.stride(-1) == 1 and a.shape[-1] > 1
+    tb = b is not None and b.stride(-1) != 1 and b.shape[-1] > 1
     rt = runtime()
-    rt.charge(index, op, rt.lowering.matmul(op, batch, m, k, n, dtype))
+    rt.charge(index, op, rt.lowering.matmul(op, batch, m, k, n, dtype, ta, tb))
 
 
 def _mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
@@ -287,7 +296,7 @@ def _mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
         res = tensore.matmul_f32(a, b).to(self.dtype)
     else:
         res = torch.mm(a, b)
-    _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype)
+    _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
     return memory.relabel(res, index)
 
 
@@ -304,7 +313,7 @@ def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: 
         res = prod.to(mat1.dtype)
     else:
         res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
-    _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype)
+    _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype, mat1, mat2)
     return memory.relabel(res, index)
 
 
@@ -322,7 +331,7 @@ def _bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
         res = _bmm_values(a, b).to(self.dtype)
     else:
         res = torch.bmm(a, b)
-    _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype)
+    _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
     return memory.relabel(res, index)
 
 
@@ -339,7 +348,8 @@ def _baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, 
         res = prod.to(batch1.dtype)
     else:
         res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
-    _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype)
+    _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype,
+                 batch1, batch2)
     return memory.relabel(res, index)
 
 
@@ -422,6 +432,11 @@ def _autocast_kernel(op: Any) -> Callable[..., Any]:
 
 
 # ---- registration ---------------------------------------------------------------------------
+# Ops with a composite kernel that PyTorch would otherwise decompose before the device sees them.
+# Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
+# layer norm differs by ~1e-4) and lets them lower to their library kernels.
+WHOLE_OPS = ("native_layer_norm", "embedding")
+
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch._disable_dynamo(fn, recursive=True)
 
@@ -453,6 +468,9 @@ def register_kernels() -> None:
     }
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
+    for name in WHOLE_OPS:
+        op = getattr(torch.ops.aten, name).default
+        impl.impl(name, _hidden(functools.partial(_fallback, op)), "PrivateUse1")
     # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")

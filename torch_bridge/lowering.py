@@ -21,6 +21,8 @@ import torch
 from trnsim import Chip, ChipConfig, Kernel, KernelError, KernelReport
 from trnsim.kernels import get_kernel, kernel_names
 
+from .ops import RULES
+
 __all__ = ["Lowered", "KernelCache", "TileDtype", "tile_dtype", "build_generic", "build_matmul_any"]
 
 # Elements per partition per generic tile: 2048 fp32 = 8 KiB a partition, well above the 4 KiB
@@ -209,9 +211,14 @@ class KernelCache:
         return hit
 
 
+_library: dict[str, Any] = {}
+
+
 def library_kernel(name: str) -> Any | None:
-    """The library kernel entry ``name``, or None while it has not landed."""
-    return get_kernel(name) if name in kernel_names() else None
+    """The library kernel entry ``name``, or None if the library has no such kernel."""
+    if not _library:
+        _library.update({n: get_kernel(n) for n in kernel_names()})
+    return _library.get(name)
 
 
 def flat_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -225,10 +232,6 @@ def flat_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _shape_key(ts: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    return tuple((tuple(t.shape), t.dtype) for t in ts)
 
 
 class Lowering:
@@ -259,30 +262,40 @@ class Lowering:
                                                                    self.config, binary, act)))
         return Lowered(label, True, rep)
 
-    def matmul(self, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype) -> Lowered:
-        """A (batched) matmul on TensorE: the library kernel when it takes this shape, else
-        :func:`build_matmul_any` (marked generic)."""
+    def op(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+           outputs: Sequence[torch.Tensor]) -> Lowered:
+        """The kernel of one fallback op call: a library kernel when a rule in
+        :data:`torch_bridge.ops.RULES` expresses it, else the generic kernel."""
+        def generic() -> Lowered:
+            return self.generic(name, inputs, outputs)
+        rule = RULES.get(name)
+        if rule is None or not outputs or not inputs:
+            return generic()
+        try:
+            route = rule(name, args, kwargs, outputs[0])
+        except (TypeError, IndexError, AttributeError, ValueError, ZeroDivisionError):
+            route = None  # an overload the rule does not read: cost it generically
+        if route is None:
+            return generic()
+        kernel, shape, params = route
+        return self.library(kernel, shape, inputs[0].dtype, params, generic)
+
+    def matmul(self, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
+               transpose_a: bool = False, transpose_b: bool = False) -> Lowered:
+        """A (batched) matmul on TensorE: the library's matmul/bmm kernel (``transpose_a``: A is
+        stored [M,K] row-major rather than as lhsT [K,M]; ``transpose_b``: B is stored [N,K]),
+        else :func:`build_matmul_any` (marked generic)."""
         dt = matmul_dtype(dtype)
-        t = self.config.core.tensor
-        tn = min(t.moving_max_free, self.config.core.psum.bank_bytes // 4)
-        entry = library_kernel("bmm" if batch > 1 else "matmul")
-        if entry is not None and batch > 1:
-            shape: tuple[int, ...] = (batch, m, k, n)
-        else:
-            shape = (m, k, n)
-        fits = batch == 1 and m % t.stationary_max_free == 0 and k % t.max_contraction == 0 and n % tn == 0
-        if entry is not None and (batch > 1 or fits) and dt in entry.dtypes:
-            key = ("lib", entry.name, shape, dt)
-            if key not in self.cache.rejected:
-                try:
-                    label, rep = self.cache.get(key, lambda: (entry.name, entry.make(shape, dt, self.config)))
-                    return Lowered(label, False, rep)
-                except KernelError:
-                    self.cache.rejected.add(key)  # it does not take this shape: use the generic one
-        key = ("matmul_any", batch, m, k, n, dt)
-        label = f"generic:{'bmm' if batch > 1 else 'matmul'}"
-        _, rep = self.cache.get(key, lambda: (label, build_matmul_any(batch, m, k, n, dt, self.config, label)))
-        return Lowered(label, True, rep)
+
+        def any_size() -> Lowered:
+            key = ("matmul_any", batch, m, k, n, dt)
+            label = f"generic:{'bmm' if batch > 1 else 'matmul'}"
+            _, rep = self.cache.get(key, lambda: (label, build_matmul_any(batch, m, k, n, dt, self.config, label)))
+            return Lowered(label, True, rep)
+        params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
+        if batch > 1:
+            return self.library("bmm", (batch, m, k, n), dtype, params, any_size)
+        return self.library("matmul", (m, k, n), dtype, params, any_size)
 
     def library(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, params: dict[str, Any],
                 fallback: Callable[[], Lowered]) -> Lowered:
@@ -290,8 +303,8 @@ class Lowering:
         entry = library_kernel(name)
         if entry is None or any(d <= 0 for d in shape):
             return fallback()
-        dt = matmul_dtype(dtype) if dtype.is_floating_point else tile_dtype(dtype).name
-        if dt not in entry.dtypes:
+        dt = matmul_dtype(dtype) if name in ("matmul", "bmm") else tile_dtype(dtype).name
+        if dt not in entry.dtypes or (name not in ("matmul", "bmm") and tile_dtype(dtype).per_element != 1):
             return fallback()
         key = ("lib", name, shape, dt, tuple(sorted(params.items())))
         if key in self.cache.rejected:
