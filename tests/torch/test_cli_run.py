@@ -1,0 +1,52 @@
+"""`trnsim run script.py`: the script runs on the neuron device and the report is printed."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    x = torch.randn(64, 128, device="neuron")
+    w = torch.randn(128, 256, device="neuron")
+    y = (x @ w).relu()
+    print("args", sys.argv[1:], torch.neuron.config().name, y.device)
+""")
+
+
+def _trnsim(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trnsim.cli", *argv], capture_output=True, text=True, timeout=180,
+                          cwd=cwd)
+
+
+def test_run_prints_report_and_writes_trace(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    trace = tmp_path / "out.json"
+    out = _trnsim("run", str(script), "a", "--b", "--config", "trn3", "--trace", str(trace), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "args ['a', '--b'] trn3 neuron:0" in out.stdout
+    assert "neuron run report" in out.stdout and "matmul" in out.stdout and "unary" in out.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"mm", "relu"}
+
+
+def test_run_json_and_errors(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = _trnsim("run", "--json", str(script), cwd=tmp_path)
+    rep = json.loads(out.stdout[out.stdout.index("{"):])
+    assert out.returncode == 0 and rep["config"] == "trn2" and any(r["op"] == "mm" for r in rep["rows"])
+    missing = _trnsim("run", str(tmp_path / "nope.py"), cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"trnsim: error: run: no such script: {tmp_path / 'nope.py'}"
+    bad = _trnsim("run", str(script), "--config", "trn9", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("trnsim: error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_failing_script_exits_1_with_its_traceback(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import torch\ntorch.ones(2, device='neuron')\nraise ValueError('boom')\n")
+    out = _trnsim("run", str(script), cwd=tmp_path)
+    assert out.returncode == 1 and "ValueError: boom" in out.stderr and "neuron run report" in out.stdout
