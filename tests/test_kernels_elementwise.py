@@ -85,6 +85,11 @@ def test_transpose_exact(dtype, config):
         assert r["errors"]["out"] == 0.0
     # several blocks each way, ragged, more row tiles than one PSUM bank holds
     check("transpose", (700, 390), dtype, config, block_bytes=256 * 4)
+    # narrow rows (grouped-row loads, strided evacuation) and short rows (grouped-row stores,
+    # strided transpose input), each with whole windows and a ragged tail
+    small = 1024 if dtype == "fp32" else 512  # 256-element blocks
+    check("transpose", (3000, 30), dtype, config, block_bytes=small)
+    check("transpose", (30, 3000), dtype, config, block_bytes=small)
 
 
 def test_row_pieces_cover_the_tensor_once():
@@ -112,6 +117,9 @@ def test_streaming_kernels_move_big_descriptors_on_separate_queues():
     t = get_kernel("transpose").make((4096, 4096), "bf16", trnsim.load_config("trn2"))
     assert min(_dma_chunks(t)) == 4096
     assert sum(isinstance(i, Transpose) for i in t.instructions) == 32 * 32
+    for shape in ((65536, 64), (64, 65536)):  # narrow or short rows still move >= 4 KiB descriptors
+        t = get_kernel("transpose").make(shape, "bf16", trnsim.load_config("trn2"))
+        assert min(_dma_chunks(t)) >= 4096
 
 
 def test_reduce_axis0_uses_the_right_engines():

@@ -8,10 +8,17 @@ overhead-bound range). Per block:
 
 * load ``B/128`` row tiles ``[128, B]`` (all queued at once, double-buffered across blocks, on
   two Sync queues);
-* for each 128-column slice, ``nc_transpose`` the row tiles' slices into a PSUM bank, four
-  128x128 blocks per bank, and evacuate a whole bank per copy on VectorE/ScalarE in turn into an
-  SBUF result tile ``[128, B]`` — ``B`` consecutive output columns of 128 output rows;
+* for each 128-column slice, ``nc_transpose`` the row tiles' slices into a PSUM bank, as many
+  128x128 blocks as it holds (8 bf16, 4 fp32), and evacuate a whole bank per copy on
+  VectorE/ScalarE in turn into an SBUF result tile ``[128, B]`` — ``B`` consecutive output
+  columns of 128 output rows;
 * store the result tile with one DMA triggered from GpSimd.
+
+Narrow rows (``cols < B``) would make each load descriptor a single short row, so a partition
+instead loads ``g`` consecutive whole rows at once and the evacuation scatters slice ``j`` to
+every ``g``-th output column. Short rows (``rows < B``) would make each store descriptor a short
+output row, so a result partition instead gathers ``g`` consecutive output rows, transposing
+stride-``g`` column slices of the loaded tile.
 
 ``nc_transpose`` moves values bit for bit, and 2-byte types stay 2-byte in PSUM, so the output is
 exact for every supported dtype. Ragged edges use fewer partitions or columns.
@@ -22,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import KernelError
+from ..isa import KernelError, TileAP
 from ..kernel import Kernel
 from .elementwise import DTYPES, PARTITIONS, checked_bufs, kernel_dtype
 from .registry import register_kernel, round_to
@@ -65,10 +72,66 @@ def build_transpose(rows: int, cols: int, dtype: str = "bf16", config: ChipConfi
     x_pool = kern.tile_pool("x", bufs=bufs * tiles_per_block)
     o_pool = kern.tile_pool("out", bufs=2 * bufs)  # stores take ~2.5 us to complete; keep several in flight
     ps_pool = kern.tile_pool("tp", bufs=4, space="psum")
+    xg_pool = kern.tile_pool("xg", bufs=bufs + 1)
     n_load = n_evac = 0
-    for c0 in range(0, cols, blk):
+
+    def evacuate(dst: TileAP, src: TileAP) -> None:
+        nonlocal n_evac
+        kern.tensor_copy(dst, src, engine="vector" if n_evac % 2 == 0 else "scalar")
+        n_evac += 1
+
+    c_start = 0
+    if rows < blk and rows <= bank_cols:
+        # short rows: output rows are only `rows` long, so partition i of a result tile takes gc
+        # consecutive output rows (x columns gc*i + j, a stride-gc slice of the loaded tile) and
+        # stores one contiguous block of gc*rows elements
+        gc = min(-(-blk // rows), blk // 16)  # loads of at most 8 blocks' bytes per partition
+        span = PARTITIONS * gc
+        while cols - c_start >= span:
+            c0 = c_start
+            tiles = []
+            for rr in range(0, rows, PARTITIONS):
+                p = min(PARTITIONS, rows - rr)
+                t = x_pool.tile((p, span), dt)
+                kern.dma_copy(t, x[rr:rr + p, c0:c0 + span], queue=n_load % 2)
+                n_load += 1
+                tiles.append(t)
+            o = o_pool.tile((PARTITIONS, gc * rows), dt)
+            for j in range(gc):
+                ps = ps_pool.tile((PARTITIONS, rows), dt)
+                for i, t in enumerate(tiles):
+                    kern.nc_transpose(ps[:, i * PARTITIONS:i * PARTITIONS + t.p_count], t[:, j::gc])
+                evacuate(o[:, j * rows:(j + 1) * rows], ps)
+            kern.dma_copy(out[c0:c0 + span, :].reshape(PARTITIONS, gc * rows), o, engine="gpsimd", queue=0)
+            c_start += span
+    for c0 in range(c_start, cols, blk):
         w = min(blk, cols - c0)
-        for r0 in range(0, rows, blk):
+        r_start = 0
+        if w == cols < blk:
+            # narrow rows: one load per window of blk rows, partition i holding rows g*i .. g*i+g-1
+            # (one contiguous block), so loads are as big as stores; slice j of the tile holds
+            # rows g*i + j, which land in every g-th output column
+            g = max(blk // PARTITIONS, min(-(-blk // w), blk // 16))  # loads of >= block_bytes
+            hw = PARTITIONS * g  # rows per window
+            while rows - r_start >= hw:
+                r0 = r_start
+                t = xg_pool.tile((PARTITIONS, g * w), dt)
+                kern.dma_copy(t, x[r0:r0 + hw, :].reshape(PARTITIONS, g * w), queue=n_load % 2)
+                n_load += 1
+                for k in range(0, w, pe):
+                    cb = min(pe, w - k)
+                    o = o_pool.tile((cb, hw), dt)
+                    for j0 in range(0, g, per_bank):
+                        nb = min(per_bank, g - j0)
+                        ps = ps_pool.tile((cb, nb * PARTITIONS), dt)
+                        for jj in range(nb):
+                            lo = (j0 + jj) * w + k
+                            kern.nc_transpose(ps[:, jj * PARTITIONS:(jj + 1) * PARTITIONS], t[:, lo:lo + cb])
+                        for jj in range(nb):
+                            evacuate(o[:, j0 + jj::g], ps[:, jj * PARTITIONS:(jj + 1) * PARTITIONS])
+                    kern.dma_copy(out[c0 + k:c0 + k + cb, r0:r0 + hw], o, engine="gpsimd", queue=0)
+                r_start += hw
+        for r0 in range(r_start, rows, blk):
             h = min(blk, rows - r0)
             tiles = []
             for rr in range(0, h, PARTITIONS):
@@ -80,16 +143,15 @@ def build_transpose(rows: int, cols: int, dtype: str = "bf16", config: ChipConfi
             for k in range(0, w, pe):
                 cb = min(pe, w - k)
                 o = o_pool.tile((cb, h), dt)
-                for g in range(0, len(tiles), per_bank):
-                    group = tiles[g:g + per_bank]
+                for g0 in range(0, len(tiles), per_bank):
+                    group = tiles[g0:g0 + per_bank]
                     gw = sum(t.p_count for t in group)
                     ps = ps_pool.tile((cb, gw), dt)
                     off = 0
                     for t in group:
                         kern.nc_transpose(ps[:, off:off + t.p_count], t[:, k:k + cb])
                         off += t.p_count
-                    col = g * PARTITIONS
-                    kern.tensor_copy(o[:, col:col + gw], ps, engine="vector" if n_evac % 2 == 0 else "scalar")
-                    n_evac += 1
+                    col = g0 * PARTITIONS
+                    evacuate(o[:, col:col + gw], ps)
                 kern.dma_copy(out[c0 + k:c0 + k + cb, r0:r0 + h], o, engine="gpsimd", queue=0)
     return kern
