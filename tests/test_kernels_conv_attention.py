@@ -59,14 +59,16 @@ def test_attention_causal_skips_tiles_above_the_diagonal():
     assert "AffineSelect" not in counts[False]
 
 
-def test_attention_causal_is_cheaper_and_deterministic():
+def test_attention_pipeline_keeps_engines_busy_and_causal_is_cheaper():
     def run(causal):
         k = get_kernel("attention").make((1, 2, 2048, 64), "bf16", load_config("trn2"), {"causal": causal})
-        return Chip("trn2").run(k, timing_only=True).report.total_cycles
+        return Chip("trn2").run(k, timing_only=True).report
 
     full, causal = run(False), run(True)
-    assert causal < 0.8 * full
-    assert run(True) == causal
+    # VectorE bounds this kernel; with the stages issued in order it was ~35% busy
+    assert full.engines["Vector"].active_percent > 60
+    assert causal.total_cycles < 0.8 * full.total_cycles
+    assert run(True).total_cycles == causal.total_cycles
 
 
 def test_attention_values_are_bit_identical_across_runs():
@@ -129,7 +131,8 @@ def test_conv2d_matmul_count_and_tensor_engine_busy():
     rep = Chip("trn2").run(k, timing_only=True).report
     # 56 output rows in bands of whole 9-row (504-pixel) tiles: 7 tiles per image
     assert rep.instruction_counts["MatMul"] == 2 * 7 * 2 * 2 * 9
-    assert rep.engines["Tensor"].active_percent > 60
+    # padded rows are staged, so TensorE does not wait on one short DMA descriptor per row (72% before)
+    assert rep.engines["Tensor"].active_percent > 85
 
 
 @pytest.mark.parametrize("shape, params, message", [
