@@ -365,9 +365,22 @@ def _out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch
 
 
 # ---- convolution (aten sends non-CPU/CUDA convolutions to the *_overrideable ops) -------------
-def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int) -> None:
-    """A convolution is a matmul of im2col patches: M = batch x output positions,
-    K = input channels per group x kernel size, N = output channels per group; one per group."""
+def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
+               stride: Any = None, padding: Any = None, dilation: Any = None, transposed: bool = True) -> None:
+    """A plain 2-d convolution (one group, square filter, equal strides and paddings, no
+    dilation) lowers to the library's conv2d kernel. Any other convolution is costed as the
+    matmul of its im2col patches: M = batch x output positions, K = input channels per group x
+    filter size, N = output channels per group; one per group."""
+    if (not transposed and groups == 1 and inp.dim() == 4 and weight.shape[2] == weight.shape[3]
+            and len(set(stride)) == 1 and len(set(padding)) == 1 and set(dilation) == {1}):
+        n, c, h, w = inp.shape
+        rt = runtime()
+        rt.charge(index, op, rt.lowering.library(
+            "conv2d", (n, c, h, w, weight.shape[0], weight.shape[2]), inp.dtype,
+            {"stride": int(stride[0]), "padding": int(padding[0])},
+            lambda: rt.lowering.matmul(op, 1, out.shape[0] * out.shape[2] * out.shape[3], c * weight.shape[2] ** 2,
+                                       weight.shape[0], inp.dtype)))
+        return
     kernel_numel = 1
     for s in weight.shape[2:]:
         kernel_numel *= s
@@ -383,10 +396,17 @@ def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out
 def _convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
                  dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
     index = input.device.index or 0
+    x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
-    res = torch.ops.aten.convolution.default(memory.cpu_view(input), memory.cpu_view(weight), cb, stride, padding,
-                                             dilation, transposed, output_padding, groups)
-    _conv_time(index, "convolution", input, weight, res, groups)
+    if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype):
+        acc = tensore.conv_f32(x, w, stride, padding, dilation, groups)
+        if cb is not None:
+            acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))
+        res = acc.to(input.dtype)
+    else:
+        res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
+                                                 groups)
+    _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
     return memory.relabel(res, index)
 
 

@@ -51,3 +51,17 @@ def test_non_datapath_dtypes_use_the_cpu_kernel():
     assert torch.equal((a.to("neuron") @ a.t().to("neuron")).cpu(), a @ a.t())
     d = torch.randn(4, 6, dtype=torch.float64)
     assert torch.equal((d.to("neuron") @ d.t().to("neuron")).cpu(), d @ d.t())
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_is_the_datapath_matmul_of_its_patches(groups):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 7, 7, generator=g).bfloat16()
+    w = torch.randn(6, 4 // groups, 3, 3, generator=g).bfloat16()
+    got = torch.nn.functional.conv2d(x.to("neuron"), w.to("neuron"), padding=1, groups=groups).cpu()
+    cols = torch.nn.functional.unfold(x, 3, padding=1)  # [N, C*9, L]
+    ck, kg = (4 // groups) * 9, 6 // groups
+    for gi in range(groups):
+        patches = cols[:, gi * ck:(gi + 1) * ck].permute(1, 0, 2).reshape(ck, -1)
+        want = _ref(w[gi * kg:(gi + 1) * kg].reshape(kg, ck), patches).view(kg, 2, -1).permute(1, 0, 2)
+        assert torch.equal(got[:, gi * kg:(gi + 1) * kg].reshape(2, kg, -1), want)
