@@ -39,6 +39,23 @@ def test_matmul_transposed_operands(ta, tb, dtype, config):
     check("matmul", (129, 301, 513), dtype, config, transpose_a=ta, transpose_b=tb)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transposed_operands_over_several_column_blocks(dtype):
+    """A is transposed during the first column block and spilled to HBM; B's next column block
+    is transposed on chip as the current one's buffers free up."""
+    check("matmul", (130, 259, 2100), dtype, "trn2", transpose_a=True, transpose_b=True)
+    check("bmm", (2, 70, 129, 1100), dtype, "trn3", transpose_a=True)
+
+
+def test_each_operand_crosses_the_pe_array_once():
+    def transposes(**kw):
+        return sum(isinstance(i, Transpose) for i in build_matmul(256, 512, 4096, "bf16", "trn2", **kw).instructions)
+
+    assert transposes(transpose_a=True) == 2 * 4  # 256/128 row tiles x 512/128 k-tiles, not x 4 column blocks
+    assert transposes(transpose_b=True) == 32 * 4
+    assert "lhsT" in build_matmul(256, 512, 4096, "bf16", "trn2", transpose_a=True).tensors  # the HBM spill
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
 def test_matmul_tiny_transposed(dtype):
     check("matmul", (1, 1, 1), dtype, "trn2", transpose_a=True, transpose_b=True)

@@ -5,7 +5,8 @@ Operand layout. TensorE contracts over the partition axis of both operands, so t
 ``lhsT[K, M]`` and ``rhs[K, N]`` in SBUF (the NKI matmul tutorial's layout). With
 ``transpose_a`` A arrives as ``a[M, K]`` and with ``transpose_b`` B arrives as ``b[N, K]``; those
 are loaded row-major and turned on chip with ``nc_transpose`` through PSUM (timed like any other
-TensorE work). FP8 operands use the double-row mode (``[128, 2, M]`` tiles contracting 256 rows
+TensorE work), each element once: B as each column block is loaded, A during the first column
+block, which also spills the transposed A to an HBM scratch for the later blocks. FP8 operands use the double-row mode (``[128, 2, M]`` tiles contracting 256 rows
 per instruction) when the core has it.
 
 Schedule (the tutorial's "blocked" kernel, made to stream without bubbles):
@@ -67,16 +68,20 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Job:
-    """One output matrix: A as lhsT ``a[K, M]`` (or ``a[M, K]`` if ``ta``), B as ``b[K, N]``
-    (or ``b[N, K]`` if ``tb``), ``out[M, N]``."""
+    """One output matrix ``out[M, N] = A @ B``.
 
-    a: HbmAP
+    ``b`` is rhs ``[K, N]``, or ``[N, K]`` with ``tb`` (transposed on chip as each column block is
+    loaded: every element once). ``a`` is lhsT ``[K, M]``; with ``a_rows`` (A as given, [M, K])
+    A is transposed on chip during the first column block and spilled to ``a`` (an HBM scratch)
+    for the later ones, so it too crosses the PE array once."""
+
+    a: HbmAP | None
     b: HbmAP
     out: HbmAP
     m: int
     n: int
-    ta: bool
-    tb: bool
+    a_rows: HbmAP | None = None
+    tb: bool = False
 
 
 def plan_blocks(m: int, k: int, n: int, dt: Dtype, cfg: ChipConfig, transpose_a: bool = False,
@@ -165,22 +170,32 @@ class _Mm:
         return tile[:kp, :, c0:c1] if self.plan.rows == 2 else tile[:kp, c0:c1]
 
     # ---- filling k-tiles -------------------------------------------------------------------
-    def load(self, tile: TileAP, src: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int) -> None:
-        """DMA ``src[k rows of kt, c0:c1]`` (src is [K, C]) into ``tile[:, :c1-c0]``."""
+    def move(self, tile: TileAP, view: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int,
+             store: bool = False) -> None:
+        """DMA between ``view[k rows of kt, c0:c1]`` (a [K, C] view) and ``tile[:, :c1-c0]``:
+        a load, or with ``store`` the other way. In double-row mode partition p holds k rows
+        2p and 2p+1; an odd last row's partner is zeroed on load so it multiplies as zero."""
         kern, p = self.kern, self.plan
         k0, ks, w = kt * p.tk, self.ks(kt), c1 - c0
+
+        def copy(hbm: HbmAP, region: TileAP) -> None:
+            if store:
+                kern.dma_copy(hbm, region, engine=engine, queue=queue)
+            else:
+                kern.dma_copy(region, hbm, engine=engine, queue=queue)
+
         if p.rows == 1:
-            kern.dma_copy(tile[:ks, :w], src[k0:k0 + ks, c0:c1], engine=engine, queue=queue)
+            copy(view[k0:k0 + ks, c0:c1], tile[:ks, :w])
             return
-        (s0, _), (s1, _) = src.dims
+        (s0, _), (s1, _) = view.dims
         pairs = ks // 2
-        if ks % 2:  # odd tail: the unpaired row's partner must multiply as zero
+        if ks % 2 and not store:
             kern.memset(tile[:pairs + 1], 0.0)
         if pairs:
-            view = src.tensor.ap(src.offset + k0 * s0 + c0 * s1, [[2 * s0, pairs], [s0, 2], [s1, w]])
-            kern.dma_copy(tile[:pairs, :, :w], view, engine=engine, queue=queue)
+            copy(view.tensor.ap(view.offset + k0 * s0 + c0 * s1, [[2 * s0, pairs], [s0, 2], [s1, w]]),
+                 tile[:pairs, :, :w])
         if ks % 2:
-            kern.dma_copy(tile[pairs:pairs + 1, 0:1, :w], src[k0 + ks - 1:k0 + ks, c0:c1], engine=engine, queue=queue)
+            copy(view[k0 + ks - 1:k0 + ks, c0:c1], tile[pairs:pairs + 1, 0:1, :w])
 
     def fill(self, pool: TilePool, src: HbmAP, off: int, width: int, trans: bool, g0: int, g1: int, engine: str,
              queue: int) -> list[TileAP]:
@@ -193,7 +208,7 @@ class _Mm:
                 self.fill_transposed(tiles[t0 - g0:t1 - g0], src, off, width, t0, t1, engine, queue)
         else:
             for kt, tile in zip(range(g0, g1), tiles):
-                self.load(tile, src, kt, off, off + width, engine, queue)
+                self.move(tile, src, kt, off, off + width, engine, queue)
         return tiles
 
     def fill_transposed(self, tiles: list[TileAP], src: HbmAP, r0: int, nrows: int, g0: int, g1: int, engine: str,
@@ -245,7 +260,7 @@ class _Mm:
         pending: list[TileAP] = []
         for bi, (job, n0, nw) in enumerate(blocks):
             rhs = pending or self.fill(self.rhs_pool, job.b, n0, nw, job.tb, 0, self.kt_n, "gpsimd", _RHS_Q)
-            nxt = blocks[bi + 1] if bi + 1 < len(blocks) and not blocks[bi + 1][0].tb else None
+            nxt = blocks[bi + 1] if bi + 1 < len(blocks) else None
             pending = []
             # operand views are built once per block: slicing costs more than emitting a matmul
             mvs = [[self.cols(rhs[kt], kt, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
@@ -254,9 +269,13 @@ class _Mm:
                 mw = min(p.bm, job.m - m0)
 
                 def roll(kt: int) -> None:
-                    """Load the next column block's rhs k-tile into the buffer just done with."""
+                    """Load the next column block's rhs k-tile into the buffer just done with
+                    (a group of them at a time when they come through on-chip transposes)."""
                     assert nxt is not None
-                    pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], False, kt, kt + 1, "gpsimd",
+                    g0 = kt - kt % _GROUP if nxt[0].tb else kt
+                    if nxt[0].tb and kt + 1 < min(self.kt_n, g0 + _GROUP):
+                        return
+                    pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], nxt[0].tb, g0, kt + 1, "gpsimd",
                                              _RHS_Q))
 
                 last = m0 + mw == job.m and nxt is not None
@@ -274,7 +293,14 @@ class _Mm:
             if kt not in cache:
                 cache.clear()
                 g1 = min(self.kt_n, kt + _GROUP)
-                lts = self.fill(self.lhs_pool, job.a, m0, mw, job.ta, kt, g1, "sync", _LHS_Q)
+                if job.a_rows is not None and (n0 == 0 or job.a is None):
+                    lts = self.fill(self.lhs_pool, job.a_rows, m0, mw, True, kt, g1, "sync", _LHS_Q)
+                    if job.a is not None:  # spill for the later column blocks
+                        for j, lt in enumerate(lts):
+                            self.move(lt, job.a, kt + j, m0, m0 + mw, "gpsimd", _STORE_Q, store=True)
+                else:
+                    assert job.a is not None
+                    lts = self.fill(self.lhs_pool, job.a, m0, mw, False, kt, g1, "sync", _LHS_Q)
                 if mvs is None:
                     rts = self.fill(self.rhs_pool, job.b, n0, nw, job.tb, kt, g1, "sync", _RHS_Q)
                     views = [[self.cols(rt, kt + j, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
@@ -392,10 +418,13 @@ def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig
     ``b[N, K]`` with ``transpose_b``); output ``out[M, N]`` in bf16 (fp32 for fp32 inputs)."""
     _check_dims(name, M=m, K=k, N=n)
     kern, mm = _setup(name, m, k, n, dtype, config, transpose_a, transpose_b, out_dtype)
-    a = kern.input("a", (m, k), mm.dt) if transpose_a else kern.input("lhsT", (k, m), mm.dt)
+    a_rows = kern.input("a", (m, k), mm.dt).full() if transpose_a else None
+    spill = a_rows is None or n > mm.plan.bn
+    a = (kern.scratch("lhsT", (k, m), mm.dt) if transpose_a else kern.input("lhsT", (k, m), mm.dt)).full() \
+        if spill else None
     b = kern.input("b", (n, k), mm.dt) if transpose_b else kern.input("rhs", (k, n), mm.dt)
     out = kern.output("out", (m, n), mm.odt)
-    mm.emit([_Job(a.full(), b.full(), out.full(), m, n, bool(transpose_a), bool(transpose_b))])
+    mm.emit([_Job(a, b.full(), out.full(), m, n, a_rows, bool(transpose_b))])
     return kern
 
 
@@ -413,8 +442,12 @@ def build_bmm(batch: int, m: int, k: int, n: int, dtype: str = "bf16", config: C
     overlap batch b's compute."""
     _check_dims(name, B=batch, M=m, K=k, N=n)
     kern, mm = _setup(name, m, k, n, dtype, config, transpose_a, transpose_b, out_dtype)
-    a = kern.input("a", (batch, m, k), mm.dt) if transpose_a else kern.input("lhsT", (batch, k, m), mm.dt)
+    a_rows = kern.input("a", (batch, m, k), mm.dt) if transpose_a else None
+    spill = a_rows is None or n > mm.plan.bn
+    a = (kern.scratch("lhsT", (batch, k, m), mm.dt) if transpose_a else kern.input("lhsT", (batch, k, m), mm.dt)) \
+        if spill else None
     b = kern.input("b", (batch, n, k), mm.dt) if transpose_b else kern.input("rhs", (batch, k, n), mm.dt)
     out = kern.output("out", (batch, m, n), mm.odt)
-    mm.emit([_Job(a[i], b[i], out[i], m, n, bool(transpose_a), bool(transpose_b)) for i in range(batch)])
+    mm.emit([_Job(None if a is None else a[i], b[i], out[i], m, n, None if a_rows is None else a_rows[i],
+                  bool(transpose_b)) for i in range(batch)])
     return kern
