@@ -28,9 +28,8 @@ from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 from .registry import register_kernel, round_to
 
-__all__ = ["build_unary", "build_binary", "build_activation", "Piece", "row_pieces", "hbm_piece", "kernel_dtype",
-           "checked_choice", "checked_bufs",
-           "compute_engines", "tile_free_elems"]
+__all__ = ["build_unary", "build_binary", "build_activation", "Piece", "row_pieces", "hbm_piece", "compute_engines",
+           "tile_free_elems", "kernel_dtype", "checked_choice", "checked_bufs"]
 
 DTYPES = ("bf16", "fp16", "fp32")
 PARTITIONS = 128
@@ -74,18 +73,19 @@ class Piece:
 
 
 def tile_free_elems(tile_bytes: int, dt: Dtype, what: str) -> int:
+    """Elements per partition of a tile of ``tile_bytes`` (a kernel parameter, checked)."""
     if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, int) or tile_bytes < dt.itemsize:
         raise KernelError(f"{what}: tile_bytes must be an integer >= {dt.itemsize} (bytes per partition), "
                           f"got {tile_bytes!r}")
     return tile_bytes // dt.itemsize
 
 
-def row_pieces(rows: int, cols: int, max_free: int, group_rows: bool = True) -> Iterator[Piece]:
+def row_pieces(rows: int, cols: int, max_free: int) -> Iterator[Piece]:
     """Cover [rows, cols] with pieces of at most ``max_free`` elements per partition. Column
     tiles are the outer loop when rows are cut, so a per-column operand is loaded once per
     column tile."""
     if cols <= max_free:
-        g = max(1, max_free // cols) if group_rows else 1
+        g = max(1, max_free // cols)
         r = 0
         while rows - r >= PARTITIONS:
             gg = min(g, (rows - r) // PARTITIONS)
@@ -116,13 +116,19 @@ def compute_engines(dt: Dtype, split: bool) -> tuple[str, ...]:
 
 
 def kernel_dtype(dtype: Any, what: str) -> Dtype:
-    dt = get_dtype(dtype)
-    if dt.short not in DTYPES:
-        raise KernelError(f"{what}: dtype {dt.short} not supported; expected one of {', '.join(DTYPES)}")
+    """The kernel's data type: one of DTYPES (the engines compute in fp32 and round once)."""
+    try:
+        dt = get_dtype(dtype)
+    except ValueError:
+        dt = None
+    if dt is None or dt.short not in DTYPES:
+        name = dt.short if dt is not None else repr(dtype)
+        raise KernelError(f"{what}: dtype {name} not supported; expected one of {', '.join(DTYPES)}")
     return dt
 
 
 def checked_choice(value: Any, allowed: tuple[str, ...] | Mapping[str, Any], what: str) -> str:
+    """``value`` if it is one of ``allowed``, else a one-line error listing them."""
     if value not in allowed:
         raise KernelError(f"{what}: expected one of {', '.join(allowed)}, got {value!r}")
     return str(value)
