@@ -20,13 +20,11 @@ The output is 1-D, as numpy's ``x.sum(axis)``: ``[rows]`` for axis=1, ``[cols]``
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import Kernel
+from ..kernel import Kernel, TilePool
 from ..native.dtypes import Dtype
 from .elementwise import (DTYPES, PARTITIONS, Piece, checked_bufs, checked_choice, compute_engines, hbm_piece,
                           kernel_dtype, row_pieces, tile_free_elems)
@@ -112,7 +110,7 @@ def _reduce_rows(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str,
 
 
 def _store(kern: Kernel, out: HbmTensor, r0: int, p: int, g: int, res: TileAP, dt: Dtype, op: str, n: int,
-           res_pool: Any) -> None:
+           res_pool: TilePool) -> None:
     """Store per-partition results [p, g] (rows r0 .. r0 + p*g); a mean first divides by ``n``."""
     if op == "mean":
         mean = res_pool.tile((p, g), dt)
@@ -218,8 +216,8 @@ def _extreme_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: 
         _reduce_partitions(kern, out, c0, acc, alu, dt, tp_pool, res_pool)
 
 
-def _reduce_partitions(kern: Kernel, out: HbmTensor, c0: int, acc: TileAP, alu: str, dt: Dtype, tp_pool: Any,
-                       res_pool: Any) -> None:
+def _reduce_partitions(kern: Kernel, out: HbmTensor, c0: int, acc: TileAP, alu: str, dt: Dtype, tp_pool: TilePool,
+                       res_pool: TilePool) -> None:
     """``out[c0 + c] = alu over partitions of acc[:, c]``: turn 128-column slices onto partitions
     with ``nc_transpose``, as many per PSUM bank as fit, and reduce each bank with one
     instruction; result ``res[c, k]`` is column ``k*128 + c``, stored with one strided DMA."""
