@@ -115,6 +115,12 @@ def test_fp8_uses_double_row_and_transposes_run_on_tensor_engine():
     assert slow.engines["Tensor"].busy_ticks > base.engines["Tensor"].busy_ticks
 
 
+def test_fp8_single_row_where_the_core_has_no_double_row():
+    assert not load_config("trn1").core.tensor.fp8_double_row
+    assert not any(getattr(i, "double_row", False) for i in build_matmul(256, 512, 512, "fp8_e4m3", "trn1").instructions)
+    check("matmul", (129, 300, 1100), "fp8_e4m3", "trn1", transpose_a=True, transpose_b=True)
+
+
 def test_fidelity_targets_on_2048_cube():
     """Datasheet V4 (TensorE active 99.85% hoisted): the targets >= 95% active and >= 90% MFU
     also hold at 2048^3, small enough for a unit test."""
