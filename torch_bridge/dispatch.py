@@ -179,12 +179,46 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         dev_out.set_(memory.relabel(cpu_out, index))
         conv.views[id(cpu_out)] = dev_out
     out = _back(result, conv, index)
-    inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
-    outputs = flat_tensors(out, [])
     rt = runtime()
-    rt.charge(index, info.name, rt.lowering.op(info.name, args, kwargs, [t for t in inputs if t.device.type == NEURON],
-                                               outputs))
+    key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
+    lowered = _lowered.get(key)
+    if lowered is None:
+        inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
+        lowered = rt.lowering.op(info.name, args, kwargs, [t for t in inputs if t.device.type == NEURON],
+                                 flat_tensors(out, []))
+        _lowered[key] = lowered
+    rt.charge(index, info.name, lowered)
     return out
+
+
+# (op, argument signature) -> its Lowered: skips re-deriving the kernel key of a repeated call
+_lowered: dict[tuple[Any, ...], Lowered] = {}
+
+
+def _signature(x: Any) -> Any:
+    """What of an argument can change the kernel: tensor shapes, dtypes and devices, ints, strings,
+    bools; not float values (a learning rate changes every step, the kernel does not)."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(y) for y in x)
+    if isinstance(x, float):
+        return float
+    if isinstance(x, (int, str, bool, torch.dtype)) or x is None:
+        return x
+    return type(x)
+
+
+def _same_device_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The fallback for a claimed elementwise op, with the device check its composite would have
+    made (TensorIterator's): one device, except 0-dim CPU tensors, which act as scalars."""
+    devices = {t.device for t in flat_tensors(list(args) + list(kwargs.values()), [])
+               if t.device.type == NEURON or t.dim() > 0}
+    if len(devices) > 1:
+        a, b = sorted(devices, key=str)[:2]
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{a} and {b}!")
+    return _fallback(op, *args, **kwargs)
 
 
 # ---- allocation, copies, resize ---------------------------------------------------------------
@@ -456,6 +490,13 @@ def _autocast_kernel(op: Any) -> Callable[..., Any]:
 # Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
 # layer norm differs by ~1e-4) and lets them lower to their library kernels.
 WHOLE_OPS = ("native_layer_norm", "embedding")
+# Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
+# trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
+DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar", "mul.Scalar", "neg", "exp",
+              "sqrt", "rsqrt", "relu", "gelu", "silu", "sigmoid", "tanh", "pow.Tensor_Scalar", "where.self",
+              "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
+              "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
+              "_softmax_backward_data")
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch._disable_dynamo(fn, recursive=True)
@@ -488,9 +529,11 @@ def register_kernels() -> None:
     }
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
-    for name in WHOLE_OPS:
-        op = getattr(torch.ops.aten, name).default
-        impl.impl(name, _hidden(functools.partial(_fallback, op)), "PrivateUse1")
+    for name in WHOLE_OPS + DIRECT_OPS:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        kernel = functools.partial(_same_device_fallback if name in DIRECT_OPS else _fallback, op)
+        impl.impl(name, _hidden(kernel), "PrivateUse1")
     # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")

@@ -144,11 +144,22 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
     return relabel(cpu, index, counted=True)
 
 
+# (address, bytes) -> a non-owning CPU storage over that device memory. Reusing one is safe even
+# after the memory is freed and reallocated: it only ever names the address range.
+_aliases: dict[tuple[int, int], torch.UntypedStorage] = {}
+_ALIAS_CACHE = 4096
+
+
 def cpu_view(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor over the same memory as the neuron tensor ``t`` (same sizes, strides, offset,
     conj/neg bits). It does not own the memory: keep ``t`` alive while it is used."""
     st = t.untyped_storage()
-    cst = torch._C._construct_storage_from_data_pointer(st.data_ptr(), torch.device("cpu"), st.nbytes())
+    key = (st.data_ptr(), st.nbytes())
+    cst = _aliases.get(key)
+    if cst is None:
+        if len(_aliases) >= _ALIAS_CACHE:
+            _aliases.clear()
+        cst = _aliases[key] = torch._C._construct_storage_from_data_pointer(key[0], torch.device("cpu"), key[1])
     v = torch.empty(0, dtype=t.dtype).set_(cst, t.storage_offset(), t.size(), t.stride())
     if t.is_conj():
         v = torch._conj(v)
