@@ -201,7 +201,8 @@ class _Mm:
              queue: int) -> list[TileAP]:
         """New k-tiles ``g0..g1-1`` holding columns ``off:off+width`` of the [K, C] operand: loaded
         from ``src[K, C]``, or (``trans``) from ``src[C, K]`` transposed on chip."""
-        tiles = [self.ktile(pool, self.plan.bm if pool is self.lhs_pool else self.plan.bn) for _ in range(g0, g1)]
+        cols = self.plan.bm if pool is self.lhs_pool else self.plan.bn  # every buffer of a pool has one shape
+        tiles = [self.ktile(pool, cols) for _ in range(g0, g1)]
         if trans:
             for t0 in range(g0, g1, _GROUP):
                 t1 = min(g1, t0 + _GROUP)
