@@ -53,7 +53,8 @@ def _accelerator_synchronize(original: Any) -> Any:
     """``torch.accelerator.synchronize`` asks the C++ device guard, which cannot synchronize a
     Python backend: route neuron to :func:`torch.neuron.synchronize`."""
     def synchronize(device: Any = None) -> None:
-        if torch.accelerator.current_accelerator().type == "neuron":
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None and acc.type == "neuron":
             idx = None if device is None else (device if isinstance(device, int) else torch.device(device).index)
             _device_module.synchronize(idx)
             return

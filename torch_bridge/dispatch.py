@@ -291,7 +291,7 @@ def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.
     storage = self.untyped_storage()
     if need > storage.nbytes():
         index = self.device.index or 0
-        grown = memory.allocate((need,), None, torch.uint8, index)
+        grown = memory.allocate((int(need),), None, torch.uint8, index)
         if storage.nbytes():
             old = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             memory.cpu_view(grown)[:storage.nbytes()].copy_(memory.cpu_view(old))
@@ -457,13 +457,13 @@ def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight
     if output_mask[1]:
         _conv_time(index, "convolution_backward", input, weight, grad_output, groups)
     res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
-    if output_mask[2]:
+    if res[2] is not None:
         _charge_generic(index, "convolution_backward", [grad_output], [res[2]])
     return res  # type: ignore[return-value]
 
 
 # ---- autocast -------------------------------------------------------------------------------
-_AUTOCAST_KEYS = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
+_AUTOCAST_KEYS = DispatchKeySet(getattr(DispatchKey, "AutocastPrivateUse1"))  # missing from the stubs
 AUTOCAST_OPS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "conv1d", "conv2d", "conv3d",
                 "addbmm", "_convolution", "prelu", "scaled_dot_product_attention")
 

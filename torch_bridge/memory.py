@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -52,7 +52,6 @@ class DeviceMemory:
     frees: int = 0
     ooms: int = 0
     segments: int = 0  # live allocations
-    extra: dict[str, int] = field(default_factory=dict)
 
     def stats(self) -> dict[str, int]:
         """``torch.cuda.memory_stats``-style keys for the figures we track."""
@@ -146,7 +145,7 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
 
 # (address, bytes) -> a non-owning CPU storage over that device memory. Reusing one is safe even
 # after the memory is freed and reallocated: it only ever names the address range.
-_aliases: dict[tuple[int, int], torch.UntypedStorage] = {}
+_aliases: dict[tuple[int, int], Any] = {}
 _ALIAS_CACHE = 4096
 
 

@@ -68,8 +68,6 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
-    import torch  # noqa: F401  (registers the device through autoload, or below)
-
     import torch_bridge
     from torch_bridge import device, runtime
 
@@ -90,8 +88,8 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         status = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-    for i in range(torch.neuron.device_count()):
-        torch.neuron.synchronize(i)
+    for i in range(device.device_count()):
+        device.synchronize(i)
     report = device.report()
     if trace is not None:
         write_op_trace(trace, report)
