@@ -26,27 +26,17 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import simpy  # noqa: E402
 
 from trnsim import load_config  # noqa: E402
 from trnsim.kernels import get_kernel, kernel_names  # noqa: E402
 from trnsim.sim import simulate  # noqa: E402
 
+from bench_scheduler import raw_simpy  # noqa: E402  (the same baseline, from the script beside this one)
+
 BUDGET_S = 2.0
 BIG = [("matmul", (4096, 4096, 4096)), ("matmul", (4096, 8192, 8192)), ("bmm", (8, 1024, 1024, 1024))]
 QUICK = [("matmul", (4096, 4096, 4096)), ("bmm", (4, 512, 512, 512))]
 OTHERS = ("attention", "conv2d", "rmsnorm", "softmax")  # at their default shapes, when registered
-
-
-def raw_simpy(n: int) -> None:
-    env = simpy.Environment()
-
-    def proc():
-        for _ in range(n):
-            yield env.timeout(1)
-
-    env.process(proc())
-    env.run()
 
 
 def best(fn, repeats: int) -> tuple[float, object]:
