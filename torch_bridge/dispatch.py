@@ -173,7 +173,16 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     call = op
     if any(isinstance(args[i], numbers.Number) for i in info.tensor_positions if i < len(args)):
         call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
-    result = call(*cargs, **ckwargs)
+    try:
+        result = call(*cargs, **ckwargs)
+    except NotImplementedError as e:  # no CPU kernel for these arguments: say so for neuron, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NotImplementedError(f"neuron: aten::{info.name} cannot run on the neuron device with these arguments "
+                                  f"({first}); run this op on CPU (move its tensors with .cpu())") from None
+    for t in flat_tensors(result, []):
+        if t.layout != torch.strided:
+            raise NotImplementedError(f"neuron: aten::{info.name} returns a {t.layout} tensor, and the neuron device "
+                                      f"holds dense (strided) tensors only; run this op on CPU (.cpu())")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
         dev_out.set_(memory.relabel(cpu_out, index))

@@ -77,7 +77,11 @@ def test_manual_seed_makes_neuron_draw_like_cpu():
 
 
 def test_unsupported_op_names_itself():
-    with pytest.raises(Exception, match="to_sparse|Sparse"):
+    with pytest.raises(NotImplementedError, match=r"^neuron: aten::linalg_cholesky_ex cannot run on the neuron device "
+                                                  r"with these arguments \(.*Half.*\); run this op on CPU"):
+        torch.linalg.cholesky(torch.eye(2, dtype=torch.float16, device="neuron"))
+    with pytest.raises(NotImplementedError, match=r"^neuron: aten::_to_sparse returns a torch.sparse_coo tensor, and "
+                                                  r"the neuron device holds dense \(strided\) tensors only"):
         torch.ones(2, 2, device="neuron").to_sparse()
 
 
