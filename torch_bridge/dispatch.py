@@ -91,6 +91,7 @@ class _ToCpu:
 
     def __init__(self) -> None:
         self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
+        self.storages: dict[int, torch.Tensor] = {}  # device address -> a neuron tensor on that storage
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -98,6 +99,9 @@ class _ToCpu:
                 return x
             v = memory.cpu_view(x)
             self.views[id(v)] = x
+            ptr = x.untyped_storage().data_ptr()
+            if ptr:
+                self.storages[ptr] = x
             return v
         if isinstance(x, (list, tuple)):
             return type(x)(self(y) for y in x)
@@ -107,14 +111,20 @@ class _ToCpu:
 
 
 def _back(x: Any, conv: _ToCpu, index: int) -> Any:
-    """Map a CPU result back to the device: an argument's view -> that neuron tensor, a new
-    tensor -> relabelled in place of a copy."""
+    """Map a CPU result back to the device: an argument's view -> that neuron tensor; a result
+    over an argument's memory (an op whose schema does not say it aliases) -> a neuron view of
+    that storage, never a second owner of it; a new tensor -> relabelled in place of a copy."""
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             return x
         mine = conv.views.get(id(x))
         if mine is not None:
             return mine
+        owner = conv.storages.get(x.untyped_storage().data_ptr())
+        if owner is not None:
+            alias = torch.empty(0, dtype=x.dtype, device=owner.device)
+            return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, alias, owner.untyped_storage(), x.storage_offset(), x.size(), x.stride())
         return memory.relabel(x, index)
     if isinstance(x, (list, tuple)):
         return type(x)(_back(y, conv, index) for y in x)
@@ -174,7 +184,15 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if any(isinstance(args[i], numbers.Number) for i in info.tensor_positions if i < len(args)):
         call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
     try:
-        result = call(*cargs, **ckwargs)
+        try:
+            result = call(*cargs, **ckwargs)
+        except RuntimeError as e:
+            outs = [n for n in info.out_names if _is_neuron(kwargs.get(n)) and n not in fresh]
+            if "not resizable" not in str(e) or not outs:
+                raise
+            for name in outs:  # an out= of the wrong size: let the kernel allocate, then adopt it
+                fresh[name] = ckwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
+            result = call(*cargs, **ckwargs)
     except NotImplementedError as e:  # no CPU kernel for these arguments: say so for neuron, in one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NotImplementedError(f"neuron: aten::{info.name} cannot run on the neuron device with these arguments "

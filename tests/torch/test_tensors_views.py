@@ -81,3 +81,18 @@ def test_many_ops_match_cpu():
     }
     for name, fn in checks.items():
         torch.testing.assert_close(fn(n).cpu(), fn(x), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_out_of_the_wrong_size_is_resized_like_cpu():
+    out = torch.empty(2, device="neuron")
+    with pytest.warns(UserWarning, match="resized"):
+        r = torch.add(torch.ones(3, device="neuron"), 1, out=out)
+    assert r is out and out.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_result_over_an_arguments_memory_stays_a_view():
+    x = torch.arange(6.0, device="neuron")
+    y = torch.ops.aten._unsafe_view(x, [2, 3])  # its schema does not declare the alias
+    assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    x.add_(1)
+    assert y.cpu().view(-1).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
