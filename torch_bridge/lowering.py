@@ -286,6 +286,8 @@ class Lowering:
         stored [M,K] row-major rather than as lhsT [K,M]; ``transpose_b``: B is stored [N,K]),
         else :func:`build_matmul_any` (marked generic)."""
         dt = matmul_dtype(dtype)
+        if min(batch, m, k, n) == 0:  # no products: the launch is all there is
+            return Lowered("empty matmul (launch only)", False, None)
 
         def any_size() -> Lowered:
             key = ("matmul_any", batch, m, k, n, dt)

@@ -65,3 +65,12 @@ def test_conv_is_the_datapath_matmul_of_its_patches(groups):
         patches = cols[:, gi * ck:(gi + 1) * ck].permute(1, 0, 2).reshape(ck, -1)
         want = _ref(w[gi * kg:(gi + 1) * kg].reshape(kg, ck), patches).view(kg, 2, -1).permute(1, 0, 2)
         assert torch.equal(got[:, gi * kg:(gi + 1) * kg].reshape(2, kg, -1), want)
+
+
+def test_empty_matmuls_cost_only_the_launch():
+    a = torch.ones(0, 5, device="neuron")
+    with torch.neuron.report_scope() as scope:
+        out = a @ torch.ones(5, 3, device="neuron")
+        z = torch.ones(4, 0, device="neuron") @ torch.ones(0, 2, device="neuron")
+    assert out.shape == (0, 3) and z.cpu().tolist() == [[0.0, 0.0]] * 4
+    assert scope.report.row("mm").kernel == "empty matmul (launch only)"
