@@ -328,6 +328,15 @@ def _resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.
     return self
 
 
+def _has_compatible_shallow_copy_type(self: torch.Tensor, from_: torch.Tensor) -> bool:
+    """Dense CPU and neuron tensors may take each other's place in ``.data =`` (as CPU and CUDA
+    ones do). c10's default list of dense backends lacks PrivateUse1 and asks a PrivateUse1
+    backend to say so here; without it ``Module.to("neuron")`` builds new Parameter objects and
+    unties tied weights (an LM head sharing its embedding)."""
+    return (self.layout == torch.strided and from_.layout == torch.strided
+            and {self.device.type, from_.device.type} <= {"cpu", NEURON})
+
+
 def _to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: Any = None,
              pin_memory: Any = None, non_blocking: bool = False, memory_format: Any = None) -> torch.Tensor:
     """``Tensor.to`` to or from neuron, without ``non_blocking`` (its pinned-memory path is not
@@ -556,6 +565,7 @@ def register_kernels() -> None:
     }
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
+    impl.impl("_has_compatible_shallow_copy_type", _hidden(_has_compatible_shallow_copy_type), "PrivateUse1")
     for name in WHOLE_OPS + DIRECT_OPS:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")

@@ -4,16 +4,44 @@ import copy
 import io
 import pickle
 
+import pytest
 import torch
 from torch import nn
 
 
-def test_module_to_neuron_keeps_parameters():
+def test_module_to_neuron_keeps_parameter_objects():
     m = nn.Linear(4, 3)
     p = m.weight
     m.to("neuron")
-    assert isinstance(m.weight, nn.Parameter) and m.weight.device.type == "neuron"
-    assert m.neuron() is m and p.device.type == "cpu"  # a new Parameter replaced the CPU one
+    assert m.weight is p and isinstance(p, nn.Parameter) and p.device.type == "neuron"  # as on CUDA
+    assert m.neuron() is m and m.cpu().weight is p and p.device.type == "cpu"
+
+
+def test_tied_weights_stay_tied():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head}).to("neuron")
+    assert model.head.weight is model.emb.weight and model.emb.weight.device.type == "neuron"
+    model.head(model.emb(torch.tensor([1, 2], device="neuron"))).sum().backward()
+    assert model.emb.weight.grad.device.type == "neuron"
+    assert list(dict(model.named_parameters())) == ["emb.weight"]
+
+
+def test_hf_gpt2_ties_and_matches_cpu():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    ref = model(ids).logits.detach()
+    dev = model.to("neuron")
+    assert dev.lm_head.weight is dev.transformer.wte.weight
+    out = dev(ids.to("neuron")).logits
+    torch.testing.assert_close(out.detach().cpu(), ref, rtol=1e-4, atol=1e-4)
+    out.float().pow(2).mean().backward()
+    assert dev.transformer.wte.weight.grad.device.type == "neuron"
 
 
 def test_save_load_both_ways_and_weights_only():
