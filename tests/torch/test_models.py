@@ -1,0 +1,160 @@
+"""Hugging Face Transformers models on neuron against CPU: GPT-2, Llama and BERT built from small
+configs (no downloads), forward and backward, tied weights, a few AdamW steps.
+
+Each model is built once on CPU and deep-copied to neuron, so both start from the same weights.
+The device computes fp32 matmuls on the TensorE datapath (fp32 products, fp32 accumulation in
+128-row chunks, no fused multiply-add) rather than with BLAS, so results differ from CPU in the
+last bits: tolerances are a few ulps of fp32 relative to each tensor's scale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.set_verbosity_error()  # small configs trip token-id warnings
+
+VOCAB, SEQ = 128, 16
+
+
+def _gpt2(dropout: float = 0.0, attn: str = "sdpa") -> torch.nn.Module:
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                  bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama() -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _bert() -> torch.nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _tokens(batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal up to a few fp32 ulps of the tensor's scale (a gradient that is mathematically zero,
+    such as an attention key bias's, is rounding noise on both devices)."""
+    assert actual.device.type == "neuron", what
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-4, atol=1e-5 * max(scale, 1e-3), msg=what)
+
+
+def _forward_backward(model: torch.nn.Module, x: torch.Tensor, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)  # the device draws dropout masks from the host generator, as CPU does
+    device = next(model.parameters()).device
+    out = model(x.to(device), labels=x.to(device))
+    out.loss.backward()
+    return out.logits, out.loss
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(_gpt2, id="gpt2-sdpa"),
+    pytest.param(lambda: _gpt2(attn="eager"), id="gpt2-eager"),
+    pytest.param(lambda: _gpt2(dropout=0.1), id="gpt2-dropout"),
+    pytest.param(_llama, id="llama-gqa"),
+    pytest.param(_bert, id="bert-mlm"),
+])
+def test_forward_and_backward_match_cpu(build):
+    cpu = build()
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = _tokens()
+    logits_c, loss_c = _forward_backward(cpu, x)
+    logits_n, loss_n = _forward_backward(dev, x)
+    _close(logits_n, logits_c, "logits")
+    _close(loss_n, loss_c, "loss")
+    grads = dict(dev.named_parameters())
+    for name, p in cpu.named_parameters():
+        assert grads[name].grad is not None, name
+        _close(grads[name].grad, p.grad, f"grad of {name}")
+
+
+@pytest.mark.parametrize("build,tied", [
+    (_gpt2, ("lm_head.weight", "transformer.wte.weight")),
+    (_bert, ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")),
+])
+def test_tied_weights_stay_tied(build, tied):
+    """``.to("neuron")`` keeps one Parameter for a tied pair (one copy in device memory, one
+    gradient), and so does the way back with ``.cpu()``."""
+    model = build()
+    head, emb = (model.get_parameter(n) for n in tied)
+    assert head is emb
+    n_cpu = sum(p.numel() for p in model.parameters())
+    before = torch.neuron.memory_allocated()
+    model.to("neuron")
+    head, emb = (model.get_parameter(n) for n in tied)
+    assert head is emb and head.device.type == "neuron"
+    assert sum(p.numel() for p in model.parameters()) == n_cpu
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.neuron.memory_allocated() - before < param_bytes + emb.numel() * emb.element_size()
+    _forward_backward(model, _tokens())
+    assert head.grad is not None and head.grad.device.type == "neuron"
+    model.cpu()
+    head, emb = (model.get_parameter(n) for n in tied)
+    assert head is emb and head.device.type == "cpu"
+
+
+LR = 3e-3
+
+
+def _adamw_steps(model: torch.nn.Module, steps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    device = next(model.parameters()).device
+    x = _tokens(batch=4).to(device)
+    losses = []
+    for _ in range(steps):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_adamw_steps_match_cpu(build):
+    cpu = build()
+    dev = copy.deepcopy(cpu).to("neuron")
+    losses_c = _adamw_steps(cpu, 4)
+    losses_n = _adamw_steps(dev, 4)
+    assert losses_c[-1] < losses_c[0]  # it learns, so the comparison covers real updates
+    assert losses_n == pytest.approx(losses_c, rel=1e-5)
+    # Adam divides each gradient element by its own running RMS, so last-bit noise in a gradient
+    # element near zero becomes an update of up to LR: parameters are compared against the
+    # largest distance a step can move them (LR per step), not their own scale.
+    params = dict(dev.named_parameters())
+    for name, p in cpu.named_parameters():
+        torch.testing.assert_close(params[name].detach().cpu(), p.detach(), rtol=0, atol=1e-3 * LR * 4,
+                                   msg=f"{name} after AdamW")
+    if build is _gpt2:
+        assert dev.lm_head.weight is dev.transformer.wte.weight
+
+
+def test_model_time_is_simulated_per_op():
+    """A model's step is charged op by op to the simulated chip: its matmuls go to the matmul
+    kernel on TensorE (GPT-2's Conv1D layers are addmm), attention to bmm."""
+    model = _gpt2().to("neuron")
+    with torch.neuron.report_scope() as scope:
+        _forward_backward(model, _tokens())
+    rep = scope.report
+    assert rep.total_us > 0 and rep.matmul_flops > 0
+    addmm = rep.row("addmm")
+    assert addmm.kernel == "matmul" and addmm.calls == 2 * 4  # 4 Conv1D layers per block, 2 blocks
+    assert rep.row("bmm").calls > 0
