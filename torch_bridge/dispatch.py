@@ -69,6 +69,9 @@ def _is_neuron(x: Any) -> bool:
 
 
 def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.device.type == NEURON:  # the usual case, made cheap
+        return first.device.index or 0
     for t in flat_tensors(list(args) + list(kwargs.values()), []):
         if t.device.type == NEURON:
             return t.device.index or 0

@@ -16,7 +16,7 @@ from typing import Any
 
 from trnsim import ChipConfig
 
-from .timeline import Collector, TraceEvent
+from .timeline import Collector, TraceEvent, launch_ticks
 
 __all__ = ["RunReport", "OpRow", "build_run_report"]
 
@@ -84,9 +84,10 @@ def _bound(engine_percent: dict[str, float], launch_share: float) -> str:
 def build_run_report(collector: Collector, config: ChipConfig) -> RunReport:
     hz = config.tick_hz
     peak = config.peak_flops_per_core("bf16") * config.chip.lnc  # a logical core's physical cores
-    total_ticks = sum(r.ticks for r in collector.records.values())
+    records = collector.records(launch_ticks(config))
+    total_ticks = sum(r.ticks for r in records)
     rows = []
-    for rec in collector.records.values():
+    for rec in records:
         kernel_ticks = rec.ticks - rec.launch_ticks
         engines = {name: 100.0 * busy / kernel_ticks for name, busy in rec.engine_busy_ticks.items()} \
             if kernel_ticks else {}

@@ -38,7 +38,7 @@ class Runtime:
         stream = clock.current_stream
         start, end = clock.launch(stream, ticks)
         for c in self.collectors:
-            c.add(device, stream, op, lowered.kernel, lowered.generic, rep, start, end, self.launch)
+            c.add(device, stream, op, lowered.kernel, lowered.generic, rep, start, end)
 
 
 _runtime: Runtime | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from trnsim import ChipConfig, KernelReport
 
@@ -55,32 +56,49 @@ class TraceEvent:
 
 
 class Collector:
-    """Accumulates op records for one report scope (the process-wide one, or a ``with`` block)."""
+    """Counts launches for one report scope (the process-wide one, or a ``with`` block).
+
+    ``add`` runs once per op call, so it only counts: launches of the same (op, kernel report)
+    cost the same, and :meth:`records` turns the counts into totals when a report is built."""
 
     def __init__(self, trace: bool = False):
-        self.records: dict[tuple[str, str], OpRecord] = {}
+        self.counts: dict[tuple[str, str, bool, int], list[Any]] = {}  # -> [report or None, calls]
         self.events: list[TraceEvent] | None = [] if trace else None
         self.first_tick: dict[int, int] = {}
         self.last_tick: dict[int, int] = {}
 
     def add(self, device: int, stream: int, op: str, kernel: str, generic: bool, rep: KernelReport | None,
-            start: int, end: int, launch: int) -> None:
-        rec = self.records.get((op, kernel))
-        if rec is None:
-            rec = self.records[(op, kernel)] = OpRecord(op, kernel, generic)
-        rec.calls += 1
-        rec.ticks += end - start
-        rec.launch_ticks += launch
-        if rep is not None:
-            for name, e in rep.engines.items():
-                rec.engine_busy_ticks[name] = rec.engine_busy_ticks.get(name, 0) + e.busy_ticks
-            rec.dma_busy_ticks += round(rep.dma.active_percent * max(rep.total_ticks, 1) / 100)
-            rec.hbm_bytes += rep.hbm_read_bytes + rep.hbm_write_bytes
-            rec.flops += rep.matmul_flops
-        self.first_tick[device] = min(self.first_tick.get(device, start), start)
-        self.last_tick[device] = max(self.last_tick.get(device, end), end)
+            start: int, end: int) -> None:
+        key = (op, kernel, generic, id(rep))  # reports live in the kernel cache: their ids are stable
+        entry = self.counts.get(key)
+        if entry is None:
+            self.counts[key] = [rep, 1]
+        else:
+            entry[1] += 1
+        if start < self.first_tick.get(device, start + 1):
+            self.first_tick[device] = start
+        if end > self.last_tick.get(device, -1):
+            self.last_tick[device] = end
         if self.events is not None:
             self.events.append(TraceEvent(device, stream, op, kernel, start, end))
+
+    def records(self, launch_ticks: int) -> list[OpRecord]:
+        """Totals per (op, kernel), each launch costing ``launch_ticks`` plus its kernel."""
+        out: dict[tuple[str, str], OpRecord] = {}
+        for (op, kernel, generic, _), (rep, calls) in self.counts.items():
+            rec = out.get((op, kernel))
+            if rec is None:
+                rec = out[(op, kernel)] = OpRecord(op, kernel, generic)
+            rec.calls += calls
+            rec.launch_ticks += calls * launch_ticks
+            rec.ticks += calls * (launch_ticks + (rep.total_ticks if rep is not None else 0))
+            if rep is not None:
+                for name, e in rep.engines.items():
+                    rec.engine_busy_ticks[name] = rec.engine_busy_ticks.get(name, 0) + calls * e.busy_ticks
+                rec.dma_busy_ticks += calls * round(rep.dma.active_percent * max(rep.total_ticks, 1) / 100)
+                rec.hbm_bytes += calls * (rep.hbm_read_bytes + rep.hbm_write_bytes)
+                rec.flops += calls * rep.matmul_flops
+        return list(out.values())
 
 
 class CoreClock:
