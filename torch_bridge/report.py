@@ -5,8 +5,9 @@ Per row (one op lowered to one kernel): calls, simulated time (launch overhead +
 summed over calls) and its share of the total, each engine's busy share of the kernel time, HBM
 bytes, MFU (matmul FLOPs over that time at the bf16 peak of the device: a logical NeuronCore, i.e.
 ``chip.lnc`` physical cores; each op's kernel is simulated on one physical core, so with LNC=2 an
-op's MFU is at most 50% — the second core's idle share is real), and the bound: the engine or the DMA/HBM path busiest during the row's kernels, or
-``launch`` when launch overhead is most of the row's time. ``generic`` rows used the bridge's
+op's MFU is at most 50% — the second core's idle share is real), and the bound: the engine or the
+DMA/HBM path busiest during the row's kernels, or ``launch`` when launch overhead is most of the
+row's time. ``generic`` rows used the bridge's
 generic streaming kernel rather than a library kernel; ``view`` rows cost launch overhead only.
 """
 
