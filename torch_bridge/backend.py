@@ -7,7 +7,6 @@ initialising, and only a submodule can be loaded at that moment.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -63,39 +62,6 @@ def _accelerator_synchronize(original: Any) -> Any:
     return synchronize
 
 
-_converting = threading.local()
-
-
-def _keep_shared_parameters(original: Any) -> Any:
-    """``Module._apply`` (``.to``, ``.neuron``, ``.cpu``) swaps a parameter's ``.data`` only between
-    tensor types PyTorch deems shallow-copy compatible, and PrivateUse1 is not among them: moving
-    to or from neuron builds a new Parameter per module, so a weight shared by two modules (GPT-2's
-    ``lm_head`` and ``wte``) would come apart into two copies with separate gradients. After the
-    outermost call, modules that shared a Parameter before share the first one's result again,
-    which is what ``.data`` swapping gives on CUDA."""
-    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> Any:
-        if not recurse or getattr(_converting, "active", False):
-            return original(self, fn, recurse)
-        places: dict[int, tuple[torch.Tensor, list[tuple[torch.nn.Module, str]]]] = {}
-        for m in self.modules():
-            for key, p in m._parameters.items():
-                if p is not None:
-                    places.setdefault(id(p), (p, []))[1].append((m, key))
-        _converting.active = True
-        try:
-            out = original(self, fn, recurse)
-        finally:
-            _converting.active = False
-        for old, sharers in places.values():
-            first, key = sharers[0]
-            new = first._parameters[key]
-            if len(sharers) > 1 and new is not old and "neuron" in (old.device.type, new.device.type):
-                for m, k in sharers[1:]:
-                    m._parameters[k] = new
-        return out
-    return _apply
-
-
 def register() -> None:
     """Register the ``neuron`` device with PyTorch (idempotent)."""
     global _registered
@@ -113,7 +79,6 @@ def register() -> None:
     torch._utils._to = _storage_to(torch._utils._to)  # type: ignore[attr-defined]
     torch.storage._to = _storage_to(torch.storage._to)  # type: ignore[attr-defined]
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
-    torch.nn.Module._apply = _keep_shared_parameters(torch.nn.Module._apply)  # type: ignore[method-assign]
     _registered = True
 
 
