@@ -1,7 +1,10 @@
 """``torch.neuron``: the device module, shaped like ``torch.cuda``.
 
 Device and RNG: ``is_available``, ``device_count`` (the config's logical NeuronCores),
-``current_device``/``set_device``/``device``, ``synchronize``, ``manual_seed``. The device
+``current_device``/``set_device``/``device``, ``synchronize``, ``manual_seed``. ``set_device``
+steers factories (``torch.empty(..., device="neuron")``) and the streams API; ``.to("neuron")``
+without an index always means neuron:0, because PyTorch resolves it through the C++ device guard,
+which a Python backend cannot make stateful (torch 2.13): name ``"neuron:1"`` explicitly. The device
 draws random numbers from PyTorch's host generator (PrivateUse1 has no Python generator API), so
 a seeded neuron run draws the same numbers as the same CPU run.
 
