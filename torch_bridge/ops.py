@@ -52,15 +52,15 @@ def _binary(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch
         bc = "col"
     else:
         return None
-    return "binary", (rows, cols), {"op": BINARY[name], "broadcast": bc}
+    return "binary", (rows, cols), {"op": BINARY[name.rstrip("_")], "broadcast": bc}
 
 
 def _unary(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
-    return "unary", _rows_cols(out), {"op": UNARY[name]}
+    return "unary", _rows_cols(out), {"op": UNARY[name.rstrip("_")]}
 
 
 def _activation(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
-    return "activation", _rows_cols(out), {"fn": ACTIVATION[name]}
+    return "activation", _rows_cols(out), {"fn": ACTIVATION[name.rstrip("_")]}
 
 
 def _gelu(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
