@@ -123,6 +123,8 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
         mine = conv.views.get(id(x))
         if mine is not None:
             return mine
+        if x._is_zerotensor():  # an _efficientzerotensor (sgn's gradient) has no memory: materialise it
+            return memory.relabel(torch.zeros(x.shape, dtype=x.dtype), index)
         owner = conv.storages.get(x.untyped_storage().data_ptr())
         if owner is not None:
             alias = torch.empty(0, dtype=x.dtype, device=owner.device)
