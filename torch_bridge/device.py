@@ -9,7 +9,8 @@ draws random numbers from PyTorch's host generator (PrivateUse1 has no Python ge
 a seeded neuron run draws the same numbers as the same CPU run.
 
 Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
-``reset_peak_memory_stats``, ``mem_get_info``.
+``reset_peak_memory_stats``, ``mem_get_info`` (and ``memory_reserved``/``empty_cache``, trivial
+without a caching allocator).
 
 Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
 (see :mod:`torch_bridge.timeline` for the model).
@@ -34,7 +35,7 @@ __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
     "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
     "get_amp_supported_dtype", "is_bf16_supported", "memory_allocated", "max_memory_allocated", "memory_stats",
-    "reset_peak_memory_stats", "mem_get_info", "Stream", "Event", "stream", "current_stream", "default_stream",
+    "reset_peak_memory_stats", "mem_get_info", "memory_reserved", "max_memory_reserved", "empty_cache", "Stream", "Event", "stream", "current_stream", "default_stream",
     "set_config", "config", "report", "report_scope", "reset_report", "RunReport",
 ]
 
@@ -165,6 +166,19 @@ def memory_stats(device: Any = None) -> dict[str, int]:
 def reset_peak_memory_stats(device: Any = None) -> None:
     mem = _memory(device)
     mem.peak = mem.allocated
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Equal to :func:`memory_allocated`: the device has no caching allocator holding freed blocks."""
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return max_memory_allocated(device)
+
+
+def empty_cache() -> None:
+    """Nothing to release (no caching allocator); here so CUDA-style scripts run unchanged."""
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

@@ -39,6 +39,8 @@ def test_peak_reset_and_stats():
     assert torch.neuron.max_memory_allocated() == torch.neuron.memory_allocated()
     stats = torch.neuron.memory_stats()
     assert stats["allocated_bytes.all.current"] == torch.neuron.memory_allocated()
+    torch.neuron.empty_cache()
+    assert torch.neuron.memory_reserved() == torch.neuron.memory_allocated()
     free, total = torch.neuron.mem_get_info()
     cfg = torch.neuron.config()
     assert total == cfg.chip.hbm.capacity // torch.neuron.device_count() and free <= total
