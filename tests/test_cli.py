@@ -29,9 +29,20 @@ def test_info_defaults_to_trn2(capsys):
 
 
 def test_demo_golden(capsys):
+    """The demo trains examples/train_gpt2.py on trn2: losses, run report and kernel report are
+    the same on every run."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     code, out, _ = run(capsys, "demo")
     assert code == 0
     assert out == (GOLDEN / "demo_trn2.txt").read_text()
+
+
+def test_demo_without_torch_runs_the_kernel_demo(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    code, out, _ = run(capsys, "demo")
+    assert code == 0
+    assert out == (GOLDEN / "demo_trn2_no_torch.txt").read_text()
 
 
 def test_info_json_and_overrides(capsys):

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from .config import ChipConfig, ConfigError, config_names, format_quantity, load_config
@@ -26,7 +27,7 @@ from .isa import KernelError
 from .report import KernelReport
 from .sweep import bound_of
 
-__all__ = ["main", "render_info", "render_report", "bound_of"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
 
 
 class UsageError(Exception):
@@ -232,16 +233,83 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_STEPS = 30
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The chip summary, then examples/train_gpt2.py on the virtual chip with its run report and
+    one of its kernels up close; without PyTorch, a bf16 matmul kernel and its report."""
+    cfg = load_config(args.config, args.set)
+    console = _console()
+    render_info(cfg, console)
+    console.print()
+    example = _training_example()
+    if isinstance(example, str):
+        console.print(f"{example}: showing the kernel demo instead of GPT-2 training", markup=False)
+        return _kernel_demo(cfg, console)
+    return _training_demo(example, cfg, console)
+
+
+def _training_example() -> Any:
+    """examples/train_gpt2.py loaded as a module, or a one-line reason why it cannot run here."""
+    import importlib.util
+
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        import torch_bridge  # noqa: F401  (registers the neuron device where autoload is off)
+    except ImportError as e:
+        return f"{e.name} is not installed (python3 -m pip install -e '.[demo]' adds PyTorch and transformers)"
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_gpt2.py"
+    if not path.is_file():
+        return f"{path} is missing (the demo runs from a source checkout: pip install -e .)"
+    spec = importlib.util.spec_from_file_location("train_gpt2", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _training_demo(example: Any, cfg: ChipConfig, console: Any) -> int:
+    import torch
+
+    from .chip import Chip
+    from .kernels import get_kernel
+
+    if not torch.neuron.is_initialized():
+        torch.neuron.set_config(cfg)
+    elif torch.neuron.config() != cfg:
+        raise UsageError(f"demo: the neuron device already runs {torch.neuron.config().name} in this process")
+    batch, seq, embd = 8, 64, 64
+    console.print(f"[bold]Demo:[/bold] examples/train_gpt2.py trains a small Hugging Face GPT-2 (2 layers, width "
+                  f"{embd}, byte tokens) with AdamW on the virtual {cfg.name}: model.to(\"neuron\") is the only "
+                  f"change from a CPU script. {DEMO_STEPS} steps, batch {batch} x {seq} bytes:")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU kernels' reduction order, and so every loss digit, fixed
+    try:
+        torch.neuron.reset_report()
+        example.train(DEMO_STEPS, batch, seq, log_every=10, log=console.print)
+        rep = torch.neuron.report()
+    finally:
+        torch.set_num_threads(threads)
+    console.print()
+    render_run_report(rep, f"examples/train_gpt2.py on {cfg.name}", _Out(width=140))
+    console.print()
+    tokens, hidden = batch * seq, 4 * embd
+    console.print(f"One kernel of the step up close: a block's MLP up-projection, x[{tokens}x{embd}] @ "
+                  f"W[{embd}x{hidden}] fp32 (addmm), as the library matmul kernel the device simulated for it:")
+    kernel = get_kernel("matmul").make((tokens, embd, hidden), "fp32", cfg, {"transpose_a": True, "transpose_b": False})
+    render_report(Chip(cfg).run(kernel, timing_only=True).report, console, cfg)
+    return 0
+
+
+def _kernel_demo(cfg: ChipConfig, console: Any) -> int:
     import numpy as np
 
     from .chip import Chip
     from .kernels.matmul import build_matmul
 
-    cfg = load_config(args.config, args.set)
-    console = _console()
-    render_info(cfg, console)
-    console.print()
     m, k, n = 512, 1024, 1024
     kernel = build_matmul(m, k, n, "bf16", cfg)
     rng = np.random.default_rng(0)
@@ -409,19 +477,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     if opts.get("json", args.json):
         print(json.dumps(rep.to_dict(), indent=2))
         return status
+    print_run_report(rep, f"{args.script} on {rep.config}")
+    return status
+
+
+def render_run_report(rep: Any, title: str, console: Any) -> None:
+    """A torch_bridge RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
+    examples/train_gpt2.py print it this way)."""
     from rich.table import Table
 
-    t = Table(title=f"neuron run report: {args.script} on {rep.config}", title_justify="left")
+    t = Table(title=f"neuron run report: {title}", title_justify="left")
     for col in ("op", "kernel", "calls", "time us", "share", "MFU", "HBM MB", "bound"):
         t.add_column(col, justify="right" if col in ("calls", "time us", "share", "MFU", "HBM MB") else "left")
     for r in rep.rows:
         t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
                   f"{r.share_percent:.1f}%", f"{r.mfu_percent:.1f}%", f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
-    console = _Out(width=140)
     console.print(t)
     console.print(f"total: {rep.total_calls:,} op calls, {rep.total_us:,.1f} us simulated, "
                   f"MFU {rep.mfu_percent:.1f}%  (* generic kernel: DMA + engine streaming, no library kernel)")
-    return status
+
+
+def print_run_report(rep: Any, title: str) -> None:
+    """:func:`render_run_report` to stdout, wide enough for op and kernel names."""
+    render_run_report(rep, title, _Out(width=140))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted override, e.g. core.sbuf.partition_bytes=256KiB (repeatable)")
     i.add_argument("--json", action="store_true", help="print the figures as JSON")
     i.set_defaults(fn=cmd_info)
-    d = sub.add_parser("demo", help="print trnsim info for a chip, then run a bf16 matmul kernel and its report")
+    d = sub.add_parser("demo", help="print trnsim info for a chip, train a small GPT-2 on it (examples/train_gpt2.py) and print the run report and one kernel's cycle report (without PyTorch: a bf16 matmul kernel)")
     d.add_argument("--config", default="trn2", help="config name or YAML path (default trn2)")
     d.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted override (repeatable)")
     d.set_defaults(fn=cmd_demo)
