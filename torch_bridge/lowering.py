@@ -20,6 +20,7 @@ import torch
 
 from trnsim import Chip, ChipConfig, Kernel, KernelError, KernelReport
 from trnsim.kernels import get_kernel, kernel_names
+from trnsim.native.dtypes import get_dtype
 
 from .ops import RULES
 
@@ -91,7 +92,7 @@ def build_generic(label: str, in_bytes: int, out_bytes: int, work: int, dtype: s
     :data:`GENERIC_TILE_FREE` elements per partition per tile, triple-buffered."""
     k = Kernel(label, config)
     p = config.core.sbuf.partitions
-    isz = _itemsize(dtype)
+    isz = get_dtype(dtype).itemsize
     cin = _cols(-(-in_bytes // isz), p) if in_bytes else 0
     cout = _cols(-(-out_bytes // isz), p) if out_bytes else 0
     cw = _cols(work, p) if work else 0
@@ -129,12 +130,6 @@ def build_generic(label: str, in_bytes: int, out_bytes: int, work: int, dtype: s
                 k.memset(src_tile[:, :w], 0.0)
             k.dma_copy(y[:, c0:c0 + w], src_tile[:, :w], queue=1)
     return k
-
-
-def _itemsize(dtype: str) -> int:
-    from trnsim.native.dtypes import get_dtype
-
-    return get_dtype(dtype).itemsize
 
 
 def build_matmul_any(batch: int, m: int, k: int, n: int, dtype: str, config: ChipConfig,
