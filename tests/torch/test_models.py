@@ -158,3 +158,19 @@ def test_model_time_is_simulated_per_op():
     addmm = rep.row("addmm")
     assert addmm.kernel == "matmul" and addmm.calls == 2 * 4  # 4 Conv1D layers per block, 2 blocks
     assert rep.row("bmm").calls > 0
+
+
+def test_train_gpt2_example_learns_and_reports(capsys):
+    """examples/train_gpt2.py (the demo's training loop): the loss falls, the report follows."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_gpt2.py"
+    spec = importlib.util.spec_from_file_location("train_gpt2", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--steps", "6", "--batch", "4", "--seq", "32"]) == 0
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5  # steps 1, 5 and 6
+    assert f"neuron run report: train_gpt2.py on {torch.neuron.config().name}" in out and "total:" in out
