@@ -281,6 +281,27 @@ def test_strided_and_transposed_views():
                 assert_same_bits(out, want)
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_batched_is_each_item_as_matmul_computes_it(monkeypatch, backend):
+    if backend == "reference":
+        monkeypatch.setenv("TRNSIM_NATIVE", "0")
+    rng = np.random.default_rng(23)
+    B, K, M, N = 5, 150, 20, 33  # K over one 128-row chunk: each item is an accumulation group
+    cases = [
+        (randn(rng, (B, K, M), F32), randn(rng, (B, K, N), F32)),
+        (randn(rng, (B, M, K), BF16).transpose(0, 2, 1), randn(rng, (N, B, K), F16).transpose(1, 2, 0)),
+        (randn(rng, (2 * B, K, M), E4M3)[::2], randn(rng, (B, K, 2 * N), BF16)[:, :, ::2]),
+    ]
+    for s, v in cases:
+        got = native.matmul_batched(s, v)
+        assert got.shape == (B, M, N) and got.dtype == np.float32
+        for b in range(B):
+            assert_same_bits(got[b], reference.matmul(s[b], v[b]))
+    assert native.matmul_batched(np.zeros((0, K, M), F32), np.zeros((0, K, N), F32)).shape == (0, M, N)
+    with pytest.raises(ValueError, match=r"must be 3-D with the same B, got shapes \(2, 4, 3\) and \(3, 4, 5\)"):
+        native.matmul_batched(np.zeros((2, 4, 3), F32), np.zeros((3, 4, 5), F32))
+
+
 def test_out_view_writes_only_its_elements():
     rng = np.random.default_rng(19)
     s, v = randn(rng, (40, 13), F16), randn(rng, (40, 35), F16)

@@ -22,7 +22,7 @@ from trnsim.native import dtypes, reference
 from trnsim.native.dtypes import Dtype, get_dtype
 from trnsim.native.reference import check_operands
 
-__all__ = ["matmul", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype"]
+__all__ = ["matmul", "matmul_batched", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype"]
 
 try:
     from trnsim.native import _datapath  # type: ignore[attr-defined]
@@ -154,6 +154,50 @@ def _matmul_native(
     )
     if rc != 0:
         _raise_c_error(rc)
+    return out
+
+
+def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int = 128) -> np.ndarray:
+    """``stationary[b]ᵀ @ moving[b]`` for every b, each exactly as :func:`matmul` computes it:
+    float32 [B, M, N]. One call for the batch: the operands are checked once and the C core is
+    called per item with offset pointers, so a batch of small matmuls (attention heads) does not
+    pay the per-call Python checks once per item.
+
+    Args:
+        stationary: [B, K, M] array in any supported float format; any strides.
+        moving: [B, K, N] array in any of those formats; any strides.
+        k_chunk: rows of K per matmul instruction (partitions).
+    """
+    s, v = np.asarray(stationary), np.asarray(moving)
+    if s.ndim != 3 or v.ndim != 3 or s.shape[0] != v.shape[0]:
+        raise ValueError(f"stationary [B, K, M] and moving [B, K, N] must be 3-D with the same B, "
+                         f"got shapes {s.shape} and {v.shape}")
+    check_operands(s[0] if len(s) else np.empty(s.shape[1:], s.dtype),
+                   v[0] if len(v) else np.empty(v.shape[1:], v.dtype), None, False, k_chunk)
+    batch, K, M = s.shape
+    N = v.shape[2]
+    out = np.empty((batch, M, N), dtype=np.float32)
+    if backend() == "reference":
+        for b in range(batch):
+            reference.matmul(s[b], v[b], out=out[b], k_chunk=k_chunk)
+        return out
+    lib, ffi = _lib(), _datapath.ffi
+    if any(st % s.itemsize for st in s.strides):
+        s = np.ascontiguousarray(s)
+    if any(st % v.itemsize for st in v.strides):
+        v = np.ascontiguousarray(v)
+    s_code, v_code, threads = _CODES[s.dtype.name], _CODES[v.dtype.name], _threads()
+    s_sk, s_sm = s.strides[1] // s.itemsize, s.strides[2] // s.itemsize
+    v_sk, v_sn = v.strides[1] // v.itemsize, v.strides[2] // v.itemsize
+    for b in range(batch):
+        rc = lib.trn_matmul(
+            ffi.cast("void *", s.ctypes.data + b * s.strides[0]), s_code, s_sk, s_sm,
+            ffi.cast("void *", v.ctypes.data + b * v.strides[0]), v_code, v_sk, v_sn,
+            ffi.cast("float *", out.ctypes.data + b * out.strides[0]), N, 1,
+            K, M, N, int(k_chunk), 0, -1, _FMA_POLICIES["auto"], threads,
+        )
+        if rc != 0:
+            _raise_c_error(rc)
     return out
 
 
