@@ -533,12 +533,12 @@ def _autocast_kernel(op: Any) -> Callable[..., Any]:
 WHOLE_OPS = ("native_layer_norm", "embedding")
 # Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
 # trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
-# mse_loss's CPU out= kernel also warns that it resized its output, on every call through `.out`.
+# mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
 DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar", "mul.Scalar", "neg", "exp",
               "sqrt", "rsqrt", "relu", "gelu", "silu", "sigmoid", "tanh", "pow.Tensor_Scalar", "where.self",
               "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
               "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
-              "_softmax_backward_data", "mse_loss")
+              "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch._disable_dynamo(fn, recursive=True)
