@@ -392,18 +392,11 @@ def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: 
     return memory.relabel(res, index)
 
 
-def _bmm_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)
-    for i in range(a.shape[0]):
-        out[i] = tensore.matmul_f32(a[i], b[i])
-    return out
-
-
 def _bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     index = self.device.index or 0
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if tensore.on_datapath(a, b):
-        res = _bmm_values(a, b).to(self.dtype)
+        res = tensore.bmm_f32(a, b).to(self.dtype)
     else:
         res = torch.bmm(a, b)
     _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
@@ -415,7 +408,7 @@ def _baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, 
     index = batch1.device.index or 0
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
-        prod = _bmm_values(a, b)
+        prod = tensore.bmm_f32(a, b)
         if alpha != 1:
             prod.mul_(alpha)
         if beta != 0:

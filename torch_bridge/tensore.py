@@ -17,7 +17,7 @@ import torch
 
 from trnsim import native
 
-__all__ = ["DATAPATH_DTYPES", "matmul_f32", "on_datapath", "conv_f32", "conv_on_datapath"]
+__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "conv_f32", "conv_on_datapath"]
 
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 K_CHUNK = 128  # partitions per matmul instruction (datasheet §4.2)
@@ -39,6 +39,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]."""
     out = native.matmul(_np(a.t()), _np(b), k_chunk=K_CHUNK)
+    return torch.from_numpy(out)
+
+
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
+    [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath."""
+    out = native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=K_CHUNK)
     return torch.from_numpy(out)
 
 
