@@ -174,3 +174,24 @@ def test_train_gpt2_example_learns_and_reports(capsys):
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5  # steps 1, 5 and 6
     assert f"neuron run report: train_gpt2.py on {torch.neuron.config().name}" in out and "total:" in out
+
+
+def test_optimizer_step_is_one_launch_per_foreach_op():
+    """AdamW (foreach) and clip_grad_norm_ run each _foreach_* op whole, as one kernel over all
+    parameters, instead of PyTorch's slow path of one device op per parameter."""
+    model = _gpt2().to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _forward_backward(model, _tokens())
+    opt.step()  # the first step also creates the optimizer state, one zeros_like per parameter
+    n_params = len(list(model.parameters()))
+    with torch.neuron.report_scope() as scope:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    rep = scope.report
+    assert rep.row("_foreach_addcdiv_").calls == 1 and rep.row("_foreach_norm").calls == 1
+    kernels = sum(r.calls for r in rep.rows if r.kernel != "view (metadata only)")
+    assert kernels < 20 < n_params  # clip_grad_norm_ still stacks one view of each norm
+    lerp = rep.row("_foreach_lerp_")  # exp_avg += (1 - beta1) * (grad - exp_avg): 2 lists read, 1 written
+    assert lerp.hbm_bytes == 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_add_([torch.ones(3, device="neuron"), torch.ones(3)], 1.0)
