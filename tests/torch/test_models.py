@@ -195,3 +195,17 @@ def test_optimizer_step_is_one_launch_per_foreach_op():
     assert lerp.hbm_bytes == 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch._foreach_add_([torch.ones(3, device="neuron"), torch.ones(3)], 1.0)
+
+
+def test_training_benchmark_quick_runs():
+    """benchmarks/bench_torch_train.py --quick: both devices train, the losses agree, and the
+    ratio line is printed (its value is a wall-clock measurement, reported, not asserted)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_torch_train.py"
+    r = subprocess.run([sys.executable, str(script), "--quick", "--steps", "4"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "ratio neuron/CPU per steady-state step:" in r.stdout and "first step" in r.stdout
