@@ -9,7 +9,8 @@ used TensorE (mm/addmm/bmm/baddbmm/convolution, directly or inside linear, matmu
 compare at ``TENSORE_TOL`` (rtol 1e-5, atol 1e-4): the PE-array datapath accumulates fp32
 products in PSUM in another order than CPU BLAS; the module docstring there gives the bound.
 Dropout is compared too: the device draws from the CPU generator, so one seed gives one mask.
-Ops with an in-place variant (``x.exp_()``, ``x.add_(y)``) also check it on every sample.
+Ops with an in-place variant (``x.exp_()``, ``x.add_(y)``) also check it on every sample, and
+ops with an ``out=`` form check it into outputs of the right size and into empty ones.
 
 Each op runs its first ``SAMPLES_PER_OP`` samples: all of them for every op here but max_pool2d,
 which has 1440 (8.7 s alone); the file takes about 12 s on this 2-core machine.
@@ -65,7 +66,7 @@ def op_infos():
 @pytest.mark.parametrize("name", CORE_OPS)
 def test_op_matches_cpu_forward_and_backward(op_infos, name):
     op = op_infos[name]
-    res = oi.run_op(op, torch.float32, grad=True, limit=SAMPLES_PER_OP, inplace=True)
+    res = oi.run_op(op, torch.float32, grad=True, limit=SAMPLES_PER_OP, inplace=True, out=True)
     bad = [f"outcome {i}: {o.status}: {o.message}" for i, o in enumerate(res.outcomes) if o.status in ("fail", "error")]
     assert not bad, f"{name}: {len(bad)} of {len(res.outcomes)} outcomes differ from CPU\n" + "\n".join(bad)
     heard = sorted({w for o in res.outcomes for w in o.device_warnings})
@@ -87,6 +88,15 @@ def test_inplace_activation_on_device():
     # relu_ (nn.ReLU(inplace=True)) looked its lowering rule up under "relu_" and raised KeyError
     x = torch.tensor([-1.0, 2.0], device="neuron")
     assert x.relu_() is x and x.cpu().tolist() == [0.0, 2.0]
+
+
+def test_mode_out_on_device():
+    # mode.values's composite out= kernel refused every device but CPU/CUDA/XPU
+    x = torch.tensor([[1.0, 2.0, 2.0], [3.0, 3.0, 1.0]])
+    values = torch.empty(0, device="neuron")
+    indices = torch.empty(0, dtype=torch.long, device="neuron")
+    torch.mode(x.to("neuron"), 1, out=(values, indices))
+    assert values.cpu().tolist() == [2.0, 3.0] and values.device.type == "neuron"
 
 
 # ---- the harness itself can fail ----------------------------------------------------------------
