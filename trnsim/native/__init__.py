@@ -186,16 +186,17 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
         s = np.ascontiguousarray(s)
     if any(st % v.itemsize for st in v.strides):
         v = np.ascontiguousarray(v)
-    s_code, v_code, threads = _CODES[s.dtype.name], _CODES[v.dtype.name], _threads()
+    s_code, v_code, threads, fma = _CODES[s.dtype.name], _CODES[v.dtype.name], _threads(), _FMA_POLICIES["auto"]
     s_sk, s_sm = s.strides[1] // s.itemsize, s.strides[2] // s.itemsize
     v_sk, v_sn = v.strides[1] // v.itemsize, v.strides[2] // v.itemsize
+    # byte pointers stepped by cdata arithmetic: a cast per item would cost as much as a small matmul's packing
+    s_ptr, v_ptr = ffi.cast("char *", s.ctypes.data), ffi.cast("char *", v.ctypes.data)
+    o_ptr = ffi.cast("float *", out.ctypes.data)
+    s_step, v_step, o_step, chunk = s.strides[0], v.strides[0], M * N, int(k_chunk)
+    call = lib.trn_matmul
     for b in range(batch):
-        rc = lib.trn_matmul(
-            ffi.cast("void *", s.ctypes.data + b * s.strides[0]), s_code, s_sk, s_sm,
-            ffi.cast("void *", v.ctypes.data + b * v.strides[0]), v_code, v_sk, v_sn,
-            ffi.cast("float *", out.ctypes.data + b * out.strides[0]), N, 1,
-            K, M, N, int(k_chunk), 0, -1, _FMA_POLICIES["auto"], threads,
-        )
+        rc = call(s_ptr + b * s_step, s_code, s_sk, s_sm, v_ptr + b * v_step, v_code, v_sk, v_sn,
+                  o_ptr + b * o_step, N, 1, K, M, N, chunk, 0, -1, fma, threads)
         if rc != 0:
             _raise_c_error(rc)
     return out
