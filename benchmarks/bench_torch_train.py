@@ -5,9 +5,11 @@ Trains the demo's GPT-2 (examples/train_gpt2.py: 2 layers, width 64, byte vocabu
 single-threaded, alternating a CPU step and a neuron step so that load from other processes hits
 both alike. Prints, per device, the first step (the neuron one includes simulating every kernel
 the step needs for the first time) and the steady-state wall time per step (median of the steps
-after the first two), then the ratio neuron / CPU. Goal: <= 1.5x. Also prints the simulated
-device time per step, and checks that both devices computed the same losses (exit status 1 if
-they differ by more than 1e-4 relative), so the timing is of a correct run.
+after the first two), then the ratio neuron / CPU. Goal: <= 1.5x. Also prints how much of a
+neuron step computed matmul values on the TensorE datapath (exact fp32 products and sums in
+the definition's order, no fused multiply-add, so slower than BLAS) and the simulated device
+time per step, and checks that both devices computed the same losses (exit status 1 if they
+differ by more than 1e-4 relative), so the timing is of a correct run.
 
     OMP_NUM_THREADS=1 python3 benchmarks/bench_torch_train.py [--steps 20]
     OMP_NUM_THREADS=1 python3 benchmarks/bench_torch_train.py --quick    # 6 steps
@@ -32,6 +34,28 @@ import torch  # noqa: E402  (after the thread pins)
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.5
 WARMUP = 2  # steps left out of the steady state: the first simulates kernels, the second AdamW's
+
+
+class DatapathClock:
+    """Wall time spent in the bridge's TensorE value functions (wrapped while the run lasts)."""
+
+    NAMES = ("matmul_f32", "bmm_f32", "conv_f32")
+
+    def __init__(self) -> None:
+        from torch_bridge import tensore
+
+        self.seconds = 0.0
+        for name in self.NAMES:
+            setattr(tensore, name, self._timed(getattr(tensore, name)))
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
 
 
 def _example() -> Any:
@@ -82,8 +106,11 @@ def main() -> int:
     cpu = Trainer(example, "cpu", seq)
     neuron = Trainer(example, "neuron", seq)
     torch.neuron.reset_report()
-    for x in example.batches(batch, seq, steps):
+    datapath = DatapathClock()
+    for i, x in enumerate(example.batches(batch, seq, steps)):
         cpu.step(x)
+        if i == WARMUP:
+            datapath.seconds = 0.0
         neuron.step(x)
     sim_us = torch.neuron.report().total_us / steps
     print(f"GPT-2 (2 layers, width 64), batch {batch} x {seq}, AdamW: {steps} steps per device, 1 thread, "
@@ -92,6 +119,10 @@ def main() -> int:
         print(f"  {t.device:<6} first step {t.seconds[0] * 1e3:8.1f} ms   steady state {t.steady_ms():7.1f} ms/step "
               f"(median of steps {WARMUP + 1}-{steps}, min {min(t.seconds[WARMUP:]) * 1e3:.1f} ms)")
     ratio = neuron.steady_ms() / cpu.steady_ms()
+    values_ms = datapath.seconds / (steps - WARMUP) * 1e3
+    mean_ms = statistics.mean(neuron.seconds[WARMUP:]) * 1e3
+    print(f"  neuron steady-state mean {mean_ms:.1f} ms/step: {values_ms:.1f} ms computing matmul values on the "
+          f"TensorE datapath, {mean_ms - values_ms:.1f} ms the rest (op dispatch, CPU kernels, autograd)")
     print(f"  neuron simulated device time: {sim_us:,.0f} us/step")
     print(f"ratio neuron/CPU per steady-state step: {ratio:.2f}x (goal <= {GOAL}x: {'met' if ratio <= GOAL else 'missed'})")
     worst = max(abs(a - b) / abs(a) for a, b in zip(cpu.losses, neuron.losses))
