@@ -76,6 +76,13 @@ def test_op_matches_cpu_forward_and_backward(op_infos, name):
         assert any(o.grad_checked for o in res.outcomes), f"{name}: no sample had its gradients compared"
 
 
+def test_whole_database_quick_meets_the_goal(capsys):
+    # every op_db op, first samples only, with gradients: nothing crashes and >= 98% pass
+    assert oi.main(["--quick", "--grad"]) == 0
+    printed = capsys.readouterr().out
+    assert "pass rate" in printed and "goal >= 98.0% with gradients" in printed
+
+
 # ---- device bugs OpInfo found, pinned where the core set does not reach them ------------------------
 def test_gradient_of_sgn_is_device_zeros():
     # sgn's backward returns an _efficientzerotensor, which has no memory to relabel
