@@ -2,8 +2,9 @@
 
 Trains the demo's GPT-2 (examples/train_gpt2.py: 2 layers, width 64, byte vocabulary, batch
 8 x 64, AdamW with gradient clipping) from the same weights on both devices in one process,
-single-threaded, alternating a CPU step and a neuron step so that load from other processes hits
-both alike. Prints, per device, the first step (the neuron one includes simulating every kernel
+single-threaded: all CPU steps, then all neuron steps, so each runs in its own steady state
+(alternating the steps let each evict the other's working set from the caches: that slowed the
+CPU steps by about a quarter and flattered the ratio). Prints, per device, the first step (the neuron one includes simulating every kernel
 the step needs for the first time) and the steady-state wall time per step (median of the steps
 after the first two), then the ratio neuron / CPU. Goal: <= 1.5x. Also prints how much of a
 neuron step computed matmul values on the TensorE datapath (exact fp32 products and sums in
@@ -107,8 +108,9 @@ def main() -> int:
     neuron = Trainer(example, "neuron", seq)
     torch.neuron.reset_report()
     datapath = DatapathClock()
-    for i, x in enumerate(example.batches(batch, seq, steps)):
+    for x in example.batches(batch, seq, steps):
         cpu.step(x)
+    for i, x in enumerate(example.batches(batch, seq, steps)):
         if i == WARMUP:
             datapath.seconds = 0.0
         neuron.step(x)
