@@ -564,9 +564,9 @@ def _autocast_kernel(op: Any) -> Callable[..., Any]:
 # ---- registration ---------------------------------------------------------------------------
 # Ops with a composite kernel that PyTorch would otherwise decompose before the device sees them.
 # Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
-# layer norm differs by ~1e-4) and lets them lower to their library kernels. mode.values's
-# composite refuses any device but CPU/CUDA/XPU (`torch.mode(x, out=...)`).
-WHOLE_OPS = ("native_layer_norm", "embedding", "mode.values")
+# layer norm differs by ~1e-4; group norm's, in bf16 statistics, by up to 0.09) and lets them
+# lower to their library kernels. mode.values's composite refuses any device but CPU/CUDA/XPU.
+WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values")
 # Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
 # trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
 # mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
