@@ -100,11 +100,11 @@ class _ToCpu:
         if isinstance(x, torch.Tensor):
             if x.device.type != NEURON:
                 return x
-            v = memory.cpu_view(x)
-            self.views[id(v)] = x
+            v = memory.cpu_view(x)  # may be the view another argument got (the same window)
+            self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
             ptr = x.untyped_storage().data_ptr()
             if ptr:
-                self.storages[ptr] = x
+                self.storages.setdefault(ptr, x)
             return v
         if isinstance(x, (list, tuple)):
             return type(x)(self(y) for y in x)
@@ -151,8 +151,11 @@ def _charge_generic(index: int, op: str, inputs: list[torch.Tensor], outputs: li
     rt.charge(index, op, rt.lowering.generic(op, inputs, outputs))
 
 
+_VIEW = Lowered("view (metadata only)", False, None)
+
+
 def _charge_view(index: int, op: str) -> None:
-    _charge(index, op, Lowered("view (metadata only)", False, None))
+    runtime().charge(index, op, _VIEW)
 
 
 # ---- the boxed fallback -----------------------------------------------------------------------
@@ -229,14 +232,23 @@ _lowered: dict[tuple[Any, ...], Lowered] = {}
 
 def _signature(x: Any) -> Any:
     """What of an argument can change the kernel: tensor shapes, dtypes and devices, ints, strings,
-    bools; not float values (a learning rate changes every step, the kernel does not)."""
+    bools; not float values (a learning rate changes every step, the kernel does not). A
+    tensor's device is told apart by is_cpu/is_meta (else neuron: this torch build has no other
+    device), which is cheaper than building its ``torch.device``; it runs for every op call."""
+    tp = type(x)
+    if tp is tuple or tp is list:
+        return tuple([_signature(y) for y in x])
+    if tp is float:
+        return float
+    if tp is int or tp is str or tp is bool or x is None:
+        return x
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.dtype, x.device.type)
+        return (x.shape, x.dtype, x.is_cpu, x.is_meta)
     if isinstance(x, (list, tuple)):
-        return tuple(_signature(y) for y in x)
+        return tuple([_signature(y) for y in x])
     if isinstance(x, float):
         return float
-    if isinstance(x, (int, str, bool, torch.dtype)) or x is None:
+    if isinstance(x, (int, str, bool, torch.dtype)):
         return x
     return type(x)
 

@@ -116,12 +116,22 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     nbytes = _storage_nbytes(cpu)
     if not counted:
         pool.reserve(index, nbytes)
-    weakref.finalize(cpu, pool.release, index, nbytes)
-    cap = torch.utils.dlpack.to_dlpack(cpu)  # the capsule keeps this very tensor alive
+    _live[weakref.ref(cpu, _freed)] = (index, nbytes)
+    cap = torch._C._to_dlpack(cpu)  # the capsule keeps this very tensor alive
     head = _DLTensorHead.from_address(_get_pointer(cap, b"dltensor"))
     head.device.device_type = _KDL_EXT_DEV
     head.device.device_id = index
-    return torch.utils.dlpack.from_dlpack(cap)
+    return torch._C._from_dlpack(cap)
+
+
+# weak reference to a relabelled CPU tensor -> (device, bytes) to release when it dies. A bare
+# weakref with a callback costs a tenth of weakref.finalize, and relabel runs once per op result.
+_live: dict[weakref.ref[torch.Tensor], tuple[int, int]] = {}
+
+
+def _freed(ref: weakref.ref[torch.Tensor]) -> None:
+    index, nbytes = _live.pop(ref)
+    pool.release(index, nbytes)
 
 
 def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, index: int) -> torch.Tensor:
@@ -147,21 +157,37 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
 # after the memory is freed and reallocated: it only ever names the address range.
 _aliases: dict[tuple[int, int], Any] = {}
 _ALIAS_CACHE = 4096
+# (storage address, storage bytes, offset, sizes, strides, dtype, conj, neg) -> a CPU view built
+# for it. Building one (empty + set_) costs ~5 us and an op needs one per neuron argument; the
+# same windows recur all the time (weights, optimizer state, activations read again in backward).
+_views: dict[tuple[Any, ...], torch.Tensor] = {}
+_VIEW_CACHE = 8192
 
 
 def cpu_view(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor over the same memory as the neuron tensor ``t`` (same sizes, strides, offset,
-    conj/neg bits). It does not own the memory: keep ``t`` alive while it is used."""
+    conj/neg bits). It does not own the memory: keep ``t`` alive while it is used. The same
+    window may return the same CPU tensor again; it is checked first, in case a CPU kernel
+    changed its sizes or strides in place (an out= resize, ``t_``)."""
     st = t.untyped_storage()
-    key = (st.data_ptr(), st.nbytes())
+    ptr, nbytes, offset, size, stride = st.data_ptr(), st.nbytes(), t.storage_offset(), t.shape, t.stride()
+    vkey = (ptr, nbytes, offset, size, stride, t.dtype, t.is_conj(), t.is_neg())
+    v = _views.get(vkey)
+    if v is not None and v.storage_offset() == offset and v.shape == size and v.stride() == stride \
+            and v.untyped_storage().data_ptr() == ptr:
+        return v
+    key = (ptr, nbytes)
     cst = _aliases.get(key)
     if cst is None:
         if len(_aliases) >= _ALIAS_CACHE:
             _aliases.clear()
-        cst = _aliases[key] = torch._C._construct_storage_from_data_pointer(key[0], torch.device("cpu"), key[1])
-    v = torch.empty(0, dtype=t.dtype).set_(cst, t.storage_offset(), t.size(), t.stride())
-    if t.is_conj():
+        cst = _aliases[key] = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), nbytes)
+    v = torch.empty(0, dtype=t.dtype).set_(cst, offset, size, stride)
+    if vkey[6]:
         v = torch._conj(v)
-    if t.is_neg():
+    if vkey[7]:
         v = torch._neg_view(v)
+    if len(_views) >= _VIEW_CACHE:
+        _views.clear()
+    _views[vkey] = v
     return v
