@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
 
 from . import memory, tensore
 from .lowering import Lowered, flat_tensors
@@ -68,9 +69,14 @@ def _is_neuron(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == NEURON
 
 
+# Every neuron device a tensor can be on: ``t.device in _NEURON_DEVICES`` is a third of the cost
+# of ``t.device.type == NEURON`` (building the type string), and the fallback asks it per argument.
+_NEURON_DEVICES = frozenset(torch.device("privateuseone", i) for i in range(256))  # NEURON is not named yet
+
+
 def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
     first = args[0] if args else None
-    if isinstance(first, torch.Tensor) and first.device.type == NEURON:  # the usual case, made cheap
+    if isinstance(first, torch.Tensor) and first.device in _NEURON_DEVICES:  # the usual case, made cheap
         return first.device.index or 0
     for t in flat_tensors(list(args) + list(kwargs.values()), []):
         if t.device.type == NEURON:
@@ -98,7 +104,7 @@ class _ToCpu:
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            if x.device.type != NEURON:
+            if x.device not in _NEURON_DEVICES:
                 return x
             v = memory.cpu_view(x)  # may be the view another argument got (the same window)
             self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
@@ -188,9 +194,12 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         out = kwargs.get(name)
         if isinstance(out, torch.Tensor) and out.device.type == NEURON and out.numel() == 0:
             fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype)
-    call = op
-    if any(isinstance(args[i], numbers.Number) for i in info.tensor_positions if i < len(args)):
-        call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
+    call = op._op  # the C++ callable (OpOverload.__call__ adds a Python frame)
+    n = len(args)
+    for i in info.tensor_positions:
+        if i < n and not isinstance(args[i], torch.Tensor) and isinstance(args[i], numbers.Number):
+            call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
+            break
     try:
         try:
             result = call(*cargs, **ckwargs)
@@ -589,7 +598,16 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
               "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch._disable_dynamo(fn, recursive=True)
+    """``fn`` hidden from dynamo. Its wrapper swaps the eval-frame callback out and back on every
+    call (a few us, on every op); with no callback installed (no compiled frame running) there is
+    nothing to hide from, so the kernel is called directly."""
+    hidden = torch._disable_dynamo(fn, recursive=True)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _eval_frame_callback() is None:
+            return fn(*args, **kwargs)
+        return hidden(*args, **kwargs)
+    return kernel
 
 
 def register_kernels() -> None:
