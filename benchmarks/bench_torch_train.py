@@ -151,7 +151,7 @@ def run(example: Any, size: Model, steps: int, datapath: DatapathClock) -> bool:
     print(f"  neuron simulated device time: {sim_us:,.0f} us/step")
     verdict = f"goal <= {GOAL}x: {'met' if ratio <= GOAL else 'missed'}" if size.goal else \
         f"the {GOAL}x goal is for the small GPT-2; here per-op dispatch dominates"
-    print(f"ratio neuron/CPU per steady-state step ({size.name}): {ratio:.2f}x ({verdict})")
+    print(f"ratio neuron/CPU per steady-state step: {ratio:.2f}x on the {size.name} GPT-2 ({verdict})")
     worst = max(abs(a - b) / abs(a) for a, b in zip(cpu.losses, neuron.losses))
     print(f"  losses: CPU {cpu.losses[-1]:.5f}, neuron {neuron.losses[-1]:.5f} after {steps} steps "
           f"(largest relative difference {worst:.1e})")
