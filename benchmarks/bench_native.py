@@ -11,11 +11,18 @@ Prints the GFLOP/s (2*M*N*K / seconds, median of a few repeats) of
 and the ratio native/numpy (goal: >= 0.5x). It also checks a slice of the native result against
 the reference, so the number is for a correct result.
 
+Then the shapes of a training step on the torch device (fp32 ``a[M, K] @ b[K, N]``, batched
+attention-head matmuls), each through the public entry points the torch bridge calls
+(``native.matmul(a.T, b)``, ``native.matmul_batched``: Python overhead included) against
+numpy ``a @ b`` on the same arrays in the same run. fp32 products must be rounded before they
+are added, so the exact kernel issues a multiply and an add per 16 products where BLAS issues
+one FMA: about 0.5x of numpy is the ceiling for large fp32 shapes.
+
 How it was run (see the closing report of the change that added it)::
 
     pip install -e .                             # builds trnsim/native/_datapath
-    python benchmarks/bench_native.py            # 1024^3, about a second
-    python benchmarks/bench_native.py --quick    # 256^3, a fraction of a second
+    python benchmarks/bench_native.py            # 1024^3 and the training shapes, a few seconds
+    python benchmarks/bench_native.py --quick    # 256^3 and fewer repeats, under a second
 
 Before importing numpy the script pins every thread pool to one thread (OPENBLAS_NUM_THREADS,
 OMP_NUM_THREADS, MKL_NUM_THREADS; threadpoolctl too when it is installed) and removes
@@ -144,6 +151,7 @@ def main() -> int:
         print(f"  {label:<40} {results[label]:8.1f} GFLOP/s")
     ratio = results[rows[0][0]] / results[rows[-1][0]]
     print(f"ratio native bf16 / numpy fp32: {ratio:.2f}x (goal >= 0.5x)")
+    ok = training_shapes(rng, 20 if ARGS.quick else 200)
 
     # The number is only worth having for the right answer: compare 8 columns bit for bit
     # (columns are independent, so a slice of moving gives the same columns).
@@ -151,7 +159,48 @@ def main() -> int:
     want = reference.matmul(s_bf16, v_bf16[:, :8])
     same = np.array_equal(got.view(np.uint32), want.view(np.uint32))
     print(f"check vs reference (8 columns): {'bit-identical' if same else 'MISMATCH'}")
-    return 0 if same else 1
+    return 0 if same and ok else 1
+
+
+#: (batch, M, K, N): a[M, K] @ b[K, N] as the torch device computes linear/mm/bmm values.
+TRAINING_SHAPES = [
+    (1, 512, 128, 384),
+    (1, 512, 384, 128),
+    (1, 512, 128, 512),
+    (1, 64, 64, 16),
+    (32, 64, 64, 16),
+]
+
+
+def training_shapes(rng: np.random.Generator, small_repeats: int) -> bool:
+    """Time each training-step shape (fp32) native vs numpy; True if every result matched
+    the reference bit for bit."""
+    print("training-step shapes, fp32 a[M,K] @ b[K,N] through the public API (median):")
+    print(f"  {'shape':<18} {'native GFLOP/s':>15} {'numpy GFLOP/s':>14} {'native us':>10} {'ratio':>6}")
+    ok = True
+    for batch, m, k, n in TRAINING_SHAPES:
+        a = rng.standard_normal((batch, m, k), dtype=np.float32)
+        b = rng.standard_normal((batch, k, n), dtype=np.float32)
+        flops = 2.0 * batch * m * k * n
+        repeats = small_repeats if flops < 1e7 else 15
+        if batch == 1:
+            a2, b2 = a[0], b[0]
+            nat = lambda: native.matmul(a2.T, b2)  # noqa: E731 - the torch bridge's call
+            ref = lambda: a2 @ b2  # noqa: E731
+            got, want = nat(), reference.matmul(a2.T, b2)
+            label = f"{m}x{k}x{n}"
+        else:
+            at = a.transpose(0, 2, 1)
+            nat = lambda: native.matmul_batched(at, b)  # noqa: E731
+            ref = lambda: a @ b  # noqa: E731
+            got = nat()
+            want = np.stack([reference.matmul(at[i], b[i]) for i in range(batch)])
+            label = f"{batch} x {m}x{k}x{n}"
+        ok = ok and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        g_nat, g_np = gflops(nat, flops, repeats), gflops(ref, flops, repeats)
+        print(f"  {label:<18} {g_nat:15.1f} {g_np:14.1f} {flops / g_nat / 1e3:10.1f} {g_nat / g_np:5.2f}x")
+    print(f"training shapes vs reference: {'bit-identical' if ok else 'MISMATCH'}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -302,6 +302,48 @@ def test_batched_is_each_item_as_matmul_computes_it(monkeypatch, backend):
         native.matmul_batched(np.zeros((2, 4, 3), F32), np.zeros((3, 4, 5), F32))
 
 
+def test_ragged_tiles_every_family():
+    """Every tile edge the kernels special-case: row counts 1..MR+1 (one instance per row
+    count), one or two column vectors with masked stores, K over a chunk, accumulate on and
+    off, plain and transposed (torch bridge) stationary layouts, fp32 read in place and the
+    narrow formats packed."""
+    rng = np.random.default_rng(29)
+    Ms, Ns, Ks = (1, 5, 11, 12, 13, 25), (1, 7, 15, 16, 17, 31, 32, 33, 48), (1, 17, 129)
+    for n_case, (M, N) in enumerate((m, n) for m in Ms for n in Ns):
+        K = Ks[n_case % len(Ks)]
+        k_chunk = (128, 16)[n_case % 2]
+        for t in (F32, BF16, F16, E4M3):
+            s = randn(rng, (M, K), t).T if n_case % 3 else randn(rng, (K, M), t)
+            v = randn(rng, (K, N), t)
+            out = randn(rng, (M, N), F32) if n_case % 4 == 1 else None
+            check(s, v, k_chunk=k_chunk, out=out, accumulate=out is not None)
+
+
+def test_fp32_in_place_and_packed_paths():
+    """fp32 operands are read where they lie unless a chunk is too big for the caches or the
+    moving rows are not contiguous; each choice must give the reference's bits."""
+    rng = np.random.default_rng(31)
+    K, M, N = 130, 600, 100  # 600 x 128 fp32 stationary rows > 256 KiB: packed; moving too wide
+    s, v = randn(rng, (M, K), F32).T, randn(rng, (K, N), F32)
+    check(s, v)
+    check(s, randn(rng, (K, 2 * N), F32)[:, ::2])  # strided moving columns: packed
+    wide = randn(rng, (40, 1024), F32)  # 4 KiB between stationary rows
+    check(wide[:, :K].T, randn(rng, (K, 80), F32), k_chunk=64)
+    check(randn(rng, (K, 12), F32), randn(rng, (K, 16), F32))  # one tile, read in place
+
+
+def test_batched_ragged_threads_and_chunks(monkeypatch):
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "3")
+    rng = np.random.default_rng(37)
+    B, K, M, N = 4, 70, 13, 50
+    for t in (F32, BF16):
+        s = randn(rng, (B, M, K), t).transpose(0, 2, 1)
+        v = randn(rng, (B, K, N), t)
+        got = native.matmul_batched(s, v, k_chunk=32)
+        for b in range(B):
+            assert_same_bits(got[b], reference.matmul(s[b], v[b], k_chunk=32))
+
+
 def test_out_view_writes_only_its_elements():
     rng = np.random.default_rng(19)
     s, v = randn(rng, (40, 13), F16), randn(rng, (40, 35), F16)

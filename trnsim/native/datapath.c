@@ -344,15 +344,19 @@ static int fma_is_exact(int s_dt, exp_range s, int v_dt, exp_range v) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Micro-kernels. kern(kc, a, b, dst, ldd, add):
- *   a: kc x MR packed stationary panel, b: kc x NR packed moving panel;
+/* Micro-kernels. kern(kc, a, ak, ai, b, bk, dst, ldd, add, mr, nc):
+ *   a: stationary panel, element (k, i) at a[k*ak + i*ai] for i < mr: a packed panel
+ *      (ak = MR, ai = 1) or, for fp32 input, the caller's array itself (no copy);
+ *   b: moving panel, row k at b + k*bk, panel_width(nc) floats (aligned), zero past column nc:
+ *      packed, or the caller's fp32 rows when they are a whole panel wide;
  *   acc[i][j] = +0.0, then for k in order acc = acc + a[k][i] * b[k][j];
- *   dst[i*ldd + j] = canon(add ? dst[i*ldd + j] + acc : acc) for the full MR x NR tile.
- * The _exact variants round the multiply and the add separately; the _fma variants fuse them
- * and are only called where fma_is_exact() holds.                                          */
+ *   dst[i*ldd + j] = canon(add ? dst[i*ldd + j] + acc : acc) for i < mr, j < nc only.
+ * A ragged edge tile is thus written straight into out (masked stores), with no temporary
+ * tile and no work for rows past mr. The _exact variants round the multiply and the add
+ * separately; the _fma variants fuse them and are only called where fma_is_exact() holds.   */
 
-typedef void (*kern_fn)(int64_t kc, const float *a, const float *b, float *dst, int64_t ldd,
-                        int add);
+typedef void (*kern_fn)(int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b,
+                        int64_t bk, float *dst, int64_t ldd, int add, int mr, int nc);
 
 static inline float canon_f32(float x) { return x != x ? bits_f32(CANON_NAN_BITS) : x; }
 
@@ -360,129 +364,198 @@ static inline float canon_f32(float x) { return x != x ? bits_f32(CANON_NAN_BITS
 #define G_MR 4
 #define G_NR 8
 
-static void kern_generic_exact(int64_t kc, const float *a, const float *b, float *dst,
-                               int64_t ldd, int add) {
+static void kern_generic_exact(int64_t kc, const float *a, int64_t ak, int64_t ai,
+                               const float *b, int64_t bk, float *dst, int64_t ldd, int add,
+                               int mr, int nc) {
     float acc[G_MR][G_NR];
     for (int i = 0; i < G_MR; i++)
         for (int j = 0; j < G_NR; j++) acc[i][j] = 0.0f;
     for (int64_t k = 0; k < kc; k++) {
-        const float *ak = a + k * G_MR, *bk = b + k * G_NR;
+        const float *bkp = b + k * bk;
         for (int i = 0; i < G_MR; i++) {
+            const float aki = i < mr ? a[k * ak + i * ai] : 0.0f;
             for (int j = 0; j < G_NR; j++) {
-                float p = ak[i] * bk[j];
+                float p = aki * bkp[j];
                 acc[i][j] = acc[i][j] + p;
             }
         }
     }
-    for (int i = 0; i < G_MR; i++) {
+    for (int i = 0; i < mr; i++) {
         float *d = dst + i * ldd;
-        for (int j = 0; j < G_NR; j++) d[j] = canon_f32(add ? d[j] + acc[i][j] : acc[i][j]);
+        for (int j = 0; j < nc; j++) d[j] = canon_f32(add ? d[j] + acc[i][j] : acc[i][j]);
     }
 }
 
 #if TRN_X86
 
-/* AVX2: 6 x 16 tile, 12 ymm accumulators. */
+/* The x86 kernels are one always-inlined body per family, instantiated for every row count
+ * 1..MR and for one or two vectors of columns (a narrow last panel, e.g. N = 16, computes one
+ * vector instead of padding to two). mr, nv and fused are constants in each instance, so the
+ * loops unroll fully and the accumulators stay in registers. */
+#define KERNEL_CASE(BODY, MR_, FUSED)                                                          \
+    case MR_:                                                                                  \
+        if (nv == 2)                                                                           \
+            BODY(MR_, 2, FUSED, kc, a, ak, ai, b, bk, dst, ldd, add, nc);                      \
+        else                                                                                   \
+            BODY(MR_, 1, FUSED, kc, a, ak, ai, b, bk, dst, ldd, add, nc);                      \
+        break;
+
+/* AVX2: up to 6 rows x 2 vectors of 8 columns, 12 ymm accumulators. */
 #define A2_MR 6
-#define A2_NR 16
+#define A2_VW 8
 
-#define DEFINE_AVX2_KERNEL(NAME, MADD)                                                         \
-    __attribute__((target("avx2,fma"))) static void NAME(int64_t kc, const float *a,          \
-                                                         const float *b, float *dst,          \
-                                                         int64_t ldd, int add) {              \
-        __m256 c[A2_MR][2];                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                             \
-            c[i][0] = _mm256_setzero_ps();                                                     \
-            c[i][1] = _mm256_setzero_ps();                                                     \
-        }                                                                                      \
-        for (int64_t k = 0; k < kc; k++) {                                                     \
-            const __m256 b0 = _mm256_load_ps(b + k * A2_NR);                                   \
-            const __m256 b1 = _mm256_load_ps(b + k * A2_NR + 8);                               \
-            _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                         \
-                const __m256 ai = _mm256_broadcast_ss(a + k * A2_MR + i);                      \
-                c[i][0] = MADD(ai, b0, c[i][0]);                                               \
-                c[i][1] = MADD(ai, b1, c[i][1]);                                               \
-            }                                                                                  \
-        }                                                                                      \
-        const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_BITS));     \
-        _Pragma("GCC unroll 8") for (int i = 0; i < A2_MR; i++) {                             \
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                              \
-                float *d = dst + i * ldd + 8 * h;                                              \
-                __m256 r = c[i][h];                                                            \
-                if (add) r = _mm256_add_ps(_mm256_loadu_ps(d), r);                             \
-                r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));             \
-                _mm256_storeu_ps(d, r);                                                        \
-            }                                                                                  \
+static inline __attribute__((always_inline, target("avx2,fma"))) void
+a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a, int64_t ak,
+        int64_t ai, const float *b, int64_t bk, float *dst, int64_t ldd, int add, int nc) {
+    __m256 c[A2_MR][2];
+    _Pragma("GCC unroll 6") for (int i = 0; i < mr; i++) {
+        c[i][0] = _mm256_setzero_ps();
+        c[i][1] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_loadu_ps(b + k * bk);
+        const __m256 b1 = nv > 1 ? _mm256_loadu_ps(b + k * bk + A2_VW) : b0;
+        _Pragma("GCC unroll 6") for (int i = 0; i < mr; i++) {
+            const __m256 aki = _mm256_broadcast_ss(a + k * ak + i * ai);
+            c[i][0] = fused ? _mm256_fmadd_ps(aki, b0, c[i][0])
+                            : _mm256_add_ps(c[i][0], _mm256_mul_ps(aki, b0));
+            if (nv > 1)
+                c[i][1] = fused ? _mm256_fmadd_ps(aki, b1, c[i][1])
+                                : _mm256_add_ps(c[i][1], _mm256_mul_ps(aki, b1));
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc - A2_VW), lane);
+    const __m256 canon = _mm256_castsi256_ps(_mm256_set1_epi32((int)CANON_NAN_BITS));
+    _Pragma("GCC unroll 6") for (int i = 0; i < mr; i++) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < nv; h++) {
+            float *d = dst + i * ldd + A2_VW * h;
+            const __m256i m = h ? m1 : m0;
+            __m256 r = c[i][h];
+            if (add) r = _mm256_add_ps(_mm256_maskload_ps(d, m), r);
+            r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+            _mm256_maskstore_ps(d, m, r);
+        }
+    }
+}
+
+#define DEFINE_AVX2_KERNEL(NAME, FUSED)                                                        \
+    __attribute__((target("avx2,fma"))) static void NAME(                                     \
+        int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b, int64_t bk,        \
+        float *dst, int64_t ldd, int add, int mr, int nc) {                                    \
+        const int nv = nc > A2_VW ? 2 : 1;                                                     \
+        switch (mr) {                                                                          \
+            KERNEL_CASE(a2_tile, 1, FUSED)                                                     \
+            KERNEL_CASE(a2_tile, 2, FUSED)                                                     \
+            KERNEL_CASE(a2_tile, 3, FUSED)                                                     \
+            KERNEL_CASE(a2_tile, 4, FUSED)                                                     \
+            KERNEL_CASE(a2_tile, 5, FUSED)                                                     \
+            KERNEL_CASE(a2_tile, 6, FUSED)                                                     \
+        default: break;                                                                        \
         }                                                                                      \
     }
 
-#define MADD256_EXACT(x, y, acc) _mm256_add_ps((acc), _mm256_mul_ps((x), (y)))
-#define MADD256_FMA(x, y, acc) _mm256_fmadd_ps((x), (y), (acc))
-DEFINE_AVX2_KERNEL(kern_avx2_exact, MADD256_EXACT)
-DEFINE_AVX2_KERNEL(kern_avx2_fma, MADD256_FMA)
+DEFINE_AVX2_KERNEL(kern_avx2_exact, 0)
+DEFINE_AVX2_KERNEL(kern_avx2_fma, 1)
 
-/* AVX-512: 12 x 32 tile, 24 zmm accumulators. */
+/* AVX-512: up to 12 rows x 2 vectors of 16 columns, 24 zmm accumulators. The exact kernel
+ * issues one multiply and one add per 16 products, the most two FP ports allow when every
+ * product must be rounded before it is added. */
 #define A5_MR 12
-#define A5_NR 32
+#define A5_VW 16
 
-#define DEFINE_AVX512_KERNEL(NAME, MADD)                                                       \
-    __attribute__((target("avx512f"))) static void NAME(int64_t kc, const float *a,           \
-                                                        const float *b, float *dst,           \
-                                                        int64_t ldd, int add) {               \
-        __m512 c[A5_MR][2];                                                                    \
-        _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                            \
-            c[i][0] = _mm512_setzero_ps();                                                     \
-            c[i][1] = _mm512_setzero_ps();                                                     \
-        }                                                                                      \
-        for (int64_t k = 0; k < kc; k++) {                                                     \
-            const __m512 b0 = _mm512_load_ps(b + k * A5_NR);                                   \
-            const __m512 b1 = _mm512_load_ps(b + k * A5_NR + 16);                              \
-            _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                        \
-                const __m512 ai = _mm512_set1_ps(a[k * A5_MR + i]);                            \
-                c[i][0] = MADD(ai, b0, c[i][0]);                                               \
-                c[i][1] = MADD(ai, b1, c[i][1]);                                               \
-            }                                                                                  \
-        }                                                                                      \
-        const __m512 canon = _mm512_castsi512_ps(_mm512_set1_epi32((int)CANON_NAN_BITS));     \
-        _Pragma("GCC unroll 16") for (int i = 0; i < A5_MR; i++) {                            \
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                              \
-                float *d = dst + i * ldd + 16 * h;                                             \
-                __m512 r = c[i][h];                                                            \
-                if (add) r = _mm512_add_ps(_mm512_loadu_ps(d), r);                             \
-                r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), r, canon);    \
-                _mm512_storeu_ps(d, r);                                                        \
-            }                                                                                  \
+static inline __attribute__((always_inline, target("avx512f"))) void
+a5_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a, int64_t ak,
+        int64_t ai, const float *b, int64_t bk, float *dst, int64_t ldd, int add, int nc) {
+    __m512 c[A5_MR][2];
+    _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
+        c[i][0] = _mm512_setzero_ps();
+        c[i][1] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 b0 = _mm512_loadu_ps(b + k * bk);
+        const __m512 b1 = nv > 1 ? _mm512_loadu_ps(b + k * bk + A5_VW) : b0;
+        _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
+            const __m512 aki = _mm512_set1_ps(a[k * ak + i * ai]);
+            c[i][0] = fused ? _mm512_fmadd_ps(aki, b0, c[i][0])
+                            : _mm512_add_ps(c[i][0], _mm512_mul_ps(aki, b0));
+            if (nv > 1)
+                c[i][1] = fused ? _mm512_fmadd_ps(aki, b1, c[i][1])
+                                : _mm512_add_ps(c[i][1], _mm512_mul_ps(aki, b1));
+        }
+    }
+    const __mmask16 m0 = nc >= A5_VW ? 0xffff : (__mmask16)((1u << nc) - 1u);
+    const __mmask16 m1 = nc >= 2 * A5_VW ? 0xffff
+                         : nc > A5_VW    ? (__mmask16)((1u << (nc - A5_VW)) - 1u)
+                                         : 0;
+    const __m512 canon = _mm512_castsi512_ps(_mm512_set1_epi32((int)CANON_NAN_BITS));
+    _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
+        _Pragma("GCC unroll 2") for (int h = 0; h < nv; h++) {
+            float *d = dst + i * ldd + A5_VW * h;
+            const __mmask16 m = h ? m1 : m0;
+            __m512 r = c[i][h];
+            if (add) r = _mm512_add_ps(_mm512_maskz_loadu_ps(m, d), r);
+            r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), r, canon);
+            _mm512_mask_storeu_ps(d, m, r);
+        }
+    }
+}
+
+#define DEFINE_AVX512_KERNEL(NAME, FUSED)                                                      \
+    __attribute__((target("avx512f"))) static void NAME(                                      \
+        int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b, int64_t bk,        \
+        float *dst, int64_t ldd, int add, int mr, int nc) {                                    \
+        const int nv = nc > A5_VW ? 2 : 1;                                                     \
+        switch (mr) {                                                                          \
+            KERNEL_CASE(a5_tile, 1, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 2, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 3, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 4, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 5, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 6, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 7, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 8, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 9, FUSED)                                                     \
+            KERNEL_CASE(a5_tile, 10, FUSED)                                                    \
+            KERNEL_CASE(a5_tile, 11, FUSED)                                                    \
+            KERNEL_CASE(a5_tile, 12, FUSED)                                                    \
+        default: break;                                                                        \
         }                                                                                      \
     }
 
-#define MADD512_EXACT(x, y, acc) _mm512_add_ps((acc), _mm512_mul_ps((x), (y)))
-#define MADD512_FMA(x, y, acc) _mm512_fmadd_ps((x), (y), (acc))
-DEFINE_AVX512_KERNEL(kern_avx512_exact, MADD512_EXACT)
-DEFINE_AVX512_KERNEL(kern_avx512_fma, MADD512_FMA)
+DEFINE_AVX512_KERNEL(kern_avx512_exact, 0)
+DEFINE_AVX512_KERNEL(kern_avx512_fma, 1)
 
 #endif /* TRN_X86 */
 
 typedef struct {
-    int mr, nr;
+    int mr, nr; /* register tile: rows, and columns of a full panel */
+    int vw;     /* columns of one vector: a panel of at most vw columns is packed vw wide */
     kern_fn exact, fma; /* fma NULL: no fused kernel for this family */
 } kernel_family;
 
 static int get_family(int isa, kernel_family *f) {
     switch (isa) {
     case TRN_ISA_GENERIC:
-        f->mr = G_MR, f->nr = G_NR, f->exact = kern_generic_exact, f->fma = NULL;
+        f->mr = G_MR, f->nr = G_NR, f->vw = G_NR, f->exact = kern_generic_exact, f->fma = NULL;
         return 1;
 #if TRN_X86
     case TRN_ISA_AVX2:
-        f->mr = A2_MR, f->nr = A2_NR, f->exact = kern_avx2_exact, f->fma = kern_avx2_fma;
+        f->mr = A2_MR, f->nr = 2 * A2_VW, f->vw = A2_VW;
+        f->exact = kern_avx2_exact, f->fma = kern_avx2_fma;
         return 1;
     case TRN_ISA_AVX512:
-        f->mr = A5_MR, f->nr = A5_NR, f->exact = kern_avx512_exact, f->fma = kern_avx512_fma;
+        f->mr = A5_MR, f->nr = 2 * A5_VW, f->vw = A5_VW;
+        f->exact = kern_avx512_exact, f->fma = kern_avx512_fma;
         return 1;
 #endif
     default: return 0;
     }
 }
+
+/* Packed width of a moving panel holding nc columns (what the kernel reads for that nc). */
+static int64_t panel_width(const kernel_family *f, int64_t nc) { return nc <= f->vw ? f->vw : f->nr; }
 
 int trn_best_isa(void) {
 #if TRN_X86
@@ -505,88 +578,129 @@ int trn_tile_n(int isa) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Packing buffers. A small matmul's allocation costs as much as its arithmetic, so each
+ * thread keeps its buffer between calls; one above SCRATCH_KEEP bytes is freed after the call
+ * so a single huge matmul does not pin its memory. Worker threads free theirs on exit.       */
+
+#define SCRATCH_KEEP ((size_t)8 << 20)
+
+static __thread void *scratch_buf;
+static __thread size_t scratch_cap;
+
+static void *scratch_get(size_t bytes) {
+    if (bytes > scratch_cap) {
+        free(scratch_buf);
+        scratch_buf = NULL, scratch_cap = 0;
+        bytes = (bytes + 63) & ~(size_t)63;
+        if (posix_memalign(&scratch_buf, 64, bytes) != 0) {
+            scratch_buf = NULL;
+            return NULL;
+        }
+        scratch_cap = bytes;
+    }
+    return scratch_buf;
+}
+
+static void scratch_trim(size_t keep) {
+    if (scratch_cap > keep) {
+        free(scratch_buf);
+        scratch_buf = NULL, scratch_cap = 0;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Driver.                                                                                    */
 
 typedef struct {
-    const void *s;
+    const char *s;
     int s_dt;
-    int64_t s_sk, s_sm;
-    const void *v;
+    int64_t s_sb, s_sk, s_sm; /* strides in elements; s_sb between batch items */
+    const char *v;
     int v_dt;
-    int64_t v_sk, v_sn;
+    int64_t v_sb, v_sk, v_sn;
     float *out;
-    int64_t o_sm, o_sn;
-    int64_t K, M, N, k_chunk;
+    int64_t o_sb, o_sm, o_sn;
+    int64_t B, K, M, N, k_chunk;
     int accumulate, fma_policy;
     kernel_family fam;
     int64_t n0, n1; /* this worker's output columns */
     int status;
 } job;
 
-static void *aligned_floats(int64_t n) {
-    void *p = NULL;
-    size_t bytes = (size_t)(n > 0 ? n : 1) * sizeof(float);
-    bytes = (bytes + 63) & ~(size_t)63;
-    if (posix_memalign(&p, 64, bytes) != 0) return NULL;
-    return p;
-}
-
-static void run_job(job *J) {
-#if TRN_X86
-    /* IEEE behaviour regardless of the caller's MXCSR: no FTZ/DAZ, round to nearest, all
-     * exceptions masked. Restored on exit. */
-    const unsigned int saved_csr = _mm_getcsr();
-    _mm_setcsr((saved_csr & ~(0x8000u | 0x0040u | 0x6000u)) | 0x1f80u);
-#endif
-    const int64_t MR = J->fam.mr, NR = J->fam.nr;
+/* One batch item, columns [n0, n1): s, v, out point at its [0, 0] elements. sp/vp/tile are
+ * the packing buffers, sized for kmax rows by run_job.
+ *
+ * fp32 operands are mostly not copied: the kernel broadcasts stationary values straight from
+ * the caller's array (any strides) unless that chunk of it is too big for L2, and reads moving rows in place when they hold a whole
+ * panel contiguously and the panel is either read once or spans little memory (packing is
+ * still better for a panel that M panels revisit with a large row stride, where the rows
+ * would fight over the same L1 sets). Packing is for the narrow formats, which need widening,
+ * and for what the FMA exponent scan must see (narrow formats only, so never fp32 data). */
+static void run_item(const job *J, const void *s, const void *v, float *out, uint32_t *sp,
+                     uint32_t *vp, float *tile) {
+    const kernel_family *F = &J->fam;
+    const int64_t MR = F->mr, NR = F->nr;
     const int64_t M = J->M, Nj = J->n1 - J->n0;
     const int64_t mp = (M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
-    const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
     const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
-    uint32_t *sp = aligned_floats(kmax * mp * MR);
-    uint32_t *vp = aligned_floats(kmax * np_ * NR);
-    float *tile = aligned_floats(MR * NR);
-    if (!sp || !vp || !tile) {
-        J->status = TRN_ENOMEM;
-        goto done;
-    }
+    const int64_t last_pw = panel_width(F, Nj - (np_ - 1) * NR);
+    const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
+    /* direct stationary reads stay cheap while one chunk of it fits in L2 even when its rows
+     * are far apart (measured: 1024 rows 4 KiB apart thrash L2, a packed copy does not) */
+    const int s_direct = J->s_dt == TRN_F32 && (np_ <= 2 || M * kmax * 4 <= (256 << 10));
+    const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t k0 = c * J->k_chunk;
         const int64_t kc = J->K - k0 < J->k_chunk ? J->K - k0 : J->k_chunk;
-        for (int64_t ip = 0; ip < mp; ip++) {
-            int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
-            pack_panel(J->s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
+        const int v_direct = J->v_dt == TRN_F32 && J->v_sn == 1 && (mp <= 2 || kc * v_span <= 32768);
+        if (!s_direct) {
+            for (int64_t ip = 0; ip < mp; ip++) {
+                const int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
+                pack_panel(s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
+            }
         }
         for (int64_t jp = 0; jp < np_; jp++) {
-            int64_t x0 = jp * NR, xn = Nj - x0 < NR ? Nj - x0 : NR;
-            pack_panel(J->v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + x0, xn, NR,
+            const int64_t x0 = jp * NR, xn = Nj - x0 < NR ? Nj - x0 : NR;
+            if (v_direct && xn == panel_width(F, xn)) continue;
+            pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + x0, xn, panel_width(F, xn),
                        vp + jp * kc * NR);
         }
-        kern_fn kern = J->fam.exact;
-        if (J->fam.fma && J->fma_policy != TRN_FMA_NEVER) {
+        kern_fn kern = F->exact;
+        if (F->fma && J->fma_policy != TRN_FMA_NEVER) {
             int use = J->fma_policy == TRN_FMA_FORCE;
             /* Only operands whose precisions fit fp32's together can be proven exact: skip the
-             * exponent scan for the rest (fp32 inputs), where it would cost a third of a small
-             * matmul's time to learn nothing. */
+             * exponent scan for the rest (fp32 inputs, never packed), where it would cost a
+             * third of a small matmul's time to learn nothing. */
             if (!use && precision_bits(J->s_dt) + precision_bits(J->v_dt) <= 24) {
                 exp_range rs = scan_exponents(sp, kc * mp * MR);
-                exp_range rv = scan_exponents(vp, kc * np_ * NR);
+                exp_range rv = scan_exponents(vp, kc * ((np_ - 1) * NR + last_pw));
                 use = fma_is_exact(J->s_dt, rs, J->v_dt, rv);
             }
-            if (use) kern = J->fam.fma;
+            if (use) kern = F->fma;
         }
         const int add = c > 0 || J->accumulate;
         for (int64_t jp = 0; jp < np_; jp++) {
             const int64_t j0 = jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
             const float *b = (const float *)(vp + jp * kc * NR);
+            int64_t bk = panel_width(F, jn);
+            if (v_direct && jn == bk) {
+                b = (const float *)v + k0 * J->v_sk + J->n0 + j0;
+                bk = J->v_sk;
+            }
             for (int64_t ip = 0; ip < mp; ip++) {
                 const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
                 const float *a = (const float *)(sp + ip * kc * MR);
-                float *o = J->out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
-                if (in == MR && jn == NR && J->o_sn == 1) {
-                    kern(kc, a, b, o, J->o_sm, add);
+                int64_t ak = MR, ai = 1;
+                if (s_direct) {
+                    a = (const float *)s + k0 * J->s_sk + i0 * J->s_sm;
+                    ak = J->s_sk, ai = J->s_sm;
+                }
+                float *o = out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
+                if (J->o_sn == 1) {
+                    kern(kc, a, ak, ai, b, bk, o, J->o_sm, add, (int)in, (int)jn);
                 } else {
-                    kern(kc, a, b, tile, NR, 0);
+                    /* neither output stride is 1: compute the tile aside, then scatter it */
+                    kern(kc, a, ak, ai, b, bk, tile, NR, 0, (int)in, (int)jn);
                     for (int64_t i = 0; i < in; i++) {
                         for (int64_t j = 0; j < jn; j++) {
                             float *d = o + i * J->o_sm + j * J->o_sn;
@@ -598,10 +712,36 @@ static void run_job(job *J) {
             }
         }
     }
-done:
-    free(sp);
-    free(vp);
-    free(tile);
+}
+
+static void run_job(job *J) {
+#if TRN_X86
+    /* IEEE behaviour regardless of the caller's MXCSR: no FTZ/DAZ, round to nearest, all
+     * exceptions masked. Restored on exit. */
+    const unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr((saved_csr & ~(0x8000u | 0x0040u | 0x6000u)) | 0x1f80u);
+#endif
+    const int64_t MR = J->fam.mr, NR = J->fam.nr;
+    const int64_t Nj = J->n1 - J->n0;
+    const int64_t mp = (J->M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
+    const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
+    /* 64-byte aligned regions: packed stationary, packed moving, one output tile */
+    const size_t sp_n = ((size_t)(kmax * mp * MR) + 15) & ~(size_t)15;
+    const size_t vp_n = ((size_t)(kmax * np_ * NR) + 15) & ~(size_t)15;
+    const size_t tile_n = ((size_t)(MR * NR) + 15) & ~(size_t)15;
+    uint32_t *sp = scratch_get((sp_n + vp_n + tile_n) * sizeof(float));
+    if (!sp) {
+        J->status = TRN_ENOMEM;
+    } else {
+        uint32_t *vp = sp + sp_n;
+        float *tile = (float *)(vp + vp_n);
+        const int64_t ss = dt_size(J->s_dt), vs = dt_size(J->v_dt);
+        for (int64_t b = 0; b < J->B; b++) {
+            run_item(J, J->s + b * J->s_sb * ss, J->v + b * J->v_sb * vs, J->out + b * J->o_sb,
+                     sp, vp, tile);
+        }
+    }
+    scratch_trim(SCRATCH_KEEP);
 #if TRN_X86
     _mm_setcsr(saved_csr);
 #endif
@@ -609,20 +749,21 @@ done:
 
 static void *run_job_thread(void *arg) {
     run_job((job *)arg);
+    scratch_trim(0);
     return NULL;
 }
 
-int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
-               const void *v, int v_dt, int64_t v_sk, int64_t v_sn,
-               float *out, int64_t o_sm, int64_t o_sn,
-               int64_t K, int64_t M, int64_t N, int64_t k_chunk,
-               int accumulate, int isa, int fma_policy, int nthreads) {
+int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int64_t s_sm,
+                       const void *v, int v_dt, int64_t v_sb, int64_t v_sk, int64_t v_sn,
+                       float *out, int64_t o_sb, int64_t o_sm, int64_t o_sn,
+                       int64_t B, int64_t K, int64_t M, int64_t N, int64_t k_chunk,
+                       int accumulate, int isa, int fma_policy, int nthreads) {
     if (!dtype_ok(s_dt) || !dtype_ok(v_dt)) return TRN_EDTYPE;
-    if (K < 0 || M < 0 || N < 0 || k_chunk < 1) return TRN_EARG;
+    if (B < 0 || K < 0 || M < 0 || N < 0 || k_chunk < 1) return TRN_EARG;
     if (fma_policy < TRN_FMA_NEVER || fma_policy > TRN_FMA_FORCE) return TRN_EARG;
     if (isa == TRN_ISA_AUTO) isa = trn_best_isa();
     if (isa > trn_best_isa()) return TRN_EISA;
-    if (M == 0 || N == 0) return TRN_OK;
+    if (B == 0 || M == 0 || N == 0) return TRN_OK;
 
     /* out[m,n] = sum_k s[k,m] v[k,n] and out^T[n,m] = sum_k v[k,n] s[k,m] are the same
      * numbers (IEEE multiplication commutes; the k order is unchanged), so a column-major out
@@ -630,18 +771,20 @@ int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
     if (o_sn != 1 && o_sm == 1) {
         const void *tp = s;
         int tdt = s_dt;
-        int64_t tk = s_sk, tx = s_sm, tn = M;
-        s = v, s_dt = v_dt, s_sk = v_sk, s_sm = v_sn, M = N;
-        v = tp, v_dt = tdt, v_sk = tk, v_sn = tx, N = tn;
+        int64_t tb = s_sb, tk = s_sk, tx = s_sm, tn = M;
+        s = v, s_dt = v_dt, s_sb = v_sb, s_sk = v_sk, s_sm = v_sn, M = N;
+        v = tp, v_dt = tdt, v_sb = tb, v_sk = tk, v_sn = tx, N = tn;
         o_sm = o_sn, o_sn = 1;
     }
 
     job base;
     memset(&base, 0, sizeof base);
-    base.s = s, base.s_dt = s_dt, base.s_sk = s_sk, base.s_sm = s_sm;
-    base.v = v, base.v_dt = v_dt, base.v_sk = v_sk, base.v_sn = v_sn;
-    base.out = out, base.o_sm = o_sm, base.o_sn = o_sn;
-    base.K = K, base.M = M, base.N = N, base.k_chunk = k_chunk;
+    base.s = (const char *)s, base.s_dt = s_dt, base.s_sb = s_sb, base.s_sk = s_sk;
+    base.s_sm = s_sm;
+    base.v = (const char *)v, base.v_dt = v_dt, base.v_sb = v_sb, base.v_sk = v_sk;
+    base.v_sn = v_sn;
+    base.out = out, base.o_sb = o_sb, base.o_sm = o_sm, base.o_sn = o_sn;
+    base.B = B, base.K = K, base.M = M, base.N = N, base.k_chunk = k_chunk;
     base.accumulate = accumulate, base.fma_policy = fma_policy;
     if (!get_family(isa, &base.fam)) return TRN_EISA;
     base.n0 = 0, base.n1 = N;
@@ -676,4 +819,13 @@ int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
         if (jobs[t].status != TRN_OK) status = jobs[t].status;
     }
     return status;
+}
+
+int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
+               const void *v, int v_dt, int64_t v_sk, int64_t v_sn,
+               float *out, int64_t o_sm, int64_t o_sn,
+               int64_t K, int64_t M, int64_t N, int64_t k_chunk,
+               int accumulate, int isa, int fma_policy, int nthreads) {
+    return trn_matmul_batched(s, s_dt, 0, s_sk, s_sm, v, v_dt, 0, v_sk, v_sn, out, 0, o_sm, o_sn,
+                              1, K, M, N, k_chunk, accumulate, isa, fma_policy, nthreads);
 }

@@ -35,6 +35,15 @@ int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
                int64_t K, int64_t M, int64_t N, int64_t k_chunk,
                int accumulate, int isa, int fma_policy, int nthreads);
 
+/* trn_matmul for B independent items: item b reads s + b*s_sb, v + b*v_sb and writes
+ * out + b*o_sb (batch strides in elements). One call for a batch of small matmuls (attention
+ * heads): the checks, MXCSR set-up and packing buffers are paid once. */
+int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int64_t s_sm,
+                       const void *v, int v_dt, int64_t v_sb, int64_t v_sk, int64_t v_sn,
+                       float *out, int64_t o_sb, int64_t o_sm, int64_t o_sn,
+                       int64_t B, int64_t K, int64_t M, int64_t N, int64_t k_chunk,
+                       int accumulate, int isa, int fma_policy, int nthreads);
+
 /* dst[i] = src[i] rounded to dst_dt (contiguous arrays of n elements). */
 int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n);
 
