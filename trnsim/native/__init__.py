@@ -71,7 +71,10 @@ def _lib() -> Any:
 
 
 def _threads() -> int:
-    raw = os.environ.get("TRNSIM_NATIVE_THREADS", "1").strip() or "1"
+    raw = os.environ.get("TRNSIM_NATIVE_THREADS")
+    if raw is None:  # the common case, without the parsing (a small matmul costs a few us)
+        return 1
+    raw = raw.strip() or "1"
     try:
         n = int(raw)
     except ValueError:
@@ -91,9 +94,11 @@ def _operand(a: np.ndarray) -> tuple[np.ndarray, int, int]:
     """(array to pass, element stride of axis 0, element stride of axis 1); copies only an
     array whose strides are not whole elements."""
     item = a.itemsize
-    if any(st % item for st in a.strides):
+    st0, st1 = a.strides
+    if st0 % item or st1 % item:
         a = np.ascontiguousarray(a)
-    return a, a.strides[0] // item, a.strides[1] // item
+        st0, st1 = a.strides
+    return a, st0 // item, st1 // item
 
 
 def _address(a: np.ndarray, ctype: str = "char[]") -> Any:
@@ -146,8 +151,8 @@ def _matmul_native(
         out = np.empty((M, N), dtype=np.float32)
     s, s_sk, s_sm = _operand(s)
     v, v_sk, v_sn = _operand(v)
-    o_item = out.itemsize
-    if any(st % o_item for st in out.strides):  # pragma: no cover - float32 views are aligned
+    o_sm, o_sn = out.strides
+    if o_sm % 4 or o_sn % 4:  # pragma: no cover - float32 views are aligned
         raise ValueError("out must have strides that are whole float32 elements")
     rc = lib.trn_matmul(
         _address(s),
@@ -159,8 +164,8 @@ def _matmul_native(
         v_sk,
         v_sn,
         _address(out, "float[]"),
-        out.strides[0] // o_item,
-        out.strides[1] // o_item,
+        o_sm // 4,
+        o_sn // 4,
         K,
         M,
         N,
