@@ -651,10 +651,10 @@ typedef struct {
  * the packing buffers, sized for kmax rows by run_job.
  *
  * fp32 operands are mostly not copied: the kernel broadcasts stationary values straight from
- * the caller's array (any strides) unless that chunk of it is too big for L2, and reads moving rows in place when they hold a whole
- * panel contiguously and the panel is either read once or spans little memory (packing is
- * still better for a panel that M panels revisit with a large row stride, where the rows
- * would fight over the same L1 sets). Packing is for the narrow formats, which need widening,
+ * the caller's array (any strides; one row panel at a time, which stays in L1), and reads
+ * moving rows in place when they hold a whole panel contiguously and the panel is either
+ * read once or spans little memory (packing is still better for a panel that M panels
+ * revisit with a large row stride, where the rows would fight over the same L1 sets). Packing is for the narrow formats, which need widening,
  * and for what the FMA exponent scan must see (narrow formats only, so never fp32 data). */
 static void run_item(const job *J, const void *s, const void *v, float *out, uint32_t *sp,
                      uint32_t *vp, float *tile) {
@@ -664,10 +664,7 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
     const int64_t mp = (M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
     const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
     const int64_t last_pw = panel_width(F, Nj - (np_ - 1) * NR);
-    const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
-    /* direct stationary reads stay cheap while one chunk of it fits in L2 even when its rows
-     * are far apart (measured: 1024 rows 4 KiB apart thrash L2, a packed copy does not) */
-    const int s_direct = J->s_dt == TRN_F32 && (np_ <= 2 || M * kmax * 4 <= (256 << 10));
+    const int s_direct = J->s_dt == TRN_F32;
     const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t k0 = c * J->k_chunk;
@@ -699,21 +696,24 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
             if (use) kern = F->fma;
         }
         const int add = c > 0 || J->accumulate;
-        for (int64_t jp = 0; jp < np_; jp++) {
-            const int64_t j0 = jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
-            const float *b = (const float *)(vp + jp * kc * NR);
-            int64_t bk = panel_width(F, jn);
-            if (v_direct && jn == bk) {
-                b = (const float *)v + k0 * J->v_sk + J->n0 + j0;
-                bk = J->v_sk;
+        /* Row panels outermost: one stationary panel stays in L1 while the moving panels
+         * stream from L2, and out is walked a row strip at a time (a column strip of a wide
+         * out is rows a power-of-two apart, which conflict in L2). */
+        for (int64_t ip = 0; ip < mp; ip++) {
+            const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
+            const float *a = (const float *)(sp + ip * kc * MR);
+            int64_t ak = MR, ai = 1;
+            if (s_direct) {
+                a = (const float *)s + k0 * J->s_sk + i0 * J->s_sm;
+                ak = J->s_sk, ai = J->s_sm;
             }
-            for (int64_t ip = 0; ip < mp; ip++) {
-                const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
-                const float *a = (const float *)(sp + ip * kc * MR);
-                int64_t ak = MR, ai = 1;
-                if (s_direct) {
-                    a = (const float *)s + k0 * J->s_sk + i0 * J->s_sm;
-                    ak = J->s_sk, ai = J->s_sm;
+            for (int64_t jp = 0; jp < np_; jp++) {
+                const int64_t j0 = jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
+                const float *b = (const float *)(vp + jp * kc * NR);
+                int64_t bk = panel_width(F, jn);
+                if (v_direct && jn == bk) {
+                    b = (const float *)v + k0 * J->v_sk + J->n0 + j0;
+                    bk = J->v_sk;
                 }
                 float *o = out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
                 if (J->o_sn == 1) {
