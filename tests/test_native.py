@@ -335,8 +335,9 @@ def test_fp32_in_place_and_packed_paths():
     check(randn(rng, (K, 12), F32), randn(rng, (K, 16), F32))  # one tile, read in place
 
 
-def test_batched_ragged_threads_and_chunks(monkeypatch):
-    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "3")
+@pytest.mark.parametrize("threads", ["1", "3", "5"])  # 3: split the batch, 5 > B: the columns
+def test_batched_ragged_threads_and_chunks(monkeypatch, threads):
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", threads)
     rng = np.random.default_rng(37)
     B, K, M, N = 4, 70, 13, 50
     for t in (F32, BF16):

@@ -643,7 +643,8 @@ typedef struct {
     int64_t B, K, M, N, k_chunk;
     int accumulate, fma_policy;
     kernel_family fam;
-    int64_t n0, n1; /* this worker's output columns */
+    int64_t b0, b1; /* this worker's batch items */
+    int64_t n0, n1; /* and output columns */
     int status;
 } job;
 
@@ -756,7 +757,7 @@ static void run_job(job *J) {
         uint32_t *vp = sp + sp_n;
         float *tile = (float *)(vp + vp_n);
         const int64_t ss = dt_size(J->s_dt), vs = dt_size(J->v_dt);
-        for (int64_t b = 0; b < J->B; b++) {
+        for (int64_t b = J->b0; b < J->b1; b++) {
             run_item(J, J->s + b * J->s_sb * ss, J->v + b * J->v_sb * vs, J->out + b * J->o_sb,
                      sp, vp, tile);
         }
@@ -807,14 +808,17 @@ int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int6
     base.B = B, base.K = K, base.M = M, base.N = N, base.k_chunk = k_chunk;
     base.accumulate = accumulate, base.fma_policy = fma_policy;
     if (!get_family(isa, &base.fam)) return TRN_EISA;
-    base.n0 = 0, base.n1 = N;
+    base.b0 = 0, base.b1 = B, base.n0 = 0, base.n1 = N;
 
-    /* Threads split the output columns, NR-aligned; every element is computed exactly as in
-     * the single-threaded run, so the result does not depend on the thread count. */
+    /* Threads split the batch when it has an item per thread (attention heads are often one
+     * narrow panel each), else the output columns, NR-aligned; every element is computed
+     * exactly as in the single-threaded run, so the result does not depend on the thread
+     * count. */
     const int64_t panels = (N + base.fam.nr - 1) / base.fam.nr;
     int64_t nt = nthreads < 1 ? 1 : nthreads;
-    if (nt > panels) nt = panels;
     if (nt > 64) nt = 64;
+    const int by_batch = B >= nt;
+    if (!by_batch && nt > panels) nt = panels;
     if (nt <= 1) {
         run_job(&base);
         return base.status;
@@ -825,9 +829,14 @@ int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int6
     int status = TRN_OK;
     for (int64_t t = 0; t < nt; t++) {
         jobs[t] = base;
-        jobs[t].n0 = (panels * t / nt) * base.fam.nr;
-        jobs[t].n1 = (panels * (t + 1) / nt) * base.fam.nr;
-        if (jobs[t].n1 > N) jobs[t].n1 = N;
+        if (by_batch) {
+            jobs[t].b0 = B * t / nt;
+            jobs[t].b1 = B * (t + 1) / nt;
+        } else {
+            jobs[t].n0 = (panels * t / nt) * base.fam.nr;
+            jobs[t].n1 = (panels * (t + 1) / nt) * base.fam.nr;
+            if (jobs[t].n1 > N) jobs[t].n1 = N;
+        }
     }
     for (int64_t t = 1; t < nt; t++) {
         started[t] = pthread_create(&tids[t], NULL, run_job_thread, &jobs[t]) == 0;
