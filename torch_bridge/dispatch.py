@@ -66,7 +66,7 @@ def _info(op: Any) -> _OpInfo:
 
 # ---- helpers --------------------------------------------------------------------------------
 def _is_neuron(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type == NEURON
+    return isinstance(x, torch.Tensor) and x.device in _NEURON_DEVICES
 
 
 # Every neuron device a tensor can be on: ``t.device in _NEURON_DEVICES`` is a third of the cost
@@ -266,7 +266,7 @@ def _check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The device check a composite would have made (TensorIterator's): one device, except 0-dim
     CPU tensors, which act as scalars."""
     devices = {t.device for t in flat_tensors(list(args) + list(kwargs.values()), [])
-               if t.device.type == NEURON or t.dim() > 0}
+               if t.device in _NEURON_DEVICES or t.dim() > 0}
     if len(devices) > 1:
         a, b = sorted(devices, key=str)[:2]
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
