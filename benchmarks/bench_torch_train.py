@@ -4,7 +4,7 @@ Two models, each built from examples/train_gpt2.py's make_model (byte vocabulary
 and trained with AdamW (lr 3e-3, weight decay 0.01) and gradient clipping to norm 1:
 
 * **small GPT-2** (the goal's model): 4 layers, width 256, 4 heads, sequence 128, batch 8
-  (~3.3 M parameters). Per-op dispatch is a modest share of a step here, as in real use.
+  (3.26 M parameters). Its ops are big enough that per-op dispatch is a minor share of a step.
 * **demo** (what ``trnsim demo`` trains): 2 layers, width 64, 4 heads, sequence 64, batch 8.
   Its ops are so small that the bridge's per-op Python dispatch dominates; reported, not the goal.
 
