@@ -335,6 +335,15 @@ def test_fp32_in_place_and_packed_paths():
     check(randn(rng, (K, 12), F32), randn(rng, (K, 16), F32))  # one tile, read in place
 
 
+def test_column_blocks():
+    """Wide N is done in column blocks sized to L2 (64 columns when a chunk has 2048 rows):
+    three blocks here, the last ragged, each with its own FMA proof for narrow formats."""
+    rng = np.random.default_rng(41)
+    K, M, N = 2100, 13, 150
+    for st, mt in ((F32, F32), (BF16, BF16), (E4M3, F16)):
+        check(randn(rng, (M, K), st).T, randn(rng, (K, N), mt), k_chunk=2048)
+
+
 @pytest.mark.parametrize("threads", ["1", "3", "5"])  # 3: split the batch, 5 > B: the columns
 def test_batched_ragged_threads_and_chunks(monkeypatch, threads):
     monkeypatch.setenv("TRNSIM_NATIVE_THREADS", threads)

@@ -648,85 +648,98 @@ typedef struct {
     int status;
 } job;
 
+/* Moving columns per block: a block's packed chunk (k_chunk x NC floats, 512 KiB) stays in L2
+ * while every row panel walks it, and the packing buffer stays that size however wide N is
+ * (a 50257-column vocabulary projection would otherwise pack 25 MiB per chunk). */
+static int64_t block_cols(const kernel_family *F, int64_t kmax) {
+    const int64_t panels = ((int64_t)512 << 10) / (kmax > 0 ? kmax * 4 : 4) / F->nr;
+    return (panels > 0 ? panels : 1) * F->nr;
+}
+
 /* One batch item, columns [n0, n1): s, v, out point at its [0, 0] elements. sp/vp/tile are
- * the packing buffers, sized for kmax rows by run_job.
+ * the packing buffers, sized by run_job for kmax rows of all row panels and one column block.
  *
  * fp32 operands are mostly not copied: the kernel broadcasts stationary values straight from
  * the caller's array (any strides; one row panel at a time, which stays in L1), and reads
  * moving rows in place when they hold a whole panel contiguously and the panel is either
  * read once or spans little memory (packing is still better for a panel that M panels
- * revisit with a large row stride, where the rows would fight over the same L1 sets). Packing is for the narrow formats, which need widening,
- * and for what the FMA exponent scan must see (narrow formats only, so never fp32 data). */
+ * revisit with a large row stride, where the rows would fight over the same L1 sets).
+ * Packing is for the narrow formats, which need widening, and for what the FMA exponent scan
+ * must see (narrow formats only, so never fp32 data). */
 static void run_item(const job *J, const void *s, const void *v, float *out, uint32_t *sp,
                      uint32_t *vp, float *tile) {
     const kernel_family *F = &J->fam;
     const int64_t MR = F->mr, NR = F->nr;
     const int64_t M = J->M, Nj = J->n1 - J->n0;
-    const int64_t mp = (M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
+    const int64_t mp = (M + MR - 1) / MR;
     const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
-    const int64_t last_pw = panel_width(F, Nj - (np_ - 1) * NR);
+    const int64_t NC = block_cols(F, J->K < J->k_chunk ? J->K : J->k_chunk);
     const int s_direct = J->s_dt == TRN_F32;
     const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
+    /* Only operands whose precisions fit fp32's together can be proven exact: skip the
+     * exponent scan for the rest (fp32 inputs, never packed), where it would cost a third of
+     * a small matmul's time to learn nothing. */
+    const int scan = F->fma && J->fma_policy == TRN_FMA_AUTO &&
+                     precision_bits(J->s_dt) + precision_bits(J->v_dt) <= 24;
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t k0 = c * J->k_chunk;
         const int64_t kc = J->K - k0 < J->k_chunk ? J->K - k0 : J->k_chunk;
         const int v_direct = J->v_dt == TRN_F32 && J->v_sn == 1 && (mp <= 2 || kc * v_span <= 32768);
+        const int add = c > 0 || J->accumulate;
         if (!s_direct) {
             for (int64_t ip = 0; ip < mp; ip++) {
                 const int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
                 pack_panel(s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
             }
         }
-        for (int64_t jp = 0; jp < np_; jp++) {
-            const int64_t x0 = jp * NR, xn = Nj - x0 < NR ? Nj - x0 : NR;
-            if (v_direct && xn == panel_width(F, xn)) continue;
-            pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + x0, xn, panel_width(F, xn),
-                       vp + jp * kc * NR);
-        }
-        kern_fn kern = F->exact;
-        if (F->fma && J->fma_policy != TRN_FMA_NEVER) {
-            int use = J->fma_policy == TRN_FMA_FORCE;
-            /* Only operands whose precisions fit fp32's together can be proven exact: skip the
-             * exponent scan for the rest (fp32 inputs, never packed), where it would cost a
-             * third of a small matmul's time to learn nothing. */
-            if (!use && precision_bits(J->s_dt) + precision_bits(J->v_dt) <= 24) {
-                exp_range rs = scan_exponents(sp, kc * mp * MR);
-                exp_range rv = scan_exponents(vp, kc * ((np_ - 1) * NR + last_pw));
-                use = fma_is_exact(J->s_dt, rs, J->v_dt, rv);
-            }
-            if (use) kern = F->fma;
-        }
-        const int add = c > 0 || J->accumulate;
-        /* Row panels outermost: one stationary panel stays in L1 while the moving panels
-         * stream from L2, and out is walked a row strip at a time (a column strip of a wide
-         * out is rows a power-of-two apart, which conflict in L2). */
-        for (int64_t ip = 0; ip < mp; ip++) {
-            const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
-            const float *a = (const float *)(sp + ip * kc * MR);
-            int64_t ak = MR, ai = 1;
-            if (s_direct) {
-                a = (const float *)s + k0 * J->s_sk + i0 * J->s_sm;
-                ak = J->s_sk, ai = J->s_sm;
-            }
+        const exp_range rs = scan ? scan_exponents(sp, kc * mp * MR) : (exp_range){0, 255};
+        for (int64_t jb = 0; jb < Nj; jb += NC) {
+            const int64_t nb = Nj - jb < NC ? Nj - jb : NC; /* columns in this block */
+            const int64_t np_ = (nb + NR - 1) / NR;
             for (int64_t jp = 0; jp < np_; jp++) {
-                const int64_t j0 = jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
-                const float *b = (const float *)(vp + jp * kc * NR);
-                int64_t bk = panel_width(F, jn);
-                if (v_direct && jn == bk) {
-                    b = (const float *)v + k0 * J->v_sk + J->n0 + j0;
-                    bk = J->v_sk;
+                const int64_t x0 = jp * NR, xn = nb - x0 < NR ? nb - x0 : NR;
+                if (v_direct && xn == panel_width(F, xn)) continue;
+                pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
+                           panel_width(F, xn), vp + jp * kc * NR);
+            }
+            kern_fn kern = F->exact;
+            if (F->fma && J->fma_policy == TRN_FMA_FORCE) kern = F->fma;
+            if (scan) {
+                const int64_t last_pw = panel_width(F, nb - (np_ - 1) * NR);
+                exp_range rv = scan_exponents(vp, kc * ((np_ - 1) * NR + last_pw));
+                if (fma_is_exact(J->s_dt, rs, J->v_dt, rv)) kern = F->fma;
+            }
+            /* Row panels outside the column panels: one stationary panel stays in L1 while
+             * the block's moving panels stream from L2, and out is walked in row strips
+             * (a column strip of a wide out is rows a power of two apart, which conflict). */
+            for (int64_t ip = 0; ip < mp; ip++) {
+                const int64_t i0 = ip * MR, in = M - i0 < MR ? M - i0 : MR;
+                const float *a = (const float *)(sp + ip * kc * MR);
+                int64_t ak = MR, ai = 1;
+                if (s_direct) {
+                    a = (const float *)s + k0 * J->s_sk + i0 * J->s_sm;
+                    ak = J->s_sk, ai = J->s_sm;
                 }
-                float *o = out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
-                if (J->o_sn == 1) {
-                    kern(kc, a, ak, ai, b, bk, o, J->o_sm, add, (int)in, (int)jn);
-                } else {
-                    /* neither output stride is 1: compute the tile aside, then scatter it */
-                    kern(kc, a, ak, ai, b, bk, tile, NR, 0, (int)in, (int)jn);
-                    for (int64_t i = 0; i < in; i++) {
-                        for (int64_t j = 0; j < jn; j++) {
-                            float *d = o + i * J->o_sm + j * J->o_sn;
-                            float t = tile[i * NR + j];
-                            *d = canon_f32(add ? *d + t : t);
+                for (int64_t jp = 0; jp < np_; jp++) {
+                    const int64_t j0 = jb + jp * NR, jn = Nj - j0 < NR ? Nj - j0 : NR;
+                    const float *b = (const float *)(vp + jp * kc * NR);
+                    int64_t bk = panel_width(F, jn);
+                    if (v_direct && jn == bk) {
+                        b = (const float *)v + k0 * J->v_sk + J->n0 + j0;
+                        bk = J->v_sk;
+                    }
+                    float *o = out + i0 * J->o_sm + (J->n0 + j0) * J->o_sn;
+                    if (J->o_sn == 1) {
+                        kern(kc, a, ak, ai, b, bk, o, J->o_sm, add, (int)in, (int)jn);
+                    } else {
+                        /* neither output stride is 1: compute the tile aside, then scatter it */
+                        kern(kc, a, ak, ai, b, bk, tile, NR, 0, (int)in, (int)jn);
+                        for (int64_t i = 0; i < in; i++) {
+                            for (int64_t j = 0; j < jn; j++) {
+                                float *d = o + i * J->o_sm + j * J->o_sn;
+                                float t = tile[i * NR + j];
+                                *d = canon_f32(add ? *d + t : t);
+                            }
                         }
                     }
                 }
@@ -743,9 +756,9 @@ static void run_job(job *J) {
     _mm_setcsr((saved_csr & ~(0x8000u | 0x0040u | 0x6000u)) | 0x1f80u);
 #endif
     const int64_t MR = J->fam.mr, NR = J->fam.nr;
-    const int64_t Nj = J->n1 - J->n0;
-    const int64_t mp = (J->M + MR - 1) / MR, np_ = (Nj + NR - 1) / NR;
     const int64_t kmax = J->K < J->k_chunk ? J->K : J->k_chunk;
+    const int64_t NC = block_cols(&J->fam, kmax), Nj = J->n1 - J->n0;
+    const int64_t mp = (J->M + MR - 1) / MR, np_ = ((Nj < NC ? Nj : NC) + NR - 1) / NR;
     /* 64-byte aligned regions: packed stationary, packed moving, one output tile */
     const size_t sp_n = ((size_t)(kmax * mp * MR) + 15) & ~(size_t)15;
     const size_t vp_n = ((size_t)(kmax * np_ * NR) + 15) & ~(size_t)15;
