@@ -321,13 +321,14 @@ def test_ragged_tiles_every_family():
 
 def test_fp32_in_place_and_packed_paths():
     """fp32 stationary is read where it lies; fp32 moving too, unless many row panels revisit
-    a chunk of it that spans much memory or its columns are not contiguous. Each choice must
-    give the reference's bits."""
+    a wide chunk of it whose rows are a multiple of 1 KiB apart, or its columns are not
+    contiguous. Each choice must give the reference's bits."""
     rng = np.random.default_rng(31)
-    K, M, N = 130, 600, 100  # 128 moving rows 400 B apart, revisited by 50 row panels: packed
+    K, M, N = 130, 600, 100  # moving rows 400 B apart: read in place by 50 row panels
     s, v = randn(rng, (M, K), F32).T, randn(rng, (K, N), F32)
     check(s, v)
-    check(s, randn(rng, (K, 32), F32))  # 16 KiB per chunk: read in place
+    check(s, randn(rng, (K, 256), F32))  # rows 1 KiB apart: packed
+    check(s, randn(rng, (K, 32), F32)[:, :24])  # 24 of 32 columns: a partial panel, packed
     check(s, randn(rng, (K, N), BF16))  # fp32 in place beside a packed narrow operand
     check(s, randn(rng, (K, 2 * N), F32)[:, ::2])  # strided moving columns: packed
     wide = randn(rng, (40, 1024), F32)  # 4 KiB between stationary rows
