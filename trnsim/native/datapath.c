@@ -4,9 +4,9 @@
  *
  * 1. Narrow operands are packed into fp32 panels (widening every format is exact; fp32 ones
  *    are mostly read in place), then a register-blocked micro-kernel computes an MR x NR tile
- *    (or its ragged edge) of one chunk. Each output element
- *    lives in one register lane and sees its products in k order 0..kc-1, starting from +0.0,
- *    exactly as the definition's loop. Blocking over M and N changes nothing per element; K is
+ *    (or its ragged edge) of one chunk. Each output element lives in one register lane and
+ *    sees its products in k order 0..kc-1, starting from +0.0, exactly as the definition's
+ *    loop. Blocking over M and N changes nothing per element; K is
  *    only split at chunk boundaries, where the definition itself adds chunk results to out.
  *
  * 2. The build uses -O3 -ffp-contract=off and never -ffast-math, so the "exact" kernels round
