@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -63,15 +64,23 @@ def family(request: pytest.FixtureRequest) -> str:
 
 
 def check(s: np.ndarray, v: np.ndarray, *, kernels: list[str] | None = None, **kw) -> np.ndarray:
-    """Reference result; asserts every native kernel/FMA policy gives the same bits."""
+    """Reference result; asserts every native kernel family gives the same bits."""
     out0 = kw.pop("out", None)
     want = reference.matmul(s, v, out=None if out0 is None else out0.copy(), **kw)
     for fam in kernels or families():
-        for fma in ("auto", "never"):
-            out = None if out0 is None else out0.copy()
-            got = native._matmul_native(s, v, out=out, kernel=fam, fma=fma, **kw)
-            assert_same_bits(got, want)
+        out = None if out0 is None else out0.copy()
+        got = native._matmul_native(s, v, out=out, kernel=fam, **kw)
+        assert_same_bits(got, want)
     return want
+
+
+def unfused_differs(s: np.ndarray, v: np.ndarray, want: np.ndarray) -> bool:
+    """Whether every family's multiply-then-add kernel gets other bits than ``want``: the data
+    can tell a fused MAC from a reverted one."""
+    return all(
+        (bits(native._matmul_native(s, v, kernel=fam, fma="off")) != bits(want)).any()
+        for fam in families()
+    )
 
 
 def randn(rng: np.random.Generator, shape: tuple[int, ...], t: type, scale: float = 1.0):
@@ -111,17 +120,16 @@ def test_chunked_accumulation_order_is_part_of_the_definition():
         assert mm(s, v, out=out, accumulate=True, k_chunk=2)[0, 0] == 16777220.0
 
 
-def test_multiply_and_add_round_separately():
-    # k=0: acc = -(1 + 2^-22). k=1: p = (1 + 2^-23)^2 = 1 + 2^-22 + 2^-46 rounds to 1 + 2^-22,
-    # so acc = 0. A fused multiply-add would keep the 2^-46.
+def test_fp32_mac_is_fused():
+    # k=0: acc = -(1 + 2^-22). k=1: p = (1 + 2^-23)^2 = 1 + 2^-22 + 2^-46 exactly; a fused MAC
+    # keeps the 2^-46 (acc = 2^-46), a rounded product (1 + 2^-22) would cancel to +0.
     e = 2.0**-23
     s = np.array([[1.0], [1 + e]], dtype=F32)
     v = np.array([[-(1 + 2 * e)], [1 + e]], dtype=F32)
     for mm in (reference.matmul, native.matmul):
-        assert bits(mm(s, v))[0, 0] == 0  # +0.0
-    fused = native._matmul_native(s, v, fma="force", kernel=families()[-1])
-    if families()[-1] != "generic":  # the generic family has no fused kernel
-        assert fused[0, 0] == 2.0**-46
+        assert mm(s, v)[0, 0] == 2.0**-46
+    for fam in families():
+        assert bits(native._matmul_native(s, v, fma="off", kernel=fam))[0, 0] == 0
 
 
 def test_accumulator_starts_at_positive_zero():
@@ -196,41 +204,103 @@ def test_bf16_products_that_overflow_and_underflow():
     check(big, randn(rng, (K, N), BF16, 1e10))  # products ~1e40: Inf, and Inf - Inf = NaN
     tiny = randn(rng, (K, M), BF16, 1e-25)
     check(tiny, randn(rng, (K, N), BF16, 1e-15))  # products ~1e-40: subnormal, inexact
-    # Chunk 0 is tame, chunk 1 is not: the FMA decision is per chunk.
     mixed = randn(rng, (K, M), BF16)
     mixed[200] = BF16(3e-39)  # a bf16 subnormal
     check(mixed, randn(rng, (K, N), BF16))
-    # Underflowing products next to a nonzero accumulator make a fused kernel visibly wrong.
+    # Underflowing products next to a nonzero accumulator: the one case where 16-bit inputs
+    # tell a fused MAC from a multiply-then-add.
     s = randn(rng, (K, M), BF16, 1e-20)
     v = randn(rng, (K, N), BF16, 1e-19)
     s[0], v[0] = BF16(1e-38), BF16(1.0)
-    want = check(s, v)
-    if "avx512" in families() or "avx2" in families():
-        forced = native._matmul_native(s, v, fma="force")
-        assert (bits(forced) != bits(want)).any()
+    assert unfused_differs(s, v, check(s, v))
 
 
-def test_fma_range_boundaries():
-    # Largest exponents the FMA proof allows (2^63 <= |x| < 2^64: products < 2^128) and the
-    # smallest (|x| >= 2^-63: products >= 2^-126), and one step past each.
-    rng = np.random.default_rng(5)
-    K, M, N = 128, 12, 32
-    for lo, hi in ((63, 64), (64, 65), (-63, -62), (-64, -63)):
-        mant = 1 + rng.random((K, M + N))
-        x = (mant * 2.0**lo).astype(F32)
-        x = np.minimum(x, np.float32(2.0**hi) * np.float32(1 - 2**-8)).astype(BF16)
-        x = np.where(rng.random(x.shape) < 0.5, x, -x).astype(BF16)
-        check(x[:, :M], x[:, M:])
+@pytest.mark.parametrize("st,mt", [p for p in PAIRS if F32 not in p], ids=lambda t: name(t))
+def test_narrow_products_are_exact_so_fusing_changes_nothing(st, mt):
+    # 16- and 8-bit products fit fp32, so multiply-then-add gives the definition's bits.
+    rng = np.random.default_rng(zlib.crc32(f"unfused {name(st)} {name(mt)}".encode()))
+    s, v = randn(rng, (200, 19), st), randn(rng, (200, 37), mt)
+    want = reference.matmul(s, v)
+    for fam in families():
+        assert_same_bits(native._matmul_native(s, v, kernel=fam, fma="off"), want)
 
 
-def test_fp32_products_are_rounded():
-    # fp32 x fp32 products are inexact, so a fused kernel would differ: "force" shows the test
-    # data can tell, "auto" never fuses fp32.
+def test_fp32_macs_are_fused():
+    # Random fp32 data is enough to tell a fused MAC from a rounded product, in every family,
+    # ragged tiles, chunked, accumulating and not.
     rng = np.random.default_rng(11)
-    s, v = randn(rng, (128, 24), F32), randn(rng, (128, 64), F32)
-    want = check(s, v)
-    if families()[-1] != "generic":
-        assert (bits(native._matmul_native(s, v, fma="force")) != bits(want)).any()
+    for K, M, N, kw in ((128, 24, 64, {}), (300, 13, 37, {"k_chunk": 64})):
+        s, v = randn(rng, (K, M), F32), randn(rng, (K, N), F32)
+        assert unfused_differs(s, v, check(s, v, **kw))
+        out = randn(rng, (M, N), F32)
+        check(s, v, out=out, accumulate=True, **kw)
+
+
+def _c_fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """C's fmaf, one call per element: the oracle for the reference's numpy emulation."""
+    fmaf = ctypes.CDLL(None).fmaf
+    fmaf.argtypes = [ctypes.c_float] * 3
+    fmaf.restype = ctypes.c_float
+    r = [fmaf(float(x), float(y), float(z)) for x, y, z in zip(a.ravel(), b.ravel(), c.ravel())]
+    return np.array(r, dtype=F32)
+
+
+def _midpoint_triples(rng: np.random.Generator, n: int, subnormal: bool) -> tuple[np.ndarray, ...]:
+    """(a, b, c) where c + a*b is within an fp64 half-ulp of an fp32 midpoint: the sum rounded to
+    fp64 lands on the midpoint, and only the TwoSum error says which way fmaf rounds.
+
+    a*b has significand ma*mb = 2^47 + d with |d| < 2^18, scaled to half an ulp of c, so the
+    tail d lies below c's fp64 rounding bit. ``subnormal``: c and the result are fp32
+    subnormals (ulp 2^-149) in [2^-127, 2^-126), where fp64 rounds at 2^-179, so |d| < 2^16."""
+    ma = rng.integers(2**23, 2**24, 32 * n)
+    mb = np.rint(2.0**47 / ma).astype(np.int64)
+    tail = 2**16 if subnormal else 2**18
+    ok = (mb >= 2**23) & (mb < 2**24) & (np.abs(ma * mb - 2**47) < tail)
+    ma, mb = ma[ok][:n], mb[ok][:n]
+    k = len(ma)
+    sign = lambda: rng.choice([-1.0, 1.0], k)  # noqa: E731
+    if subnormal:  # a*b ~ 2^47 * 2^-197 = 2^-150
+        ta, tb, c = -100, np.full(k, -97), rng.integers(2**22, 2**23, k) * 2.0**-149
+    else:  # a*b ~ 2^(t+1), c = 24 bits with ulp 2^(t+2)
+        t = rng.integers(-120, 60, k)
+        ta, tb, c = t - 23, np.full(k, -23), rng.integers(2**23, 2**24, k) * 2.0 ** (t + 2)
+    a = (ma * 2.0**ta * sign()).astype(F32)
+    b = (mb * 2.0**tb * sign()).astype(F32)
+    return a, b, (c * sign()).astype(F32)
+
+
+def test_reference_fma32_is_c_fmaf():
+    rng = np.random.default_rng(17)
+    n = 3000
+    a, b, c = (randn(rng, (n,), F32) for _ in range(3))
+    exact = (a.astype(np.float64) * b).astype(F32)
+    cases = [
+        (a, b, c),
+        (a, b, -exact),  # cancellation: the result is the product's rounding error
+        _midpoint_triples(rng, n, subnormal=False),
+        _midpoint_triples(rng, n, subnormal=True),
+        # subnormal addends and results
+        (
+            (rng.integers(1, 2**24, n) * 2.0**-90).astype(F32),
+            (rng.integers(1, 2**24, n) * 2.0**-80).astype(F32),
+            (rng.integers(-(2**12), 2**12, n) * 2.0**-149).astype(F32),
+        ),
+        # near and past FLT_MAX, and non-finite operands
+        (
+            np.array([3.4e38, 3.4e38, -3.4e38, 2.0**64, 2.0**64, np.inf, np.inf, np.nan, 0], F32),
+            np.array([1.0000001, 2, 1, 2.0**64 * (1 - 2.0**-24), 2.0**64, 0, 1, 1, np.inf], F32),
+            np.array([2.0**103, -3.4e38, -(2.0**103), -(2.0**103), -(2.0**104), 1, -np.inf, 0, 1],
+                     F32),
+        ),
+    ]
+    for x, y, z in cases:
+        want, got = _c_fmaf(x, y, z), reference.fma32(x, y, z)
+        same = (bits(got) == bits(want)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (x[~same][:3], y[~same][:3], z[~same][:3])
+    # The midpoint cases are real: rounding the fp64 sum alone gets many of them wrong.
+    for x, y, z in cases[2:4]:
+        naive = (z.astype(np.float64) + x.astype(np.float64) * y).astype(F32)
+        assert (bits(naive) != bits(_c_fmaf(x, y, z))).sum() > len(x) // 4
 
 
 def test_every_kernel_family(family):
@@ -338,7 +408,7 @@ def test_fp32_in_place_and_packed_paths():
 
 def test_column_blocks():
     """Wide N is done in column blocks sized to L2 (64 columns when a chunk has 2048 rows):
-    three blocks here, the last ragged, each with its own FMA proof for narrow formats."""
+    three blocks here, the last ragged."""
     rng = np.random.default_rng(41)
     K, M, N = 2100, 13, 150
     for st, mt in ((F32, F32), (BF16, BF16), (E4M3, F16)):
@@ -601,7 +671,7 @@ def test_private_kernel_errors():
     s = np.ones((2, 2), F32)
     with pytest.raises(ValueError, match=r"^unknown kernel family 'sse9': expected one of generic, avx2, avx512$"):
         native._matmul_native(s, s, kernel="sse9")
-    with pytest.raises(ValueError, match=r"^unknown fma policy 'maybe': expected one of never, auto, force$"):
+    with pytest.raises(ValueError, match=r"^unknown fma policy 'maybe': expected one of on, off$"):
         native._matmul_native(s, s, fma="maybe")
     if "avx512" not in families():
         with pytest.raises(ValueError, match=r"^this CPU cannot run the requested kernel family$"):

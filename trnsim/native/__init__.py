@@ -50,7 +50,7 @@ _CODES = {
 # a small matmul's whole C call is a few us.
 _CODE_OF = {get_dtype(name).np_dtype: code for name, code in _CODES.items()}
 _ISAS = {"generic": 0, "avx2": 1, "avx512": 2}
-_FMA_POLICIES = {"never": 0, "auto": 1, "force": 2}
+_FMA_POLICIES = {"on": 1, "off": 0}
 _C_ERRORS = {
     1: "unsupported dtype code",
     2: "out of memory",
@@ -132,14 +132,14 @@ def _matmul_native(
     accumulate: bool = False,
     k_chunk: int = 128,
     kernel: str | None = None,
-    fma: str = "auto",
+    fma: str = "on",
     threads: int | None = None,
 ) -> np.ndarray:
     """The C core; ``kernel``/``fma``/``threads`` exist for tests and benchmarks.
 
     ``kernel``: ``"generic"``, ``"avx2"`` or ``"avx512"`` (default: the best this CPU runs).
-    ``fma``: ``"auto"`` (fused kernel only where proven bit-identical), ``"never"``, or
-    ``"force"`` (deliberately wrong; for showing that tests would catch a fused kernel).
+    ``fma``: ``"on"`` (one rounding per MAC: the definition) or ``"off"`` (multiply and add
+    rounded apart; deliberately wrong for fp32, to show that tests would catch such a kernel).
     """
     lib = _lib()
     s, v, K, M, N = check_operands(stationary, moving, out, accumulate, k_chunk)
@@ -216,7 +216,7 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
         ffi.cast("char *", v.ctypes.data), _CODE_OF[v.dtype],
         v.strides[0] // vi, v.strides[1] // vi, v.strides[2] // vi,
         ffi.from_buffer("float[]", out), M * N, N, 1,
-        batch, K, M, N, int(k_chunk), 0, -1, _FMA_POLICIES["auto"], _threads(),
+        batch, K, M, N, int(k_chunk), 0, -1, _FMA_POLICIES["on"], _threads(),
     )
     if rc != 0:
         _raise_c_error(rc)

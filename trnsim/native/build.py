@@ -5,9 +5,10 @@
 ``python setup.py build_ext --inplace``, which builds the same file).
 
 Flags: ``-O3`` for speed, ``-ffp-contract=off`` so the compiler never fuses a multiply and an
-add the definition rounds separately (the only fused multiply-adds are the explicit intrinsics
-datapath.c proves exact), and no ``-ffast-math``/``-march=native``: the module must give the
-same bits on every x86-64 (it picks AVX-512 / AVX2 kernels at run time) and on other CPUs.
+add on its own (the definition's fused MACs are explicit FMA intrinsics and ``fmaf`` calls; the
+unfused test kernel must stay unfused), and no ``-ffast-math``/``-march=native``: the module
+must give the same bits on every x86-64 (it picks AVX-512 / AVX2 kernels at run time) and on
+other CPUs.
 """
 
 from __future__ import annotations

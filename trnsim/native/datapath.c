@@ -9,31 +9,20 @@
  *    loop. Blocking over M and N changes nothing per element; K is
  *    only split at chunk boundaries, where the definition itself adds chunk results to out.
  *
- * 2. The build uses -O3 -ffp-contract=off and never -ffast-math, so the "exact" kernels round
- *    the multiply and the add separately, and nothing flushes subnormals. The x86 entry point
- *    also clears FTZ/DAZ and selects round-to-nearest in MXCSR for the duration of the call, in
- *    case something else in the process changed them.
+ * 2. Every MAC is one fused multiply-add, acc = fl(acc + s*v), as the definition says: the
+ *    kernels use the FMA instructions (fmaf in the portable kernel), and the build uses -O3
+ *    -ffp-contract=off and never -ffast-math, so the compiler neither fuses nor splits
+ *    anything on its own, and nothing flushes subnormals. The x86 entry point also clears
+ *    FTZ/DAZ and selects round-to-nearest in MXCSR for the duration of the call, in case
+ *    something else in the process changed them.
  *
- * 3. A fused multiply-add kernel runs only for chunks where it is provably identical to
- *    mul+add. fma(s, v, acc) = fl(s*v + acc), and mul+add = fl(fl(s*v) + acc); they agree when
- *    fl(s*v) = s*v, i.e. when the exact product is representable in fp32. For one chunk we know
- *    every operand's precision p (significand bits of its source format: fp32 24, fp16 11,
- *    bf16 8, e4m3/e4m3fn 4, e5m2 3) and, from the packed fp32 bits, the largest and smallest
- *    biased exponent emax/emin over its nonzero values. The product of a p-bit and a q-bit
- *    significand has at most p+q bits, so s*v is exact if
- *      - p_s + p_v <= 24                      (fits the fp32 significand),
- *      - no input is Inf/NaN (emax < 255) or an fp32 subnormal (emin >= 1),
- *      - emax_s + emax_v <= 380               (|s||v| < 2^(emax_s-126) 2^(emax_v-126) <= 2^128:
- *                                              no overflow),
- *      - emin_s + emin_v >= 128               (|s||v| >= 2^(emin_s-127) 2^(emin_v-127) >= 2^-126:
- *                                              the product is a normal number),
- *    zeros being exact products anyway. fp16 and all fp8 formats, alone or mixed, always pass;
- *    bf16 passes when, e.g., every nonzero |x| lies in [2^-62, 2^62]. The sign of an exact zero
- *    sum is the same for both forms (IEEE 754 6.3 treats the exact product of an fma like an
- *    addend). Chunks that fail the test use the mul+add kernel.
+ * 3. The chunk and accumulate additions into out are plain fp32 adds, as in the definition.
  *
- * NaN results are written as the default quiet NaN 0x7FC00000 (see reference.py): payload
- * propagation is the one place fused and unfused hardware legitimately differ.
+ * A separate multiply-and-add ("unfused") kernel stays for TRN_FMA_OFF: it is wrong for fp32
+ * inputs on purpose, so tests can show they would catch a kernel that rounds the product.
+ *
+ * NaN results are written as the default quiet NaN 0x7FC00000 (see reference.py): IEEE leaves
+ * open which payload propagates, and the vector FMA instructions and libm's fmaf may differ.
  */
 #include "datapath.h"
 
@@ -49,10 +38,9 @@
 #define TRN_X86 0
 #endif
 
-/* Packing and the exponent scan are integer work whose results do not depend on the
- * instruction set; built once per ISA (picked at load time through an ifunc) they vectorise
- * with AVX2/AVX-512 instead of the x86-64 baseline's SSE2, which lacks the 32-bit unsigned
- * min/max the scan needs (a narrow-format matmul spent a third of its time there). */
+/* Packing is integer work whose results do not depend on the instruction set; built once per
+ * ISA (picked at load time through an ifunc) it vectorises with AVX2/AVX-512 instead of the
+ * x86-64 baseline's SSE2. */
 #if TRN_X86 && defined(__gnu_linux__) && defined(__GNUC__)
 #define TRN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -136,18 +124,6 @@ static const uint32_t *fp8_table(int dt) {
 }
 
 static int dtype_ok(int dt) { return dt >= TRN_F32 && dt <= TRN_E5M2; }
-
-/* Significand bits (with the implicit one) of each format. */
-static int precision_bits(int dt) {
-    switch (dt) {
-    case TRN_F32: return 24;
-    case TRN_F16: return 11;
-    case TRN_BF16: return 8;
-    case TRN_E4M3:
-    case TRN_E4M3FN: return 4;
-    default: return 3; /* TRN_E5M2 */
-    }
-}
 
 /* ---------------------------------------------------------------------------------------- */
 /* Narrowing from fp32 (round to nearest even, ml_dtypes / numpy semantics).                 */
@@ -289,12 +265,7 @@ int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
 
 /* ---------------------------------------------------------------------------------------- */
 /* Packing: one chunk of an operand [K, X] -> panels of R columns, each kc x R fp32, k-major,
- * zero-padded past the last column. Also reports the biased-exponent range of the values.   */
-
-typedef struct {
-    int emax; /* largest biased exponent (255: Inf/NaN present) */
-    int emin; /* smallest biased exponent of a nonzero value (255 if none) */
-} exp_range;
+ * zero-padded past the last column.                                                          */
 
 #define PACK_ROWS(T, CONV)                                                                     \
     do {                                                                                       \
@@ -357,40 +328,17 @@ TRN_CLONES static void pack_panel(const void *src, int dt, int64_t sk, int64_t s
     }
 }
 
-TRN_CLONES static exp_range scan_exponents(const uint32_t *p, int64_t n) {
-    uint32_t emax = 0, emin = 255;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t a = p[i] & 0x7fffffffu;
-        uint32_t e = a >> 23;
-        uint32_t en = a ? e : 255u;
-        emax = e > emax ? e : emax;
-        emin = en < emin ? en : emin;
-    }
-    exp_range r = {(int)emax, (int)emin};
-    return r;
-}
-
-/* The proof in the file comment, as code. */
-static int fma_is_exact(int s_dt, exp_range s, int v_dt, exp_range v) {
-    if (precision_bits(s_dt) + precision_bits(v_dt) > 24) return 0;
-    if (s.emax >= 255 || v.emax >= 255) return 0;
-    if (s.emin < 1 || v.emin < 1) return 0;
-    if (s.emax + v.emax > 380) return 0;
-    if (s.emin + v.emin < 128) return 0;
-    return 1;
-}
-
 /* ---------------------------------------------------------------------------------------- */
 /* Micro-kernels. kern(kc, a, ak, ai, b, bk, dst, ldd, add, mr, nc):
  *   a: stationary panel, element (k, i) at a[k*ak + i*ai] for i < mr: a packed panel
  *      (ak = MR, ai = 1) or, for fp32 input, the caller's array itself (no copy);
  *   b: moving panel, row k at b + k*bk, panel_width(nc) floats (aligned), zero past column nc:
  *      packed, or the caller's fp32 rows when they are a whole panel wide;
- *   acc[i][j] = +0.0, then for k in order acc = acc + a[k][i] * b[k][j];
+ *   acc[i][j] = +0.0, then for k in order acc = fma(a[k][i], b[k][j], acc);
  *   dst[i*ldd + j] = canon(add ? dst[i*ldd + j] + acc : acc) for i < mr, j < nc only.
  * A ragged edge tile is thus written straight into out (masked stores), with no temporary
- * tile and no work for rows past mr. The _exact variants round the multiply and the add
- * separately; the _fma variants fuse them and are only called where fma_is_exact() holds.   */
+ * tile and no work for rows past mr. The _fma variants are the definition (one rounding per
+ * MAC); the _unfused ones round the multiply and the add apart (TRN_FMA_OFF, for tests).    */
 
 typedef void (*kern_fn)(int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b,
                         int64_t bk, float *dst, int64_t ldd, int add, int mr, int nc);
@@ -401,9 +349,9 @@ static inline float canon_f32(float x) { return x != x ? bits_f32(CANON_NAN_BITS
 #define G_MR 4
 #define G_NR 8
 
-static void kern_generic_exact(int64_t kc, const float *a, int64_t ak, int64_t ai,
-                               const float *b, int64_t bk, float *dst, int64_t ldd, int add,
-                               int mr, int nc) {
+static inline __attribute__((always_inline)) void
+generic_tile(const int fused, int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b,
+             int64_t bk, float *dst, int64_t ldd, int add, int mr, int nc) {
     float acc[G_MR][G_NR];
     for (int i = 0; i < G_MR; i++)
         for (int j = 0; j < G_NR; j++) acc[i][j] = 0.0f;
@@ -411,16 +359,27 @@ static void kern_generic_exact(int64_t kc, const float *a, int64_t ak, int64_t a
         const float *bkp = b + k * bk;
         for (int i = 0; i < G_MR; i++) {
             const float aki = i < mr ? a[k * ak + i * ai] : 0.0f;
-            for (int j = 0; j < G_NR; j++) {
-                float p = aki * bkp[j];
-                acc[i][j] = acc[i][j] + p;
-            }
+            for (int j = 0; j < G_NR; j++)
+                acc[i][j] = fused ? fmaf(aki, bkp[j], acc[i][j]) : acc[i][j] + aki * bkp[j];
         }
     }
     for (int i = 0; i < mr; i++) {
         float *d = dst + i * ldd;
         for (int j = 0; j < nc; j++) d[j] = canon_f32(add ? d[j] + acc[i][j] : acc[i][j]);
     }
+}
+
+static void kern_generic_unfused(int64_t kc, const float *a, int64_t ak, int64_t ai,
+                                 const float *b, int64_t bk, float *dst, int64_t ldd, int add,
+                                 int mr, int nc) {
+    generic_tile(0, kc, a, ak, ai, b, bk, dst, ldd, add, mr, nc);
+}
+
+/* fmaf is a libm call unless the target has FMA instructions (the x86-64 baseline does not);
+ * this kernel is the fallback for CPUs without AVX2+FMA and for tests, so that is acceptable. */
+static void kern_generic_fma(int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b,
+                             int64_t bk, float *dst, int64_t ldd, int add, int mr, int nc) {
+    generic_tile(1, kc, a, ak, ai, b, bk, dst, ldd, add, mr, nc);
 }
 
 #if TRN_X86
@@ -493,12 +452,11 @@ a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
         }                                                                                      \
     }
 
-DEFINE_AVX2_KERNEL(kern_avx2_exact, 0)
+DEFINE_AVX2_KERNEL(kern_avx2_unfused, 0)
 DEFINE_AVX2_KERNEL(kern_avx2_fma, 1)
 
-/* AVX-512: up to 12 rows x 2 vectors of 16 columns, 24 zmm accumulators. The exact kernel
- * issues one multiply and one add per 16 products, the most two FP ports allow when every
- * product must be rounded before it is added. */
+/* AVX-512: up to 12 rows x 2 vectors of 16 columns, 24 zmm accumulators: one FMA per 16 MACs
+ * on each of two FP ports. */
 #define A5_MR 12
 #define A5_VW 16
 
@@ -561,7 +519,7 @@ a5_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
         }                                                                                      \
     }
 
-DEFINE_AVX512_KERNEL(kern_avx512_exact, 0)
+DEFINE_AVX512_KERNEL(kern_avx512_unfused, 0)
 DEFINE_AVX512_KERNEL(kern_avx512_fma, 1)
 
 #endif /* TRN_X86 */
@@ -569,22 +527,23 @@ DEFINE_AVX512_KERNEL(kern_avx512_fma, 1)
 typedef struct {
     int mr, nr; /* register tile: rows, and columns of a full panel */
     int vw;     /* columns of one vector: a panel of at most vw columns is packed vw wide */
-    kern_fn exact, fma; /* fma NULL: no fused kernel for this family */
+    kern_fn fma, unfused; /* the definition; mul+add rounded apart (TRN_FMA_OFF) */
 } kernel_family;
 
 static int get_family(int isa, kernel_family *f) {
     switch (isa) {
     case TRN_ISA_GENERIC:
-        f->mr = G_MR, f->nr = G_NR, f->vw = G_NR, f->exact = kern_generic_exact, f->fma = NULL;
+        f->mr = G_MR, f->nr = G_NR, f->vw = G_NR;
+        f->fma = kern_generic_fma, f->unfused = kern_generic_unfused;
         return 1;
 #if TRN_X86
     case TRN_ISA_AVX2:
         f->mr = A2_MR, f->nr = 2 * A2_VW, f->vw = A2_VW;
-        f->exact = kern_avx2_exact, f->fma = kern_avx2_fma;
+        f->fma = kern_avx2_fma, f->unfused = kern_avx2_unfused;
         return 1;
     case TRN_ISA_AVX512:
         f->mr = A5_MR, f->nr = 2 * A5_VW, f->vw = A5_VW;
-        f->exact = kern_avx512_exact, f->fma = kern_avx512_fma;
+        f->fma = kern_avx512_fma, f->unfused = kern_avx512_unfused;
         return 1;
 #endif
     default: return 0;
@@ -682,8 +641,7 @@ static int64_t block_cols(const kernel_family *F, int64_t kmax) {
  * revisit a chunk whose rows are a multiple of 1 KiB apart: those rows fight over a few L1
  * sets, and packing them measured faster (1024^3: 80 vs 76 GFLOP/s; in place wins at 512 B
  * and 1.5 KiB strides, e.g. 64x128x128 batches 71 -> 78).
- * Packing is for the narrow formats, which need widening, and for what the FMA exponent scan
- * must see (narrow formats only, so never fp32 data). */
+ * Packing is for the narrow formats, which need widening. */
 static void run_item(const job *J, const void *s, const void *v, float *out, uint32_t *sp,
                      uint32_t *vp, float *tile) {
     const kernel_family *F = &J->fam;
@@ -694,11 +652,7 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
     const int64_t NC = block_cols(F, J->K < J->k_chunk ? J->K : J->k_chunk);
     const int s_direct = J->s_dt == TRN_F32;
     const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
-    /* Only operands whose precisions fit fp32's together can be proven exact: skip the
-     * exponent scan for the rest (fp32 inputs, never packed), where it would cost a third of
-     * a small matmul's time to learn nothing. */
-    const int scan = F->fma && J->fma_policy == TRN_FMA_AUTO &&
-                     precision_bits(J->s_dt) + precision_bits(J->v_dt) <= 24;
+    const kern_fn kern = J->fma_policy == TRN_FMA_OFF ? F->unfused : F->fma;
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t k0 = c * J->k_chunk;
         const int64_t kc = J->K - k0 < J->k_chunk ? J->K - k0 : J->k_chunk;
@@ -711,7 +665,6 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
                 pack_panel(s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
             }
         }
-        const exp_range rs = scan ? scan_exponents(sp, kc * mp * MR) : (exp_range){0, 255};
         for (int64_t jb = 0; jb < Nj; jb += NC) {
             const int64_t nb = Nj - jb < NC ? Nj - jb : NC; /* columns in this block */
             const int64_t np_ = (nb + NR - 1) / NR;
@@ -720,13 +673,6 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
                 if (v_direct && xn == panel_width(F, xn)) continue;
                 pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
                            panel_width(F, xn), vp + jp * kc * NR);
-            }
-            kern_fn kern = F->exact;
-            if (F->fma && J->fma_policy == TRN_FMA_FORCE) kern = F->fma;
-            if (scan) {
-                const int64_t last_pw = panel_width(F, nb - (np_ - 1) * NR);
-                exp_range rv = scan_exponents(vp, kc * ((np_ - 1) * NR + last_pw));
-                if (fma_is_exact(J->s_dt, rs, J->v_dt, rv)) kern = F->fma;
             }
             /* Row panels outside the column panels: one stationary panel stays in L1 while
              * the block's moving panels stream from L2, and out is walked in row strips
@@ -813,13 +759,13 @@ int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int6
                        int accumulate, int isa, int fma_policy, int nthreads) {
     if (!dtype_ok(s_dt) || !dtype_ok(v_dt)) return TRN_EDTYPE;
     if (B < 0 || K < 0 || M < 0 || N < 0 || k_chunk < 1) return TRN_EARG;
-    if (fma_policy < TRN_FMA_NEVER || fma_policy > TRN_FMA_FORCE) return TRN_EARG;
+    if (fma_policy != TRN_FMA_OFF && fma_policy != TRN_FMA_ON) return TRN_EARG;
     if (isa == TRN_ISA_AUTO) isa = trn_best_isa();
     if (isa > trn_best_isa()) return TRN_EISA;
     if (B == 0 || M == 0 || N == 0) return TRN_OK;
 
     /* out[m,n] = sum_k s[k,m] v[k,n] and out^T[n,m] = sum_k v[k,n] s[k,m] are the same
-     * numbers (IEEE multiplication commutes; the k order is unchanged), so a column-major out
+     * numbers (a fused multiply-add is symmetric in its two factors; the k order is unchanged), so a column-major out
      * is computed as the transposed problem, whose rows are contiguous. */
     if (o_sn != 1 && o_sm == 1) {
         const void *tp = s;

@@ -19,9 +19,9 @@ enum {
 /* Kernel families, best last. trn_best_isa() says which this CPU runs. */
 enum { TRN_ISA_AUTO = -1, TRN_ISA_GENERIC = 0, TRN_ISA_AVX2 = 1, TRN_ISA_AVX512 = 2 };
 
-/* When the fused multiply-add kernel may run: never, only when proven bit-identical (default),
- * or always (wrong on purpose; tests use it to show they would catch a fused kernel). */
-enum { TRN_FMA_NEVER = 0, TRN_FMA_AUTO = 1, TRN_FMA_FORCE = 2 };
+/* MAC kernels: fused, one rounding per MAC (the definition; default), or multiply and add
+ * rounded apart (wrong for fp32 on purpose; tests use it to show they catch such a kernel). */
+enum { TRN_FMA_OFF = 0, TRN_FMA_ON = 1 };
 
 /* Return codes. */
 enum { TRN_OK = 0, TRN_EDTYPE = 1, TRN_ENOMEM = 2, TRN_EISA = 3, TRN_ETHREAD = 4, TRN_EARG = 5 };

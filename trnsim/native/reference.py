@@ -11,13 +11,18 @@ is exact for every one of these formats.
 
 **One matmul instruction** computes ``stationary[K, M]ᵀ @ moving[K, N] -> [M, N]`` for
 ``K <= k_chunk`` (128 partitions normally, 256 for fp8 "double-row"; the caller decides).
-Every product is an IEEE fp32 multiply with round-to-nearest-even; for 16- and 8-bit inputs it
-is exact, except bf16 products that overflow or underflow fp32. The contraction accumulates in
-fp32 in a fixed order, one rounding per multiply and one per add (no fused multiply-add)::
+The contraction accumulates in fp32 in a fixed order, and every multiply-accumulate is fused:
+the exact ``acc + s*v`` is rounded once to fp32 with round-to-nearest-even (IEEE ``fmaf``)::
 
     acc = +0.0
     for k in 0 .. K-1:
-        acc = fl32(acc + fl32(s[k, m] * v[k, n]))
+        acc = fl32(acc + s[k, m] * v[k, n])      # one rounding per MAC
+
+For 16- and 8-bit inputs the product is exact in fp32 (at most 11+11 significand bits), so a
+fused MAC gives the same bits as a separate multiply and add; only bf16 products that overflow
+or underflow fp32 differ. For fp32 inputs the fusing is a modelling choice: the datasheet says
+only "FP32 inside the array" and "FP32 at ¼ rate", and the PE array's fp32 rounding is not
+published. One rounding per MAC is the most accurate choice and the one a CPU runs fastest.
 
 **A GEMM longer than one chunk** is a PSUM accumulation group. K is split into consecutive
 chunks of ``k_chunk`` rows; each chunk is one instruction computed as above from ``acc = +0.0``.
@@ -30,7 +35,7 @@ K = 0 counts as one empty chunk whose result is +0.0.
 
 **NaN.** Any NaN in the matmul result is returned as the default quiet NaN, bit pattern
 0x7FC00000. (Which NaN payload an IEEE operation propagates is left open by the standard and
-differs between a separate multiply-add and a fused one; fixing it makes the result a function
+differs between implementations of the same operation; fixing it makes the result a function
 of the inputs alone.)
 
 **Output** is fp32, as PSUM holds it. :func:`convert` rounds fp32 to a narrower format with
@@ -49,7 +54,7 @@ import numpy as np
 
 from trnsim.native.dtypes import FLOAT_DTYPES, Dtype, get_dtype
 
-__all__ = ["matmul", "convert", "widen", "CANONICAL_NAN_BITS"]
+__all__ = ["matmul", "fma32", "convert", "widen", "CANONICAL_NAN_BITS"]
 
 #: Bit pattern of the one NaN the matmul datapath returns.
 CANONICAL_NAN_BITS = 0x7FC00000
@@ -119,6 +124,45 @@ def widen(x: np.ndarray) -> np.ndarray:
     return np.asarray(x).astype(np.float32)
 
 
+_F32_OVERFLOW_STEP = 2.0**128  # the "next float" above FLT_MAX, to find the midpoint below it
+
+
+def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
+    """``fl32(a*b + c)`` with one rounding (IEEE ``fmaf``), elementwise on broadcast fp32 arrays.
+
+    Emulated in float64 because numpy has no fused multiply-add: the product of two fp32 values
+    is exact in fp64 (24+24 significand bits <= 53, exponents within range), and the sum
+    ``s = c + a*b`` is rounded once in fp64 with its exact error ``e`` recovered by TwoSum
+    (``s + e == c + a*b`` exactly). Rounding ``s`` to fp32 is then correct except when ``s`` is
+    exactly halfway between two fp32 neighbours and ``e != 0``: the exact value lies off the
+    midpoint, on the side of ``e``. No other double rounding exists, since every fp32 midpoint
+    (subnormal ones too) is an fp64 number and fp64 rounding is monotone. Non-finite sums are
+    rounded plainly: Inf and NaN propagate as IEEE says, without an error term.
+    """
+    a64 = np.asarray(a, dtype=np.float32).astype(np.float64)
+    b64 = np.asarray(b, dtype=np.float32).astype(np.float64)
+    c64 = np.asarray(c, dtype=np.float32).astype(np.float64)
+    with np.errstate(all="ignore"):
+        p = a64 * b64  # exact
+        s = c64 + p
+        r = s.astype(np.float32)
+        # TwoSum: the exact error of s = c + p (valid for finite operands).
+        pv = s - c64
+        e = (c64 - (s - pv)) + (p - pv)
+        r64 = r.astype(np.float64)
+        below = r64 < s  # r is the lower neighbour of s; else the upper (or s itself)
+        other = np.nextafter(r, np.where(below, np.float32(np.inf), np.float32(-np.inf)))
+        other64 = other.astype(np.float64)
+        # r (or its neighbour) is Inf when s rounds past FLT_MAX: use 2^128 for the midpoint.
+        r_m = np.where(np.isinf(r64), np.copysign(_F32_OVERFLOW_STEP, r64), r64)
+        o_m = np.where(np.isinf(other64), np.copysign(_F32_OVERFLOW_STEP, other64), other64)
+        tie = np.isfinite(s) & (s != r64) & (s == (r_m + o_m) * 0.5) & (e != 0)
+        lo = np.where(below, r, other)
+        hi = np.where(below, other, r)
+        fixed = np.where(e > 0, hi, lo)
+    return np.where(tie, fixed, r).astype(np.float32)
+
+
 def convert(x: Any, dtype: Any) -> np.ndarray:
     """Round ``x`` (fp32 or any supported float format) to ``dtype``; returns a new array.
 
@@ -161,11 +205,10 @@ def matmul(
     with np.errstate(all="ignore"):
         chunk_starts = range(0, K, k_chunk) if K > 0 else [0]
         for c, k0 in enumerate(chunk_starts):
-            # One instruction: a fresh fp32 accumulator, k in order, mul and add rounded apart.
+            # One instruction: a fresh fp32 accumulator, k in order, one rounding per MAC.
             acc = np.zeros((M, N), dtype=np.float32)
             for k in range(k0, min(k0 + k_chunk, K)):
-                product = np.multiply.outer(s32[k], v32[k])  # fp32 [M, N], rounded once
-                acc = acc + product  # rounded once
+                acc = fma32(s32[k][:, None], v32[k][None, :], acc)
             # PSUM accumulation group: overwrite on the first chunk, then add in issue order.
             if c == 0 and not accumulate:
                 out[...] = acc
