@@ -15,8 +15,8 @@ about a quarter and flattered the ratio). Prints, per device, the first step (th
 includes simulating every kernel the step needs for the first time) and the steady-state wall
 time per step (median of the steps after the first two), then the ratio neuron / CPU. Goal:
 <= 1.5x on the small GPT-2. Also prints how much of a neuron step computed matmul values on the
-TensorE datapath (exact fp32 products and sums in the definition's order, no fused
-multiply-add, so slower than BLAS) and the simulated device time per step, and checks that both
+TensorE datapath (fused fp32 multiply-adds in the definition's fixed order and 128-row
+chunks) and the simulated device time per step, and checks that both
 devices computed the same losses (exit status 1 if they differ by more than 1e-4 relative), so
 the timing is of a correct run.
 

@@ -2,8 +2,8 @@
 configs (no downloads), forward and backward, tied weights, a few AdamW steps.
 
 Each model is built once on CPU and deep-copied to neuron, so both start from the same weights.
-The device computes fp32 matmuls on the TensorE datapath (fp32 products, fp32 accumulation in
-128-row chunks, no fused multiply-add) rather than with BLAS, so results differ from CPU in the
+The device computes fp32 matmuls on the TensorE datapath (fused fp32 multiply-adds, fp32
+accumulation in 128-row chunks, in a fixed order) rather than with BLAS, so results differ from CPU in the
 last bits: tolerances are a few ulps of fp32 relative to each tensor's scale."""
 
 from __future__ import annotations
