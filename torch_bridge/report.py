@@ -67,9 +67,10 @@ class RunReport:
     def __str__(self) -> str:
         head = (f"neuron run report ({self.config}): {self.total_calls} op calls, {self.total_us:,.1f} us simulated, "
                 f"HBM {self.hbm_bytes / 1e6:,.2f} MB, MFU {self.mfu_percent:.1f}%")
-        lines = [head, f"{'op':<28} {'kernel':<28} {'calls':>6} {'time us':>11} {'share':>6} {'MFU':>6}  bound"]
+        ow = max([28] + [len(r.op) for r in self.rows])  # op names are whole: they are what users look up
+        lines = [head, f"{'op':<{ow}} {'kernel':<28} {'calls':>6} {'time us':>11} {'share':>6} {'MFU':>6}  bound"]
         for r in self.rows:
-            lines.append(f"{r.op[:28]:<28} {r.kernel[:28]:<28} {r.calls:>6} {r.time_us:>11,.1f} "
+            lines.append(f"{r.op:<{ow}} {r.kernel[:28]:<28} {r.calls:>6} {r.time_us:>11,.1f} "
                          f"{r.share_percent:>5.1f}% {r.mfu_percent:>5.1f}%  {r.bound}")
         return "\n".join(lines)
 
