@@ -653,6 +653,12 @@ def register_kernels() -> None:
     # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")
+    # attention as one op: an AutogradPrivateUse1 kernel beats the op's CompositeImplicitAutograd
+    # math path; the PrivateUse1 one serves calls below autograd (inference mode)
+    from .attention import FORWARD, sdpa
+
+    for key in ("AutogradPrivateUse1", "PrivateUse1"):
+        impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
     fallback.fallback(_hidden(_fallback), "PrivateUse1")
     fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     for name in AUTOCAST_OPS:

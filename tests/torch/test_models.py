@@ -149,7 +149,7 @@ def test_adamw_steps_match_cpu(build):
 
 def test_model_time_is_simulated_per_op():
     """A model's step is charged op by op to the simulated chip: its matmuls go to the matmul
-    kernel on TensorE (GPT-2's Conv1D layers are addmm), attention to bmm."""
+    kernel on TensorE (GPT-2's Conv1D layers are addmm), attention to the flash-attention kernel."""
     model = _gpt2().to("neuron")
     with torch.neuron.report_scope() as scope:
         _forward_backward(model, _tokens())
@@ -157,7 +157,8 @@ def test_model_time_is_simulated_per_op():
     assert rep.total_us > 0 and rep.matmul_flops > 0
     addmm = rep.row("addmm")
     assert addmm.kernel == "matmul" and addmm.calls == 2 * 4  # 4 Conv1D layers per block, 2 blocks
-    assert rep.row("bmm").calls > 0
+    attn = rep.row("scaled_dot_product_attention")
+    assert attn.kernel == "attention" and attn.calls == 2  # one fused op per block
 
 
 def test_train_gpt2_example_learns_and_reports(capsys):

@@ -1,0 +1,219 @@
+"""``F.scaled_dot_product_attention`` on neuron as one device op, forward and backward.
+
+PyTorch picks an SDPA backend through a C++ DispatchStub that Python cannot fill for
+PrivateUse1, so without this module attention runs as the math decomposition: about ten device
+ops per layer (bmm, scale, mask, softmax, bmm and their backwards), each dispatched from Python
+and charged as its own kernel. A Trainium backend runs a fused flash-attention kernel instead.
+
+``scaled_dot_product_attention`` is CompositeImplicitAutograd, and a kernel registered directly
+at AutogradPrivateUse1 takes precedence over the composite for neuron tensors (and one at
+PrivateUse1 serves calls below autograd, e.g. in inference mode). Both run
+:class:`_Attention`, a ``torch.autograd.Function`` whose forward and backward are each one op:
+
+* **values** - QKᵀ, P·V and the backward's four matmuls run through the TensorE datapath
+  (:func:`torch_bridge.tensore.bmm_f32`: operands in their dtype, fp32 PSUM accumulation); the
+  scaling, masking and softmax run as CPU torch ops in fp32 on zero-copy views, as PyTorch's
+  math path does (it upcasts bf16/fp16 to fp32 too). P is cast to the operand dtype before P·V,
+  as the PE array reads it.
+* **time** - the forward is charged as the library ``attention`` kernel (``causal`` when
+  ``is_causal``); an explicit mask runs the non-causal kernel plus a generic kernel that reads
+  the mask once. The backward keeps P from the forward (as the math path does) and is charged
+  as its four matmul kernels (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q) plus a generic
+  VectorE kernel for the softmax backward (reads P and dP, writes dS): five launches, where a
+  fused backward kernel would pay one.
+
+Calls the kernel cannot take (dropout, head dim over the PE array's 128 partitions, queries and
+keys of different lengths, different q/v head dims, non-datapath dtypes, a mask that needs a
+gradient, mismatched batch dims) run PyTorch's math path, op by op, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import memory, tensore
+from .lowering import Lowered
+from .runtime import runtime
+
+__all__ = ["sdpa", "takes"]
+
+FORWARD = "scaled_dot_product_attention"
+BACKWARD = "scaled_dot_product_attention_backward"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+MAX_HEAD_DIM = 128  # the attention kernel's limit: D on the PE array's contraction partitions
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+          enable_gqa: bool) -> bool:
+    """True when the fused op computes this call; otherwise the math path does."""
+    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
+        return False
+    if any(type(t) not in _PLAIN for t in (q, k, v, attn_mask) if t is not None):
+        return False  # fake or functional tensors (torch.compile tracing) have no memory to compute on
+    if not tensore.on_datapath(q, k, v) or q.is_nested or q.device != k.device or q.device != v.device:
+        return False
+    l, e = q.shape[-2:]
+    s, ev = v.shape[-2:]
+    if e > MAX_HEAD_DIM or ev != e or k.shape[-1] != e or k.shape[-2] != s or l != s:
+        return False
+    hq, hk = q.shape[-3], k.shape[-3]
+    if k.shape[:-3] != q.shape[:-3] or v.shape[:-2] != k.shape[:-2]:
+        return False
+    if hk != hq and not (enable_gqa and hk > 0 and hq % hk == 0):
+        return False
+    if attn_mask is not None:
+        if attn_mask.requires_grad or attn_mask.device != q.device:
+            return False
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            return False
+        try:
+            torch.broadcast_shapes(attn_mask.shape, q.shape[:-1] + (s,))
+        except RuntimeError:
+            return False
+    return True
+
+
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V with each head repeated for the ``groups`` query heads that share it (GQA)."""
+    return x.repeat_interleave(groups, dim=-3) if groups > 1 else x
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _bh(q: torch.Tensor) -> tuple[int, int]:
+    """The attention kernel's B and H for ``q``'s batch dims (a 3-d q is one batch of N heads)."""
+    heads = q.shape[-3]
+    return q.numel() // max(1, heads * q.shape[-2] * q.shape[-1]), heads
+
+
+_causal: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _causal_bias(l: int, s: int) -> torch.Tensor:
+    """0 on and below the diagonal, -inf above: adding it is a tenth of the time of masked_fill_."""
+    bias = _causal.get((l, s))
+    if bias is None:
+        bias = _causal[(l, s)] = torch.zeros(l, s).masked_fill_(torch.ones(l, s, dtype=torch.bool).triu_(1),
+                                                               -math.inf)
+    return bias
+
+
+class _Attention(torch.autograd.Function):
+    """SDPA whose forward and backward each run as one neuron op (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                is_causal: bool, scale: float | None, groups: int) -> torch.Tensor:
+        index = q.device.index or 0
+        cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
+        l, e = q.shape[-2:]
+        s = k.shape[-2]
+        sc = scale if scale is not None else 1.0 / math.sqrt(e)
+        scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
+        scores.mul_(sc)
+        if is_causal:
+            scores.add_(_causal_bias(l, s))
+        elif attn_mask is not None:
+            m = memory.cpu_view(attn_mask)
+            scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
+        p = torch.softmax(scores, -1)
+        if attn_mask is not None:  # a row that sees no key is zeros, as CPU's fused kernel writes it
+            dead = scores.amax(-1, keepdim=True) == -math.inf
+            if dead.any():
+                p.masked_fill_(dead, 0.0)
+        out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v)
+        ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
+        ctx.scale, ctx.groups = sc, groups
+        _charge_forward(index, q, attn_mask, is_causal, scale)
+        return memory.relabel(out, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v = ctx.saved_tensors
+        index = q.device.index or 0
+        dt, groups = q.dtype, ctx.groups
+        p = _flat(memory.cpu_view(ctx.p))
+        do = _flat(memory.cpu_view(grad_out).to(dt))
+        cq = _flat(memory.cpu_view(q))
+        ck, cv = _flat(_heads(memory.cpu_view(k), groups)), _flat(_heads(memory.cpu_view(v), groups))
+        p_dt = p.to(dt)
+        dv = tensore.bmm_f32(p_dt.transpose(1, 2), do)
+        dp = tensore.bmm_f32(do, cv.transpose(1, 2))
+        ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+        ds.mul_(ctx.scale)
+        ds_dt = ds.to(dt)
+        dq = tensore.bmm_f32(ds_dt, ck)
+        dk = tensore.bmm_f32(ds_dt.transpose(1, 2), cq)
+        kv_shape = q.shape[:-3] + (k.shape[-3], groups) + k.shape[-2:]
+        dk = dk.view(kv_shape).sum(-3) if groups > 1 else dk.view(k.shape)
+        dv = dv.view(kv_shape).sum(-3) if groups > 1 else dv.view(v.shape)
+        _charge_backward(index, q, k.shape[-2], dt)
+        grads = (memory.relabel(dq.view(q.shape).to(dt), index), memory.relabel(dk.to(dt), index),
+                 memory.relabel(dv.to(dt), index))
+        return grads + (None, None, None, None)
+
+
+# (shapes, dtype, mask shape/dtype, causal, scale) -> what one forward / backward is charged
+_charges: dict[tuple[Any, ...], list[Lowered]] = {}
+
+
+def _charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
+                    ) -> None:
+    key = ("fwd", q.shape, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
+    lowered = _charges.get(key)
+    if lowered is None:
+        rt = runtime()
+        b, h = _bh(q)
+        l, e = q.shape[-2:]
+
+        def generic() -> Lowered:
+            meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
+            return rt.lowering.generic(FORWARD, [meta, meta, meta], [meta])  # the kernel refused the shape
+        lowered = [rt.lowering.library("attention", (b, h, l, e), q.dtype,
+                                       {"causal": bool(causal), "scale": scale, "kv_block": 0}, generic)]
+        if mask is not None and not causal:
+            lowered.append(rt.lowering.generic("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype,
+                                                                            device="meta")], []))
+        _charges[key] = lowered
+    rt = runtime()
+    for low in lowered:
+        rt.charge(index, FORWARD, low)
+
+
+def _charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:
+    key = ("bwd", q.shape, s, dtype)
+    lowered = _charges.get(key)
+    if lowered is None:
+        rt = runtime()
+        bh = q.numel() // (q.shape[-2] * q.shape[-1])
+        l, e = q.shape[-2:]
+        mm = rt.lowering.matmul
+        lowered = [mm(BACKWARD, bh, s, l, e, dtype, False, False),  # dV = Pᵀ dO (Pᵀ is P [L,S] read as lhsT)
+                   mm(BACKWARD, bh, l, e, s, dtype, True, True),    # dP = dO Vᵀ (V stored [S,E])
+                   mm(BACKWARD, bh, l, s, e, dtype, True, False),   # dQ = dS K
+                   mm(BACKWARD, bh, s, l, e, dtype, False, False)]  # dK = dSᵀ Q (dS stored [L,S])
+        scores = torch.empty((bh, l, s), dtype=torch.float32, device="meta")
+        lowered.append(rt.lowering.generic("softmax_bwd", [scores, scores], [scores]))
+        _charges[key] = lowered
+    rt = runtime()
+    for low in lowered:
+        rt.charge(index, BACKWARD, low)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """The neuron kernel of ``aten::scaled_dot_product_attention``."""
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    groups = query.shape[-3] // key.shape[-3]
+    return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups)
