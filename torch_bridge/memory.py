@@ -164,6 +164,15 @@ _views: dict[tuple[Any, ...], torch.Tensor] = {}
 _VIEW_CACHE = 8192
 
 
+def _fresh_view(t: torch.Tensor, cst: Any, offset: int, size: Any, stride: Any) -> torch.Tensor:
+    v = torch.empty(0, dtype=t.dtype).set_(cst, offset, size, stride)
+    if t.is_conj():
+        v = torch._conj(v)
+    if t.is_neg():
+        v = torch._neg_view(v)
+    return v
+
+
 def cpu_view(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor over the same memory as the neuron tensor ``t`` (same sizes, strides, offset,
     conj/neg bits). It does not own the memory: keep ``t`` alive while it is used. The same
@@ -171,6 +180,10 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
     changed its sizes or strides in place (an out= resize, ``t_``)."""
     st = t.untyped_storage()
     ptr, nbytes, offset, size, stride = st.data_ptr(), st.nbytes(), t.storage_offset(), t.shape, t.stride()
+    if nbytes == 0:
+        # distinct empty tensors share a null window: a cached view would make them one tensor,
+        # and in-place kernels would then refuse them as overlapping (put/take on empty inputs)
+        return _fresh_view(t, torch.empty(0, dtype=torch.uint8).untyped_storage(), offset, size, stride)
     vkey = (ptr, nbytes, offset, size, stride, t.dtype, t.is_conj(), t.is_neg())
     v = _views.get(vkey)
     if v is not None and v.storage_offset() == offset and v.shape == size and v.stride() == stride \
@@ -182,11 +195,7 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
         if len(_aliases) >= _ALIAS_CACHE:
             _aliases.clear()
         cst = _aliases[key] = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), nbytes)
-    v = torch.empty(0, dtype=t.dtype).set_(cst, offset, size, stride)
-    if vkey[6]:
-        v = torch._conj(v)
-    if vkey[7]:
-        v = torch._neg_view(v)
+    v = _fresh_view(t, cst, offset, size, stride)
     if len(_views) >= _VIEW_CACHE:
         _views.clear()
     _views[vkey] = v
