@@ -114,7 +114,10 @@ LR = 3e-3
 
 
 def _adamw_steps(model: torch.nn.Module, steps: int) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    # eps above the gradients' rounding noise: some gradients are analytically zero (attention's
+    # key bias: softmax ignores a per-row shift), and with the default 1e-8 Adam turns their noise,
+    # which depends on the order of fp32 sums, into full +-LR steps
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=1e-6)
     device = next(model.parameters()).device
     x = _tokens(batch=4).to(device)
     losses = []
