@@ -96,3 +96,11 @@ def test_result_over_an_arguments_memory_stays_a_view():
     assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     x.add_(1)
     assert y.cpu().view(-1).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_distinct_empty_tensors_are_not_one_tensor():
+    # empty tensors share a null memory window; in-place kernels must not see them as overlapping
+    a, idx, src = torch.empty(0, device="neuron"), torch.empty(0, dtype=torch.long, device="neuron"), \
+        torch.empty(0, device="neuron")
+    assert a.put(idx, src).shape == (0,)
+    assert torch.take(a, idx).shape == (0,)
