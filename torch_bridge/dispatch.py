@@ -438,17 +438,21 @@ def _mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     return memory.relabel(res, index)
 
 
+def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> torch.Tensor:
+    """``alpha * prod + beta * c`` in fp32 over the PSUM result, in place (addmm/baddbmm)."""
+    if alpha != 1:
+        prod.mul_(alpha)
+    if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
+        prod.add_(c.float() if beta == 1 else c.float() * beta)
+    return prod
+
+
 def _addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
            ) -> torch.Tensor:
     index = mat1.device.index or 0
     a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
-        prod = tensore.matmul_f32(a, b)
-        if alpha != 1:
-            prod.mul_(alpha)
-        if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
-            prod.add_(c.float() if beta == 1 else c.float() * beta)
-        res = prod.to(mat1.dtype)
+        res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
         res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
     _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype, mat1, mat2)
@@ -471,12 +475,7 @@ def _baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, 
     index = batch1.device.index or 0
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
-        prod = tensore.bmm_f32(a, b)
-        if alpha != 1:
-            prod.mul_(alpha)
-        if beta != 0:
-            prod.add_(c.float() if beta == 1 else c.float() * beta)
-        res = prod.to(batch1.dtype)
+        res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
     else:
         res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
     _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype,
