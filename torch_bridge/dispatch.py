@@ -142,10 +142,12 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
     return x
 
 
-def _profiled(name: str) -> Any:
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch._C._profiler._RecordFunctionFast(f"neuron::{name}")
-    return None
+def _call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return fn(*args, **kwargs)
+    with torch._C._profiler._RecordFunctionFast(f"neuron::{label}"):
+        return fn(*args, **kwargs)
 
 
 def _charge(index: int, op: str, lowered: Lowered) -> None:
@@ -167,11 +169,7 @@ def _charge_view(index: int, op: str) -> None:
 # ---- the boxed fallback -----------------------------------------------------------------------
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     info = _info(op)
-    rec = _profiled(info.name)
-    if rec is not None:
-        with rec:
-            return _run(op, info, args, kwargs)
-    return _run(op, info, args, kwargs)
+    return _call_traced(info.name, _run, op, info, args, kwargs)
 
 
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -287,11 +285,7 @@ def _foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
     on the demo's 28-tensor GPT-2 was ~330 launches, and is 12 this way."""
     _check_one_device(args, kwargs)
     info = _info(op)
-    rec = _profiled(info.name)
-    if rec is not None:
-        with rec:
-            return _run_foreach(op, info, args, kwargs)
-    return _run_foreach(op, info, args, kwargs)
+    return _call_traced(info.name, _run_foreach, op, info, args, kwargs)
 
 
 def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -673,10 +667,6 @@ def _traced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     label = name.split(".")[0]
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        rec = _profiled(label)
-        if rec is None:
-            return fn(*args, **kwargs)
-        with rec:
-            return fn(*args, **kwargs)
+        return _call_traced(label, fn, *args, **kwargs)
     kernel.__name__ = getattr(fn, "__name__", name)
     return kernel
