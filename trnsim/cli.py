@@ -583,8 +583,9 @@ def cmd_collective(args: argparse.Namespace) -> int:
         return 0
     console = _Out(width=140)
     cfg = system.chip
-    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks "
-            f"({system.chips} chips x {system.ranks_per_chip} logical cores at LNC={cfg.chip.lnc}), {last.dtype}")
+    chips = len({r // system.ranks_per_chip for r in last.group})
+    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks on {chips} of "
+            f"{system.chips} chips ({system.ranks_per_chip} logical cores each, LNC={cfg.chip.lnc}), {last.dtype}")
     if system.overrides:
         head += f" ({escape(system.describe_overrides())})"
     console.print(head)
@@ -603,9 +604,10 @@ def cmd_collective(args: argparse.Namespace) -> int:
     console.print(f"Avg bus bandwidth: {_gib(avg)} GiB/s")
     factor = {"all-reduce": "2(n-1)/n", "all-gather": "(n-1)/n", "reduce-scatter": "(n-1)/n",
               "all-to-all": "(n-1)/n"}.get(last.collective, "1")
-    console.print(f"algbw = size / time and busbw = algbw x {factor} = {last.busbw_factor:.4g} (nccl-tests' "
-                  f"factors), in GiB/s (2^30 bytes/s) as nccom-test prints them; a-b is the alpha-beta estimate "
-                  f"of the same call.")
+    console.print(f"algbw = size / time, busbw = algbw x {factor} = {last.busbw_factor:.4g} (nccl-tests' factor); "
+                  f"both in GiB/s (2^30 bytes/s), as nccom-test prints them.")
+    console.print("a-b(us): the alpha-beta estimate of the same call. bound: what held the chunks back longest "
+                  "(latency: nothing, half the time).")
     for algo, reason in why.items():
         console.print(f"{algo}: {escape(reason)}")
     top = max(last.link_bytes.items(), key=lambda kv: kv[1], default=None)

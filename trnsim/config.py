@@ -815,8 +815,8 @@ def load_system(
             raise ConfigError(f"{where}: topology.{d.name}.inter_instance = False: expected the dimensions inside an "
                               f"instance to come before the ones between instances ('{seen_inter}')")
     if coll.rdh_below < coll.mesh_below:
-        raise ConfigError(f"{where}: collectives.rdh_below = {format_quantity(coll.rdh_below, 'bytes')}: expected at "
-                          f"least collectives.mesh_below ({format_quantity(coll.mesh_below, 'bytes')})")
+        raise ConfigError(f"{where}: collectives.rdh_below = {coll.rdh_below} bytes: expected at least "
+                          f"collectives.mesh_below ({coll.mesh_below} bytes)")
     chips = math.prod(d.size for d in dims)
     if chips > 65536:
         raise ConfigError(f"{where}: topology has {chips:,} chips: expected at most 65,536")

@@ -24,6 +24,8 @@ from ..config import SystemConfig, load_system
 from ..native.dtypes import get_dtype
 from .algorithms import (ALGORITHMS, BUSBW_FACTORS, CollectiveError, Context, build, canonical_algorithm,
                          canonical_collective)
+from ..bandwidth import BandwidthPipe
+from ..report import union_length
 from .network import ChipResources, Network
 from .report import CollectiveReport
 from .schedule import Schedule, Transfer
@@ -153,6 +155,8 @@ class CollectiveHandle:
         self.begin: dict[int, int] = {}  # rank -> tick it started (holding a CC core)
         self.stream: dict[int, int] = {}  # rank -> which of its CC cores runs this call
         self.requests: dict[int, Any] = {}
+        #: per resource (by id): (resource, intervals it held one of this call's chunks back)
+        self.limits: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         self.pending = [len(t.deps) for t in ts]
         self.dependents: list[list[int]] = [[] for _ in ts]
         self.left: dict[int, int] = {r: 0 for r in res.ctx.group}  # rank -> transfers not done
@@ -229,7 +233,7 @@ class CollectiveEngine:
                 if left[r] == 0 and r in h.begin:
                     self._rank_finished(h, r, end)
 
-        self.net.start_transfer(t.nbytes, book, lat, data, done)
+        self.net.start_transfer(t.nbytes, book, lat, data, done, h.limits)
 
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending
@@ -273,7 +277,6 @@ class CollectiveEngine:
         link_bytes: dict[str, int] = {}
         hbm: dict[str, int] = {}
         dma: dict[int, int] = {}
-        busy: dict[str, float] = {}
         max_hops = 0
         hz = self.system.tick_hz
         owner = {id(d): r for r, rr in net._ranks.items() for d in rr.dma}
@@ -300,28 +303,35 @@ class CollectiveEngine:
                 b = nbytes * w
                 if kind == 3:
                     hbm[obj.name] = hbm.get(obj.name, 0) + round(b)
-                    busy[f"HBM {obj.name}"] = busy.get(f"HBM {obj.name}", 0.0) + b * obj.den / obj.num
-                elif kind == 0:
-                    busy[f"link {obj.name}"] = busy.get(f"link {obj.name}", 0.0) + b * obj.den / obj.num
                 elif kind == 1:
                     dma[owner[id(obj)]] = dma.get(owner[id(obj)], 0) + round(b)
-                else:
-                    busy["VectorE"] = busy.get("VectorE", 0.0) + net.vector_ticks(obj, b) / hz
         if net.trace:
             for k in sorted(used):
                 pipe = net.links[k]
                 timeline.extend((f"link {pipe.name}", "chunk", a, b) for a, b in (pipe.log or ()))
-        for r, b in dma.items():
-            engines = sum(len(d.engine_free) for d in net.rank(r).dma)
-            busy[f"DMA rank {r}"] = b / (engines * self.system.chip.core.dma.engine_bandwidth)
-        secs = time / hz
-        if busy and secs > 0:
-            name = max(busy, key=lambda k: busy[k])
-            pct = 100.0 * busy[name] / secs
+        # the bound: the resource that held this call's chunks back longest (union of the
+        # intervals from a chunk's booking to when that resource had served it)
+        vec_owner = {id(v): r for r, rr in net._ranks.items() for v in rr.vector}
+        busy: dict[str, int] = {}
+        for key, (obj, spans) in h.limits.items():
+            if key in owner:
+                name = f"DMA rank {owner[key]}"
+            elif key in vec_owner:
+                name = f"VectorE rank {vec_owner[key]}"
+            elif isinstance(obj, BandwidthPipe) and "HBM" in obj.name:
+                name = f"HBM {obj.name}"
+            else:
+                name = f"link {obj.name}"
+            busy[name] = busy.get(name, 0) + union_length(spans)
+        if busy and time > 0:
+            top = max(busy.values())
+            name = min(k for k, v in busy.items() if v == top)  # ties: the first by name
+            pct = 100.0 * top / time
         else:
             name, pct = "latency", 0.0
         if pct < 50.0:
             name = "latency"
+        secs = time / hz
         factor = BUSBW_FACTORS(ctx.collective, ctx.p)
         algbw = ctx.nbytes / secs if secs > 0 else 0.0
         count = ctx.nbytes // ctx.itemsize

@@ -272,23 +272,26 @@ class Network:
 
     # ---- running a transfer --------------------------------------------------------------------
     def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
-                       on_data: Callable[[int], None], on_done: Callable[[int], None]) -> None:
+                       on_data: Callable[[int], None], on_done: Callable[[int], None],
+                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None) -> None:
         """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
-        starts to move, ``on_done(tick)`` when it is complete.
+        starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
+        (by id), the intervals during which it was the one holding a chunk back.
 
         It is driven by timeout callbacks rather than a simpy process: a transfer is one event
         per chunk, and a process would double what each event costs."""
-        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done)
+        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits)
 
 
 class _TransferRun:
     """The state of one running transfer: chunks left to book, those in flight, the last
     tick any of them is through."""
 
-    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done")
+    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits")
 
     def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
-                 on_data: Callable[[int], None], on_done: Callable[[int], None]):
+                 on_data: Callable[[int], None], on_done: Callable[[int], None],
+                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None):
         self.net = net
         self.env = net.env
         self.chunks = [todo for count, todo in plan for _ in range(count)]
@@ -298,6 +301,7 @@ class _TransferRun:
         self.route = route_ticks
         self.on_data = on_data
         self.on_done = on_done
+        self.limits = limits
         # always through an event, so a chain of instant transfers never recurses
         self.env.timeout(net.start_ticks).callbacks.append(self._begin)
 
@@ -314,8 +318,10 @@ class _TransferRun:
         window = self.net.window
         while inflight and inflight[0] <= now:
             inflight.popleft()
+        limits = self.limits
         while chunks and len(inflight) < window:
             fin = now
+            held = None
             for kind, obj, nb, extra in chunks.pop():
                 if kind == 4:
                     e = obj.reserve_spread(extra[1], now)
@@ -328,8 +334,14 @@ class _TransferRun:
                     e = obj.reserve(nb, now)
                 if e > fin:
                     fin = e
+                    held = obj
             if fin <= now:
                 continue  # nothing to move (a zero-cost chunk)
+            if limits is not None:
+                slot = limits.get(id(held))
+                if slot is None:
+                    slot = limits[id(held)] = (held, [])
+                slot[1].append((now, fin))
             inflight.append(fin)
             if fin > self.last:
                 self.last = fin
