@@ -76,7 +76,7 @@ class Rates:
              repeat: int = 1, fused: bool = False) -> EstimateStep:
         """A step of concurrent ``flows``; ``hbm`` and ``dma`` are the busiest rank's bytes.
         ``fused``: each flow's receiver adds it as it lands, on its own DMA engines."""
-        alpha, link, bw, _ = self.flows(flows)
+        alpha, link, bw, nflows = self.flows(flows)
         # a transfer spreads over as many of a core's engines as it has packets; a rank's
         # concurrent transfers take further engines
         lnc = self.system.chip.chip.lnc
@@ -89,7 +89,7 @@ class Rates:
             if fused:
                 out[b] = out.get(b, 0) + 1
         used = min(per_core, each * max(out.values(), default=1)) * lnc
-        return EstimateStep(label, alpha, link, bw, hbm, self.hbm, dma, used * self.engine_bw, repeat)
+        return EstimateStep(label, alpha, link, bw, hbm, self.hbm, dma, used * self.engine_bw, repeat, max(1, nflows))
 
 
 Lanes = Sequence[tuple[Sequence[int], float]]

@@ -323,14 +323,15 @@ class CollectiveEngine:
             else:
                 name = f"link {obj.name}"
             busy[name] = busy.get(name, 0) + union_length(spans)
+        estimate = estimate_resolved(self.system, res)
         if busy and time > 0:
             top = max(busy.values())
             name = min(k for k, v in busy.items() if v == top)  # ties: the first by name
             pct = 100.0 * top / time
         else:
             name, pct = "latency", 0.0
-        if pct < 50.0:
-            name = "latency"
+        if estimate.latency_s >= estimate.time_s / 2 and pct < 50.0:
+            name = "latency"  # the alpha terms are most of the time and no resource was busy half of it
         secs = time / hz
         factor = BUSBW_FACTORS(ctx.collective, ctx.p)
         algbw = ctx.nbytes / secs if secs > 0 else 0.0
@@ -344,6 +345,6 @@ class CollectiveEngine:
             steps=h.sched.steps, max_hops=max_hops, transfers=sum(1 for t in h.sched.transfers if not t.is_node),
             chunks=sum(len(net.chunks_of(t.nbytes)) for t in h.sched.transfers if not t.is_node),
             link_bytes=dict(sorted(link_bytes.items())), hbm_bytes=dict(sorted(hbm.items())), dma_bytes=dma,
-            bound=name, bound_percent=pct, estimate=estimate_resolved(self.system, res),
+            bound=name, bound_percent=pct, estimate=estimate,
             overrides=self.system.overrides, timeline=tuple(timeline))
 

@@ -8,8 +8,11 @@ Conventions (nccl-tests' and nccom-test's, notes/collectives.md §2-3):
 * ``algbw = S / time`` and ``busbw = algbw * factor`` (all-reduce 2(n-1)/n; all-gather,
   reduce-scatter, all-to-all (n-1)/n; the others 1), in bytes/s. nccom-test prints both in
   GiB/s (2^30 bytes/s), nccl-tests in GB/s (10^9); the CLI says which.
-* ``bound`` is the resource that was busy longest for this collective: a link direction, an HBM
-  stack, a rank's DMA engines or VectorE, or ``latency`` when none was busy for half the time.
+* ``bound`` is the resource that held this call's chunks back longest (the union of the
+  intervals from a chunk's booking to when that resource had served it): a link direction, an
+  HBM stack, a rank's DMA engines or VectorE; ``latency`` when the α terms are most of the
+  estimate and no resource held chunks back for half the time. ``bound_percent`` is that
+  resource's share of the call's time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class EstimateStep:
     dma_bytes: float
     dma_bandwidth: float
     repeat: int = 1
+    flows: int = 1  # flows on the busiest link direction (a textbook form assumes 1)
 
     @property
     def beta_s(self) -> float:
@@ -49,6 +53,13 @@ class EstimateStep:
     @property
     def time_s(self) -> float:
         return self.repeat * (self.alpha_s + self.beta_s)
+
+    @property
+    def textbook_s(self) -> float:
+        """The step as a textbook form counts it: one flow on every link."""
+        link = self.link_bytes / max(1, self.flows) / self.link_bandwidth if self.link_bandwidth else 0.0
+        return self.repeat * (self.alpha_s + max(link, self.hbm_bytes / self.hbm_bandwidth,
+                                                 self.dma_bytes / self.dma_bandwidth))
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,12 @@ class AlphaBetaEstimate:
         return self.time_s * 1e6
 
     @property
+    def textbook_s(self) -> float:
+        """The same sum with one flow per link (Thakur et al.'s assumption): shorter than
+        :attr:`time_s` where a step's flows share a link."""
+        return sum(s.textbook_s for s in self.steps)
+
+    @property
     def latency_s(self) -> float:
         """The α part of the time."""
         return sum(s.repeat * s.alpha_s for s in self.steps)
@@ -95,7 +112,8 @@ class AlphaBetaEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(time_s=self.time_s, latency_s=self.latency_s, bound=self.bound, step_count=self.step_count)
+        d.update(time_s=self.time_s, latency_s=self.latency_s, textbook_s=self.textbook_s, bound=self.bound,
+                 step_count=self.step_count)
         return d
 
 
