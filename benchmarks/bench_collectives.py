@@ -31,6 +31,10 @@ GOAL_S = 1.0
 GIB = 2**30
 
 
+def _size(n: int) -> str:
+    return f"{n // GIB} GiB" if n >= GIB else f"{n // 2**20} MiB"
+
+
 def timed(system, collective: str, nbytes: int, ranks: int, repeat: int) -> dict:
     """Best-of-``repeat`` wall times of the simulation and of the estimate of one call."""
     sim_wall, est_wall, cpu = float("inf"), float("inf"), float("inf")
@@ -74,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     print(HEAD)
     timed(trn2, "all-reduce", 1 << 20, 64, 1)  # warm up: imports, caches
     head = timed(trn2, "all-reduce", size, 64, repeat)
-    print(line(f"all-reduce {size // 2**20} MiB, 64 ranks, trn2", head))
+    print(line(f"all-reduce {_size(size)}, 64 ranks, trn2", head))
     print()
     print("growth with ranks (trn3-ultraserver-gen2: 36 servers x 4 chips, 4 ranks per chip)")
     print(HEAD)
     grow = [(n, timed(gen2, "all-reduce", size, n, repeat)) for n in ((16, 32, 64) if quick else (16, 64, 144))]
     for n, m in grow:
-        print(line(f"all-reduce {size // 2**20} MiB, {n} ranks", m))
+        print(line(f"all-reduce {_size(size)}, {n} ranks", m))
     (n0, m0), (n1, m1) = grow[0], grow[-1]
     print(f"  {n1 / n0:.0f}x the ranks: {m1['sim_wall'] / m0['sim_wall']:.1f}x the wall time, "
           f"{m1['events'] / m0['events']:.1f}x the events")
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEAD)
     sizes = (1 << 20, 16 << 20) if quick else (1 << 20, 16 << 20, 256 << 20, GIB, 4 * GIB)
     for n in sizes:
-        print(line(f"all-reduce {n // 2**20} MiB", timed(trn2, "all-reduce", n, 64, repeat)))
+        print(line(f"all-reduce {_size(n)}", timed(trn2, "all-reduce", n, 64, repeat)))
     print()
     ok = head["sim_wall"] <= GOAL_S
     print(f"goal: 64-rank 1 GiB all-reduce in <= {GOAL_S:g} s wall: "

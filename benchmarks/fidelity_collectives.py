@@ -70,7 +70,7 @@ def _size(n: int) -> str:
 def sizes(quick: bool) -> list[int]:
     if quick:
         return [8, 64 << 10, 16 << 20]
-    return [8 * 4**k for k in range(16)] + [4 * GIB]  # 8 B, 32 B, ... 2 GiB, 4 GiB
+    return [8 * 4**k for k in range(15)] + [4 * GIB]  # 8 B, 32 B, ... 2 GiB, 4 GiB
 
 
 CASES = [  # (name, system, algorithm, group)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from trnsim.cli import main, parse_bytes_spec
+from trnsim.cli import main
+from trnsim.collectives.engine import parse_sizes
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -49,10 +50,10 @@ def test_trace_is_written(tmp_path, capsys):
 
 
 def test_bytes_specs():
-    assert parse_bytes_spec("8B:64B", 2) == [8, 16, 32, 64]
-    assert parse_bytes_spec("1KiB:1MiB", 32) == [1024, 32768, 1048576]
-    assert parse_bytes_spec("1MiB, 3MB", 2) == [1048576, 3000000]
-    assert parse_bytes_spec("0B", 2) == [0]
+    assert parse_sizes("8B:64B", 2) == [8, 16, 32, 64]
+    assert parse_sizes("1KiB:1MiB", 32) == [1024, 32768, 1048576]
+    assert parse_sizes("1MiB, 3MB", 2) == [1048576, 3000000]
+    assert parse_sizes("0B", 2) == [0]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -64,7 +64,7 @@ def test_collective_rows_match_direct_runs(tmp_path, capsys):
     ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, size: 1MiB}]\n",
      "spec.yaml: collectives[0]: unknown key 'size'; expected name, bytes, factor, ranks, algo, dtype"),
     ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, bytes: 1KiB:1}]\n",
-     "spec.yaml: collectives[0] (all-reduce): --bytes 1KiB:1: '1': expected a bytes quantity like '224KiB' "
+     "spec.yaml: collectives[0] (all-reduce): bytes 1KiB:1: '1': expected a bytes quantity like '224KiB' "
      "(unknown unit '')"),
     ("system: trn2.48xlarge\ngrid: {topology.z.size: [2]}\ncollectives: [{name: all-reduce}]\n",
      "spec.yaml: grid: trn2.48xlarge.yaml (--set topology.z.size=2): unknown key 'topology.z.size': 'z' is not a "

@@ -510,40 +510,6 @@ def print_run_report(rep: Any, title: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_bytes_spec(text: str, factor: int) -> list[int]:
-    """``--bytes``: one size (``1GiB``), a range ``MIN:MAX`` multiplied by ``factor`` each step
-    (nccl-tests' ``-b/-e/-f``), or a comma list; sizes in bytes."""
-    from .config import parse_quantity
-
-    shown = f"--bytes {text}"
-    if isinstance(factor, bool) or factor < 2:
-        raise UsageError(f"--factor {factor}: expected an integer >= 2 (each size is the previous times it)")
-    parts = text.split(":")
-    if len(parts) > 2 or any(not p.strip() for p in parts):
-        raise UsageError(f"{shown}: expected SIZE, MIN:MAX or SIZE,SIZE,..., e.g. 8B:4GiB")
-
-    def one(t: str) -> int:
-        try:
-            return parse_quantity(t.strip(), "bytes")
-        except ValueError as e:
-            raise UsageError(f"{shown}: '{t.strip()}': {e}") from None
-
-    if len(parts) == 2:
-        lo, hi = one(parts[0]), one(parts[1])
-        if lo == 0:
-            raise UsageError(f"{shown}: a range starts at 1 byte or more")
-        if lo > hi:
-            raise UsageError(f"{shown}: the first size ({lo} bytes) is larger than the second ({hi} bytes)")
-        sizes = [lo]
-        while sizes[-1] * factor <= hi:
-            sizes.append(sizes[-1] * factor)
-    else:
-        sizes = [one(t) for t in text.split(",")]
-    if len(sizes) > 128:
-        raise UsageError(f"{shown}: {len(sizes)} sizes; at most 128 (use a larger --factor)")
-    return sizes
-
-
 def _gib(v: float) -> str:
     return f"{v / 2**30:.2f}"
 
@@ -553,13 +519,14 @@ def cmd_collective(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .collectives import CollectiveError, simulate_collective
+    from .collectives.engine import parse_sizes
     from .collectives.trace import write_collective_trace
     from .config import load_system
 
     system = load_system(args.system, args.set)
-    sizes = parse_bytes_spec(args.bytes, args.factor)
     reps = []
     try:
+        sizes = parse_sizes(args.bytes, args.factor)
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,

@@ -662,14 +662,6 @@ class SystemConfig:
                 return d
         raise KeyError(name)
 
-    @property
-    def source_display(self) -> str:
-        p = Path(self.source)
-        try:
-            return str(p.resolve().relative_to(CONFIG_DIR.parent))
-        except ValueError:
-            return self.source
-
     def describe_overrides(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.overrides)
 

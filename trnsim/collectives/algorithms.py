@@ -32,6 +32,7 @@ Algorithms (notes §1.3, §4.2, §5):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -128,40 +129,35 @@ def _bidir(lanes: Sequence[Lane], itemsize: int) -> list[Lane]:
     return out
 
 
-def ring_reduce_scatter(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> None:
-    """Each lane rank holds ``total``; after p-1 steps rank i holds piece i, reduced. Step k:
-    rank i adds its piece (i-k-1) to the partial it received and writes it to the next rank;
-    the last receiver adds its own piece as the data lands (fused)."""
+def _ring_steps(s: Schedule, lanes: Sequence[Lane], itemsize: int,
+                send: Callable[[int, int, int, int, int, list[int]], None]) -> None:
+    """Run ring steps in lockstep over ``lanes``: at step k every rank i of a lane of p ranks
+    calls ``send(k, p, i, rank, next rank, pieces)``; a lane of p ranks takes p-1 steps."""
     work = [(tuple(o), pieces(total, len(o), itemsize)) for o, total in lanes if len(o) > 1]
     steps = max((len(o) for o, _ in work), default=1) - 1
     for k in range(steps):
         s.begin_step()
         for order, pc in work:
             p = len(order)
-            if k >= p - 1:
-                continue
-            for i, r in enumerate(order):
-                nxt = order[(i + 1) % p]
-                s.send(r, nxt, pc[(i - k - 1) % p], (r,) if k == 0 else (r, r), (nxt,) if k == p - 2 else ())
+            if k < p - 1:
+                for i, r in enumerate(order):
+                    send(k, p, i, r, order[(i + 1) % p], pc)
         s.end_step()
+
+
+def ring_reduce_scatter(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> None:
+    """Each lane rank holds ``total``; after p-1 steps rank i holds piece i, reduced. Step k:
+    rank i adds its piece (i-k-1) to the partial it received and writes it to the next rank;
+    the last receiver adds its own piece as the data lands (fused)."""
+    _ring_steps(s, lanes, itemsize, lambda k, p, i, r, nxt, pc: s.send(
+        r, nxt, pc[(i - k - 1) % p], (r,) if k == 0 else (r, r), (nxt,) if k == p - 2 else ()))
 
 
 def ring_all_gather(s: Schedule, lanes: Sequence[Lane], itemsize: int, dup: dict[int, int] | None = None) -> None:
     """Each lane rank holds piece i of ``total``; step k forwards piece (i-k) to the next rank.
     ``dup`` maps a rank to its pair: every write to it is duplicated to the pair (KangaRing)."""
-    work = [(tuple(o), pieces(total, len(o), itemsize)) for o, total in lanes if len(o) > 1]
-    steps = max((len(o) for o, _ in work), default=1) - 1
-    for k in range(steps):
-        s.begin_step()
-        for order, pc in work:
-            p = len(order)
-            if k >= p - 1:
-                continue
-            for i, r in enumerate(order):
-                nxt = order[(i + 1) % p]
-                dsts = (nxt, dup[nxt]) if dup else (nxt,)
-                s.send(r, dsts, pc[(i - k) % p])
-        s.end_step()
+    _ring_steps(s, lanes, itemsize, lambda k, p, i, r, nxt, pc: s.send(
+        r, (nxt, dup[nxt]) if dup else (nxt,), pc[(i - k) % p]))
 
 
 def _rdh_ranges(p: int) -> list[list[tuple[int, int]]]:
@@ -181,59 +177,41 @@ def _rdh_ranges(p: int) -> list[list[tuple[int, int]]]:
     return out
 
 
+def _rdh_steps(s: Schedule, lanes: Sequence[Lane], itemsize: int, order_k: Sequence[int] | None,
+               send: Callable[[int, int, int, int, list[int], list[list[tuple[int, int]]]], None]) -> None:
+    """Run halving/doubling steps over ``lanes`` with partner distance 2^k for k in ``order_k``
+    (default 0, 1, ...): ``send(k, i, rank, partner, byte offsets of the pieces, ranges)``."""
+    work = [(tuple(o), [0, *itertools.accumulate(pieces(t, len(o), itemsize))], _rdh_ranges(len(o)))
+            for o, t in lanes if len(o) > 1]
+    L = max((int(math.log2(len(o))) for o, _, _ in work), default=0)
+    for k in (range(L) if order_k is None else order_k):
+        s.begin_step()
+        for order, acc, ranges in work:
+            if (1 << k) < len(order):
+                for i, r in enumerate(order):
+                    send(k, i, r, order[i ^ (1 << k)], acc, ranges)
+        s.end_step()
+
+
 def rdh_reduce_scatter(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> None:
     """Recursive halving: step k exchanges half the current range with the partner at distance
     2^k (intra-chip ranks first, so the biggest messages stay on HBM); the receiver adds."""
-    work = []
-    for order, total in lanes:
-        p = len(order)
-        if p > 1:
-            pc = pieces(total, p, itemsize)
-            work.append((tuple(order), [0, *_accumulate(pc)], _rdh_ranges(p)))
-    L = max((int(math.log2(len(o))) for o, _, _ in work), default=0)
-    for k in range(L):
-        s.begin_step()
-        for order, acc, ranges in work:
-            p = len(order)
-            if (1 << k) >= p:
-                continue
-            for i, r in enumerate(order):
-                j = i ^ (1 << k)
-                lo, hi = ranges[k][i]
-                klo, khi = ranges[k + 1][i]
-                slo, shi = (khi, hi) if klo == lo else (lo, klo)
-                s.send(r, order[j], acc[shi] - acc[slo], (r,), (order[j],))
-        s.end_step()
+
+    def send(k: int, i: int, r: int, peer: int, acc: list[int], ranges: list[list[tuple[int, int]]]) -> None:
+        lo, hi = ranges[k][i]
+        klo, khi = ranges[k + 1][i]
+        slo, shi = (khi, hi) if klo == lo else (lo, klo)  # the half this rank gives away
+        s.send(r, peer, acc[shi] - acc[slo], (r,), (peer,))
+
+    _rdh_steps(s, lanes, itemsize, None, send)
 
 
 def rdh_all_gather(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> None:
     """Recursive doubling, the halving in reverse: the partner at distance p/2 first (inter-chip,
     the smallest messages), each step sending everything gathered so far."""
-    work = []
-    for order, total in lanes:
-        p = len(order)
-        if p > 1:
-            pc = pieces(total, p, itemsize)
-            work.append((tuple(order), [0, *_accumulate(pc)], _rdh_ranges(p)))
-    L = max((int(math.log2(len(o))) for o, _, _ in work), default=0)
-    for k in reversed(range(L)):
-        s.begin_step()
-        for order, acc, ranges in work:
-            p = len(order)
-            if (1 << k) >= p:
-                continue
-            for i, r in enumerate(order):
-                lo, hi = ranges[k + 1][i]
-                s.send(r, order[i ^ (1 << k)], acc[hi] - acc[lo])
-        s.end_step()
-
-
-def _accumulate(xs: Sequence[int]) -> list[int]:
-    out, t = [], 0
-    for x in xs:
-        t += x
-        out.append(t)
-    return out
+    L = max((int(math.log2(len(o))) for o, _ in lanes if len(o) > 1), default=0)
+    _rdh_steps(s, lanes, itemsize, list(reversed(range(L))), lambda k, i, r, peer, acc, ranges: s.send(
+        r, peer, acc[ranges[k + 1][i][1]] - acc[ranges[k + 1][i][0]]))
 
 
 def mesh_reduce_scatter(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> None:
@@ -399,16 +377,9 @@ def _kangaring(s: Schedule, ctx: Context) -> None:
     # reduce-scatter (and the first half of all-reduce): the ring over primaries adds the
     # primary's and its pair's inputs (two reads), duplicated nothing; the last receiver adds
     # both of its own as the data lands
-    lanes = _bidir([(primaries, ctx.nbytes)], isz)
-    work = [(tuple(o), pieces(t, q, isz)) for o, t in lanes]
-    for k in range(q - 1):
-        s.begin_step()
-        for order, pc in work:
-            for i, r in enumerate(order):
-                nxt = order[(i + 1) % q]
-                reads = (r, mate[r]) if k == 0 else (r, r, mate[r])
-                s.send(r, nxt, pc[(i - k - 1) % q], reads, (nxt, mate[nxt]) if k == q - 2 else ())
-        s.end_step()
+    _ring_steps(s, _bidir([(primaries, ctx.nbytes)], isz), isz, lambda k, p, i, r, nxt, pc: s.send(
+        r, nxt, pc[(i - k - 1) % p], (r, mate[r]) if k == 0 else (r, r, mate[r]),
+        (nxt, mate[nxt]) if k == p - 2 else ()))
     block = pieces(ctx.nbytes, q, isz)[0]
     if c == "reduce-scatter":
         s.begin_step()
@@ -425,16 +396,7 @@ def _kangaring(s: Schedule, ctx: Context) -> None:
 
 def _pairs(ctx: Context) -> list[tuple[int, int]] | None:
     """Pairs of group ranks on one chip (the group must hold an even number on every chip)."""
-    by_chip: dict[int, list[int]] = {}
-    for r in ctx.group:
-        by_chip.setdefault(ctx.topo.chip_of(r), []).append(r)
-    out = []
-    for ranks in by_chip.values():
-        ranks.sort()
-        if len(ranks) % 2:
-            return None
-        out.extend((ranks[i], ranks[i + 1]) for i in range(0, len(ranks), 2))
-    return out
+    return ctx.topo.pairs(ctx.group)
 
 
 def _levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
@@ -499,11 +461,7 @@ def _per_dim(s: Schedule, ctx: Context) -> None:
 def hierarchy_groups(ctx: Context) -> list[list[int]]:
     """The spanned levels grouped as intra-chip, intra-instance and inter-instance."""
     assert ctx.shape is not None
-    spanned = ctx.shape.spanned()
-    groups: list[list[int]] = [[], [], []]
-    for lv in spanned:
-        groups[0 if lv == 0 else 2 if ctx.topo.level_inter_instance(lv) else 1].append(lv)
-    return [g for g in groups if g]
+    return ctx.topo.tiers(ctx.shape)
 
 
 def _hierarchical(s: Schedule, ctx: Context) -> None:

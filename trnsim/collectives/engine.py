@@ -30,7 +30,7 @@ from .network import ChipResources, Network
 from .report import CollectiveReport
 from .schedule import Schedule, Transfer
 
-__all__ = ["CollectiveCall", "CollectiveEngine", "CollectiveHandle", "resolve_call"]
+__all__ = ["CollectiveCall", "CollectiveEngine", "CollectiveHandle", "resolve_call", "parse_sizes"]
 
 
 @dataclass(frozen=True)
@@ -348,3 +348,37 @@ class CollectiveEngine:
             bound=name, bound_percent=pct, estimate=estimate,
             overrides=self.system.overrides, timeline=tuple(timeline))
 
+
+def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:
+    """Message sizes as ``trnsim collective --bytes`` takes them: one size (``1GiB``), a range
+    ``MIN:MAX`` multiplied by ``factor`` each step (nccl-tests' ``-b/-e/-f``), or a comma list;
+    bytes. Errors are one-line CollectiveErrors naming ``what``."""
+    from ..config import parse_quantity
+
+    shown = f"{what} {text}"
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+        raise CollectiveError(f"--factor {factor}: expected an integer >= 2 (each size is the previous times it)")
+    parts = text.split(":")
+    if len(parts) > 2 or any(not p.strip() for p in parts):
+        raise CollectiveError(f"{shown}: expected SIZE, MIN:MAX or SIZE,SIZE,..., e.g. 8B:4GiB")
+
+    def one(t: str) -> int:
+        try:
+            return parse_quantity(t.strip(), "bytes")
+        except ValueError as e:
+            raise CollectiveError(f"{shown}: '{t.strip()}': {e}") from None
+
+    if len(parts) == 2:
+        lo, hi = one(parts[0]), one(parts[1])
+        if lo == 0:
+            raise CollectiveError(f"{shown}: a range starts at 1 byte or more")
+        if lo > hi:
+            raise CollectiveError(f"{shown}: the first size ({lo} bytes) is larger than the second ({hi} bytes)")
+        sizes = [lo]
+        while sizes[-1] * factor <= hi:
+            sizes.append(sizes[-1] * factor)
+    else:
+        sizes = [one(t) for t in text.split(",")]
+    if len(sizes) > 128:
+        raise CollectiveError(f"{shown}: {len(sizes)} sizes; at most 128 (use a larger --factor)")
+    return sizes

@@ -59,8 +59,6 @@ def flat_choice(system: SystemConfig, nbytes: int, p: int, topo: Topology, level
 
 def choose(ctx: "object") -> tuple[str, str]:
     """(algorithm, why) for a call's :class:`~trnsim.collectives.algorithms.Context`."""
-    from .algorithms import _check_kanga, hierarchy_groups
-
     system: SystemConfig = ctx.system  # type: ignore[attr-defined]
     topo: Topology = ctx.topo  # type: ignore[attr-defined]
     c = ctx.collective  # type: ignore[attr-defined]
@@ -84,7 +82,8 @@ def choose(ctx: "object") -> tuple[str, str]:
         return "ring", f"{_mb(n)} >= rdh_below {_mb(coll.rdh_below)}: pipelined chain"
     if shape is not None:
         inter = [lv for lv in spanned if topo.level_inter_instance(lv)]
-        if inter and len(hierarchy_groups(ctx)) >= 2:  # type: ignore[arg-type]
+        if inter and len(topo.tiers(shape)) >= 2:
             names = "+".join(topo.level_names[lv] for lv in inter)
             return "hierarchical", f"the group spans instances ({names}): intra-chip, intra-instance, inter-instance"
-    return flat_choice(system, n, p, topo, spanned, pairs=_check_kanga(ctx) is None)  # type: ignore[arg-type]
+    pairs = topo.pairs(ctx.group)  # type: ignore[attr-defined]
+    return flat_choice(system, n, p, topo, spanned, pairs=pairs is not None and len(pairs) >= 2)

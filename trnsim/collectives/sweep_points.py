@@ -33,9 +33,8 @@ def shape_of(ranks: int, nbytes: int) -> str:
 def collective_points(entries: Any, where: str, system: SystemConfig
                       ) -> list[tuple[str, tuple[int, int], str, tuple[tuple[str, Any], ...]]]:
     """(collective, (ranks, bytes), dtype, params) per point, each checked on ``system``."""
-    from ..cli import UsageError, parse_bytes_spec
     from .algorithms import CollectiveError, canonical_collective
-    from .engine import CollectiveCall, resolve_call
+    from .engine import CollectiveCall, parse_sizes, resolve_call
 
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: collectives: expected a non-empty list of {{name, bytes, ranks, algo, dtype}}")
@@ -52,11 +51,11 @@ def collective_points(entries: Any, where: str, system: SystemConfig
             name = canonical_collective(str(e["name"]))
             factor = e.get("factor", 2)
             if isinstance(factor, bool) or not isinstance(factor, int):
-                raise UsageError(f"factor: expected an integer >= 2, got {factor!r}")
+                raise CollectiveError(f"factor: expected an integer >= 2, got {factor!r}")
             raw = e.get("bytes", "1MiB")
             sizes: list[int] = []
             for text in raw if isinstance(raw, list) else [raw]:
-                sizes += parse_bytes_spec(str(text), factor)
+                sizes += parse_sizes(str(text), factor, "bytes")
             rk = e.get("ranks", system.ranks)
             ranks: Sequence[Any] = rk if isinstance(rk, list) else [rk]
             dtype = str(e.get("dtype", "bf16"))
@@ -64,11 +63,11 @@ def collective_points(entries: Any, where: str, system: SystemConfig
             params: tuple[tuple[str, Any], ...] = (("algo", str(algo)),) if algo is not None else ()
             for r in ranks:
                 if isinstance(r, bool) or not isinstance(r, int):
-                    raise UsageError(f"ranks: expected whole numbers, got {r!r}")
+                    raise CollectiveError(f"ranks: expected whole numbers, got {r!r}")
                 for n in sizes:
                     res = resolve_call(system, CollectiveCall(name, n, r, None, dtype, algo))
                     out.append((name, (r, n), res.dtype, params))
-        except (CollectiveError, UsageError, ConfigError) as err:
+        except (CollectiveError, ConfigError) as err:
             raise ConfigError(f"{loc}: {err}") from None
     return out
 

@@ -161,3 +161,25 @@ class Topology:
             return (higher,)
 
         return sorted(group, key=key)
+
+    def pairs(self, group: Sequence[int]) -> list[tuple[int, int]] | None:
+        """The group's ranks as pairs on one chip, or None unless every chip it uses holds an
+        even number of them (KangaRing's primaries and their partners)."""
+        by_chip: dict[int, list[int]] = {}
+        for r in group:
+            by_chip.setdefault(self.chip_of(r), []).append(r)
+        out = []
+        for ranks in by_chip.values():
+            ranks.sort()
+            if len(ranks) % 2:
+                return None
+            out.extend((ranks[i], ranks[i + 1]) for i in range(0, len(ranks), 2))
+        return out
+
+    def tiers(self, shape: GroupShape) -> list[list[int]]:
+        """The levels a group spans, grouped as intra-chip, intra-instance and inter-instance
+        (the hierarchical algorithms' phases); empty tiers left out."""
+        groups: list[list[int]] = [[], [], []]
+        for lv in shape.spanned():
+            groups[0 if lv == 0 else 2 if self.level_inter_instance(lv) else 1].append(lv)
+        return [g for g in groups if g]
