@@ -138,3 +138,16 @@ def test_a_refused_kernel_falls_back():
     spec = KernelSpec.of("softmax", (128, 1 << 24), "fp32", fallback=fallback)  # a row beyond SBUF
     cost = dev.cost(spec)
     assert cost.kernel == "generic:x" and cost.generic
+
+
+def test_trnsim_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import trnsim, trnsim.device, trnsim.kernels, trnsim.cli, trnsim.sweep, trnsim.trace\n"
+            "d = trnsim.device.Device(trnsim.load_config('trn2'))\n"
+            "d.launch(0, 'add', d.cost(trnsim.device.KernelSpec.of('binary', (256, 256), 'bf16', {'op': 'add'})))\n"
+            "print(d.report().rows[0].kernel)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "binary", r.stderr
