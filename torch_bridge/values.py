@@ -307,7 +307,7 @@ def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> t
 
 
 def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
-           ) -> torch.Tensor:
+          ) -> torch.Tensor:
     index = mat1.device.index or 0
     a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
@@ -330,7 +330,7 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
 
 
 def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
-             ) -> torch.Tensor:
+            ) -> torch.Tensor:
     index = batch1.device.index or 0
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
