@@ -282,8 +282,17 @@ def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype:
                  a: torch.Tensor, b: torch.Tensor) -> None:
     """Charge a matmul; the operands' memory layouts pick the kernel's operand forms
     (:func:`torch_bridge.lowering.matmul_layout`)."""
-    runtime().charge(index, op, lowering.matmul_spec(batch, m, k, n, dtype, *lowering.matmul_layout(a, b)),
-                     "empty matmul (launch only)")
+    ta, tb = lowering.matmul_layout(a, b)
+    key = (batch, m, k, n, dtype, ta, tb)
+    rt = runtime()
+    cost = _mm_costs.get(key)
+    if cost is None:
+        cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
+    rt.charge(index, op, cost)
+
+
+# (batch, m, k, n, dtype, transpose flags) -> the matmul's OpCost (a spec is slower to build than to look up)
+_mm_costs: dict[tuple[Any, ...], Any] = {}
 
 
 def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
