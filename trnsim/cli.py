@@ -7,6 +7,8 @@
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
+                  [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
 ``trnsim: error: ...`` on stderr and exits with status 2. ``trnsim kernel --check`` exits with
@@ -459,7 +461,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
     for r in rows:
         figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
-                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}", f"{float(r['mfu_percent']):.1f}%", r["bound"]])
+                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}",
+                    f"{float(r['mfu_percent']):.1f}%" if r["mfu_percent"] else "", r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
@@ -522,6 +525,89 @@ def print_run_report(rep: Any, title: str) -> None:
     render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
 
 
+# ---------------------------------------------------------------------------------------------
+# collective
+# ---------------------------------------------------------------------------------------------
+
+
+def _gib(v: float) -> str:
+    return f"{v / 2**30:.2f}"
+
+
+def cmd_collective(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .collectives import CollectiveError, simulate_collective
+    from .collectives.engine import parse_sizes
+    from .collectives.trace import write_collective_trace
+    from .config import load_system
+
+    system = load_system(args.system, args.set)
+    reps = []
+    try:
+        sizes = parse_sizes(args.bytes, args.factor)
+        for i, n in enumerate(sizes):
+            trace = bool(args.trace) and i == len(sizes) - 1
+            reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
+                                            algorithm=args.algo, trace=trace))
+    except CollectiveError as e:
+        raise UsageError(str(e)) from None
+    last = reps[-1]
+    if args.trace:
+        try:
+            write_collective_trace(args.trace, [last], system.ranks_per_chip)
+        except OSError as e:
+            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if args.json:
+        doc = {"collective": last.collective, "system": system.name, "ranks": last.ranks, "dtype": last.dtype,
+               "overrides": dict(system.overrides), "units": {"time": "us", "algbw": "GiB/s", "busbw": "GiB/s"},
+               "results": [{"size(B)": r.nbytes, "count(elems)": r.count, "type": r.dtype, "time:avg(us)": r.time_us,
+                            "algbw(GiB/s)": r.algbw / 2**30, "busbw(GiB/s)": r.busbw / 2**30,
+                            "algorithm": r.algorithm, "estimate(us)": r.estimate.time_us, "report": r.to_dict()}
+                           for r in reps]}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = _Out(width=140)
+    cfg = system.chip
+    chips = len({r // system.ranks_per_chip for r in last.group})
+    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks on {chips} of "
+            f"{system.chips} chips ({system.ranks_per_chip} logical cores each, LNC={cfg.chip.lnc}), {last.dtype}")
+    if system.overrides:
+        head += f" ({escape(system.describe_overrides())})"
+    console.print(head)
+    t = Table(box=None, padding=(0, 1), show_edge=False)
+    for col in ("size(B)", "count(elems)", "type", "time(us)", "algbw(GiB/s)", "busbw(GiB/s)", "algorithm", "steps",
+                "hops", "bound", "a-b(us)"):
+        t.add_column(col, justify="left" if col in ("type", "algorithm", "bound") else "right", no_wrap=True)
+    why: dict[str, str] = {}
+    for r in reps:
+        why.setdefault(r.algorithm, r.reason)
+        bound = r.bound if r.bound == "latency" else f"{r.bound} {r.bound_percent:.0f}%"
+        t.add_row(str(r.nbytes), str(r.count), r.dtype, f"{r.time_us:.2f}", _gib(r.algbw), _gib(r.busbw),
+                  r.algorithm, str(r.steps), str(r.max_hops), escape(bound), f"{r.estimate.time_us:.2f}")
+    console.print(t)
+    avg = sum(r.busbw for r in reps) / len(reps)
+    console.print(f"Avg bus bandwidth: {_gib(avg)} GiB/s")
+    factor = {"all-reduce": "2(n-1)/n", "all-gather": "(n-1)/n", "reduce-scatter": "(n-1)/n",
+              "all-to-all": "(n-1)/n"}.get(last.collective, "1")
+    console.print(f"algbw = size / time, busbw = algbw x {factor} = {last.busbw_factor:.4g} (nccl-tests' factor); "
+                  f"both in GiB/s (2^30 bytes/s), as nccom-test prints them.")
+    console.print("a-b(us): the alpha-beta estimate of the same call. bound: what held the chunks back longest "
+                  "(latency: nothing, half the time).")
+    for algo, reason in why.items():
+        console.print(f"{algo}: {escape(reason)}")
+    top = max(last.link_bytes.items(), key=lambda kv: kv[1], default=None)
+    links = (f"; busiest link {escape(top[0])}: {format_quantity(top[1], 'bytes')} over {len(last.link_bytes)} "
+             f"link directions used" if top else "; no link used (one chip: HBM to HBM)")
+    console.print(f"At {format_quantity(last.nbytes, 'bytes')}: {last.transfers:,} transfers in {last.chunks:,} "
+                  f"chunks{links}.")
+    if args.trace:
+        console.print(f"Trace of the {format_quantity(last.nbytes, 'bytes')} run written to {escape(args.trace)} "
+                      f"(open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -565,7 +651,35 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.set_defaults(fn=cmd_run)
+    _add_collective_parser(sub)
     return p
+
+
+def _add_collective_parser(sub: Any) -> None:
+    from .collectives import ALGORITHMS, COLLECTIVES
+    from .config import system_names
+
+    c = sub.add_parser("collective", help="simulate a collective over a system's chips and links and print an "
+                                          "nccom-test style table (size, count, type, time, algbw, busbw)")
+    c.add_argument("collective", metavar="COLLECTIVE", help=f"one of {', '.join(COLLECTIVES)} (or nccom-test's "
+                                                            f"allr, allg, redsct, alltoall, sendrecv)")
+    c.add_argument("--system", default="trn2.48xlarge",
+                   help=f"a system ({', '.join(system_names())}) or a YAML path; default trn2.48xlarge")
+    c.add_argument("--ranks", type=int, help="ranks (logical NeuronCores, rank r on chip r // cores per chip); "
+                                             "a divisor of the system's; default all")
+    c.add_argument("--bytes", default="8B:4GiB", help="SIZE, MIN:MAX (times --factor each step) or SIZE,SIZE,...; "
+                                                      "nccl-tests' S (the all-reduce buffer, the all-gather output...); "
+                                                      "default 8B:4GiB")
+    c.add_argument("--factor", type=int, default=2, help="growth factor of a MIN:MAX range (default 2)")
+    c.add_argument("--algo", help=f"force an algorithm: {', '.join(ALGORITHMS)} (default: the size rule)")
+    c.add_argument("--dtype", default="bf16", help="element type (default bf16)")
+    c.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="dotted override of the system (topology.x.bandwidth=128GB/s) or its chip "
+                        "(core.dma.engine_bandwidth=40GB/s) (repeatable)")
+    c.add_argument("--json", action="store_true", help="print the results as JSON")
+    c.add_argument("--trace", metavar="OUT.json", help="write a Perfetto trace of the largest size: link lanes "
+                                                       "and the ranks' CC DMA queues")
+    c.set_defaults(fn=cmd_collective)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

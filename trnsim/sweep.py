@@ -44,7 +44,7 @@ from .report import KernelReport
 
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "resolve_kernel", "load_spec", "run_sweep", "bound_of"]
 
-SPEC_KEYS = ("config", "grid", "kernels", "out")
+SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
 
 
@@ -152,11 +152,17 @@ class Point:
     shape: tuple[int, ...]
     dtype: str  # "" for a user kernel run without a dtype
     params: tuple[tuple[str, Any], ...] = ()
+    kind: str = "kernel"  # or "collective": kernel is the collective, shape (ranks, bytes)
 
     def key(self) -> tuple[str, ...]:
         """The point's identity as CSV cells, to skip points a previous run wrote."""
-        return (*(v for _, v in self.variant), self.kernel, shape_text(self.shape), self.dtype,
-                params_text(self.params))
+        if self.kind == "collective":
+            from .collectives.sweep_points import shape_of
+
+            shape = shape_of(*self.shape)
+        else:
+            shape = shape_text(self.shape)
+        return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
 
 
 def params_text(params: Sequence[tuple[str, Any]]) -> str:
@@ -171,6 +177,7 @@ class SweepSpec:
     points: list[Point]
     out: Path
     engines: tuple[str, ...]  # engine names, for the per-engine columns
+    system: str | None = None  # a system name or path: the grid varies it, collectives run on it
 
     @property
     def key_columns(self) -> list[str]:
@@ -178,9 +185,14 @@ class SweepSpec:
 
     @property
     def columns(self) -> list[str]:
+        extra: list[str] = []
+        if any(p.kind == "collective" for p in self.points):
+            from .collectives.sweep_points import COLLECTIVE_COLUMNS
+
+            extra = list(COLLECTIVE_COLUMNS)
         return [*self.key_columns, "cycles", "us", "mfu_percent", "mbu_percent", "bound",
                 *(f"{e.lower()}_active_percent" for e in self.engines), "dma_active_percent",
-                "instructions", "hbm_bytes", "dma_bytes", "matmul_flops", "error"]
+                "instructions", "hbm_bytes", "dma_bytes", "matmul_flops", *extra, "error"]
 
 
 def _config_ref(text: str, base_dir: Path) -> str:
@@ -220,6 +232,14 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     if unknown:
         raise ConfigError(f"{where}: unknown key '{unknown[0]}'; expected {', '.join(SPEC_KEYS)}")
     base_dir = p.parent
+    system = raw.get("system")
+    if system is not None and "config" in raw:
+        raise ConfigError(f"{where}: give 'config' (a chip) or 'system' (chips and links), not both")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError(f"{where}: system: expected a system name or a YAML path, got {system!r}")
+    if system is None and raw.get("collectives") is not None:
+        raise ConfigError(f"{where}: collectives need a 'system' (e.g. system: trn2.48xlarge)")
+    system = _config_ref(system, base_dir) if system is not None else None
     config = raw.get("config", "trn2")
     if not isinstance(config, str):
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {config!r}")
@@ -228,17 +248,21 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     if not isinstance(grid_raw, dict):
         raise ConfigError(f"{where}: grid: expected a mapping of dotted override key -> list of values")
     grid = {str(k): [str(v) for v in _as_list(vals, f"{where}: grid.{k}")] for k, vals in grid_raw.items()}
-    base_cfg = _load(config, ())
+    if system is not None:
+        base_system = _load_system(system, ())
+        config = base_system.chip.name
+    base_cfg = _load(config, ()) if system is None else base_system.chip
     variants = [tuple(zip(grid, combo)) for combo in itertools.product(*grid.values())]
     for variant in variants:
         try:
-            _load(config, variant)
+            _load(config, variant) if system is None else _load_system(system, variant)
         except ConfigError as e:
             raise ConfigError(f"{where}: grid: {e}") from None
     kernels = raw.get("kernels")
-    if not isinstance(kernels, list) or not kernels:
-        raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
-    combos = [c for i, k in enumerate(kernels) for c in _kernel_points(k, i, where, base_dir, base_cfg)]
+    if raw.get("collectives") is None or kernels is not None:
+        if not isinstance(kernels, list) or not kernels:
+            raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
+    combos = [c for i, k in enumerate(kernels or []) for c in _kernel_points(k, i, where, base_dir, base_cfg)]
     seen = set()
     for c in combos:
         if c in seen:
@@ -246,8 +270,13 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
             raise ConfigError(f"{where}: kernels: {what} is listed twice")
         seen.add(c)
     points = [Point(v, *c) for v in variants for c in combos]
+    if raw.get("collectives") is not None:
+        from .collectives.sweep_points import collective_points
+
+        coll = collective_points(raw["collectives"], where, base_system)
+        points += [Point(v, *c, kind="collective") for v in variants for c in coll]
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
-    return SweepSpec(p, config, grid, points, out_path, tuple(base_cfg.engine_clocks))
+    return SweepSpec(p, system or config, grid, points, out_path, tuple(base_cfg.engine_clocks), system)
 
 
 def _out_path(value: Any, spec: Path, where: str) -> Path:
@@ -308,11 +337,19 @@ def _load(config: str, variant: tuple[tuple[str, str], ...]) -> ChipConfig:
     return load_config(config, dict(variant))
 
 
+@lru_cache(maxsize=64)
+def _load_system(system: str, variant: tuple[tuple[str, str], ...]) -> Any:
+    from .config import load_system
+
+    return load_system(system, dict(variant))
+
+
 @dataclass(frozen=True)
 class _Task:
     config: str
     base_dir: str
     point: Point
+    system: str | None = None
 
 
 def run_point(task: _Task) -> dict[str, Any]:
@@ -322,8 +359,13 @@ def run_point(task: _Task) -> dict[str, Any]:
 
     pt = task.point
     row: dict[str, Any] = {"error": ""}
+    if pt.kind == "collective":
+        from .collectives.sweep_points import run_collective_point
+
+        return run_collective_point(_load_system(task.system, pt.variant), pt.kernel, pt.shape,  # type: ignore[arg-type]
+                                    pt.dtype, dict(pt.params))
     try:
-        cfg = _load(task.config, pt.variant)
+        cfg = _load(task.config, pt.variant) if task.system is None else _load_system(task.system, pt.variant).chip
         ref = resolve_kernel(pt.kernel, Path(task.base_dir))
         kernel = ref.make(pt.shape, pt.dtype or None, cfg, dict(pt.params))
         rep = Chip(cfg).run(kernel, timing_only=True).report
@@ -399,7 +441,7 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
             if progress:
                 progress(finished, total)
 
-        tasks = [_Task(spec.config, base_dir, pt) for pt in todo]
+        tasks = [_Task(spec.config, base_dir, pt, spec.system) for pt in todo]
         if jobs == 1 or len(tasks) <= 1:
             for t in tasks:
                 record(t.point, run_point(t))
