@@ -44,7 +44,11 @@ from .isa import KernelError
 from .kernel import Kernel
 from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work"]
+__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work", "COLLECTIVE_STREAM"]
+
+# The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
+# collective launched with Device.launch_collective waits for the compute issued before it.
+COLLECTIVE_STREAM = -1
 
 
 @dataclass(frozen=True)
@@ -283,7 +287,30 @@ class Device:
         return OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
                                  self.config.hbm_bandwidth_reachable)
 
+    def collective_cost(self, report: Any, rank: int) -> OpCost:
+        """A simulated collective (:class:`trnsim.collectives.CollectiveReport`) as a launch on
+        ``rank``'s logical core: from the rank's start to its completion, with the bytes its DMA
+        engines moved as its DMA demand (so kernels on other streams of the core share DMA with
+        it, and it with them)."""
+        i = report.group.index(rank)
+        ticks = report.end_ticks[i] - report.start_ticks[i]
+        dma = report.dma_bytes.get(rank, 0)
+        demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
+        busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
+
     # ---- time ------------------------------------------------------------------------------
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
+        """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
+        work already issued on compute stream ``after`` (default: the core's current stream)
+        has finished, as a collective waits for the data it sends, and overlaps what is issued
+        after it."""
+        with self._lock:
+            c = self.cores[core]
+            self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
+            return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
+
     def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int]:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
         current stream); returns its (start, end) ticks."""
