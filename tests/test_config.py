@@ -64,7 +64,7 @@ def test_override_applies_and_is_recorded():
 @pytest.mark.parametrize("overrides,message", [
     (["core.sbuf.partitoin_bytes=1KiB"],
      "trn2.yaml (--set core.sbuf.partitoin_bytes=1KiB): unknown key 'core.sbuf.partitoin_bytes': "
-     "'partitoin_bytes' is not in core.sbuf; expected one of partitions, partition_bytes"),
+     "'partitoin_bytes' is not in core.sbuf; expected one of partitions, partition_bytes, allocation_granule"),
     (["core.sbuf.partition_bytes=224KB/s"],
      "trn2.yaml (--set core.sbuf.partition_bytes=224KB/s): core.sbuf.partition_bytes = '224KB/s': expected a bytes quantity like '224KiB' (unknown unit 'KB/s')"),
     (["core.sbuf.partition_bytes=224"],

@@ -10,7 +10,9 @@ import pytest
 
 from trnsim import Chip, KernelError
 from trnsim.kernels.norm import build_layernorm, build_rmsnorm, build_rmsnorm_fp8, build_softmax
-from trnsim.kernels.registry import check_entry, get_kernel, round_to
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+from trnsim.kernels.reference import round_to
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_rmsnorm.py"
 _spec = importlib.util.spec_from_file_location("fidelity_rmsnorm", _BENCH)

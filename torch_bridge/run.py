@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trnsim.files import AtomicOutput
-
-from .report import RunReport
+from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
 
@@ -118,20 +117,29 @@ def _exit_status(code: object) -> int:
 
 
 def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport) -> None:
-    """Chrome trace-event JSON of every op launch: pid = NeuronCore, tid = stream, times in
-    simulated us. Written through :class:`trnsim.files.AtomicOutput` (a temporary file renamed
-    into place; symlinks followed, FIFOs and devices refused); ``path`` may be one reserved
-    before the run."""
+    """Chrome trace-event JSON of every launch: pid = NeuronCore, tid = stream, times in simulated
+    us, and a ``host`` lane with each launch's dispatch (ending when the host issued it). Written
+    through :class:`trnsim.files.AtomicOutput` (a temporary file renamed into place; symlinks
+    followed, FIFOs and devices refused); ``path`` may be one reserved before the run."""
     events: list[dict[str, Any]] = []
-    for dev in sorted({e.device for e in report.events}):
+    to_us = 1e6 / report.tick_hz
+    host_pid = -1
+    events.append({"ph": "M", "name": "process_name", "pid": host_pid, "args": {"name": "host (simulated)"}})
+    events.append({"ph": "M", "name": "thread_name", "pid": host_pid, "tid": 0, "args": {"name": "dispatch"}})
+    for dev in sorted({e.core for e in report.events}):
         events.append({"ph": "M", "name": "process_name", "pid": dev,
                        "args": {"name": f"neuron:{dev} ({report.config}, simulated)"}})
-    for dev, stream in sorted({(e.device, e.stream) for e in report.events}):
+    for dev, stream in sorted({(e.core, e.stream) for e in report.events}):
         events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": stream,
                        "args": {"name": "default stream" if stream == 0 else f"stream {stream}"}})
+    prev_issue = None
     for e in report.events:
-        events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.device, "tid": e.stream,
-                       "ts": e.start * 1e6 / report.tick_hz, "dur": (e.end - e.start) * 1e6 / report.tick_hz,
-                       "args": {"kernel": e.kernel}})
+        if prev_issue is not None and e.issued > prev_issue:
+            events.append({"ph": "X", "name": e.op, "cat": "dispatch", "pid": host_pid, "tid": 0,
+                           "ts": prev_issue * to_us, "dur": (e.issued - prev_issue) * to_us})
+        prev_issue = e.issued
+        events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.core, "tid": e.stream,
+                       "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
+                       "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
     out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
     out.commit(lambda f: json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f))

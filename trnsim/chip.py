@@ -12,7 +12,7 @@ from .config import ChipConfig, format_quantity, load_config
 from .cores.base import ENGINE_TYPES
 from .isa import KernelError
 from .kernel import Kernel
-from .cores.alu import to_dtype
+from .native.cast import to_dtype
 from .memory.hbm import check_capacity
 from .memory.state import DeviceMemory
 from .native import convert

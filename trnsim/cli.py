@@ -120,6 +120,8 @@ def info_data(cfg: ChipConfig) -> dict[str, Any]:
             "topology": chip.neuronlink.topology,
             "instance_chips": chip.neuronlink.instance_chips,
         },
+        "host_dispatch_ns": cfg.host.dispatch / 1000,
+        "host_max_inflight": cfg.host.max_inflight,
     }
 
 
@@ -156,6 +158,8 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
     nl = cfg.chip.neuronlink
     t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
                             f"{nl.instance_chips} chips")
+    t.add_row("Host", f"{format_quantity(cfg.host.dispatch, 'time')} to issue a launch, up to "
+                      f"{cfg.host.max_inflight} unfinished launches per logical core")
     t.add_row("Source", cfg.source_display)
     console.print(t)
 
@@ -279,7 +283,7 @@ def _training_demo(example: Any, cfg: ChipConfig, console: Any) -> int:
     import torch
 
     from .chip import Chip
-    from .kernels import get_kernel
+    from .device import Device, KernelSpec
 
     if not torch.neuron.is_initialized():
         torch.neuron.set_config(cfg)
@@ -292,19 +296,23 @@ def _training_demo(example: Any, cfg: ChipConfig, console: Any) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU kernels' reduction order, and so every loss digit, fixed
     try:
+        for i in range(torch.neuron.device_count()):  # the report starts from an idle device
+            torch.neuron.synchronize(i)
         torch.neuron.reset_report()
         example.train(DEMO_STEPS, batch, seq, log_every=10, log=console.print)
         rep = torch.neuron.report()
     finally:
         torch.set_num_threads(threads)
     console.print()
-    render_run_report(rep, f"examples/train_gpt2.py on {cfg.name}", _Out(width=140))
+    render_run_report(rep, f"examples/train_gpt2.py on {cfg.name}", _Out(width=RUN_REPORT_WIDTH))
     console.print()
     tokens, hidden = batch * seq, 4 * embd
+    spec = KernelSpec.of("matmul", (tokens, embd, hidden), "fp32", {"transpose_a": True, "transpose_b": False})
+    kernels = Device(cfg).kernels_of(spec)
     console.print(f"One kernel of the step up close: a block's MLP up-projection, x[{tokens}x{embd}] @ "
-                  f"W[{embd}x{hidden}] fp32 (addmm), as the library matmul kernel the device simulated for it:")
-    kernel = get_kernel("matmul").make((tokens, embd, hidden), "fp32", cfg, {"transpose_a": True, "transpose_b": False})
-    render_report(Chip(cfg).run(kernel, timing_only=True).report, console, cfg)
+                  f"W[{embd}x{hidden}] fp32 (addmm), shared out over the logical core's {len(kernels)} physical "
+                  f"core(s); the library matmul kernel physical core 0 ran:")
+    render_report(Chip(cfg).run(kernels[0], timing_only=True).report, console, cfg)
     return 0
 
 
@@ -369,7 +377,8 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from .chip import Chip
-    from .kernels.registry import check_entry, parse_params, parse_shape
+    from .kernels.check import check_entry
+    from .kernels.registry import parse_params, parse_shape
     from .sweep import resolve_kernel
     from .trace import write_trace
 
@@ -495,25 +504,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return status
 
 
+RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
+
+
 def render_run_report(rep: Any, title: str, console: Any) -> None:
-    """A torch_bridge RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
-    examples/train_gpt2.py print it this way)."""
+    """A RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
+    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops."""
     from rich.table import Table
 
     t = Table(title=f"neuron run report: {title}", title_justify="left")
-    for col in ("op", "kernel", "calls", "time us", "share", "MFU", "HBM MB", "bound"):
-        t.add_column(col, justify="right" if col in ("calls", "time us", "share", "MFU", "HBM MB") else "left")
+    for col in ("op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"):
+        t.add_column(col, justify="left" if col in ("op", "kernel", "bound") else "right",
+                     no_wrap=col in ("op", "kernel"))
     for r in rep.rows:
         t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
-                  f"{r.share_percent:.1f}%", f"{r.mfu_percent:.1f}%", f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
+                  f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
+                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
     console.print(t)
-    console.print(f"total: {rep.total_calls:,} op calls, {rep.total_us:,.1f} us simulated, "
-                  f"MFU {rep.mfu_percent:.1f}%  (* generic kernel: DMA + engine streaming, no library kernel)")
+    console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
+                  f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
+    console.print(f"host: {rep.host_us:,.1f} us issuing launches; MFU {rep.mfu_percent:.1f}%")
+    if rep.host_ops:
+        ops = ", ".join(f"{op} {n:,}" for op, n in sorted(rep.host_ops.items(), key=lambda kv: (-kv[1], kv[0])))
+        console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
+    console.print("(* generic kernel: DMA + engine streaming, no library kernel; wait: device idle waiting on the host; "
+                  "bound launch: the device waited longer than it worked)")
 
 
 def print_run_report(rep: Any, title: str) -> None:
     """:func:`render_run_report` to stdout, wide enough for op and kernel names."""
-    render_run_report(rep, title, _Out(width=140))
+    render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -411,6 +411,8 @@ class VectorEngineConfig:
     dependency_latency_cycles: int = _int(0, 100000)
     perf_mode_fast: int = _int(1, 16)
     perf_mode_mid: int = _int(1, 16)
+    max_free_sbuf: int = _int(1, 1 << 24, doc="elements per partition one instruction may touch in SBUF")
+    max_free_psum: int = _int(1, 1 << 24, doc="elements per partition one instruction may touch in PSUM")
 
 
 @dataclass(frozen=True)
@@ -440,6 +442,7 @@ class SyncEngineConfig:
 class SbufConfig:
     partitions: int = _int(1, 4096)
     partition_bytes: int = _q("bytes", lo=1, hi=2**30)
+    allocation_granule: int = _q("bytes", lo=1, hi=2**20, doc="tile allocations are aligned to this, per partition")
 
     @property
     def bytes(self) -> int:
@@ -486,6 +489,14 @@ class CoreConfig:
 
 
 @dataclass(frozen=True)
+class HostConfig:
+    """The host that issues launches to the chip's cores (see :mod:`trnsim.device`)."""
+
+    dispatch: int = _q("time", lo=0, doc="host time to issue one launch, ps")
+    max_inflight: int = _int(1, 1 << 20, doc="unfinished launches per logical core before the host waits")
+
+
+@dataclass(frozen=True)
 class ChipConfig:
     """A whole chip. ``source`` is the file it came from; ``overrides`` the dotted overrides."""
 
@@ -493,6 +504,7 @@ class ChipConfig:
     description: str = _str()
     chip: ChipLevelConfig = field(default=None)  # type: ignore[assignment]
     core: CoreConfig = field(default=None)  # type: ignore[assignment]
+    host: HostConfig = field(default=None)  # type: ignore[assignment]
     source: str = field(default="", metadata={"internal": True})
     overrides: tuple[tuple[str, str], ...] = field(default=(), metadata={"internal": True})
 
@@ -701,7 +713,7 @@ def _fmt_bound(b: float, kind: str) -> str:
 _TYPES: dict[str, Any] = {}
 for _cls in (HbmConfig, NeuronLinkConfig, ChipLevelConfig, TensorEngineConfig, VectorEngineConfig,
              ScalarEngineConfig, GpSimdEngineConfig, SyncEngineConfig, SbufConfig, PsumConfig,
-             DmaConfig, CoreConfig, ChipConfig):
+             DmaConfig, CoreConfig, HostConfig, ChipConfig):
     _TYPES[_cls.__name__] = _cls
 
 

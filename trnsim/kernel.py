@@ -31,6 +31,8 @@ from typing import Any, Iterator, Sequence
 from .config import ChipConfig, env_int, load_config
 from .isa import (
     AP,
+    AP_MAX_SIZE,
+    AP_MAX_STRIDE,
     Activation,
     AffineSelect,
     Allocation,
@@ -67,9 +69,6 @@ _ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": 
                  "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
                  "sp": "Sync"}
 _MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
-SBUF_GRANULE = 64  # bytes; estimate of the allocation alignment (not published)
-VECTOR_SBUF_FREE_MAX = 65536  # elements per partition per instruction, datasheet §4.3
-VECTOR_PSUM_FREE_MAX = 4096
 #: Instructions one kernel may hold unless TRNSIM_MAX_INSTRUCTIONS says more. Each costs about a
 #: kilobyte of host memory, so a mistyped shape (a 100000^3 matmul) stops with a one-line error
 #: instead of filling the host; a 16384^3 bf16 matmul has ~0.7 million.
@@ -357,7 +356,7 @@ class Kernel:
         self.tensors: dict[str, HbmTensor] = {}
         self.queues: dict[str, int] = {}  # lane name -> hardware queue id
         uids = itertools.count(1)
-        self._sbuf = OnChipAllocator("sbuf", c.sbuf.partitions, c.sbuf.partition_bytes, SBUF_GRANULE,
+        self._sbuf = OnChipAllocator("sbuf", c.sbuf.partitions, c.sbuf.partition_bytes, c.sbuf.allocation_granule,
                                      f"{self.config.name} ({c.sbuf.partition_bytes // 1024} KiB per partition)", uids)
         self._psum = PsumAllocator(self.config, uids)
         self._allocs: dict[int, Allocation] = {}  # uid -> every allocation of this kernel, live or freed
@@ -553,12 +552,12 @@ class Kernel:
                 raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
             _check_alignment(ap, what)
             for stride, size in ap.dims:
-                # access patterns carry uint16 sizes and int16 strides in elements (§4.6)
-                if size > 65535 or not -32768 <= stride <= 32767:
-                    raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= 65535 "
-                                      f"and strides within -32768..32767 elements")
+                if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
+                    raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
+                                      f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
             if engine == "Vector":
-                limit = VECTOR_PSUM_FREE_MAX if ap.space == "psum" else VECTOR_SBUF_FREE_MAX
+                vec = self.config.core.vector
+                limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
                 if ap.free_size > limit:
                     raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
                                       f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")

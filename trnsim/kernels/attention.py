@@ -41,7 +41,8 @@ from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_attention"]
 
@@ -107,7 +108,8 @@ class _Step:
 
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
-                 params={"causal": False, "scale": None, "kv_block": 0}, inputs=_inputs, reference=_reference)
+                 params={"causal": False, "scale": None, "kv_block": 0}, inputs=_inputs, reference=_reference,
+                 split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
                     name: str = "attention") -> Kernel:

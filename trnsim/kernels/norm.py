@@ -34,16 +34,17 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import SBUF_GRANULE, Kernel, TilePool, checked_dtype
+from ..isa import AP_MAX_SIZE
+from ..kernel import Kernel, TilePool, checked_dtype
 from ..native.dtypes import Dtype, get_dtype
-from .registry import default_tolerance, register_kernel, round_to
+from .reference import default_tolerance, round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_softmax", "build_layernorm", "build_rmsnorm", "build_rmsnorm_fp8"]
 
 FP8_OUT = ("float8_e4m3", "float8_e4m3fn")  # 3 mantissa bits: the rounding _fp8_tolerance allows for
-AP_SIZE_MAX = 65535  # elements per access-pattern dim (uint16 sizes, datasheet §4.6)
 SCRATCH_COLS = 4096  # elements per partition of the scratch tile; wider rows take several passes
-STATS_BYTES = 64 * SBUF_GRANULE  # per partition, for the [P, 1] statistics tiles (generous)
+STATS_GRANULES = 64  # allocation granules per partition for the [P, 1] statistics tiles (generous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,14 +76,15 @@ def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: i
     """
     cfg = kern.config
     cap = cfg.core.sbuf.partition_bytes
+    granule = cfg.core.sbuf.allocation_granule
 
     def need(h: int, io_bufs: int) -> int:
-        row = _round_up(h * dt.itemsize, SBUF_GRANULE)
-        scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, SBUF_GRANULE)
-        return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, SBUF_GRANULE) + scratch + STATS_BYTES
+        row = _round_up(h * dt.itemsize, granule)
+        scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, granule)
+        return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, granule) + scratch + STATS_GRANULES * granule
 
-    if hidden > AP_SIZE_MAX or need(hidden, 2) > cap:
-        hmax = min(AP_SIZE_MAX, cap // ((2 + rows_dt) * dt.itemsize + rows_fp8))
+    if hidden > AP_MAX_SIZE or need(hidden, 2) > cap:
+        hmax = min(AP_MAX_SIZE, cap // ((2 + rows_dt) * dt.itemsize + rows_fp8))
         while hmax > 1 and need(hmax, 2) > cap:
             hmax -= 1
         raise KernelError(f"{name}: hidden={hidden} {dt.short} does not fit SBUF on {cfg.name} "
@@ -205,7 +207,7 @@ def _rmsnorm_reference(inputs, shape, dtype, params):
 
 @register_kernel("softmax", dims="ROWSxCOLS", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
                  summary="y = softmax(x) along each row, max-subtracted; exp and row sum fused on ScalarE",
-                 inputs=_x_inputs, reference=_softmax_reference)
+                 inputs=_x_inputs, reference=_softmax_reference, split=split_dims(0))
 def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                   name: str = "softmax") -> Kernel:
     _check_dims("softmax", rows, cols)
@@ -240,7 +242,7 @@ def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig 
 @register_kernel("layernorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
                  summary="y = (x - mean) / sqrt(var + eps) * gamma + beta per row (two-pass variance)",
                  params={"eps": 1e-5}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, True),
-                 reference=_layernorm_reference)
+                 reference=_layernorm_reference, split=split_dims(0))
 def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     eps: float = 1e-5, name: str = "layernorm") -> Kernel:
     _check_dims("layernorm", rows, hidden)
@@ -299,7 +301,7 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
 @register_kernel("rmsnorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 8192),
                  summary="y = x / sqrt(mean(x^2) + eps) * gamma per row; sum of squares fused on ScalarE",
                  params={"eps": 1e-6}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
-                 reference=_rmsnorm_reference)
+                 reference=_rmsnorm_reference, split=split_dims(0))
 def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                   eps: float = 1e-6, quantize: bool = False, fp8: str = "fp8_e4m3", name: str = "rmsnorm"
                   ) -> Kernel:
@@ -383,7 +385,7 @@ def _fp8_tolerance(dtype: str) -> tuple[float, float]:
                  summary="RMSNorm + FP8 quantization (datasheet V7): q in fp8 and a per-row scale, y ~ q * scale",
                  params={"eps": 1e-6, "fp8": "fp8_e4m3"},
                  inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
-                 reference=lambda i, s, d, p: _rmsnorm_reference(i, s, d, {**p, "quantize": True}),
+                 reference=lambda i, s, d, p: _rmsnorm_reference(i, s, d, {**p, "quantize": True}), split=split_dims(0),
                  tolerance=_fp8_tolerance)
 def build_rmsnorm_fp8(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                       eps: float = 1e-6, fp8: str = "fp8_e4m3", name: str = "rmsnorm_fp8") -> Kernel:

@@ -12,8 +12,13 @@ tests need to drive it without knowing it:
 * ``tolerance(dtype) -> (rtol, atol)`` — how close outputs must be, relative to the largest
   reference magnitude.
 
+* ``split(shape, params, n) -> [shape, ...] | None`` - how the kernel's work is shared out over
+  the ``n`` physical cores of a logical core (LNC=2): each part is the shape one core runs, as an
+  SPMD kernel splits it (None, or no rule: the kernel runs on one core).
+
 User kernels (``trnsim kernel path.py:fn``) follow the same calling convention as ``build`` and
-need nothing else; the CLI then runs them timing-only.
+need nothing else; the CLI then runs them timing-only. Importing :mod:`trnsim.kernels` registers
+every built-in kernel; this module only holds the table.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from ..config import ChipConfig, clip_text, load_config
 from ..isa import KernelError
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
+from .generic import STREAM, build_stream, split_stream
+from .reference import default_tolerance
 
 __all__ = [
     "KernelEntry",
@@ -38,20 +45,31 @@ __all__ = [
     "parse_shape",
     "parse_params",
     "call_build",
-    "round_to",
-    "check_entry",
+    "split_dims",
+    "build_spec",
+    "split_spec",
     "KERNELS",
 ]
 
 InputsFn = Callable[[tuple[int, ...], str, Mapping[str, Any], np.random.Generator], dict[str, np.ndarray]]
 ReferenceFn = Callable[[Mapping[str, np.ndarray], tuple[int, ...], str, Mapping[str, Any]], dict[str, np.ndarray]]
+SplitFn = Callable[[tuple[int, ...], Mapping[str, Any], int], "list[tuple[int, ...]] | None"]
 
-_DEFAULT_TOL = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}
+
+def _parts(d: int, n: int) -> list[int]:
+    q, r = divmod(d, n)
+    return [q + 1] * r + [q] * (n - r)
 
 
-def default_tolerance(dtype: str) -> tuple[float, float]:
-    name = get_dtype(dtype).name
-    return _DEFAULT_TOL.get(name, (1.5e-1, 1.5e-1))  # fp8 and friends
+def split_dims(*candidates: int) -> SplitFn:
+    """A split rule: the first of the ``candidates`` dims (by index) that has at least ``n``
+    elements is cut into ``n`` near-equal parts."""
+    def split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]] | None:
+        for i in candidates:
+            if shape[i] >= n:
+                return [shape[:i] + (p,) + shape[i + 1:] for p in _parts(shape[i], n)]
+        return None
+    return split
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,7 @@ class KernelEntry:
     inputs: InputsFn | None = None
     reference: ReferenceFn | None = None
     tolerance: Callable[[str], tuple[float, float]] = default_tolerance
+    split: SplitFn | None = None
 
     @property
     def shape_doc(self) -> str:
@@ -91,7 +110,7 @@ KERNELS: dict[str, KernelEntry] = {}
 def register_kernel(name: str, *, dims: str, dtypes: tuple[str, ...] | list[str], default_shape: tuple[int, ...],
                     summary: str, default_dtype: str | None = None, params: Mapping[str, Any] | None = None,
                     inputs: InputsFn | None = None, reference: ReferenceFn | None = None,
-                    tolerance: Callable[[str], tuple[float, float]] | None = None
+                    tolerance: Callable[[str], tuple[float, float]] | None = None, split: SplitFn | None = None
                     ) -> Callable[[Callable[..., Kernel]], Callable[..., Kernel]]:
     """Decorator: register ``build`` under ``name``. ``dims`` is written like the CLI's shape,
     e.g. ``"MxKxN"``; ``dtypes`` are short names (``"bf16"``)."""
@@ -107,19 +126,14 @@ def register_kernel(name: str, *, dims: str, dtypes: tuple[str, ...] | list[str]
             name=name, build=build, dims=dim_names, dtypes=dts, default_shape=tuple(default_shape),
             default_dtype=get_dtype(default_dtype).short if default_dtype else dts[0],
             summary=summary, params=dict(params or {}), inputs=inputs, reference=reference,
-            tolerance=tolerance or default_tolerance,
+            tolerance=tolerance or default_tolerance, split=split,
         )
         return build
 
     return deco
 
 
-def _load_all() -> None:
-    from . import library  # noqa: F401  (importing registers every built-in kernel)
-
-
 def get_kernel(name: str) -> KernelEntry:
-    _load_all()
     try:
         return KERNELS[name]
     except KeyError:
@@ -128,8 +142,26 @@ def get_kernel(name: str) -> KernelEntry:
 
 
 def kernel_names() -> list[str]:
-    _load_all()
     return sorted(KERNELS)
+
+
+def build_spec(kernel: str, shape: tuple[int, ...], dtype: str, config: ChipConfig, params: Mapping[str, Any]
+               ) -> Kernel:
+    """Build kernel ``kernel`` (a registry name, or the generic ``stream``) for one core."""
+    if kernel == STREAM:
+        return build_stream(*shape, dtype=dtype, config=config, **params)
+    return get_kernel(kernel).make(shape, dtype, config, params)
+
+
+def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]]:
+    """The shapes ``kernel``'s work takes on each of ``n`` physical cores (one shape: one core)."""
+    if n <= 1:
+        return [shape]
+    if kernel == STREAM:
+        return split_stream(shape, n) or [shape]
+    entry = get_kernel(kernel)
+    parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
+    return parts or [shape]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -219,49 +251,3 @@ def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | N
         raise KernelError(f"{what}: {getattr(fn, '__name__', fn)} returned {type(kernel).__name__}, "
                           f"expected a trnsim.Kernel")
     return kernel
-
-
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` rounded to ``dtype`` (RNE) and widened back to float64: what a kernel's input holds."""
-    from ..native import convert
-
-    dt = get_dtype(dtype)
-    if not dt.is_float:
-        return np.asarray(x).astype(dt.np_dtype).astype(np.float64)
-    return np.asarray(convert(np.asarray(x, dtype=np.float32), dt.name)).astype(np.float64)
-
-
-def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: ChipConfig | str = "trn2",
-                params: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
-    """Run ``entry`` with values and compare every output with its reference.
-
-    Returns ``{"report": KernelReport, "errors": {output: max abs error / max |ref|}, "ok": bool}``.
-    """
-    from ..chip import Chip, check_host_memory
-
-    cfg = load_config(config)
-    merged = {**entry.params, **(params or {})}
-    if entry.inputs is None or entry.reference is None:
-        raise KernelError(f"kernel '{entry.name}' has no reference to check against")
-    kernel = entry.make(shape, dtype, cfg, merged)
-    # inputs (float32) and their rounded copies and the reference (float64): ~20 bytes an element
-    elements = sum(math.prod(t.shape) for t in kernel.tensors.values())
-    check_host_memory(kernel, extra=20 * elements)
-    inputs = entry.inputs(shape, dtype, merged, np.random.default_rng(seed))
-    result = Chip(cfg).run(kernel, inputs)
-    ref = entry.reference(inputs, shape, dtype, merged)
-    rtol, atol = entry.tolerance(dtype)
-    errors: dict[str, float] = {}
-    ok = True
-    for name, want in ref.items():
-        got = np.asarray(result[name], dtype=np.float64)
-        want = np.asarray(want, dtype=np.float64)
-        if got.shape != want.shape:
-            raise KernelError(f"kernel '{entry.name}': output '{name}' has shape {got.shape}, reference {want.shape}")
-        scale = float(np.max(np.abs(want))) if want.size else 0.0
-        diff = np.abs(got - want)
-        err = float(np.max(diff)) / scale if scale and diff.size else float(np.max(diff, initial=0.0))
-        errors[name] = err
-        if not np.all(np.isfinite(got)) or np.any(diff > atol * max(scale, 1.0) + rtol * np.abs(want)):
-            ok = False
-    return {"report": result.report, "errors": errors, "ok": ok}

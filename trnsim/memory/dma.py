@@ -159,7 +159,7 @@ def plan_indirect(tile: TileAP, rows: HbmAP, gather: bool, config: ChipConfig) -
 
 def _cast(vals: Any, src: Any, dst: Any) -> Any:
     """``vals`` of dtype ``src`` converted to ``dst`` the way DMA casts: through fp32, RNE."""
-    from ..cores.alu import to_dtype
+    from ..native.cast import to_dtype
 
     if src == dst:
         return vals
