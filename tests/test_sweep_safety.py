@@ -54,10 +54,18 @@ def rows_of(path):
         return list(csv.DictReader(f))
 
 
-def start(spec, *args, **env):
+def start(spec, *args, method=None, **env):
+    """``trnsim sweep spec args`` in a subprocess; ``method``: the multiprocessing start method."""
     e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
-    return subprocess.Popen([sys.executable, "-m", "trnsim.cli", "sweep", str(spec), *args], env=e,
+    code = (f"import multiprocessing, sys; multiprocessing.set_start_method({method!r}); " if method else
+            "import sys; ") + "from trnsim.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, "sweep", str(spec), *args], env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def descendants(pid):
+    kids = children(pid)
+    return kids + [d for k in kids for d in descendants(k)]
 
 
 def wait_for(cond, timeout=60.0, what="condition"):
@@ -174,11 +182,14 @@ def test_a_second_sweep_on_the_same_results_is_refused_and_the_first_finishes(tm
     assert len(rows) == 6 and len({r["core.tensor.clock"] for r in rows}) == 6
 
 
-def test_workers_die_with_a_sigkilled_parent(tmp_path):
+@pytest.mark.parametrize("method", ["fork", "forkserver"])  # Linux's default before Python 3.14, and after
+def test_workers_die_with_a_sigkilled_parent(tmp_path, method):
     spec = write_spec(tmp_path, clocks=8)
-    proc = start(spec, "--jobs", "2", TRNSIM_TEST_SLOW="1")
+    proc = start(spec, "--jobs", "2", method=method, TRNSIM_TEST_SLOW="1")
     try:
-        workers = wait_for(lambda: len(children(proc.pid)) >= 2 and children(proc.pid), what="two pool workers")
+        # forkserver: the server and the resource tracker are children, the workers grandchildren
+        workers = wait_for(lambda: len(descendants(proc.pid)) >= (2 if method == "fork" else 4)
+                           and descendants(proc.pid), what="the pool's processes")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         wait_for(lambda: not any(alive(w) for w in workers), timeout=30, what="the orphaned workers to exit")

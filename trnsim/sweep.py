@@ -27,6 +27,7 @@ import importlib.util
 import io
 import itertools
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -480,18 +481,22 @@ class SweepResult:
     torn: bool = False  # the results file ended in a torn row (a killed write), dropped and rerun
 
 
-def _worker_init(parent: int, inherited_fd: int) -> None:
-    """Pool workers: die with the parent, leave Ctrl-C to it, drop its results file.
+def _worker_init(sweep: int, forked: bool, inherited_fd: int) -> None:
+    """Pool workers: die with the sweep (process ``sweep``), leave Ctrl-C to it, drop its results
+    file (``inherited_fd``, -1 unless ``forked``).
 
-    A worker outlives a SIGKILLed parent otherwise, forever, holding the parent's pipes. Linux
-    kills it at once (PR_SET_PDEATHSIG); elsewhere, and in case the parent died before that was
-    set, a watchdog thread notices the parent is gone within half a second."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the sweep and the workers
-    try:
-        os.close(inherited_fd)  # a forked worker must not keep the parent's lock alive
-    except OSError:
-        pass
-    if sys.platform.startswith("linux"):
+    A worker outlives a SIGKILLed sweep otherwise, forever, holding its pipes. A forked worker is
+    the sweep's child: Linux kills it at once (PR_SET_PDEATHSIG), and a watchdog thread sees it
+    reparented within half a second (elsewhere, or if the sweep died before the prctl). A
+    forkserver or spawned worker's parent is another process (which, for forkserver, waits for
+    its workers), so the watchdog also watches the sweep itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the sweep stops itself and its workers
+    if inherited_fd >= 0:
+        try:
+            os.close(inherited_fd)  # a forked worker must not keep the sweep's lock alive
+        except OSError:
+            pass
+    if forked and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -499,16 +504,36 @@ def _worker_init(parent: int, inherited_fd: int) -> None:
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):  # pragma: no cover - no libc prctl
             pass
-    if os.getppid() != parent:
+    ppid = os.getppid()
+    if forked and ppid != sweep:
         os._exit(1)
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent:
+            if os.getppid() != ppid or not _alive(sweep):
                 os._exit(1)
             threading.Event().wait(0.5)
 
-    threading.Thread(target=watch, name="trnsim-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="trnsim-sweep-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _stop_pool(pool: ProcessPoolExecutor) -> None:
@@ -602,8 +627,12 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
             except KeyboardInterrupt:
                 raise stopped("interrupted", True) from None
         else:
-            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), initializer=_worker_init,
-                                       initargs=(os.getpid(), f.fileno()))
+            ctx = multiprocessing.get_context()
+            # a forked worker is this process's child and holds a copy of the locked file's
+            # descriptor; a spawned or forkserver one is neither
+            forked = ctx.get_start_method() == "fork"
+            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=_worker_init,
+                                       initargs=(os.getpid(), forked, f.fileno() if forked else -1))
             try:
                 pending = {pool.submit(run_point, t): t.point for t in tasks}
                 while pending:
