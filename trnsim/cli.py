@@ -5,14 +5,16 @@
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
                   [--param K=V ...] [--check] [--json] [--trace out.json]
     trnsim kernel --list [--json]
-    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N]
+    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
-Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
-``trnsim: error: ...`` on stderr and exits with status 2. ``trnsim kernel --check`` exits with
-status 1 when the kernel's outputs do not match its reference.
+Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
+that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
+2. ``trnsim kernel --check`` exits with status 1 when the kernel's outputs do not match its
+reference. Ctrl-C stops any command with one line and status 130 (a sweep says what it kept);
+a sweep whose worker process dies exits with status 1.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from .config import ChipConfig, ConfigError, config_names, format_quantity, load_config
+from .config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
+from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
-from .sweep import bound_of
+from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
 
@@ -38,6 +41,7 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        message = _one_line(message, 300)  # argparse quotes the user's arguments whole
         print(f"trnsim: error: {message} (see 'trnsim {self.prog.split()[-1]} --help')"
               if " " in self.prog else f"trnsim: error: {message} (see 'trnsim --help')", file=sys.stderr)
         raise SystemExit(2)
@@ -391,23 +395,28 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     elif ref.default_shape is not None:
         shape = ref.default_shape
     else:
-        raise UsageError(f"kernel '{args.name}': --shape is required for a kernel from a file, e.g. --shape 1024x2048")
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape is required for a kernel from a file, e.g. "
+                         f"--shape 1024x2048")
     dtype = ref.dtype(args.dtype)
-    params = parse_params(args.param, ref.params, f"kernel '{args.name}'")
+    params = parse_params(args.param, ref.params, f"kernel '{clip_text(args.name)}'")
     check: dict[str, Any] | None = None
-    if args.check:
-        if ref.entry is None or ref.entry.reference is None:
-            raise UsageError(f"kernel '{args.name}': --check needs a registered kernel with a reference; "
-                             f"run it without --check for timing only")
-        check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
-        report = check["report"]
-    else:
-        report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
-    if args.trace:
-        try:
-            write_trace(args.trace, report)
-        except OSError as e:
-            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if args.check and (ref.entry is None or ref.entry.reference is None):
+        raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; "
+                         f"run it without --check for timing only")
+    # a trace that cannot be written is refused now, before the run, not after it
+    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    try:
+        if args.check:
+            assert ref.entry is not None
+            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
+            report = check["report"]
+        else:
+            report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
+        if trace is not None:
+            write_trace(trace, report)
+    finally:
+        if trace is not None:
+            trace.discard()
     ok = check is None or bool(check["ok"])
     if args.json:
         doc: dict[str, Any] = {"kernel": args.name, "shape": list(shape), "dtype": dtype, "config": cfg.name,
@@ -442,7 +451,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from .sweep import load_spec, run_sweep
 
-    spec = load_spec(args.spec, args.out)
+    if args.max_points is not None and args.max_points < 1:
+        raise UsageError(f"--max-points {args.max_points}: expected a positive number of points")
+    spec = load_spec(args.spec, args.out, args.max_points or DEFAULT_MAX_POINTS)
     err = Console(stderr=True)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, disable=not sys.stderr.isatty(), transient=True)
@@ -466,7 +477,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
-    console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}")
+    console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}",
+                  markup=False)
+    if result.torn:
+        console.print("A torn last row (from a killed run) was dropped and its point run again.")
     return 0
 
 
@@ -641,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("spec", metavar="SPEC.yaml", help="sweep spec: config, grid, kernels, out")
     w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
     w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
+    w.add_argument("--max-points", type=int, metavar="N",
+                   help=f"run a spec of more than {DEFAULT_MAX_POINTS:,} points (the default limit)")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
@@ -682,15 +698,44 @@ def _add_collective_parser(sub: Any) -> None:
     c.set_defaults(fn=cmd_collective)
 
 
+ERROR_CHARS = 2000  # the most of one error line printed: a message is a sentence, not a dump
+
+
+def _one_line(message: str, limit: int = ERROR_CHARS) -> str:
+    """The error as one bounded line, whatever went into it."""
+    return clip_text(" ".join(str(message).splitlines()), limit)
+
+
+def _check_environment() -> None:
+    """TRNSIM_* settings are checked before any command runs, so a bad one is a one-line error,
+    not a traceback from deep inside a run (or inside the user's script under ``trnsim run``)."""
+    from .kernel import max_instructions
+    from .native import check_env
+
+    check_env()
+    max_instructions()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "config", None) == "trnsim-default":
         args.config = "trn2"
     try:
+        _check_environment()
         return int(args.fn(args))
-    except (ConfigError, KernelError, UsageError) as e:
-        print(f"trnsim: error: {e}", file=sys.stderr)
+    except (ConfigError, KernelError, UsageError, OutputError) as e:
+        print(f"trnsim: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except SweepStopped as e:
+        print(f"trnsim: {_one_line(str(e))}", file=sys.stderr)
+        return 130 if e.interrupted else 1
+    except KeyboardInterrupt:
+        print("trnsim: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"trnsim: error: the host ran out of memory in 'trnsim {args.command}'; try a smaller shape or "
+              f"config, or a timing-only run", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # the reader went away (e.g. `trnsim demo | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

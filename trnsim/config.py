@@ -12,10 +12,13 @@ YAML before validation, so they get the same checks and the same messages.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import re
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -32,6 +35,11 @@ __all__ = [
     "config_names",
     "parse_quantity",
     "format_quantity",
+    "format_value",
+    "clip_text",
+    "load_yaml",
+    "load_yaml_file",
+    "env_int",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -39,6 +47,206 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 class ConfigError(ValueError):
     """A chip config (file, key or override) is invalid. The message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded YAML and bounded error values
+# ---------------------------------------------------------------------------------------------
+
+#: Limits of what one YAML document (a config, a sweep spec, a --set value) may be. A chip config
+#: is ~100 values four levels deep; these leave room for big sweep specs while keeping a
+#: malicious or mistaken file (alias bombs, 10,000-deep lists, a 1 GB file) to a one-line error
+#: in milliseconds instead of gigabytes and minutes.
+MAX_YAML_BYTES = 4 * 2**20
+MAX_YAML_DEPTH = 64
+MAX_YAML_VALUES = 100_000  # nodes after expanding every alias
+ERROR_VALUE_CHARS = 80  # how much of a user's value an error message quotes
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 4, 6, 6
+_REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = _REPR.maxarray = 6
+_REPR.maxstring = _REPR.maxother = ERROR_VALUE_CHARS
+_REPR.maxlong = 40
+
+
+def format_value(value: Any, limit: int = ERROR_VALUE_CHARS) -> str:
+    """``repr(value)`` for an error message, bounded in time, memory and length whatever the
+    value is (a nested alias bomb, a 50 MB string, a 5,000-digit integer) and on one line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a value whose repr fails must not turn an error into a traceback
+        text = f"<{type(value).__name__}>"
+    return clip_text(text, limit, quoted=False)
+
+
+def clip_text(text: Any, limit: int = ERROR_VALUE_CHARS, *, quoted: bool = False) -> str:
+    """A user's text for an error message: printable text as is, anything else escaped (so a
+    newline cannot break the one-line rule), cut to ``limit`` characters with the length of the
+    whole. ``quoted`` gives it Python quotes, like ``repr``."""
+    s = text if isinstance(text, str) else str(text)
+    head = s[:limit]
+    if quoted:
+        shown = repr(head)
+    elif head.isprintable():
+        shown = head
+    else:
+        shown = repr(head)[1:-1]  # escaped, without the quotes
+    return shown if len(s) <= limit else f"{shown}... ({len(s):,} characters)"
+
+
+class _BoundedYamlError(yaml.MarkedYAMLError):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with limits: depth and alias expansion are counted while the document
+    is composed (before any value is built), a mapping's duplicate keys are refused naming both
+    lines, and values the constructors choke on (a 13th month, a 5,000-digit integer) become YAML
+    errors at their line instead of stray ValueErrors."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth) once composed
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None and id(target) not in self._sizes:
+                raise _BoundedYamlError(None, None, f"alias *{clip_text(event.anchor, 40)} refers to a value that "
+                                        f"contains it (a recursive structure)", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _BoundedYamlError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                        self.peek_event().start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if id(node) not in self._sizes:
+            if isinstance(node, yaml.MappingNode):
+                kids = [x for kv in node.value for x in kv]
+            elif isinstance(node, yaml.SequenceNode):
+                kids = node.value
+            else:
+                kids = []
+            values = 1 + sum(self._sizes[id(k)][0] for k in kids)
+            depth = 1 + max((self._sizes[id(k)][1] for k in kids), default=0)
+            if values > MAX_YAML_VALUES:
+                raise _BoundedYamlError(None, None, f"anchors and aliases expand to more than {MAX_YAML_VALUES:,} "
+                                        f"values; write the values out or use fewer aliases", node.start_mark)
+            if depth > MAX_YAML_DEPTH:
+                raise _BoundedYamlError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels once aliases "
+                                        f"are expanded", node.start_mark)
+            self._sizes[id(node)] = (values, depth)
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    prev = first.setdefault(key, key_node)
+                except TypeError:
+                    continue  # unhashable: the base class reports it
+                if prev is not key_node:
+                    raise _BoundedYamlError(None, None, f"duplicate key {format_value(key, 40)} (first at line "
+                                            f"{prev.start_mark.line + 1}); a key may appear once",
+                                            key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise _BoundedYamlError(None, None, f"cannot read the value: {clip_text(e, 120)}", node.start_mark) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """' line N: problem' for a YAML error (line of the problem, 1-based)."""
+    if isinstance(e, yaml.reader.ReaderError):
+        if isinstance(e.character, int):
+            return f" character {e.position + 1}: #x{e.character:04x} is not allowed in YAML"
+        return f" {clip_text(e.reason)}"
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    line = f" line {mark.line + 1}:" if mark is not None else ""
+    return f"{line} {clip_text(getattr(e, 'problem', None) or getattr(e, 'context', None) or 'invalid YAML', 200)}"
+
+
+_DENSE_BRACKETS = re.compile(r"(?:[\[{][ \t]*){%d}" % (MAX_YAML_DEPTH + 1))
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse one YAML document with PyYAML's safe loader, within the limits above. Errors are
+    a one-line :class:`ConfigError` ``"<where>: line N: <problem>"``."""
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where}: {len(text):,} characters of YAML; at most {MAX_YAML_BYTES:,} are read")
+    dense = _DENSE_BRACKETS.search(text)
+    if dense:  # PyYAML's scanner takes ~1 s to reach the depth limit through a wall of brackets
+        raise ConfigError(f"{where}: line {text.count(chr(10), 0, dense.start()) + 1}: nested deeper than "
+                          f"{MAX_YAML_DEPTH} levels")
+    loader = None
+    try:
+        loader = _BoundedLoader(text)
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}:{_yaml_problem(e)}") from None
+    except RecursionError:  # pragma: no cover - the depth limit comes first
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def load_yaml_file(path: str | os.PathLike[str], where: str, what: str = "YAML file") -> Any:
+    """Read and parse a YAML file with :func:`load_yaml`; a missing file, a FIFO or device (never
+    opened: it could block forever), a file over the size limit or one that is not UTF-8 is a
+    one-line :class:`ConfigError` naming ``what`` and the path."""
+    shown = os.fspath(path)
+    try:
+        st = os.stat(shown)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{shown}' not found") from None
+    except OSError as e:
+        raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        from .files import file_kind
+
+        raise ConfigError(f"{what} '{shown}': it is {file_kind(st.st_mode)}, not a regular file")
+    try:
+        with open(shown, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_YAML_BYTES // 2**20} MiB; a {what} is at most that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
+    return load_yaml(text, where)
+
+
+def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
+    """An integer setting from the environment variable ``name`` (unset or blank: ``default``).
+    Anything but a whole number in ``lo..hi`` is a one-line :class:`ConfigError` naming the
+    variable, its value and ``what`` it should be."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    # ASCII digits only: int() also takes other scripts' digits and "1_000"
+    n = int(text) if len(text) <= 20 and digits.isascii() and digits.isdigit() else None
+    if n is None or not lo <= n <= hi:
+        raise ConfigError(f"{name}={clip_text(text, 40, quoted=True)}: expected {what}, {lo}..{hi:,}")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,11 +283,14 @@ def parse_quantity(text: Any, kind: str) -> int:
     if isinstance(text, (int, float)):
         # bare numbers are ambiguous for every kind we parse: require the unit
         raise ValueError(f"expected a {kind} quantity with its unit, like '{example}'")
-    m = _QTY.match(text)
+    m = _QTY.match(text) if len(text) <= 64 else None
     if not m:
         raise ValueError(f"expected a {kind} quantity like '{example}'")
     try:
-        num = Fraction(Decimal(m.group(1)))
+        dec = Decimal(m.group(1))
+        if not -40 <= dec.adjusted() <= 40:  # 1e999999999 would be a 400 MB integer
+            raise ValueError(f"expected a {kind} quantity like '{example}' (the number {m.group(1)} is out of range)")
+        num = Fraction(dec)
     except InvalidOperation:  # pragma: no cover - the regex admits only decimals
         raise ValueError(f"expected a {kind} quantity like '{example}'") from None
     unit = m.group(2)
@@ -376,21 +587,26 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(name_or_path)
     p = Path(text)
     if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
-        if not p.is_file():
-            raise ConfigError(f"{text}: no such config file")
+        try:
+            os.lstat(p)
+        except FileNotFoundError:
+            raise ConfigError(f"{clip_text(text)}: no such config file") from None
+        except OSError as e:  # e.g. a name too long for the file system
+            raise ConfigError(f"{clip_text(text)}: cannot read it ({e.strerror or type(e).__name__})") from None
         return p
     cand = CONFIG_DIR / f"{text}.yaml"
-    if cand.is_file():
+    if text in config_names():
         return cand
     raise ConfigError(
-        f"unknown config '{text}': expected one of {', '.join(config_names())} or a path to a .yaml file"
+        f"unknown config '{clip_text(text)}': expected one of {', '.join(config_names())} or a path to a .yaml file"
     )
 
 
 def _apply_override(raw: dict[str, Any], key: str, value: str, where: str) -> None:
     parts = key.split(".")
     if not key or any(not p for p in parts):
-        raise ConfigError(f"{where}: bad override key '{key}': expected dotted keys like core.sbuf.partition_bytes")
+        raise ConfigError(f"{where}: bad override key '{clip_text(key)}': expected dotted keys like "
+                          f"core.sbuf.partition_bytes")
     node: Any = raw
     cls: Any = ChipConfig
     for i, part in enumerate(parts):
@@ -398,19 +614,20 @@ def _apply_override(raw: dict[str, Any], key: str, value: str, where: str) -> No
         if part not in fields:
             path = ".".join(parts[:i]) or "<top level>"
             raise ConfigError(
-                f"{where}: unknown key '{key}': '{part}' is not in {path}; expected one of {', '.join(fields)}"
+                f"{where}: unknown key '{clip_text(key)}': '{clip_text(part, 40)}' is not in {path}; expected one "
+                f"of {', '.join(fields)}"
             )
         f = fields[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else _TYPES.get(f.type)):
-                raise ConfigError(f"{where}: override '{key}' names a section, not a value")
+                raise ConfigError(f"{where}: override '{clip_text(key)}' names a section, not a value")
             node[part] = _override_value(value, f)
             return
         sub = _TYPES.get(f.type) if isinstance(f.type, str) else f.type
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"{where}: override '{key}': '{part}' is a value, not a section")
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
+            raise ConfigError(f"{where}: override '{clip_text(key)}': '{part}' is a value, not a section")
+        # a copy of the section, so an override never reaches another key that aliases it
+        node[part] = dict(node[part]) if isinstance(node.get(part), dict) else {}
         node = node[part]
         cls = sub
 
@@ -420,9 +637,11 @@ def _override_value(text: str, f: dataclasses.Field[Any]) -> Any:
     kind = f.metadata.get("kind")
     if kind in ("int", "float", "bool"):
         try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError:
+            value = load_yaml(text, "--set")
+        except ConfigError:
             return text
+        # a list or mapping is never a scalar's value: keep the text, which the check quotes
+        return value if isinstance(value, (int, float, bool)) else text
     return text
 
 
@@ -432,7 +651,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     for key in raw:
         if key not in fields:
-            loc = f"{path}.{key}" if path else str(key)
+            loc = clip_text(f"{path}.{key}" if path else str(key))
             raise ConfigError(
                 f"{where}: unknown key '{loc}': expected one of {', '.join(fields)}"
             )
@@ -445,7 +664,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
         if sub is not None and dataclasses.is_dataclass(sub):
             values[name] = _build(sub, raw[name], loc, where, from_set)
         else:
-            w = f"{where} (--set {loc}={from_set[loc]})" if from_set and loc in from_set else where
+            w = f"{where} (--set {loc}={clip_text(from_set[loc])})" if from_set and loc in from_set else where
             values[name] = _leaf(raw[name], f, loc, w)
     return cls(**values)
 
@@ -453,7 +672,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
 def _leaf(value: Any, f: dataclasses.Field[Any], loc: str, where: str) -> Any:
     md = f.metadata
     kind = md["kind"]
-    shown = repr(value)
+    shown = format_value(value)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where}: {loc} = {shown}: expected a string")
@@ -548,15 +767,7 @@ def load_config(
         name_or_path = name_or_path.source
     path = _resolve(name_or_path)
     where = path.name if path.parent == CONFIG_DIR else str(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
-        raise ConfigError(f"{where}: cannot read it as a YAML config ({type(e).__name__})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{where}:{line} {problem}") from None
+    raw = _read_config(path, where)
     if raw is None:
         raw = {}
     pairs: list[tuple[str, str]] = list(prior)
@@ -565,16 +776,37 @@ def load_config(
         pairs.extend((str(k), str(v)) for k, v in items)
     for key, value in pairs:
         if isinstance(raw, dict):
-            _apply_override(raw, key, value, f"{where} (--set {key}={value})")
+            _apply_override(raw, key, value, f"{where} (--set {clip_text(key)}={clip_text(value)})")
     cfg = _build(ChipConfig, raw, "", where, dict(pairs))
     cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs))
     _check_consistency(cfg, where)
     return cfg
 
 
+_RAW_CACHE: dict[tuple[str, int, int, int], Any] = {}
+
+
+def _read_config(path: Path, where: str) -> Any:
+    """The parsed YAML of a config file, cached by its identity and modification time (a sweep
+    loads one file once per variant; parsing costs ~10x the check). Callers get a copy."""
+    try:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key is not None and key in _RAW_CACHE:
+        return copy.deepcopy(_RAW_CACHE[key])
+    raw = load_yaml_file(path, where, "config")
+    if key is not None:
+        if len(_RAW_CACHE) >= 16:
+            _RAW_CACHE.pop(next(iter(_RAW_CACHE)))
+        _RAW_CACHE[key] = copy.deepcopy(raw)
+    return raw
+
+
 def _split_override(text: str) -> tuple[str, str]:
     if "=" not in text:
-        raise ConfigError(f"bad override '{text}': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB")
+        raise ConfigError(f"bad override '{clip_text(text)}': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB")
     k, v = text.split("=", 1)
     return k.strip(), v.strip()
 
@@ -748,14 +980,8 @@ def _apply_system_override(raw: dict[str, Any], key: str, value: str, where: str
 
 
 def _read_system_yaml(path: Path, where: str) -> Any:
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
-        raise ConfigError(f"{where}: cannot read it as a YAML system config ({type(e).__name__})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{where}:{line} {getattr(e, 'problem', None) or 'invalid YAML'}") from None
+    """A system file through the bounded YAML loader (aliases, depth, duplicate keys, size)."""
+    return load_yaml_file(path, where, "system config")
 
 
 def load_system(

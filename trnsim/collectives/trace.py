@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..files import write_atomic
 from ..trace import _spread
 from .report import CollectiveReport
 
@@ -67,18 +67,9 @@ def collective_trace_events(reports: Iterable[CollectiveReport], ranks_per_chip:
 
 def write_collective_trace(path: str | os.PathLike[str], reports: Iterable[CollectiveReport],
                            ranks_per_chip: int) -> Path:
-    """Write the trace to ``path`` through a temporary file renamed into place (never half a
-    trace on an error)."""
+    """Write the trace to ``path`` atomically (:func:`trnsim.files.write_atomic`: never half a
+    trace, never over a FIFO or device)."""
     reps = list(reports)
     doc = {"traceEvents": collective_trace_events(reps, ranks_per_chip), "displayTimeUnit": "ns",
            "otherData": {"generator": "trnsim", "collectives": [r.collective for r in reps]}}
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(path, lambda f: json.dump(doc, f, separators=(",", ":")), "--trace")
