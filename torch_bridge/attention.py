@@ -48,10 +48,16 @@ MAX_HEAD_DIM = 128  # the attention kernel's limit: D on the PE array's contract
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
           enable_gqa: bool) -> bool:
     """True when the fused op computes this call; otherwise the math path does."""
-    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
-        return False
     if any(type(t) not in _PLAIN for t in (q, k, v, attn_mask) if t is not None):
         return False  # fake or functional tensors (torch.compile tracing) have no memory to compute on
+    return takes_meta(q, k, v, attn_mask, dropout_p, enable_gqa)
+
+
+def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+               enable_gqa: bool) -> bool:
+    """:func:`takes` from metadata alone (a compiled graph's fake tensors)."""
+    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
+        return False
     if not tensore.on_datapath(q, k, v) or q.is_nested or q.device != k.device or q.device != v.device:
         return False
     l, e = q.shape[-2:]

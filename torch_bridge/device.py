@@ -351,3 +351,15 @@ class report_scope:
     def __exit__(self, *exc: Any) -> None:
         assert self._recorder is not None
         self.report = runtime().device.close_scope(self._recorder)
+
+
+# ---- timing-only runs -------------------------------------------------------------------------
+def timing_only() -> Any:
+    """``with torch.neuron.timing_only():`` - tensors with shapes and no storage; every op is
+    charged as in eager, no value is computed (see :mod:`torch_bridge.timing_only`)."""
+    from .timing_only import timing_only as _timing_only
+
+    return _timing_only()
+
+
+__all__ += ["timing_only"]

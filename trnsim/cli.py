@@ -1,4 +1,5 @@
-"""The ``trnsim`` command. The only module that imports rich.
+"""The ``trnsim`` command. The only module that imports rich (with :mod:`trnsim.cli_estimate`, its
+``estimate`` command).
 
     trnsim info [CONFIG] [--set K=V ...] [--json]
     trnsim demo [--config CONFIG] [--set K=V ...]
@@ -9,6 +10,7 @@
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
+    trnsim estimate inference|train --model llama-3.3-70b [--system ...] [--tp 64] ... (trnsim.cli_estimate)
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
 that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
@@ -668,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.set_defaults(fn=cmd_run)
     _add_collective_parser(sub)
+    from .cli_estimate import add_parser as _add_estimate_parser
+
+    _add_estimate_parser(sub)
     return p
 
 
