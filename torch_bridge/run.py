@@ -8,6 +8,7 @@ stream). Rendering is the CLI's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -21,7 +22,8 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--timing-only")
+_FLAGS = ("--json", "--timing-only")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
@@ -39,8 +41,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             break
         name, eq, val = a.partition("=")
         if name in RUN_OPTIONS:
-            if name == "--json":
-                opts["json"] = True
+            if name in _FLAGS:
+                opts[name[2:].replace("-", "_")] = True
                 i += 1
                 continue
             if not eq:
@@ -59,14 +61,16 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None) -> tuple[int, RunReport]:
+               trace: str | None = None, timing_only: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     A missing script raises FileNotFoundError; an exception in the script prints its traceback
     to stderr and gives status 1 (the report still covers what ran); ``sys.exit("message")``
     prints the message and gives status 1, as ``python script.py`` does. A trace path that
     cannot be written (a FIFO, a device, a missing or read-only directory) is refused with
-    :class:`trnsim.files.OutputError` before the script starts.
+    :class:`trnsim.files.OutputError` before the script starts. With ``timing_only`` the script
+    runs inside ``torch.neuron.timing_only()``: an op that needs values stops it with one line
+    naming the script's line and the op (status 1).
     """
     path = Path(script)
     if not path.is_file():
@@ -85,11 +89,18 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     status = 0
     try:
         try:
-            runpy.run_path(str(path), run_name="__main__")
+            with (device.timing_only() if timing_only else contextlib.nullcontext()):
+                runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:
             status = _exit_status(e.code)
-        except Exception:  # the user's script failed: show its traceback, keep the report
-            traceback.print_exc()
+        except Exception as e:  # the user's script failed: show its traceback, keep the report
+            from .timing_only import TimingOnlyError
+
+            if isinstance(e, TimingOnlyError):  # one line: where in the script, and which op
+                sys.stdout.flush()
+                print(f"trnsim run: {_where(e, path)}{e}", file=sys.stderr)
+            else:
+                traceback.print_exc()
             status = 1
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
@@ -102,6 +113,16 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         if out is not None:
             out.discard()
     return status, report
+
+
+def _where(e: BaseException, script: Path) -> str:
+    """``script.py:LINE: `` of the script's innermost frame in ``e``'s traceback ('' if none)."""
+    target = str(script.resolve())
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if str(Path(frame.filename).resolve()) == target:
+            line = frame.lineno
+    return f"{script}:{line}: " if line is not None else ""
 
 
 def _exit_status(code: object) -> int:

@@ -58,7 +58,7 @@ __all__ = ["TimingOnlyError", "TimingOnly", "timing_only", "Target", "Ledger", "
 
 # Some of PyTorch's C++ asks a fake storage for its (null) data pointer and warns each time;
 # timing-only tensors have no data by design, so the warning says nothing to a user.
-warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor is deprecated")
+_DATA_PTR_WARNING = "Accessing the data pointer of FakeTensor is deprecated"
 
 #: New storages between two sweeps of dead ones (a sweep also runs before an allocation is refused).
 SWEEP_EVERY = 256
@@ -180,7 +180,8 @@ _WHY = {"_local_scalar_dense": ".item(), bool(), int() or float() of a tensor",
         "equal": "torch.equal", "nonzero": "its output's shape is the count of nonzero values",
         "masked_select": "its output's shape is the count of selected values",
         "unique": "its output's shape is the count of distinct values",
-        "_unique2": "its output's shape is the count of distinct values"}
+        "_unique2": "its output's shape is the count of distinct values",
+        "index": "indexing with a boolean mask: its output's shape is the count of True values"}
 
 
 def _data_error(name: str) -> TimingOnlyError:
@@ -439,11 +440,18 @@ class TimingOnly:
 
     def __enter__(self) -> "TimingOnly":
         self.target  # noqa: B018  (fix the device now: set_config after this point is an error)
+        if not any(f[0] == "ignore" and f[1] is not None and f[1].pattern.startswith(_DATA_PTR_WARNING)
+                   for f in warnings.filters):
+            warnings.filterwarnings("ignore", message=_DATA_PTR_WARNING)
         self._fake = _torch.FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
         self._modes = [self._fake, _ChargeMode(self), _FunctionMode(self)]
         for m in self._modes:
             m.__enter__()
         _active.append(self)
+        for run in list(_lingering):
+            run.sweep()
+            if not run._live:
+                _lingering.discard(run)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -451,6 +459,13 @@ class TimingOnly:
         for m in reversed(self._modes):
             m.__exit__(*exc)
         self._modes = []
+        self.sweep()
+        if self._live:
+            _lingering.add(self)  # tensors that outlive the run: swept when the next run starts or ends
+        for run in list(_lingering):
+            run.sweep()
+            if not run._live:
+                _lingering.discard(run)
 
     # ---- charging: every device interaction goes through these (and onto the tape) ---------------
     def launch(self, core: int, op: str, cost: OpCost) -> None:
@@ -579,6 +594,7 @@ class TimingOnly:
 
 
 _active: list[TimingOnly] = []
+_lingering: set[TimingOnly] = set()  # ended runs some of whose tensors were still alive
 
 
 def _died(dying: list[int], weak: dict[int, Any], key: int, ref: Any) -> None:

@@ -7,7 +7,7 @@
                   [--param K=V ...] [--check] [--json] [--trace out.json]
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
-    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json] [--timing-only]
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
     trnsim estimate inference|train --model llama-3.3-70b [--system ...] [--tp 64] ... (trnsim.cli_estimate)
@@ -499,7 +499,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = opts.get("config", args.config)
     try:
         status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                 trace=opts.get("trace", args.trace))
+                                 trace=opts.get("trace", args.trace),
+                                 timing_only=opts.get("timing_only", args.timing_only))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if opts.get("json", args.json):
@@ -668,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--timing-only", action="store_true", help="run on tensors without values (shapes only): every "
+                   "op is charged, nothing is computed, no host memory is taken (torch.neuron.timing_only)")
     r.set_defaults(fn=cmd_run)
     _add_collective_parser(sub)
     from .cli_estimate import add_parser as _add_estimate_parser

@@ -54,7 +54,8 @@ def _step_table(title: str, step: Any, console: Any) -> None:
     console.print(f"  compute {step.compute_ms:,.2f} ms | HBM {step.memory_ms:,.2f} ms | collectives "
                   f"{step.collective_ms:,.2f} ms | idle {step.idle_ms:,.2f} ms", markup=False)
     if step.collectives:
-        colls = ", ".join(f"{op} {algo} x{calls} ({ms:,.2f} ms)" for op, algo, calls, ms in step.collectives)
+        colls = ", ".join(f"{op} {algo} x{calls} ({ms * 1e3 / calls:,.1f} us each)"
+                          for op, algo, calls, ms in step.collectives)
         console.print(f"  collectives: {colls}", markup=False)
 
 
@@ -64,17 +65,17 @@ def render_inference(est: Any, console: Any) -> None:
             f"batch {est.batch}, {est.input_tokens:,} tokens in / {est.output_tokens:,} out, {est.dtype}")
     if est.overrides:
         head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
-    console.print(head)
-    console.print(f"  TTFT        {est.ttft_ms:,.1f} ms (prefill of {est.input_tokens:,} tokens and the first token)",
+    console.print(head, soft_wrap=True)
+    console.print(f"  TTFT        {est.ttft_ms:,.2f} ms (prefill of {est.input_tokens:,} tokens and the first token)",
                   markup=False)
     if est.output_tokens > 1:
         console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: "
                       f"{est.tpot_first_ms:,.2f} ms at KV {est.decode_samples[0][0]:,} -> {est.tpot_last_ms:,.2f} ms "
-                      f"at KV {est.decode_samples[-1][0]:,})", markup=False)
+                      f"at KV {est.decode_samples[-1][0]:,})", markup=False, soft_wrap=True)
     console.print(f"  tokens/s    {est.tokens_per_s:,.1f} per request; {est.system_tokens_per_s:,.1f} for the system "
                   f"(batch {est.batch} x DP {est.plan['dp']})", markup=False)
     for line in _memory_lines(est.memory):
-        console.print(f"  HBM         {line}", markup=False)
+        console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
     console.print()
     if est.output_tokens > 1:
         mid = est.decode_samples[len(est.decode_samples) // 2][0]
@@ -94,7 +95,7 @@ def render_train(est: Any, console: Any) -> None:
             f"({est.micro_batches} micro-batches per replica), {est.dtype}")
     if est.overrides:
         head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
-    console.print(head)
+    console.print(head, soft_wrap=True)
     console.print(f"  step        {est.step_ms:,.1f} ms: pipeline {est.pipeline_ms:,.1f} ms (bubble "
                   f"{est.bubble_percent:.1f}%), data-parallel gradient all-reduce {est.dp_reduce_ms:,.1f} ms, "
                   f"optimizer {est.optimizer_ms:,.1f} ms", markup=False)
@@ -102,7 +103,7 @@ def render_train(est: Any, console: Any) -> None:
     console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
                   f"over the bf16 peak of {est.ranks} logical cores)", markup=False)
     for line in _memory_lines(est.memory):
-        console.print(f"  HBM         {line}", markup=False)
+        console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
     stages = ", ".join(f"{f:,.1f} + {b:,.1f}" for f, b in est.stage_ms)
     console.print(f"  stages      forward + backward ms per micro-batch: {stages}", markup=False)
     console.print()
