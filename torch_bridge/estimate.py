@@ -35,11 +35,12 @@ from torch import nn
 from trnsim.config import ConfigError, SystemConfig, load_system
 from trnsim.costcache import CachedDevice, CostCache, default_cache_dir
 from trnsim.device import no_work
-from trnsim.estimate import InferenceEstimate, RoleMemory, TrainEstimate, mean_decode, pipeline_1f1b, summarise
+from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, mean_decode, \
+    pipeline_1f1b, summarise
 from trnsim.models import ModelConfig, load_model
 
 from . import models
-from .parallel import Comm, Plan, PlanError, Role, Shard
+from .parallel import Comm, Shard
 from .timing_only import Ledger, Target, TimingOnly, replay_layers
 
 __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "EstimateError"]
@@ -184,13 +185,7 @@ def _roles(plan: Plan, layers: int) -> list[tuple[Role, bool, int]]:
 
 
 def _check(spec: ModelConfig, system: SystemConfig, plan: Plan) -> None:
-    plan.check(system, spec.layers)
-    if plan.tp > 1:
-        if spec.heads % plan.tp:
-            raise PlanError(f"--tp {plan.tp}: {spec.name} has {spec.heads} attention heads, not a multiple of {plan.tp}")
-        if spec.kv_heads % plan.tp and plan.tp % spec.kv_heads:
-            raise PlanError(f"--tp {plan.tp}: {spec.name}'s {spec.kv_heads} KV heads neither divide nor are divided "
-                            f"by {plan.tp}")
+    check_plan(spec, system, plan.tp, plan.pp, plan.dp)
 
 
 # ---- inference -----------------------------------------------------------------------------------

@@ -33,98 +33,19 @@ compute after it waits for its result.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from trnsim.config import ConfigError, SystemConfig
+from trnsim.config import SystemConfig
 from trnsim.device import Device
+from trnsim.estimate import Plan, PlanError, Role
 
 from .lowering import tile_dtype
 
 __all__ = ["Plan", "PlanError", "Comm", "Shard", "Role", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelEmbedding"]
-
-
-class PlanError(ConfigError):
-    """A parallelism plan that does not fit the system or the model (one line)."""
-
-
-@dataclass(frozen=True)
-class Role:
-    """One distinct program of a plan: pipeline stage ``stage`` (its ``layers`` range), run by
-    ``ranks`` ranks; ``rank`` is the one simulated."""
-
-    stage: int
-    layers: tuple[int, int]  # [first, last) decoder layers
-    rank: int
-    ranks: int
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """``tp x pp x dp`` ranks (see the module docstring); ``sp`` turns on sequence parallelism."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    sp: bool = False
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, dp_i: int, pp_i: int, tp_i: int) -> int:
-        return (dp_i * self.pp + pp_i) * self.tp + tp_i
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_i, pp_i, tp_i) of ``rank``."""
-        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
-
-    def tp_group(self, rank: int) -> list[int]:
-        d, p, _ = self.coords(rank)
-        return [self.rank(d, p, t) for t in range(self.tp)]
-
-    def dp_group(self, rank: int) -> list[int]:
-        _, p, t = self.coords(rank)
-        return [self.rank(d, p, t) for d in range(self.dp)]
-
-    def stage_rank(self, rank: int, stage: int) -> int:
-        """The rank of pipeline stage ``stage`` that ``rank``'s activations go to / come from."""
-        d, _, t = self.coords(rank)
-        return self.rank(d, stage, t)
-
-    def stages(self, layers: int) -> list[tuple[int, int]]:
-        """The decoder layers of each pipeline stage: as even as possible, earlier stages first."""
-        base, extra = divmod(layers, self.pp)
-        out, lo = [], 0
-        for s in range(self.pp):
-            n = base + (1 if s < extra else 0)
-            out.append((lo, lo + n))
-            lo += n
-        return out
-
-    def roles(self, layers: int) -> list[Role]:
-        """One role per pipeline stage (each simulated by its first rank of DP replica 0)."""
-        return [Role(s, rng, self.rank(0, s, 0), self.tp * self.dp) for s, rng in enumerate(self.stages(layers))]
-
-    def check(self, system: SystemConfig, layers: int) -> None:
-        for name, v in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanError(f"{name} {v!r}: expected a positive whole number of ranks")
-        if self.size > system.ranks:
-            raise PlanError(
-                f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} = {self.size} ranks, but {system.name} has "
-                f"{system.ranks} ({system.chips} chips x {system.ranks_per_chip} logical cores); use a bigger system "
-                f"(e.g. --system trn2-ultraserver, or --set topology.efa.size=N for N instances)")
-        if self.pp > layers:
-            raise PlanError(f"--pp {self.pp}: the model has {layers} decoder layers, fewer than the pipeline stages")
 
 
 # ---- collectives ---------------------------------------------------------------------------------

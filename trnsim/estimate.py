@@ -24,8 +24,105 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
+from .config import ConfigError, SystemConfig
+
+__all__ = ["Plan", "PlanError", "Role", "check_plan", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
            "mean_decode", "summarise", "KINDS", "COLLECTIVE_OPS"]
+
+# ---- the parallelism plan ------------------------------------------------------------------------
+class PlanError(ConfigError):
+    """A parallelism plan that does not fit the system or the model (one line)."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """One distinct program of a plan: pipeline stage ``stage`` (its ``layers`` range), run by
+    ``ranks`` ranks; ``rank`` is the one simulated."""
+
+    stage: int
+    layers: tuple[int, int]  # [first, last) decoder layers
+    rank: int
+    ranks: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """``tp x pp x dp`` ranks on a system's logical NeuronCores, tensor-parallel ranks innermost (a
+    TP group fills whole chips first, as Neuron's libraries place it): rank = ``(dp_i * pp +
+    pp_i) * tp + tp_i``. ``sp`` turns on sequence parallelism over the TP group."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, dp_i: int, pp_i: int, tp_i: int) -> int:
+        return (dp_i * self.pp + pp_i) * self.tp + tp_i
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_i, pp_i, tp_i) of ``rank``."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def tp_group(self, rank: int) -> list[int]:
+        d, p, _ = self.coords(rank)
+        return [self.rank(d, p, t) for t in range(self.tp)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        _, p, t = self.coords(rank)
+        return [self.rank(d, p, t) for d in range(self.dp)]
+
+    def stage_rank(self, rank: int, stage: int) -> int:
+        """The rank of pipeline stage ``stage`` that ``rank``'s activations go to / come from."""
+        d, _, t = self.coords(rank)
+        return self.rank(d, stage, t)
+
+    def stages(self, layers: int) -> list[tuple[int, int]]:
+        """The decoder layers of each pipeline stage: as even as possible, earlier stages first."""
+        base, extra = divmod(layers, self.pp)
+        out, lo = [], 0
+        for s in range(self.pp):
+            n = base + (1 if s < extra else 0)
+            out.append((lo, lo + n))
+            lo += n
+        return out
+
+    def roles(self, layers: int) -> list[Role]:
+        """One role per pipeline stage (each simulated by its first rank of DP replica 0)."""
+        return [Role(s, rng, self.rank(0, s, 0), self.tp * self.dp) for s, rng in enumerate(self.stages(layers))]
+
+    def check(self, system: SystemConfig, layers: int) -> None:
+        for name, v in (("--tp", self.tp), ("--pp", self.pp), ("--dp", self.dp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"{name} {v!r}: expected a positive whole number of ranks")
+        if self.size > system.ranks:
+            raise PlanError(
+                f"--tp {self.tp} x --pp {self.pp} x --dp {self.dp} = {self.size} ranks, but {system.name} has "
+                f"{system.ranks} ({system.chips} chips x {system.ranks_per_chip} logical cores); use a bigger system "
+                f"(e.g. --system trn2-ultraserver, or --set topology.efa.size=N for N instances)")
+        if self.pp > layers:
+            raise PlanError(f"--pp {self.pp}: the model has {layers} decoder layers, fewer than the pipeline stages")
+
+
+def check_plan(model: Any, system: SystemConfig, tp: int, pp: int, dp: int) -> None:
+    """The plan's checks against the system (:meth:`Plan.check`) and the model (a
+    :class:`trnsim.models.ModelConfig`: heads split evenly, KV heads split or replicated)."""
+    plan = Plan(tp, pp, dp)
+    plan.check(system, model.layers)
+    if tp > 1:
+        if model.heads % tp:
+            raise PlanError(f"--tp {tp}: {model.name} has {model.heads} attention heads, not a multiple of {tp}")
+        if model.kv_heads % tp and tp % model.kv_heads:
+            raise PlanError(f"--tp {tp}: {model.name}'s {model.kv_heads} KV heads neither divide nor are divided "
+                            f"by {tp}")
+
 
 #: what a launch's op is, for a step's breakdown
 KINDS = ("matmul", "attention", "collectives", "copies", "elementwise")
