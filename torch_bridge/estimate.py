@@ -184,6 +184,13 @@ def _roles(plan: Plan, layers: int) -> list[tuple[Role, bool, int]]:
     return out
 
 
+def _with_layers(spec: ModelConfig, layers: int | None) -> ModelConfig:
+    if layers is None:
+        return spec
+    _positive("--layers", layers)
+    return ModelConfig(spec.name, spec.path, {**spec.fields, "num_hidden_layers": layers})
+
+
 def _check(spec: ModelConfig, system: SystemConfig, plan: Plan) -> None:
     check_plan(spec, system, plan.tp, plan.pp, plan.dp)
 
@@ -193,15 +200,16 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                        pp: int = 1, dp: int = 1, sp: bool = False, batch: int = 1, input_tokens: int = 1024,
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
-                       trace: bool = False) -> tuple[InferenceEstimate, list[Any]]:
+                       trace: bool = False, layers: int | None = None) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
 
     ``samples`` decode steps are simulated at evenly spaced KV lengths (the first and last
-    included); ``cache_dir`` True uses the default cost cache, None or False none. Returns the
-    estimate and, with ``trace``, the simulated ranks' RunReports (with events) of the prefill
-    and the first decode sample."""
+    included); ``cache_dir`` True uses the default cost cache, None or False none; ``layers``
+    overrides the model's decoder layers (a shorter model, for quick runs and scaling studies).
+    Returns the estimate and, with ``trace``, the simulated ranks' RunReports (with events) of
+    the prefill and the first decode sample."""
     t_wall = time.perf_counter()
-    spec = model if isinstance(model, ModelConfig) else load_model(model)
+    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens),
@@ -267,7 +275,7 @@ def _run_inference_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dt
     role = rank.role
     n_layers = role.layers[1] - role.layers[0]
     out: dict[str, Any] = {"traces": []}
-    with rank.run, torch.no_grad():
+    with rank.run, torch.no_grad(), models.quiet():
         net = _stage_model(spec, role, plan, rank.comm, dt, last)
         weights = rank.ledger.devices[0].allocated
         cache = models.kv_cache(total, n_layers, batch, _kv_heads(spec, plan), spec.head_dim, dt)
@@ -321,13 +329,14 @@ def model_flops_per_token(spec: ModelConfig, params: int, seq: int) -> float:
 def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.48xlarge", *, tp: int = 1,
                    pp: int = 1, dp: int = 1, sp: bool = False, micro_batch: int = 1, seq: int = 2048,
                    global_batch: int | None = None, dtype: str = "bf16", overrides: Sequence[str] | None = None,
-                   cache_dir: str | Path | None | bool = True, trace: bool = False
+                   cache_dir: str | Path | None | bool = True, trace: bool = False, layers: int | None = None
                    ) -> tuple[TrainEstimate, list[Any]]:
     """Estimate a training step of ``model``: step time, tokens/s and MFU (see the module
     docstring). ``global_batch`` sequences per step (default ``micro_batch x dp``: no
-    accumulation) are split into ``global_batch / (micro_batch x dp)`` micro-batches per replica."""
+    accumulation) are split into ``global_batch / (micro_batch x dp)`` micro-batches per replica;
+    ``layers`` overrides the model's decoder layers."""
     t_wall = time.perf_counter()
-    spec = model if isinstance(model, ModelConfig) else load_model(model)
+    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
     _positive("--micro-batch", micro_batch)
@@ -391,7 +400,7 @@ def _run_train_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dtype,
                     seq: int, trace: bool) -> dict[str, Any]:
     role = rank.role
     out: dict[str, Any] = {"traces": []}
-    with rank.run:
+    with rank.run, models.quiet():
         net = _stage_model(spec, role, plan, rank.comm, dt, last)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]

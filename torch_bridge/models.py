@@ -32,7 +32,7 @@ from . import _torch
 from .timing_only import is_timing_only, materialize
 
 __all__ = ["from_config", "hf_config", "kv_cache", "KVCache", "register", "neuron_attention", "neuron_experts",
-           "ATTENTION"]
+           "quiet", "ATTENTION"]
 
 ATTENTION = "neuron"
 _registered: list[bool] = []
@@ -114,6 +114,20 @@ def hf_config(model: str | ModelConfig | Any, layers: int | None = None) -> Any:
 
 
 @contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """transformers' warnings off (building a model from a config for timing, e.g. an encoder as a
+    causal LM, is not the misuse they warn of); restored afterwards."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -137,7 +151,7 @@ def from_config(model: str | ModelConfig | Any, dtype: torch.dtype = torch.bfloa
     cfg._attn_implementation = attention
     if hasattr(cfg, "num_local_experts"):
         cfg._experts_implementation = attention
-    with _torch.no_dispatch_modes(), torch.device("meta"), _default_dtype(dtype):  # plain meta: ~10x faster
+    with _torch.no_dispatch_modes(), torch.device("meta"), _default_dtype(dtype), quiet():  # plain meta: ~10x faster
         net = (AutoModelForCausalLM if head else AutoModel).from_config(cfg, attn_implementation=attention)
     net.eval()
     if shard is not None:

@@ -134,12 +134,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                 est, traces = est_mod.estimate_inference(
                     args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp, batch=args.batch,
                     input_tokens=args.input, output_tokens=args.output, dtype=args.dtype, overrides=args.set,
-                    samples=args.samples, replay=not args.no_replay, cache_dir=cache, trace=trace is not None)
+                    samples=args.samples, replay=not args.no_replay, cache_dir=cache, trace=trace is not None,
+                    layers=args.layers)
             else:
                 est, traces = est_mod.estimate_train(
                     args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp,
                     micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, dtype=args.dtype,
-                    overrides=args.set, cache_dir=cache, trace=trace is not None)
+                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers)
         except torch.OutOfMemoryError as e:
             raise UsageError(f"estimate: {e}") from None
         if trace is not None:
@@ -184,6 +185,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--json", action="store_true", help="print the estimate as JSON")
         p.add_argument("--trace", metavar="OUT.json", help="write a Perfetto timeline of the simulated ranks' steps")
         p.add_argument("--no-cache", action="store_true", help="simulate every kernel again (no on-disk cost cache)")
+        p.add_argument("--layers", type=int, help="override the model's decoder layers (a shorter model)")
         p.set_defaults(fn=cmd_estimate)
     inf.add_argument("--batch", type=int, default=1, help="sequences per request batch (default 1)")
     inf.add_argument("--input", type=int, default=1024, help="prompt tokens (default 1024)")
