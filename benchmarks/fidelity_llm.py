@@ -6,7 +6,7 @@
 * V9 - Trn1 training clusters (32 x trn1.32xlarge unless noted): Llama-3.1-8B TP32 DP32, seq 8192,
   global batch 1024: 47.95 seq/s; Llama-3.1-70B TP32 DP4 PP8: 7.94 seq/s (seq and global batch not
   stated: taken as the 8B's); Llama2-7B on 16 nodes, TP8 DP64: 81 seq/s, MFU 30.8% (seq 4096 and
-  global batch 1024 assumed).
+  global batch 1024 assumed). NxD's Llama training runs sequence-parallel: so do these (``sp``).
 * V10 - BERT-Large phase 1 (seq 128) on one trn1.32xlarge, 32 NeuronCores data-parallel:
   3,530 seq/s, MFU 27.49% (micro-batch 16 per core assumed).
 
@@ -48,13 +48,13 @@ CASES = [
                              input_tokens=10000, output_tokens=1500, samples=5),
      {"TTFT ms": 2442.0, "TPOT ms": 37.9, "tok/s": 25.46}),
     ("V9a", "train", dict(model="llama-3.1-8b", system="trn1.32xlarge", overrides=["topology.efa.size=32"], tp=32,
-                          dp=32, micro_batch=1, seq=8192, global_batch=1024),
+                          dp=32, sp=True, micro_batch=1, seq=8192, global_batch=1024),
      {"seq/s": 47.95}),
     ("V9b", "train", dict(model="llama-3.1-70b", system="trn1.32xlarge", overrides=["topology.efa.size=32"], tp=32,
-                          dp=4, pp=8, micro_batch=1, seq=8192, global_batch=1024),
+                          dp=4, pp=8, sp=True, micro_batch=1, seq=8192, global_batch=1024),
      {"seq/s": 7.94}),
     ("V9c", "train", dict(model="llama-2-7b", system="trn1.32xlarge", overrides=["topology.efa.size=16"], tp=8,
-                          dp=64, micro_batch=1, seq=4096, global_batch=1024),
+                          dp=64, sp=True, micro_batch=1, seq=4096, global_batch=1024),
      {"seq/s": 81.0, "MFU %": 30.8}),
     ("V10", "train", dict(model="bert-large", system="trn1.32xlarge", dp=32, micro_batch=16, seq=128),
      {"MFU %": 27.49, "seq/s": 3530.0}),

@@ -56,7 +56,8 @@ INFERENCE_ASSUMPTIONS = (
 )
 TRAIN_ASSUMPTIONS = (
     "each micro-batch forward and backward is one compiled graph: one host dispatch each",
-    "one kernel per aten op (no cross-op fusion); attention as one fused kernel forward and backward",
+    "one kernel per aten op (no cross-op fusion); attention as one fused kernel forward and backward, keeping "
+    "only its softmax statistics for the backward (flash attention's memory)",
     "1F1B pipeline schedule; activations sent stage to stage with send/recv on the links",
     "data-parallel gradients all-reduced once per step after the last backward (no overlap), then AdamW",
     "no activation recomputation, no ZeRO sharding of optimizer state",
@@ -112,7 +113,8 @@ def _make_rank(role: Role, system: SystemConfig, plan: Plan, cache: CostCache,
     dispatch, dev.dispatch = dev.dispatch, 0  # launches inside a step cost no dispatch (one graph)
     ledger = Ledger(cfg.logical_cores, cfg.chip.hbm.capacity // cfg.logical_cores)
     comm = Comm(system, dev, 0, role.rank, plan, reports)
-    return _Rank(role, dev, ledger, comm, TimingOnly(Target(dev, 0, ledger)), dispatch)
+    target = Target(dev, 0, ledger, attention_keeps_probabilities=False)  # flash attention's memory
+    return _Rank(role, dev, ledger, comm, TimingOnly(target), dispatch)
 
 
 def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool) -> nn.Module:

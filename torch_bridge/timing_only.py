@@ -105,8 +105,11 @@ class Target:
     core: int | None = None
     ledger: Any = None
     charge: bool = True  # False while a model is being built: allocations count, ops cost nothing
-    collectives: Any = None  # a parallel.Collectives when ranks talk (torch_bridge.parallel)
     tape: list[Any] | None = None  # when set, every launch is also appended here (for replays)
+    # what fused attention keeps for its backward: the fp32 probabilities, as the eager kernel does
+    # (True), or only their softmax statistics, one fp32 value per query row, as a flash-attention
+    # kernel does (False; the cost is the same, the HBM is not)
+    attention_keeps_probabilities: bool = True
 
     def core_of(self, index: int) -> int:
         return index if self.core is None else self.core
@@ -373,7 +376,8 @@ class _Attention(torch.autograd.Function):
         from .attention import FORWARD
 
         s = k.shape[-2]
-        ctx.p = q.new_empty(q.shape[:-1] + (s,), dtype=torch.float32)  # the eager kernel keeps P on the device
+        kept = q.shape[:-1] + (s,) if run.target.attention_keeps_probabilities else q.shape[:-1]
+        ctx.p = q.new_empty(kept, dtype=torch.float32)  # P (as the eager kernel keeps it), or its statistics
         ctx.shapes = (q.shape, q.dtype, k.shape, v.shape, s)
         ctx.run = run
         key = ("fwd", q.shape, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal,

@@ -56,7 +56,7 @@ def _step_table(title: str, step: Any, console: Any) -> None:
     if step.collectives:
         colls = ", ".join(f"{op} {algo} x{calls} ({ms * 1e3 / calls:,.1f} us each)"
                           for op, algo, calls, ms in step.collectives)
-        console.print(f"  collectives: {colls}", markup=False)
+        console.print(f"  collectives: {colls}", markup=False, soft_wrap=True)
 
 
 def render_inference(est: Any, console: Any) -> None:
