@@ -209,6 +209,9 @@ class DependencyTracker:
                     if _covers(box, g.box):
                         g.alive = False  # the new tile's history now carries it
             buckets[c] = [g for g in bucket if g.alive]
+        if len(seen) > 1:  # graves that overlap each other carry the same accesses: keep each once
+            h.writes = list({id(a): a for a in h.writes}.values())
+            h.reads = list({id(a): a for a in h.reads}.values())
         self._live[alloc.uid] = h
 
     def freed(self, alloc: Allocation) -> None:
