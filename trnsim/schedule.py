@@ -52,13 +52,15 @@ import numpy as np
 
 from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .cores.base import ENGINE_TYPES
+from .config import ChipConfig, format_quantity
 from .isa import Allocation, DmaCopy, Instruction, KernelError, MatMul, TileAP, Transpose, is_dense
 from .kernel import SBUF_GRANULE, DependencyTracker, Kernel
 from .memory.dma import BandwidthPipe, DmaSystem
 from .memory.hbm import stack_bandwidth
+from .memory.sbuf import OnChipAllocator
 from .sim import simulate
 
-__all__ = ["ScheduleStats", "schedule", "SPECULATIVE_SHARE"]
+__all__ = ["ScheduleStats", "schedule", "unbounded_kernel", "SPECULATIVE_SHARE"]
 
 #: share of SBUF/PSUM that instructions placed ahead of program order may keep live; an estimate:
 #: the rest is left to the program order, so that it can always go on
@@ -74,7 +76,8 @@ class ScheduleStats:
     budget per partition that work ahead of program order could fill; ``estimated_ticks``: the
     pass's own estimate of the winner's total; ``policy``: which candidate won ("critical path",
     "program order first", "program order" or "as built", see :func:`schedule`); ``ticks`` and
-    ``as_built_ticks``: the simulated totals of the winner and of the kernel as built;
+    ``as_built_ticks``: the simulated totals of the winner and of the kernel as built (of the
+    program order for an :func:`unbounded_kernel`, which cannot run as built);
     ``fallback``: why no list schedule could be made, or None.
     """
 
@@ -149,6 +152,8 @@ class _Program:
     def __init__(self, kernel: Kernel, extra_deps: Mapping[int, Iterable[int]] | None):
         cfg = kernel.config
         self.kernel = kernel
+        #: where each instruction came from, for messages (a front end's source lines), if known
+        self.where: Sequence[str] | None = getattr(kernel, "source_lines", None)
         granule = {"sbuf": SBUF_GRANULE, "psum": cfg.core.psum.bank_bytes}
         uids = itertools.count(1)
         current: dict[int, _Version] = {}
@@ -273,7 +278,7 @@ class _Placer:
         if isinstance(ins, DmaCopy):
             t0 = max(e + self.dma.start_latency, self.queue_t0.get(ins.queue, 0))
             self.queue_t0[ins.queue] = t0
-            move = max((self.dma.engine_ticks(b, c) for _, b, c in ins.plan.engines), default=0)
+            move = max((self.dma.engine_ticks(b, c, ins.plan) for _, b, c in ins.plan.engines), default=0)
             e = rdy = t0 + move + self.dma.transfer_latency
             self.final[i] = False
             # ties go as in the simulator, whose engine processes run in registration order
@@ -306,7 +311,7 @@ def _durations(prog: _Program) -> list[int]:
     for ins in prog.instrs:
         eng = engines[ins.engine]
         if isinstance(ins, DmaCopy):
-            move = max((dma.engine_ticks(b, c) for _, b, c in ins.plan.engines), default=0)
+            move = max((dma.engine_ticks(b, c, ins.plan) for _, b, c in ins.plan.engines), default=0)
             out.append(cfg.core.dma.trigger_cycles * eng.tpc + dma.start_latency + move + dma.transfer_latency)
         elif isinstance(ins, (MatMul, Transpose)):
             ls, mm = eng.shape_cycles(ins)  # type: ignore[attr-defined]
@@ -401,6 +406,16 @@ class _NoRoom(Exception):
     """A forced placement found no room at all: try again with less lookahead."""
 
 
+def _no_room(prog: "_Program", i: int, v: "_Version", m: _Memory) -> str:
+    a = v.alloc
+    held = int(m.held[a.p_start:a.p_start + a.p_count].max())
+    where = prog.where[i] if prog.where else ""
+    return (f"{a.space.upper()} is full: tile '{a.name}' needs {format_quantity(v.size, 'bytes')} per partition on "
+            f"partitions {a.p_start}..{a.p_start + a.p_count - 1} for instruction #{i} "
+            f"({prog.instrs[i].describe()}{', ' + where if where else ''}), but tiles still to be used hold "
+            f"{format_quantity(held, 'bytes')} of {format_quantity(m.cap, 'bytes')}")
+
+
 def _critical_paths(prog: _Program) -> list[int]:
     """Ticks from each instruction's start to the end of the kernel along its longest chain of
     dependents, on idle engines."""
@@ -411,12 +426,14 @@ def _critical_paths(prog: _Program) -> list[int]:
     return prio
 
 
-def _list_schedule(prog: _Program, speculative: Mapping[str, int], prio: Sequence[int]
-                   ) -> tuple[list[int], dict[int, int], int]:
+def _list_schedule(prog: _Program, speculative: Mapping[str, int], prio: Sequence[int],
+                   fixed: bool = False) -> tuple[list[int], dict[int, int], int]:
     """The scheduled order (original indices), the address of every version (by its uid) and the
     estimated total ticks. ``speculative[space]`` is how many bytes per partition instructions
     ahead of program order may keep live; ``prio`` ranks ready instructions that can start at
-    the same tick (higher first; program order breaks its ties)."""
+    the same tick (higher first; program order breaks its ties). With ``fixed`` the order is the
+    program order and only the layout is made (the estimate is then rough: transfers are booked
+    in program order, not in the order they reach the DMA engines)."""
     n = len(prog.instrs)
     cfg = prog.kernel.config
     placer = _Placer(prog)
@@ -471,7 +488,7 @@ def _list_schedule(prog: _Program, speculative: Mapping[str, int], prio: Sequenc
                 got = m.find(a.p_start, a.p_start + a.p_count, v.size, t)
                 if got is None:
                     if force:
-                        raise _NoRoom(f"no room for tile '{a.name}' in {a.space.upper()} when it must go")
+                        raise _NoRoom(_no_room(prog, i, v, m))
                     return None
                 taken.append((m, m.take(got[0], a.p_start, a.p_start + a.p_count, v.size)))  # tentatively
                 out.append((v, got[0]))
@@ -538,6 +555,14 @@ def _list_schedule(prog: _Program, speculative: Mapping[str, int], prio: Sequenc
                 extra[v.alloc.space] = extra.get(v.alloc.space, 0) + v.size
             heapq.heappush(heap, (placer.earliest(b), negp, b))
 
+    if fixed:
+        for i in range(n):
+            placer.flush()
+            got = room(i, placer.earliest(i), force=True)
+            assert got is not None
+            commit(i, got[1], got[0])
+        placer.flush()
+        return order, addrs, max(placer.ready, default=0)
     while heap or blocked:
         if not heap:
             # every ready instruction waits for memory: the one first in program order goes anyway
@@ -615,15 +640,47 @@ def _emit(prog: _Program, order: Sequence[int], addrs: Mapping[int, int] | None)
     return new
 
 
+class _Bump(OnChipAllocator):
+    """An allocator that never runs out and never reuses: each tile gets fresh bytes."""
+
+    def allocate(self, name: str, p_start: int, p_count: int, nbytes: int, addr: int | None = None) -> Allocation:
+        size = self._round(max(nbytes, 1))
+        alloc = Allocation(self.space, name, p_start, p_count, self._top, nbytes, next(self._uids))
+        self._top += size
+        return alloc
+
+    def free(self, alloc: Allocation) -> None:
+        alloc.live = False
+
+
+def unbounded_kernel(name: str, config: ChipConfig | str) -> Kernel:
+    """A kernel builder whose SBUF and PSUM never run out: every tile gets bytes of its own,
+    never freed. For front ends that leave the layout to :func:`schedule`, as the NKI compiler
+    allocates memory itself (:mod:`trnsim.nki`); only a scheduled copy can run."""
+    k = Kernel(name, config)
+    cfg = k.config
+    uids = itertools.count(1)
+    k._sbuf = _Bump("sbuf", cfg.core.sbuf.partitions, 2**62, SBUF_GRANULE, "unbounded", uids)
+    k._sbuf._top = 0  # type: ignore[attr-defined]
+    k._psum = _Bump("psum", cfg.core.psum.partitions, 2**62, cfg.core.psum.bank_bytes, "unbounded", uids)
+    k._psum._top = 0  # type: ignore[attr-defined]
+    k.unbounded = True  # type: ignore[attr-defined]
+    return k
+
+
 def schedule(kernel: Kernel, *, extra_deps: Mapping[int, Iterable[int]] | None = None,
-             speculative_share: float = SPECULATIVE_SHARE) -> Kernel:
+             speculative_share: float = SPECULATIVE_SHARE, reorder: bool = True) -> Kernel:
     """``kernel``'s instructions list-scheduled over its dependency graph, tiles renamed and laid
     out again within SBUF/PSUM capacity (see the module docstring). Returns a new kernel with the
     same HBM tensors; ``kernel`` is not changed. The new kernel's ``schedule_stats`` says what
     happened and ``schedule_origin[i]`` is the original index of its instruction ``i``.
 
     ``extra_deps`` maps an instruction index to earlier indices it must also follow (NKI's
-    ``depends_on`` and ``no_reorder``).
+    ``depends_on`` and ``no_reorder``). With ``reorder=False`` the program order is kept and
+    only the tiles are laid out (what an :func:`unbounded_kernel` needs to run at all).
+
+    Raises KernelError when the kernel cannot fit SBUF/PSUM in any order tried (only an
+    unbounded kernel can: one built with the builder fits as built).
     """
     if not isinstance(kernel, Kernel):
         raise KernelError(f"schedule expects a trnsim.Kernel, got {type(kernel).__name__}")
@@ -633,12 +690,22 @@ def schedule(kernel: Kernel, *, extra_deps: Mapping[int, Iterable[int]] | None =
     prog = _Program(kernel, extra_deps)
     n = len(prog.instrs)
     caps = {"sbuf": cfg.core.sbuf.partition_bytes, "psum": cfg.core.psum.partition_bytes}
+    unbounded = getattr(kernel, "unbounded", False)
     # candidate schedules, each with the pass's estimate of its time: the list schedule ranked by
-    # critical path and the list schedule ranked by program order
+    # critical path and the list schedule ranked by program order; for a kernel with no layout
+    # of its own, the program order too
     candidates: list[tuple[int, int, str, list[int], dict[int, int], int]] = []
     reasons: list[str] = []
+    if unbounded or not reorder:
+        try:
+            order, addrs, est = _list_schedule(prog, caps, [0] * n, fixed=True)
+            candidates.append((est, 2, "program order", order, addrs, caps["sbuf"]))
+        except _NoRoom as e:
+            reasons.append(str(e))
     for rank, (policy, prio) in enumerate((("critical path", _critical_paths(prog)),
                                            ("program order first", [-i for i in range(n)]))):
+        if not reorder:
+            break
         share = speculative_share
         for _ in range(4):
             spec = {sp: int(c * share) for sp, c in caps.items()}
@@ -650,6 +717,25 @@ def schedule(kernel: Kernel, *, extra_deps: Mapping[int, Iterable[int]] | None =
                 continue
             candidates.append((est, rank, policy, order, addrs, spec["sbuf"]))
             break
+    if unbounded or not reorder:
+        # no layout to fall back on: the candidate that simulates fastest; the program order's
+        # time stands for "as built"
+        best, program_ticks = None, 0
+        for est, _, policy, order, addrs, spec_bytes in sorted(candidates, key=lambda c: (c[0], c[1])):
+            cand = _emit(prog, order, addrs)
+            ticks = simulate(cfg, [cand])[0].total_ticks
+            if policy == "program order":
+                program_ticks = ticks
+            if best is None or ticks < best[0]:
+                moved = sum(1 for pos, i in enumerate(order) if pos != i)
+                best = (ticks, cand, (n, moved, len(prog.versions), spec_bytes, est, policy, ticks), order)
+        if best is None:
+            raise KernelError(reasons[0] if reasons else "schedule: no schedule fits")
+        _, new, fields, order = best
+        stats = ScheduleStats(*fields, program_ticks or fields[-1])
+        new.schedule_stats = stats  # type: ignore[attr-defined]
+        new.schedule_origin = list(order)  # type: ignore[attr-defined]
+        return new
     # the kernel as built (its own order and layout) is the last candidate: the compiler does not
     # undo a hand-pipelined kernel. The winner is decided by simulating both.
     built = _emit(prog, range(n), {v.alloc.uid: v.built_addr for v in prog.versions})
