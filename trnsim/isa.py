@@ -107,7 +107,7 @@ class HbmTensor:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
-        self.kind = kind  # "input" | "output" | "scratch"
+        self.kind = kind  # "input" | "output" | "inout" (an input the kernel writes, returned too) | "scratch"
         self.uid = uid
         self.strides = tuple(s for s, _ in row_major(self.shape))
         self.size = math.prod(self.shape)

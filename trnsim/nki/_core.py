@@ -100,7 +100,9 @@ class Affine:
         merged: dict[_Iter, int] = {}
         for it, c in terms:
             merged[it] = merged.get(it, 0) + int(c)
-        self.terms = tuple((it, c) for it, c in merged.items() if c != 0)
+        # a zero coefficient stays: the iterator is still an axis (``nl.arange(128)[:, None] * 0``
+        # broadcasts along it with stride 0)
+        self.terms = tuple(merged.items())
 
     @staticmethod
     def of(x: Any) -> "Affine":
@@ -372,7 +374,7 @@ class NkiTensor:
     """A view of HBM or on-chip memory (``shape``, ``dtype``, ``buffer``), indexable like NKI
     tensors; or a deferred result that gets its memory when used."""
 
-    __slots__ = ("_st", "_exprs", "_axes", "_pending", "__weakref__")
+    __slots__ = ("_st", "_exprs", "_axes", "_pending", "_updated", "__weakref__")
 
     def __init__(self, st: _Store | None, exprs: tuple[Affine, ...], axes: tuple[_Iter, ...],
                  pending: "_Pending | None" = None):
@@ -380,6 +382,7 @@ class NkiTensor:
         self._exprs = exprs
         self._axes = axes
         self._pending = pending
+        self._updated = False  # set on what ``x[i] += y`` returns: already written in place
 
     @staticmethod
     def full(st: _Store) -> "NkiTensor":
@@ -448,10 +451,7 @@ class NkiTensor:
                 new.append((k, len(new), j))
                 kept.append(k)
             elif isinstance(e, Affine):
-                lo, hi = e.bounds()
-                if lo < 0 or hi >= it.size:
-                    raise NkiError(f"index {e!r} reaches {lo}..{hi}, out of range for {what}")
-                sub[it] = e
+                sub[it] = e  # bounds are checked when an instruction uses it, under its mask
                 for j in e.iters():
                     if all(j is not x for _, _, x in new):
                         new.append((j.pos if j.pos is not None else k, len(new), j))
@@ -629,21 +629,12 @@ class NkiTensor:
     __hash__ = object.__hash__
 
 
-class _UpdatedMarker:
-    pass
-
-
 def _Updated(t: NkiTensor) -> NkiTensor:
     """``x[i] += y`` ends in ``x.__setitem__(i, x[i])``: the view comes back marked as already
     written, so the assignment adds no copy."""
     u = NkiTensor(t._st, t._exprs, t._axes)
-    _UPDATED.add(id(u))
-    _KEEP.append(u)
+    u._updated = True
     return u
-
-
-_UPDATED: set[int] = set()
-_KEEP: list[NkiTensor] = []  # keeps marked views alive until the trace ends (ids stay unique)
 
 
 def _norm_index(idx: Any, ndim: int) -> list[Any]:
@@ -667,7 +658,7 @@ def _partition_axis(t: NkiTensor) -> int:
         return -1
     pe = t._exprs[st.pdim]
     for k, it in enumerate(t._axes):
-        if pe.coef(it):
+        if any(i is it and c for i, c in pe.terms):
             return k
     return -1
 
@@ -709,8 +700,15 @@ def _unflatten(flat: Affine, st: _Store, partition: Affine | None = None) -> tup
 def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -> HbmAP | TileAP:
     """The builder access pattern of view ``t`` with iterator ranges restricted by ``box``."""
     st = t._store()
+    if st.zero_pending:  # a deferred nl.zeros in PSUM read or written by something else than a matmul
+        zero_fill(current(), st)
     box = box or {}
     rng = {it: box.get(it, (0, it.size)) for it in t._axes}
+    for d, (e, n) in enumerate(zip(t._exprs, st.shape)):
+        lo, hi = e.bounds(rng)
+        if lo < 0 or hi >= n:
+            raise NkiError(f"{what}: index {lo}..{hi} out of range for dim {d} of {st.name} (size {n}); "
+                           f"a mask can keep an index expression in range")
     if st.kind == "hbm":
         tensor = st.tensor
         assert tensor is not None
@@ -849,6 +847,9 @@ class Trace:
         self.extra_deps: dict[int, set[int]] = {}
         self.no_reorder: list[int | None] = []  # stack: last instruction emitted in each no_reorder block
         self.source_lines: list[str] = []
+        self.constants: dict[str, np.ndarray] = {}  # HBM inputs nl.shared_constant made: name -> values
+        self.shared_hbm: list[_Store] = []  # HBM tensors allocated so far, shared by the programs of a grid
+        self._hbm_seq = 0
         self._names = itertools.count()
 
     def __enter__(self) -> "Trace":
@@ -857,8 +858,6 @@ class Trace:
 
     def __exit__(self, *exc: Any) -> None:
         _STACK.remove(self)
-        _UPDATED.clear()
-        _KEEP.clear()
 
     # ---- memory ------------------------------------------------------------------------------
     def name(self, prefix: str) -> str:
@@ -871,11 +870,19 @@ class Trace:
         if buffer == "hbm":
             if pdim:
                 raise NkiError(f"nl.par_dim is for SBUF/PSUM tiles, not HBM tensors ({name})")
+            shared = self.shared_hbm
+            k = self._hbm_seq
+            self._hbm_seq += 1
+            if k < len(shared):  # an SPMD program: the k-th HBM tensor is the one program 0 made
+                if shared[k].shape != shape or shared[k].dtype != dtype:
+                    raise NkiError(f"HBM tensor {name} {shape} differs between SPMD programs ({shared[k].shape})")
+                return shared[k]
             st = _Store("hbm", shape, dtype, name)
             tname = name
             while tname in self.kernel.tensors:
                 tname = self.name(name + "_")
             st.tensor = self.kernel.scratch(tname, shape, dtype)
+            shared.append(st)
             return st
         st = _Store(buffer, shape, dtype, name)
         st.pdim = pdim
@@ -923,7 +930,7 @@ class Trace:
         fills dst."""
         from . import isa as nisa
 
-        if id(value) in _UPDATED and isinstance(value, NkiTensor) and value._st is dst._st:
+        if isinstance(value, NkiTensor) and value._updated and value._st is dst._st:
             return  # x[i] += y already wrote x[i]
         if isinstance(value, NkiTensor) and value._pending is not None and value is self.pending:
             p = value._pending
@@ -986,15 +993,21 @@ def _check_assign_shape(dst: NkiTensor, shape: tuple[int, ...], what: str) -> No
 def _matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
     """``accumulate=None``: the first matmul into a PSUM location starts its accumulation group,
     later ones add to it (nc_matmul docs). A deferred nl.zeros memset is then moot."""
-    st = dst._st
+    st = dst._store()
+    if st.kind != "psum":
+        raise NkiError(f"nc_matmul: dst {st.name} is in {st.kind.upper()}; matmuls write PSUM")
+    pending_zero, st.zero_pending = st.zero_pending, False
     ap = resolve(dst, None, "nc_matmul")
     assert isinstance(ap, TileAP)
     box = view_box_bytes(ap)
     written = any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3] for b in st.mm_written)
-    if st.zero_pending:
-        covers = (box[0] <= st.tile.p_start and box[1] >= st.tile.p_start + st.tile.p_count  # type: ignore[union-attr]
-                  and box[2] <= st.tile.alloc.addr and box[3] >= st.tile.alloc.addr + st.tile.nbytes)  # type: ignore[union-attr]
-        if not covers:
+    if pending_zero:
+        base = st.tile
+        assert base is not None
+        lo, hi = base.byte_span()
+        covers = box[0] <= base.p_start and box[1] >= base.p_start + base.p_count and box[2] <= lo and box[3] >= hi
+        if not covers:  # the rest of the tile must read as zeros: the memset cannot be skipped
+            st.zero_pending = True
             zero_fill(tr, st)
             written = True
     st.mm_written.append(box)
