@@ -251,7 +251,7 @@ def test_extra_dependencies_are_kept():
 
 def test_schedule_is_deterministic():
     chip = Chip("trn2")
-    k = get_kernel("attention").make((2, 4, 128, 64), "bf16", chip.config, {"causal": True})
+    k = get_kernel("attention").make((2, 4, 128, 64), "bf16", chip.config, {"causal": True, "schedule": False})
     a, b = schedule(k), schedule(k)
     assert a.schedule_origin == b.schedule_origin
     assert chip.run(a, timing_only=True).report.total_ticks == chip.run(b, timing_only=True).report.total_ticks

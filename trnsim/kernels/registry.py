@@ -225,8 +225,9 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: ChipConfig | str = "trn2",
-                params: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
-    """Run ``entry`` with values and compare every output with its reference.
+                params: Mapping[str, Any] | None = None, seed: int = 0, schedule: bool = False) -> dict[str, Any]:
+    """Run ``entry`` with values and compare every output with its reference (list-scheduled
+    first with ``schedule``, :mod:`trnsim.schedule`).
 
     Returns ``{"report": KernelReport, "errors": {output: max abs error / max |ref|}, "ok": bool}``.
     """
@@ -237,6 +238,10 @@ def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: 
     if entry.inputs is None or entry.reference is None:
         raise KernelError(f"kernel '{entry.name}' has no reference to check against")
     kernel = entry.make(shape, dtype, cfg, merged)
+    if schedule:
+        from ..schedule import schedule as schedule_pass
+
+        kernel = schedule_pass(kernel)
     inputs = entry.inputs(shape, dtype, merged, np.random.default_rng(seed))
     result = Chip(cfg).run(kernel, inputs)
     ref = entry.reference(inputs, shape, dtype, merged)
