@@ -415,7 +415,9 @@ class NkiTensor:
 
     @property
     def name(self) -> str:
-        return self._st.name if self._st is not None else "(result)"
+        if self._pending is not None:
+            return f"the {self._pending.name} result" if self._pending.name else "a result"
+        return self._st.name if self._st is not None else "a result"
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -502,6 +504,31 @@ class NkiTensor:
         ns = _Store(st.kind, shape, st.dtype, st.name)
         ns.tensor, ns.offset, ns.tile = st.tensor, st.offset, st.tile
         ns.zero_pending, ns.mm_written = st.zero_pending, st.mm_written
+        return NkiTensor.full(ns)
+
+    def view(self, dtype: Any) -> "NkiTensor":
+        """The same bytes as another dtype (the last dim rescaled by the element sizes): for HBM
+        kernel inputs, e.g. packed MX data passed as uint8/uint32 and viewed as an x4 type."""
+        st = self._store()
+        dt = nki_dtype(dtype, f"{self.name}.view")
+        tr = current()
+        if st.kind != "hbm" or st.tensor is None or st.tensor.kind != "input" or not _is_whole(self) \
+                or st.tensor.name not in tr.inputs:
+            raise NkiError(f"{self.name}.view({dt.name}) is supported by trnsim.nki for whole HBM kernel inputs only")
+        old = st.dtype
+        last = st.shape[-1] * old.itemsize
+        if last % dt.itemsize:
+            raise NkiError(f"{self.name}.view({dt.name}): the last dim ({st.shape[-1]} x {old.itemsize} bytes) is not a "
+                           f"whole number of {dt.itemsize}-byte elements")
+        shape = st.shape[:-1] + (last // dt.itemsize,)
+        name = f"{st.tensor.name}_as_{dt.name}"
+        if name not in tr.kernel.tensors:
+            tr.kernel.input(name, shape, dt)
+            arr = tr.inputs[st.tensor.name]
+            tr.inputs[name] = np.ascontiguousarray(arr).view(dt.np_dtype).reshape(shape) if isinstance(arr, np.ndarray) \
+                else arr
+        ns = _Store("hbm", shape, dt, name)
+        ns.tensor = tr.kernel.tensors[name]
         return NkiTensor.full(ns)
 
     def broadcast_to(self, shape: Sequence[int]) -> "NkiTensor":
@@ -798,7 +825,7 @@ def view_box_bytes(ap: TileAP) -> tuple[int, int, int, int]:
 class _Pending:
     """A result not written anywhere yet: ``emit(dst_view, accumulate)`` writes it."""
 
-    __slots__ = ("shape", "dtype", "buffer", "emit", "matmul", "name")
+    __slots__ = ("shape", "dtype", "buffer", "emit", "matmul", "name", "site")
 
     def __init__(self, shape: tuple[int, ...], dtype: Dtype, buffer: str, emit: Callable[..., None],
                  matmul: bool = False, name: str = ""):
@@ -808,6 +835,17 @@ class _Pending:
         self.emit = emit
         self.matmul = matmul
         self.name = name
+        self.site = call_site()  # where the kernel asked for it: errors of its emission name this line
+
+    def run(self, *args: Any) -> None:
+        """``emit(*args)``, an error prefixed with the line that asked for the result."""
+        try:
+            self.emit(*args)
+        except KernelError as e:
+            msg = str(e)
+            if self.site and not msg.startswith(self.site):
+                raise NkiError(f"{self.site}: {msg}") from None
+            raise
 
     def materialize(self, t: NkiTensor) -> None:
         """Give ``t`` a tile of its own and write the result there."""
@@ -815,10 +853,10 @@ class _Pending:
         if tr.pending is t:
             tr.pending = None
         t._pending = None
-        st = tr.new_tile(self.shape, self.dtype, self.buffer, self.name or "result")
+        st = tr.new_tile(self.shape, self.dtype, self.buffer, f"{self.name} result" if self.name else "result")
         full = NkiTensor.full(st)
         t._st, t._exprs, t._axes = full._st, full._exprs, full._axes
-        self.emit(full, False) if self.matmul else self.emit(full)
+        self.run(full, False) if self.matmul else self.run(full)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -849,6 +887,7 @@ class Trace:
         self.source_lines: list[str] = []
         self.constants: dict[str, np.ndarray] = {}  # HBM inputs nl.shared_constant made: name -> values
         self.shared_hbm: list[_Store] = []  # HBM tensors allocated so far, shared by the programs of a grid
+        self.inputs: dict[str, Any] = {}  # the kernel's input arrays by tensor name (for view(dtype))
         self._hbm_seq = 0
         self._names = itertools.count()
 
@@ -939,9 +978,9 @@ class Trace:
             value._pending = None
             value._st, value._exprs, value._axes = dst._st, dst._exprs, dst._axes
             if p.matmul:
-                p.emit(dst, _matmul_accumulates(self, dst))
+                p.run(dst, _matmul_accumulates(self, dst))
             else:
-                p.emit(dst)
+                p.run(dst)
             return
         self.flush()
         if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
@@ -968,7 +1007,7 @@ class Trace:
             self.pending = None
             value._pending = None
             value._st, value._exprs, value._axes = dst._st, dst._exprs, dst._axes
-            p.emit(dst, _matmul_accumulates(self, dst))
+            p.run(dst, _matmul_accumulates(self, dst))
             return
         self.flush()
         operand = value

@@ -26,6 +26,7 @@ import functools
 import inspect
 import itertools
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -191,6 +192,7 @@ class Kernel:
             tr.source_lines = sources
             tr.extra_deps = extra
             tr.constants = constants
+            tr.inputs = inputs
             with tr:
                 try:
                     ret = self.fn(*pos, **kw)
@@ -198,13 +200,15 @@ class Kernel:
                 except NkiError as e:
                     msg = str(e)
                     where = _where(e.__traceback__)
-                    raise NkiError(msg if not where or msg.startswith(where) else f"{where}: {msg}") from None
+                    located = re.match(r"^[^\s:]+\.py:\d+: ", msg) is not None  # already names its line
+                    raise NkiError(msg if not where or located else f"{where}: {msg}") from None
                 except KernelError as e:
                     raise NkiError(f"{_where(e.__traceback__)}: {e}".lstrip(": ")) from None
                 except Exception as e:
                     if _internal(e.__traceback__):
                         raise  # a trnsim bug, not the kernel's: keep the traceback
-                    raise NkiError(f"{_where(e.__traceback__)}: {type(e).__name__}: {e}".lstrip(": ")) from e
+                    first = str(e).split("\n", 1)[0]
+                    raise NkiError(f"{_where(e.__traceback__)}: {type(e).__name__}: {first}".lstrip(": ")) from e
         inputs.update(constants)
         outputs = _mark_outputs(name, ret)
         written = {}
@@ -217,7 +221,12 @@ class Kernel:
             if t is not None and t.kind == "inout":
                 written[pname] = value
         k0.source_lines = sources  # type: ignore[attr-defined]
-        sched = schedule(k0, extra_deps={i: sorted(d) for i, d in extra.items()}, reorder=self.schedule)
+        try:
+            sched = schedule(k0, extra_deps={i: sorted(d) for i, d in extra.items()}, reorder=self.schedule)
+        except NkiError:
+            raise
+        except KernelError as e:  # the kernel does not fit SBUF/PSUM in any order
+            raise NkiError(str(e)) from None
         return Traced(sched, k0, cfg, inputs, outputs, written, sched.schedule_stats)  # type: ignore[attr-defined]
 
     def run(self, *args: Any, config: Any = None, timing_only: bool = False, **kwargs: Any) -> NkiRun:
@@ -275,6 +284,9 @@ def _mark_outputs(name: str, ret: Any) -> Any:
     if not isinstance(ret, NkiTensor):
         raise NkiError(f"{name} returned {type(ret).__name__}; a kernel returns HBM tensors (nl.ndarray(..., "
                        f"buffer=nl.shared_hbm)), a tuple of them, or None")
+    if ret._pending is not None:
+        raise NkiError(f"{name} returned {ret.name} ({ret.buffer}); return whole HBM tensors (store on-chip tiles to "
+                       f"one first)")
     st = ret._store()
     if st.kind != "hbm" or not _is_whole(ret) or st.tensor is None:
         raise NkiError(f"{name} returned {ret.name} ({ret.buffer}); return whole HBM tensors (store on-chip "

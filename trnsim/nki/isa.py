@@ -157,7 +157,16 @@ def _spread(box: dict | bool, views: Sequence[Any]) -> dict | bool:
     views = [v for v in views if isinstance(v, NkiTensor)]
     carrier = next((v for v in views if any(a in box for a in v._axes)), None)
     if carrier is None:
-        return box
+        # no operand is indexed by the mask's indices: an index from nl.arange/nl.mgrid names
+        # its axis of the instruction by its place in the grid
+        out = dict(box)
+        for it, rng in box.items():
+            if it.pos is None:
+                continue
+            for v in views:
+                if len(v._axes) > it.pos and v._axes[it.pos].size == it.size:
+                    out[v._axes[it.pos]] = rng
+        return out
     out = dict(box)
     for v in views:
         if v is carrier or any(a in box for a in v._axes) or len(v._axes) != len(carrier._axes):
@@ -203,8 +212,10 @@ def _dst_box(d: NkiTensor, box: dict, ref: NkiTensor | None) -> dict:
     """The mask of an instruction, for its destination: the masked indices where ``d`` uses
     them, and, axis by axis, the same ranges as the operand ``ref`` it is shaped like (a result
     tile has index axes of its own)."""
-    if not box or ref is None:
+    if not box:
         return box
+    if ref is None or not any(a in box for a in ref._axes):
+        return _spread(box, [d])
     out = dict(box)
     if len(d.shape) == len(ref.shape):
         for a, r in zip(d._axes, ref._axes):
