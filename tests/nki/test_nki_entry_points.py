@@ -171,3 +171,20 @@ def test_cli_nki_kernel_in_a_subprocess_exits_zero(kernel_file):
                        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
     assert "on trn3" in r.stdout and "bfloat16" in r.stdout
+
+
+def test_cli_report_of_the_example_kernel_golden(capsys, monkeypatch):
+    """Regenerate with: python -m trnsim.cli kernel examples/nki_rmsnorm.py:rmsnorm_kernel
+    --shape 1024x2048,2048 > tests/golden/kernel_nki_rmsnorm_trn2.txt (and read the diff)."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli(capsys, "kernel", "examples/nki_rmsnorm.py:rmsnorm_kernel", "--shape", "1024x2048,2048")
+    assert code == 0 and err == ""
+    assert out == (ROOT / "tests" / "golden" / "kernel_nki_rmsnorm_trn2.txt").read_text()
+
+
+def test_the_example_script_runs():
+    r = subprocess.run([sys.executable, "examples/nki_rmsnorm.py"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    error = float(r.stdout.split("max error ")[1].split(",")[0])
+    assert error < 1e-5 and "us simulated" in r.stdout

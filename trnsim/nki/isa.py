@@ -296,7 +296,7 @@ def nc_matmul(*args: Any, **kwargs: Any) -> Any:
     if p["tile_position"] or p["tile_size"]:
         raise NkiError(f"{what}: tile_position/tile_size (PE array tiling) is not supported by trnsim.nki")
     st, mv = _tensor(p["stationary"], what, "stationary"), _tensor(p["moving"], what, "moving")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, st, mv])
     if p["is_transpose"]:
         return nc_transpose(*(() if dst is None else (dst,)), st, mask=p["mask"])
     double = len(st.shape) == 3 and st.shape[1] == 2
@@ -341,7 +341,7 @@ def nc_transpose(*args: Any, **kwargs: Any) -> Any:
         raise NkiError(f"{what}: engine={eng} (the VectorE 32x32 transpose) is not supported by trnsim.nki; "
                        f"use the tensor engine")
     x = _tensor(p["data"], what, "data")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x])
     if len(x.shape) != 2:
         raise NkiError(f"{what}: data must be 2-D [P, F], got {x.shape}")
     dt = p["dtype"] or (x.dtype if nki_dtype(x.dtype).itemsize == 2 else "float32")
@@ -390,7 +390,7 @@ def _activation(what: str, dst: NkiTensor | None, p: dict[str, Any]) -> Any:
     rop = None if p["reduce_op"] is None else _op_name(p["reduce_op"])
     if (rop is None) != (red is None):
         raise NkiError(f"{what}: reduce_op and reduce_res go together")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x, bias, scale, red])
     op = _op_name(p["op"])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -409,7 +409,7 @@ def tensor_tensor(*args: Any, **kwargs: Any) -> Any:
     p = _bind(what, args, kwargs, ["data1", "data2", "op"], {"engine": None, "dtype": None, "mask": None, "name": None})
     a, b = _tensor(p["data1"], what, "data1"), _tensor(p["data2"], what, "data2")
     eng = _engine(p["engine"], "vector", what)
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, a, b])
     op = _op_name(p["op"])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -431,7 +431,7 @@ def tensor_scalar(*args: Any, **kwargs: Any) -> Any:
     o0 = _value(p["operand0"], what, "operand0")
     o1 = None if p["operand1"] is None else _value(p["operand1"], what, "operand1")
     eng = _engine(p["engine"], "vector", what)
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x, o0, o1])
     op0 = _op_name(p["op0"])
     op1 = None if p["op1"] is None else _op_name(p["op1"])
 
@@ -463,7 +463,7 @@ def tensor_reduce(*args: Any, **kwargs: Any) -> Any:
         shape = [n for i, n in enumerate(shape) if i not in axes]
         if len(shape) < 2:
             shape.append(1)
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x])
     op = _op_name(p["op"])
     eng = _engine(p["engine"], "vector", what)
 
@@ -482,7 +482,7 @@ def tensor_copy(*args: Any, **kwargs: Any) -> Any:
     p = _bind(what, args, kwargs, ["src"], {"engine": None, "dtype": None, "mask": None, "name": None})
     x = _tensor(p["src"], what, "src")
     eng = _engine(p["engine"], "vector", what)
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
@@ -505,7 +505,7 @@ def memset(*args: Any, **kwargs: Any) -> Any:
         shape, dtype = tuple(p["shape"]), p["dtype"]
     value = float(_value(p["value"], what, "value"))  # type: ignore[arg-type]
     eng = _engine(p["engine"], "vector", what)
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
@@ -536,7 +536,7 @@ def iota(*args: Any, **kwargs: Any) -> Any:
             raise NkiError(f"{what}: expr must vary along the partition axis first ([:, None])")
         cm, pattern, base = e.coef(its[0]), [e.coef(it) for it in its[1:]] or [0], e.const
         shape, dtype = tuple(it.size for it in its) + (() if len(its) > 1 else (1,)), p["dtype"]
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
@@ -574,7 +574,7 @@ def affine_select(*args: Any, **kwargs: Any) -> Any:
                "!=": "not_equal"}[sym]
         cm, pattern, offset = expr.coef(axes[0]), [expr.coef(a) for a in axes[1:]], expr.const
     on_false = float(p["on_false_value"])
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, data])
     dtype = p.get("dtype") or data.dtype
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -591,7 +591,7 @@ def reciprocal(*args: Any, **kwargs: Any) -> Any:
     dst, args = _split(args, kwargs, 1)
     p = _bind(what, args, kwargs, ["data"], {"dtype": None, "mask": None, "name": None, "engine": None})
     x = _tensor(p["data"], what, "data")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
@@ -608,7 +608,7 @@ def tensor_tensor_scan(*args: Any, **kwargs: Any) -> Any:
               {"reverse0": False, "reverse1": False, "dtype": None, "mask": None, "name": None})
     a, b = _tensor(p["data0"], what, "data0"), _tensor(p["data1"], what, "data1")
     init = _value(p["initial"], what, "initial")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, a, b, init])
     op0, op1 = _op_name(p["op0"]), _op_name(p["op1"])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -628,7 +628,7 @@ def scalar_tensor_tensor(*args: Any, **kwargs: Any) -> Any:
               {"reverse0": False, "reverse1": False, "dtype": None, "mask": None, "name": None})
     x = _tensor(p["data"], what, "data")
     o0, o1 = _value(p["operand0"], what, "operand0"), _tensor(p["operand1"], what, "operand1")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x, o0, o1])
     op0, op1 = _op_name(p["op0"]), _op_name(p["op1"])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -650,7 +650,7 @@ def tensor_copy_predicated(*args: Any, **kwargs: Any) -> Any:
         raise NkiError(f"{what}: dst is required (it keeps its values where the predicate is false)")
     src = _value(p["src"], what, "src")
     pred = _tensor(p["predicate"], what, "predicate")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, src, pred])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
@@ -678,7 +678,7 @@ def range_select(*args: Any, **kwargs: Any) -> Any:
     x = _tensor(p["on_true_tile"], what, "on_true_tile")
     b0, b1 = _tensor(p["bound0"], what, "bound0"), _tensor(p["bound1"], what, "bound1")
     red = None if p["reduce_res"] is None else _tensor(p["reduce_res"], what, "reduce_res")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, x, b0, b1, red])
     c0, c1 = _op_name(p["comp_op0"]), _op_name(p["comp_op1"])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
@@ -712,7 +712,7 @@ def dma_copy(*args: Any, **kwargs: Any) -> Any:
     if p["dst_rmw_op"] is not None:
         raise NkiError(f"{what}: dst_rmw_op (DMA read-modify-write) is not supported by trnsim.nki")
     dst, src = _tensor(p["dst"], what, "dst"), _tensor(p["src"], what, "src")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, src])
     if box is False:
         return None
     eng = _engine(p["engine"], "", what) or ("gpsimd" if p["dge_mode"] is dge_mode.swdge else "")
@@ -737,7 +737,7 @@ def dma_transpose(*args: Any, **kwargs: Any) -> Any:
     src = _tensor(p["src"], what, "src")
     if len(src.shape) != 2:
         raise NkiError(f"{what}: src must be 2-D, got shape {src.shape}")
-    box = _spread(_mask(p["mask"], what), [v for v in locals().values() if isinstance(v, NkiTensor)])
+    box = _spread(_mask(p["mask"], what), [dst, src])
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()
