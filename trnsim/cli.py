@@ -119,8 +119,6 @@ def info_data(cfg: ChipConfig) -> dict[str, Any]:
             "version": chip.neuronlink.version,
             "links": chip.neuronlink.links,
             "bandwidth": chip.neuronlink.bandwidth,
-            "topology": chip.neuronlink.topology,
-            "instance_chips": chip.neuronlink.instance_chips,
         },
         "host_dispatch_ns": cfg.host.dispatch / 1000,
         "host_max_inflight": cfg.host.max_inflight,
@@ -158,8 +156,7 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
                      f"engine = {bw(d['dma_bandwidth_per_core'])} per core, {bw(d['dma_bandwidth_per_chip'])} per chip; "
                      f"start latency {format_quantity(c.dma.start_latency, 'time')}")
     nl = cfg.chip.neuronlink
-    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
-                            f"{nl.instance_chips} chips")
+    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip; systems in configs/systems/")
     t.add_row("Host", f"{format_quantity(cfg.host.dispatch, 'time')} to issue a launch, up to "
                       f"{cfg.host.max_inflight} unfinished launches per logical core")
     t.add_row("Source", cfg.source_display)
