@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from trnsim.kernels import kernel_names
-from trnsim.kernels.registry import check_entry, get_kernel
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
 
 # One small, ragged shape per kernel (dims in the registry's order).
 SMALL = {

@@ -10,7 +10,8 @@ import pytest
 
 from trnsim import Chip, KernelError
 from trnsim.config import load_config
-from trnsim.kernels.registry import check_entry, get_kernel
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
 
 
 def _check(name, shape, dtype, config, params):

@@ -10,7 +10,7 @@ import trnsim
 from trnsim.isa import ACTIVATIONS, DmaCopy, MatMul, TensorScalar, TensorTensor, Transpose
 from trnsim.kernels import get_kernel
 from trnsim.kernels.elementwise import BINARY_OPS, UNARY_OPS, row_pieces
-from trnsim.kernels.registry import check_entry
+from trnsim.kernels.check import check_entry
 
 DTYPES = ("bf16", "fp16", "fp32")
 ODD = ((1, 1), (129, 1000), (300, 7))
@@ -95,7 +95,7 @@ def test_transpose_exact(dtype, config):
 def test_row_pieces_cover_the_tensor_once():
     for rows, cols, free in ((300, 7, 64), (129, 1000, 256), (1, 1, 8), (1000, 3, 12), (256, 20, 8192)):
         seen = np.zeros((rows, cols), dtype=int)
-        for pc in row_pieces(rows, cols, free):
+        for pc in row_pieces(rows, cols, free, 128):
             assert 1 <= pc.p <= 128 and pc.free <= max(free, cols if cols <= free else free)
             seen[pc.r0:pc.r0 + pc.p * pc.g, pc.c0:pc.c0 + pc.cols] += 1
         assert (seen == 1).all()

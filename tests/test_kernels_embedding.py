@@ -7,7 +7,9 @@ import pytest
 
 from trnsim import Chip, Kernel, KernelError, load_config
 from trnsim.kernels.embedding import build_embedding
-from trnsim.kernels.registry import check_entry, get_kernel, round_to
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+from trnsim.kernels.reference import round_to
 from trnsim.native.dtypes import get_dtype
 
 

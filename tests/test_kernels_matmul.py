@@ -12,7 +12,8 @@ import pytest
 from trnsim import Chip, KernelError, load_config
 from trnsim.isa import DmaCopy, MatMul, TensorCopy, Transpose
 from trnsim.kernels.matmul import build_bmm, build_matmul, plan_blocks
-from trnsim.kernels.registry import check_entry, get_kernel
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
 from trnsim.native.dtypes import get_dtype
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")

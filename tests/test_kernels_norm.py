@@ -12,7 +12,9 @@ from trnsim.config import load_config
 
 from trnsim import Chip, KernelError
 from trnsim.kernels.norm import build_layernorm, build_rmsnorm, build_rmsnorm_fp8, build_softmax
-from trnsim.kernels.registry import check_entry, get_kernel, round_to
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+from trnsim.kernels.reference import round_to
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_rmsnorm.py"
 _spec = importlib.util.spec_from_file_location("fidelity_rmsnorm", _BENCH)
@@ -130,7 +132,8 @@ def test_hidden_32768_is_tiled_not_refused(name):
     """Rows too wide for the resident layout (32768 bf16 on trn2) run wide: in-place chunks, gamma
     (and beta) resident where they fit beside two input buffers, list-scheduled; a ragged last
     row tile too."""
-    from trnsim.kernels.registry import check_entry, get_kernel
+    from trnsim.kernels import get_kernel
+    from trnsim.kernels.check import check_entry
 
     res = check_entry(get_kernel(name), (130, 32768), "bf16", "trn2")
     assert res["ok"], res["errors"]

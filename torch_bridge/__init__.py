@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (first: with autoload on, it loads .backend itself)
 
+from trnsim.report import OpRow, RunReport
+
 from .backend import register
-from .report import OpRow, RunReport
 
 __all__ = ["register", "RunReport", "OpRow"]
 

@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from . import memory, tensore
-from .lowering import Lowered
+from . import _torch, lowering, memory, tensore
 from .runtime import runtime
 
 __all__ = ["sdpa", "takes"]
@@ -83,12 +82,6 @@ def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
-
-
-def _bh(q: torch.Tensor) -> tuple[int, int]:
-    """The attention kernel's B and H for ``q``'s batch dims (a 3-d q is one batch of N heads)."""
-    heads = q.shape[-3]
-    return q.numel() // max(1, heads * q.shape[-2] * q.shape[-1]), heads
 
 
 _causal: dict[tuple[int, int], torch.Tensor] = {}
@@ -145,7 +138,7 @@ class _Attention(torch.autograd.Function):
         p_dt = p.to(dt)
         dv = tensore.bmm_f32(p_dt.transpose(1, 2), do)
         dp = tensore.bmm_f32(do, cv.transpose(1, 2))
-        ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+        ds = _torch.softmax_backward_data(dp, p, -1, torch.float32)
         ds.mul_(ctx.scale)
         ds_dt = ds.to(dt)
         dq = tensore.bmm_f32(ds_dt, ck)
@@ -159,51 +152,27 @@ class _Attention(torch.autograd.Function):
         return grads + (None, None, None, None)
 
 
-# (shapes, dtype, mask shape/dtype, causal, scale) -> what one forward / backward is charged
-_charges: dict[tuple[Any, ...], list[Lowered]] = {}
+# (shapes, dtype, mask shape/dtype, causal, scale) -> the costs one forward / backward launches
+_charges: dict[tuple[Any, ...], list[Any]] = {}
+
+
+def _charge(index: int, op: str, key: tuple[Any, ...], specs: Any) -> None:
+    rt = runtime()
+    costs = _charges.get(key)
+    if costs is None:
+        costs = _charges[key] = [rt.cost(spec) for spec in specs()]
+    for cost in costs:
+        rt.charge(index, op, cost)
 
 
 def _charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
                     ) -> None:
     key = ("fwd", q.shape, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
-    lowered = _charges.get(key)
-    if lowered is None:
-        rt = runtime()
-        b, h = _bh(q)
-        l, e = q.shape[-2:]
-
-        def generic() -> Lowered:
-            meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
-            return rt.lowering.generic(FORWARD, [meta, meta, meta], [meta])  # the kernel refused the shape
-        lowered = [rt.lowering.library("attention", (b, h, l, e), q.dtype,
-                                       {"causal": bool(causal), "scale": scale, "kv_block": 0}, generic)]
-        if mask is not None and not causal:
-            lowered.append(rt.lowering.generic("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype,
-                                                                            device="meta")], []))
-        _charges[key] = lowered
-    rt = runtime()
-    for low in lowered:
-        rt.charge(index, FORWARD, low)
+    _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale))
 
 
 def _charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:
-    key = ("bwd", q.shape, s, dtype)
-    lowered = _charges.get(key)
-    if lowered is None:
-        rt = runtime()
-        bh = q.numel() // (q.shape[-2] * q.shape[-1])
-        l, e = q.shape[-2:]
-        mm = rt.lowering.matmul
-        lowered = [mm(BACKWARD, bh, s, l, e, dtype, False, False),  # dV = Pᵀ dO (Pᵀ is P [L,S] read as lhsT)
-                   mm(BACKWARD, bh, l, e, s, dtype, True, True),    # dP = dO Vᵀ (V stored [S,E])
-                   mm(BACKWARD, bh, l, s, e, dtype, True, False),   # dQ = dS K
-                   mm(BACKWARD, bh, s, l, e, dtype, False, False)]  # dK = dSᵀ Q (dS stored [L,S])
-        scores = torch.empty((bh, l, s), dtype=torch.float32, device="meta")
-        lowered.append(rt.lowering.generic("softmax_bwd", [scores, scores], [scores]))
-        _charges[key] = lowered
-    rt = runtime()
-    for low in lowered:
-        rt.charge(index, BACKWARD, low)
+    _charge(index, BACKWARD, ("bwd", q.shape, s, dtype), lambda: lowering.attention_backward_specs(q, s, dtype))
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -213,7 +182,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     if is_causal and attn_mask is not None:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return torch.ops.aten._scaled_dot_product_attention_math(
+        return _torch.sdpa_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
     groups = query.shape[-3] // key.shape[-3]
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import _torch
 from . import device as _device_module
 
 __all__ = ["register", "autoload"]
@@ -18,7 +19,7 @@ __all__ = ["register", "autoload"]
 _registered = False
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+class _Hooks(_torch.PrivateUse1Hooks):  # type: ignore[misc]
     """What PyTorch asks a PrivateUse1 backend before the first ``.to('neuron')``."""
 
     def is_available(self) -> bool:
@@ -31,9 +32,9 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
         return True
 
 
-class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
+class _Guard(_torch.DeviceGuard):  # type: ignore[misc]
     def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
+        return _torch.PRIVATEUSE1
 
 
 def _storage_to(original: Any) -> Any:
@@ -67,17 +68,16 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from .dispatch import register_kernels
+    from .registration import register_kernels
 
     torch.utils.rename_privateuse1_backend("neuron")
-    torch._register_device_module("neuron", _device_module)
+    _torch.register_device_module("neuron", _device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
                                                          for_packed_sequence=True)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
-    torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    _torch.register_hooks(_Hooks())
+    _torch.register_device_guard(_Guard())
     register_kernels()
-    torch._utils._to = _storage_to(torch._utils._to)  # type: ignore[attr-defined]
-    torch.storage._to = _storage_to(torch.storage._to)  # type: ignore[attr-defined]
+    _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
     _registered = True
 

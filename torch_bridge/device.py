@@ -13,7 +13,7 @@ Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
 without a caching allocator).
 
 Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
-(see :mod:`torch_bridge.timeline` for the model).
+(see :mod:`trnsim.device` for the model: the host runs ahead of the device until it synchronises).
 
 Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``.
 """
@@ -21,15 +21,17 @@ Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Iterator
 
 import torch
 
+from trnsim.device import Recorder
+from trnsim.report import RunReport
+
 from . import memory
-from .report import RunReport, build_run_report
 from .runtime import is_initialized, runtime, set_config
-from .timeline import Collector, new_stream_id, ticks_to_ms
 
 __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
@@ -104,7 +106,7 @@ class device:
 
 def synchronize(device: Any = None) -> None:
     """The host waits until every stream of ``device`` has finished (in simulated time)."""
-    runtime().clocks[_check_index(device)].synchronize()
+    runtime().device.synchronize(_check_index(device))
 
 
 def _is_in_bad_fork() -> bool:
@@ -145,7 +147,7 @@ def is_bf16_supported() -> bool:
 
 
 # ---- memory ---------------------------------------------------------------------------------
-def _memory(device: Any) -> memory.DeviceMemory:
+def _memory(device: Any) -> memory.MemoryStats:
     index = _check_index(device)  # first: it may configure the pool
     return memory.pool.devices[index]
 
@@ -188,20 +190,26 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 
 
 # ---- streams and events in simulated time -------------------------------------------------------
+_stream_ids = itertools.count(1)
+_stream_lock = threading.Lock()
+
+
+def _new_stream_id() -> int:
+    with _stream_lock:
+        return next(_stream_ids)
+
+
 class Stream:
     """A queue of work on one NeuronCore; streams of a core overlap on its simulated timeline."""
 
     def __init__(self, device: Any = None, priority: int = 0, *, _id: int | None = None):
         self.device_index = _check_index(device)
         self.priority = priority
-        self.stream_id = new_stream_id() if _id is None else _id
+        self.stream_id = _new_stream_id() if _id is None else _id
 
     @property
     def device(self) -> torch.device:
         return torch.device("neuron", self.device_index)
-
-    def _clock(self) -> Any:
-        return runtime().clocks[self.device_index]
 
     def wait_event(self, event: "Event") -> None:
         event.wait(self)
@@ -215,11 +223,11 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        clock = self._clock()
-        return clock.ready.get(self.stream_id, 0) <= clock.host
+        dev = runtime().device
+        return dev.stream_ready(self.device_index, self.stream_id) <= dev.host
 
     def synchronize(self) -> None:
-        self._clock().synchronize(self.stream_id)
+        runtime().device.synchronize(self.device_index, self.stream_id)
 
     def __enter__(self) -> "Stream":
         self._prev = current_stream(self.device_index)
@@ -240,12 +248,12 @@ class Stream:
 
 
 def _set_current(s: Stream) -> None:
-    runtime().clocks[s.device_index].current_stream = s.stream_id
+    runtime().device.cores[s.device_index].current_stream = s.stream_id
 
 
 def current_stream(device: Any = None) -> Stream:
     idx = _check_index(device)
-    return Stream(idx, _id=runtime().clocks[idx].current_stream)
+    return Stream(idx, _id=runtime().device.cores[idx].current_stream)
 
 
 def default_stream(device: Any = None) -> Stream:
@@ -273,25 +281,26 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
         self.device_index = stream.device_index
-        self.tick = runtime().clocks[stream.device_index].ready.get(stream.stream_id, 0)
+        dev = runtime().device
+        # the stream reaches the event when its earlier work is done, and not before the host
+        # enqueues it (an idle stream records the host's time, as a CUDA event does)
+        self.tick = max(dev.stream_ready(stream.device_index, stream.stream_id), dev.host)
 
     def wait(self, stream: Stream | None = None) -> None:
         """Work issued later on ``stream`` starts after this event (no effect if never recorded)."""
         if self.tick is None:
             return
         stream = stream or current_stream(self.device_index)
-        clock = runtime().clocks[stream.device_index]
-        clock.ready[stream.stream_id] = max(clock.ready.get(stream.stream_id, 0), self.tick)
+        runtime().device.stream_wait(stream.device_index, stream.stream_id, self.tick)
 
     def query(self) -> bool:
         if self.tick is None:
             return True
-        return self.tick <= runtime().clocks[self.device_index].host  # type: ignore[index]
+        return self.tick <= runtime().device.host
 
     def synchronize(self) -> None:
         if self.tick is not None:
-            clock = runtime().clocks[self.device_index]  # type: ignore[index]
-            clock.host = max(clock.host, self.tick)
+            runtime().device.wait_host_until(self.tick)
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Simulated milliseconds from this event to ``end_event``."""
@@ -302,7 +311,7 @@ class Event:
         if not end_event.query():
             raise RuntimeError("end_event has not completed: call end_event.synchronize() first "
                                "(as torch.cuda.Event.elapsed_time requires)")
-        return ticks_to_ms(config(), end_event.tick - self.tick)
+        return (end_event.tick - self.tick) * 1e3 / config().tick_hz
 
     def __repr__(self) -> str:
         return f"<torch.neuron.Event tick={self.tick} device={self.device_index}>"
@@ -316,28 +325,29 @@ def config() -> Any:
 
 def report() -> RunReport:
     """Where simulated time went since the process started (or :func:`reset_report`)."""
-    rt = runtime()
-    return build_run_report(rt.collectors[0], rt.config)
+    return runtime().device.report()
 
 
 def reset_report(trace: bool = False) -> None:
     """Start the process-wide report afresh; ``trace=True`` also keeps every launch (for a timeline)."""
-    runtime().collectors[0] = Collector(trace=trace)
+    runtime().device.reset(trace=trace)
 
 
 class report_scope:
     """``with torch.neuron.report_scope() as scope: ...`` then ``scope.report``: only the ops
-    issued inside the block (``trace=True`` also keeps every launch for a timeline)."""
+    issued inside the block (``trace=True`` also keeps every launch for a timeline). The host
+    does not wait for the device at the end of the block: call ``torch.neuron.synchronize()``
+    inside it to include the device's last kernels in ``elapsed_us``."""
 
     def __init__(self, trace: bool = False):
-        self._collector = Collector(trace=trace)
+        self._trace = trace
+        self._recorder: Recorder | None = None
         self.report: RunReport | None = None
 
     def __enter__(self) -> "report_scope":
-        runtime().collectors.append(self._collector)
+        self._recorder = runtime().device.open_scope(self._trace)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        rt = runtime()
-        rt.collectors.remove(self._collector)
-        self.report = build_run_report(self._collector, rt.config)
+        assert self._recorder is not None
+        self.report = runtime().device.close_scope(self._recorder)

@@ -1,56 +1,36 @@
-"""Lowering: one aten op call -> one trnsim kernel whose timing-only run is the op's device cost.
+"""Lowering: an op call's metadata -> the kernel whose simulated cost is the op's device cost.
 
-An op with a library kernel (``trnsim.kernels``) lowers to it; every other op gets a *generic*
-kernel built here with the same public builder: its input bytes stream HBM->SBUF through DMA,
-its elements pass through the engine that would run them on a NeuronCore (ScalarE for
-table-driven activations, GpSimd for index, random and scan ops, VectorE for the rest), and its
-output bytes stream back, tiled and double-buffered. That is an honest lower bound of what a
-compiler would emit for the op, and reports mark it ``generic``.
+The one place a torch op becomes a :class:`trnsim.device.KernelSpec`; nothing else in the bridge
+costs anything. It reads only metadata - shapes, dtypes, strides and scalar parameters - never
+values, so the same lowering serves eager ops on real tensors, fake or meta tensors (timing-only
+runs) and FX graph nodes (compiled regions): a meta tensor of a shape costs what a real one does.
 
-Kernels are keyed by (op, shapes, dtypes, params, config); each key is simulated once
-(timing-only) and its :class:`~trnsim.report.KernelReport` reused. Values are never cached.
+:data:`OPS` is the single table from aten op names to kernels: the library kernel an op lowers to
+(with the rule that reads its call into the kernel's shape and parameters) and, for ops no library
+kernel expresses, the engine its *generic* streaming kernel (:mod:`trnsim.kernels.generic`) runs
+them on. Library shapes are the library's: elementwise and row-wise kernels see a tensor as
+``[numel / last dim, last dim]``, as a NeuronCore kernel tiles it (rows on partitions).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from trnsim import Chip, ChipConfig, Kernel, KernelError, KernelReport
-from trnsim.kernels import get_kernel, kernel_names
+from trnsim.device import KernelSpec
+from trnsim.kernels.generic import STREAM
 from trnsim.native.dtypes import get_dtype
 
-from .ops import RULES
+__all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
+           "matmul_spec", "conv_specs", "copy_spec", "attention_specs", "attention_backward_specs", "fused_spec"]
 
-__all__ = ["Lowered", "KernelCache", "TileDtype", "tile_dtype", "build_generic", "build_matmul_any"]
-
-# Elements per partition per generic tile: 2048 fp32 = 8 KiB a partition, well above the 4 KiB
-# per partition where DMA nears saturation (datasheet §6), and small enough to double-buffer.
-GENERIC_TILE_FREE = 2048
-
-SCALAR_OPS = {
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "gelu", "silu", "mish",
-    "softplus", "sqrt", "rsqrt", "sin", "cos", "tan", "erf", "erfinv", "atan", "asin", "acos", "sinh", "cosh",
-    "pow", "reciprocal", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward",
-    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "logsumexp", "elu", "selu",
-    "hardswish", "lgamma", "digamma",
-}
-GPSIMD_OPS = {
-    "gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put", "index_put_", "_index_put_impl_",
-    "index_select", "index_add", "index_copy", "index_fill", "embedding", "embedding_dense_backward",
-    "masked_select", "masked_scatter", "nonzero", "sort", "topk", "argsort", "cumsum", "cumprod", "cummax",
-    "cummin", "normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "random_", "randperm", "multinomial",
-    "exponential_", "arange", "tril", "triu", "tril_", "triu_", "unique", "_unique2", "take", "take_along_dim",
-    "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "searchsorted",
-    "bucketize", "native_dropout", "roll", "flip",
-}
-ACTIVATION_OF = {"sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "silu": "silu", "exp": "exp", "log": "log",
-                 "sqrt": "sqrt", "rsqrt": "rsqrt", "erf": "erf", "sin": "sin", "softplus": "softplus",
-                 "reciprocal": "reciprocal", "mish": "mish"}
+Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
 
 
+# ---- how torch dtypes travel through the chip -----------------------------------------------
 @dataclass(frozen=True)
 class TileDtype:
     """How a torch dtype's bytes travel through the chip: a trnsim dtype and how many of its
@@ -73,147 +53,12 @@ _TILE_DTYPES = {
 def tile_dtype(dt: torch.dtype) -> TileDtype:
     if dt in _TILE_DTYPES:
         return _TILE_DTYPES[dt]
-    return TileDtype("uint8", torch.empty((), dtype=dt).element_size())
+    return TileDtype("uint8", torch.empty((), dtype=dt, device="meta").element_size())
 
 
 def matmul_dtype(dt: torch.dtype) -> str:
     """The TensorE input format a torch dtype runs as (fp32 for anything the PE array lacks)."""
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3"}.get(dt, "fp32")
-
-
-def _cols(n: int, p: int) -> int:
-    return max(1, -(-n // p))
-
-
-def build_generic(label: str, in_bytes: int, out_bytes: int, work: int, dtype: str, engine: str,
-                  config: ChipConfig, binary: bool = False, activation: str = "exp") -> Kernel:
-    """A streaming kernel: ``in_bytes`` HBM->SBUF, ``work`` elements through ``engine``
-    (``"vector"``, ``"scalar"`` or ``"gpsimd"``), ``out_bytes`` SBUF->HBM; 128 partitions,
-    :data:`GENERIC_TILE_FREE` elements per partition per tile, triple-buffered."""
-    k = Kernel(label, config)
-    p = config.core.sbuf.partitions
-    isz = get_dtype(dtype).itemsize
-    cin = _cols(-(-in_bytes // isz), p) if in_bytes else 0
-    cout = _cols(-(-out_bytes // isz), p) if out_bytes else 0
-    cw = _cols(work, p) if work else 0
-    width = min(GENERIC_TILE_FREE, max(cin, cw, cout, 1))
-    x = k.input("x", (p, cin), dtype) if cin else None
-    y = k.output("y", (p, cout), dtype) if cout else None
-    loads = k.tile_pool("in", bufs=3)
-    results = k.tile_pool("out", bufs=3)
-    last_in = last_res = None
-    for c0 in range(0, max(cin, cw, cout, 1), width):
-        if x is not None and c0 < cin:
-            w = min(width, cin - c0)
-            last_in = loads.tile((p, width), dtype)
-            k.dma_copy(last_in[:, :w], x[:, c0:c0 + w], queue=0)
-        if c0 < cw:
-            w = min(width, cw - c0)
-            res = results.tile((p, width), dtype)
-            dst = res[:, :w]
-            if last_in is None:
-                k.memset(dst, 0.0, engine="gpsimd" if engine == "gpsimd" else "vector")
-            else:
-                src = last_in[:, :w]
-                if engine == "scalar":
-                    k.activation(dst, activation, src)
-                elif binary and engine == "vector":
-                    k.tensor_tensor(dst, src, src, "add")
-                else:
-                    k.tensor_scalar(dst, src, "multiply", 1.0, engine=engine)
-            last_res = res
-        if y is not None and c0 < cout:
-            w = min(width, cout - c0)
-            src_tile = last_res if last_res is not None else last_in
-            if src_tile is None:
-                src_tile = results.tile((p, width), dtype)
-                k.memset(src_tile[:, :w], 0.0)
-            k.dma_copy(y[:, c0:c0 + w], src_tile[:, :w], queue=1)
-    return k
-
-
-def build_matmul_any(batch: int, m: int, k: int, n: int, dtype: str, config: ChipConfig,
-                     label: str = "matmul") -> Kernel:
-    """``batch`` matmuls ``[M,K] @ [K,N]`` of any sizes: ragged edges become partial tiles.
-
-    Straightforward tiling (stationary ``lhsT`` tiles of <=128x128, moving tiles of <=512
-    columns, PSUM accumulation over K, evacuation alternating VectorE/ScalarE, operands
-    double-buffered); it reloads operands per output tile, so its HBM traffic is an upper bound.
-    """
-    kern = Kernel(label, config)
-    t = config.core.tensor
-    tk, tm = t.max_contraction, t.stationary_max_free
-    tn = min(t.moving_max_free, config.core.psum.bank_bytes // 4)
-    odt = "fp32" if dtype == "fp32" else "bf16"
-    a = kern.input("lhsT", (k, batch * m), dtype)
-    b = kern.input("rhs", (k, batch * n), dtype)
-    out = kern.output("out", (batch * m, n), odt)
-    lhs = kern.tile_pool("lhsT", bufs=2)
-    rhs = kern.tile_pool("rhs", bufs=2)
-    res = kern.tile_pool("res", bufs=2)
-    acc = kern.tile_pool("acc", bufs=2, space="psum")
-    evac = 0
-    for bi in range(batch):
-        for m0 in range(0, m, tm):
-            mw = min(tm, m - m0)
-            for n0 in range(0, n, tn):
-                nw = min(tn, n - n0)
-                ps = acc.tile((mw, nw), "fp32")
-                for k0 in range(0, k, tk):
-                    kw = min(tk, k - k0)
-                    st = lhs.tile((kw, mw), dtype)
-                    kern.dma_copy(st, a[k0:k0 + kw, bi * m + m0:bi * m + m0 + mw], queue=0)
-                    mv = rhs.tile((kw, nw), dtype)
-                    kern.dma_copy(mv, b[k0:k0 + kw, bi * n + n0:bi * n + n0 + nw], queue=1)
-                    kern.nc_matmul(ps, st, mv, accumulate=k0 > 0)
-                r = res.tile((mw, nw), odt)
-                kern.tensor_copy(r, ps, engine="vector" if evac % 2 == 0 else "scalar")
-                evac += 1
-                kern.dma_copy(out[bi * m + m0:bi * m + m0 + mw, n0:n0 + nw], r, queue=2)
-    return kern
-
-
-@dataclass(frozen=True)
-class Lowered:
-    """The kernel an op call lowers to: ``kernel`` names it in reports; ``generic`` says it was
-    built by :func:`build_generic` rather than taken from the library."""
-
-    kernel: str
-    generic: bool
-    report: KernelReport | None  # None: a metadata-only op (no device kernel, launch overhead only)
-
-
-class KernelCache:
-    """Timing-only kernel runs keyed by (op, shapes, dtypes, params, config); each simulated once."""
-
-    def __init__(self, config: ChipConfig):
-        self.config = config
-        self.chip = Chip(config)
-        self._reports: dict[tuple[Any, ...], tuple[str, KernelReport]] = {}
-        self.rejected: set[tuple[Any, ...]] = set()  # library kernels that refused a shape
-        self.simulated = 0  # kernels actually simulated (cache misses)
-
-    def __len__(self) -> int:
-        return len(self._reports)
-
-    def get(self, key: tuple[Any, ...], build: Callable[[], tuple[str, Kernel]]) -> tuple[str, KernelReport]:
-        hit = self._reports.get(key)
-        if hit is None:
-            label, kernel = build()
-            hit = (label, self.chip.run(kernel, timing_only=True).report)
-            self._reports[key] = hit
-            self.simulated += 1
-        return hit
-
-
-_library: dict[str, Any] = {}
-
-
-def library_kernel(name: str) -> Any | None:
-    """The library kernel entry ``name``, or None if the library has no such kernel."""
-    if not _library:
-        _library.update({n: get_kernel(n) for n in kernel_names()})
-    return _library.get(name)
 
 
 def flat_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -229,86 +74,291 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Lowering:
-    """Maps op calls to kernels and their simulated reports, through one :class:`KernelCache`."""
+def _rows_cols(t: torch.Tensor) -> tuple[int, int]:
+    cols = t.shape[-1] if t.dim() else 1
+    return (t.numel() // cols if cols else 0), cols
 
-    def __init__(self, config: ChipConfig):
-        self.config = config
-        self.cache = KernelCache(config)
 
-    # ---- entry points ---------------------------------------------------------------------
-    def generic(self, op: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Lowered:
-        """The generic kernel of ``op`` over ``inputs`` -> ``outputs`` (flat tensor lists)."""
-        in_bytes = sum(_nbytes(t) for t in inputs)
-        out_bytes = sum(_nbytes(t) for t in outputs)
-        ref = outputs[0] if outputs else (inputs[0] if inputs else None)
-        td = tile_dtype(ref.dtype) if ref is not None else TileDtype("fp32", 1)
-        work = max([t.numel() for t in outputs] + [t.numel() for t in inputs] + [0]) * td.per_element
-        if len(outputs) > 1 and all(o.shape == outputs[0].shape for o in outputs):
-            work = sum(o.numel() for o in outputs) * td.per_element  # foreach ops: one pass per tensor
-        engine = "scalar" if op in SCALAR_OPS else "gpsimd" if op in GPSIMD_OPS else "vector"
-        if engine == "scalar" and not td.name.startswith(("fp", "bf")):
-            engine = "vector"
-        binary = sum(1 for t in inputs if t.numel() > 1) >= 2
-        act = ACTIVATION_OF.get(op, "exp")
-        key = ("generic", op, in_bytes, out_bytes, work, td.name, engine, binary)
-        label = f"generic:{op}"
-        _, rep = self.cache.get(key, lambda: (label, build_generic(label, in_bytes, out_bytes, work, td.name, engine,
-                                                                   self.config, binary, act)))
-        return Lowered(label, True, rep)
+# ---- library rules: (name, args, kwargs, out) -> (kernel, shape, params) or None --------------
+def _binary(op: str) -> Callable[..., Route]:
+    def rule(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+        a, b = args[0], args[1] if len(args) > 1 else None
+        if not isinstance(a, torch.Tensor):
+            a, b = b, a
+        if not isinstance(a, torch.Tensor):
+            return None
+        if isinstance(b, torch.Tensor) and b.numel() > a.numel():
+            a, b = b, a
+        rows, cols = _rows_cols(out)
+        if a.numel() != out.numel():
+            return None
+        if not isinstance(b, torch.Tensor) or b.numel() == 1:
+            bc = "scalar"
+        elif b.numel() == out.numel():
+            bc = "none"
+        elif b.numel() == cols and b.shape[-1] == cols:
+            bc = "row"
+        elif b.numel() == rows and b.dim() and b.shape[-1] == 1:
+            bc = "col"
+        else:
+            return None
+        return "binary", (rows, cols), {"op": op, "broadcast": bc}
+    return rule
 
-    def op(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
-           outputs: Sequence[torch.Tensor]) -> Lowered:
-        """The kernel of one fallback op call: a library kernel when a rule in
-        :data:`torch_bridge.ops.RULES` expresses it, else the generic kernel."""
-        def generic() -> Lowered:
-            return self.generic(name, inputs, outputs)
-        rule = RULES.get(name)
-        if rule is None or not outputs or not inputs:
-            return generic()
-        try:
-            route = rule(name, args, kwargs, outputs[0])
-        except (TypeError, IndexError, AttributeError, ValueError, ZeroDivisionError):
-            route = None  # an overload the rule does not read: cost it generically
-        if route is None:
-            return generic()
-        kernel, shape, params = route
-        return self.library(kernel, shape, inputs[0].dtype, params, generic)
 
-    def matmul(self, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
-               transpose_a: bool = False, transpose_b: bool = False) -> Lowered:
-        """A (batched) matmul on TensorE: the library's matmul/bmm kernel (``transpose_a``: A is
-        stored [M,K] row-major rather than as lhsT [K,M]; ``transpose_b``: B is stored [N,K]),
-        else :func:`build_matmul_any` (marked generic)."""
-        dt = matmul_dtype(dtype)
-        if min(batch, m, k, n) == 0:  # no products: the launch is all there is
-            return Lowered("empty matmul (launch only)", False, None)
+def _unary(op: str) -> Callable[..., Route]:
+    def rule(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+        return "unary", _rows_cols(out), {"op": op}
+    return rule
 
-        def any_size() -> Lowered:
-            key = ("matmul_any", batch, m, k, n, dt)
-            label = f"generic:{'bmm' if batch > 1 else 'matmul'}"
-            _, rep = self.cache.get(key, lambda: (label, build_matmul_any(batch, m, k, n, dt, self.config, label)))
-            return Lowered(label, True, rep)
-        params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
-        if batch > 1:
-            return self.library("bmm", (batch, m, k, n), dtype, params, any_size)
-        return self.library("matmul", (m, k, n), dtype, params, any_size)
 
-    def library(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, params: dict[str, Any],
-                fallback: Callable[[], Lowered]) -> Lowered:
-        """Library kernel ``name`` if it exists and accepts the shape/dtype/params, else ``fallback()``."""
-        entry = library_kernel(name)
-        if entry is None or any(d <= 0 for d in shape):
-            return fallback()
-        dt = matmul_dtype(dtype) if name in ("matmul", "bmm") else tile_dtype(dtype).name
-        if dt not in entry.dtypes or (name not in ("matmul", "bmm") and tile_dtype(dtype).per_element != 1):
-            return fallback()
-        key = ("lib", name, shape, dt, tuple(sorted(params.items())))
-        if key in self.cache.rejected:
-            return fallback()
-        try:
-            label, rep = self.cache.get(key, lambda: (name, entry.make(shape, dt, self.config, params)))
-        except KernelError:
-            self.cache.rejected.add(key)
-            return fallback()
-        return Lowered(label, False, rep)
+def _activation(fn: str) -> Callable[..., Route]:
+    def rule(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+        return "activation", _rows_cols(out), {"fn": fn}
+    return rule
+
+
+def _gelu(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return "activation", _rows_cols(out), {"fn": "gelu_apprx_tanh" if approximate == "tanh" else "gelu"}
+
+
+def _reduce(op: str) -> Callable[..., Route]:
+    def rule(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+        x = args[0]
+        dim = kwargs.get("dim")
+        if len(args) > 1 and not isinstance(args[1], (torch.dtype, bool)):
+            dim = args[1]
+        dims = [dim] if isinstance(dim, int) else list(dim) if dim is not None else []
+        dims = sorted({d % max(x.dim(), 1) for d in dims})
+        if not dims or len(dims) == x.dim():  # a full reduction: the row pass does the work
+            return "reduce", _rows_cols(x), {"op": op, "axis": 1}
+        if dims == [x.dim() - 1]:
+            return "reduce", _rows_cols(x), {"op": op, "axis": 1}
+        if dims == [0] and x.dim() >= 2:
+            return "reduce", (x.shape[0], x.numel() // x.shape[0]), {"op": op, "axis": 0}
+        return None
+    return rule
+
+
+def _softmax(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+    x, dim = args[0], args[1]
+    if dim % max(x.dim(), 1) != x.dim() - 1 and x.dim() > 0:
+        return None
+    return "softmax", _rows_cols(x), {}
+
+
+def _layer_norm(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+    x, normalized_shape, eps = args[0], args[1], args[4] if len(args) > 4 else 1e-5
+    hidden = math.prod(normalized_shape)
+    return "layernorm", (x.numel() // hidden, hidden), {"eps": float(eps)}
+
+
+def _embedding(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) -> Route:
+    weight, indices = args[0], args[1]
+    return "embedding", (indices.numel(), weight.shape[0], weight.shape[1]), {}
+
+
+# ---- the table ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Op:
+    """How one aten op lowers: ``library`` reads a call into a library kernel's (name, shape,
+    params), or None where the library has no kernel for the call; ``engine`` runs the op's
+    generic kernel otherwise (VectorE unless a table-driven activation or an index/random/scan op),
+    ``fn`` is the ScalarE function that kernel applies."""
+
+    library: Callable[..., Route] | None = None
+    engine: str = "vector"
+    fn: str = "exp"
+
+
+OPS: dict[str, Op] = {}
+
+
+def _add(names: Sequence[str], op: Op, inplace: bool = False) -> None:
+    for n in names:
+        OPS[n] = op
+        if inplace:
+            OPS[n + "_"] = op
+
+
+# binary (library "binary"), with in-place forms; pow's generic form runs on ScalarE
+for _name, _lib in {"add": "add", "sub": "subtract", "rsub": "subtract", "mul": "multiply", "div": "divide",
+                    "maximum": "maximum", "minimum": "minimum"}.items():
+    _add([_name], Op(_binary(_lib)), inplace=True)
+_add(["pow"], Op(_binary("power"), "scalar", "exp"), inplace=True)
+# unary (library "unary"); the ScalarE ones keep their function for the generic form
+for _name, (_eng, _fn) in {"neg": ("vector", "exp"), "abs": ("vector", "exp"), "relu": ("vector", "exp"),
+                           "sign": ("vector", "exp"), "square": ("vector", "exp"), "sqrt": ("scalar", "sqrt"),
+                           "rsqrt": ("scalar", "rsqrt"), "reciprocal": ("scalar", "reciprocal"),
+                           "exp": ("scalar", "exp"), "log": ("scalar", "log")}.items():
+    _add([_name], Op(_unary(_name), _eng, _fn), inplace=True)
+# ScalarE activations (library "activation")
+for _name, _fn in {"sigmoid": "sigmoid", "tanh": "tanh", "silu": "silu", "erf": "erf", "softplus": "softplus",
+                   "mish": "mish", "sin": "sin", "atan": "arctan"}.items():
+    _add([_name], Op(_activation(_fn), "scalar", _fn if _fn != "arctan" else "exp"), inplace=True)
+_add(["gelu"], Op(_gelu, "scalar", "gelu"), inplace=True)
+for _name, _lib in {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", "max": "max", "min": "min"}.items():
+    _add([_name], Op(_reduce(_lib)))
+_add(["_softmax"], Op(_softmax, "scalar", "exp"))
+_add(["native_layer_norm"], Op(_layer_norm))
+_add(["embedding"], Op(_embedding, "gpsimd"))
+# no library kernel: generic on ScalarE (table-driven functions) ...
+_add(["exp2", "expm1", "log2", "log10", "log1p", "cos", "tan", "erfinv", "asin", "acos", "sinh", "cosh",
+      "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward",
+      "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "logsumexp", "elu", "selu",
+      "hardswish", "lgamma", "digamma"], Op(None, "scalar", "exp"))
+# ... and on GpSimd (index, random, scan and sort ops)
+_add(["gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put", "index_put_", "_index_put_impl_",
+      "index_select", "index_add", "index_copy", "index_fill", "embedding_dense_backward", "masked_select",
+      "masked_scatter", "nonzero", "sort", "topk", "argsort", "cumsum", "cumprod", "cummax", "cummin", "normal",
+      "normal_", "uniform_", "bernoulli", "bernoulli_", "random_", "randperm", "multinomial", "exponential_",
+      "arange", "tril", "triu", "tril_", "triu_", "unique", "_unique2", "take", "take_along_dim",
+      "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "searchsorted",
+      "bucketize", "native_dropout", "roll", "flip"], Op(None, "gpsimd"))
+_DEFAULT = Op()
+
+
+# ---- specs ----------------------------------------------------------------------------------
+def generic_spec(op: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> KernelSpec:
+    """The generic streaming kernel of ``op`` reading ``inputs`` and writing ``outputs`` (flat
+    tensor lists; only their sizes and dtypes are read)."""
+    in_bytes = sum(_nbytes(t) for t in inputs)
+    out_bytes = sum(_nbytes(t) for t in outputs)
+    ref = outputs[0] if outputs else (inputs[0] if inputs else None)
+    td = tile_dtype(ref.dtype) if ref is not None else TileDtype("fp32", 1)
+    work = max([t.numel() for t in outputs] + [t.numel() for t in inputs] + [0]) * td.per_element
+    if len(outputs) > 1 and all(o.shape == outputs[0].shape for o in outputs):
+        work = sum(o.numel() for o in outputs) * td.per_element  # foreach ops: one pass per tensor
+    entry = OPS.get(op, _DEFAULT)
+    engine = entry.engine
+    if engine == "scalar" and not td.name.startswith(("fp", "bf")):
+        engine = "vector"
+    binary = sum(1 for t in inputs if t.numel() > 1) >= 2
+    isz = get_dtype(td.name).itemsize
+    shape = (-(-in_bytes // isz), work, -(-out_bytes // isz))
+    return KernelSpec.of(STREAM, shape, td.name, {"engine": engine, "binary": binary, "fn": entry.fn},
+                         label=f"generic:{op}", generic=True)
+
+
+
+def _library(kernel: str, shape: tuple[int, ...], dtype: torch.dtype, params: dict[str, Any],
+             fallback: KernelSpec | None) -> KernelSpec | None:
+    """Library kernel ``kernel`` for ``shape``, or None where its dtypes cannot take ``dtype``."""
+    from trnsim.kernels import get_kernel
+
+    entry = get_kernel(kernel)
+    if any(d <= 0 for d in shape):
+        return None
+    dt = matmul_dtype(dtype) if kernel in ("matmul", "bmm") else tile_dtype(dtype).name
+    if dt not in entry.dtypes or (kernel not in ("matmul", "bmm") and tile_dtype(dtype).per_element != 1):
+        return None
+    return KernelSpec.of(kernel, shape, dt, params, fallback=fallback)
+
+
+def op_spec(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+            outputs: Sequence[torch.Tensor]) -> KernelSpec:
+    """The kernel of one op call (``inputs``/``outputs``: its flat tensors on the device): the
+    library kernel :data:`OPS` gives for it, falling back to the generic kernel."""
+    generic = generic_spec(name, inputs, outputs)
+    entry = OPS.get(name)
+    if entry is None or entry.library is None or not outputs or not inputs:
+        return generic
+    try:
+        route = entry.library(name, args, kwargs, outputs[0])
+    except (TypeError, IndexError, AttributeError, ValueError, ZeroDivisionError):
+        route = None  # an overload the rule does not read: cost it generically
+    if route is None:
+        return generic
+    kernel, shape, params = route
+    return _library(kernel, shape, inputs[0].dtype, params, generic) or generic
+
+
+def matmul_spec(batch: int, m: int, k: int, n: int, dtype: torch.dtype, transpose_a: bool = False,
+                transpose_b: bool = False) -> KernelSpec | None:
+    """``batch`` matmuls [M,K] @ [K,N] on TensorE: the library's matmul/bmm (``transpose_a``: A is
+    stored [M,K] row-major rather than as lhsT [K,M]; ``transpose_b``: B is stored [N,K]).
+    None when there are no products (the launch is all there is)."""
+    if min(batch, m, k, n) == 0:
+        return None
+    params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
+    if batch > 1:
+        return KernelSpec.of("bmm", (batch, m, k, n), matmul_dtype(dtype), params)
+    return KernelSpec.of("matmul", (m, k, n), matmul_dtype(dtype), params)
+
+
+def matmul_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool, bool]:
+    """The operand forms the operands' strides pick: a row-major A[M,K] is loaded as ``a``
+    (transpose_a), a column-major one is already lhsT[K,M]; a row-major B[K,N] is ``rhs``, a
+    column-major one (``x @ w.t()``) is stored as b[N,K] (transpose_b)."""
+    ta = a is not None and a.stride(-1) == 1 and a.shape[-1] > 1
+    tb = b is not None and b.stride(-1) != 1 and b.shape[-1] > 1
+    return ta, tb
+
+
+def conv_specs(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int, stride: Any = None,
+               padding: Any = None, dilation: Any = None, transposed: bool = True) -> list[KernelSpec]:
+    """A plain 2-d convolution (one group, square filter, equal strides and paddings, no
+    dilation) lowers to the library's conv2d kernel. Any other convolution is costed as the matmul
+    of its im2col patches: M = batch x output positions, K = input channels per group x filter
+    size, N = output channels per group; one per group."""
+    kernel_numel = math.prod(weight.shape[2:])
+    positions = math.prod(out.shape[2:])
+    m = out.shape[0] * positions
+    k = weight.shape[1] * kernel_numel
+    n = weight.shape[0] // groups
+    im2col = matmul_spec(groups, m, k, n, inp.dtype)
+    if (not transposed and groups == 1 and inp.dim() == 4 and weight.shape[2] == weight.shape[3]
+            and len(set(stride)) == 1 and len(set(padding)) == 1 and set(dilation) == {1}):
+        nb, c, h, w = inp.shape
+        spec = _library("conv2d", (nb, c, h, w, weight.shape[0], weight.shape[2]), inp.dtype,
+                        {"stride": int(stride[0]), "padding": int(padding[0])}, im2col)
+        if spec is not None:
+            return [spec]
+    return [im2col] if im2col is not None else []
+
+
+def copy_spec(kind: str, src: torch.Tensor, dst: torch.Tensor) -> KernelSpec:
+    """A copy between host and device or within the device (``kind``: copy_h2d/copy_d2h/copy_d2d)."""
+    return generic_spec(kind, [src], [dst])
+
+
+def fused_spec(op: str, lists: Sequence[Sequence[torch.Tensor]], singles: Sequence[torch.Tensor],
+               produced: Sequence[torch.Tensor]) -> KernelSpec:
+    """A ``_foreach_*`` op as one multi-tensor kernel: each tensor list read as one stream of all
+    its elements, the outputs (or, in place, the first list) written as one."""
+    def fused(ts: Sequence[Any]) -> torch.Tensor:
+        tensors = [t for t in ts if isinstance(t, torch.Tensor)]
+        return torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device="meta")
+    inputs = [fused(ts) for ts in lists] + list(singles)
+    outputs = [fused(produced)] if produced else [fused(lists[0])] if lists else []
+    return generic_spec(op, inputs, outputs)
+
+
+def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
+                    ) -> list[KernelSpec]:
+    """The forward of fused attention: the library's flash-attention kernel (``causal`` when
+    asked), plus a generic kernel reading an explicit mask once."""
+    heads = q.shape[-3]
+    b = q.numel() // max(1, heads * q.shape[-2] * q.shape[-1])
+    l, e = q.shape[-2:]
+    meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
+    generic = generic_spec("scaled_dot_product_attention", [meta, meta, meta], [meta])
+    specs = [_library("attention", (b, heads, l, e), q.dtype,
+                      {"causal": bool(causal), "scale": scale, "kv_block": 0}, generic) or generic]
+    if mask is not None and not causal:
+        specs.append(generic_spec("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype, device="meta")], []))
+    return specs
+
+
+def attention_backward_specs(q: torch.Tensor, s: int, dtype: torch.dtype) -> list[KernelSpec]:
+    """The backward of fused attention: its four matmuls and a generic softmax backward
+    (reads P and dP, writes dS)."""
+    bh = q.numel() // (q.shape[-2] * q.shape[-1])
+    l, e = q.shape[-2:]
+    specs = [matmul_spec(bh, s, l, e, dtype, False, False),  # dV = Pᵀ dO (Pᵀ is P [L,S] read as lhsT)
+             matmul_spec(bh, l, e, s, dtype, True, True),    # dP = dO Vᵀ (V stored [S,E])
+             matmul_spec(bh, l, s, e, dtype, True, False),   # dQ = dS K
+             matmul_spec(bh, s, l, e, dtype, False, False)]  # dK = dSᵀ Q (dS stored [L,S])
+    scores = torch.empty((bh, l, s), dtype=torch.float32, device="meta")
+    return [sp for sp in specs if sp is not None] + [generic_spec("softmax_bwd", [scores, scores], [scores])]

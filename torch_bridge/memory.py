@@ -8,13 +8,15 @@ copies. Compute runs on zero-copy CPU views of that memory (:func:`cpu_view`).
 Every allocation is counted against the chip config's HBM capacity per logical NeuronCore
 (``chip.hbm.capacity / logical cores``), checked *before* the host allocator is asked, so a
 request bigger than the virtual HBM raises ``torch.OutOfMemoryError`` with the sizes instead of
-exhausting the host. Frees are seen through ``weakref.finalize`` on the CPU tensor the DLPack
-capsule keeps alive.
+exhausting the host. Frees are seen through a weak reference to the CPU tensor the DLPack
+capsule keeps alive. The counters are updated under one lock: ops may run on several threads,
+and a free may arrive from the garbage collector in the middle of an allocation.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -23,7 +25,9 @@ import torch
 
 from trnsim.config import format_quantity
 
-__all__ = ["DeviceMemory", "relabel", "cpu_view", "allocate", "pool"]
+from . import _torch
+
+__all__ = ["MemoryStats", "relabel", "cpu_view", "allocate", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -42,7 +46,7 @@ class _DLTensorHead(ctypes.Structure):
 
 
 @dataclass
-class DeviceMemory:
+class MemoryStats:
     """Allocation statistics of one NeuronCore's share of HBM (bytes), like ``torch.cuda``'s."""
 
     capacity: int
@@ -67,35 +71,47 @@ class DeviceMemory:
 
 
 class _Pool:
-    """Per-device :class:`DeviceMemory`, created when the chip config is first needed."""
+    """Per-device :class:`MemoryStats`, created when the chip config is first needed."""
 
     def __init__(self) -> None:
-        self.devices: list[DeviceMemory] = []
+        self.devices: list[MemoryStats] = []
+        self.lock = threading.RLock()  # re-entrant: a GC-driven free can run inside reserve()
 
     def configure(self, count: int, capacity_per_device: int) -> None:
-        self.devices = [DeviceMemory(capacity_per_device) for _ in range(count)]
+        self.devices = [MemoryStats(capacity_per_device) for _ in range(count)]
 
     def reserve(self, index: int, nbytes: int) -> None:
         """Count ``nbytes`` on device ``index`` or raise ``torch.OutOfMemoryError``."""
-        mem = self.devices[index]
-        if mem.allocated + nbytes > mem.capacity:
-            mem.ooms += 1
-            raise torch.OutOfMemoryError(
-                f"neuron:{index} out of memory: tried to allocate {nbytes} bytes ({format_quantity(nbytes, 'bytes')}); "
-                f"{mem.allocated} bytes in use of {mem.capacity} capacity "
-                f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)"
-            )
-        mem.allocated += nbytes
-        mem.allocations += 1
-        mem.segments += 1
-        mem.peak = max(mem.peak, mem.allocated)
+        with self.lock:
+            mem = self.devices[index]
+            if mem.allocated + nbytes > mem.capacity:
+                mem.ooms += 1
+                raise torch.OutOfMemoryError(
+                    f"neuron:{index} out of memory: tried to allocate {nbytes} bytes "
+                    f"({format_quantity(nbytes, 'bytes')}); {mem.allocated} bytes in use of {mem.capacity} capacity "
+                    f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)"
+                )
+            mem.allocated += nbytes
+            mem.allocations += 1
+            mem.segments += 1
+            mem.peak = max(mem.peak, mem.allocated)
 
-    def release(self, index: int, nbytes: int) -> None:
-        if index < len(self.devices):  # a reconfigured pool forgets earlier devices
+    def unreserve(self, index: int, nbytes: int) -> None:
+        """Undo a :meth:`reserve` whose allocation the host could not back (an OOM, not a free)."""
+        with self.lock:
             mem = self.devices[index]
             mem.allocated -= nbytes
-            mem.frees += 1
+            mem.allocations -= 1
             mem.segments -= 1
+            mem.ooms += 1
+
+    def release(self, index: int, nbytes: int) -> None:
+        with self.lock:
+            if index < len(self.devices):  # a reconfigured pool forgets earlier devices
+                mem = self.devices[index]
+                mem.allocated -= nbytes
+                mem.frees += 1
+                mem.segments -= 1
 
 
 pool = _Pool()
@@ -117,11 +133,11 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     if not counted:
         pool.reserve(index, nbytes)
     _live[weakref.ref(cpu, _freed)] = (index, nbytes)
-    cap = torch._C._to_dlpack(cpu)  # the capsule keeps this very tensor alive
+    cap = _torch.to_dlpack(cpu)  # the capsule keeps this very tensor alive
     head = _DLTensorHead.from_address(_get_pointer(cap, b"dltensor"))
     head.device.device_type = _KDL_EXT_DEV
     head.device.device_id = index
-    return torch._C._from_dlpack(cap)
+    return _torch.from_dlpack(cap)
 
 
 # weak reference to a relabelled CPU tensor -> (device, bytes) to release when it dies. A bare
@@ -143,10 +159,7 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
     try:
         cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
     except RuntimeError as e:
-        pool.release(index, nbytes)
-        pool.devices[index].allocations -= 1
-        pool.devices[index].frees -= 1
-        pool.devices[index].ooms += 1
+        pool.unreserve(index, nbytes)
         raise torch.OutOfMemoryError(
             f"neuron:{index} out of memory: the host could not back {nbytes} bytes of device memory "
             f"({format_quantity(nbytes, 'bytes')}; the virtual HBM had room): {str(e).splitlines()[0]}") from None
@@ -167,9 +180,9 @@ _VIEW_CACHE = 8192
 def _fresh_view(t: torch.Tensor, cst: Any, offset: int, size: Any, stride: Any) -> torch.Tensor:
     v = torch.empty(0, dtype=t.dtype).set_(cst, offset, size, stride)
     if t.is_conj():
-        v = torch._conj(v)
+        v = _torch.conj_view(v)
     if t.is_neg():
-        v = torch._neg_view(v)
+        v = _torch.neg_view(v)
     return v
 
 
@@ -194,7 +207,7 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
     if cst is None:
         if len(_aliases) >= _ALIAS_CACHE:
             _aliases.clear()
-        cst = _aliases[key] = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cpu"), nbytes)
+        cst = _aliases[key] = _torch.storage_from_pointer(ptr, torch.device("cpu"), nbytes)
     v = _fresh_view(t, cst, offset, size, stride)
     if len(_views) >= _VIEW_CACHE:
         _views.clear()

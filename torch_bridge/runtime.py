@@ -1,16 +1,20 @@
-"""The process-wide state of the `neuron` device: the chip config, per-core clocks, the kernel
-cache and the report collectors. Created on first use; the config cannot change afterwards."""
+"""The process-wide state of the `neuron` device: the chip config and its trnsim device model.
+
+Created on first use; the config cannot change afterwards. :func:`charge` is how every value
+path puts its op on the device's timeline: a :class:`~trnsim.device.KernelSpec` from
+:mod:`torch_bridge.lowering` (or an :class:`~trnsim.device.OpCost` already looked up), costed by
+the device model and launched on the current stream of the op's logical NeuronCore.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Iterable, Mapping
 
-from trnsim import ChipConfig, KernelReport, load_config
+from trnsim import ChipConfig, load_config
+from trnsim.device import Device, KernelSpec, OpCost, no_work
 
 from . import memory
-from .lowering import Lowered, Lowering
-from .timeline import Collector, CoreClock, launch_ticks
 
 __all__ = ["Runtime", "runtime", "set_config", "is_initialized"]
 
@@ -20,25 +24,26 @@ class Runtime:
 
     def __init__(self, config: ChipConfig):
         self.config = config
-        self.lowering = Lowering(config)
-        self.clocks = [CoreClock(i) for i in range(config.logical_cores)]
-        self.launch = launch_ticks(config)
-        self.collectors: list[Collector] = [Collector()]  # [0]: since start (or the last reset)
+        self.device = Device(config)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
 
     @property
     def device_count(self) -> int:
-        return len(self.clocks)
+        return self.device.core_count
 
-    def charge(self, device: int, op: str, lowered: Lowered) -> None:
-        """Put one launch of ``lowered`` on the current stream of ``device``."""
-        clock = self.clocks[device]
-        rep: KernelReport | None = lowered.report
-        ticks = self.launch + (rep.total_ticks if rep is not None else 0)
-        stream = clock.current_stream
-        start, end = clock.launch(stream, ticks)
-        for c in self.collectors:
-            c.add(device, stream, op, lowered.kernel, lowered.generic, rep, start, end)
+    def cost(self, spec: KernelSpec | None, label: str = "launch only") -> OpCost:
+        """The cost of one launch of ``spec`` (None: a launch with no device work)."""
+        return no_work(label) if spec is None else self.device.cost(spec)
+
+    def charge(self, index: int, op: str, spec: KernelSpec | OpCost | None, label: str = "launch only") -> None:
+        """Launch ``spec`` for ``op`` on the current stream of logical core ``index`` (None: a
+        launch with no device work, shown as ``label``)."""
+        cost = spec if isinstance(spec, OpCost) else self.cost(spec, label)
+        self.device.launch(index, op, cost)
+
+    def host_op(self, op: str) -> None:
+        """A metadata-only op: counted in the report, no launch."""
+        self.device.host_op(op)
 
 
 _runtime: Runtime | None = None

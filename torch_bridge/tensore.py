@@ -1,7 +1,8 @@
 """Values of TensorE ops through trnsim's native datapath (the numbers the PE array and PSUM make).
 
 Operands are rounded to their dtype (they already are: a bf16 tensor holds bf16 values),
-products are exact in fp32, the contraction accumulates in fp32 in 128-row chunks, and PSUM is
+products are exact in fp32, the contraction accumulates in fp32 in chunks of the PE array's
+contraction rows (``core.tensor.max_contraction``: one matmul instruction each), and PSUM is
 copied out with one round-to-nearest-even to the result dtype. Dtypes the PE array does not
 take (float64, integers, complex) are computed by the CPU kernel instead, as are transposed and
 3-d convolutions and convolution backward (their cost is still a TensorE matmul).
@@ -20,7 +21,19 @@ from trnsim import native
 __all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "conv_f32", "conv_on_datapath"]
 
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-K_CHUNK = 128  # partitions per matmul instruction (datasheet §4.2)
+
+
+_chunk: list[int] = []
+
+
+def _k_chunk() -> int:
+    """Contraction rows per matmul instruction on the configured chip (datasheet §4.2); the
+    config is fixed once the device is in use, so it is read once."""
+    if not _chunk:
+        from .runtime import runtime
+
+        _chunk.append(runtime().config.core.tensor.max_contraction)
+    return _chunk[0]
 
 
 def on_datapath(*ts: torch.Tensor) -> bool:
@@ -38,14 +51,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]."""
-    out = native.matmul(_np(a.t()), _np(b), k_chunk=K_CHUNK)
+    out = native.matmul(_np(a.t()), _np(b), k_chunk=_k_chunk())
     return torch.from_numpy(out)
 
 
 def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
     [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath."""
-    out = native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=K_CHUNK)
+    out = native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk())
     return torch.from_numpy(out)
 
 

@@ -55,7 +55,11 @@ __all__ = [
 ]
 
 ENGINES = ("Tensor", "Vector", "Scalar", "GpSimd", "Sync")
+# The access-pattern encoding every engine instruction carries (datasheet §4.6, S8): up to 4 free
+# dimensions, uint16 sizes and int16 strides, counted in elements.
 MAX_FREE_DIMS = 4
+AP_MAX_SIZE = 65535
+AP_MAX_STRIDE = 32767
 
 
 class KernelError(ValueError):

@@ -27,7 +27,8 @@ from .config import ChipConfig
 from .cores.base import Segment
 from .isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
-__all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length"]
+__all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
+           "RunReport", "OpRow", "CoreStats", "TraceEvent"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class DmaStats:
     transfers: int
+    busy_ticks: int  # any queue moving data (the union of the queues' transfer intervals)
     bytes: int  # moved by the DMA engines (a casting copy counts its wider side)
     average_bytes: float  # neuron-profile's dma_transfer_average_bytes
     active_percent: float  # any queue moving data
@@ -91,6 +93,36 @@ class KernelReport:
 
     def segments(self, lane: str | None = None) -> list[Segment]:
         return [s for s in self.timeline if lane is None or s[0] == lane]
+
+    @property
+    def busy_ticks(self) -> dict[str, int]:
+        """Busy ticks per engine (Sync included) and ``"DMA"`` (any queue moving data)."""
+        out = {name: e.busy_ticks for name, e in self.engines.items()}
+        out["DMA"] = self.dma.busy_ticks
+        return out
+
+    @property
+    def bound(self) -> str:
+        """What limits the kernel: see :func:`bound_of`."""
+        return bound_of(self)
+
+
+def busiest(busy: dict[str, float]) -> str:
+    """The one definition of what bounds a piece of work: of the engines (Sync, which only
+    triggers DMAs, aside) and the DMA system (``"DMA"``), the one busiest during it. The DMA system
+    is named ``"DMA/HBM"``: its transfers are what HBM bandwidth limits."""
+    best, top = "DMA/HBM", -1.0
+    for name, value in busy.items():
+        if name == "Sync":
+            continue
+        if value > top:
+            best, top = ("DMA/HBM" if name == "DMA" else name), value
+    return best
+
+
+def bound_of(report: KernelReport) -> str:
+    """The resource that limits a kernel: its busiest engine or the DMA system (:func:`busiest`)."""
+    return busiest({name: float(t) for name, t in report.busy_ticks.items()})
 
 
 def union_length(intervals: Iterable[tuple[int, int]]) -> int:
@@ -175,11 +207,13 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         q["bytes"] += d.plan.bytes
     for lane in queues:
         queues[lane]["busy_us"] = union_length((s, e) for ln, _, s, e, _ in segments if ln == lane) / tick_hz * 1e6
+    dma_busy = union_length(by_engine.get("DMA", []))
     dma = DmaStats(
         transfers=len(dmas),
+        busy_ticks=dma_busy,
         bytes=dma_bytes,
         average_bytes=dma_bytes / len(dmas) if dmas else 0.0,
-        active_percent=100.0 * union_length(by_engine.get("DMA", [])) / total,
+        active_percent=100.0 * dma_busy / total,
         achieved_bytes_per_s=dma_bytes / seconds if seconds else 0.0,
         queues=queues,
     )
@@ -226,3 +260,100 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         psum_peak_bytes=psum_peak,
         timeline=tuple(sorted(segments, key=lambda s: (s[2], s[4], s[0]))),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# RunReport: where a program's simulated device time went, per op (built by trnsim.device)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One launch on the device timeline: the host issued it at ``issued``; it ran on ``core``'s
+    ``stream`` from ``start`` to ``end`` (ticks)."""
+
+    core: int
+    stream: int
+    op: str
+    kernel: str
+    issued: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One (op, kernel) of a run: its launches' device time and what the device did meanwhile."""
+
+    op: str
+    kernel: str
+    generic: bool  # no library kernel expressed the op: the generic streaming kernel was charged
+    calls: int
+    time_us: float  # device time of its kernels, summed over calls (start to end of each)
+    share_percent: float  # of the report's summed device time
+    host_wait_us: float  # the device idle before these launches, waiting for the host to issue them
+    engine_percent: dict[str, float]  # busy / time per engine and "DMA", over the physical cores used
+    hbm_bytes: int
+    matmul_flops: int
+    mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
+    bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """One logical NeuronCore over a report's scope (microseconds of simulated time)."""
+
+    elapsed_us: float  # from the scope's start to the core's last kernel end
+    busy_us: float  # union of its kernels' intervals (streams that overlap count once)
+    host_wait_us: float  # idle, waiting for the host to issue the next kernel
+    launches: int
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Where a run's simulated time went. Time figures are separate on purpose: ``elapsed_us``
+    is simulated wall time (the scope's start to the last result, the host included);
+    ``device_us`` sums device time over cores and streams (work that ran in parallel adds up)."""
+
+    config: str
+    rows: tuple[OpRow, ...]  # busiest first
+    host_ops: dict[str, int]  # metadata-only ops (views, ...): run on the host, no device kernel
+    cores: dict[int, CoreStats]  # logical core index -> its figures
+    elapsed_us: float
+    device_us: float  # sum of row times
+    host_us: float  # host time spent issuing launches (dispatch, and waiting for room in a full queue)
+    host_wait_us: float  # summed over cores: device idle waiting on the host
+    launches: int  # ops that ran a kernel (or a launch with no work)
+    hbm_bytes: int
+    matmul_flops: int
+    mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
+    events: tuple[TraceEvent, ...] = ()
+    tick_hz: int = 1
+
+    @property
+    def host_only_calls(self) -> int:
+        return sum(self.host_ops.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("events")
+        d["host_only_calls"] = self.host_only_calls
+        return d
+
+    def row(self, op: str) -> OpRow:
+        """The busiest row of ``op`` (KeyError if the op launched nothing in this report)."""
+        for r in self.rows:
+            if r.op == op:
+                return r
+        raise KeyError(f"op '{op}' launched no kernel on the neuron device in this report")
+
+    def __str__(self) -> str:
+        head = (f"neuron run report ({self.config}): {self.elapsed_us:,.1f} us elapsed, {self.launches} launches "
+                f"({self.device_us:,.1f} us device time, {self.host_wait_us:,.1f} us waiting on the host), "
+                f"{self.host_only_calls} host-only ops, HBM {self.hbm_bytes / 1e6:,.2f} MB, MFU {self.mfu_percent:.1f}%")
+        ow = max([28] + [len(r.op) for r in self.rows])  # op names are whole: they are what users look up
+        lines = [head, f"{'op':<{ow}} {'kernel':<28} {'calls':>6} {'time us':>11} {'share':>6} {'MFU':>6}  bound"]
+        for r in self.rows:
+            lines.append(f"{r.op:<{ow}} {r.kernel[:28]:<28} {r.calls:>6} {r.time_us:>11,.1f} "
+                         f"{r.share_percent:>5.1f}% {r.mfu_percent:>5.1f}%  {r.bound}")
+        return "\n".join(lines)

@@ -54,7 +54,7 @@ from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .cores.base import ENGINE_TYPES
 from .config import ChipConfig, format_quantity
 from .isa import Allocation, DmaCopy, Instruction, KernelError, MatMul, TileAP, Transpose, is_dense
-from .kernel import SBUF_GRANULE, DependencyTracker, Kernel
+from .kernel import DependencyTracker, Kernel
 from .memory.dma import BandwidthPipe, DmaSystem
 from .memory.hbm import stack_bandwidth
 from .memory.sbuf import OnChipAllocator
@@ -154,7 +154,7 @@ class _Program:
         self.kernel = kernel
         #: where each instruction came from, for messages (a front end's source lines), if known
         self.where: Sequence[str] | None = getattr(kernel, "source_lines", None)
-        granule = {"sbuf": SBUF_GRANULE, "psum": cfg.core.psum.bank_bytes}
+        granule = {"sbuf": cfg.core.sbuf.allocation_granule, "psum": cfg.core.psum.bank_bytes}
         uids = itertools.count(1)
         current: dict[int, _Version] = {}
         self.versions: list[_Version] = []
@@ -623,6 +623,7 @@ def _emit(prog: _Program, order: Sequence[int], addrs: Mapping[int, int] | None)
             allocator = new._sbuf if a.space == "sbuf" else new._psum
             addr = None if addrs is None else addrs[a.uid]
             p = phys[a.uid] = allocator.allocate(a.name, a.p_start, a.p_count, a.nbytes, addr=addr)
+            new._allocs[p.uid] = p  # the new kernel's own tile, as Kernel._allocate records one
             new._deps.allocated(p)
             left[a.uid] = by_alloc[a.uid].accesses
         return _with_alloc(ap, p)
@@ -660,7 +661,7 @@ def unbounded_kernel(name: str, config: ChipConfig | str) -> Kernel:
     k = Kernel(name, config)
     cfg = k.config
     uids = itertools.count(1)
-    k._sbuf = _Bump("sbuf", cfg.core.sbuf.partitions, 2**62, SBUF_GRANULE, "unbounded", uids)
+    k._sbuf = _Bump("sbuf", cfg.core.sbuf.partitions, 2**62, cfg.core.sbuf.allocation_granule, "unbounded", uids)
     k._sbuf._top = 0  # type: ignore[attr-defined]
     k._psum = _Bump("psum", cfg.core.psum.partitions, 2**62, cfg.core.psum.bank_bytes, "unbounded", uids)
     k._psum._top = 0  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..isa import ACTIVATIONS, ALU_OPS, BITWISE_OPS, REDUCE_OPS, TileAP
-from ..native import convert
+from ..native.cast import to_dtype
 from ..native.dtypes import Dtype
 
 __all__ = ["store", "load_f32", "alu", "operand", "activation_values"]
@@ -29,23 +29,6 @@ def store(mem: Any, ap: TileAP, values: np.ndarray) -> None:
     """Round ``values`` to ``ap``'s dtype and write them (shape [P, free] or ap.shape)."""
     dst = mem.view(ap)
     dst[...] = to_dtype(np.asarray(values), ap.dtype).reshape(dst.shape)
-
-
-def to_dtype(values: np.ndarray, dt: Dtype) -> np.ndarray:
-    """Convert to ``dt``: floats round to nearest even (through fp32, as the engines do);
-    integers round to nearest even and saturate at the type's range (NaN becomes 0)."""
-    if values.dtype == dt.np_dtype:
-        return values
-    if dt.is_float:
-        if values.dtype.kind in "iub":
-            values = values.astype(np.float32)
-        return convert(values.astype(np.float32, copy=False), dt.name)
-    info = np.iinfo(dt.np_dtype)
-    if values.dtype.kind in "iub":
-        return np.clip(values.astype(np.int64), info.min, info.max).astype(dt.np_dtype)
-    v = np.rint(values.astype(np.float64))
-    v = np.nan_to_num(v, nan=0.0, posinf=info.max, neginf=info.min)
-    return np.clip(v, info.min, info.max).astype(dt.np_dtype)
 
 
 def operand(mem: Any, x: float | TileAP | None, like: TileAP, int_mode: bool = False) -> Any:

@@ -32,7 +32,7 @@ import numpy as np
 from ..config import ChipConfig
 from ..isa import Instruction, MatMul, MatMulMx, Transpose
 from ..native import convert, matmul as native_matmul
-from .alu import to_dtype
+from ..native.cast import to_dtype
 from .base import Engine, Segment, register_engine
 
 LS_LANE = "Tensor (LS)"

@@ -1,5 +1,9 @@
-"""Built-in kernels written with the public builder API, and the registry the CLI runs them from."""
+"""Built-in kernels written with the public builder API, and the registry the CLI runs them from.
 
-from .registry import KERNELS, KernelEntry, get_kernel, kernel_names, register_kernel
+Importing this package registers every built-in kernel (each module registers its own).
+"""
 
-__all__ = ["KERNELS", "KernelEntry", "get_kernel", "kernel_names", "register_kernel"]
+from . import attention, conv, elementwise, embedding, matmul, norm, reduce, transpose  # noqa: F401
+from .registry import KERNELS, KernelEntry, build_spec, get_kernel, kernel_names, register_kernel, split_spec
+
+__all__ = ["KERNELS", "KernelEntry", "build_spec", "get_kernel", "kernel_names", "register_kernel", "split_spec"]

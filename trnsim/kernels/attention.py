@@ -52,9 +52,10 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import SBUF_GRANULE, Kernel
+from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_attention"]
 
@@ -123,7 +124,7 @@ class _Step:
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
                  params={"causal": False, "scale": None, "kv_block": 0, "schedule": "auto"}, inputs=_inputs,
-                 reference=_reference)
+                 reference=_reference, split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
                     schedule: bool | str = "auto", name: str = "attention") -> Kernel:
@@ -287,7 +288,7 @@ class _Work:
     def query_state_fits(self, n_q: int, blk: int) -> bool:
         """Can the running state of ``n_q`` query tiles (qᵀ, o, the max and sum chains) stay in
         SBUF beside two key blocks (one computed on, the next loading) and the working tiles?"""
-        per_tile = (self.tq * self.dt.itemsize + self.d * 4 + 3 * 2 * SBUF_GRANULE)
+        per_tile = (self.tq * self.dt.itemsize + self.d * 4 + 3 * 2 * self.kern.config.core.sbuf.allocation_granule)
         block = blk * self.dt.itemsize + -(-blk // self.tc) * self.d * self.dt.itemsize
         return n_q * per_tile + 2 * block + _WORKING_BYTES <= self.kern.config.core.sbuf.partition_bytes
 

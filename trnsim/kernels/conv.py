@@ -30,7 +30,8 @@ from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_conv2d"]
 
@@ -84,7 +85,8 @@ def _tiles(size: int, step: int) -> list[tuple[int, int]]:
 @register_kernel("conv2d", dims="NxCxHxWxKxR", dtypes=("bf16", "fp16", "fp32"), default_shape=(8, 256, 56, 56, 256, 3),
                  summary="NCHW conv2d with [K,C,R,R] weights: per-tap matmuls accumulated in PSUM, no im2col",
                  # padding's default is a string so the CLI accepts both a number and "same"
-                 params={"stride": 1, "padding": "valid"}, inputs=_inputs, reference=_reference)
+                 params={"stride": 1, "padding": "valid"}, inputs=_inputs, reference=_reference,
+                 split=split_dims(0, 4))
 def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "bf16",
                  config: ChipConfig | str = "trn2", stride: int = 1, padding: int | str = "valid",
                  name: str = "conv2d") -> Kernel:

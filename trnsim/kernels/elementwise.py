@@ -26,13 +26,13 @@ from ..config import ChipConfig
 from ..isa import ACTIVATIONS, ALU_OPS, HbmAP, HbmTensor, KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_unary", "build_binary", "build_activation", "Piece", "row_pieces", "hbm_piece", "compute_engines",
            "tile_free_elems", "kernel_dtype", "checked_choice", "checked_bufs"]
 
 DTYPES = ("bf16", "fp16", "fp32")
-PARTITIONS = 128
 
 #: unary op -> (engine class, instruction, argument): "alu" ops are a tensor_scalar with an
 #: immediate on Vector/GpSimd; "act" ops are ScalarE activation functions (reciprocal is 8N on
@@ -80,23 +80,23 @@ def tile_free_elems(tile_bytes: int, dt: Dtype, what: str) -> int:
     return tile_bytes // dt.itemsize
 
 
-def row_pieces(rows: int, cols: int, max_free: int) -> Iterator[Piece]:
-    """Cover [rows, cols] with pieces of at most ``max_free`` elements per partition. Column
-    tiles are the outer loop when rows are cut, so a per-column operand is loaded once per
-    column tile."""
+def row_pieces(rows: int, cols: int, max_free: int, partitions: int) -> Iterator[Piece]:
+    """Cover [rows, cols] with pieces of at most ``partitions`` rows and ``max_free`` elements per
+    partition. Column tiles are the outer loop when rows are cut, so a per-column operand is
+    loaded once per column tile."""
     if cols <= max_free:
         g = max(1, max_free // cols)
         r = 0
-        while rows - r >= PARTITIONS:
-            gg = min(g, (rows - r) // PARTITIONS)
-            yield Piece(r, PARTITIONS, gg, 0, cols)
-            r += PARTITIONS * gg
+        while rows - r >= partitions:
+            gg = min(g, (rows - r) // partitions)
+            yield Piece(r, partitions, gg, 0, cols)
+            r += partitions * gg
         if r < rows:
             yield Piece(r, rows - r, 1, 0, cols)
         return
     for c in range(0, cols, max_free):
-        for r in range(0, rows, PARTITIONS):
-            yield Piece(r, min(PARTITIONS, rows - r), 1, c, min(max_free, cols - c))
+        for r in range(0, rows, partitions):
+            yield Piece(r, min(partitions, rows - r), 1, c, min(max_free, cols - c))
 
 
 def hbm_piece(t: HbmTensor, pc: Piece) -> HbmAP:
@@ -147,7 +147,7 @@ def _stream(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, max_free: int
     rows, cols = x.shape
     pool = kern.tile_pool("x", bufs=bufs)
     res_pool = kern.tile_pool("out", bufs=bufs)
-    for i, pc in enumerate(row_pieces(rows, cols, max_free)):
+    for i, pc in enumerate(row_pieces(rows, cols, max_free, kern.config.core.sbuf.partitions)):
         t = pool.tile((pc.p, pc.free), dt)
         kern.dma_copy(t, hbm_piece(x, pc), queue=i % 2)
         o = res_pool.tile((pc.p, pc.free), dt)
@@ -183,7 +183,7 @@ def _unary_reference(inputs, shape, dtype, params):
 @register_kernel("unary", dims="rowsxcols", dtypes=DTYPES, default_shape=(4096, 4096),
                  summary="out = op(x): neg/abs/relu on VectorE+GpSimd, sqrt/rsqrt/reciprocal/exp/... on ScalarE",
                  params={"op": "neg", "tile_bytes": 16384, "bufs": 3, "split": True},
-                 inputs=_unary_inputs, reference=_unary_reference)
+                 inputs=_unary_inputs, reference=_unary_reference, split=split_dims(0, 1))
 def build_unary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "neg",
                 tile_bytes: int = 16384, bufs: int = 3, split: bool = True) -> Kernel:
     what = "unary"
@@ -221,7 +221,7 @@ def _act_reference(inputs, shape, dtype, params):
 @register_kernel("activation", dims="rowsxcols", dtypes=DTYPES, default_shape=(4096, 4096),
                  summary=f"out = fn(x*scale) on ScalarE; fn: {', '.join(sorted(ACTIVATIONS))}",
                  params={"fn": "gelu", "scale": 1.0, "tile_bytes": 16384, "bufs": 3},
-                 inputs=_act_inputs, reference=_act_reference)
+                 inputs=_act_inputs, reference=_act_reference, split=split_dims(0, 1))
 def build_activation(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                      fn: str = "gelu", scale: float = 1.0, tile_bytes: int = 16384, bufs: int = 3) -> Kernel:
     what = "activation"
@@ -269,7 +269,7 @@ def _binary_reference(inputs, shape, dtype, params):
                  summary="out = a op b; op: " + "/".join(BINARY_OPS) + "; b is [rows,cols], [1,cols] (row), "
                          "[rows,1] (col) or [1,1] (scalar)",
                  params={"op": "add", "broadcast": "none", "tile_bytes": 16384, "bufs": 3, "split": True},
-                 inputs=_binary_inputs, reference=_binary_reference)
+                 inputs=_binary_inputs, reference=_binary_reference, split=split_dims(0, 1))
 def build_binary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "add",
                  broadcast: str = "none", tile_bytes: int = 16384, bufs: int = 3, split: bool = True) -> Kernel:
     what = "binary"
@@ -289,10 +289,11 @@ def build_binary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig |
 
     b_tile: TileAP | None = None
     if broadcast == "scalar":  # one value, replicated to every partition by a stride-0 read
-        b_tile = b_pool.tile((PARTITIONS, 1), dt)
-        kern.dma_copy(b_tile, b.ap(0, [[0, PARTITIONS], [1, 1]]), queue=1)
+        parts = kern.config.core.sbuf.partitions
+        b_tile = b_pool.tile((parts, 1), dt)
+        kern.dma_copy(b_tile, b.ap(0, [[0, parts], [1, 1]]), queue=1)
     b_c0 = -1
-    for i, pc in enumerate(row_pieces(rows, cols, max_free)):
+    for i, pc in enumerate(row_pieces(rows, cols, max_free, kern.config.core.sbuf.partitions)):
         eng = engines[i % len(engines)]
         t = a_pool.tile((pc.p, pc.free), dt)
         kern.dma_copy(t, hbm_piece(a, pc), queue=0)
@@ -306,8 +307,9 @@ def build_binary(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig |
             kern.tensor_scalar(o, t, op, b_tile[:pc.p], engine=eng)
         elif broadcast == "row":
             if pc.c0 != b_c0:  # the row of b for this column tile, on every partition
-                b_tile = b_pool.tile((PARTITIONS, pc.cols), dt)
-                kern.dma_copy(b_tile, b.ap(pc.c0, [[0, PARTITIONS], [1, pc.cols]]), queue=1)
+                parts = kern.config.core.sbuf.partitions
+                b_tile = b_pool.tile((parts, pc.cols), dt)
+                kern.dma_copy(b_tile, b.ap(pc.c0, [[0, parts], [1, pc.cols]]), queue=1)
                 b_c0 = pc.c0
             assert b_tile is not None
             bv = b_tile[:pc.p].broadcast_to(pc.p, pc.g, pc.cols)

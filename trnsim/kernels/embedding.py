@@ -26,7 +26,8 @@ from ..config import ChipConfig
 from ..isa import KernelError
 from ..kernel import Kernel, checked_int
 from ..native.dtypes import get_dtype
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_embedding"]
 
@@ -52,7 +53,8 @@ def _exact(dtype: str) -> tuple[float, float]:
 
 @register_kernel("embedding", dims="TOKENSxVOCABxDIM", dtypes=DTYPES, default_shape=(2048, 32000, 2048),
                  summary="out[t,:] = table[ids[t],:], rows gathered by indirect DMA", params={"bufs": 2},
-                 inputs=_inputs, reference=_reference, tolerance=_exact)
+                 inputs=_inputs, reference=_reference, tolerance=_exact,
+                 split=split_dims(0))
 def build_embedding(tokens: int, vocab: int, dim: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     bufs: int = 2, name: str = "embedding") -> Kernel:
     kern = Kernel(name, config)

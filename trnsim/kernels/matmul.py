@@ -40,7 +40,8 @@ from ..config import ChipConfig
 from ..isa import HbmAP, KernelError, TileAP
 from ..kernel import Kernel, TilePool
 from ..native.dtypes import Dtype, get_dtype
-from .registry import round_to, register_kernel
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_matmul", "build_bmm", "plan_blocks"]
 
@@ -216,8 +217,9 @@ class _Mm:
                         queue: int) -> None:
         """Fill k-tiles ``g0..g1-1`` (at most ``_GROUP``) with ``src[r0:r0+nrows, k-range]ᵀ``:
         load 128-row slabs of the k-range, transpose 128x128 blocks on the PE array into one
-        PSUM tile per 512 columns, evacuate each to its k-tile."""
+        PSUM tile per bank of fp32 columns (512), evacuate each to its k-tile."""
         kern, p = self.kern, self.plan
+        bank = kern.config.core.psum.bank_bytes // 4
         assert self.raw_pool is not None and self.tr_pool is not None
         tr_dt = "float32" if p.rows == 2 or self.dt.name == "float32" else self.dt.name
         pe = p.parts
@@ -237,9 +239,9 @@ class _Mm:
                 cnt = (ks - r + p.rows - 1) // p.rows  # k rows of this parity
                 if not cnt:
                     continue
-                for cb in range(0, nrows, 512):
-                    w = min(512, nrows - cb)
-                    ps = self.tr_pool.tile((pe, 512), tr_dt)
+                for cb in range(0, nrows, bank):
+                    w = min(bank, nrows - cb)
+                    ps = self.tr_pool.tile((pe, bank), tr_dt)
                     for ri in range(cb, cb + w, pe):
                         rs = min(pe, nrows - ri)
                         data = raws[ri // pe][:rs, base + r:base + ks:p.rows]
@@ -411,7 +413,8 @@ def _mm_reference(inputs, shape, dtype, params):
 
 @register_kernel("matmul", dims="MxKxN", dtypes=_DTYPES, default_shape=(4096, 4096, 4096),
                  summary="out[M,N] = A @ B from lhsT[K,M] (or a[M,K]) and rhs[K,N] (or b[N,K]); any sizes",
-                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference)
+                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference,
+                 split=lambda shape, params, n: split_dims(*((0, 2) if shape[0] >= shape[2] else (2, 0)))(shape, params, n))
 def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                  transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",
                  name: str = "matmul") -> Kernel:
@@ -434,7 +437,8 @@ def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig
 
 @register_kernel("bmm", dims="BxMxKxN", dtypes=_DTYPES, default_shape=(8, 1024, 1024, 1024),
                  summary="out[B,M,N] = A[b] @ B[b] per batch, same operand options as matmul",
-                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference)
+                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference,
+                 split=lambda shape, params, n: split_dims(*((0, 1, 3) if shape[1] >= shape[3] else (0, 3, 1)))(shape, params, n))
 def build_bmm(batch: int, m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
               transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",
               name: str = "bmm") -> Kernel:

@@ -43,16 +43,17 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import SBUF_GRANULE, Kernel, TilePool, checked_dtype
+from ..isa import AP_MAX_SIZE
+from ..kernel import Kernel, TilePool, checked_dtype
 from ..native.dtypes import Dtype, get_dtype
-from .registry import default_tolerance, register_kernel, round_to
+from .reference import default_tolerance, round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_softmax", "build_layernorm", "build_rmsnorm", "build_rmsnorm_fp8"]
 
 FP8_OUT = ("float8_e4m3", "float8_e4m3fn")  # 3 mantissa bits: the rounding _fp8_tolerance allows for
-AP_SIZE_MAX = 65535  # elements per access-pattern dim (uint16 sizes, datasheet §4.6)
 SCRATCH_COLS = 4096  # elements per partition of the scratch tile; wider rows take several passes
-STATS_BYTES = 64 * SBUF_GRANULE  # per partition, for the [P, 1] statistics tiles (generous)
+STATS_GRANULES = 64  # allocation granules per partition for the [P, 1] statistics tiles (generous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,25 +88,26 @@ def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: i
     """
     cfg = kern.config
     cap = cfg.core.sbuf.partition_bytes
+    granule = cfg.core.sbuf.allocation_granule
 
     def need(h: int, io_bufs: int) -> int:
-        row = _round_up(h * dt.itemsize, SBUF_GRANULE)
-        scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, SBUF_GRANULE)
-        return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, SBUF_GRANULE) + scratch + STATS_BYTES
+        row = _round_up(h * dt.itemsize, granule)
+        scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, granule)
+        return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, granule) + scratch + STATS_GRANULES * granule
 
     parts = min(cfg.core.sbuf.partitions, rows)
-    if hidden <= AP_SIZE_MAX and need(hidden, 2) <= cap:
+    if hidden <= AP_MAX_SIZE and need(hidden, 2) <= cap:
         io_bufs = max(n for n in range(2, stages + 2) if need(hidden, n) <= cap)
         return _Plan(parts=parts, io_bufs=io_bufs, scratch_cols=min(hidden, SCRATCH_COLS))
 
     def need_wide(h: int, io_bufs: int, resident: int) -> int:
         """Input rows and the resident vectors; chunk tiles for streamed vectors and outputs."""
-        row = _round_up(h * dt.itemsize, SBUF_GRANULE)
-        chunk = _round_up(min(h, SCRATCH_COLS) * max(dt.itemsize, 1), SBUF_GRANULE)
+        row = _round_up(h * dt.itemsize, granule)
+        chunk = _round_up(min(h, SCRATCH_COLS) * max(dt.itemsize, 1), granule)
         streamed = 2 * (vectors - resident)
-        return (io_bufs + resident) * row + (chunk_bufs + streamed + 1) * chunk + STATS_BYTES + SBUF_GRANULE * 64
+        return (io_bufs + resident) * row + (chunk_bufs + streamed + 1) * chunk + STATS_GRANULES * granule + 64 * granule
 
-    if hidden <= AP_SIZE_MAX and vectors:
+    if hidden <= AP_MAX_SIZE and vectors:
         # keep as many vectors resident as still leave two input buffers (loads overlap compute);
         # a streamed vector is read from HBM again for every row tile (the DMA broadcasts it to
         # each partition); with room for one input buffer only, keep them all resident
@@ -117,11 +119,11 @@ def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: i
                 res = max(r for i, r in options if i == 1)
             io = max(n for n in range(io, stages + 2) if need_wide(hidden, n, res) <= cap)
             return _Plan(parts=parts, io_bufs=io, scratch_cols=min(hidden, SCRATCH_COLS), wide=True, resident=res)
-    if hidden > AP_SIZE_MAX:
-        raise KernelError(f"{name}: hidden={hidden} exceeds the {AP_SIZE_MAX} elements one access-pattern dim can "
-                          f"address (uint16 sizes, datasheet §4.6); hidden must be <= {AP_SIZE_MAX}")
+    if hidden > AP_MAX_SIZE:
+        raise KernelError(f"{name}: hidden={hidden} exceeds the {AP_MAX_SIZE} elements one access-pattern dim can "
+                          f"address (uint16 sizes, datasheet §4.6); hidden must be <= {AP_MAX_SIZE}")
     fits = (lambda h: need_wide(h, 1, 0) <= cap) if vectors else (lambda h: need(h, 2) <= cap)
-    hmax = min(AP_SIZE_MAX, cap // max(1, dt.itemsize))
+    hmax = min(AP_MAX_SIZE, cap // max(1, dt.itemsize))
     while hmax > 1 and not fits(hmax):
         hmax -= 1
     needed = need_wide(hidden, 1, 0) if vectors else need(hidden, 2)
@@ -252,7 +254,7 @@ def _rmsnorm_reference(inputs, shape, dtype, params):
 
 @register_kernel("softmax", dims="ROWSxCOLS", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
                  summary="y = softmax(x) along each row, max-subtracted; exp and row sum fused on ScalarE",
-                 inputs=_x_inputs, reference=_softmax_reference)
+                 inputs=_x_inputs, reference=_softmax_reference, split=split_dims(0))
 def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                   name: str = "softmax") -> Kernel:
     _check_dims("softmax", rows, cols)
@@ -287,7 +289,7 @@ def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig 
 @register_kernel("layernorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 4096),
                  summary="y = (x - mean) / sqrt(var + eps) * gamma + beta per row (two-pass variance)",
                  params={"eps": 1e-5}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, True),
-                 reference=_layernorm_reference)
+                 reference=_layernorm_reference, split=split_dims(0))
 def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     eps: float = 1e-5, name: str = "layernorm") -> Kernel:
     _check_dims("layernorm", rows, hidden)
@@ -299,10 +301,11 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     gamma = kern.input("gamma", (hidden,), dt)
     beta = kern.input("beta", (hidden,), dt)
     y = kern.output("y", (rows, hidden), dt)
-    if plan.wide:
-        return _layernorm_wide(kern, plan, x, gamma, beta, y, dt, eps)
-    g = kern.sbuf((plan.parts, hidden), dt, name="gamma_bcast")
-    b = kern.sbuf((plan.parts, hidden), dt, name="beta_bcast")
+    # gamma and beta broadcast to every partition, resident; in the wide layout (rows too wide
+    # for work buffers) those that do not fit are streamed per chunk and the finishing pass runs
+    # in place, a chunk at a time
+    (g, b), stream = _vectors(kern, plan, dt, gamma, beta)
+    chunks = _chunks(hidden, plan.chunk) if plan.wide else [(0, hidden)]
     # ScalarE must write its squares somewhere; one scratch tile serves every row tile
     scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
     io = kern.tile_pool("io", bufs=plan.io_bufs)
@@ -317,8 +320,9 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
         t = io.tile((plan.parts, hidden), dt)[:p]
         kern.dma_copy(t, x[r:r + p, :])
         if r == 0:
-            _broadcast_rows(kern, g, gamma)
-            _broadcast_rows(kern, b, beta)
+            for tile, vec in ((g, gamma), (b, beta)):
+                if tile is not None:
+                    _broadcast_rows(kern, tile, vec)
         row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
         _fused_reduce(kern, scratch, "identity", t, row_sum, "add", partials)
         return t, row_sum
@@ -336,13 +340,15 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
         rstd = stats.tile((plan.parts, 1), "fp32")[:p]
         kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
         kern.tensor_scalar(rstd, rstd, "power", -0.5)
-        kern.tensor_scalar(t, t, "add", neg_mean, op1="multiply", operand1=rstd)
-        kern.tensor_tensor(t, t, g[:p], "multiply")
-        kern.tensor_tensor(t, t, b[:p], "add")
+        for c0, c1 in chunks:
+            tc = t[:, c0:c1]
+            kern.tensor_scalar(tc, tc, "add", neg_mean, op1="multiply", operand1=rstd)
+            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, g, stream, gamma, c0, c1, p), "multiply")
+            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, b, stream, beta, c0, c1, p), "add")
         kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
 
     _pipelined(_row_tiles(rows, plan.parts), load_sum, variance, normalize, bufs=plan.io_bufs)
-    return kern
+    return _scheduled(kern) if plan.wide else kern
 
 
 def _chunks(hidden: int, cols: int) -> list[tuple[int, int]]:
@@ -358,12 +364,14 @@ def _stream_rows(kern: Kernel, pool: TilePool, plan: _Plan, vec: HbmTensor, c0: 
 
 
 def _vectors(kern: Kernel, plan: _Plan, dt: Dtype, *vecs: HbmTensor) -> tuple[list[TileAP | None], TilePool]:
-    """The wide layout's gamma/beta: the first ``plan.resident`` get a resident broadcast tile
-    (loaded with the first row tile), the others None (streamed per chunk from the pool)."""
+    """gamma/beta broadcast to every partition: all resident, or in the wide layout the first
+    ``plan.resident`` (loaded with the first row tile), the others None (streamed per chunk from
+    the pool)."""
+    resident = plan.resident if plan.wide else len(vecs)
     tiles: list[TileAP | None] = []
     for i, v in enumerate(vecs):
-        tiles.append(kern.sbuf((plan.parts, v.shape[0]), dt, name=f"{v.name}_bcast") if i < plan.resident else None)
-    return tiles, kern.tile_pool("stream", bufs=2 * (len(vecs) - plan.resident) or 1)
+        tiles.append(kern.sbuf((plan.parts, v.shape[0]), dt, name=f"{v.name}_bcast") if i < resident else None)
+    return tiles, kern.tile_pool("stream", bufs=2 * (len(vecs) - resident) or 1)
 
 
 def _chunk_of(kern: Kernel, plan: _Plan, dt: Dtype, tile: TileAP | None, pool: TilePool, vec: HbmTensor,
@@ -371,56 +379,10 @@ def _chunk_of(kern: Kernel, plan: _Plan, dt: Dtype, tile: TileAP | None, pool: T
     return tile[:p, c0:c1] if tile is not None else _stream_rows(kern, pool, plan, vec, c0, c1, p, dt)
 
 
-def _layernorm_wide(kern: Kernel, plan: _Plan, x: HbmTensor, gamma: HbmTensor, beta: HbmTensor, y: HbmTensor,
-                    dt: Dtype, eps: float) -> Kernel:
-    """Layernorm of rows too wide for the resident layout: the same passes, the finishing pass
-    in place chunk by chunk (see the module docstring)."""
-    rows, hidden = x.shape
-    (g, b), stream = _vectors(kern, plan, dt, gamma, beta)
-    scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
-    io = kern.tile_pool("io", bufs=plan.io_bufs)
-    stats = kern.tile_pool("stats", bufs=16)
-    partials = kern.tile_pool("partials", bufs=4)
-    inv_h = 1.0 / hidden
-
-    def load_sum(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
-        t = io.tile((plan.parts, hidden), dt)[:p]
-        kern.dma_copy(t, x[r:r + p, :])
-        if r == 0:
-            for tile, vec in ((g, gamma), (b, beta)):
-                if tile is not None:
-                    _broadcast_rows(kern, tile, vec)
-        row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
-        _fused_reduce(kern, scratch, "identity", t, row_sum, "add", partials)
-        return t, row_sum
-
-    def variance(r: int, p: int, st: tuple[TileAP, TileAP]) -> tuple[TileAP, TileAP, TileAP]:
-        t, row_sum = st
-        neg_mean, ssd = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(2))
-        kern.tensor_scalar(neg_mean, row_sum, "multiply", -inv_h)
-        _fused_reduce(kern, scratch, "square", t, ssd, "add", partials, bias=neg_mean)
-        return t, neg_mean, ssd
-
-    def normalize(r: int, p: int, st: tuple[TileAP, TileAP, TileAP]) -> None:
-        t, neg_mean, ssd = st
-        rstd = stats.tile((plan.parts, 1), "fp32")[:p]
-        kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
-        kern.tensor_scalar(rstd, rstd, "power", -0.5)
-        for c0, c1 in _chunks(hidden, plan.chunk):  # in place, a chunk at a time: no work buffer
-            tc = t[:, c0:c1]
-            kern.tensor_scalar(tc, tc, "add", neg_mean, op1="multiply", operand1=rstd)
-            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, g, stream, gamma, c0, c1, p), "multiply")
-            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, b, stream, beta, c0, c1, p), "add")
-        kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
-
-    _pipelined(_row_tiles(rows, plan.parts), load_sum, variance, normalize, bufs=plan.io_bufs)
-    return _scheduled(kern)
-
-
 @register_kernel("rmsnorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 8192),
                  summary="y = x / sqrt(mean(x^2) + eps) * gamma per row; sum of squares fused on ScalarE",
                  params={"eps": 1e-6}, inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
-                 reference=_rmsnorm_reference)
+                 reference=_rmsnorm_reference, split=split_dims(0))
 def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                   eps: float = 1e-6, quantize: bool = False, fp8: str = "fp8_e4m3", name: str = "rmsnorm"
                   ) -> Kernel:
@@ -563,7 +525,7 @@ def _fp8_tolerance(dtype: str) -> tuple[float, float]:
                  summary="RMSNorm + FP8 quantization (datasheet V7): q in fp8 and a per-row scale, y ~ q * scale",
                  params={"eps": 1e-6, "fp8": "fp8_e4m3"},
                  inputs=lambda s, d, p, g: _affine_inputs(s, d, p, g, False),
-                 reference=lambda i, s, d, p: _rmsnorm_reference(i, s, d, {**p, "quantize": True}),
+                 reference=lambda i, s, d, p: _rmsnorm_reference(i, s, d, {**p, "quantize": True}), split=split_dims(0),
                  tolerance=_fp8_tolerance)
 def build_rmsnorm_fp8(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                       eps: float = 1e-6, fp8: str = "fp8_e4m3", name: str = "rmsnorm_fp8") -> Kernel:

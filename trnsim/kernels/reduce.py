@@ -26,9 +26,10 @@ from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
 from ..kernel import Kernel, TilePool
 from ..native.dtypes import Dtype
-from .elementwise import (DTYPES, PARTITIONS, Piece, checked_bufs, checked_choice, compute_engines, hbm_piece,
+from .elementwise import (DTYPES, Piece, checked_bufs, checked_choice, compute_engines, hbm_piece,
                           kernel_dtype, row_pieces, tile_free_elems)
-from .registry import register_kernel, round_to
+from .reference import round_to
+from .registry import register_kernel, split_dims
 
 __all__ = ["build_reduce"]
 
@@ -49,7 +50,8 @@ def _reference(inputs, shape, dtype, params):
                  summary="out = op(x, axis): sum/max/min/mean; axis=1 on VectorE/GpSimd, "
                          "axis=0 through TensorE (ones-vector matmul, or transpose for max/min)",
                  params={"op": "sum", "axis": 1, "tile_bytes": 16384, "bufs": 4, "split": True},
-                 inputs=_inputs, reference=_reference)
+                 inputs=_inputs, reference=_reference,
+                 split=lambda shape, params, n: split_dims(1 if params["axis"] == 0 else 0)(shape, params, n))
 def build_reduce(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig | str = "trn2", op: str = "sum",
                  axis: int = 1, tile_bytes: int = 16384, bufs: int = 4, split: bool = True) -> Kernel:
     what = "reduce"
@@ -84,7 +86,7 @@ def _reduce_rows(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str,
     fast = dt.name == "bfloat16" and not mean and alu in ("add", "max")
     engines = compute_engines(dt, split) if fast else ("vector", "gpsimd") if split else ("vector",)
     if cols <= max_free:  # whole rows per tile: one instruction gives g results per partition
-        for i, pc in enumerate(row_pieces(rows, cols, max_free)):
+        for i, pc in enumerate(row_pieces(rows, cols, max_free, kern.config.core.sbuf.partitions)):
             t = pool.tile((pc.p, pc.free), dt)
             kern.dma_copy(t, hbm_piece(x, pc), queue=i % 2)
             res = res_pool.tile((pc.p, pc.g), acc_dt)
@@ -95,8 +97,8 @@ def _reduce_rows(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str,
     n_ct = -(-cols // max_free)
     part_pool = kern.tile_pool("partial", bufs=2)
     i = 0
-    for r0 in range(0, rows, PARTITIONS):
-        p = min(PARTITIONS, rows - r0)
+    for r0 in range(0, rows, kern.config.core.sbuf.partitions):
+        p = min(kern.config.core.sbuf.partitions, rows - r0)
         partial = part_pool.tile((p, n_ct), "fp32")
         for j in range(n_ct):
             c0 = j * max_free
@@ -120,12 +122,12 @@ def _store(kern: Kernel, out: HbmTensor, r0: int, p: int, g: int, res: TileAP, d
     kern.dma_copy(view.reshape(p, g) if g > 1 else view, res, engine="scalar", queue=0)
 
 
-def _column_pieces(rows: int, cols: int, max_free: int, width: int) -> list[Piece]:
+def _column_pieces(rows: int, cols: int, max_free: int, width: int, partitions: int) -> list[Piece]:
     """Pieces for a reduction down the columns: grouped rows when a row fits in ``width``
-    columns, else column blocks of ``width`` (the outer loop) cut into 128-row tiles."""
+    columns, else column blocks of ``width`` (the outer loop) cut into partition-row tiles."""
     if cols <= min(max_free, width):
-        return list(row_pieces(rows, cols, max_free))
-    return list(row_pieces(rows, cols, min(max_free, width)))
+        return list(row_pieces(rows, cols, max_free, partitions))
+    return list(row_pieces(rows, cols, min(max_free, width), partitions))
 
 
 def _column_blocks(pieces: list[Piece]) -> list[list[Piece]]:
@@ -144,13 +146,14 @@ def _sum_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: str,
     cfg = kern.config
     tn = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)  # one fp32 PSUM bank
     banks = max(1, cfg.core.psum.banks // 2)  # half the banks, so the next block overlaps evacuation
-    ones = kern.sbuf((PARTITIONS, 1), dt, name="ones")  # TensorE takes bf16/fp16/fp32 as they are
+    ones = kern.sbuf((kern.config.core.sbuf.partitions, 1), dt, name="ones")  # TensorE takes bf16/fp16/fp32 as they are
     kern.memset(ones, 1.0)
     pool = kern.tile_pool("x", bufs=bufs)
     psum = kern.tile_pool("acc", bufs=2 * banks, space="psum")
     res_pool = kern.tile_pool("res", bufs=2)
     i = 0
-    for block in _column_blocks(_column_pieces(rows, cols, max_free, tn * banks)):
+    parts = kern.config.core.sbuf.partitions
+    for block in _column_blocks(_column_pieces(rows, cols, max_free, tn * banks, parts)):
         c0, w = block[0].c0, block[0].cols
         accs = [psum.tile((1, min(tn, w - k)), "fp32") for k in range(0, w, tn)]
         first = True
@@ -191,7 +194,8 @@ def _extreme_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: 
     tp_pool = kern.tile_pool("tp", bufs=2, space="psum")
     res_pool = kern.tile_pool("res", bufs=2)
     i = 0
-    for block in _column_blocks(_column_pieces(rows, cols, max_free, max_free)):
+    parts = kern.config.core.sbuf.partitions
+    for block in _column_blocks(_column_pieces(rows, cols, max_free, max_free, parts)):
         c0, w = block[0].c0, block[0].cols
         accs: dict[str, TileAP] = {}
         for n, pc in enumerate(block):
@@ -199,7 +203,7 @@ def _extreme_columns(kern: Kernel, x: HbmTensor, out: HbmTensor, dt: Dtype, op: 
             kern.dma_copy(t, hbm_piece(x, pc), queue=i % 2)
             i += 1
             # a ragged last row tile joins the first engine's result, which has every partition
-            eng = engines[n % len(engines)] if pc.p == PARTITIONS or n == 0 else engines[0]
+            eng = engines[n % len(engines)] if pc.p == kern.config.core.sbuf.partitions or n == 0 else engines[0]
             part = t
             if pc.g > 1:
                 part = red_pool.tile((pc.p, w), dt)

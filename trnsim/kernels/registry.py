@@ -12,22 +12,30 @@ tests need to drive it without knowing it:
 * ``tolerance(dtype) -> (rtol, atol)`` — how close outputs must be, relative to the largest
   reference magnitude.
 
+* ``split(shape, params, n) -> [shape, ...] | None`` - how the kernel's work is shared out over
+  the ``n`` physical cores of a logical core (LNC=2): each part is the shape one core runs, as an
+  SPMD kernel splits it (None, or no rule: the kernel runs on one core).
+
 User kernels (``trnsim kernel path.py:fn``) follow the same calling convention as ``build`` and
-need nothing else; the CLI then runs them timing-only.
+need nothing else; the CLI then runs them timing-only. Importing :mod:`trnsim.kernels` registers
+every built-in kernel; this module only holds the table.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..config import ChipConfig, load_config
+from ..config import ChipConfig, clip_text, load_config
 from ..isa import KernelError
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
+from .generic import STREAM, build_stream, split_stream
+from .reference import default_tolerance
 
 __all__ = [
     "KernelEntry",
@@ -37,20 +45,31 @@ __all__ = [
     "parse_shape",
     "parse_params",
     "call_build",
-    "round_to",
-    "check_entry",
+    "split_dims",
+    "build_spec",
+    "split_spec",
     "KERNELS",
 ]
 
 InputsFn = Callable[[tuple[int, ...], str, Mapping[str, Any], np.random.Generator], dict[str, np.ndarray]]
 ReferenceFn = Callable[[Mapping[str, np.ndarray], tuple[int, ...], str, Mapping[str, Any]], dict[str, np.ndarray]]
+SplitFn = Callable[[tuple[int, ...], Mapping[str, Any], int], "list[tuple[int, ...]] | None"]
 
-_DEFAULT_TOL = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3)}
+
+def _parts(d: int, n: int) -> list[int]:
+    q, r = divmod(d, n)
+    return [q + 1] * r + [q] * (n - r)
 
 
-def default_tolerance(dtype: str) -> tuple[float, float]:
-    name = get_dtype(dtype).name
-    return _DEFAULT_TOL.get(name, (1.5e-1, 1.5e-1))  # fp8 and friends
+def split_dims(*candidates: int) -> SplitFn:
+    """A split rule: the first of the ``candidates`` dims (by index) that has at least ``n``
+    elements is cut into ``n`` near-equal parts."""
+    def split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]] | None:
+        for i in candidates:
+            if shape[i] >= n:
+                return [shape[:i] + (p,) + shape[i + 1:] for p in _parts(shape[i], n)]
+        return None
+    return split
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,7 @@ class KernelEntry:
     inputs: InputsFn | None = None
     reference: ReferenceFn | None = None
     tolerance: Callable[[str], tuple[float, float]] = default_tolerance
+    split: SplitFn | None = None
 
     @property
     def shape_doc(self) -> str:
@@ -90,7 +110,7 @@ KERNELS: dict[str, KernelEntry] = {}
 def register_kernel(name: str, *, dims: str, dtypes: tuple[str, ...] | list[str], default_shape: tuple[int, ...],
                     summary: str, default_dtype: str | None = None, params: Mapping[str, Any] | None = None,
                     inputs: InputsFn | None = None, reference: ReferenceFn | None = None,
-                    tolerance: Callable[[str], tuple[float, float]] | None = None
+                    tolerance: Callable[[str], tuple[float, float]] | None = None, split: SplitFn | None = None
                     ) -> Callable[[Callable[..., Kernel]], Callable[..., Kernel]]:
     """Decorator: register ``build`` under ``name``. ``dims`` is written like the CLI's shape,
     e.g. ``"MxKxN"``; ``dtypes`` are short names (``"bf16"``)."""
@@ -106,40 +126,56 @@ def register_kernel(name: str, *, dims: str, dtypes: tuple[str, ...] | list[str]
             name=name, build=build, dims=dim_names, dtypes=dts, default_shape=tuple(default_shape),
             default_dtype=get_dtype(default_dtype).short if default_dtype else dts[0],
             summary=summary, params=dict(params or {}), inputs=inputs, reference=reference,
-            tolerance=tolerance or default_tolerance,
+            tolerance=tolerance or default_tolerance, split=split,
         )
         return build
 
     return deco
 
 
-def _load_all() -> None:
-    from . import library  # noqa: F401  (importing registers every built-in kernel)
-
-
 def get_kernel(name: str) -> KernelEntry:
-    _load_all()
     try:
         return KERNELS[name]
     except KeyError:
-        raise KernelError(f"unknown kernel '{name}'; expected one of {', '.join(sorted(KERNELS))} "
+        raise KernelError(f"unknown kernel '{clip_text(name)}'; expected one of {', '.join(sorted(KERNELS))} "
                           f"or path/to/file.py:function") from None
 
 
 def kernel_names() -> list[str]:
-    _load_all()
     return sorted(KERNELS)
+
+
+def build_spec(kernel: str, shape: tuple[int, ...], dtype: str, config: ChipConfig, params: Mapping[str, Any]
+               ) -> Kernel:
+    """Build kernel ``kernel`` (a registry name, or the generic ``stream``) for one core."""
+    if kernel == STREAM:
+        return build_stream(*shape, dtype=dtype, config=config, **params)
+    return get_kernel(kernel).make(shape, dtype, config, params)
+
+
+def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]]:
+    """The shapes ``kernel``'s work takes on each of ``n`` physical cores (one shape: one core)."""
+    if n <= 1:
+        return [shape]
+    if kernel == STREAM:
+        return split_stream(shape, n) or [shape]
+    entry = get_kernel(kernel)
+    parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
+    return parts or [shape]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"4096x4096x4096"`` -> ``(4096, 4096, 4096)``; dims are positive integers."""
-    parts = str(text).lower().replace("×", "x").split("x")
+    text = str(text)
+    parts = text.lower().replace("×", "x").split("x") if len(text) <= 200 else []
     try:
-        dims = tuple(int(p) for p in parts)
+        # at most 18 digits: a dim is a count of elements, and int() of 5,000 digits is an error
+        dims = tuple(int(p) if len(p.strip()) <= 18 else 0 for p in parts)
     except ValueError:
         dims = ()
-    if not dims or any(d <= 0 for d in dims):
-        raise KernelError(f"--shape {text!r}: expected positive integers joined by 'x', e.g. 4096x4096x4096")
+    if not dims or len(dims) > 8 or any(d <= 0 for d in dims):
+        raise KernelError(f"--shape {clip_text(text, quoted=True)}: expected positive integers joined by 'x', "
+                          f"e.g. 4096x4096x4096")
     return dims
 
 
@@ -151,7 +187,7 @@ def _parse_value(text: str) -> Any:
         return False
     for conv in (int, float):
         try:
-            return conv(text)
+            return conv(text) if len(text) <= 64 else text  # int() of 5,000 digits is a ValueError
         except ValueError:
             pass
     return text
@@ -166,20 +202,23 @@ def parse_params(items: list[str] | None, allowed: Mapping[str, Any] | None = No
         key, sep, val = str(item).partition("=")
         key = key.strip()
         if not sep or not key:
-            raise KernelError(f"--param {item!r}: expected NAME=VALUE, e.g. transpose_a=true")
+            raise KernelError(f"--param {clip_text(item, quoted=True)}: expected NAME=VALUE, e.g. transpose_a=true")
         value = _parse_value(val.strip())
+        shown = clip_text(val, quoted=True)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise KernelError(f"{what}: parameter '{clip_text(key)}' = {shown}: expected a finite number")
         if allowed is not None:
             if key not in allowed:
                 names = ", ".join(sorted(allowed)) or "none"
-                raise KernelError(f"{what}: unknown parameter '{key}'; it takes: {names}")
+                raise KernelError(f"{what}: unknown parameter '{clip_text(key)}'; it takes: {names}")
             default = allowed[key]
             if isinstance(default, bool) and not isinstance(value, bool):
-                raise KernelError(f"{what}: parameter '{key}' expects true or false, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects true or false, got {shown}")
             if isinstance(default, int) and not isinstance(default, bool) and (
                     isinstance(value, bool) or not isinstance(value, int)):
-                raise KernelError(f"{what}: parameter '{key}' expects an integer, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects an integer, got {shown}")
             if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise KernelError(f"{what}: parameter '{key}' expects a number, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects a number, got {shown}")
             if isinstance(default, str) and not isinstance(value, str):
                 value = val.strip()
         out[key] = value
@@ -206,57 +245,9 @@ def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | N
             sig.bind(*shape, **kwargs)
         except TypeError as e:
             raise KernelError(f"{what}: cannot call {getattr(fn, '__name__', fn)}{sig} with shape "
-                              f"{'x'.join(map(str, shape))}: {e}") from None
+                              f"{'x'.join(map(str, shape))}: {clip_text(e, 200)}") from None
     kernel = fn(*shape, **kwargs)
     if not isinstance(kernel, Kernel):
         raise KernelError(f"{what}: {getattr(fn, '__name__', fn)} returned {type(kernel).__name__}, "
                           f"expected a trnsim.Kernel")
     return kernel
-
-
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` rounded to ``dtype`` (RNE) and widened back to float64: what a kernel's input holds."""
-    from ..native import convert
-
-    dt = get_dtype(dtype)
-    if not dt.is_float:
-        return np.asarray(x).astype(dt.np_dtype).astype(np.float64)
-    return np.asarray(convert(np.asarray(x, dtype=np.float32), dt.name)).astype(np.float64)
-
-
-def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: ChipConfig | str = "trn2",
-                params: Mapping[str, Any] | None = None, seed: int = 0, schedule: bool = False) -> dict[str, Any]:
-    """Run ``entry`` with values and compare every output with its reference (list-scheduled
-    first with ``schedule``, :mod:`trnsim.schedule`).
-
-    Returns ``{"report": KernelReport, "errors": {output: max abs error / max |ref|}, "ok": bool}``.
-    """
-    from ..chip import Chip
-
-    cfg = load_config(config)
-    merged = {**entry.params, **(params or {})}
-    if entry.inputs is None or entry.reference is None:
-        raise KernelError(f"kernel '{entry.name}' has no reference to check against")
-    kernel = entry.make(shape, dtype, cfg, merged)
-    if schedule:
-        from ..schedule import schedule as schedule_pass
-
-        kernel = schedule_pass(kernel)
-    inputs = entry.inputs(shape, dtype, merged, np.random.default_rng(seed))
-    result = Chip(cfg).run(kernel, inputs)
-    ref = entry.reference(inputs, shape, dtype, merged)
-    rtol, atol = entry.tolerance(dtype)
-    errors: dict[str, float] = {}
-    ok = True
-    for name, want in ref.items():
-        got = np.asarray(result[name], dtype=np.float64)
-        want = np.asarray(want, dtype=np.float64)
-        if got.shape != want.shape:
-            raise KernelError(f"kernel '{entry.name}': output '{name}' has shape {got.shape}, reference {want.shape}")
-        scale = float(np.max(np.abs(want))) if want.size else 0.0
-        diff = np.abs(got - want)
-        err = float(np.max(diff)) / scale if scale and diff.size else float(np.max(diff, initial=0.0))
-        errors[name] = err
-        if not np.all(np.isfinite(got)) or np.any(diff > atol * max(scale, 1.0) + rtol * np.abs(want)):
-            ok = False
-    return {"report": result.report, "errors": errors, "ok": ok}

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..isa import HbmAP, HbmTensor, KernelError, TileAP
+from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
 from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 
@@ -746,7 +746,7 @@ def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -
         for it in t._axes:
             stride = sum(e.coef(it) * s for e, s in zip(t._exprs, st.strides))
             dims.append((stride, rng[it][1] - rng[it][0]))
-        lo, hi = _span(offset, dims)
+        lo, hi = span(offset, dims)
         if lo < 0 or hi > tensor.size:
             raise NkiError(f"{what}: the view of {st.name} reaches elements {lo}..{hi - 1}, outside its {tensor.size}")
         return HbmAP(tensor, offset, tuple(dims) or ((1, 1),), _exact_box(t, st, rng))
@@ -779,16 +779,6 @@ def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -
     if not dims:
         dims = [(1, 1)]
     return TileAP(base.alloc, base.p_start + p_lo, p_count, offset, tuple(dims), st.dtype)
-
-
-def _span(offset: int, dims: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    lo = hi = offset
-    for s, n in dims:
-        if s >= 0:
-            hi += s * (n - 1)
-        else:
-            lo += s * (n - 1)
-    return lo, hi + 1
 
 
 def _exact_box(t: NkiTensor, st: _Store, rng: dict[_Iter, tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:

@@ -114,9 +114,7 @@ class _TileSize:
 
     @property
     def sbuf_min_align(self) -> int:
-        from ..kernel import SBUF_GRANULE
-
-        return SBUF_GRANULE
+        return self._cfg().core.sbuf.allocation_granule
 
     @property
     def total_available_sbuf_size(self) -> int:

@@ -1,0 +1,181 @@
+"""The device model without torch: the host issue model, streams sharing a core's engines, LNC=2
+kernels on both physical cores, report scopes - exact timelines, as SimPy's own tests assert."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnsim import Chip, load_config
+from trnsim.device import Device, KernelSpec, OpCost
+from trnsim.kernels import get_kernel
+
+
+def _device(**overrides: str) -> Device:
+    return Device(load_config("trn2", {"host.dispatch": "10ns", **overrides}))
+
+
+def _cost(ticks: int, **demand: int) -> OpCost:
+    return OpCost("k", False, ticks, dict(demand), 2, 0, 0, dict(demand))
+
+
+def _timeline(dev: Device) -> list[tuple[int, int, int]]:
+    return [(e.issued, e.start, e.end) for e in dev.report().events]
+
+
+def test_tiny_kernels_are_host_bound():
+    """Kernels shorter than the host's dispatch: each starts when the host has issued it, and the
+    device idles between them, waiting on the host."""
+    dev = _device()
+    dev.reset(trace=True)
+    d = dev.dispatch
+    assert d == 48  # 10 ns at trn2's 4.8 GHz tick
+    tiny = _cost(20, Vector=20)
+    for _ in range(4):
+        dev.launch(0, "add", tiny)
+    assert _timeline(dev) == [(48, 48, 68), (96, 96, 116), (144, 144, 164), (192, 192, 212)]
+    rep = dev.report()
+    assert rep.row("add").bound == "launch"
+    assert rep.host_wait_us == pytest.approx((48 + 3 * 28) / 4.8e9 * 1e6)
+    assert rep.cores[0].busy_us == pytest.approx(80 / 4.8e9 * 1e6)
+
+
+def test_big_kernels_are_device_bound_and_the_host_runs_ahead():
+    """Kernels longer than the dispatch run back to back; the host runs ahead until
+    ``host.max_inflight`` (3) launches are unfinished, then waits for the oldest."""
+    dev = _device()
+    dev.reset(trace=True)
+    big = _cost(1000, Tensor=990)
+    for _ in range(5):
+        dev.launch(0, "mm", big)
+    assert _timeline(dev) == [(48, 48, 1048), (96, 1048, 2048), (144, 2048, 3048),
+                              (1096, 3048, 4048), (2096, 4048, 5048)]
+    rep = dev.report()
+    assert rep.row("mm").bound == "Tensor"
+    assert rep.host_wait_us == pytest.approx(48 / 4.8e9 * 1e6)  # only before the first kernel
+    dev.synchronize(0)
+    assert dev.host == 5048
+
+
+def test_two_streams_share_tensore():
+    """Two TensorE-bound kernels on two streams, issued together, take about as long as one after
+    the other: the second stretches until both kernels' TensorE demand fits (2 physical TensorEs
+    of an LNC=2 core, each kernel asking 2 x 990 ticks of them)."""
+    dev = _device()
+    dev.reset(trace=True)
+    k = _cost(1000, Tensor=2 * 990)
+    dev.launch(0, "mm", k, stream=1)
+    dev.launch(0, "mm", k, stream=2)
+    (_, s1, e1), (_, s2, e2) = _timeline(dev)
+    assert (s1, e1) == (48, 1048)
+    assert s2 == 96 and e2 - s2 > 1900  # alone it would take 1000
+    assert e2 - s1 == pytest.approx(2000, rel=0.03)
+
+
+def test_tensore_and_dma_bound_kernels_overlap():
+    dev = _device()
+    dev.reset(trace=True)
+    dev.launch(0, "mm", _cost(1000, Tensor=2 * 990, DMA=2 * 200), stream=1)
+    dev.launch(0, "add", _cost(1000, Vector=100, DMA=2 * 780), stream=2)
+    (_, s1, e1), (_, s2, e2) = _timeline(dev)
+    assert (s1, e1) == (48, 1048)
+    assert s2 == 96 and e2 == 96 + 1000  # DMA: 780 + 200 per engine lane fits in the 1000 window
+
+
+def test_same_stream_kernels_never_share():
+    dev = _device()
+    dev.reset(trace=True)
+    k = _cost(1000, Tensor=2 * 990)
+    dev.launch(0, "mm", k)
+    dev.launch(0, "mm", k)
+    assert [(s, e) for _, s, e in _timeline(dev)] == [(48, 1048), (1048, 2048)]
+
+
+def test_metadata_only_ops_cost_nothing():
+    dev = _device()
+    for _ in range(3):
+        dev.host_op("view")
+    rep = dev.report()
+    assert rep.host_ops == {"view": 3} and rep.launches == 0 and rep.device_us == 0 and dev.host == 0
+
+
+def test_report_scope_sees_only_its_launches():
+    dev = _device()
+    dev.launch(0, "before", _cost(100, Vector=100))
+    rec = dev.open_scope()
+    dev.launch(1, "inside", _cost(100, Vector=100))
+    rep = dev.close_scope(rec)
+    assert [r.op for r in rep.rows] == ["inside"] and set(rep.cores) == {1}
+    assert [r.op for r in dev.report().rows] == ["before", "inside"]
+
+
+def test_library_kernel_runs_on_both_physical_cores_at_lnc2():
+    """A logical core of trn2 (LNC=2) splits a matmul between its two physical cores: one launch
+    takes as long as the slower half, simulated together on their shared HBM stack, and its MFU
+    against the logical core's peak goes past the 50% a single physical core could reach."""
+    cfg = load_config("trn2")
+    dev = Device(cfg)
+    spec = KernelSpec.of("matmul", (4096, 4096, 4096), "bf16", {"transpose_a": False, "transpose_b": False})
+    cost = dev.cost(spec)
+    assert cost.cores == 2 and cost.matmul_flops == 2 * 4096 ** 3
+    halves = [get_kernel("matmul").make((2048, 4096, 4096), "bf16", cfg, dict(spec.params))] * 2
+    want = max(r.report.total_ticks for r in Chip(cfg).run_spmd(halves, timing_only=True))
+    assert cost.ticks == want
+    dev.launch(0, "mm", cost)
+    assert dev.report().row("mm").mfu_percent > 80.0
+    assert dev.cost(spec) is cost and dev.simulated == 2  # cached: simulated once
+
+
+def test_lnc1_runs_each_kernel_on_one_core():
+    dev = Device(load_config("trn1"))
+    cost = dev.cost(KernelSpec.of("binary", (1024, 1024), "bf16", {"op": "add"}))
+    assert cost.cores == 1
+
+
+def test_a_refused_kernel_falls_back():
+    dev = _device()
+    fallback = KernelSpec.of("stream", (1024, 1024, 1024), "fp32", {"engine": "vector"}, label="generic:x",
+                             generic=True)
+    spec = KernelSpec.of("softmax", (128, 1 << 24), "fp32", fallback=fallback)  # a row beyond SBUF
+    cost = dev.cost(spec)
+    assert cost.kernel == "generic:x" and cost.generic
+
+
+def test_trnsim_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import trnsim, trnsim.device, trnsim.kernels, trnsim.cli, trnsim.sweep, trnsim.trace\n"
+            "d = trnsim.device.Device(trnsim.load_config('trn2'))\n"
+            "d.launch(0, 'add', d.cost(trnsim.device.KernelSpec.of('binary', (256, 256), 'bf16', {'op': 'add'})))\n"
+            "print(d.report().rows[0].kernel)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "binary", r.stderr
+
+
+def test_a_collective_beside_a_dma_bound_kernel_slows_both():
+    """A collective, simulated by the NeuronLink model and charged through the device model,
+    runs on the core's collective stream beside compute: it waits for the compute issued before
+    it, overlaps what comes after, and shares the core's DMA with it."""
+    from trnsim.collectives import simulate_collective
+    from trnsim.device import COLLECTIVE_STREAM
+
+    cfg = load_config("trn2")
+    dev = Device(cfg)
+    rep = simulate_collective("trn2.48xlarge", "all-reduce", 64 << 20, ranks=4, dtype="bf16")
+    assert rep.group == (0, 1, 2, 3)
+    coll = dev.collective_cost(rep, 0)
+    assert coll.ticks == rep.end_of(0) - rep.start_ticks[0] and coll.demand["DMA"] > 0
+    dma_bound = dev.cost(KernelSpec.of("binary", (8192, 8192), "bf16", {"op": "add"}))
+    assert dma_bound.kernel == "binary"
+    dev.reset(trace=True)
+    small = dev.cost(KernelSpec.of("binary", (128, 128), "bf16", {"op": "add"}))
+    dev.launch(0, "add", small)  # the collective's input
+    dev.launch_collective(0, "all_reduce", coll)
+    dev.launch(0, "add", dma_bound)  # compute issued after the collective overlaps it
+    first, ar, add = dev.report().events
+    assert ar.stream == COLLECTIVE_STREAM and ar.start >= first.end
+    assert add.start < ar.end  # they overlap ...
+    alone = max(coll.ticks, dma_bound.ticks)
+    assert add.end - add.start > dma_bound.ticks or ar.end - ar.start > coll.ticks  # ... and share DMA
+    assert max(ar.end, add.end) - ar.start > alone

@@ -1,0 +1,128 @@
+"""Every private PyTorch API the bridge uses, in one place.
+
+They were written against torch 2.13.0 (:data:`PINNED`), which the ``torch`` extra pins. Private
+APIs change between releases without notice; each one is looked up here once, at import, so a
+torch that lacks one fails with a message naming it and the pinned version instead of an
+``AttributeError`` deep inside an op (``tests/torch/test_private_api.py`` checks them all).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+__all__ = ["PINNED", "REQUIRED", "PrivateAPIError", "resolve", "profiler_enabled", "cpp_op", "op_schema",
+           "is_zerotensor"]
+
+PINNED = "2.13.0"
+
+
+class PrivateAPIError(ImportError):
+    """A private torch API the bridge needs is missing from the installed torch."""
+
+
+# dotted path -> why the bridge needs it
+REQUIRED: dict[str, str] = {
+    "torch._C._acc.PrivateUse1Hooks": "the Python hooks PyTorch asks before the first .to('neuron')",
+    "torch._C._acc.DeviceGuard": "the Python device guard",
+    "torch._C._acc.register_python_privateuseone_hook": "registering the hooks",
+    "torch._C._acc.register_python_privateuseone_device_guard": "registering the device guard",
+    "torch._C._autograd.DeviceType": "the guard's device type",
+    "torch._register_device_module": "torch.neuron",
+    "torch._utils._to": "storage.to('neuron') and torch.load onto neuron",
+    "torch.storage._to": "storage.to('neuron') and torch.load onto neuron",
+    "torch._C.DispatchKey": "redispatching to CPU kernels and excluding autocast",
+    "torch._C.DispatchKeySet": "redispatching to CPU kernels and excluding autocast",
+    "torch._C._ExcludeDispatchKeyGuard": "running an autocast op with autocast excluded",
+    "torch._C._dispatch_get_all_op_names": "claiming every _foreach_ op",
+    "torch._C._dynamo.eval_frame.get_eval_frame_callback": "calling kernels directly when dynamo is off",
+    "torch._disable_dynamo": "hiding Python kernels from dynamo",
+    "torch._C._profiler._RecordFunctionFast": "neuron::<op> events in torch.profiler",
+    "torch.autograd.profiler._is_profiler_enabled": "neuron::<op> events only while profiling",
+    "torch._C._to_dlpack": "relabelling host memory as neuron memory",
+    "torch._C._from_dlpack": "relabelling host memory as neuron memory",
+    "torch._C._construct_storage_from_data_pointer": "CPU views of device memory",
+    "torch._conj": "CPU views of conjugated tensors",
+    "torch._neg_view": "CPU views of negated tensors",
+    "torch.ops.aten.add.Tensor._op": "calling an op's C++ kernel without OpOverload's Python frame",
+    "torch.ops.aten.add.Tensor._schema": "reading an op's schema (views, out= arguments)",
+    "torch.Tensor._is_zerotensor": "materialising efficient zero tensors",
+    "torch._softmax_backward_data": "the attention backward's softmax gradient",
+    "torch.ops.aten._scaled_dot_product_attention_math": "attention calls the fused op does not take",
+}
+
+
+def resolve(path: str) -> Any:
+    """The object at dotted ``path`` (``torch._C._acc.DeviceGuard``), or :class:`PrivateAPIError`."""
+    parts = path.split(".")
+    obj: Any = None
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        rest = parts[i:]
+        break
+    try:
+        for name in rest:
+            obj = getattr(obj, name)
+    except AttributeError:
+        raise PrivateAPIError(
+            f"torch_bridge needs {path} ({REQUIRED.get(path, 'a private torch API')}), which torch "
+            f"{torch.__version__} lacks; the neuron device is written against torch {PINNED}: "
+            f"pip install 'torch=={PINNED}'") from None
+    return obj
+
+
+for _path in REQUIRED:  # fail at import, naming the missing API, rather than inside an op
+    resolve(_path)
+
+DispatchKey = torch._C.DispatchKey
+DispatchKeySet = torch._C.DispatchKeySet
+CPU_KEYS = DispatchKeySet(DispatchKey.CPU)
+AUTOCAST_KEYS = DispatchKeySet(getattr(DispatchKey, "AutocastPrivateUse1"))  # missing from the stubs
+PrivateUse1Hooks = torch._C._acc.PrivateUse1Hooks
+DeviceGuard = torch._C._acc.DeviceGuard
+register_hooks = torch._C._acc.register_python_privateuseone_hook
+register_device_guard = torch._C._acc.register_python_privateuseone_device_guard
+PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
+register_device_module = torch._register_device_module
+ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
+all_op_names = torch._C._dispatch_get_all_op_names
+eval_frame_callback = resolve("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+disable_dynamo = torch._disable_dynamo
+RecordFunctionFast = torch._C._profiler._RecordFunctionFast
+to_dlpack = torch._C._to_dlpack
+from_dlpack = torch._C._from_dlpack
+storage_from_pointer = torch._C._construct_storage_from_data_pointer
+conj_view = torch._conj
+neg_view = torch._neg_view
+softmax_backward_data = torch._softmax_backward_data
+sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
+_profiler = torch.autograd.profiler
+
+
+def profiler_enabled() -> bool:
+    """True while a torch.profiler session records (read each call: the flag changes)."""
+    return bool(_profiler._is_profiler_enabled)
+
+
+def cpp_op(op: Any) -> Any:
+    """The C++ callable behind an OpOverload (calling it skips OpOverload.__call__'s frame)."""
+    return op._op
+
+
+def op_schema(op: Any) -> Any:
+    return op._schema
+
+
+def is_zerotensor(t: torch.Tensor) -> bool:
+    return bool(t._is_zerotensor())
+
+
+def patch_storage_to(wrap: Any) -> None:
+    """Wrap ``torch._utils._to`` and ``torch.storage._to`` (storage moves) with ``wrap``."""
+    torch._utils._to = wrap(torch._utils._to)  # type: ignore[attr-defined]
+    torch.storage._to = wrap(torch.storage._to)  # type: ignore[attr-defined]

@@ -1,0 +1,117 @@
+"""Which neuron kernel serves which aten op: the table registered with PyTorch's dispatcher.
+
+One boxed fallback (:func:`torch_bridge.values.fallback`) serves every op without an explicit
+kernel. Explicit kernels are registered where PyTorch needs them (allocation and copies, resize,
+the TensorE ops, convolution), where a composite would decompose an op before the device sees
+it (:data:`WHOLE_OPS`), where skipping a composite round trip saves per-op time
+(:data:`DIRECT_OPS`), for the ``_foreach_*`` ops (one multi-tensor kernel each), attention, and
+autocast. Every Python kernel is hidden from dynamo: a Python kernel is otherwise a frame dynamo
+tries to compile. See ``shared/notes/privateuse1-python.md`` for why each explicit kernel exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from . import _torch, alloc, values
+from .autocast import register_autocast
+
+__all__ = ["register_kernels", "WHOLE_OPS", "DIRECT_OPS"]
+
+_libs: list[torch.library.Library] = []
+
+# Ops with a composite kernel that PyTorch would otherwise decompose before the device sees them.
+# Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
+# layer norm differs by ~1e-4; group norm's, in bf16 statistics, by up to 0.09) and lets them
+# lower to their library kernels. mode.values's composite refuses any device but CPU/CUDA/XPU.
+WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values")
+# Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
+# trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
+# mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
+DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar", "mul.Scalar", "neg", "exp",
+              "sqrt", "rsqrt", "relu", "gelu", "silu", "sigmoid", "tanh", "pow.Tensor_Scalar", "where.self",
+              "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
+              "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
+              "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
+
+
+def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` hidden from dynamo. Its wrapper swaps the eval-frame callback out and back on every
+    call (a few us, on every op); with no callback installed (no compiled frame running) there is
+    nothing to hide from, so the kernel is called directly."""
+    hidden = _torch.disable_dynamo(fn, recursive=True)
+    callback = _torch.eval_frame_callback
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if callback() is None:
+            return fn(*args, **kwargs)
+        return hidden(*args, **kwargs)
+    return kernel
+
+
+def _traced(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` shown in torch.profiler as ``neuron::<op>``."""
+    label = name.split(".")[0]
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return values.call_traced(label, fn, *args, **kwargs)
+    kernel.__name__ = getattr(fn, "__name__", name)
+    return kernel
+
+
+def _aten(name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def register_kernels() -> None:
+    """Register the fallback and explicit kernels once per process."""
+    if _libs:
+        return
+    impl = torch.library.Library("aten", "IMPL")
+    fallback = torch.library.Library("_", "IMPL")
+    _libs.extend([impl, fallback])
+    kernels: dict[str, Callable[..., Any]] = {
+        "empty.memory_format": alloc.empty_memory_format,
+        "empty_strided": alloc.empty_strided,
+        "_copy_from": alloc.copy_from,
+        "_copy_from_and_resize": alloc.copy_from_and_resize,
+        "resize_": alloc.resize_,
+        "_to_copy": alloc.to_copy,
+        "mm": values.mm,
+        "mm.out": values.out_variant(values.mm),
+        "addmm": values.addmm,
+        "addmm.out": values.out_variant(values.addmm),
+        "bmm": values.bmm,
+        "bmm.out": values.out_variant(values.bmm),
+        "baddbmm": values.baddbmm,
+        "baddbmm.out": values.out_variant(values.baddbmm),
+        "convolution_overrideable": values.convolution,
+        "convolution_backward_overrideable": values.convolution_backward,
+    }
+    for name, fn in kernels.items():
+        impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
+    impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
+    for name in WHOLE_OPS + DIRECT_OPS:
+        kernel = functools.partial(values.same_device_fallback if name in DIRECT_OPS else values.fallback, _aten(name))
+        impl.impl(name, _hidden(kernel), "PrivateUse1")
+    for qualified in _torch.all_op_names():  # every functional/in-place _foreach_* op
+        if qualified.startswith("aten::_foreach_"):
+            name = qualified[len("aten::"):]
+            op = _aten(name)
+            if not values.op_info(op).out_names:  # out= variants keep the fallback's resizing of outs
+                impl.impl(name, _hidden(functools.partial(values.foreach, op)), "PrivateUse1")
+    # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
+    impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
+    impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")
+    # attention as one op: an AutogradPrivateUse1 kernel beats the op's CompositeImplicitAutograd
+    # math path; the PrivateUse1 one serves calls below autograd (inference mode)
+    from .attention import FORWARD, sdpa
+
+    for key in ("AutogradPrivateUse1", "PrivateUse1"):
+        impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
+    fallback.fallback(_hidden(values.fallback), "PrivateUse1")
+    register_autocast(impl, fallback, _hidden)

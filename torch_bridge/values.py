@@ -1,0 +1,406 @@
+"""Values of the `neuron` device's ops: every op computes its real numbers on the host.
+
+View and metadata ops redispatch to the CPU kernels on the neuron tensors themselves (they touch
+only metadata, so the result is a real neuron view; they launch nothing on the device). TensorE
+ops (mm, addmm, bmm, baddbmm and, through them, linear/matmul; convolutions) run through the
+native datapath (:mod:`torch_bridge.tensore`). Every other op runs its CPU kernel on zero-copy
+CPU views of the device memory; new results are relabelled as neuron tensors without a copy.
+
+Each op then charges its cost: :mod:`torch_bridge.lowering` turns the call's metadata into a
+kernel, and :func:`torch_bridge.runtime.Runtime.charge` launches it on the device model. That is
+the only costing the value path does.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import torch
+
+from . import _torch, lowering, memory, tensore
+from .lowering import flat_tensors
+from .runtime import runtime
+
+__all__ = ["NEURON", "fallback", "same_device_fallback", "foreach", "mm", "addmm", "bmm", "baddbmm", "out_variant",
+           "convolution", "convolution_backward", "call_traced", "is_neuron", "NEURON_DEVICES", "check_one_device"]
+
+NEURON = "neuron"
+_CPU_KEYS = _torch.CPU_KEYS
+
+# ---- schema facts, cached per op ------------------------------------------------------------
+class _OpInfo:
+    """What the fallback needs to know about an op's schema."""
+
+    __slots__ = ("name", "is_view", "out_names", "tensor_positions")
+
+    def __init__(self, op: Any):
+        schema = _torch.op_schema(op)
+        self.name = op.overloadpacket.__name__
+        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
+            self.name in ("set_", "is_set_to", "record_stream")
+        self.out_names = tuple(a.name for a in schema.arguments
+                               if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        self.tensor_positions = tuple(i for i, a in enumerate(schema.arguments)
+                                      if str(a.type) in ("Tensor", "Optional[Tensor]") and not a.kwarg_only)
+
+
+_infos: dict[Any, _OpInfo] = {}
+
+
+def op_info(op: Any) -> _OpInfo:
+    info = _infos.get(op)
+    if info is None:
+        info = _infos[op] = _OpInfo(op)
+    return info
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def is_neuron(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device in NEURON_DEVICES
+
+
+# Every neuron device a tensor can be on: ``t.device in NEURON_DEVICES`` is a third of the cost
+# of ``t.device.type == NEURON`` (building the type string), and the fallback asks it per argument.
+NEURON_DEVICES = frozenset(torch.device("privateuseone", i) for i in range(256))  # NEURON is not named yet
+
+
+def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.device in NEURON_DEVICES:  # the usual case, made cheap
+        return first.device.index or 0
+    for t in flat_tensors(list(args) + list(kwargs.values()), []):
+        if t.device.type == NEURON:
+            return t.device.index or 0
+    dev = kwargs.get("device")
+    if dev is not None:
+        dev = torch.device(dev)
+        if dev.type == NEURON:
+            return dev.index or 0
+    return _current_device()
+
+
+def _current_device() -> int:
+    from .device import current_device
+
+    return current_device()
+
+
+class _ToCpu:
+    """Converts op arguments to CPU: neuron tensors become zero-copy views; remembers which."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
+        self.storages: dict[int, torch.Tensor] = {}  # device address -> a neuron tensor on that storage
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device not in NEURON_DEVICES:
+                return x
+            v = memory.cpu_view(x)  # may be the view another argument got (the same window)
+            self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
+            ptr = x.untyped_storage().data_ptr()
+            if ptr:
+                self.storages.setdefault(ptr, x)
+            return v
+        if isinstance(x, (list, tuple)):
+            return type(x)(self(y) for y in x)
+        if isinstance(x, torch.device) and x.type == NEURON:
+            return torch.device("cpu")
+        return x
+
+
+def _back(x: Any, conv: _ToCpu, index: int) -> Any:
+    """Map a CPU result back to the device: an argument's view -> that neuron tensor; a result
+    over an argument's memory (an op whose schema does not say it aliases) -> a neuron view of
+    that storage, never a second owner of it; a new tensor -> relabelled in place of a copy."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x
+        mine = conv.views.get(id(x))
+        if mine is not None:
+            return mine
+        if _torch.is_zerotensor(x):  # an _efficientzerotensor (sgn's gradient) has no memory: materialise it
+            return memory.relabel(torch.zeros(x.shape, dtype=x.dtype), index)
+        owner = conv.storages.get(x.untyped_storage().data_ptr())
+        if owner is not None:
+            alias = torch.empty(0, dtype=x.dtype, device=owner.device)
+            return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, alias, owner.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+        return memory.relabel(x, index)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_back(y, conv, index) for y in x)
+    return x
+
+
+def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records."""
+    if not _torch.profiler_enabled():
+        return fn(*args, **kwargs)
+    with _torch.RecordFunctionFast(f"neuron::{label}"):
+        return fn(*args, **kwargs)
+
+
+
+# ---- the boxed fallback -----------------------------------------------------------------------
+def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The boxed PrivateUse1 fallback: any op without an explicit neuron kernel."""
+    info = op_info(op)
+    return call_traced(info.name, _run, op, info, args, kwargs)
+
+
+def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if info.is_view:  # metadata only: a host-side op, no device kernel
+        runtime().host_op(info.name)
+        if info.name == "record_stream":
+            return None
+        return op.redispatch(_CPU_KEYS, *args, **kwargs)
+    index = _device_of(args, kwargs)
+    conv = _ToCpu()
+    cargs = [conv(a) for a in args]
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    fresh: dict[str, torch.Tensor] = {}
+    for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
+        out = kwargs.get(name)
+        if isinstance(out, torch.Tensor) and out.device.type == NEURON and out.numel() == 0:
+            fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype)
+    call = _torch.cpp_op(op)  # the C++ callable (OpOverload.__call__ adds a Python frame)
+    n = len(args)
+    for i in info.tensor_positions:
+        if i < n and not isinstance(args[i], torch.Tensor) and isinstance(args[i], numbers.Number):
+            call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
+            break
+    try:
+        try:
+            result = call(*cargs, **ckwargs)
+        except RuntimeError as e:
+            outs = [n for n in info.out_names if is_neuron(kwargs.get(n)) and n not in fresh]
+            if "not resizable" not in str(e) or not outs:
+                raise
+            for name in outs:  # an out= of the wrong size: let the kernel allocate, then adopt it
+                fresh[name] = ckwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
+            result = call(*cargs, **ckwargs)
+    except NotImplementedError as e:  # no CPU kernel for these arguments: say so for neuron, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NotImplementedError(f"neuron: aten::{info.name} cannot run on the neuron device with these arguments "
+                                  f"({first}); run this op on CPU (move its tensors with .cpu())") from None
+    for t in flat_tensors(result, []):
+        if t.layout != torch.strided:
+            raise NotImplementedError(f"neuron: aten::{info.name} returns a {t.layout} tensor, and the neuron device "
+                                      f"holds dense (strided) tensors only; run this op on CPU (.cpu())")
+    for name, cpu_out in fresh.items():
+        dev_out = kwargs[name]
+        dev_out.set_(memory.relabel(cpu_out, index))
+        conv.views[id(cpu_out)] = dev_out
+    out = _back(result, conv, index)
+    rt = runtime()
+    key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
+    cost = _costs.get(key)
+    if cost is None:
+        inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
+        cost = _costs[key] = rt.cost(lowering.op_spec(info.name, args, kwargs,
+                                                      [t for t in inputs if t.device.type == NEURON],
+                                                      flat_tensors(out, [])))
+    rt.charge(index, info.name, cost)
+    if info.name == "_local_scalar_dense":  # item(): the host waits for the value
+        rt.device.synchronize(index)
+    return out
+
+
+# (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call
+_costs: dict[tuple[Any, ...], Any] = {}
+
+
+def _signature(x: Any) -> Any:
+    """What of an argument can change the kernel: tensor shapes, dtypes and devices, ints, strings,
+    bools; not float values (a learning rate changes every step, the kernel does not). A
+    tensor's device is told apart by is_cpu/is_meta (else neuron: this torch build has no other
+    device), which is cheaper than building its ``torch.device``; it runs for every op call."""
+    tp = type(x)
+    if tp is tuple or tp is list:
+        return tuple([_signature(y) for y in x])
+    if tp is float:
+        return float
+    if tp is int or tp is str or tp is bool or x is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.is_cpu, x.is_meta)
+    if isinstance(x, (list, tuple)):
+        return tuple([_signature(y) for y in x])
+    if isinstance(x, float):
+        return float
+    if isinstance(x, (int, str, bool, torch.dtype)):
+        return x
+    return type(x)
+
+
+def check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The device check a composite would have made (TensorIterator's): one device, except 0-dim
+    CPU tensors, which act as scalars."""
+    devices = {t.device for t in flat_tensors(list(args) + list(kwargs.values()), [])
+               if t.device in NEURON_DEVICES or t.dim() > 0}
+    if len(devices) > 1:
+        a, b = sorted(devices, key=str)[:2]
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                           f"{a} and {b}!")
+
+
+def same_device_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The fallback for a claimed elementwise op, with its composite's device check."""
+    check_one_device(args, kwargs)
+    return fallback(op, *args, **kwargs)
+
+
+def foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A ``_foreach_*`` op whole: the CPU foreach kernel over zero-copy views, charged as one
+    launch of a generic kernel over all its tensors (bytes and elements summed over each list),
+    as a fused multi-tensor kernel would run. PyTorch's slow path for a backend without foreach
+    kernels would split it into one device op per tensor: an AdamW step plus gradient clipping
+    on the demo's 28-tensor GPT-2 was ~330 launches, and is 12 this way."""
+    check_one_device(args, kwargs)
+    info = op_info(op)
+    return call_traced(info.name, _run_foreach, op, info, args, kwargs)
+
+
+def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    index = _device_of(args, kwargs)
+    conv = _ToCpu()
+    out = _back(op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}), conv, index)
+    key = (op, _signature(args), _signature(tuple(kwargs.items())))
+    rt = runtime()
+    cost = _costs.get(key)
+    if cost is None:
+        lists = [list(a) for a in args if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a)]
+        cost = _costs[key] = rt.cost(lowering.fused_spec(info.name, lists, [a for a in args if is_neuron(a)],
+                                                         flat_tensors(out, [])))
+    rt.charge(index, info.name, cost)
+    return out
+
+
+# ---- TensorE ops through the native datapath -----------------------------------------------
+def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
+                 a: torch.Tensor, b: torch.Tensor) -> None:
+    """Charge a matmul; the operands' memory layouts pick the kernel's operand forms
+    (:func:`torch_bridge.lowering.matmul_layout`)."""
+    ta, tb = lowering.matmul_layout(a, b)
+    key = (batch, m, k, n, dtype, ta, tb)
+    rt = runtime()
+    cost = _mm_costs.get(key)
+    if cost is None:
+        cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
+    rt.charge(index, op, cost)
+
+
+# (batch, m, k, n, dtype, transpose flags) -> the matmul's OpCost (a spec is slower to build than to look up)
+_mm_costs: dict[tuple[Any, ...], Any] = {}
+
+
+def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if tensore.on_datapath(a, b):
+        res = tensore.matmul_f32(a, b).to(self.dtype)
+    else:
+        res = torch.mm(a, b)
+    _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
+    return memory.relabel(res, index)
+
+
+def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> torch.Tensor:
+    """``alpha * prod + beta * c`` in fp32 over the PSUM result, in place (addmm/baddbmm)."""
+    if alpha != 1:
+        prod.mul_(alpha)
+    if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
+        prod.add_(c.float() if beta == 1 else c.float() * beta)
+    return prod
+
+
+def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+          ) -> torch.Tensor:
+    index = mat1.device.index or 0
+    a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
+    else:
+        res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype, mat1, mat2)
+    return memory.relabel(res, index)
+
+
+def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if tensore.on_datapath(a, b):
+        res = tensore.bmm_f32(a, b).to(self.dtype)
+    else:
+        res = torch.bmm(a, b)
+    _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
+    return memory.relabel(res, index)
+
+
+def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+            ) -> torch.Tensor:
+    index = batch1.device.index or 0
+    a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
+    else:
+        res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype,
+                 batch1, batch2)
+    return memory.relabel(res, index)
+
+
+def out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``op.out`` from its functional kernel: compute, then resize ``out`` and copy into it."""
+    def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        res = functional(*args, **kwargs)
+        if out.shape != res.shape:
+            out.resize_(res.shape)
+        memory.cpu_view(out).copy_(memory.cpu_view(res))
+        return out
+    return out_kernel
+
+
+# ---- convolution (aten sends non-CPU/CUDA convolutions to the *_overrideable ops) -------------
+def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
+               stride: Any = None, padding: Any = None, dilation: Any = None, transposed: bool = True) -> None:
+    rt = runtime()
+    for spec in lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed):
+        rt.charge(index, op, spec)
+
+
+def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
+                 dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
+    index = input.device.index or 0
+    x, w = memory.cpu_view(input), memory.cpu_view(weight)
+    cb = memory.cpu_view(bias) if bias is not None else None
+    if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype):
+        acc = tensore.conv_f32(x, w, stride, padding, dilation, groups)
+        if cb is not None:
+            acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))
+        res = acc.to(input.dtype)
+    else:
+        res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
+                                                 groups)
+    _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
+    return memory.relabel(res, index)
+
+
+def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: Any,
+                          padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                          output_mask: Any) -> tuple[Any, Any, Any]:
+    index = input.device.index or 0
+    g, x, w = memory.cpu_view(grad_output), memory.cpu_view(input), memory.cpu_view(weight)
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
+                                                            transposed, output_padding, groups, output_mask)
+    if output_mask[0]:
+        _conv_time(index, "convolution_backward", grad_output, weight, input, groups)
+    if output_mask[1]:
+        _conv_time(index, "convolution_backward", input, weight, grad_output, groups)
+    res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
+    if res[2] is not None:
+        runtime().charge(index, "convolution_backward",
+                         lowering.generic_spec("convolution_backward", [grad_output], [res[2]]))
+    return res  # type: ignore[return-value]
