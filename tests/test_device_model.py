@@ -193,7 +193,7 @@ def test_graph_block_collects_launches_and_muted_drops_them():
         dev.launch(0, "add", tiny)
         dev.synchronize(0)  # a sync inside the block issues what was collected first
         dev.launch(0, "mul", tiny)
-    assert _timeline(dev)[2:] == [(136, 136, 156), (204, 204, 224)]
+    assert _timeline(dev)[2:] == [(96, 96, 116), (164, 164, 184)]
 
 
 def test_adaptive_eager_replays_a_repeated_sequence_as_one_graph():
