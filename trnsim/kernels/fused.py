@@ -383,16 +383,18 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
     budget = cfg.core.sbuf.partition_bytes * 7 // 8 - resident * cols * 4
 
     def plan(depth: int) -> tuple[int, list[Piece], int]:
-        """Tile width (elements per partition), the row tiles, and the widest per-row tile."""
-        width = 4096
+        """Tile width (elements per partition), the row tiles, and the widest per-row tile: at
+        most 64 rows per partition, so per-row tiles stay small."""
+        room = budget - (slots_col * depth + 8) * 64 * 4
+        width = min(4096, 64 * cols)
         if slots_full:
-            width = min(4096, max(1, budget // (slots_full * depth * 4)))
+            width = min(width, max(0, room // (slots_full * depth * 4)))
         if prog.reduces_rows:  # whole rows; one per partition when that moves >= 2 KiB per partition
-            width = cols if cols * 4 >= 2048 or width < cols else width
+            width = cols if (cols * 4 >= 2048 and width >= cols) else width
+        if width < 1 or (prog.reduces_rows and width < cols):
+            return 0, [], 0
         pcs = list(row_pieces(rows, cols, width, P))
-        gmax = max(pc.g for pc in pcs)
-        need = slots_full * depth * width * 4 + (slots_col * depth + 8) * max(16, gmax) * 4
-        return (width if need <= budget else 0), pcs, gmax
+        return width, pcs, max(pc.g for pc in pcs)
 
     width, pieces, gmax = plan(depth)
     if not width:
