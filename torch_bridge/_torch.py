@@ -66,9 +66,9 @@ COMPILE_REQUIRED: dict[str, str] = {
 }
 
 
-def compile_api(path: str) -> Any:
-    """A private API of torch.compile's machinery (see :data:`COMPILE_REQUIRED`)."""
-    assert path in COMPILE_REQUIRED, path
+def compile_api(name: str) -> Any:
+    """A private API of torch.compile's machinery by its last name (see :data:`COMPILE_REQUIRED`)."""
+    path = next(p for p in COMPILE_REQUIRED if p.rsplit(".", 1)[-1] == name)
     return resolve(path)
 
 

@@ -19,7 +19,6 @@ import torch.fx as fx
 
 from .. import _torch
 from ..runtime import runtime
-from .graph import CompiledGraph
 
 __all__ = ["neuron_backend", "register", "divert_inductor", "INDUCTOR_WARNING"]
 
@@ -30,11 +29,13 @@ INDUCTOR_WARNING = ("torch.compile: Inductor has no code generator for the neuro
 
 def _compiler(kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from .graph import CompiledGraph
+
         t0 = time.perf_counter()
         compiled = CompiledGraph(gm, kind)
         if kind == "backward":  # the forward's compile time is counted with the backend call
             runtime().device.note_compile(time.perf_counter() - t0)
-        return _torch.compile_api("torch._functorch.aot_autograd.make_boxed_func")(compiled)
+        return _torch.compile_api("make_boxed_func")(compiled)
     return compile_graph
 
 
@@ -46,8 +47,8 @@ def neuron_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options:
     from .attention import use_attention_op
 
     use_attention_op(gm)
-    aot = _torch.compile_api("torch._functorch.aot_autograd.aot_module_simplified")
-    mincut = _torch.compile_api("torch._functorch.partitioners.min_cut_rematerialization_partition")
+    aot = _torch.compile_api("aot_module_simplified")
+    mincut = _torch.compile_api("min_cut_rematerialization_partition")
     fn = aot(gm, list(example_inputs), fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
              partition_fn=mincut, keep_inference_input_mutations=True)
     runtime().device.note_compile(time.perf_counter() - t0)
@@ -58,7 +59,7 @@ def register() -> None:
     """Register ``neuron`` by name unless the entry point already provides it (idempotent)."""
     if "neuron" in torch.compiler.list_backends(exclude_tags=()):
         return
-    _torch.compile_api("torch._dynamo.register_backend")(compiler_fn=neuron_backend, name="neuron")
+    _torch.compile_api("register_backend")(compiler_fn=neuron_backend, name="neuron")
 
 
 def _on_neuron(gm: Any, inputs: Sequence[Any]) -> bool:
