@@ -418,6 +418,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
 
     # ---- resident values: per-column inputs broadcast to every partition, scalars, and steps on them
     res: dict[int, TileAP] = {}
+    P = min(P, rows)  # a per-column value is broadcast to the partitions the row tiles use
     for i, (k, dt) in enumerate(prog.inputs):
         if k == ROW:
             res[i] = kern.sbuf((P, cols), dt, name=f"row{i}")
@@ -636,6 +637,7 @@ def build_matmul_fused(m: int, k: int, n: int, dtype: str = "fp32", config: Chip
                            for i, (kd, dt) in enumerate(prog.inputs) if i > 0}
     outs = [kern.output(f"out{j}", _HBM_SHAPES[kinds[v]](m, n), dt) for j, (v, dt) in enumerate(prog.outputs)]
     res: dict[int, TileAP] = {}
+    P = min(P, m)
     for i, (kd, dt) in ((i, x) for i, x in enumerate(prog.inputs) if i > 0):
         if kd == ROW:
             res[i] = kern.sbuf((P, n), dt, name=f"row{i}")
