@@ -416,6 +416,7 @@ class Region:
     program: Program | None = None
     inputs: list[fx.Node] = field(default_factory=list)
     outputs: list[fx.Node] = field(default_factory=list)
+    kernel_inputs: list[int] = field(default_factory=list)
 
     def build(self) -> None:
         """The program, inputs (outside nodes) and outputs (nodes used outside) of the region."""
@@ -455,17 +456,47 @@ class Region:
             if not isinstance(v, torch.Tensor):
                 raise Unfusable(f"region output {n} is not a tensor")
         outs = tuple((b.values[n], _trn_dtype(_val(n).dtype)) for n in self.outputs)
-        self.program = Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), outs)
+        self.program, keep = _prune(Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), outs))
         self.program.kinds()
         self.inputs = [a for a, _, _ in b.inputs if a is not None]
+        # which of the region's inputs (after a head's two operands) the kernel's inputs are
+        self.kernel_inputs = [j for j, i in enumerate(i for i, (a, _, _) in enumerate(b.inputs) if a is not None)
+                              if i in keep]
         if head is not None:  # the matmul's operands first: the runner computes input 0 from them
             self.inputs = list(head.args[1:3] if head.target is aten.addmm.default else head.args[:2]) + self.inputs
-        if not self.program.steps or (self.head is None and _compute_steps(self.program) < 2):
-            raise Unfusable("a region of fewer than two ops runs as its eager kernel")
+        ops = [n for n in self.nodes if n.target not in _IDENTITY]
+        if not self.program.steps or (self.head is None and len(ops) < 2):
+            raise Unfusable("a region of one op runs as that op's eager kernel")
 
 
-def _compute_steps(p: Program) -> int:
-    return sum(1 for st in p.steps if st[0] != "cast")
+def _prune(p: Program) -> tuple[Program, set[int]]:
+    """``p`` without the inputs no step or output reads (an op's argument its fused form does
+    not need, e.g. a layer norm backward's bias); returns the kept input indices too."""
+    from trnsim.kernels.fused import _args
+
+    used = {a for st in p.steps for a in _args(st)} | {v for v, _ in p.outputs} | {0}
+    n_in = len(p.inputs)
+    keep = [i for i in range(n_in) if i in used]
+    remap = {old: new for new, old in enumerate(keep)}
+    for j in range(len(p.steps)):
+        remap[n_in + j] = len(keep) + j
+
+    def fix(st: tuple[Any, ...]) -> tuple[Any, ...]:
+        op = st[0]
+        if op == "act":
+            return (op, st[1], remap[st[2]], *st[3:])
+        if op == "tt":
+            return (op, st[1], remap[st[2]], remap[st[3]])
+        if op == "red":
+            return (op, st[1], remap[st[2]])
+        return (op, remap[st[1]], *st[2:])
+
+    return Program(tuple(p.inputs[i] for i in keep), tuple(fix(st) for st in p.steps),
+                   tuple((remap[v], d) for v, d in p.outputs)), set(keep)
+
+
+_IDENTITY = {operator.getitem, aten.clone.default, aten.alias.default, aten.detach.default, aten.view.default,
+             aten._unsafe_view.default, aten.reshape.default}
 
 
 def _emit(b: Builder, n: fx.Node) -> None:
@@ -520,10 +551,8 @@ def _fusable(n: fx.Node) -> tuple[str, str] | None:
 
 
 def _numel_key(t: torch.Tensor) -> int:
-    try:
-        return int(t.numel())
-    except Exception:  # a symbolic size: prefer the tensor with more dims
-        return 1 << (20 + t.dim())
+    n = t.numel()
+    return n if isinstance(n, int) else 1 << (40 + t.dim())  # symbolic: never int() it (that adds a guard)
 
 
 def partition(gm: fx.GraphModule) -> list[Region]:

@@ -66,12 +66,16 @@ class _Plan:
     """What one input signature of a region launches: its fused kernel's cost (with the eager
     figures it replaces), or, where the kernel cannot take the shapes, its ops' eager costs."""
 
-    def __init__(self, label: str, costs: list[OpCost]):
-        self.label, self.costs = label, costs
+    def __init__(self, label: str, costs: list[OpCost], spec: KernelSpec | None = None):
+        self.label, self.costs, self.spec = label, costs, spec
 
 
 class RegionKernel:
     """A region's nodes run as one fused kernel (see the module docstring)."""
+
+    #: when a list, every call appends (region kernel, its kernel spec or None, inputs, outputs):
+    #: how tests check a fused kernel's values against the ops' own
+    record: list[tuple[Any, ...]] | None = None
 
     def __init__(self, region: Region, index: int):
         self.region = region
@@ -133,6 +137,8 @@ class RegionKernel:
         rt = runtime()
         for cost in plan.costs:
             rt.charge(device, plan.label if cost.region is not None else cost.kernel, cost)
+        if RegionKernel.record is not None:
+            RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
         return tuple(outs)
 
     # ---- costs -----------------------------------------------------------------------------
@@ -199,7 +205,7 @@ class RegionKernel:
         except KernelError:
             return _Plan(self.label, [c for _, c in eager])  # the kernel refuses these shapes: eager kernels
         region = FusedRegion(self.ops, len(eager), sum(c.hbm_bytes for _, c in eager), sum(c.ticks for _, c in eager))
-        return _Plan(self.label, [dataclasses.replace(cost, region=region)])
+        return _Plan(self.label, [dataclasses.replace(cost, region=region)], spec)
 
 
 def rewrite(gm: fx.GraphModule, regions: list[Region]) -> fx.GraphModule:

@@ -421,8 +421,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
     P = min(P, rows)  # a per-column value is broadcast to the partitions the row tiles use
     for i, (k, dt) in enumerate(prog.inputs):
         if k == ROW:
-            res[i] = kern.sbuf((P, cols), dt, name=f"row{i}")
-            kern.dma_copy(res[i], ins[i].ap(0, [[0, P], [1, cols]]), queue=3)
+            res[i] = _broadcast_row(kern, ins[i], P, cols, dt, f"row{i}")
         elif k == SCALAR:
             res[i] = kern.sbuf((P, 1), dt, name=f"scalar{i}")
             kern.dma_copy(res[i], ins[i].ap(0, [[0, P], [1, 1]]), queue=3)
@@ -543,6 +542,26 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
     return kern
 
 
+def _broadcast_row(kern: Kernel, vec: Any, parts: int, cols: int, dt: str, name: str) -> TileAP:
+    """A [cols] HBM vector on ``parts`` partitions, read from HBM once: one partition's DMA, then
+    ``ones[1, parts]ᵀ @ row[1, cols]`` on TensorE (a stride-0 DMA to every partition would read
+    it ``parts`` times)."""
+    cfg = kern.config
+    tn = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)
+    row = kern.sbuf((1, cols), dt, name=f"{name}_1")
+    kern.dma_copy(row, vec.ap(0, [[0, 1], [1, cols]]), queue=3)
+    ones = kern.sbuf((1, parts), "fp32" if get_dtype(dt).name == "float32" else dt, name=f"{name}_ones")
+    kern.memset(ones, 1.0)
+    out = kern.sbuf((parts, cols), "fp32", name=name)
+    ps = kern.psum((parts, tn), "fp32", name=f"{name}_ps")
+    for c0 in range(0, cols, tn):
+        w = min(tn, cols - c0)
+        kern.nc_matmul(ps[:, :w], ones, row[:, c0:c0 + w])
+        kern.tensor_copy(out[:, c0:c0 + w], ps[:, :w], engine="vector")
+    kern.free(ps)
+    return out
+
+
 def _tile_dtype(prog: Program, kinds: list[str], phase: list[str], v: int, out_of: Mapping[int, list[int]]) -> str:
     """What a value's tile holds: an input its HBM dtype; an intermediate fp32; an output that no
     later step reads its output dtype (the producing engine rounds once, as it writes)."""
@@ -640,8 +659,7 @@ def build_matmul_fused(m: int, k: int, n: int, dtype: str = "fp32", config: Chip
     P = min(P, m)
     for i, (kd, dt) in ((i, x) for i, x in enumerate(prog.inputs) if i > 0):
         if kd == ROW:
-            res[i] = kern.sbuf((P, n), dt, name=f"row{i}")
-            kern.dma_copy(res[i], ins[i].ap(0, [[0, P], [1, n]]), queue=3)
+            res[i] = _broadcast_row(kern, ins[i], P, n, dt, f"row{i}")
         elif kd == SCALAR:
             res[i] = kern.sbuf((P, 1), dt, name=f"scalar{i}")
             kern.dma_copy(res[i], ins[i].ap(0, [[0, P], [1, 1]]), queue=3)
