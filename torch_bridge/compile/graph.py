@@ -193,13 +193,10 @@ class RegionKernel:
                                      lowering.matmul_dtype(a.dtype),
                                      {"program": prog, "transpose_a": ta, "transpose_b": tb})
             else:
-                full = next(t for t in (env[n] for n in self.outputs) if t.dim() >= 1 and t.numel() > 1)
-                shape = next(tuple(env[n].shape) for n, (kind, _) in zip(self.inputs, prog.inputs) if kind == "full") \
-                    if any(k == "full" for k, _ in prog.inputs) else tuple(full.shape)
-                cols = shape[-1]
-                rows = 1
-                for d in shape[:-1]:
-                    rows *= d
+                ts = [env[n] for n in self.inputs + self.outputs if isinstance(env.get(n), torch.Tensor)]
+                big = max(ts, key=lambda t: (t.numel(), t.dim()))
+                cols = big.shape[-1] if big.dim() else 1
+                rows = big.numel() // max(cols, 1)
                 spec = KernelSpec.of("fused", (rows, cols), dt, {"program": prog})
             cost = rt.cost(spec)
         except KernelError:
