@@ -201,6 +201,10 @@ class RegionKernel:
             cost = rt.cost(spec)
         except KernelError:
             return _Plan(self.label, [c for _, c in eager])  # the kernel refuses these shapes: eager kernels
+        if cost.ticks > sum(c.ticks for _, c in eager):
+            # both are simulated; like a compiler's cost model, keep the faster (the region's values
+            # are computed the same way either way: identical to eager's for fp32)
+            return _Plan(self.label, [c for _, c in eager])
         region = FusedRegion(self.ops, len(eager), sum(c.hbm_bytes for _, c in eager), sum(c.ticks for _, c in eager))
         return _Plan(self.label, [dataclasses.replace(cost, region=region)], spec)
 
