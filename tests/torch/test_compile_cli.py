@@ -45,7 +45,7 @@ def test_compare_eager_prints_both_runs(tmp_path):
     assert re.search(r"compiled: 2 graphs compiled in \d+\.\d\d s wall \(not charged to the device\); 4 graph "
                      r"launches", text)
     assert "compiled regions: " in text and "matmul_fused" in text
-    assert "eager vs compiled: " in text
+    assert "eager vs compiled:" in text
     for row in ("elapsed us (simulated)", "device time us", "device waiting on the host us", "kernel launches",
                 "host dispatches", "HBM MB"):
         assert row in text
