@@ -12,11 +12,11 @@ import json
 import os
 import runpy
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from trnsim.files import AtomicOutput
 from trnsim.report import RunReport
 
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
@@ -66,7 +66,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
     "force_eager")``); ``adaptive`` turns adaptive eager on. A missing script raises
     FileNotFoundError; an exception in the script prints its traceback to stderr and gives
-    status 1 (the report still covers what ran).
+    status 1 (the report still covers what ran); ``sys.exit("message")`` prints the message and
+    gives status 1, as ``python script.py`` does. A trace path that cannot be written (a FIFO, a
+    device, a missing or read-only directory) is refused with :class:`trnsim.files.OutputError`
+    before the script starts.
     """
     path = Path(script)
     if not path.is_file():
@@ -86,6 +89,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     for i in range(device.device_count()):  # the report starts from an idle device
         device.synchronize(i)
     device.reset_report(trace=trace is not None)
+    out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
     device.set_adaptive_eager(adaptive)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
@@ -93,21 +97,25 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     status = 0
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     try:
-        with stance:
-            runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception:  # the user's script failed: show its traceback, keep the report
-        traceback.print_exc()
-        status = 1
+        try:
+            with stance:
+                runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            status = _exit_status(e.code)
+        except Exception:  # the user's script failed: show its traceback, keep the report
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+        for i in range(device.device_count()):
+            device.synchronize(i)
+        device.set_adaptive_eager(False)
+        report = device.report()
+        if out is not None:
+            write_op_trace(out, report)
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    for i in range(device.device_count()):
-        device.synchronize(i)
-    device.set_adaptive_eager(False)
-    report = device.report()
-    if trace is not None:
-        write_op_trace(trace, report)
+        if out is not None:
+            out.discard()
     return status, report
 
 
@@ -122,10 +130,23 @@ def compare_eager(script: str, args: Sequence[str], config: str | None = None, o
     return status, eager, compiled
 
 
-def write_op_trace(path: str | os.PathLike[str], report: RunReport) -> None:
+def _exit_status(code: object) -> int:
+    """What ``python script.py`` does with ``sys.exit(code)``: None is 0, an int is itself,
+    anything else is printed to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stdout.flush()
+    print(code, file=sys.stderr)
+    return 1
+
+
+def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport) -> None:
     """Chrome trace-event JSON of every launch: pid = NeuronCore, tid = stream, times in simulated
     us, and a ``host`` lane with each launch's dispatch (ending when the host issued it). Written
-    to a temporary file first, so a failed write leaves nothing half-done."""
+    through :class:`trnsim.files.AtomicOutput` (a temporary file renamed into place; symlinks
+    followed, FIFOs and devices refused); ``path`` may be one reserved before the run."""
     events: list[dict[str, Any]] = []
     to_us = 1e6 / report.tick_hz
     host_pid = -1
@@ -146,12 +167,5 @@ def write_op_trace(path: str | os.PathLike[str], report: RunReport) -> None:
         events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.core, "tid": e.stream,
                        "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
                        "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
+    out.commit(lambda f: json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f))
