@@ -20,7 +20,7 @@ import torch.fx as fx
 from .. import _torch
 from ..runtime import runtime
 
-__all__ = ["neuron_backend", "register", "divert_inductor", "INDUCTOR_WARNING"]
+__all__ = ["neuron_backend", "register", "divert_inductor", "INDUCTOR_WARNING", "allow_neuron", "allow_neuron_on_import"]
 
 INDUCTOR_WARNING = ("torch.compile: Inductor has no code generator for the neuron device; compiling this graph with "
                     "trnsim's 'neuron' backend instead (backend='neuron' or "
@@ -87,3 +87,63 @@ def divert_inductor() -> None:
 
     __call__._trnsim = True  # type: ignore[attr-defined]
     wrapper.__call__ = __call__
+    allow_neuron_on_import()  # FlexAttention's device check lets neuron tensors through
+
+
+# ---- FlexAttention's device check ----------------------------------------------------------
+FLEX_MODULE = "torch.nn.attention.flex_attention"
+
+
+def allow_neuron() -> None:
+    """FlexAttention accepts neuron tensors (every other device is validated as before)."""
+    import importlib
+
+    original = _torch.compile_api("_validate_device")
+    module = importlib.import_module("torch.nn.attention.flex_attention")
+    if getattr(original, "_trnsim", False):
+        return
+
+    def validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type == "neuron" and key.device == query.device and value.device == query.device:
+            return
+        original(query, key, value)
+
+    validate._trnsim = True  # type: ignore[attr-defined]
+    module._validate_device = validate
+
+
+class _PatchOnImport:
+    """A meta-path finder that lets :func:`allow_neuron` run right after FlexAttention's module is
+    imported (importing it eagerly would add seconds to ``import torch``)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != FLEX_MODULE:
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def run(module: Any) -> None:
+            exec_module(module)
+            allow_neuron()
+
+        loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def allow_neuron_on_import() -> None:
+    """:func:`allow_neuron` now if FlexAttention is imported, else as soon as it is."""
+    import sys
+
+    if FLEX_MODULE in sys.modules:
+        allow_neuron()
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+

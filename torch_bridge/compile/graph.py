@@ -287,6 +287,9 @@ class CompiledGraph:
         t0 = time.perf_counter()
         self.kind = kind
         self.source = gm
+        from .flex import use_flex_kernels
+
+        use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
         self.regions = partition(gm)
         self.module = rewrite(gm, self.regions) if self.regions else gm
         self.compile_seconds = time.perf_counter() - t0
