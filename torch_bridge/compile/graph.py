@@ -66,8 +66,8 @@ class _Plan:
     """What one input signature of a region launches: its fused kernel's cost (with the eager
     figures it replaces), or, where the kernel cannot take the shapes, its ops' eager costs."""
 
-    def __init__(self, label: str, costs: list[OpCost], spec: KernelSpec | None = None):
-        self.label, self.costs, self.spec = label, costs, spec
+    def __init__(self, label: str, costs: list[tuple[str, OpCost]], spec: KernelSpec | None = None):
+        self.label, self.costs, self.spec = label, costs, spec  # costs: (op shown in reports, cost)
 
 
 class RegionKernel:
@@ -135,8 +135,8 @@ class RegionKernel:
         if plan is None:
             plan = self.plans[key] = self._plan(args, env)
         rt = runtime()
-        for cost in plan.costs:
-            rt.charge(device, plan.label if cost.region is not None else cost.kernel, cost)
+        for op, cost in plan.costs:
+            rt.charge(device, op, cost)
         if RegionKernel.record is not None:
             RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
         return tuple(outs)
@@ -200,13 +200,13 @@ class RegionKernel:
                 spec = KernelSpec.of("fused", (rows, cols), dt, {"program": prog})
             cost = rt.cost(spec)
         except KernelError:
-            return _Plan(self.label, [c for _, c in eager])  # the kernel refuses these shapes: eager kernels
+            return _Plan(self.label, eager)  # the kernel refuses these shapes: its ops' eager kernels
         if cost.ticks > sum(c.ticks for _, c in eager):
             # both are simulated; like a compiler's cost model, keep the faster (the region's values
             # are computed the same way either way: identical to eager's for fp32)
-            return _Plan(self.label, [c for _, c in eager])
+            return _Plan(self.label, eager)
         region = FusedRegion(self.ops, len(eager), sum(c.hbm_bytes for _, c in eager), sum(c.ticks for _, c in eager))
-        return _Plan(self.label, [dataclasses.replace(cost, region=region)], spec)
+        return _Plan(self.label, [(self.label, dataclasses.replace(cost, region=region))], spec)
 
 
 def rewrite(gm: fx.GraphModule, regions: list[Region]) -> fx.GraphModule:
