@@ -116,7 +116,15 @@ def test_entry_point_discovery_without_an_import(tmp_path):
         else:
             print("ok")
     """)
-    for paths, want in (([str(ROOT), str(tmp_path)], "ok"), ([str(ROOT)], "InvalidBackend")):
+    from importlib.metadata import entry_points
+
+    installed = any(e.name == "neuron" for e in entry_points(group="torch_dynamo_backends"))
+    # With trnsim installed (as .ci/run installs it) its own metadata declares the entry point, and
+    # a process that never imports torch_bridge.compile finds the backend; the emulated
+    # distribution stands in for a checkout installed before the entry point existed, and then
+    # the backend is unknown without it.
+    cases = [([str(ROOT)], "ok")] if installed else [([str(ROOT), str(tmp_path)], "ok"), ([str(ROOT)], "InvalidBackend")]
+    for paths, want in cases:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
