@@ -4,7 +4,8 @@
     trnsim info [CONFIG] [--set K=V ...] [--json]
     trnsim demo [--config CONFIG] [--set K=V ...]
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
-                  [--param K=V ...] [--check] [--json] [--trace out.json]
+                  [--param K=V ...] [--check] [--schedule | --no-schedule] [--json] [--trace out.json]
+    trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json] [--timing-only]
@@ -34,7 +35,8 @@ from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
-__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of",
+           "render_comparison"]
 
 
 class UsageError(Exception):
@@ -121,8 +123,6 @@ def info_data(cfg: ChipConfig) -> dict[str, Any]:
             "version": chip.neuronlink.version,
             "links": chip.neuronlink.links,
             "bandwidth": chip.neuronlink.bandwidth,
-            "topology": chip.neuronlink.topology,
-            "instance_chips": chip.neuronlink.instance_chips,
         },
         "host_dispatch_ns": cfg.host.dispatch / 1000,
         "host_max_inflight": cfg.host.max_inflight,
@@ -160,8 +160,7 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
                      f"engine = {bw(d['dma_bandwidth_per_core'])} per core, {bw(d['dma_bandwidth_per_chip'])} per chip; "
                      f"start latency {format_quantity(c.dma.start_latency, 'time')}")
     nl = cfg.chip.neuronlink
-    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
-                            f"{nl.instance_chips} chips")
+    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip; systems in configs/systems/")
     t.add_row("Host", f"{format_quantity(cfg.host.dispatch, 'time')} to issue a launch, up to "
                       f"{cfg.host.max_inflight} unfinished launches per logical core")
     t.add_row("Source", cfg.source_display)
@@ -392,6 +391,8 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         raise UsageError("kernel: give a kernel NAME (see 'trnsim kernel --list') or path/to/file.py:function")
     cfg = load_config(args.config, args.set)
     ref = resolve_kernel(args.name)
+    if _is_nki(ref.build):
+        return cmd_kernel_nki(args, ref.build, cfg)
     if args.shape is not None:
         shape = parse_shape(args.shape)
     elif ref.default_shape is not None:
@@ -410,10 +411,16 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     try:
         if args.check:
             assert ref.entry is not None
-            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
+            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params,
+                                schedule=bool(args.schedule))
             report = check["report"]
         else:
-            report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
+            kernel = ref.make(shape, dtype, cfg, params)
+            if args.schedule:
+                from .schedule import schedule
+
+                kernel = schedule(kernel)
+            report = Chip(cfg).run(kernel, timing_only=True).report
         if trace is not None:
             write_trace(trace, report)
     finally:
@@ -435,6 +442,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     line += f", {dtype}" if dtype else ""
     line += "".join(f", {k}={escape(str(v))}" for k, v in params.items())
     line += f" on {cfg.name}" + (f" ({cfg.describe_overrides()})" if cfg.overrides else "") + f"; {run}"
+    line += "; list-scheduled" if args.schedule else ""
     console.print(line)
     render_report(report, console, cfg)
     render_dma_queues(report, console)
@@ -444,6 +452,105 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         errs = ", ".join(f"{name} {err:.2e}" for name, err in check["errors"].items())
         console.print(f"Check: max error relative to max |reference|: {errs} -> {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def _is_nki(obj: Any) -> bool:
+    from .nki import Kernel as NkiKernel
+
+    return isinstance(obj, NkiKernel)
+
+
+def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> int:
+    """``trnsim kernel file.py:kernel`` for an ``@nki.jit`` kernel: random inputs of the given
+    shapes, values and the cycle report of the scheduled kernel, and a summary of the outputs."""
+    import inspect
+
+    import numpy as np
+    from rich.markup import escape
+    from rich.table import Table
+
+    from . import nki
+    from .kernels.registry import parse_params, parse_shape
+    from .native.dtypes import get_dtype
+    from .trace import write_trace
+
+    if args.check:
+        raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; an NKI kernel "
+                         f"runs with values already (compare its outputs in Python: trnsim.nki.run)")
+    sig = inspect.signature(kernel.fn)
+    tensors = [p.name for p in sig.parameters.values()
+               if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    options = {p.name: p.default for p in sig.parameters.values() if p.default is not inspect.Parameter.empty}
+    if not args.shape:
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape is required for an NKI kernel: one shape per tensor "
+                         f"argument ({', '.join(tensors)}), separated by commas, e.g. --shape 128x512,128x512")
+    shapes = [parse_shape(s) for s in args.shape.split(",")]
+    if len(shapes) == 1:
+        shapes *= len(tensors)
+    if len(shapes) != len(tensors):
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape gives {len(shapes)} shapes but {kernel.fn.__name__} takes "
+                         f"{len(tensors)} tensors ({', '.join(tensors)}); give one per tensor, separated by commas")
+    try:
+        dt = get_dtype(args.dtype or "fp32")
+    except ValueError as e:
+        raise KernelError(f"kernel '{clip_text(args.name)}': {e}") from None
+    params = parse_params(args.param, options, f"kernel '{clip_text(args.name)}'")
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32).astype(dt.np_dtype) if dt.is_float
+              else rng.integers(0, 8, s).astype(dt.np_dtype) for s in shapes]
+    # a trace that cannot be written is refused now, before the run, not after it
+    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    try:
+        run = nki.Kernel(kernel.fn, grid=kernel.grid, schedule=args.schedule is not False,
+                         config=cfg).run(*arrays, **params)
+        report, st = run.report, run.schedule_stats
+        if trace is not None:
+            write_trace(trace, report)
+    finally:
+        if trace is not None:
+            trace.discard()
+    outs = run.outputs if isinstance(run.outputs, (tuple, list)) else () if run.outputs is None else (run.outputs,)
+    summary = []
+    for i, o in enumerate(outs):
+        f = np.asarray(o, dtype=np.float64)
+        finite = f[np.isfinite(f)]
+        summary.append({"output": i, "shape": list(f.shape), "dtype": str(o.dtype),
+                        "min": float(finite.min()) if finite.size else None,
+                        "max": float(finite.max()) if finite.size else None,
+                        "mean": float(finite.mean()) if finite.size else None, "nonfinite": int(f.size - finite.size)})
+    sched = {"policy": st.policy, "instructions": st.instructions, "moved": st.moved, "ticks": st.ticks,
+             "program_order_ticks": st.as_built_ticks}
+    if args.json:
+        doc = {"kernel": args.name, "shapes": [list(s) for s in shapes], "dtype": dt.short, "config": cfg.name,
+               "overrides": dict(cfg.overrides), "params": params, "bound": bound_of(report), "schedule": sched,
+               "outputs": summary, "report": report.to_dict()}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = _console()
+    dims = ", ".join(f"{n}={'x'.join(map(str, s))}" for n, s in zip(tensors, shapes))
+    line = f"[bold]{escape(args.name)}[/bold] (NKI) {dims}, {dt.short}"
+    line += "".join(f", {k}={escape(str(v))}" for k, v in params.items())
+    line += f" on {cfg.name}" + (f" ({cfg.describe_overrides()})" if cfg.overrides else "")
+    line += "; values from random inputs (seed 0)"
+    console.print(line)
+    if st.policy == "program order":
+        console.print(f"Program order kept ({st.instructions} instructions, tiles laid out by the scheduling pass)")
+    else:
+        console.print(f"Scheduled ({st.policy}): {st.moved} of {st.instructions} instructions moved; "
+                      f"{st.as_built_ticks / max(st.ticks, 1):.2f}x faster than in program order")
+    render_report(report, console, cfg)
+    render_dma_queues(report, console)
+    t = Table(title="Outputs")
+    for col in ("output", "shape", "dtype", "min", "max", "mean", "non-finite"):
+        t.add_column(col, justify="right" if col not in ("dtype",) else "left")
+    for o in summary:
+        fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+        t.add_row(str(o["output"]), "x".join(map(str, o["shape"])), o["dtype"], fmt(o["min"]), fmt(o["max"]),
+                  fmt(o["mean"]), str(o["nonfinite"]))
+    console.print(t)
+    if args.trace:
+        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -489,7 +596,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a PyTorch script on the `neuron` device and print where its simulated time went."""
     try:
-        from torch_bridge.run import run_script, split_args
+        from torch_bridge.run import compare_eager, run_script, split_args
     except ImportError as e:
         raise UsageError(f"trnsim run needs PyTorch and torch_bridge: pip install -e '.[torch]' ({e})") from None
     try:
@@ -497,17 +604,71 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
+    compare = opts.get("compare_eager", args.compare_eager)
+    trace = opts.get("trace", args.trace)
+    if compare and trace:
+        raise UsageError("run: --compare-eager runs the script twice; --trace takes one run (drop one of them)")
     try:
-        status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                 trace=opts.get("trace", args.trace),
-                                 timing_only=opts.get("timing_only", args.timing_only))
+        if compare:
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=args.set + opts["set"])
+        else:
+            status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
+                                     trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
+                                     timing_only=opts.get("timing_only", args.timing_only))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if opts.get("json", args.json):
-        print(json.dumps(rep.to_dict(), indent=2))
+        data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
+        print(json.dumps(data, indent=2))
         return status
-    print_run_report(rep, f"{args.script} on {rep.config}")
+    print_run_report(rep, f"{args.script} on {rep.config}" + (" (compiled)" if compare else ""))
+    if compare:
+        console = _Out(width=RUN_REPORT_WIDTH)
+        console.print()
+        render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
     return status
+
+
+def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> None:
+    """The same run eager and compiled, side by side (``trnsim run --compare-eager``)."""
+    from rich.table import Table
+
+    t = Table(title=f"eager vs compiled: {title}", title_justify="left")
+    for col in ("", "eager", "compiled", "compiled / eager"):
+        t.add_column(col, justify="left" if not col else "right")
+
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.2f}x" if a else "-"
+
+    for name, a, b, fmt in (("elapsed us (simulated)", eager.elapsed_us, compiled.elapsed_us, "{:,.1f}"),
+                            ("device time us", eager.device_us, compiled.device_us, "{:,.1f}"),
+                            ("device waiting on the host us", eager.host_wait_us, compiled.host_wait_us, "{:,.1f}"),
+                            ("kernel launches", eager.launches, compiled.launches, "{:,}"),
+                            ("host dispatches", eager.dispatches, compiled.dispatches, "{:,}"),
+                            ("HBM MB", eager.hbm_bytes / 1e6, compiled.hbm_bytes / 1e6, "{:,.2f}")):
+        t.add_row(name, fmt.format(a), fmt.format(b), ratio(a, b))
+    console.print(t)
+    speedup = eager.elapsed_us / compiled.elapsed_us if compiled.elapsed_us else 0.0
+    console.print(f"compiled is {speedup:.2f}x faster in simulated time" if speedup >= 1 else
+                  f"compiled is {1 / speedup:.2f}x slower in simulated time" if speedup else "nothing ran")
+    if not compiled.compiled_graphs:
+        console.print("(the script compiled nothing: wrap the model in torch.compile(..., backend=\"neuron\") to "
+                      "compare)")
+
+
+def _render_regions(rep: Any, console: Any) -> None:
+    """The compiled regions of a run: what each fused kernel replaced and what that saved."""
+    from rich.table import Table
+
+    t = Table(title=f"compiled regions: {len(rep.regions)} fused kernels", title_justify="left")
+    for col in ("region (fused aten ops)", "kernel", "calls", "time us", "eager us", "HBM MB", "eager HBM MB",
+                "launches saved"):
+        t.add_column(col, justify="left" if col.startswith(("region", "kernel")) else "right",
+                     no_wrap=col.startswith("region"))
+    for r in rep.regions:
+        t.add_row(" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
+                  f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}")
+    console.print(t)
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
@@ -530,6 +691,15 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
     console.print(f"host: {rep.host_us:,.1f} us issuing launches; MFU {rep.mfu_percent:.1f}%")
+    if rep.compiled_graphs or rep.graph_launches:
+        console.print(f"compiled: {rep.compiled_graphs} graphs compiled in {rep.compile_seconds:.2f} s wall (not "
+                      f"charged to the device); {rep.graph_launches:,} graph launches ({rep.dispatches:,} host "
+                      f"dispatches for {rep.launches:,} kernels)")
+    if rep.regions:
+        console.print(f"fused regions: {sum(r.calls for r in rep.regions):,} launches of {len(rep.regions)} fused "
+                      f"kernels instead of {sum(r.eager_launches for r in rep.regions):,} eager ones: "
+                      f"{rep.launches_saved:,} launches and {rep.hbm_bytes_saved / 1e6:,.2f} MB of HBM traffic saved")
+        _render_regions(rep, console)
     if rep.host_ops:
         ops = ", ".join(f"{op} {n:,}" for op, n in sorted(rep.host_ops.items(), key=lambda kv: (-kv[1], kv[0])))
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
@@ -651,6 +821,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--param", action="append", default=[], metavar="K=V", help="kernel parameter (repeatable)")
     k.add_argument("--check", action="store_true",
                    help="also compute values and compare with the kernel's reference (exit 1 on mismatch)")
+    k.add_argument("--schedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="list-schedule the instruction stream as the Neuron compiler would (trnsim.schedule): "
+                        "opt-in for builder kernels, on by default for NKI kernels (--no-schedule keeps their "
+                        "program order)")
     k.add_argument("--json", action="store_true", help="print the report as JSON only")
     k.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the engine and DMA lanes")
     k.set_defaults(fn=cmd_kernel)
@@ -669,6 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--compare-eager", action="store_true",
+                   help="run the script twice, torch.compile off then on, and print simulated time side by side")
+    r.add_argument("--adaptive-eager", action="store_true",
+                   help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
     r.add_argument("--timing-only", action="store_true", help="run on tensors without values (shapes only): every "
                    "op is charged, nothing is computed, no host memory is taken (torch.neuron.timing_only)")
     r.set_defaults(fn=cmd_run)

@@ -366,14 +366,12 @@ class HbmConfig:
 
 @dataclass(frozen=True)
 class NeuronLinkConfig:
-    version: str = _str()
+    """What one chip has of NeuronLink. How chips are linked - topology, per-link bandwidth and
+    latency - is a system's (``configs/systems/``, :class:`SystemConfig`)."""
+
+    version: str = _str(("v2", "v3", "v4"))
     links: int = _int(1, 64)
     bandwidth: int = _q("bandwidth", doc="per chip, aggregate, bytes/s")
-    intra_instance_bandwidth: int = _q("bandwidth")
-    inter_instance_bandwidth: int = _q("bandwidth")
-    hop_latency: int = _q("time", lo=0, doc="per hop, ps")
-    topology: str = _str(("torus2d", "torus3d", "ring", "switch"))
-    instance_chips: int = _int(1, 4096)
 
 
 @dataclass(frozen=True)
@@ -473,6 +471,9 @@ class DmaConfig:
     start_latency: int = _q("time", lo=0, doc="trigger to data movement, ps")
     transfer_latency: int = _q("time", lo=0, doc="fixed per transfer, ps")
     descriptor_overhead: int = _q("time", lo=0, doc="per contiguous chunk, ps")
+    hbm_access_bytes: int = _q("bytes", doc="least HBM bytes one descriptor moves (an element-strided access pays it per element)")
+    transpose_rate_hbm: float = _num(0.0, 1.0, doc="DMA transpose HBM->SBUF throughput over a copy's; 0: no DMA transpose")
+    transpose_rate_sbuf: float = _num(0.0, 1.0, doc="DMA transpose SBUF->SBUF throughput over a copy's")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from .config import ChipConfig
 from .cores.base import Segment
-from .isa import DmaCopy, Instruction, MatMul, TileAP, Transpose
+from .isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
            "RunReport", "OpRow", "CoreStats", "TraceEvent"]
@@ -166,6 +166,8 @@ def _bytes(instrs: Iterable[Instruction]) -> dict[str, int]:
 
 
 def matmul_flops(ins: MatMul) -> int:
+    if isinstance(ins, MatMulMx):  # quad-packed: each partition carries four rows of K
+        return 2 * 4 * ins.stationary.p_count * ins.stationary.free_size * ins.moving.free_size
     if ins.double_row:
         k = 2 * ins.stationary.p_count
         m, n = ins.stationary.dims[1][1], ins.moving.dims[1][1]
@@ -225,7 +227,7 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         if isinstance(ins, MatMul):
             f = matmul_flops(ins)
             flops += f
-            rate = config.tensor_rate(ins.stationary.dtype.name)
+            rate = config.tensor_rate("mx" if isinstance(ins, MatMulMx) else ins.stationary.dtype.name)
             hw_flops += f / rate
         elif isinstance(ins, Transpose):
             hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size
@@ -295,6 +297,15 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    # a compiled region's row: the aten ops its one kernel fused and what they cost run eagerly
+    fused_ops: tuple[str, ...] = ()
+    eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
+    eager_hbm_bytes: int = 0  # HBM bytes they would move
+    eager_time_us: float = 0.0  # device time they would take
+
+    @property
+    def is_region(self) -> bool:
+        return bool(self.fused_ops)
 
 
 @dataclass(frozen=True)
@@ -327,6 +338,25 @@ class RunReport:
     mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
+    dispatches: int = 0  # host dispatches: one per eager launch, one per graph launch (a compiled graph)
+    graph_launches: int = 0  # dispatches that issued a graph of kernels
+    compiled_graphs: int = 0  # graphs torch.compile compiled in this scope
+    compile_seconds: float = 0.0  # their compile wall time (never charged to the device)
+
+    @property
+    def regions(self) -> tuple[OpRow, ...]:
+        """The rows of compiled regions (one fused kernel each)."""
+        return tuple(r for r in self.rows if r.is_region)
+
+    @property
+    def launches_saved(self) -> int:
+        """Kernel launches the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_launches - r.calls for r in self.regions)
+
+    @property
+    def hbm_bytes_saved(self) -> int:
+        """HBM bytes the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_hbm_bytes - r.hbm_bytes for r in self.regions)
 
     @property
     def host_only_calls(self) -> int:
@@ -336,6 +366,8 @@ class RunReport:
         d = asdict(self)
         d.pop("events")
         d["host_only_calls"] = self.host_only_calls
+        d["launches_saved"] = self.launches_saved
+        d["hbm_bytes_saved"] = self.hbm_bytes_saved
         return d
 
     def row(self, op: str) -> OpRow:
