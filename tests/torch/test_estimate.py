@@ -165,7 +165,7 @@ def test_cli_train_text(cache, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of llama-2-7b, llama-3.1-405b, "
+    (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, llama-2-7b, llama-3.1-405b, "
                              "llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, mixtral-8x7b, or a path to a Hugging Face "
                              "config.json"),
     (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
