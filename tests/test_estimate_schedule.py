@@ -81,6 +81,8 @@ def test_unknown_names_and_paths(tmp_path):
         load_model("gpt-5")
     with pytest.raises(ConfigError, match="^model config '/nonexistent/config.json' not found$"):
         load_model("/nonexistent/config.json")
+    with pytest.raises(ConfigError, match=r"^model config '/no\\nsuch\.json' not found$"):  # one line, escaped
+        load_model("/no\nsuch.json")
     d = tmp_path / "my-model"
     d.mkdir()
     _write(d, json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,

@@ -193,6 +193,29 @@ def _with_layers(spec: ModelConfig, layers: int | None) -> ModelConfig:
     return ModelConfig(spec.name, spec.path, {**spec.fields, "num_hidden_layers": layers})
 
 
+def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: CostCache,
+                    reports: dict[tuple[Any, ...], Any], run: Any
+                    ) -> tuple[dict[int, dict[str, Any]], list[Any], list[RoleMemory], int]:
+    """``run(rank, is_last_stage)`` once per distinct role, on a rank of its own; returns the
+    results per stage (repeated roles share theirs), the traces, each simulated role's memory
+    and the kernels simulated."""
+    results: dict[int, dict[str, Any]] = {}
+    traces: list[Any] = []
+    memory: list[RoleMemory] = []
+    kernels = 0
+    for role, last, same in _roles(plan, spec.layers):
+        if same in results:
+            results[role.stage] = results[same]
+            continue
+        rank = _make_rank(role, system, plan, cache, reports)
+        res = run(rank, last)
+        results[role.stage] = res
+        traces.extend(res.pop("traces"))
+        memory.append(res["memory"])
+        kernels += rank.device.simulated
+    return results, traces, memory, kernels
+
+
 def _check(spec: ModelConfig, system: SystemConfig, plan: Plan) -> None:
     check_plan(spec, system, plan.tp, plan.pp, plan.dp)
 
@@ -232,20 +255,9 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     steps = sorted({round(1 + (output_tokens - 2) * i / max(1, samples - 1)) for i in range(samples)}) \
         if output_tokens > 1 else []
     lengths = [input_tokens + j for j in steps]  # KV length before the step's new token
-    results: dict[int, dict[str, Any]] = {}
-    traces: list[Any] = []
-    memory: list[RoleMemory] = []
-    kernels = 0
-    for role, last, same in _roles(plan, spec.layers):
-        if same in results:
-            results[role.stage] = results[same]
-            continue
-        rank = _make_rank(role, sysc, plan, cache, reports)
-        res = _run_inference_role(rank, spec, plan, dt, last, batch, prompt, total, lengths, replay, trace)
-        results[role.stage] = res
-        traces.extend(res.pop("traces"))
-        memory.append(res["memory"])
-        kernels += rank.device.simulated
+    results, traces, memory, kernels = _simulate_roles(
+        spec, sysc, plan, cache, reports,
+        lambda rank, last: _run_inference_role(rank, spec, plan, dt, last, batch, prompt, total, lengths, replay, trace))
     hz = sysc.tick_hz
     hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
     p2p_prefill = _send_recv_ticks(sysc, plan, batch * prompt * hidden_bytes, reports, dtype)
@@ -353,21 +365,10 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
     reports: dict[tuple[Any, ...], Any] = {}
-    results: dict[int, dict[str, Any]] = {}
-    traces: list[Any] = []
-    memory: list[RoleMemory] = []
-    kernels = 0
+    results, traces, memory, kernels = _simulate_roles(
+        spec, sysc, plan, cache, reports,
+        lambda rank, last: _run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace))
     params_total = 0
-    for role, last, same in _roles(plan, spec.layers):
-        if same in results:
-            results[role.stage] = results[same]
-            continue
-        rank = _make_rank(role, sysc, plan, cache, reports)
-        res = _run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace)
-        results[role.stage] = res
-        traces.extend(res.pop("traces"))
-        memory.append(res["memory"])
-        kernels += rank.device.simulated
     for role in plan.roles(spec.layers):
         params_total += results[role.stage]["params"] * plan.tp  # the stage's parameters over its TP group
     hz = sysc.tick_hz

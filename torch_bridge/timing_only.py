@@ -47,7 +47,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from trnsim.config import format_quantity
 from trnsim.device import Device, OpCost, no_work
 
 from . import _torch, lowering, memory
@@ -69,37 +68,15 @@ class TimingOnlyError(RuntimeError):
 
 
 # ---- where charges and memory go ---------------------------------------------------------------
-class Ledger:
-    """HBM accounting per logical core (bytes), as :mod:`torch_bridge.memory`'s pool keeps it
-    for the eager device; the estimate gives each simulated rank one of its own."""
-
-    def __init__(self, count: int, capacity_per_core: int):
-        self.devices = [memory.MemoryStats(capacity_per_core) for _ in range(count)]
-
-    def reserve(self, index: int, nbytes: int) -> None:
-        mem = self.devices[index]
-        if mem.allocated + nbytes > mem.capacity:
-            mem.ooms += 1
-            raise torch.OutOfMemoryError(
-                f"neuron:{index} out of memory: tried to allocate {nbytes} bytes "
-                f"({format_quantity(nbytes, 'bytes')}); {mem.allocated} bytes in use of {mem.capacity} capacity "
-                f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)")
-        mem.allocated += nbytes
-        mem.allocations += 1
-        mem.segments += 1
-        mem.peak = max(mem.peak, mem.allocated)
-
-    def release(self, index: int, nbytes: int) -> None:
-        mem = self.devices[index]
-        mem.allocated -= nbytes
-        mem.frees += 1
-        mem.segments -= 1
+Ledger = memory.Pool
+"""HBM accounting per logical core (bytes), kept as the eager device's pool keeps it (the same
+OOM message); ``Ledger(count, capacity_per_core)`` gives each simulated rank one of its own."""
 
 
 @dataclass
 class Target:
     """Where a timing-only run charges its ops: a device model, the logical core (None: each
-    tensor's own ``neuron:i``) and the HBM ledger (:class:`Ledger`, or the eager pool)."""
+    tensor's own ``neuron:i``) and the HBM ledger (a :class:`Ledger`, or the eager pool)."""
 
     device: Device
     core: int | None = None
@@ -133,12 +110,10 @@ class _Facts:
     __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent")
 
     def __init__(self, op: Any):
-        schema = _torch.op_schema(op)
-        self.name = op.overloadpacket.__name__
-        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
-            self.name in ("set_", "is_set_to", "record_stream")
-        self.out_names = tuple(a.name for a in schema.arguments
-                               if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        from .values import op_info
+
+        info = op_info(op)  # the eager fallback's reading of the schema: views, out= arguments
+        self.name, self.is_view, self.out_names = info.name, info.is_view, info.out_names
         tags = set(op.tags)
         self.data_dependent = (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags)
         explicit = _torch.has_kernel(op, _torch.DispatchKey.PrivateUse1)

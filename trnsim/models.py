@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import CONFIG_DIR, MAX_YAML_BYTES, ConfigError, clip_text
+from .config import CONFIG_DIR, ConfigError, clip_text, read_bounded
 
 __all__ = ["MODEL_DIR", "ModelConfig", "model_names", "load_model"]
 
@@ -111,24 +110,7 @@ def load_model(name_or_path: str | os.PathLike[str]) -> ModelConfig:
 
 def _read_json(path: Path, where: str) -> Any:
     """The JSON object in ``path``, read the way configs are (see the module docstring)."""
-    shown = clip_text(str(path))
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ConfigError(f"model config '{shown}' not found") from None
-    except OSError as e:
-        raise ConfigError(f"model config '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
-    if not stat.S_ISREG(st.st_mode):
-        from .files import file_kind
-
-        raise ConfigError(f"model config '{shown}': it is {file_kind(st.st_mode)}, not a regular file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_YAML_BYTES + 1)
-    except OSError as e:
-        raise ConfigError(f"model config '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
-    if len(data) > MAX_YAML_BYTES:
-        raise ConfigError(f"{where}: larger than {MAX_YAML_BYTES // 2**20} MiB; a model config is at most that")
+    text = read_bounded(path, where, "model config")
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -139,9 +121,7 @@ def _read_json(path: Path, where: str) -> Any:
         return out
 
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
+        return json.loads(text, object_pairs_hook=pairs)
     except (json.JSONDecodeError, RecursionError) as e:
         detail = f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
         raise ConfigError(f"{where}: not valid JSON ({detail})") from None
