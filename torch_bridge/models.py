@@ -11,9 +11,10 @@ experts implementations an estimate runs them with.
   batches are unpadded). Registered with transformers' AttentionInterface; without a mask
   function, transformers builds no mask for it.
 * ``experts_implementation="neuron"`` (Mixtral-style MoE) routes tokens evenly: every expert
-  gets ``tokens x top_k / experts`` of them, as a grouped matmul over all experts - the
-  balanced-routing assumption of an estimate, which cannot see the router's values. On tensors
-  with values it runs transformers' own loop (the real routing).
+  gets ``tokens x top_k / experts`` of them (when there are fewer routed tokens than experts, as
+  in a decode step, that many experts take one each), as a grouped matmul - the balanced-routing
+  assumption of an estimate, which cannot see the router's values. On tensors with values it
+  runs transformers' own loop (the real routing).
 * :func:`kv_cache` preallocates each layer's keys and values for the whole sequence (as Neuron's
   inference libraries do) and updates them in place, so a decode step reads exactly the cache it
   attends over and a prefill copies its keys in once.
@@ -70,13 +71,14 @@ def neuron_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def neuron_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:
     """A Mixtral-style experts block with every expert taking ``tokens x top_k / experts`` tokens
-    (balanced routing; see the module docstring): gather, one grouped gate/up matmul, the gate's
+    (balanced routing; see the module docstring; with fewer routed tokens than experts only that
+    many experts run, one token each, and only their weights are read): gather, one grouped gate/up matmul, the gate's
     activation, one grouped down matmul, the routing weights, scatter-add back."""
     if not is_timing_only(hidden_states):
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)  # type: ignore[attr-defined]
     tokens, hidden = hidden_states.shape
     k = top_k_index.shape[-1]
-    experts = self.gate_up_proj.shape[0]
+    experts = min(self.gate_up_proj.shape[0], tokens * k)  # a decode step's token visits only top_k experts
     per = -(-tokens * k // experts)
     pad = per * experts - tokens * k
     order = torch.argsort(top_k_index.reshape(-1))  # the permutation grouping tokens by expert
@@ -84,8 +86,8 @@ def neuron_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_ind
     if pad:
         idx, w = torch.cat([idx, idx.new_zeros(pad)]), torch.cat([w, w.new_zeros(pad)])
     x = hidden_states.index_select(0, idx).view(experts, per, hidden)
-    gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2)).view(-1, hidden)
+    gate, up = torch.bmm(x, self.gate_up_proj[:experts].transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(self.act_fn(gate) * up, self.down_proj[:experts].transpose(1, 2)).view(-1, hidden)
     y = y * w.unsqueeze(-1).to(y.dtype)
     out = torch.zeros_like(hidden_states)
     out.index_add_(0, idx, y.to(out.dtype))

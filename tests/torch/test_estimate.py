@@ -177,3 +177,22 @@ def test_cli_errors_are_one_line_with_status_2(capsys, argv, message):
     code, out, err = run(capsys, "estimate", "inference", *argv)
     assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
 
+
+def test_a_mixture_of_experts_model(cache):
+    """Mixtral: expert weights sharded per expert over TP, their output all-reduced after the
+    attention's; a prefill routes every expert its share of tokens, a decode token visits top_k."""
+    from trnsim.models import ModelConfig, load_model
+
+    spec = load_model(Path(__file__).parent.parent / "data" / "tiny-mixtral.json")
+    est, _ = estimate_inference(spec, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    per_layer = 2  # o_proj and the experts' output
+    assert {c[0]: c[2] for c in est.decode.collectives}["all_reduce"] == per_layer * 2
+    experts = 2 * 4 * (2 * 512 // 2 * 256 + 256 * 512 // 2) * 2  # 2 layers' gate_up and down of 4 experts, half each, bf16
+    assert experts < est.memory[0].weights_bytes < 2 * experts  # sharded over TP=2, not replicated
+    (bmm,) = [o for o in est.decode.ops if o[0] == "bmm"]
+    assert bmm[2] == 2 * (2 + 2)  # per layer: the experts' two grouped matmuls, the attention's two (one token)
+    # the same model with every token visiting all 4 experts: a decode token then reads the other
+    # 2 experts' weights too (a prefill's 64 tokens reach every expert either way)
+    every = ModelConfig(spec.name, spec.path, {**spec.fields, "num_experts_per_tok": 4})
+    full, _ = estimate_inference(every, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    assert full.decode.hbm_bytes - est.decode.hbm_bytes >= experts // 2
