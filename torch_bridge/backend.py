@@ -79,6 +79,9 @@ def register() -> None:
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
+    from . import profiler
+
+    _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
     _registered = True
 
 

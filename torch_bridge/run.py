@@ -1,13 +1,17 @@
 """``trnsim run script.py [args]``: run an unmodified PyTorch script on the virtual device.
 
 The chip is fixed before the script starts, the script runs as ``__main__`` with its own
-``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport` (and, with a
-trace path, a Chrome/Perfetto timeline of op launches: one process per NeuronCore, one lane per
-stream). Rendering is the CLI's job.
+``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport`. With a trace
+path the script runs under torch.profiler (``with_stack=True``) and one Perfetto trace holds the
+host's Python and aten events, the device's stream lanes and the engine lanes of expanded
+kernels (:mod:`trnsim.run_trace`); ``metrics`` writes the report's rows as Parquet
+(:mod:`trnsim.metrics`, with each row's source line) and ``plot`` draws them
+(:mod:`trnsim.plot`). Rendering the report is the CLI's job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -21,15 +25,16 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--metrics", "--plot", "--expand", "--expand-top")
+_REPEATED = ("--set", "--expand")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split what follows the script path into the script's own arguments and trnsim's options
-    (``--config``/``--set``/``--trace`` take a value, ``--json`` none); after ``--`` everything is
-    the script's."""
+    (each of :data:`RUN_OPTIONS` takes a value but ``--json``; ``--set`` and ``--expand`` repeat);
+    after ``--`` everything is the script's."""
     script_args: list[str] = []
-    opts: dict[str, Any] = {"set": []}
+    opts: dict[str, Any] = {"set": [], "expand": []}
     items = list(rest)
     i = 0
     while i < len(items):
@@ -48,8 +53,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
                     raise ValueError(f"{name} needs a value")
                 val = items[i + 1]
                 i += 1
-            if name == "--set":
-                opts["set"].append(val)
+            if name in _REPEATED:
+                opts[name[2:]].append(val)
             else:
                 opts[name[2:]] = val
         else:
@@ -59,49 +64,86 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None) -> tuple[int, RunReport]:
+               trace: str | None = None, metrics: str | None = None, plot: str | None = None,
+               expand: Sequence[str] = (), expand_top: int = 3) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     A missing script raises FileNotFoundError; an exception in the script prints its traceback
     to stderr and gives status 1 (the report still covers what ran); ``sys.exit("message")``
-    prints the message and gives status 1, as ``python script.py`` does. A trace path that
-    cannot be written (a FIFO, a device, a missing or read-only directory) is refused with
-    :class:`trnsim.files.OutputError` before the script starts.
+    prints the message and gives status 1, as ``python script.py`` does. An output path that
+    cannot be written (a FIFO, a device, a missing or read-only directory) or that needs a
+    missing extra (pyarrow for ``metrics``, matplotlib for ``plot``) is refused with
+    :class:`trnsim.files.OutputError` / :class:`trnsim.extras.MissingExtra` before the script
+    starts. Under ``trace`` the script runs inside trnsim's torch.profiler session, so it must
+    not start one of its own (torch allows one at a time); ``expand``/``expand_top`` choose the
+    kernels whose engine lanes the trace draws.
     """
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
     import torch_bridge
-    from torch_bridge import device, runtime
+    from torch_bridge import device, profiler, runtime
+    from trnsim.files import reserve_all
+    from trnsim.metrics import reserve as reserve_metrics
+    from trnsim.plot import reserve as reserve_plot
 
     torch_bridge.register()
     if config is not None or overrides:
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
-    device.reset_report(trace=trace is not None)
-    out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
+    outputs = reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,  # refused now, not after the run
+                           lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
+                           lambda: reserve_plot(plot, "--plot") if plot else None])
+    trace_out, metrics_out, plot_out = outputs
+    runtime.runtime().device.reset(sources=metrics is not None)  # the report starts now
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
+    prof = _profile() if trace is not None else contextlib.nullcontext()
+    tracking = profiler.tracking
+    profiler.track_sources(tracking or metrics is not None)
     try:
-        try:
-            runpy.run_path(str(path), run_name="__main__")
-        except SystemExit as e:
-            status = _exit_status(e.code)
-        except Exception:  # the user's script failed: show its traceback, keep the report
-            traceback.print_exc()
-            status = 1
-        finally:
-            sys.argv, sys.path[:] = saved_argv, saved_path
+        with prof:
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as e:
+                status = _exit_status(e.code)
+            except Exception:  # the user's script failed: show its traceback, keep the report
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.argv, sys.path[:] = saved_argv, saved_path
+        profiler.track_sources(tracking)
         for i in range(device.device_count()):
             device.synchronize(i)
         report = device.report()
-        if out is not None:
-            write_op_trace(out, report)
+        if trace_out is not None:
+            profiler.export_trace(prof, trace_out, expand=expand, top=expand_top)
+            missing = profiler.last_expand_missing()
+            if missing:
+                sys.stdout.flush()
+                print(f"trnsim: note: --expand {', '.join(missing)}: no launch of such an op or kernel in the trace",
+                      file=sys.stderr)
+        if metrics_out is not None:
+            report.to_parquet(metrics_out)
+        if plot_out is not None:
+            from trnsim.plot import plot_run
+
+            plot_run(report, plot_out, title=f"{script} on {report.config}: per-op device time and engine use")
     finally:
-        if out is not None:
-            out.discard()
+        profiler.track_sources(tracking)
+        for o in outputs:
+            if o is not None:
+                o.discard()
     return status, report
+
+
+def _profile() -> Any:
+    """The torch.profiler session ``--trace`` runs a script in: CPU activity (the host's aten and
+    neuron::<op> events) with Python stacks."""
+    import torch
+
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True)
 
 
 def _exit_status(code: object) -> int:
@@ -116,30 +158,12 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport) -> None:
-    """Chrome trace-event JSON of every launch: pid = NeuronCore, tid = stream, times in simulated
-    us, and a ``host`` lane with each launch's dispatch (ending when the host issued it). Written
-    through :class:`trnsim.files.AtomicOutput` (a temporary file renamed into place; symlinks
-    followed, FIFOs and devices refused); ``path`` may be one reserved before the run."""
-    events: list[dict[str, Any]] = []
-    to_us = 1e6 / report.tick_hz
-    host_pid = -1
-    events.append({"ph": "M", "name": "process_name", "pid": host_pid, "args": {"name": "host (simulated)"}})
-    events.append({"ph": "M", "name": "thread_name", "pid": host_pid, "tid": 0, "args": {"name": "dispatch"}})
-    for dev in sorted({e.core for e in report.events}):
-        events.append({"ph": "M", "name": "process_name", "pid": dev,
-                       "args": {"name": f"neuron:{dev} ({report.config}, simulated)"}})
-    for dev, stream in sorted({(e.core, e.stream) for e in report.events}):
-        events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": stream,
-                       "args": {"name": "default stream" if stream == 0 else f"stream {stream}"}})
-    prev_issue = None
-    for e in report.events:
-        if prev_issue is not None and e.issued > prev_issue:
-            events.append({"ph": "X", "name": e.op, "cat": "dispatch", "pid": host_pid, "tid": 0,
-                           "ts": prev_issue * to_us, "dur": (e.issued - prev_issue) * to_us})
-        prev_issue = e.issued
-        events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.core, "tid": e.stream,
-                       "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
-                       "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
-    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
-    out.commit(lambda f: json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f))
+def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport, expand: Sequence[str] = (),
+                   top: int = 0) -> None:
+    """The trace of a report that kept its launches (``report_scope(trace=True)``), without
+    torch.profiler's host events: the simulated host's dispatch lane, the device's stream lanes
+    and the engine lanes of ``expand``/``top`` kernels (:mod:`trnsim.run_trace`). Written through
+    :class:`trnsim.files.AtomicOutput`; ``path`` may be one reserved before the run."""
+    from trnsim.run_trace import write_run_trace
+
+    write_run_trace(path, report, expand=list(expand), top=top)

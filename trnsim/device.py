@@ -98,6 +98,9 @@ class OpCost:
     matmul_flops: int
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -109,9 +112,10 @@ class OpCost:
                 busy[name] = busy.get(name, 0) + t
         demand = {name: t for name, t in busy.items() if name not in ("DMA", "Sync")}
         demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
-        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports),
-                      sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports),
-                      sum(r.matmul_flops for r in reports), demand, tuple(reports))
+        reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
+        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
+                      sum(r.matmul_flops for r in reports), demand, tuple(reports), reads, writes,
+                      sum(r.dma.bytes for r in reports))
 
 
 def no_work(label: str) -> OpCost:
@@ -172,15 +176,21 @@ class _CoreTally:
 
 class Recorder:
     """Counts launches for one report scope (the device's whole run, or a ``with`` block).
-    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals."""
+    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals.
+    ``trace`` keeps every launch (a timeline); ``sources`` sums each row's device ticks per
+    source line (what :meth:`Device.set_context` said launched it)."""
 
-    def __init__(self, start: int, trace: bool = False):
+    def __init__(self, start: int, trace: bool = False, sources: bool = False):
         self.start = start
         self.rows: dict[tuple[str, int], list[Any]] = {}  # (op, id(cost)) -> [cost, calls, ticks, wait]
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
         self.events: list[TraceEvent] | None = [] if trace else None
+        self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
+
+
+_NO_CONTEXT = ("", -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +257,7 @@ class Device:
         self._rejected: set[KernelSpec] = set()
         self.simulated = 0  # kernels actually simulated (cost-cache misses)
         self._lock = threading.RLock()
+        self._context = threading.local()  # per host thread: (source line, call) of its launches
 
     @property
     def core_count(self) -> int:
@@ -301,6 +312,18 @@ class Device:
                       sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
 
     # ---- time ------------------------------------------------------------------------------
+    def set_context(self, source: str = "", call: int = -1) -> tuple[str, int]:
+        """Attribute the launches this thread issues from now on to Python line ``source`` and
+        host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
+        returns the previous context, to restore when the call ends."""
+        prev = getattr(self._context, "value", _NO_CONTEXT)
+        self._context.value = (source, call) if source or call >= 0 else _NO_CONTEXT
+        return prev
+
+    def restore_context(self, prev: tuple[str, int]) -> None:
+        """Put back a context :meth:`set_context` returned."""
+        self._context.value = prev
+
     def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
         """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
         work already issued on compute stream ``after`` (default: the core's current stream)
@@ -345,6 +368,7 @@ class Device:
                 c.bookings.append((s, start, end, cost.demand))
                 c.inflight.append(end)
             key = (op, id(cost))
+            source, call = getattr(self._context, "value", _NO_CONTEXT)
             for rec in self.recorders:
                 row = rec.rows.get(key)
                 if row is None:
@@ -360,8 +384,13 @@ class Device:
                 tally.wait += wait
                 tally.add(start, end, host)
                 rec.host_ticks += host_ticks
+                if rec.sources is not None and source:
+                    lines = rec.sources.get(key)
+                    if lines is None:
+                        lines = rec.sources[key] = {}
+                    lines[source] = lines.get(source, 0) + ticks
                 if rec.events is not None:
-                    rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
+                    rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end, source, call, cost.reports))
             return start, end
 
     def host_op(self, op: str) -> None:
@@ -400,10 +429,10 @@ class Device:
         return max([self.host, *(t for c in cores for t in c.ready.values())])
 
     # ---- reports ---------------------------------------------------------------------------
-    def open_scope(self, trace: bool = False) -> Recorder:
+    def open_scope(self, trace: bool = False, sources: bool = False) -> Recorder:
         """Start recording launches from now (a report scope); close it with :meth:`close_scope`."""
         with self._lock:
-            rec = Recorder(self.host, trace)
+            rec = Recorder(self.host, trace, sources)
             self.recorders.append(rec)
             return rec
 
@@ -412,10 +441,11 @@ class Device:
             self.recorders.remove(rec)
             return self.report(rec)
 
-    def reset(self, trace: bool = False) -> None:
-        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline)."""
+    def reset(self, trace: bool = False, sources: bool = False) -> None:
+        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline;
+        ``sources``: each row's device time per source line)."""
         with self._lock:
-            self.recorders[0] = Recorder(self.host, trace)
+            self.recorders[0] = Recorder(self.host, trace, sources)
 
     def report(self, rec: Recorder | None = None) -> RunReport:
         """The :class:`RunReport` of ``rec`` (default: the whole run since start or reset)."""
@@ -427,11 +457,17 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
-        for (op, _), (cost, calls, ticks, wait) in rec.rows.items():
+        for (op, cid), (cost, calls, ticks, wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0}
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "hbm_read": 0,
+                                              "hbm_write": 0, "dma": 0, "sources": {}}
+            for line, t in (rec.sources or {}).get((op, cid), {}).items():
+                a["sources"][line] = a["sources"].get(line, 0) + t
+            a["hbm_read"] += calls * cost.hbm_read_bytes
+            a["hbm_write"] += calls * cost.hbm_write_bytes
+            a["dma"] += calls * cost.dma_bytes
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
@@ -452,7 +488,8 @@ class Device:
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
                 host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
-                bound=bound))
+                bound=bound, hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"], dma_bytes=a["dma"],
+                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else ""))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self.host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start
