@@ -185,7 +185,7 @@ def plot_sweep(results: str | os.PathLike[str], x: str, y: str, out: str | os.Pa
     for i, r in enumerate(rows):
         series.setdefault(tuple(r.get(c, "") for c in group_cols), []).append(i)
 
-    fig = _figure(8.0, 5.0)
+    fig = _figure(10.0, 5.5)
     ax = fig.add_subplot()
     if axis is not None:
         xs, xunit = axis
@@ -210,9 +210,9 @@ def plot_sweep(results: str | os.PathLike[str], x: str, y: str, out: str | os.Pa
         ax.set_xlabel(x)
     ax.set_ylabel(_label(y, units.get(y, "")))
     ax.grid(True, alpha=0.3)
-    if any(series):
-        ax.legend(title=", ".join(group_cols), fontsize="small")
-    ax.set_title(title or f"{y} vs {x}" + (f" by {hue}" if hue else "") + f" ({shown}, {len(rows)} points)")
+    if any(series):  # beside the axes, so it never hides a point
+        fig.legend(title=", ".join(group_cols), fontsize="small", loc="outside right center")
+    fig.suptitle(title or f"{y} vs {x}" + (f" by {hue}" if hue else "") + f" ({shown}, {len(rows)} points)")
     return _save(fig, out, "-o")
 
 
