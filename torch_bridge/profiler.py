@@ -14,10 +14,11 @@ host op to its device kernels (:mod:`trnsim.run_trace` describes the lanes)::
     # or let each profiling cycle write it (a "{step}" in the path is the profiler's step)
     profile(..., on_trace_ready=torch.neuron.profiler.trace_handler("trace-{step}.json"))
 
-How: while torch.profiler records, every neuron op call (:func:`traced`) is counted, names the
-Python line that made it (the innermost frame outside torch, torch_bridge and trnsim; for ops
-autograd runs on its worker thread, the main thread's line, i.e. where ``backward()`` was
-called), and tells the device model both, so each launch knows its host call and source line.
+How: while torch.profiler records, every neuron op call (:func:`traced`) is counted and tells the
+device model its number, and the device model asks :func:`source_line` for each launch: the
+innermost frame outside torch, torch_bridge and trnsim (for ops autograd runs on its worker
+thread, the main thread's line, i.e. where ``backward()`` was called). So each launch knows its
+host call and source line.
 A recording session of the device model opens when torch.profiler starts and closes when it
 stops (the hooks torch.autograd.profiler runs then, see :mod:`torch_bridge._torch`).
 
@@ -45,7 +46,7 @@ from trnsim.run_trace import HostCall, run_trace_document
 from . import _torch
 from .runtime import is_initialized, runtime
 
-__all__ = ["export_trace", "trace_handler", "traced", "source_line", "track_sources", "last_session", "Session",
+__all__ = ["export_trace", "trace_handler", "load_chrome_trace", "traced", "source_line", "track_sources", "last_session", "Session",
            "last_expand_missing"]
 
 #: True while source lines are recorded without torch.profiler (``trnsim run --metrics``)
@@ -57,6 +58,13 @@ def track_sources(on: bool = True) -> None:
     """Record the Python source line of every neuron op's launches (outside torch.profiler too)."""
     global tracking
     tracking = on
+    _update_hook()
+
+
+def _update_hook() -> None:
+    """The device model asks :func:`source_line` for each launch while lines are wanted."""
+    if is_initialized():
+        runtime().device.source_of = source_line if (tracking or _active is not None) else None
 
 
 # ---- which line launched an op ----------------------------------------------------------------
@@ -71,23 +79,48 @@ _shown: dict[str, str] = {}
 
 
 def _show(filename: str) -> str:
-    """A source file as a user reads it: relative to the working directory when inside it."""
+    """A source file as a user reads it: relative to the working directory when inside it, an
+    installed package's file from its package (``transformers/activations.py``), else whole."""
     shown = _shown.get(filename)
     if shown is None:
+        shown = filename
         try:
             rel = os.path.relpath(filename)
-            shown = filename if rel.startswith("..") else rel
+            if not rel.startswith(".."):
+                shown = rel
+            else:
+                for root in sys.path:
+                    if root and os.path.basename(root) in ("site-packages", "dist-packages") and \
+                            filename.startswith(root.rstrip(os.sep) + os.sep):
+                        shown = filename[len(root.rstrip(os.sep)) + 1:]
+                        break
         except ValueError:
-            shown = filename
+            pass
         _shown[filename] = shown
     return shown
 
 
+_framework_code: set[Any] = set()  # code objects of torch, torch_bridge, trnsim (and <frozen ...>)
+_user_code: dict[Any, str] = {}  # code object -> its file as shown
+
+
+def _classify(code: Any) -> bool:
+    """Whether ``code`` is the framework's (then skipped); remembered per code object."""
+    name = code.co_filename
+    if name.startswith(_SKIP) or name.startswith("<"):
+        _framework_code.add(code)
+        return True
+    _user_code[code] = _show(name)
+    return False
+
+
 def _user_frame(frame: Any) -> str:
+    # set/dict membership and attribute reads only, once each code object is known: the walk
+    # makes no function call that torch.profiler's Python tracer would record as host work
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP) and not name.startswith("<"):
-            return f"{_show(name)}:{frame.f_lineno}"
+        code = frame.f_code
+        if code not in _framework_code and (code in _user_code or not _classify(code)):
+            return f"{_user_code[code]}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
 
@@ -119,6 +152,8 @@ class Session:
         self.start_perf_ns = time.perf_counter_ns()  # what torch.autograd.profiler.profile stamps its start with
         self.calls: list[HostCall] = []
         self.report: RunReport | None = None
+        self._off_thread = self.device.simulate_off_thread
+        self.device.simulate_off_thread = True  # the simulator's Python stays out of the host's trace
 
     def add_call(self, label: str) -> int:
         with _lock:
@@ -127,6 +162,7 @@ class Session:
 
     def close(self) -> None:
         if self.report is None:
+            self.device.simulate_off_thread = self._off_thread
             self.report = self.device.close_scope(self.recorder)
 
 
@@ -140,6 +176,7 @@ def _open() -> Session:
     with _lock:
         if _active is None:
             _active = Session()
+        _update_hook()
         return _active
 
 
@@ -152,6 +189,7 @@ def _close() -> None:
         sess.close()
         _closed.append(sess)
         del _closed[:-_KEEP]
+    _update_hook()
 
 
 def on_profiler_start() -> None:
@@ -185,21 +223,15 @@ def _session_of(prof: Any) -> Session:
 
 # ---- the op wrapper -------------------------------------------------------------------------------
 def traced(label: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``fn(*args, **kwargs)`` for neuron op ``label`` with its launches attributed to the line
-    that called it, and, while torch.profiler records, to a ``neuron::<label>`` record."""
+    """``fn(*args, **kwargs)`` for neuron op ``label`` while torch.profiler records: a
+    ``neuron::<label>`` record, and its launches tied to it (their source line comes from the
+    device model's ``source_of`` hook, at the launch)."""
     dev = runtime().device
-    source = source_line()
-    if _torch.profiler_enabled():
-        sess = _active or _open()
-        prev = dev.set_context(source, sess.add_call(label))
-        try:
-            with _torch.RecordFunctionFast(f"neuron::{label}"):
-                return fn(*args, **kwargs)
-        finally:
-            dev.restore_context(prev)
-    prev = dev.set_context(source)
+    sess = _active or _open()
+    prev = dev.set_context("", sess.add_call(label))
     try:
-        return fn(*args, **kwargs)
+        with _torch.RecordFunctionFast(f"neuron::{label}"):
+            return fn(*args, **kwargs)
     finally:
         dev.restore_context(prev)
 
@@ -221,8 +253,7 @@ def export_trace(prof: Any, path: str | os.PathLike[str] | AtomicOutput, *, expa
         with tempfile.TemporaryDirectory(prefix="trnsim-profile-") as tmp:
             host_file = os.path.join(tmp, "host.json")
             prof.export_chrome_trace(host_file)
-            with open(host_file, encoding="utf-8") as f:
-                host = json.load(f)
+            host = load_chrome_trace(host_file)
         assert sess.report is not None
         base = host.get("baseTimeNanoseconds")
         start = ((sess.start_wall_ns - base) / 1e3, sess.start_tick) if isinstance(base, int) else None
@@ -241,6 +272,35 @@ _missing: list[str] = []
 def last_expand_missing() -> list[str]:
     """The ``expand`` names the last exported trace found no launch of."""
     return list(_missing)
+
+
+def load_chrome_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """torch.profiler's exported trace. Kineto writes event names unescaped, so a Python frame
+    whose name holds a quote or backslash makes the file invalid JSON: such name lines are
+    escaped and the file read again."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        head, sep, rest = line.partition('"name": "')
+        if not sep or head.strip():
+            continue
+        end = rest.rstrip()
+        comma = end.endswith(",")
+        inner = end[:-2] if comma else end[:-1]
+        try:
+            json.loads(f'"{inner}"')
+        except json.JSONDecodeError:
+            lines[i] = f'{head}"name": {json.dumps(inner)}{"," if comma else ""}'
+    try:
+        return json.loads("\n".join(lines))
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"torch.neuron.profiler: torch.profiler's trace is not valid JSON ({e}); export it "
+                           f"with prof.export_chrome_trace to look at it") from None
 
 
 def trace_handler(path: str | os.PathLike[str], *, expand: Sequence[str] = (), top: int = 3) -> Callable[[Any], None]:

@@ -25,13 +25,16 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--metrics", "--plot", "--expand", "--expand-top")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--metrics", "--plot", "--expand", "--expand-top",
+               "--trace-stack")
+_FLAGS = ("--json", "--trace-stack")
 _REPEATED = ("--set", "--expand")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split what follows the script path into the script's own arguments and trnsim's options
-    (each of :data:`RUN_OPTIONS` takes a value but ``--json``; ``--set`` and ``--expand`` repeat);
+    (each of :data:`RUN_OPTIONS` takes a value but the flags ``--json`` and ``--trace-stack``;
+    ``--set`` and ``--expand`` repeat);
     after ``--`` everything is the script's."""
     script_args: list[str] = []
     opts: dict[str, Any] = {"set": [], "expand": []}
@@ -44,8 +47,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             break
         name, eq, val = a.partition("=")
         if name in RUN_OPTIONS:
-            if name == "--json":
-                opts["json"] = True
+            if name in _FLAGS:
+                opts[name[2:]] = True
                 i += 1
                 continue
             if not eq:
@@ -65,7 +68,7 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
                trace: str | None = None, metrics: str | None = None, plot: str | None = None,
-               expand: Sequence[str] = (), expand_top: int = 3) -> tuple[int, RunReport]:
+               expand: Sequence[str] = (), expand_top: int = 3, trace_stack: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     A missing script raises FileNotFoundError; an exception in the script prints its traceback
@@ -76,7 +79,9 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     :class:`trnsim.files.OutputError` / :class:`trnsim.extras.MissingExtra` before the script
     starts. Under ``trace`` the script runs inside trnsim's torch.profiler session, so it must
     not start one of its own (torch allows one at a time); ``expand``/``expand_top`` choose the
-    kernels whose engine lanes the trace draws.
+    kernels whose engine lanes the trace draws; ``trace_stack`` adds torch.profiler's Python
+    function events (``with_stack=True``: every Python call of the script, its imports included,
+    so traces grow by orders of magnitude; the launches name their source line either way).
     """
     path = Path(script)
     if not path.is_file():
@@ -99,7 +104,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
-    prof = _profile() if trace is not None else contextlib.nullcontext()
+    prof = _profile(trace_stack) if trace is not None else contextlib.nullcontext()
     tracking = profiler.tracking
     profiler.track_sources(tracking or metrics is not None)
     try:
@@ -138,12 +143,12 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     return status, report
 
 
-def _profile() -> Any:
+def _profile(stack: bool) -> Any:
     """The torch.profiler session ``--trace`` runs a script in: CPU activity (the host's aten and
-    neuron::<op> events) with Python stacks."""
+    neuron::<op> events), with Python function events if ``stack``."""
     import torch
 
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True)
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
 
 def _exit_status(code: object) -> int:

@@ -135,9 +135,8 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
 
 def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records,
-    its launches tied to that record and to the Python line that called it
-    (:func:`torch_bridge.profiler.traced`; also when source lines are tracked without profiling)."""
-    if not (_torch.profiler_enabled() or profiler.tracking):
+    its launches tied to that record (:func:`torch_bridge.profiler.traced`)."""
+    if not _torch.profiler_enabled():
         return fn(*args, **kwargs)
     return profiler.traced(label, fn, args, kwargs)
 

@@ -8,7 +8,7 @@
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
                   [--executor pool|ray] [--address HOST:PORT]
-    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--expand OP ...] [--expand-top N]
+    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
                   [--metrics out.parquet] [--plot out.png] [--json]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
@@ -519,7 +519,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
                                  trace=trace, metrics=metrics, plot=plot, expand=args.expand + opts["expand"],
-                                 expand_top=top)
+                                 expand_top=top, trace_stack=bool(opts.get("trace-stack", args.trace_stack)))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if opts.get("json", args.json):
@@ -734,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write one Perfetto trace from the host's Python and aten "
                    "events (torch.profiler) to the device's streams and the expanded kernels' engines")
+    r.add_argument("--trace-stack", action="store_true",
+                   help="add torch.profiler's Python function events to the trace (with_stack: every Python call "
+                        "of the script, imports included; large)")
     r.add_argument("--expand", action="append", default=[], metavar="OP",
                    help="draw the engine and DMA-queue lanes of this op's or kernel's longest launch in the trace "
                         "(repeatable)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
@@ -241,6 +241,25 @@ def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[i
     return w
 
 
+def _on_fresh_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread (its result or exception comes back here)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="trnsim-simulate", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 class Device:
     """A chip's logical NeuronCores, their streams and the host that feeds them, with a cache of
     simulated kernel costs. Thread-safe: launches from several threads are serialised."""
@@ -258,6 +277,13 @@ class Device:
         self.simulated = 0  # kernels actually simulated (cost-cache misses)
         self._lock = threading.RLock()
         self._context = threading.local()  # per host thread: (source line, call) of its launches
+        # simulate cost-cache misses on a fresh thread: a Python profiler of the host (torch.profiler
+        # with_stack) follows only the threads that existed when it started, so it does not record
+        # the simulator's own calls, which a real host would not make
+        self.simulate_off_thread = False
+        # the source line of a launch its front end gave no context for (None: left blank); set
+        # by a front end only while something records lines, as it walks the host's stack
+        self.source_of: Callable[[], str] | None = None
 
     @property
     def core_count(self) -> int:
@@ -292,6 +318,11 @@ class Device:
         return [build_spec(spec.kernel, s, spec.dtype, self.config, params) for s in shapes]
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
+        if self.simulate_off_thread:
+            return _on_fresh_thread(self._simulate_here, spec)
+        return self._simulate_here(spec)
+
+    def _simulate_here(self, spec: KernelSpec) -> OpCost:
         kernels = self.kernels_of(spec)
         results = self.chip.run_spmd(kernels, timing_only=True)
         self.simulated += len(kernels)
@@ -369,6 +400,8 @@ class Device:
                 c.inflight.append(end)
             key = (op, id(cost))
             source, call = getattr(self._context, "value", _NO_CONTEXT)
+            if not source and self.source_of is not None:
+                source = self.source_of()
             for rec in self.recorders:
                 row = rec.rows.get(key)
                 if row is None:
@@ -441,10 +474,13 @@ class Device:
             self.recorders.remove(rec)
             return self.report(rec)
 
-    def reset(self, trace: bool = False, sources: bool = False) -> None:
+    def reset(self, trace: bool = False, sources: bool | None = None) -> None:
         """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline;
-        ``sources``: each row's device time per source line)."""
+        ``sources``: each row's device time per source line; None keeps the current choice, so a
+        program's own reset does not undo what its runner asked for)."""
         with self._lock:
+            if sources is None:
+                sources = self.recorders[0].sources is not None
             self.recorders[0] = Recorder(self.host, trace, sources)
 
     def report(self, rec: Recorder | None = None) -> RunReport:

@@ -323,7 +323,7 @@ def plot_run(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: str
     engines = [e for e in _ENGINES if any(e in r.engine_percent for r in rows)]
     grid = np.array([[r.engine_percent.get(e, 0.0) for e in engines] for r in rows])
     img = right.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=100)
-    right.set_xticks(range(len(engines)), engines)
+    right.set_xticks(range(len(engines)), engines, rotation=45, ha="right")
     right.set_yticks(range(len(rows)), [""] * len(rows))
     for i in range(len(rows)):
         for j in range(len(engines)):

@@ -193,3 +193,17 @@ def test_trnsim_run_trace_metrics_and_plot(tmp_path):
     assert {r["op"]: r["source_line"] for r in rows}["threshold_backward"] == "train.py:7"
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.parquet", "p.png", "t.json", "train.py"]
+
+
+def test_kineto_names_with_quotes_are_repaired(tmp_path):
+    """Kineto writes Python frame names unescaped: a function named with a quote breaks the JSON."""
+    raw = ('{\n  "traceEvents": [\n  {\n    "ph": "X", "cat": "python_function",\n'
+           '    "name": "attr/converters.py(0): "",\n    "pid": 1, "tid": 1, "ts": 1.0, "dur": 2.0,\n'
+           '    "args": {\n      "name": "a \\\\ b"\n    }\n  }\n  ]\n}\n')
+    path = tmp_path / "host.json"
+    path.write_text(raw)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(raw)
+    doc = torch.neuron.profiler.load_chrome_trace(path)
+    assert doc["traceEvents"][0]["name"] == 'attr/converters.py(0): "'
+    assert doc["traceEvents"][0]["args"]["name"] == "a \\ b"
