@@ -144,8 +144,6 @@ def _put(row: dict[str, Any], name: str, value: Any) -> None:
 
 def kernel_rows(reports: Iterable[Any]) -> list[dict[str, Any]]:
     """One row per KernelReport."""
-    from .report import bound_of
-
     rows = []
     for rep in reports:
         hbm = rep.hbm_read_bytes + rep.hbm_write_bytes
@@ -161,7 +159,7 @@ def kernel_rows(reports: Iterable[Any]) -> list[dict[str, Any]]:
             "dma_transfer_average_bytes": rep.dma.average_bytes, "matmul_flops": rep.matmul_flops,
             "mm_arithmetic_intensity": _intensity(rep.matmul_flops, hbm), "sbuf_peak_bytes": rep.sbuf_peak_bytes,
             "psum_peak_bytes": rep.psum_peak_bytes, "instructions": sum(rep.instruction_counts.values()),
-            "bound": bound_of(rep),
+            "bound": rep.bound,
         }
         for engine, stats in rep.engines.items():
             row[ENGINE_COLUMN.get(engine, f"{engine.lower()}_engine_active_time_percent")] = stats.active_percent

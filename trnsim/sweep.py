@@ -753,7 +753,7 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
             if executor == "ray":
                 from .sweep_ray import run_on_ray
 
-                run_on_ray(tasks, jobs, address, record, stopped)
+                run_on_ray(tasks, jobs, address, run_point, record, stopped, WORKER_FAILED)
             elif jobs == 1 or len(tasks) <= 1:
                 try:
                     for t in tasks:

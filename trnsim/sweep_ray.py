@@ -40,21 +40,20 @@ def _absolute(task: Any) -> Any:
     return replace(task, base_dir=base, config=config, system=system)
 
 
-def _failure(e: BaseException) -> str:
-    from .sweep import WORKER_FAILED
-
+def _failure(e: BaseException, prefix: str) -> str:
     cause = getattr(e, "cause", None)  # a RayTaskError carries what the task raised
     err = cause if isinstance(cause, BaseException) else e
     text = " ".join(str(err).split()) or type(err).__name__
-    return f"{WORKER_FAILED}{type(err).__name__}: {clip_text(text, 300)}"
+    return f"{prefix}{type(err).__name__}: {clip_text(text, 300)}"
 
 
-def run_on_ray(tasks: list[Any], jobs: int, address: str | None, record: Callable[[Any, dict[str, Any]], None],
-               stopped: Callable[[str, bool], BaseException]) -> None:
-    """Run ``tasks`` (:class:`trnsim.sweep._Task`) as Ray tasks, calling ``record(point, row)``
-    for each as it finishes; Ctrl-C cancels what is in flight and raises ``stopped(...)``."""
+def run_on_ray(tasks: list[Any], jobs: int, address: str | None, run_point: Callable[[Any], dict[str, Any]],
+               record: Callable[[Any, dict[str, Any]], None], stopped: Callable[[str, bool], BaseException],
+               failed: str) -> None:
+    """Run ``run_point(task)`` for each of ``tasks`` (:class:`trnsim.sweep._Task`) as Ray tasks,
+    calling ``record(point, row)`` for each as it finishes (a failed worker's row: ``error`` =
+    ``failed`` + what went wrong); Ctrl-C cancels what is in flight and raises ``stopped(...)``."""
     ray = require("ray", "ray", "--executor ray")
-    from .sweep import run_point
 
     started = not ray.is_initialized()
     if started:
@@ -88,7 +87,7 @@ def run_on_ray(tasks: list[Any], jobs: int, address: str | None, record: Callabl
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    result = {"error": _failure(e)}
+                    result = {"error": _failure(e, failed)}
                 record(point, result)
                 submit()
     except KeyboardInterrupt:
