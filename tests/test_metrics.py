@@ -94,7 +94,7 @@ def test_kernel_report_round_trip(tmp_path, kernel_report):
 def test_run_and_kernel_files_concatenate(tmp_path, run_report, kernel_report):
     a = pq.read_table(run_report.to_parquet(tmp_path / "a.parquet"))
     b = pq.read_table(write_kernel_metrics(tmp_path / "b.parquet", [kernel_report]))
-    both = pa.concat_tables([a, b])
+    both = pa.concat_tables([a, b], promote_options="default")  # run rows carry OpRow's extra fields too
     assert both.num_rows == len(run_report.rows) + 1 and set(both.column("level").to_pylist()) == {"op", "kernel"}
 
 
@@ -106,12 +106,15 @@ def test_fields_other_parts_add_to_oprow_become_columns(run_report):
         region: str = "graph_0"
         ranks: tuple = (0, 1)
         per_rank_us: dict = dataclasses.field(default_factory=lambda: {"0": 1.5})
+        groups: tuple = ((0, 1), (2, 3))
 
     r0 = run_report.rows[0]
     rep = dataclasses.replace(run_report, rows=(Row(**{f.name: getattr(r0, f.name) for f in dataclasses.fields(r0)}),))
     table = metrics_table(run_rows(rep))
     row = table.to_pylist()[0]
-    assert (row["region"], row["ranks"], row["per_rank_us.0"]) == ("graph_0", "[0, 1]", 1.5)
+    assert (row["region"], row["ranks"], row["per_rank_us.0"], row["groups"]) == ("graph_0", [0, 1], 1.5,
+                                                                                  "[[0, 1], [2, 3]]")
+    assert {"fused_ops", "eager_launches", "eager_time_us"} <= set(table.column_names)  # the compiled-region fields
 
 
 def test_without_pyarrow_a_one_line_error(monkeypatch, tmp_path, run_report):

@@ -2,17 +2,15 @@
 
 The chip is fixed before the script starts, the script runs as ``__main__`` with its own
 ``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport`. With a trace
-path the script runs under torch.profiler (``with_stack=True``) and one Perfetto trace holds the
-host's Python and aten events, the device's stream lanes and the engine lanes of expanded
-kernels (:mod:`trnsim.run_trace`); ``metrics`` writes the report's rows as Parquet
+path the script runs under torch.profiler and one Perfetto trace holds the host's aten events
+(and Python frames, with ``trace_stack``), the device's stream lanes and the engine lanes of
+expanded kernels (:mod:`trnsim.run_trace`); ``metrics`` writes the report's rows as Parquet
 (:mod:`trnsim.metrics`, with each row's source line) and ``plot`` draws them
 (:mod:`trnsim.plot`). Rendering the report is the CLI's job.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import runpy
 import sys
@@ -23,19 +21,18 @@ from typing import Any, Sequence
 from trnsim.files import AtomicOutput
 from trnsim.report import RunReport
 
-__all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
+__all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--metrics", "--plot", "--expand", "--expand-top",
-               "--trace-stack")
-_FLAGS = ("--json", "--trace-stack")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--metrics", "--plot",
+               "--expand", "--expand-top", "--trace-stack")
+RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--trace-stack")  # options without a value
 _REPEATED = ("--set", "--expand")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split what follows the script path into the script's own arguments and trnsim's options
-    (each of :data:`RUN_OPTIONS` takes a value but the flags ``--json`` and ``--trace-stack``;
-    ``--set`` and ``--expand`` repeat);
-    after ``--`` everything is the script's."""
+    (each of :data:`RUN_OPTIONS` takes a value but the :data:`RUN_FLAGS`; ``--set`` and
+    ``--expand`` repeat); after ``--`` everything is the script's."""
     script_args: list[str] = []
     opts: dict[str, Any] = {"set": [], "expand": []}
     items = list(rest)
@@ -47,8 +44,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             break
         name, eq, val = a.partition("=")
         if name in RUN_OPTIONS:
-            if name in _FLAGS:
-                opts[name[2:]] = True
+            if name in RUN_FLAGS:
+                opts[name[2:].replace("-", "_")] = True
                 i += 1
                 continue
             if not eq:
@@ -67,50 +64,64 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None, metrics: str | None = None, plot: str | None = None,
-               expand: Sequence[str] = (), expand_top: int = 3, trace_stack: bool = False) -> tuple[int, RunReport]:
+               trace: str | None = None, eager: bool = False, adaptive: bool = False, metrics: str | None = None,
+               plot: str | None = None, expand: Sequence[str] = (), expand_top: int = 3,
+               trace_stack: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
-    A missing script raises FileNotFoundError; an exception in the script prints its traceback
-    to stderr and gives status 1 (the report still covers what ran); ``sys.exit("message")``
-    prints the message and gives status 1, as ``python script.py`` does. An output path that
-    cannot be written (a FIFO, a device, a missing or read-only directory) or that needs a
-    missing extra (pyarrow for ``metrics``, matplotlib for ``plot``) is refused with
-    :class:`trnsim.files.OutputError` / :class:`trnsim.extras.MissingExtra` before the script
-    starts. Under ``trace`` the script runs inside trnsim's torch.profiler session, so it must
-    not start one of its own (torch allows one at a time); ``expand``/``expand_top`` choose the
-    kernels whose engine lanes the trace draws; ``trace_stack`` adds torch.profiler's Python
-    function events (``with_stack=True``: every Python call of the script, its imports included,
-    so traces grow by orders of magnitude; the launches name their source line either way).
+    ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
+    "force_eager")``); ``adaptive`` turns adaptive eager on. A missing script raises
+    FileNotFoundError; an exception in the script prints its traceback to stderr and gives
+    status 1 (the report still covers what ran); ``sys.exit("message")`` prints the message and
+    gives status 1, as ``python script.py`` does. An output path that cannot be written (a FIFO,
+    a device, a missing or read-only directory) or that needs a missing extra (pyarrow for
+    ``metrics``, matplotlib for ``plot``) is refused with :class:`trnsim.files.OutputError` /
+    :class:`trnsim.extras.MissingExtra` before the script starts. Under ``trace`` the script runs
+    inside trnsim's torch.profiler session, so it must not start one of its own (torch allows one
+    at a time); ``expand``/``expand_top`` choose the kernels whose engine lanes the trace draws;
+    ``trace_stack`` adds torch.profiler's Python function events (``with_stack=True``: every
+    Python call of the script, its imports included, so traces grow by orders of magnitude; the
+    launches name their source line either way).
     """
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
+    import contextlib
+
+    import torch
+
     import torch_bridge
+    import torch_bridge.compile
     from torch_bridge import device, profiler, runtime
     from trnsim.files import reserve_all
     from trnsim.metrics import reserve as reserve_metrics
     from trnsim.plot import reserve as reserve_plot
 
     torch_bridge.register()
-    if config is not None or overrides:
+    torch_bridge.compile.register()  # backend="neuron" by name, even in a checkout without the entry point
+    if (config is not None or overrides) and not runtime.is_initialized():
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
+    for i in range(device.device_count()):  # the report starts from an idle device
+        device.synchronize(i)
     outputs = reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,  # refused now, not after the run
                            lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
                            lambda: reserve_plot(plot, "--plot") if plot else None])
     trace_out, metrics_out, plot_out = outputs
     runtime.runtime().device.reset(sources=metrics is not None)  # the report starts now
+    device.set_adaptive_eager(adaptive)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     prof = _profile(trace_stack) if trace is not None else contextlib.nullcontext()
     tracking = profiler.tracking
     profiler.track_sources(tracking or metrics is not None)
     try:
         with prof:
             try:
-                runpy.run_path(str(path), run_name="__main__")
+                with stance:
+                    runpy.run_path(str(path), run_name="__main__")
             except SystemExit as e:
                 status = _exit_status(e.code)
             except Exception:  # the user's script failed: show its traceback, keep the report
@@ -118,9 +129,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
                 status = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
+            for i in range(device.device_count()):  # queued launches are issued inside the session
+                device.synchronize(i)
         profiler.track_sources(tracking)
-        for i in range(device.device_count()):
-            device.synchronize(i)
+        device.set_adaptive_eager(False)
         report = device.report()
         if trace_out is not None:
             profiler.export_trace(prof, trace_out, expand=expand, top=expand_top)
@@ -149,6 +161,17 @@ def _profile(stack: bool) -> Any:
     import torch
 
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
+
+
+def compare_eager(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = ()
+                  ) -> tuple[int, RunReport, RunReport]:
+    """Run ``script`` twice in this process, first with torch.compile turned off (every compiled
+    function eager), then as written; returns (exit status, eager report, compiled report)."""
+    status, eager = run_script(script, args, config, overrides, eager=True)
+    if status:
+        return status, eager, eager
+    status, compiled = run_script(script, args, config, overrides)
+    return status, eager, compiled
 
 
 def _exit_status(code: object) -> int:

@@ -9,7 +9,8 @@ or per :class:`~trnsim.report.KernelReport` (``level`` = ``"kernel"``), with neu
 metric names where it has one (:data:`COLUMNS`; a column that does not apply to a level is
 null). Every column's unit is in its field metadata (``unit``), and the file's metadata
 ``trnsim`` holds the run's totals as JSON. Fields that other parts of trnsim add to ``OpRow``
-appear as extra columns after these, named after the field (a mapping ``f`` becomes ``f.key``).
+appear as extra columns after these, named after the field (a mapping ``f`` becomes ``f.key``,
+a tuple of values a list column), e.g. a compiled region's ``fused_ops`` and ``eager_*`` figures.
 
 **Sweep results** (``out: results.parquet``) keep the CSV's columns, typed: text for the point's
 keys (grid values as written, kernel, shape, dtype, params) and the bound, numbers for the figures.
@@ -138,6 +139,8 @@ def _put(row: dict[str, Any], name: str, value: Any) -> None:
             _put(row, f"{name}.{k}", v)
     elif value is None or isinstance(value, (bool, int, float, str)):
         row[name] = value
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        row[name] = list(value)  # a list column
     else:
         row[name] = json.dumps(value, default=str)
 

@@ -308,10 +308,19 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    # a compiled region's row: the aten ops its one kernel fused and what they cost run eagerly
+    fused_ops: tuple[str, ...] = ()
+    eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
+    eager_hbm_bytes: int = 0  # HBM bytes they would move
+    eager_time_us: float = 0.0  # device time they would take
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     dma_bytes: int = 0  # moved by the DMA engines of its kernels (a casting copy counts its wider side)
     source_line: str = ""  # the Python line whose launches of this row took the most device time, if tracked
+
+    @property
+    def is_region(self) -> bool:
+        return bool(self.fused_ops)
 
 
 @dataclass(frozen=True)
@@ -344,6 +353,25 @@ class RunReport:
     mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
+    dispatches: int = 0  # host dispatches: one per eager launch, one per graph launch (a compiled graph)
+    graph_launches: int = 0  # dispatches that issued a graph of kernels
+    compiled_graphs: int = 0  # graphs torch.compile compiled in this scope
+    compile_seconds: float = 0.0  # their compile wall time (never charged to the device)
+
+    @property
+    def regions(self) -> tuple[OpRow, ...]:
+        """The rows of compiled regions (one fused kernel each)."""
+        return tuple(r for r in self.rows if r.is_region)
+
+    @property
+    def launches_saved(self) -> int:
+        """Kernel launches the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_launches - r.calls for r in self.regions)
+
+    @property
+    def hbm_bytes_saved(self) -> int:
+        """HBM bytes the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_hbm_bytes - r.hbm_bytes for r in self.regions)
 
     @property
     def host_only_calls(self) -> int:
@@ -353,6 +381,8 @@ class RunReport:
         d = asdict(replace(self, events=()))  # events hold kernel reports: never deep-copied
         d.pop("events")
         d["host_only_calls"] = self.host_only_calls
+        d["launches_saved"] = self.launches_saved
+        d["hbm_bytes_saved"] = self.hbm_bytes_saved
         return d
 
     def to_parquet(self, path: Any) -> Any:
