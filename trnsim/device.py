@@ -36,15 +36,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
 from .isa import KernelError
 from .kernel import Kernel
-from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
+from .report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work", "COLLECTIVE_STREAM"]
+__all__ = ["KernelSpec", "OpCost", "CollectiveLaunch", "Device", "Recorder", "no_work", "COLLECTIVE_STREAM"]
 
 # The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
 # collective launched with Device.launch_collective waits for the compute issued before it.
@@ -78,6 +78,20 @@ class KernelSpec:
         return self.label or self.kernel
 
 
+class CollectiveLaunch(NamedTuple):
+    """What a collective launch moved, for its report row: the NeuronLink model's ``collective``
+    and ``algorithm``, the group's size, nccl-tests' S (``nbytes``), this rank's time in the model
+    (``network_ticks``, from the group's start to its completion) and the busbw factor."""
+
+    collective: str
+    algorithm: str
+    ranks: int
+    nbytes: int
+    network_ticks: int
+    busbw_factor: float
+    bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
+
+
 @dataclass(frozen=True, eq=False)
 class OpCost:
     """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
@@ -87,7 +101,8 @@ class OpCost:
 
     ``demand`` is what the kernel asks of each shared resource when streams run side by side: the
     engines' busy ticks, and for ``"DMA"`` the ticks its bytes take at the full bandwidth one core
-    reaches (a queue can be active while moving a trickle, so active time overstates its share)."""
+    reaches (a queue can be active while moving a trickle, so active time overstates its share).
+    ``collective`` is set on a collective's launch (:meth:`Device.collective_cost`)."""
 
     kernel: str
     generic: bool
@@ -98,6 +113,7 @@ class OpCost:
     matmul_flops: int
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
+    collective: CollectiveLaunch | None = None
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -176,10 +192,12 @@ class Recorder:
 
     def __init__(self, start: int, trace: bool = False):
         self.start = start
-        self.rows: dict[tuple[str, int], list[Any]] = {}  # (op, id(cost)) -> [cost, calls, ticks, wait]
+        # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
+        self.rows: dict[tuple[str, int], list[Any]] = {}
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
+        self.collective_wait = 0  # ticks streams were held waiting for collectives (wait_collective)
         self.events: list[TraceEvent] | None = [] if trace else None
 
 
@@ -202,6 +220,15 @@ class _Core:
         # at most max_inflight of them are unfinished when the next one is issued
         self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
         self.streams: set[int] = set()  # streams that ever ran a kernel here
+        # collectives issued but not yet placed (their start waits for the group): [arrival, host wait]
+        self.pending: list[list[int]] = []
+
+    def fold_until(self, host: int) -> int:
+        """Up to when reports may fold this core's kernel intervals: the host's tick, or the
+        earliest arrival of a collective still to be placed (it may be placed before the host)."""
+        if not self.pending:
+            return host
+        return min(host, min(p[0] for p in self.pending))
 
 
 def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
@@ -297,8 +324,10 @@ class Device:
         dma = report.dma_bytes.get(rank, 0)
         demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
         busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        info = CollectiveLaunch(report.collective, report.algorithm, len(report.group), report.nbytes, ticks,
+                                report.busbw_factor, report.bound.split(" ")[0])
         return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
-                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand, collective=info)
 
     # ---- time ------------------------------------------------------------------------------
     def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
@@ -307,9 +336,46 @@ class Device:
         has finished, as a collective waits for the data it sends, and overlaps what is issued
         after it."""
         with self._lock:
+            arrival = self.issue_collective(core, after)
+            return self.place_collective(core, op, cost, arrival, arrival)
+
+    def issue_collective(self, core: int, after: int | None = None) -> int:
+        """The host issues a collective on ``core`` whose start is not known yet (it waits for
+        the other ranks of its group): the host pays the dispatch now, and the tick returned is
+        the collective's *arrival* on this core: issued, the work already issued on compute
+        stream ``after`` (default: the current stream) finished, and the core's earlier
+        collectives done. :meth:`place_collective` puts it on the timeline once its start is
+        known; until then reports keep this core's intervals from the arrival on open."""
+        with self._lock:
             c = self.cores[core]
-            self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
-            return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
+            host = self.host
+            if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
+                oldest = c.inflight.popleft()
+                if oldest > host:
+                    host = oldest
+            host += self.dispatch
+            for rec in self.recorders:
+                rec.host_ticks += host - self.host
+            self.host = host
+            ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
+            arrival = ready if ready > host else host
+            c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
+            return arrival
+
+    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
+        """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
+        ``core``'s :data:`COLLECTIVE_STREAM` from ``start`` (ticks; no earlier than the arrival:
+        when the last rank of the group arrived). The time between is the rank's wait for its
+        peers. Kernels already placed keep their times; this launch absorbs the sharing of the
+        core's DMA with them. Returns its (start, end) ticks."""
+        with self._lock:
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is None:
+                raise ValueError(f"no collective issued on core {core} arrives at tick {arrival}")
+            c.pending.remove(entry)
+            start = max(start, arrival)
+            return self._place(c, core, COLLECTIVE_STREAM, op, cost, start, entry[1], arrival, start - arrival)
 
     def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int]:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
@@ -325,44 +391,53 @@ class Device:
             host += self.dispatch
             host_ticks = host - self.host
             self.host = host
+            for rec in self.recorders:
+                rec.host_ticks += host_ticks
             ready = c.ready.get(s, 0)
             start = ready if ready > host else host
             wait = host - max(ready, c.busy_until)
             if wait < 0:
                 wait = 0
-            ticks = cost.ticks
-            if s not in c.streams:
-                c.streams.add(s)
-            if len(c.streams) > 1:
-                others = [b for b in c.bookings if b[0] != s and b[2] > start]
-                if others:
-                    ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
-            end = start + ticks
+            return self._place(c, core, s, op, cost, start, wait, host, 0)
+
+    def _place(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, issued: int,
+               peer_wait: int) -> tuple[int, int]:
+        """Put one launch on stream ``s`` of core ``c`` from ``start`` and record it."""
+        ticks = cost.ticks
+        if s not in c.streams:
+            c.streams.add(s)
+        if len(c.streams) > 1:
+            others = [b for b in c.bookings if b[0] != s and b[2] > start]
+            if others:
+                ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+        end = start + ticks
+        if end > c.ready.get(s, 0):
             c.ready[s] = end
-            if end > c.busy_until:
-                c.busy_until = end
-            if ticks:
-                c.bookings.append((s, start, end, cost.demand))
-                c.inflight.append(end)
-            key = (op, id(cost))
-            for rec in self.recorders:
-                row = rec.rows.get(key)
-                if row is None:
-                    rec.rows[key] = [cost, 1, ticks, wait]
-                else:
-                    row[1] += 1
-                    row[2] += ticks
-                    row[3] += wait
-                tally = rec.cores.get(core)
-                if tally is None:
-                    tally = rec.cores[core] = _CoreTally()
-                tally.launches += 1
-                tally.wait += wait
-                tally.add(start, end, host)
-                rec.host_ticks += host_ticks
-                if rec.events is not None:
-                    rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
-            return start, end
+        if end > c.busy_until:
+            c.busy_until = end
+        if ticks:
+            c.bookings.append((s, start, end, cost.demand))
+            c.inflight.append(end)
+        fold = c.fold_until(self.host)
+        key = (op, id(cost))
+        for rec in self.recorders:
+            row = rec.rows.get(key)
+            if row is None:
+                rec.rows[key] = [cost, 1, ticks, wait, peer_wait]
+            else:
+                row[1] += 1
+                row[2] += ticks
+                row[3] += wait
+                row[4] += peer_wait
+            tally = rec.cores.get(core)
+            if tally is None:
+                tally = rec.cores[core] = _CoreTally()
+            tally.launches += 1
+            tally.wait += wait
+            tally.add(start, end, fold)
+            if rec.events is not None:
+                rec.events.append(TraceEvent(core, s, op, cost.kernel, issued, start, end))
+        return start, end
 
     def host_op(self, op: str) -> None:
         """Count a metadata-only op: it runs on the host alone (no launch, no device time)."""
@@ -393,6 +468,22 @@ class Device:
         with self._lock:
             c = self.cores[core]
             c.ready[stream] = max(c.ready.get(stream, 0), tick)
+
+    def wait_collective(self, core: int, stream: int, tick: int) -> int:
+        """Work issued later on ``stream`` of ``core`` waits for a collective that ends at
+        ``tick`` (a ``Work.wait()``). The ticks this holds the stream beyond what it waited for
+        anyway (its own last work, the host's issue) are the collective's *exposed* time,
+        summed in reports as ``collective_wait_us``; returns them."""
+        with self._lock:
+            c = self.cores[core]
+            ready = c.ready.get(stream, 0)
+            blocked = tick - max(ready, self.host)
+            if blocked <= 0:
+                return 0
+            c.ready[stream] = tick
+            for rec in self.recorders:
+                rec.collective_wait += blocked
+            return blocked
 
     def now(self, core: int | None = None) -> int:
         """The latest simulated time the host or any work on ``core`` (every core) reaches."""
@@ -427,14 +518,25 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
-        for (op, _), (cost, calls, ticks, wait) in rec.rows.items():
+        for (op, _), (cost, calls, ticks, wait, peer_wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0}
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "coll": None}
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
+            if cost.collective is not None:
+                info = cost.collective
+                co = a["coll"]
+                if co is None:
+                    co = a["coll"] = {"collective": info.collective, "algorithm": info.algorithm, "ranks": info.ranks,
+                                      "bytes": 0, "net": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
+                co["bytes"] += calls * info.nbytes
+                co["net"] += calls * info.network_ticks
+                co["peer"] += peer_wait
+                co["bus_bytes"] += calls * info.nbytes * info.busbw_factor
+                co["bound"][info.bound] = co["bound"].get(info.bound, 0) + calls * info.network_ticks
             a["lane_ticks"] += ticks * cost.cores
             for name, t in cost.busy.items():
                 a["busy"][name] = a["busy"].get(name, 0) + calls * t
@@ -447,12 +549,21 @@ class Device:
             engines = {n: 100.0 * b / lane for n, b in a["busy"].items()} if lane else {}
             seconds = a["ticks"] / hz
             bound = "launch" if a["wait"] >= a["ticks"] else busiest(engines)
+            co = a["coll"]
+            coll = None
+            if co is not None:
+                net_s = co["net"] / hz
+                coll = CollectiveStats(collective=co["collective"], algorithm=co["algorithm"], ranks=co["ranks"],
+                                       bytes=co["bytes"], network_us=net_s * 1e6, peer_wait_us=co["peer"] / hz * 1e6,
+                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0)
+                top = max(co["bound"].values())
+                bound = min(k for k, v in co["bound"].items() if v == top)  # where most of its model time went
             rows.append(OpRow(
                 op=op, kernel=kernel, generic=a["generic"], calls=a["calls"], time_us=seconds * 1e6,
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
                 host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
-                bound=bound))
+                bound=bound, collective=coll))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self.host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start
@@ -467,5 +578,5 @@ class Device:
             host_wait_us=sum(t.wait for t in rec.cores.values()) / hz * 1e6,
             launches=sum(r.calls for r in rows), hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=flops,
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
-            events=tuple(rec.events or ()), tick_hz=hz)
+            events=tuple(rec.events or ()), tick_hz=hz, collective_wait_us=rec.collective_wait / hz * 1e6)
 

@@ -28,7 +28,7 @@ from .cores.base import Segment
 from .isa import DmaCopy, Instruction, MatMul, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
-           "RunReport", "OpRow", "CoreStats", "TraceEvent"]
+           "RunReport", "OpRow", "CoreStats", "TraceEvent", "CollectiveStats"]
 
 
 @dataclass(frozen=True)
@@ -280,6 +280,24 @@ class TraceEvent:
 
 
 @dataclass(frozen=True)
+class CollectiveStats:
+    """What a collective row of a run moved (a row of a collective launched by torch.distributed
+    on the ``neuron`` backend). ``bytes`` is nccl-tests' S summed over calls; ``network_us`` this
+    rank's time in the NeuronLink model, from the group's start (the last rank's arrival) to its
+    completion, summed (the row's ``time_us`` adds the stretch from sharing the core's DMA with
+    compute beside it); ``peer_wait_us`` the time this rank had arrived and the group had not;
+    ``busbw`` in bytes/s, sum(S x factor) / network time (nccl-tests' definition)."""
+
+    collective: str  # the NeuronLink model's name: all-reduce, all-gather, reduce-scatter, send-recv, ...
+    algorithm: str
+    ranks: int  # the group's size
+    bytes: int
+    network_us: float
+    peer_wait_us: float
+    busbw: float
+
+
+@dataclass(frozen=True)
 class OpRow:
     """One (op, kernel) of a run: its launches' device time and what the device did meanwhile."""
 
@@ -295,6 +313,8 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    #  (a collective: what held it back in the NeuronLink model: link, HBM, DMA, VectorE or latency)
+    collective: CollectiveStats | None = None  # set on collective rows only
 
 
 @dataclass(frozen=True)
@@ -327,6 +347,9 @@ class RunReport:
     mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
+    # streams held waiting for collectives beyond their own work and the host's issue: the
+    # collectives' exposed time (torch.distributed on the neuron backend)
+    collective_wait_us: float = 0.0
 
     @property
     def host_only_calls(self) -> int:
