@@ -21,7 +21,7 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--nproc", "--system", "--timeout")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:

@@ -7,6 +7,7 @@
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
@@ -32,7 +33,8 @@ from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
-__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
+           "bound_of"]
 
 
 class UsageError(Exception):
@@ -495,16 +497,59 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
+    nproc = opts.get("nproc", args.nproc)
+    system = opts.get("system", args.system)
+    timeout = opts.get("timeout", args.timeout)
+    overrides = args.set + opts["set"]
+    trace = opts.get("trace", args.trace)
+    as_json = opts.get("json", args.json)
+    if nproc is not None:
+        return _run_ranks(args.script, script_args, nproc, config, overrides, system, trace, timeout, as_json)
+    if system is not None:
+        os.environ["TRNSIM_SYSTEM"] = system  # a script that makes its own process group reads it
     try:
-        status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                 trace=opts.get("trace", args.trace))
+        status, rep = run_script(args.script, script_args, config=config, overrides=overrides, trace=trace)
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
-    if opts.get("json", args.json):
+    if as_json:
         print(json.dumps(rep.to_dict(), indent=2))
         return status
     print_run_report(rep, f"{args.script} on {rep.config}")
     return status
+
+
+def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | None, overrides: list[str],
+               system: str | None, trace: str | None, timeout: Any, as_json: bool) -> int:
+    """``trnsim run --nproc N``: the script on N ranks (torchrun's launcher), one merged report."""
+    from torch_bridge.launch import RankFailure, run_ranks
+
+    try:
+        n = int(nproc)
+    except (TypeError, ValueError):
+        raise UsageError(f"run: --nproc {nproc}: expected a whole number of ranks >= 1") from None
+    secs = None
+    if timeout is not None:
+        try:
+            secs = float(timeout)
+            if not secs > 0:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"run: --timeout {timeout}: expected a number of seconds > 0") from None
+    try:
+        rep = run_ranks(script, script_args, n, config, overrides, system, trace, secs)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"run: {e}") from None
+    except RankFailure as e:  # bad use: an error; the script's own failure: its traceback came first
+        print(f"trnsim: {'error: ' if e.usage else ''}{_one_line(e.message)}", file=sys.stderr)
+        return e.status
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0
+    render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=RUN_REPORT_WIDTH))
+    if trace:
+        print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
+              f"lanes (open it in ui.perfetto.dev)")
+    return 0
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
@@ -512,17 +557,28 @@ RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what u
 
 def render_run_report(rep: Any, title: str, console: Any) -> None:
     """A RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
-    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops."""
+    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops.
+    Collective rows (torch.distributed on the neuron backend) add what they moved: bytes (S),
+    busbw and the time waiting for the group's last rank."""
     from rich.table import Table
 
+    colls = any(r.collective is not None for r in rep.rows)
     t = Table(title=f"neuron run report: {title}", title_justify="left")
-    for col in ("op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"):
+    cols = ["op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"]
+    if colls:
+        cols += ["bytes", "busbw GiB/s", "peers us"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("op", "kernel", "bound") else "right",
                      no_wrap=col in ("op", "kernel"))
     for r in rep.rows:
-        t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
-                  f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
-                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
+        cells = [r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
+                 f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
+                 f"{r.hbm_bytes / 1e6:,.2f}", r.bound]
+        if colls:
+            c = r.collective
+            cells += [format_quantity(c.bytes, "bytes"), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
+                if c is not None else ["", "", ""]
+        t.add_row(*cells)
     console.print(t)
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
@@ -532,6 +588,41 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
     console.print("(* generic kernel: DMA + engine streaming, no library kernel; wait: device idle waiting on the host; "
                   "bound launch: the device waited longer than it worked)")
+    if colls:
+        console.print("(collective rows: kernel is collective:algorithm of the NeuronLink model; bytes is nccl-tests' "
+                      "S summed over calls; busbw over the model's time; peers: waiting for the group's last rank; "
+                      "bound: what held the collective back in the model)")
+
+
+def render_rank_report(rep: Any, title: str, console: Any) -> None:
+    """A :class:`trnsim.ranks.MultiRankReport`: the rows of every rank summed (collectives beside
+    compute), then one line per rank and the step time as the slowest rank saw it."""
+    from rich.table import Table
+
+    render_run_report(rep.total, f"{title} (all ranks)", console)
+    t = Table(title=f"per rank ({rep.world} ranks of {rep.system}, rank r = NeuronCore r)", title_justify="left")
+    for col in ("rank", "chip", "elapsed us", "compute us", "collective us", "overlapped", "beside compute",
+                "exposed us", "peers us", "collectives", "steps"):
+        t.add_column(col, justify="right")
+
+    def pct(part: float, whole: float) -> str:
+        return f"{100.0 * part / whole:.0f}%" if whole else "-"
+    for r, s in sorted(rep.summaries.items()):
+        t.add_row(str(r), str(s.chip), f"{s.elapsed_us:,.1f}", f"{s.compute_us:,.1f}", f"{s.collective_us:,.1f}",
+                  pct(s.overlapped_us, s.collective_us), pct(s.beside_compute_us, s.collective_us),
+                  f"{s.exposed_us:,.1f}", f"{s.peer_wait_us:,.1f}", f"{s.collectives:,}", str(len(s.step_ends_us)))
+    console.print(t)
+    slow = max(rep.summaries.values(), key=lambda s: s.elapsed_us)
+    if rep.step_times_us:
+        console.print(f"step: {rep.step_us:,.1f} us simulated as the slowest rank saw it "
+                      f"({len(rep.step_times_us)} optimizer steps; the first, with setup, took "
+                      f"{rep.step_times_us[0]:,.1f} us); slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    else:
+        console.print(f"no optimizer steps; slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    console.print("(compute/collective: union of the rank's kernels / collectives on its timeline; exposed: its streams "
+                  "held waiting for collectives; overlapped: the rest of the collective time, hidden behind compute or "
+                  "the host; beside compute: with a kernel running at the same time; peers: waiting for the last rank "
+                  "of a group)")
 
 
 def print_run_report(rep: Any, title: str) -> None:
@@ -666,6 +757,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
+                                                "rank, rank r on NeuronCore r) and print one merged report")
+    r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "
+                                                  "trn2.48xlarge); see trnsim collective --help")
+    r.add_argument("--timeout", metavar="SECONDS", help="with --nproc: how long a rank waits for its peers at a "
+                                                        "collective before it fails (default: the process group's)")
     r.set_defaults(fn=cmd_run)
     _add_collective_parser(sub)
     return p
