@@ -14,7 +14,8 @@ prints:
   the baseline's;
 * per step, the time rank 0 spent in collectives, its share of the step, how much of it was
   overlapped (hidden behind the backward pass's compute or the host still issuing it: DDP's
-  bucketed all-reduce) and how much was exposed (rank 0's streams held waiting for it).
+  bucketed all-reduce) and how much was exposed (compute stalled on it: a kernel issued and held
+  back, none running).
 
     OMP_NUM_THREADS=1 python3 benchmarks/bench_distributed.py [--steps 5] [--ranks 2,4]
     OMP_NUM_THREADS=1 python3 benchmarks/bench_distributed.py --quick   # the demo GPT-2, 2 ranks
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print("(* one process, no torch.distributed: the baseline. wall: rank 0's median step; sim: the slowest rank's "
           "simulated step; collectives: rank 0's per step and their share of the simulated step; overlapped: hidden "
           "behind compute or the host still issuing; beside compute: with a kernel running at the same time; "
-          "exposed: rank 0's streams held waiting for them)")
+          "exposed: compute stalled on them)")
     return 0
 
 

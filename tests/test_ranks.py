@@ -18,7 +18,8 @@ GOLDEN = Path(__file__).parent / "golden" / "run_ranks_report.txt"
 
 def _rank(skew: int) -> tuple[Device, list[int]]:
     """A rank's device: two steps of a matmul, an all-reduce issued after it (rank 1 arrives
-    ``skew`` ticks later) and an add beside it, then waiting for the all-reduce."""
+    ``skew`` ticks later) and an add beside it, then waiting for the all-reduce, and a mul
+    issued after the wait (held back by it: the exposed part)."""
     dev = Device(load_config("trn2", {"host.dispatch": "10ns"}))
     dev.reset(trace=True)
     k = 1000  # ticks per unit: hundreds of microseconds, so the rendered figures say something
@@ -33,7 +34,8 @@ def _rank(skew: int) -> tuple[Device, list[int]]:
         dev.launch(0, "add", add)
         start = arrival if skew else arrival + 100 * k  # rank 0 waits for rank 1
         _, end = dev.place_collective(0, "all_reduce", coll, start, arrival)
-        dev.wait_collective(0, 0, end)
+        dev.stream_wait(0, 0, end)
+        dev.launch(0, "mul", add)
         dev.synchronize(0)
         steps.append(dev.now())
     return dev, steps
@@ -63,7 +65,9 @@ def test_summaries_split_collective_time_into_overlapped_and_exposed(merged):
     s0 = merged.summaries[0]
     assert s0.collective_us == pytest.approx(2 * 800e3 / hz * 1e6)
     assert s0.beside_compute_us == pytest.approx(2 * 200e3 / hz * 1e6)  # the add runs into the collective's start
-    assert s0.overlapped_us + s0.exposed_us == pytest.approx(s0.collective_us) and s0.exposed_us > 0
+    # the add ends 300 into the collective's 800; then the mul, issued, waits for its end
+    assert s0.exposed_us == pytest.approx(2 * (800e3 - 200e3) / hz * 1e6)
+    assert s0.overlapped_us + s0.exposed_us == pytest.approx(s0.collective_us)
     assert s0.peer_wait_us == pytest.approx(2 * 100e3 / hz * 1e6) and s0.collectives == 2
     assert len(s0.step_ends_us) == 2
 
@@ -80,7 +84,7 @@ def test_trace_has_a_process_per_rank_with_collective_and_neuronlink_lanes(merge
     names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] in ("process_name", "thread_name")}
     assert (0, "rank 0 (NeuronCore 0, chip 0, trn2, simulated)") in names
     assert {(0, "collectives (CC cores)"), (1, "default stream"), (0, "host"),
-            (0, "NeuronLink link chip 0 -> chip 1 (x+)")} <= names
+            (0, "NeuronLink chip 0 -> chip 1 (x+)")} <= names
     path = write_rank_trace(tmp_path / "t.json", merged, links)
     doc = json.loads(path.read_text())
     assert doc["otherData"]["world"] == 2 and any(e.get("cat") == "link" for e in doc["traceEvents"])
@@ -99,14 +103,14 @@ def test_link_segments_keep_a_ranks_own_lanes_and_its_chips_links_once():
 
 
 def test_render_merged_report_golden(merged):
-    from trnsim.cli import RUN_REPORT_WIDTH, render_rank_report
+    from trnsim.cli import render_rank_report, run_report_width
 
     class Console:
         def __init__(self):
             from rich.console import Console as Rich
 
             self.buf = io.StringIO()
-            self.rich = Rich(file=self.buf, width=RUN_REPORT_WIDTH, highlight=False, color_system=None)
+            self.rich = Rich(file=self.buf, width=run_report_width(merged.total), highlight=False, color_system=None)
 
         def print(self, *a, **k):
             self.rich.print(*a, **k)

@@ -65,7 +65,7 @@ from .runtime import runtime
 
 __all__ = ["BACKEND", "DEFAULT_SYSTEM", "NeuronDistError", "NeuronProcessGroup", "register", "set_system",
            "system", "rank_info", "collective_log", "step_ticks", "enable_trace",
-           "create_process_group", "mark_exit", "record_steps"]
+           "create_process_group", "mark_exit", "record_steps", "parse_seconds"]
 
 BACKEND = "neuron"
 DEFAULT_SYSTEM = "trn2.48xlarge"
@@ -84,7 +84,7 @@ class NeuronDistError(dist.DistError):
 
 
 _state_lock = threading.RLock()
-_requested_system: tuple[Any, tuple[str, ...]] | None = None
+_requested_system: SystemConfig | None = None
 _system: SystemConfig | None = None
 
 
@@ -99,7 +99,7 @@ def set_system(name_or_path: str | os.PathLike[str] | SystemConfig,
             raise RuntimeError(f"neuron backend: the system is already {_system.name}; call set_system before "
                                f"init_process_group")
         sysc = load_system(name_or_path, list(overrides))  # a bad name fails here
-        _requested_system = (sysc, ())
+        _requested_system = sysc
         return sysc
 
 
@@ -111,10 +111,7 @@ def system() -> SystemConfig:
         if _system is not None:
             return _system
         cfg = runtime().config
-        if _requested_system is not None:
-            base, _ = _requested_system
-        else:
-            base = os.environ.get("TRNSIM_SYSTEM", "").strip() or DEFAULT_SYSTEM
+        base: SystemConfig | str = _requested_system or os.environ.get("TRNSIM_SYSTEM", "").strip() or DEFAULT_SYSTEM
         chip_overrides = [f"{k}={v}" for k, v in cfg.overrides if not is_system_key(k)]
         try:
             sysc = load_system(base, chip_overrides)
@@ -389,7 +386,7 @@ class _Work(_WorkBase):  # type: ignore[misc, valid-type]
         self.waited = True
         dev = runtime().device
         core = self.call.core
-        dev.wait_collective(core, dev.cores[core].current_stream, self.end)
+        dev.stream_wait(core, dev.cores[core].current_stream, self.end)
         if self.host_waits:
             dev.wait_host_until(self.end)
 
@@ -433,7 +430,7 @@ def _after_backward(task: int) -> None:
     for w in _backward_works.pop(task, []):
         if not w.waited and w.end is not None:
             dev = runtime().device
-            dev.wait_collective(w.call.core, dev.cores[w.call.core].current_stream, w.end)
+            dev.stream_wait(w.call.core, dev.cores[w.call.core].current_stream, w.end)
 
 
 def _note_backward(work: _Work) -> None:
@@ -661,7 +658,12 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     finish: Callable[[], None] | None = None, host_waits: bool = False) -> _Work:
         dev = runtime().device if call.device == "neuron" else None
         arrival = dev.issue_collective(call.core) if dev is not None else 0
-        heads = self._exchange(call, arrival)
+        try:
+            heads = self._exchange(call, arrival)
+        except BaseException:
+            if dev is not None:
+                dev.cancel_collective(call.core, arrival)
+            raise
         end = None
         if dev is not None:
             start = max(h.arrival for h in heads)
@@ -976,6 +978,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         def resolve() -> tuple[int | None, list[Any]]:
             task.done.wait()
             if task.error is not None:
+                if dev is not None:
+                    dev.cancel_collective(call.core, arrival)
                 raise task.error
             if dev is None:
                 return None, [task.data]
@@ -1113,18 +1117,26 @@ def rank_info() -> dict[str, Any]:
     return dict(_info)
 
 
+def parse_seconds(text: Any, what: str) -> float:
+    """A timeout in seconds (a number > 0, as torchrun takes them); ValueError naming ``what``."""
+    try:
+        secs = float(text)
+        if not 0 < secs < 1e9:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {text}: expected a number of seconds > 0") from None
+    return secs
+
+
 def _timeout(given: timedelta) -> timedelta:
     """The group's timeout: ``TRNSIM_DIST_TIMEOUT`` (seconds; ``trnsim run --timeout``) if set."""
     text = os.environ.get("TRNSIM_DIST_TIMEOUT", "").strip()
     if not text:
         return given
     try:
-        secs = float(text)
-        if not secs > 0:
-            raise ValueError
-    except ValueError:
-        raise NeuronDistError(f"neuron backend: TRNSIM_DIST_TIMEOUT={text!r}: expected a number of seconds > 0") from None
-    return timedelta(seconds=secs)
+        return timedelta(seconds=parse_seconds(text, "TRNSIM_DIST_TIMEOUT="))
+    except ValueError as e:
+        raise NeuronDistError(f"neuron backend: {e}") from None
 
 
 def create_process_group(opts: Any, backend_options: Any = None) -> NeuronProcessGroup:

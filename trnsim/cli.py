@@ -521,20 +521,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | None, overrides: list[str],
                system: str | None, trace: str | None, timeout: Any, as_json: bool) -> int:
     """``trnsim run --nproc N``: the script on N ranks (torchrun's launcher), one merged report."""
+    from torch_bridge.distributed import parse_seconds
     from torch_bridge.launch import RankFailure, run_ranks
 
     try:
         n = int(nproc)
-    except (TypeError, ValueError):
-        raise UsageError(f"run: --nproc {nproc}: expected a whole number of ranks >= 1") from None
-    secs = None
-    if timeout is not None:
-        try:
-            secs = float(timeout)
-            if not secs > 0:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"run: --timeout {timeout}: expected a number of seconds > 0") from None
+        secs = None if timeout is None else parse_seconds(timeout, "--timeout")
+    except ValueError as e:
+        raise UsageError(f"run: {e}" if "--timeout" in str(e) else
+                         f"run: --nproc {nproc}: expected a whole number of ranks >= 1") from None
     try:
         rep = run_ranks(script, script_args, n, config, overrides, system, trace, secs)
     except (FileNotFoundError, ValueError) as e:
@@ -545,7 +540,7 @@ def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | No
     if as_json:
         print(json.dumps(rep.to_dict(), indent=2))
         return 0
-    render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=RUN_REPORT_WIDTH))
+    render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=run_report_width(rep.total)))
     if trace:
         print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
               f"lanes (open it in ui.perfetto.dev)")
@@ -553,6 +548,19 @@ def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | No
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
+
+
+def run_report_width(rep: Any) -> int:
+    """The console width a report's table needs whole: collective rows add three columns."""
+    return RUN_REPORT_WIDTH + (40 if any(r.collective is not None for r in rep.rows) else 0)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1, two decimals (4.12 MiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
 
 
 def render_run_report(rep: Any, title: str, console: Any) -> None:
@@ -576,7 +584,7 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound]
         if colls:
             c = r.collective
-            cells += [format_quantity(c.bytes, "bytes"), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
+            cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
                 if c is not None else ["", "", ""]
         t.add_row(*cells)
     console.print(t)
@@ -619,15 +627,15 @@ def render_rank_report(rep: Any, title: str, console: Any) -> None:
                       f"{rep.step_times_us[0]:,.1f} us); slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
     else:
         console.print(f"no optimizer steps; slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
-    console.print("(compute/collective: union of the rank's kernels / collectives on its timeline; exposed: its streams "
-                  "held waiting for collectives; overlapped: the rest of the collective time, hidden behind compute or "
-                  "the host; beside compute: with a kernel running at the same time; peers: waiting for the last rank "
-                  "of a group)")
+    console.print("(compute/collective: union of the rank's kernels / collectives on its timeline; exposed: collective "
+                  "time with compute stalled on it (a kernel issued and held back, none running); overlapped: the rest, "
+                  "hidden behind compute or the host still issuing; beside compute: with a kernel running at the same "
+                  "time; peers: waiting for the last rank of a group)")
 
 
 def print_run_report(rep: Any, title: str) -> None:
     """:func:`render_run_report` to stdout, wide enough for op and kernel names."""
-    render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
+    render_run_report(rep, title, _Out(width=run_report_width(rep)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -197,7 +197,6 @@ class Recorder:
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
-        self.collective_wait = 0  # ticks streams were held waiting for collectives (wait_collective)
         self.events: list[TraceEvent] | None = [] if trace else None
 
 
@@ -348,19 +347,20 @@ class Device:
         known; until then reports keep this core's intervals from the arrival on open."""
         with self._lock:
             c = self.cores[core]
-            host = self.host
-            if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
-                oldest = c.inflight.popleft()
-                if oldest > host:
-                    host = oldest
-            host += self.dispatch
-            for rec in self.recorders:
-                rec.host_ticks += host - self.host
-            self.host = host
+            host = self._issue(c)
             ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
             arrival = ready if ready > host else host
             c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
             return arrival
+
+    def cancel_collective(self, core: int, arrival: int) -> None:
+        """Forget a collective issued by :meth:`issue_collective` that will not run (its group
+        disagreed): the host keeps the dispatch it paid; nothing is placed."""
+        with self._lock:
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is not None:
+                c.pending.remove(entry)
 
     def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
         """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
@@ -383,22 +383,27 @@ class Device:
         with self._lock:
             c = self.cores[core]
             s = c.current_stream if stream is None else stream
-            host = self.host
-            if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
-                oldest = c.inflight.popleft()
-                if oldest > host:
-                    host = oldest
-            host += self.dispatch
-            host_ticks = host - self.host
-            self.host = host
-            for rec in self.recorders:
-                rec.host_ticks += host_ticks
+            host = self._issue(c)
             ready = c.ready.get(s, 0)
             start = ready if ready > host else host
             wait = host - max(ready, c.busy_until)
             if wait < 0:
                 wait = 0
             return self._place(c, core, s, op, cost, start, wait, host, 0)
+
+    def _issue(self, c: _Core) -> int:
+        """The host issues one launch on core ``c``: it waits for room in the runtime's queue if
+        it is full (for the oldest unfinished launch), pays the dispatch; returns its new tick."""
+        host = self.host
+        if len(c.inflight) >= c.max_inflight:
+            oldest = c.inflight.popleft()
+            if oldest > host:
+                host = oldest
+        host += self.dispatch
+        for rec in self.recorders:
+            rec.host_ticks += host - self.host
+        self.host = host
+        return host
 
     def _place(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, issued: int,
                peer_wait: int) -> tuple[int, int]:
@@ -468,22 +473,6 @@ class Device:
         with self._lock:
             c = self.cores[core]
             c.ready[stream] = max(c.ready.get(stream, 0), tick)
-
-    def wait_collective(self, core: int, stream: int, tick: int) -> int:
-        """Work issued later on ``stream`` of ``core`` waits for a collective that ends at
-        ``tick`` (a ``Work.wait()``). The ticks this holds the stream beyond what it waited for
-        anyway (its own last work, the host's issue) are the collective's *exposed* time,
-        summed in reports as ``collective_wait_us``; returns them."""
-        with self._lock:
-            c = self.cores[core]
-            ready = c.ready.get(stream, 0)
-            blocked = tick - max(ready, self.host)
-            if blocked <= 0:
-                return 0
-            c.ready[stream] = tick
-            for rec in self.recorders:
-                rec.collective_wait += blocked
-            return blocked
 
     def now(self, core: int | None = None) -> int:
         """The latest simulated time the host or any work on ``core`` (every core) reaches."""
@@ -578,5 +567,5 @@ class Device:
             host_wait_us=sum(t.wait for t in rec.cores.values()) / hz * 1e6,
             launches=sum(r.calls for r in rows), hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=flops,
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
-            events=tuple(rec.events or ()), tick_hz=hz, collective_wait_us=rec.collective_wait / hz * 1e6)
+            events=tuple(rec.events or ()), tick_hz=hz)
 

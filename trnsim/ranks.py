@@ -7,11 +7,11 @@ device model, where collectives ran on the core's collective stream
 
 * ``compute_us`` is the union of its compute streams' kernels, ``collective_us`` the union of
   its collectives (from the group's start to this rank's completion, DMA sharing included);
-* ``exposed_us`` is the time its streams were held waiting for collectives beyond their own
-  work and the host's issue (:meth:`trnsim.device.Device.wait_collective`): what the
-  collectives added to the run; ``overlapped_us`` the rest of the collective time, hidden
-  behind compute or behind the host still issuing; ``beside_compute_us`` the part of the
-  collective time with a compute kernel running at the same time;
+* ``exposed_us`` is the collective time during which the rank's compute was *stalled*: no
+  kernel running, and one already issued but held back (by a ``Work.wait()``, an event, the
+  end of the backward pass): what the collectives added to the run; ``overlapped_us`` the rest,
+  hidden behind compute or behind the host still issuing; ``beside_compute_us`` the part with
+  a compute kernel running at the same time;
 * ``peer_wait_us`` is the time its collectives waited for the last rank of their group;
 * ``step_ticks`` are the ticks its optimizer steps ended at (all work issued so far finished).
 
@@ -95,6 +95,44 @@ def _intersection(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return union_length(a) + union_length(b) - union_length(a + b)
 
 
+def _merged(iv: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(iv):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(union of a) minus (union of b), as sorted disjoint intervals."""
+    out: list[tuple[int, int]] = []
+    b = _merged(b)
+    j = 0
+    for lo, hi in _merged(a):
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        k, cur = j, lo
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
+def _stalled(events: Sequence[TraceEvent]) -> list[tuple[int, int]]:
+    """When compute was stalled: a kernel issued and not yet started, none running (a kernel
+    held back by its own stream's previous one has that one running)."""
+    waiting = [(e.issued, e.start) for e in events if e.stream != COLLECTIVE_STREAM and e.start > e.issued]
+    return _minus(waiting, _intervals(events, False))
+
+
 def summarize(rank: int, rep: RunReport, chip: int, step_ticks: Sequence[int]) -> RankSummary:
     """A rank's :class:`RankSummary` from its report (which must keep its events: the
     overlap is measured on them)."""
@@ -103,7 +141,7 @@ def summarize(rank: int, rep: RunReport, chip: int, step_ticks: Sequence[int]) -
     peer = sum(r.collective.peer_wait_us for r in rep.rows if r.collective is not None)
     calls = sum(r.calls for r in rep.rows if r.collective is not None)
     coll_us = union_length(coll) / hz * 1e6
-    exposed = min(rep.collective_wait_us, coll_us)
+    exposed = _intersection(coll, _stalled(rep.events)) / hz * 1e6
     return RankSummary(rank=rank, chip=chip, elapsed_us=rep.elapsed_us, compute_us=union_length(comp) / hz * 1e6,
                        collective_us=coll_us, exposed_us=exposed, overlapped_us=coll_us - exposed,
                        beside_compute_us=_intersection(comp, coll) / hz * 1e6,
@@ -172,8 +210,7 @@ def merge_ranks(system: str, reports: Mapping[int, RunReport], chips: Mapping[in
                       cores=cores, elapsed_us=elapsed, device_us=sum(rep.device_us for rep in reps),
                       host_us=sum(rep.host_us for rep in reps), host_wait_us=sum(rep.host_wait_us for rep in reps),
                       launches=sum(rep.launches for rep in reps), hbm_bytes=sum(rep.hbm_bytes for rep in reps),
-                      matmul_flops=flops, mfu_percent=mfu, events=events, tick_hz=hz,
-                      collective_wait_us=sum(rep.collective_wait_us for rep in reps))
+                      matmul_flops=flops, mfu_percent=mfu, events=events, tick_hz=hz)
     counts = {len(s) for s in steps.values()} if steps else set()
     step_times: tuple[float, ...] = ()
     step_us = 0.0
@@ -262,7 +299,9 @@ def rank_trace_events(rep: MultiRankReport, links: Mapping[int, Sequence[tuple[s
     for r, segs in sorted(links.items()):
         names = sorted({lane for lane, _, _, _ in segs})
         for k, lane in enumerate(names):
-            t = tid(r, f"NeuronLink {lane}", 20_000 + k)
+            # "rank 4 CC0": the rank's CC DMA queue; "link chip 0 -> chip 1 (x+)": a link direction
+            shown = f"{lane.split(' ', 2)[2]} DMA" if lane.startswith("rank ") else lane.removeprefix("link ")
+            t = tid(r, f"NeuronLink {shown}", 20_000 + k)
             for ln, label, a, b in segs:
                 if ln == lane:
                     out.append({"ph": "X", "name": label, "cat": "link" if lane.startswith("link") else "cc",

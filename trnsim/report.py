@@ -347,9 +347,6 @@ class RunReport:
     mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
-    # streams held waiting for collectives beyond their own work and the host's issue: the
-    # collectives' exposed time (torch.distributed on the neuron backend)
-    collective_wait_us: float = 0.0
 
     @property
     def host_only_calls(self) -> int:

@@ -126,6 +126,34 @@ def test_the_merged_report_has_collective_rows_ranks_and_steps(probe):
     assert s0["overlapped_us"] + s0["exposed_us"] == pytest.approx(s0["collective_us"])
 
 
+DDP = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("neuron")
+torch.manual_seed(dist.get_rank())
+model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to("neuron"))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(64, 256, device="neuron")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_the_same_script_on_the_same_ranks_gives_the_same_cycles(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(textwrap.dedent(DDP))
+    reps = []
+    for _ in range(2):
+        run = _trnsim("run", "--nproc", "2", "--json", str(script), cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        reps.append(_json(run.stdout))
+    assert reps[0] == reps[1]
+    rows = {r["op"]: r for r in reps[0]["total"]["rows"]}
+    assert rows["all_reduce"]["calls"] == 6 and len(reps[0]["step_times_us"]) == 3  # a bucket per step per rank
+
+
 SHAPES = """
 import torch, torch.distributed as dist
 dist.init_process_group("neuron")
