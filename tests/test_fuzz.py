@@ -168,7 +168,7 @@ def shape(rng: random.Random, dims: int | None = None) -> str:
 
 def set_pair(rng: random.Random) -> tuple[str, str]:
     key = rng.choice(["core.sbuf.partition_bytes", "core.tensor.clock", "core.dma.queues", "chip.lnc",
-                      "core.tensor.fp8_double_row", "chip.neuronlink.topology", "core.vector.min_ii_cycles",
+                      "core.tensor.fp8_double_row", "chip.neuronlink.version", "core.vector.min_ii_cycles",
                       "core.sbuf", "core", "nope.key", "core..x", "", ".", "core.sbuf.partition_bytes.x",
                       "x" * 3000, "core.tensor.throttle_initial_util"])
     return key, bad_value(rng)

@@ -34,7 +34,7 @@ from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
-           "bound_of"]
+           "bound_of", "render_comparison"]
 
 
 class UsageError(Exception):
@@ -121,8 +121,6 @@ def info_data(cfg: ChipConfig) -> dict[str, Any]:
             "version": chip.neuronlink.version,
             "links": chip.neuronlink.links,
             "bandwidth": chip.neuronlink.bandwidth,
-            "topology": chip.neuronlink.topology,
-            "instance_chips": chip.neuronlink.instance_chips,
         },
         "host_dispatch_ns": cfg.host.dispatch / 1000,
         "host_max_inflight": cfg.host.max_inflight,
@@ -160,8 +158,7 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
                      f"engine = {bw(d['dma_bandwidth_per_core'])} per core, {bw(d['dma_bandwidth_per_chip'])} per chip; "
                      f"start latency {format_quantity(c.dma.start_latency, 'time')}")
     nl = cfg.chip.neuronlink
-    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
-                            f"{nl.instance_chips} chips")
+    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip; systems in configs/systems/")
     t.add_row("Host", f"{format_quantity(cfg.host.dispatch, 'time')} to issue a launch, up to "
                       f"{cfg.host.max_inflight} unfinished launches per logical core")
     t.add_row("Source", cfg.source_display)
@@ -489,7 +486,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a PyTorch script on the `neuron` device and print where its simulated time went."""
     try:
-        from torch_bridge.run import run_script, split_args
+        from torch_bridge.run import compare_eager, run_script, split_args
     except ImportError as e:
         raise UsageError(f"trnsim run needs PyTorch and torch_bridge: pip install -e '.[torch]' ({e})") from None
     try:
@@ -497,24 +494,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
+    compare = opts.get("compare_eager", args.compare_eager)
+    trace = opts.get("trace", args.trace)
+    overrides = args.set + opts["set"]
+    as_json = opts.get("json", args.json)
     nproc = opts.get("nproc", args.nproc)
     system = opts.get("system", args.system)
-    timeout = opts.get("timeout", args.timeout)
-    overrides = args.set + opts["set"]
-    trace = opts.get("trace", args.trace)
-    as_json = opts.get("json", args.json)
     if nproc is not None:
-        return _run_ranks(args.script, script_args, nproc, config, overrides, system, trace, timeout, as_json)
+        if compare:
+            raise UsageError("run: --compare-eager runs one process; leave out --nproc (or --compare-eager)")
+        return _run_ranks(args.script, script_args, nproc, config, overrides, system, trace,
+                          opts.get("timeout", args.timeout), as_json)
     if system is not None:
         os.environ["TRNSIM_SYSTEM"] = system  # a script that makes its own process group reads it
+    if compare and trace:
+        raise UsageError("run: --compare-eager runs the script twice; --trace takes one run (drop one of them)")
     try:
-        status, rep = run_script(args.script, script_args, config=config, overrides=overrides, trace=trace)
+        if compare:
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides)
+        else:
+            status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
+                                     trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if as_json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
+        print(json.dumps(data, indent=2))
         return status
-    print_run_report(rep, f"{args.script} on {rep.config}")
+    print_run_report(rep, f"{args.script} on {rep.config}" + (" (compiled)" if compare else ""))
+    if compare:
+        console = _Out(width=RUN_REPORT_WIDTH)
+        console.print()
+        render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
     return status
 
 
@@ -545,6 +556,48 @@ def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | No
         print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
               f"lanes (open it in ui.perfetto.dev)")
     return 0
+
+
+def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> None:
+    """The same run eager and compiled, side by side (``trnsim run --compare-eager``)."""
+    from rich.table import Table
+
+    t = Table(title=f"eager vs compiled: {title}", title_justify="left")
+    for col in ("", "eager", "compiled", "compiled / eager"):
+        t.add_column(col, justify="left" if not col else "right")
+
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.2f}x" if a else "-"
+
+    for name, a, b, fmt in (("elapsed us (simulated)", eager.elapsed_us, compiled.elapsed_us, "{:,.1f}"),
+                            ("device time us", eager.device_us, compiled.device_us, "{:,.1f}"),
+                            ("device waiting on the host us", eager.host_wait_us, compiled.host_wait_us, "{:,.1f}"),
+                            ("kernel launches", eager.launches, compiled.launches, "{:,}"),
+                            ("host dispatches", eager.dispatches, compiled.dispatches, "{:,}"),
+                            ("HBM MB", eager.hbm_bytes / 1e6, compiled.hbm_bytes / 1e6, "{:,.2f}")):
+        t.add_row(name, fmt.format(a), fmt.format(b), ratio(a, b))
+    console.print(t)
+    speedup = eager.elapsed_us / compiled.elapsed_us if compiled.elapsed_us else 0.0
+    console.print(f"compiled is {speedup:.2f}x faster in simulated time" if speedup >= 1 else
+                  f"compiled is {1 / speedup:.2f}x slower in simulated time" if speedup else "nothing ran")
+    if not compiled.compiled_graphs:
+        console.print("(the script compiled nothing: wrap the model in torch.compile(..., backend=\"neuron\") to "
+                      "compare)")
+
+
+def _render_regions(rep: Any, console: Any) -> None:
+    """The compiled regions of a run: what each fused kernel replaced and what that saved."""
+    from rich.table import Table
+
+    t = Table(title=f"compiled regions: {len(rep.regions)} fused kernels", title_justify="left")
+    for col in ("region (fused aten ops)", "kernel", "calls", "time us", "eager us", "HBM MB", "eager HBM MB",
+                "launches saved"):
+        t.add_column(col, justify="left" if col.startswith(("region", "kernel")) else "right",
+                     no_wrap=col.startswith("region"))
+    for r in rep.regions:
+        t.add_row(" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
+                  f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}")
+    console.print(t)
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
@@ -591,6 +644,15 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
     console.print(f"host: {rep.host_us:,.1f} us issuing launches; MFU {rep.mfu_percent:.1f}%")
+    if rep.compiled_graphs or rep.graph_launches:
+        console.print(f"compiled: {rep.compiled_graphs} graphs compiled in {rep.compile_seconds:.2f} s wall (not "
+                      f"charged to the device); {rep.graph_launches:,} graph launches ({rep.dispatches:,} host "
+                      f"dispatches for {rep.launches:,} kernels)")
+    if rep.regions:
+        console.print(f"fused regions: {sum(r.calls for r in rep.regions):,} launches of {len(rep.regions)} fused "
+                      f"kernels instead of {sum(r.eager_launches for r in rep.regions):,} eager ones: "
+                      f"{rep.launches_saved:,} launches and {rep.hbm_bytes_saved / 1e6:,.2f} MB of HBM traffic saved")
+        _render_regions(rep, console)
     if rep.host_ops:
         ops = ", ".join(f"{op} {n:,}" for op, n in sorted(rep.host_ops.items(), key=lambda kv: (-kv[1], kv[0])))
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
@@ -765,6 +827,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--compare-eager", action="store_true",
+                   help="run the script twice, torch.compile off then on, and print simulated time side by side")
+    r.add_argument("--adaptive-eager", action="store_true",
+                   help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
     r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
                                                 "rank, rank r on NeuronCore r) and print one merged report")
     r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "

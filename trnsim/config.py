@@ -366,14 +366,12 @@ class HbmConfig:
 
 @dataclass(frozen=True)
 class NeuronLinkConfig:
-    version: str = _str()
+    """What one chip has of NeuronLink. How chips are linked - topology, per-link bandwidth and
+    latency - is a system's (``configs/systems/``, :class:`SystemConfig`)."""
+
+    version: str = _str(("v2", "v3", "v4"))
     links: int = _int(1, 64)
     bandwidth: int = _q("bandwidth", doc="per chip, aggregate, bytes/s")
-    intra_instance_bandwidth: int = _q("bandwidth")
-    inter_instance_bandwidth: int = _q("bandwidth")
-    hop_latency: int = _q("time", lo=0, doc="per hop, ps")
-    topology: str = _str(("torus2d", "torus3d", "ring", "switch"))
-    instance_chips: int = _int(1, 4096)
 
 
 @dataclass(frozen=True)

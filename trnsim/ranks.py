@@ -178,7 +178,10 @@ def _merge_rows(reports: Sequence[RunReport]) -> tuple[OpRow, ...]:
         out.append(OpRow(op=op, kernel=kernel, generic=rows[0].generic, calls=sum(r.calls for r in rows), time_us=t,
                          share_percent=100.0 * t / total if total else 0.0, host_wait_us=wait, engine_percent=engines,
                          hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=sum(r.matmul_flops for r in rows),
-                         mfu_percent=weighted(lambda r: r.mfu_percent), bound=bound, collective=coll))
+                         mfu_percent=weighted(lambda r: r.mfu_percent), bound=bound, fused_ops=rows[0].fused_ops,
+                         eager_launches=sum(r.eager_launches for r in rows),
+                         eager_hbm_bytes=sum(r.eager_hbm_bytes for r in rows),
+                         eager_time_us=sum(r.eager_time_us for r in rows), collective=coll))
     out.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
     return tuple(out)
 
@@ -210,7 +213,11 @@ def merge_ranks(system: str, reports: Mapping[int, RunReport], chips: Mapping[in
                       cores=cores, elapsed_us=elapsed, device_us=sum(rep.device_us for rep in reps),
                       host_us=sum(rep.host_us for rep in reps), host_wait_us=sum(rep.host_wait_us for rep in reps),
                       launches=sum(rep.launches for rep in reps), hbm_bytes=sum(rep.hbm_bytes for rep in reps),
-                      matmul_flops=flops, mfu_percent=mfu, events=events, tick_hz=hz)
+                      matmul_flops=flops, mfu_percent=mfu, events=events, tick_hz=hz,
+                      dispatches=sum(rep.dispatches for rep in reps),
+                      graph_launches=sum(rep.graph_launches for rep in reps),
+                      compiled_graphs=sum(rep.compiled_graphs for rep in reps),
+                      compile_seconds=sum(rep.compile_seconds for rep in reps))
     counts = {len(s) for s in steps.values()} if steps else set()
     step_times: tuple[float, ...] = ()
     step_us = 0.0
