@@ -11,6 +11,8 @@ same in every mode, so each run's losses can be set beside the single-process ru
             and with --sequence-parallel the norms sequence-parallel
     pp      torch.distributed.pipelining: half the blocks per stage, GPipe over micro-batches
     2d      FSDP2 over "dp" x tensor parallel over "tp" (4 ranks: 2 x 2)
+    simplefsdp  SimpleFSDP-style compiled FSDP: parameters sharded as DTensors, gathered by a
+            parametrization in the forward, torch.compile(backend="neuron") over the model
     none    one process, no torch.distributed (the reference)
 
 Run it with torchrun or with trnsim, which prints one merged report of every rank::
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt2 import VOCAB, batches  # noqa: E402  (the same corpus and batches)
 
-MODES = ("none", "ddp", "fsdp2", "zero", "tp", "pp", "2d")
+MODES = ("none", "ddp", "fsdp2", "zero", "tp", "pp", "2d", "simplefsdp")
 
 
 class Attention(nn.Module):
@@ -149,6 +151,33 @@ def parallelize_tp(model: nn.Sequential, mesh: object, sequence_parallel: bool) 
                                                                 use_local_output=True))
 
 
+class ReplicateComputation(nn.Module):
+    """SimpleFSDP's parametrization (torchtitan's ``simple_fsdp``): a parameter is stored as a
+    DTensor sharded over the data-parallel mesh and all-gathered where the forward uses it; its
+    gradient comes back through the same redistribution as a reduce-scatter (averaged). Under
+    torch.compile the collectives are traced into the graph with the compute."""
+
+    def __init__(self, mesh: object):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial, Replicate
+
+        return w.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial("avg")])
+
+
+def simple_fsdp(model: nn.Module, mesh: object) -> None:
+    """Shard every parameter of ``model`` over ``mesh`` (dim 0) behind a ReplicateComputation."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+            parametrize.register_parametrization(module, name, ReplicateComputation(mesh), unsafe=True)
+
+
 def train(mode: str, steps: int, batch: int, seq: int, device: str, microbatches: int = 2,
           sequence_parallel: bool = False) -> list[float]:
     """``steps`` AdamW steps of the GPT-2 in ``mode``; returns the global batch's losses (every
@@ -160,7 +189,7 @@ def train(mode: str, steps: int, batch: int, seq: int, device: str, microbatches
     params: list[nn.Parameter]
     stage_model: nn.Module = model
     schedule = None
-    dp = world if mode in ("ddp", "fsdp2", "zero") else 2 if mode == "2d" else 1
+    dp = world if mode in ("ddp", "fsdp2", "zero", "simplefsdp") else 2 if mode == "2d" else 1
     dp_rank = rank % dp if mode != "2d" else rank // 2
     if batch % dp:
         raise SystemExit(f"train_gpt2_parallel.py: --batch {batch} does not split over {dp} data-parallel ranks")
@@ -179,6 +208,12 @@ def train(mode: str, steps: int, batch: int, seq: int, device: str, microbatches
         for block in list(model)[1:-1]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif mode == "simplefsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model.to(device)
+        simple_fsdp(model, init_device_mesh("neuron", (world,)))
+        stage_model = torch.compile(model, backend="neuron")
     elif mode == "tp":
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -1,6 +1,7 @@
 """The parallelism APIs users run, unchanged, on virtual NeuronCores: DDP, FSDP2, ZeRO, tensor
-parallelism (with and without sequence parallelism), pipelining and a 2D mesh (FSDP x TP) train
-examples/train_gpt2_parallel.py's GPT-2 to the losses of the same run in one process.
+parallelism (with and without sequence parallelism), pipelining, SimpleFSDP-style compiled FSDP
+and a 2D mesh (FSDP x TP) train examples/train_gpt2_parallel.py's GPT-2 to the losses of the same
+run in one process.
 
 Two launches only (multi-process runs are slow on CI machines): the 2-rank modes in turn in one
 process group (tests/torch/parallel_driver.py), and the 4-rank 2D mesh."""
@@ -17,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "torch" / "parallel_driver.py"
 STEPS = 3
-TWO_RANKS = ("ddp", "fsdp2", "zero", "tp", "tp+sp", "pp")
+TWO_RANKS = ("ddp", "fsdp2", "zero", "tp", "tp+sp", "pp", "simplefsdp")
 
 
 def _run(nproc: int, out: Path, modes: tuple[str, ...]) -> dict:
