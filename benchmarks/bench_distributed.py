@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="AdamW steps per run, the first left out (default 5)")
     p.add_argument("--ranks", default="2,4", help="world sizes to run (default 2,4)")
     p.add_argument("--model", choices=sorted(MODELS), default="small", help="GPT-2 size (default small)")
-    p.add_argument("--quick", action="store_true", help="the demo GPT-2 on 2 ranks, 3 steps (what the test runs)")
+    p.add_argument("--quick", action="store_true", help="the demo GPT-2 on 2 ranks, 2 steps (what the test runs)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.model, args.steps, args.distributed)
         return 0
     if args.quick:
-        args.model, args.steps, args.ranks = "demo", 3, "2"
+        args.model, args.steps, args.ranks = "demo", 2, "2"
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step is left out)")
     worlds = [int(w) for w in args.ranks.split(",")]
