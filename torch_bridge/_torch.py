@@ -163,6 +163,72 @@ def is_zerotensor(t: torch.Tensor) -> bool:
     return bool(t._is_zerotensor())
 
 
+class _Lazy:
+    """Private APIs of a torch subsystem the bridge loads only when it is used (torch.distributed:
+    importing FSDP alone takes most of a second), resolved on first use with the same error."""
+
+    def __init__(self, required: dict[str, str]):
+        self.required = required
+        self._resolved: dict[str, Any] = {}
+
+    def __call__(self, path: str) -> Any:
+        obj = self._resolved.get(path)
+        if obj is None:
+            if path not in self.required:
+                raise KeyError(f"{path} is not fenced in torch_bridge._torch")
+            obj = self._resolved[path] = resolve(path)
+        return obj
+
+
+# torch.distributed: the neuron process-group backend (torch_bridge.distributed)
+DIST_REQUIRED: dict[str, str] = {
+    "torch._C._distributed_c10d.ProcessGroupGloo": "moving the neuron backend's values through gloo",
+    "torch._C._distributed_c10d._DistributedBackendOptions": "the neuron backend's creator (extended API)",
+    "torch.distributed._Work": "the neuron backend's Work objects (a Python subclass)",
+    "torch._C._current_graph_task_id": "knowing a collective was issued inside a backward pass",
+    "torch.autograd.Variable._execution_engine": "completing a backward pass's unwaited collectives at its end",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage": "FSDP2's parameter storage (resize)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage": "FSDP2's parameter storage (resize)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": "FSDP2's parameter storage (resize)",
+}
+dist_api = _Lazy(DIST_REQUIRED)
+
+
+def gloo_process_group() -> Any:
+    """``ProcessGroupGloo``, the class the neuron backend moves values through."""
+    return dist_api("torch._C._distributed_c10d.ProcessGroupGloo")
+
+
+def work_base() -> Any:
+    """``torch.distributed._Work``, the base of the neuron backend's Work objects."""
+    return dist_api("torch.distributed._Work")
+
+
+def graph_task_id() -> int:
+    """The running backward pass's id (-1 outside one)."""
+    return int(dist_api("torch._C._current_graph_task_id")())
+
+
+def at_end_of_backward(fn: Any) -> None:
+    """Run ``fn`` when the running backward pass has finished (the autograd engine's callback)."""
+    dist_api("torch.autograd.Variable._execution_engine").queue_callback(fn)
+
+
+def fsdp_storage() -> tuple[Any, Any]:
+    """FSDP2's ``alloc_storage`` and ``free_storage`` (importing FSDP2 if it is not yet)."""
+    return (dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage"),
+            dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.free_storage"))
+
+
+def patch_fsdp_storage(alloc: Any, free: Any) -> None:
+    """Replace FSDP2's ``alloc_storage``/``free_storage`` (and the copy its param group imported)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+
+    fsdp_param.alloc_storage = fsdp_param_group.alloc_storage = alloc
+    fsdp_param.free_storage = free
+
+
 def patch_storage_to(wrap: Any) -> None:
     """Wrap ``torch._utils._to`` and ``torch.storage._to`` (storage moves) with ``wrap``."""
     torch._utils._to = wrap(torch._utils._to)  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from trnsim.report import RunReport
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
 RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--metrics", "--plot",
-               "--expand", "--expand-top", "--trace-stack")
+               "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout")
 RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--trace-stack")  # options without a value
 _REPEATED = ("--set", "--expand")
 

@@ -11,6 +11,7 @@
                   [--executor pool|ray] [--address HOST:PORT]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
                   [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--json]
+    trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
@@ -38,8 +39,8 @@ from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
-__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of",
-           "render_comparison"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
+           "bound_of", "render_comparison"]
 
 
 class UsageError(Exception):
@@ -620,6 +621,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = opts.get("config", args.config)
     compare = opts.get("compare_eager", args.compare_eager)
     trace, metrics, plot = (opts.get(k, getattr(args, k)) for k in ("trace", "metrics", "plot"))
+    overrides = args.set + opts["set"]
+    as_json = opts.get("json", args.json)
+    nproc = opts.get("nproc", args.nproc)
+    system = opts.get("system", args.system)
+    if nproc is not None:
+        if compare:
+            raise UsageError("run: --compare-eager runs one process; leave out --nproc (or --compare-eager)")
+        if metrics or plot:
+            raise UsageError(f"run: {'--metrics' if metrics else '--plot'} takes a one-process run; leave out --nproc")
+        return _run_ranks(args.script, script_args, nproc, config, overrides, system, trace,
+                          opts.get("timeout", args.timeout), as_json)
+    if system is not None:
+        os.environ["TRNSIM_SYSTEM"] = system  # a script that makes its own process group reads it
     if compare and (trace or metrics or plot):
         which = "--trace" if trace else "--metrics" if metrics else "--plot"
         raise UsageError(f"run: --compare-eager runs the script twice; {which} takes one run (drop one of them)")
@@ -632,15 +646,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--expand-top {top}: expected a number of kernels >= 0") from None
     try:
         if compare:
-            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=args.set + opts["set"])
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides)
         else:
-            status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
+            status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
                                      metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
                                      trace_stack=bool(opts.get("trace_stack", args.trace_stack)))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
-    if opts.get("json", args.json):
+    if as_json:
         data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
         print(json.dumps(data, indent=2))
         return status
@@ -651,6 +665,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
     _say_written(_Out(width=RUN_REPORT_WIDTH), trace, metrics, plot)
     return status
+
+
+def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | None, overrides: list[str],
+               system: str | None, trace: str | None, timeout: Any, as_json: bool) -> int:
+    """``trnsim run --nproc N``: the script on N ranks (torchrun's launcher), one merged report."""
+    from torch_bridge.distributed import parse_seconds
+    from torch_bridge.launch import RankFailure, run_ranks
+
+    try:
+        n = int(nproc)
+        secs = None if timeout is None else parse_seconds(timeout, "--timeout")
+    except ValueError as e:
+        raise UsageError(f"run: {e}" if "--timeout" in str(e) else
+                         f"run: --nproc {nproc}: expected a whole number of ranks >= 1") from None
+    try:
+        rep = run_ranks(script, script_args, n, config, overrides, system, trace, secs)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"run: {e}") from None
+    except RankFailure as e:  # bad use: an error; the script's own failure: its traceback came first
+        print(f"trnsim: {'error: ' if e.usage else ''}{_one_line(e.message)}", file=sys.stderr)
+        return e.status
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0
+    render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=run_report_width(rep.total)))
+    if trace:
+        print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
+              f"lanes (open it in ui.perfetto.dev)")
+    return 0
 
 
 def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> None:
@@ -734,19 +777,43 @@ def cmd_plot(args: argparse.Namespace) -> int:
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
 
 
+def run_report_width(rep: Any) -> int:
+    """The console width a report's table needs whole: collective rows add three columns."""
+    return RUN_REPORT_WIDTH + (40 if any(r.collective is not None for r in rep.rows) else 0)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1, two decimals (4.12 MiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
 def render_run_report(rep: Any, title: str, console: Any) -> None:
     """A RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
-    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops."""
+    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops.
+    Collective rows (torch.distributed on the neuron backend) add what they moved: bytes (S),
+    busbw and the time waiting for the group's last rank."""
     from rich.table import Table
 
+    colls = any(r.collective is not None for r in rep.rows)
     t = Table(title=f"neuron run report: {title}", title_justify="left")
-    for col in ("op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"):
+    cols = ["op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"]
+    if colls:
+        cols += ["bytes", "busbw GiB/s", "peers us"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("op", "kernel", "bound") else "right",
                      no_wrap=col in ("op", "kernel"))
     for r in rep.rows:
-        t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
-                  f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
-                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
+        cells = [r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
+                 f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
+                 f"{r.hbm_bytes / 1e6:,.2f}", r.bound]
+        if colls:
+            c = r.collective
+            cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
+                if c is not None else ["", "", ""]
+        t.add_row(*cells)
     console.print(t)
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
@@ -765,11 +832,46 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
     console.print("(* generic kernel: DMA + engine streaming, no library kernel; wait: device idle waiting on the host; "
                   "bound launch: the device waited longer than it worked)")
+    if colls:
+        console.print("(collective rows: kernel is collective:algorithm of the NeuronLink model; bytes is nccl-tests' "
+                      "S summed over calls; busbw over the model's time; peers: waiting for the group's last rank; "
+                      "bound: what held the collective back in the model)")
+
+
+def render_rank_report(rep: Any, title: str, console: Any) -> None:
+    """A :class:`trnsim.ranks.MultiRankReport`: the rows of every rank summed (collectives beside
+    compute), then one line per rank and the step time as the slowest rank saw it."""
+    from rich.table import Table
+
+    render_run_report(rep.total, f"{title} (all ranks)", console)
+    t = Table(title=f"per rank ({rep.world} ranks of {rep.system}, rank r = NeuronCore r)", title_justify="left")
+    for col in ("rank", "chip", "elapsed us", "compute us", "collective us", "overlapped", "beside compute",
+                "exposed us", "peers us", "collectives", "steps"):
+        t.add_column(col, justify="right")
+
+    def pct(part: float, whole: float) -> str:
+        return f"{100.0 * part / whole:.0f}%" if whole else "-"
+    for r, s in sorted(rep.summaries.items()):
+        t.add_row(str(r), str(s.chip), f"{s.elapsed_us:,.1f}", f"{s.compute_us:,.1f}", f"{s.collective_us:,.1f}",
+                  pct(s.overlapped_us, s.collective_us), pct(s.beside_compute_us, s.collective_us),
+                  f"{s.exposed_us:,.1f}", f"{s.peer_wait_us:,.1f}", f"{s.collectives:,}", str(len(s.step_ends_us)))
+    console.print(t)
+    slow = max(rep.summaries.values(), key=lambda s: s.elapsed_us)
+    if rep.step_times_us:
+        console.print(f"step: {rep.step_us:,.1f} us simulated as the slowest rank saw it "
+                      f"({len(rep.step_times_us)} optimizer steps; the first, with setup, took "
+                      f"{rep.step_times_us[0]:,.1f} us); slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    else:
+        console.print(f"no optimizer steps; slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    console.print("(compute/collective: union of the rank's kernels / collectives on its timeline; exposed: collective "
+                  "time with compute stalled on it (a kernel issued and held back, none running); overlapped: the rest, "
+                  "hidden behind compute or the host still issuing; beside compute: with a kernel running at the same "
+                  "time; peers: waiting for the last rank of a group)")
 
 
 def print_run_report(rep: Any, title: str) -> None:
     """:func:`render_run_report` to stdout, wide enough for op and kernel names."""
-    render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
+    render_run_report(rep, title, _Out(width=run_report_width(rep)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -929,6 +1031,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the script twice, torch.compile off then on, and print simulated time side by side")
     r.add_argument("--adaptive-eager", action="store_true",
                    help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
+    r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
+                                                "rank, rank r on NeuronCore r) and print one merged report")
+    r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "
+                                                  "trn2.48xlarge); see trnsim collective --help")
+    r.add_argument("--timeout", metavar="SECONDS", help="with --nproc: how long a rank waits for its peers at a "
+                                                        "collective before it fails (default: the process group's)")
     r.set_defaults(fn=cmd_run)
     pl = sub.add_parser("plot", help="draw a sweep's results (CSV or Parquet): METRIC against KEY, a series per "
                                      "--hue value (needs the 'plot' extra)")

@@ -47,15 +47,15 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
 from .isa import KernelError
 from .kernel import Kernel
-from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
+from .report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "FusedRegion", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
+__all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
            "COLLECTIVE_STREAM"]
 
 #: launches adaptive eager queues at most before it issues them (a program that never syncs)
@@ -105,6 +105,20 @@ class FusedRegion:
     eager_ticks: int
 
 
+class CollectiveLaunch(NamedTuple):
+    """What a collective launch moved, for its report row: the NeuronLink model's ``collective``
+    and ``algorithm``, the group's size, nccl-tests' S (``nbytes``), this rank's time in the model
+    (``network_ticks``, from the group's start to its completion) and the busbw factor."""
+
+    collective: str
+    algorithm: str
+    ranks: int
+    nbytes: int
+    network_ticks: int
+    busbw_factor: float
+    bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
+
+
 @dataclass(frozen=True, eq=False)
 class OpCost:
     """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
@@ -129,6 +143,7 @@ class OpCost:
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     dma_bytes: int = 0
+    collective: CollectiveLaunch | None = None  # set on a collective's launch (Device.collective_cost)
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -210,7 +225,8 @@ class Recorder:
 
     def __init__(self, start: int, trace: bool = False, sources: bool = False):
         self.start = start
-        self.rows: dict[tuple[str, int], list[Any]] = {}  # (op, id(cost)) -> [cost, calls, ticks, wait]
+        # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
+        self.rows: dict[tuple[str, int], list[Any]] = {}
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
@@ -245,6 +261,15 @@ class _Core:
         # at most max_inflight of them are unfinished when the next one is issued
         self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
         self.streams: set[int] = set()  # streams that ever ran a kernel here
+        # collectives issued but not yet placed (their start waits for the group): [arrival, host wait]
+        self.pending: list[list[int]] = []
+
+    def fold_until(self, host: int) -> int:
+        """Up to when reports may fold this core's kernel intervals: the host's tick, or the
+        earliest arrival of a collective still to be placed (it may be placed before the host)."""
+        if not self.pending:
+            return host
+        return min(host, min(p[0] for p in self.pending))
 
 
 def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
@@ -403,8 +428,10 @@ class Device:
         dma = report.dma_bytes.get(rank, 0)
         demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
         busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        info = CollectiveLaunch(report.collective, report.algorithm, len(report.group), report.nbytes, ticks,
+                                report.busbw_factor, report.bound.split(" ")[0])
         return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
-                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand, collective=info)
 
     # ---- time ------------------------------------------------------------------------------
     def set_context(self, source: str = "", call: int = -1) -> tuple[str, int]:
@@ -433,16 +460,66 @@ class Device:
         self._settle()
         return self._host
 
-    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int] | None:
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
         """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
         work already issued on compute stream ``after`` (default: the core's current stream)
         has finished, as a collective waits for the data it sends, and overlaps what is issued
         after it."""
         with self._lock:
+            arrival = self.issue_collective(core, after)
+            return self.place_collective(core, op, cost, arrival, arrival)
+
+    def issue_collective(self, core: int, after: int | None = None) -> int:
+        """The host issues a collective on ``core`` whose start is not known yet (it waits for
+        the other ranks of its group): queued and collected launches are issued first, the host
+        pays the dispatch now, and the tick returned is the collective's *arrival* on this core:
+        issued, the work already issued on compute stream ``after`` (default: the current
+        stream) finished, and the core's earlier collectives done. :meth:`place_collective` puts
+        it on the timeline once its start is known; until then reports keep this core's
+        intervals from the arrival on open."""
+        with self._lock:
             self._settle()
             c = self.cores[core]
-            self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
-            return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
+            host = self._dispatch(c)
+            for rec in self.recorders:
+                rec.dispatches += 1
+            ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
+            arrival = ready if ready > host else host
+            c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
+            return arrival
+
+    def cancel_collective(self, core: int, arrival: int) -> None:
+        """Forget a collective issued by :meth:`issue_collective` that will not run (its group
+        disagreed): the host keeps the dispatch it paid; nothing is placed."""
+        with self._lock:
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is not None:
+                c.pending.remove(entry)
+
+    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
+        """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
+        ``core``'s :data:`COLLECTIVE_STREAM` from ``start`` (ticks; no earlier than the arrival:
+        when the last rank of the group arrived). The time between is the rank's wait for its
+        peers. Kernels already placed keep their times; this launch absorbs the sharing of the
+        core's DMA with them. Returns its (start, end) ticks."""
+        with self._lock:
+            self._settle()
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is None:
+                raise ValueError(f"no collective issued on core {core} arrives at tick {arrival}")
+            c.pending.remove(entry)
+            s = COLLECTIVE_STREAM
+            start = max(start, arrival)
+            end = self._book(c, core, s, op, cost, start, entry[1], arrival, self._launch_context(), start - arrival)
+            if end > c.ready.get(s, 0):
+                c.ready[s] = end
+            if end > c.busy_until:
+                c.busy_until = end
+            if end > start:
+                c.inflight.append(end)
+            return start, end
 
     def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int] | None:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
@@ -473,18 +550,43 @@ class Device:
             ctx = self._launch_context()
             return self._issue(core, s, [(op, cost, ctx) for op, cost in items])
 
-    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]]) -> list[tuple[int, int]]:
-        """One host dispatch for ``items`` ((op, cost, context)) on stream ``s`` of ``core`` (one
-        item: a plain launch)."""
-        c = self.cores[core]
+    def _dispatch(self, c: _Core) -> int:
+        """The host dispatches one launch to core ``c``: it waits for room in the runtime's queue
+        if it is full (for the oldest unfinished launch) and pays ``host.dispatch``; returns its
+        new tick (the host ticks are counted in the reports)."""
         host = self._host
         if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
             oldest = c.inflight.popleft()
             if oldest > host:
                 host = oldest
         host += self.dispatch
-        host_ticks = host - self._host
+        for rec in self.recorders:
+            rec.host_ticks += host - self._host
         self._host = host
+        return host
+
+    def _book(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, host: int,
+              ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0) -> int:
+        """Place one kernel on stream ``s`` of ``c`` from ``start`` (stretched by sharing the core's
+        engines with other streams' kernels) and record it; returns its end tick."""
+        ticks = cost.ticks
+        if s not in c.streams:
+            c.streams.add(s)
+        if len(c.streams) > 1:
+            others = [b for b in c.bookings if b[0] != s and b[2] > start]
+            if others:
+                ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+        end = start + ticks
+        if ticks:
+            c.bookings.append((s, start, end, cost.demand))
+        self._record(core, s, op, cost, ticks, wait, host, start, end, ctx, peer_wait, c.fold_until(host))
+        return end
+
+    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]]) -> list[tuple[int, int]]:
+        """One host dispatch for ``items`` ((op, cost, context)) on stream ``s`` of ``core`` (one
+        item: a plain launch)."""
+        c = self.cores[core]
+        host = self._dispatch(c)
         ready = c.ready.get(s, 0)
         t = ready if ready > host else host
         wait = host - max(ready, c.busy_until)
@@ -494,17 +596,7 @@ class Device:
         times = []
         for op, cost, ctx in items:
             start = t
-            ticks = cost.ticks
-            if s not in c.streams:
-                c.streams.add(s)
-            if len(c.streams) > 1:
-                others = [b for b in c.bookings if b[0] != s and b[2] > start]
-                if others:
-                    ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
-            end = start + ticks
-            if ticks:
-                c.bookings.append((s, start, end, cost.demand))
-            self._record(core, s, op, cost, ticks, wait, host, start, end, ctx)
+            end = self._book(c, core, s, op, cost, start, wait, host, ctx)
             wait = 0  # kernels of one graph follow each other without the host
             times.append((start, end))
             t = end
@@ -514,29 +606,29 @@ class Device:
         if t > times[0][0]:
             c.inflight.append(t)
         for rec in self.recorders:
-            rec.host_ticks += host_ticks
             rec.dispatches += 1
             rec.graph_launches += graph
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
-                end: int, ctx: tuple[str, int] = _NO_CONTEXT) -> None:
+                end: int, ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0, fold: int | None = None) -> None:
         key = (op, id(cost))
         source, call = ctx
         for rec in self.recorders:
             row = rec.rows.get(key)
             if row is None:
-                rec.rows[key] = [cost, 1, ticks, wait]
+                rec.rows[key] = [cost, 1, ticks, wait, peer_wait]
             else:
                 row[1] += 1
                 row[2] += ticks
                 row[3] += wait
+                row[4] += peer_wait
             tally = rec.cores.get(core)
             if tally is None:
                 tally = rec.cores[core] = _CoreTally()
             tally.launches += 1
             tally.wait += wait
-            tally.add(start, end, host)
+            tally.add(start, end, host if fold is None else fold)
             if rec.sources is not None and source:
                 lines = rec.sources.get(key)
                 if lines is None:
@@ -693,13 +785,13 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
-        for (op, cid), (cost, calls, ticks, wait) in rec.rows.items():
+        for (op, cid), (cost, calls, ticks, wait, peer_wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
                                               "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "fused": (),
                                               "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0,
-                                              "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}}
+                                              "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}, "coll": None}
             for line, t in (rec.sources or {}).get((op, cid), {}).items():
                 a["sources"][line] = a["sources"].get(line, 0) + t
             a["hbm_read"] += calls * cost.hbm_read_bytes
@@ -708,6 +800,17 @@ class Device:
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
+            if cost.collective is not None:
+                info = cost.collective
+                co = a["coll"]
+                if co is None:
+                    co = a["coll"] = {"collective": info.collective, "algorithm": info.algorithm, "ranks": info.ranks,
+                                      "bytes": 0, "net": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
+                co["bytes"] += calls * info.nbytes
+                co["net"] += calls * info.network_ticks
+                co["peer"] += peer_wait
+                co["bus_bytes"] += calls * info.nbytes * info.busbw_factor
+                co["bound"][info.bound] = co["bound"].get(info.bound, 0) + calls * info.network_ticks
             a["lane_ticks"] += ticks * cost.cores
             for name, t in cost.busy.items():
                 a["busy"][name] = a["busy"].get(name, 0) + calls * t
@@ -725,6 +828,15 @@ class Device:
             engines = {n: 100.0 * b / lane for n, b in a["busy"].items()} if lane else {}
             seconds = a["ticks"] / hz
             bound = "launch" if a["wait"] >= a["ticks"] else busiest(engines)
+            co = a["coll"]
+            coll = None
+            if co is not None:
+                net_s = co["net"] / hz
+                coll = CollectiveStats(collective=co["collective"], algorithm=co["algorithm"], ranks=co["ranks"],
+                                       bytes=co["bytes"], network_us=net_s * 1e6, peer_wait_us=co["peer"] / hz * 1e6,
+                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0)
+                top = max(co["bound"].values())
+                bound = min(k for k, v in co["bound"].items() if v == top)  # where most of its model time went
             rows.append(OpRow(
                 op=op, kernel=kernel, generic=a["generic"], calls=a["calls"], time_us=seconds * 1e6,
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
@@ -733,7 +845,8 @@ class Device:
                 bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
                 eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
                 hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"], dma_bytes=a["dma"],
-                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else ""))
+                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else "",
+                collective=coll))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self._host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start

@@ -28,7 +28,7 @@ from .cores.base import Segment
 from .isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
-           "RunReport", "OpRow", "CoreStats", "TraceEvent"]
+           "RunReport", "OpRow", "CoreStats", "TraceEvent", "CollectiveStats"]
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,24 @@ class TraceEvent:
 
 
 @dataclass(frozen=True)
+class CollectiveStats:
+    """What a collective row of a run moved (a row of a collective launched by torch.distributed
+    on the ``neuron`` backend). ``bytes`` is nccl-tests' S summed over calls; ``network_us`` this
+    rank's time in the NeuronLink model, from the group's start (the last rank's arrival) to its
+    completion, summed (the row's ``time_us`` adds the stretch from sharing the core's DMA with
+    compute beside it); ``peer_wait_us`` the time this rank had arrived and the group had not;
+    ``busbw`` in bytes/s, sum(S x factor) / network time (nccl-tests' definition)."""
+
+    collective: str  # the NeuronLink model's name: all-reduce, all-gather, reduce-scatter, send-recv, ...
+    algorithm: str
+    ranks: int  # the group's size
+    bytes: int
+    network_us: float
+    peer_wait_us: float
+    busbw: float
+
+
+@dataclass(frozen=True)
 class OpRow:
     """One (op, kernel) of a run: its launches' device time and what the device did meanwhile."""
 
@@ -310,6 +328,7 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    #  (a collective: what held it back in the NeuronLink model: link, HBM, DMA, VectorE or latency)
     # a compiled region's row: the aten ops its one kernel fused and what they cost run eagerly
     fused_ops: tuple[str, ...] = ()
     eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
@@ -319,6 +338,7 @@ class OpRow:
     hbm_write_bytes: int = 0
     dma_bytes: int = 0  # moved by the DMA engines of its kernels (a casting copy counts its wider side)
     source_line: str = ""  # the Python line whose launches of this row took the most device time, if tracked
+    collective: CollectiveStats | None = None  # set on collective rows only (torch.distributed)
 
     @property
     def is_region(self) -> bool:

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Sequence
 
 from .files import AtomicOutput
 from .report import RunReport, TraceEvent
-from .trace import lane_events
+from .trace import lane_events, ticks_to_us
 
 __all__ = ["HostCall", "run_trace_document", "write_run_trace", "SIM_HOST_PID", "device_pid", "engines_pid",
            "stream_tid", "FLOW_CATEGORY"]
@@ -220,7 +220,6 @@ def run_trace_document(report: RunReport, host_trace: dict[str, Any] | None = No
     host's cost per launch (None: the gap since the previous launch is drawn). ``expand`` and
     ``top`` choose the launches whose engine lanes are drawn (:func:`_choose_expanded`)."""
     hz = report.tick_hz
-    to_us = 1e6 / hz
     host_events, dropped = _without_simulator((host_trace or {}).get("traceEvents", []))
     matched = _match_calls(host_events, calls) if host_events else {}
     by_call: dict[int, list[TraceEvent]] = {}
@@ -229,12 +228,12 @@ def run_trace_document(report: RunReport, host_trace: dict[str, Any] | None = No
             by_call.setdefault(e.call, []).append(e)
     anchors: list[tuple[float, float]] = []
     if start is not None and host_events:
-        anchors.append((start[0], start[1] * to_us))
+        anchors.append((start[0], ticks_to_us(start[1], hz)))
     source_of: dict[int, str] = {}  # id(host record) -> the line that called it
     for i, rec in matched.items():
         evs = by_call.get(i)
         if evs:
-            anchors.append((rec["ts"] + rec.get("dur", 0), max(e.issued for e in evs) * to_us))
+            anchors.append((rec["ts"] + rec.get("dur", 0), ticks_to_us(max(e.issued for e in evs), hz)))
             if evs[0].source:
                 source_of[id(rec)] = evs[0].source
     tmap = _TimeMap(anchors)
@@ -277,8 +276,8 @@ def run_trace_document(report: RunReport, host_trace: dict[str, Any] | None = No
     flow = _FLOW_BASE
     prev_issue: int | None = None
     for e in report.events:
-        args: dict[str, Any] = {"kernel": e.kernel, "issued_us": e.issued * to_us,
-                                "queued_us": (e.start - e.issued) * to_us, "start_tick": e.start, "end_tick": e.end}
+        args: dict[str, Any] = {"kernel": e.kernel, "issued_us": ticks_to_us(e.issued, hz),
+                                "queued_us": ticks_to_us(e.start - e.issued, hz), "start_tick": e.start, "end_tick": e.end}
         if e.source:
             args["source"] = e.source
         if id(e) in expanded_ids:
@@ -287,12 +286,12 @@ def run_trace_document(report: RunReport, host_trace: dict[str, Any] | None = No
         dispatch = None
         if lo is not None and e.issued > lo:
             dispatch = {"ph": "X", "name": e.op, "cat": "dispatch", "pid": SIM_HOST_PID, "tid": 1,
-                        "ts": lo * to_us, "dur": (e.issued - lo) * to_us,
+                        "ts": ticks_to_us(lo, hz), "dur": ticks_to_us(e.issued - lo, hz),
                         "args": {"kernel": e.kernel, **({"source": e.source} if e.source else {})}}
             events.append(dispatch)
         prev_issue = e.issued
         dev = {"ph": "X", "name": e.op, "cat": "kernel", "pid": device_pid(e.core), "tid": stream_tid(e.stream),
-               "ts": e.start * to_us, "dur": (e.end - e.start) * to_us, "args": args}
+               "ts": ticks_to_us(e.start, hz), "dur": ticks_to_us(e.end - e.start, hz), "args": args}
         events.append(dev)
         rec = moved_of.get(e.call) if e.call >= 0 else None
         src = (rec["pid"], rec["tid"], rec["ts"]) if rec is not None else \

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 from .files import AtomicOutput
 from .report import KernelReport
 
-__all__ = ["trace_events", "trace_document", "write_trace", "lane_events", "tick_rate"]
+__all__ = ["trace_events", "trace_document", "write_trace", "lane_events", "tick_rate", "ticks_to_us"]
 
 KERNEL_LANE = "Kernel"
 _ENGINE_ORDER = ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync")
@@ -39,8 +39,13 @@ def _sort_key(lane: str) -> tuple[int, str]:
     return (1 + len(_ENGINE_ORDER), lane)
 
 
-def _us(ticks: int, tick_hz: int) -> float:
+def ticks_to_us(ticks: int, tick_hz: int) -> float:
+    """Simulated ticks as trace microseconds: the one conversion every trace event uses, so spans
+    drawn by different writers (a launch and its expanded engine lanes) start at equal floats."""
     return ticks * 1e6 / tick_hz
+
+
+
 
 
 def _spread(segments: list[tuple[int, int, str, int]]) -> list[list[tuple[int, int, str, int]]]:
@@ -87,7 +92,7 @@ def lane_events(placed: Iterable[tuple[int, int, KernelReport, str, dict[str, An
         if (pid, KERNEL_LANE) not in named:
             named.append((pid, KERNEL_LANE))
         events.append({"ph": "X", "name": name, "cat": "kernel", "pid": pid, "tid": tid,
-                       "ts": _us(t0, tick_hz), "dur": _us(t1 - t0, tick_hz), "args": args})
+                       "ts": ticks_to_us(t0, tick_hz), "dur": ticks_to_us(t1 - t0, tick_hz), "args": args})
     for (pid, lane), segs in sorted(lanes.items(), key=lambda kv: (kv[0][0], _sort_key(kv[0][1]))):
         for n, part in enumerate(_spread(segs)):
             name = lane if n == 0 else f"{lane} ({n + 1})"
@@ -95,7 +100,7 @@ def lane_events(placed: Iterable[tuple[int, int, KernelReport, str, dict[str, An
             named.append((pid, name))
             for start, end, label, index in part:
                 events.append({"ph": "X", "name": label, "cat": "dma" if lane.startswith("q") else "engine",
-                               "pid": pid, "tid": tid, "ts": _us(start, tick_hz), "dur": _us(end - start, tick_hz),
+                               "pid": pid, "tid": tid, "ts": ticks_to_us(start, tick_hz), "dur": ticks_to_us(end - start, tick_hz),
                                "args": {"instruction": index, "label": label, "start_tick": start,
                                         "end_tick": end}})
     for pid, name in named:
