@@ -189,3 +189,36 @@ def test_replayed_layers_charge_what_running_them_does():
 def test_layers_that_differ_are_not_replayed():
     layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)])
     assert not replay_layers(layers)
+
+
+# ---- trnsim run --timing-only -----------------------------------------------------------------------
+def _trnsim(*argv, cwd):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trnsim.cli", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def test_trnsim_run_timing_only(tmp_path):
+    """The script's report is the one it gets with values; an op that needs values stops it
+    with one line naming the script's line; one process only."""
+    import json
+
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nx = torch.randn(64, 128, device='neuron')\nw = torch.randn(128, 256, device='neuron')\n"
+                      "y = (x @ w).relu().sum(0)\nprint('shape', tuple(y.shape))\n")
+    runs = [_trnsim("run", str(script), "--json", *flag, cwd=tmp_path) for flag in ((), ("--timing-only",))]
+    assert all(r.returncode == 0 and "shape (256,)" in r.stdout for r in runs), runs[1].stderr
+    values, fake = (json.loads(r.stdout[r.stdout.index("{"):]) for r in runs)
+    assert fake["launches"] == values["launches"] > 0 and fake["elapsed_us"] == values["elapsed_us"]
+    bad = tmp_path / "item.py"
+    bad.write_text("import torch\nx = torch.ones(8, device='neuron')\nif x.sum().item() > 0:\n    pass\n")
+    out = _trnsim("run", str(bad), "--timing-only", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"trnsim run: {bad}:3: timing-only: aten::_local_scalar_dense needs tensor values")
+    for flag, msg in ((("--nproc", "2"), "--nproc"), (("--compare-eager",), "--compare-eager")):
+        out = _trnsim("run", "--timing-only", *flag, str(script), cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr == (f"trnsim: error: run: --timing-only runs one process once; leave "
+                                                      f"out {msg} (trnsim estimate simulates a whole system without "
+                                                      f"values)\n")
