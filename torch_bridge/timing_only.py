@@ -386,7 +386,10 @@ class _FunctionMode(TorchFunctionMode):
             done = self.run.attention(*args, **kwargs)
             if done is not None:
                 return done
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.backward or func is torch.autograd.backward or func is torch.autograd.grad:
+            self.run.raise_deferred_oom()
+        return out
 
 
 def _sdpa_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -410,6 +413,8 @@ class TimingOnly:
         self._weak: dict[int, Any] = {}  # the weak references themselves (by id), until they fire
         self._lock = threading.RLock()
         self.specs: dict[tuple[Any, ...], list[OpCost]] = {}
+        self._thread: int | None = None  # the thread that entered the run
+        self._oom: torch.OutOfMemoryError | None = None  # an OOM on another thread, raised on this one
 
     @property
     def target(self) -> Target:
@@ -426,6 +431,7 @@ class TimingOnly:
         self._modes = [self._fake, _ChargeMode(self), _FunctionMode(self)]
         for m in self._modes:
             m.__enter__()
+        self._thread, self._oom = threading.get_ident(), None
         _active.append(self)
         for run in list(_lingering):
             run.sweep()
@@ -551,9 +557,27 @@ class TimingOnly:
             try:
                 ledger.reserve(core, nbytes)
             except torch.OutOfMemoryError as e:
-                raise torch.OutOfMemoryError(
+                err = torch.OutOfMemoryError(
                     f"{e} - timing-only: the tensors do not fit one logical core's HBM; shard the model over more "
-                    f"cores (trnsim estimate --tp N / --pp N, or a parallelism plan)") from None
+                    f"cores (trnsim estimate --tp N / --pp N, or a parallelism plan)")
+                if threading.get_ident() == self._thread:
+                    raise err from None
+                # the autograd engine's device thread (a backward): an exception raised there
+                # aborts the process in torch 2.13 (std::terminate), so count the bytes past the
+                # capacity and raise the first such OOM when the backward returns (raise_deferred_oom)
+                if self._oom is None:
+                    self._oom = err
+                mem = ledger.devices[core]
+                mem.allocated += nbytes
+                mem.allocations += 1
+                mem.segments += 1
+                mem.peak = max(mem.peak, mem.allocated)
+
+    def raise_deferred_oom(self) -> None:
+        """Raise the OOM a backward met on the autograd engine's thread, if any (see _reserve)."""
+        err, self._oom = self._oom, None
+        if err is not None:
+            raise err
 
     def _forget(self, key: int) -> None:
         core, nbytes, _ = self._live.pop(key)

@@ -102,6 +102,17 @@ def test_a_training_step(cache):
         assert 3 * m.weights_bytes <= m.state_bytes <= 3.05 * m.weights_bytes
 
 
+def test_a_backward_that_does_not_fit_is_an_oom_not_an_abort(cache):
+    """The backward runs on the autograd engine's device thread, where a raised exception aborts
+    the process: the OOM is held until the backward returns, then raised with the same hint."""
+    import torch
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: .* - timing-only: the tensors do not "
+                                                     r"fit one logical core's HBM; shard the model"):
+        # 22 MiB per core: the forward fits (~20 MiB at its peak), the gradients do not
+        estimate_train(TINY, overrides=["chip.hbm.capacity=88MiB"], tp=2, micro_batch=1, seq=512, cache_dir=cache)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(tp=3), "--tp 3: tiny-llama has 8 attention heads, not a multiple of 3"),
     (dict(tp=16, pp=8), "--tp 16 x --pp 8 x --dp 1 = 128 ranks, but trn2.48xlarge has 64 (16 chips x 4 logical cores); "
