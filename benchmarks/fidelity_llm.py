@@ -36,6 +36,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
 import torch_bridge  # noqa: E402,F401
 from torch_bridge.estimate import estimate_inference, estimate_train  # noqa: E402
 
@@ -94,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         kw = {**kw, **(QUICK.get(case, {}) if args.quick else {})}
         t = time.perf_counter()
         fn = estimate_inference if kind == "inference" else estimate_train
-        est, _ = fn(**kw)  # type: ignore[arg-type]
-        got = figures(kind, est)
         setup = f"{kw['model']} on {kw['system']} {' '.join(kw.get('overrides', []))} " + \
             " ".join(f"{k}={v}" for k, v in kw.items() if k in ("tp", "pp", "dp", "sp", "seq", "global_batch", "layers"))
+        try:
+            est, _ = fn(**kw)  # type: ignore[arg-type]
+        except torch.OutOfMemoryError as e:  # the estimate's memory model says the setup does not fit: report it
+            print(f"{case:<5} does not fit ({setup}): {str(e).split(' - ')[0]}; {time.perf_counter() - t:.0f} s")
+            sys.stdout.flush()
+            continue
+        got = figures(kind, est)
         for name, value in published.items():
             print(f"{case:<5} {name:<8} {got[name]:>10,.2f} {value:>10,.2f} {got[name] / value:>6.2f}  {setup}")
         print(f"      {detail(kind, est)}; {time.perf_counter() - t:.0f} s")
