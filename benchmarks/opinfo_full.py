@@ -4,8 +4,8 @@ Every op in ``torch.testing._internal.common_methods_invocations.op_db`` that su
 on CPU is run on its sample inputs, as PyTorch's device tests compare a device with CPU
 (``test_ops.py::test_compare_cpu``): samples are made on ``neuron``, each is copied to CPU with
 its memory layout kept (storage offset and strides, so ``as_strided`` samples mean the same
-thing), the op runs on both under the same RNG seed (the device's random ops draw from the CPU
-generator, so dropout and friends are comparable too), and the results, after the sample's own
+thing), the op runs on both under the same RNG seed (a random op on the device draws what a
+CPU run seeded from its generator's state draws, so dropout and friends are comparable too), and the results, after the sample's own
 ``output_process_fn_grad``, must match with ``torch.testing.assert_close``. With ``--grad``,
 samples of ops that support autograd also backpropagate one fixed random cotangent per float
 output and the gradients w.r.t. every input that requires grad must match. ``--inplace`` and
@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
+from torch_bridge.values import host_seed
 from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE = "neuron"
@@ -267,15 +268,45 @@ def _inputs_requiring_grad(sample: Any) -> list[torch.Tensor]:
 
 
 def _seed() -> None:
-    """Seed the host generator, which the device's random ops draw from too (torch.neuron's
-    manual_seed seeds the same one). Not ``torch.manual_seed``: that also queues CUDA's lazy
+    """Seed the device's generators and the host generator so the two draw the same numbers:
+    a neuron random op draws from a host generator seeded with ``host_seed(seed, offset)`` of its
+    device generator (torch_bridge.values), so an op drawing once matches the CPU run seeded
+    with ``host_seed(SEED, 0)``. Not ``torch.manual_seed``: that also queues CUDA's lazy
     seeding with a formatted stack trace on every call, the harness's largest cost under pytest."""
-    torch.default_generator.manual_seed(SEED)
+    torch.neuron.manual_seed_all(SEED)
+    torch.default_generator.manual_seed(host_seed(SEED, 0))
+
+
+class _HostSeeding:
+    """Inside the CPU run, ``torch.manual_seed(s)`` seeds the host generator with
+    ``host_seed(s, 0)``: OpInfo's random ops reseed inside the op (``wrapper_set_seed``), and on
+    neuron that seed reaches the device generator, whose first draw is the host's at that seed."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.manual_seed
+        torch.manual_seed = lambda s: torch.default_generator.manual_seed(host_seed(int(s), 0))  # type: ignore
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.manual_seed = self.saved  # type: ignore[assignment]
+
+
+def _is_neuron(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.device.type == DEVICE
+    return str(x).startswith(DEVICE)
 
 
 def _call(op: Any, sample: Any, heard: list[str] | None = None) -> Any:
     """``op`` on ``sample`` under the fixed seed; its warnings go to ``heard`` (not printed) if given."""
     _seed()
+    flat, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+    if not any(isinstance(t, (torch.Tensor, torch.device, str)) and _is_neuron(t) for t in flat):
+        with _HostSeeding():
+            return _call_seeded(op, sample, heard)
+    return _call_seeded(op, sample, heard)
+
+
+def _call_seeded(op: Any, sample: Any, heard: list[str] | None) -> Any:
     if heard is None:
         return op(sample.input, *sample.args, **sample.kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -376,6 +407,9 @@ def _run_variant(fn: Any, sample: Any, what: str, invalid: bool, heard: list[str
             warnings.simplefilter("always")
             _seed()
             try:
+                if invalid:  # the CPU run
+                    with _HostSeeding():
+                        return fn(sample.input, *sample.args, **sample.kwargs, **extra), scope, None
                 return fn(sample.input, *sample.args, **sample.kwargs, **extra), scope, None
             finally:
                 heard.extend(_first_lines(str(w.message), 1)[:120] for w in caught)

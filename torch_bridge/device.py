@@ -1,12 +1,11 @@
 """``torch.neuron``: the device module, shaped like ``torch.cuda``.
 
 Device and RNG: ``is_available``, ``device_count`` (the config's logical NeuronCores),
-``current_device``/``set_device``/``device``, ``synchronize``, ``manual_seed``. ``set_device``
-steers factories (``torch.empty(..., device="neuron")``) and the streams API; ``.to("neuron")``
-without an index always means neuron:0, because PyTorch resolves it through the C++ device guard,
-which a Python backend cannot make stateful (torch 2.13): name ``"neuron:1"`` explicitly. The device
-draws random numbers from PyTorch's host generator (PrivateUse1 has no Python generator API), so
-a seeded neuron run draws the same numbers as the same CPU run.
+``current_device``/``set_device``/``device``, ``synchronize``, and per-device generators
+(``manual_seed``, ``get_rng_state``, ``torch.Generator("neuron")``: CUDA's seed + offset state,
+independent of CPU's). The current device lives in the native device guard
+(:mod:`torch_bridge._native`), so ``.to("neuron")``, factories, autograd's worker threads and
+``torch.accelerator`` all follow ``set_device``.
 
 Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
 ``reset_peak_memory_stats``, ``mem_get_info`` (and ``memory_reserved``/``empty_cache``, trivial
@@ -30,18 +29,20 @@ import torch
 from trnsim.device import Recorder
 from trnsim.report import RunReport
 
-from . import memory
+from . import _native, memory
 from .runtime import is_initialized, runtime, set_config
 
 __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
-    "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
+    "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "default_generator",
     "get_amp_supported_dtype", "is_bf16_supported", "memory_allocated", "max_memory_allocated", "memory_stats",
     "reset_peak_memory_stats", "mem_get_info", "memory_reserved", "max_memory_reserved", "empty_cache", "Stream", "Event", "stream", "current_stream", "default_stream",
     "set_config", "config", "report", "report_scope", "reset_report", "RunReport",
 ]
 
 _local = threading.local()
+_initialized = False  # True once the runtime exists (torch.utils.checkpoint reads it, as torch.cuda's)
 
 
 # ---- devices --------------------------------------------------------------------------------
@@ -72,11 +73,14 @@ def _check_index(index: Any) -> int:
 
 
 def current_device() -> int:
-    return getattr(_local, "device", 0)
+    """The calling thread's current neuron device (kept by the native device guard, so
+    ``torch.accelerator``, autograd's worker threads and ``.to("neuron")`` agree with it)."""
+    return _native.lib.trnsim_current_device()
 
 
 def set_device(index: Any) -> None:
-    _local.device = _check_index(index)
+    idx = _check_index(index)
+    _native.lib.trnsim_set_device(idx)
 
 
 @contextlib.contextmanager
@@ -86,7 +90,7 @@ def _device_ctx(index: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        _local.device = prev
+        _native.lib.trnsim_set_device(prev)
 
 
 class device:
@@ -113,29 +117,61 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-# ---- RNG: the host generator ------------------------------------------------------------------
+# ---- RNG: one generator per device --------------------------------------------------------------
+# Each device has its own default generator (native; state = 64-bit seed + 64-bit Philox offset,
+# 16 bytes, as CUDA's), so seeding neuron leaves CPU's random numbers alone and the other way
+# round. Random ops on neuron draw from it (torch_bridge.values).
+_generators: list[torch.Generator] = []
+
+
+def default_generator(device: Any = None) -> torch.Generator:
+    """The default ``torch.Generator`` of ``device`` (None: the current device)."""
+    index = _check_index(device)
+    while len(_generators) <= index:
+        _generators.append(torch.ops.trnsim.default_generator(len(_generators)))
+    return _generators[index]
+
+
 def manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
+    """Seed the current device's generator (as ``torch.cuda.manual_seed``)."""
+    default_generator().manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    manual_seed(seed)
+    for i in range(device_count()):
+        default_generator(i).manual_seed(int(seed))
 
 
 def seed() -> None:
-    torch.default_generator.seed()
+    default_generator().seed()
+
+
+def seed_all() -> None:
+    s = default_generator(0).seed()
+    for i in range(1, device_count()):
+        default_generator(i).manual_seed(s)
 
 
 def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
+    return default_generator().initial_seed()
 
 
 def get_rng_state(device: Any = "neuron") -> torch.Tensor:
-    return torch.default_generator.get_state()
+    """The generator state of ``device``: a 16-byte uint8 CPU tensor (seed, offset)."""
+    return default_generator(device).get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
-    torch.default_generator.set_state(new_state)
+    default_generator(device).set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: Any) -> None:
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:

@@ -213,3 +213,47 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
         _views.clear()
     _views[vkey] = v
     return v
+
+
+# ---- blocks for the native storage resize ------------------------------------------------------
+# ``untyped_storage().resize_(n)`` (FSDP2 frees and re-allocates parameters that way) is served in
+# C++ (csrc/neuron.cpp), which asks for device memory here: a block is a neuron uint8 tensor,
+# counted like any other allocation, kept alive under a token until the storage lets it go.
+_blocks: dict[int, torch.Tensor] = {}
+_next_token = [0]
+
+
+def _alloc_block(index: int, nbytes: int, ptr: Any, error: Any, error_len: int) -> int:
+    try:
+        t = allocate((int(nbytes),), None, torch.uint8, int(index))
+    except Exception as e:  # reported by C++ as torch.OutOfMemoryError with this message
+        msg = str(e).splitlines()[0].encode()[:error_len]
+        ctypes.memmove(error, msg, len(msg))
+        return 0
+    with pool.lock:
+        _next_token[0] += 1
+        token = _next_token[0]
+        _blocks[token] = t
+    ptr[0] = t.data_ptr()
+    return token
+
+
+def _release_block(token: int) -> None:
+    with pool.lock:
+        _blocks.pop(int(token), None)
+
+
+_callbacks: list[Any] = []
+
+
+def install_resize_allocator(lib: Any) -> None:
+    """Give the native resize its allocator (and take it back at exit: a storage freed while the
+    interpreter shuts down must not call into Python)."""
+    import atexit
+
+    from ._native import ALLOC_FN, RELEASE_FN
+
+    alloc, release = ALLOC_FN(_alloc_block), RELEASE_FN(_release_block)
+    _callbacks[:] = [alloc, release]  # ctypes callbacks must outlive every call
+    lib.trnsim_set_allocator(alloc, release)
+    atexit.register(lambda: lib.trnsim_set_allocator(ALLOC_FN(), RELEASE_FN()))

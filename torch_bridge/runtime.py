@@ -26,6 +26,13 @@ class Runtime:
         self.config = config
         self.device = Device(config)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
+        from . import _native
+
+        if _native.lib is not None:  # the native guard and hooks report the config's core count
+            _native.lib.trnsim_set_device_count(config.logical_cores)
+        from . import device
+
+        device._initialized = True  # read as torch.cuda's: checkpointing saves device RNG state only then
 
     @property
     def device_count(self) -> int:
