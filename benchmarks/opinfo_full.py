@@ -33,8 +33,12 @@ functional form (fft.ihfftn's out= result depends on the out's old contents on C
 gradients; exit status 1 if missed). Every sample is isolated with try/except; ops in ``SKIP``
 are not run, with the reason printed.
 
-    OMP_NUM_THREADS=1 python benchmarks/opinfo_full.py [--dtype float32] [--limit N] [--quick] [--ops a,b]
-        [--grad] [--inplace] [--out] [--json out.json] [--progress file]
+    OMP_NUM_THREADS=1 python benchmarks/opinfo_full.py [--dtype float32 | --all-dtypes] [--limit N] [--quick]
+        [--ops a,b] [--grad] [--inplace] [--out] [--json out.json] [--progress file]
+
+``--all-dtypes`` runs every dtype in its own process and prints pass/fail/error per dtype (a
+crash is reported with its sample). Every sample also checks the FLOP rule: the FLOPs the
+device charges for the op are at least what ``torch.utils.flop_counter`` counts for it.
 
 ``--progress`` writes the op and sample about to run (flushed), so a hard crash names its
 sample; ``faulthandler`` prints the Python stack of one too.
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import sys
 import time
 import warnings
@@ -56,6 +61,7 @@ import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
 from torch_bridge.values import host_seed
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 DEVICE = "neuron"
 SEED = 1234
@@ -98,8 +104,9 @@ def op_label(op: Any) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None) -> list[Any]:
-    """The OpInfos that support ``dtype`` on CPU (all of them, or those named by label or name)."""
+def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None, strict: bool = True) -> list[Any]:
+    """The OpInfos that support ``dtype`` on CPU (all of them, or those named by label or name;
+    ``strict``: a name no OpInfo for ``dtype`` has is an error)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     wanted = set(names) if names is not None else None
@@ -107,7 +114,7 @@ def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None) -> list[Any
            and (wanted is None or op.name in wanted or op_label(op) in wanted)]
     if wanted is not None:
         missing = wanted - {op.name for op in ops} - {op_label(op) for op in ops}
-        if missing:
+        if missing and strict:
             raise SystemExit(f"opinfo_full: no OpInfo supporting {dtype} named {', '.join(sorted(missing))}")
     return ops
 
@@ -168,6 +175,21 @@ def _misplaced(actual: Any) -> str:
 
 def _used_tensore(scope: Any) -> bool:
     return scope.report is not None and scope.report.matmul_flops > 0
+
+
+def _flops_short(scope: Any, counter: Any) -> str:
+    """The FLOP rule: every op's device work is charged at least the FLOPs
+    ``torch.utils.flop_counter`` counts for it (matmul FLOPs on TensorE, the rest on the engines
+    that do them). "" when it holds for the sample, else what fell short."""
+    counted = counter.get_total_flops()
+    if not counted:
+        return ""
+    rep = scope.report
+    charged = rep.matmul_flops + getattr(rep, "engine_flops", 0) if rep is not None else 0
+    if charged >= counted:
+        return ""
+    by_op = {str(k).split(".")[-1]: v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return f"charged {charged} < flop_counter's {counted} ({', '.join(f'{k} {v}' for k, v in sorted(by_op.items()))})"
 
 
 def _compare(actual: Any, expected: Any, tensore: bool, what: str, exact: Callable[[], Any]) -> Outcome | None:
@@ -339,11 +361,14 @@ def _check_sample(op: Any, sample: Any, grad: bool, heard_cpu: list[str], heard_
     except Exception as e:  # the sample is not valid on CPU either
         return Outcome("invalid", f"{type(e).__name__}: {_first_lines(str(e), 1)}")
     try:
-        with torch.neuron.report_scope() as scope:
+        with torch.neuron.report_scope() as scope, FlopCounterMode(display=False) as counter:
             actual = sample.output_process_fn_grad(_call(op, sample, heard_dev))
     except Exception as e:
         return Outcome("error", f"forward: {type(e).__name__}: {_first_lines(str(e), 1)}")
     tensore = _used_tensore(scope)
+    short = _flops_short(scope, counter)
+    if short:
+        return Outcome("fail", f"flops: {short}")
     bad = _misplaced(actual) if _on_device(sample) else ""
     if bad:
         return Outcome("fail", f"forward: {bad}")
@@ -595,9 +620,61 @@ def summarize(results: list[OpResult], grad: bool, out: Any = None) -> float:
     return pct
 
 
+ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16",
+              "int8", "uint8", "bool")
+
+
+def run_all_dtypes(passthrough: list[str], out: Any = None) -> int:
+    """Every dtype in :data:`ALL_DTYPES`, each in its own process (a hard crash ends only its
+    dtype's run and is reported with the sample it was running); one summary line per dtype.
+    Returns 0 when every dtype meets the goal without a crash."""
+    import subprocess
+    import tempfile
+
+    out = out or sys.stdout
+    rows = []
+    for name in ALL_DTYPES:
+        with tempfile.TemporaryDirectory() as tmp:
+            js, prog = f"{tmp}/out.json", f"{tmp}/progress.txt"
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--dtype", name, "--json", js, "--progress", prog,
+                                   "--some-ops", *passthrough], capture_output=True, text=True)
+            secs = time.perf_counter() - t0
+            print(f"\n==== {name} ====\n{proc.stdout.rstrip()}", file=out, flush=True)
+            try:
+                with open(js) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                where = open(prog).read().strip() if os.path.exists(prog) else "?"
+                err = _first_lines(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "", 1)
+                rows.append((name, None, f"crash (exit {proc.returncode}) at {where}: {err}", secs))
+                continue
+        c: Counter[str] = Counter(status for outcomes in data.values() for status, _ in outcomes)
+        rows.append((name, c, "", secs))
+    goal = GOAL_GRAD if "--grad" in passthrough else GOAL_FORWARD
+    print(f"\nper dtype (goal >= {goal}% of valid samples, 0 crashes):", file=out)
+    print(f"  {'dtype':11s} {'pass':>7s} {'fail':>5s} {'error':>5s} {'invalid':>7s} {'skip':>5s} {'rate':>8s} {'time':>6s}",
+          file=out)
+    ok = True
+    for name, c, crash, secs in rows:
+        if c is None:
+            ok = False
+            print(f"  {name:11s} {crash}", file=out)
+            continue
+        valid = c["pass"] + c["fail"] + c["error"]
+        pct = 100.0 * c["pass"] / valid if valid else 100.0
+        ok = ok and pct >= goal
+        print(f"  {name:11s} {c['pass']:7d} {c['fail']:5d} {c['error']:5d} {c['invalid']:7d} {c['skip']:5d} "
+              f"{pct:7.2f}% {secs:5.0f}s", file=out)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
+    p.add_argument("--some-ops", action="store_true", help=argparse.SUPPRESS)  # --ops names may lack this dtype
+    p.add_argument("--all-dtypes", action="store_true",
+                   help=f"every dtype ({', '.join(ALL_DTYPES)}), one process each, a line per dtype")
     p.add_argument("--limit", type=int, default=None, help="at most N samples per op")
     p.add_argument("--quick", action="store_true", help=f"every op, first {QUICK_LIMIT} samples each")
     p.add_argument("--ops", default=None, help="comma-separated op names (or name.variant)")
@@ -607,12 +684,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write per-op outcomes here")
     p.add_argument("--progress", default=None, help="file holding the sample about to run (crash bisection)")
     args = p.parse_args(argv)
+    if args.all_dtypes:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--all-dtypes"]
+        if "--dtype" in rest or any(a.startswith(("--dtype=", "--json", "--progress")) for a in rest):
+            raise SystemExit("opinfo_full: --all-dtypes runs every dtype; it takes no --dtype, --json or --progress")
+        return run_all_dtypes(rest)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"opinfo_full: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
     if args.quick:
         args.limit = QUICK_LIMIT if args.limit is None else min(args.limit, QUICK_LIMIT)
-    ops = load_ops(dtype, args.ops.split(",") if args.ops else None)
+    ops = load_ops(dtype, args.ops.split(",") if args.ops else None, strict=not args.some_ops)
     progress = open(args.progress, "w") if args.progress else None
     t0 = time.perf_counter()
     results = []
