@@ -321,8 +321,12 @@ def _is_neuron(x: Any) -> bool:
 def _call(op: Any, sample: Any, heard: list[str] | None = None) -> Any:
     """``op`` on ``sample`` under the fixed seed; its warnings go to ``heard`` (not printed) if given."""
     _seed()
-    flat, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
-    if not any(isinstance(t, (torch.Tensor, torch.device, str)) and _is_neuron(t) for t in flat):
+    if "device" in sample.kwargs:  # where the op computes (rand_like(neuron_x, device="cpu") draws on CPU)
+        on_device = _is_neuron(sample.kwargs["device"])
+    else:
+        flat, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+        on_device = any(isinstance(t, torch.Tensor) and _is_neuron(t) for t in flat)
+    if not on_device:
         with _HostSeeding():
             return _call_seeded(op, sample, heard)
     return _call_seeded(op, sample, heard)

@@ -58,13 +58,35 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return script_args, opts
 
 
+class _StdoutToStderr:
+    """Everything written to standard output - ``print``, C libraries, child processes - goes to
+    standard error instead, while the block runs (``trnsim run --json`` keeps stdout for JSON)."""
+
+    def __enter__(self) -> None:
+        sys.stdout.flush()
+        self.saved_fd = os.dup(1)
+        os.dup2(2, 1)
+        self.saved = sys.stdout
+        sys.stdout = sys.stderr
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.stdout.flush()
+        sys.stdout = self.saved
+        os.dup2(self.saved_fd, 1)
+        os.close(self.saved_fd)
+
+
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None) -> tuple[int, RunReport]:
+               trace: str | None = None, quiet_stdout: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     A missing script raises FileNotFoundError; an exception in the script prints its traceback
-    to stderr and gives status 1 (the report still covers what ran).
+    to stderr and gives status 1 (the report still covers what ran). With ``quiet_stdout`` the
+    script's standard output goes to standard error (the caller prints data on stdout).
     """
+    if quiet_stdout:
+        with _StdoutToStderr():
+            return run_script(script, args, config, overrides, trace)
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")

@@ -478,12 +478,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
-    try:
+    as_json = opts.get("json", args.json)
+    try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
         status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                 trace=opts.get("trace", args.trace))
+                                 trace=opts.get("trace", args.trace), quiet_stdout=bool(as_json))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
-    if opts.get("json", args.json):
+    if as_json:
         print(json.dumps(rep.to_dict(), indent=2))
         return status
     print_run_report(rep, f"{args.script} on {rep.config}")
