@@ -98,6 +98,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
     device.reset_report(trace=trace is not None)
     saved_argv, saved_path = sys.argv, list(sys.path)
+    # Hugging Face accelerate (and so the Trainer) detects a neuron device only through AWS's own
+    # torch_neuronx package; the device it should use otherwise is this variable, read by both
+    saved_env = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "neuron")
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
@@ -110,6 +114,8 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         status = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if saved_env is None:
+            os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
     for i in range(device.device_count()):
         device.synchronize(i)
     report = device.report()
