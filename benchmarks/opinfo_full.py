@@ -135,6 +135,10 @@ def to_cpu(x: Any, memo: dict[int, torch.Tensor]) -> Any:
         if x.layout == torch.strided and n * x.element_size() == storage.nbytes():
             flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (n,), (1,))
             cpu = flat.cpu().as_strided(x.shape, x.stride(), x.storage_offset())
+            if x.is_conj():  # the storage holds the unconjugated values: keep the view's bits
+                cpu = cpu.conj()
+            if x.is_neg():
+                cpu = torch._neg_view(cpu)
         else:
             cpu = x.detach().cpu()
     cpu = cpu.detach().requires_grad_(x.requires_grad)
@@ -360,8 +364,9 @@ def _check_sample(op: Any, sample: Any, grad: bool, heard_cpu: list[str], heard_
     cpu_sample.args = _host_device(cpu_sample.args)
     cpu_sample.kwargs = {k: _host_device(v) for k, v in cpu_sample.kwargs.items()}
     cpu_inputs = [memo[id(t)] for t in dev_inputs]
-    try:
-        expected = cpu_sample.output_process_fn_grad(_call(op, cpu_sample, heard_cpu))
+    try:  # under a FLOP counter too: a dispatch mode can change what an op computes (lstsq's residuals)
+        with FlopCounterMode(display=False):
+            expected = cpu_sample.output_process_fn_grad(_call(op, cpu_sample, heard_cpu))
     except Exception as e:  # the sample is not valid on CPU either
         return Outcome("invalid", f"{type(e).__name__}: {_first_lines(str(e), 1)}")
     try:

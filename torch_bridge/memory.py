@@ -192,6 +192,8 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     """
     if cpu.requires_grad:
         cpu = cpu.detach()
+    if cpu.is_conj() or cpu.is_neg():  # DLPack carries no conj/neg bit: a lazily conjugated result
+        cpu = cpu.resolve_conj().resolve_neg()  # (vdot's) would come back unconjugated
     nbytes = _storage_nbytes(cpu)
     if not counted:
         pool.reserve(index, nbytes)

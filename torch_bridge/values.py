@@ -268,6 +268,15 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         dev_out = kwargs[name]
         dev_out.set_(memory.relabel(cpu_out, index))
         conv.views[id(cpu_out)] = dev_out
+    for name in info.out_names:  # an out= kernel may restride its outputs in place (LAPACK's
+        dev_out = kwargs.get(name)  # column-major results): the neuron tensor takes the new layout
+        if name in fresh or not is_neuron(dev_out):
+            continue
+        view = ckwargs[name]
+        if view.stride() != dev_out.stride() or view.shape != dev_out.shape or \
+                view.storage_offset() != dev_out.storage_offset():
+            torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, dev_out, dev_out.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     out = _back(result, conv, index)
     rt = runtime()
     key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
@@ -544,10 +553,10 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
     bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
     gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
                                                             transposed, output_padding, groups, output_mask)
-    if output_mask[0]:
-        _conv_time(index, "convolution_backward", grad_output, weight, input, groups)
-    if output_mask[1]:
-        _conv_time(index, "convolution_backward", input, weight, grad_output, groups)
+    rt = runtime()
+    for spec in lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation, transposed,
+                                             output_mask):
+        rt.charge(index, "convolution_backward", spec)
     res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
     if res[2] is not None:
         runtime().charge(index, "convolution_backward",

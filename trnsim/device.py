@@ -94,6 +94,7 @@ class OpCost:
     matmul_flops: int
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
+    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -107,7 +108,8 @@ class OpCost:
         demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
         return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports),
                       sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports),
-                      sum(r.matmul_flops for r in reports), demand, tuple(reports))
+                      sum(r.matmul_flops for r in reports), demand, tuple(reports),
+                      sum(r.engine_flops for r in reports))
 
 
 def no_work(label: str) -> OpCost:
@@ -397,7 +399,7 @@ class Device:
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0}
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0}
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
@@ -406,6 +408,7 @@ class Device:
                 a["busy"][name] = a["busy"].get(name, 0) + calls * t
             a["hbm"] += calls * cost.hbm_bytes
             a["flops"] += calls * cost.matmul_flops
+            a["eflops"] += calls * cost.engine_flops
         device_ticks = sum(a["ticks"] for a in acc.values())
         rows = []
         for (op, kernel), a in acc.items():
@@ -418,7 +421,7 @@ class Device:
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
                 host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
-                bound=bound))
+                bound=bound, engine_flops=a["eflops"]))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self.host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start
@@ -433,5 +436,5 @@ class Device:
             host_wait_us=sum(t.wait for t in rec.cores.values()) / hz * 1e6,
             launches=sum(r.calls for r in rows), hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=flops,
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
-            events=tuple(rec.events or ()), tick_hz=hz)
+            events=tuple(rec.events or ()), tick_hz=hz, engine_flops=sum(r.engine_flops for r in rows))
 

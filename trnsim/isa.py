@@ -37,6 +37,7 @@ __all__ = [
     "Activation",
     "TensorTensor",
     "TensorScalar",
+    "ScalarTensorTensor",
     "TensorReduce",
     "TensorCopy",
     "Memset",
@@ -699,6 +700,29 @@ class TensorScalar(Instruction):
 
     def describe(self) -> str:
         return f"TensorScalar[{self.op0}{',' + self.op1 if self.op1 else ''}]"
+
+
+class ScalarTensorTensor(Instruction):
+    """``dst = (data op0 operand0) op1 data2`` (NKI's ``scalar_tensor_tensor``): ``operand0`` an
+    immediate or a per-partition [P,1] tile, ``data2`` a tensor of ``data``'s shape. One pass
+    multiply-accumulates (``acc = x * w + acc``), as a depthwise convolution's taps need."""
+
+    __slots__ = ("dst", "data", "op0", "operand0", "op1", "data2")
+    opcode = "ScalarTensorTensor"
+
+    def __init__(self, engine: str, dst: TileAP, data: TileAP, op0: str, operand0: float | TileAP, op1: str,
+                 data2: TileAP):
+        reads: list[AP] = [data, data2] + ([operand0] if isinstance(operand0, TileAP) else [])
+        super().__init__(engine, tuple(reads), (dst,))
+        self.dst = dst
+        self.data = data
+        self.op0 = op0
+        self.operand0 = operand0
+        self.op1 = op1
+        self.data2 = data2
+
+    def describe(self) -> str:
+        return f"ScalarTensorTensor[{self.op0},{self.op1}]"
 
 
 class TensorReduce(Instruction):

@@ -50,6 +50,7 @@ from .isa import (
     TensorReduce,
     TensorScalar,
     TensorTensor,
+    ScalarTensorTensor,
     TileAP,
     Transpose,
     activation_fn,
@@ -718,6 +719,23 @@ class Kernel:
                 raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
         ins = TensorScalar(eng, dst, data, o0, operand0, o1, operand1, reverse0, reverse1)
         return self._emit(ins)  # type: ignore[return-value]
+
+    def scalar_tensor_tensor(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, op1: Any,
+                             data2: TileAP, *, engine: str = "vector") -> ScalarTensorTensor:
+        """``dst = (data op0 operand0) op1 data2``: ``operand0`` an immediate or a per-partition
+        [P, 1] tile, ``data2`` a tensor of ``data``'s shape (VectorE or GpSimd, as in NKI)."""
+        what = f"scalar_tensor_tensor({getattr(op0, '__name__', op0)},{getattr(op1, '__name__', op1)})"
+        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        o0, o1 = alu_op(op0), alu_op(op1)
+        aps = [dst, data, data2] + ([operand0] if isinstance(operand0, TileAP) else [])
+        self._check_compute(what, eng, aps)
+        _check_same_shape(what, dst, data)
+        _check_same_shape(what, dst, data2)
+        if isinstance(operand0, TileAP):
+            _check_per_partition(what, "operand0", operand0, data)
+        elif not isinstance(operand0, (int, float)):
+            raise KernelError(f"{what}: operand0 must be a number or a [P, 1] tile, got {type(operand0).__name__}")
+        return self._emit(ScalarTensorTensor(eng, dst, data, o0, operand0, o1, data2))  # type: ignore[return-value]
 
     def tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: int | Sequence[int], *, negate: bool = False,
                       engine: str = "vector") -> TensorReduce:

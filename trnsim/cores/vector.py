@@ -8,13 +8,15 @@ divided by the NC-v3/v4 performance modes (§4.3) when their conditions hold:
 * 2x (``perf_mode_mid``): the same ops when not contiguous or when one side is PSUM, and
   tensor_tensor with both inputs in SBUF and every tensor 16-bit float.
 
+scalar_tensor_tensor costs ``2N`` (``N`` for bf16 subtract-then-multiply, N even; §7, S16).
+
 A dependent instruction sees the result ``dependency_latency_cycles`` after the end, so a
 chain of tiny dependent ops runs at ~100 cycles each (§7, S8).
 """
 
 from __future__ import annotations
 
-from ..isa import Instruction, Memset, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TileAP
+from ..isa import Instruction, Memset, ScalarTensorTensor, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TileAP
 from .alu import ElementwiseExec
 from .base import Engine, register_engine
 
@@ -56,6 +58,12 @@ class VectorEngine(ElementwiseExec, Engine):
             k = 1 if spaces == {"sbuf", "psum"} or bf16_fast else 2
             perf = v.perf_mode_mid if spaces == {"sbuf"} and all(is16(x) for x in (a, b, d)) else 1
             return max(mi, ceil_div(k * n, perf))
+        if isinstance(ins, ScalarTensorTensor):
+            # N for bf16 subtract-then-multiply with N even, else 2N (datasheet §7, S16)
+            n = ins.data.free_size
+            fast = (all(x.dtype.name == "bfloat16" for x in (ins.data, ins.data2, ins.dst))
+                    and (ins.op0, ins.op1) == ("subtract", "multiply") and n % 2 == 0)
+            return max(mi, n if fast else 2 * n)
         if isinstance(ins, TensorReduce):
             n = ins.data.free_size
             half = ins.data.dtype.name == "bfloat16" and ins.dst.dtype.name == "bfloat16" and ins.op in ("add", "max")
