@@ -349,18 +349,39 @@ def depthwise_spec(inp: torch.Tensor, weight: torch.Tensor, groups: int, stride:
 
 def conv_backward_specs(inp: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, groups: int, stride: Any,
                         padding: Any, dilation: Any, transposed: bool, output_mask: Any) -> list[KernelSpec]:
-    """A convolution's backward: the input gradient and the weight gradient, each a convolution
-    of the same MACs as the forward. A depthwise one runs both on the depthwise kernel at the
-    forward's shape (its grad-input is a depthwise convolution of the output gradient, its
-    grad-weight a per-channel correlation of input and output gradient: the same per-tap
-    multiply-adds); any other is charged as im2col matmuls (grad_out x weight, input x grad_out)."""
+    """A convolution's backward: the input gradient and the weight gradient, each as many MACs
+    as the forward.
+
+    * depthwise: both on the depthwise kernel at the forward's shape (grad-input is a depthwise
+      convolution of the output gradient, grad-weight a per-channel correlation of input and
+      output gradient: the same per-tap multiply-adds);
+    * a plain 2-d convolution: grad-input as the library conv2d of the output gradient with the
+      filter's channels swapped, at the output's resolution ([N,K,Ho,Wo] -> [N,C,Ho,Wo]: the
+      forward's MACs whatever the stride), grad-weight as the matmul that contracts input
+      patches with the output gradient over every output position ([C*R*R, N*Ho*Wo] x
+      [N*Ho*Wo, K]: one accumulation group, the small result written once);
+    * anything else as im2col matmuls (grad_out x weight, input x grad_out)."""
     dw = depthwise_spec(inp, weight, groups, stride, padding, dilation, transposed, None)
+    plain = (not transposed and groups == 1 and inp.dim() == 4 and stride is not None
+             and weight.shape[2] == weight.shape[3] and len(set(stride)) == 1 and len(set(padding)) == 1
+             and set(dilation) == {1})
     specs: list[KernelSpec] = []
     for i, needed in enumerate(output_mask[:2]):
         if not needed:
             continue
         if dw is not None:
             specs.append(dw)
+        elif plain and i == 0:
+            nb, k, ho, wo = grad_out.shape
+            r = weight.shape[2]
+            im2col = conv_specs(grad_out, weight, inp, groups)
+            spec = _library("conv2d", (nb, k, ho, wo, inp.shape[1], r), inp.dtype, {"stride": 1, "padding": (r - 1) // 2},
+                            im2col[0] if im2col else None)
+            specs.extend([spec] if spec is not None else im2col)
+        elif plain:
+            nb, k, ho, wo = grad_out.shape
+            spec = matmul_spec(1, weight.shape[1] * weight.shape[2] * weight.shape[3], nb * ho * wo, k, inp.dtype)
+            specs.extend([spec] if spec is not None else [])
         elif i == 0:
             specs.extend(conv_specs(grad_out, weight, inp, groups))
         else:

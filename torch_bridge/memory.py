@@ -75,66 +75,64 @@ class _Stat:
 
 @dataclass
 class MemoryStats:
-    """Allocation statistics of one NeuronCore's share of HBM, kept as CUDA's caching allocator
-    keeps them (``memory_stats`` keys). There is no cache: every live tensor's bytes are
-    allocated, active and reserved at once, and a free returns them to the device."""
+    """Allocation statistics of one NeuronCore's share of HBM, reported under CUDA's caching
+    allocator keys (``memory_stats``). There is no cache: every live tensor's bytes are
+    allocated, active, requested and reserved at once, and a free returns them to the device,
+    so one byte counter and one allocation counter per pool hold every figure."""
 
     capacity: int
     ooms: int = 0
-    stats_: dict[str, dict[str, _Stat]] = field(default_factory=lambda: {
-        name: {p: _Stat() for p in _POOLS} for name in _BYTE_STATS + _COUNT_STATS})
+    bytes_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
+    count_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
 
     @property
     def allocated(self) -> int:
-        return self.stats_["allocated_bytes"]["all"].current
+        return self.bytes_["all"].current
 
     @property
     def peak(self) -> int:
-        return self.stats_["allocated_bytes"]["all"].peak
+        return self.bytes_["all"].peak
 
     def add(self, nbytes: int) -> None:
-        pools = ("all", "small_pool" if nbytes <= SMALL_BLOCK else "large_pool")
-        for name in _BYTE_STATS:
-            for p in pools:
-                self.stats_[name][p].add(nbytes)
-        for name in _COUNT_STATS:
-            for p in pools:
-                self.stats_[name][p].add(1)
+        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
+        b, c = self.bytes_, self.count_
+        b["all"].add(nbytes)
+        b[pool].add(nbytes)
+        c["all"].add(1)
+        c[pool].add(1)
 
     def sub(self, nbytes: int, undo: bool = False) -> None:
-        pools = ("all", "small_pool" if nbytes <= SMALL_BLOCK else "large_pool")
-        for names, n in ((_BYTE_STATS, nbytes), (_COUNT_STATS, 1)):
-            for name in names:
-                for p in pools:
-                    st = self.stats_[name][p]
-                    st.sub(n)
-                    if undo:  # an allocation that never happened: not a free
-                        st.freed -= n
-                        st.allocated -= n
+        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
+        for st, n in ((self.bytes_["all"], nbytes), (self.bytes_[pool], nbytes), (self.count_["all"], 1),
+                      (self.count_[pool], 1)):
+            st.sub(n)
+            if undo:  # an allocation that never happened: not a free
+                st.freed -= n
+                st.allocated -= n
 
     def reset_peak(self) -> None:
-        for pools in self.stats_.values():
-            for st in pools.values():
-                st.peak = st.current
+        for st in (*self.bytes_.values(), *self.count_.values()):
+            st.peak = st.current
 
     def reset_accumulated(self) -> None:
-        for pools in self.stats_.values():
-            for st in pools.values():
-                st.allocated = st.freed = 0
+        for st in (*self.bytes_.values(), *self.count_.values()):
+            st.allocated = st.freed = 0
         self.ooms = 0
 
     def stats(self) -> dict[str, int]:
         """``torch.cuda.memory_stats``'s keys (training frameworks read them by name)."""
         out: dict[str, int] = {}
-        for name, pools in self.stats_.items():
+        fams = [(name, self.bytes_) for name in _BYTE_STATS] + [(name, self.count_) for name in _COUNT_STATS]
+        zero = _Stat()
+        fams += [("inactive_split", {p: zero for p in _POOLS}), ("inactive_split_bytes", {p: zero for p in _POOLS})]
+        for name, pools in fams:
             for p, st in pools.items():
                 for what in ("current", "peak", "allocated", "freed"):
                     out[f"{name}.{p}.{what}"] = getattr(st, what)
-        for name in ("inactive_split", "inactive_split_bytes", "oversize_allocations", "oversize_segments"):
-            for p in _POOLS if name.startswith("inactive") else ("",):
-                for what in ("current", "peak", "allocated", "freed"):
-                    out[f"{name}.{p}.{what}" if p else f"{name}.{what}"] = 0
-        seg = self.stats_["segment"]["all"]
+        for name in ("oversize_allocations", "oversize_segments"):
+            for what in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{what}"] = 0
+        seg = self.count_["all"]
         out.update({"num_alloc_retries": 0, "num_ooms": self.ooms, "num_sync_all_streams": 0,
                     "num_device_alloc": seg.allocated, "num_device_free": seg.freed, "max_split_size": -1,
                     "capacity_bytes": self.capacity})

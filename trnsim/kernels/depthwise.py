@@ -3,15 +3,16 @@ vector engines, the way an NKI author writes it (MobileNet/EfficientNet/ConvNeXt
 
 A depthwise filter mixes no channels, so there is nothing to contract on the PE array: an im2col
 matmul would contract only R·R rows per channel and run one matmul per channel (a 96-channel
-layer was 96 batch items of a bmm). Instead every partition holds one image plane (n, c) - or
-one band of output rows of it, so that small layers still fill the 128 lanes - and each of the
-R·R taps is one ``scalar_tensor_tensor`` over the band: ``acc = x_window * w[c, tap] + acc``
-(the tap's weight is a per-partition scalar; the window is a strided view of the padded input
-band, no copy), into an accumulator the other engine zeroes meanwhile.
+layer was 96 batch items of a bmm). Instead every partition holds one channel - or one band of
+output rows of it, so that layers with few channels still fill the 128 lanes - for a group of
+images, and each of the R·R taps is one ``scalar_tensor_tensor`` over all of them:
+``acc = x_window * w[c, tap] + acc`` (the tap's weight is the partition's scalar, shared by its
+images; the window is a strided view of the padded input band, no copy), into an accumulator
+the other engine zeroes meanwhile.
 
-* planes x bands are cut into tiles of 128 partitions; a tile's bands are loaded with one DMA
-  per run of planes in a band (a zero-filled tile gives the padding), its weights with one DMA
-  per run of channels;
+* channels x bands are cut into tiles of 128 partitions; a tile's bands are loaded with one DMA
+  per run of channels in a band (images on the free axis; a zero-filled tile gives the padding),
+  its weights with one DMA per run;
 * taps accumulate in fp32; the store casts to the output dtype;
 * tiles alternate between VectorE and GpSimd (both run ``scalar_tensor_tensor``), and the pools
   are double-buffered, so one tile's loads overlap the other's taps.
@@ -59,14 +60,14 @@ def _reference(inputs, shape, dtype, params):
     return {"out": out}
 
 
-def _runs(u0: int, u1: int, planes: int) -> list[tuple[int, int, int]]:
-    """Units ``u0..u1-1`` (unit = band * planes + plane) as (band, first plane, count) runs."""
+def _runs(u0: int, u1: int, channels: int) -> list[tuple[int, int, int]]:
+    """Units ``u0..u1-1`` (unit = band * channels + channel) as (band, first channel, count) runs."""
     out = []
     u = u0
     while u < u1:
-        band, j = divmod(u, planes)
-        count = min(u1 - u, planes - j)
-        out.append((band, j, count))
+        band, c0 = divmod(u, channels)
+        count = min(u1 - u, channels - c0)
+        out.append((band, c0, count))
         u += count
     return out
 
@@ -98,20 +99,26 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
         raise KernelError(f"{name}: filter {r}x{r} is larger than the padded input {hp}x{wp}")
     ho, wo = (hp - r) // stride + 1, (wp - r) // stride + 1
     parts = cfg.core.sbuf.partitions
-    planes = n * c
-    # output rows per band: fill the partitions when there are few planes, fit the SBUF budget
+    # a partition holds one channel's band of output rows for a group of images (all sharing the
+    # channel's weights, so one instruction per tap covers them); bands fill the partitions when
+    # there are few channels, and bands and image groups shrink to fit the SBUF budget
     budget = cfg.core.sbuf.partition_bytes // _SBUF_SHARE // 2
-    bands_wanted = max(1, -(-parts // planes))
+    bands_wanted = max(1, parts // c) if c < parts else 1
     hb = max(1, -(-ho // bands_wanted))
+    ni = n
 
-    def need(rows: int) -> int:
-        return ((rows - 1) * stride + r) * wp * dt.itemsize + rows * wo * 4
+    def need(rows: int, imgs: int) -> int:
+        return imgs * (((rows - 1) * stride + r) * wp * dt.itemsize + rows * wo * 4)
 
-    while hb > 1 and need(hb) > budget:
-        hb = -(-hb // 2)
-    if need(hb) > budget:
+    while need(hb, ni) > budget and (hb > 1 or ni > 1):
+        if ni > 1:
+            ni = -(-ni // 2)
+        else:
+            hb = -(-hb // 2)
+    if need(hb, ni) > budget:
         raise KernelError(f"{name}: one output row ({wo} wide, {wp} padded input columns) does not fit SBUF")
-    hb = min(hb, max(1, cfg.core.vector.max_free_sbuf // wo))
+    while ni * hb * wo > cfg.core.vector.max_free_sbuf and hb > 1:
+        hb = -(-hb // 2)
     nb = -(-ho // hb)
     hin = (hb - 1) * stride + r
     taps = r * r
@@ -122,42 +129,41 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
     xin = kern.tile_pool("x", bufs=2)
     accs = kern.tile_pool("acc", bufs=2)
     wpool = kern.tile_pool("w", bufs=2)
-    units = nb * planes
-    for ti, u0 in enumerate(range(0, units, parts)):
-        u1 = min(units, u0 + parts)
-        p = u1 - u0
-        engine = "vector" if ti % 2 == 0 else "gpsimd"
-        xt = xin.tile((parts, hin, wp), dt)
-        kern.memset(xt[:p], 0.0, engine=engine)  # the padding (and rows past the image)
-        wt = wpool.tile((parts, taps), "float32")
-        at = accs.tile((parts, hb, wo), "float32")
-        q = 0
-        for band, j0, count in _runs(u0, u1, planes):
-            o0 = band * hb  # first output row of the band
-            i0 = o0 * stride - before  # first padded-input row it reads, in image rows
-            lo, hi = max(0, i0), min(h, i0 + hin)
-            if hi > lo:
-                src = x.ap((j0 * h + lo) * w, [[h * w, count], [w, hi - lo], [1, w]])
-                kern.dma_copy(xt[q:q + count, lo - i0:hi - i0, before:before + w], src, engine="sync", queue=q % 2)
-            # the run's channels: plane j is channel j % c
-            k = 0
-            while k < count:
-                ch = (j0 + k) % c
-                m = min(count - k, c - ch)
-                kern.dma_copy(wt[q + k:q + k + m, :], wts.ap(ch * taps, [[taps, m], [1, taps]]), engine="scalar",
+    units = nb * c
+    ti = 0
+    for n0 in range(0, n, ni):
+        g = min(ni, n - n0)
+        for u0 in range(0, units, parts):
+            u1 = min(units, u0 + parts)
+            p = u1 - u0
+            engine = "vector" if ti % 2 == 0 else "gpsimd"
+            ti += 1
+            xt = xin.tile((parts, ni, hin, wp), dt)
+            kern.memset(xt[:p, :g], 0.0, engine=engine)  # the padding (and rows past the image)
+            wt = wpool.tile((parts, taps), "float32")
+            at = accs.tile((parts, ni, hb, wo), "float32")
+            q = 0
+            for band, c0, count in _runs(u0, u1, c):
+                i0 = band * hb * stride - before  # the first padded-input row the band reads, in image rows
+                lo, hi = max(0, i0), min(h, i0 + hin)
+                if hi > lo:
+                    src = x.ap((n0 * c + c0) * h * w + lo * w, [[h * w, count], [c * h * w, g], [w, hi - lo], [1, w]])
+                    kern.dma_copy(xt[q:q + count, :g, lo - i0:hi - i0, before:before + w], src, engine="sync",
+                                  queue=q % 2)
+                kern.dma_copy(wt[q:q + count, :], wts.ap(c0 * taps, [[taps, count], [1, taps]]), engine="scalar",
                               queue=2)
-                k += m
-            q += count
-        kern.memset(at[:p], 0.0, engine="gpsimd" if engine == "vector" else "vector")
-        for tap in range(taps):
-            i, j = divmod(tap, r)
-            win = xt[:p, i:i + (hb - 1) * stride + 1:stride, j:j + (wo - 1) * stride + 1:stride]
-            kern.scalar_tensor_tensor(at[:p], win, "multiply", wt[:p, tap:tap + 1], "add", at[:p], engine=engine)
-        q = 0
-        for band, j0, count in _runs(u0, u1, planes):
-            o0 = band * hb
-            rows = min(hb, ho - o0)
-            dst = out.ap((j0 * ho + o0) * wo, [[ho * wo, count], [wo, rows], [1, wo]])
-            kern.dma_copy(dst, at[q:q + count, :rows, :], engine="gpsimd", queue=3)
-            q += count
+                q += count
+            acc = at[:p, :g]
+            kern.memset(acc, 0.0, engine="gpsimd" if engine == "vector" else "vector")
+            for tap in range(taps):
+                i, j = divmod(tap, r)
+                win = xt[:p, :g, i:i + (hb - 1) * stride + 1:stride, j:j + (wo - 1) * stride + 1:stride]
+                kern.scalar_tensor_tensor(acc, win, "multiply", wt[:p, tap:tap + 1], "add", acc, engine=engine)
+            q = 0
+            for band, c0, count in _runs(u0, u1, c):
+                o0 = band * hb
+                rows = min(hb, ho - o0)
+                dst = out.ap((n0 * c + c0) * ho * wo + o0 * wo, [[ho * wo, count], [c * ho * wo, g], [wo, rows], [1, wo]])
+                kern.dma_copy(dst, at[q:q + count, :g, :rows, :], engine="gpsimd", queue=3)
+                q += count
     return kern
