@@ -25,7 +25,7 @@ from trnsim.kernels.generic import STREAM
 from trnsim.native.dtypes import get_dtype
 
 __all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
-           "matmul_spec", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec", "attention_specs", "attention_backward_specs", "fused_spec"]
+           "matmul_spec", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec", "attention_specs", "attention_backward_specs", "fused_spec"]
 
 Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
 
@@ -387,6 +387,74 @@ def conv_backward_specs(inp: torch.Tensor, weight: torch.Tensor, grad_out: torch
         else:
             specs.extend(conv_specs(inp, weight, grad_out, groups))
     return specs
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _dense_tokens(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, length, width) of a [B, L, E] (or [L, E]) activation."""
+    if x.dim() == 2:
+        return 1, x.shape[0], x.shape[1]
+    return x.shape[0], x.shape[1], x.shape[-1]
+
+
+def _attention_block(b: int, lq: int, lk: int, heads: int, head_dim: int, dtype: torch.dtype,
+                     mask: torch.Tensor | None) -> list[KernelSpec]:
+    """Multi-head attention's core for b x heads x [lq, lk]: the library flash attention where
+    queries and keys are as long, else its two batched matmuls and a softmax."""
+    if lq == lk:
+        q = torch.empty((b, heads, lq, head_dim), dtype=dtype, device="meta")
+        return attention_specs(q, mask, False, None)
+    scores = torch.empty((b * heads, lq, lk), dtype=dtype, device="meta")
+    soft = _library("softmax", (b * heads * lq, lk), dtype, {}, generic_spec("_softmax", [scores], [scores]))
+    return [sp for sp in (matmul_spec(b * heads, lq, head_dim, lk, dtype, True, True), soft,
+                          matmul_spec(b * heads, lq, lk, head_dim, dtype, True, False)) if sp is not None]
+
+
+def _linear(tokens: int, k: int, n: int, dtype: torch.dtype) -> list[KernelSpec]:
+    spec = matmul_spec(1, tokens, k, n, dtype, True, True)  # x @ w.T: row-major x, w stored [N, K]
+    return [spec] if spec is not None else []
+
+
+def _rows(kernel: str, rows: int, cols: int, dtype: torch.dtype, params: dict[str, Any], op: str) -> KernelSpec:
+    meta = torch.empty((rows, cols), dtype=dtype, device="meta")
+    generic = generic_spec(op, [meta, meta] if kernel == "binary" else [meta], [meta])
+    return _library(kernel, (rows, cols), dtype, params, generic) or generic
+
+
+def fused_op_specs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Sequence[torch.Tensor]
+                   ) -> list[KernelSpec] | None:
+    """The kernels of a fused op PyTorch's eval fast paths call (``nn.TransformerEncoderLayer``
+    in eval under no_grad, ``nn.MultiheadAttention(need_weights=False)``): their projections and
+    feed-forward matmuls on TensorE, attention as the library kernel, norms and residual adds on
+    their library kernels - what the same layer costs in train mode, not one generic kernel with
+    no FLOPs. None for every other op."""
+    if name == "_native_multi_head_attention":
+        q, k = args[0], args[1]
+        embed, heads = int(args[3]), int(args[4])
+        mask = _arg(args, kwargs, 9, "mask")
+        b, lq, _ = _dense_tokens(q)
+        _, lk, _ = _dense_tokens(k)
+        dt = q.dtype
+        return (_linear(b * lq, embed, embed, dt) + _linear(b * lk, embed, 2 * embed, dt)
+                + _attention_block(b, lq, lk, heads, embed // heads, dt, mask) + _linear(b * lq, embed, embed, dt))
+    if name == "_transformer_encoder_layer_fwd":
+        src = args[0]
+        embed, heads = int(args[1]), int(args[2])
+        use_gelu, eps = bool(args[7]), float(args[9])
+        ffn = args[14].shape[0]
+        mask = _arg(args, kwargs, 18, "mask")
+        b, length, _ = _dense_tokens(src)
+        t, dt = b * length, src.dtype
+        norm = _rows("layernorm", t, embed, dt, {"eps": eps}, "native_layer_norm")
+        act = _rows("activation", t, ffn, dt, {"fn": "gelu" if use_gelu else "relu"}, "gelu" if use_gelu else "relu")
+        add = _rows("binary", t, embed, dt, {"op": "add", "broadcast": "none"}, "add")
+        return (_linear(t, embed, 3 * embed, dt) + _attention_block(b, length, length, heads, embed // heads, dt, mask)
+                + _linear(t, embed, embed, dt) + [add, norm] + _linear(t, embed, ffn, dt) + [act]
+                + _linear(t, ffn, embed, dt) + [add, norm])
+    return None
 
 
 def copy_spec(kind: str, src: torch.Tensor, dst: torch.Tensor) -> KernelSpec:

@@ -283,10 +283,18 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     cost = _costs.get(key)
     if cost is None:
         inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
-        cost = _costs[key] = rt.cost(lowering.op_spec(info.name, args, kwargs,
-                                                      [t for t in inputs if t.device.type == NEURON],
-                                                      flat_tensors(out, [])))
-    rt.charge(index, info.name, cost)
+        neuron_inputs = [t for t in inputs if t.device.type == NEURON]
+        specs = lowering.fused_op_specs(info.name, args, kwargs, flat_tensors(out, []))
+        if specs is None:
+            cost = rt.cost(lowering.op_spec(info.name, args, kwargs, neuron_inputs, flat_tensors(out, [])))
+        else:  # a fused op (the eval fast paths): its kernels, launched one after the other
+            cost = tuple(rt.cost(sp) for sp in specs)
+        _costs[key] = cost
+    if type(cost) is tuple:
+        for c in cost:
+            rt.charge(index, info.name, c)
+    else:
+        rt.charge(index, info.name, cost)
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)
     return out
