@@ -25,7 +25,8 @@ from trnsim.kernels.generic import STREAM
 from trnsim.native.dtypes import get_dtype
 
 __all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
-           "matmul_spec", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec", "attention_specs", "attention_backward_specs", "fused_spec"]
+           "matmul_spec", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec",
+           "attention_specs", "attention_backward_specs", "fused_spec"]
 
 Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
 
@@ -375,8 +376,8 @@ def conv_backward_specs(inp: torch.Tensor, weight: torch.Tensor, grad_out: torch
             nb, k, ho, wo = grad_out.shape
             r = weight.shape[2]
             im2col = conv_specs(grad_out, weight, inp, groups)
-            spec = _library("conv2d", (nb, k, ho, wo, inp.shape[1], r), inp.dtype, {"stride": 1, "padding": (r - 1) // 2},
-                            im2col[0] if im2col else None)
+            spec = _library("conv2d", (nb, k, ho, wo, inp.shape[1], r), inp.dtype,
+                            {"stride": 1, "padding": (r - 1) // 2}, im2col[0] if im2col else None)
             specs.extend([spec] if spec is not None else im2col)
         elif plain:
             nb, k, ho, wo = grad_out.shape

@@ -192,10 +192,10 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
         cpu = cpu.detach()
     if cpu.is_conj() or cpu.is_neg():  # DLPack carries no conj/neg bit: a lazily conjugated result
         cpu = cpu.resolve_conj().resolve_neg()  # (vdot's) would come back unconjugated
-    nbytes = _storage_nbytes(cpu)
+    st = cpu.untyped_storage()
+    nbytes, addr = st.nbytes(), st.data_ptr()
     if not counted:
         pool.reserve(index, nbytes)
-    addr = cpu.untyped_storage().data_ptr()
     _live[weakref.ref(cpu, _freed)] = (index, nbytes, addr)
     if history.enabled:
         history.record(index, "alloc", addr, nbytes)

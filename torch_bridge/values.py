@@ -23,7 +23,8 @@ from .lowering import flat_tensors
 from .runtime import runtime
 
 __all__ = ["NEURON", "fallback", "same_device_fallback", "foreach", "mm", "addmm", "bmm", "baddbmm", "out_variant",
-           "convolution", "convolution_backward", "call_traced", "host_seed", "host_kernel", "is_neuron", "NEURON_DEVICES", "check_one_device"]
+           "convolution", "convolution_backward", "call_traced", "host_seed", "host_kernel", "is_neuron",
+           "NEURON_DEVICES", "check_one_device", "same_device", "raise_devices"]
 
 NEURON = "neuron"
 _CPU_KEYS = _torch.CPU_KEYS
@@ -358,8 +359,8 @@ def check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 def same_device_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The fallback for a claimed elementwise op, with its composite's device check."""
-    check_one_device(args, kwargs)
+    """The fallback for a claimed elementwise op (its composite's device check is the fallback's
+    own, made while converting the arguments)."""
     return fallback(op, *args, **kwargs)
 
 

@@ -61,8 +61,8 @@ def _vit():
 
 
 def _convnext():
-    config = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5,
-                                         image_size=32)
+    config = transformers.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                         num_labels=5, image_size=32)
     return transformers.ConvNextForImageClassification(config), {"pixel_values": _pixels()}
 
 
@@ -74,8 +74,8 @@ def _resnet():
 
 def _wav2vec2():
     config = transformers.Wav2Vec2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-                                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                         conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
                                          hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                          feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
                                          mask_time_prob=0.0)

@@ -163,7 +163,8 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
             for band, c0, count in _runs(u0, u1, c):
                 o0 = band * hb
                 rows = min(hb, ho - o0)
-                dst = out.ap((n0 * c + c0) * ho * wo + o0 * wo, [[ho * wo, count], [c * ho * wo, g], [wo, rows], [1, wo]])
+                dst = out.ap((n0 * c + c0) * ho * wo + o0 * wo,
+                             [[ho * wo, count], [c * ho * wo, g], [wo, rows], [1, wo]])
                 kern.dma_copy(dst, at[q:q + count, :g, :rows, :], engine="gpsimd", queue=3)
                 q += count
     return kern
