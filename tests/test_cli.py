@@ -78,6 +78,11 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit):
         main(["bogus"])
     assert capsys.readouterr().err.startswith("trnsim: error: argument COMMAND: invalid choice: 'bogus'")
+    with pytest.raises(SystemExit):
+        main(["x" * 100_000, "a\nb"])  # argparse quotes arguments whole; the line stays one short line
+    err = capsys.readouterr().err
+    assert err.startswith("trnsim: error: argument COMMAND: invalid choice: 'xxxxx") and err.count("\n") == 1
+    assert err.endswith(" characters) (see 'trnsim --help')\n") and len(err) < 400
 
 
 def test_console_script_runs():

@@ -137,7 +137,7 @@ def test_trace_flag_writes_a_trace(capsys, tmp_path):
      f"--check for timing only\n"),
     (["kernel", SOFTMAX, "--shape", "128x128x1"], f"trnsim: error: kernel '{SOFTMAX}': cannot call build_softmax"),
     (["kernel", "matmul", "--shape", "128x128x512", "--trace", "/no/such/dir/t.json"],
-     "trnsim: error: --trace /no/such/dir/t.json: cannot write it (No such file or directory)\n"),
+     "trnsim: error: --trace /no/such/dir/t.json: its directory /no/such/dir does not exist\n"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -155,3 +155,67 @@ def test_bad_flags_exit_2(capsys):
         main(["kernel", "matmul", "--frobnicate"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim --help')\n"
+
+
+USER_KERNELS = '''
+import trnsim
+
+def raises(rows, cols, config="trn2"):
+    raise KeyError("no table " * 100)
+
+def frees_another(rows, cols, config="trn2"):
+    a, b = trnsim.Kernel("a", config), trnsim.Kernel("b", config)
+    b.free(a.sbuf((rows, cols), "fp32"))
+    return b
+'''
+
+
+@pytest.mark.parametrize("fn,message", [
+    ("raises", "raises raised KeyError: '" + ("no table " * 23)[:199] + "... (902 characters)\n"),
+    ("frees_another", "free: tile 'sbuf1' belongs to another kernel, not 'b'; a kernel uses only its own tiles\n"),
+])
+def test_a_user_kernel_that_raises_is_one_line(capsys, tmp_path, fn, message):
+    (tmp_path / "k.py").write_text(USER_KERNELS)
+    name = f"{tmp_path / 'k.py'}:{fn}"
+    code, out, err = run(capsys, "kernel", name, "--shape", "128x64")
+    assert code == 2 and out == ""
+    assert err in (f"trnsim: error: kernel '{name}': {message}", f"trnsim: error: {message}"), err
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["--param", "scale=nan"], {}, "kernel 'matmul': parameter 'scale' = 'nan': expected a finite number"),
+    (["--param", "transpose_a=inf"], {}, "kernel 'matmul': parameter 'transpose_a' = 'inf': expected a finite number"),
+    ([], {"TRNSIM_NATIVE_THREADS": "abc"}, "TRNSIM_NATIVE_THREADS='abc': expected a whole number of matmul threads, "
+                                           "1..64"),
+    ([], {"TRNSIM_NATIVE_THREADS": "0"}, "TRNSIM_NATIVE_THREADS='0': expected a whole number of matmul threads, "
+                                         "1..64"),
+    ([], {"TRNSIM_NATIVE_THREADS": "-1"}, "TRNSIM_NATIVE_THREADS='-1': expected a whole number of matmul threads, "
+                                          "1..64"),
+])
+def test_bad_params_and_environment_are_one_line(capsys, monkeypatch, argv, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = run(capsys, "kernel", "matmul", "--shape", "128x128x512", "--check", *argv)
+    assert code == 2 and out == "" and err == f"trnsim: error: {message}\n"
+
+
+def test_check_holds_only_the_sbuf_a_kernel_uses_and_refuses_what_the_host_cannot(capsys, monkeypatch):
+    # 128 partitions x 1 GiB is in range; the kernel's values need only the SBUF it allocates
+    argv = ["kernel", "matmul", "--shape", "128x128x512", "--set", "core.sbuf.partition_bytes=1GiB", "--check"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0 and err == "" and "-> ok" in out
+    monkeypatch.setattr("trnsim.chip.host_available_bytes", lambda: 2**20)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err == ("trnsim: error: kernel 'matmul': computing its values needs 3.625 MiB of host memory (SBUF 128 x "
+                   "2.25 KiB, PSUM 128 x 2 KiB, HBM tensors 288 KiB, inputs and reference 2.8125 MiB) but 1 MiB is "
+                   "available; run it timing-only (timing_only=True, or without --check)\n")
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Chip, "run", interrupted)
+    code, out, err = run(capsys, "kernel", "matmul", "--shape", "128x128x512")
+    assert code == 130 and out == "" and err == "trnsim: interrupted\n"

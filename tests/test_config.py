@@ -76,8 +76,8 @@ def test_override_applies_and_is_recorded():
     (["core.vector.min_ii_cycles=many"], "trn2.yaml (--set core.vector.min_ii_cycles=many): core.vector.min_ii_cycles = 'many': expected an integer"),
     (["core.tensor.fp8_double_row=maybe"], "trn2.yaml (--set core.tensor.fp8_double_row=maybe): core.tensor.fp8_double_row = 'maybe': expected true or false"),
     (["chip.lnc=3"], "trn2.yaml: chip.lnc = 3: expected a divisor of chip.cores (8)"),
-    (["chip.neuronlink.topology=mesh"],
-     "trn2.yaml (--set chip.neuronlink.topology=mesh): chip.neuronlink.topology = 'mesh': expected one of torus2d, torus3d, ring, switch"),
+    (["chip.neuronlink.version=v9"],
+     "trn2.yaml (--set chip.neuronlink.version=v9): chip.neuronlink.version = 'v9': expected one of v2, v3, v4"),
     (["core.sbuf=1"], "trn2.yaml (--set core.sbuf=1): override 'core.sbuf' names a section, not a value"),
     (["nonsense"], "bad override 'nonsense': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB"),
 ])

@@ -151,3 +151,31 @@ def test_trnsim_imports_without_torch():
             "print(d.report().rows[0].kernel)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "binary", r.stderr
+
+
+def test_a_collective_beside_a_dma_bound_kernel_slows_both():
+    """A collective, simulated by the NeuronLink model and charged through the device model,
+    runs on the core's collective stream beside compute: it waits for the compute issued before
+    it, overlaps what comes after, and shares the core's DMA with it."""
+    from trnsim.collectives import simulate_collective
+    from trnsim.device import COLLECTIVE_STREAM
+
+    cfg = load_config("trn2")
+    dev = Device(cfg)
+    rep = simulate_collective("trn2.48xlarge", "all-reduce", 64 << 20, ranks=4, dtype="bf16")
+    assert rep.group == (0, 1, 2, 3)
+    coll = dev.collective_cost(rep, 0)
+    assert coll.ticks == rep.end_of(0) - rep.start_ticks[0] and coll.demand["DMA"] > 0
+    dma_bound = dev.cost(KernelSpec.of("binary", (8192, 8192), "bf16", {"op": "add"}))
+    assert dma_bound.kernel == "binary"
+    dev.reset(trace=True)
+    small = dev.cost(KernelSpec.of("binary", (128, 128), "bf16", {"op": "add"}))
+    dev.launch(0, "add", small)  # the collective's input
+    dev.launch_collective(0, "all_reduce", coll)
+    dev.launch(0, "add", dma_bound)  # compute issued after the collective overlaps it
+    first, ar, add = dev.report().events
+    assert ar.stream == COLLECTIVE_STREAM and ar.start >= first.end
+    assert add.start < ar.end  # they overlap ...
+    alone = max(coll.ticks, dma_bound.ticks)
+    assert add.end - add.start > dma_bound.ticks or ar.end - ar.start > coll.ticks  # ... and share DMA
+    assert max(ar.end, add.end) - ar.start > alone

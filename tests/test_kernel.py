@@ -149,7 +149,60 @@ def test_queue_limit(k):
     t = k.sbuf((128, 64), "fp32")
     for q in range(16):
         k.dma_copy(t, x, queue=q)
-    assert err(k.dma_copy, t, x, queue=16).startswith("dma_copy: kernel uses more than 16 DMA queues")
+    assert err(k.dma_copy, t, x, engine="scalar", queue=0).startswith("dma_copy: kernel uses more than 16 DMA queues")
+    for q in (16, 10**6):
+        assert err(k.dma_copy, t, x, queue=q) == (f"dma_copy: queue {q} does not exist; trn2 has DMA queues 0..15 "
+                                                  f"per engine (core.dma.queues)")
+
+
+def test_another_kernels_tiles_and_tensors_are_refused(k):
+    other = Kernel("other", "trn2")
+    theirs = other.sbuf((128, 64), "fp32", name="theirs")  # uid 1, like the first tile of k
+    mine = k.sbuf((128, 64), "fp32", name="mine")
+    x = k.input("x", (128, 64), "fp32")
+    assert err(k.free, theirs) == ("free: tile 'theirs' belongs to another kernel, not 't'; a kernel uses only its "
+                                   "own tiles")
+    assert theirs.alloc.live and other._sbuf.live == [theirs.alloc]  # not freed in its own kernel either
+    assert err(k.dma_copy, theirs, x) == ("DmaCopy[qSyncIO0]: tile 'theirs' belongs to another kernel, not 't'; a kernel uses "
+                                          "only its own tiles")
+    assert err(k.tensor_copy, mine, theirs).startswith("TensorCopy: tile 'theirs' belongs to another kernel")
+    y = other.input("y", (128, 64), "fp32")
+    assert err(k.dma_copy, mine, y) == ("DmaCopy[qSyncIO0]: HBM tensor 'y' belongs to another kernel, not 't'; declare it with "
+                                        "input/output/scratch on this kernel")
+    assert err(k.dma_copy, mine[:, :32], y[:, :32]).startswith("DmaCopy[qSyncIO0]: HBM tensor 'y' belongs to another kernel")
+    k.dma_copy(mine, x)
+    assert len(k) == 1
+
+
+def test_free_takes_the_whole_tile_not_a_slice(k):
+    t = k.sbuf((128, 64), "fp32", name="t")
+    for part in (t[:, :32], t[:64], t[:, 1:]):
+        assert err(k.free, part) == (f"free: {list(part.shape)} at partition {part.p_start} is a slice of tile 't' "
+                                     f"(128 partitions x 256 bytes); free the whole tile, as allocated")
+    assert t.alloc.live
+    k.free(t[:, :])  # the whole tile, however spelled
+    assert not t.alloc.live
+    assert err(k.free, t) == "SBUF tile 't' was already freed"
+    pool = k.tile_pool("p", bufs=1)
+    big = pool.tile((128, 64), "fp32")
+    small = pool.tile((128, 16), "fp32")  # reuses big's buffer through a smaller view
+    assert small.alloc is big.alloc
+    pool.release()
+    assert not big.alloc.live
+
+
+def test_the_instruction_limit(monkeypatch):
+    monkeypatch.setenv("TRNSIM_MAX_INSTRUCTIONS", "5")
+    k = Kernel("loop", "trn2")
+    t = k.sbuf((128, 64), "fp32")
+    for _ in range(5):
+        k.memset(t, 0.0)
+    assert err(k.memset, t, 0.0) == ("kernel 'loop' has more than 5 instructions; check its shape, or raise the limit "
+                                     "with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host memory each)")
+    monkeypatch.setenv("TRNSIM_MAX_INSTRUCTIONS", "lots")
+    with pytest.raises(ValueError, match=r"^TRNSIM_MAX_INSTRUCTIONS='lots': expected a whole number of instructions, "
+                                         r"1\.\.1,000,000,000,000$"):
+        Kernel("k", "trn2")
 
 
 def test_freed_tiles_cannot_be_used(k):

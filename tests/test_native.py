@@ -462,9 +462,11 @@ def test_threads_give_identical_results():
 def test_threads_env(monkeypatch):
     monkeypatch.delenv("TRNSIM_NATIVE", raising=False)
     s = np.ones((3, 2), F16)
-    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "0")
-    with pytest.raises(ValueError, match=r"^TRNSIM_NATIVE_THREADS must be a positive int, got '0'$"):
-        native.matmul(s, s)
+    for bad in ("0", "-1", "abc", "65", "1" * 5000):
+        monkeypatch.setenv("TRNSIM_NATIVE_THREADS", bad)
+        with pytest.raises(ValueError, match=r"^TRNSIM_NATIVE_THREADS='[-0-9a-z]{1,40}'(\.\.\. \(5,000 characters\))?: "
+                                             r"expected a whole number of matmul threads, 1\.\.64$"):
+            native.matmul(s, s)
     monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "2")
     assert_same_bits(native.matmul(s, s), reference.matmul(s, s))
 

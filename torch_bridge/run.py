@@ -12,11 +12,11 @@ import json
 import os
 import runpy
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from trnsim.files import AtomicOutput
 from trnsim.report import RunReport
 
 __all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
@@ -81,7 +81,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     A missing script raises FileNotFoundError; an exception in the script prints its traceback
-    to stderr and gives status 1 (the report still covers what ran). With ``quiet_stdout`` the
+    to stderr and gives status 1 (the report still covers what ran); ``sys.exit("message")``
+    prints the message and gives status 1, as ``python script.py`` does. A trace path that
+    cannot be written (a FIFO, a device, a missing or read-only directory) is refused with
+    :class:`trnsim.files.OutputError` before the script starts. With ``quiet_stdout`` the
     script's standard output goes to standard error (the caller prints data on stdout).
     """
     if quiet_stdout:
@@ -97,6 +100,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     if config is not None or overrides:
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
     device.reset_report(trace=trace is not None)
+    out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
     saved_argv, saved_path = sys.argv, list(sys.path)
     # Hugging Face accelerate (and so the Trainer) detects a neuron device only through AWS's own
     # torch_neuronx package; the device it should use otherwise is this variable, read by both
@@ -106,28 +110,45 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
     try:
-        runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception:  # the user's script failed: show its traceback, keep the report
-        traceback.print_exc()
-        status = 1
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            status = _exit_status(e.code)
+        except Exception:  # the user's script failed: show its traceback, keep the report
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            if saved_env is None:
+                os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+        for i in range(device.device_count()):
+            device.synchronize(i)
+        report = device.report()
+        if out is not None:
+            write_op_trace(out, report)
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        if saved_env is None:
-            os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
-    for i in range(device.device_count()):
-        device.synchronize(i)
-    report = device.report()
-    if trace is not None:
-        write_op_trace(trace, report)
+        if out is not None:
+            out.discard()
     return status, report
 
 
-def write_op_trace(path: str | os.PathLike[str], report: RunReport) -> None:
+def _exit_status(code: object) -> int:
+    """What ``python script.py`` does with ``sys.exit(code)``: None is 0, an int is itself,
+    anything else is printed to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stdout.flush()
+    print(code, file=sys.stderr)
+    return 1
+
+
+def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport) -> None:
     """Chrome trace-event JSON of every launch: pid = NeuronCore, tid = stream, times in simulated
     us, and a ``host`` lane with each launch's dispatch (ending when the host issued it). Written
-    to a temporary file first, so a failed write leaves nothing half-done."""
+    through :class:`trnsim.files.AtomicOutput` (a temporary file renamed into place; symlinks
+    followed, FIFOs and devices refused); ``path`` may be one reserved before the run."""
     events: list[dict[str, Any]] = []
     to_us = 1e6 / report.tick_hz
     host_pid = -1
@@ -148,12 +169,5 @@ def write_op_trace(path: str | os.PathLike[str], report: RunReport) -> None:
         events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.core, "tid": e.stream,
                        "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
                        "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
+    out.commit(lambda f: json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f))

@@ -23,11 +23,17 @@ __all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "conv_f32"
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _k_chunk() -> int:
-    """Contraction rows per matmul instruction on the configured chip (datasheet §4.2)."""
-    from .runtime import runtime
+_chunk: list[int] = []
 
-    return runtime().config.core.tensor.max_contraction
+
+def _k_chunk() -> int:
+    """Contraction rows per matmul instruction on the configured chip (datasheet §4.2); the
+    config is fixed once the device is in use, so it is read once."""
+    if not _chunk:
+        from .runtime import runtime
+
+        _chunk.append(runtime().config.core.tensor.max_contraction)
+    return _chunk[0]
 
 
 def on_datapath(*ts: torch.Tensor) -> bool:

@@ -411,8 +411,17 @@ def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype:
                  a: torch.Tensor, b: torch.Tensor) -> None:
     """Charge a matmul; the operands' memory layouts pick the kernel's operand forms
     (:func:`torch_bridge.lowering.matmul_layout`)."""
-    runtime().charge(index, op, lowering.matmul_spec(batch, m, k, n, dtype, *lowering.matmul_layout(a, b)),
-                     "empty matmul (launch only)")
+    ta, tb = lowering.matmul_layout(a, b)
+    key = (batch, m, k, n, dtype, ta, tb)
+    rt = runtime()
+    cost = _mm_costs.get(key)
+    if cost is None:
+        cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
+    rt.charge(index, op, cost)
+
+
+# (batch, m, k, n, dtype, transpose flags) -> the matmul's OpCost (a spec is slower to build than to look up)
+_mm_costs: dict[tuple[Any, ...], Any] = {}
 
 
 def _mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -455,7 +464,7 @@ def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> t
 
 
 def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
-           ) -> torch.Tensor:
+          ) -> torch.Tensor:
     same_device(mat1, mat2, self)
     index = mat1.device.index or 0
     a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
@@ -484,7 +493,7 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
 
 
 def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
-             ) -> torch.Tensor:
+            ) -> torch.Tensor:
     same_device(batch1, batch2, self)
     index = batch1.device.index or 0
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)

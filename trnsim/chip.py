@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .config import ChipConfig, load_config
+from .config import ChipConfig, format_quantity, load_config
 from .cores.base import ENGINE_TYPES
 from .isa import KernelError
 from .kernel import Kernel
@@ -19,7 +19,39 @@ from .native import convert
 from .report import KernelReport, build_report
 from .sim import CoreTimeline, simulate
 
-__all__ = ["Chip", "RunResult"]
+__all__ = ["Chip", "RunResult", "check_host_memory", "host_available_bytes"]
+
+
+def check_host_memory(kernel: Kernel, extra: int = 0) -> None:
+    """A run with values holds the kernel's SBUF/PSUM (up to their high-water marks) and every HBM
+    tensor in host memory, plus ``extra`` bytes the caller needs beside them (e.g. reference
+    arrays): refuse a kernel the host cannot hold with a KernelError naming what takes the room,
+    before allocating any of it."""
+    c = kernel.config.core
+    sbuf, psum = kernel.sbuf_high_water, kernel.psum_high_water
+    need = c.sbuf.partitions * sbuf + c.psum.partitions * psum + kernel.hbm_bytes + extra
+    avail = host_available_bytes()
+    if avail is not None and need > avail:
+        by = lambda n: format_quantity(n, "bytes")  # noqa: E731
+        parts = f"SBUF {c.sbuf.partitions} x {by(sbuf)}, PSUM {c.psum.partitions} x {by(psum)}, HBM tensors " \
+                f"{by(kernel.hbm_bytes)}" + (f", inputs and reference {by(extra)}" if extra else "")
+        raise KernelError(f"kernel '{kernel.name}': computing its values needs {by(need)} of host memory ({parts}) "
+                          f"but {by(avail)} is available; run it timing-only (timing_only=True, or without --check)")
+
+
+def host_available_bytes() -> int | None:
+    """Host memory available to allocate now, bytes (Linux MemAvailable; None if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,7 +139,15 @@ class Chip:
         if missing:
             raise KernelError(f"missing input '{missing[0]}' for kernel '{kernel.name}' "
                               f"(shape {ins_tensors[missing[0]].shape}, {ins_tensors[missing[0]].dtype.short})")
-        mem = DeviceMemory(self.config)
+        check_host_memory(kernel)
+        try:
+            mem = DeviceMemory(self.config, kernel.sbuf_high_water, kernel.psum_high_water)
+            return self._run_values(kernel, inputs, mem)
+        except MemoryError:
+            raise KernelError(f"kernel '{kernel.name}': the host ran out of memory computing its values; run it "
+                              f"timing-only (timing_only=True, or without --check)") from None
+
+    def _run_values(self, kernel: Kernel, inputs: Mapping[str, Any], mem: DeviceMemory) -> dict[str, np.ndarray]:
         for name, t in kernel.tensors.items():
             if t.kind == "input":
                 arr = np.asarray(inputs[name])

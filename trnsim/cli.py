@@ -5,12 +5,16 @@
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
                   [--param K=V ...] [--check] [--json] [--trace out.json]
     trnsim kernel --list [--json]
-    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N]
+    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
+                  [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
-Bad input (unknown config, bad override, a kernel that breaks a hardware rule) prints one line
-``trnsim: error: ...`` on stderr and exits with status 2. ``trnsim kernel --check`` exits with
-status 1 when the kernel's outputs do not match its reference.
+Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
+that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
+2. ``trnsim kernel --check`` exits with status 1 when the kernel's outputs do not match its
+reference. Ctrl-C stops any command with one line and status 130 (a sweep says what it kept);
+a sweep whose worker process dies exits with status 1.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from .config import ChipConfig, ConfigError, config_names, format_quantity, load_config
+from .config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
+from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
-from .sweep import bound_of
+from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
 
@@ -36,6 +41,7 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        message = _one_line(message, 300)  # argparse quotes the user's arguments whole
         print(f"trnsim: error: {message} (see 'trnsim {self.prog.split()[-1]} --help')"
               if " " in self.prog else f"trnsim: error: {message} (see 'trnsim --help')", file=sys.stderr)
         raise SystemExit(2)
@@ -113,8 +119,6 @@ def info_data(cfg: ChipConfig) -> dict[str, Any]:
             "version": chip.neuronlink.version,
             "links": chip.neuronlink.links,
             "bandwidth": chip.neuronlink.bandwidth,
-            "topology": chip.neuronlink.topology,
-            "instance_chips": chip.neuronlink.instance_chips,
         },
         "host_dispatch_ns": cfg.host.dispatch / 1000,
         "host_max_inflight": cfg.host.max_inflight,
@@ -152,8 +156,7 @@ def render_info(cfg: ChipConfig, console: Any) -> None:
                      f"engine = {bw(d['dma_bandwidth_per_core'])} per core, {bw(d['dma_bandwidth_per_chip'])} per chip; "
                      f"start latency {format_quantity(c.dma.start_latency, 'time')}")
     nl = cfg.chip.neuronlink
-    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip, {nl.topology} of "
-                            f"{nl.instance_chips} chips")
+    t.add_row("NeuronLink", f"{nl.version}, {nl.links} links, {bw(nl.bandwidth)} per chip; systems in configs/systems/")
     t.add_row("Host", f"{format_quantity(cfg.host.dispatch, 'time')} to issue a launch, up to "
                       f"{cfg.host.max_inflight} unfinished launches per logical core")
     t.add_row("Source", cfg.source_display)
@@ -389,23 +392,28 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     elif ref.default_shape is not None:
         shape = ref.default_shape
     else:
-        raise UsageError(f"kernel '{args.name}': --shape is required for a kernel from a file, e.g. --shape 1024x2048")
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape is required for a kernel from a file, e.g. "
+                         f"--shape 1024x2048")
     dtype = ref.dtype(args.dtype)
-    params = parse_params(args.param, ref.params, f"kernel '{args.name}'")
+    params = parse_params(args.param, ref.params, f"kernel '{clip_text(args.name)}'")
     check: dict[str, Any] | None = None
-    if args.check:
-        if ref.entry is None or ref.entry.reference is None:
-            raise UsageError(f"kernel '{args.name}': --check needs a registered kernel with a reference; "
-                             f"run it without --check for timing only")
-        check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
-        report = check["report"]
-    else:
-        report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
-    if args.trace:
-        try:
-            write_trace(args.trace, report)
-        except OSError as e:
-            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if args.check and (ref.entry is None or ref.entry.reference is None):
+        raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; "
+                         f"run it without --check for timing only")
+    # a trace that cannot be written is refused now, before the run, not after it
+    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    try:
+        if args.check:
+            assert ref.entry is not None
+            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
+            report = check["report"]
+        else:
+            report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
+        if trace is not None:
+            write_trace(trace, report)
+    finally:
+        if trace is not None:
+            trace.discard()
     ok = check is None or bool(check["ok"])
     if args.json:
         doc: dict[str, Any] = {"kernel": args.name, "shape": list(shape), "dtype": dtype, "config": cfg.name,
@@ -440,7 +448,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from .sweep import load_spec, run_sweep
 
-    spec = load_spec(args.spec, args.out)
+    if args.max_points is not None and args.max_points < 1:
+        raise UsageError(f"--max-points {args.max_points}: expected a positive number of points")
+    spec = load_spec(args.spec, args.out, args.max_points or DEFAULT_MAX_POINTS)
     err = Console(stderr=True)
     progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, disable=not sys.stderr.isatty(), transient=True)
@@ -459,11 +469,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
     for r in rows:
         figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
-                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}", f"{float(r['mfu_percent']):.1f}%", r["bound"]])
+                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}",
+                    f"{float(r['mfu_percent']):.1f}%" if r["mfu_percent"] else "", r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
-    console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}")
+    console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}",
+                  markup=False)
+    if result.torn:
+        console.print("A torn last row (from a killed run) was dropped and its point run again.")
     return 0
 
 
@@ -523,6 +537,89 @@ def print_run_report(rep: Any, title: str) -> None:
     render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
 
 
+# ---------------------------------------------------------------------------------------------
+# collective
+# ---------------------------------------------------------------------------------------------
+
+
+def _gib(v: float) -> str:
+    return f"{v / 2**30:.2f}"
+
+
+def cmd_collective(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .collectives import CollectiveError, simulate_collective
+    from .collectives.engine import parse_sizes
+    from .collectives.trace import write_collective_trace
+    from .config import load_system
+
+    system = load_system(args.system, args.set)
+    reps = []
+    try:
+        sizes = parse_sizes(args.bytes, args.factor)
+        for i, n in enumerate(sizes):
+            trace = bool(args.trace) and i == len(sizes) - 1
+            reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
+                                            algorithm=args.algo, trace=trace))
+    except CollectiveError as e:
+        raise UsageError(str(e)) from None
+    last = reps[-1]
+    if args.trace:
+        try:
+            write_collective_trace(args.trace, [last], system.ranks_per_chip)
+        except OSError as e:
+            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    if args.json:
+        doc = {"collective": last.collective, "system": system.name, "ranks": last.ranks, "dtype": last.dtype,
+               "overrides": dict(system.overrides), "units": {"time": "us", "algbw": "GiB/s", "busbw": "GiB/s"},
+               "results": [{"size(B)": r.nbytes, "count(elems)": r.count, "type": r.dtype, "time:avg(us)": r.time_us,
+                            "algbw(GiB/s)": r.algbw / 2**30, "busbw(GiB/s)": r.busbw / 2**30,
+                            "algorithm": r.algorithm, "estimate(us)": r.estimate.time_us, "report": r.to_dict()}
+                           for r in reps]}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = _Out(width=140)
+    cfg = system.chip
+    chips = len({r // system.ranks_per_chip for r in last.group})
+    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks on {chips} of "
+            f"{system.chips} chips ({system.ranks_per_chip} logical cores each, LNC={cfg.chip.lnc}), {last.dtype}")
+    if system.overrides:
+        head += f" ({escape(system.describe_overrides())})"
+    console.print(head)
+    t = Table(box=None, padding=(0, 1), show_edge=False)
+    for col in ("size(B)", "count(elems)", "type", "time(us)", "algbw(GiB/s)", "busbw(GiB/s)", "algorithm", "steps",
+                "hops", "bound", "a-b(us)"):
+        t.add_column(col, justify="left" if col in ("type", "algorithm", "bound") else "right", no_wrap=True)
+    why: dict[str, str] = {}
+    for r in reps:
+        why.setdefault(r.algorithm, r.reason)
+        bound = r.bound if r.bound == "latency" else f"{r.bound} {r.bound_percent:.0f}%"
+        t.add_row(str(r.nbytes), str(r.count), r.dtype, f"{r.time_us:.2f}", _gib(r.algbw), _gib(r.busbw),
+                  r.algorithm, str(r.steps), str(r.max_hops), escape(bound), f"{r.estimate.time_us:.2f}")
+    console.print(t)
+    avg = sum(r.busbw for r in reps) / len(reps)
+    console.print(f"Avg bus bandwidth: {_gib(avg)} GiB/s")
+    factor = {"all-reduce": "2(n-1)/n", "all-gather": "(n-1)/n", "reduce-scatter": "(n-1)/n",
+              "all-to-all": "(n-1)/n"}.get(last.collective, "1")
+    console.print(f"algbw = size / time, busbw = algbw x {factor} = {last.busbw_factor:.4g} (nccl-tests' factor); "
+                  f"both in GiB/s (2^30 bytes/s), as nccom-test prints them.")
+    console.print("a-b(us): the alpha-beta estimate of the same call. bound: what held the chunks back longest "
+                  "(latency: nothing, half the time).")
+    for algo, reason in why.items():
+        console.print(f"{algo}: {escape(reason)}")
+    top = max(last.link_bytes.items(), key=lambda kv: kv[1], default=None)
+    links = (f"; busiest link {escape(top[0])}: {format_quantity(top[1], 'bytes')} over {len(last.link_bytes)} "
+             f"link directions used" if top else "; no link used (one chip: HBM to HBM)")
+    console.print(f"At {format_quantity(last.nbytes, 'bytes')}: {last.transfers:,} transfers in {last.chunks:,} "
+                  f"chunks{links}.")
+    if args.trace:
+        console.print(f"Trace of the {format_quantity(last.nbytes, 'bytes')} run written to {escape(args.trace)} "
+                      f"(open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -556,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("spec", metavar="SPEC.yaml", help="sweep spec: config, grid, kernels, out")
     w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
     w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
+    w.add_argument("--max-points", type=int, metavar="N",
+                   help=f"run a spec of more than {DEFAULT_MAX_POINTS:,} points (the default limit)")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
@@ -566,7 +665,53 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.set_defaults(fn=cmd_run)
+    _add_collective_parser(sub)
     return p
+
+
+def _add_collective_parser(sub: Any) -> None:
+    from .collectives import ALGORITHMS, COLLECTIVES
+    from .config import system_names
+
+    c = sub.add_parser("collective", help="simulate a collective over a system's chips and links and print an "
+                                          "nccom-test style table (size, count, type, time, algbw, busbw)")
+    c.add_argument("collective", metavar="COLLECTIVE", help=f"one of {', '.join(COLLECTIVES)} (or nccom-test's "
+                                                            f"allr, allg, redsct, alltoall, sendrecv)")
+    c.add_argument("--system", default="trn2.48xlarge",
+                   help=f"a system ({', '.join(system_names())}) or a YAML path; default trn2.48xlarge")
+    c.add_argument("--ranks", type=int, help="ranks (logical NeuronCores, rank r on chip r // cores per chip); "
+                                             "a divisor of the system's; default all")
+    c.add_argument("--bytes", default="8B:4GiB", help="SIZE, MIN:MAX (times --factor each step) or SIZE,SIZE,...; "
+                                                      "nccl-tests' S (the all-reduce buffer, the all-gather output...); "
+                                                      "default 8B:4GiB")
+    c.add_argument("--factor", type=int, default=2, help="growth factor of a MIN:MAX range (default 2)")
+    c.add_argument("--algo", help=f"force an algorithm: {', '.join(ALGORITHMS)} (default: the size rule)")
+    c.add_argument("--dtype", default="bf16", help="element type (default bf16)")
+    c.add_argument("--set", action="append", default=[], metavar="K=V",
+                   help="dotted override of the system (topology.x.bandwidth=128GB/s) or its chip "
+                        "(core.dma.engine_bandwidth=40GB/s) (repeatable)")
+    c.add_argument("--json", action="store_true", help="print the results as JSON")
+    c.add_argument("--trace", metavar="OUT.json", help="write a Perfetto trace of the largest size: link lanes "
+                                                       "and the ranks' CC DMA queues")
+    c.set_defaults(fn=cmd_collective)
+
+
+ERROR_CHARS = 2000  # the most of one error line printed: a message is a sentence, not a dump
+
+
+def _one_line(message: str, limit: int = ERROR_CHARS) -> str:
+    """The error as one bounded line, whatever went into it."""
+    return clip_text(" ".join(str(message).splitlines()), limit)
+
+
+def _check_environment() -> None:
+    """TRNSIM_* settings are checked before any command runs, so a bad one is a one-line error,
+    not a traceback from deep inside a run (or inside the user's script under ``trnsim run``)."""
+    from .kernel import max_instructions
+    from .native import check_env
+
+    check_env()
+    max_instructions()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -574,10 +719,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "config", None) == "trnsim-default":
         args.config = "trn2"
     try:
+        _check_environment()
         return int(args.fn(args))
-    except (ConfigError, KernelError, UsageError) as e:
-        print(f"trnsim: error: {e}", file=sys.stderr)
+    except (ConfigError, KernelError, UsageError, OutputError) as e:
+        print(f"trnsim: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except SweepStopped as e:
+        print(f"trnsim: {_one_line(str(e))}", file=sys.stderr)
+        return 130 if e.interrupted else 1
+    except KeyboardInterrupt:
+        print("trnsim: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"trnsim: error: the host ran out of memory in 'trnsim {args.command}'; try a smaller shape or "
+              f"config, or a timing-only run", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # the reader went away (e.g. `trnsim demo | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

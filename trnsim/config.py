@@ -12,10 +12,13 @@ YAML before validation, so they get the same checks and the same messages.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import re
+import reprlib
+import stat
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -32,6 +35,11 @@ __all__ = [
     "config_names",
     "parse_quantity",
     "format_quantity",
+    "format_value",
+    "clip_text",
+    "load_yaml",
+    "load_yaml_file",
+    "env_int",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -39,6 +47,206 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 class ConfigError(ValueError):
     """A chip config (file, key or override) is invalid. The message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded YAML and bounded error values
+# ---------------------------------------------------------------------------------------------
+
+#: Limits of what one YAML document (a config, a sweep spec, a --set value) may be. A chip config
+#: is ~100 values four levels deep; these leave room for big sweep specs while keeping a
+#: malicious or mistaken file (alias bombs, 10,000-deep lists, a 1 GB file) to a one-line error
+#: in milliseconds instead of gigabytes and minutes.
+MAX_YAML_BYTES = 4 * 2**20
+MAX_YAML_DEPTH = 64
+MAX_YAML_VALUES = 100_000  # nodes after expanding every alias
+ERROR_VALUE_CHARS = 80  # how much of a user's value an error message quotes
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 4, 6, 6
+_REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = _REPR.maxarray = 6
+_REPR.maxstring = _REPR.maxother = ERROR_VALUE_CHARS
+_REPR.maxlong = 40
+
+
+def format_value(value: Any, limit: int = ERROR_VALUE_CHARS) -> str:
+    """``repr(value)`` for an error message, bounded in time, memory and length whatever the
+    value is (a nested alias bomb, a 50 MB string, a 5,000-digit integer) and on one line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a value whose repr fails must not turn an error into a traceback
+        text = f"<{type(value).__name__}>"
+    return clip_text(text, limit, quoted=False)
+
+
+def clip_text(text: Any, limit: int = ERROR_VALUE_CHARS, *, quoted: bool = False) -> str:
+    """A user's text for an error message: printable text as is, anything else escaped (so a
+    newline cannot break the one-line rule), cut to ``limit`` characters with the length of the
+    whole. ``quoted`` gives it Python quotes, like ``repr``."""
+    s = text if isinstance(text, str) else str(text)
+    head = s[:limit]
+    if quoted:
+        shown = repr(head)
+    elif head.isprintable():
+        shown = head
+    else:
+        shown = repr(head)[1:-1]  # escaped, without the quotes
+    return shown if len(s) <= limit else f"{shown}... ({len(s):,} characters)"
+
+
+class _BoundedYamlError(yaml.MarkedYAMLError):
+    pass
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with limits: depth and alias expansion are counted while the document
+    is composed (before any value is built), a mapping's duplicate keys are refused naming both
+    lines, and values the constructors choke on (a 13th month, a 5,000-digit integer) become YAML
+    errors at their line instead of stray ValueErrors."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, tuple[int, int]] = {}  # id(node) -> (values, depth) once composed
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None and id(target) not in self._sizes:
+                raise _BoundedYamlError(None, None, f"alias *{clip_text(event.anchor, 40)} refers to a value that "
+                                        f"contains it (a recursive structure)", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _BoundedYamlError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                        self.peek_event().start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if id(node) not in self._sizes:
+            if isinstance(node, yaml.MappingNode):
+                kids = [x for kv in node.value for x in kv]
+            elif isinstance(node, yaml.SequenceNode):
+                kids = node.value
+            else:
+                kids = []
+            values = 1 + sum(self._sizes[id(k)][0] for k in kids)
+            depth = 1 + max((self._sizes[id(k)][1] for k in kids), default=0)
+            if values > MAX_YAML_VALUES:
+                raise _BoundedYamlError(None, None, f"anchors and aliases expand to more than {MAX_YAML_VALUES:,} "
+                                        f"values; write the values out or use fewer aliases", node.start_mark)
+            if depth > MAX_YAML_DEPTH:
+                raise _BoundedYamlError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels once aliases "
+                                        f"are expanded", node.start_mark)
+            self._sizes[id(node)] = (values, depth)
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    prev = first.setdefault(key, key_node)
+                except TypeError:
+                    continue  # unhashable: the base class reports it
+                if prev is not key_node:
+                    raise _BoundedYamlError(None, None, f"duplicate key {format_value(key, 40)} (first at line "
+                                            f"{prev.start_mark.line + 1}); a key may appear once",
+                                            key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise _BoundedYamlError(None, None, f"cannot read the value: {clip_text(e, 120)}", node.start_mark) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """' line N: problem' for a YAML error (line of the problem, 1-based)."""
+    if isinstance(e, yaml.reader.ReaderError):
+        if isinstance(e.character, int):
+            return f" character {e.position + 1}: #x{e.character:04x} is not allowed in YAML"
+        return f" {clip_text(e.reason)}"
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    line = f" line {mark.line + 1}:" if mark is not None else ""
+    return f"{line} {clip_text(getattr(e, 'problem', None) or getattr(e, 'context', None) or 'invalid YAML', 200)}"
+
+
+_DENSE_BRACKETS = re.compile(r"(?:[\[{][ \t]*){%d}" % (MAX_YAML_DEPTH + 1))
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse one YAML document with PyYAML's safe loader, within the limits above. Errors are
+    a one-line :class:`ConfigError` ``"<where>: line N: <problem>"``."""
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where}: {len(text):,} characters of YAML; at most {MAX_YAML_BYTES:,} are read")
+    dense = _DENSE_BRACKETS.search(text)
+    if dense:  # PyYAML's scanner takes ~1 s to reach the depth limit through a wall of brackets
+        raise ConfigError(f"{where}: line {text.count(chr(10), 0, dense.start()) + 1}: nested deeper than "
+                          f"{MAX_YAML_DEPTH} levels")
+    loader = None
+    try:
+        loader = _BoundedLoader(text)
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}:{_yaml_problem(e)}") from None
+    except RecursionError:  # pragma: no cover - the depth limit comes first
+        raise ConfigError(f"{where}: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def load_yaml_file(path: str | os.PathLike[str], where: str, what: str = "YAML file") -> Any:
+    """Read and parse a YAML file with :func:`load_yaml`; a missing file, a FIFO or device (never
+    opened: it could block forever), a file over the size limit or one that is not UTF-8 is a
+    one-line :class:`ConfigError` naming ``what`` and the path."""
+    shown = os.fspath(path)
+    try:
+        st = os.stat(shown)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{shown}' not found") from None
+    except OSError as e:
+        raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        from .files import file_kind
+
+        raise ConfigError(f"{what} '{shown}': it is {file_kind(st.st_mode)}, not a regular file")
+    try:
+        with open(shown, "rb") as f:
+            data = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_YAML_BYTES // 2**20} MiB; a {what} is at most that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
+    return load_yaml(text, where)
+
+
+def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
+    """An integer setting from the environment variable ``name`` (unset or blank: ``default``).
+    Anything but a whole number in ``lo..hi`` is a one-line :class:`ConfigError` naming the
+    variable, its value and ``what`` it should be."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    # ASCII digits only: int() also takes other scripts' digits and "1_000"
+    n = int(text) if len(text) <= 20 and digits.isascii() and digits.isdigit() else None
+    if n is None or not lo <= n <= hi:
+        raise ConfigError(f"{name}={clip_text(text, 40, quoted=True)}: expected {what}, {lo}..{hi:,}")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,11 +283,14 @@ def parse_quantity(text: Any, kind: str) -> int:
     if isinstance(text, (int, float)):
         # bare numbers are ambiguous for every kind we parse: require the unit
         raise ValueError(f"expected a {kind} quantity with its unit, like '{example}'")
-    m = _QTY.match(text)
+    m = _QTY.match(text) if len(text) <= 64 else None
     if not m:
         raise ValueError(f"expected a {kind} quantity like '{example}'")
     try:
-        num = Fraction(Decimal(m.group(1)))
+        dec = Decimal(m.group(1))
+        if not -40 <= dec.adjusted() <= 40:  # 1e999999999 would be a 400 MB integer
+            raise ValueError(f"expected a {kind} quantity like '{example}' (the number {m.group(1)} is out of range)")
+        num = Fraction(dec)
     except InvalidOperation:  # pragma: no cover - the regex admits only decimals
         raise ValueError(f"expected a {kind} quantity like '{example}'") from None
     unit = m.group(2)
@@ -155,14 +366,12 @@ class HbmConfig:
 
 @dataclass(frozen=True)
 class NeuronLinkConfig:
-    version: str = _str()
+    """What one chip has of NeuronLink. How chips are linked - topology, per-link bandwidth and
+    latency - is a system's (``configs/systems/``, :class:`SystemConfig`)."""
+
+    version: str = _str(("v2", "v3", "v4"))
     links: int = _int(1, 64)
     bandwidth: int = _q("bandwidth", doc="per chip, aggregate, bytes/s")
-    intra_instance_bandwidth: int = _q("bandwidth")
-    inter_instance_bandwidth: int = _q("bandwidth")
-    hop_latency: int = _q("time", lo=0, doc="per hop, ps")
-    topology: str = _str(("torus2d", "torus3d", "ring", "switch"))
-    instance_chips: int = _int(1, 4096)
 
 
 @dataclass(frozen=True)
@@ -376,21 +585,26 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(name_or_path)
     p = Path(text)
     if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
-        if not p.is_file():
-            raise ConfigError(f"{text}: no such config file")
+        try:
+            os.lstat(p)
+        except FileNotFoundError:
+            raise ConfigError(f"{clip_text(text)}: no such config file") from None
+        except OSError as e:  # e.g. a name too long for the file system
+            raise ConfigError(f"{clip_text(text)}: cannot read it ({e.strerror or type(e).__name__})") from None
         return p
     cand = CONFIG_DIR / f"{text}.yaml"
-    if cand.is_file():
+    if text in config_names():
         return cand
     raise ConfigError(
-        f"unknown config '{text}': expected one of {', '.join(config_names())} or a path to a .yaml file"
+        f"unknown config '{clip_text(text)}': expected one of {', '.join(config_names())} or a path to a .yaml file"
     )
 
 
 def _apply_override(raw: dict[str, Any], key: str, value: str, where: str) -> None:
     parts = key.split(".")
     if not key or any(not p for p in parts):
-        raise ConfigError(f"{where}: bad override key '{key}': expected dotted keys like core.sbuf.partition_bytes")
+        raise ConfigError(f"{where}: bad override key '{clip_text(key)}': expected dotted keys like "
+                          f"core.sbuf.partition_bytes")
     node: Any = raw
     cls: Any = ChipConfig
     for i, part in enumerate(parts):
@@ -398,19 +612,20 @@ def _apply_override(raw: dict[str, Any], key: str, value: str, where: str) -> No
         if part not in fields:
             path = ".".join(parts[:i]) or "<top level>"
             raise ConfigError(
-                f"{where}: unknown key '{key}': '{part}' is not in {path}; expected one of {', '.join(fields)}"
+                f"{where}: unknown key '{clip_text(key)}': '{clip_text(part, 40)}' is not in {path}; expected one "
+                f"of {', '.join(fields)}"
             )
         f = fields[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else _TYPES.get(f.type)):
-                raise ConfigError(f"{where}: override '{key}' names a section, not a value")
+                raise ConfigError(f"{where}: override '{clip_text(key)}' names a section, not a value")
             node[part] = _override_value(value, f)
             return
         sub = _TYPES.get(f.type) if isinstance(f.type, str) else f.type
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"{where}: override '{key}': '{part}' is a value, not a section")
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
+            raise ConfigError(f"{where}: override '{clip_text(key)}': '{part}' is a value, not a section")
+        # a copy of the section, so an override never reaches another key that aliases it
+        node[part] = dict(node[part]) if isinstance(node.get(part), dict) else {}
         node = node[part]
         cls = sub
 
@@ -420,9 +635,11 @@ def _override_value(text: str, f: dataclasses.Field[Any]) -> Any:
     kind = f.metadata.get("kind")
     if kind in ("int", "float", "bool"):
         try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError:
+            value = load_yaml(text, "--set")
+        except ConfigError:
             return text
+        # a list or mapping is never a scalar's value: keep the text, which the check quotes
+        return value if isinstance(value, (int, float, bool)) else text
     return text
 
 
@@ -432,7 +649,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     for key in raw:
         if key not in fields:
-            loc = f"{path}.{key}" if path else str(key)
+            loc = clip_text(f"{path}.{key}" if path else str(key))
             raise ConfigError(
                 f"{where}: unknown key '{loc}': expected one of {', '.join(fields)}"
             )
@@ -445,7 +662,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
         if sub is not None and dataclasses.is_dataclass(sub):
             values[name] = _build(sub, raw[name], loc, where, from_set)
         else:
-            w = f"{where} (--set {loc}={from_set[loc]})" if from_set and loc in from_set else where
+            w = f"{where} (--set {loc}={clip_text(from_set[loc])})" if from_set and loc in from_set else where
             values[name] = _leaf(raw[name], f, loc, w)
     return cls(**values)
 
@@ -453,7 +670,7 @@ def _build(cls: Any, raw: Any, path: str, where: str, from_set: Mapping[str, str
 def _leaf(value: Any, f: dataclasses.Field[Any], loc: str, where: str) -> Any:
     md = f.metadata
     kind = md["kind"]
-    shown = repr(value)
+    shown = format_value(value)
     if kind == "str":
         if not isinstance(value, str):
             raise ConfigError(f"{where}: {loc} = {shown}: expected a string")
@@ -548,15 +765,7 @@ def load_config(
         name_or_path = name_or_path.source
     path = _resolve(name_or_path)
     where = path.name if path.parent == CONFIG_DIR else str(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, IsADirectoryError, PermissionError) as e:
-        raise ConfigError(f"{where}: cannot read it as a YAML config ({type(e).__name__})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{where}:{line} {problem}") from None
+    raw = _read_config(path, where)
     if raw is None:
         raw = {}
     pairs: list[tuple[str, str]] = list(prior)
@@ -565,15 +774,288 @@ def load_config(
         pairs.extend((str(k), str(v)) for k, v in items)
     for key, value in pairs:
         if isinstance(raw, dict):
-            _apply_override(raw, key, value, f"{where} (--set {key}={value})")
+            _apply_override(raw, key, value, f"{where} (--set {clip_text(key)}={clip_text(value)})")
     cfg = _build(ChipConfig, raw, "", where, dict(pairs))
     cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs))
     _check_consistency(cfg, where)
     return cfg
 
 
+_RAW_CACHE: dict[tuple[str, int, int, int], Any] = {}
+
+
+def _read_config(path: Path, where: str) -> Any:
+    """The parsed YAML of a config file, cached by its identity and modification time (a sweep
+    loads one file once per variant; parsing costs ~10x the check). Callers get a copy."""
+    try:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key is not None and key in _RAW_CACHE:
+        return copy.deepcopy(_RAW_CACHE[key])
+    raw = load_yaml_file(path, where, "config")
+    if key is not None:
+        if len(_RAW_CACHE) >= 16:
+            _RAW_CACHE.pop(next(iter(_RAW_CACHE)))
+        _RAW_CACHE[key] = copy.deepcopy(raw)
+    return raw
+
+
 def _split_override(text: str) -> tuple[str, str]:
     if "=" not in text:
-        raise ConfigError(f"bad override '{text}': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB")
+        raise ConfigError(f"bad override '{clip_text(text)}': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB")
     k, v = text.split("=", 1)
     return k.strip(), v.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Systems: chips and the links between them (configs/systems/*.yaml)
+# ---------------------------------------------------------------------------------------------
+#
+# A system names a chip config and a topology: an ordered list of dimensions, the first fastest
+# in a chip's id (ASTRA-sim's multi-dimensional topology, notes/collectives.md §4.1). Overrides
+# share one namespace with the chip's: ``topology.*``, ``collectives.*``, ``name``,
+# ``description`` and ``chip`` are the system's; every other key (``core.dma.engine_bandwidth``,
+# ``chip.lnc``) goes to its chip config, so ``--set`` means the same as for ``trnsim info``.
+
+__all__ += ["SystemConfig", "TopologyDimConfig", "CollectivesConfig", "load_system", "system_names"]
+
+SYSTEM_DIR = CONFIG_DIR / "systems"
+_SYSTEM_KEYS = ("name", "description", "chip", "topology", "collectives")
+_DIM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class TopologyDimConfig:
+    """One dimension of a system's topology.
+
+    ``ring``: each chip links to its two neighbours along the dimension, one link per direction
+    (a torus is rings in every dimension); ``full``: a direct link from each chip to every other
+    chip along the dimension; ``switch``: each chip has one port (up and down) into a switch that
+    reaches every chip that shares its coordinates above this dimension."""
+
+    kind: str = _str(("ring", "switch", "full"), doc="ring, switch or full")
+    size: int = _int(1, 4096, doc="chips along the dimension")
+    bandwidth: int = _q("bandwidth", doc="per link (ring, full) or per chip port (switch), each direction, bytes/s")
+    latency: int = _q("time", lo=0, doc="per link hop (a switch is two hops: up and down), ps")
+    inter_instance: bool = _bool(doc="the dimension joins instances (hierarchical algorithms split there)")
+    name: str = field(default="", metadata={"internal": True})
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    """How collectives run on the system: CC cores, DMA packets, reductions and the size rule."""
+
+    cc_cores_per_core: int = _int(1, 64, doc="CC cores per physical NeuronCore; concurrent collectives per core")
+    packet_bytes: int = _q("bytes", doc="CC DMA packet size, bytes")
+    max_chunks: int = _int(1, 1 << 20, doc="most chunks a transfer is cut into (simulation granularity)")
+    window: int = _int(1, 1024, doc="chunks of one transfer in flight at once")
+    reduce_engine: str = _str(("dma", "vector"), doc="who adds: DMA accumulate or VectorE")
+    dma_accumulate_rate: float = _num(0.01, 1.0, doc="DMA accumulate throughput as a fraction of a copy's")
+    mesh_below: int = _q("bytes", lo=0, doc="Mesh below this size, bytes")
+    rdh_below: int = _q("bytes", lo=0, doc="RDH below this size (and at least mesh_below), bytes")
+    pipeline_segments: int = _int(1, 4096, doc="segments of a pipelined broadcast/reduce chain")
+
+
+@dataclass(frozen=True)
+class _SystemHead:
+    name: str = _str()
+    description: str = _str()
+    chip: str = _str(doc="a chip config name or a path relative to the system file")
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """A whole system: ``chip`` is the loaded chip config, ``topology`` its dimensions in order."""
+
+    name: str
+    description: str
+    chip: ChipConfig
+    topology: tuple[TopologyDimConfig, ...]
+    collectives: CollectivesConfig
+    source: str = ""
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def chips(self) -> int:
+        return math.prod(d.size for d in self.topology)
+
+    @property
+    def ranks_per_chip(self) -> int:
+        """Logical NeuronCores per chip: the ranks a chip holds, as on Neuron."""
+        return self.chip.logical_cores
+
+    @property
+    def ranks(self) -> int:
+        return self.chips * self.ranks_per_chip
+
+    @property
+    def instance_chips(self) -> int:
+        return math.prod(d.size for d in self.topology if not d.inter_instance)
+
+    @property
+    def tick_hz(self) -> int:
+        return self.chip.tick_hz
+
+    def dim(self, name: str) -> TopologyDimConfig:
+        for d in self.topology:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def describe_overrides(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.overrides)
+
+
+for _cls in (TopologyDimConfig, CollectivesConfig, _SystemHead):
+    _TYPES[_cls.__name__] = _cls
+
+
+def system_names() -> list[str]:
+    """Names of the built-in systems (``configs/systems/*.yaml``)."""
+    return sorted(p.stem for p in SYSTEM_DIR.glob("*.yaml"))
+
+
+def _resolve_system(text: str) -> Path:
+    p = Path(text)
+    if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
+        if not p.is_file():
+            raise ConfigError(f"{text}: no such system file")
+        return p
+    cand = SYSTEM_DIR / f"{text}.yaml"
+    if cand.is_file():
+        return cand
+    raise ConfigError(f"unknown system '{text}': expected one of {', '.join(system_names())} or a path to a .yaml file")
+
+
+def is_system_key(key: str) -> bool:
+    """Whether a dotted override belongs to the system (else to its chip config)."""
+    head = key.split(".", 1)[0]
+    return key == "chip" or head in ("topology", "collectives", "name", "description")
+
+
+def _fields_of(cls: Any) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _apply_system_override(raw: dict[str, Any], key: str, value: str, where: str) -> None:
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"{where}: bad override key '{key}': expected dotted keys like topology.x.bandwidth")
+    head = parts[0]
+    if head in ("name", "description", "chip"):
+        if len(parts) != 1:  # pragma: no cover - chip.* goes to the chip config
+            raise ConfigError(f"{where}: override '{key}': '{head}' is a value, not a section")
+        raw[head] = value
+        return
+    if head == "collectives":
+        fields = _fields_of(CollectivesConfig)
+        if len(parts) != 2 or parts[1] not in fields:
+            bad = parts[1] if len(parts) > 1 else "<nothing>"
+            raise ConfigError(f"{where}: unknown key '{key}': '{bad}' is not in collectives; expected one of "
+                              f"{', '.join(fields)}")
+        sec = raw.get("collectives")
+        raw["collectives"] = sec = dict(sec) if isinstance(sec, dict) else {}
+        sec[parts[1]] = _override_value(value, fields[parts[1]])
+        return
+    topo = raw.get("topology")
+    dims = list(topo) if isinstance(topo, dict) else []
+    if len(parts) < 2 or parts[1] not in dims:
+        bad = parts[1] if len(parts) > 1 else "<nothing>"
+        raise ConfigError(f"{where}: unknown key '{key}': '{bad}' is not a dimension of topology; expected one of "
+                          f"{', '.join(dims)}")
+    fields = _fields_of(TopologyDimConfig)
+    if len(parts) != 3 or parts[2] not in fields:
+        bad = parts[2] if len(parts) > 2 else "<nothing>"
+        raise ConfigError(f"{where}: unknown key '{key}': '{bad}' is not in topology.{parts[1]}; expected one of "
+                          f"{', '.join(fields)}")
+    assert isinstance(topo, dict)
+    raw["topology"] = topo = dict(topo)
+    dim = topo[parts[1]]
+    topo[parts[1]] = dim = dict(dim) if isinstance(dim, dict) else {}
+    dim[parts[2]] = _override_value(value, fields[parts[2]])
+
+
+def _read_system_yaml(path: Path, where: str) -> Any:
+    """A system file through the bounded YAML loader (aliases, depth, duplicate keys, size)."""
+    return load_yaml_file(path, where, "system config")
+
+
+def load_system(
+    name_or_path: str | os.PathLike[str] | SystemConfig = "trn2.48xlarge",
+    overrides: Iterable[str] | Mapping[str, Any] | None = None,
+) -> SystemConfig:
+    """Load a system by name (``trn2.48xlarge``) or path, applying dotted ``overrides``.
+
+    Keys under ``topology.``/``collectives.`` (and ``name``, ``description``, ``chip``) change the
+    system; any other key is passed to its chip config (``core.dma.engine_bandwidth=40GB/s``).
+    Errors are one-line :class:`ConfigError`\\ s naming the file, the key, the value and what was
+    expected."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    prior: tuple[tuple[str, str], ...] = ()
+    if isinstance(name_or_path, SystemConfig):
+        prior = name_or_path.overrides
+        if not overrides:
+            return name_or_path
+        name_or_path = name_or_path.source
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"a system is a name ({', '.join(system_names())}), a path to a .yaml file or a "
+                          f"SystemConfig, got {type(name_or_path).__name__}")
+    path = _resolve_system(os.fspath(name_or_path))
+    where = path.name if path.parent == SYSTEM_DIR else str(path)
+    raw = _read_system_yaml(path, where)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping with keys {', '.join(_SYSTEM_KEYS)}")
+    pairs: list[tuple[str, str]] = list(prior)
+    if overrides:
+        items = overrides.items() if isinstance(overrides, Mapping) else (_split_override(o) for o in overrides)
+        pairs.extend((str(k), str(v)) for k, v in items)
+    chip_pairs = [(k, v) for k, v in pairs if not is_system_key(k)]
+    sys_pairs = {k: v for k, v in pairs if is_system_key(k)}
+    for key, value in sys_pairs.items():
+        _apply_system_override(raw, key, value, f"{where} (--set {key}={value})")
+    for key in raw:
+        if key not in _SYSTEM_KEYS:
+            raise ConfigError(f"{where}: unknown key '{key}': expected one of {', '.join(_SYSTEM_KEYS)}")
+    for key in _SYSTEM_KEYS:
+        if key not in raw:
+            raise ConfigError(f"{where}: missing key '{key}'")
+    head = _build(_SystemHead, {k: raw[k] for k in ("name", "description", "chip")}, "", where, sys_pairs)
+    topo_raw = raw["topology"]
+    if not isinstance(topo_raw, dict) or not topo_raw:
+        raise ConfigError(f"{where}: topology must be a mapping of dimension name -> {{kind, size, bandwidth, "
+                          f"latency, inter_instance}}, first dimension fastest")
+    dims = []
+    for dname, draw in topo_raw.items():
+        if not isinstance(dname, str) or not _DIM_NAME.match(dname):
+            raise ConfigError(f"{where}: topology.{dname}: expected a dimension name like x or efa "
+                              f"(lower case letters, digits, _)")
+        d = _build(TopologyDimConfig, draw, f"topology.{dname}", where, sys_pairs)
+        dims.append(dataclasses.replace(d, name=dname))
+    coll = _build(CollectivesConfig, raw["collectives"], "collectives", where, sys_pairs)
+    seen_inter = None
+    for d in dims:
+        if d.inter_instance:
+            seen_inter = d.name
+        elif seen_inter is not None:
+            raise ConfigError(f"{where}: topology.{d.name}.inter_instance = False: expected the dimensions inside an "
+                              f"instance to come before the ones between instances ('{seen_inter}')")
+    if coll.rdh_below < coll.mesh_below:
+        raise ConfigError(f"{where}: collectives.rdh_below = {coll.rdh_below} bytes: expected at least "
+                          f"collectives.mesh_below ({coll.mesh_below} bytes)")
+    chips = math.prod(d.size for d in dims)
+    if chips > 65536:
+        raise ConfigError(f"{where}: topology has {chips:,} chips: expected at most 65,536")
+    chip_ref = head.chip
+    if chip_ref.endswith((".yaml", ".yml")) or "/" in chip_ref:
+        chip_ref = str(path.parent / chip_ref)
+    if "chip" in sys_pairs:
+        try:
+            _resolve(chip_ref)
+        except ConfigError as e:
+            raise ConfigError(f"{where} (--set chip={sys_pairs['chip']}): chip: {e}") from None
+    chip = load_config(chip_ref, dict(chip_pairs))
+    return SystemConfig(name=head.name, description=head.description, chip=chip, topology=tuple(dims),
+                        collectives=coll, source=str(path), overrides=tuple(pairs))

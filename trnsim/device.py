@@ -44,7 +44,11 @@ from .isa import KernelError
 from .kernel import Kernel
 from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work"]
+__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work", "COLLECTIVE_STREAM"]
+
+# The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
+# collective launched with Device.launch_collective waits for the compute issued before it.
+COLLECTIVE_STREAM = -1
 
 
 @dataclass(frozen=True)
@@ -139,21 +143,30 @@ class _CoreTally:
     def add(self, start: int, end: int, host: int) -> None:
         if end > self.last_end:
             self.last_end = end
-        if end > start:
-            merged = [start, end]
-            keep = []
-            for iv in self.open:
-                if iv[1] < merged[0] or iv[0] > merged[1]:
-                    keep.append(iv)
-                else:
-                    merged = [min(iv[0], merged[0]), max(iv[1], merged[1])]
-            keep.append(merged)
-            self.open = []
-            for iv in keep:
-                if iv[1] <= host:
-                    self.busy += iv[1] - iv[0]
-                else:
-                    self.open.append(iv)
+        if end <= start:
+            return
+        live = self.open
+        if not live or start >= live[-1][1]:  # the usual case: after every open interval
+            while live and live[0][1] <= host:
+                lo, hi = live.pop(0)
+                self.busy += hi - lo
+            live.append([start, end])
+            return
+        merged = [start, end]  # overlaps or precedes an open interval (another stream's kernel)
+        keep = []
+        for iv in live:
+            if iv[1] < merged[0] or iv[0] > merged[1]:
+                keep.append(iv)
+            else:
+                merged = [min(iv[0], merged[0]), max(iv[1], merged[1])]
+        keep.append(merged)
+        keep.sort()
+        self.open = []
+        for iv in keep:
+            if iv[1] <= host:
+                self.busy += iv[1] - iv[0]
+            else:
+                self.open.append(iv)
 
     def busy_ticks(self) -> int:
         return self.busy + sum(hi - lo for lo, hi in self.open)
@@ -177,13 +190,6 @@ class Recorder:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Booking:
-    __slots__ = ("stream", "start", "end", "demand")
-
-    def __init__(self, stream: int, start: int, end: int, demand: dict[str, int]):
-        self.stream, self.start, self.end, self.demand = stream, start, end, demand
-
-
 class _Core:
     """One logical NeuronCore's timeline: per-stream ready times, the kernels still in flight."""
 
@@ -194,18 +200,22 @@ class _Core:
         self.current_stream = 0
         self.inflight: deque[int] = deque()
         self.max_inflight = max_inflight
-        self.bookings: list[_Booking] = []  # recent kernels, for sharing engines across streams
+        # the latest kernels as (stream, start, end, demand), for sharing engines across streams:
+        # at most max_inflight of them are unfinished when the next one is issued
+        self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
+        self.streams: set[int] = set()  # streams that ever ran a kernel here
 
 
-def _overlap(lo: int, hi: int, b: _Booking) -> float:
-    """The fraction of booking ``b``'s duration that falls inside [lo, hi)."""
-    span = b.end - b.start
+def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
+    """The fraction of [b_start, b_end) that falls inside [lo, hi)."""
+    span = b_end - b_start
     if span <= 0:
         return 0.0
-    return max(0, min(hi, b.end) - max(lo, b.start)) / span
+    return max(0, min(hi, b_end) - max(lo, b_start)) / span
 
 
-def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[_Booking], start: int, lanes: int) -> int:
+def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[int, int, int, dict[str, int]]],
+                     start: int, lanes: int) -> int:
     """How long a kernel of ``ticks`` and per-resource ``demand`` takes from ``start`` when
     ``others`` (kernels of other streams) run beside it on ``lanes`` engines of each kind: the
     least window W >= ticks in which, for every resource, its demand plus theirs inside the window
@@ -215,7 +225,7 @@ def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[_Bookin
     for _ in range(64):
         need = ticks
         for res, own in demand.items():
-            theirs = sum(b.demand.get(res, 0) * _overlap(start, start + w, b) for b in others)
+            theirs = sum(d.get(res, 0) * _overlap(start, start + w, bs, be) for _, bs, be, d in others)
             need = max(need, -(-int(own + theirs) // lanes))
         if need <= w:
             return w
@@ -279,7 +289,30 @@ class Device:
         return OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
                                  self.config.hbm_bandwidth_reachable)
 
+    def collective_cost(self, report: Any, rank: int) -> OpCost:
+        """A simulated collective (:class:`trnsim.collectives.CollectiveReport`) as a launch on
+        ``rank``'s logical core: from the rank's start to its completion, with the bytes its DMA
+        engines moved as its DMA demand (so kernels on other streams of the core share DMA with
+        it, and it with them)."""
+        i = report.group.index(rank)
+        ticks = report.end_ticks[i] - report.start_ticks[i]
+        dma = report.dma_bytes.get(rank, 0)
+        demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
+        busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
+
     # ---- time ------------------------------------------------------------------------------
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
+        """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
+        work already issued on compute stream ``after`` (default: the core's current stream)
+        has finished, as a collective waits for the data it sends, and overlaps what is issued
+        after it."""
+        with self._lock:
+            c = self.cores[core]
+            self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
+            return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
+
     def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int]:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
         current stream); returns its (start, end) ticks."""
@@ -300,9 +333,10 @@ class Device:
             if wait < 0:
                 wait = 0
             ticks = cost.ticks
-            if c.bookings:
-                c.bookings = [b for b in c.bookings if b.end > host]
-                others = [b for b in c.bookings if b.stream != s and b.end > start]
+            if s not in c.streams:
+                c.streams.add(s)
+            if len(c.streams) > 1:
+                others = [b for b in c.bookings if b[0] != s and b[2] > start]
                 if others:
                     ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
             end = start + ticks
@@ -310,7 +344,7 @@ class Device:
             if end > c.busy_until:
                 c.busy_until = end
             if ticks:
-                c.bookings.append(_Booking(s, start, end, cost.demand))
+                c.bookings.append((s, start, end, cost.demand))
                 c.inflight.append(end)
             key = (op, id(cost))
             for rec in self.recorders:

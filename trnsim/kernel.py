@@ -28,7 +28,7 @@ import itertools
 import numpy as np
 from typing import Any, Iterator, Sequence
 
-from .config import ChipConfig, load_config
+from .config import ChipConfig, env_int, load_config
 from .isa import (
     AP,
     AP_MAX_SIZE,
@@ -70,6 +70,15 @@ _ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": 
                  "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
                  "sp": "Sync"}
 _MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
+#: Instructions one kernel may hold unless TRNSIM_MAX_INSTRUCTIONS says more. Each costs about a
+#: kilobyte of host memory, so a mistyped shape (a 100000^3 matmul) stops with a one-line error
+#: instead of filling the host; a 16384^3 bf16 matmul has ~0.7 million.
+MAX_INSTRUCTIONS = 2_000_000
+
+
+def max_instructions() -> int:
+    """The per-kernel instruction limit: ``TRNSIM_MAX_INSTRUCTIONS`` or :data:`MAX_INSTRUCTIONS`."""
+    return env_int("TRNSIM_MAX_INSTRUCTIONS", MAX_INSTRUCTIONS, 1, 10**12, "a whole number of instructions")
 
 
 def checked_shape(shape: Any, what: str) -> tuple[int, ...]:
@@ -309,7 +318,7 @@ class TilePool:
             t = _tile_view(old.alloc, shape, dt)
         else:
             if old is not None:
-                self.kernel.free(old)
+                self.kernel._release(old)
             t = self.kernel._allocate(self.space, shape, dt, name or f"{self.name}[{i}]", 0, scoped=False)
         self._slots[i] = t
         return t
@@ -317,7 +326,7 @@ class TilePool:
     def release(self) -> None:
         for t in self._slots:
             if t is not None and t.alloc.live:
-                self.kernel.free(t)
+                self.kernel._release(t)
         self._slots = [None] * self.bufs
 
 
@@ -351,11 +360,13 @@ class Kernel:
         self._sbuf = OnChipAllocator("sbuf", c.sbuf.partitions, c.sbuf.partition_bytes, c.sbuf.allocation_granule,
                                      f"{self.config.name} ({c.sbuf.partition_bytes // 1024} KiB per partition)", uids)
         self._psum = PsumAllocator(self.config, uids)
+        self._allocs: dict[int, Allocation] = {}  # uid -> every allocation of this kernel, live or freed
         self._deps = DependencyTracker()
         self._scopes: list[list[TileAP]] = []
         self._loaded_stationary: tuple[Any, ...] | None = None
         self._hbm_bytes = 0
         self._uid = 0
+        self._max_instructions = max_instructions()
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -397,6 +408,7 @@ class Kernel:
         alloc_ = self._sbuf if space == "sbuf" else self._psum
         nbytes = _free_elems(shape) * dt.itemsize
         alloc = alloc_.allocate(name, partition_offset, shape[0], nbytes)
+        self._allocs[alloc.uid] = alloc
         self._deps.allocated(alloc)
         t = _tile_view(alloc, shape, dt)
         if scoped and self._scopes:
@@ -422,12 +434,38 @@ class Kernel:
         return self.sbuf(shape, dtype, name=name) if buffer == "sbuf" else self.psum(shape, dtype, name=name)
 
     def free(self, tile: TileAP) -> None:
-        """Release a tile's memory; later tiles may reuse the address (with WAR dependencies)."""
+        """Release a tile's memory; later tiles may reuse the address (with WAR dependencies).
+
+        ``tile`` is a tile as this kernel allocated it: a slice of one (``t[:, :32]``) or another
+        kernel's tile is refused, as freeing it would release memory the caller did not name."""
         if not isinstance(tile, TileAP):
             raise KernelError(f"free: expected an SBUF/PSUM tile, got {type(tile).__name__} "
                               f"(HBM tensors live as long as the kernel)")
+        self._check_owned(tile, "free")
+        a = tile.alloc
+        whole = (tile.p_start == a.p_start and tile.p_count == a.p_count and tile.offset == 0
+                 and tile.nbytes == a.p_count * a.nbytes and tile.dims == row_major(tile.shape[1:] or (1,)))
+        if not whole and a.live:
+            raise KernelError(f"free: {list(tile.shape)} at partition {tile.p_start} is a slice of tile '{a.name}' "
+                              f"({a.p_count} partitions x {a.nbytes} bytes); free the whole tile, as allocated")
+        self._release(tile)
+
+    def _release(self, tile: TileAP) -> None:
+        """Free ``tile``'s whole allocation (tile pools free their buffers through any view)."""
         (self._sbuf if tile.space == "sbuf" else self._psum).free(tile.alloc)
         self._deps.freed(tile.alloc)
+
+    def _check_owned(self, ap: Any, what: str) -> None:
+        """A tile or HBM tensor of another kernel would alias this kernel's memory by id."""
+        if isinstance(ap, TileAP):
+            if self._allocs.get(ap.alloc.uid) is not ap.alloc:
+                raise KernelError(f"{what}: tile '{ap.name}' belongs to another kernel, not '{self.name}'; a kernel "
+                                  f"uses only its own tiles")
+            return
+        t = ap.tensor if isinstance(ap, HbmAP) else ap
+        if isinstance(t, HbmTensor) and self.tensors.get(t.name) is not t:
+            raise KernelError(f"{what}: HBM tensor '{t.name}' belongs to another kernel, not '{self.name}'; declare "
+                              f"it with input/output/scratch on this kernel")
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -454,12 +492,31 @@ class Kernel:
     def psum_peak_bytes(self) -> int:
         return self._psum.peak_bytes
 
+    @property
+    def sbuf_high_water(self) -> int:
+        """Bytes per partition up to the highest SBUF address any tile reached."""
+        return self._sbuf.high_water
+
+    @property
+    def psum_high_water(self) -> int:
+        return self._psum.high_water
+
     # ---- emitting --------------------------------------------------------------------------
     def _emit(self, ins: Instruction, key: str | None = None) -> Instruction:
+        allocs, tensors = self._allocs, self.tensors
         for ap in ins.reads + ins.writes:
-            if isinstance(ap, TileAP) and not ap.alloc.live:
-                raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
+            if isinstance(ap, TileAP):
+                if allocs.get(ap.alloc.uid) is not ap.alloc:
+                    self._check_owned(ap, ins.describe())
+                if not ap.alloc.live:
+                    raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
+            elif tensors.get(ap.tensor.name) is not ap.tensor:
+                self._check_owned(ap, ins.describe())
         ins.index = len(self.instructions)
+        if ins.index >= self._max_instructions:
+            raise KernelError(f"kernel '{self.name}' has more than {self._max_instructions:,} instructions; check its "
+                              f"shape, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host "
+                              f"memory each)")
         if isinstance(ins, (MatMul, Transpose)):
             # LoadStationary can start as soon as the stationary operand is ready
             ins.first_deps = self._deps.raw_deps(ins.stationary if isinstance(ins, MatMul) else ins.data)
@@ -528,6 +585,10 @@ class Kernel:
     def _dma_lane(self, eng: str, queue: Any, what: str) -> str:
         """The DMA queue lane ``engine``/``queue`` names, registering it (16 per kernel at most)."""
         queue = checked_int(queue, f"{what}: queue", lo=0)
+        n = self.config.core.dma.queues
+        if queue >= n:
+            raise KernelError(f"{what}: queue {queue} does not exist; {self.config.name} has DMA queues 0..{n - 1} "
+                              f"per engine (core.dma.queues)")
         lane = f"q{eng}IO{queue}"
         if lane not in self.queues:
             if len(self.queues) >= self.config.core.dma.queues:

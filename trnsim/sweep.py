@@ -24,27 +24,33 @@ from __future__ import annotations
 import csv
 import hashlib
 import importlib.util
+import io
 import itertools
+import math
+import multiprocessing
 import os
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import threading
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import yaml
-
-from .config import ChipConfig, ConfigError, load_config
+from .config import ChipConfig, ConfigError, clip_text, format_value, load_config, load_yaml_file
+from .files import OutputError, check_output, lock_exclusive
 from .isa import KernelError
 from .kernel import Kernel
 from .kernels.registry import KernelEntry, call_build, get_kernel, parse_params, parse_shape
 from .native.dtypes import get_dtype
 from .report import KernelReport
 
-__all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "resolve_kernel", "load_spec", "run_sweep", "bound_of"]
+__all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
+           "bound_of", "DEFAULT_MAX_POINTS"]
 
-SPEC_KEYS = ("config", "grid", "kernels", "out")
+SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
 
 
@@ -89,9 +95,20 @@ class KernelRef:
 
     def make(self, shape: tuple[int, ...], dtype: str | None, config: ChipConfig,
              params: Mapping[str, Any]) -> Kernel:
+        """Build the kernel. A user's function that raises is a one-line KernelError naming it
+        and its exception (a library kernel's bug keeps its traceback)."""
         if self.entry is not None:
             return self.entry.make(shape, dtype or self.entry.default_dtype, config, params)
-        return call_build(self.build, shape, dtype, config, params, what=f"kernel '{self.name}'")
+        what = f"kernel '{clip_text(self.name, 300)}'"
+        try:
+            return call_build(self.build, shape, dtype, config, params, what=what)
+        except (KernelError, ConfigError):
+            raise
+        except RecursionError:
+            raise KernelError(f"{what}: {getattr(self.build, '__name__', 'it')} recursed too deeply") from None
+        except Exception as e:
+            raise KernelError(f"{what}: {getattr(self.build, '__name__', 'it')} raised "
+                              f"{type(e).__name__}: {clip_text(e, 200)}") from None
 
 
 _USER_MODULES: dict[Path, Any] = {}
@@ -100,10 +117,15 @@ _USER_MODULES: dict[Path, Any] = {}
 def _load_file(path: Path) -> Any:
     """Import a kernel file under a private module name (once per process), so a user's
     ``kernels.py`` never shadows or replaces an installed module of the same name."""
-    shown, path = path, path.resolve()
-    if path in _USER_MODULES:
-        return _USER_MODULES[path]
-    if not path.is_file():
+    shown = clip_text(path)
+    try:
+        path = path.resolve()
+        if path in _USER_MODULES:
+            return _USER_MODULES[path]
+        found = path.is_file()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise KernelError(f"kernel file '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
+    if not found:
         raise KernelError(f"kernel file '{shown}' not found")
     mod_name = "_trnsim_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -115,7 +137,7 @@ def _load_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
-        raise KernelError(f"kernel file '{shown}' failed to import: {type(e).__name__}: {e}") from None
+        raise KernelError(f"kernel file '{shown}' failed to import: {type(e).__name__}: {clip_text(e, 200)}") from None
     _USER_MODULES[path] = module
     return module
 
@@ -130,7 +152,7 @@ def resolve_kernel(name: str, base_dir: Path | None = None) -> KernelRef:
     module = _load_file(path)
     build = getattr(module, fn, None)
     if not callable(build):
-        raise KernelError(f"kernel file '{file}' has no function '{fn}'")
+        raise KernelError(f"kernel file '{clip_text(file)}' has no function '{clip_text(fn)}'")
     return KernelRef(name, build)
 
 
@@ -152,11 +174,17 @@ class Point:
     shape: tuple[int, ...]
     dtype: str  # "" for a user kernel run without a dtype
     params: tuple[tuple[str, Any], ...] = ()
+    kind: str = "kernel"  # or "collective": kernel is the collective, shape (ranks, bytes)
 
     def key(self) -> tuple[str, ...]:
         """The point's identity as CSV cells, to skip points a previous run wrote."""
-        return (*(v for _, v in self.variant), self.kernel, shape_text(self.shape), self.dtype,
-                params_text(self.params))
+        if self.kind == "collective":
+            from .collectives.sweep_points import shape_of
+
+            shape = shape_of(*self.shape)
+        else:
+            shape = shape_text(self.shape)
+        return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
 
 
 def params_text(params: Sequence[tuple[str, Any]]) -> str:
@@ -171,6 +199,7 @@ class SweepSpec:
     points: list[Point]
     out: Path
     engines: tuple[str, ...]  # engine names, for the per-engine columns
+    system: str | None = None  # a system name or path: the grid varies it, collectives run on it
 
     @property
     def key_columns(self) -> list[str]:
@@ -178,9 +207,14 @@ class SweepSpec:
 
     @property
     def columns(self) -> list[str]:
+        extra: list[str] = []
+        if any(p.kind == "collective" for p in self.points):
+            from .collectives.sweep_points import COLLECTIVE_COLUMNS
+
+            extra = list(COLLECTIVE_COLUMNS)
         return [*self.key_columns, "cycles", "us", "mfu_percent", "mbu_percent", "bound",
                 *(f"{e.lower()}_active_percent" for e in self.engines), "dma_active_percent",
-                "instructions", "hbm_bytes", "dma_bytes", "matmul_flops", "error"]
+                "instructions", "hbm_bytes", "dma_bytes", "matmul_flops", *extra, "error"]
 
 
 def _config_ref(text: str, base_dir: Path) -> str:
@@ -200,78 +234,156 @@ def _as_list(value: Any, where: str) -> list[Any]:
     return [value]
 
 
-def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> SweepSpec:
-    """Read and check a sweep spec; every error is a one-line ConfigError naming the key."""
+def _scalars(value: Any, where: str) -> list[str]:
+    """A grid axis or a kernel's shapes/dtypes: scalars as text, each once. A list or mapping
+    where a value belongs is refused (an alias bomb's expansion never reaches ``str``)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for v in _as_list(value, where):
+        if isinstance(v, (list, dict)) or v is None:
+            raise ConfigError(f"{where}: expected a value, got {format_value(v)}")
+        text = str(v)
+        if text in seen:
+            raise ConfigError(f"{where}: {clip_text(text)} is listed twice")
+        seen.add(text)
+        out.append(text)
+    return out
+
+
+#: Points a spec may have unless the user says more (``trnsim sweep --max-points N``): a typo in
+#: a grid can multiply into millions of runs, and listing them alone takes gigabytes.
+DEFAULT_MAX_POINTS = 10_000
+
+
+def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+              max_points: int | None = DEFAULT_MAX_POINTS) -> SweepSpec:
+    """Read and check a sweep spec; every error is a one-line ConfigError naming the key.
+
+    The number of points is counted before any is listed or built: more than ``max_points``
+    (None: no limit) is an error that says how many there would be."""
     p = Path(path)
-    where = p.name
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"sweep spec '{path}' not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"sweep spec '{path}': cannot read it ({type(e).__name__})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}:" if mark is not None else ""
-        raise ConfigError(f"{where}:{line} {getattr(e, 'problem', None) or 'invalid YAML'}") from None
+    where = clip_text(p.name)
+    raw = load_yaml_file(p, where, "sweep spec")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {', '.join(SPEC_KEYS)}")
     unknown = [k for k in raw if k not in SPEC_KEYS]
     if unknown:
-        raise ConfigError(f"{where}: unknown key '{unknown[0]}'; expected {', '.join(SPEC_KEYS)}")
+        raise ConfigError(f"{where}: unknown key {format_value(unknown[0])}; expected {', '.join(SPEC_KEYS)}")
     base_dir = p.parent
+    system = raw.get("system")
+    if system is not None and "config" in raw:
+        raise ConfigError(f"{where}: give 'config' (a chip) or 'system' (chips and links), not both")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError(f"{where}: system: expected a system name or a YAML path, got {system!r}")
+    if system is None and raw.get("collectives") is not None:
+        raise ConfigError(f"{where}: collectives need a 'system' (e.g. system: trn2.48xlarge)")
+    system = _config_ref(system, base_dir) if system is not None else None
     config = raw.get("config", "trn2")
     if not isinstance(config, str):
-        raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {config!r}")
+        raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
+    out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
+    check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
     grid_raw = raw.get("grid") or {}
     if not isinstance(grid_raw, dict):
         raise ConfigError(f"{where}: grid: expected a mapping of dotted override key -> list of values")
-    grid = {str(k): [str(v) for v in _as_list(vals, f"{where}: grid.{k}")] for k, vals in grid_raw.items()}
-    base_cfg = _load(config, ())
+    grid = {clip_text(k): _scalars(vals, f"{where}: grid.{clip_text(k)}") for k, vals in grid_raw.items()}
+    if system is not None:
+        base_system = _load_system(system, ())
+        config = base_system.chip.name
+    base_cfg = _load(config, ()) if system is None else base_system.chip
+    kernels = raw.get("kernels")
+    if raw.get("collectives") is None or kernels is not None:
+        if not isinstance(kernels, list) or not kernels:
+            raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
+    entries = [_kernel_entry(k, i, where, base_dir) for i, k in enumerate(kernels or [])]
+    coll: list[Any] = []
+    if raw.get("collectives") is not None:
+        from .collectives.sweep_points import collective_points
+
+        coll = collective_points(raw["collectives"], where, base_system)
+    n_variants = math.prod(len(v) for v in grid.values())
+    per_variant = sum(e.count for e in entries) + len(coll)
+    n_points = n_variants * per_variant
+    if max_points is not None and n_points > max_points:
+        what = "kernel points" if not coll else "kernel and collective points"
+        raise ConfigError(f"{where}: {n_variants:,} chip variants x {per_variant:,} {what} "
+                          f"= {n_points:,} points, more than the limit of {max_points:,}; check the grid, or pass "
+                          f"--max-points {n_points} to run them all")
     variants = [tuple(zip(grid, combo)) for combo in itertools.product(*grid.values())]
     for variant in variants:
         try:
-            _load(config, variant)
+            _load(config, variant) if system is None else _load_system(system, variant)
         except ConfigError as e:
             raise ConfigError(f"{where}: grid: {e}") from None
-    kernels = raw.get("kernels")
-    if not isinstance(kernels, list) or not kernels:
-        raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
-    combos = [c for i, k in enumerate(kernels) for c in _kernel_points(k, i, where, base_dir, base_cfg)]
-    seen = set()
-    for c in combos:
-        if c in seen:
-            what = " ".join(x for x in (c[0], shape_text(c[1]), c[2], params_text(c[3])) if x)
-            raise ConfigError(f"{where}: kernels: {what} is listed twice")
-        seen.add(c)
+    seen: set[tuple[Any, ...]] = set()
+    for e in entries:
+        for c in e.combos():
+            if c in seen:
+                what = " ".join(x for x in (c[0], shape_text(c[1]), c[2], params_text(c[3])) if x)
+                raise ConfigError(f"{where}: kernels: {clip_text(what)} is listed twice")
+            seen.add(c)
+    combos = [c for e in entries for c in e.build(base_cfg)]
     points = [Point(v, *c) for v in variants for c in combos]
-    out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
-    return SweepSpec(p, config, grid, points, out_path, tuple(base_cfg.engine_clocks))
+    points += [Point(v, *c, kind="collective") for v in variants for c in coll]
+    return SweepSpec(p, system or config, grid, points, out_path, tuple(base_cfg.engine_clocks), system)
 
 
 def _out_path(value: Any, spec: Path, where: str) -> Path:
     if value is None:
         return spec.with_suffix(".csv")
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: out: expected a CSV path, got {value!r}")
+        raise ConfigError(f"{where}: out: expected a CSV path, got {format_value(value)}")
     return spec.parent / value
 
 
-def _kernel_points(k: Any, i: int, where: str, base_dir: Path, cfg: ChipConfig
-                   ) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
-    """The (kernel, shape, dtype, params) combinations of ``kernels[i]``, each built once."""
+@dataclass(frozen=True)
+class _Entry:
+    """One ``kernels[i]`` of a spec, parsed but not built yet (so points can be counted first)."""
+
+    loc: str
+    ref: KernelRef
+    name: str
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str | None]
+    params: dict[str, Any]
+
+    @property
+    def count(self) -> int:
+        return len(self.shapes) * len(self.dtypes)
+
+    def combos(self) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
+        params = tuple(sorted(self.params.items()))
+        return [(self.name, shape, dtype or "", params) for shape in self.shapes for dtype in self.dtypes]
+
+    def build(self, cfg: ChipConfig) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
+        """The combinations, each built once on ``cfg``: fail now, not after half the sweep."""
+        try:
+            for shape in self.shapes:
+                for dtype in self.dtypes:
+                    self.ref.make(shape, dtype, cfg, self.params)
+        except (KernelError, ConfigError) as e:
+            raise ConfigError(f"{self.loc}: {e}") from None
+        return self.combos()
+
+
+def _kernel_entry(k: Any, i: int, where: str, base_dir: Path) -> _Entry:
+    """Parse ``kernels[i]``: resolve the kernel (importing a file kernel), its shapes, dtypes
+    and params."""
     loc = f"{where}: kernels[{i}]"
     if not isinstance(k, dict) or "name" not in k:
         raise ConfigError(f"{loc}: expected a mapping with a 'name'")
     unknown = [key for key in k if key not in KERNEL_KEYS]
     if unknown:
-        raise ConfigError(f"{loc}: unknown key '{unknown[0]}'; expected {', '.join(KERNEL_KEYS)}")
+        raise ConfigError(f"{loc}: unknown key {format_value(unknown[0])}; expected {', '.join(KERNEL_KEYS)}")
     for one, many in (("shape", "shapes"), ("dtype", "dtypes")):
         if one in k and many in k:
             raise ConfigError(f"{loc}: give '{one}' or '{many}', not both")
-    name = str(k["name"])
-    loc = f"{loc} ({name})"
+    if not isinstance(k["name"], str):
+        raise ConfigError(f"{loc}: name: expected a kernel name or path/to/file.py:function, got "
+                          f"{format_value(k['name'])}")
+    name = k["name"]
+    loc = f"{loc} ({clip_text(name)})"
     try:
         ref = resolve_kernel(name, base_dir)
         raw_shapes = k.get("shape", k.get("shapes"))
@@ -280,22 +392,20 @@ def _kernel_points(k: Any, i: int, where: str, base_dir: Path, cfg: ChipConfig
                 raise KernelError("a file kernel needs 'shape' or 'shapes'")
             shapes = [ref.default_shape]
         else:
-            shapes = [parse_shape(str(s)) for s in _as_list(raw_shapes, "shape")]
+            shapes = [parse_shape(s) for s in _scalars(raw_shapes, "shape")]
         raw_dtypes = k.get("dtype", k.get("dtypes"))
-        dtypes = [ref.dtype(None)] if raw_dtypes is None else [ref.dtype(str(d)) for d in _as_list(raw_dtypes, "dtype")]
+        dtypes = [ref.dtype(None)] if raw_dtypes is None else [ref.dtype(d) for d in _scalars(raw_dtypes, "dtype")]
         params_raw = k.get("params") or {}
         if not isinstance(params_raw, dict):
-            raise KernelError(f"params: expected a mapping NAME: VALUE, got {params_raw!r}")
+            raise KernelError(f"params: expected a mapping NAME: VALUE, got {format_value(params_raw)}")
+        for pk, pv in params_raw.items():
+            if isinstance(pv, (list, dict)) or pv is None:
+                raise KernelError(f"params.{clip_text(pk)}: expected a value, got {format_value(pv)}")
         params = parse_params([f"{pk}={str(pv).lower() if isinstance(pv, bool) else pv}"
-                               for pk, pv in params_raw.items()], ref.params, f"kernel '{name}'")
-        out = []
-        for shape in shapes:
-            for dtype in dtypes:
-                ref.make(shape, dtype, cfg, params)  # fail now, not after half the sweep
-                out.append((name, shape, dtype or "", tuple(sorted(params.items()))))
-        return out
+                               for pk, pv in params_raw.items()], ref.params, f"kernel '{clip_text(name)}'")
     except (KernelError, ConfigError) as e:
         raise ConfigError(f"{loc}: {e}") from None
+    return _Entry(loc, ref, name, shapes, dtypes, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,11 +418,19 @@ def _load(config: str, variant: tuple[tuple[str, str], ...]) -> ChipConfig:
     return load_config(config, dict(variant))
 
 
+@lru_cache(maxsize=64)
+def _load_system(system: str, variant: tuple[tuple[str, str], ...]) -> Any:
+    from .config import load_system
+
+    return load_system(system, dict(variant))
+
+
 @dataclass(frozen=True)
 class _Task:
     config: str
     base_dir: str
     point: Point
+    system: str | None = None
 
 
 def run_point(task: _Task) -> dict[str, Any]:
@@ -322,8 +440,13 @@ def run_point(task: _Task) -> dict[str, Any]:
 
     pt = task.point
     row: dict[str, Any] = {"error": ""}
+    if pt.kind == "collective":
+        from .collectives.sweep_points import run_collective_point
+
+        return run_collective_point(_load_system(task.system, pt.variant), pt.kernel, pt.shape,  # type: ignore[arg-type]
+                                    pt.dtype, dict(pt.params))
     try:
-        cfg = _load(task.config, pt.variant)
+        cfg = _load(task.config, pt.variant) if task.system is None else _load_system(task.system, pt.variant).chip
         ref = resolve_kernel(pt.kernel, Path(task.base_dir))
         kernel = ref.make(pt.shape, pt.dtype or None, cfg, dict(pt.params))
         rep = Chip(cfg).run(kernel, timing_only=True).report
@@ -342,22 +465,138 @@ def run_point(task: _Task) -> dict[str, Any]:
     return row
 
 
-def _read_done(spec: SweepSpec, out: Path) -> dict[tuple[str, ...], dict[str, str]] | None:
-    """The rows already in ``out`` by point key; None when there is no file (or an empty one)."""
-    if not out.exists() or out.stat().st_size == 0:
-        return None
-    with out.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames != spec.columns:
-            raise ConfigError(f"{out}: its columns ({', '.join(reader.fieldnames or [])}) are not this spec's "
-                              f"({', '.join(spec.columns)}); delete it or choose another --out")
-        return {tuple(r[c] for c in spec.key_columns): r for r in reader}
+class SweepStopped(Exception):
+    """A sweep stopped before its last point (Ctrl-C, or a worker process that died). The rows
+    finished so far are in the results file; a rerun resumes. ``str()`` is the one-line summary;
+    ``interrupted`` tells Ctrl-C (exit status 130) from a failure (status 1)."""
+
+    def __init__(self, message: str, interrupted: bool):
+        super().__init__(message)
+        self.interrupted = interrupted
+
+
+def _row_line(columns: Sequence[str], row: Mapping[str, str]) -> bytes:
+    """One CSV record as one physical line (cells never hold a newline), so a torn write can only
+    ever damage the last line of the file, which :func:`_read_done` then recognises."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(
+        [" ".join(str(row.get(c, "")).splitlines()) for c in columns])
+    return buf.getvalue().encode("utf-8")
+
+
+def _read_done(spec: SweepSpec, f: Any, shown: str) -> tuple[dict[tuple[str, ...], dict[str, str]] | None, bool]:
+    """(the rows already in the locked results file ``f`` by point key, or None when it is empty;
+    whether a torn last line was dropped). Every record is one line ending in a newline, so text
+    after the last newline is what a kill or a full disk left mid-write: the file is cut back
+    to its last complete row, and that point runs again."""
+    f.seek(0)
+    data = f.read()
+    cut = data.rfind(b"\n") + 1
+    torn = cut < len(data)
+    if torn:
+        f.truncate(cut)
+        data = data[:cut]
+    if not data:
+        return None, torn
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{shown}: byte {e.start + 1} is not UTF-8 text; not a results file of trnsim sweep: "
+                          f"delete it or choose another --out") from None
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if header != spec.columns:
+        raise ConfigError(f"{shown}: its columns ({clip_text(', '.join(header or []), 200)}) are not this spec's "
+                          f"({', '.join(spec.columns)}); delete it or choose another --out")
+    rows: dict[tuple[str, ...], dict[str, str]] = {}
+    n = len(spec.columns)
+    for cells in reader:
+        if len(cells) != n:
+            raise ConfigError(f"{shown} line {reader.line_num}: {len(cells)} cells, expected {n}; the file is damaged: "
+                              f"delete that line to rerun its point, or choose another --out")
+        row = dict(zip(spec.columns, cells))
+        rows[tuple(row[c] for c in spec.key_columns)] = row
+    return rows, torn
 
 
 @dataclass(frozen=True)
 class SweepResult:
     rows: list[dict[str, str]]  # every point's CSV row (as text), in the spec's point order
     ran: int  # points simulated by this run; the others came from the CSV of an earlier run
+    torn: bool = False  # the results file ended in a torn row (a killed write), dropped and rerun
+
+
+def _worker_init(sweep: int, forked: bool, inherited_fd: int) -> None:
+    """Pool workers: die with the sweep (process ``sweep``), leave Ctrl-C to it, drop its results
+    file (``inherited_fd``, -1 unless ``forked``).
+
+    A worker outlives a SIGKILLed sweep otherwise, forever, holding its pipes. A forked worker is
+    the sweep's child: Linux kills it at once (PR_SET_PDEATHSIG), and a watchdog thread sees it
+    reparented within half a second (elsewhere, or if the sweep died before the prctl). A
+    forkserver or spawned worker's parent is another process (which, for forkserver, waits for
+    its workers), so the watchdog also watches the sweep itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the sweep stops itself and its workers
+    if inherited_fd >= 0:
+        try:
+            os.close(inherited_fd)  # a forked worker must not keep the sweep's lock alive
+        except OSError:
+            pass
+    if forked and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+            pass
+    ppid = os.getppid()
+    if forked and ppid != sweep:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != ppid or not _alive(sweep):
+                os._exit(1)
+            threading.Event().wait(0.5)
+
+    threading.Thread(target=watch, name="trnsim-sweep-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers now (they ignore SIGINT). A second Ctrl-C
+    meanwhile is ignored: this takes a moment, and a traceback from it would help nobody."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # no public way before 3.14
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(5)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def run_sweep(spec: SweepSpec, jobs: int | None = None,
@@ -365,47 +604,107 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
     """Run every point of ``spec`` not already in its CSV, appending each row as it finishes.
 
     ``jobs`` worker processes (default: one per CPU; 1 runs in this process). ``progress(done,
-    total)`` is called once before and after each point."""
+    total)`` is called once before and after each point.
+
+    The results file is safe to kill, share and resume: it is locked against a second sweep
+    (an :class:`~trnsim.files.OutputError`), each row is appended whole, a torn last row is
+    dropped and rerun, and Ctrl-C or a dead worker ends the sweep with :class:`SweepStopped`
+    after every finished row is in the file."""
+    cpus = os.cpu_count() or 1
     if jobs is None:
-        jobs = os.cpu_count() or 1
-    if jobs < 1:
-        raise ConfigError(f"--jobs {jobs}: expected a positive number of worker processes")
+        jobs = cpus
+    max_jobs = max(8, 4 * cpus)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= max_jobs:
+        raise ConfigError(f"--jobs {jobs}: expected a positive number of worker processes, at most {max_jobs} "
+                          f"on this machine ({cpus} CPUs)" if isinstance(jobs, int) and jobs > max_jobs else
+                          f"--jobs {jobs}: expected a positive number of worker processes")
     out = spec.out
-    existing = _read_done(spec, out)
-    done = existing or {}
-    todo = [pt for pt in spec.points if pt.key() not in done]
-    total, finished = len(spec.points), len(spec.points) - len(todo)
-    if progress:
-        progress(finished, total)
-    rows: dict[tuple[str, ...], dict[str, str]] = dict(done)
-    base_dir = str(spec.path.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=spec.columns)
+    shown = str(out)
+    check_output(out, "sweep results", missing_dirs=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        f = open(out, "a+b")
+    except OSError as e:
+        raise OutputError(f"sweep results {shown}: cannot write it ({e.strerror or type(e).__name__})") from None
+    with f:
+        lock_exclusive(f, shown, "sweep results", holder="another trnsim sweep")
+        existing, torn = _read_done(spec, f, shown)
+        done = existing or {}
+        todo = [pt for pt in spec.points if pt.key() not in done]
+        total, finished = len(spec.points), len(spec.points) - len(todo)
+        if progress:
+            progress(finished, total)
+        rows: dict[tuple[str, ...], dict[str, str]] = dict(done)
+        base_dir = str(spec.path.parent)
         if existing is None:
-            writer.writeheader()
+            f.write(_row_line(spec.columns, {c: c for c in spec.columns}))
             f.flush()
+        ran = 0
 
         def record(pt: Point, result: dict[str, Any]) -> None:
-            nonlocal finished
+            nonlocal finished, ran
             # as text, as the CSV holds it, so fresh and resumed rows look alike
             row = {c: "" for c in spec.columns}
             row.update(zip(spec.key_columns, pt.key()))
-            row.update((k, str(v)) for k, v in result.items())
-            writer.writerow(row)
-            f.flush()
+            row.update((k, " ".join(str(v).splitlines())) for k, v in result.items())
+            line = _row_line(spec.columns, row)
+            masked = _block_sigint()
+            try:  # a Ctrl-C waits until the row is whole in the file
+                f.write(line)
+                f.flush()
+            finally:
+                _restore_sigint(masked)
             rows[pt.key()] = row
             finished += 1
+            ran += 1
             if progress:
                 progress(finished, total)
 
-        tasks = [_Task(spec.config, base_dir, pt) for pt in todo]
+        def stopped(why: str, interrupted: bool) -> SweepStopped:
+            return SweepStopped(f"sweep {why}: {finished} of {total} points are in {shown} ({ran} run now); "
+                                f"run the same command again to resume", interrupted)
+
+        tasks = [_Task(spec.config, base_dir, pt, spec.system) for pt in todo]
         if jobs == 1 or len(tasks) <= 1:
-            for t in tasks:
-                record(t.point, run_point(t))
+            try:
+                for t in tasks:
+                    record(t.point, run_point(t))
+            except KeyboardInterrupt:
+                raise stopped("interrupted", True) from None
         else:
-            with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
-                futures = {pool.submit(run_point, t): t.point for t in tasks}
-                for fut in as_completed(futures):
-                    record(futures[fut], fut.result())
-    return SweepResult([rows[pt.key()] for pt in spec.points], len(todo))
+            ctx = multiprocessing.get_context()
+            # a forked worker is this process's child and holds a copy of the locked file's
+            # descriptor; a spawned or forkserver one is neither
+            forked = ctx.get_start_method() == "fork"
+            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=_worker_init,
+                                       initargs=(os.getpid(), forked, f.fileno() if forked else -1))
+            try:
+                pending = {pool.submit(run_point, t): t.point for t in tasks}
+                while pending:
+                    finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished_now:
+                        record(pending.pop(fut), fut.result())
+            except KeyboardInterrupt:
+                _stop_pool(pool)
+                raise stopped("interrupted", True) from None
+            except BrokenProcessPool:
+                _stop_pool(pool)
+                raise stopped("stopped: a worker process died (out of memory, or killed)", False) from None
+            except BaseException:
+                _stop_pool(pool)
+                raise
+            pool.shutdown(wait=True)
+    return SweepResult([rows[pt.key()] for pt in spec.points], ran, torn)
+
+
+def _block_sigint() -> bool:
+    """Hold SIGINT back (main thread, POSIX) so it cannot tear a row; True if it was held."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    return True
+
+
+def _restore_sigint(masked: bool) -> None:
+    if masked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a held Ctrl-C arrives now

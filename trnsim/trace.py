@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from .files import AtomicOutput
 from .report import KernelReport
 
-__all__ = ["trace_events", "write_trace"]
+__all__ = ["trace_events", "trace_document", "write_trace"]
 
 KERNEL_LANE = "Kernel"
 _ENGINE_ORDER = ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync")
@@ -117,21 +117,20 @@ def trace_events(reports: Iterable[KernelReport]) -> list[dict[str, Any]]:
     return meta + events
 
 
-def write_trace(path: str | os.PathLike[str], reports: KernelReport | Iterable[KernelReport]) -> Path:
+def trace_document(reports: KernelReport | Iterable[KernelReport]) -> dict[str, Any]:
+    """The whole trace file's JSON document for ``reports``."""
+    reps = [reports] if isinstance(reports, KernelReport) else list(reports)
+    return {"traceEvents": trace_events(reps), "displayTimeUnit": "ns",
+            "otherData": {"generator": "trnsim", "kernels": [r.kernel for r in reps]}}
+
+
+def write_trace(path: str | os.PathLike[str] | AtomicOutput, reports: KernelReport | Iterable[KernelReport]) -> Path:
     """Write ``reports`` as a Chrome trace-event JSON file at ``path``.
 
-    The file is written to a temporary name in the same directory and renamed into place, so an
-    error (or a reader opening it meanwhile) never sees half a trace."""
-    reps = [reports] if isinstance(reports, KernelReport) else list(reports)
-    doc = {"traceEvents": trace_events(reps), "displayTimeUnit": "ns",
-           "otherData": {"generator": "trnsim", "kernels": [r.kernel for r in reps]}}
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    The file is written through :mod:`trnsim.files`: to a temporary name in the same directory,
+    renamed into place (an error, or a reader opening it meanwhile, never sees half a trace), a
+    symlink followed, a FIFO or device refused with an :class:`~trnsim.files.OutputError`.
+    ``path`` may be an :class:`~trnsim.files.AtomicOutput` reserved before a long run."""
+    doc = trace_document(reports)
+    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
+    return out.commit(lambda f: json.dump(doc, f, separators=(",", ":")))

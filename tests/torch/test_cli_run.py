@@ -65,3 +65,34 @@ def test_failing_script_exits_1_with_its_traceback(tmp_path):
     script.write_text("import torch\ntorch.ones(2, device='neuron')\nraise ValueError('boom')\n")
     out = _trnsim("run", str(script), cwd=tmp_path)
     assert out.returncode == 1 and "ValueError: boom" in out.stderr and "neuron run report" in out.stdout
+
+
+def test_sys_exit_with_a_message_prints_it_like_python(tmp_path):
+    script = tmp_path / "quit.py"
+    script.write_text("import sys, torch\ntorch.ones(2, device='neuron')\nsys.exit('no data in ./corpus')\n")
+    out = _trnsim("run", str(script), cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr == "no data in ./corpus\n"
+    assert "neuron run report" in out.stdout
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert (plain.returncode, plain.stderr) == (out.returncode, out.stderr)
+
+
+def test_a_trace_that_cannot_be_written_is_refused_before_the_script_runs(tmp_path):
+    import os
+
+    script = tmp_path / "s.py"
+    script.write_text("open('ran', 'w').close()\n")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    out = _trnsim("run", str(script), "--trace", str(fifo), cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == f"trnsim: error: --trace {fifo}: it is a FIFO, not a regular file; give a file path\n"
+    assert not (tmp_path / "ran").exists()
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    script.write_text(SCRIPT)
+    out = _trnsim("run", str(script), "--trace", "link.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text())["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.json", "link.json", "real.json", "s.py"]

@@ -1,1 +1,36 @@
-"""NeuronLink collectives (topology, links, algorithms): not modelled yet."""
+"""NeuronLink collectives: systems of chips, links as discrete-event resources, and the
+collective algorithms that run over them (ASTRA-sim's split: algorithms against one network
+interface, topologies as data).
+
+The Python API::
+
+    from trnsim.collectives import simulate_collective, estimate_collective
+    rep = simulate_collective("trn2.48xlarge", "all-reduce", 1 << 30, ranks=64)
+    rep.time_us, rep.algorithm, rep.reason, rep.busbw, rep.bound, rep.estimate.time_us
+
+See :mod:`trnsim.collectives.api` for concurrent calls, start times and running beside kernels.
+"""
+
+from .algorithms import ALGORITHMS, COLLECTIVES, CollectiveError
+from .api import estimate_collective, simulate_beside_kernels, simulate_collective, simulate_collectives
+from .engine import CollectiveCall, CollectiveEngine, CollectiveHandle
+from .network import ChipResources, Network
+from .report import AlphaBetaEstimate, CollectiveReport, EstimateStep
+
+__all__ = [
+    "ALGORITHMS",
+    "COLLECTIVES",
+    "AlphaBetaEstimate",
+    "ChipResources",
+    "CollectiveCall",
+    "CollectiveEngine",
+    "CollectiveError",
+    "CollectiveHandle",
+    "CollectiveReport",
+    "EstimateStep",
+    "Network",
+    "estimate_collective",
+    "simulate_beside_kernels",
+    "simulate_collective",
+    "simulate_collectives",
+]

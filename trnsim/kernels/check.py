@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..chip import Chip
+from ..chip import Chip, check_host_memory
 from ..config import ChipConfig, load_config
 from ..isa import KernelError
 from .registry import KernelEntry
@@ -25,6 +26,9 @@ def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: 
     if entry.inputs is None or entry.reference is None:
         raise KernelError(f"kernel '{entry.name}' has no reference to check against")
     kernel = entry.make(shape, dtype, cfg, merged)
+    # inputs (float32) and their rounded copies and the reference (float64): ~20 bytes an element
+    elements = sum(math.prod(t.shape) for t in kernel.tensors.values())
+    check_host_memory(kernel, extra=20 * elements)
     inputs = entry.inputs(shape, dtype, merged, np.random.default_rng(seed))
     result = Chip(cfg).run(kernel, inputs)
     ref = entry.reference(inputs, shape, dtype, merged)

@@ -24,12 +24,13 @@ every built-in kernel; this module only holds the table.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..config import ChipConfig, load_config
+from ..config import ChipConfig, clip_text, load_config
 from ..isa import KernelError
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
@@ -136,7 +137,7 @@ def get_kernel(name: str) -> KernelEntry:
     try:
         return KERNELS[name]
     except KeyError:
-        raise KernelError(f"unknown kernel '{name}'; expected one of {', '.join(sorted(KERNELS))} "
+        raise KernelError(f"unknown kernel '{clip_text(name)}'; expected one of {', '.join(sorted(KERNELS))} "
                           f"or path/to/file.py:function") from None
 
 
@@ -165,13 +166,16 @@ def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"4096x4096x4096"`` -> ``(4096, 4096, 4096)``; dims are positive integers."""
-    parts = str(text).lower().replace("×", "x").split("x")
+    text = str(text)
+    parts = text.lower().replace("×", "x").split("x") if len(text) <= 200 else []
     try:
-        dims = tuple(int(p) for p in parts)
+        # at most 18 digits: a dim is a count of elements, and int() of 5,000 digits is an error
+        dims = tuple(int(p) if len(p.strip()) <= 18 else 0 for p in parts)
     except ValueError:
         dims = ()
-    if not dims or any(d <= 0 for d in dims):
-        raise KernelError(f"--shape {text!r}: expected positive integers joined by 'x', e.g. 4096x4096x4096")
+    if not dims or len(dims) > 8 or any(d <= 0 for d in dims):
+        raise KernelError(f"--shape {clip_text(text, quoted=True)}: expected positive integers joined by 'x', "
+                          f"e.g. 4096x4096x4096")
     return dims
 
 
@@ -183,7 +187,7 @@ def _parse_value(text: str) -> Any:
         return False
     for conv in (int, float):
         try:
-            return conv(text)
+            return conv(text) if len(text) <= 64 else text  # int() of 5,000 digits is a ValueError
         except ValueError:
             pass
     return text
@@ -198,20 +202,23 @@ def parse_params(items: list[str] | None, allowed: Mapping[str, Any] | None = No
         key, sep, val = str(item).partition("=")
         key = key.strip()
         if not sep or not key:
-            raise KernelError(f"--param {item!r}: expected NAME=VALUE, e.g. transpose_a=true")
+            raise KernelError(f"--param {clip_text(item, quoted=True)}: expected NAME=VALUE, e.g. transpose_a=true")
         value = _parse_value(val.strip())
+        shown = clip_text(val, quoted=True)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise KernelError(f"{what}: parameter '{clip_text(key)}' = {shown}: expected a finite number")
         if allowed is not None:
             if key not in allowed:
                 names = ", ".join(sorted(allowed)) or "none"
-                raise KernelError(f"{what}: unknown parameter '{key}'; it takes: {names}")
+                raise KernelError(f"{what}: unknown parameter '{clip_text(key)}'; it takes: {names}")
             default = allowed[key]
             if isinstance(default, bool) and not isinstance(value, bool):
-                raise KernelError(f"{what}: parameter '{key}' expects true or false, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects true or false, got {shown}")
             if isinstance(default, int) and not isinstance(default, bool) and (
                     isinstance(value, bool) or not isinstance(value, int)):
-                raise KernelError(f"{what}: parameter '{key}' expects an integer, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects an integer, got {shown}")
             if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise KernelError(f"{what}: parameter '{key}' expects a number, got {val!r}")
+                raise KernelError(f"{what}: parameter '{key}' expects a number, got {shown}")
             if isinstance(default, str) and not isinstance(value, str):
                 value = val.strip()
         out[key] = value
@@ -238,7 +245,7 @@ def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | N
             sig.bind(*shape, **kwargs)
         except TypeError as e:
             raise KernelError(f"{what}: cannot call {getattr(fn, '__name__', fn)}{sig} with shape "
-                              f"{'x'.join(map(str, shape))}: {e}") from None
+                              f"{'x'.join(map(str, shape))}: {clip_text(e, 200)}") from None
     kernel = fn(*shape, **kwargs)
     if not isinstance(kernel, Kernel):
         raise KernelError(f"{what}: {getattr(fn, '__name__', fn)} returned {type(kernel).__name__}, "

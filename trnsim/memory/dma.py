@@ -19,11 +19,11 @@ takes 1416 ns on Trn2 (datasheet V3).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from ..bandwidth import BandwidthPipe
 from ..config import ChipConfig
 from ..isa import AP, DmaGather, HbmAP, KernelError, TileAP
 
@@ -218,6 +218,10 @@ class DmaSystem:
         dma = config.core.dma
         self.tick_hz = config.tick_hz
         self.engine_free = [0] * dma.engines
+        #: while not None every engine is free at this tick and ``engine_free`` may be stale: a
+        #: collective books all engines at once, thousands of times, so it keeps one number
+        self._level: int | None = 0
+        self._next = 0  # the engine a collective's next small transfer starts on (round robin)
         self.bw = dma.engine_bandwidth
         self.start_latency = config.ps_to_ticks(dma.start_latency)
         self.transfer_latency = config.ps_to_ticks(dma.transfer_latency)
@@ -230,6 +234,9 @@ class DmaSystem:
     def reserve(self, plan: DmaPlan, start: int) -> tuple[int, int]:
         """Book the engines and the HBM pipe from ``start``; return (when data starts moving,
         when the transfer is complete and visible)."""
+        if self._level is not None:
+            self.engine_free = [self._level] * len(self.engine_free)
+            self._level = None
         fin = start
         first = None
         free = self.engine_free
@@ -246,21 +253,35 @@ class DmaSystem:
             fin = max(fin, self.hbm.reserve(hbm_bytes, start))
         return (start if first is None else first), fin + self.transfer_latency
 
+    def reserve_spread(self, ticks: int, start: int) -> int:
+        """Book every engine for ``ticks`` (see :meth:`engine_ticks`) from ``start`` and return
+        when the last is done. A collective's DMA ring spreads its packets over all of a core's
+        engines (datasheet §6, S21); the HBM side is the caller's to book, since a collective
+        reads and writes different stacks."""
+        lv = self._level
+        if lv is not None:
+            lv = self._level = (lv if lv > start else start) + ticks
+            return lv
+        free = self.engine_free = [(f if f > start else start) + ticks for f in self.engine_free]
+        top = max(free)
+        if min(free) == top:
+            self._level = top
+        return top
 
-class BandwidthPipe:
-    """A shared link or memory port served first-come first-served at ``bandwidth`` bytes/s
-    (an exact fraction): a reservation from ``start`` ends ``bytes/bandwidth`` (rounded up to a
-    whole tick) after the pipe frees up."""
-
-    def __init__(self, bandwidth: Fraction, tick_hz: int):
-        self.num = Fraction(bandwidth).numerator
-        self.den = Fraction(bandwidth).denominator
-        self.tick_hz = tick_hz
-        self.free = 0
-        self.bytes = 0
-
-    def reserve(self, nbytes: int, start: int) -> int:
-        ticks = -(-nbytes * self.tick_hz * self.den // self.num)
-        self.free = max(self.free, start) + ticks
-        self.bytes += nbytes
-        return self.free
+    def reserve_some(self, engines: int, ticks: int, start: int) -> int:
+        """Book ``engines`` engines (the next ones round robin) for ``ticks`` each from ``start``;
+        a transfer smaller than a packet per engine uses fewer engines than a core has."""
+        n = len(self.engine_free)
+        if self._level is not None:
+            self.engine_free = [self._level] * n
+            self._level = None
+        free = self.engine_free
+        top = start
+        e = self._next
+        for _ in range(engines):
+            f = free[e] = (free[e] if free[e] > start else start) + ticks
+            if f > top:
+                top = f
+            e = e + 1 if e + 1 < n else 0
+        self._next = e
+        return top

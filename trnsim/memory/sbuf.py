@@ -32,6 +32,7 @@ class OnChipAllocator:
         self.label = label  # for messages, e.g. "SBUF (trn2: 224 KiB per partition)"
         self.live: list[Allocation] = []
         self.peak_bytes = 0  # peak bytes in use on the fullest partition
+        self.high_water = 0  # highest byte address any allocation reached, +1 (what values need)
         self._usage = [0] * partitions  # bytes in use per partition
         self._spans: list[tuple[int, int, int, int]] = []
         self._uids = uids if uids is not None else itertools.count(1)  # unique across memories
@@ -78,6 +79,7 @@ class OnChipAllocator:
         alloc = Allocation(self.space, name, p_start, p_count, addr, nbytes, next(self._uids))
         self.live.append(alloc)
         bisect.insort(self._spans, (addr, addr + size, p_start, p_end))
+        self.high_water = max(self.high_water, addr + size)
         use = self._usage
         for p in range(p_start, p_end):
             use[p] += size

@@ -19,10 +19,16 @@ POISON = 0xFF
 
 
 class DeviceMemory:
-    def __init__(self, config: ChipConfig):
+    """``sbuf_bytes``/``psum_bytes``: bytes per partition to hold (default: the whole
+    partition); a kernel needs only up to its allocators' high-water mark, so a config with 1 GiB
+    partitions does not cost 128 GiB of host memory to run a small kernel with values."""
+
+    def __init__(self, config: ChipConfig, sbuf_bytes: int | None = None, psum_bytes: int | None = None):
         c = config.core
-        self.sbuf = np.full((c.sbuf.partitions, c.sbuf.partition_bytes), POISON, dtype=np.uint8)
-        self.psum = np.full((c.psum.partitions, c.psum.partition_bytes), POISON, dtype=np.uint8)
+        sb = c.sbuf.partition_bytes if sbuf_bytes is None else max(1, sbuf_bytes)
+        pb = c.psum.partition_bytes if psum_bytes is None else max(1, psum_bytes)
+        self.sbuf = np.full((c.sbuf.partitions, sb), POISON, dtype=np.uint8)
+        self.psum = np.full((c.psum.partitions, pb), POISON, dtype=np.uint8)
         self.hbm: dict[int, np.ndarray] = {}
 
     def bind(self, tensor: HbmTensor, values: np.ndarray | None) -> np.ndarray:

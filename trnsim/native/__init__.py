@@ -5,7 +5,8 @@
 faster. The functions here dispatch to the C core unless the environment variable
 ``TRNSIM_NATIVE=0`` is set, in which case they call the reference. The variable is read at each
 call. ``TRNSIM_NATIVE_THREADS=n`` lets the C core split one matmul's output columns over n
-threads (default 1; the result is identical for every n).
+threads (n in 1..64, default 1; the result is identical for every n; anything else is a
+one-line ConfigError).
 
 If the C core was not built, importing this package still works; calling into it raises an
 ImportError that says how to build it.
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from trnsim.config import env_int
 from trnsim.native import dtypes, reference
 from trnsim.native.dtypes import Dtype, get_dtype
 from trnsim.native.reference import check_operands
@@ -70,18 +72,19 @@ def _lib() -> Any:
     return _datapath.lib
 
 
+MAX_THREADS = 64  # the C core's own cap (datapath.c); more would be ignored, so it is refused
+
+
 def _threads() -> int:
     raw = os.environ.get("TRNSIM_NATIVE_THREADS")
     if raw is None:  # the common case, without the parsing (a small matmul costs a few us)
         return 1
-    raw = raw.strip() or "1"
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"TRNSIM_NATIVE_THREADS must be a positive int, got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"TRNSIM_NATIVE_THREADS must be a positive int, got {raw!r}")
-    return n
+    return env_int("TRNSIM_NATIVE_THREADS", 1, 1, MAX_THREADS, "a whole number of matmul threads")
+
+
+def check_env() -> None:
+    """Refuse a bad ``TRNSIM_NATIVE_THREADS`` now (a one-line ConfigError), not inside a run."""
+    _threads()
 
 
 def kernel_families() -> list[str]:

@@ -1,0 +1,106 @@
+"""Collective simulation speed: wall time and simulated events per second, against the
+analytical (alpha-beta) estimate of the same call timed in the same run.
+
+* Goal: a 64-rank 1 GiB all-reduce on a trn2.48xlarge (the algorithm the size rule picks) in
+  <= 1 s of wall time.
+* How wall time grows from 16 to 64 to 144 ranks (a Trn3 Gen2 UltraServer holds all three
+  groups) and with the message size, each beside the estimate's wall time.
+
+An *event* is a chunk booked on its resources (one simpy timeout each) or a transfer started;
+the simulation is one event per chunk, never per byte, so events grow with ranks x steps x
+chunks, not with bytes (``collectives.max_chunks`` caps the chunks of a transfer).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_collectives.py [--quick]
+
+Exit status 1 if the goal is missed (not in --quick, which the tests run on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from trnsim.collectives import estimate_collective, simulate_collective  # noqa: E402
+from trnsim.config import load_system  # noqa: E402
+
+GOAL_S = 1.0
+GIB = 2**30
+
+
+def _size(n: int) -> str:
+    return f"{n // GIB} GiB" if n >= GIB else f"{n // 2**20} MiB"
+
+
+def timed(system, collective: str, nbytes: int, ranks: int, repeat: int) -> dict:
+    """Best-of-``repeat`` wall times of the simulation and of the estimate of one call."""
+    sim_wall, est_wall, cpu = float("inf"), float("inf"), float("inf")
+    rep = None
+    for _ in range(repeat):
+        t, c = time.perf_counter(), time.process_time()
+        rep = simulate_collective(system, collective, nbytes, ranks=ranks)
+        sim_wall = min(sim_wall, time.perf_counter() - t)
+        cpu = min(cpu, time.process_time() - c)
+        t = time.perf_counter()
+        estimate_collective(system, collective, nbytes, ranks=ranks)
+        est_wall = min(est_wall, time.perf_counter() - t)
+    assert rep is not None
+    events = rep.chunks + rep.transfers
+    return {"rep": rep, "sim_wall": sim_wall, "cpu": cpu, "est_wall": est_wall, "events": events,
+            "events_per_s": events / sim_wall}
+
+
+def line(label: str, m: dict) -> str:
+    r = m["rep"]
+    return (f"  {label:34s} {r.algorithm:12s} {r.transfers:8,d} {m['events']:9,d} {m['sim_wall']:8.3f} {m['cpu']:7.3f} "
+            f"{m['events_per_s']:11,.0f} {m['est_wall'] * 1e3:9.2f} {m['sim_wall'] / m['est_wall']:9.0f} "
+            f"{r.time_us:12.1f} {r.estimate.time_us:12.1f}")
+
+
+HEAD = (f"  {'call':34s} {'algorithm':12s} {'transfers':>8s} {'events':>9s} {'wall s':>8s} {'cpu s':>7s} {'events/s':>11s} "
+        f"{'a-b ms':>9s} {'sim/a-b':>9s} {'sim us':>12s} {'a-b us':>12s}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller calls, one repetition (for the tests)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    repeat = 1 if quick else 3
+    trn2 = load_system("trn2.48xlarge")
+    gen2 = load_system("trn3-ultraserver-gen2")
+    size = 64 << 20 if quick else GIB
+    print(f"wall time (best of {repeat}) of simulating one call, against its alpha-beta estimate in the same run;")
+    print("cpu s is this process's CPU time (the machine may be shared)")
+    print(HEAD)
+    timed(trn2, "all-reduce", 1 << 20, 64, 1)  # warm up: imports, caches
+    head = timed(trn2, "all-reduce", size, 64, repeat)
+    print(line(f"all-reduce {_size(size)}, 64 ranks, trn2", head))
+    print()
+    print("growth with ranks (trn3-ultraserver-gen2: 36 servers x 4 chips, 4 ranks per chip)")
+    print(HEAD)
+    grow = [(n, timed(gen2, "all-reduce", size, n, repeat)) for n in ((16, 32, 64) if quick else (16, 64, 144))]
+    for n, m in grow:
+        print(line(f"all-reduce {_size(size)}, {n} ranks", m))
+    (n0, m0), (n1, m1) = grow[0], grow[-1]
+    print(f"  {n1 / n0:.0f}x the ranks: {m1['sim_wall'] / m0['sim_wall']:.1f}x the wall time, "
+          f"{m1['events'] / m0['events']:.1f}x the events")
+    print()
+    print("growth with message size (trn2.48xlarge, 64 ranks)")
+    print(HEAD)
+    sizes = (1 << 20, 16 << 20) if quick else (1 << 20, 16 << 20, 256 << 20, GIB, 4 * GIB)
+    for n in sizes:
+        print(line(f"all-reduce {_size(n)}", timed(trn2, "all-reduce", n, 64, repeat)))
+    print()
+    ok = head["sim_wall"] <= GOAL_S
+    print(f"goal: 64-rank 1 GiB all-reduce in <= {GOAL_S:g} s wall: "
+          + ("(not measured in --quick)" if quick else
+             f"{head['sim_wall']:.3f} s wall, {head['cpu']:.3f} s cpu -> {'ok' if ok else 'MISS'}"))
+    return 0 if quick or ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

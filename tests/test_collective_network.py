@@ -1,0 +1,148 @@
+"""The network model: routes, links as FIFO bandwidth pipes, exact timelines of small transfers
+(every tick derived here from the config figures), contention, DMA engines and CC cores."""
+
+from fractions import Fraction
+
+import pytest
+
+from trnsim.bandwidth import BandwidthPipe
+from trnsim.collectives import CollectiveCall, simulate_collective, simulate_collectives
+from trnsim.collectives.topology import Topology
+from trnsim.config import load_system
+
+TRN2 = load_system("trn2.48xlarge")
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def test_bandwidth_pipe_is_fifo_and_exact():
+    log = []
+    p = BandwidthPipe(Fraction(256 * 10**9), 4_800_000_000)
+    p.log = log
+    assert p.reserve(65536, 100) == 100 + 1229  # ceil(65536 B * 4.8 GHz / 256 GB/s)
+    assert p.reserve(65536, 0) == 100 + 2 * 1229  # queued behind the first
+    assert p.reserve(10, 10_000) == 10_000 + 1
+    assert log == [(100, 1329), (1329, 2558), (10_000, 10_001)]
+    assert p.bytes == 131082 and p.busy_ticks == 2459
+
+
+def test_routes_are_dimension_ordered_and_shortest():
+    t = Topology(TRN2)
+    assert t.coords(7) == (3, 1, 0) and t.chip_at((3, 1, 0)) == 7
+    assert [t.link_name(k) for k in t.route(0, 5)] == ["chip 0 -> chip 4 (y+)", "chip 4 -> chip 5 (x+)"]
+    assert [t.link_name(k) for k in t.route(0, 3)] == ["chip 0 -> chip 3 (x-)"]  # the wrap is shorter
+    assert [t.link_name(k) for k in t.route(0, 2)] == ["chip 0 -> chip 1 (x+)", "chip 1 -> chip 2 (x+)"]  # tie: +
+    assert t.route(5, 5) == ()
+    g1 = Topology(load_system("trn3-ultraserver-gen1"))
+    assert [g1.link_name(k) for k in g1.route(0, 17)] == ["chip 0 -> rack switch", "rack switch -> chip 17"]
+    assert [g1.link_name(k) for k in g1.route(3, 5)] == ["chip 3 -> server switch", "server switch -> chip 5"]
+    two = Topology(load_system("trn2.48xlarge", ["topology.efa.size=2"]))
+    assert [two.link_name(k) for k in two.route(1, 21)] == ["chip 1 -> efa switch", "efa switch -> chip 21"]
+
+
+def test_ring_order_snakes_so_every_step_is_one_hop():
+    t = Topology(TRN2)
+    order = t.ring_order(range(64))
+    assert order[:9] == [0, 1, 2, 3, 7, 6, 5, 4, 8]
+    chips = [t.chip_of(r) for r in order]
+    hops = [len(t.route(a, b)) for a, b in zip(chips, chips[1:] + chips[:1]) if a != b]
+    assert len(hops) == 16 and set(hops) == {1}
+    us = Topology(load_system("trn2-ultraserver"))
+    chips = [us.chip_of(r) for r in us.ring_order(range(256))]
+    assert {len(us.route(a, b)) for a, b in zip(chips, chips[1:] + chips[:1]) if a != b} == {1}
+
+
+def _ticks():
+    cfg = TRN2.chip
+    hz = cfg.tick_hz
+    return {"start": cfg.ps_to_ticks(cfg.core.dma.start_latency), "done": cfg.ps_to_ticks(cfg.core.dma.transfer_latency),
+            "hop": cfg.ps_to_ticks(TRN2.dim("x").latency), "link": lambda n: ceil_div(n * hz, TRN2.dim("x").bandwidth)}
+
+
+def test_one_transfer_exact_timeline():
+    """8 MiB from rank 0 (chip 0) to rank 4 (chip 1): 8 chunks of 1 MiB, link-bound (the DMA
+    engines and HBM stacks are faster), booked back to back on the x+ link."""
+    k = _ticks()
+    assert (k["start"], k["done"], k["hop"], k["link"](1 << 20)) == (6240, 629, 960, 19661)
+    r = simulate_collective(TRN2, "permute", 8 << 20, group=[0, 4], pairs=[(0, 4)], trace=True)
+    chunk = k["link"](1 << 20)
+    link = [(a, b) for lane, _, a, b in r.timeline if lane == "link chip 0 -> chip 1 (x+)"]
+    assert link == [(6240 + i * chunk, 6240 + (i + 1) * chunk) for i in range(8)]
+    end = 6240 + 8 * chunk + k["hop"] + k["done"]
+    assert end == 165117
+    assert r.end_ticks == (end, end) and r.time_ticks == end
+    assert r.link_bytes == {"chip 0 -> chip 1 (x+)": 8 << 20}
+    assert r.hbm_bytes == {"chip 0 HBM stack 0": 8 << 20, "chip 1 HBM stack 0": 8 << 20}
+    assert r.bound == "link chip 0 -> chip 1 (x+)" and r.chunks == 8 and r.steps == 1 and r.max_hops == 1
+
+
+def test_two_flows_over_one_link_take_turns():
+    """Ranks 0 (chip 0) and 4 (chip 1) both send 1 MiB to chip 2: the chip 1 -> chip 2 link
+    carries both, one 128 KiB chunk each in turn, so the second flow ends one chunk after the
+    first's last and the pair takes twice as long as one flow alone."""
+    k = _ticks()
+    c = k["link"](128 << 10)
+    both = simulate_collective(TRN2, "permute", 1 << 20, group=[0, 4, 8, 9], pairs=[(0, 8), (4, 9)], trace=True)
+    alone = simulate_collective(TRN2, "permute", 1 << 20, group=[0, 4, 8, 9], pairs=[(0, 8)])
+    shared = [(a, b) for lane, _, a, b in both.timeline if lane == "link chip 1 -> chip 2 (x+)"]
+    assert shared == [(6240 + i * c, 6240 + (i + 1) * c) for i in range(16)]
+    assert alone.end_of(0) == 6240 + 8 * c + 2 * k["hop"] + k["done"] == 28453  # two hops, links in parallel
+    assert both.end_of(0) == 6240 + 15 * c + 2 * k["hop"] + k["done"]
+    assert both.end_of(4) == 6240 + 16 * c + k["hop"] + k["done"]
+    assert both.time_ticks > 1.6 * alone.time_ticks
+    assert both.link_bytes["chip 1 -> chip 2 (x+)"] == 2 << 20
+
+
+def test_a_small_transfer_uses_one_engine_per_packet():
+    """256 KiB is 4 CC packets: 2 on each physical core of the logical core, so 4 DMA engines at
+    27.2 GB/s bound it, not the 256 GB/s link."""
+    cfg = TRN2.chip
+    r = simulate_collective(TRN2, "permute", 256 << 10, group=[0, 4], pairs=[(0, 4)])
+    per_engine = ceil_div(16384 * cfg.tick_hz, cfg.core.dma.engine_bandwidth)  # a 64 KiB chunk over 4 engines
+    desc = ceil_div(2 * cfg.ps_to_ticks(cfg.core.dma.descriptor_overhead), 2 * 4)
+    assert r.time_ticks == 6240 + 4 * (per_engine + desc) + 960 + 629
+    assert r.bound == "DMA rank 0"
+
+
+def test_a_rank_runs_at_most_its_cc_cores_collectives_at_once():
+    """LNC=2: 2 CC cores per physical core, 4 per rank (datasheet §9). A fifth concurrent call
+    waits until one of the first four is done."""
+    one = simulate_collective(TRN2, "all-gather", 64, group=[0, 4], algorithm="ring")
+    reps = simulate_collectives(TRN2, [CollectiveCall("all-gather", 64, group=[0, 4], algorithm="ring")
+                                       for _ in range(5)])
+    t = one.time_ticks
+    assert [r.end_ticks for r in reps] == [(t, t)] * 4 + [(2 * t, 2 * t)]
+    more = simulate_collectives(load_system("trn2.48xlarge", ["collectives.cc_cores_per_core=3"]),
+                                [CollectiveCall("all-gather", 64, group=[0, 4], algorithm="ring") for _ in range(5)])
+    assert [r.end_ticks for r in more] == [(t, t)] * 5
+
+
+def test_start_times_and_late_ranks():
+    """A rank that reaches the call late holds everyone whose data it sends or receives."""
+    base = simulate_collective(TRN2, "all-reduce", 1 << 20, group=[0, 1, 2, 3], algorithm="ring")
+    late = simulate_collective(TRN2, "all-reduce", 1 << 20, group=[0, 1, 2, 3], algorithm="ring",
+                               start=[0, 0, 0, 48_000])
+    assert late.start_ticks == (0, 0, 0, 48_000)
+    assert min(late.end_ticks) > 48_000 and late.time_ticks >= base.time_ticks + 48_000 - 10
+    shifted = simulate_collective(TRN2, "all-reduce", 1 << 20, group=[0, 1, 2, 3], algorithm="ring", start=4800)
+    assert shifted.end_ticks == tuple(e + 4800 for e in base.end_ticks) and shifted.time_ticks == base.time_ticks
+
+
+def test_same_call_same_ticks():
+    a = simulate_collective(TRN2, "all-reduce", 3 << 20, ranks=16)
+    b = simulate_collective(TRN2, "all-reduce", 3 << 20, ranks=16)
+    assert a == b and a.end_ticks == b.end_ticks
+
+
+def test_vector_reduce_engine_charges_vector_time():
+    """With collectives.reduce_engine=vector the adds run on the adding rank's VectorE (its
+    tensor_tensor cost) and the DMA copies at full rate; a slow VectorE becomes the bound."""
+    dma = simulate_collective(TRN2, "reduce-scatter", 32 << 20, group=[0, 1], algorithm="ring")
+    vec = simulate_collective(TRN2, "reduce-scatter", 32 << 20, group=[0, 1], algorithm="ring",
+                              overrides=["collectives.reduce_engine=vector"])
+    assert sum(vec.dma_bytes.values()) < sum(dma.dma_bytes.values())  # adds no longer cost DMA time
+    slow = simulate_collective(TRN2, "reduce-scatter", 32 << 20, group=[0, 1], algorithm="ring",
+                               overrides=["collectives.reduce_engine=vector", "core.vector.clock=20MHz"])
+    assert slow.bound.startswith("VectorE rank") and slow.time_ticks > 2 * dma.time_ticks

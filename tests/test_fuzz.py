@@ -1,0 +1,443 @@
+"""Adversarial input, generated: malformed chip configs, sweep specs, results files and CLI lines,
+each run through ``trnsim.cli.main`` as a user would run the command.
+
+Every case must end with exit status 2 and one line ``trnsim: error: ...`` on stderr (naming the
+thing where the case knows what it broke), or be accepted (status 0: the mutation happened to be
+valid input) - never a traceback, never a hang (a generous per-case alarm), never a flood of
+memory (growth of the driver's peak RSS per case). The cases are deterministic: case ``i`` of
+seed ``s`` is always the same, and ``python3 tests/test_fuzz.py --seed s --case i`` reruns one.
+
+The driver runs in a subprocess with an address-space limit, so an unbounded input fails this
+test instead of the machine. ``python3 tests/test_fuzz.py --cases 3000`` is the long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE_SECONDS = 30.0  # a hang, not a slow case: the slowest accepted case takes well under a second
+CASE_RSS_BYTES = 400 * 2**20  # growth of peak RSS one case may cause
+ERROR_PREFIX = "trnsim: error: "
+
+# ---------------------------------------------------------------------------------------------
+# ingredients
+# ---------------------------------------------------------------------------------------------
+
+
+def alias_bomb(levels: int, width: int = 9) -> str:
+    """A flow-style YAML value whose aliases expand to width**levels scalars."""
+    parts = [f"&a0 [{', '.join(['x'] * width)}]"]
+    for i in range(1, levels + 1):
+        parts.append(f"&a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
+    return "[" + ", ".join(parts) + "]"
+
+
+def alias_bomb_block(levels: int) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+SCALARS = ["", " ", "lots", "-1", "0", "1", "3", "128", "4096", "65536", "1e999", "nan", ".nan", "inf", "-.inf",
+           "0x10", "1_000", "224KB/s", "224 KiB", "2.4 GHz", "1e-50ns", "1e400KiB", "1e9999999999GHz", "0B", "1B",
+           "1GiB", "1TiB", "99999999999999999999", "9" * 5000, "x" * 100_000, "é", "\U0001f642" * 20, "true", "null",
+           "~", "2001-13-45", "2001-01-01", "!!binary AAA", "!!python/object:os.system", "!!int abc", "0o777",
+           "1:30", "'unclosed", '"unclosed', "[", "{", "]", "}", "- a", ": b", "%YAML 1.1", "---", "...", "*nope",
+           "&a", "? x", "|", ">", "@x", "`x", "'a\nb'", "1.5GHz", "0.1ps", "2.9TB/s", "23B/ns", "3us", "1300ns"]
+
+
+def bad_value(rng: random.Random) -> str:
+    """A YAML value (flow style, one line unless it is a multi-line string) a config never has."""
+    r = rng.random()
+    if r < 0.55:
+        return rng.choice(SCALARS)
+    if r < 0.65:
+        return alias_bomb(rng.randint(1, 9))
+    if r < 0.72:
+        n = rng.choice([10, 100, 1000, 10_000, 30_000])
+        return "[" * n + "]" * n
+    if r < 0.8:
+        return "[" + ", ".join(rng.choice(SCALARS[:20]) for _ in range(rng.randint(0, 6))) + "]"
+    if r < 0.86:
+        return "{" + ", ".join(f"k{i}: {rng.choice(SCALARS[:20])}" for i in range(rng.randint(0, 4))) + "}"
+    if r < 0.93:
+        return "".join(rng.choice("abc01 :-[]{}#&*!|>'\"%@`,?\t\\") for _ in range(rng.randint(1, 40)))
+    return "".join(chr(rng.randint(1, 0x2FFF)) for _ in range(rng.randint(1, 20)))
+
+
+def mutate_yaml(text: str, rng: random.Random) -> tuple[bytes, list[str]]:
+    """One to three mutations of a YAML document; returns the bytes and what a message may name."""
+    lines = text.split("\n")
+    names: list[str] = []
+    for _ in range(rng.randint(1, 3)):
+        keyed = [i for i, ln in enumerate(lines) if ":" in ln and not ln.lstrip().startswith("#")]
+        op = rng.randrange(10)
+        if op <= 2 and keyed:  # a value replaced
+            i = rng.choice(keyed)
+            key, _, _ = lines[i].partition(":")
+            lines[i] = f"{key}: {bad_value(rng)}"
+            names.append(key.strip())
+        elif op == 3 and keyed:  # a key twice
+            i = rng.choice(keyed)
+            lines.insert(i + 1, lines[i])
+            names.append("duplicate key")
+        elif op == 4 and lines:  # a line gone
+            del lines[rng.randrange(len(lines))]
+        elif op == 5 and keyed:  # an unknown key beside a known one
+            i = rng.choice(keyed)
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            lines.insert(i, f"{indent}{rng.choice(['speed', 'sbufz', 'x' * 300, '1', 'null'])}: 1")
+        elif op == 6:  # cut anywhere
+            joined = "\n".join(lines)
+            lines = joined[: rng.randrange(len(joined) + 1)].split("\n")
+        elif op == 7 and keyed:  # indentation broken
+            i = rng.choice(keyed)
+            lines[i] = rng.choice(["\t", " ", "   ", ""]) + lines[i].lstrip()
+        elif op == 8:  # a whole bad document in front or instead
+            bomb = rng.choice([alias_bomb_block(rng.randint(3, 10)), "[" * 5000 + "]" * 5000,
+                               "".join("  " * i + "- \n" for i in range(rng.choice([100, 2000]))), "- 1\n- 2\n",
+                               "just a string\n", "", "&a [*a]\n", "a: &a {b: *a}\n"])
+            lines = (bomb + ("\n".join(lines) if rng.random() < 0.5 else "")).split("\n")
+        else:  # a value becomes a structure or an alias of one
+            if keyed:
+                i = rng.choice(keyed)
+                key, _, _ = lines[i].partition(":")
+                lines[i] = f"{key}: {rng.choice([alias_bomb(rng.randint(4, 8)), '[1, [2, [3]]]', '{a: {b: 1}}'])}"
+                names.append(key.strip())
+    data = "\n".join(lines).encode("utf-8", "surrogatepass")
+    if rng.random() < 0.05:  # bytes that are not UTF-8, or a NUL
+        pos = rng.randrange(len(data) + 1)
+        data = data[:pos] + rng.choice([b"\xff\xfe", b"\x00", b"\xc3", b"\x80\x80"]) + data[pos:]
+    return data, names
+
+
+NAMES = ["matmul", "rmsnorm", "softmax", "transpose", "unary", "binary", "reduce", "layernorm", "embedding",
+         "nope", "", "matmul ", "MATMUL", "x" * 10_000, "../x.py:f", "k.py", "k.py:", ":f", "a:b:c",
+         "raises.py:build", "import_error.py:build", "returns_int.py:build", "foreign.py:build",
+         "free_slice.py:build", "queue16.py:build", "recursion.py:build", "many.py:build", "ok.py:build",
+         "ok.py:missing", "nonexistent.py:build", "fifo.py:build", "dir.py:build", "x" * 5000 + ".py:f"]
+SMALL = [1, 2, 3, 64, 100, 128, 129, 256, 512]
+FILE_KERNELS = {
+    "ok.py": "import trnsim\ndef build(rows, cols, config='trn2'):\n"
+             "    k = trnsim.Kernel('ok', config)\n    x = k.input('x', (rows, cols), 'fp32')\n"
+             "    y = k.output('y', (rows, cols), 'fp32')\n    t = k.sbuf((rows, cols), 'fp32')\n"
+             "    k.dma_copy(t, x)\n    k.dma_copy(y, t)\n    return k\n",
+    "raises.py": "def build(*dims, config=None):\n    raise ValueError('boom ' * 10000)\n",
+    "import_error.py": "import not_a_module_anywhere\n",
+    "returns_int.py": "def build(*dims):\n    return 42\n",
+    "foreign.py": "import trnsim\ndef build(*dims, config='trn2'):\n    a = trnsim.Kernel('a', config)\n"
+                  "    b = trnsim.Kernel('b', config)\n    t = a.sbuf((128, 64), 'fp32')\n"
+                  "    x = b.input('x', (128, 64), 'fp32')\n    b.dma_copy(t, x)\n    return b\n",
+    "free_slice.py": "import trnsim\ndef build(*dims, config='trn2'):\n    k = trnsim.Kernel('k', config)\n"
+                     "    t = k.sbuf((128, 64), 'fp32')\n    k.free(t[:, :32])\n    return k\n",
+    "queue16.py": "import trnsim\ndef build(*dims, config='trn2'):\n    k = trnsim.Kernel('k', config)\n"
+                  "    t = k.sbuf((128, 64), 'fp32')\n    x = k.input('x', (128, 64), 'fp32')\n"
+                  "    k.dma_copy(t, x, queue=16)\n    return k\n",
+    "recursion.py": "def build(*dims, config=None):\n    return build(*dims, config=config)\n",
+    "many.py": "import trnsim\ndef build(*dims, config='trn2'):\n    k = trnsim.Kernel('k', config)\n"
+               "    t = k.sbuf((128, 64), 'fp32')\n    while True:\n        k.memset(t, 0.0)\n",
+}
+
+
+def shape(rng: random.Random, dims: int | None = None) -> str:
+    """A --shape: small dims (a fast run), or dims so big no HBM holds them, or garbage."""
+    n = dims if dims is not None else rng.choice([1, 2, 3, 3, 4])
+    r = rng.random()
+    if r < 0.5:
+        return "x".join(str(rng.choice(SMALL)) for _ in range(n))
+    if r < 0.65:
+        return "x".join(str(rng.choice([10**7, 10**9, 2**40])) for _ in range(n))
+    return rng.choice(["", "x", "0x1x1", "-1x2x3", "1e3x2x2", "128X128X128", "128×128×128", "9" * 50, "1x" * 500,
+                       "128 x 128 x 128", "0", "a", "\x00", "128x128x", "x128", "1.5x2x2", "nan", "99999999999999999999"])
+
+
+def set_pair(rng: random.Random) -> tuple[str, str]:
+    key = rng.choice(["core.sbuf.partition_bytes", "core.tensor.clock", "core.dma.queues", "chip.lnc",
+                      "core.tensor.fp8_double_row", "chip.neuronlink.version", "core.vector.min_ii_cycles",
+                      "core.sbuf", "core", "nope.key", "core..x", "", ".", "core.sbuf.partition_bytes.x",
+                      "x" * 3000, "core.tensor.throttle_initial_util"])
+    return key, bad_value(rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------
+
+
+class Case:
+    def __init__(self, kind: str, argv: list[str], names: list[str] | None = None, env: dict[str, str] | None = None,
+                 allow_status_1: bool = False):
+        self.kind = kind
+        self.argv = argv
+        self.names = names or []  # the message should contain one of these (when given)
+        self.env = env or {}
+        self.allow_status_1 = allow_status_1
+
+
+SPEC_BASE = """\
+config: trn2
+grid:
+  core.tensor.clock: [2.4GHz, 3GHz]
+  core.sbuf.partition_bytes: [224KiB]
+kernels:
+  - name: ok.py:build
+    shapes: [128x64]
+  - {name: matmul, shape: 128x128x128, dtype: bf16}
+out: r.csv
+"""
+
+
+def make_case(seed: int, index: int, work: Path) -> Case:
+    rng = random.Random(seed * 1_000_003 + index)
+    d = work / f"c{index}"
+    d.mkdir()
+    kind = rng.choice(["config", "config", "spec", "spec", "results", "cli", "cli", "cli", "env"])
+    if kind == "config":
+        data, names = mutate_yaml((ROOT / "configs" / "trn2.yaml").read_text(), rng)
+        path = d / "chip.yaml"
+        path.write_bytes(data)
+        argv = ["info", str(path)] + (["--json"] if rng.random() < 0.3 else [])
+        return Case(kind, argv, ["chip.yaml"] + names)
+    if kind in ("spec", "results"):
+        for name, text in FILE_KERNELS.items():
+            (d / name).write_text(text)
+        os.mkfifo(d / "fifo.py")
+        (d / "dir.py").mkdir()
+        data, names = mutate_yaml(SPEC_BASE, rng) if kind == "spec" else (SPEC_BASE.encode(), [])
+        if kind == "spec" and rng.random() < 0.3:  # a big grid, or one value twice
+            n = rng.choice([2, 50, 10_000])
+            vals = ", ".join(f"{1000 + (i if rng.random() < 0.9 else 0)}MHz" for i in range(n))
+            data = data.replace(b"[2.4GHz, 3GHz]", f"[{vals}]".encode())
+        spec = d / "spec.yaml"
+        spec.write_bytes(data)
+        argv = ["sweep", str(spec), "--jobs", "1", "--max-points", "12"]
+        out = rng.random()
+        if out < 0.1:
+            os.mkfifo(d / "fifo.csv")
+            argv += ["--out", str(d / "fifo.csv")]
+        elif out < 0.15:
+            argv += ["--out", str(d)]
+        elif out < 0.2:
+            argv += ["--out", str(d / "no" / "such" / "dir" / "r.csv")]
+        if kind == "results":  # a results file from a killed, older, foreign or damaged run
+            header = ("core.tensor.clock,core.sbuf.partition_bytes,kernel,shape,dtype,params,cycles,us,mfu_percent,"
+                      "mbu_percent,bound,tensor_active_percent,vector_active_percent,scalar_active_percent,"
+                      "gpsimd_active_percent,sync_active_percent,dma_active_percent,instructions,hbm_bytes,"
+                      "dma_bytes,matmul_flops,error\n")
+            row = "2.4GHz,224KiB,ok.py:build,128x64,,,1.0,1.0,0,0,DMA/HBM,0,0,0,0,0,0,2,1,1,0,\n"
+            body = rng.choice([header, header + row, header + row[: rng.randrange(len(row))], header[:20],
+                               "a,b\n1,2\n", header + "1,2,3\n" + row, "\xff\xfe", "", header + '"unclosed\n',
+                               header + row * 3 + row[:10]])
+            (d / "r.csv").write_bytes(body.encode("utf-8", "surrogateescape"))
+        return Case(kind, argv, ["spec.yaml", "r.csv", "fifo", "dir", "sweep results"] + names)
+    if kind == "env":
+        var = rng.choice(["TRNSIM_NATIVE_THREADS", "TRNSIM_MAX_INSTRUCTIONS"])
+        value = rng.choice(["abc", "0", "-1", "65", "1e3", "9" * 5000, " ", "", "4", "\u0663", "0x10", "1.0"])
+        return Case(kind, ["kernel", "matmul", "--shape", "128x128x128", "--check"], [var], {var: value},
+                    allow_status_1=True)
+    # a command line
+    cmd = rng.choice(["info", "kernel", "kernel", "kernel", "garbage"])
+    for name, text in FILE_KERNELS.items():
+        (d / name).write_text(text)
+    os.mkfifo(d / "fifo.json")
+    (d / "target.json").write_text("old")
+    os.symlink(d / "target.json", d / "link.json")
+    os.symlink(d / "missing.json", d / "dangling.json")
+    names = []
+    if cmd == "info":
+        argv = ["info", rng.choice(["trn2", "trn3", "trn9", "", "x" * 3000, str(d / "fifo.json"), str(d), "/dev/null",
+                                    "../configs/trn2.yaml", str(d / "absent.yaml")])]
+        names.append("config")
+    elif cmd == "kernel":
+        name = rng.choice(NAMES)
+        argv = ["kernel", str(d / name) if name.endswith(":build") or name.endswith(":missing") else name]
+        kdims = {"matmul": 3, "transpose": 2, "softmax": 2, "rmsnorm": 2}.get(name)
+        argv += ["--shape", shape(rng, kdims if rng.random() < 0.7 else None)]
+        if rng.random() < 0.3:
+            argv += ["--dtype", rng.choice(["bf16", "fp32", "fp8", "int8", "", "bfloat16", "x" * 1000])]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            argv += ["--param", rng.choice(["scale=nan", "scale=inf", "transpose_a=maybe", "bufs=2", "eps=1e-6",
+                                            "=1", "noeq", "x" * 5000 + "=1", "eps=" + "9" * 5000, "op=exp",
+                                            "transpose_a=true", "eps=-inf"])]
+            names.append("parameter")
+        for _ in range(rng.choice([0, 0, 1])):
+            k, v = set_pair(rng)
+            argv += ["--set", f"{k}={v}"]
+            names.append(k[:40] or "override")
+        if rng.random() < 0.3:
+            argv += ["--trace", str(d / rng.choice(["fifo.json", "link.json", "dangling.json", "t.json", "", ".",
+                                                    "no/dir/t.json"]))]
+            names.append("--trace")
+        check = rng.random() < 0.2
+        argv += ["--check"] if check else []
+        return Case(kind, argv, None, allow_status_1=check)
+    else:
+        pool = ["info", "kernel", "sweep", "--set", "--shape", "--param", "--config", "--json", "--list", "--check",
+                "--trace", "--jobs", "--max-points", "-1", "0", "99999999999999999999", "matmul", "trn2", "--",
+                "-", "x" * 10_000, "\x00", "é", str(d / "fifo.json"), "--help=x", "--shape=1x1x1", "--jobs=two"]
+        argv = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        if argv and argv[0] == "sweep":
+            argv.insert(1, str(d / "fifo.json"))
+    return Case(kind, argv, names or None)
+
+
+# ---------------------------------------------------------------------------------------------
+# running one case in this process
+# ---------------------------------------------------------------------------------------------
+
+
+class Hang(BaseException):
+    pass
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise Hang()
+
+
+def max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def run_case(case: Case, cwd: Path) -> dict[str, object]:
+    from trnsim.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in case.env}
+    os.environ.update(case.env)
+    saved_cwd = os.getcwd()
+    os.chdir(cwd)
+    rss0 = max_rss()
+    t0 = time.perf_counter()
+    outcome: dict[str, object] = {"kind": case.kind}
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(case.argv)
+            except SystemExit as e:  # argparse's usage errors
+                status = e.code if isinstance(e.code, int) else 1
+        outcome["status"] = status
+    except Hang:
+        outcome["result"] = "hang"
+    except BaseException as e:  # noqa: BLE001 - a traceback is what this test looks for
+        outcome["result"] = "traceback"
+        outcome["error"] = "".join(traceback.format_exception_only(type(e), e))[-500:]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        os.chdir(saved_cwd)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outcome["seconds"] = round(time.perf_counter() - t0, 3)
+    outcome["rss_growth"] = max_rss() - rss0
+    text = err.getvalue()
+    outcome["stderr"] = text[:300]
+    if "result" in outcome:
+        return outcome
+    lines = text.splitlines()
+    if "Traceback (most recent call last)" in text:
+        outcome["result"] = "traceback"
+    elif outcome["rss_growth"] > CASE_RSS_BYTES:  # type: ignore[operator]
+        outcome["result"] = "flood"
+    elif status == 0:
+        outcome["result"] = "accepted"
+    elif status == 2 and len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and len(lines[0]) <= 2100:
+        named = not case.names or any(n and n.lower() in lines[0].lower() for n in case.names)
+        outcome["result"] = "one-line" if named else "unnamed"
+    elif status == 1 and case.allow_status_1 and not text:
+        outcome["result"] = "accepted"  # --check found a mismatch: documented status 1
+    else:
+        outcome["result"] = "other"
+    return outcome
+
+
+def drive(seed: int, cases: range) -> dict[str, object]:
+    os.environ["TRNSIM_MAX_INSTRUCTIONS"] = "20000"  # the instruction limit, reached in a second
+    results = []
+    with tempfile.TemporaryDirectory(prefix="trnsim-fuzz-") as tmp:
+        work = Path(tmp)
+        for i in cases:
+            case = make_case(seed, i, work)
+            r = run_case(case, work / f"c{i}")
+            r["case"] = i
+            if r["result"] not in ("one-line", "accepted"):
+                r["argv"] = [a[:200] for a in case.argv]
+            results.append(r)
+    counts: dict[str, int] = {"tried": len(results)}
+    for r in results:
+        counts[str(r["result"])] = counts.get(str(r["result"]), 0) + 1
+    kinds: dict[str, int] = {}
+    for r in results:
+        kinds[str(r["kind"])] = kinds.get(str(r["kind"]), 0) + 1
+    bad = [r for r in results if r["result"] not in ("one-line", "accepted")]
+    slowest = max(results, key=lambda r: r["seconds"])  # type: ignore[arg-type,return-value]
+    return {"seed": seed, "counts": counts, "kinds": kinds, "bad": bad[:20],
+            "slowest": {"case": slowest["case"], "seconds": slowest["seconds"]},
+            "max_rss_growth": max(int(r["rss_growth"]) for r in results)}  # type: ignore[call-overload]
+
+
+def limit_memory(extra: int = 3 * 2**30) -> None:
+    """Cap this process's address space a few GiB above what it holds now, so an input that is
+    not bounded fails its case (MemoryError) instead of exhausting the machine."""
+    with open("/proc/self/status") as f:
+        vm = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.RLIM_INFINITY))
+
+
+def _driver_main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=9)
+    ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--case", type=int, help="run one case and print it")
+    args = ap.parse_args()
+    import trnsim.cli  # noqa: F401  (imported before the limit: its own size is not a case's)
+
+    limit_memory()
+    if args.case is not None:
+        with tempfile.TemporaryDirectory(prefix="trnsim-fuzz-") as tmp:
+            case = make_case(args.seed, args.case, Path(tmp))
+            print(json.dumps({"argv": [a[:300] for a in case.argv], "env": case.env}))
+            print(json.dumps(run_case(case, Path(tmp) / f"c{args.case}"), indent=1))
+        return
+    print(json.dumps(drive(args.seed, range(args.cases)), indent=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the test
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generated_bad_input_gets_one_line_errors_in_bounded_time_and_memory():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, "--seed", "9", "--cases", "240"], capture_output=True,
+                          text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    counts = summary["counts"]
+    print(json.dumps(summary["counts"]), json.dumps(summary["kinds"]))
+    assert not summary["bad"], json.dumps(summary["bad"], indent=1)
+    assert counts["tried"] == 240 == counts.get("one-line", 0) + counts.get("accepted", 0)
+    # the generator must mostly produce bad input, and every kind of it
+    assert counts.get("one-line", 0) > 150 and set(summary["kinds"]) == {"config", "spec", "results", "cli", "env"}
+
+
+if __name__ == "__main__":
+    _driver_main()

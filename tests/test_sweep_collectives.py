@@ -1,0 +1,79 @@
+"""Collective points in sweeps: a spec names a system, its grid varies links (or the chip), and
+each collective point's row holds what a direct run gives."""
+
+import csv
+import textwrap
+
+import pytest
+
+from trnsim.cli import main
+from trnsim.collectives import simulate_collective
+from trnsim.config import ConfigError, load_system
+from trnsim.sweep import load_spec, run_sweep
+
+SPEC = """\
+    system: trn2.48xlarge
+    grid:
+      topology.x.bandwidth: [128GB/s, 256GB/s]
+    kernels:
+      - {name: matmul, shape: 128x256x512}
+    collectives:
+      - {name: all-reduce, bytes: 1MiB:64MiB, factor: 64, ranks: [16, 64]}
+      - {name: allg, bytes: [8MiB], ranks: 16, algo: ring}
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "spec.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_collective_rows_match_direct_runs(tmp_path, capsys):
+    spec = load_spec(write(tmp_path, SPEC))
+    assert len(spec.points) == 2 * (1 + 2 * 2 + 1)
+    assert spec.columns[-5:] == ["algorithm", "algbw_gib_s", "busbw_gib_s", "estimate_us", "error"]
+    res = run_sweep(spec, jobs=1)
+    rows = {(r["topology.x.bandwidth"], r["kernel"], r["shape"], r["params"]): r for r in res.rows}
+    r = rows[("128GB/s", "all-reduce", "64 ranks, 67108864 B", "")]
+    direct = simulate_collective(load_system("trn2.48xlarge", ["topology.x.bandwidth=128GB/s"]), "all-reduce",
+                                 64 << 20, ranks=64)
+    assert float(r["us"]) == pytest.approx(direct.time_us, abs=1e-3) and r["algorithm"] == direct.algorithm
+    assert float(r["busbw_gib_s"]) == pytest.approx(direct.busbw / 2**30, abs=1e-3) and r["error"] == ""
+    ring = rows[("256GB/s", "all-gather", "16 ranks, 8388608 B", "algo=ring")]
+    assert ring["algorithm"] == "ring"
+    mm = rows[("128GB/s", "matmul", "128x256x512", "")]
+    assert float(mm["cycles"]) > 0 and mm["algorithm"] == ""
+    # the link bandwidth moves the big collective, not the kernel
+    assert float(rows[("256GB/s", "all-reduce", "64 ranks, 67108864 B", "")]["us"]) < float(r["us"])
+    assert mm["cycles"] == rows[("256GB/s", "matmul", "128x256x512", "")]["cycles"]
+    with open(spec.out, newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(spec.points)
+    assert main(["sweep", str(tmp_path / "spec.yaml"), "--jobs", "1"]) == 0  # resumes: nothing left to run
+    assert f"0 points run, {len(spec.points)} from a previous run" in capsys.readouterr()[0]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("config: trn2\ncollectives: [{name: all-reduce}]\n",
+     "spec.yaml: collectives need a 'system' (e.g. system: trn2.48xlarge)"),
+    ("config: trn2\nsystem: trn2.48xlarge\nkernels: [{name: matmul}]\n",
+     "spec.yaml: give 'config' (a chip) or 'system' (chips and links), not both"),
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, ranks: 48}]\n",
+     "spec.yaml: collectives[0] (all-reduce): all-reduce: 48 ranks does not divide trn2.48xlarge's 64 ranks (16 "
+     "chips x 4 logical cores); expected one of 1, 2, 4, 8, 16, 32, 64"),
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, size: 1MiB}]\n",
+     "spec.yaml: collectives[0]: unknown key 'size'; expected name, bytes, factor, ranks, algo, dtype"),
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, bytes: 1KiB:1}]\n",
+     "spec.yaml: collectives[0] (all-reduce): bytes 1KiB:1: '1': expected a bytes quantity like '224KiB' "
+     "(unknown unit '')"),
+    ("system: trn2.48xlarge\ngrid: {topology.z.size: [2]}\ncollectives: [{name: all-reduce}]\n",
+     "spec.yaml: grid: trn2.48xlarge.yaml (--set topology.z.size=2): unknown key 'topology.z.size': 'z' is not a "
+     "dimension of topology; expected one of x, y, efa"),
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, ranks: 4, algo: per-dim-ring}]\n",
+     "spec.yaml: collectives[0] (all-reduce): algorithm 'per-dim-ring' cannot run all-reduce on 4 ranks of "
+     "trn2.48xlarge: it needs a group spanning at least 2 levels (chip cores, x, y, efa); this one spans chip"),
+])
+def test_bad_collective_specs_fail_before_running(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_spec(write(tmp_path, text))
+    assert str(e.value) == message

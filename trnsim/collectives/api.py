@@ -1,0 +1,104 @@
+"""The Python API of the collectives model (what the device model, torch.distributed and
+timing-only runs call). Torch-free; times are integer ticks of the chip config's ``tick_hz``.
+
+* :func:`simulate_collective` — one call on a group, from given start ticks: a
+  :class:`~trnsim.collectives.report.CollectiveReport` with each rank's completion tick, the
+  algorithm and why, steps and hops, bytes per link, the bounding resource, algbw/busbw, and the
+  α-β estimate of the same call.
+* :func:`simulate_collectives` — several calls at once on shared links, HBM and DMA engines
+  (and CC cores: a rank runs at most ``cc_cores_per_core * lnc`` of them at a time).
+* :func:`estimate_collective` — the α-β estimate alone, without simulating.
+* :func:`simulate_beside_kernels` — calls and kernels in one simpy environment, sharing the
+  kernels' HBM stacks and DMA engines (a collective beside a DMA-bound kernel slows both).
+* For a device model that owns its simpy environment: :class:`CollectiveEngine` with
+  ``env=`` and ``chips=`` (:class:`ChipResources` of its kernel timelines); ``launch`` returns a
+  handle whose ``rank_done[r]`` event fires when rank r is done.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import simpy
+
+from ..bandwidth import BandwidthPipe
+from ..config import SystemConfig, load_system
+from ..kernel import Kernel
+from ..memory.hbm import stack_bandwidth, stack_of_core
+from .analytic import estimate_resolved
+from .engine import CollectiveCall, CollectiveEngine, resolve_call
+from .network import ChipResources
+from .report import AlphaBetaEstimate, CollectiveReport
+
+__all__ = ["simulate_collective", "simulate_collectives", "estimate_collective", "simulate_beside_kernels"]
+
+
+def _system(system: SystemConfig | str, overrides: Any = None) -> SystemConfig:
+    return load_system(system, overrides)
+
+
+def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int, *, ranks: int | None = None,
+                        group: Sequence[int] | None = None, dtype: str = "bf16", algorithm: str | None = None,
+                        start: int | Sequence[int] = 0, root: int | None = None,
+                        pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
+                        trace: bool = False) -> CollectiveReport:
+    """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
+    nccl-tests' S, ``start`` in ticks) and return its report."""
+    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs)
+    return simulate_collectives(_system(system, overrides), [call], trace=trace)[0]
+
+
+def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveCall], *,
+                         trace: bool = False) -> list[CollectiveReport]:
+    """Simulate ``calls`` together in one environment; one report per call, in order."""
+    engine = CollectiveEngine(_system(system), trace=trace)
+    for c in calls:
+        engine.launch(c)
+    return engine.run()
+
+
+def estimate_collective(system: SystemConfig | str, collective: str, nbytes: int, *, ranks: int | None = None,
+                        group: Sequence[int] | None = None, dtype: str = "bf16", algorithm: str | None = None,
+                        root: int | None = None, pairs: Sequence[tuple[int, int]] | None = None,
+                        overrides: Any = None) -> AlphaBetaEstimate:
+    """The α-β estimate of the call :func:`simulate_collective` would simulate (same checks,
+    same algorithm choice)."""
+    sysc = _system(system, overrides)
+    res = resolve_call(sysc, CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, 0, root, pairs))
+    return estimate_resolved(sysc, res)
+
+
+def simulate_beside_kernels(system: SystemConfig | str, calls: Sequence[CollectiveCall],
+                            kernels: Mapping[int, Sequence[Kernel | None]], *, trace: bool = False
+                            ) -> tuple[list[CollectiveReport], dict[int, list[Any]]]:
+    """Run ``calls`` and kernels in one simpy environment: ``kernels[chip][core]`` runs on that
+    physical core of that chip (None: idle) from tick 0, sharing the core's DMA engines and its
+    HBM stack with the collectives' traffic. Returns the reports and, per chip, the cores'
+    :class:`~trnsim.sim.CoreTimeline`\\ s (``trnsim.report.build_report`` makes their reports)."""
+    from ..sim import CoreTimeline
+
+    sysc = _system(system)
+    cfg = sysc.chip
+    env = simpy.Environment()
+    chips: dict[int, ChipResources] = {}
+    timelines: dict[int, list[Any]] = {}
+    for chip, ks in kernels.items():
+        if not 0 <= chip < sysc.chips:
+            raise ValueError(f"chip {chip} is not in {sysc.name} (chips 0..{sysc.chips - 1})")
+        if len(ks) > cfg.chip.cores:
+            raise ValueError(f"{len(ks)} kernels for a chip with {cfg.chip.cores} cores")
+        pipes = [BandwidthPipe(stack_bandwidth(cfg), cfg.tick_hz, f"chip {chip} HBM stack {s}")
+                 for s in range(cfg.chip.hbm.stacks)]
+        full = list(ks) + [None] * (cfg.chip.cores - len(ks))
+        tls = [CoreTimeline(env, cfg, k if k is not None else Kernel("idle", cfg), pipes[stack_of_core(cfg, c)], c)
+               for c, k in enumerate(full)]
+        timelines[chip] = tls
+        chips[chip] = ChipResources.from_timelines(tls, pipes)
+    engine = CollectiveEngine(sysc, env, chips, trace)
+    for c in calls:
+        engine.launch(c)
+    reports = engine.run()
+    for tls in timelines.values():
+        for t in tls:
+            t.check_complete()
+    return reports, timelines

@@ -1,0 +1,384 @@
+"""Running collective calls: a call becomes a schedule, the schedule runs on the network.
+
+:class:`CollectiveEngine` owns a :class:`~trnsim.collectives.network.Network` in a simpy
+environment (its own, or one a device model shares with kernel timelines). ``launch`` resolves a
+:class:`CollectiveCall` (names, group, sizes, the algorithm and why), builds its schedule and
+starts its processes; each rank gets an event that fires when its part is done, so a device
+model can continue that rank's stream from there. ``report`` gives the
+:class:`~trnsim.collectives.report.CollectiveReport` once the environment has run.
+
+A rank takes part from its start tick and once it holds one of its CC cores
+(``collectives.cc_cores_per_core`` per physical core: 4 per logical core at LNC=2, datasheet
+§9); a fifth concurrent collective on a rank waits for one to finish. It keeps the CC core until
+its last transfer of the call is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, Mapping, Sequence
+
+import simpy
+
+from ..config import SystemConfig, load_system
+from ..native.dtypes import get_dtype
+from .algorithms import (ALGORITHMS, BUSBW_FACTORS, CollectiveError, Context, build, canonical_algorithm,
+                         canonical_collective)
+from ..bandwidth import BandwidthPipe
+from ..report import union_length
+from .network import ChipResources, Network
+from .report import CollectiveReport
+from .schedule import Schedule, Transfer
+
+__all__ = ["CollectiveCall", "CollectiveEngine", "CollectiveHandle", "resolve_call", "parse_sizes"]
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective on a group of ranks.
+
+    ``nbytes`` is nccl-tests' S (see :mod:`trnsim.collectives.report`). ``group`` lists global
+    ranks (logical NeuronCores; default ``range(ranks)``, and ``ranks`` defaults to the whole
+    system). ``start`` is when each rank reaches the call, in ticks of the chip config's
+    ``tick_hz``: one value for all, or one per rank of ``group``. ``root`` is broadcast's source
+    and reduce's destination (default the first rank); ``pairs`` the (source, destination) ranks
+    of a permute (default: each rank to the next in ring order, as nccom-test's permute ring).
+    """
+
+    collective: str
+    nbytes: int
+    ranks: int | None = None
+    group: Sequence[int] | None = None
+    dtype: str = "bf16"
+    algorithm: str | None = None
+    start: int | Sequence[int] = 0
+    root: int | None = None
+    pairs: Sequence[tuple[int, int]] | None = None
+    label: str = ""
+
+
+@dataclass
+class _Resolved:
+    ctx: Context
+    algorithm: str
+    reason: str
+    starts: tuple[int, ...]
+    dtype: str
+
+
+def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -> _Resolved:
+    """Check a call and pick its algorithm; every problem is a one-line CollectiveError."""
+    from .select import choose
+    from .topology import Topology
+
+    topo = topo or Topology(system)
+    coll = canonical_collective(call.collective)
+    if call.group is not None:
+        group = tuple(int(r) for r in call.group)
+        if not group:
+            raise CollectiveError(f"{coll}: the group is empty; give at least one rank")
+        bad = [r for r in group if not 0 <= r < system.ranks]
+        if bad:
+            raise CollectiveError(f"{coll}: rank {bad[0]} is not in {system.name}, whose ranks are 0..{system.ranks - 1}")
+        if len(set(group)) != len(group):
+            dup = next(r for r in group if group.count(r) > 1)
+            raise CollectiveError(f"{coll}: rank {dup} appears twice in the group")
+        if call.ranks is not None and call.ranks != len(group):
+            raise CollectiveError(f"{coll}: ranks={call.ranks} but the group has {len(group)} ranks")
+    else:
+        n = system.ranks if call.ranks is None else call.ranks
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or system.ranks % n:
+            divs = [d for d in range(1, system.ranks + 1) if system.ranks % d == 0]
+            raise CollectiveError(
+                f"{coll}: {n!r} ranks does not divide {system.name}'s {system.ranks} ranks ({system.chips} chips x "
+                f"{system.ranks_per_chip} logical cores); expected one of {', '.join(map(str, divs))}")
+        group = tuple(range(n))
+    try:
+        dt = get_dtype(call.dtype)
+    except ValueError as e:
+        raise CollectiveError(f"{coll}: {e}") from None
+    isz = dt.itemsize
+    nbytes = call.nbytes
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise CollectiveError(f"{coll}: bytes must be a whole number >= 0, got {nbytes!r}")
+    if nbytes % isz:
+        raise CollectiveError(f"{coll}: {nbytes} bytes is not a whole number of {dt.short} elements "
+                              f"({isz} bytes each)")
+    p = len(group)
+    if coll in ("all-gather", "reduce-scatter", "all-to-all") and nbytes:
+        # nccl-tests' count is per rank: S is a whole number of count * nranks elements
+        nbytes = max(1, nbytes // (isz * p)) * isz * p
+    order = tuple(topo.ring_order(group))
+    root = group[0] if call.root is None else int(call.root)
+    if root not in group:
+        raise CollectiveError(f"{coll}: root {root} is not in the group")
+    if call.pairs is not None:
+        pairs = tuple((int(a), int(b)) for a, b in call.pairs)
+        for a, b in pairs:
+            if a not in group or b not in group or a == b:
+                raise CollectiveError(f"{coll}: pair ({a}, {b}) must be two different ranks of the group")
+    else:
+        pairs = tuple((order[i], order[(i + 1) % p]) for i in range(p)) if p > 1 else ()
+    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group))
+    if call.algorithm is not None:
+        algo = canonical_algorithm(call.algorithm, coll)
+        reason = "forced"
+    else:
+        algo, reason = choose(ctx)
+    why = ALGORITHMS[algo].check(ctx)
+    if why is not None:
+        raise CollectiveError(f"algorithm '{algo}' cannot run {coll} on {p} ranks of {system.name}: it needs {why}")
+    start = call.start
+    starts = tuple(int(start) for _ in group) if isinstance(start, int) else tuple(int(s) for s in start)
+    if len(starts) != p:
+        raise CollectiveError(f"{coll}: {len(starts)} start times for {p} ranks; give one, or one per rank")
+    if any(s < 0 for s in starts):
+        raise CollectiveError(f"{coll}: start times must be >= 0 ticks")
+    return _Resolved(ctx, algo, reason, starts, dt.short)
+
+
+class CollectiveHandle:
+    """A launched call: ``done`` fires when every rank is done, ``rank_done[r]`` when rank r is."""
+
+    def __init__(self, engine: "CollectiveEngine", call: CollectiveCall, res: _Resolved, sched: Schedule):
+        self.engine = engine
+        self.call = call
+        self.res = res
+        self.sched = sched
+        env = engine.env
+        self.rank_done: dict[int, simpy.Event] = {r: env.event() for r in res.ctx.group}
+        self.done = simpy.AllOf(env, list(self.rank_done.values())) if self.rank_done else env.event()
+        ts = sched.transfers
+        self.finish: list[int | None] = [None] * len(ts)
+        self.data_start: list[int] = [0] * len(ts)
+        self.end: dict[int, int] = {}  # rank -> tick its part completed
+        self.begin: dict[int, int] = {}  # rank -> tick it started (holding a CC core)
+        self.stream: dict[int, int] = {}  # rank -> which of its CC cores runs this call
+        self.requests: dict[int, Any] = {}
+        #: per resource (by id): (resource, intervals it held one of this call's chunks back)
+        self.limits: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        self.pending = [len(t.deps) for t in ts]
+        self.dependents: list[list[int]] = [[] for _ in ts]
+        self.left: dict[int, int] = {r: 0 for r in res.ctx.group}  # rank -> transfers not done
+        for i, t in enumerate(ts):
+            for d in t.deps:
+                self.dependents[d].append(i)
+            for r in set(t.ranks()):
+                self.left[r] += 1
+
+
+class CollectiveEngine:
+    """Collectives on one system, in one simpy environment (see the module docstring)."""
+
+    def __init__(self, system: SystemConfig | str, env: simpy.Environment | None = None,
+                 chips: Mapping[int, ChipResources] | None = None, trace: bool = False):
+        self.system = load_system(system) if not isinstance(system, SystemConfig) else system
+        self.net = Network(self.system, env, chips, trace)
+        self.env = self.net.env
+        self.handles: list[CollectiveHandle] = []
+        self._plans: dict[tuple[Any, ...], tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]] = {}
+
+    def launch(self, call: CollectiveCall) -> CollectiveHandle:
+        res = resolve_call(self.system, call, self.net.topo)
+        sched = Schedule(res.ctx.group)
+        build(sched, res.ctx, res.algorithm)
+        h = CollectiveHandle(self, call, res, sched)
+        self.handles.append(h)
+        for r, i in sched.start.items():
+            self.env.process(self._rank_start(h, r, i))
+        return h
+
+    def run(self) -> list[CollectiveReport]:
+        """Run the environment to the end and report every launched call."""
+        self.env.run()
+        return [self.report(h) for h in self.handles]
+
+    # ---- processes -----------------------------------------------------------------------------
+    def _rank_start(self, h: CollectiveHandle, rank: int, node: int) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        t0 = h.res.starts[h.res.ctx.group.index(rank)]
+        if t0 > env.now:
+            yield env.timeout(t0 - env.now)
+        rr = self.net.rank(rank)
+        req = rr.cc.request()
+        yield req
+        used = set(rr.streams.values())
+        h.stream[rank] = next(i for i in range(rr.cc.capacity) if i not in used)
+        rr.streams[id(h)] = h.stream[rank]
+        h.requests[rank] = req
+        h.begin[rank] = int(env.now)
+        self._complete(h, node, int(env.now))
+        if h.left[rank] == 0:
+            self._rank_finished(h, rank, int(env.now))
+
+    def _plan(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]:
+        key = (t.src, t.dsts, t.reads, t.dst_reads)
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = self.net.plan(t)
+        return p
+
+    def _transfer(self, h: CollectiveHandle, i: int) -> None:
+        t = h.sched.transfers[i]
+        book, _, lat = self._plan(t)
+
+        def data(tick: int) -> None:
+            h.data_start[i] = tick
+
+        def done(end: int) -> None:
+            self._complete(h, i, end)
+            left = h.left
+            for r in set(t.ranks()):
+                left[r] -= 1
+                if left[r] == 0 and r in h.begin:
+                    self._rank_finished(h, r, end)
+
+        self.net.start_transfer(t.nbytes, book, lat, data, done, h.limits)
+
+    def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
+        pending = h.pending
+        deps = h.dependents
+        ts = h.sched.transfers
+        work = [i]
+        h.finish[i] = tick
+        while work:
+            j = work.pop()
+            for k in deps[j]:
+                pending[k] -= 1
+                if pending[k] == 0:
+                    if ts[k].is_node:  # a join: nothing to move
+                        h.finish[k] = tick
+                        work.append(k)
+                    else:
+                        self._transfer(h, k)
+
+    def _rank_finished(self, h: CollectiveHandle, rank: int, tick: int) -> None:
+        h.end[rank] = tick
+        rr = self.net.rank(rank)
+        rr.cc.release(h.requests.pop(rank))
+        rr.streams.pop(id(h), None)
+        h.rank_done[rank].succeed(tick)
+
+    # ---- reports -------------------------------------------------------------------------------
+    def report(self, h: CollectiveHandle) -> CollectiveReport:
+        from .analytic import estimate_resolved
+
+        res = h.res
+        ctx = res.ctx
+        group = ctx.group
+        missing = [r for r in group if r not in h.end]
+        if missing:
+            raise RuntimeError(f"{ctx.collective}: rank {missing[0]} has not finished; run the environment first")
+        net = self.net
+        starts = tuple(res.starts)
+        ends = tuple(h.end[r] for r in group)
+        t0 = min(starts)
+        time = max(ends) - t0
+        link_bytes: dict[str, int] = {}
+        hbm: dict[str, int] = {}
+        dma: dict[int, int] = {}
+        max_hops = 0
+        hz = self.system.tick_hz
+        owner = {id(d): r for r, rr in net._ranks.items() for d in rr.dma}
+        timeline: list[tuple[str, str, int, int]] = []
+        per_plan: dict[tuple[Any, ...], int] = {}  # bytes per distinct booking pattern
+        for i, t in enumerate(h.sched.transfers):
+            if t.is_node:
+                continue
+            key = (t.src, t.dsts, t.reads, t.dst_reads)
+            per_plan[key] = per_plan.get(key, 0) + t.nbytes
+            if net.trace:
+                timeline.append((f"rank {t.src} CC{h.stream.get(t.src, 0)}",
+                                 f"{t.phase + ' ' if t.phase else ''}step {t.step} -> {','.join(map(str, t.dsts))}",
+                                 h.data_start[i], int(h.finish[i] or 0)))
+        used: set[Any] = set()
+        for key, nbytes in per_plan.items():
+            book, links, _ = self._plans[key]
+            max_hops = max(max_hops, len(links))
+            used.update(links)
+            for k in links:
+                name = net.topo.link_name(k)
+                link_bytes[name] = link_bytes.get(name, 0) + nbytes
+            for kind, obj, w, _ in book:
+                b = nbytes * w
+                if kind == 3:
+                    hbm[obj.name] = hbm.get(obj.name, 0) + round(b)
+                elif kind == 1:
+                    dma[owner[id(obj)]] = dma.get(owner[id(obj)], 0) + round(b)
+        if net.trace:
+            for k in sorted(used):
+                pipe = net.links[k]
+                timeline.extend((f"link {pipe.name}", "chunk", a, b) for a, b in (pipe.log or ()))
+        # the bound: the resource that held this call's chunks back longest (union of the
+        # intervals from a chunk's booking to when that resource had served it)
+        vec_owner = {id(v): r for r, rr in net._ranks.items() for v in rr.vector}
+        busy: dict[str, int] = {}
+        for key, (obj, spans) in h.limits.items():
+            if key in owner:
+                name = f"DMA rank {owner[key]}"
+            elif key in vec_owner:
+                name = f"VectorE rank {vec_owner[key]}"
+            elif isinstance(obj, BandwidthPipe) and "HBM" in obj.name:
+                name = f"HBM {obj.name}"
+            else:
+                name = f"link {obj.name}"
+            busy[name] = busy.get(name, 0) + union_length(spans)
+        estimate = estimate_resolved(self.system, res)
+        if busy and time > 0:
+            top = max(busy.values())
+            name = min(k for k, v in busy.items() if v == top)  # ties: the first by name
+            pct = 100.0 * top / time
+        else:
+            name, pct = "latency", 0.0
+        if estimate.latency_s >= estimate.time_s / 2 and pct < 50.0:
+            name = "latency"  # the alpha terms are most of the time and no resource was busy half of it
+        secs = time / hz
+        factor = BUSBW_FACTORS(ctx.collective, ctx.p)
+        algbw = ctx.nbytes / secs if secs > 0 else 0.0
+        count = ctx.nbytes // ctx.itemsize
+        if ctx.collective in ("all-gather", "reduce-scatter", "all-to-all"):
+            count //= ctx.p
+        return CollectiveReport(
+            collective=ctx.collective, algorithm=res.algorithm, reason=res.reason, system=self.system.name,
+            group=group, nbytes=ctx.nbytes, count=count, dtype=res.dtype, tick_hz=hz, start_ticks=starts,
+            end_ticks=ends, time_ticks=time, algbw=algbw, busbw=algbw * factor, busbw_factor=factor,
+            steps=h.sched.steps, max_hops=max_hops, transfers=sum(1 for t in h.sched.transfers if not t.is_node),
+            chunks=sum(len(net.chunks_of(t.nbytes)) for t in h.sched.transfers if not t.is_node),
+            link_bytes=dict(sorted(link_bytes.items())), hbm_bytes=dict(sorted(hbm.items())), dma_bytes=dma,
+            bound=name, bound_percent=pct, estimate=estimate,
+            overrides=self.system.overrides, timeline=tuple(timeline))
+
+
+def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:
+    """Message sizes as ``trnsim collective --bytes`` takes them: one size (``1GiB``), a range
+    ``MIN:MAX`` multiplied by ``factor`` each step (nccl-tests' ``-b/-e/-f``), or a comma list;
+    bytes. Errors are one-line CollectiveErrors naming ``what``."""
+    from ..config import parse_quantity
+
+    shown = f"{what} {text}"
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+        raise CollectiveError(f"--factor {factor}: expected an integer >= 2 (each size is the previous times it)")
+    parts = text.split(":")
+    if len(parts) > 2 or any(not p.strip() for p in parts):
+        raise CollectiveError(f"{shown}: expected SIZE, MIN:MAX or SIZE,SIZE,..., e.g. 8B:4GiB")
+
+    def one(t: str) -> int:
+        try:
+            return parse_quantity(t.strip(), "bytes")
+        except ValueError as e:
+            raise CollectiveError(f"{shown}: '{t.strip()}': {e}") from None
+
+    if len(parts) == 2:
+        lo, hi = one(parts[0]), one(parts[1])
+        if lo == 0:
+            raise CollectiveError(f"{shown}: a range starts at 1 byte or more")
+        if lo > hi:
+            raise CollectiveError(f"{shown}: the first size ({lo} bytes) is larger than the second ({hi} bytes)")
+        sizes = [lo]
+        while sizes[-1] * factor <= hi:
+            sizes.append(sizes[-1] * factor)
+    else:
+        sizes = [one(t) for t in text.split(",")]
+    if len(sizes) > 128:
+        raise CollectiveError(f"{shown}: {len(sizes)} sizes; at most 128 (use a larger --factor)")
+    return sizes

@@ -1,0 +1,358 @@
+"""The network model: links, DMA engines and HBM stacks as discrete-event resources.
+
+Every resource is a :class:`~trnsim.bandwidth.BandwidthPipe` or a core's
+:class:`~trnsim.memory.dma.DmaSystem`, the same primitives a kernel's DMA uses, so a collective
+and a kernel in one simpy environment contend for the same HBM stacks and DMA engines (pass the
+kernels' :class:`~trnsim.sim.CoreTimeline`\\ s in ``chips``).
+
+A transfer (:mod:`trnsim.collectives.schedule`) runs as one simpy process:
+
+1. It starts when its dependencies are complete and its ranks have started; the DMA start
+   latency (``core.dma.start_latency``: semaphore to data movement) passes.
+2. Its bytes move in chunks (``collectives.max_chunks`` at most, at least one CC DMA packet each),
+   one event per chunk. A chunk is booked, at the tick it is issued, on every resource on its
+   path at once: the sender's DMA engines (all of them, an even share each; an add costs
+   ``1/dma_accumulate_rate`` copies), the HBM stacks it reads and writes, and every link of its
+   route. Each resource serves it first-come first-served; the chunk is through when the slowest
+   has served it (cut-through: links on a route work in parallel, not store-and-forward). At
+   most ``collectives.window`` chunks of a transfer are in flight, so flows that share a link
+   interleave chunk by chunk.
+3. It completes when its last chunk has crossed the route (hop latencies) plus
+   ``core.dma.transfer_latency`` (completion and the semaphore write).
+
+So an uncontended transfer of ``n`` bytes takes ``start + completion + route latency + n / B``,
+``B`` the slowest resource's share: the α-β model the analytical estimate uses, with contention
+on top. With ``collectives.reduce_engine: vector`` the adds are charged on the adding rank's
+VectorE instead (``tensor_tensor`` add cycles, datasheet §7), and the DMA moves at copy rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import simpy
+
+from ..bandwidth import BandwidthPipe
+from ..config import SystemConfig
+from ..memory.dma import DmaSystem
+from ..memory.hbm import stack_bandwidth, stack_of_core
+from .schedule import Transfer
+from .topology import LinkKey, Topology
+
+__all__ = ["Network", "ChipResources", "RankResources"]
+
+
+@dataclass
+class ChipResources:
+    """One chip's HBM stacks, and the DMA engines and VectorE of each physical core. Give the
+    kernels' ones (``CoreTimeline.dma``, ``CoreTimeline.engines['Vector']``) to make a collective
+    share them; missing ones are created."""
+
+    hbm: Sequence[BandwidthPipe]
+    dma: Sequence[DmaSystem]
+    vector: Sequence[Any] | None = None
+
+    @classmethod
+    def from_timelines(cls, timelines: Sequence[Any], hbm: Sequence[BandwidthPipe]) -> "ChipResources":
+        """The resources of a chip whose cores run ``timelines`` (:class:`trnsim.sim.CoreTimeline`)."""
+        return cls(hbm=list(hbm), dma=[t.dma for t in timelines], vector=[t.engines["Vector"] for t in timelines])
+
+
+@dataclass
+class RankResources:
+    """What a rank (a logical core) brings: its physical cores' DMA engines and VectorEs, the HBM
+    stacks they are attached to, and its CC cores."""
+
+    rank: int
+    dma: list[DmaSystem]
+    vector: list[Any]
+    stacks: list[BandwidthPipe]
+    cc: simpy.Resource
+    streams: dict[int, int] = field(default_factory=dict)  # CC stream lane per collective id
+
+
+class Network:
+    """The links and endpoints of a system in one simpy environment."""
+
+    def __init__(self, system: SystemConfig, env: simpy.Environment | None = None,
+                 chips: Mapping[int, ChipResources] | None = None, trace: bool = False):
+        self.system = system
+        self.config = system.chip
+        self.env = env or simpy.Environment()
+        self.topo = Topology(system)
+        self.tick_hz = system.tick_hz
+        self.trace = trace
+        self._given = dict(chips or {})
+        self._chips: dict[int, ChipResources] = {}
+        self._ranks: dict[int, RankResources] = {}
+        self.links: dict[LinkKey, BandwidthPipe] = {}
+        cfg = self.config
+        dma = cfg.core.dma
+        coll = system.collectives
+        self.start_ticks = cfg.ps_to_ticks(dma.start_latency)
+        self.done_ticks = cfg.ps_to_ticks(dma.transfer_latency)
+        self.packet = coll.packet_bytes
+        self.max_chunks = coll.max_chunks
+        self.window = coll.window
+        self.acc = coll.dma_accumulate_rate
+        self.vector_reduce = coll.reduce_engine == "vector"
+        self.cc_per_rank = coll.cc_cores_per_core * cfg.chip.lnc
+        self._vec_cost: dict[tuple[str, int], int] = {}
+        #: chunk bookings made (for the benchmark's events per second)
+        self.chunks = 0
+
+    # ---- resources -----------------------------------------------------------------------------
+    def chip(self, chip: int) -> ChipResources:
+        res = self._chips.get(chip)
+        if res is None:
+            cfg = self.config
+            given = self._given.get(chip)
+            hbm = list(given.hbm) if given else [
+                BandwidthPipe(stack_bandwidth(cfg), self.tick_hz, f"chip {chip} HBM stack {s}")
+                for s in range(cfg.chip.hbm.stacks)]
+            dma = list(given.dma) if given else []
+            for c in range(len(dma), cfg.chip.cores):
+                dma.append(DmaSystem(cfg, hbm[stack_of_core(cfg, c)]))
+            vec = list(given.vector or []) if given else []
+            if len(vec) < cfg.chip.cores:
+                from ..cores.vector import VectorEngine
+
+                vec.extend(VectorEngine(cfg) for _ in range(len(vec), cfg.chip.cores))
+            for s, p in enumerate(hbm):
+                p.name = p.name or f"chip {chip} HBM stack {s}"
+            res = self._chips[chip] = ChipResources(hbm, dma, vec)
+            if self.trace:
+                for p in hbm:
+                    p.log = p.log if p.log is not None else []
+        return res
+
+    def rank(self, rank: int) -> RankResources:
+        res = self._ranks.get(rank)
+        if res is None:
+            cfg = self.config
+            chip = self.chip(rank // self.topo.rpc)
+            lnc = cfg.chip.lnc
+            cores = range((rank % self.topo.rpc) * lnc, (rank % self.topo.rpc + 1) * lnc)
+            stacks: list[BandwidthPipe] = []
+            for c in cores:
+                p = chip.hbm[stack_of_core(cfg, c)]
+                if p not in stacks:
+                    stacks.append(p)
+            vec = chip.vector or []
+            res = self._ranks[rank] = RankResources(rank, [chip.dma[c] for c in cores], [vec[c] for c in cores],
+                                                    stacks, simpy.Resource(self.env, capacity=self.cc_per_rank))
+        return res
+
+    def link(self, key: LinkKey) -> BandwidthPipe:
+        pipe = self.links.get(key)
+        if pipe is None:
+            pipe = self.links[key] = BandwidthPipe(self.topo.link_bandwidth(key), self.tick_hz, self.topo.link_name(key))
+            if self.trace:
+                pipe.log = []
+        return pipe
+
+    # ---- what a transfer books -------------------------------------------------------------------
+    def plan(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[LinkKey, ...], int]:
+        """The bookings of one byte of ``t`` as ``(kind, resource, cost per byte, data per
+        byte)`` (kind 0 a link, 1 a DMA system, 2 a VectorE, 3 an HBM stack; the cost of a DMA
+        system counts an add at its rate, the data what it moves), its links, and its route
+        latency in ticks."""
+        book: dict[int, list[Any]] = {}
+
+        def add(kind: int, obj: Any, w: float, data: float | None = None) -> None:
+            e = book.get(id(obj))
+            if e is None:
+                book[id(obj)] = [kind, obj, w, w if data is None else data]
+            else:
+                e[2] += w
+                e[3] += w if data is None else data
+
+        src = self.rank(t.src)
+        for r in t.reads:
+            st = self.rank(r).stacks
+            for p in st:
+                add(3, p, 1 / len(st))
+        adds_here = len(t.reads) > 1
+        adds_there = bool(t.dst_reads)
+        if self.vector_reduce:
+            for v in (src.vector if adds_here else ()):
+                add(2, v, (len(t.reads) - 1) / len(src.vector))
+            if adds_there:
+                rv = self.rank(t.dsts[0]).vector
+                for v in rv:
+                    add(2, v, len(t.dst_reads) / len(rv))
+            rate_src = rate_dst = 1.0
+        else:
+            rate_src = 1 / self.acc if adds_here else 1.0
+            rate_dst = 1 / self.acc
+        for d in src.dma:
+            add(1, d, rate_src / len(src.dma), 1 / len(src.dma))
+        if adds_there:
+            rdma = self.rank(t.dsts[0]).dma
+            for d in rdma:
+                add(1, d, rate_dst / len(rdma), 1 / len(rdma))
+        for r in t.dst_reads:
+            st = self.rank(r).stacks
+            for p in st:
+                add(3, p, 1 / len(st))
+        links: list[LinkKey] = []
+        lat = 0
+        src_chip = t.src // self.topo.rpc
+        for r in t.dsts:
+            st = self.rank(r).stacks
+            for p in st:
+                add(3, p, 1 / len(st))
+            route = self.topo.route(src_chip, r // self.topo.rpc)
+            lat = max(lat, self.topo.route_latency(route))
+            for k in route:
+                if k not in links:  # a duplicated write crosses a shared link once
+                    links.append(k)
+        for k in links:
+            add(0, self.link(k), 1.0)
+        return [(k, o, w, dw) for k, o, w, dw in book.values()], tuple(links), self.config.ps_to_ticks(lat)
+
+    def chunks_of(self, nbytes: int) -> list[int]:
+        """A transfer's chunk sizes, bytes: at most ``max_chunks``, each at least a packet."""
+        if nbytes <= 0:
+            return []
+        k = min(self.max_chunks, -(-nbytes // self.packet))
+        q, r = divmod(nbytes, k)
+        return [q + 1] * r + [q] * (k - r)
+
+    def vector_ticks(self, vec: Any, nbytes: float) -> int:
+        """Ticks of VectorE adding ``nbytes`` of bf16 spread over its 128 lanes (one
+        ``tensor_tensor`` add per SBUF-sized tile, datasheet §7)."""
+        elems = max(1, int(nbytes) // 2)
+        per_part = -(-elems // self.config.core.sbuf.partitions)
+        key = ("bf16", per_part)
+        ticks = self._vec_cost.get(key)
+        if ticks is None:
+            from ..kernel import Kernel
+
+            tile = min(per_part, 8192)
+            k = Kernel("cc_reduce", self.config)
+            a = k.sbuf((self.config.core.sbuf.partitions, tile), "bf16")
+            b = k.sbuf((self.config.core.sbuf.partitions, tile), "bf16")
+            k.tensor_tensor(a, a, b, "add")
+            cycles = vec.cycles(k.instructions[-1])
+            ticks = self._vec_cost[key] = -(-cycles * per_part // tile) * vec.tpc
+        return ticks
+
+    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int
+                    ) -> list[tuple[int, list[tuple[int, Any, int, Any]]]]:
+        """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
+        resource, bytes, extra). A DMA system's extra is (engines, ticks on each): a transfer
+        spreads its packets over as many of the core's engines as it has packets (kind 4 when
+        that is all of them), one descriptor per packet; a VectorE's extra is its ticks."""
+        sizes = self.chunks_of(nbytes)
+        k = len(sizes)
+        out = []
+        for size in sorted(set(sizes), reverse=True):
+            todo = []
+            for kind, obj, w, dw in bookings:
+                nb = math.ceil(size * w)
+                extra: Any = 0
+                if kind == 1:
+                    n_eng = len(obj.engine_free)
+                    packets = -(-math.ceil(nbytes * dw) // self.packet)
+                    used = max(1, min(n_eng, packets))
+                    per = -(-nb // used)
+                    desc = -(-packets * obj.desc_ticks // (used * k))  # this chunk's share of descriptors
+                    extra = (used, -(-per * obj.tick_hz // obj.bw) + desc)
+                    if used == n_eng:
+                        kind = 4
+                elif kind == 2:
+                    extra = self.vector_ticks(obj, size * w)
+                todo.append((kind, obj, nb, extra))
+            out.append((sizes.count(size), todo))
+        return out
+
+    # ---- running a transfer --------------------------------------------------------------------
+    def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
+                       on_data: Callable[[int], None], on_done: Callable[[int], None],
+                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None) -> None:
+        """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
+        starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
+        (by id), the intervals during which it was the one holding a chunk back.
+
+        It is driven by timeout callbacks rather than a simpy process: a transfer is one event
+        per chunk, and a process would double what each event costs."""
+        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits)
+
+
+class _TransferRun:
+    """The state of one running transfer: chunks left to book, those in flight, the last
+    tick any of them is through."""
+
+    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits")
+
+    def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
+                 on_data: Callable[[int], None], on_done: Callable[[int], None],
+                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None):
+        self.net = net
+        self.env = net.env
+        self.chunks = [todo for count, todo in plan for _ in range(count)]
+        self.chunks.reverse()  # popped from the end, so in order
+        net.chunks += len(self.chunks)
+        self.inflight: deque[int] = deque()
+        self.route = route_ticks
+        self.on_data = on_data
+        self.on_done = on_done
+        self.limits = limits
+        # always through an event, so a chain of instant transfers never recurses
+        self.env.timeout(net.start_ticks).callbacks.append(self._begin)
+
+    def _begin(self, _: Any) -> None:
+        self.last = self.env.now
+        self.on_data(self.env.now)
+        self._step(None)
+
+    def _step(self, _: Any) -> None:
+        env = self.env
+        now = env.now
+        chunks = self.chunks
+        inflight = self.inflight
+        window = self.net.window
+        while inflight and inflight[0] <= now:
+            inflight.popleft()
+        limits = self.limits
+        while chunks and len(inflight) < window:
+            fin = now
+            held = None
+            for kind, obj, nb, extra in chunks.pop():
+                if kind == 4:
+                    e = obj.reserve_spread(extra[1], now)
+                elif kind == 1:
+                    e = obj.reserve_some(extra[0], extra[1], now)
+                elif kind == 2:
+                    e = (obj.free if obj.free > now else now) + extra
+                    obj.free = e
+                else:
+                    e = obj.reserve(nb, now)
+                if e > fin:
+                    fin = e
+                    held = obj
+            if fin <= now:
+                continue  # nothing to move (a zero-cost chunk)
+            if limits is not None:
+                slot = limits.get(id(held))
+                if slot is None:
+                    slot = limits[id(held)] = (held, [])
+                slot[1].append((now, fin))
+            inflight.append(fin)
+            if fin > self.last:
+                self.last = fin
+        if chunks:
+            env.timeout(inflight[0] - now).callbacks.append(self._step)
+            return
+        end = self.last + self.route + self.net.done_ticks
+        if end > now:
+            env.timeout(end - now).callbacks.append(self._done)
+        else:
+            self.on_done(now)
+
+    def _done(self, _: Any) -> None:
+        self.on_done(self.env.now)

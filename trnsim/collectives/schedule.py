@@ -1,0 +1,141 @@
+"""A collective's message schedule: the transfers an algorithm emits and what each waits for.
+
+Algorithms never touch time. They describe data movement as a DAG of :class:`Transfer`\\ s
+(ASTRA-sim's collective phases against its network API) and the network model
+(:mod:`trnsim.collectives.network`) runs the DAG over links, DMA engines and HBM stacks.
+
+A transfer is one DMA-ring entry: the sender's DMA engines read ``reads`` (one full read of
+``nbytes`` from each listed rank's HBM: its own input, the partial it received), combine them
+if there are several (a reduce-on-send, NCCL's ``recvReduceSend``), and write the result to every
+rank in ``dsts`` (several for KangaRing's DMA duplication: one read, two writes). ``dst_reads``
+fuses a reduction at the receiver (``recvReduceCopy``): the receiving rank's DMA reads those
+operands and adds them to the arriving data before it lands.
+
+Dependencies follow ranks: each rank has a *frontier*, the transfers of the last step it took
+part in, and a transfer waits for the frontiers of its sender and receivers (data received and
+buffers free, as the CC cores' semaphores enforce). Every rank's first frontier is its *start*:
+the rank has reached the collective and holds a CC core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+__all__ = ["Transfer", "Schedule", "pieces"]
+
+#: a frontier longer than this is replaced by a join node, so a mesh step (a rank touching 2(p-1)
+#: transfers) does not give the next step's p-1 transfers 2(p-1) dependencies each
+_JOIN_AT = 4
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One DMA-ring entry (see the module docstring); ``src == -1`` is a join or a start node
+    that moves no data."""
+
+    src: int
+    dsts: tuple[int, ...]
+    nbytes: int
+    reads: tuple[int, ...]
+    dst_reads: tuple[int, ...] = ()
+    deps: list[int] = field(default_factory=list)
+    step: int = 0
+    phase: str = ""
+
+    @property
+    def operands(self) -> int:
+        return len(self.reads) + len(self.dst_reads)
+
+    @property
+    def is_node(self) -> bool:
+        return self.src < 0
+
+    def ranks(self) -> Iterable[int]:
+        if self.src >= 0:
+            yield self.src
+            yield from self.dsts
+
+
+def pieces(nbytes: int, parts: int, itemsize: int) -> list[int]:
+    """``nbytes`` cut into ``parts`` pieces of whole elements, as even as possible (the first
+    pieces one element larger), bytes."""
+    elems, rem = divmod(nbytes // itemsize, parts)
+    return [(elems + (1 if i < rem else 0)) * itemsize for i in range(parts)]
+
+
+class Schedule:
+    """The DAG under construction for one collective over ``group``."""
+
+    def __init__(self, group: Sequence[int]):
+        self.group = tuple(group)
+        self.transfers: list[Transfer] = []
+        #: rank -> the node every transfer of that rank waits for first
+        self.start: dict[int, int] = {}
+        self.frontier: dict[int, list[int]] = {}
+        self.steps = 0
+        self.phase = ""
+        self._step_touch: dict[int, list[int]] | None = None
+        for r in self.group:
+            i = self._node([], "start")
+            self.start[r] = i
+            self.frontier[r] = [i]
+
+    def _node(self, deps: list[int], phase: str) -> int:
+        self.transfers.append(Transfer(-1, (), 0, (), (), deps, self.steps, phase))
+        return len(self.transfers) - 1
+
+    def _deps_of(self, rank: int) -> list[int]:
+        f = self.frontier[rank]
+        if len(f) > _JOIN_AT:
+            f = self.frontier[rank] = [self._node(list(f), "join")]
+        return f
+
+    def begin_step(self) -> None:
+        """Transfers added until :meth:`end_step` run concurrently: they wait for the frontiers
+        as they were when the step began, and the step's transfers become the new frontiers."""
+        assert self._step_touch is None, "steps do not nest"
+        self._step_touch = {}
+        self.steps += 1
+
+    def end_step(self) -> None:
+        touch = self._step_touch
+        assert touch is not None, "end_step without begin_step"
+        for r, ids in touch.items():
+            self.frontier[r] = ids
+        self._step_touch = None
+
+    def send(self, src: int, dsts: int | Sequence[int], nbytes: int, reads: Sequence[int] | None = None,
+             dst_reads: Sequence[int] = (), deps: Sequence[int] | None = None) -> int:
+        """Add a transfer (inside a step, or with explicit ``deps``); return its index.
+
+        ``reads`` defaults to the sender's own buffer. With explicit ``deps`` the transfer waits
+        for those and for the start nodes of its ranks only, and the frontiers are updated to it
+        (pipelined chains set their own edges)."""
+        d = (dsts,) if isinstance(dsts, int) else tuple(dsts)
+        rd = (src,) if reads is None else tuple(reads)
+        idx = len(self.transfers)
+        if deps is None:
+            touch = self._step_touch
+            assert touch is not None, "send outside a step needs explicit deps"
+            dep: list[int] = list(self._deps_of(src))
+            for r in d:
+                if r != src:
+                    dep.extend(x for x in self._deps_of(r) if x not in dep)
+            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase))
+            for r in (src, *d):
+                lst = touch.setdefault(r, [])
+                if not lst or lst[-1] != idx:
+                    lst.append(idx)
+        else:
+            dep = list(deps) + [self.start[src]] + [self.start[r] for r in d if r != src]
+            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase))
+            for r in (src, *d):
+                self.frontier[r] = [idx]
+        return idx
+
+    def sync(self, ranks: Iterable[int], ids: Iterable[int]) -> None:
+        """Make ``ids`` the frontier of every rank in ``ranks`` (after a pipelined chain)."""
+        ids = list(ids)
+        for r in ranks:
+            self.frontier[r] = list(ids)
