@@ -56,3 +56,9 @@ def test_op_overhead_benchmark_runs(capsys):
     assert _bench("bench_op_overhead").main(["--iters", "50"]) == 0
     out = capsys.readouterr().out
     assert "x + 1" in out and "goal <= 10.0 us" in out
+
+
+def test_zoo_benchmark_runs(capsys):
+    assert _bench("bench_zoo").main(["--models", "gpt2,separable_block"]) == 0
+    out = capsys.readouterr().out
+    assert "steady-state wall ratio vs CPU" in out and "gpt2" in out
