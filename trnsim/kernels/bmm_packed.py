@@ -25,14 +25,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..kernel import Kernel
-from ..native.dtypes import get_dtype
 from .matmul import _DTYPES, _PARAMS, _mm_inputs, _mm_reference, _out_dtype
-from .registry import register_kernel, split_dims
+from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_bmm_packed", "fits_packed", "group_size"]
 
@@ -90,17 +88,10 @@ def build_bmm_packed(batch: int, m: int, k: int, n: int, dtype: str = "bf16", co
                      name: str = "bmm_packed") -> Kernel:
     """Inputs ``lhsT[B, K, M]`` (or ``a[B, M, K]`` with ``transpose_a``) and ``rhs[B, K, N]`` (or
     ``b[B, N, K]`` with ``transpose_b``); output ``out[B, M, N]`` (bf16; fp32 for fp32 inputs)."""
-    for nm, v in (("B", batch), ("M", m), ("K", k), ("N", n)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise KernelError(f"{name}: {nm} must be a positive integer, got {v!r}")
+    checked_dims(name, B=batch, M=m, K=k, N=n)
     kern = Kernel(name, config)
     cfg = kern.config
-    try:
-        dt = get_dtype(dtype)
-    except ValueError as e:
-        raise KernelError(f"{name}: {e}") from None
-    if dt.short not in _DTYPES:
-        raise KernelError(f"{name}: dtype {dt.short} not supported; expected one of {', '.join(_DTYPES)}")
+    dt = checked_dtype(name, dtype, _DTYPES)
     if not fits_packed(m, k, n, cfg):
         t = cfg.core.tensor
         raise KernelError(f"{name}: items of M={m}, K={k}, N={n} do not fit one PE pass (M <= {t.stationary_max_free}, "

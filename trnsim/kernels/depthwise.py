@@ -27,10 +27,9 @@ import numpy as np
 from ..config import ChipConfig
 from ..isa import KernelError
 from ..kernel import Kernel
-from ..native.dtypes import get_dtype
 from .conv import _padding
 from .reference import round_to
-from .registry import register_kernel, split_dims
+from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_depthwise_conv2d"]
 
@@ -80,19 +79,12 @@ def _runs(u0: int, u1: int, channels: int) -> list[tuple[int, int, int]]:
 def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = "bf16",
                            config: ChipConfig | str = "trn2", stride: int = 1, padding: Any = "valid",
                            name: str = "dwconv2d") -> Kernel:
-    for nm, v in (("N", n), ("C", c), ("H", h), ("W", w), ("R", r)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise KernelError(f"{name}: {nm} must be a positive integer, got {v!r}")
+    checked_dims(name, N=n, C=c, H=h, W=w, R=r)
     if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
         raise KernelError(f"{name}: stride must be an integer >= 1, got {stride!r}")
     kern = Kernel(name, config)
     cfg = kern.config
-    try:
-        dt = get_dtype(dtype)
-    except ValueError as e:
-        raise KernelError(f"{name}: {e}") from None
-    if dt.short not in _DTYPES:
-        raise KernelError(f"{name}: dtype {dt.short} not supported; expected one of {', '.join(_DTYPES)}")
+    dt = checked_dtype(name, dtype, _DTYPES)
     before, after = _padding(padding, r, stride)
     hp, wp = h + before + after, w + before + after
     if r > hp or r > wp:
