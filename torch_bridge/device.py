@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 _local = threading.local()
-_initialized = False  # True once the runtime exists (torch.utils.checkpoint reads it, as torch.cuda's)
+# read as torch.cuda's (torch.utils.checkpoint saves device RNG state only when it is True); the
+# device needs no eager initialisation, so it is ready as soon as it is registered
+_initialized = True
 
 
 # ---- devices --------------------------------------------------------------------------------

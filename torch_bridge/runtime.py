@@ -30,9 +30,6 @@ class Runtime:
 
         if _native.lib is not None:  # the native guard and hooks report the config's core count
             _native.lib.trnsim_set_device_count(config.logical_cores)
-        from . import device
-
-        device._initialized = True  # read as torch.cuda's: checkpointing saves device RNG state only then
 
     @property
     def device_count(self) -> int:
