@@ -37,7 +37,7 @@ lib: ctypes.CDLL | None = None
 
 
 class NativeBuildError(RuntimeError):
-    """The native extension could not be built or loaded (the message is one line)."""
+    """The native extension could not be built, loaded or registered (the message is one line)."""
 
 
 def _compiler() -> str:

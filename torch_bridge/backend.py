@@ -69,13 +69,13 @@ def register() -> None:
     from .registration import register_kernels
 
     lib = _native.load()  # first: nothing is registered if it fails
+    if lib.trnsim_register_hooks() != 0:
+        raise _native.NativeBuildError("trnsim: another PrivateUse1 backend registered its hooks first; only one "
+                                       "PrivateUse1 device can be used per process")
     torch.utils.rename_privateuse1_backend("neuron")
     _torch.register_device_module("neuron", _device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
                                                          for_packed_sequence=True)
-    if lib.trnsim_register_hooks() != 0:
-        raise RuntimeError("neuron: another PrivateUse1 backend registered its hooks first; "
-                           "only one PrivateUse1 device can be used per process")
     lib.trnsim_set_device_count(_provisional_device_count())
     memory.install_resize_allocator(lib)
     register_kernels()
