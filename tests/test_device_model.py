@@ -153,6 +153,77 @@ def test_trnsim_imports_without_torch():
     assert r.returncode == 0 and r.stdout.strip() == "binary", r.stderr
 
 
+def test_a_graph_launch_costs_one_dispatch_and_runs_its_kernels_back_to_back():
+    """A compiled graph is one executable: one host dispatch, then its kernels one after another
+    on the stream, with no host gap between them."""
+    dev = _device()
+    dev.reset(trace=True)
+    tiny = _cost(20, Vector=20)
+    assert dev.launch_graph(0, [("add", tiny), ("mul", tiny), ("exp", tiny)]) == [(48, 68), (68, 88), (88, 108)]
+    assert _timeline(dev) == [(48, 48, 68), (48, 68, 88), (48, 88, 108)]
+    rep = dev.report()
+    assert (rep.launches, rep.dispatches, rep.graph_launches) == (3, 1, 1)
+    assert rep.host_wait_us == pytest.approx(48 / 4.8e9 * 1e6)  # only before the graph's first kernel
+    dev.launch(0, "add", tiny)  # the next dispatch follows the graph's
+    assert _timeline(dev)[-1] == (96, 108, 128)
+
+
+def test_a_graph_counts_once_against_max_inflight():
+    dev = _device()
+    dev.reset(trace=True)
+    big = _cost(1000, Tensor=990)
+    for _ in range(3):
+        dev.launch_graph(0, [("mm", big), ("mm", big)])
+    dev.launch(0, "mm", big)  # three graphs unfinished: the host waits for the first (ends at 2048)
+    assert _timeline(dev)[-1] == (2096, 6048, 7048)
+
+
+def test_graph_block_collects_launches_and_muted_drops_them():
+    dev = _device()
+    dev.reset(trace=True)
+    tiny = _cost(20, Vector=20)
+    with dev.graph() as cap:
+        dev.launch(0, "add", tiny)
+        dev.launch(0, "mul", tiny)
+        assert len(cap) == 2 and not dev.recorders[0].rows  # collected, not issued yet
+    with dev.muted():
+        dev.launch(0, "exp", tiny)
+    assert _timeline(dev) == [(48, 48, 68), (48, 68, 88)]
+    with dev.graph():
+        dev.launch(0, "add", tiny)
+        dev.synchronize(0)  # a sync inside the block issues what was collected first
+        dev.launch(0, "mul", tiny)
+    assert _timeline(dev)[2:] == [(96, 96, 116), (164, 164, 184)]
+
+
+def test_adaptive_eager_replays_a_repeated_sequence_as_one_graph():
+    """The first time a sequence runs between two synchronisations it is issued op by op (the
+    capture); the second time it is one graph launch."""
+    dev = _device()
+    dev.reset(trace=True)
+    dev.set_adaptive(True)
+    tiny = _cost(20, Vector=20)
+    for _ in range(2):
+        for op in ("add", "mul", "exp"):
+            assert dev.launch(0, op, tiny) is None  # queued
+        dev.synchronize(0)
+    assert _timeline(dev) == [(48, 48, 68), (96, 96, 116), (144, 144, 164),
+                              (212, 212, 232), (212, 232, 252), (212, 252, 272)]
+    rep = dev.report()
+    assert (rep.launches, rep.dispatches, rep.graph_launches) == (6, 4, 1)
+    dev.set_adaptive(False)
+    dev.launch(0, "add", tiny)
+    assert _timeline(dev)[-1] == (320, 320, 340)
+
+
+def test_compile_time_is_reported_not_charged():
+    dev = _device()
+    dev.reset()
+    dev.note_compile(1.5)
+    rep = dev.report()
+    assert (rep.compiled_graphs, rep.compile_seconds, rep.elapsed_us) == (1, 1.5, 0.0)
+
+
 def test_a_collective_beside_a_dma_bound_kernel_slows_both():
     """A collective, simulated by the NeuronLink model and charged through the device model,
     runs on the core's collective stream beside compute: it waits for the compute issued before

@@ -46,7 +46,25 @@ REQUIRED: dict[str, str] = {
     "torch.Tensor._is_zerotensor": "materialising efficient zero tensors",
     "torch._softmax_backward_data": "the attention backward's softmax gradient",
     "torch.ops.aten._scaled_dot_product_attention_math": "attention calls the fused op does not take",
+    "torch._TorchCompileInductorWrapper": "sending graphs torch.compile gives Inductor on neuron tensors to 'neuron'",
 }
+
+# Private APIs of torch.compile's machinery. Importing it takes seconds, so these are resolved on
+# first use (torch_bridge.compile), not at import; tests/torch/test_compile_backend.py checks them.
+COMPILE_REQUIRED: dict[str, str] = {
+    "torch._dynamo.register_backend": "registering the 'neuron' backend by name",
+    "torch._functorch.aot_autograd.aot_module_simplified": "forward and backward graphs (aot_autograd)",
+    "torch._functorch.partitioners.min_cut_rematerialization_partition":
+        "recomputing cheap ops in the backward instead of saving them (fewer region outputs)",
+    "torch._functorch.aot_autograd.make_boxed_func": "the boxed calling convention of compiled graphs",
+    "torch.nn.attention.flex_attention._validate_device": "FlexAttention on neuron tensors",
+}
+
+
+def compile_api(name: str) -> Any:
+    """A private API of torch.compile's machinery by its last name (see :data:`COMPILE_REQUIRED`)."""
+    path = next(p for p in COMPILE_REQUIRED if p.rsplit(".", 1)[-1] == name)
+    return resolve(path)
 
 
 def resolve(path: str) -> Any:
@@ -92,6 +110,7 @@ neg_view = torch._neg_view
 softmax_backward_data = torch._softmax_backward_data
 sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
 _profiler = torch.autograd.profiler
+InductorWrapper = torch._TorchCompileInductorWrapper
 
 
 def profiler_enabled() -> bool:

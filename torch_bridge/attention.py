@@ -37,7 +37,7 @@ import torch
 from . import _torch, lowering, memory, tensore, values
 from .runtime import runtime
 
-__all__ = ["sdpa", "takes"]
+__all__ = ["sdpa", "takes", "takes_meta", "forward_values", "backward_values", "charge_forward", "charge_backward"]
 
 FORWARD = "scaled_dot_product_attention"
 BACKWARD = "scaled_dot_product_attention_backward"
@@ -48,10 +48,16 @@ MAX_HEAD_DIM = 128  # the attention kernel's limit: D on the PE array's contract
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
           enable_gqa: bool) -> bool:
     """True when the fused op computes this call; otherwise the math path does."""
-    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
-        return False
     if any(type(t) not in _PLAIN for t in (q, k, v, attn_mask) if t is not None):
         return False  # fake or functional tensors (torch.compile tracing) have no memory to compute on
+    return takes_meta(q, k, v, attn_mask, dropout_p, enable_gqa)
+
+
+def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+               enable_gqa: bool) -> bool:
+    """:func:`takes` from metadata alone (a compiled graph's fake tensors)."""
+    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
+        return False
     if not tensore.on_datapath(q, k, v) or q.is_nested or q.device != k.device or q.device != v.device:
         return False
     l, e = q.shape[-2:]
@@ -103,53 +109,66 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool, scale: float | None, groups: int) -> torch.Tensor:
         index = q.device.index or 0
-        cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
-        l, e = q.shape[-2:]
-        s = k.shape[-2]
-        sc = scale if scale is not None else 1.0 / math.sqrt(e)
-        scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
-        scores.mul_(sc)
-        if is_causal:
-            scores.add_(_causal_bias(l, s))
-        elif attn_mask is not None:
-            m = memory.cpu_view(attn_mask)
-            scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
-        p = torch.softmax(scores, -1)
-        if attn_mask is not None:  # a row that sees no key is zeros, as CPU's fused kernel writes it
-            dead = scores.amax(-1, keepdim=True) == -math.inf
-            if dead.any():
-                p.masked_fill_(dead, 0.0)
-        out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+        out, p, sc = forward_values(q, k, v, attn_mask, is_causal, scale, groups)
         ctx.save_for_backward(q, k, v)
         ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
         ctx.scale, ctx.groups = sc, groups
-        _charge_forward(index, q, attn_mask, is_causal, scale)
+        charge_forward(index, q, attn_mask, is_causal, scale)
         return memory.relabel(out, index)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         index = q.device.index or 0
-        dt, groups = q.dtype, ctx.groups
-        p = _flat(memory.cpu_view(ctx.p))
-        do = _flat(memory.cpu_view(grad_out).to(dt))
-        cq = _flat(memory.cpu_view(q))
-        ck, cv = _flat(_heads(memory.cpu_view(k), groups)), _flat(_heads(memory.cpu_view(v), groups))
-        p_dt = p.to(dt)
-        dv = tensore.bmm_f32(p_dt.transpose(1, 2), do)
-        dp = tensore.bmm_f32(do, cv.transpose(1, 2))
-        ds = _torch.softmax_backward_data(dp, p, -1, torch.float32)
-        ds.mul_(ctx.scale)
-        ds_dt = ds.to(dt)
-        dq = tensore.bmm_f32(ds_dt, ck)
-        dk = tensore.bmm_f32(ds_dt.transpose(1, 2), cq)
-        kv_shape = q.shape[:-3] + (k.shape[-3], groups) + k.shape[-2:]
-        dk = dk.view(kv_shape).sum(-3) if groups > 1 else dk.view(k.shape)
-        dv = dv.view(kv_shape).sum(-3) if groups > 1 else dv.view(v.shape)
-        _charge_backward(index, q, k.shape[-2], dt)
-        grads = (memory.relabel(dq.view(q.shape).to(dt), index), memory.relabel(dk.to(dt), index),
-                 memory.relabel(dv.to(dt), index))
-        return grads + (None, None, None, None)
+        dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
+        charge_backward(index, q, k.shape[-2], q.dtype)
+        return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
+                None, None, None, None)
+
+
+def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                   is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The forward's values from neuron tensors: (out, P, scale) as CPU tensors (P in fp32)."""
+    cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
+    l, e = q.shape[-2:]
+    s = k.shape[-2]
+    sc = scale if scale is not None else 1.0 / math.sqrt(e)
+    scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
+    scores.mul_(sc)
+    if is_causal:
+        scores.add_(_causal_bias(l, s))
+    elif attn_mask is not None:
+        m = memory.cpu_view(attn_mask)
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
+    p = torch.softmax(scores, -1)
+    if attn_mask is not None:  # a row that sees no key is zeros, as CPU's fused kernel writes it
+        dead = scores.amax(-1, keepdim=True) == -math.inf
+        if dead.any():
+            p.masked_fill_(dead, 0.0)
+    out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+    return out, p, sc
+
+
+def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,
+                    scale: float, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's values from neuron tensors (P from the forward): (dq, dk, dv) on CPU."""
+    dt = q.dtype
+    p = _flat(memory.cpu_view(p_dev))
+    do = _flat(memory.cpu_view(grad_out).to(dt))
+    cq = _flat(memory.cpu_view(q))
+    ck, cv = _flat(_heads(memory.cpu_view(k), groups)), _flat(_heads(memory.cpu_view(v), groups))
+    p_dt = p.to(dt)
+    dv = tensore.bmm_f32(p_dt.transpose(1, 2), do)
+    dp = tensore.bmm_f32(do, cv.transpose(1, 2))
+    ds = _torch.softmax_backward_data(dp, p, -1, torch.float32)
+    ds.mul_(scale)
+    ds_dt = ds.to(dt)
+    dq = tensore.bmm_f32(ds_dt, ck)
+    dk = tensore.bmm_f32(ds_dt.transpose(1, 2), cq)
+    kv_shape = q.shape[:-3] + (k.shape[-3], groups) + k.shape[-2:]
+    dk = dk.view(kv_shape).sum(-3) if groups > 1 else dk.view(k.shape)
+    dv = dv.view(kv_shape).sum(-3) if groups > 1 else dv.view(v.shape)
+    return dq.view(q.shape).to(dt), dk.to(dt), dv.to(dt)
 
 
 # (shapes, dtype, mask shape/dtype, causal, scale) -> the costs one forward / backward launches
@@ -165,13 +184,13 @@ def _charge(index: int, op: str, key: tuple[Any, ...], specs: Any) -> None:
         rt.charge(index, op, cost)
 
 
-def _charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
+def charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
                     ) -> None:
     key = ("fwd", q.shape, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
     _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale))
 
 
-def _charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:
+def charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:
     _charge(index, BACKWARD, ("bwd", q.shape, s, dtype), lambda: lowering.attention_backward_specs(q, s, dtype))
 
 

@@ -81,6 +81,9 @@ def register() -> None:
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
+    from .compile.backend import divert_inductor
+
+    divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
     _registered = True
 
 

@@ -547,4 +547,28 @@ class report_scope:
         self.report = runtime().device.close_scope(self._recorder)
 
 
+# ---- adaptive eager ---------------------------------------------------------------------------
+def set_adaptive_eager(enabled: bool = True) -> None:
+    """Adaptive eager: queue launches between synchronisations and replay a sequence seen before
+    as one graph launch (one host dispatch); values and kernel order are unchanged. Worth it where
+    the run report shows the device waiting on the host (``bound: launch``). Also
+    ``TRNSIM_ADAPTIVE_EAGER=1`` or ``trnsim run --adaptive-eager``."""
+    runtime().device.set_adaptive(enabled)
+
+
+@contextlib.contextmanager
+def adaptive_eager(enabled: bool = True) -> Iterator[None]:
+    """``with torch.neuron.adaptive_eager(): ...``: :func:`set_adaptive_eager` for the block."""
+    dev = runtime().device
+    before = dev.adaptive
+    dev.set_adaptive(enabled)
+    try:
+        yield
+    finally:
+        dev.set_adaptive(before)
+
+
+__all__ += ["set_adaptive_eager", "adaptive_eager"]
+
+
 memory = _memory_module()

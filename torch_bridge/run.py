@@ -19,9 +19,10 @@ from typing import Any, Sequence
 from trnsim.files import AtomicOutput
 from trnsim.report import RunReport
 
-__all__ = ["run_script", "split_args", "write_op_trace", "RUN_OPTIONS"]
+__all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json")
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager")
+RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager")  # options without a value
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
@@ -39,8 +40,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             break
         name, eq, val = a.partition("=")
         if name in RUN_OPTIONS:
-            if name == "--json":
-                opts["json"] = True
+            if name in RUN_FLAGS:
+                opts[name[2:].replace("-", "_")] = True
                 i += 1
                 continue
             if not eq:
@@ -77,30 +78,42 @@ class _StdoutToStderr:
 
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None, quiet_stdout: bool = False) -> tuple[int, RunReport]:
+               trace: str | None = None, eager: bool = False, adaptive: bool = False,
+               quiet_stdout: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
-    A missing script raises FileNotFoundError; an exception in the script prints its traceback
-    to stderr and gives status 1 (the report still covers what ran); ``sys.exit("message")``
-    prints the message and gives status 1, as ``python script.py`` does. A trace path that
-    cannot be written (a FIFO, a device, a missing or read-only directory) is refused with
-    :class:`trnsim.files.OutputError` before the script starts. With ``quiet_stdout`` the
-    script's standard output goes to standard error (the caller prints data on stdout).
+    ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
+    "force_eager")``); ``adaptive`` turns adaptive eager on. A missing script raises
+    FileNotFoundError; an exception in the script prints its traceback to stderr and gives
+    status 1 (the report still covers what ran); ``sys.exit("message")`` prints the message and
+    gives status 1, as ``python script.py`` does. A trace path that cannot be written (a FIFO, a
+    device, a missing or read-only directory) is refused with :class:`trnsim.files.OutputError`
+    before the script starts. With ``quiet_stdout`` the script's standard output goes to
+    standard error (the caller prints data on stdout).
     """
     if quiet_stdout:
         with _StdoutToStderr():
-            return run_script(script, args, config, overrides, trace)
+            return run_script(script, args, config, overrides, trace, eager, adaptive)
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
+    import contextlib
+
+    import torch
+
     import torch_bridge
+    import torch_bridge.compile
     from torch_bridge import device, runtime
 
     torch_bridge.register()
-    if config is not None or overrides:
+    torch_bridge.compile.register()  # backend="neuron" by name, even in a checkout without the entry point
+    if (config is not None or overrides) and not runtime.is_initialized():
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
+    for i in range(device.device_count()):  # the report starts from an idle device
+        device.synchronize(i)
     device.reset_report(trace=trace is not None)
     out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
+    device.set_adaptive_eager(adaptive)
     saved_argv, saved_path = sys.argv, list(sys.path)
     # Hugging Face accelerate (and so the Trainer) detects a neuron device only through AWS's own
     # torch_neuronx package; the device it should use otherwise is this variable, read by both
@@ -109,9 +122,11 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     try:
         try:
-            runpy.run_path(str(path), run_name="__main__")
+            with stance:
+                runpy.run_path(str(path), run_name="__main__")
         except SystemExit as e:
             status = _exit_status(e.code)
         except Exception:  # the user's script failed: show its traceback, keep the report
@@ -123,6 +138,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
                 os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
         for i in range(device.device_count()):
             device.synchronize(i)
+        device.set_adaptive_eager(False)
         report = device.report()
         if out is not None:
             write_op_trace(out, report)
@@ -130,6 +146,17 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         if out is not None:
             out.discard()
     return status, report
+
+
+def compare_eager(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
+                  quiet_stdout: bool = False) -> tuple[int, RunReport, RunReport]:
+    """Run ``script`` twice in this process, first with torch.compile turned off (every compiled
+    function eager), then as written; returns (exit status, eager report, compiled report)."""
+    status, eager = run_script(script, args, config, overrides, eager=True, quiet_stdout=quiet_stdout)
+    if status:
+        return status, eager, eager
+    status, compiled = run_script(script, args, config, overrides, quiet_stdout=quiet_stdout)
+    return status, eager, compiled
 
 
 def _exit_status(code: object) -> int:

@@ -25,6 +25,8 @@ class Runtime:
     def __init__(self, config: ChipConfig):
         self.config = config
         self.device = Device(config)
+        if os.environ.get("TRNSIM_ADAPTIVE_EAGER", "").strip() == "1":  # torch.neuron.set_adaptive_eager's switch
+            self.device.set_adaptive(True)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
         from . import _native
 

@@ -32,7 +32,8 @@ from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
-__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of",
+           "render_comparison"]
 
 
 class UsageError(Exception):
@@ -484,7 +485,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run a PyTorch script on the `neuron` device and print where its simulated time went."""
     try:
-        from torch_bridge.run import run_script, split_args
+        from torch_bridge.run import compare_eager, run_script, split_args
     except ImportError as e:
         raise UsageError(f"trnsim run needs PyTorch and torch_bridge: pip install -e '.[torch]' ({e})") from None
     try:
@@ -492,17 +493,73 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
+    compare = opts.get("compare_eager", args.compare_eager)
+    trace = opts.get("trace", args.trace)
     as_json = opts.get("json", args.json)
+    if compare and trace:
+        raise UsageError("run: --compare-eager runs the script twice; --trace takes one run (drop one of them)")
     try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
-        status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                 trace=opts.get("trace", args.trace), quiet_stdout=bool(as_json))
+        if compare:
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=args.set + opts["set"],
+                                               quiet_stdout=bool(as_json))
+        else:
+            status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
+                                     trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
+                                     quiet_stdout=bool(as_json))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if as_json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
+        print(json.dumps(data, indent=2))
         return status
-    print_run_report(rep, f"{args.script} on {rep.config}")
+    print_run_report(rep, f"{args.script} on {rep.config}" + (" (compiled)" if compare else ""))
+    if compare:
+        console = _Out(width=RUN_REPORT_WIDTH)
+        console.print()
+        render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
     return status
+
+
+def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> None:
+    """The same run eager and compiled, side by side (``trnsim run --compare-eager``)."""
+    from rich.table import Table
+
+    t = Table(title=f"eager vs compiled: {title}", title_justify="left")
+    for col in ("", "eager", "compiled", "compiled / eager"):
+        t.add_column(col, justify="left" if not col else "right")
+
+    def ratio(a: float, b: float) -> str:
+        return f"{b / a:.2f}x" if a else "-"
+
+    for name, a, b, fmt in (("elapsed us (simulated)", eager.elapsed_us, compiled.elapsed_us, "{:,.1f}"),
+                            ("device time us", eager.device_us, compiled.device_us, "{:,.1f}"),
+                            ("device waiting on the host us", eager.host_wait_us, compiled.host_wait_us, "{:,.1f}"),
+                            ("kernel launches", eager.launches, compiled.launches, "{:,}"),
+                            ("host dispatches", eager.dispatches, compiled.dispatches, "{:,}"),
+                            ("HBM MB", eager.hbm_bytes / 1e6, compiled.hbm_bytes / 1e6, "{:,.2f}")):
+        t.add_row(name, fmt.format(a), fmt.format(b), ratio(a, b))
+    console.print(t)
+    speedup = eager.elapsed_us / compiled.elapsed_us if compiled.elapsed_us else 0.0
+    console.print(f"compiled is {speedup:.2f}x faster in simulated time" if speedup >= 1 else
+                  f"compiled is {1 / speedup:.2f}x slower in simulated time" if speedup else "nothing ran")
+    if not compiled.compiled_graphs:
+        console.print("(the script compiled nothing: wrap the model in torch.compile(..., backend=\"neuron\") to "
+                      "compare)")
+
+
+def _render_regions(rep: Any, console: Any) -> None:
+    """The compiled regions of a run: what each fused kernel replaced and what that saved."""
+    from rich.table import Table
+
+    t = Table(title=f"compiled regions: {len(rep.regions)} fused kernels", title_justify="left")
+    for col in ("region (fused aten ops)", "kernel", "calls", "time us", "eager us", "HBM MB", "eager HBM MB",
+                "launches saved"):
+        t.add_column(col, justify="left" if col.startswith(("region", "kernel")) else "right",
+                     no_wrap=col.startswith("region"))
+    for r in rep.regions:
+        t.add_row(" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
+                  f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}")
+    console.print(t)
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
@@ -525,6 +582,15 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
     console.print(f"host: {rep.host_us:,.1f} us issuing launches; MFU {rep.mfu_percent:.1f}%")
+    if rep.compiled_graphs or rep.graph_launches:
+        console.print(f"compiled: {rep.compiled_graphs} graphs compiled in {rep.compile_seconds:.2f} s wall (not "
+                      f"charged to the device); {rep.graph_launches:,} graph launches ({rep.dispatches:,} host "
+                      f"dispatches for {rep.launches:,} kernels)")
+    if rep.regions:
+        console.print(f"fused regions: {sum(r.calls for r in rep.regions):,} launches of {len(rep.regions)} fused "
+                      f"kernels instead of {sum(r.eager_launches for r in rep.regions):,} eager ones: "
+                      f"{rep.launches_saved:,} launches and {rep.hbm_bytes_saved / 1e6:,.2f} MB of HBM traffic saved")
+        _render_regions(rep, console)
     if rep.host_ops:
         ops = ", ".join(f"{op} {n:,}" for op, n in sorted(rep.host_ops.items(), key=lambda kv: (-kv[1], kv[0])))
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
@@ -664,6 +730,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
     r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--compare-eager", action="store_true",
+                   help="run the script twice, torch.compile off then on, and print simulated time side by side")
+    r.add_argument("--adaptive-eager", action="store_true",
+                   help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
     r.set_defaults(fn=cmd_run)
     _add_collective_parser(sub)
     return p

@@ -29,14 +29,25 @@ The model, in integer ticks of the chip config (``config.tick_hz``):
   their times: the later launch absorbs the contention. So two TensorE-bound kernels on two
   streams take about as long as one after the other, while a TensorE-bound and a DMA-bound one
   overlap. Logical cores do not contend with each other (at LNC=2 each has its own HBM stack).
+* **Graph launches.** A compiled graph (or a replayed sequence of eager ops) is one executable:
+  :meth:`Device.launch_graph` costs the host one ``host.dispatch`` for all its kernels, which run
+  back to back on one stream. :meth:`Device.graph` collects the launches a thread makes inside a
+  ``with`` block and issues them so; :meth:`Device.muted` discards them (a value computed for a
+  kernel charged another way).
+* **Adaptive eager** (opt-in, :meth:`Device.set_adaptive`). Launches are queued instead of issued
+  until the program synchronises (or the queue holds ``ADAPTIVE_QUEUE`` launches). A queued
+  sequence issued before (the same ops with the same kernels, in order) is replayed as one graph
+  launch; a new one is issued launch by launch, as the capture run of a CUDA graph is, and
+  remembered. Values and the order of kernels are unchanged; only the host's dispatches are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
@@ -44,7 +55,11 @@ from .isa import KernelError
 from .kernel import Kernel
 from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "Device", "Recorder", "no_work", "COLLECTIVE_STREAM"]
+__all__ = ["KernelSpec", "OpCost", "FusedRegion", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
+           "COLLECTIVE_STREAM"]
+
+#: launches adaptive eager queues at most before it issues them (a program that never syncs)
+ADAPTIVE_QUEUE = 4096
 
 # The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
 # collective launched with Device.launch_collective waits for the compute issued before it.
@@ -78,6 +93,18 @@ class KernelSpec:
         return self.label or self.kernel
 
 
+@dataclass(frozen=True)
+class FusedRegion:
+    """What one compiled region's kernel stands in for: the ``ops`` it fused (aten op names, in
+    graph order) and what they cost run one by one as eager kernels (launches, HBM bytes, device
+    ticks), so reports can say what fusing saved."""
+
+    ops: tuple[str, ...]
+    eager_launches: int
+    eager_hbm_bytes: int
+    eager_ticks: int
+
+
 @dataclass(frozen=True, eq=False)
 class OpCost:
     """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
@@ -98,6 +125,7 @@ class OpCost:
     matmul_flops: int
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
+    region: FusedRegion | None = None  # set when the kernel runs a compiled region
     engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
 
     @staticmethod
@@ -113,7 +141,7 @@ class OpCost:
         return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports),
                       sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports),
                       sum(r.matmul_flops for r in reports), demand, tuple(reports),
-                      sum(r.engine_flops for r in reports))
+                      engine_flops=sum(r.engine_flops for r in reports))
 
 
 def no_work(label: str) -> OpCost:
@@ -182,6 +210,10 @@ class Recorder:
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
+        self.dispatches = 0  # host dispatches: one per launch, one per graph launch
+        self.graph_launches = 0
+        self.compiled_graphs = 0
+        self.compile_seconds = 0.0  # wall time, never charged to the device
         self.events: list[TraceEvent] | None = [] if trace else None
 
 
@@ -233,6 +265,30 @@ def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[i
     return w
 
 
+class _Capture(list):  # type: ignore[type-arg]
+    """Launches collected by :meth:`Device.graph` (``keep``) or :meth:`Device.muted`."""
+
+    def __init__(self, keep: bool):
+        super().__init__()
+        self.keep = keep
+
+
+def _runs(items: Sequence[tuple[int, str, OpCost, int]]) -> Iterator[tuple[int, int, list[tuple[str, OpCost]]]]:
+    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost), ...])."""
+    run: list[tuple[str, OpCost]] = []
+    key: tuple[int, int] | None = None
+    for core, op, cost, s in items:
+        if key != (core, s) and run:
+            assert key is not None
+            yield key[0], key[1], run
+            run = []
+        key = (core, s)
+        run.append((op, cost))
+    if run:
+        assert key is not None
+        yield key[0], key[1], run
+
+
 class Device:
     """A chip's logical NeuronCores, their streams and the host that feeds them, with a cache of
     simulated kernel costs. Thread-safe: launches from several threads are serialised."""
@@ -242,13 +298,17 @@ class Device:
         self.chip = Chip(config)
         self.lnc = config.chip.lnc
         self.dispatch = config.ps_to_ticks(config.host.dispatch)
-        self.host = 0  # the host's clock: when it will issue its next launch
+        self._host = 0  # the host's clock: when it will issue its next launch
         self.cores = [_Core(i, config.host.max_inflight) for i in range(config.logical_cores)]
         self.recorders: list[Recorder] = [Recorder(0)]  # [0]: since start (or the last reset)
         self._costs: dict[KernelSpec, OpCost] = {}
         self._rejected: set[KernelSpec] = set()
         self.simulated = 0  # kernels actually simulated (cost-cache misses)
         self._lock = threading.RLock()
+        self._local = threading.local()  # .capture: the launches this thread is collecting
+        self.adaptive = False
+        self._pending: list[tuple[int, str, OpCost, int]] = []
+        self._replays: dict[tuple[Any, ...], list[OpCost]] = {}
 
     @property
     def core_count(self) -> int:
@@ -303,35 +363,70 @@ class Device:
                       sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
 
     # ---- time ------------------------------------------------------------------------------
-    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
+    @property
+    def host(self) -> int:
+        """The host's clock: when it will issue its next launch (queued launches issued first)."""
+        self._settle()
+        return self._host
+
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int] | None:
         """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
         work already issued on compute stream ``after`` (default: the core's current stream)
         has finished, as a collective waits for the data it sends, and overlaps what is issued
         after it."""
         with self._lock:
+            self._settle()
             c = self.cores[core]
             self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
             return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
 
-    def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int]:
+    def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int] | None:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
-        current stream); returns its (start, end) ticks."""
+        current stream); returns its (start, end) ticks, or None when the launch was collected
+        (inside :meth:`graph`/:meth:`muted`) or queued (adaptive eager) to be issued later."""
         with self._lock:
-            c = self.cores[core]
-            s = c.current_stream if stream is None else stream
-            host = self.host
-            if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
-                oldest = c.inflight.popleft()
-                if oldest > host:
-                    host = oldest
-            host += self.dispatch
-            host_ticks = host - self.host
-            self.host = host
-            ready = c.ready.get(s, 0)
-            start = ready if ready > host else host
-            wait = host - max(ready, c.busy_until)
-            if wait < 0:
-                wait = 0
+            s = self.cores[core].current_stream if stream is None else stream
+            cap = getattr(self._local, "capture", None)
+            if cap is not None:
+                cap.append((core, op, cost, s))
+                return None
+            if self.adaptive:
+                self._pending.append((core, op, cost, s))
+                if len(self._pending) >= ADAPTIVE_QUEUE:
+                    self._flush_pending()
+                return None
+            return self._issue(core, s, [(op, cost)])[0]
+
+    def launch_graph(self, core: int, items: Sequence[tuple[str, OpCost]], stream: int | None = None
+                     ) -> list[tuple[int, int]]:
+        """Issue ``items`` ((op, cost) pairs) as one graph on ``core``'s ``stream``: the host pays
+        one dispatch for all of them and the kernels run back to back, each starting when the one
+        before it ends. Returns each kernel's (start, end) ticks."""
+        with self._lock:
+            self._settle()
+            s = self.cores[core].current_stream if stream is None else stream
+            return self._issue(core, s, list(items))
+
+    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost]]) -> list[tuple[int, int]]:
+        """One host dispatch for ``items`` on stream ``s`` of ``core`` (one item: a plain launch)."""
+        c = self.cores[core]
+        host = self._host
+        if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
+            oldest = c.inflight.popleft()
+            if oldest > host:
+                host = oldest
+        host += self.dispatch
+        host_ticks = host - self._host
+        self._host = host
+        ready = c.ready.get(s, 0)
+        t = ready if ready > host else host
+        wait = host - max(ready, c.busy_until)
+        if wait < 0:
+            wait = 0
+        graph = len(items) > 1
+        times = []
+        for op, cost in items:
+            start = t
             ticks = cost.ticks
             if s not in c.streams:
                 c.streams.add(s)
@@ -340,31 +435,107 @@ class Device:
                 if others:
                     ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
             end = start + ticks
-            c.ready[s] = end
-            if end > c.busy_until:
-                c.busy_until = end
             if ticks:
                 c.bookings.append((s, start, end, cost.demand))
-                c.inflight.append(end)
-            key = (op, id(cost))
-            for rec in self.recorders:
-                row = rec.rows.get(key)
-                if row is None:
-                    rec.rows[key] = [cost, 1, ticks, wait]
-                else:
-                    row[1] += 1
-                    row[2] += ticks
-                    row[3] += wait
-                tally = rec.cores.get(core)
-                if tally is None:
-                    tally = rec.cores[core] = _CoreTally()
-                tally.launches += 1
-                tally.wait += wait
-                tally.add(start, end, host)
-                rec.host_ticks += host_ticks
-                if rec.events is not None:
-                    rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
-            return start, end
+            self._record(core, s, op, cost, ticks, wait, host, start, end)
+            wait = 0  # kernels of one graph follow each other without the host
+            times.append((start, end))
+            t = end
+        c.ready[s] = t
+        if t > c.busy_until:
+            c.busy_until = t
+        if t > times[0][0]:
+            c.inflight.append(t)
+        for rec in self.recorders:
+            rec.host_ticks += host_ticks
+            rec.dispatches += 1
+            rec.graph_launches += graph
+        return times
+
+    def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
+                end: int) -> None:
+        key = (op, id(cost))
+        for rec in self.recorders:
+            row = rec.rows.get(key)
+            if row is None:
+                rec.rows[key] = [cost, 1, ticks, wait]
+            else:
+                row[1] += 1
+                row[2] += ticks
+                row[3] += wait
+            tally = rec.cores.get(core)
+            if tally is None:
+                tally = rec.cores[core] = _CoreTally()
+            tally.launches += 1
+            tally.wait += wait
+            tally.add(start, end, host)
+            if rec.events is not None:
+                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
+
+    # ---- collecting launches: compiled graphs, values charged another way, adaptive eager --
+    @contextlib.contextmanager
+    def graph(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+        """Collect the launches this thread makes inside the block and issue them, when it ends,
+        as graph launches: one per run of consecutive launches on one (core, stream). A
+        synchronisation inside the block issues what was collected so far first."""
+        with self._collect(keep=True) as cap:
+            yield cap
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+        """Discard the launches this thread makes inside the block (their cost is charged some
+        other way, e.g. as one fused kernel)."""
+        with self._collect(keep=False) as cap:
+            yield cap
+
+    @contextlib.contextmanager
+    def _collect(self, keep: bool) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+        cap = _Capture(keep)
+        prev = getattr(self._local, "capture", None)
+        self._local.capture = cap
+        try:
+            yield cap
+        finally:
+            self._local.capture = prev
+            with self._lock:
+                self._settle_capture(cap)
+
+    def _settle_capture(self, cap: "_Capture") -> None:
+        """Issue (or drop) what ``cap`` collected so far, as graph launches."""
+        items, cap[:] = list(cap), []
+        if cap.keep:
+            for core, s, run in _runs(items):
+                self._issue(core, s, run)
+
+    def set_adaptive(self, enabled: bool) -> None:
+        """Turn adaptive eager on or off (off issues what is queued first)."""
+        with self._lock:
+            self._flush_pending()
+            self.adaptive = bool(enabled)
+
+    def _flush_pending(self) -> None:
+        """Issue adaptive eager's queue: a run seen before as one graph launch (a replay), a new
+        one launch by launch (its capture), remembered for next time."""
+        items, self._pending = self._pending, []
+        for core, s, run in _runs(items):
+            key = (core, s, tuple((op, id(cost)) for op, cost in run))
+            if len(run) > 1 and key in self._replays:
+                self._issue(core, s, run)
+                continue
+            for item in run:
+                self._issue(core, s, [item])
+            if len(run) > 1:
+                self._replays[key] = [cost for _, cost in run]  # keeps the costs (and their ids) alive
+
+    def _settle(self) -> None:
+        """Before anything that reads or waits on time: issue queued and collected launches."""
+        if self._pending:
+            with self._lock:
+                self._flush_pending()
+        cap = getattr(self._local, "capture", None)
+        if cap:
+            with self._lock:
+                self._settle_capture(cap)
 
     def host_op(self, op: str) -> None:
         """Count a metadata-only op: it runs on the host alone (no launch, no device time)."""
@@ -372,56 +543,72 @@ class Device:
             for rec in self.recorders:
                 rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
 
+    def note_compile(self, seconds: float) -> None:
+        """Record one graph compiled in ``seconds`` of wall time (reported, never charged)."""
+        with self._lock:
+            for rec in self.recorders:
+                rec.compiled_graphs += 1
+                rec.compile_seconds += seconds
+
     def synchronize(self, core: int | None = None, stream: int | None = None) -> None:
         """The host waits until ``stream`` of ``core`` (every stream; every core) has finished."""
         with self._lock:
+            self._settle()
             cores = self.cores if core is None else [self.cores[core]]
             for c in cores:
                 ready = c.ready.values() if stream is None else [c.ready.get(stream, 0)]
-                self.host = max(self.host, *ready)
+                self._host = max(self._host, *ready)
 
     def wait_host_until(self, tick: int) -> None:
         """The host waits until simulated time ``tick`` (an event's synchronize)."""
         with self._lock:
-            if tick > self.host:
-                self.host = tick
+            self._settle()
+            if tick > self._host:
+                self._host = tick
 
     def stream_ready(self, core: int, stream: int) -> int:
         """When the last work issued on ``stream`` of ``core`` finishes."""
+        self._settle()
         return self.cores[core].ready.get(stream, 0)
 
     def stream_wait(self, core: int, stream: int, tick: int) -> None:
         """Work issued later on ``stream`` of ``core`` starts no earlier than ``tick``."""
         with self._lock:
+            self._settle()
             c = self.cores[core]
             c.ready[stream] = max(c.ready.get(stream, 0), tick)
 
     def now(self, core: int | None = None) -> int:
         """The latest simulated time the host or any work on ``core`` (every core) reaches."""
+        self._settle()
         cores = self.cores if core is None else [self.cores[core]]
-        return max([self.host, *(t for c in cores for t in c.ready.values())])
+        return max([self._host, *(t for c in cores for t in c.ready.values())])
 
     # ---- reports ---------------------------------------------------------------------------
     def open_scope(self, trace: bool = False) -> Recorder:
         """Start recording launches from now (a report scope); close it with :meth:`close_scope`."""
         with self._lock:
-            rec = Recorder(self.host, trace)
+            self._settle()
+            rec = Recorder(self._host, trace)
             self.recorders.append(rec)
             return rec
 
     def close_scope(self, rec: Recorder) -> RunReport:
         with self._lock:
+            self._settle()
             self.recorders.remove(rec)
             return self.report(rec)
 
     def reset(self, trace: bool = False) -> None:
         """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline)."""
         with self._lock:
-            self.recorders[0] = Recorder(self.host, trace)
+            self._settle()
+            self.recorders[0] = Recorder(self._host, trace)
 
     def report(self, rec: Recorder | None = None) -> RunReport:
         """The :class:`RunReport` of ``rec`` (default: the whole run since start or reset)."""
         with self._lock:
+            self._settle()
             return self._build_report(rec or self.recorders[0])
 
     def _build_report(self, rec: Recorder) -> RunReport:
@@ -433,7 +620,8 @@ class Device:
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0}
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0,
+                                              "fused": (), "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0}
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
@@ -443,6 +631,11 @@ class Device:
             a["hbm"] += calls * cost.hbm_bytes
             a["flops"] += calls * cost.matmul_flops
             a["eflops"] += calls * cost.engine_flops
+            if cost.region is not None:
+                a["fused"] = cost.region.ops
+                a["eager_launches"] += calls * cost.region.eager_launches
+                a["eager_hbm"] += calls * cost.region.eager_hbm_bytes
+                a["eager_ticks"] += calls * cost.region.eager_ticks
         device_ticks = sum(a["ticks"] for a in acc.values())
         rows = []
         for (op, kernel), a in acc.items():
@@ -455,9 +648,11 @@ class Device:
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
                 host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
-                bound=bound, engine_flops=a["eflops"]))
+                bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
+                eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
+                engine_flops=a["eflops"]))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
-        end = max([self.host, *(t.last_end for t in rec.cores.values())])
+        end = max([self._host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start
         cores = {i: CoreStats(elapsed_us=(t.last_end - rec.start) / hz * 1e6, busy_us=t.busy_ticks() / hz * 1e6,
                               host_wait_us=t.wait / hz * 1e6, launches=t.launches)
@@ -470,5 +665,7 @@ class Device:
             host_wait_us=sum(t.wait for t in rec.cores.values()) / hz * 1e6,
             launches=sum(r.calls for r in rows), hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=flops,
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
-            events=tuple(rec.events or ()), tick_hz=hz, engine_flops=sum(r.engine_flops for r in rows))
+            events=tuple(rec.events or ()), tick_hz=hz, dispatches=rec.dispatches,
+            graph_launches=rec.graph_launches, compiled_graphs=rec.compiled_graphs,
+            compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows))
 

@@ -316,7 +316,16 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    # a compiled region's row: the aten ops its one kernel fused and what they cost run eagerly
+    fused_ops: tuple[str, ...] = ()
+    eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
+    eager_hbm_bytes: int = 0  # HBM bytes they would move
+    eager_time_us: float = 0.0  # device time they would take
     engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines (KernelReport.engine_flops)
+
+    @property
+    def is_region(self) -> bool:
+        return bool(self.fused_ops)
 
 
 @dataclass(frozen=True)
@@ -350,6 +359,25 @@ class RunReport:
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
     engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines (depthwise convolutions, norms, ...)
+    dispatches: int = 0  # host dispatches: one per eager launch, one per graph launch (a compiled graph)
+    graph_launches: int = 0  # dispatches that issued a graph of kernels
+    compiled_graphs: int = 0  # graphs torch.compile compiled in this scope
+    compile_seconds: float = 0.0  # their compile wall time (never charged to the device)
+
+    @property
+    def regions(self) -> tuple[OpRow, ...]:
+        """The rows of compiled regions (one fused kernel each)."""
+        return tuple(r for r in self.rows if r.is_region)
+
+    @property
+    def launches_saved(self) -> int:
+        """Kernel launches the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_launches - r.calls for r in self.regions)
+
+    @property
+    def hbm_bytes_saved(self) -> int:
+        """HBM bytes the compiled regions' fused kernels saved against their ops run eagerly."""
+        return sum(r.eager_hbm_bytes - r.hbm_bytes for r in self.regions)
 
     @property
     def host_only_calls(self) -> int:
@@ -359,6 +387,8 @@ class RunReport:
         d = asdict(self)
         d.pop("events")
         d["host_only_calls"] = self.host_only_calls
+        d["launches_saved"] = self.launches_saved
+        d["hbm_bytes_saved"] = self.hbm_bytes_saved
         return d
 
     def row(self, op: str) -> OpRow:

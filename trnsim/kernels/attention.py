@@ -60,6 +60,14 @@ def _reference(inputs, shape, dtype, params):
     q, k, v = (round_to(inputs[n], dtype) for n in ("q", "k", "v"))
     s, d = shape[2], shape[3]
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * _scale(params.get("scale"), d)
+    if params.get("score_mod") is not None:
+        from .fused import reference as program_reference
+
+        qi = np.broadcast_to(np.arange(s)[:, None], (s, s)).astype(np.float32)
+        ki = np.broadcast_to(np.arange(s)[None, :], (s, s)).astype(np.float32)
+        flat = scores.reshape(-1, s, s)
+        scores = np.stack([program_reference(params["score_mod"], [m.astype(np.float32), qi, ki], s, s)[0]
+                           for m in flat]).reshape(scores.shape)
     if params.get("causal"):
         scores = np.where(np.tril(np.ones((s, s), dtype=bool)), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
@@ -108,13 +116,19 @@ class _Step:
 
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
-                 params={"causal": False, "scale": None, "kv_block": 0}, inputs=_inputs, reference=_reference,
+                 params={"causal": False, "scale": None, "kv_block": 0, "score_mod": None}, inputs=_inputs,
+                 reference=_reference,
                  split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
-                    name: str = "attention") -> Kernel:
+                    score_mod: Any = None, name: str = "attention") -> Kernel:
     """``kv_block`` is how many keys stay in SBUF at once (a multiple of the 512-key tile); the
-    default 0 takes as many as fit, so K and V of a head are loaded once when they can be."""
+    default 0 takes as many as fit, so K and V of a head are loaded once when they can be.
+
+    ``score_mod`` (a :class:`trnsim.kernels.fused.Program` over the inputs score, q_idx, kv_idx,
+    all full [queries, keys] fp32 tiles) is FlexAttention's score function, applied to each
+    scaled score tile in SBUF before the softmax: the index tiles come from GpSimd ``iota``, the
+    steps run on the engines a fused region's would."""
     kern = Kernel(name, config)
     cfg = kern.config
     t = cfg.core.tensor
@@ -125,6 +139,8 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     if not isinstance(causal, (bool, np.bool_)):
         raise KernelError(f"attention: causal must be true or false, got {causal!r}")
     w = _Work(kern, dt, d, _scale(scale, d), bool(causal))
+    if score_mod is not None:
+        w.set_score_mod(score_mod)
     q = kern.input("q", (b, h, s, d), dt)
     k = kern.input("k", (b, h, s, d), dt)
     v = kern.input("v", (b, h, s, d), dt)
@@ -219,6 +235,40 @@ class _Work:
         self.tr_ps, self.s_ps = sb("tr_psum", quarter, space="psum"), sb("s_psum", quarter, space="psum")
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
         self.evac = 0
+        self.mod: Any = None
+
+    def set_score_mod(self, program: Any) -> None:
+        """FlexAttention's score function as a tile program (inputs: score, q_idx, kv_idx)."""
+        from .fused import FULL, _assign, _Emitter, _step_class
+
+        kinds = program.kinds()
+        if [k for k, _ in program.inputs] != [FULL, FULL, FULL] or len(program.outputs) != 1:
+            raise KernelError("attention: score_mod must read (score, q_idx, kv_idx) and write one value")
+        if not program.elementwise:
+            raise KernelError("attention: score_mod must be elementwise")
+        self.mod = program
+        self.mod_em = _Emitter(self.kern, program, kinds, _assign([_step_class(st, kinds, True) for st in program.steps],
+                                                                  [1.0] * len(program.steps), self.kern.config))
+        used = {a for st in program.steps for a in (st[2:4] if st[0] == "tt" else (st[2],) if st[0] in ("act", "red")
+                                                     else (st[1],))}
+        self.mod_index = [i for i in (1, 2) if i in used]
+        self.mod_pool = self.kern.tile_pool("score_mod", bufs=3 * max(1, len(program.steps)))
+        self.idx_pool = self.kern.tile_pool("score_idx", bufs=4)
+
+    def modified(self, s_ps: TileAP, q0: int, k0: int, qr: int, kw: int) -> TileAP:
+        """``score_mod(scale * s, q_idx, kv_idx)`` for one [qr, kw] score tile, in SBUF (fp32)."""
+        kern, prog = self.kern, self.mod
+        tiles = {0: self.mod_pool.tile((qr, kw), "fp32")}
+        kern.tensor_scalar(tiles[0], s_ps, "multiply", self.scale)
+        for i in self.mod_index:  # query index: q0 + partition; key index: k0 + column
+            t = self.idx_pool.tile((qr, kw), "fp32")
+            kern.iota(t, base=q0 if i == 1 else k0, channel_multiplier=1 if i == 1 else 0, pattern=[0 if i == 1 else 1])
+            tiles[i] = t
+        for j in range(len(prog.steps)):
+            dst = self.mod_pool.tile((qr, kw), "fp32")
+            self.mod_em.step(j, dst, tiles, qr, 1, kw, 0)
+            tiles[3 + j] = dst
+        return tiles[prog.outputs[0][0]]
 
     def _copy(self, dst: TileAP, src: TileAP) -> None:
         """PSUM evacuation, alternating VectorE and ScalarE."""
@@ -262,25 +312,29 @@ class _Work:
         s_ps = self.s_ps.tile((qr, kw), "fp32")
         kern.nc_matmul(s_ps, qt.qT, st.kb.kT[:, st.j0:st.j0 + kw])
         scores = s_ps
+        if self.mod is not None:
+            scores = self.modified(s_ps, qt.q0, kt0, qr, kw)
         if self.causal and kt0 + kw - 1 > qt.q0:
             # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only,
             # and only keys from q0 on can be masked
-            scores = self.s_pool.tile((qr, kw), "fp32")
-            kern.tensor_copy(scores, s_ps, engine="vector")
+            if scores is s_ps:
+                scores = self.s_pool.tile((qr, kw), "fp32")
+                kern.tensor_copy(scores, s_ps, engine="vector")
             c0 = max(0, qt.q0 - kt0)
             kern.affine_select(scores[:, c0:], scores[:, c0:], cmp="greater_equal", offset=qt.q0 - kt0 - c0,
                                channel_multiplier=1, pattern=[-1], on_false=-math.inf)
+        sc = 1.0 if self.mod is not None else self.scale  # a score function's scores are scaled already
         nm = self.nm_pool.tile((qr, 1), "fp32")
         if qt.nm is None:
             kern.tensor_reduce(nm, "max", scores, axis=1, negate=True)
-            kern.tensor_scalar(nm, nm, "multiply", self.scale)
+            kern.tensor_scalar(nm, nm, "multiply", sc)
         else:
             neg_max = self.red_pool.tile((qr, 1), "fp32")
             kern.tensor_reduce(neg_max, "max", scores, axis=1, negate=True)
-            kern.tensor_scalar(nm, neg_max, "multiply", self.scale, op1="minimum", operand1=qt.nm)
+            kern.tensor_scalar(nm, neg_max, "multiply", sc, op1="minimum", operand1=qt.nm)
         st.p = self.p_pool.tile((qr, kw), self.dt)
         rowsum = (self.l_pool if qt.l is None else self.sum_pool).tile((qr, 1), "fp32")
-        kern.activation(st.p, "exp", scores, scale=self.scale, bias=nm, reduce_op="add", reduce_res=rowsum)
+        kern.activation(st.p, "exp", scores, scale=sc, bias=nm, reduce_op="add", reduce_res=rowsum)
         if qt.nm is not None and qt.l is not None:
             st.alpha = self.alpha_pool.tile((qr, 1), "fp32")
             kern.activation(st.alpha, "exp", qt.nm, scale=-1.0, bias=nm)

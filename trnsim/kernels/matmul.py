@@ -143,6 +143,9 @@ class _Mm:
     raw_pool: TilePool | None
     tr_pool: TilePool | None
     evacs: int = 0
+    # replaces evacuation and store of each [ms, nw] row tile: (mm, job, first row, ms, n0, PSUM
+    # tiles of the block's banks); a compiled region's ops run there (trnsim.kernels.fused)
+    epilogue: Callable[..., None] | None = None
 
     def evac_engine(self) -> str:
         """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
@@ -337,6 +340,9 @@ class _Mm:
             if roll is not None:
                 roll(kt)
         for (mi, ms), row in zip(mts, dsts):
+            if self.epilogue is not None:
+                self.epilogue(self, job, m0 + mi, ms, n0, row)
+                continue
             res = self.res_pool.tile((p.tm, p.bn), self.odt)
             c0 = 0
             for dst in row:

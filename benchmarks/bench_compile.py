@@ -1,0 +1,209 @@
+"""torch.compile on the virtual chip: the same training step eager and compiled, in one run.
+
+Two models, each trained from the same weights both ways on the `neuron` device:
+
+* **small GPT-2** (the goal's model, as in bench_torch_train.py): 4 layers, width 256, 4 heads,
+  sequence 128, batch 8, byte vocabulary; forward (``use_cache=False``), backward, AdamW.
+* **ResNet-style CNN**: a stem and 4 residual blocks (conv 3x3, batch norm, ReLU) at 32 channels
+  on 32x32 images, batch 16, global pooling and a linear head; SGD with momentum.
+
+The model is compiled with ``torch.compile(model, backend="neuron")``; the optimizer step runs
+eagerly in both modes (its ``_foreach_*`` kernels are the same either way). For each mode the
+script prints the simulated step time (elapsed, device time and the device's wait on the host,
+from the run report of the steady-state steps), kernel launches and host dispatches per step,
+HBM traffic per step, the wall time per step (median after warm-up), and, for the compiled
+model, the compile wall time (never charged to the device). The saving is then broken down:
+HBM bytes and launches the fused regions saved against their ops run eagerly, and the host
+dispatches a graph launch saves. Goal: compiled >= 1.5x faster in simulated time on the GPT-2
+step. Losses are checked equal between the modes (exit status 1 if not).
+
+    OMP_NUM_THREADS=1 python3 benchmarks/bench_compile.py [--steps N] [--model gpt2|cnn|both]
+    OMP_NUM_THREADS=1 python3 benchmarks/bench_compile.py --quick     # 3 steps each
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TRNSIM_NATIVE_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import torch  # noqa: E402  (after the thread pins)
+from torch import nn  # noqa: E402
+
+import torch_bridge.compile as neuron_compile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 1.5
+WARMUP = 2  # steps left out of the steady state: the first compiles and simulates, the second AdamW's state
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("train_gpt2", ROOT / "examples" / "train_gpt2.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                  nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, c: int = 32, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(*[ResBlock(c) for _ in range(blocks)])
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Case:
+    """A model, its optimizer, its batches and its loss, built the same for both modes."""
+
+    def __init__(self, name: str, build: Callable[[], nn.Module], opt: Callable[[Any], Any],
+                 batches: list[Any], loss: Callable[[nn.Module, Any], torch.Tensor], goal: bool):
+        self.name, self.build, self.opt, self.batches, self.loss, self.goal = name, build, opt, batches, loss, goal
+
+
+def gpt2_case(steps: int) -> Case:
+    ex = _example()
+    torch.manual_seed(0)
+    base = ex.make_model(128, 4, 256, 4)
+    batches = list(ex.batches(8, 128, steps))
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.to("neuron")
+        return m(x, labels=x, use_cache=False).loss
+
+    return Case("small GPT-2 (4 layers, width 256, 4 heads), batch 8 x 128, AdamW",
+                lambda: copy.deepcopy(base), lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
+                batches, loss, goal=True)
+
+
+def cnn_case(steps: int) -> Case:
+    torch.manual_seed(0)
+    base = ResNet()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+               for _ in range(steps)]
+
+    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+        x, y = b
+        return nn.functional.cross_entropy(m(x.to("neuron")), y.to("neuron"))
+
+    return Case("ResNet-style CNN (stem + 4 residual blocks, 32 channels), batch 16 x 3 x 32 x 32, SGD",
+                lambda: copy.deepcopy(base), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                batches, loss, goal=False)
+
+
+def train(case: Case, compiled: bool) -> dict[str, Any]:
+    """Train ``case`` in one mode; the steady-state steps' report, wall times, losses."""
+    torch.manual_seed(0)
+    model = case.build().to("neuron")
+    opt = case.opt(model.parameters())
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="neuron") if compiled else model
+    seconds, losses = [], []
+    compile_s = 0.0
+    for i, batch in enumerate(case.batches):
+        if i == WARMUP:
+            torch.neuron.synchronize()
+            torch.neuron.reset_report()
+        t0 = time.perf_counter()
+        with torch.neuron.report_scope() as scope:
+            loss = case.loss(run, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())  # the host waits for the device, as a training loop's logging does
+        seconds.append(time.perf_counter() - t0)
+        compile_s += scope.report.compile_seconds
+    steps = len(case.batches) - WARMUP
+    return {"report": torch.neuron.report(), "steps": steps, "wall_ms": statistics.median(seconds[WARMUP:]) * 1e3,
+            "first_s": seconds[0], "compile_s": compile_s, "losses": losses}
+
+
+def show(case: Case, eager: dict[str, Any], comp: dict[str, Any]) -> bool:
+    n = eager["steps"]
+    re_, rc = eager["report"], comp["report"]
+    print(case.name)
+    print(f"  {'':<34} {'eager':>12} {'compiled':>12} {'ratio':>8}")
+
+    def row(label: str, a: float, b: float, fmt: str = "{:,.1f}") -> None:
+        print(f"  {label:<34} {fmt.format(a):>12} {fmt.format(b):>12} {a / b if b else 0:>7.2f}x")
+
+    row("simulated step us (elapsed)", re_.elapsed_us / n, rc.elapsed_us / n)
+    row("  device time us", re_.device_us / n, rc.device_us / n)
+    row("  device waiting on the host us", re_.host_wait_us / n, rc.host_wait_us / n)
+    row("kernel launches per step", re_.launches / n, rc.launches / n, "{:,.0f}")
+    row("host dispatches per step", re_.dispatches / n, rc.dispatches / n, "{:,.0f}")
+    row("HBM MB per step", re_.hbm_bytes / n / 1e6, rc.hbm_bytes / n / 1e6, "{:,.2f}")
+    row("wall ms per step (steady state)", eager["wall_ms"], comp["wall_ms"])
+    print(f"  compile wall time {comp['compile_s']:.2f} s (first compiled step {comp['first_s']:.2f} s wall, "
+          f"first eager step {eager['first_s']:.2f} s); not charged to the device")
+    regions = rc.regions
+    fused = sum(r.calls for r in regions) / n
+    print(f"  fused regions: {len(regions)} kernels, {fused:,.0f} launches per step in place of "
+          f"{sum(r.eager_launches for r in regions) / n:,.0f} eager ones; they move "
+          f"{sum(r.hbm_bytes for r in regions) / n / 1e6:,.2f} MB per step where their ops moved "
+          f"{sum(r.eager_hbm_bytes for r in regions) / n / 1e6:,.2f} MB, and take "
+          f"{sum(r.time_us for r in regions) / n:,.1f} us of device time where their ops took "
+          f"{sum(r.eager_time_us for r in regions) / n:,.1f} us")
+    print(f"  graph launches: {rc.graph_launches / n:,.0f} per step; the device waits on the host "
+          f"{rc.host_wait_us / n:,.1f} us per step instead of {re_.host_wait_us / n:,.1f}")
+    top = sorted((r for r in rc.rows if not r.is_region), key=lambda r: -r.time_us)[:4]
+    print("  largest unfused kernels (compiled): " + "; ".join(
+        f"{r.op} {r.kernel} {r.time_us / n:,.0f} us" for r in top))
+    ratio = re_.elapsed_us / rc.elapsed_us
+    verdict = (f"goal >= {GOAL}x: {'met' if ratio >= GOAL else 'missed'}" if case.goal else "no goal for this model")
+    print(f"  compiled / eager: {ratio:.2f}x faster in simulated time ({verdict})")
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager["losses"], comp["losses"]))
+    print(f"  losses: eager {eager['losses'][-1]:.6f}, compiled {comp['losses'][-1]:.6f} "
+          f"(largest relative difference {worst:.1e})")
+    if worst > 1e-5:
+        print(f"error: eager and compiled losses differ on the {case.name}", file=sys.stderr)
+        return False
+    return True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 steps per model and mode")
+    p.add_argument("--steps", type=int, default=None, help=f"steps per model and mode (default 5; > {WARMUP})")
+    p.add_argument("--model", choices=("both", "gpt2", "cnn"), default="both")
+    args = p.parse_args()
+    if args.steps is not None and args.steps <= WARMUP:
+        p.error(f"--steps must be more than {WARMUP} (the warm-up steps), got {args.steps}")
+    steps = args.steps or (3 if args.quick else 5)
+    torch.set_num_threads(1)
+    neuron_compile.register()
+    print(f"1 thread, torch {torch.__version__}, neuron on {torch.neuron.config().name}; {steps} steps per mode, "
+          f"figures per steady-state step (after {WARMUP})")
+    ok = True
+    for name, make in (("gpt2", gpt2_case), ("cnn", cnn_case)):
+        if args.model in ("both", name):
+            case = make(steps)
+            ok = show(case, train(case, False), train(case, True)) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

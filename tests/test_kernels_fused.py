@@ -1,0 +1,41 @@
+"""The fused region kernels (trnsim.kernels.fused) against their numpy definition, every preset
+pattern in each dtype at ragged shapes, on trn2 and trn3; and their hardware limits as errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnsim.isa import KernelError
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+from trnsim.kernels.fused import FULL, PATTERNS, ROW, Program, build_fused
+
+
+@pytest.mark.parametrize("config", ["trn2", "trn3"])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_pattern_matches_numpy(pattern, config):
+    name = "matmul_fused" if pattern.startswith("mm_") else "fused"
+    shapes = [(130, 200, 300)] if name == "matmul_fused" else [(300, 256), (1030, 64), (128, 2048)]
+    for shape in shapes:
+        for dtype in ("fp32", "bf16"):
+            out = check_entry(get_kernel(name), shape, dtype, config, {"pattern": pattern})
+            assert out["ok"], f"{pattern} {shape} {dtype}: {out['errors']}"
+
+
+def test_rows_too_wide_for_a_row_reduction_is_one_line():
+    with pytest.raises(KernelError, match=r"^fused: rows of 1000000 elements do not fit SBUF on trn2"):
+        build_fused(128, 1_000_000, "fp32", "trn2", pattern="softmax")
+
+
+def test_a_column_sum_read_in_the_tile_loop_is_refused():
+    prog = Program(((FULL, "fp32"),), (("csum", 0), ("tt", "add", 0, 1)), ((2, "fp32"),))
+    with pytest.raises(KernelError, match=r"^fused: step 1 uses a column sum inside the tile loop"):
+        build_fused(256, 64, "fp32", "trn2", program=prog)
+
+
+def test_matmul_epilogue_must_be_elementwise():
+    from trnsim.kernels.fused import build_matmul_fused
+
+    prog = Program(((FULL, "fp32"), (ROW, "fp32")), (("red", "add", 0),), ((2, "fp32"),))
+    with pytest.raises(KernelError, match=r"^matmul_fused: a matmul epilogue must be elementwise"):
+        build_matmul_fused(128, 128, 128, "fp32", "trn2", program=prog)

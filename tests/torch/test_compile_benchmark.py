@@ -1,0 +1,25 @@
+"""benchmarks/bench_compile.py --quick: both models train eager and compiled with equal losses,
+and the script prints the simulated step both ways with its ratio, launches, dispatches, HBM
+bytes, wall times and compile time."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compile.py"
+
+
+def test_compile_benchmark_quick():
+    out = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    for line in ("simulated step us (elapsed)", "kernel launches per step", "host dispatches per step",
+                 "HBM MB per step", "wall ms per step (steady state)"):
+        assert text.count(line) == 2, line  # the GPT-2 and the CNN
+    assert len(re.findall(r"compile wall time \d+\.\d\d s", text)) == 2
+    ratio = float(re.search(r"compiled / eager: (\d+\.\d\d)x faster in simulated time \(goal >= 1\.5x", text)[1])
+    assert ratio > 1.2  # fusion and graph launches save time on the GPT-2 step
+    assert "largest relative difference 0.0e+00" in text

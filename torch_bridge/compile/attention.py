@@ -1,0 +1,94 @@
+"""Attention in compiled graphs: one op, forward and backward, as in eager mode.
+
+Left alone, aot_autograd would trace ``F.scaled_dot_product_attention`` on fake tensors through
+PyTorch's math decomposition (bmm, scale, mask, softmax, bmm: ten ops and a [B, H, L, S] score
+matrix through HBM per layer). :func:`use_attention_op` points the dynamo graph's attention
+calls that the library's flash-attention kernel takes at ``trnsim::attention`` instead, a custom
+op whose backward is ``trnsim::attention_backward``: the aot graphs then hold one node each, and
+they compute and cost exactly what the eager device's attention does
+(:mod:`torch_bridge.attention`: the flash-attention kernel forward; its four matmuls and the
+softmax backward after).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from .. import attention as eager_attention
+from .. import memory
+
+__all__ = ["use_attention_op", "sdpa"]
+
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@torch.library.custom_op("trnsim::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+              groups: int) -> tuple[Tensor, Tensor]:
+    """(out, P): the eager device's attention forward (P, fp32, is kept for the backward)."""
+    index = q.device.index or 0
+    out, p, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups)
+    eager_attention.charge_forward(index, q, mask, causal, scale)
+    return memory.relabel(out, index), memory.relabel(p, index)
+
+
+@attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+      groups: int) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1] + (k.shape[-2],), dtype=torch.float32)
+
+
+@torch.library.custom_op("trnsim::attention_backward", mutates_args=())
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, scale: float,
+                       groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    index = q.device.index or 0
+    dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, scale, groups)
+    eager_attention.charge_backward(index, q, k.shape[-2], q.dtype)
+    return memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index)
+
+
+@attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, scale: float, groups: int
+      ) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, mask, causal, scale, groups = inputs
+    ctx.save_for_backward(q, k, v, output[1])
+    ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
+    ctx.groups = groups
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_p: Tensor | None) -> tuple[Any, ...]:
+    q, k, v, p = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad_out.contiguous(), q, k, v, p, float(ctx.scale), ctx.groups)
+    return dq, dk, dv, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup)
+
+
+def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention`` as a compiled graph calls it: the attention op where
+    the flash-attention kernel takes the call, PyTorch's math path otherwise."""
+    if query.device.type == "neuron" and not (is_causal and attn_mask is not None) and \
+            eager_attention.takes_meta(query, key, value, attn_mask, dropout_p, enable_gqa):
+        return attention(query, key, value, attn_mask, bool(is_causal), scale, query.shape[-3] // key.shape[-3])[0]
+    return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def use_attention_op(gm: fx.GraphModule) -> None:
+    """Point ``gm``'s attention calls at :func:`sdpa` (in place)."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is SDPA:
+            n.target = sdpa
+            changed = True
+    if changed:
+        gm.recompile()

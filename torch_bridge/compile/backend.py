@@ -1,0 +1,149 @@
+"""The ``neuron`` torch.compile backend: dynamo graph -> aot_autograd forward/backward graphs ->
+:class:`~torch_bridge.compile.graph.CompiledGraph` (fused regions, one launch per graph).
+
+Found by name three ways: the ``torch_dynamo_backends`` entry point (an installed trnsim; no
+import needed), :func:`register` (``import torch_bridge.compile``'s way for a source checkout),
+and graphs that ``torch.compile`` would give Inductor on neuron tensors (the default backend, or
+an explicit ``backend="inductor"``), which go to this backend with a one-line warning: Inductor
+has no code generator for the device.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .. import _torch
+from ..runtime import runtime
+
+__all__ = ["neuron_backend", "register", "divert_inductor", "INDUCTOR_WARNING", "allow_neuron", "allow_neuron_on_import"]
+
+INDUCTOR_WARNING = ("torch.compile: Inductor has no code generator for the neuron device; compiling this graph with "
+                    "trnsim's 'neuron' backend instead (backend='neuron' or "
+                    "torch.compiler.set_default_backend('neuron') chooses it directly)")
+
+
+def _compiler(kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
+    def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from .graph import CompiledGraph
+
+        t0 = time.perf_counter()
+        compiled = CompiledGraph(gm, kind)
+        if kind == "backward":  # the forward's compile time is counted with the backend call
+            runtime().device.note_compile(time.perf_counter() - t0)
+        return _torch.compile_api("make_boxed_func")(compiled)
+    return compile_graph
+
+
+def neuron_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
+    """The dynamo backend: aot_autograd with the min-cut partitioner (it recomputes cheap ops
+    in the backward instead of saving them, so regions write fewer tensors), each graph run as a
+    :class:`CompiledGraph`. ``options`` (``mode``, Inductor options) are accepted and ignored."""
+    t0 = time.perf_counter()
+    from .attention import use_attention_op
+
+    use_attention_op(gm)
+    aot = _torch.compile_api("aot_module_simplified")
+    mincut = _torch.compile_api("min_cut_rematerialization_partition")
+    fn = aot(gm, list(example_inputs), fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
+             partition_fn=mincut, keep_inference_input_mutations=True)
+    runtime().device.note_compile(time.perf_counter() - t0)
+    return fn
+
+
+def register() -> None:
+    """Register ``neuron`` by name unless the entry point already provides it (idempotent)."""
+    if "neuron" in torch.compiler.list_backends(exclude_tags=()):
+        return
+    _torch.compile_api("register_backend")(compiler_fn=neuron_backend, name="neuron")
+
+
+def _on_neuron(gm: Any, inputs: Sequence[Any]) -> bool:
+    if any(isinstance(t, torch.Tensor) and t.device.type == "neuron" for t in inputs):
+        return True
+    for n in getattr(getattr(gm, "graph", None), "nodes", ()):
+        v = n.meta.get("example_value")
+        if isinstance(v, torch.Tensor) and v.device.type == "neuron":
+            return True
+    return False
+
+
+def divert_inductor() -> None:
+    """Graphs torch.compile hands Inductor that hold neuron tensors go to the neuron backend."""
+    wrapper = _torch.InductorWrapper
+    if getattr(wrapper.__call__, "_trnsim", False):
+        return
+    original = wrapper.__call__
+
+    def __call__(self: Any, model_: Any, inputs_: Sequence[Any]) -> Any:
+        if not _on_neuron(model_, inputs_):
+            return original(self, model_, inputs_)
+        warnings.warn(INDUCTOR_WARNING, UserWarning, stacklevel=2)
+        return neuron_backend(model_, inputs_)
+
+    __call__._trnsim = True  # type: ignore[attr-defined]
+    wrapper.__call__ = __call__
+    allow_neuron_on_import()  # FlexAttention's device check lets neuron tensors through
+
+
+# ---- FlexAttention's device check ----------------------------------------------------------
+FLEX_MODULE = "torch.nn.attention.flex_attention"
+
+
+def allow_neuron() -> None:
+    """FlexAttention accepts neuron tensors (every other device is validated as before)."""
+    import importlib
+
+    original = _torch.compile_api("_validate_device")
+    module = importlib.import_module("torch.nn.attention.flex_attention")
+    if getattr(original, "_trnsim", False):
+        return
+
+    def validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type == "neuron" and key.device == query.device and value.device == query.device:
+            return
+        original(query, key, value)
+
+    validate._trnsim = True  # type: ignore[attr-defined]
+    module._validate_device = validate
+
+
+class _PatchOnImport:
+    """A meta-path finder that lets :func:`allow_neuron` run right after FlexAttention's module is
+    imported (importing it eagerly would add seconds to ``import torch``)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != FLEX_MODULE:
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def run(module: Any) -> None:
+            exec_module(module)
+            allow_neuron()
+
+        loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def allow_neuron_on_import() -> None:
+    """:func:`allow_neuron` now if FlexAttention is imported, else as soon as it is."""
+    import sys
+
+    if FLEX_MODULE in sys.modules:
+        allow_neuron()
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+

@@ -1,0 +1,299 @@
+"""Running a compiled aten graph on the device: regions as fused kernels, the rest as eager ops,
+the whole graph as one launch.
+
+:class:`CompiledGraph` is what the backend returns for each forward or backward graph. Its graph
+is the aot graph with every region (:func:`torch_bridge.compile.fusion.partition`) replaced by a
+call of a :class:`RegionKernel`; the other nodes are the graph's own aten calls, which run through
+the neuron dispatcher exactly as in eager mode (values on the datapath or CPU kernels, each
+charged as its eager kernel). The graph's launches are collected and issued as one graph launch
+(:meth:`trnsim.device.Device.graph`): a compiled graph is one executable, so the host pays one
+dispatch for it, as on Neuron, where a compiled graph is one NEFF.
+
+A region's values are its ops' own results, computed on CPU views of the device memory with
+16-bit float operands widened to fp32 and the outputs rounded once to their dtypes (what its
+fused kernel computes: intermediates stay in fp32 in SBUF); a matmul head runs on the TensorE
+datapath and its fp32 PSUM result feeds the rest. So for fp32 graphs compiled values equal eager
+values bit for bit; for bf16/fp16 they differ where eager rounds an intermediate. The region's
+time is one launch of its fused kernel, simulated once per input shape; the report row also
+carries what its ops would have cost as eager kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from trnsim.device import FusedRegion, KernelSpec, OpCost
+from trnsim.isa import KernelError
+
+from .. import lowering, memory, tensore, values
+from ..runtime import runtime
+from .fusion import Region, partition
+
+__all__ = ["CompiledGraph", "RegionKernel", "rewrite"]
+
+aten = torch.ops.aten
+_WIDE = (torch.bfloat16, torch.float16)
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    return t.overloadpacket.__name__ if hasattr(t, "overloadpacket") else getattr(t, "__name__", str(t))
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.device) and x.type == "neuron":
+        return torch.device("cpu")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(y) for y in x)
+    return x
+
+
+def _wide(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _WIDE:
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wide(y) for y in x)
+    return x
+
+
+class _Plan:
+    """What one input signature of a region launches: its fused kernel's cost (with the eager
+    figures it replaces), or, where the kernel cannot take the shapes, its ops' eager costs."""
+
+    def __init__(self, label: str, costs: list[tuple[str, OpCost]], spec: KernelSpec | None = None):
+        self.label, self.costs, self.spec = label, costs, spec  # costs: (op shown in reports, cost)
+
+
+class RegionKernel:
+    """A region's nodes run as one fused kernel (see the module docstring)."""
+
+    #: when a list, every call appends (region kernel, its kernel spec or None, inputs, outputs):
+    #: how tests check a fused kernel's values against the ops' own
+    record: list[tuple[Any, ...]] | None = None
+
+    def __init__(self, region: Region, index: int):
+        self.region = region
+        self.nodes = region.nodes
+        self.head = region.head
+        self.inputs = region.inputs
+        self.outputs = region.outputs
+        names = [_op_name(n) for n in ([self.head] if self.head is not None else []) + self.nodes
+                 if n.target is not operator.getitem]
+        self.ops = tuple(names)
+        self.label = "compiled:" + "+".join(dict.fromkeys(names))
+        self.index = index
+        self.plans: dict[tuple[Any, ...], _Plan] = {}
+        self.__name__ = f"region{index}"
+
+    def __repr__(self) -> str:
+        return f"<region {self.index}: {self.label}>"
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
+        views = [memory.cpu_view(a) if values.is_neuron(a) else a for a in args]
+        env: dict[fx.Node, Any] = {}
+        rest = views
+        if self.head is not None:
+            a, b = views[0], views[1]
+            if tensore.on_datapath(a, b):
+                env[self.head] = tensore.matmul_f32(a, b)  # fp32 PSUM; the program adds the bias
+            else:
+                env[self.head] = torch.mm(a.float(), b.float())
+            rest = views[2:]
+        for n, v in zip(self.inputs[2 if self.head is not None else 0:], rest):
+            env[n] = v
+        if self.head is not None and self.head.target is aten.addmm.default:
+            c = env[self.head.args[0]]
+            beta, alpha = self.head.kwargs.get("beta", 1), self.head.kwargs.get("alpha", 1)
+            env[self.head] = values._add_scaled(env[self.head], c, alpha, beta)
+        for n in self.nodes:
+            if n.target is operator.getitem:
+                env[n] = env[n.args[0]][n.args[1]]
+                continue
+            fargs = [_wide(env[a]) if isinstance(a, fx.Node) else _to_cpu(a) for a in n.args]
+            fargs = [_wide([env[x] if isinstance(x, fx.Node) else x for x in a]) if isinstance(a, (list, tuple))
+                     and any(isinstance(x, fx.Node) for x in a) else a for a in fargs]
+            kw = {k: (_wide(env[v]) if isinstance(v, fx.Node) else _to_cpu(v)) for k, v in n.kwargs.items()}
+            if n.target is aten._to_copy.default:
+                kw.pop("device", None)
+            env[n] = n.target(*fargs, **kw)
+        outs = []
+        for n in self.outputs:
+            want = n.meta["val"].dtype
+            t = env[n]
+            if t.dtype != want:
+                t = t.to(want)
+            outs.append(memory.relabel(t.contiguous(), device))
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = self._plan(args, env)
+        rt = runtime()
+        for op, cost in plan.costs:
+            rt.charge(device, op, cost)
+        if RegionKernel.record is not None:
+            RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
+        return tuple(outs)
+
+    # ---- costs -----------------------------------------------------------------------------
+    def _meta(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        """A meta tensor of node ``n``'s value in eager mode: its run shape, its graph dtype."""
+        v, val = env[n], n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return torch.empty(v.shape, dtype=val.dtype if isinstance(val, torch.Tensor) else v.dtype, device="meta")
+        if isinstance(v, (tuple, list)):
+            return type(v)(torch.empty(x.shape, dtype=y.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                           for x, y in zip(v, val))
+        return v
+
+    def _eager(self, args: Sequence[Any], env: dict[fx.Node, Any]) -> list[tuple[str, KernelSpec | None]]:
+        """The eager kernels of the region's ops (None: a matmul with no products)."""
+        meta: dict[fx.Node, Any] = {}
+        for n in self.inputs:
+            if n in env:
+                meta[n] = self._meta(n, env)
+        specs: list[tuple[str, KernelSpec | None]] = []
+        if self.head is not None:
+            a, b = args[0], args[1]
+            ta, tb = lowering.matmul_layout(a, b)
+            specs.append((_op_name(self.head), lowering.matmul_spec(1, a.shape[0], a.shape[1], b.shape[1], a.dtype,
+                                                                    ta, tb)))
+            meta[self.head] = self._meta(self.head, env)
+            if self.head.target is aten.addmm.default:
+                meta[self.head.args[0]] = self._meta(self.head.args[0], env)
+        for n in self.nodes:
+            meta[n] = self._meta(n, env)
+            if n.target is operator.getitem or values.op_info(n.target).is_view:
+                continue
+            margs = tuple(meta.get(a, a) if isinstance(a, fx.Node) else a for a in n.args)
+            mkw = {k: (meta.get(v, v) if isinstance(v, fx.Node) else v) for k, v in n.kwargs.items()}
+            ins = lowering.flat_tensors(list(margs) + list(mkw.values()), [])
+            specs.append((_op_name(n), lowering.op_spec(_op_name(n), margs, mkw, ins,
+                                                        lowering.flat_tensors(meta[n], []))))
+        return specs
+
+    def _plan(self, args: Sequence[Any], env: dict[fx.Node, Any]) -> _Plan:
+        rt = runtime()
+        eager = [(op, rt.cost(spec, "empty matmul (launch only)")) for op, spec in self._eager(args, env)]
+        prog = self.region.program
+        assert prog is not None
+        first = next(iter(self.outputs))
+        dt = lowering.tile_dtype(first.meta["val"].dtype).name
+        try:
+            if self.head is not None:
+                a, b = args[0], args[1]
+                ta, tb = lowering.matmul_layout(a, b)
+                spec = KernelSpec.of("matmul_fused", (a.shape[0], a.shape[1], b.shape[1]),
+                                     lowering.matmul_dtype(a.dtype),
+                                     {"program": prog, "transpose_a": ta, "transpose_b": tb})
+            else:
+                ts = [env[n] for n in self.inputs + self.outputs if isinstance(env.get(n), torch.Tensor)]
+                big = max(ts, key=lambda t: (t.numel(), t.dim()))
+                cols = big.shape[-1] if big.dim() else 1
+                rows = big.numel() // max(cols, 1)
+                spec = KernelSpec.of("fused", (rows, cols), dt, {"program": prog})
+            cost = rt.cost(spec)
+        except KernelError:
+            return _Plan(self.label, eager)  # the kernel refuses these shapes: its ops' eager kernels
+        if cost.ticks > sum(c.ticks for _, c in eager):
+            # both are simulated; like a compiler's cost model, keep the faster (the region's values
+            # are computed the same way either way: identical to eager's for fp32)
+            return _Plan(self.label, eager)
+        region = FusedRegion(self.ops, len(eager), sum(c.hbm_bytes for _, c in eager), sum(c.ticks for _, c in eager))
+        return _Plan(self.label, [(self.label, dataclasses.replace(cost, region=region))], spec)
+
+
+def rewrite(gm: fx.GraphModule, regions: list[Region]) -> fx.GraphModule:
+    """``gm`` with each region's nodes replaced by one call of its :class:`RegionKernel`, in an
+    order where every value is defined before use (regions are cycle-free by construction)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    owner: dict[fx.Node, int] = {}
+    for ri, r in enumerate(regions):
+        for n in r.nodes + ([r.head] if r.head is not None else []):
+            owner[n] = ri
+    items: list[Any] = []  # ("node", n) or ("region", ri), first appearance order
+    seen: set[int] = set()
+    for n in graph.nodes:
+        ri = owner.get(n)
+        if ri is None:
+            items.append(("node", n))
+        elif ri not in seen:
+            seen.add(ri)
+            items.append(("region", ri))
+
+    def deps(item: tuple[str, Any]) -> set[Any]:
+        nodes = [item[1]] if item[0] == "node" else regions[item[1]].nodes + \
+            ([regions[item[1]].head] if regions[item[1]].head is not None else [])
+        out: set[Any] = set()
+        for n in nodes:
+            for a in n.all_input_nodes:
+                ra = owner.get(a)
+                key = ("region", ra) if ra is not None else ("node", a)
+                if key != item:
+                    out.add(key)
+        return out
+
+    # Kahn's algorithm, ties broken by original position
+    import heapq
+
+    pos = {it: min(order[n] for n in ([it[1]] if it[0] == "node" else regions[it[1]].nodes +
+                                      ([regions[it[1]].head] if regions[it[1]].head is not None else [])))
+           for it in items}
+    dmap = {it: deps(it) for it in items}
+    users: dict[Any, list[Any]] = {it: [] for it in items}
+    for it, ds in dmap.items():
+        for d in ds:
+            users[d].append(it)
+    indeg = {it: len(ds) for it, ds in dmap.items()}
+    heap = [(pos[it], i, it) for i, it in enumerate(items) if indeg[it] == 0]
+    heapq.heapify(heap)
+    idx = {it: i for i, it in enumerate(items)}
+    new = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    kernels = [RegionKernel(r, i) for i, r in enumerate(regions)]
+    done = 0
+    while heap:
+        _, _, it = heapq.heappop(heap)
+        done += 1
+        if it[0] == "node":
+            n = it[1]
+            env[n] = new.node_copy(n, lambda a: env[a])
+        else:
+            k = kernels[it[1]]
+            call = new.call_function(k, tuple(env[a] for a in k.inputs))
+            for j, out in enumerate(k.outputs):
+                env[out] = new.call_function(operator.getitem, (call, j))
+                env[out].meta = dict(out.meta)
+        for u in users[it]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, (pos[u], idx[u], u))
+    if done != len(items):
+        raise AssertionError("compiled regions form a cycle")
+    return fx.GraphModule(gm, new)
+
+
+class CompiledGraph:
+    """A forward or backward aten graph as the neuron backend runs it (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, kind: str):
+        t0 = time.perf_counter()
+        self.kind = kind
+        self.source = gm
+        from .flex import use_flex_kernels
+
+        use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
+        self.regions = partition(gm)
+        self.module = rewrite(gm, self.regions) if self.regions else gm
+        self.compile_seconds = time.perf_counter() - t0
+
+    def __call__(self, *args: Any) -> Any:
+        with runtime().device.graph():
+            return self.module(*args)
