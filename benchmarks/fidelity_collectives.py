@@ -208,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   {'example':44s} {'sim us':>10s} {'published us':>13s} {'published/sim':>14s}  algorithm  sim busbw GiB/s")
     for what, sim, pub, algo, bus in published(args.quick):
         print(f"   {what:44s} {sim:10.1f} {pub:13.1f} {pub / sim:14.2f}  {algo:10s} {bus:8.2f}")
+    from trnsim.config import load_config
+
+    dma = load_config("trn1").core.dma
     print("   Reading: the simulated floors (a few us: DMA start 1.3 us + completion + hops per step) are 10-20x "
           "below the\n   published 10-58 us (520 us across two nodes): the model has no runtime/CC-core software "
           "time per step and no\n   host launch; the published large-size slopes (52.9 GiB/s on one chip, 24.8 GiB/s "
-          "algbw over EFA) are 2-3x below\n   ours: we spread a CC ring over all 16 DMA engines of a core at the "
-          "theoretical 27.2 GB/s (the Trn1 table value\n   is 17 B/ns, datasheet §6) and do not know how many "
+          f"algbw over EFA) are 2-3x below\n   ours: we spread a CC ring over all {dma.engines} DMA engines of a core "
+          f"at the sustained {dma.engine_bandwidth / 1e9:g} GB/s each\n   (datasheet §6) and do not know how many "
           "engines Neuron's rings use. Nothing is tuned to these figures.")
     missed = [r for r in rows if not r.ok]
     return 1 if missed else 0

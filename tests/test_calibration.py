@@ -84,13 +84,30 @@ def _dma_rate(bytes_per_partition, n=16):
 
 def test_dma_efficiency_grows_with_bytes_per_partition():
     """§6 (S12/S13): <256 B per partition is overhead-bound, >=2 KiB near peak, >=4 KiB saturates.
-    The per-core peak is 16 engines x 27.2 GB/s = 435 GB/s."""
+    The per-core peak is the sustained rate: 16 engines x 23 B/ns = 368 GB/s on Trn2 (S12)."""
     rates = {b: _dma_rate(b) for b in (128, 512, 2048, 8192)}
-    peak = 16 * 27.2e9
+    peak = 16 * 23e9
     assert rates[128] < 0.5 * peak
     assert rates[128] < rates[512] < rates[2048] < rates[8192]
-    assert rates[2048] > 0.7 * peak
-    assert rates[8192] > 0.85 * peak
+    assert rates[2048] > 0.8 * peak
+    assert rates[8192] > 0.9 * peak
+
+
+@pytest.mark.parametrize("config, sustained", [("trn1", 17e9), ("trn2", 23e9), ("trn3", 33e9)])
+def test_large_transfers_settle_at_the_sustained_engine_rate(config, sustained):
+    """The NKI DMA bandwidth guide (§6, S12) gives 17/23/33 B/ns per engine on Trn1/2/3 for
+    payloads of >= 4 KiB per partition; the rate must settle there, not climb toward the
+    theoretical 27.2/38.4 GB/s. One engine (8 partitions), 64 KiB per partition, timed from its
+    data start to its end."""
+    chip = Chip(config)
+    k = chip.kernel("settle")
+    x = k.input("x", (8, 32768), "bf16")
+    t = k.sbuf((8, 32768), "bf16")
+    k.dma_copy(t, x)
+    r = chip.run(k, timing_only=True)
+    (seg,) = r.report.segments("qSyncIO0")
+    rate = 8 * 65536 / ((seg[3] - seg[2]) / r.report.tick_hz)
+    assert 0.97 * sustained < rate < sustained
 
 
 def test_cores_on_one_hbm_stack_share_its_bandwidth():
@@ -121,7 +138,7 @@ def test_hbm_streaming_reports_bandwidth_within_what_a_core_can_reach():
     for i in range(16):
         k.dma_copy(t[:, i * 4096:(i + 1) * 4096], x[:, i * 4096:(i + 1) * 4096], queue=i % 4)
     rep = chip.run(k, timing_only=True).report
-    reachable = min(16 * 27.2e9, 2.9e12 / 4)  # its DMA engines, capped by its HBM stack
+    reachable = min(16 * 23e9, 2.9e12 / 4)  # its DMA engines at the sustained rate, capped by its HBM stack
     assert rep.hbm_bytes_per_s == pytest.approx(rep.hbm_read_bytes / (rep.total_us * 1e-6))
     assert 50 < rep.mbu_estimated_percent <= 100
     assert rep.mbu_estimated_percent == pytest.approx(100 * rep.hbm_bytes_per_s / reachable)

@@ -1,7 +1,7 @@
 """HBM fidelity targets (benchmarks/fidelity_hbm.py explains the measurement and tolerances):
-an HBM-bound elementwise kernel reaches >= 85% of each core's HBM share with every core busy,
-and Trn2/Trn3 time ratios follow the HBM-share ratio (memory-bound) and the TensorE peak-rate
-ratio (compute-bound)."""
+an HBM-bound elementwise kernel reaches >= 85% of what each core can reach (its HBM share or its
+DMA engines' sustained rate) with every core busy, and Trn2/Trn3 time ratios follow the ratio of
+those (memory-bound) and the TensorE peak-rate ratio (compute-bound)."""
 
 import importlib.util
 import subprocess
@@ -31,16 +31,19 @@ def test_every_quick_check_passes(checks):
 
 
 @pytest.mark.parametrize("config", ["trn2", "trn3"])
-def test_elementwise_add_reaches_85_percent_of_the_core_share(checks, config):
-    c = checks[f"{config} HBM GB/s per core (>= 85% of share)"]
-    share = load_config(config).hbm_bandwidth_per_core / 1e9
-    assert c.expected == share
-    assert 0.85 * share <= c.simulated <= 1.01 * share  # all cores busy: nobody gets more than its share
+def test_elementwise_add_reaches_85_percent_of_what_a_core_reaches(checks, config):
+    c = checks[f"{config} HBM GB/s per core (>= 85% of reachable)"]
+    cfg = load_config(config)
+    share = cfg.hbm_bandwidth_per_core / 1e9
+    engines = 16 * {"trn2": 23, "trn3": 33}[config]  # sustained B/ns per engine (datasheet §6, S12)
+    assert c.expected == min(share, engines)
+    assert 0.85 * c.expected <= c.simulated <= 1.01 * c.expected  # all cores busy: nobody gets more
 
 
-def test_memory_bound_ratio_follows_hbm_share(checks):
-    c = checks["memory-bound time ratio trn2/trn3 vs HBM share ratio"]
-    assert c.expected == pytest.approx(612.5 / 362.5)  # 4.9 TB/s / 8 over 2.9 TB/s / 8 (datasheet §1)
+def test_memory_bound_ratio_follows_what_a_core_reaches(checks):
+    c = checks["memory-bound time ratio trn2/trn3 vs reachable ratio"]
+    # Trn3: 16 engines x 33 B/ns (DMA-bound, datasheet §6); Trn2: 2.9 TB/s / 8 (HBM-bound, §1)
+    assert c.expected == pytest.approx(528 / 362.5)
     assert abs(c.simulated / c.expected - 1) <= 0.07
     b = checks["memory-bound time ratio trn2/trn3 vs config bound ratio"]
     assert abs(b.simulated / b.expected - 1) <= 0.025
@@ -51,7 +54,7 @@ def test_compute_bound_ratio_follows_tensor_peak(checks):
     assert c.expected == 1.0  # 2.4 GHz x 128x128 PEs on both (datasheet §1, §4.1)
     assert abs(c.simulated - 1.0) <= 0.02
     # and the memory-bound ratio is far from it: the two regimes are told apart
-    assert checks["memory-bound time ratio trn2/trn3 vs HBM share ratio"].simulated > 1.5
+    assert checks["memory-bound time ratio trn2/trn3 vs reachable ratio"].simulated > 1.35
 
 
 def test_check_logic_reports_misses():

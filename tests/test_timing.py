@@ -158,8 +158,8 @@ def test_dma_single_transfer_timeline():
     trig, xfer = timeline(r)
     assert trig == ("Sync", "DmaTrigger[qSyncIO0]", 0, 256)    # 64 Sync cycles
     assert xfer[0] == "qSyncIO0" and xfer[2] == 256 + 6240    # 1300 ns start latency
-    # one engine: 32 KiB at 27.2 GB/s + 4 chunks x 20 ns + 131 ns
-    assert xfer[3] - xfer[2] == -(-32768 * 4_800_000_000 // 27_200_000_000) + 4 * 96 + 629
+    # one engine: 32 KiB at the sustained 23 GB/s + 4 chunks x 10 ns + 20 ns completion
+    assert xfer[3] - xfer[2] == -(-32768 * 4_800_000_000 // 23_000_000_000) + 4 * 48 + 96
     assert r.report.total_ticks == xfer[3]
 
 

@@ -130,7 +130,7 @@ class Chip:
             inputs = {}
         if not isinstance(inputs, Mapping):
             raise KernelError(f"inputs must map input names to arrays (e.g. {{'x': array}}), got {type(inputs).__name__}")
-        ins_tensors = {n: t for n, t in kernel.tensors.items() if t.kind == "input"}
+        ins_tensors = {n: t for n, t in kernel.tensors.items() if t.kind in ("input", "inout")}
         unknown = sorted(set(inputs) - set(ins_tensors))
         if unknown:
             raise KernelError(f"unknown input '{unknown[0]}' for kernel '{kernel.name}'; its inputs are "
@@ -149,7 +149,7 @@ class Chip:
 
     def _run_values(self, kernel: Kernel, inputs: Mapping[str, Any], mem: DeviceMemory) -> dict[str, np.ndarray]:
         for name, t in kernel.tensors.items():
-            if t.kind == "input":
+            if t.kind in ("input", "inout"):
                 arr = np.asarray(inputs[name])
                 if arr.dtype.kind not in "biuf" and arr.dtype != t.dtype.np_dtype:
                     raise KernelError(f"input '{name}' has dtype {arr.dtype}; expected numbers "
@@ -170,4 +170,5 @@ class Chip:
         engines = {name: cls(self.config) for name, cls in ENGINE_TYPES.items()}
         for ins in kernel.instructions:
             engines[ins.engine].execute(ins, mem)
-        return {n: mem.hbm[t.uid].reshape(t.shape).copy() for n, t in kernel.tensors.items() if t.kind == "output"}
+        return {n: mem.hbm[t.uid].reshape(t.shape).copy() for n, t in kernel.tensors.items()
+                if t.kind in ("output", "inout")}

@@ -3,7 +3,8 @@
     trnsim info [CONFIG] [--set K=V ...] [--json]
     trnsim demo [--config CONFIG] [--set K=V ...]
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
-                  [--param K=V ...] [--check] [--json] [--trace out.json]
+                  [--param K=V ...] [--check] [--schedule | --no-schedule] [--json] [--trace out.json]
+    trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
@@ -388,6 +389,8 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         raise UsageError("kernel: give a kernel NAME (see 'trnsim kernel --list') or path/to/file.py:function")
     cfg = load_config(args.config, args.set)
     ref = resolve_kernel(args.name)
+    if _is_nki(ref.build):
+        return cmd_kernel_nki(args, ref.build, cfg)
     if args.shape is not None:
         shape = parse_shape(args.shape)
     elif ref.default_shape is not None:
@@ -406,10 +409,16 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     try:
         if args.check:
             assert ref.entry is not None
-            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params)
+            check = check_entry(ref.entry, shape, dtype or ref.entry.default_dtype, cfg, params,
+                                schedule=bool(args.schedule))
             report = check["report"]
         else:
-            report = Chip(cfg).run(ref.make(shape, dtype, cfg, params), timing_only=True).report
+            kernel = ref.make(shape, dtype, cfg, params)
+            if args.schedule:
+                from .schedule import schedule
+
+                kernel = schedule(kernel)
+            report = Chip(cfg).run(kernel, timing_only=True).report
         if trace is not None:
             write_trace(trace, report)
     finally:
@@ -431,6 +440,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     line += f", {dtype}" if dtype else ""
     line += "".join(f", {k}={escape(str(v))}" for k, v in params.items())
     line += f" on {cfg.name}" + (f" ({cfg.describe_overrides()})" if cfg.overrides else "") + f"; {run}"
+    line += "; list-scheduled" if args.schedule else ""
     console.print(line)
     render_report(report, console, cfg)
     render_dma_queues(report, console)
@@ -440,6 +450,105 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         errs = ", ".join(f"{name} {err:.2e}" for name, err in check["errors"].items())
         console.print(f"Check: max error relative to max |reference|: {errs} -> {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def _is_nki(obj: Any) -> bool:
+    from .nki import Kernel as NkiKernel
+
+    return isinstance(obj, NkiKernel)
+
+
+def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> int:
+    """``trnsim kernel file.py:kernel`` for an ``@nki.jit`` kernel: random inputs of the given
+    shapes, values and the cycle report of the scheduled kernel, and a summary of the outputs."""
+    import inspect
+
+    import numpy as np
+    from rich.markup import escape
+    from rich.table import Table
+
+    from . import nki
+    from .kernels.registry import parse_params, parse_shape
+    from .native.dtypes import get_dtype
+    from .trace import write_trace
+
+    if args.check:
+        raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; an NKI kernel "
+                         f"runs with values already (compare its outputs in Python: trnsim.nki.run)")
+    sig = inspect.signature(kernel.fn)
+    tensors = [p.name for p in sig.parameters.values()
+               if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    options = {p.name: p.default for p in sig.parameters.values() if p.default is not inspect.Parameter.empty}
+    if not args.shape:
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape is required for an NKI kernel: one shape per tensor "
+                         f"argument ({', '.join(tensors)}), separated by commas, e.g. --shape 128x512,128x512")
+    shapes = [parse_shape(s) for s in args.shape.split(",")]
+    if len(shapes) == 1:
+        shapes *= len(tensors)
+    if len(shapes) != len(tensors):
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape gives {len(shapes)} shapes but {kernel.fn.__name__} takes "
+                         f"{len(tensors)} tensors ({', '.join(tensors)}); give one per tensor, separated by commas")
+    try:
+        dt = get_dtype(args.dtype or "fp32")
+    except ValueError as e:
+        raise KernelError(f"kernel '{clip_text(args.name)}': {e}") from None
+    params = parse_params(args.param, options, f"kernel '{clip_text(args.name)}'")
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s).astype(np.float32).astype(dt.np_dtype) if dt.is_float
+              else rng.integers(0, 8, s).astype(dt.np_dtype) for s in shapes]
+    # a trace that cannot be written is refused now, before the run, not after it
+    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    try:
+        run = nki.Kernel(kernel.fn, grid=kernel.grid, schedule=args.schedule is not False,
+                         config=cfg).run(*arrays, **params)
+        report, st = run.report, run.schedule_stats
+        if trace is not None:
+            write_trace(trace, report)
+    finally:
+        if trace is not None:
+            trace.discard()
+    outs = run.outputs if isinstance(run.outputs, (tuple, list)) else () if run.outputs is None else (run.outputs,)
+    summary = []
+    for i, o in enumerate(outs):
+        f = np.asarray(o, dtype=np.float64)
+        finite = f[np.isfinite(f)]
+        summary.append({"output": i, "shape": list(f.shape), "dtype": str(o.dtype),
+                        "min": float(finite.min()) if finite.size else None,
+                        "max": float(finite.max()) if finite.size else None,
+                        "mean": float(finite.mean()) if finite.size else None, "nonfinite": int(f.size - finite.size)})
+    sched = {"policy": st.policy, "instructions": st.instructions, "moved": st.moved, "ticks": st.ticks,
+             "program_order_ticks": st.as_built_ticks}
+    if args.json:
+        doc = {"kernel": args.name, "shapes": [list(s) for s in shapes], "dtype": dt.short, "config": cfg.name,
+               "overrides": dict(cfg.overrides), "params": params, "bound": bound_of(report), "schedule": sched,
+               "outputs": summary, "report": report.to_dict()}
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = _console()
+    dims = ", ".join(f"{n}={'x'.join(map(str, s))}" for n, s in zip(tensors, shapes))
+    line = f"[bold]{escape(args.name)}[/bold] (NKI) {dims}, {dt.short}"
+    line += "".join(f", {k}={escape(str(v))}" for k, v in params.items())
+    line += f" on {cfg.name}" + (f" ({cfg.describe_overrides()})" if cfg.overrides else "")
+    line += "; values from random inputs (seed 0)"
+    console.print(line)
+    if st.policy == "program order":
+        console.print(f"Program order kept ({st.instructions} instructions, tiles laid out by the scheduling pass)")
+    else:
+        console.print(f"Scheduled ({st.policy}): {st.moved} of {st.instructions} instructions moved; "
+                      f"{st.as_built_ticks / max(st.ticks, 1):.2f}x faster than in program order")
+    render_report(report, console, cfg)
+    render_dma_queues(report, console)
+    t = Table(title="Outputs")
+    for col in ("output", "shape", "dtype", "min", "max", "mean", "non-finite"):
+        t.add_column(col, justify="right" if col not in ("dtype",) else "left")
+    for o in summary:
+        fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+        t.add_row(str(o["output"]), "x".join(map(str, o["shape"])), o["dtype"], fmt(o["min"]), fmt(o["max"]),
+                  fmt(o["mean"]), str(o["nonfinite"]))
+    console.print(t)
+    if args.trace:
+        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -712,6 +821,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--param", action="append", default=[], metavar="K=V", help="kernel parameter (repeatable)")
     k.add_argument("--check", action="store_true",
                    help="also compute values and compare with the kernel's reference (exit 1 on mismatch)")
+    k.add_argument("--schedule", action=argparse.BooleanOptionalAction, default=None,
+                   help="list-schedule the instruction stream as the Neuron compiler would (trnsim.schedule): "
+                        "opt-in for builder kernels, on by default for NKI kernels (--no-schedule keeps their "
+                        "program order)")
     k.add_argument("--json", action="store_true", help="print the report as JSON only")
     k.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the engine and DMA lanes")
     k.set_defaults(fn=cmd_kernel)

@@ -471,6 +471,9 @@ class DmaConfig:
     start_latency: int = _q("time", lo=0, doc="trigger to data movement, ps")
     transfer_latency: int = _q("time", lo=0, doc="fixed per transfer, ps")
     descriptor_overhead: int = _q("time", lo=0, doc="per contiguous chunk, ps")
+    hbm_access_bytes: int = _q("bytes", doc="least HBM bytes one descriptor moves (an element-strided access pays it per element)")
+    transpose_rate_hbm: float = _num(0.0, 1.0, doc="DMA transpose HBM->SBUF throughput over a copy's; 0: no DMA transpose")
+    transpose_rate_sbuf: float = _num(0.0, 1.0, doc="DMA transpose SBUF->SBUF throughput over a copy's")
 
 
 @dataclass(frozen=True)

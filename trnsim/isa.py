@@ -37,12 +37,18 @@ __all__ = [
     "Activation",
     "TensorTensor",
     "TensorScalar",
-    "ScalarTensorTensor",
     "TensorReduce",
     "TensorCopy",
     "Memset",
     "Iota",
     "AffineSelect",
+    "TensorTensorScan",
+    "ScalarTensorTensor",
+    "CopyPredicated",
+    "RangeSelect",
+    "Reciprocal",
+    "DmaTranspose",
+    "MatMulMx",
     "ALU_OPS",
     "ACTIVATIONS",
     "KernelError",
@@ -105,7 +111,7 @@ class HbmTensor:
         self.name = name
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
-        self.kind = kind  # "input" | "output" | "scratch"
+        self.kind = kind  # "input" | "output" | "inout" (an input the kernel writes, returned too) | "scratch"
         self.uid = uid
         self.strides = tuple(s for s, _ in row_major(self.shape))
         self.size = math.prod(self.shape)
@@ -702,29 +708,6 @@ class TensorScalar(Instruction):
         return f"TensorScalar[{self.op0}{',' + self.op1 if self.op1 else ''}]"
 
 
-class ScalarTensorTensor(Instruction):
-    """``dst = (data op0 operand0) op1 data2`` (NKI's ``scalar_tensor_tensor``): ``operand0`` an
-    immediate or a per-partition [P,1] tile, ``data2`` a tensor of ``data``'s shape. One pass
-    multiply-accumulates (``acc = x * w + acc``), as a depthwise convolution's taps need."""
-
-    __slots__ = ("dst", "data", "op0", "operand0", "op1", "data2")
-    opcode = "ScalarTensorTensor"
-
-    def __init__(self, engine: str, dst: TileAP, data: TileAP, op0: str, operand0: float | TileAP, op1: str,
-                 data2: TileAP):
-        reads: list[AP] = [data, data2] + ([operand0] if isinstance(operand0, TileAP) else [])
-        super().__init__(engine, tuple(reads), (dst,))
-        self.dst = dst
-        self.data = data
-        self.op0 = op0
-        self.operand0 = operand0
-        self.op1 = op1
-        self.data2 = data2
-
-    def describe(self) -> str:
-        return f"ScalarTensorTensor[{self.op0},{self.op1}]"
-
-
 class TensorReduce(Instruction):
     """Reduce ``data`` along free axes ``axes`` (1-based, as in NKI) with ``op``."""
 
@@ -796,3 +779,122 @@ class AffineSelect(Instruction):
         self.channel_multiplier = channel_multiplier
         self.pattern = pattern
         self.on_false = on_false
+
+
+# ---------------------------------------------------------------------------------------------
+# Instructions NKI kernels use beyond the core set (nki.isa, datasheet §7)
+# ---------------------------------------------------------------------------------------------
+
+
+class TensorTensorScan(Instruction):
+    """VectorE scan along the free axis: ``dst[:, 0] = op1(op0(data0[:, 0], initial), data1[:, 0])``,
+    then ``dst[:, i] = op1(op0(data0[:, i], dst[:, i-1]), data1[:, i])`` (``nisa.tensor_tensor_scan``),
+    ``reverse0/1`` swapping each op's operands. ``initial`` is an immediate or a [P, 1] tile."""
+
+    __slots__ = ("dst", "data0", "data1", "initial", "op0", "op1", "reverse0", "reverse1")
+    opcode = "TensorTensorScan"
+
+    def __init__(self, dst: TileAP, data0: TileAP, data1: TileAP, initial: float | TileAP, op0: str, op1: str,
+                 reverse0: bool, reverse1: bool):
+        reads: list[AP] = [data0, data1] + ([initial] if isinstance(initial, TileAP) else [])
+        super().__init__("Vector", tuple(reads), (dst,))
+        self.dst, self.data0, self.data1, self.initial = dst, data0, data1, initial
+        self.op0, self.op1, self.reverse0, self.reverse1 = op0, op1, reverse0, reverse1
+
+    def describe(self) -> str:
+        return f"TensorTensorScan[{self.op0},{self.op1}]"
+
+
+class ScalarTensorTensor(Instruction):
+    """VectorE ``dst = (data op0 operand0) op1 operand1``: ``operand0`` an immediate or [P, 1]
+    tile, ``operand1`` a tile shaped like ``data`` (``nisa.scalar_tensor_tensor``)."""
+
+    __slots__ = ("dst", "data", "op0", "operand0", "op1", "operand1", "reverse0", "reverse1")
+    opcode = "ScalarTensorTensor"
+
+    def __init__(self, dst: TileAP, data: TileAP, op0: str, operand0: float | TileAP, op1: str, operand1: TileAP,
+                 reverse0: bool, reverse1: bool):
+        reads: list[AP] = [data, operand1] + ([operand0] if isinstance(operand0, TileAP) else [])
+        super().__init__("Vector", tuple(reads), (dst,))
+        self.dst, self.data, self.op0, self.operand0 = dst, data, op0, operand0
+        self.op1, self.operand1, self.reverse0, self.reverse1 = op1, operand1, reverse0, reverse1
+
+    def describe(self) -> str:
+        return f"ScalarTensorTensor[{self.op0},{self.op1}]"
+
+
+class CopyPredicated(Instruction):
+    """VectorE ``dst = src where predicate (!= 0) else dst`` (``nisa.tensor_copy_predicated``):
+    the elements the predicate rejects keep their values, so ``dst`` is read too. ``src`` is a
+    tile or an immediate; ``reverse`` inverts the predicate."""
+
+    __slots__ = ("dst", "src", "predicate", "reverse")
+    opcode = "CopyPredicated"
+
+    def __init__(self, dst: TileAP, src: TileAP | float, predicate: TileAP, reverse: bool):
+        reads: list[AP] = [predicate, dst] + ([src] if isinstance(src, TileAP) else [])
+        super().__init__("Vector", tuple(reads), (dst,))
+        self.dst, self.src, self.predicate, self.reverse = dst, src, predicate, reverse
+
+
+class RangeSelect(Instruction):
+    """VectorE: keep ``data[p, i]`` where ``(range_start + i) cmp0 bound0[p]`` and
+    ``(range_start + i) cmp1 bound1[p]``, else ``on_false``; optionally the per-partition max
+    of the result into ``reduce_res`` (``nisa.range_select``)."""
+
+    __slots__ = ("dst", "data", "cmp0", "cmp1", "bound0", "bound1", "range_start", "on_false", "reduce_res")
+    opcode = "RangeSelect"
+
+    def __init__(self, dst: TileAP, data: TileAP, cmp0: str, cmp1: str, bound0: TileAP, bound1: TileAP,
+                 range_start: int, on_false: float, reduce_res: TileAP | None):
+        writes: tuple[AP, ...] = (dst,) if reduce_res is None else (dst, reduce_res)
+        super().__init__("Vector", (data, bound0, bound1), writes)
+        self.dst, self.data, self.cmp0, self.cmp1 = dst, data, cmp0, cmp1
+        self.bound0, self.bound1, self.range_start, self.on_false, self.reduce_res = (bound0, bound1, range_start,
+                                                                                     on_false, reduce_res)
+
+    def describe(self) -> str:
+        return f"RangeSelect[{self.cmp0},{self.cmp1}]"
+
+
+class Reciprocal(Instruction):
+    """VectorE ``dst = 1 / data`` (``nisa.reciprocal``)."""
+
+    __slots__ = ("dst", "data")
+    opcode = "Reciprocal"
+
+    def __init__(self, dst: TileAP, data: TileAP):
+        super().__init__("Vector", (data,), (dst,))
+        self.dst, self.data = dst, data
+
+
+class DmaTranspose(DmaCopy):
+    """A DMA that transposes on the way (``nisa.dma_transpose``, NC-v3+): ``dst[P, K] = src[K, P]ᵀ``
+    from HBM or SBUF into SBUF, bit exact, at a fraction of the copy rate (datasheet §6)."""
+
+    __slots__ = ()
+    opcode = "DmaTranspose"
+
+    def describe(self) -> str:
+        return f"DmaTranspose[{self.queue}]"
+
+
+class MatMulMx(MatMul):
+    """TensorE MX matmul (``nisa.nc_matmul_mx``, NC-v4): stationary [128, M] and moving [128, N]
+    in quad-packed MXFP8/MXFP4 (four values of K = p, p+128, p+256, p+384 per element), each
+    32-value group along K (8 partitions x 4) dequantized by its uint8 E8M0 scale, which sits at
+    partition ``32*(p//32) + (p%32)//8`` of the scale tile; contracts K = 512 in the cycles of a
+    bf16 matmul of K = 128 (datasheet §4.2, S10/S22)."""
+
+    __slots__ = ("stationary_scale", "moving_scale")
+    opcode = "MatMulMx"
+
+    def __init__(self, dst: TileAP, stationary: TileAP, moving: TileAP, stationary_scale: TileAP,
+                 moving_scale: TileAP, accumulate: bool):
+        super().__init__(dst, stationary, moving, accumulate, False)
+        self.reads = self.reads + (stationary_scale, moving_scale)
+        self.stationary_scale, self.moving_scale = stationary_scale, moving_scale
+
+    @property
+    def macs(self) -> int:
+        return 4 * self.stationary.p_count * self.stationary.free_size * self.moving.free_size

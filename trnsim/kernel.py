@@ -33,9 +33,17 @@ from .isa import (
     AP,
     AP_MAX_SIZE,
     AP_MAX_STRIDE,
+    BITWISE_OPS,
     Activation,
     AffineSelect,
     Allocation,
+    CopyPredicated,
+    DmaTranspose,
+    MatMulMx,
+    RangeSelect,
+    Reciprocal,
+    ScalarTensorTensor,
+    TensorTensorScan,
     DmaCopy,
     DmaGather,
     DmaScatter,
@@ -50,7 +58,6 @@ from .isa import (
     TensorReduce,
     TensorScalar,
     TensorTensor,
-    ScalarTensorTensor,
     TileAP,
     Transpose,
     activation_fn,
@@ -58,7 +65,7 @@ from .isa import (
     alu_op,
     reduce_op,
 )
-from .memory.dma import plan_dma, plan_indirect
+from .memory.dma import plan_dma, plan_indirect, plan_transpose
 from .memory.hbm import check_capacity
 from .memory.psum import PsumAllocator, check_matmul_dst
 from .memory.sbuf import OnChipAllocator
@@ -70,6 +77,9 @@ _ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": 
                  "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
                  "sp": "Sync"}
 _MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
+FP32_MIN = -3.4028234663852886e38  # the fill value range_select takes (float32 min)
+_MX_DTYPES = frozenset({"float8_e5m2_x4", "float8_e4m3fn_x4", "float4_e2m1fn_x4"})
+_COMPARE_OPS = frozenset({"equal", "not_equal", "greater", "greater_equal", "less", "less_equal"})
 #: Instructions one kernel may hold unless TRNSIM_MAX_INSTRUCTIONS says more. Each costs about a
 #: kilobyte of host memory, so a mistyped shape (a 100000^3 matmul) stops with a one-line error
 #: instead of filling the host; a 16384^3 bf16 matmul has ~0.7 million.
@@ -218,6 +228,9 @@ class DependencyTracker:
                     if _covers(box, g.box):
                         g.alive = False  # the new tile's history now carries it
             buckets[c] = [g for g in bucket if g.alive]
+        if len(seen) > 1:  # graves that overlap each other carry the same accesses: keep each once
+            h.writes = list({id(a): a for a in h.writes}.values())
+            h.reads = list({id(a): a for a in h.reads}.values())
         self._live[alloc.uid] = h
 
     def freed(self, alloc: Allocation) -> None:
@@ -781,23 +794,6 @@ class Kernel:
         ins = TensorScalar(eng, dst, data, o0, operand0, o1, operand1, reverse0, reverse1)
         return self._emit(ins)  # type: ignore[return-value]
 
-    def scalar_tensor_tensor(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, op1: Any,
-                             data2: TileAP, *, engine: str = "vector") -> ScalarTensorTensor:
-        """``dst = (data op0 operand0) op1 data2``: ``operand0`` an immediate or a per-partition
-        [P, 1] tile, ``data2`` a tensor of ``data``'s shape (VectorE or GpSimd, as in NKI)."""
-        what = f"scalar_tensor_tensor({getattr(op0, '__name__', op0)},{getattr(op1, '__name__', op1)})"
-        eng = engine_name(engine, ("Vector", "GpSimd"), what)
-        o0, o1 = alu_op(op0), alu_op(op1)
-        aps = [dst, data, data2] + ([operand0] if isinstance(operand0, TileAP) else [])
-        self._check_compute(what, eng, aps)
-        _check_same_shape(what, dst, data)
-        _check_same_shape(what, dst, data2)
-        if isinstance(operand0, TileAP):
-            _check_per_partition(what, "operand0", operand0, data)
-        elif not isinstance(operand0, (int, float)):
-            raise KernelError(f"{what}: operand0 must be a number or a [P, 1] tile, got {type(operand0).__name__}")
-        return self._emit(ScalarTensorTensor(eng, dst, data, o0, operand0, o1, data2))  # type: ignore[return-value]
-
     def tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: int | Sequence[int], *, negate: bool = False,
                       engine: str = "vector") -> TensorReduce:
         """Reduce free axes ``axis`` (1 = the first free axis, as in NKI) of ``data`` into ``dst``."""
@@ -868,12 +864,191 @@ class Kernel:
                            checked_number(on_false, f"{what}: on_false"))
         return self._emit(ins)  # type: ignore[return-value]
 
+    # ---- nki.isa instructions beyond the core set (datasheet §7 costs; VectorE unless noted) ----
+    def tensor_tensor_scan(self, dst: TileAP, data0: TileAP, data1: TileAP, initial: TileAP | float, op0: Any,
+                           op1: Any, *, reverse0: bool = False, reverse1: bool = False) -> TensorTensorScan:
+        """``dst[:, i] = op1(op0(data0[:, i], dst[:, i-1]), data1[:, i])`` along the free axis,
+        ``dst[:, -1]`` being ``initial`` (an immediate or a [P, 1] tile)."""
+        what = "tensor_tensor_scan"
+        o0, o1 = _arith_op(op0, what), _arith_op(op1, what)
+        self._check_compute(what, "Vector", [dst, data0, data1] + ([initial] if isinstance(initial, TileAP) else []))
+        _check_same_shape(what, dst, data0)
+        _check_same_shape(what, dst, data1)
+        if data0.space == data1.space == "psum":
+            raise KernelError(f"{what}: data0 and data1 cannot both be in PSUM")
+        init = self._scalar_or_column(what, "initial", initial, data0)
+        return self._emit(TensorTensorScan(dst, data0, data1, init, o0, o1, bool(reverse0), bool(reverse1)))  # type: ignore[return-value]
+
+    def scalar_tensor_tensor(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, op1: Any,
+                             operand1: TileAP, *, reverse0: bool = False, reverse1: bool = False) -> ScalarTensorTensor:
+        """``dst = (data op0 operand0) op1 operand1``: ``operand0`` an immediate or [P, 1] tile,
+        ``operand1`` shaped like ``data``."""
+        what = "scalar_tensor_tensor"
+        o0, o1 = _arith_op(op0, what), _arith_op(op1, what)
+        self._check_compute(what, "Vector", [dst, data, operand1] + ([operand0] if isinstance(operand0, TileAP) else []))
+        _check_same_shape(what, dst, data)
+        _check_same_shape(what, dst, operand1)
+        if data.space == operand1.space == "psum":
+            raise KernelError(f"{what}: data and operand1 cannot both be in PSUM")
+        op0v = self._scalar_or_column(what, "operand0", operand0, data)
+        ins = ScalarTensorTensor(dst, data, o0, op0v, o1, operand1, bool(reverse0), bool(reverse1))
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def tensor_copy_predicated(self, dst: TileAP, src: TileAP | float, predicate: TileAP, *,
+                               reverse_pred: bool = False) -> CopyPredicated:
+        """``dst = src`` where ``predicate`` (an unsigned integer tile) is non-zero; elsewhere
+        ``dst`` keeps its values. ``src`` is a tile of dst's dtype or an immediate."""
+        what = "tensor_copy_predicated"
+        self._check_compute(what, "Vector", [dst, predicate] + ([src] if isinstance(src, TileAP) else []))
+        _check_same_shape(what, dst, predicate)
+        if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
+            raise KernelError(f"{what}: predicate '{predicate.name}' is {predicate.dtype.short}; expected uint8, "
+                              f"uint16 or uint32")
+        if isinstance(src, TileAP):
+            _check_same_shape(what, dst, src)
+            if src.dtype != dst.dtype:
+                raise KernelError(f"{what}: src '{src.name}' is {src.dtype.short} but dst '{dst.name}' is "
+                                  f"{dst.dtype.short}; they must share a dtype")
+            if src.space == predicate.space == "psum":
+                raise KernelError(f"{what}: src and predicate cannot both be in PSUM")
+        else:
+            src = checked_number(src, f"{what}: src")
+        return self._emit(CopyPredicated(dst, src, predicate, bool(reverse_pred)))  # type: ignore[return-value]
+
+    def range_select(self, dst: TileAP, data: TileAP, cmp0: Any, cmp1: Any, bound0: TileAP, bound1: TileAP, *,
+                     range_start: int = 0, on_false: float = FP32_MIN, reduce_res: TileAP | None = None) -> RangeSelect:
+        """Keep ``data[p, i]`` where ``range_start + i`` passes ``cmp0 bound0[p]`` and ``cmp1
+        bound1[p]``, else ``on_false`` (FP32_MIN, the only value the hardware takes); with
+        ``reduce_res`` [P, 1] also the row max of the result. NC-v3 and newer."""
+        what = "range_select"
+        if _core_generation(self.config) < 3:
+            raise KernelError(f"{what}: needs NeuronCore-v3 or newer, {self.config.name} is {self.config.core.version}")
+        cmps = []
+        for nm, c in (("cmp0", cmp0), ("cmp1", cmp1)):
+            op = alu_op(c)
+            if op not in ("equal", "less", "less_equal", "greater", "greater_equal"):
+                raise KernelError(f"{what}: {nm} must be equal, less, less_equal, greater or greater_equal, got {c!r}")
+            cmps.append(op)
+        aps = [dst, data, bound0, bound1] + ([reduce_res] if reduce_res is not None else [])
+        self._check_compute(what, "Vector", aps)
+        _check_same_shape(what, dst, data)
+        if not data.dtype.is_float:
+            raise KernelError(f"{what}: data '{data.name}' must be a float tile, got {data.dtype.short}")
+        for nm, b in (("bound0", bound0), ("bound1", bound1)):
+            _check_per_partition(what, nm, b, data)
+            if b.dtype.name != "float32":
+                raise KernelError(f"{what}: {nm} '{b.name}' must be fp32, got {b.dtype.short}")
+        if reduce_res is not None:
+            _check_per_partition(what, "reduce_res", reduce_res, data)
+        if checked_number(on_false, f"{what}: on_false") != FP32_MIN:
+            raise KernelError(f"{what}: on_false must be FP32_MIN (-3.4028235e+38), the only value the hardware "
+                              f"takes, got {on_false!r}")
+        start = checked_int(range_start, f"{what}: range_start", lo=0)
+        ins = RangeSelect(dst, data, cmps[0], cmps[1], bound0, bound1, start, FP32_MIN, reduce_res)
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def reciprocal(self, dst: TileAP, data: TileAP) -> Reciprocal:
+        """``dst = 1 / data`` on VectorE (8 cycles an element; ScalarE's activation('reciprocal')
+        is one)."""
+        what = "reciprocal"
+        self._check_compute(what, "Vector", (dst, data))
+        _check_same_shape(what, dst, data)
+        return self._emit(Reciprocal(dst, data))  # type: ignore[return-value]
+
+    def dma_transpose(self, dst: TileAP, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaTranspose:
+        """``dst[P, K] = src[K, P]ᵀ`` by the DMA engines, from HBM or SBUF into SBUF (NC-v3+):
+        2- or 4-byte dtypes, bit exact, at ``core.dma.transpose_rate_hbm`` (0.9 on Trn2) or
+        ``transpose_rate_sbuf`` (0.5) of a copy's throughput."""
+        what = "dma_transpose"
+        src = src.full() if isinstance(src, HbmTensor) else src
+        if not isinstance(dst, TileAP) or dst.space != "sbuf":
+            raise KernelError(f"{what}: dst must be an SBUF tile, got {dst!r}")
+        if not isinstance(src, (HbmAP, TileAP)) or src.space == "psum":
+            raise KernelError(f"{what}: src must be an HBM view or an SBUF tile, got {src!r}")
+        d = self.config.core.dma
+        if (d.transpose_rate_hbm if isinstance(src, HbmAP) else d.transpose_rate_sbuf) <= 0:
+            raise KernelError(f"{what}: {self.config.name} has no DMA transpose (core.dma.transpose_rate_"
+                              f"{'hbm' if isinstance(src, HbmAP) else 'sbuf'} is 0; it needs NeuronCore-v3)")
+        shape = tuple(n for n in src.shape if n != 1) if len(src.shape) > 2 else src.shape
+        if len(shape) != 2 or dst.shape != (shape[1], shape[0]):
+            raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}; transposing {src.shape} needs "
+                              f"{tuple(reversed(shape)) if len(shape) == 2 else 'a 2-D source'}")
+        if src.dtype != dst.dtype or dst.dtype.itemsize not in (2, 4):
+            raise KernelError(f"{what}: src and dst must share a 2- or 4-byte dtype, got {src.dtype.short} -> "
+                              f"{dst.dtype.short}")
+        _check_alignment(dst, what)
+        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd"), what)
+        lane = self._dma_lane(eng, queue, what)
+        ins = DmaTranspose(eng, dst, src, lane)
+        ins.plan = plan_transpose(dst, src, self.config)
+        return self._emit(ins, key=lane)  # type: ignore[return-value]
+
+    def nc_matmul_mx(self, dst: TileAP, stationary: TileAP, moving: TileAP, stationary_scale: TileAP,
+                     moving_scale: TileAP, *, accumulate: bool = False) -> MatMulMx:
+        """MX matmul on NC-v4 (``core.tensor.mx_quad``): ``dst[M, N] (+)= st[K, M]ᵀ @ mv[K, N]`` with
+        K = 4 x partitions of quad-packed MXFP8/MXFP4 data and uint8 E8M0 scales laid out as
+        :class:`trnsim.isa.MatMulMx` says."""
+        t = self.config.core.tensor
+        what = "nc_matmul_mx"
+        if not t.mx_quad:
+            raise KernelError(f"{what}: {self.config.name} has no MX matmul (core.tensor.mx_quad is false; "
+                              f"it needs NeuronCore-v4)")
+        self._check_compute(what, "Tensor", (dst, stationary, moving, stationary_scale, moving_scale))
+        for nm, ap in (("stationary", stationary), ("moving", moving)):
+            if ap.space != "sbuf" or ap.dtype.name not in _MX_DTYPES:
+                raise KernelError(f"{what}: {nm} '{ap.name}' must be an SBUF tile of float8_e5m2_x4, "
+                                  f"float8_e4m3fn_x4 or float4_e2m1fn_x4, got {ap.space.upper()} {ap.dtype.name}")
+        k, m, n = stationary.p_count, stationary.free_size, moving.free_size
+        if moving.p_count != k:
+            raise KernelError(f"{what}: contraction mismatch: stationary has {k} partitions, moving {moving.p_count}")
+        if k % 32 or k > t.max_contraction:
+            raise KernelError(f"{what}: {k} partitions; MX operands take a multiple of 32 up to {t.max_contraction} "
+                              f"(scales are laid out per 32-partition quadrant)")
+        if m > t.stationary_max_free or n > 512:
+            raise KernelError(f"{what}: stationary [{k}, {m}] x4 / moving [{k}, {n}] x4 exceed the MX tiles "
+                              f"[128, {t.stationary_max_free}] / [128, 512]")
+        for nm, sc, data in (("stationary_scale", stationary_scale, stationary), ("moving_scale", moving_scale, moving)):
+            if sc.space != "sbuf" or sc.dtype.name != "uint8":
+                raise KernelError(f"{what}: {nm} '{sc.name}' must be a uint8 SBUF tile")
+            need = 32 * ((k - 1) // 32) + 4
+            if sc.free_size != data.free_size or sc.p_count < need:
+                raise KernelError(f"{what}: {nm} '{sc.name}' has shape {sc.shape}; expected at least [{need}, "
+                                  f"{data.free_size}] (4 partitions of scales per 32-partition quadrant)")
+        if dst.space != "psum" or dst.dtype.name not in ("float32", "bfloat16"):
+            raise KernelError(f"{what}: dst '{dst.name}' must be an fp32 or bf16 PSUM tile")
+        if dst.p_count != m or dst.free_size != n:
+            raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}, expected [{m}, {n}]")
+        check_matmul_dst(dst, self.config, what)
+        ins = MatMulMx(dst, stationary, moving, stationary_scale, moving_scale, bool(accumulate))
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def _scalar_or_column(self, what: str, name: str, x: Any, like: TileAP) -> TileAP | float:
+        if isinstance(x, TileAP):
+            _check_per_partition(what, name, x, like)
+            return x
+        return checked_number(x, f"{what}: {name}")
+
     # ---- introspection ---------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.instructions)
 
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, {len(self.instructions)} instructions, config={self.config.name})"
+
+
+
+
+def _arith_op(op: Any, what: str) -> str:
+    n = alu_op(op)
+    if n in BITWISE_OPS or n in _COMPARE_OPS:
+        raise KernelError(f"{what}: {op!r} is not an arithmetic op")
+    return n
+
+
+def _core_generation(config: ChipConfig) -> int:
+    """2, 3, 4 for NeuronCore-v2, -v3, -v4 (from ``core.version``)."""
+    digits = "".join(ch for ch in config.core.version.rsplit("v", 1)[-1] if ch.isdigit())
+    return int(digits) if digits else 0
 
 
 def reduce_op_checked(op: Any, allowed: Sequence[str], what: str) -> str:

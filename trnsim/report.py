@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from .config import ChipConfig
 from .cores.base import Segment
-from .isa import DmaCopy, Instruction, MatMul, TileAP, Transpose
+from .isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
            "RunReport", "OpRow", "CoreStats", "TraceEvent"]
@@ -169,6 +169,8 @@ def _bytes(instrs: Iterable[Instruction]) -> dict[str, int]:
 
 
 def matmul_flops(ins: MatMul) -> int:
+    if isinstance(ins, MatMulMx):  # quad-packed: each partition carries four rows of K
+        return 2 * 4 * ins.stationary.p_count * ins.stationary.free_size * ins.moving.free_size
     if ins.double_row:
         k = 2 * ins.stationary.p_count
         m, n = ins.stationary.dims[1][1], ins.moving.dims[1][1]
@@ -229,7 +231,7 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         if isinstance(ins, MatMul):
             f = matmul_flops(ins)
             flops += f
-            rate = config.tensor_rate(ins.stationary.dtype.name)
+            rate = config.tensor_rate("mx" if isinstance(ins, MatMulMx) else ins.stationary.dtype.name)
             hw_flops += f / rate
         elif isinstance(ins, Transpose):
             hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size

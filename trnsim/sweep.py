@@ -594,6 +594,9 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
                 proc.kill()
         for proc in procs:
             proc.join(5)
+        # with the workers gone the pool's manager thread ends; joining it now keeps its pipe from
+        # being woken after it is closed at interpreter exit (an "Exception ignored" traceback)
+        pool.shutdown(wait=True)
     finally:
         if main:
             signal.signal(signal.SIGINT, previous)

@@ -95,12 +95,6 @@ class ElementwiseExec:
             x = alu(ins.op1, o1, x, im) if ins.reverse1 else alu(ins.op1, x, o1, im)
         store(mem, ins.dst, x)
 
-    def exec_ScalarTensorTensor(self, ins: Any, mem: Any) -> None:
-        im = int_mode_for(ins.dst, ins.data, ins.data2)
-        x = load_any(mem, ins.data, im)
-        x = alu(ins.op0, x, operand(mem, ins.operand0, ins.data, im), im)
-        store(mem, ins.dst, alu(ins.op1, x, load_any(mem, ins.data2, im), im))
-
     def exec_TensorReduce(self, ins: Any, mem: Any) -> None:
         im = int_mode_for(ins.dst, ins.data)
         v = mem.view(ins.data)

@@ -88,6 +88,11 @@ class Engine:
 
         execute_dma(ins, mem)
 
+    def exec_DmaTranspose(self, ins: DmaCopy, mem: Any) -> None:
+        from ..memory.dma import execute_transpose
+
+        execute_transpose(ins, mem)
+
     def exec_DmaGather(self, ins: DmaCopy, mem: Any) -> None:
         from ..memory.dma import execute_indirect_dma
 

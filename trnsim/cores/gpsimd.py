@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import (ALU_OPS, AffineSelect, Instruction, Iota, Memset, ScalarTensorTensor, TensorCopy, TensorReduce,
-                   TensorScalar, TensorTensor)
+from ..isa import ALU_OPS, AffineSelect, Instruction, Iota, Memset, TensorCopy, TensorReduce, TensorScalar, TensorTensor
 from .alu import ElementwiseExec, store
 from .base import Engine, register_engine
 
@@ -35,8 +34,6 @@ class GpSimdEngine(ElementwiseExec, Engine):
             return g.start_cycles + ins.dst.free_size
         if isinstance(ins, TensorTensor):
             return max(g.min_ii_cycles, 2 * ins.data1.free_size)
-        if isinstance(ins, ScalarTensorTensor):  # two tensor reads, as tensor_tensor
-            return max(g.min_ii_cycles, 2 * ins.data.free_size)
         if isinstance(ins, (TensorScalar, TensorCopy, TensorReduce)):
             return max(g.min_ii_cycles, ins.data.free_size)
         if isinstance(ins, Memset):

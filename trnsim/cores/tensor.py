@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import Instruction, MatMul, Transpose
+from ..isa import Instruction, MatMul, MatMulMx, Transpose
 from ..native import convert, matmul as native_matmul
 from ..native.cast import to_dtype
 from .base import Engine, Segment, register_engine
@@ -139,6 +139,16 @@ class TensorEngine(Engine):
             res = (dst.reshape(res.shape).astype(np.float32) + res).astype(np.float32)
         dst[...] = convert(res, ins.dst.dtype.name).reshape(dst.shape)
 
+    def exec_MatMulMx(self, ins: MatMulMx, mem: Any) -> None:
+        st = mx_dequantize(mem.view(ins.stationary), ins.stationary.dtype.name, mem.view(ins.stationary_scale))
+        mv = mx_dequantize(mem.view(ins.moving), ins.moving.dtype.name, mem.view(ins.moving_scale))
+        k = st.shape[0]
+        dst = mem.view(ins.dst)
+        res = native_matmul(st, mv, k_chunk=k)  # one instruction: K = 4 x partitions, fp32 in a fixed order
+        if ins.accumulate:
+            res = (dst.reshape(res.shape).astype(np.float32) + res).astype(np.float32)
+        dst[...] = (res if ins.dst.dtype.name == "float32" else convert(res, ins.dst.dtype.name)).reshape(dst.shape)
+
     def exec_Transpose(self, ins: Transpose, mem: Any) -> None:
         data = mem.view(ins.data).reshape(ins.data.p_count, -1)
         dst = mem.view(ins.dst)
@@ -146,3 +156,30 @@ class TensorEngine(Engine):
         if ins.dst.dtype != ins.data.dtype:
             vals = to_dtype(vals.astype(np.float32), ins.dst.dtype)
         dst[...] = vals.reshape(dst.shape)
+
+
+def mx_values(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """The four values packed in each element of an MX x4 array [P, F]: float32 [P, F, 4], value
+    j (at the element's byte or nibble j) being K group j."""
+    import ml_dtypes
+
+    raw = np.ascontiguousarray(raw)
+    if dtype == "float4_e2m1fn_x4":
+        nib = np.stack([(raw >> (4 * j)) & 0xF for j in range(4)], axis=-1).astype(np.uint8)
+        return nib.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    fp8 = ml_dtypes.float8_e5m2 if dtype == "float8_e5m2_x4" else ml_dtypes.float8_e4m3fn
+    return raw.view(np.uint8).reshape(raw.shape + (4,)).view(fp8).astype(np.float32)
+
+
+def mx_dequantize(raw: np.ndarray, dtype: str, scales: np.ndarray) -> np.ndarray:
+    """[4P, F] float32 of an MX operand: value (p, f, j) is K row ``j*P + p``, times the E8M0
+    scale ``2**(s - 127)`` of its 32-value group (8 partitions x 4), stored at partition
+    ``32*(p//32) + (p%32)//8`` of the scale tile (datasheet §4.2). Exact in fp32 unless the
+    scaled value under- or overflows fp32."""
+    vals = mx_values(raw.reshape(raw.shape[0], -1), dtype)
+    p, f = vals.shape[:2]
+    rows = 32 * (np.arange(p) // 32) + (np.arange(p) % 32) // 8
+    s = np.asarray(scales).reshape(scales.shape[0], -1)[rows].astype(np.int32)
+    mult = np.where(s == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), s - 127).astype(np.float32))
+    deq = (vals * mult[:, :, None]).astype(np.float32)
+    return np.ascontiguousarray(np.transpose(deq, (2, 0, 1)).reshape(4 * p, f))

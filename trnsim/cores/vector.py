@@ -8,16 +8,19 @@ divided by the NC-v3/v4 performance modes (§4.3) when their conditions hold:
 * 2x (``perf_mode_mid``): the same ops when not contiguous or when one side is PSUM, and
   tensor_tensor with both inputs in SBUF and every tensor 16-bit float.
 
-scalar_tensor_tensor costs ``2N`` (``N`` for bf16 subtract-then-multiply, N even; §7, S16).
-
 A dependent instruction sees the result ``dependency_latency_cycles`` after the end, so a
 chain of tiny dependent ops runs at ~100 cycles each (§7, S8).
 """
 
 from __future__ import annotations
 
-from ..isa import Instruction, Memset, ScalarTensorTensor, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TileAP
-from .alu import ElementwiseExec
+from typing import Any
+
+import numpy as np
+
+from ..isa import (ALU_OPS, CopyPredicated, Instruction, Memset, RangeSelect, Reciprocal, ScalarTensorTensor,
+                   TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP)
+from .alu import ElementwiseExec, alu, load_any, load_f32, operand, store
 from .base import Engine, register_engine
 
 
@@ -58,12 +61,6 @@ class VectorEngine(ElementwiseExec, Engine):
             k = 1 if spaces == {"sbuf", "psum"} or bf16_fast else 2
             perf = v.perf_mode_mid if spaces == {"sbuf"} and all(is16(x) for x in (a, b, d)) else 1
             return max(mi, ceil_div(k * n, perf))
-        if isinstance(ins, ScalarTensorTensor):
-            # N for bf16 subtract-then-multiply with N even, else 2N (datasheet §7, S16)
-            n = ins.data.free_size
-            fast = (all(x.dtype.name == "bfloat16" for x in (ins.data, ins.data2, ins.dst))
-                    and (ins.op0, ins.op1) == ("subtract", "multiply") and n % 2 == 0)
-            return max(mi, n if fast else 2 * n)
         if isinstance(ins, TensorReduce):
             n = ins.data.free_size
             half = ins.data.dtype.name == "bfloat16" and ins.dst.dtype.name == "bfloat16" and ins.op in ("add", "max")
@@ -71,7 +68,70 @@ class VectorEngine(ElementwiseExec, Engine):
         if isinstance(ins, Memset):
             n = ins.dst.free_size
             return max(mi, ceil_div(n, 2) if ins.value == 0 and is16(ins.dst) else n)
+        # the rest: nki.isa's "estimated instruction cost" (datasheet §7, S16), floored at MIN_II
+        if isinstance(ins, TensorTensorScan):
+            return max(mi, 2 * ins.data0.free_size)
+        if isinstance(ins, ScalarTensorTensor):
+            n = ins.data.free_size
+            bf16 = all(x.dtype.name == "bfloat16" for x in (ins.dst, ins.data, ins.operand1))
+            fast = bf16 and ins.op0 == "subtract" and ins.op1 == "multiply" and n % 2 == 0
+            return max(mi, n if fast else 2 * n)
+        if isinstance(ins, CopyPredicated):
+            n = ins.dst.free_size
+            both_sbuf = isinstance(ins.src, TileAP) and ins.src.space == ins.predicate.space == "sbuf"
+            return max(mi, 2 * n if both_sbuf else n)
+        if isinstance(ins, RangeSelect):
+            return max(mi, ins.data.free_size)
+        if isinstance(ins, Reciprocal):
+            return max(mi, 8 * ins.data.free_size)
         return super().cycles(ins)
 
     def latency_cycles(self, ins: Instruction) -> int:
         return self.config.core.vector.dependency_latency_cycles
+
+    # ---- numbers of the instructions beyond the core set (fp32 inside, one rounding out) -------
+    def exec_TensorTensorScan(self, ins: TensorTensorScan, mem: Any) -> None:
+        a = load_f32(mem, ins.data0)
+        b = load_f32(mem, ins.data1)
+        prev = np.broadcast_to(operand(mem, ins.initial, ins.data0), (a.shape[0], 1)).reshape(-1)
+        out = np.empty_like(a)
+        for i in range(a.shape[1]):
+            x = alu(ins.op0, prev, a[:, i], False) if ins.reverse0 else alu(ins.op0, a[:, i], prev, False)
+            x = alu(ins.op1, b[:, i], x, False) if ins.reverse1 else alu(ins.op1, x, b[:, i], False)
+            out[:, i] = prev = x
+        store(mem, ins.dst, out)
+
+    def exec_ScalarTensorTensor(self, ins: ScalarTensorTensor, mem: Any) -> None:
+        x = load_f32(mem, ins.data)
+        o0 = operand(mem, ins.operand0, ins.data)
+        o1 = load_f32(mem, ins.operand1)
+        x = alu(ins.op0, o0, x, False) if ins.reverse0 else alu(ins.op0, x, o0, False)
+        x = alu(ins.op1, o1, x, False) if ins.reverse1 else alu(ins.op1, x, o1, False)
+        store(mem, ins.dst, x)
+
+    def exec_CopyPredicated(self, ins: CopyPredicated, mem: Any) -> None:
+        pred = load_any(mem, ins.predicate, not ins.predicate.dtype.is_float) != 0
+        if ins.reverse:
+            pred = ~pred
+        dst = mem.view(ins.dst).reshape(ins.dst.p_count, -1)
+        if isinstance(ins.src, TileAP):
+            src = mem.view(ins.src).reshape(ins.src.p_count, -1)
+            vals = np.where(pred, src, dst)  # src and dst share a dtype: bits move unchanged
+        else:
+            vals = np.where(pred, np.float32(ins.src), dst.astype(np.float32))
+        store(mem, ins.dst, vals)
+
+    def exec_RangeSelect(self, ins: RangeSelect, mem: Any) -> None:
+        x = load_f32(mem, ins.data)
+        idx = (ins.range_start + np.arange(x.shape[1], dtype=np.float32))[None, :]
+        b0 = load_f32(mem, ins.bound0).reshape(-1, 1)
+        b1 = load_f32(mem, ins.bound1).reshape(-1, 1)
+        keep = ALU_OPS[ins.cmp0](idx, b0) & ALU_OPS[ins.cmp1](idx, b1)
+        out = np.where(keep, x, np.float32(ins.on_false)).astype(np.float32)
+        store(mem, ins.dst, out)
+        if ins.reduce_res is not None:
+            store(mem, ins.reduce_res, out.max(axis=1).reshape(-1, 1))
+
+    def exec_Reciprocal(self, ins: Reciprocal, mem: Any) -> None:
+        with np.errstate(all="ignore"):
+            store(mem, ins.dst, (np.float32(1.0) / load_f32(mem, ins.data)).astype(np.float32))

@@ -25,9 +25,22 @@ walk the keys together, and stage A of key tile j+2 is issued before stage B of 
 C of j (buffers are three deep to match). On 1x4x2048x128 bf16 (trn2) this takes the kernel
 from 744 us (one query tile, stages in order) to 317 us of simulated time.
 
+The pipeline runs within a head's query tiles and key tiles. With many short heads (sequences
+of a few key tiles) there is little to pipeline within a head, and the in-order engines leave
+each head's loads waiting for the previous head's stages: 8 x 12 heads of 128 x 64 (bf16, trn2)
+took 215 us, 14x their HBM time, no engine above 20% busy. So sequences of at most 512 keys are
+list-scheduled (:mod:`trnsim.schedule`, ``schedule="auto"``), as the Neuron compiler schedules an
+NKI kernel: heads overlap, and the same shape takes 53 us, bound by its DMA (128-byte rows of
+D = 64 bf16 are small descriptors) and VectorE. Longer sequences pipeline well on their own,
+and scheduling their tens of thousands of instructions would cost seconds per kernel built.
+
 Inputs arrive as [S, D] rows, so queries and keys are transposed on the PE array; keys once per
-head while three heads' K and V (one per pipeline stage) fit in half of SBUF. Longer sequences are cut into key
-blocks that are reloaded for every group of query tiles, as the NKI sample does for all lengths.
+head while three heads' K and V (one per pipeline stage) fit in half of SBUF. Longer sequences
+are cut into key blocks; the blocks then form the outer loop, each loaded once per head while
+every query tile of the head walks it, their running state (qᵀ, o, max, sum) resident. (The
+NKI sample reloads the blocks for every group of query tiles instead, as this kernel did: fp32
+attention then took 2.04x longer at 5120 keys than at 4096, for 1.56x the work.) Only when the
+state of a head's query tiles does not fit beside two key blocks are blocks reloaded per group.
 """
 
 from __future__ import annotations
@@ -49,6 +62,8 @@ __all__ = ["build_attention"]
 _Q_GROUP = 2  # query tiles that walk the keys together (measured best of 1-4 on trn2/trn3)
 _DEPTH = 3    # pipeline stages in flight, hence buffers per query tile
 _KV_SHARE = 2  # resident K/V blocks may use 1/2 of each SBUF partition; the rest is working tiles
+_SCHEDULE_MAX_KEYS = 512  # sequences this short are list-scheduled by default (see the module docstring)
+_WORKING_BYTES = 40 * 1024  # SBUF per partition the per-step tiles take (measured: ~38 KiB at fp32, D = 128)
 
 
 def _inputs(shape, dtype, params, rng):
@@ -116,19 +131,24 @@ class _Step:
 
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
-                 params={"causal": False, "scale": None, "kv_block": 0, "score_mod": None}, inputs=_inputs,
-                 reference=_reference,
-                 split=split_dims(1, 0))
+                 params={"causal": False, "scale": None, "kv_block": 0, "schedule": "auto", "score_mod": None},
+                 inputs=_inputs, reference=_reference, split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
-                    score_mod: Any = None, name: str = "attention") -> Kernel:
+                    schedule: bool | str = "auto", score_mod: Any = None, name: str = "attention") -> Kernel:
     """``kv_block`` is how many keys stay in SBUF at once (a multiple of the 512-key tile); the
     default 0 takes as many as fit, so K and V of a head are loaded once when they can be.
+    ``schedule`` list-schedules the instruction stream (:mod:`trnsim.schedule`); ``"auto"`` does
+    for sequences of at most 512 keys (see the module docstring).
 
     ``score_mod`` (a :class:`trnsim.kernels.fused.Program` over the inputs score, q_idx, kv_idx,
     all full [queries, keys] fp32 tiles) is FlexAttention's score function, applied to each
     scaled score tile in SBUF before the softmax: the index tiles come from GpSimd ``iota``, the
     steps run on the engines a fused region's would."""
+    sched = {"auto": s <= _SCHEDULE_MAX_KEYS, "true": True, "false": False, True: True, False: False}.get(
+        schedule.lower() if isinstance(schedule, str) else schedule)
+    if sched is None:
+        raise KernelError(f"attention: schedule must be auto, true or false, got {schedule!r}")
     kern = Kernel(name, config)
     cfg = kern.config
     t = cfg.core.tensor
@@ -157,35 +177,52 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
             blk += tk
     blocks = {k0: min(blk, s - k0) for k0 in range(0, s, blk)}  # first key -> keys
 
+    n_q = -(-s // w.tq)
+    # Keys in several blocks: walk the blocks in the outer loop and every query tile of the head
+    # through each, keeping their running softmax state in SBUF, so each block of K and V is
+    # loaded once per head; when the state of all a head's query tiles does not fit either, each
+    # group of query tiles walks all the blocks (reloading them), as the NKI sample does.
+    kv_outer = len(blocks) > 1 and w.query_state_fits(n_q, blk)
+    if kv_outer:
+        w.hold_query_state(n_q)
+
+    def steps(qt: _QueryTile, k0: int, n: int) -> list[tuple[_QueryTile, int, int, int]]:
+        """(query tile, block, key tile, width) for the key tiles of block k0 this tile needs:
+        causal attention cuts key tiles at the tile's last row and skips those after it."""
+        out = []
+        for j0 in range(0, n, tk):
+            if causal and k0 + j0 > qt.q0 + qt.qr - 1:
+                break
+            out.append((qt, k0, j0, min(tk, n - j0, qt.q0 + qt.qr - k0 - j0) if causal else min(tk, n - j0)))
+        return out
+
     def batches() -> Iterator[list[_Step]]:
-        """Steps in issue order: for each group of query tiles, one batch per key tile."""
+        """Steps in issue order: per group of query tiles, one batch per key tile."""
         for bi in range(b):
             for hi in range(h):
                 resident = None
+                tiles_all: list[_QueryTile] = []
+                plan: list[tuple[int, list[list[tuple[_QueryTile, int, int, int]]]]] = []  # (block, batches)
                 for g0 in range(0, s, w.tq * _Q_GROUP):
                     tiles = []
                     for q0 in range(g0, min(s, g0 + w.tq * _Q_GROUP), w.tq):
                         qr = min(w.tq, s - q0)
                         tiles.append(_QueryTile(bi, hi, q0, qr, w.load_queries(q, bi, hi, q0, qr)))
-                    group: list[list[tuple[_QueryTile, int, int, int]]] = []
+                    tiles_all.append(tiles)  # type: ignore[arg-type]
+                    if not kv_outer:
+                        for k0, n in blocks.items():
+                            per = [steps(qt, k0, n) for qt in tiles]
+                            for j in range(max(map(len, per))):
+                                plan.append((k0, [st[j] for st in per if j < len(st)]))
+                        yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=len(blocks) == 1)
+                        plan = []
+                if kv_outer:
                     for k0, n in blocks.items():
-                        for j0 in range(0, n, tk):
-                            # causal: keys after a query tile's last row are all masked, so a key
-                            # tile is cut there and one that starts after it is skipped
-                            batch = [(qt, k0, j0, min(tk, n - j0, qt.q0 + qt.qr - k0 - j0) if causal else min(tk, n - j0))
-                                     for qt in tiles if not causal or k0 + j0 <= qt.q0 + qt.qr - 1]
-                            if batch:
-                                group.append(batch)
-                    last = {id(qt): (k0, j0) for batch in group for qt, k0, j0, _ in batch}
-                    kb = None
-                    for batch in group:
-                        k0 = batch[0][1]
-                        if kb is None or kb.k0 != k0:
-                            if len(blocks) > 1:
-                                kb = w.load_block(k, v, bi, hi, k0, blocks[k0])
-                            else:
-                                kb = resident = resident or w.load_block(k, v, bi, hi, k0, blocks[k0])
-                        yield [_Step(qt, kb, j0, kw, last[id(qt)] == (k0, j0)) for qt, _, j0, kw in batch]
+                        for tiles in tiles_all:  # type: ignore[assignment]
+                            per = [steps(qt, k0, n) for qt in tiles]  # type: ignore[attr-defined]
+                            for j in range(max(map(len, per), default=0)):
+                                plan.append((k0, [st[j] for st in per if j < len(st)]))
+                    yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=False)
 
     inflight: list[list[_Step]] = []  # newest first: waiting for stage B, then for stage C
     for batch in batches():
@@ -196,7 +233,32 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     for _ in range(_DEPTH - 1):  # drain the pipeline
         inflight.insert(0, [])
         _advance(w, inflight, out)
+    if sched:
+        from ..schedule import schedule as schedule_pass
+
+        return schedule_pass(kern)
     return kern
+
+
+def _emit_batches(w: "_Work", k: HbmTensor, v: HbmTensor, bi: int, hi: int, blocks: dict[int, int],
+                  plan: list[tuple[int, list[tuple[_QueryTile, int, int, int]]]], resident_ok: bool
+                  ) -> Iterator[list[_Step]]:
+    """The batches of ``plan`` as steps, loading each key block when the plan reaches it (once,
+    and kept for the next groups, when the head has a single block: ``resident_ok``)."""
+    last = {id(qt): (k0, j0) for _, batch in plan for qt, k0, j0, _ in batch}
+    kb = None
+    for k0, batch in plan:
+        if not batch:
+            continue
+        if kb is None or kb.k0 != k0:
+            if resident_ok:
+                kb = w.resident if w.resident is not None and w.resident_of == (bi, hi) else None
+                if kb is None:
+                    kb = w.load_block(k, v, bi, hi, k0, blocks[k0])
+                    w.resident, w.resident_of = kb, (bi, hi)
+            else:
+                kb = w.load_block(k, v, bi, hi, k0, blocks[k0])
+        yield [_Step(qt, kb, j0, kw, last[id(qt)] == (k0, j0)) for qt, _, j0, kw in batch]
 
 
 def _advance(w: "_Work", inflight: list[list[_Step]], out: HbmTensor) -> None:
@@ -231,6 +293,8 @@ class _Work:
         self.p_pool, self.pT_pool, self.alpha_pool = sb("p", deep), sb("pT", deep), sb("alpha", deep)
         self.nm_pool, self.l_pool, self.sum_pool = sb("nm", deep), sb("l", deep), sb("rowsum", deep)
         self.o_pool, self.res_pool = sb("o", 2 * g), sb("res", 2 * g)
+        self.resident: _KeyBlock | None = None  # the single key block of a head, kept across groups
+        self.resident_of: tuple[int, int] | None = None
         quarter = max(1, psum.banks // 4)  # one bank each: transposes in, scores, pᵀ, p·v
         self.tr_ps, self.s_ps = sb("tr_psum", quarter, space="psum"), sb("s_psum", quarter, space="psum")
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
@@ -269,6 +333,25 @@ class _Work:
             self.mod_em.step(j, dst, tiles, qr, 1, kw, 0)
             tiles[3 + j] = dst
         return tiles[prog.outputs[0][0]]
+
+    def query_state_fits(self, n_q: int, blk: int) -> bool:
+        """Can the running state of ``n_q`` query tiles (qᵀ, o, the max and sum chains) stay in
+        SBUF beside two key blocks (one computed on, the next loading) and the working tiles?"""
+        per_tile = (self.tq * self.dt.itemsize + self.d * 4 + 3 * 2 * self.kern.config.core.sbuf.allocation_granule)
+        block = blk * self.dt.itemsize + -(-blk // self.tc) * self.d * self.dt.itemsize
+        working = _WORKING_BYTES
+        if self.mod is not None:  # the score function's fp32 [q, key tile] tiles
+            working += (3 * max(1, len(self.mod.steps)) + 4) * self.tk * 4
+        return n_q * per_tile + 2 * block + working <= self.kern.config.core.sbuf.partition_bytes
+
+    def hold_query_state(self, n_q: int) -> None:
+        """Pools deep enough that every query tile of a head keeps its state while the key
+        blocks go by (each walks every block before its state is stored); two key blocks."""
+        g, deep = _Q_GROUP, _Q_GROUP * _DEPTH
+        sb = self.kern.tile_pool
+        self.kT_pool, self.v_pool = sb("kT", 2), sb("v", 2)
+        self.qT_pool, self.o_pool = sb("qT", n_q + 2 * g), sb("o", n_q + 2 * g)
+        self.nm_pool, self.l_pool, self.sum_pool = sb("nm", n_q + deep), sb("l", n_q + deep), sb("rowsum", n_q + deep)
 
     def _copy(self, dst: TileAP, src: TileAP) -> None:
         """PSUM evacuation, alternating VectorE and ScalarE."""

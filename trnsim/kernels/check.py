@@ -16,8 +16,9 @@ __all__ = ["check_entry"]
 
 
 def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: ChipConfig | str = "trn2",
-                params: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
-    """Run ``entry`` with values and compare every output with its reference.
+                params: Mapping[str, Any] | None = None, seed: int = 0, schedule: bool = False) -> dict[str, Any]:
+    """Run ``entry`` with values and compare every output with its reference (list-scheduled
+    first with ``schedule``, :mod:`trnsim.schedule`).
 
     Returns ``{"report": KernelReport, "errors": {output: max abs error / max |ref|}, "ok": bool}``.
     """
@@ -26,6 +27,10 @@ def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: 
     if entry.inputs is None or entry.reference is None:
         raise KernelError(f"kernel '{entry.name}' has no reference to check against")
     kernel = entry.make(shape, dtype, cfg, merged)
+    if schedule:
+        from ..schedule import schedule as schedule_pass
+
+        kernel = schedule_pass(kernel)
     # inputs (float32) and their rounded copies and the reference (float64): ~20 bytes an element
     elements = sum(math.prod(t.shape) for t in kernel.tensors.values())
     check_host_memory(kernel, extra=20 * elements)

@@ -14,8 +14,9 @@ the other engine zeroes meanwhile.
   per run of channels in a band (images on the free axis; a zero-filled tile gives the padding),
   its weights with one DMA per run;
 * taps accumulate in fp32; the store casts to the output dtype;
-* tiles alternate between VectorE and GpSimd (both run ``scalar_tensor_tensor``), and the pools
-  are double-buffered, so one tile's loads overlap the other's taps.
+* the taps run on VectorE (``scalar_tensor_tensor`` is a VectorE instruction); the zero fills
+  alternate between GpSimd and ScalarE, and the pools are double-buffered, so one tile's loads
+  and fills overlap the other's taps.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _runs(u0: int, u1: int, channels: int) -> list[tuple[int, int, int]]:
 
 
 @register_kernel("dwconv2d", dims="NxCxHxWxR", dtypes=_DTYPES, default_shape=(8, 96, 56, 56, 3),
-                 summary="NCHW depthwise conv2d, [C,1,R,R] weights: planes/bands on partitions, one "
-                         "scalar_tensor_tensor per tap on VectorE/GpSimd",
+                 summary="NCHW depthwise conv2d, [C,1,R,R] weights: channels/bands on partitions, one "
+                         "scalar_tensor_tensor per tap on VectorE",
                  params={"stride": 1, "padding": "valid"}, inputs=_inputs, reference=_reference,
                  split=split_dims(0, 1))
 def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = "bf16",
@@ -128,10 +129,10 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
         for u0 in range(0, units, parts):
             u1 = min(units, u0 + parts)
             p = u1 - u0
-            engine = "vector" if ti % 2 == 0 else "gpsimd"
+            other = "gpsimd" if ti % 2 == 0 else "scalar"  # zero-fills off the vector engine
             ti += 1
             xt = xin.tile((parts, ni, hin, wp), dt)
-            kern.memset(xt[:p, :g], 0.0, engine=engine)  # the padding (and rows past the image)
+            kern.memset(xt[:p, :g], 0.0, engine=other)  # the padding (and rows past the image)
             wt = wpool.tile((parts, taps), "float32")
             at = accs.tile((parts, ni, hb, wo), "float32")
             q = 0
@@ -146,11 +147,11 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
                               queue=2)
                 q += count
             acc = at[:p, :g]
-            kern.memset(acc, 0.0, engine="gpsimd" if engine == "vector" else "vector")
+            kern.memset(acc, 0.0, engine=other)
             for tap in range(taps):
                 i, j = divmod(tap, r)
                 win = xt[:p, :g, i:i + (hb - 1) * stride + 1:stride, j:j + (wo - 1) * stride + 1:stride]
-                kern.scalar_tensor_tensor(acc, win, "multiply", wt[:p, tap:tap + 1], "add", acc, engine=engine)
+                kern.scalar_tensor_tensor(acc, win, "multiply", wt[:p, tap:tap + 1], "add", acc)
             q = 0
             for band, c0, count in _runs(u0, u1, c):
                 o0 = band * hb

@@ -19,9 +19,18 @@ Each kernel works on ``x[rows, hidden]`` and is written the way an NKI author wr
 
 Tiles are updated in place where the input is no longer needed, which keeps SBUF use to a few
 rows of ``hidden`` per partition; ScalarE's discarded elementwise results go to one scratch tile
-of at most 4096 columns (wider rows take one pass per chunk). ``hidden`` is limited by SBUF (a
-one-line error names the largest that fits); a two-pass scheme over hidden chunks for rows wider
-than SBUF is not implemented.
+of at most 4096 columns (wider rows take one pass per chunk).
+
+Rows too wide for that layout (layernorm and rmsnorm at hidden 32768 bf16 on Trn2) run *wide*:
+no work buffers; the finishing pass works in place, chunk by chunk, on the input row. SBUF holds
+the input rows (two buffers where they fit, so the next row tile streams in while this one is
+computed) and gamma/beta: resident where they fit beside two input buffers, else streamed per
+4096-column chunk for every row tile (broadcast to every partition by the DMA, so a streamed
+vector costs HBM reads the size of a row tile: layernorm bf16 32768 keeps gamma and streams
+beta). The fixed skew of :func:`_pipelined` is too short for so few buffers, so a wide kernel
+is list-scheduled (:mod:`trnsim.schedule`), as the Neuron compiler schedules a kernel.
+``hidden`` is limited by one access-pattern dim (65535 elements) and by the wide layout fitting
+SBUF; a one-line error names the largest that fits.
 """
 
 from __future__ import annotations
@@ -59,6 +68,9 @@ class _Plan:
     parts: int  # partitions per row tile (128, or fewer when rows < 128)
     io_bufs: int  # rotating input buffers (pipeline stages + 1 when SBUF allows, at least 2)
     scratch_cols: int  # width of the scratch tile ScalarE writes discarded results to
+    wide: bool = False  # rows too wide for the resident layout: the finishing pass goes by chunks
+    chunk: int = SCRATCH_COLS  # columns per chunk in the wide layout
+    resident: int = 0  # wide: how many of the kernel's vectors (gamma, beta) stay resident; the rest stream
 
 
 def _round_up(n: int, m: int) -> int:
@@ -66,7 +78,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: int, rows_fp8: int = 0,
-          stages: int = 2) -> _Plan:
+          stages: int = 2, chunk_bufs: int = 0, vectors: int = 0) -> _Plan:
     """Choose the buffering and check that ``hidden`` fits SBUF.
 
     Besides the input buffers, a kernel keeps ``rows_dt`` [P, hidden] tiles of ``dt`` (gamma,
@@ -83,15 +95,41 @@ def _plan(name: str, rows: int, hidden: int, dt: Dtype, kern: Kernel, rows_dt: i
         scratch = _round_up(min(h, SCRATCH_COLS) * dt.itemsize, granule)
         return (io_bufs + rows_dt) * row + rows_fp8 * _round_up(h, granule) + scratch + STATS_GRANULES * granule
 
-    if hidden > AP_MAX_SIZE or need(hidden, 2) > cap:
-        hmax = min(AP_MAX_SIZE, cap // ((2 + rows_dt) * dt.itemsize + rows_fp8))
-        while hmax > 1 and need(hmax, 2) > cap:
-            hmax -= 1
-        raise KernelError(f"{name}: hidden={hidden} {dt.short} does not fit SBUF on {cfg.name} "
-                          f"({need(hidden, 2) // 1024} KiB per partition needed, {cap // 1024} KiB available); "
-                          f"hidden must be <= {hmax}")
-    io_bufs = max(n for n in range(2, stages + 2) if need(hidden, n) <= cap)
-    return _Plan(parts=min(cfg.core.sbuf.partitions, rows), io_bufs=io_bufs, scratch_cols=min(hidden, SCRATCH_COLS))
+    parts = min(cfg.core.sbuf.partitions, rows)
+    if hidden <= AP_MAX_SIZE and need(hidden, 2) <= cap:
+        io_bufs = max(n for n in range(2, stages + 2) if need(hidden, n) <= cap)
+        return _Plan(parts=parts, io_bufs=io_bufs, scratch_cols=min(hidden, SCRATCH_COLS))
+
+    def need_wide(h: int, io_bufs: int, resident: int) -> int:
+        """Input rows and the resident vectors; chunk tiles for streamed vectors and outputs."""
+        row = _round_up(h * dt.itemsize, granule)
+        chunk = _round_up(min(h, SCRATCH_COLS) * max(dt.itemsize, 1), granule)
+        streamed = 2 * (vectors - resident)
+        return (io_bufs + resident) * row + (chunk_bufs + streamed + 1) * chunk + STATS_GRANULES * granule + 64 * granule
+
+    if hidden <= AP_MAX_SIZE and vectors:
+        # keep as many vectors resident as still leave two input buffers (loads overlap compute);
+        # a streamed vector is read from HBM again for every row tile (the DMA broadcasts it to
+        # each partition); with room for one input buffer only, keep them all resident
+        options = [(io, res) for res in range(vectors, -1, -1) for io in (2, 1) if need_wide(hidden, io, res) <= cap]
+        options.sort(key=lambda o: (-o[0], -o[1]))
+        if options:
+            io, res = options[0]
+            if io == 1:
+                res = max(r for i, r in options if i == 1)
+            io = max(n for n in range(io, stages + 2) if need_wide(hidden, n, res) <= cap)
+            return _Plan(parts=parts, io_bufs=io, scratch_cols=min(hidden, SCRATCH_COLS), wide=True, resident=res)
+    if hidden > AP_MAX_SIZE:
+        raise KernelError(f"{name}: hidden={hidden} exceeds the {AP_MAX_SIZE} elements one access-pattern dim can "
+                          f"address (uint16 sizes, datasheet §4.6); hidden must be <= {AP_MAX_SIZE}")
+    fits = (lambda h: need_wide(h, 1, 0) <= cap) if vectors else (lambda h: need(h, 2) <= cap)
+    hmax = min(AP_MAX_SIZE, cap // max(1, dt.itemsize))
+    while hmax > 1 and not fits(hmax):
+        hmax -= 1
+    needed = need_wide(hidden, 1, 0) if vectors else need(hidden, 2)
+    raise KernelError(f"{name}: hidden={hidden} {dt.short} does not fit SBUF on {cfg.name} "
+                      f"({needed // 1024} KiB per partition needed, {cap // 1024} KiB available); "
+                      f"hidden must be <= {hmax}")
 
 
 def _check_dims(name: str, rows: int, hidden: int) -> None:
@@ -139,12 +177,21 @@ def _row_tiles(rows: int, parts: int) -> list[tuple[int, int]]:
     return [(r, min(parts, rows - r)) for r in range(0, rows, parts)]
 
 
-def _pipelined(tiles: list[tuple[int, int]], *stages: Callable[[int, int, Any], Any]) -> None:
+def _pipelined(tiles: list[tuple[int, int]], *stages: Callable[[int, int, Any], Any], bufs: int) -> None:
     """Emit the stages of successive row tiles skewed, newest tile first: with two stages
     A(0), A(1) B(0), A(2) B(1), ... Each engine runs its instructions in program order, so this
     queues the next tile's statistics ahead of this tile's finishing pass, and an engine waiting
     for another's result has work to do meanwhile (what the Neuron compiler's scheduler does
-    for an NKI loop). Each stage takes (first row, row count, the previous stage's result)."""
+    for an NKI loop). Each stage takes (first row, row count, the previous stage's result).
+
+    A tile's input buffer is live from its first stage to its last, so the skew is at most
+    ``bufs`` (the rotating input buffers) deep: with fewer buffers than stages, the last stages
+    run together as one."""
+    if bufs < 1:
+        raise ValueError("bufs must be >= 1")
+    while len(stages) > bufs:
+        *head, b, c = stages
+        stages = (*head, lambda r, p, st, b=b, c=c: c(r, p, b(r, p, st)))
     states: list[Any] = [None] * len(tiles)
     for step in range(len(tiles) + len(stages) - 1):
         for s, stage in enumerate(stages):
@@ -235,7 +282,7 @@ def build_softmax(rows: int, cols: int, dtype: str = "bf16", config: ChipConfig 
         kern.tensor_scalar(t, t, "divide", row_sum)
         kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
 
-    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b)
+    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b, bufs=plan.io_bufs)
     return kern
 
 
@@ -249,13 +296,16 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
     eps = _check_eps("layernorm", eps)
     kern = Kernel(name, config)
     dt = checked_dtype(dtype, kern.name)
-    plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2, stages=3)
+    plan = _plan("layernorm", rows, hidden, dt, kern, rows_dt=2, stages=3, vectors=2)
     x = kern.input("x", (rows, hidden), dt)
     gamma = kern.input("gamma", (hidden,), dt)
     beta = kern.input("beta", (hidden,), dt)
     y = kern.output("y", (rows, hidden), dt)
-    g = kern.sbuf((plan.parts, hidden), dt, name="gamma_bcast")
-    b = kern.sbuf((plan.parts, hidden), dt, name="beta_bcast")
+    # gamma and beta broadcast to every partition, resident; in the wide layout (rows too wide
+    # for work buffers) those that do not fit are streamed per chunk and the finishing pass runs
+    # in place, a chunk at a time
+    (g, b), stream = _vectors(kern, plan, dt, gamma, beta)
+    chunks = _chunks(hidden, plan.chunk) if plan.wide else [(0, hidden)]
     # ScalarE must write its squares somewhere; one scratch tile serves every row tile
     scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
     io = kern.tile_pool("io", bufs=plan.io_bufs)
@@ -270,8 +320,9 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
         t = io.tile((plan.parts, hidden), dt)[:p]
         kern.dma_copy(t, x[r:r + p, :])
         if r == 0:
-            _broadcast_rows(kern, g, gamma)
-            _broadcast_rows(kern, b, beta)
+            for tile, vec in ((g, gamma), (b, beta)):
+                if tile is not None:
+                    _broadcast_rows(kern, tile, vec)
         row_sum = stats.tile((plan.parts, 1), "fp32")[:p]
         _fused_reduce(kern, scratch, "identity", t, row_sum, "add", partials)
         return t, row_sum
@@ -289,13 +340,43 @@ def build_layernorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipCon
         rstd = stats.tile((plan.parts, 1), "fp32")[:p]
         kern.tensor_scalar(rstd, ssd, "multiply", inv_h, op1="add", operand1=eps)
         kern.tensor_scalar(rstd, rstd, "power", -0.5)
-        kern.tensor_scalar(t, t, "add", neg_mean, op1="multiply", operand1=rstd)
-        kern.tensor_tensor(t, t, g[:p], "multiply")
-        kern.tensor_tensor(t, t, b[:p], "add")
+        for c0, c1 in chunks:
+            tc = t[:, c0:c1]
+            kern.tensor_scalar(tc, tc, "add", neg_mean, op1="multiply", operand1=rstd)
+            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, g, stream, gamma, c0, c1, p), "multiply")
+            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, b, stream, beta, c0, c1, p), "add")
         kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")
 
-    _pipelined(_row_tiles(rows, plan.parts), load_sum, variance, normalize)
-    return kern
+    _pipelined(_row_tiles(rows, plan.parts), load_sum, variance, normalize, bufs=plan.io_bufs)
+    return _scheduled(kern) if plan.wide else kern
+
+
+def _chunks(hidden: int, cols: int) -> list[tuple[int, int]]:
+    return [(c, min(hidden, c + cols)) for c in range(0, hidden, cols)]
+
+
+def _stream_rows(kern: Kernel, pool: TilePool, plan: _Plan, vec: HbmTensor, c0: int, c1: int, p: int,
+                 dt: Dtype) -> TileAP:
+    """Columns [c0, c1) of a [hidden] vector broadcast to ``p`` partitions, in a chunk tile."""
+    t = pool.tile((plan.parts, plan.chunk), dt)[:p, :c1 - c0]
+    kern.dma_copy(t, vec.ap(c0, [[0, p], [1, c1 - c0]]), queue=1)
+    return t
+
+
+def _vectors(kern: Kernel, plan: _Plan, dt: Dtype, *vecs: HbmTensor) -> tuple[list[TileAP | None], TilePool]:
+    """gamma/beta broadcast to every partition: all resident, or in the wide layout the first
+    ``plan.resident`` (loaded with the first row tile), the others None (streamed per chunk from
+    the pool)."""
+    resident = plan.resident if plan.wide else len(vecs)
+    tiles: list[TileAP | None] = []
+    for i, v in enumerate(vecs):
+        tiles.append(kern.sbuf((plan.parts, v.shape[0]), dt, name=f"{v.name}_bcast") if i < resident else None)
+    return tiles, kern.tile_pool("stream", bufs=2 * (len(vecs) - resident) or 1)
+
+
+def _chunk_of(kern: Kernel, plan: _Plan, dt: Dtype, tile: TileAP | None, pool: TilePool, vec: HbmTensor,
+              c0: int, c1: int, p: int) -> TileAP:
+    return tile[:p, c0:c1] if tile is not None else _stream_rows(kern, pool, plan, vec, c0, c1, p, dt)
 
 
 @register_kernel("rmsnorm", dims="ROWSxHIDDEN", dtypes=("bf16", "fp32"), default_shape=(4096, 8192),
@@ -318,7 +399,8 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
     kern = Kernel(name, config)
     dt = checked_dtype(dtype, kern.name)
     # besides the input buffers: gamma, two work buffers (x * gamma), two fp8 output buffers
-    plan = _plan("rmsnorm", rows, hidden, dt, kern, rows_dt=3, rows_fp8=2 if qdt is not None else 0)
+    plan = _plan("rmsnorm", rows, hidden, dt, kern, rows_dt=3, rows_fp8=2 if qdt is not None else 0,
+                 chunk_bufs=2 if qdt is not None else 0, vectors=1)
     x = kern.input("x", (rows, hidden), dt)
     gamma = kern.input("gamma", (hidden,), dt)
     if qdt is None:
@@ -328,6 +410,9 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
         scale_out = kern.output("scale", (rows, 1), "fp32")
         fp8_max = _fp8_max(qdt.name)
         qpool = kern.tile_pool("q", bufs=2)
+    if plan.wide:
+        return _rmsnorm_wide(kern, plan, x, gamma, y if qdt is None else None,
+                             None if qdt is None else (q, scale_out, qdt, fp8_max, qpool), dt, eps)
     g = kern.sbuf((plan.parts, hidden), dt, name="gamma_bcast")
     scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
     io = kern.tile_pool("io", bufs=plan.io_bufs)
@@ -370,8 +455,63 @@ def build_rmsnorm(rows: int, hidden: int, dtype: str = "bf16", config: ChipConfi
         kern.dma_copy(q[r:r + p, :], qt, engine="gpsimd")
         kern.dma_copy(scale_out[r:r + p, :], scale, engine="gpsimd")
 
-    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b)
+    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b, bufs=plan.io_bufs)
     return kern
+
+
+def _rmsnorm_wide(kern: Kernel, plan: _Plan, x: HbmTensor, gamma: HbmTensor, y: HbmTensor | None,
+                  quant: tuple[Any, ...] | None, dt: Dtype, eps: float) -> Kernel:
+    """RMSNorm of rows too wide for the work buffers: the sum of squares as before, then per
+    chunk ``x * rstd * gamma`` in place (and, quantizing, the row absmax of the result, then
+    ``q`` chunk by chunk)."""
+    rows, hidden = x.shape
+    (g,), stream = _vectors(kern, plan, dt, gamma)
+    scratch = kern.sbuf((plan.parts, plan.scratch_cols), dt, name="scratch")
+    io = kern.tile_pool("io", bufs=plan.io_bufs)
+    stats = kern.tile_pool("stats", bufs=15)
+    partials = kern.tile_pool("partials", bufs=4)
+    inv_h = 1.0 / hidden
+
+    def stage_a(r: int, p: int, _: None) -> tuple[TileAP, TileAP]:
+        t = io.tile((plan.parts, hidden), dt)[:p]
+        kern.dma_copy(t, x[r:r + p, :])
+        if r == 0 and g is not None:
+            _broadcast_rows(kern, g, gamma)
+        ss, rstd = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(2))
+        _fused_reduce(kern, scratch, "square", t, ss, "add", partials)
+        kern.tensor_scalar(rstd, ss, "multiply", inv_h, op1="add", operand1=eps)
+        kern.tensor_scalar(rstd, rstd, "power", -0.5)
+        return t, rstd
+
+    def stage_b(r: int, p: int, st: tuple[TileAP, TileAP]) -> None:
+        t, rstd = st
+        for c0, c1 in _chunks(hidden, plan.chunk):  # in place, a chunk at a time: no work buffer
+            tc = t[:, c0:c1]
+            kern.tensor_scalar(tc, tc, "multiply", rstd)
+            kern.tensor_tensor(tc, tc, _chunk_of(kern, plan, dt, g, stream, gamma, c0, c1, p), "multiply")
+        if quant is None:
+            kern.dma_copy(y[r:r + p, :], t, engine="gpsimd")  # type: ignore[index]
+            return
+        q, scale_out, qdt, fp8_max, qpool = quant
+        ymax, scale, qmul = (stats.tile((plan.parts, 1), "fp32")[:p] for _ in range(3))
+        _fused_reduce(kern, scratch, "abs", t, ymax, "max", partials)
+        kern.tensor_scalar(scale, ymax, "max", 1e-30, op1="multiply", operand1=1.0 / fp8_max)
+        kern.reciprocal(qmul, scale)
+        for c0, c1 in _chunks(hidden, plan.chunk):
+            qt = qpool.tile((plan.parts, plan.chunk), qdt)[:p, :c1 - c0]
+            kern.tensor_scalar(qt, t[:, c0:c1], "multiply", qmul)
+            kern.dma_copy(q[r:r + p, c0:c1], qt, engine="gpsimd")
+        kern.dma_copy(scale_out[r:r + p, :], scale, engine="gpsimd")
+
+    _pipelined(_row_tiles(rows, plan.parts), stage_a, stage_b, bufs=plan.io_bufs)
+    return _scheduled(kern)
+
+
+def _scheduled(kern: Kernel) -> Kernel:
+    """The kernel list-scheduled (the wide layouts; see the module docstring)."""
+    from ..schedule import schedule
+
+    return schedule(kern)
 
 
 def _fp8_tolerance(dtype: str) -> tuple[float, float]:

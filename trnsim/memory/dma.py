@@ -7,18 +7,25 @@ Model (datasheet §6, §12.3):
   core). HBM-to-HBM copies split evenly.
 * Each engine moves its share as contiguous chunks (descriptors). Its occupancy is
   ``bytes / engine_bandwidth + chunks * descriptor_overhead`` — small chunks are overhead-bound
-  (<512 B per partition is inefficient, >=2-4 KiB near peak, §6).
+  (<512 B per partition is inefficient, >=2-4 KiB near peak, §6). An element-strided HBM side
+  moves each element as a whole HBM transaction (``hbm_access_bytes``): the engine and the HBM
+  stack spend that per element, not the element's 2 or 4 bytes.
+* A DMA transpose (NC-v3+) spreads like a copy of its destination, at a published fraction of
+  the copy's throughput (``transpose_rate_hbm`` / ``transpose_rate_sbuf``).
 * A transfer becomes ready ``start_latency`` (~1.3 us) after its trigger; that latency overlaps
   with other queued transfers. After the engines finish, ``transfer_latency`` (completion and
   the semaphore write on all engines) passes before dependents see the data.
 
-Calibration (tests/test_calibration.py): one engine moving 32 KiB HBM->SBUF as [4, 4096] bf16
-takes 1416 ns on Trn2 (datasheet V3).
+Calibration (tests/test_calibration.py): ``engine_bandwidth`` is the sustained per-engine rate of
+the NKI DMA bandwidth guide (17/23/33 B/ns on Trn1/2/3, datasheet §6), which transfers of many
+KiB per partition settle at; one engine moving 32 KiB HBM->SBUF as [4, 4096] bf16 then takes
+1485 ns on Trn2 against the measured 1416 ns (datasheet V3, within 5%).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -27,7 +34,7 @@ from ..bandwidth import BandwidthPipe
 from ..config import ChipConfig
 from ..isa import AP, DmaGather, HbmAP, KernelError, TileAP
 
-__all__ = ["DmaPlan", "plan_dma", "plan_indirect", "contiguous_run", "execute_dma", "execute_indirect_dma", "DmaSystem",
+__all__ = ["DmaPlan", "plan_dma", "plan_transpose", "plan_indirect", "contiguous_run", "execute_dma", "execute_indirect_dma", "DmaSystem",
            "BandwidthPipe"]
 
 
@@ -41,10 +48,23 @@ class DmaPlan:
     sbuf_read_bytes: int
     sbuf_write_bytes: int
     chunk_bytes: int  # bytes per descriptor (the efficiency driver)
+    #: least bytes a descriptor occupies an engine and HBM for (``core.dma.hbm_access_bytes`` when
+    #: an HBM side is element-strided: each element is a whole HBM transaction); 0: none
+    min_chunk_bytes: int = 0
+    #: throughput relative to a copy (a DMA transpose runs at 0.9 / 0.5 of it, datasheet §6)
+    rate: Fraction = Fraction(1)
 
     @property
     def bytes(self) -> int:
         return sum(b for _, b, _ in self.engines)
+
+    @property
+    def hbm_bus_bytes(self) -> int:
+        """The HBM bandwidth the transfer takes: its bytes, or whole transactions per element."""
+        moved = self.hbm_read_bytes + self.hbm_write_bytes
+        if not moved or self.min_chunk_bytes <= self.chunk_bytes:
+            return moved
+        return moved // self.chunk_bytes * self.min_chunk_bytes
 
 
 def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -98,6 +118,7 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
     eng = _merge_engines(engines)
     src_bytes = src.nbytes
     dst_bytes = dst.nbytes
+    hbm = isinstance(src, HbmAP) or isinstance(dst, HbmAP)
     return DmaPlan(
         engines=eng,
         hbm_read_bytes=src_bytes if isinstance(src, HbmAP) else 0,
@@ -105,6 +126,27 @@ def plan_dma(dst: AP, src: AP, config: ChipConfig) -> DmaPlan:
         sbuf_read_bytes=src_bytes if isinstance(src, TileAP) else 0,
         sbuf_write_bytes=dst_bytes if isinstance(dst, TileAP) else 0,
         chunk_bytes=chunk * itemsize,
+        min_chunk_bytes=config.core.dma.hbm_access_bytes if hbm else 0,
+    )
+
+
+def plan_transpose(dst: TileAP, src: AP, config: ChipConfig) -> DmaPlan:
+    """A DMA transpose ``dst[P, K] = src[K, P]ᵀ`` into SBUF (datasheet §6, S9): the 16 engines
+    write the destination's partitions cooperatively, so each engine's share is its partitions
+    of ``dst`` as in a copy of the same size, at ``transpose_rate_hbm`` (from HBM) or
+    ``transpose_rate_sbuf`` (SBUF to SBUF) of the copy's throughput."""
+    d = config.core.dma
+    rate = d.transpose_rate_hbm if isinstance(src, HbmAP) else d.transpose_rate_sbuf
+    itemsize = dst.dtype.itemsize
+    engines = _merge_engines(_split_by_partition(dst, dst.free_size, itemsize, config))
+    return DmaPlan(
+        engines=engines,
+        hbm_read_bytes=src.nbytes if isinstance(src, HbmAP) else 0,
+        hbm_write_bytes=0,
+        sbuf_read_bytes=src.nbytes if isinstance(src, TileAP) else 0,
+        sbuf_write_bytes=dst.nbytes,
+        chunk_bytes=dst.free_size * itemsize,
+        rate=Fraction(rate).limit_denominator(1000),
     )
 
 
@@ -174,6 +216,14 @@ def execute_dma(ins: Any, mem: Any) -> None:
     dst[...] = _cast(vals, ins.src.dtype, ins.dst.dtype)
 
 
+def execute_transpose(ins: Any, mem: Any) -> None:
+    """The functional half of a DmaTranspose: ``dst[P, K] = src[K, P]ᵀ``, bits unchanged."""
+    src = mem.view(ins.src)
+    src = src.reshape(src.shape[0], -1) if src.ndim > 1 else src.reshape(1, -1)
+    dst = mem.view(ins.dst)
+    dst[...] = src.T.reshape(dst.shape)
+
+
 def execute_indirect_dma(ins: Any, mem: Any) -> None:
     """The functional half of a DmaGather/DmaScatter: read the index tile now, check every index
     against the indexed tensor's rows (``oob_mode``), then move the rows."""
@@ -228,8 +278,15 @@ class DmaSystem:
         self.desc_ticks = config.ps_to_ticks(dma.descriptor_overhead)
         self.hbm = hbm_pipe
 
-    def engine_ticks(self, nbytes: int, chunks: int) -> int:
-        return -(-nbytes * self.tick_hz // self.bw) + chunks * self.desc_ticks
+    def engine_ticks(self, nbytes: int, chunks: int, plan: DmaPlan | None = None) -> int:
+        """Ticks an engine spends on ``nbytes`` in ``chunks`` descriptors (of ``plan``: element
+        granularity and transpose rate)."""
+        if plan is not None and plan.min_chunk_bytes > plan.chunk_bytes:
+            nbytes = max(nbytes, chunks * plan.min_chunk_bytes)
+        ticks = -(-nbytes * self.tick_hz // self.bw) + chunks * self.desc_ticks
+        if plan is not None and plan.rate != 1:
+            ticks = -(-ticks * plan.rate.denominator // plan.rate.numerator)
+        return ticks
 
     def reserve(self, plan: DmaPlan, start: int) -> tuple[int, int]:
         """Book the engines and the HBM pipe from ``start``; return (when data starts moving,
@@ -244,11 +301,11 @@ class DmaSystem:
             s = free[e] if free[e] > start else start
             if first is None or s < first:
                 first = s
-            f = s + self.engine_ticks(nbytes, chunks)
+            f = s + self.engine_ticks(nbytes, chunks, plan)
             free[e] = f
             if f > fin:
                 fin = f
-        hbm_bytes = plan.hbm_read_bytes + plan.hbm_write_bytes
+        hbm_bytes = plan.hbm_bus_bytes
         if hbm_bytes:
             fin = max(fin, self.hbm.reserve(hbm_bytes, start))
         return (start if first is None else first), fin + self.transfer_latency

@@ -41,7 +41,9 @@ class OnChipAllocator:
         g = self.granule
         return -(-nbytes // g) * g
 
-    def allocate(self, name: str, p_start: int, p_count: int, nbytes: int) -> Allocation:
+    def allocate(self, name: str, p_start: int, p_count: int, nbytes: int, addr: int | None = None) -> Allocation:
+        """Place ``nbytes`` per partition on partitions [p_start, p_start + p_count): first-fit, or
+        at byte address ``addr`` (a pass that lays tiles out itself, :mod:`trnsim.schedule`)."""
         if p_count < 1 or p_start < 0 or p_start + p_count > self.partitions:
             raise KernelError(
                 f"{self.space.upper()} tile '{name}' needs partitions {p_start}..{p_start + p_count - 1}, "
@@ -54,15 +56,15 @@ class OnChipAllocator:
                 f"more than the {format_quantity(self.partition_bytes, 'bytes')} a partition holds on {self.label}"
             )
         p_end = p_start + p_count
-        addr = 0
-        # self._spans: (addr, end, p_start, p_end) of live allocations, sorted by address
-        for lo, hi, ps, pe in self._spans:
-            if ps >= p_end or p_start >= pe:
-                continue
-            if addr + size <= lo:
-                break
-            if hi > addr:
-                addr = hi
+        if addr is not None:
+            taken = [(lo, hi) for lo, hi, ps, pe in self._spans
+                     if ps < p_end and p_start < pe and lo < addr + size and addr < hi]
+            if addr % self.granule or addr + size > self.partition_bytes or taken:
+                raise KernelError(f"{self.space.upper()} tile '{name}' cannot go at byte {addr} of partitions "
+                                  f"{p_start}..{p_end - 1}: " + (f"bytes {taken[0][0]}..{taken[0][1] - 1} are in use"
+                                                                 if taken else "misaligned or past the end"))
+        else:
+            addr = self._first_fit(p_start, p_end, size)
         if addr + size > self.partition_bytes:
             used = self.used_bytes(p_start, p_count)
             holders = ", ".join(
@@ -85,6 +87,18 @@ class OnChipAllocator:
             use[p] += size
         self.peak_bytes = max(self.peak_bytes, max(use[p_start:p_end]))
         return alloc
+
+    def _first_fit(self, p_start: int, p_end: int, size: int) -> int:
+        addr = 0
+        # self._spans: (addr, end, p_start, p_end) of live allocations, sorted by address
+        for lo, hi, ps, pe in self._spans:
+            if ps >= p_end or p_start >= pe:
+                continue
+            if addr + size <= lo:
+                break
+            if hi > addr:
+                addr = hi
+        return addr
 
     def free(self, alloc: Allocation) -> None:
         if not alloc.live:

@@ -34,6 +34,10 @@ __all__ = [
     "int32",
     "uint32",
     "FLOAT_DTYPES",
+    "PACKED_DTYPES",
+    "float8_e5m2_x4",
+    "float8_e4m3fn_x4",
+    "float4_e2m1fn_x4",
 ]
 
 
@@ -121,11 +125,21 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "uint32": ("u32",),
 }
 
+#: MX quad-packed types (NC-v4, datasheet §4.2): one element holds four fp8 (32 bits) or four
+#: fp4 e2m1 (16 bits) values of consecutive K groups; arrays of them are raw uint32 / uint16.
+#: Only nc_matmul_mx reads them; DMA moves them as bits.
+float8_e5m2_x4 = Dtype("float8_e5m2_x4", np.dtype(np.uint32), 4, False, "mxfp8_e5m2")
+float8_e4m3fn_x4 = Dtype("float8_e4m3fn_x4", np.dtype(np.uint32), 4, False, "mxfp8_e4m3fn")
+float4_e2m1fn_x4 = Dtype("float4_e2m1fn_x4", np.dtype(np.uint16), 2, False, "mxfp4")
+PACKED_DTYPES: tuple[Dtype, ...] = (float8_e5m2_x4, float8_e4m3fn_x4, float4_e2m1fn_x4)
+
 _BY_NAME: dict[str, Dtype] = {}
 for _d in _ALL:
     _BY_NAME[_d.name] = _d
     for _alias in _ALIASES[_d.name]:
         _BY_NAME[_alias] = _d
+for _d in PACKED_DTYPES:
+    _BY_NAME[_d.name] = _BY_NAME[_d.short] = _d
 _BY_NP: dict[np.dtype, Dtype] = {d.np_dtype: d for d in _ALL}
 
 

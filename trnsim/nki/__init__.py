@@ -1,0 +1,33 @@
+"""trnsim.nki: run NKI kernels on the virtual Trainium, with their cycle report.
+
+An NKI kernel file runs with its imports changed and nothing else::
+
+    import trnsim.nki as nki                  # was: import neuronxcc.nki as nki  (or: import nki)
+    import trnsim.nki.language as nl          # was: neuronxcc.nki.language
+    import trnsim.nki.isa as nisa             # was: neuronxcc.nki.isa
+
+    @nki.jit
+    def add(a, b):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(a) + nl.load(b))
+        return out
+
+    c = add(a, b)                             # numpy in, numpy out, as nki.simulate_kernel
+    r = nki.run(add, a, b)                    # the outputs and the KernelReport: r.report.total_us
+
+The kernel is traced to an instruction stream (:mod:`trnsim.nki._core`), scheduled and laid out
+as the Neuron compiler would (:mod:`trnsim.schedule`) and simulated (:class:`trnsim.Chip`).
+``nki.simulate_kernel``, ``nki.simulate``, ``nki.baremetal`` and ``nki.benchmark`` exist for
+code that uses them. What trnsim does not support fails with one line naming the construct.
+"""
+
+from . import isa, language, typing
+from ._core import NkiError, NkiTensor
+from ._jit import (Benchmarked, Kernel, NkiRun, TensorSpec, Traced, baremetal, benchmark, jit, run, simulate,
+                   simulate_kernel, tensor_spec, trace)
+
+__all__ = [
+    "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "tensor_spec",
+    "Kernel", "NkiRun", "Traced", "TensorSpec", "Benchmarked", "NkiError", "NkiTensor",
+    "language", "isa", "typing",
+]
