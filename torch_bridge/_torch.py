@@ -36,6 +36,8 @@ REQUIRED: dict[str, str] = {
     "torch._disable_dynamo": "hiding Python kernels from dynamo",
     "torch._C._profiler._RecordFunctionFast": "neuron::<op> events in torch.profiler",
     "torch.autograd.profiler._is_profiler_enabled": "neuron::<op> events only while profiling",
+    "torch.autograd.profiler._run_on_profiler_start": "opening the device model's trace session when torch.profiler starts",
+    "torch.autograd.profiler._run_on_profiler_stop": "closing it when torch.profiler stops",
     "torch._C._to_dlpack": "relabelling host memory as neuron memory",
     "torch._C._from_dlpack": "relabelling host memory as neuron memory",
     "torch._C._construct_storage_from_data_pointer": "CPU views of device memory",
@@ -116,6 +118,26 @@ InductorWrapper = torch._TorchCompileInductorWrapper
 def profiler_enabled() -> bool:
     """True while a torch.profiler session records (read each call: the flag changes)."""
     return bool(_profiler._is_profiler_enabled)
+
+
+def hook_profiler(on_start: Any, on_stop: Any) -> None:
+    """Call ``on_start()`` after torch.profiler starts recording and ``on_stop()`` after it stops
+    (torch.autograd.profiler calls these module functions by name from its profile classes)."""
+    start, stop = _profiler._run_on_profiler_start, _profiler._run_on_profiler_stop
+    if getattr(start, "_neuron_hook", False):
+        return
+
+    def started() -> None:
+        start()
+        on_start()
+
+    def stopped() -> None:
+        stop()
+        on_stop()
+
+    started._neuron_hook = stopped._neuron_hook = True  # type: ignore[attr-defined]
+    _profiler._run_on_profiler_start = started
+    _profiler._run_on_profiler_stop = stopped
 
 
 def cpp_op(op: Any) -> Any:

@@ -81,8 +81,10 @@ def register() -> None:
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
+    from . import profiler
     from .compile.backend import divert_inductor
 
+    _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
     divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
     _registered = True
 

@@ -14,7 +14,8 @@ without a caching allocator).
 Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
 (see :mod:`trnsim.device` for the model: the host runs ahead of the device until it synchronises).
 
-Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``.
+Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``;
+``profiler`` (:mod:`torch_bridge.profiler`): torch.profiler traces down to the engines.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from trnsim.device import Recorder
 from trnsim.report import RunReport
 
-from . import _native
+from . import _native, profiler
 from . import memory as _mem
 from .runtime import is_initialized, runtime, set_config
 
@@ -42,7 +43,7 @@ __all__ = [
     "memory_stats_as_nested_dict", "reset_accumulated_memory_stats", "reset_max_memory_allocated", "memory_summary",
     "get_device_name", "get_device_capability", "get_device_properties", "memory", "Stream", "Event", "stream",
     "current_stream", "default_stream",
-    "set_config", "config", "report", "report_scope", "reset_report", "RunReport",
+    "set_config", "config", "report", "report_scope", "reset_report", "RunReport", "profiler",
 ]
 
 _local = threading.local()

@@ -4,10 +4,14 @@
     trnsim demo [--config CONFIG] [--set K=V ...]
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
                   [--param K=V ...] [--check] [--schedule | --no-schedule] [--json] [--trace out.json]
+                  [--metrics out.parquet] [--plot out.png]
     trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
-    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
-    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
+                  [--executor pool|ray] [--address HOST:PORT]
+    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
+                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--json]
+    trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from .config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
+from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
@@ -404,8 +409,9 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     if args.check and (ref.entry is None or ref.entry.reference is None):
         raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; "
                          f"run it without --check for timing only")
-    # a trace that cannot be written is refused now, before the run, not after it
-    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    # outputs that cannot be written (or need a missing extra) are refused now, before the run
+    outputs = _reserve_outputs(args.trace, args.metrics, args.plot)
+    trace, metrics, plot = outputs
     try:
         if args.check:
             assert ref.entry is not None
@@ -421,9 +427,19 @@ def cmd_kernel(args: argparse.Namespace) -> int:
             report = Chip(cfg).run(kernel, timing_only=True).report
         if trace is not None:
             write_trace(trace, report)
+        if metrics is not None:
+            from .metrics import write_kernel_metrics
+
+            write_kernel_metrics(metrics, [report], {"shape": list(shape), "dtype": dtype, "params": params,
+                                                     "overrides": dict(cfg.overrides)})
+        if plot is not None:
+            from .plot import plot_kernel
+
+            plot_kernel(report, plot)
     finally:
-        if trace is not None:
-            trace.discard()
+        for o in outputs:
+            if o is not None:
+                o.discard()
     ok = check is None or bool(check["ok"])
     if args.json:
         doc: dict[str, Any] = {"kernel": args.name, "shape": list(shape), "dtype": dtype, "config": cfg.name,
@@ -444,8 +460,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     console.print(line)
     render_report(report, console, cfg)
     render_dma_queues(report, console)
-    if args.trace:
-        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    _say_written(console, args.trace, args.metrics, args.plot)
     if check is not None:
         errs = ", ".join(f"{name} {err:.2e}" for name, err in check["errors"].items())
         console.print(f"Check: max error relative to max |reference|: {errs} -> {'ok' if ok else 'MISMATCH'}")
@@ -567,7 +582,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     task = progress.add_task("points", total=len(spec.points))
     try:
         with progress:
-            result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done))
+            result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done),
+                               executor=args.executor, address=args.address)
     except OSError as e:
         raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
     rows = result.rows
@@ -603,10 +619,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
     compare = opts.get("compare_eager", args.compare_eager)
-    trace = opts.get("trace", args.trace)
+    trace, metrics, plot = (opts.get(k, getattr(args, k)) for k in ("trace", "metrics", "plot"))
     as_json = opts.get("json", args.json)
-    if compare and trace:
-        raise UsageError("run: --compare-eager runs the script twice; --trace takes one run (drop one of them)")
+    if compare and (trace or metrics or plot):
+        which = "--trace" if trace else "--metrics" if metrics else "--plot"
+        raise UsageError(f"run: --compare-eager runs the script twice; {which} takes one run (drop one of them)")
+    top = opts.get("expand-top", args.expand_top)
+    try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
+        top = int(top)
+        if top < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--expand-top {top}: expected a number of kernels >= 0") from None
     try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
         if compare:
             status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=args.set + opts["set"],
@@ -614,6 +638,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
+                                     metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
+                                     trace_stack=bool(opts.get("trace_stack", args.trace_stack)),
                                      quiet_stdout=bool(as_json))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
@@ -626,6 +652,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         console = _Out(width=RUN_REPORT_WIDTH)
         console.print()
         render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
+    _say_written(_Out(width=RUN_REPORT_WIDTH), trace, metrics, plot)
     return status
 
 
@@ -669,6 +696,42 @@ def _render_regions(rep: Any, console: Any) -> None:
         t.add_row(" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
                   f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}")
     console.print(t)
+
+
+def _reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:
+    """The output files a command writes, each refused now (not after the run) when it cannot be
+    written or needs an extra that is missing."""
+    from .files import reserve_all
+    from .metrics import reserve as reserve_metrics
+    from .plot import reserve as reserve_plot
+
+    return reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,
+                        lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
+                        lambda: reserve_plot(plot, "--plot") if plot else None])
+
+
+def _say_written(console: Any, trace: str | None, metrics: str | None, plot: str | None) -> None:
+    from rich.markup import escape
+
+    if trace:
+        console.print(f"Trace written to {escape(trace)} (open it in ui.perfetto.dev or chrome://tracing)")
+    if metrics:
+        console.print(f"Metrics written to {escape(metrics)} (Parquet)")
+    if plot:
+        console.print(f"Plot written to {escape(plot)}")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a sweep's (or a metrics file's) columns against each other."""
+    from .plot import plot_sweep, reserve
+
+    out = reserve(args.output, "-o")
+    try:
+        plot_sweep(args.results, args.x, args.y, out, hue=args.hue, where=args.where, title=args.title)
+    finally:
+        out.discard()
+    print(f"Plot written to {args.output}")
+    return 0
 
 
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
@@ -827,13 +890,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "program order)")
     k.add_argument("--json", action="store_true", help="print the report as JSON only")
     k.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the engine and DMA lanes")
+    k.add_argument("--metrics", metavar="OUT.parquet", help="write the kernel's metrics as a Parquet row "
+                   "(neuron-profile's names; needs the 'metrics' extra)")
+    k.add_argument("--plot", metavar="OUT.png", help="draw the engine-utilisation breakdown (.png/.svg/.pdf; needs "
+                   "the 'plot' extra)")
     k.set_defaults(fn=cmd_kernel)
     w = sub.add_parser("sweep", help="run kernels over a grid of chip variants (timing only) into a CSV")
     w.add_argument("spec", metavar="SPEC.yaml", help="sweep spec: config, grid, kernels, out")
-    w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
+    w.add_argument("--out", metavar="FILE", help="results file, .csv or .parquet (default: the spec's 'out', or "
+                   "SPEC.csv)")
     w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
     w.add_argument("--max-points", type=int, metavar="N",
                    help=f"run a spec of more than {DEFAULT_MAX_POINTS:,} points (the default limit)")
+    w.add_argument("--executor", choices=("pool", "ray"), default="pool",
+                   help="where points run: a local process pool (default) or Ray (needs the 'ray' extra)")
+    w.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster to run on (default: start a local "
+                   "Ray instance of --jobs CPUs); with --executor ray")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
@@ -841,13 +913,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "the script are still trnsim's; put script arguments after -- to pass those too)")
     r.add_argument("--config", default=None, help="config name or YAML path (default: $TRNSIM_CONFIG or trn2)")
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
-    r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
+    r.add_argument("--trace", metavar="OUT.json", help="write one Perfetto trace from the host's aten ops "
+                   "(torch.profiler) to the device's streams and the expanded kernels' engines")
+    r.add_argument("--trace-stack", action="store_true",
+                   help="add torch.profiler's Python function events to the trace (with_stack: every Python call "
+                        "of the script, imports included; large)")
+    r.add_argument("--expand", action="append", default=[], metavar="OP",
+                   help="draw the engine and DMA-queue lanes of this op's or kernel's longest launch in the trace "
+                        "(repeatable)")
+    r.add_argument("--expand-top", default=3, metavar="N",
+                   help="also expand the N busiest (op, kernel) rows (default 3)")
+    r.add_argument("--metrics", metavar="OUT.parquet", help="write the report's rows with neuron-profile's metric "
+                   "names and their source lines as Parquet (needs the 'metrics' extra)")
+    r.add_argument("--plot", metavar="OUT.png", help="draw the per-op time share and engine utilisation "
+                   "(needs the 'plot' extra)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--compare-eager", action="store_true",
                    help="run the script twice, torch.compile off then on, and print simulated time side by side")
     r.add_argument("--adaptive-eager", action="store_true",
                    help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
     r.set_defaults(fn=cmd_run)
+    pl = sub.add_parser("plot", help="draw a sweep's results (CSV or Parquet): METRIC against KEY, a series per "
+                                     "--hue value (needs the 'plot' extra)")
+    pl.add_argument("results", metavar="RESULTS", help="a sweep's results file (.csv or .parquet) or a metrics file")
+    pl.add_argument("--x", required=True, metavar="KEY", help="the column on the x axis (e.g. core.tensor.clock)")
+    pl.add_argument("--y", required=True, metavar="METRIC", help="the column on the y axis (e.g. us, mfu_percent)")
+    pl.add_argument("--hue", metavar="KEY", help="one series per value of this column")
+    pl.add_argument("--where", action="append", default=[], metavar="K=V", help="keep only rows with K=V (repeatable)")
+    pl.add_argument("--title", help="the figure's title (default: what is plotted)")
+    pl.add_argument("-o", "--output", required=True, metavar="OUT.png", help="the image to write (.png/.svg/.pdf)")
+    pl.set_defaults(fn=cmd_plot)
     _add_collective_parser(sub)
     return p
 
@@ -904,7 +999,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_environment()
         return int(args.fn(args))
-    except (ConfigError, KernelError, UsageError, OutputError) as e:
+    except (ConfigError, KernelError, UsageError, OutputError, MissingExtra) as e:
         print(f"trnsim: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except SweepStopped as e:

@@ -47,7 +47,7 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
@@ -127,6 +127,9 @@ class OpCost:
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
     region: FusedRegion | None = None  # set when the kernel runs a compiled region
     engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -138,9 +141,10 @@ class OpCost:
                 busy[name] = busy.get(name, 0) + t
         demand = {name: t for name, t in busy.items() if name not in ("DMA", "Sync")}
         demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
-        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports),
-                      sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports),
-                      sum(r.matmul_flops for r in reports), demand, tuple(reports),
+        reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
+        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
+                      sum(r.matmul_flops for r in reports), demand, tuple(reports), hbm_read_bytes=reads,
+                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports),
                       engine_flops=sum(r.engine_flops for r in reports))
 
 
@@ -202,9 +206,11 @@ class _CoreTally:
 
 class Recorder:
     """Counts launches for one report scope (the device's whole run, or a ``with`` block).
-    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals."""
+    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals.
+    ``trace`` keeps every launch (a timeline); ``sources`` sums each row's device ticks per
+    source line (what :meth:`Device.set_context` or ``Device.source_of`` said launched it)."""
 
-    def __init__(self, start: int, trace: bool = False):
+    def __init__(self, start: int, trace: bool = False, sources: bool = False):
         self.start = start
         self.rows: dict[tuple[str, int], list[Any]] = {}  # (op, id(cost)) -> [cost, calls, ticks, wait]
         self.host_ops: dict[str, int] = {}
@@ -215,6 +221,11 @@ class Recorder:
         self.compiled_graphs = 0
         self.compile_seconds = 0.0  # wall time, never charged to the device
         self.events: list[TraceEvent] | None = [] if trace else None
+        self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
+
+
+# a launch's context: (the Python line that launched it, its host call; -1: none)
+_NO_CONTEXT = ("", -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,20 +284,42 @@ class _Capture(list):  # type: ignore[type-arg]
         self.keep = keep
 
 
-def _runs(items: Sequence[tuple[int, str, OpCost, int]]) -> Iterator[tuple[int, int, list[tuple[str, OpCost]]]]:
-    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost), ...])."""
-    run: list[tuple[str, OpCost]] = []
+_Item = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context
+
+
+def _runs(items: Sequence[_Item]) -> Iterator[tuple[int, int, list[tuple[str, OpCost, tuple[str, int]]]]]:
+    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost, context), ...])."""
+    run: list[tuple[str, OpCost, tuple[str, int]]] = []
     key: tuple[int, int] | None = None
-    for core, op, cost, s in items:
+    for core, op, cost, s, ctx in items:
         if key != (core, s) and run:
             assert key is not None
             yield key[0], key[1], run
             run = []
         key = (core, s)
-        run.append((op, cost))
+        run.append((op, cost, ctx))
     if run:
         assert key is not None
         yield key[0], key[1], run
+
+
+def _on_fresh_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread (its result or exception comes back here)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="trnsim-simulate", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 class Device:
@@ -307,8 +340,16 @@ class Device:
         self._lock = threading.RLock()
         self._local = threading.local()  # .capture: the launches this thread is collecting
         self.adaptive = False
-        self._pending: list[tuple[int, str, OpCost, int]] = []
+        self._pending: list[_Item] = []
         self._replays: dict[tuple[Any, ...], list[OpCost]] = {}
+        self._context = threading.local()  # per host thread: (source line, call) of its launches
+        # simulate cost-cache misses on a fresh thread: a Python profiler of the host (torch.profiler
+        # with_stack) follows only the threads that existed when it started, so it does not record
+        # the simulator's own calls, which a real host would not make
+        self.simulate_off_thread = False
+        # the source line of a launch its front end gave no context for (None: left blank); set
+        # by a front end only while something records lines, as it walks the host's stack
+        self.source_of: Callable[[], str] | None = None
 
     @property
     def core_count(self) -> int:
@@ -343,6 +384,11 @@ class Device:
         return [build_spec(spec.kernel, s, spec.dtype, self.config, params) for s in shapes]
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
+        if self.simulate_off_thread:
+            return _on_fresh_thread(self._simulate_here, spec)
+        return self._simulate_here(spec)
+
+    def _simulate_here(self, spec: KernelSpec) -> OpCost:
         kernels = self.kernels_of(spec)
         results = self.chip.run_spmd(kernels, timing_only=True)
         self.simulated += len(kernels)
@@ -363,6 +409,26 @@ class Device:
                       sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
 
     # ---- time ------------------------------------------------------------------------------
+    def set_context(self, source: str = "", call: int = -1) -> tuple[str, int]:
+        """Attribute the launches this thread issues from now on to Python line ``source`` and
+        host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
+        returns the previous context, to restore when the call ends."""
+        prev = getattr(self._context, "value", _NO_CONTEXT)
+        self._context.value = (source, call) if source or call >= 0 else _NO_CONTEXT
+        return prev
+
+    def restore_context(self, prev: tuple[str, int]) -> None:
+        """Put back a context :meth:`set_context` returned."""
+        self._context.value = prev
+
+    def _launch_context(self) -> tuple[str, int]:
+        """This thread's context for a launch it makes now (taken when the launch is made, not
+        when a queued or collected launch is issued)."""
+        source, call = getattr(self._context, "value", _NO_CONTEXT)
+        if not source and self.source_of is not None:
+            source = self.source_of()
+        return source, call
+
     @property
     def host(self) -> int:
         """The host's clock: when it will issue its next launch (queued launches issued first)."""
@@ -386,16 +452,17 @@ class Device:
         (inside :meth:`graph`/:meth:`muted`) or queued (adaptive eager) to be issued later."""
         with self._lock:
             s = self.cores[core].current_stream if stream is None else stream
+            ctx = self._launch_context()
             cap = getattr(self._local, "capture", None)
             if cap is not None:
-                cap.append((core, op, cost, s))
+                cap.append((core, op, cost, s, ctx))
                 return None
             if self.adaptive:
-                self._pending.append((core, op, cost, s))
+                self._pending.append((core, op, cost, s, ctx))
                 if len(self._pending) >= ADAPTIVE_QUEUE:
                     self._flush_pending()
                 return None
-            return self._issue(core, s, [(op, cost)])[0]
+            return self._issue(core, s, [(op, cost, ctx)])[0]
 
     def launch_graph(self, core: int, items: Sequence[tuple[str, OpCost]], stream: int | None = None
                      ) -> list[tuple[int, int]]:
@@ -405,10 +472,12 @@ class Device:
         with self._lock:
             self._settle()
             s = self.cores[core].current_stream if stream is None else stream
-            return self._issue(core, s, list(items))
+            ctx = self._launch_context()
+            return self._issue(core, s, [(op, cost, ctx) for op, cost in items])
 
-    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost]]) -> list[tuple[int, int]]:
-        """One host dispatch for ``items`` on stream ``s`` of ``core`` (one item: a plain launch)."""
+    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]]) -> list[tuple[int, int]]:
+        """One host dispatch for ``items`` ((op, cost, context)) on stream ``s`` of ``core`` (one
+        item: a plain launch)."""
         c = self.cores[core]
         host = self._host
         if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
@@ -425,7 +494,7 @@ class Device:
             wait = 0
         graph = len(items) > 1
         times = []
-        for op, cost in items:
+        for op, cost, ctx in items:
             start = t
             ticks = cost.ticks
             if s not in c.streams:
@@ -437,7 +506,7 @@ class Device:
             end = start + ticks
             if ticks:
                 c.bookings.append((s, start, end, cost.demand))
-            self._record(core, s, op, cost, ticks, wait, host, start, end)
+            self._record(core, s, op, cost, ticks, wait, host, start, end, ctx)
             wait = 0  # kernels of one graph follow each other without the host
             times.append((start, end))
             t = end
@@ -453,8 +522,9 @@ class Device:
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
-                end: int) -> None:
+                end: int, ctx: tuple[str, int] = _NO_CONTEXT) -> None:
         key = (op, id(cost))
+        source, call = ctx
         for rec in self.recorders:
             row = rec.rows.get(key)
             if row is None:
@@ -469,12 +539,17 @@ class Device:
             tally.launches += 1
             tally.wait += wait
             tally.add(start, end, host)
+            if rec.sources is not None and source:
+                lines = rec.sources.get(key)
+                if lines is None:
+                    lines = rec.sources[key] = {}
+                lines[source] = lines.get(source, 0) + ticks
             if rec.events is not None:
-                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
+                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end, source, call, cost.reports))
 
     # ---- collecting launches: compiled graphs, values charged another way, adaptive eager --
     @contextlib.contextmanager
-    def graph(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def graph(self) -> Iterator[list[_Item]]:
         """Collect the launches this thread makes inside the block and issue them, when it ends,
         as graph launches: one per run of consecutive launches on one (core, stream). A
         synchronisation inside the block issues what was collected so far first."""
@@ -482,14 +557,14 @@ class Device:
             yield cap
 
     @contextlib.contextmanager
-    def muted(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def muted(self) -> Iterator[list[_Item]]:
         """Discard the launches this thread makes inside the block (their cost is charged some
         other way, e.g. as one fused kernel)."""
         with self._collect(keep=False) as cap:
             yield cap
 
     @contextlib.contextmanager
-    def _collect(self, keep: bool) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def _collect(self, keep: bool) -> Iterator[list[_Item]]:
         cap = _Capture(keep)
         prev = getattr(self._local, "capture", None)
         self._local.capture = cap
@@ -518,14 +593,14 @@ class Device:
         one launch by launch (its capture), remembered for next time."""
         items, self._pending = self._pending, []
         for core, s, run in _runs(items):
-            key = (core, s, tuple((op, id(cost)) for op, cost in run))
+            key = (core, s, tuple((op, id(cost)) for op, cost, _ in run))
             if len(run) > 1 and key in self._replays:
                 self._issue(core, s, run)
                 continue
             for item in run:
                 self._issue(core, s, [item])
             if len(run) > 1:
-                self._replays[key] = [cost for _, cost in run]  # keeps the costs (and their ids) alive
+                self._replays[key] = [cost for _, cost, _ in run]  # keeps the costs (and their ids) alive
 
     def _settle(self) -> None:
         """Before anything that reads or waits on time: issue queued and collected launches."""
@@ -585,11 +660,11 @@ class Device:
         return max([self._host, *(t for c in cores for t in c.ready.values())])
 
     # ---- reports ---------------------------------------------------------------------------
-    def open_scope(self, trace: bool = False) -> Recorder:
+    def open_scope(self, trace: bool = False, sources: bool = False) -> Recorder:
         """Start recording launches from now (a report scope); close it with :meth:`close_scope`."""
         with self._lock:
             self._settle()
-            rec = Recorder(self._host, trace)
+            rec = Recorder(self._host, trace, sources)
             self.recorders.append(rec)
             return rec
 
@@ -599,11 +674,15 @@ class Device:
             self.recorders.remove(rec)
             return self.report(rec)
 
-    def reset(self, trace: bool = False) -> None:
-        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline)."""
+    def reset(self, trace: bool = False, sources: bool | None = None) -> None:
+        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline;
+        ``sources``: each row's device time per source line; None keeps the current choice, so a
+        program's own reset does not undo what its runner asked for)."""
         with self._lock:
             self._settle()
-            self.recorders[0] = Recorder(self._host, trace)
+            if sources is None:
+                sources = self.recorders[0].sources is not None
+            self.recorders[0] = Recorder(self._host, trace, sources)
 
     def report(self, rec: Recorder | None = None) -> RunReport:
         """The :class:`RunReport` of ``rec`` (default: the whole run since start or reset)."""
@@ -616,12 +695,18 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
-        for (op, _), (cost, calls, ticks, wait) in rec.rows.items():
+        for (op, cid), (cost, calls, ticks, wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0,
-                                              "fused": (), "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0}
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0, "fused": (),
+                                              "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0,
+                                              "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}}
+            for line, t in (rec.sources or {}).get((op, cid), {}).items():
+                a["sources"][line] = a["sources"].get(line, 0) + t
+            a["hbm_read"] += calls * cost.hbm_read_bytes
+            a["hbm_write"] += calls * cost.hbm_write_bytes
+            a["dma"] += calls * cost.dma_bytes
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
@@ -650,7 +735,9 @@ class Device:
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
                 bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
                 eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
-                engine_flops=a["eflops"]))
+                engine_flops=a["eflops"], hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"],
+                dma_bytes=a["dma"],
+                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else ""))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self._host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start

@@ -20,7 +20,7 @@ Conventions (also in the README):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 from .config import ChipConfig
@@ -93,6 +93,13 @@ class KernelReport:
         else:
             d["timeline"] = [list(s) for s in self.timeline]
         return d
+
+    def to_parquet(self, path: Any) -> Any:
+        """Write this kernel's metrics as one Parquet row with neuron-profile's names (needs
+        pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
+        from .metrics import write_kernel_metrics
+
+        return write_kernel_metrics(path, [self])
 
     def segments(self, lane: str | None = None) -> list[Segment]:
         return [s for s in self.timeline if lane is None or s[0] == lane]
@@ -291,7 +298,10 @@ def _alu_flops(ins: Instruction) -> int:
 @dataclass(frozen=True)
 class TraceEvent:
     """One launch on the device timeline: the host issued it at ``issued``; it ran on ``core``'s
-    ``stream`` from ``start`` to ``end`` (ticks)."""
+    ``stream`` from ``start`` to ``end`` (ticks). ``source`` is the Python line that launched it
+    and ``call`` the host call it belongs to (-1: none), when the front end said
+    (:meth:`trnsim.device.Device.set_context`); ``reports`` are the simulated kernels behind it,
+    one per physical core (empty for a launch with no kernel, e.g. a collective)."""
 
     core: int
     stream: int
@@ -300,6 +310,9 @@ class TraceEvent:
     issued: int
     start: int
     end: int
+    source: str = ""
+    call: int = -1
+    reports: tuple[KernelReport, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -324,6 +337,10 @@ class OpRow:
     eager_hbm_bytes: int = 0  # HBM bytes they would move
     eager_time_us: float = 0.0  # device time they would take
     engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines (KernelReport.engine_flops)
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0  # moved by the DMA engines of its kernels (a casting copy counts its wider side)
+    source_line: str = ""  # the Python line whose launches of this row took the most device time, if tracked
 
     @property
     def is_region(self) -> bool:
@@ -386,12 +403,19 @@ class RunReport:
         return sum(self.host_ops.values())
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, events=()))  # events hold kernel reports: never deep-copied
         d.pop("events")
         d["host_only_calls"] = self.host_only_calls
         d["launches_saved"] = self.launches_saved
         d["hbm_bytes_saved"] = self.hbm_bytes_saved
         return d
+
+    def to_parquet(self, path: Any) -> Any:
+        """Write one row per (op, kernel) with neuron-profile's metric names as a Parquet file
+        (needs pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
+        from .metrics import write_run_metrics
+
+        return write_run_metrics(path, self)
 
     def row(self, op: str) -> OpRow:
         """The busiest row of ``op`` (KeyError if the op launched nothing in this report)."""
