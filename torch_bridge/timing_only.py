@@ -567,11 +567,8 @@ class TimingOnly:
                 # capacity and raise the first such OOM when the backward returns (raise_deferred_oom)
                 if self._oom is None:
                     self._oom = err
-                mem = ledger.devices[core]
-                mem.allocated += nbytes
-                mem.allocations += 1
-                mem.segments += 1
-                mem.peak = max(mem.peak, mem.allocated)
+                with ledger.lock:
+                    ledger.devices[core].add(nbytes)
 
     def raise_deferred_oom(self) -> None:
         """Raise the OOM a backward met on the autograd engine's thread, if any (see _reserve)."""

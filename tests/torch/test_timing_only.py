@@ -209,8 +209,8 @@ def test_trnsim_run_timing_only(tmp_path):
     script.write_text("import torch\nx = torch.randn(64, 128, device='neuron')\nw = torch.randn(128, 256, device='neuron')\n"
                       "y = (x @ w).relu().sum(0)\nprint('shape', tuple(y.shape))\n")
     runs = [_trnsim("run", str(script), "--json", *flag, cwd=tmp_path) for flag in ((), ("--timing-only",))]
-    assert all(r.returncode == 0 and "shape (256,)" in r.stdout for r in runs), runs[1].stderr
-    values, fake = (json.loads(r.stdout[r.stdout.index("{"):]) for r in runs)
+    assert all(r.returncode == 0 and "shape (256,)" in r.stderr for r in runs), runs[1].stderr  # --json: stdout is data
+    values, fake = (json.loads(r.stdout) for r in runs)
     assert fake["launches"] == values["launches"] > 0 and fake["elapsed_us"] == values["elapsed_us"]
     bad = tmp_path / "item.py"
     bad.write_text("import torch\nx = torch.ones(8, device='neuron')\nif x.sum().item() > 0:\n    pass\n")
