@@ -18,6 +18,7 @@ SMALL = {
     "bmm": (2, 130, 70, 200),
     "conv2d": (1, 20, 9, 9, 24, 3),
     "embedding": (130, 50, 96),
+    "foreach_fused": (3, 1000),
     "fused": (130, 300),
     "matmul_fused": (130, 200, 300),
     "layernorm": (130, 300),
