@@ -39,6 +39,7 @@ from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _s
 from .registry import register_kernel
 
 STAGES = 8
+SMALL_COLS = 128  # elements per partition under which a tensor is packed with others
 
 __all__ = ["build_foreach_fused", "shares", "PATTERNS", "pattern", "foreach_reference"]
 
@@ -183,51 +184,95 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
         live.append(v)
     sets = nstages + (1 if bufs > 2 else 0)
     budget = cfg.core.sbuf.partition_bytes * 7 // 8 - (len(res) + 1) * L * 4
-    width = min(width, max((n // P for n in ns), default=1) or 1)
+    # small tensors (under SMALL_COLS elements per partition: DMA- and instruction-overhead-bound on
+    # their own, datasheet §6-7) are packed side by side into shared tiles, one instruction per step
+    # for the pack; tensors of fewer than P elements sit on their first partitions, one column each
+    small = [i for i, n in enumerate(ns) if n and ((n % P == 0 and n // P < SMALL_COLS) or n < P)]
+    cols_small = sum(max(1, ns[i] // P) for i in small)
+    width = min(width, max([n // P for n in ns] + [cols_small, 1]))
     width = min(width, budget // max(1, sets * nslots * 4))
     if width < 1:
         raise KernelError(f"{name}: {nslots} live tiles per piece do not fit SBUF on {cfg.name}")
     pools = [[kern.tile_pool(f"v{s}_{d}", bufs=1) for s in range(nslots)] for d in range(sets)]
-    pieces: list[tuple[int, int, int, int, int]] = []  # (tensor, partitions, HBM offset, columns, row stride)
+    # a piece: (partitions, columns, members); a member: (tensor, first column, HBM offset,
+    # partitions, columns, HBM row stride)
+    Member = tuple[int, int, int, int, int, int]
+    pieces: list[tuple[int, int, list[Member]]] = []
+    packs: dict[int, list[Member]] = {}  # partitions -> the open pack's members
     for i, n in enumerate(ns):
         m = n // P
+        if i in small:
+            p, w = (P, m) if n % P == 0 else (n, 1)
+            pack = packs.setdefault(p, [])
+            if sum(x[4] for x in pack) + w > width:
+                pieces.append((p, sum(x[4] for x in pack), pack))
+                pack = packs[p] = []
+            pack.append((i, sum(x[4] for x in pack), 0, p, w, w))
+            continue
         for c0 in range(0, m, width):
-            pieces.append((i, P, c0, min(width, m - c0), m))
+            w = min(width, m - c0)
+            pieces.append((P, w, [(i, 0, c0, P, w, m)]))
         if n % P:
-            pieces.append((i, n % P, P * m, 1, 1))
+            pieces.append((n % P, 1, [(i, 0, P * m, n % P, 1, 1)]))
+    pieces += [(p, sum(x[4] for x in pack), pack) for p, pack in sorted(packs.items()) if pack]
+    # a pack reads each tensor's scalars as columns: expanded once, before the loop
+    expand = [v for v in range(len(kinds)) if phase[v] == "pre" and
+              any(v in _args(prog.steps[j]) for j in loop_steps)]
+    packed_kinds = [FULL if v in expand else k for v, k in enumerate(kinds)]
+    em_packed = _Emitter(kern, prog, packed_kinds, engines)
+    expanded: dict[int, dict[int, TileAP]] = {}
+    turn = 0
+    for q, (p, w, members) in enumerate(pieces):
+        if len(members) < 2:
+            continue
+        expanded[q] = {}
+        for v in expand:
+            e = expanded[q][v] = kern.sbuf((p, w), "fp32", name=f"pack{q}_{v}")
+            for i, c, _, pi, wi, _ in members:
+                kern.tensor_copy(e[:pi, c:c + wi], res[v][:pi, i:i + 1].broadcast_to(pi, wi),
+                                 engine=("vector", "gpsimd")[turn % 2])
+                turn += 1
 
-    def hbm(t: Any, pc: tuple[int, int, int, int, int]) -> Any:
-        _, p, off, w, stride = pc
+    def hbm(t: Any, mb: Member) -> Any:
+        _, _, off, p, w, stride = mb
         return t.ap(off, [[stride, p], [1, w]])
 
-    def stage(si: int, pi: int, pc: tuple[int, int, int, int, int], tiles: dict[int, TileAP]) -> None:
-        i, p, _, w, _ = pc
+    def stage(si: int, pi: int, pc: tuple[int, int, list[Member]], tiles: dict[int, TileAP]) -> None:
+        p, w, members = pc
         slots = pools[pi % sets]
+        packed = len(members) > 1
+        i0 = members[0][0]
         if si == 0:
             for k in range(n_in):
                 if phase[k] == "pre":
-                    tiles[k] = res[k][:p, i:i + 1]
+                    tiles[k] = expanded[pi][k][:p, :w] if k in expand and packed else res[k][:p, i0:i0 + 1]
                     continue
                 dt = prog.inputs[k][1]
                 t = slots[slot_of[k]].tile((P, width * 4 // get_dtype(dt).itemsize), dt)[:p, :w]
-                kern.dma_copy(t, hbm(ins[i][k], pc), queue=k % 3)
+                for x, mb in enumerate(members):  # a pack's many small transfers spread over more queues
+                    kern.dma_copy(t[:mb[3], mb[1]:mb[1] + mb[4]], hbm(ins[mb[0]][k], mb),
+                                  queue=(k + 3 * x) % 9 if packed else k % 3)
                 tiles[k] = t
             for j in range(len(prog.steps)):
-                if phase[n_in + j] == "pre":
-                    tiles[n_in + j] = res[n_in + j][:p, i:i + 1]
+                v = n_in + j
+                if phase[v] == "pre":
+                    tiles[v] = expanded[pi][v][:p, :w] if v in expand and packed else res[v][:p, i0:i0 + 1]
         for j in stages[si]:
             v = n_in + j
             dt = _tile_dtype(prog, kinds, phase, v, out_of)
             dst = slots[slot_of[v]].tile((P, width * 4 // get_dtype(dt).itemsize), dt)[:p, :w]
-            em.step(j, dst, tiles, p, 1, w, 0)
+            (em_packed if packed else em).step(j, dst, tiles, p, 1, w, 0)
             tiles[v] = dst
             for o in out_of.get(v, []):
-                kern.dma_copy(hbm(outs[i][o], pc), dst, engine=engines[j], queue=0)
+                for x, mb in enumerate(members):
+                    kern.dma_copy(hbm(outs[mb[0]][o], mb), dst[:mb[3], mb[1]:mb[1] + mb[4]], engine=engines[j],
+                                  queue=x % 2)
         if si == 0:
             for k in range(n_in):  # an input that is an output as it is
                 for o in out_of.get(k, []):
-                    if phase[k] == "loop" and outs[i][o] is not ins[i][k]:
-                        kern.dma_copy(hbm(outs[i][o], pc), tiles[k], queue=4)
+                    for mb in members:
+                        if phase[k] == "loop" and outs[mb[0]][o] is not ins[mb[0]][k]:
+                            kern.dma_copy(hbm(outs[mb[0]][o], mb), tiles[k][:mb[3], mb[1]:mb[1] + mb[4]], queue=4)
 
     states: list[dict[int, TileAP]] = [{} for _ in pieces]
     for t in range(len(pieces) + nstages - 1):
