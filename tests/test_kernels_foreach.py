@@ -27,6 +27,18 @@ def test_pattern_matches_numpy(pattern, config):
         assert out["ok"], f"{pattern} {dtype}: {out['errors']}"
 
 
+def test_host_scalars_are_one_argument_block_each():
+    for config in ("trn2", "trn3"):
+        out = check_entry(get_kernel("foreach_fused"), (len(SIZES), sum(SIZES)), "fp32", config,
+                          {"pattern": "adamw_host", "sizes": SIZES, "scalar_args": True})
+        assert out["ok"], out["errors"]
+    k = build_foreach_fused(len(SIZES), sum(SIZES), "fp32", "trn2", pattern="adamw_host", sizes=SIZES, scalar_args=True)
+    assert k.tensors["in4"].shape == (len(SIZES),) and "in4_0" not in k.tensors
+    with pytest.raises(KernelError, match=r"^foreach_fused: scalar input 4 is a host argument \(scalar_args\); it "
+                                          r"cannot be written$"):
+        build_foreach_fused(2, 100, pattern="adamw", scalar_args=True)
+
+
 def test_each_tensor_moves_through_hbm_once_and_state_is_updated_in_place():
     k = build_foreach_fused(len(SIZES), sum(SIZES), "fp32", "trn2", pattern="adamw", sizes=SIZES)
     n = sum(SIZES)

@@ -201,6 +201,7 @@ class ForeachRegion:
     sizes: tuple[int, ...] = ()
     inplace: tuple[tuple[int, int], ...] = ()
     dtype: str = "fp32"
+    host_scalars: bool = False
 
     def build(self) -> None:
         members = set(self.nodes)
@@ -234,9 +235,9 @@ class ForeachRegion:
                 raise Unfusable(f"the tensors at index {i} differ in size or are not contiguous")
             sizes.append(ns.pop())
         for lst in lists_of.values():
-            if any((_val(x).dim() > 0) != (_val(lst[0]).dim() > 0) or not _val(x).dtype.is_floating_point
-                   for x in lst):
-                raise Unfusable("a list mixing scalars and tensors, or of a non-float dtype")
+            if any((_val(x).dim() > 0) != (_val(lst[0]).dim() > 0) or _val(x).dtype != _val(lst[0]).dtype
+                   or not _val(x).dtype.is_floating_point for x in lst):
+                raise Unfusable("a list mixing scalars and tensors or dtypes, or of a non-float dtype")
         t0 = _val(full[0][0])
         b = Builder(("1", str(max(t0.numel(), 1))))
         for node in lists_of:
@@ -295,6 +296,10 @@ class ForeachRegion:
                 if a not in members and a not in self.inputs:
                     self.inputs.append(a)
         self.sizes = tuple(sizes)
+        # scalars the host holds (a non-capturable step's bias corrections): the kernel's arguments
+        scalar_lists = [lst for lst in lists_of.values() if _val(lst[0]).dim() == 0]
+        self.host_scalars = bool(scalar_lists) and all(_val(x).device.type == "cpu" for lst in scalar_lists
+                                                       for x in lst)
         self.dtype = _trn_dtype(t0.dtype)
 
 
@@ -435,7 +440,8 @@ class ForeachKernel:
         eager = [(op, rt.cost(spec, "empty")) for op, spec in self._eager()]
         r = self.region
         spec = KernelSpec.of("foreach_fused", (len(r.sizes), sum(r.sizes)), r.dtype,
-                             {"program": r.program, "sizes": r.sizes, "inplace": r.inplace})
+                             {"program": r.program, "sizes": r.sizes, "inplace": r.inplace,
+                              "scalar_args": r.host_scalars})
         try:
             cost = rt.cost(spec)
         except KernelError:

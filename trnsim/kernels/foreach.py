@@ -76,10 +76,13 @@ def _phases(prog: Program, kinds: list[str]) -> list[str]:
 def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: ChipConfig | str = "trn2",
                         pattern: str = "adamw", program: Program | None = None, sizes: Sequence[int] | None = None,
                         inplace: Sequence[tuple[int, int]] | None = None, width: int = 2048, bufs: int = 3,
-                        name: str = "foreach_fused") -> Kernel:
+                        scalar_args: bool = False, name: str = "foreach_fused") -> Kernel:
     """``program`` (or the preset ``pattern``) over ``tensors`` tensors of ``elems`` elements in all
     (module docstring). HBM: ``in{k}_{i}`` / ``out{j}_{i}`` for input ``k`` / output ``j`` of tensor
-    ``i``; ``inplace`` pairs (output j, input k): output j is stored into ``in{k}_{i}`` (inout)."""
+    ``i``; ``inplace`` pairs (output j, input k): output j is stored into ``in{k}_{i}`` (inout).
+    ``scalar_args``: each scalar input is one ``in{k}`` of ``tensors`` elements, the block of kernel
+    arguments the host writes for values it holds (a non-capturable optimizer's step-derived
+    scalars), read with one DMA; otherwise each tensor's scalar is a device tensor of its own."""
     for what, d in (("tensors", tensors), ("elems", elems), ("width", width), ("bufs", bufs)):
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
             raise KernelError(f"{name}: {what} must be a positive integer, got {d!r}")
@@ -96,6 +99,8 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
         if kinds[prog.outputs[j][0]] != prog.inputs[k][0] or get_dtype(prog.outputs[j][1]) != get_dtype(prog.inputs[k][1]):
             raise KernelError(f"{name}: output {j} cannot be written into input {k} (kind or dtype differ)")
         into[j] = k
+        if scalar_args and prog.inputs[k][0] == SCALAR:
+            raise KernelError(f"{name}: scalar input {k} is a host argument (scalar_args); it cannot be written")
     ns = shares(tensors, elems, sizes)
     kern = Kernel(name, config)
     cfg = kern.config
@@ -108,8 +113,11 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
 
     ins: list[list[Any]] = []
     outs: list[list[Any]] = []
+    args = {k: kern.input(f"in{k}", (tensors,), dt) for k, (kd, dt) in enumerate(prog.inputs)
+            if kd == SCALAR and scalar_args}
     for i, n in enumerate(ns):
-        row = [kern.input(f"in{k}_{i}", hbm_shape(kd, n), dt) for k, (kd, dt) in enumerate(prog.inputs)]
+        row = [args[k] if k in args else kern.input(f"in{k}_{i}", hbm_shape(kd, n), dt)
+               for k, (kd, dt) in enumerate(prog.inputs)]
         for k in into.values():
             row[k].kind = "inout"  # the kernel writes it: an optimizer's parameter or state, updated in place
         ins.append(row)
@@ -129,9 +137,12 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
         kern.memset(ones, 1.0)
         ps = kern.psum((P, min(L, tn)), "fp32", name="scalars_ps")
         for k in scalar_ins:
-            row1 = kern.sbuf((1, L), "fp32", name=f"scalars{k}_1")
-            for i in range(L):
-                kern.dma_copy(row1[:, i:i + 1], ins[i][k].ap(0, [[0, 1], [1, 1]]), queue=3 + i % 4)
+            row1 = kern.sbuf((1, L), prog.inputs[k][1], name=f"scalars{k}_1")
+            if k in args:
+                kern.dma_copy(row1, args[k].ap(0, [[0, 1], [1, L]]), queue=3)
+            else:
+                for i in range(L):
+                    kern.dma_copy(row1[:, i:i + 1], ins[i][k].ap(0, [[0, 1], [1, 1]]), queue=3 + i % 4)
             res[k] = kern.sbuf((P, L), "fp32", name=f"scalars{k}")
             for c0 in range(0, L, tn):
                 w = min(tn, L - c0)
@@ -317,6 +328,26 @@ def _p_adamw(dt: str) -> Program:
         ("tt", "subtract", 12, 24)), ((25, dt), (15, dt), (19, dt), (5, "fp32")))
 
 
+def _p_adamw_host(dt: str) -> Program:
+    """AdamW as a compiled non-capturable step runs on the device: the step count and the bias
+    corrections stay on the host, two scalars per tensor (sqrt(bias correction 2) and -bc1/lr)."""
+    return Program(((FULL, dt), (FULL, dt), (FULL, dt), (FULL, dt), (SCALAR, "fp32"), (SCALAR, "fp32")), (
+        ("ts", 0, "multiply", 1.0 - 1e-3 * 0.01, None, None, False),  # 6: decayed param
+        ("tt", "subtract", 1, 2),                                    # 7: g - m
+        ("ts", 7, "multiply", 0.1, None, None, False),               # 8
+        ("tt", "add", 2, 8),                                         # 9: m'
+        ("ts", 3, "multiply", 0.999, None, None, False),             # 10
+        ("act", "square", 1, 1.0, 0.0),                              # 11: g^2
+        ("ts", 11, "multiply", 1e-3, None, None, False),             # 12
+        ("tt", "add", 10, 12),                                       # 13: v'
+        ("act", "sqrt", 13, 1.0, 0.0),                               # 14
+        ("tt", "divide", 14, 4),                                     # 15
+        ("ts", 15, "add", 1e-8, None, None, False),                  # 16
+        ("tt", "divide", 16, 5),                                     # 17: denominator / step size
+        ("tt", "divide", 9, 17),                                     # 18
+        ("tt", "add", 6, 18)), ((19, dt), (9, dt), (13, dt)))
+
+
 def _p_sgd_momentum(dt: str) -> Program:
     """One tensor of SGD (lr 0.05, momentum 0.9, weight decay 1e-4): param, grad, momentum buffer ->
     the updated param and buffer."""
@@ -331,11 +362,13 @@ def _p_sgd_momentum(dt: str) -> Program:
 
 PATTERNS: dict[str, tuple[str, Callable[[str], Program]]] = {
     "adamw": ("AdamW's step per tensor (param, grad, exp_avg, exp_avg_sq, step), state updated in place", _p_adamw),
+    "adamw_host": ("AdamW per tensor with the step and bias corrections on the host (scalar_args=true: one "
+                   "argument block per scalar)", _p_adamw_host),
     "sgd_momentum": ("SGD with momentum and weight decay per tensor, param and buffer updated in place",
                      _p_sgd_momentum),
 }
 PATTERNS_INPLACE: dict[str, tuple[tuple[int, int], ...]] = {
-    "adamw": ((0, 0), (1, 2), (2, 3), (3, 4)), "sgd_momentum": ((0, 0), (1, 2))}
+    "adamw": ((0, 0), (1, 2), (2, 3), (3, 4)), "adamw_host": ((0, 0), (1, 2), (2, 3)), "sgd_momentum": ((0, 0), (1, 2))}
 
 
 def pattern(name: str, dtype: str = "fp32") -> Program:
@@ -368,11 +401,16 @@ def foreach_reference(prog: Program, arrays: Sequence[Sequence[np.ndarray]], int
 def _inputs(shape, dtype, params, rng):
     prog, ns, _ = _setup(shape, dtype, params)
     out = {}
+    for k, (kd, _) in enumerate(prog.inputs):
+        if kd == SCALAR and params.get("scalar_args"):
+            out[f"in{k}"] = np.asarray([float(i % 7 + 1) for i in range(len(ns))], dtype=np.float32)
     for i, n in enumerate(ns):
         for k, (kd, _) in enumerate(prog.inputs):
+            if kd == SCALAR and params.get("scalar_args"):
+                continue
             if kd == SCALAR:
                 out[f"in{k}_{i}"] = np.asarray([float(i % 7 + 1)], dtype=np.float32)  # a step count
-            elif k == 3 and params.get("pattern", "adamw") == "adamw" and not params.get("program"):
+            elif k == 3 and str(params.get("pattern", "adamw")).startswith("adamw") and not params.get("program"):
                 out[f"in{k}_{i}"] = np.abs(rng.standard_normal(max(n, 1))).astype(np.float32)  # exp_avg_sq >= 0
             else:
                 out[f"in{k}_{i}"] = rng.standard_normal(max(n, 1)).astype(np.float32)
@@ -383,7 +421,9 @@ def _reference(inputs, shape, dtype, params):
     from .reference import round_to
 
     prog, ns, into = _setup(shape, dtype, params)
-    arrays = [[round_to(inputs[f"in{k}_{i}"], dt) for k, (_, dt) in enumerate(prog.inputs)] for i in range(len(ns))]
+    def arr(k: int, i: int, kd: str) -> np.ndarray:
+        return inputs[f"in{k}"][i:i + 1] if kd == SCALAR and params.get("scalar_args") else inputs[f"in{k}_{i}"]
+    arrays = [[round_to(arr(k, i, kd), dt) for k, (kd, dt) in enumerate(prog.inputs)] for i in range(len(ns))]
     res: dict[str, np.ndarray] = {}
     for d in foreach_reference(prog, arrays, into):
         res.update(d)
@@ -401,11 +441,13 @@ def _split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tu
 @register_kernel("foreach_fused", dims="TENSORSxELEMS", dtypes=("fp32", "bf16", "fp16"), default_shape=(16, 1 << 20),
                  summary="a compiled optimizer step: one multi-tensor kernel over every parameter, gradient and state "
                          "tensor, updated in place; --param pattern=" + "/".join(PATTERNS),
-                 params={"pattern": "adamw", "program": None, "sizes": None, "inplace": None, "width": 2048, "bufs": 3},
+                 params={"pattern": "adamw", "program": None, "sizes": None, "inplace": None, "width": 2048, "bufs": 3,
+                         "scalar_args": False},
                  inputs=_inputs, reference=_reference, tolerance=lambda dt: (2e-2, 2e-2) if get_dtype(dt).itemsize == 2
                  else (1e-4, 1e-4), split=_split)
 def _foreach_entry(tensors: int, elems: int, dtype: str = "fp32", config: ChipConfig | str = "trn2",
                    pattern: str = "adamw", program: Program | None = None, sizes: Sequence[int] | None = None,
-                   inplace: Sequence[tuple[int, int]] | None = None, width: int = 2048, bufs: int = 3) -> Kernel:
+                   inplace: Sequence[tuple[int, int]] | None = None, width: int = 2048, bufs: int = 3,
+                   scalar_args: bool = False) -> Kernel:
     return build_foreach_fused(tensors, elems, dtype, config, pattern=pattern, program=program, sizes=sizes,
-                               inplace=inplace, width=width, bufs=bufs)
+                               inplace=inplace, width=width, bufs=bufs, scalar_args=scalar_args)
