@@ -34,7 +34,7 @@ from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
-from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class,
+from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class, pipeline,
                     _tile_dtype, reference)
 from .registry import register_kernel
 
@@ -285,14 +285,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
                         if phase[k] == "loop" and outs[mb[0]][o] is not ins[mb[0]][k]:
                             kern.dma_copy(hbm(outs[mb[0]][o], mb), tiles[k][:mb[3], mb[1]:mb[1] + mb[4]], queue=4)
 
-    states: list[dict[int, TileAP]] = [{} for _ in pieces]
-    for t in range(len(pieces) + nstages - 1):
-        for si in range(nstages):
-            idx = t - si
-            if 0 <= idx < len(pieces):
-                stage(si, idx, pieces[idx], states[idx])
-        if t >= nstages - 1:
-            states[t - nstages + 1] = {}
+    pipeline(pieces, nstages, stage, dict)
     return kern
 
 
