@@ -23,7 +23,7 @@ SIZES = (256 * 300, 768, 100, 128 * 5 + 37)
 def test_pattern_matches_numpy(pattern, config):
     for dtype in ("fp32", "bf16"):
         out = check_entry(get_kernel("foreach_fused"), (len(SIZES), sum(SIZES)), dtype, config,
-                          {"pattern": pattern, "sizes": SIZES})
+                          {"pattern": pattern, "sizes": SIZES, "scalar_args": pattern == "adamw_host"})
         assert out["ok"], f"{pattern} {dtype}: {out['errors']}"
 
 
@@ -85,3 +85,27 @@ def test_errors_are_one_line():
         build_foreach_fused(2, 100, program=red)
     with pytest.raises(KernelError, match=r"^foreach_fused: inplace pair \(5, 0\) must name an output and an input"):
         build_foreach_fused(2, 100, inplace=((5, 0),))
+    with pytest.raises(KernelError, match=r"^foreach_fused: inplace must be \(output, input\) pairs, e\.g\. "
+                                          r"inplace=0:0,1:2; got '0'$"):
+        build_foreach_fused(2, 100, inplace="0")
+    with pytest.raises(KernelError, match=r"^foreach_fused: program must be a trnsim\.kernels\.fused\.Program"):
+        build_foreach_fused(2, 100, program="x")
+    with pytest.raises(KernelError, match=r"^foreach_fused: 2 elements leave tensor 2 of 3 with none; give each "
+                                          r"tensor at least one \(ELEMS >= TENSORS, sizes > 0\)$"):
+        build_foreach_fused(3, 2)
+
+
+def test_cli_errors_exit_2_in_one_line(capsys):
+    from trnsim.cli import main
+
+    for params in (["inplace=0"], ["program=x"], ["sizes=1,2"]):
+        assert main(["kernel", "foreach_fused", "--shape", "3x30", "--param", *params]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("trnsim: error: foreach_fused: ") and "\n" not in err
+
+
+def test_a_tensor_too_small_to_share_keeps_the_kernel_on_one_core():
+    from trnsim.kernels.registry import split_spec
+
+    assert split_spec("foreach_fused", (2, 1001), {"sizes": (1, 1000)}, 2) == [(2, 1001)]
+    assert split_spec("foreach_fused", (2, 2000), {"sizes": (1000, 1000)}, 2) == [(2, 1000), (2, 1000)]

@@ -3,7 +3,8 @@ the whole graph as one launch.
 
 :class:`CompiledGraph` is what the backend returns for each forward or backward graph. Its graph
 is the aot graph with every region (:func:`torch_bridge.compile.fusion.partition`) replaced by a
-call of a :class:`RegionKernel`; the other nodes are the graph's own aten calls, which run through
+call of a :class:`RegionKernel`, and every multi-tensor region (an optimizer step's foreach chain,
+:func:`torch_bridge.compile.foreach.partition_foreach`) by a call of a ``ForeachKernel``; the other nodes are the graph's own aten calls, which run through
 the neuron dispatcher exactly as in eager mode (values on the datapath or CPU kernels, each
 charged as its eager kernel). The graph's launches are collected and issued as one graph launch
 (:meth:`trnsim.device.Device.graph`): a compiled graph is one executable, so the host pays one

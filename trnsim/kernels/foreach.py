@@ -10,14 +10,20 @@ runs it over every tensor in one launch, as Inductor's foreach kernels do on GPU
   output written once; an output listed in ``inplace`` is written back into the input it
   updates (the functionalized graph's ``copy_`` into the parameter or state, absorbed as the
   kernel's store), so the kernel's HBM traffic is the step's own: read p, g, m, v, write p, m, v;
-* ``scalar`` inputs are one element per tensor (a step count): all tensors' scalars are loaded
-  into one ``[1, tensors]`` row, broadcast to the partitions by a ones-matmul, and the program's
-  steps on scalars only (bias corrections, step sizes) run once on that ``[P, tensors]`` tile,
-  before the tile loop; a tile of tensor ``i`` reads column ``i`` as a per-partition operand;
+* ``scalar`` inputs are one element per tensor (a step count, a bias correction): all tensors'
+  scalars are loaded into one ``[1, tensors]`` row (one DMA when the host holds them and passes
+  them as an argument block, ``scalar_args``; else one per tensor), broadcast to the partitions
+  by a ones-matmul, and the program's steps on scalars only run once on that ``[P, tensors]``
+  tile, before the tile loop; a tile of tensor ``i`` reads column ``i`` as a per-partition operand;
 * a tensor of ``n`` elements is laid out ``[P, n // P]`` (partition ``p`` holds a contiguous
-  chunk) in column tiles of up to ``width`` elements, plus a ``[n % P, 1]`` remainder; the tiles
-  of all tensors form one software-pipelined loop, each step on the engine the greedy balance of
-  the fused kernel gives it (published per-element costs, datasheet §7).
+  chunk) in column tiles of up to ``width`` elements, plus a ``[n % P, 1]`` remainder; small
+  tensors (under :data:`SMALL_COLS` elements per partition, or fewer than ``P`` elements) are
+  packed side by side into shared tiles, one instruction per step for the pack, their scalars
+  expanded to columns once; the tiles of all tensors form one loop, software-pipelined with one
+  stage per dependency level (a small tensor's chain of ~10 dependent steps is latency, not
+  work: up to :data:`STAGES` tiles are in flight), each step on the engine the greedy balance of
+  the fused kernel gives it (published per-element costs, datasheet §7). Registers: a linear
+  scan in emission order, each tile using one of ``stages + 1`` fixed buffer sets in turn.
 
 Shape ``TENSORSxELEMS``: the kernel's core streams ``ELEMS`` elements shared over ``TENSORS``
 tensors in proportion to ``sizes`` (default equal): at LNC=2 each physical core takes half of every
@@ -38,8 +44,12 @@ from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _s
                     _tile_dtype, reference)
 from .registry import register_kernel
 
+#: pipeline stages at most (one per dependency level of the program)
 STAGES = 8
-SMALL_COLS = 128  # elements per partition under which a tensor is packed with others
+#: elements per partition under which a tensor is packed with others: transfers under 512 B per
+#: partition are overhead-bound (datasheet §6: "under 256 B per partition: severely"), and an
+#: instruction costs at least MIN_II = 64 cycles (§7) however few elements it has
+SMALL_COLS = 128
 
 __all__ = ["build_foreach_fused", "shares", "PATTERNS", "pattern", "foreach_reference"]
 
@@ -65,6 +75,17 @@ def shares(tensors: int, elems: int, sizes: Sequence[int] | None) -> list[int]:
     return out
 
 
+def _pairs(inplace: Any, name: str) -> list[tuple[int, int]]:
+    """``inplace`` as (output, input) pairs; the command line's ``"0:0,1:2"`` too."""
+    try:
+        if isinstance(inplace, str):
+            return [(int(a), int(b)) for a, b in (x.split(":") for x in inplace.split(",") if x)]
+        return [(int(a), int(b)) for a, b in inplace]
+    except (TypeError, ValueError):
+        raise KernelError(f"{name}: inplace must be (output, input) pairs, e.g. inplace=0:0,1:2; got "
+                          f"{str(inplace)[:40]!r}") from None
+
+
 def _phases(prog: Program, kinds: list[str]) -> list[str]:
     """``pre`` (scalars: once for all tensors, before the loop) or ``loop`` (per tile)."""
     phase = ["loop" if k == FULL else "pre" for k in kinds[:len(prog.inputs)]]
@@ -86,12 +107,15 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
     for what, d in (("tensors", tensors), ("elems", elems), ("width", width), ("bufs", bufs)):
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
             raise KernelError(f"{name}: {what} must be a positive integer, got {d!r}")
+    if program is not None and not isinstance(program, Program):
+        raise KernelError(f"{name}: program must be a trnsim.kernels.fused.Program (from Python); on the command "
+                          f"line choose a preset with pattern=")
     prog = program if program is not None else globals()["pattern"](pattern, dtype)
     kinds = prog.kinds()
     if not prog.elementwise or any(k not in (FULL, SCALAR) for k in kinds):
         raise KernelError(f"{name}: a multi-tensor program is elementwise on 'full' and 'scalar' values only")
-    inplace = [tuple(x) for x in (inplace if inplace is not None else PATTERNS_INPLACE.get(pattern, ())
-                                  if program is None else ())]
+    inplace = _pairs(inplace if inplace is not None else PATTERNS_INPLACE.get(pattern, ()) if program is None else (),
+                     name)
     into: dict[int, int] = {}
     for j, k in inplace:
         if not (0 <= j < len(prog.outputs) and 0 <= k < len(prog.inputs)) or k in into.values() or j in into:
@@ -102,6 +126,9 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
         if scalar_args and prog.inputs[k][0] == SCALAR:
             raise KernelError(f"{name}: scalar input {k} is a host argument (scalar_args); it cannot be written")
     ns = shares(tensors, elems, sizes)
+    if min(ns) < 1:
+        raise KernelError(f"{name}: {elems} elements leave tensor {ns.index(0)} of {tensors} with none; give each "
+                          f"tensor at least one (ELEMS >= TENSORS, sizes > 0)")
     kern = Kernel(name, config)
     cfg = kern.config
     P = cfg.core.sbuf.partitions
@@ -164,7 +191,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
             for i in range(L):
                 kern.dma_copy(outs[i][j].ap(0, [[0, 1], [1, 1]]), res[v][:1, i:i + 1], queue=3 + i % 4)
 
-    # ---- the tile loop over every tensor's pieces, software-pipelined in two stages
+    # ---- the tile loop over every tensor's pieces, software-pipelined
     loop_steps = [j for j in range(len(prog.steps)) if phase[n_in + j] == "loop"]
     levels = _levels(prog, phase)
     top = max((levels[j] for j in loop_steps), default=1)
@@ -375,7 +402,7 @@ def _setup(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any]) -> tup
     inplace = params.get("inplace")
     if inplace is None:
         inplace = PATTERNS_INPLACE.get(params.get("pattern", "adamw"), ()) if not params.get("program") else ()
-    return prog, shares(shape[0], shape[1], params.get("sizes")), {j: k for j, k in inplace}
+    return prog, shares(shape[0], shape[1], params.get("sizes")), dict(_pairs(inplace, "foreach_fused"))
 
 
 def foreach_reference(prog: Program, arrays: Sequence[Sequence[np.ndarray]], into: Mapping[int, int]
@@ -426,9 +453,13 @@ def _reference(inputs, shape, dtype, params):
 def _split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]] | None:
     """Each physical core takes about 1/n of every tensor (an SPMD multi-tensor kernel)."""
     tensors, elems = shape
-    if elems < n:
+    parts = [(tensors, elems // n + (1 if r < elems % n else 0)) for r in range(n)]
+    try:
+        if any(min(shares(tensors, e, params.get("sizes"))) < 1 for _, e in parts):
+            return None  # a tensor too small to share: one core runs it all
+    except KernelError:
         return None
-    return [(tensors, elems // n + (1 if r < elems % n else 0)) for r in range(n)]
+    return parts
 
 
 @register_kernel("foreach_fused", dims="TENSORSxELEMS", dtypes=("fp32", "bf16", "fp16"), default_shape=(16, 1 << 20),

@@ -840,6 +840,9 @@ def resolve(program: Program, cols: int) -> Program:
 
 def _program_of(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any]) -> Program:
     prog = params.get("program") or pattern(params.get("pattern", "bias_gelu"), dtype)
+    if not isinstance(prog, Program):
+        raise KernelError("fused: program must be a trnsim.kernels.fused.Program (from Python); on the command line "
+                          "choose a preset with pattern=")
     return resolve(prog, shape[-1])
 
 
