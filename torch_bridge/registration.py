@@ -92,6 +92,9 @@ def register_kernels() -> None:
         "convolution_overrideable": values.convolution,
         "convolution_backward_overrideable": values.convolution_backward,
     }
+    from .cells import KERNELS as CELLS
+
+    kernels.update(CELLS)
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
