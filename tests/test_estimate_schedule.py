@@ -136,7 +136,9 @@ def test_a_refused_kernel_is_remembered(tmp_path):
                                                                                "fn": "exp"}))
     a = CachedDevice(cfg, CostCache(tmp_path)).cost(bad)
     dev = CachedDevice(cfg, CostCache(tmp_path))
+    assert dev.refused() == []
     assert dev.cost(bad).ticks == a.ticks and dev.simulated == 0
+    assert dev.refused() == [bad]  # what an estimate lists among its assumptions
 
 
 def test_the_cache_can_be_off(tmp_path, monkeypatch):

@@ -194,11 +194,12 @@ def _with_layers(spec: ModelConfig, layers: int | None) -> ModelConfig:
 
 
 def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: CostCache,
-                    reports: dict[tuple[Any, ...], Any], run: Any
+                    reports: dict[tuple[Any, ...], Any], run: Any, refused: list[str]
                     ) -> tuple[dict[int, dict[str, Any]], list[Any], list[RoleMemory], int]:
     """``run(rank, is_last_stage)`` once per distinct role, on a rank of its own; returns the
     results per stage (repeated roles share theirs), the traces, each simulated role's memory
-    and the kernels simulated."""
+    and the kernels simulated. Library kernels that refused their shape (costed as the generic
+    kernel instead) are added to ``refused`` as an assumption line each."""
     results: dict[int, dict[str, Any]] = {}
     traces: list[Any] = []
     memory: list[RoleMemory] = []
@@ -213,6 +214,11 @@ def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: 
         traces.extend(res.pop("traces"))
         memory.append(res["memory"])
         kernels += rank.device.simulated
+        for sp in rank.device.refused():
+            line = (f"library kernel {sp.kernel} {sp.dtype} {'x'.join(map(str, sp.shape))} refused its shape: costed "
+                    f"as the generic streaming kernel (an underestimate)")
+            if line not in refused:
+                refused.append(line)
     return results, traces, memory, kernels
 
 
@@ -255,9 +261,11 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     steps = sorted({round(1 + (output_tokens - 2) * i / max(1, samples - 1)) for i in range(samples)}) \
         if output_tokens > 1 else []
     lengths = [input_tokens + j for j in steps]  # KV length before the step's new token
+    refused: list[str] = []
     results, traces, memory, kernels = _simulate_roles(
         spec, sysc, plan, cache, reports,
-        lambda rank, last: _run_inference_role(rank, spec, plan, dt, last, batch, prompt, total, lengths, replay, trace))
+        lambda rank, last: _run_inference_role(rank, spec, plan, dt, last, batch, prompt, total, lengths, replay, trace),
+        refused)
     hz = sysc.tick_hz
     hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
     p2p_prefill = _send_recv_ticks(sysc, plan, batch * prompt * hidden_bytes, reports, dtype)
@@ -280,7 +288,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
         wall_s=time.perf_counter() - t_wall,
         assumptions=INFERENCE_ASSUMPTIONS + ((f"prompt padded to {prompt} tokens for sequence parallelism",)
-                                             if prompt != input_tokens else ()))
+                                             if prompt != input_tokens else ()) + tuple(refused))
     return est, traces
 
 
@@ -365,9 +373,10 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
     reports: dict[tuple[Any, ...], Any] = {}
+    refused: list[str] = []
     results, traces, memory, kernels = _simulate_roles(
         spec, sysc, plan, cache, reports,
-        lambda rank, last: _run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace))
+        lambda rank, last: _run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace), refused)
     params_total = 0
     for role in plan.roles(spec.layers):
         params_total += results[role.stage]["params"] * plan.tp  # the stage's parameters over its TP group
@@ -395,7 +404,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         backward=stages[0]["backward_report"],
         stage_ms=tuple((s["forward_ticks"] / hz * 1e3, s["backward_ticks"] / hz * 1e3) for s in stages),
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS)
+        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS + tuple(refused))
     return est, traces
 
 
