@@ -250,3 +250,29 @@ def test_a_collective_beside_a_dma_bound_kernel_slows_both():
     alone = max(coll.ticks, dma_bound.ticks)
     assert add.end - add.start > dma_bound.ticks or ar.end - ar.start > coll.ticks  # ... and share DMA
     assert max(ar.end, add.end) - ar.start > alone
+
+
+def test_a_collective_issued_now_is_placed_when_its_group_has_arrived():
+    """issue_collective charges the host's dispatch and returns the arrival (after the compute
+    issued before it); place_collective puts it on the collective stream from the group's start,
+    counting the wait for peers."""
+    from trnsim.device import COLLECTIVE_STREAM, CollectiveLaunch
+
+    dev = _device()
+    dev.reset(trace=True)
+    d = dev.dispatch
+    dev.launch(0, "mm", _cost(1000, Tensor=990))  # issued at d, runs d .. d + 1000
+    arrival = dev.issue_collective(0)
+    assert arrival == d + 1000 and dev.host == 2 * d  # waits for the matmul; the host ran ahead
+    coll = OpCost("all-reduce:ring", False, 500, {"DMA": 400}, 2, 0, 0, {"DMA": 400},
+                  collective=CollectiveLaunch("all-reduce", "ring", 2, 4096, 500, 1.0, "link"))
+    dev.launch(0, "add", _cost(300, Vector=300))  # issued after: runs beside the collective
+    start, end = dev.place_collective(0, "all_reduce", coll, arrival + 200, arrival)  # a peer arrived 200 later
+    assert (start, end) == (arrival + 200, arrival + 700)
+    rep = dev.report()
+    row = rep.row("all_reduce")
+    assert row.bound == "link" and row.collective.peer_wait_us == pytest.approx(200 / 4.8e9 * 1e6)
+    assert row.collective.bytes == 4096 and row.collective.busbw == pytest.approx(4096 / (500 / 4.8e9))
+    assert [(e.op, e.stream) for e in rep.events] == [("mm", 0), ("add", 0), ("all_reduce", COLLECTIVE_STREAM)]
+    # the core's busy time is the union: mm, then add and the collective side by side
+    assert rep.cores[0].busy_us == pytest.approx((1000 + (end - (d + 1000))) / 4.8e9 * 1e6)

@@ -41,6 +41,8 @@ REQUIRED: dict[str, str] = {
     "torch._disable_dynamo": "hiding Python kernels from dynamo",
     "torch._C._profiler._RecordFunctionFast": "neuron::<op> events in torch.profiler",
     "torch.autograd.profiler._is_profiler_enabled": "neuron::<op> events only while profiling",
+    "torch.autograd.profiler._run_on_profiler_start": "opening the device model's trace session when torch.profiler starts",
+    "torch.autograd.profiler._run_on_profiler_stop": "closing it when torch.profiler stops",
     "torch._C._to_dlpack": "relabelling host memory as neuron memory",
     "torch._C._from_dlpack": "relabelling host memory as neuron memory",
     "torch._C._construct_storage_from_data_pointer": "CPU views of device memory",
@@ -128,6 +130,26 @@ def profiler_enabled() -> bool:
     return bool(_profiler._is_profiler_enabled)
 
 
+def hook_profiler(on_start: Any, on_stop: Any) -> None:
+    """Call ``on_start()`` after torch.profiler starts recording and ``on_stop()`` after it stops
+    (torch.autograd.profiler calls these module functions by name from its profile classes)."""
+    start, stop = _profiler._run_on_profiler_start, _profiler._run_on_profiler_stop
+    if getattr(start, "_neuron_hook", False):
+        return
+
+    def started() -> None:
+        start()
+        on_start()
+
+    def stopped() -> None:
+        stop()
+        on_stop()
+
+    started._neuron_hook = stopped._neuron_hook = True  # type: ignore[attr-defined]
+    _profiler._run_on_profiler_start = started
+    _profiler._run_on_profiler_stop = stopped
+
+
 def cpp_op(op: Any) -> Any:
     """The C++ callable behind an OpOverload (calling it skips OpOverload.__call__'s frame)."""
     return op._op
@@ -139,6 +161,72 @@ def op_schema(op: Any) -> Any:
 
 def is_zerotensor(t: torch.Tensor) -> bool:
     return bool(t._is_zerotensor())
+
+
+class _Lazy:
+    """Private APIs of a torch subsystem the bridge loads only when it is used (torch.distributed:
+    importing FSDP alone takes most of a second), resolved on first use with the same error."""
+
+    def __init__(self, required: dict[str, str]):
+        self.required = required
+        self._resolved: dict[str, Any] = {}
+
+    def __call__(self, path: str) -> Any:
+        obj = self._resolved.get(path)
+        if obj is None:
+            if path not in self.required:
+                raise KeyError(f"{path} is not fenced in torch_bridge._torch")
+            obj = self._resolved[path] = resolve(path)
+        return obj
+
+
+# torch.distributed: the neuron process-group backend (torch_bridge.distributed)
+DIST_REQUIRED: dict[str, str] = {
+    "torch._C._distributed_c10d.ProcessGroupGloo": "moving the neuron backend's values through gloo",
+    "torch._C._distributed_c10d._DistributedBackendOptions": "the neuron backend's creator (extended API)",
+    "torch.distributed._Work": "the neuron backend's Work objects (a Python subclass)",
+    "torch._C._current_graph_task_id": "knowing a collective was issued inside a backward pass",
+    "torch.autograd.Variable._execution_engine": "completing a backward pass's unwaited collectives at its end",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage": "FSDP2's parameter storage (resize)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage": "FSDP2's parameter storage (resize)",
+    "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage": "FSDP2's parameter storage (resize)",
+}
+dist_api = _Lazy(DIST_REQUIRED)
+
+
+def gloo_process_group() -> Any:
+    """``ProcessGroupGloo``, the class the neuron backend moves values through."""
+    return dist_api("torch._C._distributed_c10d.ProcessGroupGloo")
+
+
+def work_base() -> Any:
+    """``torch.distributed._Work``, the base of the neuron backend's Work objects."""
+    return dist_api("torch.distributed._Work")
+
+
+def graph_task_id() -> int:
+    """The running backward pass's id (-1 outside one)."""
+    return int(dist_api("torch._C._current_graph_task_id")())
+
+
+def at_end_of_backward(fn: Any) -> None:
+    """Run ``fn`` when the running backward pass has finished (the autograd engine's callback)."""
+    dist_api("torch.autograd.Variable._execution_engine").queue_callback(fn)
+
+
+def fsdp_storage() -> tuple[Any, Any]:
+    """FSDP2's ``alloc_storage`` and ``free_storage`` (importing FSDP2 if it is not yet)."""
+    return (dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage"),
+            dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.free_storage"))
+
+
+def patch_fsdp_storage(alloc: Any, free: Any) -> None:
+    """Replace FSDP2's ``alloc_storage``/``free_storage`` (and the copy its param group imported)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
+
+    fsdp_param.alloc_storage = fsdp_param_group.alloc_storage = alloc
+    fsdp_param.free_storage = free
 
 
 def patch_storage_to(wrap: Any) -> None:

@@ -79,10 +79,29 @@ def register() -> None:
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
+    from . import profiler
     from .compile.backend import divert_inductor
 
+    _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
     divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
+    _register_distributed()
     _registered = True
+
+
+def _create_process_group(opts: Any, backend_options: Any) -> Any:
+    from .distributed import create_process_group  # the backend itself loads on first use
+
+    return create_process_group(opts, backend_options)
+
+
+def _register_distributed() -> None:
+    """Put the ``neuron`` process-group backend in torch's device-to-backend table, so
+    ``init_process_group()`` and ``init_device_mesh("neuron", ...)`` choose it
+    (:mod:`torch_bridge.distributed`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and "neuron" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("neuron", _create_process_group, extended_api=True, devices=["neuron"])
 
 
 def autoload() -> None:

@@ -15,7 +15,8 @@ without a caching allocator).
 Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
 (see :mod:`trnsim.device` for the model: the host runs ahead of the device until it synchronises).
 
-Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``.
+Chip and reports: ``set_config``, ``config``, ``report``, ``report_scope``, ``reset_report``;
+``profiler`` (:mod:`torch_bridge.profiler`): torch.profiler traces down to the engines.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from trnsim.device import Recorder
 from trnsim.report import RunReport
 
-from . import memory
+from . import memory, profiler
 from .runtime import is_initialized, runtime, set_config
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
     "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
     "get_amp_supported_dtype", "is_bf16_supported", "memory_allocated", "max_memory_allocated", "memory_stats",
     "reset_peak_memory_stats", "mem_get_info", "memory_reserved", "max_memory_reserved", "empty_cache", "Stream", "Event", "stream", "current_stream", "default_stream",
-    "set_config", "config", "report", "report_scope", "reset_report", "RunReport",
+    "set_config", "config", "report", "report_scope", "reset_report", "RunReport", "profiler",
 ]
 
 _local = threading.local()

@@ -1,14 +1,16 @@
 """``trnsim run script.py [args]``: run an unmodified PyTorch script on the virtual device.
 
 The chip is fixed before the script starts, the script runs as ``__main__`` with its own
-``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport` (and, with a
-trace path, a Chrome/Perfetto timeline of op launches: one process per NeuronCore, one lane per
-stream). Rendering is the CLI's job.
+``sys.argv``, and what its neuron ops cost comes back as a :class:`RunReport`. With a trace
+path the script runs under torch.profiler and one Perfetto trace holds the host's aten events
+(and Python frames, with ``trace_stack``), the device's stream lanes and the engine lanes of
+expanded kernels (:mod:`trnsim.run_trace`); ``metrics`` writes the report's rows as Parquet
+(:mod:`trnsim.metrics`, with each row's source line) and ``plot`` draws them
+(:mod:`trnsim.plot`). Rendering the report is the CLI's job.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -21,16 +23,18 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager")
-RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager")  # options without a value
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--metrics", "--plot",
+               "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout")
+RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--trace-stack")  # options without a value
+_REPEATED = ("--set", "--expand")
 
 
 def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split what follows the script path into the script's own arguments and trnsim's options
-    (``--config``/``--set``/``--trace`` take a value, ``--json`` none); after ``--`` everything is
-    the script's."""
+    (each of :data:`RUN_OPTIONS` takes a value but the :data:`RUN_FLAGS`; ``--set`` and
+    ``--expand`` repeat); after ``--`` everything is the script's."""
     script_args: list[str] = []
-    opts: dict[str, Any] = {"set": []}
+    opts: dict[str, Any] = {"set": [], "expand": []}
     items = list(rest)
     i = 0
     while i < len(items):
@@ -49,8 +53,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
                     raise ValueError(f"{name} needs a value")
                 val = items[i + 1]
                 i += 1
-            if name == "--set":
-                opts["set"].append(val)
+            if name in _REPEATED:
+                opts[name[2:]].append(val)
             else:
                 opts[name[2:]] = val
         else:
@@ -60,16 +64,24 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
-               trace: str | None = None, eager: bool = False, adaptive: bool = False) -> tuple[int, RunReport]:
+               trace: str | None = None, eager: bool = False, adaptive: bool = False, metrics: str | None = None,
+               plot: str | None = None, expand: Sequence[str] = (), expand_top: int = 3,
+               trace_stack: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
     "force_eager")``); ``adaptive`` turns adaptive eager on. A missing script raises
     FileNotFoundError; an exception in the script prints its traceback to stderr and gives
     status 1 (the report still covers what ran); ``sys.exit("message")`` prints the message and
-    gives status 1, as ``python script.py`` does. A trace path that cannot be written (a FIFO, a
-    device, a missing or read-only directory) is refused with :class:`trnsim.files.OutputError`
-    before the script starts.
+    gives status 1, as ``python script.py`` does. An output path that cannot be written (a FIFO,
+    a device, a missing or read-only directory) or that needs a missing extra (pyarrow for
+    ``metrics``, matplotlib for ``plot``) is refused with :class:`trnsim.files.OutputError` /
+    :class:`trnsim.extras.MissingExtra` before the script starts. Under ``trace`` the script runs
+    inside trnsim's torch.profiler session, so it must not start one of its own (torch allows one
+    at a time); ``expand``/``expand_top`` choose the kernels whose engine lanes the trace draws;
+    ``trace_stack`` adds torch.profiler's Python function events (``with_stack=True``: every
+    Python call of the script, its imports included, so traces grow by orders of magnitude; the
+    launches name their source line either way).
     """
     path = Path(script)
     if not path.is_file():
@@ -80,7 +92,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
 
     import torch_bridge
     import torch_bridge.compile
-    from torch_bridge import device, runtime
+    from torch_bridge import device, profiler, runtime
+    from trnsim.files import reserve_all
+    from trnsim.metrics import reserve as reserve_metrics
+    from trnsim.plot import reserve as reserve_plot
 
     torch_bridge.register()
     torch_bridge.compile.register()  # backend="neuron" by name, even in a checkout without the entry point
@@ -88,35 +103,64 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(overrides))
     for i in range(device.device_count()):  # the report starts from an idle device
         device.synchronize(i)
-    device.reset_report(trace=trace is not None)
-    out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
+    outputs = reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,  # refused now, not after the run
+                           lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
+                           lambda: reserve_plot(plot, "--plot") if plot else None])
+    trace_out, metrics_out, plot_out = outputs
+    runtime.runtime().device.reset(sources=metrics is not None)  # the report starts now
     device.set_adaptive_eager(adaptive)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    prof = _profile(trace_stack) if trace is not None else contextlib.nullcontext()
+    tracking = profiler.tracking
+    profiler.track_sources(tracking or metrics is not None)
     try:
-        try:
-            with stance:
-                runpy.run_path(str(path), run_name="__main__")
-        except SystemExit as e:
-            status = _exit_status(e.code)
-        except Exception:  # the user's script failed: show its traceback, keep the report
-            traceback.print_exc()
-            status = 1
-        finally:
-            sys.argv, sys.path[:] = saved_argv, saved_path
-        for i in range(device.device_count()):
-            device.synchronize(i)
+        with prof:
+            try:
+                with stance:
+                    runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as e:
+                status = _exit_status(e.code)
+            except Exception:  # the user's script failed: show its traceback, keep the report
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.argv, sys.path[:] = saved_argv, saved_path
+            for i in range(device.device_count()):  # queued launches are issued inside the session
+                device.synchronize(i)
+        profiler.track_sources(tracking)
         device.set_adaptive_eager(False)
         report = device.report()
-        if out is not None:
-            write_op_trace(out, report)
+        if trace_out is not None:
+            profiler.export_trace(prof, trace_out, expand=expand, top=expand_top)
+            missing = profiler.last_expand_missing()
+            if missing:
+                sys.stdout.flush()
+                print(f"trnsim: note: --expand {', '.join(missing)}: no launch of such an op or kernel in the trace",
+                      file=sys.stderr)
+        if metrics_out is not None:
+            report.to_parquet(metrics_out)
+        if plot_out is not None:
+            from trnsim.plot import plot_run
+
+            plot_run(report, plot_out, title=f"{script} on {report.config}: per-op device time and engine use")
     finally:
-        if out is not None:
-            out.discard()
+        profiler.track_sources(tracking)
+        for o in outputs:
+            if o is not None:
+                o.discard()
     return status, report
+
+
+def _profile(stack: bool) -> Any:
+    """The torch.profiler session ``--trace`` runs a script in: CPU activity (the host's aten and
+    neuron::<op> events), with Python function events if ``stack``."""
+    import torch
+
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
 
 def compare_eager(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = ()
@@ -142,30 +186,12 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport) -> None:
-    """Chrome trace-event JSON of every launch: pid = NeuronCore, tid = stream, times in simulated
-    us, and a ``host`` lane with each launch's dispatch (ending when the host issued it). Written
-    through :class:`trnsim.files.AtomicOutput` (a temporary file renamed into place; symlinks
-    followed, FIFOs and devices refused); ``path`` may be one reserved before the run."""
-    events: list[dict[str, Any]] = []
-    to_us = 1e6 / report.tick_hz
-    host_pid = -1
-    events.append({"ph": "M", "name": "process_name", "pid": host_pid, "args": {"name": "host (simulated)"}})
-    events.append({"ph": "M", "name": "thread_name", "pid": host_pid, "tid": 0, "args": {"name": "dispatch"}})
-    for dev in sorted({e.core for e in report.events}):
-        events.append({"ph": "M", "name": "process_name", "pid": dev,
-                       "args": {"name": f"neuron:{dev} ({report.config}, simulated)"}})
-    for dev, stream in sorted({(e.core, e.stream) for e in report.events}):
-        events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": stream,
-                       "args": {"name": "default stream" if stream == 0 else f"stream {stream}"}})
-    prev_issue = None
-    for e in report.events:
-        if prev_issue is not None and e.issued > prev_issue:
-            events.append({"ph": "X", "name": e.op, "cat": "dispatch", "pid": host_pid, "tid": 0,
-                           "ts": prev_issue * to_us, "dur": (e.issued - prev_issue) * to_us})
-        prev_issue = e.issued
-        events.append({"ph": "X", "name": e.op, "cat": e.kernel, "pid": e.core, "tid": e.stream,
-                       "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
-                       "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
-    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
-    out.commit(lambda f: json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f))
+def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport, expand: Sequence[str] = (),
+                   top: int = 0) -> None:
+    """The trace of a report that kept its launches (``report_scope(trace=True)``), without
+    torch.profiler's host events: the simulated host's dispatch lane, the device's stream lanes
+    and the engine lanes of ``expand``/``top`` kernels (:mod:`trnsim.run_trace`). Written through
+    :class:`trnsim.files.AtomicOutput`; ``path`` may be one reserved before the run."""
+    from trnsim.run_trace import write_run_trace
+
+    write_run_trace(path, report, expand=list(expand), top=top)

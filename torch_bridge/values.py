@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _torch, lowering, memory, tensore
+from . import _torch, lowering, memory, profiler, tensore
 from .lowering import flat_tensors
 from .runtime import runtime
 
@@ -134,11 +134,11 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
 
 
 def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records."""
+    """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records,
+    its launches tied to that record (:func:`torch_bridge.profiler.traced`)."""
     if not _torch.profiler_enabled():
         return fn(*args, **kwargs)
-    with _torch.RecordFunctionFast(f"neuron::{label}"):
-        return fn(*args, **kwargs)
+    return profiler.traced(label, fn, args, kwargs)
 
 
 

@@ -4,10 +4,15 @@
     trnsim demo [--config CONFIG] [--set K=V ...]
     trnsim kernel NAME [--shape MxKxN] [--dtype bf16] [--config trn2] [--set K=V ...]
                   [--param K=V ...] [--check] [--schedule | --no-schedule] [--json] [--trace out.json]
+                  [--metrics out.parquet] [--plot out.png]
     trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
-    trnsim sweep SPEC.yaml [--out results.csv] [--jobs N] [--max-points N]
-    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json] [--json]
+    trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
+                  [--executor pool|ray] [--address HOST:PORT]
+    trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
+                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--json]
+    trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
+    trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
 
@@ -28,13 +33,14 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from .config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
+from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
 
-__all__ = ["main", "render_info", "render_report", "render_run_report", "print_run_report", "bound_of",
-           "render_comparison"]
+__all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
+           "bound_of", "render_comparison"]
 
 
 class UsageError(Exception):
@@ -404,8 +410,9 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     if args.check and (ref.entry is None or ref.entry.reference is None):
         raise UsageError(f"kernel '{clip_text(args.name)}': --check needs a registered kernel with a reference; "
                          f"run it without --check for timing only")
-    # a trace that cannot be written is refused now, before the run, not after it
-    trace = AtomicOutput(args.trace, "--trace") if args.trace else None
+    # outputs that cannot be written (or need a missing extra) are refused now, before the run
+    outputs = _reserve_outputs(args.trace, args.metrics, args.plot)
+    trace, metrics, plot = outputs
     try:
         if args.check:
             assert ref.entry is not None
@@ -421,9 +428,19 @@ def cmd_kernel(args: argparse.Namespace) -> int:
             report = Chip(cfg).run(kernel, timing_only=True).report
         if trace is not None:
             write_trace(trace, report)
+        if metrics is not None:
+            from .metrics import write_kernel_metrics
+
+            write_kernel_metrics(metrics, [report], {"shape": list(shape), "dtype": dtype, "params": params,
+                                                     "overrides": dict(cfg.overrides)})
+        if plot is not None:
+            from .plot import plot_kernel
+
+            plot_kernel(report, plot)
     finally:
-        if trace is not None:
-            trace.discard()
+        for o in outputs:
+            if o is not None:
+                o.discard()
     ok = check is None or bool(check["ok"])
     if args.json:
         doc: dict[str, Any] = {"kernel": args.name, "shape": list(shape), "dtype": dtype, "config": cfg.name,
@@ -444,8 +461,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
     console.print(line)
     render_report(report, console, cfg)
     render_dma_queues(report, console)
-    if args.trace:
-        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    _say_written(console, args.trace, args.metrics, args.plot)
     if check is not None:
         errs = ", ".join(f"{name} {err:.2e}" for name, err in check["errors"].items())
         console.print(f"Check: max error relative to max |reference|: {errs} -> {'ok' if ok else 'MISMATCH'}")
@@ -567,7 +583,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     task = progress.add_task("points", total=len(spec.points))
     try:
         with progress:
-            result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done))
+            result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done),
+                               executor=args.executor, address=args.address)
     except OSError as e:
         raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
     rows = result.rows
@@ -603,18 +620,41 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"run: {e}") from None
     config = opts.get("config", args.config)
     compare = opts.get("compare_eager", args.compare_eager)
-    trace = opts.get("trace", args.trace)
-    if compare and trace:
-        raise UsageError("run: --compare-eager runs the script twice; --trace takes one run (drop one of them)")
+    trace, metrics, plot = (opts.get(k, getattr(args, k)) for k in ("trace", "metrics", "plot"))
+    overrides = args.set + opts["set"]
+    as_json = opts.get("json", args.json)
+    nproc = opts.get("nproc", args.nproc)
+    system = opts.get("system", args.system)
+    if nproc is not None:
+        if compare:
+            raise UsageError("run: --compare-eager runs one process; leave out --nproc (or --compare-eager)")
+        if metrics or plot:
+            raise UsageError(f"run: {'--metrics' if metrics else '--plot'} takes a one-process run; leave out --nproc")
+        return _run_ranks(args.script, script_args, nproc, config, overrides, system, trace,
+                          opts.get("timeout", args.timeout), as_json)
+    if system is not None:
+        os.environ["TRNSIM_SYSTEM"] = system  # a script that makes its own process group reads it
+    if compare and (trace or metrics or plot):
+        which = "--trace" if trace else "--metrics" if metrics else "--plot"
+        raise UsageError(f"run: --compare-eager runs the script twice; {which} takes one run (drop one of them)")
+    top = opts.get("expand-top", args.expand_top)
+    try:
+        top = int(top)
+        if top < 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--expand-top {top}: expected a number of kernels >= 0") from None
     try:
         if compare:
-            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=args.set + opts["set"])
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides)
         else:
-            status, rep = run_script(args.script, script_args, config=config, overrides=args.set + opts["set"],
-                                     trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager))
+            status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
+                                     trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
+                                     metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
+                                     trace_stack=bool(opts.get("trace_stack", args.trace_stack)))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
-    if opts.get("json", args.json):
+    if as_json:
         data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
         print(json.dumps(data, indent=2))
         return status
@@ -623,7 +663,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         console = _Out(width=RUN_REPORT_WIDTH)
         console.print()
         render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
+    _say_written(_Out(width=RUN_REPORT_WIDTH), trace, metrics, plot)
     return status
+
+
+def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | None, overrides: list[str],
+               system: str | None, trace: str | None, timeout: Any, as_json: bool) -> int:
+    """``trnsim run --nproc N``: the script on N ranks (torchrun's launcher), one merged report."""
+    from torch_bridge.distributed import parse_seconds
+    from torch_bridge.launch import RankFailure, run_ranks
+
+    try:
+        n = int(nproc)
+        secs = None if timeout is None else parse_seconds(timeout, "--timeout")
+    except ValueError as e:
+        raise UsageError(f"run: {e}" if "--timeout" in str(e) else
+                         f"run: --nproc {nproc}: expected a whole number of ranks >= 1") from None
+    try:
+        rep = run_ranks(script, script_args, n, config, overrides, system, trace, secs)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"run: {e}") from None
+    except RankFailure as e:  # bad use: an error; the script's own failure: its traceback came first
+        print(f"trnsim: {'error: ' if e.usage else ''}{_one_line(e.message)}", file=sys.stderr)
+        return e.status
+    if as_json:
+        print(json.dumps(rep.to_dict(), indent=2))
+        return 0
+    render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=run_report_width(rep.total)))
+    if trace:
+        print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
+              f"lanes (open it in ui.perfetto.dev)")
+    return 0
 
 
 def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> None:
@@ -668,22 +738,82 @@ def _render_regions(rep: Any, console: Any) -> None:
     console.print(t)
 
 
+def _reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:
+    """The output files a command writes, each refused now (not after the run) when it cannot be
+    written or needs an extra that is missing."""
+    from .files import reserve_all
+    from .metrics import reserve as reserve_metrics
+    from .plot import reserve as reserve_plot
+
+    return reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,
+                        lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
+                        lambda: reserve_plot(plot, "--plot") if plot else None])
+
+
+def _say_written(console: Any, trace: str | None, metrics: str | None, plot: str | None) -> None:
+    from rich.markup import escape
+
+    if trace:
+        console.print(f"Trace written to {escape(trace)} (open it in ui.perfetto.dev or chrome://tracing)")
+    if metrics:
+        console.print(f"Metrics written to {escape(metrics)} (Parquet)")
+    if plot:
+        console.print(f"Plot written to {escape(plot)}")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a sweep's (or a metrics file's) columns against each other."""
+    from .plot import plot_sweep, reserve
+
+    out = reserve(args.output, "-o")
+    try:
+        plot_sweep(args.results, args.x, args.y, out, hue=args.hue, where=args.where, title=args.title)
+    finally:
+        out.discard()
+    print(f"Plot written to {args.output}")
+    return 0
+
+
 RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
+
+
+def run_report_width(rep: Any) -> int:
+    """The console width a report's table needs whole: collective rows add three columns."""
+    return RUN_REPORT_WIDTH + (40 if any(r.collective is not None for r in rep.rows) else 0)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1, two decimals (4.12 MiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
 
 
 def render_run_report(rep: Any, title: str, console: Any) -> None:
     """A RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
-    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops."""
+    examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops.
+    Collective rows (torch.distributed on the neuron backend) add what they moved: bytes (S),
+    busbw and the time waiting for the group's last rank."""
     from rich.table import Table
 
+    colls = any(r.collective is not None for r in rep.rows)
     t = Table(title=f"neuron run report: {title}", title_justify="left")
-    for col in ("op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"):
+    cols = ["op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"]
+    if colls:
+        cols += ["bytes", "busbw GiB/s", "peers us"]
+    for col in cols:
         t.add_column(col, justify="left" if col in ("op", "kernel", "bound") else "right",
                      no_wrap=col in ("op", "kernel"))
     for r in rep.rows:
-        t.add_row(r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
-                  f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
-                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound)
+        cells = [r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
+                 f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
+                 f"{r.hbm_bytes / 1e6:,.2f}", r.bound]
+        if colls:
+            c = r.collective
+            cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
+                if c is not None else ["", "", ""]
+        t.add_row(*cells)
     console.print(t)
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
@@ -702,11 +832,46 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
         console.print(f"host-only ops (metadata, no device kernel): {rep.host_only_calls:,} calls: {ops}")
     console.print("(* generic kernel: DMA + engine streaming, no library kernel; wait: device idle waiting on the host; "
                   "bound launch: the device waited longer than it worked)")
+    if colls:
+        console.print("(collective rows: kernel is collective:algorithm of the NeuronLink model; bytes is nccl-tests' "
+                      "S summed over calls; busbw over the model's time; peers: waiting for the group's last rank; "
+                      "bound: what held the collective back in the model)")
+
+
+def render_rank_report(rep: Any, title: str, console: Any) -> None:
+    """A :class:`trnsim.ranks.MultiRankReport`: the rows of every rank summed (collectives beside
+    compute), then one line per rank and the step time as the slowest rank saw it."""
+    from rich.table import Table
+
+    render_run_report(rep.total, f"{title} (all ranks)", console)
+    t = Table(title=f"per rank ({rep.world} ranks of {rep.system}, rank r = NeuronCore r)", title_justify="left")
+    for col in ("rank", "chip", "elapsed us", "compute us", "collective us", "overlapped", "beside compute",
+                "exposed us", "peers us", "collectives", "steps"):
+        t.add_column(col, justify="right")
+
+    def pct(part: float, whole: float) -> str:
+        return f"{100.0 * part / whole:.0f}%" if whole else "-"
+    for r, s in sorted(rep.summaries.items()):
+        t.add_row(str(r), str(s.chip), f"{s.elapsed_us:,.1f}", f"{s.compute_us:,.1f}", f"{s.collective_us:,.1f}",
+                  pct(s.overlapped_us, s.collective_us), pct(s.beside_compute_us, s.collective_us),
+                  f"{s.exposed_us:,.1f}", f"{s.peer_wait_us:,.1f}", f"{s.collectives:,}", str(len(s.step_ends_us)))
+    console.print(t)
+    slow = max(rep.summaries.values(), key=lambda s: s.elapsed_us)
+    if rep.step_times_us:
+        console.print(f"step: {rep.step_us:,.1f} us simulated as the slowest rank saw it "
+                      f"({len(rep.step_times_us)} optimizer steps; the first, with setup, took "
+                      f"{rep.step_times_us[0]:,.1f} us); slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    else:
+        console.print(f"no optimizer steps; slowest rank {slow.rank}: {slow.elapsed_us:,.1f} us elapsed")
+    console.print("(compute/collective: union of the rank's kernels / collectives on its timeline; exposed: collective "
+                  "time with compute stalled on it (a kernel issued and held back, none running); overlapped: the rest, "
+                  "hidden behind compute or the host still issuing; beside compute: with a kernel running at the same "
+                  "time; peers: waiting for the last rank of a group)")
 
 
 def print_run_report(rep: Any, title: str) -> None:
     """:func:`render_run_report` to stdout, wide enough for op and kernel names."""
-    render_run_report(rep, title, _Out(width=RUN_REPORT_WIDTH))
+    render_run_report(rep, title, _Out(width=run_report_width(rep)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -824,13 +989,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "program order)")
     k.add_argument("--json", action="store_true", help="print the report as JSON only")
     k.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the engine and DMA lanes")
+    k.add_argument("--metrics", metavar="OUT.parquet", help="write the kernel's metrics as a Parquet row "
+                   "(neuron-profile's names; needs the 'metrics' extra)")
+    k.add_argument("--plot", metavar="OUT.png", help="draw the engine-utilisation breakdown (.png/.svg/.pdf; needs "
+                   "the 'plot' extra)")
     k.set_defaults(fn=cmd_kernel)
     w = sub.add_parser("sweep", help="run kernels over a grid of chip variants (timing only) into a CSV")
     w.add_argument("spec", metavar="SPEC.yaml", help="sweep spec: config, grid, kernels, out")
-    w.add_argument("--out", metavar="CSV", help="results file (default: the spec's 'out', or SPEC.csv)")
+    w.add_argument("--out", metavar="FILE", help="results file, .csv or .parquet (default: the spec's 'out', or "
+                   "SPEC.csv)")
     w.add_argument("--jobs", type=int, metavar="N", help="worker processes (default: one per CPU)")
     w.add_argument("--max-points", type=int, metavar="N",
                    help=f"run a spec of more than {DEFAULT_MAX_POINTS:,} points (the default limit)")
+    w.add_argument("--executor", choices=("pool", "ray"), default="pool",
+                   help="where points run: a local process pool (default) or Ray (needs the 'ray' extra)")
+    w.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster to run on (default: start a local "
+                   "Ray instance of --jobs CPUs); with --executor ray")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
@@ -838,13 +1012,42 @@ def build_parser() -> argparse.ArgumentParser:
                    "the script are still trnsim's; put script arguments after -- to pass those too)")
     r.add_argument("--config", default=None, help="config name or YAML path (default: $TRNSIM_CONFIG or trn2)")
     r.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted config override (repeatable)")
-    r.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of the op launches")
+    r.add_argument("--trace", metavar="OUT.json", help="write one Perfetto trace from the host's aten ops "
+                   "(torch.profiler) to the device's streams and the expanded kernels' engines")
+    r.add_argument("--trace-stack", action="store_true",
+                   help="add torch.profiler's Python function events to the trace (with_stack: every Python call "
+                        "of the script, imports included; large)")
+    r.add_argument("--expand", action="append", default=[], metavar="OP",
+                   help="draw the engine and DMA-queue lanes of this op's or kernel's longest launch in the trace "
+                        "(repeatable)")
+    r.add_argument("--expand-top", default=3, metavar="N",
+                   help="also expand the N busiest (op, kernel) rows (default 3)")
+    r.add_argument("--metrics", metavar="OUT.parquet", help="write the report's rows with neuron-profile's metric "
+                   "names and their source lines as Parquet (needs the 'metrics' extra)")
+    r.add_argument("--plot", metavar="OUT.png", help="draw the per-op time share and engine utilisation "
+                   "(needs the 'plot' extra)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--compare-eager", action="store_true",
                    help="run the script twice, torch.compile off then on, and print simulated time side by side")
     r.add_argument("--adaptive-eager", action="store_true",
                    help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
+    r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
+                                                "rank, rank r on NeuronCore r) and print one merged report")
+    r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "
+                                                  "trn2.48xlarge); see trnsim collective --help")
+    r.add_argument("--timeout", metavar="SECONDS", help="with --nproc: how long a rank waits for its peers at a "
+                                                        "collective before it fails (default: the process group's)")
     r.set_defaults(fn=cmd_run)
+    pl = sub.add_parser("plot", help="draw a sweep's results (CSV or Parquet): METRIC against KEY, a series per "
+                                     "--hue value (needs the 'plot' extra)")
+    pl.add_argument("results", metavar="RESULTS", help="a sweep's results file (.csv or .parquet) or a metrics file")
+    pl.add_argument("--x", required=True, metavar="KEY", help="the column on the x axis (e.g. core.tensor.clock)")
+    pl.add_argument("--y", required=True, metavar="METRIC", help="the column on the y axis (e.g. us, mfu_percent)")
+    pl.add_argument("--hue", metavar="KEY", help="one series per value of this column")
+    pl.add_argument("--where", action="append", default=[], metavar="K=V", help="keep only rows with K=V (repeatable)")
+    pl.add_argument("--title", help="the figure's title (default: what is plotted)")
+    pl.add_argument("-o", "--output", required=True, metavar="OUT.png", help="the image to write (.png/.svg/.pdf)")
+    pl.set_defaults(fn=cmd_plot)
     _add_collective_parser(sub)
     return p
 
@@ -901,7 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_environment()
         return int(args.fn(args))
-    except (ConfigError, KernelError, UsageError, OutputError) as e:
+    except (ConfigError, KernelError, UsageError, OutputError, MissingExtra) as e:
         print(f"trnsim: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except SweepStopped as e:

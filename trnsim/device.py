@@ -47,15 +47,15 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
 from .isa import KernelError
 from .kernel import Kernel
-from .report import CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
+from .report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "FusedRegion", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
+__all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
            "COLLECTIVE_STREAM"]
 
 #: launches adaptive eager queues at most before it issues them (a program that never syncs)
@@ -105,6 +105,20 @@ class FusedRegion:
     eager_ticks: int
 
 
+class CollectiveLaunch(NamedTuple):
+    """What a collective launch moved, for its report row: the NeuronLink model's ``collective``
+    and ``algorithm``, the group's size, nccl-tests' S (``nbytes``), this rank's time in the model
+    (``network_ticks``, from the group's start to its completion) and the busbw factor."""
+
+    collective: str
+    algorithm: str
+    ranks: int
+    nbytes: int
+    network_ticks: int
+    busbw_factor: float
+    bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
+
+
 @dataclass(frozen=True, eq=False)
 class OpCost:
     """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
@@ -126,6 +140,10 @@ class OpCost:
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
     region: FusedRegion | None = None  # set when the kernel runs a compiled region
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0
+    collective: CollectiveLaunch | None = None  # set on a collective's launch (Device.collective_cost)
 
     @staticmethod
     def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
@@ -137,9 +155,10 @@ class OpCost:
                 busy[name] = busy.get(name, 0) + t
         demand = {name: t for name, t in busy.items() if name not in ("DMA", "Sync")}
         demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
-        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports),
-                      sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports),
-                      sum(r.matmul_flops for r in reports), demand, tuple(reports))
+        reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
+        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
+                      sum(r.matmul_flops for r in reports), demand, tuple(reports), hbm_read_bytes=reads,
+                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports))
 
 
 def no_work(label: str) -> OpCost:
@@ -200,11 +219,14 @@ class _CoreTally:
 
 class Recorder:
     """Counts launches for one report scope (the device's whole run, or a ``with`` block).
-    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals."""
+    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals.
+    ``trace`` keeps every launch (a timeline); ``sources`` sums each row's device ticks per
+    source line (what :meth:`Device.set_context` or ``Device.source_of`` said launched it)."""
 
-    def __init__(self, start: int, trace: bool = False):
+    def __init__(self, start: int, trace: bool = False, sources: bool = False):
         self.start = start
-        self.rows: dict[tuple[str, int], list[Any]] = {}  # (op, id(cost)) -> [cost, calls, ticks, wait]
+        # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
+        self.rows: dict[tuple[str, int], list[Any]] = {}
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
@@ -213,6 +235,11 @@ class Recorder:
         self.compiled_graphs = 0
         self.compile_seconds = 0.0  # wall time, never charged to the device
         self.events: list[TraceEvent] | None = [] if trace else None
+        self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
+
+
+# a launch's context: (the Python line that launched it, its host call; -1: none)
+_NO_CONTEXT = ("", -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +261,15 @@ class _Core:
         # at most max_inflight of them are unfinished when the next one is issued
         self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
         self.streams: set[int] = set()  # streams that ever ran a kernel here
+        # collectives issued but not yet placed (their start waits for the group): [arrival, host wait]
+        self.pending: list[list[int]] = []
+
+    def fold_until(self, host: int) -> int:
+        """Up to when reports may fold this core's kernel intervals: the host's tick, or the
+        earliest arrival of a collective still to be placed (it may be placed before the host)."""
+        if not self.pending:
+            return host
+        return min(host, min(p[0] for p in self.pending))
 
 
 def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
@@ -271,20 +307,42 @@ class _Capture(list):  # type: ignore[type-arg]
         self.keep = keep
 
 
-def _runs(items: Sequence[tuple[int, str, OpCost, int]]) -> Iterator[tuple[int, int, list[tuple[str, OpCost]]]]:
-    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost), ...])."""
-    run: list[tuple[str, OpCost]] = []
+_Item = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context
+
+
+def _runs(items: Sequence[_Item]) -> Iterator[tuple[int, int, list[tuple[str, OpCost, tuple[str, int]]]]]:
+    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost, context), ...])."""
+    run: list[tuple[str, OpCost, tuple[str, int]]] = []
     key: tuple[int, int] | None = None
-    for core, op, cost, s in items:
+    for core, op, cost, s, ctx in items:
         if key != (core, s) and run:
             assert key is not None
             yield key[0], key[1], run
             run = []
         key = (core, s)
-        run.append((op, cost))
+        run.append((op, cost, ctx))
     if run:
         assert key is not None
         yield key[0], key[1], run
+
+
+def _on_fresh_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread (its result or exception comes back here)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="trnsim-simulate", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 class Device:
@@ -305,8 +363,16 @@ class Device:
         self._lock = threading.RLock()
         self._local = threading.local()  # .capture: the launches this thread is collecting
         self.adaptive = False
-        self._pending: list[tuple[int, str, OpCost, int]] = []
+        self._pending: list[_Item] = []
         self._replays: dict[tuple[Any, ...], list[OpCost]] = {}
+        self._context = threading.local()  # per host thread: (source line, call) of its launches
+        # simulate cost-cache misses on a fresh thread: a Python profiler of the host (torch.profiler
+        # with_stack) follows only the threads that existed when it started, so it does not record
+        # the simulator's own calls, which a real host would not make
+        self.simulate_off_thread = False
+        # the source line of a launch its front end gave no context for (None: left blank); set
+        # by a front end only while something records lines, as it walks the host's stack
+        self.source_of: Callable[[], str] | None = None
 
     @property
     def core_count(self) -> int:
@@ -341,6 +407,11 @@ class Device:
         return [build_spec(spec.kernel, s, spec.dtype, self.config, params) for s in shapes]
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
+        if self.simulate_off_thread:
+            return _on_fresh_thread(self._simulate_here, spec)
+        return self._simulate_here(spec)
+
+    def _simulate_here(self, spec: KernelSpec) -> OpCost:
         kernels = self.kernels_of(spec)
         results = self.chip.run_spmd(kernels, timing_only=True)
         self.simulated += len(kernels)
@@ -357,26 +428,98 @@ class Device:
         dma = report.dma_bytes.get(rank, 0)
         demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
         busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        info = CollectiveLaunch(report.collective, report.algorithm, len(report.group), report.nbytes, ticks,
+                                report.busbw_factor, report.bound.split(" ")[0])
         return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
-                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand)
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand, collective=info)
 
     # ---- time ------------------------------------------------------------------------------
+    def set_context(self, source: str = "", call: int = -1) -> tuple[str, int]:
+        """Attribute the launches this thread issues from now on to Python line ``source`` and
+        host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
+        returns the previous context, to restore when the call ends."""
+        prev = getattr(self._context, "value", _NO_CONTEXT)
+        self._context.value = (source, call) if source or call >= 0 else _NO_CONTEXT
+        return prev
+
+    def restore_context(self, prev: tuple[str, int]) -> None:
+        """Put back a context :meth:`set_context` returned."""
+        self._context.value = prev
+
+    def _launch_context(self) -> tuple[str, int]:
+        """This thread's context for a launch it makes now (taken when the launch is made, not
+        when a queued or collected launch is issued)."""
+        source, call = getattr(self._context, "value", _NO_CONTEXT)
+        if not source and self.source_of is not None:
+            source = self.source_of()
+        return source, call
+
     @property
     def host(self) -> int:
         """The host's clock: when it will issue its next launch (queued launches issued first)."""
         self._settle()
         return self._host
 
-    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int] | None:
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
         """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
         work already issued on compute stream ``after`` (default: the core's current stream)
         has finished, as a collective waits for the data it sends, and overlaps what is issued
         after it."""
         with self._lock:
+            arrival = self.issue_collective(core, after)
+            return self.place_collective(core, op, cost, arrival, arrival)
+
+    def issue_collective(self, core: int, after: int | None = None) -> int:
+        """The host issues a collective on ``core`` whose start is not known yet (it waits for
+        the other ranks of its group): queued and collected launches are issued first, the host
+        pays the dispatch now, and the tick returned is the collective's *arrival* on this core:
+        issued, the work already issued on compute stream ``after`` (default: the current
+        stream) finished, and the core's earlier collectives done. :meth:`place_collective` puts
+        it on the timeline once its start is known; until then reports keep this core's
+        intervals from the arrival on open."""
+        with self._lock:
             self._settle()
             c = self.cores[core]
-            self.stream_wait(core, COLLECTIVE_STREAM, c.ready.get(c.current_stream if after is None else after, 0))
-            return self.launch(core, op, cost, stream=COLLECTIVE_STREAM)
+            host = self._dispatch(c)
+            for rec in self.recorders:
+                rec.dispatches += 1
+            ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
+            arrival = ready if ready > host else host
+            c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
+            return arrival
+
+    def cancel_collective(self, core: int, arrival: int) -> None:
+        """Forget a collective issued by :meth:`issue_collective` that will not run (its group
+        disagreed): the host keeps the dispatch it paid; nothing is placed."""
+        with self._lock:
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is not None:
+                c.pending.remove(entry)
+
+    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
+        """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
+        ``core``'s :data:`COLLECTIVE_STREAM` from ``start`` (ticks; no earlier than the arrival:
+        when the last rank of the group arrived). The time between is the rank's wait for its
+        peers. Kernels already placed keep their times; this launch absorbs the sharing of the
+        core's DMA with them. Returns its (start, end) ticks."""
+        with self._lock:
+            self._settle()
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is None:
+                raise ValueError(f"no collective issued on core {core} arrives at tick {arrival}")
+            c.pending.remove(entry)
+            s = COLLECTIVE_STREAM
+            start = max(start, arrival)
+            end = self._book(c, core, s, op, cost, start, entry[1], arrival, self._launch_context(), start - arrival)
+            if end > c.ready.get(s, 0):
+                c.ready[s] = end
+            if end > c.busy_until:
+                c.busy_until = end
+            if end > start:
+                c.inflight.append(end)
+            return start, end
 
     def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int] | None:
         """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
@@ -384,16 +527,17 @@ class Device:
         (inside :meth:`graph`/:meth:`muted`) or queued (adaptive eager) to be issued later."""
         with self._lock:
             s = self.cores[core].current_stream if stream is None else stream
+            ctx = self._launch_context()
             cap = getattr(self._local, "capture", None)
             if cap is not None:
-                cap.append((core, op, cost, s))
+                cap.append((core, op, cost, s, ctx))
                 return None
             if self.adaptive:
-                self._pending.append((core, op, cost, s))
+                self._pending.append((core, op, cost, s, ctx))
                 if len(self._pending) >= ADAPTIVE_QUEUE:
                     self._flush_pending()
                 return None
-            return self._issue(core, s, [(op, cost)])[0]
+            return self._issue(core, s, [(op, cost, ctx)])[0]
 
     def launch_graph(self, core: int, items: Sequence[tuple[str, OpCost]], stream: int | None = None
                      ) -> list[tuple[int, int]]:
@@ -403,19 +547,46 @@ class Device:
         with self._lock:
             self._settle()
             s = self.cores[core].current_stream if stream is None else stream
-            return self._issue(core, s, list(items))
+            ctx = self._launch_context()
+            return self._issue(core, s, [(op, cost, ctx) for op, cost in items])
 
-    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost]]) -> list[tuple[int, int]]:
-        """One host dispatch for ``items`` on stream ``s`` of ``core`` (one item: a plain launch)."""
-        c = self.cores[core]
+    def _dispatch(self, c: _Core) -> int:
+        """The host dispatches one launch to core ``c``: it waits for room in the runtime's queue
+        if it is full (for the oldest unfinished launch) and pays ``host.dispatch``; returns its
+        new tick (the host ticks are counted in the reports)."""
         host = self._host
         if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
             oldest = c.inflight.popleft()
             if oldest > host:
                 host = oldest
         host += self.dispatch
-        host_ticks = host - self._host
+        for rec in self.recorders:
+            rec.host_ticks += host - self._host
         self._host = host
+        return host
+
+    def _book(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, host: int,
+              ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0) -> int:
+        """Place one kernel on stream ``s`` of ``c`` from ``start`` (stretched by sharing the core's
+        engines with other streams' kernels) and record it; returns its end tick."""
+        ticks = cost.ticks
+        if s not in c.streams:
+            c.streams.add(s)
+        if len(c.streams) > 1:
+            others = [b for b in c.bookings if b[0] != s and b[2] > start]
+            if others:
+                ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+        end = start + ticks
+        if ticks:
+            c.bookings.append((s, start, end, cost.demand))
+        self._record(core, s, op, cost, ticks, wait, host, start, end, ctx, peer_wait, c.fold_until(host))
+        return end
+
+    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]]) -> list[tuple[int, int]]:
+        """One host dispatch for ``items`` ((op, cost, context)) on stream ``s`` of ``core`` (one
+        item: a plain launch)."""
+        c = self.cores[core]
+        host = self._dispatch(c)
         ready = c.ready.get(s, 0)
         t = ready if ready > host else host
         wait = host - max(ready, c.busy_until)
@@ -423,19 +594,9 @@ class Device:
             wait = 0
         graph = len(items) > 1
         times = []
-        for op, cost in items:
+        for op, cost, ctx in items:
             start = t
-            ticks = cost.ticks
-            if s not in c.streams:
-                c.streams.add(s)
-            if len(c.streams) > 1:
-                others = [b for b in c.bookings if b[0] != s and b[2] > start]
-                if others:
-                    ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
-            end = start + ticks
-            if ticks:
-                c.bookings.append((s, start, end, cost.demand))
-            self._record(core, s, op, cost, ticks, wait, host, start, end)
+            end = self._book(c, core, s, op, cost, start, wait, host, ctx)
             wait = 0  # kernels of one graph follow each other without the host
             times.append((start, end))
             t = end
@@ -445,34 +606,40 @@ class Device:
         if t > times[0][0]:
             c.inflight.append(t)
         for rec in self.recorders:
-            rec.host_ticks += host_ticks
             rec.dispatches += 1
             rec.graph_launches += graph
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
-                end: int) -> None:
+                end: int, ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0, fold: int | None = None) -> None:
         key = (op, id(cost))
+        source, call = ctx
         for rec in self.recorders:
             row = rec.rows.get(key)
             if row is None:
-                rec.rows[key] = [cost, 1, ticks, wait]
+                rec.rows[key] = [cost, 1, ticks, wait, peer_wait]
             else:
                 row[1] += 1
                 row[2] += ticks
                 row[3] += wait
+                row[4] += peer_wait
             tally = rec.cores.get(core)
             if tally is None:
                 tally = rec.cores[core] = _CoreTally()
             tally.launches += 1
             tally.wait += wait
-            tally.add(start, end, host)
+            tally.add(start, end, host if fold is None else fold)
+            if rec.sources is not None and source:
+                lines = rec.sources.get(key)
+                if lines is None:
+                    lines = rec.sources[key] = {}
+                lines[source] = lines.get(source, 0) + ticks
             if rec.events is not None:
-                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end))
+                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end, source, call, cost.reports))
 
     # ---- collecting launches: compiled graphs, values charged another way, adaptive eager --
     @contextlib.contextmanager
-    def graph(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def graph(self) -> Iterator[list[_Item]]:
         """Collect the launches this thread makes inside the block and issue them, when it ends,
         as graph launches: one per run of consecutive launches on one (core, stream). A
         synchronisation inside the block issues what was collected so far first."""
@@ -480,14 +647,14 @@ class Device:
             yield cap
 
     @contextlib.contextmanager
-    def muted(self) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def muted(self) -> Iterator[list[_Item]]:
         """Discard the launches this thread makes inside the block (their cost is charged some
         other way, e.g. as one fused kernel)."""
         with self._collect(keep=False) as cap:
             yield cap
 
     @contextlib.contextmanager
-    def _collect(self, keep: bool) -> Iterator[list[tuple[int, str, OpCost, int]]]:
+    def _collect(self, keep: bool) -> Iterator[list[_Item]]:
         cap = _Capture(keep)
         prev = getattr(self._local, "capture", None)
         self._local.capture = cap
@@ -516,14 +683,14 @@ class Device:
         one launch by launch (its capture), remembered for next time."""
         items, self._pending = self._pending, []
         for core, s, run in _runs(items):
-            key = (core, s, tuple((op, id(cost)) for op, cost in run))
+            key = (core, s, tuple((op, id(cost)) for op, cost, _ in run))
             if len(run) > 1 and key in self._replays:
                 self._issue(core, s, run)
                 continue
             for item in run:
                 self._issue(core, s, [item])
             if len(run) > 1:
-                self._replays[key] = [cost for _, cost in run]  # keeps the costs (and their ids) alive
+                self._replays[key] = [cost for _, cost, _ in run]  # keeps the costs (and their ids) alive
 
     def _settle(self) -> None:
         """Before anything that reads or waits on time: issue queued and collected launches."""
@@ -583,11 +750,11 @@ class Device:
         return max([self._host, *(t for c in cores for t in c.ready.values())])
 
     # ---- reports ---------------------------------------------------------------------------
-    def open_scope(self, trace: bool = False) -> Recorder:
+    def open_scope(self, trace: bool = False, sources: bool = False) -> Recorder:
         """Start recording launches from now (a report scope); close it with :meth:`close_scope`."""
         with self._lock:
             self._settle()
-            rec = Recorder(self._host, trace)
+            rec = Recorder(self._host, trace, sources)
             self.recorders.append(rec)
             return rec
 
@@ -597,11 +764,15 @@ class Device:
             self.recorders.remove(rec)
             return self.report(rec)
 
-    def reset(self, trace: bool = False) -> None:
-        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline)."""
+    def reset(self, trace: bool = False, sources: bool | None = None) -> None:
+        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline;
+        ``sources``: each row's device time per source line; None keeps the current choice, so a
+        program's own reset does not undo what its runner asked for)."""
         with self._lock:
             self._settle()
-            self.recorders[0] = Recorder(self._host, trace)
+            if sources is None:
+                sources = self.recorders[0].sources is not None
+            self.recorders[0] = Recorder(self._host, trace, sources)
 
     def report(self, rec: Recorder | None = None) -> RunReport:
         """The :class:`RunReport` of ``rec`` (default: the whole run since start or reset)."""
@@ -614,15 +785,32 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
-        for (op, _), (cost, calls, ticks, wait) in rec.rows.items():
+        for (op, cid), (cost, calls, ticks, wait, peer_wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
                                               "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "fused": (),
-                                              "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0}
+                                              "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0,
+                                              "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}, "coll": None}
+            for line, t in (rec.sources or {}).get((op, cid), {}).items():
+                a["sources"][line] = a["sources"].get(line, 0) + t
+            a["hbm_read"] += calls * cost.hbm_read_bytes
+            a["hbm_write"] += calls * cost.hbm_write_bytes
+            a["dma"] += calls * cost.dma_bytes
             a["calls"] += calls
             a["ticks"] += ticks
             a["wait"] += wait
+            if cost.collective is not None:
+                info = cost.collective
+                co = a["coll"]
+                if co is None:
+                    co = a["coll"] = {"collective": info.collective, "algorithm": info.algorithm, "ranks": info.ranks,
+                                      "bytes": 0, "net": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
+                co["bytes"] += calls * info.nbytes
+                co["net"] += calls * info.network_ticks
+                co["peer"] += peer_wait
+                co["bus_bytes"] += calls * info.nbytes * info.busbw_factor
+                co["bound"][info.bound] = co["bound"].get(info.bound, 0) + calls * info.network_ticks
             a["lane_ticks"] += ticks * cost.cores
             for name, t in cost.busy.items():
                 a["busy"][name] = a["busy"].get(name, 0) + calls * t
@@ -640,13 +828,25 @@ class Device:
             engines = {n: 100.0 * b / lane for n, b in a["busy"].items()} if lane else {}
             seconds = a["ticks"] / hz
             bound = "launch" if a["wait"] >= a["ticks"] else busiest(engines)
+            co = a["coll"]
+            coll = None
+            if co is not None:
+                net_s = co["net"] / hz
+                coll = CollectiveStats(collective=co["collective"], algorithm=co["algorithm"], ranks=co["ranks"],
+                                       bytes=co["bytes"], network_us=net_s * 1e6, peer_wait_us=co["peer"] / hz * 1e6,
+                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0)
+                top = max(co["bound"].values())
+                bound = min(k for k, v in co["bound"].items() if v == top)  # where most of its model time went
             rows.append(OpRow(
                 op=op, kernel=kernel, generic=a["generic"], calls=a["calls"], time_us=seconds * 1e6,
                 share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
                 host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
                 bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
-                eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6))
+                eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
+                hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"], dma_bytes=a["dma"],
+                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else "",
+                collective=coll))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
         end = max([self._host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start

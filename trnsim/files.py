@@ -30,7 +30,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["OutputError", "AtomicOutput", "check_output", "write_atomic", "lock_exclusive", "file_kind"]
+__all__ = ["OutputError", "AtomicOutput", "check_output", "write_atomic", "lock_exclusive", "file_kind", "reserve_all"]
 
 
 class OutputError(ValueError):
@@ -205,6 +205,21 @@ class AtomicOutput:
             self.discard()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def reserve_all(makers: "list[Callable[[], AtomicOutput | None]]") -> "list[AtomicOutput | None]":
+    """Reserve several outputs before a run (each maker returns an :class:`AtomicOutput` or
+    None); if one is refused, the ones already reserved are given up and the error raised."""
+    reserved: list[AtomicOutput | None] = []
+    try:
+        for make in makers:
+            reserved.append(make())
+    except BaseException:
+        for out in reserved:
+            if out is not None:
+                out.discard()
+        raise
+    return reserved
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[Any]], None], what: str = "output", *,

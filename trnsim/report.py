@@ -20,7 +20,7 @@ Conventions (also in the README):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 from .config import ChipConfig
@@ -28,7 +28,7 @@ from .cores.base import Segment
 from .isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
-           "RunReport", "OpRow", "CoreStats", "TraceEvent"]
+           "RunReport", "OpRow", "CoreStats", "TraceEvent", "CollectiveStats"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,13 @@ class KernelReport:
         else:
             d["timeline"] = [list(s) for s in self.timeline]
         return d
+
+    def to_parquet(self, path: Any) -> Any:
+        """Write this kernel's metrics as one Parquet row with neuron-profile's names (needs
+        pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
+        from .metrics import write_kernel_metrics
+
+        return write_kernel_metrics(path, [self])
 
     def segments(self, lane: str | None = None) -> list[Segment]:
         return [s for s in self.timeline if lane is None or s[0] == lane]
@@ -270,7 +277,10 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
 @dataclass(frozen=True)
 class TraceEvent:
     """One launch on the device timeline: the host issued it at ``issued``; it ran on ``core``'s
-    ``stream`` from ``start`` to ``end`` (ticks)."""
+    ``stream`` from ``start`` to ``end`` (ticks). ``source`` is the Python line that launched it
+    and ``call`` the host call it belongs to (-1: none), when the front end said
+    (:meth:`trnsim.device.Device.set_context`); ``reports`` are the simulated kernels behind it,
+    one per physical core (empty for a launch with no kernel, e.g. a collective)."""
 
     core: int
     stream: int
@@ -279,6 +289,27 @@ class TraceEvent:
     issued: int
     start: int
     end: int
+    source: str = ""
+    call: int = -1
+    reports: tuple[KernelReport, ...] = field(default=(), repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """What a collective row of a run moved (a row of a collective launched by torch.distributed
+    on the ``neuron`` backend). ``bytes`` is nccl-tests' S summed over calls; ``network_us`` this
+    rank's time in the NeuronLink model, from the group's start (the last rank's arrival) to its
+    completion, summed (the row's ``time_us`` adds the stretch from sharing the core's DMA with
+    compute beside it); ``peer_wait_us`` the time this rank had arrived and the group had not;
+    ``busbw`` in bytes/s, sum(S x factor) / network time (nccl-tests' definition)."""
+
+    collective: str  # the NeuronLink model's name: all-reduce, all-gather, reduce-scatter, send-recv, ...
+    algorithm: str
+    ranks: int  # the group's size
+    bytes: int
+    network_us: float
+    peer_wait_us: float
+    busbw: float
 
 
 @dataclass(frozen=True)
@@ -297,11 +328,17 @@ class OpRow:
     matmul_flops: int
     mfu_percent: float  # matmul FLOPs / (bf16 peak of a logical core x time)
     bound: str  # "launch" where the device waited on the host longer than it worked, else busiest()
+    #  (a collective: what held it back in the NeuronLink model: link, HBM, DMA, VectorE or latency)
     # a compiled region's row: the aten ops its one kernel fused and what they cost run eagerly
     fused_ops: tuple[str, ...] = ()
     eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
     eager_hbm_bytes: int = 0  # HBM bytes they would move
     eager_time_us: float = 0.0  # device time they would take
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0  # moved by the DMA engines of its kernels (a casting copy counts its wider side)
+    source_line: str = ""  # the Python line whose launches of this row took the most device time, if tracked
+    collective: CollectiveStats | None = None  # set on collective rows only (torch.distributed)
 
     @property
     def is_region(self) -> bool:
@@ -363,12 +400,19 @@ class RunReport:
         return sum(self.host_ops.values())
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, events=()))  # events hold kernel reports: never deep-copied
         d.pop("events")
         d["host_only_calls"] = self.host_only_calls
         d["launches_saved"] = self.launches_saved
         d["hbm_bytes_saved"] = self.hbm_bytes_saved
         return d
+
+    def to_parquet(self, path: Any) -> Any:
+        """Write one row per (op, kernel) with neuron-profile's metric names as a Parquet file
+        (needs pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
+        from .metrics import write_run_metrics
+
+        return write_run_metrics(path, self)
 
     def row(self, op: str) -> OpRow:
         """The busiest row of ``op`` (KeyError if the op launched nothing in this report)."""

@@ -1,4 +1,4 @@
-"""Design-space sweeps: many chip variants x kernels x shapes, timing-only, into one CSV.
+"""Design-space sweeps: many chip variants x kernels x shapes, timing-only, into one CSV or Parquet file.
 
 A spec is a YAML file::
 
@@ -9,12 +9,13 @@ A spec is a YAML file::
     kernels:
       - {name: matmul, shapes: [512x1024x1024], dtype: bf16, params: {}}
       - {name: ../../examples/softmax_kernel.py:build_softmax, shape: 1024x2048}
-    out: results.csv                   # optional; default <spec name>.csv beside the spec
+    out: results.csv                   # optional; default <spec name>.csv beside the spec (.parquet: Parquet)
 
 The whole spec is checked before any point runs (every variant loads, every kernel resolves and
 builds once on the base config), so a typo costs a one-line error, not half a sweep. Each
-finished point is appended to the CSV at once; a rerun skips the points already there, so an
-interrupted sweep resumes where it stopped.
+finished point is appended to the results at once; a rerun skips the points already there, so an
+interrupted sweep resumes where it stopped. Points run on a local process pool or, with
+``executor="ray"``, on a Ray cluster (:mod:`trnsim.sweep_ray`).
 
 This module holds no rendering: the CLI draws the progress bar and the summary table.
 """
@@ -32,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -40,10 +42,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .config import ChipConfig, ConfigError, clip_text, format_value, load_config, load_yaml_file
-from .files import OutputError, check_output, lock_exclusive
+from .extras import require
+from .files import OutputError, check_output, lock_exclusive, write_atomic
 from .isa import KernelError
 from .kernel import Kernel
 from .kernels.registry import KernelEntry, call_build, get_kernel, parse_params, parse_shape
+from .metrics import is_parquet, read_sweep_parquet, write_sweep_parquet
 from .native.dtypes import get_dtype
 from .report import KernelReport
 
@@ -333,7 +337,7 @@ def _out_path(value: Any, spec: Path, where: str) -> Path:
     if value is None:
         return spec.with_suffix(".csv")
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: out: expected a CSV path, got {format_value(value)}")
+        raise ConfigError(f"{where}: out: expected a CSV or .parquet path, got {format_value(value)}")
     return spec.parent / value
 
 
@@ -602,17 +606,55 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
             signal.signal(signal.SIGINT, previous)
 
 
-def run_sweep(spec: SweepSpec, jobs: int | None = None,
-              progress: Callable[[int, int], None] | None = None) -> SweepResult:
-    """Run every point of ``spec`` not already in its CSV, appending each row as it finishes.
+#: The ``error`` of a point whose worker failed (crashed, lost, raised): a rerun runs it again,
+#: unlike a point error (e.g. SBUF too small for its tiles), which is the point's result.
+WORKER_FAILED = "worker failed: "
+#: Parquet results are rewritten (atomically) at most this often while a sweep runs, and at its end
+PARQUET_FLUSH_SECONDS = 5.0
+EXECUTORS = ("pool", "ray")
 
-    ``jobs`` worker processes (default: one per CPU; 1 runs in this process). ``progress(done,
-    total)`` is called once before and after each point.
+
+def _open_locked(path: Path, shown: str) -> Any:
+    """``path`` opened for appending and locked against other sweeps. The file may be unlinked
+    by the sweep that held it (a Parquet sweep's journal, when it ends): a lock taken on a file
+    no longer at ``path`` is dropped and taken again on the one that is."""
+    for _ in range(100):
+        try:
+            f = open(path, "a+b")
+        except OSError as e:
+            raise OutputError(f"sweep results {shown}: cannot write it ({e.strerror or type(e).__name__})") from None
+        try:
+            lock_exclusive(f, shown, "sweep results", holder="another trnsim sweep")
+            try:
+                same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            f.close()
+            raise
+        if same:
+            return f
+        f.close()
+    raise OutputError(f"sweep results {shown}: cannot lock it (its lock file keeps being replaced)")  # pragma: no cover
+
+
+def run_sweep(spec: SweepSpec, jobs: int | None = None,
+              progress: Callable[[int, int], None] | None = None, executor: str = "pool",
+              address: str | None = None) -> SweepResult:
+    """Run every point of ``spec`` not already in its results file, adding each row as it finishes.
+
+    ``jobs`` worker processes (default: one per CPU; 1 runs in this process) on the local
+    ``executor="pool"``, or ``executor="ray"``: the points run as Ray tasks on the cluster at
+    ``address`` (``HOST:PORT``; None starts a local Ray instance of ``jobs`` CPUs), see
+    :mod:`trnsim.sweep_ray`. ``progress(done, total)`` is called once before and after each point.
 
     The results file is safe to kill, share and resume: it is locked against a second sweep
     (an :class:`~trnsim.files.OutputError`), each row is appended whole, a torn last row is
     dropped and rerun, and Ctrl-C or a dead worker ends the sweep with :class:`SweepStopped`
-    after every finished row is in the file."""
+    after every finished row is in the file. A ``.parquet`` results file is rewritten
+    atomically (every :data:`PARQUET_FLUSH_SECONDS` and at the end) from a journal beside it,
+    ``.<name>.journal``, which takes each row at once with the CSV's guarantees and is removed
+    when the sweep ends; a killed Parquet sweep's rows are in the two together."""
     cpus = os.cpu_count() or 1
     if jobs is None:
         jobs = cpus
@@ -621,31 +663,70 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
         raise ConfigError(f"--jobs {jobs}: expected a positive number of worker processes, at most {max_jobs} "
                           f"on this machine ({cpus} CPUs)" if isinstance(jobs, int) and jobs > max_jobs else
                           f"--jobs {jobs}: expected a positive number of worker processes")
+    if executor not in EXECUTORS:
+        raise ConfigError(f"--executor {clip_text(executor)}: expected one of {', '.join(EXECUTORS)}")
+    if address is not None and executor != "ray":
+        raise ConfigError(f"--address {clip_text(address)}: a cluster address needs --executor ray")
     out = spec.out
     shown = str(out)
+    parquet = is_parquet(out)
+    if parquet:
+        require("pyarrow.parquet", "metrics", f"sweep results {shown}")
+    if executor == "ray":
+        require("ray", "ray", "--executor ray")
     check_output(out, "sweep results", missing_dirs=True)
+    store = out.with_name(f".{out.name}.journal") if parquet else out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        f = open(out, "a+b")
     except OSError as e:
         raise OutputError(f"sweep results {shown}: cannot write it ({e.strerror or type(e).__name__})") from None
+    f = _open_locked(store, shown)
     with f:
-        lock_exclusive(f, shown, "sweep results", holder="another trnsim sweep")
-        existing, torn = _read_done(spec, f, shown)
-        done = existing or {}
-        todo = [pt for pt in spec.points if pt.key() not in done]
+        existing, torn = _read_done(spec, f, shown if not parquet else str(store))
+        done: dict[tuple[str, ...], dict[str, str]] = {}
+        if parquet and out.exists():
+            columns, old = read_sweep_parquet(out)
+            if columns != spec.columns:
+                raise ConfigError(f"{shown}: its columns ({clip_text(', '.join(columns), 200)}) are not this "
+                                  f"spec's ({', '.join(spec.columns)}); delete it or choose another --out")
+            done.update((tuple(r[c] for c in spec.key_columns), r) for r in old)
+        journal_rows = len(existing or {})
+        done.update(existing or {})
+        todo = [pt for pt in spec.points
+                if pt.key() not in done or done[pt.key()]["error"].startswith(WORKER_FAILED)]
         total, finished = len(spec.points), len(spec.points) - len(todo)
         if progress:
             progress(finished, total)
         rows: dict[tuple[str, ...], dict[str, str]] = dict(done)
         base_dir = str(spec.path.parent)
+        header = _row_line(spec.columns, {c: c for c in spec.columns})
         if existing is None:
-            f.write(_row_line(spec.columns, {c: c for c in spec.columns}))
+            f.write(header)
             f.flush()
         ran = 0
+        unsaved = journal_rows  # rows in the journal, not yet in the Parquet file
+        last_flush = time.monotonic()
+
+        def flush() -> None:
+            """Rewrite the Parquet file from every row (the spec's points in order, then rows of
+            other points an earlier spec left), then empty the journal."""
+            nonlocal unsaved, last_flush
+            keys = [pt.key() for pt in spec.points]
+            ordered = [rows[k] for k in keys if k in rows]
+            wanted = set(keys)
+            ordered += [r for k, r in rows.items() if k not in wanted]
+            meta = {"kind": "sweep", "spec": str(spec.path), "config": spec.config, "grid": spec.grid}
+            write_atomic(out, lambda g: write_sweep_parquet(g, spec.columns, spec.key_columns, ordered, meta),
+                         "sweep results", text=False)
+            f.seek(0)
+            f.truncate(0)
+            f.write(header)
+            f.flush()
+            unsaved = 0
+            last_flush = time.monotonic()
 
         def record(pt: Point, result: dict[str, Any]) -> None:
-            nonlocal finished, ran
+            nonlocal finished, ran, unsaved
             # as text, as the CSV holds it, so fresh and resumed rows look alike
             row = {c: "" for c in spec.columns}
             row.update(zip(spec.key_columns, pt.key()))
@@ -660,6 +741,9 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
             rows[pt.key()] = row
             finished += 1
             ran += 1
+            unsaved += 1
+            if parquet and time.monotonic() - last_flush >= PARQUET_FLUSH_SECONDS:
+                flush()
             if progress:
                 progress(finished, total)
 
@@ -668,36 +752,52 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
                                 f"run the same command again to resume", interrupted)
 
         tasks = [_Task(spec.config, base_dir, pt, spec.system) for pt in todo]
-        if jobs == 1 or len(tasks) <= 1:
-            try:
-                for t in tasks:
-                    record(t.point, run_point(t))
-            except KeyboardInterrupt:
-                raise stopped("interrupted", True) from None
-        else:
-            ctx = multiprocessing.get_context()
-            # a forked worker is this process's child and holds a copy of the locked file's
-            # descriptor; a spawned or forkserver one is neither
-            forked = ctx.get_start_method() == "fork"
-            pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=_worker_init,
-                                       initargs=(os.getpid(), forked, f.fileno() if forked else -1))
-            try:
-                pending = {pool.submit(run_point, t): t.point for t in tasks}
-                while pending:
-                    finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished_now:
-                        record(pending.pop(fut), fut.result())
-            except KeyboardInterrupt:
-                _stop_pool(pool)
-                raise stopped("interrupted", True) from None
-            except BrokenProcessPool:
-                _stop_pool(pool)
-                raise stopped("stopped: a worker process died (out of memory, or killed)", False) from None
-            except BaseException:
-                _stop_pool(pool)
-                raise
-            pool.shutdown(wait=True)
+        try:
+            if executor == "ray":
+                from .sweep_ray import run_on_ray
+
+                run_on_ray(tasks, jobs, address, run_point, record, stopped, WORKER_FAILED)
+            elif jobs == 1 or len(tasks) <= 1:
+                try:
+                    for t in tasks:
+                        record(t.point, run_point(t))
+                except KeyboardInterrupt:
+                    raise stopped("interrupted", True) from None
+            else:
+                _run_on_pool(tasks, jobs, f, record, stopped)
+        finally:
+            if parquet and unsaved:
+                flush()  # whatever ended the sweep, its rows are in the Parquet file
+        if parquet:
+            os.unlink(store)  # still locked: a sweep that opened it meanwhile finds it gone and retries
     return SweepResult([rows[pt.key()] for pt in spec.points], ran, torn)
+
+
+def _run_on_pool(tasks: list[_Task], jobs: int, f: Any, record: Callable[[Point, dict[str, Any]], None],
+                 stopped: Callable[[str, bool], SweepStopped]) -> None:
+    """The points on a local process pool of ``jobs`` workers, each row recorded as it finishes."""
+    ctx = multiprocessing.get_context()
+    # a forked worker is this process's child and holds a copy of the locked file's
+    # descriptor; a spawned or forkserver one is neither
+    forked = ctx.get_start_method() == "fork"
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx, initializer=_worker_init,
+                               initargs=(os.getpid(), forked, f.fileno() if forked else -1))
+    try:
+        pending = {pool.submit(run_point, t): t.point for t in tasks}
+        while pending:
+            finished_now, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished_now:
+                record(pending.pop(fut), fut.result())
+    except KeyboardInterrupt:
+        _stop_pool(pool)
+        raise stopped("interrupted", True) from None
+    except BrokenProcessPool:
+        _stop_pool(pool)
+        raise stopped("stopped: a worker process died (out of memory, or killed)", False) from None
+    except BaseException:
+        _stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _block_sigint() -> bool:

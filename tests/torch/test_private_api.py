@@ -11,6 +11,8 @@ def test_every_private_api_resolves_on_the_pinned_torch():
     assert torch.__version__.split("+")[0] == _torch.PINNED
     for path in _torch.REQUIRED:
         assert _torch.resolve(path) is not None, path
+    for path in _torch.DIST_REQUIRED:  # resolved when the distributed backend first needs them
+        assert _torch.dist_api(path) is not None, path
 
 
 def test_a_missing_api_names_itself_and_the_pinned_version():

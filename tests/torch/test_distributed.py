@@ -1,0 +1,247 @@
+"""The neuron process-group backend on 2 ranks under ``trnsim run --nproc`` (torchrun's launcher):
+values through gloo, simulated time from the NeuronLink model, overlap, and ranks that disagree
+failing with one line instead of hanging. Multi-process runs are few: one probe run
+(tests/torch/dist_probe.py) checks most things at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+PROBE = HERE / "dist_probe.py"
+TIMEOUT = 300  # seconds: a hang fails the test, it does not stall the suite
+
+
+def _trnsim(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trnsim.cli", *argv], capture_output=True, text=True, timeout=TIMEOUT,
+                          cwd=cwd)
+
+
+def _json(stdout: str) -> dict:
+    return json.loads(stdout[stdout.index("\n{") + 1:] if not stdout.startswith("{") else stdout)
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe")
+    run = _trnsim("run", "--nproc", "2", "--json", str(PROBE), str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return ranks, _json(run.stdout)
+
+
+def test_init_process_group_picks_the_neuron_backend(probe):
+    ranks, _ = probe
+    assert [r["group"] for r in ranks] == ["NeuronProcessGroup"] * 2
+
+
+def test_values_of_every_collective(probe):
+    (a, b), _ = probe
+    va, vb = a["values"], b["values"]
+    for v in (va, vb):
+        assert v["all_reduce"] == [3.0] * 4 and v["all_reduce_avg"] == [1.5] * 4 and v["all_reduce_max"] == [1.0] * 2
+        assert v["broadcast"] == [0.0, 2.0, 4.0]
+        assert v["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0] and v["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert v["all_reduce_coalesced"] == [[3.0, 3.0], [1.0, 1.0, 1.0]]
+        assert v["all_gather_object"] == [{"rank": 0}, {"rank": 1}] and v["future"] == [[2.0, 2.0]]
+        assert v["funcol_all_reduce"] == [3.0, 3.0]
+        assert v["dtensor_full"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+        assert v["after_errors"] == [2.0, 2.0]  # the group goes on after ranks disagreed
+    assert (va["reduce_scatter_tensor_avg"], vb["reduce_scatter_tensor_avg"]) == ([0.0, 1.5], [3.0, 4.5])
+    assert (va["reduce_scatter"], vb["reduce_scatter"]) == ([1.0, 1.0], [3.0, 3.0])
+    assert (va["all_to_all_single_uneven"], vb["all_to_all_single_uneven"]) == ([0.0, 100.0, 101.0], [1.0, 102.0, 103.0])
+    assert (va["all_to_all"], vb["all_to_all"]) == ([[0.0], [10.0]], [[1.0], [11.0]])
+    assert (va["scatter"], vb["scatter"]) == ([0.0, 0.0], [1.0, 1.0])
+    assert va["gather"] == [[0.0, 0.0], [1.0, 1.0]] and va["reduce_root"] == [3.0, 3.0]
+    assert (va["batch_isend_irecv"], vb["batch_isend_irecv"]) == ([1.0, 1.0], [0.0, 0.0])
+
+
+def test_a_collectives_time_is_what_trnsim_collective_reports(probe):
+    """2 MiB fp32 all-reduce on ranks 0 and 1 of trn2.48xlarge: both ranks start together and
+    their time on the timeline equals `trnsim collective`'s for the same group, size, algorithm."""
+    from trnsim.collectives import simulate_collective
+
+    (a, b), _ = probe
+    (op, stream, s0, e0), = a["events"]["alone"]
+    assert (op, stream) == ("all_reduce", -1) and b["events"]["alone"] == a["events"]["alone"]
+    rep = simulate_collective("trn2.48xlarge", "all-reduce", 2 << 20, ranks=2, dtype="fp32")
+    assert rep.algorithm == "rdh" and e0 - s0 == rep.end_of(0) == rep.end_of(1)
+    cli = json.loads(_trnsim("collective", "all-reduce", "--ranks", "2", "--bytes", "2MiB", "--dtype", "fp32",
+                             "--json").stdout)["results"][0]
+    assert cli["algorithm"] == "rdh" and (e0 - s0) / rep.tick_hz * 1e6 == pytest.approx(cli["time:avg(us)"], rel=1e-12)
+    assert a["alone_row"] == [["all_reduce", "all-reduce:rdh", 2 << 20, pytest.approx(cli["time:avg(us)"])]]
+
+
+def test_an_async_all_reduce_overlaps_the_compute_issued_after_it(probe):
+    (a, b), _ = probe
+    for r in (a, b):
+        (ar, mm, add) = r["events"]["overlap"]
+        assert ar[0] == "all_reduce" and mm[0] == "mm" and add[0] == "add"
+        assert ar[2] < mm[2] < mm[3] < ar[3]  # the matmul runs inside the collective's interval
+        assert add[2] == ar[3]  # after wait(): the stream waits for the collective's end
+
+
+def test_the_collective_starts_when_the_last_rank_arrives(probe):
+    (a, b), _ = probe
+    coll_a = [e for e in a["events"]["skew"] if e[1] == -1]
+    coll_b = [e for e in b["events"]["skew"] if e[1] == -1]
+    last_mm = max(e[3] for e in b["events"]["skew"] if e[0] == "mm")
+    assert coll_a == coll_b and coll_a[0][2] == last_mm  # rank 1's matmuls end, then it starts on both
+    assert a["skew_peer_wait_us"][0] > 200 and b["skew_peer_wait_us"] == [0.0]
+
+
+def test_ranks_that_disagree_get_the_same_one_line_error(probe):
+    (a, b), _ = probe
+    where = "neuron backend: {op} #{n} on ranks [0, 1]: "
+    assert a["errors"]["shapes"] == b["errors"]["shapes"] == where.format(op="all_reduce", n=25) + (
+        "the tensors differ across ranks: rank 0 has float32[4], rank 1 has float32[5]; every rank must pass "
+        "tensors of the same shapes and dtypes")
+    assert a["errors"]["ops"] == where.format(op="all_reduce", n=26) + (
+        "the ranks made different calls: rank 0 all_reduce, rank 1 broadcast; every rank of a group must make the "
+        "same collectives in the same order")
+    assert a["errors"]["roots"] == where.format(op="broadcast", n=27) + (
+        "the ranks name different roots: rank 0 names 0, rank 1 names 1")
+    assert "rank 0 has float32[4], rank 1 has bfloat16[4]" in a["errors"]["dtypes"]
+    assert a["errors"]["send_recv"] == b["errors"]["send_recv"] == (
+        "neuron backend: send from rank 0 to rank 1: rank 0 sends float32[3] (12 bytes) but rank 1 receives into "
+        "float32[4] (16 bytes); both must name tensors of the same shapes and dtypes")
+
+
+def test_the_merged_report_has_collective_rows_ranks_and_steps(probe):
+    _, rep = probe
+    assert rep["world"] == 2 and rep["system"] == "trn2.48xlarge" and set(rep["ranks"]) == {"0", "1"}
+    rows = {(r["op"], r["kernel"]): r for r in rep["total"]["rows"]}
+    ar = rows[("all_reduce", "all-reduce:rdh")]
+    assert ar["calls"] == 6 and ar["collective"]["bytes"] == 2 * (2 * (2 << 20) + (32 << 20))
+    assert ar["collective"]["algorithm"] == "rdh" and ar["collective"]["busbw"] > 0
+    assert ("mm", "matmul") in rows  # compute rows beside the collective rows
+    s0 = rep["ranks"]["0"]["summary"]
+    assert s0["collective_us"] > 0 and 0 < s0["beside_compute_us"] <= s0["collective_us"]
+    assert s0["overlapped_us"] + s0["exposed_us"] == pytest.approx(s0["collective_us"])
+
+
+DDP = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("neuron")
+torch.manual_seed(dist.get_rank())
+model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to("neuron"))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(64, 256, device="neuron")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_the_same_script_on_the_same_ranks_gives_the_same_cycles(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(textwrap.dedent(DDP))
+    reps = []
+    for _ in range(2):
+        run = _trnsim("run", "--nproc", "2", "--json", str(script), cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        reps.append(_json(run.stdout))
+    assert reps[0] == reps[1]
+    rows = {r["op"]: r for r in reps[0]["total"]["rows"]}
+    assert rows["all_reduce"]["calls"] == 6 and len(reps[0]["step_times_us"]) == 3  # a bucket per step per rank
+
+
+SHAPES = """
+import torch, torch.distributed as dist
+dist.init_process_group("neuron")
+x = torch.ones(4 if dist.get_rank() == 0 else 5, device="neuron")
+dist.all_reduce(x)
+"""
+
+FINISHES_EARLY = """
+import torch, torch.distributed as dist
+dist.init_process_group("neuron")
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(4, device="neuron"))
+"""
+
+STUCK = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("neuron")
+if dist.get_rank() == 1:
+    time.sleep(120)
+dist.broadcast(torch.ones(4, device="neuron"), src=0)
+"""
+
+CONFIGS = """
+import torch, torch.distributed as dist, os
+if os.environ["RANK"] == "1":
+    torch.neuron.set_config("trn2", ["core.sbuf.partition_bytes=128KiB"])
+dist.init_process_group("neuron")
+"""
+
+
+def _bad(tmp_path: Path, code: str, *flags: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent(code))
+    return _trnsim("run", "--nproc", "2", *flags, str(script), cwd=tmp_path)
+
+
+def _error_line(run: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("trnsim: ")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    return lines[0]
+
+
+def test_mismatched_shapes_fail_with_one_line(tmp_path):
+    run = _bad(tmp_path, SHAPES)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert _error_line(run) == (
+        "trnsim: error: neuron backend: all_reduce #1 on ranks [0, 1]: the tensors differ across ranks: rank 0 has "
+        "float32[4], rank 1 has float32[5]; every rank must pass tensors of the same shapes and dtypes")
+
+
+def test_a_rank_that_finishes_early_does_not_leave_its_peer_hanging(tmp_path):
+    """The waiting rank fails at once (well before the 10-minute timeout), naming its peer."""
+    run = _bad(tmp_path, FINISHES_EARLY, "--timeout", "600")
+    assert run.returncode == 2
+    assert _error_line(run).startswith("trnsim: error: neuron backend: rank 0 failed in all_reduce #1 on ranks "
+                                       "[0, 1]; rank 1 finished its script (gloo: ")
+
+
+def test_a_timeout_names_the_rank_and_the_collective(tmp_path):
+    run = _bad(tmp_path, STUCK, "--timeout", "3")
+    assert run.returncode == 2
+    assert _error_line(run).startswith(
+        "trnsim: error: neuron backend: rank 0 timed out after 3 s waiting for its peers in broadcast #1 on ranks "
+        "[0, 1]; the other ranks did not arrive (stuck before this call, or in another one) (gloo: ")
+
+
+def test_ranks_on_different_configs_fail_at_init(tmp_path):
+    """Under plain torchrun (trnsim run fixes one config for every rank)."""
+    script = tmp_path / "configs.py"
+    script.write_text(textwrap.dedent(CONFIGS))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert run.returncode != 0
+    assert ("NeuronDistError: neuron backend: ranks run different configs: rank 0 runs trn2 on trn2.48xlarge, rank 1 "
+            "runs trn2 on trn2.48xlarge (core.sbuf.partition_bytes=128KiB); every rank must simulate the same chip and "
+            "system (set TRNSIM_CONFIG and TRNSIM_SYSTEM alike)") in run.stderr
+
+
+def test_bad_nproc_and_a_world_the_system_cannot_hold(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    big = _trnsim("run", "--nproc", "65", str(script))
+    assert big.returncode == 2 and big.stderr == (
+        "trnsim: error: run: --nproc 65 does not fit trn2.48xlarge: it has 64 ranks (16 chips x 4 logical "
+        "NeuronCores); use fewer ranks or a larger system (--system)\n")
+    zero = _trnsim("run", "--nproc", "0", str(script))
+    assert zero.returncode == 2 and zero.stderr == "trnsim: error: run: --nproc 0: expected a whole number of ranks >= 1\n"
+    other = _trnsim("run", "--nproc", "2", "--config", "trn3", str(script))
+    assert other.returncode == 2 and other.stderr == (
+        "trnsim: error: run: --config trn3: the system trn2.48xlarge is built of trn2 chips; choose a trn3 system "
+        "with --system, or leave --config out\n")
