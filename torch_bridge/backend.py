@@ -85,6 +85,7 @@ def register() -> None:
     _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
     divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
     _register_distributed()
+    _use_moe_kernel_on_import()
     _registered = True
 
 
@@ -102,6 +103,49 @@ def _register_distributed() -> None:
 
     if dist.is_available() and "neuron" not in dist.Backend.backend_list:
         dist.Backend.register_backend("neuron", _create_process_group, extended_api=True, devices=["neuron"])
+
+
+MIXTRAL_MODULE = "transformers.models.mixtral.modeling_mixtral"
+
+
+def _use_moe_kernel(module: Any) -> None:
+    from .moe import use_moe_kernel  # defines the MoE ops: loaded with the Mixtral model, not with torch
+
+    use_moe_kernel(module)
+
+
+class _MixtralOnImport:
+    """A meta-path finder that makes transformers' Mixtral MoE block run as the MoE op on neuron
+    tensors (:mod:`torch_bridge.moe`) right after its module is imported (importing
+    transformers eagerly would add seconds to ``import torch``)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != MIXTRAL_MODULE:
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def run(module: Any) -> None:
+            exec_module(module)
+            _use_moe_kernel(module)
+
+        spec.loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def _use_moe_kernel_on_import() -> None:
+    import sys
+
+    if MIXTRAL_MODULE in sys.modules:
+        _use_moe_kernel(sys.modules[MIXTRAL_MODULE])
+    elif not any(isinstance(f, _MixtralOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MixtralOnImport())
 
 
 def autoload() -> None:

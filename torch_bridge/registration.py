@@ -91,6 +91,7 @@ def register_kernels() -> None:
         "baddbmm.out": values.out_variant(values.baddbmm),
         "convolution_overrideable": values.convolution,
         "convolution_backward_overrideable": values.convolution_backward,
+        "histc": values.histc,
     }
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
