@@ -109,43 +109,17 @@ MIXTRAL_MODULE = "transformers.models.mixtral.modeling_mixtral"
 
 
 def _use_moe_kernel(module: Any) -> None:
-    from .moe import use_moe_kernel  # defines the MoE ops: loaded with the Mixtral model, not with torch
+    """Transformers' Mixtral MoE block runs as one MoE op on neuron tensors (torch_bridge.moe,
+    which defines the ops: loaded with the Mixtral model, not with torch)."""
+    from .moe import use_moe_kernel
 
     use_moe_kernel(module)
 
 
-class _MixtralOnImport:
-    """A meta-path finder that makes transformers' Mixtral MoE block run as the MoE op on neuron
-    tensors (:mod:`torch_bridge.moe`) right after its module is imported (importing
-    transformers eagerly would add seconds to ``import torch``)."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != MIXTRAL_MODULE:
-            return None
-        import importlib.machinery
-        import sys
-
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def run(module: Any) -> None:
-            exec_module(module)
-            _use_moe_kernel(module)
-
-        spec.loader.exec_module = run  # type: ignore[method-assign]
-        return spec
-
-
 def _use_moe_kernel_on_import() -> None:
-    import sys
+    from .imports import after_import
 
-    if MIXTRAL_MODULE in sys.modules:
-        _use_moe_kernel(sys.modules[MIXTRAL_MODULE])
-    elif not any(isinstance(f, _MixtralOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _MixtralOnImport())
+    after_import(MIXTRAL_MODULE, _use_moe_kernel)
 
 
 def autoload() -> None:
