@@ -9,6 +9,7 @@ import pytest
 
 from trnsim import load_config
 from trnsim.device import Device, KernelSpec
+from trnsim.trace import ticks_to_us
 from trnsim.run_trace import (FLOW_CATEGORY, SIM_HOST_PID, HostCall, _TimeMap, _without_simulator, device_pid,
                               engines_pid, run_trace_document, stream_tid, write_run_trace)
 
@@ -59,7 +60,7 @@ def test_device_lanes_dispatch_lane_and_flows(run):
     to_us = 1e6 / rep.tick_hz
     device = [e for e in doc["traceEvents"] if e.get("cat") == "kernel" and e["pid"] in (device_pid(0), device_pid(1))]
     assert [(e["name"], e["ts"], e["dur"]) for e in device] == [
-        (e.op, e.start * to_us, (e.end - e.start) * to_us) for e in rep.events]
+        (e.op, ticks_to_us(e.start, rep.tick_hz), ticks_to_us(e.end - e.start, rep.tick_hz)) for e in rep.events]
     assert device[0]["args"]["source"] == "model.py:10" and "source" not in device[3]["args"]
     dispatch = [e for e in doc["traceEvents"] if e.get("cat") == "dispatch"]
     assert [(e["ts"] + e["dur"]) for e in dispatch] == pytest.approx([e.issued * to_us for e in rep.events])

@@ -36,6 +36,26 @@ from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
 from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 
+
+class _Api:
+    """The ``nl.*`` and ``nisa.*`` modules that NkiTensor's operators and assignments call.
+    Both sit above this module (they import it), so each hands itself down when it is imported
+    (:mod:`trnsim.nki` imports both before anything can trace): the core never imports upward."""
+
+    nl: Any = None
+    nisa: Any = None
+
+
+_api = _Api()
+
+
+def provide(*, nl: Any = None, nisa: Any = None) -> None:
+    """Called by :mod:`trnsim.nki.language` and :mod:`trnsim.nki.isa` at import."""
+    if nl is not None:
+        _api.nl = nl
+    if nisa is not None:
+        _api.nisa = nisa
+
 __all__ = ["NkiError", "NkiTensor", "Trace", "current", "unsupported"]
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the trnsim package
@@ -575,9 +595,7 @@ class NkiTensor:
 
     # ---- arithmetic: the nl.* ops --------------------------------------------------------------
     def _binop(self, name: str, other: Any, reverse: bool = False) -> "NkiTensor":
-        from . import language as nl
-
-        fn = getattr(nl, name)
+        fn = getattr(_api.nl, name)
         return fn(other, self) if reverse else fn(self, other)
 
     def __add__(self, o: Any) -> "NkiTensor":
@@ -608,9 +626,7 @@ class NkiTensor:
         return self._binop("power", o)
 
     def __neg__(self) -> "NkiTensor":
-        from . import language as nl
-
-        return nl.negative(self)
+        return _api.nl.negative(self)
 
     def __lt__(self, o: Any) -> "NkiTensor":
         return self._binop("less", o)
@@ -957,8 +973,7 @@ class Trace:
     def assign(self, dst: NkiTensor, value: Any) -> None:
         """``dst[...] = value``: a deferred result writes into dst; a tensor is copied; a number
         fills dst."""
-        from . import isa as nisa
-
+        nisa = _api.nisa
         if isinstance(value, NkiTensor) and value._updated and value._st is dst._st:
             return  # x[i] += y already wrote x[i]
         if isinstance(value, NkiTensor) and value._pending is not None and value is self.pending:
@@ -987,9 +1002,7 @@ class Trace:
     def accumulate(self, dst: NkiTensor, value: Any, op: str) -> None:
         """``dst += value``: a deferred matmul accumulates into PSUM dst; otherwise an in-place
         elementwise op."""
-        from . import isa as nisa
-        from . import language as nl
-
+        nisa, nl = _api.nisa, _api.nl
         if (op == "add" and isinstance(value, NkiTensor) and value._pending is not None and value._pending.matmul
                 and value is self.pending and dst.buffer == "psum"):
             p = value._pending
@@ -1045,10 +1058,8 @@ def _matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
 
 def zero_fill(tr: Trace, st: _Store) -> None:
     """Emit the memset a deferred ``nl.zeros`` in PSUM owes."""
-    from . import isa as nisa
-
     st.zero_pending = False
-    nisa.memset(NkiTensor.full(st), 0.0)
+    _api.nisa.memset(NkiTensor.full(st), 0.0)
 
 
 def _tile_shape(shape: Any) -> tuple[tuple[int, ...], int]:

@@ -15,12 +15,14 @@ by trnsim.nki``).
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..isa import TileAP, alu_op
 from ._core import Affine, NkiError, NkiTensor, Predicate, _Pending, _partition_axis, current, nki_dtype, resolve
+from ._core import provide
 from ._core import unsupported as _unsupported
 
 __all__ = [
@@ -772,3 +774,6 @@ for _name, _why in _UNSUPPORTED.items():
 
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trnsim.nki.isa' has no attribute '{name}' (not an nki.isa API trnsim knows)")
+
+
+provide(nisa=sys.modules[__name__])  # the core's operators call this module (see _core._Api)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import math
+import sys
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from . import isa as nisa
 from ._core import (Affine, MGrid, NkiError, NkiTensor, ParDim, Trace, _Iter, arange, buffer_name, current,
                     iter_range, nki_dtype)
+from ._core import provide
 from ._core import unsupported as _unsupported
 
 __all__ = [
@@ -554,3 +556,6 @@ for _name, _why in _UNSUPPORTED.items():
 
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trnsim.nki.language' has no attribute '{name}' (not an nki.language API trnsim knows)")
+
+
+provide(nl=sys.modules[__name__])  # the core's operators call this module (see _core._Api)
