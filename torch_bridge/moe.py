@@ -49,8 +49,8 @@ from trnsim.isa import KernelError
 from . import _torch, lowering, memory, tensore, values
 from .runtime import runtime
 
-__all__ = ["moe_block", "moe_block_backward", "moe_spec", "block_values", "use_moe_kernel", "original_forward", "MIXTRAL_MODULE",
-           "OP", "BACKWARD_OP"]
+__all__ = ["moe_block", "moe_block_backward", "moe_spec", "block_values", "use_moe_kernel", "original_forward",
+           "MIXTRAL_MODULE", "HF_IMPLEMENTATIONS", "OP", "BACKWARD_OP"]
 
 OP = "moe_block"
 BACKWARD_OP = "moe_block_backward"

@@ -19,7 +19,8 @@ The kernel is traced to an instruction stream (:mod:`trnsim.nki._core`), schedul
 as the Neuron compiler would (:mod:`trnsim.schedule`) and simulated (:class:`trnsim.Chip`).
 ``nki.simulate_kernel``, ``nki.simulate``, ``nki.baremetal`` and ``nki.benchmark`` exist for
 code that uses them; :func:`family` makes a kernel a family of the device model, costed by input
-shapes, as a framework op needs it (``torch_bridge.nki`` registers kernels as torch ops so). What trnsim does not support fails with one line naming the construct.
+shapes, as a framework op needs it (``torch_bridge.nki`` registers kernels as torch ops so).
+What trnsim does not support fails with one line naming the construct.
 """
 
 from . import isa, language, typing
