@@ -4,8 +4,8 @@ Every op in ``torch.testing._internal.common_methods_invocations.op_db`` that su
 on CPU is run on its sample inputs, as PyTorch's device tests compare a device with CPU
 (``test_ops.py::test_compare_cpu``): samples are made on ``neuron``, each is copied to CPU with
 its memory layout kept (storage offset and strides, so ``as_strided`` samples mean the same
-thing), the op runs on both under the same RNG seed (the device's random ops draw from the CPU
-generator, so dropout and friends are comparable too), and the results, after the sample's own
+thing), the op runs on both under the same RNG seed (a random op on the device draws what a
+CPU run seeded from its generator's state draws, so dropout and friends are comparable too), and the results, after the sample's own
 ``output_process_fn_grad``, must match with ``torch.testing.assert_close``. With ``--grad``,
 samples of ops that support autograd also backpropagate one fixed random cotangent per float
 output and the gradients w.r.t. every input that requires grad must match. ``--inplace`` and
@@ -33,8 +33,12 @@ functional form (fft.ihfftn's out= result depends on the out's old contents on C
 gradients; exit status 1 if missed). Every sample is isolated with try/except; ops in ``SKIP``
 are not run, with the reason printed.
 
-    OMP_NUM_THREADS=1 python benchmarks/opinfo_full.py [--dtype float32] [--limit N] [--quick] [--ops a,b]
-        [--grad] [--inplace] [--out] [--json out.json] [--progress file]
+    OMP_NUM_THREADS=1 python benchmarks/opinfo_full.py [--dtype float32 | --all-dtypes] [--limit N] [--quick]
+        [--ops a,b] [--grad] [--inplace] [--out] [--json out.json] [--progress file]
+
+``--all-dtypes`` runs every dtype in its own process and prints pass/fail/error per dtype (a
+crash is reported with its sample). Every sample also checks the FLOP rule: the FLOPs the
+device charges for the op are at least what ``torch.utils.flop_counter`` counts for it.
 
 ``--progress`` writes the op and sample about to run (flushed), so a hard crash names its
 sample; ``faulthandler`` prints the Python stack of one too.
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import sys
 import time
 import warnings
@@ -54,7 +59,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
+from torch_bridge.values import host_seed
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 DEVICE = "neuron"
 SEED = 1234
@@ -97,8 +104,9 @@ def op_label(op: Any) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None) -> list[Any]:
-    """The OpInfos that support ``dtype`` on CPU (all of them, or those named by label or name)."""
+def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None, strict: bool = True) -> list[Any]:
+    """The OpInfos that support ``dtype`` on CPU (all of them, or those named by label or name;
+    ``strict``: a name no OpInfo for ``dtype`` has is an error)."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     wanted = set(names) if names is not None else None
@@ -106,7 +114,7 @@ def load_ops(dtype: torch.dtype, names: Iterable[str] | None = None) -> list[Any
            and (wanted is None or op.name in wanted or op_label(op) in wanted)]
     if wanted is not None:
         missing = wanted - {op.name for op in ops} - {op_label(op) for op in ops}
-        if missing:
+        if missing and strict:
             raise SystemExit(f"opinfo_full: no OpInfo supporting {dtype} named {', '.join(sorted(missing))}")
     return ops
 
@@ -127,6 +135,10 @@ def to_cpu(x: Any, memo: dict[int, torch.Tensor]) -> Any:
         if x.layout == torch.strided and n * x.element_size() == storage.nbytes():
             flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (n,), (1,))
             cpu = flat.cpu().as_strided(x.shape, x.stride(), x.storage_offset())
+            if x.is_conj():  # the storage holds the unconjugated values: keep the view's bits
+                cpu = cpu.conj()
+            if x.is_neg():
+                cpu = torch._neg_view(cpu)
         else:
             cpu = x.detach().cpu()
     cpu = cpu.detach().requires_grad_(x.requires_grad)
@@ -167,6 +179,21 @@ def _misplaced(actual: Any) -> str:
 
 def _used_tensore(scope: Any) -> bool:
     return scope.report is not None and scope.report.matmul_flops > 0
+
+
+def _flops_short(scope: Any, counter: Any) -> str:
+    """The FLOP rule: every op's device work is charged at least the FLOPs
+    ``torch.utils.flop_counter`` counts for it (matmul FLOPs on TensorE, the rest on the engines
+    that do them). "" when it holds for the sample, else what fell short."""
+    counted = counter.get_total_flops()
+    if not counted:
+        return ""
+    rep = scope.report
+    charged = rep.matmul_flops + getattr(rep, "engine_flops", 0) if rep is not None else 0
+    if charged >= counted:
+        return ""
+    by_op = {str(k).split(".")[-1]: v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return f"charged {charged} < flop_counter's {counted} ({', '.join(f'{k} {v}' for k, v in sorted(by_op.items()))})"
 
 
 def _compare(actual: Any, expected: Any, tensore: bool, what: str, exact: Callable[[], Any]) -> Outcome | None:
@@ -267,15 +294,49 @@ def _inputs_requiring_grad(sample: Any) -> list[torch.Tensor]:
 
 
 def _seed() -> None:
-    """Seed the host generator, which the device's random ops draw from too (torch.neuron's
-    manual_seed seeds the same one). Not ``torch.manual_seed``: that also queues CUDA's lazy
+    """Seed the device's generators and the host generator so the two draw the same numbers:
+    a neuron random op draws from a host generator seeded with ``host_seed(seed, offset)`` of its
+    device generator (torch_bridge.values), so an op drawing once matches the CPU run seeded
+    with ``host_seed(SEED, 0)``. Not ``torch.manual_seed``: that also queues CUDA's lazy
     seeding with a formatted stack trace on every call, the harness's largest cost under pytest."""
-    torch.default_generator.manual_seed(SEED)
+    torch.neuron.manual_seed_all(SEED)
+    torch.default_generator.manual_seed(host_seed(SEED, 0))
+
+
+class _HostSeeding:
+    """Inside the CPU run, ``torch.manual_seed(s)`` seeds the host generator with
+    ``host_seed(s, 0)``: OpInfo's random ops reseed inside the op (``wrapper_set_seed``), and on
+    neuron that seed reaches the device generator, whose first draw is the host's at that seed."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.manual_seed
+        torch.manual_seed = lambda s: torch.default_generator.manual_seed(host_seed(int(s), 0))  # type: ignore
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.manual_seed = self.saved  # type: ignore[assignment]
+
+
+def _is_neuron(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.device.type == DEVICE
+    return str(x).startswith(DEVICE)
 
 
 def _call(op: Any, sample: Any, heard: list[str] | None = None) -> Any:
     """``op`` on ``sample`` under the fixed seed; its warnings go to ``heard`` (not printed) if given."""
     _seed()
+    if "device" in sample.kwargs:  # where the op computes (rand_like(neuron_x, device="cpu") draws on CPU)
+        on_device = _is_neuron(sample.kwargs["device"])
+    else:
+        flat, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+        on_device = any(isinstance(t, torch.Tensor) and _is_neuron(t) for t in flat)
+    if not on_device:
+        with _HostSeeding():
+            return _call_seeded(op, sample, heard)
+    return _call_seeded(op, sample, heard)
+
+
+def _call_seeded(op: Any, sample: Any, heard: list[str] | None) -> Any:
     if heard is None:
         return op(sample.input, *sample.args, **sample.kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -303,16 +364,20 @@ def _check_sample(op: Any, sample: Any, grad: bool, heard_cpu: list[str], heard_
     cpu_sample.args = _host_device(cpu_sample.args)
     cpu_sample.kwargs = {k: _host_device(v) for k, v in cpu_sample.kwargs.items()}
     cpu_inputs = [memo[id(t)] for t in dev_inputs]
-    try:
-        expected = cpu_sample.output_process_fn_grad(_call(op, cpu_sample, heard_cpu))
+    try:  # under a FLOP counter too: a dispatch mode can change what an op computes (lstsq's residuals)
+        with FlopCounterMode(display=False):
+            expected = cpu_sample.output_process_fn_grad(_call(op, cpu_sample, heard_cpu))
     except Exception as e:  # the sample is not valid on CPU either
         return Outcome("invalid", f"{type(e).__name__}: {_first_lines(str(e), 1)}")
     try:
-        with torch.neuron.report_scope() as scope:
+        with torch.neuron.report_scope() as scope, FlopCounterMode(display=False) as counter:
             actual = sample.output_process_fn_grad(_call(op, sample, heard_dev))
     except Exception as e:
         return Outcome("error", f"forward: {type(e).__name__}: {_first_lines(str(e), 1)}")
     tensore = _used_tensore(scope)
+    short = _flops_short(scope, counter)
+    if short:
+        return Outcome("fail", f"flops: {short}")
     bad = _misplaced(actual) if _on_device(sample) else ""
     if bad:
         return Outcome("fail", f"forward: {bad}")
@@ -376,6 +441,9 @@ def _run_variant(fn: Any, sample: Any, what: str, invalid: bool, heard: list[str
             warnings.simplefilter("always")
             _seed()
             try:
+                if invalid:  # the CPU run
+                    with _HostSeeding():
+                        return fn(sample.input, *sample.args, **sample.kwargs, **extra), scope, None
                 return fn(sample.input, *sample.args, **sample.kwargs, **extra), scope, None
             finally:
                 heard.extend(_first_lines(str(w.message), 1)[:120] for w in caught)
@@ -561,9 +629,61 @@ def summarize(results: list[OpResult], grad: bool, out: Any = None) -> float:
     return pct
 
 
+ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16",
+              "int8", "uint8", "bool")
+
+
+def run_all_dtypes(passthrough: list[str], out: Any = None) -> int:
+    """Every dtype in :data:`ALL_DTYPES`, each in its own process (a hard crash ends only its
+    dtype's run and is reported with the sample it was running); one summary line per dtype.
+    Returns 0 when every dtype meets the goal without a crash."""
+    import subprocess
+    import tempfile
+
+    out = out or sys.stdout
+    rows = []
+    for name in ALL_DTYPES:
+        with tempfile.TemporaryDirectory() as tmp:
+            js, prog = f"{tmp}/out.json", f"{tmp}/progress.txt"
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--dtype", name, "--json", js, "--progress", prog,
+                                   "--some-ops", *passthrough], capture_output=True, text=True)
+            secs = time.perf_counter() - t0
+            print(f"\n==== {name} ====\n{proc.stdout.rstrip()}", file=out, flush=True)
+            try:
+                with open(js) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                where = open(prog).read().strip() if os.path.exists(prog) else "?"
+                err = _first_lines(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "", 1)
+                rows.append((name, None, f"crash (exit {proc.returncode}) at {where}: {err}", secs))
+                continue
+        c: Counter[str] = Counter(status for outcomes in data.values() for status, _ in outcomes)
+        rows.append((name, c, "", secs))
+    goal = GOAL_GRAD if "--grad" in passthrough else GOAL_FORWARD
+    print(f"\nper dtype (goal >= {goal}% of valid samples, 0 crashes):", file=out)
+    print(f"  {'dtype':11s} {'pass':>7s} {'fail':>5s} {'error':>5s} {'invalid':>7s} {'skip':>5s} {'rate':>8s} {'time':>6s}",
+          file=out)
+    ok = True
+    for name, c, crash, secs in rows:
+        if c is None:
+            ok = False
+            print(f"  {name:11s} {crash}", file=out)
+            continue
+        valid = c["pass"] + c["fail"] + c["error"]
+        pct = 100.0 * c["pass"] / valid if valid else 100.0
+        ok = ok and pct >= goal
+        print(f"  {name:11s} {c['pass']:7d} {c['fail']:5d} {c['error']:5d} {c['invalid']:7d} {c['skip']:5d} "
+              f"{pct:7.2f}% {secs:5.0f}s", file=out)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
+    p.add_argument("--some-ops", action="store_true", help=argparse.SUPPRESS)  # --ops names may lack this dtype
+    p.add_argument("--all-dtypes", action="store_true",
+                   help=f"every dtype ({', '.join(ALL_DTYPES)}), one process each, a line per dtype")
     p.add_argument("--limit", type=int, default=None, help="at most N samples per op")
     p.add_argument("--quick", action="store_true", help=f"every op, first {QUICK_LIMIT} samples each")
     p.add_argument("--ops", default=None, help="comma-separated op names (or name.variant)")
@@ -573,12 +693,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write per-op outcomes here")
     p.add_argument("--progress", default=None, help="file holding the sample about to run (crash bisection)")
     args = p.parse_args(argv)
+    if args.all_dtypes:
+        rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--all-dtypes"]
+        if "--dtype" in rest or any(a.startswith(("--dtype=", "--json", "--progress")) for a in rest):
+            raise SystemExit("opinfo_full: --all-dtypes runs every dtype; it takes no --dtype, --json or --progress")
+        return run_all_dtypes(rest)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"opinfo_full: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
     if args.quick:
         args.limit = QUICK_LIMIT if args.limit is None else min(args.limit, QUICK_LIMIT)
-    ops = load_ops(dtype, args.ops.split(",") if args.ops else None)
+    ops = load_ops(dtype, args.ops.split(",") if args.ops else None, strict=not args.some_ops)
     progress = open(args.progress, "w") if args.progress else None
     t0 = time.perf_counter()
     results = []

@@ -17,8 +17,8 @@ import torch  # noqa: F401  (first: with autoload on, it loads .backend itself)
 
 from trnsim.report import OpRow, RunReport
 
-from .backend import register
+from .backend import register, register_or_report
 
 __all__ = ["register", "RunReport", "OpRow"]
 
-register()
+register_or_report()

@@ -25,11 +25,6 @@ class PrivateAPIError(ImportError):
 
 # dotted path -> why the bridge needs it
 REQUIRED: dict[str, str] = {
-    "torch._C._acc.PrivateUse1Hooks": "the Python hooks PyTorch asks before the first .to('neuron')",
-    "torch._C._acc.DeviceGuard": "the Python device guard",
-    "torch._C._acc.register_python_privateuseone_hook": "registering the hooks",
-    "torch._C._acc.register_python_privateuseone_device_guard": "registering the device guard",
-    "torch._C._autograd.DeviceType": "the guard's device type",
     "torch._register_device_module": "torch.neuron",
     "torch._utils._to": "storage.to('neuron') and torch.load onto neuron",
     "torch.storage._to": "storage.to('neuron') and torch.load onto neuron",
@@ -78,7 +73,7 @@ def compile_api(name: str) -> Any:
 
 
 def resolve(path: str) -> Any:
-    """The object at dotted ``path`` (``torch._C._acc.DeviceGuard``), or :class:`PrivateAPIError`."""
+    """The object at dotted ``path`` (``torch._C._dynamo.eval_frame.get_eval_frame_callback``), or :class:`PrivateAPIError`."""
     parts = path.split(".")
     obj: Any = None
     for i in range(len(parts), 0, -1):  # the longest importable module prefix, then attributes
@@ -106,11 +101,6 @@ DispatchKey = torch._C.DispatchKey
 DispatchKeySet = torch._C.DispatchKeySet
 CPU_KEYS = DispatchKeySet(DispatchKey.CPU)
 AUTOCAST_KEYS = DispatchKeySet(getattr(DispatchKey, "AutocastPrivateUse1"))  # missing from the stubs
-PrivateUse1Hooks = torch._C._acc.PrivateUse1Hooks
-DeviceGuard = torch._C._acc.DeviceGuard
-register_hooks = torch._C._acc.register_python_privateuseone_hook
-register_device_guard = torch._C._acc.register_python_privateuseone_device_guard
-PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
 register_device_module = torch._register_device_module
 ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 all_op_names = torch._C._dispatch_get_all_op_names

@@ -65,7 +65,9 @@ def copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     kind = "copy_d2d" if src_dev and dst_dev else "copy_h2d" if dst_dev else "copy_d2h"
     rt = runtime()
     rt.charge(index, "_copy_from", lowering.copy_spec(kind, self, dst))
-    if src_dev and not dst_dev:  # device -> host: the host waits for the copy (and the work before it)
+    if src_dev and not dst_dev and not (non_blocking and dst.is_pinned()):
+        # device -> host: the host waits for the copy (and the work before it); into pinned
+        # memory with non_blocking it does not (as on CUDA: synchronize before reading it)
         rt.device.synchronize(index)
     return dst
 
@@ -117,9 +119,11 @@ def has_compatible_shallow_copy_type(self: torch.Tensor, from_: torch.Tensor) ->
 
 def to_copy(self: torch.Tensor, *, dtype: Any = None, layout: Any = None, device: Any = None,
              pin_memory: Any = None, non_blocking: bool = False, memory_format: Any = None) -> torch.Tensor:
-    """``Tensor.to`` to or from neuron, without ``non_blocking`` (its pinned-memory path is not
-    implementable from Python): the copy is synchronous either way."""
-    out = torch.empty_like(self, dtype=dtype or self.dtype, device=device or self.device,
-                           memory_format=memory_format or torch.preserve_format)
-    out.copy_(self)
+    """``Tensor.to`` to or from neuron. A ``non_blocking`` copy to the host lands in pinned
+    memory (as CUDA's does) and does not make the host wait for the device."""
+    target = torch.device(device) if device is not None else self.device
+    pin = bool(pin_memory) or (non_blocking and self.device.type == NEURON and target.type == "cpu")
+    out = torch.empty_like(self, dtype=dtype or self.dtype, device=target,
+                           memory_format=memory_format or torch.preserve_format, pin_memory=pin)
+    out.copy_(self, non_blocking=non_blocking)
     return out

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import _torch, lowering, memory, tensore
+from . import _torch, lowering, memory, tensore, values
 from .runtime import runtime
 
 __all__ = ["sdpa", "takes", "takes_meta", "forward_values", "backward_values", "charge_forward", "charge_backward"]
@@ -200,6 +200,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     """The neuron kernel of ``aten::scaled_dot_product_attention``."""
     if is_causal and attn_mask is not None:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
         return _torch.sdpa_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]

@@ -11,30 +11,12 @@ from typing import Any
 
 import torch
 
-from . import _torch
+from . import _native, _torch, memory
 from . import device as _device_module
 
 __all__ = ["register", "autoload"]
 
 _registered = False
-
-
-class _Hooks(_torch.PrivateUse1Hooks):  # type: ignore[misc]
-    """What PyTorch asks a PrivateUse1 backend before the first ``.to('neuron')``."""
-
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, device_index: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _Guard(_torch.DeviceGuard):  # type: ignore[misc]
-    def type_(self) -> Any:
-        return _torch.PRIVATEUSE1
 
 
 def _storage_to(original: Any) -> Any:
@@ -63,19 +45,39 @@ def _accelerator_synchronize(original: Any) -> Any:
     return synchronize
 
 
+def _provisional_device_count() -> int:
+    """The logical NeuronCores of the config the device will start with, read before the runtime
+    exists: autograd sizes its per-device queues the first time any backward runs, CPU-only
+    ones included, and reads the count once."""
+    import os
+
+    from trnsim import load_config
+
+    try:
+        return load_config(os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2").logical_cores
+    except Exception:  # a bad TRNSIM_CONFIG: reported by the first neuron call, which loads it again
+        return 1
+
+
 def register() -> None:
-    """Register the ``neuron`` device with PyTorch (idempotent)."""
+    """Register the ``neuron`` device with PyTorch (idempotent). Raises
+    :class:`~torch_bridge._native.NativeBuildError` (one line) when the native extension cannot be
+    built, before anything is registered: CPU-only torch is then left as it was."""
     global _registered
     if _registered:
         return
     from .registration import register_kernels
 
+    lib = _native.load()  # first: nothing is registered if it fails
+    if lib.trnsim_register_hooks() != 0:
+        raise _native.NativeBuildError("trnsim: another PrivateUse1 backend registered its hooks first; only one "
+                                       "PrivateUse1 device can be used per process")
     torch.utils.rename_privateuse1_backend("neuron")
     _torch.register_device_module("neuron", _device_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True,
                                                          for_packed_sequence=True)
-    _torch.register_hooks(_Hooks())
-    _torch.register_device_guard(_Guard())
+    lib.trnsim_set_device_count(_provisional_device_count())
+    memory.install_resize_allocator(lib)
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
@@ -122,6 +124,26 @@ def _use_moe_kernel_on_import() -> None:
     after_import(MIXTRAL_MODULE, _use_moe_kernel)
 
 
+_reported: list[str] = []
+
+
+def register_or_report() -> bool:
+    """:func:`register`, or, if the native extension cannot be built, its one-line message on
+    stderr (once per process) and False: CPU-only torch is then left exactly as it was. This is
+    what ``import torch`` (the entry point) and ``import torch_bridge`` run: neither may raise,
+    since the entry point's failure would break ``import torch`` for every program."""
+    try:
+        register()
+        return True
+    except _native.NativeBuildError as e:
+        if not _reported:
+            import sys
+
+            _reported.append(str(e))
+            print(f"{e} (the neuron device is not registered; CPU-only torch is unaffected)", file=sys.stderr)
+        return False
+
+
 def autoload() -> None:
     """The ``torch.backends`` entry point: runs inside ``import torch``."""
-    register()
+    register_or_report()

@@ -1,12 +1,11 @@
 """``torch.neuron``: the device module, shaped like ``torch.cuda``.
 
 Device and RNG: ``is_available``, ``device_count`` (the config's logical NeuronCores),
-``current_device``/``set_device``/``device``, ``synchronize``, ``manual_seed``. ``set_device``
-steers factories (``torch.empty(..., device="neuron")``) and the streams API; ``.to("neuron")``
-without an index always means neuron:0, because PyTorch resolves it through the C++ device guard,
-which a Python backend cannot make stateful (torch 2.13): name ``"neuron:1"`` explicitly. The device
-draws random numbers from PyTorch's host generator (PrivateUse1 has no Python generator API), so
-a seeded neuron run draws the same numbers as the same CPU run.
+``current_device``/``set_device``/``device``, ``synchronize``, and per-device generators
+(``manual_seed``, ``get_rng_state``, ``torch.Generator("neuron")``: CUDA's seed + offset state,
+independent of CPU's). The current device lives in the native device guard
+(:mod:`torch_bridge._native`), so ``.to("neuron")``, factories, autograd's worker threads and
+``torch.accelerator`` all follow ``set_device``.
 
 Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
 ``reset_peak_memory_stats``, ``mem_get_info`` (and ``memory_reserved``/``empty_cache``, trivial
@@ -31,18 +30,26 @@ import torch
 from trnsim.device import Recorder
 from trnsim.report import RunReport
 
-from . import memory, profiler
+from . import _native, profiler
+from . import memory as _mem
 from .runtime import is_initialized, runtime, set_config
 
 __all__ = [
     "is_available", "is_initialized", "device_count", "current_device", "set_device", "device", "synchronize",
-    "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state", "set_rng_state",
+    "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "default_generator",
     "get_amp_supported_dtype", "is_bf16_supported", "memory_allocated", "max_memory_allocated", "memory_stats",
-    "reset_peak_memory_stats", "mem_get_info", "memory_reserved", "max_memory_reserved", "empty_cache", "Stream", "Event", "stream", "current_stream", "default_stream",
+    "reset_peak_memory_stats", "mem_get_info", "memory_reserved", "max_memory_reserved", "empty_cache",
+    "memory_stats_as_nested_dict", "reset_accumulated_memory_stats", "reset_max_memory_allocated", "memory_summary",
+    "get_device_name", "get_device_capability", "get_device_properties", "memory", "Stream", "Event", "stream",
+    "current_stream", "default_stream",
     "set_config", "config", "report", "report_scope", "reset_report", "RunReport", "profiler",
 ]
 
 _local = threading.local()
+# read as torch.cuda's (torch.utils.checkpoint saves device RNG state only when it is True); the
+# device needs no eager initialisation, so it is ready as soon as it is registered
+_initialized = True
 
 
 # ---- devices --------------------------------------------------------------------------------
@@ -73,11 +80,14 @@ def _check_index(index: Any) -> int:
 
 
 def current_device() -> int:
-    return getattr(_local, "device", 0)
+    """The calling thread's current neuron device (kept by the native device guard, so
+    ``torch.accelerator``, autograd's worker threads and ``.to("neuron")`` agree with it)."""
+    return _native.lib.trnsim_current_device()
 
 
 def set_device(index: Any) -> None:
-    _local.device = _check_index(index)
+    idx = _check_index(index)
+    _native.lib.trnsim_set_device(idx)
 
 
 @contextlib.contextmanager
@@ -87,7 +97,7 @@ def _device_ctx(index: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        _local.device = prev
+        _native.lib.trnsim_set_device(prev)
 
 
 class device:
@@ -114,29 +124,61 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-# ---- RNG: the host generator ------------------------------------------------------------------
+# ---- RNG: one generator per device --------------------------------------------------------------
+# Each device has its own default generator (native; state = 64-bit seed + 64-bit Philox offset,
+# 16 bytes, as CUDA's), so seeding neuron leaves CPU's random numbers alone and the other way
+# round. Random ops on neuron draw from it (torch_bridge.values).
+_generators: list[torch.Generator] = []
+
+
+def default_generator(device: Any = None) -> torch.Generator:
+    """The default ``torch.Generator`` of ``device`` (None: the current device)."""
+    index = _check_index(device)
+    while len(_generators) <= index:
+        _generators.append(torch.ops.trnsim.default_generator(len(_generators)))
+    return _generators[index]
+
+
 def manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
+    """Seed the current device's generator (as ``torch.cuda.manual_seed``)."""
+    default_generator().manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    manual_seed(seed)
+    for i in range(device_count()):
+        default_generator(i).manual_seed(int(seed))
 
 
 def seed() -> None:
-    torch.default_generator.seed()
+    default_generator().seed()
+
+
+def seed_all() -> None:
+    s = default_generator(0).seed()
+    for i in range(1, device_count()):
+        default_generator(i).manual_seed(s)
 
 
 def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
+    return default_generator().initial_seed()
 
 
 def get_rng_state(device: Any = "neuron") -> torch.Tensor:
-    return torch.default_generator.get_state()
+    """The generator state of ``device``: a 16-byte uint8 CPU tensor (seed, offset)."""
+    return default_generator(device).get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
-    torch.default_generator.set_state(new_state)
+    default_generator(device).set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: Any) -> None:
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -148,9 +190,9 @@ def is_bf16_supported() -> bool:
 
 
 # ---- memory ---------------------------------------------------------------------------------
-def _memory(device: Any) -> memory.MemoryStats:
+def _memory(device: Any) -> _mem.MemoryStats:
     index = _check_index(device)  # first: it may configure the pool
-    return memory.pool.devices[index]
+    return _mem.pool.devices[index]
 
 
 def memory_allocated(device: Any = None) -> int:
@@ -163,12 +205,33 @@ def max_memory_allocated(device: Any = None) -> int:
 
 
 def memory_stats(device: Any = None) -> dict[str, int]:
+    """``torch.cuda.memory_stats``'s keys (``allocated_bytes.all.peak``, ``reserved_bytes.all.peak``,
+    ``num_alloc_retries``, ``num_ooms``, ...). The device has no caching allocator: reserved and
+    active bytes are the allocated ones, and nothing is ever retried or split."""
     return _memory(device).stats()
 
 
+def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        node = nested
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested
+
+
 def reset_peak_memory_stats(device: Any = None) -> None:
-    mem = _memory(device)
-    mem.peak = mem.allocated
+    _memory(device).reset_peak()
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    _memory(device).reset_accumulated()
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    reset_peak_memory_stats(device)
 
 
 def memory_reserved(device: Any = None) -> int:
@@ -188,6 +251,137 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes of the device's HBM share."""
     mem = _memory(device)
     return mem.capacity - mem.allocated, mem.capacity
+
+
+def _size(n: float) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n):6d} {unit}" if unit == "B  " else f"{n:6.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A table of the device's memory statistics, laid out as ``torch.cuda.memory_summary``'s."""
+    index = _check_index(device)
+    st = memory_stats(index)
+    ooms = f"neuron OOMs: {st['num_ooms']}"
+    cap = f"HBM capacity: {_size(st['capacity_bytes']).strip()}"
+    line = "|" + "=" * 75 + "|"
+    thin = "|" + "-" * 75 + "|"
+    out = [line, f"|{f'trnsim neuron memory summary, device ID {index}':^75}|", thin,
+           f"|{ooms:^37}|{cap:^37}|",
+           line, f"|{'Metric':^23}|{'Cur Usage':^12}|{'Peak Usage':^12}|{'Tot Alloc':^12}|{'Tot Freed':^12}|", thin]
+    rows = [("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
+            ("Requested memory", "requested_bytes", True), ("Reserved memory", "reserved_bytes", True),
+            ("Allocations", "allocation", False), ("Active allocs", "active", False),
+            ("Reserved segments", "segment", False)]
+    pools = ("all",) if abbreviated else ("all", "large_pool", "small_pool")
+    for label, key, is_bytes in rows:
+        for p in pools:
+            name = label if p == "all" else f"      from {p.split('_')[0]} pool"
+            cells = [st[f"{key}.{p}.{w}"] for w in ("current", "peak", "allocated", "freed")]
+            text = [_size(c) if is_bytes else f"{c:10d}" for c in cells]
+            out.append(f"| {name:<22}|" + "|".join(f" {t:>10} " for t in text) + "|")
+        out.append(thin)
+    out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _record_memory_history(enabled: Any = "all", context: Any = "all", stacks: str = "all",
+                           max_entries: int = 0, device: Any = None, **_: Any) -> None:
+    """Start (``enabled="all"`` or True) or stop (None or False) recording every allocation and
+    free with its Python stack, as ``torch.cuda.memory._record_memory_history``."""
+    if enabled in (None, False, "none"):
+        _mem.history.stop()
+        return
+    _mem.history.start(stacks not in (None, False, "none", "cpp"), int(max_entries or 0))
+
+
+def _snapshot(device: Any = None) -> dict[str, Any]:
+    """CUDA's memory snapshot: live ``segments`` (one block each: there is no caching allocator)
+    and the recorded ``device_traces`` (one list per device), for ``torch.cuda.memory._dump_snapshot``
+    readers such as ``memory_viz``."""
+    segments = []
+    for index, nbytes, addr in sorted(_mem.live_blocks(), key=lambda b: (b[0], b[2])):
+        kind = "small" if nbytes <= _mem.SMALL_BLOCK else "large"
+        segments.append({"device": index, "address": addr, "total_size": nbytes, "allocated_size": nbytes,
+                         "active_size": nbytes, "requested_size": nbytes, "stream": 0, "segment_type": kind,
+                         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                         "blocks": [{"address": addr, "size": nbytes, "requested_size": nbytes,
+                                     "state": "active_allocated", "frames": []}]})
+    traces = [list(_mem.history.traces.get(i, ())) for i in range(device_count())]
+    return {"segments": segments, "device_traces": traces,
+            "allocator_settings": {"PYTORCH_NEURON_ALLOC_CONF": "", "expandable_segments": False}}
+
+
+def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    import pickle
+
+    with open(filename, "wb") as f:
+        pickle.dump(_snapshot(), f)
+
+
+def _memory_module() -> Any:
+    """``torch.neuron.memory``: the memory functions under their ``torch.cuda.memory`` names."""
+    import sys
+    import types
+
+    mod = types.ModuleType("torch.neuron.memory", "Memory management of the neuron device (torch.cuda.memory's API).")
+    for name in ("memory_allocated", "max_memory_allocated", "memory_stats", "memory_stats_as_nested_dict",
+                 "reset_peak_memory_stats", "reset_accumulated_memory_stats", "reset_max_memory_allocated",
+                 "memory_reserved", "max_memory_reserved", "empty_cache", "mem_get_info", "memory_summary",
+                 "_record_memory_history", "_snapshot", "_dump_snapshot"):
+        setattr(mod, name, globals()[name])
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
+# ---- device properties ------------------------------------------------------------------------
+class NeuronDeviceProperties:
+    """``torch.neuron.get_device_properties``: the logical NeuronCore, shaped like CUDA's
+    ``_CudaDeviceProperties`` where the fields mean the same (``name``, ``total_memory``,
+    ``multi_processor_count`` = physical NeuronCores, ``major``/``minor`` = NeuronCore version)."""
+
+    def __init__(self, index: int):
+        cfg = config()
+        self.index = index
+        self.config = cfg.name
+        self.core_version = cfg.core.version
+        self.name = get_device_name(index)
+        self.total_memory = _mem.pool.devices[index].capacity
+        self.lnc = cfg.chip.lnc
+        self.multi_processor_count = cfg.chip.lnc  # physical NeuronCores behind this logical one
+        self.major, self.minor = get_device_capability(index)
+        self.sbuf_bytes = cfg.core.sbuf.bytes
+        self.psum_bytes = cfg.core.psum.bytes
+        self.hbm_bandwidth = cfg.hbm_bandwidth_reachable * cfg.chip.lnc  # bytes/s this logical core reaches
+        self.peak_bf16_flops = cfg.peak_flops_per_core("bf16") * cfg.chip.lnc
+        self.is_integrated = False
+        self.is_multi_gpu_board = cfg.logical_cores > 1
+
+    def __repr__(self) -> str:
+        return (f"_NeuronDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count})")
+
+
+def get_device_name(device: Any = None) -> str:
+    """``"trn2 NeuronCore-v3 (LNC=2, simulated by trnsim)"``: the chip config's name and core."""
+    _check_index(device)
+    cfg = config()
+    return f"{cfg.name} {cfg.core.version} (LNC={cfg.chip.lnc}, simulated by trnsim)"
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    """(major, minor) of the NeuronCore version: ``NeuronCore-v3`` -> (3, 0)."""
+    _check_index(device)
+    version = config().core.version.rsplit("-v", 1)[-1]
+    major, _, minor = version.partition(".")
+    return int(major), int(minor or 0)
+
+
+def get_device_properties(device: Any = None) -> NeuronDeviceProperties:
+    return NeuronDeviceProperties(_check_index(device))
 
 
 # ---- streams and events in simulated time -------------------------------------------------------
@@ -376,3 +570,6 @@ def adaptive_eager(enabled: bool = True) -> Iterator[None]:
 
 
 __all__ += ["set_adaptive_eager", "adaptive_eager"]
+
+
+memory = _memory_module()

@@ -25,7 +25,8 @@ from trnsim.kernels.generic import STREAM
 from trnsim.native.dtypes import get_dtype
 
 __all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
-           "matmul_spec", "conv_specs", "copy_spec", "attention_specs", "attention_backward_specs", "fused_spec"]
+           "matmul_spec", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec",
+           "attention_specs", "attention_backward_specs", "fused_spec"]
 
 Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
 
@@ -274,6 +275,15 @@ def op_spec(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Se
     return _library(kernel, shape, inputs[0].dtype, params, generic) or generic
 
 
+# Batched matmuls of small items go to the packed kernel (G items per DMA, PSUM bank and store):
+# items of at most 4096 outputs and 128 columns, K and M on one PE pass. Measured on trn2 against
+# the per-item bmm (simulated us, bf16): 192x11x16x11 172 -> 32, 96x64x64x64 90 -> 65,
+# 64x1x64x64 60 -> 18; past it (32x128x64x128: 32 -> 43, 48x16x36x512: 55 -> 164) bmm wins.
+PACKED_MAX_OUTPUT = 4096
+PACKED_MAX_N = 128
+PACKED_MAX_K = 128
+
+
 def matmul_spec(batch: int, m: int, k: int, n: int, dtype: torch.dtype, transpose_a: bool = False,
                 transpose_b: bool = False) -> KernelSpec | None:
     """``batch`` matmuls [M,K] @ [K,N] on TensorE: the library's matmul/bmm (``transpose_a``: A is
@@ -283,7 +293,10 @@ def matmul_spec(batch: int, m: int, k: int, n: int, dtype: torch.dtype, transpos
         return None
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     if batch > 1:
-        return KernelSpec.of("bmm", (batch, m, k, n), matmul_dtype(dtype), params)
+        bmm = KernelSpec.of("bmm", (batch, m, k, n), matmul_dtype(dtype), params)
+        if m * n <= PACKED_MAX_OUTPUT and n <= PACKED_MAX_N and k <= PACKED_MAX_K and m <= PACKED_MAX_K:
+            return KernelSpec.of("bmm_packed", (batch, m, k, n), matmul_dtype(dtype), params, fallback=bmm)
+        return bmm
     return KernelSpec.of("matmul", (m, k, n), matmul_dtype(dtype), params)
 
 
@@ -308,6 +321,9 @@ def conv_specs(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, group
     k = weight.shape[1] * kernel_numel
     n = weight.shape[0] // groups
     im2col = matmul_spec(groups, m, k, n, inp.dtype)
+    dw = depthwise_spec(inp, weight, groups, stride, padding, dilation, transposed, im2col)
+    if dw is not None:
+        return [dw]
     if (not transposed and groups == 1 and inp.dim() == 4 and weight.shape[2] == weight.shape[3]
             and len(set(stride)) == 1 and len(set(padding)) == 1 and set(dilation) == {1}):
         nb, c, h, w = inp.shape
@@ -316,6 +332,130 @@ def conv_specs(inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, group
         if spec is not None:
             return [spec]
     return [im2col] if im2col is not None else []
+
+
+def depthwise_spec(inp: torch.Tensor, weight: torch.Tensor, groups: int, stride: Any, padding: Any, dilation: Any,
+                   transposed: bool, fallback: KernelSpec | None) -> KernelSpec | None:
+    """A 2-d depthwise convolution (one input and one output channel per group, square filter,
+    equal strides and paddings, no dilation) as the library's VectorE/GpSimd depthwise kernel;
+    None for any other convolution."""
+    if (transposed or inp.dim() != 4 or stride is None or groups < 2 or weight.shape[0] != groups
+            or weight.shape[1] != 1 or inp.shape[1] != groups or weight.shape[2] != weight.shape[3]
+            or len(set(stride)) != 1 or len(set(padding)) != 1 or set(dilation) != {1}):
+        return None
+    nb, c, h, w = inp.shape
+    return _library("dwconv2d", (nb, c, h, w, weight.shape[2]), inp.dtype,
+                    {"stride": int(stride[0]), "padding": int(padding[0])}, fallback)
+
+
+def conv_backward_specs(inp: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, groups: int, stride: Any,
+                        padding: Any, dilation: Any, transposed: bool, output_mask: Any) -> list[KernelSpec]:
+    """A convolution's backward: the input gradient and the weight gradient, each as many MACs
+    as the forward.
+
+    * depthwise: both on the depthwise kernel at the forward's shape (grad-input is a depthwise
+      convolution of the output gradient, grad-weight a per-channel correlation of input and
+      output gradient: the same per-tap multiply-adds);
+    * a plain 2-d convolution: grad-input as the library conv2d of the output gradient with the
+      filter's channels swapped, at the output's resolution ([N,K,Ho,Wo] -> [N,C,Ho,Wo]: the
+      forward's MACs whatever the stride), grad-weight as the matmul that contracts input
+      patches with the output gradient over every output position ([C*R*R, N*Ho*Wo] x
+      [N*Ho*Wo, K]: one accumulation group, the small result written once);
+    * anything else as im2col matmuls (grad_out x weight, input x grad_out)."""
+    dw = depthwise_spec(inp, weight, groups, stride, padding, dilation, transposed, None)
+    plain = (not transposed and groups == 1 and inp.dim() == 4 and stride is not None
+             and weight.shape[2] == weight.shape[3] and len(set(stride)) == 1 and len(set(padding)) == 1
+             and set(dilation) == {1})
+    specs: list[KernelSpec] = []
+    for i, needed in enumerate(output_mask[:2]):
+        if not needed:
+            continue
+        if dw is not None:
+            specs.append(dw)
+        elif plain and i == 0:
+            nb, k, ho, wo = grad_out.shape
+            r = weight.shape[2]
+            im2col = conv_specs(grad_out, weight, inp, groups)
+            spec = _library("conv2d", (nb, k, ho, wo, inp.shape[1], r), inp.dtype,
+                            {"stride": 1, "padding": (r - 1) // 2}, im2col[0] if im2col else None)
+            specs.extend([spec] if spec is not None else im2col)
+        elif plain:
+            nb, k, ho, wo = grad_out.shape
+            spec = matmul_spec(1, weight.shape[1] * weight.shape[2] * weight.shape[3], nb * ho * wo, k, inp.dtype)
+            specs.extend([spec] if spec is not None else [])
+        elif i == 0:
+            specs.extend(conv_specs(grad_out, weight, inp, groups))
+        else:
+            specs.extend(conv_specs(inp, weight, grad_out, groups))
+    return specs
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _dense_tokens(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, length, width) of a [B, L, E] (or [L, E]) activation."""
+    if x.dim() == 2:
+        return 1, x.shape[0], x.shape[1]
+    return x.shape[0], x.shape[1], x.shape[-1]
+
+
+def _attention_block(b: int, lq: int, lk: int, heads: int, head_dim: int, dtype: torch.dtype,
+                     mask: torch.Tensor | None) -> list[KernelSpec]:
+    """Multi-head attention's core for b x heads x [lq, lk]: the library flash attention where
+    queries and keys are as long, else its two batched matmuls and a softmax."""
+    if lq == lk:
+        q = torch.empty((b, heads, lq, head_dim), dtype=dtype, device="meta")
+        return attention_specs(q, mask, False, None)
+    scores = torch.empty((b * heads, lq, lk), dtype=dtype, device="meta")
+    soft = _library("softmax", (b * heads * lq, lk), dtype, {}, generic_spec("_softmax", [scores], [scores]))
+    return [sp for sp in (matmul_spec(b * heads, lq, head_dim, lk, dtype, True, True), soft,
+                          matmul_spec(b * heads, lq, lk, head_dim, dtype, True, False)) if sp is not None]
+
+
+def _linear(tokens: int, k: int, n: int, dtype: torch.dtype) -> list[KernelSpec]:
+    spec = matmul_spec(1, tokens, k, n, dtype, True, True)  # x @ w.T: row-major x, w stored [N, K]
+    return [spec] if spec is not None else []
+
+
+def _rows(kernel: str, rows: int, cols: int, dtype: torch.dtype, params: dict[str, Any], op: str) -> KernelSpec:
+    meta = torch.empty((rows, cols), dtype=dtype, device="meta")
+    generic = generic_spec(op, [meta, meta] if kernel == "binary" else [meta], [meta])
+    return _library(kernel, (rows, cols), dtype, params, generic) or generic
+
+
+def fused_op_specs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Sequence[torch.Tensor]
+                   ) -> list[KernelSpec] | None:
+    """The kernels of a fused op PyTorch's eval fast paths call (``nn.TransformerEncoderLayer``
+    in eval under no_grad, ``nn.MultiheadAttention(need_weights=False)``): their projections and
+    feed-forward matmuls on TensorE, attention as the library kernel, norms and residual adds on
+    their library kernels - what the same layer costs in train mode, not one generic kernel with
+    no FLOPs. None for every other op."""
+    if name == "_native_multi_head_attention":
+        q, k = args[0], args[1]
+        embed, heads = int(args[3]), int(args[4])
+        mask = _arg(args, kwargs, 9, "mask")
+        b, lq, _ = _dense_tokens(q)
+        _, lk, _ = _dense_tokens(k)
+        dt = q.dtype
+        return (_linear(b * lq, embed, embed, dt) + _linear(b * lk, embed, 2 * embed, dt)
+                + _attention_block(b, lq, lk, heads, embed // heads, dt, mask) + _linear(b * lq, embed, embed, dt))
+    if name == "_transformer_encoder_layer_fwd":
+        src = args[0]
+        embed, heads = int(args[1]), int(args[2])
+        use_gelu, eps = bool(args[7]), float(args[9])
+        ffn = args[14].shape[0]
+        mask = _arg(args, kwargs, 18, "mask")
+        b, length, _ = _dense_tokens(src)
+        t, dt = b * length, src.dtype
+        norm = _rows("layernorm", t, embed, dt, {"eps": eps}, "native_layer_norm")
+        act = _rows("activation", t, ffn, dt, {"fn": "gelu" if use_gelu else "relu"}, "gelu" if use_gelu else "relu")
+        add = _rows("binary", t, embed, dt, {"op": "add", "broadcast": "none"}, "add")
+        return (_linear(t, embed, 3 * embed, dt) + _attention_block(b, length, length, heads, embed // heads, dt, mask)
+                + _linear(t, embed, embed, dt) + [add, norm] + _linear(t, embed, ffn, dt) + [act]
+                + _linear(t, ffn, embed, dt) + [add, norm])
+    return None
 
 
 def copy_spec(kind: str, src: torch.Tensor, dst: torch.Tensor) -> KernelSpec:

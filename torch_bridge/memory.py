@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
+import traceback
 import weakref
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -45,29 +48,95 @@ class _DLTensorHead(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice)]
 
 
+SMALL_BLOCK = 1 << 20  # CUDA's small pool: requests up to 1 MiB (kSmallSize)
+_POOLS = ("all", "large_pool", "small_pool")
+_BYTE_STATS = ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes")
+_COUNT_STATS = ("allocation", "active", "segment")
+
+
+class _Stat:
+    """One of CUDA's allocator counters: current, peak, allocated (cumulative), freed."""
+
+    __slots__ = ("current", "peak", "allocated", "freed")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.allocated += n
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def sub(self, n: int) -> None:
+        self.current -= n
+        self.freed += n
+
+
 @dataclass
 class MemoryStats:
-    """Allocation statistics of one NeuronCore's share of HBM (bytes), like ``torch.cuda``'s."""
+    """Allocation statistics of one NeuronCore's share of HBM, reported under CUDA's caching
+    allocator keys (``memory_stats``). There is no cache: every live tensor's bytes are
+    allocated, active, requested and reserved at once, and a free returns them to the device,
+    so one byte counter and one allocation counter per pool hold every figure."""
 
     capacity: int
-    allocated: int = 0
-    peak: int = 0
-    allocations: int = 0  # allocation requests that succeeded
-    frees: int = 0
     ooms: int = 0
-    segments: int = 0  # live allocations
+    bytes_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
+    count_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
+
+    @property
+    def allocated(self) -> int:
+        return self.bytes_["all"].current
+
+    @property
+    def peak(self) -> int:
+        return self.bytes_["all"].peak
+
+    def add(self, nbytes: int) -> None:
+        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
+        b, c = self.bytes_, self.count_
+        b["all"].add(nbytes)
+        b[pool].add(nbytes)
+        c["all"].add(1)
+        c[pool].add(1)
+
+    def sub(self, nbytes: int, undo: bool = False) -> None:
+        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
+        for st, n in ((self.bytes_["all"], nbytes), (self.bytes_[pool], nbytes), (self.count_["all"], 1),
+                      (self.count_[pool], 1)):
+            st.sub(n)
+            if undo:  # an allocation that never happened: not a free
+                st.freed -= n
+                st.allocated -= n
+
+    def reset_peak(self) -> None:
+        for st in (*self.bytes_.values(), *self.count_.values()):
+            st.peak = st.current
+
+    def reset_accumulated(self) -> None:
+        for st in (*self.bytes_.values(), *self.count_.values()):
+            st.allocated = st.freed = 0
+        self.ooms = 0
 
     def stats(self) -> dict[str, int]:
-        """``torch.cuda.memory_stats``-style keys for the figures we track."""
-        return {
-            "allocated_bytes.all.current": self.allocated,
-            "allocated_bytes.all.peak": self.peak,
-            "allocation.all.allocated": self.allocations,
-            "allocation.all.freed": self.frees,
-            "allocation.all.current": self.segments,
-            "num_ooms": self.ooms,
-            "capacity_bytes": self.capacity,
-        }
+        """``torch.cuda.memory_stats``'s keys (training frameworks read them by name)."""
+        out: dict[str, int] = {}
+        fams = [(name, self.bytes_) for name in _BYTE_STATS] + [(name, self.count_) for name in _COUNT_STATS]
+        zero = _Stat()
+        fams += [("inactive_split", {p: zero for p in _POOLS}), ("inactive_split_bytes", {p: zero for p in _POOLS})]
+        for name, pools in fams:
+            for p, st in pools.items():
+                for what in ("current", "peak", "allocated", "freed"):
+                    out[f"{name}.{p}.{what}"] = getattr(st, what)
+        for name in ("oversize_allocations", "oversize_segments"):
+            for what in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{what}"] = 0
+        seg = self.count_["all"]
+        out.update({"num_alloc_retries": 0, "num_ooms": self.ooms, "num_sync_all_streams": 0,
+                    "num_device_alloc": seg.allocated, "num_device_free": seg.freed, "max_split_size": -1,
+                    "capacity_bytes": self.capacity})
+        return dict(sorted(out.items()))
 
 
 class _Pool:
@@ -91,27 +160,19 @@ class _Pool:
                     f"({format_quantity(nbytes, 'bytes')}); {mem.allocated} bytes in use of {mem.capacity} capacity "
                     f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)"
                 )
-            mem.allocated += nbytes
-            mem.allocations += 1
-            mem.segments += 1
-            mem.peak = max(mem.peak, mem.allocated)
+            mem.add(nbytes)
 
     def unreserve(self, index: int, nbytes: int) -> None:
         """Undo a :meth:`reserve` whose allocation the host could not back (an OOM, not a free)."""
         with self.lock:
             mem = self.devices[index]
-            mem.allocated -= nbytes
-            mem.allocations -= 1
-            mem.segments -= 1
+            mem.sub(nbytes, undo=True)
             mem.ooms += 1
 
     def release(self, index: int, nbytes: int) -> None:
         with self.lock:
             if index < len(self.devices):  # a reconfigured pool forgets earlier devices
-                mem = self.devices[index]
-                mem.allocated -= nbytes
-                mem.frees += 1
-                mem.segments -= 1
+                self.devices[index].sub(nbytes)
 
 
 pool = _Pool()
@@ -129,10 +190,15 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     """
     if cpu.requires_grad:
         cpu = cpu.detach()
-    nbytes = _storage_nbytes(cpu)
+    if cpu.is_conj() or cpu.is_neg():  # DLPack carries no conj/neg bit: a lazily conjugated result
+        cpu = cpu.resolve_conj().resolve_neg()  # (vdot's) would come back unconjugated
+    st = cpu.untyped_storage()
+    nbytes, addr = st.nbytes(), st.data_ptr()
     if not counted:
         pool.reserve(index, nbytes)
-    _live[weakref.ref(cpu, _freed)] = (index, nbytes)
+    _live[weakref.ref(cpu, _freed)] = (index, nbytes, addr)
+    if history.enabled:
+        history.record(index, "alloc", addr, nbytes)
     cap = _torch.to_dlpack(cpu)  # the capsule keeps this very tensor alive
     head = _DLTensorHead.from_address(_get_pointer(cap, b"dltensor"))
     head.device.device_type = _KDL_EXT_DEV
@@ -140,14 +206,57 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     return _torch.from_dlpack(cap)
 
 
-# weak reference to a relabelled CPU tensor -> (device, bytes) to release when it dies. A bare
+# weak reference to a relabelled CPU tensor -> (device, bytes, address) to release when it dies. A bare
 # weakref with a callback costs a tenth of weakref.finalize, and relabel runs once per op result.
-_live: dict[weakref.ref[torch.Tensor], tuple[int, int]] = {}
+_live: dict[weakref.ref[torch.Tensor], tuple[int, int, int]] = {}
 
 
 def _freed(ref: weakref.ref[torch.Tensor]) -> None:
-    index, nbytes = _live.pop(ref)
+    index, nbytes, addr = _live.pop(ref)
     pool.release(index, nbytes)
+    if history.enabled:
+        history.record(index, "free_completed", addr, nbytes)
+
+
+def live_blocks() -> list[tuple[int, int, int]]:
+    """(device, bytes, address) of every live device allocation."""
+    with pool.lock:
+        return list(_live.values())
+
+
+_BRIDGE = str(__import__("pathlib").Path(__file__).parent)  # the device's own frames are left out
+
+
+class _History:
+    """``torch.neuron.memory._record_memory_history``: alloc/free events per device, with the
+    Python stack that made them, in CUDA's snapshot format (``memory_viz`` reads it)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.stacks = True
+        self.max_entries = 0
+        self.traces: dict[int, deque[dict[str, Any]]] = {}
+
+    def start(self, stacks: bool, max_entries: int) -> None:
+        self.enabled, self.stacks, self.max_entries = True, stacks, max_entries
+        self.traces = {}
+
+    def stop(self) -> None:
+        self.enabled = False
+
+    def record(self, index: int, action: str, addr: int, nbytes: int) -> None:
+        frames = []
+        if self.stacks:
+            frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}  # innermost first, as CUDA's
+                      for f in reversed(traceback.extract_stack(limit=32)) if _BRIDGE not in f.filename]
+        trace = self.traces.get(index)
+        if trace is None:
+            trace = self.traces[index] = deque(maxlen=self.max_entries or None)
+        trace.append({"action": action, "addr": addr, "size": nbytes, "stream": 0,
+                      "time_us": time.time_ns() // 1000, "frames": frames})
+
+
+history = _History()
 
 
 def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, index: int) -> torch.Tensor:
@@ -213,3 +322,47 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
         _views.clear()
     _views[vkey] = v
     return v
+
+
+# ---- blocks for the native storage resize ------------------------------------------------------
+# ``untyped_storage().resize_(n)`` (FSDP2 frees and re-allocates parameters that way) is served in
+# C++ (csrc/neuron.cpp), which asks for device memory here: a block is a neuron uint8 tensor,
+# counted like any other allocation, kept alive under a token until the storage lets it go.
+_blocks: dict[int, torch.Tensor] = {}
+_next_token = [0]
+
+
+def _alloc_block(index: int, nbytes: int, ptr: Any, error: Any, error_len: int) -> int:
+    try:
+        t = allocate((int(nbytes),), None, torch.uint8, int(index))
+    except Exception as e:  # reported by C++ as torch.OutOfMemoryError with this message
+        msg = str(e).splitlines()[0].encode()[:error_len]
+        ctypes.memmove(error, msg, len(msg))
+        return 0
+    with pool.lock:
+        _next_token[0] += 1
+        token = _next_token[0]
+        _blocks[token] = t
+    ptr[0] = t.data_ptr()
+    return token
+
+
+def _release_block(token: int) -> None:
+    with pool.lock:
+        _blocks.pop(int(token), None)
+
+
+_callbacks: list[Any] = []
+
+
+def install_resize_allocator(lib: Any) -> None:
+    """Give the native resize its allocator (and take it back at exit: a storage freed while the
+    interpreter shuts down must not call into Python)."""
+    import atexit
+
+    from ._native import ALLOC_FN, RELEASE_FN
+
+    alloc, release = ALLOC_FN(_alloc_block), RELEASE_FN(_release_block)
+    _callbacks[:] = [alloc, release]  # ctypes callbacks must outlive every call
+    lib.trnsim_set_allocator(alloc, release)
+    atexit.register(lambda: lib.trnsim_set_allocator(ALLOC_FN(), RELEASE_FN()))

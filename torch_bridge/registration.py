@@ -93,6 +93,9 @@ def register_kernels() -> None:
         "convolution_backward_overrideable": values.convolution_backward,
         "histc": values.histc,
     }
+    from .cells import KERNELS as CELLS
+
+    kernels.update(CELLS)
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")

@@ -63,10 +63,28 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     return script_args, opts
 
 
+class _StdoutToStderr:
+    """Everything written to standard output - ``print``, C libraries, child processes - goes to
+    standard error instead, while the block runs (``trnsim run --json`` keeps stdout for JSON)."""
+
+    def __enter__(self) -> None:
+        sys.stdout.flush()
+        self.saved_fd = os.dup(1)
+        os.dup2(2, 1)
+        self.saved = sys.stdout
+        sys.stdout = sys.stderr
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.stdout.flush()
+        sys.stdout = self.saved
+        os.dup2(self.saved_fd, 1)
+        os.close(self.saved_fd)
+
+
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
                trace: str | None = None, eager: bool = False, adaptive: bool = False, metrics: str | None = None,
                plot: str | None = None, expand: Sequence[str] = (), expand_top: int = 3,
-               trace_stack: bool = False) -> tuple[int, RunReport]:
+               trace_stack: bool = False, quiet_stdout: bool = False) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
@@ -82,7 +100,13 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     ``trace_stack`` adds torch.profiler's Python function events (``with_stack=True``: every
     Python call of the script, its imports included, so traces grow by orders of magnitude; the
     launches name their source line either way).
+    With ``quiet_stdout`` the script's standard output goes to standard error (the caller
+    prints data on stdout).
     """
+    if quiet_stdout:
+        with _StdoutToStderr():
+            return run_script(script, args, config, overrides, trace, eager, adaptive, metrics, plot, expand,
+                              expand_top, trace_stack)
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
@@ -110,6 +134,10 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     runtime.runtime().device.reset(sources=metrics is not None)  # the report starts now
     device.set_adaptive_eager(adaptive)
     saved_argv, saved_path = sys.argv, list(sys.path)
+    # Hugging Face accelerate (and so the Trainer) detects a neuron device only through AWS's own
+    # torch_neuronx package; the device it should use otherwise is this variable, read by both
+    saved_env = os.environ.get("ACCELERATE_TORCH_DEVICE")
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "neuron")
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     status = 0
@@ -129,6 +157,8 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
                 status = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
+                if saved_env is None:
+                    os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
             for i in range(device.device_count()):  # queued launches are issued inside the session
                 device.synchronize(i)
         profiler.track_sources(tracking)
@@ -163,14 +193,14 @@ def _profile(stack: bool) -> Any:
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
 
-def compare_eager(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = ()
-                  ) -> tuple[int, RunReport, RunReport]:
+def compare_eager(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
+                  quiet_stdout: bool = False) -> tuple[int, RunReport, RunReport]:
     """Run ``script`` twice in this process, first with torch.compile turned off (every compiled
     function eager), then as written; returns (exit status, eager report, compiled report)."""
-    status, eager = run_script(script, args, config, overrides, eager=True)
+    status, eager = run_script(script, args, config, overrides, eager=True, quiet_stdout=quiet_stdout)
     if status:
         return status, eager, eager
-    status, compiled = run_script(script, args, config, overrides)
+    status, compiled = run_script(script, args, config, overrides, quiet_stdout=quiet_stdout)
     return status, eager, compiled
 
 

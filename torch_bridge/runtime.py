@@ -28,6 +28,10 @@ class Runtime:
         if os.environ.get("TRNSIM_ADAPTIVE_EAGER", "").strip() == "1":  # torch.neuron.set_adaptive_eager's switch
             self.device.set_adaptive(True)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
+        from . import _native
+
+        if _native.lib is not None:  # the native guard and hooks report the config's core count
+            _native.lib.trnsim_set_device_count(config.logical_cores)
 
     @property
     def device_count(self) -> int:

@@ -23,16 +23,20 @@ from .lowering import flat_tensors
 from .runtime import runtime
 
 __all__ = ["NEURON", "fallback", "same_device_fallback", "foreach", "mm", "addmm", "bmm", "baddbmm", "out_variant",
-           "convolution", "convolution_backward", "call_traced", "is_neuron", "NEURON_DEVICES", "check_one_device"]
+           "convolution", "convolution_backward", "call_traced", "host_seed", "host_kernel", "is_neuron",
+           "NEURON_DEVICES", "check_one_device", "same_device", "raise_devices"]
 
 NEURON = "neuron"
 _CPU_KEYS = _torch.CPU_KEYS
+
+# Ops that draw random numbers from the default generator without taking a Generator argument.
+RANDOM_WITHOUT_GENERATOR = frozenset({"native_dropout"})
 
 # ---- schema facts, cached per op ------------------------------------------------------------
 class _OpInfo:
     """What the fallback needs to know about an op's schema."""
 
-    __slots__ = ("name", "is_view", "out_names", "tensor_positions")
+    __slots__ = ("name", "is_view", "out_names", "tensor_positions", "random", "generator_pos")
 
     def __init__(self, op: Any):
         schema = _torch.op_schema(op)
@@ -43,6 +47,10 @@ class _OpInfo:
                                if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
         self.tensor_positions = tuple(i for i, a in enumerate(schema.arguments)
                                       if str(a.type) in ("Tensor", "Optional[Tensor]") and not a.kwarg_only)
+        gens = [i for i, a in enumerate(schema.arguments) if str(a.type) in ("Optional[Generator]", "Generator")]
+        # where a generator argument sits positionally (-1: keyword-only or none)
+        self.generator_pos = gens[0] if gens and not schema.arguments[gens[0]].kwarg_only else -1
+        self.random = bool(gens) or self.name in RANDOM_WITHOUT_GENERATOR
 
 
 _infos: dict[Any, _OpInfo] = {}
@@ -92,11 +100,20 @@ class _ToCpu:
     def __init__(self) -> None:
         self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
         self.storages: dict[int, torch.Tensor] = {}  # device address -> a neuron tensor on that storage
+        self.device: torch.device | None = None  # the first neuron argument's device
+        self.other: torch.device | None = None  # a second device seen (another core, or host non-scalars)
 
     def __call__(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            if x.device not in NEURON_DEVICES:
+            dev = x.device
+            if dev not in NEURON_DEVICES:
+                if self.other is None and x.dim() and not x.is_meta:
+                    self.other = dev  # a host tensor that is not a 0-dim scalar
                 return x
+            if self.device is None:
+                self.device = dev
+            elif dev != self.device and self.other is None:
+                self.other = dev
             v = memory.cpu_view(x)  # may be the view another argument got (the same window)
             self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
             ptr = x.untyped_storage().data_ptr()
@@ -149,6 +166,59 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return call_traced(info.name, _run, op, info, args, kwargs)
 
 
+class _Draw:
+    """One random op's draw from a neuron generator (the one passed, or the device's default).
+
+    The generator's state is (seed, offset), Philox-style: the op's CPU kernel draws from a CPU
+    generator seeded with a mix of the two, and the offset then advances by the values drawn
+    (the outputs' elements, in multiples of 4 as one Philox round makes). So a seed gives the
+    same numbers every run, saving and restoring the state replays them, and neither CPU's
+    generator nor any other device's is touched. Ops without a generator argument (dropout)
+    draw from CPU's default generator, which is borrowed for the call and restored."""
+
+    __slots__ = ("gen", "saved")
+
+    def __init__(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], cargs: list[Any],
+                 ckwargs: dict[str, Any], index: int):
+        pos = info.generator_pos
+        gen = args[pos] if 0 <= pos < len(args) else kwargs.get("generator")
+        if gen is None or gen.device.type != NEURON:
+            from .device import default_generator
+
+            gen = default_generator(index) if gen is None else gen
+        self.gen = gen
+        self.saved = None
+        seed = host_seed(gen.initial_seed(), gen.get_offset())
+        if info.name in RANDOM_WITHOUT_GENERATOR:
+            self.saved = torch.default_generator.get_state()
+            torch.default_generator.manual_seed(seed)
+            return
+        cpu = _scratch.manual_seed(seed)
+        if 0 <= pos < len(cargs):
+            cargs[pos] = cpu
+        else:
+            ckwargs["generator"] = cpu
+
+    def done(self, result: Any) -> None:
+        if self.saved is not None:
+            torch.default_generator.set_state(self.saved)
+        drawn = sum(t.numel() for t in flat_tensors(result, []))
+        self.gen.set_offset(self.gen.get_offset() + 4 * max(1, -(-drawn // 4)))
+
+
+_scratch = torch.Generator()
+_MASK = (1 << 64) - 1
+
+
+def host_seed(seed: int, offset: int) -> int:
+    """The host generator seed a neuron draw at (``seed``, ``offset``) uses: splitmix64 of the
+    two, 63 bits (manual_seed's range). Part of the device's RNG contract (tests rely on it)."""
+    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if info.is_view:  # metadata only: a host-side op, no device kernel
         runtime().host_op(info.name)
@@ -159,11 +229,16 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     conv = _ToCpu()
     cargs = [conv(a) for a in args]
     ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    if conv.other is not None and conv.device is not None and info.name not in MIXED_DEVICE_OPS:
+        raise_devices(conv.device, conv.other)
     fresh: dict[str, torch.Tensor] = {}
     for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
         out = kwargs.get(name)
         if isinstance(out, torch.Tensor) and out.device.type == NEURON and out.numel() == 0:
             fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype)
+    draw = None
+    if info.random:
+        draw = _Draw(info, args, kwargs, cargs, ckwargs, index)
     call = _torch.cpp_op(op)  # the C++ callable (OpOverload.__call__ adds a Python frame)
     n = len(args)
     for i in info.tensor_positions:
@@ -184,6 +259,8 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NotImplementedError(f"neuron: aten::{info.name} cannot run on the neuron device with these arguments "
                                   f"({first}); run this op on CPU (move its tensors with .cpu())") from None
+    if draw is not None:
+        draw.done(result)
     for t in flat_tensors(result, []):
         if t.layout != torch.strided:
             raise NotImplementedError(f"neuron: aten::{info.name} returns a {t.layout} tensor, and the neuron device "
@@ -192,16 +269,33 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         dev_out = kwargs[name]
         dev_out.set_(memory.relabel(cpu_out, index))
         conv.views[id(cpu_out)] = dev_out
+    for name in info.out_names:  # an out= kernel may restride its outputs in place (LAPACK's
+        dev_out = kwargs.get(name)  # column-major results): the neuron tensor takes the new layout
+        if name in fresh or not is_neuron(dev_out):
+            continue
+        view = ckwargs[name]
+        if view.stride() != dev_out.stride() or view.shape != dev_out.shape or \
+                view.storage_offset() != dev_out.storage_offset():
+            torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, dev_out, dev_out.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     out = _back(result, conv, index)
     rt = runtime()
     key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
     cost = _costs.get(key)
     if cost is None:
         inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
-        cost = _costs[key] = rt.cost(lowering.op_spec(info.name, args, kwargs,
-                                                      [t for t in inputs if t.device.type == NEURON],
-                                                      flat_tensors(out, [])))
-    rt.charge(index, info.name, cost)
+        neuron_inputs = [t for t in inputs if t.device.type == NEURON]
+        specs = lowering.fused_op_specs(info.name, args, kwargs, flat_tensors(out, []))
+        if specs is None:
+            cost = rt.cost(lowering.op_spec(info.name, args, kwargs, neuron_inputs, flat_tensors(out, [])))
+        else:  # a fused op (the eval fast paths): its kernels, launched one after the other
+            cost = tuple(rt.cost(sp) for sp in specs)
+        _costs[key] = cost
+    if type(cost) is tuple:
+        for c in cost:
+            rt.charge(index, info.name, c)
+    else:
+        rt.charge(index, info.name, cost)
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)
     return out
@@ -234,6 +328,26 @@ def _signature(x: Any) -> Any:
     return type(x)
 
 
+# Ops CUDA runs with host tensors beside device ones (index tensors that stay on the host).
+MIXED_DEVICE_OPS = frozenset({"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_",
+                              "_unsafe_index_put", "tensor_split", "ctc_loss", "_ctc_loss", "_ctc_loss_backward",
+                              "_local_scalar_dense", "_foreach_copy", "_foreach_copy_"})
+
+
+def raise_devices(a: torch.device, b: torch.device) -> None:
+    """CUDA's error for an op given tensors on two devices."""
+    a, b = sorted((a, b), key=str)
+    raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+def same_device(*ts: torch.Tensor | None) -> None:
+    """The device check of an explicit kernel: every tensor given on one device."""
+    first = ts[0].device
+    for t in ts[1:]:
+        if t is not None and t.device != first:
+            raise_devices(first, t.device)
+
+
 def check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The device check a composite would have made (TensorIterator's): one device, except 0-dim
     CPU tensors, which act as scalars."""
@@ -241,13 +355,12 @@ def check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                if t.device in NEURON_DEVICES or t.dim() > 0}
     if len(devices) > 1:
         a, b = sorted(devices, key=str)[:2]
-        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                           f"{a} and {b}!")
+        raise_devices(a, b)
 
 
 def same_device_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """The fallback for a claimed elementwise op, with its composite's device check."""
-    check_one_device(args, kwargs)
+    """The fallback for a claimed elementwise op (its composite's device check is the fallback's
+    own, made while converting the arguments)."""
     return fallback(op, *args, **kwargs)
 
 
@@ -288,6 +401,22 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> to
     return fallback(op, self.float(), bins, min, max).to(self.dtype)
 
 
+def host_kernel(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An explicit neuron kernel whose values ``fn`` computes from CPU views of its arguments
+    (tensors on one device); the results are relabelled and the call is charged as op ``name``."""
+    conv = _ToCpu()
+    cargs = [conv(a) for a in args]
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    if conv.other is not None and conv.device is not None:
+        raise_devices(conv.device, conv.other)
+    index = (conv.device.index or 0) if conv.device is not None else _current_device()
+    out = _back(fn(*cargs, **ckwargs), conv, index)
+    rt = runtime()
+    inputs = [t for t in flat_tensors(list(args) + list(kwargs.values()), []) if t.device.type == NEURON]
+    rt.charge(index, name, lowering.op_spec(name, args, kwargs, inputs, flat_tensors(out, [])))
+    return out
+
+
 # ---- TensorE ops through the native datapath -----------------------------------------------
 def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
                  a: torch.Tensor, b: torch.Tensor) -> None:
@@ -306,9 +435,28 @@ def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype:
 _mm_costs: dict[tuple[Any, ...], Any] = {}
 
 
+def _mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and a.dtype == b.dtype
+
+
+def _bmm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
+            and a.dtype == b.dtype)
+
+
+def _bias_ok(c: torch.Tensor, rows: tuple[int, ...]) -> bool:
+    """``c`` broadcasts to the product's shape ``rows`` the way addmm/baddbmm's self may."""
+    if c.dim() > len(rows):
+        return False
+    return all(cs in (1, rs) for cs, rs in zip(reversed(c.shape), reversed(rows)))
+
+
 def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    same_device(self, mat2)
     index = self.device.index or 0
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if not _mm_ok(a, b):
+        return torch.mm(a, b)  # CPU's error for these operands
     if tensore.on_datapath(a, b):
         res = tensore.matmul_f32(a, b).to(self.dtype)
     else:
@@ -328,8 +476,11 @@ def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> t
 
 def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
           ) -> torch.Tensor:
+    same_device(mat1, mat2, self)
     index = mat1.device.index or 0
     a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
+    if not (_mm_ok(a, b) and _bias_ok(c, (a.shape[0], b.shape[1]))):
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
         res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
@@ -339,8 +490,11 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
 
 
 def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    same_device(self, mat2)
     index = self.device.index or 0
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if not _bmm_ok(a, b):
+        return torch.bmm(a, b)  # CPU's error for these operands
     if tensore.on_datapath(a, b):
         res = tensore.bmm_f32(a, b).to(self.dtype)
     else:
@@ -351,8 +505,11 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
 
 def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
             ) -> torch.Tensor:
+    same_device(batch1, batch2, self)
     index = batch1.device.index or 0
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
+    if not (_bmm_ok(a, b) and _bias_ok(c, (a.shape[0], a.shape[1], b.shape[2]))):
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
     if tensore.on_datapath(a, b) and c.dtype == a.dtype:
         res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
     else:
@@ -381,8 +538,23 @@ def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out
         rt.charge(index, op, spec)
 
 
+def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format | None:
+    """The output layout CPU's convolution picks: channels-last when the input or the weight is
+    (``suggest_memory_format``), contiguous otherwise."""
+    if x.dim() == 4:
+        cl = torch.channels_last
+    elif x.dim() == 5:
+        cl = torch.channels_last_3d
+    else:
+        return None
+    if any(t.is_contiguous(memory_format=cl) and not t.is_contiguous() for t in (x, w)):
+        return cl
+    return torch.contiguous_format
+
+
 def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
                  dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
+    same_device(input, weight, bias)
     index = input.device.index or 0
     x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
@@ -394,6 +566,9 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
                                                  groups)
+    fmt = _conv_memory_format(x, w)
+    if fmt is not None and not res.is_contiguous(memory_format=fmt):
+        res = res.contiguous(memory_format=fmt)
     _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
     return memory.relabel(res, index)
 
@@ -401,15 +576,16 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: Any,
                           padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
                           output_mask: Any) -> tuple[Any, Any, Any]:
+    same_device(input, grad_output, weight)
     index = input.device.index or 0
     g, x, w = memory.cpu_view(grad_output), memory.cpu_view(input), memory.cpu_view(weight)
     bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
     gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
                                                             transposed, output_padding, groups, output_mask)
-    if output_mask[0]:
-        _conv_time(index, "convolution_backward", grad_output, weight, input, groups)
-    if output_mask[1]:
-        _conv_time(index, "convolution_backward", input, weight, grad_output, groups)
+    rt = runtime()
+    for spec in lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation, transposed,
+                                             output_mask):
+        rt.charge(index, "convolution_backward", spec)
     res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
     if res[2] is not None:
         runtime().charge(index, "convolution_backward",

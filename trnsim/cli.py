@@ -638,20 +638,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         which = "--trace" if trace else "--metrics" if metrics else "--plot"
         raise UsageError(f"run: --compare-eager runs the script twice; {which} takes one run (drop one of them)")
     top = opts.get("expand-top", args.expand_top)
-    try:
+    try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
         top = int(top)
         if top < 0:
             raise ValueError
     except ValueError:
         raise UsageError(f"--expand-top {top}: expected a number of kernels >= 0") from None
-    try:
+    try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
         if compare:
-            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides)
+            status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides,
+                                               quiet_stdout=bool(as_json))
         else:
             status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
                                      metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
-                                     trace_stack=bool(opts.get("trace_stack", args.trace_stack)))
+                                     trace_stack=bool(opts.get("trace_stack", args.trace_stack)),
+                                     quiet_stdout=bool(as_json))
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if as_json:

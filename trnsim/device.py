@@ -140,6 +140,7 @@ class OpCost:
     demand: dict[str, int] = field(default_factory=dict)
     reports: tuple[KernelReport, ...] = field(default=(), repr=False)
     region: FusedRegion | None = None  # set when the kernel runs a compiled region
+    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     dma_bytes: int = 0
@@ -158,7 +159,8 @@ class OpCost:
         reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
         return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
                       sum(r.matmul_flops for r in reports), demand, tuple(reports), hbm_read_bytes=reads,
-                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports))
+                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports),
+                      engine_flops=sum(r.engine_flops for r in reports))
 
 
 def no_work(label: str) -> OpCost:
@@ -789,7 +791,7 @@ class Device:
             a = acc.get((op, cost.kernel))
             if a is None:
                 a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
-                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "fused": (),
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0, "fused": (),
                                               "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0,
                                               "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}, "coll": None}
             for line, t in (rec.sources or {}).get((op, cid), {}).items():
@@ -816,6 +818,7 @@ class Device:
                 a["busy"][name] = a["busy"].get(name, 0) + calls * t
             a["hbm"] += calls * cost.hbm_bytes
             a["flops"] += calls * cost.matmul_flops
+            a["eflops"] += calls * cost.engine_flops
             if cost.region is not None:
                 a["fused"] = cost.region.ops
                 a["eager_launches"] += calls * cost.region.eager_launches
@@ -844,7 +847,8 @@ class Device:
                 matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
                 bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
                 eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
-                hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"], dma_bytes=a["dma"],
+                engine_flops=a["eflops"], hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"],
+                dma_bytes=a["dma"],
                 source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else "",
                 collective=coll))
         rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
@@ -863,5 +867,5 @@ class Device:
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
             events=tuple(rec.events or ()), tick_hz=hz, dispatches=rec.dispatches,
             graph_launches=rec.graph_launches, compiled_graphs=rec.compiled_graphs,
-            compile_seconds=rec.compile_seconds)
+            compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows))
 

@@ -78,6 +78,9 @@ class KernelReport:
     sbuf_peak_bytes: int
     psum_peak_bytes: int
     timeline: tuple[Segment, ...] = field(repr=False, compare=False, default=())
+    # arithmetic the Vector/Scalar/GpSimd engines did (one FLOP per ALU op per element): what a
+    # depthwise convolution's taps or a normalisation's sums cost when no matmul does them
+    engine_flops: int = 0
 
     @property
     def total_ns(self) -> float:
@@ -229,6 +232,7 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         counts[ins.opcode] = counts.get(ins.opcode, 0) + 1
     b = _bytes(instrs)
     flops = 0
+    eng_flops = 0
     hw_flops = 0.0
     for ins in instrs:
         if isinstance(ins, MatMul):
@@ -238,6 +242,8 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
             hw_flops += f / rate
         elif isinstance(ins, Transpose):
             hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size
+        else:
+            eng_flops += _alu_flops(ins)
     peak = config.peak_flops_per_core("bf16")
     hbm_bytes = b["hbm_read"] + b["hbm_write"]
     return KernelReport(
@@ -266,7 +272,22 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         sbuf_peak_bytes=sbuf_peak,
         psum_peak_bytes=psum_peak,
         timeline=tuple(sorted(segments, key=lambda s: (s[2], s[4], s[0]))),
+        engine_flops=eng_flops,
     )
+
+
+_ARITH = frozenset({"add", "subtract", "multiply", "divide", "maximum", "minimum", "power"})
+
+
+def _alu_flops(ins: Instruction) -> int:
+    """FLOPs of one Vector/Scalar/GpSimd instruction: an arithmetic ALU op per element (copies,
+    selects, comparisons and table-driven activations count none)."""
+    ops = [getattr(ins, a, None) for a in ("op", "op0", "op1")]
+    n = sum(1 for o in ops if isinstance(o, str) and o in _ARITH)
+    if not n:
+        return 0
+    data = getattr(ins, "data", None) or getattr(ins, "data1", None)
+    return n * data.p_count * data.free_size if data is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +355,7 @@ class OpRow:
     eager_launches: int = 0  # launches the fused ops would take as eager kernels (over all calls)
     eager_hbm_bytes: int = 0  # HBM bytes they would move
     eager_time_us: float = 0.0  # device time they would take
+    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines (KernelReport.engine_flops)
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
     dma_bytes: int = 0  # moved by the DMA engines of its kernels (a casting copy counts its wider side)
@@ -375,6 +397,7 @@ class RunReport:
     mfu_percent: float  # matmul FLOPs over the bf16 peak of the cores used, for the elapsed time
     events: tuple[TraceEvent, ...] = ()
     tick_hz: int = 1
+    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines (depthwise convolutions, norms, ...)
     dispatches: int = 0  # host dispatches: one per eager launch, one per graph launch (a compiled graph)
     graph_launches: int = 0  # dispatches that issued a graph of kernels
     compiled_graphs: int = 0  # graphs torch.compile compiled in this scope

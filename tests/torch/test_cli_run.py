@@ -36,13 +36,28 @@ def test_run_json_and_errors(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
     out = _trnsim("run", "--json", str(script), cwd=tmp_path)
-    rep = json.loads(out.stdout[out.stdout.index("{"):])
+    rep = json.loads(out.stdout)  # stdout is the JSON alone: the script's print went to stderr
     assert out.returncode == 0 and rep["config"] == "trn2" and any(r["op"] == "mm" for r in rep["rows"])
+    assert "args [] trn2 neuron:0" in out.stderr
+    assert rep["elapsed_us"] > 0 and rep["device_us"] > 0 and "total_us" not in rep
     missing = _trnsim("run", str(tmp_path / "nope.py"), cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"trnsim: error: run: no such script: {tmp_path / 'nope.py'}"
     bad = _trnsim("run", str(script), "--config", "trn9", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("trnsim: error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_run_json_stdout_is_clean_even_for_output_below_python(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text("import os, subprocess, sys, torch\n"
+                      "os.write(1, b'raw fd write\\n')\n"
+                      "subprocess.run([sys.executable, '-c', 'print(\"child\")'])\n"
+                      "print('from python')\n"
+                      "torch.ones(4, device='neuron').sum().item()\n")
+    out = _trnsim("run", str(script), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["launches"] >= 1
+    assert all(s in out.stderr for s in ("raw fd write", "child", "from python"))
 
 
 def test_failing_script_exits_1_with_its_traceback(tmp_path):

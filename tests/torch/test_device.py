@@ -69,13 +69,6 @@ def test_set_config_after_first_use_is_an_error():
         torch.neuron.set_config("trn3")
 
 
-def test_manual_seed_makes_neuron_draw_like_cpu():
-    torch.neuron.manual_seed(7)
-    a = torch.randn(5, device="neuron").cpu()
-    torch.manual_seed(7)
-    assert torch.equal(a, torch.randn(5))
-
-
 def test_unsupported_op_names_itself():
     with pytest.raises(NotImplementedError, match=r"^neuron: aten::linalg_cholesky_ex cannot run on the neuron device "
                                                   r"with these arguments \(.*Half.*\); run this op on CPU"):

@@ -57,7 +57,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 
 def _forward_backward(model: torch.nn.Module, x: torch.Tensor, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(seed)  # the device draws dropout masks from the host generator, as CPU does
+    torch.manual_seed(seed)  # seeds CPU and every neuron generator (their draws differ: see test_rng.py)
     device = next(model.parameters()).device
     out = model(x.to(device), labels=x.to(device))
     out.loss.backward()
@@ -67,7 +67,6 @@ def _forward_backward(model: torch.nn.Module, x: torch.Tensor, seed: int = 2) ->
 @pytest.mark.parametrize("build", [
     pytest.param(_gpt2, id="gpt2-sdpa"),
     pytest.param(lambda: _gpt2(attn="eager"), id="gpt2-eager"),
-    pytest.param(lambda: _gpt2(dropout=0.1), id="gpt2-dropout"),
     pytest.param(_llama, id="llama-gqa"),
     pytest.param(_bert, id="bert-mlm"),
 ])

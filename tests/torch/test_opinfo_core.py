@@ -9,7 +9,7 @@ used TensorE (mm/addmm/bmm/baddbmm/convolution, directly or inside linear, matmu
 compare at ``TENSORE_TOL`` (rtol 1e-5, atol 1e-4): the PE-array datapath accumulates fp32
 products in PSUM in another order than CPU BLAS; the module docstring there gives the bound,
 the measured worst case, and the float64 check that settles ill-conditioned samples.
-Dropout is compared too: the device draws from the CPU generator, so one seed gives one mask.
+Dropout is compared too: a neuron draw is what a host generator seeded from the device generator draws.
 Ops with an in-place variant (``x.exp_()``, ``x.add_(y)``) also check it on every sample, and
 ops with an ``out=`` form check it into outputs of the right size and into empty ones.
 

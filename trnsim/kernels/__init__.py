@@ -3,7 +3,8 @@
 Importing this package registers every built-in kernel (each module registers its own).
 """
 
-from . import attention, conv, elementwise, embedding, fused, matmul, moe, norm, reduce, transpose  # noqa: F401
+from . import (attention, bmm_packed, conv, depthwise, elementwise, embedding, fused, matmul, moe, norm,  # noqa: F401
+               reduce, transpose)
 from .registry import KERNELS, KernelEntry, build_spec, get_kernel, kernel_names, register_kernel, split_spec
 
 __all__ = ["KERNELS", "KernelEntry", "build_spec", "get_kernel", "kernel_names", "register_kernel", "split_spec"]

@@ -41,7 +41,7 @@ from ..isa import HbmAP, KernelError, TileAP
 from ..kernel import Kernel, TilePool
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
-from .registry import register_kernel, split_dims
+from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_matmul", "build_bmm", "plan_blocks"]
 
@@ -369,12 +369,7 @@ def _setup(name: str, m: int, k: int, n: int, dtype: str, config: ChipConfig | s
             raise KernelError(f"{name}: {nm} must be true or false, got {flag!r}")
     kern = Kernel(name, config)
     cfg = kern.config
-    try:
-        dt = get_dtype(dtype)
-    except ValueError as e:
-        raise KernelError(f"{name}: {e}") from None
-    if dt.short not in _DTYPES:
-        raise KernelError(f"{name}: dtype {dt.short} not supported; expected one of {', '.join(_DTYPES)}")
+    dt = checked_dtype(name, dtype, _DTYPES)
     odt = _out_dtype(name, dt, out_dtype)
     plan = plan_blocks(m, k, n, dt, cfg, bool(transpose_a), bool(transpose_b))
     kt_n = -(-k // plan.tk)
@@ -392,10 +387,7 @@ def _setup(name: str, m: int, k: int, n: int, dtype: str, config: ChipConfig | s
     return kern, mm
 
 
-def _check_dims(name: str, **dims: int) -> None:
-    for nm, v in dims.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise KernelError(f"{name}: {nm} must be a positive integer, got {v!r}")
+_check_dims = checked_dims
 
 
 # ---- matmul ---------------------------------------------------------------------------------

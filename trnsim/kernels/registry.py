@@ -48,6 +48,8 @@ __all__ = [
     "split_dims",
     "build_spec",
     "split_spec",
+    "checked_dtype",
+    "checked_dims",
     "KERNELS",
     "KernelFamily",
     "FAMILIES",
@@ -202,6 +204,25 @@ def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n
     entry = get_kernel(kernel)
     parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
     return parts or [shape]
+
+
+def checked_dtype(name: str, dtype: str, allowed: tuple[str, ...]) -> Any:
+    """The :class:`~trnsim.native.dtypes.Dtype` a build function was given, or a KernelError
+    naming the kernel and the dtypes it takes."""
+    try:
+        dt = get_dtype(dtype)
+    except ValueError as e:
+        raise KernelError(f"{name}: {e}") from None
+    if dt.short not in allowed:
+        raise KernelError(f"{name}: dtype {dt.short} not supported; expected one of {', '.join(allowed)}")
+    return dt
+
+
+def checked_dims(name: str, **dims: Any) -> None:
+    """Every named dim a positive integer, or a KernelError naming the first one that is not."""
+    for nm, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise KernelError(f"{name}: {nm} must be a positive integer, got {v!r}")
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

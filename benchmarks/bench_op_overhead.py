@@ -1,0 +1,66 @@
+"""Per-op host cost of the neuron device: a loop of tiny ops against the same loop on CPU.
+
+Small models are host-bound on any accelerator; here each neuron op also runs the bridge's
+Python (argument conversion, the CPU kernel on views, relabelling the result, the cost lookup
+and the launch on the simulated timeline). This times loops of tiny ops on CPU and on neuron in
+the same run and prints microseconds per op and the ratio. Goal (issue 11): <= 10 us per op.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_op_overhead.py [--iters 5000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import torch_bridge  # noqa: F401  (registers the device where autoload is off)
+
+GOAL_US = 10.0
+
+CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "x + 1": lambda x, y: x + 1,
+    "x * y": lambda x, y: x * y,
+    "relu(x)": lambda x, y: torch.relu(x),
+    "x.sum()": lambda x, y: x.sum(),
+    "x.view(4, 4)": lambda x, y: x.view(4, 4),
+    "x.add_(y)": lambda x, y: x.add_(y),
+}
+
+
+def per_op_us(fn: Callable[[torch.Tensor, torch.Tensor], object], device: str, iters: int) -> float:
+    x = torch.ones(16, device=device)
+    y = torch.full((16,), 0.5, device=device)
+    for _ in range(min(200, iters)):  # warm the caches (and simulate each kernel once)
+        fn(x, y)
+    best = float("inf")
+    for _ in range(3):  # best of three: the machine is shared
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(x, y)
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--quick", action="store_true", help="500 iterations")
+    args = p.parse_args(argv)
+    iters = 500 if args.quick else args.iters
+    print(f"per-op host cost, 16-element float32 tensors, {iters} iterations, best of 3 "
+          f"(torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    print(f"  {'op':14s} {'CPU us':>8s} {'neuron us':>10s} {'ratio':>7s}")
+    worst = 0.0
+    for name, fn in CASES.items():
+        cpu = per_op_us(fn, "cpu", iters)
+        dev = per_op_us(fn, "neuron", iters)
+        worst = max(worst, dev)
+        print(f"  {name:14s} {cpu:8.2f} {dev:10.2f} {dev / cpu:6.1f}x")
+    print(f"worst neuron op: {worst:.2f} us (goal <= {GOAL_US} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
