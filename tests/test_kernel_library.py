@@ -20,6 +20,7 @@ SMALL = {
     "conv2d": (1, 20, 9, 9, 24, 3),
     "dwconv2d": (2, 20, 9, 9, 3),
     "embedding": (130, 50, 96),
+    "foreach_fused": (3, 1000),
     "fused": (130, 300),
     "matmul_fused": (130, 200, 300),
     "layernorm": (130, 300),

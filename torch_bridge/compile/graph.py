@@ -3,7 +3,8 @@ the whole graph as one launch.
 
 :class:`CompiledGraph` is what the backend returns for each forward or backward graph. Its graph
 is the aot graph with every region (:func:`torch_bridge.compile.fusion.partition`) replaced by a
-call of a :class:`RegionKernel`; the other nodes are the graph's own aten calls, which run through
+call of a :class:`RegionKernel`, and every multi-tensor region (an optimizer step's foreach chain,
+:func:`torch_bridge.compile.foreach.partition_foreach`) by a call of a ``ForeachKernel``; the other nodes are the graph's own aten calls, which run through
 the neuron dispatcher exactly as in eager mode (values on the datapath or CPU kernels, each
 charged as its eager kernel). The graph's launches are collected and issued as one graph launch
 (:meth:`trnsim.device.Device.graph`): a compiled graph is one executable, so the host pays one
@@ -33,6 +34,7 @@ from trnsim.isa import KernelError
 
 from .. import lowering, memory, tensore, values
 from ..runtime import runtime
+from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, partition
 
 __all__ = ["CompiledGraph", "RegionKernel", "rewrite"]
@@ -209,7 +211,7 @@ class RegionKernel:
         return _Plan(self.label, [(self.label, dataclasses.replace(cost, region=region))], spec)
 
 
-def rewrite(gm: fx.GraphModule, regions: list[Region]) -> fx.GraphModule:
+def rewrite(gm: fx.GraphModule, regions: Sequence[Region | ForeachRegion]) -> fx.GraphModule:
     """``gm`` with each region's nodes replaced by one call of its :class:`RegionKernel`, in an
     order where every value is defined before use (regions are cycle-free by construction)."""
     graph = gm.graph
@@ -257,7 +259,8 @@ def rewrite(gm: fx.GraphModule, regions: list[Region]) -> fx.GraphModule:
     idx = {it: i for i, it in enumerate(items)}
     new = fx.Graph()
     env: dict[fx.Node, Any] = {}
-    kernels = [RegionKernel(r, i) for i, r in enumerate(regions)]
+    kernels = [ForeachKernel(r, i) if isinstance(r, ForeachRegion) else RegionKernel(r, i)
+               for i, r in enumerate(regions)]
     done = 0
     while heap:
         _, _, it = heapq.heappop(heap)
@@ -290,7 +293,7 @@ class CompiledGraph:
         from .flex import use_flex_kernels
 
         use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
-        self.regions = partition(gm)
+        self.regions: list[Region | ForeachRegion] = [*partition(gm), *partition_foreach(gm)]
         self.module = rewrite(gm, self.regions) if self.regions else gm
         self.compile_seconds = time.perf_counter() - t0
 

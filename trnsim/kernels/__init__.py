@@ -3,8 +3,8 @@
 Importing this package registers every built-in kernel (each module registers its own).
 """
 
-from . import (attention, bmm_packed, conv, depthwise, elementwise, embedding, fused, matmul, moe, norm,  # noqa: F401
-               reduce, transpose)
+from . import (attention, bmm_packed, conv, depthwise, elementwise, embedding, foreach, fused, matmul,  # noqa: F401
+               moe, norm, reduce, transpose)
 from .registry import KERNELS, KernelEntry, build_spec, get_kernel, kernel_names, register_kernel, split_spec
 
 __all__ = ["KERNELS", "KernelEntry", "build_spec", "get_kernel", "kernel_names", "register_kernel", "split_spec"]

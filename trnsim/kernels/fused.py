@@ -512,14 +512,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
                         dst_ap = hbm_piece(outs[o], pc) if kinds[v] == FULL else outs[o].ap(pc.r0, [[g, p], [1, g]])
                         kern.dma_copy(dst_ap, tiles[v], queue=4)
 
-    states: list[dict[int, TileAP]] = [dict(res) for _ in pieces]
-    for t in range(len(pieces) + nstages - 1):
-        for si in range(nstages):
-            i = t - si
-            if 0 <= i < len(pieces):
-                stage(si, i, pieces[i], states[i])
-        if t >= nstages - 1:
-            states[t - nstages + 1] = {}
+    pipeline(pieces, nstages, stage, lambda: dict(res))
 
     # ---- after the loop: column sums out of PSUM, the steps on them, per-column outputs
     post: dict[int, TileAP] = dict(res)
@@ -540,6 +533,21 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
             src = post[v][:1]
             kern.dma_copy(outs[o].ap(0, [[0, 1], [1, src.free_size]]), src, queue=5)
     return kern
+
+
+def pipeline(pieces: Sequence[Any], nstages: int, stage: Callable[[int, int, Any, dict[int, TileAP]], None],
+             initial: Callable[[], dict[int, TileAP]]) -> None:
+    """Software pipelining: at step t, stage s of piece t - s is issued (``stage(s, index, piece,
+    tiles)``), so each engine has another piece's work queued behind a dependent one; a piece's
+    tile map is dropped once its last stage is issued."""
+    states = [initial() for _ in pieces]
+    for t in range(len(pieces) + nstages - 1):
+        for si in range(nstages):
+            i = t - si
+            if 0 <= i < len(pieces):
+                stage(si, i, pieces[i], states[i])
+        if t >= nstages - 1:
+            states[t - nstages + 1] = {}
 
 
 def _broadcast_row(kern: Kernel, vec: Any, parts: int, cols: int, dt: str, name: str) -> TileAP:
@@ -832,6 +840,9 @@ def resolve(program: Program, cols: int) -> Program:
 
 def _program_of(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any]) -> Program:
     prog = params.get("program") or pattern(params.get("pattern", "bias_gelu"), dtype)
+    if not isinstance(prog, Program):
+        raise KernelError("fused: program must be a trnsim.kernels.fused.Program (from Python); on the command line "
+                          "choose a preset with pattern=")
     return resolve(prog, shape[-1])
 
 

@@ -1,0 +1,452 @@
+"""Multi-tensor regions: a compiled optimizer step's ``_foreach_*`` chain as one kernel.
+
+``torch.compile(opt.step)`` gives an aot graph of functional ``_foreach_*`` ops over lists of
+tensors (parameters, gradients, optimizer state, step counts), followed by one ``copy_`` per
+updated tensor back into the graph input it replaces (functionalization). Run op by op, every
+foreach op streams every list through HBM and every ``copy_`` is a launch of its own; Inductor
+instead emits one foreach kernel that reads each tensor once and stores the results in place.
+:func:`partition_foreach` finds such a chain: foreach ops over lists of one length, the
+``getitem`` of their results, ``full_like`` constants (the ``lerp`` weight of a capturable
+AdamW, read as an immediate) and the ``copy_`` into graph inputs nothing else reads. Element
+``i`` of every list has the shape of tensor ``i`` (or is a one-element step count), so the
+chain is one elementwise :class:`~trnsim.kernels.fused.Program` per index, written here for
+index 0 (the program is the same for every index; a ``ScalarList`` operand's immediates differ,
+which costs the same) and run by the ``foreach_fused`` kernel over every tensor, the ``copy_``
+becoming its in-place stores.
+
+:class:`ForeachKernel` computes the values with the ops' own CPU kernels on zero-copy views, in
+graph order, and copies the results into the inputs: bit for bit what the graph's ops compute
+when run one by one (eager), since they are the same kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from trnsim.device import FusedRegion, KernelSpec
+from trnsim.isa import KernelError
+from trnsim.kernels.fused import FULL, SCALAR, Program
+
+from .. import lowering, memory, values
+from ..runtime import runtime
+from .fusion import Builder, Unfusable, _prune, _scalar, _trn_dtype, _val
+
+__all__ = ["ForeachRegion", "ForeachKernel", "partition_foreach", "FOREACH"]
+
+aten = torch.ops.aten
+
+# ---- the op table: one list index of each foreach op as program steps -------------------------
+# a handler gets the builder, the op's list operands at the index (value ids, or floats for
+# full_like constants), its scalar arguments and keyword arguments; returns the value id
+Handler = Callable[[Builder, list[Any], list[Any], dict[str, Any]], int]
+FOREACH: dict[Any, Handler] = {}
+
+
+def _reg(*names: str) -> Callable[[Handler], Handler]:
+    def deco(fn: Handler) -> Handler:
+        for nm in names:
+            packet, _, overload = nm.partition(".")
+            FOREACH[getattr(getattr(aten, packet), overload or "default")] = fn
+        return fn
+    return deco
+
+
+def _num(x: Any) -> float:
+    if isinstance(x, fx.Node):
+        raise Unfusable("a tensor where a number was expected")
+    return _scalar(x)
+
+
+def _mul_by(b: Builder, x: Any, c: float) -> Any:
+    if isinstance(x, float):
+        return x * c
+    return x if c == 1.0 else b.ts(x, "multiply", c)
+
+
+def _bin(b: Builder, op: str, x: Any, y: Any) -> int:
+    """``x op y`` where either may be a constant (a full_like) or a value."""
+    if isinstance(x, float) and isinstance(y, float):
+        raise Unfusable("an op on two constants")
+    if isinstance(y, float):
+        return b.ts(x, op, y)
+    if isinstance(x, float):
+        return b.ts(y, op, x, rev=True)
+    return b.tt(op, x, y)
+
+
+def _elementwise(op: str) -> Handler:
+    """``_foreach_<op>``: .Scalar / .ScalarList (an immediate), .List (with alpha), .Tensor."""
+    def handle(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+        x = lists[0]
+        alpha = _num(kw.get("alpha", 1))
+        if len(lists) > 1:
+            return _bin(b, op, x, _mul_by(b, lists[1], alpha))
+        return b.ts(x, op, _num(scalars[0]) * (alpha if op in ("add", "subtract") else 1.0))
+    return handle
+
+
+for _op, _alu in (("_foreach_add", "add"), ("_foreach_sub", "subtract"), ("_foreach_mul", "multiply"),
+                  ("_foreach_div", "divide"), ("_foreach_maximum", "maximum"), ("_foreach_minimum", "minimum")):
+    _reg(f"{_op}.Scalar", f"{_op}.List", f"{_op}.ScalarList")(_elementwise(_alu))
+
+
+def _act(fn: str) -> Handler:
+    return lambda b, lists, scalars, kw: b.act(fn, lists[0])
+
+
+for _op, _fn in (("_foreach_sqrt", "sqrt"), ("_foreach_exp", "exp"), ("_foreach_log", "log"),
+                 ("_foreach_sigmoid", "sigmoid"), ("_foreach_tanh", "tanh"), ("_foreach_rsqrt", "rsqrt"),
+                 ("_foreach_reciprocal", "reciprocal")):
+    _reg(_op)(_act(_fn))
+
+
+@_reg("_foreach_neg")
+def _neg(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+    return b.ts(lists[0], "multiply", -1.0)
+
+
+@_reg("_foreach_abs")
+def _abs(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+    return b.ts(lists[0], "abs_max", 0.0)
+
+
+@_reg("_foreach_pow.ScalarAndTensor")
+def _pow_st(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+    return b.ts(lists[0], "power", _num(scalars[0]), rev=True)  # base ** x
+
+
+@_reg("_foreach_pow.Scalar", "_foreach_pow.ScalarList")
+def _pow_s(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+    e = _num(scalars[0])
+    return b.act("square", lists[0]) if e == 2.0 else b.ts(lists[0], "power", e)
+
+
+def _addc(op: str) -> Handler:
+    """``self + value * (t1 op t2)`` (addcmul / addcdiv)."""
+    def handle(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+        s, t1, t2 = lists[:3]
+        value = _num(scalars[0]) if scalars else _num(kw.get("value", 1))
+        if isinstance(t1, float) and op == "multiply":
+            prod = _mul_by(b, t2, t1 * value)
+        elif isinstance(t2, float):
+            prod = _mul_by(b, t1, (t2 if op == "multiply" else 1.0 / t2) * value)
+        else:
+            prod = _mul_by(b, _bin(b, op, t1, t2), value)
+        return _bin(b, "add", s, prod)
+    return handle
+
+
+_reg("_foreach_addcmul.Scalar", "_foreach_addcmul.ScalarList")(_addc("multiply"))
+_reg("_foreach_addcdiv.Scalar", "_foreach_addcdiv.ScalarList")(_addc("divide"))
+
+
+@_reg("_foreach_lerp.Scalar", "_foreach_lerp.List", "_foreach_lerp.ScalarList")
+def _lerp(b: Builder, lists: list[Any], scalars: list[Any], kw: dict[str, Any]) -> int:
+    s, end = lists[:2]
+    d = _bin(b, "subtract", end, s)
+    w = lists[2] if len(lists) > 2 else _num(scalars[0])
+    return _bin(b, "add", s, _mul_by(b, d, w) if isinstance(w, float) else b.tt("multiply", d, w))
+
+
+# ---- regions ------------------------------------------------------------------------------------
+def _split_args(n: fx.Node) -> tuple[list[list[Any]], list[Any]]:
+    """A foreach call's list operands (lists of nodes) and its other positional arguments."""
+    lists, scalars = [], []
+    for a in n.args:
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
+            lists.append(list(a))
+        elif isinstance(a, (list, tuple)):
+            scalars.append(a[0] if a else None)  # a ScalarList: index 0's immediate (each costs the same)
+        elif isinstance(a, fx.Node):
+            raise Unfusable("a tensor operand that is not a list")
+        else:
+            scalars.append(a)
+    return lists, scalars
+
+
+def _length(n: fx.Node) -> int | None:
+    if n.op != "call_function" or n.target not in FOREACH:
+        return None
+    try:
+        lists, _ = _split_args(n)
+    except Unfusable:
+        return None
+    lens = {len(x) for x in lists}
+    vals = [_val(x) for lst in lists for x in lst]
+    if len(lens) != 1 or any(not isinstance(v, torch.Tensor) for v in vals):
+        return None
+    # on the device; a host scalar (a step count of a non-capturable optimizer) is the kernel's argument
+    if not any(v.device.type == "neuron" for v in vals) or any(v.device.type != "neuron" and v.dim() > 0
+                                                               for v in vals):
+        return None
+    return lens.pop()
+
+
+@dataclass
+class ForeachRegion:
+    """A chain of foreach ops run as one multi-tensor kernel; built by :meth:`build`."""
+
+    length: int
+    nodes: list[fx.Node] = field(default_factory=list)
+    head: None = None
+    program: Program | None = None
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+    sizes: tuple[int, ...] = ()
+    inplace: tuple[tuple[int, int], ...] = ()
+    dtype: str = "fp32"
+    host_scalars: bool = False
+
+    def build(self) -> None:
+        members = set(self.nodes)
+        consts = {n for n in self.nodes if n.target is aten.full_like.default}
+        copies = [n for n in self.nodes if n.target is aten.copy_.default]
+        ops = [n for n in self.nodes if n.target in FOREACH]
+        if len(ops) < 2:
+            raise Unfusable("a region of one foreach op runs as that op's kernel")
+        # program inputs: lists of outside tensors, keyed by their index-0 node
+        lists_of: dict[fx.Node, tuple[fx.Node, ...]] = {}
+        for n in ops:
+            for lst in _split_args(n)[0]:
+                if lst[0] in members:
+                    if any(x not in members for x in lst):
+                        raise Unfusable("a list mixing region values and outside tensors")
+                    continue
+                if any(x in members for x in lst):
+                    raise Unfusable("a list mixing region values and outside tensors")
+                if lists_of.setdefault(lst[0], tuple(lst)) != tuple(lst):
+                    raise Unfusable("two lists share a first tensor but differ")
+        for c in consts:
+            if any(u not in members for u in c.users):
+                raise Unfusable("a full_like read outside the region")
+        full = [lst for lst in lists_of.values() if _val(lst[0]).dim() > 0]
+        if not full:
+            raise Unfusable("no parameter-sized list")
+        sizes = []
+        for i in range(self.length):
+            ns = {_val(lst[i]).numel() for lst in full}
+            if len(ns) != 1 or any(not _val(lst[i]).is_contiguous() for lst in full):
+                raise Unfusable(f"the tensors at index {i} differ in size or are not contiguous")
+            sizes.append(ns.pop())
+        for lst in lists_of.values():
+            if any((_val(x).dim() > 0) != (_val(lst[0]).dim() > 0) or _val(x).dtype != _val(lst[0]).dtype
+                   or not _val(x).dtype.is_floating_point for x in lst):
+                raise Unfusable("a list mixing scalars and tensors or dtypes, or of a non-float dtype")
+        t0 = _val(full[0][0])
+        b = Builder(("1", str(max(t0.numel(), 1))))
+        for node in lists_of:
+            v = _val(node)
+            kind = SCALAR if v.dim() == 0 else FULL
+            b.inputs.append((node, kind, _trn_dtype(v.dtype)))
+            b.kinds.append(kind)
+            b.values[node] = len(b.inputs) - 1
+        per: dict[fx.Node, Any] = {}  # node -> its index-0 value (an id, or a float constant)
+        for node in lists_of:
+            per[node] = b.values[node]
+        for n in self.nodes:
+            if n.target is operator.getitem:
+                if n.args[1] == 0:
+                    per[n] = per[n.args[0]]
+            elif n in consts:
+                per[n] = _num(n.args[1])
+            elif n.target in FOREACH:
+                lists, scalars = _split_args(n)
+                kw = dict(n.kwargs)
+                per[n] = FOREACH[n.target](b, [per[lst[0]] for lst in lists], scalars, kw)
+        # in-place stores: copy_(input at index i, result at index i), the same input list for every i
+        pos = {x: (k, i) for k, (node, lst) in enumerate(lists_of.items()) for i, x in enumerate(lst)}
+        stores: dict[tuple[fx.Node, int], set[int]] = {}  # (foreach node, input k) -> indices stored
+        for c in copies:
+            dst, src = c.args[0], c.args[1]
+            if dst not in pos or src.target is not operator.getitem or src.args[0] not in members:
+                raise Unfusable("a copy_ that is not a store of a result into an input list")
+            if any(u not in members and u is not c for u in dst.users):
+                raise Unfusable("an updated input read outside the region")
+            k, i = pos[dst]
+            if i != src.args[1] or _val(dst).shape != _val(src).shape or _val(dst).dtype != _val(src).dtype:
+                raise Unfusable("a copy_ into another index, shape or dtype")
+            stores.setdefault((src.args[0], k), set()).add(i)
+        outputs, inplace = [], []
+        for (fe, k), idx in stores.items():
+            if idx != set(range(self.length)):
+                raise Unfusable("a result stored into some of a list's tensors only")
+            inplace.append((len(outputs), k))
+            outputs.append((per[fe], b.inputs[k][2]))
+        self.outputs = [n for n in self.nodes if n not in copies and any(u not in members for u in n.users)]
+        for n in self.outputs:
+            if n.target is not operator.getitem:
+                raise Unfusable("a whole result list read outside the region")
+        for fe in dict.fromkeys(n.args[0] for n in self.outputs):
+            outputs.append((per[fe], _trn_dtype(_val(fe)[0].dtype)))
+        prog = Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), tuple(outputs))
+        pruned, keep = _prune(prog)
+        remap = {old: new for new, old in enumerate(sorted(keep))}
+        self.program = pruned
+        self.program.kinds()
+        self.inplace = tuple((j, remap[k]) for j, k in inplace)
+        self.inputs = [x for lst in lists_of.values() for x in lst]
+        for c in consts:  # a full_like's shape operand from outside the region
+            for a in c.all_input_nodes:
+                if a not in members and a not in self.inputs:
+                    self.inputs.append(a)
+        self.sizes = tuple(sizes)
+        # scalars the host holds (a non-capturable step's bias corrections): the kernel's arguments
+        scalar_lists = [lst for lst in lists_of.values() if _val(lst[0]).dim() == 0]
+        self.host_scalars = bool(scalar_lists) and all(_val(x).device.type == "cpu" for lst in scalar_lists
+                                                       for x in lst)
+        self.dtype = _trn_dtype(t0.dtype)
+
+
+def partition_foreach(gm: fx.GraphModule) -> list[ForeachRegion]:
+    """Multi-tensor regions of ``gm`` (module docstring), each valid (its program builds)."""
+    group: dict[fx.Node, int] = {}
+    regions: list[ForeachRegion] = []
+    anc: dict[fx.Node, frozenset[int]] = {}
+    for n in gm.graph.nodes:
+        ins = n.all_input_nodes
+        chosen: int | None = None
+        if n.op == "call_function" and n.target is aten.full_like.default:
+            anc[n] = frozenset()  # reads its operand's shape only: a constant of the region that uses it
+            continue
+        length = _length(n)
+        if length is not None:
+            data = [a for a in ins if not (a.op == "call_function" and a.target is aten.full_like.default)]
+            # a producer's region, else the latest region of this length (an op on outside lists only,
+            # e.g. the first use of a state list, joins the chain rather than starting a region)
+            latest = [gi for gi in range(len(regions) - 1, -1, -1) if regions[gi].length == length][:1]
+            for gi in [group[a] for a in data if a in group] + latest:
+                if regions[gi].length != length:
+                    continue
+                if all(group.get(u) == gi or gi not in anc.get(u, frozenset()) for u in data):
+                    chosen = gi
+                    break
+            if chosen is None:
+                regions.append(ForeachRegion(length))
+                chosen = len(regions) - 1
+            for a in ins:
+                if a.op == "call_function" and a.target is aten.full_like.default and a not in group:
+                    group[a] = chosen
+                    regions[chosen].nodes.append(a)
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            chosen = group.get(n.args[0])
+        elif (n.op == "call_function" and n.target is aten.copy_.default and n.args[0].op == "placeholder"
+              and isinstance(n.args[1], fx.Node)):
+            chosen = group.get(n.args[1])
+        if chosen is not None:
+            regions[chosen].nodes.append(n)
+            group[n] = chosen
+        a_set: set[int] = set()
+        for a in ins:
+            a_set |= anc.get(a, frozenset())
+            if a in group and not (a.op == "call_function" and a.target is aten.full_like.default):
+                a_set.add(group[a])
+        anc[n] = frozenset(a_set)
+    good = []
+    for r in regions:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        r.nodes.sort(key=order.__getitem__)
+        try:
+            r.build()
+        except Unfusable:
+            continue
+        good.append(r)
+    return good
+
+
+# ---- running one ----------------------------------------------------------------------------------
+def _cpu(x: Any, env: dict[fx.Node, Any]) -> Any:
+    if isinstance(x, fx.Node):
+        return env[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu(y, env) for y in x)
+    if isinstance(x, torch.device) and x.type == "neuron":
+        return torch.device("cpu")
+    return x
+
+
+def _meta(v: Any) -> torch.Tensor:
+    return torch.empty(v.shape, dtype=v.dtype, device="meta")
+
+
+class ForeachKernel:
+    """A :class:`ForeachRegion` run as one ``foreach_fused`` launch (module docstring)."""
+
+    record: list[tuple[Any, ...]] | None = None  # as RegionKernel.record: (kernel, spec, inputs, outputs)
+
+    def __init__(self, region: ForeachRegion, index: int):
+        self.region = region
+        self.nodes = region.nodes
+        self.head = None
+        self.inputs = region.inputs
+        self.outputs = region.outputs
+        names = [n.target.overloadpacket.__name__ for n in self.nodes if hasattr(n.target, "overloadpacket")]
+        self.ops = tuple(names)
+        self.label = "compiled:foreach:" + "+".join(dict.fromkeys(nm.removeprefix("_foreach_") for nm in names))
+        self.index = index
+        self.plan: tuple[list[tuple[str, Any]], KernelSpec | None] | None = None
+        self.__name__ = f"foreach_region{index}"
+
+    def __repr__(self) -> str:
+        return f"<foreach region {self.index}: {self.label}>"
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
+        env: dict[fx.Node, Any] = {n: (memory.cpu_view(a) if values.is_neuron(a) else a)
+                                   for n, a in zip(self.inputs, args)}
+        for n in self.nodes:
+            if n.target is operator.getitem:
+                env[n] = env[n.args[0]][n.args[1]]
+            elif n.target is aten.copy_.default:
+                env[n] = env[n.args[0]].copy_(env[n.args[1]])  # the kernel's in-place store
+            else:
+                env[n] = n.target(*_cpu(n.args, env), **{k: _cpu(v, env) for k, v in n.kwargs.items()})
+        outs = tuple(memory.relabel(env[n].contiguous(), device) for n in self.outputs)
+        if self.plan is None:
+            self.plan = self._plan()
+        rt = runtime()
+        for op, cost in self.plan[0]:
+            rt.charge(device, op, cost)
+        if ForeachKernel.record is not None:
+            ForeachKernel.record.append((self, self.plan[1], args, outs))
+        return outs
+
+    def _eager(self) -> list[tuple[str, KernelSpec | None]]:
+        """The kernels the region's ops launch when run one by one."""
+        specs: list[tuple[str, KernelSpec | None]] = []
+        for n in self.nodes:
+            if n.target is operator.getitem:
+                continue
+            if n.target is aten.copy_.default:
+                specs.append(("_copy_from", lowering.copy_spec("copy_d2d", _meta(_val(n.args[1])),
+                                                               _meta(_val(n.args[0])))))
+            elif n.target is aten.full_like.default:
+                specs.append(("fill_", lowering.generic_spec("fill_", [], [_meta(_val(n))])))
+            else:
+                lists = [[_meta(_val(x)) for x in a] for a in n.args if isinstance(a, (list, tuple))
+                         and a and isinstance(a[0], fx.Node)]
+                out = [_meta(v) for v in _val(n)] if isinstance(_val(n), (list, tuple)) else []
+                name = n.target.overloadpacket.__name__
+                specs.append((name, lowering.fused_spec(name, lists, [], out)))
+        return specs
+
+    def _plan(self) -> tuple[list[tuple[str, Any]], KernelSpec | None]:
+        rt = runtime()
+        eager = [(op, rt.cost(spec, "empty")) for op, spec in self._eager()]
+        r = self.region
+        spec = KernelSpec.of("foreach_fused", (len(r.sizes), sum(r.sizes)), r.dtype,
+                             {"program": r.program, "sizes": r.sizes, "inplace": r.inplace,
+                              "scalar_args": r.host_scalars})
+        try:
+            cost = rt.cost(spec)
+        except KernelError:
+            return eager, None
+        if cost.ticks > sum(c.ticks for _, c in eager):
+            return eager, None  # both simulated: keep the faster, as a compiler's cost model would
+        region = FusedRegion(self.ops, len(eager), sum(c.hbm_bytes for _, c in eager), sum(c.ticks for _, c in eager))
+        return [(self.label, dataclasses.replace(cost, region=region))], spec
