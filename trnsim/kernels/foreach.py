@@ -40,7 +40,7 @@ from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..kernel import Kernel
 from ..native.dtypes import get_dtype
-from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class, pipeline,
+from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class, emission_slots, pipeline,
                     _tile_dtype, reference)
 from .registry import register_kernel
 
@@ -207,19 +207,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
         for a in _args(prog.steps[j]):
             if phase[a] == "loop":
                 lastpos[a] = max(lastpos[a], pos[n_in + j])
-    slot_of: dict[int, int] = {}
-    free: list[int] = []
-    live: list[int] = []
-    nslots = 0
-    for v in order:
-        for lv in [x for x in live if lastpos[x] < pos[v]]:
-            live.remove(lv)
-            free.append(slot_of[lv])
-        if free:
-            slot_of[v] = free.pop()
-        else:
-            slot_of[v], nslots = nslots, nslots + 1
-        live.append(v)
+    nslots, slot_of = emission_slots(order, lastpos)
     sets = nstages + (1 if bufs > 2 else 0)
     budget = cfg.core.sbuf.partition_bytes * 7 // 8 - (len(res) + 1) * L * 4
     # small tensors (under SMALL_COLS elements per partition: DMA- and instruction-overhead-bound on

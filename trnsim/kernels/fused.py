@@ -374,17 +374,56 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
         out_of.setdefault(v, []).append(j)
 
     # ---- sizes: SBUF for resident per-column values, the loop's slots, PSUM for column sums
-    last = _last_uses(prog, phase)
-    loop_full = [v for v in range(len(kinds)) if phase[v] == "loop" and kinds[v] == FULL]
-    slots_full, slot_of = _slots(prog, phase, kinds, last, FULL)
-    slots_col, col_slot_of = _slots(prog, phase, kinds, last, COL)
     resident = sum(1 for v in range(len(kinds)) if phase[v] in ("pre", "post") and kinds[v] == ROW)
     depth = bufs
     budget = cfg.core.sbuf.partition_bytes * 7 // 8 - resident * cols * 4
+    loop_steps = [j for j in range(len(prog.steps)) if phase[n_in + j] == "loop" or prog.steps[j][0] == "csum"]
+    levels = _levels(prog, phase)
+    top = max((levels[j] for j in loop_steps), default=1)
+
+    def registers(depth: int, folded: Mapping[int, int]
+                  ) -> tuple[list[list[int]], int, dict[int, int], int, dict[int, int]]:
+        """The pipeline's stages (software pipelining: steps grouped by dependency level into up
+        to ``depth - 1`` stages, stage s of tile i issued with stage 0 of tile i + s, so each
+        engine has another tile's work queued) and the slots of full and per-row loop values, a
+        linear scan in that emission order (:func:`emission_slots`); ``folded``: the
+        activation -> reduction steps made in one ScalarE pass (:func:`_folds`)."""
+        nstages = max(1, min(depth - 1, top))
+        stages = [[j for j in loop_steps if (levels[j] - 1) * nstages // top == si] for si in range(nstages)]
+        order = [v for v in range(n_in) if phase[v] == "loop"]
+        for sj in stages:
+            for j in sj:
+                if prog.steps[j][0] == "csum" or j in folded.values():
+                    continue  # a column sum goes to PSUM; a folded reduction is made with its activation
+                order.append(n_in + j)
+                if j in folded:
+                    order.append(n_in + folded[j])
+        pos = {v: t for t, v in enumerate(order)}
+        at = {j: pos[n_in + j] for j in loop_steps if n_in + j in pos}
+        at.update({rj: pos[n_in + j] for j, rj in folded.items()})  # emitted with its activation
+        for j in loop_steps:
+            at.setdefault(j, max(pos.values(), default=0))  # a column sum: after the stage's values
+        lastpos = dict(pos)
+        end0 = max([pos[n_in + j] for j in stages[0] if n_in + j in pos] + [pos[v] for v in order if v < n_in] +
+                   [0])
+        for j in loop_steps:
+            for a in _args(prog.steps[j]):
+                if a in lastpos:
+                    lastpos[a] = max(lastpos[a], at[j])
+        for v, _ in prog.outputs:  # an input passed through is stored at the end of stage 0
+            if v < n_in and v in lastpos:
+                lastpos[v] = max(lastpos[v], end0)
+        nf, full_of = emission_slots([v for v in order if kinds[v] == FULL], lastpos)
+        nc, col_of = emission_slots([v for v in order if kinds[v] == COL], lastpos)
+        return stages, nf, full_of, nc, col_of
 
     def plan(depth: int) -> tuple[int, list[Piece], int]:
         """Tile width (elements per partition), the row tiles, and the widest per-row tile: at
         most 64 rows per partition, so per-row tiles stay small."""
+        # the fold of reductions into activations depends on the row tiles this chooses: size
+        # the slots for either outcome
+        both = [registers(depth, {}), registers(depth, _folds(prog, kinds, phase, True))]
+        slots_full, slots_col = max(r[1] for r in both), max(r[3] for r in both)
         room = budget - (slots_col * depth + 8) * 64 * 4
         width = min(4096, 64 * cols)
         if slots_full:
@@ -401,7 +440,8 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
         depth = 2
         width, pieces, gmax = plan(depth)
     if not width or (prog.reduces_rows and any(pc.cols != cols for pc in pieces)):
-        raise KernelError(f"{name}: rows of {cols} elements do not fit SBUF on {cfg.name} with {slots_full} live "
+        live = registers(depth, {})[1]
+        raise KernelError(f"{name}: rows of {cols} elements do not fit SBUF on {cfg.name} with {live} live "
                           f"tiles per row tile (a reduction needs whole rows)")
     width = max(width, max(pc.free for pc in pieces))
     cw = max(16, gmax)  # per-row tiles: one column per row of a partition
@@ -443,19 +483,17 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
             kern.memset(ones[dt], 1.0)
     started: set[tuple[int, int]] = set()
 
-    pools = [kern.tile_pool(f"v{s}", bufs=depth) for s in range(slots_full)]
-    col_pools = [kern.tile_pool(f"c{s}", bufs=depth) for s in range(slots_col)]
-    loop_steps = [j for j in range(len(prog.steps)) if phase[n_in + j] == "loop" or prog.steps[j][0] == "csum"]
-    levels = _levels(prog, phase)
-    # software pipelining: steps grouped by dependency level into up to `nstages` stages, stage s
-    # of tile i issued with stage 0 of tile i + s, so each engine has another tile's work queued
-    top = max((levels[j] for j in loop_steps), default=1)
-    nstages = max(1, min(depth - 1, top))
-    stages = [[j for j in loop_steps if (levels[j] - 1) * nstages // top == si] for si in range(nstages)]
     folded = _folds(prog, kinds, phase, g1)
+    stages, slots_full, slot_of, slots_col, col_slot_of = registers(depth, folded)
+    nstages = len(stages)
+    # buffer sets: piece i uses set i % depth; at most nstages pieces are in flight in emission
+    # order, and depth >= nstages + 1 lets a piece's loads start before the set's previous piece ends
+    full_sets = [[kern.tile_pool(f"v{s}_{d}", bufs=1) for s in range(slots_full)] for d in range(depth)]
+    col_sets = [[kern.tile_pool(f"c{s}_{d}", bufs=1) for s in range(slots_col)] for d in range(depth)]
 
     def stage(si: int, i: int, pc: Piece, tiles: dict[int, TileAP]) -> None:
         p, g, c, c0 = pc.p, pc.g, pc.cols, pc.c0
+        pools, col_pools = full_sets[i % depth], col_sets[i % depth]
         if si == 0:
             for v in range(n_in):
                 if phase[v] == "loop":
@@ -605,6 +643,30 @@ def _slots(prog: Program, phase: list[str], kinds: list[str], last: Mapping[int,
             slot_of[v] = n
             n += 1
         live.append((last.get(v, here), v))
+    return n, slot_of
+
+
+def emission_slots(order: Sequence[int], lastpos: Mapping[int, int]) -> tuple[int, dict[int, int]]:
+    """Linear-scan register allocation over one piece's values in the order a software-pipelined
+    loop emits them (``order``; ``lastpos[v]``: the position in it of v's last reader): a value
+    takes a slot only once every earlier holder's last reader is emitted. Each piece in flight
+    then uses a buffer set of its own (piece ``i`` the set ``i % sets``), so a tile is never
+    handed to a later value while an earlier one in it still has a reader to come, whatever the
+    interleaving of the pieces' stages. Returns (slots, value -> slot)."""
+    pos = {v: t for t, v in enumerate(order)}
+    slot_of: dict[int, int] = {}
+    free: list[int] = []
+    live: list[int] = []
+    n = 0
+    for v in order:
+        for lv in [x for x in live if lastpos[x] < pos[v]]:
+            live.remove(lv)
+            free.append(slot_of[lv])
+        if free:
+            slot_of[v] = free.pop()
+        else:
+            slot_of[v], n = n, n + 1
+        live.append(v)
     return n, slot_of
 
 
