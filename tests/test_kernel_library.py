@@ -25,6 +25,7 @@ SMALL = {
     "matmul_fused": (130, 200, 300),
     "layernorm": (130, 300),
     "matmul": (130, 200, 300),
+    "moe": (130, 160, 300, 4),
     "reduce": (130, 70),
     "rmsnorm": (130, 300),
     "rmsnorm_fp8": (130, 300),

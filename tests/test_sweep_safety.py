@@ -59,8 +59,11 @@ def start(spec, *args, method=None, **env):
     e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
     code = (f"import multiprocessing, sys; multiprocessing.set_start_method({method!r}); " if method else
             "import sys; ") + "from trnsim.cli import main; sys.exit(main(sys.argv[1:]))"
+    # Ctrl-C as a terminal delivers it: a suite started in the background of a non-interactive
+    # shell ignores SIGINT, and a child would inherit that
     return subprocess.Popen([sys.executable, "-c", code, "sweep", str(spec), *args], env=e,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def descendants(pid):

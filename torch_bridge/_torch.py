@@ -49,6 +49,9 @@ REQUIRED: dict[str, str] = {
     "torch._softmax_backward_data": "the attention backward's softmax gradient",
     "torch.ops.aten._scaled_dot_product_attention_math": "attention calls the fused op does not take",
     "torch._TorchCompileInductorWrapper": "sending graphs torch.compile gives Inductor on neuron tensors to 'neuron'",
+    "torch._C._ForceDispatchKeyGuard": "autograd inside a custom op's kernel (the MoE block's backward)",
+    "torch._C._dispatch_tls_local_include_set": "autograd inside a custom op's kernel (the MoE block's backward)",
+    "torch._C._dispatch_tls_local_exclude_set": "autograd inside a custom op's kernel (the MoE block's backward)",
 }
 
 # Private APIs of torch.compile's machinery. Importing it takes seconds, so these are resolved on
@@ -113,6 +116,13 @@ softmax_backward_data = torch._softmax_backward_data
 sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
 _profiler = torch.autograd.profiler
 InductorWrapper = torch._TorchCompileInductorWrapper
+
+
+def autograd_inside_op() -> Any:
+    """A guard under which autograd records again inside a custom op's kernel, which runs with
+    the Autograd keys excluded (torch.enable_grad alone records nothing there)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(DispatchKey.AutogradFunctionality)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 def profiler_enabled() -> bool:

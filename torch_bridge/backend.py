@@ -87,6 +87,7 @@ def register() -> None:
     _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
     divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
     _register_distributed()
+    _use_moe_kernel_on_import()
     _registered = True
 
 
@@ -104,6 +105,23 @@ def _register_distributed() -> None:
 
     if dist.is_available() and "neuron" not in dist.Backend.backend_list:
         dist.Backend.register_backend("neuron", _create_process_group, extended_api=True, devices=["neuron"])
+
+
+MIXTRAL_MODULE = "transformers.models.mixtral.modeling_mixtral"
+
+
+def _use_moe_kernel(module: Any) -> None:
+    """Transformers' Mixtral MoE block runs as one MoE op on neuron tensors (torch_bridge.moe,
+    which defines the ops: loaded with the Mixtral model, not with torch)."""
+    from .moe import use_moe_kernel
+
+    use_moe_kernel(module)
+
+
+def _use_moe_kernel_on_import() -> None:
+    from .imports import after_import
+
+    after_import(MIXTRAL_MODULE, _use_moe_kernel)
 
 
 _reported: list[str] = []

@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib.abc
-import importlib.util
 import json
 import os
 import queue
 import re
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -1197,35 +1194,9 @@ def _patch_fsdp() -> None:
     imported (importing it takes seconds: a program without FSDP does not pay for it)."""
     if _resize_works():
         return
-    if _FSDP_MODULE in sys.modules:
-        _patch_fsdp_now()
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    from .imports import after_import
 
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_patch_fsdp_now` right after FSDP2's param-group module is first imported."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _FSDP_MODULE:
-            return None
-        sys.meta_path.remove(self)  # the real finders locate it
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        real = spec.loader
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return real.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                real.exec_module(module)  # type: ignore[attr-defined]
-                sys.modules[fullname] = module
-                _patch_fsdp_now()
-
-        spec.loader = Loader()
-        return spec
+    after_import(_FSDP_MODULE, lambda _module: _patch_fsdp_now())
 
 
 def _patch_fsdp_now() -> None:

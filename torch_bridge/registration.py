@@ -91,6 +91,7 @@ def register_kernels() -> None:
         "baddbmm.out": values.out_variant(values.baddbmm),
         "convolution_overrideable": values.convolution,
         "convolution_backward_overrideable": values.convolution_backward,
+        "histc": values.histc,
     }
     from .cells import KERNELS as CELLS
 

@@ -390,6 +390,17 @@ def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str
     return out
 
 
+def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:
+    """``torch.histc``; of an integer tensor too, which CPU lacks and CUDA counts (Hugging Face's
+    MoE code bins expert ids as int32 on accelerators): the ids are binned as fp32 (exact for
+    integers below 2**24) and the counts returned in the input's dtype, as CUDA does - a cast,
+    the histogram and a cast back, each charged as its kernel."""
+    op = torch.ops.aten.histc.default
+    if self.dtype.is_floating_point:
+        return fallback(op, self, bins, min, max)
+    return fallback(op, self.float(), bins, min, max).to(self.dtype)
+
+
 def host_kernel(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An explicit neuron kernel whose values ``fn`` computes from CPU views of its arguments
     (tensors on one device); the results are relabelled and the call is charged as op ``name``."""

@@ -94,6 +94,13 @@ class Chip:
         timelines = simulate(self.config, idle + [kernel])
         return RunResult(values, self._report(kernel, timelines[core], core))
 
+    def execute(self, kernel: Kernel, inputs: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """The values ``kernel`` computes from ``inputs`` - the outputs :meth:`run` returns -
+        without simulating its time: for a front end that costs the kernel separately (its cycles
+        are the same for any values)."""
+        self._check_kernel(kernel, 0)
+        return self._execute(kernel, inputs)
+
     def run_spmd(self, kernels: Sequence[Kernel], inputs: Sequence[Mapping[str, Any]] | None = None, *,
                  timing_only: bool = False) -> list[RunResult]:
         """Run ``kernels[c]`` on core ``c`` at the same time (sharing HBM stacks), e.g. the two

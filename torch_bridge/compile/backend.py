@@ -112,38 +112,9 @@ def allow_neuron() -> None:
     module._validate_device = validate
 
 
-class _PatchOnImport:
-    """A meta-path finder that lets :func:`allow_neuron` run right after FlexAttention's module is
-    imported (importing it eagerly would add seconds to ``import torch``)."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != FLEX_MODULE:
-            return None
-        import importlib.machinery
-        import sys
-
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def run(module: Any) -> None:
-            exec_module(module)
-            allow_neuron()
-
-        loader.exec_module = run  # type: ignore[method-assign]
-        return spec
-
-
 def allow_neuron_on_import() -> None:
-    """:func:`allow_neuron` now if FlexAttention is imported, else as soon as it is."""
-    import sys
+    """:func:`allow_neuron` now if FlexAttention is imported, else as soon as it is (importing
+    it eagerly would add seconds to ``import torch``)."""
+    from ..imports import after_import
 
-    if FLEX_MODULE in sys.modules:
-        allow_neuron()
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
-
-
+    after_import(FLEX_MODULE, lambda module: allow_neuron())

@@ -51,6 +51,9 @@ __all__ = [
     "checked_dtype",
     "checked_dims",
     "KERNELS",
+    "KernelFamily",
+    "FAMILIES",
+    "register_family",
 ]
 
 InputsFn = Callable[[tuple[int, ...], str, Mapping[str, Any], np.random.Generator], dict[str, np.ndarray]]
@@ -135,6 +138,36 @@ def register_kernel(name: str, *, dims: str, dtypes: tuple[str, ...] | list[str]
     return deco
 
 
+@dataclass(frozen=True)
+class KernelFamily:
+    """A kernel the device model builds by name that is not in the library table: an NKI kernel
+    registered as a framework op (:mod:`trnsim.nki.family`). ``build`` and ``split`` follow the
+    library's conventions; a family has no CLI entry and no reference (its values are its own)."""
+
+    name: str
+    build: Callable[..., Kernel]
+    split: SplitFn | None = None
+
+
+#: families registered at run time, by name (never the name of a library kernel)
+FAMILIES: dict[str, KernelFamily] = {}
+
+
+def register_family(name: str, build: Callable[..., Kernel], split: SplitFn | None = None) -> KernelFamily:
+    """Register ``build`` as kernel family ``name`` for :func:`build_spec`/:func:`split_spec`.
+    Registering the same build again is a no-op; another build under a taken name is an error
+    (costs are cached by name, so a second kernel under it would be charged the first one's)."""
+    if name in KERNELS or name == STREAM:
+        raise ValueError(f"kernel family '{name}': the name is a library kernel's")
+    old = FAMILIES.get(name)
+    if old is not None:
+        if old.build is not build:
+            raise ValueError(f"kernel family '{name}' is already registered with another kernel")
+        return old
+    fam = FAMILIES[name] = KernelFamily(name, build, split)
+    return fam
+
+
 def get_kernel(name: str) -> KernelEntry:
     try:
         return KERNELS[name]
@@ -149,9 +182,13 @@ def kernel_names() -> list[str]:
 
 def build_spec(kernel: str, shape: tuple[int, ...], dtype: str, config: ChipConfig, params: Mapping[str, Any]
                ) -> Kernel:
-    """Build kernel ``kernel`` (a registry name, or the generic ``stream``) for one core."""
+    """Build kernel ``kernel`` (a registry name, a registered family, or the generic ``stream``)
+    for one core."""
     if kernel == STREAM:
         return build_stream(*shape, dtype=dtype, config=config, **params)
+    fam = FAMILIES.get(kernel)
+    if fam is not None:
+        return call_build(fam.build, shape, dtype, config, params, what=f"kernel '{kernel}'")
     return get_kernel(kernel).make(shape, dtype, config, params)
 
 
@@ -161,6 +198,9 @@ def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n
         return [shape]
     if kernel == STREAM:
         return split_stream(shape, n) or [shape]
+    fam = FAMILIES.get(kernel)
+    if fam is not None:
+        return (fam.split(shape, params, n) if fam.split is not None else None) or [shape]
     entry = get_kernel(kernel)
     parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
     return parts or [shape]

@@ -18,16 +18,19 @@ An NKI kernel file runs with its imports changed and nothing else::
 The kernel is traced to an instruction stream (:mod:`trnsim.nki._core`), scheduled and laid out
 as the Neuron compiler would (:mod:`trnsim.schedule`) and simulated (:class:`trnsim.Chip`).
 ``nki.simulate_kernel``, ``nki.simulate``, ``nki.baremetal`` and ``nki.benchmark`` exist for
-code that uses them. What trnsim does not support fails with one line naming the construct.
+code that uses them; :func:`family` makes a kernel a family of the device model, costed by input
+shapes, as a framework op needs it (``torch_bridge.nki`` registers kernels as torch ops so).
+What trnsim does not support fails with one line naming the construct.
 """
 
 from . import isa, language, typing
 from ._core import NkiError, NkiTensor
 from ._jit import (Benchmarked, Kernel, NkiRun, TensorSpec, Traced, baremetal, benchmark, jit, run, simulate,
                    simulate_kernel, tensor_spec, trace)
+from .family import NkiFamily, family
 
 __all__ = [
     "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "tensor_spec",
     "Kernel", "NkiRun", "Traced", "TensorSpec", "Benchmarked", "NkiError", "NkiTensor",
-    "language", "isa", "typing",
+    "language", "isa", "typing", "family", "NkiFamily",
 ]

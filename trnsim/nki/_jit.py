@@ -149,9 +149,14 @@ class Kernel:
         return self.run(*args, **kwargs).outputs
 
     # ---- tracing -----------------------------------------------------------------------------
-    def trace(self, *args: Any, config: Any = None, **kwargs: Any) -> Traced:
-        """Trace and schedule the kernel for these arguments (arrays or :func:`tensor_spec`)."""
-        cfg = _config(config if config is not None else self.config)
+    def programs(self) -> list[tuple[int, ...]]:
+        """The SPMD programs of the launch grid, in launch order (``[()]`` without a grid)."""
+        return list(itertools.product(*(range(g) for g in self.grid))) if self.grid else [()]
+
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], cfg: ChipConfig,
+               programs: Sequence[int] | None) -> tuple[Any, ...]:
+        """Run the kernel function once per program (``programs``: indices into
+        :meth:`programs`, default all) into one unbounded, unscheduled builder kernel."""
         name = getattr(self.fn, "__name__", "kernel")
         k0 = unbounded_kernel(name, cfg)
         try:
@@ -181,12 +186,13 @@ class Kernel:
             else:
                 pos.append(v)
         shared: list[_Store] = []
-        programs = list(itertools.product(*(range(g) for g in self.grid))) if self.grid else [()]
+        every = self.programs()
+        chosen = every if programs is None else [every[i] for i in programs]
         ret: Any = None
         sources: list[str] = []
         extra: dict[int, set[int]] = {}
         constants: dict[str, np.ndarray] = {}
-        for pid in programs:
+        for pid in chosen:
             tr = Trace(k0, pid, self.grid)
             tr.shared_hbm = shared  # type: ignore[attr-defined]
             tr.source_lines = sources
@@ -221,6 +227,14 @@ class Kernel:
             if t is not None and t.kind == "inout":
                 written[pname] = value
         k0.source_lines = sources  # type: ignore[attr-defined]
+        return k0, inputs, outputs, written, extra
+
+    def trace(self, *args: Any, config: Any = None, programs: Sequence[int] | None = None, **kwargs: Any) -> Traced:
+        """Trace and schedule the kernel for these arguments (arrays or :func:`tensor_spec`);
+        ``programs`` (indices into :meth:`programs`) traces only those programs of the grid, as
+        one physical core of a logical core runs its share of an LNC=2 launch."""
+        cfg = _config(config if config is not None else self.config)
+        k0, inputs, outputs, written, extra = self._trace(args, kwargs, cfg, programs)
         try:
             sched = schedule(k0, extra_deps={i: sorted(d) for i, d in extra.items()}, reorder=self.schedule)
         except NkiError:
@@ -228,6 +242,14 @@ class Kernel:
         except KernelError as e:  # the kernel does not fit SBUF/PSUM in any order
             raise NkiError(str(e)) from None
         return Traced(sched, k0, cfg, inputs, outputs, written, sched.schedule_stats)  # type: ignore[attr-defined]
+
+    def output_specs(self, *args: Any, config: Any = None, **kwargs: Any) -> Any:
+        """What the kernel returns for these arguments, as :class:`TensorSpec` in the structure
+        it returns them (None for a kernel that returns nothing): traced, not scheduled or
+        simulated (what a framework needs to allocate the outputs of a call)."""
+        cfg = _config(config if config is not None else self.config)
+        k0, _, outputs, _, _ = self._trace(args, kwargs, cfg, None)
+        return _restructure(outputs, {n: TensorSpec(t.shape, t.dtype.name) for n, t in k0.tensors.items()})
 
     def run(self, *args: Any, config: Any = None, timing_only: bool = False, **kwargs: Any) -> NkiRun:
         """Trace, schedule and simulate: outputs (numpy) and the cycle report."""

@@ -1,0 +1,179 @@
+"""Mixtral-style MoE blocks on neuron as one op (torch_bridge.moe): a tiny Mixtral (no downloads)
+forward and backward against CPU, each layer's block charged as one launch of the library ``moe``
+kernel, its values the block's ops run one by one on neuron bit for bit, one graph node under
+torch.compile, router logits for the auxiliary loss, and the blocks that keep running op by op."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torch_bridge import moe
+from torch_bridge.runtime import runtime
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.set_verbosity_error()
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
+
+VOCAB, SEQ, LAYERS, EXPERTS = 128, 16, 2, 4
+
+
+def _config(**kw) -> "transformers.MixtralConfig":
+    base = dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, num_local_experts=EXPERTS,
+                num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    base.update(kw)
+    return transformers.MixtralConfig(**base)
+
+
+def _model(**kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(_config(**kw))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal up to a few fp32 ulps of the tensor's scale (neuron's matmuls run on the TensorE
+    datapath, CPU's on BLAS; see tests/torch/test_models.py)."""
+    assert actual.device.type == "neuron", what
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=1e-4, atol=1e-5 * max(scale, 1e-3), msg=what)
+
+
+def _block_weights(block: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj
+
+
+def test_the_block_is_patched_and_cpu_models_are_untouched():
+    cls = modeling_mixtral.MixtralSparseMoeBlock
+    assert moe.original_forward(cls) is not cls.forward  # the patch is in place (imported transformers)
+    block = _model(experts_implementation="eager").model.layers[0].mlp
+    h = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(2))
+    with torch.neuron.report_scope() as scope:
+        got = block(h)
+    assert scope.report.launches == 0  # CPU tensors: the block's own forward
+    assert torch.equal(got, moe.original_forward(cls)(block, h))
+
+
+def test_op_on_cpu_tensors_is_the_blocks_own_values():
+    block = _model(experts_implementation="eager").model.layers[0].mlp
+    h = torch.randn(SEQ * 2, 64, generator=torch.Generator().manual_seed(3))
+    out, logits = torch.ops.trnsim.moe_block(h, *_block_weights(block), 2, True)
+    want = moe.original_forward(type(block))(block, h.view(2, SEQ, 64)).view(-1, 64)
+    assert torch.equal(out, want)
+    assert torch.equal(logits, torch.nn.functional.linear(h, block.gate.weight))
+
+
+def test_on_neuron_values_are_the_blocks_ops_bit_for_bit_and_one_moe_launch():
+    cpu_block = _model(experts_implementation="eager").model.layers[0].mlp
+    block = copy.deepcopy(cpu_block).to("neuron")
+    h = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(4)).to("neuron")
+    with torch.neuron.report_scope() as op_by_op:
+        want = moe.original_forward(type(block))(block, h)  # the block's ops, each a neuron kernel
+    with torch.neuron.report_scope() as fused:
+        got = block(h)
+    assert torch.equal(got.cpu(), want.cpu())
+    _close(got, cpu_block(h.cpu()), "MoE block")
+    rep = fused.report
+    assert [(r.op, r.kernel, r.calls) for r in rep.rows] == [("moe_block", "moe", 1)]
+    spec = moe.moe_spec(h.view(-1, 64), block.experts.gate_up_proj, 2, True)
+    assert spec.shape == (2 * SEQ, 64, 96, EXPERTS) and dict(spec.params) == {"top_k": 2, "normalize": True}
+    assert rep.row("moe_block").time_us == pytest.approx(runtime().cost(spec).ticks / runtime().config.tick_hz * 1e6,
+                                                         rel=1e-9)
+    # both simulated: the one kernel against the ~12 + 9 x experts launches of the op loop
+    assert op_by_op.report.launches > 10 * rep.launches
+    assert rep.device_us < op_by_op.report.device_us
+
+
+def test_tiny_mixtral_forward_and_backward_match_cpu():
+    cpu = _model()
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = _tokens()
+    out_c = cpu(x, labels=x)
+    out_c.loss.backward()
+    with torch.neuron.report_scope() as scope:
+        out_n = dev(x.to("neuron"), labels=x.to("neuron"))
+        out_n.loss.backward()
+    _close(out_n.logits, out_c.logits, "logits")
+    _close(out_n.loss, out_c.loss, "loss")
+    for (name, p), (_, q) in zip(cpu.named_parameters(), dev.named_parameters()):
+        _close(q.grad, p.grad, name)
+    rep = scope.report
+    assert rep.row("moe_block").calls == LAYERS and rep.row("moe_block").kernel == "moe"
+    backward = [r for r in rep.rows if r.op == "moe_block_backward"]
+    assert backward and {r.kernel for r in backward} >= {"matmul"}  # the backward's eager kernels, named so
+    assert sum(r.calls for r in backward if r.kernel == "matmul") >= LAYERS * 4
+
+
+def test_router_logits_reach_the_auxiliary_loss():
+    cpu = _model(output_router_logits=True, router_aux_loss_coef=0.02)
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = _tokens()
+    out_c, out_n = cpu(x, labels=x), dev(x.to("neuron"), labels=x.to("neuron"))
+    assert len(out_n.router_logits) == LAYERS
+    _close(out_n.aux_loss, out_c.aux_loss, "aux loss")
+    out_c.loss.backward()
+    out_n.loss.backward()
+    for (name, p), (_, q) in zip(cpu.named_parameters(), dev.named_parameters()):
+        _close(q.grad, p.grad, name)  # the router's gradient includes the aux loss's, via the logits
+
+
+def test_compiled_model_holds_each_block_as_one_node():
+    cpu = _model(num_hidden_layers=1)
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = _tokens()
+    fn = torch.compile(dev, backend="neuron")
+    fn(x.to("neuron"))
+    with torch.neuron.report_scope() as scope:
+        out = fn(x.to("neuron")).logits
+    _close(out, cpu(x).logits, "compiled logits")
+    assert scope.report.row("moe_block").calls == 1 and scope.report.compiled_graphs == 0
+
+    xn = x.to("neuron")
+    loss = torch.compile(lambda t: dev(t, labels=t).loss, backend="neuron")(xn)
+    loss.backward()
+    ref = copy.deepcopy(cpu)
+    ref(x, labels=x).loss.backward()
+    _close(dev.model.layers[0].mlp.experts.down_proj.grad, ref.model.layers[0].mlp.experts.down_proj.grad,
+           "compiled down_proj grad")
+
+
+def test_blocks_the_op_does_not_take_run_op_by_op():
+    cpu = _model(experts_implementation="eager", hidden_act="gelu")  # the kernel's experts are SwiGLU
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = _tokens()
+    with torch.neuron.report_scope() as scope:
+        out = dev(x.to("neuron")).logits
+    _close(out, cpu(x).logits, "gelu experts")
+    assert all(r.op != "moe_block" for r in scope.report.rows)
+
+    block = copy.deepcopy(_model(experts_implementation="eager").model.layers[0].mlp).to("neuron")
+    seen = []
+    block.experts.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    with torch.neuron.report_scope() as scope:
+        block(torch.randn(1, SEQ, 64).to("neuron"))
+    assert seen == [torch.Size([SEQ, 64])] and all(r.op != "moe_block" for r in scope.report.rows)
+
+
+def test_a_dtype_the_kernel_lacks_is_charged_as_the_blocks_eager_kernels():
+    block = _model(experts_implementation="eager").model.layers[0].mlp.double()
+    dev = copy.deepcopy(block).to("neuron")
+    h = torch.randn(1, SEQ, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.neuron.report_scope() as scope:
+        got = dev(h.to("neuron"))
+    torch.testing.assert_close(got.cpu(), block(h), rtol=1e-12, atol=1e-12)
+    rows = [r for r in scope.report.rows if r.op == "moe_block"]
+    assert rows and all(r.kernel != "moe" for r in rows) and sum(r.calls for r in rows) > 10
+
+
+def test_integer_histc_counts_as_cuda_does():
+    """Hugging Face's MoE code (the aux loss, grouped_mm experts) bins int32 expert ids off CPU."""
+    ids = torch.tensor([0, 1, 1, 3, 2, 3, 3], dtype=torch.int32)
+    got = torch.histc(ids.to("neuron"), bins=4, min=0, max=3)
+    assert got.dtype == torch.int32 and got.cpu().tolist() == [1, 2, 1, 3]
+    assert torch.histc(ids.float().to("neuron"), bins=4, min=0, max=3).cpu().equal(torch.histc(ids.float(), 4, 0, 3))
