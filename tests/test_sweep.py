@@ -109,7 +109,7 @@ def test_a_csv_from_another_spec_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,message", [
     ("config: trn2\ngrids: {}\nkernels: [{name: matmul}]\n",
-     "spec.yaml: unknown key 'grids'; expected config, system, grid, kernels, collectives, out"),
+     "spec.yaml: unknown key 'grids'; expected config, system, grid, kernels, collectives, estimates, out"),
     ("config: trn9\nkernels: [{name: matmul}]\n", "unknown config 'trn9'"),
     ("grid: {core.sbuf.bytez: [1KiB]}\nkernels: [{name: matmul}]\n", "spec.yaml: grid: "),
     ("grid: {core.sbuf.partition_bytes: [224KiB, lots]}\nkernels: [{name: matmul}]\n",

@@ -173,11 +173,11 @@ def test_clip_text_and_format_value_are_bounded_single_lines():
 def test_sweep_spec_documents_of_the_wrong_kind(tmp_path, capsys):
     spec = tmp_path / "spec.yaml"
     for text, message in [
-        ("- 1\n- 2\n", "spec.yaml: expected a mapping with keys config, system, grid, kernels, collectives, out"),
+        ("- 1\n- 2\n", "spec.yaml: expected a mapping with keys config, system, grid, kernels, collectives, estimates, out"),
         ("kernels: [{name: [matmul]}]\n", "spec.yaml: kernels[0]: name: expected a kernel name or "
                                           "path/to/file.py:function, got ['matmul']"),
         (f"{'k' * 500}: 1\n", "spec.yaml: unknown key 'kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk...kkkkkkkkkkkkkkkkkkkkkkkkkk"
-                              "kkkkkkkkkkkk'; expected config, system, grid, kernels, collectives, out"),
+                              "kkkkkkkkkkkk'; expected config, system, grid, kernels, collectives, estimates, out"),
         ("grid: {core.tensor.clock: [2.4GHz, [3GHz]]}\nkernels: [{name: matmul}]\n",
          "spec.yaml: grid.core.tensor.clock: expected a value, got ['3GHz']"),
         ("kernels: [{name: matmul, params: {transpose_a: [1]}}]\n",

@@ -233,3 +233,36 @@ def patch_storage_to(wrap: Any) -> None:
     """Wrap ``torch._utils._to`` and ``torch.storage._to`` (storage moves) with ``wrap``."""
     torch._utils._to = wrap(torch._utils._to)  # type: ignore[attr-defined]
     torch.storage._to = wrap(torch.storage._to)  # type: ignore[attr-defined]
+
+
+# ---- timing-only runs (torch_bridge.timing_only): fake tensors and dispatch modes ----------------
+REQUIRED.update({
+    "torch._subclasses.fake_tensor.FakeTensorMode": "tensors with shapes and no storage (timing-only runs)",
+    "torch._subclasses.fake_tensor.FakeTensor": "telling timing-only tensors apart",
+    "torch._subclasses.fake_tensor.DataDependentOutputException": "a clear error for ops that need values",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException": "a clear error for ops that need values",
+    "torch._subclasses.fake_tensor.UnsupportedOperatorException": "a clear error for ops without a shape rule",
+    "torch.utils._python_dispatch.TorchDispatchMode": "charging every op of a timing-only run",
+    "torch.utils._python_dispatch._disable_current_modes": "building a meta model fast inside a timing-only run",
+})
+for _path in list(REQUIRED)[-7:]:
+    resolve(_path)
+
+FakeTensorMode = resolve("torch._subclasses.fake_tensor.FakeTensorMode")
+FakeTensor = resolve("torch._subclasses.fake_tensor.FakeTensor")
+DataDependentOutputException = resolve("torch._subclasses.fake_tensor.DataDependentOutputException")
+DynamicOutputShapeException = resolve("torch._subclasses.fake_tensor.DynamicOutputShapeException")
+UnsupportedOperatorException = resolve("torch._subclasses.fake_tensor.UnsupportedOperatorException")
+TorchDispatchMode = resolve("torch.utils._python_dispatch.TorchDispatchMode")
+no_dispatch_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
+COMPOSITE_EXPLICIT = (DispatchKey.CompositeExplicitAutograd, DispatchKey.CompositeExplicitAutogradNonFunctional)
+
+
+def has_kernel(op: Any, key: Any) -> bool:
+    """Whether ``op`` (an OpOverload) has a kernel registered at dispatch key ``key`` itself."""
+    return bool(op.has_kernel_for_dispatch_key(key))
+
+
+def run_composite(op: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op``'s composite kernel at ``key``: its inner ops dispatch again from the top."""
+    return op.redispatch(DispatchKeySet(key), *args, **kwargs)

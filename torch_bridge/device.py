@@ -572,4 +572,16 @@ def adaptive_eager(enabled: bool = True) -> Iterator[None]:
 __all__ += ["set_adaptive_eager", "adaptive_eager"]
 
 
+# ---- timing-only runs -------------------------------------------------------------------------
+def timing_only() -> Any:
+    """``with torch.neuron.timing_only():`` - tensors with shapes and no storage; every op is
+    charged as in eager, no value is computed (see :mod:`torch_bridge.timing_only`)."""
+    from .timing_only import timing_only as _timing_only
+
+    return _timing_only()
+
+
+__all__ += ["timing_only"]
+
+
 memory = _memory_module()

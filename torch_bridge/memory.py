@@ -30,7 +30,7 @@ from trnsim.config import format_quantity
 
 from . import _torch
 
-__all__ = ["MemoryStats", "relabel", "cpu_view", "allocate", "pool"]
+__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "allocate", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -139,12 +139,15 @@ class MemoryStats:
         return dict(sorted(out.items()))
 
 
-class _Pool:
-    """Per-device :class:`MemoryStats`, created when the chip config is first needed."""
+class Pool:
+    """Per-device :class:`MemoryStats`: the eager device's :data:`pool` is configured when the
+    chip config is first needed; a timing-only estimate makes one of its own per simulated rank
+    (``Pool(count, capacity_per_device)``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 0, capacity_per_device: int = 0) -> None:
         self.devices: list[MemoryStats] = []
         self.lock = threading.RLock()  # re-entrant: a GC-driven free can run inside reserve()
+        self.configure(count, capacity_per_device)
 
     def configure(self, count: int, capacity_per_device: int) -> None:
         self.devices = [MemoryStats(capacity_per_device) for _ in range(count)]
@@ -175,7 +178,7 @@ class _Pool:
                 self.devices[index].sub(nbytes)
 
 
-pool = _Pool()
+pool = Pool()
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:

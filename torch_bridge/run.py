@@ -23,9 +23,9 @@ from trnsim.report import RunReport
 
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
-RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--metrics", "--plot",
-               "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout")
-RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--trace-stack")  # options without a value
+RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--timing-only",
+               "--metrics", "--plot", "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout")
+RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--timing-only", "--trace-stack")  # options without a value
 _REPEATED = ("--set", "--expand")
 
 
@@ -84,16 +84,19 @@ class _StdoutToStderr:
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
                trace: str | None = None, eager: bool = False, adaptive: bool = False, metrics: str | None = None,
                plot: str | None = None, expand: Sequence[str] = (), expand_top: int = 3,
-               trace_stack: bool = False, quiet_stdout: bool = False) -> tuple[int, RunReport]:
+               trace_stack: bool = False, quiet_stdout: bool = False, timing_only: bool = False
+               ) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
-    "force_eager")``); ``adaptive`` turns adaptive eager on. A missing script raises
-    FileNotFoundError; an exception in the script prints its traceback to stderr and gives
-    status 1 (the report still covers what ran); ``sys.exit("message")`` prints the message and
-    gives status 1, as ``python script.py`` does. An output path that cannot be written (a FIFO,
-    a device, a missing or read-only directory) or that needs a missing extra (pyarrow for
-    ``metrics``, matplotlib for ``plot``) is refused with :class:`trnsim.files.OutputError` /
+    "force_eager")``); ``adaptive`` turns adaptive eager on; ``timing_only`` runs the script inside
+    ``torch.neuron.timing_only()`` (an op that needs values stops it with one line naming the
+    script's line and the op, status 1). A missing script raises FileNotFoundError; an exception
+    in the script prints its traceback to stderr and gives status 1 (the report still covers what
+    ran); ``sys.exit("message")`` prints the message and gives status 1, as ``python script.py``
+    does. An output path that cannot be written (a FIFO, a device, a missing or read-only
+    directory) or that needs a missing extra (pyarrow for ``metrics``, matplotlib for ``plot``) is
+    refused with :class:`trnsim.files.OutputError` /
     :class:`trnsim.extras.MissingExtra` before the script starts. Under ``trace`` the script runs
     inside trnsim's torch.profiler session, so it must not start one of its own (torch allows one
     at a time); ``expand``/``expand_top`` choose the kernels whose engine lanes the trace draws;
@@ -106,7 +109,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     if quiet_stdout:
         with _StdoutToStderr():
             return run_script(script, args, config, overrides, trace, eager, adaptive, metrics, plot, expand,
-                              expand_top, trace_stack)
+                              expand_top, trace_stack, timing_only=timing_only)
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
@@ -148,12 +151,18 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     try:
         with prof:
             try:
-                with stance:
+                with stance, (device.timing_only() if timing_only else contextlib.nullcontext()):
                     runpy.run_path(str(path), run_name="__main__")
             except SystemExit as e:
                 status = _exit_status(e.code)
-            except Exception:  # the user's script failed: show its traceback, keep the report
-                traceback.print_exc()
+            except Exception as e:  # the user's script failed: show its traceback, keep the report
+                from .timing_only import TimingOnlyError
+
+                if isinstance(e, TimingOnlyError):  # one line: where in the script, and which op
+                    sys.stdout.flush()
+                    print(f"trnsim run: {_where(e, path)}{e}", file=sys.stderr)
+                else:
+                    traceback.print_exc()
                 status = 1
             finally:
                 sys.argv, sys.path[:] = saved_argv, saved_path
@@ -202,6 +211,16 @@ def compare_eager(script: str, args: Sequence[str], config: str | None = None, o
         return status, eager, eager
     status, compiled = run_script(script, args, config, overrides, quiet_stdout=quiet_stdout)
     return status, eager, compiled
+
+
+def _where(e: BaseException, script: Path) -> str:
+    """``script.py:LINE: `` of the script's innermost frame in ``e``'s traceback ('' if none)."""
+    target = str(script.resolve())
+    line = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if str(Path(frame.filename).resolve()) == target:
+            line = frame.lineno
+    return f"{script}:{line}: " if line is not None else ""
 
 
 def _exit_status(code: object) -> int:

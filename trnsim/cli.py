@@ -1,4 +1,5 @@
-"""The ``trnsim`` command. The only module that imports rich.
+"""The ``trnsim`` command. The only module that imports rich (with :mod:`trnsim.cli_estimate`, its
+``estimate`` command).
 
     trnsim info [CONFIG] [--set K=V ...] [--json]
     trnsim demo [--config CONFIG] [--set K=V ...]
@@ -10,11 +11,12 @@
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
                   [--executor pool|ray] [--address HOST:PORT]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
-                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--json]
+                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
+    trnsim estimate inference|train --model llama-3.3-70b [--system ...] [--tp 64] ... (trnsim.cli_estimate)
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
 that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
@@ -625,6 +627,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     as_json = opts.get("json", args.json)
     nproc = opts.get("nproc", args.nproc)
     system = opts.get("system", args.system)
+    timing_only = bool(opts.get("timing_only", args.timing_only))
+    if timing_only and (compare or nproc is not None):
+        raise UsageError(f"run: --timing-only runs one process once; leave out {'--compare-eager' if compare else '--nproc'}"
+                         f" (trnsim estimate simulates a whole system without values)")
     if nproc is not None:
         if compare:
             raise UsageError("run: --compare-eager runs one process; leave out --nproc (or --compare-eager)")
@@ -653,7 +659,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
                                      metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
                                      trace_stack=bool(opts.get("trace_stack", args.trace_stack)),
-                                     quiet_stdout=bool(as_json))
+                                     quiet_stdout=bool(as_json), timing_only=timing_only)
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if as_json:
@@ -1033,6 +1039,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the script twice, torch.compile off then on, and print simulated time side by side")
     r.add_argument("--adaptive-eager", action="store_true",
                    help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
+    r.add_argument("--timing-only", action="store_true", help="run on tensors without values (shapes only): every "
+                   "op is charged, nothing is computed, no host memory is taken (torch.neuron.timing_only)")
     r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
                                                 "rank, rank r on NeuronCore r) and print one merged report")
     r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "
@@ -1051,6 +1059,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--output", required=True, metavar="OUT.png", help="the image to write (.png/.svg/.pdf)")
     pl.set_defaults(fn=cmd_plot)
     _add_collective_parser(sub)
+    from .cli_estimate import add_parser as _add_estimate_parser
+
+    _add_estimate_parser(sub)
     return p
 
 

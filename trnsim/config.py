@@ -204,13 +204,15 @@ def load_yaml(text: str, where: str) -> Any:
             loader.dispose()
 
 
-def load_yaml_file(path: str | os.PathLike[str], where: str, what: str = "YAML file") -> Any:
-    """Read and parse a YAML file with :func:`load_yaml`; a missing file, a FIFO or device (never
+def read_bounded(path: str | os.PathLike[str], where: str, what: str) -> str:
+    """The text of a config-like file, read safely: a missing file, a FIFO or device (never
     opened: it could block forever), a file over the size limit or one that is not UTF-8 is a
-    one-line :class:`ConfigError` naming ``what`` and the path."""
-    shown = os.fspath(path)
+    one-line :class:`ConfigError` naming ``what`` and the path (whole, with anything unprintable
+    escaped so a newline in a file name cannot break the one-line rule)."""
+    name = os.fspath(path)
+    shown = clip_text(name, limit=max(1, len(name)))
     try:
-        st = os.stat(shown)
+        st = os.stat(name)
     except FileNotFoundError:
         raise ConfigError(f"{what} '{shown}' not found") from None
     except OSError as e:
@@ -220,17 +222,21 @@ def load_yaml_file(path: str | os.PathLike[str], where: str, what: str = "YAML f
 
         raise ConfigError(f"{what} '{shown}': it is {file_kind(st.st_mode)}, not a regular file")
     try:
-        with open(shown, "rb") as f:
+        with open(name, "rb") as f:
             data = f.read(MAX_YAML_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
     if len(data) > MAX_YAML_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_YAML_BYTES // 2**20} MiB; a {what} is at most that")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1})") from None
-    return load_yaml(text, where)
+
+
+def load_yaml_file(path: str | os.PathLike[str], where: str, what: str = "YAML file") -> Any:
+    """Read and parse a YAML file with :func:`load_yaml`, after :func:`read_bounded`'s checks."""
+    return load_yaml(read_bounded(path, where, what), where)
 
 
 def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:

@@ -400,6 +400,10 @@ class Device:
             self._costs[spec] = cost
             return cost
 
+    def refused(self) -> list[KernelSpec]:
+        """The specs whose kernel refused the shape and were costed as their fallback instead."""
+        return sorted(self._rejected, key=lambda sp: (sp.kernel, sp.shape, sp.dtype))
+
     def kernels_of(self, spec: KernelSpec) -> list[Kernel]:
         """The kernels ``spec`` runs as on one logical core: one per physical core it uses."""
         from .kernels import build_spec, split_spec

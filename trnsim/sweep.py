@@ -54,7 +54,7 @@ from .report import KernelReport
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
            "bound_of", "DEFAULT_MAX_POINTS"]
 
-SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "out")
+SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
 
 
@@ -178,7 +178,7 @@ class Point:
     shape: tuple[int, ...]
     dtype: str  # "" for a user kernel run without a dtype
     params: tuple[tuple[str, Any], ...] = ()
-    kind: str = "kernel"  # or "collective": kernel is the collective, shape (ranks, bytes)
+    kind: str = "kernel"  # or "collective": kernel is the collective, shape (ranks, bytes); or "estimate": the model, (tp, pp, dp)
 
     def key(self) -> tuple[str, ...]:
         """The point's identity as CSV cells, to skip points a previous run wrote."""
@@ -186,6 +186,10 @@ class Point:
             from .collectives.sweep_points import shape_of
 
             shape = shape_of(*self.shape)
+        elif self.kind == "estimate":
+            from .estimate_points import shape_text as estimate_shape
+
+            shape = estimate_shape(self.shape)
         else:
             shape = shape_text(self.shape)
         return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
@@ -216,6 +220,10 @@ class SweepSpec:
             from .collectives.sweep_points import COLLECTIVE_COLUMNS
 
             extra = list(COLLECTIVE_COLUMNS)
+        if any(p.kind == "estimate" for p in self.points):
+            from .estimate_points import ESTIMATE_COLUMNS
+
+            extra += list(ESTIMATE_COLUMNS)
         return [*self.key_columns, "cycles", "us", "mfu_percent", "mbu_percent", "bound",
                 *(f"{e.lower()}_active_percent" for e in self.engines), "dma_active_percent",
                 "instructions", "hbm_bytes", "dma_bytes", "matmul_flops", *extra, "error"]
@@ -279,8 +287,9 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         raise ConfigError(f"{where}: give 'config' (a chip) or 'system' (chips and links), not both")
     if system is not None and not isinstance(system, str):
         raise ConfigError(f"{where}: system: expected a system name or a YAML path, got {system!r}")
-    if system is None and raw.get("collectives") is not None:
-        raise ConfigError(f"{where}: collectives need a 'system' (e.g. system: trn2.48xlarge)")
+    for section in ("collectives", "estimates"):
+        if system is None and raw.get(section) is not None:
+            raise ConfigError(f"{where}: {section} need a 'system' (e.g. system: trn2.48xlarge)")
     system = _config_ref(system, base_dir) if system is not None else None
     config = raw.get("config", "trn2")
     if not isinstance(config, str):
@@ -297,7 +306,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         config = base_system.chip.name
     base_cfg = _load(config, ()) if system is None else base_system.chip
     kernels = raw.get("kernels")
-    if raw.get("collectives") is None or kernels is not None:
+    if (raw.get("collectives") is None and raw.get("estimates") is None) or kernels is not None:
         if not isinstance(kernels, list) or not kernels:
             raise ConfigError(f"{where}: kernels: expected a non-empty list of {{name, shape(s), dtype(s), params}}")
     entries = [_kernel_entry(k, i, where, base_dir) for i, k in enumerate(kernels or [])]
@@ -306,11 +315,17 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         from .collectives.sweep_points import collective_points
 
         coll = collective_points(raw["collectives"], where, base_system)
+    ests: list[Any] = []
+    if raw.get("estimates") is not None:
+        from .estimate_points import estimate_points
+
+        ests = estimate_points(raw["estimates"], where, base_system)
     n_variants = math.prod(len(v) for v in grid.values())
-    per_variant = sum(e.count for e in entries) + len(coll)
+    per_variant = sum(e.count for e in entries) + len(coll) + len(ests)
     n_points = n_variants * per_variant
     if max_points is not None and n_points > max_points:
-        what = "kernel points" if not coll else "kernel and collective points"
+        what = "kernel points" if not (coll or ests) else "kernel and collective points" if not ests else \
+            "kernel, collective and estimate points"
         raise ConfigError(f"{where}: {n_variants:,} chip variants x {per_variant:,} {what} "
                           f"= {n_points:,} points, more than the limit of {max_points:,}; check the grid, or pass "
                           f"--max-points {n_points} to run them all")
@@ -330,6 +345,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     combos = [c for e in entries for c in e.build(base_cfg)]
     points = [Point(v, *c) for v in variants for c in combos]
     points += [Point(v, *c, kind="collective") for v in variants for c in coll]
+    points += [Point(v, *c, kind="estimate") for v in variants for c in ests]
     return SweepSpec(p, system or config, grid, points, out_path, tuple(base_cfg.engine_clocks), system)
 
 
@@ -444,6 +460,11 @@ def run_point(task: _Task) -> dict[str, Any]:
 
     pt = task.point
     row: dict[str, Any] = {"error": ""}
+    if pt.kind == "estimate":
+        from .estimate_points import run_estimate_point
+
+        return run_estimate_point(_load_system(task.system, pt.variant), pt.kernel, pt.shape, pt.dtype,  # type: ignore[arg-type]
+                                  dict(pt.params))
     if pt.kind == "collective":
         from .collectives.sweep_points import run_collective_point
 

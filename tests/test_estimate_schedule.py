@@ -1,0 +1,153 @@
+"""The torch-free parts of estimates: the 1F1B pipeline schedule, the mean of interpolated decode
+steps, model configs by name or path (one-line errors), and the on-disk kernel-cost cache."""
+
+import json
+
+import pytest
+
+from trnsim import load_config
+from trnsim.config import ConfigError
+from trnsim.costcache import CachedDevice, CostCache, fingerprint
+from trnsim.device import KernelSpec
+from trnsim.estimate import mean_decode, pipeline_1f1b
+from trnsim.models import load_model, model_names
+
+
+# ---- the pipeline schedule ----------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 8), (2, 1), (4, 4), (4, 16), (8, 3)])
+def test_uniform_1f1b_is_the_textbook_time(p, m):
+    """Equal stages, no transfer time: (m + p - 1) (F + B), the 1F1B (and GPipe) step time."""
+    total, busy = pipeline_1f1b([3] * p, [7] * p, [0] * (p - 1), [0] * (p - 1), m)
+    assert total == (m + p - 1) * (3 + 7)
+    assert busy == [m * 10] * p
+
+
+def test_transfers_and_the_slowest_stage_set_the_pace():
+    total, _ = pipeline_1f1b([2, 5], [4, 10], [1], [1], 6)
+    # stage 1 (5 + 10 per micro-batch) is the bottleneck: its 6 micro-batches back to back, after the first
+    # activation arrives (2 + 1) and before the last gradient goes back (1) and stage 0's last backward (4)
+    assert total == 3 + 6 * 15 + 1 + 4
+
+
+def test_one_stage_runs_forward_backward_in_turn():
+    total, _ = pipeline_1f1b([5], [6], [], [], 3)
+    assert total == 33
+
+
+# ---- decode steps ---------------------------------------------------------------------------------------
+def test_mean_decode_is_exact_for_a_line():
+    samples = [(100, 10.0), (200, 20.0)]
+    assert mean_decode(samples, 100, 200) == pytest.approx(15.0)
+    assert mean_decode([(100, 10.0), (150, 15.0), (200, 20.0)], 100, 200) == pytest.approx(15.0)
+    assert mean_decode([(5, 3.0)], 5, 5) == 3.0 and mean_decode([], 1, 2) == 0.0
+
+
+# ---- model configs --------------------------------------------------------------------------------------
+def test_shipped_models():
+    assert {"llama-3.1-8b", "llama-3.3-70b", "llama-3.1-405b", "mixtral-8x7b"} <= set(model_names())
+    m = load_model("llama-3.3-70b")
+    assert (m.layers, m.heads, m.kv_heads, m.hidden, m.head_dim) == (80, 64, 8, 8192, 128)
+    assert "meta-llama/Llama-3.3-70B-Instruct" in m.source
+    assert load_model("mixtral-8x7b").fields["num_local_experts"] == 8
+
+
+def _write(tmp_path, text, name="config.json"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not valid JSON (line 1 column 2: Expecting property name enclosed in double quotes)"),
+    ("[1]", "expected a JSON object (a Hugging Face config.json)"),
+    ('{"model_type": "llama"}', "missing 'hidden_size'; a Hugging Face config.json of a decoder has model_type, "
+                                "hidden_size, num_hidden_layers, num_attention_heads, vocab_size"),
+    ('{"model_type": "llama", "hidden_size": "4096", "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"vocab_size": 8}', "hidden_size: expected a positive integer, got '4096'"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+     '"num_key_value_heads": 3, "vocab_size": 8}', "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ('{"model_type": "llama", "model_type": "x"}', "key 'model_type' appears twice; a key may appear once"),
+])
+def test_bad_configs_are_one_line(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_model(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+def test_unknown_names_and_paths(tmp_path):
+    with pytest.raises(ConfigError, match=r"^unknown model 'gpt-5': expected one of bert-large, llama-2-7b, .*mixtral-8x7b, or a "
+                                          r"path to a Hugging Face config.json$"):
+        load_model("gpt-5")
+    with pytest.raises(ConfigError, match="^model config '/nonexistent/config.json' not found$"):
+        load_model("/nonexistent/config.json")
+    with pytest.raises(ConfigError, match=r"^model config '/no\\nsuch\.json' not found$"):  # one line, escaped
+        load_model("/no\nsuch.json")
+    d = tmp_path / "my-model"
+    d.mkdir()
+    _write(d, json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "vocab_size": 8}))
+    assert load_model(str(d)).name == "my-model"  # a checkpoint directory holding config.json
+
+
+# ---- the cost cache ----------------------------------------------------------------------------------------
+SPEC = KernelSpec.of("matmul", (128, 256, 512), "bf16", {"transpose_a": True, "transpose_b": False})
+
+
+def test_a_cached_cost_is_the_simulated_one(tmp_path):
+    cfg = load_config("trn2")
+    cold = CachedDevice(cfg, CostCache(tmp_path))
+    a = cold.cost(SPEC)
+    assert cold.simulated == 2 and cold.cache.misses == 1 and len(list(tmp_path.rglob("*.json"))) == 1
+    warm = CachedDevice(cfg, CostCache(tmp_path))
+    b = warm.cost(SPEC)
+    assert warm.simulated == 0 and warm.cache.hits == 1
+    assert (b.ticks, b.busy, b.demand, b.hbm_bytes, b.matmul_flops, b.cores) == \
+        (a.ticks, a.busy, a.demand, a.hbm_bytes, a.matmul_flops, a.cores)
+
+
+def test_the_key_holds_the_figures_not_the_name(tmp_path):
+    cache = CostCache(tmp_path)
+    base, faster = load_config("trn2"), load_config("trn2", {"chip.hbm.bandwidth": "4TB/s"})
+    assert fingerprint(base) != fingerprint(faster)
+    CachedDevice(base, cache).cost(SPEC)
+    dev = CachedDevice(faster, cache)
+    dev.cost(SPEC)
+    assert dev.simulated == 2  # another chip: simulated again
+    other = KernelSpec.of("matmul", (128, 256, 512), "bf16", {"transpose_a": False, "transpose_b": False})
+    dev.cost(other)
+    assert dev.simulated == 4
+
+
+def test_a_damaged_entry_is_simulated_again(tmp_path):
+    cfg = load_config("trn2")
+    CachedDevice(cfg, CostCache(tmp_path)).cost(SPEC)
+    (entry,) = tmp_path.rglob("*.json")
+    entry.write_text("{not json")
+    dev = CachedDevice(cfg, CostCache(tmp_path))
+    assert dev.cost(SPEC).ticks > 0 and dev.simulated == 2
+    assert json.loads(entry.read_text())["ticks"] > 0  # rewritten whole
+
+
+def test_a_refused_kernel_is_remembered(tmp_path):
+    cfg = load_config("trn2")
+    bad = KernelSpec.of("matmul", (128, 256, 512), "int8", {},
+                        fallback=KernelSpec.of("stream", (64, 64, 64), "fp32", {"engine": "vector", "binary": False,
+                                                                               "fn": "exp"}))
+    a = CachedDevice(cfg, CostCache(tmp_path)).cost(bad)
+    dev = CachedDevice(cfg, CostCache(tmp_path))
+    assert dev.refused() == []
+    assert dev.cost(bad).ticks == a.ticks and dev.simulated == 0
+    assert dev.refused() == [bad]  # what an estimate lists among its assumptions
+
+
+def test_the_cache_can_be_off(tmp_path, monkeypatch):
+    from trnsim.costcache import default_cache_dir
+
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", "off")
+    assert default_cache_dir() is None
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    dev = CachedDevice(load_config("trn2"), CostCache(None))
+    dev.cost(SPEC)
+    assert dev.simulated == 2 and not list(tmp_path.iterdir())

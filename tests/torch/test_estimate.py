@@ -1,0 +1,209 @@
+"""`trnsim estimate`: a model sharded over a system, one rank per role, collectives from the
+NeuronLink model, TTFT/TPOT/tokens/s and a training step; CLI text, JSON, trace and errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torch_bridge.estimate import estimate_inference, estimate_train
+from torch_bridge.parallel import Plan
+from trnsim.cli import main
+from trnsim.config import ConfigError, load_system
+
+TINY = str(Path(__file__).parent.parent / "data" / "tiny-llama.json")
+GOLDEN = Path(__file__).parent.parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("costs")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_tp4_collectives_are_what_trnsim_collective_simulates(cache, capsys):
+    """Every TP=4 all-reduce of a decode step (a 512-byte hidden state) and of the prefill (128
+    tokens: 64 KiB) costs the rank what `trnsim collective` gives for that size on 4 ranks."""
+    est, _ = estimate_inference(TINY, tp=4, input_tokens=128, output_tokens=8, samples=2, cache_dir=cache)
+    code, out, _ = run(capsys, "collective", "all-reduce", "--ranks", "4", "--bytes", "512B,64KiB", "--json")
+    assert code == 0
+    cli = {r["size(B)"]: r for r in json.loads(out)["results"]}
+    for step, nbytes in ((est.decode, 512), (est.prefill, 65536)):
+        (op, algo, calls, ms), = [c for c in step.collectives if c[0] == "all_reduce"]
+        assert calls == 2 * 4  # o_proj and down_proj of each of the 4 layers
+        assert algo == cli[nbytes]["algorithm"] == "mesh"
+        assert ms * 1e3 / calls == pytest.approx(cli[nbytes]["time:avg(us)"], rel=1e-9)
+    gathers = {c[0]: c[2] for c in est.decode.collectives}
+    assert gathers["all_gather"] == 2  # the embedding's lookup and the LM head's logits
+
+
+def test_the_estimate_of_a_small_model(cache):
+    est, _ = estimate_inference(TINY, tp=4, input_tokens=128, output_tokens=16, samples=3, cache_dir=cache)
+    assert est.ranks == 4 and est.roles_simulated == 1 and est.plan == {"tp": 4, "pp": 1, "dp": 1, "sp": False}
+    assert [n for n, _ in est.decode_samples] == [129, 136, 143]
+    first, last = est.decode_samples[0][1], est.decode_samples[-1][1]
+    assert 0 < first <= last  # a longer KV cache takes longer
+    assert est.tpot_first_ms == first and min(first, last) <= est.tpot_ms <= max(first, last)
+    assert est.tokens_per_s == pytest.approx(16 / ((est.ttft_ms + 15 * est.tpot_ms) / 1e3))
+    assert est.prefill.time_ms == pytest.approx(est.ttft_ms)
+    kinds = {k.kind for k in est.prefill.kinds}
+    assert {"matmul", "attention", "collectives"} <= kinds
+    mem = est.memory[0]
+    # per rank: q/o 1/4 of theirs, k/v one replicated head each (2 KV heads over 4 ranks), MLP 1/4, embedding and
+    # head 1/4 (hidden across ranks, vocab across ranks), norms whole; bf16
+    layer = 256 * 64 * 2 + 256 * 32 * 2 + 256 * 128 * 3 + 2 * 256
+    assert mem.weights_bytes == 2 * (4 * layer + 1024 * 64 + 256 * 256 + 256) + 2 * 16 * 4
+    assert mem.kv_bytes == 2 * 4 * 144 * 32 * 2  # K and V, 4 layers, 144 tokens, 1 head of 32, bf16
+    assert mem.peak_bytes >= mem.weights_bytes + mem.kv_bytes
+
+
+def test_replaying_layers_gives_the_estimate_of_running_them(cache):
+    a, _ = estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=4, samples=2, cache_dir=cache)
+    b, _ = estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=4, samples=2, cache_dir=cache, replay=False)
+    assert a.ttft_ms == pytest.approx(b.ttft_ms, rel=1e-12) and a.tpot_ms == pytest.approx(b.tpot_ms, rel=1e-12)
+    assert a.decode.kinds == b.decode.kinds
+
+
+def test_sequence_parallel_prefill(cache):
+    est, _ = estimate_inference(TINY, tp=4, sp=True, input_tokens=126, output_tokens=2, samples=1, cache_dir=cache)
+    colls = {c[0]: c[2] for c in est.prefill.collectives}
+    # per layer: attention and MLP gather the sequence and reduce-scatter their output; then the last layer's output,
+    # and the embedding and logits (hidden and vocab sharded) are gathered
+    assert colls == {"all_gather": 2 * 4 + 1 + 2, "reduce_scatter": 2 * 4}
+    assert "prompt padded to 128 tokens for sequence parallelism" in est.assumptions
+    plain = {c[0] for c in est.decode.collectives}
+    assert plain == {"all_gather", "all_reduce"}  # one token: plain tensor parallelism
+
+
+def test_pipeline_stages_add_up(cache):
+    one, _ = estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    two, _ = estimate_inference(TINY, tp=2, pp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    assert two.roles_simulated == 2 and two.ranks == 4
+    assert [m.stage for m in two.memory] == [0, 1]
+    assert sum(m.weights_bytes for m in two.memory) < 1.01 * one.memory[0].weights_bytes + 4096
+    assert two.ttft_ms > 0.5 * one.ttft_ms
+
+
+def test_a_training_step(cache):
+    est, _ = estimate_train(TINY, tp=2, pp=2, dp=2, micro_batch=1, seq=64, global_batch=8, cache_dir=cache)
+    assert est.ranks == 8 and est.micro_batches == 4 and est.roles_simulated == 2
+    assert est.step_ms == pytest.approx(est.pipeline_ms + est.dp_reduce_ms + est.optimizer_ms)
+    fwd = [f for f, _ in est.stage_ms]
+    bwd = [b for _, b in est.stage_ms]
+    assert est.pipeline_ms >= 4 * max(f + b for f, b in est.stage_ms) and all(b > f for f, b in zip(fwd, bwd))
+    assert est.seq_per_s == pytest.approx(8 / (est.step_ms / 1e3))
+    assert 0 < est.mfu_percent < 100 and est.dp_reduce_ms > 0 and est.optimizer_ms > 0
+    for m in est.memory:  # gradients and AdamW's two moments: three times the weights (and the step's inputs)
+        assert 3 * m.weights_bytes <= m.state_bytes <= 3.05 * m.weights_bytes
+
+
+def test_a_backward_that_does_not_fit_is_an_oom_not_an_abort(cache):
+    """The backward runs on the autograd engine's device thread, where a raised exception aborts
+    the process: the OOM is held until the backward returns, then raised with the same hint."""
+    import torch
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: .* - timing-only: the tensors do not "
+                                                     r"fit one logical core's HBM; shard the model"):
+        # 22 MiB per core: the forward fits (~20 MiB at its peak), the gradients do not
+        estimate_train(TINY, overrides=["chip.hbm.capacity=88MiB"], tp=2, micro_batch=1, seq=512, cache_dir=cache)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=3), "--tp 3: tiny-llama has 8 attention heads, not a multiple of 3"),
+    (dict(tp=16, pp=8), "--tp 16 x --pp 8 x --dp 1 = 128 ranks, but trn2.48xlarge has 64 (16 chips x 4 logical cores); "
+                        "use a bigger system (e.g. --system trn2-ultraserver, or --set topology.efa.size=N for N "
+                        "instances)"),
+    (dict(pp=5), "--pp 5: the model has 4 decoder layers, fewer than the pipeline stages"),
+    (dict(input_tokens=4096), "--input 4096 + --output 128 = 4224 tokens, more than tiny-llama's "
+                              "max_position_embeddings 4096"),
+    (dict(dtype="fp8"), "--dtype fp8: expected one of bf16, fp16, fp32"),
+    (dict(batch=0), "--batch 0: expected a positive whole number"),
+])
+def test_bad_plans_and_requests_are_one_line(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        estimate_inference(TINY, **{"output_tokens": 128, **kwargs})
+    assert str(info.value) == message
+
+
+def test_plan_places_tp_ranks_innermost():
+    plan = Plan(tp=4, pp=2, dp=2)
+    assert plan.size == 16 and plan.tp_group(5) == [4, 5, 6, 7] and plan.dp_group(5) == [5, 13]
+    assert plan.stages(80) == [(0, 40), (40, 80)] and Plan(pp=3).stages(10) == [(0, 4), (4, 7), (7, 10)]
+    roles = plan.roles(80)
+    assert [(r.stage, r.rank, r.ranks) for r in roles] == [(0, 0, 8), (1, 4, 8)]
+    plan.check(load_system("trn2.48xlarge"), 80)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+def _stable(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("Simulated ")) + "\n"
+
+
+def test_cli_inference_text_golden(cache, capsys, monkeypatch):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    code, out, err = run(capsys, "estimate", "inference", "--model", TINY, "--tp", "4", "--input", "128",
+                         "--output", "16", "--samples", "3")
+    assert code == 0 and err == ""
+    assert _stable(out.replace(TINY, "tiny-llama.json")) == (GOLDEN / "estimate_inference_tiny.txt").read_text()
+
+
+def test_cli_json_and_trace(cache, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    trace = tmp_path / "t.json"
+    code, out, _ = run(capsys, "estimate", "inference", "--model", TINY, "--tp", "2", "--input", "64", "--output",
+                       "4", "--samples", "2", "--json", "--trace", str(trace))
+    d = json.loads(out)
+    assert code == 0 and d["model"] == "tiny-llama" and d["plan"]["tp"] == 2 and d["ttft_ms"] > 0
+    assert set(d["decode"]) >= {"time_ms", "kinds", "compute_ms", "memory_ms", "collective_ms", "bound"}
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["phase"] for e in events if e["ph"] == "X"} == {"prefill", "decode"}
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"mm", "all_reduce", "scaled_dot_product_attention"}
+
+
+def test_cli_train_text(cache, capsys, monkeypatch):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    code, out, _ = run(capsys, "estimate", "train", "--model", TINY, "--tp", "2", "--dp", "2", "--seq", "64",
+                       "--global-batch", "4")
+    assert code == 0
+    assert "tiny-llama training on trn2.48xlarge (trn2): TP=2 DP=2, 4 ranks; micro-batch 1 x 64 tokens, global " \
+           "batch 4 (2 micro-batches per replica), bf16" in out
+    assert "MFU" in out and "Backward of one micro-batch" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, llama-2-7b, llama-3.1-405b, "
+                             "llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, mixtral-8x7b, or a path to a Hugging Face "
+                             "config.json"),
+    (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
+                                                 "a multiple of 48"),
+    (["--model", "llama-3.3-70b"], "trnsim: error: estimate: neuron:0 out of memory: tried to allocate"),
+    (["--model", "/no/such/config.json"], "trnsim: error: model config '/no/such/config.json' not found"),
+])
+def test_cli_errors_are_one_line_with_status_2(capsys, argv, message):
+    code, out, err = run(capsys, "estimate", "inference", *argv)
+    assert code == 2 and out == "" and err.startswith(message) and err.count("\n") == 1
+
+
+def test_a_mixture_of_experts_model(cache):
+    """Mixtral: expert weights sharded per expert over TP, their output all-reduced after the
+    attention's; a prefill routes every expert its share of tokens, a decode token visits top_k."""
+    from trnsim.models import ModelConfig, load_model
+
+    spec = load_model(Path(__file__).parent.parent / "data" / "tiny-mixtral.json")
+    est, _ = estimate_inference(spec, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    per_layer = 2  # o_proj and the experts' output
+    assert {c[0]: c[2] for c in est.decode.collectives}["all_reduce"] == per_layer * 2
+    experts = 2 * 4 * (2 * 512 // 2 * 256 + 256 * 512 // 2) * 2  # 2 layers' gate_up and down of 4 experts, half each, bf16
+    assert experts < est.memory[0].weights_bytes < 2 * experts  # sharded over TP=2, not replicated
+    bmm_calls = sum(o[2] for o in est.decode.ops if o[0] == "bmm")  # over the library's bmm kernels
+    assert bmm_calls == 2 * (2 + 2)  # per layer: the experts' two grouped matmuls, the attention's two (one token)
+    # the same model with every token visiting all 4 experts: a decode token then reads the other
+    # 2 experts' weights too (a prefill's 64 tokens reach every expert either way)
+    every = ModelConfig(spec.name, spec.path, {**spec.fields, "num_experts_per_tok": 4})
+    full, _ = estimate_inference(every, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
+    assert full.decode.hbm_bytes - est.decode.hbm_bytes >= experts // 2

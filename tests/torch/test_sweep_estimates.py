@@ -1,0 +1,67 @@
+"""Estimate points in sweeps: a spec names a system, its grid varies the chip or links, each
+estimate row holds what a direct estimate gives, and kernels repeat through the cost cache."""
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torch_bridge.estimate import estimate_inference
+from trnsim.config import ConfigError, load_system
+from trnsim.sweep import load_spec, run_sweep
+
+TINY = Path(__file__).parent.parent / "data" / "tiny-llama.json"
+
+SPEC = f"""\
+    system: trn2.48xlarge
+    grid:
+      core.dma.start_latency: [1300ns, 2600ns]
+    estimates:
+      - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2}}
+      - {{mode: train, model: {TINY}, tp: 2, dp: 2, seq: 64}}
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "spec.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_estimate_rows_match_direct_estimates(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path / "costs"))
+    spec = load_spec(write(tmp_path, SPEC))
+    assert len(spec.points) == 4 and spec.columns[-7:-1] == ["ttft_ms", "tpot_ms", "tokens_per_s", "step_ms",
+                                                             "mfu_percent_step", "hbm_peak_bytes"]
+    rows = {(r["core.dma.start_latency"], r["shape"]): r for r in run_sweep(spec, jobs=1).rows}
+    inf = rows[("1300ns", "tp=4 pp=1 dp=1")]
+    direct, _ = estimate_inference(str(TINY), "trn2.48xlarge", tp=4, input_tokens=64, output_tokens=4, samples=2)
+    assert inf["error"] == "" and float(inf["ttft_ms"]) == pytest.approx(direct.ttft_ms, abs=1e-4)
+    assert float(inf["tpot_ms"]) == pytest.approx(direct.tpot_ms, abs=1e-4)
+    slow = rows[("2600ns", "tp=4 pp=1 dp=1")]
+    assert float(slow["tpot_ms"]) > float(inf["tpot_ms"])  # each small kernel waits longer for its DMA
+    train = rows[("1300ns", "tp=2 pp=1 dp=2")]
+    assert float(train["step_ms"]) > 0 and float(train["mfu_percent_step"]) > 0 and train["kernel"] == str(TINY)
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{mode: inference, model: llama-9}", "estimates[0] (llama-9): unknown model 'llama-9'"),
+    ("{mode: serve, model: llama-3.1-8b}", "estimates[0]: expected a mapping with 'mode' (inference or train) and "
+                                           "'model'"),
+    ("{mode: train, model: llama-3.1-8b, input: 5}", "estimates[0]: unknown key 'input' for train; expected mode, "
+                                                     "model, tp, pp, dp, sp, dtype, micro_batch, seq, global_batch"),
+    ("{mode: inference, model: llama-3.3-70b, tp: 128}", "estimates[0] (llama-3.3-70b): --tp 128 x --pp 1 x --dp 1 = "
+                                                         "128 ranks, but trn2.48xlarge has 64"),
+    ("{mode: inference, model: llama-3.1-8b, batch: 0}", "estimates[0] (llama-3.1-8b): batch: expected a positive "
+                                                         "whole number, got 0"),
+])
+def test_bad_estimate_entries_are_one_line(tmp_path, entry, message):
+    with pytest.raises(ConfigError, match="^" + re.escape("spec.yaml: " + message)):
+        load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n"))
+
+
+def test_estimates_need_a_system(tmp_path):
+    with pytest.raises(ConfigError, match=r"^spec.yaml: estimates need a 'system' \(e.g. system: trn2.48xlarge\)$"):
+        load_spec(write(tmp_path, "estimates:\n  - {mode: inference, model: llama-3.1-8b}\n"))
+    assert load_system("trn2.48xlarge").ranks == 64

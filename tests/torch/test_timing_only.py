@@ -1,0 +1,224 @@
+"""Timing-only runs: the same simulated time as with values, no storage, HBM enforced, one-line
+errors for ops that need values, models from configs without weights, layer replay."""
+
+import collections
+import gc
+import re
+import resource
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from torch_bridge import models
+from torch_bridge.timing_only import TimingOnlyError, is_timing_only, replay_layers
+
+CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _rows(rep):
+    c = collections.Counter()
+    for r in rep.rows:
+        c[(r.op, r.kernel)] += r.calls
+    return c
+
+
+def _train_step(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out
+
+
+def test_a_small_llama_costs_the_same_with_and_without_values():
+    """Forward and backward of a 2-layer Llama (the 'neuron' attention): every launch, its kernel
+    and the simulated time are the same as the run that computes every value; so is the HBM in
+    use afterwards."""
+    models.register()
+    cfg = LlamaConfig(**CFG)
+    cfg._attn_implementation = "neuron"
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    gc.collect()
+    base = torch.neuron.memory_allocated()
+    model = LlamaForCausalLM(cfg).to("neuron")
+    x = ids.to("neuron")
+    torch.neuron.synchronize()
+    with torch.neuron.report_scope() as scope:
+        kept = _train_step(model, x)
+        torch.neuron.synchronize()
+    eager = scope.report
+    eager_bytes = torch.neuron.memory_allocated() - base
+    del model, x, kept
+    gc.collect()
+    base = torch.neuron.memory_allocated()
+    with torch.neuron.timing_only() as run:
+        fake = models.from_config(cfg, torch.float32)
+        fx = ids.to("neuron")
+        torch.neuron.synchronize()
+        with torch.neuron.report_scope() as scope:
+            kept = _train_step(fake, fx)
+            torch.neuron.synchronize()
+        run.sweep()
+        fake_bytes = torch.neuron.memory_allocated() - base
+    timed = scope.report
+    assert timed.launches == eager.launches > 200
+    assert _rows(timed) == _rows(eager)
+    assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)
+    assert timed.device_us == pytest.approx(eager.device_us, rel=1e-12)
+    assert timed.hbm_bytes == eager.hbm_bytes and timed.matmul_flops == eager.matmul_flops
+    assert fake_bytes == eager_bytes
+    assert is_timing_only(kept.loss) and kept.loss.device == torch.device("neuron", 0)
+
+
+def test_no_storage_is_allocated():
+    """8 GiB of timing-only tensors (weights of a model built from a config, and an activation):
+    counted against the device's HBM, every one on neuron with a meta (empty) storage behind it,
+    while the process's memory barely moves."""
+    gc.collect()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.neuron.timing_only():
+        before = torch.neuron.memory_allocated()
+        m = models.from_config("llama-3.1-8b", torch.float32, layers=6)  # 7.9 GB of fp32 weights
+        x = torch.empty(64, 4096, 4096, device="neuron")  # 4 GiB
+        y = x[:1, :128] * 2
+        params = sum(p.numel() * 4 for p in [*m.parameters(), *m.buffers()])
+        assert torch.neuron.memory_allocated() - before == params + x.numel() * 4 + y.numel() * 4
+        for t in [x, y, *m.parameters()]:
+            assert is_timing_only(t) and t.device.type == "neuron" and t.untyped_storage().device.type == "meta"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss
+    assert grown < 256 * 2**20, f"the host took {grown / 2**20:.0f} MiB for 12 GB of timing-only tensors"
+
+
+def test_memory_is_released_when_tensors_die():
+    with torch.neuron.timing_only() as run:
+        before = torch.neuron.memory_allocated()
+        a = torch.empty(1 << 20, device="neuron")
+        b = a * 2
+        assert torch.neuron.memory_allocated() - before == 2 * (4 << 20)
+        view = b[10:]
+        del b
+        c = torch.empty(1, device="neuron")  # the next op sees the dead tensor's storage
+        assert torch.neuron.memory_allocated() - before == 2 * (4 << 20) + 4  # a view keeps b's storage
+        del view, a
+        torch.empty(1, device="neuron")
+        assert torch.neuron.memory_allocated() - before == 4 + 4
+        del c
+    assert torch.neuron.memory_allocated() - before == 0  # leaving the run releases what died
+
+
+def test_hbm_capacity_is_enforced_with_a_hint_to_shard():
+    cap = torch.neuron.mem_get_info()[1]
+    with torch.neuron.timing_only():
+        with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate \d+ bytes "
+                           r"\(.+\); \d+ bytes in use of \d+ capacity \(.+ free\) - timing-only: the tensors do not fit "
+                           r"one logical core's HBM; shard the model over more cores \(trnsim estimate --tp N / --pp N, "
+                           r"or a parallelism plan\)$"):
+            torch.empty(cap // 2 + 1, dtype=torch.uint8, device="neuron") + torch.empty(cap // 2 + 1,
+                                                                                         dtype=torch.uint8,
+                                                                                         device="neuron")
+
+
+def test_a_70b_model_does_not_fit_one_core():
+    gc.collect()
+    with torch.neuron.timing_only():
+        with pytest.raises(torch.OutOfMemoryError, match="shard the model"):
+            models.from_config("llama-3.3-70b")
+
+
+@pytest.mark.parametrize("code,message", [
+    (lambda x: x.sum().item(), "timing-only: aten::_local_scalar_dense needs tensor values (.item(), bool(), int() "
+                               "or float() of a tensor), and timing-only tensors have none; data-dependent code cannot "
+                               "run timing-only: give it static shapes, or run it with values"),
+    (lambda x: bool(x.max() > 0), "timing-only: aten::_local_scalar_dense needs tensor values"),
+    (lambda x: torch.nonzero(x), "timing-only: aten::nonzero needs tensor values (its output's shape is the count "
+                                 "of nonzero values)"),
+    (lambda x: x[x > 0], "timing-only: aten::index needs tensor values (indexing with a boolean mask: its output's "
+                         "shape is the count of True values)"),
+    (lambda x: torch.equal(x, x), "timing-only: aten::equal needs tensor values (torch.equal)"),
+])
+def test_ops_that_need_values_fail_with_one_line(code, message):
+    with torch.neuron.timing_only():
+        x = torch.empty(16, 16, device="neuron")
+        with pytest.raises(TimingOnlyError, match="^" + re.escape(message)) as info:
+            code(x)
+    assert "\n" not in str(info.value)
+
+
+def test_cpu_ops_inside_cost_nothing():
+    with torch.neuron.timing_only(), torch.neuron.report_scope() as scope:
+        a = torch.ones(64, 64)
+        (a @ a).sum()
+    assert scope.report.launches == 0
+
+
+def test_a_model_from_a_config_has_no_weights_and_the_rank_shapes():
+    with torch.neuron.timing_only():
+        before = torch.neuron.memory_allocated()
+        m = models.from_config("llama-3.1-8b", layers=2)
+        params = sum(p.numel() * p.element_size() for p in [*m.parameters(), *m.buffers()])
+        assert torch.neuron.memory_allocated() - before == params
+        assert all(is_timing_only(p) and p.dtype == torch.bfloat16 for p in m.parameters())
+        assert m.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)
+
+
+def test_replayed_layers_charge_what_running_them_does():
+    """Four identical layers: running the first and replaying its tape for the other three
+    launches exactly what running all four does, in the same simulated time."""
+    cfg = LlamaConfig(**{**CFG, "num_hidden_layers": 4})
+
+    def decode(replay):
+        with torch.neuron.timing_only():
+            m = models.from_config(cfg, torch.float32)
+            cache = models.kv_cache(64, 4, 1, 2, 16, torch.float32)
+            if replay:
+                assert replay_layers(m.model.layers, after=lambda i, n: setattr(cache.layers[i], "length",
+                                                                                cache.layers[i].length + n))
+            with torch.no_grad(), torch.neuron.report_scope() as scope:
+                for n in (16, 1, 1):
+                    m(input_ids=torch.empty((1, n), dtype=torch.long, device="neuron"), cache=cache, use_cache=True)
+                torch.neuron.synchronize()
+            assert [layer.length for layer in cache.layers] == [18] * 4
+        return scope.report
+
+    full, replayed = decode(False), decode(True)
+    assert _rows(replayed) == _rows(full)
+    assert replayed.elapsed_us == pytest.approx(full.elapsed_us, rel=1e-12)
+
+
+def test_layers_that_differ_are_not_replayed():
+    layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)])
+    assert not replay_layers(layers)
+
+
+# ---- trnsim run --timing-only -----------------------------------------------------------------------
+def _trnsim(*argv, cwd):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trnsim.cli", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+def test_trnsim_run_timing_only(tmp_path):
+    """The script's report is the one it gets with values; an op that needs values stops it
+    with one line naming the script's line; one process only."""
+    import json
+
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nx = torch.randn(64, 128, device='neuron')\nw = torch.randn(128, 256, device='neuron')\n"
+                      "y = (x @ w).relu().sum(0)\nprint('shape', tuple(y.shape))\n")
+    runs = [_trnsim("run", str(script), "--json", *flag, cwd=tmp_path) for flag in ((), ("--timing-only",))]
+    assert all(r.returncode == 0 and "shape (256,)" in r.stderr for r in runs), runs[1].stderr  # --json: stdout is data
+    values, fake = (json.loads(r.stdout) for r in runs)
+    assert fake["launches"] == values["launches"] > 0 and fake["elapsed_us"] == values["elapsed_us"]
+    bad = tmp_path / "item.py"
+    bad.write_text("import torch\nx = torch.ones(8, device='neuron')\nif x.sum().item() > 0:\n    pass\n")
+    out = _trnsim("run", str(bad), "--timing-only", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith(f"trnsim run: {bad}:3: timing-only: aten::_local_scalar_dense needs tensor values")
+    for flag, msg in ((("--nproc", "2"), "--nproc"), (("--compare-eager",), "--compare-eager")):
+        out = _trnsim("run", "--timing-only", *flag, str(script), cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr == (f"trnsim: error: run: --timing-only runs one process once; leave "
+                                                      f"out {msg} (trnsim estimate simulates a whole system without "
+                                                      f"values)\n")
