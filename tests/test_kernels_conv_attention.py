@@ -158,3 +158,13 @@ def test_conv2d_matmul_count_and_tensor_engine_busy():
 def test_conv2d_bad_input(shape, params, message):
     with pytest.raises(KernelError, match=f"^{re.escape(message)}$"):
         get_kernel("conv2d").make(shape, "bf16", load_config("trn2"), params)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_attention_keeps_each_query_tiles_running_state(causal):
+    """10,048 keys walk the key blocks outermost with every query tile's max and sum held in
+    SBUF between visits; a shared rotating pool reused a tile's live running max there."""
+    from trnsim.kernels.attention import build_attention
+
+    kern = build_attention(1, 1, 10048, 128, "bf16", "trn2", causal=causal)
+    assert len(kern.instructions) > 10_000

@@ -292,6 +292,8 @@ class _Work:
         self.s_pool, self.red_pool = sb("s", 2 * g), sb("rowmax", 2 * g)
         self.p_pool, self.pT_pool, self.alpha_pool = sb("p", deep), sb("pT", deep), sb("alpha", deep)
         self.nm_pool, self.l_pool, self.sum_pool = sb("nm", deep), sb("l", deep), sb("rowsum", deep)
+        self.nm_tile: list[Any] = []  # per query tile instead, when a head's tiles all stay resident
+        self.l_tile: list[Any] = []
         self.o_pool, self.res_pool = sb("o", 2 * g), sb("res", 2 * g)
         self.resident: _KeyBlock | None = None  # the single key block of a head, kept across groups
         self.resident_of: tuple[int, int] | None = None
@@ -351,7 +353,13 @@ class _Work:
         sb = self.kern.tile_pool
         self.kT_pool, self.v_pool = sb("kT", 2), sb("v", 2)
         self.qT_pool, self.o_pool = sb("qT", n_q + 2 * g), sb("o", n_q + 2 * g)
-        self.nm_pool, self.l_pool, self.sum_pool = sb("nm", n_q + deep), sb("l", n_q + deep), sb("rowsum", n_q + deep)
+        # the running max and sum: a pool per query tile. One shared rotating pool would have to
+        # outlast every other tile's allocations between two visits of a tile, which is n_q x the
+        # key tiles of a block, not n_q (10,048 causal keys reused a live max). nm is read by the
+        # tile's next step only; l also by the store, at most _DEPTH batches after its last step.
+        self.nm_tile = [sb(f"nm{i}", 2) for i in range(n_q)]
+        self.l_tile = [sb(f"l{i}", _DEPTH + 1) for i in range(n_q)]
+        self.sum_pool = sb("rowsum", deep)
 
     def _copy(self, dst: TileAP, src: TileAP) -> None:
         """PSUM evacuation, alternating VectorE and ScalarE."""
@@ -407,7 +415,10 @@ class _Work:
             kern.affine_select(scores[:, c0:], scores[:, c0:], cmp="greater_equal", offset=qt.q0 - kt0 - c0,
                                channel_multiplier=1, pattern=[-1], on_false=-math.inf)
         sc = 1.0 if self.mod is not None else self.scale  # a score function's scores are scaled already
-        nm = self.nm_pool.tile((qr, 1), "fp32")
+        slot = qt.q0 // self.tq
+        nm_pool = self.nm_tile[slot] if self.nm_tile else self.nm_pool
+        l_pool = self.l_tile[slot] if self.l_tile else self.l_pool
+        nm = nm_pool.tile((qr, 1), "fp32")
         if qt.nm is None:
             kern.tensor_reduce(nm, "max", scores, axis=1, negate=True)
             kern.tensor_scalar(nm, nm, "multiply", sc)
@@ -416,12 +427,12 @@ class _Work:
             kern.tensor_reduce(neg_max, "max", scores, axis=1, negate=True)
             kern.tensor_scalar(nm, neg_max, "multiply", sc, op1="minimum", operand1=qt.nm)
         st.p = self.p_pool.tile((qr, kw), self.dt)
-        rowsum = (self.l_pool if qt.l is None else self.sum_pool).tile((qr, 1), "fp32")
+        rowsum = (l_pool if qt.l is None else self.sum_pool).tile((qr, 1), "fp32")
         kern.activation(st.p, "exp", scores, scale=sc, bias=nm, reduce_op="add", reduce_res=rowsum)
         if qt.nm is not None and qt.l is not None:
             st.alpha = self.alpha_pool.tile((qr, 1), "fp32")
             kern.activation(st.alpha, "exp", qt.nm, scale=-1.0, bias=nm)
-            l_new = self.l_pool.tile((qr, 1), "fp32")
+            l_new = l_pool.tile((qr, 1), "fp32")
             kern.tensor_scalar(l_new, qt.l, "multiply", st.alpha, op1="add", operand1=rowsum, engine="gpsimd")
             rowsum = l_new
         qt.nm, qt.l = nm, rowsum
