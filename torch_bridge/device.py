@@ -128,15 +128,13 @@ def _is_in_bad_fork() -> bool:
 # Each device has its own default generator (native; state = 64-bit seed + 64-bit Philox offset,
 # 16 bytes, as CUDA's), so seeding neuron leaves CPU's random numbers alone and the other way
 # round. Random ops on neuron draw from it (torch_bridge.values).
-_generators: list[torch.Generator] = []
 
 
 def default_generator(device: Any = None) -> torch.Generator:
     """The default ``torch.Generator`` of ``device`` (None: the current device)."""
-    index = _check_index(device)
-    while len(_generators) <= index:
-        _generators.append(torch.ops.trnsim.default_generator(len(_generators)))
-    return _generators[index]
+    from .generators import device_generator
+
+    return device_generator(_check_index(device))
 
 
 def manual_seed(seed: int) -> None:

@@ -89,9 +89,9 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
 
 
 def _current_device() -> int:
-    from .device import current_device
+    from . import _native  # the native device guard keeps the calling thread's current device
 
-    return current_device()
+    return _native.lib.trnsim_current_device()
 
 
 class _ToCpu:
@@ -183,9 +183,9 @@ class _Draw:
         pos = info.generator_pos
         gen = args[pos] if 0 <= pos < len(args) else kwargs.get("generator")
         if gen is None or gen.device.type != NEURON:
-            from .device import default_generator
+            from .generators import device_generator
 
-            gen = default_generator(index) if gen is None else gen
+            gen = device_generator(index) if gen is None else gen
         self.gen = gen
         self.saved = None
         seed = host_seed(gen.initial_seed(), gen.get_offset())

@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from .cli_base import Out as _Out
+from .cli_base import UsageError
 from .config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
 from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
@@ -45,39 +47,12 @@ __all__ = ["main", "render_info", "render_report", "render_run_report", "render_
            "bound_of", "render_comparison"]
 
 
-class UsageError(Exception):
-    """Bad input outside configs and kernels (a file that cannot be written, a missing flag)."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         message = _one_line(message, 300)  # argparse quotes the user's arguments whole
         print(f"trnsim: error: {message} (see 'trnsim {self.prog.split()[-1]} --help')"
               if " " in self.prog else f"trnsim: error: {message} (see 'trnsim --help')", file=sys.stderr)
         raise SystemExit(2)
-
-
-class _Out:
-    """A rich console that writes to stdout without the trailing padding rich adds to lines,
-    so output is stable text (pinned by golden tests)."""
-
-    def __init__(self, width: int = 100):
-        import io
-
-        from rich.console import Console
-
-        self._buf = io.StringIO()
-        color = sys.stdout.isatty()
-        self._console = Console(file=self._buf, highlight=False, soft_wrap=False, width=width,
-                                force_terminal=color, color_system="auto" if color else None)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self._console.print(*args, **kwargs)
-        text = self._buf.getvalue()
-        self._buf.seek(0)
-        self._buf.truncate()
-        sys.stdout.write("".join(line.rstrip() + "\n" for line in text.splitlines()))
-        sys.stdout.flush()
 
 
 def _console() -> Any:

@@ -15,6 +15,8 @@ import argparse
 import json
 from typing import Any
 
+from .cli_base import Out as _Out
+from .cli_base import UsageError
 from .config import format_quantity
 
 __all__ = ["add_parser", "render_inference", "render_train"]
@@ -117,7 +119,6 @@ def render_train(est: Any, console: Any) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from .cli import UsageError, _Out
     from .files import AtomicOutput
 
     try:
