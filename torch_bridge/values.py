@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import _torch, lowering, memory, profiler, tensore
+from . import _native, _torch, lowering, memory, profiler, tensore
+from .generators import device_generator
 from .lowering import flat_tensors
 from .runtime import runtime
 
@@ -89,9 +90,7 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
 
 
 def _current_device() -> int:
-    from . import _native  # the native device guard keeps the calling thread's current device
-
-    return _native.lib.trnsim_current_device()
+    return _native.lib.trnsim_current_device()  # kept by the native device guard, per thread
 
 
 class _ToCpu:
@@ -183,8 +182,6 @@ class _Draw:
         pos = info.generator_pos
         gen = args[pos] if 0 <= pos < len(args) else kwargs.get("generator")
         if gen is None or gen.device.type != NEURON:
-            from .generators import device_generator
-
             gen = device_generator(index) if gen is None else gen
         self.gen = gen
         self.saved = None
