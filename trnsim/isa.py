@@ -149,7 +149,9 @@ class HbmTensor:
         return f"HbmTensor({self.name!r}, {self.shape}, {self.dtype.name}, {self.kind})"
 
 
-def _norm_index(idx: Any, ndim: int) -> list[Any]:
+def _norm_index(idx: Any, ndim: int, error: type[KernelError] = KernelError) -> list[Any]:
+    """``idx`` as one item per dimension: ``...`` expanded, missing trailing ones as ``:``;
+    too many items raise ``error`` (the NKI front end's own subclass there)."""
     if not isinstance(idx, tuple):
         idx = (idx,)
     if any(i is Ellipsis for i in idx):
@@ -157,7 +159,7 @@ def _norm_index(idx: Any, ndim: int) -> list[Any]:
         fill = ndim - (len(idx) - 1)
         idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
     if len(idx) > ndim:
-        raise KernelError(f"too many indices: {len(idx)} for {ndim} dimensions")
+        raise error(f"too many indices: {len(idx)} for {ndim} dimensions")
     return list(idx) + [slice(None)] * (ndim - len(idx))
 
 

@@ -623,37 +623,26 @@ def _tile_dtype(prog: Program, kinds: list[str], phase: list[str], v: int, out_o
 
 def _slots(prog: Program, phase: list[str], kinds: list[str], last: Mapping[int, int], kind: str
            ) -> tuple[int, dict[int, int]]:
-    """Linear-scan register allocation of the loop values of ``kind``: a slot per live value."""
+    """Linear-scan register allocation of the loop values of ``kind`` in step order (a loop body
+    emitted whole, as the matmul epilogue is): a slot per live value."""
     n_in = len(prog.inputs)
-    free: list[int] = []
-    slot_of: dict[int, int] = {}
-    n = 0
-    live: list[tuple[int, int]] = []  # (last use, value)
     order = [v for v in range(n_in) if phase[v] == "loop" and kinds[v] == kind] + \
             [n_in + j for j in range(len(prog.steps)) if phase[n_in + j] == "loop" and kinds[n_in + j] == kind]
-    for v in order:
-        here = v - n_in if v >= n_in else -1
-        for lu, lv in list(live):
-            if lu < here:
-                live.remove((lu, lv))
-                free.append(slot_of[lv])
-        if free:
-            slot_of[v] = free.pop()
-        else:
-            slot_of[v] = n
-            n += 1
-        live.append((last.get(v, here), v))
-    return n, slot_of
+    here = {v: v - n_in if v >= n_in else -1 for v in order}  # inputs are there before step 0
+    return emission_slots(order, {v: last.get(v, here[v]) for v in order}, here)
 
 
-def emission_slots(order: Sequence[int], lastpos: Mapping[int, int]) -> tuple[int, dict[int, int]]:
+def emission_slots(order: Sequence[int], lastpos: Mapping[int, int], pos: Mapping[int, int] | None = None
+                   ) -> tuple[int, dict[int, int]]:
     """Linear-scan register allocation over one piece's values in the order a software-pipelined
     loop emits them (``order``; ``lastpos[v]``: the position in it of v's last reader): a value
     takes a slot only once every earlier holder's last reader is emitted. Each piece in flight
     then uses a buffer set of its own (piece ``i`` the set ``i % sets``), so a tile is never
     handed to a later value while an earlier one in it still has a reader to come, whatever the
-    interleaving of the pieces' stages. Returns (slots, value -> slot)."""
-    pos = {v: t for t, v in enumerate(order)}
+    interleaving of the pieces' stages. ``pos``: the positions ``lastpos`` counts in (default:
+    the index in ``order``). Returns (slots, value -> slot)."""
+    if pos is None:
+        pos = {v: t for t, v in enumerate(order)}
     slot_of: dict[int, int] = {}
     free: list[int] = []
     live: list[int] = []

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
+from ..isa import _norm_index as _isa_norm_index
 from ..kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 
@@ -681,17 +682,9 @@ def _Updated(t: NkiTensor) -> NkiTensor:
 
 
 def _norm_index(idx: Any, ndim: int) -> list[Any]:
-    if not isinstance(idx, tuple):
-        idx = (idx,)
-    if any(i is None for i in idx):
+    if any(i is None for i in (idx if isinstance(idx, tuple) else (idx,))):
         raise NkiError("None (new axis) in an index is not supported by trnsim.nki; use nl.expand_dims")
-    if any(i is Ellipsis for i in idx):
-        k = idx.index(Ellipsis)
-        fill = ndim - (len(idx) - 1)
-        idx = idx[:k] + (slice(None),) * fill + idx[k + 1:]
-    if len(idx) > ndim:
-        raise NkiError(f"too many indices: {len(idx)} for a tensor of {ndim} dimensions")
-    return list(idx) + [slice(None)] * (ndim - len(idx))
+    return _isa_norm_index(idx, ndim, NkiError)
 
 
 def _partition_axis(t: NkiTensor) -> int:
