@@ -123,6 +123,29 @@ def load() -> ctypes.CDLL:
     handle.trnsim_is_pinned.restype = ctypes.c_int
     handle.trnsim_pinned_bytes.restype = ctypes.c_int64
     handle.trnsim_pinned_allocations.restype = ctypes.c_int64
+    i64, p64 = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+    handle.trnsim_fast_register.argtypes = [ctypes.c_char_p, i64]
+    handle.trnsim_fast_register.restype = ctypes.c_int
+    for name in ("trnsim_fast_enable", "trnsim_fast_gate", "trnsim_fast_history"):
+        getattr(handle, name).argtypes = [ctypes.c_int]
+    handle.trnsim_fast_hits.restype = i64
+    handle.trnsim_log_count_ptr.restype = ctypes.c_void_p
+    handle.trnsim_log_take.argtypes = [ctypes.c_void_p, i64]
+    handle.trnsim_log_take.restype = i64
+    handle.trnsim_fast_name.argtypes = [i64]
+    handle.trnsim_fast_name.restype = ctypes.c_char_p
+    handle.trnsim_fast_learning.argtypes = [ctypes.c_char_p]
+    handle.trnsim_fast_learning.restype = ctypes.c_int
+    handle.trnsim_fast_learn.argtypes = [i64]
+    handle.trnsim_mem_set_pool.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    handle.trnsim_mem_reserve.argtypes = [ctypes.c_void_p, i64]
+    handle.trnsim_mem_reserve.restype = ctypes.c_int
+    handle.trnsim_mem_sub.argtypes = [ctypes.c_void_p, i64, ctypes.c_int]
+    handle.trnsim_fast_blocks.argtypes = [ctypes.c_void_p, i64]
+    handle.trnsim_fast_blocks.restype = i64
+    handle.trnsim_fast_freed.argtypes = [ctypes.c_void_p, i64]
+    handle.trnsim_fast_freed.restype = i64
+    del p64
     lib = handle
     return lib
 

@@ -308,7 +308,7 @@ def _snapshot(device: Any = None) -> dict[str, Any]:
                          "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
                          "blocks": [{"address": addr, "size": nbytes, "requested_size": nbytes,
                                      "state": "active_allocated", "frames": []}]})
-    traces = [list(_mem.history.traces.get(i, ())) for i in range(device_count())]
+    traces = [list(_mem.history.snapshot().get(i, ())) for i in range(device_count())]
     return {"segments": segments, "device_traces": traces,
             "allocator_settings": {"PYTORCH_NEURON_ALLOC_CONF": "", "expandable_segments": False}}
 
@@ -441,7 +441,7 @@ class Stream:
 
 
 def _set_current(s: Stream) -> None:
-    runtime().device.cores[s.device_index].current_stream = s.stream_id
+    runtime().device.set_current_stream(s.device_index, s.stream_id)
 
 
 def current_stream(device: Any = None) -> Stream:

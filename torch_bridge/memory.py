@@ -21,7 +21,6 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -54,61 +53,114 @@ _BYTE_STATS = ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_b
 _COUNT_STATS = ("allocation", "active", "segment")
 
 
+# A MemoryStats is one row of int64 counters (the native ledger's layout, csrc/neuron.cpp):
+# [bytes, count][all, large_pool, small_pool][current, peak, allocated, freed], then ooms and
+# capacity. The native extension updates the eager device's rows in place (its fast path allocates
+# without Python), so Python's figures and the fast path's are one set of counters.
+_STAT_LEN, _OOMS, _CAPACITY = 26, 24, 25
+_FIELDS = ("current", "peak", "allocated", "freed")
+_Row = ctypes.c_int64 * _STAT_LEN
+
+
 class _Stat:
-    """One of CUDA's allocator counters: current, peak, allocated (cumulative), freed."""
+    """One of CUDA's allocator counters in a row: current, peak, allocated (cumulative), freed."""
 
-    __slots__ = ("current", "peak", "allocated", "freed")
+    __slots__ = ("_row", "_at")
 
-    def __init__(self) -> None:
-        self.current = self.peak = self.allocated = self.freed = 0
+    def __init__(self, row: Any, at: int) -> None:
+        self._row, self._at = row, at
 
-    def add(self, n: int) -> None:
-        self.current += n
-        self.allocated += n
-        if self.current > self.peak:
-            self.peak = self.current
+    current = property(lambda self: self._row[self._at], lambda self, v: self._set(0, v))
+    peak = property(lambda self: self._row[self._at + 1], lambda self, v: self._set(1, v))
+    allocated = property(lambda self: self._row[self._at + 2], lambda self, v: self._set(2, v))
+    freed = property(lambda self: self._row[self._at + 3], lambda self, v: self._set(3, v))
 
-    def sub(self, n: int) -> None:
-        self.current -= n
-        self.freed += n
+    def _set(self, i: int, v: int) -> None:
+        self._row[self._at + i] = v
 
 
-@dataclass
+class _Zero:
+    current = peak = allocated = freed = 0
+
+
+def _row_add(row: Any, nbytes: int) -> None:
+    """The native ledger's add, for a row without the extension loaded."""
+    pool = 2 if nbytes <= SMALL_BLOCK else 1
+    for at, n in ((0, nbytes), (4 * pool, nbytes), (12, 1), (12 + 4 * pool, 1)):
+        row[at] += n
+        row[at + 2] += n
+        if row[at] > row[at + 1]:
+            row[at + 1] = row[at]
+
+
+def _row_sub(row: Any, nbytes: int, undo: bool) -> None:
+    pool = 2 if nbytes <= SMALL_BLOCK else 1
+    for at, n in ((0, nbytes), (4 * pool, nbytes), (12, 1), (12 + 4 * pool, 1)):
+        row[at] -= n
+        if undo:  # an allocation that never happened: not a free
+            row[at + 2] -= n
+        else:
+            row[at + 3] += n
+
+
+def _lib() -> Any:
+    from . import _native
+
+    return _native.lib
+
+
 class MemoryStats:
     """Allocation statistics of one NeuronCore's share of HBM, reported under CUDA's caching
     allocator keys (``memory_stats``). There is no cache: every live tensor's bytes are
     allocated, active, requested and reserved at once, and a free returns them to the device,
     so one byte counter and one allocation counter per pool hold every figure."""
 
-    capacity: int
-    ooms: int = 0
-    bytes_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
-    count_: dict[str, _Stat] = field(default_factory=lambda: {p: _Stat() for p in _POOLS})
+    def __init__(self, capacity: int) -> None:
+        self.row = _Row()
+        self.row[_CAPACITY] = capacity
+        self.bytes_ = {p: _Stat(self.row, 4 * i) for i, p in enumerate(_POOLS)}
+        self.count_ = {p: _Stat(self.row, 12 + 4 * i) for i, p in enumerate(_POOLS)}
+
+    @property
+    def capacity(self) -> int:
+        return self.row[_CAPACITY]
+
+    @property
+    def ooms(self) -> int:
+        return self.row[_OOMS]
+
+    @ooms.setter
+    def ooms(self, v: int) -> None:
+        self.row[_OOMS] = v
 
     @property
     def allocated(self) -> int:
-        return self.bytes_["all"].current
+        return self.row[0]
 
     @property
     def peak(self) -> int:
-        return self.bytes_["all"].peak
+        return self.row[1]
+
+    def try_add(self, nbytes: int) -> bool:
+        """Count ``nbytes`` if they fit in the capacity (else count an OOM and return False)."""
+        lib = _lib()
+        if lib is not None:
+            return bool(lib.trnsim_mem_reserve(self.row, nbytes))
+        if self.row[0] + nbytes > self.row[_CAPACITY]:
+            self.row[_OOMS] += 1
+            return False
+        _row_add(self.row, nbytes)
+        return True
 
     def add(self, nbytes: int) -> None:
-        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
-        b, c = self.bytes_, self.count_
-        b["all"].add(nbytes)
-        b[pool].add(nbytes)
-        c["all"].add(1)
-        c[pool].add(1)
+        _row_add(self.row, nbytes)
 
     def sub(self, nbytes: int, undo: bool = False) -> None:
-        pool = "small_pool" if nbytes <= SMALL_BLOCK else "large_pool"
-        for st, n in ((self.bytes_["all"], nbytes), (self.bytes_[pool], nbytes), (self.count_["all"], 1),
-                      (self.count_[pool], 1)):
-            st.sub(n)
-            if undo:  # an allocation that never happened: not a free
-                st.freed -= n
-                st.allocated -= n
+        lib = _lib()
+        if lib is not None:
+            lib.trnsim_mem_sub(self.row, nbytes, int(undo))
+        else:
+            _row_sub(self.row, nbytes, undo)
 
     def reset_peak(self) -> None:
         for st in (*self.bytes_.values(), *self.count_.values()):
@@ -122,15 +174,16 @@ class MemoryStats:
     def stats(self) -> dict[str, int]:
         """``torch.cuda.memory_stats``'s keys (training frameworks read them by name)."""
         out: dict[str, int] = {}
-        fams = [(name, self.bytes_) for name in _BYTE_STATS] + [(name, self.count_) for name in _COUNT_STATS]
-        zero = _Stat()
+        fams: list[tuple[str, dict[str, Any]]] = [(name, self.bytes_) for name in _BYTE_STATS]
+        fams += [(name, self.count_) for name in _COUNT_STATS]
+        zero = _Zero()
         fams += [("inactive_split", {p: zero for p in _POOLS}), ("inactive_split_bytes", {p: zero for p in _POOLS})]
         for name, pools in fams:
             for p, st in pools.items():
-                for what in ("current", "peak", "allocated", "freed"):
+                for what in _FIELDS:
                     out[f"{name}.{p}.{what}"] = getattr(st, what)
         for name in ("oversize_allocations", "oversize_segments"):
-            for what in ("current", "peak", "allocated", "freed"):
+            for what in _FIELDS:
                 out[f"{name}.{what}"] = 0
         seg = self.count_["all"]
         out.update({"num_alloc_retries": 0, "num_ooms": self.ooms, "num_sync_all_streams": 0,
@@ -141,44 +194,47 @@ class MemoryStats:
 
 class Pool:
     """Per-device :class:`MemoryStats`: the eager device's :data:`pool` is configured when the
-    chip config is first needed; a timing-only estimate makes one of its own per simulated rank
-    (``Pool(count, capacity_per_device)``)."""
+    chip config is first needed (``native``: its rows are the native fast path's ledger); a
+    timing-only estimate makes one of its own per simulated rank (``Pool(count, capacity_per_device)``)."""
 
-    def __init__(self, count: int = 0, capacity_per_device: int = 0) -> None:
+    def __init__(self, count: int = 0, capacity_per_device: int = 0, native: bool = False) -> None:
         self.devices: list[MemoryStats] = []
+        self.native = native
         self.lock = threading.RLock()  # re-entrant: a GC-driven free can run inside reserve()
         self.configure(count, capacity_per_device)
 
     def configure(self, count: int, capacity_per_device: int) -> None:
         self.devices = [MemoryStats(capacity_per_device) for _ in range(count)]
+        lib = _lib() if self.native else None
+        if lib is not None:
+            rows = (ctypes.POINTER(ctypes.c_int64) * max(1, count))(
+                *[ctypes.cast(m.row, ctypes.POINTER(ctypes.c_int64)) for m in self.devices])
+            lib.trnsim_mem_set_pool(rows, count)
 
     def reserve(self, index: int, nbytes: int) -> None:
         """Count ``nbytes`` on device ``index`` or raise ``torch.OutOfMemoryError``."""
-        with self.lock:
-            mem = self.devices[index]
-            if mem.allocated + nbytes > mem.capacity:
-                mem.ooms += 1
-                raise torch.OutOfMemoryError(
-                    f"neuron:{index} out of memory: tried to allocate {nbytes} bytes "
-                    f"({format_quantity(nbytes, 'bytes')}); {mem.allocated} bytes in use of {mem.capacity} capacity "
-                    f"({format_quantity(mem.capacity - mem.allocated, 'bytes')} free)"
-                )
-            mem.add(nbytes)
+        mem = self.devices[index]
+        if not mem.try_add(nbytes):
+            allocated, capacity = mem.allocated, mem.capacity
+            raise torch.OutOfMemoryError(
+                f"neuron:{index} out of memory: tried to allocate {nbytes} bytes "
+                f"({format_quantity(nbytes, 'bytes')}); {allocated} bytes in use of {capacity} capacity "
+                f"({format_quantity(capacity - allocated, 'bytes')} free)"
+            )
 
     def unreserve(self, index: int, nbytes: int) -> None:
         """Undo a :meth:`reserve` whose allocation the host could not back (an OOM, not a free)."""
-        with self.lock:
-            mem = self.devices[index]
-            mem.sub(nbytes, undo=True)
-            mem.ooms += 1
+        mem = self.devices[index]
+        mem.sub(nbytes, undo=True)
+        mem.ooms += 1
 
     def release(self, index: int, nbytes: int) -> None:
-        with self.lock:
-            if index < len(self.devices):  # a reconfigured pool forgets earlier devices
-                self.devices[index].sub(nbytes)
+        devices = self.devices
+        if index < len(devices):  # a reconfigured pool forgets earlier devices
+            devices[index].sub(nbytes)
 
 
-pool = Pool()
+pool = Pool(native=True)
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:
@@ -222,9 +278,20 @@ def _freed(ref: weakref.ref[torch.Tensor]) -> None:
 
 
 def live_blocks() -> list[tuple[int, int, int]]:
-    """(device, bytes, address) of every live device allocation."""
+    """(device, bytes, address) of every live device allocation (the fast path's too)."""
     with pool.lock:
-        return list(_live.values())
+        blocks = list(_live.values())
+    lib = _lib()
+    if lib is not None:
+        cap = 0
+        while True:
+            buf = (ctypes.c_int64 * (3 * cap + 3))()
+            n = lib.trnsim_fast_blocks(buf, cap)
+            if n <= cap:
+                blocks += [(buf[3 * i], buf[3 * i + 1], buf[3 * i + 2]) for i in range(n)]
+                break
+            cap = n + 64  # more blocks appeared meanwhile: ask again with room to spare
+    return blocks
 
 
 _BRIDGE = str(__import__("pathlib").Path(__file__).parent)  # the device's own frames are left out
@@ -241,22 +308,55 @@ class _History:
         self.traces: dict[int, deque[dict[str, Any]]] = {}
 
     def start(self, stacks: bool, max_entries: int) -> None:
+        self._take_native()
         self.enabled, self.stacks, self.max_entries = True, stacks, max_entries
         self.traces = {}
+        lib = _lib()
+        if lib is not None:  # allocations take the Python path (which records them) meanwhile
+            lib.trnsim_fast_history(1)
 
     def stop(self) -> None:
+        self._take_native()
         self.enabled = False
+        lib = _lib()
+        if lib is not None:
+            lib.trnsim_fast_history(0)
+
+    def snapshot(self) -> dict[int, deque[dict[str, Any]]]:
+        """The traces so far, with the fast path's frees recorded natively."""
+        self._take_native()
+        return self.traces
+
+    def _take_native(self) -> None:
+        """Record the frees of fast-path blocks the native ledger saw while history was on (it
+        cannot call Python: they have no stack)."""
+        lib = _lib()
+        if lib is None:
+            return
+        while True:
+            buf = (ctypes.c_int64 * 1024)()
+            n = lib.trnsim_fast_freed(buf, 256)
+            for i in range(n):
+                index, addr, nbytes, us = buf[4 * i: 4 * i + 4]
+                if self.enabled:
+                    self._append(index, {"action": "free_completed", "addr": addr, "size": nbytes, "stream": 0,
+                                         "time_us": us, "frames": []})
+            if n < 256:
+                return
 
     def record(self, index: int, action: str, addr: int, nbytes: int) -> None:
         frames = []
         if self.stacks:
             frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}  # innermost first, as CUDA's
                       for f in reversed(traceback.extract_stack(limit=32)) if _BRIDGE not in f.filename]
+        self._append(index, {"action": action, "addr": addr, "size": nbytes, "stream": 0,
+                             "time_us": time.time_ns() // 1000, "frames": frames})
+
+    def _append(self, index: int, entry: dict[str, Any]) -> None:
         trace = self.traces.get(index)
         if trace is None:
             trace = self.traces[index] = deque(maxlen=self.max_entries or None)
-        trace.append({"action": action, "addr": addr, "size": nbytes, "stream": 0,
-                      "time_us": time.time_ns() // 1000, "frames": frames})
+        trace.append(entry)
 
 
 history = _History()

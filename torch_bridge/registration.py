@@ -23,6 +23,10 @@ __all__ = ["register_kernels", "WHOLE_OPS", "DIRECT_OPS"]
 
 _libs: list[torch.library.Library] = []
 
+# The dispatch key of the Python fallback and of WHOLE_OPS/DIRECT_OPS' Python kernels: the native
+# fast path on PrivateUse1 redispatches there for every call it does not serve itself.
+SLOW_KEY = "PrivateUse2"
+
 # Ops with a composite kernel that PyTorch would otherwise decompose before the device sees them.
 # Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
 # layer norm differs by ~1e-4; group norm's, in bf16 statistics, by up to 0.09) and lets them
@@ -99,9 +103,11 @@ def register_kernels() -> None:
     for name, fn in kernels.items():
         impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
+    # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
+    # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
     for name in WHOLE_OPS + DIRECT_OPS:
         kernel = functools.partial(values.same_device_fallback if name in DIRECT_OPS else values.fallback, _aten(name))
-        impl.impl(name, _hidden(kernel), "PrivateUse1")
+        impl.impl(name, _hidden(kernel), SLOW_KEY)
     for qualified in _torch.all_op_names():  # every functional/in-place _foreach_* op
         if qualified.startswith("aten::_foreach_"):
             name = qualified[len("aten::"):]
@@ -117,5 +123,8 @@ def register_kernels() -> None:
 
     for key in ("AutogradPrivateUse1", "PrivateUse1"):
         impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
-    fallback.fallback(_hidden(values.fallback), "PrivateUse1")
+    fallback.fallback(_hidden(values.fallback), SLOW_KEY)
+    from . import _native, fastpath
+
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS))
     register_autocast(impl, fallback, _hidden)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _native, _torch, lowering, memory, profiler, tensore
+from . import _native, _torch, fastpath, lowering, memory, profiler, tensore
 from .generators import device_generator
 from .lowering import flat_tensors
 from .runtime import runtime
@@ -37,11 +37,12 @@ RANDOM_WITHOUT_GENERATOR = frozenset({"native_dropout"})
 class _OpInfo:
     """What the fallback needs to know about an op's schema."""
 
-    __slots__ = ("name", "is_view", "out_names", "tensor_positions", "random", "generator_pos")
+    __slots__ = ("name", "qualified", "is_view", "out_names", "tensor_positions", "random", "generator_pos")
 
     def __init__(self, op: Any):
         schema = _torch.op_schema(op)
         self.name = op.overloadpacket.__name__
+        self.qualified = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
         self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
             self.name in ("set_", "is_set_to", "record_stream")
         self.out_names = tuple(a.name for a in schema.arguments
@@ -292,6 +293,8 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         for c in cost:
             rt.charge(index, info.name, c)
     else:
+        if not fresh and draw is None:  # the native fast path may serve this call's signature from now on
+            fastpath.teach(info.qualified, info.name, cost)
         rt.charge(index, info.name, cost)
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)

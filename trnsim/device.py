@@ -47,7 +47,7 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
@@ -55,7 +55,7 @@ from .isa import KernelError
 from .kernel import Kernel
 from .report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
 
-__all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "Recorder", "no_work", "ADAPTIVE_QUEUE",
+__all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "LaunchLog", "Recorder", "no_work", "ADAPTIVE_QUEUE",
            "COLLECTIVE_STREAM"]
 
 #: launches adaptive eager queues at most before it issues them (a program that never syncs)
@@ -347,6 +347,22 @@ def _on_fresh_thread(fn: Any, *args: Any) -> Any:
     return value
 
 
+class LaunchLog(Protocol):
+    """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
+    native fast path), for the device to issue exactly as if they had been: each entry is
+    (core, op, cost) on the core's stream 0 with no launch context, or (core, op, None) for a
+    metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
+    anything else or reads any time, and tells the log (``gate``) whether launches may be logged
+    at all: only while nothing a launch depends on at the moment it is made (a graph capture,
+    adaptive eager, a launch context, a stream other than the default) is in effect."""
+
+    def pending(self) -> int: ...
+
+    def take(self) -> list[tuple[int, str, OpCost | None]]: ...
+
+    def gate(self, on: bool) -> None: ...
+
+
 class Device:
     """A chip's logical NeuronCores, their streams and the host that feeds them, with a cache of
     simulated kernel costs. Thread-safe: launches from several threads are serialised."""
@@ -374,7 +390,107 @@ class Device:
         self.simulate_off_thread = False
         # the source line of a launch its front end gave no context for (None: left blank); set
         # by a front end only while something records lines, as it walks the host's stack
-        self.source_of: Callable[[], str] | None = None
+        self._source_of: Callable[[], str] | None = None
+        self._log: LaunchLog | None = None  # launches made elsewhere, to issue first (attach_log)
+        self._captures = 0  # graph/muted blocks open, on any thread
+        self._ctx_threads: set[int] = set()  # threads whose launches carry a context
+
+    @property
+    def source_of(self) -> Callable[[], str] | None:
+        return self._source_of
+
+    @source_of.setter
+    def source_of(self, fn: Callable[[], str] | None) -> None:
+        with self._lock:
+            self._drain()
+            self._source_of = fn
+            self._update_gate()
+
+    # ---- launches made elsewhere -------------------------------------------------------------
+    def attach_log(self, log: LaunchLog | None) -> None:
+        """Issue ``log``'s launches (a front end's native fast path) before anything else."""
+        with self._lock:
+            self._drain()
+            self._log = log
+            self._update_gate()
+
+    def _drain(self) -> None:
+        """Issue what the launch log holds, in order, exactly as :meth:`launch` and
+        :meth:`host_op` would have when the launches were made."""
+        log = self._log
+        if log is None or not log.pending():
+            return
+        with self._lock:
+            recs = self.recorders
+            for core, op, cost in log.take():
+                if cost is None:
+                    for rec in recs:
+                        rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
+                    continue
+                c = self.cores[core]
+                streams = c.streams
+                if c.pending or (streams and (len(streams) > 1 or 0 not in streams)):
+                    self._issue(core, 0, [(op, cost, _NO_CONTEXT)])  # engines shared, a collective to place
+                    continue
+                # what self._issue(core, 0, [(op, cost, _NO_CONTEXT)]) does when stream 0 has the core
+                # to itself and no collective awaits its group, inline (this runs once per fast op)
+                host = prev = self._host
+                inflight = c.inflight
+                if len(inflight) >= c.max_inflight:
+                    oldest = inflight.popleft()
+                    if oldest > host:
+                        host = oldest
+                host += self.dispatch
+                self._host = host
+                ready = c.ready.get(0, 0)
+                start = ready if ready > host else host
+                busy = c.busy_until
+                wait = host - (ready if ready > busy else busy)
+                if wait < 0:
+                    wait = 0
+                ticks = cost.ticks
+                if not streams:
+                    streams.add(0)
+                end = start + ticks
+                if ticks:
+                    c.bookings.append((0, start, end, cost.demand))
+                key = (op, id(cost))
+                for rec in recs:
+                    rec.host_ticks += host - prev
+                    row = rec.rows.get(key)
+                    if row is None:
+                        rec.rows[key] = [cost, 1, ticks, wait, 0]
+                    else:
+                        row[1] += 1
+                        row[2] += ticks
+                        row[3] += wait
+                    tally = rec.cores.get(core)
+                    if tally is None:
+                        tally = rec.cores[core] = _CoreTally()
+                    tally.launches += 1
+                    tally.wait += wait
+                    tally.add(start, end, host)
+                    if rec.events is not None:
+                        rec.events.append(TraceEvent(core, 0, op, cost.kernel, host, start, end, "", -1, cost.reports))
+                    rec.dispatches += 1
+                c.ready[0] = end
+                if end > busy:
+                    c.busy_until = end
+                if end > start:
+                    inflight.append(end)
+
+    def _update_gate(self) -> None:
+        """Tell the log whether launches may be made without :meth:`launch` now."""
+        if self._log is not None:
+            self._log.gate(not self.adaptive and not self._captures and not self._ctx_threads
+                           and self._source_of is None and all(c.current_stream == 0 for c in self.cores))
+
+    def set_current_stream(self, core: int, stream: int) -> None:
+        """Make ``stream`` the one ``core``'s launches go to when they name none."""
+        with self._lock:
+            self._drain()
+            self.cores[core].current_stream = stream
+            self._update_gate()
 
     @property
     def core_count(self) -> int:
@@ -445,12 +561,22 @@ class Device:
         host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
         returns the previous context, to restore when the call ends."""
         prev = getattr(self._context, "value", _NO_CONTEXT)
-        self._context.value = (source, call) if source or call >= 0 else _NO_CONTEXT
+        self._put_context((source, call) if source or call >= 0 else _NO_CONTEXT)
         return prev
 
     def restore_context(self, prev: tuple[str, int]) -> None:
         """Put back a context :meth:`set_context` returned."""
-        self._context.value = prev
+        self._put_context(prev)
+
+    def _put_context(self, ctx: tuple[str, int]) -> None:
+        with self._lock:
+            self._drain()
+            self._context.value = ctx
+            if ctx == _NO_CONTEXT:
+                self._ctx_threads.discard(threading.get_ident())
+            else:
+                self._ctx_threads.add(threading.get_ident())
+            self._update_gate()
 
     def _launch_context(self) -> tuple[str, int]:
         """This thread's context for a launch it makes now (taken when the launch is made, not
@@ -532,6 +658,7 @@ class Device:
         current stream); returns its (start, end) ticks, or None when the launch was collected
         (inside :meth:`graph`/:meth:`muted`) or queued (adaptive eager) to be issued later."""
         with self._lock:
+            self._drain()
             s = self.cores[core].current_stream if stream is None else stream
             ctx = self._launch_context()
             cap = getattr(self._local, "capture", None)
@@ -663,13 +790,19 @@ class Device:
     def _collect(self, keep: bool) -> Iterator[list[_Item]]:
         cap = _Capture(keep)
         prev = getattr(self._local, "capture", None)
+        with self._lock:
+            self._drain()
+            self._captures += 1
+            self._update_gate()
         self._local.capture = cap
         try:
             yield cap
         finally:
             self._local.capture = prev
             with self._lock:
+                self._captures -= 1
                 self._settle_capture(cap)
+                self._update_gate()
 
     def _settle_capture(self, cap: "_Capture") -> None:
         """Issue (or drop) what ``cap`` collected so far, as graph launches."""
@@ -681,8 +814,10 @@ class Device:
     def set_adaptive(self, enabled: bool) -> None:
         """Turn adaptive eager on or off (off issues what is queued first)."""
         with self._lock:
+            self._drain()
             self._flush_pending()
             self.adaptive = bool(enabled)
+            self._update_gate()
 
     def _flush_pending(self) -> None:
         """Issue adaptive eager's queue: a run seen before as one graph launch (a replay), a new
@@ -699,7 +834,8 @@ class Device:
                 self._replays[key] = [cost for _, cost, _ in run]  # keeps the costs (and their ids) alive
 
     def _settle(self) -> None:
-        """Before anything that reads or waits on time: issue queued and collected launches."""
+        """Before anything that reads or waits on time: issue logged, queued and collected launches."""
+        self._drain()
         if self._pending:
             with self._lock:
                 self._flush_pending()
@@ -711,6 +847,7 @@ class Device:
     def host_op(self, op: str) -> None:
         """Count a metadata-only op: it runs on the host alone (no launch, no device time)."""
         with self._lock:
+            self._drain()
             for rec in self.recorders:
                 rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
 

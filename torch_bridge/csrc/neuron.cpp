@@ -15,9 +15,13 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <chrono>
+#include <unordered_map>
+#include <unordered_set>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -229,6 +233,423 @@ void resize_storage(const c10::Storage& storage, size_t newsize) {
   impl->set_nbytes(newsize);
 }
 
+
+// ---- device memory: the ledger ---------------------------------------------------------------
+// Every device allocation's bytes are counted here, by Python's allocations (torch_bridge.memory
+// calls these functions) and by the fast path's alike, under one lock: a MemoryStats is a row of
+// int64 counters that Python reads in place. Layout (kStatLen): [bytes, count][all, large_pool,
+// small_pool][current, peak, allocated, freed], then ooms and capacity.
+constexpr int kStatLen = 26, kOoms = 24, kCapacity = 25;
+constexpr int64_t kSmallBlock = 1 << 20;  // CUDA's small pool: requests up to 1 MiB
+std::mutex g_mem_mutex;
+std::vector<int64_t*> g_pool;  // the eager device's MemoryStats rows, per logical core
+
+void stat_add(int64_t* s, int64_t n) {
+  s[0] += n;
+  s[2] += n;
+  if (s[0] > s[1]) s[1] = s[0];
+}
+
+void stat_sub(int64_t* s, int64_t n, bool undo) {
+  s[0] -= n;
+  s[3] += n;
+  if (undo) {  // an allocation that never happened: not a free
+    s[3] -= n;
+    s[2] -= n;
+  }
+}
+
+void mem_add_locked(int64_t* st, int64_t nbytes) {
+  int pool = nbytes <= kSmallBlock ? 2 : 1;
+  stat_add(st, nbytes);
+  stat_add(st + pool * 4, nbytes);
+  stat_add(st + 12, 1);
+  stat_add(st + 12 + pool * 4, 1);
+}
+
+void mem_sub_locked(int64_t* st, int64_t nbytes, bool undo) {
+  int pool = nbytes <= kSmallBlock ? 2 : 1;
+  stat_sub(st, nbytes, undo);
+  stat_sub(st + pool * 4, nbytes, undo);
+  stat_sub(st + 12, 1, undo);
+  stat_sub(st + 12 + pool * 4, 1, undo);
+}
+
+// ---- the fast path's blocks: device memory a fast-path op result owns -------------------------
+// The CPU tensor the op computed stays alive inside the block (as a relabelled tensor's DLPack
+// capsule keeps its CPU tensor); the neuron storage's deleter releases the bytes and the block.
+struct FastBlock {
+  at::Tensor cpu;
+  int index;
+  int64_t nbytes;
+  FastBlock* prev = nullptr;
+  FastBlock* next = nullptr;
+};
+FastBlock* g_blocks = nullptr;  // live blocks (memory_summary lists them), under g_mem_mutex
+std::atomic<int> g_history{0};  // memory history records: allocations take the Python path
+struct FreedBlock {
+  int64_t index, addr, nbytes, time_us;
+};
+std::vector<FreedBlock> g_freed;  // frees of fast blocks while history records (Python drains them)
+
+void fast_free(void* ctx) {
+  auto* b = static_cast<FastBlock*>(ctx);
+  {
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
+    if (b->next) b->next->prev = b->prev;
+    if (b->index < static_cast<int>(g_pool.size())) mem_sub_locked(g_pool[b->index], b->nbytes, false);
+    if (g_history.load()) {
+      auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                    std::chrono::system_clock::now().time_since_epoch()).count();
+      g_freed.push_back({b->index, reinterpret_cast<int64_t>(b->cpu.storage().data()), b->nbytes, us});
+    }
+  }
+  delete b;
+}
+
+// ---- the launch log ---------------------------------------------------------------------------
+// What the fast path did, in order, for the device model (trnsim.device.Device) to issue exactly
+// as if Python had launched it: (kind, core, id) with kind 0 a launch of cost handle `id`, kind 1
+// a metadata-only op named `id`. Python drains it (under the device's lock) before it launches
+// anything itself or reads any time, so nothing sees the device's state with launches missing.
+constexpr int64_t kLogMax = 1 << 15;
+std::mutex g_log_mutex;
+std::vector<int64_t> g_log;  // 3 int64 per entry
+std::atomic<int64_t> g_log_count{0};  // entries in the log (Python reads it in place)
+
+void log_entry(int64_t kind, int64_t core, int64_t id) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  g_log.push_back(kind);
+  g_log.push_back(core);
+  g_log.push_back(id);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+}
+
+// ---- the fast path ----------------------------------------------------------------------------
+// The common eager op without Python: every tensor argument strided on one neuron device (or a
+// 0-dim host scalar), no out=, no generator, not a view of its result. Its CPU kernel runs on
+// CPU aliases of the arguments' memory, a fresh result is counted against HBM and becomes a neuron
+// tensor over the same memory, and the launch of the op's cached cost (looked up by the op and
+// its arguments' signature: shapes, dtypes, devices, ints, bools, strings; not float values, as
+// Python's key) is logged. Anything else - a signature not seen yet (Python costs it, then teaches
+// the handle here), an error, an odd result, memory history, torch.profiler, a graph capture,
+// adaptive eager, a launch context, a stream other than the default - runs the Python fallback
+// (torch_bridge.values), registered on PrivateUse2 for this redispatch.
+enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3 };  // kWrites: in-place, out=
+struct OpFast {
+  OpKind kind = kOther;
+  int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
+};
+std::mutex g_fast_mutex;
+std::unordered_map<const c10::FunctionSchema*, OpFast> g_ops;
+std::vector<std::string> g_names;
+std::unordered_map<std::string, int64_t> g_costs;  // signature -> Python's cost handle
+std::atomic<int> g_fast_master{0};  // the fast path is on (Python: TRNSIM_FASTPATH, tests)
+std::atomic<int> g_fast_launch{0};  // launches may be logged (the device model's gate)
+std::atomic<int64_t> g_fast_hits{0};
+
+struct Learn {
+  const c10::OperatorHandle* op = nullptr;
+  std::string key;
+  int64_t handle = -1;
+};
+thread_local Learn* t_learn = nullptr;
+
+const std::unordered_set<std::string>& denied() {
+  static const std::unordered_set<std::string> names{
+      "native_dropout", "_local_scalar_dense", "set_", "is_set_to", "record_stream", "item", "resize_",
+      "resize_as_", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "empty", "empty_strided"};
+  return names;
+}
+
+OpFast classify(const c10::OperatorHandle& op) {
+  const auto& s = op.schema();
+  OpFast f;
+  std::string name = s.name();
+  auto colon = name.find("::");
+  if (colon != std::string::npos) name = name.substr(colon + 2);
+  f.name_id = static_cast<int64_t>(g_names.size());
+  g_names.push_back(name);
+  if (denied().count(name) || name.rfind("_foreach_", 0) == 0) return f;
+  bool view = false, ret_write = false, ret_tensor = !s.returns().empty();
+  for (const auto& r : s.returns()) {
+    if (r.alias_info() != nullptr) (r.alias_info()->isWrite() ? ret_write : view) = true;
+    if (r.type()->kind() != c10::TypeKind::TensorType) ret_tensor = false;
+  }
+  if (view) {
+    f.kind = kView;
+    return f;
+  }
+  int writes = 0;
+  for (size_t i = 0; i < s.arguments().size(); ++i) {
+    const auto& a = s.arguments()[i];
+    std::string t = a.type()->str();
+    if (t.find("Generator") != std::string::npos) return f;
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) {
+      if (t != "Tensor") return f;
+      ++writes;
+    }
+  }
+  if (!ret_tensor) return f;
+  bool all_write = true;
+  for (const auto& r : s.returns()) all_write = all_write && r.alias_info() != nullptr;
+  if (writes == 0 && !ret_write) f.kind = kFunctional;
+  else if (writes >= 1 && all_write && s.returns().size() <= static_cast<size_t>(writes)) f.kind = kWrites;
+  return f;
+}
+
+const OpFast& op_fast(const c10::OperatorHandle& op) {
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  auto it = g_ops.find(&op.schema());
+  if (it == g_ops.end()) it = g_ops.emplace(&op.schema(), classify(op)).first;
+  return it->second;
+}
+
+void key_int(std::string& k, int64_t v) { k.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+
+void key_tensor(std::string& k, const at::Tensor& t, int64_t device_class) {
+  key_int(k, 100 + device_class);
+  key_int(k, static_cast<int64_t>(t.scalar_type()));
+  key_int(k, t.dim());
+  for (auto d : t.sizes()) key_int(k, d);
+}
+
+void slow(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
+}
+
+// Python's cost for `key`: run the Python path, which teaches the handle it charged.
+void learn(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string key) {
+  Learn mine;
+  mine.op = &op;
+  mine.key = std::move(key);
+  Learn* prev = t_learn;
+  t_learn = &mine;
+  try {
+    slow(op, stack);
+  } catch (...) {
+    t_learn = prev;
+    throw;
+  }
+  t_learn = prev;
+  if (mine.handle >= 0) {
+    std::lock_guard<std::mutex> lock(g_fast_mutex);
+    g_costs.emplace(std::move(mine.key), mine.handle);
+  }
+}
+
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const c10::Storage& st = t.storage();
+  c10::Storage cs(c10::Storage::use_byte_size_t(), st.nbytes(), c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
+                  nullptr, false);
+  auto cpu = at::detail::make_tensor<c10::TensorImpl>(std::move(cs), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                      t.dtype());
+  cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return cpu;
+}
+
+at::Tensor to_device(const at::Tensor& cpu, int index, int64_t nbytes) {
+  auto* b = new FastBlock{cpu, index, nbytes};
+  {
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    b->next = g_blocks;
+    if (g_blocks) g_blocks->prev = b;
+    g_blocks = b;
+  }
+  c10::Device dev(kNeuron, static_cast<c10::DeviceIndex>(index));
+  c10::Storage st(c10::Storage::use_byte_size_t(), cpu.storage().nbytes(),
+                  c10::DataPtr(cpu.storage().mutable_data(), b, &fast_free, dev), nullptr, false);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                    cpu.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+  return t;
+}
+
+void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
+      g_log_count.load(std::memory_order_relaxed) >= kLogMax) {
+    return slow(op, stack);
+  }
+  const OpFast& f = op_fast(op);
+  if (f.kind == kView) {  // metadata only: a host-side op, the CPU kernel on the neuron tensors
+    log_entry(1, 0, f.name_id);
+    return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
+  if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
+  const auto& schema_args = op.schema().arguments();
+  const size_t n = schema_args.size();
+  const size_t base = stack->size() - n;
+  std::string key;
+  key.reserve(160);
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  int index = -1;
+  std::vector<c10::IValue> cargs;
+  cargs.reserve(n);
+  // neuron argument -> its CPU alias (one per tensor, as Python's view cache gives one per window)
+  std::vector<std::pair<c10::TensorImpl*, c10::IValue>> aliases;
+  std::vector<std::pair<size_t, c10::TensorImpl*>> writes;  // written argument -> its CPU alias
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[base + i];
+    const c10::AliasInfo* ai = schema_args[i].alias_info();
+    bool written = ai != nullptr && ai->isWrite();
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) {
+        if (written) return slow(op, stack);
+        key_int(key, 1);
+        cargs.push_back(v);
+        continue;
+      }
+      if (t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return slow(op, stack);
+      if (t.device().type() == kNeuron) {
+        int ti = t.device().index() < 0 ? 0 : t.device().index();
+        if (index < 0) index = ti;
+        else if (ti != index) return slow(op, stack);  // two devices: Python's error
+        if (written && t.numel() == 0) return slow(op, stack);  // Python computes into a fresh out
+        key_tensor(key, t, 0);
+        c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+        const c10::IValue* found = nullptr;
+        for (const auto& a : aliases) {
+          if (a.first == impl) found = &a.second;
+        }
+        if (found == nullptr) {
+          aliases.emplace_back(impl, c10::IValue(cpu_alias(t)));
+          found = &aliases.back().second;
+        }
+        cargs.push_back(*found);
+        if (written) writes.emplace_back(i, found->toTensor().unsafeGetTensorImpl());
+      } else if (t.device().is_cpu() && t.dim() == 0 && !written) {  // a host scalar
+        key_tensor(key, t, 1);
+        if (t.unsafeGetTensorImpl()->is_wrapped_number() &&
+            (t.scalar_type() == c10::kLong || t.scalar_type() == c10::kBool)) {
+          // Python sees the number itself
+          key_int(key, t.scalar_type() == c10::kBool ? static_cast<int64_t>(*t.const_data_ptr<bool>())
+                                                     : *t.const_data_ptr<int64_t>());
+        }
+        cargs.push_back(v);
+      } else {
+        return slow(op, stack);
+      }
+      continue;
+    }
+    if (v.isInt()) {
+      key_int(key, 2);
+      key_int(key, v.toInt());
+    } else if (v.isDouble()) {
+      key_int(key, 3);  // float values never change the kernel (Python's key ignores them too)
+    } else if (v.isBool()) {
+      key_int(key, 4 + v.toBool());
+    } else if (v.isNone()) {
+      key_int(key, 6);
+    } else if (v.isIntList()) {
+      key_int(key, 7);
+      auto l = v.toIntList();
+      key_int(key, static_cast<int64_t>(l.size()));
+      for (int64_t x : l) key_int(key, x);
+    } else if (v.isString()) {
+      key_int(key, 8);
+      key.append(v.toStringRef());
+      key_int(key, 0);
+    } else if (v.isComplexDouble()) {
+      key_int(key, 9);
+    } else {
+      return slow(op, stack);  // lists of tensors, devices, generators, ...
+    }
+    cargs.push_back(v);
+  }
+  if (index < 0) return slow(op, stack);
+  int64_t handle = -1;
+  if (f.kind == kWrites) {  // the results are the written arguments: the signature is complete
+    key_int(key, 50);
+    {
+      std::lock_guard<std::mutex> lock(g_fast_mutex);
+      auto it = g_costs.find(key);
+      if (it != g_costs.end()) handle = it->second;
+    }
+    if (handle < 0) return learn(op, stack, std::move(key));
+  }
+  torch::jit::Stack cstack(std::move(cargs));
+  try {
+    op.callBoxed(&cstack);
+  } catch (...) {  // (kernels check their arguments before they write: running it again is safe)
+    return slow(op, stack);  // Python raises it, in its words (or retries an out= it must resize)
+  }
+  if (f.kind == kWrites) {
+    std::vector<c10::IValue> results;
+    for (const auto& r : cstack) {
+      c10::TensorImpl* impl = r.isTensor() ? r.toTensor().unsafeGetTensorImpl() : nullptr;
+      const c10::IValue* dev = nullptr;
+      for (const auto& w : writes) {
+        if (w.second == impl) dev = &(*stack)[base + w.first];
+      }
+      TORCH_INTERNAL_ASSERT(dev != nullptr, "neuron fast path: ", op.schema().name(),
+                            "'s CPU kernel returned a tensor other than its written arguments");
+      results.push_back(*dev);
+    }
+    for (const auto& w : writes) {  // an out= kernel may restride its outputs in place: the neuron
+      if (!schema_args[w.first].kwarg_only()) continue;  // tensor takes the new layout (Python's set_)
+      c10::TensorImpl* dev = (*stack)[base + w.first].toTensor().unsafeGetTensorImpl();
+      c10::TensorImpl* cpu = w.second;
+      if (cpu->sizes() != dev->sizes() || cpu->strides() != dev->strides() ||
+          cpu->storage_offset() != dev->storage_offset()) {
+        dev->set_sizes_and_strides(cpu->sizes(), cpu->strides(), cpu->storage_offset());
+      }
+    }
+    torch::jit::drop(*stack, n);
+    for (auto& r : results) stack->push_back(std::move(r));
+    g_fast_hits++;
+    log_entry(0, index, handle);
+    return;
+  }
+  for (const auto& r : cstack) {
+    if (!r.isTensor()) return slow(op, stack);
+    const at::Tensor& t = r.toTensor();
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
+        t._is_zerotensor() || t.requires_grad()) {
+      return slow(op, stack);
+    }
+    for (size_t i = 0; i < n; ++i) {  // over an argument's memory: Python makes it a view of it
+      const c10::IValue& v = (*stack)[base + i];
+      if (v.isTensor() && v.toTensor().defined() && t.storage().data() != nullptr &&
+          v.toTensor().storage().data() == t.storage().data()) {
+        return slow(op, stack);
+      }
+    }
+    key_int(key, 51);
+    key_tensor(key, t, 0);
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_fast_mutex);
+    auto it = g_costs.find(key);
+    if (it != g_costs.end()) handle = it->second;
+  }
+  if (handle < 0) return learn(op, stack, std::move(key));  // the value is computed again there
+  bool counted = false;
+  {  // count every result against HBM, or none (Python then raises the OOM, and counts it)
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (index < static_cast<int>(g_pool.size())) {
+      int64_t* st = g_pool[index];
+      int64_t need = 0;
+      for (const auto& r : cstack) need += static_cast<int64_t>(r.toTensor().storage().nbytes());
+      if (st[0] + need <= st[kCapacity]) {
+        for (const auto& r : cstack) mem_add_locked(st, static_cast<int64_t>(r.toTensor().storage().nbytes()));
+        counted = true;
+      }
+    }
+  }
+  if (!counted) return slow(op, stack);  // (not under the ledger's lock: Python's allocation takes it)
+  torch::jit::drop(*stack, n);
+  for (const auto& r : cstack) {
+    const at::Tensor& t = r.toTensor();
+    stack->emplace_back(to_device(t, index, static_cast<int64_t>(t.storage().nbytes())));
+  }
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
+std::vector<std::unique_ptr<torch::Library>> g_libs;
+
 // ---- the hooks ---------------------------------------------------------------------------------
 struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -304,4 +725,107 @@ int trnsim_is_pinned(const void* data) { return is_pinned(data) ? 1 : 0; }
 int64_t trnsim_pinned_bytes() { return g_pinned_bytes.load(); }
 int64_t trnsim_pinned_allocations() { return g_pinned_allocs.load(); }
 
+
+// ---- the fast path and the ledger (see above) ----
+// register the fast kernel: the PrivateUse1 fallback, and `names` (NUL-separated aten
+// "op.overload" names) whose own PrivateUse1 kernel it is; their Python kernels go to PrivateUse2
+int trnsim_fast_register(const char* names, int64_t len) {
+  if (!g_libs.empty()) return 0;
+  try {
+    auto fb = std::make_unique<torch::Library>(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1, __FILE__,
+                                               __LINE__);
+    fb->fallback(torch::CppFunction::makeFromBoxedFunction<&fast_kernel>());
+    auto impl = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+                                                 __LINE__);
+    std::string all(names, static_cast<size_t>(len));
+    size_t at = 0;
+    while (at < all.size()) {
+      size_t end = all.find('\0', at);
+      if (end == std::string::npos) end = all.size();
+      std::string name = all.substr(at, end - at);
+      if (!name.empty()) impl->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fast_kernel>());
+      at = end + 1;
+    }
+    g_libs.push_back(std::move(fb));
+    g_libs.push_back(std::move(impl));
+  } catch (const std::exception&) {
+    return 1;
+  }
+  return 0;
+}
+void trnsim_fast_enable(int on) { g_fast_master.store(on); }
+void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
+void trnsim_fast_history(int on) { g_history.store(on); }
+int64_t trnsim_fast_hits() { return g_fast_hits.load(); }
+int64_t* trnsim_log_count_ptr() { return reinterpret_cast<int64_t*>(&g_log_count); }
+int64_t trnsim_log_take(int64_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  int64_t n = std::min<int64_t>(static_cast<int64_t>(g_log.size() / 3), cap);
+  std::memcpy(out, g_log.data(), static_cast<size_t>(n) * 3 * sizeof(int64_t));
+  g_log.erase(g_log.begin(), g_log.begin() + n * 3);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  return n;
+}
+const char* trnsim_fast_name(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  return id >= 0 && id < static_cast<int64_t>(g_names.size()) ? g_names[id].c_str() : "";
+}
+// Python's path is costing op `name` ("ns::op.overload") for the fast path: teach it `handle`
+int trnsim_fast_learning(const char* name) {
+  Learn* l = t_learn;
+  if (l == nullptr || l->handle >= 0) return 0;
+  const auto& on = l->op->operator_name();
+  std::string full = on.overload_name.empty() ? on.name : on.name + "." + on.overload_name;
+  return full == name ? 1 : 0;
+}
+void trnsim_fast_learn(int64_t handle) {
+  if (t_learn != nullptr) t_learn->handle = handle;
+}
+void trnsim_fast_forget() {
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  g_costs.clear();
+}
+void trnsim_mem_set_pool(int64_t** rows, int count) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  g_pool.assign(rows, rows + count);
+}
+int trnsim_mem_reserve(int64_t* st, int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  if (st[0] + nbytes > st[kCapacity]) {
+    st[kOoms] += 1;
+    return 0;
+  }
+  mem_add_locked(st, nbytes);
+  return 1;
+}
+void trnsim_mem_sub(int64_t* st, int64_t nbytes, int undo) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  mem_sub_locked(st, nbytes, undo != 0);
+}
+// live fast blocks as (device, bytes, address) triples into `out` (up to cap); returns how many live
+int64_t trnsim_fast_blocks(int64_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  int64_t n = 0;
+  for (FastBlock* b = g_blocks; b != nullptr; b = b->next, ++n) {
+    if (n < cap) {
+      out[3 * n] = b->index;
+      out[3 * n + 1] = b->nbytes;
+      out[3 * n + 2] = reinterpret_cast<int64_t>(b->cpu.storage().data());
+    }
+  }
+  return n;
+}
+// frees of fast blocks recorded while memory history was on: (device, addr, bytes, time_us) each
+int64_t trnsim_fast_freed(int64_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  int64_t n = std::min<int64_t>(static_cast<int64_t>(g_freed.size()), cap);
+  for (int64_t i = 0; i < n; ++i) {
+    out[4 * i] = g_freed[i].index;
+    out[4 * i + 1] = g_freed[i].addr;
+    out[4 * i + 2] = g_freed[i].nbytes;
+    out[4 * i + 3] = g_freed[i].time_us;
+  }
+  g_freed.erase(g_freed.begin(), g_freed.begin() + n);
+  return n;
+}
 }  // extern "C"

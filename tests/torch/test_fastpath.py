@@ -1,0 +1,187 @@
+"""The native fast path of eager ops (torch_bridge.fastpath, csrc/neuron.cpp): it serves tiny
+ops without Python, steps aside whenever a launch depends on more than its op and cost, and the
+device model sees exactly what the Python fallback would have launched (same rows, same cycles,
+same memory figures, same values)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from torch_bridge import fastpath
+from torch_bridge.runtime import runtime
+
+
+@contextlib.contextmanager
+def fast(on: bool):
+    before = fastpath.enabled()
+    fastpath.set_enabled(on)
+    try:
+        yield
+    finally:
+        fastpath.set_enabled(before)
+
+
+def served(fn) -> int:
+    """How many ops of ``fn()`` the fast path served (each signature is costed once first)."""
+    fn()
+    torch.neuron.synchronize()
+    before = fastpath.hits()
+    fn()
+    return fastpath.hits() - before
+
+
+def tensors():
+    return torch.ones(16, device="neuron"), torch.full((16,), 0.5, device="neuron")
+
+
+def test_tiny_ops_take_the_fast_path():
+    x, y = tensors()
+    assert served(lambda: x + 1) == 1
+    assert served(lambda: x * y) == 1
+    assert served(lambda: torch.relu(x)) == 1
+    assert served(lambda: x.sum()) == 1
+    assert served(lambda: x.add_(y)) == 1  # in place: add.out with out=self
+    torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1, rtol=0, atol=0)
+
+
+def test_a_view_is_a_host_op_without_python():
+    x, _ = tensors()
+    x.view(4, 4)
+    before = torch.neuron.report().host_ops.get("view", 0)
+    v = x.view(4, 4)
+    assert torch.neuron.report().host_ops["view"] == before + 1
+    assert v.device == x.device and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def test_it_steps_aside():
+    x, y = tensors()
+    dev = runtime().device
+    assert served(lambda: x * y) == 1
+    with fast(False):
+        assert served(lambda: x * y) == 0
+    with dev.graph():
+        assert served(lambda: x * y) == 0
+    with dev.muted():
+        assert served(lambda: x * y) == 0
+    with torch.neuron.adaptive_eager():
+        assert served(lambda: x * y) == 0
+    s = torch.neuron.Stream()
+    with torch.neuron.stream(s):
+        assert served(lambda: x * y) == 0
+    prev = dev.set_context("model.py:1", -1)
+    try:
+        assert served(lambda: x * y) == 0
+    finally:
+        dev.restore_context(prev)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert served(lambda: x * y) == 0
+    torch.neuron.memory._record_memory_history()
+    try:
+        assert served(lambda: x * y) == 0
+    finally:
+        torch.neuron.memory._record_memory_history(enabled=None)
+    g = torch.Generator("neuron")
+    assert served(lambda: torch.randn(16, device="neuron", generator=g)) == 0  # random
+    assert served(lambda: torch.nn.functional.dropout(x, 0.5)) == 0  # random without a generator
+    out = torch.empty(0, device="neuron")
+    assert served(lambda: torch.mul(x, y, out=out)) == 0  # an empty out= Python computes fresh
+    assert served(lambda: x * y) == 1  # and back once nothing is in the way
+
+
+def test_python_errors_come_through_unchanged():
+    x, _ = tensors()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x * torch.ones(16)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        x * torch.ones(3, device="neuron")
+
+
+def test_out_of_memory_is_the_python_path_s_error():
+    from torch_bridge import memory
+
+    x, _ = tensors()
+    x + 1
+    x + 1  # costed: the next one takes the fast path
+    stats = memory.pool.devices[0]
+    capacity = stats.capacity
+    stats.row[25] = stats.allocated + 64  # room for one more 16-float result (no host memory spent)
+    try:
+        hits = fastpath.hits()
+        keep = x + 1
+        assert fastpath.hits() == hits + 1
+        before = torch.neuron.memory_stats()["num_ooms"]
+        with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate 64 bytes"):
+            x + 1
+        assert torch.neuron.memory_stats()["num_ooms"] == before + 1
+        del keep
+        assert (x + 1).device == x.device
+    finally:
+        stats.row[25] = capacity
+
+
+def _program(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 4)).to("neuron")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randn(5, 8).to("neuron")
+    for _ in range(3):
+        loss = (model(data).softmax(-1) * 3 + 1).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        (data.view(40)[:8] * 2).relu_().sum()
+    return [p.detach().cpu() for p in model.parameters()] + [loss.detach().cpu()]
+
+
+def _run(on: bool):
+    with fast(on):
+        _program(0)  # cost every signature first: both runs then launch the same cached costs
+        torch.neuron.synchronize()
+        torch.neuron.reset_peak_memory_stats()
+        hits = fastpath.hits()
+        with torch.neuron.report_scope(trace=True) as scope:
+            values = _program(0)
+            torch.neuron.synchronize()
+        mem = torch.neuron.memory_stats()
+        return values, scope.report, mem, fastpath.hits() - hits
+
+
+def test_same_rows_cycles_memory_and_values_as_the_python_path():
+    slow_values, slow, slow_mem, slow_hits = _run(False)
+    fast_values, quick, fast_mem, fast_hits = _run(True)
+    assert slow_hits == 0 and fast_hits > 50
+    for a, b in zip(slow_values, fast_values):
+        assert torch.equal(a, b)
+    assert quick.rows == slow.rows
+    assert quick.host_ops == slow.host_ops
+    assert (quick.elapsed_us, quick.device_us, quick.host_us, quick.dispatches) == \
+        (slow.elapsed_us, slow.device_us, slow.host_us, slow.dispatches)
+    assert quick.cores == slow.cores
+    def timeline(rep):  # relative to the block's first launch: the two runs start at different ticks
+        t0 = rep.events[0].issued
+        return [(e.core, e.stream, e.op, e.kernel, e.issued - t0, e.start - t0, e.end - t0, e.source, e.call)
+                for e in rep.events]
+
+    assert timeline(quick) == timeline(slow)
+    for key in ("allocated_bytes.all.peak", "allocated_bytes.all.current", "allocation.all.current",
+                "allocated_bytes.small_pool.peak"):
+        assert fast_mem[key] == slow_mem[key], key
+
+
+def test_fast_blocks_are_counted_listed_and_freed():
+    x, _ = tensors()
+    x + 1
+    x + 1
+    before = torch.neuron.memory_allocated()
+    hits = fastpath.hits()
+    z = x + 1
+    assert fastpath.hits() == hits + 1
+    assert torch.neuron.memory_allocated() == before + 64
+    assert "64" in torch.neuron.memory_summary() or torch.neuron.memory_summary()
+    from torch_bridge import memory
+
+    assert any(b[2] == z.untyped_storage().data_ptr() for b in memory.live_blocks())
+    del z
+    assert torch.neuron.memory_allocated() == before

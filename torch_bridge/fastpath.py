@@ -1,0 +1,124 @@
+"""The native fast path of the `neuron` device's eager ops (``csrc/neuron.cpp``, "the fast path").
+
+An eager op costs its host time in the boxed fallback's Python (:mod:`torch_bridge.values`):
+converting arguments, relabelling the result, the cost lookup and the launch. For the common
+case - an op whose tensors are all strided on one neuron device (or 0-dim host scalars), no
+out=, no generator, a fresh result or self - the native kernel registered on PrivateUse1 does
+all of it in C++: it runs the CPU kernel on CPU aliases of the arguments' memory, counts a fresh
+result against HBM in the native ledger (the same counters ``torch.neuron.memory_stats`` reads)
+and logs the launch of the op's cost, found by a signature key that Python taught it the first
+time it costed that call. View ops are redispatched to their CPU kernels on the neuron tensors
+and logged as host ops. Everything else runs the Python fallback, registered on PrivateUse2 for
+the fast kernel to redispatch to.
+
+:class:`NativeLog` is the log as the device model sees it (:class:`trnsim.device.LaunchLog`): the
+device takes the logged launches before it issues or reports anything, and issues each exactly
+as :meth:`~trnsim.device.Device.launch` would have, so reports, traces and cycles are the same
+with the fast path on or off. The device closes the log's gate while a launch would depend on
+more than its op and cost (graph capture, adaptive eager, a launch context, another stream), and
+the native side steps aside by itself while torch.profiler records or memory history is on.
+
+``TRNSIM_FASTPATH=0`` turns the fast path off (every op runs the Python fallback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+from trnsim.device import OpCost
+
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install"]
+
+_LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
+
+_lock = threading.Lock()
+_handles: dict[tuple[str, int], int] = {}  # (op, id(cost)) -> handle
+_table: list[tuple[str, OpCost]] = []  # handle -> (op, cost); keeps each cost (and its id) alive
+_names: dict[int, str] = {}  # native name id -> op name (host ops)
+_lib: Any = None
+_on = False
+
+
+def _handle(op: str, cost: OpCost) -> int:
+    key = (op, id(cost))
+    with _lock:
+        h = _handles.get(key)
+        if h is None:
+            h = _handles[key] = len(_table)
+            _table.append((op, cost))
+        return h
+
+
+class NativeLog:
+    """The native launch log, for :meth:`trnsim.device.Device.attach_log`."""
+
+    def __init__(self, lib: Any):
+        self.lib = lib
+        self._count = ctypes.c_int64.from_address(lib.trnsim_log_count_ptr())
+        self._buf = (ctypes.c_int64 * (3 * _LOG_MAX))()
+
+    def pending(self) -> int:
+        return self._count.value
+
+    def take(self) -> list[tuple[int, str, OpCost | None]]:
+        n = self.lib.trnsim_log_take(self._buf, _LOG_MAX)
+        flat = memoryview(self._buf).cast("B").cast("q")[:3 * n].tolist()
+        out: list[tuple[int, str, OpCost | None]] = []
+        table = _table
+        for i in range(0, 3 * n, 3):
+            kind, core, ident = flat[i], flat[i + 1], flat[i + 2]
+            if kind == 0:
+                op, cost = table[ident]
+                out.append((core, op, cost))
+            else:
+                name = _names.get(ident)
+                if name is None:
+                    name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
+                out.append((core, name, None))
+        return out
+
+    def gate(self, on: bool) -> None:
+        self.lib.trnsim_fast_gate(int(on))
+
+
+def install(lib: Any, names: list[str]) -> None:
+    """Register the native kernel (the PrivateUse1 fallback and ``names``' own kernels) once."""
+    global _lib
+    blob = "\0".join(names).encode()
+    if lib.trnsim_fast_register(blob, len(blob)) != 0:
+        raise RuntimeError("trnsim: registering the neuron device's native fast path failed")
+    _lib = lib
+    set_enabled(os.environ.get("TRNSIM_FASTPATH", "").strip() != "0")
+
+
+def enabled() -> bool:
+    return _on
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the fast path on or off (off: every op runs the Python fallback). Launches it logged
+    are issued first."""
+    global _on
+    if _lib is None:
+        return
+    from .runtime import is_initialized, runtime
+
+    if is_initialized():
+        runtime().device.now()  # takes the log
+    _on = bool(on)
+    _lib.trnsim_fast_enable(int(_on))
+
+
+def teach(qualified: str, op: str, cost: OpCost) -> None:
+    """The Python fallback is costing ``qualified`` ("aten::add.Tensor") as one launch of
+    ``cost`` for the fast kernel, which asked: teach it the handle for that call's signature."""
+    if _lib is not None and _lib.trnsim_fast_learning(qualified.encode()):
+        _lib.trnsim_fast_learn(_handle(op, cost))
+
+
+def hits() -> int:
+    """Ops the fast path has served in this process (tests use it)."""
+    return int(_lib.trnsim_fast_hits()) if _lib is not None else 0
