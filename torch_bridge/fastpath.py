@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from trnsim.device import OpCost
 
@@ -36,7 +36,7 @@ _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 
 _lock = threading.Lock()
 _handles: dict[tuple[str, int], int] = {}  # (op, id(cost)) -> handle
-_table: list[tuple[str, OpCost]] = []  # handle -> (op, cost); keeps each cost (and its id) alive
+_table: list[tuple[str, OpCost, tuple[str, int]]] = []  # handle -> (op, cost, row key); keeps each cost alive
 _names: dict[int, str] = {}  # native name id -> op name (host ops)
 _lib: Any = None
 _on = False
@@ -48,7 +48,7 @@ def _handle(op: str, cost: OpCost) -> int:
         h = _handles.get(key)
         if h is None:
             h = _handles[key] = len(_table)
-            _table.append((op, cost))
+            _table.append((op, cost, key))
         return h
 
 
@@ -63,22 +63,22 @@ class NativeLog:
     def pending(self) -> int:
         return self._count.value
 
-    def take(self) -> list[tuple[int, str, OpCost | None]]:
+    def take(self) -> Iterator[tuple[int, str, OpCost | None, Any]]:
+        """The entries, oldest first, one at a time (a list of thousands of tuples would keep
+        Python's garbage collector busy while the device issues them)."""
         n = self.lib.trnsim_log_take(self._buf, _LOG_MAX)
         flat = memoryview(self._buf).cast("B").cast("q")[:3 * n].tolist()
-        out: list[tuple[int, str, OpCost | None]] = []
         table = _table
         for i in range(0, 3 * n, 3):
-            kind, core, ident = flat[i], flat[i + 1], flat[i + 2]
-            if kind == 0:
-                op, cost = table[ident]
-                out.append((core, op, cost))
+            if flat[i] == 0:
+                op, cost, key = table[flat[i + 2]]
+                yield flat[i + 1], op, cost, key
             else:
+                ident = flat[i + 2]
                 name = _names.get(ident)
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
-                out.append((core, name, None))
-        return out
+                yield flat[i + 1], name, None, None
 
     def gate(self, on: bool) -> None:
         self.lib.trnsim_fast_gate(int(on))

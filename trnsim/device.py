@@ -47,7 +47,7 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 from .chip import Chip
 from .config import ChipConfig
@@ -350,15 +350,15 @@ def _on_fresh_thread(fn: Any, *args: Any) -> Any:
 class LaunchLog(Protocol):
     """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
     native fast path), for the device to issue exactly as if they had been: each entry is
-    (core, op, cost) on the core's stream 0 with no launch context, or (core, op, None) for a
-    metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
+    (core, op, cost, (op, id(cost))) on the core's stream 0 with no launch context, or
+    (core, op, None, None) for a metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
     anything else or reads any time, and tells the log (``gate``) whether launches may be logged
     at all: only while nothing a launch depends on at the moment it is made (a graph capture,
     adaptive eager, a launch context, a stream other than the default) is in effect."""
 
     def pending(self) -> int: ...
 
-    def take(self) -> list[tuple[int, str, OpCost | None]]: ...
+    def take(self) -> Iterable[tuple[int, str, OpCost | None, Any]]: ...
 
     def gate(self, on: bool) -> None: ...
 
@@ -422,7 +422,7 @@ class Device:
             return
         with self._lock:
             recs = self.recorders
-            for core, op, cost in log.take():
+            for core, op, cost, key in log.take():
                 if cost is None:
                     for rec in recs:
                         rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
@@ -454,7 +454,6 @@ class Device:
                 end = start + ticks
                 if ticks:
                     c.bookings.append((0, start, end, cost.demand))
-                key = (op, id(cost))
                 for rec in recs:
                     rec.host_ticks += host - prev
                     row = rec.rows.get(key)

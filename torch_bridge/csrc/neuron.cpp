@@ -399,10 +399,27 @@ OpFast classify(const c10::OperatorHandle& op) {
   return f;
 }
 
+// Entries are never changed or removed once made, so each thread keeps its own copy of what it
+// has looked up (no lock on the way of every op).
 const OpFast& op_fast(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, const OpFast*> mine;
+  auto hit = mine.find(&op.schema());
+  if (hit != mine.end()) return *hit->second;
   std::lock_guard<std::mutex> lock(g_fast_mutex);
   auto it = g_ops.find(&op.schema());
   if (it == g_ops.end()) it = g_ops.emplace(&op.schema(), classify(op)).first;
+  mine.emplace(&op.schema(), &it->second);
+  return it->second;
+}
+
+int64_t cost_handle(const std::string& key) {
+  thread_local std::unordered_map<std::string, int64_t> mine;
+  auto hit = mine.find(key);
+  if (hit != mine.end()) return hit->second;
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  auto it = g_costs.find(key);
+  if (it == g_costs.end()) return -1;
+  mine.emplace(key, it->second);
   return it->second;
 }
 
@@ -449,14 +466,8 @@ at::Tensor cpu_alias(const at::Tensor& t) {
   return cpu;
 }
 
-at::Tensor to_device(const at::Tensor& cpu, int index, int64_t nbytes) {
-  auto* b = new FastBlock{cpu, index, nbytes};
-  {
-    std::lock_guard<std::mutex> lock(g_mem_mutex);
-    b->next = g_blocks;
-    if (g_blocks) g_blocks->prev = b;
-    g_blocks = b;
-  }
+// `b` is counted and listed already (under the ledger's lock)
+at::Tensor to_device(const at::Tensor& cpu, FastBlock* b, int index) {
   c10::Device dev(kNeuron, static_cast<c10::DeviceIndex>(index));
   c10::Storage st(c10::Storage::use_byte_size_t(), cpu.storage().nbytes(),
                   c10::DataPtr(cpu.storage().mutable_data(), b, &fast_free, dev), nullptr, false);
@@ -562,11 +573,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   int64_t handle = -1;
   if (f.kind == kWrites) {  // the results are the written arguments: the signature is complete
     key_int(key, 50);
-    {
-      std::lock_guard<std::mutex> lock(g_fast_mutex);
-      auto it = g_costs.find(key);
-      if (it != g_costs.end()) handle = it->second;
-    }
+    handle = cost_handle(key);
     if (handle < 0) return learn(op, stack, std::move(key));
   }
   torch::jit::Stack cstack(std::move(cargs));
@@ -619,12 +626,10 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     key_int(key, 51);
     key_tensor(key, t, 0);
   }
-  {
-    std::lock_guard<std::mutex> lock(g_fast_mutex);
-    auto it = g_costs.find(key);
-    if (it != g_costs.end()) handle = it->second;
-  }
+  handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, std::move(key));  // the value is computed again there
+  FastBlock* blocks[8];
+  if (cstack.size() > 8) return slow(op, stack);
   bool counted = false;
   {  // count every result against HBM, or none (Python then raises the OOM, and counts it)
     std::lock_guard<std::mutex> lock(g_mem_mutex);
@@ -633,17 +638,22 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       int64_t need = 0;
       for (const auto& r : cstack) need += static_cast<int64_t>(r.toTensor().storage().nbytes());
       if (st[0] + need <= st[kCapacity]) {
-        for (const auto& r : cstack) mem_add_locked(st, static_cast<int64_t>(r.toTensor().storage().nbytes()));
+        for (size_t i = 0; i < cstack.size(); ++i) {
+          const at::Tensor& t = cstack[i].toTensor();
+          auto nbytes = static_cast<int64_t>(t.storage().nbytes());
+          mem_add_locked(st, nbytes);
+          auto* b = blocks[i] = new FastBlock{t, index, nbytes};
+          b->next = g_blocks;
+          if (g_blocks) g_blocks->prev = b;
+          g_blocks = b;
+        }
         counted = true;
       }
     }
   }
   if (!counted) return slow(op, stack);  // (not under the ledger's lock: Python's allocation takes it)
   torch::jit::drop(*stack, n);
-  for (const auto& r : cstack) {
-    const at::Tensor& t = r.toTensor();
-    stack->emplace_back(to_device(t, index, static_cast<int64_t>(t.storage().nbytes())));
-  }
+  for (size_t i = 0; i < cstack.size(); ++i) stack->emplace_back(to_device(cstack[i].toTensor(), blocks[i], index));
   g_fast_hits++;
   log_entry(0, index, handle);
 }
@@ -780,10 +790,6 @@ int trnsim_fast_learning(const char* name) {
 }
 void trnsim_fast_learn(int64_t handle) {
   if (t_learn != nullptr) t_learn->handle = handle;
-}
-void trnsim_fast_forget() {
-  std::lock_guard<std::mutex> lock(g_fast_mutex);
-  g_costs.clear();
 }
 void trnsim_mem_set_pool(int64_t** rows, int count) {
   std::lock_guard<std::mutex> lock(g_mem_mutex);
