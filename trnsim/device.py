@@ -422,12 +422,13 @@ class Device:
             return
         with self._lock:
             recs = self.recorders
+            cores = self.cores
             for core, op, cost, key in log.take():
                 if cost is None:
                     for rec in recs:
                         rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
                     continue
-                c = self.cores[core]
+                c = cores[core]
                 streams = c.streams
                 if c.pending or (streams and (len(streams) > 1 or 0 not in streams)):
                     self._issue(core, 0, [(op, cost, _NO_CONTEXT)])  # engines shared, a collective to place
@@ -468,7 +469,17 @@ class Device:
                         tally = rec.cores[core] = _CoreTally()
                     tally.launches += 1
                     tally.wait += wait
-                    tally.add(start, end, host)
+                    live = tally.open
+                    if end > start and live and start < live[-1][1]:
+                        tally.add(start, end, host)  # overlaps an open interval: the general merge
+                    else:  # what _CoreTally.add does for a kernel after every open interval
+                        if end > tally.last_end:
+                            tally.last_end = end
+                        if end > start:
+                            while live and live[0][1] <= host:
+                                lo, hi = live.pop(0)
+                                tally.busy += hi - lo
+                            live.append([start, end])
                     if rec.events is not None:
                         rec.events.append(TraceEvent(core, 0, op, cost.kernel, host, start, end, "", -1, cost.reports))
                     rec.dispatches += 1

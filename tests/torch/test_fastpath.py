@@ -132,6 +132,7 @@ def _program(seed: int):
         opt.step()
         opt.zero_grad()
         (data.view(40)[:8] * 2).relu_().sum()
+        (data.to("neuron:1") + 1).mul_(2).sum()  # another core's timeline
     return [p.detach().cpu() for p in model.parameters()] + [loss.detach().cpu()]
 
 
