@@ -500,6 +500,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // neuron argument -> its CPU alias (one per tensor, as Python's view cache gives one per window)
   std::vector<std::pair<c10::TensorImpl*, c10::IValue>> aliases;
   std::vector<std::pair<size_t, c10::TensorImpl*>> writes;  // written argument -> its CPU alias
+  std::vector<const void*> inputs;  // the neuron arguments' memory
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[base + i];
     const c10::AliasInfo* ai = schema_args[i].alias_info();
@@ -517,8 +518,11 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         int ti = t.device().index() < 0 ? 0 : t.device().index();
         if (index < 0) index = ti;
         else if (ti != index) return slow(op, stack);  // two devices: Python's error
-        if (written && t.numel() == 0) return slow(op, stack);  // Python computes into a fresh out
+        if (written && schema_args[i].kwarg_only() && t.numel() == 0) {
+          return slow(op, stack);  // Python computes into a fresh out
+        }
         key_tensor(key, t, 0);
+        inputs.push_back(t.storage().data());
         c10::TensorImpl* impl = t.unsafeGetTensorImpl();
         const c10::IValue* found = nullptr;
         for (const auto& a : aliases) {
@@ -564,6 +568,43 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       key_int(key, 0);
     } else if (v.isComplexDouble()) {
       key_int(key, 9);
+    } else if (v.isBoolList()) {
+      key_int(key, 11);
+      auto l = v.toBoolList();
+      key_int(key, static_cast<int64_t>(l.size()));
+      for (bool x : l) key_int(key, x);
+    } else if (v.isDoubleList()) {
+      key_int(key, 12);
+      key_int(key, static_cast<int64_t>(v.toDoubleList().size()));
+    } else if (v.isTensorList() && !written) {  // every element a defined tensor on the device
+      auto list = v.toTensorList();
+      key_int(key, 10);
+      key_int(key, static_cast<int64_t>(list.size()));
+      c10::List<at::Tensor> cpu;
+      cpu.reserve(list.size());
+      for (const at::Tensor& t : list) {
+        if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() ||
+            t.is_neg()) {
+          return slow(op, stack);
+        }
+        int ti = t.device().index() < 0 ? 0 : t.device().index();
+        if (index < 0) index = ti;
+        else if (ti != index) return slow(op, stack);
+        key_tensor(key, t, 0);
+        inputs.push_back(t.storage().data());
+        c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+        const c10::IValue* found = nullptr;
+        for (const auto& a : aliases) {
+          if (a.first == impl) found = &a.second;
+        }
+        if (found == nullptr) {
+          aliases.emplace_back(impl, c10::IValue(cpu_alias(t)));
+          found = &aliases.back().second;
+        }
+        cpu.push_back(found->toTensor());
+      }
+      cargs.emplace_back(std::move(cpu));
+      continue;
     } else {
       return slow(op, stack);  // lists of tensors, devices, generators, ...
     }
@@ -612,16 +653,17 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const auto& r : cstack) {
     if (!r.isTensor()) return slow(op, stack);
     const at::Tensor& t = r.toTensor();
-    if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
-        t._is_zerotensor() || t.requires_grad()) {
+    if (!t.defined()) {  // an output the mask left out (None to Python)
+      key_int(key, 52);
+      continue;
+    }
+    if (!t.device().is_cpu() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t._is_zerotensor() ||
+        t.requires_grad()) {
       return slow(op, stack);
     }
-    for (size_t i = 0; i < n; ++i) {  // over an argument's memory: Python makes it a view of it
-      const c10::IValue& v = (*stack)[base + i];
-      if (v.isTensor() && v.toTensor().defined() && t.storage().data() != nullptr &&
-          v.toTensor().storage().data() == t.storage().data()) {
-        return slow(op, stack);
-      }
+    const void* data = t.storage().data();
+    for (const void* in : inputs) {  // over an argument's memory: Python makes it a view of it
+      if (data != nullptr && in == data) return slow(op, stack);
     }
     key_int(key, 51);
     key_tensor(key, t, 0);
@@ -636,10 +678,14 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (index < static_cast<int>(g_pool.size())) {
       int64_t* st = g_pool[index];
       int64_t need = 0;
-      for (const auto& r : cstack) need += static_cast<int64_t>(r.toTensor().storage().nbytes());
+      for (const auto& r : cstack) {
+        if (r.toTensor().defined()) need += static_cast<int64_t>(r.toTensor().storage().nbytes());
+      }
       if (st[0] + need <= st[kCapacity]) {
         for (size_t i = 0; i < cstack.size(); ++i) {
           const at::Tensor& t = cstack[i].toTensor();
+          blocks[i] = nullptr;
+          if (!t.defined()) continue;
           auto nbytes = static_cast<int64_t>(t.storage().nbytes());
           mem_add_locked(st, nbytes);
           auto* b = blocks[i] = new FastBlock{t, index, nbytes};
@@ -653,7 +699,10 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (!counted) return slow(op, stack);  // (not under the ledger's lock: Python's allocation takes it)
   torch::jit::drop(*stack, n);
-  for (size_t i = 0; i < cstack.size(); ++i) stack->emplace_back(to_device(cstack[i].toTensor(), blocks[i], index));
+  for (size_t i = 0; i < cstack.size(); ++i) {
+    if (blocks[i] == nullptr) stack->push_back(cstack[i]);
+    else stack->emplace_back(to_device(cstack[i].toTensor(), blocks[i], index));
+  }
   g_fast_hits++;
   log_entry(0, index, handle);
 }
