@@ -192,6 +192,9 @@ class MemoryStats:
         return dict(sorted(out.items()))
 
 
+_forget_at_exit: list[bool] = []
+
+
 class Pool:
     """Per-device :class:`MemoryStats`: the eager device's :data:`pool` is configured when the
     chip config is first needed (``native``: its rows are the native fast path's ledger); a
@@ -210,6 +213,11 @@ class Pool:
             rows = (ctypes.POINTER(ctypes.c_int64) * max(1, count))(
                 *[ctypes.cast(m.row, ctypes.POINTER(ctypes.c_int64)) for m in self.devices])
             lib.trnsim_mem_set_pool(rows, count)
+            if not _forget_at_exit:  # the rows are Python memory: frees while Python shuts down must not reach them
+                import atexit
+
+                atexit.register(lambda: lib.trnsim_mem_set_pool(None, 0))
+                _forget_at_exit.append(True)
 
     def reserve(self, index: int, nbytes: int) -> None:
         """Count ``nbytes`` on device ``index`` or raise ``torch.OutOfMemoryError``."""

@@ -241,8 +241,9 @@ void resize_storage(const c10::Storage& storage, size_t newsize) {
 // small_pool][current, peak, allocated, freed], then ooms and capacity.
 constexpr int kStatLen = 26, kOoms = 24, kCapacity = 25;
 constexpr int64_t kSmallBlock = 1 << 20;  // CUDA's small pool: requests up to 1 MiB
-std::mutex g_mem_mutex;
-std::vector<int64_t*> g_pool;  // the eager device's MemoryStats rows, per logical core
+// Never destroyed: a block can be freed while the process exits, after static destructors ran.
+std::mutex& g_mem_mutex = *new std::mutex();
+std::vector<int64_t*>& g_pool = *new std::vector<int64_t*>();  // the eager device's MemoryStats rows, per core
 
 void stat_add(int64_t* s, int64_t n) {
   s[0] += n;
@@ -290,7 +291,7 @@ std::atomic<int> g_history{0};  // memory history records: allocations take the 
 struct FreedBlock {
   int64_t index, addr, nbytes, time_us;
 };
-std::vector<FreedBlock> g_freed;  // frees of fast blocks while history records (Python drains them)
+std::vector<FreedBlock>& g_freed = *new std::vector<FreedBlock>();  // frees of fast blocks while history records (Python drains them)
 
 void fast_free(void* ctx) {
   auto* b = static_cast<FastBlock*>(ctx);
