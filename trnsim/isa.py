@@ -191,7 +191,7 @@ class HbmAP:
     """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
     came from slicing (used for exact dependency checks), else None (flat span is used)."""
 
-    __slots__ = ("tensor", "offset", "dims", "box", "size")
+    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box")
     space = "hbm"
 
     def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
@@ -201,6 +201,7 @@ class HbmAP:
         self.dims = dims
         self.box = box
         self.size = math.prod(n for _, n in dims)
+        self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
 
     @property
     def dtype(self) -> Dtype:
@@ -297,7 +298,7 @@ class TileAP:
     address within each partition; ``p_start`` is absolute (0..127).
     """
 
-    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size")
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box")
 
     def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
                  dims: tuple[tuple[int, int], ...], dtype: Dtype):
@@ -309,6 +310,7 @@ class TileAP:
         self.dtype = dtype
         #: elements per partition (the N of the cost formulas)
         self.free_size = math.prod(n for _, n in dims)
+        self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
 
     @property
     def space(self) -> str:
@@ -341,6 +343,9 @@ class TileAP:
         return not self.dims or self.dims[-1][0] == 1 or self.dims[-1][1] == 1
 
     def __getitem__(self, idx: Any) -> "TileAP":
+        fast = _tile_slice_fast(self, idx)
+        if fast is not None:
+            return fast
         items = _norm_index(idx, 1 + len(self.dims))
         r = _slice_dim(items[0], self.p_count, f"the partition dim of '{self.name}'")
         if isinstance(r, int):
@@ -409,6 +414,66 @@ class TileAP:
 
     def __repr__(self) -> str:
         return f"{self.space}:{self.name}[{self.p_start}:{self.p_start + self.p_count}]@{self.offset}{list(self.dims)}"
+
+
+def _fast_range(i: Any, size: int) -> tuple[int, int] | int | None:
+    """``i`` as (start, length) for a step-1 slice with in-range non-negative bounds, as the
+    position for an in-range non-negative int, else None (the general path decides: negative
+    indices, steps, errors)."""
+    t = type(i)
+    if t is slice:
+        if i.step is not None and i.step != 1:
+            return None
+        a, b = i.start, i.stop
+        if a is None:
+            a = 0
+        elif type(a) is not int or a < 0:
+            return None
+        if b is None:
+            b = size
+        elif type(b) is not int or b > size:
+            return None
+        if a >= b:
+            return None
+        return (a, b - a)
+    if t is int and 0 <= i < size:
+        return i
+    return None
+
+
+def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
+    """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
+    dimension - without normalising it item by item (kernels slice tiles once per instruction);
+    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages."""
+    if type(idx) is not tuple:
+        idx = (idx,)
+    dims = ap.dims
+    if len(idx) > 1 + len(dims):
+        return None
+    r = _fast_range(idx[0], ap.p_count)
+    if r is None:
+        return None
+    if type(r) is int:
+        p_start, p_count = ap.p_start + r, 1
+    else:
+        p_start, p_count = ap.p_start + r[0], r[1]
+    offset = ap.offset
+    out: list[tuple[int, int]] = []
+    k = 1
+    for s, n in dims:
+        if k < len(idx):
+            r = _fast_range(idx[k], n)
+            if r is None:
+                return None
+            if type(r) is int:
+                offset += r * s
+            else:
+                offset += r[0] * s
+                out.append((s, r[1]))
+        else:
+            out.append((s, n))
+        k += 1
+    return TileAP(ap.alloc, p_start, p_count, offset, tuple(out) if out else ((1, 1),), ap.dtype)
 
 
 AP = Union[HbmAP, TileAP]

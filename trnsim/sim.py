@@ -23,7 +23,7 @@ from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .config import ChipConfig
 from .cores.base import ENGINE_TYPES, Engine, Segment
 from .isa import DmaCopy, Instruction
-from .kernel import Kernel
+from .kernel import Kernel, gc_paused
 from .memory.dma import BandwidthPipe, DmaSystem
 from .memory.hbm import stack_bandwidth, stack_of_core
 
@@ -154,8 +154,9 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel]) -> list[CoreTimeline
     env = simpy.Environment()
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
-    env.run()
+    with gc_paused():
+        cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
+        env.run()
     for c in cores:
         c.check_complete()
     return cores
