@@ -594,6 +594,7 @@ class Instruction:
 
     __slots__ = ("index", "engine", "reads", "writes", "deps", "first_deps", "label")
     opcode = "Instruction"
+    is_dma = False  # True for the DMA family (a trigger on an engine, a transfer on a queue)
 
     def __init__(self, engine: str, reads: tuple[AP, ...], writes: tuple[AP, ...], label: str = ""):
         self.index = -1
@@ -619,6 +620,7 @@ class DmaCopy(Instruction):
 
     __slots__ = ("dst", "src", "queue", "plan")
     opcode = "DmaCopy"
+    is_dma = True
 
     def __init__(self, engine: str, dst: AP, src: AP, queue: str):
         super().__init__(engine, (src,), (dst,))
