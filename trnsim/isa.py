@@ -219,13 +219,16 @@ class HbmAP:
         return span(self.offset, self.dims)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
-        items = _norm_index(idx, len(self.dims))
+        ranges = _fast_ranges(idx, self.dims)
+        if ranges is None:  # anything beyond ints and step-1 slices in bounds: check item by item
+            items = _norm_index(idx, len(self.dims))
+            ranges = [_slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+                      for k, (i, (_, n)) in enumerate(zip(items, self.dims))]
         offset = self.offset
         dims: list[tuple[int, int]] = []
         # the logical box is only tracked for views whose dims are still the tensor's own dims
         box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
-        for k, (i, (s, n)) in enumerate(zip(items, self.dims)):
-            r = _slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+        for k, (r, (s, n)) in enumerate(zip(ranges, self.dims)):
             # the parent view's step along this tensor dim, in logical indices
             ts = self.tensor.strides[k]
             step0 = s // ts if box is not None and ts and s % ts == 0 else None
@@ -439,6 +442,25 @@ def _fast_range(i: Any, size: int) -> tuple[int, int] | int | None:
     if t is int and 0 <= i < size:
         return i
     return None
+
+
+def _fast_ranges(idx: Any, dims: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int] | int] | None:
+    """What :func:`_slice_dim` gives for each dimension of ``dims`` - a position, or (start,
+    step, length) - when ``idx`` holds only in-range ints and step-1 slices, else None."""
+    if type(idx) is not tuple:
+        idx = (idx,)
+    if len(idx) > len(dims):
+        return None
+    out: list[tuple[int, int, int] | int] = []
+    for k, (_, n) in enumerate(dims):
+        if k >= len(idx):
+            out.append((0, 1, n))
+            continue
+        r = _fast_range(idx[k], n)
+        if r is None:
+            return None
+        out.append(r if type(r) is int else (r[0], 1, r[1]))  # type: ignore[index]
+    return out
 
 
 def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:

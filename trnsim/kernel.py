@@ -113,6 +113,8 @@ def gc_paused() -> Iterator[None]:
 
 def checked_shape(shape: Any, what: str) -> tuple[int, ...]:
     """A shape given by a user: a non-empty sequence of positive ints."""
+    if type(shape) is tuple and shape and all(type(n) is int and n > 0 for n in shape):
+        return shape  # already a shape: the common case, checked without copying
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise KernelError(f"{what}: shape must be a tuple of sizes like (128, 512), got {shape!r}")
     out = tuple(shape)
@@ -154,15 +156,10 @@ def engine_name(name: str, allowed: Sequence[str], what: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Access:
-    """One instruction's access to a region: ``box`` is flat (lo0, hi0, lo1, hi1, ...)."""
-
-    __slots__ = ("box", "idx", "key")
-
-    def __init__(self, box: tuple[int, ...], idx: int, key: str):
-        self.box = box
-        self.idx = idx
-        self.key = key
+# One instruction's access to a region, as a plain tuple (built once per operand, so a tuple
+# rather than an object): (box, instruction index, engine/queue key). ``box`` is flat
+# (lo0, hi0, lo1, hi1, ...).
+_Access = tuple  # (tuple[int, ...], int, str)
 
 
 def _overlap(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -292,27 +289,32 @@ class DependencyTracker:
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
         h, box = self._resolve(ap)
-        return tuple(sorted({w.idx for w in h.writes if _overlap(w.box, box)}))
+        return tuple(sorted({w[1] for w in h.writes if _overlap(w[0], box)}))
 
-    def record(self, ins: Instruction, key: str) -> tuple[int, ...]:
+    def record(self, ins: Instruction, key: str, first: AP | None = None) -> tuple[int, ...]:
+        """Record ``ins``'s accesses; return the instructions it must wait for. With ``first``
+        (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
         deps: set[int] = set()
         add = deps.add
         idx = ins.index
-        dma = isinstance(ins, DmaCopy)
+        dma = ins.is_dma
         new_reads: list[tuple[_History, tuple[int, ...]]] = []
         resolve = self._resolve
         for ap in ins.reads:
             h, box = resolve(ap)
+            if ap is first:
+                ins.first_deps = tuple(sorted({w[1] for w in h.writes if _overlap(w[0], box)}))
+                first = None
             if h.tile:
                 p0, p1, b0, b1 = box
                 for w in h.writes:
-                    o = w.box
+                    o = w[0]
                     if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
-                        add(w.idx)
+                        add(w[1])
             else:
                 for w in h.writes:
-                    if _overlap(w.box, box):
-                        add(w.idx)
+                    if _overlap(w[0], box):
+                        add(w[1])
             new_reads.append((h, box))
         for ap in ins.writes:
             h, box = resolve(ap)
@@ -320,25 +322,25 @@ class DependencyTracker:
                 p0, p1, b0, b1 = box
                 keep = []
                 for w in h.writes:
-                    o = w.box
+                    o = w[0]
                     if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
-                        add(w.idx)
+                        add(w[1])
                         if not (p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1):
                             keep.append(w)
                     else:
                         keep.append(w)
-                keep.append(_Access(box, idx, key))
+                keep.append((box, idx, key))
                 h.writes = keep
                 if h.reads:
                     keep = []
                     for r in h.reads:
-                        o = r.box
+                        o = r[0]
                         if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
                             # a compute engine's own earlier reads are done before it issues this
                             # write (in order); a DMA queue only orders completions, so its reads
                             # still need an edge
-                            if r.key != key or dma:
-                                add(r.idx)
+                            if r[2] != key or dma:
+                                add(r[1])
                             if not (p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1):
                                 keep.append(r)
                         else:
@@ -346,15 +348,15 @@ class DependencyTracker:
                     h.reads = keep
                 continue
             for w in h.writes:
-                if _overlap(w.box, box):
-                    add(w.idx)
+                if _overlap(w[0], box):
+                    add(w[1])
             for r in h.reads:
-                if (r.key != key or dma) and _overlap(r.box, box):
-                    add(r.idx)
-            h.writes = [w for w in h.writes if not _covers(box, w.box)]
-            h.writes.append(_Access(box, idx, key))
+                if (r[2] != key or dma) and _overlap(r[0], box):
+                    add(r[1])
+            h.writes = [w for w in h.writes if not _covers(box, w[0])]
+            h.writes.append((box, idx, key))
             if h.reads:
-                h.reads = [r for r in h.reads if not _covers(box, r.box)]
+                h.reads = [r for r in h.reads if not _covers(box, r[0])]
         for h, box in new_reads:
             reads = h.reads
             n = len(reads)
@@ -362,15 +364,17 @@ class DependencyTracker:
                 p0, p1, b0, b1 = box
                 for j in range(n - 1, max(-1, n - 1 - _READ_PRUNE_WINDOW), -1):
                     r = reads[j]
-                    o = r.box
-                    if r.key == key and p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1:
+                    o = r[0]
+                    if r[2] == key and p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1:
                         del reads[j]
             else:
                 for j in range(n - 1, max(-1, n - 1 - _READ_PRUNE_WINDOW), -1):
                     r = reads[j]
-                    if r.key == key and _covers(box, r.box):
+                    if r[2] == key and _covers(box, r[0]):
                         del reads[j]
-            reads.append(_Access(box, idx, key))
+            reads.append((box, idx, key))
+        if first is not None:  # not among the reads (never for TensorE's operands)
+            ins.first_deps = self.raw_deps(first)
         deps.discard(idx)
         return tuple(sorted(deps))
 
@@ -596,23 +600,24 @@ class Kernel:
     # ---- emitting --------------------------------------------------------------------------
     def _emit(self, ins: Instruction, key: str | None = None) -> Instruction:
         allocs, tensors = self._allocs, self.tensors
-        for ap in ins.reads + ins.writes:
-            if isinstance(ap, TileAP):
-                if allocs.get(ap.alloc.uid) is not ap.alloc:
+        for aps in (ins.reads, ins.writes):
+            for ap in aps:
+                if isinstance(ap, TileAP):
+                    a = ap.alloc
+                    if allocs.get(a.uid) is not a:
+                        self._check_owned(ap, ins.describe())
+                    if not a.live:
+                        raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
+                elif tensors.get(ap.tensor.name) is not ap.tensor:
                     self._check_owned(ap, ins.describe())
-                if not ap.alloc.live:
-                    raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
-            elif tensors.get(ap.tensor.name) is not ap.tensor:
-                self._check_owned(ap, ins.describe())
         ins.index = len(self.instructions)
         if ins.index >= self._max_instructions:
             raise KernelError(f"kernel '{self.name}' has more than {self._max_instructions:,} instructions; check its "
                               f"shape, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host "
                               f"memory each)")
-        if isinstance(ins, (MatMul, Transpose)):
-            # LoadStationary can start as soon as the stationary operand is ready
-            ins.first_deps = self._deps.raw_deps(ins.stationary if isinstance(ins, MatMul) else ins.data)
-        ins.deps = self._deps.record(ins, key or ins.engine)
+        # LoadStationary can start as soon as the stationary operand is ready (ins.first_deps)
+        first = (ins.stationary if isinstance(ins, MatMul) else ins.data) if isinstance(ins, (MatMul, Transpose)) else None
+        ins.deps = self._deps.record(ins, key or ins.engine, first)
         self._track_stationary(ins)
         self.instructions.append(ins)
         return ins
