@@ -700,8 +700,14 @@ class MatMul(Instruction):
     opcode = "MatMul"
 
     def __init__(self, dst: TileAP, stationary: TileAP, moving: TileAP, accumulate: bool, double_row: bool):
-        reads: tuple[AP, ...] = (stationary, moving, dst) if accumulate else (stationary, moving)
-        super().__init__("Tensor", reads, (dst,))
+        # Instruction.__init__ spelled out: a matmul kernel makes tens of thousands of these
+        self.index = -1
+        self.engine = "Tensor"
+        self.reads: tuple[AP, ...] = (stationary, moving, dst) if accumulate else (stationary, moving)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.stationary = stationary
         self.moving = moving
