@@ -46,6 +46,7 @@ OTHERS = ("attention", "conv2d", "rmsnorm", "softmax")  # at their default shape
 def best(fn, repeats: int) -> tuple[float, object]:
     out, t_best = None, float("inf")
     for _ in range(repeats):
+        out = None  # free the previous repeat's result first: its teardown is not this repeat's cost
         t = time.perf_counter()
         out = fn()
         t_best = min(t_best, time.perf_counter() - t)
