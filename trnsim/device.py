@@ -423,6 +423,8 @@ class Device:
         with self._lock:
             recs = self.recorders
             cores = self.cores
+            dispatch = self.dispatch
+            host = self._host  # kept here while entries are issued inline, in self._host otherwise
             for core, op, cost, key in log.take():
                 if cost is None:
                     for rec in recs:
@@ -431,18 +433,19 @@ class Device:
                 c = cores[core]
                 streams = c.streams
                 if c.pending or (streams and (len(streams) > 1 or 0 not in streams)):
+                    self._host = host
                     self._issue(core, 0, [(op, cost, _NO_CONTEXT)])  # engines shared, a collective to place
+                    host = self._host
                     continue
                 # what self._issue(core, 0, [(op, cost, _NO_CONTEXT)]) does when stream 0 has the core
                 # to itself and no collective awaits its group, inline (this runs once per fast op)
-                host = prev = self._host
+                prev = host
                 inflight = c.inflight
                 if len(inflight) >= c.max_inflight:
                     oldest = inflight.popleft()
                     if oldest > host:
                         host = oldest
-                host += self.dispatch
-                self._host = host
+                host += dispatch
                 ready = c.ready.get(0, 0)
                 start = ready if ready > host else host
                 busy = c.busy_until
@@ -488,6 +491,7 @@ class Device:
                     c.busy_until = end
                 if end > start:
                     inflight.append(end)
+            self._host = host
 
     def _update_gate(self) -> None:
         """Tell the log whether launches may be made without :meth:`launch` now."""

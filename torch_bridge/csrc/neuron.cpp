@@ -15,6 +15,7 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -492,16 +493,17 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
   const size_t base = stack->size() - n;
-  std::string key;
-  key.reserve(160);
+  thread_local std::string t_key;  // (a nested call can only come from slow(), after which this call returns)
+  std::string& key = t_key;
+  key.clear();
   key_int(key, reinterpret_cast<int64_t>(&op.schema()));
   int index = -1;
   std::vector<c10::IValue> cargs;
   cargs.reserve(n);
   // neuron argument -> its CPU alias (one per tensor, as Python's view cache gives one per window)
-  std::vector<std::pair<c10::TensorImpl*, c10::IValue>> aliases;
-  std::vector<std::pair<size_t, c10::TensorImpl*>> writes;  // written argument -> its CPU alias
-  std::vector<const void*> inputs;  // the neuron arguments' memory
+  c10::SmallVector<std::pair<c10::TensorImpl*, c10::IValue>, 6> aliases;
+  c10::SmallVector<std::pair<size_t, c10::TensorImpl*>, 4> writes;  // written argument -> its CPU alias
+  c10::SmallVector<const void*, 8> inputs;  // the neuron arguments' memory
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[base + i];
     const c10::AliasInfo* ai = schema_args[i].alias_info();
@@ -616,7 +618,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kWrites) {  // the results are the written arguments: the signature is complete
     key_int(key, 50);
     handle = cost_handle(key);
-    if (handle < 0) return learn(op, stack, std::move(key));
+    if (handle < 0) return learn(op, stack, key);
   }
   torch::jit::Stack cstack(std::move(cargs));
   try {
@@ -670,7 +672,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     key_tensor(key, t, 0);
   }
   handle = cost_handle(key);
-  if (handle < 0) return learn(op, stack, std::move(key));  // the value is computed again there
+  if (handle < 0) return learn(op, stack, key);  // the value is computed again there
   FastBlock* blocks[8];
   if (cstack.size() > 8) return slow(op, stack);
   bool counted = false;
