@@ -1,9 +1,12 @@
 """Per-op host cost of the neuron device: a loop of tiny ops against the same loop on CPU.
 
-Small models are host-bound on any accelerator; here each neuron op also runs the bridge's
-Python (argument conversion, the CPU kernel on views, relabelling the result, the cost lookup
-and the launch on the simulated timeline). This times loops of tiny ops on CPU and on neuron in
-the same run and prints microseconds per op and the ratio. Goal (issue 11): <= 10 us per op.
+Small models are host-bound on any accelerator; here each neuron op also runs the bridge: the
+native fast path (torch_bridge/fastpath.py: the CPU kernel on aliases of the device memory, the
+result wrapped and counted against HBM, the cached cost looked up and logged) and the device
+model placing each logged launch on the simulated timeline. This times loops of tiny ops on CPU
+and on neuron in the same run, each neuron loop ending with a synchronize so that the device
+model's work is inside the timing, and prints microseconds per op and the ratio. Goal (issue
+11): <= 10 us per op.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_op_overhead.py [--iters 5000] [--quick]
 """
