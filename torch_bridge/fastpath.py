@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from trnsim.device import OpCost
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install"]
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 
@@ -40,6 +40,7 @@ _table: list[tuple[str, OpCost, tuple[str, int]]] = []  # handle -> (op, cost, r
 _names: dict[int, str] = {}  # native name id -> op name (host ops)
 _lib: Any = None
 _on = False
+_device: Any = None  # the device model the log feeds (attach)
 
 
 def _handle(op: str, cost: OpCost) -> int:
@@ -94,6 +95,15 @@ def install(lib: Any, names: list[str]) -> None:
     set_enabled(os.environ.get("TRNSIM_FASTPATH", "").strip() != "0")
 
 
+def attach(device: Any) -> None:
+    """Feed ``device`` (the eager :class:`trnsim.device.Device`) from the native log."""
+    global _device
+    if _lib is None:
+        return
+    _device = device
+    device.attach_log(NativeLog(_lib))
+
+
 def enabled() -> bool:
     return _on
 
@@ -104,10 +114,8 @@ def set_enabled(on: bool) -> None:
     global _on
     if _lib is None:
         return
-    from .runtime import is_initialized, runtime
-
-    if is_initialized():
-        runtime().device.now()  # takes the log
+    if _device is not None:
+        _device.now()  # takes the log
     _on = bool(on)
     _lib.trnsim_fast_enable(int(_on))
 

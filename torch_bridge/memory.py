@@ -9,8 +9,9 @@ Every allocation is counted against the chip config's HBM capacity per logical N
 (``chip.hbm.capacity / logical cores``), checked *before* the host allocator is asked, so a
 request bigger than the virtual HBM raises ``torch.OutOfMemoryError`` with the sizes instead of
 exhausting the host. Frees are seen through a weak reference to the CPU tensor the DLPack
-capsule keeps alive. The counters are updated under one lock: ops may run on several threads,
-and a free may arrive from the garbage collector in the middle of an allocation.
+capsule keeps alive. The counters live in the native extension's ledger and are updated there
+under one lock (ops may run on several threads, a free may arrive from the garbage collector in
+the middle of an allocation, and the native fast path allocates without Python).
 """
 
 from __future__ import annotations

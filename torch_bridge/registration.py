@@ -1,7 +1,8 @@
 """Which neuron kernel serves which aten op: the table registered with PyTorch's dispatcher.
 
-One boxed fallback (:func:`torch_bridge.values.fallback`) serves every op without an explicit
-kernel. Explicit kernels are registered where PyTorch needs them (allocation and copies, resize,
+One boxed fallback serves every op without an explicit kernel: the native fast path
+(:mod:`torch_bridge.fastpath`) on PrivateUse1, which runs the common call itself and hands every
+other to :func:`torch_bridge.values.fallback`, registered on :data:`SLOW_KEY`. Explicit kernels are registered where PyTorch needs them (allocation and copies, resize,
 the TensorE ops, convolution), where a composite would decompose an op before the device sees
 it (:data:`WHOLE_OPS`), where skipping a composite round trip saves per-op time
 (:data:`DIRECT_OPS`), for the ``_foreach_*`` ops (one multi-tensor kernel each), attention, and

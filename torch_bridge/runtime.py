@@ -32,9 +32,9 @@ class Runtime:
 
         if _native.lib is not None:  # the native guard and hooks report the config's core count
             _native.lib.trnsim_set_device_count(config.logical_cores)
-            from .fastpath import NativeLog
+            from . import fastpath
 
-            self.device.attach_log(NativeLog(_native.lib))  # the native fast path's launches
+            fastpath.attach(self.device)  # the native fast path's launches
 
     @property
     def device_count(self) -> int:
