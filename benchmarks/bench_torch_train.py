@@ -14,7 +14,7 @@ steps let each evict the other's working set from the caches: that slowed the CP
 about a quarter and flattered the ratio). Prints, per device, the first step (the neuron one
 includes simulating every kernel the step needs for the first time) and the steady-state wall
 time per step (median of the steps after the first two), then the ratio neuron / CPU. Goal:
-<= 1.5x on the small GPT-2. Also prints how much of a neuron step computed matmul values on the
+<= 1.3x on the small GPT-2 (issue 8). Also prints how much of a neuron step computed matmul values on the
 TensorE datapath (fused fp32 multiply-adds in the definition's fixed order and 128-row
 chunks) and the simulated device time per step, and checks that both
 devices computed the same losses (exit status 1 if they differ by more than 1e-4 relative), so
@@ -42,7 +42,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TRN
 import torch  # noqa: E402  (after the thread pins)
 
 ROOT = Path(__file__).resolve().parent.parent
-GOAL = 1.5
+GOAL = 1.3  # issue 8: steady-state step within 1.3x of CPU
 WARMUP = 2  # steps left out of the steady state: the first simulates kernels, the second AdamW's
 
 
@@ -88,7 +88,7 @@ class Model:
     batch: int
     steps: int
     quick_steps: int
-    goal: bool  # the 1.5x goal applies to this model
+    goal: bool  # the GOAL applies to this model
 
     def describe(self) -> str:
         return (f"{self.name} GPT-2 ({self.layers} layers, width {self.width}, {self.heads} heads), "

@@ -632,6 +632,21 @@ static int64_t block_cols(const kernel_family *F, int64_t kmax) {
     return (panels > 0 ? panels : 1) * F->nr;
 }
 
+/* Whether the kernel broadcasts fp32 stationary values straight from the caller's array
+ * (element (k, i) at s[k*s_sk + i*s_sm]) instead of a packed k-major panel. In place, a row
+ * panel stays in L1 across the column panels only if its lines do not fight over a few L1
+ * sets (48 KiB, 12 ways: addresses 4 KiB apart share a set). With columns contiguous (a
+ * transposed view: x.t() in a weight gradient, s_sm = 1) each k step is a new line s_sk apart,
+ * kc of them per chunk, and the usual power-of-two widths alias; packing those is a 48-byte
+ * copy per k and measured faster once a panel is reused a few times (256x1024x1024: 86 -> 106
+ * GFLOP/s; 1024x1024x256: 68 -> 98). Rows contiguous in k (a row-major a[M, K]) stay in place:
+ * packing them is a transpose, which cost more than it saved even at K = 1024 (rows 4 KiB
+ * apart: 107 -> 92). */
+static int stationary_direct(const job *J, int64_t column_panels) {
+    if (J->s_dt != TRN_F32) return 0;
+    return column_panels <= 2 || J->s_sm != 1 || J->s_sk == 1;
+}
+
 /* One batch item, columns [n0, n1): s, v, out point at its [0, 0] elements. sp/vp/tile are
  * the packing buffers, sized by run_job for kmax rows of all row panels and one column block.
  *
@@ -650,7 +665,7 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
     const int64_t mp = (M + MR - 1) / MR;
     const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
     const int64_t NC = block_cols(F, J->K < J->k_chunk ? J->K : J->k_chunk);
-    const int s_direct = J->s_dt == TRN_F32;
+    const int s_direct = stationary_direct(J, (Nj + NR - 1) / NR);
     const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
     const kern_fn kern = J->fma_policy == TRN_FMA_OFF ? F->unfused : F->fma;
     for (int64_t c = 0; c < nchunks; c++) {
