@@ -411,6 +411,17 @@ def test_fp32_in_place_and_packed_paths():
     check(randn(rng, (K, 90), F32)[:, 3:80], randn(rng, (K, 200), F32))  # packed, offset view
 
 
+def test_k_contiguous_fp32_operands():
+    """Transposed views (k contiguous: a row-major a[M, K], a w.t() moving) are packed by
+    16 x 16 register transposes on AVX-512: every k remainder mod 16 and ragged panel width."""
+    rng = np.random.default_rng(43)
+    for K in (1, 15, 16, 17, 130):
+        for N in (1, 16, 17, 33, 100):
+            s = randn(rng, (13, K), F32).T  # stationary [K, 13], k contiguous
+            v = randn(rng, (N, K), F32).T   # moving [K, N], k contiguous: always packed
+            check(s, v, k_chunk=64)
+
+
 def test_column_blocks():
     """Wide N is done in column blocks sized to L2 (64 columns when a chunk has 2048 rows):
     three blocks here, the last ragged."""

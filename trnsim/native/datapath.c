@@ -582,9 +582,60 @@ DEFINE_AVX512_KERNEL(kern_avx512_unfused, 0, ak, ai)
 DEFINE_AVX512_KERNEL(kern_avx512_fma, 1, ak, ai)
 DEFINE_AVX512_KERNEL(kern_avx512_fma_packed, 1, A5_MR, 1) /* packed stationary, as for AVX2 */
 
+/* fp32 panel packing for a k-contiguous operand (sk = 1: a row-major a[M, K] as stationary,
+ * a transposed view w.t() as moving): pack_panel's column-by-column copy writes one float per
+ * store R floats apart; this transposes 16 x 16 blocks in registers (unpack, then two 128-bit
+ * lane shuffles) and stores whole rows. Columns [x0, x0 + xn) of rows [k0, k0 + kc) go to
+ * dst (kc x R, R <= 32, zero past xn), exactly the floats pack_panel writes. */
+__attribute__((target("avx512f"))) static void pack_t_avx512(const float *src, int64_t sx, int64_t k0,
+                                                            int64_t kc, int64_t x0, int64_t xn,
+                                                            int64_t R, uint32_t *dst) {
+    for (int64_t h = 0; h * 16 < R; h++) {
+        const int64_t c0 = h * 16;                         /* first column of this half */
+        const int64_t nc = xn - c0 < 0 ? 0 : (xn - c0 > 16 ? 16 : xn - c0); /* real columns */
+        const int64_t w = R - c0 < 16 ? R - c0 : 16;       /* lanes stored per row */
+        const __mmask16 smask = w >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << w) - 1u);
+        for (int64_t kb = 0; kb < kc; kb += 16) {
+            const int64_t kn = kc - kb < 16 ? kc - kb : 16;
+            const __mmask16 lmask = kn >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << kn) - 1u);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < nc ? _mm512_maskz_loadu_ps(lmask, src + (x0 + c0 + i) * sx + k0 + kb)
+                              : _mm512_setzero_ps();
+            __m512 t[16], u[16];
+            for (int i = 0; i < 8; i++) {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            /* u[4g + j], lane l: columns 4g..4g+3 at k = 4l + j */
+            for (int g = 0; g < 4; g++) {
+                const __m512d a0 = _mm512_castps_pd(t[4 * g]), a1 = _mm512_castps_pd(t[4 * g + 1]);
+                const __m512d b0 = _mm512_castps_pd(t[4 * g + 2]), b1 = _mm512_castps_pd(t[4 * g + 3]);
+                u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512 vlo = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+                const __m512 vhi = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+                const __m512 wlo = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+                const __m512 whi = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+                const __m512 out[4] = {_mm512_shuffle_f32x4(vlo, wlo, 0x88), _mm512_shuffle_f32x4(vlo, wlo, 0xDD),
+                                       _mm512_shuffle_f32x4(vhi, whi, 0x88), _mm512_shuffle_f32x4(vhi, whi, 0xDD)};
+                for (int l = 0; l < 4; l++) {
+                    const int64_t k = 4 * l + j; /* row of this block */
+                    if (k < kn) _mm512_mask_storeu_ps((float *)dst + (kb + k) * R + c0, smask, out[l]);
+                }
+            }
+        }
+    }
+}
+
 #endif /* TRN_X86 */
 
 typedef struct {
+    int isa;    /* TRN_ISA_* */
     int mr, nr; /* register tile: rows, and columns of a full panel */
     int vw;     /* columns of one vector: a panel of at most vw columns is packed vw wide */
     kern_fn fma, unfused; /* the definition; mul+add rounded apart (TRN_FMA_OFF) */
@@ -592,6 +643,7 @@ typedef struct {
 } kernel_family;
 
 static int get_family(int isa, kernel_family *f) {
+    f->isa = isa;
     switch (isa) {
     case TRN_ISA_GENERIC:
         f->mr = G_MR, f->nr = G_NR, f->vw = G_NR;
@@ -696,6 +748,20 @@ static int64_t block_cols(const kernel_family *F, int64_t kmax) {
     return (panels > 0 ? panels : 1) * F->nr;
 }
 
+/* pack_panel, or its AVX-512 transpose for k-contiguous fp32 (same floats). */
+static void pack_one(const kernel_family *F, const void *src, int dt, int64_t sk, int64_t sx,
+                     int64_t k0, int64_t kc, int64_t x0, int64_t xn, int64_t R, uint32_t *dst) {
+#if TRN_X86
+    if (F->isa == TRN_ISA_AVX512 && dt == TRN_F32 && sk == 1 && sx != 1 && R <= 32) {
+        pack_t_avx512((const float *)src, sx, k0, kc, x0, xn, R, dst);
+        return;
+    }
+#else
+    (void)F;
+#endif
+    pack_panel(src, dt, sk, sx, k0, kc, x0, xn, R, dst);
+}
+
 /* Whether the kernel broadcasts fp32 stationary values straight from the caller's array
  * (element (k, i) at s[k*s_sk + i*s_sm]) instead of a packed k-major panel. In place, a row
  * panel stays in L1 across the column panels only if its lines do not fight over a few L1
@@ -745,7 +811,7 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
                 pack_panels_rows(s, J->s_dt, J->s_sk, k0, kc, 0, rows_first, MR, sp, kc * MR);
             for (int64_t ip = rows_first; ip < mp; ip++) {
                 const int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
-                pack_panel(s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
+                pack_one(F, s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
             }
         }
         for (int64_t jb = 0; jb < Nj; jb += NC) {
@@ -759,7 +825,7 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
             for (int64_t jp = v_rows_first; jp < np_; jp++) {
                 const int64_t x0 = jp * NR, xn = nb - x0 < NR ? nb - x0 : NR;
                 if (v_direct && xn == panel_width(F, xn)) continue;
-                pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
+                pack_one(F, v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
                            panel_width(F, xn), vp + jp * kc * NR);
             }
             /* Row panels outside the column panels: one stationary panel stays in L1 while
