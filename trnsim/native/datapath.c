@@ -297,6 +297,19 @@ int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
 #define CONV_BF16(x) bf16_to_f32_bits(x)
 #define CONV_TAB(x) tab[x]
 
+/* BODY(element type, widening) for the element format dt. */
+#define FOR_FORMAT(dt, BODY)                                                                   \
+    switch (dt) {                                                                              \
+    case TRN_F32: BODY(uint32_t, CONV_F32); break;                                             \
+    case TRN_F16: BODY(uint16_t, CONV_F16); break;                                             \
+    case TRN_BF16: BODY(uint16_t, CONV_BF16); break;                                           \
+    default: {                                                                                 \
+        const uint32_t *tab = fp8_table(dt);                                                   \
+        BODY(uint8_t, CONV_TAB);                                                               \
+        break;                                                                                 \
+    }                                                                                          \
+    }
+
 /* Pack columns [x0, x0+xn) of rows [k0, k0+kc) into dst (kc x R). */
 /* Rows of R contiguous fp32 values, copied with a size the compiler knows: a few vector moves
  * per row instead of a loop with a remainder. */
@@ -316,16 +329,7 @@ TRN_CLONES static void pack_panel(const void *src, int dt, int64_t sk, int64_t s
         default: break;
         }
     }
-    switch (dt) {
-    case TRN_F32: PACK_ROWS(uint32_t, CONV_F32); break;
-    case TRN_F16: PACK_ROWS(uint16_t, CONV_F16); break;
-    case TRN_BF16: PACK_ROWS(uint16_t, CONV_BF16); break;
-    default: {
-        const uint32_t *tab = fp8_table(dt);
-        PACK_ROWS(uint8_t, CONV_TAB);
-        break;
-    }
-    }
+    FOR_FORMAT(dt, PACK_ROWS)
 }
 
 /* Pack np full panels of R columns from rows whose columns are contiguous (sx = 1): panel p
@@ -356,23 +360,16 @@ TRN_CLONES static void pack_panel(const void *src, int dt, int64_t sk, int64_t s
 TRN_CLONES static void pack_panels_rows(const void *src, int dt, int64_t sk, int64_t k0, int64_t kc,
                                         int64_t x0, int64_t np, int64_t R, uint32_t *dst,
                                         int64_t pstride) {
-    switch (dt) {
-    case TRN_F32:
+    if (dt == TRN_F32) {
         switch (R) {
         case 8: COPY_PANELS(8); return;
         case 12: COPY_PANELS(12); return;
         case 16: COPY_PANELS(16); return;
         case 32: COPY_PANELS(32); return;
-        default: CONV_PANELS(uint32_t, CONV_F32); return;
+        default: break;
         }
-    case TRN_F16: CONV_PANELS(uint16_t, CONV_F16); return;
-    case TRN_BF16: CONV_PANELS(uint16_t, CONV_BF16); return;
-    default: {
-        const uint32_t *tab = fp8_table(dt);
-        CONV_PANELS(uint8_t, CONV_TAB);
-        return;
     }
-    }
+    FOR_FORMAT(dt, CONV_PANELS)
 }
 
 /* ---------------------------------------------------------------------------------------- */
