@@ -10,7 +10,8 @@ Prints, in one run:
   ``trnsim kernel matmul --shape 4096x4096x4096 --dtype bf16``;
 * end to end: instructions built and simulated per second over all the kernels, against the
   baseline and against the goal of 200,000 per second (printed, not an exit status: the goal is
-  not met today; the closing note of issue 14 says where the time goes);
+  not met today; the closing note of issue 14 says where the time goes), and the microseconds an
+  instruction costs to build and to simulate beside raw simpy's one timeout;
 * that CLI command itself, run as a subprocess (Python start-up and imports included).
 
 Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more.
@@ -45,6 +46,7 @@ OTHERS = ("attention", "conv2d", "rmsnorm", "softmax")  # at their default shape
 def best(fn, repeats: int) -> tuple[float, object]:
     out, t_best = None, float("inf")
     for _ in range(repeats):
+        out = None  # free the previous repeat's result first: its teardown is not this repeat's cost
         t = time.perf_counter()
         out = fn()
         t_best = min(t_best, time.perf_counter() - t)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
     print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8}")
     ok = True
-    total_instr, total_s = 0, 0.0
+    total_instr, total_s, total_build = 0, 0.0, 0.0
     for name, shape in cases:
         entry = get_kernel(name)
         t_build, kern = best(lambda: entry.make(shape, entry.default_dtype, cfg), repeats)
@@ -79,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{t_build + t_sim:>8.3f}")
         total_instr += len(kern)
         total_s += t_build + t_sim
+        total_build += t_build
         if name == "matmul" and shape == (4096, 4096, 4096):
             ok = t_build + t_sim < BUDGET_S
             print(f"{'':<34} build + simulate {t_build + t_sim:.3f} s; budget < {BUDGET_S:.0f} s: "
                   f"{'met' if ok else 'MISSED'}")
     e2e = total_instr / total_s
+    print(f"per instruction: build {total_build / total_instr * 1e6:.1f} us, simulate "
+          f"{(total_s - total_build) / total_instr * 1e6:.1f} us; raw simpy {1e6 / base_rate:.1f} us")
     print(f"end to end (build + simulate, every kernel above): {e2e:,.0f} instr/s = {e2e / base_rate:.2f}x raw simpy; "
           f"goal >= {END_TO_END_GOAL:,}: {'met' if e2e >= END_TO_END_GOAL else 'MISSED'} "
           f"({END_TO_END_GOAL / e2e:.1f}x short)" if e2e < END_TO_END_GOAL else

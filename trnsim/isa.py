@@ -191,7 +191,7 @@ class HbmAP:
     """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
     came from slicing (used for exact dependency checks), else None (flat span is used)."""
 
-    __slots__ = ("tensor", "offset", "dims", "box", "size")
+    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box")
     space = "hbm"
 
     def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
@@ -201,6 +201,7 @@ class HbmAP:
         self.dims = dims
         self.box = box
         self.size = math.prod(n for _, n in dims)
+        self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
 
     @property
     def dtype(self) -> Dtype:
@@ -218,13 +219,16 @@ class HbmAP:
         return span(self.offset, self.dims)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
-        items = _norm_index(idx, len(self.dims))
+        ranges = _fast_ranges(idx, self.dims)
+        if ranges is None:  # anything beyond ints and step-1 slices in bounds: check item by item
+            items = _norm_index(idx, len(self.dims))
+            ranges = [_slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+                      for k, (i, (_, n)) in enumerate(zip(items, self.dims))]
         offset = self.offset
         dims: list[tuple[int, int]] = []
         # the logical box is only tracked for views whose dims are still the tensor's own dims
         box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
-        for k, (i, (s, n)) in enumerate(zip(items, self.dims)):
-            r = _slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
+        for k, (r, (s, n)) in enumerate(zip(ranges, self.dims)):
             # the parent view's step along this tensor dim, in logical indices
             ts = self.tensor.strides[k]
             step0 = s // ts if box is not None and ts and s % ts == 0 else None
@@ -297,7 +301,7 @@ class TileAP:
     address within each partition; ``p_start`` is absolute (0..127).
     """
 
-    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size")
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box")
 
     def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
                  dims: tuple[tuple[int, int], ...], dtype: Dtype):
@@ -309,6 +313,7 @@ class TileAP:
         self.dtype = dtype
         #: elements per partition (the N of the cost formulas)
         self.free_size = math.prod(n for _, n in dims)
+        self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
 
     @property
     def space(self) -> str:
@@ -341,6 +346,9 @@ class TileAP:
         return not self.dims or self.dims[-1][0] == 1 or self.dims[-1][1] == 1
 
     def __getitem__(self, idx: Any) -> "TileAP":
+        fast = _tile_slice_fast(self, idx)
+        if fast is not None:
+            return fast
         items = _norm_index(idx, 1 + len(self.dims))
         r = _slice_dim(items[0], self.p_count, f"the partition dim of '{self.name}'")
         if isinstance(r, int):
@@ -409,6 +417,85 @@ class TileAP:
 
     def __repr__(self) -> str:
         return f"{self.space}:{self.name}[{self.p_start}:{self.p_start + self.p_count}]@{self.offset}{list(self.dims)}"
+
+
+def _fast_range(i: Any, size: int) -> tuple[int, int] | int | None:
+    """``i`` as (start, length) for a step-1 slice with in-range non-negative bounds, as the
+    position for an in-range non-negative int, else None (the general path decides: negative
+    indices, steps, errors)."""
+    t = type(i)
+    if t is slice:
+        if i.step is not None and i.step != 1:
+            return None
+        a, b = i.start, i.stop
+        if a is None:
+            a = 0
+        elif type(a) is not int or a < 0:
+            return None
+        if b is None:
+            b = size
+        elif type(b) is not int or b > size:
+            return None
+        if a >= b:
+            return None
+        return (a, b - a)
+    if t is int and 0 <= i < size:
+        return i
+    return None
+
+
+def _fast_ranges(idx: Any, dims: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int] | int] | None:
+    """What :func:`_slice_dim` gives for each dimension of ``dims`` - a position, or (start,
+    step, length) - when ``idx`` holds only in-range ints and step-1 slices, else None."""
+    if type(idx) is not tuple:
+        idx = (idx,)
+    if len(idx) > len(dims):
+        return None
+    out: list[tuple[int, int, int] | int] = []
+    for k, (_, n) in enumerate(dims):
+        if k >= len(idx):
+            out.append((0, 1, n))
+            continue
+        r = _fast_range(idx[k], n)
+        if r is None:
+            return None
+        out.append(r if type(r) is int else (r[0], 1, r[1]))  # type: ignore[index]
+    return out
+
+
+def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
+    """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
+    dimension - without normalising it item by item (kernels slice tiles once per instruction);
+    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages."""
+    if type(idx) is not tuple:
+        idx = (idx,)
+    dims = ap.dims
+    if len(idx) > 1 + len(dims):
+        return None
+    r = _fast_range(idx[0], ap.p_count)
+    if r is None:
+        return None
+    if type(r) is int:
+        p_start, p_count = ap.p_start + r, 1
+    else:
+        p_start, p_count = ap.p_start + r[0], r[1]
+    offset = ap.offset
+    out: list[tuple[int, int]] = []
+    k = 1
+    for s, n in dims:
+        if k < len(idx):
+            r = _fast_range(idx[k], n)
+            if r is None:
+                return None
+            if type(r) is int:
+                offset += r * s
+            else:
+                offset += r[0] * s
+                out.append((s, r[1]))
+        else:
+            out.append((s, n))
+        k += 1
+    return TileAP(ap.alloc, p_start, p_count, offset, tuple(out) if out else ((1, 1),), ap.dtype)
 
 
 AP = Union[HbmAP, TileAP]
@@ -529,6 +616,7 @@ class Instruction:
 
     __slots__ = ("index", "engine", "reads", "writes", "deps", "first_deps", "label")
     opcode = "Instruction"
+    is_dma = False  # True for the DMA family (a trigger on an engine, a transfer on a queue)
 
     def __init__(self, engine: str, reads: tuple[AP, ...], writes: tuple[AP, ...], label: str = ""):
         self.index = -1
@@ -554,6 +642,7 @@ class DmaCopy(Instruction):
 
     __slots__ = ("dst", "src", "queue", "plan")
     opcode = "DmaCopy"
+    is_dma = True
 
     def __init__(self, engine: str, dst: AP, src: AP, queue: str):
         super().__init__(engine, (src,), (dst,))
@@ -611,8 +700,14 @@ class MatMul(Instruction):
     opcode = "MatMul"
 
     def __init__(self, dst: TileAP, stationary: TileAP, moving: TileAP, accumulate: bool, double_row: bool):
-        reads: tuple[AP, ...] = (stationary, moving, dst) if accumulate else (stationary, moving)
-        super().__init__("Tensor", reads, (dst,))
+        # Instruction.__init__ spelled out: a matmul kernel makes tens of thousands of these
+        self.index = -1
+        self.engine = "Tensor"
+        self.reads: tuple[AP, ...] = (stationary, moving, dst) if accumulate else (stationary, moving)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.stationary = stationary
         self.moving = moving

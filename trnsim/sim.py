@@ -23,7 +23,7 @@ from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .config import ChipConfig
 from .cores.base import ENGINE_TYPES, Engine, Segment
 from .isa import DmaCopy, Instruction
-from .kernel import Kernel
+from .kernel import Kernel, gc_paused
 from .memory.dma import BandwidthPipe, DmaSystem
 from .memory.hbm import stack_bandwidth, stack_of_core
 
@@ -84,37 +84,48 @@ class CoreTimeline:
     # ---- processes -------------------------------------------------------------------------
     def _engine(self, eng: Engine, instrs: Sequence[Instruction]) -> Generator[simpy.Event, Any, None]:
         env = self.env
-        ready, end, owner = self.ready, self.end, self.owner
+        ready, end, owner, trigger = self.ready, self.end, self.owner, self.trigger
+        waiters, trigger_waiters = self._waiters, self._trigger_waiters
+        add_segments = self.segments.extend
+        plan = eng.plan
         own = eng.name if eng.pipelines_own_results else None
         for ins in instrs:
             t = int(env.now)
             for d in ins.deps:
                 r = ready[d]
                 if r is None:
-                    yield self._wait(self._waiters, d)
+                    yield self._wait(waiters, d)
                     r = ready[d]
                 if owner[d] == own:
                     r = end[d]
                 if r > t:  # type: ignore[operator]
                     t = r  # type: ignore[assignment]
-            t_first = t
-            if ins.first_deps is not None:
+            first = ins.first_deps
+            if first is None:
+                t_first = t
+            else:
                 t_first = int(env.now)
-                for d in ins.first_deps:
+                for d in first:
                     r = end[d] if owner[d] == own else ready[d]
                     if r > t_first:  # type: ignore[operator]
                         t_first = r  # type: ignore[assignment]
-            start, e, rdy, segs = eng.plan(ins, t, t_first)
-            if start > env.now:
-                yield env.timeout(start - env.now)
-            self.segments.extend(segs)
+            start, e, rdy, segs = plan(ins, t, t_first)
+            now = env.now
+            if start > now:
+                yield env.timeout(start - now)
+            add_segments(segs)
             i = ins.index
             end[i] = e
-            if isinstance(ins, DmaCopy):
-                self.trigger[i] = e
-                self._notify(self._trigger_waiters, i)
+            if ins.is_dma:  # a DMA trigger: the queue process moves the data
+                trigger[i] = e
+                ev = trigger_waiters.pop(i, None)
+                if ev is not None:
+                    ev.succeed()
             else:
-                self._set_ready(i, rdy)
+                ready[i] = rdy
+                ev = waiters.pop(i, None)
+                if ev is not None:
+                    ev.succeed()
 
     def _queue(self, lane: str, dmas: Sequence[DmaCopy]) -> Generator[simpy.Event, Any, None]:
         env = self.env
@@ -154,8 +165,9 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel]) -> list[CoreTimeline
     env = simpy.Environment()
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
-    env.run()
+    with gc_paused():
+        cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
+        env.run()
     for c in cores:
         c.check_complete()
     return cores

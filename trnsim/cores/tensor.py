@@ -54,6 +54,7 @@ class TensorEngine(Engine):
         self.drain_cycles = t.pe_rows + t.pe_cols - 2
         self.ramp_ticks = config.ps_to_ticks(t.throttle_ramp)
         self.idle_reset_ticks = config.ps_to_ticks(t.throttle_idle_reset)
+        self._cycles: dict[tuple[Any, ...], tuple[int, int]] = {}  # shape_cycles by operand shapes
 
     # ---- timing ----------------------------------------------------------------------------
     def shape_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
@@ -89,7 +90,14 @@ class TensorEngine(Engine):
             return super().plan(ins, t_dep, t_first)
         t = self.config.core.tensor
         tpc = self.tpc
-        ls_cycles, mm_cycles = self.shape_cycles(ins)
+        # (LS, MM) cycles depend on the operand shapes alone; a matmul kernel repeats a few
+        key = (ins.opcode, ins.data.p_count, ins.data.free_size, ins.load_stationary) if isinstance(ins, Transpose) \
+            else (ins.opcode, ins.stationary.dims, ins.moving.dims, ins.stationary.dtype.name, ins.double_row,
+                  ins.load_stationary)
+        cycles = self._cycles.get(key)
+        if cycles is None:
+            cycles = self._cycles[key] = self.shape_cycles(ins)
+        ls_cycles, mm_cycles = cycles
         segs: list[Segment] = []
         if ls_cycles:
             gate = self.last_mm_start if t.overlap_load_stationary else self.last_mm_ready

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..config import ChipConfig, clip_text, load_config
 from ..isa import KernelError
-from ..kernel import Kernel
+from ..kernel import Kernel, gc_paused
 from ..native.dtypes import get_dtype
 from .generic import STREAM, build_stream, split_stream
 from .reference import default_tolerance
@@ -307,7 +307,8 @@ def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | N
         except TypeError as e:
             raise KernelError(f"{what}: cannot call {getattr(fn, '__name__', fn)}{sig} with shape "
                               f"{'x'.join(map(str, shape))}: {clip_text(e, 200)}") from None
-    kernel = fn(*shape, **kwargs)
+    with gc_paused():
+        kernel = fn(*shape, **kwargs)
     if not isinstance(kernel, Kernel):
         raise KernelError(f"{what}: {getattr(fn, '__name__', fn)} returned {type(kernel).__name__}, "
                           f"expected a trnsim.Kernel")

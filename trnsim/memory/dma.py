@@ -277,6 +277,8 @@ class DmaSystem:
         self.transfer_latency = config.ps_to_ticks(dma.transfer_latency)
         self.desc_ticks = config.ps_to_ticks(dma.descriptor_overhead)
         self.hbm = hbm_pipe
+        #: id(plan) -> (plan, ((engine, ticks), ...), HBM bus bytes): a plan's costs, worked out once
+        self._plan_ticks: dict[int, tuple[DmaPlan, tuple[tuple[int, int], ...], int]] = {}
 
     def engine_ticks(self, nbytes: int, chunks: int, plan: DmaPlan | None = None) -> int:
         """Ticks an engine spends on ``nbytes`` in ``chunks`` descriptors (of ``plan``: element
@@ -297,15 +299,19 @@ class DmaSystem:
         fin = start
         first = None
         free = self.engine_free
-        for e, nbytes, chunks in plan.engines:
+        got = self._plan_ticks.get(id(plan))
+        if got is None or got[0] is not plan:  # kernels share plans between copies of one geometry
+            got = self._plan_ticks[id(plan)] = (plan, tuple((e, self.engine_ticks(b, c, plan))
+                                                            for e, b, c in plan.engines), plan.hbm_bus_bytes)
+        _, engine_ticks, hbm_bytes = got
+        for e, ticks in engine_ticks:
             s = free[e] if free[e] > start else start
             if first is None or s < first:
                 first = s
-            f = s + self.engine_ticks(nbytes, chunks, plan)
+            f = s + ticks
             free[e] = f
             if f > fin:
                 fin = f
-        hbm_bytes = plan.hbm_bus_bytes
         if hbm_bytes:
             fin = max(fin, self.hbm.reserve(hbm_bytes, start))
         return (start if first is None else first), fin + self.transfer_latency

@@ -36,7 +36,7 @@ import numpy as np
 from ..chip import Chip
 from ..config import ChipConfig, load_config
 from ..isa import HbmAP, KernelError
-from ..kernel import Kernel as BuilderKernel
+from ..kernel import Kernel as BuilderKernel, gc_paused
 from ..native.dtypes import get_dtype
 from ..report import KernelReport
 from ..schedule import ScheduleStats, schedule, unbounded_kernel
@@ -192,29 +192,30 @@ class Kernel:
         sources: list[str] = []
         extra: dict[int, set[int]] = {}
         constants: dict[str, np.ndarray] = {}
-        for pid in chosen:
-            tr = Trace(k0, pid, self.grid)
-            tr.shared_hbm = shared  # type: ignore[attr-defined]
-            tr.source_lines = sources
-            tr.extra_deps = extra
-            tr.constants = constants
-            tr.inputs = inputs
-            with tr:
-                try:
-                    ret = self.fn(*pos, **kw)
-                    tr.flush()
-                except NkiError as e:
-                    msg = str(e)
-                    where = _where(e.__traceback__)
-                    located = re.match(r"^[^\s:]+\.py:\d+: ", msg) is not None  # already names its line
-                    raise NkiError(msg if not where or located else f"{where}: {msg}") from None
-                except KernelError as e:
-                    raise NkiError(f"{_where(e.__traceback__)}: {e}".lstrip(": ")) from None
-                except Exception as e:
-                    if _internal(e.__traceback__):
-                        raise  # a trnsim bug, not the kernel's: keep the traceback
-                    first = str(e).split("\n", 1)[0]
-                    raise NkiError(f"{_where(e.__traceback__)}: {type(e).__name__}: {first}".lstrip(": ")) from e
+        with gc_paused():  # tracing builds a builder kernel: see trnsim.kernel.gc_paused
+            for pid in chosen:
+                tr = Trace(k0, pid, self.grid)
+                tr.shared_hbm = shared  # type: ignore[attr-defined]
+                tr.source_lines = sources
+                tr.extra_deps = extra
+                tr.constants = constants
+                tr.inputs = inputs
+                with tr:
+                    try:
+                        ret = self.fn(*pos, **kw)
+                        tr.flush()
+                    except NkiError as e:
+                        msg = str(e)
+                        where = _where(e.__traceback__)
+                        located = re.match(r"^[^\s:]+\.py:\d+: ", msg) is not None  # already names its line
+                        raise NkiError(msg if not where or located else f"{where}: {msg}") from None
+                    except KernelError as e:
+                        raise NkiError(f"{_where(e.__traceback__)}: {e}".lstrip(": ")) from None
+                    except Exception as e:
+                        if _internal(e.__traceback__):
+                            raise  # a trnsim bug, not the kernel's: keep the traceback
+                        first = str(e).split("\n", 1)[0]
+                        raise NkiError(f"{_where(e.__traceback__)}: {type(e).__name__}: {first}".lstrip(": ")) from e
         inputs.update(constants)
         outputs = _mark_outputs(name, ret)
         written = {}
