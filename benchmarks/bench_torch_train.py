@@ -13,8 +13,9 @@ all CPU steps, then all neuron steps, so each runs in its own steady state (alte
 steps let each evict the other's working set from the caches: that slowed the CPU steps by
 about a quarter and flattered the ratio). Prints, per device, the first step (the neuron one
 includes simulating every kernel the step needs for the first time) and the steady-state wall
-time per step (median of the steps after the first two), then the ratio neuron / CPU. Goal:
-<= 1.5x on the small GPT-2. Also prints how much of a neuron step computed matmul values on the
+time per step (median of the steps after the first two), then the ratio neuron / CPU (and the
+same for process CPU time, which a busy shared machine disturbs less). Goal:
+<= 1.3x on the small GPT-2 (issue 8). Also prints how much of a neuron step computed matmul values on the
 TensorE datapath (fused fp32 multiply-adds in the definition's fixed order and 128-row
 chunks) and the simulated device time per step, and checks that both
 devices computed the same losses (exit status 1 if they differ by more than 1e-4 relative), so
@@ -42,7 +43,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TRN
 import torch  # noqa: E402  (after the thread pins)
 
 ROOT = Path(__file__).resolve().parent.parent
-GOAL = 1.5
+GOAL = 1.3  # issue 8: steady-state step within 1.3x of CPU
 WARMUP = 2  # steps left out of the steady state: the first simulates kernels, the second AdamW's
 
 
@@ -88,7 +89,7 @@ class Model:
     batch: int
     steps: int
     quick_steps: int
-    goal: bool  # the 1.5x goal applies to this model
+    goal: bool  # the GOAL applies to this model
 
     def describe(self) -> str:
         return (f"{self.name} GPT-2 ({self.layers} layers, width {self.width}, {self.heads} heads), "
@@ -110,10 +111,11 @@ class Trainer:
         self.model = example.make_model(size.seq, size.layers, size.width, size.heads).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []  # process CPU time (every thread; not time spent descheduled)
         self.losses: list[float] = []
 
     def step(self, x: torch.Tensor) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x = x.to(self.device)
         loss = self.model(x, labels=x).loss
         loss.backward()
@@ -122,9 +124,13 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.losses.append(loss.item())  # waits for the device, as a real training loop's logging does
         self.seconds.append(time.perf_counter() - t0)
+        self.cpu_seconds.append(time.process_time() - c0)
 
     def steady_ms(self) -> float:
         return statistics.median(self.seconds[WARMUP:]) * 1e3
+
+    def steady_cpu_ms(self) -> float:
+        return statistics.median(self.cpu_seconds[WARMUP:]) * 1e3
 
 
 def run(example: Any, size: Model, steps: int, datapath: DatapathClock) -> bool:
@@ -154,6 +160,9 @@ def run(example: Any, size: Model, steps: int, datapath: DatapathClock) -> bool:
     verdict = f"goal <= {GOAL}x: {'met' if ratio <= GOAL else 'missed'}" if size.goal else \
         f"the {GOAL}x goal is for the small GPT-2; here per-op dispatch dominates"
     print(f"ratio neuron/CPU per steady-state step: {ratio:.2f}x on the {size.name} GPT-2 ({verdict})")
+    print(f"  process CPU time per steady-state step (median): cpu {cpu.steady_cpu_ms():.1f} ms, neuron "
+          f"{neuron.steady_cpu_ms():.1f} ms, {neuron.steady_cpu_ms() / cpu.steady_cpu_ms():.2f}x (leaves out time the "
+          f"process waited for a core: on a shared machine, compare with the wall-time ratio above)")
     worst = max(abs(a - b) / abs(a) for a, b in zip(cpu.losses, neuron.losses))
     print(f"  losses: CPU {cpu.losses[-1]:.5f}, neuron {neuron.losses[-1]:.5f} after {steps} steps "
           f"(largest relative difference {worst:.1e})")

@@ -390,7 +390,8 @@ def test_ragged_tiles_every_family():
 
 
 def test_fp32_in_place_and_packed_paths():
-    """fp32 stationary is read where it lies; fp32 moving too, unless many row panels revisit
+    """fp32 stationary is read where it lies, unless its columns are contiguous and more than
+    two column panels reuse it (packed); fp32 moving too, unless many row panels revisit
     a wide chunk of it whose rows are a multiple of 1 KiB apart, or its columns are not
     contiguous. Each choice must give the reference's bits."""
     rng = np.random.default_rng(31)
@@ -404,6 +405,21 @@ def test_fp32_in_place_and_packed_paths():
     wide = randn(rng, (40, 1024), F32)  # 4 KiB between stationary rows
     check(wide[:, :K].T, randn(rng, (K, 80), F32), k_chunk=64)
     check(randn(rng, (K, 12), F32), randn(rng, (K, 16), F32))  # one tile, read in place
+    s_cols = randn(rng, (300, 40), F32)  # [K, M] contiguous (x.t() in a weight gradient)
+    check(s_cols, randn(rng, (300, 200), F32))  # 3+ column panels in every family: packed
+    check(s_cols, randn(rng, (300, 200), F32)[:, :9], k_chunk=64)  # one or two panels: in place
+    check(randn(rng, (K, 90), F32)[:, 3:80], randn(rng, (K, 200), F32))  # packed, offset view
+
+
+def test_k_contiguous_fp32_operands():
+    """Transposed views (k contiguous: a row-major a[M, K], a w.t() moving) are packed by
+    16 x 16 register transposes on AVX-512: every k remainder mod 16 and ragged panel width."""
+    rng = np.random.default_rng(43)
+    for K in (1, 15, 16, 17, 130):
+        for N in (1, 16, 17, 33, 100):
+            s = randn(rng, (13, K), F32).T  # stationary [K, 13], k contiguous
+            v = randn(rng, (N, K), F32).T   # moving [K, N], k contiguous: always packed
+            check(s, v, k_chunk=64)
 
 
 def test_column_blocks():

@@ -297,6 +297,19 @@ int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n) {
 #define CONV_BF16(x) bf16_to_f32_bits(x)
 #define CONV_TAB(x) tab[x]
 
+/* BODY(element type, widening) for the element format dt. */
+#define FOR_FORMAT(dt, BODY)                                                                   \
+    switch (dt) {                                                                              \
+    case TRN_F32: BODY(uint32_t, CONV_F32); break;                                             \
+    case TRN_F16: BODY(uint16_t, CONV_F16); break;                                             \
+    case TRN_BF16: BODY(uint16_t, CONV_BF16); break;                                           \
+    default: {                                                                                 \
+        const uint32_t *tab = fp8_table(dt);                                                   \
+        BODY(uint8_t, CONV_TAB);                                                               \
+        break;                                                                                 \
+    }                                                                                          \
+    }
+
 /* Pack columns [x0, x0+xn) of rows [k0, k0+kc) into dst (kc x R). */
 /* Rows of R contiguous fp32 values, copied with a size the compiler knows: a few vector moves
  * per row instead of a loop with a remainder. */
@@ -316,16 +329,47 @@ TRN_CLONES static void pack_panel(const void *src, int dt, int64_t sk, int64_t s
         default: break;
         }
     }
-    switch (dt) {
-    case TRN_F32: PACK_ROWS(uint32_t, CONV_F32); break;
-    case TRN_F16: PACK_ROWS(uint16_t, CONV_F16); break;
-    case TRN_BF16: PACK_ROWS(uint16_t, CONV_BF16); break;
-    default: {
-        const uint32_t *tab = fp8_table(dt);
-        PACK_ROWS(uint8_t, CONV_TAB);
-        break;
+    FOR_FORMAT(dt, PACK_ROWS)
+}
+
+/* Pack np full panels of R columns from rows whose columns are contiguous (sx = 1): panel p
+ * holds columns [x0 + p*R, x0 + (p+1)*R) at dst + p*pstride. k outer, so each source row is
+ * read once, front to back. Panel by panel (pack_panel) reads one short piece of every row
+ * per panel instead, and rows a multiple of 4 KiB apart (a 1024-wide x.t() in a weight
+ * gradient) all land in one L1 set: each panel re-read its rows from L2, a quarter of the
+ * 1024x1024x256 matmul's time. */
+#define COPY_PANELS(R_)                                                                        \
+    do {                                                                                       \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            const uint32_t *row = (const uint32_t *)src + (k0 + k) * sk + x0;                  \
+            for (int64_t p = 0; p < np; p++)                                                   \
+                memcpy(dst + p * pstride + k * (R_), row + p * (R_), (R_) * 4);                \
+        }                                                                                      \
+    } while (0)
+#define CONV_PANELS(T, CONV)                                                                   \
+    do {                                                                                       \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            const T *row = (const T *)src + (k0 + k) * sk + x0;                                \
+            for (int64_t p = 0; p < np; p++) {                                                 \
+                uint32_t *d = dst + p * pstride + k * R;                                       \
+                for (int64_t r = 0; r < R; r++) d[r] = CONV(row[p * R + r]);                   \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
+TRN_CLONES static void pack_panels_rows(const void *src, int dt, int64_t sk, int64_t k0, int64_t kc,
+                                        int64_t x0, int64_t np, int64_t R, uint32_t *dst,
+                                        int64_t pstride) {
+    if (dt == TRN_F32) {
+        switch (R) {
+        case 8: COPY_PANELS(8); return;
+        case 12: COPY_PANELS(12); return;
+        case 16: COPY_PANELS(16); return;
+        case 32: COPY_PANELS(32); return;
+        default: break;
+        }
     }
-    }
+    FOR_FORMAT(dt, CONV_PANELS)
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -391,9 +435,9 @@ static void kern_generic_fma(int64_t kc, const float *a, int64_t ak, int64_t ai,
 #define KERNEL_CASE(BODY, MR_, FUSED)                                                          \
     case MR_:                                                                                  \
         if (nv == 2)                                                                           \
-            BODY(MR_, 2, FUSED, kc, a, ak, ai, b, bk, dst, ldd, add, nc);                      \
+            BODY(MR_, 2, FUSED, kc, a, AK_, AI_, b, bk, dst, ldd, add, nc);                    \
         else                                                                                   \
-            BODY(MR_, 1, FUSED, kc, a, ak, ai, b, bk, dst, ldd, add, nc);                      \
+            BODY(MR_, 1, FUSED, kc, a, AK_, AI_, b, bk, dst, ldd, add, nc);                    \
         break;
 
 /* AVX2: up to 6 rows x 2 vectors of 8 columns, 12 ymm accumulators. */
@@ -407,6 +451,7 @@ a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
     _Pragma("GCC unroll 6") for (int i = 0; i < mr; i++) {
         c[i][0] = _mm256_setzero_ps();
         c[i][1] = _mm256_setzero_ps();
+        _mm_prefetch((const char *)(dst + i * ldd), _MM_HINT_T0); /* as in a5_tile */
     }
     for (int64_t k = 0; k < kc; k++) {
         const __m256 b0 = _mm256_loadu_ps(b + k * bk);
@@ -436,11 +481,13 @@ a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
     }
 }
 
-#define DEFINE_AVX2_KERNEL(NAME, FUSED)                                                        \
+#define DEFINE_AVX2_KERNEL(NAME, FUSED, AK, AI)                                                \
     __attribute__((target("avx2,fma"))) static void NAME(                                     \
         int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b, int64_t bk,        \
         float *dst, int64_t ldd, int add, int mr, int nc) {                                    \
         const int nv = nc > A2_VW ? 2 : 1;                                                     \
+        const int64_t AK_ = (AK), AI_ = (AI);                                                  \
+        (void)ak, (void)ai;                                                                    \
         switch (mr) {                                                                          \
             KERNEL_CASE(a2_tile, 1, FUSED)                                                     \
             KERNEL_CASE(a2_tile, 2, FUSED)                                                     \
@@ -452,8 +499,11 @@ a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
         }                                                                                      \
     }
 
-DEFINE_AVX2_KERNEL(kern_avx2_unfused, 0)
-DEFINE_AVX2_KERNEL(kern_avx2_fma, 1)
+DEFINE_AVX2_KERNEL(kern_avx2_unfused, 0, ak, ai)
+DEFINE_AVX2_KERNEL(kern_avx2_fma, 1, ak, ai)
+/* The same body for a packed stationary panel (ak = MR, ai = 1 as constants: the broadcasts
+ * become fixed offsets, and the strides no longer take registers). */
+DEFINE_AVX2_KERNEL(kern_avx2_fma_packed, 1, A2_MR, 1)
 
 /* AVX-512: up to 12 rows x 2 vectors of 16 columns, 24 zmm accumulators: one FMA per 16 MACs
  * on each of two FP ports. */
@@ -467,6 +517,10 @@ a5_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
     _Pragma("GCC unroll 12") for (int i = 0; i < mr; i++) {
         c[i][0] = _mm512_setzero_ps();
         c[i][1] = _mm512_setzero_ps();
+        /* out's tile is touched only after the k loop: ask for its lines now, so a chunk
+         * added to a PSUM tile that left L1 (K > k_chunk) does not wait for them */
+        _mm_prefetch((const char *)(dst + i * ldd), _MM_HINT_T0);
+        if (nv > 1) _mm_prefetch((const char *)(dst + i * ldd + A5_VW), _MM_HINT_T0);
     }
     for (int64_t k = 0; k < kc; k++) {
         const __m512 b0 = _mm512_loadu_ps(b + k * bk);
@@ -497,11 +551,13 @@ a5_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
     }
 }
 
-#define DEFINE_AVX512_KERNEL(NAME, FUSED)                                                      \
+#define DEFINE_AVX512_KERNEL(NAME, FUSED, AK, AI)                                              \
     __attribute__((target("avx512f"))) static void NAME(                                      \
         int64_t kc, const float *a, int64_t ak, int64_t ai, const float *b, int64_t bk,        \
         float *dst, int64_t ldd, int add, int mr, int nc) {                                    \
         const int nv = nc > A5_VW ? 2 : 1;                                                     \
+        const int64_t AK_ = (AK), AI_ = (AI);                                                  \
+        (void)ak, (void)ai;                                                                    \
         switch (mr) {                                                                          \
             KERNEL_CASE(a5_tile, 1, FUSED)                                                     \
             KERNEL_CASE(a5_tile, 2, FUSED)                                                     \
@@ -519,31 +575,88 @@ a5_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
         }                                                                                      \
     }
 
-DEFINE_AVX512_KERNEL(kern_avx512_unfused, 0)
-DEFINE_AVX512_KERNEL(kern_avx512_fma, 1)
+DEFINE_AVX512_KERNEL(kern_avx512_unfused, 0, ak, ai)
+DEFINE_AVX512_KERNEL(kern_avx512_fma, 1, ak, ai)
+DEFINE_AVX512_KERNEL(kern_avx512_fma_packed, 1, A5_MR, 1) /* packed stationary, as for AVX2 */
+
+/* fp32 panel packing for a k-contiguous operand (sk = 1: a row-major a[M, K] as stationary,
+ * a transposed view w.t() as moving): pack_panel's column-by-column copy writes one float per
+ * store R floats apart; this transposes 16 x 16 blocks in registers (unpack, then two 128-bit
+ * lane shuffles) and stores whole rows. Columns [x0, x0 + xn) of rows [k0, k0 + kc) go to
+ * dst (kc x R, R <= 32, zero past xn), exactly the floats pack_panel writes. */
+__attribute__((target("avx512f"))) static void pack_t_avx512(const float *src, int64_t sx, int64_t k0,
+                                                            int64_t kc, int64_t x0, int64_t xn,
+                                                            int64_t R, uint32_t *dst) {
+    for (int64_t h = 0; h * 16 < R; h++) {
+        const int64_t c0 = h * 16;                         /* first column of this half */
+        const int64_t nc = xn - c0 < 0 ? 0 : (xn - c0 > 16 ? 16 : xn - c0); /* real columns */
+        const int64_t w = R - c0 < 16 ? R - c0 : 16;       /* lanes stored per row */
+        const __mmask16 smask = w >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << w) - 1u);
+        for (int64_t kb = 0; kb < kc; kb += 16) {
+            const int64_t kn = kc - kb < 16 ? kc - kb : 16;
+            const __mmask16 lmask = kn >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << kn) - 1u);
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < nc ? _mm512_maskz_loadu_ps(lmask, src + (x0 + c0 + i) * sx + k0 + kb)
+                              : _mm512_setzero_ps();
+            __m512 t[16], u[16];
+            for (int i = 0; i < 8; i++) {
+                t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+            }
+            /* u[4g + j], lane l: columns 4g..4g+3 at k = 4l + j */
+            for (int g = 0; g < 4; g++) {
+                const __m512d a0 = _mm512_castps_pd(t[4 * g]), a1 = _mm512_castps_pd(t[4 * g + 1]);
+                const __m512d b0 = _mm512_castps_pd(t[4 * g + 2]), b1 = _mm512_castps_pd(t[4 * g + 3]);
+                u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512 vlo = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+                const __m512 vhi = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+                const __m512 wlo = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+                const __m512 whi = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+                const __m512 out[4] = {_mm512_shuffle_f32x4(vlo, wlo, 0x88), _mm512_shuffle_f32x4(vlo, wlo, 0xDD),
+                                       _mm512_shuffle_f32x4(vhi, whi, 0x88), _mm512_shuffle_f32x4(vhi, whi, 0xDD)};
+                for (int l = 0; l < 4; l++) {
+                    const int64_t k = 4 * l + j; /* row of this block */
+                    if (k < kn) _mm512_mask_storeu_ps((float *)dst + (kb + k) * R + c0, smask, out[l]);
+                }
+            }
+        }
+    }
+}
 
 #endif /* TRN_X86 */
 
 typedef struct {
+    int isa;    /* TRN_ISA_* */
     int mr, nr; /* register tile: rows, and columns of a full panel */
     int vw;     /* columns of one vector: a panel of at most vw columns is packed vw wide */
     kern_fn fma, unfused; /* the definition; mul+add rounded apart (TRN_FMA_OFF) */
+    kern_fn fma_packed;   /* fma for a packed stationary panel (ak = mr, ai = 1) */
 } kernel_family;
 
 static int get_family(int isa, kernel_family *f) {
+    f->isa = isa;
     switch (isa) {
     case TRN_ISA_GENERIC:
         f->mr = G_MR, f->nr = G_NR, f->vw = G_NR;
         f->fma = kern_generic_fma, f->unfused = kern_generic_unfused;
+        f->fma_packed = kern_generic_fma;
         return 1;
 #if TRN_X86
     case TRN_ISA_AVX2:
         f->mr = A2_MR, f->nr = 2 * A2_VW, f->vw = A2_VW;
         f->fma = kern_avx2_fma, f->unfused = kern_avx2_unfused;
+        f->fma_packed = kern_avx2_fma_packed;
         return 1;
     case TRN_ISA_AVX512:
         f->mr = A5_MR, f->nr = 2 * A5_VW, f->vw = A5_VW;
         f->fma = kern_avx512_fma, f->unfused = kern_avx512_unfused;
+        f->fma_packed = kern_avx512_fma_packed;
         return 1;
 #endif
     default: return 0;
@@ -632,6 +745,35 @@ static int64_t block_cols(const kernel_family *F, int64_t kmax) {
     return (panels > 0 ? panels : 1) * F->nr;
 }
 
+/* pack_panel, or its AVX-512 transpose for k-contiguous fp32 (same floats). */
+static void pack_one(const kernel_family *F, const void *src, int dt, int64_t sk, int64_t sx,
+                     int64_t k0, int64_t kc, int64_t x0, int64_t xn, int64_t R, uint32_t *dst) {
+#if TRN_X86
+    if (F->isa == TRN_ISA_AVX512 && dt == TRN_F32 && sk == 1 && sx != 1 && R <= 32) {
+        pack_t_avx512((const float *)src, sx, k0, kc, x0, xn, R, dst);
+        return;
+    }
+#else
+    (void)F;
+#endif
+    pack_panel(src, dt, sk, sx, k0, kc, x0, xn, R, dst);
+}
+
+/* Whether the kernel broadcasts fp32 stationary values straight from the caller's array
+ * (element (k, i) at s[k*s_sk + i*s_sm]) instead of a packed k-major panel. In place, a row
+ * panel stays in L1 across the column panels only if its lines do not fight over a few L1
+ * sets (48 KiB, 12 ways: addresses 4 KiB apart share a set). With columns contiguous (a
+ * transposed view: x.t() in a weight gradient, s_sm = 1) each k step is a new line s_sk apart,
+ * kc of them per chunk, and the usual power-of-two widths alias; packing those is a 48-byte
+ * copy per k and measured faster once a panel is reused a few times (256x1024x1024: 86 -> 106
+ * GFLOP/s; 1024x1024x256: 68 -> 98). Rows contiguous in k (a row-major a[M, K]) stay in place:
+ * packing them is a transpose, which cost more than it saved even at K = 1024 (rows 4 KiB
+ * apart: 107 -> 92). */
+static int stationary_direct(const job *J, int64_t column_panels) {
+    if (J->s_dt != TRN_F32) return 0;
+    return column_panels <= 2 || J->s_sm != 1 || J->s_sk == 1;
+}
+
 /* One batch item, columns [n0, n1): s, v, out point at its [0, 0] elements. sp/vp/tile are
  * the packing buffers, sized by run_job for kmax rows of all row panels and one column block.
  *
@@ -650,9 +792,9 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
     const int64_t mp = (M + MR - 1) / MR;
     const int64_t nchunks = J->K > 0 ? (J->K + J->k_chunk - 1) / J->k_chunk : 1;
     const int64_t NC = block_cols(F, J->K < J->k_chunk ? J->K : J->k_chunk);
-    const int s_direct = J->s_dt == TRN_F32;
+    const int s_direct = stationary_direct(J, (Nj + NR - 1) / NR);
     const int64_t v_span = (J->v_sk < 0 ? -J->v_sk : J->v_sk) * (int64_t)sizeof(float);
-    const kern_fn kern = J->fma_policy == TRN_FMA_OFF ? F->unfused : F->fma;
+    const kern_fn kern = J->fma_policy == TRN_FMA_OFF ? F->unfused : s_direct ? F->fma : F->fma_packed;
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t k0 = c * J->k_chunk;
         const int64_t kc = J->K - k0 < J->k_chunk ? J->K - k0 : J->k_chunk;
@@ -660,18 +802,27 @@ static void run_item(const job *J, const void *s, const void *v, float *out, uin
                              (mp <= 2 || kc * v_span <= 32768 || v_span % 1024 != 0);
         const int add = c > 0 || J->accumulate;
         if (!s_direct) {
-            for (int64_t ip = 0; ip < mp; ip++) {
+            /* full panels of a row-contiguous stationary row by row, the rest panel by panel */
+            const int64_t rows_first = J->s_sm == 1 && J->s_sk != 1 ? M / MR : 0;
+            if (rows_first > 0)
+                pack_panels_rows(s, J->s_dt, J->s_sk, k0, kc, 0, rows_first, MR, sp, kc * MR);
+            for (int64_t ip = rows_first; ip < mp; ip++) {
                 const int64_t x0 = ip * MR, xn = M - x0 < MR ? M - x0 : MR;
-                pack_panel(s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
+                pack_one(F, s, J->s_dt, J->s_sk, J->s_sm, k0, kc, x0, xn, MR, sp + ip * kc * MR);
             }
         }
         for (int64_t jb = 0; jb < Nj; jb += NC) {
             const int64_t nb = Nj - jb < NC ? Nj - jb : NC; /* columns in this block */
             const int64_t np_ = (nb + NR - 1) / NR;
-            for (int64_t jp = 0; jp < np_; jp++) {
+            /* as for stationary: full packed panels of row-contiguous moving row by row */
+            const int64_t v_rows_first = !v_direct && J->v_sn == 1 && J->v_sk != 1 ? nb / NR : 0;
+            if (v_rows_first > 0)
+                pack_panels_rows(v, J->v_dt, J->v_sk, k0, kc, J->n0 + jb, v_rows_first, NR, vp,
+                                 kc * NR);
+            for (int64_t jp = v_rows_first; jp < np_; jp++) {
                 const int64_t x0 = jp * NR, xn = nb - x0 < NR ? nb - x0 : NR;
                 if (v_direct && xn == panel_width(F, xn)) continue;
-                pack_panel(v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
+                pack_one(F, v, J->v_dt, J->v_sk, J->v_sn, k0, kc, J->n0 + jb + x0, xn,
                            panel_width(F, xn), vp + jp * kc * NR);
             }
             /* Row panels outside the column panels: one stationary panel stays in L1 while
