@@ -121,26 +121,7 @@ class _ToCpu:
                 self.storages.setdefault(ptr, x)
             return v
         if isinstance(x, (list, tuple)):
-            # a list of neuron tensors (a _foreach_* op's 50-150 parameters, optimizer states) is
-            # the common case: converted in this loop, not by a call and a generator per element
-            out = []
-            views, storages = self.views, self.storages
-            for y in x:
-                if type(y) is not torch.Tensor and not isinstance(y, torch.Tensor) or y.device not in NEURON_DEVICES:
-                    out.append(self(y))
-                    continue
-                dev = y.device
-                if self.device is None:
-                    self.device = dev
-                elif dev != self.device and self.other is None:
-                    self.other = dev
-                v = memory.cpu_view(y)
-                views.setdefault(id(v), y)
-                ptr = y.untyped_storage().data_ptr()
-                if ptr:
-                    storages.setdefault(ptr, y)
-                out.append(v)
-            return out if type(x) is list else type(x)(out)
+            return type(x)(self(y) for y in x)
         if isinstance(x, torch.device) and x.type == NEURON:
             return torch.device("cpu")
         return x
