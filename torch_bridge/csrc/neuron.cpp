@@ -502,6 +502,14 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   cargs.reserve(n);
   // neuron argument -> its CPU alias (one per tensor, as Python's view cache gives one per window)
   c10::SmallVector<std::pair<c10::TensorImpl*, c10::IValue>, 6> aliases;
+  auto alias_of = [&aliases](const at::Tensor& t) -> const c10::IValue& {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    for (const auto& a : aliases) {
+      if (a.first == impl) return a.second;
+    }
+    aliases.emplace_back(impl, c10::IValue(cpu_alias(t)));
+    return aliases.back().second;
+  };
   c10::SmallVector<std::pair<size_t, c10::TensorImpl*>, 4> writes;  // written argument -> its CPU alias
   c10::SmallVector<const void*, 8> inputs;  // the neuron arguments' memory
   for (size_t i = 0; i < n; ++i) {
@@ -526,17 +534,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         }
         key_tensor(key, t, 0);
         inputs.push_back(t.storage().data());
-        c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-        const c10::IValue* found = nullptr;
-        for (const auto& a : aliases) {
-          if (a.first == impl) found = &a.second;
-        }
-        if (found == nullptr) {
-          aliases.emplace_back(impl, c10::IValue(cpu_alias(t)));
-          found = &aliases.back().second;
-        }
-        cargs.push_back(*found);
-        if (written) writes.emplace_back(i, found->toTensor().unsafeGetTensorImpl());
+        const c10::IValue& found = alias_of(t);
+        cargs.push_back(found);
+        if (written) writes.emplace_back(i, found.toTensor().unsafeGetTensorImpl());
       } else if (t.device().is_cpu() && t.dim() == 0 && !written) {  // a host scalar
         key_tensor(key, t, 1);
         if (t.unsafeGetTensorImpl()->is_wrapped_number() &&
@@ -595,16 +595,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         else if (ti != index) return slow(op, stack);
         key_tensor(key, t, 0);
         inputs.push_back(t.storage().data());
-        c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-        const c10::IValue* found = nullptr;
-        for (const auto& a : aliases) {
-          if (a.first == impl) found = &a.second;
-        }
-        if (found == nullptr) {
-          aliases.emplace_back(impl, c10::IValue(cpu_alias(t)));
-          found = &aliases.back().second;
-        }
-        cpu.push_back(found->toTensor());
+        cpu.push_back(alias_of(t).toTensor());
       }
       cargs.emplace_back(std::move(cpu));
       continue;
