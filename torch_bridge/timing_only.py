@@ -51,6 +51,7 @@ from trnsim.device import Device, OpCost, no_work
 
 from . import _torch, lowering, memory
 from .lowering import flat_tensors
+from .values import is_neuron, op_info
 
 __all__ = ["TimingOnlyError", "TimingOnly", "timing_only", "Target", "Ledger", "is_timing_only", "active",
            "materialize", "replay_layers", "SWEEP_EVERY"]
@@ -110,8 +111,6 @@ class _Facts:
     __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent")
 
     def __init__(self, op: Any):
-        from .values import op_info
-
         info = op_info(op)  # the eager fallback's reading of the schema: views, out= arguments
         self.name, self.is_view, self.out_names = info.name, info.is_view, info.out_names
         tags = set(op.tags)
@@ -139,10 +138,6 @@ def _facts_of(op: Any) -> _Facts:
     if f is None:
         f = _facts[op] = _Facts(op)
     return f
-
-
-def _is_neuron(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == _NEURON
 
 
 def _index(t: torch.Tensor) -> int:
@@ -225,11 +220,11 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             if facts.name == "_copy_from_and_resize" and dst.shape != src.shape:
                 with self:
                     dst.resize_(src.shape)
-            direction = "copy_d2d" if _is_neuron(src) and _is_neuron(dst) else \
-                "copy_h2d" if _is_neuron(dst) else "copy_d2h"
+            direction = "copy_d2d" if is_neuron(src) and is_neuron(dst) else \
+                "copy_h2d" if is_neuron(dst) else "copy_d2h"
             self.run.launch(core, "_copy_from", self._cost(("copy", direction, _key(src), _key(dst)),
                                                            lambda: lowering.copy_spec(direction, src, dst)))
-            if _is_neuron(src) and not _is_neuron(dst):  # to the host: the host waits for the device
+            if is_neuron(src) and not is_neuron(dst):  # to the host: the host waits for the device
                 self.run.synchronize(core)
             return dst
         out = self._call(func, facts, args, kwargs)
@@ -335,7 +330,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         produced = flat_tensors(out, [])
         key = (func, _key(args), _key(tuple(kwargs.items())))
         lists = [list(a) for a in args if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a)]
-        singles = [a for a in args if _is_neuron(a)]
+        singles = [a for a in args if is_neuron(a)]
         self.run.launch(core, name, self._cost(key, lambda: lowering.fused_spec(name, lists, singles, produced)))
 
 
@@ -505,7 +500,7 @@ class TimingOnly:
         from .attention import takes_meta
 
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
-        if not all(_is_neuron(t) for t in (q, k, v)):
+        if not all(is_neuron(t) for t in (q, k, v)):
             return None
         if is_causal and mask is not None:
             raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
