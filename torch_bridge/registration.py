@@ -72,6 +72,16 @@ def _aten(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
 
 
+def _in_place_foreach(op: Any) -> bool:
+    """``_foreach_*_`` whose first argument is the one list it writes and that returns nothing:
+    the native fast path serves it (csrc/neuron.cpp's ``classify_foreach``, which also leaves
+    ``_foreach_copy_`` to Python: it copies from host tensors)."""
+    schema = _torch.op_schema(op)
+    args = schema.arguments
+    return (not schema.returns and bool(args) and schema.name != "aten::_foreach_copy_"
+            and all((a.alias_info is not None and a.alias_info.is_write) == (i == 0) for i, a in enumerate(args)))
+
+
 def register_kernels() -> None:
     """Register the fallback and explicit kernels once per process."""
     if _libs:
@@ -109,12 +119,18 @@ def register_kernels() -> None:
     for name in WHOLE_OPS + DIRECT_OPS:
         kernel = functools.partial(values.same_device_fallback if name in DIRECT_OPS else values.fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)
+    fast_foreach = []  # in-place ones: the fast path's kernel, their Python one on SLOW_KEY
     for qualified in _torch.all_op_names():  # every functional/in-place _foreach_* op
         if qualified.startswith("aten::_foreach_"):
             name = qualified[len("aten::"):]
             op = _aten(name)
-            if not values.op_info(op).out_names:  # out= variants keep the fallback's resizing of outs
-                impl.impl(name, _hidden(functools.partial(values.foreach, op)), "PrivateUse1")
+            info = values.op_info(op)
+            if not info.out_names:  # out= variants keep the fallback's resizing of outs
+                key = "PrivateUse1"
+                if _in_place_foreach(op):
+                    fast_foreach.append(name)
+                    key = SLOW_KEY
+                impl.impl(name, _hidden(functools.partial(values.foreach, op)), key)
     # copying a conj/neg-bit tensor must not loop through the conj fallback (a segfault otherwise)
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Conjugate")
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")
@@ -127,5 +143,5 @@ def register_kernels() -> None:
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
     from . import _native, fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS))
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

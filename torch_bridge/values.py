@@ -386,6 +386,7 @@ def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str
         lists = [list(a) for a in args if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a)]
         cost = _costs[key] = rt.cost(lowering.fused_spec(info.name, lists, [a for a in args if is_neuron(a)],
                                                          flat_tensors(out, [])))
+    fastpath.teach(info.qualified, info.name, cost)  # an in-place one: the fast path serves it from now on
     rt.charge(index, info.name, cost)
     return out
 

@@ -186,3 +186,68 @@ def test_fast_blocks_are_counted_listed_and_freed():
     assert any(b[2] == z.untyped_storage().data_ptr() for b in memory.live_blocks())
     del z
     assert torch.neuron.memory_allocated() == before
+
+
+def _adamw_lists(device: str):
+    torch.manual_seed(1)
+    params = [torch.randn(s).to(device) for s in ((8, 4), (4,), (3, 5))]
+    grads = [torch.randn(p.shape).to(device) for p in params]
+    return params, grads
+
+
+def _adamw_update(params, grads, avgs, sqs, device: str):
+    """AdamW's and clip_grad_norm_'s in-place foreach calls (torch.optim's multi-tensor path)."""
+    torch._foreach_mul_(grads, torch.tensor(0.5).to(device))  # clipping's coefficient, a 0-dim tensor
+    torch._foreach_mul_(params, 1 - 1e-3 * 0.01)
+    torch._foreach_lerp_(avgs, grads, 0.1)
+    torch._foreach_mul_(sqs, 0.999)
+    torch._foreach_addcmul_(sqs, grads, grads, 1 - 0.999)
+    denom = torch._foreach_sqrt(sqs)  # functional: Python's (it relabels a list of fresh results)
+    torch._foreach_div_(denom, [0.3, 0.7, 0.9])
+    torch._foreach_add_(denom, 1e-8)
+    torch._foreach_addcdiv_(params, avgs, denom, [-1e-3, -2e-3, -3e-3])
+
+
+def test_in_place_foreach_ops_are_served_with_python_s_values_costs_and_memory():
+    params, grads = _adamw_lists("neuron")
+    avgs = [torch.zeros_like(p) for p in params]
+    sqs = [torch.zeros_like(p) for p in params]
+    step = lambda: _adamw_update(params, grads, avgs, sqs, "neuron")  # noqa: E731
+    step()  # every signature costed once
+    torch.neuron.synchronize()
+    hits = fastpath.hits()
+    allocated = torch.neuron.memory_allocated()
+    with torch.neuron.report_scope() as fast_scope:
+        step()
+        torch.neuron.synchronize()
+    # 8 in-place foreach ops, plus the 0-dim coefficient's cast (sqrt's result list is Python's)
+    assert fastpath.hits() - hits >= 8
+    assert torch.neuron.memory_allocated() == allocated  # nothing allocated, the ledger untouched
+    with fast(False), torch.neuron.report_scope() as slow_scope:
+        step()
+        torch.neuron.synchronize()
+    assert fast_scope.report.rows == slow_scope.report.rows
+    assert fast_scope.report.device_us == slow_scope.report.device_us
+    # the same values as CPU's foreach kernels (three identical updates)
+    cpu_params, cpu_grads = _adamw_lists("cpu")
+    cpu_avgs = [torch.zeros_like(p) for p in cpu_params]
+    cpu_sqs = [torch.zeros_like(p) for p in cpu_params]
+    for _ in range(3):
+        _adamw_update(cpu_params, cpu_grads, cpu_avgs, cpu_sqs, "cpu")
+    for a, b in zip(params + avgs + sqs + grads, cpu_params + cpu_avgs + cpu_sqs + cpu_grads):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_foreach_steps_aside_for_what_python_handles():
+    params, grads = _adamw_lists("neuron")
+    assert served(lambda: torch._foreach_add_(params, grads)) == 1
+    assert served(lambda: torch._foreach_copy_(params, grads)) == 0  # may copy from host tensors
+    assert served(lambda: torch._foreach_add(params, grads)) == 0  # functional: a list of fresh results
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_add_(params, [g.cpu() for g in grads])
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_add_(params, [g.to("neuron:1") for g in grads])
+    with pytest.raises(RuntimeError):  # the CPU kernel's own error, in Python's words
+        torch._foreach_add_(params, grads[:2])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert served(lambda: torch._foreach_add_(params, grads)) == 0

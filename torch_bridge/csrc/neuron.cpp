@@ -365,6 +365,28 @@ const std::unordered_set<std::string>& denied() {
   return names;
 }
 
+bool is_tensor_list(const c10::TypePtr& t) {
+  return t->kind() == c10::TypeKind::ListType && t->containedType(0)->kind() == c10::TypeKind::TensorType;
+}
+
+// A `_foreach_*` op is served when it is in-place: its first argument the one written tensor list
+// (`Tensor(a!)[] self`), nothing returned (AdamW's mul_/lerp_/addcmul_/addcdiv_, clipping's mul_).
+// Functional ones return lists (Python relabels them) and out= ones have Python resize their
+// outs; _foreach_copy_ takes host tensors beside device ones. Those stay Python's.
+OpFast classify_foreach(const c10::FunctionSchema& s, OpFast f) {
+  const auto& args = s.arguments();
+  if (!s.returns().empty() || args.empty() || s.name() == "aten::_foreach_copy_") return f;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::AliasInfo* ai = args[i].alias_info();
+    bool written = ai != nullptr && ai->isWrite();
+    if (written != (i == 0)) return f;
+    if (written && (args[i].kwarg_only() || !is_tensor_list(args[i].type()))) return f;
+    if (args[i].type()->str().find("Generator") != std::string::npos) return f;
+  }
+  f.kind = kWrites;
+  return f;
+}
+
 OpFast classify(const c10::OperatorHandle& op) {
   const auto& s = op.schema();
   OpFast f;
@@ -373,7 +395,8 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (colon != std::string::npos) name = name.substr(colon + 2);
   f.name_id = static_cast<int64_t>(g_names.size());
   g_names.push_back(name);
-  if (denied().count(name) || name.rfind("_foreach_", 0) == 0) return f;
+  if (denied().count(name)) return f;
+  if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   bool view = false, ret_write = false, ret_tensor = !s.returns().empty();
   for (const auto& r : s.returns()) {
     if (r.alias_info() != nullptr) (r.alias_info()->isWrite() ? ret_write : view) = true;
@@ -579,8 +602,24 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     } else if (v.isDoubleList()) {
       key_int(key, 12);
       key_int(key, static_cast<int64_t>(v.toDoubleList().size()));
-    } else if (v.isTensorList() && !written) {  // every element a defined tensor on the device
-      auto list = v.toTensorList();
+    } else if (v.isList() && !written && !v.isTensorList()) {  // a Scalar[] (a foreach op's per-tensor scalars)
+      auto l = v.toListRef();
+      key_int(key, 13);
+      key_int(key, static_cast<int64_t>(l.size()));
+      for (const c10::IValue& x : l) {  // as Python's key: ints and bools by value, floats by kind
+        if (x.isInt()) {
+          key_int(key, 2);
+          key_int(key, x.toInt());
+        } else if (x.isDouble()) {
+          key_int(key, 3);
+        } else if (x.isBool()) {
+          key_int(key, 4 + x.toBool());
+        } else {
+          return slow(op, stack);
+        }
+      }
+    } else if (v.isTensorList()) {  // every element a defined tensor on the device (a written list:
+      auto list = v.toTensorList();  // an in-place foreach op's self, written through its CPU aliases)
       key_int(key, 10);
       key_int(key, static_cast<int64_t>(list.size()));
       c10::List<at::Tensor> cpu;
