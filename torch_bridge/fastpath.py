@@ -7,7 +7,11 @@ out=, no generator, a fresh result or self - the native kernel registered on Pri
 all of it in C++: it runs the CPU kernel on CPU aliases of the arguments' memory, counts a fresh
 result against HBM in the native ledger (the same counters ``torch.neuron.memory_stats`` reads)
 and logs the launch of the op's cost, found by a signature key that Python taught it the first
-time it costed that call. View ops are redispatched to their CPU kernels on the neuron tensors
+time it costed that call. In-place ``_foreach_*`` ops (the optimizer's) are written-argument ops
+like ``add_``: one CPU foreach kernel over the lists' aliases, one logged launch, nothing
+allocated. float32 ``mm``/``addmm``/``bmm`` call trnsim's C datapath directly, with the arguments
+:func:`trnsim.native.matmul` passes it (same values, same cost key as
+:func:`torch_bridge.values.mm`'s). View ops are redispatched to their CPU kernels on the neuron tensors
 and logged as host ops. Everything else runs the Python fallback, registered on PrivateUse2 for
 the fast kernel to redispatch to.
 
@@ -30,7 +34,7 @@ from typing import Any, Iterator
 
 from trnsim.device import OpCost
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach"]
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 
@@ -95,13 +99,28 @@ def install(lib: Any, names: list[str]) -> None:
     set_enabled(os.environ.get("TRNSIM_FASTPATH", "").strip() != "0")
 
 
-def attach(device: Any) -> None:
-    """Feed ``device`` (the eager :class:`trnsim.device.Device`) from the native log."""
+def attach(device: Any, k_chunk: int) -> None:
+    """Feed ``device`` (the eager :class:`trnsim.device.Device`) from the native log, and give the
+    fast path's float32 mm/addmm/bmm the datapath (``k_chunk``: the chip's contraction rows per
+    matmul instruction, as :mod:`torch_bridge.tensore` passes it)."""
     global _device
     if _lib is None:
         return
     _device = device
     device.attach_log(NativeLog(_lib))
+    from trnsim import native
+
+    try:
+        address, f32, fma_on = native.batched_entry()
+    except ImportError:  # the datapath is not built: the matmuls take Python's path (and its error)
+        return
+    _lib.trnsim_fast_datapath(address, f32, fma_on, int(k_chunk))
+
+
+def datapath_seconds() -> float:
+    """Wall time the fast path's matmuls have spent in the datapath in this process (the training
+    benchmark reports it beside :mod:`torch_bridge.tensore`'s)."""
+    return _lib.trnsim_fast_datapath_ns() * 1e-9 if _lib is not None else 0.0
 
 
 def enabled() -> bool:

@@ -20,7 +20,7 @@ import torch
 from . import _torch, alloc, values
 from .autocast import register_autocast
 
-__all__ = ["register_kernels", "WHOLE_OPS", "DIRECT_OPS"]
+__all__ = ["register_kernels", "WHOLE_OPS", "DIRECT_OPS", "FAST_MATMULS"]
 
 _libs: list[torch.library.Library] = []
 
@@ -41,6 +41,10 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
               "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
               "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
               "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
+
+# TensorE ops whose float32 calls the fast path runs on the datapath itself (values.mm's, addmm's
+# and bmm's Python kernels, on SLOW_KEY, serve every other call).
+FAST_MATMULS = ("mm", "addmm", "bmm")
 
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -112,7 +116,7 @@ def register_kernels() -> None:
 
     kernels.update(CELLS)
     for name, fn in kernels.items():
-        impl.impl(name, _hidden(_traced(name, fn)), "PrivateUse1")
+        impl.impl(name, _hidden(_traced(name, fn)), SLOW_KEY if name in FAST_MATMULS else "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
@@ -143,5 +147,5 @@ def register_kernels() -> None:
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
     from . import _native, fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + FAST_MATMULS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

@@ -34,7 +34,7 @@ class Runtime:
             _native.lib.trnsim_set_device_count(config.logical_cores)
             from . import fastpath
 
-            fastpath.attach(self.device)  # the native fast path's launches
+            fastpath.attach(self.device, config.core.tensor.max_contraction)  # the native fast path's launches
 
     @property
     def device_count(self) -> int:

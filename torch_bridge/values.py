@@ -429,7 +429,11 @@ def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype:
     cost = _mm_costs.get(key)
     if cost is None:
         cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
+    fastpath.teach(_MM_QUALIFIED.get(op, ""), op, cost)  # the fast path's float32 mm/addmm/bmm, when it asked
     rt.charge(index, op, cost)
+
+
+_MM_QUALIFIED = {"mm": "aten::mm", "addmm": "aten::addmm", "bmm": "aten::bmm"}  # (their default overloads)
 
 
 # (batch, m, k, n, dtype, transpose flags) -> the matmul's OpCost (a spec is slower to build than to look up)

@@ -251,3 +251,61 @@ def test_foreach_steps_aside_for_what_python_handles():
         torch._foreach_add_(params, grads[:2])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert served(lambda: torch._foreach_add_(params, grads)) == 0
+
+
+def _matmuls():
+    torch.manual_seed(2)
+    a, b, c = torch.randn(33, 70), torch.randn(70, 5), torch.randn(5)
+    an, bn, cn = a.to("neuron"), b.to("neuron"), c.to("neuron")
+    a3, b3 = torch.randn(3, 9, 130).to("neuron"), torch.randn(3, 130, 7).to("neuron")
+    return [lambda: torch.mm(an, bn), lambda: torch.mm(bn.t(), an.t()), lambda: torch.addmm(cn, an, bn),
+            lambda: torch.addmm(cn.view(1, 5), an, bn, beta=0.5, alpha=2), lambda: torch.addmm(cn, an, bn, beta=0),
+            lambda: torch.bmm(a3, b3), lambda: torch.bmm(b3.transpose(1, 2), a3.transpose(1, 2))]
+
+
+def test_float32_matmuls_run_the_datapath_natively_with_python_s_values_costs_and_memory():
+    calls = _matmuls()
+    for f in calls:
+        assert served(f) >= 1
+        torch.neuron.synchronize()
+        allocated = torch.neuron.memory_allocated()
+        with torch.neuron.report_scope() as fast_scope:
+            quick = f()
+            torch.neuron.synchronize()
+        assert torch.neuron.memory_allocated() == allocated + quick.untyped_storage().nbytes()
+        with fast(False), torch.neuron.report_scope() as slow_scope:
+            slow = f()
+            torch.neuron.synchronize()
+        assert torch.equal(quick.cpu(), slow.cpu())  # bit for bit: the same datapath call
+        assert (quick.shape, quick.stride(), quick.dtype, quick.device) == (slow.shape, slow.stride(), slow.dtype,
+                                                                            slow.device)
+        assert fast_scope.report.rows == slow_scope.report.rows
+        assert fast_scope.report.device_us == slow_scope.report.device_us
+        del quick, slow
+    before = fastpath.datapath_seconds()
+    calls[0]()
+    assert fastpath.datapath_seconds() > before
+
+
+def test_matmuls_step_aside_for_what_python_handles(monkeypatch):
+    x = torch.randn(8, 8, device="neuron")
+    mm = lambda: x @ x  # noqa: E731
+    assert served(mm) == 1
+    xb = x.bfloat16()
+    assert served(lambda: torch.mm(xb, xb)) == 0  # bf16 rounds its PSUM result in Python
+    monkeypatch.setenv("TRNSIM_NATIVE", "0")  # the numpy reference
+    assert served(mm) == 0
+    monkeypatch.delenv("TRNSIM_NATIVE")
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "two")
+    from trnsim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="TRNSIM_NATIVE_THREADS='two'"):
+        mm()
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "2")
+    assert served(mm) == 1
+    monkeypatch.delenv("TRNSIM_NATIVE_THREADS")
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.mm(x, torch.randn(3, 3, device="neuron"))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(x, x.to("neuron:1"))
+    assert served(lambda: torch.mm(torch.empty(0, 8, device="neuron"), x)) == 0  # empty: no datapath call

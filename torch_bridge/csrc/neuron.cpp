@@ -23,6 +23,7 @@
 #include <chrono>
 #include <unordered_map>
 #include <unordered_set>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -338,7 +339,8 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 // the handle here), an error, an odd result, memory history, torch.profiler, a graph capture,
 // adaptive eager, a launch context, a stream other than the default - runs the Python fallback
 // (torch_bridge.values), registered on PrivateUse2 for this redispatch.
-enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3 };  // kWrites: in-place, out=
+// kWrites: in-place, out=; kMm/kAddmm/kBmm: the TensorE ops whose values the datapath computes
+enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -397,6 +399,10 @@ OpFast classify(const c10::OperatorHandle& op) {
   g_names.push_back(name);
   if (denied().count(name)) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
+  if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
+    f.kind = name == "mm" ? kMm : name == "addmm" ? kAddmm : kBmm;
+    return f;
+  }
   bool view = false, ret_write = false, ret_tensor = !s.returns().empty();
   for (const auto& r : s.returns()) {
     if (r.alias_info() != nullptr) (r.alias_info()->isWrite() ? ret_write : view) = true;
@@ -502,6 +508,154 @@ at::Tensor to_device(const at::Tensor& cpu, FastBlock* b, int index) {
   return t;
 }
 
+// ---- TensorE matmuls: mm, addmm, bmm on the datapath -----------------------------------------
+// The values torch_bridge.values.mm/addmm/bmm compute, the same way: trnsim's C datapath
+// (trn_matmul_batched, called with the arguments trnsim.native.matmul/matmul_batched pass it:
+// the left operand read transposed as the stationary one, a fresh contiguous float32 result), and
+// addmm's `alpha * prod + beta * self` by the same CPU kernels in the same order. float32 only (other
+// dtypes round the PSUM result through Python's `.to`); anything else steps aside.
+using BatchedFn = int (*)(const void*, int, int64_t, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t,
+                          float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
+                          int);
+std::atomic<BatchedFn> g_batched{nullptr};  // trnsim.native.batched_entry()
+std::atomic<int> g_f32_code{0}, g_fma_on{1};
+std::atomic<int64_t> g_k_chunk{0};  // the chip's contraction rows per matmul instruction (config)
+std::atomic<int64_t> g_datapath_ns{0};  // wall time in the datapath (the training benchmark reports it)
+
+std::string env_text(const char* name, bool* set) {
+  const char* raw = std::getenv(name);
+  *set = raw != nullptr;
+  std::string s = raw ? raw : "";
+  size_t a = s.find_first_not_of(" \t\n\r\f\v"), b = s.find_last_not_of(" \t\n\r\f\v");
+  return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
+}
+
+// TRNSIM_NATIVE_THREADS as trnsim.native reads it: unset or blank 1, a plain 1..64; 0 for anything
+// else (Python reads it then, and raises its error for a bad value)
+int datapath_threads() {
+  bool set = false;
+  std::string s = env_text("TRNSIM_NATIVE_THREADS", &set);
+  if (s.empty()) return 1;
+  size_t i = s[0] == '+' ? 1 : 0;
+  if (s.size() - i < 1 || s.size() - i > 2) return 0;
+  int n = 0;
+  for (; i < s.size(); ++i) {
+    if (s[i] < '0' || s[i] > '9') return 0;
+    n = n * 10 + (s[i] - '0');
+  }
+  return n >= 1 && n <= 64 ? n : 0;
+}
+
+bool matmul_operand(const at::Tensor& t, int64_t dim, int* index) {
+  if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
+      t.scalar_type() != c10::kFloat || t.dim() != dim) {
+    return false;
+  }
+  int ti = t.device().index() < 0 ? 0 : t.device().index();
+  if (*index < 0) *index = ti;
+  return ti == *index;
+}
+
+const void* first_element(const at::Tensor& t) {
+  return static_cast<const char*>(t.storage().data()) + t.storage_offset() * static_cast<int64_t>(t.itemsize());
+}
+
+void key_strides(std::string& key, const at::Tensor& t) {
+  key_tensor(key, t, 0);
+  for (auto st : t.strides()) key_int(key, st);  // the layout picks the kernel's operand forms
+}
+
+void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
+  BatchedFn fn = g_batched.load();
+  int64_t k_chunk = g_k_chunk.load();
+  int threads = datapath_threads();
+  bool native_set = false;
+  if (fn == nullptr || k_chunk < 1 || threads == 0 || env_text("TRNSIM_NATIVE", &native_set) == "0") {
+    return slow(op, stack);  // (TRNSIM_NATIVE=0: the numpy reference, Python's)
+  }
+  const size_t n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  const size_t first = kind == kAddmm ? 1 : 0;
+  const c10::IValue& va = (*stack)[base + first];
+  const c10::IValue& vb = (*stack)[base + first + 1];
+  if (!va.isTensor() || !vb.isTensor()) return slow(op, stack);
+  const at::Tensor& a = va.toTensor();
+  const at::Tensor& b = vb.toTensor();
+  const int64_t dim = kind == kBmm ? 3 : 2;
+  int index = -1;
+  if (!matmul_operand(a, dim, &index) || !matmul_operand(b, dim, &index) || a.numel() == 0 || b.numel() == 0) {
+    return slow(op, stack);
+  }
+  const int64_t B = dim == 3 ? a.size(0) : 1, M = a.size(dim - 2), K = a.size(dim - 1), N = b.size(dim - 1);
+  if (b.size(dim - 2) != K || (dim == 3 && b.size(0) != B)) return slow(op, stack);
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  key_strides(key, a);
+  key_strides(key, b);
+  at::Tensor c;
+  c10::Scalar alpha(1), beta(1);
+  if (kind == kAddmm) {  // self broadcasts to [M, N]; beta, alpha real numbers
+    const c10::IValue& vc = (*stack)[base];
+    const c10::IValue& vbeta = (*stack)[base + 3];
+    const c10::IValue& valpha = (*stack)[base + 4];
+    if (!vc.isTensor() || !(vbeta.isDouble() || vbeta.isInt()) || !(valpha.isDouble() || valpha.isInt())) {
+      return slow(op, stack);
+    }
+    c = vc.toTensor();
+    if (!c.defined() || c.dim() > 2 || !matmul_operand(c, c.dim(), &index)) return slow(op, stack);
+    const int64_t rows[2] = {M, N};
+    for (int64_t i = 0; i < c.dim(); ++i) {
+      int64_t cs = c.size(c.dim() - 1 - i), rs = rows[1 - i];
+      if (cs != 1 && cs != rs) return slow(op, stack);
+    }
+    key_strides(key, c);
+    beta = vbeta.toScalar();
+    alpha = valpha.toScalar();
+  }
+  key_int(key, 53);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  at::Tensor out = dim == 3 ? at::detail::empty_cpu({B, M, N}, c10::kFloat) : at::detail::empty_cpu({M, N}, c10::kFloat);
+  // stationary = a transposed: [B,] K, M; moving = b: [B,] K, N
+  const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
+  const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = fn(first_element(a), g_f32_code.load(), s_sb, s_sk, s_sm, first_element(b), g_f32_code.load(), v_sb, v_sk,
+              v_sn, out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, k_chunk, 0, -1,
+              g_fma_on.load(), threads);
+  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (rc != 0) return slow(op, stack);  // Python raises the datapath's error
+  if (kind == kAddmm) {  // values._add_scaled, over the PSUM result
+    if (alpha.toDouble() != 1) out.mul_(alpha);
+    if (beta.toDouble() != 0) {  // beta == 0 ignores self entirely (even NaN), as aten does
+      at::Tensor cc = cpu_alias(c);
+      out.add_(beta.toDouble() == 1 ? cc : cc.mul(beta));
+    }
+  }
+  auto nbytes = static_cast<int64_t>(out.storage().nbytes());
+  FastBlock* block = nullptr;
+  {  // counted against HBM, or Python raises the OOM (and counts it)
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (index < static_cast<int>(g_pool.size())) {
+      int64_t* st = g_pool[index];
+      if (st[0] + nbytes <= st[kCapacity]) {
+        mem_add_locked(st, nbytes);
+        block = new FastBlock{out, index, nbytes};
+        block->next = g_blocks;
+        if (g_blocks) g_blocks->prev = block;
+        g_blocks = block;
+      }
+    }
+  }
+  if (block == nullptr) return slow(op, stack);
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(to_device(out, block, index));
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax) {
@@ -513,6 +667,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
+  if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
   const size_t base = stack->size() - n;
@@ -846,6 +1001,14 @@ int trnsim_fast_register(const char* names, int64_t len) {
   return 0;
 }
 void trnsim_fast_enable(int on) { g_fast_master.store(on); }
+// the datapath entry point (trnsim.native.batched_entry) and the chip's contraction rows per instruction
+void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chunk) {
+  g_f32_code.store(f32_code);
+  g_fma_on.store(fma_on);
+  g_k_chunk.store(k_chunk);
+  g_batched.store(reinterpret_cast<BatchedFn>(batched));
+}
+int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
 void trnsim_fast_history(int on) { g_history.store(on); }
 int64_t trnsim_fast_hits() { return g_fast_hits.load(); }

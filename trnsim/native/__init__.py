@@ -24,7 +24,8 @@ from trnsim.native import dtypes, reference
 from trnsim.native.dtypes import Dtype, get_dtype
 from trnsim.native.reference import check_operands
 
-__all__ = ["matmul", "matmul_batched", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype"]
+__all__ = ["matmul", "matmul_batched", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype",
+           "batched_entry"]
 
 try:
     from trnsim.native import _datapath  # type: ignore[attr-defined]
@@ -224,6 +225,15 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
     if rc != 0:
         _raise_c_error(rc)
     return out
+
+
+def batched_entry() -> tuple[int, int, int]:
+    """For native callers that run the datapath themselves (the torch bridge's C++ fast path):
+    the address of ``trn_matmul_batched`` (datapath.h), the float32 format code and the "on"
+    FMA policy code, so they call it exactly as :func:`matmul_batched` does."""
+    lib, ffi = _lib(), _datapath.ffi
+    address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "trn_matmul_batched")))
+    return address, _CODES["float32"], _FMA_POLICIES["on"]
 
 
 def _convert_native(x: Any, dtype: Any) -> np.ndarray:
