@@ -9,7 +9,10 @@ and trained with AdamW (lr 3e-3, weight decay 0.01) and gradient clipping to nor
   Its ops are so small that the bridge's per-op Python dispatch dominates; reported, not the goal.
 
 Each model is trained from the same weights on both devices in one process, single-threaded,
-in measurement rounds: a round runs N steps on CPU, then the same N batches on neuron, so each
+in measurement rounds: a round trains N steps from the initial weights (and a fresh AdamW) on
+CPU, then the same N steps on neuron, so every round measures the same work and its losses are
+compared like the first's (a longer run would not do: the datapath's fp32 sums round differently
+from MKL's, and 40 steps of training amplify that to a few percent of the loss). Each
 device runs whole steps in its own steady state (alternating single steps let each evict the
 other's working set from the caches: that slowed the CPU steps by about a quarter and flattered
 the ratio). The first two steps of each device's round are left out of its steady state (in the
@@ -132,6 +135,7 @@ class Trainer:
         torch.manual_seed(0)
         self.device = device
         self.model = example.make_model(size.seq, size.layers, size.width, size.heads).to(device)
+        self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
         self.rounds: list[list[float]] = []  # wall seconds of each step, per round
         self.cpu_rounds: list[list[float]] = []  # process CPU time (every thread; not time spent descheduled)
@@ -148,6 +152,13 @@ class Trainer:
         if clock is not None:
             clock.stop()
             clock.steps += max(0, len(xs) - WARMUP)
+
+    def restart(self) -> None:
+        """Back to the initial weights, with a fresh optimizer (before a round after the first)."""
+        self.model.load_state_dict(self.initial)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
+        if self.device != "cpu":
+            torch.neuron.synchronize()
 
     def step(self, x: torch.Tensor) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -179,11 +190,13 @@ def run(example: Any, size: Model, steps: int, rounds: int, datapath: DatapathCl
     figures. True if the losses agree."""
     cpu = Trainer(example, "cpu", size)
     neuron = Trainer(example, "neuron", size)
-    data = list(example.batches(size.batch, size.seq, steps * rounds))
+    xs = list(example.batches(size.batch, size.seq, steps))
     datapath.seconds, datapath.steps = 0.0, 0
     sims = []  # simulated (elapsed, device, host wait) us per neuron step, per round
     for r in range(rounds):
-        xs = data[r * steps:(r + 1) * steps]
+        if r:
+            cpu.restart()
+            neuron.restart()
         cpu.round(xs)
         torch.neuron.reset_report()
         neuron.round(xs, datapath)
@@ -202,10 +215,11 @@ def run(example: Any, size: Model, steps: int, rounds: int, datapath: DatapathCl
     mean_ms = statistics.mean(neuron.steady()) * 1e3
     print(f"  neuron steady-state mean {mean_ms:.1f} ms/step: {values_ms:.1f} ms computing matmul values on the "
           f"TensorE datapath, {mean_ms - values_ms:.1f} ms the rest (op dispatch, CPU kernels, autograd)")
-    sim = sims[0]  # the first round includes the first steps' extra work (AdamW's state)
+    sim = sims[0]
+    others = sorted({f"{s[0]:,.0f} us" for s in sims[1:]} - {f"{sim[0]:,.0f} us"})  # (none: every round is the same)
     print(f"  neuron simulated step: {sim[0]:,.0f} us elapsed ({sim[1]:,.0f} us device time, "
-          f"{sim[2]:,.0f} us device idle waiting on the host), mean of the first round's {steps} steps"
-          + ("" if rounds == 1 else "; later rounds: " + ", ".join(sorted({f"{s[0]:,.0f} us" for s in sims[1:]}))))
+          f"{sim[2]:,.0f} us device idle waiting on the host), mean of a round's {steps} steps"
+          + ("; other rounds: " + ", ".join(others) if others else ""))
     if rounds > 1:
         print("  per-round ratios: " + ", ".join(f"{x:.2f}x" for x in ratios)
               + f" (spread {min(ratios):.2f}x-{max(ratios):.2f}x)")
@@ -219,8 +233,8 @@ def run(example: Any, size: Model, steps: int, rounds: int, datapath: DatapathCl
           + " (leaves out time the process waited for a core: on a shared machine, compare with the wall-time "
           "ratio above)")
     worst = max(abs(a - b) / abs(a) for a, b in zip(cpu.losses, neuron.losses))
-    print(f"  losses: CPU {cpu.losses[-1]:.5f}, neuron {neuron.losses[-1]:.5f} after {steps * rounds} steps "
-          f"(largest relative difference {worst:.1e})")
+    print(f"  losses: CPU {cpu.losses[-1]:.5f}, neuron {neuron.losses[-1]:.5f} after {steps} steps "
+          f"(largest relative difference {worst:.1e}{', every round' if rounds > 1 else ''})")
     if worst > 1e-4:
         print(f"error: neuron and CPU losses differ on the {size.name} model", file=sys.stderr)
         return False
