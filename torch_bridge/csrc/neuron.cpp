@@ -19,6 +19,8 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <chrono>
 #include <unordered_map>
@@ -565,6 +567,30 @@ void key_strides(std::string& key, const at::Tensor& t) {
   for (auto st : t.strides()) key_int(key, st);  // the layout picks the kernel's operand forms
 }
 
+// The float32 PSUM result, allocated as the Python path's numpy array is: malloc, and for 4 MiB or
+// more the advice to back it with huge pages (MADV_HUGEPAGE, numpy's default on Linux). c10's CPU
+// allocator (posix_memalign, no advice) made each big result of the small GPT-2 fault its pages in
+// again on every call (~130 faults per 12 MB result, measured; the malloc'd one reuses its memory).
+// Undefined if the host is out of memory (the caller steps aside: Python raises numpy's error).
+at::Tensor psum_result(c10::IntArrayRef sizes) {
+  int64_t numel = 1;
+  for (auto d : sizes) numel *= d;
+  const auto nbytes = static_cast<size_t>(numel) * sizeof(float);
+  void* p = std::malloc(nbytes > 0 ? nbytes : 1);
+  if (p == nullptr) return at::Tensor();
+  if (nbytes >= (size_t{1} << 22)) {  // numpy's rule (PyDataMem_UserNEW): from the next 4 KiB page on
+    auto a = reinterpret_cast<uintptr_t>(p);
+    uintptr_t skip = 4096 - a % 4096;
+    madvise(reinterpret_cast<void*>(a + skip), nbytes - skip, MADV_HUGEPAGE);
+  }
+  c10::Storage st(c10::Storage::use_byte_size_t(), nbytes, c10::DataPtr(p, p, &std::free, c10::Device(c10::kCPU)),
+                  nullptr, false);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(st), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                    caffe2::TypeMeta::Make<float>());
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return t;
+}
+
 void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
   BatchedFn fn = g_batched.load();
   int64_t k_chunk = g_k_chunk.load();
@@ -617,7 +643,8 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   key_int(key, 53);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
-  at::Tensor out = dim == 3 ? at::detail::empty_cpu({B, M, N}, c10::kFloat) : at::detail::empty_cpu({M, N}, c10::kFloat);
+  at::Tensor out = dim == 3 ? psum_result({B, M, N}) : psum_result({M, N});
+  if (!out.defined()) return slow(op, stack);
   // stationary = a transposed: [B,] K, M; moving = b: [B,] K, N
   const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
   const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
