@@ -74,6 +74,17 @@ class TensorEngine(Engine):
         mm = max(min(t.min_issue_cycles, m), n) * mult
         return ls, mm
 
+    def cached_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
+        """:meth:`shape_cycles`, worked out once per operand geometry: they depend on the
+        operand shapes alone, and a matmul kernel repeats a few."""
+        key = (ins.opcode, ins.data.p_count, ins.data.free_size, ins.load_stationary) if isinstance(ins, Transpose) \
+            else (ins.opcode, ins.stationary.dims, ins.moving.dims, ins.stationary.dtype.name, ins.double_row,
+                  ins.load_stationary)
+        cycles = self._cycles.get(key)
+        if cycles is None:
+            cycles = self._cycles[key] = self.shape_cycles(ins)
+        return cycles
+
     def utilisation_limit(self, t_start: int) -> float:
         tc = self.config.core.tensor
         if tc.throttle_initial_util >= 1.0:
@@ -90,14 +101,7 @@ class TensorEngine(Engine):
             return super().plan(ins, t_dep, t_first)
         t = self.config.core.tensor
         tpc = self.tpc
-        # (LS, MM) cycles depend on the operand shapes alone; a matmul kernel repeats a few
-        key = (ins.opcode, ins.data.p_count, ins.data.free_size, ins.load_stationary) if isinstance(ins, Transpose) \
-            else (ins.opcode, ins.stationary.dims, ins.moving.dims, ins.stationary.dtype.name, ins.double_row,
-                  ins.load_stationary)
-        cycles = self._cycles.get(key)
-        if cycles is None:
-            cycles = self._cycles[key] = self.shape_cycles(ins)
-        ls_cycles, mm_cycles = cycles
+        ls_cycles, mm_cycles = self.cached_cycles(ins)
         segs: list[Segment] = []
         if ls_cycles:
             gate = self.last_mm_start if t.overlap_load_stationary else self.last_mm_ready
