@@ -23,9 +23,11 @@ modules still give each instruction its costs; the loop keeps the state that mov
 
 from __future__ import annotations
 
-from array import array
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, is_not
 from typing import Any, Generator, Sequence
 
+import numpy as np
 import simpy
 
 from . import cores as _cores  # noqa: F401  (registers the engine modules)
@@ -204,7 +206,13 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
             cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
             env.run()
         else:
-            cores = _NativeRun(config, kernels, pipes).run()
+            try:
+                cores = _NativeRun(config, kernels, pipes).run()
+            except _Unsupported:
+                env = simpy.Environment()
+                cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c)
+                         for c, k in enumerate(kernels)]
+                env.run()
     for c in cores:
         c.check_complete()
     return cores
@@ -221,287 +229,341 @@ _KIND_GENERIC, _KIND_TRIGGER, _KIND_TENSOR = 0, 1, 2  # sched.h SCHED_*
 _SEG_MAIN, _SEG_LS, _SEG_DMA = 0, 1, 2  # sched.h SEG_*
 
 
+class _Numbering(dict):
+    """Numbers keys 0, 1, 2... in order of first lookup (``map(numbering.__getitem__, keys)``)."""
+
+    def __missing__(self, key: Any) -> int:
+        k = self[key] = len(self)
+        return k
+
+
+class _TriggerLabels(dict):
+    """A DMA trigger's segment label per queue lane (as :meth:`Engine.plan` names it)."""
+
+    def __missing__(self, queue: str) -> str:
+        lab = self[queue] = Engine.trigger_label(queue)
+        return lab
+
+
+_TRIGGER_LABEL = _TriggerLabels()
+_ENGINE_OF = attrgetter("engine")
+_DEPS_OF = attrgetter("deps")
+_FIRST_OF = attrgetter("first_deps")
+_QUEUE_OF = attrgetter("queue")
+_PLAN_OF = attrgetter("plan")
+
+
+class _Unsupported(Exception):
+    """The kernel uses something the native loop does not model: run it on simpy."""
+
+
+class _CoreColumns:
+    """One core's instructions as the arrays sched.c reads (local indices), built column by
+    column with C-level map/numpy operations: the per-instruction Python work is what a fast
+    scheduler has left to pay for."""
+
+    def __init__(self, tl: CoreTimeline, plans: "_Plans"):
+        instrs = tl.kernel.instructions
+        n = self.n = len(instrs)
+        names = list(ENGINE_TYPES)
+        eng_id = {name: j for j, name in enumerate(names)}
+        engines = [tl.engines[name] for name in names]
+        ens = list(map(_ENGINE_OF, instrs))
+        self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
+        dl = list(map(_DEPS_OF, instrs))
+        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32)
+        self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
+        fl = list(map(_FIRST_OF, instrs))
+        if fl.count(None) == n:
+            self.has_first = np.zeros(n, dtype=np.int8)
+            self.first = np.zeros(0, dtype=np.int32)
+            self.first_off = np.zeros(n + 1, dtype=np.int64)
+        else:
+            self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
+            fl = [f or () for f in fl]
+            self.first = np.fromiter(chain.from_iterable(fl), dtype=np.int32)
+            self.first_off = np.fromiter(accumulate(map(len, fl), initial=0), dtype=np.int64, count=n + 1)
+        kind = self.kind = np.zeros(n, dtype=np.int8)
+        busy = self.busy = np.zeros(n, dtype=np.int64)
+        lat = self.lat = np.zeros(n, dtype=np.int64)
+        ls = self.ls = np.zeros(n, dtype=np.int64)
+        self.plan = np.full(n, -1, dtype=np.int32)
+        self.owner = eng.copy()
+        lanes = np.array(ens, dtype=object)  # the main segment's lane and label
+        labels = np.empty(n, dtype=object)
+        owners = list(ens)
+        trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+        # ---- group by type ---------------------------------------------------------------
+        type_id = _Numbering()
+        tid = np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=n)
+        generic: list[np.ndarray] = []
+        self.tensor_used = False
+        self.hbm_bytes = self.hbm_ticks = 0
+        self.queues: list[tuple[str, np.ndarray]] = []
+        dma_idx_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            idx = np.flatnonzero(tid == j)
+            is_copy = issubclass(t, DmaCopy)
+            if is_copy != bool(t.is_dma):
+                raise _Unsupported(t.__name__)
+            if is_copy:
+                dma_idx_parts.append(idx)
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                eng_here = np.unique(eng[idx])
+                if len(eng_here) == 1 and isinstance(engines[eng_here[0]], TensorEngine):
+                    te = engines[eng_here[0]]
+                    group = [instrs[i] for i in idx.tolist()]
+                    cyc = np.array(te.cached_cycles_many(group, issubclass(t, Transpose)), dtype=np.int64)
+                    kind[idx] = _KIND_TENSOR
+                    busy[idx] = cyc[:, 1] * te.tpc
+                    ls[idx] = cyc[:, 0] * te.tpc
+                    labels[idx] = "Transpose" if issubclass(t, Transpose) else "MultiplyMoving"
+                    self.tensor_used = True
+                    continue
+            generic.append(idx)
+        if dma_idx_parts:
+            didx = np.sort(np.concatenate(dma_idx_parts))
+            dmas = [instrs[i] for i in didx.tolist()]
+            qs = list(map(_QUEUE_OF, dmas))
+            kind[didx] = _KIND_TRIGGER
+            busy[didx] = trig[eng[didx]]
+            labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
+            # queues in order of first appearance, as CoreTimeline starts their processes
+            qid_of = _Numbering()
+            qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            for q, k in qid_of.items():
+                self.queues.append((q, didx[qid == k]))
+            self.owner[didx] = owner_of_queue[qid]
+            for i, q in zip(didx.tolist(), qs):
+                owners[i] = q
+            pl, nbytes, nticks = plans.index(map(_PLAN_OF, dmas), tl.dma)
+            self.plan[didx] = pl
+            self.hbm_bytes, self.hbm_ticks = nbytes, nticks
+        if generic:  # in program order: an engine's cost may depend on its state (ScalarE's table)
+            gidx = np.sort(np.concatenate(generic)).tolist()
+            bl, ll, lal, lbl = [], [], [], []
+            for i in gidx:
+                ins = instrs[i]
+                e = engines[eng[i]]
+                bl.append(e.cycles(ins) * e.tpc)
+                ll.append(e.latency_cycles(ins) * e.tpc)
+                lal.append(e.lane(ins))
+                lbl.append(ins.describe())
+            busy[gidx] = bl
+            lat[gidx] = ll
+            lanes[gidx] = lal
+            labels[gidx] = lbl
+        self.lanes = lanes
+        self.labels = labels
+        self.owners = owners
+        self.processes: list[tuple[int, np.ndarray]] = []  # (engine id or -1 for a queue, instructions)
+        for j, name in enumerate(names):
+            on = np.flatnonzero(eng == j)
+            if len(on):
+                self.processes.append((j, on))
+        self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
+
+
+class _Plans:
+    """The distinct DMA plans of a run and each one's per-engine and HBM ticks
+    (:meth:`DmaSystem.engine_ticks`, :meth:`BandwidthPipe.ticks`)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, int] = {}
+        self.plans: list[Any] = []
+        self.off = [0]
+        self.engine: list[int] = []
+        self.ticks: list[int] = []
+        self.hbm: list[int] = []
+        self.hbm_bytes: list[int] = []
+        self.hbm_ticks: list[int] = []
+
+    def index(self, plans: Any, dma: DmaSystem) -> tuple[list[int], int, int]:
+        """Plan indices of ``plans`` and the HBM bytes and ticks they book in all."""
+        out = []
+        nb = nt = 0
+        by_id, known = self.by_id, self.plans
+        for plan in plans:
+            k = by_id.get(id(plan))
+            if k is None or known[k] is not plan:
+                k = by_id[id(plan)] = len(known)
+                known.append(plan)
+                for e, b, ch in plan.engines:
+                    self.engine.append(e)
+                    self.ticks.append(dma.engine_ticks(b, ch, plan))
+                self.off.append(len(self.engine))
+                hb = plan.hbm_bus_bytes
+                self.hbm.append(1 if hb else 0)
+                self.hbm_bytes.append(hb)
+                self.hbm_ticks.append(dma.hbm.ticks(hb))
+            out.append(k)
+            nb += self.hbm_bytes[k]
+            nt += self.hbm_ticks[k] if self.hbm[k] else 0
+        return out, nb, nt
+
+
 class _NativeRun:
     """:func:`simulate` on the C event loop: each instruction's costs from its engine module,
-    in flat arrays; the loop (sched.c) runs the processes :class:`CoreTimeline` would start, in
-    the same order; the results go back into :class:`CoreTimeline` objects."""
+    in flat arrays (:class:`_CoreColumns`); the loop (sched.c) runs the processes
+    :class:`CoreTimeline` would start, in the same order; the results go back into
+    :class:`CoreTimeline` objects, and the engines, DMA systems and HBM pipes are left as the
+    simpy run leaves them."""
 
     def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe]):
         self.config = config
         self.pipes = pipes
-        self.timelines = [CoreTimeline(None, config, k, pipes[stack_of_core(config, c)], c)
-                          for c, k in enumerate(kernels)]
         self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]
+        self.timelines = [CoreTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
 
     def run(self) -> list[CoreTimeline]:
-        cfg = self.config
-        names = list(ENGINE_TYPES)
-        eng_id = {name: j for j, name in enumerate(names)}
-        kind: list[int] = []
-        busy: list[int] = []
-        lat: list[int] = []
-        ls: list[int] = []
-        owner_id: list[int] = []
-        dep_off = [0]
-        deps: list[int] = []
-        first_off = [0]
-        first_flat: list[int] = []
-        has_first: list[int] = []
-        plan_of: list[int] = []
-        plan_index: dict[int, int] = {}
-        plans: list[Any] = []
-        plan_off = [0]
-        plan_engine: list[int] = []
-        plan_ticks: list[int] = []
-        plan_hbm: list[int] = []
-        plan_hbm_ticks: list[int] = []
-        plan_hbm_bytes: list[int] = []
-        proc_queue: list[int] = []
-        proc_core: list[int] = []
-        proc_own: list[int] = []
-        proc_off = [0]
-        proc_instr: list[int] = []
-        proc_engine: list[tuple[int, Engine | None]] = []  # (core, engine object or None for a queue)
-        core_base: list[int] = []
-        lanes: list[str] = []   # per instruction: its main segment's lane and label
-        labels: list[str] = []
-        owners: list[str] = []
-        hbm_bytes = [0] * len(self.timelines)
-        hbm_ticks = [0] * len(self.timelines)
-        dma_used = [False] * len(self.timelines)
-        tensor_used = [False] * len(self.timelines)
-        trig_ticks = cfg.core.dma.trigger_cycles
-        base = 0
-        for c, tl in enumerate(self.timelines):
-            core_base.append(base)
-            instrs = tl.kernel.instructions
-            engines = tl.engines
-            queue_id: dict[str, int] = {}
-            by_engine: dict[str, list[int]] = {name: [] for name in names}
-            by_queue: dict[str, list[int]] = {}
-            pipe = tl.dma.hbm
-            dma = tl.dma
-            trig_label: dict[str, str] = {}
-            for g, ins in enumerate(instrs, base):
-                en = ins.engine
-                eng = engines[en]
-                by_engine[en].append(g)
-                d = ins.deps
-                deps.extend(d)
-                dep_off.append(len(deps))
-                f = ins.first_deps
-                if f is None:
-                    has_first.append(0)
-                else:
-                    has_first.append(1)
-                    first_flat.extend(f)
-                first_off.append(len(first_flat))
-                if isinstance(ins, DmaCopy):
-                    q = ins.queue
-                    by_queue.setdefault(q, []).append(g)
-                    qid = queue_id.get(q)
-                    if qid is None:
-                        qid = queue_id[q] = eng_id[q] if q in eng_id else len(names) + len(queue_id)
-                    owner_id.append(qid)
-                    owners.append(q)
-                    plan = ins.plan
-                    pi = plan_index.get(id(plan))
-                    if pi is None or plans[pi] is not plan:
-                        pi = plan_index[id(plan)] = len(plans)
-                        plans.append(plan)
-                        for e, b, ch in plan.engines:
-                            plan_engine.append(e)
-                            plan_ticks.append(dma.engine_ticks(b, ch, plan))
-                        plan_off.append(len(plan_engine))
-                        nb = plan.hbm_bus_bytes
-                        plan_hbm.append(1 if nb else 0)
-                        plan_hbm_bytes.append(nb)
-                        plan_hbm_ticks.append(pipe.ticks(nb))
-                    plan_of.append(pi)
-                    if plan_hbm[pi]:
-                        hbm_bytes[c] += plan_hbm_bytes[pi]
-                        hbm_ticks[c] += plan_hbm_ticks[pi]
-                    dma_used[c] = True
-                else:
-                    owner_id.append(eng_id[en])
-                    owners.append(en)
-                    plan_of.append(-1)
-                if ins.is_dma:  # Engine.plan: the sequencer writes the descriptor trigger
-                    kind.append(_KIND_TRIGGER)
-                    busy.append(trig_ticks * eng.tpc)
-                    lat.append(0)
-                    ls.append(0)
-                    lanes.append(en)
-                    lab = trig_label.get(ins.queue)  # type: ignore[attr-defined]
-                    if lab is None:
-                        lab = trig_label[ins.queue] = f"DmaTrigger[{ins.queue}]"  # type: ignore[attr-defined]
-                    labels.append(lab)
-                elif isinstance(eng, TensorEngine) and isinstance(ins, (MatMul, Transpose)):
-                    ls_c, mm_c = eng.cached_cycles(ins)  # type: ignore[attr-defined]
-                    tensor_used[c] = True
-                    tpc = eng.tpc
-                    kind.append(_KIND_TENSOR)
-                    busy.append(mm_c * tpc)
-                    lat.append(0)
-                    ls.append(ls_c * tpc)
-                    lanes.append(en)
-                    labels.append("Transpose" if isinstance(ins, Transpose) else "MultiplyMoving")
-                else:
-                    tpc = eng.tpc
-                    kind.append(_KIND_GENERIC)
-                    busy.append(eng.cycles(ins) * tpc)
-                    lat.append(eng.latency_cycles(ins) * tpc)
-                    ls.append(0)
-                    lanes.append(eng.lane(ins))
-                    labels.append(ins.describe())
-            for name in names:
-                if by_engine[name]:
-                    eng = engines[name]
-                    proc_queue.append(0)
-                    proc_core.append(c)
-                    proc_own.append(eng_id[name] if eng.pipelines_own_results else -1)
-                    proc_instr.extend(by_engine[name])
-                    proc_off.append(len(proc_instr))
-                    proc_engine.append((c, eng))
-            for q, gs in by_queue.items():
-                proc_queue.append(1)
-                proc_core.append(c)
-                proc_own.append(-1)
-                proc_instr.extend(gs)
-                proc_off.append(len(proc_instr))
-                proc_engine.append((c, None))
-            base += len(instrs)
-        return self._finish(locals())
-
-    def _finish(self, v: dict[str, Any]) -> list[CoreTimeline]:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
-        n = len(v["kind"])
-        nproc = len(v["proc_queue"])
-        keep: list[Any] = []  # buffers the C struct points into, alive until the run is over
+        plans = _Plans()
+        cols = [_CoreColumns(tl, plans) for tl in self.timelines]
+        ncores = len(cols)
+        sizes = [c.n for c in cols]
+        base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
+        n = int(base[-1])
 
-        def buf(ctype: str, code: str, values: Sequence[int]) -> Any:
-            a = array(code, values) if len(values) else array(code, [0])
+        def cat(name: str, dtype: Any) -> np.ndarray:
+            parts = [getattr(c, name) for c in cols]
+            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+
+        def offsets(name: str, flat: str) -> np.ndarray:
+            parts, shift = [], 0
+            for k, c in enumerate(cols):
+                o = getattr(c, name)
+                parts.append((o[:-1] if k < ncores - 1 else o) + shift)
+                shift += len(getattr(c, flat))
+            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(1), dtype=np.int64)
+
+        keep: list[Any] = []
+
+        def ptr(ctype: str, a: np.ndarray) -> Any:
+            if not len(a):
+                a = np.zeros(1, dtype=a.dtype)
             keep.append(a)
             return ffi.from_buffer(ctype + "[]", a)
 
+        names = list(ENGINE_TYPES)
+        proc_queue, proc_core, proc_own, proc_parts, proc_engine = [], [], [], [], []
+        for c, col in enumerate(cols):
+            for j, idx in col.processes:
+                proc_queue.append(0 if j >= 0 else 1)
+                proc_core.append(c)
+                eng = self.timelines[c].engines[names[j]] if j >= 0 else None
+                proc_own.append(j if eng is not None and eng.pipelines_own_results else -1)
+                proc_parts.append(idx + base[c])
+                proc_engine.append((c, eng))
+        nproc = len(proc_queue)
+        proc_off = np.zeros(nproc + 1, dtype=np.int64)
+        if nproc:
+            proc_off[1:] = np.cumsum([len(x) for x in proc_parts])
         r = ffi.new("sched_run_t *")
         r.n = n
-        r.kind = buf("int8_t", "b", v["kind"])
-        r.busy = buf("int64_t", "q", v["busy"])
-        r.lat = buf("int64_t", "q", v["lat"])
-        r.ls = buf("int64_t", "q", v["ls"])
-        r.owner = buf("int32_t", "i", v["owner_id"])
-        r.dep_off = buf("int64_t", "q", v["dep_off"])
-        r.deps = buf("int32_t", "i", v["deps"])
-        r.first_off = buf("int64_t", "q", v["first_off"])
-        r.first_deps = buf("int32_t", "i", v["first_flat"])
-        r.has_first = buf("int8_t", "b", v["has_first"])
-        r.plan = buf("int32_t", "i", v["plan_of"])
+        r.kind = ptr("int8_t", cat("kind", np.int8))
+        r.busy = ptr("int64_t", cat("busy", np.int64))
+        r.lat = ptr("int64_t", cat("lat", np.int64))
+        r.ls = ptr("int64_t", cat("ls", np.int64))
+        r.owner = ptr("int32_t", cat("owner", np.int32))
+        r.dep_off = ptr("int64_t", offsets("dep_off", "deps"))
+        r.deps = ptr("int32_t", cat("deps", np.int32))
+        r.first_off = ptr("int64_t", offsets("first_off", "first"))
+        r.first_deps = ptr("int32_t", cat("first", np.int32))
+        r.has_first = ptr("int8_t", cat("has_first", np.int8))
+        r.plan = ptr("int32_t", cat("plan", np.int32))
         r.nproc = nproc
-        r.proc_queue = buf("int8_t", "b", v["proc_queue"])
-        r.proc_core = buf("int32_t", "i", v["proc_core"])
-        r.proc_own = buf("int32_t", "i", v["proc_own"])
-        r.proc_off = buf("int64_t", "q", v["proc_off"])
-        r.proc_instr = buf("int32_t", "i", v["proc_instr"])
-        r.core_base = buf("int64_t", "q", v["core_base"])
+        r.proc_queue = ptr("int8_t", np.array(proc_queue, dtype=np.int8))
+        r.proc_core = ptr("int32_t", np.array(proc_core, dtype=np.int32))
+        r.proc_own = ptr("int32_t", np.array(proc_own, dtype=np.int32))
+        r.proc_off = ptr("int64_t", proc_off)
+        r.proc_instr = ptr("int32_t", np.ascontiguousarray(np.concatenate(proc_parts) if proc_parts else
+                                                           np.zeros(0), dtype=np.int32))
+        r.core_base = ptr("int64_t", base)
         t = cfg.core.tensor
-        tensor_eng = ENGINE_TYPES["Tensor"](cfg)  # the ramp's figures in ticks, as TensorEngine has them
+        tensor_eng = TensorEngine(cfg)  # the ramp's figures in ticks, as TensorEngine has them
         r.overlap_ls = 1 if t.overlap_load_stationary else 0
-        r.drain_ticks = tensor_eng.drain_cycles * tensor_eng.tpc  # type: ignore[attr-defined]
-        r.ramp_ticks = tensor_eng.ramp_ticks  # type: ignore[attr-defined]
-        r.idle_reset_ticks = tensor_eng.idle_reset_ticks  # type: ignore[attr-defined]
+        r.drain_ticks = tensor_eng.drain_cycles * tensor_eng.tpc
+        r.ramp_ticks = tensor_eng.ramp_ticks
+        r.idle_reset_ticks = tensor_eng.idle_reset_ticks
         r.initial_util = float(t.throttle_initial_util)
-        ncores = len(self.timelines)
         n_dma = cfg.core.dma.engines
         r.ncores = ncores
         r.dma_engines = n_dma
-        d0 = self.timelines[0].dma if self.timelines else None
-        r.start_latency = d0.start_latency if d0 else 0
-        r.transfer_latency = d0.transfer_latency if d0 else 0
-        r.core_stack = buf("int32_t", "i", self.stacks)
-        r.plan_off = buf("int64_t", "q", v["plan_off"])
-        r.plan_engine = buf("int32_t", "i", v["plan_engine"])
-        r.plan_ticks = buf("int64_t", "q", v["plan_ticks"])
-        r.plan_hbm = buf("int8_t", "b", v["plan_hbm"])
-        r.plan_hbm_ticks = buf("int64_t", "q", v["plan_hbm_ticks"])
-        engine_free = array("q", [0]) * max(nproc, 1)
-        tensor_state = array("q", [0]) * max(6 * nproc, 1)
-        dma_free = array("q", [0]) * max(ncores * n_dma, 1)
-        pipe_free = array("q", [p.free for p in self.pipes]) if self.pipes else array("q", [0])
-        ready = array("q", [0]) * max(n, 1)
-        end = array("q", [0]) * max(n, 1)
-        trigger = array("q", [0]) * max(n, 1)
-        seg_index = array("i", [0]) * max(2 * n, 1)
-        seg_kind = array("b", [0]) * max(2 * n, 1)
-        seg_start = array("q", [0]) * max(2 * n, 1)
-        seg_end = array("q", [0]) * max(2 * n, 1)
-        for a in (engine_free, tensor_state, dma_free, pipe_free, ready, end, trigger, seg_index, seg_kind,
-                  seg_start, seg_end):
-            keep.append(a)
-        r.engine_free = ffi.from_buffer("int64_t[]", engine_free)
-        r.tensor_state = ffi.from_buffer("int64_t[]", tensor_state)
-        r.dma_free = ffi.from_buffer("int64_t[]", dma_free)
-        r.pipe_free = ffi.from_buffer("int64_t[]", pipe_free)
-        r.ready = ffi.from_buffer("int64_t[]", ready)
-        r.end = ffi.from_buffer("int64_t[]", end)
-        r.trigger = ffi.from_buffer("int64_t[]", trigger)
-        r.seg_index = ffi.from_buffer("int32_t[]", seg_index)
-        r.seg_kind = ffi.from_buffer("int8_t[]", seg_kind)
-        r.seg_start = ffi.from_buffer("int64_t[]", seg_start)
-        r.seg_end = ffi.from_buffer("int64_t[]", seg_end)
+        d0 = self.timelines[0].dma if self.timelines else DmaSystem(cfg, self.pipes[0])
+        r.start_latency = d0.start_latency
+        r.transfer_latency = d0.transfer_latency
+        r.core_stack = ptr("int32_t", np.array(self.stacks, dtype=np.int32))
+        r.plan_off = ptr("int64_t", np.array(plans.off, dtype=np.int64))
+        r.plan_engine = ptr("int32_t", np.array(plans.engine, dtype=np.int32))
+        r.plan_ticks = ptr("int64_t", np.array(plans.ticks, dtype=np.int64))
+        r.plan_hbm = ptr("int8_t", np.array(plans.hbm, dtype=np.int8))
+        r.plan_hbm_ticks = ptr("int64_t", np.array(plans.hbm_ticks, dtype=np.int64))
+        engine_free = np.zeros(max(nproc, 1), dtype=np.int64)
+        tensor_state = np.zeros(max(6 * nproc, 1), dtype=np.int64)
+        dma_free = np.zeros(max(ncores * n_dma, 1), dtype=np.int64)
+        pipe_free = np.array([p.free for p in self.pipes] or [0], dtype=np.int64)
+        ready = np.zeros(max(n, 1), dtype=np.int64)
+        end = np.zeros(max(n, 1), dtype=np.int64)
+        trigger = np.zeros(max(n, 1), dtype=np.int64)
+        seg_index = np.zeros(max(2 * n, 1), dtype=np.int32)
+        seg_kind = np.zeros(max(2 * n, 1), dtype=np.int8)
+        seg_start = np.zeros(max(2 * n, 1), dtype=np.int64)
+        seg_end = np.zeros(max(2 * n, 1), dtype=np.int64)
+        r.engine_free = ptr("int64_t", engine_free)
+        r.tensor_state = ptr("int64_t", tensor_state)
+        r.dma_free = ptr("int64_t", dma_free)
+        r.pipe_free = ptr("int64_t", pipe_free)
+        r.ready = ptr("int64_t", ready)
+        r.end = ptr("int64_t", end)
+        r.trigger = ptr("int64_t", trigger)
+        r.seg_index = ptr("int32_t", seg_index)
+        r.seg_kind = ptr("int8_t", seg_kind)
+        r.seg_start = ptr("int64_t", seg_start)
+        r.seg_end = ptr("int64_t", seg_end)
         if lib.sched_run(r) != 0:
             raise MemoryError("simulate: the native event loop ran out of memory")
         nseg = r.nseg
         # ---- results back into the timelines --------------------------------------------------
-        lanes, labels, owners = v["lanes"], v["labels"], v["owners"]
-        ready_l = ready.tolist()
-        end_l = end.tolist()
-        trig_l = trigger.tolist()
-        segs_all = list(zip(seg_index[:nseg].tolist(), seg_kind[:nseg].tolist(), seg_start[:nseg].tolist(),
-                            seg_end[:nseg].tolist()))
-        core_base = v["core_base"]
-        bounds = core_base[1:] + [n]
-        for c, tl in enumerate(self.timelines):
-            b0, b1 = core_base[c], bounds[c]
-            tl.ready = [None if x < 0 else x for x in ready_l[b0:b1]] if -1 in ready_l[b0:b1] else ready_l[b0:b1]
-            tl.end = end_l[b0:b1]
-            tl.trigger = [None if x < 0 else x for x in trig_l[b0:b1]]
-            tl.owner = owners[b0:b1]
-        if ncores == 1:
-            tl = self.timelines[0] if self.timelines else None
-            if tl is not None:
-                tl.segments = [(lanes[g], labels[g], s, e, g) if k == _SEG_MAIN else
-                               (LS_LANE, "LoadStationary", s, e, g) if k == _SEG_LS else
-                               (owners[g], "DmaCopy", s, e, g) for g, k, s, e in segs_all]
-        else:
-            core_of: list[int] = []
-            for c in range(ncores):
-                core_of.extend([c] * (bounds[c] - core_base[c]))
-            for g, k, s, e in segs_all:
-                c = core_of[g]
-                i = g - core_base[c]
-                self.timelines[c].segments.append(
-                    (lanes[g], labels[g], s, e, i) if k == _SEG_MAIN else
-                    (LS_LANE, "LoadStationary", s, e, i) if k == _SEG_LS else (owners[g], "DmaCopy", s, e, i))
-        # ---- the engines, DMA systems and HBM pipes left as the simpy run leaves them ------------
-        for p, (c, eng) in enumerate(v["proc_engine"]):
+        g = seg_index[:nseg].astype(np.int64)
+        k = seg_kind[:nseg]
+        seg_core = np.searchsorted(base, g, side="right") - 1 if ncores > 1 else np.zeros(nseg, dtype=np.int64)
+        local = g - base[seg_core]
+        for c, (tl, col) in enumerate(zip(self.timelines, cols)):
+            b0, b1 = int(base[c]), int(base[c + 1])
+            rd = ready[b0:b1]
+            tl.ready = rd.tolist() if not (rd < 0).any() else [None if x < 0 else x for x in rd.tolist()]
+            tl.end = end[b0:b1].tolist()
+            tr = trigger[b0:b1].astype(object)
+            tr[trigger[b0:b1] < 0] = None
+            tl.trigger = tr.tolist()
+            tl.owner = col.owners
+            sel = slice(None) if ncores == 1 else seg_core == c
+            li, ki = local[sel], k[sel]
+            m = col.n
+            lane_tab = np.concatenate([col.lanes, np.full(m, LS_LANE, dtype=object), np.array(col.owners, dtype=object)])
+            label_tab = np.concatenate([col.labels, np.full(m, "LoadStationary", dtype=object),
+                                        np.full(m, "DmaCopy", dtype=object)])
+            at = ki.astype(np.int64) * m + li
+            tl.segments = list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), seg_start[:nseg][sel].tolist(),
+                                   seg_end[:nseg][sel].tolist(), li.tolist()))
+        for p, (c, eng) in enumerate(proc_engine):
             if eng is None:
                 continue
-            eng.free = engine_free[p]
-            if eng.name == "Tensor" and v["tensor_used"][c]:
-                ts = tensor_state[6 * p:6 * p + 6]
+            eng.free = int(engine_free[p])
+            if isinstance(eng, TensorEngine) and cols[c].tensor_used:
+                ts = tensor_state[6 * p:6 * p + 6].tolist()
                 eng.ls_free, eng.last_mm_start, eng.last_mm_ready, eng.last_mm_end = ts[0], ts[1], ts[2], ts[3]
                 if ts[5]:
                     eng.ramp_start = ts[4]
-        for c, tl in enumerate(self.timelines):
-            if v["dma_used"][c]:
+        for c, (tl, col) in enumerate(zip(self.timelines, cols)):
+            if col.queues:
                 tl.dma.engine_free = dma_free[c * n_dma:(c + 1) * n_dma].tolist()
                 tl.dma._level = None
-            tl.dma.hbm.bytes += v["hbm_bytes"][c]
-            tl.dma.hbm.busy_ticks += v["hbm_ticks"][c]
+            tl.dma.hbm.bytes += col.hbm_bytes
+            tl.dma.hbm.busy_ticks += col.hbm_ticks
         for s_, p_ in enumerate(self.pipes):
-            p_.free = pipe_free[s_]
+            p_.free = int(pipe_free[s_])
         return self.timelines
-
-

@@ -25,7 +25,8 @@ reference.
 from __future__ import annotations
 
 import math
-from typing import Any
+import operator
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -74,16 +75,34 @@ class TensorEngine(Engine):
         mm = max(min(t.min_issue_cycles, m), n) * mult
         return ls, mm
 
+    #: what :meth:`shape_cycles` depends on, per instruction type (the key of its cache)
+    KEY_MATMUL = operator.attrgetter("opcode", "stationary.dims", "moving.dims", "stationary.dtype.name",
+                                     "double_row", "load_stationary")
+    KEY_TRANSPOSE = operator.attrgetter("opcode", "data.p_count", "data.free_size", "load_stationary")
+
     def cached_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
         """:meth:`shape_cycles`, worked out once per operand geometry: they depend on the
         operand shapes alone, and a matmul kernel repeats a few."""
-        key = (ins.opcode, ins.data.p_count, ins.data.free_size, ins.load_stationary) if isinstance(ins, Transpose) \
-            else (ins.opcode, ins.stationary.dims, ins.moving.dims, ins.stationary.dtype.name, ins.double_row,
-                  ins.load_stationary)
+        key = (self.KEY_TRANSPOSE if isinstance(ins, Transpose) else self.KEY_MATMUL)(ins)
         cycles = self._cycles.get(key)
         if cycles is None:
             cycles = self._cycles[key] = self.shape_cycles(ins)
         return cycles
+
+    def cached_cycles_many(self, instrs: Sequence[MatMul | Transpose], transpose: bool) -> list[tuple[int, int]]:
+        """:meth:`cached_cycles` of instructions of one type (Transpose or not), keys and cache
+        lookups mapped in bulk."""
+        keys = list(map(self.KEY_TRANSPOSE if transpose else self.KEY_MATMUL, instrs))
+        cache = self._cycles
+        out = list(map(cache.get, keys))
+        if None in out:
+            for j, c in enumerate(out):
+                if c is None:
+                    c = cache.get(keys[j])
+                    if c is None:
+                        c = cache[keys[j]] = self.shape_cycles(instrs[j])
+                    out[j] = c
+        return out  # type: ignore[return-value]
 
     def utilisation_limit(self, t_start: int) -> float:
         tc = self.config.core.tensor
