@@ -24,7 +24,7 @@ modules still give each instruction its costs; the loop keeps the state that mov
 from __future__ import annotations
 
 from itertools import accumulate, chain, repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_not, length_hint
 from typing import Any, Generator, Sequence
 
 import numpy as np
@@ -32,7 +32,7 @@ import simpy
 
 from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .config import ChipConfig
-from .cores.base import ENGINE_TYPES, Engine, Segment
+from .cores.base import ENGINE_TYPES, Engine, Numbering, Segment
 from .cores.tensor import LS_LANE, TensorEngine
 from .isa import DmaCopy, Instruction, MatMul, Transpose
 from .kernel import Kernel, gc_paused
@@ -173,9 +173,13 @@ class CoreTimeline:
     # ---- results ---------------------------------------------------------------------------
     @property
     def total_ticks(self) -> int:
+        if None not in self.ready:
+            return max(self.ready, default=0)
         return max((r for r in self.ready if r is not None), default=0)
 
     def check_complete(self) -> None:
+        if None not in self.ready:
+            return
         missing = [i for i, r in enumerate(self.ready) if r is None]
         if missing:  # pragma: no cover - would be a scheduler bug: deps always point backwards
             raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
@@ -229,15 +233,7 @@ _KIND_GENERIC, _KIND_TRIGGER, _KIND_TENSOR = 0, 1, 2  # sched.h SCHED_*
 _SEG_MAIN, _SEG_LS, _SEG_DMA = 0, 1, 2  # sched.h SEG_*
 
 
-class _Numbering(dict):
-    """Numbers keys 0, 1, 2... in order of first lookup (``map(numbering.__getitem__, keys)``)."""
-
-    def __missing__(self, key: Any) -> int:
-        k = self[key] = len(self)
-        return k
-
-
-class _TriggerLabels(dict):
+class _TriggerLabels(dict):  # type: ignore[type-arg]
     """A DMA trigger's segment label per queue lane (as :meth:`Engine.plan` names it)."""
 
     def __missing__(self, queue: str) -> str:
@@ -259,8 +255,8 @@ class _Unsupported(Exception):
 
 class _CoreColumns:
     """One core's instructions as the arrays sched.c reads (local indices), built column by
-    column with C-level map/numpy operations: the per-instruction Python work is what a fast
-    scheduler has left to pay for."""
+    column with C-level map/numpy operations rather than a Python loop per instruction (that
+    loop would cost more than the whole event loop in C)."""
 
     def __init__(self, tl: CoreTimeline, plans: "_Plans"):
         instrs = tl.kernel.instructions
@@ -271,76 +267,70 @@ class _CoreColumns:
         ens = list(map(_ENGINE_OF, instrs))
         self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
         dl = list(map(_DEPS_OF, instrs))
-        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32)
         self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
+        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
         fl = list(map(_FIRST_OF, instrs))
-        if fl.count(None) == n:
-            self.has_first = np.zeros(n, dtype=np.int8)
-            self.first = np.zeros(0, dtype=np.int32)
-            self.first_off = np.zeros(n + 1, dtype=np.int64)
-        else:
-            self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
-            fl = [f or () for f in fl]
-            self.first = np.fromiter(chain.from_iterable(fl), dtype=np.int32)
-            self.first_off = np.fromiter(accumulate(map(len, fl), initial=0), dtype=np.int64, count=n + 1)
+        # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
+        self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
+        self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
+        self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32, count=int(self.first_off[-1]))
         kind = self.kind = np.zeros(n, dtype=np.int8)
         busy = self.busy = np.zeros(n, dtype=np.int64)
         lat = self.lat = np.zeros(n, dtype=np.int64)
         ls = self.ls = np.zeros(n, dtype=np.int64)
         self.plan = np.full(n, -1, dtype=np.int32)
         self.owner = eng.copy()
-        lanes = np.array(ens, dtype=object)  # the main segment's lane and label
+        lanes = np.array(ens, dtype=object)  # each instruction's main segment: lane and label
         labels = np.empty(n, dtype=object)
-        owners = list(ens)
-        trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
-        # ---- group by type ---------------------------------------------------------------
-        type_id = _Numbering()
+        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
+        # ---- by instruction type ---------------------------------------------------------
+        type_id = Numbering()
         tid = np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=n)
         generic: list[np.ndarray] = []
         self.tensor_used = False
         self.hbm_bytes = self.hbm_ticks = 0
         self.queues: list[tuple[str, np.ndarray]] = []
-        dma_idx_parts: list[np.ndarray] = []
+        dma_parts: list[np.ndarray] = []
         for t, j in type_id.items():
             idx = np.flatnonzero(tid == j)
             is_copy = issubclass(t, DmaCopy)
             if is_copy != bool(t.is_dma):
                 raise _Unsupported(t.__name__)
             if is_copy:
-                dma_idx_parts.append(idx)
+                dma_parts.append(idx)
                 continue
             if issubclass(t, (MatMul, Transpose)):
-                eng_here = np.unique(eng[idx])
-                if len(eng_here) == 1 and isinstance(engines[eng_here[0]], TensorEngine):
-                    te = engines[eng_here[0]]
-                    group = [instrs[i] for i in idx.tolist()]
-                    cyc = np.array(te.cached_cycles_many(group, issubclass(t, Transpose)), dtype=np.int64)
+                on = np.unique(eng[idx])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape([instrs[i] for i in idx.tolist()], transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
                     kind[idx] = _KIND_TENSOR
-                    busy[idx] = cyc[:, 1] * te.tpc
-                    ls[idx] = cyc[:, 0] * te.tpc
-                    labels[idx] = "Transpose" if issubclass(t, Transpose) else "MultiplyMoving"
+                    ls[idx] = tab[ids, 0]
+                    busy[idx] = tab[ids, 1]
+                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
                     self.tensor_used = True
                     continue
             generic.append(idx)
-        if dma_idx_parts:
-            didx = np.sort(np.concatenate(dma_idx_parts))
+        if dma_parts:
+            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
             dmas = [instrs[i] for i in didx.tolist()]
             qs = list(map(_QUEUE_OF, dmas))
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
             kind[didx] = _KIND_TRIGGER
             busy[didx] = trig[eng[didx]]
             labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
+            owners[didx] = qs
             # queues in order of first appearance, as CoreTimeline starts their processes
-            qid_of = _Numbering()
+            qid_of = Numbering()
             qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
-            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
             for q, k in qid_of.items():
                 self.queues.append((q, didx[qid == k]))
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
             self.owner[didx] = owner_of_queue[qid]
-            for i, q in zip(didx.tolist(), qs):
-                owners[i] = q
-            pl, nbytes, nticks = plans.index(map(_PLAN_OF, dmas), tl.dma)
+            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma)
             self.plan[didx] = pl
-            self.hbm_bytes, self.hbm_ticks = nbytes, nticks
         if generic:  # in program order: an engine's cost may depend on its state (ScalarE's table)
             gidx = np.sort(np.concatenate(generic)).tolist()
             bl, ll, lal, lbl = [], [], [], []
@@ -358,8 +348,8 @@ class _CoreColumns:
         self.lanes = lanes
         self.labels = labels
         self.owners = owners
-        self.processes: list[tuple[int, np.ndarray]] = []  # (engine id or -1 for a queue, instructions)
-        for j, name in enumerate(names):
+        self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
+        for j in range(len(names)):
             on = np.flatnonzero(eng == j)
             if len(on):
                 self.processes.append((j, on))
@@ -371,8 +361,7 @@ class _Plans:
     (:meth:`DmaSystem.engine_ticks`, :meth:`BandwidthPipe.ticks`)."""
 
     def __init__(self) -> None:
-        self.by_id: dict[int, int] = {}
-        self.plans: list[Any] = []
+        self.number = Numbering()  # id(plan) -> plan index (the plans stay alive during the run)
         self.off = [0]
         self.engine: list[int] = []
         self.ticks: list[int] = []
@@ -380,28 +369,26 @@ class _Plans:
         self.hbm_bytes: list[int] = []
         self.hbm_ticks: list[int] = []
 
-    def index(self, plans: Any, dma: DmaSystem) -> tuple[list[int], int, int]:
+    def index(self, plans: list[Any], dma: DmaSystem) -> tuple[np.ndarray, int, int]:
         """Plan indices of ``plans`` and the HBM bytes and ticks they book in all."""
-        out = []
-        nb = nt = 0
-        by_id, known = self.by_id, self.plans
-        for plan in plans:
-            k = by_id.get(id(plan))
-            if k is None or known[k] is not plan:
-                k = by_id[id(plan)] = len(known)
-                known.append(plan)
-                for e, b, ch in plan.engines:
-                    self.engine.append(e)
-                    self.ticks.append(dma.engine_ticks(b, ch, plan))
-                self.off.append(len(self.engine))
-                hb = plan.hbm_bus_bytes
-                self.hbm.append(1 if hb else 0)
-                self.hbm_bytes.append(hb)
-                self.hbm_ticks.append(dma.hbm.ticks(hb))
-            out.append(k)
-            nb += self.hbm_bytes[k]
-            nt += self.hbm_ticks[k] if self.hbm[k] else 0
-        return out, nb, nt
+        known = len(self.number)
+        ids = np.fromiter(map(self.number.__getitem__, map(id, plans)), dtype=np.int32, count=len(plans))
+        new, at = np.unique(ids[ids >= known], return_index=True)
+        where = np.flatnonzero(ids >= known)
+        for k, j in sorted(zip(new.tolist(), where[at].tolist())):
+            plan = plans[j]
+            for e, b, ch in plan.engines:
+                self.engine.append(e)
+                self.ticks.append(dma.engine_ticks(b, ch, plan))
+            self.off.append(len(self.engine))
+            hb = plan.hbm_bus_bytes
+            self.hbm.append(1 if hb else 0)
+            self.hbm_bytes.append(hb)
+            self.hbm_ticks.append(dma.hbm.ticks(hb) if hb else 0)
+        count = np.bincount(ids, minlength=len(self.hbm_bytes))
+        nbytes = sum(c * b for c, b in zip(count.tolist(), self.hbm_bytes) if c)
+        nticks = sum(c * t for c, t in zip(count.tolist(), self.hbm_ticks) if c)
+        return ids, nbytes, nticks
 
 
 class _NativeRun:
@@ -529,8 +516,8 @@ class _NativeRun:
         # ---- results back into the timelines --------------------------------------------------
         g = seg_index[:nseg].astype(np.int64)
         k = seg_kind[:nseg]
-        seg_core = np.searchsorted(base, g, side="right") - 1 if ncores > 1 else np.zeros(nseg, dtype=np.int64)
-        local = g - base[seg_core]
+        starts, ends = seg_start[:nseg], seg_end[:nseg]
+        seg_core = np.searchsorted(base, g, side="right") - 1 if ncores > 1 else None
         for c, (tl, col) in enumerate(zip(self.timelines, cols)):
             b0, b1 = int(base[c]), int(base[c + 1])
             rd = ready[b0:b1]
@@ -539,16 +526,20 @@ class _NativeRun:
             tr = trigger[b0:b1].astype(object)
             tr[trigger[b0:b1] < 0] = None
             tl.trigger = tr.tolist()
-            tl.owner = col.owners
-            sel = slice(None) if ncores == 1 else seg_core == c
-            li, ki = local[sel], k[sel]
+            tl.owner = col.owners.tolist()
+            if seg_core is None:
+                li, ki, si, ei = g, k, starts, ends
+            else:
+                sel = seg_core == c
+                li, ki, si, ei = g[sel] - b0, k[sel], starts[sel], ends[sel]
+            # (lane, label) of a segment: the instruction's own, LoadStationary's, or its transfer's
             m = col.n
-            lane_tab = np.concatenate([col.lanes, np.full(m, LS_LANE, dtype=object), np.array(col.owners, dtype=object)])
+            lane_tab = np.concatenate([col.lanes, np.full(m, LS_LANE, dtype=object), col.owners])
             label_tab = np.concatenate([col.labels, np.full(m, "LoadStationary", dtype=object),
                                         np.full(m, "DmaCopy", dtype=object)])
             at = ki.astype(np.int64) * m + li
-            tl.segments = list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), seg_start[:nseg][sel].tolist(),
-                                   seg_end[:nseg][sel].tolist(), li.tolist()))
+            tl.segments = list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), si.tolist(), ei.tolist(),
+                                   li.tolist()))
         for p, (c, eng) in enumerate(proc_engine):
             if eng is None:
                 continue

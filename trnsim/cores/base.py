@@ -19,12 +19,21 @@ from typing import Any, Callable, ClassVar
 from ..config import ChipConfig
 from ..isa import DmaCopy, Instruction
 
-__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES"]
+__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering"]
 
 # (lane, label, start tick, end tick, instruction index)
 Segment = tuple[str, str, int, int, int]
 
 ENGINE_TYPES: dict[str, type["Engine"]] = {}
+
+
+class Numbering(dict):  # type: ignore[type-arg]
+    """Numbers keys 0, 1, 2... in order of first lookup: ``map(numbering.__getitem__, keys)``
+    runs at C speed (a miss calls ``__missing__``), for per-instruction lookups in bulk."""
+
+    def __missing__(self, key: Any) -> int:
+        k = self[key] = len(self)
+        return k
 
 
 def register_engine(cls: type["Engine"]) -> type["Engine"]:

@@ -34,9 +34,10 @@ from ..config import ChipConfig
 from ..isa import Instruction, MatMul, MatMulMx, Transpose
 from ..native import convert, matmul as native_matmul
 from ..native.cast import to_dtype
-from .base import Engine, Segment, register_engine
+from .base import Engine, Numbering, Segment, register_engine
 
 LS_LANE = "Tensor (LS)"
+
 
 
 @register_engine
@@ -79,6 +80,9 @@ class TensorEngine(Engine):
     KEY_MATMUL = operator.attrgetter("opcode", "stationary.dims", "moving.dims", "stationary.dtype.name",
                                      "double_row", "load_stationary")
     KEY_TRANSPOSE = operator.attrgetter("opcode", "data.p_count", "data.free_size", "load_stationary")
+    #: what it depends on for a matmul that is not double-row (cheaper to build than the dims)
+    KEY_MATMUL_SINGLE_ROW = operator.attrgetter("opcode", "stationary.free_size", "moving.free_size",
+                                                "stationary.dtype.name", "double_row", "load_stationary")
 
     def cached_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
         """:meth:`shape_cycles`, worked out once per operand geometry: they depend on the
@@ -89,20 +93,19 @@ class TensorEngine(Engine):
             cycles = self._cycles[key] = self.shape_cycles(ins)
         return cycles
 
-    def cached_cycles_many(self, instrs: Sequence[MatMul | Transpose], transpose: bool) -> list[tuple[int, int]]:
-        """:meth:`cached_cycles` of instructions of one type (Transpose or not), keys and cache
-        lookups mapped in bulk."""
-        keys = list(map(self.KEY_TRANSPOSE if transpose else self.KEY_MATMUL, instrs))
-        cache = self._cycles
-        out = list(map(cache.get, keys))
-        if None in out:
-            for j, c in enumerate(out):
-                if c is None:
-                    c = cache.get(keys[j])
-                    if c is None:
-                        c = cache[keys[j]] = self.shape_cycles(instrs[j])
-                    out[j] = c
-        return out  # type: ignore[return-value]
+    def cycles_by_shape(self, instrs: Sequence[MatMul | Transpose], transpose: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """:meth:`shape_cycles` of many instructions of one type (Transpose or not), in bulk:
+        (for each instruction the number of its operand geometry, (LS, MM) cycles per geometry)."""
+        if transpose:
+            key = self.KEY_TRANSPOSE
+        elif any(map(operator.attrgetter("double_row"), instrs)):
+            key = self.KEY_MATMUL
+        else:
+            key = self.KEY_MATMUL_SINGLE_ROW
+        numbering = Numbering()
+        ids = np.fromiter(map(numbering.__getitem__, map(key, instrs)), dtype=np.int64, count=len(instrs))
+        _, first = np.unique(ids, return_index=True)  # an instruction of each geometry
+        return ids, [self.shape_cycles(instrs[j]) for j in first.tolist()]
 
     def utilisation_limit(self, t_start: int) -> float:
         tc = self.config.core.tensor
