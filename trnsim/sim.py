@@ -391,6 +391,37 @@ class _Plans:
         return ids, nbytes, nticks
 
 
+class _NativeTimeline(CoreTimeline):
+    """A :class:`CoreTimeline` the native loop filled in. Its ``segments`` list is made when it
+    is first read (a report or trace reads it; a search that wants ``total_ticks`` does not):
+    the loop logs them as arrays, and one Python tuple per segment is most of what is left of
+    a simulation's cost. The list is the one the simpy processes make, in the same order."""
+
+    _segments: list[Segment] | None
+    _segment_columns: tuple[Any, ...] | None = None
+
+    @property  # type: ignore[override]
+    def segments(self) -> list[Segment]:
+        if self._segments is None:
+            with gc_paused():
+                self._segments = self._make_segments()
+            self._segment_columns = None
+        return self._segments
+
+    @segments.setter
+    def segments(self, value: list[Segment]) -> None:
+        self._segments = value
+
+    def _make_segments(self) -> list[Segment]:
+        lanes, labels, owners, li, ki, si, ei = self._segment_columns  # type: ignore[misc]
+        m = len(lanes)
+        # (lane, label) of a segment: the instruction's own, LoadStationary's, or its transfer's
+        lane_tab = np.concatenate([lanes, np.full(m, LS_LANE, dtype=object), owners])
+        label_tab = np.concatenate([labels, np.full(m, "LoadStationary", dtype=object), np.full(m, "DmaCopy", dtype=object)])
+        at = ki.astype(np.int64) * m + li
+        return list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), si.tolist(), ei.tolist(), li.tolist()))
+
+
 class _NativeRun:
     """:func:`simulate` on the C event loop: each instruction's costs from its engine module,
     in flat arrays (:class:`_CoreColumns`); the loop (sched.c) runs the processes
@@ -402,9 +433,9 @@ class _NativeRun:
         self.config = config
         self.pipes = pipes
         self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]
-        self.timelines = [CoreTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
+        self.timelines = [_NativeTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
 
-    def run(self) -> list[CoreTimeline]:
+    def run(self) -> list["_NativeTimeline"]:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
         plans = _Plans()
@@ -532,14 +563,8 @@ class _NativeRun:
             else:
                 sel = seg_core == c
                 li, ki, si, ei = g[sel] - b0, k[sel], starts[sel], ends[sel]
-            # (lane, label) of a segment: the instruction's own, LoadStationary's, or its transfer's
-            m = col.n
-            lane_tab = np.concatenate([col.lanes, np.full(m, LS_LANE, dtype=object), col.owners])
-            label_tab = np.concatenate([col.labels, np.full(m, "LoadStationary", dtype=object),
-                                        np.full(m, "DmaCopy", dtype=object)])
-            at = ki.astype(np.int64) * m + li
-            tl.segments = list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), si.tolist(), ei.tolist(),
-                                   li.tolist()))
+            tl._segment_columns = (col.lanes, col.labels, col.owners, li, ki, si, ei)
+            tl._segments = None
         for p, (c, eng) in enumerate(proc_engine):
             if eng is None:
                 continue
