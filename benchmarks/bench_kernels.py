@@ -7,14 +7,18 @@ Prints, in one run:
   simpy model can do per instruction — measured here, now, on this machine;
 * per kernel: build seconds, simulate seconds, instructions, simulated instructions per second
   and that rate against the baseline; build + simulate against the 2 s budget of
-  ``trnsim kernel matmul --shape 4096x4096x4096 --dtype bf16``;
+  ``trnsim kernel matmul --shape 4096x4096x4096 --dtype bf16``; the seconds to make the trace
+  segments list afterwards (the native loop's timelines make it when a report first reads it),
+  one run of the reference simpy processes, and whether it gives the same ticks, ready/end
+  times and segments;
 * end to end: instructions built and simulated per second over all the kernels, against the
   baseline and against the goal of 200,000 per second (printed, not an exit status: the goal is
   not met today; the closing note of issue 14 says where the time goes), and the microseconds an
   instruction costs to build and to simulate beside raw simpy's one timeout;
 * that CLI command itself, run as a subprocess (Python start-up and imports included).
 
-Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more.
+Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more, or the
+simulator and its simpy reference disagree on any kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--quick]
 """
@@ -32,7 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from trnsim import load_config  # noqa: E402
 from trnsim.kernels import get_kernel, kernel_names  # noqa: E402
-from trnsim.sim import simulate  # noqa: E402
+from trnsim.sim import native_available, simulate  # noqa: E402
 
 from bench_scheduler import raw_simpy  # noqa: E402  (the same baseline, from the script beside this one)
 
@@ -68,17 +72,30 @@ def main(argv: list[str] | None = None) -> int:
     t_base, _ = best(lambda: raw_simpy(n_base), repeats)
     base_rate = n_base / t_base
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
-    print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8}")
+    print(f"simulator: {'native event loop' if native_available() else 'simpy processes (trnsim.native._sched not built)'}")
+    print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8} "
+          f"{'segs s':>7} {'simpy s':>8} {'same':>5}")
     ok = True
-    total_instr, total_s, total_build = 0, 0.0, 0.0
+    all_same = True
+    total_instr, total_s, total_build, total_segs, total_ref = 0, 0.0, 0.0, 0.0, 0.0
     for name, shape in cases:
         entry = get_kernel(name)
         t_build, kern = best(lambda: entry.make(shape, entry.default_dtype, cfg), repeats)
-        t_sim, _ = best(lambda: simulate(cfg, [kern]), repeats)
+        t_sim, tls = best(lambda: simulate(cfg, [kern]), repeats)
+        t0 = time.perf_counter()
+        segs = tls[0].segments  # the native loop's timelines make this list when it is first read
+        t_segs = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = simulate(cfg, [kern], engine="simpy")[0]  # the reference: every tick must agree
+        t_ref = time.perf_counter() - t0
+        same = (ref.total_ticks, ref.ready, ref.end, ref.segments) == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs)
+        all_same = all_same and same
         rate = len(kern) / t_sim
         label = f"{name} {entry.default_dtype} {'x'.join(map(str, shape))}"
         print(f"{label:<34} {len(kern):>8,} {t_build:>8.3f} {t_sim:>7.3f} {rate:>10,.0f} {rate / base_rate:>8.2f}x "
-              f"{t_build + t_sim:>8.3f}")
+              f"{t_build + t_sim:>8.3f} {t_segs:>7.3f} {t_ref:>8.3f} {'yes' if same else 'NO':>5}")
+        total_segs += t_segs
+        total_ref += t_ref
         total_instr += len(kern)
         total_s += t_build + t_sim
         total_build += t_build
@@ -88,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'met' if ok else 'MISSED'}")
     e2e = total_instr / total_s
     print(f"per instruction: build {total_build / total_instr * 1e6:.1f} us, simulate "
-          f"{(total_s - total_build) / total_instr * 1e6:.1f} us; raw simpy {1e6 / base_rate:.1f} us")
+          f"{(total_s - total_build) / total_instr * 1e6:.2f} us (+{total_segs / total_instr * 1e6:.2f} us to make "
+          f"the segments list when a report reads it; the simpy processes: {total_ref / total_instr * 1e6:.1f} us); "
+          f"raw simpy {1e6 / base_rate:.1f} us")
+    print(f"same ticks, ready/end and segments as the simpy reference on every kernel: {'yes' if all_same else 'NO'}")
     print(f"end to end (build + simulate, every kernel above): {e2e:,.0f} instr/s = {e2e / base_rate:.2f}x raw simpy; "
           f"goal >= {END_TO_END_GOAL:,}: {'met' if e2e >= END_TO_END_GOAL else 'MISSED'} "
           f"({END_TO_END_GOAL / e2e:.1f}x short)" if e2e < END_TO_END_GOAL else
@@ -98,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         t_cli, proc = best(lambda: subprocess.run(cmd, capture_output=True, text=True), repeats)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[:120]}"
         print(f"CLI `{' '.join(['trnsim'] + cmd[3:])}`: {t_cli:.3f} s wall incl. start-up ({status})")
-    return 0 if ok else 1
+    return 0 if ok and all_same else 1
 
 
 if __name__ == "__main__":

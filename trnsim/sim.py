@@ -204,33 +204,41 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
+    why = None if engine == "simpy" or _sched is None else _native_unsupported(kernels)
+    if engine == "native" and why is not None:
+        raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
     with gc_paused():
-        if engine == "simpy" or _sched is None or not _native_rules():
+        if engine == "simpy" or _sched is None or why is not None:
             env = simpy.Environment()
             cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
             env.run()
         else:
-            try:
-                cores = _NativeRun(config, kernels, pipes).run()
-            except _Unsupported:
-                env = simpy.Environment()
-                cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c)
-                         for c, k in enumerate(kernels)]
-                env.run()
+            cores = _NativeRun(config, kernels, pipes).run()
     for c in cores:
         c.check_complete()
     return cores
 
 
-def _native_rules() -> bool:
-    """Whether every registered engine places instructions by a rule sched.c implements: the
-    in-order rule of :meth:`Engine.plan`, or TensorE's (an engine registered with its own
-    ``plan`` runs on the simpy processes)."""
-    return all(cls.plan is Engine.plan or cls.plan is TensorEngine.plan for cls in ENGINE_TYPES.values())
+def _native_unsupported(kernels: Sequence[Kernel]) -> str | None:
+    """Why the native loop cannot run ``kernels`` exactly as the simpy processes would (None: it
+    can). It implements the in-order rule of :meth:`Engine.plan` and TensorE's; an engine
+    registered with a placement rule of its own runs on the simpy processes."""
+    for name, cls in ENGINE_TYPES.items():
+        if cls.plan is Engine.plan:
+            continue
+        if not (issubclass(cls, TensorEngine) and cls.plan is TensorEngine.plan
+                and cls.utilisation_limit is TensorEngine.utilisation_limit):
+            return f"engine {name} ({cls.__name__}) places instructions by its own plan(), which sched.c does not model"
+    for k in kernels:
+        for t in set(map(type, k.instructions)):
+            if issubclass(t, DmaCopy) != bool(t.is_dma):
+                return f"instruction type {t.__name__} is a DMA for the queues but not for its engine"
+    return None
 
 
-_KIND_GENERIC, _KIND_TRIGGER, _KIND_TENSOR = 0, 1, 2  # sched.h SCHED_*
-_SEG_MAIN, _SEG_LS, _SEG_DMA = 0, 1, 2  # sched.h SEG_*
+# instruction kinds of sched.h
+_KIND_GENERIC, _KIND_TRIGGER, _KIND_TENSOR = (_sched.lib.SCHED_GENERIC, _sched.lib.SCHED_TRIGGER,
+                                              _sched.lib.SCHED_TENSOR) if _sched is not None else (0, 1, 2)
 
 
 class _TriggerLabels(dict):  # type: ignore[type-arg]
@@ -247,10 +255,6 @@ _DEPS_OF = attrgetter("deps")
 _FIRST_OF = attrgetter("first_deps")
 _QUEUE_OF = attrgetter("queue")
 _PLAN_OF = attrgetter("plan")
-
-
-class _Unsupported(Exception):
-    """The kernel uses something the native loop does not model: run it on simpy."""
 
 
 class _CoreColumns:
@@ -293,10 +297,7 @@ class _CoreColumns:
         dma_parts: list[np.ndarray] = []
         for t, j in type_id.items():
             idx = np.flatnonzero(tid == j)
-            is_copy = issubclass(t, DmaCopy)
-            if is_copy != bool(t.is_dma):
-                raise _Unsupported(t.__name__)
-            if is_copy:
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
                 dma_parts.append(idx)
                 continue
             if issubclass(t, (MatMul, Transpose)):
@@ -446,6 +447,8 @@ class _NativeRun:
         n = int(base[-1])
 
         def cat(name: str, dtype: Any) -> np.ndarray:
+            if ncores == 1:
+                return np.ascontiguousarray(getattr(cols[0], name), dtype=dtype)
             parts = [getattr(c, name) for c in cols]
             return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
 

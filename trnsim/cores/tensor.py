@@ -80,9 +80,10 @@ class TensorEngine(Engine):
     KEY_MATMUL = operator.attrgetter("opcode", "stationary.dims", "moving.dims", "stationary.dtype.name",
                                      "double_row", "load_stationary")
     KEY_TRANSPOSE = operator.attrgetter("opcode", "data.p_count", "data.free_size", "load_stationary")
-    #: what it depends on for a matmul that is not double-row (cheaper to build than the dims)
-    KEY_MATMUL_SINGLE_ROW = operator.attrgetter("opcode", "stationary.free_size", "moving.free_size",
-                                                "stationary.dtype.name", "double_row", "load_stationary")
+    #: what it depends on for matmuls of one type none of which is double-row (cheaper to build
+    #: than the dims: the free sizes are all it reads of the operand shapes then)
+    KEY_MATMUL_SINGLE_ROW = operator.attrgetter("stationary.free_size", "moving.free_size", "stationary.dtype.name",
+                                                "load_stationary")
 
     def cached_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
         """:meth:`shape_cycles`, worked out once per operand geometry: they depend on the
