@@ -24,7 +24,7 @@ modules still give each instruction its costs; the loop keeps the state that mov
 from __future__ import annotations
 
 from itertools import accumulate, chain, repeat
-from operator import attrgetter, is_not, length_hint
+from operator import attrgetter, is_not, itemgetter, length_hint
 from typing import Any, Generator, Sequence
 
 import numpy as np
@@ -257,6 +257,13 @@ _QUEUE_OF = attrgetter("queue")
 _PLAN_OF = attrgetter("plan")
 
 
+def _pick(items: Sequence[Any], idx: np.ndarray) -> list[Any]:
+    """``[items[i] for i in idx]``, at C speed."""
+    if len(idx) == 1:
+        return [items[int(idx[0])]]
+    return list(itemgetter(*idx.tolist())(items)) if len(idx) else []
+
+
 class _CoreColumns:
     """One core's instructions as the arrays sched.c reads (local indices), built column by
     column with C-level map/numpy operations rather than a Python loop per instruction (that
@@ -305,7 +312,7 @@ class _CoreColumns:
                 te = engines[int(on[0])]
                 if len(on) == 1 and isinstance(te, TensorEngine):
                     transpose = issubclass(t, Transpose)
-                    ids, cycles = te.cycles_by_shape([instrs[i] for i in idx.tolist()], transpose)
+                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
                     tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
                     kind[idx] = _KIND_TENSOR
                     ls[idx] = tab[ids, 0]
@@ -316,7 +323,7 @@ class _CoreColumns:
             generic.append(idx)
         if dma_parts:
             didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
-            dmas = [instrs[i] for i in didx.tolist()]
+            dmas = _pick(instrs, didx)
             qs = list(map(_QUEUE_OF, dmas))
             trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
             kind[didx] = _KIND_TRIGGER
