@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     t_base, _ = best(lambda: raw_simpy(n_base), repeats)
     base_rate = n_base / t_base
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
-    print(f"simulator: {'native event loop' if native_available() else 'simpy processes (trnsim.native._sched not built)'}")
+    print("simulator: " + ("native event loop" if native_available() else
+                           "simpy processes (trnsim.native._sched is not built)"))
     print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8} "
           f"{'segs s':>7} {'simpy s':>8} {'same':>5}")
     ok = True
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         ref = simulate(cfg, [kern], engine="simpy")[0]  # the reference: every tick must agree
         t_ref = time.perf_counter() - t0
-        same = (ref.total_ticks, ref.ready, ref.end, ref.segments) == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs)
+        same = ((ref.total_ticks, ref.ready, ref.end, ref.segments)
+                == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs))
         all_same = all_same and same
         rate = len(kern) / t_sim
         label = f"{name} {entry.default_dtype} {'x'.join(map(str, shape))}"

@@ -14,35 +14,12 @@ import pytest
 
 from trnsim import load_config
 from trnsim.isa import KernelError
-from trnsim.kernels import get_kernel, kernel_names
+from trnsim.kernels import get_kernel
 from trnsim.sim import native_available, simulate
 
-pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native._sched is not built")
+from test_kernel_library import SMALL  # one small ragged shape per kernel (partial tiles, loops)
 
-# One small, ragged shape per kernel (dims in the registry's order): odd sizes exercise the
-# partial tiles, several loop iterations exercise DMA/compute overlap and LS reuse.
-SMALL = {
-    "activation": (130, 70),
-    "attention": (1, 2, 200, 64),
-    "binary": (130, 70),
-    "bmm": (2, 130, 70, 200),
-    "bmm_packed": (5, 20, 30, 40),
-    "conv2d": (1, 20, 9, 9, 24, 3),
-    "dwconv2d": (2, 20, 9, 9, 3),
-    "embedding": (130, 50, 96),
-    "foreach_fused": (3, 1000),
-    "fused": (130, 300),
-    "matmul_fused": (130, 200, 300),
-    "layernorm": (130, 300),
-    "matmul": (300, 600, 700),
-    "moe": (130, 160, 300, 4),
-    "reduce": (130, 70),
-    "rmsnorm": (130, 300),
-    "rmsnorm_fp8": (130, 300),
-    "softmax": (130, 300),
-    "transpose": (130, 70),
-    "unary": (130, 70),
-}
+pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native._sched is not built")
 
 
 def fingerprint(timelines: list[Any]) -> list[Any]:
@@ -72,10 +49,6 @@ def assert_same(cfg: Any, kernels: list[Any]) -> None:
     assert len(ref) == len(got)
 
 
-def test_every_kernel_has_a_shape_here():
-    assert sorted(SMALL) == kernel_names()
-
-
 @pytest.mark.parametrize("config", ["trn1", "trn2", "trn3"])
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_library_kernel_same_cycles(name, config):
@@ -97,7 +70,8 @@ def test_cores_sharing_hbm_stacks(config):
     """Four different kernels on cores 0-3: pairs of cores share a stack's bandwidth pipe, and
     their DMA bookings interleave at equal ticks, which only the event order decides."""
     cfg = load_config(config)
-    mk = [("matmul", (256, 512, 384)), ("softmax", (256, 512)), ("attention", (1, 2, 200, 64)), ("matmul", (256, 512, 384))]
+    mk = [("matmul", (256, 512, 384)), ("softmax", (256, 512)), ("attention", (1, 2, 200, 64)),
+          ("matmul", (256, 512, 384))]
     kernels = [get_kernel(n).make(s, get_kernel(n).default_dtype, cfg) for n, s in mk][: cfg.chip.cores]
     assert_same(cfg, kernels)
 
@@ -115,7 +89,8 @@ def test_idle_cores_and_empty_kernel():
 
 @pytest.mark.parametrize("overrides", [
     {"core.tensor.overlap_load_stationary": "false"},
-    {"core.tensor.throttle_initial_util": "0.3", "core.tensor.throttle_ramp": "2us", "core.tensor.throttle_idle_reset": "100ns"},
+    {"core.tensor.throttle_initial_util": "0.3", "core.tensor.throttle_ramp": "2us",
+     "core.tensor.throttle_idle_reset": "100ns"},
     {"core.tensor.throttle_ramp": "0ns"},
     {"core.dma.engines": "4", "core.dma.start_latency": "0ns"},
 ])
@@ -123,7 +98,8 @@ def test_tensor_and_dma_settings(overrides):
     """TensorE's LS gate without overlap, a ramp that resets within the kernel, no ramp; fewer
     DMA engines and no start latency (more ties at equal ticks)."""
     cfg = load_config("trn2", overrides)
-    kernels = [get_kernel("matmul").make((300, 600, 700), "bf16", cfg), get_kernel("attention").make((1, 2, 200, 64), "bf16", cfg)]
+    kernels = [get_kernel("matmul").make((300, 600, 700), "bf16", cfg),
+               get_kernel("attention").make((1, 2, 200, 64), "bf16", cfg)]
     assert_same(cfg, kernels)
 
 

@@ -425,7 +425,8 @@ class _NativeTimeline(CoreTimeline):
         m = len(lanes)
         # (lane, label) of a segment: the instruction's own, LoadStationary's, or its transfer's
         lane_tab = np.concatenate([lanes, np.full(m, LS_LANE, dtype=object), owners])
-        label_tab = np.concatenate([labels, np.full(m, "LoadStationary", dtype=object), np.full(m, "DmaCopy", dtype=object)])
+        label_tab = np.concatenate([labels, np.full(m, "LoadStationary", dtype=object),
+                                    np.full(m, "DmaCopy", dtype=object)])
         at = ki.astype(np.int64) * m + li
         return list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), si.tolist(), ei.tolist(), li.tolist()))
 

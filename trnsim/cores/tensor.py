@@ -39,7 +39,6 @@ from .base import Engine, Numbering, Segment, register_engine
 LS_LANE = "Tensor (LS)"
 
 
-
 @register_engine
 class TensorEngine(Engine):
     name = "Tensor"
@@ -94,7 +93,8 @@ class TensorEngine(Engine):
             cycles = self._cycles[key] = self.shape_cycles(ins)
         return cycles
 
-    def cycles_by_shape(self, instrs: Sequence[MatMul | Transpose], transpose: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    def cycles_by_shape(self, instrs: Sequence[MatMul | Transpose], transpose: bool
+                        ) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """:meth:`shape_cycles` of many instructions of one type (Transpose or not), in bulk:
         (for each instruction the number of its operand geometry, (LS, MM) cycles per geometry)."""
         if transpose:
