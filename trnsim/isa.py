@@ -191,7 +191,7 @@ class HbmAP:
     """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
     came from slicing (used for exact dependency checks), else None (flat span is used)."""
 
-    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box")
+    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box", "_dep_h")
     space = "hbm"
 
     def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
@@ -202,6 +202,7 @@ class HbmAP:
         self.box = box
         self.size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
+        self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
 
     @property
     def dtype(self) -> Dtype:
@@ -301,7 +302,7 @@ class TileAP:
     address within each partition; ``p_start`` is absolute (0..127).
     """
 
-    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box")
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box", "_dep_h")
 
     def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
                  dims: tuple[tuple[int, int], ...], dtype: Dtype):
@@ -314,6 +315,7 @@ class TileAP:
         #: elements per partition (the N of the cost formulas)
         self.free_size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
+        self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
 
     @property
     def space(self) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import os
 
 import numpy as np
 from typing import Any, Iterator, Sequence
@@ -379,6 +380,166 @@ class DependencyTracker:
         return tuple(sorted(deps))
 
 
+try:  # the same tracker in C (trnsim/native/deptrack.c), built by setup.py beside the datapath
+    from .native import _deptrack  # type: ignore[attr-defined]
+except ImportError:  # not built: the Python tracker does the same work, slower
+    _deptrack = None
+
+
+def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
+    """The dependency box of an HBM view, as :meth:`DependencyTracker._resolve` makes it."""
+    box = ap._dep_box
+    if box is None:
+        lo, hi = ap.span()
+        if ap.box is not None:
+            box = tuple(x for lohi in ap.box for x in lohi) + (lo, hi)
+        else:
+            box = (lo, hi)
+        ap._dep_box = box
+    return box
+
+
+class NativeDependencyTracker:
+    """:class:`DependencyTracker` with its histories, boxes and scans in C (``_deptrack``).
+
+    The same algorithm access for access (``tests/test_build_equivalence.py`` compares the two
+    on every library kernel), so the same edges in the same order; Python keeps only the maps
+    from allocations and tensors to history ids and, on each view, the id of its region (made
+    once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
+
+    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_gen", "_g", "__weakref__")
+
+    def __init__(self) -> None:
+        assert _deptrack is not None
+        lib, ffi = _deptrack.lib, _deptrack.ffi
+        t = lib.dt_new()
+        if t == ffi.NULL:
+            raise MemoryError("dependency tracker: out of memory")
+        self._t = ffi.gc(t, lib.dt_free)
+        self._lib = lib
+        self._unpack = ffi.unpack
+        self._live: dict[int, int] = {}  # allocation uid -> history id
+        self._hbm: dict[int, int] = {}  # HBM tensor uid -> history id
+        self._keys: dict[str, int] = {}  # engine / queue key -> small int
+        self._out = lib.dt_out(self._t)
+        self._gen = lib.dt_outgen(self._t)
+        self._g = self._gen[0]
+
+    @staticmethod
+    def _alloc_box(a: Allocation) -> tuple[int, int, int, int]:
+        return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
+
+    def allocated(self, alloc: Allocation) -> None:
+        hid = self._lib.dt_history(self._t, 1, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc))
+        if hid < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        self._live[alloc.uid] = hid
+
+    def freed(self, alloc: Allocation) -> None:
+        hid = self._live.pop(alloc.uid)
+        if self._lib.dt_freed(self._t, hid, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc)) < 0:
+            raise MemoryError("dependency tracker: out of memory")
+
+    def _region(self, ap: AP) -> int:
+        """The C region of ``ap`` (its history and box), made once and kept on the view."""
+        if isinstance(ap, TileAP):
+            hid = self._live[ap.alloc.uid]
+            lo, hi = ap.byte_span()
+            r = self._lib.dt_region4(self._t, hid, ap.p_start, ap.p_start + ap.p_count, lo, hi)
+        else:
+            hid = self._hbm.get(ap.tensor.uid)
+            if hid is None:
+                hid = self._hbm[ap.tensor.uid] = self._lib.dt_history(self._t, 0, 0, 0, 0, 0, 0)
+            box = _hbm_box(ap)
+            r = self._lib.dt_region(self._t, hid, box, len(box))
+        if r < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        ap._dep_h = (self, r)
+        return r
+
+    def _results(self, n: int) -> list[int]:
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:  # the C output buffer grew (moved)
+            self._out = self._lib.dt_out(self._t)
+            self._g = self._gen[0]
+        return self._unpack(self._out, n)
+
+    def raw_deps(self, ap: AP) -> tuple[int, ...]:
+        """The writers an access to ``ap`` must wait for (read-after-write only)."""
+        d = ap._dep_h
+        r = d[1] if d is not None and d[0] is self else self._region(ap)
+        return tuple(self._results(self._lib.dt_raw_deps(self._t, r)))
+
+    def record(self, ins: Instruction, key: str, first: AP | None = None) -> tuple[int, ...]:
+        """Record ``ins``'s accesses; return the instructions it must wait for. With ``first``
+        (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
+        kid = self._keys.get(key)
+        if kid is None:
+            kid = self._keys[key] = len(self._keys)
+        rs = [0, 0, 0, 0, 0, 0]
+        ws = [0, 0]
+        fpos = -1
+        reads, writes = ins.reads, ins.writes
+        nr, nw = len(reads), len(writes)
+        big = nr > 6 or nw > 2
+        if big:
+            rs, ws = [0] * nr, [0] * nw
+        for i, ap in enumerate(reads):
+            d = ap._dep_h
+            rs[i] = d[1] if d is not None and d[0] is self else self._region(ap)
+            if ap is first and fpos < 0:
+                fpos = i
+        for i, ap in enumerate(writes):
+            d = ap._dep_h
+            ws[i] = d[1] if d is not None and d[0] is self else self._region(ap)
+        if big:
+            n = self._lib.dt_record(self._t, ins.index, kid, ins.is_dma, rs, nr, ws, nw, fpos)
+        else:
+            n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
+                                     rs[5], nw, ws[0], ws[1], fpos)
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:
+            self._out = self._lib.dt_out(self._t)
+            self._g = self._gen[0]
+        out = self._out
+        nf = out[0]
+        if nf >= 0:
+            vals = self._unpack(out, 1 + nf + n)
+            ins.first_deps = tuple(vals[1:1 + nf])
+            return tuple(vals[1 + nf:])
+        deps = tuple(self._unpack(out, 1 + n)[1:])
+        if first is not None:  # not among the reads (never for TensorE's operands)
+            ins.first_deps = self.raw_deps(first)
+        return deps
+
+
+_REFERENCE_BUILDS = 0  # > 0 inside reference_build()
+
+
+@contextlib.contextmanager
+def reference_build() -> Iterator[None]:
+    """Kernels made inside the block are built the reference way: the Python dependency tracker
+    and no batched fast paths (the library kernels emit one instruction at a time). The
+    instruction stream is the same (``tests/test_build_equivalence.py`` checks it); this is
+    what that test and ``benchmarks/bench_kernels.py`` compare the fast build against."""
+    global _REFERENCE_BUILDS
+    _REFERENCE_BUILDS += 1
+    try:
+        yield
+    finally:
+        _REFERENCE_BUILDS -= 1
+
+
+def new_tracker(reference: bool = False) -> DependencyTracker | NativeDependencyTracker:
+    """The C tracker when it is built, unless ``reference`` or ``TRNSIM_NATIVE=0`` asks for the
+    Python one (the two give the same edges)."""
+    if reference or _deptrack is None or os.environ.get("TRNSIM_NATIVE", "").strip() == "0":
+        return DependencyTracker()
+    return NativeDependencyTracker()
+
+
 # ---------------------------------------------------------------------------------------------
 # Tile pools
 # ---------------------------------------------------------------------------------------------
@@ -455,7 +616,9 @@ class Kernel:
                                      f"{self.config.name} ({c.sbuf.partition_bytes // 1024} KiB per partition)", uids)
         self._psum = PsumAllocator(self.config, uids)
         self._allocs: dict[int, Allocation] = {}  # uid -> every allocation of this kernel, live or freed
-        self._deps = DependencyTracker()
+        #: built the reference way (see :func:`reference_build`): no batched fast paths
+        self.reference = _REFERENCE_BUILDS > 0
+        self._deps = new_tracker(self.reference)
         self._scopes: list[list[TileAP]] = []
         self._loaded_stationary: tuple[Any, ...] | None = None
         self._hbm_bytes = 0
