@@ -514,6 +514,29 @@ class NativeDependencyTracker:
             ins.first_deps = self.raw_deps(first)
         return deps
 
+    def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
+        """:meth:`record` of a matmul (reads ``st, mv`` and, accumulating, ``dst``; writes
+        ``dst``; ``first`` = ``st``), without the generic argument handling."""
+        d = st._dep_h
+        rs = d[1] if d is not None and d[0] is self else self._region(st)
+        d = mv._dep_h
+        rm = d[1] if d is not None and d[0] is self else self._region(mv)
+        d = dst._dep_h
+        rd = d[1] if d is not None and d[0] is self else self._region(dst)
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._keys["Tensor"] = len(self._keys)
+        n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:
+            self._out = self._lib.dt_out(self._t)
+            self._g = self._gen[0]
+        vals = self._unpack(self._out, 1 + self._out[0] + n)
+        nf = vals[0]
+        ins.first_deps = tuple(vals[1:1 + nf])
+        return tuple(vals[1 + nf:])
+
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
 
@@ -938,6 +961,46 @@ class Kernel:
         else:
             double_row = self._check_matmul(dst, stationary, moving)
         return self._emit(MatMul(dst, stationary, moving, accumulate, double_row))  # type: ignore[return-value]
+
+    def nc_matmul_row(self, stationary: TileAP, pairs: Sequence[tuple[TileAP, TileAP]], *,
+                      accumulate: bool = False) -> None:
+        """``nc_matmul(dst, stationary, moving, accumulate=accumulate)`` for each ``(dst, moving)``
+        of ``pairs`` in order: one stationary serving a row of PSUM banks, as a blocked matmul
+        issues it. The same instructions, checks and errors as those calls; a matmul whose
+        operands are new geometries, not live or not this kernel's, and every matmul of a
+        :func:`reference_build`, goes through :meth:`nc_matmul` itself."""
+        if self.reference or type(stationary) is not TileAP:
+            for dst, mv in pairs:
+                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+            return
+        allocs, ok, instrs = self._allocs, self._matmul_ok, self.instructions
+        sa = stationary.alloc
+        s_geom = (stationary.alloc.space, stationary.p_start, stationary.p_count, stationary.dims,
+                  stationary.dtype.name)
+        s_key = (sa.uid, stationary.p_start, stationary.p_count, stationary.offset, stationary.dims,
+                 stationary.dtype.name)
+        record = self._deps.record_matmul if isinstance(self._deps, NativeDependencyTracker) else None
+        acc = bool(accumulate)
+        for dst, mv in pairs:
+            double_row = None
+            if type(dst) is TileAP and type(mv) is TileAP:
+                da, ma = dst.alloc, mv.alloc
+                key = (da.space, da.addr, dst.p_start, dst.p_count, dst.offset, dst.dims, dst.dtype.name) + s_geom + (
+                    ma.space, mv.p_start, mv.p_count, mv.dims, mv.dtype.name)
+                double_row = ok.get(key)
+            if (double_row is None or allocs.get(sa.uid) is not sa or not sa.live or allocs.get(da.uid) is not da
+                    or not da.live or allocs.get(ma.uid) is not ma or not ma.live
+                    or len(instrs) >= self._max_instructions):
+                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+                continue
+            ins = MatMul(dst, stationary, mv, acc, double_row)
+            ins.index = idx = len(instrs)
+            ins.deps = record(ins, stationary, mv, dst, acc) if record is not None else \
+                self._deps.record(ins, "Tensor", stationary)
+            if s_key == self._loaded_stationary:
+                ins.load_stationary = False
+            self._loaded_stationary = s_key
+            instrs.append(ins)
 
     def _check_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP) -> bool:
         """Check an ``nc_matmul``'s operands against TensorE's rules; return whether it is an

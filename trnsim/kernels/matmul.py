@@ -334,9 +334,7 @@ class _Mm:
         for kt in range(self.kt_n):
             lhs, mvs = operands(kt)
             for (mi, ms), row in zip(mts, dsts):
-                st = self.cols(lhs, kt, mi, mi + ms)
-                for dst, mv in zip(row, mvs):
-                    kern.nc_matmul(dst, st, mv, accumulate=kt > 0)
+                kern.nc_matmul_row(self.cols(lhs, kt, mi, mi + ms), list(zip(row, mvs)), accumulate=kt > 0)
             if roll is not None:
                 roll(kt)
         for (mi, ms), row in zip(mts, dsts):
