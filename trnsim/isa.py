@@ -647,7 +647,14 @@ class DmaCopy(Instruction):
     is_dma = True
 
     def __init__(self, engine: str, dst: AP, src: AP, queue: str):
-        super().__init__(engine, (src,), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads: tuple[AP, ...] = (src,)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.src = src
         self.queue = queue  # lane name, e.g. "qSyncIO0"

@@ -649,6 +649,7 @@ class Kernel:
         self._max_instructions = max_instructions()
         self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
         self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
+        self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -802,9 +803,21 @@ class Kernel:
                               f"shape, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host "
                               f"memory each)")
         # LoadStationary can start as soon as the stationary operand is ready (ins.first_deps)
-        first = (ins.stationary if isinstance(ins, MatMul) else ins.data) if isinstance(ins, (MatMul, Transpose)) else None
-        ins.deps = self._deps.record(ins, key or ins.engine, first)
-        self._track_stationary(ins)
+        if isinstance(ins, MatMul):
+            ins.deps = self._deps.record(ins, key or ins.engine, ins.stationary)
+            self._track_stationary(ins)
+        elif isinstance(ins, Transpose):
+            ins.deps = self._deps.record(ins, key or ins.engine, ins.data)
+            self._loaded_stationary = None
+        else:
+            ins.deps = self._deps.record(ins, key or ins.engine)
+            loaded = self._loaded_stationary
+            if loaded is not None:  # a write to the loaded stationary's tile unloads it
+                uid = loaded[0]
+                for w in ins.writes:
+                    if type(w) is TileAP and w.alloc.uid == uid:
+                        self._loaded_stationary = None
+                        break
         self.instructions.append(ins)
         return ins
 
@@ -854,13 +867,21 @@ class Kernel:
         qSyncIO); the transfer runs on DMA queue ``queue`` of that engine. Transfers in one
         queue complete in order; different queues overlap.
         """
-        for nm, x in (("dst", dst), ("src", src)):
-            if not isinstance(x, (HbmTensor, HbmAP, TileAP)):
-                raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
-        dst = dst.full() if isinstance(dst, HbmTensor) else dst
-        src = src.full() if isinstance(src, HbmTensor) else src
-        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
-        lane = self._dma_lane(eng, queue, "dma_copy")
+        td, ts = type(dst), type(src)
+        el = self._lanes.get((engine, queue)) if (td is TileAP or td is HbmAP) and (ts is TileAP or ts is HbmAP) \
+            and type(engine) is str and type(queue) is int else None
+        if el is None:  # checked once per (engine, queue) of plain views; anything else every time
+            for nm, x in (("dst", dst), ("src", src)):
+                if not isinstance(x, (HbmTensor, HbmAP, TileAP)):
+                    raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
+            dst = dst.full() if isinstance(dst, HbmTensor) else dst
+            src = src.full() if isinstance(src, HbmTensor) else src
+            eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
+            lane = self._dma_lane(eng, queue, "dma_copy")
+            if type(engine) is str and type(queue) is int:
+                self._lanes[(engine, queue)] = (eng, lane)
+        else:
+            eng, lane = el
         ins = DmaCopy(eng, dst, src, lane)
         # a kernel moves the same shapes between the same partitions over and over: plan each once
         key = (_dma_side(dst), _dma_side(src))
