@@ -302,7 +302,7 @@ class TileAP:
     address within each partition; ``p_start`` is absolute (0..127).
     """
 
-    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box", "_dep_h")
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box", "_dep_h", "_geo")
 
     def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
                  dims: tuple[tuple[int, int], ...], dtype: Dtype):
@@ -316,6 +316,7 @@ class TileAP:
         self.free_size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
+        self._geo = 0  # the builder's number for this view's geometry (kernel._geometry), 0 until asked
 
     @property
     def space(self) -> str:

@@ -532,8 +532,9 @@ class NativeDependencyTracker:
         if self._gen[0] != self._g:
             self._out = self._lib.dt_out(self._t)
             self._g = self._gen[0]
-        vals = self._unpack(self._out, 1 + self._out[0] + n)
-        nf = vals[0]
+        out = self._out
+        nf = out[0]
+        vals = self._unpack(out, 1 + nf + n)
         ins.first_deps = tuple(vals[1:1 + nf])
         return tuple(vals[1 + nf:])
 
@@ -649,6 +650,7 @@ class Kernel:
         self._max_instructions = max_instructions()
         self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
         self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
+        self._matmul_row_ok: dict[tuple[Any, ...], bool] = {}  # nc_matmul_row's geometry keys -> double_row
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
 
     # ---- HBM tensors -----------------------------------------------------------------------
@@ -994,30 +996,35 @@ class Kernel:
             for dst, mv in pairs:
                 self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
             return
-        allocs, ok, instrs = self._allocs, self._matmul_ok, self.instructions
+        allocs, ok, instrs = self._allocs, self._matmul_row_ok, self.instructions
         sa = stationary.alloc
-        s_geom = (stationary.alloc.space, stationary.p_start, stationary.p_count, stationary.dims,
-                  stationary.dtype.name)
+        s_ok = allocs.get(sa.uid) is sa and sa.live  # nothing frees a tile between the pairs
+        gs = stationary._geo or _geometry(stationary)
         s_key = (sa.uid, stationary.p_start, stationary.p_count, stationary.offset, stationary.dims,
                  stationary.dtype.name)
-        record = self._deps.record_matmul if isinstance(self._deps, NativeDependencyTracker) else None
+        tracker = self._deps
+        record = tracker.record_matmul if type(tracker) is NativeDependencyTracker else None
         acc = bool(accumulate)
+        limit = self._max_instructions
         for dst, mv in pairs:
             double_row = None
-            if type(dst) is TileAP and type(mv) is TileAP:
+            if s_ok and type(dst) is TileAP and type(mv) is TileAP:
                 da, ma = dst.alloc, mv.alloc
-                key = (da.space, da.addr, dst.p_start, dst.p_count, dst.offset, dst.dims, dst.dtype.name) + s_geom + (
-                    ma.space, mv.p_start, mv.p_count, mv.dims, mv.dtype.name)
+                key = (dst._geo or _geometry(dst), da.addr, dst.offset, gs, mv._geo or _geometry(mv))
                 double_row = ok.get(key)
-            if (double_row is None or allocs.get(sa.uid) is not sa or not sa.live or allocs.get(da.uid) is not da
-                    or not da.live or allocs.get(ma.uid) is not ma or not ma.live
-                    or len(instrs) >= self._max_instructions):
-                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+                if double_row is not None and (allocs.get(da.uid) is not da or not da.live
+                                               or allocs.get(ma.uid) is not ma or not ma.live
+                                               or len(instrs) >= limit):
+                    double_row = None
+            if double_row is None:
+                ins = self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+                if s_ok and type(dst) is TileAP and type(mv) is TileAP:
+                    ok[key] = ins.double_row  # the geometry passed nc_matmul's checks
                 continue
             ins = MatMul(dst, stationary, mv, acc, double_row)
-            ins.index = idx = len(instrs)
+            ins.index = len(instrs)
             ins.deps = record(ins, stationary, mv, dst, acc) if record is not None else \
-                self._deps.record(ins, "Tensor", stationary)
+                tracker.record(ins, "Tensor", stationary)
             if s_key == self._loaded_stationary:
                 ins.load_stationary = False
             self._loaded_stationary = s_key
@@ -1389,6 +1396,20 @@ class Kernel:
         return f"Kernel({self.name!r}, {len(self.instructions)} instructions, config={self.config.name})"
 
 
+
+
+_GEOMETRIES: dict[tuple[Any, ...], int] = {}  # a tile view's geometry -> a small int (process-wide)
+
+
+def _geometry(ap: TileAP) -> int:
+    """The number of ``ap``'s geometry as the matmul checks see it (memory, partitions, free
+    dims, dtype; not the address), interned once per view: a key part that hashes as one int."""
+    g = (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.name)
+    n = _GEOMETRIES.get(g)
+    if n is None:
+        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+    ap._geo = n
+    return n
 
 
 def _dma_side(ap: AP) -> tuple[Any, ...]:
