@@ -503,13 +503,12 @@ class NativeDependencyTracker:
         if self._gen[0] != self._g:
             self._out = self._lib.dt_out(self._t)
             self._g = self._gen[0]
-        out = self._out
-        nf = out[0]
+        vals = self._unpack(self._out, n)  # [nfirst, ndeps, first..., deps...]
+        nf = vals[0]
         if nf >= 0:
-            vals = self._unpack(out, 1 + nf + n)
-            ins.first_deps = tuple(vals[1:1 + nf])
-            return tuple(vals[1 + nf:])
-        deps = tuple(self._unpack(out, 1 + n)[1:])
+            ins.first_deps = tuple(vals[2:2 + nf])
+            return tuple(vals[2 + nf:])
+        deps = tuple(vals[2:])
         if first is not None:  # not among the reads (never for TensorE's operands)
             ins.first_deps = self.raw_deps(first)
         return deps
@@ -532,11 +531,38 @@ class NativeDependencyTracker:
         if self._gen[0] != self._g:
             self._out = self._lib.dt_out(self._t)
             self._g = self._gen[0]
-        out = self._out
-        nf = out[0]
-        vals = self._unpack(out, 1 + nf + n)
-        ins.first_deps = tuple(vals[1:1 + nf])
-        return tuple(vals[1 + nf:])
+        vals = self._unpack(self._out, n)
+        nf = vals[0]
+        ins.first_deps = tuple(vals[2:2 + nf])
+        return tuple(vals[2 + nf:])
+
+    def record_matmuls(self, ins: Sequence[MatMul]) -> None:
+        """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
+        call; sets each one's ``deps`` and ``first_deps``."""
+        st, mv, dst = [], [], []
+        for m in ins:
+            for ap, out in ((m.stationary, st), (m.moving, mv), (m.dst, dst)):
+                d = ap._dep_h
+                out.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._keys["Tensor"] = len(self._keys)
+        n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
+                                        [1 if m.accumulate else 0 for m in ins])
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:
+            self._out = self._lib.dt_out(self._t)
+            self._g = self._gen[0]
+        vals = self._unpack(self._out, n)
+        p = 0
+        for m in ins:
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            m.first_deps = tuple(vals[p:p + nf])
+            p += nf
+            m.deps = tuple(vals[p:p + nd])
+            p += nd
 
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
@@ -1004,7 +1030,7 @@ class Kernel:
                  stationary.dtype.name)
         tracker = self._deps
         record = tracker.record_matmul if type(tracker) is NativeDependencyTracker else None
-        acc = bool(accumulate)
+        acc = accumulate  # stored as given, as nc_matmul does
         limit = self._max_instructions
         for dst, mv in pairs:
             double_row = None
@@ -1029,6 +1055,53 @@ class Kernel:
                 ins.load_stationary = False
             self._loaded_stationary = s_key
             instrs.append(ins)
+
+    def nc_matmul_many(self, ops: Sequence[tuple[TileAP, TileAP, TileAP, bool]]) -> None:
+        """``nc_matmul(dst, stationary, moving, accumulate=acc)`` for each ``(dst, stationary,
+        moving, acc)`` of ``ops`` in order (a blocked matmul's k-tiles between two loads): the
+        same instructions, checks and errors as those calls. When every operand geometry has
+        been checked before, all are live and the instruction limit is not reached, the C
+        tracker records them in one call; otherwise (and in a :func:`reference_build`) each goes
+        through :meth:`nc_matmul_row`."""
+        tracker = self._deps
+        instrs = self.instructions
+        if not ops or self.reference or type(tracker) is not NativeDependencyTracker or \
+                len(instrs) + len(ops) > self._max_instructions:
+            for dst, st, mv, acc in ops:
+                self.nc_matmul_row(st, ((dst, mv),), accumulate=acc)
+            return
+        allocs, ok = self._allocs, self._matmul_row_ok
+        made: list[MatMul] = []
+        for dst, st, mv, acc in ops:
+            if type(dst) is not TileAP or type(st) is not TileAP or type(mv) is not TileAP:
+                break
+            da, sa, ma = dst.alloc, st.alloc, mv.alloc
+            double_row = ok.get((dst._geo or _geometry(dst), da.addr, dst.offset, st._geo or _geometry(st),
+                                 mv._geo or _geometry(mv)))
+            if double_row is None or allocs.get(da.uid) is not da or not da.live or allocs.get(sa.uid) is not sa \
+                    or not sa.live or allocs.get(ma.uid) is not ma or not ma.live:
+                break
+            made.append(MatMul(dst, st, mv, acc, double_row))
+        if len(made) < len(ops):  # something to check: one at a time, with nc_matmul's errors
+            for dst, st, mv, acc in ops:
+                self.nc_matmul_row(st, ((dst, mv),), accumulate=acc)
+            return
+        i0 = len(instrs)
+        for i, m in enumerate(made):
+            m.index = i0 + i
+        tracker.record_matmuls(made)
+        loaded = self._loaded_stationary
+        prev = None
+        for m in made:
+            s = m.stationary
+            if s is not prev:
+                key = (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
+                prev = s
+            if key == loaded:
+                m.load_stationary = False
+            loaded = key
+        self._loaded_stationary = loaded
+        instrs.extend(made)
 
     def _check_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP) -> bool:
         """Check an ``nc_matmul``'s operands against TensorE's rules; return whether it is an

@@ -353,12 +353,25 @@ class _Mm:
         accs = [[self.acc_pool.tile((p.tm, p.tn), "float32") for _ in widths] for _ in mts]
         dsts = [[self.view(acc, (ms, w), lambda: acc[:ms, :w]) for acc, w in zip(row, widths)]
                 for (_, ms), row in zip(mts, accs)]
-        for kt in range(self.kt_n):
-            lhs, mvs = operands(kt)
-            for (mi, ms), row in zip(mts, dsts):
-                kern.nc_matmul_row(self.cols(lhs, kt, mi, mi + ms), list(zip(row, mvs)), accumulate=kt > 0)
-            if roll is not None:
-                roll(kt)
+        if roll is None and not kern.reference:
+            # a group of _GROUP k-tiles at a time: operands(g0) loads the whole group (the later
+            # k-tiles' calls load nothing), so its matmuls go to the builder in one call, in the
+            # order the loop below would emit them
+            for g0 in range(0, self.kt_n, _GROUP):
+                ops = []
+                for kt in range(g0, min(self.kt_n, g0 + _GROUP)):
+                    lhs, mvs = operands(kt)
+                    for (mi, ms), row in zip(mts, dsts):
+                        st = self.cols(lhs, kt, mi, mi + ms)
+                        ops.extend((dst, st, mv, kt > 0) for dst, mv in zip(row, mvs))
+                kern.nc_matmul_many(ops)
+        else:
+            for kt in range(self.kt_n):
+                lhs, mvs = operands(kt)
+                for (mi, ms), row in zip(mts, dsts):
+                    kern.nc_matmul_row(self.cols(lhs, kt, mi, mi + ms), list(zip(row, mvs)), accumulate=kt > 0)
+                if roll is not None:
+                    roll(kt)
         for (mi, ms), row in zip(mts, dsts):
             if self.epilogue is not None:
                 self.epilogue(self, job, m0 + mi, ms, n0, row)

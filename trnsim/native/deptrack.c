@@ -311,11 +311,13 @@ int32_t *dt_out(dt_tracker *t) {
 
 const int32_t *dt_outgen(dt_tracker *t) { return &t->outgen; }
 
-int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const int32_t *reads, int32_t nr,
-                  const int32_t *writes, int32_t nw, int32_t first) {
+/* One instruction's record; its results go to out[at..]: [nfirst, ndeps, first..., deps...]
+ * (nfirst -1 without `first`). Returns the number written, or -1. */
+static int32_t record_at(dt_tracker *t, int32_t at, int32_t idx, int32_t key, int32_t dma, const int32_t *reads,
+                         int32_t nr, const int32_t *writes, int32_t nw, int32_t first) {
     const int64_t *pool = t->pool;
     int32_t nfirst = -1;
-    if (out_grow(t, 256)) return -1;
+    if (out_grow(t, (int64_t)at + 256)) return -1;
     t->ntmp = 0;
     for (int32_t i = 0; i < nr; i++) {
         if (reads[i] < 0 || reads[i] >= t->nregions) return -1;
@@ -328,7 +330,7 @@ int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const in
                 acc_t *w = &h->writes.v[j];
                 if (overlap(pool + w->boff, w->blen, box, r.blen) && tmp_push(t, w->idx)) return -1;
             }
-            nfirst = emit_sorted(t, from, 1, INT32_MIN);
+            nfirst = emit_sorted(t, from, at + 2, INT32_MIN);
             if (nfirst < 0) return -1;
             t->ntmp = from;
         }
@@ -381,8 +383,30 @@ int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const in
         acc_t nracc = {++t->serial, r.boff, r.blen, idx, key};
         if (acc_push(rv, nracc)) return -1;
     }
-    t->out[0] = nfirst;
-    return emit_sorted(t, 0, 1 + (nfirst > 0 ? nfirst : 0), idx);
+    int32_t nf = nfirst > 0 ? nfirst : 0;
+    int32_t nd = emit_sorted(t, 0, at + 2 + nf, idx);
+    if (nd < 0) return -1;
+    t->out[at] = nfirst;
+    t->out[at + 1] = nd;
+    return 2 + nf + nd;
+}
+
+int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const int32_t *reads, int32_t nr,
+                  const int32_t *writes, int32_t nw, int32_t first) {
+    return record_at(t, 0, idx, key, dma, reads, nr, writes, nw, first);
+}
+
+int32_t dt_record_matmuls(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *st, const int32_t *mv,
+                          const int32_t *dst, const int32_t *acc) {
+    int32_t at = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t reads[3] = {st[i], mv[i], dst[i]};
+        int32_t w = dst[i];
+        int32_t k = record_at(t, at, idx0 + i, key, 0, reads, acc[i] ? 3 : 2, &w, 1, 0);
+        if (k < 0) return -1;
+        at += k;
+    }
+    return at;
 }
 
 int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t nr, int32_t r0, int32_t r1,

@@ -24,14 +24,20 @@ int32_t dt_freed(dt_tracker *t, int32_t hid, int32_t space, int64_t p0, int64_t 
 int32_t dt_region(dt_tracker *t, int32_t hid, const int64_t *box, int32_t n);
 int32_t dt_region4(dt_tracker *t, int32_t hid, int64_t b0, int64_t b1, int64_t b2, int64_t b3);
 /* Record instruction `idx` (queue/engine key `key`, `dma` when it is a DMA) reading regions
- * reads[0..nr) and writing writes[0..nw). With first >= 0, reads[first]'s read-after-write
- * edges before this instruction go to out[1..], their count to out[0]; the instruction's own
- * edges follow (sorted, unique). Returns how many edges, or -1 when out of memory. */
+ * reads[0..nr) and writing writes[0..nw). Results in dt_out: [nfirst, ndeps, first...,
+ * deps...]: with first >= 0, reads[first]'s read-after-write edges before this instruction
+ * (nfirst of them; else nfirst = -1 and none), then the instruction's own edges (sorted,
+ * unique). Returns how many ints that is, or -1 when out of memory. */
 int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const int32_t *reads, int32_t nr,
                   const int32_t *writes, int32_t nw, int32_t first);
 int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t nr, int32_t r0, int32_t r1,
                    int32_t r2, int32_t r3, int32_t r4, int32_t r5, int32_t nw, int32_t w0, int32_t w1,
                    int32_t first);
+/* n matmuls idx0, idx0+1, ...: each reads st[i], mv[i] (and dst[i] when acc[i]) and writes
+ * dst[i], its first operand st[i]; their results one after the other in dt_out, each laid
+ * out as dt_record's. Returns how many ints in all, or -1. */
+int32_t dt_record_matmuls(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *st, const int32_t *mv,
+                          const int32_t *dst, const int32_t *acc);
 /* The read-after-write edges of a read of `region`, into out[..]; returns how many. */
 int32_t dt_raw_deps(dt_tracker *t, int32_t region);
 /* The output buffer of dt_record / dt_raw_deps; it moves only when *dt_outgen(t) changes. */
