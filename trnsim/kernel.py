@@ -678,6 +678,7 @@ class Kernel:
         self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
         self._matmul_row_ok: dict[tuple[Any, ...], bool] = {}  # nc_matmul_row's geometry keys -> double_row
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
+        self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -867,25 +868,39 @@ class Kernel:
                 self._loaded_stationary = None
 
     def _check_compute(self, what: str, engine: str, aps: Sequence[TileAP]) -> None:
+        passed = self._compute_ok
         for ap in aps:
-            if not isinstance(ap, TileAP):
-                if isinstance(ap, (HbmAP, HbmTensor)):
-                    raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
-                                      f"load it with dma_copy first")
-                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
-            if engine == "GpSimd" and ap.space == "psum":
-                raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
-            _check_alignment(ap, what)
-            for stride, size in ap.dims:
-                if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
-                    raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
-                                      f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
-            if engine == "Vector":
-                vec = self.config.core.vector
-                limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
-                if ap.free_size > limit:
-                    raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
-                                      f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
+            if type(ap) is TileAP:
+                # these rules depend on the view's geometry and the engine alone: a geometry
+                # that passed them once passes again (a failing one is checked, and named, each time)
+                key = (engine, ap._geo or _geometry(ap))
+                if key in passed:
+                    continue
+                self._check_compute_one(what, engine, ap)
+                passed.add(key)
+                continue
+            self._check_compute_one(what, engine, ap)
+
+    def _check_compute_one(self, what: str, engine: str, ap: TileAP) -> None:
+        """One operand of :meth:`_check_compute`: the rules, with their messages."""
+        if not isinstance(ap, TileAP):
+            if isinstance(ap, (HbmAP, HbmTensor)):
+                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
+                                  f"load it with dma_copy first")
+            raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
+        if engine == "GpSimd" and ap.space == "psum":
+            raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
+        _check_alignment(ap, what)
+        for stride, size in ap.dims:
+            if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
+                raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
+                                  f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
+        if engine == "Vector":
+            vec = self.config.core.vector
+            limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
+            if ap.free_size > limit:
+                raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
+                                  f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
 
     # ---- DMA -------------------------------------------------------------------------------
     def dma_copy(self, dst: AP | HbmTensor, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaCopy:
