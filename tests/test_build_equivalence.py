@@ -6,40 +6,24 @@ transpose (fp8 double-row included), trn1/trn2/trn3."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import pathlib
+import sys
 
 import pytest
 
 from trnsim import load_config
-from trnsim.isa import HbmAP, Instruction, TileAP
-from trnsim.kernel import DependencyTracker, Kernel, NativeDependencyTracker, _deptrack, reference_build
+from trnsim.isa import Instruction
+from trnsim.kernel import (DependencyTracker, Kernel, NativeDependencyTracker, _deptrack, reference_build,
+                            stream_fingerprint)
 from trnsim.kernels import get_kernel, kernel_names
 
 CONFIGS = ("trn1", "trn2", "trn3")
 
 
-def _operand(x: object) -> object:
-    if isinstance(x, TileAP):
-        a = x.alloc
-        return ("tile", a.space, a.uid, a.addr, a.nbytes, x.p_start, x.p_count, x.offset, x.dims, x.dtype.name)
-    if isinstance(x, HbmAP):
-        return ("hbm", x.tensor.name, x.offset, x.dims, x.box)
-    return x
-
-
 def _slots(cls: type) -> list[str]:
     return [s for c in reversed(cls.__mro__) for s in getattr(c, "__slots__", ()) if s != "__weakref__"]
-
-
-def fingerprint(kern: Kernel) -> list[tuple[object, ...]]:
-    """Everything the simulator, the values path and the reports read of each instruction."""
-    out = []
-    for ins in kern.instructions:
-        fields = tuple((name, _operand(getattr(ins, name, None))) if name not in ("reads", "writes")
-                       else (name, tuple(_operand(ap) for ap in getattr(ins, name)))
-                       for name in _slots(type(ins)))
-        out.append((type(ins).__name__, ins.opcode, ins.describe()) + fields)
-    return out
 
 
 def _both(name: str, shape: tuple[int, ...], dtype: str, cfg: str, **params: object) -> tuple[Kernel, Kernel]:
@@ -56,7 +40,7 @@ def _assert_same(ref: Kernel, fast: Kernel) -> None:
     assert isinstance(ref._deps, DependencyTracker)
     if _deptrack is not None:
         assert isinstance(fast._deps, NativeDependencyTracker)
-    a, b = fingerprint(ref), fingerprint(fast)
+    a, b = stream_fingerprint(ref), stream_fingerprint(fast)
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x == y
@@ -131,7 +115,32 @@ def test_user_kernel_same_stream() -> None:
     _assert_same(ref, build())
 
 
-def test_instruction_slots_cover_what_is_compared() -> None:
+def test_fingerprint_sees_every_field() -> None:
     """The fingerprint reads every slot an instruction type declares (a new field is compared
-    without editing this file)."""
+    without editing this file), and one changed edge makes two builds differ."""
     assert {"deps", "first_deps", "reads", "writes"} <= set(_slots(Instruction))
+    ref, fast = _both("matmul", (300, 200, 700), "bf16", "trn2")
+    assert stream_fingerprint(ref) == stream_fingerprint(fast)
+    fast.instructions[20].deps = fast.instructions[20].deps[:-1]
+    assert stream_fingerprint(ref) != stream_fingerprint(fast)
+    fast.instructions[20].deps, fast.instructions[21].load_stationary = ref.instructions[20].deps, \
+        not fast.instructions[21].load_stationary
+    assert stream_fingerprint(ref) != stream_fingerprint(fast)
+
+
+def test_bench_kernels_quick_checks_the_streams(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark builds each kernel both ways and says whether the streams are identical
+    (its exit status also carries a wall-clock budget, which a unit test does not assert)."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(mod)
+        mod.main(["--quick"])
+    finally:
+        sys.path.remove(str(path.parent))
+    out = capsys.readouterr().out
+    assert "instruction streams identical" in out
+    assert "DIFFERS" not in out

@@ -590,6 +590,35 @@ def new_tracker(reference: bool = False) -> DependencyTracker | NativeDependency
     return NativeDependencyTracker()
 
 
+def _fingerprint_operand(x: Any) -> Any:
+    if isinstance(x, TileAP):
+        a = x.alloc
+        return ("tile", a.space, a.uid, a.addr, a.nbytes, x.p_start, x.p_count, x.offset, x.dims, x.dtype.name)
+    if isinstance(x, HbmAP):
+        return ("hbm", x.tensor.name, x.offset, x.dims, x.box)
+    if isinstance(x, tuple):
+        return tuple(_fingerprint_operand(y) for y in x)
+    return x
+
+
+def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
+    """Everything the simulator, the values path and the reports read of each instruction:
+    its type, opcode and every slot (index, engine, operands as memory and geometry, deps,
+    first_deps, load_stationary, DMA plan, ...). Two builds of a kernel made the same stream
+    when their fingerprints are equal (how fast builds are checked against the reference)."""
+    slots_of: dict[type, list[str]] = {}
+    out = []
+    for ins in kern.instructions:
+        cls = type(ins)
+        names = slots_of.get(cls)
+        if names is None:
+            names = slots_of[cls] = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
+                                     if n != "__weakref__"]
+        out.append((cls.__name__, ins.opcode, ins.describe())
+                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in names))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Tile pools
 # ---------------------------------------------------------------------------------------------
