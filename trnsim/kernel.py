@@ -477,25 +477,26 @@ class NativeDependencyTracker:
         kid = self._keys.get(key)
         if kid is None:
             kid = self._keys[key] = len(self._keys)
-        rs = [0, 0, 0, 0, 0, 0]
-        ws = [0, 0]
+        rs = []
+        for ap in ins.reads:
+            d = ap._dep_h
+            rs.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        ws = []
+        for ap in ins.writes:
+            d = ap._dep_h
+            ws.append(d[1] if d is not None and d[0] is self else self._region(ap))
         fpos = -1
-        reads, writes = ins.reads, ins.writes
-        nr, nw = len(reads), len(writes)
-        big = nr > 6 or nw > 2
-        if big:
-            rs, ws = [0] * nr, [0] * nw
-        for i, ap in enumerate(reads):
-            d = ap._dep_h
-            rs[i] = d[1] if d is not None and d[0] is self else self._region(ap)
-            if ap is first and fpos < 0:
-                fpos = i
-        for i, ap in enumerate(writes):
-            d = ap._dep_h
-            ws[i] = d[1] if d is not None and d[0] is self else self._region(ap)
-        if big:
+        if first is not None:
+            for i, ap in enumerate(ins.reads):
+                if ap is first:
+                    fpos = i
+                    break
+        nr, nw = len(rs), len(ws)
+        if nr > 6 or nw > 2:
             n = self._lib.dt_record(self._t, ins.index, kid, ins.is_dma, rs, nr, ws, nw, fpos)
         else:
+            rs.extend((0, 0, 0, 0, 0, 0))
+            ws.extend((0, 0))
             n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
                                      rs[5], nw, ws[0], ws[1], fpos)
         if n < 0:
