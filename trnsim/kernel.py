@@ -492,7 +492,9 @@ class NativeDependencyTracker:
                     fpos = i
                     break
         nr, nw = len(rs), len(ws)
-        if nr > 6 or nw > 2:
+        if nr == 1 and nw == 1 and fpos < 0:  # a DMA, a copy: the short call
+            n = self._lib.dt_record11(self._t, ins.index, kid, ins.is_dma, rs[0], ws[0])
+        elif nr > 6 or nw > 2:
             n = self._lib.dt_record(self._t, ins.index, kid, ins.is_dma, rs, nr, ws, nw, fpos)
         else:
             rs.extend((0, 0, 0, 0, 0, 0))

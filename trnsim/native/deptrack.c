@@ -417,3 +417,7 @@ int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t
     if (nr < 0 || nr > 6 || nw < 0 || nw > 2) return -1;
     return dt_record(t, idx, key, dma, reads, nr, writes, nw, first);
 }
+
+int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r, int32_t w) {
+    return record_at(t, 0, idx, key, dma, &r, 1, &w, 1, -1);
+}

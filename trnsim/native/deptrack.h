@@ -33,6 +33,8 @@ int32_t dt_record(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, const in
 int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t nr, int32_t r0, int32_t r1,
                    int32_t r2, int32_t r3, int32_t r4, int32_t r5, int32_t nw, int32_t w0, int32_t w1,
                    int32_t first);
+/* dt_record of an instruction with one read and one write and no `first` (a DMA, a copy). */
+int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r, int32_t w);
 /* n matmuls idx0, idx0+1, ...: each reads st[i], mv[i] (and dst[i] when acc[i]) and writes
  * dst[i], its first operand st[i]; their results one after the other in dt_out, each laid
  * out as dt_record's. Returns how many ints in all, or -1. */
