@@ -708,7 +708,7 @@ class Kernel:
         self._max_instructions = max_instructions()
         self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
         self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
-        self._matmul_row_ok: dict[tuple[Any, ...], bool] = {}  # nc_matmul_row's geometry keys -> double_row
+        self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
         self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
 
@@ -1047,10 +1047,8 @@ class Kernel:
         if type(dst) is TileAP and type(stationary) is TileAP and type(moving) is TileAP:
             # the rules below depend on the operands' geometry alone: check each geometry once
             # (a matmul kernel repeats a handful of them thousands of times)
-            key = (dst.alloc.space, dst.alloc.addr, dst.p_start, dst.p_count, dst.offset, dst.dims, dst.dtype.name,
-                   stationary.alloc.space, stationary.p_start, stationary.p_count, stationary.dims,
-                   stationary.dtype.name, moving.alloc.space, moving.p_start, moving.p_count, moving.dims,
-                   moving.dtype.name)
+            key = (dst._geo or _geometry(dst), dst.alloc.addr, dst.offset, stationary._geo or _geometry(stationary),
+                   moving._geo or _geometry(moving))  # interned geometries: a key of five ints
             double_row = self._matmul_ok.get(key)
             if double_row is None:
                 double_row = self._matmul_ok[key] = self._check_matmul(dst, stationary, moving)
@@ -1069,7 +1067,7 @@ class Kernel:
             for dst, mv in pairs:
                 self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
             return
-        allocs, ok, instrs = self._allocs, self._matmul_row_ok, self.instructions
+        allocs, ok, instrs = self._allocs, self._matmul_ok, self.instructions
         sa = stationary.alloc
         s_ok = allocs.get(sa.uid) is sa and sa.live  # nothing frees a tile between the pairs
         gs = stationary._geo or _geometry(stationary)
@@ -1089,10 +1087,8 @@ class Kernel:
                                                or allocs.get(ma.uid) is not ma or not ma.live
                                                or len(instrs) >= limit):
                     double_row = None
-            if double_row is None:
-                ins = self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
-                if s_ok and type(dst) is TileAP and type(mv) is TileAP:
-                    ok[key] = ins.double_row  # the geometry passed nc_matmul's checks
+            if double_row is None:  # new geometry (nc_matmul checks it and fills the cache), or an error
+                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
                 continue
             ins = MatMul(dst, stationary, mv, acc, double_row)
             ins.index = len(instrs)
@@ -1117,7 +1113,7 @@ class Kernel:
             for dst, st, mv, acc in ops:
                 self.nc_matmul_row(st, ((dst, mv),), accumulate=acc)
             return
-        allocs, ok = self._allocs, self._matmul_row_ok
+        allocs, ok = self._allocs, self._matmul_ok
         made: list[MatMul] = []
         for dst, st, mv, acc in ops:
             if type(dst) is not TileAP or type(st) is not TileAP or type(mv) is not TileAP:
@@ -1203,6 +1199,17 @@ class Kernel:
 
     def nc_transpose(self, dst: TileAP, data: TileAP) -> Transpose:
         """``dst[F, P] = data[P, F]ᵀ`` through the PE array (bit exact; 2-byte types stay 2-byte)."""
+        if type(dst) is TileAP and type(data) is TileAP:
+            # like nc_matmul's: the rules depend on the operands' geometry alone, checked once
+            key = (dst._geo or _geometry(dst), dst.alloc.addr, dst.offset, data._geo or _geometry(data))
+            if key not in self._transpose_ok:
+                self._check_transpose(dst, data)
+                self._transpose_ok.add(key)
+        else:
+            self._check_transpose(dst, data)
+        return self._emit(Transpose(dst, data))  # type: ignore[return-value]
+
+    def _check_transpose(self, dst: TileAP, data: TileAP) -> None:
         t = self.config.core.tensor
         what = "nc_transpose"
         self._check_compute(what, "Tensor", (dst, data))
@@ -1216,7 +1223,6 @@ class Kernel:
         if dst.dtype != data.dtype and dst.dtype.name != "float32":
             raise KernelError(f"{what}: dst dtype {dst.dtype.name} must be fp32 or the input dtype {data.dtype.name}")
         check_matmul_dst(dst, self.config, what)
-        return self._emit(Transpose(dst, data))  # type: ignore[return-value]
 
     # ---- Vector / Scalar / GpSimd ----------------------------------------------------------
     def activation(self, dst: TileAP, op: Any, data: TileAP, *, bias: TileAP | float | None = None,
