@@ -145,6 +145,9 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_blocks.restype = i64
     handle.trnsim_fast_freed.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_fast_freed.restype = i64
+    handle.trnsim_host_scope.argtypes = [ctypes.c_int]
+    handle.trnsim_host_release.restype = i64
+    handle.trnsim_host_stats.argtypes = [ctypes.c_void_p]
     del p64
     lib = handle
     return lib

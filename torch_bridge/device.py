@@ -8,8 +8,8 @@ independent of CPU's). The current device lives in the native device guard
 ``torch.accelerator`` all follow ``set_device``.
 
 Memory: ``memory_allocated``, ``max_memory_allocated``, ``memory_stats``,
-``reset_peak_memory_stats``, ``mem_get_info`` (and ``memory_reserved``/``empty_cache``, trivial
-without a caching allocator).
+``reset_peak_memory_stats``, ``mem_get_info`` (and ``memory_reserved``, trivial without a
+caching allocator on the virtual HBM; ``empty_cache`` releases the host memory kept for reuse).
 
 Simulated time: ``Stream``, ``Event``, ``stream()``, ``current_stream``, ``default_stream``
 (see :mod:`trnsim.device` for the model: the host runs ahead of the device until it synchronises).
@@ -242,7 +242,10 @@ def max_memory_reserved(device: Any = None) -> int:
 
 
 def empty_cache() -> None:
-    """Nothing to release (no caching allocator); here so CUDA-style scripts run unchanged."""
+    """The virtual HBM has no caching allocator (``memory_reserved`` equals ``memory_allocated``),
+    so no device counter changes; the host memory trnsim keeps to back freed device blocks (see
+    ``torch_bridge.memory.host_cache``) goes back to the system."""
+    _mem.release_host_cache()
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

@@ -377,6 +377,9 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
         torch.empty(size, dtype=dtype, device="meta")
     pool.reserve(index, probe.untyped_storage().nbytes())
     nbytes = probe.untyped_storage().nbytes()
+    lib = _lib()
+    if lib is not None:  # the block comes from the host cache (csrc/neuron.cpp, "host memory")
+        lib.trnsim_host_scope(1)
     try:
         cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
     except RuntimeError as e:
@@ -384,6 +387,9 @@ def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dty
         raise torch.OutOfMemoryError(
             f"neuron:{index} out of memory: the host could not back {nbytes} bytes of device memory "
             f"({format_quantity(nbytes, 'bytes')}; the virtual HBM had room): {str(e).splitlines()[0]}") from None
+    finally:
+        if lib is not None:
+            lib.trnsim_host_scope(-1)
     return relabel(cpu, index, counted=True)
 
 
@@ -478,3 +484,21 @@ def install_resize_allocator(lib: Any) -> None:
     _callbacks[:] = [alloc, release]  # ctypes callbacks must outlive every call
     lib.trnsim_set_allocator(alloc, release)
     atexit.register(lambda: lib.trnsim_set_allocator(ALLOC_FN(), RELEASE_FN()))
+
+
+def host_cache() -> dict[str, int]:
+    """The host cache of freed device blocks (csrc/neuron.cpp, "host memory"): whether it is the
+    CPU allocator yet, the bytes it keeps free for reuse and its limit, how many allocations it
+    served from kept blocks and how many took new memory. Host-side only: no HBM counter sees it."""
+    lib = _lib()
+    if lib is None:
+        return {"installed": 0, "kept_bytes": 0, "limit_bytes": 0, "reused": 0, "fresh": 0, "blocks": 0}
+    out = (ctypes.c_int64 * 6)()
+    lib.trnsim_host_stats(out)
+    return dict(zip(("installed", "kept_bytes", "limit_bytes", "reused", "fresh", "blocks"), out))
+
+
+def release_host_cache() -> int:
+    """Give the host cache's kept blocks back to the system; returns the bytes released."""
+    lib = _lib()
+    return int(lib.trnsim_host_release()) if lib is not None else 0

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <unordered_map>
 #include <unordered_set>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -137,6 +138,135 @@ bool is_pinned(const void* data) {
   --it;
   return a >= it->first && a < it->first + it->second;
 }
+
+// ---- host memory behind device tensors -------------------------------------------------------
+// Device memory is host memory here, and glibc hands big freed blocks back to the kernel (it
+// trims the top of a heap, and autograd's device thread has its own arena, which trims eagerly),
+// so a training loop's fresh results fault their pages in again every step: ~20k page faults per
+// step of the small GPT-2 on that thread alone, where the CPU run reuses its memory. The CPU
+// kernels that compute neuron results allocate through this cache instead, which keeps freed
+// blocks of each size for reuse, as a device runtime's caching allocator does. It is host-side
+// only: the virtual HBM's ledger still counts every allocation and free as before.
+//
+// It serves an allocation only inside a `HostScope` (the fast path's CPU kernels, the Python
+// path's redispatch, torch_bridge.memory.allocate) and only blocks of at least kCacheMin bytes
+// (glibc keeps smaller ones mapped); every other CPU allocation goes to the CPU allocator that
+// was installed before, unchanged. It becomes the CPU allocator only when the first neuron result
+// is computed, so a process that never computes on neuron (`import torch` alone) is untouched.
+// TRNSIM_HOST_CACHE_MB bounds the bytes it keeps free (default 2048; 0 turns it off).
+constexpr size_t kCacheMin = 64 * 1024;
+thread_local int t_host_scope = 0;
+
+void host_free(void* p);
+
+struct HostCache final : c10::Allocator {
+  c10::Allocator* base = nullptr;  // the CPU allocator before this one
+  std::mutex mutex;
+  std::unordered_map<size_t, std::vector<void*>> free_blocks;  // bytes -> blocks kept for reuse
+  std::unordered_map<void*, size_t> owned;  // every block this cache allocated and has not released
+  int64_t limit = 0;       // bytes it may keep free
+  int64_t kept = 0;        // bytes kept free now
+  int64_t reused = 0;      // allocations served from kept blocks
+  int64_t fresh = 0;       // allocations that took new memory
+
+  c10::DataPtr allocate(size_t n) override {
+    if (t_host_scope == 0 || n < kCacheMin || c10::memoryProfilingEnabled()) return base->allocate(n);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto it = free_blocks.find(n);
+      if (it != free_blocks.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        kept -= static_cast<int64_t>(n);
+        reused += 1;
+      }
+    }
+    if (p == nullptr) {
+      p = c10::alloc_cpu(n);  // (throws the CPU allocator's own out-of-memory error)
+      std::lock_guard<std::mutex> lock(mutex);
+      owned[p] = n;
+      fresh += 1;
+    }
+    return {p, p, &host_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  // also frees what `base` allocated (raw_allocate hands out either)
+  c10::DeleterFnPtr raw_deleter() const override { return &host_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  // frees every kept block; returns the bytes released
+  int64_t release() {
+    std::vector<void*> out;
+    int64_t bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (auto& kv : free_blocks) {
+        for (void* p : kv.second) {
+          owned.erase(p);
+          out.push_back(p);
+          bytes += static_cast<int64_t>(kv.first);
+        }
+      }
+      free_blocks.clear();
+      kept = 0;
+    }
+    for (void* p : out) c10::free_cpu(p);
+    return bytes;
+  }
+};
+HostCache& g_host = *new HostCache();  // never destroyed: tensors may outlive static destructors
+std::once_flag g_host_once;
+std::atomic<bool> g_host_on{false};
+
+void host_free(void* p) {
+  if (p == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_host.mutex);
+    auto it = g_host.owned.find(p);
+    if (it != g_host.owned.end()) {
+      auto n = static_cast<int64_t>(it->second);
+      if (g_host.kept + n <= g_host.limit) {
+        g_host.free_blocks[it->second].push_back(p);
+        g_host.kept += n;
+        return;
+      }
+      g_host.owned.erase(it);  // over the limit: back to the system
+    } else if (g_host.base != nullptr && g_host.base->raw_deleter() != nullptr) {
+      g_host.base->raw_deleter()(p);  // the base allocator's block (raw_deallocate hands either back)
+      return;
+    }
+  }
+  c10::free_cpu(p);
+}
+
+void host_install() {
+  std::call_once(g_host_once, [] {
+    const char* env = std::getenv("TRNSIM_HOST_CACHE_MB");
+    int64_t mb = 2048;
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      long long v = std::strtoll(env, &end, 10);
+      if (end != nullptr && *end == '\0' && v >= 0) mb = v;
+    }
+    if (mb == 0) return;
+    g_host.limit = mb << 20;
+    g_host.base = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&g_host, 0);
+    g_host_on.store(c10::GetCPUAllocator() == &g_host);  // (an allocator of higher priority stays)
+  });
+}
+
+// CPU allocations on this thread that back neuron tensors, while it lives
+struct HostScope {
+  HostScope() {
+    if (!g_host_on.load(std::memory_order_relaxed)) host_install();
+    ++t_host_scope;
+  }
+  ~HostScope() { --t_host_scope; }
+  HostScope(const HostScope&) = delete;
+  HostScope& operator=(const HostScope&) = delete;
+};
 
 // ---- generators --------------------------------------------------------------------------------
 // A device generator's state has CUDA's shape: a 64-bit seed and a 64-bit offset into the
@@ -435,6 +565,7 @@ void key_tensor(std::string& k, const at::Tensor& t, int64_t device_class) {
 }
 
 void slow(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  HostScope host;  // (the Python path's CPU results become neuron tensors too)
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse2), stack);
 }
 
@@ -613,6 +744,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   torch::jit::Stack cstack(std::move(cargs));
   try {
+    HostScope host;
     op.callBoxed(&cstack);
   } catch (...) {  // (kernels check their arguments before they write: running it again is safe)
     return slow(op, stack);  // Python raises it, in its words (or retries an out= it must resize)
@@ -777,6 +909,23 @@ void trnsim_set_allocator(AllocFn alloc, ReleaseFn release) {
 int trnsim_is_pinned(const void* data) { return is_pinned(data) ? 1 : 0; }
 int64_t trnsim_pinned_bytes() { return g_pinned_bytes.load(); }
 int64_t trnsim_pinned_allocations() { return g_pinned_allocs.load(); }
+
+// ---- the host cache (see above) ----
+void trnsim_host_scope(int delta) {
+  if (delta > 0 && !g_host_on.load(std::memory_order_relaxed)) host_install();
+  t_host_scope += delta;
+}
+int64_t trnsim_host_release() { return g_host_on.load() ? g_host.release() : 0; }
+// [installed, bytes kept free, limit, allocations reused, fresh allocations, blocks owned]
+void trnsim_host_stats(int64_t* out) {
+  std::lock_guard<std::mutex> lock(g_host.mutex);
+  out[0] = g_host_on.load() ? 1 : 0;
+  out[1] = g_host.kept;
+  out[2] = g_host.limit;
+  out[3] = g_host.reused;
+  out[4] = g_host.fresh;
+  out[5] = static_cast<int64_t>(g_host.owned.size());
+}
 
 
 // ---- the fast path and the ledger (see above) ----
