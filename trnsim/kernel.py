@@ -457,7 +457,13 @@ class NativeDependencyTracker:
         ap._dep_h = (self, r)
         return r
 
+    def _key(self, key: str) -> int:
+        """A new engine / queue key's small int."""
+        kid = self._keys[key] = len(self._keys)
+        return kid
+
     def _results(self, n: int) -> list[int]:
+        """The ``n`` ints a C call left in its output buffer (which may have moved)."""
         if n < 0:
             raise MemoryError("dependency tracker: out of memory")
         if self._gen[0] != self._g:  # the C output buffer grew (moved)
@@ -476,7 +482,7 @@ class NativeDependencyTracker:
         (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
         kid = self._keys.get(key)
         if kid is None:
-            kid = self._keys[key] = len(self._keys)
+            kid = self._key(key)
         rs = []
         for ap in ins.reads:
             d = ap._dep_h
@@ -501,12 +507,7 @@ class NativeDependencyTracker:
             ws.extend((0, 0))
             n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
                                      rs[5], nw, ws[0], ws[1], fpos)
-        if n < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        if self._gen[0] != self._g:
-            self._out = self._lib.dt_out(self._t)
-            self._g = self._gen[0]
-        vals = self._unpack(self._out, n)  # [nfirst, ndeps, first..., deps...]
+        vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
         nf = vals[0]
         if nf >= 0:
             ins.first_deps = tuple(vals[2:2 + nf])
@@ -527,14 +528,9 @@ class NativeDependencyTracker:
         rd = d[1] if d is not None and d[0] is self else self._region(dst)
         kid = self._keys.get("Tensor")
         if kid is None:
-            kid = self._keys["Tensor"] = len(self._keys)
+            kid = self._key("Tensor")
         n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
-        if n < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        if self._gen[0] != self._g:
-            self._out = self._lib.dt_out(self._t)
-            self._g = self._gen[0]
-        vals = self._unpack(self._out, n)
+        vals = self._results(n)
         nf = vals[0]
         ins.first_deps = tuple(vals[2:2 + nf])
         return tuple(vals[2 + nf:])
@@ -549,15 +545,10 @@ class NativeDependencyTracker:
                 out.append(d[1] if d is not None and d[0] is self else self._region(ap))
         kid = self._keys.get("Tensor")
         if kid is None:
-            kid = self._keys["Tensor"] = len(self._keys)
+            kid = self._key("Tensor")
         n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
                                         [1 if m.accumulate else 0 for m in ins])
-        if n < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        if self._gen[0] != self._g:
-            self._out = self._lib.dt_out(self._t)
-            self._g = self._gen[0]
-        vals = self._unpack(self._out, n)
+        vals = self._results(n)
         p = 0
         for m in ins:
             nf, nd = vals[p], vals[p + 1]
