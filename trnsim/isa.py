@@ -191,7 +191,7 @@ class HbmAP:
     """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
     came from slicing (used for exact dependency checks), else None (flat span is used)."""
 
-    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box", "_dep_h")
+    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box", "_dep_h", "_geo")
     space = "hbm"
 
     def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
@@ -203,6 +203,7 @@ class HbmAP:
         self.size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
+        self._geo = 0  # the builder's number for this view's DMA geometry (kernel._dma_geometry), 0 until asked
 
     @property
     def dtype(self) -> Dtype:

@@ -950,7 +950,7 @@ class Kernel:
             eng, lane = el
         ins = DmaCopy(eng, dst, src, lane)
         # a kernel moves the same shapes between the same partitions over and over: plan each once
-        key = (_dma_side(dst), _dma_side(src))
+        key = (dst._geo or _dma_geometry(dst), src._geo or _dma_geometry(src))
         plan = self._dma_plans.get(key)
         if plan is None:
             plan = self._dma_plans[key] = plan_dma(dst, src, self.config)
@@ -1522,6 +1522,19 @@ def _geometry(ap: TileAP) -> int:
     """The number of ``ap``'s geometry as the matmul checks see it (memory, partitions, free
     dims, dtype; not the address), interned once per view: a key part that hashes as one int."""
     g = (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.name)
+    n = _GEOMETRIES.get(g)
+    if n is None:
+        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+    ap._geo = n
+    return n
+
+
+def _dma_geometry(ap: AP) -> int:
+    """The interned number of everything :func:`plan_dma` reads of one side of a copy: a tile's
+    full geometry (:func:`_geometry`, finer than the plan needs), an HBM view's :func:`_dma_side`."""
+    if isinstance(ap, TileAP):
+        return _geometry(ap)
+    g = _dma_side(ap)
     n = _GEOMETRIES.get(g)
     if n is None:
         n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
