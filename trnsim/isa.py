@@ -205,6 +205,13 @@ class HbmAP:
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
         self._geo = 0  # the builder's number for this view's DMA geometry (kernel._dma_geometry), 0 until asked
 
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        # the builder's caches stay behind: a region id belongs to one tracker and a geometry
+        # number to one process
+        state = {k: getattr(self, k) for k in self.__slots__}
+        state["_dep_h"], state["_geo"] = None, 0
+        return None, state
+
     @property
     def dtype(self) -> Dtype:
         return self.tensor.dtype
@@ -318,6 +325,13 @@ class TileAP:
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
         self._geo = 0  # the builder's number for this view's geometry (kernel._geometry), 0 until asked
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        # the builder's caches stay behind: a region id belongs to one tracker and a geometry
+        # number to one process
+        state = {k: getattr(self, k) for k in self.__slots__}
+        state["_dep_h"], state["_geo"] = None, 0
+        return None, state
 
     @property
     def space(self) -> str:

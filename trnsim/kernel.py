@@ -425,6 +425,25 @@ class NativeDependencyTracker:
         self._gen = lib.dt_outgen(self._t)
         self._g = self._gen[0]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A kernel pickles with its tracker: the C state as bytes (views drop their region ids,
+        and register again with the unpickled tracker)."""
+        assert _deptrack is not None
+        ffi = _deptrack.ffi
+        n = self._lib.dt_dump(self._t, ffi.NULL, 0)
+        buf = ffi.new("int64_t[]", n)
+        self._lib.dt_dump(self._t, buf, n)
+        return {"c": bytes(ffi.buffer(buf)), "live": self._live, "hbm": self._hbm, "keys": self._keys}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        assert _deptrack is not None
+        raw = state["c"]
+        buf = _deptrack.ffi.from_buffer("int64_t[]", raw)
+        if self._lib.dt_load(self._t, buf, len(raw) // 8) != 0:
+            raise ValueError("dependency tracker: the pickled state is not a tracker's")
+        self._live, self._hbm, self._keys = dict(state["live"]), dict(state["hbm"]), dict(state["keys"])
+
     @staticmethod
     def _alloc_box(a: Allocation) -> tuple[int, int, int, int]:
         return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))

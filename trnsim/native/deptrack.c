@@ -421,3 +421,151 @@ int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t
 int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r, int32_t w) {
     return record_at(t, 0, idx, key, dma, &r, 1, &w, 1, -1);
 }
+
+/* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
+
+#define DUMP_MAGIC 0x7472646570310001LL
+
+typedef struct {
+    int64_t *buf;
+    int64_t n, cap;
+} sink_t;
+
+static inline void put(sink_t *k, int64_t v) {
+    if (k->n < k->cap) k->buf[k->n] = v;
+    k->n++;
+}
+
+static void put_accs(sink_t *k, const accvec *a) {
+    put(k, a->n);
+    for (int32_t i = 0; i < a->n; i++) {
+        put(k, a->v[i].serial);
+        put(k, a->v[i].boff);
+        put(k, a->v[i].blen);
+        put(k, a->v[i].idx);
+        put(k, a->v[i].key);
+    }
+}
+
+int64_t dt_dump(dt_tracker *t, int64_t *buf, int64_t cap) {
+    sink_t k = {buf, 0, buf ? cap : 0};
+    put(&k, DUMP_MAGIC);
+    put(&k, t->npool);
+    for (int64_t i = 0; i < t->npool; i++) put(&k, t->pool[i]);
+    put(&k, t->nregions);
+    for (int32_t i = 0; i < t->nregions; i++) {
+        put(&k, t->regions[i].hid);
+        put(&k, t->regions[i].boff);
+        put(&k, t->regions[i].blen);
+    }
+    put(&k, t->nhists);
+    for (int32_t i = 0; i < t->nhists; i++) {
+        put(&k, t->hists[i].tile);
+        put_accs(&k, &t->hists[i].writes);
+        put_accs(&k, &t->hists[i].reads);
+    }
+    put(&k, t->ngraves);
+    for (int32_t i = 0; i < t->ngraves; i++) {
+        for (int j = 0; j < 4; j++) put(&k, t->graves[i].box[j]);
+        put(&k, t->graves[i].hid);
+        put(&k, t->graves[i].alive);
+        put(&k, t->graves[i].seen);
+    }
+    for (int sp = 0; sp < 2; sp++) {
+        put(&k, t->nbuckets[sp]);
+        for (int32_t c = 0; c < t->nbuckets[sp]; c++) {
+            put(&k, t->buckets[sp][c].n);
+            for (int32_t i = 0; i < t->buckets[sp][c].n; i++) put(&k, t->buckets[sp][c].v[i]);
+        }
+    }
+    put(&k, t->serial);
+    put(&k, t->epoch);
+    return k.n;
+}
+
+typedef struct {
+    const int64_t *buf;
+    int64_t n, at;
+    int bad;
+} src_t;
+
+static inline int64_t get(src_t *s, int64_t lo, int64_t hi) {
+    if (s->at >= s->n) {
+        s->bad = 1;
+        return lo;
+    }
+    int64_t v = s->buf[s->at++];
+    if (v < lo || v > hi) s->bad = 1;
+    return v;
+}
+
+static int get_accs(src_t *s, accvec *a) {
+    int32_t n = (int32_t)get(s, 0, 0x7fffffff);
+    if (s->bad) return -1;
+    if (grow((void **)&a->v, &a->cap, n, sizeof(acc_t))) return -1;
+    for (int32_t i = 0; i < n && !s->bad; i++) {
+        a->v[i].serial = get(s, INT64_MIN, INT64_MAX);
+        a->v[i].boff = (int32_t)get(s, 0, 0x7fffffff);
+        a->v[i].blen = (int32_t)get(s, 2, 0x7fffffff);
+        a->v[i].idx = (int32_t)get(s, INT32_MIN, INT32_MAX);
+        a->v[i].key = (int32_t)get(s, INT32_MIN, INT32_MAX);
+    }
+    a->n = n;
+    return s->bad ? -1 : 0;
+}
+
+int32_t dt_load(dt_tracker *t, const int64_t *buf, int64_t n) {
+    src_t s = {buf, n, 0, 0};
+    if (t->npool || t->nregions || t->nhists || t->ngraves) return -1; /* a fresh tracker only */
+    if (get(&s, DUMP_MAGIC, DUMP_MAGIC) != DUMP_MAGIC || s.bad) return -1;
+    int64_t np = get(&s, 0, 0x7fffffff);
+    int32_t cap = 0;
+    if (s.bad || grow((void **)&t->pool, &cap, np ? np : 1, sizeof(int64_t))) return -1;
+    t->cappool = cap;
+    for (int64_t i = 0; i < np; i++) t->pool[i] = get(&s, INT64_MIN, INT64_MAX);
+    t->npool = np;
+    int32_t nreg = (int32_t)get(&s, 0, 0x7fffffff);
+    if (s.bad || grow((void **)&t->regions, &t->capregions, nreg ? nreg : 1, sizeof(region_t))) return -1;
+    for (int32_t i = 0; i < nreg; i++) {
+        t->regions[i].hid = (int32_t)get(&s, 0, 0x7fffffff);
+        t->regions[i].boff = (int32_t)get(&s, 0, np);
+        t->regions[i].blen = (int32_t)get(&s, 2, np);
+    }
+    t->nregions = nreg;
+    int32_t nh = (int32_t)get(&s, 0, 0x7fffffff);
+    if (s.bad || grow((void **)&t->hists, &t->caphists, nh ? nh : 1, sizeof(hist_t))) return -1;
+    memset(t->hists, 0, (size_t)t->caphists * sizeof(hist_t));
+    t->nhists = nh;
+    for (int32_t i = 0; i < nh; i++) {
+        t->hists[i].tile = (int32_t)get(&s, 0, 1);
+        if (get_accs(&s, &t->hists[i].writes) || get_accs(&s, &t->hists[i].reads)) return -1;
+    }
+    int32_t ng = (int32_t)get(&s, 0, 0x7fffffff);
+    if (s.bad || grow((void **)&t->graves, &t->capgraves, ng ? ng : 1, sizeof(grave_t))) return -1;
+    for (int32_t i = 0; i < ng; i++) {
+        for (int j = 0; j < 4; j++) t->graves[i].box[j] = get(&s, INT64_MIN, INT64_MAX);
+        t->graves[i].hid = (int32_t)get(&s, 0, nh - 1);
+        t->graves[i].alive = (int32_t)get(&s, 0, 1);
+        t->graves[i].seen = get(&s, INT64_MIN, INT64_MAX);
+    }
+    t->ngraves = ng;
+    for (int sp = 0; sp < 2; sp++) {
+        int32_t nb = (int32_t)get(&s, 0, 0x7fffffff);
+        if (s.bad) return -1;
+        if (nb) {
+            t->buckets[sp] = (ivec *)calloc((size_t)nb, sizeof(ivec));
+            if (!t->buckets[sp]) return -1;
+        }
+        t->nbuckets[sp] = nb;
+        for (int32_t c = 0; c < nb; c++) {
+            int32_t m = (int32_t)get(&s, 0, 0x7fffffff);
+            ivec *b = &t->buckets[sp][c];
+            if (s.bad || grow((void **)&b->v, &b->cap, m ? m : 1, sizeof(int32_t))) return -1;
+            for (int32_t i = 0; i < m; i++) b->v[i] = (int32_t)get(&s, 0, ng - 1);
+            b->n = m;
+        }
+    }
+    t->serial = get(&s, INT64_MIN, INT64_MAX);
+    t->epoch = get(&s, INT64_MIN, INT64_MAX);
+    return s.bad || s.at != s.n ? -1 : 0;
+}

@@ -42,6 +42,10 @@ int32_t dt_record_matmuls(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, c
                           const int32_t *dst, const int32_t *acc);
 /* The read-after-write edges of a read of `region`, into out[..]; returns how many. */
 int32_t dt_raw_deps(dt_tracker *t, int32_t region);
+/* The whole state as int64s into buf[0..cap) (pickling); returns how many it takes (call with
+ * buf NULL to size it). dt_load fills a fresh tracker from them: 0, or -1 if they are not a dump. */
+int64_t dt_dump(dt_tracker *t, int64_t *buf, int64_t cap);
+int32_t dt_load(dt_tracker *t, const int64_t *buf, int64_t n);
 /* The output buffer of dt_record / dt_raw_deps; it moves only when *dt_outgen(t) changes. */
 int32_t *dt_out(dt_tracker *t);
 const int32_t *dt_outgen(dt_tracker *t);
