@@ -19,6 +19,8 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <unordered_map>
@@ -251,6 +253,9 @@ void host_install() {
     }
     if (mb == 0) return;
     g_host.limit = mb << 20;
+    // a fork (DataLoader workers) must not copy the lock held by another thread: the child frees
+    // its copies of cached tensors through host_free
+    pthread_atfork([] { g_host.mutex.lock(); }, [] { g_host.mutex.unlock(); }, [] { g_host.mutex.unlock(); });
     g_host.base = c10::GetCPUAllocator();
     c10::SetCPUAllocator(&g_host, 0);
     g_host_on.store(c10::GetCPUAllocator() == &g_host);  // (an allocator of higher priority stays)
