@@ -12,9 +12,19 @@ Prints, in one run:
   baseline and against the goal of 200,000 per second (printed, not an exit status: the goal is
   not met today; the closing note of issue 14 says where the time goes), and the microseconds an
   instruction costs to build and to simulate beside raw simpy's one timeout;
+* the seconds to make the trace segments list afterwards (the native loop's timelines make it
+  when a report first reads it), one run of the reference simpy processes, and whether it gives
+  the same ticks, ready/end times and segments;
+* the reference build of each kernel (:func:`trnsim.kernel.reference_build`: the Python
+  dependency tracker, one instruction at a time, as the builder worked before its fast paths),
+  its seconds and whether the fast build made exactly the same instruction stream (every
+  instruction's fields, :func:`trnsim.kernel.stream_fingerprint`); build microseconds per
+  instruction of both;
 * that CLI command itself, run as a subprocess (Python start-up and imports included).
 
-Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more.
+Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s or more, if a
+fast build's stream differs from the reference's, or if the simulator and its simpy reference
+disagree on any kernel.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--quick]
 """
@@ -31,8 +41,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 from trnsim import load_config  # noqa: E402
+from trnsim.kernel import reference_build, stream_fingerprint  # noqa: E402
 from trnsim.kernels import get_kernel, kernel_names  # noqa: E402
-from trnsim.sim import simulate  # noqa: E402
+from trnsim.sim import native_available, simulate  # noqa: E402
 
 from bench_scheduler import raw_simpy  # noqa: E402  (the same baseline, from the script beside this one)
 
@@ -68,27 +79,55 @@ def main(argv: list[str] | None = None) -> int:
     t_base, _ = best(lambda: raw_simpy(n_base), repeats)
     base_rate = n_base / t_base
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
-    print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8}")
-    ok = True
-    total_instr, total_s, total_build = 0, 0.0, 0.0
+    print("simulator: " + ("native event loop" if native_available() else
+                           "simpy processes (trnsim.native._sched is not built)"))
+    print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8} "
+          f"{'ref build s':>11} {'stream':>7} {'segs s':>7} {'simpy s':>8} {'ticks':>6}")
+    ok = same_all = ticks_all = True
+    total_instr, total_s, total_build, total_ref, total_segs, total_sim_ref = 0, 0.0, 0.0, 0.0, 0.0, 0.0
     for name, shape in cases:
         entry = get_kernel(name)
         t_build, kern = best(lambda: entry.make(shape, entry.default_dtype, cfg), repeats)
-        t_sim, _ = best(lambda: simulate(cfg, [kern]), repeats)
+        t_sim, tls = best(lambda: simulate(cfg, [kern]), repeats)
+        t0 = time.perf_counter()
+        segs = tls[0].segments  # the native loop's timelines make this list when it is first read
+        t_segs = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sim_ref = simulate(cfg, [kern], engine="simpy")[0]  # the reference: every tick must agree
+        t_sim_ref = time.perf_counter() - t0
+        ticks = ((sim_ref.total_ticks, sim_ref.ready, sim_ref.end, sim_ref.segments)
+                 == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs))
+        ticks_all = ticks_all and ticks
+        tls = segs = sim_ref = None
+        with reference_build():
+            t_ref, ref = best(lambda: entry.make(shape, entry.default_dtype, cfg), 1)
+        same = stream_fingerprint(ref) == stream_fingerprint(kern)
+        same_all = same_all and same
+        ref = None
         rate = len(kern) / t_sim
         label = f"{name} {entry.default_dtype} {'x'.join(map(str, shape))}"
         print(f"{label:<34} {len(kern):>8,} {t_build:>8.3f} {t_sim:>7.3f} {rate:>10,.0f} {rate / base_rate:>8.2f}x "
-              f"{t_build + t_sim:>8.3f}")
+              f"{t_build + t_sim:>8.3f} {t_ref:>11.3f} {'same' if same else 'DIFFERS':>7} {t_segs:>7.3f} "
+              f"{t_sim_ref:>8.3f} {'same' if ticks else 'DIFFER':>6}")
+        total_segs += t_segs
+        total_sim_ref += t_sim_ref
         total_instr += len(kern)
         total_s += t_build + t_sim
         total_build += t_build
+        total_ref += t_ref
         if name == "matmul" and shape == (4096, 4096, 4096):
             ok = t_build + t_sim < BUDGET_S
             print(f"{'':<34} build + simulate {t_build + t_sim:.3f} s; budget < {BUDGET_S:.0f} s: "
                   f"{'met' if ok else 'MISSED'}")
     e2e = total_instr / total_s
     print(f"per instruction: build {total_build / total_instr * 1e6:.1f} us, simulate "
-          f"{(total_s - total_build) / total_instr * 1e6:.1f} us; raw simpy {1e6 / base_rate:.1f} us")
+          f"{(total_s - total_build) / total_instr * 1e6:.2f} us (+{total_segs / total_instr * 1e6:.2f} us to make "
+          f"the segments list when a report reads it; the simpy processes: {total_sim_ref / total_instr * 1e6:.1f} us); "
+          f"raw simpy {1e6 / base_rate:.1f} us")
+    print(f"same ticks, ready/end and segments as the simpy reference on every kernel: {'yes' if ticks_all else 'NO'}")
+    print(f"build per instruction: fast {total_build / total_instr * 1e6:.1f} us, reference "
+          f"{total_ref / total_instr * 1e6:.1f} us ({total_ref / total_build:.1f}x); instruction streams "
+          f"{'identical' if same_all else 'DIFFER'}")
     print(f"end to end (build + simulate, every kernel above): {e2e:,.0f} instr/s = {e2e / base_rate:.2f}x raw simpy; "
           f"goal >= {END_TO_END_GOAL:,}: {'met' if e2e >= END_TO_END_GOAL else 'MISSED'} "
           f"({END_TO_END_GOAL / e2e:.1f}x short)" if e2e < END_TO_END_GOAL else
@@ -98,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         t_cli, proc = best(lambda: subprocess.run(cmd, capture_output=True, text=True), repeats)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[:120]}"
         print(f"CLI `{' '.join(['trnsim'] + cmd[3:])}`: {t_cli:.3f} s wall incl. start-up ({status})")
-    return 0 if ok else 1
+    return 0 if ok and same_all and ticks_all else 1
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ class HbmAP:
     """A view of an HBM tensor. ``box`` is the logical index box per tensor dim when the view
     came from slicing (used for exact dependency checks), else None (flat span is used)."""
 
-    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box")
+    __slots__ = ("tensor", "offset", "dims", "box", "size", "_dep_box", "_dep_h", "_geo")
     space = "hbm"
 
     def __init__(self, tensor: HbmTensor, offset: int, dims: tuple[tuple[int, int], ...],
@@ -202,6 +202,15 @@ class HbmAP:
         self.box = box
         self.size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
+        self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
+        self._geo = 0  # the builder's number for this view's DMA geometry (kernel._dma_geometry), 0 until asked
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        # the builder's caches stay behind: a region id belongs to one tracker and a geometry
+        # number to one process
+        state = {k: getattr(self, k) for k in self.__slots__}
+        state["_dep_h"], state["_geo"] = None, 0
+        return None, state
 
     @property
     def dtype(self) -> Dtype:
@@ -301,7 +310,7 @@ class TileAP:
     address within each partition; ``p_start`` is absolute (0..127).
     """
 
-    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box")
+    __slots__ = ("alloc", "p_start", "p_count", "offset", "dims", "dtype", "free_size", "_dep_box", "_dep_h", "_geo")
 
     def __init__(self, alloc: Allocation, p_start: int, p_count: int, offset: int,
                  dims: tuple[tuple[int, int], ...], dtype: Dtype):
@@ -314,6 +323,15 @@ class TileAP:
         #: elements per partition (the N of the cost formulas)
         self.free_size = math.prod(n for _, n in dims)
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
+        self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
+        self._geo = 0  # the builder's number for this view's geometry (kernel._geometry), 0 until asked
+
+    def __getstate__(self) -> tuple[None, dict[str, Any]]:
+        # the builder's caches stay behind: a region id belongs to one tracker and a geometry
+        # number to one process
+        state = {k: getattr(self, k) for k in self.__slots__}
+        state["_dep_h"], state["_geo"] = None, 0
+        return None, state
 
     @property
     def space(self) -> str:
@@ -645,7 +663,14 @@ class DmaCopy(Instruction):
     is_dma = True
 
     def __init__(self, engine: str, dst: AP, src: AP, queue: str):
-        super().__init__(engine, (src,), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads: tuple[AP, ...] = (src,)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.src = src
         self.queue = queue  # lane name, e.g. "qSyncIO0"

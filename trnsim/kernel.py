@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import os
 
 import numpy as np
 from typing import Any, Iterator, Sequence
@@ -379,6 +380,258 @@ class DependencyTracker:
         return tuple(sorted(deps))
 
 
+try:  # the same tracker in C (trnsim/native/deptrack.c), built by setup.py beside the datapath
+    from .native import _deptrack  # type: ignore[attr-defined]
+except ImportError:  # not built: the Python tracker does the same work, slower
+    _deptrack = None
+
+
+def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
+    """The dependency box of an HBM view, as :meth:`DependencyTracker._resolve` makes it."""
+    box = ap._dep_box
+    if box is None:
+        lo, hi = ap.span()
+        if ap.box is not None:
+            box = tuple(x for lohi in ap.box for x in lohi) + (lo, hi)
+        else:
+            box = (lo, hi)
+        ap._dep_box = box
+    return box
+
+
+class NativeDependencyTracker:
+    """:class:`DependencyTracker` with its histories, boxes and scans in C (``_deptrack``).
+
+    The same algorithm access for access (``tests/test_build_equivalence.py`` compares the two
+    on every library kernel), so the same edges in the same order; Python keeps only the maps
+    from allocations and tensors to history ids and, on each view, the id of its region (made
+    once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
+
+    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_gen", "_g", "__weakref__")
+
+    def __init__(self) -> None:
+        assert _deptrack is not None
+        lib, ffi = _deptrack.lib, _deptrack.ffi
+        t = lib.dt_new()
+        if t == ffi.NULL:
+            raise MemoryError("dependency tracker: out of memory")
+        self._t = ffi.gc(t, lib.dt_free)
+        self._lib = lib
+        self._unpack = ffi.unpack
+        self._live: dict[int, int] = {}  # allocation uid -> history id
+        self._hbm: dict[int, int] = {}  # HBM tensor uid -> history id
+        self._keys: dict[str, int] = {}  # engine / queue key -> small int
+        self._out = lib.dt_out(self._t)
+        self._gen = lib.dt_outgen(self._t)
+        self._g = self._gen[0]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A kernel pickles with its tracker: the C state as bytes (views drop their region ids,
+        and register again with the unpickled tracker)."""
+        assert _deptrack is not None
+        ffi = _deptrack.ffi
+        n = self._lib.dt_dump(self._t, ffi.NULL, 0)
+        buf = ffi.new("int64_t[]", n)
+        self._lib.dt_dump(self._t, buf, n)
+        return {"c": bytes(ffi.buffer(buf)), "live": self._live, "hbm": self._hbm, "keys": self._keys}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        assert _deptrack is not None
+        raw = state["c"]
+        buf = _deptrack.ffi.from_buffer("int64_t[]", raw)
+        if self._lib.dt_load(self._t, buf, len(raw) // 8) != 0:
+            raise ValueError("dependency tracker: the pickled state is not a tracker's")
+        self._live, self._hbm, self._keys = dict(state["live"]), dict(state["hbm"]), dict(state["keys"])
+
+    @staticmethod
+    def _alloc_box(a: Allocation) -> tuple[int, int, int, int]:
+        return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
+
+    def allocated(self, alloc: Allocation) -> None:
+        hid = self._lib.dt_history(self._t, 1, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc))
+        if hid < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        self._live[alloc.uid] = hid
+
+    def freed(self, alloc: Allocation) -> None:
+        hid = self._live.pop(alloc.uid)
+        if self._lib.dt_freed(self._t, hid, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc)) < 0:
+            raise MemoryError("dependency tracker: out of memory")
+
+    def _region(self, ap: AP) -> int:
+        """The C region of ``ap`` (its history and box), made once and kept on the view."""
+        if isinstance(ap, TileAP):
+            hid = self._live[ap.alloc.uid]
+            lo, hi = ap.byte_span()
+            r = self._lib.dt_region4(self._t, hid, ap.p_start, ap.p_start + ap.p_count, lo, hi)
+        else:
+            hid = self._hbm.get(ap.tensor.uid)
+            if hid is None:
+                hid = self._hbm[ap.tensor.uid] = self._lib.dt_history(self._t, 0, 0, 0, 0, 0, 0)
+            box = _hbm_box(ap)
+            r = self._lib.dt_region(self._t, hid, box, len(box))
+        if r < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        ap._dep_h = (self, r)
+        return r
+
+    def _key(self, key: str) -> int:
+        """A new engine / queue key's small int."""
+        kid = self._keys[key] = len(self._keys)
+        return kid
+
+    def _results(self, n: int) -> list[int]:
+        """The ``n`` ints a C call left in its output buffer (which may have moved)."""
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:  # the C output buffer grew (moved)
+            self._out = self._lib.dt_out(self._t)
+            self._g = self._gen[0]
+        return self._unpack(self._out, n)
+
+    def raw_deps(self, ap: AP) -> tuple[int, ...]:
+        """The writers an access to ``ap`` must wait for (read-after-write only)."""
+        d = ap._dep_h
+        r = d[1] if d is not None and d[0] is self else self._region(ap)
+        return tuple(self._results(self._lib.dt_raw_deps(self._t, r)))
+
+    def record(self, ins: Instruction, key: str, first: AP | None = None) -> tuple[int, ...]:
+        """Record ``ins``'s accesses; return the instructions it must wait for. With ``first``
+        (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
+        kid = self._keys.get(key)
+        if kid is None:
+            kid = self._key(key)
+        rs = []
+        for ap in ins.reads:
+            d = ap._dep_h
+            rs.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        ws = []
+        for ap in ins.writes:
+            d = ap._dep_h
+            ws.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        fpos = -1
+        if first is not None:
+            for i, ap in enumerate(ins.reads):
+                if ap is first:
+                    fpos = i
+                    break
+        nr, nw = len(rs), len(ws)
+        if nr == 1 and nw == 1 and fpos < 0:  # a DMA, a copy: the short call
+            n = self._lib.dt_record11(self._t, ins.index, kid, ins.is_dma, rs[0], ws[0])
+        elif nr > 6 or nw > 2:
+            n = self._lib.dt_record(self._t, ins.index, kid, ins.is_dma, rs, nr, ws, nw, fpos)
+        else:
+            rs.extend((0, 0, 0, 0, 0, 0))
+            ws.extend((0, 0))
+            n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
+                                     rs[5], nw, ws[0], ws[1], fpos)
+        vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
+        nf = vals[0]
+        if nf >= 0:
+            ins.first_deps = tuple(vals[2:2 + nf])
+            return tuple(vals[2 + nf:])
+        deps = tuple(vals[2:])
+        if first is not None:  # not among the reads (never for TensorE's operands)
+            ins.first_deps = self.raw_deps(first)
+        return deps
+
+    def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
+        """:meth:`record` of a matmul (reads ``st, mv`` and, accumulating, ``dst``; writes
+        ``dst``; ``first`` = ``st``), without the generic argument handling."""
+        d = st._dep_h
+        rs = d[1] if d is not None and d[0] is self else self._region(st)
+        d = mv._dep_h
+        rm = d[1] if d is not None and d[0] is self else self._region(mv)
+        d = dst._dep_h
+        rd = d[1] if d is not None and d[0] is self else self._region(dst)
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._key("Tensor")
+        n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
+        vals = self._results(n)
+        nf = vals[0]
+        ins.first_deps = tuple(vals[2:2 + nf])
+        return tuple(vals[2 + nf:])
+
+    def record_matmuls(self, ins: Sequence[MatMul]) -> None:
+        """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
+        call; sets each one's ``deps`` and ``first_deps``."""
+        st, mv, dst = [], [], []
+        for m in ins:
+            for ap, out in ((m.stationary, st), (m.moving, mv), (m.dst, dst)):
+                d = ap._dep_h
+                out.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._key("Tensor")
+        n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
+                                        [1 if m.accumulate else 0 for m in ins])
+        vals = self._results(n)
+        p = 0
+        for m in ins:
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            m.first_deps = tuple(vals[p:p + nf])
+            p += nf
+            m.deps = tuple(vals[p:p + nd])
+            p += nd
+
+
+_REFERENCE_BUILDS = 0  # > 0 inside reference_build()
+
+
+@contextlib.contextmanager
+def reference_build() -> Iterator[None]:
+    """Kernels made inside the block are built the reference way: the Python dependency tracker
+    and no batched fast paths (the library kernels emit one instruction at a time). The
+    instruction stream is the same (``tests/test_build_equivalence.py`` checks it); this is
+    what that test and ``benchmarks/bench_kernels.py`` compare the fast build against."""
+    global _REFERENCE_BUILDS
+    _REFERENCE_BUILDS += 1
+    try:
+        yield
+    finally:
+        _REFERENCE_BUILDS -= 1
+
+
+def new_tracker(reference: bool = False) -> DependencyTracker | NativeDependencyTracker:
+    """The C tracker when it is built, unless ``reference`` or ``TRNSIM_NATIVE=0`` asks for the
+    Python one (the two give the same edges)."""
+    if reference or _deptrack is None or os.environ.get("TRNSIM_NATIVE", "").strip() == "0":
+        return DependencyTracker()
+    return NativeDependencyTracker()
+
+
+def _fingerprint_operand(x: Any) -> Any:
+    if isinstance(x, TileAP):
+        a = x.alloc
+        return ("tile", a.space, a.uid, a.addr, a.nbytes, x.p_start, x.p_count, x.offset, x.dims, x.dtype.name)
+    if isinstance(x, HbmAP):
+        return ("hbm", x.tensor.name, x.offset, x.dims, x.box)
+    if isinstance(x, tuple):
+        return tuple(_fingerprint_operand(y) for y in x)
+    return x
+
+
+def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
+    """Everything the simulator, the values path and the reports read of each instruction:
+    its type, opcode and every slot (index, engine, operands as memory and geometry, deps,
+    first_deps, load_stationary, DMA plan, ...). Two builds of a kernel made the same stream
+    when their fingerprints are equal (how fast builds are checked against the reference)."""
+    slots_of: dict[type, list[str]] = {}
+    out = []
+    for ins in kern.instructions:
+        cls = type(ins)
+        names = slots_of.get(cls)
+        if names is None:
+            names = slots_of[cls] = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
+                                     if n != "__weakref__"]
+        out.append((cls.__name__, ins.opcode, ins.describe())
+                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in names))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Tile pools
 # ---------------------------------------------------------------------------------------------
@@ -455,7 +708,9 @@ class Kernel:
                                      f"{self.config.name} ({c.sbuf.partition_bytes // 1024} KiB per partition)", uids)
         self._psum = PsumAllocator(self.config, uids)
         self._allocs: dict[int, Allocation] = {}  # uid -> every allocation of this kernel, live or freed
-        self._deps = DependencyTracker()
+        #: built the reference way (see :func:`reference_build`): no batched fast paths
+        self.reference = _REFERENCE_BUILDS > 0
+        self._deps = new_tracker(self.reference)
         self._scopes: list[list[TileAP]] = []
         self._loaded_stationary: tuple[Any, ...] | None = None
         self._hbm_bytes = 0
@@ -463,6 +718,9 @@ class Kernel:
         self._max_instructions = max_instructions()
         self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
         self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
+        self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
+        self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
+        self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -616,9 +874,21 @@ class Kernel:
                               f"shape, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host "
                               f"memory each)")
         # LoadStationary can start as soon as the stationary operand is ready (ins.first_deps)
-        first = (ins.stationary if isinstance(ins, MatMul) else ins.data) if isinstance(ins, (MatMul, Transpose)) else None
-        ins.deps = self._deps.record(ins, key or ins.engine, first)
-        self._track_stationary(ins)
+        if isinstance(ins, MatMul):
+            ins.deps = self._deps.record(ins, key or ins.engine, ins.stationary)
+            self._track_stationary(ins)
+        elif isinstance(ins, Transpose):
+            ins.deps = self._deps.record(ins, key or ins.engine, ins.data)
+            self._loaded_stationary = None
+        else:
+            ins.deps = self._deps.record(ins, key or ins.engine)
+            loaded = self._loaded_stationary
+            if loaded is not None:  # a write to the loaded stationary's tile unloads it
+                uid = loaded[0]
+                for w in ins.writes:
+                    if type(w) is TileAP and w.alloc.uid == uid:
+                        self._loaded_stationary = None
+                        break
         self.instructions.append(ins)
         return ins
 
@@ -640,25 +910,39 @@ class Kernel:
                 self._loaded_stationary = None
 
     def _check_compute(self, what: str, engine: str, aps: Sequence[TileAP]) -> None:
+        passed = self._compute_ok
         for ap in aps:
-            if not isinstance(ap, TileAP):
-                if isinstance(ap, (HbmAP, HbmTensor)):
-                    raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
-                                      f"load it with dma_copy first")
-                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
-            if engine == "GpSimd" and ap.space == "psum":
-                raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
-            _check_alignment(ap, what)
-            for stride, size in ap.dims:
-                if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
-                    raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
-                                      f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
-            if engine == "Vector":
-                vec = self.config.core.vector
-                limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
-                if ap.free_size > limit:
-                    raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
-                                      f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
+            if type(ap) is TileAP:
+                # these rules depend on the view's geometry and the engine alone: a geometry
+                # that passed them once passes again (a failing one is checked, and named, each time)
+                key = (engine, ap._geo or _geometry(ap))
+                if key in passed:
+                    continue
+                self._check_compute_one(what, engine, ap)
+                passed.add(key)
+                continue
+            self._check_compute_one(what, engine, ap)
+
+    def _check_compute_one(self, what: str, engine: str, ap: TileAP) -> None:
+        """One operand of :meth:`_check_compute`: the rules, with their messages."""
+        if not isinstance(ap, TileAP):
+            if isinstance(ap, (HbmAP, HbmTensor)):
+                raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
+                                  f"load it with dma_copy first")
+            raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
+        if engine == "GpSimd" and ap.space == "psum":
+            raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
+        _check_alignment(ap, what)
+        for stride, size in ap.dims:
+            if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
+                raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
+                                  f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
+        if engine == "Vector":
+            vec = self.config.core.vector
+            limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
+            if ap.free_size > limit:
+                raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
+                                  f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
 
     # ---- DMA -------------------------------------------------------------------------------
     def dma_copy(self, dst: AP | HbmTensor, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaCopy:
@@ -668,16 +952,24 @@ class Kernel:
         qSyncIO); the transfer runs on DMA queue ``queue`` of that engine. Transfers in one
         queue complete in order; different queues overlap.
         """
-        for nm, x in (("dst", dst), ("src", src)):
-            if not isinstance(x, (HbmTensor, HbmAP, TileAP)):
-                raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
-        dst = dst.full() if isinstance(dst, HbmTensor) else dst
-        src = src.full() if isinstance(src, HbmTensor) else src
-        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
-        lane = self._dma_lane(eng, queue, "dma_copy")
+        td, ts = type(dst), type(src)
+        el = self._lanes.get((engine, queue)) if (td is TileAP or td is HbmAP) and (ts is TileAP or ts is HbmAP) \
+            and type(engine) is str and type(queue) is int else None
+        if el is None:  # checked once per (engine, queue) of plain views; anything else every time
+            for nm, x in (("dst", dst), ("src", src)):
+                if not isinstance(x, (HbmTensor, HbmAP, TileAP)):
+                    raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
+            dst = dst.full() if isinstance(dst, HbmTensor) else dst
+            src = src.full() if isinstance(src, HbmTensor) else src
+            eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
+            lane = self._dma_lane(eng, queue, "dma_copy")
+            if type(engine) is str and type(queue) is int:
+                self._lanes[(engine, queue)] = (eng, lane)
+        else:
+            eng, lane = el
         ins = DmaCopy(eng, dst, src, lane)
         # a kernel moves the same shapes between the same partitions over and over: plan each once
-        key = (_dma_side(dst), _dma_side(src))
+        key = (dst._geo or _dma_geometry(dst), src._geo or _dma_geometry(src))
         plan = self._dma_plans.get(key)
         if plan is None:
             plan = self._dma_plans[key] = plan_dma(dst, src, self.config)
@@ -765,16 +1057,104 @@ class Kernel:
         if type(dst) is TileAP and type(stationary) is TileAP and type(moving) is TileAP:
             # the rules below depend on the operands' geometry alone: check each geometry once
             # (a matmul kernel repeats a handful of them thousands of times)
-            key = (dst.alloc.space, dst.alloc.addr, dst.p_start, dst.p_count, dst.offset, dst.dims, dst.dtype.name,
-                   stationary.alloc.space, stationary.p_start, stationary.p_count, stationary.dims,
-                   stationary.dtype.name, moving.alloc.space, moving.p_start, moving.p_count, moving.dims,
-                   moving.dtype.name)
+            key = (dst._geo or _geometry(dst), dst.alloc.addr, dst.offset, stationary._geo or _geometry(stationary),
+                   moving._geo or _geometry(moving))  # interned geometries: a key of five ints
             double_row = self._matmul_ok.get(key)
             if double_row is None:
                 double_row = self._matmul_ok[key] = self._check_matmul(dst, stationary, moving)
         else:
             double_row = self._check_matmul(dst, stationary, moving)
         return self._emit(MatMul(dst, stationary, moving, accumulate, double_row))  # type: ignore[return-value]
+
+    def nc_matmul_row(self, stationary: TileAP, pairs: Sequence[tuple[TileAP, TileAP]], *,
+                      accumulate: bool = False) -> None:
+        """``nc_matmul(dst, stationary, moving, accumulate=accumulate)`` for each ``(dst, moving)``
+        of ``pairs`` in order: one stationary serving a row of PSUM banks, as a blocked matmul
+        issues it. The same instructions, checks and errors as those calls; a matmul whose
+        operands are new geometries, not live or not this kernel's, and every matmul of a
+        :func:`reference_build`, goes through :meth:`nc_matmul` itself."""
+        if self.reference or type(stationary) is not TileAP:
+            for dst, mv in pairs:
+                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+            return
+        allocs, ok, instrs = self._allocs, self._matmul_ok, self.instructions
+        sa = stationary.alloc
+        s_ok = allocs.get(sa.uid) is sa and sa.live  # nothing frees a tile between the pairs
+        gs = stationary._geo or _geometry(stationary)
+        s_key = (sa.uid, stationary.p_start, stationary.p_count, stationary.offset, stationary.dims,
+                 stationary.dtype.name)
+        tracker = self._deps
+        record = tracker.record_matmul if type(tracker) is NativeDependencyTracker else None
+        acc = accumulate  # stored as given, as nc_matmul does
+        limit = self._max_instructions
+        for dst, mv in pairs:
+            double_row = None
+            if s_ok and type(dst) is TileAP and type(mv) is TileAP:
+                da, ma = dst.alloc, mv.alloc
+                key = (dst._geo or _geometry(dst), da.addr, dst.offset, gs, mv._geo or _geometry(mv))
+                double_row = ok.get(key)
+                if double_row is not None and (allocs.get(da.uid) is not da or not da.live
+                                               or allocs.get(ma.uid) is not ma or not ma.live
+                                               or len(instrs) >= limit):
+                    double_row = None
+            if double_row is None:  # new geometry (nc_matmul checks it and fills the cache), or an error
+                self.nc_matmul(dst, stationary, mv, accumulate=accumulate)
+                continue
+            ins = MatMul(dst, stationary, mv, acc, double_row)
+            ins.index = len(instrs)
+            ins.deps = record(ins, stationary, mv, dst, acc) if record is not None else \
+                tracker.record(ins, "Tensor", stationary)
+            if s_key == self._loaded_stationary:
+                ins.load_stationary = False
+            self._loaded_stationary = s_key
+            instrs.append(ins)
+
+    def nc_matmul_many(self, ops: Sequence[tuple[TileAP, TileAP, TileAP, bool]]) -> None:
+        """``nc_matmul(dst, stationary, moving, accumulate=acc)`` for each ``(dst, stationary,
+        moving, acc)`` of ``ops`` in order (a blocked matmul's k-tiles between two loads): the
+        same instructions, checks and errors as those calls. When every operand geometry has
+        been checked before, all are live and the instruction limit is not reached, the C
+        tracker records them in one call; otherwise (and in a :func:`reference_build`) each goes
+        through :meth:`nc_matmul_row`."""
+        tracker = self._deps
+        instrs = self.instructions
+        if not ops or self.reference or type(tracker) is not NativeDependencyTracker or \
+                len(instrs) + len(ops) > self._max_instructions:
+            for dst, st, mv, acc in ops:
+                self.nc_matmul_row(st, ((dst, mv),), accumulate=acc)
+            return
+        allocs, ok = self._allocs, self._matmul_ok
+        made: list[MatMul] = []
+        for dst, st, mv, acc in ops:
+            if type(dst) is not TileAP or type(st) is not TileAP or type(mv) is not TileAP:
+                break
+            da, sa, ma = dst.alloc, st.alloc, mv.alloc
+            double_row = ok.get((dst._geo or _geometry(dst), da.addr, dst.offset, st._geo or _geometry(st),
+                                 mv._geo or _geometry(mv)))
+            if double_row is None or allocs.get(da.uid) is not da or not da.live or allocs.get(sa.uid) is not sa \
+                    or not sa.live or allocs.get(ma.uid) is not ma or not ma.live:
+                break
+            made.append(MatMul(dst, st, mv, acc, double_row))
+        if len(made) < len(ops):  # something to check: one at a time, with nc_matmul's errors
+            for dst, st, mv, acc in ops:
+                self.nc_matmul_row(st, ((dst, mv),), accumulate=acc)
+            return
+        i0 = len(instrs)
+        for i, m in enumerate(made):
+            m.index = i0 + i
+        tracker.record_matmuls(made)
+        loaded = self._loaded_stationary
+        prev = None
+        for m in made:
+            s = m.stationary
+            if s is not prev:
+                key = (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
+                prev = s
+            if key == loaded:
+                m.load_stationary = False
+            loaded = key
+        self._loaded_stationary = loaded
+        instrs.extend(made)
 
     def _check_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP) -> bool:
         """Check an ``nc_matmul``'s operands against TensorE's rules; return whether it is an
@@ -829,6 +1209,17 @@ class Kernel:
 
     def nc_transpose(self, dst: TileAP, data: TileAP) -> Transpose:
         """``dst[F, P] = data[P, F]ᵀ`` through the PE array (bit exact; 2-byte types stay 2-byte)."""
+        if type(dst) is TileAP and type(data) is TileAP:
+            # like nc_matmul's: the rules depend on the operands' geometry alone, checked once
+            key = (dst._geo or _geometry(dst), dst.alloc.addr, dst.offset, data._geo or _geometry(data))
+            if key not in self._transpose_ok:
+                self._check_transpose(dst, data)
+                self._transpose_ok.add(key)
+        else:
+            self._check_transpose(dst, data)
+        return self._emit(Transpose(dst, data))  # type: ignore[return-value]
+
+    def _check_transpose(self, dst: TileAP, data: TileAP) -> None:
         t = self.config.core.tensor
         what = "nc_transpose"
         self._check_compute(what, "Tensor", (dst, data))
@@ -842,7 +1233,6 @@ class Kernel:
         if dst.dtype != data.dtype and dst.dtype.name != "float32":
             raise KernelError(f"{what}: dst dtype {dst.dtype.name} must be fp32 or the input dtype {data.dtype.name}")
         check_matmul_dst(dst, self.config, what)
-        return self._emit(Transpose(dst, data))  # type: ignore[return-value]
 
     # ---- Vector / Scalar / GpSimd ----------------------------------------------------------
     def activation(self, dst: TileAP, op: Any, data: TileAP, *, bias: TileAP | float | None = None,
@@ -1142,6 +1532,33 @@ class Kernel:
         return f"Kernel({self.name!r}, {len(self.instructions)} instructions, config={self.config.name})"
 
 
+
+
+_GEOMETRIES: dict[tuple[Any, ...], int] = {}  # a tile view's geometry -> a small int (process-wide)
+
+
+def _geometry(ap: TileAP) -> int:
+    """The number of ``ap``'s geometry as the matmul checks see it (memory, partitions, free
+    dims, dtype; not the address), interned once per view: a key part that hashes as one int."""
+    g = (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.name)
+    n = _GEOMETRIES.get(g)
+    if n is None:
+        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+    ap._geo = n
+    return n
+
+
+def _dma_geometry(ap: AP) -> int:
+    """The interned number of everything :func:`plan_dma` reads of one side of a copy: a tile's
+    full geometry (:func:`_geometry`, finer than the plan needs), an HBM view's :func:`_dma_side`."""
+    if isinstance(ap, TileAP):
+        return _geometry(ap)
+    g = _dma_side(ap)
+    n = _GEOMETRIES.get(g)
+    if n is None:
+        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+    ap._geo = n
+    return n
 
 
 def _dma_side(ap: AP) -> tuple[Any, ...]:

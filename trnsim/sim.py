@@ -11,34 +11,60 @@ stack.
 Global time is an integer number of ticks, ``config.tick_hz`` per second: the least common
 multiple of all engine clocks, so every engine cycle is a whole number of ticks and runs are
 exactly reproducible. The scheduler never computes data.
+
+Two implementations of the same model. :class:`CoreTimeline`'s simpy processes are the
+reference, and the one collectives run beside (:func:`trnsim.collectives.simulate_beside_kernels`
+shares their environment). :func:`simulate` runs the same processes in a C event loop
+(``trnsim.native._sched``, sched.c) when it is built: the same events in the same order, ties
+broken as simpy breaks them (tick, priority, event id), so every tick, ready time and trace
+segment is identical (tests/test_sim_equivalence.py) at a fraction of the cost. The engine
+modules still give each instruction its costs; the loop keeps the state that moves with time.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate, chain, repeat
+from operator import attrgetter, is_not, itemgetter, length_hint
 from typing import Any, Generator, Sequence
 
+import numpy as np
 import simpy
 
 from . import cores as _cores  # noqa: F401  (registers the engine modules)
 from .config import ChipConfig
-from .cores.base import ENGINE_TYPES, Engine, Segment
-from .isa import DmaCopy, Instruction
+from .cores.base import ENGINE_TYPES, Engine, Numbering, Segment
+from .cores.tensor import LS_LANE, TensorEngine
+from .isa import DmaCopy, Instruction, MatMul, Transpose
 from .kernel import Kernel, gc_paused
 from .memory.dma import BandwidthPipe, DmaSystem
 from .memory.hbm import stack_bandwidth, stack_of_core
 
-__all__ = ["CoreTimeline", "simulate"]
+try:
+    from .native import _sched  # type: ignore[attr-defined]
+except ImportError:  # not built: simulate() runs the simpy processes
+    _sched = None
+
+__all__ = ["CoreTimeline", "simulate", "native_available"]
+
+SIM_ENGINES = ("auto", "native", "simpy")
 
 
 class CoreTimeline:
     """The timing simulation of one kernel on one NeuronCore."""
 
-    def __init__(self, env: simpy.Environment, config: ChipConfig, kernel: Kernel, hbm_pipe: BandwidthPipe,
+    def __init__(self, env: simpy.Environment | None, config: ChipConfig, kernel: Kernel, hbm_pipe: BandwidthPipe,
                  core: int = 0):
+        """Start ``kernel``'s processes in ``env`` (with ``env=None``, only the engines and DMA
+        system: the native loop fills in the results)."""
         self.env = env
         self.config = config
         self.kernel = kernel
         self.core = core
+        self.engines: dict[str, Engine] = {name: cls(config) for name, cls in ENGINE_TYPES.items()}
+        self.dma = DmaSystem(config, hbm_pipe)
+        self.segments: list[Segment] = []
+        if env is None:
+            return
         n = len(kernel.instructions)
         self.ready: list[int | None] = [None] * n   # results visible to dependents
         self.end: list[int] = [0] * n                # engine done (for pipelined own results)
@@ -46,9 +72,6 @@ class CoreTimeline:
         self.owner: list[str] = [""] * n
         self._waiters: dict[int, simpy.Event] = {}
         self._trigger_waiters: dict[int, simpy.Event] = {}
-        self.segments: list[Segment] = []
-        self.engines: dict[str, Engine] = {name: cls(config) for name, cls in ENGINE_TYPES.items()}
-        self.dma = DmaSystem(config, hbm_pipe)
         by_engine: dict[str, list[Instruction]] = {name: [] for name in self.engines}
         by_queue: dict[str, list[DmaCopy]] = {}
         for ins in kernel.instructions:
@@ -150,24 +173,424 @@ class CoreTimeline:
     # ---- results ---------------------------------------------------------------------------
     @property
     def total_ticks(self) -> int:
+        if None not in self.ready:
+            return max(self.ready, default=0)
         return max((r for r in self.ready if r is not None), default=0)
 
     def check_complete(self) -> None:
+        if None not in self.ready:
+            return
         missing = [i for i, r in enumerate(self.ready) if r is None]
         if missing:  # pragma: no cover - would be a scheduler bug: deps always point backwards
             raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
 
 
-def simulate(config: ChipConfig, kernels: Sequence[Kernel]) -> list[CoreTimeline]:
-    """Run the timing model of ``kernels[c]`` on core ``c`` of one chip; return the timelines."""
+def native_available() -> bool:
+    """True when the C event loop (``trnsim.native._sched``) is built."""
+    return _sched is not None
+
+
+def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "auto") -> list[CoreTimeline]:
+    """Run the timing model of ``kernels[c]`` on core ``c`` of one chip; return the timelines.
+
+    ``engine``: ``"native"`` (the C event loop), ``"simpy"`` (the reference processes) or
+    ``"auto"`` (native when built). Both give the same ticks and segments."""
+    if engine not in SIM_ENGINES:
+        raise ValueError(f"simulate: engine must be one of {', '.join(SIM_ENGINES)}, got {engine!r}")
     if len(kernels) > config.chip.cores:
         raise ValueError(f"{len(kernels)} kernels for a chip with {config.chip.cores} cores")
-    env = simpy.Environment()
+    if engine == "native" and _sched is None:
+        raise RuntimeError("simulate(engine='native'): trnsim.native._sched (the C event loop) is not built: "
+                           "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
+    why = None if engine == "simpy" or _sched is None else _native_unsupported(kernels)
+    if engine == "native" and why is not None:
+        raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
     with gc_paused():
-        cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
-        env.run()
+        if engine == "simpy" or _sched is None or why is not None:
+            env = simpy.Environment()
+            cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
+            env.run()
+        else:
+            cores = _NativeRun(config, kernels, pipes).run()
     for c in cores:
         c.check_complete()
     return cores
+
+
+def _native_unsupported(kernels: Sequence[Kernel]) -> str | None:
+    """Why the native loop cannot run ``kernels`` exactly as the simpy processes would (None: it
+    can). It implements the in-order rule of :meth:`Engine.plan` and TensorE's; an engine
+    registered with a placement rule of its own runs on the simpy processes."""
+    for name, cls in ENGINE_TYPES.items():
+        if cls.plan is Engine.plan:
+            continue
+        if not (issubclass(cls, TensorEngine) and cls.plan is TensorEngine.plan
+                and cls.utilisation_limit is TensorEngine.utilisation_limit):
+            return f"engine {name} ({cls.__name__}) places instructions by its own plan(), which sched.c does not model"
+    for k in kernels:
+        for t in set(map(type, k.instructions)):
+            if issubclass(t, DmaCopy) != bool(t.is_dma):
+                return f"instruction type {t.__name__} is a DMA for the queues but not for its engine"
+    return None
+
+
+# instruction kinds of sched.h
+_KIND_GENERIC, _KIND_TRIGGER, _KIND_TENSOR = (_sched.lib.SCHED_GENERIC, _sched.lib.SCHED_TRIGGER,
+                                              _sched.lib.SCHED_TENSOR) if _sched is not None else (0, 1, 2)
+
+
+class _TriggerLabels(dict):  # type: ignore[type-arg]
+    """A DMA trigger's segment label per queue lane (as :meth:`Engine.plan` names it)."""
+
+    def __missing__(self, queue: str) -> str:
+        lab = self[queue] = Engine.trigger_label(queue)
+        return lab
+
+
+_TRIGGER_LABEL = _TriggerLabels()
+_ENGINE_OF = attrgetter("engine")
+_DEPS_OF = attrgetter("deps")
+_FIRST_OF = attrgetter("first_deps")
+_QUEUE_OF = attrgetter("queue")
+_PLAN_OF = attrgetter("plan")
+
+
+def _pick(items: Sequence[Any], idx: np.ndarray) -> list[Any]:
+    """``[items[i] for i in idx]``, at C speed."""
+    if len(idx) == 1:
+        return [items[int(idx[0])]]
+    return list(itemgetter(*idx.tolist())(items)) if len(idx) else []
+
+
+class _CoreColumns:
+    """One core's instructions as the arrays sched.c reads (local indices), built column by
+    column with C-level map/numpy operations rather than a Python loop per instruction (that
+    loop would cost more than the whole event loop in C)."""
+
+    def __init__(self, tl: CoreTimeline, plans: "_Plans"):
+        instrs = tl.kernel.instructions
+        n = self.n = len(instrs)
+        names = list(ENGINE_TYPES)
+        eng_id = {name: j for j, name in enumerate(names)}
+        engines = [tl.engines[name] for name in names]
+        ens = list(map(_ENGINE_OF, instrs))
+        self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
+        dl = list(map(_DEPS_OF, instrs))
+        self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
+        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
+        fl = list(map(_FIRST_OF, instrs))
+        # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
+        self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
+        self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
+        self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32, count=int(self.first_off[-1]))
+        kind = self.kind = np.zeros(n, dtype=np.int8)
+        busy = self.busy = np.zeros(n, dtype=np.int64)
+        lat = self.lat = np.zeros(n, dtype=np.int64)
+        ls = self.ls = np.zeros(n, dtype=np.int64)
+        self.plan = np.full(n, -1, dtype=np.int32)
+        self.owner = eng.copy()
+        lanes = np.array(ens, dtype=object)  # each instruction's main segment: lane and label
+        labels = np.empty(n, dtype=object)
+        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
+        # ---- by instruction type ---------------------------------------------------------
+        type_id = Numbering()
+        tid = np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=n)
+        generic: list[np.ndarray] = []
+        self.tensor_used = False
+        self.hbm_bytes = self.hbm_ticks = 0
+        self.queues: list[tuple[str, np.ndarray]] = []
+        dma_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            idx = np.flatnonzero(tid == j)
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
+                dma_parts.append(idx)
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                on = np.unique(eng[idx])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                    kind[idx] = _KIND_TENSOR
+                    ls[idx] = tab[ids, 0]
+                    busy[idx] = tab[ids, 1]
+                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
+                    self.tensor_used = True
+                    continue
+            generic.append(idx)
+        if dma_parts:
+            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
+            dmas = _pick(instrs, didx)
+            qs = list(map(_QUEUE_OF, dmas))
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+            kind[didx] = _KIND_TRIGGER
+            busy[didx] = trig[eng[didx]]
+            labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
+            owners[didx] = qs
+            # queues in order of first appearance, as CoreTimeline starts their processes
+            qid_of = Numbering()
+            qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            for q, k in qid_of.items():
+                self.queues.append((q, didx[qid == k]))
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            self.owner[didx] = owner_of_queue[qid]
+            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma)
+            self.plan[didx] = pl
+        if generic:  # in program order: an engine's cost may depend on its state (ScalarE's table)
+            gidx = np.sort(np.concatenate(generic)).tolist()
+            bl, ll, lal, lbl = [], [], [], []
+            for i in gidx:
+                ins = instrs[i]
+                e = engines[eng[i]]
+                bl.append(e.cycles(ins) * e.tpc)
+                ll.append(e.latency_cycles(ins) * e.tpc)
+                lal.append(e.lane(ins))
+                lbl.append(ins.describe())
+            busy[gidx] = bl
+            lat[gidx] = ll
+            lanes[gidx] = lal
+            labels[gidx] = lbl
+        self.lanes = lanes
+        self.labels = labels
+        self.owners = owners
+        self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
+        for j in range(len(names)):
+            on = np.flatnonzero(eng == j)
+            if len(on):
+                self.processes.append((j, on))
+        self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
+
+
+class _Plans:
+    """The distinct DMA plans of a run and each one's per-engine and HBM ticks
+    (:meth:`DmaSystem.engine_ticks`, :meth:`BandwidthPipe.ticks`)."""
+
+    def __init__(self) -> None:
+        self.number = Numbering()  # id(plan) -> plan index (the plans stay alive during the run)
+        self.off = [0]
+        self.engine: list[int] = []
+        self.ticks: list[int] = []
+        self.hbm: list[int] = []
+        self.hbm_bytes: list[int] = []
+        self.hbm_ticks: list[int] = []
+
+    def index(self, plans: list[Any], dma: DmaSystem) -> tuple[np.ndarray, int, int]:
+        """Plan indices of ``plans`` and the HBM bytes and ticks they book in all."""
+        known = len(self.number)
+        ids = np.fromiter(map(self.number.__getitem__, map(id, plans)), dtype=np.int32, count=len(plans))
+        new, at = np.unique(ids[ids >= known], return_index=True)
+        where = np.flatnonzero(ids >= known)
+        for k, j in sorted(zip(new.tolist(), where[at].tolist())):
+            plan = plans[j]
+            for e, b, ch in plan.engines:
+                self.engine.append(e)
+                self.ticks.append(dma.engine_ticks(b, ch, plan))
+            self.off.append(len(self.engine))
+            hb = plan.hbm_bus_bytes
+            self.hbm.append(1 if hb else 0)
+            self.hbm_bytes.append(hb)
+            self.hbm_ticks.append(dma.hbm.ticks(hb) if hb else 0)
+        count = np.bincount(ids, minlength=len(self.hbm_bytes))
+        nbytes = sum(c * b for c, b in zip(count.tolist(), self.hbm_bytes) if c)
+        nticks = sum(c * t for c, t in zip(count.tolist(), self.hbm_ticks) if c)
+        return ids, nbytes, nticks
+
+
+class _NativeTimeline(CoreTimeline):
+    """A :class:`CoreTimeline` the native loop filled in. Its ``segments`` list is made when it
+    is first read (a report or trace reads it; a search that wants ``total_ticks`` does not):
+    the loop logs them as arrays, and one Python tuple per segment is most of what is left of
+    a simulation's cost. The list is the one the simpy processes make, in the same order."""
+
+    _segments: list[Segment] | None
+    _segment_columns: tuple[Any, ...] | None = None
+
+    @property  # type: ignore[override]
+    def segments(self) -> list[Segment]:
+        if self._segments is None:
+            with gc_paused():
+                self._segments = self._make_segments()
+            self._segment_columns = None
+        return self._segments
+
+    @segments.setter
+    def segments(self, value: list[Segment]) -> None:
+        self._segments = value
+
+    def _make_segments(self) -> list[Segment]:
+        lanes, labels, owners, li, ki, si, ei = self._segment_columns  # type: ignore[misc]
+        m = len(lanes)
+        # (lane, label) of a segment: the instruction's own, LoadStationary's, or its transfer's
+        lane_tab = np.concatenate([lanes, np.full(m, LS_LANE, dtype=object), owners])
+        label_tab = np.concatenate([labels, np.full(m, "LoadStationary", dtype=object),
+                                    np.full(m, "DmaCopy", dtype=object)])
+        at = ki.astype(np.int64) * m + li
+        return list(zip(lane_tab[at].tolist(), label_tab[at].tolist(), si.tolist(), ei.tolist(), li.tolist()))
+
+
+class _NativeRun:
+    """:func:`simulate` on the C event loop: each instruction's costs from its engine module,
+    in flat arrays (:class:`_CoreColumns`); the loop (sched.c) runs the processes
+    :class:`CoreTimeline` would start, in the same order; the results go back into
+    :class:`CoreTimeline` objects, and the engines, DMA systems and HBM pipes are left as the
+    simpy run leaves them."""
+
+    def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe]):
+        self.config = config
+        self.pipes = pipes
+        self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]
+        self.timelines = [_NativeTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
+
+    def run(self) -> list["_NativeTimeline"]:
+        ffi, lib = _sched.ffi, _sched.lib
+        cfg = self.config
+        plans = _Plans()
+        cols = [_CoreColumns(tl, plans) for tl in self.timelines]
+        ncores = len(cols)
+        sizes = [c.n for c in cols]
+        base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
+        n = int(base[-1])
+
+        def cat(name: str, dtype: Any) -> np.ndarray:
+            if ncores == 1:
+                return np.ascontiguousarray(getattr(cols[0], name), dtype=dtype)
+            parts = [getattr(c, name) for c in cols]
+            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+
+        def offsets(name: str, flat: str) -> np.ndarray:
+            parts, shift = [], 0
+            for k, c in enumerate(cols):
+                o = getattr(c, name)
+                parts.append((o[:-1] if k < ncores - 1 else o) + shift)
+                shift += len(getattr(c, flat))
+            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(1), dtype=np.int64)
+
+        keep: list[Any] = []
+
+        def ptr(ctype: str, a: np.ndarray) -> Any:
+            if not len(a):
+                a = np.zeros(1, dtype=a.dtype)
+            keep.append(a)
+            return ffi.from_buffer(ctype + "[]", a)
+
+        names = list(ENGINE_TYPES)
+        proc_queue, proc_core, proc_own, proc_parts, proc_engine = [], [], [], [], []
+        for c, col in enumerate(cols):
+            for j, idx in col.processes:
+                proc_queue.append(0 if j >= 0 else 1)
+                proc_core.append(c)
+                eng = self.timelines[c].engines[names[j]] if j >= 0 else None
+                proc_own.append(j if eng is not None and eng.pipelines_own_results else -1)
+                proc_parts.append(idx + base[c])
+                proc_engine.append((c, eng))
+        nproc = len(proc_queue)
+        proc_off = np.zeros(nproc + 1, dtype=np.int64)
+        if nproc:
+            proc_off[1:] = np.cumsum([len(x) for x in proc_parts])
+        r = ffi.new("sched_run_t *")
+        r.n = n
+        r.kind = ptr("int8_t", cat("kind", np.int8))
+        r.busy = ptr("int64_t", cat("busy", np.int64))
+        r.lat = ptr("int64_t", cat("lat", np.int64))
+        r.ls = ptr("int64_t", cat("ls", np.int64))
+        r.owner = ptr("int32_t", cat("owner", np.int32))
+        r.dep_off = ptr("int64_t", offsets("dep_off", "deps"))
+        r.deps = ptr("int32_t", cat("deps", np.int32))
+        r.first_off = ptr("int64_t", offsets("first_off", "first"))
+        r.first_deps = ptr("int32_t", cat("first", np.int32))
+        r.has_first = ptr("int8_t", cat("has_first", np.int8))
+        r.plan = ptr("int32_t", cat("plan", np.int32))
+        r.nproc = nproc
+        r.proc_queue = ptr("int8_t", np.array(proc_queue, dtype=np.int8))
+        r.proc_core = ptr("int32_t", np.array(proc_core, dtype=np.int32))
+        r.proc_own = ptr("int32_t", np.array(proc_own, dtype=np.int32))
+        r.proc_off = ptr("int64_t", proc_off)
+        r.proc_instr = ptr("int32_t", np.ascontiguousarray(np.concatenate(proc_parts) if proc_parts else
+                                                           np.zeros(0), dtype=np.int32))
+        r.core_base = ptr("int64_t", base)
+        t = cfg.core.tensor
+        tensor_eng = TensorEngine(cfg)  # the ramp's figures in ticks, as TensorEngine has them
+        r.overlap_ls = 1 if t.overlap_load_stationary else 0
+        r.drain_ticks = tensor_eng.drain_cycles * tensor_eng.tpc
+        r.ramp_ticks = tensor_eng.ramp_ticks
+        r.idle_reset_ticks = tensor_eng.idle_reset_ticks
+        r.initial_util = float(t.throttle_initial_util)
+        n_dma = cfg.core.dma.engines
+        r.ncores = ncores
+        r.dma_engines = n_dma
+        d0 = self.timelines[0].dma if self.timelines else DmaSystem(cfg, self.pipes[0])
+        r.start_latency = d0.start_latency
+        r.transfer_latency = d0.transfer_latency
+        r.core_stack = ptr("int32_t", np.array(self.stacks, dtype=np.int32))
+        r.plan_off = ptr("int64_t", np.array(plans.off, dtype=np.int64))
+        r.plan_engine = ptr("int32_t", np.array(plans.engine, dtype=np.int32))
+        r.plan_ticks = ptr("int64_t", np.array(plans.ticks, dtype=np.int64))
+        r.plan_hbm = ptr("int8_t", np.array(plans.hbm, dtype=np.int8))
+        r.plan_hbm_ticks = ptr("int64_t", np.array(plans.hbm_ticks, dtype=np.int64))
+        engine_free = np.zeros(max(nproc, 1), dtype=np.int64)
+        tensor_state = np.zeros(max(6 * nproc, 1), dtype=np.int64)
+        dma_free = np.zeros(max(ncores * n_dma, 1), dtype=np.int64)
+        pipe_free = np.array([p.free for p in self.pipes] or [0], dtype=np.int64)
+        ready = np.zeros(max(n, 1), dtype=np.int64)
+        end = np.zeros(max(n, 1), dtype=np.int64)
+        trigger = np.zeros(max(n, 1), dtype=np.int64)
+        seg_index = np.zeros(max(2 * n, 1), dtype=np.int32)
+        seg_kind = np.zeros(max(2 * n, 1), dtype=np.int8)
+        seg_start = np.zeros(max(2 * n, 1), dtype=np.int64)
+        seg_end = np.zeros(max(2 * n, 1), dtype=np.int64)
+        r.engine_free = ptr("int64_t", engine_free)
+        r.tensor_state = ptr("int64_t", tensor_state)
+        r.dma_free = ptr("int64_t", dma_free)
+        r.pipe_free = ptr("int64_t", pipe_free)
+        r.ready = ptr("int64_t", ready)
+        r.end = ptr("int64_t", end)
+        r.trigger = ptr("int64_t", trigger)
+        r.seg_index = ptr("int32_t", seg_index)
+        r.seg_kind = ptr("int8_t", seg_kind)
+        r.seg_start = ptr("int64_t", seg_start)
+        r.seg_end = ptr("int64_t", seg_end)
+        if lib.sched_run(r) != 0:
+            raise MemoryError("simulate: the native event loop ran out of memory")
+        nseg = r.nseg
+        # ---- results back into the timelines --------------------------------------------------
+        g = seg_index[:nseg].astype(np.int64)
+        k = seg_kind[:nseg]
+        starts, ends = seg_start[:nseg], seg_end[:nseg]
+        seg_core = np.searchsorted(base, g, side="right") - 1 if ncores > 1 else None
+        for c, (tl, col) in enumerate(zip(self.timelines, cols)):
+            b0, b1 = int(base[c]), int(base[c + 1])
+            rd = ready[b0:b1]
+            tl.ready = rd.tolist() if not (rd < 0).any() else [None if x < 0 else x for x in rd.tolist()]
+            tl.end = end[b0:b1].tolist()
+            tr = trigger[b0:b1].astype(object)
+            tr[trigger[b0:b1] < 0] = None
+            tl.trigger = tr.tolist()
+            tl.owner = col.owners.tolist()
+            if seg_core is None:
+                li, ki, si, ei = g, k, starts, ends
+            else:
+                sel = seg_core == c
+                li, ki, si, ei = g[sel] - b0, k[sel], starts[sel], ends[sel]
+            tl._segment_columns = (col.lanes, col.labels, col.owners, li, ki, si, ei)
+            tl._segments = None
+        for p, (c, eng) in enumerate(proc_engine):
+            if eng is None:
+                continue
+            eng.free = int(engine_free[p])
+            if isinstance(eng, TensorEngine) and cols[c].tensor_used:
+                ts = tensor_state[6 * p:6 * p + 6].tolist()
+                eng.ls_free, eng.last_mm_start, eng.last_mm_ready, eng.last_mm_end = ts[0], ts[1], ts[2], ts[3]
+                if ts[5]:
+                    eng.ramp_start = ts[4]
+        for c, (tl, col) in enumerate(zip(self.timelines, cols)):
+            if col.queues:
+                tl.dma.engine_free = dma_free[c * n_dma:(c + 1) * n_dma].tolist()
+                tl.dma._level = None
+            tl.dma.hbm.bytes += col.hbm_bytes
+            tl.dma.hbm.busy_ticks += col.hbm_ticks
+        for s_, p_ in enumerate(self.pipes):
+            p_.free = int(pipe_free[s_])
+        return self.timelines

@@ -19,12 +19,21 @@ from typing import Any, Callable, ClassVar
 from ..config import ChipConfig
 from ..isa import DmaCopy, Instruction
 
-__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES"]
+__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering"]
 
 # (lane, label, start tick, end tick, instruction index)
 Segment = tuple[str, str, int, int, int]
 
 ENGINE_TYPES: dict[str, type["Engine"]] = {}
+
+
+class Numbering(dict):  # type: ignore[type-arg]
+    """Numbers keys 0, 1, 2... in order of first lookup: ``map(numbering.__getitem__, keys)``
+    runs at C speed (a miss calls ``__missing__``), for per-instruction lookups in bulk."""
+
+    def __missing__(self, key: Any) -> int:
+        k = self[key] = len(self)
+        return k
 
 
 def register_engine(cls: type["Engine"]) -> type["Engine"]:
@@ -59,6 +68,15 @@ class Engine:
     def lane(self, ins: Instruction) -> str:
         return self.name
 
+    def trigger_ticks(self) -> int:
+        """Ticks this engine's sequencer spends writing a DMA descriptor trigger."""
+        return self.config.core.dma.trigger_cycles * self.tpc
+
+    @staticmethod
+    def trigger_label(queue: str) -> str:
+        """The trace label of a DMA trigger onto queue lane ``queue``."""
+        return f"DmaTrigger[{queue}]"
+
     def plan(self, ins: Instruction, t_dep: int, t_first: int) -> tuple[int, int, int, list[Segment]]:
         """Place ``ins``: return (start, end, ready, segments), all in ticks.
 
@@ -67,9 +85,9 @@ class Engine:
         start = max(t_dep, self.free)
         if isinstance(ins, DmaCopy):
             # the sequencer writes the descriptor trigger; the transfer is the DMA system's
-            end = start + self.config.core.dma.trigger_cycles * self.tpc
+            end = start + self.trigger_ticks()
             self.free = end
-            return start, end, end, [(self.name, f"DmaTrigger[{ins.queue}]", start, end, ins.index)]
+            return start, end, end, [(self.name, self.trigger_label(ins.queue), start, end, ins.index)]
         end = start + self.cycles(ins) * self.tpc
         self.free = end
         ready = end + self.latency_cycles(ins) * self.tpc

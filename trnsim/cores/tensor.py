@@ -25,7 +25,8 @@ reference.
 from __future__ import annotations
 
 import math
-from typing import Any
+import operator
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from ..config import ChipConfig
 from ..isa import Instruction, MatMul, MatMulMx, Transpose
 from ..native import convert, matmul as native_matmul
 from ..native.cast import to_dtype
-from .base import Engine, Segment, register_engine
+from .base import Engine, Numbering, Segment, register_engine
 
 LS_LANE = "Tensor (LS)"
 
@@ -74,6 +75,39 @@ class TensorEngine(Engine):
         mm = max(min(t.min_issue_cycles, m), n) * mult
         return ls, mm
 
+    #: what :meth:`shape_cycles` depends on, per instruction type (the key of its cache)
+    KEY_MATMUL = operator.attrgetter("opcode", "stationary.dims", "moving.dims", "stationary.dtype.name",
+                                     "double_row", "load_stationary")
+    KEY_TRANSPOSE = operator.attrgetter("opcode", "data.p_count", "data.free_size", "load_stationary")
+    #: what it depends on for matmuls of one type none of which is double-row (cheaper to build
+    #: than the dims: the free sizes are all it reads of the operand shapes then)
+    KEY_MATMUL_SINGLE_ROW = operator.attrgetter("stationary.free_size", "moving.free_size", "stationary.dtype.name",
+                                                "load_stationary")
+
+    def cached_cycles(self, ins: MatMul | Transpose) -> tuple[int, int]:
+        """:meth:`shape_cycles`, worked out once per operand geometry: they depend on the
+        operand shapes alone, and a matmul kernel repeats a few."""
+        key = (self.KEY_TRANSPOSE if isinstance(ins, Transpose) else self.KEY_MATMUL)(ins)
+        cycles = self._cycles.get(key)
+        if cycles is None:
+            cycles = self._cycles[key] = self.shape_cycles(ins)
+        return cycles
+
+    def cycles_by_shape(self, instrs: Sequence[MatMul | Transpose], transpose: bool
+                        ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """:meth:`shape_cycles` of many instructions of one type (Transpose or not), in bulk:
+        (for each instruction the number of its operand geometry, (LS, MM) cycles per geometry)."""
+        if transpose:
+            key = self.KEY_TRANSPOSE
+        elif any(map(operator.attrgetter("double_row"), instrs)):
+            key = self.KEY_MATMUL
+        else:
+            key = self.KEY_MATMUL_SINGLE_ROW
+        numbering = Numbering()
+        ids = np.fromiter(map(numbering.__getitem__, map(key, instrs)), dtype=np.int64, count=len(instrs))
+        _, first = np.unique(ids, return_index=True)  # an instruction of each geometry
+        return ids, [self.shape_cycles(instrs[j]) for j in first.tolist()]
+
     def utilisation_limit(self, t_start: int) -> float:
         tc = self.config.core.tensor
         if tc.throttle_initial_util >= 1.0:
@@ -90,14 +124,7 @@ class TensorEngine(Engine):
             return super().plan(ins, t_dep, t_first)
         t = self.config.core.tensor
         tpc = self.tpc
-        # (LS, MM) cycles depend on the operand shapes alone; a matmul kernel repeats a few
-        key = (ins.opcode, ins.data.p_count, ins.data.free_size, ins.load_stationary) if isinstance(ins, Transpose) \
-            else (ins.opcode, ins.stationary.dims, ins.moving.dims, ins.stationary.dtype.name, ins.double_row,
-                  ins.load_stationary)
-        cycles = self._cycles.get(key)
-        if cycles is None:
-            cycles = self._cycles[key] = self.shape_cycles(ins)
-        ls_cycles, mm_cycles = cycles
+        ls_cycles, mm_cycles = self.cached_cycles(ins)
         segs: list[Segment] = []
         if ls_cycles:
             gate = self.last_mm_start if t.overlap_load_stationary else self.last_mm_ready

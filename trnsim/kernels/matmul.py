@@ -143,6 +143,9 @@ class _Mm:
     raw_pool: TilePool | None
     tr_pool: TilePool | None
     evacs: int = 0
+    # views made before, by what they slice: the same block shapes recur over every block, and
+    # a view is immutable (a reference build makes each afresh, as the kernel is written)
+    views: dict[tuple[object, ...], object] | None = None
     # replaces evacuation and store of each [ms, nw] row tile: (mm, job, first row, ms, n0, PSUM
     # tiles of the block's banks); a compiled region's ops run there (trnsim.kernels.fused)
     epilogue: Callable[..., None] | None = None
@@ -171,7 +174,24 @@ class _Mm:
     def cols(self, tile: TileAP, kt: int, c0: int, c1: int) -> TileAP:
         """The operand view of columns [c0, c1) of a k-tile, as nc_matmul wants it."""
         kp = self.kp(kt)
-        return tile[:kp, :, c0:c1] if self.plan.rows == 2 else tile[:kp, c0:c1]
+        return self.view(tile, (kp, c0, c1), lambda: tile[:kp, :, c0:c1] if self.plan.rows == 2 else tile[:kp, c0:c1])
+
+    def view(self, base: TileAP | HbmAP, where: tuple[int, ...], make: Callable[[], TileAP | HbmAP]) -> TileAP | HbmAP:
+        """``make()``, a view of ``base`` at ``where``: made once per kernel (views are immutable;
+        a tile is known by its allocation's uid, an HBM view by its tensor's), afresh in a
+        reference build."""
+        if self.views is None:
+            if self.kern.reference:
+                return make()
+            self.views = {}
+        if type(base) is TileAP:
+            key = (base.alloc.uid, base.offset, base.dims, base.dtype.name) + where
+        else:
+            key = (-base.tensor.uid, base.offset, base.dims) + where
+        v = self.views.get(key)
+        if v is None:
+            v = self.views[key] = make()
+        return v  # type: ignore[return-value]
 
     # ---- filling k-tiles -------------------------------------------------------------------
     def move(self, tile: TileAP, view: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int,
@@ -189,7 +209,8 @@ class _Mm:
                 kern.dma_copy(region, hbm, engine=engine, queue=queue)
 
         if p.rows == 1:
-            copy(view[k0:k0 + ks, c0:c1], tile[:ks, :w])
+            copy(self.view(view, (k0, ks, c0, c1), lambda: view[k0:k0 + ks, c0:c1]),
+                 self.view(tile, (ks, w), lambda: tile[:ks, :w]))
             return
         (s0, _), (s1, _) = view.dims
         pairs = ks // 2
@@ -330,15 +351,27 @@ class _Mm:
         mts = [(mi, min(p.tm, mw - mi)) for mi in range(0, mw, p.tm)]
         widths = [min(nw, c0 + p.tn) - c0 for c0 in range(0, nw, p.tn)]
         accs = [[self.acc_pool.tile((p.tm, p.tn), "float32") for _ in widths] for _ in mts]
-        dsts = [[acc[:ms, :w] for acc, w in zip(row, widths)] for (_, ms), row in zip(mts, accs)]
-        for kt in range(self.kt_n):
-            lhs, mvs = operands(kt)
-            for (mi, ms), row in zip(mts, dsts):
-                st = self.cols(lhs, kt, mi, mi + ms)
-                for dst, mv in zip(row, mvs):
-                    kern.nc_matmul(dst, st, mv, accumulate=kt > 0)
-            if roll is not None:
-                roll(kt)
+        dsts = [[self.view(acc, (ms, w), lambda: acc[:ms, :w]) for acc, w in zip(row, widths)]
+                for (_, ms), row in zip(mts, accs)]
+        if roll is None and not kern.reference:
+            # a group of _GROUP k-tiles at a time: operands(g0) loads the whole group (the later
+            # k-tiles' calls load nothing), so its matmuls go to the builder in one call, in the
+            # order the loop below would emit them
+            for g0 in range(0, self.kt_n, _GROUP):
+                ops = []
+                for kt in range(g0, min(self.kt_n, g0 + _GROUP)):
+                    lhs, mvs = operands(kt)
+                    for (mi, ms), row in zip(mts, dsts):
+                        st = self.cols(lhs, kt, mi, mi + ms)
+                        ops.extend((dst, st, mv, kt > 0) for dst, mv in zip(row, mvs))
+                kern.nc_matmul_many(ops)
+        else:
+            for kt in range(self.kt_n):
+                lhs, mvs = operands(kt)
+                for (mi, ms), row in zip(mts, dsts):
+                    kern.nc_matmul_row(self.cols(lhs, kt, mi, mi + ms), list(zip(row, mvs)), accumulate=kt > 0)
+                if roll is not None:
+                    roll(kt)
         for (mi, ms), row in zip(mts, dsts):
             if self.epilogue is not None:
                 self.epilogue(self, job, m0 + mi, ms, n0, row)

@@ -1,0 +1,109 @@
+"""The native event loop (``simulate(..., engine="native")``, trnsim/native/sched.c) and the simpy
+processes it replaces (``engine="simpy"``, the reference) give the same simulation: total ticks,
+every instruction's ready/end/trigger tick and owner, every trace segment in the same order, and
+the engines, DMA systems and HBM pipes left in the same state. On every registered library
+kernel (small ragged shapes, every dtype it takes) on trn1/trn2/trn3, on several cores sharing
+HBM stacks, and with TensorE's overlap and power ramp switched to their other settings.
+benchmarks/bench_kernels.py checks the bench's big kernels the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trnsim import load_config
+from trnsim.isa import KernelError
+from trnsim.kernels import get_kernel
+from trnsim.sim import native_available, simulate
+
+from test_kernel_library import SMALL  # one small ragged shape per kernel (partial tiles, loops)
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native._sched is not built")
+
+
+def fingerprint(timelines: list[Any]) -> list[Any]:
+    """Everything a run leaves that a report, trace or later booking could read."""
+    out = []
+    for tl in timelines:
+        engines = {name: {k: v for k, v in vars(e).items() if k not in ("config", "_exec", "_cycles")}
+                   for name, e in tl.engines.items()}
+        dma = tl.dma
+        out.append({
+            "total": tl.total_ticks, "ready": tl.ready, "end": tl.end, "trigger": tl.trigger, "owner": tl.owner,
+            "segments": tl.segments, "engines": engines,
+            "dma": (list(dma.engine_free) if dma._level is None else [dma._level] * len(dma.engine_free)),
+            "hbm": (dma.hbm.free, dma.hbm.bytes, dma.hbm.busy_ticks),
+        })
+    return out
+
+
+def assert_same(cfg: Any, kernels: list[Any]) -> None:
+    ref = fingerprint(simulate(cfg, kernels, engine="simpy"))
+    native = simulate(cfg, kernels, engine="native")
+    assert all(type(t).__name__ == "_NativeTimeline" for t in native)  # not a fallback to simpy
+    got = fingerprint(native)
+    for core, (r, g) in enumerate(zip(ref, got)):
+        for field in r:
+            assert g[field] == r[field], f"core {core}: {field} differs"
+    assert len(ref) == len(got)
+
+
+@pytest.mark.parametrize("config", ["trn1", "trn2", "trn3"])
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_library_kernel_same_cycles(name, config):
+    cfg = load_config(config)
+    entry = get_kernel(name)
+    ran = 0
+    for dtype in entry.dtypes:
+        try:
+            kern = entry.make(SMALL[name], dtype, cfg)
+        except KernelError:  # a dtype this generation lacks (fp8 on trn1, MX before trn3)
+            continue
+        assert_same(cfg, [kern])
+        ran += 1
+    assert ran or config == "trn1", f"{name}: no dtype built on {config}"
+
+
+@pytest.mark.parametrize("config", ["trn2", "trn3"])
+def test_cores_sharing_hbm_stacks(config):
+    """Four different kernels on cores 0-3: pairs of cores share a stack's bandwidth pipe, and
+    their DMA bookings interleave at equal ticks, which only the event order decides."""
+    cfg = load_config(config)
+    mk = [("matmul", (256, 512, 384)), ("softmax", (256, 512)), ("attention", (1, 2, 200, 64)),
+          ("matmul", (256, 512, 384))]
+    kernels = [get_kernel(n).make(s, get_kernel(n).default_dtype, cfg) for n, s in mk][: cfg.chip.cores]
+    assert_same(cfg, kernels)
+
+
+def test_idle_cores_and_empty_kernel():
+    """Chip.run puts idle kernels (no instructions) on the cores before the one it runs."""
+    from trnsim.kernel import Kernel
+
+    cfg = load_config("trn2")
+    kern = get_kernel("matmul").make((130, 200, 300), "bf16", cfg)
+    assert_same(cfg, [Kernel("idle", cfg), Kernel("idle", cfg), kern])
+    assert_same(cfg, [Kernel("idle", cfg)])
+    assert_same(cfg, [])
+
+
+@pytest.mark.parametrize("overrides", [
+    {"core.tensor.overlap_load_stationary": "false"},
+    {"core.tensor.throttle_initial_util": "0.3", "core.tensor.throttle_ramp": "2us",
+     "core.tensor.throttle_idle_reset": "100ns"},
+    {"core.tensor.throttle_ramp": "0ns"},
+    {"core.dma.engines": "4", "core.dma.start_latency": "0ns"},
+])
+def test_tensor_and_dma_settings(overrides):
+    """TensorE's LS gate without overlap, a ramp that resets within the kernel, no ramp; fewer
+    DMA engines and no start latency (more ties at equal ticks)."""
+    cfg = load_config("trn2", overrides)
+    kernels = [get_kernel("matmul").make((300, 600, 700), "bf16", cfg),
+               get_kernel("attention").make((1, 2, 200, 64), "bf16", cfg)]
+    assert_same(cfg, kernels)
+
+
+def test_engine_choice_is_checked():
+    cfg = load_config("trn2")
+    with pytest.raises(ValueError, match="simulate: engine must be one of auto, native, simpy, got 'fast'"):
+        simulate(cfg, [], engine="fast")
