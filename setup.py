@@ -2,5 +2,5 @@
 # build hook (cffi_modules) is not expressible in pyproject.toml yet.
 from setuptools import setup
 
-setup(cffi_modules=["trnsim/native/build.py:ffibuilder", "trnsim/native/build_sched.py:ffibuilder",
-                     "trnsim/native/build_deptrack.py:ffibuilder"])
+setup(cffi_modules=["trnsim/native/build.py:ffibuilder", "trnsim/native/build.py:sched_ffibuilder",
+                     "trnsim/native/build.py:deptrack_ffibuilder"])

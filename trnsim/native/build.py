@@ -1,19 +1,30 @@
-"""cffi (out-of-line, API mode) builder for ``trnsim.native._datapath``.
+"""cffi (out-of-line, API mode) builders for trnsim's three C modules, one ``FFI`` each:
 
-``pip install -e .`` runs it through setup.py's ``cffi_modules`` and leaves
-``trnsim/native/_datapath.abi3.so`` in place; after editing datapath.c, run it again (or
-``python setup.py build_ext --inplace``, which builds the same file).
+* ``trnsim.native._datapath`` (datapath.c), the TensorE datapath: ``ffibuilder``;
+* ``trnsim.native._sched`` (sched.c), the scheduler's event loop: ``sched_ffibuilder``;
+* ``trnsim.native._deptrack`` (deptrack.c), the kernel builder's dependency tracker
+  (:class:`trnsim.kernel.DependencyTracker` is the same algorithm in Python and stays the
+  reference): ``deptrack_ffibuilder``.
 
-Flags: ``-O3`` for speed, ``-ffp-contract=off`` so the compiler never fuses a multiply and an
-add on its own (the definition's fused MACs are explicit FMA intrinsics and ``fmaf`` calls; the
-unfused test kernel must stay unfused), and no ``-ffast-math``/``-march=native``: the module
-must give the same bits on every x86-64 (it picks AVX-512 / AVX2 kernels at run time) and on
-other CPUs.
+``pip install -e .`` runs them through setup.py's ``cffi_modules`` and leaves the
+``trnsim/native/_*.abi3.so`` files in place; after editing a C file, run it again (or
+``python setup.py build_ext --inplace``, which builds the same files). Separate modules, so each
+keeps its own compiler flags:
+
+* the datapath: ``-O3`` for speed, ``-ffp-contract=off`` so the compiler never fuses a multiply
+  and an add on its own (the definition's fused MACs are explicit FMA intrinsics and ``fmaf``
+  calls; the unfused test kernel must stay unfused), and no ``-ffast-math``/``-march=native``:
+  the module must give the same bits on every x86-64 (it picks AVX-512 / AVX2 kernels at run
+  time) and on other CPUs;
+* the scheduler: no ``-ffast-math`` and ``-ffp-contract=off`` too: TensorE's power ramp computes
+  a utilisation in doubles, which must round exactly as the Python model's arithmetic does;
+* the dependency tracker: integer code only, plain ``-O2``.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 from cffi import FFI
 
@@ -27,34 +38,60 @@ def _rel(path: str) -> str:
     return os.path.relpath(path, _ROOT)
 
 
-def _cdef() -> str:
-    """The declarations cffi needs, read from datapath.h itself (so they cannot drift):
-    everything but the preprocessor lines (include guard, #include)."""
-    with open(os.path.join(_HERE, "datapath.h"), encoding="utf-8") as f:
-        return "\n".join(line for line in f.read().splitlines() if not line.lstrip().startswith("#"))
+def _header_cdef(header: str, constants: tuple[str, ...] = ()) -> str:
+    """The declarations cffi needs, read from the header itself (so they cannot drift):
+    everything but the preprocessor lines (include guard, #include); ``#define`` constants whose
+    names start with one of ``constants`` are given to cffi as ``...`` (their values come from
+    the header when the module compiles)."""
+    out = []
+    with open(os.path.join(_HERE, header), encoding="utf-8") as f:
+        for line in f.read().splitlines():
+            s = line.strip()
+            if constants and s.startswith("#define ") and s.split()[1].startswith(constants):
+                out.append(f"#define {s.split()[1]} ...")
+            elif not s.startswith("#"):
+                out.append(line)
+    return "\n".join(out)
 
 
-CDEF = _cdef()
-
-# gcc or clang (datapath.c uses their builtins and target attributes).
-_COMPILE_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-pthread"]
+CDEF = _header_cdef("datapath.h")
 
 
-def make_ffibuilder(relative_paths: bool = True) -> FFI:
-    """The builder; relative paths for setuptools, absolute ones for ``FFI.compile(tmpdir=...)``."""
-    path = _rel if relative_paths else os.path.abspath
+def _builder(module: str, stem: str, cdef: str, relative_paths: bool, **options: Any) -> FFI:
+    """The builder of ``trnsim.native.<module>`` from ``<stem>.c``/``<stem>.h``; relative paths
+    for setuptools, absolute ones for ``FFI.compile(tmpdir=...)``."""
+    path: Callable[[str], str] = _rel if relative_paths else os.path.abspath
     builder = FFI()
-    builder.cdef(CDEF)
+    builder.cdef(cdef)
     builder.set_source(
-        "trnsim.native._datapath",
-        '#include "datapath.h"',
-        sources=[path(os.path.join(_HERE, "datapath.c"))],
+        f"trnsim.native.{module}",
+        f'#include "{stem}.h"',
+        sources=[path(os.path.join(_HERE, f"{stem}.c"))],
         include_dirs=[path(_HERE)],
-        depends=[path(os.path.join(_HERE, "datapath.h"))],
-        extra_compile_args=_COMPILE_ARGS,
-        extra_link_args=["-pthread"],
+        depends=[path(os.path.join(_HERE, f"{stem}.h"))],
+        **options,
     )
     return builder
 
 
+def make_ffibuilder(relative_paths: bool = True) -> FFI:
+    # gcc or clang (datapath.c uses their builtins and target attributes).
+    return _builder("_datapath", "datapath", CDEF, relative_paths,
+                    extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-pthread"],
+                    extra_link_args=["-pthread"])
+
+
+def make_sched_ffibuilder(relative_paths: bool = True) -> FFI:
+    return _builder("_sched", "sched", _header_cdef("sched.h", ("SCHED_", "SEG_")), relative_paths,
+                    extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11"],
+                    libraries=["m"])
+
+
+def make_deptrack_ffibuilder(relative_paths: bool = True) -> FFI:
+    return _builder("_deptrack", "deptrack", _header_cdef("deptrack.h"), relative_paths,
+                    extra_compile_args=["-O2", "-std=gnu11"])
+
+
 ffibuilder = make_ffibuilder()
+sched_ffibuilder = make_sched_ffibuilder()
+deptrack_ffibuilder = make_deptrack_ffibuilder()

@@ -3,7 +3,7 @@
  * The same algorithm as the Python class, access for access: histories of pending reads and
  * writes per buffer, boxes compared for overlap and cover, covered accesses pruned, freed
  * on-chip regions kept in a graveyard indexed by 2 KiB address chunks. Only the data layout
- * differs (flat arrays instead of lists of tuples). Read by build_deptrack.py for cffi's cdef:
+ * differs (flat arrays instead of lists of tuples). Read by build.py for cffi's cdef:
  * declarations only below the include guard.
  */
 #ifndef TRNSIM_DEPTRACK_H
