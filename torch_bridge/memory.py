@@ -486,16 +486,21 @@ def install_resize_allocator(lib: Any) -> None:
     atexit.register(lambda: lib.trnsim_set_allocator(ALLOC_FN(), RELEASE_FN()))
 
 
+# trnsim_host_stats' row, in its order
+_HOST_KEYS = ("installed", "kept_bytes", "limit_bytes", "reused", "fresh", "blocks")
+
+
 def host_cache() -> dict[str, int]:
     """The host cache of freed device blocks (csrc/neuron.cpp, "host memory"): whether it is the
     CPU allocator yet, the bytes it keeps free for reuse and its limit, how many allocations it
-    served from kept blocks and how many took new memory. Host-side only: no HBM counter sees it."""
+    served from kept blocks and how many took new memory, and the blocks it owns. Host-side only:
+    no HBM counter sees it."""
     lib = _lib()
     if lib is None:
-        return {"installed": 0, "kept_bytes": 0, "limit_bytes": 0, "reused": 0, "fresh": 0, "blocks": 0}
-    out = (ctypes.c_int64 * 6)()
+        return dict.fromkeys(_HOST_KEYS, 0)
+    out = (ctypes.c_int64 * len(_HOST_KEYS))()
     lib.trnsim_host_stats(out)
-    return dict(zip(("installed", "kept_bytes", "limit_bytes", "reused", "fresh", "blocks"), out))
+    return dict(zip(_HOST_KEYS, out))
 
 
 def release_host_cache() -> int:

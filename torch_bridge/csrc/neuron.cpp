@@ -262,13 +262,16 @@ void host_install() {
   });
 }
 
+// enter (+1) or leave (-1) a stretch of this thread's CPU allocations that back neuron tensors
+void host_scope(int delta) {
+  if (delta > 0 && !g_host_on.load(std::memory_order_relaxed)) host_install();
+  t_host_scope += delta;
+}
+
 // CPU allocations on this thread that back neuron tensors, while it lives
 struct HostScope {
-  HostScope() {
-    if (!g_host_on.load(std::memory_order_relaxed)) host_install();
-    ++t_host_scope;
-  }
-  ~HostScope() { --t_host_scope; }
+  HostScope() { host_scope(1); }
+  ~HostScope() { host_scope(-1); }
   HostScope(const HostScope&) = delete;
   HostScope& operator=(const HostScope&) = delete;
 };
@@ -1123,10 +1126,7 @@ int64_t trnsim_pinned_bytes() { return g_pinned_bytes.load(); }
 int64_t trnsim_pinned_allocations() { return g_pinned_allocs.load(); }
 
 // ---- the host cache (see above) ----
-void trnsim_host_scope(int delta) {
-  if (delta > 0 && !g_host_on.load(std::memory_order_relaxed)) host_install();
-  t_host_scope += delta;
-}
+void trnsim_host_scope(int delta) { host_scope(delta); }
 int64_t trnsim_host_release() { return g_host_on.load() ? g_host.release() : 0; }
 // [installed, bytes kept free, limit, allocations reused, fresh allocations, blocks owned]
 void trnsim_host_stats(int64_t* out) {
