@@ -651,23 +651,49 @@ class TilePool:
         self.bufs = bufs
         self.space = space
         self._slots: list[TileAP | None] = [None] * bufs
+        # the (shape, dtype) each slot's view was asked for: asked again, the same view serves
+        # (views are immutable, so its geometry number and dependency region stay valid)
+        self._asked: list[tuple[Any, Any] | None] = [None] * bufs
+        # (shape, dtype) as asked -> (shape, Dtype, bytes per partition, free dims), checked once
+        self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
         self._next = 0
 
     def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
         i = self._next
-        self._next = (i + 1) % self.bufs
-        what = f"tile pool '{self.name}'"
-        dt = checked_dtype(dtype, what)
-        shape = checked_shape(shape, what)
+        self._next = i + 1 if i + 1 < self.bufs else 0
         old = self._slots[i]
-        nbytes = _free_elems(shape) * dt.itemsize
+        ask = c = None
+        if type(shape) is tuple:
+            for n in shape:  # plain ints only: 128.0 or True would hash like 128 or 1 (and fail the checks)
+                if type(n) is not int:
+                    break
+            else:
+                ask = (shape, dtype)
+                try:
+                    c = self._checked.get(ask)
+                except TypeError:  # an unhashable dtype: checked (and refused) below
+                    ask = None
+                if c is not None and old is not None and self._asked[i] == ask:
+                    # what the general path would make: a view of the whole old allocation
+                    # with the same partitions, dims and dtype, i.e. ``old`` itself
+                    return old
+        if c is None:
+            what = f"tile pool '{self.name}'"
+            dt = checked_dtype(dtype, what)
+            shape = checked_shape(shape, what)
+            c = (shape, dt, _free_elems(shape) * dt.itemsize, row_major(shape[1:] or (1,)))
+            if ask is not None:
+                self._checked[ask] = c
+        shape, dt, nbytes, dims = c
         if old is not None and old.alloc.nbytes >= nbytes and old.p_count == shape[0]:
-            t = _tile_view(old.alloc, shape, dt)
+            a = old.alloc
+            t = TileAP(a, a.p_start, shape[0], 0, dims, dt)
         else:
             if old is not None:
                 self.kernel._release(old)
             t = self.kernel._allocate(self.space, shape, dt, name or f"{self.name}[{i}]", 0, scoped=False)
         self._slots[i] = t
+        self._asked[i] = ask
         return t
 
     def release(self) -> None:
@@ -675,6 +701,7 @@ class TilePool:
             if t is not None and t.alloc.live:
                 self.kernel._release(t)
         self._slots = [None] * self.bufs
+        self._asked = [None] * self.bufs
 
 
 def _free_elems(shape: tuple[int, ...]) -> int:
