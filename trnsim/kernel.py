@@ -656,6 +656,7 @@ class TilePool:
         self._asked: list[tuple[Any, Any] | None] = [None] * bufs
         # (shape, dtype) as asked -> (shape, Dtype, bytes per partition, free dims), checked once
         self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
+        self._reuse = not kernel.reference  # a reference build makes every view afresh
         self._next = 0
 
     def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
@@ -673,7 +674,7 @@ class TilePool:
                     c = self._checked.get(ask)
                 except TypeError:  # an unhashable dtype: checked (and refused) below
                     ask = None
-                if c is not None and old is not None and self._asked[i] == ask:
+                if c is not None and old is not None and self._asked[i] == ask and self._reuse:
                     # what the general path would make: a view of the whole old allocation
                     # with the same partitions, dims and dtype, i.e. ``old`` itself
                     return old

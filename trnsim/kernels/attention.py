@@ -46,7 +46,7 @@ state of a head's query tiles does not fit beside two key blocks are blocks relo
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -302,6 +302,20 @@ class _Work:
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
         self.evac = 0
         self.mod: Any = None
+        # operand views by (base view, which slice...): made once per kernel, afresh in a
+        # reference build. Views are immutable and a tile pool hands out the same view for the
+        # same request, so a cached slice is the one slicing again would make.
+        self.views: dict[tuple[Any, ...], TileAP] | None = None if kern.reference else {}
+
+    def view(self, key: tuple[Any, ...], make: Callable[[], TileAP]) -> TileAP:
+        """``make()``, a slice of the view ``key[0]`` that ``key[1:]`` (ints) names."""
+        views = self.views
+        if views is None:
+            return make()
+        v = views.get(key)
+        if v is None:
+            v = views[key] = make()
+        return v
 
     def set_score_mod(self, program: Any) -> None:
         """FlexAttention's score function as a tile program (inputs: score, q_idx, kv_idx)."""
@@ -379,10 +393,13 @@ class _Work:
             stage = self.kstage.tile((tc, g, d), dt)
             _load_rows(kern, stage, k, bi, hi, k0 + c0 * tc, rows, tc, queue=1)
             ps = self.tr_ps.tile((d, g * tc), dt)
+            view = self.view
             for j in range(g):
                 kc = min(tc, rows - j * tc)
-                kern.nc_transpose(ps[:, j * tc:j * tc + kc], stage[:kc, j, :])
-            self._copy(kT[:, c0 * tc:c0 * tc + rows], ps[:, :rows])
+                kern.nc_transpose(view((ps, 0, j, kc), lambda: ps[:, j * tc:j * tc + kc]),
+                                  view((stage, 1, j, kc), lambda: stage[:kc, j, :]))
+            self._copy(view((kT, 0, c0, rows), lambda: kT[:, c0 * tc:c0 * tc + rows]),
+                       view((ps, 2, rows), lambda: ps[:, :rows]))
         return _KeyBlock(k0, n, kT, vt)
 
     def load_queries(self, q: HbmTensor, bi: int, hi: int, q0: int, qr: int) -> TileAP:
@@ -401,7 +418,8 @@ class _Work:
         qr = qt.qr
         kt0 = st.kb.k0 + st.j0
         s_ps = self.s_ps.tile((qr, kw), "fp32")
-        kern.nc_matmul(s_ps, qt.qT, st.kb.kT[:, st.j0:st.j0 + kw])
+        kT = st.kb.kT
+        kern.nc_matmul(s_ps, qt.qT, self.view((kT, 4, st.j0, kw), lambda: kT[:, st.j0:st.j0 + kw]))
         scores = s_ps
         if self.mod is not None:
             scores = self.modified(s_ps, qt.q0, kt0, qr, kw)
@@ -443,15 +461,18 @@ class _Work:
         assert st.p is not None
         chunks, full = -(-kw // tc), kw // tc
         ps = self.pT_ps.tile((tc, chunks, qr), self.dt)
-        st.pT = self.pT_pool.tile((tc, chunks, qr), self.dt)
+        st.pT = pT = self.pT_pool.tile((tc, chunks, qr), self.dt)
+        p, view = st.p, self.view
         for j in range(chunks):
             kc = min(tc, kw - j * tc)
-            kern.nc_transpose(ps[:kc, j, :], st.p[:, j * tc:j * tc + kc])
+            kern.nc_transpose(view((ps, 1, j, kc), lambda: ps[:kc, j, :]),
+                              view((p, 0, j, kc), lambda: p[:, j * tc:j * tc + kc]))
         if full:
-            self._copy(st.pT[:, :full, :], ps[:, :full, :])
+            self._copy(view((pT, 3, full), lambda: pT[:, :full, :]), view((ps, 3, full), lambda: ps[:, :full, :]))
         if full < chunks:
             kc = kw - full * tc
-            self._copy(st.pT[:kc, full, :], ps[:kc, full, :])
+            self._copy(view((pT, 1, full, kc), lambda: pT[:kc, full, :]),
+                       view((ps, 1, full, kc), lambda: ps[:kc, full, :]))
 
     def stage_c(self, st: _Step) -> None:
         """p·v over the key chunks into one PSUM group, then o = o·alpha + p·v."""
@@ -459,9 +480,11 @@ class _Work:
         assert st.pT is not None
         pv = self.pv_ps.tile((qt.qr, self.d), "fp32")
         chunks, c0 = -(-kw // tc), st.j0 // tc
+        pT, v, view = st.pT, st.kb.v, self.view
         for j in range(chunks):
             kc = min(tc, kw - j * tc)
-            kern.nc_matmul(pv, st.pT[:kc, j, :], st.kb.v[:kc, c0 + j, :], accumulate=j > 0)
+            kern.nc_matmul(pv, view((pT, 1, j, kc), lambda: pT[:kc, j, :]),
+                           view((v, 1, c0 + j, kc), lambda: v[:kc, c0 + j, :]), accumulate=j > 0)
         if qt.o is None:
             qt.o = self.o_pool.tile((qt.qr, self.d), "fp32")
             kern.tensor_copy(qt.o, pv, engine="vector")
