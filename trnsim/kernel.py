@@ -407,7 +407,7 @@ class NativeDependencyTracker:
     from allocations and tensors to history ids and, on each view, the id of its region (made
     once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
 
-    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_gen", "_g", "__weakref__")
+    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_out2", "_gen", "_g", "__weakref__")
 
     def __init__(self) -> None:
         assert _deptrack is not None
@@ -422,6 +422,7 @@ class NativeDependencyTracker:
         self._hbm: dict[int, int] = {}  # HBM tensor uid -> history id
         self._keys: dict[str, int] = {}  # engine / queue key -> small int
         self._out = lib.dt_out(self._t)
+        self._out2 = self._out + 2  # where a record without `first` puts its edges
         self._gen = lib.dt_outgen(self._t)
         self._g = self._gen[0]
 
@@ -487,8 +488,22 @@ class NativeDependencyTracker:
             raise MemoryError("dependency tracker: out of memory")
         if self._gen[0] != self._g:  # the C output buffer grew (moved)
             self._out = self._lib.dt_out(self._t)
+            self._out2 = self._out + 2
             self._g = self._gen[0]
         return self._unpack(self._out, n)
+
+    def _edges(self, n: int) -> tuple[int, ...]:
+        """The edges a record without ``first`` left in the output buffer (``n`` ints in all:
+        -1, the count, the edges)."""
+        if n <= 2:
+            if n < 0:
+                raise MemoryError("dependency tracker: out of memory")
+            return ()
+        if self._gen[0] != self._g:  # the C output buffer grew (moved)
+            self._out = self._lib.dt_out(self._t)
+            self._out2 = self._out + 2
+            self._g = self._gen[0]
+        return tuple(self._unpack(self._out2, n - 2))
 
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
@@ -502,6 +517,36 @@ class NativeDependencyTracker:
         kid = self._keys.get(key)
         if kid is None:
             kid = self._key(key)
+        reads, writes = ins.reads, ins.writes
+        nr, nw = len(reads), len(writes)
+        if first is None and 0 < nr <= 3 and (nw == 1 or (nw == 2 and nr == 2)):
+            # the generic engine instructions: a short call per shape (regions made reads first,
+            # as below)
+            ap = reads[0]
+            d = ap._dep_h
+            r0 = d[1] if d is not None and d[0] is self else self._region(ap)
+            if nr > 1:
+                ap = reads[1]
+                d = ap._dep_h
+                r1 = d[1] if d is not None and d[0] is self else self._region(ap)
+                if nr > 2:
+                    ap = reads[2]
+                    d = ap._dep_h
+                    r2 = d[1] if d is not None and d[0] is self else self._region(ap)
+            ap = writes[0]
+            d = ap._dep_h
+            w0 = d[1] if d is not None and d[0] is self else self._region(ap)
+            lib = self._lib
+            if nw == 2:
+                ap = writes[1]
+                d = ap._dep_h
+                w1 = d[1] if d is not None and d[0] is self else self._region(ap)
+                return self._edges(lib.dt_record22(self._t, ins.index, kid, ins.is_dma, r0, r1, w0, w1))
+            if nr == 1:
+                return self._edges(lib.dt_record11(self._t, ins.index, kid, ins.is_dma, r0, w0))
+            if nr == 2:
+                return self._edges(lib.dt_record21(self._t, ins.index, kid, ins.is_dma, r0, r1, w0))
+            return self._edges(lib.dt_record31(self._t, ins.index, kid, ins.is_dma, r0, r1, r2, w0))
         rs = []
         for ap in ins.reads:
             d = ap._dep_h

@@ -422,6 +422,24 @@ int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
     return record_at(t, 0, idx, key, dma, &r, 1, &w, 1, -1);
 }
 
+int32_t dt_record21(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t w) {
+    int32_t reads[2] = {r0, r1};
+    return record_at(t, 0, idx, key, dma, reads, 2, &w, 1, -1);
+}
+
+int32_t dt_record31(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t r2,
+                    int32_t w) {
+    int32_t reads[3] = {r0, r1, r2};
+    return record_at(t, 0, idx, key, dma, reads, 3, &w, 1, -1);
+}
+
+int32_t dt_record22(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t w0,
+                    int32_t w1) {
+    int32_t reads[2] = {r0, r1};
+    int32_t writes[2] = {w0, w1};
+    return record_at(t, 0, idx, key, dma, reads, 2, writes, 2, -1);
+}
+
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
 
 #define DUMP_MAGIC 0x7472646570310001LL

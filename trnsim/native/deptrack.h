@@ -35,6 +35,14 @@ int32_t dt_record6(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t
                    int32_t first);
 /* dt_record of an instruction with one read and one write and no `first` (a DMA, a copy). */
 int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r, int32_t w);
+/* dt_record (no `first`) of an instruction with 2 reads / 1 write, 3 reads / 1 write, 2 reads /
+ * 2 writes: the generic engine instructions (tensor_tensor, tensor_scalar with a tile operand,
+ * activation with a bias or a fused reduction), with fewer arguments to convert. */
+int32_t dt_record21(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t w);
+int32_t dt_record31(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t r2,
+                    int32_t w);
+int32_t dt_record22(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t w0,
+                    int32_t w1);
 /* n matmuls idx0, idx0+1, ...: each reads st[i], mv[i] (and dst[i] when acc[i]) and writes
  * dst[i], its first operand st[i]; their results one after the other in dt_out, each laid
  * out as dt_record's. Returns how many ints in all, or -1. */
