@@ -321,7 +321,10 @@ class TileAP:
         self.dims = dims
         self.dtype = dtype
         #: elements per partition (the N of the cost formulas)
-        self.free_size = math.prod(n for _, n in dims)
+        fs = 1
+        for _, n in dims:
+            fs *= n
+        self.free_size = fs
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
         self._geo = 0  # the builder's number for this view's geometry (kernel._geometry), 0 until asked
@@ -752,7 +755,14 @@ class Transpose(Instruction):
     opcode = "Transpose"
 
     def __init__(self, dst: TileAP, data: TileAP):
-        super().__init__("Tensor", (data,), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = "Tensor"
+        self.reads: tuple[AP, ...] = (data,)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data = data
         self.load_stationary = True
@@ -766,14 +776,19 @@ class Activation(Instruction):
 
     def __init__(self, dst: TileAP, data: TileAP, func: str, scale: float | TileAP, bias: float | TileAP,
                  reduce_op: str | None, reduce_res: TileAP | None):
-        reads: list[AP] = [data]
-        for x in (scale, bias):
-            if isinstance(x, TileAP):
-                reads.append(x)
-        writes: list[AP] = [dst]
-        if reduce_res is not None:
-            writes.append(reduce_res)
-        super().__init__("Scalar", tuple(reads), tuple(writes))
+        # the reads: data, then scale and bias when they are tiles
+        if isinstance(scale, TileAP):
+            reads: tuple[AP, ...] = (data, scale, bias) if isinstance(bias, TileAP) else (data, scale)
+        else:
+            reads = (data, bias) if isinstance(bias, TileAP) else (data,)
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = "Scalar"
+        self.reads = reads
+        self.writes: tuple[AP, ...] = (dst,) if reduce_res is None else (dst, reduce_res)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data = data
         self.func = func
@@ -793,7 +808,14 @@ class TensorTensor(Instruction):
     opcode = "TensorTensor"
 
     def __init__(self, engine: str, dst: TileAP, data1: TileAP, data2: TileAP, op: str):
-        super().__init__(engine, (data1, data2), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads: tuple[AP, ...] = (data1, data2)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data1 = data1
         self.data2 = data2
@@ -812,11 +834,19 @@ class TensorScalar(Instruction):
 
     def __init__(self, engine: str, dst: TileAP, data: TileAP, op0: str, operand0: float | TileAP,
                  op1: str | None, operand1: float | TileAP | None, reverse0: bool, reverse1: bool):
-        reads: list[AP] = [data]
-        for x in (operand0, operand1):
-            if isinstance(x, TileAP):
-                reads.append(x)
-        super().__init__(engine, tuple(reads), (dst,))
+        # the reads: data, then operand0 and operand1 when they are tiles
+        if isinstance(operand0, TileAP):
+            reads: tuple[AP, ...] = (data, operand0, operand1) if isinstance(operand1, TileAP) else (data, operand0)
+        else:
+            reads = (data, operand1) if isinstance(operand1, TileAP) else (data,)
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads = reads
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data = data
         self.op0 = op0
@@ -837,7 +867,14 @@ class TensorReduce(Instruction):
     opcode = "TensorReduce"
 
     def __init__(self, engine: str, dst: TileAP, data: TileAP, op: str, axes: tuple[int, ...], negate: bool):
-        super().__init__(engine, (data,), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads: tuple[AP, ...] = (data,)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data = data
         self.op = op
@@ -855,7 +892,14 @@ class TensorCopy(Instruction):
     opcode = "TensorCopy"
 
     def __init__(self, engine: str, dst: TileAP, data: TileAP):
-        super().__init__(engine, (data,), (dst,))
+        # Instruction.__init__ spelled out: a kernel makes thousands of these
+        self.index = -1
+        self.engine = engine
+        self.reads: tuple[AP, ...] = (data,)
+        self.writes: tuple[AP, ...] = (dst,)
+        self.deps: tuple[int, ...] = ()
+        self.first_deps: tuple[int, ...] | None = None
+        self.label = ""
         self.dst = dst
         self.data = data
 

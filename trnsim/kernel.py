@@ -794,6 +794,10 @@ class Kernel:
         self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
         self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
+        # an engine op's arguments as far as its checks read them (op and engine names, operand
+        # geometries or number types) -> what the checks made of them (engine, op names), for
+        # calls that passed: a repeat skips the checks (a failing call is checked each time)
+        self._op_ok: dict[tuple[Any, ...], Any] = {}
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -933,7 +937,7 @@ class Kernel:
         allocs, tensors = self._allocs, self.tensors
         for aps in (ins.reads, ins.writes):
             for ap in aps:
-                if isinstance(ap, TileAP):
+                if type(ap) is TileAP:
                     a = ap.alloc
                     if allocs.get(a.uid) is not a:
                         self._check_owned(ap, ins.describe())
@@ -941,20 +945,26 @@ class Kernel:
                         raise KernelError(f"{ins.describe()}: tile '{ap.name}' was freed before this instruction")
                 elif tensors.get(ap.tensor.name) is not ap.tensor:
                     self._check_owned(ap, ins.describe())
-        ins.index = len(self.instructions)
-        if ins.index >= self._max_instructions:
+        instrs = self.instructions
+        idx = ins.index = len(instrs)
+        if idx >= self._max_instructions:
             raise KernelError(f"kernel '{self.name}' has more than {self._max_instructions:,} instructions; check its "
                               f"shape, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N (about 1 KB of host "
                               f"memory each)")
+        tracker = self._deps
+        cls = type(ins)
         # LoadStationary can start as soon as the stationary operand is ready (ins.first_deps)
-        if isinstance(ins, MatMul):
-            ins.deps = self._deps.record(ins, key or ins.engine, ins.stationary)
+        if cls is MatMul and key is None and type(tracker) is NativeDependencyTracker:
+            ins.deps = tracker.record_matmul(ins, ins.stationary, ins.moving, ins.dst, ins.accumulate)  # type: ignore[attr-defined]
+            self._track_stationary(ins)
+        elif isinstance(ins, MatMul):
+            ins.deps = tracker.record(ins, key or ins.engine, ins.stationary)
             self._track_stationary(ins)
         elif isinstance(ins, Transpose):
-            ins.deps = self._deps.record(ins, key or ins.engine, ins.data)
+            ins.deps = tracker.record(ins, key or ins.engine, ins.data)  # type: ignore[attr-defined]
             self._loaded_stationary = None
         else:
-            ins.deps = self._deps.record(ins, key or ins.engine)
+            ins.deps = tracker.record(ins, key or ins.engine)
             loaded = self._loaded_stationary
             if loaded is not None:  # a write to the loaded stationary's tile unloads it
                 uid = loaded[0]
@@ -962,7 +972,7 @@ class Kernel:
                     if type(w) is TileAP and w.alloc.uid == uid:
                         self._loaded_stationary = None
                         break
-        self.instructions.append(ins)
+        instrs.append(ins)
         return ins
 
     def _track_stationary(self, ins: Instruction) -> None:
@@ -1312,6 +1322,22 @@ class Kernel:
                    scale: TileAP | float = 1.0, reduce_op: Any = None, reduce_res: TileAP | None = None) -> Activation:
         """ScalarE ``dst = op(data * scale + bias)``; with ``reduce_op`` ('add'/'max') also writes
         the per-partition reduction of the result to ``reduce_res`` [P, 1]."""
+        if type(op) is str and type(dst) is TileAP and type(data) is TileAP and \
+                (reduce_op is None or type(reduce_op) is str) and (reduce_res is None or type(reduce_res) is TileAP):
+            key = (_ACT, op, dst._geo or _geometry(dst), data._geo or _geometry(data), _arg_key(bias),
+                   _arg_key(scale), reduce_op, None if reduce_res is None else _arg_key(reduce_res))
+            done = self._op_ok.get(key)
+            if done is None:
+                done = self._op_ok[key] = self._check_activation(dst, op, data, bias, scale, reduce_op, reduce_res)
+            func, rop = done
+        else:
+            func, rop = self._check_activation(dst, op, data, bias, scale, reduce_op, reduce_res)
+        ins = Activation(dst, data, func, scale, 0.0 if bias is None else bias, rop, reduce_res)
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def _check_activation(self, dst: TileAP, op: Any, data: TileAP, bias: Any, scale: Any, reduce_op: Any,
+                          reduce_res: Any) -> tuple[str, str | None]:
+        """:meth:`activation`'s checks; returns (function name, reduce op or None)."""
         what = f"activation({getattr(op, '__name__', op)})"
         func = activation_fn(op)
         aps = [dst, data] + [x for x in (bias, scale, reduce_res) if isinstance(x, TileAP)]
@@ -1328,23 +1354,50 @@ class Kernel:
                 raise KernelError(f"{what}: reduce_op and reduce_res go together")
             rop = reduce_op_checked(reduce_op, ("add", "max", "min"), what)
             _check_per_partition(what, "reduce_res", reduce_res, data)
-        ins = Activation(dst, data, func, scale, 0.0 if bias is None else bias, rop, reduce_res)
-        return self._emit(ins)  # type: ignore[return-value]
+        return func, rop
 
     def tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, *, engine: str = "vector") -> TensorTensor:
         """Elementwise ``dst = data1 op data2`` (shapes equal; use ``broadcast_to`` to broadcast)."""
+        if type(op) is str and type(engine) is str and type(dst) is TileAP and type(data1) is TileAP and \
+                type(data2) is TileAP:
+            key = (_TT, engine, op, dst._geo or _geometry(dst), data1._geo or _geometry(data1),
+                   data2._geo or _geometry(data2))
+            done = self._op_ok.get(key)
+            if done is None:
+                done = self._op_ok[key] = self._check_tensor_tensor(dst, data1, data2, op, engine)
+        else:
+            done = self._check_tensor_tensor(dst, data1, data2, op, engine)
+        return self._emit(TensorTensor(done[0], dst, data1, data2, done[1]))  # type: ignore[return-value]
+
+    def _check_tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, engine: Any) -> tuple[str, str]:
+        """:meth:`tensor_tensor`'s checks; returns (engine, op name)."""
         what = f"tensor_tensor({getattr(op, '__name__', op)})"
         eng = engine_name(engine, ("Vector", "GpSimd"), what)
         opn = alu_op(op)
         self._check_compute(what, eng, (dst, data1, data2))
         _check_same_shape(what, dst, data1)
         _check_same_shape(what, dst, data2)
-        return self._emit(TensorTensor(eng, dst, data1, data2, opn))  # type: ignore[return-value]
+        return eng, opn
 
     def tensor_scalar(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, *, op1: Any = None,
                       operand1: TileAP | float | None = None, reverse0: bool = False, reverse1: bool = False,
                       engine: str = "vector") -> TensorScalar:
         """``dst = (data op0 operand0) op1 operand1`` with immediate or per-partition operands."""
+        if type(op0) is str and (op1 is None or type(op1) is str) and type(engine) is str and \
+                type(dst) is TileAP and type(data) is TileAP:
+            key = (_TS, engine, op0, op1, dst._geo or _geometry(dst), data._geo or _geometry(data),
+                   _arg_key(operand0), _arg_key(operand1))
+            done = self._op_ok.get(key)
+            if done is None:
+                done = self._op_ok[key] = self._check_tensor_scalar(dst, data, op0, operand0, op1, operand1, engine)
+        else:
+            done = self._check_tensor_scalar(dst, data, op0, operand0, op1, operand1, engine)
+        ins = TensorScalar(done[0], dst, data, done[1], operand0, done[2], operand1, reverse0, reverse1)
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def _check_tensor_scalar(self, dst: TileAP, data: TileAP, op0: Any, operand0: Any, op1: Any, operand1: Any,
+                             engine: Any) -> tuple[str, str, str | None]:
+        """:meth:`tensor_scalar`'s checks; returns (engine, op0 name, op1 name or None)."""
         what = f"tensor_scalar({getattr(op0, '__name__', op0)})"
         allowed = ("Vector", "GpSimd", "Scalar")
         eng = engine_name(engine, allowed, what)
@@ -1360,12 +1413,24 @@ class Kernel:
                 _check_per_partition(what, nm, x, data)
             elif x is not None and not isinstance(x, (int, float)):
                 raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
-        ins = TensorScalar(eng, dst, data, o0, operand0, o1, operand1, reverse0, reverse1)
-        return self._emit(ins)  # type: ignore[return-value]
+        return eng, o0, o1
 
     def tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: int | Sequence[int], *, negate: bool = False,
                       engine: str = "vector") -> TensorReduce:
         """Reduce free axes ``axis`` (1 = the first free axis, as in NKI) of ``data`` into ``dst``."""
+        if type(op) is str and type(engine) is str and type(axis) is int and type(dst) is TileAP and \
+                type(data) is TileAP:
+            key = (_TR, engine, op, axis, dst._geo or _geometry(dst), data._geo or _geometry(data))
+            done = self._op_ok.get(key)
+            if done is None:
+                done = self._op_ok[key] = self._check_tensor_reduce(dst, op, data, axis, engine)
+        else:
+            done = self._check_tensor_reduce(dst, op, data, axis, engine)
+        return self._emit(TensorReduce(done[0], dst, data, done[1], done[2], negate))  # type: ignore[return-value]
+
+    def _check_tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: Any, engine: Any
+                             ) -> tuple[str, str, tuple[int, ...]]:
+        """:meth:`tensor_reduce`'s checks; returns (engine, op name, sorted axes)."""
         what = f"tensor_reduce({getattr(op, '__name__', op)})"
         eng = engine_name(engine, ("Vector", "GpSimd"), what)
         opn = reduce_op_checked(op, ("add", "max", "min", "multiply"), what)
@@ -1387,15 +1452,26 @@ class Kernel:
         if dst.p_count != data.p_count or dst.free_size != kept:
             raise KernelError(f"{what}: dst '{dst.name}' has shape {dst.shape}; reducing axes {axes} of "
                               f"{data.shape} leaves [{data.p_count}, {kept}]")
-        return self._emit(TensorReduce(eng, dst, data, opn, tuple(sorted(axes)), negate))  # type: ignore[return-value]
+        return eng, opn, tuple(sorted(axes))
 
     def tensor_copy(self, dst: TileAP, src: TileAP, *, engine: str = "vector") -> TensorCopy:
         """``dst = src`` with a cast (RNE). The usual PSUM evacuation."""
+        if type(engine) is str and type(dst) is TileAP and type(src) is TileAP:
+            key = (_TC, engine, dst._geo or _geometry(dst), src._geo or _geometry(src))
+            eng = self._op_ok.get(key)
+            if eng is None:
+                eng = self._op_ok[key] = self._check_tensor_copy(dst, src, engine)
+        else:
+            eng = self._check_tensor_copy(dst, src, engine)
+        return self._emit(TensorCopy(eng, dst, src))  # type: ignore[return-value]
+
+    def _check_tensor_copy(self, dst: TileAP, src: TileAP, engine: Any) -> str:
+        """:meth:`tensor_copy`'s checks; returns the engine."""
         what = "tensor_copy"
         eng = engine_name(engine, ("Vector", "Scalar", "GpSimd"), what)
         self._check_compute(what, eng, (dst, src))
         _check_same_shape(what, dst, src)
-        return self._emit(TensorCopy(eng, dst, src))  # type: ignore[return-value]
+        return eng
 
     def memset(self, dst: TileAP, value: float, *, engine: str = "vector") -> Memset:
         what = "memset"
@@ -1608,6 +1684,15 @@ class Kernel:
 
 
 _GEOMETRIES: dict[tuple[Any, ...], int] = {}  # a tile view's geometry -> a small int (process-wide)
+_ACT, _TT, _TS, _TR, _TC = range(5)  # which op a Kernel._op_ok key is of
+
+
+def _arg_key(x: Any) -> Any:
+    """What an op's checks read of an operand that is a [P, 1] tile or a number: the tile's
+    geometry number (an int), or the number's type (the checks take int and float)."""
+    if type(x) is TileAP:
+        return x._geo or _geometry(x)
+    return type(x)
 
 
 def _geometry(ap: TileAP) -> int:
