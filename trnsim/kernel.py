@@ -73,7 +73,7 @@ from .memory.psum import PsumAllocator, check_matmul_dst
 from .memory.sbuf import OnChipAllocator
 from .native.dtypes import Dtype, get_dtype
 
-__all__ = ["Kernel", "TilePool"]
+__all__ = ["Kernel", "TilePool", "ViewCache"]
 
 _ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": "Vector", "scalar": "Scalar",
                  "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
@@ -675,6 +675,29 @@ def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
         out.append((cls.__name__, ins.opcode, ins.describe())
                    + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in names))
     return out
+
+
+class ViewCache:
+    """Operand views a kernel builder slices again and again, made once per kernel: ``get(key,
+    make)`` is ``make()``, a slice of the view ``key[0]`` that the ints of ``key[1:]`` name (the
+    caller keeps one meaning per key shape). Views are immutable and a :class:`TilePool` hands out
+    the same view for the same request, so the cached slice is the one slicing again would make;
+    a new allocation comes as a new view, hence a new key. In a :func:`reference_build` every
+    view is made afresh (so the equivalence test checks the cache too)."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self, kern: "Kernel"):
+        self._views: dict[tuple[Any, ...], Any] | None = None if kern.reference else {}
+
+    def get(self, key: tuple[Any, ...], make: Any) -> Any:
+        views = self._views
+        if views is None:
+            return make()
+        v = views.get(key)
+        if v is None:
+            v = views[key] = make()
+        return v
 
 
 # ---------------------------------------------------------------------------------------------

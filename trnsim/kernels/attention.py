@@ -46,13 +46,13 @@ state of a head's query tiles does not fit beside two key blocks are blocks relo
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import Kernel
+from ..kernel import Kernel, ViewCache
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims
@@ -302,20 +302,8 @@ class _Work:
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
         self.evac = 0
         self.mod: Any = None
-        # operand views by (base view, which slice...): made once per kernel, afresh in a
-        # reference build. Views are immutable and a tile pool hands out the same view for the
-        # same request, so a cached slice is the one slicing again would make.
-        self.views: dict[tuple[Any, ...], TileAP] | None = None if kern.reference else {}
-
-    def view(self, key: tuple[Any, ...], make: Callable[[], TileAP]) -> TileAP:
-        """``make()``, a slice of the view ``key[0]`` that ``key[1:]`` (ints) names."""
-        views = self.views
-        if views is None:
-            return make()
-        v = views.get(key)
-        if v is None:
-            v = views[key] = make()
-        return v
+        # operand slices by (base view, which slice, ints...), made once per kernel
+        self.view = ViewCache(kern).get
 
     def set_score_mod(self, program: Any) -> None:
         """FlexAttention's score function as a tile program (inputs: score, q_idx, kv_idx)."""

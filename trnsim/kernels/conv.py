@@ -28,7 +28,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
-from ..kernel import Kernel
+from ..kernel import Kernel, ViewCache
 from ..native.dtypes import get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims
@@ -150,6 +150,7 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
     tr_ps = kern.tile_pool("wT_psum", bufs=2, space="psum")
     acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
     evac = 0
+    view = ViewCache(kern).get  # the matmul operands: a stationary per (weights, tap), a moving window per pixel tile
 
     for g0 in range(0, len(k_tiles), k_group):
         kts = k_tiles[g0:g0 + k_group]
@@ -215,14 +216,17 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                         accs = [acc_ps.tile((kk, nr, nw), "fp32") for _, nr, _, nw in batch]
                         first = True
                         for ci, (c0, cc) in enumerate(c_tiles):
+                            wt, xt = wT[ki, ci], xs[ci]
                             for tap in range(taps):
                                 dy, dx = divmod(tap, r)
-                                st = wT[ki, ci][:, tap, :]
+                                st = view((wt, tap), lambda: wt[:, tap, :])
+                                pairs = []
                                 for acc, (a, nr, b0, nw) in zip(accs, batch):
                                     y0, x0 = a * stride + dy, b0 * stride + dx
-                                    mv = xs[ci][:, y0:y0 + (nr - 1) * stride + 1:stride,
-                                                x0:x0 + (nw - 1) * stride + 1:stride]
-                                    kern.nc_matmul(acc, st, mv, accumulate=not first)
+                                    pairs.append((acc, view((xt, y0, nr, x0, nw), lambda: xt[
+                                        :, y0:y0 + (nr - 1) * stride + 1:stride, x0:x0 + (nw - 1) * stride + 1:stride])))
+                                # nc_matmul(acc, st, mv, accumulate=not first) for each pair, in order
+                                kern.nc_matmul_row(st, pairs, accumulate=not first)
                                 first = False
                         for acc, (a, nr, b0, nw) in zip(accs, batch):
                             kern.tensor_copy(ob[:, a:a + nr, b0:b0 + nw], acc,
