@@ -178,3 +178,87 @@ def test_pickled_kernel_keeps_building_the_same_stream() -> None:
     assert type(again._deps) is type(whole._deps)
     assert stream_fingerprint(again) == stream_fingerprint(whole)
     assert pickle.loads(pickle.dumps(whole.instructions))[-1].deps == whole.instructions[-1].deps
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_conv2d_and_attention_variants_same_stream(cfg: str) -> None:
+    """conv2d's cached windows and row-of-banks matmuls with a stride, padding and several
+    channel tiles; attention's cached slices with several key blocks."""
+    _assert_same(*_both("conv2d", (1, 160, 9, 9, 96, 3), "bf16", cfg, stride=2, padding=1))
+    _assert_same(*_both("conv2d", (1, 32, 8, 8, 40, 3), "bf16", cfg, padding="same"))
+    _assert_same(*_both("conv2d", (2, 64, 6, 6, 32, 1), "fp32", cfg))
+    _assert_same(*_both("attention", (1, 1, 1024, 64), "bf16", cfg, kv_block=512, causal=True))
+
+
+def test_pool_views_reused_across_freed_allocations_same_stream() -> None:
+    """A tile pool hands out a slot's view again for the same request, and a ViewCache keeps
+    its slices: a pool released and asked again (a new allocation over the freed bytes, which
+    must wait for the old one's readers), a slot asked for another shape and back, a freed
+    tile's bytes taken by a plain tile: the same stream as the reference build."""
+    from trnsim.kernel import ViewCache
+
+    def build() -> Kernel:
+        k = Kernel("pools", "trn2")
+        a = k.input("a", (128, 1024), "bf16")
+        out = k.output("out", (128, 1024), "bf16")
+        view = ViewCache(k).get
+        for rnd in range(3):
+            pool = k.tile_pool("p", bufs=2)
+            for j in range(4):
+                t = pool.tile((128, 256), "bf16")
+                k.dma_copy(t, a[:, j * 256:(j + 1) * 256])
+                half = view((t, 0), lambda: t[:, :128])
+                k.tensor_scalar(half, half, "multiply", float(j + 1))
+                k.activation(t, "exp", t)
+                if j == 2:  # the slot asked for another shape, then the first again
+                    u = pool.tile((128, 64), "fp32")
+                    k.memset(u, 0.0)
+                    k.tensor_copy(view((t, 1), lambda: t[:, :64]), u)
+                k.dma_copy(out[:, j * 256:(j + 1) * 256], t, queue=1)
+            pool.release()
+            if rnd == 1:  # a plain tile over the pool's freed bytes
+                p = k.sbuf((128, 512), "bf16")
+                k.memset(p, 1.0)
+                k.dma_copy(out[:, :512], p, queue=2)
+                k.free(p)
+        return k
+
+    with reference_build():
+        ref = build()
+    fast = build()
+    _assert_same(ref, fast)
+    # and the reuse happened: the pool handed out its slot's view again (the reference does not)
+    assert len({id(i.dst) for i in fast.instructions if i.opcode == "Activation"}) < \
+        len({id(i.dst) for i in ref.instructions if i.opcode == "Activation"})
+
+
+def test_cached_op_checks_still_refuse() -> None:
+    """An op whose checks passed once for a geometry skips them for that geometry: a freed
+    tile, another kernel's tile and a bad geometry are still refused with their messages."""
+    from trnsim.isa import KernelError
+
+    k = Kernel("checks", "trn2")
+    t = k.sbuf((128, 256), "fp32")
+    c = k.sbuf((128, 1), "fp32")
+    k.tensor_scalar(t, t, "multiply", c)
+    k.tensor_scalar(t, t, "multiply", c)
+    k.activation(t, "exp", t, bias=c)
+    other = Kernel("other", "trn2").sbuf((128, 256), "fp32")
+    with pytest.raises(KernelError, match="belongs to another kernel"):
+        k.tensor_scalar(other, other, "multiply", c)
+    with pytest.raises(KernelError, match=r"operand0 'sbuf\d+' must be a per-partition \[128, 1\] tile"):
+        k.tensor_scalar(t, t, "multiply", t)
+    with pytest.raises(KernelError, match="shape mismatch"):
+        k.tensor_copy(t[:, :128], t)
+    with pytest.raises(KernelError, match="must be a number or a"):
+        k.activation(t, "exp", t, bias="x")  # type: ignore[arg-type]
+    k.free(t)
+    with pytest.raises(KernelError, match="was freed before this instruction"):
+        k.tensor_scalar(t, t, "multiply", c)
+    with pytest.raises(KernelError, match="was freed before this instruction"):
+        k.activation(t, "exp", t, bias=c)
+    n = len(k.instructions)
+    assert n == 3
+    # a pickled kernel drops the geometry-keyed caches (another process numbers geometries anew)
+    again = pickle.loads(pickle.dumps(k))
+    assert again._op_ok == {} and again._compute_ok == set()

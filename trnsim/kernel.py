@@ -822,6 +822,14 @@ class Kernel:
         # calls that passed: a repeat skips the checks (a failing call is checked each time)
         self._op_ok: dict[tuple[Any, ...], Any] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the check and plan caches are keyed by geometry numbers, which belong to one process
+        # (kernel._GEOMETRIES): a kernel pickles without them and fills them again
+        state = self.__dict__.copy()
+        for k in ("_dma_plans", "_matmul_ok", "_transpose_ok", "_compute_ok", "_op_ok"):
+            state[k] = type(state[k])()
+        return state
+
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
         if not isinstance(name, str) or not name:
