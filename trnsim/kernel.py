@@ -737,7 +737,9 @@ class TilePool:
                 if type(n) is not int:
                     break
             else:
-                ask = (shape, dtype)
+                # a Dtype by identity (hashing the frozen dataclass hashes all its fields; the
+                # cached entry holds it, so its id stays its own), names and the rest as they are
+                ask = (shape, Dtype, id(dtype)) if type(dtype) is Dtype else (shape, dtype)
                 try:
                     c = self._checked.get(ask)
                 except TypeError:  # an unhashable dtype: checked (and refused) below
