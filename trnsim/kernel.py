@@ -679,11 +679,12 @@ def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
 
 class ViewCache:
     """Operand views a kernel builder slices again and again, made once per kernel: ``get(key,
-    make)`` is ``make()``, a slice of the view ``key[0]`` that the ints of ``key[1:]`` name (the
-    caller keeps one meaning per key shape). Views are immutable and a :class:`TilePool` hands out
-    the same view for the same request, so the cached slice is the one slicing again would make;
-    a new allocation comes as a new view, hence a new key. In a :func:`reference_build` every
-    view is made afresh (so the equivalence test checks the cache too)."""
+    make)`` is ``make()``: slices (or lists of them) of the views in ``key`` that its ints name
+    (the caller keeps one meaning per key shape). Views are immutable and a :class:`TilePool`
+    hands out the same view for the same request, so a cached slice is the one slicing again
+    would make; a new allocation comes as a new view, hence a new key. In a
+    :func:`reference_build` every view is made afresh (so the equivalence test checks the cache
+    too)."""
 
     __slots__ = ("_views",)
 

@@ -450,17 +450,21 @@ class _Work:
         chunks, full = -(-kw // tc), kw // tc
         ps = self.pT_ps.tile((tc, chunks, qr), self.dt)
         st.pT = pT = self.pT_pool.tile((tc, chunks, qr), self.dt)
-        p, view = st.p, self.view
-        for j in range(chunks):
-            kc = min(tc, kw - j * tc)
-            kern.nc_transpose(view((ps, 1, j, kc), lambda: ps[:kc, j, :]),
-                              view((p, 0, j, kc), lambda: p[:, j * tc:j * tc + kc]))
-        if full:
-            self._copy(view((pT, 3, full), lambda: pT[:, :full, :]), view((ps, 3, full), lambda: ps[:, :full, :]))
-        if full < chunks:
-            kc = kw - full * tc
-            self._copy(view((pT, 1, full, kc), lambda: pT[:kc, full, :]),
-                       view((ps, 1, full, kc), lambda: ps[:kc, full, :]))
+        p = st.p
+
+        def operands() -> tuple[list[tuple[TileAP, TileAP]], list[tuple[TileAP, TileAP]]]:
+            tr = [(ps[:min(tc, kw - j * tc), j, :], p[:, j * tc:j * tc + min(tc, kw - j * tc)]) for j in range(chunks)]
+            copies = [(pT[:, :full, :], ps[:, :full, :])] if full else []
+            if full < chunks:
+                kc = kw - full * tc
+                copies.append((pT[:kc, full, :], ps[:kc, full, :]))
+            return tr, copies
+
+        tr, copies = self.view((ps, p, pT, kw), operands)
+        for dst, data in tr:
+            kern.nc_transpose(dst, data)
+        for dst, src in copies:
+            self._copy(dst, src)
 
     def stage_c(self, st: _Step) -> None:
         """p·v over the key chunks into one PSUM group, then o = o·alpha + p·v."""
@@ -468,11 +472,10 @@ class _Work:
         assert st.pT is not None
         pv = self.pv_ps.tile((qt.qr, self.d), "fp32")
         chunks, c0 = -(-kw // tc), st.j0 // tc
-        pT, v, view = st.pT, st.kb.v, self.view
-        for j in range(chunks):
-            kc = min(tc, kw - j * tc)
-            kern.nc_matmul(pv, view((pT, 1, j, kc), lambda: pT[:kc, j, :]),
-                           view((v, 1, c0 + j, kc), lambda: v[:kc, c0 + j, :]), accumulate=j > 0)
+        pT, v = st.pT, st.kb.v
+        # nc_matmul(pv, pT chunk j, v chunk c0 + j, accumulate=j > 0) for each chunk, in order
+        kern.nc_matmul_many(self.view((pv, pT, v, c0, kw), lambda: [
+            (pv, pT[:min(tc, kw - j * tc), j, :], v[:min(tc, kw - j * tc), c0 + j, :], j > 0) for j in range(chunks)]))
         if qt.o is None:
             qt.o = self.o_pool.tile((qt.qr, self.d), "fp32")
             kern.tensor_copy(qt.o, pv, engine="vector")
