@@ -599,6 +599,20 @@ class NativeDependencyTracker:
         ins.first_deps = tuple(vals[2:2 + nf])
         return tuple(vals[2 + nf:])
 
+    def record_transpose(self, ins: Instruction, data: AP, dst: AP) -> tuple[int, ...]:
+        """:meth:`record` of a PE transpose (reads ``data``, writes ``dst``; ``first`` = ``data``)."""
+        d = data._dep_h
+        r = d[1] if d is not None and d[0] is self else self._region(data)
+        d = dst._dep_h
+        w = d[1] if d is not None and d[0] is self else self._region(dst)
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._key("Tensor")
+        vals = self._results(self._lib.dt_record6(self._t, ins.index, kid, 0, 1, r, 0, 0, 0, 0, 0, 1, w, 0, 0))
+        nf = vals[0]
+        ins.first_deps = tuple(vals[2:2 + nf])
+        return tuple(vals[2 + nf:])
+
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
         call; sets each one's ``deps`` and ``first_deps``."""
@@ -994,6 +1008,9 @@ class Kernel:
         elif isinstance(ins, MatMul):
             ins.deps = tracker.record(ins, key or ins.engine, ins.stationary)
             self._track_stationary(ins)
+        elif cls is Transpose and key is None and type(tracker) is NativeDependencyTracker:
+            ins.deps = tracker.record_transpose(ins, ins.data, ins.dst)  # type: ignore[attr-defined]
+            self._loaded_stationary = None
         elif isinstance(ins, Transpose):
             ins.deps = tracker.record(ins, key or ins.engine, ins.data)  # type: ignore[attr-defined]
             self._loaded_stationary = None
@@ -1006,6 +1023,36 @@ class Kernel:
                     if type(w) is TileAP and w.alloc.uid == uid:
                         self._loaded_stationary = None
                         break
+        instrs.append(ins)
+        return ins
+
+    def _emit_op(self, ins: Instruction) -> Instruction:
+        """:meth:`_emit` of a VectorE/ScalarE/GpSimd instruction from an op method's checked path
+        (every operand a tile, the engine's own queue): the same instruction, with the
+        ownership and liveness checks inline; anything out of the ordinary (and every error)
+        goes through :meth:`_emit`."""
+        allocs = self._allocs
+        for ap in ins.reads:
+            a = ap.alloc
+            if allocs.get(a.uid) is not a or not a.live:
+                return self._emit(ins)
+        for ap in ins.writes:
+            a = ap.alloc
+            if allocs.get(a.uid) is not a or not a.live:
+                return self._emit(ins)
+        instrs = self.instructions
+        idx = len(instrs)
+        if idx >= self._max_instructions:
+            return self._emit(ins)
+        ins.index = idx
+        ins.deps = self._deps.record(ins, ins.engine)
+        loaded = self._loaded_stationary
+        if loaded is not None:  # a write to the loaded stationary's tile unloads it
+            uid = loaded[0]
+            for w in ins.writes:
+                if w.alloc.uid == uid:
+                    self._loaded_stationary = None
+                    break
         instrs.append(ins)
         return ins
 
@@ -1363,9 +1410,9 @@ class Kernel:
             done = self._op_ok.get(key)
             if done is None:
                 done = self._op_ok[key] = self._check_activation(dst, op, data, bias, scale, reduce_op, reduce_res)
-            func, rop = done
-        else:
-            func, rop = self._check_activation(dst, op, data, bias, scale, reduce_op, reduce_res)
+            return self._emit_op(Activation(dst, data, done[0], scale, 0.0 if bias is None else bias, done[1],  # type: ignore[return-value]
+                                            reduce_res))
+        func, rop = self._check_activation(dst, op, data, bias, scale, reduce_op, reduce_res)
         ins = Activation(dst, data, func, scale, 0.0 if bias is None else bias, rop, reduce_res)
         return self._emit(ins)  # type: ignore[return-value]
 
@@ -1399,8 +1446,8 @@ class Kernel:
             done = self._op_ok.get(key)
             if done is None:
                 done = self._op_ok[key] = self._check_tensor_tensor(dst, data1, data2, op, engine)
-        else:
-            done = self._check_tensor_tensor(dst, data1, data2, op, engine)
+            return self._emit_op(TensorTensor(done[0], dst, data1, data2, done[1]))  # type: ignore[return-value]
+        done = self._check_tensor_tensor(dst, data1, data2, op, engine)
         return self._emit(TensorTensor(done[0], dst, data1, data2, done[1]))  # type: ignore[return-value]
 
     def _check_tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, engine: Any) -> tuple[str, str]:
@@ -1424,8 +1471,9 @@ class Kernel:
             done = self._op_ok.get(key)
             if done is None:
                 done = self._op_ok[key] = self._check_tensor_scalar(dst, data, op0, operand0, op1, operand1, engine)
-        else:
-            done = self._check_tensor_scalar(dst, data, op0, operand0, op1, operand1, engine)
+            ins = TensorScalar(done[0], dst, data, done[1], operand0, done[2], operand1, reverse0, reverse1)
+            return self._emit_op(ins)  # type: ignore[return-value]
+        done = self._check_tensor_scalar(dst, data, op0, operand0, op1, operand1, engine)
         ins = TensorScalar(done[0], dst, data, done[1], operand0, done[2], operand1, reverse0, reverse1)
         return self._emit(ins)  # type: ignore[return-value]
 
@@ -1458,8 +1506,8 @@ class Kernel:
             done = self._op_ok.get(key)
             if done is None:
                 done = self._op_ok[key] = self._check_tensor_reduce(dst, op, data, axis, engine)
-        else:
-            done = self._check_tensor_reduce(dst, op, data, axis, engine)
+            return self._emit_op(TensorReduce(done[0], dst, data, done[1], done[2], negate))  # type: ignore[return-value]
+        done = self._check_tensor_reduce(dst, op, data, axis, engine)
         return self._emit(TensorReduce(done[0], dst, data, done[1], done[2], negate))  # type: ignore[return-value]
 
     def _check_tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: Any, engine: Any
@@ -1495,8 +1543,8 @@ class Kernel:
             eng = self._op_ok.get(key)
             if eng is None:
                 eng = self._op_ok[key] = self._check_tensor_copy(dst, src, engine)
-        else:
-            eng = self._check_tensor_copy(dst, src, engine)
+            return self._emit_op(TensorCopy(eng, dst, src))  # type: ignore[return-value]
+        eng = self._check_tensor_copy(dst, src, engine)
         return self._emit(TensorCopy(eng, dst, src))  # type: ignore[return-value]
 
     def _check_tensor_copy(self, dst: TileAP, src: TileAP, engine: Any) -> str:
