@@ -488,6 +488,9 @@ def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
     """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
     dimension - without normalising it item by item (kernels slice tiles once per instruction);
     None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages."""
+    if type(idx) is slice and idx.start is None and idx.step is None and \
+            (idx.stop is None or (type(idx.stop) is int and idx.stop == ap.p_count)):
+        return ap  # ``ap[:]``, ``ap[:p_count]``: the same view (views are immutable)
     if type(idx) is not tuple:
         idx = (idx,)
     dims = ap.dims

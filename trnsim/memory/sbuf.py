@@ -83,9 +83,9 @@ class OnChipAllocator:
         bisect.insort(self._spans, (addr, addr + size, p_start, p_end))
         self.high_water = max(self.high_water, addr + size)
         use = self._usage
-        for p in range(p_start, p_end):
-            use[p] += size
-        self.peak_bytes = max(self.peak_bytes, max(use[p_start:p_end]))
+        now = [u + size for u in use[p_start:p_end]]  # a slice at once: a tile spans up to 128 partitions
+        use[p_start:p_end] = now
+        self.peak_bytes = max(self.peak_bytes, max(now))
         return alloc
 
     def _first_fit(self, p_start: int, p_end: int, size: int) -> int:
@@ -107,8 +107,8 @@ class OnChipAllocator:
         self.live.remove(alloc)
         size = self._round(alloc.nbytes)
         self._spans.remove((alloc.addr, alloc.addr + size, alloc.p_start, alloc.p_start + alloc.p_count))
-        for p in range(alloc.p_start, alloc.p_start + alloc.p_count):
-            self._usage[p] -= size
+        p0, p1 = alloc.p_start, alloc.p_start + alloc.p_count
+        self._usage[p0:p1] = [u - size for u in self._usage[p0:p1]]
 
     def used_bytes(self, p_start: int, p_count: int) -> int:
         """Bytes in use on the fullest partition of the range."""
