@@ -608,7 +608,7 @@ class NativeDependencyTracker:
         kid = self._keys.get("Tensor")
         if kid is None:
             kid = self._key("Tensor")
-        vals = self._results(self._lib.dt_record6(self._t, ins.index, kid, 0, 1, r, 0, 0, 0, 0, 0, 1, w, 0, 0))
+        vals = self._results(self._lib.dt_record_first11(self._t, ins.index, kid, r, w))
         nf = vals[0]
         ins.first_deps = tuple(vals[2:2 + nf])
         return tuple(vals[2 + nf:])

@@ -440,6 +440,10 @@ int32_t dt_record22(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
     return record_at(t, 0, idx, key, dma, reads, 2, writes, 2, -1);
 }
 
+int32_t dt_record_first11(dt_tracker *t, int32_t idx, int32_t key, int32_t r, int32_t w) {
+    return record_at(t, 0, idx, key, 0, &r, 1, &w, 1, 0);
+}
+
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
 
 #define DUMP_MAGIC 0x7472646570310001LL

@@ -43,6 +43,8 @@ int32_t dt_record31(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
                     int32_t w);
 int32_t dt_record22(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_t r0, int32_t r1, int32_t w0,
                     int32_t w1);
+/* dt_record of a PE transpose: reads r (its `first`), writes w. */
+int32_t dt_record_first11(dt_tracker *t, int32_t idx, int32_t key, int32_t r, int32_t w);
 /* n matmuls idx0, idx0+1, ...: each reads st[i], mv[i] (and dst[i] when acc[i]) and writes
  * dst[i], its first operand st[i]; their results one after the other in dt_out, each laid
  * out as dt_record's. Returns how many ints in all, or -1. */
