@@ -613,6 +613,27 @@ class NativeDependencyTracker:
         ins.first_deps = tuple(vals[2:2 + nf])
         return tuple(vals[2 + nf:])
 
+    def record_transposes(self, ins: Sequence[Transpose]) -> None:
+        """:meth:`record_transpose` of consecutive transposes (indices ``ins[0].index`` on) in one
+        C call; sets each one's ``deps`` and ``first_deps``."""
+        data, dst = [], []
+        for m in ins:
+            for ap, out in ((m.data, data), (m.dst, dst)):
+                d = ap._dep_h
+                out.append(d[1] if d is not None and d[0] is self else self._region(ap))
+        kid = self._keys.get("Tensor")
+        if kid is None:
+            kid = self._key("Tensor")
+        vals = self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
+        p = 0
+        for m in ins:
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            m.first_deps = tuple(vals[p:p + nf])
+            p += nf
+            m.deps = tuple(vals[p:p + nd])
+            p += nd
+
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
         call; sets each one's ``deps`` and ``first_deps``."""
@@ -1382,6 +1403,39 @@ class Kernel:
         else:
             self._check_transpose(dst, data)
         return self._emit(Transpose(dst, data))  # type: ignore[return-value]
+
+    def nc_transpose_many(self, pairs: Sequence[tuple[TileAP, TileAP]]) -> None:
+        """``nc_transpose(dst, data)`` for each ``(dst, data)`` of ``pairs`` in order: the same
+        instructions, checks and errors as those calls. When every pair's geometry was checked
+        before, all tiles are live and this kernel's and the instruction limit is not reached,
+        the C tracker records them in one call; otherwise (and in a :func:`reference_build`)
+        each goes through :meth:`nc_transpose`."""
+        tracker, instrs = self._deps, self.instructions
+        if not pairs or self.reference or type(tracker) is not NativeDependencyTracker or \
+                len(instrs) + len(pairs) > self._max_instructions:
+            for dst, data in pairs:
+                self.nc_transpose(dst, data)
+            return
+        allocs, ok = self._allocs, self._transpose_ok
+        made: list[Transpose] = []
+        for dst, data in pairs:
+            if type(dst) is not TileAP or type(data) is not TileAP:
+                break
+            da, sa = dst.alloc, data.alloc
+            if (dst._geo or _geometry(dst), da.addr, dst.offset, data._geo or _geometry(data)) not in ok or \
+                    allocs.get(sa.uid) is not sa or not sa.live or allocs.get(da.uid) is not da or not da.live:
+                break
+            made.append(Transpose(dst, data))
+        if len(made) < len(pairs):  # something to check: one at a time, with nc_transpose's errors
+            for dst, data in pairs:
+                self.nc_transpose(dst, data)
+            return
+        i0 = len(instrs)
+        for i, m in enumerate(made):
+            m.index = i0 + i
+        tracker.record_transposes(made)
+        self._loaded_stationary = None
+        instrs.extend(made)
 
     def _check_transpose(self, dst: TileAP, data: TileAP) -> None:
         t = self.config.core.tensor

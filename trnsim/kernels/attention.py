@@ -381,11 +381,10 @@ class _Work:
             stage = self.kstage.tile((tc, g, d), dt)
             _load_rows(kern, stage, k, bi, hi, k0 + c0 * tc, rows, tc, queue=1)
             ps = self.tr_ps.tile((d, g * tc), dt)
+            # nc_transpose(dst, data) for each 128-key chunk, in order
+            kern.nc_transpose_many(self.view((ps, stage, rows), lambda: [
+                (ps[:, j * tc:j * tc + min(tc, rows - j * tc)], stage[:min(tc, rows - j * tc), j, :]) for j in range(g)]))
             view = self.view
-            for j in range(g):
-                kc = min(tc, rows - j * tc)
-                kern.nc_transpose(view((ps, 0, j, kc), lambda: ps[:, j * tc:j * tc + kc]),
-                                  view((stage, 1, j, kc), lambda: stage[:kc, j, :]))
             self._copy(view((kT, 0, c0, rows), lambda: kT[:, c0 * tc:c0 * tc + rows]),
                        view((ps, 2, rows), lambda: ps[:, :rows]))
         return _KeyBlock(k0, n, kT, vt)
@@ -461,8 +460,7 @@ class _Work:
             return tr, copies
 
         tr, copies = self.view((ps, p, pT, kw), operands)
-        for dst, data in tr:
-            kern.nc_transpose(dst, data)
+        kern.nc_transpose_many(tr)  # nc_transpose(dst, data) for each, in order
         for dst, src in copies:
             self._copy(dst, src)
 

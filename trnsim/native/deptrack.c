@@ -444,6 +444,17 @@ int32_t dt_record_first11(dt_tracker *t, int32_t idx, int32_t key, int32_t r, in
     return record_at(t, 0, idx, key, 0, &r, 1, &w, 1, 0);
 }
 
+int32_t dt_record_transposes(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *data,
+                             const int32_t *dst) {
+    int32_t at = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t k = record_at(t, at, idx0 + i, key, 0, &data[i], 1, &dst[i], 1, 0);
+        if (k < 0) return -1;
+        at += k;
+    }
+    return at;
+}
+
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
 
 #define DUMP_MAGIC 0x7472646570310001LL

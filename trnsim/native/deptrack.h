@@ -45,6 +45,10 @@ int32_t dt_record22(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
                     int32_t w1);
 /* dt_record of a PE transpose: reads r (its `first`), writes w. */
 int32_t dt_record_first11(dt_tracker *t, int32_t idx, int32_t key, int32_t r, int32_t w);
+/* n PE transposes idx0, idx0+1, ...: each reads data[i] (its `first`) and writes dst[i]; their
+ * results one after the other in dt_out, each laid out as dt_record's. Returns how many ints. */
+int32_t dt_record_transposes(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *data,
+                             const int32_t *dst);
 /* n matmuls idx0, idx0+1, ...: each reads st[i], mv[i] (and dst[i] when acc[i]) and writes
  * dst[i], its first operand st[i]; their results one after the other in dt_out, each laid
  * out as dt_record's. Returns how many ints in all, or -1. */
