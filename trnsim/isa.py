@@ -487,35 +487,64 @@ def _fast_ranges(idx: Any, dims: tuple[tuple[int, int], ...]) -> list[tuple[int,
 def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
     """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
     dimension - without normalising it item by item (kernels slice tiles once per instruction);
-    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages."""
+    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages. (What
+    :func:`_fast_range` accepts, spelled out inline: this runs for every slice a kernel takes.)"""
     if type(idx) is slice and idx.start is None and idx.step is None and \
             (idx.stop is None or (type(idx.stop) is int and idx.stop == ap.p_count)):
         return ap  # ``ap[:]``, ``ap[:p_count]``: the same view (views are immutable)
     if type(idx) is not tuple:
         idx = (idx,)
     dims = ap.dims
-    if len(idx) > 1 + len(dims):
+    ni = len(idx)
+    if ni > 1 + len(dims):
         return None
-    r = _fast_range(idx[0], ap.p_count)
-    if r is None:
-        return None
-    if type(r) is int:
-        p_start, p_count = ap.p_start + r, 1
+    i = idx[0]
+    size = ap.p_count
+    if type(i) is slice:
+        a, b = i.start, i.stop
+        if i.step is not None and i.step != 1:
+            return None
+        if a is None:
+            a = 0
+        elif type(a) is not int or a < 0:
+            return None
+        if b is None:
+            b = size
+        elif type(b) is not int or b > size:
+            return None
+        if a >= b:
+            return None
+        p_start, p_count = ap.p_start + a, b - a
+    elif type(i) is int and 0 <= i < size:
+        p_start, p_count = ap.p_start + i, 1
     else:
-        p_start, p_count = ap.p_start + r[0], r[1]
+        return None
     offset = ap.offset
     out: list[tuple[int, int]] = []
     k = 1
     for s, n in dims:
-        if k < len(idx):
-            r = _fast_range(idx[k], n)
-            if r is None:
-                return None
-            if type(r) is int:
-                offset += r * s
+        if k < ni:
+            i = idx[k]
+            if type(i) is slice:
+                a, b = i.start, i.stop
+                if i.step is not None and i.step != 1:
+                    return None
+                if a is None:
+                    a = 0
+                elif type(a) is not int or a < 0:
+                    return None
+                if b is None:
+                    b = n
+                elif type(b) is not int or b > n:
+                    return None
+                if a >= b:
+                    return None
+                offset += a * s
+                out.append((s, b - a))
+            elif type(i) is int and 0 <= i < n:
+                offset += i * s
             else:
-                offset += r[0] * s
-                out.append((s, r[1]))
+                return None
         else:
             out.append((s, n))
         k += 1
