@@ -498,31 +498,11 @@ def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
     ni = len(idx)
     if ni > 1 + len(dims):
         return None
-    i = idx[0]
-    size = ap.p_count
-    if type(i) is slice:
-        a, b = i.start, i.stop
-        if i.step is not None and i.step != 1:
-            return None
-        if a is None:
-            a = 0
-        elif type(a) is not int or a < 0:
-            return None
-        if b is None:
-            b = size
-        elif type(b) is not int or b > size:
-            return None
-        if a >= b:
-            return None
-        p_start, p_count = ap.p_start + a, b - a
-    elif type(i) is int and 0 <= i < size:
-        p_start, p_count = ap.p_start + i, 1
-    else:
-        return None
+    p_start, p_count = ap.p_start, ap.p_count
     offset = ap.offset
     out: list[tuple[int, int]] = []
-    k = 1
-    for s, n in dims:
+    k = 0
+    for s, n in ((0, p_count),) + dims:  # the partition dim (k = 0), then the free dims
         if k < ni:
             i = idx[k]
             if type(i) is slice:
@@ -539,13 +519,19 @@ def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
                     return None
                 if a >= b:
                     return None
-                offset += a * s
-                out.append((s, b - a))
+                if k:
+                    offset += a * s
+                    out.append((s, b - a))
+                else:
+                    p_start, p_count = p_start + a, b - a
             elif type(i) is int and 0 <= i < n:
-                offset += i * s
+                if k:
+                    offset += i * s
+                else:
+                    p_start, p_count = p_start + i, 1
             else:
                 return None
-        else:
+        elif k:
             out.append((s, n))
         k += 1
     return TileAP(ap.alloc, p_start, p_count, offset, tuple(out) if out else ((1, 1),), ap.dtype)

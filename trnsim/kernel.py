@@ -624,15 +624,7 @@ class NativeDependencyTracker:
         kid = self._keys.get("Tensor")
         if kid is None:
             kid = self._key("Tensor")
-        vals = self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
-        p = 0
-        for m in ins:
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            m.first_deps = tuple(vals[p:p + nf])
-            p += nf
-            m.deps = tuple(vals[p:p + nd])
-            p += nd
+        _spread(ins, self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst)))
 
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
@@ -647,15 +639,20 @@ class NativeDependencyTracker:
             kid = self._key("Tensor")
         n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
                                         [1 if m.accumulate else 0 for m in ins])
-        vals = self._results(n)
-        p = 0
-        for m in ins:
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            m.first_deps = tuple(vals[p:p + nf])
-            p += nf
-            m.deps = tuple(vals[p:p + nd])
-            p += nd
+        _spread(ins, self._results(n))
+
+
+def _spread(ins: Sequence[Instruction], vals: list[int]) -> None:
+    """Each instruction's ``first_deps`` and ``deps`` from a batched record's results, laid out
+    one after the other as [nfirst, ndeps, first..., deps...]."""
+    p = 0
+    for m in ins:
+        nf, nd = vals[p], vals[p + 1]
+        p += 2
+        m.first_deps = tuple(vals[p:p + nf])
+        p += nf
+        m.deps = tuple(vals[p:p + nd])
+        p += nd
 
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
