@@ -487,8 +487,7 @@ def _fast_ranges(idx: Any, dims: tuple[tuple[int, int], ...]) -> list[tuple[int,
 def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
     """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
     dimension - without normalising it item by item (kernels slice tiles once per instruction);
-    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages. (What
-    :func:`_fast_range` accepts, spelled out inline: this runs for every slice a kernel takes.)"""
+    None sends anything else through :meth:`TileAP.__getitem__`'s checks and messages."""
     if type(idx) is slice and idx.start is None and idx.step is None and \
             (idx.stop is None or (type(idx.stop) is int and idx.stop == ap.p_count)):
         return ap  # ``ap[:]``, ``ap[:p_count]``: the same view (views are immutable)
@@ -504,33 +503,19 @@ def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:
     k = 0
     for s, n in ((0, p_count),) + dims:  # the partition dim (k = 0), then the free dims
         if k < ni:
-            i = idx[k]
-            if type(i) is slice:
-                a, b = i.start, i.stop
-                if i.step is not None and i.step != 1:
-                    return None
-                if a is None:
-                    a = 0
-                elif type(a) is not int or a < 0:
-                    return None
-                if b is None:
-                    b = n
-                elif type(b) is not int or b > n:
-                    return None
-                if a >= b:
-                    return None
-                if k:
-                    offset += a * s
-                    out.append((s, b - a))
-                else:
-                    p_start, p_count = p_start + a, b - a
-            elif type(i) is int and 0 <= i < n:
-                if k:
-                    offset += i * s
-                else:
-                    p_start, p_count = p_start + i, 1
-            else:
+            r = _fast_range(idx[k], n)
+            if r is None:
                 return None
+            if type(r) is int:
+                if k:
+                    offset += r * s
+                else:
+                    p_start, p_count = p_start + r, 1
+            elif k:
+                offset += r[0] * s  # type: ignore[index]
+                out.append((s, r[1]))  # type: ignore[index]
+            else:
+                p_start, p_count = p_start + r[0], r[1]  # type: ignore[index]
         elif k:
             out.append((s, n))
         k += 1
