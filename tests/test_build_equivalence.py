@@ -252,13 +252,27 @@ def test_cached_op_checks_still_refuse() -> None:
         k.tensor_copy(t[:, :128], t)
     with pytest.raises(KernelError, match="must be a number or a"):
         k.activation(t, "exp", t, bias="x")  # type: ignore[arg-type]
+    # ops given as callables (the NKI front end's nl.exp, numpy's ufuncs) are known by name
+    import numpy as np
+
+    assert k.tensor_tensor(t, t, t, np.add).op == "add"
+    assert k.tensor_tensor(t, t, t, "add").op == "add"
+    assert k.tensor_reduce(c, np.max, t, (1,)).op == "max"
+    assert k.tensor_reduce(c, "max", t, 1).axes == (1,)
+
+    def nope(a: object, b: object) -> None: ...
+
+    for _ in range(2):
+        with pytest.raises(KernelError, match="unknown ALU op"):
+            k.tensor_tensor(t, t, t, nope)
+    with pytest.raises(KernelError, match="must be an integer"):
+        k.tensor_reduce(c, "max", t, (1.0,))  # type: ignore[arg-type]
     k.free(t)
     with pytest.raises(KernelError, match="was freed before this instruction"):
         k.tensor_scalar(t, t, "multiply", c)
     with pytest.raises(KernelError, match="was freed before this instruction"):
         k.activation(t, "exp", t, bias=c)
-    n = len(k.instructions)
-    assert n == 3
+    assert len(k.instructions) == 7
     # a pickled kernel drops the geometry-keyed caches (another process numbers geometries anew)
     again = pickle.loads(pickle.dumps(k))
     assert again._op_ok == {} and again._compute_ok == set()

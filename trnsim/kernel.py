@@ -1454,9 +1454,10 @@ class Kernel:
                    scale: TileAP | float = 1.0, reduce_op: Any = None, reduce_res: TileAP | None = None) -> Activation:
         """ScalarE ``dst = op(data * scale + bias)``; with ``reduce_op`` ('add'/'max') also writes
         the per-partition reduction of the result to ``reduce_res`` [P, 1]."""
-        if type(op) is str and type(dst) is TileAP and type(data) is TileAP and \
+        on = op if type(op) is str else getattr(op, "__name__", None)  # what the checks read of op (nl.exp too)
+        if type(on) is str and type(dst) is TileAP and type(data) is TileAP and \
                 (reduce_op is None or type(reduce_op) is str) and (reduce_res is None or type(reduce_res) is TileAP):
-            key = (_ACT, op, dst._geo or _geometry(dst), data._geo or _geometry(data), _arg_key(bias),
+            key = (_ACT, on, dst._geo or _geometry(dst), data._geo or _geometry(data), _arg_key(bias),
                    _arg_key(scale), reduce_op, None if reduce_res is None else _arg_key(reduce_res))
             done = self._op_ok.get(key)
             if done is None:
@@ -1490,9 +1491,10 @@ class Kernel:
 
     def tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, *, engine: str = "vector") -> TensorTensor:
         """Elementwise ``dst = data1 op data2`` (shapes equal; use ``broadcast_to`` to broadcast)."""
-        if type(op) is str and type(engine) is str and type(dst) is TileAP and type(data1) is TileAP and \
+        on = op if type(op) is str else getattr(op, "__name__", None)  # what the checks read of op
+        if type(on) is str and type(engine) is str and type(dst) is TileAP and type(data1) is TileAP and \
                 type(data2) is TileAP:
-            key = (_TT, engine, op, dst._geo or _geometry(dst), data1._geo or _geometry(data1),
+            key = (_TT, engine, on, dst._geo or _geometry(dst), data1._geo or _geometry(data1),
                    data2._geo or _geometry(data2))
             done = self._op_ok.get(key)
             if done is None:
@@ -1515,9 +1517,12 @@ class Kernel:
                       operand1: TileAP | float | None = None, reverse0: bool = False, reverse1: bool = False,
                       engine: str = "vector") -> TensorScalar:
         """``dst = (data op0 operand0) op1 operand1`` with immediate or per-partition operands."""
-        if type(op0) is str and (op1 is None or type(op1) is str) and type(engine) is str and \
+        # what the checks read of the ops: their names (nl.add too)
+        o0n = op0 if type(op0) is str else getattr(op0, "__name__", None)
+        o1n = op1 if op1 is None or type(op1) is str else getattr(op1, "__name__", None)
+        if type(o0n) is str and (op1 is None or type(o1n) is str) and type(engine) is str and \
                 type(dst) is TileAP and type(data) is TileAP:
-            key = (_TS, engine, op0, op1, dst._geo or _geometry(dst), data._geo or _geometry(data),
+            key = (_TS, engine, o0n, o1n, dst._geo or _geometry(dst), data._geo or _geometry(data),
                    _arg_key(operand0), _arg_key(operand1))
             done = self._op_ok.get(key)
             if done is None:
@@ -1551,9 +1556,10 @@ class Kernel:
     def tensor_reduce(self, dst: TileAP, op: Any, data: TileAP, axis: int | Sequence[int], *, negate: bool = False,
                       engine: str = "vector") -> TensorReduce:
         """Reduce free axes ``axis`` (1 = the first free axis, as in NKI) of ``data`` into ``dst``."""
-        if type(op) is str and type(engine) is str and type(axis) is int and type(dst) is TileAP and \
-                type(data) is TileAP:
-            key = (_TR, engine, op, axis, dst._geo or _geometry(dst), data._geo or _geometry(data))
+        on = op if type(op) is str else getattr(op, "__name__", None)  # what the checks read of op
+        if type(on) is str and type(engine) is str and type(dst) is TileAP and type(data) is TileAP and \
+                (type(axis) is int or (type(axis) is tuple and all(type(a) is int for a in axis))):
+            key = (_TR, engine, on, axis, dst._geo or _geometry(dst), data._geo or _geometry(data))
             done = self._op_ok.get(key)
             if done is None:
                 done = self._op_ok[key] = self._check_tensor_reduce(dst, op, data, axis, engine)
