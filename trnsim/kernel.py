@@ -752,8 +752,9 @@ class TilePool:
         self.bufs = bufs
         self.space = space
         self._slots: list[TileAP | None] = [None] * bufs
-        # the (shape, dtype) each slot's view was asked for: asked again, the same view serves
-        # (views are immutable, so its geometry number and dependency region stay valid)
+        # the (shape, dtype) each slot's view was asked for: asked again (the same dtype object,
+        # an equal shape of ints), the same view serves (views are immutable, so its geometry
+        # number and dependency region stay valid); None in a reference build
         self._asked: list[tuple[Any, Any] | None] = [None] * bufs
         # (shape, dtype) as asked -> (shape, Dtype, bytes per partition, free dims), checked once
         self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
@@ -764,9 +765,20 @@ class TilePool:
         i = self._next
         self._next = i + 1 if i + 1 < self.bufs else 0
         old = self._slots[i]
+        if old is not None and type(shape) is tuple:
+            asked = self._asked[i]
+            if asked is not None and asked[1] is dtype:
+                for n in shape:  # plain ints only: 128.0 or True would compare equal to 128 or 1
+                    if type(n) is not int:
+                        break
+                else:
+                    if asked[0] == shape:
+                        # what the general path would make: a view of the whole old allocation
+                        # with the same partitions, dims and dtype, i.e. ``old`` itself
+                        return old
         ask = c = None
         if type(shape) is tuple:
-            for n in shape:  # plain ints only: 128.0 or True would hash like 128 or 1 (and fail the checks)
+            for n in shape:
                 if type(n) is not int:
                     break
             else:
@@ -777,10 +789,6 @@ class TilePool:
                     c = self._checked.get(ask)
                 except TypeError:  # an unhashable dtype: checked (and refused) below
                     ask = None
-                if c is not None and old is not None and self._asked[i] == ask and self._reuse:
-                    # what the general path would make: a view of the whole old allocation
-                    # with the same partitions, dims and dtype, i.e. ``old`` itself
-                    return old
         if c is None:
             what = f"tile pool '{self.name}'"
             dt = checked_dtype(dtype, what)
@@ -788,6 +796,7 @@ class TilePool:
             c = (shape, dt, _free_elems(shape) * dt.itemsize, row_major(shape[1:] or (1,)))
             if ask is not None:
                 self._checked[ask] = c
+        asked_now = (shape, dtype) if ask is not None and self._reuse else None  # (shape as asked: all ints)
         shape, dt, nbytes, dims = c
         if old is not None and old.alloc.nbytes >= nbytes and old.p_count == shape[0]:
             a = old.alloc
@@ -797,7 +806,7 @@ class TilePool:
                 self.kernel._release(old)
             t = self.kernel._allocate(self.space, shape, dt, name or f"{self.name}[{i}]", 0, scoped=False)
         self._slots[i] = t
-        self._asked[i] = ask
+        self._asked[i] = asked_now
         return t
 
     def release(self) -> None:
