@@ -105,7 +105,7 @@ def span(offset: int, dims: Sequence[tuple[int, int]]) -> tuple[int, int]:
 class HbmTensor:
     """A tensor in device memory: a kernel input, output or scratch buffer."""
 
-    __slots__ = ("name", "shape", "dtype", "kind", "uid", "strides", "size")
+    __slots__ = ("name", "shape", "dtype", "kind", "uid", "strides", "size", "_dims", "_box")
 
     def __init__(self, name: str, shape: Sequence[int], dtype: Dtype, kind: str, uid: int):
         self.name = name
@@ -113,7 +113,9 @@ class HbmTensor:
         self.dtype = dtype
         self.kind = kind  # "input" | "output" | "inout" (an input the kernel writes, returned too) | "scratch"
         self.uid = uid
-        self.strides = tuple(s for s, _ in row_major(self.shape))
+        self._dims = row_major(self.shape)  # the whole-tensor view's dims and index box, made once
+        self._box = tuple((0, s) for s in self.shape)
+        self.strides = tuple(s for s, _ in self._dims)
         self.size = math.prod(self.shape)
 
     @property
@@ -121,7 +123,7 @@ class HbmTensor:
         return self.size * self.dtype.itemsize
 
     def full(self) -> "HbmAP":
-        return HbmAP(self, 0, row_major(self.shape), tuple((0, s) for s in self.shape))
+        return HbmAP(self, 0, self._dims, self._box)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
         return self.full()[idx]
@@ -200,7 +202,10 @@ class HbmAP:
         self.offset = offset
         self.dims = dims
         self.box = box
-        self.size = math.prod(n for _, n in dims)
+        size = 1
+        for _, n in dims:
+            size *= n
+        self.size = size
         self._dep_box: tuple[int, ...] | None = None  # the dependency tracker's box, computed once
         self._dep_h: tuple[Any, int] | None = None  # (native tracker, its region handle), made once
         self._geo = 0  # the builder's number for this view's DMA geometry (kernel._dma_geometry), 0 until asked
