@@ -287,6 +287,24 @@ class DependencyTracker:
             ap._dep_box = box
         return h, box
 
+    def logged_edges(self) -> tuple[list[Any], list[Any], tuple[np.ndarray, ...]] | None:
+        """Every record so far, when they were instructions 0, 1, 2... in order: the deps and
+        first_deps tuples they returned / set, and their ints as the simulator's columns
+        (dep_off, deps, has_first, first_off, first); None when not."""
+        lib, ffi = self._lib, _deptrack.ffi
+        sizes = ffi.new("int64_t[3]")
+        if not hasattr(lib, "dt_log_size"):  # a _deptrack built before the log: read the objects
+            return None
+        if lib.dt_log_size(self._t, sizes) != 0 or sizes[0] != len(self._dlog):
+            return None
+        n, nd, nf = sizes[0], sizes[1], sizes[2]
+        cols = (np.empty(n + 1, np.int64), np.empty(max(nd, 1), np.int32), np.empty(max(n, 1), np.int8),
+                np.empty(n + 1, np.int64), np.empty(max(nf, 1), np.int32))
+        lib.dt_log_columns(self._t, *(ffi.from_buffer(t + "[]", c) for t, c in
+                                      zip(("int64_t", "int32_t", "int8_t", "int64_t", "int32_t"), cols)))
+        dep_off, deps, has_first, first_off, first = cols
+        return self._dlog, self._flog, (dep_off, deps[:nd], has_first[:n], first_off, first[:nf])
+
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
         h, box = self._resolve(ap)
@@ -386,6 +404,9 @@ except ImportError:  # not built: the Python tracker does the same work, slower
     _deptrack = None
 
 
+_UNLOGGED = object()  # a record whose first_deps the C edge log does not have (equal to no tuple)
+
+
 def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
     """The dependency box of an HBM view, as :meth:`DependencyTracker._resolve` makes it."""
     box = ap._dep_box
@@ -407,7 +428,8 @@ class NativeDependencyTracker:
     from allocations and tensors to history ids and, on each view, the id of its region (made
     once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
 
-    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_gen", "_g", "__weakref__")
+    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_gen", "_g", "_dlog", "_flog",
+                 "__weakref__")
 
     def __init__(self) -> None:
         assert _deptrack is not None
@@ -424,6 +446,11 @@ class NativeDependencyTracker:
         self._out = lib.dt_out(self._t)
         self._gen = lib.dt_outgen(self._t)
         self._g = self._gen[0]
+        # the tuples each record returned / set, in record order; the C side logs their ints
+        # (dt_log_*): the simulator takes those arrays when the instructions still carry
+        # exactly these tuples (trnsim.sim._logged_edges)
+        self._dlog: list[Any] = []
+        self._flog: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
         """A kernel pickles with its tracker: the C state as bytes (views drop their region ids,
@@ -490,6 +517,24 @@ class NativeDependencyTracker:
             self._g = self._gen[0]
         return self._unpack(self._out, n)
 
+    def logged_edges(self) -> tuple[list[Any], list[Any], tuple[np.ndarray, ...]] | None:
+        """Every record so far, when they were instructions 0, 1, 2... in order: the deps and
+        first_deps tuples they returned / set, and their ints as the simulator's columns
+        (dep_off, deps, has_first, first_off, first); None when not."""
+        lib, ffi = self._lib, _deptrack.ffi
+        sizes = ffi.new("int64_t[3]")
+        if not hasattr(lib, "dt_log_size"):  # a _deptrack built before the log: read the objects
+            return None
+        if lib.dt_log_size(self._t, sizes) != 0 or sizes[0] != len(self._dlog):
+            return None
+        n, nd, nf = sizes[0], sizes[1], sizes[2]
+        cols = (np.empty(n + 1, np.int64), np.empty(max(nd, 1), np.int32), np.empty(max(n, 1), np.int8),
+                np.empty(n + 1, np.int64), np.empty(max(nf, 1), np.int32))
+        lib.dt_log_columns(self._t, *(ffi.from_buffer(t + "[]", c) for t, c in
+                                      zip(("int64_t", "int32_t", "int8_t", "int64_t", "int32_t"), cols)))
+        dep_off, deps, has_first, first_off, first = cols
+        return self._dlog, self._flog, (dep_off, deps[:nd], has_first[:n], first_off, first[:nf])
+
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
         d = ap._dep_h
@@ -529,11 +574,18 @@ class NativeDependencyTracker:
         vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
         nf = vals[0]
         if nf >= 0:
-            ins.first_deps = tuple(vals[2:2 + nf])
-            return tuple(vals[2 + nf:])
+            fd = ins.first_deps = tuple(vals[2:2 + nf])
+            deps = tuple(vals[2 + nf:])
+            self._dlog.append(deps)
+            self._flog.append(fd)
+            return deps
         deps = tuple(vals[2:])
+        self._dlog.append(deps)
         if first is not None:  # not among the reads (never for TensorE's operands)
             ins.first_deps = self.raw_deps(first)
+            self._flog.append(_UNLOGGED)  # the C log has no first deps for it: never taken
+        else:
+            self._flog.append(None)
         return deps
 
     def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
@@ -551,8 +603,11 @@ class NativeDependencyTracker:
         n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
         vals = self._results(n)
         nf = vals[0]
-        ins.first_deps = tuple(vals[2:2 + nf])
-        return tuple(vals[2 + nf:])
+        fd = ins.first_deps = tuple(vals[2:2 + nf])
+        deps = tuple(vals[2 + nf:])
+        self._dlog.append(deps)
+        self._flog.append(fd)
+        return deps
 
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
@@ -569,13 +624,16 @@ class NativeDependencyTracker:
                                         [1 if m.accumulate else 0 for m in ins])
         vals = self._results(n)
         p = 0
+        dlog, flog = self._dlog.append, self._flog.append
         for m in ins:
             nf, nd = vals[p], vals[p + 1]
             p += 2
-            m.first_deps = tuple(vals[p:p + nf])
+            fd = m.first_deps = tuple(vals[p:p + nf])
             p += nf
-            m.deps = tuple(vals[p:p + nd])
+            deps = m.deps = tuple(vals[p:p + nd])
             p += nd
+            dlog(deps)
+            flog(fd)
 
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()

@@ -264,6 +264,31 @@ def _pick(items: Sequence[Any], idx: np.ndarray) -> list[Any]:
     return list(itemgetter(*idx.tolist())(items)) if len(idx) else []
 
 
+def _logged_edges(kernel: Kernel, instrs: Sequence[Instruction]) -> tuple[np.ndarray, ...] | None:
+    """The deps / first_deps columns from the builder's dependency log (the C tracker keeps
+    each record's edges as ints: :meth:`NativeDependencyTracker.logged_edges`), when they are
+    provably what the instructions carry now; None otherwise (read the instructions).
+
+    Instructions are mutable: the proof is that instruction ``i``'s ``deps`` and ``first_deps``
+    are equal to the tuples record ``i`` returned (identical objects, unless something replaced
+    them: then compared by value; anything else, e.g. a list, is not equal and falls back). A
+    kernel whose records are not exactly its instructions in order (an edited or spliced list,
+    an unpickled kernel, the Python tracker) falls back too."""
+    get = getattr(getattr(kernel, "_deps", None), "logged_edges", None)
+    log = get() if get is not None else None
+    if log is None:
+        return None
+    dlog, flog, cols = log
+    if len(dlog) != len(instrs):
+        return None
+    try:
+        if list(map(_DEPS_OF, instrs)) != dlog or list(map(_FIRST_OF, instrs)) != flog:
+            return None
+    except (TypeError, ValueError):  # a deps value whose == is not a truth value (an array)
+        return None
+    return cols
+
+
 class _CoreColumns:
     """One core's instructions as the arrays sched.c reads (local indices), built column by
     column with C-level map/numpy operations rather than a Python loop per instruction (that
@@ -277,14 +302,19 @@ class _CoreColumns:
         engines = [tl.engines[name] for name in names]
         ens = list(map(_ENGINE_OF, instrs))
         self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
-        dl = list(map(_DEPS_OF, instrs))
-        self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
-        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
-        fl = list(map(_FIRST_OF, instrs))
-        # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
-        self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
-        self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
-        self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32, count=int(self.first_off[-1]))
+        logged = _logged_edges(tl.kernel, instrs)
+        if logged is not None:
+            self.dep_off, self.deps, self.has_first, self.first_off, self.first = logged
+        else:
+            dl = list(map(_DEPS_OF, instrs))
+            self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
+            self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
+            fl = list(map(_FIRST_OF, instrs))
+            # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
+            self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
+            self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
+            self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32,
+                                     count=int(self.first_off[-1]))
         kind = self.kind = np.zeros(n, dtype=np.int8)
         busy = self.busy = np.zeros(n, dtype=np.int64)
         lat = self.lat = np.zeros(n, dtype=np.int64)

@@ -64,6 +64,11 @@ struct dt_tracker {
     int32_t outgen; /* bumped whenever `out` moves (the caller caches the pointer) */
     int32_t *tmp;
     int32_t ntmp, captmp;
+    /* the edge log: every record's (idx, nfirst, ndeps) in logh, its first... deps... in logv
+     * (what the simulator reads instead of each instruction's tuples, dt_log_*) */
+    int32_t *logh, *logv;
+    int32_t nlogh, caplogh, nlogv, caplogv;
+    int32_t log_bad; /* 1 once the log ran out of memory: it is then incomplete */
 };
 
 static int grow(void **p, int32_t *cap, int64_t need, size_t elem) {
@@ -135,6 +140,8 @@ void dt_free(dt_tracker *t) {
     free(t->graves);
     free(t->out);
     free(t->tmp);
+    free(t->logh);
+    free(t->logv);
     free(t);
 }
 
@@ -311,6 +318,61 @@ int32_t *dt_out(dt_tracker *t) {
 
 const int32_t *dt_outgen(dt_tracker *t) { return &t->outgen; }
 
+/* Append the record whose results are at out[at..] to the edge log (a log that cannot grow is
+ * marked bad, not an error: the simulator then reads the instructions' own tuples). */
+static void log_record(dt_tracker *t, int32_t idx, int32_t at) {
+    int32_t nfirst = t->out[at], nd = t->out[at + 1];
+    int32_t nv = (nfirst > 0 ? nfirst : 0) + nd;
+    if (t->log_bad) return;
+    if (grow((void **)&t->logh, &t->caplogh, (int64_t)t->nlogh + 3, sizeof(int32_t)) ||
+        grow((void **)&t->logv, &t->caplogv, (int64_t)t->nlogv + nv, sizeof(int32_t))) {
+        t->log_bad = 1;
+        return;
+    }
+    t->logh[t->nlogh++] = idx;
+    t->logh[t->nlogh++] = nfirst;
+    t->logh[t->nlogh++] = nd;
+    memcpy(t->logv + t->nlogv, t->out + at + 2, (size_t)nv * sizeof(int32_t));
+    t->nlogv += nv;
+}
+
+int32_t dt_log_size(dt_tracker *t, int64_t *sizes) {
+    if (t->log_bad) return -1;
+    int64_t nd = 0, nf = 0, n = t->nlogh / 3;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *h = t->logh + 3 * i;
+        if (h[0] != i) return -1;
+        if (h[1] > 0) nf += h[1];
+        nd += h[2];
+    }
+    sizes[0] = n;
+    sizes[1] = nd;
+    sizes[2] = nf;
+    return 0;
+}
+
+int32_t dt_log_columns(dt_tracker *t, int64_t *dep_off, int32_t *deps, int8_t *has_first, int64_t *first_off,
+                       int32_t *first) {
+    int64_t n = t->nlogh / 3, pd = 0, pf = 0, pv = 0;
+    dep_off[0] = first_off[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *h = t->logh + 3 * i;
+        int32_t nfirst = h[1], nd = h[2];
+        has_first[i] = nfirst >= 0;
+        if (nfirst > 0) {
+            memcpy(first + pf, t->logv + pv, (size_t)nfirst * sizeof(int32_t));
+            pf += nfirst;
+            pv += nfirst;
+        }
+        memcpy(deps + pd, t->logv + pv, (size_t)nd * sizeof(int32_t));
+        pd += nd;
+        pv += nd;
+        dep_off[i + 1] = pd;
+        first_off[i + 1] = pf;
+    }
+    return 0;
+}
+
 /* One instruction's record; its results go to out[at..]: [nfirst, ndeps, first..., deps...]
  * (nfirst -1 without `first`). Returns the number written, or -1. */
 static int32_t record_at(dt_tracker *t, int32_t at, int32_t idx, int32_t key, int32_t dma, const int32_t *reads,
@@ -388,6 +450,7 @@ static int32_t record_at(dt_tracker *t, int32_t at, int32_t idx, int32_t key, in
     if (nd < 0) return -1;
     t->out[at] = nfirst;
     t->out[at + 1] = nd;
+    log_record(t, idx, at);
     return 2 + nf + nd;
 }
 
