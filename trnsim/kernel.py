@@ -287,24 +287,6 @@ class DependencyTracker:
             ap._dep_box = box
         return h, box
 
-    def logged_edges(self) -> tuple[list[Any], list[Any], tuple[np.ndarray, ...]] | None:
-        """Every record so far, when they were instructions 0, 1, 2... in order: the deps and
-        first_deps tuples they returned / set, and their ints as the simulator's columns
-        (dep_off, deps, has_first, first_off, first); None when not."""
-        lib, ffi = self._lib, _deptrack.ffi
-        sizes = ffi.new("int64_t[3]")
-        if not hasattr(lib, "dt_log_size"):  # a _deptrack built before the log: read the objects
-            return None
-        if lib.dt_log_size(self._t, sizes) != 0 or sizes[0] != len(self._dlog):
-            return None
-        n, nd, nf = sizes[0], sizes[1], sizes[2]
-        cols = (np.empty(n + 1, np.int64), np.empty(max(nd, 1), np.int32), np.empty(max(n, 1), np.int8),
-                np.empty(n + 1, np.int64), np.empty(max(nf, 1), np.int32))
-        lib.dt_log_columns(self._t, *(ffi.from_buffer(t + "[]", c) for t, c in
-                                      zip(("int64_t", "int32_t", "int8_t", "int64_t", "int32_t"), cols)))
-        dep_off, deps, has_first, first_off, first = cols
-        return self._dlog, self._flog, (dep_off, deps[:nd], has_first[:n], first_off, first[:nf])
-
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
         h, box = self._resolve(ap)
