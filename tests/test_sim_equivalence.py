@@ -107,3 +107,70 @@ def test_engine_choice_is_checked():
     cfg = load_config("trn2")
     with pytest.raises(ValueError, match="simulate: engine must be one of auto, native, simpy, got 'fast'"):
         simulate(cfg, [], engine="fast")
+
+
+# ---- the builder's edge log (deps / first_deps as arrays from the C tracker) -------------------
+def _small(name: str = "attention", cfg: Any = None) -> Any:
+    cfg = cfg or load_config("trn2")
+    entry = get_kernel(name)
+    return cfg, entry.make(SMALL[name], entry.default_dtype, cfg)
+
+
+def _uses_log(kern: Any) -> bool:
+    from trnsim.sim import _logged_edges
+
+    return _logged_edges(kern, kern.instructions) is not None
+
+
+def test_edge_log_is_taken_for_a_fresh_kernel():
+    from trnsim.kernel import NativeDependencyTracker
+
+    cfg, kern = _small()
+    if not isinstance(kern._deps, NativeDependencyTracker):
+        pytest.skip("the C dependency tracker is not built")
+    assert _uses_log(kern)
+    assert_same(cfg, [kern])
+
+
+@pytest.mark.parametrize("edit", ["drop_deps", "add_dep", "first_deps", "equal_copy", "list"])
+def test_edited_deps_simulate_as_edited(edit):
+    """Instructions are mutable: after the build, whatever their deps / first_deps say now is
+    what both simulators must run (the log is not taken unless it is provably the same)."""
+    cfg, kern = _small("matmul")
+    ins = kern.instructions
+    before = simulate(cfg, [kern])[0].ready
+    if edit == "drop_deps":
+        for i in ins[len(ins) // 2:]:
+            i.deps = ()
+    elif edit == "add_dep":
+        last = ins[-1]
+        last.deps = tuple(sorted(set(last.deps) | {len(ins) - 2}))
+        ins[5].deps = ins[5].deps + (0,)
+    elif edit == "first_deps":
+        for i in ins:
+            if i.first_deps is not None:
+                i.first_deps = ()  # LoadStationary waits for nothing now
+    elif edit == "equal_copy":
+        for i in ins:
+            i.deps = tuple(list(i.deps))
+    else:
+        ins[3].deps = list(ins[3].deps)
+    assert _uses_log(kern) == (edit == "equal_copy")
+    assert_same(cfg, [kern])
+    after = simulate(cfg, [kern])[0].ready
+    if edit in ("drop_deps", "first_deps"):
+        assert after != before  # the edit changed the schedule: the test would see a stale log
+
+
+def test_spliced_and_unpickled_kernels_read_their_instructions():
+    import copy
+    import pickle
+
+    cfg, kern = _small("softmax")
+    k2 = copy.copy(kern)
+    k2.instructions = list(kern.instructions[:-1])  # one fewer than the log has
+    assert not _uses_log(k2)
+    assert_same(cfg, [k2])
+    k3 = pickle.loads(pickle.dumps(kern))
+    assert not _uses_log(k3)
+    assert fingerprint(simulate(cfg, [k3]))[0]["ready"] == fingerprint(simulate(cfg, [kern]))[0]["ready"]

@@ -387,6 +387,7 @@ except ImportError:  # not built: the Python tracker does the same work, slower
 
 
 _UNLOGGED = object()  # a record whose first_deps the C edge log does not have (equal to no tuple)
+_LOG_FIRST = getattr(_deptrack.lib, "dt_log_first", None) if _deptrack is not None else None
 
 
 def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
@@ -563,9 +564,12 @@ class NativeDependencyTracker:
             return deps
         deps = tuple(vals[2:])
         self._dlog.append(deps)
-        if first is not None:  # not among the reads (never for TensorE's operands)
-            ins.first_deps = self.raw_deps(first)
-            self._flog.append(_UNLOGGED)  # the C log has no first deps for it: never taken
+        if first is not None:  # not among the reads (an operand view that is not one of them)
+            fd = ins.first_deps = self.raw_deps(first)
+            if _LOG_FIRST is not None and _LOG_FIRST(self._t, len(fd)) == 0:  # raw_deps' ints, still in dt_out
+                self._flog.append(fd)
+            else:
+                self._flog.append(_UNLOGGED)  # the C log has no first deps for it: never taken
         else:
             self._flog.append(None)
         return deps

@@ -336,6 +336,22 @@ static void log_record(dt_tracker *t, int32_t idx, int32_t at) {
     t->nlogv += nv;
 }
 
+int32_t dt_log_first(dt_tracker *t, int32_t n) {
+    if (t->log_bad) return 0;
+    if (t->nlogh < 3 || t->logh[t->nlogh - 2] >= 0 || n < 0) return -1;
+    if (grow((void **)&t->logv, &t->caplogv, (int64_t)t->nlogv + n, sizeof(int32_t))) {
+        t->log_bad = 1;
+        return 0;
+    }
+    int32_t nd = t->logh[t->nlogh - 1];
+    int32_t *v = t->logv + t->nlogv - nd;
+    memmove(v + n, v, (size_t)nd * sizeof(int32_t));
+    memcpy(v, t->out, (size_t)n * sizeof(int32_t));
+    t->nlogv += n;
+    t->logh[t->nlogh - 2] = n;
+    return 0;
+}
+
 int32_t dt_log_size(dt_tracker *t, int64_t *sizes) {
     if (t->log_bad) return -1;
     int64_t nd = 0, nf = 0, n = t->nlogh / 3;

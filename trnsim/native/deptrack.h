@@ -48,6 +48,9 @@ int32_t dt_raw_deps(dt_tracker *t, int32_t region);
  * writes them as the simulator's columns (offsets have records + 1 entries; has_first 0 where
  * the record had no first operand). */
 int32_t dt_log_size(dt_tracker *t, int64_t *sizes);
+/* The last record had no first operand among its reads: its first deps are out[0..n) (what
+ * dt_raw_deps just left there). 0, or -1 when the last record already has first deps. */
+int32_t dt_log_first(dt_tracker *t, int32_t n);
 int32_t dt_log_columns(dt_tracker *t, int64_t *dep_off, int32_t *deps, int8_t *has_first, int64_t *first_off,
                        int32_t *first);
 /* The whole state as int64s into buf[0..cap) (pickling); returns how many it takes (call with
