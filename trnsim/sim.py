@@ -369,20 +369,13 @@ class _CoreColumns:
             self.owner[didx] = owner_of_queue[qid]
             pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma)
             self.plan[didx] = pl
-        if generic:  # in program order: an engine's cost may depend on its state (ScalarE's table)
-            gidx = np.sort(np.concatenate(generic)).tolist()
-            bl, ll, lal, lbl = [], [], [], []
-            for i in gidx:
-                ins = instrs[i]
-                e = engines[eng[i]]
-                bl.append(e.cycles(ins) * e.tpc)
-                ll.append(e.latency_cycles(ins) * e.tpc)
-                lal.append(e.lane(ins))
-                lbl.append(ins.describe())
-            busy[gidx] = bl
-            lat[gidx] = ll
-            lanes[gidx] = lal
-            labels[gidx] = lbl
+        if generic:
+            gidx = np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+            types = list(type_id)
+            for j in np.unique(eng[gidx]).tolist():
+                idx = gidx[eng[gidx] == j]
+                cost = _generic_costs(instrs, idx, tid[idx], types, engines[j])
+                busy[idx], lat[idx], lanes[idx], labels[idx] = cost
         self.lanes = lanes
         self.labels = labels
         self.owners = owners
@@ -392,6 +385,62 @@ class _CoreColumns:
             if len(on):
                 self.processes.append((j, on))
         self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
+
+
+def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
+                   e: Engine) -> tuple[Any, Any, Any, Any]:
+    """Busy ticks, latency ticks, lane and label of instructions ``idx`` (ascending) of engine
+    ``e``, from its cost methods: once per distinct cost key (:attr:`Engine.cost_fields`; an
+    instruction of a type without one is its own key), in program order of first use. An engine
+    with a cost state (ScalarE's table) is walked in program order by (key, state), each state
+    change exactly as calling it instruction by instruction makes it."""
+    n = len(idx)
+    kid = np.empty(n, dtype=np.int64)
+    nkeys = 0
+    for j in np.unique(tid).tolist():
+        pos = np.flatnonzero(tid == j)
+        key = e.cost_key(types[j])
+        if key is None:
+            kid[pos] = np.arange(nkeys, nkeys + len(pos))
+            nkeys += len(pos)
+            continue
+        number = Numbering()
+        kid[pos] = np.fromiter(map(number.__getitem__, map(key, _pick(instrs, idx[pos]))), dtype=np.int64,
+                               count=len(pos)) + nkeys
+        nkeys += len(number)
+    tpc = e.tpc
+
+    def costs(ins: Instruction) -> tuple[int, int, str, str]:
+        return e.cycles(ins) * tpc, e.latency_cycles(ins) * tpc, e.lane(ins), ins.describe()
+
+    if not e.cost_state:
+        _, first = np.unique(kid, return_index=True)  # first[k]: where key k is first used
+        order = np.sort(first)
+        # keys numbered in order of first use, so the cost methods run in program order
+        renum = np.empty(nkeys, dtype=np.int64)
+        renum[kid[order]] = np.arange(len(order))
+        table = [costs(instrs[i]) for i in idx[order].tolist()]
+        at = renum[kid]
+    else:
+        names = e.cost_state
+        memo: dict[tuple[int, Any], tuple[int, Any]] = {}
+        table, at_l = [], []
+        state = tuple(getattr(e, a) for a in names)
+        for p, k in enumerate(kid.tolist()):
+            hit = memo.get((k, state))
+            if hit is None:
+                for a, v in zip(names, state):
+                    setattr(e, a, v)
+                table.append(costs(instrs[int(idx[p])]))
+                hit = memo[(k, state)] = (len(table) - 1, tuple(getattr(e, a) for a in names))
+            at_l.append(hit[0])
+            state = hit[1]
+        for a, v in zip(names, state):
+            setattr(e, a, v)
+        at = np.array(at_l, dtype=np.int64)
+    b, lt, ln, lb = zip(*table)
+    return (np.array(b, dtype=np.int64)[at], np.array(lt, dtype=np.int64)[at],
+            np.array(ln, dtype=object)[at], np.array(lb, dtype=object)[at])
 
 
 class _Plans:
