@@ -174,3 +174,58 @@ def test_spliced_and_unpickled_kernels_read_their_instructions():
     k3 = pickle.loads(pickle.dumps(kern))
     assert not _uses_log(k3)
     assert fingerprint(simulate(cfg, [k3]))[0]["ready"] == fingerprint(simulate(cfg, [kern]))[0]["ready"]
+
+
+# ---- costs once per cost key (Engine.cost_fields), ScalarE's table in program order ------------
+def _activation_kernel() -> Any:
+    from trnsim import Kernel
+
+    k = Kernel("tables", "trn2")
+    x = k.input("x", (128, 1024), "bf16")
+    y = k.output("y", (128, 1024), "bf16")
+    t = k.sbuf((128, 1024), "bf16")
+    u = k.sbuf((128, 1024), "fp32")
+    k.dma_copy(t, x)
+    # the same cost key (exp on the same geometry) before and after other tables, identical
+    # views repeated, a table-less function in between, and the same ops on three engines
+    for fn in ("exp", "exp", "relu", "tanh", "exp", "sin", "sin", "exp", "identity", "gelu", "exp"):
+        k.activation(t[:, :512], fn, t[:, :512])
+        k.tensor_scalar(t[:, 512:], t[:, 512:], "multiply", 2.0)
+        k.tensor_scalar(t[:, 512:], t[:, 512:], "multiply", 2.0, engine="gpsimd")
+        k.tensor_copy(u[:, :256], t[:, :256], engine="scalar")
+        k.tensor_copy(u[:, :256], t[:, :256])
+    k.activation(t[:64, :100], "exp", t[:64, :100], reduce_op="add", reduce_res=u[:64, 0:1])
+    k.dma_copy(y, t)
+    return k
+
+
+def test_cost_keys_keep_scalar_table_order():
+    cfg = load_config("trn2")
+    kern = _activation_kernel()
+    assert_same(cfg, [kern])  # busy ticks, labels, lanes and ScalarE's final table
+    tl = simulate(cfg, [kern])[0]
+    acts = [s for s in tl.segments if s[1].startswith("Activation")]
+    dur = [e - s for _, _, s, e, _ in acts]
+    # exp at the same geometry costs a table switch after tanh/sin/gelu, not after exp/relu/identity
+    assert dur[0] > dur[1] and dur[4] > dur[1] and dur[7] > dur[1] and dur[10] > dur[1]
+    assert simulate(cfg, [kern])[0].engines["Scalar"].table == "exp_and_others"
+
+
+def test_cost_key_fields_are_read_by_the_engine():
+    """Every listed field exists on its type, and a subclass that overrides a cost method
+    without listing its own fields gets no cache."""
+    from trnsim.cores.base import ENGINE_TYPES
+    from trnsim.cores.vector import VectorEngine
+
+    for cls in ENGINE_TYPES.values():
+        for t, fields in cls.cost_fields.items():
+            for f in fields:
+                assert f.split(".")[0] in {s for c in t.__mro__ for s in getattr(c, "__slots__", ())}, (t, f)
+
+    class Custom(VectorEngine):
+        def cycles(self, ins: Any) -> int:
+            return 1
+
+    from trnsim.isa import TensorCopy
+
+    assert Custom.cost_key(TensorCopy) is None and VectorEngine.cost_key(TensorCopy) is not None
