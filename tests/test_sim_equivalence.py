@@ -229,3 +229,19 @@ def test_cost_key_fields_are_read_by_the_engine():
     from trnsim.isa import TensorCopy
 
     assert Custom.cost_key(TensorCopy) is None and VectorEngine.cost_key(TensorCopy) is not None
+
+
+def test_tensor_cycles_by_operand_views_match_per_instruction():
+    """A big matmul batch is numbered by its operand views first (cycles_by_shape's fast path,
+    taken from 4096 instructions on): the same (LS, MM) cycles as each instruction's own."""
+    from trnsim.cores.tensor import TensorEngine
+    from trnsim.isa import MatMul
+
+    cfg = load_config("trn2")
+    kern = get_kernel("matmul").make((4096, 4096, 4096), "bf16", cfg)
+    mm = [i for i in kern.instructions if type(i) is MatMul]
+    assert len(mm) >= 4096
+    te = TensorEngine(cfg)
+    ids, cycles = te.cycles_by_shape(mm, False)
+    assert [cycles[j] for j in ids.tolist()] == [te.shape_cycles(i) for i in mm]
+    assert len(cycles) < len(mm) // 4  # the fast path ran (few distinct operands)
