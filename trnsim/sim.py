@@ -204,7 +204,8 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    why = None if engine == "simpy" or _sched is None else _native_unsupported(kernels)
+    types = None if engine == "simpy" or _sched is None else [_type_column(k.instructions) for k in kernels]
+    why = None if types is None else _native_unsupported(types)
     if engine == "native" and why is not None:
         raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
     with gc_paused():
@@ -213,24 +214,32 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
             cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
             env.run()
         else:
-            cores = _NativeRun(config, kernels, pipes).run()
+            cores = _NativeRun(config, kernels, pipes, types).run()  # checks completeness on its arrays
+            return cores
     for c in cores:
         c.check_complete()
     return cores
 
 
-def _native_unsupported(kernels: Sequence[Kernel]) -> str | None:
-    """Why the native loop cannot run ``kernels`` exactly as the simpy processes would (None: it
-    can). It implements the in-order rule of :meth:`Engine.plan` and TensorE's; an engine
-    registered with a placement rule of its own runs on the simpy processes."""
+def _type_column(instrs: Sequence[Instruction]) -> tuple[Numbering, np.ndarray]:
+    """The instruction types of a kernel (numbered in order of first use) and each one's number."""
+    type_id = Numbering()
+    return type_id, np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=len(instrs))
+
+
+def _native_unsupported(types: Sequence[tuple[Numbering, np.ndarray]]) -> str | None:
+    """Why the native loop cannot run kernels of these instruction types (:func:`_type_column`)
+    exactly as the simpy processes would (None: it can). It implements the in-order rule of
+    :meth:`Engine.plan` and TensorE's; an engine registered with a placement rule of its own
+    runs on the simpy processes."""
     for name, cls in ENGINE_TYPES.items():
         if cls.plan is Engine.plan:
             continue
         if not (issubclass(cls, TensorEngine) and cls.plan is TensorEngine.plan
                 and cls.utilisation_limit is TensorEngine.utilisation_limit):
             return f"engine {name} ({cls.__name__}) places instructions by its own plan(), which sched.c does not model"
-    for k in kernels:
-        for t in set(map(type, k.instructions)):
+    for type_id, _ in types:
+        for t in type_id:
             if issubclass(t, DmaCopy) != bool(t.is_dma):
                 return f"instruction type {t.__name__} is a DMA for the queues but not for its engine"
     return None
@@ -298,14 +307,13 @@ class _CoreColumns:
     column with C-level map/numpy operations rather than a Python loop per instruction (that
     loop would cost more than the whole event loop in C)."""
 
-    def __init__(self, tl: CoreTimeline, plans: "_Plans"):
+    def __init__(self, tl: CoreTimeline, plans: "_Plans", types: tuple[Numbering, np.ndarray]):
         instrs = tl.kernel.instructions
         n = self.n = len(instrs)
         names = list(ENGINE_TYPES)
         eng_id = {name: j for j, name in enumerate(names)}
         engines = [tl.engines[name] for name in names]
-        ens = list(map(_ENGINE_OF, instrs))
-        self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
+        self.engine = eng = np.fromiter(map(eng_id.__getitem__, map(_ENGINE_OF, instrs)), dtype=np.int32, count=n)
         logged = _logged_edges(tl.kernel, instrs)
         if logged is not None:
             self.dep_off, self.deps, self.has_first, self.first_off, self.first = logged
@@ -325,12 +333,11 @@ class _CoreColumns:
         ls = self.ls = np.zeros(n, dtype=np.int64)
         self.plan = np.full(n, -1, dtype=np.int32)
         self.owner = eng.copy()
-        lanes = np.array(ens, dtype=object)  # each instruction's main segment: lane and label
+        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
         labels = np.empty(n, dtype=object)
         owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
         # ---- by instruction type ---------------------------------------------------------
-        type_id = Numbering()
-        tid = np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=n)
+        type_id, tid = types
         generic: list[np.ndarray] = []
         self.tensor_used = False
         self.hbm_bytes = self.hbm_ticks = 0
@@ -521,17 +528,19 @@ class _NativeRun:
     :class:`CoreTimeline` objects, and the engines, DMA systems and HBM pipes are left as the
     simpy run leaves them."""
 
-    def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe]):
+    def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe],
+                 types: Sequence[tuple[Numbering, np.ndarray]]):
         self.config = config
         self.pipes = pipes
         self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]
         self.timelines = [_NativeTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
+        self.types = types
 
     def run(self) -> list["_NativeTimeline"]:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
         plans = _Plans()
-        cols = [_CoreColumns(tl, plans) for tl in self.timelines]
+        cols = [_CoreColumns(tl, plans, t) for tl, t in zip(self.timelines, self.types)]
         ncores = len(cols)
         sizes = [c.n for c in cols]
         base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
@@ -646,7 +655,10 @@ class _NativeRun:
         for c, (tl, col) in enumerate(zip(self.timelines, cols)):
             b0, b1 = int(base[c]), int(base[c + 1])
             rd = ready[b0:b1]
-            tl.ready = rd.tolist() if not (rd < 0).any() else [None if x < 0 else x for x in rd.tolist()]
+            missing = np.flatnonzero(rd < 0)
+            if len(missing):  # pragma: no cover - CoreTimeline.check_complete's error, from the arrays
+                raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
+            tl.ready = rd.tolist()
             tl.end = end[b0:b1].tolist()
             tr = trigger[b0:b1].astype(object)
             tr[trigger[b0:b1] < 0] = None
