@@ -244,3 +244,18 @@ def test_tensor_cycles_by_operand_views_match_per_instruction():
     te = TensorEngine(cfg)
     ids, cycles = te.cycles_by_shape(mm, False)
     assert [cycles[j] for j in ids.tolist()] == [te.shape_cycles(i) for i in mm]
+
+
+def test_a_failing_cost_raises_the_first_error_in_program_order():
+    """Costs are worked out per engine; when one fails, the error is still the first one in
+    program order (as instruction-by-instruction costing meets it), whichever engine it is on."""
+    cfg = load_config("trn2")
+    kern = _activation_kernel()
+    ins = kern.instructions
+    early = next(i for i in ins if type(i).__name__ == "TensorScalar")
+    late = [i for i in ins if type(i).__name__ == "Activation"][-1]
+    early.engine = "Sync"   # no cost for a TensorScalar
+    late.engine = "Vector"  # no cost for an Activation; an engine costed before Sync's
+    assert early.index < late.index
+    with pytest.raises(NotImplementedError, match="^Sync engine has no cost for TensorScalar$"):
+        simulate(cfg, [kern], engine="native")

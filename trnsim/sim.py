@@ -383,10 +383,28 @@ class _CoreColumns:
         if generic:
             gidx = np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
             types = list(type_id)
-            for j in np.unique(eng[gidx]).tolist():
-                idx = gidx[eng[gidx] == j]
-                cost = _generic_costs(instrs, idx, tid[idx], types, engines[j])
-                busy[idx], lat[idx], lanes[idx], labels[idx] = cost
+            states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
+            try:
+                for j in np.unique(eng[gidx]).tolist():
+                    idx = gidx[eng[gidx] == j]
+                    cost = _generic_costs(instrs, idx, tid[idx], types, engines[j])
+                    busy[idx], lat[idx], lanes[idx], labels[idx] = cost
+            except Exception:
+                # a cost method failed: ask again instruction by instruction in program order
+                # from the same engine states, so the error (and the state at it) is the one
+                # the simpy reference meets first
+                for e, vals in states:
+                    for a, v in zip(e.cost_state, vals):
+                        setattr(e, a, v)
+                bl, ll, lal, lbl = [], [], [], []
+                for i in gidx.tolist():
+                    ins = instrs[i]
+                    e = engines[eng[i]]
+                    bl.append(e.cycles(ins) * e.tpc)
+                    ll.append(e.latency_cycles(ins) * e.tpc)
+                    lal.append(e.lane(ins))
+                    lbl.append(ins.describe())
+                busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
         self.lanes = lanes
         self.labels = labels
         self.owners = owners
