@@ -37,8 +37,8 @@ from typing import Callable
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import HbmAP, KernelError, TileAP
-from ..kernel import Kernel, TilePool
+from ..isa import DmaCopy, HbmAP, KernelError, TileAP
+from ..kernel import Kernel, Replay, TilePool, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
@@ -149,6 +149,9 @@ class _Mm:
     # replaces evacuation and store of each [ms, nw] row tile: (mm, job, first row, ms, n0, PSUM
     # tiles of the block's banks); a compiled region's ops run there (trnsim.kernels.fused)
     epilogue: Callable[..., None] | None = None
+    # row blocks that may be replayed (see replay_block): their start state -> the template
+    # block that started in it; None when this kernel's blocks are never replayed
+    templates: dict[tuple[object, ...], "_Template"] | None = None
 
     def evac_engine(self) -> str:
         """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
@@ -193,6 +196,15 @@ class _Mm:
             v = self.views[key] = make()
         return v  # type: ignore[return-value]
 
+    def krows(self, view: HbmAP, kt: int, c0: int, c1: int) -> HbmAP:
+        """``view[k rows of kt, c0:c1]`` (single-row mode), made once per kernel."""
+        k0, ks = kt * self.plan.tk, self.ks(kt)
+        return self.view(view, (k0, ks, c0, c1), lambda: view[k0:k0 + ks, c0:c1])  # type: ignore[return-value]
+
+    def out_rows(self, out: HbmAP, r0: int, ms: int, n0: int, nw: int) -> HbmAP:
+        """``out[r0:r0+ms, n0:n0+nw]``, where a row tile of a block is stored, made once per kernel."""
+        return self.view(out, (r0, ms, n0, nw), lambda: out[r0:r0 + ms, n0:n0 + nw])  # type: ignore[return-value]
+
     # ---- filling k-tiles -------------------------------------------------------------------
     def move(self, tile: TileAP, view: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int,
              store: bool = False) -> None:
@@ -209,8 +221,7 @@ class _Mm:
                 kern.dma_copy(region, hbm, engine=engine, queue=queue)
 
         if p.rows == 1:
-            copy(self.view(view, (k0, ks, c0, c1), lambda: view[k0:k0 + ks, c0:c1]),
-                 self.view(tile, (ks, w), lambda: tile[:ks, :w]))
+            copy(self.krows(view, kt, c0, c1), self.view(tile, (ks, w), lambda: tile[:ks, :w]))
             return
         (s0, _), (s1, _) = view.dims
         pairs = ks // 2
@@ -284,6 +295,8 @@ class _Mm:
                     mw = min(p.bm, job.m - m0)
                     self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, None), None)
             return
+        if not self.kern.reference and p.rows == 1 and self.epilogue is None:
+            self.templates = {}
         pending: list[TileAP] = []
         for bi, (job, n0, nw) in enumerate(blocks):
             rhs = pending or self.fill(self.rhs_pool, job.b, n0, nw, job.tb, 0, self.kt_n, "gpsimd", _RHS_Q)
@@ -292,8 +305,13 @@ class _Mm:
             # operand views are built once per block: slicing costs more than emitting a matmul
             mvs = [[self.cols(rhs[kt], kt, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
                    for kt in range(self.kt_n)]
+            replayable = self.templates is not None and job.a_rows is None and job.a is not None
+            mv_ids = tuple(id(v) for row in mvs for v in row)
             for m0 in range(0, job.m, p.bm):
                 mw = min(p.bm, job.m - m0)
+                if replayable and not (m0 + mw == job.m and nxt is not None):
+                    self.block_or_replay(job, m0, mw, n0, nw, mvs, mv_ids)
+                    continue
 
                 def roll(kt: int) -> None:
                     """Load the next column block's rhs k-tile into the buffer just done with
@@ -380,10 +398,119 @@ class _Mm:
             c0 = 0
             for dst in row:
                 w = dst.free_size
-                kern.tensor_copy(res[:ms, c0:c0 + w], dst, engine=self.evac_engine())
+                kern.tensor_copy(self.view(res, (ms, c0, w), lambda: res[:ms, c0:c0 + w]), dst,
+                                 engine=self.evac_engine())
                 c0 += w
-            kern.dma_copy(job.out[m0 + mi:m0 + mi + ms, n0:n0 + nw], res[:ms, :nw], engine="gpsimd", queue=_STORE_Q)
+            kern.dma_copy(self.out_rows(job.out, m0 + mi, ms, n0, nw), self.view(res, (ms, nw), lambda: res[:ms, :nw]),
+                          engine="gpsimd", queue=_STORE_Q)
 
+
+    # ---- replaying a repeated row block --------------------------------------------------
+    # A resident column block's row blocks emit the same instructions up to the HBM views of
+    # their lhsT loads and output stores, whenever they start from the same state: the same
+    # pool rotation (positions and buffers), the same rhs views, the same evacuation parity and
+    # the same loaded stationary (block() reads nothing else that changes: the view cache only
+    # grows and gives the same view for the same key, the check caches only skip checks that
+    # passed). So a block that starts in a state a block started in before replays that
+    # template through Kernel.replay, with its own HBM views and the dependency edges the
+    # tracker computes from its accesses; the pools and the evacuation count move on as
+    # block() would have moved them. Anything else (ragged or first blocks, a block that rolls
+    # the next rhs in, transposed or double-row operands, an epilogue) runs block() itself.
+
+    def start_state(self, mw: int, nw: int, mv_ids: tuple[int, ...]) -> tuple[object, ...] | None:
+        """What decides a row block's instructions besides its HBM views (None: a pool buffer
+        not allocated yet, so block() would allocate)."""
+        st: list[object] = [mw, nw, mv_ids, self.evacs & 1, self.kern._loaded_stationary]
+        for pool in (self.lhs_pool, self.acc_pool, self.res_pool):
+            st.append(pool._next)
+            for t in pool._slots:
+                if t is None:
+                    return None
+                st.append(t.alloc.uid)
+        return tuple(st)
+
+    def block_hbm(self, job: _Job, m0: int, mw: int, n0: int, nw: int) -> list[HbmAP]:
+        """The HBM sides of a row block's DMAs, in emission order: each k-tile's lhsT load, then
+        each row tile's store."""
+        assert job.a is not None
+        p = self.plan
+        return [self.krows(job.a, kt, m0, m0 + mw) for kt in range(self.kt_n)] + \
+            [self.out_rows(job.out, m0 + mi, min(p.tm, mw - mi), n0, nw) for mi in range(0, mw, p.tm)]
+
+    def pool_calls(self, mw: int, nw: int) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
+        """The tile() calls block() makes in each pool: (pool, count, shape, dtype)."""
+        p = self.plan
+        n_mt, n_w = -(-mw // p.tm), -(-nw // p.tn)
+        return [(self.lhs_pool, self.kt_n, _pool_shape((p.parts, p.bm), "lhsT"), self.dt),
+                (self.acc_pool, n_mt * n_w, _pool_shape((p.tm, p.tn), "acc"), _pool_dtype("float32", "acc")),
+                (self.res_pool, n_mt, _pool_shape((p.tm, p.bn), "res"), self.odt)]
+
+    def block_or_replay(self, job: _Job, m0: int, mw: int, n0: int, nw: int, mvs: list[list[TileAP]],
+                        mv_ids: tuple[int, ...]) -> None:
+        """One row block without rhs roll-over: replayed from a template when one started in
+        this block's state, else block() (kept as a template when it is one)."""
+        assert self.templates is not None
+        kern = self.kern
+        st = self.start_state(mw, nw, mv_ids)
+        tpl = self.templates.get(st) if st is not None else None
+        if tpl is not None and self.replay_block(tpl, job, m0, mw, n0, nw):
+            return
+        i0, loaded, ev = len(kern.instructions), kern._loaded_stationary, self.evacs
+        self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), None)
+        if st is None or len(self.templates) >= 8:
+            return
+        hbm = self.block_hbm(job, m0, mw, n0, nw)
+        made = kern.instructions[i0:]
+        pos = [j for j, x in enumerate(made) if type(x) is DmaCopy
+               and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
+        # the template's HBM sides are exactly the views block_hbm names, in that order
+        if len(pos) != len(hbm) or any(v is not (made[j].src if i < self.kt_n else made[j].dst)
+                                       for i, (j, v) in enumerate(zip(pos, hbm))):
+            return
+        calls = self.pool_calls(mw, nw)
+        for pool, count, shape, dt in calls:  # the buffers hold block()'s views of this shape
+            for i in range(count):
+                t = pool._slots[(pool._next - count + i) % pool.bufs]
+                if t is None or t.p_count != shape[0] or t.dims != _tile_view(t.alloc, shape, dt).dims \
+                        or t.dtype is not dt:
+                    return
+        rep = kern.replay_template(i0, pos, loaded)
+        if rep is not None:
+            self.templates[st] = _Template(rep, self.evacs - ev, calls)
+
+    def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int) -> bool:
+        """Emit ``tpl`` again as the row block at ``m0`` (False, having changed nothing, when the
+        kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would."""
+        slots = []
+        for pool, count, shape, dt in tpl.calls:
+            nbytes = 1
+            for d in shape[1:]:
+                nbytes *= d
+            nbytes *= dt.itemsize
+            for i in range(count):
+                j = (pool._next + i) % pool.bufs
+                old = pool._slots[j]
+                if old is None or old.alloc.nbytes < nbytes or old.p_count != shape[0]:
+                    return False  # tile() would allocate anew
+                slots.append((pool, j, old.alloc, shape, dt))
+        if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw)):
+            return False
+        for pool, j, alloc, shape, dt in slots:
+            pool._slots[j] = _tile_view(alloc, shape, dt)
+        for pool, count, _, _ in tpl.calls:
+            pool._next = (pool._next + count) % pool.bufs
+        self.evacs += tpl.evacs
+        return True
+
+
+@dataclass
+class _Template:
+    """A row block to replay: the instructions (:class:`Replay`), the evacuations it made and
+    the tile() calls it made per pool (pool, count, shape, dtype)."""
+
+    rep: Replay
+    evacs: int
+    calls: list[tuple[TilePool, int, tuple[int, ...], Dtype]]
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
     """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""

@@ -422,6 +422,30 @@ int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
     return record_at(t, 0, idx, key, dma, &r, 1, &w, 1, -1);
 }
 
+/* n instructions idx0, idx0+1, ... recorded one after the other, as n dt_record calls would:
+ * spec holds, per instruction, [key, dma, first, nr, reads..., nw, writes...]; results in
+ * dt_out one after the other, each laid out as dt_record's. Returns how many ints in all, or -1
+ * (out of memory, or a spec that does not parse). */
+int32_t dt_record_many(dt_tracker *t, int32_t idx0, int32_t n, const int32_t *spec, int32_t nspec) {
+    int32_t at = 0, p = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (p + 4 > nspec) return -1;
+        int32_t key = spec[p], dma = spec[p + 1], first = spec[p + 2], nr = spec[p + 3];
+        p += 4;
+        if (nr < 0 || p + nr + 1 > nspec) return -1;
+        const int32_t *reads = spec + p;
+        p += nr;
+        int32_t nw = spec[p++];
+        if (nw < 0 || p + nw > nspec) return -1;
+        const int32_t *writes = spec + p;
+        p += nw;
+        int32_t k = record_at(t, at, idx0 + i, key, dma, reads, nr, writes, nw, first);
+        if (k < 0) return -1;
+        at += k;
+    }
+    return p == nspec ? at : -1;
+}
+
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
 
 #define DUMP_MAGIC 0x7472646570310001LL
