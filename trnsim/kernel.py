@@ -698,30 +698,33 @@ class Replay:
     each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
     touch, and the loaded stationary before and after them."""
 
-    __slots__ = ("ins", "spec", "sides", "allocs", "loaded_before", "loaded_after")
+    __slots__ = ("ins", "spec", "sides", "allocs", "loaded_before", "loaded_after", "cloners")
 
     def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
                  allocs: tuple[Allocation, ...], loaded_before: tuple[Any, ...] | None,
                  loaded_after: tuple[Any, ...] | None) -> None:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
         self.loaded_before, self.loaded_after = loaded_before, loaded_after
+        self.cloners = [_cloner(type(x)) for x in ins]
 
 
 _CLONERS: dict[type, Any] = {}
 
 
-def _clone(x: Instruction) -> Instruction:
-    """A copy of ``x`` (every slot, shallow): one generated function per class, as copying a
-    slotted object attribute by attribute in a loop costs several times more."""
-    f = _CLONERS.get(type(x))
+def _cloner(cls: type) -> Any:
+    """``clone(x, index, deps, first_deps)``: a copy of ``x`` (an instance of ``cls``, every
+    slot shallow) with those three fields replaced; one generated function per class, as
+    copying a slotted object attribute by attribute in a loop costs several times more."""
+    f = _CLONERS.get(cls)
     if f is None:
-        cls = type(x)
-        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
+        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
+                 if n not in ("__weakref__", "index", "deps", "first_deps")]
         body = "".join(f"\n    y.{n} = x.{n}" for n in names)
         ns: dict[str, Any] = {"new": object.__new__, "C": cls}
-        exec(f"def clone(x):\n    y = new(C){body}\n    return y", ns)
+        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    y.first_deps = f{body}"
+             f"\n    return y", ns)
         f = _CLONERS[cls] = ns["clone"]
-    return f(x)
+    return f
 
 
 def _free_elems(shape: tuple[int, ...]) -> int:
@@ -1290,8 +1293,21 @@ class Kernel:
         spec = array.array("i", tpl.spec)
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
-        vals = tracker.record_many(i0, n, spec)
-        out = [_clone(x) for x in tpl.ins]
+        vals = tuple(tracker.record_many(i0, n, spec))  # slices of a tuple are tuples: one allocation each
+        out = []
+        append = out.append
+        p, i = 0, i0
+        for x, clone in zip(tpl.ins, tpl.cloners):
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            if nf >= 0:
+                f = vals[p:p + nf]
+                p += nf
+            else:
+                f = None
+            append(clone(x, i, vals[p:p + nd], f))
+            p += nd
+            i += 1
         for (j, is_src, _), v, plan in zip(tpl.sides, views, new_plans):
             x = out[j]
             if is_src:
@@ -1299,16 +1315,6 @@ class Kernel:
             else:
                 x.dst, x.writes = v, (v,)
             x.plan = plan
-        p = 0
-        for i, x in enumerate(out):
-            x.index = i0 + i
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            if nf >= 0:
-                x.first_deps = tuple(vals[p:p + nf])
-                p += nf
-            x.deps = tuple(vals[p:p + nd])
-            p += nd
         self._loaded_stationary = tpl.loaded_after
         instrs.extend(out)
         self.replays += 1

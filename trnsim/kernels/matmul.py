@@ -309,8 +309,9 @@ class _Mm:
             mv_ids = tuple(id(v) for row in mvs for v in row)
             for m0 in range(0, job.m, p.bm):
                 mw = min(p.bm, job.m - m0)
-                if replayable and not (m0 + mw == job.m and nxt is not None):
-                    self.block_or_replay(job, m0, mw, n0, nw, mvs, mv_ids)
+                last = m0 + mw == job.m and nxt is not None
+                if replayable and not (last and nxt[0].tb):  # type: ignore[index]
+                    self.block_or_replay(job, m0, mw, n0, nw, mvs, mv_ids, nxt if last else None, pending)
                     continue
 
                 def roll(kt: int) -> None:
@@ -417,11 +418,14 @@ class _Mm:
     # block() would have moved them. Anything else (ragged or first blocks, a block that rolls
     # the next rhs in, transposed or double-row operands, an epilogue) runs block() itself.
 
-    def start_state(self, mw: int, nw: int, mv_ids: tuple[int, ...]) -> tuple[object, ...] | None:
+    def start_state(self, mw: int, nw: int, mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None
+                    ) -> tuple[object, ...] | None:
         """What decides a row block's instructions besides its HBM views (None: a pool buffer
-        not allocated yet, so block() would allocate)."""
-        st: list[object] = [mw, nw, mv_ids, self.evacs & 1, self.kern._loaded_stationary]
-        for pool in (self.lhs_pool, self.acc_pool, self.res_pool):
+        not allocated yet, so block() would allocate). With ``nxt`` (the next column block,
+        whose rhs k-tiles this block loads behind its matmuls) also its width and the rhs pool."""
+        st: list[object] = [mw, nw, mv_ids, self.evacs & 1, self.kern._loaded_stationary,
+                            None if nxt is None else nxt[2]]
+        for pool in (self.lhs_pool, self.acc_pool, self.res_pool) + (() if nxt is None else (self.rhs_pool,)):
             st.append(pool._next)
             for t in pool._slots:
                 if t is None:
@@ -429,60 +433,87 @@ class _Mm:
                 st.append(t.alloc.uid)
         return tuple(st)
 
-    def block_hbm(self, job: _Job, m0: int, mw: int, n0: int, nw: int) -> list[HbmAP]:
-        """The HBM sides of a row block's DMAs, in emission order: each k-tile's lhsT load, then
-        each row tile's store."""
-        assert job.a is not None
-        p = self.plan
-        return [self.krows(job.a, kt, m0, m0 + mw) for kt in range(self.kt_n)] + \
-            [self.out_rows(job.out, m0 + mi, min(p.tm, mw - mi), n0, nw) for mi in range(0, mw, p.tm)]
+    def block_hbm(self, job: _Job, m0: int, mw: int, n0: int, nw: int, nxt: tuple[_Job, int, int] | None
+                  ) -> list[HbmAP]:
+        """The HBM sides of a row block's DMAs, in emission order: the lhsT loads of k-tiles
+        ``_GROUP`` at a time, each followed (with ``nxt``) by the next column block's rhs loads
+        of those k-tiles, one after each k-tile's matmuls; then each row tile's store."""
+        a, out, p, views = job.a, job.out, self.plan, self.views
+        assert a is not None and views is not None
+        # krows() and out_rows() without their call overhead when the view is made already
+        ka = (-a.tensor.uid, a.offset, a.dims)
+        got = [views.get(ka + (kt * p.tk, self.ks(kt), m0, m0 + mw)) for kt in range(self.kt_n)]
+        for kt, v in enumerate(got):
+            if v is None:
+                got[kt] = self.krows(a, kt, m0, m0 + mw)
+        if nxt is not None:
+            b, c0, c1 = nxt[0].b, nxt[1], nxt[1] + nxt[2]
+            rhs = [self.krows(b, kt, c0, c1) for kt in range(self.kt_n)]
+            got = [v for g0 in range(0, self.kt_n, _GROUP)
+                   for v in got[g0:g0 + _GROUP] + rhs[g0:g0 + _GROUP]]
+        return got + [self.out_rows(out, m0 + mi, min(p.tm, mw - mi), n0, nw) for mi in range(0, mw, p.tm)]
 
-    def pool_calls(self, mw: int, nw: int) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
-        """The tile() calls block() makes in each pool: (pool, count, shape, dtype)."""
+    def pool_calls(self, mw: int, nw: int, roll: bool) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
+        """The tile() calls block() makes in each pool: (pool, count, shape, dtype); the rhs
+        pool last, when the block rolls the next rhs in."""
         p = self.plan
         n_mt, n_w = -(-mw // p.tm), -(-nw // p.tn)
         return [(self.lhs_pool, self.kt_n, _pool_shape((p.parts, p.bm), "lhsT"), self.dt),
                 (self.acc_pool, n_mt * n_w, _pool_shape((p.tm, p.tn), "acc"), _pool_dtype("float32", "acc")),
-                (self.res_pool, n_mt, _pool_shape((p.tm, p.bn), "res"), self.odt)]
+                (self.res_pool, n_mt, _pool_shape((p.tm, p.bn), "res"), self.odt)] + \
+            ([(self.rhs_pool, self.kt_n, _pool_shape((p.parts, p.bn), "rhs"), self.dt)] if roll else [])
 
     def block_or_replay(self, job: _Job, m0: int, mw: int, n0: int, nw: int, mvs: list[list[TileAP]],
-                        mv_ids: tuple[int, ...]) -> None:
-        """One row block without rhs roll-over: replayed from a template when one started in
-        this block's state, else block() (kept as a template when it is one)."""
+                        mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> None:
+        """One row block (with ``nxt``, the last of its column block: it loads the next column
+        block's rhs k-tiles into ``pending``): replayed from a template when one started in this
+        block's state, else block() (kept as a template when it is one)."""
         assert self.templates is not None
         kern = self.kern
-        st = self.start_state(mw, nw, mv_ids)
+        st = self.start_state(mw, nw, mv_ids, nxt)
         tpl = self.templates.get(st) if st is not None else None
-        if tpl is not None and self.replay_block(tpl, job, m0, mw, n0, nw):
+        if tpl is not None and self.replay_block(tpl, job, m0, mw, n0, nw, nxt, pending):
             return
-        i0, loaded, ev = len(kern.instructions), kern._loaded_stationary, self.evacs
-        self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), None)
+        i0, loaded, ev, had = len(kern.instructions), kern._loaded_stationary, self.evacs, len(pending)
+        roll = None
+        if nxt is not None:
+            def roll(kt: int) -> None:  # emit()'s roll, for a next block without on-chip transposes
+                pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], False, kt, kt + 1, "gpsimd", _RHS_Q))
+        self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), roll)
         if st is None or len(self.templates) >= 8:
             return
-        hbm = self.block_hbm(job, m0, mw, n0, nw)
+        hbm = self.block_hbm(job, m0, mw, n0, nw, nxt)
         made = kern.instructions[i0:]
         pos = [j for j, x in enumerate(made) if type(x) is DmaCopy
                and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
-        # the template's HBM sides are exactly the views block_hbm names, in that order
-        if len(pos) != len(hbm) or any(v is not (made[j].src if i < self.kt_n else made[j].dst)
+        # the template's HBM sides are exactly the views block_hbm names, in that order (the
+        # loads' sources, then the stores' destinations)
+        n_loads = self.kt_n * (1 if nxt is None else 2)
+        if len(pos) != len(hbm) or any(v is not (made[j].src if i < n_loads else made[j].dst)
                                        for i, (j, v) in enumerate(zip(pos, hbm))):
             return
-        calls = self.pool_calls(mw, nw)
-        for pool, count, shape, dt in calls:  # the buffers hold block()'s views of this shape
+        calls = [(pool, count, shape, dt, _tile_view(pool._slots[0].alloc, shape, dt).dims)  # type: ignore[union-attr]
+                 for pool, count, shape, dt in self.pool_calls(mw, nw, nxt is not None)]
+        rp = self.rhs_pool
+        if nxt is not None and [id(t) for t in pending[had:]] != \
+                [id(rp._slots[(rp._next - self.kt_n + i) % rp.bufs]) for i in range(self.kt_n)]:
+            return  # pending holds the rhs pool's new buffers, in order
+        for pool, count, shape, dt, dims in calls:  # the buffers hold block()'s views of this shape
             for i in range(count):
                 t = pool._slots[(pool._next - count + i) % pool.bufs]
-                if t is None or t.p_count != shape[0] or t.dims != _tile_view(t.alloc, shape, dt).dims \
-                        or t.dtype is not dt:
+                if t is None or t.p_count != shape[0] or t.dims != dims or t.dtype is not dt:
                     return
         rep = kern.replay_template(i0, pos, loaded)
         if rep is not None:
             self.templates[st] = _Template(rep, self.evacs - ev, calls)
 
-    def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int) -> bool:
+    def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int,
+                     nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> bool:
         """Emit ``tpl`` again as the row block at ``m0`` (False, having changed nothing, when the
-        kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would."""
+        kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would,
+        the rhs pool's new buffers going to ``pending`` as roll's fill would put them."""
         slots = []
-        for pool, count, shape, dt in tpl.calls:
+        for pool, count, shape, dt, dims in tpl.calls:
             nbytes = 1
             for d in shape[1:]:
                 nbytes *= d
@@ -492,12 +523,15 @@ class _Mm:
                 old = pool._slots[j]
                 if old is None or old.alloc.nbytes < nbytes or old.p_count != shape[0]:
                     return False  # tile() would allocate anew
-                slots.append((pool, j, old.alloc, shape, dt))
-        if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw)):
+                slots.append((pool, j, old.alloc, shape[0], dims, dt))
+        if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw, nxt)):
             return False
-        for pool, j, alloc, shape, dt in slots:
-            pool._slots[j] = _tile_view(alloc, shape, dt)
-        for pool, count, _, _ in tpl.calls:
+        rhs = self.rhs_pool
+        for pool, j, alloc, parts, dims, dt in slots:  # _tile_view(alloc, shape, dt), its dims made once
+            t = pool._slots[j] = TileAP(alloc, alloc.p_start, parts, 0, dims, dt)
+            if pool is rhs:
+                pending.append(t)
+        for pool, count, _, _, _ in tpl.calls:
             pool._next = (pool._next + count) % pool.bufs
         self.evacs += tpl.evacs
         return True
@@ -506,11 +540,11 @@ class _Mm:
 @dataclass
 class _Template:
     """A row block to replay: the instructions (:class:`Replay`), the evacuations it made and
-    the tile() calls it made per pool (pool, count, shape, dtype)."""
+    the tile() calls it made per pool (pool, count, shape, dtype, the views' dims)."""
 
     rep: Replay
     evacs: int
-    calls: list[tuple[TilePool, int, tuple[int, ...], Dtype]]
+    calls: list[tuple[TilePool, int, tuple[int, ...], Dtype, tuple[tuple[int, int], ...]]]
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
     """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""
