@@ -152,6 +152,7 @@ class _Mm:
     # row blocks that may be replayed (see replay_block): their start state -> the template
     # block that started in it; None when this kernel's blocks are never replayed
     templates: dict[tuple[object, ...], "_Template"] | None = None
+    krow_lists: dict[tuple[object, ...], list[HbmAP]] | None = None  # block_hbm's lhsT views per row block
 
     def evac_engine(self) -> str:
         """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
@@ -296,7 +297,7 @@ class _Mm:
                     self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, None), None)
             return
         if not self.kern.reference and p.rows == 1 and self.epilogue is None:
-            self.templates = {}
+            self.templates, self.krow_lists = {}, {}
         pending: list[TileAP] = []
         for bi, (job, n0, nw) in enumerate(blocks):
             rhs = pending or self.fill(self.rhs_pool, job.b, n0, nw, job.tb, 0, self.kt_n, "gpsimd", _RHS_Q)
@@ -438,16 +439,16 @@ class _Mm:
         """The HBM sides of a row block's DMAs, in emission order: the lhsT loads of k-tiles
         ``_GROUP`` at a time, each followed (with ``nxt``) by the next column block's rhs loads
         of those k-tiles, one after each k-tile's matmuls; then each row tile's store."""
-        a, out, p, views = job.a, job.out, self.plan, self.views
-        assert a is not None and views is not None
-        # krows() and out_rows() without their call overhead when the view is made already
-        ka = (-a.tensor.uid, a.offset, a.dims)
-        got = [views.get(ka + (kt * p.tk, self.ks(kt), m0, m0 + mw)) for kt in range(self.kt_n)]
-        for kt, v in enumerate(got):
-            if v is None:
-                got[kt] = self.krows(a, kt, m0, m0 + mw)
+        a, out, p, lists = job.a, job.out, self.plan, self.krow_lists
+        assert a is not None
+        # the lhsT rows of a block recur in every column block: their krows() list, made once
+        # (the same views krows() returns, which the view cache keeps)
+        key = (-a.tensor.uid, a.offset, a.dims, m0, mw)
+        got = lists.get(key)
+        if got is None:
+            got = lists[key] = [self.krows(a, kt, m0, m0 + mw) for kt in range(self.kt_n)]
         if nxt is not None:
-            b, c0, c1 = nxt[0].b, nxt[1], nxt[1] + nxt[2]
+            b, c0, c1 = nxt[0].b, nxt[1], nxt[1] + nxt[2]  # (once per column block)
             rhs = [self.krows(b, kt, c0, c1) for kt in range(self.kt_n)]
             got = [v for g0 in range(0, self.kt_n, _GROUP)
                    for v in got[g0:g0 + _GROUP] + rhs[g0:g0 + _GROUP]]
@@ -492,46 +493,42 @@ class _Mm:
         if len(pos) != len(hbm) or any(v is not (made[j].src if i < n_loads else made[j].dst)
                                        for i, (j, v) in enumerate(zip(pos, hbm))):
             return
-        calls = [(pool, count, shape, dt, _tile_view(pool._slots[0].alloc, shape, dt).dims)  # type: ignore[union-attr]
-                 for pool, count, shape, dt in self.pool_calls(mw, nw, nxt is not None)]
-        rp = self.rhs_pool
-        if nxt is not None and [id(t) for t in pending[had:]] != \
-                [id(rp._slots[(rp._next - self.kt_n + i) % rp.bufs]) for i in range(self.kt_n)]:
-            return  # pending holds the rhs pool's new buffers, in order
-        for pool, count, shape, dt, dims in calls:  # the buffers hold block()'s views of this shape
+        # each tile() call of the template, in order: (pool, buffer, its allocation, partitions,
+        # a private copy of the view tile() made) -- block()'s calls reuse buffers whose
+        # allocation fits, so the template's calls made views of these allocations
+        slots = []
+        calls = self.pool_calls(mw, nw, nxt is not None)
+        for pool, count, shape, dt in calls:
             for i in range(count):
                 t = pool._slots[(pool._next - count + i) % pool.bufs]
-                if t is None or t.p_count != shape[0] or t.dims != dims or t.dtype is not dt:
+                if t is None:
                     return
+                proto = _tile_view(t.alloc, shape, dt)
+                if (t.p_start, t.p_count, t.offset, t.dims, t.dtype) != \
+                        (proto.p_start, proto.p_count, proto.offset, proto.dims, proto.dtype):
+                    return
+                slots.append((pool, (pool._next - count + i) % pool.bufs, t.alloc, shape[0], proto))
         rep = kern.replay_template(i0, pos, loaded)
         if rep is not None:
-            self.templates[st] = _Template(rep, self.evacs - ev, calls)
+            self.templates[st] = _Template(rep, self.evacs - ev, [(pool, count) for pool, count, _, _ in calls], slots)
 
     def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int,
                      nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> bool:
         """Emit ``tpl`` again as the row block at ``m0`` (False, having changed nothing, when the
         kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would,
         the rhs pool's new buffers going to ``pending`` as roll's fill would put them."""
-        slots = []
-        for pool, count, shape, dt, dims in tpl.calls:
-            nbytes = 1
-            for d in shape[1:]:
-                nbytes *= d
-            nbytes *= dt.itemsize
-            for i in range(count):
-                j = (pool._next + i) % pool.bufs
-                old = pool._slots[j]
-                if old is None or old.alloc.nbytes < nbytes or old.p_count != shape[0]:
-                    return False  # tile() would allocate anew
-                slots.append((pool, j, old.alloc, shape[0], dims, dt))
+        for pool, j, alloc, parts, _ in tpl.slots:
+            old = pool._slots[j]
+            if old is None or old.alloc is not alloc or old.p_count != parts:
+                return False  # tile() would not reuse the buffer as the template's call did
         if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw, nxt)):
             return False
         rhs = self.rhs_pool
-        for pool, j, alloc, parts, dims, dt in slots:  # _tile_view(alloc, shape, dt), its dims made once
-            t = pool._slots[j] = TileAP(alloc, alloc.p_start, parts, 0, dims, dt)
+        for pool, j, _, _, proto in tpl.slots:
+            t = pool._slots[j] = _fresh_view(proto)  # what tile() makes: _tile_view(alloc, shape, dtype)
             if pool is rhs:
                 pending.append(t)
-        for pool, count, _, _, _ in tpl.calls:
+        for pool, count in tpl.calls:
             pool._next = (pool._next + count) % pool.bufs
         self.evacs += tpl.evacs
         return True
@@ -539,12 +536,27 @@ class _Mm:
 
 @dataclass
 class _Template:
-    """A row block to replay: the instructions (:class:`Replay`), the evacuations it made and
-    the tile() calls it made per pool (pool, count, shape, dtype, the views' dims)."""
+    """A row block to replay: the instructions (:class:`Replay`), the evacuations it made, the
+    tile() calls it made per pool (pool, count) and each call's buffer (pool, index, allocation,
+    partitions, a private view equal to the one tile() made)."""
 
     rep: Replay
     evacs: int
-    calls: list[tuple[TilePool, int, tuple[int, ...], Dtype, tuple[tuple[int, int], ...]]]
+    calls: list[tuple[TilePool, int]]
+    slots: list[tuple[TilePool, int, object, int, TileAP]]
+
+
+def _make_fresh_view() -> Callable[[TileAP], TileAP]:
+    """``fresh(p)``: a new view equal to ``p`` slot for slot, every slot of TileAP copied (``p``
+    is a view tile() made and no instruction uses, so its builder caches are as TileAP() leaves
+    them): a replayed tile() call, without TileAP.__init__'s arithmetic."""
+    names = [n for c in reversed(TileAP.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
+    ns: dict[str, object] = {"new": object.__new__, "C": TileAP}
+    exec("def fresh(p):\n    t = new(C)" + "".join(f"\n    t.{n} = p.{n}" for n in names) + "\n    return t", ns)
+    return ns["fresh"]  # type: ignore[return-value]
+
+
+_fresh_view = _make_fresh_view()
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
     """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""
