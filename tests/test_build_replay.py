@@ -137,13 +137,16 @@ def test_replay_refuses_when_the_kernel_state_differs() -> None:
     views = mm.block_hbm(mm_mod._Job(a, b, out, 2048, 1024), 0, 256, 0, 1024, None)
     n = len(kern.instructions)
     saved = kern._loaded_stationary
-    kern._loaded_stationary = ("not", "loaded")
+    # the block's first matmul loads its stationary (its tile is loaded just before, which
+    # unloads it whatever was loaded): a template whose first matmul did not is refused
+    assert tpl.rep.first_loads and tpl.rep.first_key[0] in tpl.rep.unloads
+    tpl.rep.first_loads = False
     assert not kern.replay(tpl.rep, views) and len(kern.instructions) == n
-    kern._loaded_stationary = tpl.rep.loaded_before
+    tpl.rep.first_loads = True
+    assert kern._loaded_stationary == saved
     kern._max_instructions = n + len(tpl.rep.ins) - 1
     assert not kern.replay(tpl.rep, views) and len(kern.instructions) == n
     kern._max_instructions = n + len(tpl.rep.ins)
     tile = mm.res_pool._slots[0]
     kern._release(tile)
     assert not kern.replay(tpl.rep, views) and len(kern.instructions) == n
-    kern._loaded_stationary = saved

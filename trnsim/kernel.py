@@ -696,16 +696,22 @@ class Replay:
     HBM side (:meth:`Kernel.replay_template`, :meth:`Kernel.replay`): the instructions, their
     accesses as the tracker's region ids (``[key, dma, first, nr, reads..., nw, writes...]``
     each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
-    touch, and the loaded stationary before and after them."""
+    touch; what decides their LoadStationary flags (the allocations written before the first
+    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
 
-    __slots__ = ("ins", "spec", "sides", "allocs", "loaded_before", "loaded_after", "cloners")
+    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners")
 
     def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
-                 allocs: tuple[Allocation, ...], loaded_before: tuple[Any, ...] | None,
-                 loaded_after: tuple[Any, ...] | None) -> None:
+                 allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
+                 first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
-        self.loaded_before, self.loaded_after = loaded_before, loaded_after
+        self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
         self.cloners = [_cloner(type(x)) for x in ins]
+
+
+def _stationary_key(s: TileAP) -> tuple[Any, ...]:
+    """What the builder compares to know a matmul's stationary is still loaded (``_loaded_stationary``)."""
+    return (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
 
 
 _CLONERS: dict[type, Any] = {}
@@ -1208,11 +1214,11 @@ class Kernel:
         self._loaded_stationary = loaded
         instrs.extend(made)
 
-    def replay_template(self, i0: int, hbm: Sequence[int], loaded_before: tuple[Any, ...] | None) -> "Replay | None":
+    def replay_template(self, i0: int, hbm: Sequence[int]) -> "Replay | None":
         """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
-        replayable: a reference build, the Python tracker, an instruction other than a DMA copy,
-        a matmul or a tensor copy, an HBM operand other than the HBM side of the DMAs at
-        positions ``hbm``). ``loaded_before``: the loaded stationary before ``i0``."""
+        replayable: a reference build, the Python tracker, no matmul, an instruction other than
+        a DMA copy, a matmul or a tensor copy, an HBM operand other than the HBM side of the
+        DMAs at positions ``hbm``)."""
         tracker = self._deps
         if self.reference or type(tracker) is not NativeDependencyTracker:
             return None
@@ -1256,8 +1262,14 @@ class Kernel:
                     spec.append(d[1])
         if [j for j, _, _ in sides] != sorted(want):  # one HBM side at each position, in order
             return None
-        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), loaded_before,
-                      self._loaded_stationary)
+        # the loaded stationary matters up to the first matmul: the tiles written before it
+        # (a write unloads the stationary of its tile), its stationary and whether it loaded it
+        first = next((x for x in ins if type(x) is MatMul), None)
+        if first is None:
+            return None
+        unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
+        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
+                      _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
 
     def replay(self, tpl: "Replay", views: Sequence[HbmAP]) -> bool:
         """Emit ``tpl``'s instructions again at the end of the stream, the i-th replaced HBM side
@@ -1270,7 +1282,11 @@ class Kernel:
         limit reached."""
         instrs, n = self.instructions, len(tpl.ins)
         i0 = len(instrs)
-        if self._loaded_stationary != tpl.loaded_before or i0 + n > self._max_instructions \
+        loaded = self._loaded_stationary
+        if loaded is not None and loaded[0] in tpl.unloads:
+            loaded = None
+        # the first matmul loads its stationary as the template's did: the rest follows
+        if (tpl.first_key != loaded) != tpl.first_loads or i0 + n > self._max_instructions \
                 or len(views) != len(tpl.sides):
             return False
         allocs, tensors = self._allocs, self.tensors

@@ -31,7 +31,7 @@ HBM traffic, same PSUM accumulation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -153,6 +153,8 @@ class _Mm:
     # block that started in it; None when this kernel's blocks are never replayed
     templates: dict[tuple[object, ...], "_Template"] | None = None
     krow_lists: dict[tuple[object, ...], list[HbmAP]] | None = None  # block_hbm's lhsT views per row block
+    calls_of: dict[tuple[int, int, bool], list[tuple[TilePool, int, tuple[int, ...], Dtype]]] = \
+        field(default_factory=dict)  # pool_calls by block size
 
     def evac_engine(self) -> str:
         """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
@@ -419,16 +421,23 @@ class _Mm:
     # block() would have moved them. Anything else (ragged or first blocks, a block that rolls
     # the next rhs in, transposed or double-row operands, an epilogue) runs block() itself.
 
-    def start_state(self, mw: int, nw: int, mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None
-                    ) -> tuple[object, ...] | None:
-        """What decides a row block's instructions besides its HBM views (None: a pool buffer
-        not allocated yet, so block() would allocate). With ``nxt`` (the next column block,
-        whose rhs k-tiles this block loads behind its matmuls) also its width and the rhs pool."""
-        st: list[object] = [mw, nw, mv_ids, self.evacs & 1, self.kern._loaded_stationary,
-                            None if nxt is None else nxt[2]]
-        for pool in (self.lhs_pool, self.acc_pool, self.res_pool) + (() if nxt is None else (self.rhs_pool,)):
-            st.append(pool._next)
-            for t in pool._slots:
+    def block_state(self, mw: int, nw: int, mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None,
+                    parity: int, done: bool) -> tuple[object, ...] | None:
+        """What decides a row block's instructions besides its HBM views and the loaded
+        stationary (Kernel.replay checks that one): its sizes, the rhs views, the evacuation
+        parity, with ``nxt`` (the next column block, whose rhs k-tiles this block loads behind
+        its matmuls) that block's width, and the buffer each of its tile() calls reuses: the
+        pool position and, per call, the allocation of the buffer -- as it is before the block,
+        or (``done``) as the block just left it. None when a buffer is not allocated (tile()
+        would allocate). A block that allocated its buffers is a template for the later blocks
+        that reuse them: tile() hands out the same allocation either way."""
+        st: list[object] = [mw, nw, mv_ids, parity, None if nxt is None else nxt[2]]
+        for pool, count, _, _ in self.pool_calls(mw, nw, nxt is not None):
+            slots, bufs = pool._slots, pool.bufs
+            at = (pool._next - count) % bufs if done else pool._next
+            st.append(at)
+            for i in range(at, at + count):
+                t = slots[i % bufs]
                 if t is None:
                     return None
                 st.append(t.alloc.uid)
@@ -457,6 +466,12 @@ class _Mm:
     def pool_calls(self, mw: int, nw: int, roll: bool) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
         """The tile() calls block() makes in each pool: (pool, count, shape, dtype); the rhs
         pool last, when the block rolls the next rhs in."""
+        got = self.calls_of.get((mw, nw, roll))
+        if got is None:
+            got = self.calls_of[(mw, nw, roll)] = self.make_pool_calls(mw, nw, roll)
+        return got
+
+    def make_pool_calls(self, mw: int, nw: int, roll: bool) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
         p = self.plan
         n_mt, n_w = -(-mw // p.tm), -(-nw // p.tn)
         return [(self.lhs_pool, self.kt_n, _pool_shape((p.parts, p.bm), "lhsT"), self.dt),
@@ -471,17 +486,20 @@ class _Mm:
         block's state, else block() (kept as a template when it is one)."""
         assert self.templates is not None
         kern = self.kern
-        st = self.start_state(mw, nw, mv_ids, nxt)
+        st = self.block_state(mw, nw, mv_ids, nxt, self.evacs & 1, False)
         tpl = self.templates.get(st) if st is not None else None
         if tpl is not None and self.replay_block(tpl, job, m0, mw, n0, nw, nxt, pending):
             return
-        i0, loaded, ev, had = len(kern.instructions), kern._loaded_stationary, self.evacs, len(pending)
+        i0, ev, had = len(kern.instructions), self.evacs, len(pending)
         roll = None
         if nxt is not None:
             def roll(kt: int) -> None:  # emit()'s roll, for a next block without on-chip transposes
                 pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], False, kt, kt + 1, "gpsimd", _RHS_Q))
         self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), roll)
-        if st is None or len(self.templates) >= 8:
+        if len(self.templates) >= 8:
+            return
+        st = self.block_state(mw, nw, mv_ids, nxt, ev & 1, True)
+        if st is None:
             return
         hbm = self.block_hbm(job, m0, mw, n0, nw, nxt)
         made = kern.instructions[i0:]
@@ -508,7 +526,7 @@ class _Mm:
                         (proto.p_start, proto.p_count, proto.offset, proto.dims, proto.dtype):
                     return
                 slots.append((pool, (pool._next - count + i) % pool.bufs, t.alloc, shape[0], proto))
-        rep = kern.replay_template(i0, pos, loaded)
+        rep = kern.replay_template(i0, pos)
         if rep is not None:
             self.templates[st] = _Template(rep, self.evacs - ev, [(pool, count) for pool, count, _, _ in calls], slots)
 
