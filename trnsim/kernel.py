@@ -587,8 +587,9 @@ class NativeDependencyTracker:
     def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
         """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
         ``spec`` (an int32 buffer) holds, per instruction, ``[key, dma, first, nr, reads..., nw,
-        writes...]`` as region ids; returns their results one after the other, each
-        ``[nfirst, ndeps, first..., deps...]`` (nfirst -1 without a first operand)."""
+        writes...]`` as region ids. Returns ``2n+1`` offsets, then the values: instruction i's
+        ``first_deps`` are ``values[off[2i]:off[2i+1]]`` (none without a first operand), its
+        ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
         buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
         return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
 
@@ -706,7 +707,7 @@ class Replay:
                  first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
         self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
-        self.cloners = [_cloner(type(x)) for x in ins]
+        self.cloners = [_cloner(type(x), type(x) is MatMul) for x in ins]  # matmuls: first = stationary
 
 
 def _stationary_key(s: TileAP) -> tuple[Any, ...]:
@@ -714,22 +715,23 @@ def _stationary_key(s: TileAP) -> tuple[Any, ...]:
     return (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
 
 
-_CLONERS: dict[type, Any] = {}
+_CLONERS: dict[tuple[type, bool], Any] = {}
 
 
-def _cloner(cls: type) -> Any:
+def _cloner(cls: type, first: bool) -> Any:
     """``clone(x, index, deps, first_deps)``: a copy of ``x`` (an instance of ``cls``, every
-    slot shallow) with those three fields replaced; one generated function per class, as
-    copying a slotted object attribute by attribute in a loop costs several times more."""
-    f = _CLONERS.get(cls)
+    slot shallow) with those fields replaced (``first_deps`` None unless ``first``: the tracker
+    gave the instruction no first operand); one generated function per class, as copying a
+    slotted object attribute by attribute in a loop costs several times more."""
+    f = _CLONERS.get((cls, first))
     if f is None:
         names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
                  if n not in ("__weakref__", "index", "deps", "first_deps")]
         body = "".join(f"\n    y.{n} = x.{n}" for n in names)
         ns: dict[str, Any] = {"new": object.__new__, "C": cls}
-        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    y.first_deps = f{body}"
-             f"\n    return y", ns)
-        f = _CLONERS[cls] = ns["clone"]
+        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
+             f"y.first_deps = {'f' if first else 'None'}{body}\n    return y", ns)
+        f = _CLONERS[(cls, first)] = ns["clone"]
     return f
 
 
@@ -1309,21 +1311,10 @@ class Kernel:
         spec = array.array("i", tpl.spec)
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
-        vals = tuple(tracker.record_many(i0, n, spec))  # slices of a tuple are tuples: one allocation each
-        out = []
-        append = out.append
-        p, i = 0, i0
-        for x, clone in zip(tpl.ins, tpl.cloners):
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            if nf >= 0:
-                f = vals[p:p + nf]
-                p += nf
-            else:
-                f = None
-            append(clone(x, i, vals[p:p + nd], f))
-            p += nd
-            i += 1
+        raw = tracker.record_many(i0, n, spec)
+        offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
+        out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
+               zip(tpl.ins, tpl.cloners, range(i0, i0 + n), offs[0:2 * n:2], offs[1:2 * n:2], offs[2::2])]
         for (j, is_src, _), v, plan in zip(tpl.sides, views, new_plans):
             x = out[j]
             if is_src:
