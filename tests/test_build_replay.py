@@ -35,6 +35,8 @@ def _both(name: str, shape: tuple[int, ...], dtype: str = "bf16", cfg: str = "tr
 @needs_native
 @pytest.mark.parametrize("cfg", ["trn1", "trn2", "trn3"])
 def test_replayed_blocks_same_stream(cfg: str) -> None:
+    assert hasattr(_deptrack.lib, "dt_record_many"), \
+        "trnsim/native/_deptrack is older than deptrack.c: rebuild it (python3 setup.py build_ext --inplace)"
     # 8 row blocks x 3 column blocks: all but the first two blocks can replay, the blocks that
     # roll the next rhs in included
     _, fast = _both("matmul", (2048, 512, 3072), cfg=cfg)

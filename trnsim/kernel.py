@@ -1222,7 +1222,8 @@ class Kernel:
         a DMA copy, a matmul or a tensor copy, an HBM operand other than the HBM side of the
         DMAs at positions ``hbm``)."""
         tracker = self._deps
-        if self.reference or type(tracker) is not NativeDependencyTracker:
+        if self.reference or type(tracker) is not NativeDependencyTracker or \
+                not hasattr(tracker._lib, "dt_record_many"):  # a module built before it had it
             return None
         ins = self.instructions[i0:]
         want = set(hbm)

@@ -27,6 +27,11 @@ Schedule (the tutorial's "blocked" kernel, made to stream without bubbles):
 Sizes are free: partial tiles cover ragged edges on partitions and free dims. When K is so long
 that a block cannot stay resident, both operands stream a few k-tiles at a time instead (more
 HBM traffic, same PSUM accumulation).
+
+Building: consecutive row blocks of a resident column block emit the same instructions up to
+their HBM views, so a block that starts in a state an earlier block started in is emitted by
+replaying that block (``_Mm.block_or_replay``, :meth:`trnsim.kernel.Kernel.replay`): the same
+instructions as running the loop, several times faster (``kernel.replays`` counts them).
 """
 
 from __future__ import annotations
@@ -411,15 +416,17 @@ class _Mm:
 
     # ---- replaying a repeated row block --------------------------------------------------
     # A resident column block's row blocks emit the same instructions up to the HBM views of
-    # their lhsT loads and output stores, whenever they start from the same state: the same
-    # pool rotation (positions and buffers), the same rhs views, the same evacuation parity and
-    # the same loaded stationary (block() reads nothing else that changes: the view cache only
-    # grows and gives the same view for the same key, the check caches only skip checks that
-    # passed). So a block that starts in a state a block started in before replays that
-    # template through Kernel.replay, with its own HBM views and the dependency edges the
-    # tracker computes from its accesses; the pools and the evacuation count move on as
-    # block() would have moved them. Anything else (ragged or first blocks, a block that rolls
-    # the next rhs in, transposed or double-row operands, an epilogue) runs block() itself.
+    # their DMAs (lhsT loads, output stores and, in the last row block, the next column block's
+    # rhs loads) whenever block() would run from the same state: the same sizes and rhs views,
+    # the same evacuation parity and the same buffer for each tile() call (pool position and
+    # allocation: the view cache then hands out the same on-chip views; it only grows, and the
+    # check caches only skip checks that passed). The loaded stationary matters only for the
+    # block's first matmul, which Kernel.replay checks. So such a block replays an earlier one
+    # (its template) through Kernel.replay, with its own HBM views and the dependency edges the
+    # tracker computes from its accesses; the pools and the evacuation count move on as block()
+    # would have moved them. The rest (transposed A, a last row block whose next column block
+    # is transposed on chip, double-row fp8, an epilogue, the streaming plan, a state not seen
+    # yet, any refusal) runs block() itself.
 
     def block_state(self, mw: int, nw: int, mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None,
                     parity: int, done: bool) -> tuple[object, ...] | None:
@@ -575,6 +582,7 @@ def _make_fresh_view() -> Callable[[TileAP], TileAP]:
 
 
 _fresh_view = _make_fresh_view()
+
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
     """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""
