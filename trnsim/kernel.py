@@ -1296,17 +1296,19 @@ class Kernel:
         for a in tpl.allocs:
             if allocs.get(a.uid) is not a or not a.live:
                 return False
-        for v in views:
-            if type(v) is not HbmAP or tensors.get(v.tensor.name) is not v.tensor:
-                return False
-        plans = self._dma_plans
+        plans, ins = self._dma_plans, tpl.ins
         new_plans = []
         for (j, is_src, _), v in zip(tpl.sides, views):
-            x = tpl.ins[j]
-            g = v._geo or _dma_geometry(v)  # as dma_copy keys its plan cache
-            plan = plans.get((x.dst._geo, g) if is_src else (g, x.src._geo))
-            if plan is None:  # a geometry not planned yet: dma_copy plans it
+            if type(v) is not HbmAP or tensors.get(v.tensor.name) is not v.tensor:
                 return False
+            x = ins[j]
+            g = v._geo or _dma_geometry(v)  # as dma_copy keys its plan cache
+            if g == (x.src if is_src else x.dst)._geo:
+                plan = x.plan  # the template's key, so the plan dma_copy gave it
+            else:
+                plan = plans.get((x.dst._geo, g) if is_src else (g, x.src._geo))
+                if plan is None:  # a geometry not planned yet: dma_copy plans it
+                    return False
             new_plans.append(plan)
         tracker = self._deps
         spec = array.array("i", tpl.spec)
