@@ -578,7 +578,6 @@ class NativeDependencyTracker:
             m.deps = tuple(vals[p:p + nd])
             p += nd
 
-
     def region(self, ap: AP) -> int:
         """The C region id of ``ap`` (registered on first use, as :meth:`record` does)."""
         d = ap._dep_h
@@ -592,6 +591,7 @@ class NativeDependencyTracker:
         ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
         buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
         return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
+
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
 
