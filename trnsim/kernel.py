@@ -22,6 +22,7 @@ Dependencies between instructions (RAW/WAR/WAW on overlapping memory) are derive
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import itertools
@@ -621,6 +622,20 @@ class NativeDependencyTracker:
             dlog(deps)
             flog(fd)
 
+    def region(self, ap: AP) -> int:
+        """The C region id of ``ap`` (registered on first use, as :meth:`record` does)."""
+        d = ap._dep_h
+        return d[1] if d is not None and d[0] is self else self._region(ap)
+
+    def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
+        """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
+        ``spec`` (an int32 buffer) holds, per instruction, ``[key, dma, first, nr, reads..., nw,
+        writes...]`` as region ids. Returns ``2n+1`` offsets, then the values: instruction i's
+        ``first_deps`` are ``values[off[2i]:off[2i+1]]`` (none without a first operand), its
+        ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
+        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
+        return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
+
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
 
@@ -721,6 +736,49 @@ class TilePool:
         self._slots = [None] * self.bufs
 
 
+class Replay:
+    """A run of instructions a kernel emitted, to emit again with other HBM views on some DMAs'
+    HBM side (:meth:`Kernel.replay_template`, :meth:`Kernel.replay`): the instructions, their
+    accesses as the tracker's region ids (``[key, dma, first, nr, reads..., nw, writes...]``
+    each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
+    touch; what decides their LoadStationary flags (the allocations written before the first
+    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
+
+    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners")
+
+    def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
+                 allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
+                 first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
+        self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
+        self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
+        self.cloners = [_cloner(type(x), type(x) is MatMul) for x in ins]  # matmuls: first = stationary
+
+
+def _stationary_key(s: TileAP) -> tuple[Any, ...]:
+    """What the builder compares to know a matmul's stationary is still loaded (``_loaded_stationary``)."""
+    return (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
+
+
+_CLONERS: dict[tuple[type, bool], Any] = {}
+
+
+def _cloner(cls: type, first: bool) -> Any:
+    """``clone(x, index, deps, first_deps)``: a copy of ``x`` (an instance of ``cls``, every
+    slot shallow) with those fields replaced (``first_deps`` None unless ``first``: the tracker
+    gave the instruction no first operand); one generated function per class, as copying a
+    slotted object attribute by attribute in a loop costs several times more."""
+    f = _CLONERS.get((cls, first))
+    if f is None:
+        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
+                 if n not in ("__weakref__", "index", "deps", "first_deps")]
+        body = "".join(f"\n    y.{n} = x.{n}" for n in names)
+        ns: dict[str, Any] = {"new": object.__new__, "C": cls}
+        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
+             f"y.first_deps = {'f' if first else 'None'}{body}\n    return y", ns)
+        f = _CLONERS[(cls, first)] = ns["clone"]
+    return f
+
+
 def _free_elems(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape[1:]:
@@ -765,6 +823,8 @@ class Kernel:
         self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
         self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
+        #: runs of instructions emitted by :meth:`replay` (a matmul's repeated row blocks)
+        self.replays = 0
 
     # ---- HBM tensors -----------------------------------------------------------------------
     def _tensor(self, name: str, shape: Sequence[int], dtype: Any, kind: str) -> HbmTensor:
@@ -1199,6 +1259,120 @@ class Kernel:
             loaded = key
         self._loaded_stationary = loaded
         instrs.extend(made)
+
+    def replay_template(self, i0: int, hbm: Sequence[int]) -> "Replay | None":
+        """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
+        replayable: a reference build, the Python tracker, no matmul, an instruction other than
+        a DMA copy, a matmul or a tensor copy, an HBM operand other than the HBM side of the
+        DMAs at positions ``hbm``)."""
+        tracker = self._deps
+        if self.reference or type(tracker) is not NativeDependencyTracker or \
+                not hasattr(tracker._lib, "dt_record_many"):  # a module built before it had it
+            return None
+        ins = self.instructions[i0:]
+        want = set(hbm)
+        spec: list[int] = []
+        sides: list[tuple[int, bool, int]] = []
+        allocs: dict[int, Allocation] = {}
+        keys = tracker._keys
+        for j, x in enumerate(ins):
+            cls = type(x)
+            if cls is DmaCopy:
+                key, first = x.queue, -1
+            elif cls is MatMul:
+                key, first = x.engine, 0
+                if x.reads[0] is not x.stationary or x.first_deps is None:
+                    return None
+            elif cls is TensorCopy:
+                key, first = x.engine, -1
+            else:
+                return None
+            if cls is not MatMul and x.first_deps is not None:
+                return None
+            kid = keys.get(key)
+            if kid is None:
+                return None
+            spec.extend((kid, 1 if x.is_dma else 0, first, len(x.reads)))
+            for group in (x.reads, x.writes):
+                if group is x.writes:
+                    spec.append(len(x.writes))
+                for ap in group:
+                    d = ap._dep_h
+                    if d is None or d[0] is not tracker:
+                        return None
+                    if type(ap) is TileAP:
+                        allocs[ap.alloc.uid] = ap.alloc
+                    elif j in want and cls is DmaCopy and (ap is x.src) != (ap is x.dst):
+                        sides.append((j, ap is x.src, len(spec)))
+                    else:
+                        return None
+                    spec.append(d[1])
+        if [j for j, _, _ in sides] != sorted(want):  # one HBM side at each position, in order
+            return None
+        # the loaded stationary matters up to the first matmul: the tiles written before it
+        # (a write unloads the stationary of its tile), its stationary and whether it loaded it
+        first = next((x for x in ins if type(x) is MatMul), None)
+        if first is None:
+            return None
+        unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
+        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
+                      _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
+
+    def replay(self, tpl: "Replay", views: Sequence[HbmAP]) -> bool:
+        """Emit ``tpl``'s instructions again at the end of the stream, the i-th replaced HBM side
+        being ``views[i]`` (in the template's order): the instructions the calls that made the
+        template would emit now, when they would emit the same ones with those views (the
+        caller's claim: the same operands from the same builder state); their ``deps`` and
+        ``first_deps`` come from the tracker, fed every access in order. Returns False, having
+        changed nothing, when the kernel's part of that state differs: the loaded stationary,
+        a tile not live or not this kernel's, an HBM tensor not this kernel's, the instruction
+        limit reached."""
+        instrs, n = self.instructions, len(tpl.ins)
+        i0 = len(instrs)
+        loaded = self._loaded_stationary
+        if loaded is not None and loaded[0] in tpl.unloads:
+            loaded = None
+        # the first matmul loads its stationary as the template's did: the rest follows
+        if (tpl.first_key != loaded) != tpl.first_loads or i0 + n > self._max_instructions \
+                or len(views) != len(tpl.sides):
+            return False
+        allocs, tensors = self._allocs, self.tensors
+        for a in tpl.allocs:
+            if allocs.get(a.uid) is not a or not a.live:
+                return False
+        plans, ins = self._dma_plans, tpl.ins
+        new_plans = []
+        for (j, is_src, _), v in zip(tpl.sides, views):
+            if type(v) is not HbmAP or tensors.get(v.tensor.name) is not v.tensor:
+                return False
+            x = ins[j]
+            g = v._geo or _dma_geometry(v)  # as dma_copy keys its plan cache
+            if g == (x.src if is_src else x.dst)._geo:
+                plan = x.plan  # the template's key, so the plan dma_copy gave it
+            else:
+                plan = plans.get((x.dst._geo, g) if is_src else (g, x.src._geo))
+                if plan is None:  # a geometry not planned yet: dma_copy plans it
+                    return False
+            new_plans.append(plan)
+        tracker = self._deps
+        spec = array.array("i", tpl.spec)
+        for (_, _, at), v in zip(tpl.sides, views):
+            spec[at] = tracker.region(v)
+        raw = tracker.record_many(i0, n, spec)
+        offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
+        out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
+               zip(tpl.ins, tpl.cloners, range(i0, i0 + n), offs[0:2 * n:2], offs[1:2 * n:2], offs[2::2])]
+        for (j, is_src, _), v, plan in zip(tpl.sides, views, new_plans):
+            x = out[j]
+            if is_src:
+                x.src, x.reads = v, (v,)
+            else:
+                x.dst, x.writes = v, (v,)
+            x.plan = plan
+        self._loaded_stationary = tpl.loaded_after
+        instrs.extend(out)
+        self.replays += 1
+        return True
 
     def _check_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP) -> bool:
         """Check an ``nc_matmul``'s operands against TensorE's rules; return whether it is an

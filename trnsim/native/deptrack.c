@@ -501,6 +501,55 @@ int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
     return record_at(t, 0, idx, key, dma, &r, 1, &w, 1, -1);
 }
 
+/* n instructions idx0, idx0+1, ... recorded one after the other, as n dt_record calls would:
+ * spec holds, per instruction, [key, dma, first, nr, reads..., nw, writes...]. Results in
+ * dt_out as 2n+1 offsets then the values: instruction i's first-operand edges are
+ * values[off[2i]:off[2i+1]] (none without `first`) and its own edges values[off[2i+1]:off[2i+2]].
+ * Returns how many ints in all, or -1 (out of memory, or a spec that does not parse). */
+int32_t dt_record_many(dt_tracker *t, int32_t idx0, int32_t n, const int32_t *spec, int32_t nspec) {
+    int32_t at = 0, p = 0;
+    if (n < 0) return -1;
+    for (int32_t i = 0; i < n; i++) {
+        if (p + 4 > nspec) return -1;
+        int32_t key = spec[p], dma = spec[p + 1], first = spec[p + 2], nr = spec[p + 3];
+        p += 4;
+        if (nr < 0 || p + nr + 1 > nspec) return -1;
+        const int32_t *reads = spec + p;
+        p += nr;
+        int32_t nw = spec[p++];
+        if (nw < 0 || p + nw > nspec) return -1;
+        const int32_t *writes = spec + p;
+        p += nw;
+        int32_t k = record_at(t, at, idx0 + i, key, dma, reads, nr, writes, nw, first);
+        if (k < 0) return -1;
+        at += k;
+    }
+    if (p != nspec) return -1;
+    /* [nfirst, ndeps, first..., deps...] per instruction -> offsets, then the values */
+    int32_t *tmp = (int32_t *)malloc((size_t)(at > 0 ? at : 1) * sizeof(int32_t));
+    if (!tmp) return -1;
+    memcpy(tmp, t->out, (size_t)at * sizeof(int32_t));
+    int64_t total = (int64_t)2 * n + 1 + (at - (int64_t)2 * n);
+    if (out_grow(t, total + 1)) { free(tmp); return -1; }
+    int32_t *out = t->out, *vals = t->out + 2 * n + 1;
+    int32_t q = 0, pos = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t nf = tmp[q] > 0 ? tmp[q] : 0, nd = tmp[q + 1];
+        q += 2;
+        out[2 * i] = pos;
+        memcpy(vals + pos, tmp + q, (size_t)nf * sizeof(int32_t));
+        pos += nf;
+        q += nf;
+        out[2 * i + 1] = pos;
+        memcpy(vals + pos, tmp + q, (size_t)nd * sizeof(int32_t));
+        pos += nd;
+        q += nd;
+    }
+    out[2 * n] = pos;
+    free(tmp);
+    return (int32_t)total;
+}
+
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */
 
 #define DUMP_MAGIC 0x7472646570310001LL

@@ -40,6 +40,11 @@ int32_t dt_record11(dt_tracker *t, int32_t idx, int32_t key, int32_t dma, int32_
  * out as dt_record's. Returns how many ints in all, or -1. */
 int32_t dt_record_matmuls(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *st, const int32_t *mv,
                           const int32_t *dst, const int32_t *acc);
+/* n instructions idx0, idx0+1, ... in one call: spec holds, per instruction, [key, dma, first,
+ * nr, reads..., nw, writes...] (dt_record's arguments). Results in dt_out: 2n+1 offsets, then
+ * the values; instruction i's first-operand edges are values[off[2i]:off[2i+1]] (none without
+ * `first`), its own edges values[off[2i+1]:off[2i+2]]. Returns how many ints in all, or -1. */
+int32_t dt_record_many(dt_tracker *t, int32_t idx0, int32_t n, const int32_t *spec, int32_t nspec);
 /* The read-after-write edges of a read of `region`, into out[..]; returns how many. */
 int32_t dt_raw_deps(dt_tracker *t, int32_t region);
 /* The edge log: each dt_record* call's results, in call order. dt_log_size checks that the
