@@ -152,3 +152,17 @@ def test_replay_refuses_when_the_kernel_state_differs() -> None:
     tile = mm.res_pool._slots[0]
     kern._release(tile)
     assert not kern.replay(tpl.rep, views) and len(kern.instructions) == n
+
+
+@needs_native
+def test_replayed_blocks_join_the_edge_log() -> None:
+    """A replayed block's edges are in the tracker's log, so simulate() takes them as arrays
+    (``trnsim.sim._logged_edges``), and the native loop still agrees with simpy."""
+    from trnsim.sim import _logged_edges, simulate
+
+    config = load_config("trn2")
+    kern = get_kernel("matmul").make((1024, 512, 1536), "bf16", config)
+    assert kern.replays > 0
+    assert _logged_edges(kern, kern.instructions) is not None
+    native, ref = simulate(config, [kern])[0], simulate(config, [kern], engine="simpy")[0]
+    assert (native.total_ticks, native.ready, native.end) == (ref.total_ticks, ref.ready, ref.end)

@@ -636,6 +636,13 @@ class NativeDependencyTracker:
         buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
         return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
 
+    def log_recorded(self, ins: Sequence[Instruction]) -> None:
+        """Note the ``deps``/``first_deps`` tuples that the caller of :meth:`record_many` gave
+        ``ins`` (made from its results; the C log already has their ints), so that
+        :meth:`logged_edges` still covers every instruction."""
+        self._dlog.extend([x.deps for x in ins])
+        self._flog.extend([x.first_deps for x in ins])
+
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
 
@@ -1369,6 +1376,7 @@ class Kernel:
             else:
                 x.dst, x.writes = v, (v,)
             x.plan = plan
+        tracker.log_recorded(out)
         self._loaded_stationary = tpl.loaded_after
         instrs.extend(out)
         self.replays += 1
