@@ -22,6 +22,7 @@ Dependencies between instructions (RAW/WAR/WAW on overlapping memory) are derive
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import itertools
@@ -386,6 +387,10 @@ except ImportError:  # not built: the Python tracker does the same work, slower
     _deptrack = None
 
 
+_UNLOGGED = object()  # a record whose first_deps the C edge log does not have (equal to no tuple)
+_LOG_FIRST = getattr(_deptrack.lib, "dt_log_first", None) if _deptrack is not None else None
+
+
 def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
     """The dependency box of an HBM view, as :meth:`DependencyTracker._resolve` makes it."""
     box = ap._dep_box
@@ -407,7 +412,8 @@ class NativeDependencyTracker:
     from allocations and tensors to history ids and, on each view, the id of its region (made
     once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
 
-    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_out2", "_gen", "_g", "__weakref__")
+    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_out2", "_gen", "_g", "_dlog", "_flog",
+                 "__weakref__")
 
     def __init__(self) -> None:
         assert _deptrack is not None
@@ -425,6 +431,11 @@ class NativeDependencyTracker:
         self._out2 = self._out + 2  # where a record without `first` puts its edges
         self._gen = lib.dt_outgen(self._t)
         self._g = self._gen[0]
+        # the tuples each record returned / set, in record order; the C side logs their ints
+        # (dt_log_*): the simulator takes those arrays when the instructions still carry
+        # exactly these tuples (trnsim.sim._logged_edges)
+        self._dlog: list[Any] = []
+        self._flog: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
         """A kernel pickles with its tracker: the C state as bytes (views drop their region ids,
@@ -494,16 +505,39 @@ class NativeDependencyTracker:
 
     def _edges(self, n: int) -> tuple[int, ...]:
         """The edges a record without ``first`` left in the output buffer (``n`` ints in all:
-        -1, the count, the edges)."""
+        -1, the count, the edges), noted in the log as :meth:`record` notes them."""
         if n <= 2:
             if n < 0:
                 raise MemoryError("dependency tracker: out of memory")
+            self._dlog.append(())
+            self._flog.append(None)
             return ()
         if self._gen[0] != self._g:  # the C output buffer grew (moved)
             self._out = self._lib.dt_out(self._t)
             self._out2 = self._out + 2
             self._g = self._gen[0]
-        return tuple(self._unpack(self._out2, n - 2))
+        deps = tuple(self._unpack(self._out2, n - 2))
+        self._dlog.append(deps)
+        self._flog.append(None)
+        return deps
+
+    def logged_edges(self) -> tuple[list[Any], list[Any], tuple[np.ndarray, ...]] | None:
+        """Every record so far, when they were instructions 0, 1, 2... in order: the deps and
+        first_deps tuples they returned / set, and their ints as the simulator's columns
+        (dep_off, deps, has_first, first_off, first); None when not."""
+        lib, ffi = self._lib, _deptrack.ffi
+        sizes = ffi.new("int64_t[3]")
+        if not hasattr(lib, "dt_log_size"):  # a _deptrack built before the log: read the objects
+            return None
+        if lib.dt_log_size(self._t, sizes) != 0 or sizes[0] != len(self._dlog):
+            return None
+        n, nd, nf = sizes[0], sizes[1], sizes[2]
+        cols = (np.empty(n + 1, np.int64), np.empty(max(nd, 1), np.int32), np.empty(max(n, 1), np.int8),
+                np.empty(n + 1, np.int64), np.empty(max(nf, 1), np.int32))
+        lib.dt_log_columns(self._t, *(ffi.from_buffer(t + "[]", c) for t, c in
+                                      zip(("int64_t", "int32_t", "int8_t", "int64_t", "int32_t"), cols)))
+        dep_off, deps, has_first, first_off, first = cols
+        return self._dlog, self._flog, (dep_off, deps[:nd], has_first[:n], first_off, first[:nf])
 
     def raw_deps(self, ap: AP) -> tuple[int, ...]:
         """The writers an access to ``ap`` must wait for (read-after-write only)."""
@@ -574,11 +608,21 @@ class NativeDependencyTracker:
         vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
         nf = vals[0]
         if nf >= 0:
-            ins.first_deps = tuple(vals[2:2 + nf])
-            return tuple(vals[2 + nf:])
+            fd = ins.first_deps = tuple(vals[2:2 + nf])
+            deps = tuple(vals[2 + nf:])
+            self._dlog.append(deps)
+            self._flog.append(fd)
+            return deps
         deps = tuple(vals[2:])
-        if first is not None:  # not among the reads (never for TensorE's operands)
-            ins.first_deps = self.raw_deps(first)
+        self._dlog.append(deps)
+        if first is not None:  # not among the reads (an operand view that is not one of them)
+            fd = ins.first_deps = self.raw_deps(first)
+            if _LOG_FIRST is not None and _LOG_FIRST(self._t, len(fd)) == 0:  # raw_deps' ints, still in dt_out
+                self._flog.append(fd)
+            else:
+                self._flog.append(_UNLOGGED)  # the C log has no first deps for it: never taken
+        else:
+            self._flog.append(None)
         return deps
 
     def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
@@ -596,8 +640,11 @@ class NativeDependencyTracker:
         n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
         vals = self._results(n)
         nf = vals[0]
-        ins.first_deps = tuple(vals[2:2 + nf])
-        return tuple(vals[2 + nf:])
+        fd = ins.first_deps = tuple(vals[2:2 + nf])
+        deps = tuple(vals[2 + nf:])
+        self._dlog.append(deps)
+        self._flog.append(fd)
+        return deps
 
     def record_transpose(self, ins: Instruction, data: AP, dst: AP) -> tuple[int, ...]:
         """:meth:`record` of a PE transpose (reads ``data``, writes ``dst``; ``first`` = ``data``)."""
@@ -610,8 +657,11 @@ class NativeDependencyTracker:
             kid = self._key("Tensor")
         vals = self._results(self._lib.dt_record_first11(self._t, ins.index, kid, r, w))
         nf = vals[0]
-        ins.first_deps = tuple(vals[2:2 + nf])
-        return tuple(vals[2 + nf:])
+        fd = ins.first_deps = tuple(vals[2:2 + nf])
+        deps = tuple(vals[2 + nf:])
+        self._dlog.append(deps)
+        self._flog.append(fd)
+        return deps
 
     def record_transposes(self, ins: Sequence[Transpose]) -> None:
         """:meth:`record_transpose` of consecutive transposes (indices ``ins[0].index`` on) in one
@@ -624,7 +674,18 @@ class NativeDependencyTracker:
         kid = self._keys.get("Tensor")
         if kid is None:
             kid = self._key("Tensor")
-        _spread(ins, self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst)))
+        vals = self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
+        p = 0
+        dlog, flog = self._dlog.append, self._flog.append
+        for m in ins:  # laid out as record_matmuls' results
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            fd = m.first_deps = tuple(vals[p:p + nf])
+            p += nf
+            deps = m.deps = tuple(vals[p:p + nd])
+            p += nd
+            dlog(deps)
+            flog(fd)
 
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
@@ -639,20 +700,39 @@ class NativeDependencyTracker:
             kid = self._key("Tensor")
         n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
                                         [1 if m.accumulate else 0 for m in ins])
-        _spread(ins, self._results(n))
+        vals = self._results(n)
+        p = 0
+        dlog, flog = self._dlog.append, self._flog.append
+        for m in ins:
+            nf, nd = vals[p], vals[p + 1]
+            p += 2
+            fd = m.first_deps = tuple(vals[p:p + nf])
+            p += nf
+            deps = m.deps = tuple(vals[p:p + nd])
+            p += nd
+            dlog(deps)
+            flog(fd)
 
+    def region(self, ap: AP) -> int:
+        """The C region id of ``ap`` (registered on first use, as :meth:`record` does)."""
+        d = ap._dep_h
+        return d[1] if d is not None and d[0] is self else self._region(ap)
 
-def _spread(ins: Sequence[Instruction], vals: list[int]) -> None:
-    """Each instruction's ``first_deps`` and ``deps`` from a batched record's results, laid out
-    one after the other as [nfirst, ndeps, first..., deps...]."""
-    p = 0
-    for m in ins:
-        nf, nd = vals[p], vals[p + 1]
-        p += 2
-        m.first_deps = tuple(vals[p:p + nf])
-        p += nf
-        m.deps = tuple(vals[p:p + nd])
-        p += nd
+    def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
+        """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
+        ``spec`` (an int32 buffer) holds, per instruction, ``[key, dma, first, nr, reads..., nw,
+        writes...]`` as region ids. Returns ``2n+1`` offsets, then the values: instruction i's
+        ``first_deps`` are ``values[off[2i]:off[2i+1]]`` (none without a first operand), its
+        ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
+        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
+        return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
+
+    def log_recorded(self, ins: Sequence[Instruction]) -> None:
+        """Note the ``deps``/``first_deps`` tuples that the caller of :meth:`record_many` gave
+        ``ins`` (made from its results; the C log already has their ints), so that
+        :meth:`logged_edges` still covers every instruction."""
+        self._dlog.extend([x.deps for x in ins])
+        self._flog.extend([x.first_deps for x in ins])
 
 
 _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
@@ -817,6 +897,49 @@ class TilePool:
         self._asked = [None] * self.bufs
 
 
+class Replay:
+    """A run of instructions a kernel emitted, to emit again with other HBM views on some DMAs'
+    HBM side (:meth:`Kernel.replay_template`, :meth:`Kernel.replay`): the instructions, their
+    accesses as the tracker's region ids (``[key, dma, first, nr, reads..., nw, writes...]``
+    each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
+    touch; what decides their LoadStationary flags (the allocations written before the first
+    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
+
+    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners")
+
+    def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
+                 allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
+                 first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
+        self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
+        self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
+        self.cloners = [_cloner(type(x), type(x) is MatMul) for x in ins]  # matmuls: first = stationary
+
+
+def _stationary_key(s: TileAP) -> tuple[Any, ...]:
+    """What the builder compares to know a matmul's stationary is still loaded (``_loaded_stationary``)."""
+    return (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
+
+
+_CLONERS: dict[tuple[type, bool], Any] = {}
+
+
+def _cloner(cls: type, first: bool) -> Any:
+    """``clone(x, index, deps, first_deps)``: a copy of ``x`` (an instance of ``cls``, every
+    slot shallow) with those fields replaced (``first_deps`` None unless ``first``: the tracker
+    gave the instruction no first operand); one generated function per class, as copying a
+    slotted object attribute by attribute in a loop costs several times more."""
+    f = _CLONERS.get((cls, first))
+    if f is None:
+        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
+                 if n not in ("__weakref__", "index", "deps", "first_deps")]
+        body = "".join(f"\n    y.{n} = x.{n}" for n in names)
+        ns: dict[str, Any] = {"new": object.__new__, "C": cls}
+        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
+             f"y.first_deps = {'f' if first else 'None'}{body}\n    return y", ns)
+        f = _CLONERS[(cls, first)] = ns["clone"]
+    return f
+
+
 def _free_elems(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape[1:]:
@@ -861,6 +984,8 @@ class Kernel:
         self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
         self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
+        #: runs of instructions emitted by :meth:`replay` (a matmul's repeated row blocks)
+        self.replays = 0
         # an engine op's arguments as far as its checks read them (op and engine names, operand
         # geometries or number types) -> what the checks made of them (engine, op names), for
         # calls that passed: a repeat skips the checks (a failing call is checked each time)
@@ -1346,6 +1471,121 @@ class Kernel:
             loaded = key
         self._loaded_stationary = loaded
         instrs.extend(made)
+
+    def replay_template(self, i0: int, hbm: Sequence[int]) -> "Replay | None":
+        """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
+        replayable: a reference build, the Python tracker, no matmul, an instruction other than
+        a DMA copy, a matmul or a tensor copy, an HBM operand other than the HBM side of the
+        DMAs at positions ``hbm``)."""
+        tracker = self._deps
+        if self.reference or type(tracker) is not NativeDependencyTracker or \
+                not hasattr(tracker._lib, "dt_record_many"):  # a module built before it had it
+            return None
+        ins = self.instructions[i0:]
+        want = set(hbm)
+        spec: list[int] = []
+        sides: list[tuple[int, bool, int]] = []
+        allocs: dict[int, Allocation] = {}
+        keys = tracker._keys
+        for j, x in enumerate(ins):
+            cls = type(x)
+            if cls is DmaCopy:
+                key, first = x.queue, -1
+            elif cls is MatMul:
+                key, first = x.engine, 0
+                if x.reads[0] is not x.stationary or x.first_deps is None:
+                    return None
+            elif cls is TensorCopy:
+                key, first = x.engine, -1
+            else:
+                return None
+            if cls is not MatMul and x.first_deps is not None:
+                return None
+            kid = keys.get(key)
+            if kid is None:
+                return None
+            spec.extend((kid, 1 if x.is_dma else 0, first, len(x.reads)))
+            for group in (x.reads, x.writes):
+                if group is x.writes:
+                    spec.append(len(x.writes))
+                for ap in group:
+                    d = ap._dep_h
+                    if d is None or d[0] is not tracker:
+                        return None
+                    if type(ap) is TileAP:
+                        allocs[ap.alloc.uid] = ap.alloc
+                    elif j in want and cls is DmaCopy and (ap is x.src) != (ap is x.dst):
+                        sides.append((j, ap is x.src, len(spec)))
+                    else:
+                        return None
+                    spec.append(d[1])
+        if [j for j, _, _ in sides] != sorted(want):  # one HBM side at each position, in order
+            return None
+        # the loaded stationary matters up to the first matmul: the tiles written before it
+        # (a write unloads the stationary of its tile), its stationary and whether it loaded it
+        first = next((x for x in ins if type(x) is MatMul), None)
+        if first is None:
+            return None
+        unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
+        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
+                      _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
+
+    def replay(self, tpl: "Replay", views: Sequence[HbmAP]) -> bool:
+        """Emit ``tpl``'s instructions again at the end of the stream, the i-th replaced HBM side
+        being ``views[i]`` (in the template's order): the instructions the calls that made the
+        template would emit now, when they would emit the same ones with those views (the
+        caller's claim: the same operands from the same builder state); their ``deps`` and
+        ``first_deps`` come from the tracker, fed every access in order. Returns False, having
+        changed nothing, when the kernel's part of that state differs: the loaded stationary,
+        a tile not live or not this kernel's, an HBM tensor not this kernel's, the instruction
+        limit reached."""
+        instrs, n = self.instructions, len(tpl.ins)
+        i0 = len(instrs)
+        loaded = self._loaded_stationary
+        if loaded is not None and loaded[0] in tpl.unloads:
+            loaded = None
+        # the first matmul loads its stationary as the template's did: the rest follows
+        if (tpl.first_key != loaded) != tpl.first_loads or i0 + n > self._max_instructions \
+                or len(views) != len(tpl.sides):
+            return False
+        allocs, tensors = self._allocs, self.tensors
+        for a in tpl.allocs:
+            if allocs.get(a.uid) is not a or not a.live:
+                return False
+        plans, ins = self._dma_plans, tpl.ins
+        new_plans = []
+        for (j, is_src, _), v in zip(tpl.sides, views):
+            if type(v) is not HbmAP or tensors.get(v.tensor.name) is not v.tensor:
+                return False
+            x = ins[j]
+            g = v._geo or _dma_geometry(v)  # as dma_copy keys its plan cache
+            if g == (x.src if is_src else x.dst)._geo:
+                plan = x.plan  # the template's key, so the plan dma_copy gave it
+            else:
+                plan = plans.get((x.dst._geo, g) if is_src else (g, x.src._geo))
+                if plan is None:  # a geometry not planned yet: dma_copy plans it
+                    return False
+            new_plans.append(plan)
+        tracker = self._deps
+        spec = array.array("i", tpl.spec)
+        for (_, _, at), v in zip(tpl.sides, views):
+            spec[at] = tracker.region(v)
+        raw = tracker.record_many(i0, n, spec)
+        offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
+        out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
+               zip(tpl.ins, tpl.cloners, range(i0, i0 + n), offs[0:2 * n:2], offs[1:2 * n:2], offs[2::2])]
+        for (j, is_src, _), v, plan in zip(tpl.sides, views, new_plans):
+            x = out[j]
+            if is_src:
+                x.src, x.reads = v, (v,)
+            else:
+                x.dst, x.writes = v, (v,)
+            x.plan = plan
+        tracker.log_recorded(out)
+        self._loaded_stationary = tpl.loaded_after
+        instrs.extend(out)
+        self.replays += 1
+        return True
 
     def _check_matmul(self, dst: TileAP, stationary: TileAP, moving: TileAP) -> bool:
         """Check an ``nc_matmul``'s operands against TensorE's rules; return whether it is an

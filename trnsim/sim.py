@@ -23,7 +23,7 @@ modules still give each instruction its costs; the loop keeps the state that mov
 
 from __future__ import annotations
 
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, length_hint
 from typing import Any, Generator, Sequence
 
@@ -204,7 +204,8 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    why = None if engine == "simpy" or _sched is None else _native_unsupported(kernels)
+    types = None if engine == "simpy" or _sched is None else [_type_column(k.instructions) for k in kernels]
+    why = None if types is None else _native_unsupported(types)
     if engine == "native" and why is not None:
         raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
     with gc_paused():
@@ -213,24 +214,32 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
             cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
             env.run()
         else:
-            cores = _NativeRun(config, kernels, pipes).run()
+            cores = _NativeRun(config, kernels, pipes, types).run()  # checks completeness on its arrays
+            return cores
     for c in cores:
         c.check_complete()
     return cores
 
 
-def _native_unsupported(kernels: Sequence[Kernel]) -> str | None:
-    """Why the native loop cannot run ``kernels`` exactly as the simpy processes would (None: it
-    can). It implements the in-order rule of :meth:`Engine.plan` and TensorE's; an engine
-    registered with a placement rule of its own runs on the simpy processes."""
+def _type_column(instrs: Sequence[Instruction]) -> tuple[Numbering, np.ndarray]:
+    """The instruction types of a kernel (numbered in order of first use) and each one's number."""
+    type_id = Numbering()
+    return type_id, np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=len(instrs))
+
+
+def _native_unsupported(types: Sequence[tuple[Numbering, np.ndarray]]) -> str | None:
+    """Why the native loop cannot run kernels of these instruction types (:func:`_type_column`)
+    exactly as the simpy processes would (None: it can). It implements the in-order rule of
+    :meth:`Engine.plan` and TensorE's; an engine registered with a placement rule of its own
+    runs on the simpy processes."""
     for name, cls in ENGINE_TYPES.items():
         if cls.plan is Engine.plan:
             continue
         if not (issubclass(cls, TensorEngine) and cls.plan is TensorEngine.plan
                 and cls.utilisation_limit is TensorEngine.utilisation_limit):
             return f"engine {name} ({cls.__name__}) places instructions by its own plan(), which sched.c does not model"
-    for k in kernels:
-        for t in set(map(type, k.instructions)):
+    for type_id, _ in types:
+        for t in type_id:
             if issubclass(t, DmaCopy) != bool(t.is_dma):
                 return f"instruction type {t.__name__} is a DMA for the queues but not for its engine"
     return None
@@ -258,10 +267,39 @@ _PLAN_OF = attrgetter("plan")
 
 
 def _pick(items: Sequence[Any], idx: np.ndarray) -> list[Any]:
-    """``[items[i] for i in idx]``, at C speed."""
+    """``[items[i] for i in idx]`` (``idx`` ascending), at C speed."""
     if len(idx) == 1:
         return [items[int(idx[0])]]
+    if len(idx) * 8 > len(items):  # most of them: one pass over a mask copies less
+        mask = np.zeros(len(items), dtype=bool)
+        mask[idx] = True
+        return list(compress(items, mask.tolist()))
     return list(itemgetter(*idx.tolist())(items)) if len(idx) else []
+
+
+def _logged_edges(kernel: Kernel, instrs: Sequence[Instruction]) -> tuple[np.ndarray, ...] | None:
+    """The deps / first_deps columns from the builder's dependency log (the C tracker keeps
+    each record's edges as ints: :meth:`NativeDependencyTracker.logged_edges`), when they are
+    provably what the instructions carry now; None otherwise (read the instructions).
+
+    Instructions are mutable: the proof is that instruction ``i``'s ``deps`` and ``first_deps``
+    are equal to the tuples record ``i`` returned (identical objects, unless something replaced
+    them: then compared by value; anything else, e.g. a list, is not equal and falls back). A
+    kernel whose records are not exactly its instructions in order (an edited or spliced list,
+    an unpickled kernel, the Python tracker) falls back too."""
+    get = getattr(getattr(kernel, "_deps", None), "logged_edges", None)
+    log = get() if get is not None else None
+    if log is None:
+        return None
+    dlog, flog, cols = log
+    if len(dlog) != len(instrs):
+        return None
+    try:
+        if list(map(_DEPS_OF, instrs)) != dlog or list(map(_FIRST_OF, instrs)) != flog:
+            return None
+    except (TypeError, ValueError):  # a deps value whose == is not a truth value (an array)
+        return None
+    return cols
 
 
 class _CoreColumns:
@@ -269,34 +307,37 @@ class _CoreColumns:
     column with C-level map/numpy operations rather than a Python loop per instruction (that
     loop would cost more than the whole event loop in C)."""
 
-    def __init__(self, tl: CoreTimeline, plans: "_Plans"):
+    def __init__(self, tl: CoreTimeline, plans: "_Plans", types: tuple[Numbering, np.ndarray]):
         instrs = tl.kernel.instructions
         n = self.n = len(instrs)
         names = list(ENGINE_TYPES)
         eng_id = {name: j for j, name in enumerate(names)}
         engines = [tl.engines[name] for name in names]
-        ens = list(map(_ENGINE_OF, instrs))
-        self.engine = eng = np.fromiter(map(eng_id.__getitem__, ens), dtype=np.int32, count=n)
-        dl = list(map(_DEPS_OF, instrs))
-        self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
-        self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
-        fl = list(map(_FIRST_OF, instrs))
-        # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
-        self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
-        self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
-        self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32, count=int(self.first_off[-1]))
+        self.engine = eng = np.fromiter(map(eng_id.__getitem__, map(_ENGINE_OF, instrs)), dtype=np.int32, count=n)
+        logged = _logged_edges(tl.kernel, instrs)
+        if logged is not None:
+            self.dep_off, self.deps, self.has_first, self.first_off, self.first = logged
+        else:
+            dl = list(map(_DEPS_OF, instrs))
+            self.dep_off = np.fromiter(accumulate(map(len, dl), initial=0), dtype=np.int64, count=n + 1)
+            self.deps = np.fromiter(chain.from_iterable(dl), dtype=np.int32, count=int(self.dep_off[-1]))
+            fl = list(map(_FIRST_OF, instrs))
+            # None (wait for all deps) and () (no first-phase deps) differ; both add no indices
+            self.has_first = np.fromiter(map(is_not, fl, repeat(None)), dtype=np.int8, count=n)
+            self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
+            self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32,
+                                     count=int(self.first_off[-1]))
         kind = self.kind = np.zeros(n, dtype=np.int8)
         busy = self.busy = np.zeros(n, dtype=np.int64)
         lat = self.lat = np.zeros(n, dtype=np.int64)
         ls = self.ls = np.zeros(n, dtype=np.int64)
         self.plan = np.full(n, -1, dtype=np.int32)
         self.owner = eng.copy()
-        lanes = np.array(ens, dtype=object)  # each instruction's main segment: lane and label
+        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
         labels = np.empty(n, dtype=object)
         owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
         # ---- by instruction type ---------------------------------------------------------
-        type_id = Numbering()
-        tid = np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=n)
+        type_id, tid = types
         generic: list[np.ndarray] = []
         self.tensor_used = False
         self.hbm_bytes = self.hbm_ticks = 0
@@ -339,20 +380,31 @@ class _CoreColumns:
             self.owner[didx] = owner_of_queue[qid]
             pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma)
             self.plan[didx] = pl
-        if generic:  # in program order: an engine's cost may depend on its state (ScalarE's table)
-            gidx = np.sort(np.concatenate(generic)).tolist()
-            bl, ll, lal, lbl = [], [], [], []
-            for i in gidx:
-                ins = instrs[i]
-                e = engines[eng[i]]
-                bl.append(e.cycles(ins) * e.tpc)
-                ll.append(e.latency_cycles(ins) * e.tpc)
-                lal.append(e.lane(ins))
-                lbl.append(ins.describe())
-            busy[gidx] = bl
-            lat[gidx] = ll
-            lanes[gidx] = lal
-            labels[gidx] = lbl
+        if generic:
+            gidx = np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+            types = list(type_id)
+            states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
+            try:
+                for j in np.unique(eng[gidx]).tolist():
+                    idx = gidx[eng[gidx] == j]
+                    cost = _generic_costs(instrs, idx, tid[idx], types, engines[j])
+                    busy[idx], lat[idx], lanes[idx], labels[idx] = cost
+            except Exception:
+                # a cost method failed: ask again instruction by instruction in program order
+                # from the same engine states, so the error (and the state at it) is the one
+                # the simpy reference meets first
+                for e, vals in states:
+                    for a, v in zip(e.cost_state, vals):
+                        setattr(e, a, v)
+                bl, ll, lal, lbl = [], [], [], []
+                for i in gidx.tolist():
+                    ins = instrs[i]
+                    e = engines[eng[i]]
+                    bl.append(e.cycles(ins) * e.tpc)
+                    ll.append(e.latency_cycles(ins) * e.tpc)
+                    lal.append(e.lane(ins))
+                    lbl.append(ins.describe())
+                busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
         self.lanes = lanes
         self.labels = labels
         self.owners = owners
@@ -362,6 +414,62 @@ class _CoreColumns:
             if len(on):
                 self.processes.append((j, on))
         self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
+
+
+def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
+                   e: Engine) -> tuple[Any, Any, Any, Any]:
+    """Busy ticks, latency ticks, lane and label of instructions ``idx`` (ascending) of engine
+    ``e``, from its cost methods: once per distinct cost key (:attr:`Engine.cost_fields`; an
+    instruction of a type without one is its own key), in program order of first use. An engine
+    with a cost state (ScalarE's table) is walked in program order by (key, state), each state
+    change exactly as calling it instruction by instruction makes it."""
+    n = len(idx)
+    kid = np.empty(n, dtype=np.int64)
+    nkeys = 0
+    for j in np.unique(tid).tolist():
+        pos = np.flatnonzero(tid == j)
+        key = e.cost_key(types[j])
+        if key is None:
+            kid[pos] = np.arange(nkeys, nkeys + len(pos))
+            nkeys += len(pos)
+            continue
+        number = Numbering()
+        kid[pos] = np.fromiter(map(number.__getitem__, map(key, _pick(instrs, idx[pos]))), dtype=np.int64,
+                               count=len(pos)) + nkeys
+        nkeys += len(number)
+    tpc = e.tpc
+
+    def costs(ins: Instruction) -> tuple[int, int, str, str]:
+        return e.cycles(ins) * tpc, e.latency_cycles(ins) * tpc, e.lane(ins), ins.describe()
+
+    if not e.cost_state:
+        _, first = np.unique(kid, return_index=True)  # first[k]: where key k is first used
+        order = np.sort(first)
+        # keys numbered in order of first use, so the cost methods run in program order
+        renum = np.empty(nkeys, dtype=np.int64)
+        renum[kid[order]] = np.arange(len(order))
+        table = [costs(instrs[i]) for i in idx[order].tolist()]
+        at = renum[kid]
+    else:
+        names = e.cost_state
+        memo: dict[tuple[int, Any], tuple[int, Any]] = {}
+        table, at_l = [], []
+        state = tuple(getattr(e, a) for a in names)
+        for p, k in enumerate(kid.tolist()):
+            hit = memo.get((k, state))
+            if hit is None:
+                for a, v in zip(names, state):
+                    setattr(e, a, v)
+                table.append(costs(instrs[int(idx[p])]))
+                hit = memo[(k, state)] = (len(table) - 1, tuple(getattr(e, a) for a in names))
+            at_l.append(hit[0])
+            state = hit[1]
+        for a, v in zip(names, state):
+            setattr(e, a, v)
+        at = np.array(at_l, dtype=np.int64)
+    b, lt, ln, lb = zip(*table)
+    return (np.array(b, dtype=np.int64)[at], np.array(lt, dtype=np.int64)[at],
+            np.array(ln, dtype=object)[at], np.array(lb, dtype=object)[at])
 
 
 class _Plans:
@@ -438,17 +546,19 @@ class _NativeRun:
     :class:`CoreTimeline` objects, and the engines, DMA systems and HBM pipes are left as the
     simpy run leaves them."""
 
-    def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe]):
+    def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe],
+                 types: Sequence[tuple[Numbering, np.ndarray]]):
         self.config = config
         self.pipes = pipes
         self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]
         self.timelines = [_NativeTimeline(None, config, k, pipes[self.stacks[c]], c) for c, k in enumerate(kernels)]
+        self.types = types
 
     def run(self) -> list["_NativeTimeline"]:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
         plans = _Plans()
-        cols = [_CoreColumns(tl, plans) for tl in self.timelines]
+        cols = [_CoreColumns(tl, plans, t) for tl, t in zip(self.timelines, self.types)]
         ncores = len(cols)
         sizes = [c.n for c in cols]
         base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
@@ -563,7 +673,10 @@ class _NativeRun:
         for c, (tl, col) in enumerate(zip(self.timelines, cols)):
             b0, b1 = int(base[c]), int(base[c + 1])
             rd = ready[b0:b1]
-            tl.ready = rd.tolist() if not (rd < 0).any() else [None if x < 0 else x for x in rd.tolist()]
+            missing = np.flatnonzero(rd < 0)
+            if len(missing):  # pragma: no cover - CoreTimeline.check_complete's error, from the arrays
+                raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
+            tl.ready = rd.tolist()
             tl.end = end[b0:b1].tolist()
             tr = trigger[b0:b1].astype(object)
             tr[trigger[b0:b1] < 0] = None

@@ -14,12 +14,13 @@ register themselves with :func:`register_engine`, and adding one does not touch 
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, ClassVar
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, Instruction
 
-__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering"]
+__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering", "view_fields"]
 
 # (lane, label, start tick, end tick, instruction index)
 Segment = tuple[str, str, int, int, int]
@@ -36,6 +37,12 @@ class Numbering(dict):  # type: ignore[type-arg]
         return k
 
 
+def view_fields(*operands: str) -> tuple[str, ...]:
+    """The attribute paths of a view operand that a cost formula may read: its dtype (a dtype is
+    its name), its memory space and its dims (free size and innermost stride)."""
+    return tuple(f"{op}.{a}" for op in operands for a in ("dtype.name", "alloc.space", "dims"))
+
+
 def register_engine(cls: type["Engine"]) -> type["Engine"]:
     ENGINE_TYPES[cls.name] = cls
     return cls
@@ -49,6 +56,17 @@ class Engine:
     #: dependencies on this engine's own earlier instructions are satisfied at their *end*
     #: (the engine pipelines them, e.g. PSUM accumulation) rather than after the latency.
     pipelines_own_results: ClassVar[bool] = False
+    #: per instruction type (exactly that type), the attribute paths that decide its
+    #: :meth:`cycles`, :meth:`latency_cycles`, :meth:`lane` and ``describe()`` on this engine,
+    #: given the state named by ``cost_state``: the native scheduler works the costs out once per
+    #: distinct key (its simpy reference asks for each instruction). A type not listed is
+    #: costed instruction by instruction. Keep in step with cycles(): a field it reads that is
+    #: missing here would give instructions that differ only there one cost
+    #: (tests/test_sim_equivalence.py compares the two on every library kernel).
+    cost_fields: ClassVar[dict[type, tuple[str, ...]]] = {}
+    #: the engine attributes :meth:`cycles` reads and changes (ScalarE's loaded table): with
+    #: any, costs are worked out in program order per (key, state)
+    cost_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ChipConfig):
         self.config = config
@@ -67,6 +85,18 @@ class Engine:
 
     def lane(self, ins: Instruction) -> str:
         return self.name
+
+    @classmethod
+    def cost_key(cls, ins_type: type) -> Callable[[Any], Any] | None:
+        """The key function of ``cost_fields[ins_type]`` (None: not listed). A subclass that
+        overrides a cost method without listing its own ``cost_fields`` gets none."""
+        keys = cls.__dict__.get("_cost_keys")
+        if keys is None:
+            owner = next(c for c in cls.__mro__ if "cost_fields" in c.__dict__)
+            same = all(getattr(cls, m) is getattr(owner, m) for m in ("cycles", "latency_cycles", "lane"))
+            keys = {t: operator.attrgetter(*f) for t, f in cls.cost_fields.items()} if same else {}
+            setattr(cls, "_cost_keys", keys)
+        return keys.get(ins_type)
 
     def trigger_ticks(self) -> int:
         """Ticks this engine's sequencer spends writing a DMA descriptor trigger."""

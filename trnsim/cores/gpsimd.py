@@ -10,7 +10,7 @@ import numpy as np
 
 from ..isa import ALU_OPS, AffineSelect, Instruction, Iota, Memset, TensorCopy, TensorReduce, TensorScalar, TensorTensor
 from .alu import ElementwiseExec, store
-from .base import Engine, register_engine
+from .base import Engine, register_engine, view_fields as _v
 
 
 def _affine_grid(p: int, dims: tuple[tuple[int, int], ...], base: int, cm: int, pattern: tuple[int, ...]) -> np.ndarray:
@@ -27,6 +27,15 @@ def _affine_grid(p: int, dims: tuple[tuple[int, int], ...], base: int, cm: int, 
 @register_engine
 class GpSimdEngine(ElementwiseExec, Engine):
     name = "GpSimd"
+    cost_fields = {
+        Iota: _v("dst"),
+        AffineSelect: _v("dst"),
+        TensorTensor: _v("data1") + ("op",),
+        TensorScalar: _v("data") + ("op0", "op1"),
+        TensorCopy: _v("data"),
+        TensorReduce: _v("data") + ("op",),
+        Memset: _v("dst"),
+    }
 
     def cycles(self, ins: Instruction) -> int:
         g = self.config.core.gpsimd

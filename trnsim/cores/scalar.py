@@ -14,13 +14,20 @@ import numpy as np
 
 from ..isa import ACTIVATIONS, Activation, Instruction, Memset, TensorCopy, TensorScalar
 from .alu import ElementwiseExec, activation_values, load_f32, operand, store
-from .base import Engine, register_engine
+from .base import Engine, register_engine, view_fields as _v
 from .vector import ceil_div, is16
 
 
 @register_engine
 class ScalarEngine(ElementwiseExec, Engine):
     name = "Scalar"
+    cost_fields = {
+        Activation: _v("dst", "data") + ("func", "reduce_op"),
+        TensorCopy: _v("dst", "data"),
+        TensorScalar: _v("dst", "data") + ("op0", "op1"),
+        Memset: _v("dst"),
+    }
+    cost_state = ("table",)
 
     def __init__(self, config: Any):
         super().__init__(config)

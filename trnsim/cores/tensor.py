@@ -93,10 +93,35 @@ class TensorEngine(Engine):
             cycles = self._cycles[key] = self.shape_cycles(ins)
         return cycles
 
+    #: the operand views themselves (by identity) and the flags: finer than the geometry, and
+    #: cheaper to read when a kernel reuses its views (the operand objects are not touched)
+    KEY_OPERANDS_MATMUL = operator.attrgetter("stationary", "moving", "load_stationary", "double_row")
+    KEY_OPERANDS_TRANSPOSE = operator.attrgetter("data", "load_stationary")
+
     def cycles_by_shape(self, instrs: Sequence[MatMul | Transpose], transpose: bool
                         ) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """:meth:`shape_cycles` of many instructions of one type (Transpose or not), in bulk:
-        (for each instruction the number of its operand geometry, (LS, MM) cycles per geometry)."""
+        (for each instruction the number of its operand geometry, (LS, MM) cycles per geometry).
+        In a big batch whose first thousand share their operand views (a matmul kernel's tiles),
+        the instructions are numbered by those views first and the geometry read once per
+        distinct operands (the same numbers, fewer objects touched)."""
+        ident = self.KEY_OPERANDS_TRANSPOSE if transpose else self.KEY_OPERANDS_MATMUL
+        n, head = len(instrs), min(len(instrs), 1024)
+        if n >= 4096:  # big enough that a failed try (the first thousand are all distinct) costs little
+            numbering = Numbering()
+            vid = np.empty(n, dtype=np.int64)
+            vid[:head] = np.fromiter(map(numbering.__getitem__, map(ident, instrs[:head])), dtype=np.int64,
+                                     count=head)
+            if len(numbering) * 4 <= head:  # reused: number the rest the same way
+                vid[head:] = np.fromiter(map(numbering.__getitem__, map(ident, instrs[head:])), dtype=np.int64,
+                                         count=n - head)
+                _, first = np.unique(vid, return_index=True)
+                ids, cycles = self._cycles_by_geometry([instrs[j] for j in first.tolist()], transpose)
+                return ids[vid], cycles
+        return self._cycles_by_geometry(instrs, transpose)
+
+    def _cycles_by_geometry(self, instrs: Sequence[MatMul | Transpose], transpose: bool
+                            ) -> tuple[np.ndarray, list[tuple[int, int]]]:
         if transpose:
             key = self.KEY_TRANSPOSE
         elif any(map(operator.attrgetter("double_row"), instrs)):

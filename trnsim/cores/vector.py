@@ -21,7 +21,7 @@ import numpy as np
 from ..isa import (ALU_OPS, CopyPredicated, Instruction, Memset, RangeSelect, Reciprocal, ScalarTensorTensor,
                    TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP)
 from .alu import ElementwiseExec, alu, load_any, load_f32, operand, store
-from .base import Engine, register_engine
+from .base import Engine, register_engine, view_fields as _v
 
 
 def is16(ap: TileAP) -> bool:
@@ -35,6 +35,18 @@ def ceil_div(a: int, b: int) -> int:
 @register_engine
 class VectorEngine(ElementwiseExec, Engine):
     name = "Vector"
+    cost_fields = {
+        TensorCopy: _v("dst", "data"),
+        TensorScalar: _v("dst", "data") + ("op0", "op1"),
+        TensorTensor: _v("dst", "data1", "data2") + ("op",),
+        TensorReduce: _v("dst", "data") + ("op",),
+        Memset: _v("dst") + ("value",),
+        TensorTensorScan: _v("data0") + ("op0", "op1"),
+        ScalarTensorTensor: _v("dst", "data", "operand1") + ("op0", "op1"),
+        CopyPredicated: _v("dst", "predicate") + ("src",),  # src: a view (by identity) or a number
+        RangeSelect: _v("data") + ("cmp0", "cmp1"),
+        Reciprocal: _v("data"),
+    }
 
     def perf_copy(self, dst: TileAP, src: TileAP) -> int:
         v = self.config.core.vector

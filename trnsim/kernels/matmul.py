@@ -27,18 +27,23 @@ Schedule (the tutorial's "blocked" kernel, made to stream without bubbles):
 Sizes are free: partial tiles cover ragged edges on partitions and free dims. When K is so long
 that a block cannot stay resident, both operands stream a few k-tiles at a time instead (more
 HBM traffic, same PSUM accumulation).
+
+Building: consecutive row blocks of a resident column block emit the same instructions up to
+their HBM views, so a block that starts in a state an earlier block started in is emitted by
+replaying that block (``_Mm.block_or_replay``, :meth:`trnsim.kernel.Kernel.replay`): the same
+instructions as running the loop, several times faster (``kernel.replays`` counts them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import HbmAP, KernelError, TileAP
-from ..kernel import Kernel, TilePool
+from ..isa import DmaCopy, HbmAP, KernelError, TileAP
+from ..kernel import Kernel, Replay, TilePool, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
@@ -149,6 +154,12 @@ class _Mm:
     # replaces evacuation and store of each [ms, nw] row tile: (mm, job, first row, ms, n0, PSUM
     # tiles of the block's banks); a compiled region's ops run there (trnsim.kernels.fused)
     epilogue: Callable[..., None] | None = None
+    # row blocks that may be replayed (see replay_block): their start state -> the template
+    # block that started in it; None when this kernel's blocks are never replayed
+    templates: dict[tuple[object, ...], "_Template"] | None = None
+    krow_lists: dict[tuple[object, ...], list[HbmAP]] | None = None  # block_hbm's lhsT views per row block
+    calls_of: dict[tuple[int, int, bool], list[tuple[TilePool, int, tuple[int, ...], Dtype]]] = \
+        field(default_factory=dict)  # pool_calls by block size
 
     def evac_engine(self) -> str:
         """Alternate PSUM evacuation between VectorE and ScalarE so both drain in parallel."""
@@ -193,6 +204,15 @@ class _Mm:
             v = self.views[key] = make()
         return v  # type: ignore[return-value]
 
+    def krows(self, view: HbmAP, kt: int, c0: int, c1: int) -> HbmAP:
+        """``view[k rows of kt, c0:c1]`` (single-row mode), made once per kernel."""
+        k0, ks = kt * self.plan.tk, self.ks(kt)
+        return self.view(view, (k0, ks, c0, c1), lambda: view[k0:k0 + ks, c0:c1])  # type: ignore[return-value]
+
+    def out_rows(self, out: HbmAP, r0: int, ms: int, n0: int, nw: int) -> HbmAP:
+        """``out[r0:r0+ms, n0:n0+nw]``, where a row tile of a block is stored, made once per kernel."""
+        return self.view(out, (r0, ms, n0, nw), lambda: out[r0:r0 + ms, n0:n0 + nw])  # type: ignore[return-value]
+
     # ---- filling k-tiles -------------------------------------------------------------------
     def move(self, tile: TileAP, view: HbmAP, kt: int, c0: int, c1: int, engine: str, queue: int,
              store: bool = False) -> None:
@@ -209,8 +229,7 @@ class _Mm:
                 kern.dma_copy(region, hbm, engine=engine, queue=queue)
 
         if p.rows == 1:
-            copy(self.view(view, (k0, ks, c0, c1), lambda: view[k0:k0 + ks, c0:c1]),
-                 self.view(tile, (ks, w), lambda: tile[:ks, :w]))
+            copy(self.krows(view, kt, c0, c1), self.view(tile, (ks, w), lambda: tile[:ks, :w]))
             return
         (s0, _), (s1, _) = view.dims
         pairs = ks // 2
@@ -284,6 +303,8 @@ class _Mm:
                     mw = min(p.bm, job.m - m0)
                     self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, None), None)
             return
+        if not self.kern.reference and p.rows == 1 and self.epilogue is None:
+            self.templates, self.krow_lists = {}, {}
         pending: list[TileAP] = []
         for bi, (job, n0, nw) in enumerate(blocks):
             rhs = pending or self.fill(self.rhs_pool, job.b, n0, nw, job.tb, 0, self.kt_n, "gpsimd", _RHS_Q)
@@ -292,8 +313,14 @@ class _Mm:
             # operand views are built once per block: slicing costs more than emitting a matmul
             mvs = [[self.cols(rhs[kt], kt, c0, min(nw, c0 + p.tn)) for c0 in range(0, nw, p.tn)]
                    for kt in range(self.kt_n)]
+            replayable = self.templates is not None and job.a_rows is None and job.a is not None
+            mv_ids = tuple(id(v) for row in mvs for v in row)
             for m0 in range(0, job.m, p.bm):
                 mw = min(p.bm, job.m - m0)
+                last = m0 + mw == job.m and nxt is not None
+                if replayable and not (last and nxt[0].tb):  # type: ignore[index]
+                    self.block_or_replay(job, m0, mw, n0, nw, mvs, mv_ids, nxt if last else None, pending)
+                    continue
 
                 def roll(kt: int) -> None:
                     """Load the next column block's rhs k-tile into the buffer just done with
@@ -380,9 +407,181 @@ class _Mm:
             c0 = 0
             for dst in row:
                 w = dst.free_size
-                kern.tensor_copy(res[:ms, c0:c0 + w], dst, engine=self.evac_engine())
+                kern.tensor_copy(self.view(res, (ms, c0, w), lambda: res[:ms, c0:c0 + w]), dst,
+                                 engine=self.evac_engine())
                 c0 += w
-            kern.dma_copy(job.out[m0 + mi:m0 + mi + ms, n0:n0 + nw], res[:ms, :nw], engine="gpsimd", queue=_STORE_Q)
+            kern.dma_copy(self.out_rows(job.out, m0 + mi, ms, n0, nw), self.view(res, (ms, nw), lambda: res[:ms, :nw]),
+                          engine="gpsimd", queue=_STORE_Q)
+
+
+    # ---- replaying a repeated row block --------------------------------------------------
+    # A resident column block's row blocks emit the same instructions up to the HBM views of
+    # their DMAs (lhsT loads, output stores and, in the last row block, the next column block's
+    # rhs loads) whenever block() would run from the same state: the same sizes and rhs views,
+    # the same evacuation parity and the same buffer for each tile() call (pool position and
+    # allocation: the view cache then hands out the same on-chip views; it only grows, and the
+    # check caches only skip checks that passed). The loaded stationary matters only for the
+    # block's first matmul, which Kernel.replay checks. So such a block replays an earlier one
+    # (its template) through Kernel.replay, with its own HBM views and the dependency edges the
+    # tracker computes from its accesses; the pools and the evacuation count move on as block()
+    # would have moved them. The rest (transposed A, a last row block whose next column block
+    # is transposed on chip, double-row fp8, an epilogue, the streaming plan, a state not seen
+    # yet, any refusal) runs block() itself.
+
+    def block_state(self, mw: int, nw: int, mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None,
+                    parity: int, done: bool) -> tuple[object, ...] | None:
+        """What decides a row block's instructions besides its HBM views and the loaded
+        stationary (Kernel.replay checks that one): its sizes, the rhs views, the evacuation
+        parity, with ``nxt`` (the next column block, whose rhs k-tiles this block loads behind
+        its matmuls) that block's width, and the buffer each of its tile() calls reuses: the
+        pool position and, per call, the allocation of the buffer -- as it is before the block,
+        or (``done``) as the block just left it. None when a buffer is not allocated (tile()
+        would allocate). A block that allocated its buffers is a template for the later blocks
+        that reuse them: tile() hands out the same allocation either way."""
+        st: list[object] = [mw, nw, mv_ids, parity, None if nxt is None else nxt[2]]
+        for pool, count, _, _ in self.pool_calls(mw, nw, nxt is not None):
+            slots, bufs = pool._slots, pool.bufs
+            at = (pool._next - count) % bufs if done else pool._next
+            st.append(at)
+            for i in range(at, at + count):
+                t = slots[i % bufs]
+                if t is None:
+                    return None
+                st.append(t.alloc.uid)
+        return tuple(st)
+
+    def block_hbm(self, job: _Job, m0: int, mw: int, n0: int, nw: int, nxt: tuple[_Job, int, int] | None
+                  ) -> list[HbmAP]:
+        """The HBM sides of a row block's DMAs, in emission order: the lhsT loads of k-tiles
+        ``_GROUP`` at a time, each followed (with ``nxt``) by the next column block's rhs loads
+        of those k-tiles, one after each k-tile's matmuls; then each row tile's store."""
+        a, out, p, lists = job.a, job.out, self.plan, self.krow_lists
+        assert a is not None
+        # the lhsT rows of a block recur in every column block: their krows() list, made once
+        # (the same views krows() returns, which the view cache keeps)
+        key = (-a.tensor.uid, a.offset, a.dims, m0, mw)
+        got = lists.get(key)
+        if got is None:
+            got = lists[key] = [self.krows(a, kt, m0, m0 + mw) for kt in range(self.kt_n)]
+        if nxt is not None:
+            b, c0, c1 = nxt[0].b, nxt[1], nxt[1] + nxt[2]  # (once per column block)
+            rhs = [self.krows(b, kt, c0, c1) for kt in range(self.kt_n)]
+            got = [v for g0 in range(0, self.kt_n, _GROUP)
+                   for v in got[g0:g0 + _GROUP] + rhs[g0:g0 + _GROUP]]
+        return got + [self.out_rows(out, m0 + mi, min(p.tm, mw - mi), n0, nw) for mi in range(0, mw, p.tm)]
+
+    def pool_calls(self, mw: int, nw: int, roll: bool) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
+        """The tile() calls block() makes in each pool: (pool, count, shape, dtype); the rhs
+        pool last, when the block rolls the next rhs in."""
+        got = self.calls_of.get((mw, nw, roll))
+        if got is None:
+            got = self.calls_of[(mw, nw, roll)] = self.make_pool_calls(mw, nw, roll)
+        return got
+
+    def make_pool_calls(self, mw: int, nw: int, roll: bool) -> list[tuple[TilePool, int, tuple[int, ...], Dtype]]:
+        p = self.plan
+        n_mt, n_w = -(-mw // p.tm), -(-nw // p.tn)
+        return [(self.lhs_pool, self.kt_n, _pool_shape((p.parts, p.bm), "lhsT"), self.dt),
+                (self.acc_pool, n_mt * n_w, _pool_shape((p.tm, p.tn), "acc"), _pool_dtype("float32", "acc")),
+                (self.res_pool, n_mt, _pool_shape((p.tm, p.bn), "res"), self.odt)] + \
+            ([(self.rhs_pool, self.kt_n, _pool_shape((p.parts, p.bn), "rhs"), self.dt)] if roll else [])
+
+    def block_or_replay(self, job: _Job, m0: int, mw: int, n0: int, nw: int, mvs: list[list[TileAP]],
+                        mv_ids: tuple[int, ...], nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> None:
+        """One row block (with ``nxt``, the last of its column block: it loads the next column
+        block's rhs k-tiles into ``pending``): replayed from a template when one started in this
+        block's state, else block() (kept as a template when it is one)."""
+        assert self.templates is not None
+        kern = self.kern
+        st = self.block_state(mw, nw, mv_ids, nxt, self.evacs & 1, False)
+        tpl = self.templates.get(st) if st is not None else None
+        if tpl is not None and self.replay_block(tpl, job, m0, mw, n0, nw, nxt, pending):
+            return
+        i0, ev, had = len(kern.instructions), self.evacs, len(pending)
+        roll = None
+        if nxt is not None:
+            def roll(kt: int) -> None:  # emit()'s roll, for a next block without on-chip transposes
+                pending.extend(self.fill(self.rhs_pool, nxt[0].b, nxt[1], nxt[2], False, kt, kt + 1, "gpsimd", _RHS_Q))
+        self.block(job, m0, mw, n0, nw, self.streamer(job, m0, mw, n0, nw, mvs), roll)
+        if len(self.templates) >= 8:
+            return
+        st = self.block_state(mw, nw, mv_ids, nxt, ev & 1, True)
+        if st is None:
+            return
+        hbm = self.block_hbm(job, m0, mw, n0, nw, nxt)
+        made = kern.instructions[i0:]
+        pos = [j for j, x in enumerate(made) if type(x) is DmaCopy
+               and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
+        # the template's HBM sides are exactly the views block_hbm names, in that order (the
+        # loads' sources, then the stores' destinations)
+        n_loads = self.kt_n * (1 if nxt is None else 2)
+        if len(pos) != len(hbm) or any(v is not (made[j].src if i < n_loads else made[j].dst)
+                                       for i, (j, v) in enumerate(zip(pos, hbm))):
+            return
+        # each tile() call of the template, in order: (pool, buffer, its allocation, partitions,
+        # a private copy of the view tile() made) -- block()'s calls reuse buffers whose
+        # allocation fits, so the template's calls made views of these allocations
+        slots = []
+        calls = self.pool_calls(mw, nw, nxt is not None)
+        for pool, count, shape, dt in calls:
+            for i in range(count):
+                t = pool._slots[(pool._next - count + i) % pool.bufs]
+                if t is None:
+                    return
+                proto = _tile_view(t.alloc, shape, dt)
+                if (t.p_start, t.p_count, t.offset, t.dims, t.dtype) != \
+                        (proto.p_start, proto.p_count, proto.offset, proto.dims, proto.dtype):
+                    return
+                slots.append((pool, (pool._next - count + i) % pool.bufs, t.alloc, shape[0], proto))
+        rep = kern.replay_template(i0, pos)
+        if rep is not None:
+            self.templates[st] = _Template(rep, self.evacs - ev, [(pool, count) for pool, count, _, _ in calls], slots)
+
+    def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int,
+                     nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> bool:
+        """Emit ``tpl`` again as the row block at ``m0`` (False, having changed nothing, when the
+        kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would,
+        the rhs pool's new buffers going to ``pending`` as roll's fill would put them."""
+        for pool, j, alloc, parts, _ in tpl.slots:
+            old = pool._slots[j]
+            if old is None or old.alloc is not alloc or old.p_count != parts:
+                return False  # tile() would not reuse the buffer as the template's call did
+        if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw, nxt)):
+            return False
+        rhs = self.rhs_pool
+        for pool, j, _, _, proto in tpl.slots:
+            t = pool._slots[j] = _fresh_view(proto)  # what tile() makes: _tile_view(alloc, shape, dtype)
+            if pool is rhs:
+                pending.append(t)
+        for pool, count in tpl.calls:
+            pool._next = (pool._next + count) % pool.bufs
+        self.evacs += tpl.evacs
+        return True
+
+
+@dataclass
+class _Template:
+    """A row block to replay: the instructions (:class:`Replay`), the evacuations it made, the
+    tile() calls it made per pool (pool, count) and each call's buffer (pool, index, allocation,
+    partitions, a private view equal to the one tile() made)."""
+
+    rep: Replay
+    evacs: int
+    calls: list[tuple[TilePool, int]]
+    slots: list[tuple[TilePool, int, object, int, TileAP]]
+
+
+def _make_fresh_view() -> Callable[[TileAP], TileAP]:
+    """``fresh(p)``: a new view equal to ``p`` slot for slot, every slot of TileAP copied (``p``
+    is a view tile() made and no instruction uses, so its builder caches are as TileAP() leaves
+    them): a replayed tile() call, without TileAP.__init__'s arithmetic."""
+    names = [n for c in reversed(TileAP.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
+    ns: dict[str, object] = {"new": object.__new__, "C": TileAP}
+    exec("def fresh(p):\n    t = new(C)" + "".join(f"\n    t.{n} = p.{n}" for n in names) + "\n    return t", ns)
+    return ns["fresh"]  # type: ignore[return-value]
+
+
+_fresh_view = _make_fresh_view()
 
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:

@@ -64,6 +64,11 @@ struct dt_tracker {
     int32_t outgen; /* bumped whenever `out` moves (the caller caches the pointer) */
     int32_t *tmp;
     int32_t ntmp, captmp;
+    /* the edge log: every record's (idx, nfirst, ndeps) in logh, its first... deps... in logv
+     * (what the simulator reads instead of each instruction's tuples, dt_log_*) */
+    int32_t *logh, *logv;
+    int32_t nlogh, caplogh, nlogv, caplogv;
+    int32_t log_bad; /* 1 once the log ran out of memory: it is then incomplete */
 };
 
 static int grow(void **p, int32_t *cap, int64_t need, size_t elem) {
@@ -135,6 +140,8 @@ void dt_free(dt_tracker *t) {
     free(t->graves);
     free(t->out);
     free(t->tmp);
+    free(t->logh);
+    free(t->logv);
     free(t);
 }
 
@@ -311,6 +318,77 @@ int32_t *dt_out(dt_tracker *t) {
 
 const int32_t *dt_outgen(dt_tracker *t) { return &t->outgen; }
 
+/* Append the record whose results are at out[at..] to the edge log (a log that cannot grow is
+ * marked bad, not an error: the simulator then reads the instructions' own tuples). */
+static void log_record(dt_tracker *t, int32_t idx, int32_t at) {
+    int32_t nfirst = t->out[at], nd = t->out[at + 1];
+    int32_t nv = (nfirst > 0 ? nfirst : 0) + nd;
+    if (t->log_bad) return;
+    if (grow((void **)&t->logh, &t->caplogh, (int64_t)t->nlogh + 3, sizeof(int32_t)) ||
+        grow((void **)&t->logv, &t->caplogv, (int64_t)t->nlogv + nv, sizeof(int32_t))) {
+        t->log_bad = 1;
+        return;
+    }
+    t->logh[t->nlogh++] = idx;
+    t->logh[t->nlogh++] = nfirst;
+    t->logh[t->nlogh++] = nd;
+    memcpy(t->logv + t->nlogv, t->out + at + 2, (size_t)nv * sizeof(int32_t));
+    t->nlogv += nv;
+}
+
+int32_t dt_log_first(dt_tracker *t, int32_t n) {
+    if (t->log_bad) return 0;
+    if (t->nlogh < 3 || t->logh[t->nlogh - 2] >= 0 || n < 0) return -1;
+    if (grow((void **)&t->logv, &t->caplogv, (int64_t)t->nlogv + n, sizeof(int32_t))) {
+        t->log_bad = 1;
+        return 0;
+    }
+    int32_t nd = t->logh[t->nlogh - 1];
+    int32_t *v = t->logv + t->nlogv - nd;
+    memmove(v + n, v, (size_t)nd * sizeof(int32_t));
+    memcpy(v, t->out, (size_t)n * sizeof(int32_t));
+    t->nlogv += n;
+    t->logh[t->nlogh - 2] = n;
+    return 0;
+}
+
+int32_t dt_log_size(dt_tracker *t, int64_t *sizes) {
+    if (t->log_bad) return -1;
+    int64_t nd = 0, nf = 0, n = t->nlogh / 3;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *h = t->logh + 3 * i;
+        if (h[0] != i) return -1;
+        if (h[1] > 0) nf += h[1];
+        nd += h[2];
+    }
+    sizes[0] = n;
+    sizes[1] = nd;
+    sizes[2] = nf;
+    return 0;
+}
+
+int32_t dt_log_columns(dt_tracker *t, int64_t *dep_off, int32_t *deps, int8_t *has_first, int64_t *first_off,
+                       int32_t *first) {
+    int64_t n = t->nlogh / 3, pd = 0, pf = 0, pv = 0;
+    dep_off[0] = first_off[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t *h = t->logh + 3 * i;
+        int32_t nfirst = h[1], nd = h[2];
+        has_first[i] = nfirst >= 0;
+        if (nfirst > 0) {
+            memcpy(first + pf, t->logv + pv, (size_t)nfirst * sizeof(int32_t));
+            pf += nfirst;
+            pv += nfirst;
+        }
+        memcpy(deps + pd, t->logv + pv, (size_t)nd * sizeof(int32_t));
+        pd += nd;
+        pv += nd;
+        dep_off[i + 1] = pd;
+        first_off[i + 1] = pf;
+    }
+    return 0;
+}
+
 /* One instruction's record; its results go to out[at..]: [nfirst, ndeps, first..., deps...]
  * (nfirst -1 without `first`). Returns the number written, or -1. */
 static int32_t record_at(dt_tracker *t, int32_t at, int32_t idx, int32_t key, int32_t dma, const int32_t *reads,
@@ -388,6 +466,7 @@ static int32_t record_at(dt_tracker *t, int32_t at, int32_t idx, int32_t key, in
     if (nd < 0) return -1;
     t->out[at] = nfirst;
     t->out[at + 1] = nd;
+    log_record(t, idx, at);
     return 2 + nf + nd;
 }
 
@@ -453,6 +532,55 @@ int32_t dt_record_transposes(dt_tracker *t, int32_t idx0, int32_t key, int32_t n
         at += k;
     }
     return at;
+}
+
+/* n instructions idx0, idx0+1, ... recorded one after the other, as n dt_record calls would:
+ * spec holds, per instruction, [key, dma, first, nr, reads..., nw, writes...]. Results in
+ * dt_out as 2n+1 offsets then the values: instruction i's first-operand edges are
+ * values[off[2i]:off[2i+1]] (none without `first`) and its own edges values[off[2i+1]:off[2i+2]].
+ * Returns how many ints in all, or -1 (out of memory, or a spec that does not parse). */
+int32_t dt_record_many(dt_tracker *t, int32_t idx0, int32_t n, const int32_t *spec, int32_t nspec) {
+    int32_t at = 0, p = 0;
+    if (n < 0) return -1;
+    for (int32_t i = 0; i < n; i++) {
+        if (p + 4 > nspec) return -1;
+        int32_t key = spec[p], dma = spec[p + 1], first = spec[p + 2], nr = spec[p + 3];
+        p += 4;
+        if (nr < 0 || p + nr + 1 > nspec) return -1;
+        const int32_t *reads = spec + p;
+        p += nr;
+        int32_t nw = spec[p++];
+        if (nw < 0 || p + nw > nspec) return -1;
+        const int32_t *writes = spec + p;
+        p += nw;
+        int32_t k = record_at(t, at, idx0 + i, key, dma, reads, nr, writes, nw, first);
+        if (k < 0) return -1;
+        at += k;
+    }
+    if (p != nspec) return -1;
+    /* [nfirst, ndeps, first..., deps...] per instruction -> offsets, then the values */
+    int32_t *tmp = (int32_t *)malloc((size_t)(at > 0 ? at : 1) * sizeof(int32_t));
+    if (!tmp) return -1;
+    memcpy(tmp, t->out, (size_t)at * sizeof(int32_t));
+    int64_t total = (int64_t)2 * n + 1 + (at - (int64_t)2 * n);
+    if (out_grow(t, total + 1)) { free(tmp); return -1; }
+    int32_t *out = t->out, *vals = t->out + 2 * n + 1;
+    int32_t q = 0, pos = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t nf = tmp[q] > 0 ? tmp[q] : 0, nd = tmp[q + 1];
+        q += 2;
+        out[2 * i] = pos;
+        memcpy(vals + pos, tmp + q, (size_t)nf * sizeof(int32_t));
+        pos += nf;
+        q += nf;
+        out[2 * i + 1] = pos;
+        memcpy(vals + pos, tmp + q, (size_t)nd * sizeof(int32_t));
+        pos += nd;
+        q += nd;
+    }
+    out[2 * n] = pos;
+    free(tmp);
+    return (int32_t)total;
 }
 
 /* ---- the whole state as int64s (pickling a kernel) ---------------------------------------- */

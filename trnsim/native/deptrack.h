@@ -54,8 +54,24 @@ int32_t dt_record_transposes(dt_tracker *t, int32_t idx0, int32_t key, int32_t n
  * out as dt_record's. Returns how many ints in all, or -1. */
 int32_t dt_record_matmuls(dt_tracker *t, int32_t idx0, int32_t key, int32_t n, const int32_t *st, const int32_t *mv,
                           const int32_t *dst, const int32_t *acc);
+/* n instructions idx0, idx0+1, ... in one call: spec holds, per instruction, [key, dma, first,
+ * nr, reads..., nw, writes...] (dt_record's arguments). Results in dt_out: 2n+1 offsets, then
+ * the values; instruction i's first-operand edges are values[off[2i]:off[2i+1]] (none without
+ * `first`), its own edges values[off[2i+1]:off[2i+2]]. Returns how many ints in all, or -1. */
+int32_t dt_record_many(dt_tracker *t, int32_t idx0, int32_t n, const int32_t *spec, int32_t nspec);
 /* The read-after-write edges of a read of `region`, into out[..]; returns how many. */
 int32_t dt_raw_deps(dt_tracker *t, int32_t region);
+/* The edge log: each dt_record* call's results, in call order. dt_log_size checks that the
+ * records are instructions 0, 1, 2... each once, in order, and sets sizes = {records, deps,
+ * first deps}: 0, or -1 when they are not (or the log ran out of memory). dt_log_columns then
+ * writes them as the simulator's columns (offsets have records + 1 entries; has_first 0 where
+ * the record had no first operand). */
+int32_t dt_log_size(dt_tracker *t, int64_t *sizes);
+/* The last record had no first operand among its reads: its first deps are out[0..n) (what
+ * dt_raw_deps just left there). 0, or -1 when the last record already has first deps. */
+int32_t dt_log_first(dt_tracker *t, int32_t n);
+int32_t dt_log_columns(dt_tracker *t, int64_t *dep_off, int32_t *deps, int8_t *has_first, int64_t *first_off,
+                       int32_t *first);
 /* The whole state as int64s into buf[0..cap) (pickling); returns how many it takes (call with
  * buf NULL to size it). dt_load fills a fresh tracker from them: 0, or -1 if they are not a dump. */
 int64_t dt_dump(dt_tracker *t, int64_t *buf, int64_t cap);
