@@ -606,13 +606,8 @@ class NativeDependencyTracker:
             n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
                                      rs[5], nw, ws[0], ws[1], fpos)
         vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
-        nf = vals[0]
-        if nf >= 0:
-            fd = ins.first_deps = tuple(vals[2:2 + nf])
-            deps = tuple(vals[2 + nf:])
-            self._dlog.append(deps)
-            self._flog.append(fd)
-            return deps
+        if vals[0] >= 0:
+            return self._with_first(ins, vals)
         deps = tuple(vals[2:])
         self._dlog.append(deps)
         if first is not None:  # not among the reads (an operand view that is not one of them)
@@ -625,6 +620,20 @@ class NativeDependencyTracker:
             self._flog.append(None)
         return deps
 
+    def _tensor_kid(self) -> int:
+        kid = self._keys.get("Tensor")
+        return kid if kid is not None else self._key("Tensor")
+
+    def _with_first(self, ins: Instruction, vals: list[int]) -> tuple[int, ...]:
+        """A record's results ``[nfirst, ndeps, first..., deps...]`` with first deps: set
+        ``ins.first_deps``, note both in the log (:meth:`logged_edges`), return the deps."""
+        nf = vals[0]
+        fd = ins.first_deps = tuple(vals[2:2 + nf])
+        deps = tuple(vals[2 + nf:])
+        self._dlog.append(deps)
+        self._flog.append(fd)
+        return deps
+
     def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
         """:meth:`record` of a matmul (reads ``st, mv`` and, accumulating, ``dst``; writes
         ``dst``; ``first`` = ``st``), without the generic argument handling."""
@@ -634,17 +643,10 @@ class NativeDependencyTracker:
         rm = d[1] if d is not None and d[0] is self else self._region(mv)
         d = dst._dep_h
         rd = d[1] if d is not None and d[0] is self else self._region(dst)
-        kid = self._keys.get("Tensor")
-        if kid is None:
-            kid = self._key("Tensor")
+        kid = self._tensor_kid()
         n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
         vals = self._results(n)
-        nf = vals[0]
-        fd = ins.first_deps = tuple(vals[2:2 + nf])
-        deps = tuple(vals[2 + nf:])
-        self._dlog.append(deps)
-        self._flog.append(fd)
-        return deps
+        return self._with_first(ins, vals)
 
     def record_transpose(self, ins: Instruction, data: AP, dst: AP) -> tuple[int, ...]:
         """:meth:`record` of a PE transpose (reads ``data``, writes ``dst``; ``first`` = ``data``)."""
@@ -652,16 +654,9 @@ class NativeDependencyTracker:
         r = d[1] if d is not None and d[0] is self else self._region(data)
         d = dst._dep_h
         w = d[1] if d is not None and d[0] is self else self._region(dst)
-        kid = self._keys.get("Tensor")
-        if kid is None:
-            kid = self._key("Tensor")
+        kid = self._tensor_kid()
         vals = self._results(self._lib.dt_record_first11(self._t, ins.index, kid, r, w))
-        nf = vals[0]
-        fd = ins.first_deps = tuple(vals[2:2 + nf])
-        deps = tuple(vals[2 + nf:])
-        self._dlog.append(deps)
-        self._flog.append(fd)
-        return deps
+        return self._with_first(ins, vals)
 
     def record_transposes(self, ins: Sequence[Transpose]) -> None:
         """:meth:`record_transpose` of consecutive transposes (indices ``ins[0].index`` on) in one
@@ -671,21 +666,9 @@ class NativeDependencyTracker:
             for ap, out in ((m.data, data), (m.dst, dst)):
                 d = ap._dep_h
                 out.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        kid = self._keys.get("Tensor")
-        if kid is None:
-            kid = self._key("Tensor")
-        vals = self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
-        p = 0
-        dlog, flog = self._dlog.append, self._flog.append
-        for m in ins:  # laid out as record_matmuls' results
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            fd = m.first_deps = tuple(vals[p:p + nf])
-            p += nf
-            deps = m.deps = tuple(vals[p:p + nd])
-            p += nd
-            dlog(deps)
-            flog(fd)
+        kid = self._tensor_kid()
+        self._spread(ins, self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data,
+                                                                       dst)))
 
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
@@ -695,12 +678,15 @@ class NativeDependencyTracker:
             for ap, out in ((m.stationary, st), (m.moving, mv), (m.dst, dst)):
                 d = ap._dep_h
                 out.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        kid = self._keys.get("Tensor")
-        if kid is None:
-            kid = self._key("Tensor")
+        kid = self._tensor_kid()
         n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
                                         [1 if m.accumulate else 0 for m in ins])
-        vals = self._results(n)
+        self._spread(ins, self._results(n))
+
+    def _spread(self, ins: Sequence[Instruction], vals: list[int]) -> None:
+        """Set each instruction's ``first_deps`` and ``deps`` from a batched record's results,
+        laid out one after the other as ``[nfirst, ndeps, first..., deps...]``, and note them
+        in the log (:meth:`logged_edges`)."""
         p = 0
         dlog, flog = self._dlog.append, self._flog.append
         for m in ins:
