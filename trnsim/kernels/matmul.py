@@ -43,7 +43,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, HbmAP, KernelError, TileAP
-from ..kernel import Kernel, Replay, TilePool, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
+from ..kernel import Kernel, Replay, TilePool, ViewCache, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
@@ -150,7 +150,7 @@ class _Mm:
     evacs: int = 0
     # views made before, by what they slice: the same block shapes recur over every block, and
     # a view is immutable (a reference build makes each afresh, as the kernel is written)
-    views: dict[tuple[object, ...], object] | None = None
+    views: ViewCache | None = None
     # replaces evacuation and store of each [ms, nw] row tile: (mm, job, first row, ms, n0, PSUM
     # tiles of the block's banks); a compiled region's ops run there (trnsim.kernels.fused)
     epilogue: Callable[..., None] | None = None
@@ -192,17 +192,12 @@ class _Mm:
         a tile is known by its allocation's uid, an HBM view by its tensor's), afresh in a
         reference build."""
         if self.views is None:
-            if self.kern.reference:
-                return make()
-            self.views = {}
+            self.views = ViewCache(self.kern)
         if type(base) is TileAP:
             key = (base.alloc.uid, base.offset, base.dims, base.dtype.name) + where
         else:
             key = (-base.tensor.uid, base.offset, base.dims) + where
-        v = self.views.get(key)
-        if v is None:
-            v = self.views[key] = make()
-        return v  # type: ignore[return-value]
+        return self.views.get(key, make)  # type: ignore[no-any-return]
 
     def krows(self, view: HbmAP, kt: int, c0: int, c1: int) -> HbmAP:
         """``view[k rows of kt, c0:c1]`` (single-row mode), made once per kernel."""
