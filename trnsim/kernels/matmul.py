@@ -513,9 +513,9 @@ class _Mm:
         if len(pos) != len(hbm) or any(v is not (made[j].src if i < n_loads else made[j].dst)
                                        for i, (j, v) in enumerate(zip(pos, hbm))):
             return
-        # each tile() call of the template, in order: (pool, buffer, its allocation, partitions,
-        # a private copy of the view tile() made) -- block()'s calls reuse buffers whose
-        # allocation fits, so the template's calls made views of these allocations
+        # each tile() call of the template, in order: (pool, buffer, its allocation, partitions)
+        # -- block()'s calls reuse buffers whose allocation fits, so the template's calls made
+        # views of these allocations
         slots = []
         calls = self.pool_calls(mw, nw, nxt is not None)
         for pool, count, shape, dt in calls:
@@ -527,29 +527,28 @@ class _Mm:
                 if (t.p_start, t.p_count, t.offset, t.dims, t.dtype) != \
                         (proto.p_start, proto.p_count, proto.offset, proto.dims, proto.dtype):
                     return
-                slots.append((pool, (pool._next - count + i) % pool.bufs, t.alloc, shape[0], proto))
+                slots.append((pool, (pool._next - count + i) % pool.bufs, t.alloc, shape[0]))
         rep = kern.replay_template(i0, pos)
         if rep is not None:
-            self.templates[st] = _Template(rep, self.evacs - ev, [(pool, count) for pool, count, _, _ in calls], slots)
+            self.templates[st] = _Template(rep, self.evacs - ev, calls, slots)
 
     def replay_block(self, tpl: "_Template", job: _Job, m0: int, mw: int, n0: int, nw: int,
                      nxt: tuple[_Job, int, int] | None, pending: list[TileAP]) -> bool:
         """Emit ``tpl`` again as the row block at ``m0`` (False, having changed nothing, when the
         kernel refuses: see Kernel.replay); the pools rotate as block()'s tile() calls would,
         the rhs pool's new buffers going to ``pending`` as roll's fill would put them."""
-        for pool, j, alloc, parts, _ in tpl.slots:
+        for pool, j, alloc, parts in tpl.slots:
             old = pool._slots[j]
             if old is None or old.alloc is not alloc or old.p_count != parts:
                 return False  # tile() would not reuse the buffer as the template's call did
         if not self.kern.replay(tpl.rep, self.block_hbm(job, m0, mw, n0, nw, nxt)):
             return False
         rhs = self.rhs_pool
-        for pool, j, _, _, proto in tpl.slots:
-            t = pool._slots[j] = _fresh_view(proto)  # what tile() makes: _tile_view(alloc, shape, dtype)
-            if pool is rhs:
-                pending.append(t)
-        for pool, count in tpl.calls:
-            pool._next = (pool._next + count) % pool.bufs
+        for pool, count, shape, dt in tpl.calls:  # block()'s own tile() calls: each reuses its buffer (checked above)
+            for _ in range(count):
+                t = pool.tile(shape, dt)
+                if pool is rhs:
+                    pending.append(t)
         self.evacs += tpl.evacs
         return True
 
@@ -557,26 +556,13 @@ class _Mm:
 @dataclass
 class _Template:
     """A row block to replay: the instructions (:class:`Replay`), the evacuations it made, the
-    tile() calls it made per pool (pool, count) and each call's buffer (pool, index, allocation,
-    partitions, a private view equal to the one tile() made)."""
+    tile() calls it made per pool (pool, count, shape, dtype: :meth:`_Mm.pool_calls`) and each
+    call's buffer (pool, index, allocation, partitions)."""
 
     rep: Replay
     evacs: int
-    calls: list[tuple[TilePool, int]]
-    slots: list[tuple[TilePool, int, object, int, TileAP]]
-
-
-def _make_fresh_view() -> Callable[[TileAP], TileAP]:
-    """``fresh(p)``: a new view equal to ``p`` slot for slot, every slot of TileAP copied (``p``
-    is a view tile() made and no instruction uses, so its builder caches are as TileAP() leaves
-    them): a replayed tile() call, without TileAP.__init__'s arithmetic."""
-    names = [n for c in reversed(TileAP.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
-    ns: dict[str, object] = {"new": object.__new__, "C": TileAP}
-    exec("def fresh(p):\n    t = new(C)" + "".join(f"\n    t.{n} = p.{n}" for n in names) + "\n    return t", ns)
-    return ns["fresh"]  # type: ignore[return-value]
-
-
-_fresh_view = _make_fresh_view()
+    calls: list[tuple[TilePool, int, tuple[int, ...], Dtype]]
+    slots: list[tuple[TilePool, int, object, int]]
 
 
 def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
