@@ -891,14 +891,19 @@ class Replay:
     touch; what decides their LoadStationary flags (the allocations written before the first
     matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
 
-    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners")
+    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners",
+                 "tile_sides")
 
     def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
                  allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
                  first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
         self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
-        self.cloners = [_cloner(type(x), type(x) is MatMul) for x in ins]  # matmuls: first = stationary
+        # matmuls and PE transposes have a first operand (stationary / data): their first_deps
+        self.cloners = [_cloner(type(x), type(x) in _FIRST_OPERAND) for x in ins]
+        # tile operands to replace (replay_template's ``tiles``): (position, slot names holding
+        # the view, its indices in reads, its indices in the spec)
+        self.tile_sides: list[tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = []
 
 
 def _stationary_key(s: TileAP) -> tuple[Any, ...]:
@@ -907,6 +912,10 @@ def _stationary_key(s: TileAP) -> tuple[Any, ...]:
 
 
 _CLONERS: dict[tuple[type, bool], Any] = {}
+_FIRST_OPERAND = (MatMul, Transpose)  # the instructions the tracker records with a first operand (reads[0])
+# VectorE / ScalarE / GpSimd instructions a template may hold: every operand a tile (reads and
+# writes), recorded under their engine's key without a first operand, no other state read
+_REPLAYABLE_OPS = frozenset((TensorCopy, Activation, TensorScalar, TensorTensor, TensorReduce, AffineSelect))
 
 
 def _cloner(cls: type, first: bool) -> Any:
@@ -1458,11 +1467,15 @@ class Kernel:
         self._loaded_stationary = loaded
         instrs.extend(made)
 
-    def replay_template(self, i0: int, hbm: Sequence[int]) -> "Replay | None":
+    def replay_template(self, i0: int, hbm: Sequence[int],
+                        tiles: Sequence[tuple[int, TileAP]] = ()) -> "Replay | None":
         """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
         replayable: a reference build, the Python tracker, no matmul, an instruction other than
-        a DMA copy, a matmul or a tensor copy, an HBM operand other than the HBM side of the
-        DMAs at positions ``hbm``)."""
+        a DMA copy, a matmul, a PE transpose or one of the tile-only engine ops of
+        ``_REPLAYABLE_OPS``, an HBM operand other than the HBM side of the DMAs at positions
+        ``hbm``). ``tiles``: (position, view) of tile operands that :meth:`replay` replaces
+        (``tiles=`` there, in this order): each must be read, not as a matmul's stationary or a
+        transpose's data, and not written by its instruction."""
         tracker = self._deps
         if self.reference or type(tracker) is not NativeDependencyTracker or \
                 not hasattr(tracker._lib, "dt_record_many"):  # a module built before it had it
@@ -1481,11 +1494,15 @@ class Kernel:
                 key, first = x.engine, 0
                 if x.reads[0] is not x.stationary or x.first_deps is None:
                     return None
-            elif cls is TensorCopy:
+            elif cls is Transpose:  # recorded as record_transpose does: first = data
+                key, first = x.engine, 0
+                if x.reads[0] is not x.data or x.first_deps is None:
+                    return None
+            elif cls in _REPLAYABLE_OPS:
                 key, first = x.engine, -1
             else:
                 return None
-            if cls is not MatMul and x.first_deps is not None:
+            if cls not in _FIRST_OPERAND and x.first_deps is not None:
                 return None
             kid = keys.get(key)
             if kid is None:
@@ -1507,16 +1524,34 @@ class Kernel:
                     spec.append(d[1])
         if [j for j, _, _ in sides] != sorted(want):  # one HBM side at each position, in order
             return None
+        tile_sides = []
+        if tiles:
+            offsets = []  # where each instruction's reads start in the spec
+            p = 0
+            for x in ins:
+                offsets.append(p + 4)
+                p += 5 + len(x.reads) + len(x.writes)
+            for j, t in tiles:
+                x = ins[j]
+                ri = tuple(i for i, ap in enumerate(x.reads) if ap is t)
+                if type(t) is not TileAP or not ri or any(w is t for w in x.writes) or \
+                        (type(x) in _FIRST_OPERAND and 0 in ri):
+                    return None
+                names = tuple(n for c in type(x).__mro__ for n in getattr(c, "__slots__", ())
+                              if n not in ("reads", "writes", "__weakref__") and getattr(x, n, None) is t)
+                tile_sides.append((j, names, ri, tuple(offsets[j] + i for i in ri)))
         # the loaded stationary matters up to the first matmul: the tiles written before it
         # (a write unloads the stationary of its tile), its stationary and whether it loaded it
         first = next((x for x in ins if type(x) is MatMul), None)
         if first is None:
             return None
         unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
-        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
-                      _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
+        tpl = Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
+                     _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
+        tpl.tile_sides = tile_sides
+        return tpl
 
-    def replay(self, tpl: "Replay", views: Sequence[HbmAP]) -> bool:
+    def replay(self, tpl: "Replay", views: Sequence[HbmAP], tiles: Sequence[TileAP] = ()) -> bool:
         """Emit ``tpl``'s instructions again at the end of the stream, the i-th replaced HBM side
         being ``views[i]`` (in the template's order): the instructions the calls that made the
         template would emit now, when they would emit the same ones with those views (the
@@ -1524,7 +1559,8 @@ class Kernel:
         ``first_deps`` come from the tracker, fed every access in order. Returns False, having
         changed nothing, when the kernel's part of that state differs: the loaded stationary,
         a tile not live or not this kernel's, an HBM tensor not this kernel's, the instruction
-        limit reached."""
+        limit reached. ``tiles``: the views that replace the template's tile operands named by
+        replay_template's ``tiles`` (the caller's claim: the same geometry on another buffer)."""
         instrs, n = self.instructions, len(tpl.ins)
         i0 = len(instrs)
         loaded = self._loaded_stationary
@@ -1537,6 +1573,11 @@ class Kernel:
         allocs, tensors = self._allocs, self.tensors
         for a in tpl.allocs:
             if allocs.get(a.uid) is not a or not a.live:
+                return False
+        if len(tiles) != len(tpl.tile_sides):
+            return False
+        for t in tiles:
+            if type(t) is not TileAP or allocs.get(t.alloc.uid) is not t.alloc or not t.alloc.live:
                 return False
         plans, ins = self._dma_plans, tpl.ins
         new_plans = []
@@ -1556,6 +1597,10 @@ class Kernel:
         spec = array.array("i", tpl.spec)
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
+        for (_, _, _, ats), t in zip(tpl.tile_sides, tiles):
+            r = tracker.region(t)
+            for at in ats:
+                spec[at] = r
         raw = tracker.record_many(i0, n, spec)
         offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
         out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
@@ -1567,6 +1612,14 @@ class Kernel:
             else:
                 x.dst, x.writes = v, (v,)
             x.plan = plan
+        for (j, names, ri, _), t in zip(tpl.tile_sides, tiles):
+            x = out[j]
+            for name in names:
+                setattr(x, name, t)
+            reads = list(x.reads)
+            for i in ri:
+                reads[i] = t
+            x.reads = tuple(reads)
         tracker.log_recorded(out)
         self._loaded_stationary = tpl.loaded_after
         instrs.extend(out)

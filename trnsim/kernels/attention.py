@@ -51,8 +51,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import Kernel, ViewCache
+from ..isa import DmaCopy, HbmAP, HbmTensor, KernelError, TileAP
+from ..kernel import Kernel, Replay, TilePool, ViewCache
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims
@@ -186,21 +186,22 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     if kv_outer:
         w.hold_query_state(n_q)
 
-    def steps(qt: _QueryTile, k0: int, n: int) -> list[tuple[_QueryTile, int, int, int]]:
-        """(query tile, block, key tile, width) for the key tiles of block k0 this tile needs:
-        causal attention cuts key tiles at the tile's last row and skips those after it."""
+    def steps(qt: Any, q0: int, qr: int, k0: int, n: int) -> list[tuple[Any, int, int, int]]:
+        """(query tile ``qt`` [q0, q0 + qr), block, key tile, width) for the key tiles of block k0
+        this tile needs: causal attention cuts key tiles at the tile's last row and skips those
+        after it."""
         out = []
         for j0 in range(0, n, tk):
-            if causal and k0 + j0 > qt.q0 + qt.qr - 1:
+            if causal and k0 + j0 > q0 + qr - 1:
                 break
-            out.append((qt, k0, j0, min(tk, n - j0, qt.q0 + qt.qr - k0 - j0) if causal else min(tk, n - j0)))
+            out.append((qt, k0, j0, min(tk, n - j0, q0 + qr - k0 - j0) if causal else min(tk, n - j0)))
         return out
 
     def batches() -> Iterator[list[_Step]]:
-        """Steps in issue order: per group of query tiles, one batch per key tile."""
+        """Steps in issue order with the key blocks outer (``kv_outer``): per block, per group of
+        query tiles, one batch per key tile."""
         for bi in range(b):
             for hi in range(h):
-                resident = None
                 tiles_all: list[_QueryTile] = []
                 plan: list[tuple[int, list[list[tuple[_QueryTile, int, int, int]]]]] = []  # (block, batches)
                 for g0 in range(0, s, w.tq * _Q_GROUP):
@@ -209,27 +210,32 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
                         qr = min(w.tq, s - q0)
                         tiles.append(_QueryTile(bi, hi, q0, qr, w.load_queries(q, bi, hi, q0, qr)))
                     tiles_all.append(tiles)  # type: ignore[arg-type]
-                    if not kv_outer:
-                        for k0, n in blocks.items():
-                            per = [steps(qt, k0, n) for qt in tiles]
-                            for j in range(max(map(len, per))):
-                                plan.append((k0, [st[j] for st in per if j < len(st)]))
-                        yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=len(blocks) == 1)
-                        plan = []
-                if kv_outer:
-                    for k0, n in blocks.items():
-                        for tiles in tiles_all:  # type: ignore[assignment]
-                            per = [steps(qt, k0, n) for qt in tiles]  # type: ignore[attr-defined]
-                            for j in range(max(map(len, per), default=0)):
-                                plan.append((k0, [st[j] for st in per if j < len(st)]))
-                    yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=False)
+                for k0, n in blocks.items():
+                    for tiles in tiles_all:  # type: ignore[assignment]
+                        per = [steps(qt, qt.q0, qt.qr, k0, n) for qt in tiles]  # type: ignore[attr-defined]
+                        for j in range(max(map(len, per), default=0)):
+                            plan.append((k0, [st[j] for st in per if j < len(st)]))
+                yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=False)
 
     inflight: list[list[_Step]] = []  # newest first: waiting for stage B, then for stage C
-    for batch in batches():
-        for st in batch:
-            w.stage_a(st)
-        inflight.insert(0, batch)
-        _advance(w, inflight, out)
+    if kv_outer:
+        for batch in batches():
+            for st in batch:
+                w.stage_a(st)
+            inflight.insert(0, batch)
+            _advance(w, inflight, out)
+    else:
+        groups = _Groups(w, q, k, v, out, blocks, inflight)
+        for bi in range(b):
+            for hi in range(h):
+                for g0 in range(0, s, w.tq * _Q_GROUP):
+                    specs = tuple((q0, min(w.tq, s - q0)) for q0 in range(g0, min(s, g0 + w.tq * _Q_GROUP), w.tq))
+                    plan = []
+                    for k0, n in blocks.items():
+                        per = [steps(ti, q0, qr, k0, n) for ti, (q0, qr) in enumerate(specs)]
+                        for j in range(max(map(len, per))):
+                            plan.append((k0, tuple(st[j] for st in per if j < len(st))))
+                    groups.run(bi, hi, g0, specs, tuple(plan))
     for _ in range(_DEPTH - 1):  # drain the pipeline
         inflight.insert(0, [])
         _advance(w, inflight, out)
@@ -273,6 +279,292 @@ def _advance(w: "_Work", inflight: list[list[_Step]], out: HbmTensor) -> None:
                 w.store(out, st.qt)
 
 
+class _Groups:
+    """The groups of query tiles of the plan with the key blocks inner, in issue order: each
+    group loads its queries, walks its key tiles (loading key blocks as it reaches them) and
+    advances the pipeline, whose stages carry over from the group before.
+
+    Building: from a steady state on, groups emit the same instructions up to their HBM views
+    (query loads, key/value loads, output stores), so a group that starts in a state an earlier
+    group started in is emitted by replaying that group (:meth:`Kernel.replay`): the same
+    instructions, several times faster (``kernel.replays`` counts them). The state is the
+    group's plan (query tile sizes, key tiles; with causal masking their positions too),
+    whether it finds its head's key block resident (and which), the evacuation parity, the
+    steps in flight (the previous groups' last key tiles: their tiles and query tiles'
+    running-state tiles, compared by identity), and for each tile() call the group makes the
+    pool position and the buffer it finds there (a view that tile() hands back as it is, since
+    asked for the same shape and dtype). A replayed group makes the same tile() calls and sets
+    the Python state (query tiles, steps, key blocks, the pipeline, the resident block, the
+    evacuation count) as building it would have. Not replayed: a score function (its emitter's
+    own tiles are not noted), the key-blocks-outer plan, a reference build."""
+
+    _MAX_TEMPLATES = 32  # templates kept per kernel (the default shape needs ~15)
+
+    def __init__(self, w: "_Work", q: HbmTensor, k: HbmTensor, v: HbmTensor, out: HbmTensor, blocks: dict[int, int],
+                 inflight: list[list[_Step]]):
+        self.w, self.q, self.k, self.v, self.out, self.blocks, self.inflight = w, q, k, v, out, blocks, inflight
+        self.resident_ok = len(blocks) == 1
+        self.templates: dict[tuple[Any, ...], list[_GroupTemplate]] | None = \
+            None if w.kern.reference or w.mod is not None else {}
+        self.kept = 0
+
+    def run(self, bi: int, hi: int, g0: int, specs: tuple[tuple[int, int], ...],
+            plan: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]) -> None:
+        """The group of query tiles ``specs`` ((q0, rows) each) of head (bi, hi), starting at
+        query g0; ``plan``: (block, ((tile index, block, key tile, width), ...)) per batch."""
+        templates = self.templates
+        if templates is None:
+            self.build(bi, hi, specs, plan)
+            return
+        key, table = self.state(bi, hi, specs, plan)
+        for tpl in templates.get(key, ()):
+            if self.replay(tpl, table, bi, hi, g0):
+                return
+        if self.kept >= self._MAX_TEMPLATES:
+            self.build(bi, hi, specs, plan)
+            return
+        w = self.w
+        kern = w.kern
+        i0, ev, resident = len(kern.instructions), w.evac, w.resident
+        w.calls, w.hbm, w.new_blocks = [], [], []
+        try:
+            tiles, made = self.build(bi, hi, specs, plan)
+            calls, hbm, new_blocks = w.calls, w.hbm, w.new_blocks
+        finally:
+            w.calls = w.hbm = w.new_blocks = None
+        tpl = self.template(i0, ev, resident, table, calls, hbm, new_blocks, tiles, made, bi, hi, g0)
+        if tpl is not None:
+            templates.setdefault(key, []).append(tpl)
+            self.kept += 1
+
+    def build(self, bi: int, hi: int, specs: tuple[tuple[int, int], ...],
+              plan: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]
+              ) -> tuple[list[_QueryTile], list[_Step]]:
+        """The group, built: its query tiles and steps."""
+        w, inflight = self.w, self.inflight
+        tiles = [_QueryTile(bi, hi, q0, qr, w.load_queries(self.q, bi, hi, q0, qr)) for q0, qr in specs]
+        qplan = [(k0, [(tiles[ti], kb0, j0, kw) for ti, kb0, j0, kw in batch]) for k0, batch in plan]
+        made: list[_Step] = []
+        for batch in _emit_batches(w, self.k, self.v, bi, hi, self.blocks, qplan, self.resident_ok):
+            made.extend(batch)
+            for st in batch:
+                w.stage_a(st)
+            inflight.insert(0, batch)
+            _advance(w, inflight, self.out)
+        return tiles, made
+
+    def state(self, bi: int, hi: int, specs: tuple[tuple[int, int], ...], plan: tuple[Any, ...]
+              ) -> tuple[tuple[Any, ...], list[Any]]:
+        """The replay key of a group about to start, and the objects it carries over (steps in
+        flight, their query tiles and key blocks, the resident block if it is the group's) in a
+        fixed order: the key numbers them, so equal keys mean the same sharing."""
+        w = self.w
+        table: list[Any] = []
+        index: dict[int, int] = {}
+        sig: list[Any] = []
+
+        def ref(x: Any, attrs: Any) -> None:
+            i = index.get(id(x))
+            if i is None:
+                index[id(x)] = len(table)
+                table.append(x)
+                sig.append(attrs())
+            else:
+                sig.append(i)
+
+        for batch in self.inflight:
+            sig.append(len(batch))
+            for st in batch:
+                ref(st, lambda: (st.j0, st.kw, st.last, st.p, st.pT, st.alpha))
+                qt, kb = st.qt, st.kb
+                ref(qt, lambda: (qt.qr, qt.nm, qt.l, qt.o))
+                ref(kb, lambda: (kb.k0, kb.n, _shape_of(kb.kT), _shape_of(kb.v)))
+        r = w.resident
+        hit = self.resident_ok and r is not None and w.resident_of == (bi, hi)
+        sig.append(hit)
+        if hit:
+            ref(r, lambda: (r.k0, r.n, _shape_of(r.kT), _shape_of(r.v)))
+        sizes = specs if w.causal else tuple(qr for _, qr in specs)  # only causal masking reads positions
+        return (sizes, plan, w.evac & 1, tuple(sig)), table
+
+    def template(self, i0: int, ev: int, resident: _KeyBlock | None, carried: list[Any],
+                 calls: list[tuple[Any, ...]], hbm: list[tuple[Any, ...]], new_blocks: list[_KeyBlock],
+                 tiles: list[_QueryTile], made: list[_Step], bi: int, hi: int, g0: int) -> "_GroupTemplate | None":
+        """The group just built from instruction ``i0`` as a template, or None when it cannot
+        be one (a tile() call made a new view that a replay's call would make afresh, an HBM
+        view not of this group, an instruction Kernel.replay_template does not take)."""
+        w = self.w
+        kern = w.kern
+        ins = kern.instructions[i0:]
+        pos = [j for j, x in enumerate(ins) if type(x) is DmaCopy and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
+        if len(pos) != len(hbm) or any(e[0] is not (ins[j].src if type(ins[j].src) is HbmAP else ins[j].dst)
+                                       for j, e in zip(pos, hbm)):
+            return None
+        table = carried + tiles + new_blocks + made
+        index = {id(x): i for i, x in enumerate(table)}
+        views: list[tuple[Any, ...]] = []
+        for e in hbm:
+            if e[1] == "q":
+                if e[2:4] != (bi, hi):
+                    return None
+                views.append(("q", e[4] - g0, e[5]))
+            elif e[1] == "rows":
+                if e[3:5] != (bi, hi):
+                    return None
+                views.append(("rows", e[2], e[5], e[6], e[7]))
+            else:
+                i = index.get(id(e[2]))
+                if i is None:
+                    return None
+                views.append(("out", i))
+        # each tile() call must reuse its buffer's allocation (then it hands out a view equal to
+        # the template's, which _Work.tile makes the template's object): the first call at a
+        # position finds the buffer before the group (checked at each replay: the same
+        # allocation, the same partitions), a later call at the same position the one the
+        # earlier call left
+        seen: dict[tuple[int, int], TileAP] = {}
+        starts: dict[int, tuple[TilePool, int]] = {}
+        finds = []
+        for pool, i, shape, dtype, t in calls:
+            starts.setdefault(id(pool), (pool, i))
+            prev = seen.get((id(pool), i))
+            if prev is None:
+                finds.append((pool, i, t.alloc, t.p_count))
+            elif prev.alloc is not t.alloc:
+                return None
+            seen[(id(pool), i)] = t
+        qts = [x for x in table if type(x) is _QueryTile]
+        steps = [x for x in table if type(x) is _Step]
+        try:
+            end = [[index[id(st)] for st in batch] for batch in self.inflight]
+            new_steps = [(index[id(st.qt)], index[id(st.kb)], st.j0, st.kw, st.last) for st in made]
+        except KeyError:
+            return None
+        if w.resident is resident:
+            res_end = -1
+        elif id(w.resident) in index and w.resident_of == (bi, hi):
+            res_end = index[id(w.resident)]
+        else:
+            return None
+        # the carried key blocks are the template's parameters: their tiles' reads are replaced
+        # by the same slices of the replayed group's blocks (K and V of another head)
+        param: dict[Any, tuple[int, int]] = {}
+        for i, x in enumerate(carried):
+            if type(x) is _KeyBlock:
+                for which, t in enumerate((x.kT, x.v)):
+                    if t.alloc in param:
+                        return None
+                    param[t.alloc] = (i, which)
+        tiles_at, subst = [], []
+        if param:
+            for j, x in enumerate(ins):
+                for ap in x.reads:
+                    if type(ap) is TileAP and ap.alloc in param:
+                        kbi, which = param[ap.alloc]
+                        base = carried[kbi].kT if which == 0 else carried[kbi].v
+                        tiles_at.append((j, ap))
+                        subst.append((kbi, which, ap, ap.p_start - base.p_start))
+                for ap in x.writes:
+                    if type(ap) is TileAP and ap.alloc in param:
+                        return None
+        rep = kern.replay_template(i0, pos, tiles_at)
+        if rep is None:
+            return None
+        return _GroupTemplate(subst, 
+            rep, views, list(starts.values()), finds, [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls],
+            len(carried), [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
+            new_steps, end, [(index[id(st)], st.p, st.pT, st.alpha) for st in steps],
+            [(index[id(qt)], qt.nm, qt.l, qt.o) for qt in qts], res_end, w.evac - ev)
+
+    def replay(self, tpl: "_GroupTemplate", carried: list[Any], bi: int, hi: int, g0: int) -> bool:
+        """Emit ``tpl`` again as the group at (bi, hi, g0), whose carried objects are
+        ``carried`` (False, having changed nothing, when a pool is not where the template's
+        calls found it or Kernel.replay refuses)."""
+        for pool, i in tpl.starts:
+            if pool._next != i:
+                return False
+        for pool, i, alloc, parts in tpl.finds:
+            old = pool._slots[i]
+            if old is None or old.alloc is not alloc or old.p_count != parts:
+                return False
+        table = list(carried)
+        if len(table) != tpl.n_carried:
+            return False
+        table += [_QueryTile(bi, hi, g0 + dq, qr, qT) for dq, qr, qT in tpl.new_tiles]
+        table += [_KeyBlock(k0, n, kT, v) for k0, n, kT, v in tpl.new_blocks]
+        table += [_Step(table[qi], table[ki], j0, kw, last) for qi, ki, j0, kw, last in tpl.new_steps]
+        views: list[Any] = []
+        tc = self.w.tc
+        for e in tpl.views:
+            if e[0] == "q":
+                views.append(self.q[bi, hi, g0 + e[1]:g0 + e[1] + e[2], :])
+            elif e[0] == "rows":
+                views.append(_row_views(e[1], bi, hi, e[2], e[3], tc)[e[4]])
+            else:
+                qt = table[e[1]]
+                views.append(self.out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :])
+        w = self.w
+        tiles = []
+        if tpl.subst:
+            moved = w.moved
+            for kbi, which, ap, dp in tpl.subst:
+                kb = table[kbi]
+                base = kb.kT if which == 0 else kb.v
+                a = base.alloc
+                t = moved.get((ap, a))
+                if t is None:  # the slice ``ap`` is of the template's block: the same slice of this one
+                    t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
+                tiles.append(t)
+        if not w.kern.replay(tpl.rep, views, tiles):
+            return False
+        canon_of = w.canon_of
+        assert canon_of is not None
+        for pool, shape, dtype, t in tpl.calls:  # the group's own tile() calls: each reuses its buffer
+            got = pool.tile(shape, dtype)
+            c = canon_of.get(got)
+            if c is None:
+                c = w.canonical(got)
+            assert c is t, "attention replay: a tile() call did not give the template's view"
+        for i, p, pT, alpha in tpl.step_attrs:
+            st = table[i]
+            st.p, st.pT, st.alpha = p, pT, alpha
+        for i, nm, l, o in tpl.tile_attrs:
+            qt = table[i]
+            qt.nm, qt.l, qt.o = nm, l, o
+        self.inflight[:] = [[table[i] for i in batch] for batch in tpl.end]
+        if tpl.resident >= 0:
+            w.resident, w.resident_of = table[tpl.resident], (bi, hi)
+        w.evac += tpl.evacs
+        return True
+
+
+def _shape_of(t: TileAP) -> tuple[Any, ...]:
+    """A tile view's geometry within its allocation (what a slice of it in another allocation keeps)."""
+    return (t.alloc.space, t.alloc.nbytes, t.p_start - t.alloc.p_start, t.p_count, t.offset, t.dims, t.dtype.name)
+
+
+class _GroupTemplate:
+    """A group to replay (:class:`_Groups`): the instructions, its HBM views as recipes
+    (("q", query offset in the group, rows), ("rows", tensor, first row, rows, part), ("out",
+    query tile)), the pool positions and buffers its tile() calls start from / find, the calls,
+    and the Python state it leaves, over a table of objects: the carried ones, then the
+    group's query tiles, key blocks and steps (recipes to make them), the pipeline's batches,
+    each step's and query tile's tiles, the resident block (-1: unchanged), the evacuations."""
+
+    __slots__ = ("subst", "rep", "views", "starts", "finds", "calls", "n_carried", "new_tiles", "new_blocks",
+                 "new_steps", "end", "step_attrs", "tile_attrs", "resident", "evacs")
+
+    def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay, views: list[tuple[Any, ...]], starts: list[tuple[TilePool, int]],
+                 finds: list[tuple[Any, ...]], calls: list[tuple[Any, ...]], n_carried: int,
+                 new_tiles: list[tuple[int, int, TileAP]], new_blocks: list[tuple[int, int, TileAP, TileAP]],
+                 new_steps: list[tuple[int, int, int, int, bool]], end: list[list[int]],
+                 step_attrs: list[tuple[Any, ...]], tile_attrs: list[tuple[Any, ...]], resident: int, evacs: int):
+        self.subst = subst  # (carried key block, kT or v, the template's slice of it, its partition offset)
+        self.rep, self.views, self.starts, self.finds, self.calls = rep, views, starts, finds, calls
+        self.n_carried, self.new_tiles, self.new_blocks, self.new_steps = n_carried, new_tiles, new_blocks, new_steps
+        self.end, self.step_attrs, self.tile_attrs, self.resident, self.evacs = end, step_attrs, tile_attrs, resident, evacs
+
+
 class _Work:
     """The tile pools of one attention kernel and the stages that use them."""
 
@@ -302,6 +594,18 @@ class _Work:
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
         self.evac = 0
         self.mod: Any = None
+        # while a group is built to serve as a replay template (_Groups): every tile() call as
+        # (pool, position, shape, dtype, view), every HBM view of a DMA as (view, what, ...), the
+        # key blocks loaded; None otherwise
+        self.calls: list[tuple[Any, ...]] | None = None
+        # pool views -> the equal view handed out instead (None: the pool's own, in a reference
+        # build and with a score function, which do not replay)
+        self.canon_of: dict[TileAP, TileAP] | None = None if kern.reference else {}
+        self.canon: dict[tuple[Any, ...], TileAP] = {}
+        # (a template's slice of its key block, another block's allocation) -> the same slice of it
+        self.moved: dict[tuple[TileAP, Any], TileAP] = {}
+        self.hbm: list[tuple[Any, ...]] | None = None
+        self.new_blocks: list[_KeyBlock] | None = None
         # operand slices by (base view, which slice, ints...), made once per kernel
         self.view = ViewCache(kern).get
 
@@ -315,6 +619,7 @@ class _Work:
         if not program.elementwise:
             raise KernelError("attention: score_mod must be elementwise")
         self.mod = program
+        self.canon_of = None  # no replay (see _Groups): the pools' own views
         self.mod_em = _Emitter(self.kern, program, kinds, _assign([_step_class(st, kinds, True) for st in program.steps],
                                                                   [1.0] * len(program.steps), self.kern.config))
         used = {a for st in program.steps for a in (st[2:4] if st[0] == "tt" else (st[2],) if st[0] in ("act", "red")
@@ -326,14 +631,14 @@ class _Work:
     def modified(self, s_ps: TileAP, q0: int, k0: int, qr: int, kw: int) -> TileAP:
         """``score_mod(scale * s, q_idx, kv_idx)`` for one [qr, kw] score tile, in SBUF (fp32)."""
         kern, prog = self.kern, self.mod
-        tiles = {0: self.mod_pool.tile((qr, kw), "fp32")}
+        tiles = {0: self.tile(self.mod_pool, (qr, kw), "fp32")}
         kern.tensor_scalar(tiles[0], s_ps, "multiply", self.scale)
         for i in self.mod_index:  # query index: q0 + partition; key index: k0 + column
-            t = self.idx_pool.tile((qr, kw), "fp32")
+            t = self.tile(self.idx_pool, (qr, kw), "fp32")
             kern.iota(t, base=q0 if i == 1 else k0, channel_multiplier=1 if i == 1 else 0, pattern=[0 if i == 1 else 1])
             tiles[i] = t
         for j in range(len(prog.steps)):
-            dst = self.mod_pool.tile((qr, kw), "fp32")
+            dst = self.tile(self.mod_pool, (qr, kw), "fp32")
             self.mod_em.step(j, dst, tiles, qr, 1, kw, 0)
             tiles[3 + j] = dst
         return tiles[prog.outputs[0][0]]
@@ -363,6 +668,33 @@ class _Work:
         self.l_tile = [sb(f"l{i}", _DEPTH + 1) for i in range(n_q)]
         self.sum_pool = sb("rowsum", deep)
 
+    def tile(self, pool: TilePool, shape: tuple[int, ...], dtype: Any) -> TileAP:
+        """``pool.tile(shape, dtype)``, as one view object per value (see ``canon``), noted in
+        ``calls`` while a group is recorded."""
+        canon_of = self.canon_of
+        if canon_of is None:
+            return pool.tile(shape, dtype)
+        i = pool._next
+        t = pool.tile(shape, dtype)
+        c = canon_of.get(t)
+        if c is None:
+            c = self.canonical(t)
+        if self.calls is not None:
+            self.calls.append((pool, i, shape, dtype, c))
+        return c
+
+    def canonical(self, t: TileAP) -> TileAP:
+        """The view object that stands for every view equal to ``t`` (same allocation, partitions,
+        offset, dims, dtype): a pool whose buffer is asked for shapes in turn (PE transposes of
+        queries, then of keys) makes a new, equal view at each change, and replaying a group
+        needs the views it finds to be the template's objects."""
+        key = (t.alloc, t.p_start, t.p_count, t.offset, t.dims, t.dtype.name)
+        c = self.canon.get(key)
+        if c is None:
+            c = self.canon[key] = t
+        self.canon_of[t] = c  # type: ignore[index]
+        return c
+
     def _copy(self, dst: TileAP, src: TileAP) -> None:
         """PSUM evacuation, alternating VectorE and ScalarE."""
         self.kern.tensor_copy(dst, src, engine="vector" if self.evac % 2 == 0 else "scalar")
@@ -372,30 +704,36 @@ class _Work:
         """Keys [k0, k0+n) of head (bi, hi): kᵀ through PE transposes, v as 128-key chunks."""
         kern, tc, d, dt = self.kern, self.tc, self.d, self.dt
         chunks = -(-n // tc)
-        kT = self.kT_pool.tile((d, n), dt)
-        vt = self.v_pool.tile((tc, chunks, d), dt)
-        _load_rows(kern, vt, v, bi, hi, k0, n, tc, queue=2)
+        kT = self.tile(self.kT_pool, (d, n), dt)
+        vt = self.tile(self.v_pool, (tc, chunks, d), dt)
+        _load_rows(kern, vt, v, bi, hi, k0, n, tc, queue=2, log=self.hbm)
         for c0 in range(0, chunks, self.group):
             g = min(self.group, chunks - c0)
             rows = min(g * tc, n - c0 * tc)
-            stage = self.kstage.tile((tc, g, d), dt)
-            _load_rows(kern, stage, k, bi, hi, k0 + c0 * tc, rows, tc, queue=1)
-            ps = self.tr_ps.tile((d, g * tc), dt)
+            stage = self.tile(self.kstage, (tc, g, d), dt)
+            _load_rows(kern, stage, k, bi, hi, k0 + c0 * tc, rows, tc, queue=1, log=self.hbm)
+            ps = self.tile(self.tr_ps, (d, g * tc), dt)
             # nc_transpose(dst, data) for each 128-key chunk, in order
             kern.nc_transpose_many(self.view((ps, stage, rows), lambda: [
                 (ps[:, j * tc:j * tc + min(tc, rows - j * tc)], stage[:min(tc, rows - j * tc), j, :]) for j in range(g)]))
             view = self.view
             self._copy(view((kT, 0, c0, rows), lambda: kT[:, c0 * tc:c0 * tc + rows]),
                        view((ps, 2, rows), lambda: ps[:, :rows]))
-        return _KeyBlock(k0, n, kT, vt)
+        kb = _KeyBlock(k0, n, kT, vt)
+        if self.new_blocks is not None:
+            self.new_blocks.append(kb)
+        return kb
 
     def load_queries(self, q: HbmTensor, bi: int, hi: int, q0: int, qr: int) -> TileAP:
         """qᵀ [D, qr] of queries [q0, q0+qr): loaded as rows, transposed on the PE array."""
-        rows = self.q_pool.tile((qr, self.d), self.dt)
-        self.kern.dma_copy(rows, q[bi, hi, q0:q0 + qr, :], queue=0)
-        ps = self.tr_ps.tile((self.d, qr), self.dt)
+        rows = self.tile(self.q_pool, (qr, self.d), self.dt)
+        src = q[bi, hi, q0:q0 + qr, :]
+        if self.hbm is not None:
+            self.hbm.append((src, "q", bi, hi, q0, qr))
+        self.kern.dma_copy(rows, src, queue=0)
+        ps = self.tile(self.tr_ps, (self.d, qr), self.dt)
         self.kern.nc_transpose(ps, rows)
-        qT = self.qT_pool.tile((self.d, qr), self.dt)
+        qT = self.tile(self.qT_pool, (self.d, qr), self.dt)
         self._copy(qT, ps)
         return qT
 
@@ -404,7 +742,7 @@ class _Work:
         kern, qt, kw = self.kern, st.qt, st.kw
         qr = qt.qr
         kt0 = st.kb.k0 + st.j0
-        s_ps = self.s_ps.tile((qr, kw), "fp32")
+        s_ps = self.tile(self.s_ps, (qr, kw), "fp32")
         kT = st.kb.kT
         kern.nc_matmul(s_ps, qt.qT, self.view((kT, 4, st.j0, kw), lambda: kT[:, st.j0:st.j0 + kw]))
         scores = s_ps
@@ -414,7 +752,7 @@ class _Work:
             # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only,
             # and only keys from q0 on can be masked
             if scores is s_ps:
-                scores = self.s_pool.tile((qr, kw), "fp32")
+                scores = self.tile(self.s_pool, (qr, kw), "fp32")
                 kern.tensor_copy(scores, s_ps, engine="vector")
             c0 = max(0, qt.q0 - kt0)
             kern.affine_select(scores[:, c0:], scores[:, c0:], cmp="greater_equal", offset=qt.q0 - kt0 - c0,
@@ -423,21 +761,21 @@ class _Work:
         slot = qt.q0 // self.tq
         nm_pool = self.nm_tile[slot] if self.nm_tile else self.nm_pool
         l_pool = self.l_tile[slot] if self.l_tile else self.l_pool
-        nm = nm_pool.tile((qr, 1), "fp32")
+        nm = self.tile(nm_pool, (qr, 1), "fp32")
         if qt.nm is None:
             kern.tensor_reduce(nm, "max", scores, axis=1, negate=True)
             kern.tensor_scalar(nm, nm, "multiply", sc)
         else:
-            neg_max = self.red_pool.tile((qr, 1), "fp32")
+            neg_max = self.tile(self.red_pool, (qr, 1), "fp32")
             kern.tensor_reduce(neg_max, "max", scores, axis=1, negate=True)
             kern.tensor_scalar(nm, neg_max, "multiply", sc, op1="minimum", operand1=qt.nm)
-        st.p = self.p_pool.tile((qr, kw), self.dt)
-        rowsum = (l_pool if qt.l is None else self.sum_pool).tile((qr, 1), "fp32")
+        st.p = self.tile(self.p_pool, (qr, kw), self.dt)
+        rowsum = self.tile(l_pool if qt.l is None else self.sum_pool, (qr, 1), "fp32")
         kern.activation(st.p, "exp", scores, scale=sc, bias=nm, reduce_op="add", reduce_res=rowsum)
         if qt.nm is not None and qt.l is not None:
-            st.alpha = self.alpha_pool.tile((qr, 1), "fp32")
+            st.alpha = self.tile(self.alpha_pool, (qr, 1), "fp32")
             kern.activation(st.alpha, "exp", qt.nm, scale=-1.0, bias=nm)
-            l_new = l_pool.tile((qr, 1), "fp32")
+            l_new = self.tile(l_pool, (qr, 1), "fp32")
             kern.tensor_scalar(l_new, qt.l, "multiply", st.alpha, op1="add", operand1=rowsum, engine="gpsimd")
             rowsum = l_new
         qt.nm, qt.l = nm, rowsum
@@ -447,8 +785,8 @@ class _Work:
         kern, tc, qr, kw = self.kern, self.tc, st.qt.qr, st.kw
         assert st.p is not None
         chunks, full = -(-kw // tc), kw // tc
-        ps = self.pT_ps.tile((tc, chunks, qr), self.dt)
-        st.pT = pT = self.pT_pool.tile((tc, chunks, qr), self.dt)
+        ps = self.tile(self.pT_ps, (tc, chunks, qr), self.dt)
+        st.pT = pT = self.tile(self.pT_pool, (tc, chunks, qr), self.dt)
         p = st.p
 
         def operands() -> tuple[list[tuple[TileAP, TileAP]], list[tuple[TileAP, TileAP]]]:
@@ -468,14 +806,14 @@ class _Work:
         """p·v over the key chunks into one PSUM group, then o = o·alpha + p·v."""
         kern, tc, qt, kw = self.kern, self.tc, st.qt, st.kw
         assert st.pT is not None
-        pv = self.pv_ps.tile((qt.qr, self.d), "fp32")
+        pv = self.tile(self.pv_ps, (qt.qr, self.d), "fp32")
         chunks, c0 = -(-kw // tc), st.j0 // tc
         pT, v = st.pT, st.kb.v
         # nc_matmul(pv, pT chunk j, v chunk c0 + j, accumulate=j > 0) for each chunk, in order
         kern.nc_matmul_many(self.view((pv, pT, v, c0, kw), lambda: [
             (pv, pT[:min(tc, kw - j * tc), j, :], v[:min(tc, kw - j * tc), c0 + j, :], j > 0) for j in range(chunks)]))
         if qt.o is None:
-            qt.o = self.o_pool.tile((qt.qr, self.d), "fp32")
+            qt.o = self.tile(self.o_pool, (qt.qr, self.d), "fp32")
             kern.tensor_copy(qt.o, pv, engine="vector")
             return
         assert st.alpha is not None
@@ -485,19 +823,35 @@ class _Work:
     def store(self, out: HbmTensor, qt: _QueryTile) -> None:
         """``out = o / l`` for one query tile, stored on GpSimd's DMA queue."""
         assert qt.o is not None and qt.l is not None
-        res = self.res_pool.tile((qt.qr, self.d), self.dt)
+        res = self.tile(self.res_pool, (qt.qr, self.d), self.dt)
         self.kern.tensor_scalar(res, qt.o, "divide", qt.l)
-        self.kern.dma_copy(out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :], res, engine="gpsimd")
+        dst = out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :]
+        if self.hbm is not None:
+            self.hbm.append((dst, "out", qt))
+        self.kern.dma_copy(dst, res, engine="gpsimd")
 
 
-def _load_rows(kern: Kernel, dst: TileAP, src: HbmTensor, bi: int, hi: int, r0: int, n: int, tc: int,
-               queue: int) -> None:
-    """Rows [r0, r0+n) of ``src[bi, hi]`` into ``dst`` [tc, chunks, D], row r0 + tc·c + p at
-    partition p of chunk c: one DMA for the whole chunks, one for a ragged tail."""
+def _row_views(src: HbmTensor, bi: int, hi: int, r0: int, n: int, tc: int) -> list[HbmAP | None]:
+    """The HBM sides of :func:`_load_rows`: the whole chunks (or None), the ragged tail (or None)."""
     _, heads, s, d = src.shape
     full, tail = divmod(n, tc)
     base = ((bi * heads + hi) * s + r0) * d
-    if full:
-        kern.dma_copy(dst[:, :full, :], src.ap(base, [[d, tc], [tc * d, full], [1, d]]), queue=queue)
-    if tail:
-        kern.dma_copy(dst[:tail, full, :], src[bi, hi, r0 + full * tc:r0 + n, :], queue=queue)
+    return [src.ap(base, [[d, tc], [tc * d, full], [1, d]]) if full else None,
+            src[bi, hi, r0 + full * tc:r0 + n, :] if tail else None]
+
+
+def _load_rows(kern: Kernel, dst: TileAP, src: HbmTensor, bi: int, hi: int, r0: int, n: int, tc: int,
+               queue: int, log: list[tuple[Any, ...]] | None = None) -> None:
+    """Rows [r0, r0+n) of ``src[bi, hi]`` into ``dst`` [tc, chunks, D], row r0 + tc·c + p at
+    partition p of chunk c: one DMA for the whole chunks, one for a ragged tail (each HBM view
+    noted in ``log`` as (view, "rows", tensor, bi, hi, r0, n, which))."""
+    full, tail = divmod(n, tc)
+    views = _row_views(src, bi, hi, r0, n, tc)
+    if views[0] is not None:
+        if log is not None:
+            log.append((views[0], "rows", src, bi, hi, r0, n, 0))
+        kern.dma_copy(dst[:, :full, :], views[0], queue=queue)
+    if views[1] is not None:
+        if log is not None:
+            log.append((views[1], "rows", src, bi, hi, r0, n, 1))
+        kern.dma_copy(dst[:tail, full, :], views[1], queue=queue)
