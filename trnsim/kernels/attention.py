@@ -511,6 +511,9 @@ class _Groups:
                 kb = table[kbi]
                 base = kb.kT if which == 0 else kb.v
                 a = base.alloc
+                if a is ap.alloc:  # the template's own block
+                    tiles.append(ap)
+                    continue
                 t = moved.get((ap, a))
                 if t is None:  # the slice ``ap`` is of the template's block: the same slice of this one
                     t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
