@@ -1598,7 +1598,8 @@ class Kernel:
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
         for (_, _, _, ats), t in zip(tpl.tile_sides, tiles):
-            r = tracker.region(t)
+            d = t._dep_h
+            r = d[1] if d is not None and d[0] is tracker else tracker.region(t)
             for at in ats:
                 spec[at] = r
         raw = tracker.record_many(i0, n, spec)
@@ -1616,10 +1617,12 @@ class Kernel:
             x = out[j]
             for name in names:
                 setattr(x, name, t)
-            reads = list(x.reads)
-            for i in ri:
-                reads[i] = t
-            x.reads = tuple(reads)
+            reads = x.reads
+            if len(ri) == 1:
+                i = ri[0]
+                x.reads = reads[:i] + (t,) + reads[i + 1:]
+            else:
+                x.reads = tuple(t if i in ri else ap for i, ap in enumerate(reads))
         tracker.log_recorded(out)
         self._loaded_stationary = tpl.loaded_after
         instrs.extend(out)

@@ -504,8 +504,14 @@ class _Groups:
                 qt = table[e[1]]
                 views.append(self.out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :])
         w = self.w
-        tiles = []
+        tiles: list[TileAP] = []
         if tpl.subst:
+            # the same slices for every group of the blocks' head: made once per template and blocks
+            bkey = tuple(a for i in tpl.subst_blocks for a in (table[i].kT.alloc, table[i].v.alloc))
+            got_tiles = tpl.moved.get(bkey)
+            if got_tiles is not None:
+                tiles = got_tiles
+        if tpl.subst and not tiles:
             moved = w.moved
             for kbi, which, ap, dp in tpl.subst:
                 kb = table[kbi]
@@ -518,6 +524,7 @@ class _Groups:
                 if t is None:  # the slice ``ap`` is of the template's block: the same slice of this one
                     t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
                 tiles.append(t)
+            tpl.moved[bkey] = tiles
         if not w.kern.replay(tpl.rep, views, tiles):
             return False
         canon_of = w.canon_of
@@ -554,7 +561,7 @@ class _GroupTemplate:
     group's query tiles, key blocks and steps (recipes to make them), the pipeline's batches,
     each step's and query tile's tiles, the resident block (-1: unchanged), the evacuations."""
 
-    __slots__ = ("subst", "rep", "views", "starts", "finds", "calls", "n_carried", "new_tiles", "new_blocks",
+    __slots__ = ("subst", "subst_blocks", "moved", "rep", "views", "starts", "finds", "calls", "n_carried", "new_tiles", "new_blocks",
                  "new_steps", "end", "step_attrs", "tile_attrs", "resident", "evacs")
 
     def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay, views: list[tuple[Any, ...]], starts: list[tuple[TilePool, int]],
@@ -563,6 +570,8 @@ class _GroupTemplate:
                  new_steps: list[tuple[int, int, int, int, bool]], end: list[list[int]],
                  step_attrs: list[tuple[Any, ...]], tile_attrs: list[tuple[Any, ...]], resident: int, evacs: int):
         self.subst = subst  # (carried key block, kT or v, the template's slice of it, its partition offset)
+        self.subst_blocks = sorted({kbi for kbi, _, _, _ in subst})
+        self.moved: dict[tuple[Any, ...], list[TileAP]] = {}  # those blocks' allocations -> the slices of them
         self.rep, self.views, self.starts, self.finds, self.calls = rep, views, starts, finds, calls
         self.n_carried, self.new_tiles, self.new_blocks, self.new_steps = n_carried, new_tiles, new_blocks, new_steps
         self.end, self.step_attrs, self.tile_attrs, self.resident, self.evacs = end, step_attrs, tile_attrs, resident, evacs
