@@ -14,15 +14,14 @@ import pytest
 
 from trnsim import kernel as kernel_mod
 from trnsim.isa import DmaCopy, Instruction, MatMul
-from trnsim.kernel import Kernel, _cloner, stream_fingerprint
+from trnsim.kernel import Kernel, _cloner, slot_names, stream_fingerprint
 from trnsim.kernels import get_kernel
 
 _clone = pytest.importorskip("trnsim.native._clone")
 
 
 def _slots(x: object) -> dict[str, object]:
-    names = [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
-    return {n: getattr(x, n, "<unset>") for n in names}
+    return {n: getattr(x, n, "<unset>") for n in slot_names(type(x))}
 
 
 def _instructions() -> list[Instruction]:

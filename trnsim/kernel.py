@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -779,21 +780,23 @@ def _fingerprint_operand(x: Any) -> Any:
     return x
 
 
+@functools.cache
+def slot_names(cls: type) -> tuple[str, ...]:
+    """Every slot of an instruction class: its classes' ``__slots__``, base class first, the
+    weak-reference list left out (what :func:`stream_fingerprint` reads and :func:`_cloner` copies)."""
+    return tuple(n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__")
+
+
 def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
     """Everything the simulator, the values path and the reports read of each instruction:
     its type, opcode and every slot (index, engine, operands as memory and geometry, deps,
     first_deps, load_stationary, DMA plan, ...). Two builds of a kernel made the same stream
     when their fingerprints are equal (how fast builds are checked against the reference)."""
-    slots_of: dict[type, list[str]] = {}
     out = []
     for ins in kern.instructions:
         cls = type(ins)
-        names = slots_of.get(cls)
-        if names is None:
-            names = slots_of[cls] = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
-                                     if n != "__weakref__"]
         out.append((cls.__name__, ins.opcode, ins.describe())
-                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in names))
+                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in slot_names(cls)))
     return out
 
 
@@ -947,8 +950,7 @@ def _cloner(cls: type, first: bool) -> Any:
     slotted object attribute by attribute in a loop costs several times more."""
     f = _CLONERS.get((cls, first))
     if f is None:
-        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
-                 if n not in ("__weakref__", "index", "deps", "first_deps")]
+        names = [n for n in slot_names(cls) if n not in ("index", "deps", "first_deps")]
         body = "".join(f"\n    y.{n} = x.{n}" for n in names)
         ns: dict[str, Any] = {"new": object.__new__, "C": cls}
         exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
