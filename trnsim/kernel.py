@@ -1499,20 +1499,22 @@ class Kernel:
         self._loaded_stationary = loaded
         instrs.extend(made)
 
-    def replay_template(self, i0: int, hbm: Sequence[int],
-                        tiles: Sequence[tuple[int, TileAP]] = ()) -> "Replay | None":
+    def replay_template(self, i0: int, hbm: Sequence[int], tiles: Sequence[tuple[int, TileAP]] = (),
+                        end: tuple[int, Any] | None = None) -> "Replay | None":
         """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
         replayable: a reference build, the Python tracker, no matmul, an instruction other than
         a DMA copy, a matmul, a PE transpose or one of the tile-only engine ops of
         ``_REPLAYABLE_OPS``, an HBM operand other than the HBM side of the DMAs at positions
         ``hbm``). ``tiles``: (position, view) of tile operands that :meth:`replay` replaces
         (``tiles=`` there, in this order): each must be read, not as a matmul's stationary or a
-        transpose's data, and not written by its instruction."""
+        transpose's data, and not written by its instruction. ``end``: (index, loaded stationary
+        then) when the run ended before the last instruction (a template made later, when first
+        wanted)."""
         tracker = self._deps
         if self.reference or type(tracker) is not NativeDependencyTracker or \
                 not hasattr(tracker._lib, "dt_record_many"):  # a module built before it had it
             return None
-        ins = self.instructions[i0:]
+        ins = self.instructions[i0:] if end is None else self.instructions[i0:end[0]]
         want = set(hbm)
         spec: list[int] = []
         sides: list[tuple[int, bool, int]] = []
@@ -1578,7 +1580,8 @@ class Kernel:
             return None
         unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
         tpl = Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
-                     _stationary_key(first.stationary), first.load_stationary, self._loaded_stationary)
+                     _stationary_key(first.stationary), first.load_stationary,
+                     self._loaded_stationary if end is None else end[1])
         tpl.tile_sides = tile_sides
         return tpl
 

@@ -298,7 +298,7 @@ class _Groups:
     evacuation count) as building it would have. Not replayed: a score function (its emitter's
     own tiles are not noted), the key-blocks-outer plan, a reference build."""
 
-    _MAX_TEMPLATES = 32  # templates kept per kernel (the default shape needs ~15)
+    _MAX_TEMPLATES = 32  # templates kept per kernel (the default shape makes 10)
 
     def __init__(self, w: "_Work", q: HbmTensor, k: HbmTensor, v: HbmTensor, out: HbmTensor, blocks: dict[int, int],
                  inflight: list[list[_Step]]):
@@ -467,11 +467,11 @@ class _Groups:
                 for ap in x.writes:
                     if type(ap) is TileAP and ap.alloc in param:
                         return None
-        rep = kern.replay_template(i0, pos, tiles_at)
-        if rep is None:
-            return None
-        return _GroupTemplate(subst, 
-            rep, views, list(starts.values()), finds, [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls],
+        # Kernel.replay_template when the template is first wanted (most groups of a kernel
+        # whose groups never repeat are never wanted)
+        rep = (i0, pos, tiles_at, (len(kern.instructions), kern._loaded_stationary))
+        return _GroupTemplate(
+            subst, rep, views, list(starts.values()), finds, [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls],
             len(carried), [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
             new_steps, end, [(index[id(st)], st.p, st.pT, st.alpha) for st in steps],
             [(index[id(qt)], qt.nm, qt.l, qt.o) for qt in qts], res_end, w.evac - ev)
@@ -480,6 +480,11 @@ class _Groups:
         """Emit ``tpl`` again as the group at (bi, hi, g0), whose carried objects are
         ``carried`` (False, having changed nothing, when a pool is not where the template's
         calls found it or Kernel.replay refuses)."""
+        rep = tpl.rep
+        if type(rep) is tuple:  # not made yet: made once (None: the instructions are not replayable)
+            rep = tpl.rep = self.w.kern.replay_template(*rep)
+        if rep is None:
+            return False
         for pool, i in tpl.starts:
             if pool._next != i:
                 return False
@@ -525,7 +530,7 @@ class _Groups:
                     t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
                 tiles.append(t)
             tpl.moved[bkey] = tiles
-        if not w.kern.replay(tpl.rep, views, tiles):
+        if not w.kern.replay(rep, views, tiles):
             return False
         canon_of = w.canon_of
         assert canon_of is not None
@@ -554,17 +559,20 @@ def _shape_of(t: TileAP) -> tuple[Any, ...]:
 
 
 class _GroupTemplate:
-    """A group to replay (:class:`_Groups`): the instructions, its HBM views as recipes
+    """A group to replay (:class:`_Groups`): the instructions (a :class:`Replay`, or the
+    arguments of Kernel.replay_template until first wanted; None: not replayable), the K/V block
+    slices to replace (``subst``), its HBM views as recipes
     (("q", query offset in the group, rows), ("rows", tensor, first row, rows, part), ("out",
     query tile)), the pool positions and buffers its tile() calls start from / find, the calls,
     and the Python state it leaves, over a table of objects: the carried ones, then the
     group's query tiles, key blocks and steps (recipes to make them), the pipeline's batches,
     each step's and query tile's tiles, the resident block (-1: unchanged), the evacuations."""
 
-    __slots__ = ("subst", "subst_blocks", "moved", "rep", "views", "starts", "finds", "calls", "n_carried", "new_tiles", "new_blocks",
-                 "new_steps", "end", "step_attrs", "tile_attrs", "resident", "evacs")
+    __slots__ = ("subst", "subst_blocks", "moved", "rep", "views", "starts", "finds", "calls", "n_carried",
+                 "new_tiles", "new_blocks", "new_steps", "end", "step_attrs", "tile_attrs", "resident", "evacs")
 
-    def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay, views: list[tuple[Any, ...]], starts: list[tuple[TilePool, int]],
+    def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay | tuple[Any, ...] | None,
+                 views: list[tuple[Any, ...]], starts: list[tuple[TilePool, int]],
                  finds: list[tuple[Any, ...]], calls: list[tuple[Any, ...]], n_carried: int,
                  new_tiles: list[tuple[int, int, TileAP]], new_blocks: list[tuple[int, int, TileAP, TileAP]],
                  new_steps: list[tuple[int, int, int, int, bool]], end: list[list[int]],
