@@ -1571,7 +1571,8 @@ class Kernel:
                 if type(t) is not TileAP or not ri or any(w is t for w in x.writes) or \
                         (type(x) in _FIRST_OPERAND and 0 in ri):
                     return None
-                names = tuple(n for n in slot_names(type(x)) if n not in ("reads", "writes") and getattr(x, n, None) is t)
+                names = tuple(n for n in slot_names(type(x))
+                              if n not in ("reads", "writes") and getattr(x, n, None) is t)
                 tile_sides.append((j, names, ri, tuple(offsets[j] + i for i in ri)))
         # the loaded stationary matters up to the first matmul: the tiles written before it
         # (a write unloads the stationary of its tile), its stationary and whether it loaded it

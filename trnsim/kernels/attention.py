@@ -471,8 +471,9 @@ class _Groups:
         # whose groups never repeat are never wanted)
         rep = (i0, pos, tiles_at, (len(kern.instructions), kern._loaded_stationary))
         return _GroupTemplate(
-            subst, rep, views, list(starts.values()), finds, [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls],
-            len(carried), [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
+            subst, rep, views, list(starts.values()), finds,
+            [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls], len(carried),
+            [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
             new_steps, end, [(index[id(st)], st.p, st.pT, st.alpha) for st in steps],
             [(index[id(qt)], qt.nm, qt.l, qt.o) for qt in qts], res_end, w.evac - ev)
 
@@ -582,7 +583,8 @@ class _GroupTemplate:
         self.moved: dict[tuple[Any, ...], list[TileAP]] = {}  # those blocks' allocations -> the slices of them
         self.rep, self.views, self.starts, self.finds, self.calls = rep, views, starts, finds, calls
         self.n_carried, self.new_tiles, self.new_blocks, self.new_steps = n_carried, new_tiles, new_blocks, new_steps
-        self.end, self.step_attrs, self.tile_attrs, self.resident, self.evacs = end, step_attrs, tile_attrs, resident, evacs
+        self.end, self.step_attrs, self.tile_attrs = end, step_attrs, tile_attrs
+        self.resident, self.evacs = resident, evacs
 
 
 class _Work:
