@@ -914,7 +914,9 @@ class Replay:
     accesses as the tracker's region ids (``[key, dma, first, nr, reads..., nw, writes...]``
     each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
     touch; what decides their LoadStationary flags (the allocations written before the first
-    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
+    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them;
+    the tile operands a replay replaces, if any (``tile_sides``: a block of another buffer, read
+    the same way)."""
 
     __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners",
                  "firsts", "tile_sides")
