@@ -1567,14 +1567,14 @@ class Kernel:
             for x in ins:
                 offsets.append(p + 4)
                 p += 5 + len(x.reads) + len(x.writes)
+            base = set(slot_names(Instruction))  # index, engine, reads, writes, deps...: no operand slot
             for j, t in tiles:
                 x = ins[j]
-                ri = tuple(i for i, ap in enumerate(x.reads) if ap is t)
-                if type(t) is not TileAP or not ri or any(w is t for w in x.writes) or \
-                        (type(x) in _FIRST_OPERAND and 0 in ri):
+                reads = x.reads
+                ri = (reads.index(t),) if reads.count(t) == 1 else tuple(i for i, ap in enumerate(reads) if ap is t)
+                if type(t) is not TileAP or not ri or t in x.writes or (type(x) in _FIRST_OPERAND and 0 in ri):
                     return None
-                names = tuple(n for n in slot_names(type(x))
-                              if n not in ("reads", "writes") and getattr(x, n, None) is t)
+                names = tuple(n for n in slot_names(type(x)) if n not in base and getattr(x, n, None) is t)
                 tile_sides.append((j, names, ri, tuple(offsets[j] + i for i in ri)))
         # the loaded stationary matters up to the first matmul: the tiles written before it
         # (a write unloads the stationary of its tile), its stationary and whether it loaded it
