@@ -172,9 +172,11 @@ static PyObject *py_replay(PyObject *self, PyObject *args) {
         }
     const int32_t *vals = r + 2 * n + 1;
     const layout_t *l = NULL;
-    for (Py_ssize_t i = 0; i < n; i++)  /* every template copyable, before anything is made */
-        if ((l == NULL || l->type != Py_TYPE(PyList_GET_ITEM(tpl, i))) && (l = get_layout(Py_TYPE(PyList_GET_ITEM(tpl, i)))) == NULL)
+    for (Py_ssize_t i = 0; i < n; i++) { /* every template copyable, before anything is made */
+        PyTypeObject *t = Py_TYPE(PyList_GET_ITEM(tpl, i));
+        if ((l == NULL || l->type != t) && (l = get_layout(t)) == NULL)
             goto done;
+    }
     out = PyList_New(n);
     if (out == NULL)
         goto done;
