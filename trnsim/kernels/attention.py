@@ -304,7 +304,8 @@ class _Groups:
                  inflight: list[list[_Step]]):
         self.w, self.q, self.k, self.v, self.out, self.blocks, self.inflight = w, q, k, v, out, blocks, inflight
         self.resident_ok = len(blocks) == 1
-        self.templates: dict[tuple[Any, ...], list[_GroupTemplate]] | None = \
+        # key -> templates (a built group's arguments to template() until a later group wants it)
+        self.templates: dict[tuple[Any, ...], list[Any]] | None = \
             None if w.kern.reference or w.mod is not None else {}
         self.kept = 0
 
@@ -317,9 +318,13 @@ class _Groups:
             self.build(bi, hi, specs, plan)
             return
         key, table = self.state(bi, hi, specs, plan)
-        for tpl in templates.get(key, ()):
-            if self.replay(tpl, table, bi, hi, g0):
-                return
+        got = templates.get(key)
+        if got is not None:
+            for n, tpl in enumerate(got):
+                if type(tpl) is tuple:  # a group built with this key: its template, made when first wanted
+                    tpl = got[n] = self.template(*tpl)
+                if tpl is not None and self.replay(tpl, table, bi, hi, g0):
+                    return
         if self.kept >= self._MAX_TEMPLATES:
             self.build(bi, hi, specs, plan)
             return
@@ -332,10 +337,15 @@ class _Groups:
             calls, hbm, new_blocks = w.calls, w.hbm, w.new_blocks
         finally:
             w.calls = w.hbm = w.new_blocks = None
-        tpl = self.template(i0, ev, resident, table, calls, hbm, new_blocks, tiles, made, bi, hi, g0)
-        if tpl is not None:
-            templates.setdefault(key, []).append(tpl)
-            self.kept += 1
+        # what a template needs of the group's end, noted now (later groups change these objects);
+        # the rest is worked out if a later group starts in this state
+        steps = [x for x in table if type(x) is _Step] + made
+        qts = [x for x in table if type(x) is _QueryTile] + tiles
+        end = (len(kern.instructions), kern._loaded_stationary, [list(b) for b in self.inflight], w.resident,
+               w.resident_of, w.evac - ev, [(st, st.p, st.pT, st.alpha) for st in steps],
+               [(qt, qt.nm, qt.l, qt.o) for qt in qts])
+        templates.setdefault(key, []).append((i0, resident, table, calls, hbm, new_blocks, tiles, made, bi, hi, g0, end))
+        self.kept += 1
 
     def build(self, bi: int, hi: int, specs: tuple[tuple[int, int], ...],
               plan: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]
@@ -387,15 +397,16 @@ class _Groups:
         sizes = specs if w.causal else tuple(qr for _, qr in specs)  # only causal masking reads positions
         return (sizes, plan, w.evac & 1, tuple(sig)), table
 
-    def template(self, i0: int, ev: int, resident: _KeyBlock | None, carried: list[Any],
-                 calls: list[tuple[Any, ...]], hbm: list[tuple[Any, ...]], new_blocks: list[_KeyBlock],
-                 tiles: list[_QueryTile], made: list[_Step], bi: int, hi: int, g0: int) -> "_GroupTemplate | None":
-        """The group just built from instruction ``i0`` as a template, or None when it cannot
-        be one (a tile() call made a new view that a replay's call would make afresh, an HBM
-        view not of this group, an instruction Kernel.replay_template does not take)."""
-        w = self.w
-        kern = w.kern
-        ins = kern.instructions[i0:]
+    def template(self, i0: int, resident: _KeyBlock | None, carried: list[Any], calls: list[tuple[Any, ...]],
+                 hbm: list[tuple[Any, ...]], new_blocks: list[_KeyBlock], tiles: list[_QueryTile], made: list[_Step],
+                 bi: int, hi: int, g0: int, end_state: tuple[Any, ...]) -> "_GroupTemplate | None":
+        """The group built from instruction ``i0`` (``end_state``: what it left, see run()) as a
+        template, or None when it cannot be one (a tile() call that would not reuse its buffer's
+        allocation, an HBM view not of this group, an instruction Kernel.replay_template does
+        not take)."""
+        kern = self.w.kern
+        i1, loaded, inflight, res_now, res_of, evacs, step_attrs, tile_attrs = end_state
+        ins = kern.instructions[i0:i1]
         pos = [j for j, x in enumerate(ins) if type(x) is DmaCopy and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
         if len(pos) != len(hbm) or any(e[0] is not (ins[j].src if type(ins[j].src) is HbmAP else ins[j].dst)
                                        for j, e in zip(pos, hbm)):
@@ -433,17 +444,15 @@ class _Groups:
             elif prev.alloc is not t.alloc:
                 return None
             seen[(id(pool), i)] = t
-        qts = [x for x in table if type(x) is _QueryTile]
-        steps = [x for x in table if type(x) is _Step]
         try:
-            end = [[index[id(st)] for st in batch] for batch in self.inflight]
+            end = [[index[id(st)] for st in batch] for batch in inflight]
             new_steps = [(index[id(st.qt)], index[id(st.kb)], st.j0, st.kw, st.last) for st in made]
         except KeyError:
             return None
-        if w.resident is resident:
+        if res_now is resident:
             res_end = -1
-        elif id(w.resident) in index and w.resident_of == (bi, hi):
-            res_end = index[id(w.resident)]
+        elif id(res_now) in index and res_of == (bi, hi):
+            res_end = index[id(res_now)]
         else:
             return None
         # the carried key blocks are the template's parameters: their tiles' reads are replaced
@@ -467,25 +476,21 @@ class _Groups:
                 for ap in x.writes:
                     if type(ap) is TileAP and ap.alloc in param:
                         return None
-        # Kernel.replay_template when the template is first wanted (most groups of a kernel
-        # whose groups never repeat are never wanted)
-        rep = (i0, pos, tiles_at, (len(kern.instructions), kern._loaded_stationary))
+        rep = kern.replay_template(i0, pos, tiles_at, (i1, loaded))
+        if rep is None:
+            return None
         return _GroupTemplate(
             subst, rep, views, list(starts.values()), finds,
             [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls], len(carried),
             [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
-            new_steps, end, [(index[id(st)], st.p, st.pT, st.alpha) for st in steps],
-            [(index[id(qt)], qt.nm, qt.l, qt.o) for qt in qts], res_end, w.evac - ev)
+            new_steps, end, [(index[id(st)], p, pT, alpha) for st, p, pT, alpha in step_attrs],
+            [(index[id(qt)], nm, l, o) for qt, nm, l, o in tile_attrs], res_end, evacs)
 
     def replay(self, tpl: "_GroupTemplate", carried: list[Any], bi: int, hi: int, g0: int) -> bool:
         """Emit ``tpl`` again as the group at (bi, hi, g0), whose carried objects are
         ``carried`` (False, having changed nothing, when a pool is not where the template's
         calls found it or Kernel.replay refuses)."""
         rep = tpl.rep
-        if type(rep) is tuple:  # not made yet: made once (None: the instructions are not replayable)
-            rep = tpl.rep = self.w.kern.replay_template(*rep)
-        if rep is None:
-            return False
         for pool, i in tpl.starts:
             if pool._next != i:
                 return False
@@ -560,8 +565,7 @@ def _shape_of(t: TileAP) -> tuple[Any, ...]:
 
 
 class _GroupTemplate:
-    """A group to replay (:class:`_Groups`): the instructions (a :class:`Replay`, or the
-    arguments of Kernel.replay_template until first wanted; None: not replayable), the K/V block
+    """A group to replay (:class:`_Groups`): the instructions (:class:`Replay`), the K/V block
     slices to replace (``subst``), its HBM views as recipes
     (("q", query offset in the group, rows), ("rows", tensor, first row, rows, part), ("out",
     query tile)), the pool positions and buffers its tile() calls start from / find, the calls,
@@ -572,7 +576,7 @@ class _GroupTemplate:
     __slots__ = ("subst", "subst_blocks", "moved", "rep", "views", "starts", "finds", "calls", "n_carried",
                  "new_tiles", "new_blocks", "new_steps", "end", "step_attrs", "tile_attrs", "resident", "evacs")
 
-    def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay | tuple[Any, ...] | None,
+    def __init__(self, subst: list[tuple[int, int, TileAP, int]], rep: Replay,
                  views: list[tuple[Any, ...]], starts: list[tuple[TilePool, int]],
                  finds: list[tuple[Any, ...]], calls: list[tuple[Any, ...]], n_carried: int,
                  new_tiles: list[tuple[int, int, TileAP]], new_blocks: list[tuple[int, int, TileAP, TileAP]],
