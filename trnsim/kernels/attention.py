@@ -322,6 +322,8 @@ class _Groups:
         if got is not None:
             for n, tpl in enumerate(got):
                 if type(tpl) is tuple:  # a group built with this key: its template, made when first wanted
+                    if not self.pools_ready(tpl[-2], tpl[-1]):
+                        continue
                     tpl = got[n] = self.template(*tpl)
                 if tpl is not None and self.replay(tpl, table, bi, hi, g0):
                     return
@@ -344,7 +346,11 @@ class _Groups:
         end = (len(kern.instructions), kern._loaded_stationary, [list(b) for b in self.inflight], w.resident,
                w.resident_of, w.evac - ev, [(st, st.p, st.pT, st.alpha) for st in steps],
                [(qt, qt.nm, qt.l, qt.o) for qt in qts])
-        templates.setdefault(key, []).append((i0, resident, table, calls, hbm, new_blocks, tiles, made, bi, hi, g0, end))
+        pools = self.pool_state(calls)
+        if pools is None:
+            return
+        templates.setdefault(key, []).append((i0, resident, table, calls, hbm, new_blocks, tiles, made, bi, hi, g0, end,
+                                              *pools))
         self.kept += 1
 
     def build(self, bi: int, hi: int, specs: tuple[tuple[int, int], ...],
@@ -397,9 +403,43 @@ class _Groups:
         sizes = specs if w.causal else tuple(qr for _, qr in specs)  # only causal masking reads positions
         return (sizes, plan, w.evac & 1, tuple(sig)), table
 
+    @staticmethod
+    def pool_state(calls: list[tuple[Any, ...]]) -> tuple[list[tuple[TilePool, int]], list[tuple[Any, ...]]] | None:
+        """Where a group's tile() calls start in each pool and the buffer each first finds, or
+        None when a call would not reuse its buffer's allocation. Each call must (then it hands
+        out a view equal to the template's, which _Work.tile makes the template's object): the
+        first call at a position finds the buffer before the group (checked at each replay: the
+        same allocation, the same partitions), a later call at the same position the one the
+        earlier call left."""
+        seen: dict[tuple[int, int], TileAP] = {}
+        starts: dict[int, tuple[TilePool, int]] = {}
+        finds = []
+        for pool, i, shape, dtype, t in calls:
+            starts.setdefault(id(pool), (pool, i))
+            prev = seen.get((id(pool), i))
+            if prev is None:
+                finds.append((pool, i, t.alloc, t.p_count))
+            elif prev.alloc is not t.alloc:
+                return None
+            seen[(id(pool), i)] = t
+        return list(starts.values()), finds
+
+    @staticmethod
+    def pools_ready(starts: list[tuple[TilePool, int]], finds: list[tuple[Any, ...]]) -> bool:
+        """Do the pools stand as a template's tile() calls found them?"""
+        for pool, i in starts:
+            if pool._next != i:
+                return False
+        for pool, i, alloc, parts in finds:
+            old = pool._slots[i]
+            if old is None or old.alloc is not alloc or old.p_count != parts:
+                return False
+        return True
+
     def template(self, i0: int, resident: _KeyBlock | None, carried: list[Any], calls: list[tuple[Any, ...]],
                  hbm: list[tuple[Any, ...]], new_blocks: list[_KeyBlock], tiles: list[_QueryTile], made: list[_Step],
-                 bi: int, hi: int, g0: int, end_state: tuple[Any, ...]) -> "_GroupTemplate | None":
+                 bi: int, hi: int, g0: int, end_state: tuple[Any, ...], starts: list[tuple[TilePool, int]],
+                 finds: list[tuple[Any, ...]]) -> "_GroupTemplate | None":
         """The group built from instruction ``i0`` (``end_state``: what it left, see run()) as a
         template, or None when it cannot be one (a tile() call that would not reuse its buffer's
         allocation, an HBM view not of this group, an instruction Kernel.replay_template does
@@ -428,22 +468,6 @@ class _Groups:
                 if i is None:
                     return None
                 views.append(("out", i))
-        # each tile() call must reuse its buffer's allocation (then it hands out a view equal to
-        # the template's, which _Work.tile makes the template's object): the first call at a
-        # position finds the buffer before the group (checked at each replay: the same
-        # allocation, the same partitions), a later call at the same position the one the
-        # earlier call left
-        seen: dict[tuple[int, int], TileAP] = {}
-        starts: dict[int, tuple[TilePool, int]] = {}
-        finds = []
-        for pool, i, shape, dtype, t in calls:
-            starts.setdefault(id(pool), (pool, i))
-            prev = seen.get((id(pool), i))
-            if prev is None:
-                finds.append((pool, i, t.alloc, t.p_count))
-            elif prev.alloc is not t.alloc:
-                return None
-            seen[(id(pool), i)] = t
         try:
             end = [[index[id(st)] for st in batch] for batch in inflight]
             new_steps = [(index[id(st.qt)], index[id(st.kb)], st.j0, st.kw, st.last) for st in made]
@@ -480,7 +504,7 @@ class _Groups:
         if rep is None:
             return None
         return _GroupTemplate(
-            subst, rep, views, list(starts.values()), finds,
+            subst, rep, views, starts, finds,
             [(pool, shape, dtype, t) for pool, _, shape, dtype, t in calls], len(carried),
             [(qt.q0 - g0, qt.qr, qt.qT) for qt in tiles], [(kb.k0, kb.n, kb.kT, kb.v) for kb in new_blocks],
             new_steps, end, [(index[id(st)], p, pT, alpha) for st, p, pT, alpha in step_attrs],
@@ -491,13 +515,8 @@ class _Groups:
         ``carried`` (False, having changed nothing, when a pool is not where the template's
         calls found it or Kernel.replay refuses)."""
         rep = tpl.rep
-        for pool, i in tpl.starts:
-            if pool._next != i:
-                return False
-        for pool, i, alloc, parts in tpl.finds:
-            old = pool._slots[i]
-            if old is None or old.alloc is not alloc or old.p_count != parts:
-                return False
+        if not self.pools_ready(tpl.starts, tpl.finds):
+            return False
         table = list(carried)
         if len(table) != tpl.n_carried:
             return False
