@@ -232,6 +232,7 @@ class _Scan(NamedTuple):
 
     key: np.ndarray                 #: each instruction's number: identity of (type, engine, _ScanFields)
     reps: list[Instruction]         #: each number's first instruction
+    key_type: np.ndarray            #: each number's type number
     log: tuple[Any, ...] | None     #: the tracker's edge log (dlog, flog, columns), when of this length
     deps_same: int                  #: instructions 0..deps_same-1 carry the logged deps objects
     first_same: int                 #: ... and first_deps
@@ -290,7 +291,7 @@ def _type_column(kernel: Kernel, fields: _ScanFields) -> TypeColumn:
             key = np.frombuffer(raw, dtype=np.int32)
             reps = [instrs[i] for i in first]
             key_type = np.fromiter(map(type_id.__getitem__, map(type, reps)), dtype=np.int32, count=len(reps))
-            return type_id, key_type[key], _Scan(key, reps, log, ds, fs)
+            return type_id, key_type[key], _Scan(key, reps, key_type, log, ds, fs)
     return type_id, np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32,
                                 count=len(instrs)), None
 
@@ -423,77 +424,17 @@ class _CoreColumns:
             self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
             self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32,
                                      count=int(self.first_off[-1]))
-        kind = self.kind = np.zeros(n, dtype=np.int8)
-        busy = self.busy = np.zeros(n, dtype=np.int64)
-        lat = self.lat = np.zeros(n, dtype=np.int64)
-        ls = self.ls = np.zeros(n, dtype=np.int64)
-        self.plan = np.full(n, -1, dtype=np.int32)
-        self.owner = eng.copy()
-        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
-        labels = np.empty(n, dtype=object)
-        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
-        # ---- by instruction type ---------------------------------------------------------
-        generic: list[np.ndarray] = []
+        self.lat = np.zeros(n, dtype=np.int64)
         self.tensor_used = False
         self.hbm_bytes = self.hbm_ticks = 0
         self.queues: list[tuple[str, np.ndarray]] = []
-        dma_parts: list[np.ndarray] = []
-        for t, j in type_id.items():
-            idx = np.flatnonzero(tid == j)
-            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
-                dma_parts.append(idx)
-                continue
-            if issubclass(t, (MatMul, Transpose)):
-                if scan is not None:  # one instruction per scan key (same operand objects)
-                    uk, at = _renumber(scan.key[idx], len(scan.reps))
-                    on = np.unique(key_eng[uk])
-                else:
-                    on = np.unique(eng[idx])
-                te = engines[int(on[0])]
-                if len(on) == 1 and isinstance(te, TensorEngine):
-                    transpose = issubclass(t, Transpose)
-                    if scan is not None:
-                        ids, cycles = te.cycles_by_shape([scan.reps[u] for u in uk.tolist()], transpose)
-                        ids = ids[at]
-                    else:
-                        ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
-                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
-                    kind[idx] = _KIND_TENSOR
-                    ls[idx] = tab[ids, 0]
-                    busy[idx] = tab[ids, 1]
-                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
-                    self.tensor_used = True
-                    continue
-            generic.append(idx)
-        if dma_parts:
-            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
-            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
-            kind[didx] = _KIND_TRIGGER
-            busy[didx] = trig[eng[didx]]
-            qid_of = Numbering()  # queues in order of first appearance, as CoreTimeline starts their processes
-            if scan is not None:  # per scan key (same queue and plan objects), in order of first use
-                uk, at = _renumber(scan.key[didx], len(scan.reps))
-                dmas = [scan.reps[u] for u in uk.tolist()]
-                qs = list(map(_QUEUE_OF, dmas))
-                labels[didx] = _objects(list(map(_TRIGGER_LABEL.__getitem__, qs)))[at]
-                owners[didx] = _objects(qs)[at]
-                qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))[at]
-                weights = np.bincount(at, minlength=len(dmas))
-            else:
-                dmas = _pick(instrs, didx)
-                qs = list(map(_QUEUE_OF, dmas))
-                labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
-                owners[didx] = qs
-                qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
-                at, weights = None, None
-            for q, k in qid_of.items():
-                self.queues.append((q, didx[qid == k]))
-            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
-            self.owner[didx] = owner_of_queue[qid]
-            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma, weights)
-            self.plan[didx] = pl if at is None else pl[at]
-        if generic:
-            gidx = np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+        if scan is not None:
+            gidx = self._by_key(scan, key_eng, type_id, names, engines, plans, tl.dma)
+        else:
+            gidx = self._by_instruction(instrs, tid, type_id, names, engines, plans, tl.dma)
+        kind, busy, lat, lanes, labels = self.kind, self.busy, self.lat, self.lanes, self.labels
+        owners = self.owners
+        if len(gidx):
             types = list(type_id)
             states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
             try:
@@ -517,15 +458,130 @@ class _CoreColumns:
                     lal.append(e.lane(ins))
                     lbl.append(ins.describe())
                 busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
-        self.lanes = lanes
-        self.labels = labels
-        self.owners = owners
         self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
         for j in range(len(names)):
             on = np.flatnonzero(eng == j)
             if len(on):
                 self.processes.append((j, on))
         self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
+
+    def _by_key(self, scan: _Scan, key_eng: np.ndarray, type_id: Numbering, names: list[str], engines: list[Engine],
+                plans: "_Plans", dma: DmaSystem) -> np.ndarray:
+        """TensorE's and the DMAs' columns worked out once per scan key (same type, engine and
+        cost fields: the same costs, lane, label, queue and plan) and gathered per instruction;
+        the generic instructions' positions, for :func:`_generic_costs`."""
+        nk, reps, key = len(scan.reps), scan.reps, scan.key
+        k_kind = np.zeros(nk, dtype=np.int8)
+        k_busy = np.zeros(nk, dtype=np.int64)
+        k_ls = np.zeros(nk, dtype=np.int64)
+        k_plan = np.full(nk, -1, dtype=np.int32)
+        k_owner = key_eng.copy()
+        k_lane = np.array(names, dtype=object)[key_eng]  # each instruction's main segment: lane and label
+        k_label = np.empty(nk, dtype=object)
+        k_owners = k_lane.copy()                       # CoreTimeline.owner: engine, or queue of a DMA
+        k_qid = np.full(nk, -1, dtype=np.int32)
+        generic = np.ones(nk, dtype=bool)
+        dma_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            kt = np.flatnonzero(scan.key_type == j)  # this type's keys, in order of first use
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
+                dma_parts.append(kt)
+                generic[kt] = False
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                on = np.unique(key_eng[kt])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape([reps[u] for u in kt.tolist()], transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                    k_kind[kt] = _KIND_TENSOR
+                    k_ls[kt] = tab[ids, 0]
+                    k_busy[kt] = tab[ids, 1]
+                    k_label[kt] = "Transpose" if transpose else "MultiplyMoving"
+                    generic[kt] = False
+                    self.tensor_used = True
+        if dma_parts:
+            dk = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
+            dmas = [reps[u] for u in dk.tolist()]
+            qs = list(map(_QUEUE_OF, dmas))
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+            k_kind[dk] = _KIND_TRIGGER
+            k_busy[dk] = trig[key_eng[dk]]
+            k_label[dk] = _objects(list(map(_TRIGGER_LABEL.__getitem__, qs)))
+            k_owners[dk] = _objects(qs)
+            # queues in order of first appearance, as CoreTimeline starts their processes
+            qid_of = Numbering()
+            k_qid[dk] = qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            eng_id = {name: j for j, name in enumerate(names)}
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            k_owner[dk] = owner_of_queue[qid]
+            count = np.bincount(key, minlength=nk)[dk]  # transfers per key
+            k_plan[dk], self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma, count)
+            inst_qid = k_qid[key]
+            for q, k in qid_of.items():
+                self.queues.append((q, np.flatnonzero(inst_qid == k)))
+        self.kind, self.busy, self.ls, self.plan, self.owner = k_kind[key], k_busy[key], k_ls[key], k_plan[key], \
+            k_owner[key]
+        self.lanes, self.labels, self.owners = k_lane[key], k_label[key], k_owners[key]
+        return np.flatnonzero(generic[key])
+
+    def _by_instruction(self, instrs: Sequence[Instruction], tid: np.ndarray, type_id: Numbering, names: list[str],
+                        engines: list[Engine], plans: "_Plans", dma: DmaSystem) -> np.ndarray:
+        """TensorE's and the DMAs' columns read instruction by instruction (map() passes: no
+        C scan); the generic instructions' positions, for :func:`_generic_costs`."""
+        n, eng = self.n, self.engine
+        eng_id = {name: j for j, name in enumerate(names)}
+        kind = self.kind = np.zeros(n, dtype=np.int8)
+        busy = self.busy = np.zeros(n, dtype=np.int64)
+        ls = self.ls = np.zeros(n, dtype=np.int64)
+        self.plan = np.full(n, -1, dtype=np.int32)
+        self.owner = eng.copy()
+        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
+        labels = np.empty(n, dtype=object)
+        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
+        self.lanes, self.labels, self.owners = lanes, labels, owners
+        generic: list[np.ndarray] = []
+        dma_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            idx = np.flatnonzero(tid == j)
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
+                dma_parts.append(idx)
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                on = np.unique(eng[idx])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                    kind[idx] = _KIND_TENSOR
+                    ls[idx] = tab[ids, 0]
+                    busy[idx] = tab[ids, 1]
+                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
+                    self.tensor_used = True
+                    continue
+            generic.append(idx)
+        if dma_parts:
+            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+            kind[didx] = _KIND_TRIGGER
+            busy[didx] = trig[eng[didx]]
+            qid_of = Numbering()  # queues in order of first appearance, as CoreTimeline starts their processes
+            dmas = _pick(instrs, didx)
+            qs = list(map(_QUEUE_OF, dmas))
+            labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
+            owners[didx] = qs
+            qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            for q, k in qid_of.items():
+                self.queues.append((q, didx[qid == k]))
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            self.owner[didx] = owner_of_queue[qid]
+            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma)
+            self.plan[didx] = pl
+        if not generic:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
 
 
 def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
