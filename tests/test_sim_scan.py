@@ -216,6 +216,13 @@ def test_fresh_objects_from_a_property_are_never_merged():
     assert keys == list(range(200)) and first == list(range(200))
 
 
+class Borrowed:
+    """A class holding another class's member descriptor: Python's lookup raises TypeError."""
+
+    __slots__ = ("engine", "deps", "first_deps")
+    a = Ins.__dict__["a"]
+
+
 def test_attribute_hooks_and_errors_are_python_s():
     keys, _, _, _ = scan([Hooked(1), Hooked(2), Ins(1)], {Hooked: ("a",), Ins: ("a",)})
     assert keys == [0, 0, 1]  # both read "hooked" through the class's own __getattribute__
@@ -223,6 +230,10 @@ def test_attribute_hooks_and_errors_are_python_s():
     del empty.b
     with pytest.raises(AttributeError, match="'Ins' object has no attribute 'b'"):
         scan([Ins(1), empty], {Ins: ("a", "b")})
+    b = Borrowed()
+    b.engine, b.deps, b.first_deps = "E", (), None
+    with pytest.raises(TypeError, match="descriptor 'a' for 'Ins' objects doesn't apply"):
+        scan([b], {Borrowed: ("a",)})
     with pytest.raises(AttributeError, match="nothing"):
         scan([Ins(1)], {Ins: ("nothing",)})
     with pytest.raises(KeyError):

@@ -170,7 +170,9 @@ static Py_ssize_t slot_offset(PyTypeObject *tp, PyObject *name) {
             return -1;
         }
     }
-    if (!d || Py_TYPE(d) != &PyMemberDescr_Type)
+    /* a member of another class's layout (a descriptor copied into this class) is not read
+     * here: its __get__ raises TypeError for such an object, and so PyObject_GetAttr does */
+    if (!d || Py_TYPE(d) != &PyMemberDescr_Type || !PyType_IsSubtype(tp, ((PyDescrObject *)d)->d_type))
         return -1;
     PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
     if (m->type != T_OBJECT_EX && m->type != T_OBJECT)
