@@ -432,8 +432,7 @@ class _CoreColumns:
             gidx = self._by_key(scan, key_eng, type_id, names, engines, plans, tl.dma)
         else:
             gidx = self._by_instruction(instrs, tid, type_id, names, engines, plans, tl.dma)
-        kind, busy, lat, lanes, labels = self.kind, self.busy, self.lat, self.lanes, self.labels
-        owners = self.owners
+        busy, lat, lanes, labels = self.busy, self.lat, self.lanes, self.labels
         if len(gidx):
             types = list(type_id)
             states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
