@@ -26,13 +26,18 @@ Exit status 1 if matmul 4096^3 build + simulate (best of the repeats) takes 2 s 
 fast build's stream differs from the reference's, or if the simulator and its simpy reference
 disagree on any kernel.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--quick] [--rounds N]
+
+``--rounds N`` times build + simulate N times in all (the checks and the CLI run once) and prints
+each round's end-to-end rate and their median against the goal: on a shared machine one run
+varies by up to 1.5x, so a claim about the goal rests on the median of several rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -64,9 +69,38 @@ def best(fn, repeats: int) -> tuple[float, object]:
     return t_best, out
 
 
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 100:
+        raise argparse.ArgumentTypeError(f"expected a whole number of rounds from 1 to 100, got {text!r}")
+    return n
+
+
+def timed_round(cases: list[tuple[str, tuple[int, ...]]], cfg, repeats: int, n_base: int) -> tuple[float, float]:
+    """One more round of the timed work only: instructions built and simulated per second over
+    ``cases`` (best of ``repeats`` each, as the first round times them), and raw simpy's rate
+    (``n_base`` timeouts)."""
+    t_base, _ = best(lambda: raw_simpy(n_base), repeats)
+    total_instr, total_s = 0, 0.0
+    for name, shape in cases:
+        entry = get_kernel(name)
+        t_build, kern = best(lambda: entry.make(shape, entry.default_dtype, cfg), repeats)
+        t_sim, _ = best(lambda: simulate(cfg, [kern]), repeats)
+        total_instr += len(kern)
+        total_s += t_build + t_sim
+        kern = None
+    return total_instr / total_s, n_base / t_base
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="matmul 4096^3 and a small bmm, one repeat, no CLI run")
+    ap.add_argument("--rounds", type=_rounds, default=1, metavar="N",
+                    help="time build + simulate of every kernel N times in all (the checks run once) and print "
+                         "the median end-to-end rate: one run on a shared machine varies by up to 1.5x")
     args = ap.parse_args(argv)
     repeats = 1 if args.quick else 3
     cfg = load_config("trn2")
@@ -132,6 +166,18 @@ def main(argv: list[str] | None = None) -> int:
           f"goal >= {END_TO_END_GOAL:,}: {'met' if e2e >= END_TO_END_GOAL else 'MISSED'} "
           f"({END_TO_END_GOAL / e2e:.1f}x short)" if e2e < END_TO_END_GOAL else
           f"end to end (build + simulate): {e2e:,.0f} instr/s = {e2e / base_rate:.2f}x raw simpy; goal met")
+    if args.rounds > 1:
+        rates, bases = [e2e], [base_rate]
+        for _ in range(args.rounds - 1):
+            r, b = timed_round(cases, cfg, repeats, n_base)
+            rates.append(r)
+            bases.append(b)
+        med = statistics.median(rates)
+        ratio = statistics.median(r / b for r, b in zip(rates, bases))
+        print(f"end to end over {args.rounds} rounds: " + ", ".join(f"{r:,.0f}" for r in rates) + " instr/s")
+        print(f"  median {med:,.0f} instr/s (range {min(rates):,.0f}-{max(rates):,.0f}), "
+              f"median {ratio:.2f}x raw simpy of the same round; goal >= {END_TO_END_GOAL:,}: "
+              f"{'met' if med >= END_TO_END_GOAL else 'MISSED'}")
     if not args.quick:  # this checkout's CLI (an installed `trnsim` script may import another one)
         cmd = [sys.executable, "-m", "trnsim.cli", "kernel", "matmul", "--shape", "4096x4096x4096", "--dtype", "bf16"]
         t_cli, proc = best(lambda: subprocess.run(cmd, capture_output=True, text=True), repeats)

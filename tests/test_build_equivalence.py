@@ -139,12 +139,13 @@ def test_bench_kernels_quick_checks_the_streams(capsys: pytest.CaptureFixture[st
     sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(mod)
-        mod.main(["--quick"])
+        mod.main(["--quick", "--rounds", "2"])
     finally:
         sys.path.remove(str(path.parent))
     out = capsys.readouterr().out
     assert "instruction streams identical" in out
     assert "DIFFERS" not in out
+    assert "end to end over 2 rounds: " in out and "  median " in out  # the second round timed too
 
 
 def test_pickled_kernel_keeps_building_the_same_stream() -> None:

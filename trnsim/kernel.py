@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -385,6 +386,10 @@ try:  # the same tracker in C (trnsim/native/deptrack.c), built by setup.py besi
     from .native import _deptrack  # type: ignore[attr-defined]
 except ImportError:  # not built: the Python tracker does the same work, slower
     _deptrack = None
+try:  # instruction copies and dependency tuples in C (trnsim/native/clone.c), built by setup.py too
+    from .native import _clone  # type: ignore[attr-defined]
+except ImportError:  # not built: the same copies and tuples made in Python, slower
+    _clone = None
 
 
 _UNLOGGED = object()  # a record whose first_deps the C edge log does not have (equal to no tuple)
@@ -502,6 +507,17 @@ class NativeDependencyTracker:
             self._out2 = self._out + 2
             self._g = self._gen[0]
         return self._unpack(self._out, n)
+
+    def _raw(self, n: int) -> Any:
+        """The ``n`` ints of :meth:`_results` as a buffer over the C output (int32), valid
+        until the next C call: what ``_clone`` reads them from."""
+        if n < 0:
+            raise MemoryError("dependency tracker: out of memory")
+        if self._gen[0] != self._g:
+            self._out = self._lib.dt_out(self._t)
+            self._out2 = self._out + 2
+            self._g = self._gen[0]
+        return _deptrack.ffi.buffer(self._out, 4 * n)  # type: ignore[union-attr]
 
     def _edges(self, n: int) -> tuple[int, ...]:
         """The edges a record without ``first`` left in the output buffer (``n`` ints in all:
@@ -667,8 +683,7 @@ class NativeDependencyTracker:
                 d = ap._dep_h
                 out.append(d[1] if d is not None and d[0] is self else self._region(ap))
         kid = self._tensor_kid()
-        self._spread(ins, self._results(self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data,
-                                                                       dst)))
+        self._spread(ins, self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
 
     def record_matmuls(self, ins: Sequence[MatMul]) -> None:
         """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
@@ -679,14 +694,17 @@ class NativeDependencyTracker:
                 d = ap._dep_h
                 out.append(d[1] if d is not None and d[0] is self else self._region(ap))
         kid = self._tensor_kid()
-        n = self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
-                                        [1 if m.accumulate else 0 for m in ins])
-        self._spread(ins, self._results(n))
+        self._spread(ins, self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
+                                                      [1 if m.accumulate else 0 for m in ins]))
 
-    def _spread(self, ins: Sequence[Instruction], vals: list[int]) -> None:
-        """Set each instruction's ``first_deps`` and ``deps`` from a batched record's results,
-        laid out one after the other as ``[nfirst, ndeps, first..., deps...]``, and note them
-        in the log (:meth:`logged_edges`)."""
+    def _spread(self, ins: Sequence[Instruction], n: int) -> None:
+        """Set each instruction's ``first_deps`` and ``deps`` from a batched record's ``n``
+        results, laid out one after the other as ``[nfirst, ndeps, first..., deps...]``, and
+        note them in the log (:meth:`logged_edges`)."""
+        if _clone is not None and type(ins) is list:
+            _clone.spread(ins, self._raw(n), self._dlog, self._flog)
+            return
+        vals = self._results(n)
         p = 0
         dlog, flog = self._dlog.append, self._flog.append
         for m in ins:
@@ -703,6 +721,11 @@ class NativeDependencyTracker:
         """The C region id of ``ap`` (registered on first use, as :meth:`record` does)."""
         d = ap._dep_h
         return d[1] if d is not None and d[0] is self else self._region(ap)
+
+    def record_many_raw(self, idx0: int, n: int, spec: Any) -> Any:
+        """:meth:`record_many`'s results as :meth:`_raw` gives them (what ``_clone.replay`` reads)."""
+        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
+        return self._raw(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
 
     def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
         """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
@@ -757,21 +780,23 @@ def _fingerprint_operand(x: Any) -> Any:
     return x
 
 
+@functools.cache
+def slot_names(cls: type) -> tuple[str, ...]:
+    """Every slot of an instruction class: its classes' ``__slots__``, base class first, the
+    weak-reference list left out (what :func:`stream_fingerprint` reads and :func:`_cloner` copies)."""
+    return tuple(n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__")
+
+
 def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
     """Everything the simulator, the values path and the reports read of each instruction:
     its type, opcode and every slot (index, engine, operands as memory and geometry, deps,
     first_deps, load_stationary, DMA plan, ...). Two builds of a kernel made the same stream
     when their fingerprints are equal (how fast builds are checked against the reference)."""
-    slots_of: dict[type, list[str]] = {}
     out = []
     for ins in kern.instructions:
         cls = type(ins)
-        names = slots_of.get(cls)
-        if names is None:
-            names = slots_of[cls] = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
-                                     if n != "__weakref__"]
         out.append((cls.__name__, ins.opcode, ins.describe())
-                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in names))
+                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in slot_names(cls)))
     return out
 
 
@@ -891,7 +916,8 @@ class Replay:
     touch; what decides their LoadStationary flags (the allocations written before the first
     matmul, its stationary's key and whether it loaded it) and the loaded stationary after them."""
 
-    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners")
+    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners",
+                 "firsts")
 
     def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
                  allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
@@ -899,6 +925,14 @@ class Replay:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
         self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
         self.cloners = [_cloner(type(x), type(x) is MatMul) for x in ins]  # matmuls: first = stationary
+        # the same copies made in C (_clone.replay), when every class is one it can copy
+        self.firsts: bytes | None = bytes(type(x) is MatMul for x in ins) if _clone is not None else None
+        if self.firsts is not None:
+            try:
+                for cls in {type(x) for x in ins}:
+                    _clone.layout(cls)
+            except TypeError:
+                self.firsts = None
 
 
 def _stationary_key(s: TileAP) -> tuple[Any, ...]:
@@ -916,8 +950,7 @@ def _cloner(cls: type, first: bool) -> Any:
     slotted object attribute by attribute in a loop costs several times more."""
     f = _CLONERS.get((cls, first))
     if f is None:
-        names = [n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ())
-                 if n not in ("__weakref__", "index", "deps", "first_deps")]
+        names = [n for n in slot_names(cls) if n not in ("index", "deps", "first_deps")]
         body = "".join(f"\n    y.{n} = x.{n}" for n in names)
         ns: dict[str, Any] = {"new": object.__new__, "C": cls}
         exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
@@ -1556,10 +1589,15 @@ class Kernel:
         spec = array.array("i", tpl.spec)
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
-        raw = tracker.record_many(i0, n, spec)
-        offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
-        out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
-               zip(tpl.ins, tpl.cloners, range(i0, i0 + n), offs[0:2 * n:2], offs[1:2 * n:2], offs[2::2])]
+        if tpl.firsts is not None:  # the copies, their tuples and the log's entries in C
+            out = _clone.replay(tpl.ins, tpl.firsts, i0, tracker.record_many_raw(i0, n, spec), tracker._dlog,
+                                tracker._flog)
+        else:
+            raw = tracker.record_many(i0, n, spec)
+            offs, vals = raw[:2 * n + 1], tuple(raw[2 * n + 1:])  # slices of a tuple are tuples: one allocation each
+            out = [clone(x, i, vals[b:c], vals[a:b]) for x, clone, i, a, b, c in
+                   zip(tpl.ins, tpl.cloners, range(i0, i0 + n), offs[0:2 * n:2], offs[1:2 * n:2], offs[2::2])]
+            tracker.log_recorded(out)
         for (j, is_src, _), v, plan in zip(tpl.sides, views, new_plans):
             x = out[j]
             if is_src:
@@ -1567,7 +1605,6 @@ class Kernel:
             else:
                 x.dst, x.writes = v, (v,)
             x.plan = plan
-        tracker.log_recorded(out)
         self._loaded_stationary = tpl.loaded_after
         instrs.extend(out)
         self.replays += 1

@@ -20,10 +20,10 @@ keeps its own compiler flags:
   a utilisation in doubles, which must round exactly as the Python model's arithmetic does;
 * the dependency tracker: integer code only, plain ``-O2``.
 
-A fourth module, ``trnsim.native._scan`` (scan.c: the simulator's one pass over a kernel's
-instruction objects), is a plain CPython extension named in setup.py's ``ext_modules``, not a
-cffi one: it reads Python objects, which cffi does not hand to C. Without it, ``simulate()``
-reads the instructions with map() passes (the same results, slower).
+``trnsim.native._scan`` (scan.c: the simulator's one pass over a kernel's instruction objects)
+is a plain CPython extension named in setup.py's ``ext_modules`` (as clone.c is), not a cffi
+one: it reads Python objects, which cffi does not hand to C. Without it, ``simulate()`` reads
+the instructions with map() passes (the same results, slower).
 """
 
 from __future__ import annotations
