@@ -23,7 +23,6 @@ modules still give each instruction its costs; the loop keeps the state that mov
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, length_hint
 from typing import Any, Generator, NamedTuple, Sequence
@@ -856,10 +855,9 @@ class _NativeRun:
                 raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
             tl.ready = rd.tolist()
             tl.end = end[b0:b1].tolist()
-            tr = trigger[b0:b1]
-            fired = np.flatnonzero(tr >= 0)  # DMA triggers: a few of the instructions
-            tl.trigger = trig = [None] * (b1 - b0)
-            deque(map(trig.__setitem__, fired.tolist(), tr[fired].tolist()), maxlen=0)
+            tr = trigger[b0:b1].astype(object)
+            tr[trigger[b0:b1] < 0] = None
+            tl.trigger = tr.tolist()
             tl.owner = col.owners.tolist()
             if seg_core is None:
                 li, ki, si, ei = g, k, starts, ends
