@@ -306,6 +306,13 @@ def _renumber(keys: np.ndarray, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
     return uniq, at[keys]
 
 
+def _distinct(small: np.ndarray) -> np.ndarray:
+    """``np.unique`` of small non-negative ints (engine, type and key numbers), by counting:
+    plain np.unique looks at ``np.ma`` and so imports numpy.ma on its first call in a process
+    (~13 ms, more than simulating a small kernel)."""
+    return np.flatnonzero(np.bincount(small)) if len(small) else np.zeros(0, dtype=np.int64)
+
+
 def _objects(items: list[Any]) -> np.ndarray:
     """A 1-d object array of ``items`` (np.array would make a 2-d one of tuples)."""
     a = np.empty(len(items), dtype=object)
@@ -436,7 +443,7 @@ class _CoreColumns:
             types = list(type_id)
             states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
             try:
-                for j in np.unique(eng[gidx]).tolist():
+                for j in _distinct(eng[gidx]).tolist():
                     idx = gidx[eng[gidx] == j]
                     cost = _generic_costs(instrs, idx, tid[idx], types, engines[j], scan)
                     busy[idx], lat[idx], lanes[idx], labels[idx] = cost
@@ -487,7 +494,7 @@ class _CoreColumns:
                 generic[kt] = False
                 continue
             if issubclass(t, (MatMul, Transpose)):
-                on = np.unique(key_eng[kt])
+                on = _distinct(key_eng[kt])
                 te = engines[int(on[0])]
                 if len(on) == 1 and isinstance(te, TensorEngine):
                     transpose = issubclass(t, Transpose)
@@ -547,7 +554,7 @@ class _CoreColumns:
                 dma_parts.append(idx)
                 continue
             if issubclass(t, (MatMul, Transpose)):
-                on = np.unique(eng[idx])
+                on = _distinct(eng[idx])
                 te = engines[int(on[0])]
                 if len(on) == 1 and isinstance(te, TensorEngine):
                     transpose = issubclass(t, Transpose)
@@ -592,7 +599,7 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
     n = len(idx)
     kid = np.empty(n, dtype=np.int64)
     nkeys = 0
-    for j in np.unique(tid).tolist():
+    for j in _distinct(tid).tolist():
         pos = np.flatnonzero(tid == j)
         key = e.cost_key(types[j])
         if key is None:
