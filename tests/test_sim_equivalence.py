@@ -49,20 +49,26 @@ def assert_same(cfg: Any, kernels: list[Any]) -> None:
     assert len(ref) == len(got)
 
 
+def library_kernels(name: str, config: str) -> list[tuple[Any, Any]]:
+    """(config, kernel) of library kernel ``name`` at its small shape in every dtype it builds
+    on ``config``."""
+    cfg = load_config(config)
+    entry = get_kernel(name)
+    out = []
+    for dtype in entry.dtypes:
+        try:
+            out.append((cfg, entry.make(SMALL[name], dtype, cfg)))
+        except KernelError:  # a dtype this generation lacks (fp8 on trn1, MX before trn3)
+            continue
+    assert out or config == "trn1", f"{name}: no dtype built on {config}"
+    return out
+
+
 @pytest.mark.parametrize("config", ["trn1", "trn2", "trn3"])
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_library_kernel_same_cycles(name, config):
-    cfg = load_config(config)
-    entry = get_kernel(name)
-    ran = 0
-    for dtype in entry.dtypes:
-        try:
-            kern = entry.make(SMALL[name], dtype, cfg)
-        except KernelError:  # a dtype this generation lacks (fp8 on trn1, MX before trn3)
-            continue
+    for cfg, kern in library_kernels(name, config):
         assert_same(cfg, [kern])
-        ran += 1
-    assert ran or config == "trn1", f"{name}: no dtype built on {config}"
 
 
 @pytest.mark.parametrize("config", ["trn2", "trn3"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, length_hint
-from typing import Any, Generator, Sequence
+from typing import Any, Generator, NamedTuple, Sequence
 
 import numpy as np
 import simpy
@@ -43,6 +43,10 @@ try:
     from .native import _sched  # type: ignore[attr-defined]
 except ImportError:  # not built: simulate() runs the simpy processes
     _sched = None
+try:  # the per-instruction reads in one C pass each (scan.c); without it, map() passes
+    from .native import _scan  # type: ignore[attr-defined]
+except ImportError:
+    _scan = None
 
 __all__ = ["CoreTimeline", "simulate", "native_available"]
 
@@ -204,7 +208,8 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    types = None if engine == "simpy" or _sched is None else [_type_column(k.instructions) for k in kernels]
+    fields = _ScanFields()
+    types = None if engine == "simpy" or _sched is None else [_type_column(k, fields) for k in kernels]
     why = None if types is None else _native_unsupported(types)
     if engine == "native" and why is not None:
         raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
@@ -221,13 +226,102 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
     return cores
 
 
-def _type_column(instrs: Sequence[Instruction]) -> tuple[Numbering, np.ndarray]:
-    """The instruction types of a kernel (numbered in order of first use) and each one's number."""
+class _Scan(NamedTuple):
+    """One C pass over a kernel's instructions (scan.c, :func:`_type_column`)."""
+
+    key: np.ndarray                 #: each instruction's number: identity of (type, engine, _ScanFields)
+    reps: list[Instruction]         #: each number's first instruction
+    key_type: np.ndarray            #: each number's type number
+    log: tuple[Any, ...] | None     #: the tracker's edge log (dlog, flog, columns), when of this length
+    deps_same: int                  #: instructions 0..deps_same-1 carry the logged deps objects
+    first_same: int                 #: ... and first_deps
+
+
+#: a kernel's instruction types: (types numbered in order of first use, each instruction's
+#: type number, the C scan or None)
+TypeColumn = tuple[Numbering, np.ndarray, "_Scan | None"]
+
+
+class _ScanFields(dict):  # type: ignore[type-arg]
+    """Instruction type -> the attributes the C scan numbers its instructions by, besides type
+    and engine: TensorE's operands (:attr:`TensorEngine.OPERANDS_MATMUL`), a DMA's queue and
+    plan, the first step of every path a cost key reads (:attr:`Engine.cost_fields`), for every
+    registered engine. A superset of what each path below reads, so the scan's numbering is at
+    least as fine as each one's key. Made per :func:`simulate` call (engines may be registered
+    at any time)."""
+
+    def __missing__(self, t: type) -> tuple[str, ...]:
+        names: dict[str, None] = {}
+        if issubclass(t, DmaCopy):
+            names.update(dict.fromkeys(("queue", "plan")))
+        for cls in ENGINE_TYPES.values():
+            if issubclass(cls, TensorEngine) and issubclass(t, (MatMul, Transpose)):
+                names.update(dict.fromkeys(cls.OPERANDS_TRANSPOSE if issubclass(t, Transpose) else cls.OPERANDS_MATMUL))
+            for path in cls.cost_fields.get(t, ()):
+                names[path.split(".", 1)[0]] = None
+        v = self[t] = tuple(names)
+        return v
+
+
+def _edge_log(kernel: Kernel, n: int) -> tuple[Any, ...] | None:
+    """The builder's dependency log (:meth:`NativeDependencyTracker.logged_edges`) when it has
+    ``n`` records; None otherwise."""
+    get = getattr(getattr(kernel, "_deps", None), "logged_edges", None)
+    log = get() if get is not None else None
+    return log if log is not None and len(log[0]) == n else None
+
+
+def _type_column(kernel: Kernel, fields: _ScanFields) -> TypeColumn:
+    """The instruction types of a kernel (numbered in order of first use) and each one's
+    number. With the C scan (scan.c), read in one pass with everything else the columns need
+    of each instruction (:class:`_Scan`); without it (or if the scan meets an error), by
+    ``map(type)``: the columns then read the rest with map() passes, meeting any error where
+    they always did."""
+    instrs = kernel.instructions
     type_id = Numbering()
-    return type_id, np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32, count=len(instrs))
+    if _scan is not None and type(instrs) is list:
+        log = _edge_log(kernel, len(instrs))
+        try:
+            raw, first, ds, fs = _scan.instructions(instrs, fields, None if log is None else log[0],
+                                                    None if log is None else log[1])
+        except Exception:  # noqa: BLE001 - the map() passes meet it (or not) where they always did
+            pass
+        else:
+            key = np.frombuffer(raw, dtype=np.int32)
+            reps = [instrs[i] for i in first]
+            key_type = np.fromiter(map(type_id.__getitem__, map(type, reps)), dtype=np.int32, count=len(reps))
+            return type_id, key_type[key], _Scan(key, reps, key_type, log, ds, fs)
+    return type_id, np.fromiter(map(type_id.__getitem__, map(type, instrs)), dtype=np.int32,
+                                count=len(instrs)), None
 
 
-def _native_unsupported(types: Sequence[tuple[Numbering, np.ndarray]]) -> str | None:
+def _renumber(keys: np.ndarray, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct numbers among ``keys`` (values in 0..nkeys-1), ascending, and each key's
+    position among them: np.unique(return_inverse=True) without the sort."""
+    present = np.zeros(nkeys, dtype=bool)
+    present[keys] = True
+    uniq = np.flatnonzero(present)
+    at = np.empty(nkeys, dtype=np.int64)
+    at[uniq] = np.arange(len(uniq))
+    return uniq, at[keys]
+
+
+def _distinct(small: np.ndarray) -> np.ndarray:
+    """``np.unique`` of small non-negative ints (engine, type and key numbers), by counting:
+    plain np.unique looks at ``np.ma`` and so imports numpy.ma on its first call in a process
+    (~13 ms, more than simulating a small kernel)."""
+    return np.flatnonzero(np.bincount(small)) if len(small) else np.zeros(0, dtype=np.int64)
+
+
+def _objects(items: list[Any]) -> np.ndarray:
+    """A 1-d object array of ``items`` (np.array would make a 2-d one of tuples)."""
+    a = np.empty(len(items), dtype=object)
+    for i, x in enumerate(items):
+        a[i] = x
+    return a
+
+
+def _native_unsupported(types: Sequence[TypeColumn]) -> str | None:
     """Why the native loop cannot run kernels of these instruction types (:func:`_type_column`)
     exactly as the simpy processes would (None: it can). It implements the in-order rule of
     :meth:`Engine.plan` and TensorE's; an engine registered with a placement rule of its own
@@ -238,7 +332,7 @@ def _native_unsupported(types: Sequence[tuple[Numbering, np.ndarray]]) -> str | 
         if not (issubclass(cls, TensorEngine) and cls.plan is TensorEngine.plan
                 and cls.utilisation_limit is TensorEngine.utilisation_limit):
             return f"engine {name} ({cls.__name__}) places instructions by its own plan(), which sched.c does not model"
-    for type_id, _ in types:
+    for type_id, _, _ in types:
         for t in type_id:
             if issubclass(t, DmaCopy) != bool(t.is_dma):
                 return f"instruction type {t.__name__} is a DMA for the queues but not for its engine"
@@ -277,25 +371,27 @@ def _pick(items: Sequence[Any], idx: np.ndarray) -> list[Any]:
     return list(itemgetter(*idx.tolist())(items)) if len(idx) else []
 
 
-def _logged_edges(kernel: Kernel, instrs: Sequence[Instruction]) -> tuple[np.ndarray, ...] | None:
+def _logged_edges(kernel: Kernel, instrs: Sequence[Instruction], scan: _Scan | None = None
+                  ) -> tuple[np.ndarray, ...] | None:
     """The deps / first_deps columns from the builder's dependency log (the C tracker keeps
     each record's edges as ints: :meth:`NativeDependencyTracker.logged_edges`), when they are
     provably what the instructions carry now; None otherwise (read the instructions).
 
     Instructions are mutable: the proof is that instruction ``i``'s ``deps`` and ``first_deps``
-    are equal to the tuples record ``i`` returned (identical objects, unless something replaced
-    them: then compared by value; anything else, e.g. a list, is not equal and falls back). A
-    kernel whose records are not exactly its instructions in order (an edited or spliced list,
-    an unpickled kernel, the Python tracker) falls back too."""
-    get = getattr(getattr(kernel, "_deps", None), "logged_edges", None)
-    log = get() if get is not None else None
+    are equal to the tuples record ``i`` returned (identical objects - the C scan checks that
+    in its pass, ``scan`` - unless something replaced them: then compared by value; anything
+    else, e.g. a list, is not equal and falls back). A kernel whose records are not exactly its
+    instructions in order (an edited or spliced list, an unpickled kernel, the Python tracker)
+    falls back too."""
+    if scan is not None:
+        log, ds, fs = scan.log, scan.deps_same, scan.first_same
+    else:
+        log, ds, fs = _edge_log(kernel, len(instrs)), 0, 0
     if log is None:
         return None
     dlog, flog, cols = log
-    if len(dlog) != len(instrs):
-        return None
     try:
-        if list(map(_DEPS_OF, instrs)) != dlog or list(map(_FIRST_OF, instrs)) != flog:
+        if list(map(_DEPS_OF, instrs[ds:])) != dlog[ds:] or list(map(_FIRST_OF, instrs[fs:])) != flog[fs:]:
             return None
     except (TypeError, ValueError):  # a deps value whose == is not a truth value (an array)
         return None
@@ -307,14 +403,21 @@ class _CoreColumns:
     column with C-level map/numpy operations rather than a Python loop per instruction (that
     loop would cost more than the whole event loop in C)."""
 
-    def __init__(self, tl: CoreTimeline, plans: "_Plans", types: tuple[Numbering, np.ndarray]):
+    def __init__(self, tl: CoreTimeline, plans: "_Plans", types: TypeColumn):
         instrs = tl.kernel.instructions
         n = self.n = len(instrs)
         names = list(ENGINE_TYPES)
         eng_id = {name: j for j, name in enumerate(names)}
         engines = [tl.engines[name] for name in names]
-        self.engine = eng = np.fromiter(map(eng_id.__getitem__, map(_ENGINE_OF, instrs)), dtype=np.int32, count=n)
-        logged = _logged_edges(tl.kernel, instrs)
+        type_id, tid, scan = types
+        if scan is not None:  # engine numbers per scan key, in order of first use: the same KeyError for a bad name
+            key_eng = np.fromiter(map(eng_id.__getitem__, map(_ENGINE_OF, scan.reps)), dtype=np.int32,
+                                  count=len(scan.reps))
+            self.engine = eng = key_eng[scan.key]
+        else:
+            self.engine = eng = np.fromiter(map(eng_id.__getitem__, map(_ENGINE_OF, instrs)), dtype=np.int32,
+                                            count=n)
+        logged = _logged_edges(tl.kernel, instrs, scan)
         if logged is not None:
             self.dep_off, self.deps, self.has_first, self.first_off, self.first = logged
         else:
@@ -327,67 +430,22 @@ class _CoreColumns:
             self.first_off = np.fromiter(accumulate(map(length_hint, fl), initial=0), dtype=np.int64, count=n + 1)
             self.first = np.fromiter(chain.from_iterable(filter(None, fl)), dtype=np.int32,
                                      count=int(self.first_off[-1]))
-        kind = self.kind = np.zeros(n, dtype=np.int8)
-        busy = self.busy = np.zeros(n, dtype=np.int64)
-        lat = self.lat = np.zeros(n, dtype=np.int64)
-        ls = self.ls = np.zeros(n, dtype=np.int64)
-        self.plan = np.full(n, -1, dtype=np.int32)
-        self.owner = eng.copy()
-        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
-        labels = np.empty(n, dtype=object)
-        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
-        # ---- by instruction type ---------------------------------------------------------
-        type_id, tid = types
-        generic: list[np.ndarray] = []
+        self.lat = np.zeros(n, dtype=np.int64)
         self.tensor_used = False
         self.hbm_bytes = self.hbm_ticks = 0
         self.queues: list[tuple[str, np.ndarray]] = []
-        dma_parts: list[np.ndarray] = []
-        for t, j in type_id.items():
-            idx = np.flatnonzero(tid == j)
-            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
-                dma_parts.append(idx)
-                continue
-            if issubclass(t, (MatMul, Transpose)):
-                on = np.unique(eng[idx])
-                te = engines[int(on[0])]
-                if len(on) == 1 and isinstance(te, TensorEngine):
-                    transpose = issubclass(t, Transpose)
-                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
-                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
-                    kind[idx] = _KIND_TENSOR
-                    ls[idx] = tab[ids, 0]
-                    busy[idx] = tab[ids, 1]
-                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
-                    self.tensor_used = True
-                    continue
-            generic.append(idx)
-        if dma_parts:
-            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
-            dmas = _pick(instrs, didx)
-            qs = list(map(_QUEUE_OF, dmas))
-            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
-            kind[didx] = _KIND_TRIGGER
-            busy[didx] = trig[eng[didx]]
-            labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
-            owners[didx] = qs
-            # queues in order of first appearance, as CoreTimeline starts their processes
-            qid_of = Numbering()
-            qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
-            for q, k in qid_of.items():
-                self.queues.append((q, didx[qid == k]))
-            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
-            self.owner[didx] = owner_of_queue[qid]
-            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), tl.dma)
-            self.plan[didx] = pl
-        if generic:
-            gidx = np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+        if scan is not None:
+            gidx = self._by_key(scan, key_eng, type_id, names, engines, plans, tl.dma)
+        else:
+            gidx = self._by_instruction(instrs, tid, type_id, names, engines, plans, tl.dma)
+        busy, lat, lanes, labels = self.busy, self.lat, self.lanes, self.labels
+        if len(gidx):
             types = list(type_id)
             states = [(e, [getattr(e, a) for a in e.cost_state]) for e in engines]
             try:
-                for j in np.unique(eng[gidx]).tolist():
+                for j in _distinct(eng[gidx]).tolist():
                     idx = gidx[eng[gidx] == j]
-                    cost = _generic_costs(instrs, idx, tid[idx], types, engines[j])
+                    cost = _generic_costs(instrs, idx, tid[idx], types, engines[j], scan)
                     busy[idx], lat[idx], lanes[idx], labels[idx] = cost
             except Exception:
                 # a cost method failed: ask again instruction by instruction in program order
@@ -405,9 +463,6 @@ class _CoreColumns:
                     lal.append(e.lane(ins))
                     lbl.append(ins.describe())
                 busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
-        self.lanes = lanes
-        self.labels = labels
-        self.owners = owners
         self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
         for j in range(len(names)):
             on = np.flatnonzero(eng == j)
@@ -415,9 +470,127 @@ class _CoreColumns:
                 self.processes.append((j, on))
         self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
 
+    def _by_key(self, scan: _Scan, key_eng: np.ndarray, type_id: Numbering, names: list[str], engines: list[Engine],
+                plans: "_Plans", dma: DmaSystem) -> np.ndarray:
+        """TensorE's and the DMAs' columns worked out once per scan key (same type, engine and
+        cost fields: the same costs, lane, label, queue and plan) and gathered per instruction;
+        the generic instructions' positions, for :func:`_generic_costs`."""
+        nk, reps, key = len(scan.reps), scan.reps, scan.key
+        k_kind = np.zeros(nk, dtype=np.int8)
+        k_busy = np.zeros(nk, dtype=np.int64)
+        k_ls = np.zeros(nk, dtype=np.int64)
+        k_plan = np.full(nk, -1, dtype=np.int32)
+        k_owner = key_eng.copy()
+        k_lane = np.array(names, dtype=object)[key_eng]  # each instruction's main segment: lane and label
+        k_label = np.empty(nk, dtype=object)
+        k_owners = k_lane.copy()                       # CoreTimeline.owner: engine, or queue of a DMA
+        k_qid = np.full(nk, -1, dtype=np.int32)
+        generic = np.ones(nk, dtype=bool)
+        dma_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            kt = np.flatnonzero(scan.key_type == j)  # this type's keys, in order of first use
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
+                dma_parts.append(kt)
+                generic[kt] = False
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                on = _distinct(key_eng[kt])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape([reps[u] for u in kt.tolist()], transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                    k_kind[kt] = _KIND_TENSOR
+                    k_ls[kt] = tab[ids, 0]
+                    k_busy[kt] = tab[ids, 1]
+                    k_label[kt] = "Transpose" if transpose else "MultiplyMoving"
+                    generic[kt] = False
+                    self.tensor_used = True
+        if dma_parts:
+            dk = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
+            dmas = [reps[u] for u in dk.tolist()]
+            qs = list(map(_QUEUE_OF, dmas))
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+            k_kind[dk] = _KIND_TRIGGER
+            k_busy[dk] = trig[key_eng[dk]]
+            k_label[dk] = _objects(list(map(_TRIGGER_LABEL.__getitem__, qs)))
+            k_owners[dk] = _objects(qs)
+            # queues in order of first appearance, as CoreTimeline starts their processes
+            qid_of = Numbering()
+            k_qid[dk] = qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            eng_id = {name: j for j, name in enumerate(names)}
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            k_owner[dk] = owner_of_queue[qid]
+            count = np.bincount(key, minlength=nk)[dk]  # transfers per key
+            k_plan[dk], self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma, count)
+            inst_qid = k_qid[key]
+            for q, k in qid_of.items():
+                self.queues.append((q, np.flatnonzero(inst_qid == k)))
+        self.kind, self.busy, self.ls, self.plan, self.owner = k_kind[key], k_busy[key], k_ls[key], k_plan[key], \
+            k_owner[key]
+        self.lanes, self.labels, self.owners = k_lane[key], k_label[key], k_owners[key]
+        return np.flatnonzero(generic[key])
+
+    def _by_instruction(self, instrs: Sequence[Instruction], tid: np.ndarray, type_id: Numbering, names: list[str],
+                        engines: list[Engine], plans: "_Plans", dma: DmaSystem) -> np.ndarray:
+        """TensorE's and the DMAs' columns read instruction by instruction (map() passes: no
+        C scan); the generic instructions' positions, for :func:`_generic_costs`."""
+        n, eng = self.n, self.engine
+        eng_id = {name: j for j, name in enumerate(names)}
+        kind = self.kind = np.zeros(n, dtype=np.int8)
+        busy = self.busy = np.zeros(n, dtype=np.int64)
+        ls = self.ls = np.zeros(n, dtype=np.int64)
+        self.plan = np.full(n, -1, dtype=np.int32)
+        self.owner = eng.copy()
+        lanes = np.array(names, dtype=object)[eng]  # each instruction's main segment: lane and label
+        labels = np.empty(n, dtype=object)
+        owners = lanes.copy()                # CoreTimeline.owner: engine, or queue of a DMA
+        self.lanes, self.labels, self.owners = lanes, labels, owners
+        generic: list[np.ndarray] = []
+        dma_parts: list[np.ndarray] = []
+        for t, j in type_id.items():
+            idx = np.flatnonzero(tid == j)
+            if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
+                dma_parts.append(idx)
+                continue
+            if issubclass(t, (MatMul, Transpose)):
+                on = _distinct(eng[idx])
+                te = engines[int(on[0])]
+                if len(on) == 1 and isinstance(te, TensorEngine):
+                    transpose = issubclass(t, Transpose)
+                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
+                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                    kind[idx] = _KIND_TENSOR
+                    ls[idx] = tab[ids, 0]
+                    busy[idx] = tab[ids, 1]
+                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
+                    self.tensor_used = True
+                    continue
+            generic.append(idx)
+        if dma_parts:
+            didx = np.sort(np.concatenate(dma_parts)) if len(dma_parts) > 1 else dma_parts[0]
+            trig = np.array([e.trigger_ticks() for e in engines], dtype=np.int64)
+            kind[didx] = _KIND_TRIGGER
+            busy[didx] = trig[eng[didx]]
+            qid_of = Numbering()  # queues in order of first appearance, as CoreTimeline starts their processes
+            dmas = _pick(instrs, didx)
+            qs = list(map(_QUEUE_OF, dmas))
+            labels[didx] = list(map(_TRIGGER_LABEL.__getitem__, qs))
+            owners[didx] = qs
+            qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
+            for q, k in qid_of.items():
+                self.queues.append((q, didx[qid == k]))
+            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
+            self.owner[didx] = owner_of_queue[qid]
+            pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma)
+            self.plan[didx] = pl
+        if not generic:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+
 
 def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
-                   e: Engine) -> tuple[Any, Any, Any, Any]:
+                   e: Engine, scan: _Scan | None = None) -> tuple[Any, Any, Any, Any]:
     """Busy ticks, latency ticks, lane and label of instructions ``idx`` (ascending) of engine
     ``e``, from its cost methods: once per distinct cost key (:attr:`Engine.cost_fields`; an
     instruction of a type without one is its own key), in program order of first use. An engine
@@ -426,7 +599,7 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
     n = len(idx)
     kid = np.empty(n, dtype=np.int64)
     nkeys = 0
-    for j in np.unique(tid).tolist():
+    for j in _distinct(tid).tolist():
         pos = np.flatnonzero(tid == j)
         key = e.cost_key(types[j])
         if key is None:
@@ -434,8 +607,13 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
             nkeys += len(pos)
             continue
         number = Numbering()
-        kid[pos] = np.fromiter(map(number.__getitem__, map(key, _pick(instrs, idx[pos]))), dtype=np.int64,
-                               count=len(pos)) + nkeys
+        if scan is not None:  # the key once per scan key (same operand objects), in order of first use
+            uk, at = _renumber(scan.key[idx[pos]], len(scan.reps))
+            kid[pos] = np.fromiter(map(number.__getitem__, map(key, [scan.reps[u] for u in uk.tolist()])),
+                                   dtype=np.int64, count=len(uk))[at] + nkeys
+        else:
+            kid[pos] = np.fromiter(map(number.__getitem__, map(key, _pick(instrs, idx[pos]))), dtype=np.int64,
+                                   count=len(pos)) + nkeys
         nkeys += len(number)
     tpc = e.tpc
 
@@ -485,8 +663,10 @@ class _Plans:
         self.hbm_bytes: list[int] = []
         self.hbm_ticks: list[int] = []
 
-    def index(self, plans: list[Any], dma: DmaSystem) -> tuple[np.ndarray, int, int]:
-        """Plan indices of ``plans`` and the HBM bytes and ticks they book in all."""
+    def index(self, plans: list[Any], dma: DmaSystem, weights: np.ndarray | None = None
+              ) -> tuple[np.ndarray, int, int]:
+        """Plan indices of ``plans`` and the HBM bytes and ticks they book in all (``plans[i]``
+        standing for ``weights[i]`` transfers)."""
         known = len(self.number)
         ids = np.fromiter(map(self.number.__getitem__, map(id, plans)), dtype=np.int32, count=len(plans))
         new, at = np.unique(ids[ids >= known], return_index=True)
@@ -501,7 +681,11 @@ class _Plans:
             self.hbm.append(1 if hb else 0)
             self.hbm_bytes.append(hb)
             self.hbm_ticks.append(dma.hbm.ticks(hb) if hb else 0)
-        count = np.bincount(ids, minlength=len(self.hbm_bytes))
+        if weights is None:
+            count = np.bincount(ids, minlength=len(self.hbm_bytes))
+        else:
+            count = np.zeros(len(self.hbm_bytes), dtype=np.int64)
+            np.add.at(count, ids, weights)
         nbytes = sum(c * b for c, b in zip(count.tolist(), self.hbm_bytes) if c)
         nticks = sum(c * t for c, t in zip(count.tolist(), self.hbm_ticks) if c)
         return ids, nbytes, nticks
@@ -547,7 +731,7 @@ class _NativeRun:
     simpy run leaves them."""
 
     def __init__(self, config: ChipConfig, kernels: Sequence[Kernel], pipes: list[BandwidthPipe],
-                 types: Sequence[tuple[Numbering, np.ndarray]]):
+                 types: Sequence[TypeColumn]):
         self.config = config
         self.pipes = pipes
         self.stacks = [stack_of_core(config, c) for c in range(len(kernels))]

@@ -1,4 +1,4 @@
-"""cffi (out-of-line, API mode) builders for trnsim's three C modules, one ``FFI`` each:
+"""cffi (out-of-line, API mode) builders for trnsim's three cffi C modules, one ``FFI`` each:
 
 * ``trnsim.native._datapath`` (datapath.c), the TensorE datapath: ``ffibuilder``;
 * ``trnsim.native._sched`` (sched.c), the scheduler's event loop: ``sched_ffibuilder``;
@@ -19,6 +19,11 @@ keeps its own compiler flags:
 * the scheduler: no ``-ffast-math`` and ``-ffp-contract=off`` too: TensorE's power ramp computes
   a utilisation in doubles, which must round exactly as the Python model's arithmetic does;
 * the dependency tracker: integer code only, plain ``-O2``.
+
+``trnsim.native._scan`` (scan.c: the simulator's one pass over a kernel's instruction objects)
+is a plain CPython extension named in setup.py's ``ext_modules`` (as clone.c is), not a cffi
+one: it reads Python objects, which cffi does not hand to C. Without it, ``simulate()`` reads
+the instructions with map() passes (the same results, slower).
 """
 
 from __future__ import annotations
