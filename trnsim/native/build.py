@@ -23,7 +23,9 @@ keeps its own compiler flags:
 ``trnsim.native._scan`` (scan.c: the simulator's one pass over a kernel's instruction objects)
 is a plain CPython extension named in setup.py's ``ext_modules`` (as clone.c is), not a cffi
 one: it reads Python objects, which cffi does not hand to C. Without it, ``simulate()`` reads
-the instructions with map() passes (the same results, slower).
+the instructions with map() passes (the same results, slower). ``trnsim.native._clone``
+(clone.c: a replayed block's instruction copies and a batched record's dependency tuples) is
+one for the same reason: it makes Python objects. Without it the builder makes them in Python.
 """
 
 from __future__ import annotations
