@@ -539,31 +539,14 @@ class _Groups:
             # the same slices for every group of the blocks' head: made once per template and blocks
             bkey = tuple(a for i in tpl.subst_blocks for a in (table[i].kT.alloc, table[i].v.alloc))
             got_tiles = tpl.moved.get(bkey)
-            if got_tiles is not None:
-                tiles = got_tiles
-        if tpl.subst and not tiles:
-            moved = w.moved
-            for kbi, which, ap, dp in tpl.subst:
-                kb = table[kbi]
-                base = kb.kT if which == 0 else kb.v
-                a = base.alloc
-                if a is ap.alloc:  # the template's own block
-                    tiles.append(ap)
-                    continue
-                t = moved.get((ap, a))
-                if t is None:  # the slice ``ap`` is of the template's block: the same slice of this one
-                    t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
-                tiles.append(t)
-            tpl.moved[bkey] = tiles
+            if got_tiles is None:
+                got_tiles = tpl.moved[bkey] = self.moved_tiles(tpl.subst, table)
+            tiles = got_tiles
         if not w.kern.replay(rep, views, tiles):
             return False
-        canon_of = w.canon_of
-        assert canon_of is not None
+        assert w.canon_of is not None and w.calls is None  # w.tile hands out the canonical views, noting nothing
         for pool, shape, dtype, t in tpl.calls:  # the group's own tile() calls: each reuses its buffer
-            got = pool.tile(shape, dtype)
-            c = canon_of.get(got)
-            if c is None:
-                c = w.canonical(got)
+            c = w.tile(pool, shape, dtype)
             assert c is t, "attention replay: a tile() call did not give the template's view"
         for i, p, pT, alpha in tpl.step_attrs:
             st = table[i]
@@ -576,6 +559,23 @@ class _Groups:
             w.resident, w.resident_of = table[tpl.resident], (bi, hi)
         w.evac += tpl.evacs
         return True
+
+    def moved_tiles(self, subst: list[tuple[int, int, TileAP, int]], table: list[Any]) -> list[TileAP]:
+        """The template's slices of its carried key blocks (``subst``), as the same slices of the
+        blocks ``table`` carries now (one object per slice and buffer, kept in ``_Work.moved``)."""
+        moved, tiles = self.w.moved, []
+        for kbi, which, ap, dp in subst:
+            kb = table[kbi]
+            base = kb.kT if which == 0 else kb.v
+            a = base.alloc
+            if a is ap.alloc:  # the template's own block
+                tiles.append(ap)
+                continue
+            t = moved.get((ap, a))
+            if t is None:  # the slice ``ap`` is of the template's block: the same slice of this one
+                t = moved[(ap, a)] = TileAP(a, base.p_start + dp, ap.p_count, ap.offset, ap.dims, ap.dtype)
+            tiles.append(t)
+        return tiles
 
 
 def _shape_of(t: TileAP) -> tuple[Any, ...]:
