@@ -722,10 +722,13 @@ class NativeDependencyTracker:
         d = ap._dep_h
         return d[1] if d is not None and d[0] is self else self._region(ap)
 
+    def _record_many(self, idx0: int, n: int, spec: Any) -> int:
+        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
+        return self._lib.dt_record_many(self._t, idx0, n, buf, len(spec))
+
     def record_many_raw(self, idx0: int, n: int, spec: Any) -> Any:
         """:meth:`record_many`'s results as :meth:`_raw` gives them (what ``_clone.replay`` reads)."""
-        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
-        return self._raw(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
+        return self._raw(self._record_many(idx0, n, spec))
 
     def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
         """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
@@ -733,8 +736,7 @@ class NativeDependencyTracker:
         writes...]`` as region ids. Returns ``2n+1`` offsets, then the values: instruction i's
         ``first_deps`` are ``values[off[2i]:off[2i+1]]`` (none without a first operand), its
         ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
-        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
-        return self._results(self._lib.dt_record_many(self._t, idx0, n, buf, len(spec)))
+        return self._results(self._record_many(idx0, n, spec))
 
     def log_recorded(self, ins: Sequence[Instruction]) -> None:
         """Note the ``deps``/``first_deps`` tuples that the caller of :meth:`record_many` gave
@@ -923,12 +925,16 @@ class Replay:
 
     def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
                  allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
-                 first_loads: bool, loaded_after: tuple[Any, ...] | None) -> None:
+                 first_loads: bool, loaded_after: tuple[Any, ...] | None,
+                 tile_sides: list[tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]]) -> None:
         self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
         self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
-        # matmuls and PE transposes have a first operand (stationary / data): their first_deps
-        self.cloners = [_cloner(type(x), type(x) in _FIRST_OPERAND) for x in ins]
-        # the same copies made in C (_clone.replay), when every class is one it can copy
+        # tile operands to replace (replay_template's ``tiles``): (position, slot names holding
+        # the view, its indices in reads, its indices in the spec)
+        self.tile_sides = tile_sides
+        # matmuls and PE transposes have a first operand (stationary / data): their first_deps.
+        # The copies are made in C (_clone.replay) when every class is one it can copy, else by
+        # the generated Python cloners
         self.firsts: bytes | None = bytes(type(x) in _FIRST_OPERAND for x in ins) if _clone is not None else None
         if self.firsts is not None:
             try:
@@ -936,9 +942,7 @@ class Replay:
                     _clone.layout(cls)
             except TypeError:
                 self.firsts = None
-        # tile operands to replace (replay_template's ``tiles``): (position, slot names holding
-        # the view, its indices in reads, its indices in the spec)
-        self.tile_sides: list[tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = []
+        self.cloners = None if self.firsts is not None else [_cloner(type(x), type(x) in _FIRST_OPERAND) for x in ins]
 
 
 def _stationary_key(s: TileAP) -> tuple[Any, ...]:
@@ -1519,6 +1523,7 @@ class Kernel:
         ins = self.instructions[i0:] if end is None else self.instructions[i0:end[0]]
         want = set(hbm)
         spec: list[int] = []
+        read_at: list[int] = []
         sides: list[tuple[int, bool, int]] = []
         allocs: dict[int, Allocation] = {}
         keys = tracker._keys
@@ -1544,6 +1549,7 @@ class Kernel:
             if kid is None:
                 return None
             spec.extend((kid, 1 if x.is_dma else 0, first, len(x.reads)))
+            read_at.append(len(spec))  # where its reads start in the spec
             for group in (x.reads, x.writes):
                 if group is x.writes:
                     spec.append(len(x.writes))
@@ -1562,11 +1568,6 @@ class Kernel:
             return None
         tile_sides = []
         if tiles:
-            offsets = []  # where each instruction's reads start in the spec
-            p = 0
-            for x in ins:
-                offsets.append(p + 4)
-                p += 5 + len(x.reads) + len(x.writes)
             base = set(slot_names(Instruction))  # index, engine, reads, writes, deps...: no operand slot
             for j, t in tiles:
                 x = ins[j]
@@ -1575,18 +1576,16 @@ class Kernel:
                 if type(t) is not TileAP or not ri or t in x.writes or (type(x) in _FIRST_OPERAND and 0 in ri):
                     return None
                 names = tuple(n for n in slot_names(type(x)) if n not in base and getattr(x, n, None) is t)
-                tile_sides.append((j, names, ri, tuple(offsets[j] + i for i in ri)))
+                tile_sides.append((j, names, ri, tuple(read_at[j] + i for i in ri)))
         # the loaded stationary matters up to the first matmul: the tiles written before it
         # (a write unloads the stationary of its tile), its stationary and whether it loaded it
         first = next((x for x in ins if type(x) is MatMul), None)
         if first is None:
             return None
         unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
-        tpl = Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
-                     _stationary_key(first.stationary), first.load_stationary,
-                     self._loaded_stationary if end is None else end[1])
-        tpl.tile_sides = tile_sides
-        return tpl
+        return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
+                      _stationary_key(first.stationary), first.load_stationary,
+                      self._loaded_stationary if end is None else end[1], tile_sides)
 
     def replay(self, tpl: "Replay", views: Sequence[HbmAP], tiles: Sequence[TileAP] = ()) -> bool:
         """Emit ``tpl``'s instructions again at the end of the stream, the i-th replaced HBM side
@@ -1635,8 +1634,7 @@ class Kernel:
         for (_, _, at), v in zip(tpl.sides, views):
             spec[at] = tracker.region(v)
         for (_, _, _, ats), t in zip(tpl.tile_sides, tiles):
-            d = t._dep_h
-            r = d[1] if d is not None and d[0] is tracker else tracker.region(t)
+            r = tracker.region(t)
             for at in ats:
                 spec[at] = r
         if tpl.firsts is not None:  # the copies, their tuples and the log's entries in C
