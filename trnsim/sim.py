@@ -494,16 +494,10 @@ class _CoreColumns:
                 generic[kt] = False
                 continue
             if issubclass(t, (MatMul, Transpose)):
-                on = _distinct(key_eng[kt])
-                te = engines[int(on[0])]
-                if len(on) == 1 and isinstance(te, TensorEngine):
-                    transpose = issubclass(t, Transpose)
-                    ids, cycles = te.cycles_by_shape([reps[u] for u in kt.tolist()], transpose)
-                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                ticks = _tensor_ticks(t, key_eng[kt], engines, lambda: [reps[u] for u in kt.tolist()])
+                if ticks is not None:
                     k_kind[kt] = _KIND_TENSOR
-                    k_ls[kt] = tab[ids, 0]
-                    k_busy[kt] = tab[ids, 1]
-                    k_label[kt] = "Transpose" if transpose else "MultiplyMoving"
+                    k_ls[kt], k_busy[kt], k_label[kt] = ticks
                     generic[kt] = False
                     self.tensor_used = True
         if dma_parts:
@@ -518,9 +512,7 @@ class _CoreColumns:
             # queues in order of first appearance, as CoreTimeline starts their processes
             qid_of = Numbering()
             k_qid[dk] = qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
-            eng_id = {name: j for j, name in enumerate(names)}
-            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
-            k_owner[dk] = owner_of_queue[qid]
+            k_owner[dk] = _queue_owners(qid_of, names)[qid]
             count = np.bincount(key, minlength=nk)[dk]  # transfers per key
             k_plan[dk], self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma, count)
             inst_qid = k_qid[key]
@@ -536,7 +528,6 @@ class _CoreColumns:
         """TensorE's and the DMAs' columns read instruction by instruction (map() passes: no
         C scan); the generic instructions' positions, for :func:`_generic_costs`."""
         n, eng = self.n, self.engine
-        eng_id = {name: j for j, name in enumerate(names)}
         kind = self.kind = np.zeros(n, dtype=np.int8)
         busy = self.busy = np.zeros(n, dtype=np.int64)
         ls = self.ls = np.zeros(n, dtype=np.int64)
@@ -554,16 +545,10 @@ class _CoreColumns:
                 dma_parts.append(idx)
                 continue
             if issubclass(t, (MatMul, Transpose)):
-                on = _distinct(eng[idx])
-                te = engines[int(on[0])]
-                if len(on) == 1 and isinstance(te, TensorEngine):
-                    transpose = issubclass(t, Transpose)
-                    ids, cycles = te.cycles_by_shape(_pick(instrs, idx), transpose)
-                    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+                ticks = _tensor_ticks(t, eng[idx], engines, lambda: _pick(instrs, idx))
+                if ticks is not None:
                     kind[idx] = _KIND_TENSOR
-                    ls[idx] = tab[ids, 0]
-                    busy[idx] = tab[ids, 1]
-                    labels[idx] = "Transpose" if transpose else "MultiplyMoving"
+                    ls[idx], busy[idx], labels[idx] = ticks
                     self.tensor_used = True
                     continue
             generic.append(idx)
@@ -580,13 +565,34 @@ class _CoreColumns:
             qid = np.fromiter(map(qid_of.__getitem__, qs), dtype=np.int32, count=len(qs))
             for q, k in qid_of.items():
                 self.queues.append((q, didx[qid == k]))
-            owner_of_queue = np.array([eng_id.get(q, len(names) + k) for q, k in qid_of.items()], dtype=np.int32)
-            self.owner[didx] = owner_of_queue[qid]
+            self.owner[didx] = _queue_owners(qid_of, names)[qid]
             pl, self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma)
             self.plan[didx] = pl
         if not generic:
             return np.zeros(0, dtype=np.int64)
         return np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+
+
+def _queue_owners(queues: Numbering, names: list[str]) -> np.ndarray:
+    """The owner number of each DMA queue (numbered in order of first use): the engine's for a
+    queue named after an engine, else ``len(names)`` on, one per queue."""
+    eng_id = {name: j for j, name in enumerate(names)}
+    return np.array([eng_id.get(q, len(names) + k) for q, k in queues.items()], dtype=np.int32)
+
+
+def _tensor_ticks(t: type, on: np.ndarray, engines: list[Engine], items: Any
+                  ) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """LoadStationary and busy ticks and the label of TensorE instructions of type ``t`` (a
+    matmul or PE transpose type) on engines ``on``, read from ``items()`` by shape; None when
+    they are not all on one TensorEngine (then costed like any other instruction)."""
+    e = _distinct(on)
+    te = engines[int(e[0])]
+    if len(e) != 1 or not isinstance(te, TensorEngine):
+        return None
+    transpose = issubclass(t, Transpose)
+    ids, cycles = te.cycles_by_shape(items(), transpose)
+    tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
+    return tab[ids, 0], tab[ids, 1], "Transpose" if transpose else "MultiplyMoving"
 
 
 def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
