@@ -7,5 +7,7 @@ from setuptools import Extension, setup
 
 setup(cffi_modules=["trnsim/native/build.py:ffibuilder", "trnsim/native/build.py:sched_ffibuilder",
                      "trnsim/native/build.py:deptrack_ffibuilder"],
-      ext_modules=[Extension("trnsim.native._clone", ["trnsim/native/clone.c"], extra_compile_args=["-O2"]),
-                   Extension("trnsim.native._scan", ["trnsim/native/scan.c"], extra_compile_args=["-O2", "-std=gnu11"])])
+      ext_modules=[Extension("trnsim.native._clone", ["trnsim/native/clone.c"], depends=["trnsim/native/slots.h"],
+                             extra_compile_args=["-O2"]),
+                   Extension("trnsim.native._scan", ["trnsim/native/scan.c"], depends=["trnsim/native/slots.h"],
+                             extra_compile_args=["-O2", "-std=gnu11"])])

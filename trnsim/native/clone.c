@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "slots.h"
+
 typedef struct {
     PyTypeObject *type;           /* a strong reference: the cache keeps the class alive */
     Py_ssize_t index, deps, first; /* byte offsets of those three slots */
@@ -33,12 +35,17 @@ typedef struct {
 static layout_t layouts[MAX_LAYOUTS];
 static int n_layouts = 0;
 
+/* The offset of the writable object slot ``name`` that attribute access on instances of ``t``
+ * uses (slots.h); -1 when there is none. */
 static Py_ssize_t member_offset(PyTypeObject *t, const char *name) {
-    for (PyTypeObject *c = t; c != NULL && c != &PyBaseObject_Type; c = c->tp_base)
-        for (PyMemberDef *m = c->tp_members; m != NULL && m->name != NULL; m++)
-            if (strcmp(m->name, name) == 0 && m->type == T_OBJECT_EX && !(m->flags & READONLY))
-                return m->offset;
-    return -1;
+    PyObject *s = PyUnicode_InternFromString(name);
+    if (s == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    PyMemberDef *m = slot_member(t, s);
+    Py_DECREF(s);
+    return m != NULL && m->type == T_OBJECT_EX && !(m->flags & READONLY) ? m->offset : -1;
 }
 
 /* The layout of ``t``, checked and cached; NULL with TypeError set when it is not copyable. */

@@ -29,6 +29,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+
+#include "slots.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,24 +160,8 @@ static PyObject *str_engine, *str_deps, *str_first_deps;
 /* The offset of ``name``'s __slots__ member in instances of ``tp``, when reading it there is
  * what PyObject_GetAttr does; -1 when not (then ask PyObject_GetAttr). */
 static Py_ssize_t slot_offset(PyTypeObject *tp, PyObject *name) {
-    if (tp->tp_getattro != PyObject_GenericGetAttr || !tp->tp_mro)
-        return -1;
-    PyObject *d = NULL;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tp->tp_mro) && !d; i++) {
-        PyObject *dict = ((PyTypeObject *)PyTuple_GET_ITEM(tp->tp_mro, i))->tp_dict;
-        if (dict)
-            d = PyDict_GetItemWithError(dict, name);  /* borrowed */
-        if (!d && PyErr_Occurred()) {
-            PyErr_Clear();
-            return -1;
-        }
-    }
-    /* a member of another class's layout (a descriptor copied into this class) is not read
-     * here: its __get__ raises TypeError for such an object, and so PyObject_GetAttr does */
-    if (!d || Py_TYPE(d) != &PyMemberDescr_Type || !PyType_IsSubtype(tp, ((PyDescrObject *)d)->d_type))
-        return -1;
-    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-    if (m->type != T_OBJECT_EX && m->type != T_OBJECT)
+    PyMemberDef *m = slot_member(tp, name);
+    if (!m || (m->type != T_OBJECT_EX && m->type != T_OBJECT))
         return -1;
     return m->offset;
 }
