@@ -1,4 +1,5 @@
-"""The README's and the guides' Python examples run, and the README's test command is what CI runs.
+"""The README's and the guides' Python examples run, their links lead somewhere, and the README's
+test command is what CI runs.
 
 The guides moved out of the README into docs/ (and benchmarks/README.md, configs/README.md); every
 ```python block of every one of those pages still runs here, in page order, so moving text drops
@@ -58,3 +59,47 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = sh_blocks[1].strip()
     assert "pytest" in test_cmd
     assert test_cmd in (ROOT / ".ci" / "run").read_text()
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub (and mkdocs' default toc) makes it: markup dropped, lower case,
+    punctuation other than - and _ dropped, spaces to -."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text, re.M)}
+
+
+def _links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())   # code blocks hold no links
+    text = re.sub(r"`[^`\n]*`", "", text)    # nor do code spans
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.exists()], ids=_rel)
+def test_relative_links_lead_to_files_and_headings(page):
+    broken = []
+    for target in _links(page):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not ours to check offline
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif not dest.is_relative_to(ROOT):
+            broken.append(f"{target}: outside the repository")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: {_rel(dest)} has no heading with the anchor '{anchor}'")
+    assert not broken, f"{_rel(page)}: " + "; ".join(broken)
+
+
+def test_every_guide_is_listed_in_the_index():
+    index = (ROOT / "docs" / "index.md").read_text()
+    listed = {(ROOT / "docs" / link.partition("#")[0]).resolve() for link in _links(ROOT / "docs" / "index.md")}
+    missing = [_rel(p) for p in sorted((ROOT / "docs").glob("**/*.md"))
+               if p.name != "index.md" and p.resolve() not in listed]
+    assert index and not missing, f"docs/index.md does not link to {missing}"
+    assert "docs/index.md" in README
