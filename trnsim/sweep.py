@@ -52,7 +52,7 @@ from .native.dtypes import get_dtype
 from .report import KernelReport
 
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
-           "bound_of", "DEFAULT_MAX_POINTS"]
+           "bound_of", "check_collective_bytes", "DEFAULT_MAX_POINTS"]
 
 SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
@@ -195,6 +195,26 @@ class Point:
         return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
 
 
+def check_collective_bytes(system: Any, ranks: int | None, nbytes: int, what: str) -> None:
+    """Refuse a collective buffer of ``nbytes`` (nccl-tests' S, bytes per rank) that no rank of
+    ``system`` can hold: empty, or larger than a rank's share of its chip's HBM (the chip's
+    capacity over the ranks placed on it, rank r on chip r // ranks per chip). ``ranks`` None:
+    all of the system's. One-line :class:`ConfigError` naming ``what``."""
+    from .config import format_quantity
+
+    if nbytes < 1:
+        raise ConfigError(f"{what}: a collective moves at least 1 byte per rank, got {nbytes}")
+    per_chip = max(1, min(ranks if isinstance(ranks, int) and ranks > 0 else system.ranks, system.ranks_per_chip))
+    cap = system.chip.chip.hbm.capacity // per_chip
+    if nbytes > cap:
+        shown = f"{nbytes:,}" if nbytes < 10**16 else f"{nbytes:.3g}"
+        share = f"{format_quantity(cap, 'bytes')}: {format_quantity(system.chip.chip.hbm.capacity, 'bytes')} of HBM " \
+                f"over {per_chip} rank{'s' if per_chip > 1 else ''}" if per_chip > 1 else \
+                f"{format_quantity(cap, 'bytes')} of HBM"
+        raise ConfigError(f"{what}: {shown} bytes per rank, more than a rank's share of its chip on {system.name} "
+                          f"({share})")
+
+
 def params_text(params: Sequence[tuple[str, Any]]) -> str:
     return ";".join(f"{k}={v}" for k, v in params)
 
@@ -315,6 +335,8 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         from .collectives.sweep_points import collective_points
 
         coll = collective_points(raw["collectives"], where, base_system)
+        for name, (ranks, nbytes), _, _ in coll:
+            check_collective_bytes(base_system, ranks, nbytes, f"{where}: collectives ({name} on {ranks} ranks): bytes")
     ests: list[Any] = []
     if raw.get("estimates") is not None:
         from .estimate_points import estimate_points
