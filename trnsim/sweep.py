@@ -316,6 +316,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
+    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
     grid_raw = raw.get("grid") or {}
     if not isinstance(grid_raw, dict):
@@ -377,6 +378,17 @@ def _out_path(value: Any, spec: Path, where: str) -> Path:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: out: expected a CSV or .parquet path, got {format_value(value)}")
     return spec.parent / value
+
+
+def _check_format(path: Path, what: str) -> None:
+    """Results are CSV or Parquet, chosen by the suffix: any other name (``res.xlsx``) would get
+    CSV text under a name that promises something else, so it is refused."""
+    from .metrics import PARQUET_SUFFIXES
+
+    if path.suffix.lower() != ".csv" and not is_parquet(path):
+        got = f"'{clip_text(path.suffix, 20)}'" if path.suffix else "no suffix"
+        raise ConfigError(f"{what}: expected a results file ending in {', '.join(('.csv',) + PARQUET_SUFFIXES[:-1])} "
+                          f"or {PARQUET_SUFFIXES[-1]} (CSV or Parquet), got {got}")
 
 
 @dataclass(frozen=True)
