@@ -65,3 +65,22 @@ def test_estimates_need_a_system(tmp_path):
     with pytest.raises(ConfigError, match=r"^spec.yaml: estimates need a 'system' \(e.g. system: trn2.48xlarge\)$"):
         load_spec(write(tmp_path, "estimates:\n  - {mode: inference, model: llama-3.1-8b}\n"))
     assert load_system("trn2.48xlarge").ranks == 64
+
+
+def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch, capsys):
+    """Issue 25: the summary table took every row's cycles as a number; an estimate row has none,
+    so ``trnsim sweep`` wrote every row and then died, on every rerun too."""
+    from trnsim.cli import main
+
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path / "costs"))
+    spec = write(tmp_path, f"""\
+        system: trn2.48xlarge
+        estimates:
+          - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2}}
+    """)
+    for rerun in (False, True):
+        assert main(["sweep", str(spec), "--jobs", "1"]) == 0
+        out, err = capsys.readouterr()
+        assert err == "" and f"{int(rerun)} from a previous run" in out
+        row = next(line for line in out.splitlines() if "tp=4 pp=1 dp=1" in line)
+        assert "│ bf16  │        │ " in row and "│ HBM" in row  # no cycles for an estimate, its time in us
