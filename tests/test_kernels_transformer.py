@@ -16,6 +16,9 @@ CHECKS = [
     ("qkv", (4, 1, 256, 4, 1, 64), {"rope": True, "bias": True, "residual": True}),
     ("qkv", (1, 300, 512, 2, 1, 128), {"rope": True, "residual": True}),
     ("qkv", (3, 5, 512, 4, 2, 64), {"quant": "fp8", "rope": True, "bias": True}),
+    ("mlp", (4, 1, 256, 448), {"residual": True}),
+    ("mlp", (1, 300, 384, 640), {"residual": True}),
+    ("mlp", (3, 50, 384, 512), {"gated": False, "act": "gelu", "norm": "none"}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -23,6 +26,8 @@ CHECKS = [
 BOUNDS = [
     ("qkv", (1, 1, 8192, 8, 1, 128), {"rope": True}, 0.6),
     ("qkv", (1, 2048, 4096, 4, 1, 128), {"rope": True}, 0.6),
+    ("mlp", (1, 1, 4096, 1792), {"residual": True}, 0.65),
+    ("mlp", (1, 2048, 4096, 1792), {"residual": True}, 0.75),
 ]
 
 
@@ -46,8 +51,8 @@ def test_qkv_on_trn3():
 
 def test_qkv_errors_are_one_line():
     qkv = get_kernel("qkv")
-    with pytest.raises(KernelError, match=r"^qkv: H=100 must be a multiple of 128"):
-        qkv.make((1, 1, 100, 4, 1, 64), "bf16", "trn2")
+    with pytest.raises(KernelError, match=r"^qkv: H=131 cannot be laid out on the PE array's 128 partitions"):
+        qkv.make((1, 1, 131, 4, 1, 64), "bf16", "trn2")
     with pytest.raises(KernelError, match=r"^qkv: NQ=3 must be a multiple of NKV=2"):
         qkv.make((1, 1, 256, 3, 2, 64), "bf16", "trn2")
     with pytest.raises(KernelError, match=r"^qkv: quant must be one of none, fp8, got 'int4'"):

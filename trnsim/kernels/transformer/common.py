@@ -20,6 +20,7 @@ by (:func:`weight_blocks`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -66,12 +67,17 @@ def positive(kernel: str, **dims: Any) -> None:
             raise KernelError(f"{kernel}: {nm} must be a positive integer, got {v!r}")
 
 
-def k_tiles(kernel: str, name: str, k: int) -> int:
-    """``K / 128`` for a contraction dim, or a one-line error."""
-    if k % P:
-        raise KernelError(f"{kernel}: {name}={k} must be a multiple of {P} (it is contracted on the PE array's "
-                          f"{P} partitions, as the NKI library kernels require)")
-    return k // P
+def k_tiles(kernel: str, name: str, k: int) -> tuple[int, int]:
+    """How a contraction dim ``K`` sits on the partitions: ``(kp, K1)`` with ``K = kp * K1``,
+    ``kp <= 128`` partitions and ``K1`` k-tiles (``k = p * K1 + j``), the fewest tiles that
+    divide ``K`` evenly (448 = 112 x 4: Llama-3.1-70B's I at TP=64), or a one-line error."""
+    lo = -(-k // P)
+    for k1 in range(lo, 2 * lo + 1):
+        if k % k1 == 0:
+            return k // k1, k1
+    raise KernelError(f"{kernel}: {name}={k} cannot be laid out on the PE array's {P} partitions (no split "
+                      f"K = partitions x tiles with at most {P} partitions and up to {2 * lo} tiles); use a "
+                      f"multiple of {P}")
 
 
 def shard_range(kernel: str, shard: Any, units: int) -> tuple[int, int]:
@@ -114,12 +120,12 @@ def bcast(ap: TileAP, n: int) -> TileAP:
     return TileAP(ap.alloc, ap.p_start, ap.p_count, ap.offset, tuple(ap.dims) + ((0, n),), ap.dtype)
 
 
-def xT_view(rows: TileAP, j: int, k1: int) -> TileAP:
-    """Columns ``j, j + K1, j + 2 K1, ...`` of a ``[tb, K]`` row tile: the ``[tb, 128]`` block
+def xT_view(rows: TileAP, j: int, k1: int, kp: int = P) -> TileAP:
+    """Columns ``j, j + K1, j + 2 K1, ...`` of a ``[tb, K]`` row tile: the ``[tb, kp]`` block
     whose transpose is k-tile ``j`` in the ``k = p * K1 + j`` layout."""
     (s, _), = rows.dims[-1:]
     base = rows.offset + j * s
-    return TileAP(rows.alloc, rows.p_start, rows.p_count, base, ((s * k1, P),), rows.dtype)
+    return TileAP(rows.alloc, rows.p_start, rows.p_count, base, ((s * k1, kp),), rows.dtype)
 
 
 def row_vector(kern: Kernel, tile: TileAP, vec: HbmAP, queue: int = 1) -> None:
@@ -146,6 +152,13 @@ class Pools:
         if p is None:
             p = self._pools[name] = self.kern.tile_pool(name, bufs=bufs, space=space)
         return p
+
+    def release(self) -> None:
+        """Free every pool's buffers (the next phase of a kernel reuses the memory; the builder
+        orders its writes after the last reads of what was there)."""
+        for p in self._pools.values():
+            p.release()
+        self._pools.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,11 +210,15 @@ class RowPrologue:
     def __init__(self, kern: Kernel, pools: Pools, *, k: int, dt: Dtype, x: HbmTensor | None,
                  res: HbmTensor | None = None, h_out: HbmTensor | None = None, gamma: HbmTensor | None = None,
                  eps: float = 1e-6, in_scale: HbmTensor | None = None, norm: bool = True, tokens: int = P + 1,
-                 tag: str = "x"):
+                 tag: str = "x", rows_of: Callable[[int, int], TileAP] | None = None):
         self.kern, self.pools, self.k, self.dt, self.x = kern, pools, k, dt, x
-        self.tmajor = tokens <= DMA_T  # the layout is the kernel's, not each block's (their PSUM differs)
+        # the layout is the kernel's, not each block's (their PSUM differs); rows that come from
+        # elsewhere (``rows_of(t0, tb)``: in SBUF, or loaded another way) are PE-transposed
+        self.tmajor = tokens <= DMA_T and rows_of is None
+        self.rows_of = rows_of
         self.res, self.h_out, self.eps, self.tag, self.norm = res, h_out, eps, tag, norm
-        self.k1 = k // P
+        self.kp, self.k1 = k_tiles(kern.name, "K", k)
+        kp = self.kp
         self.quant = in_scale is not None
         self.out_dt = get_dtype(FP8) if self.quant else dt
         self.gamma_t: TileAP | None = None
@@ -212,19 +229,31 @@ class RowPrologue:
         if gamma is not None or in_scale is not None:
             # gamma[p*K1 + j] at [p, j]: one contiguous run per partition; quantising, the factor
             # is gamma / in_scale (fp32), in_scale broadcast to every partition
-            g = kern.sbuf((P, self.k1), "fp32", name=f"{tag}_gamma")
+            g = kern.sbuf((kp, self.k1), "fp32", name=f"{tag}_gamma")
             if gamma is not None:
-                gl = kern.sbuf((P, self.k1), dt, name=f"{tag}_gamma_in")
-                kern.dma_copy(gl, gamma.ap(0, [[self.k1, P], [1, self.k1]]), queue=7)
+                gl = kern.sbuf((kp, self.k1), dt, name=f"{tag}_gamma_in")
+                kern.dma_copy(gl, gamma.ap(0, [[self.k1, kp], [1, self.k1]]), queue=7)
                 kern.tensor_copy(g, gl, engine="gpsimd")
             else:
                 kern.memset(g, 1.0, engine="gpsimd")
             if in_scale is not None:
-                s = kern.sbuf((P, 1), "fp32", name=f"{tag}_in_scale")
-                kern.dma_copy(s, in_scale.ap(0, [[0, P], [1, 1]]), queue=7)
+                s = kern.sbuf((kp, 1), "fp32", name=f"{tag}_in_scale")
+                kern.dma_copy(s, in_scale.ap(0, [[0, kp], [1, 1]]), queue=7)
                 kern.reciprocal(s, s)
                 kern.tensor_scalar(g, g, "multiply", s, engine="gpsimd")
             self.gamma_t = g
+
+    @property
+    def sbuf_bytes(self) -> int:
+        """Bytes per partition its own buffers take (the caller's pool of results aside)."""
+        isz = self.dt.itemsize
+        if self.tmajor:  # loads (and residual), squares, the [128, T] statistics
+            return DMA_T * self.k1 * (2 * isz * (2 + (self.res is not None)) + 4) + 4 * DMA_T * 4 + \
+                self.k1 * 4 * 2 + (P * 4 if self.norm else 0)
+        if self.rows_of is not None:
+            return self.k1 * 8
+        rows = self.k * isz * (2 + (self.res is not None) + (2 if self.norm else 0))
+        return rows + (min(self.k, 4096) * isz if self.norm else 0) + self.k1 * 8
 
     def stage_a(self, t0: int, tb: int, pool: TilePool) -> Any:
         """Loads and the norm of token block ``[t0, t0+tb)``: the whole prologue for a decode
@@ -245,7 +274,7 @@ class RowPrologue:
         """:meth:`stage_b` as its result and the steps that make it (to be interleaved)."""
         if isinstance(state, XT):
             return state, []
-        dst = pool.tile((P, self.k1, P), self.out_dt)
+        dst = pool.tile((self.kp, self.k1, P), self.out_dt)
         return XT(dst, state.p_count, False), self.transpose_steps(state, dst)
 
     def block(self, t0: int, tb: int, pool: TilePool) -> XT:
@@ -254,43 +283,49 @@ class RowPrologue:
 
     # ---- decode: the token-major layout -----------------------------------------------------
     def _tmajor_view(self, t: HbmTensor, t0: int, tb: int) -> HbmAP:
-        return t.ap(t0 * self.k, [[self.k1, P], [self.k, tb], [1, self.k1]])
+        return t.ap(t0 * self.k, [[self.k1, self.kp], [self.k, tb], [1, self.k1]])
 
     def _block_tmajor(self, t0: int, tb: int, pool: TilePool) -> XT:
-        kern, pools, k1 = self.kern, self.pools, self.k1
+        kern, pools, k1, kp = self.kern, self.pools, self.k1, self.kp
         assert self.x is not None
-        xin = pools(f"{self.tag}_tm", 2).tile((P, DMA_T, k1), self.dt)[:, :tb, :]
+        xin = pools(f"{self.tag}_tm", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
         kern.dma_copy(xin, self._tmajor_view(self.x, t0, tb), queue=4)
         if self.res is not None:
-            r2 = pools(f"{self.tag}_tm_res", 2).tile((P, DMA_T, k1), self.dt)[:, :tb, :]
+            r2 = pools(f"{self.tag}_tm_res", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
             kern.dma_copy(r2, self._tmajor_view(self.res, t0, tb), queue=5)
             kern.tensor_tensor(xin, xin, r2, "add")
             if self.h_out is not None:
                 kern.dma_copy(self._tmajor_view(self.h_out, t0, tb), xin, engine="gpsimd", queue=1)
         if self.norm:
-            sq = pools(f"{self.tag}_tm_sq", 1).tile((P, DMA_T, k1), "fp32")[:, :tb, :]
+            sq = pools(f"{self.tag}_tm_sq", 1).tile((kp, DMA_T, k1), "fp32")[:, :tb, :]
             kern.activation(sq, "square", xin)
-            red = pools(f"{self.tag}_tm_red", 2).tile((P, DMA_T), "fp32")[:, :tb]
+            red = pools(f"{self.tag}_tm_red", 2).tile((kp, DMA_T), "fp32")[:, :tb]
             kern.tensor_reduce(red, "add", sq, axis=2)
             if self._ones is None:
-                self._ones = kern.sbuf((P, P), "fp32", name=f"{self.tag}_ones")
+                self._ones = kern.sbuf((kp, kp), "fp32", name=f"{self.tag}_ones")
                 kern.memset(self._ones, 1.0, engine="gpsimd")
-            ps = pools("tm_psum", 1, "psum").tile((P, DMA_T), "fp32")[:, :tb]
+            ps = pools("tr_psum", 2, "psum").tile((P, DMA_T), "fp32")[:kp, :tb]  # shares the transposes' banks
             kern.nc_matmul(ps, self._ones, red)  # every partition: the token's sum over all K
-            rstd = pools(f"{self.tag}_tm_rstd", 2).tile((P, DMA_T), "fp32")[:, :tb]
+            rstd = pools(f"{self.tag}_tm_rstd", 2).tile((kp, DMA_T), "fp32")[:, :tb]
             kern.tensor_scalar(rstd, ps, "multiply", 1.0 / self.k, op1="add", operand1=self.eps)
             kern.tensor_scalar(rstd, rstd, "power", -0.5)
-            kern.tensor_tensor(xin, xin, bcast(rstd, k1), "multiply")
+            # y into a buffer of its own: the store of h (behind the weights' loads on the DMA
+            # queues) may still be reading the sum
+            y = pools(f"{self.tag}_tm_y", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
+            kern.tensor_tensor(y, xin, bcast(rstd, k1), "multiply")
+            xin = y
         if self.gamma_t is None:
             return XT(xin, tb, True)
-        dst = pool.tile((P, DMA_T, k1), self.out_dt)[:, :tb, :]
+        dst = pool.tile((kp, DMA_T, k1), self.out_dt)[:, :tb, :]
         g = self.gamma_t
-        kern.tensor_tensor(dst, xin, TileAP(g.alloc, g.p_start, P, g.offset, ((0, tb), (1, k1)), g.dtype), "multiply")
+        kern.tensor_tensor(dst, xin, TileAP(g.alloc, g.p_start, kp, g.offset, ((0, tb), (1, k1)), g.dtype), "multiply")
         return XT(dst, tb, True)
 
     # ---- prefill: rows and PE transposes ----------------------------------------------------
     def rows(self, t0: int, tb: int) -> TileAP:
         """Load token rows ``[t0, t0 + tb)`` (with the residual added and stored)."""
+        if self.rows_of is not None:
+            return self.rows_of(t0, tb)
         kern, pools, k = self.kern, self.pools, self.k
         assert self.x is not None
         r = pools(f"{self.tag}_rows", 2).tile((P, k), self.dt)[:tb]
@@ -347,8 +382,8 @@ class RowPrologue:
 
         def step(j0: int) -> None:
             n = min(g, k1 - j0)
-            ps = ps_pool.tile((P, g, tb), r.dtype)
-            kern.nc_transpose_many([(ps[:, i, :], xT_view(r, j0 + i, k1)) for i in range(n)])
+            ps = ps_pool.tile((P, g, tb), r.dtype)[:self.kp]
+            kern.nc_transpose_many([(ps[:, i, :], xT_view(r, j0 + i, k1, self.kp)) for i in range(n)])
             d = dst[:, j0:j0 + n, :tb]
             vector = self._evac % 2 == 0
             self._evac += 1
@@ -396,8 +431,8 @@ def weight_blocks(n: int, k1: int, isz: int, budget: int, bank_cols: int = BANK,
 
 
 def load_weights(kern: Kernel, pool: TilePool, w: HbmTensor, base: int, k1: int, n_total: int, c0: int, cw: int,
-                 group: int, queue0: int = 0, lookahead: int | None = None, k_range: tuple[int, int] | None = None
-                 ) -> Any:
+                 group: int, queue0: int = 0, lookahead: int | None = None, k_range: tuple[int, int] | None = None,
+                 kp: int = P) -> Any:
     """Columns ``[c0, c0+cw)`` of a ``[K, N]`` weight (``n_total`` columns, starting at element
     ``base``) in the ``k = p*K1 + j`` layout, as k-groups of ``group`` tiles ``(j0, [128, g, cw])``,
     each one DMA whose per-partition runs are ``g`` whole rows when ``cw == N``.
@@ -414,8 +449,8 @@ def load_weights(kern: Kernel, pool: TilePool, w: HbmTensor, base: int, k1: int,
     def load(gi: int) -> tuple[int, TileAP]:
         j0 = starts[gi]
         g = min(group, j_hi - j0)
-        t = pool.tile((P, group, cw), w.dtype)[:, :g, :]
-        src = w.ap(base + j0 * n_total + c0, [[k1 * n_total, P], [n_total, g], [1, cw]])
+        t = pool.tile((P, group, cw), w.dtype)[:kp, :g, :]
+        src = w.ap(base + j0 * n_total + c0, [[k1 * n_total, kp], [n_total, g], [1, cw]])
         kern.dma_copy(t, src, queue=HBM_Q[(queue0 + gi) % len(HBM_Q)])
         return j0, t
 
@@ -640,6 +675,7 @@ class Projection:
                  make_passes: Callable[[int], list[list[Seg]]], max_width: int, unit: int, budget: int,
                  fp8: bool = False, tag: str = "p", k_range: tuple[int, int] | None = None, max_banks: int = 3):
         self.kern, self.pools, self.k1, self.tokens = kern, pools, k1, tokens
+        self.kp = prologue.kp  # partitions of the contraction (K = kp x K1)
         self.k_range = k_range
         self.pro, self.isz, self.fp8, self.tag = prologue, isz, fp8, tag
         self.tbs = [(t0, min(P, tokens - t0)) for t0 in range(0, tokens, P)]
@@ -670,8 +706,17 @@ class Projection:
         n_groups = -(-(k1 if k_range is None else k_range[1] - k_range[0]) // group)
         per_pass = max(len(ps) for ps in self.passes) * n_groups
         if self.stream:
-            self.lookahead: int | None = 5
-            bufs = (self.lookahead + 1) * max(len(ps) for ps in self.passes)
+            # four k-groups in flight: enough to cover a transfer's start latency and keep the
+            # queues busy; more would only delay a later small transfer (an exchange, a store)
+            # that the DMA engines serve after every transfer ready before it
+            segs = max(len(ps) for ps in self.passes)
+            total = n_groups * len(self.passes)
+            # at most ~80 KiB per partition in flight (10 MiB: far more than the DMA latency needs),
+            # leaving room for the evacuation's tiles
+            room = max(0, min(budget - prologue.sbuf_bytes - 2 * xT_bytes - 16 * 1024, 80 * 1024)) \
+                // max(1, group * wmax * isz * segs)
+            self.lookahead: int | None = max(1, min(4, total, room - 1))
+            bufs = (self.lookahead + 1) * segs
             self.double = False
         else:
             self.lookahead = None
@@ -681,21 +726,61 @@ class Projection:
             if not self.double:
                 bufs = per_pass
         self.wpool = pools(f"{tag}_w", bufs)
+        #: SBUF bytes per partition the weight buffers take
+        self.w_bytes = bufs * group * wmax * isz
         self.acc_pool = pools("acc", 6, "psum")
         self.xT_pool = pools(f"{tag}_xT", len(self.tbs) if self.cache_x else 4)
         self.xT_cache: dict[int, XT] = {}
-        self.xT_hbm = kern.scratch(f"{tag}_xT_spill", (len(self.tbs), P, k1 * P), prologue.out_dt) \
+        self.xT_hbm = kern.scratch(f"{tag}_xT_spill", (len(self.tbs), self.kp, k1 * P), prologue.out_dt) \
             if self.spill else None
         self._q = 0
+        self._stream_it: Any = None
 
     def _load(self, ps: Sequence[Seg]) -> Any:
-        """The pass's weights: per segment, its k-groups (a list, or a lazy stream)."""
+        """The pass's weights: per segment, its k-groups (resident: :class:`LazyGroups`; streamed:
+        the pass's share of :meth:`_stream`, one list of the segments' tiles per k-group)."""
+        if self.stream:  # passes are loaded in order: each takes its k-groups from the one stream, lazily
+            if self._stream_it is None:
+                self._stream_it = iter(self._stream())
+            n = len(range(*(self.k_range or (0, self.k1)), self.group))
+            return [itertools.islice(self._stream_it, n)]
         out = []
         for sg in ps:
             out.append(load_weights(self.kern, self.wpool, sg.w, sg.base, self.k1, sg.n, sg.c0, sg.cw, self.group,
-                                    queue0=self._q, lookahead=self.lookahead, k_range=self.k_range))
+                                    queue0=self._q, lookahead=None, k_range=self.k_range, kp=self.kp))
             self._q += 1
         return out
+
+    def _stream(self) -> Iterable[list[tuple[int, TileAP]]]:
+        """Every pass's weights as one stream, in the order the matmuls use them: per pass, per
+        k-group, the segments' tiles together. Each load is emitted ``lookahead`` k-groups ahead
+        of its use, across pass boundaries, so the DMA queues never wait for a pass to start."""
+        loaders = []
+        for ps in self.passes:
+            lds = [load_weights(self.kern, self.wpool, sg.w, sg.base, self.k1, sg.n, sg.c0, sg.cw, self.group,
+                                queue0=self._q + k, lookahead=None, k_range=self.k_range, kp=self.kp)
+                   for k, sg in enumerate(ps)]
+            self._q += len(ps)
+            loaders.extend([lds] * len(lds[0]))
+        order = []
+        seen: dict[int, int] = {}
+        for lds in loaders:  # (loaders of a pass, its next group index) in use order
+            gi = seen.get(id(lds), 0)
+            seen[id(lds)] = gi + 1
+            order.append((lds, gi))
+        la = self.lookahead or 1
+        issued = 0
+
+        def issue(upto: int) -> None:
+            nonlocal issued
+            while issued < min(upto, len(order)):
+                for ld in order[issued][0]:
+                    ld.load_next()
+                issued += 1
+
+        for k, (lds, gi) in enumerate(order):
+            issue(k + 1 + la)
+            yield [ld.groups[gi] for ld in lds]
 
     def _mm(self, xT: XT, ps: Sequence[Seg], loaded: Any, steps: Sequence[Callable[[], None]] = ()
             ) -> list[list[TileAP]]:
@@ -717,10 +802,9 @@ class Projection:
             for st in pending:
                 st()
             return accs
-        if self.stream and len(ps) > 1:
+        if self.stream:
             # streamed segments advance together, k-group by k-group (their loads interleave)
-            its = [iter(g) for g in loaded]
-            for parts in zip(*its):
+            for parts in loaded[0]:
                 for (j0, wt), sg, acc in zip(parts, ps, accs):
                     matmul_tokens(self.kern, xT, [(j0, wt)], acc, sg.cw, fp8=self.fp8,
                                   first=j0 == (self.k_range or (0, 0))[0])
@@ -737,14 +821,14 @@ class Projection:
 
         def a(i: int) -> None:
             pi, bi, t0, tb = items[i]
-            if t0 in self.xT_cache or i in states:
-                return
+            if t0 in self.xT_cache or i in states or (pi > 0 and not self.spill):
+                return  # made already (or being made for the first pass: kept for the later ones)
             if pi == 0:
                 states[i] = self.pro.stage_a(t0, tb, self.xT_pool)
             else:  # a later pass: Xᵀ back from the spill
-                t = self.xT_pool.tile((P, self.k1, P), self.pro.out_dt)
-                kern.dma_copy(t[:, :, :tb], self.xT_hbm.ap(bi * P * self.k1 * P,  # type: ignore[union-attr]
-                                                           [[self.k1 * P, P], [P, self.k1], [1, tb]]), queue=4)
+                t = self.xT_pool.tile((self.kp, self.k1, P), self.pro.out_dt)
+                kern.dma_copy(t[:, :, :tb], self.xT_hbm.ap(bi * self.kp * self.k1 * P,  # type: ignore[union-attr]
+                                                           [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]), queue=4)
                 states[i] = XT(t, tb, False)
 
         def b(i: int) -> XT:
@@ -755,8 +839,8 @@ class Projection:
                 if self.cache_x:
                     self.xT_cache[t0] = xT
                 elif pi == 0 and self.spill:
-                    kern.dma_copy(self.xT_hbm.ap(bi * P * self.k1 * P,  # type: ignore[union-attr]
-                                                 [[self.k1 * P, P], [P, self.k1], [1, tb]]),
+                    kern.dma_copy(self.xT_hbm.ap(bi * self.kp * self.k1 * P,  # type: ignore[union-attr]
+                                                 [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]),
                                   xT.tile[:, :, :tb], engine="gpsimd", queue=5)
             return xT
 
@@ -770,7 +854,7 @@ class Projection:
                 self.xT_cache[t0] = xT
             elif pi == 0 and self.spill:
                 steps.append(lambda: kern.dma_copy(
-                    self.xT_hbm.ap(bi * P * self.k1 * P, [[self.k1 * P, P], [P, self.k1], [1, tb]]),  # type: ignore[union-attr]
+                    self.xT_hbm.ap(bi * self.kp * self.k1 * P, [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]),  # type: ignore[union-attr]
                     xT.tile[:, :, :tb], engine="gpsimd", queue=5))
             return xT, steps
 

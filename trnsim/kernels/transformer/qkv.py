@@ -83,7 +83,7 @@ def build_qkv(b: int, s: int, h: int, nq: int, nkv: int, d: int, dtype: str = "b
     dt = checked_dtype("qkv", dtype, DTYPES)
     cfg = kern.config
     t, n = b * s, (nq + 2 * nkv) * d
-    h1 = k_tiles("qkv", "H", h)
+    _, h1 = k_tiles("qkv", "H", h)
     head_lo, head_hi = shard_range("qkv", shard, nq + 2 * nkv)
     sharded = str(shard) != "0/1" and (head_lo, head_hi) != (0, nq + 2 * nkv)
     if sharded and t > P:
