@@ -1,10 +1,14 @@
 """``torch.neuron`` answers the ``torch.cuda`` calls training frameworks and scripts make."""
 
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from torch_bridge.memory import host_cache
 from trnsim import load_config
 
 
@@ -17,6 +21,40 @@ def test_device_name_properties_and_capability():
     assert props.multi_processor_count == cfg.chip.lnc and (props.major, props.minor) == (3, 0)
     assert torch.neuron.get_device_capability() == (3, 0)
     assert "trn2" in repr(props)
+
+
+def test_torch_accelerator_memory_answers_what_torch_neuron_answers():
+    x = torch.ones(1 << 19, device="neuron")  # 2 MiB: the large pool
+    y = torch.ones(4, device="neuron")
+    acc, own = torch.accelerator.memory_stats(), torch.neuron.memory_stats()
+    assert set(own) - set(acc) == {"capacity_bytes"} and set(acc) <= set(own)
+    assert {k: own[k] for k in acc} == dict(acc)
+    assert torch.accelerator.memory_allocated() == torch.neuron.memory_allocated() >= (1 << 21) + 16
+    assert torch.accelerator.memory_reserved() == torch.neuron.memory_reserved()
+    assert torch.accelerator.get_memory_info() == torch.neuron.mem_get_info()
+    peak = torch.neuron.max_memory_allocated()
+    assert torch.accelerator.max_memory_allocated() == peak and torch.accelerator.max_memory_reserved() == peak
+    del x
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.neuron.max_memory_allocated() \
+        == torch.neuron.memory_allocated() < peak
+    torch.accelerator.reset_accumulated_memory_stats()
+    assert torch.neuron.memory_stats()["allocated_bytes.all.allocated"] == 0
+    del y
+    torch.accelerator.empty_cache()  # gives the host memory kept for freed device blocks back, as torch.neuron's
+    assert host_cache()["kept_bytes"] == 0
+
+
+def test_untyped_storage_on_the_device_gets_counted_memory():
+    before = torch.neuron.memory_allocated()
+    st = torch.UntypedStorage(1000, device="neuron")  # it used to crash: the device had no allocator
+    assert st.device == torch.device("neuron:0") and st.nbytes() == 1000
+    assert torch.neuron.memory_allocated() == before + 1000
+    t = torch.empty(0, dtype=torch.uint8, device="neuron").set_(st)
+    t.fill_(7)
+    assert st.clone().cpu().tolist() == [7] * 1000
+    del t, st
+    assert torch.neuron.memory_allocated() == before
 
 
 def test_memory_stats_have_cudas_keys():
