@@ -41,7 +41,7 @@ from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
-from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
+from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
            "bound_of", "render_comparison"]
@@ -879,6 +879,8 @@ def cmd_collective(args: argparse.Namespace) -> int:
     reps = []
     try:
         sizes = parse_sizes(args.bytes, args.factor)
+        for n in sizes:
+            check_collective_bytes(system, args.ranks, n, f"--bytes {clip_text(args.bytes, 60)}")
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
