@@ -19,6 +19,9 @@ CHECKS = [
     ("mlp", (4, 1, 256, 448), {"residual": True}),
     ("mlp", (1, 300, 384, 640), {"residual": True}),
     ("mlp", (3, 50, 384, 512), {"gated": False, "act": "gelu", "norm": "none"}),
+    ("oproj", (4, 1, 4, 128, 512), {"bias": True}),
+    ("oproj", (1, 300, 2, 128, 384), {}),
+    ("oproj", (3, 50, 3, 64, 256), {"bias": True}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -28,6 +31,8 @@ BOUNDS = [
     ("qkv", (1, 2048, 4096, 4, 1, 128), {"rope": True}, 0.6),
     ("mlp", (1, 1, 4096, 1792), {"residual": True}, 0.65),
     ("mlp", (1, 2048, 4096, 1792), {"residual": True}, 0.75),
+    ("oproj", (1, 1, 4, 128, 4096), {}, 0.5),
+    ("oproj", (1, 2048, 4, 128, 4096), {}, 0.7),
 ]
 
 
