@@ -27,12 +27,27 @@ a sweep whose worker process dies exits with status 1.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import signal
 import sys
-from pathlib import Path
-from typing import Any, NoReturn, Sequence
+
+
+def _interrupted_while_loading(signum: int, frame: Any) -> None:
+    """Ctrl-C while the modules below load (a second or two on a busy machine): the one line
+    main() prints for Ctrl-C later, not the import machinery's traceback."""
+    sys.excepthook = lambda *exc: print("trnsim: interrupted", file=sys.stderr)
+    raise KeyboardInterrupt
+
+
+# only where nobody else took Ctrl-C (the `trnsim` command; not a test runner, not a host program)
+_SIGINT = signal.getsignal(signal.SIGINT)
+if _SIGINT is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, NoReturn, Sequence  # noqa: E402
 
 from .cli_base import Out as _Out
 from .cli_base import UsageError
@@ -42,6 +57,9 @@ from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes
+
+if _SIGINT is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _SIGINT)
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
            "bound_of", "render_comparison"]
@@ -1091,7 +1109,11 @@ def _check_environment() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("trnsim: interrupted", file=sys.stderr)
+        return 130
     if getattr(args, "config", None) == "trnsim-default":
         args.config = "trn2"
     try:
