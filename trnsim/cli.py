@@ -9,7 +9,7 @@
     trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
-                  [--executor pool|ray] [--address HOST:PORT]
+                  [--executor pool|ray] [--address HOST:PORT [--timeout S]]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
                   [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
@@ -579,7 +579,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         with progress:
             result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done),
-                               executor=args.executor, address=args.address)
+                               executor=args.executor, address=args.address, timeout=args.timeout)
     except OSError as e:
         raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
     rows = result.rows
@@ -1011,6 +1011,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where points run: a local process pool (default) or Ray (needs the 'ray' extra)")
     w.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster to run on (default: start a local "
                    "Ray instance of --jobs CPUs); with --executor ray")
+    w.add_argument("--timeout", type=float, metavar="SECONDS", help="with --address: how long the cluster may take "
+                   "to answer before the sweep gives up (default 20)")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
