@@ -316,8 +316,8 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
-    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
+    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     grid_raw = raw.get("grid") or {}
     if not isinstance(grid_raw, dict):
         raise ConfigError(f"{where}: grid: expected a mapping of dotted override key -> list of values")
