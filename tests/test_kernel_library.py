@@ -14,6 +14,7 @@ from trnsim.kernels.check import check_entry
 SMALL = {
     "activation": (130, 70),
     "attention": (1, 2, 200, 64),
+    "attention_cte": (1, 4, 2, 200, 64),
     "attention_tkg": (3, 4, 2, 2, 384, 64),
     "binary": (130, 70),
     "bmm": (2, 130, 70, 200),
