@@ -232,6 +232,16 @@ def _scaled_mm(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs:
                          label="matmul_fused", fallback=plain)
 
 
+def _slow_conv2d(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+                 outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """``aten._slow_conv2d_forward`` (CPU's own convolution, called directly): the convolution's
+    kernel, as :func:`conv_specs` lowers any 2-d convolution."""
+    x, w, out = args[0], args[1], outputs[0]
+    stride, padding = _arg(args, kwargs, 4, "stride", (1, 1)), _arg(args, kwargs, 5, "padding", (0, 0))
+    specs = conv_specs(x, w, out, 1, list(stride), list(padding), [1, 1], False)
+    return specs[0] if len(specs) == 1 else None
+
+
 # ---- the table ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Op:
@@ -281,6 +291,7 @@ _add(["_softmax"], Op(_softmax, "scalar", "exp"))
 _add(["native_layer_norm"], Op(_layer_norm))
 _add(["embedding"], Op(_embedding, "gpsimd"))
 _add(["_scaled_mm", "_scaled_mm_v2"], Op(spec=_scaled_mm))
+_add(["_slow_conv2d_forward"], Op(spec=_slow_conv2d))
 # no library kernel: generic on ScalarE (table-driven functions) ...
 _add(["exp2", "expm1", "log2", "log10", "log1p", "cos", "tan", "erfinv", "asin", "acos", "sinh", "cosh",
       "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward",

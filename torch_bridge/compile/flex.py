@@ -19,8 +19,9 @@ one launch:
   score function the program cannot express (a tensor read at a computed index, a comparison)
   as one generic pass over the scores, a mask function other than the causal one as a generic
   pass over the blocks it partially masks (over the whole dense mask where the block mask holds
-  no values: a timing-only run). The backward is the eager attention backward's kernels, plus a
-  generic pass over the scores for the score function's gradient.
+  no values: a timing-only run). The backward recomputes the scores (the forward keeps only the
+  log-sum-exp) and runs the eager attention backward's kernels, plus a generic pass over the
+  scores for the score function's gradient.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ class FlexKernel:
         scores = torch.empty((b, heads, l, s), dtype=torch.float32, device="meta")
         specs: list[KernelSpec] = []
         if self.backward:
+            # the forward kept the log-sum-exp, not P [B, H, L, S]: the backward recomputes S = Q Kᵀ
+            # (as a flash backward does) before the eager backward's four matmuls
+            specs += [sp for sp in (lowering.matmul_spec(b * heads, l, e, s, q.dtype, True, True),) if sp is not None]
             specs += lowering.attention_backward_specs(q, s, q.dtype)
             if self.program is not None or self.modified:
                 specs.append(lowering.generic_spec("score_mod_backward", [scores, scores], [scores]))
