@@ -571,10 +571,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_column(leaf if leaves.count(leaf) == 1 else key, no_wrap=True)
     for col in ("kernel", "shape", "dtype", "cycles", "us", "MFU", "bound"):
         t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
+    def cell(text: str, fmt: str) -> str:  # estimate rows have no cycles; collective rows no MFU
+        return format(float(text), fmt) if text else ""
+
     for r in rows:
         figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
-                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}",
-                    f"{float(r['mfu_percent']):.1f}%" if r["mfu_percent"] else "", r["bound"]])
+                   [cell(r["cycles"], ",.0f"), cell(r["us"], ",.3f"),
+                    cell(r["mfu_percent"], ".1f") + ("%" if r["mfu_percent"] else ""), r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
