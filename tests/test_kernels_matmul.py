@@ -16,7 +16,7 @@ from trnsim.kernels import get_kernel
 from trnsim.kernels.check import check_entry
 from trnsim.native.dtypes import get_dtype
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 RAGGED = [(1, 1, 1), (200, 300, 700), (129, 257, 513)]
 
 
@@ -116,6 +116,14 @@ def test_fp8_uses_double_row_and_transposes_run_on_tensor_engine():
     assert slow.engines["Tensor"].busy_ticks > base.engines["Tensor"].busy_ticks
 
 
+def test_fp8_e5m2_runs_double_row_at_e4m3s_rate():
+    # NC-v3 runs FP8_E4 and FP8_E5 at twice the bf16 rate in double-row mode (datasheet §4.2, S9)
+    e5 = build_matmul(256, 1024, 512, "fp8_e5m2", "trn2", transpose_b=True)
+    assert all(i.double_row for i in e5.instructions if isinstance(i, MatMul) and not isinstance(i, Transpose))
+    e4 = Chip("trn2").run(build_matmul(256, 1024, 512, "fp8_e4m3", "trn2", transpose_b=True), timing_only=True)
+    assert Chip("trn2").run(e5, timing_only=True).report.total_cycles == e4.report.total_cycles
+
+
 def test_fp8_single_row_where_the_core_has_no_double_row():
     assert not load_config("trn1").core.tensor.fp8_double_row
     assert not any(getattr(i, "double_row", False) for i in build_matmul(256, 512, 512, "fp8_e4m3", "trn1").instructions)
@@ -160,7 +168,7 @@ def test_bmm_overlaps_batches():
 
 @pytest.mark.parametrize("call,msg", [
     (lambda: build_matmul(0, 128, 128), "matmul: M must be a positive integer, got 0"),
-    (lambda: build_bmm(2, 8, 8, 8, "int8"), "bmm: dtype int8 not supported; expected one of bf16, fp16, fp32, fp8_e4m3"),
+    (lambda: build_bmm(2, 8, 8, 8, "int8"), "bmm: dtype int8 not supported; expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"),
     (lambda: build_matmul(8, 8, 8, transpose_a="yes"), "matmul: transpose_a must be true or false, got 'yes'"),
     (lambda: build_matmul(8, 8, 8, out_dtype="fp7"),
      "matmul: out_dtype: unknown dtype 'fp7': expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn, fp8_e5m2, "
