@@ -28,6 +28,9 @@ CHECKS = [
     ("attention_cte", (1, 2, 1, 600, 128), {"sinks": True}),
     ("attention_cte", (2, 4, 2, 700, 64), {"window": 200}),
     ("attention_cte", (1, 2, 1, 2300, 64), {"causal": False}),
+    ("rope", (40, 3, 1, 64), {}),
+    ("rope", (1, 3, 300, 64), {}),
+    ("rope", (2, 5, 2048, 128), {}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -42,6 +45,7 @@ BOUNDS = [
     ("attention_tkg", (32, 4, 1, 1, 4096, 128), {}, 0.65),
     ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
     ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
+    ("rope", (1, 40, 4096, 128), {}, 0.7),
 ]
 
 
