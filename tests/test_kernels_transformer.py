@@ -31,6 +31,10 @@ CHECKS = [
     ("rope", (40, 3, 1, 64), {}),
     ("rope", (1, 3, 300, 64), {}),
     ("rope", (2, 5, 2048, 128), {}),
+    # fp32 outputs checked to 1e-4 of their largest magnitude: an expert index off by one fails
+    ("router_topk", (4, 256, 64), {}),
+    ("router_topk", (300, 384, 128), {"top_k": 8, "act": "sigmoid", "bias": True}),
+    ("router_topk", (40, 512, 16), {"top_k": 1, "norm": False}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -46,6 +50,7 @@ BOUNDS = [
     ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
     ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
     ("rope", (1, 40, 4096, 128), {}, 0.7),
+    ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
 ]
 
 
