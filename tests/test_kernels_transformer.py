@@ -35,6 +35,9 @@ CHECKS = [
     ("router_topk", (4, 256, 64), {}),
     ("router_topk", (300, 384, 128), {"top_k": 8, "act": "sigmoid", "bias": True}),
     ("router_topk", (40, 512, 16), {"top_k": 1, "norm": False}),
+    ("moe_tkg", (2, 256, 384, 8), {"mode": "selective"}),
+    ("moe_tkg", (4, 256, 384, 8), {"mode": "all"}),
+    ("moe_tkg", (40, 256, 448, 8), {"top_k": 2}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -51,6 +54,8 @@ BOUNDS = [
     ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
     ("rope", (1, 40, 4096, 128), {}, 0.7),
     ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
+    ("moe_tkg", (4, 4096, 1792, 8), {"top_k": 2}, 0.75),
+    ("moe_tkg", (8, 2048, 768, 128), {"top_k": 8}, 0.75),
 ]
 
 
@@ -112,3 +117,11 @@ def test_attention_cte_reads_each_kv_head_once():
     k = get_kernel("attention_cte").make((1, 4, 1, 512, 64), "bf16", "trn2")
     rep = Chip("trn2").run(k, None, timing_only=True).report
     assert rep.hbm_read_bytes == 2 * (4 * 512 * 64 + 2 * 512 * 64)
+
+
+def test_moe_tkg_modes():
+    """auto picks selective while the tokens' choices touch fewer than 0.8 E experts' weights."""
+    from trnsim.kernels.transformer.moe_tkg import moe_mode
+
+    assert moe_mode(8, 128, 8, "auto") == "selective" and moe_mode(4, 8, 2, "auto") == "all"
+    assert moe_mode(4, 8, 2, "selective") == "selective"
