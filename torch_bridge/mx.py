@@ -19,6 +19,9 @@ two). The **time** is one launch of the library ``matmul_mx`` kernel (``trnsim k
 quad-packed operands and scales on ``nc_matmul_mx``, four times the bf16 rate), K rounded up to
 the 128 values a scale quadrant holds. It needs a NeuronCore-v4 config (trn3); on trn2 it is
 refused in one line. On CPU tensors it computes the values above (a reference to compare with).
+It is the custom op ``trnsim::mx_matmul`` (a CPU kernel, a neuron kernel, a fake one): one node
+under ``torch.compile``, charged by its lowering (``lowering.OPS["mx_matmul"]``) in eager and
+timing-only runs alike.
 """
 
 from __future__ import annotations
@@ -64,17 +67,20 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
         raise ValueError(f"{what}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
 
 
-@torch.library.custom_op("trnsim::mx_matmul", mutates_args=())
+@torch.library.custom_op("trnsim::mx_matmul", mutates_args=(), device_types="cpu")
 def mx_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """See the module docstring."""
+    """See the module docstring (on CPU tensors: the values, :func:`mx_reference`)."""
     _check(a, a_scale, b, b_scale, out_dtype)
-    devices = {t.device for t in (a, a_scale, b, b_scale)}
-    if len(devices) > 1:
-        x, y = sorted(map(str, devices))[:2]
-        values.raise_devices(torch.device(x), torch.device(y))
-    if a.device.type != "neuron":
-        return mx_reference(a, a_scale, b, b_scale, out_dtype)
+    return mx_reference(a, a_scale, b, b_scale, out_dtype)
+
+
+@mx_matmul.register_kernel("neuron")
+def _mx_matmul_neuron(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The values on CPU views of the device memory, charged as the ``matmul_mx`` kernel (the
+    op's lowering, :func:`torch_bridge.lowering.op_spec`, which timing-only runs charge too)."""
+    _check(a, a_scale, b, b_scale, out_dtype)
     cfg = runtime().config
     if not cfg.core.tensor.mx_quad:
         raise RuntimeError(f"torch.neuron.mx_matmul: {cfg.name} has no MX matmul (nc_matmul_mx is NeuronCore-v4's, "

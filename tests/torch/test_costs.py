@@ -162,8 +162,17 @@ x, w = a.to("neuron", torch.bfloat16), b.to("neuron", torch.bfloat16)
 with torch.neuron.report_scope() as bf16:
     x @ w
 row, = [r for r in mx.report.rows if r.op == "mx_matmul"]
+with torch.neuron.timing_only():
+    fake = [torch.empty(t.shape, dtype=t.dtype, device="neuron") for t in (a, sa, b, sb)]
+    with torch.neuron.report_scope() as shapes_only:
+        torch.neuron.mx_matmul(*fake)
+compiled = torch.compile(lambda *x: torch.neuron.mx_matmul(*x), backend="neuron")
+with torch.neuron.report_scope() as graph:
+    out = compiled(*dev)
 print(json.dumps({"equal": torch.equal(got.cpu(), want), "dtype": str(got.dtype), "kernel": row.kernel,
-                  "flops": row.matmul_flops, "mx_us": row.time_us, "bf16_us": bf16.report.row("mm").time_us}))
+                  "flops": row.matmul_flops, "mx_us": row.time_us, "bf16_us": bf16.report.row("mm").time_us,
+                  "timing_only_us": shapes_only.report.row("mx_matmul").time_us,
+                  "compiled": [torch.equal(out.cpu(), want), [(r.op, r.kernel) for r in graph.report.rows]]}))
 """
 
 
@@ -181,6 +190,8 @@ def test_mx_matmul_lowers_to_nc_matmul_mx_on_trn3(tmp_path):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["equal"] and got["dtype"] == "torch.bfloat16" and got["kernel"] == "matmul_mx"
     assert got["flops"] == 2 * 256 * 1024 * 384 and got["mx_us"] < got["bf16_us"]  # (the 4x: test_kernels_matmul)
+    assert got["timing_only_us"] == got["mx_us"]
+    assert got["compiled"] == [True, [["mx_matmul", "matmul_mx"]]]
 
 
 def test_mx_matmul_is_refused_where_the_core_has_no_mx():
