@@ -180,3 +180,34 @@ def test_errors(call, msg):
     with pytest.raises(KernelError) as e:
         call()
     assert str(e.value) == msg
+
+
+# ---- MX matmul (NeuronCore-v4) -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"])
+def test_matmul_mx_values(dtype):
+    check("matmul_mx", (200, 1152, 700), dtype, "trn3")  # ragged M and N, a k-tile of 64 partitions
+
+
+def test_matmul_mx_runs_four_times_the_bf16_rate():
+    from trnsim.kernels.matmul_mx import build_matmul_mx
+
+    chip = Chip("trn3")
+    mx = chip.run(build_matmul_mx(512, 4096, 1024, "mxfp8_e4m3fn", "trn3"), timing_only=True).report
+    bf16 = chip.run(build_matmul(512, 4096, 1024, "bf16", "trn3"), timing_only=True).report
+    assert mx.instruction_counts["MatMulMx"] == 4 * 8 * 2  # row tiles x k-tiles of 512 x PSUM banks
+    assert mx.matmul_flops == bf16.matmul_flops == 2 * 512 * 4096 * 1024
+    ratio = mx.engines["Tensor"].busy_ticks / bf16.engines["Tensor"].busy_ticks
+    assert 0.25 <= ratio < 0.3, ratio
+
+
+def test_matmul_mx_errors():
+    from trnsim.kernels.matmul_mx import build_matmul_mx
+
+    with pytest.raises(KernelError, match=r"^matmul_mx: trn2 has no MX matmul \(core.tensor.mx_quad is false; it "
+                                          r"needs NeuronCore-v4\)$"):
+        build_matmul_mx(128, 512, 128, "mxfp8_e4m3fn", "trn2")
+    with pytest.raises(KernelError, match=r"^matmul_mx: K=96 must be a multiple of 128 "):
+        build_matmul_mx(128, 96, 128, "mxfp8_e4m3fn", "trn3")
+    with pytest.raises(KernelError, match=r"^matmul_mx: dtype bf16 not supported; expected one of mxfp8_e4m3fn, "
+                                          r"mxfp8_e5m2, mxfp4$"):
+        build_matmul_mx(128, 512, 128, "bf16", "trn3")

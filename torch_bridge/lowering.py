@@ -242,6 +242,17 @@ def _slow_conv2d(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], input
     return specs[0] if len(specs) == 1 else None
 
 
+def _mx_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+               outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """``trnsim::mx_matmul`` (``torch.neuron.mx_matmul``): the library ``matmul_mx`` kernel on
+    ``nc_matmul_mx`` in A's MX format (MXFP8 formats may be mixed at the same rate), K rounded up
+    to a whole scale quadrant (128 values)."""
+    a, b, out = args[0], args[2], outputs[0]
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    fmt = "mxfp8_e5m2" if a.dtype == torch.float8_e5m2 else "mxfp8_e4m3fn"
+    return KernelSpec.of("matmul_mx", (m, -(-k // 128) * 128, n), fmt, {"out_dtype": tile_dtype(out.dtype).name})
+
+
 # ---- the table ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Op:
@@ -292,6 +303,7 @@ _add(["native_layer_norm"], Op(_layer_norm))
 _add(["embedding"], Op(_embedding, "gpsimd"))
 _add(["_scaled_mm", "_scaled_mm_v2"], Op(spec=_scaled_mm))
 _add(["_slow_conv2d_forward"], Op(spec=_slow_conv2d))
+_add(["mx_matmul"], Op(spec=_mx_matmul))
 # no library kernel: generic on ScalarE (table-driven functions) ...
 _add(["exp2", "expm1", "log2", "log10", "log1p", "cos", "tan", "erfinv", "asin", "acos", "sinh", "cosh",
       "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward",

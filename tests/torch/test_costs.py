@@ -5,6 +5,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -136,3 +137,68 @@ def test_scaled_mm_costs_the_same_without_values():
         fake = _report(lambda: SCALED["rowwise"]("neuron", a, w)).rows
     pick = lambda rows: [(r.kernel, r.time_us) for r in rows if r.op == "_scaled_mm"]  # noqa: E731
     assert pick(fake) == pick(eager) and pick(eager)
+
+
+# ---- MX: torch.neuron.mx_matmul on trn3's nc_matmul_mx --------------------------------------------
+def _mx(m, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(k, n, generator=g).to(torch.float8_e5m2)
+    sa = torch.randint(124, 131, (m, k // 32), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    sb = torch.randint(124, 131, (k // 32, n), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return a, sa, b, sb
+
+
+MX_ON_TRN3 = """
+import json, torch
+from tests_mx import _mx
+a, sa, b, sb = _mx(256, 1024, 384)
+want = torch.neuron.mx_matmul(a, sa, b, sb)  # CPU: the dequantized operands' fp32 matmul, to bf16
+dev = [t.to("neuron") for t in (a, sa, b, sb)]
+got = torch.neuron.mx_matmul(*dev)
+with torch.neuron.report_scope() as mx:
+    torch.neuron.mx_matmul(*dev)
+x, w = a.to("neuron", torch.bfloat16), b.to("neuron", torch.bfloat16)
+with torch.neuron.report_scope() as bf16:
+    x @ w
+row, = [r for r in mx.report.rows if r.op == "mx_matmul"]
+with torch.neuron.timing_only():
+    fake = [torch.empty(t.shape, dtype=t.dtype, device="neuron") for t in (a, sa, b, sb)]
+    with torch.neuron.report_scope() as shapes_only:
+        torch.neuron.mx_matmul(*fake)
+compiled = torch.compile(lambda *x: torch.neuron.mx_matmul(*x), backend="neuron")
+with torch.neuron.report_scope() as graph:
+    out = compiled(*dev)
+print(json.dumps({"equal": torch.equal(got.cpu(), want), "dtype": str(got.dtype), "kernel": row.kernel,
+                  "flops": row.matmul_flops, "mx_us": row.time_us, "bf16_us": bf16.report.row("mm").time_us,
+                  "timing_only_us": shapes_only.report.row("mx_matmul").time_us,
+                  "compiled": [torch.equal(out.cpu(), want), [(r.op, r.kernel) for r in graph.report.rows]]}))
+"""
+
+
+def test_mx_matmul_lowers_to_nc_matmul_mx_on_trn3(tmp_path):
+    import inspect
+    import json
+    import os
+    import subprocess
+
+    (tmp_path / "tests_mx.py").write_text("import torch\n\n" + inspect.getsource(_mx))
+    run = subprocess.run([sys.executable, "-c", MX_ON_TRN3], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "TRNSIM_CONFIG": "trn3", "PYTHONPATH": os.pathsep.join(
+                             [str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["equal"] and got["dtype"] == "torch.bfloat16" and got["kernel"] == "matmul_mx"
+    assert got["flops"] == 2 * 256 * 1024 * 384 and got["mx_us"] < got["bf16_us"]  # (the 4x: test_kernels_matmul)
+    assert got["timing_only_us"] == got["mx_us"]
+    assert got["compiled"] == [True, [["mx_matmul", "matmul_mx"]]]
+
+
+def test_mx_matmul_is_refused_where_the_core_has_no_mx():
+    a, sa, b, sb = _mx(128, 256, 128)
+    with pytest.raises(RuntimeError, match=r"^torch.neuron.mx_matmul: trn2 has no MX matmul \(nc_matmul_mx is "
+                                           r"NeuronCore-v4's, core.tensor.mx_quad\); use a trn3 config, or "
+                                           r"torch._scaled_mm for fp8$"):
+        torch.neuron.mx_matmul(*(t.to("neuron") for t in (a, sa, b, sb)))
+    with pytest.raises(ValueError, match=r"^torch.neuron.mx_matmul: a_scale must be float8_e8m0fnu "):
+        torch.neuron.mx_matmul(a, sa.view(torch.uint8), b, sb)
