@@ -39,6 +39,7 @@ from ..bandwidth import BandwidthPipe
 from ..config import SystemConfig
 from ..memory.dma import DmaSystem
 from ..memory.hbm import stack_bandwidth, stack_of_core
+from .runtime import RuntimeCosts
 from .schedule import Transfer
 from .topology import LinkKey, Topology
 
@@ -100,6 +101,8 @@ class Network:
         self.acc = coll.dma_accumulate_rate
         self.vector_reduce = coll.reduce_engine == "vector"
         self.cc_per_rank = coll.cc_cores_per_core * cfg.chip.lnc
+        self.runtime = RuntimeCosts.of(system)
+        self.rings = self.runtime.dma_rings
         self._vec_cost: dict[tuple[str, int], int] = {}
         #: chunk bookings made (for the benchmark's events per second)
         self.chunks = 0
@@ -171,11 +174,12 @@ class Network:
                 e[3] += w if data is None else data
 
         src = self.rank(t.src)
+        share = 1 / len(t.reads) if t.gather else 1.0  # a gathered message reads each part once
         for r in t.reads:
             st = self.rank(r).stacks
             for p in st:
-                add(3, p, 1 / len(st))
-        adds_here = len(t.reads) > 1
+                add(3, p, share / len(st))
+        adds_here = len(t.reads) > 1 and not t.gather
         adds_there = bool(t.dst_reads)
         if self.vector_reduce:
             for v in (src.vector if adds_here else ()):
@@ -201,7 +205,7 @@ class Network:
         links: list[LinkKey] = []
         lat = 0
         src_chip = t.src // self.topo.rpc
-        for r in t.dsts:
+        for r in dict.fromkeys(t.dsts):
             st = self.rank(r).stacks
             for p in st:
                 add(3, p, 1 / len(st))
@@ -245,8 +249,9 @@ class Network:
                     ) -> list[tuple[int, list[tuple[int, Any, int, Any]]]]:
         """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
         resource, bytes, extra). A DMA system's extra is (engines, ticks on each): a transfer
-        spreads its packets over as many of the core's engines as it has packets (kind 4 when
-        that is all of them), one descriptor per packet; a VectorE's extra is its ticks."""
+        spreads its data evenly over the collective's ``dma_rings`` rings of the core (kind 4
+        when that is all of its engines), one descriptor per CC packet; a VectorE's extra is its
+        ticks."""
         sizes = self.chunks_of(nbytes)
         k = len(sizes)
         out = []
@@ -258,7 +263,7 @@ class Network:
                 if kind == 1:
                     n_eng = len(obj.engine_free)
                     packets = -(-math.ceil(nbytes * dw) // self.packet)
-                    used = max(1, min(n_eng, packets))
+                    used = self.rings  # the collective's rings on this core, whatever the size
                     per = -(-nb // used)
                     desc = -(-packets * obj.desc_ticks // (used * k))  # this chunk's share of descriptors
                     extra = (used, -(-per * obj.tick_hz // obj.bw) + desc)
@@ -273,14 +278,15 @@ class Network:
     # ---- running a transfer --------------------------------------------------------------------
     def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
                        on_data: Callable[[int], None], on_done: Callable[[int], None],
-                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None) -> None:
+                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0) -> None:
         """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
         starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
-        (by id), the intervals during which it was the one holding a chunk back.
+        (by id), the intervals during which it was the one holding a chunk back; ``delay`` ticks
+        (the runtime's issue, handshake and proxy time) pass before the DMA start latency.
 
         It is driven by timeout callbacks rather than a simpy process: a transfer is one event
         per chunk, and a process would double what each event costs."""
-        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits)
+        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits, delay)
 
 
 class _TransferRun:
@@ -291,7 +297,7 @@ class _TransferRun:
 
     def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
                  on_data: Callable[[int], None], on_done: Callable[[int], None],
-                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None):
+                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0):
         self.net = net
         self.env = net.env
         self.chunks = [todo for count, todo in plan for _ in range(count)]
@@ -303,7 +309,7 @@ class _TransferRun:
         self.on_done = on_done
         self.limits = limits
         # always through an event, so a chain of instant transfers never recurses
-        self.env.timeout(net.start_ticks).callbacks.append(self._begin)
+        self.env.timeout(net.start_ticks + delay).callbacks.append(self._begin)
 
     def _begin(self, _: Any) -> None:
         self.last = self.env.now
