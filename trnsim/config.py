@@ -865,7 +865,10 @@ class CollectivesConfig:
     dma_accumulate_rate: float = _num(0.01, 1.0, doc="DMA accumulate throughput as a fraction of a copy's")
     mesh_below: int = _q("bytes", lo=0, doc="Mesh below this size, bytes")
     rdh_below: int = _q("bytes", lo=0, doc="RDH below this size (and at least mesh_below), bytes")
+    rule_ranks: int = _int(1, 1 << 20, doc="the group size mesh_below and rdh_below are stated for; other groups "
+                                           "compare their bytes per rank")
     pipeline_segments: int = _int(1, 4096, doc="segments of a pipelined broadcast/reduce chain")
+    dma_duplication: bool = _bool(doc="a DMA write can go to two destinations from one read (KangaRing needs it)")
     # the Neuron runtime's costs (trnsim.collectives.runtime): zero them, and dma_rings to a
     # core's engines, for the network alone
     launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")

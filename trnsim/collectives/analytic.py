@@ -93,17 +93,8 @@ class Rates:
         """A step of concurrent ``flows``; ``hbm`` and ``dma`` are the busiest rank's bytes.
         ``fused``: each flow's receiver adds it as it lands, on its own DMA engines."""
         alpha, link, bw, nflows = self.flows(flows)
-        # a transfer spreads over the collective's DMA rings of each core; a rank's concurrent
-        # transfers take further rings
-        lnc = self.system.chip.chip.lnc
-        per_core = self.engines // lnc
-        each = self.runtime.dma_rings
-        out: dict[int, int] = {}
-        for a, b, _ in flows:
-            out[a] = out.get(a, 0) + 1
-            if fused:
-                out[b] = out.get(b, 0) + 1
-        used = min(per_core, each * max(out.values(), default=1)) * lnc
+        # a collective's transfers on a rank share the dma_rings engines it holds on each core
+        used = self.runtime.dma_rings * self.system.chip.chip.lnc
         return EstimateStep(label, alpha, link, bw, hbm, self.hbm, dma, used * self.engine_bw, repeat, max(1, nflows))
 
 

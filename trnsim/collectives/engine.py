@@ -179,6 +179,13 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
     why = ALGORITHMS[algo].check(ctx)
     if why is not None:
         raise CollectiveError(f"algorithm '{algo}' cannot run {coll} on {p} ranks of {system.name}: it needs {why}")
+    if algo == "hierarchical":  # say what each tier runs
+        from .algorithms.compose import hierarchical_plan
+
+        tiers, algos = hierarchical_plan(ctx)
+        names = ["intra-instance" if not any(topo.level_inter_instance(lv) for lv in t) else "inter-instance"
+                 for t in tiers]
+        reason += "; " + ", ".join(f"{n} {a}" for n, a in zip(names, algos))
     start = call.start
     starts = tuple(int(start) for _ in group) if isinstance(start, int) else tuple(int(s) for s in start)
     if len(starts) != p:
@@ -319,7 +326,14 @@ class CollectiveEngine:
                 if left[r] == 0 and r in h.begin:
                     self._rank_finished(h, r, end)
 
-        self.net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay)
+        net = self.net
+        rings: dict[int, tuple[int, ...]] = {}
+        if net.rings < net.config.core.dma.engines:  # the rings the collective holds on each core
+            for r in (t.src, *(t.dsts[:1] if t.dst_reads else ())):
+                engines = net.ring_set(h.stream.get(r, 0))
+                for d in net.rank(r).dma:
+                    rings[id(d)] = engines
+        net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings)
 
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending

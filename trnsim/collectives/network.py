@@ -218,6 +218,13 @@ class Network:
             add(0, self.link(k), 1.0)
         return [(k, o, w, dw) for k, o, w, dw in book.values()], tuple(links), self.config.ps_to_ticks(lat)
 
+    def ring_set(self, stream: int) -> tuple[int, ...]:
+        """The engines a collective on CC stream ``stream`` holds on each core: ``dma_rings`` of
+        them, the streams' sets side by side round the core's engines."""
+        n = self.config.core.dma.engines
+        k = self.rings
+        return tuple((stream * k + i) % n for i in range(k))
+
     def chunks_of(self, nbytes: int) -> list[int]:
         """A transfer's chunk sizes, bytes: at most ``max_chunks``, each at least a packet."""
         if nbytes <= 0:
@@ -278,27 +285,33 @@ class Network:
     # ---- running a transfer --------------------------------------------------------------------
     def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
                        on_data: Callable[[int], None], on_done: Callable[[int], None],
-                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0) -> None:
+                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0,
+                       rings: Mapping[int, tuple[int, ...]] | None = None) -> None:
         """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
         starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
         (by id), the intervals during which it was the one holding a chunk back; ``delay`` ticks
-        (the runtime's issue, handshake and proxy time) pass before the DMA start latency.
+        (the runtime's issue, handshake and proxy time) pass before the DMA start latency;
+        ``rings`` maps a DMA system (by id) to the engines the collective holds on it (default
+        the first ``dma_rings``).
 
         It is driven by timeout callbacks rather than a simpy process: a transfer is one event
         per chunk, and a process would double what each event costs."""
-        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits, delay)
+        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits, delay,
+                     rings or {})
 
 
 class _TransferRun:
     """The state of one running transfer: chunks left to book, those in flight, the last
     tick any of them is through."""
 
-    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits")
+    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits", "rings")
 
     def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
                  on_data: Callable[[int], None], on_done: Callable[[int], None],
-                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0):
+                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0,
+                 rings: Mapping[int, tuple[int, ...]] | None = None):
         self.net = net
+        self.rings = rings or {}
         self.env = net.env
         self.chunks = [todo for count, todo in plan for _ in range(count)]
         self.chunks.reverse()  # popped from the end, so in order
@@ -332,7 +345,7 @@ class _TransferRun:
                 if kind == 4:
                     e = obj.reserve_spread(extra[1], now)
                 elif kind == 1:
-                    e = obj.reserve_some(extra[0], extra[1], now)
+                    e = obj.reserve_engines(self.rings.get(id(obj)) or self.net.ring_set(0), extra[1], now)
                 elif kind == 2:
                     e = (obj.free if obj.free > now else now) + extra
                     obj.free = e

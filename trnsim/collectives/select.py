@@ -6,11 +6,14 @@ For all-reduce, all-gather and reduce-scatter (notes/collectives.md §1.3, S21):
 * a group spanning instances runs **hierarchical**: the intra-instance part (every rank of an
   instance in the group, chip cores and torus together), then the inter-instance part on its
   share, each by the rule below, as Neuron composes across nodes;
+* the thresholds are stated for ``collectives.rule_ranks`` ranks (64: Neuron's ranges are for a
+  whole trn2.48xlarge); a group of p ranks switches at the same bytes per rank, so p/64 of them
+  (the 16-rank nccom-test example picks rdh at 2 MiB and kangaring at 32 MiB);
 * otherwise below ``collectives.mesh_below`` (1 MB) a mesh: Neuron's **two-step-mesh** when the
   group holds several ranks on each of several chips (chip chunks across, then an on-chip
   broadcast), the direct **mesh** otherwise; **rdh** below ``collectives.rdh_below`` (56 MB) for
   power-of-two groups; above that **kangaring** when the group holds pairs of ranks on its
-  chips (Neuron: TP groups holding a chip's ranks), else a ring: **bidir-ring** over torus links
+  chips (Neuron: TP groups holding a chip's ranks) and the DMA can duplicate writes, else a ring: **bidir-ring** over torus links
   (Neuron runs cycles on mutually exclusive wires), **ring** elsewhere;
 * between instances, an all-reduce runs **single-step-mesh** where the data it adds costs less
   than the hop it saves ("where the extra data transfer time is shorter than 15 us", S21): the
@@ -80,25 +83,29 @@ def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Seque
     c = system.collectives
     p = len(ranks)
     chips = _per_chip(topo, ranks)
+    # the ranges were measured on rule_ranks ranks: a group compares the same bytes per rank
+    mesh_below = c.mesh_below * p // c.rule_ranks
+    rdh_below = c.rdh_below * p // c.rule_ranks
+    scaled = "" if p == c.rule_ranks else f" x {p}/{c.rule_ranks} ranks"
     coords = {topo.coords(ch) for ch in chips}
     inter = any(d.inter_instance and len({cc[i] for cc in coords}) > 1 for i, d in enumerate(topo.dims))
     if collective == "all-reduce" and inter and p > 2:
         pays, why = _single_step_pays(system, topo, nbytes, ranks)
         if pays:
             return "single-step-mesh", f"across instances: {why}"
-    if nbytes < c.mesh_below:
-        why = f"{_mb(nbytes)} < mesh_below {_mb(c.mesh_below)}"
+    if nbytes < mesh_below:
+        why = f"{_mb(nbytes)} < mesh_below {_mb(c.mesh_below)}{scaled}"
         counts = set(chips.values())
         if len(chips) > 1 and len(counts) == 1 and counts.pop() > 1:
             return "two-step-mesh", f"{why}, {p // len(chips)} ranks on each of {len(chips)} chips"
         return "mesh", why
     pow2 = p & (p - 1) == 0
-    if nbytes < c.rdh_below and pow2:
-        return "rdh", f"{_mb(nbytes)} < rdh_below {_mb(c.rdh_below)}, {p} ranks a power of two"
-    big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}" if nbytes >= c.rdh_below else \
+    if nbytes < rdh_below and pow2:
+        return "rdh", f"{_mb(nbytes)} < rdh_below {_mb(c.rdh_below)}{scaled}, {p} ranks a power of two"
+    big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}{scaled}" if nbytes >= rdh_below else \
         f"{p} ranks not a power of two"
     pairs = topo.pairs(ranks)
-    if pairs is not None and len(pairs) >= 2:
+    if pairs is not None and len(pairs) >= 2 and c.dma_duplication:
         return "kangaring", f"{big}, pairs of ranks on every chip"
     if _ring_dims(topo, ranks):
         return "bidir-ring", f"{big}, torus links run both ways"

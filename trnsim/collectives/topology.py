@@ -129,8 +129,10 @@ class Topology:
         local = sorted({c % ic for c in chips})
         span = f"chips {local[0]}-{local[-1]}" if local == list(range(local[0], local[-1] + 1)) and len(local) > 1 \
             else f"chip {local[0]}" if len(local) == 1 else f"{len(local)} chips"
-        where = "" if self.instances == 1 else f" on {len(inst)} of {self.instances} instances ({each}, {span} of each)"
-        return f"{len(group)} ranks on {len(chips)} chips{where}"
+        if self.instances == 1:
+            return f"{len(group)} ranks on {len(chips)} chip{'s' if len(chips) > 1 else ''}"
+        return (f"{len(group)} ranks on {len(inst)} of {self.instances} instances ({each}, on {span} of each: "
+                f"{len(chips)} chips)")
 
     # ---- routes --------------------------------------------------------------------------------
     def _route(self, src: int, dst: int) -> tuple[LinkKey, ...]:

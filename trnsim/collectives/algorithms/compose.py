@@ -144,7 +144,7 @@ def _per_dim_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     return [[lv] for lv in spanned], algos
 
 
-def _hierarchical_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
+def hierarchical_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     """The tiers, each with the algorithm the size rule picks for the share it moves."""
     from ..select import flat_choice
 
@@ -196,6 +196,6 @@ ALGORITHMS = (
     Algorithm("per-dim-ring", _THREE, ("ring2d", "ring3d", "2d-ring", "3d-ring", "torus"), _built(_per_dim_plan),
               _estimated(_per_dim_plan), "a ring per level: RS up the levels on n, n/p0, ..., AR on the last, AG back down",
               _check_grid("levels")),
-    Algorithm("hierarchical", _THREE, ("hier",), _built(_hierarchical_plan), _estimated(_hierarchical_plan),
+    Algorithm("hierarchical", _THREE, ("hier",), _built(hierarchical_plan), _estimated(hierarchical_plan),
               "an intra-instance phase, then the inter-instance one, each by the size rule", _check_grid("tiers")),
 )

@@ -90,6 +90,8 @@ def _estimate(r: "Rates", ctx: Context) -> "list[EstimateStep]":
 
 
 def _check(ctx: Context) -> str | None:
+    if not ctx.system.collectives.dma_duplication:
+        return f"DMA duplication (one read, two writes), which {ctx.system.name} does not have (collectives.dma_duplication)"
     pairs = group_pairs(ctx)
     if pairs is None:
         return ("pairs of ranks on every chip it uses (an even number of the group's ranks per chip); "
