@@ -343,7 +343,18 @@ def format_quantity(value: float, kind: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+#: the longest any one latency or duration of a config may be, ps: a second is beyond every
+#: figure of the chip and its links, and keeps each in range of the simulator's 64-bit ticks
+MAX_TIME_PS = 10**12
+#: the fastest simulation tick (the engine clocks' least common multiple), Hz: a 0.1 fs tick
+#: still counts 15 minutes of simulated time in 64 bits (whole-MHz clocks stay far below it;
+#: 2.4GHz against 2.400000001GHz would need a tick of 10^-28 s)
+MAX_TICK_HZ = 10**16
+
+
 def _q(kind: str, lo: float = 1, hi: float = math.inf, doc: str = "") -> Any:
+    if kind == "time" and hi == math.inf:
+        hi = MAX_TIME_PS
     return field(metadata={"kind": kind, "lo": lo, "hi": hi, "doc": doc})
 
 
@@ -749,6 +760,11 @@ def _check_consistency(cfg: ChipConfig, where: str) -> None:
     for ok, key, value, expected in rules:
         if not ok:
             raise ConfigError(f"{where}: {key} = {value!r}: expected {expected}")
+    if cfg.tick_hz > MAX_TICK_HZ:
+        clocks = ", ".join(f"{k.lower()} {v:,} Hz" for k, v in cfg.engine_clocks.items())
+        raise ConfigError(f"{where}: the engine clocks ({clocks}) have no common tick of at least 0.1 fs (their least "
+                          f"common multiple is {cfg.tick_hz:.3g} Hz); expected clocks with a larger common divisor, "
+                          f"e.g. whole MHz")
 
 
 def load_config(
