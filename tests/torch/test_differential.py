@@ -1,0 +1,126 @@
+"""The differential tester (benchmarks/difftest.py): every op the bridge serves, argument
+variants drawn from each op's schema, run on CPU and on neuron with the fast path, without it and
+compiled; plus the findings it made, each pinned here as a regression test of its own.
+
+The quick run is seeded and draws 20 samples of every op (each with its variants: the five
+dtypes, broadcasting, masks, strides and offsets, in-place on views, out=, empty and 0-dim
+tensors, extreme values); every 4th sample CPU accepts is also compiled (in graphs of 60). The
+long run is ``python benchmarks/difftest.py --samples 400`` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "difftest.py"
+_spec = importlib.util.spec_from_file_location("difftest", _PATH)
+dt = importlib.util.module_from_spec(_spec)
+sys.modules["difftest"] = dt  # dataclasses look their module up here
+_spec.loader.exec_module(dt)
+
+QUICK_SAMPLES = 20
+QUICK_COMPILE_EVERY = 4
+
+
+# ---- the quick run ------------------------------------------------------------------------------
+def test_quick_run_every_op_agrees_with_cpu(capsys):
+    ops = list(dt.served_ops())
+    stats = dt.run(ops, QUICK_SAMPLES, dt.SEED, compile_every=QUICK_COMPILE_EVERY, echo=print)
+    lines = [m.line() for m in stats.mismatches]
+    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:40])
+    assert all(n >= QUICK_SAMPLES for n, _ in stats.by_op.values()), \
+        {op: n for op, (n, _) in stats.by_op.items() if n < QUICK_SAMPLES}
+    assert set(stats.by_op) == set(ops)  # every op drew its samples
+    assert stats.compiled >= len(ops)  # (about one compiled sample in four of those CPU accepts)
+    assert stats.fast_hits > 1000  # the fast path served its second calls
+    for name in ("float32", "bfloat16", "float16", "int64", "bool"):
+        assert stats.by_dtype[name] > 500
+
+
+def test_the_tested_ops_are_the_ones_the_bridge_names():
+    from torch_bridge import lowering
+
+    ops = dt.served_ops()
+    dead = set(dt.dead_table_names())
+    assert set(lowering.OPS) - dead <= set(ops)
+    # ops with a neuron kernel the table does not list are in too: the fast path's, TensorE's, attention
+    for name in ("mm", "addmm", "bmm", "baddbmm", "scaled_dot_product_attention", "native_layer_norm", "where",
+                 "_foreach_add_", "convolution_overrideable", "_thnn_fused_lstm_cell", "copy_"):
+        assert name in ops, name
+    assert not any(name.startswith("c10d") for name in ops)
+
+
+# ---- the tester itself can fail ----------------------------------------------------------------
+def _sample(packet: str = "add") -> "dt.Sample":
+    return dt.Sample(packet, torch.ops.aten.add.Tensor, [torch.ones(3), torch.ones(3)], {}, ["float32"], 7)
+
+
+def test_it_reports_a_wrong_value_in_one_line():
+    s = _sample()
+    cpu = dt.Run(result=torch.tensor([2.0, 2.0, 2.0]))
+    dev = dt.Run(result=torch.tensor([2.0, 2.0, 2.5]).to("neuron"))
+    why = dt.compare(s, cpu, dev, "fast-path", lambda: None)
+    assert why == "result 0: values differ (1 of 3 elements, first at (2,): 2.5 vs CPU 2.0)"
+    line = dt.Mismatch(s, "fast-path", why).line()
+    assert "\n" not in line and line.endswith("python benchmarks/difftest.py --repro add 7")
+
+
+def test_it_reports_what_cpu_refuses_and_the_device_computes():
+    s = _sample()
+    cpu = dt.Run(error=RuntimeError("shapes cannot be multiplied"))
+    dev = dt.Run(result=torch.zeros(3).to("neuron"))
+    assert dt.compare(s, cpu, dev, "python-path", lambda: None).startswith("CPU raised RuntimeError")
+    dev = dt.Run(error=IndexError("out of range"))
+    assert "device IndexError" in dt.compare(s, cpu, dev, "python-path", lambda: None)
+
+
+def test_it_reports_strides_dtypes_aliasing_and_writes_outside_the_view():
+    s = _sample()
+    w = torch.zeros(2, 3)
+    assert "strides" in dt.compare(s, dt.Run(result=w), dt.Run(result=torch.zeros(3, 2).t().to("neuron")), "m",
+                                   lambda: None)
+    assert "dtype" in dt.compare(s, dt.Run(result=w), dt.Run(result=w.double().to("neuron")), "m", lambda: None)
+    a = dt.Run(result=w, aliases=[("is", 0)])
+    b = dt.Run(result=w.to("neuron"), aliases=[None])
+    assert dt.compare(s, a, b, "m", lambda: None).startswith("aliasing")
+    a = dt.Run(result=w, storages=[torch.tensor([1, 2], dtype=torch.uint8)])
+    b = dt.Run(result=w.to("neuron"), storages=[torch.tensor([1, 3], dtype=torch.uint8)])
+    assert dt.compare(s, a, b, "m", lambda: None).startswith("input storage 0 differs")
+
+
+def test_nan_payloads_are_one_value_and_signed_zeros_two():
+    s = _sample()
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert dt.compare(s, dt.Run(result=torch.tensor([math.nan])), dt.Run(result=nan2.to("neuron")), "m",
+                      lambda: None) is None
+    assert dt.compare(s, dt.Run(result=torch.tensor([0.0])), dt.Run(result=torch.tensor([-0.0]).to("neuron")), "m",
+                      lambda: None) is not None
+
+
+def test_tensore_results_get_their_summation_order_and_no_more():
+    s = _sample("mm")
+    exact = torch.tensor([1.0, 1000.0], dtype=torch.float64)
+    cpu = torch.tensor([1.0, 1000.0])
+    near = dt.Run(result=torch.tensor([1.0, 1000.0 + 0.005]).to("neuron"))
+    far = dt.Run(result=torch.tensor([1.0, 1000.5]).to("neuron"))
+    assert dt.compare(s, dt.Run(result=cpu), near, "m", lambda: exact) is None
+    assert "TensorE error" in dt.compare(s, dt.Run(result=cpu), far, "m", lambda: exact)
+
+
+def test_a_sample_is_its_seed():
+    a, b = dt.make_sample("gather", 12345), dt.make_sample("gather", 12345)
+    assert a.describe() == b.describe()
+    assert all(torch.equal(x, y) for x, y in zip(a.args, b.args) if isinstance(x, torch.Tensor))
+
+
+def test_the_repro_line_reruns_one_sample(capsys):
+    assert dt.main(["--repro", "mul", "99", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "ok" and out.startswith("mul")
