@@ -97,12 +97,9 @@ def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.T
     need = (self.storage_offset() + numel) * self.element_size() if numel else 0
     storage = self.untyped_storage()
     if need > storage.nbytes():
-        index = self.device.index or 0
-        grown = memory.allocate((int(need),), None, torch.uint8, index)
-        if storage.nbytes():
-            old = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-            memory.cpu_view(grown)[:storage.nbytes()].copy_(memory.cpu_view(old))
-        storage = grown.untyped_storage()
+        # in place, as CPU grows its storage: every view of it sees the new memory (a new storage
+        # here left the tensor's other views on the old one); the bytes it held are kept
+        storage.resize_(int(need))
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
         _CPU_KEYS, self, storage, self.storage_offset(), size, stride)
     return self

@@ -265,7 +265,10 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                                       f"holds dense (strided) tensors only; run this op on CPU (.cpu())")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
-        dev_out.set_(memory.relabel(cpu_out, index))
+        if cpu_out.numel() and not dev_out.untyped_storage().nbytes():
+            dev_out.set_(memory.relabel(cpu_out, index))  # an out without memory: it adopts the result's
+        else:
+            _write_out(dev_out, cpu_out)
         conv.views[id(cpu_out)] = dev_out
     for name in info.out_names:  # an out= kernel may restride its outputs in place (LAPACK's
         dev_out = kwargs.get(name)  # column-major results): the neuron tensor takes the new layout
@@ -299,6 +302,24 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)
     return out
+
+
+def _write_out(dev: torch.Tensor, res: torch.Tensor) -> None:
+    """Put a result computed into a fresh host tensor where CPU would have written it: the out
+    resized in place (its storage grown under every view of it, its offset kept, as CPU's
+    resize_output does), laid out as the kernel laid the result out, then the values."""
+    if dev.shape != res.shape:
+        dev.resize_(res.shape)
+    if not res.numel():
+        return
+    if dev.stride() != res.stride():  # a kernel that lays its out out itself (LAPACK's column-major results)
+        extent = sum((n - 1) * st for n, st in zip(res.shape, res.stride())) + 1
+        need = (dev.storage_offset() + extent) * dev.element_size()
+        if need > dev.untyped_storage().nbytes():
+            dev.untyped_storage().resize_(need)
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU_KEYS, dev, dev.untyped_storage(), dev.storage_offset(), res.shape, res.stride())
+    memory.cpu_view(dev).copy_(res)
 
 
 # (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call

@@ -124,3 +124,29 @@ def test_the_repro_line_reruns_one_sample(capsys):
     assert dt.main(["--repro", "mul", "99", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1] == "ok" and out.startswith("mul")
+
+
+# ---- findings, each kept as its regression test ------------------------------------------------
+
+
+def test_out_into_a_view_writes_where_cpu_writes():
+    """An out= of the wrong size (or empty) was given fresh memory on the device: a view of the
+    out's storage kept its old values, where CPU resizes the out in place and writes there."""
+    for device in ("cpu", "neuron"):
+        base = torch.zeros(6, device=device)
+        out = base[1:1]  # empty, over base's memory
+        torch.sum(torch.ones(3, device=device), 0, out=out)
+        assert base.cpu().tolist() == [0.0, 3.0, 0.0, 0.0, 0.0, 0.0], device
+        base = torch.zeros(2, device=device)
+        out = base[:2]
+        torch.mul(torch.ones(4, device=device), 2, out=out)  # grows the storage base shares
+        assert out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), device
+        assert base.untyped_storage().nbytes() == 16, device
+
+
+def test_resize_grows_the_storage_every_view_shares():
+    a = torch.zeros(2, device="neuron")
+    b = a.view(2)
+    a.resize_(10)
+    a.fill_(1.0)
+    assert b.cpu().tolist() == [1.0, 1.0]  # (was a new storage for a alone)
