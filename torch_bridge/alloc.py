@@ -44,6 +44,8 @@ def device_index(device: Any) -> int:
 def empty_memory_format(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
                          pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
     dtype = dtype or torch.get_default_dtype()
+    if memory_format is torch.preserve_format:  # CPU's refusal (an allocation has nothing to preserve)
+        raise RuntimeError("unsupported memory format Preserve")
     stride = None
     if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
         stride = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format).stride()
@@ -87,7 +89,9 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
     size = tuple(size)
-    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+    if memory_format is torch.preserve_format:  # CPU's refusal
+        raise RuntimeError("Unsupported memory formatPreserve")
+    if memory_format not in (None, torch.contiguous_format):
         stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
     else:
         stride = _contiguous_strides(size)

@@ -150,3 +150,11 @@ def test_resize_grows_the_storage_every_view_shares():
     a.resize_(10)
     a.fill_(1.0)
     assert b.cpu().tolist() == [1.0, 1.0]  # (was a new storage for a alone)
+
+
+def test_resize_and_empty_refuse_preserve_format_like_cpu():
+    for device in ("cpu", "neuron"):
+        with pytest.raises(RuntimeError, match="(?i)unsupported memory format ?preserve"):
+            torch.empty(2, 3).to(device).resize_(4, memory_format=torch.preserve_format)
+        with pytest.raises(RuntimeError, match="unsupported memory format Preserve"):
+            torch.ops.aten.empty.memory_format([2], device=device, memory_format=torch.preserve_format)
