@@ -158,3 +158,28 @@ def test_resize_and_empty_refuse_preserve_format_like_cpu():
             torch.empty(2, 3).to(device).resize_(4, memory_format=torch.preserve_format)
         with pytest.raises(RuntimeError, match="unsupported memory format Preserve"):
             torch.ops.aten.empty.memory_format([2], device=device, memory_format=torch.preserve_format)
+
+
+def test_silu_and_mish_backward_run_whole_like_cpu():
+    """silu_backward was decomposed (CompositeImplicitAutograd) into elementwise ops: an ulp off
+    CPU's kernel, and it took int64/bool tensors CPU refuses."""
+    g, x = torch.randn(64, generator=torch.Generator().manual_seed(0)), torch.randn(64)
+    for op in (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default):
+        want = op(g, x)
+        got = op(g.to("neuron"), x.to("neuron")).cpu()
+        assert torch.equal(got, want), op
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten.silu_backward(torch.ones(3, dtype=torch.long, device="neuron"),
+                                     torch.ones(3, dtype=torch.long, device="neuron"))
+
+
+def test_every_op_cpu_runs_whole_is_claimed_whole():
+    """An op with a CPU kernel and a CompositeImplicitAutograd decomposition runs decomposed on any
+    other device unless claimed (registration.WHOLE_OPS); a new one in a torch release shows here."""
+    from torch_bridge.registration import WHOLE_OPS
+
+    keys = torch._C.DispatchKey
+    both = [n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")
+            and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CompositeImplicitAutograd)
+            and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CPU)]
+    assert both and set(both) <= set(WHOLE_OPS)
