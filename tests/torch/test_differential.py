@@ -183,3 +183,14 @@ def test_every_op_cpu_runs_whole_is_claimed_whole():
             and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CompositeImplicitAutograd)
             and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CPU)]
     assert both and set(both) <= set(WHOLE_OPS)
+
+
+def test_histc_counts_integers_in_every_form_and_refuses_bool():
+    x = torch.tensor([0, 1, 1, 5, 9])
+    want = torch.histc(x.float(), 5, 0, 10).long()
+    assert torch.histc(x.to("neuron"), 5, 0, 10).cpu().tolist() == want.tolist()
+    out = torch.empty(0, dtype=torch.long, device="neuron")
+    torch.histc(x.to("neuron"), 5, 0, 10, out=out)  # the out= form took CPU's kernel, which refuses integers
+    assert out.cpu().tolist() == want.tolist()
+    with pytest.raises(NotImplementedError):
+        torch.histc(torch.ones(3, dtype=torch.bool, device="neuron"))
