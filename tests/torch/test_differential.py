@@ -194,3 +194,30 @@ def test_histc_counts_integers_in_every_form_and_refuses_bool():
     assert out.cpu().tolist() == want.tolist()
     with pytest.raises(NotImplementedError):
         torch.histc(torch.ones(3, dtype=torch.bool, device="neuron"))
+
+
+def test_convolution_refuses_what_cpu_refuses():
+    """The datapath's im2col computed a convolution of mismatched channels, and a 0-dim or 3-d
+    bias, where CPU raises."""
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 1, 3, 3)
+    with pytest.raises(RuntimeError) as cpu:
+        F.conv2d(x, w)
+    with pytest.raises(RuntimeError) as dev:
+        F.conv2d(x.to("neuron"), w.to("neuron"))
+    assert str(dev.value) == str(cpu.value)
+    with pytest.raises(RuntimeError, match="expected bias to be 1-dimensional"):
+        torch.ops.aten.convolution_overrideable(x.to("neuron"), torch.randn(3, 2, 3, 3, device="neuron"),
+                                                torch.randn((), device="neuron"), [1, 1], [0, 0], [1, 1], False,
+                                                [0, 0], 1)
+
+
+def test_convolution_with_infinities_gives_cpus_values():
+    """im2col multiplied an infinite weight by the padding's zeros: NaN at the border where CPU's
+    convolution gives numbers."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 2, 5, 3, generator=g), torch.randn(2, 2, 3, 3, generator=g)
+    w[0, 0, 0, 0] = -math.inf
+    want = F.conv2d(x, w, padding=1, stride=2)  # (which skips the padding: no NaN at the border here)
+    got = F.conv2d(x.to("neuron"), w.to("neuron"), padding=1, stride=2).cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, equal_nan=True)
