@@ -221,3 +221,14 @@ def test_convolution_with_infinities_gives_cpus_values():
     got = F.conv2d(x.to("neuron"), w.to("neuron"), padding=1, stride=2).cpu()
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_attention_raises_cpus_error_for_a_one_dim_mask():
+    """CPU's backend choice indexes the mask's last two dims (IndexError for a 1-d mask); the
+    device computed the math path's broadcast instead."""
+    q = torch.randn(1, 2, 4, 8)
+    m = torch.zeros(4)
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q.to("neuron"), q.to("neuron"), q.to("neuron"), attn_mask=m.to("neuron"))
