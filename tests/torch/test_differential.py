@@ -232,3 +232,26 @@ def test_attention_raises_cpus_error_for_a_one_dim_mask():
         F.scaled_dot_product_attention(q, q, q, attn_mask=m)
     with pytest.raises(IndexError):
         F.scaled_dot_product_attention(q.to("neuron"), q.to("neuron"), q.to("neuron"), attn_mask=m.to("neuron"))
+
+
+def test_dynamo_never_compiles_the_kernels_wrapper():
+    """An op run eagerly at a graph break of a compiled function reaches its Python kernel with
+    dynamo's callback installed: dynamo compiled the kernel's wrapper, broke at its first line and
+    recompiled the rest per signature until its recompile limit (the tester's compiled runs warned)."""
+    from torch_bridge import fastpath
+    from torch_bridge.registration import _hidden
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        n = torch.nonzero(x > 0)  # data-dependent: a graph break that runs the op eagerly
+        return x.sum() + n.shape[0]
+    compiled = torch.compile(f, backend="neuron")
+    before = fastpath.enabled()
+    fastpath.set_enabled(False)  # every op through its Python kernel
+    try:
+        for n in (3, 4, 5):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            assert compiled(x.to("neuron")).item() == f(x).item()
+    finally:
+        fastpath.set_enabled(before)
+    code = _hidden(lambda: None).__code__  # every kernel's wrapper shares it
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
