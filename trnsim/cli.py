@@ -571,10 +571,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_column(leaf if leaves.count(leaf) == 1 else key, no_wrap=True)
     for col in ("kernel", "shape", "dtype", "cycles", "us", "MFU", "bound"):
         t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
+    def cell(text: str, fmt: str) -> str:  # estimate rows have no cycles; collective rows no MFU
+        return format(float(text), fmt) if text else ""
+
     for r in rows:
         figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
-                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}",
-                    f"{float(r['mfu_percent']):.1f}%" if r["mfu_percent"] else "", r["bound"]])
+                   [cell(r["cycles"], ",.0f"), cell(r["us"], ",.3f"),
+                    cell(r["mfu_percent"], ".1f") + ("%" if r["mfu_percent"] else ""), r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
@@ -884,7 +887,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
-                                            algorithm=args.algo, trace=trace))
+                                            algorithm=args.algo, trace=trace, instances=args.nodes))
     except CollectiveError as e:
         raise UsageError(str(e)) from None
     last = reps[-1]
@@ -895,6 +898,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
             raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
     if args.json:
         doc = {"collective": last.collective, "system": system.name, "ranks": last.ranks, "dtype": last.dtype,
+               "placement": last.placement,
                "overrides": dict(system.overrides), "units": {"time": "us", "algbw": "GiB/s", "busbw": "GiB/s"},
                "results": [{"size(B)": r.nbytes, "count(elems)": r.count, "type": r.dtype, "time:avg(us)": r.time_us,
                             "algbw(GiB/s)": r.algbw / 2**30, "busbw(GiB/s)": r.busbw / 2**30,
@@ -904,9 +908,8 @@ def cmd_collective(args: argparse.Namespace) -> int:
         return 0
     console = _Out(width=140)
     cfg = system.chip
-    chips = len({r // system.ranks_per_chip for r in last.group})
-    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks on {chips} of "
-            f"{system.chips} chips ({system.ranks_per_chip} logical cores each, LNC={cfg.chip.lnc}), {last.dtype}")
+    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)} ({system.chips} chips of "
+            f"{system.ranks_per_chip} logical cores, LNC={cfg.chip.lnc}): {escape(last.placement)}, {last.dtype}")
     if system.overrides:
         head += f" ({escape(system.describe_overrides())})"
     console.print(head)
@@ -1057,9 +1060,12 @@ def _add_collective_parser(sub: Any) -> None:
     c.add_argument("--bytes", default="8B:4GiB", help="SIZE, MIN:MAX (times --factor each step) or SIZE,SIZE,...; "
                                                       "nccl-tests' S (the all-reduce buffer, the all-gather output...); "
                                                       "default 8B:4GiB")
+    c.add_argument("-N", "--nodes", type=int, help="instances the ranks spread over, equally, as nccom-test's -N "
+                                                   "(default: every instance of the system when they divide)")
     c.add_argument("--factor", type=int, default=2, help="growth factor of a MIN:MAX range (default 2)")
     c.add_argument("--algo", help=f"force an algorithm: {', '.join(ALGORITHMS)} (default: the size rule)")
-    c.add_argument("--dtype", default="bf16", help="element type (default bf16)")
+    c.add_argument("--dtype", default="bf16", help="element type (default bf16; int64, uint64, fp64 move as 8-byte "
+                                                   "words)")
     c.add_argument("--set", action="append", default=[], metavar="K=V",
                    help="dotted override of the system (topology.x.bandwidth=128GB/s) or its chip "
                         "(core.dma.engine_bandwidth=40GB/s) (repeatable)")
