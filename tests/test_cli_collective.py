@@ -87,3 +87,31 @@ def test_errors_are_one_line_and_exit_2(capsys, argv, message, tmp_path):
     code, out, err = run(capsys, "collective", *argv, "--trace", str(tmp_path / "t.json"))
     assert (code, out, err) == (2, "", f"trnsim: error: {message}\n")
     assert not (tmp_path / "t.json").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["all-reduce", "--bytes", "1e30B"], "--bytes 1e30B: 1e+30 bytes per rank, more than a rank's share of its chip "
+                                         "on trn2.48xlarge (24 GiB: 96 GiB of HBM over 4 ranks)"),
+    (["all-to-all", "--bytes", "1e30B"], "--bytes 1e30B: 1e+30 bytes per rank, more than a rank's share of its chip "
+                                         "on trn2.48xlarge (24 GiB: 96 GiB of HBM over 4 ranks)"),
+    (["all-reduce", "--bytes", "1PiB"], "--bytes 1PiB: 1,125,899,906,842,624 bytes per rank, more than a rank's share "
+                                        "of its chip on trn2.48xlarge (24 GiB: 96 GiB of HBM over 4 ranks)"),
+    (["all-gather", "--ranks", "1", "--bytes", "97GiB"],
+     "--bytes 97GiB: 104,152,956,928 bytes per rank, more than a rank's share of its chip on trn2.48xlarge "
+     "(96 GiB of HBM)"),
+    (["all-reduce", "--bytes", "0B"], "--bytes 0B: a collective moves at least 1 byte per rank, got 0"),
+    (["all-reduce", "--bytes", "1KiB,0B"], "--bytes 1KiB,0B: a collective moves at least 1 byte per rank, got 0"),
+])
+def test_sizes_no_rank_can_hold_are_refused(capsys, argv, message):
+    """Issue 25: 1e30B ran (a 31-digit size), 0B ran, 1PiB was an unknown unit."""
+    code, out, err = run(capsys, "collective", *argv)
+    assert (code, out, err) == (2, "", f"trnsim: error: {message}\n")
+
+
+def test_binary_units_reach_pib_and_a_whole_chip_holds_its_hbm(capsys):
+    from trnsim.config import format_quantity, parse_quantity
+
+    assert parse_quantity("1PiB", "bytes") == 2**50 and parse_quantity("1PB", "bytes") == 10**15
+    assert format_quantity(3 * 2**50, "bytes") == "3 PiB"
+    code, out, err = run(capsys, "collective", "all-reduce", "--bytes", "24GiB", "--json")
+    assert code == 0 and json.loads(out)["results"][0]["size(B)"] == 24 * 2**30

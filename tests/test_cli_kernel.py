@@ -136,8 +136,8 @@ def test_trace_flag_writes_a_trace(capsys, tmp_path):
      f"trnsim: error: kernel '{SOFTMAX}': --check needs a registered kernel with a reference; run it without "
      f"--check for timing only\n"),
     (["kernel", SOFTMAX, "--shape", "128x128x1"], f"trnsim: error: kernel '{SOFTMAX}': cannot call build_softmax"),
-    (["kernel", "matmul", "--shape", "128x128x512", "--trace", "/no/such/dir/t.json"],
-     "trnsim: error: --trace /no/such/dir/t.json: its directory /no/such/dir does not exist\n"),
+    (["kernel", "matmul", "--shape", "128x128x512", "--trace", "/dev/null/t.json"],
+     "trnsim: error: --trace /dev/null/t.json: cannot write it (Not a directory)\n"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -219,3 +219,20 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     monkeypatch.setattr(Chip, "run", interrupted)
     code, out, err = run(capsys, "kernel", "matmul", "--shape", "128x128x512")
     assert code == 130 and out == "" and err == "trnsim: interrupted\n"
+
+
+def test_a_missing_output_directory_is_made_when_written_as_sweep_does(tmp_path, capsys, monkeypatch):
+    """Issue 25: ``sweep --out new/r.csv`` made new/, ``--trace new/t.json`` was refused. Every
+    output now makes its missing directories when it is written, and only then."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "kernel", "matmul", "--shape", "128x128x512", "--param", "nope=1",
+                       "--trace", "a/b/t.json")
+    assert code == 2 and err.startswith("trnsim: error: ") and list(tmp_path.iterdir()) == []  # a failed run: none
+    code, out, _ = run(capsys, "kernel", "matmul", "--shape", "128x128x512", "--trace", "a/b/t.json")
+    assert code == 0 and "Trace written to a/b/t.json" in out
+    assert json.loads((tmp_path / "a" / "b" / "t.json").read_text())["traceEvents"]
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["t.json"]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("kernels: [{name: matmul, shape: 128x128x128}]\n")
+    assert main(["sweep", str(spec), "--jobs", "1", "--out", "c/d/r.csv"]) == 0
+    assert (tmp_path / "c" / "d" / "r.csv").read_text().startswith("kernel,")

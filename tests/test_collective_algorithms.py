@@ -172,3 +172,17 @@ def test_nbytes_follow_nccl_tests_counts():
     assert odd.nbytes == 1000  # rounded down to whole elements per rank, as nccl-tests does
     ar = simulate_collective(TRN2, "all-reduce", 1002, ranks=4)
     assert ar.nbytes == 1002 and ar.count == 501
+
+
+def test_an_algorithm_carries_its_own_estimate():
+    """One name, one place: an algorithm's record holds its schedule, its α-β steps and its closed
+    form; the estimate of a call is that record's, for every collective it runs."""
+    for name, spec in ALGORITHMS.items():
+        assert callable(spec.build) and callable(spec.estimate) and spec.formula
+        for c in spec.collectives:
+            group = list(range(0, 64, 4)) if name == "per-dim-ring" else list(range(16))
+            try:
+                est = estimate_collective(TRN2, c, 1 << 20, group=group, algorithm=name)
+            except CollectiveError:
+                continue  # the group cannot run it (e.g. hierarchical on one instance)
+            assert est.algorithm == name and est.formula == spec.formula and est.steps

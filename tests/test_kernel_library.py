@@ -14,6 +14,7 @@ from trnsim.kernels.check import check_entry
 SMALL = {
     "activation": (130, 70),
     "attention": (1, 2, 200, 64),
+    "attention_tkg": (3, 4, 2, 2, 384, 64),
     "binary": (130, 70),
     "bmm": (2, 130, 70, 200),
     "bmm_packed": (5, 20, 30, 40),
@@ -25,7 +26,10 @@ SMALL = {
     "matmul_fused": (130, 200, 300),
     "layernorm": (130, 300),
     "matmul": (130, 200, 300),
+    "mlp": (3, 50, 256, 384),
     "moe": (130, 160, 300, 4),
+    "oproj": (3, 50, 2, 64, 256),
+    "qkv": (3, 50, 256, 4, 2, 64),
     "reduce": (130, 70),
     "rmsnorm": (130, 300),
     "rmsnorm_fp8": (130, 300),

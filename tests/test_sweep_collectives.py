@@ -77,3 +77,15 @@ def test_bad_collective_specs_fail_before_running(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_spec(write(tmp_path, text))
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("bytes_,message", [
+    ("1e30B", "spec.yaml: collectives (all-reduce on 64 ranks): bytes: 1e+30 bytes per rank, more than a rank's share "
+              "of its chip on trn2.48xlarge (24 GiB: 96 GiB of HBM over 4 ranks)"),
+    ("0B", "spec.yaml: collectives (all-reduce on 64 ranks): bytes: a collective moves at least 1 byte per rank, got 0"),
+])
+def test_collective_sizes_are_bounded_by_hbm(tmp_path, bytes_, message):
+    """Issue 25: a sweep spec took sizes no chip holds, and empty ones."""
+    with pytest.raises(ConfigError) as e:
+        load_spec(write(tmp_path, f"system: trn2.48xlarge\ncollectives: [{{name: all-reduce, bytes: {bytes_}}}]\n"))
+    assert str(e.value) == message

@@ -294,3 +294,20 @@ def test_jobs_beyond_the_machine_are_refused(tmp_path):
                                           rf"{max(8, 4 * cpus)} on this machine \({cpus} CPUs\)$"):
         run_sweep(spec, jobs=100_000)
     assert not spec.out.exists()
+
+
+@pytest.mark.parametrize("argv,extra,message", [
+    (["--out", "res.xlsx"], "", "--out res.xlsx: expected a results file ending in .csv, .parquet or .pq (CSV or "
+                                "Parquet), got '.xlsx'"),
+    (["--out", "results"], "", "--out results: expected a results file ending in .csv, .parquet or .pq (CSV or "
+                               "Parquet), got no suffix"),
+    ([], "out: r.XLSX\n", "spec.yaml: out: r.XLSX: expected a results file ending in .csv, .parquet or .pq (CSV or "
+                          "Parquet), got '.XLSX'"),
+])
+def test_a_results_name_that_is_neither_csv_nor_parquet_is_refused(tmp_path, capsys, monkeypatch, argv, extra, message):
+    """Issue 25: ``--out res.xlsx`` wrote CSV text into an .xlsx."""
+    monkeypatch.chdir(tmp_path)
+    spec = write_spec(tmp_path, clocks=1, extra=extra)
+    assert main(["sweep", str(spec), "--jobs", "1", *argv]) == 2
+    assert capsys.readouterr() == ("", f"trnsim: error: {message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.py", "spec.yaml"]

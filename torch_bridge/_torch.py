@@ -48,6 +48,10 @@ REQUIRED: dict[str, str] = {
     "torch.Tensor._is_zerotensor": "materialising efficient zero tensors",
     "torch._softmax_backward_data": "the attention backward's softmax gradient",
     "torch.ops.aten._scaled_dot_product_attention_math": "attention calls the fused op does not take",
+    "torch._fused_sdp_choice": "whether CPU's attention takes attn_mask with is_causal (its fused kernel does)",
+    "torch.utils._python_dispatch._disable_current_modes":
+        "attention's input checks on their own tensors, unseen by the caller's modes (fake, flop counter)",
+    "torch._C.DisableTorchFunction": "attention's input checks unseen by the caller's torch function modes",
     "torch._TorchCompileInductorWrapper": "sending graphs torch.compile gives Inductor on neuron tensors to 'neuron'",
     "torch._C._ForceDispatchKeyGuard": "autograd inside a custom op's kernel (the MoE block's backward)",
     "torch._C._dispatch_tls_local_include_set": "autograd inside a custom op's kernel (the MoE block's backward)",
@@ -114,6 +118,9 @@ conj_view = torch._conj
 neg_view = torch._neg_view
 softmax_backward_data = torch._softmax_backward_data
 sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
+fused_sdp_choice = torch._fused_sdp_choice
+disable_current_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
+DisableTorchFunction = torch._C.DisableTorchFunction
 _profiler = torch.autograd.profiler
 InductorWrapper = torch._TorchCompileInductorWrapper
 

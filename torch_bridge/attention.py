@@ -24,7 +24,15 @@ PrivateUse1 serves calls below autograd, e.g. in inference mode). Both run
 
 Calls the kernel cannot take (dropout, head dim over the PE array's 128 partitions, queries and
 keys of different lengths, different q/v head dims, non-datapath dtypes, a mask that needs a
-gradient, mismatched batch dims) run PyTorch's math path, op by op, as before.
+gradient, mismatched batch dims) run PyTorch's math path, op by op, as before; a boolean mask is
+first made the additive 0/-inf mask that path takes (:func:`additive_mask`), as CPU's
+``scaled_dot_product_attention`` does before it picks a backend (the math op itself adds a bool
+mask as 0/1).
+
+Every call is checked as CPU checks it first (:func:`check`): CPU's errors for what CPU refuses,
+and ``attn_mask`` with ``is_causal=True`` accepted where CPU accepts it (its fused kernel, which
+applies both: the mask and the causal -inf added to the scores) and refused where CPU refuses it
+(its math path).
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ import torch
 from . import _torch, lowering, memory, tensore, values
 from .runtime import runtime
 
-__all__ = ["sdpa", "takes", "takes_meta", "forward_values", "backward_values", "charge_forward", "charge_backward"]
+__all__ = ["sdpa", "takes", "takes_meta", "check", "additive_mask", "forward_values", "backward_values",
+           "charge_forward", "charge_backward"]
 
 FORWARD = "scaled_dot_product_attention"
 BACKWARD = "scaled_dot_product_attention_backward"
@@ -75,10 +84,95 @@ def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             return False
         try:
-            torch.broadcast_shapes(attn_mask.shape, q.shape[:-1] + (s,))
+            if torch.broadcast_shapes(attn_mask.shape, q.shape[:-1] + (s,)) != q.shape[:-1] + (s,):
+                return False  # a mask that would widen the scores: the math path (and CPU's error)
         except RuntimeError:
             return False
     return True
+
+
+CAUSAL_WITH_MASK = "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True"
+_FLASH = 1  # sdp::SDPBackend::flash_attention, as CPU's backend choice numbers it
+
+# the call's metadata -> None (CPU takes it) or (exception type, message) (CPU refuses it)
+_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
+
+
+def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _probe(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A host tensor of ``t``'s sizes and dtype whose last dim has stride 1 exactly when ``t``'s
+    does, over a few bytes (other strides 0): all of a tensor CPU's backend choice reads, bar
+    ``requires_grad``, which it keeps."""
+    if t is None:
+        return None
+    last = 1 if t.dim() == 0 or t.stride(-1) == 1 else 2
+    n = t.shape[-1] if t.dim() else 1
+    base = torch.empty((n - 1) * last + 1 if n else 0, dtype=t.dtype)
+    with torch.enable_grad():
+        base.requires_grad_(t.requires_grad)
+        return base.as_strided(t.shape, [0] * (t.dim() - 1) + [last] if t.dim() else [])
+
+
+def _refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+             is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[type, str] | None:
+    """CPU's verdict on a call, from metadata: the input checks of ``scaled_dot_product_attention``
+    (run on meta tensors of the same sizes, which share them), and, for ``attn_mask`` with
+    ``is_causal``, CPU's backend choice (``_fused_sdp_choice`` on :func:`_probe` tensors):
+    its fused kernel takes the two together, its math path refuses them."""
+    try:
+        torch.ops.aten.scaled_dot_product_attention.default(
+            _meta(q), _meta(k), _meta(v), _meta(mask), dropout_p, is_causal and mask is None, scale=scale,
+            enable_gqa=enable_gqa)
+        if is_causal and mask is not None:
+            choice = _torch.fused_sdp_choice(_probe(q), _probe(k), _probe(v), _probe(mask), dropout_p, is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
+            if choice != _FLASH:
+                return RuntimeError, CAUSAL_WITH_MASK
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        return type(e), str(e)
+    return None
+
+
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+          is_causal: bool, scale: float | None, enable_gqa: bool) -> None:
+    """Raise CPU's error for a call CPU refuses (see :func:`_refusal`); cached by metadata."""
+    ts = (q, k, v) if mask is None else (q, k, v, mask)
+    if any(t.is_nested for t in ts):
+        return  # nested tensors: PyTorch's own path checks them
+    shapes = tuple(t.shape for t in ts)
+    if not all(type(d) is int for sh in shapes for d in sh):
+        return  # symbolic sizes (a dynamic-shape trace): no meta or host tensor can stand for them
+    key = (shapes, tuple(t.dtype for t in ts), tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
+           mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
+           torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    verdict = _checked.get(key, False)
+    if verdict is False:
+        # the checks' tensors are their own: real (also inside a compile's trace), unseen by the
+        # caller's modes (a flop counter would count the meta math path's matmuls)
+        with _torch.DisableTorchFunction(), _torch.disable_current_modes():
+            verdict = _checked[key] = _refusal(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    if verdict is not None:
+        raise verdict[0](verdict[1])
+
+
+def additive_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+                  ) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for PyTorch's math op: a boolean mask as 0 where True and -inf where
+    False in the query's dtype (CPU's ``convert_boolean_attn_mask``), and ``is_causal`` together
+    with a mask as that mask plus the causal -inf above the diagonal (the math op refuses the pair)."""
+    if attn_mask is None:
+        return None, is_causal
+    mask = attn_mask
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(mask.logical_not(), -math.inf)
+    if is_causal:
+        l, s = q.shape[-2], k.shape[-2]
+        above = torch.ones(l, s, dtype=torch.bool, device=mask.device).triu_(1)
+        mask = mask + torch.zeros(l, s, dtype=mask.dtype, device=mask.device).masked_fill_(above, -math.inf)
+    return mask, False
 
 
 def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -137,7 +231,7 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     scores.mul_(sc)
     if is_causal:
         scores.add_(_causal_bias(l, s))
-    elif attn_mask is not None:
+    if attn_mask is not None:  # with is_causal too: CPU's fused kernel applies both
         m = memory.cpu_view(attn_mask)
         scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
     p = torch.softmax(scores, -1)
@@ -198,11 +292,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
          enable_gqa: bool = False) -> torch.Tensor:
     """The neuron kernel of ``aten::scaled_dot_product_attention``."""
-    if is_causal and attn_mask is not None:
-        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
+    check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return _torch.sdpa_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        mask, causal = additive_mask(query, key, attn_mask, is_causal)
+        return _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale, enable_gqa=enable_gqa)[0]
     groups = query.shape[-3] // key.shape[-3]
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups)

@@ -341,15 +341,24 @@ def _memory_module() -> Any:
 # ---- device properties ------------------------------------------------------------------------
 class NeuronDeviceProperties:
     """``torch.neuron.get_device_properties``: the logical NeuronCore, shaped like CUDA's
-    ``_CudaDeviceProperties`` where the fields mean the same (``name``, ``total_memory``,
-    ``multi_processor_count`` = physical NeuronCores, ``major``/``minor`` = NeuronCore version)."""
+    ``_CudaDeviceProperties`` where the fields mean the same (``total_memory``,
+    ``multi_processor_count`` = physical NeuronCores, ``major``/``minor`` = NeuronCore version).
+
+    ``name`` is the chip as Neuron's own device names it (the config's name: ``"trn2"``,
+    ``"trn3"``), which is what training frameworks look up: torchtitan's peak-FLOPs table
+    (``torchtitan/tools/utils.py`` ``get_peak_flops``, pytorch/torchtitan #2382) maps
+    ``get_device_properties().name`` in ``trn2``/``trn3`` to 79 bf16 TFLOP/s per core x LNC=2,
+    once ``get_device_name()`` says ``neuron``. That this core is simulated is in
+    ``description`` (``get_device_name``'s text) and ``simulated_by``."""
 
     def __init__(self, index: int):
         cfg = config()
         self.index = index
         self.config = cfg.name
         self.core_version = cfg.core.version
-        self.name = get_device_name(index)
+        self.name = cfg.name
+        self.description = get_device_name(index)
+        self.simulated_by = "trnsim"
         self.total_memory = _mem.pool.devices[index].capacity
         self.lnc = cfg.chip.lnc
         self.multi_processor_count = cfg.chip.lnc  # physical NeuronCores behind this logical one
@@ -363,14 +372,17 @@ class NeuronDeviceProperties:
 
     def __repr__(self) -> str:
         return (f"_NeuronDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
-                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count})")
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count}, "
+                f"simulated_by='{self.simulated_by}')")
 
 
 def get_device_name(device: Any = None) -> str:
-    """``"trn2 NeuronCore-v3 (LNC=2, simulated by trnsim)"``: the chip config's name and core."""
+    """``"trn2 NeuronCore-v3 (neuron, LNC=2, simulated by trnsim)"``: the chip config's name and
+    core. It names the device type ``neuron`` in lower case, as frameworks test for it
+    (torchtitan: ``"neuron" in device_name`` before it reads ``get_device_properties().name``)."""
     _check_index(device)
     cfg = config()
-    return f"{cfg.name} {cfg.core.version} (LNC={cfg.chip.lnc}, simulated by trnsim)"
+    return f"{cfg.name} {cfg.core.version} (neuron, LNC={cfg.chip.lnc}, simulated by trnsim)"
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:

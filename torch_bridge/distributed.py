@@ -497,6 +497,7 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         opts._timeout = timeout
         opts._devices = [gloo_cls.create_default_device()]
         self.gloo = gloo_cls(dist.PrefixStore("neuron_gloo", store), rank, size, opts)
+        self.group_store = store  # the store torch made this group with (groups split from it nest under it)
         self.store = store
         self.timeout = timeout
         self._rank = rank
@@ -543,6 +544,56 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"<NeuronProcessGroup rank {self._rank} of ranks {list(self.ranks)}>"
+
+    # ---- the group as the neuron device's backend ----------------------------------------------
+    # torch asks a group for the backend that serves a device (``_get_backend``) wherever a device
+    # is bound to it, as ``init_process_group(device_id=torch.device("neuron:0"))`` does for cuda and
+    # nccl: it connects that backend eagerly (which binds the group: ``bound_device_id``), and with
+    # a bound default group it splits later groups (``new_group``, a DeviceMesh's dimensions) from
+    # it. torch 2.13 cannot put a Python backend under a group (a Python class cannot subclass the
+    # C++ Backend), and this group serves neuron tensors itself, so for the neuron device it is its
+    # own backend: connecting binds it (gloo connected when the group was made), and splitting
+    # makes a neuron group of the given ranks, as the creator makes any other.
+    supports_splitting = True
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+    options = None  # split_group copies the parent backend's options (this backend has none)
+
+    def _get_backend(self, device: Any) -> Any:
+        if torch.device(device).type == "neuron":
+            return self
+        return super()._get_backend(device)
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        self.bound_device_id = torch.device(device)
+
+    def perform_nocolor_split(self, device: Any) -> None:
+        """A rank outside a group being split off makes nothing (only a group's members connect)."""
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Collectives are numbered per group from its first call (``_exchange``): nothing to agree on."""
+
+    def get_group_store(self) -> Any:
+        return self.group_store
+
+    def split_group(self, ranks: Sequence[int], timeout: timedelta | None = None, opts: Any = None,
+                    group_name: str | None = None, group_desc: str | None = None, device_types: Any = None
+                    ) -> "NeuronProcessGroup | None":
+        """The group of this group's ``ranks`` (group ranks) that contains this rank, or None for
+        a rank outside it; every member calls it (``torch.distributed.split_group``)."""
+        members = sorted(int(r) for r in ranks)
+        if self._rank not in members:
+            return None
+        name = group_name or f"{self._group_name}:split:{','.join(map(str, members))}"
+        store = dist.PrefixStore(f"neuron_split/{name}/", self.group_store)
+        pg = NeuronProcessGroup(store, members.index(self._rank), len(members), timeout or self.timeout,
+                                [self.ranks[r] for r in members], name)
+        pg.store = self.store
+        if group_desc:
+            pg.setGroupDesc(group_desc)
+        pg.check_config()
+        return pg
 
     # ---- the exchange ----------------------------------------------------------------------
     def check_config(self) -> None:

@@ -35,8 +35,8 @@ from torch import nn
 from trnsim.config import ConfigError, SystemConfig, load_system
 from trnsim.costcache import CachedDevice, CostCache, default_cache_dir
 from trnsim.device import no_work
-from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, mean_decode, \
-    pipeline_1f1b, summarise
+from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, check_sizes, \
+    mean_decode, pipeline_1f1b, summarise
 from trnsim.models import ModelConfig, load_model
 
 from . import models
@@ -190,7 +190,8 @@ def _with_layers(spec: ModelConfig, layers: int | None) -> ModelConfig:
     if layers is None:
         return spec
     _positive("--layers", layers)
-    return ModelConfig(spec.name, spec.path, {**spec.fields, "num_hidden_layers": layers})
+    check_sizes(spec, layers=layers)
+    return spec.with_layers(layers)
 
 
 def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: CostCache,
@@ -222,8 +223,8 @@ def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: 
     return results, traces, memory, kernels
 
 
-def _check(spec: ModelConfig, system: SystemConfig, plan: Plan) -> None:
-    check_plan(spec, system, plan.tp, plan.pp, plan.dp)
+def _check(spec: ModelConfig, system: SystemConfig, plan: Plan, dtype: str) -> None:
+    check_plan(spec, system, plan.tp, plan.pp, plan.dp, dtype)
 
 
 # ---- inference -----------------------------------------------------------------------------------
@@ -247,12 +248,9 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                     ("--samples", samples)):
         _positive(name, v)
     dt = _dtype(dtype)
-    _check(spec, sysc, plan)
-    limit = spec.fields.get("max_position_embeddings")
+    _check(spec, sysc, plan, dtype)
+    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples)
     total = input_tokens + output_tokens
-    if isinstance(limit, int) and total > limit:
-        raise EstimateError(f"--input {input_tokens} + --output {output_tokens} = {total} tokens, more than "
-                            f"{spec.name}'s max_position_embeddings {limit}")
     prompt = input_tokens
     if sp and plan.tp > 1 and prompt % plan.tp:
         prompt = -(-prompt // plan.tp) * plan.tp  # sequence parallel needs whole shards: pad, as a bucket does
@@ -368,7 +366,8 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}")
     micro = gbs // (micro_batch * dp)
     dt = _dtype(dtype)
-    _check(spec, sysc, plan)
+    _check(spec, sysc, plan, dtype)
+    check_sizes(spec, seq=seq, micro_batches=micro)
     if sp and plan.tp > 1 and seq % plan.tp:
         raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))

@@ -486,7 +486,7 @@ def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, sc
     generic = generic_spec("scaled_dot_product_attention", [meta, meta, meta], [meta])
     specs = [_library("attention", (b, heads, l, e), q.dtype,
                       {"causal": bool(causal), "scale": scale, "kv_block": 0}, generic) or generic]
-    if mask is not None and not causal:
+    if mask is not None:
         specs.append(generic_spec("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype, device="meta")], []))
     return specs
 

@@ -497,13 +497,12 @@ class TimingOnly:
     def attention(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """The fused attention op where the eager kernel would take the call, else None (PyTorch's
         math path then runs op by op, as in eager)."""
-        from .attention import takes_meta
+        from .attention import check, takes_meta
 
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
         if not all(is_neuron(t) for t in (q, k, v)):
             return None
-        if is_causal and mask is not None:
-            raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+        check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         if not takes_meta(q, k, v, mask, dropout_p, enable_gqa):
             return None
         return _Attention.apply(q, k, v, mask, is_causal, scale, self)

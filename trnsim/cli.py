@@ -43,7 +43,7 @@ from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
-from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of
+from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
            "bound_of", "render_comparison"]
@@ -573,10 +573,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         t.add_column(leaf if leaves.count(leaf) == 1 else key, no_wrap=True)
     for col in ("kernel", "shape", "dtype", "cycles", "us", "MFU", "bound"):
         t.add_column(col, justify="right" if col in ("cycles", "us", "MFU") else "left", no_wrap=col != "bound")
+    def cell(text: str, fmt: str) -> str:  # estimate rows have no cycles; collective rows no MFU
+        return format(float(text), fmt) if text else ""
+
     for r in rows:
         figures = (["", "", "", f"error: {r['error']}"] if r["error"] else
-                   [f"{float(r['cycles']):,.0f}", f"{float(r['us']):,.3f}",
-                    f"{float(r['mfu_percent']):.1f}%" if r["mfu_percent"] else "", r["bound"]])
+                   [cell(r["cycles"], ",.0f"), cell(r["us"], ",.3f"),
+                    cell(r["mfu_percent"], ".1f") + ("%" if r["mfu_percent"] else ""), r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
     console = _Out(width=140)
     console.print(t)
@@ -881,6 +884,8 @@ def cmd_collective(args: argparse.Namespace) -> int:
     reps = []
     try:
         sizes = parse_sizes(args.bytes, args.factor)
+        for n in sizes:
+            check_collective_bytes(system, args.ranks, n, f"--bytes {clip_text(args.bytes, 60)}")
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,

@@ -118,9 +118,52 @@ def render_train(est: Any, console: Any) -> None:
     console.print("Assumptions: " + "; ".join(est.assumptions) + ".", markup=False)
 
 
+def _precheck(args: argparse.Namespace) -> None:
+    """The model, system, plan and sizes checked before PyTorch is imported, so a bad option is
+    one line at once rather than after the imports (the run checks them again,
+    :mod:`torch_bridge.estimate`, and names what is left: a non-positive number, a dtype)."""
+    from .config import load_system
+    from .estimate import DTYPE_BYTES, check_plan, check_sizes
+    from .models import load_model
+
+    model = load_model(args.model)
+    inference = args.mode == "inference"
+    counts = [args.tp, args.pp, args.dp, 1 if args.layers is None else args.layers] + (
+        [args.batch, args.input, args.output, args.samples] if inference else
+        [args.micro_batch, args.seq, 1 if args.global_batch is None else args.global_batch])
+    if min(counts) < 1 or args.dtype not in DTYPE_BYTES:
+        return
+    if args.layers is not None:
+        check_sizes(model, layers=args.layers)
+        model = model.with_layers(args.layers)
+    check_plan(model, load_system(args.system, args.set), args.tp, args.pp, args.dp, args.dtype)
+    if inference:
+        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+    else:
+        replica = args.micro_batch * args.dp
+        gbs = replica if args.global_batch is None else args.global_batch
+        check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+
+
+def _failed_import(e: ImportError) -> str:
+    """What did not import: the innermost import error's module (transformers re-raises a lazy
+    import's failure under the class name) and its message."""
+    inner: BaseException = e
+    seen = {id(e)}
+    while True:
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    name = next((x.name for x in (inner, e) if isinstance(x, ImportError) and x.name), None)
+    return f"importing {name} failed ({inner})" if name else f"an import failed ({e})"
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .files import AtomicOutput
 
+    _precheck(args)
     try:
         import torch
 
@@ -144,6 +187,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                     overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers)
         except torch.OutOfMemoryError as e:
             raise UsageError(f"estimate: {e}") from None
+        except ImportError as e:  # the model's code (transformers imports it on demand) does not import
+            raise UsageError(f"estimate: {args.model}: {_failed_import(e)}; check the transformers install "
+                             f"(pip install -e '.[demo]')") from None
         if trace is not None:
             est_mod.write_trace(trace, traces)
     finally:

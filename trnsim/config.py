@@ -260,7 +260,7 @@ def env_int(name: str, default: int, lo: int, hi: int, what: str) -> int:
 # Units
 # ---------------------------------------------------------------------------------------------
 
-_BIN = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_BIN = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _DEC = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _TIME = {"ps": Fraction(1), "ns": Fraction(10**3), "us": Fraction(10**6), "µs": Fraction(10**6),
          "ms": Fraction(10**9), "s": Fraction(10**12)}
@@ -279,7 +279,7 @@ _QTY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-zµ/]*)\s
 def parse_quantity(text: Any, kind: str) -> int:
     """Parse ``text`` as a quantity of ``kind`` and return an exact integer in base units.
 
-    kinds: ``bytes`` (B, KiB, MiB, GiB, KB, MB, GB), ``hz`` (Hz, kHz, MHz, GHz),
+    kinds: ``bytes`` (B, KiB, MiB, GiB, TiB, PiB and KB ... PB), ``hz`` (Hz, kHz, MHz, GHz),
     ``bandwidth`` (B/s with SI or binary prefixes, or B/ns), ``time`` (ps, ns, us, ms, s; result
     in picoseconds). Raises ValueError naming the expectation when the text does not parse or
     the value is not a whole number of base units.
@@ -327,7 +327,7 @@ def parse_quantity(text: Any, kind: str) -> int:
 def format_quantity(value: float, kind: str) -> str:
     """Render a base-unit quantity for humans (``229376`` bytes -> ``224 KiB``)."""
     units: dict[str, tuple[tuple[str, float], ...]] = {
-        "bytes": (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)),
+        "bytes": (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)),
         "hz": (("GHz", 1e9), ("MHz", 1e6), ("kHz", 1e3), ("Hz", 1)),
         "bandwidth": (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("B/s", 1)),
         "time": (("s", 1e12), ("ms", 1e9), ("us", 1e6), ("ns", 1e3), ("ps", 1)),  # from picoseconds

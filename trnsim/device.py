@@ -536,11 +536,11 @@ class Device:
 
     def kernels_of(self, spec: KernelSpec) -> list[Kernel]:
         """The kernels ``spec`` runs as on one logical core: one per physical core it uses."""
-        from .kernels import build_spec, split_spec
+        from .kernels.registry import build_spec, split_parts
 
         params = dict(spec.params)
-        shapes = split_spec(spec.kernel, spec.shape, params, self.lnc)
-        return [build_spec(spec.kernel, s, spec.dtype, self.config, params) for s in shapes]
+        parts = split_parts(spec.kernel, spec.shape, params, self.lnc)
+        return [build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own}) for s, own in parts]
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
         if self.simulate_off_thread:

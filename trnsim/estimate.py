@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 from .config import ConfigError, SystemConfig
 
-__all__ = ["Plan", "PlanError", "Role", "check_plan", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
+__all__ = ["Plan", "PlanError", "Role", "check_plan", "check_sizes", "weight_bytes_floor", "MAX_DECODE_SAMPLES",
+           "MAX_MICRO_BATCHES", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
            "mean_decode", "summarise", "KINDS", "COLLECTIVE_OPS"]
 
 # ---- the parallelism plan ------------------------------------------------------------------------
@@ -111,17 +112,76 @@ class Plan:
             raise PlanError(f"--pp {self.pp}: the model has {layers} decoder layers, fewer than the pipeline stages")
 
 
-def check_plan(model: Any, system: SystemConfig, tp: int, pp: int, dp: int) -> None:
+#: bytes per element of the estimate's dtypes
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: decode steps simulated along the output at most: the steps between them are interpolated, and
+#: each one simulated is a whole forward pass of the stage
+MAX_DECODE_SAMPLES = 64
+#: micro-batches per data-parallel replica and step at most: the 1F1B schedule is simulated task
+#: by task (micro-batches x stages x 2), a few seconds at this many
+MAX_MICRO_BATCHES = 4096
+
+
+def weight_bytes_floor(model: Any, dtype: str = "bf16") -> int:
+    """A lower bound of ``model``'s weights in bytes (the attention projections, two of the MLP's
+    matrices and the embedding; biases, norms, a third MLP matrix and experts beyond the first
+    left out), for refusing a model no system holds before any of it is built."""
+    f = model.fields
+    h, hd = model.hidden, model.head_dim
+    inter = f.get("intermediate_size") if isinstance(f.get("intermediate_size"), int) else 0
+    vocab = f.get("vocab_size") if isinstance(f.get("vocab_size"), int) else 0
+    per_layer = 2 * h * model.heads * hd + 2 * h * model.kv_heads * hd + 2 * h * inter
+    return (model.layers * per_layer + vocab * h) * DTYPE_BYTES.get(dtype, 2)
+
+
+def check_plan(model: Any, system: SystemConfig, tp: int, pp: int, dp: int, dtype: str = "bf16") -> None:
     """The plan's checks against the system (:meth:`Plan.check`) and the model (a
-    :class:`trnsim.models.ModelConfig`: heads split evenly, KV heads split or replicated)."""
+    :class:`trnsim.models.ModelConfig`: heads split evenly, KV heads split or replicated, and its
+    weights, at least :func:`weight_bytes_floor` over the TP x PP ranks that hold them, within a
+    logical core's HBM)."""
+    from .config import format_quantity
+
     plan = Plan(tp, pp, dp)
     plan.check(system, model.layers)
+    per_core = system.chip.chip.hbm.capacity // system.ranks_per_chip
+    weights = weight_bytes_floor(model, dtype) // (tp * pp)
+    if weights > per_core:
+        raise PlanError(f"{model.name} ({model.layers:,} layers, hidden {model.hidden:,}, {dtype}): its weights need "
+                        f"at least {format_quantity(weights, 'bytes')} on each of the --tp {tp} x --pp {pp} ranks "
+                        f"holding them, more than a logical core's {format_quantity(per_core, 'bytes')} of HBM on "
+                        f"{system.name}; shard it over more ranks (--tp, --pp) or run fewer --layers")
     if tp > 1:
         if model.heads % tp:
             raise PlanError(f"--tp {tp}: {model.name} has {model.heads} attention heads, not a multiple of {tp}")
         if model.kv_heads % tp and tp % model.kv_heads:
             raise PlanError(f"--tp {tp}: {model.name}'s {model.kv_heads} KV heads neither divide nor are divided "
                             f"by {tp}")
+
+
+def check_sizes(model: Any, *, layers: int | None = None, input_tokens: int | None = None,
+                output_tokens: int | None = None, samples: int | None = None, seq: int | None = None,
+                micro_batches: int | None = None) -> None:
+    """The size-like options of an estimate against what ``model`` allows (its decoder layers,
+    its ``max_position_embeddings``) and what a run can simulate in reasonable time
+    (:data:`MAX_DECODE_SAMPLES`, :data:`MAX_MICRO_BATCHES`); each given as a positive integer.
+    One-line :class:`PlanError` naming the option as the CLI spells it."""
+    if layers is not None and layers > model.layers:
+        raise PlanError(f"--layers {layers:,}: {model.name} has {model.layers} decoder layers; expected 1.."
+                        f"{model.layers} (--layers runs a shorter model)")
+    limit = model.fields.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    if input_tokens is not None and output_tokens is not None and limit is not None \
+            and input_tokens + output_tokens > limit:
+        raise PlanError(f"--input {input_tokens} + --output {output_tokens} = {input_tokens + output_tokens} "
+                        f"tokens, more than {model.name}'s max_position_embeddings {limit}")
+    if seq is not None and limit is not None and seq > limit:
+        raise PlanError(f"--seq {seq}: more tokens than {model.name}'s max_position_embeddings {limit}")
+    if samples is not None and samples > MAX_DECODE_SAMPLES:
+        raise PlanError(f"--samples {samples:,}: expected 1..{MAX_DECODE_SAMPLES} decode steps simulated (the "
+                        f"others are interpolated between them)")
+    if micro_batches is not None and micro_batches > MAX_MICRO_BATCHES:
+        raise PlanError(f"--global-batch: {micro_batches:,} micro-batches per data-parallel replica and step; at most "
+                        f"{MAX_MICRO_BATCHES:,} (the pipeline schedule is simulated task by task)")
 
 
 #: what a launch's op is, for a step's breakdown

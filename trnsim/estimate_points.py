@@ -42,7 +42,7 @@ def shape_text(shape: tuple[int, ...]) -> str:
 def estimate_points(entries: Any, where: str, system: SystemConfig
                     ) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
     """(model, (tp, pp, dp), dtype, params) per entry, each checked on ``system``."""
-    from .estimate import check_plan
+    from .estimate import check_plan, check_sizes
     from .models import load_model
 
     if not isinstance(entries, list) or not entries:
@@ -67,7 +67,14 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
         if not isinstance(values["sp"], bool):
             raise ConfigError(f"{loc}: sp: expected true or false, got {values['sp']!r}")
         try:
-            check_plan(load_model(str(e["model"])), system, values["tp"], values["pp"], values["dp"])
+            model = load_model(str(e["model"]))
+            check_plan(model, system, values["tp"], values["pp"], values["dp"], str(values["dtype"]))
+            if e["mode"] == "inference":
+                check_sizes(model, input_tokens=values["input"], output_tokens=values["output"],
+                            samples=values["samples"])
+            else:
+                gbs = values["global_batch"] or values["micro_batch"] * values["dp"]
+                check_sizes(model, seq=values["seq"], micro_batches=gbs // (values["micro_batch"] * values["dp"]))
         except ConfigError as err:
             raise ConfigError(f"{loc}: {err}") from None
         params = tuple(sorted((k, v) for k, v in values.items()
@@ -105,5 +112,7 @@ def run_estimate_point(system: SystemConfig, model: str, shape: tuple[int, ...],
         return {"error": f"out of memory: {e}"}
     except ConfigError as e:
         return {"error": str(e)}
+    except ImportError as e:  # a broken transformers: the model's code does not import
+        return {"error": f"importing {e.name or 'the model code'} failed ({e})"}
     row.update(error="", hbm_peak_bytes=max(m.peak_bytes for m in est.memory))
     return row

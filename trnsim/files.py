@@ -11,6 +11,9 @@ rules hold everywhere:
   one line, never replaced and never opened (opening a FIFO would block until a reader comes);
 * a new file gets the user's normal mode (``0666`` less the umask), a replaced one keeps its
   mode;
+* a missing parent directory is created when the file is written, for every output alike
+  (``--trace``, ``--metrics``, ``--plot``, sweep results), and only then: a run that fails
+  leaves no directory behind; its nearest existing ancestor is checked up front;
 * the path is checked *before* a long run starts (:func:`check_output` or
   :class:`AtomicOutput`), so a trace that cannot be written costs a one-line error, not the run.
 
@@ -145,15 +148,23 @@ class AtomicOutput:
         self.shown = os.fspath(path)
         self.what = what
         self.text = text
-        self.path, _ = _target(path, what)
-        self._fd, self._tmp = _create_temp(self.path, self.shown, what)
+        self.path, _ = _target(path, what, missing_dirs=True)
         self._done = False
+        self._fd, self._tmp = -1, None
+        if self.path.parent.is_dir():  # else made with the directory, at commit
+            self._fd, self._tmp = _create_temp(self.path, self.shown, what)
 
     def commit(self, write: Callable[[IO[Any]], None]) -> Path:
         """Write the content with ``write(file)``, then rename it over the target."""
         if self._done:
             raise RuntimeError(f"{self.what} {self.shown}: already committed or discarded")
         self._done = True
+        if self._tmp is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise OutputError(f"{self.what} {self.shown}: cannot create {self.path.parent} ({_reason(e)})") from None
+            self._fd, self._tmp = _create_temp(self.path, self.shown, self.what)
         fd, self._fd = self._fd, -1
         try:
             with (os.fdopen(fd, "w", encoding="utf-8") if self.text else os.fdopen(fd, "wb")) as f:
@@ -189,6 +200,8 @@ class AtomicOutput:
         self._unlink()
 
     def _unlink(self) -> None:
+        if self._tmp is None:
+            return
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:

@@ -62,6 +62,10 @@ class ModelConfig:
     def source(self) -> str:
         return str(self.fields.get("_source", self.path))
 
+    def with_layers(self, layers: int) -> "ModelConfig":
+        """The same model with ``layers`` decoder layers (a shorter model: ``--layers``)."""
+        return ModelConfig(self.name, self.path, {**self.fields, "num_hidden_layers": layers})
+
 
 def model_names() -> list[str]:
     """The shipped model configs, by name."""

@@ -52,7 +52,7 @@ from .native.dtypes import get_dtype
 from .report import KernelReport
 
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
-           "bound_of", "DEFAULT_MAX_POINTS"]
+           "bound_of", "check_collective_bytes", "DEFAULT_MAX_POINTS"]
 
 SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
@@ -195,6 +195,26 @@ class Point:
         return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
 
 
+def check_collective_bytes(system: Any, ranks: int | None, nbytes: int, what: str) -> None:
+    """Refuse a collective buffer of ``nbytes`` (nccl-tests' S, bytes per rank) that no rank of
+    ``system`` can hold: empty, or larger than a rank's share of its chip's HBM (the chip's
+    capacity over the ranks placed on it, rank r on chip r // ranks per chip). ``ranks`` None:
+    all of the system's. One-line :class:`ConfigError` naming ``what``."""
+    from .config import format_quantity
+
+    if nbytes < 1:
+        raise ConfigError(f"{what}: a collective moves at least 1 byte per rank, got {nbytes}")
+    per_chip = max(1, min(ranks if isinstance(ranks, int) and ranks > 0 else system.ranks, system.ranks_per_chip))
+    cap = system.chip.chip.hbm.capacity // per_chip
+    if nbytes > cap:
+        shown = f"{nbytes:,}" if nbytes < 10**16 else f"{nbytes:.3g}"
+        share = f"{format_quantity(cap, 'bytes')}: {format_quantity(system.chip.chip.hbm.capacity, 'bytes')} of HBM " \
+                f"over {per_chip} rank{'s' if per_chip > 1 else ''}" if per_chip > 1 else \
+                f"{format_quantity(cap, 'bytes')} of HBM"
+        raise ConfigError(f"{what}: {shown} bytes per rank, more than a rank's share of its chip on {system.name} "
+                          f"({share})")
+
+
 def params_text(params: Sequence[tuple[str, Any]]) -> str:
     return ";".join(f"{k}={v}" for k, v in params)
 
@@ -296,6 +316,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
+    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
     grid_raw = raw.get("grid") or {}
     if not isinstance(grid_raw, dict):
@@ -315,6 +336,8 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         from .collectives.sweep_points import collective_points
 
         coll = collective_points(raw["collectives"], where, base_system)
+        for name, (ranks, nbytes), _, _ in coll:
+            check_collective_bytes(base_system, ranks, nbytes, f"{where}: collectives ({name} on {ranks} ranks): bytes")
     ests: list[Any] = []
     if raw.get("estimates") is not None:
         from .estimate_points import estimate_points
@@ -355,6 +378,17 @@ def _out_path(value: Any, spec: Path, where: str) -> Path:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: out: expected a CSV or .parquet path, got {format_value(value)}")
     return spec.parent / value
+
+
+def _check_format(path: Path, what: str) -> None:
+    """Results are CSV or Parquet, chosen by the suffix: any other name (``res.xlsx``) would get
+    CSV text under a name that promises something else, so it is refused."""
+    from .metrics import PARQUET_SUFFIXES
+
+    if path.suffix.lower() != ".csv" and not is_parquet(path):
+        got = f"'{clip_text(path.suffix, 20)}'" if path.suffix else "no suffix"
+        raise ConfigError(f"{what}: expected a results file ending in {', '.join(('.csv',) + PARQUET_SUFFIXES[:-1])} "
+                          f"or {PARQUET_SUFFIXES[-1]} (CSV or Parquet), got {got}")
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,98 @@
 """``torch.neuron`` answers the ``torch.cuda`` calls training frameworks and scripts make."""
 
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from torch_bridge.memory import host_cache
 from trnsim import load_config
 
 
 def test_device_name_properties_and_capability():
     cfg = load_config("trn2")
     name = torch.neuron.get_device_name(0)
-    assert "trn2" in name and cfg.core.version in name
+    assert name == f"trn2 {cfg.core.version} (neuron, LNC=2, simulated by trnsim)"
     props = torch.neuron.get_device_properties("neuron:1")
-    assert props.name == name and props.total_memory == cfg.chip.hbm.capacity // cfg.logical_cores
+    assert props.name == "trn2" and props.description == name and props.simulated_by == "trnsim"
+    assert props.total_memory == cfg.chip.hbm.capacity // cfg.logical_cores
     assert props.multi_processor_count == cfg.chip.lnc and (props.major, props.minor) == (3, 0)
     assert torch.neuron.get_device_capability() == (3, 0)
-    assert "trn2" in repr(props)
+    assert "name='trn2'" in repr(props) and "trnsim" in repr(props)
+
+
+# torchtitan's peak-FLOPs lookup (pytorch/torchtitan torchtitan/tools/utils.py ``get_peak_flops``, the
+# Trainium branch of #2382, at b5bcd76c), restated: the GPU names it tries first are substrings of the
+# name ``device_module.get_device_name()`` gives; a name with "neuron" in it then goes by
+# ``get_device_properties().name``: trn1/trn1n/inf2 at 90 TFLOP/s x LNC=1, trn2/trn2n/trn2u/trn3/trn3u
+# at 79 x LNC=2; anything else falls back to an A100 (312).
+_TITAN_GPU_NAMES = ("A100", "A6000", "H100", "H200", "H20", "GB200", "GB300", "B300", "B200", "MI355X", "MI300X",
+                    "MI325X", "MI250X", "Data Center GPU Max 1550", "l40s")
+
+
+def _titan_peak_flops(device_module) -> float:
+    name = device_module.get_device_name(torch.device("neuron:0"))
+    if any(gpu in name for gpu in _TITAN_GPU_NAMES) or "neuron" not in name:
+        return 312e12
+    chip = device_module.get_device_properties().name
+    if chip in ("trn1", "trn1n", "inf2"):
+        return 90e12
+    return 79e12 * 2  # trn2/trn3 by name, and its fallback for an unknown neuron device
+
+
+def test_torchtitans_peak_flops_lookup_finds_the_chip():
+    assert torch.neuron.get_device_properties().name == "trn2"
+    assert _titan_peak_flops(torch.neuron) == 79e12 * 2
+    # the table's figure is the config's own bf16 peak of a logical core (to the TFLOP/s it quotes)
+    cfg = load_config("trn2")
+    assert cfg.peak_flops_per_core("bf16") * cfg.chip.lnc == pytest.approx(79e12 * 2, rel=0.01)
+
+
+def test_device_properties_name_the_trn3_chip():
+    code = ("import torch; p = torch.neuron.get_device_properties(); "
+            "print(p.name, '|', torch.neuron.get_device_name())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRNSIM_CONFIG": "trn3"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    chip, name = run.stdout.strip().split(" | ")
+    assert chip == "trn3" and "neuron" in name and "simulated by trnsim" in name
+
+
+def test_torch_accelerator_memory_answers_what_torch_neuron_answers():
+    x = torch.ones(1 << 19, device="neuron")  # 2 MiB: the large pool
+    y = torch.ones(4, device="neuron")
+    acc, own = torch.accelerator.memory_stats(), torch.neuron.memory_stats()
+    assert set(own) - set(acc) == {"capacity_bytes"} and set(acc) <= set(own)
+    assert {k: own[k] for k in acc} == dict(acc)
+    assert torch.accelerator.memory_allocated() == torch.neuron.memory_allocated() >= (1 << 21) + 16
+    assert torch.accelerator.memory_reserved() == torch.neuron.memory_reserved()
+    assert torch.accelerator.get_memory_info() == torch.neuron.mem_get_info()
+    peak = torch.neuron.max_memory_allocated()
+    assert torch.accelerator.max_memory_allocated() == peak and torch.accelerator.max_memory_reserved() == peak
+    del x
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.neuron.max_memory_allocated() \
+        == torch.neuron.memory_allocated() < peak
+    torch.accelerator.reset_accumulated_memory_stats()
+    assert torch.neuron.memory_stats()["allocated_bytes.all.allocated"] == 0
+    del y
+    torch.accelerator.empty_cache()  # gives the host memory kept for freed device blocks back, as torch.neuron's
+    assert host_cache()["kept_bytes"] == 0
+
+
+def test_untyped_storage_on_the_device_gets_counted_memory():
+    before = torch.neuron.memory_allocated()
+    st = torch.UntypedStorage(1000, device="neuron")  # it used to crash: the device had no allocator
+    assert st.device == torch.device("neuron:0") and st.nbytes() == 1000
+    assert torch.neuron.memory_allocated() == before + 1000
+    t = torch.empty(0, dtype=torch.uint8, device="neuron").set_(st)
+    t.fill_(7)
+    assert st.clone().cpu().tolist() == [7] * 1000
+    del t, st
+    assert torch.neuron.memory_allocated() == before
 
 
 def test_memory_stats_have_cudas_keys():

@@ -254,3 +254,53 @@ def test_bad_nproc_and_a_world_the_system_cannot_hold(tmp_path):
     assert other.returncode == 2 and other.stderr == (
         "trnsim: error: run: --config trn3: the system trn2.48xlarge is built of trn2 chips; choose a trn3 system "
         "with --system, or leave --config out\n")
+
+
+DEVICE_ID = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group(backend="neuron", device_id=torch.device("neuron:0"))
+r = dist.get_rank()
+world = dist.group.WORLD
+out = {"world": [type(world).__name__, str(world.bound_device_id)]}
+x = torch.full((2,), float(r + 1), device="neuron")
+dist.all_reduce(x)
+sub = dist.new_group([0, 1])
+y = torch.full((2,), float(r + 1), device="neuron")
+dist.all_reduce(y, group=sub)
+mesh = init_device_mesh("neuron", (1, 2), mesh_dim_names=("dp", "tp"))  # split from the bound group
+z = torch.full((2,), float(r + 1), device="neuron")
+dist.all_reduce(z, group=mesh.get_group("tp"))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to("neuron")
+fully_shard(model, mesh=init_device_mesh("neuron", (2,)))
+model(torch.ones(2, 8, device="neuron")).sum().backward()
+out["values"] = [x.cpu().tolist(), y.cpu().tolist(), z.cpu().tolist()]
+out["groups"] = [[type(g).__name__, str(g.bound_device_id), g.size()] for g in (sub, mesh.get_group("tp"),
+                                                                                 mesh.get_group("dp"))]
+out["fsdp_grad"] = type(model[0].weight.grad).__name__
+with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_init_process_group_with_device_id_binds_the_neuron_backend(tmp_path):
+    """``init_process_group(backend="neuron", device_id=neuron:0)``, as scripts write it for cuda and
+    nccl: the group is bound to the device, later groups and a 2-d mesh's dimensions are split from
+    it (neuron groups, bound too), and collectives and an FSDP2 step run on them."""
+    script = tmp_path / "device_id.py"
+    script.write_text(textwrap.dedent(DEVICE_ID))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["world"] == ["NeuronProcessGroup", "neuron:0"]
+        assert got["values"] == [[3.0, 3.0], [3.0, 3.0], [3.0, 3.0]]
+        assert got["groups"] == [["NeuronProcessGroup", "neuron:0", 2], ["NeuronProcessGroup", "neuron:0", 2],
+                                 ["NeuronProcessGroup", "neuron:0", 1]]
+        assert got["fsdp_grad"] == "DTensor"

@@ -181,7 +181,10 @@ def test_cli_train_text(cache, capsys, monkeypatch):
                              "config.json"),
     (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
                                                  "a multiple of 48"),
-    (["--model", "llama-3.3-70b"], "trnsim: error: estimate: neuron:0 out of memory: tried to allocate"),
+    (["--model", "llama-3.3-70b"], "trnsim: error: llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at "
+                                   "least 94.457 GiB on each of the --tp 1 x --pp 1 ranks holding them, more than a "
+                                   "logical core's 24 GiB of HBM on trn2.48xlarge; shard it over more ranks (--tp, --pp) "
+                                   "or run fewer --layers\n"),
     (["--model", "/no/such/config.json"], "trnsim: error: model config '/no/such/config.json' not found"),
 ])
 def test_cli_errors_are_one_line_with_status_2(capsys, argv, message):
@@ -207,3 +210,69 @@ def test_a_mixture_of_experts_model(cache):
     every = ModelConfig(spec.name, spec.path, {**spec.fields, "num_experts_per_tok": 4})
     full, _ = estimate_inference(every, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
     assert full.decode.hbm_bytes - est.decode.hbm_bytes >= experts // 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inference", "--layers", "1000000000"], "--layers 1,000,000,000: tiny-llama has 4 decoder layers; expected 1..4 "
+                                              "(--layers runs a shorter model)"),
+    (["train", "--layers", "5"], "--layers 5: tiny-llama has 4 decoder layers; expected 1..4 (--layers runs a shorter "
+                                 "model)"),
+    (["inference", "--samples", "1000000000"], "--samples 1,000,000,000: expected 1..64 decode steps simulated (the "
+                                               "others are interpolated between them)"),
+    (["inference", "--input", "4000", "--output", "97"], "--input 4000 + --output 97 = 4097 tokens, more than "
+                                                         "tiny-llama's max_position_embeddings 4096"),
+    (["train", "--seq", "1000000000"], "--seq 1000000000: more tokens than tiny-llama's max_position_embeddings 4096"),
+    (["train", "--global-batch", "100000000"], "--global-batch: 100,000,000 micro-batches per data-parallel replica "
+                                               "and step; at most 4,096 (the pipeline schedule is simulated task by "
+                                               "task)"),
+])
+def test_size_options_are_bounded_by_the_model_before_torch_runs(capsys, monkeypatch, argv, message):
+    """Issue 25: --layers 1000000000 printed nothing for ten minutes (and --samples, --global-batch
+    the same); each size is bounded by the model or what a run can simulate, checked before any
+    of it is built (the sweep's estimate entries take the same checks)."""
+    import torch_bridge.estimate as est
+
+    def never(*a, **k):
+        raise AssertionError("the estimate ran")
+
+    monkeypatch.setattr(est, "estimate_inference", never)
+    monkeypatch.setattr(est, "estimate_train", never)
+    code, out, err = run(capsys, "estimate", argv[0], "--model", TINY, *argv[1:])
+    assert (code, out, err) == (2, "", f"trnsim: error: {message}\n")
+
+
+def test_a_model_whose_weights_no_rank_holds_is_refused_before_it_is_built(tmp_path):
+    """A config.json of a billion layers (or a hidden size no HBM holds) is refused by a lower
+    bound of its weights, not built layer by layer."""
+    import json as _json
+
+    path = tmp_path / "deep.json"
+    path.write_text(_json.dumps({**_json.loads(Path(TINY).read_text()), "num_hidden_layers": 10**9}))
+    with pytest.raises(ConfigError, match=r"^deep \(1,000,000,000 layers, hidden 256, bf16\): its weights need at least "
+                                          r"[0-9.]+ TiB on each of the --tp 4 x --pp 1 ranks holding them, more than a "
+                                          r"logical core's 24 GiB of HBM on trn2.48xlarge; shard it over more ranks "
+                                          r"\(--tp, --pp\) or run fewer --layers$"):
+        estimate_inference(str(path), tp=4)
+
+
+def test_a_model_whose_code_does_not_import_is_one_line(cache, capsys, monkeypatch):
+    """Issue 25: a broken transformers install printed 60 lines; the failed import is named."""
+    import importlib
+
+    import transformers
+
+    def broken(*args, **kwargs):  # what transformers' lazy import raises when a model module is broken
+        try:
+            importlib.import_module("transformers.models.llama.modeling_llama_broken")
+        except ImportError as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaForCausalLM'. Are this object's requirements "
+                                      "defined correctly?") from e
+
+    for cls in (transformers.AutoModel, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_config", broken)
+    code, out, err = run(capsys, "estimate", "inference", "--model", TINY, "--input", "16", "--output", "2",
+                         "--no-cache")
+    assert (code, out) == (2, "")
+    assert err == (f"trnsim: error: estimate: {TINY}: importing transformers.models.llama.modeling_llama_broken failed "
+                   f"(No module named 'transformers.models.llama.modeling_llama_broken'); check the transformers "
+                   f"install (pip install -e '.[demo]')\n")

@@ -115,11 +115,129 @@ def test_head_dim_over_128_falls_back():
     _check(_qkv((1, 1, 8, 160), (1, 1, 8, 160), (1, 1, 8, 160)), tol=1e-4, is_causal=True)
 
 
-def test_mask_with_causal_is_an_error():
-    q = torch.randn(1, 1, 4, 8, device="neuron")
-    with pytest.raises(RuntimeError, match="attn_mask should not be set"):
-        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool, device="neuron"),
-                                       is_causal=True)
+def test_issue_repro_bool_mask_masks_when_queries_and_keys_differ_in_length():
+    """A boolean mask with L != S (every decode step with a padding mask) masks the False keys;
+    it was added as 0/1 floats: softmax([1, 0]) = [0.731, 0.269] instead of CPU's [1, 0]."""
+    q, k = torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 2, 2)
+    v = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])
+    m = torch.tensor([[True, False]])
+    got = F.scaled_dot_product_attention(q.to("neuron"), k.to("neuron"), v.to("neuron"), attn_mask=m.to("neuron"))
+    assert got.cpu().tolist() == [[[[1.0, 0.0]]]]
+
+
+def _mask(kind: str, l: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if kind == "bool":
+        m = torch.rand(l, s, generator=g) > 0.4
+        m[:, 0] = True
+    elif kind == "bool-dead":  # a query row that sees no key: zeros, as CPU's fused kernel writes
+        m = torch.rand(l, s, generator=g) > 0.4
+        m[0] = False
+    elif kind == "bool-keypad":  # a padding mask over keys, broadcast over heads and queries
+        m = torch.ones(B, 1, 1, s, dtype=torch.bool)
+        m[0, ..., :2] = False
+    elif kind == "float":
+        m = torch.randn(l, s, generator=g).to(dtype)
+    else:  # "float-dead"
+        m = torch.randn(l, s, generator=g).to(dtype)
+        m[-1] = float("-inf")
+    return m
+
+
+LENGTHS = [(1, 6), (3, 6), (6, 3), (5, 5)]
+MASKS = ["bool", "bool-dead", "bool-keypad", "float", "float-dead"]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"L{l}-S{s}" for l, s in LENGTHS])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["", "causal"])
+def test_masks_of_each_kind_match_cpu(lengths, kind, is_causal):
+    """Boolean and float masks, with L != S (the math path) and L == S (the fused op), with and
+    without is_causal (CPU's fused kernel applies both), forward and backward."""
+    l, s = lengths
+    _check(_qkv((B, H, l, D), (B, H, s, D), (B, H, s, D)), attn_mask=_mask(kind, l, s, torch.float32),
+           is_causal=is_causal)
+
+
+@pytest.mark.parametrize("kind", ["bool", "bool-dead", "float"])
+@pytest.mark.parametrize("lengths", [(2, 7), (7, 7)], ids=["L2-S7", "L7-S7"])
+def test_masks_with_gqa_match_cpu(kind, lengths):
+    l, s = lengths
+    _check(_qkv((B, H, l, D), (B, 2, s, D), (B, 2, s, D)), attn_mask=_mask(kind, l, s, torch.float32),
+           is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "bool-dead", "float"])
+def test_masks_with_three_dim_inputs_match_cpu(kind):
+    _check(_qkv((H, 3, D), (H, 6, D), (H, 6, D)), attn_mask=_mask(kind, 3, 6, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths", [(1, 6), (6, 6)], ids=["L1-S6", "L6-S6"])
+@pytest.mark.parametrize("kind", ["bool", "bool-dead", "float"])
+def test_masks_in_low_precision_match_cpu(dtype, lengths, kind):
+    l, s = lengths
+    qkv = [t.to(dtype) for t in _qkv((B, H, l, D), (B, H, s, D), (B, H, s, D))]
+    _check(qkv, tol=2e-2, attn_mask=_mask(kind, l, s, dtype), is_causal=True)
+
+
+def test_mask_with_causal_is_refused_where_cpu_refuses_it():
+    """CPU takes attn_mask with is_causal only in its fused kernel (4-D inputs, ...): 3-D inputs
+    go to its math path, which refuses the pair; neuron refuses the same calls."""
+    q = torch.randn(2, 4, 8)
+    m = torch.ones(4, 4, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="attn_mask should not be set") as cpu:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m, is_causal=True)
+    qn = q.to("neuron")
+    with pytest.raises(RuntimeError) as dev:
+        F.scaled_dot_product_attention(qn, qn, qn, attn_mask=m.to("neuron"), is_causal=True)
+    assert str(dev.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float64])
+def test_mask_dtype_cpu_refuses_is_refused(mask_dtype):
+    q = torch.randn(1, 2, 4, 8)
+    m = torch.zeros(4, 4, dtype=mask_dtype)
+    with pytest.raises(RuntimeError) as cpu:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    qn = q.to("neuron")
+    with pytest.raises(RuntimeError) as dev:
+        F.scaled_dot_product_attention(qn, qn, qn, attn_mask=m.to("neuron"))
+    assert str(dev.value) == str(cpu.value)
+
+
+def test_masks_with_the_fast_path_off_match_cpu():
+    from torch_bridge import fastpath
+
+    was = fastpath.enabled()
+    fastpath.set_enabled(False)
+    try:
+        for l, s in [(1, 6), (6, 6)]:
+            _check(_qkv((B, H, l, D), (B, 2, s, D), (B, 2, s, D)), attn_mask=_mask("bool-dead", l, s, torch.float32),
+                   is_causal=True, enable_gqa=True)
+    finally:
+        fastpath.set_enabled(was)
+
+
+@pytest.mark.parametrize("lengths", [(1, 6), (6, 6)], ids=["L1-S6", "L6-S6"])
+@pytest.mark.parametrize("kind", ["bool", "bool-dead", "float"])
+def test_masks_compiled_match_cpu(lengths, kind):
+    """torch.compile(backend="neuron"): the attention op (L == S) and the math path (L != S)."""
+    l, s = lengths
+    q, k, v = _qkv((B, H, l, D), (B, 2, s, D), (B, 2, s, D))
+    m = _mask(kind, l, s, torch.float32)
+
+    def attend(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True)
+    want = attend(q, k, v, m)
+    dev = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+    got = torch.compile(attend, backend="neuron", fullgraph=True)(*dev, m.to("neuron"))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    attend(*cpu, m).sum().backward()
+    for a, b in zip(dev, cpu):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_report_shows_one_attention_kernel_per_call():

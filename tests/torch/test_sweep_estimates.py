@@ -65,3 +65,41 @@ def test_estimates_need_a_system(tmp_path):
     with pytest.raises(ConfigError, match=r"^spec.yaml: estimates need a 'system' \(e.g. system: trn2.48xlarge\)$"):
         load_spec(write(tmp_path, "estimates:\n  - {mode: inference, model: llama-3.1-8b}\n"))
     assert load_system("trn2.48xlarge").ranks == 64
+
+
+def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch, capsys):
+    """Issue 25: the summary table took every row's cycles as a number; an estimate row has none,
+    so ``trnsim sweep`` wrote every row and then died, on every rerun too."""
+    from trnsim.cli import main
+
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path / "costs"))
+    spec = write(tmp_path, f"""\
+        system: trn2.48xlarge
+        estimates:
+          - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2}}
+    """)
+    for rerun in (False, True):
+        assert main(["sweep", str(spec), "--jobs", "1"]) == 0
+        out, err = capsys.readouterr()
+        assert err == "" and f"{int(rerun)} from a previous run" in out
+        row = next(line for line in out.splitlines() if "tp=4 pp=1 dp=1" in line)
+        assert "│ bf16  │        │ " in row and "│ HBM" in row  # no cycles for an estimate, its time in us
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("{mode: inference, model: llama-3.1-8b, samples: 1000000}",
+     "estimates[0] (llama-3.1-8b): --samples 1,000,000: expected 1..64 decode steps simulated (the others are "
+     "interpolated between them)"),
+    ("{mode: train, model: llama-3.1-8b, global_batch: 100000000}",
+     "estimates[0] (llama-3.1-8b): --global-batch: 100,000,000 micro-batches per data-parallel replica and step; at "
+     "most 4,096 (the pipeline schedule is simulated task by task)"),
+    ("{mode: inference, model: llama-3.3-70b}",
+     "estimates[0] (llama-3.3-70b): llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at least 94.457 "
+     "GiB on each of the --tp 1 x --pp 1 ranks holding them, more than a logical core's 24 GiB of HBM on "
+     "trn2.48xlarge; shard it over more ranks (--tp, --pp) or run fewer --layers"),
+])
+def test_estimate_sizes_are_bounded_when_the_spec_loads(tmp_path, entry, message):
+    """Issue 25: the bounds of ``trnsim estimate`` hold for a sweep's estimate entries too."""
+    with pytest.raises(ConfigError) as e:
+        load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n"))
+    assert str(e.value) == f"spec.yaml: {message}"

@@ -77,8 +77,9 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention`` as a compiled graph calls it: the attention op where
     the flash-attention kernel takes the call, PyTorch's math path otherwise."""
-    if query.device.type == "neuron" and not (is_causal and attn_mask is not None) and \
-            eager_attention.takes_meta(query, key, value, attn_mask, dropout_p, enable_gqa):
+    if query.device.type == "neuron" and eager_attention.takes_meta(query, key, value, attn_mask, dropout_p,
+                                                                     enable_gqa):
+        eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return attention(query, key, value, attn_mask, bool(is_causal), scale, query.shape[-3] // key.shape[-3])[0]
     return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 

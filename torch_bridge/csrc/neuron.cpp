@@ -9,6 +9,7 @@
 #include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/GeneratorImpl.h>
@@ -268,6 +269,9 @@ void host_scope(int delta) {
   t_host_scope += delta;
 }
 
+// give every kept block back to the system (torch.neuron.empty_cache); returns the bytes released
+int64_t host_release_all() { return g_host_on.load() ? g_host.release() : 0; }
+
 // CPU allocations on this thread that back neuron tensors, while it lives
 struct HostScope {
   HostScope() { host_scope(1); }
@@ -414,6 +418,82 @@ void mem_sub_locked(int64_t* st, int64_t nbytes, bool undo) {
   stat_sub(st + 12, 1, undo);
   stat_sub(st + 12 + pool * 4, 1, undo);
 }
+
+// ---- the device allocator --------------------------------------------------------------------
+// PyTorch's device-generic memory API (torch.accelerator.memory_allocated/memory_stats/
+// reset_peak_memory_stats/empty_cache/get_memory_info) asks c10 for the device type's allocator and
+// requires a DeviceAllocator. This one allocates through the same Python allocator as a storage
+// resize (a counted block of device memory: torch.UntypedStorage(n, device="neuron") gets real
+// memory) and answers the statistics from the ledger above, so torch.accelerator reads exactly the
+// counters torch.neuron.memory_stats reads. There is no caching allocator behind the virtual HBM:
+// emptyCache gives the host cache's kept blocks back (what torch.neuron.empty_cache does).
+
+struct DeviceAllocator final : c10::DeviceAllocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DeviceIndex index = t_device;
+    c10::Device device(kNeuron, index);
+    if (nbytes == 0) return c10::DataPtr(nullptr, nullptr, &release_block, device);
+    TORCH_CHECK(g_alloc != nullptr, "neuron: allocating device memory needs the device's allocator (torch_bridge "
+                "not registered)");
+    void* ptr = nullptr;
+    char error[512] = {0};
+    int64_t token = g_alloc(index, static_cast<int64_t>(nbytes), &ptr, error, sizeof(error) - 1);
+    TORCH_CHECK_WITH(OutOfMemoryError, token != 0, error);
+    return c10::DataPtr(ptr, reinterpret_cast<void*>(token), &release_block, device);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override { host_release_all(); }
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}  // every neuron stream is the default one to torch
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    check_index(device);
+    c10::CachingDeviceAllocator::DeviceStats out;
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (device >= static_cast<int>(g_pool.size())) return out;  // the device is not in use yet: nothing counted
+    const int64_t* st = g_pool[device];
+    // c10's pools are (aggregate, small, large); the ledger's are (all, large, small)
+    constexpr int kPool[3] = {0, 2, 1};
+    for (int t = 0; t < 3; ++t) {
+      const int64_t* b = st + 4 * kPool[t];
+      const int64_t* c = st + 12 + 4 * kPool[t];
+      c10::CachingAllocator::Stat bytes{b[0], b[1], b[2], b[3]};
+      c10::CachingAllocator::Stat count{c[0], c[1], c[2], c[3]};
+      out.allocated_bytes[t] = out.reserved_bytes[t] = out.active_bytes[t] = out.requested_bytes[t] = bytes;
+      out.allocation[t] = out.segment[t] = out.active[t] = count;
+    }
+    out.num_ooms = st[kOoms];
+    out.num_device_alloc = st[12 + 2];
+    out.num_device_free = st[12 + 3];
+    out.max_split_size = -1;
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (device >= static_cast<int>(g_pool.size())) return;
+    int64_t* st = g_pool[device];
+    for (int s = 0; s < 24; s += 4) st[s + 2] = st[s + 3] = 0;
+    st[kOoms] = 0;
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (device >= static_cast<int>(g_pool.size())) return;
+    int64_t* st = g_pool[device];
+    for (int s = 0; s < 24; s += 4) st[s + 1] = st[s];
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    check_index(device);
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (device >= static_cast<int>(g_pool.size())) return {0, 0};
+    const int64_t* st = g_pool[device];
+    return {static_cast<size_t>(st[kCapacity] - st[0]), static_cast<size_t>(st[kCapacity])};
+  }
+};
+DeviceAllocator g_device_allocator;
 
 // ---- the fast path's blocks: device memory a fast-path op result owns -------------------------
 // The CPU tensor the op computed stays alive inside the block (as a relabelled tensor's DLPack
@@ -1102,6 +1182,7 @@ int trnsim_register_hooks() {
   if (at::isPrivateUse1HooksRegistered()) return 1;
   static Hooks hooks;
   at::RegisterPrivateUse1HooksInterface(&hooks);
+  c10::SetAllocator(kNeuron, &g_device_allocator);
   return 0;
 }
 
@@ -1127,7 +1208,7 @@ int64_t trnsim_pinned_allocations() { return g_pinned_allocs.load(); }
 
 // ---- the host cache (see above) ----
 void trnsim_host_scope(int delta) { host_scope(delta); }
-int64_t trnsim_host_release() { return g_host_on.load() ? g_host.release() : 0; }
+int64_t trnsim_host_release() { return host_release_all(); }
 // [installed, bytes kept free, limit, allocations reused, fresh allocations, blocks owned]
 void trnsim_host_stats(int64_t* out) {
   std::lock_guard<std::mutex> lock(g_host.mutex);

@@ -14,7 +14,9 @@ tests need to drive it without knowing it:
 
 * ``split(shape, params, n) -> [shape, ...] | None`` - how the kernel's work is shared out over
   the ``n`` physical cores of a logical core (LNC=2): each part is the shape one core runs, as an
-  SPMD kernel splits it (None, or no rule: the kernel runs on one core).
+  SPMD kernel splits it (None, or no rule: the kernel runs on one core); a part may be a
+  ``(shape, params)`` pair when the cores run different shares of the same shape
+  (:func:`split_parts`).
 
 User kernels (``trnsim kernel path.py:fn``) follow the same calling convention as ``build`` and
 need nothing else; the CLI then runs them timing-only. Importing :mod:`trnsim.kernels` registers
@@ -48,6 +50,7 @@ __all__ = [
     "split_dims",
     "build_spec",
     "split_spec",
+    "split_parts",
     "checked_dtype",
     "checked_dims",
     "KERNELS",
@@ -194,16 +197,32 @@ def build_spec(kernel: str, shape: tuple[int, ...], dtype: str, config: ChipConf
 
 def split_spec(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]]:
     """The shapes ``kernel``'s work takes on each of ``n`` physical cores (one shape: one core)."""
+    return [s for s, _ in split_parts(kernel, shape, params, n)]
+
+
+def split_parts(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any], n: int
+                ) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+    """What each of ``n`` physical cores runs of ``kernel``: (shape, parameters that differ from
+    ``params``). A split rule returns shapes, or (shape, parameters) pairs where the cores run
+    different shares of one output (a column range: ``shard="0/2"``), which a shape alone cannot
+    say."""
     if n <= 1:
-        return [shape]
+        return [(shape, {})]
     if kernel == STREAM:
-        return split_stream(shape, n) or [shape]
+        return [(s, {}) for s in split_stream(shape, n) or [shape]]
     fam = FAMILIES.get(kernel)
     if fam is not None:
-        return (fam.split(shape, params, n) if fam.split is not None else None) or [shape]
-    entry = get_kernel(kernel)
-    parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
-    return parts or [shape]
+        parts = fam.split(shape, params, n) if fam.split is not None else None
+    else:
+        entry = get_kernel(kernel)
+        parts = entry.split(shape, {**entry.params, **params}, n) if entry.split is not None else None
+    out: list[tuple[tuple[int, ...], dict[str, Any]]] = []
+    for part in parts or [shape]:
+        if len(part) == 2 and isinstance(part[0], tuple) and isinstance(part[1], Mapping):
+            out.append((tuple(part[0]), dict(part[1])))
+        else:
+            out.append((tuple(part), {}))  # type: ignore[arg-type]
+    return out
 
 
 def checked_dtype(name: str, dtype: str, allowed: tuple[str, ...]) -> Any:

@@ -1,0 +1,91 @@
+"""The transformer kernels (trnsim/kernels/transformer): each against its numpy reference at three
+shapes (decode, prefill, ragged), its LNC=2 time against its HBM/TensorE bound at a decode and a
+prefill shape of Llama-3.1-8B / 70B per rank, and its one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnsim.isa import KernelError
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+from trnsim.kernels.transformer.common import measure
+
+# (kernel, shape, params): three shapes per kernel, the options spread over them
+CHECKS = [
+    ("qkv", (4, 1, 256, 4, 1, 64), {"rope": True, "bias": True, "residual": True}),
+    ("qkv", (1, 300, 512, 2, 1, 128), {"rope": True, "residual": True}),
+    ("qkv", (3, 5, 512, 4, 2, 64), {"quant": "fp8", "rope": True, "bias": True}),
+    ("mlp", (4, 1, 256, 448), {"residual": True}),
+    ("mlp", (1, 300, 384, 640), {"residual": True}),
+    ("mlp", (3, 50, 384, 512), {"gated": False, "act": "gelu", "norm": "none"}),
+    ("oproj", (4, 1, 4, 128, 512), {"bias": True}),
+    ("oproj", (1, 300, 2, 128, 384), {}),
+    ("oproj", (3, 50, 3, 64, 256), {"bias": True}),
+    ("attention_tkg", (2, 8, 2, 3, 512, 128), {"window": 100}),
+    ("attention_tkg", (3, 4, 1, 2, 384, 64), {"sinks": True, "k_layout": "bhds"}),
+    ("attention_tkg", (40, 1, 1, 1, 5120, 64), {"cache_update": True}),
+]
+
+# (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
+# rank of Llama-3.1-8B at TP=8 (H 4096, 4 q heads, 1 kv head) and Llama-3.1-70B at TP=8
+BOUNDS = [
+    ("qkv", (1, 1, 8192, 8, 1, 128), {"rope": True}, 0.6),
+    ("qkv", (1, 2048, 4096, 4, 1, 128), {"rope": True}, 0.6),
+    ("mlp", (1, 1, 4096, 1792), {"residual": True}, 0.65),
+    ("mlp", (1, 2048, 4096, 1792), {"residual": True}, 0.75),
+    ("oproj", (1, 1, 4, 128, 4096), {}, 0.5),
+    ("oproj", (1, 2048, 4, 128, 4096), {}, 0.7),
+    ("attention_tkg", (32, 4, 1, 1, 4096, 128), {}, 0.65),
+    ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
+]
+
+
+@pytest.mark.parametrize("name,shape,params", CHECKS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_values_match_the_reference(name, shape, params):
+    res = check_entry(get_kernel(name), shape, "bf16", "trn2", params)
+    assert res["ok"], res["errors"]
+
+
+@pytest.mark.parametrize("name,shape,params,floor", BOUNDS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_time_is_near_the_bound(name, shape, params, floor):
+    m = measure(name, shape, params, config="trn2")
+    assert m.cores == 2
+    assert floor <= m.fraction <= 1.0, (m.fraction, m.seconds, m.bound_seconds)
+
+
+def test_qkv_on_trn3():
+    res = check_entry(get_kernel("qkv"), (2, 3, 512, 4, 2, 128), "bf16", "trn3", {"rope": True})
+    assert res["ok"], res["errors"]
+
+
+def test_qkv_errors_are_one_line():
+    qkv = get_kernel("qkv")
+    with pytest.raises(KernelError, match=r"^qkv: H=131 cannot be laid out on the PE array's 128 partitions"):
+        qkv.make((1, 1, 131, 4, 1, 64), "bf16", "trn2")
+    with pytest.raises(KernelError, match=r"^qkv: NQ=3 must be a multiple of NKV=2"):
+        qkv.make((1, 1, 256, 3, 2, 64), "bf16", "trn2")
+    with pytest.raises(KernelError, match=r"^qkv: quant must be one of none, fp8, got 'int4'"):
+        qkv.make((1, 1, 256, 4, 1, 64), "bf16", "trn2", {"quant": "int4"})
+    with pytest.raises(KernelError, match=r"^qkv: shard applies to decode"):
+        qkv.make((1, 300, 256, 4, 1, 64), "bf16", "trn2", {"shard": "0/2"})
+
+
+def test_attention_tkg_masks_by_position_per_sequence():
+    """Two sequences at different positions of one cache bucket: each query sees only its own
+    sequence's cached keys (pos), its own active keys (causal) and the window."""
+    import numpy as np
+    from trnsim import Chip
+    from trnsim.kernels.transformer.attention_tkg import attention_tkg_reference
+
+    e = get_kernel("attention_tkg")
+    shape, p = (2, 2, 1, 2, 256, 64), {**e.params, "window": 50}
+    inp = e.inputs(shape, "bf16", p, np.random.default_rng(3))
+    inp["pos"] = np.array([0, 200], dtype=np.int32)  # nothing cached yet / most of the bucket
+    out = Chip("trn2").run(e.make(shape, "bf16", "trn2", p), inp)["out"].astype(np.float64)
+    ref = attention_tkg_reference(inp, shape, "bf16", p)["out"]
+    assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()
+    # with nothing cached, the first active query attends to itself only: out = its own v
+    from trnsim.kernels.reference import round_to
+    np.testing.assert_allclose(out[0, :, 0, :], np.broadcast_to(round_to(inp["v"][0, 0, 0], "bf16"), (2, 64)),
+                               rtol=1e-2, atol=1e-2)

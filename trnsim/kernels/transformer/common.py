@@ -1,0 +1,918 @@
+"""What the transformer kernels share: argument checks, the token-row prologue (residual add,
+RMSNorm, FP8 quantisation, PE transposes), weight streaming and the TensorE projection loop,
+and the bound each kernel is measured against.
+
+Layouts (the contract of :mod:`trnsim.kernels.transformer`):
+
+* token rows ``x[T, H]``, ``T = B * S`` in (batch, position) order;
+* a contraction dim ``K`` (H, I, heads x D) is read with ``k = p * K1 + j`` (partition ``p``,
+  ``K1 = K / 128``): a weight's rows for one partition are then ``K1`` consecutive rows of
+  ``W[K, N]``, one contiguous run per partition per load (the NKI library's "H0/H1" layout,
+  ``qkv_tkg``'s ``hidden [H0, BxS, H1]``), and the activations' PE transposes read every ``K1``-th
+  column. ``K`` must be a multiple of 128, as the library kernels require.
+
+A projection ``out[T, N] = X[T, K] @ W[K, N]`` runs with the tokens stationary (``Xᵀ [128, tb]``
+per k-tile, ``tb <= 128`` tokens) and 512-column weight tiles moving through one PSUM bank each
+(``max(64, N)`` PE cycles per 128 x 512 weights): in decode the weights stream once past a
+resident ``Xᵀ``; in prefill a column block of the weights stays resident while token blocks go
+by (:func:`weight_blocks`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ...config import ChipConfig
+from ...isa import HbmAP, HbmTensor, KernelError, TileAP
+from ...kernel import Kernel, TilePool
+from ...native.dtypes import Dtype, get_dtype
+from ..reference import round_to
+
+__all__ = ["P", "BANK", "flag", "choice", "positive", "k_tiles", "bcast", "xT_view", "Pools", "RowPrologue",
+           "weight_blocks", "load_weights", "matmul_tokens", "Bound", "bound_fraction", "store_heads",
+           "rms_rows_reference", "FP8", "fp8_max", "HBM_Q", "row_vector", "shard_range", "shards", "weight_group", "XT", "DMA_T", "Seg", "Projection", "Exchange",
+           "BOUNDS", "Measured", "measure"]
+
+P = 128          # partitions
+BANK = 512       # fp32 columns of one PSUM bank (moving free size of one matmul on NC-v3)
+FP8 = "float8_e4m3"
+HBM_Q = (0, 1, 2, 3)  # DMA queues the weight loads rotate over (loads on several queues overlap their start latency)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (one line naming the kernel, the argument and what it takes)
+# ---------------------------------------------------------------------------------------------
+
+
+def flag(kernel: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise KernelError(f"{kernel}: {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def choice(kernel: str, name: str, value: Any, options: Sequence[str]) -> str:
+    if not isinstance(value, str) or value.lower() not in options:
+        raise KernelError(f"{kernel}: {name} must be one of {', '.join(options)}, got {value!r}")
+    return value.lower()
+
+
+def positive(kernel: str, **dims: Any) -> None:
+    for nm, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise KernelError(f"{kernel}: {nm} must be a positive integer, got {v!r}")
+
+
+def k_tiles(kernel: str, name: str, k: int) -> tuple[int, int]:
+    """How a contraction dim ``K`` sits on the partitions: ``(kp, K1)`` with ``K = kp * K1``,
+    ``kp <= 128`` partitions and ``K1`` k-tiles (``k = p * K1 + j``), the fewest tiles that
+    divide ``K`` evenly (448 = 112 x 4: Llama-3.1-70B's I at TP=64), or a one-line error."""
+    lo = -(-k // P)
+    for k1 in range(lo, 2 * lo + 1):
+        if k % k1 == 0:
+            return k // k1, k1
+    raise KernelError(f"{kernel}: {name}={k} cannot be laid out on the PE array's {P} partitions (no split "
+                      f"K = partitions x tiles with at most {P} partitions and up to {2 * lo} tiles); use a "
+                      f"multiple of {P}")
+
+
+def shard_range(kernel: str, shard: Any, units: int) -> tuple[int, int]:
+    """The units ``[lo, hi)`` share ``"i/n"`` of ``units`` takes (near-equal, the first ones one
+    larger): an LNC=2 core's share of an output's columns (heads, 128-column tiles)."""
+    try:
+        i_s, n_s = str(shard).split("/")
+        i, n = int(i_s), int(n_s)
+        ok = 0 <= i < n
+    except ValueError:
+        ok = False
+    if not ok:
+        raise KernelError(f"{kernel}: shard must be 'i/n' with 0 <= i < n (this core's share of the output), "
+                          f"got {shard!r}")
+    if n > units:
+        raise KernelError(f"{kernel}: shard {shard}: {units} units cannot be shared by {n} cores")
+    q, r = divmod(units, n)
+    lo = i * q + min(i, r)
+    return lo, lo + q + (1 if i < r else 0)
+
+
+def shards(n: int) -> list[dict[str, str]]:
+    return [{"shard": f"{i}/{n}"} for i in range(n)]
+
+
+def fp8_max(name: str = FP8) -> float:
+    import ml_dtypes
+
+    return float(ml_dtypes.finfo(get_dtype(name).np_dtype).max)
+
+
+# ---------------------------------------------------------------------------------------------
+# Views
+# ---------------------------------------------------------------------------------------------
+
+
+def bcast(ap: TileAP, n: int) -> TileAP:
+    """``ap`` with a stride-0 innermost dim of ``n`` appended: each element repeated ``n`` times
+    along the free axis (a per-column value over a block of rows of another operand)."""
+    return TileAP(ap.alloc, ap.p_start, ap.p_count, ap.offset, tuple(ap.dims) + ((0, n),), ap.dtype)
+
+
+def xT_view(rows: TileAP, j: int, k1: int, kp: int = P) -> TileAP:
+    """Columns ``j, j + K1, j + 2 K1, ...`` of a ``[tb, K]`` row tile: the ``[tb, kp]`` block
+    whose transpose is k-tile ``j`` in the ``k = p * K1 + j`` layout."""
+    (s, _), = rows.dims[-1:]
+    base = rows.offset + j * s
+    return TileAP(rows.alloc, rows.p_start, rows.p_count, base, ((s * k1, kp),), rows.dtype)
+
+
+def row_vector(kern: Kernel, tile: TileAP, vec: HbmAP, queue: int = 1) -> None:
+    """A [n] HBM vector into every partition of ``tile`` [p, n] (a stride-0 partition access)."""
+    n = tile.free_size
+    kern.dma_copy(tile, vec.tensor.ap(vec.offset, [[0, tile.p_count], [1, n]]), queue=queue)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools
+# ---------------------------------------------------------------------------------------------
+
+
+class Pools:
+    """The tile pools a kernel's phases share, made on first use (a pool's buffers are sized by
+    the first tile asked of them, so each use has its own pool name)."""
+
+    def __init__(self, kern: Kernel):
+        self.kern = kern
+        self._pools: dict[str, TilePool] = {}
+
+    def __call__(self, name: str, bufs: int, space: str = "sbuf") -> TilePool:
+        p = self._pools.get(name)
+        if p is None:
+            p = self._pools[name] = self.kern.tile_pool(name, bufs=bufs, space=space)
+        return p
+
+    def release(self) -> None:
+        """Free every pool's buffers (the next phase of a kernel reuses the memory; the builder
+        orders its writes after the last reads of what was there)."""
+        for p in self._pools.values():
+            p.release()
+        self._pools.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The token-row prologue: rows -> (residual add) -> (RMSNorm) -> PE transposes -> Xᵀ
+# ---------------------------------------------------------------------------------------------
+
+
+DMA_T = 32  # token blocks this small load straight into the [128, T, K1] layout (see RowPrologue)
+
+
+class XT:
+    """``Xᵀ`` of one token block in SBUF: ``[128, K1, tb]`` (PE-transposed rows) or, token-major,
+    ``[128, tb, K1]`` (loaded by DMA in that layout: ``x[t, p*K1 + j]`` at ``[p, t, j]``)."""
+
+    def __init__(self, tile: TileAP, tb: int, tmajor: bool):
+        self.tile, self.tb, self.tmajor = tile, tb, tmajor
+
+    @property
+    def k1(self) -> int:
+        return self.tile.shape[2] if self.tmajor else self.tile.shape[1]
+
+    def st(self, j: int, fp8: bool = False) -> TileAP:
+        """k-tile ``j`` as a matmul's stationary ``[128, tb]`` (fp8: k-tiles j, j+1 as ``[128, 2, tb]``)."""
+        t, tb = self.tile, self.tb
+        if not self.tmajor:
+            return t[:, j:j + 2, :tb] if fp8 else t[:, j, :tb]
+        k1 = t.shape[2]
+        dims = ((1, 2), (k1, tb)) if fp8 else ((k1, tb),)
+        return TileAP(t.alloc, t.p_start, t.p_count, t.offset + j, dims, t.dtype)
+
+
+class RowPrologue:
+    """Turns token rows ``x[t0:t0+tb, :K]`` into :class:`XT` for the projections: residual add
+    (the sum stored as the new residual stream ``h_out``), RMSNorm, FP8 quantisation.
+
+    ``xnᵀ = round(round(x * rstd) * gamma)`` (quantising: ``round_fp8(round(x * rstd) * gamma /
+    in_scale)``), ``rstd = (mean(x²) + eps)^-1/2``. Two layouts, by token count:
+
+    * decode (``tb <= 32``, NKI's TKG layout ``[H0, BxS, H1]``): one DMA loads ``x`` straight into
+      ``[128, tb, K1]``; the norm runs there: ScalarE squares, VectorE sums each token's ``K1``
+      squares per partition, one fp32 matmul with a 128 x 128 ones matrix sums over the
+      partitions and broadcasts the total to every partition, VectorE makes rstd and scales;
+    * prefill: the rows are loaded as ``[tb, K]``; ScalarE takes each row's sum of squares in one
+      pass, VectorE ``y = x * rstd`` (bf16, its 4x copy mode), TensorE transposes 128 columns at a
+      time (``k = p*K1 + j``) and the evacuation from PSUM multiplies by gamma (a per-partition
+      factor in that layout).
+    """
+
+    def __init__(self, kern: Kernel, pools: Pools, *, k: int, dt: Dtype, x: HbmTensor | None,
+                 res: HbmTensor | None = None, h_out: HbmTensor | None = None, gamma: HbmTensor | None = None,
+                 eps: float = 1e-6, in_scale: HbmTensor | None = None, norm: bool = True, tokens: int = P + 1,
+                 tag: str = "x", rows_of: Callable[[int, int], TileAP] | None = None):
+        self.kern, self.pools, self.k, self.dt, self.x = kern, pools, k, dt, x
+        # the layout is the kernel's, not each block's (their PSUM differs); rows that come from
+        # elsewhere (``rows_of(t0, tb)``: in SBUF, or loaded another way) are PE-transposed
+        self.tmajor = tokens <= DMA_T and rows_of is None
+        self.rows_of = rows_of
+        self.res, self.h_out, self.eps, self.tag, self.norm = res, h_out, eps, tag, norm
+        self.kp, self.k1 = k_tiles(kern.name, "K", k)
+        kp = self.kp
+        self.quant = in_scale is not None
+        self.out_dt = get_dtype(FP8) if self.quant else dt
+        self.gamma_t: TileAP | None = None
+        self._evac = 0
+        self._ones: TileAP | None = None
+        self._gamma_rows: TileAP | None = None
+        self.gamma = gamma
+        if gamma is not None or in_scale is not None:
+            # gamma[p*K1 + j] at [p, j]: one contiguous run per partition; quantising, the factor
+            # is gamma / in_scale (fp32), in_scale broadcast to every partition
+            g = kern.sbuf((kp, self.k1), "fp32", name=f"{tag}_gamma")
+            if gamma is not None:
+                gl = kern.sbuf((kp, self.k1), dt, name=f"{tag}_gamma_in")
+                kern.dma_copy(gl, gamma.ap(0, [[self.k1, kp], [1, self.k1]]), queue=7)
+                kern.tensor_copy(g, gl, engine="gpsimd")
+            else:
+                kern.memset(g, 1.0, engine="gpsimd")
+            if in_scale is not None:
+                s = kern.sbuf((kp, 1), "fp32", name=f"{tag}_in_scale")
+                kern.dma_copy(s, in_scale.ap(0, [[0, kp], [1, 1]]), queue=7)
+                kern.reciprocal(s, s)
+                kern.tensor_scalar(g, g, "multiply", s, engine="gpsimd")
+            self.gamma_t = g
+
+    @property
+    def sbuf_bytes(self) -> int:
+        """Bytes per partition its own buffers take (the caller's pool of results aside)."""
+        isz = self.dt.itemsize
+        if self.tmajor:  # loads (and residual), squares, the [128, T] statistics
+            return DMA_T * self.k1 * (2 * isz * (2 + (self.res is not None)) + 4) + 4 * DMA_T * 4 + \
+                self.k1 * 4 * 2 + (P * 4 if self.norm else 0)
+        if self.rows_of is not None:
+            return self.k1 * 8
+        rows = self.k * isz * (2 + (self.res is not None) + (2 if self.norm else 0))
+        return rows + (min(self.k, 4096) * isz if self.norm else 0) + self.k1 * 8
+
+    def stage_a(self, t0: int, tb: int, pool: TilePool) -> Any:
+        """Loads and the norm of token block ``[t0, t0+tb)``: the whole prologue for a decode
+        block (returns its :class:`XT`), the rows ``y`` for a prefill block (see :meth:`stage_b`)."""
+        if self.tmajor:
+            return self._block_tmajor(t0, tb, pool)
+        r = self.rows(t0, tb)
+        return self.normalize(r) if self.norm else r
+
+    def stage_b(self, state: Any, pool: TilePool) -> XT:
+        """The PE transposes of a prefill block's rows (a decode block's :class:`XT` as it is)."""
+        xT, steps = self.stage_b_steps(state, pool)
+        for st in steps:
+            st()
+        return xT
+
+    def stage_b_steps(self, state: Any, pool: TilePool) -> tuple[XT, list[Callable[[], None]]]:
+        """:meth:`stage_b` as its result and the steps that make it (to be interleaved)."""
+        if isinstance(state, XT):
+            return state, []
+        dst = pool.tile((self.kp, self.k1, P), self.out_dt)
+        return XT(dst, state.p_count, False), self.transpose_steps(state, dst)
+
+    def block(self, t0: int, tb: int, pool: TilePool) -> XT:
+        """The whole prologue for one token block; the result in a tile of ``pool``."""
+        return self.stage_b(self.stage_a(t0, tb, pool), pool)
+
+    # ---- decode: the token-major layout -----------------------------------------------------
+    def _tmajor_view(self, t: HbmTensor, t0: int, tb: int) -> HbmAP:
+        return t.ap(t0 * self.k, [[self.k1, self.kp], [self.k, tb], [1, self.k1]])
+
+    def _block_tmajor(self, t0: int, tb: int, pool: TilePool) -> XT:
+        kern, pools, k1, kp = self.kern, self.pools, self.k1, self.kp
+        assert self.x is not None
+        xin = pools(f"{self.tag}_tm", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
+        kern.dma_copy(xin, self._tmajor_view(self.x, t0, tb), queue=4)
+        if self.res is not None:
+            r2 = pools(f"{self.tag}_tm_res", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
+            kern.dma_copy(r2, self._tmajor_view(self.res, t0, tb), queue=5)
+            kern.tensor_tensor(xin, xin, r2, "add")
+            if self.h_out is not None:
+                kern.dma_copy(self._tmajor_view(self.h_out, t0, tb), xin, engine="gpsimd", queue=1)
+        if self.norm:
+            sq = pools(f"{self.tag}_tm_sq", 1).tile((kp, DMA_T, k1), "fp32")[:, :tb, :]
+            kern.activation(sq, "square", xin)
+            red = pools(f"{self.tag}_tm_red", 2).tile((kp, DMA_T), "fp32")[:, :tb]
+            kern.tensor_reduce(red, "add", sq, axis=2)
+            if self._ones is None:
+                self._ones = kern.sbuf((kp, kp), "fp32", name=f"{self.tag}_ones")
+                kern.memset(self._ones, 1.0, engine="gpsimd")
+            ps = pools("tr_psum", 2, "psum").tile((P, DMA_T), "fp32")[:kp, :tb]  # shares the transposes' banks
+            kern.nc_matmul(ps, self._ones, red)  # every partition: the token's sum over all K
+            rstd = pools(f"{self.tag}_tm_rstd", 2).tile((kp, DMA_T), "fp32")[:, :tb]
+            kern.tensor_scalar(rstd, ps, "multiply", 1.0 / self.k, op1="add", operand1=self.eps)
+            kern.tensor_scalar(rstd, rstd, "power", -0.5)
+            # y into a buffer of its own: the store of h (behind the weights' loads on the DMA
+            # queues) may still be reading the sum
+            y = pools(f"{self.tag}_tm_y", 2).tile((kp, DMA_T, k1), self.dt)[:, :tb, :]
+            kern.tensor_tensor(y, xin, bcast(rstd, k1), "multiply")
+            xin = y
+        if self.gamma_t is None:
+            return XT(xin, tb, True)
+        dst = pool.tile((kp, DMA_T, k1), self.out_dt)[:, :tb, :]
+        g = self.gamma_t
+        kern.tensor_tensor(dst, xin, TileAP(g.alloc, g.p_start, kp, g.offset, ((0, tb), (1, k1)), g.dtype), "multiply")
+        return XT(dst, tb, True)
+
+    # ---- prefill: rows and PE transposes ----------------------------------------------------
+    def rows(self, t0: int, tb: int) -> TileAP:
+        """Load token rows ``[t0, t0 + tb)`` (with the residual added and stored)."""
+        if self.rows_of is not None:
+            return self.rows_of(t0, tb)
+        kern, pools, k = self.kern, self.pools, self.k
+        assert self.x is not None
+        r = pools(f"{self.tag}_rows", 2).tile((P, k), self.dt)[:tb]
+        kern.dma_copy(r, self.x[t0:t0 + tb, :], queue=4)
+        if self.res is not None:
+            r2 = pools(f"{self.tag}_res", 1).tile((P, k), self.dt)[:tb]
+            kern.dma_copy(r2, self.res[t0:t0 + tb, :], queue=5)
+            kern.tensor_tensor(r, r, r2, "add")
+            if self.h_out is not None:  # the norm reads the sum meanwhile (its result has a buffer of its own)
+                kern.dma_copy(self.h_out[t0:t0 + tb, :], r, engine="gpsimd", queue=1)
+        return r
+
+    def normalize(self, r: TileAP) -> TileAP:
+        """``y = round(x * rstd)`` into a buffer of its own (rstd from a ScalarE sum of squares;
+        the product on VectorE, bf16 in and out: its 4x mode); gamma is applied as the
+        transposes leave PSUM."""
+        kern, pools = self.kern, self.pools
+        tb = r.p_count
+        scratch = pools(f"{self.tag}_sq", 1).tile((P, min(self.k, 4096)), self.dt)
+        parts = pools(f"{self.tag}_ssp", 4).tile((P, -(-self.k // 4096)), "fp32")[:tb]
+        ss = pools(f"{self.tag}_ss", 4).tile((P, 1), "fp32")[:tb]
+        n_chunks = -(-self.k // 4096)
+        if n_chunks == 1:
+            kern.activation(scratch[:tb, :self.k], "square", r, reduce_op="add", reduce_res=ss)
+        else:
+            for c in range(n_chunks):
+                lo, hi = c * 4096, min(self.k, (c + 1) * 4096)
+                kern.activation(scratch[:tb, :hi - lo], "square", r[:, lo:hi], reduce_op="add",
+                                reduce_res=parts[:, c:c + 1])
+            kern.tensor_reduce(ss, "add", parts, axis=1)
+        kern.tensor_scalar(ss, ss, "multiply", 1.0 / self.k, op1="add", operand1=self.eps)
+        kern.tensor_scalar(ss, ss, "power", -0.5)
+        y = pools(f"{self.tag}_y", 2).tile((P, self.k), self.dt)[:tb]
+        kern.tensor_scalar(y, r, "multiply", ss)
+        return y
+
+    def transpose(self, r: TileAP, dst: TileAP) -> None:
+        """``dst [128, K1, tb]`` = the transposed rows times gamma (see :meth:`transpose_steps`)."""
+        for step in self.transpose_steps(r, dst):
+            step()
+
+    def transpose_steps(self, r: TileAP, dst: TileAP) -> list[Callable[[], None]]:
+        """The transposes into ``dst [128, K1, tb]``, one PSUM bank of them per step, times gamma
+        (quantising: gamma / in_scale, into fp8), a per-partition factor of each k-tile: the
+        evacuations alternate VectorE (a bank of k-tiles against gamma broadcast along the
+        tokens) and ScalarE (one activation per k-tile, gamma its per-partition scale). The
+        steps are for a caller to interleave with other TensorE work (:class:`Projection`
+        spreads them over the previous block's matmuls, so each bank has time to be evacuated)."""
+        kern, pools = self.kern, self.pools
+        tb, k1 = r.p_count, self.k1
+        g = max(1, min(k1, 2048 // (tb * r.dtype.itemsize)))  # transposes per PSUM bank
+        ps_pool = pools("tr_psum", 2, "psum")
+        gam = self.gamma_t
+
+        def step(j0: int) -> None:
+            n = min(g, k1 - j0)
+            ps = ps_pool.tile((P, g, tb), r.dtype)[:self.kp]
+            kern.nc_transpose_many([(ps[:, i, :], xT_view(r, j0 + i, k1, self.kp)) for i in range(n)])
+            d = dst[:, j0:j0 + n, :tb]
+            vector = self._evac % 2 == 0
+            self._evac += 1
+            if gam is None:
+                kern.tensor_copy(d, ps[:, :n, :], engine="vector" if vector else "scalar")
+            elif vector:
+                kern.tensor_tensor(d, ps[:, :n, :], bcast(gam[:, j0:j0 + n], tb), "multiply")
+            else:
+                for i in range(n):
+                    kern.activation(dst[:, j0 + i, :tb], "copy", ps[:, i, :], scale=gam[:, j0 + i:j0 + i + 1])
+
+        return [lambda j0=j0: step(j0) for j0 in range(0, k1, g)]
+
+
+def rms_rows_reference(x: np.ndarray, eps: float, dtype: str) -> np.ndarray:
+    """``round(x * rstd)`` as :class:`RowPrologue` computes it (rstd in float64)."""
+    rstd = 1.0 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+    return round_to(x * rstd, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights and the projection loop
+# ---------------------------------------------------------------------------------------------
+
+
+def weight_blocks(n: int, k1: int, isz: int, budget: int, bank_cols: int = BANK, max_banks: int = 4
+                  ) -> list[tuple[int, int]]:
+    """Column blocks ``(c0, width)`` of an ``[K, N]`` weight: as wide as ``max_banks`` PSUM banks
+    and ``budget`` bytes per partition of resident weights allow, equal-sized (whole banks where
+    they can be), covering ``N``."""
+    per_col = k1 * isz
+    cap = max(1, min(max_banks * bank_cols, budget // per_col))
+    if cap >= n:
+        return [(0, n)]
+    nb = -(-n // cap)
+    width = -(-n // nb)
+    if width > bank_cols:
+        width = -(-width // bank_cols) * bank_cols  # whole banks
+        width = min(width, cap) if cap >= bank_cols else width
+    out, c = [], 0
+    while c < n:
+        out.append((c, min(width, n - c)))
+        c += width
+    return out
+
+
+def load_weights(kern: Kernel, pool: TilePool, w: HbmTensor, base: int, k1: int, n_total: int, c0: int, cw: int,
+                 group: int, queue0: int = 0, lookahead: int | None = None, k_range: tuple[int, int] | None = None,
+                 kp: int = P) -> Any:
+    """Columns ``[c0, c0+cw)`` of a ``[K, N]`` weight (``n_total`` columns, starting at element
+    ``base``) in the ``k = p*K1 + j`` layout, as k-groups of ``group`` tiles ``(j0, [128, g, cw])``,
+    each one DMA whose per-partition runs are ``g`` whole rows when ``cw == N``.
+
+    With ``lookahead`` (streaming), a generator: each group's load is emitted ``lookahead``
+    groups ahead of its use (the pool must have ``lookahead + 1`` buffers: a load then waits only
+    for the readers of the group before). Without, a :class:`LazyGroups`: the groups stay
+    resident (the pool holds them all) and each is loaded when first used or when the caller
+    asks (:meth:`LazyGroups.load_next`), so the loads can be spread between other transfers
+    (the DMA queues are served in the order transfers become ready)."""
+    j_lo, j_hi = k_range or (0, k1)
+    starts = list(range(j_lo, j_hi, group))
+
+    def load(gi: int) -> tuple[int, TileAP]:
+        j0 = starts[gi]
+        g = min(group, j_hi - j0)
+        t = pool.tile((P, group, cw), w.dtype)[:kp, :g, :]
+        src = w.ap(base + j0 * n_total + c0, [[k1 * n_total, kp], [n_total, g], [1, cw]])
+        kern.dma_copy(t, src, queue=HBM_Q[(queue0 + gi) % len(HBM_Q)])
+        return j0, t
+
+    if lookahead is None:
+        return LazyGroups(load, len(starts))
+
+    def gen() -> Iterable[tuple[int, TileAP]]:
+        ready = [load(gi) for gi in range(min(lookahead, len(starts)))]
+        for gi in range(len(starts)):
+            if gi + lookahead < len(starts):
+                ready.append(load(gi + lookahead))
+            yield ready[gi]
+
+    return gen()
+
+
+class LazyGroups:
+    """A resident weight's k-groups, each loaded (its DMA emitted) when first needed."""
+
+    def __init__(self, load: Callable[[int], tuple[int, TileAP]], n: int):
+        self._load, self.n = load, n
+        self.groups: list[tuple[int, TileAP]] = []
+
+    def load_next(self) -> bool:
+        """Emit the next group's load; False when all are loaded."""
+        if len(self.groups) >= self.n:
+            return False
+        self.groups.append(self._load(len(self.groups)))
+        return True
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterable[tuple[int, TileAP]]:
+        for gi in range(self.n):
+            while len(self.groups) <= gi:
+                self.load_next()
+            yield self.groups[gi]
+
+
+def weight_group(k1: int, cw: int, isz: int, target: int = 4096) -> int:
+    """k-tiles per weight DMA: about ``target`` bytes per partition (a 512 KiB transfer, enough
+    to run at the sustained rate), near-equal groups (the last group's matmuls are the tail
+    after the last load)."""
+    g = max(1, min(k1, target // max(1, cw * isz)))
+    n = -(-k1 // g)
+    return -(-k1 // n)
+
+
+def matmul_tokens(kern: Kernel, xT: XT, groups: Iterable[tuple[int, TileAP]], accs: Sequence[TileAP],
+                  cw: int, fp8: bool = False, first: bool = True) -> None:
+    """``accs[b] [tb, <=512] = Σ_j xT[:, j, :tb]ᵀ @ W[:, j, bank b]`` over every k-tile of
+    ``groups``: each stationary token tile serves all the banks of its row before it changes, so
+    LoadStationary overlaps the previous multiply. fp8 operands contract two k-tiles per
+    instruction (double row)."""
+    step = 2 if fp8 else 1
+    tb = xT.tb
+    for j0, wt in groups:
+        g = wt.shape[1]
+        for jj in range(0, g, step):
+            j = j0 + jj
+            pairs = []
+            for b, acc in enumerate(accs):
+                c, w = b * BANK, min(BANK, cw - b * BANK)
+                mv = wt[:, jj:jj + 2, c:c + w] if fp8 else wt[:, jj, c:c + w]
+                pairs.append((acc[:tb, :w], mv))
+            kern.nc_matmul_row(xT.st(j, fp8), pairs, accumulate=not first)
+            first = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Stores of per-head outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def store_heads(kern: Kernel, out: HbmTensor, tile: TileAP, t0: int, tb: int, h0: int, nh: int, s: int,
+                queue: int = 0) -> None:
+    """Token rows ``[t0, t0+tb)`` of heads ``[h0, h0+nh)`` from ``tile [tb, nh, D]`` into
+    ``out [B, n, S, D]`` (token ``t = b*S + s``): one DMA per batch the rows touch (one in all
+    when ``S == 1``)."""
+    _, n, _, d = out.shape
+    if s == 1:
+        kern.dma_copy(out.ap((t0 * n + h0) * d, [[n * d, tb], [d, nh], [1, d]]), tile, engine="gpsimd",
+                      queue=queue)
+        return
+    t = t0
+    while t < t0 + tb:
+        b, si = divmod(t, s)
+        m = min(s - si, t0 + tb - t)
+        src = tile[t - t0:t - t0 + m]
+        kern.dma_copy(out.ap(((b * n + h0) * s + si) * d, [[d, m], [s * d, nh], [1, d]]), src, engine="gpsimd",
+                      queue=queue)
+        t += m
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The least time a kernel can take on one logical core: its compulsory HBM bytes over the
+    HBM bandwidth its physical cores reach, or its matmul FLOPs over TensorE's peak (bf16 rate;
+    fp8 double-row twice that), whichever is longer."""
+
+    hbm_bytes: int
+    flops: int
+    fp8_flops: int = 0
+
+    def seconds(self, config: ChipConfig, cores: int) -> tuple[float, float]:
+        """(HBM time, TensorE time) on ``cores`` physical cores sharing their HBM stack."""
+        from ...memory.hbm import stack_bandwidth
+
+        per_core = min(config.core.dma.engines * config.core.dma.engine_bandwidth,
+                       float(stack_bandwidth(config)) / min(cores, _cores_per_stack(config)))
+        t = config.core.tensor
+        peak = 2.0 * t.pe_rows * t.pe_cols * t.clock * cores
+        fp8_peak = peak * (2 if t.fp8_double_row else 1)
+        return self.hbm_bytes / (per_core * cores), self.flops / peak + self.fp8_flops / fp8_peak
+
+    def time(self, config: ChipConfig, cores: int) -> float:
+        return max(self.seconds(config, cores))
+
+
+def _cores_per_stack(config: ChipConfig) -> int:
+    return max(1, config.chip.cores // config.chip.hbm.stacks)
+
+
+def bound_fraction(bound: Bound, seconds: float, config: ChipConfig, cores: int) -> float:
+    """The bound's time over the simulated time (1.0: at the bound)."""
+    return bound.time(config, cores) / seconds if seconds else 0.0
+
+
+#: kernel name -> its bound function ``(shape, dtype, params) -> Bound`` (each module adds its own)
+BOUNDS: dict[str, Callable[[tuple[int, ...], str, Mapping[str, Any]], Bound]] = {}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One logical core's simulated time for a kernel call, and how close it is to its bound."""
+
+    kernel: str
+    shape: tuple[int, ...]
+    config: str
+    cores: int
+    seconds: float
+    hbm_seconds: float   # the bound's HBM part
+    pe_seconds: float    # the bound's TensorE part
+
+    @property
+    def bound_seconds(self) -> float:
+        return max(self.hbm_seconds, self.pe_seconds)
+
+    @property
+    def fraction(self) -> float:
+        return self.bound_seconds / self.seconds if self.seconds else 0.0
+
+    @property
+    def bound_by(self) -> str:
+        return "HBM" if self.hbm_seconds >= self.pe_seconds else "TensorE"
+
+
+def measure(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any] | None = None, dtype: str = "bf16",
+            config: ChipConfig | str = "trn2", lnc: int | None = None) -> Measured:
+    """Simulate ``kernel`` (timing only) on one logical core - its LNC split rule's parts on the
+    physical cores at once, sharing their HBM stack - and set the time beside its bound."""
+    from ...chip import Chip
+    from ...config import load_config
+    from ..registry import build_spec, get_kernel, split_parts
+
+    cfg = load_config(config)
+    n = cfg.chip.lnc if lnc is None else lnc
+    merged = {**get_kernel(kernel).params, **(params or {})}
+    parts = split_parts(kernel, tuple(shape), merged, n)
+    kernels = [build_spec(kernel, s, dtype, cfg, {**merged, **own}) for s, own in parts]
+    results = Chip(cfg).run_spmd(kernels, timing_only=True)
+    seconds = max(r.report.total_ns for r in results) * 1e-9
+    hbm, pe = BOUNDS[kernel](tuple(shape), dtype, merged).seconds(cfg, len(kernels))
+    return Measured(kernel, tuple(shape), cfg.name, len(kernels), seconds, hbm, pe)
+
+
+# ---------------------------------------------------------------------------------------------
+# The projection runner: passes of weight columns x token blocks, software-pipelined
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seg:
+    """Columns ``[c0, c0 + cw)`` of the ``[K, n]`` weight matrix at element ``base`` of ``w``."""
+
+    w: HbmTensor
+    base: int
+    n: int
+    c0: int
+    cw: int
+
+
+class Projection:
+    """``out[T, cols] = X[T, K] @ W[K, cols]``, tokens stationary (:func:`matmul_tokens`), over
+    passes of weight columns, with a callback that evacuates each (pass, token block).
+
+    ``make_passes(width)`` lays the columns out as passes of segments (a segment is at most
+    ``width`` columns of one weight); the width is the widest multiple of ``unit`` (at most three
+    PSUM banks a segment, so a pass's accumulators double-buffer in six) whose pass fits SBUF.
+
+    * **stream** (one token block, decode): ``Xᵀ`` is made once; each pass's weights stream
+      through a few k-group buffers, each load emitted ``lookahead`` groups ahead of its use.
+    * **resident** (prefill): a pass's weights are loaded whole and stay while the token blocks
+      go by (the next pass's load overlaps when two fit). ``Xᵀ`` of every block is made in the
+      first pass; when it does not fit SBUF for later passes it is spilled to an HBM scratch in
+      the ``[128, K1, tb]`` layout (one contiguous run per partition) and reloaded, so ``x`` is
+      read, and the residual stored, once.
+
+    The loop is software-pipelined in program order (the engines run their queues in order):
+    the loads and norm of blocks ``i+1`` and ``i+2``, the matmuls of ``i``, the transposes of
+    ``i+1``, the evacuation of ``i`` - TensorE goes from one block's matmuls to the next's
+    transposes while VectorE/ScalarE evacuate.
+    """
+
+    def __init__(self, kern: Kernel, pools: Pools, *, k1: int, tokens: int, prologue: Any, isz: int,
+                 make_passes: Callable[[int], list[list[Seg]]], max_width: int, unit: int, budget: int,
+                 fp8: bool = False, tag: str = "p", k_range: tuple[int, int] | None = None, max_banks: int = 3):
+        self.kern, self.pools, self.k1, self.tokens = kern, pools, k1, tokens
+        self.kp = prologue.kp  # partitions of the contraction (K = kp x K1)
+        self.k_range = k_range
+        self.pro, self.isz, self.fp8, self.tag = prologue, isz, fp8, tag
+        self.tbs = [(t0, min(P, tokens - t0)) for t0 in range(0, tokens, P)]
+        tbw = min(P, tokens)
+        self.stream = len(self.tbs) == 1
+        xT_bytes = k1 * tbw * isz
+        cap_w = max(unit, min(max_width, max_banks * BANK) // unit * unit)
+        if self.stream:
+            self.passes = make_passes(cap_w)
+            self.cache_x, self.spill = True, False
+        else:
+            xT_bufs = 4
+            w_budget = budget - xT_bufs * xT_bytes
+            nseg = len(make_passes(cap_w)[0])
+            width = min(cap_w, w_budget // max(1, nseg * k1 * isz) // unit * unit)
+            if width < unit:
+                raise KernelError(f"{kern.name}: {k1 * P} x {unit} weight columns do not fit SBUF on "
+                                  f"{kern.config.name} beside the token blocks ({max(0, w_budget) // 1024} KiB "
+                                  f"per partition left); the contraction dim must be smaller")
+            self.passes = make_passes(width)
+            self.cache_x = len(self.passes) == 1 or len(self.tbs) <= xT_bufs
+            self.spill = not self.cache_x
+        wmax = max(sg.cw for ps in self.passes for sg in ps)
+        group = weight_group(k1, wmax, isz)
+        if fp8:
+            group = max(2, group // 2 * 2)
+        self.group = group
+        n_groups = -(-(k1 if k_range is None else k_range[1] - k_range[0]) // group)
+        per_pass = max(len(ps) for ps in self.passes) * n_groups
+        if self.stream:
+            # four k-groups in flight: enough to cover a transfer's start latency and keep the
+            # queues busy; more would only delay a later small transfer (an exchange, a store)
+            # that the DMA engines serve after every transfer ready before it
+            segs = max(len(ps) for ps in self.passes)
+            total = n_groups * len(self.passes)
+            # at most ~80 KiB per partition in flight (10 MiB: far more than the DMA latency needs),
+            # leaving room for the evacuation's tiles
+            room = max(0, min(budget - prologue.sbuf_bytes - 2 * xT_bytes - 16 * 1024, 80 * 1024)) \
+                // max(1, group * wmax * isz * segs)
+            self.lookahead: int | None = max(1, min(4, total, room - 1))
+            bufs = (self.lookahead + 1) * segs
+            self.double = False
+        else:
+            self.lookahead = None
+            fit = max(per_pass, (budget - 4 * xT_bytes) // (group * wmax * isz))
+            bufs = min(2 * per_pass, fit)
+            self.double = bufs >= 2 * per_pass and len(self.passes) > 1
+            if not self.double:
+                bufs = per_pass
+        self.wpool = pools(f"{tag}_w", bufs)
+        #: SBUF bytes per partition the weight buffers take
+        self.w_bytes = bufs * group * wmax * isz
+        self.acc_pool = pools("acc", 6, "psum")
+        self.xT_pool = pools(f"{tag}_xT", len(self.tbs) if self.cache_x else 4)
+        self.xT_cache: dict[int, XT] = {}
+        self.xT_hbm = kern.scratch(f"{tag}_xT_spill", (len(self.tbs), self.kp, k1 * P), prologue.out_dt) \
+            if self.spill else None
+        self._q = 0
+        self._stream_it: Any = None
+
+    def _load(self, ps: Sequence[Seg]) -> Any:
+        """The pass's weights: per segment, its k-groups (resident: :class:`LazyGroups`; streamed:
+        the pass's share of :meth:`_stream`, one list of the segments' tiles per k-group)."""
+        if self.stream:  # passes are loaded in order: each takes its k-groups from the one stream, lazily
+            if self._stream_it is None:
+                self._stream_it = iter(self._stream())
+            n = len(range(*(self.k_range or (0, self.k1)), self.group))
+            return [itertools.islice(self._stream_it, n)]
+        out = []
+        for sg in ps:
+            out.append(load_weights(self.kern, self.wpool, sg.w, sg.base, self.k1, sg.n, sg.c0, sg.cw, self.group,
+                                    queue0=self._q, lookahead=None, k_range=self.k_range, kp=self.kp))
+            self._q += 1
+        return out
+
+    def _stream(self) -> Iterable[list[tuple[int, TileAP]]]:
+        """Every pass's weights as one stream, in the order the matmuls use them: per pass, per
+        k-group, the segments' tiles together. Each load is emitted ``lookahead`` k-groups ahead
+        of its use, across pass boundaries, so the DMA queues never wait for a pass to start."""
+        loaders = []
+        for ps in self.passes:
+            lds = [load_weights(self.kern, self.wpool, sg.w, sg.base, self.k1, sg.n, sg.c0, sg.cw, self.group,
+                                queue0=self._q + k, lookahead=None, k_range=self.k_range, kp=self.kp)
+                   for k, sg in enumerate(ps)]
+            self._q += len(ps)
+            loaders.extend([lds] * len(lds[0]))
+        order = []
+        seen: dict[int, int] = {}
+        for lds in loaders:  # (loaders of a pass, its next group index) in use order
+            gi = seen.get(id(lds), 0)
+            seen[id(lds)] = gi + 1
+            order.append((lds, gi))
+        la = self.lookahead or 1
+        issued = 0
+
+        def issue(upto: int) -> None:
+            nonlocal issued
+            while issued < min(upto, len(order)):
+                for ld in order[issued][0]:
+                    ld.load_next()
+                issued += 1
+
+        for k, (lds, gi) in enumerate(order):
+            issue(k + 1 + la)
+            yield [ld.groups[gi] for ld in lds]
+
+    def _mm(self, xT: XT, ps: Sequence[Seg], loaded: Any, steps: Sequence[Callable[[], None]] = ()
+            ) -> list[list[TileAP]]:
+        """Every segment's matmuls for one token block; accumulators per segment, per bank.
+        ``steps`` (the next block's transposes) are spread evenly between the k-groups."""
+        accs = [[self.acc_pool.tile((P, BANK), "fp32")[:xT.tb] for _ in range(-(-sg.cw // BANK))] for sg in ps]
+        if steps and not self.stream:
+            pending = list(steps)
+            total = sum(len(g) for g in loaded)  # type: ignore[arg-type]
+            done = 0
+            for g, sg, acc in zip(loaded, ps, accs):
+                first = True
+                for grp in g:
+                    matmul_tokens(self.kern, xT, [grp], acc, sg.cw, fp8=self.fp8, first=first)
+                    first = False
+                    done += 1
+                    while pending and len(pending) > (total - done) * len(steps) // total:
+                        pending.pop(0)()
+            for st in pending:
+                st()
+            return accs
+        if self.stream:
+            # streamed segments advance together, k-group by k-group (their loads interleave)
+            for parts in loaded[0]:
+                for (j0, wt), sg, acc in zip(parts, ps, accs):
+                    matmul_tokens(self.kern, xT, [(j0, wt)], acc, sg.cw, fp8=self.fp8,
+                                  first=j0 == (self.k_range or (0, 0))[0])
+        else:
+            for g, sg, acc in zip(loaded, ps, accs):
+                matmul_tokens(self.kern, xT, g, acc, sg.cw, fp8=self.fp8)
+        return accs
+
+    def run(self, evac: Callable[[int, int, int, list[list[TileAP]]], None]) -> None:
+        """Emit every pass; ``evac(pass index, t0, tb, accs)`` after each (pass, token block)."""
+        kern = self.kern
+        items = [(pi, bi, t0, tb) for pi in range(len(self.passes)) for bi, (t0, tb) in enumerate(self.tbs)]
+        states: dict[int, Any] = {}
+
+        def a(i: int) -> None:
+            pi, bi, t0, tb = items[i]
+            if t0 in self.xT_cache or i in states or (pi > 0 and not self.spill):
+                return  # made already (or being made for the first pass: kept for the later ones)
+            if pi == 0:
+                states[i] = self.pro.stage_a(t0, tb, self.xT_pool)
+            else:  # a later pass: Xᵀ back from the spill
+                t = self.xT_pool.tile((self.kp, self.k1, P), self.pro.out_dt)
+                kern.dma_copy(t[:, :, :tb], self.xT_hbm.ap(bi * self.kp * self.k1 * P,  # type: ignore[union-attr]
+                                                           [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]), queue=4)
+                states[i] = XT(t, tb, False)
+
+        def b(i: int) -> XT:
+            pi, bi, t0, tb = items[i]
+            xT = self.xT_cache.get(t0)
+            if xT is None:
+                xT = self.pro.stage_b(states.pop(i), self.xT_pool)
+                if self.cache_x:
+                    self.xT_cache[t0] = xT
+                elif pi == 0 and self.spill:
+                    kern.dma_copy(self.xT_hbm.ap(bi * self.kp * self.k1 * P,  # type: ignore[union-attr]
+                                                 [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]),
+                                  xT.tile[:, :, :tb], engine="gpsimd", queue=5)
+            return xT
+
+        def b_steps(i: int) -> tuple[XT, list[Callable[[], None]]]:
+            pi, bi, t0, tb = items[i]
+            xT = self.xT_cache.get(t0)
+            if xT is not None:
+                return xT, []
+            xT, steps = self.pro.stage_b_steps(states.pop(i), self.xT_pool)
+            if self.cache_x:
+                self.xT_cache[t0] = xT
+            elif pi == 0 and self.spill:
+                steps.append(lambda: kern.dma_copy(
+                    self.xT_hbm.ap(bi * self.kp * self.k1 * P, [[self.k1 * P, self.kp], [P, self.k1], [1, tb]]),  # type: ignore[union-attr]
+                    xT.tile[:, :, :tb], engine="gpsimd", queue=5))
+            return xT, steps
+
+        loaded: dict[int, Any] = {}
+        # the first blocks' loads go ahead of the first pass's weights (DMA queues are served in
+        # turn); two blocks' rows are live at a time (the row pools hold two)
+        for i in range(min(2, len(items))):
+            a(i)
+        pending: tuple[int, XT] | None = (0, b(0)) if items else None
+        while pending is not None:
+            i, xT = pending
+            pi, bi, t0, tb = items[i]
+            if pi not in loaded:
+                loaded[pi] = self._load(self.passes[pi])
+            for ahead in (1, 2):  # loads and norm two blocks ahead: their chain is longer than a block's matmuls
+                if i + ahead < len(items):
+                    a(i + ahead)
+            if self.double and pi + 1 < len(self.passes):
+                # the next pass's weights, a share per token block of this pass, between the
+                # blocks' own loads (a transfer waits for every one ready before it)
+                if pi + 1 not in loaded:
+                    loaded[pi + 1] = self._load(self.passes[pi + 1])
+                lazy = [g for g in loaded[pi + 1] if isinstance(g, LazyGroups)]
+                share = -(-sum(len(g) for g in lazy) // max(1, len(self.tbs) - 1))
+                for _ in range(share):
+                    if not any(g.load_next() for g in lazy):
+                        break
+            nxt_xT, steps = b_steps(i + 1) if i + 1 < len(items) else (None, [])
+            accs = self._mm(xT, self.passes[pi], loaded[pi], steps)
+            nxt = (i + 1, nxt_xT) if nxt_xT is not None else None
+            evac(pi, t0, tb, accs)
+            if i + 1 == len(items) or items[i + 1][0] != pi:
+                loaded.pop(pi, None)
+            pending = nxt
+
+
+class Exchange:
+    """The partial-sum exchange of a decode projection whose contraction dim is shared by the
+    physical cores of an LNC=2 logical core (the NKI library's TKG kernels shard H and add the
+    partial outputs with ``sendrecv``): per PSUM bank, the partial sums go to SBUF (ScalarE), one
+    SBUF-to-SBUF DMA stands for the transfer between the cores (``sendrecv`` is a DMA), and
+    VectorE adds the peer's partial sums of this core's columns before they are evacuated.
+
+    trnsim simulates each core's kernel on its own, so the peer's data is represented by this
+    core's own partial sums (the cores run the same stream, so the peer's arrive when ours would
+    have). The values are then not the peer's: a sharded kernel is for timing; its values are
+    checked unsharded."""
+
+    def __init__(self, kern: Kernel, pools: Pools):
+        self.kern, self.pools = kern, pools
+
+    def add_peer(self, acc: TileAP, lo: int, hi: int) -> TileAP:
+        """Columns ``[lo, hi)`` of the PSUM bank ``acc [tb, w]`` plus the peer's, in SBUF (fp32)."""
+        tb, w = acc.p_count, acc.free_size
+        mine = self.pools("xchg_out", 2).tile((P, BANK), "fp32")[:tb, :w]
+        self.kern.activation(mine, "copy", acc)
+        peer = self.pools("xchg_in", 2).tile((P, BANK), "fp32")[:tb, :w]
+        self.kern.dma_copy(peer, mine, engine="gpsimd", queue=6)
+        out = self.pools("xchg_sum", 2).tile((P, BANK), "fp32")[:tb, :hi - lo]
+        self.kern.tensor_tensor(out, mine[:, lo:hi], peer[:, lo:hi], "add")
+        return out
