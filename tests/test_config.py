@@ -115,3 +115,30 @@ def test_a_copied_config_with_overrides_is_a_new_chip(tmp_path):
     p.write_text(open(load_config("trn2").source).read().replace("224KiB", "448KiB"))
     cfg = load_config(str(p))
     assert cfg.core.sbuf.partition_bytes == 448 * 1024 and cfg.name == "trn2"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["core.dma.start_latency=1e15s"],
+     "trn2.yaml (--set core.dma.start_latency=1e15s): core.dma.start_latency = '1e15s': out of range, expected "
+     "0ps..1s"),
+    (["host.dispatch=2s"], "trn2.yaml (--set host.dispatch=2s): host.dispatch = '2s': out of range, expected 0ps..1s"),
+    (["core.tensor.clock=2400000001Hz", "core.vector.clock=2399999999Hz"],
+     "trn2.yaml: the engine clocks (tensor 2,400,000,001 Hz, vector 2,399,999,999 Hz, scalar 1,200,000,000 Hz, "
+     "gpsimd 1,200,000,000 Hz, sync 1,200,000,000 Hz) have no common tick of at least 0.1 fs (their least common "
+     "multiple is 6.91e+27 Hz); expected clocks with a larger common divisor, e.g. whole MHz"),
+])
+def test_times_and_the_tick_are_bounded_when_the_config_loads(overrides, message):
+    """Issue 25: start_latency: 1e15s passed ``trnsim info`` and then overflowed the simulator's
+    64-bit ticks in ``trnsim kernel``; clocks without a common tick did the same."""
+    with pytest.raises(ConfigError) as e:
+        load_config("trn2", overrides)
+    assert str(e.value) == message
+
+
+def test_the_longest_time_and_an_odd_whole_mhz_clock_still_simulate():
+    from trnsim.chip import Chip
+    from trnsim.kernels.matmul import build_matmul
+
+    cfg = load_config("trn2", ["core.dma.start_latency=1s", "core.tensor.clock=2401MHz", "core.vector.clock=961MHz"])
+    report = Chip(cfg).run(build_matmul(128, 128, 512, "bf16", cfg), timing_only=True).report
+    assert report.total_us > 1e6  # a second of DMA start latency, counted exactly

@@ -81,11 +81,17 @@ def library_path() -> Path:
 
 def _build(target: Path) -> None:
     cxx = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    except OSError as e:  # TRNSIM_CACHE_DIR names a file, or a directory that cannot be written
+        why = "it is not a directory" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+            e.strerror or type(e).__name__
+        raise NativeBuildError(f"trnsim: cannot build the neuron device's native extension in {target.parent} "
+                               f"({why}); set TRNSIM_CACHE_DIR to a writable directory") from None
+    os.close(fd)
     print(f"trnsim: building the neuron device's native extension for torch {torch.__version__} "
           f"(once; ~15 s) -> {target}", file=sys.stderr, flush=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
     cmd = [*cxx.split(), str(SOURCE), "-o", tmp, *_flags()]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
@@ -93,6 +99,9 @@ def _build(target: Path) -> None:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[:300])
             raise NativeBuildError(f"trnsim: building the neuron device's native extension failed ({cxx}): {first}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key loses nothing
+    except OSError as e:  # the compiler could not start, or the disk filled up
+        raise NativeBuildError(f"trnsim: building the neuron device's native extension in {target.parent} failed "
+                               f"({e.strerror or type(e).__name__})") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -344,7 +344,18 @@ def format_quantity(value: float, kind: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+#: the longest any one latency or duration of a config may be, ps: a second is beyond every
+#: figure of the chip and its links, and keeps each in range of the simulator's 64-bit ticks
+MAX_TIME_PS = 10**12
+#: the fastest simulation tick (the engine clocks' least common multiple), Hz: a 0.1 fs tick
+#: still counts 15 minutes of simulated time in 64 bits (whole-MHz clocks stay far below it;
+#: 2.4GHz against 2.400000001GHz would need a tick of 10^-28 s)
+MAX_TICK_HZ = 10**16
+
+
 def _q(kind: str, lo: float = 1, hi: float = math.inf, doc: str = "") -> Any:
+    if kind == "time" and hi == math.inf:
+        hi = MAX_TIME_PS
     return field(metadata={"kind": kind, "lo": lo, "hi": hi, "doc": doc})
 
 
@@ -771,6 +782,11 @@ def _check_consistency(cfg: ChipConfig, where: str) -> None:
     for ok, key, value, expected in rules:
         if not ok:
             raise ConfigError(f"{where}: {key} = {value!r}: expected {expected}")
+    if cfg.tick_hz > MAX_TICK_HZ:
+        clocks = ", ".join(f"{k.lower()} {v:,} Hz" for k, v in cfg.engine_clocks.items())
+        raise ConfigError(f"{where}: the engine clocks ({clocks}) have no common tick of at least 0.1 fs (their least "
+                          f"common multiple is {cfg.tick_hz:.3g} Hz); expected clocks with a larger common divisor, "
+                          f"e.g. whole MHz")
 
 
 _CALIBRATION_KEYS = ("value", "calibrated", "fit")
@@ -926,6 +942,7 @@ class TopologyDimConfig:
     bandwidth: int = _q("bandwidth", doc="per link (ring, full) or per chip port (switch), each direction, bytes/s")
     latency: int = _q("time", lo=0, doc="per link hop (a switch is two hops: up and down), ps")
     inter_instance: bool = _bool(doc="the dimension joins instances (hierarchical algorithms split there)")
+    proxy: bool = _bool(doc="traffic across it goes through the runtime's network proxy thread (EFA)")
     name: str = field(default="", metadata={"internal": True})
 
 
@@ -941,7 +958,18 @@ class CollectivesConfig:
     dma_accumulate_rate: float = _num(0.01, 1.0, doc="DMA accumulate throughput as a fraction of a copy's")
     mesh_below: int = _q("bytes", lo=0, doc="Mesh below this size, bytes")
     rdh_below: int = _q("bytes", lo=0, doc="RDH below this size (and at least mesh_below), bytes")
+    rule_ranks: int = _int(1, 1 << 20, doc="the group size mesh_below and rdh_below are stated for; other groups "
+                                           "compare their bytes per rank")
     pipeline_segments: int = _int(1, 4096, doc="segments of a pipelined broadcast/reduce chain")
+    dma_duplication: bool = _bool(doc="a DMA write can go to two destinations from one read (KangaRing needs it)")
+    # the Neuron runtime's costs (trnsim.collectives.runtime): zero them, and dma_rings to a
+    # core's engines, for the network alone
+    launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")
+    step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
+    issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
+    dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a transfer's data is spread over")
+    efa_proxy: int = _q("time", lo=0, doc="network proxy thread time per transfer that leaves the instance over EFA, ps")
+    ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
 
 
 @dataclass(frozen=True)

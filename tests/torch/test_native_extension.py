@@ -172,6 +172,21 @@ def test_without_a_compiler_import_torch_says_so_in_one_line_and_cpu_torch_works
                      "install g++) or set CXX (the neuron device is not registered; CPU-only torch is unaffected)"]
 
 
+@pytest.mark.parametrize("where", ["file", "file/below"])
+def test_a_cache_dir_that_is_a_file_is_one_line_and_cpu_torch_works(tmp_path, where):
+    """Issue 25: TRNSIM_CACHE_DIR naming a file broke ``import torch`` itself (a FileExistsError
+    inside the build, reported by torch as 'Failed to load the backend extension: neuron')."""
+    (tmp_path / "file").write_text("")
+    out = _python("import torch; print(torch.ones(2).sum().item(), hasattr(torch, 'neuron'))",
+                  TRNSIM_CACHE_DIR=str(tmp_path / where))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0 False"
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert lines == [f"trnsim: cannot build the neuron device's native extension in {tmp_path / where} (it is not a "
+                     f"directory); set TRNSIM_CACHE_DIR to a writable directory (the neuron device is not registered; "
+                     f"CPU-only torch is unaffected)"]
+
+
 def test_the_library_is_cached_per_source_and_torch():
     path = _native.library_path()
     assert path.is_file() and path.name.startswith("neuron_ext-")
