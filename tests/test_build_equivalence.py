@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from trnsim import load_config
-from trnsim.isa import Instruction
+from trnsim.isa import Instruction, KernelError
 from trnsim.kernel import (DependencyTracker, Kernel, NativeDependencyTracker, _deptrack, reference_build,
                             stream_fingerprint)
 from trnsim.kernels import get_kernel, kernel_names
@@ -94,7 +94,15 @@ def test_every_library_kernel_same_stream(name: str) -> None:
     if shape is None:
         shape = {"matmul": (384, 256, 1030), "bmm": (2, 128, 128, 512), "attention": (1, 1, 256, 128)}[name]
     for cfg in CONFIGS:
-        _assert_same(*_both(name, shape, entry.default_dtype, cfg))
+        try:
+            pair = _both(name, shape, entry.default_dtype, cfg)
+        except KernelError as e:
+            # only an older generation may refuse a kernel, lacking a feature or the room it needs
+            # (trn1's DMA transpose and smaller SBUF, MX matmul before NeuronCore-v4), in one line
+            # naming the generation
+            assert cfg != CONFIGS[-1] and cfg in str(e) and "\n" not in str(e), (cfg, str(e))
+            continue
+        _assert_same(*pair)
 
 
 def test_user_kernel_same_stream() -> None:
