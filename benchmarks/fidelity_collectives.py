@@ -1,6 +1,12 @@
 """Collective fidelity: the simulation next to the alpha-beta closed form, busbw at 1 GiB against
 the link bound, and the published Neuron collective figures next to the simulation.
 
+Parts 1-3 check the network alone (``trnsim.collectives.runtime.network_only``: the runtime's
+launch, issue, handshake and proxy costs zero, a transfer on all of a core's DMA engines), as
+the network layer's own closed form describes it; part 4 runs the configs as shipped, with the
+runtime's calibrated costs (the validation ledger, ``trnsim validate``, holds every published
+row with its source and role).
+
 1. **Simulation vs the alpha-beta form, where its assumptions hold.** Ring, 2D ring
    (``per-dim-ring``) and halving-doubling (``rdh``) all-reduce, all-gather and reduce-scatter,
    8 B ... 4 GiB, on topologies where every step has one flow per link direction and switch port
@@ -41,7 +47,13 @@ from dataclasses import dataclass
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from trnsim.collectives import simulate_collective  # noqa: E402
+from trnsim.collectives.runtime import network_only  # noqa: E402
 from trnsim.config import SystemConfig, load_system  # noqa: E402
+
+
+def network(system: str, overrides: list[str] | None = None) -> SystemConfig:
+    """The system with the runtime's costs taken out (the network alone)."""
+    return load_system(system, network_only(system) + list(overrides or []))
 
 TOL = 0.02
 GIB = 2**30
@@ -83,7 +95,7 @@ CASES = [  # (name, system, algorithm, group)
 def form_checks(quick: bool) -> list[Row]:
     rows = []
     for name, system, algo, group in CASES:
-        sysc = load_system(system)
+        sysc = network(system)
         for coll in ("all-reduce", "all-gather", "reduce-scatter"):
             for n in sizes(quick):
                 r = simulate_collective(sysc, coll, n, group=group, algorithm=algo)
@@ -97,7 +109,7 @@ def contended(quick: bool) -> list[tuple[str, Row, float]]:
     the routes); the textbook form (one flow per link) is printed beside it."""
     out = []
     big = 16 << 20 if quick else 1 << 30
-    trn2 = load_system("trn2.48xlarge")
+    trn2 = network("trn2.48xlarge")
     cases = [
         ("rdh", trn2, "all-reduce", list(range(0, 64, 4)),
          "partners 2 chips apart on a ring of 4 route through the chip between: two flows on its link. The form "
@@ -118,7 +130,7 @@ def contended(quick: bool) -> list[tuple[str, Row, float]]:
         out.append((why, Row(f"{coll} {algo} on {sysc.name}, {len(group)} ranks", r.nbytes, r.time_us,
                              r.estimate.time_us, None), r.estimate.textbook_s * 1e6))
     for chunks in ((2, 8, 32) if quick else (2, 8, 32, 128)):
-        s = load_system("trn2.48xlarge", [f"collectives.max_chunks={chunks}"])
+        s = network("trn2.48xlarge", [f"collectives.max_chunks={chunks}"])
         r = simulate_collective(s, "all-reduce", 16 << 20 if quick else 256 << 20, ranks=64, algorithm="rdh")
         out.append((f"collectives.max_chunks={chunks}: flows sharing a port take turns chunk by chunk, so one ends "
                     f"a chunk before another; finer chunks approach the form (the default is 8, for speed)",
@@ -140,7 +152,7 @@ def busbw_rows(quick: bool) -> list[tuple[str, float, float, float, str]]:
              range(0, 64, 4)),
             ("ring all-reduce, trn3 Gen1, 64 ranks", "trn3-ultraserver-gen1", "all-reduce", "ring", range(64)),
             ("ring all-reduce, trn1.32xlarge, 32 ranks", "trn1.32xlarge", "all-reduce", "ring", range(32))]:
-        sysc = load_system(system)
+        sysc = network(system)
         r = simulate_collective(sysc, coll, n, group=list(group), algorithm=algo)
         link = min(d.bandwidth for d in sysc.topology if d.size > 1)
         beta = r.estimate.time_s - r.estimate.latency_s
@@ -149,31 +161,29 @@ def busbw_rows(quick: bool) -> list[tuple[str, float, float, float, str]]:
     return out
 
 
-PUBLISHED = [  # (what, system overrides, collective, ranks, bytes, published us, dtype)
-    ("-r 2 allr, 1 KiB (floor)", [], "all-reduce", 2, 1 << 10, 58.0),
-    ("-r 2 allr, 64 KiB (floor)", [], "all-reduce", 2, 64 << 10, 58.0),
-    ("-r 2 allr, 1 MiB", [], "all-reduce", 2, 1 << 20, 68.0),
-    ("-r 2 allr, 16 MiB", [], "all-reduce", 2, 16 << 20, 332.0),
-    ("-r 2 allr, 1 GiB (52.83 GiB/s busbw)", [], "all-reduce", 2, 1 << 30, 18930.0),
-    ("-r 8 allg, 1 KiB", [], "all-gather", 8, 1 << 10, 10.0),
-    ("-r 8 allg, 8 KiB", [], "all-gather", 8, 8 << 10, 10.22),
-    ("-r 8 allg, 64 KiB", [], "all-gather", 8, 64 << 10, 11.31),
-    ("-r 8 allg, 512 KiB", [], "all-gather", 8, 512 << 10, 14.83),
-    ("-r 64 -N 2 allr, 8 B (floor)", ["topology.efa.size=2"], "all-reduce", 64, 8, 520.0),
-    ("-r 64 -N 2 allr, 1 MiB", ["topology.efa.size=2"], "all-reduce", 64, 1 << 20, 1328.0),
-    ("-r 64 -N 2 allr, 16 MiB", ["topology.efa.size=2"], "all-reduce", 64, 16 << 20, 2138.0),
-    ("-r 64 -N 2 allr, 256 MiB", ["topology.efa.size=2"], "all-reduce", 64, 256 << 20, 11954.0),
-    ("-r 64 -N 2 allr, 1 GiB (47.09 GiB/s busbw)", ["topology.efa.size=2"], "all-reduce", 64, 1 << 30, 41806.0),
+PUBLISHED = [  # (what, system, overrides, collective, ranks, bytes, published us): nccom-test examples
+    ("-r 2 allr, 1 KiB (floor)", "trn1.32xlarge", [], "all-reduce", 2, 1 << 10, 58.0),
+    ("-r 2 allr, 1 MiB", "trn1.32xlarge", [], "all-reduce", 2, 1 << 20, 68.0),
+    ("-r 2 allr, 16 MiB", "trn1.32xlarge", [], "all-reduce", 2, 16 << 20, 332.0),
+    ("-r 2 allr, 1 GiB (52.83 GiB/s busbw)", "trn1.32xlarge", [], "all-reduce", 2, 1 << 30, 18930.0),
+    ("-r 32 allg, 64 KiB", "trn1.32xlarge", [], "all-gather", 32, 64 << 10, 150.0),
+    ("-r 64 -N 2 allr, 8 B (floor)", "trn1.32xlarge", ["topology.efa.size=2"], "all-reduce", 64, 8, 520.0),
+    ("-r 64 -N 2 allr, 1 MiB", "trn1.32xlarge", ["topology.efa.size=2"], "all-reduce", 64, 1 << 20, 1328.0),
+    ("-r 64 -N 2 allr, 1 GiB (47.09 GiB/s busbw)", "trn1.32xlarge", ["topology.efa.size=2"], "all-reduce", 64,
+     1 << 30, 41806.0),
+    ("-r 8 allg, 1 KiB", "trn2.48xlarge", [], "all-gather", 8, 1 << 10, 10.0),
+    ("-r 8 allg, 512 KiB", "trn2.48xlarge", [], "all-gather", 8, 512 << 10, 14.83),
+    ("-r 16 allr, 2 MiB (rdh)", "trn2.48xlarge", [], "all-reduce", 16, 2 << 20, 686.32),
+    ("-r 16 allr, 512 MiB (kangaring)", "trn2.48xlarge", [], "all-reduce", 16, 512 << 20, 9689.51),
 ]
 
 
 def published(quick: bool) -> list[tuple[str, float, float, str, float]]:
     out = []
-    for what, overrides, coll, ranks, n, us in PUBLISHED:
+    for what, system, overrides, coll, ranks, n, us in PUBLISHED:
         if quick and n > 16 << 20:
             continue
-        sysc = load_system("trn1.32xlarge", overrides)
-        r = simulate_collective(sysc, coll, n, ranks=ranks, dtype="fp32")
+        r = simulate_collective(load_system(system, overrides), coll, n, ranks=ranks, dtype="fp32")
         out.append((what, r.time_us, us, r.algorithm, r.busbw / GIB))
     return out
 
@@ -204,19 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {label:52s} busbw {bus:7.1f}  link {link:6.1f}  config bound {bound:6.1f} ({what})  "
               f"busbw/link {bus / link:.3f}  busbw/bound {bus / bound:.3f}")
     print()
-    print("4. Published nccom-test examples (fp32; notes §3.2: not up to date, instance not named: trn1.32xlarge)")
+    print("4. Published nccom-test examples, with the runtime's costs as configured (trnsim validate runs every row)")
     print(f"   {'example':44s} {'sim us':>10s} {'published us':>13s} {'published/sim':>14s}  algorithm  sim busbw GiB/s")
     for what, sim, pub, algo, bus in published(args.quick):
-        print(f"   {what:44s} {sim:10.1f} {pub:13.1f} {pub / sim:14.2f}  {algo:10s} {bus:8.2f}")
-    from trnsim.config import load_config
-
-    dma = load_config("trn1").core.dma
-    print("   Reading: the simulated floors (a few us: DMA start 1.3 us + completion + hops per step) are 10-20x "
-          "below the\n   published 10-58 us (520 us across two nodes): the model has no runtime/CC-core software "
-          "time per step and no\n   host launch; the published large-size slopes (52.9 GiB/s on one chip, 24.8 GiB/s "
-          f"algbw over EFA) are 2-3x below\n   ours: we spread a CC ring over all {dma.engines} DMA engines of a core "
-          f"at the sustained {dma.engine_bandwidth / 1e9:g} GB/s each\n   (datasheet §6) and do not know how many "
-          "engines Neuron's rings use. Nothing is tuned to these figures.")
+        print(f"   {what:44s} {sim:10.1f} {pub:13.1f} {pub / sim:14.2f}  {algo:14s} {bus:8.2f}")
+    print("   Reading: the runtime's launch, issue and proxy costs and the collective's DMA rings are calibrated on "
+          "one row\n   each (configs/systems/*.yaml say which); the other rows validate them. Trn1's 2-node table "
+          "steps from 520 to\n   1,315 us between 128 B and 64 KiB, which the model does not reproduce; the 16-rank "
+          "Trn2 all-reduce's 300 us\n   floor is 30x its 8-rank all-gather's and is not modelled either.")
     missed = [r for r in rows if not r.ok]
     return 1 if missed else 0
 

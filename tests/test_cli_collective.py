@@ -38,7 +38,8 @@ def test_json_has_nccom_test_fields_and_the_report(capsys):
     r = d["results"][0]
     assert r["count(elems)"] == 4096 // 2 // 8 and r["type"] == "bf16"
     assert r["busbw(GiB/s)"] == pytest.approx(r["algbw(GiB/s)"] * 7 / 8)
-    assert r["report"]["algorithm"] == r["algorithm"] == "mesh"
+    assert r["report"]["algorithm"] == r["algorithm"] == "two-step-mesh"  # 4 ranks on each of 2 chips
+    assert d["placement"] == r["report"]["placement"] == "8 ranks on 2 chips"
     assert r["report"]["estimate"]["time_s"] * 1e6 == pytest.approx(r["estimate(us)"])
 
 
@@ -65,9 +66,15 @@ def test_bytes_specs():
     (["all-reduce", "--ranks", "4", "--algo", "per-dim-ring"],
      "algorithm 'per-dim-ring' cannot run all-reduce on 4 ranks of trn2.48xlarge: it needs a group spanning at "
      "least 2 levels (chip cores, x, y, efa); this one spans chip"),
-    (["all-reduce", "--system", "trn1.32xlarge", "--ranks", "2", "--algo", "kangaring", "--bytes", "1MiB"],
-     "algorithm 'kangaring' cannot run all-reduce on 2 ranks of trn1.32xlarge: it needs at least two pairs of ranks "
+    (["all-reduce", "--ranks", "2", "--algo", "kangaring", "--bytes", "1MiB"],
+     "algorithm 'kangaring' cannot run all-reduce on 2 ranks of trn2.48xlarge: it needs at least two pairs of ranks "
      "(4 ranks, 2 per chip)"),
+    (["all-reduce", "--system", "trn1.32xlarge", "--ranks", "4", "--algo", "kangaring", "--bytes", "1MiB"],
+     "algorithm 'kangaring' cannot run all-reduce on 4 ranks of trn1.32xlarge: it needs DMA duplication (one read, "
+     "two writes), which trn1.32xlarge does not have (collectives.dma_duplication)"),
+    (["all-reduce", "--system", "trn2-ultraserver", "--ranks", "64", "-N", "3"],
+     "all-reduce: 64 ranks cannot spread evenly over 3 instance(s) of trn2-ultraserver (4 instance(s) of 64 ranks); "
+     "expected one of 1, 2, 4"),
     (["all-reduce", "--bytes", "1GiB:8B"],
      "--bytes 1GiB:8B: the first size (1073741824 bytes) is larger than the second (8 bytes)"),
     (["all-reduce", "--bytes", "8:16"], "--bytes 8:16: '8': expected a bytes quantity like '224KiB' (unknown unit '')"),

@@ -44,7 +44,7 @@ def test_a_collective_beside_a_dma_bound_kernel_slows_both():
     together_k = build_report(kernel.name, kernel.instructions, tl.segments, tl.total_ticks, CFG, 0,
                               kernel.sbuf_peak_bytes, kernel.psum_peak_bytes)
     assert together_k.total_ticks > 1.1 * alone_k.total_ticks
-    assert rep.time_ticks > 1.1 * alone_c.time_ticks
+    assert rep.time_ticks > 1.05 * alone_c.time_ticks  # on its 2 rings per core of the 16 the kernel streams on
     # on another chip, nothing is shared: both run as fast as alone
     (far,), tls = simulate_beside_kernels(TRN2, [call], {3: [kernel]})
     assert far.time_ticks == alone_c.time_ticks and tls[3][0].total_ticks == alone_k.total_ticks
@@ -71,7 +71,7 @@ def test_a_device_model_runs_collectives_in_its_own_environment():
     rep = engine.report(h)
     assert {r: t for r, (t, _) in seen.items()} == dict(zip(rep.group, rep.end_ticks))
     assert all(t == now for t, now in seen.values())
-    assert rep.start_ticks == (0, 100, 200, 300) and rep.algorithm == "rdh"
+    assert rep.start_ticks == (0, 100, 200, 300) and rep.algorithm == "kangaring"  # 4 MiB on 4 ranks: 64 MiB per 64
     assert h.done.triggered
 
 

@@ -1,5 +1,9 @@
 """The network model: routes, links as FIFO bandwidth pipes, exact timelines of small transfers
-(every tick derived here from the config figures), contention, DMA engines and CC cores."""
+(every tick derived here from the config figures), contention, DMA engines and CC cores; then
+the runtime's costs on top (launch, issue, DMA rings, the EFA proxy), each tick derived too.
+
+The exact timelines run the network alone (``network_only``: the runtime's costs zero, a
+transfer on all of a core's DMA engines), so every tick is a link, DMA or HBM figure."""
 
 from fractions import Fraction
 
@@ -7,10 +11,11 @@ import pytest
 
 from trnsim.bandwidth import BandwidthPipe
 from trnsim.collectives import CollectiveCall, simulate_collective, simulate_collectives
+from trnsim.collectives.runtime import network_only
 from trnsim.collectives.topology import Topology
 from trnsim.config import load_system
 
-TRN2 = load_system("trn2.48xlarge")
+TRN2 = load_system("trn2.48xlarge", network_only("trn2.48xlarge"))
 
 
 def ceil_div(a, b):
@@ -95,26 +100,38 @@ def test_two_flows_over_one_link_take_turns():
     assert both.link_bytes["chip 1 -> chip 2 (x+)"] == 2 << 20
 
 
-def test_a_small_transfer_uses_one_engine_per_packet():
-    """256 KiB is 4 CC packets: 2 on each physical core of the logical core, so 4 DMA engines at
-    23 GB/s bound it, not the 256 GB/s link."""
+def test_a_transfer_spreads_over_the_collectives_rings_at_every_size():
+    """With 2 rings a transfer moves on 2 engines of each of the rank's 2 physical cores, whether
+    it is one CC packet or many: 64 KiB and 256 KiB both over 4 engines at 23 GB/s (the DMA, not
+    the 256 GB/s link, binds), one descriptor per 64 KiB packet. (A permute is point to point:
+    p2p_rings; a collective's transfers hold dma_rings.)"""
     cfg = TRN2.chip
-    r = simulate_collective(TRN2, "permute", 256 << 10, group=[0, 4], pairs=[(0, 4)])
-    per_engine = ceil_div(16384 * cfg.tick_hz, cfg.core.dma.engine_bandwidth)  # a 64 KiB chunk over 4 engines
-    desc = ceil_div(2 * cfg.ps_to_ticks(cfg.core.dma.descriptor_overhead), 2 * 4)
-    assert r.time_ticks == 6240 + 4 * (per_engine + desc) + 960 + 96
-    assert r.bound == "DMA rank 0"
+    two = load_system(TRN2, ["collectives.p2p_rings=2"])
+    desc = cfg.ps_to_ticks(cfg.core.dma.descriptor_overhead)
+    for n, packets in ((64 << 10, 1), (256 << 10, 4)):
+        r = simulate_collective(two, "permute", n, group=[0, 4], pairs=[(0, 4)])
+        chunks = min(8, packets)  # at most 8 chunks, each at least a packet
+        per_core = -(-n // 2 // (64 << 10))  # the packets each core's engines describe
+        per_chunk = (ceil_div(n // chunks // 4 * cfg.tick_hz, cfg.core.dma.engine_bandwidth)  # over 2 x 2 engines
+                     + ceil_div(per_core * desc, 2 * chunks))
+        assert r.time_ticks == 6240 + chunks * per_chunk + 960 + 96, n
+        assert r.bound == ("DMA rank 0" if packets > 1 else "latency")
+    # the packet rule is gone: 4x the bytes is 4x the DMA time, not the same time on 4x the engines
+    small = simulate_collective(two, "permute", 1 << 20, group=[0, 4], pairs=[(0, 4)])
+    big = simulate_collective(two, "permute", 4 << 20, group=[0, 4], pairs=[(0, 4)])
+    assert (big.time_ticks - 7296) == pytest.approx(4 * (small.time_ticks - 7296), rel=0.01)
 
 
 def test_a_rank_runs_at_most_its_cc_cores_collectives_at_once():
     """LNC=2: 2 CC cores per physical core, 4 per rank (datasheet §9). A fifth concurrent call
     waits until one of the first four is done."""
-    one = simulate_collective(TRN2, "all-gather", 64, group=[0, 4], algorithm="ring")
-    reps = simulate_collectives(TRN2, [CollectiveCall("all-gather", 64, group=[0, 4], algorithm="ring")
-                                       for _ in range(5)])
+    rings = load_system(TRN2, ["collectives.dma_rings=2"])  # each CC stream on rings of its own
+    one = simulate_collective(rings, "all-gather", 64, group=[0, 4], algorithm="ring")
+    reps = simulate_collectives(rings, [CollectiveCall("all-gather", 64, group=[0, 4], algorithm="ring")
+                                        for _ in range(5)])
     t = one.time_ticks
     assert [r.end_ticks for r in reps] == [(t, t)] * 4 + [(2 * t, 2 * t)]
-    more = simulate_collectives(load_system("trn2.48xlarge", ["collectives.cc_cores_per_core=3"]),
+    more = simulate_collectives(load_system(rings, ["collectives.cc_cores_per_core=3"]),
                                 [CollectiveCall("all-gather", 64, group=[0, 4], algorithm="ring") for _ in range(5)])
     assert [r.end_ticks for r in more] == [(t, t)] * 5
 
@@ -146,3 +163,67 @@ def test_vector_reduce_engine_charges_vector_time():
     slow = simulate_collective(TRN2, "reduce-scatter", 32 << 20, group=[0, 1], algorithm="ring",
                                overrides=["collectives.reduce_engine=vector", "core.vector.clock=20MHz"])
     assert slow.bound.startswith("VectorE rank") and slow.time_ticks > 2 * dma.time_ticks
+
+
+def _with(**costs):
+    return load_system(TRN2, [f"collectives.{k}={v}" for k, v in costs.items()])
+
+
+def test_the_runtime_costs_each_add_their_ticks():
+    """launch once per call; step_sync per transfer (a ring all-gather's p-1 steps in turn);
+    issue per transfer a rank's CC core starts, one after another (a mesh step of k peers costs
+    k issues); each is the tick count of its config figure."""
+    hz = TRN2.chip.tick_hz
+    us = hz // 10**6  # ticks per microsecond
+    base = simulate_collective(TRN2, "all-gather", 64, ranks=4, algorithm="ring")
+    launched = simulate_collective(_with(launch="10us"), "all-gather", 64, ranks=4, algorithm="ring")
+    assert launched.time_ticks == base.time_ticks + 10 * us
+    synced = simulate_collective(_with(step_sync="1us"), "all-gather", 64, ranks=4, algorithm="ring")
+    assert synced.time_ticks == base.time_ticks + 3 * us  # 3 steps, each waits for its handshake
+    mesh = simulate_collective(TRN2, "all-gather", 64, group=[0, 4, 8, 12], algorithm="mesh")
+    issued = simulate_collective(_with(issue="1us"), "all-gather", 64, group=[0, 4, 8, 12], algorithm="mesh")
+    # each rank starts its 3 writes 1 us apart; at once, they queued a few ticks on its DMA engines
+    assert 0 <= mesh.time_ticks + 3 * us - issued.time_ticks <= 16
+
+
+def test_the_efa_proxy_thread_serves_its_ranks_one_transfer_at_a_time():
+    """A transfer that leaves the instance over EFA waits for its sender's proxy thread; ranks
+    sharing one thread (ranks_per_proxy) take turns."""
+    us = TRN2.chip.tick_hz // 10**6
+    two = load_system(TRN2, ["topology.efa.size=2"])
+    pairs = [(0, 64), (1, 65)]
+    base = simulate_collective(two, "permute", 64, group=[0, 1, 64, 65], pairs=pairs)
+    own = simulate_collective(load_system(two, ["collectives.efa_proxy=20us"]), "permute", 64,
+                              group=[0, 1, 64, 65], pairs=pairs)
+    shared = simulate_collective(load_system(two, ["collectives.efa_proxy=20us", "collectives.ranks_per_proxy=2"]),
+                                 "permute", 64, group=[0, 1, 64, 65], pairs=pairs)
+    assert own.time_ticks == base.time_ticks + 20 * us
+    # ranks 0 and 1 share one thread: the second transfer starts 20 us after the first (which
+    # then no longer queue a few ticks on the link together)
+    assert 0 <= base.time_ticks + 40 * us - shared.time_ticks <= 16
+    on_chip = simulate_collective(load_system(two, ["collectives.efa_proxy=20us"]), "permute", 64, group=[0, 4],
+                                  pairs=[(0, 4)])
+    assert on_chip.time_ticks == simulate_collective(two, "permute", 64, group=[0, 4], pairs=[(0, 4)]).time_ticks
+
+
+def test_the_estimate_carries_the_runtime_costs():
+    """The α-β form charges the same costs: launch once, per step the handshake and the busiest
+    CC core's issues; with them the simulation still agrees where the form's assumptions hold."""
+    sysc = load_system("trn2.48xlarge")
+    for n in (8 << 10, 64 << 20):
+        r = simulate_collective(sysc, "all-reduce", n, ranks=64, algorithm="ring")
+        assert r.time_s == pytest.approx(r.estimate.time_s, rel=0.02), (n, r.time_us, r.estimate.time_us)
+    est = r.estimate
+    assert est.steps[0].label == "launch" and est.steps[0].alpha_s == pytest.approx(sysc.collectives.launch * 1e-12)
+
+
+def test_a_point_to_point_transfer_holds_its_own_ring_count():
+    """send-recv and permute run one channel (p2p_rings); collectives hold dma_rings: the same
+    bytes between the same two ranks take twice as long on 1 ring as on 2."""
+    sysc = load_system(TRN2, ["collectives.p2p_rings=1", "collectives.dma_rings=2"])
+    p2p = simulate_collective(sysc, "permute", 8 << 20, group=[0, 1], pairs=[(0, 1)])
+    both = load_system(TRN2, ["collectives.p2p_rings=2", "collectives.dma_rings=2"])
+    faster = simulate_collective(both, "permute", 8 << 20, group=[0, 1], pairs=[(0, 1)])
+    fixed = 6240 + 96  # DMA start and completion
+    assert p2p.time_ticks - fixed == pytest.approx(2 * (faster.time_ticks - fixed), rel=0.01)
+    assert p2p.estimate.time_s == pytest.approx(p2p.time_s, rel=0.02)

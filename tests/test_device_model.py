@@ -233,7 +233,10 @@ def test_a_collective_beside_a_dma_bound_kernel_slows_both():
 
     cfg = load_config("trn2")
     dev = Device(cfg)
-    rep = simulate_collective("trn2.48xlarge", "all-reduce", 64 << 20, ranks=4, dtype="bf16")
+    # on all 16 of each core's DMA engines (the runtime gives a collective 2 rings by default,
+    # which a kernel streaming on 16 barely notices)
+    rep = simulate_collective("trn2.48xlarge", "all-reduce", 64 << 20, ranks=4, dtype="bf16",
+                              overrides=["collectives.dma_rings=16"])
     assert rep.group == (0, 1, 2, 3)
     coll = dev.collective_cost(rep, 0)
     assert coll.ticks == rep.end_of(0) - rep.start_ticks[0] and coll.demand["DMA"] > 0

@@ -244,7 +244,7 @@ def make_case(seed: int, index: int, work: Path) -> Case:
                                "a,b\n1,2\n", header + "1,2,3\n" + row, "\xff\xfe", "", header + '"unclosed\n',
                                header + row * 3 + row[:10]])
             (d / "r.csv").write_bytes(body.encode("utf-8", "surrogateescape"))
-        return Case(kind, argv, ["spec.yaml", "r.csv", "fifo", "dir", "sweep results"] + names)
+        return Case(kind, argv, ["spec.yaml", "r.csv", "fifo", "dir", "sweep results", "--out"] + names)
     if kind == "env":
         var = rng.choice(["TRNSIM_NATIVE_THREADS", "TRNSIM_MAX_INSTRUCTIONS"])
         value = rng.choice(["abc", "0", "-1", "65", "1e3", "9" * 5000, " ", "", "4", "\u0663", "0x10", "1.0"])

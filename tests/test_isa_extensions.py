@@ -1,5 +1,6 @@
 """The nki.isa instructions beyond the core set: tensor_tensor_scan, scalar_tensor_tensor,
-tensor_copy_predicated and range_select (predicated ops), reciprocal, dma_transpose,
+tensor_copy_predicated and range_select (predicated ops), reciprocal, max8 and nc_find_index8
+(the top-k of the NKI library's router), dma_transpose,
 element-strided DMA and the MX matmul of NC-v4. Each: values against numpy, and its cost pinned
 to the published "estimated instruction cost" (datasheet §7, S16) or DMA figure (§6).
 
@@ -176,6 +177,34 @@ def test_reciprocal_on_vector_costs_eight_cycles_an_element():
     assert vector_ticks(r) == [("Reciprocal", 1600 * 5)]  # max(MIN_II, 8N)
 
 
+def test_max8_and_find_index8_values_and_cost():
+    chip = Chip("trn2")
+    k = chip.kernel("top8")
+    x = load(k, "x", (128, 300), "fp32")
+    v = k.sbuf((128, 8), "fp32")
+    i = k.sbuf((128, 8), "uint32")
+    k.max8(v, x)
+    k.nc_find_index8(i, x, v)
+    store(k, "v", v)
+    store(k, "i", i)
+    xs = RNG.standard_normal((128, 300)).astype(np.float32)
+    r = chip.run(k, {"x": xs})
+    assert np.array_equal(r["v"], -np.sort(-xs, axis=1)[:, :8])
+    assert np.array_equal(r["i"].astype(np.int64), np.argsort(-xs, axis=1, kind="stable")[:, :8])
+    assert vector_ticks(r) == [("Max8", 300 * 5), ("FindIndex8", 300 * 5)]  # max(MIN_II, N)
+
+
+def test_max8_and_find_index8_checks():
+    chip = Chip("trn2")
+    k = chip.kernel("top8")
+    x = k.sbuf((4, 7), "fp32")
+    with pytest.raises(KernelError, match=r"^max8: data '.*' has 7 elements per partition; max8 needs at least 8$"):
+        k.max8(k.sbuf((4, 8), "fp32"), x)
+    y = k.sbuf((4, 20), "fp32")
+    with pytest.raises(KernelError, match=r"^nc_find_index8: dst '.*' must be uint32 or int32, got fp32$"):
+        k.nc_find_index8(k.sbuf((4, 8), "fp32"), y, k.sbuf((4, 8), "fp32"))
+
+
 # ---- DMA: transpose and element-strided access -------------------------------------------------
 
 
@@ -328,3 +357,27 @@ def test_mx_matmul_needs_nc_v4():
     with pytest.raises(KernelError, match=r"^nc_matmul_mx: stationary_scale 'sbuf2' has shape \(128, 64\); expected at "
                                           r"least \[100, 128\] \(4 partitions of scales per 32-partition quadrant\)$"):
         k3.nc_matmul_mx(k3.psum((128, 128), "fp32"), a3, a3, s3, s3)
+
+
+def test_max8_and_find_index8_from_nki():
+    import trnsim.nki as nki
+    import trnsim.nki.isa as nisa
+    import trnsim.nki.language as nl
+
+    @nki.jit
+    def top8(x):
+        out_v = nl.ndarray((x.shape[0], 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        out_i = nl.ndarray((x.shape[0], 8), dtype=nl.uint32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        v = nl.ndarray((x.shape[0], 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=v, src=t)
+        i = nl.ndarray((x.shape[0], 8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.nc_find_index8(dst=i, data=t, vals=v)
+        nl.store(out_v, v)
+        nl.store(out_i, i)
+        return out_v, out_i
+
+    xs = RNG.standard_normal((64, 100)).astype(np.float32)
+    v, i = top8(xs)
+    assert np.array_equal(v, -np.sort(-xs, axis=1)[:, :8])
+    assert np.array_equal(i.astype(np.int64), np.argsort(-xs, axis=1, kind="stable")[:, :8])

@@ -16,7 +16,7 @@ from trnsim.kernels import get_kernel
 from trnsim.kernels.check import check_entry
 from trnsim.native.dtypes import get_dtype
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 RAGGED = [(1, 1, 1), (200, 300, 700), (129, 257, 513)]
 
 
@@ -116,6 +116,14 @@ def test_fp8_uses_double_row_and_transposes_run_on_tensor_engine():
     assert slow.engines["Tensor"].busy_ticks > base.engines["Tensor"].busy_ticks
 
 
+def test_fp8_e5m2_runs_double_row_at_e4m3s_rate():
+    # NC-v3 runs FP8_E4 and FP8_E5 at twice the bf16 rate in double-row mode (datasheet §4.2, S9)
+    e5 = build_matmul(256, 1024, 512, "fp8_e5m2", "trn2", transpose_b=True)
+    assert all(i.double_row for i in e5.instructions if isinstance(i, MatMul) and not isinstance(i, Transpose))
+    e4 = Chip("trn2").run(build_matmul(256, 1024, 512, "fp8_e4m3", "trn2", transpose_b=True), timing_only=True)
+    assert Chip("trn2").run(e5, timing_only=True).report.total_cycles == e4.report.total_cycles
+
+
 def test_fp8_single_row_where_the_core_has_no_double_row():
     assert not load_config("trn1").core.tensor.fp8_double_row
     assert not any(getattr(i, "double_row", False) for i in build_matmul(256, 512, 512, "fp8_e4m3", "trn1").instructions)
@@ -160,7 +168,7 @@ def test_bmm_overlaps_batches():
 
 @pytest.mark.parametrize("call,msg", [
     (lambda: build_matmul(0, 128, 128), "matmul: M must be a positive integer, got 0"),
-    (lambda: build_bmm(2, 8, 8, 8, "int8"), "bmm: dtype int8 not supported; expected one of bf16, fp16, fp32, fp8_e4m3"),
+    (lambda: build_bmm(2, 8, 8, 8, "int8"), "bmm: dtype int8 not supported; expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"),
     (lambda: build_matmul(8, 8, 8, transpose_a="yes"), "matmul: transpose_a must be true or false, got 'yes'"),
     (lambda: build_matmul(8, 8, 8, out_dtype="fp7"),
      "matmul: out_dtype: unknown dtype 'fp7': expected one of bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn, fp8_e5m2, "
@@ -172,3 +180,34 @@ def test_errors(call, msg):
     with pytest.raises(KernelError) as e:
         call()
     assert str(e.value) == msg
+
+
+# ---- MX matmul (NeuronCore-v4) -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"])
+def test_matmul_mx_values(dtype):
+    check("matmul_mx", (200, 1152, 700), dtype, "trn3")  # ragged M and N, a k-tile of 64 partitions
+
+
+def test_matmul_mx_runs_four_times_the_bf16_rate():
+    from trnsim.kernels.matmul_mx import build_matmul_mx
+
+    chip = Chip("trn3")
+    mx = chip.run(build_matmul_mx(512, 4096, 1024, "mxfp8_e4m3fn", "trn3"), timing_only=True).report
+    bf16 = chip.run(build_matmul(512, 4096, 1024, "bf16", "trn3"), timing_only=True).report
+    assert mx.instruction_counts["MatMulMx"] == 4 * 8 * 2  # row tiles x k-tiles of 512 x PSUM banks
+    assert mx.matmul_flops == bf16.matmul_flops == 2 * 512 * 4096 * 1024
+    ratio = mx.engines["Tensor"].busy_ticks / bf16.engines["Tensor"].busy_ticks
+    assert 0.25 <= ratio < 0.3, ratio
+
+
+def test_matmul_mx_errors():
+    from trnsim.kernels.matmul_mx import build_matmul_mx
+
+    with pytest.raises(KernelError, match=r"^matmul_mx: trn2 has no MX matmul \(core.tensor.mx_quad is false; it "
+                                          r"needs NeuronCore-v4\)$"):
+        build_matmul_mx(128, 512, 128, "mxfp8_e4m3fn", "trn2")
+    with pytest.raises(KernelError, match=r"^matmul_mx: K=96 must be a multiple of 128 "):
+        build_matmul_mx(128, 96, 128, "mxfp8_e4m3fn", "trn3")
+    with pytest.raises(KernelError, match=r"^matmul_mx: dtype bf16 not supported; expected one of mxfp8_e4m3fn, "
+                                          r"mxfp8_e5m2, mxfp4$"):
+        build_matmul_mx(128, 512, 128, "bf16", "trn3")

@@ -25,6 +25,19 @@ CHECKS = [
     ("attention_tkg", (2, 8, 2, 3, 512, 128), {"window": 100}),
     ("attention_tkg", (3, 4, 1, 2, 384, 64), {"sinks": True, "k_layout": "bhds"}),
     ("attention_tkg", (40, 1, 1, 1, 5120, 64), {"cache_update": True}),
+    ("attention_cte", (1, 2, 1, 600, 128), {"sinks": True}),
+    ("attention_cte", (2, 4, 2, 700, 64), {"window": 200}),
+    ("attention_cte", (1, 2, 1, 2300, 64), {"causal": False}),
+    ("rope", (40, 3, 1, 64), {}),
+    ("rope", (1, 3, 300, 64), {}),
+    ("rope", (2, 5, 2048, 128), {}),
+    # fp32 outputs checked to 1e-4 of their largest magnitude: an expert index off by one fails
+    ("router_topk", (4, 256, 64), {}),
+    ("router_topk", (300, 384, 128), {"top_k": 8, "act": "sigmoid", "bias": True}),
+    ("router_topk", (40, 512, 16), {"top_k": 1, "norm": False}),
+    ("moe_tkg", (2, 256, 384, 8), {"mode": "selective"}),
+    ("moe_tkg", (4, 256, 384, 8), {"mode": "all"}),
+    ("moe_tkg", (40, 256, 448, 8), {"top_k": 2}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -38,6 +51,11 @@ BOUNDS = [
     ("oproj", (1, 2048, 4, 128, 4096), {}, 0.7),
     ("attention_tkg", (32, 4, 1, 1, 4096, 128), {}, 0.65),
     ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
+    ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
+    ("rope", (1, 40, 4096, 128), {}, 0.7),
+    ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
+    ("moe_tkg", (4, 4096, 1792, 8), {"top_k": 2}, 0.75),
+    ("moe_tkg", (8, 2048, 768, 128), {"top_k": 8}, 0.75),
 ]
 
 
@@ -89,3 +107,21 @@ def test_attention_tkg_masks_by_position_per_sequence():
     from trnsim.kernels.reference import round_to
     np.testing.assert_allclose(out[0, :, 0, :], np.broadcast_to(round_to(inp["v"][0, 0, 0], "bf16"), (2, 64)),
                                rtol=1e-2, atol=1e-2)
+
+
+def test_attention_cte_reads_each_kv_head_once():
+    """Native GQA: four query heads over one kv head read K and V once (HBM bytes of a kernel
+    with one kv head equal q, out and one kv head's K and V)."""
+    from trnsim import Chip
+
+    k = get_kernel("attention_cte").make((1, 4, 1, 512, 64), "bf16", "trn2")
+    rep = Chip("trn2").run(k, None, timing_only=True).report
+    assert rep.hbm_read_bytes == 2 * (4 * 512 * 64 + 2 * 512 * 64)
+
+
+def test_moe_tkg_modes():
+    """auto picks selective while the tokens' choices touch fewer than 0.8 E experts' weights."""
+    from trnsim.kernels.transformer.moe_tkg import moe_mode
+
+    assert moe_mode(8, 128, 8, "auto") == "selective" and moe_mode(4, 8, 2, "auto") == "all"
+    assert moe_mode(4, 8, 2, "selective") == "selective"

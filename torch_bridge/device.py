@@ -597,4 +597,18 @@ def timing_only() -> Any:
 __all__ += ["timing_only"]
 
 
+# ---- MX matmul (trn3) -------------------------------------------------------------------------
+def mx_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An MX matmul of fp8 operands with E8M0 block scales (one per 32 values along K), timed on
+    trn3's ``nc_matmul_mx`` (the ``matmul_mx`` kernel); PyTorch itself reaches MX only on CUDA.
+    See :mod:`torch_bridge.mx` for the layout and the values."""
+    from .mx import mx_matmul as op
+
+    return op(a, a_scale, b, b_scale, out_dtype)
+
+
+__all__ += ["mx_matmul"]
+
+
 memory = _memory_module()

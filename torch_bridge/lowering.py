@@ -57,9 +57,14 @@ def tile_dtype(dt: torch.dtype) -> TileDtype:
     return TileDtype("uint8", torch.empty((), dtype=dt, device="meta").element_size())
 
 
+_MATMUL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
+                  torch.float8_e4m3fnuz: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2", torch.float8_e5m2fnuz: "fp8_e5m2"}
+
+
 def matmul_dtype(dt: torch.dtype) -> str:
-    """The TensorE input format a torch dtype runs as (fp32 for anything the PE array lacks)."""
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3"}.get(dt, "fp32")
+    """The TensorE input format a torch dtype runs as (fp32 for anything the PE array lacks). The
+    fp8 formats run in double-row mode, E4M3 and E5M2 alike (datasheet §4.2, S9)."""
+    return _MATMUL_DTYPES.get(dt, "fp32")
 
 
 def flat_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -160,17 +165,109 @@ def _embedding(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: to
     return "embedding", (indices.numel(), weight.shape[0], weight.shape[1]), {}
 
 
+def _scale_kind(scale: Any, m: int, n: int) -> str | None:
+    """How a scaled matmul's scale broadcasts over its [M, N] result: one value (tensor-wise),
+    one per row ([M, 1]) or one per column ([1, N], row-wise scaling's scale_b); None for a
+    layout the epilogue does not take (block-wise scales)."""
+    from trnsim.kernels.fused import COL, ROW, SCALAR
+
+    if not isinstance(scale, torch.Tensor):
+        return None
+    if scale.numel() == 1:
+        return SCALAR
+    if scale.dim() == 2 and tuple(scale.shape) == (m, 1):
+        return COL
+    if scale.dim() == 2 and tuple(scale.shape) == (1, n):
+        return ROW
+    return None
+
+
+def _scaled_mm(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+               outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """``torch._scaled_mm`` (and ``_scaled_mm_v2``, ``F.scaled_mm``'s op): an fp8 matmul on TensorE
+    whose PSUM evacuation applies the scales, the bias and the output rounding - the library
+    ``matmul_fused`` in the operands' fp8 format (double-row), its epilogue program multiplying by
+    each scale (a scalar, a per-row [M, 1] or a per-column [1, N] value) and adding the bias. Where
+    the epilogue cannot take the scales, the plain fp8 matmul with the output dtype is the kernel.
+    E4M3 and E5M2 operands may be mixed at the same rate (datasheet §4.2, S9): the kernel runs in
+    A's format."""
+    from trnsim.kernels.fused import FULL, ROW, SCALAR, Program
+
+    a, b, out = args[0], args[1], outputs[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or min(a.shape[0], a.shape[1], b.shape[1]) == 0:
+        return None
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    ta, tb = matmul_layout(a, b)
+    odt = tile_dtype(out.dtype).name
+    if name == "_scaled_mm":
+        scales = [args[2], args[3]]
+        bias = _arg(args, kwargs, 4, "bias")
+        result = _arg(args, kwargs, 5, "scale_result")
+        if result is not None and out.element_size() == 1:
+            scales.append(result)  # an fp8 result is scaled once more before it is rounded
+    else:
+        sa, sb = args[2], args[5]
+        scales = [sa[0] if len(sa) == 1 else None, sb[0] if len(sb) == 1 else None]
+        bias = _arg(args, kwargs, 8, "bias")
+    dt = matmul_dtype(a.dtype)
+    plain = KernelSpec.of("matmul", (m, k, n), dt, {"transpose_a": ta, "transpose_b": tb, "out_dtype": odt})
+    kinds = [_scale_kind(sc, m, n) for sc in scales]
+    if None in kinds:
+        return plain
+    ins = [(FULL, "fp32")] + [(kd, "fp32") for kd in kinds]
+    if isinstance(bias, torch.Tensor):
+        if bias.numel() not in (1, n):
+            return plain
+        ins.append((ROW if bias.numel() == n else SCALAR, tile_dtype(bias.dtype).name))
+    steps: list[tuple[Any, ...]] = []
+    value = 0  # values are numbered inputs first, then one per step
+    for i in range(1, 1 + len(kinds)):
+        steps.append(("tt", "multiply", value, i))
+        value = len(ins) + len(steps) - 1
+    if isinstance(bias, torch.Tensor):
+        steps.append(("tt", "add", value, len(ins) - 1))
+        value = len(ins) + len(steps) - 1
+    prog = Program(tuple(ins), tuple(steps), ((value, odt),))
+    return KernelSpec.of("matmul_fused", (m, k, n), dt, {"program": prog, "transpose_a": ta, "transpose_b": tb},
+                         label="matmul_fused", fallback=plain)
+
+
+def _slow_conv2d(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+                 outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """``aten._slow_conv2d_forward`` (CPU's own convolution, called directly): the convolution's
+    kernel, as :func:`conv_specs` lowers any 2-d convolution."""
+    x, w, out = args[0], args[1], outputs[0]
+    stride, padding = _arg(args, kwargs, 4, "stride", (1, 1)), _arg(args, kwargs, 5, "padding", (0, 0))
+    specs = conv_specs(x, w, out, 1, list(stride), list(padding), [1, 1], False)
+    return specs[0] if len(specs) == 1 else None
+
+
+def _mx_matmul(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+               outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """``trnsim::mx_matmul`` (``torch.neuron.mx_matmul``): the library ``matmul_mx`` kernel on
+    ``nc_matmul_mx`` in A's MX format (MXFP8 formats may be mixed at the same rate), K rounded up
+    to a whole scale quadrant (128 values)."""
+    a, b, out = args[0], args[2], outputs[0]
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    fmt = "mxfp8_e5m2" if a.dtype == torch.float8_e5m2 else "mxfp8_e4m3fn"
+    return KernelSpec.of("matmul_mx", (m, -(-k // 128) * 128, n), fmt, {"out_dtype": tile_dtype(out.dtype).name})
+
+
 # ---- the table ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Op:
     """How one aten op lowers: ``library`` reads a call into a library kernel's (name, shape,
     params), or None where the library has no kernel for the call; ``engine`` runs the op's
     generic kernel otherwise (VectorE unless a table-driven activation or an index/random/scan op),
-    ``fn`` is the ScalarE function that kernel applies."""
+    ``fn`` is the ScalarE function that kernel applies. ``spec`` builds the whole kernel spec
+    instead, for an op whose kernel is more than a (name, shape, params) route (its dtype is not
+    its first input's, or it has a fallback kernel of its own): ``spec(name, args, kwargs, inputs,
+    outputs)`` -> KernelSpec, or None for the generic kernel."""
 
     library: Callable[..., Route] | None = None
     engine: str = "vector"
     fn: str = "exp"
+    spec: Callable[..., KernelSpec | None] | None = None
 
 
 OPS: dict[str, Op] = {}
@@ -204,6 +301,9 @@ for _name, _lib in {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min", 
 _add(["_softmax"], Op(_softmax, "scalar", "exp"))
 _add(["native_layer_norm"], Op(_layer_norm))
 _add(["embedding"], Op(_embedding, "gpsimd"))
+_add(["_scaled_mm", "_scaled_mm_v2"], Op(spec=_scaled_mm))
+_add(["_slow_conv2d_forward"], Op(spec=_slow_conv2d))
+_add(["mx_matmul"], Op(spec=_mx_matmul))
 # no library kernel: generic on ScalarE (table-driven functions) ...
 _add(["exp2", "expm1", "log2", "log10", "log1p", "cos", "tan", "erfinv", "asin", "acos", "sinh", "cosh",
       "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward",
@@ -263,6 +363,12 @@ def op_spec(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Se
     library kernel :data:`OPS` gives for it, falling back to the generic kernel."""
     generic = generic_spec(name, inputs, outputs)
     entry = OPS.get(name)
+    if entry is not None and entry.spec is not None and outputs and inputs:
+        try:
+            spec = entry.spec(name, args, kwargs, inputs, outputs)
+        except (TypeError, IndexError, AttributeError, ValueError):
+            spec = None  # an overload the rule does not read: cost it generically
+        return spec or generic
     if entry is None or entry.library is None or not outputs or not inputs:
         return generic
     try:

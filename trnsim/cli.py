@@ -17,6 +17,8 @@
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
     trnsim estimate inference|train --model llama-3.3-70b [--system ...] [--tp 64] ... (trnsim.cli_estimate)
+    trnsim validate [CATEGORY|ROW ...] [--quick] [--list] [--json] [--out rows.csv] [--plot out.png] ...
+                  (trnsim.validate.cli)
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
 that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
@@ -905,7 +907,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
-                                            algorithm=args.algo, trace=trace))
+                                            algorithm=args.algo, trace=trace, instances=args.nodes))
     except CollectiveError as e:
         raise UsageError(str(e)) from None
     last = reps[-1]
@@ -916,6 +918,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
             raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
     if args.json:
         doc = {"collective": last.collective, "system": system.name, "ranks": last.ranks, "dtype": last.dtype,
+               "placement": last.placement,
                "overrides": dict(system.overrides), "units": {"time": "us", "algbw": "GiB/s", "busbw": "GiB/s"},
                "results": [{"size(B)": r.nbytes, "count(elems)": r.count, "type": r.dtype, "time:avg(us)": r.time_us,
                             "algbw(GiB/s)": r.algbw / 2**30, "busbw(GiB/s)": r.busbw / 2**30,
@@ -925,9 +928,8 @@ def cmd_collective(args: argparse.Namespace) -> int:
         return 0
     console = _Out(width=140)
     cfg = system.chip
-    chips = len({r // system.ranks_per_chip for r in last.group})
-    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)}: {last.ranks} ranks on {chips} of "
-            f"{system.chips} chips ({system.ranks_per_chip} logical cores each, LNC={cfg.chip.lnc}), {last.dtype}")
+    head = (f"[bold]{last.collective}[/bold] on {escape(system.name)} ({system.chips} chips of "
+            f"{system.ranks_per_chip} logical cores, LNC={cfg.chip.lnc}): {escape(last.placement)}, {last.dtype}")
     if system.overrides:
         head += f" ({escape(system.describe_overrides())})"
     console.print(head)
@@ -1060,8 +1062,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plot)
     _add_collective_parser(sub)
     from .cli_estimate import add_parser as _add_estimate_parser
+    from .validate.cli import add_parser as _add_validate_parser
 
     _add_estimate_parser(sub)
+    _add_validate_parser(sub)
     return p
 
 
@@ -1080,9 +1084,12 @@ def _add_collective_parser(sub: Any) -> None:
     c.add_argument("--bytes", default="8B:4GiB", help="SIZE, MIN:MAX (times --factor each step) or SIZE,SIZE,...; "
                                                       "nccl-tests' S (the all-reduce buffer, the all-gather output...); "
                                                       "default 8B:4GiB")
+    c.add_argument("-N", "--nodes", type=int, help="instances the ranks spread over, equally, as nccom-test's -N "
+                                                   "(default: every instance of the system when they divide)")
     c.add_argument("--factor", type=int, default=2, help="growth factor of a MIN:MAX range (default 2)")
     c.add_argument("--algo", help=f"force an algorithm: {', '.join(ALGORITHMS)} (default: the size rule)")
-    c.add_argument("--dtype", default="bf16", help="element type (default bf16)")
+    c.add_argument("--dtype", default="bf16", help="element type (default bf16; int64, uint64, fp64 move as 8-byte "
+                                                   "words)")
     c.add_argument("--set", action="append", default=[], metavar="K=V",
                    help="dotted override of the system (topology.x.bandwidth=128GB/s) or its chip "
                         "(core.dma.engine_bandwidth=40GB/s) (repeatable)")

@@ -47,6 +47,8 @@ __all__ = [
     "CopyPredicated",
     "RangeSelect",
     "Reciprocal",
+    "Max8",
+    "FindIndex8",
     "DmaTranspose",
     "MatMulMx",
     "ALU_OPS",
@@ -1040,6 +1042,30 @@ class Reciprocal(Instruction):
     def __init__(self, dst: TileAP, data: TileAP):
         super().__init__("Vector", (data,), (dst,))
         self.dst, self.data = dst, data
+
+
+class Max8(Instruction):
+    """VectorE ``dst[p, 0:8]`` = the eight largest values of ``data[p, :]``, largest first
+    (``nisa.max8``: the first step of a top-k, as the NKI library's router does it)."""
+
+    __slots__ = ("dst", "data")
+    opcode = "Max8"
+
+    def __init__(self, dst: TileAP, data: TileAP):
+        super().__init__("Vector", (data,), (dst,))
+        self.dst, self.data = dst, data
+
+
+class FindIndex8(Instruction):
+    """VectorE ``dst[p, i]`` = the first position in ``data[p, :]`` that holds ``vals[p, i]``, for
+    the eight values of ``vals`` (``nisa.nc_find_index8``; a value not found gives 2^32 - 1)."""
+
+    __slots__ = ("dst", "data", "vals")
+    opcode = "FindIndex8"
+
+    def __init__(self, dst: TileAP, data: TileAP, vals: TileAP):
+        super().__init__("Vector", (data, vals), (dst,))
+        self.dst, self.data, self.vals = dst, data, vals
 
 
 class DmaTranspose(DmaCopy):

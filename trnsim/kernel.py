@@ -46,6 +46,8 @@ from .isa import (
     MatMulMx,
     RangeSelect,
     Reciprocal,
+    Max8,
+    FindIndex8,
     ScalarTensorTensor,
     TensorTensorScan,
     DmaCopy,
@@ -2068,6 +2070,35 @@ class Kernel:
         self._check_compute(what, "Vector", (dst, data))
         _check_same_shape(what, dst, data)
         return self._emit(Reciprocal(dst, data))  # type: ignore[return-value]
+
+    def max8(self, dst: TileAP, data: TileAP) -> Max8:
+        """``dst[p, 0:8]`` = the eight largest values of each partition of ``data``, largest
+        first (VectorE, ``N`` cycles for ``N`` elements a partition, datasheet §7)."""
+        what = "max8"
+        self._check_compute(what, "Vector", (dst, data))
+        if data.free_size < 8:
+            raise KernelError(f"{what}: data '{data.name}' has {data.free_size} elements per partition; max8 needs "
+                              f"at least 8")
+        if dst.p_count != data.p_count or dst.free_size != 8:
+            raise KernelError(f"{what}: dst '{dst.name}' must be [{data.p_count}, 8], got {dst.shape}")
+        if not data.dtype.is_float or not dst.dtype.is_float:
+            raise KernelError(f"{what}: data and dst must be float tiles, got {data.dtype.short} -> {dst.dtype.short}")
+        return self._emit(Max8(dst, data))  # type: ignore[return-value]
+
+    def nc_find_index8(self, dst: TileAP, data: TileAP, vals: TileAP) -> FindIndex8:
+        """``dst[p, i]`` = the first index in ``data[p, :]`` of the value ``vals[p, i]``, for the
+        eight ``vals`` of each partition (a value not there: 2^32 - 1); VectorE, ``N`` cycles
+        (datasheet §7). With :meth:`max8`, the indices of a row's top eight."""
+        what = "nc_find_index8"
+        self._check_compute(what, "Vector", (dst, data, vals))
+        for nm, t in (("vals", vals), ("dst", dst)):
+            if t.p_count != data.p_count or t.free_size != 8:
+                raise KernelError(f"{what}: {nm} '{t.name}' must be [{data.p_count}, 8], got {t.shape}")
+        if dst.dtype.name not in ("uint32", "int32"):
+            raise KernelError(f"{what}: dst '{dst.name}' must be uint32 or int32, got {dst.dtype.short}")
+        if not data.dtype.is_float:
+            raise KernelError(f"{what}: data '{data.name}' must be a float tile, got {data.dtype.short}")
+        return self._emit(FindIndex8(dst, data, vals))  # type: ignore[return-value]
 
     def dma_transpose(self, dst: TileAP, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaTranspose:
         """``dst[P, K] = src[K, P]ᵀ`` by the DMA engines, from HBM or SBUF into SBUF (NC-v3+):

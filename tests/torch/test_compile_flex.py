@@ -77,3 +77,121 @@ def test_inductor_hard_coded_for_flex_attention_runs_the_neuron_backend():
         got = torch.compile(flex_attention, backend="inductor")(*(t.to("neuron") for t in (q, k, v)), score_mod=_bias)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     assert [str(w.message) for w in caught if "Inductor" in str(w.message)] == [neuron_compile.INDUCTOR_WARNING]
+
+
+# ---- score functions reading the head index and captured tensors; block masks -----------------
+S = 256
+torch.manual_seed(1)
+HEAD_BIAS = torch.randn(2)
+TABLE = torch.randn(S, S)
+_dev = {}
+
+
+def _captured(name):
+    """A captured tensor on neuron (made once: a new tensor per call would recompile)."""
+    if name not in _dev:
+        _dev[name] = {"head_bias": HEAD_BIAS, "table": TABLE}[name].to("neuron")
+    return _dev[name]
+
+
+def _head_and_table(on):
+    bias, table = (HEAD_BIAS, TABLE) if on == "cpu" else (_captured("head_bias"), _captured("table"))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * (h + 1) * 0.5 + bias[h] + table[q_idx, kv_idx]
+    return score_mod
+
+
+def _flex_rows(rep):
+    return [(r.op, r.kernel, r.calls) for r in rep.rows if r.op.startswith("flex")]
+
+
+def test_score_mod_with_the_head_index_and_captured_tensors_is_one_attention_launch():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, S, 16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = flex_attention(q, k, v, score_mod=_head_and_table("cpu"))
+    torch._dynamo.reset()
+    mod = _head_and_table("neuron")
+    f = torch.compile(lambda a, b_, c: flex_attention(a, b_, c, score_mod=mod), backend="neuron")
+    with warnings.catch_warnings(record=True) as caught, torch.neuron.report_scope() as scope:
+        warnings.simplefilter("always")
+        got = f(*(t.to("neuron") for t in (q, k, v)))
+    assert torch.equal(got.cpu(), want)
+    assert _flex_rows(scope.report) == [("flex_attention", "attention", 1)]  # no extra S x S kernel
+    assert not [w for w in caught if "trnsim" in str(w.message)]
+
+
+def test_a_score_mod_that_cannot_fuse_says_so_in_a_line():
+    table = _captured("head_bias")
+    torch._dynamo.reset()
+    f = torch.compile(lambda a: flex_attention(a, a, a, score_mod=lambda s, b, h, qi, ki: s + table[(qi - ki) % 2]),
+                      backend="neuron")
+    with warnings.catch_warnings(record=True) as caught, torch.neuron.report_scope() as scope:
+        warnings.simplefilter("always")
+        f(torch.randn(1, 2, S, 16, device="neuron"))
+    lines = [str(w.message) for w in caught if "trnsim" in str(w.message)]
+    assert lines == ["trnsim: flex_attention: the score function does not fuse into the attention kernel (it reads a "
+                     "captured tensor at a computed index (a gather)); it is charged as one more pass over the "
+                     "[B, H, L, S] scores (generic:score_mod)"]
+    assert ("flex_attention", "generic:score_mod", 1) in _flex_rows(scope.report)
+
+
+def _sliding(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 128
+
+
+def test_a_block_mask_skips_its_fully_masked_blocks():
+    """A sliding window over 1024 keys visits 22 of 64 key blocks per head; the kernel walks only
+    those (a causal mask's partial blocks are the kernel's causal mode; another mask function's are
+    one generic pass over those blocks, said in a line)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 1024, 16)
+    qn = q.to("neuron")
+    cost = {}
+    for name, mask in (("dense", None), ("sliding", _sliding), ("causal", _causal)):
+        bm = create_block_mask(mask, 1, 2, 1024, 1024, device="neuron") if mask else None
+        torch._dynamo.reset()
+        f = torch.compile(lambda a: flex_attention(a, a, a, block_mask=bm), backend="neuron")
+        with warnings.catch_warnings(record=True) as caught, torch.neuron.report_scope() as scope:
+            warnings.simplefilter("always")
+            got = f(qn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = flex_attention(q, q, q, block_mask=create_block_mask(mask, 1, 2, 1024, 1024, device="cpu")
+                                      if mask else None)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)  # the datapath's fp32 sum order
+        rows = {r.kernel: r for r in scope.report.rows if r.op == "flex_attention"}
+        cost[name] = rows["attention"].time_us
+        lines = [str(w.message) for w in caught if "trnsim" in str(w.message)]
+        if name == "sliding":
+            assert lines == ["trnsim: flex_attention: the mask function does not fuse into the attention kernel (only "
+                             "causal masks do); it is charged as one generic pass over the partially masked blocks "
+                             "(generic:flex_mask)"]
+            assert rows["generic:flex_mask"].calls == 1
+        else:
+            assert lines == [] and set(rows) == {"attention"}
+    assert cost["sliding"] < 0.6 * cost["dense"] and cost["causal"] < cost["dense"]
+
+
+def test_kernel_score_inputs_and_block_masks_match_numpy():
+    from trnsim.kernels.fused import COL, ROW, SCALAR
+
+    # score * (h + 1) + buf0[h] + buf1[q, kv] + buf2[kv] + buf3[b, h, q]
+    prog = Program(((FULL, "fp32"), (SCALAR, "fp32"), (SCALAR, "fp32"), (FULL, "fp32"), (ROW, "fp32"), (COL, "bf16")),
+                   (("ts", 1, "add", 1.0, None, None, False), ("tt", "multiply", 0, 6), ("tt", "add", 7, 2),
+                    ("tt", "add", 8, 3), ("tt", "add", 9, 4), ("tt", "add", 10, 5)), ((11, "fp32"),))
+    params = {"score_mod": prog, "score_inputs": ("h", "buf0[h]", "buf1[q,kv]", "buf2[kv]", "buf3[b,h,q]"),
+              "score_buffers": (((2,), "fp32"), ((200, 200), "fp32"), ((200,), "fp32"), ((2, 2, 200), "bf16"))}
+    out = check_entry(get_kernel("attention"), (2, 2, 200, 64), "fp32", "trn2", params)
+    assert out["ok"], out["errors"]
+    window = tuple(tuple(k for k in range(8) if abs(k - qb) <= 1) for qb in range(8))
+    causal = tuple(tuple(range(qb + 1)) for qb in range(8))
+    wide = tuple((qb // 2,) for qb in range(8))  # 256-key blocks
+    lonely = tuple((qb // 2,) if qb % 3 else () for qb in range(8))  # some query blocks attend to nothing: zeros
+    for bm, is_causal in (((128, 128, (window,)), False), ((128, 256, (wide, lonely)), False),
+                          ((128, 128, (causal,)), True)):
+        out = check_entry(get_kernel("attention"), (1, 2, 1024, 64), "bf16", "trn2",
+                          {"block_mask": bm, "causal": is_causal})
+        assert out["ok"], (bm[:2], out["errors"])

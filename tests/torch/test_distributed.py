@@ -71,11 +71,11 @@ def test_a_collectives_time_is_what_trnsim_collective_reports(probe):
     (op, stream, s0, e0), = a["events"]["alone"]
     assert (op, stream) == ("all_reduce", -1) and b["events"]["alone"] == a["events"]["alone"]
     rep = simulate_collective("trn2.48xlarge", "all-reduce", 2 << 20, ranks=2, dtype="fp32")
-    assert rep.algorithm == "rdh" and e0 - s0 == rep.end_of(0) == rep.end_of(1)
+    assert rep.algorithm == "ring" and e0 - s0 == rep.end_of(0) == rep.end_of(1)  # 2 MiB per 2 ranks: past rdh
     cli = json.loads(_trnsim("collective", "all-reduce", "--ranks", "2", "--bytes", "2MiB", "--dtype", "fp32",
                              "--json").stdout)["results"][0]
-    assert cli["algorithm"] == "rdh" and (e0 - s0) / rep.tick_hz * 1e6 == pytest.approx(cli["time:avg(us)"], rel=1e-12)
-    assert a["alone_row"] == [["all_reduce", "all-reduce:rdh", 2 << 20, pytest.approx(cli["time:avg(us)"])]]
+    assert cli["algorithm"] == "ring" and (e0 - s0) / rep.tick_hz * 1e6 == pytest.approx(cli["time:avg(us)"], rel=1e-12)
+    assert a["alone_row"] == [["all_reduce", "all-reduce:ring", 2 << 20, pytest.approx(cli["time:avg(us)"])]]
 
 
 def test_an_async_all_reduce_overlaps_the_compute_issued_after_it(probe):
@@ -117,9 +117,9 @@ def test_the_merged_report_has_collective_rows_ranks_and_steps(probe):
     _, rep = probe
     assert rep["world"] == 2 and rep["system"] == "trn2.48xlarge" and set(rep["ranks"]) == {"0", "1"}
     rows = {(r["op"], r["kernel"]): r for r in rep["total"]["rows"]}
-    ar = rows[("all_reduce", "all-reduce:rdh")]
+    ar = rows[("all_reduce", "all-reduce:ring")]
     assert ar["calls"] == 6 and ar["collective"]["bytes"] == 2 * (2 * (2 << 20) + (32 << 20))
-    assert ar["collective"]["algorithm"] == "rdh" and ar["collective"]["busbw"] > 0
+    assert ar["collective"]["algorithm"] == "ring" and ar["collective"]["busbw"] > 0
     assert ("mm", "matmul") in rows  # compute rows beside the collective rows
     s0 = rep["ranks"]["0"]["summary"]
     assert s0["collective_us"] > 0 and 0 < s0["beside_compute_us"] <= s0["collective_us"]

@@ -248,3 +248,21 @@ def test_undeclared_writes_and_wrong_output_counts_fail_at_the_call():
         one(_x(128, 64).to("neuron"), _x(128, 64).to("neuron"))
     assert _line(e) == ("nkitest::sum_and_diff_one: the kernel returns 2 tensors, but the op was registered with "
                         "outputs=1; register it with outputs=2")
+
+
+def test_library_kernel_as_an_op_on_lnc2():
+    """A transformer library kernel (trnsim.nki.library) as an nki_op launched on the logical
+    core's grid: the attention values against its reference, one launch charged."""
+    from trnsim.kernels import get_kernel
+    from trnsim.nki import library as nkilib
+
+    attn = nkilib.kernel("attention_tkg", window=64)
+    op = nki_op("test_nkilib::attention_tkg", attn[2], outputs=1)
+    e = get_kernel("attention_tkg")
+    shape, p = (2, 4, 1, 1, 256, 64), {**e.params, "window": 64}
+    inp = e.inputs(shape, "bf16", p, np.random.default_rng(0))
+    ts = [torch.from_numpy(inp[n]).to(torch.bfloat16 if inp[n].dtype == np.float32 else torch.int32).to("neuron")
+          for n in nkilib.signature(attn)[0]]
+    out = op(*ts).float().cpu().numpy()
+    ref = e.reference(inp, shape, "bf16", p)["out"]
+    assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()

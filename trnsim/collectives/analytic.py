@@ -11,7 +11,10 @@ Rabenseifner & Gropp 2005; notes/collectives.md §5), where for one step
 * *HBM* = bytes a rank's HBM share moves in the step (every read and write: a ring
   reduce-scatter step reads two operands and writes one) / that share;
 * *DMA* = bytes a rank's DMA engines move, an add costing ``1/dma_accumulate_rate`` copies, over
-  the engines a transfer spreads its CC packets on (as many as it has packets, up to all).
+  the ``dma_rings`` engines per core each of its concurrent transfers spreads over;
+* the runtime (:mod:`trnsim.collectives.runtime`): ``launch`` once, and per step the handshake
+  (``step_sync``), the busiest CC core's issues (``issue`` per transfer it sends) and the
+  busiest proxy thread's turns (``efa_proxy`` per transfer over EFA), all in ``α``.
 
 Each algorithm's steps come from its own record (:mod:`trnsim.collectives.algorithms`); this
 module holds the rates they are priced at. These are computed from the system config with closed-form step counts and sizes and static
@@ -23,12 +26,12 @@ and says how (the fidelity benchmark prints both).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 from ..config import SystemConfig
 from .algorithms import ALGORITHMS, Context, estimate_steps
 from .report import AlphaBetaEstimate, EstimateStep
+from .runtime import RuntimeCosts
 from .topology import Topology
 
 __all__ = ["estimate_resolved", "Rates"]
@@ -37,7 +40,7 @@ __all__ = ["estimate_resolved", "Rates"]
 class Rates:
     """The figures the estimate uses, from the system config."""
 
-    def __init__(self, system: SystemConfig, topo: Topology):
+    def __init__(self, system: SystemConfig, topo: Topology, collective: str = "all-reduce"):
         cfg = system.chip
         self.topo = topo
         self.system = system
@@ -51,6 +54,8 @@ class Rates:
         self.packet = system.collectives.packet_bytes
         vector = system.collectives.reduce_engine == "vector"
         self.acc = 1.0 if vector else system.collectives.dma_accumulate_rate
+        self.runtime = RuntimeCosts.of(system)
+        self.rings = self.runtime.rings(collective)  # DMA rings per core the call holds
 
     def flows(self, flows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, int]:
         """For concurrent flows ``(src rank, dst rank, bytes)``: the worst α (seconds), the bytes
@@ -61,12 +66,23 @@ class Rates:
         load: dict[Any, float] = {}
         count: dict[Any, int] = {}
         topo = self.topo
+        rt = self.runtime
+        sent: dict[int, int] = {}  # transfers each rank's CC core issues in the step
+        proxied: dict[int, int] = {}  # transfers each proxy thread drives in the step
+        dims = self.system.topology
         for a, b, nb in flows:
             route = topo.route(topo.chip_of(a), topo.chip_of(b))
             alpha_ps = max(alpha_ps, topo.route_latency(route))
+            sent[a] = sent.get(a, 0) + 1
+            if any(dims[k[0]].proxy for k in route):
+                thread = a // rt.ranks_per_proxy
+                proxied[thread] = proxied.get(thread, 0) + 1
             for k in route:
                 load[k] = load.get(k, 0.0) + nb
                 count[k] = count.get(k, 0) + 1
+        # the runtime: issues one after another, the handshake, the proxy thread's turns
+        alpha_ps += (rt.issue_ps * max(sent.values(), default=0) + rt.step_sync_ps
+                     + rt.efa_proxy_ps * max(proxied.values(), default=0))
         alpha = (self.fixed_ps + alpha_ps) * 1e-12
         if not load:
             return alpha, 0.0, 0.0, 0
@@ -78,18 +94,8 @@ class Rates:
         """A step of concurrent ``flows``; ``hbm`` and ``dma`` are the busiest rank's bytes.
         ``fused``: each flow's receiver adds it as it lands, on its own DMA engines."""
         alpha, link, bw, nflows = self.flows(flows)
-        # a transfer spreads over as many of a core's engines as it has packets; a rank's
-        # concurrent transfers take further engines
-        lnc = self.system.chip.chip.lnc
-        per_core = self.engines // lnc
-        biggest = max((nb for _, _, nb in flows), default=0.0)
-        each = min(per_core, max(1, math.ceil(biggest / lnc / self.packet)))
-        out: dict[int, int] = {}
-        for a, b, _ in flows:
-            out[a] = out.get(a, 0) + 1
-            if fused:
-                out[b] = out.get(b, 0) + 1
-        used = min(per_core, each * max(out.values(), default=1)) * lnc
+        # a collective's transfers on a rank share the dma_rings engines it holds on each core
+        used = self.rings * self.system.chip.chip.lnc
         return EstimateStep(label, alpha, link, bw, hbm, self.hbm, dma, used * self.engine_bw, repeat, max(1, nflows))
 
 
@@ -97,7 +103,11 @@ def estimate_resolved(system: SystemConfig, res: Any) -> AlphaBetaEstimate:
     """The α-β estimate of a resolved call (see :func:`trnsim.collectives.estimate_collective`)."""
     ctx: Context = res.ctx
     algo: str = res.algorithm
-    steps = estimate_steps(Rates(system, ctx.topo), ctx, algo)
+    rates = Rates(system, ctx.topo, ctx.collective)
+    steps = estimate_steps(rates, ctx, algo)
+    if steps and rates.runtime.launch_ps:
+        steps.insert(0, EstimateStep("launch", rates.runtime.launch_ps * 1e-12, 0.0, 0.0, 0.0, rates.hbm, 0.0,
+                                     rates.dma))
     assumptions = ("every flow of a step moves at once at its share of the links it crosses; each rank's HBM "
                    "share and DMA engines its own; flows do not wait for one another within a step; no other traffic")
     return AlphaBetaEstimate(ctx.collective, algo, ctx.p, ctx.nbytes, tuple(steps), ALGORITHMS[algo].formula,

@@ -41,10 +41,11 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
                         group: Sequence[int] | None = None, dtype: str = "bf16", algorithm: str | None = None,
                         start: int | Sequence[int] = 0, root: int | None = None,
                         pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
-                        trace: bool = False) -> CollectiveReport:
+                        trace: bool = False, counts: Sequence[Sequence[int]] | None = None,
+                        instances: int | None = None) -> CollectiveReport:
     """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
     nccl-tests' S, ``start`` in ticks) and return its report."""
-    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs)
+    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances)
     return simulate_collectives(_system(system, overrides), [call], trace=trace)[0]
 
 
@@ -60,11 +61,13 @@ def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveC
 def estimate_collective(system: SystemConfig | str, collective: str, nbytes: int, *, ranks: int | None = None,
                         group: Sequence[int] | None = None, dtype: str = "bf16", algorithm: str | None = None,
                         root: int | None = None, pairs: Sequence[tuple[int, int]] | None = None,
-                        overrides: Any = None) -> AlphaBetaEstimate:
+                        overrides: Any = None, counts: Sequence[Sequence[int]] | None = None,
+                        instances: int | None = None) -> AlphaBetaEstimate:
     """The α-β estimate of the call :func:`simulate_collective` would simulate (same checks,
     same algorithm choice)."""
     sysc = _system(system, overrides)
-    res = resolve_call(sysc, CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, 0, root, pairs))
+    res = resolve_call(sysc, CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, 0, root, pairs, "",
+                                            counts, instances))
     return estimate_resolved(sysc, res)
 
 

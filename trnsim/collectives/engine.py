@@ -42,7 +42,12 @@ class CollectiveCall:
     system). ``start`` is when each rank reaches the call, in ticks of the chip config's
     ``tick_hz``: one value for all, or one per rank of ``group``. ``root`` is broadcast's source
     and reduce's destination (default the first rank); ``pairs`` the (source, destination) ranks
-    of a permute (default: each rank to the next in ring order, as nccom-test's permute ring).
+    of a permute (default: each rank to the next in ring order, as nccom-test's permute ring;
+    a rank paired with itself copies locally). ``counts[i][j]`` is the bytes an uneven
+    all-to-all (all-to-all-v) sends from the group's i-th rank to its j-th; ``nbytes`` is then
+    the largest rank's send total. ``instances`` spreads ``ranks`` over that many instances, as
+    nccom-test's ``-N`` (default: every instance of the system when the ranks divide over
+    them); a ``group`` places itself.
     """
 
     collective: str
@@ -55,6 +60,8 @@ class CollectiveCall:
     root: int | None = None
     pairs: Sequence[tuple[int, int]] | None = None
     label: str = ""
+    counts: Sequence[Sequence[int]] | None = None
+    instances: int | None = None
 
 
 @dataclass
@@ -64,6 +71,25 @@ class _Resolved:
     reason: str
     starts: tuple[int, ...]
     dtype: str
+
+
+#: 8-byte words a collective moves and adds as such (int64 indices, fp64 sums); the chip's
+#: datapath has no 8-byte dtype, but its DMA moves any bytes: name -> (short name, bytes)
+WIDE = {"int64": ("int64", 8), "i64": ("int64", 8), "s64": ("int64", 8), "long": ("int64", 8),
+        "uint64": ("uint64", 8), "u64": ("uint64", 8),
+        "fp64": ("fp64", 8), "float64": ("fp64", 8), "f64": ("fp64", 8), "double": ("fp64", 8)}
+
+
+def element(collective: str, dtype: str) -> tuple[str, int]:
+    """(short name, bytes) of a collective's element type: a chip dtype or an 8-byte word."""
+    wide = WIDE.get(str(dtype).strip().lower())
+    if wide is not None:
+        return wide
+    try:
+        dt = get_dtype(dtype)
+    except ValueError as e:
+        raise CollectiveError(f"{collective}: {e}; or an 8-byte word: int64, uint64, fp64") from None
+    return dt.short, dt.itemsize
 
 
 def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -> _Resolved:
@@ -85,6 +111,8 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
             raise CollectiveError(f"{coll}: rank {dup} appears twice in the group")
         if call.ranks is not None and call.ranks != len(group):
             raise CollectiveError(f"{coll}: ranks={call.ranks} but the group has {len(group)} ranks")
+        if call.instances is not None:
+            raise CollectiveError(f"{coll}: give instances= with ranks=, not with a group (a group places itself)")
     else:
         n = system.ranks if call.ranks is None else call.ranks
         if isinstance(n, bool) or not isinstance(n, int) or n < 1 or system.ranks % n:
@@ -92,20 +120,22 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
             raise CollectiveError(
                 f"{coll}: {n!r} ranks does not divide {system.name}'s {system.ranks} ranks ({system.chips} chips x "
                 f"{system.ranks_per_chip} logical cores); expected one of {', '.join(map(str, divs))}")
-        group = tuple(range(n))
-    try:
-        dt = get_dtype(call.dtype)
-    except ValueError as e:
-        raise CollectiveError(f"{coll}: {e}") from None
-    isz = dt.itemsize
+        k = call.instances if call.instances is not None else topo.default_instances(n)
+        ok = [d for d in range(1, topo.instances + 1) if n % d == 0 and n // d <= topo.instance_ranks]
+        if isinstance(k, bool) or not isinstance(k, int) or k not in ok:
+            raise CollectiveError(
+                f"{coll}: {n} ranks cannot spread evenly over {k!r} instance(s) of {system.name} ({topo.instances} "
+                f"instance(s) of {topo.instance_ranks} ranks); expected one of {', '.join(map(str, ok))}")
+        group = topo.place(n, k)
+    short, isz = element(coll, call.dtype)
     nbytes = call.nbytes
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise CollectiveError(f"{coll}: bytes must be a whole number >= 0, got {nbytes!r}")
     if nbytes % isz:
-        raise CollectiveError(f"{coll}: {nbytes} bytes is not a whole number of {dt.short} elements "
+        raise CollectiveError(f"{coll}: {nbytes} bytes is not a whole number of {short} elements "
                               f"({isz} bytes each)")
     p = len(group)
-    if coll in ("all-gather", "reduce-scatter", "all-to-all") and nbytes:
+    if coll in ("all-gather", "reduce-scatter", "all-to-all") and nbytes and call.counts is None:
         # nccl-tests' count is per rank: S is a whole number of count * nranks elements
         nbytes = max(1, nbytes // (isz * p)) * isz * p
     order = tuple(topo.ring_order(group))
@@ -115,11 +145,32 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
     if call.pairs is not None:
         pairs = tuple((int(a), int(b)) for a, b in call.pairs)
         for a, b in pairs:
-            if a not in group or b not in group or a == b:
-                raise CollectiveError(f"{coll}: pair ({a}, {b}) must be two different ranks of the group")
+            if a not in group or b not in group:
+                raise CollectiveError(f"{coll}: pair ({a}, {b}) must name ranks of the group")
+        if len({a for a, _ in pairs}) != len(pairs):
+            a = next(a for a, _ in pairs if sum(1 for x, _ in pairs if x == a) > 1)
+            raise CollectiveError(f"{coll}: rank {a} is the source of two pairs; a rank sends once")
     else:
         pairs = tuple((order[i], order[(i + 1) % p]) for i in range(p)) if p > 1 else ()
-    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group))
+    counts: tuple[tuple[int, ...], ...] = ()
+    if call.counts is not None:
+        if coll != "all-to-all":
+            raise CollectiveError(f"{coll}: counts are for an uneven all-to-all; this is {coll}")
+        try:
+            counts = tuple(tuple(int(x) for x in row) for row in call.counts)
+        except (TypeError, ValueError):
+            raise CollectiveError(f"{coll}: counts must be {p} rows of {p} whole numbers of bytes") from None
+        if len(counts) != p or any(len(row) != p for row in counts):
+            raise CollectiveError(f"{coll}: counts must be {p} rows of {p} byte counts (one per rank of the group), "
+                                  f"got {len(counts)} rows")
+        if any(x < 0 or x % isz for row in counts for x in row):
+            raise CollectiveError(f"{coll}: counts must be whole numbers of {short} elements ({isz} bytes each) >= 0")
+        top = max(sum(row) for row in counts)
+        if call.nbytes != top:
+            raise CollectiveError(f"{coll}: bytes={call.nbytes} but the largest rank sends {top} bytes by its "
+                                  f"counts; give bytes={top}")
+        nbytes = top
+    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group), counts=counts)
     if call.algorithm is not None:
         algo = canonical_algorithm(call.algorithm, coll)
         reason = "forced"
@@ -128,13 +179,20 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
     why = ALGORITHMS[algo].check(ctx)
     if why is not None:
         raise CollectiveError(f"algorithm '{algo}' cannot run {coll} on {p} ranks of {system.name}: it needs {why}")
+    if algo == "hierarchical":  # say what each tier runs
+        from .algorithms.compose import hierarchical_plan
+
+        tiers, algos = hierarchical_plan(ctx)
+        names = ["intra-instance" if not any(topo.level_inter_instance(lv) for lv in t) else "inter-instance"
+                 for t in tiers]
+        reason += "; " + ", ".join(f"{n} {a}" for n, a in zip(names, algos))
     start = call.start
     starts = tuple(int(start) for _ in group) if isinstance(start, int) else tuple(int(s) for s in start)
     if len(starts) != p:
         raise CollectiveError(f"{coll}: {len(starts)} start times for {p} ranks; give one, or one per rank")
     if any(s < 0 for s in starts):
         raise CollectiveError(f"{coll}: start times must be >= 0 ticks")
-    return _Resolved(ctx, algo, reason, starts, dt.short)
+    return _Resolved(ctx, algo, reason, starts, short)
 
 
 class CollectiveHandle:
@@ -177,6 +235,11 @@ class CollectiveEngine:
         self.env = self.net.env
         self.handles: list[CollectiveHandle] = []
         self._plans: dict[tuple[Any, ...], tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]] = {}
+        self._proxied: dict[tuple[Any, ...], bool] = {}  # plan key -> it crosses a proxy (EFA) tier
+        #: (rank, CC stream) -> tick its CC core is free to issue the next transfer
+        self._issue_free: dict[tuple[int, int], int] = {}
+        #: network proxy thread -> tick it is free
+        self._proxy_free: dict[int, int] = {}
 
     def launch(self, call: CollectiveCall) -> CollectiveHandle:
         res = resolve_call(self.system, call, self.net.topo)
@@ -207,20 +270,50 @@ class CollectiveEngine:
         rr.streams[id(h)] = h.stream[rank]
         h.requests[rank] = req
         h.begin[rank] = int(env.now)
+        launch = self.net.runtime.launch
+        if launch:  # the trigger reaching the CC core and its program starting
+            yield env.timeout(launch)
         self._complete(h, node, int(env.now))
         if h.left[rank] == 0:
             self._rank_finished(h, rank, int(env.now))
 
     def _plan(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]:
-        key = (t.src, t.dsts, t.reads, t.dst_reads)
+        key = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
         p = self._plans.get(key)
         if p is None:
             p = self._plans[key] = self.net.plan(t)
         return p
 
+    def _runtime_delay(self, h: CollectiveHandle, t: Transfer, links: tuple[Any, ...]) -> int:
+        """Ticks from now until the runtime lets ``t``'s DMA start: the sender's CC core issues
+        it (one transfer at a time), the handshake with its peers, and for a transfer that
+        leaves the instance over EFA the sender's network proxy thread (runtime.py)."""
+        rt = self.net.runtime
+        now = int(self.env.now)
+        at = now
+        if rt.issue:
+            key = (t.src, h.stream.get(t.src, 0))
+            free = self._issue_free.get(key, 0)
+            at = (free if free > at else at) + rt.issue
+            self._issue_free[key] = at
+        at += rt.step_sync
+        if rt.efa_proxy:
+            pkey = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
+            crosses = self._proxied.get(pkey)
+            if crosses is None:
+                dims = self.system.topology
+                crosses = self._proxied[pkey] = any(dims[k[0]].proxy for k in links)
+            if crosses:
+                thread = t.src // rt.ranks_per_proxy
+                free = self._proxy_free.get(thread, 0)
+                at = (free if free > at else at) + rt.efa_proxy
+                self._proxy_free[thread] = at
+        return at - now
+
     def _transfer(self, h: CollectiveHandle, i: int) -> None:
         t = h.sched.transfers[i]
-        book, _, lat = self._plan(t)
+        book, links, lat = self._plan(t)
+        delay = self._runtime_delay(h, t, links)
 
         def data(tick: int) -> None:
             h.data_start[i] = tick
@@ -233,7 +326,15 @@ class CollectiveEngine:
                 if left[r] == 0 and r in h.begin:
                     self._rank_finished(h, r, end)
 
-        self.net.start_transfer(t.nbytes, book, lat, data, done, h.limits)
+        net = self.net
+        k = net.runtime.rings(h.res.ctx.collective)
+        rings: dict[int, tuple[int, ...]] = {}
+        if k < net.config.core.dma.engines:  # the rings the collective holds on each core
+            for r in (t.src, *(t.dsts[:1] if t.dst_reads else ())):
+                engines = net.ring_set(h.stream.get(r, 0), k)
+                for d in net.rank(r).dma:
+                    rings[id(d)] = engines
+        net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings, k)
 
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending
@@ -285,7 +386,7 @@ class CollectiveEngine:
         for i, t in enumerate(h.sched.transfers):
             if t.is_node:
                 continue
-            key = (t.src, t.dsts, t.reads, t.dst_reads)
+            key = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
             per_plan[key] = per_plan.get(key, 0) + t.nbytes
             if net.trace:
                 timeline.append((f"rank {t.src} CC{h.stream.get(t.src, 0)}",
@@ -346,7 +447,7 @@ class CollectiveEngine:
             chunks=sum(len(net.chunks_of(t.nbytes)) for t in h.sched.transfers if not t.is_node),
             link_bytes=dict(sorted(link_bytes.items())), hbm_bytes=dict(sorted(hbm.items())), dma_bytes=dma,
             bound=name, bound_percent=pct, estimate=estimate,
-            overrides=self.system.overrides, timeline=tuple(timeline))
+            overrides=self.system.overrides, timeline=tuple(timeline), placement=net.topo.describe_placement(group))
 
 
 def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:

@@ -39,6 +39,7 @@ from ..bandwidth import BandwidthPipe
 from ..config import SystemConfig
 from ..memory.dma import DmaSystem
 from ..memory.hbm import stack_bandwidth, stack_of_core
+from .runtime import RuntimeCosts
 from .schedule import Transfer
 from .topology import LinkKey, Topology
 
@@ -100,6 +101,8 @@ class Network:
         self.acc = coll.dma_accumulate_rate
         self.vector_reduce = coll.reduce_engine == "vector"
         self.cc_per_rank = coll.cc_cores_per_core * cfg.chip.lnc
+        self.runtime = RuntimeCosts.of(system)
+        self.rings = self.runtime.dma_rings
         self._vec_cost: dict[tuple[str, int], int] = {}
         #: chunk bookings made (for the benchmark's events per second)
         self.chunks = 0
@@ -171,11 +174,12 @@ class Network:
                 e[3] += w if data is None else data
 
         src = self.rank(t.src)
+        share = 1 / len(t.reads) if t.gather else 1.0  # a gathered message reads each part once
         for r in t.reads:
             st = self.rank(r).stacks
             for p in st:
-                add(3, p, 1 / len(st))
-        adds_here = len(t.reads) > 1
+                add(3, p, share / len(st))
+        adds_here = len(t.reads) > 1 and not t.gather
         adds_there = bool(t.dst_reads)
         if self.vector_reduce:
             for v in (src.vector if adds_here else ()):
@@ -201,7 +205,7 @@ class Network:
         links: list[LinkKey] = []
         lat = 0
         src_chip = t.src // self.topo.rpc
-        for r in t.dsts:
+        for r in dict.fromkeys(t.dsts):
             st = self.rank(r).stacks
             for p in st:
                 add(3, p, 1 / len(st))
@@ -213,6 +217,13 @@ class Network:
         for k in links:
             add(0, self.link(k), 1.0)
         return [(k, o, w, dw) for k, o, w, dw in book.values()], tuple(links), self.config.ps_to_ticks(lat)
+
+    def ring_set(self, stream: int, k: int | None = None) -> tuple[int, ...]:
+        """The engines a collective on CC stream ``stream`` holds on each core: ``k`` of them
+        (default ``dma_rings``), the streams' sets side by side round the core's engines."""
+        n = self.config.core.dma.engines
+        k = self.rings if k is None else k
+        return tuple((stream * k + i) % n for i in range(k))
 
     def chunks_of(self, nbytes: int) -> list[int]:
         """A transfer's chunk sizes, bytes: at most ``max_chunks``, each at least a packet."""
@@ -241,12 +252,13 @@ class Network:
             ticks = self._vec_cost[key] = -(-cycles * per_part // tile) * vec.tpc
         return ticks
 
-    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int
+    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int, rings: int | None = None
                     ) -> list[tuple[int, list[tuple[int, Any, int, Any]]]]:
         """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
         resource, bytes, extra). A DMA system's extra is (engines, ticks on each): a transfer
-        spreads its packets over as many of the core's engines as it has packets (kind 4 when
-        that is all of them), one descriptor per packet; a VectorE's extra is its ticks."""
+        spreads its data evenly over the collective's ``dma_rings`` rings of the core (kind 4
+        when that is all of its engines), one descriptor per CC packet; a VectorE's extra is its
+        ticks."""
         sizes = self.chunks_of(nbytes)
         k = len(sizes)
         out = []
@@ -258,7 +270,7 @@ class Network:
                 if kind == 1:
                     n_eng = len(obj.engine_free)
                     packets = -(-math.ceil(nbytes * dw) // self.packet)
-                    used = max(1, min(n_eng, packets))
+                    used = self.rings if rings is None else rings  # the call's rings here, whatever the size
                     per = -(-nb // used)
                     desc = -(-packets * obj.desc_ticks // (used * k))  # this chunk's share of descriptors
                     extra = (used, -(-per * obj.tick_hz // obj.bw) + desc)
@@ -273,26 +285,34 @@ class Network:
     # ---- running a transfer --------------------------------------------------------------------
     def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
                        on_data: Callable[[int], None], on_done: Callable[[int], None],
-                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None) -> None:
+                       limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0,
+                       rings: Mapping[int, tuple[int, ...]] | None = None, nrings: int | None = None) -> None:
         """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
         starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
-        (by id), the intervals during which it was the one holding a chunk back.
+        (by id), the intervals during which it was the one holding a chunk back; ``delay`` ticks
+        (the runtime's issue, handshake and proxy time) pass before the DMA start latency;
+        ``rings`` maps a DMA system (by id) to the engines the collective holds on it (default
+        the first ``dma_rings``); ``nrings`` is how many the call holds per core (default
+        ``dma_rings``).
 
         It is driven by timeout callbacks rather than a simpy process: a transfer is one event
         per chunk, and a process would double what each event costs."""
-        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits)
+        _TransferRun(self, self._chunk_plan(bookings, nbytes, nrings), route_ticks, on_data, on_done, limits, delay,
+                     rings or {})
 
 
 class _TransferRun:
     """The state of one running transfer: chunks left to book, those in flight, the last
     tick any of them is through."""
 
-    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits")
+    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits", "rings")
 
     def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
                  on_data: Callable[[int], None], on_done: Callable[[int], None],
-                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None):
+                 limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0,
+                 rings: Mapping[int, tuple[int, ...]] | None = None):
         self.net = net
+        self.rings = rings or {}
         self.env = net.env
         self.chunks = [todo for count, todo in plan for _ in range(count)]
         self.chunks.reverse()  # popped from the end, so in order
@@ -303,7 +323,7 @@ class _TransferRun:
         self.on_done = on_done
         self.limits = limits
         # always through an event, so a chain of instant transfers never recurses
-        self.env.timeout(net.start_ticks).callbacks.append(self._begin)
+        self.env.timeout(net.start_ticks + delay).callbacks.append(self._begin)
 
     def _begin(self, _: Any) -> None:
         self.last = self.env.now
@@ -326,7 +346,7 @@ class _TransferRun:
                 if kind == 4:
                     e = obj.reserve_spread(extra[1], now)
                 elif kind == 1:
-                    e = obj.reserve_some(extra[0], extra[1], now)
+                    e = obj.reserve_engines(self.rings.get(id(obj)) or self.net.ring_set(0), extra[1], now)
                 elif kind == 2:
                     e = (obj.free if obj.free > now else now) + extra
                     obj.free = e

@@ -148,6 +148,7 @@ class CollectiveReport:
     estimate: AlphaBetaEstimate
     overrides: tuple[tuple[str, str], ...] = ()
     timeline: tuple[tuple[str, str, int, int], ...] = field(default=(), repr=False, compare=False)
+    placement: str = ""  # where the group sits: instances, ranks on each, chips
 
     @property
     def ranks(self) -> int:

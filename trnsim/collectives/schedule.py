@@ -42,6 +42,7 @@ class Transfer:
     deps: list[int] = field(default_factory=list)
     step: int = 0
     phase: str = ""
+    gather: bool = False  # ``reads`` are concatenated (each holds nbytes / len(reads)), not added
 
     @property
     def operands(self) -> int:
@@ -106,10 +107,13 @@ class Schedule:
         self._step_touch = None
 
     def send(self, src: int, dsts: int | Sequence[int], nbytes: int, reads: Sequence[int] | None = None,
-             dst_reads: Sequence[int] = (), deps: Sequence[int] | None = None) -> int:
+             dst_reads: Sequence[int] = (), deps: Sequence[int] | None = None, gather: bool = False) -> int:
         """Add a transfer (inside a step, or with explicit ``deps``); return its index.
 
-        ``reads`` defaults to the sender's own buffer. With explicit ``deps`` the transfer waits
+        ``reads`` defaults to the sender's own buffer; with ``gather`` the listed ranks' buffers
+        are read one after another into one message (an equal share each), not added. A
+        transfer whose only destination is its sender is a local step (a rank reducing what it
+        received into its output). With explicit ``deps`` the transfer waits
         for those and for the start nodes of its ranks only, and the frontiers are updated to it
         (pipelined chains set their own edges)."""
         d = (dsts,) if isinstance(dsts, int) else tuple(dsts)
@@ -122,14 +126,14 @@ class Schedule:
             for r in d:
                 if r != src:
                     dep.extend(x for x in self._deps_of(r) if x not in dep)
-            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase))
+            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase, gather))
             for r in (src, *d):
                 lst = touch.setdefault(r, [])
                 if not lst or lst[-1] != idx:
                     lst.append(idx)
         else:
             dep = list(deps) + [self.start[src]] + [self.start[r] for r in d if r != src]
-            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase))
+            self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase, gather))
             for r in (src, *d):
                 self.frontier[r] = [idx]
         return idx

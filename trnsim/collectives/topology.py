@@ -84,6 +84,56 @@ class Topology:
     def level_inter_instance(self, level: int) -> bool:
         return level > 0 and self.dims[level - 1].inter_instance
 
+    # ---- instances and placement -----------------------------------------------------------------
+    @property
+    def instances(self) -> int:
+        """Instances of the system (the product of its inter-instance dimensions)."""
+        return self.chips // self.system.instance_chips
+
+    @property
+    def instance_ranks(self) -> int:
+        return self.system.instance_chips * self.rpc
+
+    def instance_of(self, rank: int) -> int:
+        """The instance holding ``rank``: ranks are numbered instance by instance (the
+        inter-instance dimensions come last, so they are a chip id's slowest digits)."""
+        return rank // self.instance_ranks
+
+    def place(self, ranks: int, instances: int) -> tuple[int, ...]:
+        """A job of ``ranks`` on ``instances`` instances, numbered as Neuron numbers them: the
+        ranks divided equally over the instances (nccom-test's ``-r`` over ``-N`` nodes), each
+        instance's share its first logical cores, instance by instance."""
+        per = ranks // instances
+        return tuple(i * self.instance_ranks + r for i in range(instances) for r in range(per))
+
+    def default_instances(self, ranks: int) -> int:
+        """Every instance of the system when the ranks divide over them, else the fewest that
+        hold them (the system is the job, as nccom-test runs on every host it is given)."""
+        k = self.instances
+        if ranks >= k and ranks % k == 0:
+            return k
+        need = -(-ranks // self.instance_ranks)
+        while need < k and ranks % need:
+            need += 1
+        return need
+
+    def describe_placement(self, group: Sequence[int]) -> str:
+        """Where a group sits: its instances, the ranks on each, and the chips they use."""
+        inst: dict[int, list[int]] = {}
+        for r in group:
+            inst.setdefault(self.instance_of(r), []).append(r)
+        chips = sorted({self.chip_of(r) for r in group})
+        per = {len(v) for v in inst.values()}
+        each = f"{per.pop()} ranks each" if len(per) == 1 else "uneven"
+        ic = self.system.instance_chips
+        local = sorted({c % ic for c in chips})
+        span = f"chips {local[0]}-{local[-1]}" if local == list(range(local[0], local[-1] + 1)) and len(local) > 1 \
+            else f"chip {local[0]}" if len(local) == 1 else f"{len(local)} chips"
+        if self.instances == 1:
+            return f"{len(group)} ranks on {len(chips)} chip{'s' if len(chips) > 1 else ''}"
+        return (f"{len(group)} ranks on {len(inst)} of {self.instances} instances ({each}, on {span} of each: "
+                f"{len(chips)} chips)")
+
     # ---- routes --------------------------------------------------------------------------------
     def _route(self, src: int, dst: int) -> tuple[LinkKey, ...]:
         """The links from chip ``src`` to chip ``dst``, in order (empty on the same chip)."""
@@ -177,9 +227,10 @@ class Topology:
         return out
 
     def tiers(self, shape: GroupShape) -> list[list[int]]:
-        """The levels a group spans, grouped as intra-chip, intra-instance and inter-instance
-        (the hierarchical algorithms' phases); empty tiers left out."""
-        groups: list[list[int]] = [[], [], []]
+        """The levels a group spans, grouped as intra-instance (the chip's cores and the
+        dimensions inside an instance) and inter-instance: the phases of Neuron's hierarchical
+        algorithms (an intra-node part, then the inter-node part); empty tiers left out."""
+        groups: list[list[int]] = [[], []]
         for lv in shape.spanned():
-            groups[0 if lv == 0 else 2 if self.level_inter_instance(lv) else 1].append(lv)
+            groups[1 if self.level_inter_instance(lv) else 0].append(lv)
         return [g for g in groups if g]

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import (ALU_OPS, CopyPredicated, Instruction, Memset, RangeSelect, Reciprocal, ScalarTensorTensor,
-                   TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP)
+from ..isa import (ALU_OPS, CopyPredicated, FindIndex8, Instruction, Max8, Memset, RangeSelect, Reciprocal,
+                   ScalarTensorTensor, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP)
 from .alu import ElementwiseExec, alu, load_any, load_f32, operand, store
 from .base import Engine, register_engine, view_fields as _v
 
@@ -46,6 +46,8 @@ class VectorEngine(ElementwiseExec, Engine):
         CopyPredicated: _v("dst", "predicate") + ("src",),  # src: a view (by identity) or a number
         RangeSelect: _v("data") + ("cmp0", "cmp1"),
         Reciprocal: _v("data"),
+        Max8: _v("data"),
+        FindIndex8: _v("data"),
     }
 
     def perf_copy(self, dst: TileAP, src: TileAP) -> int:
@@ -96,6 +98,8 @@ class VectorEngine(ElementwiseExec, Engine):
             return max(mi, ins.data.free_size)
         if isinstance(ins, Reciprocal):
             return max(mi, 8 * ins.data.free_size)
+        if isinstance(ins, (Max8, FindIndex8)):  # "max8, nc_find_index8: N" (datasheet §7, S16)
+            return max(mi, ins.data.free_size)
         return super().cycles(ins)
 
     def latency_cycles(self, ins: Instruction) -> int:
@@ -143,6 +147,18 @@ class VectorEngine(ElementwiseExec, Engine):
         store(mem, ins.dst, out)
         if ins.reduce_res is not None:
             store(mem, ins.reduce_res, out.max(axis=1).reshape(-1, 1))
+
+    def exec_Max8(self, ins: Max8, mem: Any) -> None:
+        x = load_f32(mem, ins.data)
+        store(mem, ins.dst, -np.sort(-x, axis=1, kind="stable")[:, :8])
+
+    def exec_FindIndex8(self, ins: FindIndex8, mem: Any) -> None:
+        x = load_f32(mem, ins.data)
+        v = load_f32(mem, ins.vals)
+        hit = x[:, None, :] == v[:, :, None]  # [P, 8, N]
+        idx = np.where(hit.any(axis=2), hit.argmax(axis=2), 0xFFFFFFFF).astype(np.uint32)
+        dst = mem.view(ins.dst)
+        dst[...] = idx.view(dst.dtype).reshape(dst.shape)  # bits as they are (int32: -1 when not found)
 
     def exec_Reciprocal(self, ins: Reciprocal, mem: Any) -> None:
         with np.errstate(all="ignore"):

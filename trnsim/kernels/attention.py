@@ -68,26 +68,97 @@ _WORKING_BYTES = 40 * 1024  # SBUF per partition the per-step tiles take (measur
 
 def _inputs(shape, dtype, params, rng):
     b, h, s, d = shape
-    return {n: rng.standard_normal((b, h, s, d), dtype=np.float32) for n in ("q", "k", "v")}
+    out = {n: rng.standard_normal((b, h, s, d), dtype=np.float32) for n in ("q", "k", "v")}
+    for i, (bshape, _) in enumerate(params.get("score_buffers") or ()):
+        out[f"buf{i}"] = rng.standard_normal(bshape, dtype=np.float32)
+    return out
+
+
+# A score function's inputs after the score (``score_inputs``): the query and key index of each
+# score ("q_idx", "kv_idx"), the batch and head index ("b", "h"), and captured tensors read at
+# those indices, "buf<i>[<axes>]": buffer i (``score_buffers[i]``: shape, dtype) indexed along
+# each of its dims by one of b, h, q, kv (q before kv), e.g. "buf0[h]" (a per-head bias) or
+# "buf1[q,kv]" (a bias table). Each is a tile program input of the kind its axes make it.
+_INDEX_ROLES = {"q_idx": "full", "kv_idx": "full", "b": "scalar", "h": "scalar"}
+_AXES = ("b", "h", "q", "kv")
+
+
+def parse_score_input(role: Any, buffers: Any) -> tuple[str, int | None, tuple[str, ...]]:
+    """(kind, buffer index or None, axes) of one ``score_inputs`` entry, or a KernelError."""
+    if role in _INDEX_ROLES:
+        return _INDEX_ROLES[role], None, ()
+    text = str(role)
+    if not (text.startswith("buf") and text.endswith("]") and "[" in text):
+        raise KernelError(f"attention: score input {role!r}: expected q_idx, kv_idx, b, h or buf<i>[<axes>]")
+    head, _, rest = text[3:-1].partition("[")
+    if not head.isdigit() or int(head) >= len(buffers or ()):
+        raise KernelError(f"attention: score input {role!r} names no buffer (score_buffers has {len(buffers or ())})")
+    axes = tuple(a.strip() for a in rest.split(",") if a.strip())
+    shape = buffers[int(head)][0]
+    if any(a not in _AXES for a in axes) or len(set(axes)) != len(axes) or len(axes) != len(shape):
+        raise KernelError(f"attention: score input {role!r}: one axis (b, h, q or kv) per dim of its "
+                          f"{len(shape)}-d buffer, each once")
+    if "q" in axes and "kv" in axes and axes.index("q") > axes.index("kv"):
+        raise KernelError(f"attention: score input {role!r}: the query axis must come before the key axis")
+    kind = "full" if "q" in axes and "kv" in axes else "col" if "q" in axes else "row" if "kv" in axes else "scalar"
+    return kind, int(head), axes
+
+
+def _buffer_strides(shape: Any) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * int(shape[i + 1])
+    return strides
+
+
+def _score_arrays(params: Any, inputs: Any, bi: int, hi: int, s: int) -> list[np.ndarray]:
+    """The score function's inputs after the score for head (bi, hi), in HBM shapes."""
+    roles = params.get("score_inputs") or ("q_idx", "kv_idx")
+    buffers = params.get("score_buffers") or ()
+    out = []
+    for role in roles:
+        kind, buf, axes = parse_score_input(role, buffers)
+        if role == "q_idx":
+            out.append(np.broadcast_to(np.arange(s)[:, None], (s, s)).astype(np.float32))
+        elif role == "kv_idx":
+            out.append(np.broadcast_to(np.arange(s)[None, :], (s, s)).astype(np.float32))
+        elif buf is None:
+            out.append(np.array([bi if role == "b" else hi], dtype=np.float32))
+        else:
+            arr = round_to(inputs[f"buf{buf}"], buffers[buf][1])
+            index = tuple({"b": bi, "h": hi}.get(a, slice(0, s)) for a in axes)
+            out.append(np.asarray(arr[index], dtype=np.float32).reshape(-1) if kind != "full"
+                       else np.asarray(arr[index], dtype=np.float32))
+    return out
 
 
 def _reference(inputs, shape, dtype, params):
     q, k, v = (round_to(inputs[n], dtype) for n in ("q", "k", "v"))
-    s, d = shape[2], shape[3]
+    b, h, s, d = shape
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * _scale(params.get("scale"), d)
     if params.get("score_mod") is not None:
         from .fused import reference as program_reference
 
-        qi = np.broadcast_to(np.arange(s)[:, None], (s, s)).astype(np.float32)
-        ki = np.broadcast_to(np.arange(s)[None, :], (s, s)).astype(np.float32)
-        flat = scores.reshape(-1, s, s)
-        scores = np.stack([program_reference(params["score_mod"], [m.astype(np.float32), qi, ki], s, s)[0]
-                           for m in flat]).reshape(scores.shape)
+        scores = np.stack([np.stack([
+            program_reference(params["score_mod"], [scores[bi, hi].astype(np.float32)]
+                              + _score_arrays(params, inputs, bi, hi, s), s, s)[0]
+            for hi in range(h)]) for bi in range(b)]).astype(np.float64)
     if params.get("causal"):
         scores = np.where(np.tril(np.ones((s, s), dtype=bool)), scores, -np.inf)
+    if params.get("block_mask") is not None:
+        qbs, kvbs, patterns = params["block_mask"]
+        keep = np.zeros((b, h, s, s), dtype=bool)
+        for bi in range(b):
+            for hi in range(h):
+                for qb, kbs in enumerate(patterns[0] if len(patterns) == 1 else patterns[bi * h + hi]):
+                    for kb in kbs:
+                        keep[bi, hi, qb * qbs:(qb + 1) * qbs, kb * kvbs:(kb + 1) * kvbs] = True
+        scores = np.where(keep, scores, -np.inf)
+    empty = np.isneginf(scores).all(axis=-1, keepdims=True)  # rows with no key: zeros, as FlexAttention's
+    scores = np.where(empty, 0.0, scores)
     scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
+    p = np.where(empty, 0.0, np.exp(scores))
+    p /= np.where(empty, 1.0, p.sum(axis=-1, keepdims=True))
     return {"out": np.einsum("bhqk,bhkd->bhqd", p, v)}
 
 
@@ -99,6 +170,45 @@ def _scale(scale: Any, d: int) -> float:
         # the running max is taken over raw scores, which order like the scaled ones only for scale > 0
         raise KernelError(f"attention: scale must be a positive number, got {scale!r}")
     return float(scale)
+
+
+def _block_runs(block_mask: Any, b: int, h: int, s: int, tq: int, tc: int) -> Any:
+    """``runs(bi, hi, q0)``: the [start, end) key runs the query tile at q0 of head (bi, hi)
+    attends to under ``block_mask`` (see :func:`build_attention`), [] for none, or None for all
+    keys (no block mask); a KernelError for a pattern of the wrong shape."""
+    if block_mask is None:
+        return lambda bi, hi, q0: None
+    try:
+        qbs, kvbs, patterns = block_mask
+        qbs, kvbs, patterns = int(qbs), int(kvbs), tuple(tuple(tuple(int(k) for k in ks) for ks in p) for p in patterns)
+    except (TypeError, ValueError):
+        raise KernelError("attention: block_mask must be (q_block, kv_block, patterns)") from None
+    if qbs < 1 or kvbs < 1 or qbs % tq or kvbs % tc:
+        raise KernelError(f"attention: block_mask blocks {qbs}x{kvbs}: both must be multiples of {tq} queries and "
+                          f"{tc} keys (a query tile, a key chunk)")
+    nq, nk = -(-s // qbs), -(-s // kvbs)
+    if len(patterns) not in (1, b * h) or any(len(p) != nq or any(not 0 <= k < nk for ks in p for k in ks)
+                                              for p in patterns):
+        raise KernelError(f"attention: block_mask patterns: one per head ({b * h}) or one for all, each {nq} query "
+                          f"blocks of key blocks below {nk}")
+    cache: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def runs(bi: int, hi: int, q0: int) -> list[tuple[int, int]]:
+        p = patterns[0] if len(patterns) == 1 else patterns[bi * h + hi]
+        qb = q0 // qbs
+        key = (id(p), qb)
+        got = cache.get(key)
+        if got is None:
+            got = []
+            for kb in sorted(set(p[qb])):
+                lo, hi_ = kb * kvbs, min(s, (kb + 1) * kvbs)
+                if got and got[-1][1] == lo:
+                    got[-1] = (got[-1][0], hi_)
+                else:
+                    got.append((lo, hi_))
+            cache[key] = got
+        return got
+    return runs
 
 
 class _KeyBlock:
@@ -131,20 +241,32 @@ class _Step:
 
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
-                 params={"causal": False, "scale": None, "kv_block": 0, "schedule": "auto", "score_mod": None},
+                 params={"causal": False, "scale": None, "kv_block": 0, "schedule": "auto", "score_mod": None,
+                         "score_inputs": None, "score_buffers": None, "block_mask": None},
                  inputs=_inputs, reference=_reference, split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
-                    schedule: bool | str = "auto", score_mod: Any = None, name: str = "attention") -> Kernel:
+                    schedule: bool | str = "auto", score_mod: Any = None, score_inputs: Any = None,
+                    score_buffers: Any = None, block_mask: Any = None, name: str = "attention") -> Kernel:
     """``kv_block`` is how many keys stay in SBUF at once (a multiple of the 512-key tile); the
     default 0 takes as many as fit, so K and V of a head are loaded once when they can be.
     ``schedule`` list-schedules the instruction stream (:mod:`trnsim.schedule`); ``"auto"`` does
     for sequences of at most 512 keys (see the module docstring).
 
-    ``score_mod`` (a :class:`trnsim.kernels.fused.Program` over the inputs score, q_idx, kv_idx,
-    all full [queries, keys] fp32 tiles) is FlexAttention's score function, applied to each
-    scaled score tile in SBUF before the softmax: the index tiles come from GpSimd ``iota``, the
-    steps run on the engines a fused region's would."""
+    ``score_mod`` (a :class:`trnsim.kernels.fused.Program` whose input 0 is the scaled score
+    tile, full [queries, keys] fp32) is FlexAttention's score function, applied to each score tile
+    in SBUF before the softmax; ``score_inputs`` names its other inputs (default: q_idx, kv_idx;
+    see ``parse_score_input``): index tiles come from GpSimd ``iota`` (the batch and head index
+    of a head's tiles are constants), captured tensors (``score_buffers``: (shape, dtype) each,
+    kernel inputs ``buf<i>``) are loaded per score tile at the indices named, and the steps run
+    on the engines a fused region's would.
+
+    ``block_mask`` (FlexAttention's BlockMask as its pattern: ``(q_block, kv_block, patterns)``,
+    ``patterns`` one per head (b-major) or one for all, each a tuple per query block of the key
+    blocks it attends to) makes the kernel visit only those key blocks: a query tile walks the
+    runs of consecutive listed blocks, skipping every fully masked one; keys outside the listed
+    blocks are masked; a query tile with none is stored as zeros. Both block sizes must be
+    multiples of 128 (a query tile, a key chunk of the p·v contraction)."""
     sched = {"auto": s <= _SCHEDULE_MAX_KEYS, "true": True, "false": False, True: True, False: False}.get(
         schedule.lower() if isinstance(schedule, str) else schedule)
     if sched is None:
@@ -159,12 +281,12 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     if not isinstance(causal, (bool, np.bool_)):
         raise KernelError(f"attention: causal must be true or false, got {causal!r}")
     w = _Work(kern, dt, d, _scale(scale, d), bool(causal))
-    if score_mod is not None:
-        w.set_score_mod(score_mod)
     q = kern.input("q", (b, h, s, d), dt)
     k = kern.input("k", (b, h, s, d), dt)
     v = kern.input("v", (b, h, s, d), dt)
     out = kern.output("out", (b, h, s, d), dt)
+    if score_mod is not None:
+        w.set_score_mod(score_mod, score_inputs, score_buffers, b, h, s)
 
     isz, tk, tc = dt.itemsize, w.tk, w.tc
     if isinstance(kv_block, bool) or not isinstance(kv_block, int) or kv_block < 0 or kv_block % tk:
@@ -186,15 +308,21 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     if kv_outer:
         w.hold_query_state(n_q)
 
-    def steps(qt: Any, q0: int, qr: int, k0: int, n: int) -> list[tuple[Any, int, int, int]]:
+    runs_of = _block_runs(block_mask, b, h, s, w.tq, tc)
+
+    def steps(bi: int, hi: int, qt: Any, q0: int, qr: int, k0: int, n: int) -> list[tuple[Any, int, int, int]]:
         """(query tile ``qt`` [q0, q0 + qr), block, key tile, width) for the key tiles of block k0
         this tile needs: causal attention cuts key tiles at the tile's last row and skips those
-        after it."""
+        after it; a block mask keeps the runs of listed key blocks in each tile."""
         out = []
+        runs = runs_of(bi, hi, q0)
         for j0 in range(0, n, tk):
             if causal and k0 + j0 > q0 + qr - 1:
                 break
-            out.append((qt, k0, j0, min(tk, n - j0, q0 + qr - k0 - j0) if causal else min(tk, n - j0)))
+            lo, hi_ = k0 + j0, k0 + j0 + (min(tk, n - j0, q0 + qr - k0 - j0) if causal else min(tk, n - j0))
+            for a, z in ([(lo, hi_)] if runs is None else runs):
+                if a < hi_ and z > lo:
+                    out.append((qt, k0, max(a, lo) - k0, min(z, hi_) - max(a, lo)))
         return out
 
     def batches() -> Iterator[list[_Step]]:
@@ -208,11 +336,14 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
                     tiles = []
                     for q0 in range(g0, min(s, g0 + w.tq * _Q_GROUP), w.tq):
                         qr = min(w.tq, s - q0)
+                        if runs_of(bi, hi, q0) == []:  # attends to nothing: zeros
+                            w.store_zeros(out, bi, hi, q0, qr)
+                            continue
                         tiles.append(_QueryTile(bi, hi, q0, qr, w.load_queries(q, bi, hi, q0, qr)))
                     tiles_all.append(tiles)  # type: ignore[arg-type]
                 for k0, n in blocks.items():
                     for tiles in tiles_all:  # type: ignore[assignment]
-                        per = [steps(qt, qt.q0, qt.qr, k0, n) for qt in tiles]  # type: ignore[attr-defined]
+                        per = [steps(bi, hi, qt, qt.q0, qt.qr, k0, n) for qt in tiles]  # type: ignore[attr-defined]
                         for j in range(max(map(len, per), default=0)):
                             plan.append((k0, [st[j] for st in per if j < len(st)]))
                 yield from _emit_batches(w, k, v, bi, hi, blocks, plan, resident_ok=False)
@@ -230,9 +361,15 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
             for hi in range(h):
                 for g0 in range(0, s, w.tq * _Q_GROUP):
                     specs = tuple((q0, min(w.tq, s - q0)) for q0 in range(g0, min(s, g0 + w.tq * _Q_GROUP), w.tq))
+                    for q0, qr in specs:
+                        if runs_of(bi, hi, q0) == []:  # attends to nothing: zeros
+                            w.store_zeros(out, bi, hi, q0, qr)
+                    specs = tuple(sp for sp in specs if runs_of(bi, hi, sp[0]) != [])
+                    if not specs:
+                        continue
                     plan = []
                     for k0, n in blocks.items():
-                        per = [steps(ti, q0, qr, k0, n) for ti, (q0, qr) in enumerate(specs)]
+                        per = [steps(bi, hi, ti, q0, qr, k0, n) for ti, (q0, qr) in enumerate(specs)]
                         for j in range(max(map(len, per))):
                             plan.append((k0, tuple(st[j] for st in per if j < len(st))))
                     groups.run(bi, hi, g0, specs, tuple(plan))
@@ -654,38 +791,76 @@ class _Work:
         # operand slices by (base view, which slice, ints...), made once per kernel
         self.view = ViewCache(kern).get
 
-    def set_score_mod(self, program: Any) -> None:
-        """FlexAttention's score function as a tile program (inputs: score, q_idx, kv_idx)."""
+    def set_score_mod(self, program: Any, roles: Any, buffers: Any, b: int, h: int, s: int) -> None:
+        """FlexAttention's score function as a tile program: input 0 the score, then ``roles``
+        (see ``parse_score_input``; default q_idx, kv_idx) over captured ``buffers``."""
         from .fused import FULL, _assign, _Emitter, _step_class
 
+        roles = tuple(roles) if roles is not None else ("q_idx", "kv_idx")
+        buffers = tuple(buffers or ())
         kinds = program.kinds()
-        if [k for k, _ in program.inputs] != [FULL, FULL, FULL] or len(program.outputs) != 1:
-            raise KernelError("attention: score_mod must read (score, q_idx, kv_idx) and write one value")
+        parsed = [parse_score_input(r, buffers) for r in roles]
+        want = [FULL] + [kd for kd, _, _ in parsed]
+        if [k for k, _ in program.inputs] != want or len(program.outputs) != 1:
+            raise KernelError(f"attention: score_mod must read the score and its score_inputs ({', '.join(want)}) and "
+                              f"write one value")
         if not program.elementwise:
             raise KernelError("attention: score_mod must be elementwise")
         self.mod = program
+        self.mod_roles, self.mod_inputs, self.mod_kinds = roles, parsed, kinds
         self.canon_of = None  # no replay (see _Groups): the pools' own views
         self.mod_em = _Emitter(self.kern, program, kinds, _assign([_step_class(st, kinds, True) for st in program.steps],
                                                                   [1.0] * len(program.steps), self.kern.config))
+        self.mod_bufs = []
+        for i, (bshape, bdt) in enumerate(buffers):
+            shape = tuple(int(x) for x in bshape)
+            self.mod_bufs.append((self.kern.input(f"buf{i}", shape, get_dtype(bdt)), _buffer_strides(shape)))
+        for kind, buf, axes in parsed:
+            if buf is None:
+                continue
+            shape = self.mod_bufs[buf][0].shape
+            for a, n in zip(axes, shape):
+                need = {"b": b, "h": h, "q": s, "kv": s}[a]
+                if n < need:
+                    raise KernelError(f"attention: score buffer buf{buf} {tuple(shape)}: its {a} dim has {n}, "
+                                      f"the kernel indexes {need}")
         used = {a for st in program.steps for a in (st[2:4] if st[0] == "tt" else (st[2],) if st[0] in ("act", "red")
                                                      else (st[1],))}
-        self.mod_index = [i for i in (1, 2) if i in used]
+        self.mod_used = [i for i in range(1, len(program.inputs)) if i in used]
         self.mod_pool = self.kern.tile_pool("score_mod", bufs=3 * max(1, len(program.steps)))
-        self.idx_pool = self.kern.tile_pool("score_idx", bufs=4)
+        self.idx_pool = self.kern.tile_pool("score_idx", bufs=4 * max(1, len(self.mod_used)))
 
-    def modified(self, s_ps: TileAP, q0: int, k0: int, qr: int, kw: int) -> TileAP:
-        """``score_mod(scale * s, q_idx, kv_idx)`` for one [qr, kw] score tile, in SBUF (fp32)."""
+    def modified(self, s_ps: TileAP, qt: _QueryTile, k0: int, qr: int, kw: int) -> TileAP:
+        """``score_mod(scale * s, ...)`` for one [qr, kw] score tile of query tile ``qt``, in SBUF (fp32)."""
         kern, prog = self.kern, self.mod
+        q0 = qt.q0
         tiles = {0: self.tile(self.mod_pool, (qr, kw), "fp32")}
         kern.tensor_scalar(tiles[0], s_ps, "multiply", self.scale)
-        for i in self.mod_index:  # query index: q0 + partition; key index: k0 + column
-            t = self.tile(self.idx_pool, (qr, kw), "fp32")
-            kern.iota(t, base=q0 if i == 1 else k0, channel_multiplier=1 if i == 1 else 0, pattern=[0 if i == 1 else 1])
+        for i in self.mod_used:
+            role, (kind, buf, axes) = self.mod_roles[i - 1], self.mod_inputs[i - 1]
+            if role in ("q_idx", "kv_idx"):  # query index: q0 + partition; key index: k0 + column
+                is_q = role == "q_idx"
+                t = self.tile(self.idx_pool, (qr, kw), "fp32")
+                kern.iota(t, base=q0 if is_q else k0, channel_multiplier=1 if is_q else 0, pattern=[0 if is_q else 1])
+            elif buf is None:  # the head's batch or head index: the same for every score of the tile
+                t = self.tile(self.idx_pool, (qr, 1), "fp32")
+                kern.iota(t, base=qt.bi if role == "b" else qt.hi, channel_multiplier=0, pattern=[0])
+            else:  # a captured tensor at this tile's indices (per-partition rows, key columns)
+                src, strides = self.mod_bufs[buf]
+                at = {"b": qt.bi, "h": qt.hi, "q": q0, "kv": k0}
+                offset = sum(at[a] * st for a, st in zip(axes, strides))
+                sq = strides[axes.index("q")] if "q" in axes else 0
+                skv = strides[axes.index("kv")] if "kv" in axes else 1
+                cols = kw if kind in ("full", "row") else 1
+                t = self.tile(self.idx_pool, (qr, cols), src.dtype)
+                kern.dma_copy(t, src.ap(offset, [[sq, qr], [skv, cols]]), queue=3)
             tiles[i] = t
+        kinds = self.mod_kinds
         for j in range(len(prog.steps)):
-            dst = self.tile(self.mod_pool, (qr, kw), "fp32")
+            narrow = kinds[len(prog.inputs) + j] in ("col", "scalar")  # a per-row value: one column
+            dst = self.tile(self.mod_pool, (qr, 1 if narrow else kw), "fp32")
             self.mod_em.step(j, dst, tiles, qr, 1, kw, 0)
-            tiles[3 + j] = dst
+            tiles[len(prog.inputs) + j] = dst
         return tiles[prog.outputs[0][0]]
 
     def query_state_fits(self, n_q: int, blk: int) -> bool:
@@ -792,7 +967,7 @@ class _Work:
         kern.nc_matmul(s_ps, qt.qT, self.view((kT, 4, st.j0, kw), lambda: kT[:, st.j0:st.j0 + kw]))
         scores = s_ps
         if self.mod is not None:
-            scores = self.modified(s_ps, qt.q0, kt0, qr, kw)
+            scores = self.modified(s_ps, qt, kt0, qr, kw)
         if self.causal and kt0 + kw - 1 > qt.q0:
             # keep key kt0+i for query q0+p when q0 + p - kt0 - i >= 0; GpSimd reads SBUF only,
             # and only keys from q0 on can be masked
@@ -864,6 +1039,12 @@ class _Work:
         assert st.alpha is not None
         kern.tensor_scalar(qt.o, qt.o, "multiply", st.alpha, engine="gpsimd")
         kern.tensor_tensor(qt.o, qt.o, pv, "add")
+
+    def store_zeros(self, out: HbmTensor, bi: int, hi: int, q0: int, qr: int) -> None:
+        """Zeros for query rows a block mask leaves no key (FlexAttention's output for them)."""
+        res = self.tile(self.res_pool, (qr, self.d), self.dt)
+        self.kern.memset(res, 0.0, engine="gpsimd")
+        self.kern.dma_copy(out[bi, hi, q0:q0 + qr, :], res, engine="gpsimd")
 
     def store(self, out: HbmTensor, qt: _QueryTile) -> None:
         """``out = o / l`` for one query tile, stored on GpSimd's DMA queue."""

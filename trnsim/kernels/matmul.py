@@ -7,7 +7,8 @@ Operand layout. TensorE contracts over the partition axis of both operands, so t
 are loaded row-major and turned on chip with ``nc_transpose`` through PSUM (timed like any other
 TensorE work), each element once: B as each column block is loaded, A during the first column
 block, which also spills the transposed A to an HBM scratch for the later blocks. FP8 operands use the double-row mode (``[128, 2, M]`` tiles contracting 256 rows
-per instruction) when the core has it.
+per instruction) when the core has it; E4M3 and E5M2 run at the same rate and may be mixed
+(datasheet §4.2, S9), so a kernel of mixed operands is the kernel of either.
 
 Schedule (the tutorial's "blocked" kernel, made to stream without bubbles):
 
@@ -50,7 +51,7 @@ from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_matmul", "build_bmm", "plan_blocks"]
 
-_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
 _PARAMS = {"transpose_a": False, "transpose_b": False, "out_dtype": "auto"}
 _LHS_Q, _RHS_Q, _STORE_Q = 0, 1, 2  # DMA queue ids: loads of each operand and stores never share a queue
 _GROUP = 4  # k-tiles per on-chip-transpose slab and per streaming step

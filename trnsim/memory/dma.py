@@ -331,6 +331,20 @@ class DmaSystem:
             self._level = top
         return top
 
+    def reserve_engines(self, engines: tuple[int, ...], ticks: int, start: int) -> int:
+        """Book the listed engines for ``ticks`` each from ``start`` and return when the last is
+        done: a collective's DMA rings, the engines the runtime assigned it on this core."""
+        if self._level is not None:
+            self.engine_free = [self._level] * len(self.engine_free)
+            self._level = None
+        free = self.engine_free
+        top = start
+        for e in engines:
+            f = free[e] = (free[e] if free[e] > start else start) + ticks
+            if f > top:
+                top = f
+        return top
+
     def reserve_some(self, engines: int, ticks: int, start: int) -> int:
         """Book ``engines`` engines (the next ones round robin) for ``ticks`` each from ``start``;
         a transfer smaller than a packet per engine uses fewer engines than a core has."""

@@ -45,9 +45,13 @@ class DeviceMemory:
         if isinstance(ap, HbmAP):
             base = self.hbm[ap.tensor.uid]
             isz = base.itemsize
+            # strided through raw bytes of the element size: as_strided rebuilds the array from its
+            # __array_interface__, whose typestr ml_dtypes' float8_e5m2 gives as '<f1', which numpy
+            # cannot read back (the other ml_dtypes floats say '<V1'/'<V2')
+            raw = base.view(np.dtype((np.void, isz)))
             return np.lib.stride_tricks.as_strided(
-                base[ap.offset:], shape=ap.shape, strides=tuple(s * isz for s, _ in ap.dims), writeable=True
-            )
+                raw[ap.offset:], shape=ap.shape, strides=tuple(s * isz for s, _ in ap.dims), writeable=True
+            ).view(base.dtype)
         mem = self.sbuf if ap.space == "sbuf" else self.psum
         pb = mem.shape[1]
         isz = ap.dtype.itemsize

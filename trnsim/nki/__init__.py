@@ -21,6 +21,10 @@ as the Neuron compiler would (:mod:`trnsim.schedule`) and simulated (:class:`trn
 code that uses them; :func:`family` makes a kernel a family of the device model, costed by input
 shapes, as a framework op needs it (``torch_bridge.nki`` registers kernels as torch ops so).
 What trnsim does not support fails with one line naming the construct.
+
+:mod:`trnsim.nki.library` gives the NKI library's transformer kernels (``nkilib.core``: QKV,
+attention for decode and prefill, MLP, output projection, RoPE, router, MoE experts) as kernels
+of this module, with the instruction streams of :mod:`trnsim.kernels.transformer`.
 """
 
 from . import isa, language, typing

@@ -31,7 +31,7 @@ __all__ = [
     "nc_matmul", "nc_matmul_mx", "nc_transpose", "activation", "activation_reduce", "tensor_tensor",
     "tensor_scalar", "tensor_reduce", "tensor_copy", "memset", "iota", "affine_select", "dma_copy",
     "dma_transpose", "reciprocal", "tensor_tensor_scan", "scalar_tensor_tensor", "tensor_copy_predicated",
-    "range_select",
+    "range_select", "max8", "nc_find_index8",
 ]
 
 
@@ -774,13 +774,47 @@ def dma_transpose(*args: Any, **kwargs: Any) -> Any:
     return _run(what, dst, (src.shape[1], src.shape[0]), src.dtype, "sbuf", emit, box)
 
 
+def max8(*args: Any, **kwargs: Any) -> Any:
+    """The eight largest values of each partition of ``src``, largest first (VectorE)."""
+    what = "nisa.max8"
+    dst, args = _split(args, kwargs, 1)
+    if "data" in kwargs and "src" not in kwargs:
+        kwargs["src"] = kwargs.pop("data")
+    p = _bind(what, args, kwargs, ["src"], {"dtype": None, "mask": None, "name": None})
+    x = _tensor(p["src"], what, "src")
+    box = _spread(_mask(p["mask"], what), [dst, x])
+
+    def emit(d: NkiTensor, dbox: dict) -> None:
+        tr = current()
+        _emit(lambda: tr.kernel.max8(_ap(d, dbox, what), _ap(x, box, what)))
+
+    return _run(what, dst, (x.shape[0], 8), _dtype_of(x, p["dtype"], what), "sbuf", emit, box)
+
+
+def nc_find_index8(*args: Any, **kwargs: Any) -> Any:
+    """The first index in each partition of ``data`` of each of the eight ``vals`` (VectorE;
+    uint32, 2^32 - 1 for a value not found)."""
+    what = "nisa.nc_find_index8"
+    dst, args = _split(args, kwargs, 2)
+    p = _bind(what, args, kwargs, ["data", "vals"], {"dtype": None, "mask": None, "name": None})
+    x = _tensor(p["data"], what, "data")
+    vals = _tensor(p["vals"], what, "vals")
+    box = _spread(_mask(p["mask"], what), [dst, x])
+
+    def emit(d: NkiTensor, dbox: dict) -> None:
+        tr = current()
+        _emit(lambda: tr.kernel.nc_find_index8(_ap(d, dbox, what), _ap(x, box, what), _ap(vals, box, what)))
+
+    return _run(what, dst, (x.shape[0], 8), p["dtype"] or "uint32", "sbuf", emit, box)
+
+
 # ---------------------------------------------------------------------------------------------
 # what trnsim does not model
 # ---------------------------------------------------------------------------------------------
 
 _UNSUPPORTED = {
     "local_gather": "GpSimd gathers are not modelled", "nc_n_gather": "", "bn_stats": "", "bn_aggr": "",
-    "max8": "", "nc_find_index8": "", "nc_match_replace8": "", "nc_stream_shuffle": "",
+    "nc_match_replace8": "", "nc_stream_shuffle": "",
     "tensor_partition_reduce": "", "tensor_scalar_reduce": "", "tensor_scalar_cumulative": "",
     "tensor_copy_dynamic_src": "dynamic access patterns are not modelled",
     "tensor_copy_dynamic_dst": "dynamic access patterns are not modelled",

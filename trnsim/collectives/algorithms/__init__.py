@@ -5,6 +5,7 @@ message schedule, its α-β estimate of the same call, its closed form in words 
 must be for it to run. :data:`ALGORITHMS` gathers the records; nothing else lists them.
 
 * :mod:`.flat` — ``ring``, ``bidir-ring``, ``rdh``, ``mesh``;
+* :mod:`.mesh` — ``two-step-mesh``, ``single-step-mesh``;
 * :mod:`.kangaring` — ``kangaring``;
 * :mod:`.compose` — ``per-dim-ring``, ``hierarchical``.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..schedule import Schedule
-from . import compose, flat, kangaring
+from . import compose, flat, kangaring, mesh
 from .base import (COLLECTIVES, KINDS, Algorithm, CollectiveError, Context, busbw_factor, canonical_collective,
                    hierarchy_groups, levels_lanes)
 
@@ -31,7 +32,7 @@ __all__ = ["COLLECTIVES", "ALGORITHMS", "KINDS", "Algorithm", "Context", "Collec
            "hierarchy_groups", "levels_lanes"]
 
 #: every algorithm by name, in the order the CLI lists them
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for mod in (flat, kangaring, compose) for a in mod.ALGORITHMS}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for mod in (flat, mesh, kangaring, compose) for a in mod.ALGORITHMS}
 
 BUSBW_FACTORS = busbw_factor
 

@@ -81,6 +81,14 @@ class Context:
     order: tuple[int, ...] = ()
     shape: GroupShape | None = None
     notes: list[str] = field(default_factory=list)
+    #: an uneven all-to-all: bytes from the group's i-th rank (in ``group`` order) to its j-th
+    counts: tuple[tuple[int, ...], ...] = ()
+
+    def sends(self, src: int, dst: int, even: int) -> int:
+        """Bytes ``src`` sends ``dst`` in an all-to-all: its count, or the even piece."""
+        if not self.counts:
+            return even
+        return self.counts[self.group.index(src)][self.group.index(dst)]
 
     @property
     def p(self) -> int:
@@ -150,6 +158,6 @@ def levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
 
 
 def hierarchy_groups(ctx: Context) -> list[list[int]]:
-    """The spanned levels grouped as intra-chip, intra-instance and inter-instance."""
+    """The spanned levels grouped as intra-instance and inter-instance (Topology.tiers)."""
     assert ctx.shape is not None
     return ctx.topo.tiers(ctx.shape)

@@ -4,8 +4,14 @@ cores, then each topology dimension), each phase a flat algorithm on the lines o
 ``per-dim-ring``  ASTRA-sim's multi-dimensional composition, one ring per level: all-reduce =
                   RS(level 0..k-2), AR(level k-1), AG(k-2..0); a bidirectional ring on ring
                   dimensions (notes/collectives.md §4.3).
-``hierarchical``  Neuron's composition across tiers: intra-chip, intra-instance, inter-instance;
-                  each tier runs the algorithm the size rule picks for its own share (§1.3).
+``hierarchical``  Neuron's composition across tiers: intra-instance (the chip's cores and the
+                  torus together), then inter-instance; each tier runs the algorithm the size
+                  rule picks for its own share (§1.3), any registered one (two-step mesh,
+                  kangaring, single-step mesh across instances...).
+
+A phase of a flat algorithm runs every line of the grid as lanes of one schedule; any other
+algorithm runs each line as a call of its own on that line's ranks (the lines share no rank, so
+they still run side by side).
 """
 
 from __future__ import annotations
@@ -39,9 +45,18 @@ def _compose(s: Schedule, ctx: Context, groups: Sequence[Sequence[int]], algos: 
     lanes = [levels_lanes(ctx, g) for g in groups]
 
     def ph(kind: str, k: int, total: int) -> None:
-        order_of = sorted if algos[k] == "rdh" else list
-        s.phase = f"{kind} {'+'.join(ctx.topo.level_names[i] for i in groups[k])} ({algos[k]})"
-        phase(kind, algos[k], s, [(order_of(v), total) for v in lanes[k]], isz)
+        algo = algos[k]
+        s.phase = f"{kind} {'+'.join(ctx.topo.level_names[i] for i in groups[k])} ({algo})"
+        if algo in FLAT:
+            order_of = sorted if algo == "rdh" else list
+            phase(kind, algo, s, [(order_of(v), total) for v in lanes[k]], isz)
+            return
+        from . import ALGORITHMS
+
+        first = s.steps
+        for v in lanes[k]:  # lines share no rank: each as a call of its own, side by side
+            s.steps = first
+            ALGORITHMS[algo].build(s, _line(ctx, kind, v, total))
 
     n = ctx.nbytes
     if c == "all-reduce":
@@ -76,7 +91,12 @@ def _compose_estimate(r: "Rates", ctx: Context, groups: Sequence[Sequence[int]],
     c = ctx.collective
 
     def ph(kind: str, k: int, data: float) -> "list[EstimateStep]":
-        return phase_estimate(r, kind, algos[k], [(v, data) for v in lanes[k]], names[k])
+        if algos[k] in FLAT:
+            return phase_estimate(r, kind, algos[k], [(v, data) for v in lanes[k]], names[k])
+        from . import ALGORITHMS
+
+        # the lines run side by side on links of their own: the first stands for all
+        return ALGORITHMS[algos[k]].estimate(r, _line(ctx, kind, lanes[k][0], int(data)))
 
     if c == "all-reduce":
         data = n
@@ -100,6 +120,18 @@ def _compose_estimate(r: "Rates", ctx: Context, groups: Sequence[Sequence[int]],
     return out
 
 
+#: the algorithms :func:`~.flat.phase` runs on lanes
+FLAT = ("ring", "bidir-ring", "rdh", "mesh")
+_COLLECTIVE = {"rs": "reduce-scatter", "ag": "all-gather", "ar": "all-reduce"}
+
+
+def _line(ctx: Context, kind: str, ranks: Sequence[int], total: int) -> Context:
+    """One line of a phase as a call of its own: ``kind`` of ``total`` bytes on ``ranks``."""
+    group = tuple(sorted(ranks))
+    return Context(ctx.system, ctx.topo, _COLLECTIVE[kind], group, total, ctx.itemsize, group[0], (),
+                   tuple(ctx.topo.ring_order(group)), ctx.topo.shape(group))
+
+
 def _per_dim_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     """One group per spanned level; a bidirectional ring on ring dimensions of more than 2."""
     assert ctx.shape is not None
@@ -112,17 +144,26 @@ def _per_dim_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     return [[lv] for lv in spanned], algos
 
 
-def _hierarchical_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
+def hierarchical_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     """The tiers, each with the algorithm the size rule picks for the share it moves."""
     from ..select import flat_choice
 
     groups = hierarchy_groups(ctx)
     algos = []
+    c = ctx.collective
     data = ctx.nbytes
-    for g, size in zip(groups, _sizes(ctx, groups)):
-        algos.append(flat_choice(ctx.system, data, size, ctx.topo, g)[0])
-        if ctx.collective != "all-gather":
-            data //= size
+    sizes = _sizes(ctx, groups)
+    if c == "all-gather":
+        data = data // sizes[-1]  # the inter-instance gather moves the smaller share, first
+    for k, g in enumerate(groups):
+        line = levels_lanes(ctx, g)[0]
+        kind = c if c != "all-reduce" or k == len(groups) - 1 else "reduce-scatter"
+        algo = flat_choice(ctx.system, kind, data, line, ctx.topo)[0]
+        if algo == "single-step-mesh" and kind != "all-reduce":
+            algo = "mesh"
+        algos.append(algo)
+        if c != "all-gather":
+            data //= sizes[k]
     return groups, algos
 
 
@@ -144,7 +185,7 @@ def _check_grid(what: str) -> Callable[[Context], str | None]:
             names = ", ".join(ctx.topo.level_names[i] for i in ctx.shape.spanned()) or "nothing"
             if what == "levels":
                 return f"a group spanning at least 2 levels (chip cores, {', '.join(ctx.topo.level_names[1:])}); this one spans {names}"
-            return f"a group spanning at least 2 of intra-chip, intra-instance, inter-instance; this one spans {names}"
+            return f"a group spanning instances and ranks inside them; this one spans {names}"
         return None
     return check
 
@@ -155,6 +196,6 @@ ALGORITHMS = (
     Algorithm("per-dim-ring", _THREE, ("ring2d", "ring3d", "2d-ring", "3d-ring", "torus"), _built(_per_dim_plan),
               _estimated(_per_dim_plan), "a ring per level: RS up the levels on n, n/p0, ..., AR on the last, AG back down",
               _check_grid("levels")),
-    Algorithm("hierarchical", _THREE, ("hier",), _built(_hierarchical_plan), _estimated(_hierarchical_plan),
-              "intra-chip, intra-instance, inter-instance phases, each by the size rule", _check_grid("tiers")),
+    Algorithm("hierarchical", _THREE, ("hier",), _built(hierarchical_plan), _estimated(hierarchical_plan),
+              "an intra-instance phase, then the inter-instance one, each by the size rule", _check_grid("tiers")),
 )

@@ -245,6 +245,9 @@ def phase_estimate(r: "Rates", kind: str, algo: str, lanes: ELanes, label: str) 
 
 
 def _all_to_all(algo: str, s: Schedule, ctx: Context) -> None:
+    """Each rank's block j to rank j: all at once (mesh), or one peer per step at ring distance
+    k (pairwise exchange). An uneven all-to-all moves each rank's own counts; a zero count moves
+    nothing."""
     order = list(ctx.order)
     p = len(order)
     pc = pieces(ctx.nbytes, p, ctx.itemsize)
@@ -252,29 +255,49 @@ def _all_to_all(algo: str, s: Schedule, ctx: Context) -> None:
         s.begin_step()
         for i, r in enumerate(order):
             for j, d in enumerate(order):
-                if d != r:
-                    s.send(r, d, pc[j])
+                nb = ctx.sends(r, d, pc[j])
+                if d != r and nb:
+                    s.send(r, d, nb)
         s.end_step()
         return
-    for k in range(1, p):  # pairwise exchange: one peer per step, at ring distance k
+    for k in range(1, p):
         s.begin_step()
         for i, r in enumerate(order):
             j = (i + k) % p
-            s.send(r, order[j], pc[j])
+            nb = ctx.sends(r, order[j], pc[j])
+            if nb:
+                s.send(r, order[j], nb)
         s.end_step()
 
 
 def _all_to_all_estimate(r: "Rates", ctx: Context, algo: str) -> "list[EstimateStep]":
     order = list(ctx.order)
     p = len(order)
-    m = ctx.nbytes / p
+    m = ctx.nbytes // p
     if p < 2:
         return []
+
+    def busiest(flows: list[tuple[int, int, float]]) -> tuple[float, float]:
+        """The most a rank's HBM moves (what it sends and receives) and its DMA engines send."""
+        out: dict[int, float] = {}
+        inn: dict[int, float] = {}
+        for a, b, nb in flows:
+            out[a] = out.get(a, 0.0) + nb
+            inn[b] = inn.get(b, 0.0) + nb
+        return (max(out.get(x, 0.0) + inn.get(x, 0.0) for x in order), max(out.values(), default=0.0))
+
     if algo == "mesh":
-        flows = [(a, b, m) for a in order for b in order if a != b]
-        return [r.step("direct", flows, 2 * (p - 1) * m, (p - 1) * m)]
-    return [r.step(f"shift {k}", [(order[i], order[(i + k) % p], m) for i in range(p)], 2 * m, m)
-            for k in range(1, p)]
+        flows = [(a, b, float(ctx.sends(a, b, m))) for a in order for b in order if a != b and ctx.sends(a, b, m)]
+        hbm, dma = busiest(flows)
+        return [r.step("direct", flows, hbm, dma)] if flows else []
+    out = []
+    for k in range(1, p):
+        flows = [(order[i], order[(i + k) % p], float(ctx.sends(order[i], order[(i + k) % p], m))) for i in range(p)]
+        flows = [f for f in flows if f[2]]
+        if flows:
+            hbm, dma = busiest(flows)
+            out.append(r.step(f"shift {k}", flows, hbm, dma))
+    return out
 
 
 def _rooted(algo: str, s: Schedule, ctx: Context) -> None:

@@ -1,7 +1,11 @@
 """``kangaring``: Neuron's ring over one primary per pair of ranks on a chip, with DMA
 duplication (one read, two writes: the next primary and its pair) and the pair's second input
-read directly; both directions, as Neuron runs "multiple cycles with mutually exclusive wires"
-(notes/collectives.md §1.3, S21). Groups that hold pairs on every chip.
+read directly (notes/collectives.md §1.3, S21). It runs two cycles on mutually exclusive wires,
+in opposite directions, each on half the data, and the primaries alternate between them ("so
+that each rank is active in half of them"): the first rank of every pair leads one cycle, the
+second the other. A reduce-scatter then ends with each rank holding one reduced block of its
+cycle's half; all-gather and all-reduce add one on-chip swap with the mate. Groups that hold
+pairs on every chip.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..schedule import Schedule, pieces
-from .base import Algorithm, Context, bidir, group_pairs
+from .base import Algorithm, Context, Lane, group_pairs, halves
 from .flat import ring_all_gather, ring_steps
 
 if TYPE_CHECKING:
@@ -19,73 +23,75 @@ if TYPE_CHECKING:
 __all__ = ["ALGORITHMS"]
 
 
-def _build(s: Schedule, ctx: Context) -> None:
+def _cycles(ctx: Context, isz: int, total: int) -> tuple[list[Lane], dict[int, int], list[tuple[int, int]]]:
+    """The two cycles: one over the pairs' first ranks, the other the opposite way over their
+    second ranks, each carrying half of ``total``; and the mate of every rank."""
     pairs = group_pairs(ctx)
     assert pairs is not None
-    primaries = ctx.topo.ring_order([a for a, _ in pairs])
-    mate = dict(pairs)
-    p, q = ctx.p, len(primaries)
-    c = ctx.collective
+    first = ctx.topo.ring_order([a for a, _ in pairs])
+    mate = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    second = [mate[a] for a in reversed(first)]
+    ha, hb = halves(total, isz)
+    return [(first, ha), (second, hb)], mate, pairs
+
+
+def _build(s: Schedule, ctx: Context) -> None:
     isz = ctx.itemsize
-    # every pair owns a block of 2 ranks' pieces; the ring moves pair blocks
+    p = ctx.p
+    c = ctx.collective
+    piece = pieces(ctx.nbytes, p, isz)[0]
+    lanes, mate, pairs = _cycles(ctx, isz, ctx.nbytes)
+
+    def swap(nbytes: int) -> None:  # each rank gives its mate what the mate's cycle did not bring
+        s.begin_step()
+        for a, b in pairs:
+            s.send(a, b, nbytes)
+            s.send(b, a, nbytes)
+        s.end_step()
+
     if c == "all-gather":
-        piece = pieces(ctx.nbytes, p, isz)[0]
-        s.begin_step()
-        for a, b in pairs:  # each pair swaps its two pieces on chip
-            s.send(a, b, piece)
-            s.send(b, a, piece)
-        s.end_step()
-        ring_all_gather(s, bidir([(primaries, 2 * piece * q)], isz), isz, dup=mate)
+        swap(piece)
+        ring_all_gather(s, lanes, isz, dup=mate)
         return
-    # reduce-scatter (and the first half of all-reduce): the ring over primaries adds the
-    # primary's and its pair's inputs (two reads), duplicated nothing; the last receiver adds
-    # both of its own as the data lands
-    ring_steps(s, bidir([(primaries, ctx.nbytes)], isz), isz, lambda k, p, i, r, nxt, pc: s.send(
-        r, nxt, pc[(i - k - 1) % p], (r, mate[r]) if k == 0 else (r, r, mate[r]),
-        (nxt, mate[nxt]) if k == p - 2 else ()))
-    block = pieces(ctx.nbytes, q, isz)[0]
-    if c == "reduce-scatter":
-        s.begin_step()
-        for a, b in pairs:  # the pair's half of the reduced block
-            s.send(a, b, block // 2)
-        s.end_step()
-        return
-    s.begin_step()
-    for a, b in pairs:  # all-reduce: the pair gets the whole reduced block, then the ring gathers
-        s.send(a, b, block)
-    s.end_step()
-    ring_all_gather(s, bidir([(primaries, ctx.nbytes)], isz), isz, dup=mate)
+    # reduce-scatter: in its cycle a primary adds its own and its mate's chunk to the partial it
+    # received (three reads, one write) and writes on; the last receiver adds both of its own as
+    # the data lands. Each rank ends with one reduced block of its cycle's half: its piece.
+    ring_steps(s, lanes, isz, lambda k, q, i, r, nxt, pc: s.send(
+        r, nxt, pc[(i - k - 1) % q], (r, mate[r]) if k == 0 else (r, r, mate[r]),
+        (nxt, mate[nxt]) if k == q - 2 else ()))
+    if c == "all-reduce":
+        swap(piece)
+        ring_all_gather(s, lanes, isz, dup=mate)
 
 
 def _estimate(r: "Rates", ctx: Context) -> "list[EstimateStep]":
-    pairs = group_pairs(ctx) or []
-    prim = r.topo.ring_order([a for a, _ in pairs])
-    q, p = len(prim), ctx.p
-    n = float(ctx.nbytes)
-    m = n / p
+    lanes, mate, pairs = _cycles(ctx, ctx.itemsize, ctx.nbytes)
+    q, p = len(lanes[0][0]), ctx.p
+    m = float(ctx.nbytes) / p
     acc = r.acc
-    ring = [(prim[i], prim[(i + 1) % q], m) for i in range(q)] + [(prim[(i + 1) % q], prim[i], m) for i in range(q)]
+    ring = [(o[i], o[(i + 1) % q], m) for o, _ in lanes for i in range(q)]
     swap = [(a, b, m) for a, b in pairs] + [(b, a, m) for a, b in pairs]
     out: list[EstimateStep] = []
     c = ctx.collective
-    if c == "all-gather":
-        out.append(r.step("pair swap", swap, 2 * m, m))
+    # per rank (a primary in one cycle, its mate's partner in the other): its own reads, the
+    # reads its mate's transfer makes of its chunk, and the writes it receives
     if c in ("reduce-scatter", "all-reduce"):
         if q == 2:
-            out.append(r.step("ring RS", ring, 6 * m, 4 * m / acc, fused=True))
+            out.append(r.step("ring RS", ring, 5 * m, 2 * m / acc, fused=True))
         else:
-            out.append(r.step("ring RS first", ring, 4 * m, 2 * m / acc))
+            out.append(r.step("ring RS first", ring, 3 * m, m / acc))
             if q > 3:
-                out.append(r.step("ring RS", ring, 6 * m, 2 * m / acc, q - 3))
-            out.append(r.step("ring RS last", ring, 8 * m, 4 * m / acc, fused=True))
-        share = m if c == "reduce-scatter" else 2 * m
-        out.append(r.step("pair copy", [(a, b, share) for a, b in pairs], share, share))
+                out.append(r.step("ring RS", ring, 4 * m, m / acc, q - 3))
+            out.append(r.step("ring RS last", ring, 6 * m, 2 * m / acc, fused=True))
     if c in ("all-gather", "all-reduce"):
-        out.append(r.step("ring AG", ring, 4 * m, 2 * m, q - 1))
+        out.append(r.step("pair swap", swap, 2 * m, m))
+        out.append(r.step("ring AG", ring, 3 * m, m, q - 1))
     return out
 
 
 def _check(ctx: Context) -> str | None:
+    if not ctx.system.collectives.dma_duplication:
+        return f"DMA duplication (one read, two writes), which {ctx.system.name} does not have (collectives.dma_duplication)"
     pairs = group_pairs(ctx)
     if pairs is None:
         return ("pairs of ranks on every chip it uses (an even number of the group's ranks per chip); "
@@ -97,5 +103,6 @@ def _check(ctx: Context) -> str | None:
 
 ALGORITHMS = (
     Algorithm("kangaring", ("all-reduce", "all-gather", "reduce-scatter"), ("kanga",), _build, _estimate,
-              "(p/2-1) ring steps over the primaries per phase, plus one on-chip pair step", _check),
+              "(p/2-1) ring steps per phase over the primaries of two opposite cycles (each rank leads one), "
+              "plus one on-chip swap with the mate (AG, AR)", _check),
 )
