@@ -40,6 +40,7 @@ __all__ = [
     "load_yaml",
     "load_yaml_file",
     "env_int",
+    "Calibration",
 ]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -515,8 +516,28 @@ class HostConfig:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """A parameter set from calibration rows of the validation ledger (``validation/*.yaml``).
+
+    In a config file the parameter is written as a mapping instead of a bare value::
+
+        descriptor_overhead:
+          value: 10ns
+          calibrated: [dma.trn2.some-row]      # ledger rows of role 'calibration'
+          fit: what was solved from the rows, and how
+
+    Loading checks that every row exists and is a calibration row: a validation row never feeds a
+    parameter (see validation/README.md)."""
+
+    key: str  # dotted, e.g. core.dma.descriptor_overhead
+    rows: tuple[str, ...]
+    fit: str
+
+
+@dataclass(frozen=True)
 class ChipConfig:
-    """A whole chip. ``source`` is the file it came from; ``overrides`` the dotted overrides."""
+    """A whole chip. ``source`` is the file it came from; ``overrides`` the dotted overrides;
+    ``calibrations`` the parameters set from ledger rows (not overridden)."""
 
     name: str = _str()
     description: str = _str()
@@ -525,6 +546,7 @@ class ChipConfig:
     host: HostConfig = field(default=None)  # type: ignore[assignment]
     source: str = field(default="", metadata={"internal": True})
     overrides: tuple[tuple[str, str], ...] = field(default=(), metadata={"internal": True})
+    calibrations: tuple[Calibration, ...] = field(default=(), metadata={"internal": True})
 
     # ---- derived figures ---------------------------------------------------------------------
     @property
@@ -767,6 +789,56 @@ def _check_consistency(cfg: ChipConfig, where: str) -> None:
                           f"e.g. whole MHz")
 
 
+_CALIBRATION_KEYS = ("value", "calibrated", "fit")
+
+
+def _take_calibrations(node: Any, path: str, where: str, out: list[Calibration]) -> None:
+    """Replace every ``{value, calibrated, fit}`` leaf under ``node`` (raw YAML) by its value and
+    collect its provenance in ``out``; malformed provenance is a one-line ConfigError."""
+    if not isinstance(node, dict):
+        return
+    for key, sub in list(node.items()):
+        loc = f"{path}.{key}" if path else str(key)
+        if isinstance(sub, dict) and "calibrated" in sub:
+            bad = [k for k in sub if k not in _CALIBRATION_KEYS]
+            if bad:
+                raise ConfigError(f"{where}: {loc}: unknown key '{clip_text(str(bad[0]), 40)}' beside calibrated: "
+                                  f"expected value, calibrated and fit")
+            rows = sub["calibrated"]
+            if (not isinstance(rows, list) or not rows
+                    or not all(isinstance(r, str) and r.strip() for r in rows)):
+                raise ConfigError(f"{where}: {loc}: calibrated = {format_value(rows)}: expected a list of ledger "
+                                  f"row ids, e.g. [dma.trn2.engine-rate]")
+            fit = sub.get("fit")
+            if not isinstance(fit, str) or not fit.strip():
+                raise ConfigError(f"{where}: {loc}: calibrated needs 'fit': what was solved from the rows, and how")
+            if "value" not in sub:
+                raise ConfigError(f"{where}: {loc}: calibrated needs 'value': the parameter's value")
+            node[key] = sub["value"]
+            out.append(Calibration(loc, tuple(r.strip() for r in rows), fit.strip()))
+        elif isinstance(sub, dict):
+            _take_calibrations(sub, loc, where, out)
+
+
+def _check_calibrations(cals: Iterable[Calibration], where: str) -> None:
+    """Every row a calibrated parameter names must be a calibration row of the ledger."""
+    cals = list(cals)
+    if not cals:
+        return
+    from .ledger import row_roles  # the ledger reads YAML through this module: import it late
+
+    roles = row_roles({r for c in cals for r in c.rows})
+    for c in cals:
+        for r in c.rows:
+            role = roles.get(r)
+            if role is None:
+                raise ConfigError(f"{where}: {c.key}: calibrated row '{clip_text(r, 60)}' is not in the validation "
+                                  f"ledger (validation/*.yaml)")
+            if role != "calibration":
+                raise ConfigError(f"{where}: {c.key}: calibrated row '{clip_text(r, 60)}' is a {role} row; only "
+                                  f"calibration rows may set a parameter")
+
+
 def load_config(
     name_or_path: str | os.PathLike[str] | ChipConfig = "trn2",
     overrides: Iterable[str] | Mapping[str, Any] | None = None,
@@ -793,6 +865,9 @@ def load_config(
     raw = _read_config(path, where)
     if raw is None:
         raw = {}
+    cals: list[Calibration] = []
+    _take_calibrations(raw, "", where, cals)
+    _check_calibrations(cals, where)
     pairs: list[tuple[str, str]] = list(prior)
     if overrides:
         items = overrides.items() if isinstance(overrides, Mapping) else (_split_override(o) for o in overrides)
@@ -801,7 +876,9 @@ def load_config(
         if isinstance(raw, dict):
             _apply_override(raw, key, value, f"{where} (--set {clip_text(key)}={clip_text(value)})")
     cfg = _build(ChipConfig, raw, "", where, dict(pairs))
-    cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs))
+    overridden = {k for k, _ in pairs}
+    cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs),
+                              calibrations=tuple(c for c in cals if c.key not in overridden))
     _check_consistency(cfg, where)
     return cfg
 
@@ -890,7 +967,8 @@ class CollectivesConfig:
     launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")
     step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
     issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
-    dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a transfer's data is spread over")
+    dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a collective's transfers share")
+    p2p_rings: int = _int(1, 1024, doc="DMA rings per physical core of a point-to-point transfer (send/recv, permute)")
     efa_proxy: int = _q("time", lo=0, doc="network proxy thread time per transfer that leaves the instance over EFA, ps")
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
 
@@ -913,6 +991,7 @@ class SystemConfig:
     collectives: CollectivesConfig
     source: str = ""
     overrides: tuple[tuple[str, str], ...] = ()
+    calibrations: tuple[Calibration, ...] = ()  # the system's own (its chip's are chip.calibrations)
 
     @property
     def chips(self) -> int:
@@ -1045,6 +1124,9 @@ def load_system(
     raw = _read_system_yaml(path, where)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {', '.join(_SYSTEM_KEYS)}")
+    cals: list[Calibration] = []
+    _take_calibrations(raw, "", where, cals)
+    _check_calibrations(cals, where)
     pairs: list[tuple[str, str]] = list(prior)
     if overrides:
         items = overrides.items() if isinstance(overrides, Mapping) else (_split_override(o) for o in overrides)
@@ -1095,4 +1177,5 @@ def load_system(
             raise ConfigError(f"{where} (--set chip={sys_pairs['chip']}): chip: {e}") from None
     chip = load_config(chip_ref, dict(chip_pairs))
     return SystemConfig(name=head.name, description=head.description, chip=chip, topology=tuple(dims),
-                        collectives=coll, source=str(path), overrides=tuple(pairs))
+                        collectives=coll, source=str(path), overrides=tuple(pairs),
+                        calibrations=tuple(c for c in cals if c.key not in sys_pairs))
