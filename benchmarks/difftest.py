@@ -1669,10 +1669,15 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE) -> lis
 
 
 def run(ops: Iterable[str], samples_per_op: int, seed: int = SEED, dtypes: Sequence[torch.dtype] = DTYPES,
-        compile_every: int = 1, echo: Callable[[str], None] | None = print) -> Stats:
+        compile_every: int = 1, echo: Callable[[str], None] | None = print, progress: bool = False) -> Stats:
     t = Tester(seed, dtypes, compile_every, echo)
-    for packet in ops:
+    t0 = time.perf_counter()
+    for i, packet in enumerate(ops):
         t.run_op(packet, samples_per_op)
+        if progress and echo:
+            st = t.stats
+            echo(f"progress: {i + 1} ops ({packet}), {st.samples} samples, {st.compiled} compiled, "
+                 f"{len(st.mismatches)} mismatches, {time.perf_counter() - t0:.0f} s")
     t.flush_compiled()
     return t.stats
 
@@ -1686,6 +1691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-every", type=int, default=1, help="compile every k-th valid sample")
     p.add_argument("--json", default="")
+    p.add_argument("--progress", action="store_true", help="a line after each op")
     p.add_argument("--palette-share", type=float, default=0.8,
                    help="share of samples whose shape comes from the palette (the rest are drawn at random)")
     p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
@@ -1707,7 +1713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if t.stats.mismatches else 0
     ops = [o for o in ns.ops.split(",") if o] or list(served_ops())
     t0 = time.perf_counter()
-    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every)
+    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every, progress=ns.progress)
     dt = time.perf_counter() - t0
     print(f"difftest: {len(ops)} ops, {stats.samples} samples ({stats.samples - stats.cpu_errors} valid, "
           f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, fast path served {stats.fast_hits}; "
