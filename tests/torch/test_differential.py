@@ -255,3 +255,13 @@ def test_dynamo_never_compiles_the_kernels_wrapper():
         fastpath.set_enabled(before)
     code = _hidden(lambda: None).__code__  # every kernel's wrapper shares it
     assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
+
+
+def test_a_tensor_passed_twice_is_one_tensor_to_cpus_kernel():
+    """An empty tensor given as both self and values of index_put_ is its own source: CPU's
+    overlap check refuses it (RuntimeError); each argument got its own empty view on the device,
+    which then failed later with an IndexError."""
+    for device in ("cpu", "neuron"):
+        x = torch.empty(0, device=device)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch.ops.aten._index_put_impl_(x, [torch.tensor([0], device=device)], x, False, False)
