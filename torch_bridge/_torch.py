@@ -33,6 +33,9 @@ REQUIRED: dict[str, str] = {
     "torch._C._ExcludeDispatchKeyGuard": "running an autocast op with autocast excluded",
     "torch._C._dispatch_get_all_op_names": "claiming every _foreach_ op",
     "torch._C._dynamo.eval_frame.get_eval_frame_callback": "calling kernels directly when dynamo is off",
+    "torch._C._dynamo.eval_frame.set_code_exec_strategy": "dynamo never compiling the kernels' own wrapper frame",
+    "torch._C._dynamo.eval_frame._FrameExecStrategy": "dynamo never compiling the kernels' own wrapper frame",
+    "torch._C._dynamo.eval_frame._FrameAction": "dynamo never compiling the kernels' own wrapper frame",
     "torch._disable_dynamo": "hiding Python kernels from dynamo",
     "torch._C._profiler._RecordFunctionFast": "neuron::<op> events in torch.profiler",
     "torch.autograd.profiler._is_profiler_enabled": "neuron::<op> events only while profiling",
@@ -109,6 +112,13 @@ register_device_module = torch._register_device_module
 ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 all_op_names = torch._C._dispatch_get_all_op_names
 eval_frame_callback = resolve("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+
+
+def dynamo_skip(code: Any) -> None:
+    """Dynamo never compiles frames of ``code`` (it runs them as written; what they call is
+    dynamo's as usual): torch._dynamo.eval_frame.skip_code, without importing torch._dynamo."""
+    ef = resolve("torch._C._dynamo.eval_frame")
+    ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT))
 disable_dynamo = torch._disable_dynamo
 RecordFunctionFast = torch._C._profiler._RecordFunctionFast
 to_dlpack = torch._C._to_dlpack

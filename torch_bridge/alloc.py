@@ -44,6 +44,8 @@ def device_index(device: Any) -> int:
 def empty_memory_format(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
                          pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
     dtype = dtype or torch.get_default_dtype()
+    if memory_format is torch.preserve_format:  # CPU's refusal (an allocation has nothing to preserve)
+        raise RuntimeError("unsupported memory format Preserve")
     stride = None
     if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
         stride = torch.empty(size, dtype=dtype, device="meta", memory_format=memory_format).stride()
@@ -87,7 +89,9 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 
 def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.Tensor:
     size = tuple(size)
-    if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+    if memory_format is torch.preserve_format:  # CPU's refusal
+        raise RuntimeError("Unsupported memory formatPreserve")
+    if memory_format not in (None, torch.contiguous_format):
         stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
     else:
         stride = _contiguous_strides(size)
@@ -97,12 +101,9 @@ def resize_(self: torch.Tensor, size: Any, memory_format: Any = None) -> torch.T
     need = (self.storage_offset() + numel) * self.element_size() if numel else 0
     storage = self.untyped_storage()
     if need > storage.nbytes():
-        index = self.device.index or 0
-        grown = memory.allocate((int(need),), None, torch.uint8, index)
-        if storage.nbytes():
-            old = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-            memory.cpu_view(grown)[:storage.nbytes()].copy_(memory.cpu_view(old))
-        storage = grown.untyped_storage()
+        # in place, as CPU grows its storage: every view of it sees the new memory (a new storage
+        # here left the tensor's other views on the old one); the bytes it held are kept
+        storage.resize_(int(need))
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
         _CPU_KEYS, self, storage, self.storage_offset(), size, stride)
     return self

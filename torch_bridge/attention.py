@@ -119,21 +119,35 @@ def _probe(t: torch.Tensor | None) -> torch.Tensor | None:
 def _refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
              is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[type, str] | None:
     """CPU's verdict on a call, from metadata: the input checks of ``scaled_dot_product_attention``
-    (run on meta tensors of the same sizes, which share them), and, for ``attn_mask`` with
-    ``is_causal``, CPU's backend choice (``_fused_sdp_choice`` on :func:`_probe` tensors):
-    its fused kernel takes the two together, its math path refuses them."""
+    (run on meta tensors of the same sizes, which share them) and CPU's backend choice
+    (``_fused_sdp_choice`` on :func:`_probe` tensors), which checks masks on its own and decides
+    ``attn_mask`` with ``is_causal``: its fused kernel takes the two together, its math path
+    refuses them."""
+    errors = (RuntimeError, ValueError, IndexError, TypeError)
     try:
         torch.ops.aten.scaled_dot_product_attention.default(
             _meta(q), _meta(k), _meta(v), _meta(mask), dropout_p, is_causal and mask is None, scale=scale,
             enable_gqa=enable_gqa)
-        if is_causal and mask is not None:
-            choice = _torch.fused_sdp_choice(_probe(q), _probe(k), _probe(v), _probe(mask), dropout_p, is_causal,
-                                             scale=scale, enable_gqa=enable_gqa)
-            if choice != _FLASH:
-                return RuntimeError, CAUSAL_WITH_MASK
-    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        meta_error = None
+    except errors as e:
+        meta_error = e
+    if meta_error is not None and str(meta_error).startswith(_INPUT_CHECKS):
+        return type(meta_error), str(meta_error)  # CPU checks the inputs before it picks a backend
+    try:  # CPU's choice has checks of its own (a 1-d mask is an IndexError there)
+        choice = _torch.fused_sdp_choice(_probe(q), _probe(k), _probe(v), _probe(mask), dropout_p, is_causal,
+                                         scale=scale, enable_gqa=enable_gqa)
+    except errors as e:
         return type(e), str(e)
+    if meta_error is not None:  # the math path's own error (shapes that do not multiply, ...)
+        return type(meta_error), str(meta_error)
+    if is_causal and mask is not None and choice != _FLASH:
+        return RuntimeError, CAUSAL_WITH_MASK
     return None
+
+
+# the messages of scaled_dot_product_attention's input checks (validate_sdpa_input), which CPU
+# runs before its backend choice
+_INPUT_CHECKS = ("Expected query, key, and value", "Expected query, key and value", "Expected attn_mask")
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,

@@ -103,6 +103,8 @@ def _gru_cell_backward(grad_hy: torch.Tensor, workspace: torch.Tensor, has_bias:
 def _histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:
     if self.is_floating_point():
         return torch.histc(self, bins, min, max)
+    if self.dtype == torch.bool:  # CUDA's histc takes integers, not bool (nor does CPU's)
+        raise NotImplementedError("\"histc\" not implemented for 'Bool'")
     if bins <= 0:
         raise RuntimeError(f"torch.histc: bins must be > 0, but got {bins} for dimension 0")
     x = self.reshape(-1).long()
@@ -145,4 +147,5 @@ KERNELS = {
     "_thnn_fused_gru_cell": gru_cell,
     "_thnn_fused_gru_cell_backward": gru_cell_backward,
     "histc": histc,
+    "histc.out": values.out_variant(histc),  # (else integers reached CPU's kernel, which refuses them)
 }

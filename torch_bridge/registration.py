@@ -32,7 +32,12 @@ SLOW_KEY = "PrivateUse2"
 # Claiming them runs the CPU kernel whole (the same numbers as on CPU; the math decomposition of
 # layer norm differs by ~1e-4; group norm's, in bf16 statistics, by up to 0.09) and lets them
 # lower to their library kernels. mode.values's composite refuses any device but CPU/CUDA/XPU.
-WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values")
+# silu_backward, mish_backward and native_channel_shuffle have CPU kernels and a
+# CompositeImplicitAutograd decomposition that every other device runs: on neuron SiLU's backward
+# came out of five elementwise ops, an ulp off CPU's, and took integer tensors CPU refuses
+# (tests/torch/test_registration.py keeps this list complete).
+WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values", "silu_backward", "mish_backward",
+             "native_channel_shuffle")
 # Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
 # trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
 # mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
@@ -58,6 +63,10 @@ def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
         if callback() is None:
             return fn(*args, **kwargs)
         return hidden(*args, **kwargs)
+    # an op run eagerly inside a compiled function (at a graph break) calls this wrapper with the
+    # callback installed: dynamo would compile the wrapper itself, break at callback() and
+    # recompile its remainder per signature until its recompile limit (the tester saw the warnings)
+    _torch.dynamo_skip(kernel.__code__)
     return kernel
 
 

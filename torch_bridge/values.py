@@ -265,7 +265,10 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                                       f"holds dense (strided) tensors only; run this op on CPU (.cpu())")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
-        dev_out.set_(memory.relabel(cpu_out, index))
+        if cpu_out.numel() and not dev_out.untyped_storage().nbytes():
+            dev_out.set_(memory.relabel(cpu_out, index))  # an out without memory: it adopts the result's
+        else:
+            _write_out(dev_out, cpu_out)
         conv.views[id(cpu_out)] = dev_out
     for name in info.out_names:  # an out= kernel may restride its outputs in place (LAPACK's
         dev_out = kwargs.get(name)  # column-major results): the neuron tensor takes the new layout
@@ -299,6 +302,24 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)
     return out
+
+
+def _write_out(dev: torch.Tensor, res: torch.Tensor) -> None:
+    """Put a result computed into a fresh host tensor where CPU would have written it: the out
+    resized in place (its storage grown under every view of it, its offset kept, as CPU's
+    resize_output does), laid out as the kernel laid the result out, then the values."""
+    if dev.shape != res.shape:
+        dev.resize_(res.shape)
+    if not res.numel():
+        return
+    if dev.stride() != res.stride():  # a kernel that lays its out out itself (LAPACK's column-major results)
+        extent = sum((n - 1) * st for n, st in zip(res.shape, res.stride())) + 1
+        need = (dev.storage_offset() + extent) * dev.element_size()
+        if need > dev.untyped_storage().nbytes():
+            dev.untyped_storage().resize_(need)
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU_KEYS, dev, dev.untyped_storage(), dev.storage_offset(), res.shape, res.stride())
+    memory.cpu_view(dev).copy_(res)
 
 
 # (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call
@@ -557,13 +578,41 @@ def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format
     return torch.contiguous_format
 
 
+# a convolution's metadata -> None (CPU takes it) or (exception type, message): CPU's checks
+_conv_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
+
+
+def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> None:
+    """Raise what CPU's convolution raises for these arguments (channels that do not match the
+    weight, a bias of the wrong size, strides or paddings of the wrong length, ...), where the
+    datapath's im2col would compute something. CPU's own checks are the reference and no meta
+    kernel makes all of them, so the first call of each signature runs CPU's convolution on the
+    same host views (its result is dropped); later calls look the verdict up."""
+    key = (tuple((t.shape, t.stride(), t.dtype) for t in (x, w, b) if t is not None), b is None, _signature(params))
+    verdict = _conv_checked.get(key, False)
+    if verdict is False:
+        try:
+            torch.ops.aten.convolution.default(x, w, b, *params)
+            verdict = None
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            verdict = (type(e), str(e))
+        _conv_checked[key] = verdict
+    if verdict is not None:
+        raise verdict[0](verdict[1])
+
+
 def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
                  dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
     same_device(input, weight, bias)
     index = input.device.index or 0
     x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
-    if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype):
+    _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
+    # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
+    # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
+    # are not all finite take CPU's convolution for their values
+    if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype) and \
+            bool(x.isfinite().all()) and bool(w.isfinite().all()):
         acc = tensore.conv_f32(x, w, stride, padding, dilation, groups)
         if cb is not None:
             acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))

@@ -1,0 +1,1724 @@
+"""Differential tester of the ``neuron`` device: every op the bridge serves, argument variants
+made from each op's schema, run on CPU and on ``neuron`` three ways, compared.
+
+**Which ops.** The ones the bridge itself names (:func:`served_ops`): every name of the lowering
+table (:data:`torch_bridge.lowering.OPS`: the ops whose cost has a rule) and every aten op the
+bridge registers a kernel for with PyTorch's dispatcher (PrivateUse1, the Python path's
+PrivateUse2 key, AutogradPrivateUse1: the fast path's own ops, the TensorE ops, attention, the
+``_foreach_*`` ops, the CUDA-only cells, allocation and copies). A new entry in either is tested
+without touching this file. Everything else reaches the same boxed fallback.
+
+**Which variants.** For each op, samples are drawn from its overloads' schemas: each argument's
+type and name decide what it gets (a tensor of the sample's shape and dtype, a broadcastable
+partner, an index in range, a dim of the tensor's rank, a mask, a scalar, a dtype, a reduction
+string, ...). Every sample then takes one of the variants the issue lists: the five dtypes
+(float32, bfloat16, float16, int64, bool), broadcasting, boolean and float masks, non-contiguous
+inputs (transposed, strided, expanded) and storage offsets, in-place ops on views of a larger
+tensor, ``out=`` (of the right size, empty, of another size, non-contiguous), empty and 0-dim
+tensors, host 0-dim scalars beside device tensors, inputs that alias each other, and extreme
+values (NaN, +-inf, +-0, huge and tiny values, ties). Where CPU refuses a sample it still counts:
+the device must refuse it too.
+
+**How each sample runs.** On CPU (the reference), then on ``neuron`` from inputs with the same
+sizes, strides, storage offsets and storage bytes (shared storages stay shared): with the native
+fast path on (twice: the first call teaches the fast path the call's cost, the second is served
+by it), with the fast path off (the Python path), and under ``torch.compile(backend="neuron")``
+(samples of one op compiled together in one graph; a batch that fails is re-run one sample at a
+time). Random ops draw on CPU from a generator seeded with the device generator's contract
+(:func:`torch_bridge.values.host_seed`), so their values are compared too.
+
+**What is compared.** The exception type when CPU raises (the device must raise one of the same
+type, or say ``neuron:`` in a NotImplementedError only where the op holds dense tensors); else
+the results' structure, dtypes, shapes, strides (where CPU defines them: eager runs; compiled
+graphs only promise values), devices, values, which results are inputs or views of inputs'
+memory, and every input's whole storage afterwards (an in-place op on a view must write exactly
+where CPU writes). Values must be bit-identical (NaNs compare equal whatever their payload), except
+the TensorE ops (:data:`TENSORE_OPS`: the PE array adds fp32 products in its own fixed order):
+their error against a float64 result may exceed CPU's own by :data:`TENSORE_RTOL` of the
+result's largest magnitude (per dtype: fp32 1e-5, bf16 2^-7, fp16 2^-10) plus ``atol``.
+
+A mismatch prints one line: what differs, the op, the sample's description and the command that
+reruns exactly that sample (``python benchmarks/difftest.py --repro <op> <seed>``).
+
+    OMP_NUM_THREADS=1 python benchmarks/difftest.py [--samples N] [--seed S] [--ops a,b]
+        [--dtypes float32,int64] [--no-compile] [--compile-every K] [--json out.json] [--repro op seed]
+
+The long run (the issue's >= 100,000 samples): ``--samples 400`` over every op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch_bridge  # noqa: F401  (registers the device where autoload is off)
+from torch_bridge import fastpath, lowering
+from torch_bridge.values import host_seed
+
+DEVICE = "neuron"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+               "bool": torch.bool, "float64": torch.float64, "int32": torch.int32}
+SEED = 24
+COMPILE_BATCH = 60  # samples compiled together in one graph
+# shapes most samples take (see Gen.shape); the long run draws every shape at random
+PALETTE: tuple[tuple[int, ...], ...] = ((), (1,), (4,), (5,), (0,), (2, 3), (3, 1), (1, 4), (4, 4), (2, 0),
+                                        (2, 3, 4), (3, 1, 2), (2, 2, 2), (1, 3, 1), (2, 3, 1, 2), (1, 2, 2, 3))
+PALETTE_SHARE = 0.8
+
+# The TensorE ops: their values come from the PE array's fp32 accumulation (torch_bridge.tensore),
+# which adds a dot product's terms in another order than CPU BLAS.
+TENSORE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution_overrideable",
+                         "convolution_backward_overrideable", "scaled_dot_product_attention"})
+# the error of a TensorE result beyond CPU's own, as a fraction of the result's largest magnitude
+TENSORE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+TENSORE_ATOL = 1e-4
+
+# Ops CPU has no kernel for that the device serves as CUDA does: compared with the CUDA
+# semantics written out here (REFERENCES), not with CPU's refusal.
+CUDA_ONLY = frozenset({"_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
+                       "_thnn_fused_gru_cell_backward"})
+# Ops CPU runs under another name: the reference calls that (same arguments, unless adapted).
+def _conv_backward_reference(grad_output: Any, input: Any, weight: Any, stride: Any, padding: Any, dilation: Any,
+                             transposed: Any, output_padding: Any, groups: Any, output_mask: Any, **kw: Any) -> Any:
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    op = torch.ops.aten.convolution_backward.out if kw else torch.ops.aten.convolution_backward.default
+    return op(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+              output_mask, **kw)
+
+
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "convolution_overrideable.default": torch.ops.aten.convolution.default,
+    "convolution_overrideable.out": torch.ops.aten.convolution.out,
+    "convolution_backward_overrideable.default": _conv_backward_reference,
+    "convolution_backward_overrideable.out": _conv_backward_reference,
+}
+
+
+def _histc_cuda(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, **kw: Any) -> Any:
+    """CUDA's histc of integers: the counts of the values binned as numbers, in the input's dtype."""
+    if self.is_floating_point() or self.dtype == torch.bool:
+        return torch.ops.aten.histc.default(self, bins, min, max) if not kw else \
+            torch.ops.aten.histc.out(self, bins, min, max, **kw)
+    res = torch.histc(self.double(), bins, min, max).to(self.dtype)
+    if kw:
+        kw["out"].resize_(res.shape).copy_(res)
+        return kw["out"]
+    return res
+
+
+REFERENCES["histc.default"] = _histc_cuda
+REFERENCES["histc.out"] = _histc_cuda
+
+def _sdpa_math() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+# Ops CPU answers two ways: a sample matches if the device agrees with either. CPU's fused
+# attention kernel drops a NaN score from its running max (a query row whose only score is NaN
+# comes out 0), its math path propagates it (NaN), as the device does.
+ALTERNATIVES: dict[str, Callable[[], Any]] = {"scaled_dot_product_attention": _sdpa_math}
+
+# Device plumbing every sample exercises (each copy is _copy_from, each allocation
+# empty_strided/empty.memory_format, each .to() _to_copy): tested through the user-facing ops
+# that reach them, added below.
+PLUMBING = frozenset({"_copy_from", "_copy_from_and_resize", "_has_compatible_shallow_copy_type"})
+USER_FACING = ("copy_", "clone", "contiguous", "to")
+# Results that are uninitialised memory: shapes, dtypes and strides are compared, values are not.
+NO_VALUES = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"})
+# Overloads this tester does not draw (their schemas take no tensor or are TorchScript list/str ops)
+_SKIP_TYPES = ("complex", "t", "List[t]", "List[str]", "Dimname", "List[Dimname]", "Device", "Storage",
+               "List[complex]", "Any", "AnyEnumType", "Stream")
+
+
+# ---- which ops ----------------------------------------------------------------------------------
+def served_ops() -> dict[str, str]:
+    """Every aten op packet the bridge serves by name -> where it is named ("lowering",
+    "kernel", or both): the lowering table's names and the ops with a neuron kernel registered
+    with the dispatcher. Distributed (c10d) ops are left out (they need a process group)."""
+    found: dict[str, set[str]] = {}
+    aten = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        packet = qualified[len("aten::"):].split(".")[0]
+        aten.add(packet)
+        for key in ("PrivateUse1", "PrivateUse2", "AutogradPrivateUse1"):
+            if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, getattr(torch._C.DispatchKey, key)):
+                found.setdefault(packet, set()).add("kernel")
+    for name in lowering.OPS:
+        found.setdefault(name, set()).add("lowering")
+    for name in PLUMBING:
+        found.pop(name, None)
+    for name in USER_FACING:
+        found.setdefault(name, set()).add("plumbing")
+    return {name: "+".join(sorted(how)) for name, how in sorted(found.items()) if name in aten}
+
+
+def dead_table_names() -> list[str]:
+    """Lowering-table names no aten op has (they cost nothing, so nothing tests them)."""
+    aten = {q[len("aten::"):].split(".")[0] for q in torch._C._dispatch_get_all_op_names() if q.startswith("aten::")}
+    return sorted(n for n in lowering.OPS if n not in aten)
+
+
+def overloads(packet: str) -> list[Any]:
+    """The overloads of ``packet`` this tester draws: tensors in or out, argument types it knows."""
+    pk = getattr(torch.ops.aten, packet)
+    out = []
+    for name in pk.overloads():
+        op = getattr(pk, name)
+        s = op._schema
+        types = [str(a.type) for a in s.arguments] + [str(r.type) for r in s.returns]
+        if not any("Tensor" in t for t in types):
+            continue
+        if any(t in _SKIP_TYPES or "Dimname" in t or t.startswith("Optional[Dimname") for t in types):
+            continue
+        if "hacked_twin" in name or name.endswith("_generator") or "dimname" in name.lower() or \
+                name.startswith("prim_"):  # (TorchScript's own overloads)
+            continue
+        out.append(op)
+    return out
+
+
+# ---- samples ------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One call: ``op`` on CPU tensors ``args``/``kwargs`` (the device run gets copies with the
+    same layout and bytes). ``tags`` name the variants it exercises; ``seed`` regenerates it."""
+
+    packet: str
+    op: Any
+    args: list[Any]
+    kwargs: dict[str, Any]
+    tags: list[str]
+    seed: int
+    random: bool = False
+
+    @property
+    def qualified(self) -> str:
+        s = self.op._schema
+        return s.name[len("aten::"):] + (f".{s.overload_name}" if s.overload_name else "")
+
+    def describe(self) -> str:
+        def one(x: Any) -> str:
+            if isinstance(x, torch.Tensor):
+                lay = "" if x.is_contiguous() and x.storage_offset() == 0 else \
+                    f" stride={tuple(x.stride())} off={x.storage_offset()}"
+                dev = "" if x.device.type == "cpu" and not getattr(x, "_host", False) else ""
+                return f"T{tuple(x.shape)}:{str(x.dtype)[6:]}{lay}{dev}"
+            if isinstance(x, (list, tuple)):
+                return "[" + ",".join(one(y) for y in x) + "]"
+            if isinstance(x, torch.dtype):
+                return str(x)[6:]
+            if isinstance(x, float) and not math.isfinite(x):
+                return repr(x)
+            return repr(x)
+        parts = [one(a) for a in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
+        return f"{self.qualified}({', '.join(parts)}) [{','.join(self.tags)}]"
+
+    def repro(self) -> str:
+        return f"python benchmarks/difftest.py --repro {self.packet} {self.seed}"
+
+
+class _Host:
+    """A 0-dim tensor that stays on the host beside device tensors (a CPU scalar tensor)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+class _Dev:
+    """The run's device (a ``device=`` argument): cpu for the reference, neuron for the device."""
+
+
+DEV = _Dev()
+
+
+class Gen:
+    """Draws tensors and arguments for one sample (``rng`` decides everything)."""
+
+    def __init__(self, seed: int, dtype: torch.dtype):
+        self.rng = random.Random(seed)
+        self.torch_gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.tags: list[str] = []
+        self.extreme = self.rng.random() < 0.15
+        if self.extreme:
+            self.tags.append("extreme")
+        self.ties = self.rng.random() < 0.1
+        if self.ties:
+            self.tags.append("ties")
+
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def shape(self, max_rank: int = 4, min_rank: int = 0) -> tuple[int, ...]:
+        if PALETTE and self.chance(PALETTE_SHARE):
+            # most shapes from a small palette: each distinct size is costed (simulated) once per
+            # process, and the palette's sizes recur across ops
+            fits = [p for p in PALETTE if min_rank <= len(p) <= max_rank]
+            if fits:
+                dims = list(self.rng.choice(fits))
+                self.tag("empty") if 0 in dims else None
+                self.tag("0-dim") if not dims else None
+                return tuple(dims)
+        r = self.rng.choice([k for k in (0, 1, 2, 2, 3, 3, 4) if min_rank <= k <= max_rank] or [min_rank])
+        dims = [self.rng.choice((1, 2, 3, 4, 5)) for _ in range(r)]
+        if dims and self.chance(0.06):
+            dims[self.rng.randrange(len(dims))] = 0
+            self.tag("empty")
+        if not dims:
+            self.tag("0-dim")
+        return tuple(dims)
+
+    def tag(self, t: str) -> None:
+        if t not in self.tags:
+            self.tags.append(t)
+
+    def values(self, n: int, dtype: torch.dtype, low: float | None = None, high: float | None = None
+               ) -> torch.Tensor:
+        """``n`` values of ``dtype`` (a flat CPU tensor), extreme or tied where the sample says."""
+        g = self.torch_gen
+        if dtype == torch.bool:
+            return torch.rand(n, generator=g) > 0.5
+        if not dtype.is_floating_point:
+            lo = -5 if low is None else int(low)
+            hi = 6 if high is None else int(high)
+            v = torch.randint(lo, max(hi, lo + 1), (n,), generator=g, dtype=torch.int64)
+            if self.extreme and low is None and n:
+                k = torch.randint(0, n, (max(1, n // 5),), generator=g)
+                picks = torch.tensor([0, -1, 2 ** 62, -(2 ** 62), 2 ** 63 - 1, -(2 ** 63)])
+                v[k] = picks[torch.randint(0, len(picks), (len(k),), generator=g)]
+            return v.to(dtype)
+        if low is not None:
+            v = torch.rand(n, generator=g, dtype=torch.float64) * ((high or 1.0) - low) + low
+        else:
+            v = torch.randn(n, generator=g, dtype=torch.float64) * self.rng.choice((0.5, 1.0, 3.0))
+            if self.ties:
+                v = v.round()
+            if self.extreme and n:
+                k = torch.randint(0, n, (max(1, n // 4),), generator=g)
+                picks = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e30, -1e30, 1e-30, 60000.0],
+                                     dtype=torch.float64)
+                v[k] = picks[torch.randint(0, len(picks), (len(k),), generator=g)]
+        return v.to(dtype)
+
+    def tensor(self, shape: Sequence[int], dtype: torch.dtype | None = None, *, writable: bool = False,
+               layout: str | None = None, low: float | None = None, high: float | None = None) -> torch.Tensor:
+        """A CPU tensor of ``shape``: contiguous, or (drawn) transposed, strided, expanded
+        (not when ``writable``), channels-last or at a storage offset; the storage it lives in
+        is filled whole, so bytes outside the view are defined too."""
+        dtype = self.dtype if dtype is None else dtype
+        shape = tuple(shape)
+        if layout is None:
+            options = ["contiguous"] * 4 + ["transposed", "strided", "offset"]
+            if not writable:
+                options.append("expanded")
+            if len(shape) == 4:
+                options.append("channels_last")
+            layout = self.rng.choice(options)
+        numel = math.prod(shape)
+        if layout == "transposed" and len(shape) >= 2:
+            perm = list(range(len(shape)))
+            self.rng.shuffle(perm)
+            inv = [perm.index(i) for i in range(len(shape))]
+            base = self.values(numel, dtype, low, high).view([shape[p] for p in perm])
+            t = base.permute(inv)
+        elif layout == "strided" and len(shape) >= 1:
+            big = list(shape)
+            big[-1] = shape[-1] * 2 + 1
+            d = self.rng.randrange(len(shape))
+            big[d] = big[d] if d == len(shape) - 1 else shape[d] * 2
+            base = self.values(math.prod(big), dtype, low, high).view(big)
+            idx = [slice(None)] * len(shape)
+            idx[-1] = slice(1, 1 + 2 * shape[-1], 2)
+            if d != len(shape) - 1:
+                idx[d] = slice(0, 2 * shape[d], 2)
+            t = base[tuple(idx)]
+        elif layout == "offset":
+            off = self.rng.randint(1, 5)
+            base = self.values(numel + off + self.rng.randint(0, 3), dtype, low, high)
+            t = base[off:off + numel].view(shape)
+        elif layout == "expanded" and any(s > 1 for s in shape):
+            small = [1 if (s > 1 and self.chance(0.5)) else s for s in shape]
+            if small == list(shape):
+                small[[i for i, s in enumerate(shape) if s > 1][0]] = 1
+            t = self.values(math.prod(small), dtype, low, high).view(small).expand(shape)
+        elif layout == "channels_last" and len(shape) == 4:
+            t = self.values(numel, dtype, low, high).view(shape).contiguous(memory_format=torch.channels_last)
+        else:
+            layout = "contiguous"
+            t = self.values(numel, dtype, low, high).view(shape)
+        if layout != "contiguous":
+            self.tag(layout)
+        return t
+
+    def broadcast_partner(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """A shape that broadcasts with ``shape``: the same, a suffix, some dims 1, or 0-dim."""
+        shape = tuple(shape)
+        kind = self.rng.choice(("same", "same", "same", "suffix", "ones", "scalar"))
+        if kind == "suffix" and shape:
+            self.tag("broadcast")
+            return shape[self.rng.randrange(len(shape) + 1):]
+        if kind == "ones" and shape:
+            self.tag("broadcast")
+            return tuple(1 if self.chance(0.5) else s for s in shape)
+        if kind == "scalar":
+            self.tag("0-dim-partner")
+            return ()
+        return shape
+
+
+# ---- argument rules -----------------------------------------------------------------------------
+_PRIMARY = ("self", "input", "a", "grad_output", "grad", "sorted_sequence", "query", "mean", "input_gates",
+            "batch1", "mat1", "condition", "weight")
+_OPTIONAL_TENSORS = ("weight", "bias", "sorter", "min", "max", "input_bias", "hidden_bias", "attn_mask", "grad_hy",
+                     "grad_cy", "std", "scale")
+_INDEX_LIKE = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+               "take_along_dim"}
+_INDEX_VECTOR = {"index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill",
+                 "index_fill_"}
+_REDUCE_STRINGS = {"scatter_reduce": ("sum", "prod", "mean", "amax", "amin"),
+                   "scatter": ("add", "multiply")}
+
+
+class Args:
+    """Builds one overload's arguments from its schema (see the module docstring)."""
+
+    def __init__(self, gen: Gen, sample_packet: str, op: Any):
+        self.g = gen
+        self.packet = sample_packet
+        self.base = sample_packet.rstrip("_")
+        self.op = op
+        self.schema = op._schema
+        self.values: dict[str, Any] = {}
+        self.primary: torch.Tensor | None = None
+        self.shape = gen.shape()
+        self.dim: int | None = None
+        self.written = {a.name for a in self.schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+    # -- the argument list --
+    def build(self) -> tuple[list[Any], dict[str, Any]] | None:
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        recipe = RECIPES.get(self.base)
+        preset = recipe(self) if recipe is not None else {}
+        if preset is None:
+            return None
+        for a in self.schema.arguments:
+            if a.kwarg_only and a.name in self.written:
+                continue  # out= tensors: chosen once the CPU run knows the results
+            t = str(a.type)
+            fits = a.name in preset and (not isinstance(preset[a.name], torch.Tensor) or "Tensor" in t) and \
+                (not isinstance(preset[a.name], list) or t.startswith(("List", "Optional[List")))
+            v = preset[a.name] if fits else self.arg(a)
+            if fits and isinstance(v, torch.Tensor) and self.primary is None:
+                self.primary = v
+            if v is _OMIT:
+                if not a.has_default_value():
+                    return None
+                continue
+            self.values[a.name] = v
+            if a.kwarg_only:
+                kwargs[a.name] = v
+            else:
+                args.append(v)
+        return args, kwargs
+
+    def arg(self, a: Any) -> Any:
+        t = str(a.type)
+        name = a.name
+        g = self.g
+        if t == "Tensor":
+            return self.tensor_arg(name, a)
+        if t == "Optional[Tensor]":
+            if g.chance(0.35) and not (name == "weight" and self.base in ("embedding",)):
+                return None
+            return self.tensor_arg(name, a, optional=True)
+        if t == "List[Tensor]":
+            return self.tensor_list(name)
+        if t == "List[Optional[Tensor]]":
+            return self.index_list()
+        if t == "number":
+            return self.scalar(name)
+        if t == "Optional[number]":
+            return None if g.chance(0.3) else self.scalar(name)
+        if t == "List[number]":
+            n = len(self.values.get("self", [])) if isinstance(self.values.get("self"), list) else 1
+            return [self.scalar("scalar") for _ in range(n)]
+        if t in ("int", "SymInt"):
+            return self.int_arg(name)
+        if t in ("Optional[int]", "Optional[SymInt]"):
+            return self.opt_int(name)
+        if t == "bool":
+            return self.bool_arg(name)
+        if t == "Optional[bool]":
+            if name == "pin_memory":
+                return None
+            return g.rng.choice((None, True, False))
+        if t in ("List[int]", "List[SymInt]"):
+            return self.int_list(name)
+        if t in ("Optional[List[int]]", "Optional[List[SymInt]]"):
+            return None if g.chance(0.3) else self.int_list(name)
+        if t == "float":
+            return self.float_arg(name)
+        if t == "Optional[float]":
+            return None if g.chance(0.5) else g.rng.choice((0.5, 1.3))
+        if t == "str":
+            return self.str_arg(name)
+        if t == "Optional[str]":
+            if name == "rounding_mode":
+                return g.rng.choice((None, "trunc", "floor"))
+            if name == "side":
+                return g.rng.choice((None, "left", "right"))
+            return None
+        if t == "List[bool]":
+            return [g.chance(0.8) for _ in range(3)]
+        if t == "Optional[Generator]":
+            return None
+        if t == "Optional[Device]":
+            return DEV
+        if t == "Optional[List[float]]" or t == "List[float]":
+            return [g.rng.choice((0.5, 2.0)) for _ in range(2)]
+        if t.startswith("Optional["):
+            return None
+        return _OMIT
+
+    # -- tensors --
+    def tensor_arg(self, name: str, a: Any, optional: bool = False) -> Any:
+        g = self.g
+        writable = name in self.written
+        if self.primary is None and (name in _PRIMARY or name not in ("index", "indices", "mask", "target")):
+            t = self.primary_tensor(name, writable)
+            self.primary = t
+            return t
+        p = self.primary
+        shape = tuple(p.shape)
+        if name in ("index", "indices") and self.base not in ("embedding", "embedding_dense_backward"):
+            return self.index_tensor(name)
+        if name == "indices" and self.base in ("embedding", "embedding_dense_backward"):
+            rows = p.shape[0] if p.dim() >= 1 else 1
+            if self.base == "embedding_dense_backward":
+                rows = 4
+            return g.tensor(g.shape(max_rank=2), torch.int64, low=0, high=max(rows, 1))
+        if name in ("mask", "condition") or name == "attn_mask":
+            if name == "attn_mask":
+                return self.attn_mask()
+            return g.tensor(g.broadcast_partner(shape), torch.bool)
+        if name == "target":
+            return self.target()
+        if name == "boundaries":
+            return g.tensor((g.rng.randint(0, 5),), layout="contiguous").sort().values
+        if self.base in ("native_layer_norm",) and name in ("weight", "bias"):
+            ns = self.values.get("normalized_shape", [])
+            return g.tensor(tuple(ns), writable=False)
+        if self.base == "native_group_norm" and name in ("weight", "bias"):
+            # contiguous: CPU's kernel reads them as dense arrays (an expanded one reads past its storage)
+            return g.tensor((self.values.get("C", shape[1] if len(shape) > 1 else 1),), layout="contiguous")
+        if name == "weight" and self.base.startswith("nll_loss"):
+            c = shape[1] if len(shape) >= 2 else (shape[0] if shape else 1)
+            return g.tensor((c,), low=0.1, high=2.0) if g.dtype.is_floating_point else g.tensor((c,))
+        if self.base in ("index_add", "index_copy") and name == "source":
+            idx = self.values.get("index")
+            d = self.dim if self.dim is not None else 0
+            s = list(shape) or [1]
+            s[d % len(s)] = idx.numel() if isinstance(idx, torch.Tensor) else 1
+            return g.tensor(s if shape else idx.shape if isinstance(idx, torch.Tensor) else ())
+        if self.base in _INDEX_LIKE and name in ("src", "value"):
+            idx = self.values.get("index")
+            if isinstance(idx, torch.Tensor):
+                return g.tensor(tuple(i + g.rng.randint(0, 1) for i in idx.shape))
+        if self.base in ("masked_scatter",) and name == "source":
+            return g.tensor((math.prod(shape) + g.rng.randint(0, 2),))
+        if self.base in ("index_put", "index_put_", "_index_put_impl_") and name == "values":
+            return self.put_values()
+        if self.base in ("mm", "addmm", "bmm", "baddbmm") or name in ("mat2", "batch2", "key", "value",
+                                                                       "hidden_gates", "workspace"):
+            return self.matmul_partner(name)
+        if "backward" in self.base:  # CPU's backward kernels take same-sized tensors unchecked
+            return g.tensor(shape)
+        partner = g.broadcast_partner(shape)
+        dtype = g.dtype
+        if g.chance(0.12):
+            dtype = g.rng.choice(DTYPES)
+            g.tag("promotion")
+        t = g.tensor(partner, dtype)
+        if t.dim() == 0 and g.chance(0.3):
+            g.tag("host-scalar")
+            return _Host(t)
+        if g.chance(0.05) and t.shape == p.shape and t.dtype == p.dtype and name != "out":
+            g.tag("aliased-inputs")
+            return p
+        return t
+
+    def primary_tensor(self, name: str, writable: bool) -> torch.Tensor:
+        g = self.g
+        shape = self.shape
+        if self.base in ("mm", "addmm"):
+            shape = (g.rng.randint(0, 5), g.rng.randint(1, 6))
+        elif self.base in ("bmm", "baddbmm"):
+            shape = (g.rng.randint(1, 3), g.rng.randint(0, 5), g.rng.randint(1, 6))
+        elif self.base == "scaled_dot_product_attention":
+            shape = (g.rng.randint(1, 2), g.rng.randint(1, 4), g.rng.randint(1, 6), g.rng.choice((4, 8)))
+            if g.chance(0.2):
+                shape = shape[1:]
+        elif self.base in ("native_group_norm", "convolution_overrideable", "convolution_backward_overrideable"):
+            shape = (g.rng.randint(1, 3), g.rng.choice((2, 4)), g.rng.randint(1, 5), g.rng.randint(1, 5))
+        elif self.base in ("multinomial",):
+            shape = (g.rng.randint(1, 3), g.rng.randint(1, 6))[g.rng.randint(0, 1):]
+            return g.tensor(shape, low=0.0, high=1.0) if g.dtype.is_floating_point else g.tensor(shape)
+        elif self.base == "sorted_sequence" or name == "sorted_sequence":
+            return g.tensor(self.shape or (3,)).sort(-1).values
+        elif self.base.startswith("_thnn_fused_lstm_cell"):
+            shape = (g.rng.randint(1, 3), 4 * g.rng.randint(1, 3))
+        elif self.base.startswith("_thnn_fused_gru_cell"):
+            shape = (g.rng.randint(1, 3), 3 * g.rng.randint(1, 3))
+        elif self.base == "embedding":
+            shape = (g.rng.randint(1, 6), g.rng.randint(1, 4))
+        if self.base in ("mean", "normal") and name == "mean" and not g.dtype.is_floating_point:
+            pass
+        t = g.tensor(shape, writable=writable, layout=None)
+        self.shape = tuple(t.shape)
+        if writable and g.chance(0.5) and t.numel() > 0:
+            g.tag("inplace-view")
+        return t
+
+    def matmul_partner(self, name: str) -> torch.Tensor:
+        g = self.g
+        p = self.primary
+        assert p is not None
+        if self.base == "scaled_dot_product_attention":
+            s = g.rng.randint(1, 6)
+            shape = list(p.shape)
+            shape[-2] = s if name == "key" else self.values["key"].shape[-2]
+            if len(shape) == 4 and name == "key" and g.chance(0.25) and shape[1] % 2 == 0:
+                shape[1] //= 2  # grouped-query attention (needs enable_gqa)
+            if name == "value" and len(shape) == 4:
+                shape[1] = self.values["key"].shape[1]
+            return g.tensor(shape)
+        if self.base.startswith(("_thnn_fused", )):
+            if name == "workspace":
+                n = p.shape[1]
+                return g.tensor((p.shape[0], n if "lstm" in self.base else (n // 3) * 5))
+            return g.tensor(tuple(p.shape))
+        if self.base == "mm" or (self.base == "addmm" and name == "mat2"):
+            return g.tensor((p.shape[-1], g.rng.randint(0, 5)) if name == "mat2" else ())
+        if self.base == "addmm" and name in ("mat1",):
+            return g.tensor((g.rng.randint(0, 5), g.rng.randint(1, 5)))
+        if self.base in ("bmm",):
+            return g.tensor((p.shape[0], p.shape[-1], g.rng.randint(0, 5)))
+        if self.base == "baddbmm" and name == "batch2":
+            b1 = self.values["batch1"]
+            return g.tensor((b1.shape[0], b1.shape[2], g.rng.randint(0, 5)))
+        return g.tensor(tuple(p.shape))
+
+    def attn_mask(self) -> torch.Tensor:
+        g = self.g
+        q, k = self.values["query"], self.values["key"]
+        l, s = q.shape[-2], k.shape[-2]
+        shape = g.rng.choice(((l, s), (s,), (1, s), (q.shape[0], 1, 1, s) if q.dim() == 4 else (1, s),
+                              tuple(q.shape[:-1]) + (s,)))
+        if g.chance(0.5):
+            g.tag("bool-mask")
+            return g.tensor(shape, torch.bool)
+        g.tag("float-mask")
+        m = g.tensor(shape, q.dtype if q.dtype.is_floating_point else torch.float32)
+        if m.numel() and g.chance(0.5):
+            m = m.masked_fill(torch.rand(m.shape, generator=g.torch_gen) > 0.6, -math.inf)
+        return m
+
+    def index_tensor(self, name: str) -> torch.Tensor:
+        g = self.g
+        p = self.primary
+        assert p is not None
+        shape = tuple(p.shape)
+        d = self.dim if self.dim is not None else 0
+        r = len(shape)
+        size = shape[d % r] if r else 1
+        if self.base == "take":
+            n = max(1, p.numel())
+            return g.tensor(g.shape(max_rank=2), torch.int64, low=-n if p.numel() else 0, high=n if p.numel() else 1)
+        if self.base in _INDEX_LIKE:
+            ishape = tuple(g.rng.randint(0 if s == 0 else 1, s) if i != d % max(r, 1) else g.rng.randint(1, 4)
+                           for i, s in enumerate(shape)) if r else ()
+            return g.tensor(ishape, torch.int64, low=0, high=max(size, 1), layout="contiguous")
+        if self.base in _INDEX_VECTOR:
+            return g.tensor((g.rng.randint(0, 4),) if g.chance(0.85) else (), torch.int64, low=0, high=max(size, 1),
+                            layout="contiguous")
+        return g.tensor((g.rng.randint(0, 4),), torch.int64, low=0, high=max(size, 1))
+
+    def index_list(self) -> list[Any]:
+        g = self.g
+        p = self.primary
+        assert p is not None
+        shape = tuple(p.shape)
+        out: list[Any] = []
+        n = g.rng.randint(1, max(1, len(shape))) if shape else 1
+        common = (g.rng.randint(1, 3),)
+        for i in range(n):
+            size = shape[i] if i < len(shape) else 1
+            kind = g.rng.choice(("int", "int", "none", "bool"))
+            if kind == "none" and i < n - 1:
+                out.append(None)
+            elif kind == "bool":
+                g.tag("bool-index")
+                out.append(g.tensor((size,), torch.bool, layout="contiguous"))
+            else:
+                out.append(g.tensor(common, torch.int64, low=-size if size else 0, high=max(size, 1)))
+        return out
+
+    def put_values(self) -> torch.Tensor:
+        g = self.g
+        p = self.primary
+        try:
+            res = torch.ops.aten.index.Tensor(p, self.values["indices"])
+            shape = tuple(res.shape)
+        except Exception:
+            shape = ()
+        return g.tensor(g.broadcast_partner(shape) if shape else ())
+
+    def target(self) -> torch.Tensor:
+        g = self.g
+        p = self.primary
+        assert p is not None
+        if self.base.startswith("nll_loss"):
+            c = p.shape[1] if p.dim() >= 2 else (p.shape[0] if p.dim() else 1)
+            shape = (p.shape[0],) + tuple(p.shape[2:]) if p.dim() >= 2 else ()
+            return g.tensor(shape, torch.int64, low=0, high=max(c, 1))
+        return g.tensor(tuple(p.shape))
+
+    def tensor_list(self, name: str) -> list[torch.Tensor]:
+        g = self.g
+        if name == "self" or not isinstance(self.values.get("self"), list):
+            n = g.rng.randint(1, 4)
+            dtype = g.dtype
+            shapes = [g.shape(max_rank=3) for _ in range(n)]
+            ts = [g.tensor(s, dtype, writable=name in self.written) for s in shapes]
+            self.primary = ts[0] if ts else None
+            return ts
+        first = self.values["self"]
+        return [g.tensor(tuple(t.shape), t.dtype) for t in first]
+
+    # -- scalars --
+    def scalar(self, name: str) -> Any:
+        g = self.g
+        floating = g.dtype.is_floating_point
+        if name in ("alpha", "beta"):
+            return g.rng.choice((1, 2, -0.5, 0)) if floating else g.rng.choice((1, 2, 0))
+        if name in ("start", "end", "step"):
+            return {"start": g.rng.choice((0, -2, 1.5)), "end": g.rng.choice((5, 3.5, 0)),
+                    "step": g.rng.choice((1, 2, 0.5))}[name]
+        if self.base == "histc" and name in ("min", "max"):
+            return {"min": g.rng.choice((0, -1)), "max": g.rng.choice((0, 2))}[name]
+        if g.dtype == torch.bool and g.chance(0.5):
+            return g.chance(0.5)
+        if not floating and g.chance(0.7):
+            return g.rng.choice((0, 1, -2, 3))
+        choices = [2, -1.5, 0, 0.5, 3, 1]
+        if g.extreme:
+            choices += [math.nan, math.inf, -math.inf]
+        return g.rng.choice(choices)
+
+    def int_arg(self, name: str) -> Any:
+        g = self.g
+        r = max(len(self.shape), 1)
+        if name == "dim":
+            self.dim = g.rng.randrange(-r, r)
+            return self.dim
+        if name == "diagonal":
+            return g.rng.randint(-2, 2)
+        if name == "k":
+            size = self.shape[self.dim % r] if self.shape and self.dim is not None else (self.shape[-1] if self.shape else 1)
+            return g.rng.randint(0, size)
+        if name == "bins":
+            return g.rng.randint(1, 8)
+        if name in ("n",):
+            return g.rng.randint(0, 6)
+        if name == "num_samples":
+            return g.rng.randint(1, 3)
+        if name == "reduction":
+            return g.rng.choice((0, 1, 2))
+        if name == "ignore_index":
+            return g.rng.choice((-100, 0, 1))
+        if name == "padding_idx":
+            return g.rng.choice((-1, 0, 2))
+        if name == "num_weights":
+            return 4
+        if name in ("N", "C", "HxW", "group"):
+            p = self.primary
+            assert p is not None
+            n, c = p.shape[0], p.shape[1]
+            return {"N": n, "C": c, "HxW": math.prod(p.shape[2:]), "group": g.rng.choice([d for d in (1, 2) if c % d == 0])}[name]
+        if name in ("from",):
+            return g.rng.choice((0, -3, 1))
+        if name in ("to",):
+            return g.rng.choice((5, 2))
+        if name == "groups":
+            return 1
+        if name in ("input_dtype", "out_dtype"):
+            return g.dtype
+        return g.rng.randint(0, 3)
+
+    def opt_int(self, name: str) -> Any:
+        g = self.g
+        if name == "dim":
+            return None if g.chance(0.3) else self.int_arg("dim")
+        if name == "dtype":
+            if g.chance(0.8):
+                return None
+            g.tag("dtype-arg")
+            return g.rng.choice(DTYPES)
+        if name == "memory_format":
+            return g.rng.choice((None, None, torch.contiguous_format, torch.preserve_format))
+        if name == "to":
+            return g.rng.choice((None, 7))
+        return None
+
+    def bool_arg(self, name: str) -> bool:
+        g = self.g
+        if name in ("half_to_float", "non_blocking", "sparse", "sparse_grad", "unsafe", "transposed"):
+            return False
+        if name in ("train",):
+            return True
+        return g.chance(0.5)
+
+    def int_list(self, name: str) -> list[int]:
+        g = self.g
+        r = len(self.shape)
+        if name in ("dim", "dims"):
+            k = g.rng.randint(0 if name == "dim" else 1, max(r, 1))
+            ds = g.rng.sample(range(r), min(k, r)) if r else ([0] if g.chance(0.5) else [])
+            ds = [d - r if g.chance(0.3) and r else d for d in ds]
+            self.values.setdefault("_dims", ds)
+            return ds
+        if name == "shifts":
+            return [g.rng.randint(-3, 3) for _ in range(max(1, len(self.values.get("_dims", [0]))))]
+        if name == "normalized_shape":
+            k = g.rng.randint(0, r)
+            return list(self.shape[r - k:]) if k else ([] if g.chance(0.2) else list(self.shape[-1:]))
+        if name in ("size",):
+            return list(g.shape(max_rank=3))
+        if name in ("stride",) and self.base.startswith("convolution"):
+            return [g.rng.choice((1, 2))] * 2
+        if name in ("padding",):
+            return [g.rng.choice((0, 1))] * 2
+        if name in ("dilation",):
+            return [1, 1]
+        if name == "output_padding":
+            return [0, 0]
+        if name == "stride":
+            return [1] * r
+        return [g.rng.randint(0, 2) for _ in range(max(1, r))]
+
+    def float_arg(self, name: str) -> float:
+        g = self.g
+        if name == "eps":
+            return g.rng.choice((1e-5, 0.1))
+        if name == "p":
+            return g.rng.choice((0.0, 0.3, 0.5, 1.0))
+        if name == "dropout_p":
+            return 0.0
+        if name in ("beta", "lambd"):
+            return g.rng.choice((1.0, 0.5))
+        if name == "std":
+            return g.rng.choice((1.0, 0.5))
+        if name == "from":
+            return 0.0
+        if name == "to":
+            return 1.0
+        return g.rng.choice((0.0, 1.0, -0.5, 2.0))
+
+    def str_arg(self, name: str) -> str:
+        g = self.g
+        if name == "approximate":
+            return g.rng.choice(("none", "tanh"))
+        if name == "reduce":
+            return g.rng.choice(_REDUCE_STRINGS.get(self.base, ("sum", "mean")))
+        return "none"
+
+
+_OMIT = object()
+
+
+# ---- recipes: the arguments of ops whose tensors must fit one another -----------------------
+# A recipe presets some arguments (by schema name) so that most samples are calls CPU accepts;
+# the rest of the arguments, and every tensor's layout, dtype and values, are drawn as for any op.
+def _matmul_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    n, m, p = g.rng.choice((0, 1, 2, 3, 5)), g.rng.choice((1, 2, 3, 5, 8)), g.rng.choice((0, 1, 2, 4))
+    b = g.rng.randint(1, 3)
+    if a.base == "mm":
+        return {"self": g.tensor((n, m)), "mat2": g.tensor((m, p))}
+    if a.base == "bmm":
+        return {"self": g.tensor((b, n, m)), "mat2": g.tensor((b, m, p))}
+    if a.base == "addmm":
+        bias = g.rng.choice(((n, p), (p,), (1, p), (n, 1), ()))
+        return {"self": g.tensor(bias, writable="self" in a.written), "mat1": g.tensor((n, m)), "mat2": g.tensor((m, p))}
+    bias = g.rng.choice(((b, n, p), (n, p), (1, 1, p), ()))
+    return {"self": g.tensor(bias, writable="self" in a.written), "batch1": g.tensor((b, n, m)),
+            "batch2": g.tensor((b, m, p))}
+
+
+def _foreach_mm_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    k = g.rng.randint(1, 3)
+    dims = [(g.rng.randint(1, 3), g.rng.randint(1, 4), g.rng.randint(1, 3)) for _ in range(k)]
+    return {"self": [g.tensor((n, m)) for n, m, _ in dims], "mat2": [g.tensor((m, p)) for _, m, p in dims]}
+
+
+def _where_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    shape = g.shape()
+    a.shape = shape
+    out: dict[str, Any] = {"condition": g.tensor(g.broadcast_partner(shape), torch.bool)}
+    if any(x.name == "self" and str(x.type) == "Tensor" for x in a.schema.arguments):
+        out["self"] = g.tensor(shape)
+    return out
+
+
+def _searchsorted_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    lead = g.rng.choice(((), (2,), (2, 3)))
+    seq = g.tensor(lead + (g.rng.randint(0, 5),)).sort(-1).values if g.dtype != torch.bool else \
+        g.tensor(lead + (3,), torch.bool)
+    if g.chance(0.3):
+        seq = g.tensor((g.rng.randint(1, 5),)).sort().values if g.dtype != torch.bool else seq
+    vals = g.tensor((lead if seq.dim() > 1 else g.shape(max_rank=2)[:1]) + (g.rng.randint(0, 4),))
+    return {"sorted_sequence": seq, "self": vals} if a.base == "searchsorted" else \
+        {"self": vals, "boundaries": g.tensor((g.rng.randint(0, 5),)).sort().values if g.dtype != torch.bool
+         else g.tensor((2,), torch.bool)}
+
+
+def _conv_recipe(a: Args) -> dict[str, Any] | None:
+    g = a.g
+    one_d = g.chance(0.25)
+    groups = g.rng.choice((1, 1, 2))
+    c, k = 2 * groups * g.rng.randint(1, 2) // 1, groups * g.rng.randint(1, 2)
+    r = g.rng.choice((1, 2, 3))
+    spatial = [g.rng.randint(r, r + 3) for _ in range(1 if one_d else 2)]
+    n = g.rng.randint(1, 2)
+    transposed = g.chance(0.2)
+    stride, pad = g.rng.choice((1, 2)), g.rng.choice((0, 1))
+    dil = g.rng.choice((1, 1, 2)) if not transposed else 1
+    if dil == 2 and any(s < 2 * (r - 1) + 1 for s in spatial):
+        dil = 1
+    nd = len(spatial)
+    x = g.tensor((n, c) + tuple(spatial))
+    w = g.tensor(((c, k // groups) if transposed else (k, c // groups)) + (r,) * nd)
+    outs = k
+    bias = g.tensor((outs,), layout="contiguous") if g.chance(0.6) else None
+    preset = {"input": x, "weight": w, "bias": bias, "stride": [stride] * nd, "padding": [pad] * nd,
+              "dilation": [dil] * nd, "transposed": transposed, "output_padding": [0] * nd, "groups": groups}
+    if a.base == "convolution_backward_overrideable":
+        try:
+            y = torch.ops.aten.convolution.default(x.float(), w.float(), None, [stride] * nd, [pad] * nd, [dil] * nd,
+                                                   transposed, [0] * nd, groups)
+        except RuntimeError:
+            return None
+        preset["grad_output"] = g.tensor(tuple(y.shape))
+        preset["output_mask"] = [g.chance(0.8), g.chance(0.8), g.chance(0.5)]
+        del preset["bias"]
+    return preset
+
+
+def _nll_recipe(a: Args) -> dict[str, Any] | None:
+    g = a.g
+    two_d = a.base.startswith("nll_loss2d")
+    n, c = g.rng.randint(1, 4), g.rng.randint(1, 5)
+    spatial = (g.rng.randint(1, 3), g.rng.randint(1, 3)) if two_d else ()
+    batched = two_d or g.chance(0.8)
+    x = g.tensor(((n, c) if batched else (c,)) + spatial)
+    target = g.tensor(((n,) if batched else ()) + spatial, torch.int64, low=0, high=c)
+    ignore = g.rng.choice((-100, 0, 1))
+    weight = g.tensor((c,), low=0.1, high=2.0, layout="contiguous") if g.chance(0.5) else None
+    reduction = g.rng.choice((0, 1, 2))
+    preset = {"self": x, "target": target, "weight": weight, "reduction": reduction, "ignore_index": ignore}
+    if a.base.endswith("_backward"):
+        fwd = torch.ops.aten.nll_loss2d_forward if two_d else torch.ops.aten.nll_loss_forward
+        try:
+            out, total = fwd(x.float(), target, None if weight is None else weight.float(), reduction, ignore)
+        except (RuntimeError, IndexError):
+            return None
+        preset["grad_output"] = g.tensor(tuple(out.shape))
+        preset["total_weight"] = total.to(x.dtype) if x.dtype.is_floating_point else total
+    return preset
+
+
+def _embedding_backward_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    idx = g.tensor(g.shape(max_rank=2), torch.int64, low=0, high=4)
+    return {"indices": idx, "grad_output": g.tensor(tuple(idx.shape) + (g.rng.randint(1, 3),)), "num_weights": 4,
+            "padding_idx": g.rng.choice((-1, 0, 2))}
+
+
+def _cell_recipe(a: Args) -> dict[str, Any] | None:
+    g = a.g
+    lstm = "lstm" in a.base
+    b, h = g.rng.randint(1, 3), g.rng.randint(1, 3)
+    gates = (4 if lstm else 3) * h
+    bias = g.chance(0.6)
+    preset: dict[str, Any] = {}
+    if not a.base.endswith(("backward", "backward_impl")):
+        preset = {"input_gates": g.tensor((b, gates)), "hidden_gates": g.tensor((b, gates)),
+                  "input_bias": g.tensor((gates,)) if bias else None, "hidden_bias": g.tensor((gates,)) if bias else None}
+        preset["cx" if lstm else "hx"] = g.tensor((b, h))
+        return preset
+    if lstm:
+        preset = {"grad_hy": g.tensor((b, h)) if g.chance(0.8) else None, "grad_cy": g.tensor((b, h)) if g.chance(0.8)
+                  else None, "cx": g.tensor((b, h)), "cy": g.tensor((b, h)), "workspace": g.tensor((b, gates)),
+                  "has_bias": bias}
+    else:
+        preset = {"grad_hy": g.tensor((b, h)), "workspace": g.tensor((b, 5 * h)), "has_bias": bias}
+    return preset
+
+
+RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
+    "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
+    "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
+    "bucketize": _searchsorted_recipe, "convolution_overrideable": _conv_recipe,
+    "convolution_backward_overrideable": _conv_recipe, "nll_loss_forward": _nll_recipe, "nll_loss_backward": _nll_recipe,
+    "nll_loss2d_forward": _nll_recipe, "nll_loss2d_backward": _nll_recipe,
+    "embedding_dense_backward": _embedding_backward_recipe, "_thnn_fused_lstm_cell": _cell_recipe,
+    "_thnn_fused_lstm_cell_backward_impl": _cell_recipe, "_thnn_fused_gru_cell": _cell_recipe,
+    "_thnn_fused_gru_cell_backward": _cell_recipe,
+}
+
+
+def _lstm_cell_cuda(input_gates: Any, hidden_gates: Any, cx: Any, input_bias: Any = None, hidden_bias: Any = None,
+                    **out: Any) -> Any:
+    """CUDA's fused LSTM cell (aten/src/ATen/native/cuda/RNN.cu), accumulating in fp32."""
+    dt = input_gates.dtype
+    gates = input_gates.float() + hidden_gates.float()
+    if input_bias is not None:
+        gates = gates + input_bias.float() + hidden_bias.float()
+    i, f, g, o = gates.chunk(4, 1)
+    i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+    cy = f * cx.float() + i * g
+    res = ((o * torch.tanh(cy)).to(dt), cy.to(dt), torch.cat([i, f, g, o], 1).to(dt))
+    return _into(res, out)
+
+
+def _gru_cell_cuda(input_gates: Any, hidden_gates: Any, hx: Any, input_bias: Any = None, hidden_bias: Any = None,
+                   **out: Any) -> Any:
+    """CUDA's fused GRU cell, accumulating in fp32; its workspace is [r, z, n, hx, hidden n-gate]."""
+    dt = input_gates.dtype
+    ig, hg = input_gates.float(), hidden_gates.float()
+    if input_bias is not None:
+        ig, hg = ig + input_bias.float(), hg + hidden_bias.float()
+    ir, iz, inn = ig.chunk(3, 1)
+    hr, hz, hn = hg.chunk(3, 1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    n = torch.tanh(inn + r * hn)
+    hy = n + z * (hx.float() - n)
+    return _into((hy.to(dt), torch.cat([r, z, n, hx.float(), hn], 1).to(dt)), out)
+
+
+def _lstm_cell_backward_cuda(grad_hy: Any, grad_cy: Any, cx: Any, cy: Any, workspace: Any, has_bias: bool,
+                             **out: Any) -> Any:
+    """CUDA's LSTM cell backward from the saved activated gates, in fp32."""
+    dt = workspace.dtype
+    i, f, g, o = workspace.float().chunk(4, 1)
+    zeros = torch.zeros(cx.shape)
+    ghy = grad_hy.float() if grad_hy is not None else zeros
+    gcy = grad_cy.float() if grad_cy is not None else zeros
+    tcy = torch.tanh(cy.float())
+    gc = ghy * o * (1 - tcy * tcy) + gcy
+    gates = torch.cat([gc * g * i * (1 - i), gc * cx.float() * f * (1 - f), gc * i * (1 - g * g),
+                       ghy * tcy * o * (1 - o)], 1)
+    res = (gates.to(dt), (gc * f).to(dt), gates.sum(0).to(dt) if has_bias else None)
+    return _into(res, out)
+
+
+def _gru_cell_backward_cuda(grad_hy: Any, workspace: Any, has_bias: bool, **out: Any) -> Any:
+    """CUDA's GRU cell backward from its workspace [r, z, n, hx, hidden n-gate], in fp32."""
+    dt = workspace.dtype
+    r, z, n, hx, hn = workspace.float().chunk(5, 1)
+    go = grad_hy.float()
+    gn = go * (1 - z) * (1 - n * n)
+    gz = go * (hx - n) * (1 - z) * z
+    gr = gn * hn * (1 - r) * r
+    gi, gh = torch.cat([gr, gz, gn], 1), torch.cat([gr, gz, gn * r], 1)
+    res = (gi.to(dt), gh.to(dt), (go * z).to(dt), gi.sum(0).to(dt) if has_bias else None,
+           gh.sum(0).to(dt) if has_bias else None)
+    return _into(res, out)
+
+
+def _into(res: tuple[torch.Tensor, ...], out: dict[str, Any]) -> Any:
+    if not out:
+        return res
+    outs = [out[k] for k in sorted(out)]
+    if any(r is None for r in res):  # as CUDA's generated out= wrapper: an undefined result has no out
+        raise RuntimeError("Expected out tensor to have dtype nullptr (uninitialized), but got float instead")
+    for o, r in zip(outs, res):
+        o.resize_(r.shape).copy_(r)
+    return tuple(outs)
+
+
+REFERENCES["_thnn_fused_lstm_cell.default"] = _lstm_cell_cuda
+REFERENCES["_thnn_fused_lstm_cell.out"] = _lstm_cell_cuda
+REFERENCES["_thnn_fused_gru_cell.default"] = _gru_cell_cuda
+REFERENCES["_thnn_fused_gru_cell.out"] = _gru_cell_cuda
+REFERENCES["_thnn_fused_lstm_cell_backward_impl.default"] = _lstm_cell_backward_cuda
+REFERENCES["_thnn_fused_lstm_cell_backward_impl.out"] = _lstm_cell_backward_cuda
+REFERENCES["_thnn_fused_gru_cell_backward.default"] = _gru_cell_backward_cuda
+REFERENCES["_thnn_fused_gru_cell_backward.out"] = _gru_cell_backward_cuda
+
+
+def _packet_random(packet: str) -> bool:
+    from torch_bridge.values import RANDOM_WITHOUT_GENERATOR
+
+    pk = getattr(torch.ops.aten, packet)
+    return packet in RANDOM_WITHOUT_GENERATOR or any(
+        "Generator" in str(a.type) for ov in pk.overloads() for a in getattr(pk, ov)._schema.arguments)
+
+
+def sample_seed(run_seed: int, packet: str, index: int) -> int:
+    h = hashlib.sha256(f"{run_seed}:{packet}:{index}".encode()).digest()
+    return int.from_bytes(h[:6], "little")
+
+
+def make_sample(packet: str, seed: int, dtypes: Sequence[torch.dtype] = DTYPES) -> Sample | None:
+    """The sample ``seed`` of ``packet`` (None when the drawn overload cannot be built)."""
+    ops = overloads(packet)
+    if not ops:
+        return None
+    rng = random.Random(seed)
+    op = rng.choice(ops)
+    dtype = rng.choice(list(dtypes))
+    gen = Gen(seed, dtype)
+    gen.tag(str(dtype)[6:])
+    try:
+        built = Args(gen, packet, op).build()
+    except (IndexError, KeyError, ValueError, RuntimeError, ZeroDivisionError, TypeError, AssertionError):
+        return None  # a rule that does not fit this overload: counted as unbuildable
+    if built is None:
+        return None
+    args, kwargs = built
+    if op._schema.overload_name.endswith("out") or any(a.kwarg_only and a.alias_info is not None and
+                                                     a.alias_info.is_write for a in op._schema.arguments):
+        gen.tag("out=")
+    return Sample(packet, op, args, kwargs, gen.tags, seed, random=_packet_random(packet))
+
+
+# ---- running ------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What one run of a sample gave: ``error`` (an exception) or ``result`` with the inputs'
+    storages afterwards and how results alias inputs."""
+
+    error: BaseException | None = None
+    result: Any = None
+    storages: list[torch.Tensor] = field(default_factory=list)  # every input storage's bytes, after
+    aliases: list[Any] = field(default_factory=list)  # per result tensor: ("is", i) / ("view", i) / None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Materialised:
+    """A sample's inputs on one device: each CPU input storage copied once (so tensors sharing a
+    storage share it on the device too), every tensor rebuilt with its sizes, strides and offset."""
+
+    def __init__(self, sample: Sample, device: str, out_specs: list[Any] | None = None):
+        self.device = device
+        self._storages: dict[int, Any] = {}
+        self.inputs: list[torch.Tensor] = []  # in argument order, each tensor once
+        self._seen: dict[int, torch.Tensor] = {}
+        self.args = [self.conv(a) for a in sample.args]
+        self.kwargs = {k: self.conv(v) for k, v in sample.kwargs.items()}
+        if out_specs is not None:
+            for name, spec in out_specs:
+                self.kwargs[name] = self.conv(spec)
+
+    def conv(self, x: Any) -> Any:
+        if isinstance(x, _Host):
+            return x.t.clone()
+        if x is DEV:
+            return torch.device(self.device)
+        if isinstance(x, torch.Tensor):
+            seen = self._seen.get(id(x))
+            if seen is not None:
+                return seen
+            key = x.untyped_storage()._cdata  # the storage itself (empty ones all have address 0)
+            st = self._storages.get(key)
+            if st is None:
+                raw = torch.empty(0, dtype=torch.uint8).set_(x.untyped_storage()).clone()
+                st = self._storages[key] = raw.to(self.device).untyped_storage()
+            t = torch.empty(0, dtype=x.dtype, device=self.device).set_(st, x.storage_offset(), x.shape, x.stride())
+            self._seen[id(x)] = t
+            self.inputs.append(t)
+            return t
+        if isinstance(x, list):
+            return [self.conv(y) for y in x]
+        if isinstance(x, tuple):
+            return tuple(self.conv(y) for y in x)
+        return x
+
+    def storage_bytes(self, sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Each input storage's bytes now, up to the size it had before the call (a storage an
+        out= or resize_ grew is compared over what it held; past that, CPU's kernels may leave
+        scratch values)."""
+        seen: set[int] = set()
+        out = []
+        for j, t in enumerate(self.inputs):
+            st = t.untyped_storage()
+            if st._cdata in seen:
+                continue
+            seen.add(st._cdata)
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st).cpu()
+            out.append(raw[:sizes[j]] if sizes is not None else raw)
+        return out
+
+
+def _flat(x: Any) -> list[Any]:
+    if isinstance(x, (list, tuple)):
+        return [z for y in x for z in _flat(y)]
+    return [x]
+
+
+def _aliases(result: Any, inputs: list[torch.Tensor]) -> list[Any]:
+    out = []
+    for r in _flat(result):
+        if not isinstance(r, torch.Tensor):
+            out.append(None)
+            continue
+        rel = None
+        for i, t in enumerate(inputs):
+            if r is t:
+                rel = ("is", i)
+                break
+        if rel is None and r.numel() and r.untyped_storage().nbytes():
+            ptr = r.untyped_storage().data_ptr()
+            for i, t in enumerate(inputs):
+                if t.untyped_storage().data_ptr() == ptr:
+                    rel = ("view", i)
+                    break
+        out.append(rel)
+    return out
+
+
+def _seed_random(sample: Sample, device: str) -> Any:
+    """Seed the run's generator: the device's default one, or on CPU the host generator the
+    device's contract says a draw at (seed, offset 0) uses."""
+    s = sample.seed % (2 ** 31)
+    if device == DEVICE:
+        torch.neuron.manual_seed(s)
+        return None
+    torch.manual_seed(host_seed(s, 0))
+    return torch.Generator().manual_seed(host_seed(s, 0))
+
+
+def run_on(sample: Sample, device: str, out_specs: list[Any] | None = None, fn: Callable[..., Any] | None = None
+           ) -> Run:
+    m = Materialised(sample, device, out_specs)
+    kwargs = dict(m.kwargs)
+    if sample.random:
+        gen = _seed_random(sample, device)
+        if gen is not None and any(a.name == "generator" for a in sample.op._schema.arguments):
+            kwargs["generator"] = gen
+    run = Run(inputs=m.inputs)
+    m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
+    if fn is None and device == "cpu":
+        fn = REFERENCES.get(sample.qualified if "." in sample.qualified else sample.qualified + ".default")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run.result = (fn or sample.op)(*m.args, **kwargs)
+    except Exception as e:  # the comparison is of what each device raises
+        run.error = e
+        return run
+    run.aliases = _aliases(run.result, m.inputs)
+    run.storages = m.storage_bytes(m.sizes)
+    return run
+
+
+# ---- comparing ----------------------------------------------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as comparable integers (NaNs made one value: payloads are not values)."""
+    if t.dtype.is_floating_point:
+        width = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]
+        nan = t.isnan()
+        b = t.contiguous().view(width).clone()
+        b[nan] = -1
+        return b
+    if t.dtype.is_complex:
+        return _bits(torch.view_as_real(t))
+    return t
+
+
+def _equal_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _tensore_close(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None) -> str | None:
+    """None when a TensorE result is as close to the float64 result as CPU's plus the
+    dtype's share of its largest magnitude (the module docstring); else why not."""
+    if not got.dtype.is_floating_point:
+        return None if torch.equal(got, want) else "integer values differ"
+    if got.isnan().ne(want.isnan()).any():
+        return "NaN positions differ"
+    g, w = got.double(), want.double()
+    x = exact.double() if exact is not None else w
+    fin = x.isfinite() & w.isfinite()
+    gn, wn = g[~fin], w[~fin]
+    if not ((gn == wn) | (gn.isnan() & wn.isnan())).all():
+        return "non-finite values differ"
+    if not fin.any():
+        return None
+    err_g = (g - x).abs()[fin].max().item()
+    err_w = (w - x).abs()[fin].max().item()
+    scale = x[fin].abs().max().item()
+    bound = err_w + TENSORE_RTOL.get(got.dtype, 1e-5) * scale + TENSORE_ATOL
+    if err_g <= bound:
+        return None
+    return f"TensorE error {err_g:.3g} > bound {bound:.3g} (CPU's {err_w:.3g}, scale {scale:.3g})"
+
+
+def _exact(sample: Sample, out_specs: Any) -> Any:
+    """The sample's results in float64 (the TensorE comparison's reference), or None."""
+    def up(x: Any) -> Any:
+        if isinstance(x, _Host):
+            return _Host(up(x.t))
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.double()
+        if isinstance(x, list):
+            return [up(y) for y in x]
+        return x
+    s = dataclasses.replace(sample, args=[up(a) for a in sample.args], kwargs={k: up(v) for k, v in sample.kwargs.items()})
+    r = run_on(s, "cpu", [(n, up(v)) for n, v in out_specs] if out_specs else None)
+    return None if r.error is not None else r.result
+
+
+@dataclass
+class Mismatch:
+    sample: Sample
+    mode: str
+    what: str
+
+    def line(self) -> str:
+        return f"MISMATCH [{self.mode}] {self.what} :: {self.sample.describe()} :: {self.sample.repro()}"
+
+
+def _same_error(cpu: BaseException, dev: BaseException) -> bool:
+    if isinstance(dev, type(cpu)) or isinstance(cpu, type(dev)):
+        return True
+    # torch.compile wraps what a graph raised while tracing; its cause is the op's own error
+    inner = dev.__cause__ or dev.__context__
+    while inner is not None:
+        if isinstance(inner, type(cpu)):
+            return True
+        inner = inner.__cause__ or inner.__context__
+    return False
+
+
+def compare(sample: Sample, cpu: Run, dev: Run, mode: str, exact: Callable[[], Any], strides: bool = True
+            ) -> str | None:
+    """None when the device's run agrees with CPU's; else what differs."""
+    if sample.packet in CUDA_ONLY and cpu.error is not None:
+        return None  # no CPU reference: REFERENCES would be the comparison
+    if cpu.error is not None or dev.error is not None:
+        if cpu.error is None:
+            return f"device raised {type(dev.error).__name__}: {_first(dev.error)}; CPU did not"
+        if dev.error is None:
+            return f"CPU raised {type(cpu.error).__name__}: {_first(cpu.error)}; device did not"
+        if not _same_error(cpu.error, dev.error):
+            return (f"CPU raised {type(cpu.error).__name__} ({_first(cpu.error)}), device "
+                    f"{type(dev.error).__name__} ({_first(dev.error)})")
+        return None
+    want, got = _flat(cpu.result), _flat(dev.result)
+    if len(want) != len(got):
+        return f"{len(got)} results, CPU {len(want)}"
+    tensore = sample.packet.rstrip("_") in TENSORE_OPS
+    ex: list[Any] | None = None
+    for i, (w, g) in enumerate(zip(want, got)):
+        if isinstance(w, torch.Tensor) != isinstance(g, torch.Tensor):
+            return f"result {i}: {type(g).__name__}, CPU {type(w).__name__}"
+        if not isinstance(w, torch.Tensor):
+            if w != g and not (isinstance(w, float) and math.isnan(w) and isinstance(g, float) and math.isnan(g)):
+                return f"result {i}: {g!r}, CPU {w!r}"
+            continue
+        if g.dtype != w.dtype:
+            return f"result {i}: dtype {g.dtype}, CPU {w.dtype}"
+        if g.shape != w.shape:
+            return f"result {i}: shape {tuple(g.shape)}, CPU {tuple(w.shape)}"
+        host = sample.packet == "to" and any(isinstance(x, _Host) for x in sample.args)  # .to(a host tensor)
+        if g.device.type != ("cpu" if host else DEVICE):
+            return f"result {i}: on {g.device}, not on the device"
+        if strides and w.numel() > 1 and _strides(g) != _strides(w):
+            return f"result {i}: strides {g.stride()}, CPU {w.stride()}"
+        if sample.packet in NO_VALUES or (sample.packet == "resize_" and _grew(w, cpu)):
+            continue
+        gc = g.detach().cpu()
+        if tensore:
+            if ex is None:
+                e = exact()
+                ex = _flat(e) if e is not None else [None] * len(want)
+            why = _tensore_close(gc, w.detach(), ex[i] if i < len(ex) else None)
+            if why:
+                return f"result {i}: {why}"
+        elif not _equal_bits(gc, w.detach()):
+            return f"result {i}: values differ ({_diff(gc, w.detach())})"
+    if cpu.aliases != dev.aliases and mode != "compiled":
+        return f"aliasing: results alias inputs as {dev.aliases}, CPU {cpu.aliases}"
+    if not tensore and sample.packet not in NO_VALUES:
+        for j, (a, b) in enumerate(zip(cpu.storages, dev.storages)):
+            if not torch.equal(a, b):
+                return f"input storage {j} differs afterwards (a write outside/inside the view)"
+    return None
+
+
+def _grew(result: torch.Tensor, run: Run) -> bool:
+    """resize_ took ``result`` past its old storage: the new elements are uninitialised."""
+    end = (result.storage_offset() + sum((s - 1) * st for s, st in zip(result.shape, result.stride())) + 1) \
+        * result.element_size() if result.numel() else 0
+    return any(end > len(b) for b in run.storages[:1])
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that mean something: those of dims of size > 1 (a size-1 dim's is arbitrary)."""
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def _diff(g: torch.Tensor, w: torch.Tensor) -> str:
+    if g.numel() == 0:
+        return "empty"
+    bad = (_bits(g) != _bits(w)).nonzero()
+    if not len(bad):
+        return "?"
+    i = tuple(bad[0].tolist())
+    return f"{len(bad)} of {g.numel()} elements, first at {i}: {g[i].item()!r} vs CPU {w[i].item()!r}"
+
+
+def _first(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:160] if s else ""
+
+
+# ---- out= tensors -------------------------------------------------------------------------------
+def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[tuple[str, Any]] | None:
+    """The out= tensors of an out overload: of the result's size, empty (resized), of another
+    size, or non-contiguous (a transposed or strided view); None when the op has none."""
+    outs = [a for a in sample.op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    if not outs:
+        return None
+    results = _flat(cpu_functional) if cpu_functional is not None else []
+    specs: list[tuple[str, Any]] = []
+    g = Gen(sample.seed + 1, sample.args[0].dtype if sample.args and isinstance(sample.args[0], torch.Tensor)
+            else torch.float32)
+    kind = gen.choice(("exact", "exact", "empty", "other-size", "strided"))
+    sample.tags.append(f"out-{kind}")
+    for i, a in enumerate(outs):
+        r = results[i] if i < len(results) and isinstance(results[i], torch.Tensor) else None
+        if str(a.type) == "List[Tensor]":
+            rs = results if results else []
+            specs.append((a.name, [g.tensor(tuple(x.shape), x.dtype, writable=True, layout="contiguous")
+                                   if kind != "empty" else torch.empty(0, dtype=x.dtype) for x in rs
+                                   if isinstance(x, torch.Tensor)]))
+            continue
+        dtype = r.dtype if r is not None else torch.float32
+        shape = tuple(r.shape) if r is not None else (0,)
+        if kind == "empty" or r is None:
+            t = torch.empty(0, dtype=dtype)
+        elif kind == "other-size":
+            t = g.tensor((max(1, math.prod(shape)) + 2,), dtype, layout="contiguous")
+        elif kind == "strided":
+            t = g.tensor(shape, dtype, writable=True, layout=gen.choice(("transposed", "strided", "offset")))
+        else:
+            t = g.tensor(shape, dtype, writable=True, layout="contiguous")
+        specs.append((a.name, t))
+    return specs
+
+
+def functional_of(op: Any) -> Any:
+    """The functional overload an out= overload writes the results of (None if not found)."""
+    s = op._schema
+    pk = getattr(torch.ops.aten, s.name[len("aten::"):])
+    want = [a.name for a in s.arguments if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
+    for name in pk.overloads():
+        o = getattr(pk, name)
+        os_ = o._schema
+        if any(a.alias_info is not None and a.alias_info.is_write for a in os_.arguments):
+            continue
+        if [a.name for a in os_.arguments] == want:
+            return o
+    return None
+
+
+# ---- the tester ---------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    samples: int = 0
+    cpu_errors: int = 0
+    compiled: int = 0
+    fast_hits: int = 0
+    by_op: dict[str, list[int]] = field(default_factory=dict)  # op -> [samples, valid]
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    unbuildable: dict[str, int] = field(default_factory=dict)
+    torch_compile_differs: int = 0  # compiled samples where torch.compile on CPU differs from eager CPU alike
+
+
+def _set_fast(on: bool) -> None:
+    fastpath.set_enabled(on)
+
+
+class Tester:
+    """Runs samples of ops on CPU and three ways on neuron, collecting mismatches."""
+
+    def __init__(self, seed: int = SEED, dtypes: Sequence[torch.dtype] = DTYPES, compile_every: int = 1,
+                 echo: Callable[[str], None] | None = print):
+        self.seed = seed
+        self.dtypes = tuple(dtypes)
+        self.compile_every = compile_every
+        self.stats = Stats()
+        self.echo = echo
+        self._compile_queue: list[tuple[Sample, Any, Run]] = []
+
+    def report(self, m: Mismatch) -> None:
+        self.stats.mismatches.append(m)
+        if self.echo:
+            self.echo(m.line())
+
+    def samples(self, packet: str, n: int) -> Iterator[Sample]:
+        """``n`` samples of ``packet`` (drawn seeds that cannot be built are skipped, up to 4n)."""
+        made = 0
+        for i in range(4 * n):
+            s = make_sample(packet, sample_seed(self.seed, packet, i), self.dtypes)
+            if s is None:
+                self.stats.unbuildable[packet] = self.stats.unbuildable.get(packet, 0) + 1
+                continue
+            yield s
+            made += 1
+            if made == n:
+                return
+
+    def check(self, s: Sample, cpu: Run, dev: Run, mode: str, exact: Callable[[], Any], specs: Any,
+              strides: bool = True) -> str | None:
+        """:func:`compare`, also against CPU's other answer where CPU has two (ALTERNATIVES)."""
+        why = compare(s, cpu, dev, mode, exact, strides)
+        if why and s.packet in ALTERNATIVES:
+            with ALTERNATIVES[s.packet]():
+                other = run_on(s, "cpu", specs)
+            if compare(s, other, dev, mode, exact, strides) is None:
+                return None
+        return why
+
+    def run_sample(self, s: Sample) -> None:
+        st = self.stats
+        specs = None
+        outs = [a for a in s.op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        if outs:
+            fn = functional_of(s.op)
+            probe = run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None else None
+            specs = out_specs(s, probe.result if probe is not None and probe.error is None else None,
+                              random.Random(s.seed))
+        cpu = run_on(s, "cpu", specs)
+        st.samples += 1
+        row = st.by_op.setdefault(s.packet, [0, 0])
+        row[0] += 1
+        dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
+        st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
+        if cpu.error is None:
+            row[1] += 1
+        else:
+            st.cpu_errors += 1
+        exact_cache: list[Any] = []
+
+        def exact() -> Any:
+            if not exact_cache:
+                exact_cache.append(_exact(s, specs))
+            return exact_cache[0]
+        # the fast path: the first call teaches it the call's cost, the second is its own
+        _set_fast(True)
+        for label in ("fast-path (first call)", "fast-path"):
+            hits = fastpath.hits()
+            dev = run_on(s, DEVICE, specs)
+            if label == "fast-path":
+                st.fast_hits += fastpath.hits() > hits
+            why = self.check(s, cpu, dev, label, exact, specs)
+            if why:
+                self.report(Mismatch(s, label, why))
+                break
+        _set_fast(False)
+        try:
+            dev = run_on(s, DEVICE, specs)
+        finally:
+            _set_fast(True)
+        why = self.check(s, cpu, dev, "python-path", exact, specs)
+        if why:
+            self.report(Mismatch(s, "python-path", why))
+        if self.compile_every and cpu.error is None and (st.samples % self.compile_every == 0) and _compilable(s):
+            self._compile_queue.append((s, specs, cpu))
+            if len(self._compile_queue) >= COMPILE_BATCH:
+                self.flush_compiled()
+
+    def flush_compiled(self) -> None:
+        """Compile the queued samples together (one graph), or one by one if that fails."""
+        queue, self._compile_queue = self._compile_queue, []
+        if not queue:
+            return
+        # a random op draws from the device generator where the graph reaches it: alone in its graph
+        # it draws what the eager reference's seeded draw does
+        plain = [q for q in queue if not q[0].random]
+        queue = plain + [q for q in queue if q[0].random]
+        results = _compiled_runs([(s, sp) for s, sp, _ in plain]) if plain else []
+        results += [_compiled_runs([(s, sp)])[0] for s, sp, _ in queue[len(plain):]]
+        for (s, specs, cpu), dev in zip(queue, results):
+            self.stats.compiled += 1
+            exact_cache: list[Any] = []
+
+            def exact(s: Sample = s, specs: Any = specs) -> Any:
+                if not exact_cache:
+                    exact_cache.append(_exact(s, specs))
+                return exact_cache[0]
+            why = self.check(s, cpu, dev, "compiled", exact, specs, strides=False)
+            if why:
+                # torch.compile's own semantics (what CPU compiled with aot_eager gives) are the
+                # reference for a compiled graph; an eager CPU result they differ from is not the device's
+                ref = _compile_batch([(s, specs)], "cpu")
+                if ref is not None and self.check(s, ref[0], dev, "compiled", exact, specs, strides=False) is None:
+                    self.stats.torch_compile_differs += 1
+                    continue
+                self.report(Mismatch(s, "compiled", why))
+
+    def run_op(self, packet: str, n: int) -> None:
+        for s in self.samples(packet, n):
+            try:
+                self.run_sample(s)
+            except Exception as e:  # the harness's own failure on a sample is a finding too
+                self.report(Mismatch(s, "harness", f"{type(e).__name__}: {_first(e)}"))
+
+
+def _compilable(s: Sample) -> bool:
+    """Samples a compiled graph can express: not out= into outs that must be resized, nor
+    resize_ itself (torch.compile resizes no graph input, on any device: CPU's aot_eager fails or
+    differs from eager CPU the same way)."""
+    return s.packet != "resize_" and not any(t in s.tags for t in ("out-empty", "out-other-size"))
+
+
+def _compiled_runs(items: list[tuple[Sample, Any]]) -> list[Run]:
+    """Each sample run under torch.compile(backend="neuron"): all in one graph first; if that
+    graph fails, each on its own (so one refusal cannot hide the others' values)."""
+    runs = _compile_batch(items)
+    if runs is not None:
+        return runs
+    return [(_compile_batch([it]) or [Run(error=RuntimeError("compile failed"))])[0] for it in items]
+
+
+def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE) -> list[Run] | None:
+    """The samples as one compiled graph on ``device`` (neuron: backend "neuron"; cpu: the
+    reference, "aot_eager"); None when the graph of several fails."""
+    mats = [Materialised(s, device, specs) for s, specs in items]
+    calls = []
+    for (s, _), m in zip(items, mats):
+        calls.append((s.op, m.args, m.kwargs))
+    tensors: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+
+    def lift(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in index:
+                index[id(x)] = len(tensors)
+                tensors.append(x)
+            return ("__t", index[id(x)])
+        if isinstance(x, list):
+            return [lift(y) for y in x]
+        if isinstance(x, tuple):
+            return tuple(lift(y) for y in x)
+        return x
+    specs = [(op, lift(a), {k: lift(v) for k, v in kw.items()}) for op, a, kw in calls]
+
+    def drop(x: Any, ts: Sequence[torch.Tensor]) -> Any:
+        if isinstance(x, tuple) and len(x) == 2 and x[0] == "__t":
+            return ts[x[1]]
+        if isinstance(x, list):
+            return [drop(y, ts) for y in x]
+        if isinstance(x, tuple):
+            return tuple(drop(y, ts) for y in x)
+        return x
+
+    def graph(*ts: torch.Tensor) -> list[Any]:
+        return [op(*drop(a, ts), **{k: drop(v, ts) for k, v in kw.items()}) for op, a, kw in specs]
+    seeds = [s for s, _ in items if s.random]
+    if seeds:
+        _seed_random(seeds[0], device)
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs = torch.compile(graph, backend="neuron" if device == DEVICE else "aot_eager")(*tensors)
+    except Exception as e:
+        if len(items) == 1:
+            return [Run(error=e)]
+        return None
+    runs = []
+    for (s, _), m, r in zip(items, mats, outs):
+        runs.append(Run(result=r, aliases=_aliases(r, m.inputs), storages=m.storage_bytes(), inputs=m.inputs))
+    return runs
+
+
+def run(ops: Iterable[str], samples_per_op: int, seed: int = SEED, dtypes: Sequence[torch.dtype] = DTYPES,
+        compile_every: int = 1, echo: Callable[[str], None] | None = print) -> Stats:
+    t = Tester(seed, dtypes, compile_every, echo)
+    for packet in ops:
+        t.run_op(packet, samples_per_op)
+    t.flush_compiled()
+    return t.stats
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=20, help="samples per op")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--ops", default="", help="comma-separated op packets (default: every op the bridge serves)")
+    p.add_argument("--dtypes", default=",".join(str(d)[6:] for d in DTYPES))
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-every", type=int, default=1, help="compile every k-th valid sample")
+    p.add_argument("--json", default="")
+    p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
+    ns = p.parse_args(argv)
+    dtypes = [DTYPE_NAMES[d] for d in ns.dtypes.split(",") if d]
+    if ns.repro:
+        packet, seed = ns.repro[0], int(ns.repro[1])
+        s = make_sample(packet, seed, dtypes)
+        if s is None:
+            print(f"difftest: error: sample {seed} of {packet} cannot be built", file=sys.stderr)
+            return 2
+        print(s.describe())
+        t = Tester(ns.seed, dtypes, 0 if ns.no_compile else 1)
+        t.run_sample(s)
+        t.flush_compiled()
+        print("ok" if not t.stats.mismatches else f"{len(t.stats.mismatches)} mismatch(es)")
+        return 1 if t.stats.mismatches else 0
+    ops = [o for o in ns.ops.split(",") if o] or list(served_ops())
+    t0 = time.perf_counter()
+    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every)
+    dt = time.perf_counter() - t0
+    print(f"difftest: {len(ops)} ops, {stats.samples} samples ({stats.samples - stats.cpu_errors} valid, "
+          f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, fast path served {stats.fast_hits}; "
+          f"{len(stats.mismatches)} mismatches; {dt:.0f} s ({time.process_time():.0f} s of CPU)")
+    if stats.torch_compile_differs:
+        print(f"  {stats.torch_compile_differs} compiled samples differ from eager CPU as torch.compile on CPU "
+              f"(aot_eager) does: torch's compile semantics, not the device's")
+    print("  by dtype: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.by_dtype.items())))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"ops": len(ops), "samples": stats.samples, "cpu_errors": stats.cpu_errors,
+                       "compiled": stats.compiled, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
+                       "mismatches": [m.line() for m in stats.mismatches]}, f, indent=1)
+    return 1 if stats.mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The differential tester (benchmarks/difftest.py): every op the bridge serves, argument
+variants drawn from each op's schema, run on CPU and on neuron with the fast path, without it and
+compiled; plus the findings it made, each pinned here as a regression test of its own.
+
+The quick run is seeded and draws 20 samples of every op (each with its variants: the five
+dtypes, broadcasting, masks, strides and offsets, in-place on views, out=, empty and 0-dim
+tensors, extreme values); every 4th sample CPU accepts is also compiled (in graphs of 60). The
+long run is ``python benchmarks/difftest.py --samples 400`` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "difftest.py"
+_spec = importlib.util.spec_from_file_location("difftest", _PATH)
+dt = importlib.util.module_from_spec(_spec)
+sys.modules["difftest"] = dt  # dataclasses look their module up here
+_spec.loader.exec_module(dt)
+
+QUICK_SAMPLES = 20
+QUICK_COMPILE_EVERY = 4
+
+
+# ---- the quick run ------------------------------------------------------------------------------
+def test_quick_run_every_op_agrees_with_cpu(capsys):
+    ops = list(dt.served_ops())
+    stats = dt.run(ops, QUICK_SAMPLES, dt.SEED, compile_every=QUICK_COMPILE_EVERY, echo=print)
+    lines = [m.line() for m in stats.mismatches]
+    assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:40])
+    assert all(n >= QUICK_SAMPLES for n, _ in stats.by_op.values()), \
+        {op: n for op, (n, _) in stats.by_op.items() if n < QUICK_SAMPLES}
+    assert set(stats.by_op) == set(ops)  # every op drew its samples
+    assert stats.compiled >= len(ops)  # (about one compiled sample in four of those CPU accepts)
+    assert stats.fast_hits > 1000  # the fast path served its second calls
+    for name in ("float32", "bfloat16", "float16", "int64", "bool"):
+        assert stats.by_dtype[name] > 500
+
+
+def test_the_tested_ops_are_the_ones_the_bridge_names():
+    from torch_bridge import lowering
+
+    ops = dt.served_ops()
+    dead = set(dt.dead_table_names())
+    assert set(lowering.OPS) - dead <= set(ops)
+    # ops with a neuron kernel the table does not list are in too: the fast path's, TensorE's, attention
+    for name in ("mm", "addmm", "bmm", "baddbmm", "scaled_dot_product_attention", "native_layer_norm", "where",
+                 "_foreach_add_", "convolution_overrideable", "_thnn_fused_lstm_cell", "copy_"):
+        assert name in ops, name
+    assert not any(name.startswith("c10d") for name in ops)
+
+
+# ---- the tester itself can fail ----------------------------------------------------------------
+def _sample(packet: str = "add") -> "dt.Sample":
+    return dt.Sample(packet, torch.ops.aten.add.Tensor, [torch.ones(3), torch.ones(3)], {}, ["float32"], 7)
+
+
+def test_it_reports_a_wrong_value_in_one_line():
+    s = _sample()
+    cpu = dt.Run(result=torch.tensor([2.0, 2.0, 2.0]))
+    dev = dt.Run(result=torch.tensor([2.0, 2.0, 2.5]).to("neuron"))
+    why = dt.compare(s, cpu, dev, "fast-path", lambda: None)
+    assert why == "result 0: values differ (1 of 3 elements, first at (2,): 2.5 vs CPU 2.0)"
+    line = dt.Mismatch(s, "fast-path", why).line()
+    assert "\n" not in line and line.endswith("python benchmarks/difftest.py --repro add 7")
+
+
+def test_it_reports_what_cpu_refuses_and_the_device_computes():
+    s = _sample()
+    cpu = dt.Run(error=RuntimeError("shapes cannot be multiplied"))
+    dev = dt.Run(result=torch.zeros(3).to("neuron"))
+    assert dt.compare(s, cpu, dev, "python-path", lambda: None).startswith("CPU raised RuntimeError")
+    dev = dt.Run(error=IndexError("out of range"))
+    assert "device IndexError" in dt.compare(s, cpu, dev, "python-path", lambda: None)
+
+
+def test_it_reports_strides_dtypes_aliasing_and_writes_outside_the_view():
+    s = _sample()
+    w = torch.zeros(2, 3)
+    assert "strides" in dt.compare(s, dt.Run(result=w), dt.Run(result=torch.zeros(3, 2).t().to("neuron")), "m",
+                                   lambda: None)
+    assert "dtype" in dt.compare(s, dt.Run(result=w), dt.Run(result=w.double().to("neuron")), "m", lambda: None)
+    a = dt.Run(result=w, aliases=[("is", 0)])
+    b = dt.Run(result=w.to("neuron"), aliases=[None])
+    assert dt.compare(s, a, b, "m", lambda: None).startswith("aliasing")
+    a = dt.Run(result=w, storages=[torch.tensor([1, 2], dtype=torch.uint8)])
+    b = dt.Run(result=w.to("neuron"), storages=[torch.tensor([1, 3], dtype=torch.uint8)])
+    assert dt.compare(s, a, b, "m", lambda: None).startswith("input storage 0 differs")
+
+
+def test_nan_payloads_are_one_value_and_signed_zeros_two():
+    s = _sample()
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert dt.compare(s, dt.Run(result=torch.tensor([math.nan])), dt.Run(result=nan2.to("neuron")), "m",
+                      lambda: None) is None
+    assert dt.compare(s, dt.Run(result=torch.tensor([0.0])), dt.Run(result=torch.tensor([-0.0]).to("neuron")), "m",
+                      lambda: None) is not None
+
+
+def test_tensore_results_get_their_summation_order_and_no_more():
+    s = _sample("mm")
+    exact = torch.tensor([1.0, 1000.0], dtype=torch.float64)
+    cpu = torch.tensor([1.0, 1000.0])
+    near = dt.Run(result=torch.tensor([1.0, 1000.0 + 0.005]).to("neuron"))
+    far = dt.Run(result=torch.tensor([1.0, 1000.5]).to("neuron"))
+    assert dt.compare(s, dt.Run(result=cpu), near, "m", lambda: exact) is None
+    assert "TensorE error" in dt.compare(s, dt.Run(result=cpu), far, "m", lambda: exact)
+
+
+def test_a_sample_is_its_seed():
+    a, b = dt.make_sample("gather", 12345), dt.make_sample("gather", 12345)
+    assert a.describe() == b.describe()
+    assert all(torch.equal(x, y) for x, y in zip(a.args, b.args) if isinstance(x, torch.Tensor))
+
+
+def test_the_repro_line_reruns_one_sample(capsys):
+    assert dt.main(["--repro", "mul", "99", "--no-compile"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "ok" and out.startswith("mul")
+
+
+# ---- findings, each kept as its regression test ------------------------------------------------
+
+
+def test_out_into_a_view_writes_where_cpu_writes():
+    """An out= of the wrong size (or empty) was given fresh memory on the device: a view of the
+    out's storage kept its old values, where CPU resizes the out in place and writes there."""
+    for device in ("cpu", "neuron"):
+        base = torch.zeros(6, device=device)
+        out = base[1:1]  # empty, over base's memory
+        torch.sum(torch.ones(3, device=device), 0, out=out)
+        assert base.cpu().tolist() == [0.0, 3.0, 0.0, 0.0, 0.0, 0.0], device
+        base = torch.zeros(2, device=device)
+        out = base[:2]
+        torch.mul(torch.ones(4, device=device), 2, out=out)  # grows the storage base shares
+        assert out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), device
+        assert base.untyped_storage().nbytes() == 16, device
+
+
+def test_resize_grows_the_storage_every_view_shares():
+    a = torch.zeros(2, device="neuron")
+    b = a.view(2)
+    a.resize_(10)
+    a.fill_(1.0)
+    assert b.cpu().tolist() == [1.0, 1.0]  # (was a new storage for a alone)
+
+
+def test_resize_and_empty_refuse_preserve_format_like_cpu():
+    for device in ("cpu", "neuron"):
+        with pytest.raises(RuntimeError, match="(?i)unsupported memory format ?preserve"):
+            torch.empty(2, 3).to(device).resize_(4, memory_format=torch.preserve_format)
+        with pytest.raises(RuntimeError, match="unsupported memory format Preserve"):
+            torch.ops.aten.empty.memory_format([2], device=device, memory_format=torch.preserve_format)
+
+
+def test_silu_and_mish_backward_run_whole_like_cpu():
+    """silu_backward was decomposed (CompositeImplicitAutograd) into elementwise ops: an ulp off
+    CPU's kernel, and it took int64/bool tensors CPU refuses."""
+    g, x = torch.randn(64, generator=torch.Generator().manual_seed(0)), torch.randn(64)
+    for op in (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default):
+        want = op(g, x)
+        got = op(g.to("neuron"), x.to("neuron")).cpu()
+        assert torch.equal(got, want), op
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten.silu_backward(torch.ones(3, dtype=torch.long, device="neuron"),
+                                     torch.ones(3, dtype=torch.long, device="neuron"))
+
+
+def test_every_op_cpu_runs_whole_is_claimed_whole():
+    """An op with a CPU kernel and a CompositeImplicitAutograd decomposition runs decomposed on any
+    other device unless claimed (registration.WHOLE_OPS); a new one in a torch release shows here."""
+    from torch_bridge.registration import WHOLE_OPS
+
+    keys = torch._C.DispatchKey
+    both = [n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")
+            and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CompositeImplicitAutograd)
+            and torch._C._dispatch_has_kernel_for_dispatch_key(n, keys.CPU)]
+    assert both and set(both) <= set(WHOLE_OPS)
+
+
+def test_histc_counts_integers_in_every_form_and_refuses_bool():
+    x = torch.tensor([0, 1, 1, 5, 9])
+    want = torch.histc(x.float(), 5, 0, 10).long()
+    assert torch.histc(x.to("neuron"), 5, 0, 10).cpu().tolist() == want.tolist()
+    out = torch.empty(0, dtype=torch.long, device="neuron")
+    torch.histc(x.to("neuron"), 5, 0, 10, out=out)  # the out= form took CPU's kernel, which refuses integers
+    assert out.cpu().tolist() == want.tolist()
+    with pytest.raises(NotImplementedError):
+        torch.histc(torch.ones(3, dtype=torch.bool, device="neuron"))
+
+
+def test_convolution_refuses_what_cpu_refuses():
+    """The datapath's im2col computed a convolution of mismatched channels, and a 0-dim or 3-d
+    bias, where CPU raises."""
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 1, 3, 3)
+    with pytest.raises(RuntimeError) as cpu:
+        F.conv2d(x, w)
+    with pytest.raises(RuntimeError) as dev:
+        F.conv2d(x.to("neuron"), w.to("neuron"))
+    assert str(dev.value) == str(cpu.value)
+    with pytest.raises(RuntimeError, match="expected bias to be 1-dimensional"):
+        torch.ops.aten.convolution_overrideable(x.to("neuron"), torch.randn(3, 2, 3, 3, device="neuron"),
+                                                torch.randn((), device="neuron"), [1, 1], [0, 0], [1, 1], False,
+                                                [0, 0], 1)
+
+
+def test_convolution_with_infinities_gives_cpus_values():
+    """im2col multiplied an infinite weight by the padding's zeros: NaN at the border where CPU's
+    convolution gives numbers."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 2, 5, 3, generator=g), torch.randn(2, 2, 3, 3, generator=g)
+    w[0, 0, 0, 0] = -math.inf
+    want = F.conv2d(x, w, padding=1, stride=2)  # (which skips the padding: no NaN at the border here)
+    got = F.conv2d(x.to("neuron"), w.to("neuron"), padding=1, stride=2).cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_attention_raises_cpus_error_for_a_one_dim_mask():
+    """CPU's backend choice indexes the mask's last two dims (IndexError for a 1-d mask); the
+    device computed the math path's broadcast instead."""
+    q = torch.randn(1, 2, 4, 8)
+    m = torch.zeros(4)
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+    with pytest.raises(IndexError):
+        F.scaled_dot_product_attention(q.to("neuron"), q.to("neuron"), q.to("neuron"), attn_mask=m.to("neuron"))
+
+
+def test_dynamo_never_compiles_the_kernels_wrapper():
+    """An op run eagerly at a graph break of a compiled function reaches its Python kernel with
+    dynamo's callback installed: dynamo compiled the kernel's wrapper, broke at its first line and
+    recompiled the rest per signature until its recompile limit (the tester's compiled runs warned)."""
+    from torch_bridge import fastpath
+    from torch_bridge.registration import _hidden
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        n = torch.nonzero(x > 0)  # data-dependent: a graph break that runs the op eagerly
+        return x.sum() + n.shape[0]
+    compiled = torch.compile(f, backend="neuron")
+    before = fastpath.enabled()
+    fastpath.set_enabled(False)  # every op through its Python kernel
+    try:
+        for n in (3, 4, 5):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            assert compiled(x.to("neuron")).item() == f(x).item()
+    finally:
+        fastpath.set_enabled(before)
+    code = _hidden(lambda: None).__code__  # every kernel's wrapper shares it
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
