@@ -1686,8 +1686,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-every", type=int, default=1, help="compile every k-th valid sample")
     p.add_argument("--json", default="")
+    p.add_argument("--palette-share", type=float, default=0.8,
+                   help="share of samples whose shape comes from the palette (the rest are drawn at random)")
     p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
     ns = p.parse_args(argv)
+    global PALETTE_SHARE
+    PALETTE_SHARE = ns.palette_share
     dtypes = [DTYPE_NAMES[d] for d in ns.dtypes.split(",") if d]
     if ns.repro:
         packet, seed = ns.repro[0], int(ns.repro[1])
@@ -1712,9 +1716,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {stats.torch_compile_differs} compiled samples differ from eager CPU as torch.compile on CPU "
               f"(aot_eager) does: torch's compile semantics, not the device's")
     print("  by dtype: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.by_dtype.items())))
+    bad = {}
+    for m in stats.mismatches:
+        d = next((t for t in m.sample.tags if t in DTYPE_NAMES), "?")
+        bad[(d, m.mode)] = bad.get((d, m.mode), 0) + 1
+    print("  mismatches by dtype and mode: " + (", ".join(f"{d}/{mode} {n}" for (d, mode), n in sorted(bad.items()))
+                                               or "none"))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"ops": len(ops), "samples": stats.samples, "cpu_errors": stats.cpu_errors,
+                       "cpu_seconds": time.process_time(), "torch_compile_differs": stats.torch_compile_differs,
+                       "fast_hits": stats.fast_hits,
                        "compiled": stats.compiled, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
                        "mismatches": [m.line() for m in stats.mismatches]}, f, indent=1)
     return 1 if stats.mismatches else 0

@@ -101,11 +101,12 @@ def test_two_flows_over_one_link_take_turns():
 
 
 def test_a_transfer_spreads_over_the_collectives_rings_at_every_size():
-    """With dma_rings=2 a transfer moves on 2 engines of each of the rank's 2 physical cores,
-    whether it is one CC packet or many: 64 KiB and 256 KiB both over 4 engines at 23 GB/s
-    (the DMA, not the 256 GB/s link, binds), one descriptor per 64 KiB packet."""
+    """With 2 rings a transfer moves on 2 engines of each of the rank's 2 physical cores, whether
+    it is one CC packet or many: 64 KiB and 256 KiB both over 4 engines at 23 GB/s (the DMA, not
+    the 256 GB/s link, binds), one descriptor per 64 KiB packet. (A permute is point to point:
+    p2p_rings; a collective's transfers hold dma_rings.)"""
     cfg = TRN2.chip
-    two = load_system(TRN2, ["collectives.dma_rings=2"])
+    two = load_system(TRN2, ["collectives.p2p_rings=2"])
     desc = cfg.ps_to_ticks(cfg.core.dma.descriptor_overhead)
     for n, packets in ((64 << 10, 1), (256 << 10, 4)):
         r = simulate_collective(two, "permute", n, group=[0, 4], pairs=[(0, 4)])
@@ -214,3 +215,15 @@ def test_the_estimate_carries_the_runtime_costs():
         assert r.time_s == pytest.approx(r.estimate.time_s, rel=0.02), (n, r.time_us, r.estimate.time_us)
     est = r.estimate
     assert est.steps[0].label == "launch" and est.steps[0].alpha_s == pytest.approx(sysc.collectives.launch * 1e-12)
+
+
+def test_a_point_to_point_transfer_holds_its_own_ring_count():
+    """send-recv and permute run one channel (p2p_rings); collectives hold dma_rings: the same
+    bytes between the same two ranks take twice as long on 1 ring as on 2."""
+    sysc = load_system(TRN2, ["collectives.p2p_rings=1", "collectives.dma_rings=2"])
+    p2p = simulate_collective(sysc, "permute", 8 << 20, group=[0, 1], pairs=[(0, 1)])
+    both = load_system(TRN2, ["collectives.p2p_rings=2", "collectives.dma_rings=2"])
+    faster = simulate_collective(both, "permute", 8 << 20, group=[0, 1], pairs=[(0, 1)])
+    fixed = 6240 + 96  # DMA start and completion
+    assert p2p.time_ticks - fixed == pytest.approx(2 * (faster.time_ticks - fixed), rel=0.01)
+    assert p2p.estimate.time_s == pytest.approx(p2p.time_s, rel=0.02)

@@ -98,9 +98,9 @@ def test_list_json_out_and_a_row_run(tmp_path, capsys):
 
 
 def test_a_row_trnsim_cannot_predict_is_listed_with_its_reason(capsys):
-    assert main(["validate", "nccom.trn2.alltoallv.r2n2.1mib"]) == 0
+    assert main(["validate", "inf.trn2.llama-3.3-70b.tp64.fused-spec.tpot"]) == 0
     out = capsys.readouterr().out
-    assert "unsupported: uneven all-to-all-v" in out
+    assert "unsupported: fused speculative decoding" in out
 
 
 def test_plot(tmp_path, capsys):

@@ -260,9 +260,11 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if draw is not None:
         draw.done(result)
     for t in flat_tensors(result, []):
-        if t.layout != torch.strided:
-            raise NotImplementedError(f"neuron: aten::{info.name} returns a {t.layout} tensor, and the neuron device "
-                                      f"holds dense (strided) tensors only; run this op on CPU (.cpu())")
+        if t.layout != torch.strided or t.is_nested:
+            kind = "nested" if t.is_nested else str(t.layout)
+            hint = NESTED_HINTS.get(info.name, "run this op on CPU (.cpu())")
+            raise NotImplementedError(f"neuron: aten::{info.name} returns a {kind} tensor, and the neuron device "
+                                      f"holds dense (strided) tensors only; {hint}")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
         if cpu_out.numel() and not dev_out.untyped_storage().nbytes():
@@ -320,6 +322,13 @@ def _write_out(dev: torch.Tensor, res: torch.Tensor) -> None:
         torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
             _CPU_KEYS, dev, dev.untyped_storage(), dev.storage_offset(), res.shape, res.stride())
     memory.cpu_view(dev).copy_(res)
+
+
+# Where a nested tensor comes from without the user asking for one: what to do instead. (The
+# relabelled result failed inside PyTorch with "NestedTensorImpl doesn't support sizes".)
+_ENCODER_HINT = ("nn.TransformerEncoder builds one in eval mode from a src_key_padding_mask: construct it with "
+                 "enable_nested_tensor=False")
+NESTED_HINTS = {"_nested_tensor_from_mask": _ENCODER_HINT, "_nested_tensor_from_padded": _ENCODER_HINT}
 
 
 # (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call

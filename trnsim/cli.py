@@ -9,7 +9,7 @@
     trnsim kernel file.py:nki_kernel --shape 128x512,128x512 [--dtype bf16] ...   (an @nki.jit kernel)
     trnsim kernel --list [--json]
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
-                  [--executor pool|ray] [--address HOST:PORT]
+                  [--executor pool|ray] [--address HOST:PORT [--timeout S]]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
                   [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
@@ -29,12 +29,27 @@ a sweep whose worker process dies exits with status 1.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import signal
 import sys
-from pathlib import Path
-from typing import Any, NoReturn, Sequence
+
+
+def _interrupted_while_loading(signum: int, frame: Any) -> None:
+    """Ctrl-C while the modules below load (a second or two on a busy machine): the one line
+    main() prints for Ctrl-C later, not the import machinery's traceback."""
+    sys.excepthook = lambda *exc: print("trnsim: interrupted", file=sys.stderr)
+    raise KeyboardInterrupt
+
+
+# only where nobody else took Ctrl-C (the `trnsim` command; not a test runner, not a host program)
+_SIGINT = signal.getsignal(signal.SIGINT)
+if _SIGINT is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, NoReturn, Sequence  # noqa: E402
 
 from .cli_base import Out as _Out
 from .cli_base import UsageError
@@ -44,6 +59,9 @@ from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
 from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes
+
+if _SIGINT is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _SIGINT)
 
 __all__ = ["main", "render_info", "render_report", "render_run_report", "render_rank_report", "print_run_report",
            "bound_of", "render_comparison"]
@@ -563,7 +581,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         with progress:
             result = run_sweep(spec, args.jobs, lambda done, total: progress.update(task, completed=done),
-                               executor=args.executor, address=args.address)
+                               executor=args.executor, address=args.address, timeout=args.timeout)
     except OSError as e:
         raise UsageError(f"sweep: cannot write {spec.out} ({e.strerror or type(e).__name__})") from None
     rows = result.rows
@@ -995,6 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where points run: a local process pool (default) or Ray (needs the 'ray' extra)")
     w.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster to run on (default: start a local "
                    "Ray instance of --jobs CPUs); with --executor ray")
+    w.add_argument("--timeout", type=float, metavar="SECONDS", help="with --address: how long the cluster may take "
+                   "to answer before the sweep gives up (default 20)")
     w.set_defaults(fn=cmd_sweep)
     r = sub.add_parser("run", help="run a PyTorch script on the virtual neuron device and print its run report")
     r.add_argument("script", metavar="SCRIPT.py", help="the script; arguments after it are passed to it")
@@ -1098,7 +1118,11 @@ def _check_environment() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("trnsim: interrupted", file=sys.stderr)
+        return 130
     if getattr(args, "config", None) == "trnsim-default":
         args.config = "trn2"
     try:

@@ -967,7 +967,8 @@ class CollectivesConfig:
     launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")
     step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
     issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
-    dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a transfer's data is spread over")
+    dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a collective's transfers share")
+    p2p_rings: int = _int(1, 1024, doc="DMA rings per physical core of a point-to-point transfer (send/recv, permute)")
     efa_proxy: int = _q("time", lo=0, doc="network proxy thread time per transfer that leaves the instance over EFA, ps")
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
 

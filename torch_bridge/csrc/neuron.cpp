@@ -1078,9 +1078,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       key_int(key, 52);
       continue;
     }
-    if (!t.device().is_cpu() || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() || t._is_zerotensor() ||
-        t.requires_grad()) {
-      return slow(op, stack);
+    if (!t.device().is_cpu() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() || t.is_neg() ||
+        t._is_zerotensor() || t.requires_grad()) {
+      return slow(op, stack);  // (a nested result has no sizes: Python refuses it in its words)
     }
     const void* data = t.storage().data();
     for (const void* in : inputs) {  // over an argument's memory: Python makes it a view of it

@@ -40,7 +40,7 @@ __all__ = ["estimate_resolved", "Rates"]
 class Rates:
     """The figures the estimate uses, from the system config."""
 
-    def __init__(self, system: SystemConfig, topo: Topology):
+    def __init__(self, system: SystemConfig, topo: Topology, collective: str = "all-reduce"):
         cfg = system.chip
         self.topo = topo
         self.system = system
@@ -55,6 +55,7 @@ class Rates:
         vector = system.collectives.reduce_engine == "vector"
         self.acc = 1.0 if vector else system.collectives.dma_accumulate_rate
         self.runtime = RuntimeCosts.of(system)
+        self.rings = self.runtime.rings(collective)  # DMA rings per core the call holds
 
     def flows(self, flows: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, int]:
         """For concurrent flows ``(src rank, dst rank, bytes)``: the worst α (seconds), the bytes
@@ -94,7 +95,7 @@ class Rates:
         ``fused``: each flow's receiver adds it as it lands, on its own DMA engines."""
         alpha, link, bw, nflows = self.flows(flows)
         # a collective's transfers on a rank share the dma_rings engines it holds on each core
-        used = self.runtime.dma_rings * self.system.chip.chip.lnc
+        used = self.rings * self.system.chip.chip.lnc
         return EstimateStep(label, alpha, link, bw, hbm, self.hbm, dma, used * self.engine_bw, repeat, max(1, nflows))
 
 
@@ -102,7 +103,7 @@ def estimate_resolved(system: SystemConfig, res: Any) -> AlphaBetaEstimate:
     """The α-β estimate of a resolved call (see :func:`trnsim.collectives.estimate_collective`)."""
     ctx: Context = res.ctx
     algo: str = res.algorithm
-    rates = Rates(system, ctx.topo)
+    rates = Rates(system, ctx.topo, ctx.collective)
     steps = estimate_steps(rates, ctx, algo)
     if steps and rates.runtime.launch_ps:
         steps.insert(0, EstimateStep("launch", rates.runtime.launch_ps * 1e-12, 0.0, 0.0, 0.0, rates.hbm, 0.0,

@@ -327,13 +327,14 @@ class CollectiveEngine:
                     self._rank_finished(h, r, end)
 
         net = self.net
+        k = net.runtime.rings(h.res.ctx.collective)
         rings: dict[int, tuple[int, ...]] = {}
-        if net.rings < net.config.core.dma.engines:  # the rings the collective holds on each core
+        if k < net.config.core.dma.engines:  # the rings the collective holds on each core
             for r in (t.src, *(t.dsts[:1] if t.dst_reads else ())):
-                engines = net.ring_set(h.stream.get(r, 0))
+                engines = net.ring_set(h.stream.get(r, 0), k)
                 for d in net.rank(r).dma:
                     rings[id(d)] = engines
-        net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings)
+        net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings, k)
 
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending

@@ -218,11 +218,11 @@ class Network:
             add(0, self.link(k), 1.0)
         return [(k, o, w, dw) for k, o, w, dw in book.values()], tuple(links), self.config.ps_to_ticks(lat)
 
-    def ring_set(self, stream: int) -> tuple[int, ...]:
-        """The engines a collective on CC stream ``stream`` holds on each core: ``dma_rings`` of
-        them, the streams' sets side by side round the core's engines."""
+    def ring_set(self, stream: int, k: int | None = None) -> tuple[int, ...]:
+        """The engines a collective on CC stream ``stream`` holds on each core: ``k`` of them
+        (default ``dma_rings``), the streams' sets side by side round the core's engines."""
         n = self.config.core.dma.engines
-        k = self.rings
+        k = self.rings if k is None else k
         return tuple((stream * k + i) % n for i in range(k))
 
     def chunks_of(self, nbytes: int) -> list[int]:
@@ -252,7 +252,7 @@ class Network:
             ticks = self._vec_cost[key] = -(-cycles * per_part // tile) * vec.tpc
         return ticks
 
-    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int
+    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int, rings: int | None = None
                     ) -> list[tuple[int, list[tuple[int, Any, int, Any]]]]:
         """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
         resource, bytes, extra). A DMA system's extra is (engines, ticks on each): a transfer
@@ -270,7 +270,7 @@ class Network:
                 if kind == 1:
                     n_eng = len(obj.engine_free)
                     packets = -(-math.ceil(nbytes * dw) // self.packet)
-                    used = self.rings  # the collective's rings on this core, whatever the size
+                    used = self.rings if rings is None else rings  # the call's rings here, whatever the size
                     per = -(-nb // used)
                     desc = -(-packets * obj.desc_ticks // (used * k))  # this chunk's share of descriptors
                     extra = (used, -(-per * obj.tick_hz // obj.bw) + desc)
@@ -286,17 +286,18 @@ class Network:
     def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
                        on_data: Callable[[int], None], on_done: Callable[[int], None],
                        limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0,
-                       rings: Mapping[int, tuple[int, ...]] | None = None) -> None:
+                       rings: Mapping[int, tuple[int, ...]] | None = None, nrings: int | None = None) -> None:
         """Run one transfer from now (see the module docstring): ``on_data(tick)`` when its data
         starts to move, ``on_done(tick)`` when it is complete. ``limits`` collects, per resource
         (by id), the intervals during which it was the one holding a chunk back; ``delay`` ticks
         (the runtime's issue, handshake and proxy time) pass before the DMA start latency;
         ``rings`` maps a DMA system (by id) to the engines the collective holds on it (default
-        the first ``dma_rings``).
+        the first ``dma_rings``); ``nrings`` is how many the call holds per core (default
+        ``dma_rings``).
 
         It is driven by timeout callbacks rather than a simpy process: a transfer is one event
         per chunk, and a process would double what each event costs."""
-        _TransferRun(self, self._chunk_plan(bookings, nbytes), route_ticks, on_data, on_done, limits, delay,
+        _TransferRun(self, self._chunk_plan(bookings, nbytes, nrings), route_ticks, on_data, on_done, limits, delay,
                      rings or {})
 
 

@@ -20,6 +20,8 @@ its provenance (a datasheet section, ``estimate``, or the ledger rows it was cal
                     same at every size (a 16 KiB transfer is cut into as many slices as a 1 GiB
                     one). A rank's concurrent transfers (both directions of a ring) take rings of
                     their own, round robin over the core's engines.
+``p2p_rings``       the rings of a point-to-point transfer (send/recv, permute): one channel, where
+                    a collective runs several.
 ``efa_proxy``       per transfer that leaves the instance over EFA: the time the sending rank's
                     network proxy thread spends on it (posting it to libfabric and reaping its
                     completion); ``ranks_per_proxy`` ranks share one thread, which serves them
@@ -36,10 +38,12 @@ from dataclasses import dataclass
 
 from ..config import SystemConfig
 
-__all__ = ["RuntimeCosts", "network_only", "RUNTIME_KEYS"]
+__all__ = ["RuntimeCosts", "network_only", "RUNTIME_KEYS", "POINT_TO_POINT"]
 
 #: the collectives keys that are the runtime's costs (the rest are the network's and the size rule)
-RUNTIME_KEYS = ("launch", "step_sync", "issue", "dma_rings", "efa_proxy", "ranks_per_proxy")
+RUNTIME_KEYS = ("launch", "step_sync", "issue", "dma_rings", "p2p_rings", "efa_proxy", "ranks_per_proxy")
+#: the collectives that run as one channel of point-to-point writes
+POINT_TO_POINT = ("send-recv", "permute")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class RuntimeCosts:
     step_sync: int
     issue: int
     dma_rings: int
+    p2p_rings: int
     efa_proxy: int
     ranks_per_proxy: int
     launch_ps: int
@@ -62,8 +67,12 @@ class RuntimeCosts:
         c = system.collectives
         t = system.chip.ps_to_ticks
         engines = system.chip.core.dma.engines
-        return cls(t(c.launch), t(c.step_sync), t(c.issue), min(c.dma_rings, engines), t(c.efa_proxy),
-                   c.ranks_per_proxy, c.launch, c.step_sync, c.issue, c.efa_proxy)
+        return cls(t(c.launch), t(c.step_sync), t(c.issue), min(c.dma_rings, engines), min(c.p2p_rings, engines),
+                   t(c.efa_proxy), c.ranks_per_proxy, c.launch, c.step_sync, c.issue, c.efa_proxy)
+
+    def rings(self, collective: str) -> int:
+        """DMA rings per physical core a call of ``collective`` holds."""
+        return self.p2p_rings if collective in POINT_TO_POINT else self.dma_rings
 
 
 def network_only(system: SystemConfig | str) -> list[str]:
@@ -73,4 +82,5 @@ def network_only(system: SystemConfig | str) -> list[str]:
 
     sysc = system if isinstance(system, SystemConfig) else load_system(system)
     return ["collectives.launch=0ns", "collectives.step_sync=0ns", "collectives.issue=0ns",
-            f"collectives.dma_rings={sysc.chip.core.dma.engines}", "collectives.efa_proxy=0ns"]
+            f"collectives.dma_rings={sysc.chip.core.dma.engines}", f"collectives.p2p_rings={sysc.chip.core.dma.engines}",
+            "collectives.efa_proxy=0ns"]

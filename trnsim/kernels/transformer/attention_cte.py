@@ -36,7 +36,7 @@ from ...isa import KernelError, TileAP
 from ...kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, flag, positive, shards
+from .common import BOUNDS, P, Bound, Pools, flag, load_transposed, positive, shards
 
 __all__ = ["build_attention_cte", "attention_cte_reference", "attention_cte_bound"]
 
@@ -167,7 +167,7 @@ class _Cte:
         kT = pools("kT", self.kv_bufs).tile((P, s), dt)[:d]
         for c0 in range(0, s, 1024):
             c1 = min(s, c0 + 1024)
-            kern.dma_transpose(kT[:, c0:c1], k[bi, kvh, c0:c1, :], queue=(c0 // 1024) % 2)
+            load_transposed(kern, pools, kT[:, c0:c1], k[bi, kvh, c0:c1, :], (c0 // 1024) % 2, "q_tr")
         vt = pools("v", self.kv_bufs).tile((P, chunks, d), dt)
         full = s // P
         if full:

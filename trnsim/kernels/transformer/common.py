@@ -916,3 +916,21 @@ class Exchange:
         out = self.pools("xchg_sum", 2).tile((P, BANK), "fp32")[:tb, :hi - lo]
         self.kern.tensor_tensor(out, mine[:, lo:hi], peer[:, lo:hi], "add")
         return out
+
+
+def load_transposed(kern: Kernel, pools: Pools, dst: TileAP, src: HbmAP, queue: int, psum_pool: str) -> None:
+    """``dst [D, n] = src [n, D]ᵀ`` (keys into ``Kᵀ``): a DMA transpose (NC-v3 on, 90% of a copy's
+    rate), or on a core without one (trn1) the rows loaded 128 at a time and transposed on
+    TensorE through a bank of ``psum_pool`` (bf16), evacuated by VectorE."""
+    d = kern.config.core.dma
+    if d.transpose_rate_hbm > 0:
+        kern.dma_transpose(dst, src, queue=queue)
+        return
+    n, dd = src.shape[-2], src.shape[-1]
+    for r0 in range(0, n, P):
+        m = min(P, n - r0)
+        rows = pools("kt_rows", 2).tile((P, dd), dst.dtype)[:m]
+        kern.dma_copy(rows, src[..., r0:r0 + m, :] if len(src.shape) > 2 else src[r0:r0 + m, :], queue=queue)
+        ps = pools(psum_pool, 1, "psum").tile((P, P), dst.dtype)[:dd, :m]
+        kern.nc_transpose(ps, rows)
+        kern.tensor_copy(dst[:, r0:r0 + m], ps, engine="vector")

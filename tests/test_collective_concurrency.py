@@ -1,0 +1,39 @@
+"""Concurrent collectives of different groups share links, HBM, DMA engines and CC cores: the
+TP and DP collectives of one training step, simulated together, slow each other where their
+routes meet (simulate_collectives takes the whole set)."""
+
+from trnsim.collectives import CollectiveCall, simulate_collectives
+from trnsim.config import load_system
+
+TRN2 = load_system("trn2.48xlarge")
+
+
+def step_calls():
+    """A 2D mesh on a trn2.48xlarge: 8 TP groups of 8 ranks (two chips each) all-reduce 32 MiB
+    while 8 DP groups (one rank of every TP group's position) reduce-scatter 64 MiB."""
+    tp = [CollectiveCall("all-reduce", 32 << 20, group=list(range(8 * k, 8 * k + 8)), label=f"tp{k}")
+          for k in range(8)]
+    dp = [CollectiveCall("reduce-scatter", 64 << 20, group=list(range(k, 64, 8)), label=f"dp{k}") for k in range(8)]
+    return tp, dp
+
+
+def test_tp_and_dp_collectives_of_one_step_slow_each_other_on_shared_links():
+    tp, dp = step_calls()
+    tp_alone = simulate_collectives(TRN2, tp)
+    dp_alone = simulate_collectives(TRN2, dp)
+    both = simulate_collectives(TRN2, tp + dp)
+    shared = set(tp_alone[0].link_bytes) & set(dp_alone[0].link_bytes)
+    assert "chip 0 -> chip 1 (x+)" in shared  # TP's ring between its two chips; DP's route from chip 0 to chip 2
+    for alone, together in zip(tp_alone + dp_alone, both):
+        assert together.time_ticks > alone.time_ticks  # every call of both kinds is slower together
+    assert both[0].time_ticks > 1.3 * tp_alone[0].time_ticks
+    assert tp_alone[0].bound.startswith("DMA") and both[0].bound == "link chip 0 -> chip 1 (x+)"
+
+
+def test_disjoint_groups_do_not_slow_each_other():
+    """Two TP all-reduces on different chips share nothing: each takes what it takes alone."""
+    a = CollectiveCall("all-reduce", 8 << 20, group=[0, 1, 2, 3])
+    b = CollectiveCall("all-reduce", 8 << 20, group=[60, 61, 62, 63])
+    alone = simulate_collectives(TRN2, [a])[0]
+    x, y = simulate_collectives(TRN2, [a, b])
+    assert x.time_ticks == y.time_ticks == alone.time_ticks
