@@ -125,3 +125,17 @@ def test_moe_tkg_modes():
 
     assert moe_mode(8, 128, 8, "auto") == "selective" and moe_mode(4, 8, 2, "auto") == "all"
     assert moe_mode(4, 8, 2, "selective") == "selective"
+
+
+@pytest.mark.parametrize("name,shape,params", [
+    # one pass of weight columns over many token blocks: four blocks of Xᵀ rotate (every block
+    # was kept before, 16 KiB each per partition: SBUF ran out past ~12 blocks)
+    ("qkv", (1, 2048, 8192, 1, 1, 128), {"norm": "none", "rope": True}),
+    # a wide contraction (Llama-3.1-405B's H at TP=64) without the norm's row buffers: fewer
+    # blocks of Xᵀ in flight leave room for a pass of weights
+    ("qkv", (1, 512, 16384, 2, 1, 128), {"norm": "none"}),
+    ("mlp", (1, 512, 16384, 832), {"norm": "none"}),
+])
+def test_prefill_projections_fit_sbuf(name, shape, params):
+    m = measure(name, shape, params)
+    assert 0.3 < m.fraction <= 1.0
