@@ -28,6 +28,10 @@ CHECKS = [
     ("attention_cte", (1, 2, 1, 600, 128), {"sinks": True}),
     ("attention_cte", (2, 4, 2, 700, 64), {"window": 200}),
     ("attention_cte", (1, 2, 1, 2300, 64), {"causal": False}),
+    # a chunk after cached keys (chunked prefill, a cached prefix): queries at prior + i
+    ("attention_cte", (1, 4, 1, 256, 128), {"prior": 384}),
+    ("attention_cte", (2, 4, 2, 200, 64), {"prior": 100, "window": 128}),
+    ("attention_cte", (1, 2, 1, 384, 128), {"prior": 130, "sinks": True}),
     ("rope", (40, 3, 1, 64), {}),
     ("rope", (1, 3, 300, 64), {}),
     ("rope", (2, 5, 2048, 128), {}),
@@ -52,6 +56,7 @@ BOUNDS = [
     ("attention_tkg", (32, 4, 1, 1, 4096, 128), {}, 0.65),
     ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
     ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
+    ("attention_cte", (1, 8, 1, 2048, 128), {"prior": 6144}, 0.4),
     ("rope", (1, 40, 4096, 128), {}, 0.7),
     ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
     ("moe_tkg", (4, 4096, 1792, 8), {"top_k": 2}, 0.75),
