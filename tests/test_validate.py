@@ -1,6 +1,7 @@
 """The validation ledger (validation/*.yaml) and `trnsim validate`: the ledger's shape, the
 calibration provenance of the configs, the drift guard CI runs, and the one-line errors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,15 +67,22 @@ def test_changing_a_calibrated_parameter_trips_the_guard(ledger):
 
 
 def test_summary_counts_mape_median_and_worst(ledger):
-    r = ledger.by_id()
-    a, b, c = r["dma.trn1.engine-rate"], r["dma.trn2.one-engine-32kib"], r["dma.trn2.core-aggregate-4kib"]
-    res = [Result(a, "ok", a.value * 1.1, "", 0), Result(b, "miss", b.value * 0.5, "", 0),
-           Result(c, "ok", c.value * 1.2, "", 0)]
+    """MAPE, median and worst are over measured rows; bounds and vendor targets count only in
+    'within'; a row without a prediction counts in 'rows' only."""
+    base = ledger.by_id()["dma.trn2.one-engine-32kib"]  # a measured dma validation row
+    cal = dataclasses.replace(base, id="c", role="calibration")
+    rows = [dataclasses.replace(base, id=f"v{i}") for i in range(4)]
+    target = dataclasses.replace(base, id="t", kind="target")
+    res = [Result(cal, "ok", cal.value * 1.1, "", 0), Result(rows[0], "miss", base.value * 0.5, "", 0),
+           Result(rows[1], "ok", base.value * 1.2, "", 0), Result(rows[2], "ok", base.value * 1.0, "", 0),
+           Result(rows[3], "error", None, "refused", 0), Result(target, "miss", base.value * 3, "", 0)]
     s = {(x.category, x.role): x for x in summarize(res)}
-    cal, val = s[("dma", "calibration")], s[("dma", "validation")]
-    assert (cal.rows, cal.predicted, cal.within) == (1, 1, 1) and cal.mape == pytest.approx(10)
-    assert (val.rows, val.within) == (2, 1) and val.mape == pytest.approx(35)
-    assert val.median == pytest.approx(0.85) and val.worst == pytest.approx(0.5)  # 0.5 is 2x off, 1.2 is 1.2x
+    c, v = s[("dma", "calibration")], s[("dma", "validation")]
+    assert (c.rows, c.predicted, c.within, c.measured) == (1, 1, 1, 1) and c.mape == pytest.approx(10)
+    assert (v.rows, v.predicted, v.within, v.measured) == (5, 4, 2, 3)
+    assert v.mape == pytest.approx((50 + 20 + 0) / 3) and v.median == pytest.approx(1.0)
+    assert v.worst == pytest.approx(0.5)  # 0.5 is 2x off, 1.2 only 1.2x
+    assert s[("all", "validation")].measured == 3
 
 
 def test_list_json_out_and_a_row_run(tmp_path, capsys):
