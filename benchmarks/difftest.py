@@ -905,7 +905,7 @@ def _searchsorted_recipe(a: Args) -> dict[str, Any]:
     if g.chance(0.3):
         seq = g.tensor((g.rng.randint(1, 5),)).sort().values if g.dtype != torch.bool else seq
     vals = g.tensor((lead if seq.dim() > 1 else g.shape(max_rank=2)[:1]) + (g.rng.randint(0, 4),))
-    return {"sorted_sequence": seq, "self": vals} if a.base == "searchsorted" else \
+    return {"sorted_sequence": seq, "self": vals, "sorter": None, "side": None} if a.base == "searchsorted" else \
         {"self": vals, "boundaries": g.tensor((g.rng.randint(0, 5),)).sort().values if g.dtype != torch.bool
          else g.tensor((2,), torch.bool)}
 
@@ -993,7 +993,44 @@ def _cell_recipe(a: Args) -> dict[str, Any] | None:
     return preset
 
 
+def _scaled_mm_recipe(a: Args) -> dict[str, Any]:
+    """fp8 operands (mat2 column-major, as CPU's kernel wants), per-tensor or row/column scales."""
+    g = a.g
+    m, k, n = g.rng.choice((1, 2, 16)), g.rng.choice((16, 32)), g.rng.choice((16, 32))
+    fp8 = g.rng.choice((torch.float8_e4m3fn, torch.float8_e5m2))
+    x = g.tensor((m, k), torch.float32, layout="contiguous").to(fp8)
+    w = g.tensor((n, k), torch.float32, layout="contiguous").to(fp8).t()
+    rowwise = g.chance(0.3)
+    sa = g.tensor((m, 1) if rowwise else (), torch.float32, low=0.5, high=2.0)
+    sb = g.tensor((1, n) if rowwise else (), torch.float32, low=0.5, high=2.0)
+    out_dtype = g.rng.choice((torch.bfloat16, torch.float32, torch.float16, None))
+    bias = g.tensor((n,), out_dtype or torch.bfloat16) if g.chance(0.3) else None
+    return {"self": x, "mat2": w, "scale_a": sa, "scale_b": sb, "bias": bias, "out_dtype": out_dtype,
+            "scale_result": None}
+
+
+def _empty_strided_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    size = list(g.shape())
+    stride = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        stride[i] = stride[i + 1] * max(size[i + 1], 1)
+    if len(size) >= 2 and g.chance(0.5):  # a permuted layout
+        stride[-1], stride[-2] = size[-2] if size[-2] else 1, 1
+    return {"size": size, "stride": stride}
+
+
+def _slow_conv_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    n, c, k, r = g.rng.randint(1, 2), g.rng.randint(1, 3), g.rng.randint(1, 3), g.rng.choice((1, 2, 3))
+    h, w = g.rng.randint(r, r + 3), g.rng.randint(r, r + 3)
+    return {"self": g.tensor((n, c, h, w)), "weight": g.tensor((k, c, r, r)), "kernel_size": [r, r],
+            "bias": g.tensor((k,), layout="contiguous") if g.chance(0.5) else None,
+            "stride": [g.rng.choice((1, 2))] * 2, "padding": [g.rng.choice((0, 1))] * 2}
+
+
 RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
+    "_scaled_mm": _scaled_mm_recipe, "_slow_conv2d_forward": _slow_conv_recipe, "empty_strided": _empty_strided_recipe,
     "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
     "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
     "bucketize": _searchsorted_recipe, "convolution_overrideable": _conv_recipe,
