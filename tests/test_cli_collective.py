@@ -122,3 +122,22 @@ def test_binary_units_reach_pib_and_a_whole_chip_holds_its_hbm(capsys):
     assert format_quantity(3 * 2**50, "bytes") == "3 PiB"
     code, out, err = run(capsys, "collective", "all-reduce", "--bytes", "24GiB", "--json")
     assert code == 0 and json.loads(out)["results"][0]["size(B)"] == 24 * 2**30
+
+
+def test_a_group_too_large_to_simulate_is_refused_and_a_small_one_ignores_the_chips_declared(capsys):
+    """Issue 25: at the chip limit (topology.efa.size=4096: 65,536 chips) the default group of
+    every rank gave no output for 15 minutes. A group is bounded by what simulates; a group of a
+    few ranks costs the same whatever the system declares beyond them."""
+    big = ["--set", "topology.efa.size=4096"]
+    code, out, err = run(capsys, "collective", "all-reduce", *big)
+    assert (code, out) == (2, "")
+    assert err == ("trnsim: error: all-reduce: 262,144 ranks of trn2.48xlarge (65,536 chips) in one collective; a "
+                   "collective is simulated chunk by chunk, at most 1,024 ranks in one; give a group of its ranks\n")
+    code, out, err = run(capsys, "collective", "all-reduce", "--ranks", "2048", "--bytes", "1MiB", *big)
+    assert code == 2 and err.startswith("trnsim: error: --ranks: 2,048 ranks of trn2.48xlarge (65,536 chips)")
+    small = ["collective", "all-reduce", "--ranks", "8", "--bytes", "1MiB", "--json"]
+    code, out, _ = run(capsys, *small, *big)
+    on_big = json.loads(out)["results"][0]
+    code, out, _ = run(capsys, *small)
+    on_one = json.loads(out)["results"][0]
+    assert code == 0 and on_big["time:avg(us)"] == on_one["time:avg(us)"] and on_big["algorithm"] == on_one["algorithm"]

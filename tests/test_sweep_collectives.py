@@ -89,3 +89,18 @@ def test_collective_sizes_are_bounded_by_hbm(tmp_path, bytes_, message):
     with pytest.raises(ConfigError) as e:
         load_spec(write(tmp_path, f"system: trn2.48xlarge\ncollectives: [{{name: all-reduce, bytes: {bytes_}}}]\n"))
     assert str(e.value) == message
+
+
+def test_a_collective_group_too_large_to_simulate_is_refused_when_the_spec_loads(tmp_path):
+    """Issue 25: a 16,384-chip system's collectives (all its 65,536 ranks by default) never finished."""
+    from trnsim.config import CONFIG_DIR
+
+    text = (CONFIG_DIR / "systems" / "trn2.48xlarge.yaml").read_text()
+    efa = text.index("  efa:\n")
+    (tmp_path / "big.yaml").write_text(text[:efa].replace("name: trn2.48xlarge", "name: big16k") +
+                                       text[efa:].replace("size: 1\n", "size: 1024\n", 1))
+    with pytest.raises(ConfigError) as e:
+        load_spec(write(tmp_path, "system: big.yaml\ncollectives: [{name: all-reduce, bytes: 1MiB}]\n"))
+    assert str(e.value) == ("spec.yaml: collectives (all-reduce): ranks: 65,536 ranks of big16k (16,384 chips) in one "
+                            "collective; a collective is simulated chunk by chunk, at most 1,024 ranks in one; give a "
+                            "group of its ranks")

@@ -58,7 +58,7 @@ from .extras import MissingExtra
 from .files import AtomicOutput, OutputError
 from .isa import KernelError
 from .report import KernelReport
-from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes
+from .sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes, check_collective_ranks
 
 if _SIGINT is signal.default_int_handler:
     signal.signal(signal.SIGINT, _SIGINT)
@@ -930,6 +930,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
     reps = []
     try:
         sizes = parse_sizes(args.bytes, args.factor)
+        check_collective_ranks(system, args.ranks, "--ranks" if args.ranks is not None else args.collective)
         for n in sizes:
             check_collective_bytes(system, args.ranks, n, f"--bytes {clip_text(args.bytes, 60)}")
         for i, n in enumerate(sizes):

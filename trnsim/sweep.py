@@ -52,7 +52,7 @@ from .native.dtypes import get_dtype
 from .report import KernelReport
 
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
-           "bound_of", "check_collective_bytes", "DEFAULT_MAX_POINTS"]
+           "bound_of", "check_collective_bytes", "check_collective_ranks", "MAX_COLLECTIVE_RANKS", "DEFAULT_MAX_POINTS"]
 
 SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
@@ -201,6 +201,22 @@ class Point:
         return (*(v for _, v in self.variant), self.kernel, shape, self.dtype, params_text(self.params))
 
 
+#: ranks one simulated collective may span: every chunk of every transfer is simulated, and a
+#: group of this many takes minutes at gigabytes (the full group of every shipped system fits;
+#: a 65,536-chip system's 262,144 ranks would not finish)
+MAX_COLLECTIVE_RANKS = 1024
+
+
+def check_collective_ranks(system: Any, ranks: int | None, what: str) -> None:
+    """Refuse a collective group of more than :data:`MAX_COLLECTIVE_RANKS` ranks (``ranks``
+    None: all of ``system``'s) before it is simulated, naming ``what`` sets it."""
+    n = system.ranks if ranks is None else ranks
+    if isinstance(n, int) and n > MAX_COLLECTIVE_RANKS:
+        raise ConfigError(f"{what}: {n:,} ranks of {system.name} ({system.chips:,} chips) in one collective; a "
+                          f"collective is simulated chunk by chunk, at most {MAX_COLLECTIVE_RANKS:,} ranks in one; "
+                          f"give a group of its ranks")
+
+
 def check_collective_bytes(system: Any, ranks: int | None, nbytes: int, what: str) -> None:
     """Refuse a collective buffer of ``nbytes`` (nccl-tests' S, bytes per rank) that no rank of
     ``system`` can hold: empty, or larger than a rank's share of its chip's HBM (the chip's
@@ -343,6 +359,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
 
         coll = collective_points(raw["collectives"], where, base_system)
         for name, (ranks, nbytes), _, _ in coll:
+            check_collective_ranks(base_system, ranks, f"{where}: collectives ({name}): ranks")
             check_collective_bytes(base_system, ranks, nbytes, f"{where}: collectives ({name} on {ranks} ranks): bytes")
     ests: list[Any] = []
     if raw.get("estimates") is not None:
