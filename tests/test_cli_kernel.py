@@ -252,3 +252,13 @@ def test_a_kernel_file_imports_its_neighbours_from_any_directory(tmp_path, capsy
     code, out, err = run(capsys, "kernel", "kd/k.py:build", "--shape", "128x64")
     assert (code, err) == (0, "") and out.startswith("kd/k.py:build 128x64 on trn2")
     assert __import__("sys").path == before
+
+
+def test_nki_inputs_beyond_a_cores_hbm_are_refused_before_they_are_made(capsys):
+    """Found by the fuzz harness (issue 25): --shape 128x99999999 made 51 GB of random inputs on
+    the host (MemoryError, status 1) for a kernel whose HBM could not hold them."""
+    code, out, err = run(capsys, "kernel", str(ROOT / "examples" / "nki_rmsnorm.py") + ":rmsnorm_kernel",
+                         "--shape", "128x99999999,99999999")
+    assert (code, out) == (2, "")
+    assert err.endswith(": --shape 128x99999999,99999999: the input tensors take 48.0562 GiB, more than a logical "
+                        "core's share of HBM on trn2 (24 GiB)\n") and err.count("\n") == 1

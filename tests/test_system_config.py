@@ -99,3 +99,14 @@ def test_bad_files(tmp_path):
         load_system(p)
     with pytest.raises(ConfigError, match=r"^nope.yaml: no such system file$"):
         load_system("nope.yaml")
+
+
+def test_a_system_name_too_long_for_a_file_is_one_line():
+    """Found by the fuzz harness (issue 25): a 300-character system name reached the file system
+    and raised OSError (File name too long)."""
+    from trnsim.config import ConfigError, load_system
+
+    with pytest.raises(ConfigError, match=r"^unknown system 'x{80}\.\.\. \(300 characters\)': expected one of "):
+        load_system("x" * 300)
+    with pytest.raises(ConfigError, match=r"^/x{79}\.\.\. \(3,006 characters\): cannot read it \(File name too long\)$"):
+        load_system("/" + "x" * 3000 + ".yaml")

@@ -200,6 +200,9 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
         raise FileNotFoundError(f"no such script: {script}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc {nproc}: expected a whole number of ranks >= 1")
+    if system is not None and not system.strip():
+        raise ValueError("--system '': expected a system name or a YAML path (leave --system out for "
+                         "$TRNSIM_SYSTEM or trn2.48xlarge)")
     system = system or os.environ.get("TRNSIM_SYSTEM", "").strip() or DEFAULT_SYSTEM
     chip_overrides = [o for o in overrides if not is_system_key(o.split("=", 1)[0].strip())]
     sys_overrides = [o for o in overrides if is_system_key(o.split("=", 1)[0].strip())]

@@ -475,6 +475,7 @@ def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> in
     """``trnsim kernel file.py:kernel`` for an ``@nki.jit`` kernel: random inputs of the given
     shapes, values and the cycle report of the scheduled kernel, and a summary of the outputs."""
     import inspect
+    import math
 
     import numpy as np
     from rich.markup import escape
@@ -498,6 +499,16 @@ def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> in
     shapes = [parse_shape(s) for s in args.shape.split(",")]
     if len(shapes) == 1:
         shapes *= len(tensors)
+    try:
+        itemsize = get_dtype(args.dtype or "fp32").itemsize
+    except ValueError:
+        itemsize = 4  # refused below, naming the dtype
+    total = sum(math.prod(s) for s in shapes) * itemsize
+    share = cfg.chip.hbm.capacity // cfg.logical_cores
+    if total > share:  # the inputs are HBM tensors of the logical core the kernel runs on
+        raise UsageError(f"kernel '{clip_text(args.name)}': --shape {clip_text(args.shape, 60)}: the input tensors "
+                         f"take {format_quantity(total, 'bytes')}, more than a logical core's share of HBM on "
+                         f"{cfg.name} ({format_quantity(share, 'bytes')})")
     if len(shapes) != len(tensors):
         raise UsageError(f"kernel '{clip_text(args.name)}': --shape gives {len(shapes)} shapes but {kernel.fn.__name__} takes "
                          f"{len(tensors)} tensors ({', '.join(tensors)}); give one per tensor, separated by commas")

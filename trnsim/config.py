@@ -1035,14 +1035,19 @@ def system_names() -> list[str]:
 
 def _resolve_system(text: str) -> Path:
     p = Path(text)
+    shown = clip_text(text)
     if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
-        if not p.is_file():
-            raise ConfigError(f"{text}: no such system file")
+        try:
+            found = p.is_file()
+        except OSError as e:  # e.g. a name too long for the file system
+            raise ConfigError(f"{shown}: cannot read it ({e.strerror or type(e).__name__})") from None
+        if not found:
+            raise ConfigError(f"{shown}: no such system file")
         return p
-    cand = SYSTEM_DIR / f"{text}.yaml"
-    if cand.is_file():
-        return cand
-    raise ConfigError(f"unknown system '{text}': expected one of {', '.join(system_names())} or a path to a .yaml file")
+    if text in system_names():  # a name, not a probe of the file system (a 3,000-character name is not a file)
+        return SYSTEM_DIR / f"{text}.yaml"
+    raise ConfigError(f"unknown system '{shown}': expected one of {', '.join(system_names())} or a path to a .yaml "
+                      f"file")
 
 
 def is_system_key(key: str) -> bool:

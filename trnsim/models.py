@@ -77,16 +77,18 @@ def load_model(name_or_path: str | os.PathLike[str]) -> ModelConfig:
     one-line :class:`ConfigError`."""
     text = os.fspath(name_or_path)
     shown = clip_text(text)
-    cand = MODEL_DIR / f"{text}.json"
     if "/" not in text and not text.endswith(".json"):
-        if not cand.is_file():
+        if text not in model_names():  # a name, not a probe of the file system
             raise ConfigError(f"unknown model '{shown}': expected one of {', '.join(model_names())}, or a path to a "
                               f"Hugging Face config.json")
-        path = cand
+        path = MODEL_DIR / f"{text}.json"
     else:
         path = Path(text)
-        if path.is_dir():
-            path = path / "config.json"
+        try:
+            if path.is_dir():
+                path = path / "config.json"
+        except OSError as e:  # e.g. a name too long for the file system
+            raise ConfigError(f"model config '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
     where = clip_text(path.name if path.parent == MODEL_DIR else str(path))
     raw = _read_json(path, where)
     if not isinstance(raw, dict):

@@ -372,3 +372,12 @@ def test_device_steps_are_counted_and_each_ranks_line_is_whole(tmp_path):
     assert len(_json(run.stdout)["step_times_us"]) == 3
     lines = [ln for ln in run.stdout.splitlines() + run.stderr.splitlines() if " step " in ln]
     assert len(lines) == 600 and all(re.fullmatch(r"rank [01] step [012] line \d{3} x{60}", ln) for ln in lines)
+
+
+def test_an_empty_system_name_is_refused_not_taken_as_the_default(tmp_path):
+    """Found by the fuzz harness (issue 25): --system '' launched the ranks on the default system."""
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    run = _trnsim("run", "--nproc", "2", "--system", "", str(script))
+    assert run.returncode == 2 and run.stderr == ("trnsim: error: run: --system '': expected a system name or a YAML "
+                                                  "path (leave --system out for $TRNSIM_SYSTEM or trn2.48xlarge)\n")

@@ -284,3 +284,12 @@ def test_a_model_whose_code_does_not_import_is_one_line(cache, capsys, monkeypat
     assert err == (f"trnsim: error: estimate: {TINY}: importing transformers.models.llama.modeling_llama_broken failed "
                    f"(No module named 'transformers.models.llama.modeling_llama_broken'); check the transformers "
                    f"install (pip install -e '.[demo]')\n")
+
+
+def test_a_model_name_too_long_for_a_file_is_one_line(capsys):
+    """Found by the fuzz harness (issue 25): a 3,000-character model name raised OSError (File name
+    too long) from the file system."""
+    code, out, err = run(capsys, "estimate", "train", "--model", "x" * 3000)
+    assert (code, out) == (2, "") and err.startswith("trnsim: error: unknown model 'xxxx") and err.count("\n") == 1
+    code, out, err = run(capsys, "estimate", "train", "--model", "/" + "x" * 3000 + ".json")
+    assert code == 2 and err.endswith(": cannot read it (File name too long)\n") and err.count("\n") == 1
