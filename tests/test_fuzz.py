@@ -1,5 +1,7 @@
 """Adversarial input, generated: malformed chip configs, sweep specs, results files and CLI lines,
-each run through ``trnsim.cli.main`` as a user would run the command.
+and (the second set of surfaces) ``trnsim collective`` lines, ``trnsim estimate`` lines, system
+YAMLs, NKI kernel files and ``trnsim run --nproc`` argument errors, each run through
+``trnsim.cli.main`` as a user would run the command.
 
 Every case must end with exit status 2 and one line ``trnsim: error: ...`` on stderr (naming the
 thing where the case knows what it broke), or be accepted (status 0: the mutation happened to be
@@ -27,6 +29,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_SECONDS = 30.0  # a hang, not a slow case: the slowest accepted case takes well under a second
@@ -202,10 +205,164 @@ out: r.csv
 """
 
 
-def make_case(seed: int, index: int, work: Path) -> Case:
+FIRST_KINDS = ("config", "spec", "results", "cli", "env")
+SECOND_KINDS = ("collective", "estimate", "system", "nki", "nproc")
+
+TINY_MODEL = ROOT / "tests" / "data" / "tiny-llama.json"
+SIZES = ["1B", "2B", "8B", "1KiB", "64KiB", "1MiB", "3MB", "0B", "9B", "1e30B", "1PiB", "1EiB", "-1B", "B", "1.5B",
+         "1KiB:1MiB", "1MiB:1KiB", "0B:1KiB", "8B:64MiB", "1,2,3", "1KiB,1MiB", ":", "1KiB:", "1B:2B:4B", "x" * 3000,
+         "24GiB", "25GiB", "nan B", "1e-3B", "0x10B", "64MiB", "1_000B"]
+COUNTS = ["1", "2", "4", "8", "16", "0", "-1", "3", "48", "65", "2048", "1000000000", "99999999999999999999", "x",
+          "", "1.5", "1e3", "\u0663"]
+
+
+def _collective_argv(rng: random.Random, system: str | None = None) -> list[str]:
+    """A ``trnsim collective`` line: small work when it happens to be valid (at most 64 ranks
+    of the base systems, sizes up to 64 MiB, always an explicit --bytes)."""
+    name = rng.choice(["all-reduce", "allr", "all-gather", "allg", "reduce-scatter", "all-to-all", "broadcast",
+                       "reduce", "send-recv", "permute", "bogus", "", "ALL-REDUCE", "x" * 500])
+    argv = ["collective", name, "--bytes", rng.choice(SIZES)]
+    if system is not None:
+        argv += ["--system", system]
+    elif rng.random() < 0.3:
+        argv += ["--system", rng.choice(["trn2.48xlarge", "trn1.32xlarge", "trn9", "", "x" * 300,
+                                         "trn3-ultraserver-gen1", "/dev/null", "../configs/trn2.yaml"])]
+    if rng.random() < 0.7 or system is not None:
+        argv += ["--ranks", rng.choice(COUNTS[:6] + COUNTS[6:] * (rng.random() < 0.5))]
+    if rng.random() < 0.3:
+        argv += ["--factor", rng.choice(["2", "8", "1", "0", "-2", "1000000", "x", "2.5"])]
+    if rng.random() < 0.3:
+        argv += ["--algo", rng.choice(["ring", "mesh", "kangaring", "rdh", "hierarchical", "per-dim-ring", "nope", ""])]
+    if rng.random() < 0.3:
+        argv += ["--dtype", rng.choice(["bf16", "fp32", "fp8", "int8", "", "x", "bfloat16"])]
+    for _ in range(rng.choice([0, 0, 1])):
+        argv += ["--set", rng.choice(["topology.x.bandwidth=", "topology.efa.size=4096", "topology.efa.size=0",
+                                      "topology.q.size=2", "core.dma.engine_bandwidth=40GB/s", "collectives.window=0",
+                                      "topology.x.latency=1e15s", "topology.x.size=3", "chip.lnc=3", "=1", "x"])
+                 + ("" if rng.random() < 0.5 else rng.choice(["", "1", "1e999", "nan", "-1"]))]
+    if rng.random() < 0.1:
+        argv += ["--trace", rng.choice(["/dev/null", ".", "t.json", "no/dir/t.json", "fifo.json"])]
+    if rng.random() < 0.2:
+        argv += ["--json"]
+    return argv
+
+
+def _estimate_argv(rng: random.Random) -> list[str]:
+    """A ``trnsim estimate`` line on the tiny model (or a bad one); valid lines are one layer, a
+    short prompt and few decode samples."""
+    mode = rng.choice(["inference", "train", "serve", ""])
+    model = rng.choice([str(TINY_MODEL)] * 4 + ["llama-3.1-8b", "llama-3.3-70b", "llama-9", "", "/no/such.json",
+                                                "x" * 3000, str(ROOT / "configs" / "trn2.yaml")])
+    argv = ["estimate", mode, "--model", model, "--no-cache"]
+    if rng.random() < 0.85:  # a size flag somewhere outside what the model or a run allows
+        flag = rng.choice(["--layers", "--tp", "--pp", "--dp"] + (["--batch", "--input", "--output", "--samples"]
+                          if mode == "inference" else ["--micro-batch", "--seq", "--global-batch"]))
+        argv += [flag, rng.choice(["0", "-1", "1000000000", "99999999999999999999", "x", "3", "5", "65", "128",
+                                   "4097", "1e3", ""])]
+    else:
+        argv += ["--layers", "1"]
+    argv += ["--input", "16", "--output", "2", "--samples", "2"] if mode == "inference" else \
+        ["--seq", "32"] if mode == "train" else []
+    if rng.random() < 0.3:
+        argv += ["--dtype", rng.choice(["bf16", "fp32", "fp8", "x"])]
+    if rng.random() < 0.3:
+        argv += ["--system", rng.choice(["trn2.48xlarge", "trn9", "trn1.32xlarge", ""])]
+    if rng.random() < 0.2:
+        argv += ["--set", rng.choice(["topology.efa.size=4096", "chip.hbm.capacity=1MiB", "nope=1",
+                                      "core.dma.start_latency=1e15s"])]
+    return argv
+
+
+NKI_KERNEL = """\
+import trnsim.nki as nki
+import trnsim.nki.isa as nisa
+import trnsim.nki.language as nl
+
+
+@nki.jit
+def k(x, y):
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    a = nl.load(x[SLICE])
+    b = nl.load(y)
+    c = BODY
+    acc = nl.zeros(PSUM, nl.float32, buffer=nl.psum)
+    nl.store(out[STORE], value=c)
+    return out
+"""
+
+
+def _nki_file(rng: random.Random) -> str:
+    """An NKI kernel with its slices, body and PSUM tile drawn from good and bad choices."""
+    slice_ = rng.choice(["0:128, 0:512", "0:256, 0:512", "0:128, 0:513", "-129:, :", ":, 600:700", "0:128, 0:512:2",
+                         "0:0, :", "::-1, :", "0:128", "0:128, 0:512, 0", "nl.arange(256)[:, None], nl.arange(512)[None, :]",
+                         ":, :"])
+    body = rng.choice(["nl.add(a, b)", "nl.exp(a)", "nl.exp(nl.load(y).view(nl.int32))", "nl.multiply(a, b)",
+                       "nisa.activation(op=nl.exp, data=a)", "nl.matmul(a, b)", "nl.relu(a)", "a[t]",
+                       "nisa.nc_matmul(a[:, 0:128], b)", "nl.sqrt(nl.ndarray((128, 512), nl.int32))",
+                       "nl.add(a, nl.ndarray((64, 512), nl.float32))", "undefined_name", "1 / 0",
+                       "nl.exp(a, dtype=nl.int32)", "nl.transpose(a)"])
+    psum = rng.choice(["(128, 512)", "(128, 513)", "(128, 4096)", "(256, 512)", "(128, 2048)", "(128, 0)", "(1, 1)"])
+    store = rng.choice(["0:128, 0:512", ":, :", "0:256, :", "0:128, 0:1024", "0:64, :"])
+    return (NKI_KERNEL.replace("SLICE", slice_).replace("BODY", body).replace("PSUM", psum).replace("STORE", store))
+
+
+def _nproc_argv(rng: random.Random, d: Path) -> list[str]:
+    """A ``trnsim run --nproc`` line with at least one argument error (so no ranks are launched)."""
+    fields = {
+        "nproc": (["2", "4"], ["0", "-1", "65", "1000000", "x", "", "2.5", "1e3", "99999999999999999999"]),
+        "script": ([str(d / "s.py")], [str(d / "missing.py"), str(d), str(d / "fifo.json"), ""]),
+        "system": (["trn2.48xlarge", None], ["trn9", "", "/dev/null", "x" * 300, "trn1.32xlarge:1"]),
+        "timeout": ([None, "30"], ["0", "-5", "x", "1e999", "nan", "inf", ""]),
+        "config": ([None, "trn2"], ["trn3", "trn9", ""]),
+        "set": ([None], ["topology.efa.size=0", "core.dma.start_latency=1e15s", "nope=1", "topology.x.size=x"]),
+    }
+    pick = {k: rng.choice(good) for k, (good, _) in fields.items()}
+    for k in rng.sample(sorted(fields), rng.randint(1, 2)):  # at least one bad
+        pick[k] = rng.choice(fields[k][1])
+    argv = ["run", "--nproc", pick["nproc"]]
+    for flag in ("system", "timeout", "config", "set"):
+        if pick[flag] is not None:
+            argv += [f"--{flag}", pick[flag]]
+    return argv + [pick["script"]]
+
+
+def _second_case(kind: str, rng: random.Random, d: Path) -> Case:
+    """A case of the second set of surfaces."""
+    if kind == "collective":
+        os.mkfifo(d / "fifo.json")
+        return Case(kind, _collective_argv(rng))
+    if kind == "estimate":
+        return Case(kind, _estimate_argv(rng))
+    if kind == "system":
+        data, names = mutate_yaml((ROOT / "configs" / "systems" / "trn2.48xlarge.yaml").read_text(), rng)
+        (d / "sys.yaml").write_bytes(data)
+        argv = _collective_argv(rng, str(d / "sys.yaml"))
+        argv[1], argv[3] = "all-reduce", rng.choice(["1MiB", "8B:1MiB", "64KiB"])  # the system is the bad input
+        argv[argv.index("--ranks") + 1] = rng.choice(["8", "16", "4"])
+        # the line's other flags may be what is refused (a bad --set, --factor ...): named as such
+        return Case(kind, argv, ["sys.yaml", "override", "--set", "--factor", "--algo", "dtype", "--trace",
+                                 "--bytes", "--ranks", "argument"] + names)
+    if kind == "nki":
+        (d / "kern.py").write_text(_nki_file(rng))
+        shapes = rng.choice(["128x512", "128x512,128x512", "256x512,128x512", "128x512,64x512", "0x512", "128x512,x",
+                             "128x99999999", "1x1", "128x512,128x512,128x512"])
+        argv = ["kernel", f"{d / 'kern.py'}:{rng.choice(['k', 'k', 'missing'])}", "--shape", shapes]
+        if rng.random() < 0.3:
+            argv += ["--dtype", rng.choice(["fp32", "bf16", "int32", "x"])]
+        return Case(kind, argv, ["kern.py", "--shape", "--dtype", "kernel"])
+    (d / "s.py").write_text("import torch\n")
+    os.mkfifo(d / "fifo.json")
+    return Case(kind, _nproc_argv(rng, d))
+
+
+def make_case(seed: int, index: int, work: Path, kinds: Sequence[str] = FIRST_KINDS) -> Case:
     rng = random.Random(seed * 1_000_003 + index)
     d = work / f"c{index}"
     d.mkdir()
+    if tuple(kinds) != FIRST_KINDS:  # the first set keeps the draws its seeds were pinned with
+        kind = rng.choice(list(kinds))
+        if kind in SECOND_KINDS:
+            return _second_case(kind, rng, d)
     kind = rng.choice(["config", "config", "spec", "spec", "results", "cli", "cli", "cli", "env"])
     if kind == "config":
         data, names = mutate_yaml((ROOT / "configs" / "trn2.yaml").read_text(), rng)
@@ -369,13 +526,13 @@ def run_case(case: Case, cwd: Path) -> dict[str, object]:
     return outcome
 
 
-def drive(seed: int, cases: range) -> dict[str, object]:
+def drive(seed: int, cases: range, kinds: Sequence[str] = FIRST_KINDS) -> dict[str, object]:
     os.environ["TRNSIM_MAX_INSTRUCTIONS"] = "20000"  # the instruction limit, reached in a second
     results = []
     with tempfile.TemporaryDirectory(prefix="trnsim-fuzz-") as tmp:
         work = Path(tmp)
         for i in cases:
-            case = make_case(seed, i, work)
+            case = make_case(seed, i, work, kinds)
             r = run_case(case, work / f"c{i}")
             r["case"] = i
             if r["result"] not in ("one-line", "accepted"):
@@ -387,9 +544,17 @@ def drive(seed: int, cases: range) -> dict[str, object]:
     kinds: dict[str, int] = {}
     for r in results:
         kinds[str(r["kind"])] = kinds.get(str(r["kind"]), 0) + 1
+    per_kind: dict[str, dict[str, int]] = {}
+    for r in results:
+        k = per_kind.setdefault(str(r["kind"]), {"tried": 0})
+        k["tried"] += 1
+        k[str(r["result"])] = k.get(str(r["result"]), 0) + 1
+    slowest_of = {k: max(float(r["seconds"]) for r in results if r["kind"] == k)  # type: ignore[arg-type]
+                  for k in per_kind}
     bad = [r for r in results if r["result"] not in ("one-line", "accepted")]
     slowest = max(results, key=lambda r: r["seconds"])  # type: ignore[arg-type,return-value]
-    return {"seed": seed, "counts": counts, "kinds": kinds, "bad": bad[:20],
+    return {"seed": seed, "counts": counts, "kinds": kinds, "per_kind": per_kind, "slowest_per_kind": slowest_of,
+            "bad": bad[:20],
             "slowest": {"case": slowest["case"], "seconds": slowest["seconds"]},
             "max_rss_growth": max(int(r["rss_growth"]) for r in results)}  # type: ignore[call-overload]
 
@@ -407,17 +572,26 @@ def _driver_main() -> None:
     ap.add_argument("--seed", type=int, default=9)
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--case", type=int, help="run one case and print it")
+    ap.add_argument("--surfaces", choices=("first", "second"), default="first",
+                    help="first: chip configs, sweep specs, results files, CLI lines, environment; second: "
+                         "collective, estimate, system YAMLs, NKI files, run --nproc arguments")
     args = ap.parse_args()
+    kinds = FIRST_KINDS if args.surfaces == "first" else SECOND_KINDS
     import trnsim.cli  # noqa: F401  (imported before the limit: its own size is not a case's)
 
+    if args.surfaces == "second":  # PyTorch, transformers and the model code: loaded once, not per case
+        import torch_bridge.estimate  # noqa: F401
+        import torch_bridge.launch  # noqa: F401
+        import torch_bridge.run  # noqa: F401
+        import transformers.models.llama.modeling_llama  # noqa: F401
     limit_memory()
     if args.case is not None:
         with tempfile.TemporaryDirectory(prefix="trnsim-fuzz-") as tmp:
-            case = make_case(args.seed, args.case, Path(tmp))
+            case = make_case(args.seed, args.case, Path(tmp), kinds)
             print(json.dumps({"argv": [a[:300] for a in case.argv], "env": case.env}))
             print(json.dumps(run_case(case, Path(tmp) / f"c{args.case}"), indent=1))
         return
-    print(json.dumps(drive(args.seed, range(args.cases)), indent=1))
+    print(json.dumps(drive(args.seed, range(args.cases), kinds), indent=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,6 +611,21 @@ def test_generated_bad_input_gets_one_line_errors_in_bounded_time_and_memory():
     assert counts["tried"] == 240 == counts.get("one-line", 0) + counts.get("accepted", 0)
     # the generator must mostly produce bad input, and every kind of it
     assert counts.get("one-line", 0) > 150 and set(summary["kinds"]) == {"config", "spec", "results", "cli", "env"}
+
+
+def test_the_second_surfaces_get_one_line_errors_in_bounded_time_and_memory():
+    """Issue 25: trnsim collective, trnsim estimate, system YAMLs, NKI kernel files and trnsim run
+    --nproc argument errors, seeded as the first set is: one line and status 2, or accepted."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, "--surfaces", "second", "--seed", "25", "--cases", "300"],
+                          capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    counts = summary["counts"]
+    print(json.dumps(summary["per_kind"]), json.dumps(summary["slowest_per_kind"]))
+    assert not summary["bad"], json.dumps(summary["bad"], indent=1)
+    assert counts["tried"] == 300 == counts.get("one-line", 0) + counts.get("accepted", 0)
+    assert set(summary["kinds"]) == set(SECOND_KINDS) and counts.get("one-line", 0) > 200
 
 
 if __name__ == "__main__":
