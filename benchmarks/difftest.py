@@ -23,8 +23,12 @@ the device must refuse it too.
 sizes, strides, storage offsets and storage bytes (shared storages stay shared): with the native
 fast path on (twice: the first call teaches the fast path the call's cost, the second is served
 by it), with the fast path off (the Python path), and under ``torch.compile(backend="neuron")``
-(samples of one op compiled together in one graph; a batch that fails is re-run one sample at a
-time). Random ops draw on CPU from a generator seeded with the device generator's contract
+(samples compiled together, :data:`COMPILE_BATCH` to a graph; a batch that fails is re-run one
+sample at a time); every ``--timing-every``-th also on timing-only tensors (no values: the same
+shapes, dtypes and strides, and no error where CPU has none). A compiled graph is held to what
+``torch.compile`` gives on CPU (``aot_eager``) where that differs from eager CPU (out= into outs
+it must resize, say), and timing-only tensors to PyTorch's meta kernels where those differ from
+CPU's: such samples are counted, not reported. Random ops draw on CPU from a generator seeded with the device generator's contract
 (:func:`torch_bridge.values.host_seed`), so their values are compared too.
 
 **What is compared.** The exception type when CPU raises (the device must raise one of the same
@@ -52,6 +56,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import random
 import sys
@@ -65,6 +70,9 @@ import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
 from torch_bridge import fastpath, lowering
 from torch_bridge.values import host_seed
+
+# fake tensors log every meta kernel that refuses a sample (the comparison reports what matters)
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 DEVICE = "neuron"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
@@ -897,7 +905,7 @@ def _searchsorted_recipe(a: Args) -> dict[str, Any]:
     if g.chance(0.3):
         seq = g.tensor((g.rng.randint(1, 5),)).sort().values if g.dtype != torch.bool else seq
     vals = g.tensor((lead if seq.dim() > 1 else g.shape(max_rank=2)[:1]) + (g.rng.randint(0, 4),))
-    return {"sorted_sequence": seq, "self": vals} if a.base == "searchsorted" else \
+    return {"sorted_sequence": seq, "self": vals, "sorter": None, "side": None} if a.base == "searchsorted" else \
         {"self": vals, "boundaries": g.tensor((g.rng.randint(0, 5),)).sort().values if g.dtype != torch.bool
          else g.tensor((2,), torch.bool)}
 
@@ -985,7 +993,44 @@ def _cell_recipe(a: Args) -> dict[str, Any] | None:
     return preset
 
 
+def _scaled_mm_recipe(a: Args) -> dict[str, Any]:
+    """fp8 operands (mat2 column-major, as CPU's kernel wants), per-tensor or row/column scales."""
+    g = a.g
+    m, k, n = g.rng.choice((1, 2, 16)), g.rng.choice((16, 32)), g.rng.choice((16, 32))
+    fp8 = g.rng.choice((torch.float8_e4m3fn, torch.float8_e5m2))
+    x = g.tensor((m, k), torch.float32, layout="contiguous").to(fp8)
+    w = g.tensor((n, k), torch.float32, layout="contiguous").to(fp8).t()
+    rowwise = g.chance(0.3)
+    sa = g.tensor((m, 1) if rowwise else (), torch.float32, low=0.5, high=2.0)
+    sb = g.tensor((1, n) if rowwise else (), torch.float32, low=0.5, high=2.0)
+    out_dtype = g.rng.choice((torch.bfloat16, torch.float32, torch.float16, None))
+    bias = g.tensor((n,), out_dtype or torch.bfloat16) if g.chance(0.3) else None
+    return {"self": x, "mat2": w, "scale_a": sa, "scale_b": sb, "bias": bias, "out_dtype": out_dtype,
+            "scale_result": None}
+
+
+def _empty_strided_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    size = list(g.shape())
+    stride = [1] * len(size)
+    for i in range(len(size) - 2, -1, -1):
+        stride[i] = stride[i + 1] * max(size[i + 1], 1)
+    if len(size) >= 2 and g.chance(0.5):  # a permuted layout
+        stride[-1], stride[-2] = size[-2] if size[-2] else 1, 1
+    return {"size": size, "stride": stride}
+
+
+def _slow_conv_recipe(a: Args) -> dict[str, Any]:
+    g = a.g
+    n, c, k, r = g.rng.randint(1, 2), g.rng.randint(1, 3), g.rng.randint(1, 3), g.rng.choice((1, 2, 3))
+    h, w = g.rng.randint(r, r + 3), g.rng.randint(r, r + 3)
+    return {"self": g.tensor((n, c, h, w)), "weight": g.tensor((k, c, r, r)), "kernel_size": [r, r],
+            "bias": g.tensor((k,), layout="contiguous") if g.chance(0.5) else None,
+            "stride": [g.rng.choice((1, 2))] * 2, "padding": [g.rng.choice((0, 1))] * 2}
+
+
 RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
+    "_scaled_mm": _scaled_mm_recipe, "_slow_conv2d_forward": _slow_conv_recipe, "empty_strided": _empty_strided_recipe,
     "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
     "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
     "bucketize": _searchsorted_recipe, "convolution_overrideable": _conv_recipe,
@@ -1467,6 +1512,8 @@ class Stats:
     mismatches: list[Mismatch] = field(default_factory=list)
     unbuildable: dict[str, int] = field(default_factory=dict)
     torch_compile_differs: int = 0  # compiled samples where torch.compile on CPU differs from eager CPU alike
+    timing_only: int = 0  # samples run on timing-only tensors
+    meta_differs: int = 0  # timing-only samples that differ from CPU as PyTorch's meta kernels do
 
 
 def _set_fast(on: bool) -> None:
@@ -1477,10 +1524,12 @@ class Tester:
     """Runs samples of ops on CPU and three ways on neuron, collecting mismatches."""
 
     def __init__(self, seed: int = SEED, dtypes: Sequence[torch.dtype] = DTYPES, compile_every: int = 1,
-                 echo: Callable[[str], None] | None = print):
+                 echo: Callable[[str], None] | None = print, timing_every: int = 0):
         self.seed = seed
         self.dtypes = tuple(dtypes)
         self.compile_every = compile_every
+        self.timing_every = timing_every
+        self._timing_queue: list[tuple[Sample, Run]] = []
         self.stats = Stats()
         self.echo = echo
         self._compile_queue: list[tuple[Sample, Any, Run]] = []
@@ -1558,10 +1607,43 @@ class Tester:
         why = self.check(s, cpu, dev, "python-path", exact, specs)
         if why:
             self.report(Mismatch(s, "python-path", why))
+        if self.timing_every and cpu.error is None and (st.samples % self.timing_every == 0) and \
+                not any(t.startswith("out-") for t in s.tags) and not s.random:
+            self._timing_queue.append((s, cpu))
         if self.compile_every and cpu.error is None and (st.samples % self.compile_every == 0) and _compilable(s):
             self._compile_queue.append((s, specs, cpu))
             if len(self._compile_queue) >= COMPILE_BATCH:
                 self.flush_compiled()
+
+    def run_timing_only(self, items: list[tuple[Sample, Run]]) -> None:
+        """Valid samples of one op on timing-only tensors (no values, one timing-only run for them
+        all): the same shapes, dtypes and strides as CPU's results, and no error where CPU had
+        none, unless the op needs values (TimingOnlyError: its output depends on them)."""
+        from torch_bridge.timing_only import TimingOnlyError
+
+        with warnings.catch_warnings(), torch.neuron.timing_only():
+            warnings.simplefilter("ignore")
+            for s, cpu in items:
+                self.stats.timing_only += 1
+                try:
+                    args, kwargs = _fake_inputs(s)
+                    got = s.op(*args, **kwargs)
+                except TimingOnlyError:
+                    continue
+                except Exception as e:
+                    meta = _on_meta(s)
+                    if isinstance(meta, type(e)):  # PyTorch's meta kernel refuses it too: not the device's
+                        self.stats.meta_differs += 1
+                        continue
+                    self.report(Mismatch(s, "timing-only", f"raised {type(e).__name__}: {_first(e)}; CPU did not"))
+                    continue
+                why = _same_metadata(cpu.result, got)
+                if why:
+                    meta = _on_meta(s)
+                    if not isinstance(meta, BaseException) and _same_metadata(meta, got) is None:
+                        self.stats.meta_differs += 1  # as PyTorch's meta kernel says: CPU's kernel differs
+                        continue
+                    self.report(Mismatch(s, "timing-only", why))
 
     def flush_compiled(self) -> None:
         """Compile the queued samples together (one graph), or one by one if that fails."""
@@ -1598,6 +1680,75 @@ class Tester:
                 self.run_sample(s)
             except Exception as e:  # the harness's own failure on a sample is a finding too
                 self.report(Mismatch(s, "harness", f"{type(e).__name__}: {_first(e)}"))
+        queue, self._timing_queue = self._timing_queue, []
+        if queue:
+            try:
+                self.run_timing_only(queue)
+            except Exception as e:
+                self.report(Mismatch(queue[0][0], "harness", f"timing-only: {type(e).__name__}: {_first(e)}"))
+
+
+def _fake_inputs(s: Sample) -> tuple[list[Any], dict[str, Any]]:
+    """The sample's inputs as timing-only tensors (inside torch.neuron.timing_only()): each CPU
+    storage one fake neuron storage, each tensor a view of it with the same sizes, strides, offset."""
+    bases: dict[int, torch.Tensor] = {}
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, _Host):
+            return x.t.clone()
+        if x is DEV:
+            return torch.device(DEVICE)
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            base = bases.get(st._cdata)
+            if base is None:
+                base = bases[st._cdata] = torch.empty(st.nbytes(), dtype=torch.uint8, device=DEVICE)
+            return base.view(x.dtype).as_strided(x.shape, x.stride(), x.storage_offset())
+        if isinstance(x, list):
+            return [conv(y) for y in x]
+        if isinstance(x, tuple):
+            return tuple(conv(y) for y in x)
+        return x
+    return [conv(a) for a in s.args], {k: conv(v) for k, v in s.kwargs.items()}
+
+
+def _on_meta(s: Sample) -> Any:
+    """The sample's results on meta tensors (PyTorch's own shape functions), or what they raise.
+    Timing-only tensors and compiled graphs run those: where they differ from CPU's kernels
+    (the mean and rstd of a 16-bit layer norm are float32 there, CUDA's accumulate type; a log
+    softmax of an empty bool tensor is refused), the device cannot do better."""
+    def conv(x: Any) -> Any:
+        if isinstance(x, _Host):
+            return x.t.clone()
+        if x is DEV:
+            return torch.device("meta")
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, list):
+            return [conv(y) for y in x]
+        if isinstance(x, tuple):
+            return tuple(conv(y) for y in x)
+        return x
+    try:
+        return s.op(*[conv(a) for a in s.args], **{k: conv(v) for k, v in s.kwargs.items()})
+    except Exception as e:
+        return e
+
+
+def _same_metadata(want: Any, got: Any) -> str | None:
+    w, g = _flat(want), _flat(got)
+    if len(w) != len(g):
+        return f"{len(g)} results, CPU {len(w)}"
+    for i, (a, b) in enumerate(zip(w, g)):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if not isinstance(b, torch.Tensor):
+            return f"result {i}: {type(b).__name__}, CPU a tensor"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"result {i}: {tuple(b.shape)} {b.dtype}, CPU {tuple(a.shape)} {a.dtype}"
+        if a.numel() > 1 and _strides(a) != _strides(b):
+            return f"result {i}: strides {b.stride()}, CPU {a.stride()}"
+    return None
 
 
 def _compilable(s: Sample) -> bool:
@@ -1669,10 +1820,16 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE) -> lis
 
 
 def run(ops: Iterable[str], samples_per_op: int, seed: int = SEED, dtypes: Sequence[torch.dtype] = DTYPES,
-        compile_every: int = 1, echo: Callable[[str], None] | None = print) -> Stats:
-    t = Tester(seed, dtypes, compile_every, echo)
-    for packet in ops:
+        compile_every: int = 1, echo: Callable[[str], None] | None = print, progress: bool = False,
+        timing_every: int = 0) -> Stats:
+    t = Tester(seed, dtypes, compile_every, echo, timing_every)
+    t0 = time.perf_counter()
+    for i, packet in enumerate(ops):
         t.run_op(packet, samples_per_op)
+        if progress and echo:
+            st = t.stats
+            echo(f"progress: {i + 1} ops ({packet}), {st.samples} samples, {st.compiled} compiled, "
+                 f"{len(st.mismatches)} mismatches, {time.perf_counter() - t0:.0f} s")
     t.flush_compiled()
     return t.stats
 
@@ -1686,6 +1843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-every", type=int, default=1, help="compile every k-th valid sample")
     p.add_argument("--json", default="")
+    p.add_argument("--progress", action="store_true", help="a line after each op")
+    p.add_argument("--timing-every", type=int, default=10,
+                   help="also run every k-th valid sample on timing-only tensors (0: none)")
     p.add_argument("--palette-share", type=float, default=0.8,
                    help="share of samples whose shape comes from the palette (the rest are drawn at random)")
     p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
@@ -1707,11 +1867,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if t.stats.mismatches else 0
     ops = [o for o in ns.ops.split(",") if o] or list(served_ops())
     t0 = time.perf_counter()
-    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every)
+    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every, progress=ns.progress,
+                timing_every=ns.timing_every)
     dt = time.perf_counter() - t0
     print(f"difftest: {len(ops)} ops, {stats.samples} samples ({stats.samples - stats.cpu_errors} valid, "
-          f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, fast path served {stats.fast_hits}; "
+          f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, {stats.timing_only} timing-only, "
+          f"fast path served {stats.fast_hits}; "
           f"{len(stats.mismatches)} mismatches; {dt:.0f} s ({time.process_time():.0f} s of CPU)")
+    if stats.meta_differs:
+        print(f"  {stats.meta_differs} timing-only samples differ from CPU as PyTorch's meta kernels do "
+              f"(their shape functions, not the device's)")
     if stats.torch_compile_differs:
         print(f"  {stats.torch_compile_differs} compiled samples differ from eager CPU as torch.compile on CPU "
               f"(aot_eager) does: torch's compile semantics, not the device's")

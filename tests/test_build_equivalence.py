@@ -80,7 +80,11 @@ SMALL = {"activation": (256, 1000), "binary": (300, 700), "conv2d": (1, 64, 10, 
          "embedding": (130, 1000, 256), "foreach_fused": (3, 5000), "fused": (200, 300), "layernorm": (200, 1000),
          "matmul_fused": (200, 300, 600), "moe": (64, 256, 512, 4), "reduce": (300, 700), "rmsnorm": (200, 1000),
          "rmsnorm_fp8": (200, 1000), "softmax": (200, 1000), "transpose": (300, 700), "unary": (300, 700),
-         "bmm_packed": (20, 11, 16, 11)}
+         "bmm_packed": (20, 11, 16, 11),
+         # the transformer kernels: a decode shape (or one 128-token block and a ragged one)
+         "qkv": (1, 130, 256, 4, 1, 64), "mlp": (2, 1, 256, 384), "oproj": (1, 130, 2, 64, 256),
+         "attention_tkg": (2, 4, 1, 2, 256, 64), "attention_cte": (1, 2, 1, 300, 64), "rope": (1, 2, 130, 64),
+         "router_topk": (130, 256, 16), "moe_tkg": (2, 256, 256, 8)}
 
 
 @pytest.mark.parametrize("name", sorted(kernel_names()))

@@ -88,3 +88,38 @@ def test_bad_flags_exit_2(capsys):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "trnsim.cli", "info", "trn1"], capture_output=True, text=True)
     assert r.returncode == 0 and "trn1: AWS Trainium1" in r.stdout
+
+
+@pytest.mark.parametrize("module", ["trnsim.isa", "trnsim.sweep", "argparse"])
+def test_ctrl_c_while_the_command_loads_is_one_line(module, tmp_path):
+    """Issue 25: Ctrl-C in the first second or two (the command importing the simulator) printed a
+    23-line import traceback. A Ctrl-C is delivered exactly while ``module`` loads."""
+    code = ("import os, signal, sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            f"        if name == {module!r}:\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from trnsim.cli import main\n"
+            "sys.exit(main(['info']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert (r.returncode, r.stdout, r.stderr) == (-2, "", "trnsim: interrupted\n")
+
+
+def test_the_package_loads_its_public_names_on_first_use():
+    code = ("import sys, trnsim\n"
+            "assert 'trnsim.kernel' not in sys.modules and 'ml_dtypes' not in sys.modules\n"
+            "from trnsim import Chip, Kernel, bfloat16\n"
+            "assert trnsim.Chip is Chip and set(trnsim.__all__) <= set(dir(trnsim))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_pinned_report_fits_a_120_column_terminal():
+    """Issue 25: the merged distributed report was 200 columns wide and the collective table 138;
+    a name longer than its column ends in an ellipsis (--json and Parquet keep it whole)."""
+    wide = {p.name: max(len(line) for line in p.read_text(encoding="utf-8").splitlines())
+            for p in sorted(GOLDEN.glob("*.txt"))}
+    assert wide and all(w <= 120 for w in wide.values()), wide

@@ -1,10 +1,7 @@
 """The matmul family (trnsim/kernels/matmul.py): values against numpy for every dtype, ragged
 shapes and transposed operands on trn2 and trn3; the schedule an NKI author would write (double-row
-fp8, PE transposes, split evacuation, separate queues); the V4 fidelity targets on a smaller
-shape; pinned errors."""
-
-import importlib.util
-from pathlib import Path
+fp8, PE transposes, split evacuation, separate queues); TensorE busy and MFU on a 2048 cube;
+pinned errors."""
 
 import numpy as np
 import pytest
@@ -130,25 +127,13 @@ def test_fp8_single_row_where_the_core_has_no_double_row():
     check("matmul", (129, 300, 1100), "fp8_e4m3", "trn1", transpose_a=True, transpose_b=True)
 
 
-def test_fidelity_targets_on_2048_cube():
-    """Datasheet V4 (TensorE active 99.85% hoisted): the targets >= 95% active and >= 90% MFU
-    also hold at 2048^3, small enough for a unit test."""
+def test_tensor_busy_and_mfu_on_2048_cube():
+    """The library matmul keeps TensorE >= 95% active and reaches >= 90% MFU (the tutorial kernels'
+    published profiles are ledger rows: validation/nki_tutorials.yaml); 2048^3 is small enough
+    for a unit test."""
     r = Chip("trn2").run(build_matmul(2048, 2048, 2048, "bf16", "trn2"), timing_only=True).report
     assert r.engines["Tensor"].active_percent >= 95.0
     assert r.mfu_estimated_percent >= 90.0
-
-
-def _bench(name):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_fidelity_benchmark_quick(capsys):
-    assert _bench("fidelity_matmul").main(["--quick"]) == 0
-    assert "targets: TensorE active >= 95%, MFU >= 90%: met" in capsys.readouterr().out
 
 
 def test_deterministic():

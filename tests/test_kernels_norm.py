@@ -1,9 +1,6 @@
-"""softmax, layernorm, rmsnorm and rmsnorm_fp8 (trnsim/kernels/norm.py) and the V7 benchmark."""
-
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
+"""softmax, layernorm, rmsnorm and rmsnorm_fp8 (trnsim/kernels/norm.py), and where the V7
+shapes' simulated time sits against its floors (the V7 targets themselves are ledger rows:
+validation/nki_library.yaml)."""
 
 import numpy as np
 import pytest
@@ -12,15 +9,9 @@ from trnsim.config import load_config
 
 from trnsim import Chip, KernelError
 from trnsim.kernels.norm import build_layernorm, build_rmsnorm, build_rmsnorm_fp8, build_softmax
-from trnsim.kernels import get_kernel
+from trnsim.kernels import get_kernel, split_spec
 from trnsim.kernels.check import check_entry
 from trnsim.kernels.reference import round_to
-
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_rmsnorm.py"
-_spec = importlib.util.spec_from_file_location("fidelity_rmsnorm", _BENCH)
-fr = importlib.util.module_from_spec(_spec)
-sys.modules["fidelity_rmsnorm"] = fr  # dataclasses look their module up here
-_spec.loader.exec_module(fr)
 
 KERNELS = ("softmax", "layernorm", "rmsnorm", "rmsnorm_fp8")
 SHAPES = ((1, 7), (129, 1000), (300, 4096))
@@ -155,17 +146,24 @@ def test_bad_params_are_clear_errors():
         get_kernel("rmsnorm").make((128, 64), "fp16", Chip("trn2").config)
 
 
-def test_lnc_split_and_v7_measurement_sits_above_its_floors():
-    assert fr.split_rows(2048, 2) == [1024, 1024] and fr.split_rows(5, 2) == [3, 2]
-    r = fr.measure(Chip("trn2"), 2048, 8192, 458.2)
-    # read 2K x 8K bf16, write it as fp8 (+ scales and the broadcast gamma)
-    assert r.hbm_bytes >= 2048 * 8192 * 3
-    assert r.sim_us >= max(r.floors_us.values())
-    assert r.sim_us <= 1.5 * r.floors_us[r.bound]  # the pipeline keeps the bound engine busy
-
-
-def test_benchmark_quick_runs_and_prints_each_v7_shape():
-    out = subprocess.run([sys.executable, str(_BENCH), "--quick"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "S=2K H=8192" in out.stdout and "458.2" in out.stdout
-    assert "S=2K H=16384" in out.stdout and "866.8" in out.stdout
+def test_lnc_split_and_v7_shape_sits_above_its_floors():
+    """V7's S=2K H=8192 at LNC=2: the rows split over the two physical cores (which share one HBM
+    stack), and the simulated time sits above every floor - the HBM bytes over the stack's
+    bandwidth, each core's bytes over its DMA engines, the busiest engine - and within 1.5x of
+    the largest (the pipeline keeps the bound engine busy; the rest is the first load and the
+    last store)."""
+    chip = Chip("trn2")
+    cfg = chip.config
+    shapes = split_spec("rmsnorm_fp8", (2048, 8192), {}, cfg.chip.lnc)
+    assert shapes == [(1024, 8192), (1024, 8192)]
+    reports = [r.report for r in chip.run_spmd([build_rmsnorm_fp8(s, h, "bf16", cfg) for s, h in shapes],
+                                               timing_only=True)]
+    hbm = sum(r.hbm_read_bytes + r.hbm_write_bytes for r in reports)
+    assert hbm >= 2048 * 8192 * 3  # read 2K x 8K bf16, write it as fp8 (+ scales and the broadcast gamma)
+    floors = {"HBM": hbm / (cfg.chip.hbm.bandwidth / cfg.chip.hbm.stacks) * 1e6,
+              "DMA": max(r.hbm_read_bytes + r.hbm_write_bytes for r in reports)
+              / (cfg.core.dma.engines * cfg.core.dma.engine_bandwidth) * 1e6,
+              "ScalarE": max(r.engines["Scalar"].busy_us for r in reports),
+              "VectorE": max(r.engines["Vector"].busy_us for r in reports)}
+    sim = max(r.total_us for r in reports)
+    assert max(floors.values()) <= sim <= 1.5 * max(floors.values())

@@ -128,3 +128,41 @@ def test_a_sigkilled_ray_sweep_resumes(tmp_path, capsys, local_ray):
     assert f"{24 - kept} points run, {kept} from a previous run" in capsys.readouterr().out
     rows = rows_of(tmp_path / "spec.csv")
     assert len(rows) == 24 and not any(r["error"] for r in rows)
+
+
+@pytest.mark.parametrize("address,message", [
+    ("127.0.0.1:1", "--address 127.0.0.1:1: cannot reach a Ray cluster there (Connection refused)"),
+    ("head-node", "--address head-node: expected HOST:PORT of a Ray cluster's head (ray start --head), e.g. "
+                  "10.0.0.1:6379"),
+    ("10.0.0.1:99999", "--address 10.0.0.1:99999: expected HOST:PORT of a Ray cluster's head (ray start --head), e.g. "
+                       "10.0.0.1:6379"),
+])
+def test_an_address_nothing_answers_at_is_one_line_and_leaves_nothing(tmp_path, capsys, address, message):
+    """Issue 25: --address 127.0.0.1:1 looped Ray's 'Failed to connect to GCS' for ever, and a
+    failed start left a header-only results file behind."""
+    spec = _spec(tmp_path, 1)
+    assert main(["sweep", str(spec), "--executor", "ray", "--address", address]) == 2
+    assert capsys.readouterr() == ("", f"trnsim: error: {message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.py", "spec.yaml"]
+
+
+def test_an_address_that_does_not_answer_is_bounded_by_the_timeout(tmp_path, capsys, monkeypatch):
+    """An unroutable address: the connection attempt gets --timeout seconds (Ray is never asked)."""
+    import socket
+
+    asked = []
+
+    def silent(addr, timeout=None):
+        asked.append((addr, timeout))
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    spec = _spec(tmp_path, 1)
+    assert main(["sweep", str(spec), "--executor", "ray", "--address", "192.0.2.1:6379", "--timeout", "7"]) == 2
+    assert capsys.readouterr() == ("", "trnsim: error: --address 192.0.2.1:6379: no answer from a Ray cluster there "
+                                       "within 7 s (is the head running and the port reachable? --timeout waits "
+                                       "longer)\n")
+    assert asked == [(("192.0.2.1", 6379), 7.0)]
+    assert main(["sweep", str(spec), "--timeout", "7"]) == 2
+    assert capsys.readouterr().err == "trnsim: error: --timeout: it bounds reaching --address; give one\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.py", "spec.yaml"]

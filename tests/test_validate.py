@@ -1,6 +1,7 @@
 """The validation ledger (validation/*.yaml) and `trnsim validate`: the ledger's shape, the
 calibration provenance of the configs, the drift guard CI runs, and the one-line errors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,15 +67,22 @@ def test_changing_a_calibrated_parameter_trips_the_guard(ledger):
 
 
 def test_summary_counts_mape_median_and_worst(ledger):
-    r = ledger.by_id()
-    a, b, c = r["dma.trn1.engine-rate"], r["dma.trn2.one-engine-32kib"], r["dma.trn2.core-aggregate-4kib"]
-    res = [Result(a, "ok", a.value * 1.1, "", 0), Result(b, "miss", b.value * 0.5, "", 0),
-           Result(c, "ok", c.value * 1.2, "", 0)]
+    """MAPE, median and worst are over measured rows; bounds and vendor targets count only in
+    'within'; a row without a prediction counts in 'rows' only."""
+    base = ledger.by_id()["dma.trn2.one-engine-32kib"]  # a measured dma validation row
+    cal = dataclasses.replace(base, id="c", role="calibration")
+    rows = [dataclasses.replace(base, id=f"v{i}") for i in range(4)]
+    target = dataclasses.replace(base, id="t", kind="target")
+    res = [Result(cal, "ok", cal.value * 1.1, "", 0), Result(rows[0], "miss", base.value * 0.5, "", 0),
+           Result(rows[1], "ok", base.value * 1.2, "", 0), Result(rows[2], "ok", base.value * 1.0, "", 0),
+           Result(rows[3], "error", None, "refused", 0), Result(target, "miss", base.value * 3, "", 0)]
     s = {(x.category, x.role): x for x in summarize(res)}
-    cal, val = s[("dma", "calibration")], s[("dma", "validation")]
-    assert (cal.rows, cal.predicted, cal.within) == (1, 1, 1) and cal.mape == pytest.approx(10)
-    assert (val.rows, val.within) == (2, 1) and val.mape == pytest.approx(35)
-    assert val.median == pytest.approx(0.85) and val.worst == pytest.approx(0.5)  # 0.5 is 2x off, 1.2 is 1.2x
+    c, v = s[("dma", "calibration")], s[("dma", "validation")]
+    assert (c.rows, c.predicted, c.within, c.measured) == (1, 1, 1, 1) and c.mape == pytest.approx(10)
+    assert (v.rows, v.predicted, v.within, v.measured) == (5, 4, 2, 3)
+    assert v.mape == pytest.approx((50 + 20 + 0) / 3) and v.median == pytest.approx(1.0)
+    assert v.worst == pytest.approx(0.5)  # 0.5 is 2x off, 1.2 only 1.2x
+    assert s[("all", "validation")].measured == 3
 
 
 def test_list_json_out_and_a_row_run(tmp_path, capsys):
@@ -172,3 +180,68 @@ def test_overriding_a_calibrated_parameter_drops_its_provenance():
 def test_validate_package_imports_no_torch():
     code = "import sys, trnsim.validate, trnsim.validate.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def _ledger_kernel(name):
+    from trnsim.sweep import resolve_kernel
+
+    return resolve_kernel(f"validation/kernels/{name}", ROOT).build
+
+
+@pytest.mark.parametrize("fn, params", [("tiled", {}), ("hoisted", {}), ("blocked_free", {}),
+                                        ("fully_optimized", dict(tiles_m=2, tiles_n=2, tiles_k=2))])
+def test_ledger_matmul_kernels_compute_the_product(fn, params):
+    """validation/kernels/matmul_tutorial.py's four versions give lhsT.T @ rhs (bf16 in, fp32
+    PSUM; the fully optimized one keeps its partial sums in bf16 SBUF, as the tutorial does)."""
+    import ml_dtypes
+    import numpy as np
+
+    from trnsim import Chip
+
+    rng = np.random.default_rng(0)
+    k, m, n = 512, 512, 2048
+    a, b = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    ref = a.astype(ml_dtypes.bfloat16).astype(np.float32).T @ b.astype(ml_dtypes.bfloat16).astype(np.float32)
+    chip = Chip("trn1")
+    out = chip.run(_ledger_kernel(f"matmul_tutorial.py:{fn}")(m, k, n, dtype="bf16", config=chip.config, **params),
+                   {"lhsT": a, "rhs": b})["result"]
+    assert np.abs(np.asarray(out, np.float32) - ref).max() <= 0.01 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_ledger_mamba_kernel_matches_the_recurrence(version):
+    """validation/kernels/mamba_tutorial.py against the layer's definition in numpy (float64)."""
+    import numpy as np
+
+    from trnsim import Chip
+
+    rng = np.random.default_rng(1)
+    bt, c, s, n = 1, 256, 1024, 3
+    delta = rng.uniform(0.01, 0.1, (bt, c, s)).astype(np.float32)
+    u = rng.standard_normal((bt, c, s)).astype(np.float32)
+    a = -rng.uniform(0.5, 2, (c, n)).astype(np.float32)
+    bm, cm = rng.standard_normal((bt, n, s)).astype(np.float32), rng.standard_normal((bt, n, s)).astype(np.float32)
+    da = np.exp(delta[:, :, None, :].astype(np.float64) * a[None, :, :, None])
+    dbu = delta[:, :, None, :].astype(np.float64) * bm[:, None, :, :] * u[:, :, None, :]
+    scan, prev = np.zeros_like(da), 0.0
+    for t in range(s):
+        prev = da[..., t] * prev + dbu[..., t]
+        scan[..., t] = prev
+    ref = (cm[:, None, :, :] * scan).sum(axis=2)
+    chip = Chip("trn1")
+    kern = _ledger_kernel("mamba_tutorial.py:mamba")(bt, c, s, n, config=chip.config, version=version)
+    out = chip.run(kern, {"delta": delta, "u": u, "A": a, "B": bm, "C": cm})["out"]
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_predictors_run_an_nki_file_and_refuse_bad_arguments():
+    from trnsim.validate import predict
+
+    figs = predict("nki", {"file": "tests/nki/nki_kernels.py:tiled_matmul", "shapes": [[256, 128], [256, 512]],
+                           "dtype": "bfloat16"}, "trn2")
+    assert figs["latency"][0] == "time" and figs["latency"][1] > 0 and figs["tensor_active"][1] > 0
+    with pytest.raises(LedgerError, match=r"^predict how: kernel: unknown argument 'shpe': expected kernel, shape"):
+        predict("kernel", {"kernel": "matmul", "shpe": [1]}, "trn2")
+    with pytest.raises(LedgerError, match=r"^predict how: 'nope': expected one of kernel, nki, probe, collective, "
+                                          r"estimate or none$"):
+        predict("nope", {}, "trn2")

@@ -261,9 +261,17 @@ def _step_pre(opt: Any, args: Any, kwargs: Any) -> None:
     _step_depth[0] += 1
 
 
+def _on_device(opt: Any) -> bool:
+    """Whether ``opt`` updates parameters on the neuron device: a script's CPU optimizer (a
+    reference copy of the model, say) steps nothing the device runs."""
+    return any(getattr(p, "device", None) is not None and p.device.type == "neuron"
+               for g in getattr(opt, "param_groups", ()) for p in g.get("params", ()))
+
+
 def _step_post(opt: Any, args: Any, kwargs: Any) -> None:
     _step_depth[0] -= 1
-    if _step_depth[0] == 0 and runtime_started():  # ZeroRedundancyOptimizer steps an inner optimizer
+    # ZeroRedundancyOptimizer steps an inner optimizer: the outer step is the one counted
+    if _step_depth[0] == 0 and runtime_started() and _on_device(opt):
         _steps.append(runtime().device.now())
 
 

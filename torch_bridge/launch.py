@@ -48,13 +48,17 @@ class RankFailure(Exception):
 
 
 def _worker(script: str, args: Sequence[str], config: str | None, chip_overrides: Sequence[str], system: str,
-            system_overrides: Sequence[str], trace: bool, timeout: float | None) -> dict[str, Any]:
+            system_overrides: Sequence[str], trace: bool, timeout: float | None, exits: str) -> dict[str, Any]:
     """One rank (runs in a worker process the launcher spawned)."""
     import torch_bridge
     from torch_bridge import device, runtime
     from torch_bridge import distributed as nd
 
     torch_bridge.register()
+    for stream in (sys.stdout, sys.stderr):  # a rank's line reaches the shared terminal whole, in one write
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=False)
     if config is not None or chip_overrides:
         runtime.set_config(config or os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", list(chip_overrides))
     nd.set_system(system, list(system_overrides))
@@ -66,21 +70,33 @@ def _worker(script: str, args: Sequence[str], config: str | None, chip_overrides
     saved_argv = sys.argv
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
+    how = "finished its script"
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
+            how = f"exited with status {e.code if isinstance(e.code, int) else 1}"
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
             raise
     except nd.NeuronDistError:
+        how = "failed at a collective"
         raise  # one line, printed by the parent (every rank of the group raises the same)
-    except Exception:
-        traceback.print_exc()
+    except BaseException as e:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if isinstance(e, (SignalException, KeyboardInterrupt)):  # the launcher stopping this rank
+            how = "was stopped"
+            raise
+        what = " ".join(str(e).split())
+        how = f"raised {type(e).__name__}" + (f": {what[:200]}" if what else "")
+        if isinstance(e, Exception):
+            traceback.print_exc()
         raise
     finally:
         sys.argv = saved_argv
-        _leave(nd)
+        sys.stdout.flush()  # this rank's prints whole, before another rank's (the launcher does not tee)
+        _leave(nd, how, exits)
     for i in range(device.device_count()):
         device.synchronize(i)
     info = nd.rank_info()
@@ -92,33 +108,67 @@ def _worker(script: str, args: Sequence[str], config: str | None, chip_overrides
             "system": sysc.name, "links": links}
 
 
-def _leave(nd: Any) -> None:
-    """The script is over on this rank: say so, and close its process groups, so a rank still
-    waiting for it at a collective fails at once, naming it, instead of waiting for the timeout
-    (this process lives on until the launcher has its report)."""
+def _leave(nd: Any, how: str, exits: str) -> None:
+    """The script is over on this rank (``how``: "finished its script", "raised RuntimeError:
+    ...", "exited with status 7"): say so to the other ranks and to the launcher (a file in
+    ``exits``: the launcher stops the group at the first failure it sees, which is often a peer
+    left waiting at a collective, before this rank's own failure is recorded), and close its
+    process groups, so a rank still waiting for it fails at once, naming it, instead of waiting
+    for the timeout (this process lives on until the launcher has its report)."""
     import torch.distributed as dist
 
-    nd.mark_exit("finished its script")
+    rank = os.environ.get("RANK", "0")
+    try:
+        Path(exits, f"rank{rank}").write_text(how)
+    except OSError:  # the launcher is gone; nobody to tell
+        pass
+    nd.mark_exit(how)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _failure(err: Any) -> RankFailure:
-    """The one line for the launcher's ChildFailedError: the first rank's failure."""
-    rank, failure = err.get_first_failure()
+def _text(failure: Any) -> str:
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", "")
-    text = str(msg or "").strip()
-    if text.startswith(_DIST_ERROR) or f".{_DIST_ERROR}:" in text.split(" ")[0]:
-        return RankFailure(text.split(":", 1)[1].strip(), True, 2)
-    code = failure.exitcode
+    return str(msg or "").strip()
+
+
+def _is_dist_error(text: str) -> bool:
+    return text.startswith(_DIST_ERROR) or f".{_DIST_ERROR}:" in text.split(" ")[0]
+
+
+def _failure(err: Any, exits: Path) -> RankFailure:
+    """The one line for the launcher's ChildFailedError. The rank whose own script failed
+    (``exits`` holds how each rank's script ended) is the one named: its peers then fail at the
+    collective it left, often before its own failure reaches the launcher; a failure at a
+    collective is named only when no script failed (bad use of the API)."""
+    ended = {}
+    for f in exits.glob("rank*"):
+        try:
+            ended[int(f.name[4:])] = f.read_text()
+        except (OSError, ValueError):
+            continue
+    for rank, how in sorted(ended.items()):
+        if how.startswith("exited with status "):
+            code = int(how.rsplit(" ", 1)[1]) if how.rsplit(" ", 1)[1].isdigit() else 1
+            return RankFailure(f"rank {rank} {how}; the other ranks were stopped", False, code or 1)
+    for rank, how in sorted(ended.items()):
+        if how.startswith("raised "):
+            return RankFailure(f"rank {rank} failed ({how[7:]}); the other ranks were stopped", False, 1)
+    failures = sorted(err.failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+    own = [(r, f) for r, f in failures if not _is_dist_error(_text(f))]
+    if not own:
+        return RankFailure(_text(failures[0][1]).split(":", 1)[1].strip(), True, 2)
+    rank, failure = own[0]
+    text, code = _text(failure), failure.exitcode
+    others = "; the other ranks were stopped"
     if code and code < 0:
-        return RankFailure(f"rank {rank} was stopped by signal {-code}; the other ranks were stopped", False, 1)
-    first = text.splitlines()[0] if text else f"exit status {code}"
-    if first.startswith("SystemExit"):
-        first = f"exit status {code}"
-    return RankFailure(f"rank {rank} failed ({first[:300]}); the other ranks were stopped", False, code or 1)
+        return RankFailure(f"rank {rank} was stopped by signal {-code}{others}", False, 1)
+    first = text.splitlines()[0] if text else ""
+    if not first or first.startswith(("SystemExit", "To enable traceback")):
+        return RankFailure(f"rank {rank} exited with status {code}{others}", False, code or 1)
+    return RankFailure(f"rank {rank} failed ({first[:300]}){others}", False, code or 1)
 
 
 def _start_method() -> str:
@@ -176,11 +226,13 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
                                rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                                monitor_interval=0.1, start_method=_start_method(),
                                logs_specs=DefaultLogsSpecs(log_dir=logs))
+            exits = Path(logs, "exits")
+            exits.mkdir()
             try:
                 results = elastic_launch(cfg, _worker)(script, list(args), config, chip_overrides, sysc.source,
-                                                       sys_overrides, trace is not None, timeout)
+                                                       sys_overrides, trace is not None, timeout, str(exits))
             except ChildFailedError as e:
-                raise _failure(e) from None
+                raise _failure(e, exits) from None
         by_rank = {r["rank"]: r for r in results.values()}
         merged = merge_ranks(sysc.name, {r: v["report"] for r, v in by_rank.items()},
                              {r: v["chip"] for r, v in by_rank.items()}, {r: v["steps"] for r, v in by_rank.items()})

@@ -184,7 +184,7 @@ def _scale_kind(scale: Any, m: int, n: int) -> str | None:
 
 def _scaled_mm(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
                outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
-    """``torch._scaled_mm`` (and ``_scaled_mm_v2``, ``F.scaled_mm``'s op): an fp8 matmul on TensorE
+    """``aten::_scaled_mm`` (and ``_scaled_mm_v2``, ``F.scaled_mm``'s op): an fp8 matmul on TensorE
     whose PSUM evacuation applies the scales, the bias and the output rounding - the library
     ``matmul_fused`` in the operands' fp8 format (double-row), its epilogue program multiplying by
     each scale (a scalar, a per-row [M, 1] or a per-column [1, N] value) and adding the bias. Where

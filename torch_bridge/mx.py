@@ -1,6 +1,6 @@
 """``torch.neuron.mx_matmul``: an MX (microscaling) matmul from PyTorch, on trn3's ``nc_matmul_mx``.
 
-PyTorch 2.13 reaches MX formats only through CUDA: ``torch._scaled_mm`` with block-wise
+PyTorch 2.13 reaches MX formats only through CUDA: ``aten::_scaled_mm`` with block-wise
 ``float8_e8m0fnu`` scales refuses on CPU ("Invalid scaling configuration"), and torchao's
 ``MXTensor`` either calls that (its CUTLASS/cuBLAS path) or dequantizes and runs a bf16 matmul
 (its emulated path), which the device would time as a bf16 matmul. So the device has an entry
@@ -84,7 +84,7 @@ def _mx_matmul_neuron(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     cfg = runtime().config
     if not cfg.core.tensor.mx_quad:
         raise RuntimeError(f"torch.neuron.mx_matmul: {cfg.name} has no MX matmul (nc_matmul_mx is NeuronCore-v4's, "
-                           f"core.tensor.mx_quad); use a trn3 config, or torch._scaled_mm for fp8")
+                           f"core.tensor.mx_quad); use a trn3 config, or aten::_scaled_mm for fp8")
     return values.host_kernel("mx_matmul", mx_reference, (a, a_scale, b, b_scale, out_dtype), {})
 
 

@@ -157,11 +157,20 @@ _WHY = {"_local_scalar_dense": ".item(), bool(), int() or float() of a tensor",
         "index": "indexing with a boolean mask: its output's shape is the count of True values"}
 
 
-def _data_error(name: str) -> TimingOnlyError:
-    why = _WHY.get(name, "its result depends on the tensors' values")
-    return TimingOnlyError(f"timing-only: aten::{name} needs tensor values ({why}), and timing-only tensors have "
+def _data_error(name: str, why: str | None = None) -> TimingOnlyError:
+    why = why or _WHY.get(name, "its result depends on the tensors' values")
+    shown = name if "." in name else f"aten::{name}"
+    return TimingOnlyError(f"timing-only: {shown} needs tensor values ({why}), and timing-only tensors have "
                            f"none; data-dependent code cannot run timing-only: give it static shapes, or run it "
                            f"with values")
+
+
+#: Python-level tensor methods that hand a tensor's values to the host: caught by the run's
+#: function mode (they never reach an aten op the dispatcher could refuse)
+_VALUE_METHODS = {torch.Tensor.numpy: ("Tensor.numpy()", "a NumPy array of its values"),
+                  torch.Tensor.__array__: ("Tensor.__array__", "np.asarray of a tensor"),
+                  torch.Tensor.tolist: ("Tensor.tolist()", "a list of its values"),
+                  torch.Tensor.__reduce_ex__: ("torch.save", "pickling or saving a tensor writes its values")}
 
 
 def _key(x: Any) -> Any:
@@ -377,6 +386,9 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        value = _VALUE_METHODS.get(func)
+        if value is not None and args and is_timing_only(args[0]):
+            raise _data_error(*value)
         if func is torch.nn.functional.scaled_dot_product_attention:
             done = self.run.attention(*args, **kwargs)
             if done is not None:

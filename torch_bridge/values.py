@@ -99,6 +99,7 @@ class _ToCpu:
 
     def __init__(self) -> None:
         self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
+        self.same: dict[int, torch.Tensor] = {}  # id(neuron tensor) -> its CPU view
         self.storages: dict[int, torch.Tensor] = {}  # device address -> a neuron tensor on that storage
         self.device: torch.device | None = None  # the first neuron argument's device
         self.other: torch.device | None = None  # a second device seen (another core, or host non-scalars)
@@ -114,7 +115,9 @@ class _ToCpu:
                 self.device = dev
             elif dev != self.device and self.other is None:
                 self.other = dev
-            v = memory.cpu_view(x)  # may be the view another argument got (the same window)
+            v = self.same.get(id(x))  # one tensor passed twice is one CPU tensor, as on CPU (an empty
+            if v is None:  # one too: CPU's overlap check refuses it as its own source)
+                v = self.same[id(x)] = memory.cpu_view(x)  # may be the view another argument got (the same window)
             self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
             ptr = x.untyped_storage().data_ptr()
             if ptr:

@@ -11,30 +11,40 @@ The public face is small::
 Everything else is internal and may change.
 """
 
-from .chip import Chip, RunResult
-from .config import ChipConfig, ConfigError, load_config
-from .isa import KernelError
-from .kernel import Kernel, TilePool
-from .native.dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, float16, float32, int32
-from .report import KernelReport
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Chip",
-    "ChipConfig",
-    "ConfigError",
-    "Kernel",
-    "KernelError",
-    "KernelReport",
-    "RunResult",
-    "TilePool",
-    "load_config",
-    "bfloat16",
-    "float16",
-    "float32",
-    "float8_e4m3",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "int32",
-]
+if TYPE_CHECKING:
+    from .chip import Chip, RunResult
+    from .config import ChipConfig, ConfigError, load_config
+    from .isa import KernelError
+    from .kernel import Kernel, TilePool
+    from .native.dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, float16, float32, int32
+    from .report import KernelReport
+
+# The public names load with the module that defines them, on first use (PEP 562): importing a
+# submodule (the ``trnsim`` command's trnsim.cli) does not load the simulator and its numerics
+# first, so the command starts quickly and takes Ctrl-C as one line from its first instant.
+_HOME = {"Chip": "chip", "RunResult": "chip", "ChipConfig": "config", "ConfigError": "config",
+         "load_config": "config", "KernelError": "isa", "Kernel": "kernel", "TilePool": "kernel",
+         "KernelReport": "report", **{n: "native.dtypes" for n in ("bfloat16", "float8_e4m3", "float8_e4m3fn",
+                                                                   "float8_e5m2", "float16", "float32", "int32")}}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'trnsim' has no attribute '{name}'")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
+
+__all__ = list(_HOME)
 
 __version__ = "0.1.0"

@@ -137,11 +137,17 @@ def _load_file(path: Path) -> Any:
         raise KernelError(f"kernel file '{shown}' cannot be imported; expected a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
+    # its own folder first while it loads, as `python file.py` (and `trnsim run`) would have it:
+    # a kernel file that imports a module beside it loads from any working directory
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
         raise KernelError(f"kernel file '{shown}' failed to import: {type(e).__name__}: {clip_text(e, 200)}") from None
+    finally:
+        if sys.path and sys.path[0] == str(path.parent):
+            del sys.path[0]
     _USER_MODULES[path] = module
     return module
 
@@ -316,8 +322,8 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
-    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
+    _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")
     grid_raw = raw.get("grid") or {}
     if not isinstance(grid_raw, dict):
         raise ConfigError(f"{where}: grid: expected a mapping of dotted override key -> list of values")
@@ -695,13 +701,14 @@ def _open_locked(path: Path, shown: str) -> Any:
 
 def run_sweep(spec: SweepSpec, jobs: int | None = None,
               progress: Callable[[int, int], None] | None = None, executor: str = "pool",
-              address: str | None = None) -> SweepResult:
+              address: str | None = None, timeout: float | None = None) -> SweepResult:
     """Run every point of ``spec`` not already in its results file, adding each row as it finishes.
 
     ``jobs`` worker processes (default: one per CPU; 1 runs in this process) on the local
     ``executor="pool"``, or ``executor="ray"``: the points run as Ray tasks on the cluster at
-    ``address`` (``HOST:PORT``; None starts a local Ray instance of ``jobs`` CPUs), see
-    :mod:`trnsim.sweep_ray`. ``progress(done, total)`` is called once before and after each point.
+    ``address`` (``HOST:PORT``, which must answer within ``timeout`` seconds; None starts a
+    local Ray instance of ``jobs`` CPUs), see :mod:`trnsim.sweep_ray`; Ray is reached before the
+    results file is touched, so a cluster that cannot be joined leaves nothing behind. ``progress(done, total)`` is called once before and after each point.
 
     The results file is safe to kill, share and resume: it is locked against a second sweep
     (an :class:`~trnsim.files.OutputError`), each row is appended whole, a torn last row is
@@ -722,14 +729,33 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
         raise ConfigError(f"--executor {clip_text(executor)}: expected one of {', '.join(EXECUTORS)}")
     if address is not None and executor != "ray":
         raise ConfigError(f"--address {clip_text(address)}: a cluster address needs --executor ray")
+    if timeout is not None and (address is None or not 0 < timeout <= 3600):
+        raise ConfigError(f"--timeout {timeout:g}: expected seconds in 0..3600 for reaching --address"
+                          if address is not None else "--timeout: it bounds reaching --address; give one")
     out = spec.out
     shown = str(out)
     parquet = is_parquet(out)
     if parquet:
         require("pyarrow.parquet", "metrics", f"sweep results {shown}")
-    if executor == "ray":
-        require("ray", "ray", "--executor ray")
     check_output(out, "sweep results", missing_dirs=True)
+    ray_started = False
+    if executor == "ray":
+        from .sweep_ray import CONNECT_SECONDS, start_ray
+
+        ray_started = start_ray(jobs, address, CONNECT_SECONDS if timeout is None else timeout)
+    try:
+        return _run_into(spec, out, parquet, jobs, progress, executor)
+    finally:
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+
+
+def _run_into(spec: SweepSpec, out: Path, parquet: bool, jobs: int, progress: Callable[[int, int], None] | None,
+              executor: str) -> SweepResult:
+    """:func:`run_sweep` once its options are checked and Ray (if asked for) is up."""
+    shown = str(out)
     store = out.with_name(f".{out.name}.journal") if parquet else out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -811,7 +837,7 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
             if executor == "ray":
                 from .sweep_ray import run_on_ray
 
-                run_on_ray(tasks, jobs, address, run_point, record, stopped, WORKER_FAILED)
+                run_on_ray(tasks, jobs, run_point, record, stopped, WORKER_FAILED)
             elif jobs == 1 or len(tasks) <= 1:
                 try:
                     for t in tasks:

@@ -25,7 +25,10 @@ from typing import Any, Callable
 from .config import ConfigError, clip_text
 from .extras import require
 
-__all__ = ["run_on_ray"]
+__all__ = ["start_ray", "run_on_ray", "CONNECT_SECONDS"]
+
+#: how long ``--address`` may take to answer before the sweep gives up, seconds
+CONNECT_SECONDS = 20.0
 
 _OBJECT_STORE = 256 << 20  # bytes for a local instance's object store: results are a few hundred bytes
 
@@ -47,26 +50,63 @@ def _failure(e: BaseException, prefix: str) -> str:
     return f"{prefix}{type(err).__name__}: {clip_text(text, 300)}"
 
 
-def run_on_ray(tasks: list[Any], jobs: int, address: str | None, run_point: Callable[[Any], dict[str, Any]],
+def _reach(address: str, timeout: float) -> None:
+    """Refuse an ``--address`` that nothing answers at within ``timeout`` seconds, before Ray is
+    asked: Ray retries a dead or unroutable cluster for ever, logging a line every few seconds."""
+    import socket
+
+    shown = clip_text(address)
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    if hostport in ("auto", "local"):
+        return  # Ray finds (or starts) the cluster of this machine itself
+    host, sep, port_text = hostport.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"--address {shown}: expected HOST:PORT of a Ray cluster's head (ray start --head), "
+                          f"e.g. 10.0.0.1:6379")
+    try:
+        socket.create_connection((host, int(port_text)), timeout=timeout).close()
+    except socket.timeout:
+        raise ConfigError(f"--address {shown}: no answer from a Ray cluster there within {timeout:g} s (is the head "
+                          f"running and the port reachable? --timeout waits longer)") from None
+    except OSError as e:
+        why = e.strerror or (str(e.args[-1]) if e.args else type(e).__name__)
+        raise ConfigError(f"--address {shown}: cannot reach a Ray cluster there ({why})") from None
+
+
+def start_ray(jobs: int, address: str | None, timeout: float = CONNECT_SECONDS) -> bool:
+    """Join the Ray cluster at ``address`` (reachable within ``timeout`` seconds) or start a
+    local instance of ``jobs`` CPUs; returns whether this call started Ray (and so must shut it
+    down: :func:`run_on_ray` does). Failures are one-line :class:`ConfigError`\\ s."""
+    import importlib.util
+
+    if address and importlib.util.find_spec("ray") is not None:
+        _reach(address, timeout)  # first: importing Ray takes seconds
+    ray = require("ray", "ray", "--executor ray")
+    if ray.is_initialized():
+        return False
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    try:
+        if address:
+            ray.init(address=address, **options)
+        else:
+            ray.init(num_cpus=jobs, object_store_memory=_OBJECT_STORE, **options)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+        where = f"the Ray cluster at {clip_text(address)}" if address else "a local Ray instance"
+        raise ConfigError(f"--executor ray: cannot start or join {where} "
+                          f"({type(e).__name__}: {clip_text(' '.join(str(e).split()), 200)})") from None
+    return True
+
+
+def run_on_ray(tasks: list[Any], jobs: int, run_point: Callable[[Any], dict[str, Any]],
                record: Callable[[Any, dict[str, Any]], None], stopped: Callable[[str, bool], BaseException],
                failed: str) -> None:
-    """Run ``run_point(task)`` for each of ``tasks`` (:class:`trnsim.sweep._Task`) as Ray tasks,
-    calling ``record(point, row)`` for each as it finishes (a failed worker's row: ``error`` =
-    ``failed`` + what went wrong); Ctrl-C cancels what is in flight and raises ``stopped(...)``."""
+    """Run ``run_point(task)`` for each of ``tasks`` (:class:`trnsim.sweep._Task`) as Ray tasks on
+    the Ray that :func:`start_ray` joined (the caller shuts it down), calling ``record(point,
+    row)`` for each as it finishes (a failed worker's row: ``error`` = ``failed`` + what went
+    wrong); Ctrl-C cancels what is in flight and raises ``stopped(...)``."""
     ray = require("ray", "ray", "--executor ray")
 
-    started = not ray.is_initialized()
-    if started:
-        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
-        try:
-            if address:
-                ray.init(address=address, **options)
-            else:
-                ray.init(num_cpus=jobs, object_store_memory=_OBJECT_STORE, **options)
-        except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
-            where = f"the Ray cluster at {clip_text(address)}" if address else "a local Ray instance"
-            raise ConfigError(f"--executor ray: cannot start or join {where} "
-                              f"({type(e).__name__}: {clip_text(' '.join(str(e).split()), 200)})") from None
     remote = ray.remote(num_cpus=1, max_retries=1)(run_point)
     pending: dict[Any, Any] = {}
     try:
@@ -94,6 +134,3 @@ def run_on_ray(tasks: list[Any], jobs: int, address: str | None, run_point: Call
         for ref in pending:
             ray.cancel(ref, force=True)
         raise stopped("interrupted", True) from None
-    finally:
-        if started:
-            ray.shutdown()

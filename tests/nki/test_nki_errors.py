@@ -159,3 +159,95 @@ def test_sbuf_too_small_for_the_kernel_in_any_order():
                                        r"instruction #\d+ \(DmaCopy\[qSyncIO0\], test_nki_errors.py:\d+\), but tiles still "
                                        r"to be used hold 192 KiB of 224 KiB$"):
         k(np.zeros((128, 16384), np.float32))
+
+
+def test_a_slice_past_the_tensor_is_refused_with_the_line():
+    """Issue 25: ``x[0:256, 0:512]`` of a 128-row tensor was clamped to its 128 rows (Python's
+    slicing) while the same range as an index expression was refused."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 512), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(x[0:256, 0:512]))
+        return out
+
+    with pytest.raises(NkiError) as e:
+        k(X)
+    assert str(e.value) == f"{line_of(k, 'nl.load')}: slice 0:256 reaches index 255, out of range for dim 0 of x (size 128)"
+
+
+@pytest.mark.parametrize("index,message", [
+    ((slice(None), slice(0, 513, 2)), "slice 0:513 reaches index 512, out of range for dim 1 of x (size 512)"),
+    ((slice(-129, None), slice(None)), "slice -129:None reaches index -1, out of range for dim 0 of x (size 128)"),
+    ((slice(None), slice(600, 700)), "slice 600:700 reaches index 699, out of range for dim 1 of x (size 512)"),
+])
+def test_slices_are_checked_against_the_tensor(index, message):
+    @nki.jit
+    def k(x):
+        return nl.load(x[index])
+
+    with pytest.raises(NkiError) as e:
+        k(X)
+    assert str(e.value).split(": ", 1)[1] == message
+
+
+def test_slices_inside_the_tensor_still_load_what_numpy_slices():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((128, 2), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(x[-128:, 1:129:64]))
+        return out
+
+    x = np.arange(128 * 512, dtype=np.float32).reshape(128, 512)
+    np.testing.assert_array_equal(k(x), x[-128:, 1:129:64])
+
+
+def test_a_psum_tile_is_one_bank():
+    """Issue 25: a (128, 4096) fp32 PSUM tile (all eight banks) was accepted; an NKI PSUM tile
+    is one 2 KiB bank per partition."""
+    @nki.jit
+    def k(x):
+        acc = nl.zeros((128, 4096), nl.float32, buffer=nl.psum)
+        return x
+
+    with pytest.raises(NkiError) as e:
+        k(X)
+    assert str(e.value) == (f"{line_of(k, 'nl.zeros')}: PSUM tile t0 of (128, 4096) fp32 takes 16,384 bytes per "
+                            f"partition; a PSUM tile is one bank, at most 2,048 bytes per partition "
+                            f"(nl.tile_size.psum_fmax fp32 elements): tile the free dim")
+
+
+@pytest.mark.parametrize("call,what", [(lambda t: nl.exp(t), "nl.exp"),
+                                       (lambda t: nl.sigmoid(t), "nl.sigmoid"),
+                                       (lambda t: nisa.activation(op=nl.exp, data=t), "nisa.activation")])
+def test_a_fractional_activation_of_an_integer_tile_needs_a_dtype(call, what):
+    """Issue 25: nl.exp of an int32 tile returned saturated integers without a word. NKI's
+    result dtype defaults to the input's (nki.language.exp in the NKI API reference), so the
+    fp32 values ScalarE computes come back as integers: refused unless a dtype is asked for."""
+    @nki.jit
+    def k(x):
+        return call(nl.load(x))
+
+    with pytest.raises(NkiError) as e:
+        k(np.full((128, 512), 30, np.int32))
+    op = what.split(".")[1] if what.startswith("nl.") else "exp"
+    assert str(e.value).split(": ", 1)[1] == (
+        f"{what}: {op} of an int32 tile would give int32 results (NKI's default dtype is the input's), the fp32 values "
+        f"rounded and saturated to integers; pass dtype=nl.float32 for the values, or dtype=nl.int32 to keep integers")
+
+
+def test_integer_activations_that_stay_integral_and_explicit_dtypes_run():
+    @nki.jit
+    def k(x):
+        t = nl.load(x)
+        a = nl.relu(t)
+        b = nl.exp(t, dtype=nl.float32)
+        out_a = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        out_b = nl.ndarray(b.shape, b.dtype, buffer=nl.shared_hbm)
+        nl.store(out_a, a)
+        nl.store(out_b, b)
+        return out_a, out_b
+
+    x = np.full((128, 512), 3, np.int32)
+    a, b = k(x)
+    assert a.dtype == np.int32 and (a == 3).all()
+    np.testing.assert_allclose(b, np.exp(3.0), rtol=1e-6)

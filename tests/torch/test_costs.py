@@ -198,7 +198,7 @@ def test_mx_matmul_is_refused_where_the_core_has_no_mx():
     a, sa, b, sb = _mx(128, 256, 128)
     with pytest.raises(RuntimeError, match=r"^torch.neuron.mx_matmul: trn2 has no MX matmul \(nc_matmul_mx is "
                                            r"NeuronCore-v4's, core.tensor.mx_quad\); use a trn3 config, or "
-                                           r"torch._scaled_mm for fp8$"):
+                                           r"aten::_scaled_mm for fp8$"):
         torch.neuron.mx_matmul(*(t.to("neuron") for t in (a, sa, b, sb)))
     with pytest.raises(ValueError, match=r"^torch.neuron.mx_matmul: a_scale must be float8_e8m0fnu "):
         torch.neuron.mx_matmul(a, sa.view(torch.uint8), b, sb)

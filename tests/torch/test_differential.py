@@ -4,7 +4,8 @@ compiled; plus the findings it made, each pinned here as a regression test of it
 
 The quick run is seeded and draws 20 samples of every op (each with its variants: the five
 dtypes, broadcasting, masks, strides and offsets, in-place on views, out=, empty and 0-dim
-tensors, extreme values); every 4th sample CPU accepts is also compiled (in graphs of 60). The
+tensors, extreme values); every 4th sample CPU accepts is also compiled (in graphs of 60), every
+25th also run on timing-only tensors. The
 long run is ``python benchmarks/difftest.py --samples 400`` (see its docstring).
 """
 
@@ -27,12 +28,14 @@ _spec.loader.exec_module(dt)
 
 QUICK_SAMPLES = 20
 QUICK_COMPILE_EVERY = 4
+QUICK_TIMING_EVERY = 25
 
 
 # ---- the quick run ------------------------------------------------------------------------------
 def test_quick_run_every_op_agrees_with_cpu(capsys):
     ops = list(dt.served_ops())
-    stats = dt.run(ops, QUICK_SAMPLES, dt.SEED, compile_every=QUICK_COMPILE_EVERY, echo=print)
+    stats = dt.run(ops, QUICK_SAMPLES, dt.SEED, compile_every=QUICK_COMPILE_EVERY, echo=print,
+                   timing_every=QUICK_TIMING_EVERY)
     lines = [m.line() for m in stats.mismatches]
     assert not lines, f"{len(lines)} mismatches:\n" + "\n".join(lines[:40])
     assert all(n >= QUICK_SAMPLES for n, _ in stats.by_op.values()), \
@@ -40,6 +43,7 @@ def test_quick_run_every_op_agrees_with_cpu(capsys):
     assert set(stats.by_op) == set(ops)  # every op drew its samples
     assert stats.compiled >= len(ops)  # (about one compiled sample in four of those CPU accepts)
     assert stats.fast_hits > 1000  # the fast path served its second calls
+    assert stats.timing_only > 50
     for name in ("float32", "bfloat16", "float16", "int64", "bool"):
         assert stats.by_dtype[name] > 500
 
@@ -255,3 +259,13 @@ def test_dynamo_never_compiles_the_kernels_wrapper():
         fastpath.set_enabled(before)
     code = _hidden(lambda: None).__code__  # every kernel's wrapper shares it
     assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
+
+
+def test_a_tensor_passed_twice_is_one_tensor_to_cpus_kernel():
+    """An empty tensor given as both self and values of index_put_ is its own source: CPU's
+    overlap check refuses it (RuntimeError); each argument got its own empty view on the device,
+    which then failed later with an IndexError."""
+    for device in ("cpu", "neuron"):
+        x = torch.empty(0, device=device)
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch.ops.aten._index_put_impl_(x, [torch.tensor([0], device=device)], x, False, False)

@@ -6,6 +6,7 @@ failing with one line instead of hanging. Multi-process runs are few: one probe 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -304,3 +305,70 @@ def test_init_process_group_with_device_id_binds_the_neuron_backend(tmp_path):
         assert got["groups"] == [["NeuronProcessGroup", "neuron:0", 2], ["NeuronProcessGroup", "neuron:0", 2],
                                  ["NeuronProcessGroup", "neuron:0", 1]]
         assert got["fsdp_grad"] == "DTensor"
+
+
+RAISES_MID_RUN = """
+import torch, torch.distributed as dist
+dist.init_process_group("neuron")
+x = torch.ones(4, device="neuron")
+for i in range(6):
+    if dist.get_rank() == 1 and i == 3:
+        raise RuntimeError("boom on rank 1")
+    dist.all_reduce(x)
+"""
+
+EXITS_7 = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("neuron")
+if dist.get_rank() == 1:
+    sys.exit(7)
+dist.all_reduce(torch.ones(4, device="neuron"))
+"""
+
+
+def test_the_rank_that_raised_is_named_not_the_peer_left_waiting(tmp_path):
+    """Issue 25: rank 0, left at all_reduce #4, was named ('rank 1 finished its script')
+    although rank 1 raised; the summary names rank 1 and what it raised."""
+    run = _bad(tmp_path, RAISES_MID_RUN)
+    assert run.returncode == 1 and "RuntimeError: boom on rank 1" in run.stderr  # its traceback first
+    assert _error_line(run) == "trnsim: rank 1 failed (RuntimeError: boom on rank 1); the other ranks were stopped"
+
+
+def test_a_rank_that_exits_with_a_status_is_named_with_it(tmp_path):
+    """Issue 25: sys.exit(7) on a rank printed 'rank 1 failed (To enable traceback see: ...)'."""
+    run = _bad(tmp_path, EXITS_7)
+    assert run.returncode == 7
+    assert _error_line(run) == "trnsim: rank 1 exited with status 7; the other ranks were stopped"
+
+
+STEPS_AND_PRINTS = """
+import torch, torch.distributed as dist
+dist.init_process_group("neuron")
+r = dist.get_rank()
+m, ref = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+m = m.to("neuron")
+opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+for i in range(3):
+    x = torch.randn(4, 8)
+    m(x.to("neuron")).sum().backward()
+    for p in m.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    ref(x).sum().backward()
+    ref_opt.step()  # the CPU reference: not a device step
+    for k in range(100):
+        print(f"rank {r} step {i} line {k:03d} " + "x" * 60)
+"""
+
+
+def test_device_steps_are_counted_and_each_ranks_line_is_whole(tmp_path):
+    """Issue 25: the merged report counted 6 optimizer steps for 3 device steps (the script's
+    CPU reference optimizer too), and the ranks' prints ran together on one line (each print
+    reached the shared pipe as two writes)."""
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(STEPS_AND_PRINTS))
+    run = _trnsim("run", "--nproc", "2", str(script), "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(_json(run.stdout)["step_times_us"]) == 3
+    lines = [ln for ln in run.stdout.splitlines() + run.stderr.splitlines() if " step " in ln]
+    assert len(lines) == 600 and all(re.fullmatch(r"rank [01] step [012] line \d{3} x{60}", ln) for ln in lines)

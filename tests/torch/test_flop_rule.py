@@ -208,3 +208,62 @@ def test_flex_attention_covers_the_registrys_formulas():
     meta = torch.empty(1, 2, 256, 32, device="meta")
     assert forward.report.matmul_flops >= fwd(meta, meta, meta) > 0
     assert backward.report.matmul_flops >= bwd(meta, meta, meta, meta, None, meta) > 0
+
+
+# ---- every op the bridge serves, on the differential tester's samples ---------------------------
+_MATMUL_FAMILY = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution_overrideable")
+
+
+def _difftest():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "difftest" not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "difftest.py"
+        spec = importlib.util.spec_from_file_location("difftest", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["difftest"] = mod  # (its dataclasses look their module up here)
+        spec.loader.exec_module(mod)
+    return sys.modules["difftest"]
+
+
+def test_every_served_op_is_charged_the_flops_counted_on_the_testers_samples():
+    """The differential tester's op list (benchmarks/difftest.py ``served_ops``: the lowering table
+    and every aten op with a neuron kernel) and its samples (dtypes, broadcasting, strides, out=,
+    empty and 0-dim tensors): each call on neuron is charged at least the FLOPs flop_counter counts
+    for it. Five samples an op; twenty for the matmul family, whose tiny and empty samples count
+    nothing, so some count."""
+    import dataclasses
+    import random
+    import warnings
+
+    dt = _difftest()
+    tester = dt.Tester(echo=None)
+    short, counted_ops, ran = [], set(), 0
+    for packet in dt.served_ops():
+        for s in tester.samples(packet, 20 if packet in _MATMUL_FAMILY else 5):
+            outs = [a for a in s.op._schema.arguments if a.kwarg_only and a.alias_info is not None
+                    and a.alias_info.is_write]
+            specs = None
+            if outs:  # out= tensors as the tester makes them (from CPU's functional result)
+                fn = dt.functional_of(s.op)
+                probe = dt.run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None else None
+                specs = dt.out_specs(s, probe.result if probe is not None and probe.error is None else None,
+                                     random.Random(s.seed))
+            m = dt.Materialised(s, "neuron", specs)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    with torch.neuron.report_scope() as scope, FlopCounterMode(display=False) as counter:
+                        s.op(*m.args, **m.kwargs)
+            except Exception:  # noqa: BLE001 - a variant CPU refuses too (the tester compares those)
+                continue
+            ran += 1
+            counted, rep = counter.get_total_flops(), scope.report
+            if rep.matmul_flops + rep.engine_flops < counted:
+                short.append(f"{s.describe()}: charged {rep.matmul_flops + rep.engine_flops} < {counted}")
+            if counted:
+                counted_ops.add(packet)
+    assert not short, "\n".join(short[:20])
+    assert ran > 900 and {"mm", "addmm", "bmm", "baddbmm", "convolution_overrideable"} <= counted_ops, (ran, counted_ops)

@@ -222,3 +222,28 @@ def test_trnsim_run_timing_only(tmp_path):
         assert out.returncode == 2 and out.stderr == (f"trnsim: error: run: --timing-only runs one process once; leave "
                                                       f"out {msg} (trnsim estimate simulates a whole system without "
                                                       f"values)\n")
+
+
+@pytest.mark.parametrize("code,message", [
+    (lambda x: x.cpu().numpy(), "timing-only: Tensor.numpy() needs tensor values (a NumPy array of its values)"),
+    (lambda x: __import__("numpy").asarray(x.cpu()), "timing-only: Tensor.__array__ needs tensor values (np.asarray of "
+                                                      "a tensor)"),
+    (lambda x: torch.save(x, __import__("io").BytesIO()), "timing-only: torch.save needs tensor values (pickling or "
+                                                          "saving a tensor writes its values)"),
+])
+def test_host_copies_of_values_fail_with_one_line(code, message):
+    """Issue 25: ``.numpy()`` and ``torch.save`` of a timing-only tensor raised torch's own errors
+    (a tensor-subclass RuntimeError, a pickling AttributeError) instead of saying what is wrong."""
+    with torch.neuron.timing_only():
+        x = torch.empty(16, 16, device="neuron")
+        with pytest.raises(TimingOnlyError, match="^" + re.escape(message)) as info:
+            code(x)
+    assert "\n" not in str(info.value)
+
+
+def test_trnsim_run_names_the_line_of_a_numpy_call(tmp_path):
+    bad = tmp_path / "np.py"
+    bad.write_text("import torch\nx = torch.ones(8, device='neuron')\ntorch.save(x, 'x.pt')\n")
+    out = _trnsim("run", str(bad), "--timing-only", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"trnsim run: {bad}:3: timing-only: torch.save needs tensor values")

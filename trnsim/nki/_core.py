@@ -466,6 +466,14 @@ class NkiTensor:
                 start, stop, step = e.indices(it.size)
                 if step <= 0:
                     raise NkiError(f"slice step must be positive, got {step} for {what}")
+                # Python clamps a slice to the sequence; NKI refuses an access past the tensor, as it
+                # refuses the same range written as an index expression (resolve)
+                first = 0 if e.start is None else e.start + (it.size if e.start < 0 else 0)
+                end = it.size if e.stop is None else e.stop + (it.size if e.stop < 0 else 0)
+                last = first + (-(-(end - first) // step) - 1) * step
+                if first < 0 or last >= it.size:
+                    raise NkiError(f"slice {e.start}:{e.stop} reaches index {first if first < 0 else last}, out of "
+                                   f"range for {what}")
                 n = max(0, -(-(stop - start) // step))
                 if n == 0:
                     raise NkiError(f"empty slice {e.start}:{e.stop} for {what}")
@@ -901,8 +909,10 @@ class Trace:
     def name(self, prefix: str) -> str:
         return f"{prefix}{next(self._names)}"
 
-    def new_tile(self, shape: Sequence[int], dtype: Dtype, buffer: str, name: str = "") -> _Store:
-        """Storage for an ``nl.ndarray``: an on-chip tile or an HBM tensor."""
+    def new_tile(self, shape: Sequence[int], dtype: Dtype, buffer: str, name: str = "", *, one_bank: bool = False
+                 ) -> _Store:
+        """Storage for an ``nl.ndarray``: an on-chip tile or an HBM tensor. ``one_bank``: a PSUM
+        tile the kernel declares, which NKI limits to one accumulation bank per partition."""
         shape, pdim = _tile_shape(shape)
         name = name or self.name("t")
         if buffer == "hbm":
@@ -931,6 +941,12 @@ class Trace:
             raise NkiError(f"{buffer.upper()} tile {name} has {p} partitions in dim {pdim} of {shape}; at most "
                            f"{limit} (nl.tile_size.pmax): tile the partition dim")
         free = math.prod(n for i, n in enumerate(shape) if i != pdim)
+        if one_bank and buffer == "psum" and free * dtype.itemsize > cfg.psum.bank_bytes:
+            # an NKI PSUM tile is one accumulation bank (nl.tile_size.psum_fmax); the builder's
+            # own tiles may span banks, an NKI kernel's may not
+            raise NkiError(f"PSUM tile {name} of {shape} {dtype.short} takes {free * dtype.itemsize:,} bytes per "
+                           f"partition; a PSUM tile is one bank, at most {cfg.psum.bank_bytes:,} bytes per partition "
+                           f"(nl.tile_size.psum_fmax fp32 elements): tile the free dim")
         st.tile = self.kernel._allocate(buffer, (p, free), dtype, name, 0, scoped=False)
         return st
 

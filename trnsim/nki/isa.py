@@ -381,6 +381,29 @@ def activation_reduce(*args: Any, **kwargs: Any) -> Any:
     return _activation(what, dst, p)
 
 
+def refuse_integer_result(op: str, x: NkiTensor, dtype: Any, what: str) -> None:
+    """An activation whose values are fractions (exp, log, sigmoid, ...) of an integer tile, with
+    no dtype given: NKI's default result dtype is the input's, so the fp32 values ScalarE
+    computes would come back rounded and saturated to integers without a word; refused, naming
+    the dtype to ask for. Whether ``op`` keeps integers integral is read from its own definition
+    (the ISA's activation table), not listed again here."""
+    import numpy as np
+
+    from ..isa import ACTIVATIONS
+
+    dt = nki_dtype(x.dtype, what)
+    if dtype is not None or dt.is_float or op not in ACTIVATIONS:
+        return
+    probe = np.array([-3.0, -1.0, 0.0, 1.0, 2.0, 3.0, 7.0])
+    with np.errstate(all="ignore"):
+        values = ACTIVATIONS[op][0](probe)
+    if np.all(np.isfinite(values)) and np.array_equal(values, np.round(values)):
+        return  # relu, abs, square, sign, identity: integers stay integers
+    raise NkiError(f"{what}: {op} of an {dt.short} tile would give {dt.short} results (NKI's default dtype is the "
+                   f"input's), the fp32 values rounded and saturated to integers; pass dtype=nl.float32 for the "
+                   f"values, or dtype=nl.{dt.np_dtype.name} to keep integers")
+
+
 def _activation(what: str, dst: NkiTensor | None, p: dict[str, Any]) -> Any:
     if p["reduce_cmd"] not in (None, reduce_cmd.idle, reduce_cmd.reset_reduce):
         raise NkiError(f"{what}: reduce_cmd={p['reduce_cmd']} (accumulating across instructions) is not supported "
@@ -394,6 +417,8 @@ def _activation(what: str, dst: NkiTensor | None, p: dict[str, Any]) -> Any:
         raise NkiError(f"{what}: reduce_op and reduce_res go together")
     box = _spread(_mask(p["mask"], what), [dst, x, bias, scale, red])
     op = _op_name(p["op"])
+    if dst is None:
+        refuse_integer_result(op, x, p["dtype"], what)
 
     def emit(d: NkiTensor, dbox: dict) -> None:
         tr = current()

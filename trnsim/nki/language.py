@@ -155,7 +155,7 @@ def ndarray(shape: Any, dtype: Any, buffer: Any = sbuf, name: str = "", address:
         raise NkiError("nl.ndarray(address=...) (manual allocation) is not supported by trnsim.nki: the scheduling "
                        "pass lays tiles out, as the compiler does")
     tr = current()
-    return NkiTensor.full(tr.new_tile(shape, nki_dtype(dtype, "nl.ndarray"), buffer_name(buffer), name))
+    return NkiTensor.full(tr.new_tile(shape, nki_dtype(dtype, "nl.ndarray"), buffer_name(buffer), name, one_bank=True))
 
 
 def zeros(shape: Any, dtype: Any, buffer: Any = sbuf, name: str = "") -> NkiTensor:
@@ -407,6 +407,8 @@ right_shift = _make_binary("right_shift")
 
 def _make_unary(func: str) -> Any:
     def fn(x: NkiTensor, dtype: Any = None, *, mask: Any = None) -> NkiTensor:
+        if isinstance(x, NkiTensor):
+            nisa.refuse_integer_result(func, x, dtype, f"nl.{func}")
         return nisa.activation(op=func, data=x, dtype=dtype, mask=mask)
 
     fn.__name__ = fn.__qualname__ = func

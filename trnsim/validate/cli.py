@@ -1,7 +1,7 @@
 """``trnsim validate``: run the validation ledger and print the error by category (part of the CLI,
 with :mod:`trnsim.cli`; the rows are :mod:`trnsim.ledger`'s, the runs :mod:`trnsim.validate.run`'s).
 
-    trnsim validate [NAME ...] [--quick] [--list] [--json] [--out rows.csv|rows.parquet]
+    trnsim validate [NAME ...] [--quick] [--list] [--json | --markdown] [--out rows.csv|rows.parquet]
                     [--plot out.png] [--set K=V ...] [--record] [--check-drift]
 
 NAME is a category (kernels, dma, collectives, inference, training), a row id, or an id prefix
@@ -34,6 +34,7 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--quick", action="store_true", help="only the rows that take seconds (what CI runs)")
     v.add_argument("--list", action="store_true", help="list the rows with their sources, without running them")
     v.add_argument("--json", action="store_true", help="print rows and summary as JSON")
+    v.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table (docs/fidelity.md's)")
     v.add_argument("--out", metavar="ROWS.csv", help="write one line per row (.csv, or .parquet with the 'metrics' "
                                                      "extra)")
     v.add_argument("--plot", metavar="OUT.png", help="draw predicted vs measured on log-log axes, a colour per "
@@ -83,21 +84,21 @@ def _list(rows: Sequence[Row], as_json: bool) -> None:
 
 def render_summary(results: Sequence[Result]) -> list[str]:
     """The summary table, as text lines."""
-    lines = [f"{'category':<12} {'role':<12} {'rows':>5} {'predicted':>9} {'within':>7} {'MAPE %':>8} "
-             f"{'median':>7} {'worst':>7}"]
+    lines = [f"{'category':<12} {'role':<12} {'rows':>5} {'predicted':>9} {'within':>7} {'measured':>8} "
+             f"{'MAPE %':>8} {'median':>7} {'worst':>7}"]
     for s in summarize(results):
-        lines.append(f"{s.category:<12} {s.role:<12} {s.rows:>5} {s.predicted:>9} {s.within:>7} "
+        lines.append(f"{s.category:<12} {s.role:<12} {s.rows:>5} {s.predicted:>9} {s.within:>7} {s.measured:>8} "
                      f"{_fmt(s.mape, 3):>8} {_fmt(s.median, 3):>7} {_fmt(s.worst, 3):>7}")
     return lines
 
 
 def summary_markdown(results: Sequence[Result]) -> str:
     """The summary table as Markdown (what docs/fidelity.md shows)."""
-    out = ["| category | role | rows | predicted | within tolerance | MAPE | median ratio | worst ratio |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| category | role | rows | predicted | within tolerance | measured | MAPE | median ratio | worst ratio |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summarize(results):
         mape = "-" if s.mape is None else f"{s.mape:.1f}%"
-        out.append(f"| {s.category} | {s.role} | {s.rows} | {s.predicted} | {s.within} | {mape} | "
+        out.append(f"| {s.category} | {s.role} | {s.rows} | {s.predicted} | {s.within} | {s.measured} | {mape} | "
                    f"{_fmt(s.median, 3)} | {_fmt(s.worst, 3)} |")
     return "\n".join(out)
 
@@ -132,7 +133,8 @@ def _write_rows(out: AtomicOutput, path: str, results: Sequence[Result]) -> None
 
 def plot_results(results: Sequence[Result], out: AtomicOutput) -> None:
     """Predicted against measured, log-log, one colour per category, circles for validation rows
-    and triangles for calibration rows, with y = x and the +-25% band."""
+    and triangles for calibration rows (hollow: a bound or a vendor's target), with y = x and the
+    +-25% band."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -144,9 +146,14 @@ def plot_results(results: Sequence[Result], out: AtomicOutput) -> None:
     for cat in CATEGORIES:
         for role, marker in (("validation", "o"), ("calibration", "^")):
             sel = [r for r in pts if r.row.category == cat and r.row.role == role]
-            if sel:
-                ax.scatter([r.row.value for r in sel], [r.predicted for r in sel], c=colors[cat], marker=marker,
-                           s=22, alpha=0.8, label=f"{cat} ({role}, {len(sel)})")
+            meas = [r for r in sel if r.row.kind.startswith("measured")]
+            bound = [r for r in sel if not r.row.kind.startswith("measured")]
+            if meas:
+                ax.scatter([r.row.value for r in meas], [r.predicted for r in meas], c=colors[cat], marker=marker,
+                           s=22, alpha=0.8, label=f"{cat} ({role}, {len(meas)})")
+            if bound:  # a bound or a vendor's target: hollow, it is not a measurement
+                ax.scatter([r.row.value for r in bound], [r.predicted for r in bound], facecolors="none",
+                           edgecolors=colors[cat], marker=marker, s=22, label=f"{cat} ({role}, bound/target, {len(bound)})")
     if pts:
         lo = min(min(r.row.value, r.predicted or 0) for r in pts) / 2
         hi = max(max(r.row.value, r.predicted or 0) for r in pts) * 2
@@ -191,7 +198,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
             outs[1] = reserve(args.plot, "--plot")
         w = max([len(r.id) for r in rows] + [2])
-        stream = not args.json
+        stream = not (args.json or args.markdown)
 
         def progress(r: Result) -> None:
             if stream:
@@ -217,10 +224,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"rows": [r.to_dict() for r in results], "summary": [s.to_dict() for s in summarize(results)],
                           "seconds": round(wall, 2), "drift": drift}, indent=2))
+    elif args.markdown:
+        print()
+        print(summary_markdown(results))
     else:
         print()
         print("\n".join(render_summary(results)))
-        print(f"MAPE: mean |predicted/measured - 1| over the predicted rows; median and worst: predicted/measured. "
+        print(f"measured: predicted rows whose value is a measurement (bounds and vendor targets count only in 'within'); "
+              f"over them MAPE = mean |predicted/measured - 1|, median and worst = predicted/measured. "
               f"{len(results)} rows in {wall:.1f} s")
         if args.record:
             print(f"recorded {sum(r.predicted is not None for r in results)} predictions in validation/expected.yaml")

@@ -179,6 +179,8 @@ def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[st
 
     from torch_bridge.estimate import EstimateError, estimate_inference, estimate_train
 
+    from ..estimate import PlanError
+
     a = dict(args)
     mode = a.pop("mode", None)
     a["overrides"] = _overrides(a, run)
@@ -195,7 +197,7 @@ def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[st
                     "mfu": ("percent", est.mfu_percent)}
     except torch.OutOfMemoryError as e:
         raise PredictionError(f"does not fit: {str(e).split(' - ')[0]}") from None
-    except EstimateError as e:  # the published setup is one trnsim estimate refuses: listed with the refusal
+    except (EstimateError, PlanError) as e:  # the published setup is one trnsim estimate refuses: listed with it
         raise PredictionError(str(e)) from None
     except TypeError as e:
         raise LedgerError(f"predict how: estimate: {e}") from None

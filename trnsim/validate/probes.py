@@ -77,5 +77,25 @@ def act_chain(cfg: ChipConfig, *, length: int = 32, partitions: int = 1, free: i
     return {"interval": ("time", interval), "latency": ("time", rep.total_ticks / rep.tick_hz)}
 
 
+def launch_gap(cfg: ChipConfig, *, launches: int = 32, kernel: str = "binary", shape: tuple[int, ...] | list[int] = (128, 128),
+               dtype: str = "bf16") -> dict[str, Figure]:
+    """``launches`` back-to-back launches of one small library kernel from the host on logical
+    core 0 (the device model of :mod:`trnsim.device`). Figures: ``interval``, the mean time between
+    the starts of consecutive launches (the host's issue cost when the kernel is shorter than it),
+    and ``kernel_time``, one launch's device time."""
+    from ..device import Device, KernelSpec
+
+    if launches < 3:
+        raise KernelError("probe launch_gap: launches must be at least 3")
+    dev = Device(cfg)
+    cost = dev.cost(KernelSpec.of(kernel, tuple(shape), dtype))
+    spans = [dev.launch(0, kernel, cost) for _ in range(launches)]
+    starts = [s for s, _ in spans if s is not None]
+    hz = cfg.tick_hz
+    return {"interval": ("time", (starts[-1] - starts[1]) / (len(starts) - 2) / hz),
+            "kernel_time": ("time", (spans[0][1] - spans[0][0]) / hz if spans[0] else 0.0)}
+
+
 #: probe name -> function(config, **args) -> {figure: (dimension, value)}
-PROBES: dict[str, Callable[..., dict[str, Figure]]] = {"dma_copy": dma_copy, "act_chain": act_chain}
+PROBES: dict[str, Callable[..., dict[str, Figure]]] = {"dma_copy": dma_copy, "act_chain": act_chain,
+                                                       "launch_gap": launch_gap}

@@ -113,8 +113,9 @@ def run_rows(rows: Iterable[Row], overrides: Sequence[str] = (),
 
 @dataclass(frozen=True)
 class Summary:
-    """One category x role: rows in the ledger, rows predicted, rows within their tolerance, the
-    mean absolute percentage error over the predicted rows, and their median and worst (farthest
+    """One category x role: rows in the ledger, rows predicted, rows within their tolerance, and,
+    over the predicted rows whose value is a measurement (not a bound a test enforced, not a
+    vendor's target), their count, mean absolute percentage error and median and worst (farthest
     from 1, as a factor) predicted/measured ratio."""
 
     category: str
@@ -122,6 +123,7 @@ class Summary:
     rows: int
     predicted: int
     within: int
+    measured: int
     mape: float | None
     median: float | None
     worst: float | None
@@ -142,8 +144,9 @@ def summarize(results: Sequence[Result]) -> list[Summary]:
             rs = [r for r in results if r.row.role == role and (cat == "all" or r.row.category == cat)]
             if not rs:
                 continue
-            ratios = [r.ratio for r in rs if r.ratio is not None]
-            out.append(Summary(cat, role, len(rs), len(ratios), sum(r.status == "ok" for r in rs),
+            ratios = [r.ratio for r in rs if r.ratio is not None and r.row.kind.startswith("measured")]
+            out.append(Summary(cat, role, len(rs), sum(r.predicted is not None for r in rs),
+                               sum(r.status == "ok" for r in rs), len(ratios),
                                100 * statistics.fmean(abs(x - 1) for x in ratios) if ratios else None,
                                statistics.median(ratios) if ratios else None, _worst(ratios) if ratios else None))
     return out

@@ -45,7 +45,7 @@ from ...isa import HbmTensor, KernelError, TileAP
 from ...kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, bcast, choice, flag, positive, shard_range, shards
+from .common import BOUNDS, P, Bound, Pools, bcast, choice, flag, load_transposed, positive, shard_range, shards
 
 __all__ = ["build_attention_tkg", "attention_tkg_reference", "attention_tkg_bound"]
 
@@ -281,7 +281,8 @@ class _Tkg:
                     kern.dma_copy(kT[:, c0:c1], self.kc.ap(((bi * self.nkv + kvh) * d) * self.sp + k0 + c0,
                                                            [[self.sp, d], [1, c1 - c0]]), queue=self._q())
                 else:
-                    kern.dma_transpose(kT[:, c0:c1], self.kc[bi, kvh, k0 + c0:k0 + c1, :], queue=self._q())
+                    load_transposed(kern, pools, kT[:, c0:c1], self.kc[bi, kvh, k0 + c0:k0 + c1, :], self._q(),
+                                    "tkg_tr")
             vt = pools("v", npr).tile((P, tiles, d), dt)
             base = ((bi * self.nkv + kvh) * self.sp + k0) * d
             kern.dma_copy(vt, self.vc.ap(base, [[tiles * d, P], [d, tiles], [1, d]]), queue=self._q())
