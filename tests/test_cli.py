@@ -115,3 +115,11 @@ def test_the_package_loads_its_public_names_on_first_use():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert r.returncode == 0, r.stderr
+
+
+def test_every_pinned_report_fits_a_120_column_terminal():
+    """Issue 25: the merged distributed report was 200 columns wide and the collective table 138;
+    a name longer than its column ends in an ellipsis (--json and Parquet keep it whole)."""
+    wide = {p.name: max(len(line) for line in p.read_text(encoding="utf-8").splitlines())
+            for p in sorted(GOLDEN.glob("*.txt"))}
+    assert wide and all(w <= 120 for w in wide.values()), wide

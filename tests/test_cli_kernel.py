@@ -236,3 +236,19 @@ def test_a_missing_output_directory_is_made_when_written_as_sweep_does(tmp_path,
     spec.write_text("kernels: [{name: matmul, shape: 128x128x128}]\n")
     assert main(["sweep", str(spec), "--jobs", "1", "--out", "c/d/r.csv"]) == 0
     assert (tmp_path / "c" / "d" / "r.csv").read_text().startswith("kernel,")
+
+
+def test_a_kernel_file_imports_its_neighbours_from_any_directory(tmp_path, capsys, monkeypatch):
+    """Issue 25: a kernel file importing a module beside it loaded only when the working
+    directory was its own (and under python -m, not the trnsim command)."""
+    (tmp_path / "kd").mkdir()
+    (tmp_path / "kd" / "helper_beside_25.py").write_text("COLS = 64\n")
+    (tmp_path / "kd" / "k.py").write_text(
+        "import trnsim\nfrom helper_beside_25 import COLS\n\ndef build(rows, cols, config='trn2'):\n"
+        "    k = trnsim.Kernel('copy', config)\n    x, y = k.input('x', (rows, COLS), 'fp32'), k.output('y', (rows, "
+        "COLS), 'fp32')\n    t = k.sbuf((rows, COLS), 'fp32')\n    k.dma_copy(t, x)\n    k.dma_copy(y, t)\n    return k\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(__import__("sys").path)
+    code, out, err = run(capsys, "kernel", "kd/k.py:build", "--shape", "128x64")
+    assert (code, err) == (0, "") and out.startswith("kd/k.py:build 128x64 on trn2")
+    assert __import__("sys").path == before

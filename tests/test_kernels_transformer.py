@@ -28,6 +28,10 @@ CHECKS = [
     ("attention_cte", (1, 2, 1, 600, 128), {"sinks": True}),
     ("attention_cte", (2, 4, 2, 700, 64), {"window": 200}),
     ("attention_cte", (1, 2, 1, 2300, 64), {"causal": False}),
+    # a chunk after cached keys (chunked prefill, a cached prefix): queries at prior + i
+    ("attention_cte", (1, 4, 1, 256, 128), {"prior": 384}),
+    ("attention_cte", (2, 4, 2, 200, 64), {"prior": 100, "window": 128}),
+    ("attention_cte", (1, 2, 1, 384, 128), {"prior": 130, "sinks": True}),
     ("rope", (40, 3, 1, 64), {}),
     ("rope", (1, 3, 300, 64), {}),
     ("rope", (2, 5, 2048, 128), {}),
@@ -52,6 +56,7 @@ BOUNDS = [
     ("attention_tkg", (32, 4, 1, 1, 4096, 128), {}, 0.65),
     ("attention_tkg", (1, 1, 1, 1, 16384, 128), {}, 0.4),
     ("attention_cte", (1, 8, 1, 4096, 128), {}, 0.3),
+    ("attention_cte", (1, 8, 1, 2048, 128), {"prior": 6144}, 0.4),
     ("rope", (1, 40, 4096, 128), {}, 0.7),
     ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
     ("moe_tkg", (4, 4096, 1792, 8), {"top_k": 2}, 0.75),
@@ -125,3 +130,17 @@ def test_moe_tkg_modes():
 
     assert moe_mode(8, 128, 8, "auto") == "selective" and moe_mode(4, 8, 2, "auto") == "all"
     assert moe_mode(4, 8, 2, "selective") == "selective"
+
+
+@pytest.mark.parametrize("name,shape,params", [
+    # one pass of weight columns over many token blocks: four blocks of Xᵀ rotate (every block
+    # was kept before, 16 KiB each per partition: SBUF ran out past ~12 blocks)
+    ("qkv", (1, 2048, 8192, 1, 1, 128), {"norm": "none", "rope": True}),
+    # a wide contraction (Llama-3.1-405B's H at TP=64) without the norm's row buffers: fewer
+    # blocks of Xᵀ in flight leave room for a pass of weights
+    ("qkv", (1, 512, 16384, 2, 1, 128), {"norm": "none"}),
+    ("mlp", (1, 512, 16384, 832), {"norm": "none"}),
+])
+def test_prefill_projections_fit_sbuf(name, shape, params):
+    m = measure(name, shape, params)
+    assert 0.3 < m.fraction <= 1.0

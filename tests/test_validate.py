@@ -180,3 +180,68 @@ def test_overriding_a_calibrated_parameter_drops_its_provenance():
 def test_validate_package_imports_no_torch():
     code = "import sys, trnsim.validate, trnsim.validate.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def _ledger_kernel(name):
+    from trnsim.sweep import resolve_kernel
+
+    return resolve_kernel(f"validation/kernels/{name}", ROOT).build
+
+
+@pytest.mark.parametrize("fn, params", [("tiled", {}), ("hoisted", {}), ("blocked_free", {}),
+                                        ("fully_optimized", dict(tiles_m=2, tiles_n=2, tiles_k=2))])
+def test_ledger_matmul_kernels_compute_the_product(fn, params):
+    """validation/kernels/matmul_tutorial.py's four versions give lhsT.T @ rhs (bf16 in, fp32
+    PSUM; the fully optimized one keeps its partial sums in bf16 SBUF, as the tutorial does)."""
+    import ml_dtypes
+    import numpy as np
+
+    from trnsim import Chip
+
+    rng = np.random.default_rng(0)
+    k, m, n = 512, 512, 2048
+    a, b = rng.standard_normal((k, m)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    ref = a.astype(ml_dtypes.bfloat16).astype(np.float32).T @ b.astype(ml_dtypes.bfloat16).astype(np.float32)
+    chip = Chip("trn1")
+    out = chip.run(_ledger_kernel(f"matmul_tutorial.py:{fn}")(m, k, n, dtype="bf16", config=chip.config, **params),
+                   {"lhsT": a, "rhs": b})["result"]
+    assert np.abs(np.asarray(out, np.float32) - ref).max() <= 0.01 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_ledger_mamba_kernel_matches_the_recurrence(version):
+    """validation/kernels/mamba_tutorial.py against the layer's definition in numpy (float64)."""
+    import numpy as np
+
+    from trnsim import Chip
+
+    rng = np.random.default_rng(1)
+    bt, c, s, n = 1, 256, 1024, 3
+    delta = rng.uniform(0.01, 0.1, (bt, c, s)).astype(np.float32)
+    u = rng.standard_normal((bt, c, s)).astype(np.float32)
+    a = -rng.uniform(0.5, 2, (c, n)).astype(np.float32)
+    bm, cm = rng.standard_normal((bt, n, s)).astype(np.float32), rng.standard_normal((bt, n, s)).astype(np.float32)
+    da = np.exp(delta[:, :, None, :].astype(np.float64) * a[None, :, :, None])
+    dbu = delta[:, :, None, :].astype(np.float64) * bm[:, None, :, :] * u[:, :, None, :]
+    scan, prev = np.zeros_like(da), 0.0
+    for t in range(s):
+        prev = da[..., t] * prev + dbu[..., t]
+        scan[..., t] = prev
+    ref = (cm[:, None, :, :] * scan).sum(axis=2)
+    chip = Chip("trn1")
+    kern = _ledger_kernel("mamba_tutorial.py:mamba")(bt, c, s, n, config=chip.config, version=version)
+    out = chip.run(kern, {"delta": delta, "u": u, "A": a, "B": bm, "C": cm})["out"]
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_predictors_run_an_nki_file_and_refuse_bad_arguments():
+    from trnsim.validate import predict
+
+    figs = predict("nki", {"file": "tests/nki/nki_kernels.py:tiled_matmul", "shapes": [[256, 128], [256, 512]],
+                           "dtype": "bfloat16"}, "trn2")
+    assert figs["latency"][0] == "time" and figs["latency"][1] > 0 and figs["tensor_active"][1] > 0
+    with pytest.raises(LedgerError, match=r"^predict how: kernel: unknown argument 'shpe': expected kernel, shape"):
+        predict("kernel", {"kernel": "matmul", "shpe": [1]}, "trn2")
+    with pytest.raises(LedgerError, match=r"^predict how: 'nope': expected one of kernel, nki, probe, collective, "
+                                          r"estimate or none$"):
+        predict("nope", {}, "trn2")

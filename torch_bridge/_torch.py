@@ -33,6 +33,9 @@ REQUIRED: dict[str, str] = {
     "torch._C._ExcludeDispatchKeyGuard": "running an autocast op with autocast excluded",
     "torch._C._dispatch_get_all_op_names": "claiming every _foreach_ op",
     "torch._C._dynamo.eval_frame.get_eval_frame_callback": "calling kernels directly when dynamo is off",
+    "torch._guards.TracingContext.try_get": "no launch for kernels run while torch.compile traces",
+    "torch._C._get_dispatch_mode": "no launch for kernels run while torch.compile traces",
+    "torch._C._TorchDispatchModeKey": "no launch for kernels run while torch.compile traces",
     "torch._C._dynamo.eval_frame.set_code_exec_strategy": "dynamo never compiling the kernels' own wrapper frame",
     "torch._C._dynamo.eval_frame._FrameExecStrategy": "dynamo never compiling the kernels' own wrapper frame",
     "torch._C._dynamo.eval_frame._FrameAction": "dynamo never compiling the kernels' own wrapper frame",
@@ -112,6 +115,16 @@ register_device_module = torch._register_device_module
 ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 all_op_names = torch._C._dispatch_get_all_op_names
 eval_frame_callback = resolve("torch._C._dynamo.eval_frame.get_eval_frame_callback")
+_tracing_context = resolve("torch._guards.TracingContext.try_get")
+_dispatch_mode = resolve("torch._C._get_dispatch_mode")
+_FAKE = resolve("torch._C._TorchDispatchModeKey").FAKE
+
+
+def tracing() -> bool:
+    """Whether torch.compile is tracing: dynamo and AOTAutograd propagate example values through
+    the graph on fake tensors, and run the real kernel of an op whose inputs are constants.
+    Kernels run then are the compiler's, not the program's (two thread-local lookups)."""
+    return _tracing_context() is not None or _dispatch_mode(_FAKE) is not None
 
 
 def dynamo_skip(code: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 from trnsim import ChipConfig, load_config
 from trnsim.device import Device, KernelSpec, OpCost, no_work
 
-from . import memory
+from . import _torch, memory
 
 __all__ = ["Runtime", "runtime", "set_config", "is_initialized"]
 
@@ -47,11 +47,15 @@ class Runtime:
     def charge(self, index: int, op: str, spec: KernelSpec | OpCost | None, label: str = "launch only") -> None:
         """Launch ``spec`` for ``op`` on the current stream of logical core ``index`` (None: a
         launch with no device work, shown as ``label``)."""
+        if _torch.tracing():
+            return  # torch.compile ran the kernel while it traced (a constant, or a fake tensor's shapes)
         cost = spec if isinstance(spec, OpCost) else self.cost(spec, label)
         self.device.launch(index, op, cost)
 
     def host_op(self, op: str) -> None:
         """A metadata-only op: counted in the report, no launch."""
+        if _torch.tracing():
+            return
         self.device.host_op(op)
 
 

@@ -599,7 +599,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                    [cell(r["cycles"], ",.0f"), cell(r["us"], ",.3f"),
                     cell(r["mfu_percent"], ".1f") + ("%" if r["mfu_percent"] else ""), r["bound"]])
         t.add_row(*(str(r[k]) for k in spec.grid), r["kernel"], r["shape"], r["dtype"], *figures)
-    console = _Out(width=140)
+    console = _Out(width=REPORT_WIDTH)
     console.print(t)
     console.print(f"{result.ran} points run, {len(rows) - result.ran} from a previous run; results in {spec.out}",
                   markup=False)
@@ -731,17 +731,13 @@ def render_comparison(eager: Any, compiled: Any, title: str, console: Any) -> No
 
 def _render_regions(rep: Any, console: Any) -> None:
     """The compiled regions of a run: what each fused kernel replaced and what that saved."""
-    from rich.table import Table
-
-    t = Table(title=f"compiled regions: {len(rep.regions)} fused kernels", title_justify="left")
-    for col in ("region (fused aten ops)", "kernel", "calls", "time us", "eager us", "HBM MB", "eager HBM MB",
-                "launches saved"):
-        t.add_column(col, justify="left" if col.startswith(("region", "kernel")) else "right",
-                     no_wrap=col.startswith("region"))
-    for r in rep.regions:
-        t.add_row(" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
-                  f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}")
-    console.print(t)
+    cols = ("region (fused aten ops)", "kernel", "calls", "time us", "eager us", "HBM MB", "eager HBM MB",
+            "launches saved")
+    rows = [[" ".join(r.fused_ops), r.kernel, f"{r.calls:,}", f"{r.time_us:,.1f}", f"{r.eager_time_us:,.1f}",
+             f"{r.hbm_bytes / 1e6:,.2f}", f"{r.eager_hbm_bytes / 1e6:,.2f}", f"{r.eager_launches - r.calls:,}"]
+            for r in rep.regions]
+    console.print(_fitted_table(f"compiled regions: {len(rep.regions)} fused kernels", cols, rows,
+                                names=cols[:2]))
 
 
 def _reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:
@@ -780,12 +776,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_REPORT_WIDTH = 160  # characters: whole op and kernel names (they are what users look up)
+#: characters: every report fits a 120-column terminal. Names longer than their column (a
+#: compiled region's fused ops, a long op) end in an ellipsis there; --json, --metrics (Parquet)
+#: and the trace keep them whole.
+REPORT_WIDTH = 120
+RUN_REPORT_WIDTH = REPORT_WIDTH
+NAME_COLUMN = 28  # characters of an op, kernel or region name in a table
 
 
 def run_report_width(rep: Any) -> int:
-    """The console width a report's table needs whole: collective rows add three columns."""
-    return RUN_REPORT_WIDTH + (40 if any(r.collective is not None for r in rep.rows) else 0)
+    """The console width of a run report (:data:`REPORT_WIDTH`, whatever its rows)."""
+    return REPORT_WIDTH
 
 
 def _size(n: int) -> str:
@@ -796,21 +797,48 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _fitted_table(title: str, cols: Sequence[str], rows: Sequence[Sequence[str]], names: Sequence[str] = (),
+                  left: Sequence[str] = ()) -> Any:
+    """A report table that fits :data:`REPORT_WIDTH`: figures are never cut (each column as wide as
+    its widest cell or its header's longest word; a longer header takes two lines), the ``names``
+    columns share what is left, at most :data:`NAME_COLUMN` each, and cut a longer name with an
+    ellipsis (the data - --json, Parquet, the trace - keeps it whole). ``left``: columns aligned
+    left besides the names."""
+    import textwrap
+
+    from rich import box
+    from rich.table import Table
+
+    widths = [max([len(r[i]) for r in rows] + [len(w) for w in col.split()]) for i, col in enumerate(cols)]
+    named = [i for i, col in enumerate(cols) if col in names]
+    for i in named:
+        widths[i] = min(max([len(r[i]) for r in rows] + [len(cols[i])]), NAME_COLUMN)
+    # the SIMPLE_HEAD box: one space of padding each side of a cell, a separator between cells and
+    # at each edge
+    room = REPORT_WIDTH - (3 * len(cols) + 1) - sum(w for i, w in enumerate(widths) if i not in named)
+    while named and sum(widths[i] for i in named) > room and max(widths[i] for i in named) > 4:
+        widest = max(named, key=lambda i: widths[i])
+        widths[widest] -= 1
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for i, col in enumerate(cols):
+        header = col if i in named else textwrap.fill(col, widths[i])
+        t.add_column(header, justify="left" if i in named or col in left else "right", width=widths[i],
+                     no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
 def render_run_report(rep: Any, title: str, console: Any) -> None:
     """A RunReport as a table, busiest op first (``trnsim run``, ``trnsim demo`` and
     examples/train_gpt2.py print it this way), then the run's time figures and its host-only ops.
     Collective rows (torch.distributed on the neuron backend) add what they moved: bytes (S),
     busbw and the time waiting for the group's last rank."""
-    from rich.table import Table
-
     colls = any(r.collective is not None for r in rep.rows)
-    t = Table(title=f"neuron run report: {title}", title_justify="left")
     cols = ["op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"]
     if colls:
         cols += ["bytes", "busbw GiB/s", "peers us"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("op", "kernel", "bound") else "right",
-                     no_wrap=col in ("op", "kernel"))
+    rows = []
     for r in rep.rows:
         cells = [r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
                  f"{r.share_percent:.1f}%", f"{r.host_wait_us:,.1f}", f"{r.mfu_percent:.1f}%",
@@ -819,11 +847,15 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
             c = r.collective
             cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
                 if c is not None else ["", "", ""]
-        t.add_row(*cells)
-    console.print(t)
+        rows.append(cells)
+    console.print(_fitted_table(f"neuron run report: {title}", cols, rows, names=("op", "kernel", "bound")))
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
                   f"of device time, {rep.host_wait_us:,.1f} us of device idle waiting on the host")
     console.print(f"host: {rep.host_us:,.1f} us issuing launches; MFU {rep.mfu_percent:.1f}%")
+    if rep.overlap_us >= 0.05:
+        console.print(f"streams: {rep.overlap_us:,.1f} us of device time ran beside another stream's kernel on the same "
+                      f"core (so device time can exceed elapsed); sharing the core's engines added "
+                      f"{rep.contention_us:,.1f} us to those kernels (contention)")
     if rep.compiled_graphs or rep.graph_launches:
         console.print(f"compiled: {rep.compiled_graphs} graphs compiled in {rep.compile_seconds:.2f} s wall (not "
                       f"charged to the device); {rep.graph_launches:,} graph launches ({rep.dispatches:,} host "
@@ -847,21 +879,17 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
 def render_rank_report(rep: Any, title: str, console: Any) -> None:
     """A :class:`trnsim.ranks.MultiRankReport`: the rows of every rank summed (collectives beside
     compute), then one line per rank and the step time as the slowest rank saw it."""
-    from rich.table import Table
-
     render_run_report(rep.total, f"{title} (all ranks)", console)
-    t = Table(title=f"per rank ({rep.world} ranks of {rep.system}, rank r = NeuronCore r)", title_justify="left")
-    for col in ("rank", "chip", "elapsed us", "compute us", "collective us", "overlapped", "beside compute",
-                "exposed us", "peers us", "collectives", "steps"):
-        t.add_column(col, justify="right")
 
     def pct(part: float, whole: float) -> str:
         return f"{100.0 * part / whole:.0f}%" if whole else "-"
-    for r, s in sorted(rep.summaries.items()):
-        t.add_row(str(r), str(s.chip), f"{s.elapsed_us:,.1f}", f"{s.compute_us:,.1f}", f"{s.collective_us:,.1f}",
-                  pct(s.overlapped_us, s.collective_us), pct(s.beside_compute_us, s.collective_us),
-                  f"{s.exposed_us:,.1f}", f"{s.peer_wait_us:,.1f}", f"{s.collectives:,}", str(len(s.step_ends_us)))
-    console.print(t)
+    rows = [[str(r), str(s.chip), f"{s.elapsed_us:,.1f}", f"{s.compute_us:,.1f}", f"{s.collective_us:,.1f}",
+             pct(s.overlapped_us, s.collective_us), pct(s.beside_compute_us, s.collective_us),
+             f"{s.exposed_us:,.1f}", f"{s.peer_wait_us:,.1f}", f"{s.collectives:,}", str(len(s.step_ends_us))]
+            for r, s in sorted(rep.summaries.items())]
+    console.print(_fitted_table(f"per rank ({rep.world} ranks of {rep.system}, rank r = NeuronCore r)",
+                                ("rank", "chip", "elapsed us", "compute us", "collective us", "overlapped",
+                                 "beside compute", "exposed us", "peers us", "collectives", "steps"), rows))
     slow = max(rep.summaries.values(), key=lambda s: s.elapsed_us)
     if rep.step_times_us:
         console.print(f"step: {rep.step_us:,.1f} us simulated as the slowest rank saw it "
@@ -926,23 +954,30 @@ def cmd_collective(args: argparse.Namespace) -> int:
                            for r in reps]}
         print(json.dumps(doc, indent=2))
         return 0
-    console = _Out(width=140)
+    console = _Out(width=REPORT_WIDTH)
     cfg = system.chip
     head = (f"[bold]{last.collective}[/bold] on {escape(system.name)} ({system.chips} chips of "
             f"{system.ranks_per_chip} logical cores, LNC={cfg.chip.lnc}): {escape(last.placement)}, {last.dtype}")
     if system.overrides:
         head += f" ({escape(system.describe_overrides())})"
     console.print(head)
-    t = Table(box=None, padding=(0, 1), show_edge=False)
-    for col in ("size(B)", "count(elems)", "type", "time(us)", "algbw(GiB/s)", "busbw(GiB/s)", "algorithm", "steps",
-                "hops", "bound", "a-b(us)"):
-        t.add_column(col, justify="left" if col in ("type", "algorithm", "bound") else "right", no_wrap=True)
+    t = Table(box=None, padding=(0, 1, 0, 1), pad_edge=False, collapse_padding=True, show_edge=False)
+    cols = ("size(B)", "count(elems)", "type", "time(us)", "algbw(GiB/s)", "busbw(GiB/s)", "algorithm", "steps",
+            "hops", "bound", "a-b(us)")
     why: dict[str, str] = {}
+    rows = []
     for r in reps:
         why.setdefault(r.algorithm, r.reason)
         bound = r.bound if r.bound == "latency" else f"{r.bound} {r.bound_percent:.0f}%"
-        t.add_row(str(r.nbytes), str(r.count), r.dtype, f"{r.time_us:.2f}", _gib(r.algbw), _gib(r.busbw),
-                  r.algorithm, str(r.steps), str(r.max_hops), escape(bound), f"{r.estimate.time_us:.2f}")
+        rows.append((str(r.nbytes), str(r.count), r.dtype, f"{r.time_us:.2f}", _gib(r.algbw), _gib(r.busbw),
+                     r.algorithm, str(r.steps), str(r.max_hops), bound, f"{r.estimate.time_us:.2f}"))
+    for i, col in enumerate(cols):
+        # figures are never cut; the algorithm and the bound give way (an ellipsis; --json has them whole)
+        text = col in ("type", "algorithm", "bound")
+        t.add_column(col, justify="left" if text else "right", no_wrap=True, overflow="ellipsis",
+                     min_width=None if col in ("algorithm", "bound") else max(len(col), *(len(row[i]) for row in rows)))
+    for row in rows:
+        t.add_row(*(escape(c) for c in row))
     console.print(t)
     avg = sum(r.busbw for r in reps) / len(reps)
     console.print(f"Avg bus bandwidth: {_gib(avg)} GiB/s")

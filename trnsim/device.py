@@ -178,7 +178,7 @@ class _CoreTally:
     intervals, kept as merged open intervals folded into ``busy`` once the host has passed them
     (new kernels never start before the host's issue time)."""
 
-    __slots__ = ("launches", "wait", "busy", "open", "last_end")
+    __slots__ = ("launches", "wait", "busy", "open", "last_end", "ticks")
 
     def __init__(self) -> None:
         self.launches = 0
@@ -186,12 +186,14 @@ class _CoreTally:
         self.busy = 0
         self.open: list[list[int]] = []
         self.last_end = 0
+        self.ticks = 0  # its kernels' times summed: above the union when streams ran side by side
 
     def add(self, start: int, end: int, host: int) -> None:
         if end > self.last_end:
             self.last_end = end
         if end <= start:
             return
+        self.ticks += end - start
         live = self.open
         if not live or start >= live[-1][1]:  # the usual case: after every open interval
             while live and live[0][1] <= host:
@@ -232,6 +234,7 @@ class Recorder:
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, _CoreTally] = {}
         self.host_ticks = 0
+        self.contention_ticks = 0  # kernels' time added by sharing a core's engines with other streams
         self.dispatches = 0  # host dispatches: one per launch, one per graph launch
         self.graph_launches = 0
         self.compiled_graphs = 0
@@ -479,6 +482,7 @@ class Device:
                         if end > tally.last_end:
                             tally.last_end = end
                         if end > start:
+                            tally.ticks += end - start
                             while live and live[0][1] <= host:
                                 lo, hi = live.pop(0)
                                 tally.busy += hi - lo
@@ -723,6 +727,9 @@ class Device:
             others = [b for b in c.bookings if b[0] != s and b[2] > start]
             if others:
                 ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+                if ticks > cost.ticks:
+                    for rec in self.recorders:
+                        rec.contention_ticks += ticks - cost.ticks
         end = start + ticks
         if ticks:
             c.bookings.append((s, start, end, cost.demand))
@@ -1010,7 +1017,7 @@ class Device:
         end = max([self._host, *(t.last_end for t in rec.cores.values())])
         elapsed = end - rec.start
         cores = {i: CoreStats(elapsed_us=(t.last_end - rec.start) / hz * 1e6, busy_us=t.busy_ticks() / hz * 1e6,
-                              host_wait_us=t.wait / hz * 1e6, launches=t.launches)
+                              host_wait_us=t.wait / hz * 1e6, launches=t.launches, device_us=t.ticks / hz * 1e6)
                  for i, t in sorted(rec.cores.items())}
         flops = sum(r.matmul_flops for r in rows)
         span = elapsed / hz * max(1, len(cores))
@@ -1022,5 +1029,6 @@ class Device:
             mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
             events=tuple(rec.events or ()), tick_hz=hz, dispatches=rec.dispatches,
             graph_launches=rec.graph_launches, compiled_graphs=rec.compiled_graphs,
-            compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows))
+            compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows),
+            contention_us=rec.contention_ticks / hz * 1e6)
 

@@ -201,7 +201,7 @@ def merge_ranks(system: str, reports: Mapping[int, RunReport], chips: Mapping[in
         cs = list(rep.cores.values())
         cores[r] = CoreStats(elapsed_us=max((c.elapsed_us for c in cs), default=0.0),
                              busy_us=sum(c.busy_us for c in cs), host_wait_us=sum(c.host_wait_us for c in cs),
-                             launches=sum(c.launches for c in cs))
+                             launches=sum(c.launches for c in cs), device_us=sum(c.device_us for c in cs))
     elapsed = max(rep.elapsed_us for rep in reps)
     flops = sum(rep.matmul_flops for rep in reps)
     mfu = sum(rep.mfu_percent * rep.elapsed_us * max(1, len(rep.cores)) for rep in reps) / \
@@ -217,7 +217,8 @@ def merge_ranks(system: str, reports: Mapping[int, RunReport], chips: Mapping[in
                       dispatches=sum(rep.dispatches for rep in reps),
                       graph_launches=sum(rep.graph_launches for rep in reps),
                       compiled_graphs=sum(rep.compiled_graphs for rep in reps),
-                      compile_seconds=sum(rep.compile_seconds for rep in reps))
+                      compile_seconds=sum(rep.compile_seconds for rep in reps),
+                      contention_us=sum(rep.contention_us for rep in reps))
     counts = {len(s) for s in steps.values()} if steps else set()
     step_times: tuple[float, ...] = ()
     step_us = 0.0

@@ -375,6 +375,12 @@ class CoreStats:
     busy_us: float  # union of its kernels' intervals (streams that overlap count once)
     host_wait_us: float  # idle, waiting for the host to issue the next kernel
     launches: int
+    device_us: float = 0.0  # its kernels' times summed: above busy_us by the time streams ran side by side
+
+    @property
+    def overlap_us(self) -> float:
+        """Kernel time that ran beside another stream's kernel on this core."""
+        return max(0.0, self.device_us - self.busy_us)
 
 
 @dataclass(frozen=True)
@@ -402,6 +408,7 @@ class RunReport:
     graph_launches: int = 0  # dispatches that issued a graph of kernels
     compiled_graphs: int = 0  # graphs torch.compile compiled in this scope
     compile_seconds: float = 0.0  # their compile wall time (never charged to the device)
+    contention_us: float = 0.0  # kernels' time added by sharing a core's engines with other streams' kernels
 
     @property
     def regions(self) -> tuple[OpRow, ...]:
@@ -428,7 +435,14 @@ class RunReport:
         d["host_only_calls"] = self.host_only_calls
         d["launches_saved"] = self.launches_saved
         d["hbm_bytes_saved"] = self.hbm_bytes_saved
+        d["overlap_us"] = self.overlap_us
         return d
+
+    @property
+    def overlap_us(self) -> float:
+        """Device time that ran beside another stream's kernel on the same core (summed over
+        cores): why ``device_us`` can exceed the elapsed time."""
+        return sum(c.overlap_us for c in self.cores.values())
 
     def to_parquet(self, path: Any) -> Any:
         """Write one row per (op, kernel) with neuron-profile's metric names as a Parquet file

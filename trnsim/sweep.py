@@ -137,11 +137,17 @@ def _load_file(path: Path) -> Any:
         raise KernelError(f"kernel file '{shown}' cannot be imported; expected a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
+    # its own folder first while it loads, as `python file.py` (and `trnsim run`) would have it:
+    # a kernel file that imports a module beside it loads from any working directory
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(mod_name, None)
         raise KernelError(f"kernel file '{shown}' failed to import: {type(e).__name__}: {clip_text(e, 200)}") from None
+    finally:
+        if sys.path and sys.path[0] == str(path.parent):
+            del sys.path[0]
     _USER_MODULES[path] = module
     return module
 

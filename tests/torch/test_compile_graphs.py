@@ -4,6 +4,7 @@ concrete shape)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import torch_bridge.compile as neuron_compile
@@ -66,3 +67,25 @@ def test_dynamic_shapes_one_graph_costed_per_shape():
             times[rows] = region.time_us
     assert all_runs.report.compiled_graphs == 1  # one symbolic graph for every batch size
     assert times[48] < times[1024]  # each shape's fused kernel simulated on its own
+
+
+def test_the_first_compiled_call_charges_what_every_call_runs():
+    """Issue 25: the first call of a compiled model carried extra launches and host time: the
+    kernels torch.compile ran while it traced (example values of a model's constants moved to the
+    device: GPT-2's masks and positions) were charged to the device's timeline. Only the
+    program's launches count."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    m = torch.compile(transformers.GPT2LMHeadModel(cfg).to("neuron").eval(), backend="neuron")
+    x = torch.randint(0, 64, (2, 16), device="neuron")
+    figures = []
+    with torch.no_grad():
+        for _ in range(3):
+            torch.neuron.synchronize()
+            with torch.neuron.report_scope() as scope:
+                m(x)
+                torch.neuron.synchronize()
+            r = scope.report
+            figures.append((r.dispatches, r.launches, r.host_us, r.elapsed_us, sorted((o.op, o.calls) for o in r.rows)))
+    assert figures[0] == figures[1] == figures[2], figures

@@ -114,3 +114,36 @@ def test_streams_compare_and_default():
         assert torch.neuron.current_stream() == s
     assert torch.neuron.current_stream() == torch.neuron.default_stream()
     assert s.device == torch.device("neuron", 0)
+
+
+def test_the_report_shows_what_streams_overlapped_and_what_sharing_cost(capsys):
+    """Issue 25: streams that ran side by side showed only as device time above elapsed; the
+    report now says how much device time overlapped and how much sharing the engines added."""
+    from trnsim.cli import print_run_report
+
+    a = torch.ones(1024, 1024, device="neuron")
+    s1, s2 = torch.neuron.Stream(), torch.neuron.Stream()
+    torch.neuron.synchronize()
+    with torch.neuron.report_scope() as scope:
+        with torch.neuron.stream(s1):
+            for _ in range(4):
+                a @ a
+        with torch.neuron.stream(s2):
+            for _ in range(4):
+                a @ a
+        torch.neuron.synchronize()
+    rep = scope.report
+    assert rep.overlap_us > 0 and rep.contention_us > 0  # two TensorE-bound streams: they share TensorE
+    assert rep.overlap_us == pytest.approx(sum(c.device_us - c.busy_us for c in rep.cores.values()))
+    assert rep.to_dict()["overlap_us"] == rep.overlap_us and rep.to_dict()["contention_us"] == rep.contention_us
+    print_run_report(rep, "two streams")
+    out = capsys.readouterr().out
+    assert (f"streams: {rep.overlap_us:,.1f} us of device time ran beside another stream's kernel on the same core" in
+            " ".join(out.split("\n")))
+    with torch.neuron.report_scope() as one:
+        for _ in range(4):
+            a @ a
+        torch.neuron.synchronize()
+    assert one.report.overlap_us == 0 and one.report.contention_us == 0
+    print_run_report(one.report, "one stream")
+    assert "streams:" not in capsys.readouterr().out

@@ -133,7 +133,8 @@ def _write_rows(out: AtomicOutput, path: str, results: Sequence[Result]) -> None
 
 def plot_results(results: Sequence[Result], out: AtomicOutput) -> None:
     """Predicted against measured, log-log, one colour per category, circles for validation rows
-    and triangles for calibration rows, with y = x and the +-25% band."""
+    and triangles for calibration rows (hollow: a bound or a vendor's target), with y = x and the
+    +-25% band."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -145,9 +146,14 @@ def plot_results(results: Sequence[Result], out: AtomicOutput) -> None:
     for cat in CATEGORIES:
         for role, marker in (("validation", "o"), ("calibration", "^")):
             sel = [r for r in pts if r.row.category == cat and r.row.role == role]
-            if sel:
-                ax.scatter([r.row.value for r in sel], [r.predicted for r in sel], c=colors[cat], marker=marker,
-                           s=22, alpha=0.8, label=f"{cat} ({role}, {len(sel)})")
+            meas = [r for r in sel if r.row.kind.startswith("measured")]
+            bound = [r for r in sel if not r.row.kind.startswith("measured")]
+            if meas:
+                ax.scatter([r.row.value for r in meas], [r.predicted for r in meas], c=colors[cat], marker=marker,
+                           s=22, alpha=0.8, label=f"{cat} ({role}, {len(meas)})")
+            if bound:  # a bound or a vendor's target: hollow, it is not a measurement
+                ax.scatter([r.row.value for r in bound], [r.predicted for r in bound], facecolors="none",
+                           edgecolors=colors[cat], marker=marker, s=22, label=f"{cat} ({role}, bound/target, {len(bound)})")
     if pts:
         lo = min(min(r.row.value, r.predicted or 0) for r in pts) / 2
         hi = max(max(r.row.value, r.predicted or 0) for r in pts) * 2

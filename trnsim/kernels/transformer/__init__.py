@@ -25,7 +25,7 @@ a layer is::
     qkv            (B, S, H, NQ, NKV, D)   residual=layer > 0, norm="rmsnorm", rope=True, bias=..., quant="none"|"fp8"
     attention_tkg  (B, NQ, NKV, S, SP, D)  decode: window=..., sinks=..., k_layout="bhsd"|"bhds", cache_update=True
       or
-    attention_cte  (B, NQ, NKV, S, D)      prefill: causal=True, window=..., sinks=...
+    attention_cte  (B, NQ, NKV, S, D)      prefill: causal=True, window=..., sinks=..., prior=... (keys cached before S)
     oproj          (B, S, NQ, D, H)        bias=...              -> the TP all-reduce (or reduce-scatter) follows
     mlp            (B, S, H, I)            residual=True, norm="rmsnorm", act="silu", gated=True
                                             -> the TP all-reduce follows

@@ -41,7 +41,7 @@ from .common import BOUNDS, P, Bound, Pools, flag, load_transposed, positive, sh
 __all__ = ["build_attention_cte", "attention_cte_reference", "attention_cte_bound"]
 
 DTYPES = ("bf16", "fp16")
-PARAMS = {"causal": True, "window": 0, "sinks": False, "scale": 0.0, "shard": "0/1"}
+PARAMS = {"causal": True, "window": 0, "sinks": False, "scale": 0.0, "prior": 0, "shard": "0/1"}
 SECTION = 2048   # keys a query tile takes per step (scores fp32 8 KiB per partition)
 DEPTH = 4        # steps in flight (scores of i+3, softmax of i+2 .., p·v of i)
 KT = 512         # keys per q kᵀ matmul (one PSUM bank of fp32)
@@ -55,10 +55,13 @@ NEG = -30000.0
                  split=lambda s, p, n: attention_cte_split(s, p, n))
 def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = "bf16",
                         config: ChipConfig | str = "trn2", causal: bool = True, window: int = 0,
-                        sinks: bool = False, scale: float = 0.0, shard: str = "0/1",
+                        sinks: bool = False, scale: float = 0.0, prior: int = 0, shard: str = "0/1",
                         name: str = "attention_cte") -> Kernel:
     """``shard="i/n"``: physical core ``i`` of an LNC=``n`` logical core takes query tiles
-    ``i, i+n, i+2n, ...`` (interleaved, so causal work is shared evenly; :func:`attention_cte_split`)."""
+    ``i, i+n, i+2n, ...`` (interleaved, so causal work is shared evenly; :func:`attention_cte_split`).
+    ``prior``: keys already cached before the ``S`` new tokens (a chunked prefill's earlier chunks,
+    a cached prefix): K and V hold ``prior + S`` keys and query ``i`` sits at position ``prior + i``
+    (the library kernel's prefix-cache mode)."""
     positive("attention_cte", B=b, NQ=nq, NKV=nkv, S=s, D=d)
     if nq % nkv:
         raise KernelError(f"attention_cte: NQ={nq} must be a multiple of NKV={nkv} (grouped-query attention)")
@@ -69,6 +72,11 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
         raise KernelError(f"attention_cte: window must be a non-negative integer (0: none), got {window!r}")
     if window and not causal:
         raise KernelError("attention_cte: a sliding window needs causal=true (as the library's kernel)")
+    if isinstance(prior, bool) or not isinstance(prior, int) or prior < 0:
+        raise KernelError(f"attention_cte: prior must be a non-negative integer (keys cached before the S new "
+                          f"tokens), got {prior!r}")
+    if prior and not causal:
+        raise KernelError("attention_cte: prior keys need causal=true (the new tokens follow them)")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
         raise KernelError(f"attention_cte: scale must be a positive number (0: 1/sqrt(D)), got {scale!r}")
     sc = float(scale) or 1.0 / math.sqrt(d)
@@ -81,23 +89,24 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
     dt = checked_dtype("attention_cte", dtype, DTYPES)
     cfg = kern.config
     g = nq // nkv
-    chunks = -(-s // P)
-    kv_bytes = (s + chunks * d) * dt.itemsize  # Kᵀ and V per partition, one kv head
+    keys = prior + s
+    chunks = -(-keys // P)
+    kv_bytes = (keys + chunks * d) * dt.itemsize  # Kᵀ and V per partition, one kv head
     work = DEPTH * SECTION * (4 + 2 + 2) + 24 * 1024
     cap = cfg.core.sbuf.partition_bytes
     if kv_bytes + work > cap:
         smax = (cap - work) // ((1 + d / P) * dt.itemsize)
-        raise KernelError(f"attention_cte: S={s} keys of K and V do not fit SBUF on {cfg.name} beside the working "
-                          f"tiles; S must be at most {int(smax)}")
+        raise KernelError(f"attention_cte: {keys} keys of K and V do not fit SBUF on {cfg.name} beside the "
+                          f"working tiles; prior + S must be at most {int(smax)}")
     kv_bufs = 2 if 2 * kv_bytes + work <= cap else 1
     q = kern.input("q", (b, nq, s, d), dt)
-    k = kern.input("k", (b, nkv, s, d), dt)
-    v = kern.input("v", (b, nkv, s, d), dt)
+    k = kern.input("k", (b, nkv, keys, d), dt)
+    v = kern.input("v", (b, nkv, keys, d), dt)
     sink_t = kern.input("sinks", (nq,), "fp32") if sinks else None
     out = kern.output("out", (b, nq, s, d), dt)
     pools = Pools(kern)
-    w = _Cte(kern, pools, dt=dt, s=s, d=d, g=g, nkv=nkv, scale=sc, causal=causal, window=window, q=q, out=out,
-             sinks=sink_t, kv_bufs=kv_bufs)
+    w = _Cte(kern, pools, dt=dt, s=keys, d=d, g=g, nkv=nkv, scale=sc, causal=causal, window=window, q=q, out=out,
+             sinks=sink_t, kv_bufs=kv_bufs, prior=prior)
 
     # the units: per (batch, kv head): its K and V, then per query head and query tile, per section
     units: list[tuple[Any, ...]] = []
@@ -106,10 +115,10 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
             kv_key = (bi, kvh)
             for hh in range(g):
                 h = kvh * g + hh
-                for qt in range(i_sh, chunks, n_sh):
+                for qt in range(i_sh, -(-s // P), n_sh):  # the query tiles
                     q0, qr = qt * P, min(P, s - qt * P)
-                    hi = min(s, q0 + qr) if causal else s
-                    lo = max(0, q0 - window + 1) // P * P if window else 0
+                    hi = prior + q0 + qr if causal else keys
+                    lo = max(0, prior + q0 - window + 1) // P * P if window else 0
                     secs = [(k0, min(SECTION, hi - k0)) for k0 in range(lo, hi, SECTION)]
                     item = _Item(bi, h, q0, qr)
                     for si, sec in enumerate(secs):
@@ -200,7 +209,7 @@ class _Cte:
             kern.nc_matmul(ps, it.qT, kT[:, k0 + c0:k0 + c1])
             dst = s_sb[:, c0:c1]
             kf, kl = k0 + c0, k0 + c1 - 1  # first and last key of the tile
-            qf, ql = it.q0, it.q0 + qr - 1
+            qf, ql = self.prior + it.q0, self.prior + it.q0 + qr - 1  # the queries' positions
             diag = self.causal and kl > qf                 # some key after some query
             edge = self.window and kf <= ql - self.window  # some key before some query's window
             if diag or edge:
@@ -307,9 +316,10 @@ def attention_cte_split(shape: tuple[int, ...], params: Mapping[str, Any], n: in
 def attention_cte_inputs(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any], rng: np.random.Generator
                          ) -> dict[str, np.ndarray]:
     b, nq, nkv, s, d = shape
+    keys = int(params.get("prior", 0)) + s
     out = {"q": rng.standard_normal((b, nq, s, d), dtype=np.float32),
-           "k": rng.standard_normal((b, nkv, s, d), dtype=np.float32),
-           "v": rng.standard_normal((b, nkv, s, d), dtype=np.float32)}
+           "k": rng.standard_normal((b, nkv, keys, d), dtype=np.float32),
+           "v": rng.standard_normal((b, nkv, keys, d), dtype=np.float32)}
     if params.get("sinks"):
         out["sinks"] = rng.uniform(-1.0, 3.0, nq).astype(np.float32)
     return out
@@ -322,9 +332,10 @@ def attention_cte_reference(inputs: Mapping[str, np.ndarray], shape: tuple[int, 
     g = nq // nkv
     sc = float(p["scale"]) or 1.0 / math.sqrt(d)
     q, k, v = (round_to(inputs[nm], dtype) for nm in ("q", "k", "v"))
-    i = np.arange(s)[:, None]
-    j = np.arange(s)[None, :]
-    ok = np.ones((s, s), dtype=bool)
+    prior = int(p["prior"])
+    i = np.arange(s)[:, None] + prior  # the queries' positions
+    j = np.arange(prior + s)[None, :]
+    ok = np.ones((s, prior + s), dtype=bool)
     if p["causal"]:
         ok &= j <= i
     if p["window"]:
@@ -349,12 +360,12 @@ def attention_cte_bound(shape: tuple[int, ...], dtype: str, params: Mapping[str,
     """q, k, v and out once; the FLOPs of the keys each query attends to (q kᵀ and p v)."""
     b, nq, nkv, s, d = shape
     p = {**PARAMS, **params}
-    w = int(p["window"])
+    w, prior = int(p["window"]), int(p["prior"])
     if p["causal"]:
-        pairs = sum(min(i + 1, w) if w else i + 1 for i in range(s))
+        pairs = sum(min(prior + i + 1, w) if w else prior + i + 1 for i in range(s))
     else:
         pairs = s * s
-    return Bound(2 * (2 * b * nq * s * d + 2 * b * nkv * s * d), 4 * b * nq * pairs * d)
+    return Bound(2 * (2 * b * nq * s * d + 2 * b * nkv * (prior + s) * d), 4 * b * nq * pairs * d)
 
 
 BOUNDS["attention_cte"] = attention_cte_bound

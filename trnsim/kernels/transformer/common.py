@@ -687,10 +687,14 @@ class Projection:
             self.passes = make_passes(cap_w)
             self.cache_x, self.spill = True, False
         else:
-            xT_bufs = 4
-            w_budget = budget - xT_bufs * xT_bytes
+            # four blocks of Xᵀ in flight, fewer when a wide contraction leaves no room for a
+            # pass of weight columns beside them (H = 16384: 32 KiB per block and partition)
             nseg = len(make_passes(cap_w)[0])
-            width = min(cap_w, w_budget // max(1, nseg * k1 * isz) // unit * unit)
+            for xT_bufs in (4, 3, 2):
+                w_budget = budget - xT_bufs * xT_bytes
+                width = min(cap_w, w_budget // max(1, nseg * k1 * isz) // unit * unit)
+                if width >= unit:
+                    break
             if width < unit:
                 raise KernelError(f"{kern.name}: {k1 * P} x {unit} weight columns do not fit SBUF on "
                                   f"{kern.config.name} beside the token blocks ({max(0, w_budget) // 1024} KiB "
@@ -698,6 +702,7 @@ class Projection:
             self.passes = make_passes(width)
             self.cache_x = len(self.passes) == 1 or len(self.tbs) <= xT_bufs
             self.spill = not self.cache_x
+        self.xT_bufs = 4 if self.stream else xT_bufs
         wmax = max(sg.cw for ps in self.passes for sg in ps)
         group = weight_group(k1, wmax, isz)
         if fp8:
@@ -720,7 +725,7 @@ class Projection:
             self.double = False
         else:
             self.lookahead = None
-            fit = max(per_pass, (budget - 4 * xT_bytes) // (group * wmax * isz))
+            fit = max(per_pass, (budget - self.xT_bufs * xT_bytes) // (group * wmax * isz))
             bufs = min(2 * per_pass, fit)
             self.double = bufs >= 2 * per_pass and len(self.passes) > 1
             if not self.double:
@@ -729,7 +734,9 @@ class Projection:
         #: SBUF bytes per partition the weight buffers take
         self.w_bytes = bufs * group * wmax * isz
         self.acc_pool = pools("acc", 6, "psum")
-        self.xT_pool = pools(f"{tag}_xT", len(self.tbs) if self.cache_x else 4)
+        # every block's Xᵀ stays for the later passes; with one pass (or spilling) four rotate
+        self.xT_pool = pools(f"{tag}_xT", len(self.tbs) if self.cache_x and len(self.passes) > 1
+                             else min(self.xT_bufs, len(self.tbs)))
         self.xT_cache: dict[int, XT] = {}
         self.xT_hbm = kern.scratch(f"{tag}_xT_spill", (len(self.tbs), self.kp, k1 * P), prologue.out_dt) \
             if self.spill else None

@@ -90,7 +90,7 @@ def build_mlp(b: int, s: int, h: int, i: int, dtype: str = "bf16", config: ChipC
     decode = t <= P
     a_rows = kern.sbuf((t, i), dt, name="a_rows") if decode else None
     a_hbm = None if decode else kern.scratch("a", (t, i), dt)
-    rows_bytes = 0 if t <= 32 else h * isz * (4 + residual) + min(h, 4096) * isz
+    rows_bytes = 0 if t <= 32 else pro.sbuf_bytes  # the prologue's rows (the norm's only when it norms)
     fixed = rows_bytes + (i * isz if decode else 0) + 24 * 1024
     xchg = Exchange(kern, pools) if sharded else None
 

@@ -125,8 +125,7 @@ def build_qkv(b: int, s: int, h: int, nq: int, nkv: int, d: int, dtype: str = "b
 
     isz = 1 if fp8 else dt.itemsize
     cap = cfg.core.sbuf.partition_bytes
-    # prefill rows: x (2), residual (1), normalised (2), a scratch row for the squares
-    rows_bytes = 0 if t <= 32 else h * dt.itemsize * (4 + residual) + min(h, 4096) * dt.itemsize
+    rows_bytes = 0 if t <= 32 else pro.sbuf_bytes  # the prologue's rows (the norm's only when it norms)
     fixed = rows_bytes + min(t, P) * n * (4 * fp8 + dt.itemsize * bias) // P + 24 * 1024
     k_range = None
     xchg = None
