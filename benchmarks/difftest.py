@@ -28,7 +28,8 @@ sample at a time); every ``--timing-every``-th also on timing-only tensors (no v
 shapes, dtypes and strides, and no error where CPU has none). A compiled graph is held to what
 ``torch.compile`` gives on CPU (``aot_eager``) where that differs from eager CPU (out= into outs
 it must resize, say), and timing-only tensors to PyTorch's meta kernels where those differ from
-CPU's: such samples are counted, not reported. Random ops draw on CPU from a generator seeded with the device generator's contract
+CPU's: such samples are counted, not reported. Random ops draw on CPU from a generator seeded
+with the device generator's contract
 (:func:`torch_bridge.values.host_seed`), so their values are compared too.
 
 **What is compared.** The exception type when CPU raises (the device must raise one of the same
@@ -222,11 +223,14 @@ class Sample:
 
     def describe(self) -> str:
         def one(x: Any) -> str:
+            if isinstance(x, _Host):
+                return f"host {one(x.t)}"
             if isinstance(x, torch.Tensor):
                 lay = "" if x.is_contiguous() and x.storage_offset() == 0 else \
                     f" stride={tuple(x.stride())} off={x.storage_offset()}"
-                dev = "" if x.device.type == "cpu" and not getattr(x, "_host", False) else ""
-                return f"T{tuple(x.shape)}:{str(x.dtype)[6:]}{lay}{dev}"
+                return f"T{tuple(x.shape)}:{str(x.dtype)[6:]}{lay}"
+            if x is DEV:
+                return "device"
             if isinstance(x, (list, tuple)):
                 return "[" + ",".join(one(y) for y in x) + "]"
             if isinstance(x, torch.dtype):
@@ -553,8 +557,7 @@ class Args:
             return g.tensor((math.prod(shape) + g.rng.randint(0, 2),))
         if self.base in ("index_put", "index_put_", "_index_put_impl_") and name == "values":
             return self.put_values()
-        if self.base in ("mm", "addmm", "bmm", "baddbmm") or name in ("mat2", "batch2", "key", "value",
-                                                                       "hidden_gates", "workspace"):
+        if self.base == "scaled_dot_product_attention" and name in ("key", "value"):
             return self.matmul_partner(name)
         if "backward" in self.base:  # CPU's backward kernels take same-sized tensors unchecked
             return g.tensor(shape)
@@ -575,29 +578,17 @@ class Args:
     def primary_tensor(self, name: str, writable: bool) -> torch.Tensor:
         g = self.g
         shape = self.shape
-        if self.base in ("mm", "addmm"):
-            shape = (g.rng.randint(0, 5), g.rng.randint(1, 6))
-        elif self.base in ("bmm", "baddbmm"):
-            shape = (g.rng.randint(1, 3), g.rng.randint(0, 5), g.rng.randint(1, 6))
-        elif self.base == "scaled_dot_product_attention":
+        if self.base == "scaled_dot_product_attention":
             shape = (g.rng.randint(1, 2), g.rng.randint(1, 4), g.rng.randint(1, 6), g.rng.choice((4, 8)))
             if g.chance(0.2):
                 shape = shape[1:]
-        elif self.base in ("native_group_norm", "convolution_overrideable", "convolution_backward_overrideable"):
+        elif self.base == "native_group_norm":
             shape = (g.rng.randint(1, 3), g.rng.choice((2, 4)), g.rng.randint(1, 5), g.rng.randint(1, 5))
         elif self.base in ("multinomial",):
             shape = (g.rng.randint(1, 3), g.rng.randint(1, 6))[g.rng.randint(0, 1):]
             return g.tensor(shape, low=0.0, high=1.0) if g.dtype.is_floating_point else g.tensor(shape)
-        elif self.base == "sorted_sequence" or name == "sorted_sequence":
-            return g.tensor(self.shape or (3,)).sort(-1).values
-        elif self.base.startswith("_thnn_fused_lstm_cell"):
-            shape = (g.rng.randint(1, 3), 4 * g.rng.randint(1, 3))
-        elif self.base.startswith("_thnn_fused_gru_cell"):
-            shape = (g.rng.randint(1, 3), 3 * g.rng.randint(1, 3))
         elif self.base == "embedding":
             shape = (g.rng.randint(1, 6), g.rng.randint(1, 4))
-        if self.base in ("mean", "normal") and name == "mean" and not g.dtype.is_floating_point:
-            pass
         t = g.tensor(shape, writable=writable, layout=None)
         self.shape = tuple(t.shape)
         if writable and g.chance(0.5) and t.numel() > 0:
@@ -617,21 +608,7 @@ class Args:
             if name == "value" and len(shape) == 4:
                 shape[1] = self.values["key"].shape[1]
             return g.tensor(shape)
-        if self.base.startswith(("_thnn_fused", )):
-            if name == "workspace":
-                n = p.shape[1]
-                return g.tensor((p.shape[0], n if "lstm" in self.base else (n // 3) * 5))
-            return g.tensor(tuple(p.shape))
-        if self.base == "mm" or (self.base == "addmm" and name == "mat2"):
-            return g.tensor((p.shape[-1], g.rng.randint(0, 5)) if name == "mat2" else ())
-        if self.base == "addmm" and name in ("mat1",):
-            return g.tensor((g.rng.randint(0, 5), g.rng.randint(1, 5)))
-        if self.base in ("bmm",):
-            return g.tensor((p.shape[0], p.shape[-1], g.rng.randint(0, 5)))
-        if self.base == "baddbmm" and name == "batch2":
-            b1 = self.values["batch1"]
-            return g.tensor((b1.shape[0], b1.shape[2], g.rng.randint(0, 5)))
-        return g.tensor(tuple(p.shape))
+        return g.tensor(tuple(p.shape))  # (the matmuls' and the cells' shapes come from their recipes)
 
     def attn_mask(self) -> torch.Tensor:
         g = self.g
@@ -749,7 +726,10 @@ class Args:
         if name == "diagonal":
             return g.rng.randint(-2, 2)
         if name == "k":
-            size = self.shape[self.dim % r] if self.shape and self.dim is not None else (self.shape[-1] if self.shape else 1)
+            if self.shape:
+                size = self.shape[self.dim % r] if self.dim is not None else self.shape[-1]
+            else:
+                size = 1
             return g.rng.randint(0, size)
         if name == "bins":
             return g.rng.randint(1, 8)
@@ -769,7 +749,8 @@ class Args:
             p = self.primary
             assert p is not None
             n, c = p.shape[0], p.shape[1]
-            return {"N": n, "C": c, "HxW": math.prod(p.shape[2:]), "group": g.rng.choice([d for d in (1, 2) if c % d == 0])}[name]
+            group = g.rng.choice([d for d in (1, 2) if c % d == 0])
+            return {"N": n, "C": c, "HxW": math.prod(p.shape[2:]), "group": group}[name]
         if name in ("from",):
             return g.rng.choice((0, -3, 1))
         if name in ("to",):
@@ -874,7 +855,8 @@ def _matmul_recipe(a: Args) -> dict[str, Any]:
         return {"self": g.tensor((b, n, m)), "mat2": g.tensor((b, m, p))}
     if a.base == "addmm":
         bias = g.rng.choice(((n, p), (p,), (1, p), (n, 1), ()))
-        return {"self": g.tensor(bias, writable="self" in a.written), "mat1": g.tensor((n, m)), "mat2": g.tensor((m, p))}
+        return {"self": g.tensor(bias, writable="self" in a.written), "mat1": g.tensor((n, m)),
+                "mat2": g.tensor((m, p))}
     bias = g.rng.choice(((b, n, p), (n, p), (1, 1, p), ()))
     return {"self": g.tensor(bias, writable="self" in a.written), "batch1": g.tensor((b, n, m)),
             "batch2": g.tensor((b, m, p))}
@@ -981,7 +963,8 @@ def _cell_recipe(a: Args) -> dict[str, Any] | None:
     preset: dict[str, Any] = {}
     if not a.base.endswith(("backward", "backward_impl")):
         preset = {"input_gates": g.tensor((b, gates)), "hidden_gates": g.tensor((b, gates)),
-                  "input_bias": g.tensor((gates,)) if bias else None, "hidden_bias": g.tensor((gates,)) if bias else None}
+                  "input_bias": g.tensor((gates,)) if bias else None,
+                  "hidden_bias": g.tensor((gates,)) if bias else None}
         preset["cx" if lstm else "hx"] = g.tensor((b, h))
         return preset
     if lstm:
@@ -1034,7 +1017,8 @@ RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
     "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
     "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
     "bucketize": _searchsorted_recipe, "convolution_overrideable": _conv_recipe,
-    "convolution_backward_overrideable": _conv_recipe, "nll_loss_forward": _nll_recipe, "nll_loss_backward": _nll_recipe,
+    "convolution_backward_overrideable": _conv_recipe, "nll_loss_forward": _nll_recipe,
+    "nll_loss_backward": _nll_recipe,
     "nll_loss2d_forward": _nll_recipe, "nll_loss2d_backward": _nll_recipe,
     "embedding_dense_backward": _embedding_backward_recipe, "_thnn_fused_lstm_cell": _cell_recipe,
     "_thnn_fused_lstm_cell_backward_impl": _cell_recipe, "_thnn_fused_gru_cell": _cell_recipe,
@@ -1340,7 +1324,8 @@ def _exact(sample: Sample, out_specs: Any) -> Any:
         if isinstance(x, list):
             return [up(y) for y in x]
         return x
-    s = dataclasses.replace(sample, args=[up(a) for a in sample.args], kwargs={k: up(v) for k, v in sample.kwargs.items()})
+    s = dataclasses.replace(sample, args=[up(a) for a in sample.args],
+                            kwargs={k: up(v) for k, v in sample.kwargs.items()})
     r = run_on(s, "cpu", [(n, up(v)) for n, v in out_specs] if out_specs else None)
     return None if r.error is not None else r.result
 
@@ -1454,7 +1439,7 @@ def _first(e: BaseException) -> str:
 def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[tuple[str, Any]] | None:
     """The out= tensors of an out overload: of the result's size, empty (resized), of another
     size, or non-contiguous (a transposed or strided view); None when the op has none."""
-    outs = [a for a in sample.op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+    outs = _out_args(sample.op)
     if not outs:
         return None
     results = _flat(cpu_functional) if cpu_functional is not None else []
@@ -1483,6 +1468,11 @@ def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[t
             t = g.tensor(shape, dtype, writable=True, layout="contiguous")
         specs.append((a.name, t))
     return specs
+
+
+def _out_args(op: Any) -> list[Any]:
+    """The schema's out= arguments (keyword-only, written)."""
+    return [a for a in op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
 
 
 def functional_of(op: Any) -> Any:
@@ -1566,7 +1556,7 @@ class Tester:
     def run_sample(self, s: Sample) -> None:
         st = self.stats
         specs = None
-        outs = [a for a in s.op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        outs = _out_args(s.op)
         if outs:
             fn = functional_of(s.op)
             probe = run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None else None

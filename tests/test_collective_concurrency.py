@@ -37,3 +37,14 @@ def test_disjoint_groups_do_not_slow_each_other():
     alone = simulate_collectives(TRN2, [a])[0]
     x, y = simulate_collectives(TRN2, [a, b])
     assert x.time_ticks == y.time_ticks == alone.time_ticks
+
+
+def test_sibling_groups_are_the_meshs_other_groups():
+    from trnsim.collectives import sibling_groups
+
+    tp = sibling_groups(range(8), 64)
+    assert len(tp) == 8 and tp[1] == tuple(range(8, 16)) and tp[-1] == tuple(range(56, 64))
+    dp = sibling_groups(range(0, 64, 8), 64)
+    assert len(dp) == 8 and dp[1] == tuple(range(1, 64, 8))
+    assert sibling_groups([0, 1, 2], 4) == [(0, 1, 2)]  # no translate fits: alone
+    assert sibling_groups([0, 1, 4, 5], 16) == [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]

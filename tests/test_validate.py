@@ -232,3 +232,16 @@ def test_ledger_mamba_kernel_matches_the_recurrence(version):
     kern = _ledger_kernel("mamba_tutorial.py:mamba")(bt, c, s, n, config=chip.config, version=version)
     out = chip.run(kern, {"delta": delta, "u": u, "A": a, "B": bm, "C": cm})["out"]
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_predictors_run_an_nki_file_and_refuse_bad_arguments():
+    from trnsim.validate import predict
+
+    figs = predict("nki", {"file": "tests/nki/nki_kernels.py:tiled_matmul", "shapes": [[256, 128], [256, 512]],
+                           "dtype": "bfloat16"}, "trn2")
+    assert figs["latency"][0] == "time" and figs["latency"][1] > 0 and figs["tensor_active"][1] > 0
+    with pytest.raises(LedgerError, match=r"^predict how: kernel: unknown argument 'shpe': expected kernel, shape"):
+        predict("kernel", {"kernel": "matmul", "shpe": [1]}, "trn2")
+    with pytest.raises(LedgerError, match=r"^predict how: 'nope': expected one of kernel, nki, probe, collective, "
+                                          r"estimate or none$"):
+        predict("nope", {}, "trn2")

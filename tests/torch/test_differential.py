@@ -118,6 +118,24 @@ def test_tensore_results_get_their_summation_order_and_no_more():
     assert "TensorE error" in dt.compare(s, dt.Run(result=cpu), far, "m", lambda: exact)
 
 
+def test_it_finds_a_wrong_value_the_python_path_returns(monkeypatch):
+    """End to end: a fallback that returns exp's values one ulp up is caught, on the Python path
+    (the fast path, in C++, is not touched and agrees)."""
+    from torch_bridge import values
+
+    run = values._run
+
+    def skewed(op, info, args, kwargs):
+        out = run(op, info, args, kwargs)
+        if info.name == "exp" and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            out.copy_(torch.nextafter(out, torch.full_like(out, math.inf)))
+        return out
+    monkeypatch.setattr(values, "_run", skewed)
+    stats = dt.run(["exp"], 6, seed=3, compile_every=0, echo=None)
+    modes = {m.mode for m in stats.mismatches}
+    assert "python-path" in modes and "fast-path" not in modes, [m.line() for m in stats.mismatches]
+
+
 def test_a_sample_is_its_seed():
     a, b = dt.make_sample("gather", 12345), dt.make_sample("gather", 12345)
     assert a.describe() == b.describe()

@@ -12,7 +12,7 @@ See :mod:`trnsim.collectives.api` for concurrent calls, start times and running 
 """
 
 from .algorithms import ALGORITHMS, COLLECTIVES, CollectiveError
-from .api import estimate_collective, simulate_beside_kernels, simulate_collective, simulate_collectives
+from .api import estimate_collective, sibling_groups, simulate_beside_kernels, simulate_collective, simulate_collectives
 from .engine import CollectiveCall, CollectiveEngine, CollectiveHandle
 from .network import ChipResources, Network
 from .report import AlphaBetaEstimate, CollectiveReport, EstimateStep
@@ -30,6 +30,7 @@ __all__ = [
     "EstimateStep",
     "Network",
     "estimate_collective",
+    "sibling_groups",
     "simulate_beside_kernels",
     "simulate_collective",
     "simulate_collectives",

@@ -30,7 +30,27 @@ from .engine import CollectiveCall, CollectiveEngine, resolve_call
 from .network import ChipResources
 from .report import AlphaBetaEstimate, CollectiveReport
 
-__all__ = ["simulate_collective", "simulate_collectives", "estimate_collective", "simulate_beside_kernels"]
+__all__ = ["simulate_collective", "simulate_collectives", "estimate_collective", "simulate_beside_kernels",
+           "sibling_groups"]
+
+
+def sibling_groups(group: Sequence[int], world: int) -> list[tuple[int, ...]]:
+    """The groups that make the same call as ``group`` at the same time in an SPMD program: its
+    translates by whole rank offsets that stay inside ``world`` ranks and overlap neither it nor
+    each other, ``group`` first (a device mesh's other tensor-parallel groups for a TP group
+    ``[0..7]`` of 64 ranks: ``[8..15]``, ...; for a data-parallel group ``[0, 8, ..., 56]``:
+    ``[1, 9, ..., 57]``, ...). A group no translate of which fits is alone."""
+    g = tuple(int(r) for r in group)
+    taken = set(g)
+    out = [g]
+    for shift in range(1, world):
+        cand = tuple(r + shift for r in g)
+        if cand[-1] >= world or max(cand) >= world:
+            continue
+        if taken.isdisjoint(cand):
+            out.append(cand)
+            taken.update(cand)
+    return out
 
 
 def _system(system: SystemConfig | str, overrides: Any = None) -> SystemConfig:

@@ -10,7 +10,11 @@ model can continue that rank's stream from there. ``report`` gives the
 A rank takes part from its start tick and once it holds one of its CC cores
 (``collectives.cc_cores_per_core`` per physical core: 4 per logical core at LNC=2, datasheet
 §9); a fifth concurrent collective on a rank waits for one to finish. It keeps the CC core until
-its last transfer of the call is complete.
+its last transfer of the call is complete. The runtime's costs (:mod:`~trnsim.collectives.runtime`)
+are charged here: the launch before a rank's first transfer, and before each transfer its CC
+core's issue (one at a time per core), the handshake and, over EFA, its proxy thread's turn. The
+call's transfers on a rank hold the DMA rings of its CC stream (:meth:`Network.ring_set`), so
+concurrent calls on different streams do not queue on each other's engines.
 """
 
 from __future__ import annotations

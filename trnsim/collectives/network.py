@@ -7,11 +7,14 @@ kernels' :class:`~trnsim.sim.CoreTimeline`\\ s in ``chips``).
 
 A transfer (:mod:`trnsim.collectives.schedule`) runs as one simpy process:
 
-1. It starts when its dependencies are complete and its ranks have started; the DMA start
-   latency (``core.dma.start_latency``: semaphore to data movement) passes.
+1. It starts when its dependencies are complete and its ranks have started; the runtime's
+   delay passes (the sender's CC core issuing it, the handshake, an EFA proxy thread's turn:
+   :mod:`trnsim.collectives.runtime`, worked out by the engine), then the DMA start latency
+   (``core.dma.start_latency``: semaphore to data movement).
 2. Its bytes move in chunks (``collectives.max_chunks`` at most, at least one CC DMA packet each),
    one event per chunk. A chunk is booked, at the tick it is issued, on every resource on its
-   path at once: the sender's DMA engines (all of them, an even share each; an add costs
+   path at once: the DMA rings the call holds on each of the sender's cores (``dma_rings``
+   engines, ``p2p_rings`` for a send/recv or permute; an even share each; an add costs
    ``1/dma_accumulate_rate`` copies), the HBM stacks it reads and writes, and every link of its
    route. Each resource serves it first-come first-served; the chunk is through when the slowest
    has served it (cut-through: links on a route work in parallel, not store-and-forward). At
