@@ -276,6 +276,9 @@ def test_a_model_whose_code_does_not_import_is_one_line(cache, capsys, monkeypat
             raise ModuleNotFoundError("Could not import module 'LlamaForCausalLM'. Are this object's requirements "
                                       "defined correctly?") from e
 
+    from torch_bridge import estimate_kernels
+
+    estimate_kernels._matched.cache_clear()  # a model matched earlier in this process is not built again
     for cls in (transformers.AutoModel, transformers.AutoModelForCausalLM):
         monkeypatch.setattr(cls, "from_config", broken)
     code, out, err = run(capsys, "estimate", "inference", "--model", TINY, "--input", "16", "--output", "2",
