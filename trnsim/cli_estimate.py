@@ -126,8 +126,13 @@ def render_train(est: Any, console: Any) -> None:
     console.print(f"  throughput  {est.tokens_per_s:,.0f} tokens/s, {est.seq_per_s:,.2f} sequences/s", markup=False)
     console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
                   f"over the bf16 peak of {est.ranks} logical cores)", markup=False)
-    for line in _memory_lines(est.memory):
+    for line in ([ln for m in est.train_memory for ln in m.lines()] if est.train_memory else
+                 _memory_lines(est.memory)):
         console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
+    if est.recipe:
+        from .training import Recipe
+
+        console.print(f"  recipe      {Recipe(**est.recipe).text()}", markup=False, soft_wrap=True)
     stages = ", ".join(f"{f:,.1f} + {b:,.1f}" for f, b in est.stage_ms)
     console.print(f"  stages      forward + backward ms per micro-batch: {stages}", markup=False)
     console.print()
@@ -221,6 +226,10 @@ def _failed_import(e: ImportError) -> str:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .files import AtomicOutput
 
+    if args.mode == "train":
+        from .training import recipe_of_args
+
+        args.recipe = recipe_of_args(args)
     _precheck(args)
     try:
         import torch
@@ -241,7 +250,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                 est, traces = est_mod.estimate_train(
                     args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp,
                     micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, dtype=args.dtype,
-                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers)
+                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers,
+                    recipe=args.recipe)
         except torch.OutOfMemoryError as e:
             raise UsageError(f"estimate: {e}") from None
         except ImportError as e:  # the model's code (transformers imports it on demand) does not import
@@ -318,4 +328,7 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     tr.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step (default micro-batch x dp: no gradient accumulation)")
+    from .training import add_recipe_arguments
+
+    add_recipe_arguments(tr)
 

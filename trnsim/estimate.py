@@ -367,6 +367,8 @@ class TrainEstimate:
     cache_hits: int
     wall_s: float
     assumptions: tuple[str, ...] = field(default=())
+    recipe: dict[str, Any] = field(default_factory=dict)  # trnsim.training.Recipe's fields
+    train_memory: tuple[Any, ...] = field(default=())  # trnsim.training.TrainMemory per simulated role
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
