@@ -388,7 +388,10 @@ class _Attention(torch.autograd.Function):
                scale)
         run.charge_specs(_index(q), FORWARD, key, lambda: lowering.attention_specs(q, attn_mask, is_causal, scale))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-        ctx.save_for_backward(q, k, v, out, p)  # what the backward reads (flash attention's saves, with the statistics)
+        if run.target.attention_keeps_probabilities:
+            ctx.p = p  # as the eager kernel keeps them
+        else:
+            ctx.save_for_backward(q, k, v, out, p)  # what flash attention's backward reads: inputs, output, statistics
         return out
 
     @staticmethod
