@@ -84,6 +84,10 @@ def simulate_with_siblings(system: SystemConfig | str, collective: str, nbytes: 
     sibs = sibling_groups(g, world)
     if len(sibs) < 2:
         return alone, alone
+    rpc = sysc.ranks_per_chip
+    chips = [{r // rpc for r in s} for s in sibs]
+    if all(len(c) == 1 for c in chips) and len(set().union(*chips)) == len(sibs):
+        return alone, alone  # each group on a chip of its own: nothing shared (no link, stack or engine)
     calls = []
     for s in sibs:
         r = None if root is None else s[g.index(root)]
