@@ -398,6 +398,7 @@ def run_one(name: str, quick: bool, rounds: int, steps: int, split: bool) -> dic
     import torch_bridge
 
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # (the builders seed again where their model's order of draws needs it)
     model, make_step = PROGRAMS[name](quick)
     dev_model = copy.deepcopy(model)
     device = torch_bridge.runtime.runtime().device

@@ -274,6 +274,7 @@ class Shard:
     def __init__(self, plan: Plan, comm: Comm, role: Role | None = None, pipeline: bool = False):
         self.plan, self.comm, self.role, self.pipeline = plan, comm, role, pipeline
         self.replaced: dict[str, str] = {}
+        self.gather_logits = True  # False: the LM head's logits stay split (a vocab-parallel loss)
 
     def __call__(self, model: nn.Module) -> nn.Module:
         if self.plan.tp > 1:
@@ -312,7 +313,7 @@ class Shard:
             self.replaced[prefix + "embed_tokens"] = "embedding"
         head = getattr(model, "lm_head", None)
         if isinstance(head, nn.Linear) and head.out_features % tp == 0:
-            model.lm_head = ColumnParallelLinear(head, head.out_features // tp, self.comm, gather=True)
+            model.lm_head = ColumnParallelLinear(head, head.out_features // tp, self.comm, gather=self.gather_logits)
             self.replaced["lm_head"] = "colwise_gather_output"
         if sp:
             self._sequence_parallel(base)
