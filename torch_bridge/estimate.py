@@ -234,17 +234,40 @@ def _check(spec: ModelConfig, system: SystemConfig, plan: Plan, dtype: str) -> N
 
 # ---- inference -----------------------------------------------------------------------------------
 def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "trn2.48xlarge", *, tp: int = 1,
-                       pp: int = 1, dp: int = 1, sp: bool = False, batch: int = 1, input_tokens: int = 1024,
+                       pp: int = 1, dp: int = 1, sp: bool | None = None, batch: int = 1, input_tokens: int = 1024,
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
-                       trace: bool = False, layers: int | None = None) -> tuple[InferenceEstimate, list[Any]]:
+                       trace: bool = False, layers: int | None = None, eager: bool = False, ep: int = 1,
+                       **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
+
+    By default the decoder layers run as NxD Inference runs them - the NKI library's kernels at
+    Neuron's bucketed shapes (:func:`torch_bridge.estimate_kernels.estimate_inference_kernels`,
+    which takes ``ep`` and the bucket options ``max_context``, ``max_model_len``,
+    ``context_buckets``, ``kv_buckets``, ``batch_buckets``; ``sp`` None is Neuron's default,
+    sequence-parallel prefill when ``tp > 1``). ``eager`` runs every aten op as its own kernel
+    instead (``sp`` None: off), as follows.
 
     ``samples`` decode steps are simulated at evenly spaced KV lengths (the first and last
     included); ``cache_dir`` True uses the default cost cache, None or False none; ``layers``
     overrides the model's decoder layers (a shorter model, for quick runs and scaling studies).
     Returns the estimate and, with ``trace``, the simulated ranks' RunReports (with events) of
     the prefill and the first decode sample."""
+    if not eager:
+        from .estimate_kernels import estimate_inference_kernels
+
+        _positive("--samples", samples)  # decode steps are timed per KV bucket: samples is not used
+        return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
+                                          input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
+                                          overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
+                                          **buckets)
+    if ep != 1:
+        raise EstimateError(f"--ep {ep}: expert parallelism is a layout of the kernel lowering; --eager shards "
+                            f"experts over --tp only")
+    if buckets:
+        raise EstimateError(f"--{next(iter(buckets)).replace('_', '-')}: buckets are the kernel lowering's; --eager "
+                            f"runs the exact shapes")
+    sp = bool(sp)
     t_wall = time.perf_counter()
     spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
