@@ -283,6 +283,9 @@ def add_parser(sub: Any) -> None:
     modes.required = True
     inf = modes.add_parser("inference", help="prefill and decode of one request batch")
     tr = modes.add_parser("train", help="one training step: forward, backward, gradient reduction, optimizer")
+    from .cli_serve import add_mode
+
+    add_mode(modes)
     for p in (inf, tr):
         p.add_argument("--model", required=True, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
                                                       f"config.json path")
