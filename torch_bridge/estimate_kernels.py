@@ -171,7 +171,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
-    mctx = min(input_tokens, mseq) if max_context is None else _positive("--max-context", max_context)
+    mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
     if total > mseq:
         raise EstimateError(f"--input {input_tokens:,} + --output {output_tokens:,} = {total:,} tokens, more than "
                             f"--max-model-len {mseq:,}")

@@ -318,7 +318,8 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
-    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --input)")
+    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
+                                                           "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
                                                        "--output)")
     inf.add_argument("--context-buckets", metavar="N,N,...", help="prompt buckets (default: powers of 2 from 128 "
