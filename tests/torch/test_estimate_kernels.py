@@ -188,3 +188,18 @@ def test_a_family_estimates_end_to_end(cache):
     est, _ = estimate_inference("gpt-oss-120b", tp=16, layers=2, input_tokens=256, output_tokens=3, cache_dir=cache)
     assert est.ttft_ms > 0 and est.tpot_ms > 0 and not [a for a in est.assumptions if "refused" in a]
     assert "moe_tkg 1x2880x180x128" in "; ".join(est.lowering["decode"])
+
+
+def test_sweep_estimate_entries_take_the_lowering_options(tmp_path):
+    from trnsim.estimate_points import estimate_points, run_estimate_point
+
+    system = load_system("trn2.48xlarge")
+    (model, shape, dtype, params), = estimate_points(
+        [{"mode": "inference", "model": TINY, "tp": 2, "input": 100, "output": 3, "max_context": 128,
+          "max_model_len": 256}], "spec", system)
+    row = run_estimate_point(system, model, shape, dtype, dict(params))
+    direct, _ = estimate_inference(TINY, tp=2, input_tokens=100, output_tokens=3, max_context=128, max_model_len=256,
+                                   cache_dir=None)
+    assert row["error"] == "" and row["ttft_ms"] == pytest.approx(direct.ttft_ms, abs=1e-4)
+    with pytest.raises(ConfigError, match="eager: expected true or false"):
+        estimate_points([{"mode": "inference", "model": TINY, "eager": "yes"}], "spec", system)
