@@ -28,7 +28,7 @@ import torch
 from trnsim.buckets import Buckets, default_buckets
 from trnsim.config import SystemConfig, load_system
 from trnsim.costcache import CostCache, default_cache_dir
-from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, check_plan, check_sizes, summarise
+from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
 from trnsim.models import ModelConfig, load_model
 
 from . import models, nxdi
@@ -169,6 +169,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
     mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len

@@ -150,7 +150,7 @@ def _precheck(args: argparse.Namespace) -> None:
     one line at once rather than after the imports (the run checks them again,
     :mod:`torch_bridge.estimate`, and names what is left: a non-positive number, a dtype)."""
     from .config import load_system
-    from .estimate import DTYPE_BYTES, check_plan, check_sizes
+    from .estimate import DTYPE_BYTES, check_batch, check_plan, check_sizes
     from .models import load_model
 
     model = load_model(args.model)
@@ -166,13 +166,16 @@ def _precheck(args: argparse.Namespace) -> None:
     if args.layers is not None:
         check_sizes(model, layers=args.layers)
         model = model.with_layers(args.layers)
-    check_plan(model, load_system(args.system, args.set), args.tp, args.pp, args.dp, args.dtype)
+    system = load_system(args.system, args.set)
+    check_plan(model, system, args.tp, args.pp, args.dp, args.dtype)
     if inference:
         check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+        check_batch(model, system, args.tp, args.pp, args.dtype, batch=args.batch, tokens=args.input + args.output)
     else:
         replica = args.micro_batch * args.dp
         gbs = replica if args.global_batch is None else args.global_batch
         check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+        check_batch(model, system, args.tp, args.pp, args.dtype, micro_batch=args.micro_batch, seq=args.seq)
 
 
 def _bucket_args(args: argparse.Namespace) -> None:
