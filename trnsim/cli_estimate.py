@@ -92,6 +92,9 @@ def render_inference(est: Any, console: Any) -> None:
                       f"({p['decode_kv_padding_percent']:.1f}% of the KV read is padding); batch {est.batch} -> "
                       f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False)
     console.print()
+    kinds = est.lowering.get("layers", ())
+    if len(kinds) > 1:
+        console.print(f"Decoder layers: {'; '.join(kinds)}; the most common is shown", markup=False)
     for phase in ("decode", "prefill"):
         if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
             console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False)

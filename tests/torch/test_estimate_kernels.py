@@ -204,3 +204,13 @@ def test_sweep_estimate_entries_take_the_lowering_options(tmp_path):
     assert row["error"] == "" and row["ttft_ms"] == pytest.approx(direct.ttft_ms, abs=1e-4)
     with pytest.raises(ConfigError, match="eager: expected true or false"):
         estimate_points([{"mode": "inference", "model": TINY, "eager": "yes"}], "spec", system)
+
+
+def test_the_kinds_of_layer_a_model_has():
+    from torch_bridge.estimate_kernels import layer_kinds
+
+    assert layer_kinds(lowered(short("gpt-oss-120b", 4), nxdi.Shards(tp=16))) == (
+        "2 x GQA (sinks, window 128), MoE 128 experts top 4 (every other layer from 0)",
+        "2 x GQA (sinks), MoE 128 experts top 4 (every other layer from 1)")
+    assert layer_kinds(lowered(short("deepseek-v3", 5), nxdi.Shards(tp=64, ep=64))) == (
+        "3 x MLA, dense MLP (layers 0-2)", "2 x MLA, MoE 256 experts top 8 + shared MLP (layers 3-4)")
