@@ -35,8 +35,8 @@ from torch import nn
 from trnsim.config import ConfigError, SystemConfig, load_system
 from trnsim.costcache import CachedDevice, CostCache, default_cache_dir
 from trnsim.device import no_work
-from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, check_sizes, \
-    mean_decode, pipeline_1f1b, summarise
+from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_batch, check_plan, \
+    check_sizes, mean_decode, pipeline_1f1b, summarise
 from trnsim.models import ModelConfig, load_model
 from trnsim.config import format_quantity
 from trnsim.training import Recipe
@@ -272,6 +272,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     dt = _dtype(dtype)
     _check(spec, sysc, plan, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples)
+    check_batch(spec, sysc, plan.tp, plan.pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     prompt = input_tokens
     if sp and plan.tp > 1 and prompt % plan.tp:
@@ -387,13 +388,14 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     plan = Plan(tp, pp, dp, sp)
     _positive("--micro-batch", micro_batch)
     _positive("--seq", seq)
+    dt = _dtype(dtype)
+    _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
     gbs = micro_batch * dp if global_batch is None else _positive("--global-batch", global_batch)
     if gbs % (micro_batch * dp):
         raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}")
     micro = gbs // (micro_batch * dp)
-    dt = _dtype(dtype)
-    _check(spec, sysc, plan, dtype)
     check_sizes(spec, seq=seq, micro_batches=micro)
+    check_batch(spec, sysc, plan.tp, plan.pp, dtype, micro_batch=micro_batch, seq=seq)
     if sp and plan.tp > 1 and seq % plan.tp:
         raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))

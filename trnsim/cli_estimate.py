@@ -92,6 +92,9 @@ def render_inference(est: Any, console: Any) -> None:
                       f"({p['decode_kv_padding_percent']:.1f}% of the KV read is padding); batch {est.batch} -> "
                       f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False)
     console.print()
+    kinds = est.lowering.get("layers", ())
+    if len(kinds) > 1:
+        console.print(f"Decoder layers: {'; '.join(kinds)}; the most common is shown", markup=False)
     for phase in ("decode", "prefill"):
         if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
             console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False)
@@ -150,7 +153,7 @@ def _precheck(args: argparse.Namespace) -> None:
     one line at once rather than after the imports (the run checks them again,
     :mod:`torch_bridge.estimate`, and names what is left: a non-positive number, a dtype)."""
     from .config import load_system
-    from .estimate import DTYPE_BYTES, check_plan, check_sizes
+    from .estimate import DTYPE_BYTES, check_batch, check_plan, check_sizes
     from .models import load_model
 
     model = load_model(args.model)
@@ -166,13 +169,16 @@ def _precheck(args: argparse.Namespace) -> None:
     if args.layers is not None:
         check_sizes(model, layers=args.layers)
         model = model.with_layers(args.layers)
-    check_plan(model, load_system(args.system, args.set), args.tp, args.pp, args.dp, args.dtype)
+    system = load_system(args.system, args.set)
+    check_plan(model, system, args.tp, args.pp, args.dp, args.dtype)
     if inference:
         check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+        check_batch(model, system, args.tp, args.pp, args.dtype, batch=args.batch, tokens=args.input + args.output)
     else:
         replica = args.micro_batch * args.dp
         gbs = replica if args.global_batch is None else args.global_batch
         check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+        check_batch(model, system, args.tp, args.pp, args.dtype, micro_batch=args.micro_batch, seq=args.seq)
 
 
 def _bucket_args(args: argparse.Namespace) -> None:
@@ -318,7 +324,8 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
-    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --input)")
+    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
+                                                           "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
                                                        "--output)")
     inf.add_argument("--context-buckets", metavar="N,N,...", help="prompt buckets (default: powers of 2 from 128 "
