@@ -44,6 +44,7 @@ from trnsim.training import Recipe
 from . import models
 from .parallel import Comm, Shard
 from .timing_only import Ledger, Target, TimingOnly, replay_layers
+from .train_step import assumptions as train_assumptions
 from .train_step import run_train_role
 
 __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "EstimateError"]
@@ -56,13 +57,6 @@ INFERENCE_ASSUMPTIONS = (
     "attention is one fused kernel per layer (causal flash attention in prefill)",
     "KV cache preallocated for input + output tokens; a decode step attends over the tokens so far",
     "no speculative decoding, no serving stack (batching, tokenizer, network)",
-)
-TRAIN_ASSUMPTIONS = (
-    "each micro-batch forward and backward is one compiled graph: one host dispatch each",
-    "one kernel per aten op (no cross-op fusion); attention as one fused kernel forward and backward, keeping "
-    "only its softmax statistics for the backward (flash attention's memory)",
-    "1F1B pipeline schedule; activations sent stage to stage with send/recv on the links",
-    "data-parallel gradients reduced once per step after the last backward (no overlap), then AdamW op by op",
 )
 
 
@@ -438,7 +432,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         backward=stages[0]["backward_report"],
         stage_ms=tuple((s["forward_ticks"] / hz * 1e3, s["backward_ticks"] / hz * 1e3) for s in stages),
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS + tuple(refused),
+        wall_s=time.perf_counter() - t_wall, assumptions=train_assumptions(recipe) + tuple(refused),
         recipe=recipe.to_dict(), train_memory=_distinct(results[r.stage]["train_memory"] for r in plan.roles(spec.layers)))
     return est, traces
 

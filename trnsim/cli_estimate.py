@@ -124,7 +124,7 @@ def render_train(est: Any, console: Any) -> None:
         head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
     console.print(head, soft_wrap=True)
     console.print(f"  step        {est.step_ms:,.1f} ms: pipeline {est.pipeline_ms:,.1f} ms (bubble "
-                  f"{est.bubble_percent:.1f}%), data-parallel gradient all-reduce {est.dp_reduce_ms:,.1f} ms, "
+                  f"{est.bubble_percent:.1f}%), data-parallel gradient reduction {est.dp_reduce_ms:,.1f} ms (past the backward), "
                   f"optimizer {est.optimizer_ms:,.1f} ms", markup=False)
     console.print(f"  throughput  {est.tokens_per_s:,.0f} tokens/s, {est.seq_per_s:,.2f} sequences/s", markup=False)
     console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
@@ -233,9 +233,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from .files import AtomicOutput
 
     if args.mode == "train":
-        from .training import recipe_of_args
+        from .training import apply_plan
 
-        args.recipe = recipe_of_args(args)
+        apply_plan(args)
     _precheck(args)
     try:
         import torch
@@ -293,8 +293,8 @@ def add_parser(sub: Any) -> None:
 
     add_mode(modes)
     for p in (inf, tr):
-        p.add_argument("--model", required=True, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
-                                                      f"config.json path")
+        p.add_argument("--model", required=p is inf, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
+                                                          f"config.json path" + ("" if p is inf else " (or --plan)"))
         p.add_argument("--system", default="trn2.48xlarge",
                        help=f"a system ({', '.join(system_names())}) or a YAML path; default trn2.48xlarge")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
@@ -334,11 +334,12 @@ def add_parser(sub: Any) -> None:
                                                              "--max-model-len, and it)")
     inf.add_argument("--batch-buckets", metavar="N,N,...", help="decode batch buckets (default: powers of 2 up to "
                                                                 "--batch, and it)")
-    tr.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    tr.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    tr.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
+    tr.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     tr.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step (default micro-batch x dp: no gradient accumulation)")
     from .training import add_recipe_arguments
 
     add_recipe_arguments(tr)
+    tr.set_defaults(system=None, tp=None, pp=None, dp=None, sp=None, dtype=None)  # a --plan's, else the defaults
 
