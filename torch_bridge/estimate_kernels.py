@@ -28,7 +28,7 @@ import torch
 from trnsim.buckets import Buckets, default_buckets
 from trnsim.config import SystemConfig, load_system
 from trnsim.costcache import CostCache, default_cache_dir
-from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, check_plan, check_sizes, summarise
+from trnsim.estimate import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
 from trnsim.models import ModelConfig, load_model
 
 from . import models, nxdi
@@ -137,6 +137,27 @@ def lowering_text(prog: nxdi.Program, *, batch: int, tokens: int, cache: int, de
     return nxdi.describe(_layer_calls(prog.layers[i], prog.shards, batch, tokens, 0, cache, i == 0, decode))
 
 
+def layer_kinds(prog: nxdi.Program) -> tuple[str, ...]:
+    """The distinct kinds of decoder layer, most common first, one line each: ``58 x MLA, MoE 256
+    experts top 8 + shared MLP (layers 3-60)``."""
+    groups: dict[Layer, list[int]] = {}
+    for i, layer in enumerate(prog.layers):
+        groups.setdefault(layer, []).append(i)
+    out = []
+    for layer, idx in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        a, f = layer.attention, layer.ffn
+        extras = [x for x in ("q/k norm" if a.qk_norm else "", "sinks" if a.sinks else "",
+                              f"window {a.window}" if a.window else "") if x]
+        attn = ("MLA" if a.kind == "mla" else "GQA" if a.kv_heads < a.heads else "MHA") + \
+            (f" ({', '.join(extras)})" if extras else "")
+        ffn = f"MoE {f.experts} experts top {f.top_k}" + (" + shared MLP" if f.shared_inter else "") \
+            if f.kind == "moe" else "dense MLP"
+        span = f"layers {idx[0]}-{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else \
+            f"every other layer from {idx[0]}" if idx == list(range(idx[0], idx[-1] + 1, 2)) else f"{len(idx)} layers"
+        out.append(f"{len(idx)} x {attn}, {ffn} ({span})")
+    return tuple(out)
+
+
 @dataclass
 class _Step:
     ticks: int
@@ -169,9 +190,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
-    mctx = min(input_tokens, mseq) if max_context is None else _positive("--max-context", max_context)
+    mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
     if total > mseq:
         raise EstimateError(f"--input {input_tokens:,} + --output {output_tokens:,} = {total:,} tokens, more than "
                             f"--max-model-len {mseq:,}")
@@ -251,7 +273,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                    100.0 * (kv_read - kv_used) / kv_read if kv_read else 0.0,
                "batch_bucket": bb, "batch_padding_percent": 100.0 * (bb - batch) / bb}
     lowering = {"decode": lowering_text(prog, batch=bb, tokens=1, cache=busiest or kv_alloc, decode=True),
-                "prefill": lowering_text(prog, batch=bb, tokens=prompt, cache=prompt, decode=False)}
+                "prefill": lowering_text(prog, batch=bb, tokens=prompt, cache=prompt, decode=False),
+                "layers": layer_kinds(prog)}
     notes = []
     if prompt != input_tokens:
         notes.append(f"prompt of {input_tokens:,} tokens run in the context bucket of {prompt:,}")
