@@ -214,9 +214,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
     prompt = buckets.context_for(input_tokens)
     bb = buckets.batch_for(batch)
-    # decode steps produce tokens 2..output: the step after j tokens attends over input + j + 1 positions
+    # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
+    # over input + k - 1 positions (as trnsim.serve's decode steps)
     per_bucket: dict[int, list[int]] = {}
-    for n in range(input_tokens + 2, total + 1):
+    for n in range(input_tokens + 1, total):
         per_bucket.setdefault(buckets.kv_for(n), []).append(n)
     kv_alloc = buckets.kv[-1]
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
