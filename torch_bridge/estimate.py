@@ -114,7 +114,7 @@ def _make_rank(role: Role, system: SystemConfig, plan: Plan, cache: CostCache,
 
 
 def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool,
-                 gather_logits: bool = True) -> nn.Module:
+                 gather_logits: bool = True, then: Any = None) -> nn.Module:
     """The stage's model: its decoder layers, the embedding on the first stage, the final norm
     and LM head on the last; sharded for the rank before its weights get storage (the LM head's
     logits all-gathered over the vocabulary unless ``gather_logits`` is False)."""
@@ -128,7 +128,8 @@ def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: t
             base.embed_tokens = nn.Identity()  # activations arrive from the previous stage
         if not last:
             base.norm = nn.Identity()
-        return shard(net)
+        net = shard(net)
+        return then(net) if then is not None else net  # more sharding (expert parallelism), still on meta
 
     return models.from_config(spec, dtype, layers=hi - lo, head=last, shard=trim)
 

@@ -86,8 +86,13 @@ def neuron_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_ind
     if pad:
         idx, w = torch.cat([idx, idx.new_zeros(pad)]), torch.cat([w, w.new_zeros(pad)])
     x = hidden_states.index_select(0, idx).view(experts, per, hidden)
+    ep = getattr(self, "_trnsim_ep", None)  # expert parallelism: the routed tokens to their experts' ranks and back
+    if ep is not None:
+        x = ep(x)
     gate, up = torch.bmm(x, self.gate_up_proj[:experts].transpose(1, 2)).chunk(2, dim=-1)
     y = torch.bmm(self.act_fn(gate) * up, self.down_proj[:experts].transpose(1, 2)).view(-1, hidden)
+    if ep is not None:
+        y = ep(y)
     y = y * w.unsqueeze(-1).to(y.dtype)
     out = torch.zeros_like(hidden_states)
     out.index_add_(0, idx, y.to(out.dtype))

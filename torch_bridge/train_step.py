@@ -259,6 +259,54 @@ class OptimizerState:
             h.remove()
 
 
+# ---- expert parallelism ---------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Any, group: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        comm.charge("all-to-all", x.numel() * x.element_size(), group, _dtype_name(x.dtype))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        ctx.comm.charge("all-to-all", g.numel() * g.element_size(), ctx.group, _dtype_name(g.dtype))
+        return g, None, None
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
+
+
+def expert_parallel(ep: int, plan: Any, comm: Any) -> Any:
+    """A ``then`` for the stage model: every experts module (3-d ``gate_up_proj`` / ``down_proj``)
+    keeps ``experts / ep`` experts, and its routed tokens go to the ranks of their experts and
+    back by all-to-all over ``ep`` data-parallel ranks (forward and backward)."""
+    d, p_i, t = plan.coords(comm.rank)
+    lo = d // ep * ep
+    group = [plan.rank(dd, p_i, t) for dd in range(lo, lo + ep)]
+
+    def send(x: torch.Tensor) -> torch.Tensor:
+        return _AllToAll.apply(x, comm, group)
+
+    def shard(net: nn.Module) -> nn.Module:
+        found = 0
+        for m in net.modules():
+            gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+            if isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3:
+                experts = gu.shape[0]
+                if experts % ep:
+                    raise RecipeError(f"--ep {ep}: the model has {experts} experts, not a multiple of {ep}")
+                for name, prm in (("gate_up_proj", gu), ("down_proj", dn)):
+                    setattr(m, name, nn.Parameter(torch.empty((experts // ep, *prm.shape[1:]), dtype=prm.dtype,
+                                                              device="meta"), requires_grad=prm.requires_grad))
+                m._trnsim_ep = send
+                found += 1
+        if not found:
+            raise RecipeError(f"--ep {ep}: the model has no experts to split (a mixture-of-experts model)")
+        return net
+    return shard
+
+
 # ---- FSDP: the parameters held as shards, gathered per layer --------------------------------------
 class _FullyShard:
     """FSDP2 over the data-parallel group on a rank whose parameters were built whole: the ledger
@@ -345,7 +393,11 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
     dname = _torch_dtype_name(dt)
     dp_group = plan.dp_group(role.rank)
     with rank.run, models.quiet():
-        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel)
+        if recipe.ep > 1 and plan.dp % recipe.ep:
+            raise RecipeError(f"--ep {recipe.ep}: expert parallelism splits the data-parallel ranks; --dp {plan.dp} "
+                              f"is not a multiple of it")
+        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel,
+                           then=expert_parallel(recipe.ep, plan, comm) if recipe.ep > 1 else None)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         base = getattr(net, net.base_model_prefix, net)

@@ -61,6 +61,7 @@ class Recipe:
     fused: bool = True  # the step lowered as the compiled path lowers it (fused regions, one optimizer kernel)
     overlap: bool = True  # data-parallel gradient buckets reduced while the backward runs
     bucket_mb: int = 512  # NxD's ALLREDUCE_BUCKET_CAP_MB default
+    ep: int = 1  # expert parallelism: MoE experts split over this many data-parallel ranks (all-to-all dispatch)
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -69,7 +70,7 @@ class Recipe:
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--schedule", self.schedule, SCHEDULES)
         for flag, v, lo, hi in (("--virtual-stages", self.virtual_stages, 1, 64),
-                                ("--bucket-mb", self.bucket_mb, 1, 1 << 20)):
+                                ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
         for flag, v in (("fused", self.fused), ("overlap", self.overlap)):
@@ -109,6 +110,7 @@ class Recipe:
                  {"none": "optimizer unsharded", "zero1": "ZeRO-1", "fsdp": "FSDP2"}[self.sharding],
                  {"mixed": "bf16 compute + fp32 master weights", "bf16": "bf16 + stochastic rounding"}[self.precision],
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
+                 *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
@@ -184,6 +186,8 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--schedule", default=None, help=f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--virtual-stages", type=int, default=None, help="model chunks per pipeline rank (interleaved)")
     p.add_argument("--bucket-mb", type=int, default=None, help="data-parallel gradient bucket in MB (default 512)")
+    p.add_argument("--ep", type=int, default=None, help="expert parallelism: MoE experts split over this many "
+                                                        "data-parallel ranks, tokens sent to them by all-to-all")
     p.add_argument("--eager", action="store_true", help="lower the step op by op (no fused regions, AdamW op by op)")
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
@@ -212,7 +216,7 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
     """The recipe of ``trnsim estimate train``'s options (unset options keep ``base``'s, a plan's,
     or the default)."""
     fields: dict[str, Any] = dict(base.to_dict()) if base is not None else {}
-    for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb"):
+    for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb", "ep"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v
