@@ -110,7 +110,7 @@ def charge(rank: Any, calls: Sequence[Call], dtype: str) -> None:
                 cost = dev.cost(c.spec)
             except KernelError as e:
                 raise nxdi.Unsupported(f"the library kernel {c.text()} refused its shape ({e}); a larger --tp or "
-                                       f"--ep, or a shorter sequence, gives it one it takes") from None
+                                       f"--ep, or a shorter sequence, may give it one it takes") from None
             run.launch(0, c.op, cost)
         else:
             rank.comm.charge(c.collective, c.nbytes, rank.comm.tp_group, dtype)
@@ -186,6 +186,9 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens), ("--ep", ep)):
         _positive(name, v)
     dt = _dtype(dtype)
+    if dtype not in nxdi.KERNEL_DTYPES:
+        raise EstimateError(f"--dtype {dtype}: the library's transformer kernels take {' or '.join(nxdi.KERNEL_DTYPES)}; "
+                            f"run --eager for {dtype}")
     sp_on = (tp > 1) if sp is None else bool(sp)
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
@@ -211,9 +214,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
     prompt = buckets.context_for(input_tokens)
     bb = buckets.batch_for(batch)
-    # decode steps produce tokens 2..output: the step after j tokens attends over input + j + 1 positions
+    # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
+    # over input + k - 1 positions (as trnsim.serve's decode steps)
     per_bucket: dict[int, list[int]] = {}
-    for n in range(input_tokens + 2, total + 1):
+    for n in range(input_tokens + 1, total):
         per_bucket.setdefault(buckets.kv_for(n), []).append(n)
     kv_alloc = buckets.kv[-1]
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))

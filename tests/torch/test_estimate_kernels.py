@@ -214,3 +214,9 @@ def test_the_kinds_of_layer_a_model_has():
         "2 x GQA (sinks), MoE 128 experts top 4 (every other layer from 1)")
     assert layer_kinds(lowered(short("deepseek-v3", 5), nxdi.Shards(tp=64, ep=64))) == (
         "3 x MLA, dense MLP (layers 0-2)", "2 x MLA, MoE 256 experts top 8 + shared MLP (layers 3-4)")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_a_dtype_the_library_kernels_do_not_all_take_is_refused(dtype):
+    with pytest.raises(ConfigError, match=f"--dtype {dtype}: the library's transformer kernels take bf16; run --eager"):
+        estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=2, dtype=dtype, cache_dir=None)
