@@ -1,0 +1,247 @@
+"""``trnsim estimate inference|train``: the command, its options and how it prints (part of the CLI,
+with :mod:`trnsim.cli`; the runs are :mod:`torch_bridge.estimate`'s).
+
+    trnsim estimate inference --model llama-3.3-70b [--system trn2.48xlarge] [--tp 64] [--pp 1] [--dp 1]
+                   [--sp] [--batch 1] [--input 10000] [--output 1500] [--dtype bf16] [--samples 5]
+                   [--set K=V ...] [--json] [--trace out.json] [--no-cache] [--no-replay]
+    trnsim estimate train --model llama-3.1-8b [--system ...] [--tp 8] [--pp 1] [--dp 1] [--sp]
+                   [--micro-batch 1] [--seq 2048] [--global-batch N] [--dtype bf16] [--set K=V ...]
+                   [--json] [--trace out.json] [--no-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .base import Out as _Out, UsageError
+from ..config import format_quantity
+
+__all__ = ["add_parser", "render_inference", "render_train"]
+
+
+def _gib(n: int) -> str:
+    return format_quantity(n, "bytes")
+
+
+def _plan_text(plan: dict[str, Any], ranks: int) -> str:
+    parts = [f"{k.upper()}={v}" for k, v in plan.items() if k != "sp" and v > 1] or ["TP=1"]
+    if plan.get("sp"):
+        parts.append("SP")
+    return f"{' '.join(parts)}, {ranks} rank{'s' if ranks != 1 else ''}"
+
+
+def _memory_lines(memory: Any) -> list[str]:
+    out = []
+    for m in memory:
+        extra = f"KV cache {_gib(m.kv_bytes)}" if m.kv_bytes or not m.state_bytes else \
+            f"gradients + optimizer state {_gib(m.state_bytes)}"
+        out.append(f"stage {m.stage} ({m.ranks} ranks): weights {_gib(m.weights_bytes)}, {extra}, peak "
+                   f"{_gib(m.peak_bytes)} of {_gib(m.capacity_bytes)} per logical core")
+    return out
+
+
+def _step_table(title: str, step: Any, console: Any) -> None:
+    from rich.table import Table
+
+    console.print(f"{title}: {step.time_ms:,.2f} ms, {step.launches:,} launches, bound by {step.bound}", markup=False)
+    t = Table(box=None, padding=(0, 2))
+    for col in ("kind", "calls", "time ms", "share", "bound"):
+        t.add_column(col, justify="left" if col in ("kind", "bound") else "right")
+    for k in step.kinds:
+        t.add_row(k.kind, f"{k.calls:,}", f"{k.time_ms:,.2f}", f"{k.share_percent:.1f}%", k.bound)
+    console.print(t)
+    console.print(f"  compute {step.compute_ms:,.2f} ms | HBM {step.memory_ms:,.2f} ms | collectives "
+                  f"{step.collective_ms:,.2f} ms | idle {step.idle_ms:,.2f} ms", markup=False)
+    if step.collectives:
+        colls = ", ".join(f"{op} {algo} x{calls} ({ms * 1e3 / calls:,.1f} us each)"
+                          for op, algo, calls, ms in step.collectives)
+        console.print(f"  collectives: {colls}", markup=False, soft_wrap=True)
+
+
+def render_inference(est: Any, console: Any) -> None:
+    """An :class:`trnsim.estimate.InferenceEstimate` as text."""
+    head = (f"[bold]{est.model}[/bold] inference on {est.system} ({est.config}): {_plan_text(est.plan, est.ranks)}; "
+            f"batch {est.batch}, {est.input_tokens:,} tokens in / {est.output_tokens:,} out, {est.dtype}")
+    if est.overrides:
+        head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
+    console.print(head, soft_wrap=True)
+    console.print(f"  TTFT        {est.ttft_ms:,.2f} ms (prefill of {est.input_tokens:,} tokens and the first token)",
+                  markup=False)
+    if est.output_tokens > 1:
+        console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: "
+                      f"{est.tpot_first_ms:,.2f} ms at KV {est.decode_samples[0][0]:,} -> {est.tpot_last_ms:,.2f} ms "
+                      f"at KV {est.decode_samples[-1][0]:,})", markup=False, soft_wrap=True)
+    console.print(f"  tokens/s    {est.tokens_per_s:,.1f} per request; {est.system_tokens_per_s:,.1f} for the system "
+                  f"(batch {est.batch} x DP {est.plan['dp']})", markup=False)
+    for line in _memory_lines(est.memory):
+        console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
+    console.print()
+    if est.output_tokens > 1:
+        mid = est.decode_samples[len(est.decode_samples) // 2][0]
+        _step_table(f"Decode step at KV {mid:,} (stage 0's rank)", est.decode, console)
+        console.print()
+    _step_table(f"Prefill of {est.input_tokens:,} tokens (stage 0's rank)", est.prefill, console)
+    console.print()
+    console.print(f"Simulated {est.roles_simulated} role(s) for {est.ranks} ranks; {est.kernels_simulated:,} kernels "
+                  f"simulated, {est.cache_hits:,} costs from the cache; {est.wall_s:,.1f} s", markup=False)
+    console.print("Assumptions: " + "; ".join(est.assumptions) + ".", markup=False)
+
+
+def render_train(est: Any, console: Any) -> None:
+    """A :class:`trnsim.estimate.TrainEstimate` as text."""
+    head = (f"[bold]{est.model}[/bold] training on {est.system} ({est.config}): {_plan_text(est.plan, est.ranks)}; "
+            f"micro-batch {est.micro_batch} x {est.seq:,} tokens, global batch {est.global_batch:,} "
+            f"({est.micro_batches} micro-batches per replica), {est.dtype}")
+    if est.overrides:
+        head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
+    console.print(head, soft_wrap=True)
+    console.print(f"  step        {est.step_ms:,.1f} ms: pipeline {est.pipeline_ms:,.1f} ms (bubble "
+                  f"{est.bubble_percent:.1f}%), data-parallel gradient all-reduce {est.dp_reduce_ms:,.1f} ms, "
+                  f"optimizer {est.optimizer_ms:,.1f} ms", markup=False)
+    console.print(f"  throughput  {est.tokens_per_s:,.0f} tokens/s, {est.seq_per_s:,.2f} sequences/s", markup=False)
+    console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
+                  f"over the bf16 peak of {est.ranks} logical cores)", markup=False)
+    for line in _memory_lines(est.memory):
+        console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
+    stages = ", ".join(f"{f:,.1f} + {b:,.1f}" for f, b in est.stage_ms)
+    console.print(f"  stages      forward + backward ms per micro-batch: {stages}", markup=False)
+    console.print()
+    _step_table("Forward of one micro-batch (stage 0's rank)", est.forward, console)
+    console.print()
+    _step_table("Backward of one micro-batch (stage 0's rank)", est.backward, console)
+    console.print()
+    console.print(f"Simulated {est.roles_simulated} role(s) for {est.ranks} ranks; {est.kernels_simulated:,} kernels "
+                  f"simulated, {est.cache_hits:,} costs from the cache; {est.wall_s:,.1f} s", markup=False)
+    console.print("Assumptions: " + "; ".join(est.assumptions) + ".", markup=False)
+
+
+def _precheck(args: argparse.Namespace) -> None:
+    """The model, system, plan and sizes checked before PyTorch is imported, so a bad option is
+    one line at once rather than after the imports (the run checks them again,
+    :mod:`torch_bridge.estimate`, and names what is left: a non-positive number, a dtype)."""
+    from ..config import load_system
+    from ..workload.plan import DTYPE_BYTES, check_plan, check_sizes
+    from ..workload.models import load_model
+
+    model = load_model(args.model)
+    inference = args.mode == "inference"
+    counts = [args.tp, args.pp, args.dp, 1 if args.layers is None else args.layers] + (
+        [args.batch, args.input, args.output, args.samples] if inference else
+        [args.micro_batch, args.seq, 1 if args.global_batch is None else args.global_batch])
+    if min(counts) < 1 or args.dtype not in DTYPE_BYTES:
+        return
+    if args.layers is not None:
+        check_sizes(model, layers=args.layers)
+        model = model.with_layers(args.layers)
+    check_plan(model, load_system(args.system, args.set), args.tp, args.pp, args.dp, args.dtype)
+    if inference:
+        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+    else:
+        replica = args.micro_batch * args.dp
+        gbs = replica if args.global_batch is None else args.global_batch
+        check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+
+
+def _failed_import(e: ImportError) -> str:
+    """What did not import: the innermost import error's module (transformers re-raises a lazy
+    import's failure under the class name) and its message."""
+    inner: BaseException = e
+    seen = {id(e)}
+    while True:
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or id(nxt) in seen:
+            break
+        seen.add(id(nxt))
+        inner = nxt
+    name = next((x.name for x in (inner, e) if isinstance(x, ImportError) and x.name), None)
+    return f"importing {name} failed ({inner})" if name else f"an import failed ({e})"
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from ..outputs.files import AtomicOutput
+
+    _precheck(args)
+    try:
+        import torch
+
+        from torch_bridge.timing import estimate as est_mod
+    except ImportError as e:
+        raise UsageError(f"trnsim estimate needs PyTorch and transformers: pip install -e '.[demo]' ({e})") from None
+    cache = None if args.no_cache else True
+    trace = AtomicOutput(args.trace, "--trace") if args.trace else None  # refused now, not after the run
+    try:
+        try:
+            if args.mode == "inference":
+                est, traces = est_mod.estimate_inference(
+                    args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp, batch=args.batch,
+                    input_tokens=args.input, output_tokens=args.output, dtype=args.dtype, overrides=args.set,
+                    samples=args.samples, replay=not args.no_replay, cache_dir=cache, trace=trace is not None,
+                    layers=args.layers)
+            else:
+                est, traces = est_mod.estimate_train(
+                    args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp,
+                    micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, dtype=args.dtype,
+                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers)
+        except torch.OutOfMemoryError as e:
+            raise UsageError(f"estimate: {e}") from None
+        except ImportError as e:  # the model's code (transformers imports it on demand) does not import
+            raise UsageError(f"estimate: {args.model}: {_failed_import(e)}; check the transformers install "
+                             f"(pip install -e '.[demo]')") from None
+        if trace is not None:
+            est_mod.write_trace(trace, traces)
+    finally:
+        if trace is not None:
+            trace.discard()
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+        return 0
+    console = _Out(width=120)
+    (render_inference if args.mode == "inference" else render_train)(est, console)
+    if args.trace:
+        console.print(f"Trace written to {args.trace} (open it in ui.perfetto.dev)", markup=False)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """``trnsim estimate`` with its two modes."""
+    from ..config import system_names
+    from ..workload.models import model_names
+
+    e = sub.add_parser("estimate", help="estimate LLM inference (TTFT, TPOT, tokens/s) or a training step (step time, "
+                                        "tokens/s, MFU) on a whole system, timing-only")
+    modes = e.add_subparsers(dest="mode", metavar="MODE", parser_class=type(e))
+    modes.required = True
+    inf = modes.add_parser("inference", help="prefill and decode of one request batch")
+    tr = modes.add_parser("train", help="one training step: forward, backward, gradient reduction, optimizer")
+    for p in (inf, tr):
+        p.add_argument("--model", required=True, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
+                                                      f"config.json path")
+        p.add_argument("--system", default="trn2.48xlarge",
+                       help=f"a system ({', '.join(system_names())}) or a YAML path; default trn2.48xlarge")
+        p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+        p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+        p.add_argument("--sp", action="store_true", help="sequence parallelism over the TP group (norms and "
+                                                          "residuals on seq/tp tokens)")
+        p.add_argument("--dtype", default="bf16", help="weights and activations: bf16, fp16 or fp32 (default bf16)")
+        p.add_argument("--set", action="append", default=[], metavar="K=V",
+                       help="dotted override of the system or its chip, e.g. core.dma.engine_bandwidth=40GB/s")
+        p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+        p.add_argument("--trace", metavar="OUT.json", help="write a Perfetto timeline of the simulated ranks' steps")
+        p.add_argument("--no-cache", action="store_true", help="simulate every kernel again (no on-disk cost cache)")
+        p.add_argument("--layers", type=int, help="override the model's decoder layers (a shorter model)")
+        p.set_defaults(fn=cmd_estimate)
+    inf.add_argument("--batch", type=int, default=1, help="sequences per request batch (default 1)")
+    inf.add_argument("--input", type=int, default=1024, help="prompt tokens (default 1024)")
+    inf.add_argument("--output", type=int, default=128, help="generated tokens (default 128)")
+    inf.add_argument("--samples", type=int, default=5, help="decode steps simulated along the output, KV lengths "
+                                                            "evenly spaced (default 5)")
+    inf.add_argument("--no-replay", action="store_true", help="run every decoder layer (default: run the first, "
+                                                               "replay it for the identical others)")
+    tr.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    tr.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    tr.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per step (default micro-batch x dp: no gradient accumulation)")
+
