@@ -105,7 +105,9 @@ CLI = [["info", "trn2"], ["info", "trn3", "--set", "core.sbuf.partition_bytes=30
 
 
 def cli(with_torch: bool) -> list[str]:
+    import trnsim
     from trnsim.cli import main
+    root = os.path.dirname(os.path.dirname(os.path.abspath(trnsim.__file__)))
     out = []
     runs = list(CLI)
     if with_torch:
@@ -117,7 +119,9 @@ def cli(with_torch: bool) -> list[str]:
                 code = main(list(argv))
             except SystemExit as e:
                 code = e.code
-        out.append(f"cli {' '.join(argv)} -> {code} {_h(buf.getvalue())} stderr {_h(err.getvalue())}")
+        # the checkout's own path (a config's "source") is where the digest runs, not behaviour
+        text, errs = (x.getvalue().replace(root, "<repo>") for x in (buf, err))
+        out.append(f"cli {' '.join(argv)} -> {code} {_h(text)} stderr {_h(errs)}")
     return out
 
 

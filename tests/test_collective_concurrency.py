@@ -48,3 +48,25 @@ def test_sibling_groups_are_the_meshs_other_groups():
     assert len(dp) == 8 and dp[1] == tuple(range(1, 64, 8))
     assert sibling_groups([0, 1, 2], 4) == [(0, 1, 2)]  # no translate fits: alone
     assert sibling_groups([0, 1, 4, 5], 16) == [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)]
+
+
+def test_sibling_groups_are_the_same_set_from_any_group():
+    from trnsim.collectives import sibling_groups
+
+    dp1 = sibling_groups(range(1, 64, 8), 64)
+    assert dp1[0] == tuple(range(1, 64, 8)) and tuple(range(0, 64, 8)) in dp1 and len(dp1) == 8
+    assert set(sibling_groups([1, 3], 4)) == set(sibling_groups([0, 2], 4)) == {(0, 2), (1, 3)}
+
+
+def test_a_call_beside_its_siblings_is_slower_where_they_share_links():
+    """A 2x4 mesh on a trn1.32xlarge (two cores a chip): DP group [0, 4] (chips 0 and 2) and its
+    sibling [1, 5] (the same chips) cross the same links at once; the TP groups [0..3] and
+    [4..7] (chips 0-1 and 2-3) share nothing."""
+    from trnsim.collectives import simulate_with_siblings
+
+    trn1 = load_system("trn1.32xlarge")
+    together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, [0, 4], 8)
+    assert together.time_ticks > 1.5 * alone.time_ticks and together.bound.startswith("link")
+    assert alone.time_ticks == simulate_collectives(trn1, [CollectiveCall("all-reduce", 16 << 20, group=[0, 4])])[0].time_ticks
+    together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, [0, 1, 2, 3], 8)
+    assert together.time_ticks == alone.time_ticks

@@ -48,3 +48,40 @@ def test_textbook_form_misses_shared_links_our_form_counts():
                             algorithm="rdh")
     assert r.time_s == pytest.approx(r.estimate.time_s, rel=0.02)
     assert r.estimate.textbook_s < 0.85 * r.time_s
+
+
+def _astra_sim(collective: str, p: int, nbytes: int, hops: int, latency_s: float, endpoint_s: float,
+               bandwidth_gib_s: float) -> float:
+    """ASTRA-sim's analytical network backend for one dimension, congestion-unaware
+    (astra-network-analytical 599a0473, congestion_unaware/basic-topology/BasicTopology.cpp:
+    ``send = hops x latency + size / bandwidth``, bandwidth in GiB/s as its ``bw_GBps_to_Bpns``
+    takes "1 GB is 2^30 B"; Ring.cpp one hop to the ring neighbour, Switch.cpp two), driven by
+    ASTRA-sim's ring algorithm (astra-sim 518bd513, native_collectives/collective_algorithm/Ring.cc:
+    all-reduce 2(p-1) sends of S/p, all-gather and reduce-scatter p-1), each step one send plus
+    the system's endpoint delay (notes/collectives.md §4)."""
+    steps = 2 * (p - 1) if collective == "all-reduce" else p - 1
+    return steps * (hops * latency_s + endpoint_s + (nbytes / p) / (bandwidth_gib_s * 2**30))
+
+
+@pytest.mark.parametrize("system, sets, group, hops", [
+    ("trn2.48xlarge", ["topology.y.size=1"], [0, 4, 8, 12], 1),       # a 1-D ring of 4 chips, a rank each
+    ("trn3-ultraserver-gen1", [], list(range(0, 64, 4)), 2),          # a server's 16 chips on its switch
+], ids=["ring", "switch"])
+@pytest.mark.parametrize("collective", ["all-reduce", "all-gather", "reduce-scatter"])
+def test_the_network_alone_agrees_with_astra_sims_analytical_backend(system, sets, group, hops, collective):
+    """With ASTRA-sim's link parameters (the system's hop latency and per-direction bandwidth, the
+    DMA start and completion as its endpoint delay) and the runtime's costs zero, trnsim's ring on
+    a 1-D ring and on a switch takes ASTRA-sim's time within 0.2% from 16 MiB to 1 GiB. HBM is
+    made ample and a DMA add as fast as a copy: ASTRA-sim's network backend has no memory and no
+    reduction cost (a ring reduce-scatter step's two reads and a write, and Trn2's DMA adding at
+    half its copy rate on the engines that also send, make trnsim 6-13% slower there)."""
+    base = load_system(system, sets)
+    net = load_system(system, sets + network_only(base) + ["chip.hbm.bandwidth=1000TB/s",
+                                                           "collectives.dma_accumulate_rate=1"])
+    dim = net.topology[0]
+    dma = net.chip.core.dma
+    for n in (16 << 20, 256 << 20, 1 << 30):
+        r = simulate_collective(net, collective, n, group=group, algorithm="ring")
+        astra = _astra_sim(collective, len(group), r.nbytes, hops, dim.latency * 1e-12,
+                           (dma.start_latency + dma.transfer_latency) * 1e-12, dim.bandwidth / 2**30)
+        assert r.time_s == pytest.approx(astra, rel=0.002), (n, r.time_us, astra * 1e6, r.bound)

@@ -254,6 +254,14 @@ def _estimate_argv(rng: random.Random) -> list[str]:
     model = rng.choice([str(TINY_MODEL)] * 4 + ["llama-3.1-8b", "llama-3.3-70b", "llama-9", "", "/no/such.json",
                                                 "x" * 3000, str(ROOT / "configs" / "trn2.yaml")])
     argv = ["estimate", mode, "--model", model, "--no-cache"]
+    if mode == "serve":
+        return argv + _serve_flags(rng)
+    if mode == "inference" and rng.random() < 0.4:  # the kernel lowering's own options
+        argv += [rng.choice(["--max-context", "--max-model-len", "--ep", "--context-buckets", "--kv-buckets",
+                             "--batch-buckets"]),
+                 rng.choice(["0", "-1", "16", "8,x", "1000000000", "128,64", "", "2", "3", "1e3"])]
+        if rng.random() < 0.2:
+            argv += [rng.choice(["--eager", "--sp", "--no-sp"])]
     if rng.random() < 0.85:  # a size flag somewhere outside what the model or a run allows
         flag = rng.choice(["--layers", "--tp", "--pp", "--dp"] + (["--batch", "--input", "--output", "--samples"]
                           if mode == "inference" else ["--micro-batch", "--seq", "--global-batch"]))
@@ -270,6 +278,21 @@ def _estimate_argv(rng: random.Random) -> list[str]:
     if rng.random() < 0.2:
         argv += ["--set", rng.choice(["topology.efa.size=4096", "chip.hbm.capacity=1MiB", "nope=1",
                                       "core.dma.start_latency=1e15s"])]
+    return argv
+
+
+def _serve_flags(rng: random.Random) -> list[str]:
+    """``trnsim estimate serve`` flags: a few requests of a short prompt when valid, and most of the
+    time one flag outside what it takes."""
+    argv = ["--requests", "4", "--input", "16", "--output", "2"]
+    if rng.random() < 0.9:
+        flag = rng.choice(["--rate", "--requests", "--input", "--output", "--max-batch", "--chunk", "--kv-tokens",
+                           "--prefix-len", "--kv-buckets", "--batch-buckets", "--context-buckets", "--sweep", "--trace",
+                           "--ep", "--tp", "--max-model-len", "--seed", "--plot", "--dtype", "--layers"])
+        argv += [flag, rng.choice(["0", "-1", "1000000000", "99999999999999999999", "x", "3", "65", "inf", "nan",
+                                   "1,2,x", "", "1e3", "/dev/null", "no/such.csv", "p.txt", "2,4"])]
+    if rng.random() < 0.2:
+        argv += [rng.choice(["--prefix-caching", "--json"])]
     return argv
 
 
@@ -581,8 +604,10 @@ def _driver_main() -> None:
 
     if args.surfaces == "second":  # PyTorch, transformers and the model code: loaded once, not per case
         import torch_bridge.estimate  # noqa: F401
+        import torch_bridge.estimate_kernels  # noqa: F401
         import torch_bridge.launch  # noqa: F401
         import torch_bridge.run  # noqa: F401
+        import torch_bridge.serve_costs  # noqa: F401
         import transformers.models.llama.modeling_llama  # noqa: F401
     limit_memory()
     if args.case is not None:

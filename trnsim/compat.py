@@ -42,9 +42,13 @@ ALIASES: dict[str, str] = {
     # what estimates run (data, below torch_bridge)
     "trnsim.models": "trnsim.workload.models",
     "trnsim.estimate": "trnsim.workload.plan",
+    "trnsim.buckets": "trnsim.workload.buckets",
+    "trnsim.serve": "trnsim.workload.serve",
+    "trnsim.training": "trnsim.workload.training",
     # the apps
     "trnsim.cli_base": "trnsim.cli.base",
     "trnsim.cli_estimate": "trnsim.cli.estimate",
+    "trnsim.cli_serve": "trnsim.cli.serve",
     "trnsim.sweep_ray": "trnsim.sweep.on_ray",
     "trnsim.estimate_points": "trnsim.sweep.estimates",
     # torch_bridge: eager mechanisms, whole-op kernels, torch.neuron, distributed, timing-only
@@ -63,12 +67,17 @@ ALIASES: dict[str, str] = {
     "torch_bridge.device": "torch_bridge.neuron.module",
     "torch_bridge.profiler": "torch_bridge.neuron.profiler",
     "torch_bridge.generators": "torch_bridge.neuron.generators",
+    "torch_bridge.hostprof": "torch_bridge.neuron.hostprof",
     "torch_bridge.distributed": "torch_bridge.dist.process_group",
     "torch_bridge.launch": "torch_bridge.dist.launch",
     "torch_bridge.timing_only": "torch_bridge.timing.fake",
     "torch_bridge.parallel": "torch_bridge.timing.parallel",
     "torch_bridge.estimate": "torch_bridge.timing.estimate",
     "torch_bridge.models": "torch_bridge.timing.models",
+    "torch_bridge.estimate_kernels": "torch_bridge.timing.estimate_kernels",
+    "torch_bridge.nxdi": "torch_bridge.timing.nxdi",
+    "torch_bridge.serve_costs": "torch_bridge.timing.serve_costs",
+    "torch_bridge.train_step": "torch_bridge.timing.train_step",
 }
 
 

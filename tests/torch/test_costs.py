@@ -60,7 +60,7 @@ def test_op_overhead_benchmark_runs(capsys):
 
 
 def test_zoo_benchmark_runs(capsys):
-    assert _bench("bench_zoo").main(["--models", "gpt2,separable_block"]) == 0
+    assert _bench("bench_zoo_ci").main(["--models", "gpt2,separable_block"]) == 0
     out = capsys.readouterr().out
     assert "steady-state wall ratio vs CPU" in out and "gpt2" in out
 
@@ -202,3 +202,10 @@ def test_mx_matmul_is_refused_where_the_core_has_no_mx():
         torch.neuron.mx_matmul(*(t.to("neuron") for t in (a, sa, b, sb)))
     with pytest.raises(ValueError, match=r"^torch.neuron.mx_matmul: a_scale must be float8_e8m0fnu "):
         torch.neuron.mx_matmul(a, sa.view(torch.uint8), b, sb)
+
+
+def test_zoo_benchmark_runs_a_program_against_cpu_and_the_slow_path(capsys):
+    assert _bench("bench_zoo").main(["--quick", "--programs", "lstm", "--rounds", "1", "--steps", "1",
+                                     "--check-slow"]) == 0
+    out = capsys.readouterr().out
+    assert "lstm" in out and "median ratio" in out and "values and ticks identical" in out

@@ -381,3 +381,34 @@ def test_an_empty_system_name_is_refused_not_taken_as_the_default(tmp_path):
     run = _trnsim("run", "--nproc", "2", "--system", "", str(script))
     assert run.returncode == 2 and run.stderr == ("trnsim: error: run: --system '': expected a system name or a YAML "
                                                   "path (leave --system out for $TRNSIM_SYSTEM or trn2.48xlarge)\n")
+
+
+MESH = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("neuron", (2, 2), mesh_dim_names=("dp", "tp"))
+x = torch.ones(4 << 20, device="neuron")  # 16 MiB of fp32
+dist.all_reduce(x, group=mesh.get_group("dp"))
+out = torch.empty(8 << 20, device="neuron")
+dist.all_gather_into_tensor(out, x, group=mesh.get_group("tp"))
+torch.neuron.synchronize()
+"""
+
+
+def test_a_dp_all_reduce_beside_its_sibling_group_is_slower_and_the_report_says_so(tmp_path):
+    """On a trn1.32xlarge (two cores a chip) a 2x2 mesh's DP groups [0, 2] and [1, 3] both cross
+    chip 0 -> chip 1 at once: each DP all-reduce is simulated beside the other and is slower
+    than alone; the TP groups ([0, 1] on chip 0, [2, 3] on chip 1) share nothing."""
+    script = tmp_path / "mesh.py"
+    script.write_text(textwrap.dedent(MESH))
+    run = _trnsim("run", "--nproc", "4", "--config", "trn1", "--system", "trn1.32xlarge", "--json", str(script), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["op"]: r["collective"] for r in _json(run.stdout)["total"]["rows"] if r["collective"]}
+    dp = rows["all_reduce"]
+    tp = next(c for op, c in rows.items() if op.startswith("all_gather"))
+    assert dp["network_us"] > 1.1 * dp["alone_us"] > 0
+    assert tp["network_us"] == pytest.approx(tp["alone_us"])
+    table = _trnsim("run", "--nproc", "4", "--config", "trn1", "--system", "trn1.32xlarge", str(script), cwd=tmp_path)
+    assert table.returncode == 0, table.stderr[-3000:]
+    line = next(ln for ln in table.stdout.splitlines() if "all_r" in ln)
+    assert re.search(r"1\.[1-9]\dx", line), line  # the shared column: the slowdown against the call alone

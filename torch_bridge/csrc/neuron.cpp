@@ -557,7 +557,8 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 // adaptive eager, a launch context, a stream other than the default - runs the Python fallback
 // (torch_bridge.values), registered on PrivateUse2 for this redispatch.
 // kWrites: in-place, out=; kMm/kAddmm/kBmm: the TensorE ops whose values the datapath computes
-enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6 };
+enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
+               kEmptyStrided = 8, kCopyFrom = 9 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -614,6 +615,10 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (colon != std::string::npos) name = name.substr(colon + 2);
   f.name_id = static_cast<int64_t>(g_names.size());
   g_names.push_back(name);
+  if (name == "empty" && s.overload_name() == "memory_format") f.kind = kEmpty;
+  if (name == "empty_strided" && s.overload_name().empty()) f.kind = kEmptyStrided;
+  if (name == "_copy_from" && s.overload_name().empty()) f.kind = kCopyFrom;
+  if (f.kind != kOther) return f;
   if (denied().count(name)) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
@@ -888,6 +893,152 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   log_entry(0, index, handle);
 }
 
+// ---- allocation and copies within the device ----------------------------------------------------
+// `cpu` (a fresh host tensor) counted against HBM on core `index` as a fast block, or nullptr when
+// it does not fit (Python's path then raises the OOM, and counts it).
+FastBlock* count_block(const at::Tensor& cpu, int index) {
+  auto nbytes = static_cast<int64_t>(cpu.storage().nbytes());
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  if (index >= static_cast<int>(g_pool.size())) return nullptr;
+  int64_t* st = g_pool[index];
+  if (st[0] + nbytes > st[kCapacity]) return nullptr;
+  mem_add_locked(st, nbytes);
+  auto* b = new FastBlock{cpu, index, nbytes};
+  b->next = g_blocks;
+  if (g_blocks) g_blocks->prev = b;
+  g_blocks = b;
+  return b;
+}
+
+bool fits(int index, int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  return index < static_cast<int>(g_pool.size()) && g_pool[index][0] + nbytes <= g_pool[index][kCapacity];
+}
+
+// empty.memory_format / empty_strided: what torch_bridge.alloc's kernels do (memory.allocate: host
+// memory from the host cache, counted against HBM; no launch), for the common call: sizes and
+// strides known, a strided layout, no pinning, a neuron device that exists (or the current one).
+// Anything else - and an allocation that would not fit - takes Python's path and its errors.
+void fast_empty(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
+  const size_t n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };
+  const size_t opt = kind == kEmpty ? 1 : 2;  // dtype, layout, device, pin_memory[, memory_format]
+  if (n != opt + 4 + (kind == kEmpty ? 1 : 0) || !arg(0).isIntList() || (kind == kEmptyStrided && !arg(1).isIntList())) {
+    return slow(op, stack);
+  }
+  const c10::IValue& vdt = arg(opt);
+  const c10::IValue& vlayout = arg(opt + 1);
+  const c10::IValue& vdev = arg(opt + 2);
+  const c10::IValue& vpin = arg(opt + 3);
+  if (!(vlayout.isNone() || (vlayout.isInt() && vlayout.toInt() == static_cast<int64_t>(c10::kStrided)))) {
+    return slow(op, stack);
+  }
+  if (!(vpin.isNone() || (vpin.isBool() && !vpin.toBool()))) return slow(op, stack);
+  int index = t_device;
+  if (!vdev.isNone()) {
+    if (!vdev.isDevice() || vdev.toDevice().type() != kNeuron) return slow(op, stack);
+    if (vdev.toDevice().index() >= 0) index = vdev.toDevice().index();
+  }
+  if (index < 0 || index >= g_device_count.load()) return slow(op, stack);
+  c10::ScalarType dtype = c10::get_default_dtype_as_scalartype();
+  if (!vdt.isNone()) {
+    if (!vdt.isInt()) return slow(op, stack);
+    dtype = static_cast<c10::ScalarType>(vdt.toInt());
+  }
+  std::optional<c10::MemoryFormat> fmt;
+  if (kind == kEmpty && !arg(opt + 4).isNone()) {
+    if (!arg(opt + 4).isInt()) return slow(op, stack);
+    fmt = static_cast<c10::MemoryFormat>(arg(opt + 4).toInt());
+    if (*fmt != c10::MemoryFormat::Contiguous && *fmt != c10::MemoryFormat::ChannelsLast &&
+        *fmt != c10::MemoryFormat::ChannelsLast3d) {
+      return slow(op, stack);  // (preserve: CPU's refusal, in Python's words)
+    }
+  }
+  std::vector<int64_t> size = arg(0).toIntVector();
+  std::vector<int64_t> stride;
+  if (kind == kEmptyStrided) stride = arg(1).toIntVector();
+  for (int64_t d : size) {
+    if (d < 0) return slow(op, stack);
+  }
+  if (kind == kEmptyStrided) {
+    if (stride.size() != size.size()) return slow(op, stack);
+    for (int64_t d : stride) {
+      if (d < 0) return slow(op, stack);
+    }
+  }
+  int64_t nbytes;
+  try {
+    nbytes = kind == kEmpty ? static_cast<int64_t>(c10::multiply_integers(size) * c10::elementSize(dtype))
+                            : static_cast<int64_t>(at::detail::computeStorageNbytes(size, stride, c10::elementSize(dtype)));
+  } catch (...) {
+    return slow(op, stack);
+  }
+  if (!fits(index, nbytes)) return slow(op, stack);  // (checked before the host backs it, as Python does)
+  at::Tensor cpu;
+  try {
+    HostScope host;
+    cpu = kind == kEmpty ? at::detail::empty_cpu(size, dtype, false, fmt)
+                         : at::detail::empty_strided_cpu(size, stride, dtype, false);
+  } catch (...) {
+    return slow(op, stack);
+  }
+  FastBlock* block = count_block(cpu, index);
+  if (block == nullptr) return slow(op, stack);
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(to_device(cpu, block, index));  // (an allocation, not an op: no hit counted)
+}
+
+// _copy_from(self, dst, non_blocking) within one neuron device, or from the host to it: what
+// torch_bridge.alloc.copy_from does (the CPU copy over the aliases, one launch of copy_d2d or
+// copy_h2d costed by the sizes and dtypes). A copy to the host makes the host wait for the device:
+// Python's (it is the device model's).
+void fast_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  if (n != 3) return slow(op, stack);
+  const c10::IValue& vs = (*stack)[base];
+  const c10::IValue& vd = (*stack)[base + 1];
+  const c10::IValue& vnb = (*stack)[base + 2];
+  if (!vs.isTensor() || !vd.isTensor() || !vnb.isBool()) return slow(op, stack);
+  const at::Tensor& src = vs.toTensor();
+  const at::Tensor& dst = vd.toTensor();
+  if (!src.defined() || !dst.defined() || dst.device().type() != kNeuron || dst.layout() != c10::kStrided ||
+      src.layout() != c10::kStrided || dst.is_conj() || dst.is_neg()) {
+    return slow(op, stack);
+  }
+  const int index = dst.device().index() < 0 ? 0 : dst.device().index();
+  const bool from_device = src.device().type() == kNeuron;
+  if (from_device) {
+    if ((src.device().index() < 0 ? 0 : src.device().index()) != index || src.is_conj() || src.is_neg()) {
+      return slow(op, stack);
+    }
+  } else if (!src.device().is_cpu()) {
+    return slow(op, stack);
+  }
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  key_tensor(key, src, from_device ? 0 : 1);
+  key_tensor(key, dst, 0);
+  key_int(key, 50);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  try {
+    HostScope host;
+    at::Tensor d = cpu_alias(dst);
+    d.copy_(from_device ? cpu_alias(src) : src);
+  } catch (...) {
+    return slow(op, stack);  // (a copy checks its arguments before it writes: Python raises it)
+  }
+  c10::IValue out = vd;
+  torch::jit::drop(*stack, n);
+  stack->push_back(std::move(out));
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax) {
@@ -899,6 +1050,8 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
+  if (f.kind == kEmpty || f.kind == kEmptyStrided) return fast_empty(op, stack, f.kind);
+  if (f.kind == kCopyFrom) return fast_copy(op, stack);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();

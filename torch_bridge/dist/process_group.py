@@ -19,7 +19,10 @@ Values and time take separate paths (DESIGN.md):
   ranks exchange their arrival ticks together with what they called (op, shapes, dtype, root,
   reduce op, config), and the collective starts at the latest arrival. The NeuronLink model
   (:func:`trnsim.collectives.simulate_collective`, the same call ``trnsim collective`` makes)
-  gives each rank's completion for that group, size and algorithm; the device model puts it on
+  gives each rank's completion for that group, size and algorithm, simulated beside the same
+  call of the group's siblings in the world (an SPMD step's other TP or DP groups, which share
+  its links, HBM stacks and DMA engines; the report's ``shared`` column is the slowdown against
+  the call alone); the device model puts it on
   the core's collective stream (:meth:`trnsim.device.Device.place_collective`), where it
   overlaps the compute issued after it and shares the core's DMA with it. ``Work.wait()`` (and
   a future's ``wait()``) makes the *current stream* wait for it, as a CUDA stream waits for
@@ -53,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.optim.optimizer as _optim
 
-from trnsim.collectives import CollectiveError, CollectiveReport, simulate_collective
+from trnsim.collectives import CollectiveError, CollectiveReport, simulate_collective, simulate_with_siblings
 from trnsim.config import ConfigError, SystemConfig, is_system_key, load_system
 
 from .. import _torch
@@ -200,11 +203,16 @@ def _device_of(tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
 
 
 class _Clock:
-    """Simulated collectives, cached: a call alone on its group is the same from any start (all
-    ranks start together, at the latest arrival), so it is simulated once from tick 0."""
+    """Simulated collectives, cached: a call on its group is the same from any start (all ranks
+    start together, at the latest arrival), so it is simulated once from tick 0. An SPMD program
+    makes the same call on every sibling group at once (a 2D mesh's other TP groups, or other DP
+    groups: :func:`trnsim.collectives.sibling_groups` in the world), so a collective call is
+    simulated beside its siblings' on the links, HBM stacks and DMA engines they share, and alone
+    too: the report's ``shared`` column is the ratio (point-to-point calls run alone)."""
 
     def __init__(self) -> None:
         self.reports: dict[tuple[Any, ...], CollectiveReport] = {}
+        self.alone: dict[int, CollectiveReport] = {}  # id(report beside its siblings) -> the call alone
         self.costs: dict[tuple[Any, ...], Any] = {}
         self.trace = False
         self.placed: list[tuple[str, int, CollectiveReport]] = []  # (op, start tick, report) while tracing
@@ -212,26 +220,35 @@ class _Clock:
 
     def report(self, collective: str, nbytes: int, group: tuple[int, ...], dtype: str, root: int | None,
                pairs: tuple[tuple[int, int], ...] | None) -> CollectiveReport:
-        key = (collective, nbytes, group, dtype, root, pairs, self.trace)
+        world = int(_info.get("world") or (max(group) + 1))
+        key = (collective, nbytes, group, dtype, root, pairs, self.trace, world)
         rep = self.reports.get(key)
         if rep is None:
+            alone = None
             try:
-                rep = simulate_collective(system(), collective, nbytes, group=group, dtype=dtype, root=root,
-                                          pairs=pairs, trace=self.trace)
+                if pairs is None:  # a collective: beside its sibling groups' same call
+                    rep, alone = simulate_with_siblings(system(), collective, nbytes, group, world, dtype=dtype,
+                                                        root=root, trace=self.trace)
+                else:
+                    rep = simulate_collective(system(), collective, nbytes, group=group, dtype=dtype, root=root,
+                                              pairs=pairs, trace=self.trace)
             except CollectiveError as e:
                 raise NeuronDistError(f"neuron backend: {e}") from None
             with self.lock:
                 if len(self.reports) > 4096:
                     self.reports.clear()
                     self.costs.clear()
+                    self.alone.clear()
                 self.reports[key] = rep
+                if alone is not None and alone is not rep:
+                    self.alone[id(rep)] = alone
         return rep
 
     def cost(self, rep: CollectiveReport, rank: int) -> Any:
         key = (id(rep), rank)
         c = self.costs.get(key)
         if c is None:
-            c = self.costs[key] = runtime().device.collective_cost(rep, rank)
+            c = self.costs[key] = runtime().device.collective_cost(rep, rank, self.alone.get(id(rep)))
         return c
 
 

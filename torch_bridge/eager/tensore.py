@@ -78,7 +78,9 @@ def conv_on_datapath(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool
 def conv_f32(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any, groups: int
              ) -> torch.Tensor:
     """A convolution (CPU tensors [N,C,(H,)W] and [K,C/groups,(R,)S]) as TensorE computes it:
-    per group, weights[K/g, C/g*R*S] @ patches[C/g*R*S, N*positions] with fp32 PSUM accumulation.
+    per group, weights[K/g, C/g*R*S] @ patches[C/g*R*S, N*positions] with fp32 PSUM accumulation
+    (for a few output channels per group, as depthwise convolutions have, the datapath's
+    :func:`trnsim.native.conv2d_grouped` makes the same numbers without the patches).
     Returns the float32 result [N,K,(Ho,)Wo]."""
     one_d = x.dim() == 3
     x2, w2, st, pad, dil = _as_2d(x, w, stride, padding, dilation)
@@ -88,11 +90,16 @@ def conv_f32(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilati
     wo = (wd + 2 * pad[1] - dil[1] * (s - 1) - 1) // st[1] + 1
     cols = torch.nn.functional.unfold(x2, (r, s), dilation=dil, padding=pad, stride=st)  # [N, C*R*S, L]
     kg, ck = k // groups, cg * r * s
-    out = torch.empty((n, k, ho * wo), dtype=torch.float32)
-    for g in range(groups):
-        patches = cols[:, g * ck:(g + 1) * ck].permute(1, 0, 2).reshape(ck, -1)  # [C/g*R*S, N*L]
-        weights = w2[g * kg:(g + 1) * kg].reshape(kg, ck)
-        res = matmul_f32(weights, patches)  # [K/g, N*L]
-        out[:, g * kg:(g + 1) * kg] = res.view(kg, n, -1).permute(1, 0, 2)
+    if groups == 1:
+        patches = cols.permute(1, 0, 2).reshape(ck, -1)  # [C*R*S, N*L]
+        out = matmul_f32(w2.reshape(k, ck), patches).view(k, n, -1).permute(1, 0, 2).contiguous()
+    elif k // groups <= 8 and native.backend() != "reference":  # depthwise and the like: one row per group
+        xp = torch.nn.functional.pad(x2.float(), (pad[1], pad[1], pad[0], pad[0])).numpy()
+        out = torch.from_numpy(native.conv2d_grouped(xp, w2.float().numpy(), groups, st, dil, (ho, wo),
+                                                     k_chunk=_k_chunk())).view(n, k, -1)
+    else:  # every group's matmul in one call to the datapath (each computed as matmul_f32 would)
+        patches = cols.view(n, groups, ck, -1).permute(1, 2, 0, 3).reshape(groups, ck, -1)  # [g, C/g*R*S, N*L]
+        res = bmm_f32(w2.reshape(groups, kg, ck), patches)  # [g, K/g, N*L]
+        out = res.view(groups, kg, n, -1).permute(2, 0, 1, 3).contiguous().view(n, k, -1)
     out = out.view(n, k, ho, wo)
     return out.squeeze(2) if one_d else out

@@ -20,6 +20,7 @@ import torch
 
 from .. import _native, _torch
 from . import fastpath, lowering, memory
+from ..neuron import hostprof
 from ..neuron import profiler
 from . import tensore
 from ..neuron.generators import device_generator
@@ -159,10 +160,22 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
 def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records,
     its launches tied to that record (:func:`torch_bridge.profiler.traced`)."""
+    prof = hostprof.active
+    if prof is not None:  # timed as the op's Python path (torch_bridge.hostprof)
+        return prof.call("python " + label, _call_traced, (label, fn, args, kwargs), {})
+    return _call_traced(label, fn, args, kwargs)
+
+
+def _call_traced(label: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not _torch.profiler_enabled():
         return fn(*args, **kwargs)
     return profiler.traced(label, fn, args, kwargs)
 
+
+
+def _cpu_call(call: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """A Python-path op's CPU kernel (one function, for torch_bridge.hostprof to time)."""
+    return call(*args, **kwargs)
 
 
 # ---- the boxed fallback -----------------------------------------------------------------------
@@ -251,7 +264,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             break
     try:
         try:
-            result = call(*cargs, **ckwargs)
+            result = _cpu_call(call, cargs, ckwargs)
         except RuntimeError as e:
             outs = [n for n in info.out_names if is_neuron(kwargs.get(n)) and n not in fresh]
             if "not resizable" not in str(e) or not outs:
@@ -414,7 +427,7 @@ def foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
 def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     index = _device_of(args, kwargs)
     conv = _ToCpu()
-    out = _back(op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()}), conv, index)
+    out = _back(_cpu_call(op, [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}), conv, index)
     key = (op, _signature(args), _signature(tuple(kwargs.items())))
     rt = runtime()
     cost = _costs.get(key)

@@ -38,10 +38,13 @@ from trnsim.device import no_work
 from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, check_sizes, \
     mean_decode, pipeline_1f1b, summarise
 from trnsim.workload.models import ModelConfig, load_model
+from trnsim.config import format_quantity
+from trnsim.workload.training import Recipe
 
 from . import models
 from .parallel import Comm, Shard
 from .fake import Ledger, Target, TimingOnly, replay_layers
+from .train_step import run_train_role
 
 __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "EstimateError"]
 
@@ -59,8 +62,7 @@ TRAIN_ASSUMPTIONS = (
     "one kernel per aten op (no cross-op fusion); attention as one fused kernel forward and backward, keeping "
     "only its softmax statistics for the backward (flash attention's memory)",
     "1F1B pipeline schedule; activations sent stage to stage with send/recv on the links",
-    "data-parallel gradients all-reduced once per step after the last backward (no overlap), then AdamW",
-    "no activation recomputation, no ZeRO sharding of optimizer state",
+    "data-parallel gradients reduced once per step after the last backward (no overlap), then AdamW op by op",
 )
 
 
@@ -117,11 +119,14 @@ def _make_rank(role: Role, system: SystemConfig, plan: Plan, cache: CostCache,
     return _Rank(role, dev, ledger, comm, TimingOnly(target), dispatch)
 
 
-def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool) -> nn.Module:
+def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool,
+                 gather_logits: bool = True) -> nn.Module:
     """The stage's model: its decoder layers, the embedding on the first stage, the final norm
-    and LM head on the last; sharded for the rank before its weights get storage."""
+    and LM head on the last; sharded for the rank before its weights get storage (the LM head's
+    logits all-gathered over the vocabulary unless ``gather_logits`` is False)."""
     lo, hi = role.layers
     shard = Shard(plan, comm, role)
+    shard.gather_logits = gather_logits
 
     def trim(net: nn.Module) -> nn.Module:
         base = getattr(net, net.base_model_prefix, net)
@@ -229,17 +234,40 @@ def _check(spec: ModelConfig, system: SystemConfig, plan: Plan, dtype: str) -> N
 
 # ---- inference -----------------------------------------------------------------------------------
 def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "trn2.48xlarge", *, tp: int = 1,
-                       pp: int = 1, dp: int = 1, sp: bool = False, batch: int = 1, input_tokens: int = 1024,
+                       pp: int = 1, dp: int = 1, sp: bool | None = None, batch: int = 1, input_tokens: int = 1024,
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
-                       trace: bool = False, layers: int | None = None) -> tuple[InferenceEstimate, list[Any]]:
+                       trace: bool = False, layers: int | None = None, eager: bool = False, ep: int = 1,
+                       **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
+
+    By default the decoder layers run as NxD Inference runs them - the NKI library's kernels at
+    Neuron's bucketed shapes (:func:`torch_bridge.estimate_kernels.estimate_inference_kernels`,
+    which takes ``ep`` and the bucket options ``max_context``, ``max_model_len``,
+    ``context_buckets``, ``kv_buckets``, ``batch_buckets``; ``sp`` None is Neuron's default,
+    sequence-parallel prefill when ``tp > 1``). ``eager`` runs every aten op as its own kernel
+    instead (``sp`` None: off), as follows.
 
     ``samples`` decode steps are simulated at evenly spaced KV lengths (the first and last
     included); ``cache_dir`` True uses the default cost cache, None or False none; ``layers``
     overrides the model's decoder layers (a shorter model, for quick runs and scaling studies).
     Returns the estimate and, with ``trace``, the simulated ranks' RunReports (with events) of
     the prefill and the first decode sample."""
+    if not eager:
+        from .estimate_kernels import estimate_inference_kernels
+
+        _positive("--samples", samples)  # decode steps are timed per KV bucket: samples is not used
+        return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
+                                          input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
+                                          overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
+                                          **buckets)
+    if ep != 1:
+        raise EstimateError(f"--ep {ep}: expert parallelism is a layout of the kernel lowering; --eager shards "
+                            f"experts over --tp only")
+    if buckets:
+        raise EstimateError(f"--{next(iter(buckets)).replace('_', '-')}: buckets are the kernel lowering's; --eager "
+                            f"runs the exact shapes")
+    sp = bool(sp)
     t_wall = time.perf_counter()
     spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
@@ -349,13 +377,17 @@ def model_flops_per_token(spec: ModelConfig, params: int, seq: int) -> float:
 def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.48xlarge", *, tp: int = 1,
                    pp: int = 1, dp: int = 1, sp: bool = False, micro_batch: int = 1, seq: int = 2048,
                    global_batch: int | None = None, dtype: str = "bf16", overrides: Sequence[str] | None = None,
-                   cache_dir: str | Path | None | bool = True, trace: bool = False, layers: int | None = None
-                   ) -> tuple[TrainEstimate, list[Any]]:
+                   cache_dir: str | Path | None | bool = True, trace: bool = False, layers: int | None = None,
+                   recipe: Recipe | None = None, **recipe_fields: Any) -> tuple[TrainEstimate, list[Any]]:
     """Estimate a training step of ``model``: step time, tokens/s and MFU (see the module
     docstring). ``global_batch`` sequences per step (default ``micro_batch x dp``: no
     accumulation) are split into ``global_batch / (micro_batch x dp)`` micro-batches per replica;
-    ``layers`` overrides the model's decoder layers."""
+    ``layers`` overrides the model's decoder layers; ``recipe`` (or its fields as keywords: ``loss``,
+    ``recompute``, ``sharding``, ...) says how the frameworks run the step
+    (:class:`trnsim.training.Recipe`, default NxD's)."""
     t_wall = time.perf_counter()
+    recipe = (recipe or Recipe()).check() if not recipe_fields else Recipe.of({**(recipe or Recipe()).to_dict(),
+                                                                               **recipe_fields})
     spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
@@ -375,7 +407,8 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     refused: list[str] = []
     results, traces, memory, kernels = _simulate_roles(
         spec, sysc, plan, cache, reports,
-        lambda rank, last: _run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace), refused)
+        lambda rank, last: run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace, recipe, micro), refused)
+    _check_fits(results, plan, spec)
     params_total = 0
     for role in plan.roles(spec.layers):
         params_total += results[role.stage]["params"] * plan.tp  # the stage's parameters over its TP group
@@ -403,57 +436,30 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         backward=stages[0]["backward_report"],
         stage_ms=tuple((s["forward_ticks"] / hz * 1e3, s["backward_ticks"] / hz * 1e3) for s in stages),
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS + tuple(refused))
+        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS + tuple(refused),
+        recipe=recipe.to_dict(), train_memory=_distinct(results[r.stage]["train_memory"] for r in plan.roles(spec.layers)))
     return est, traces
 
 
-def _run_train_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dtype, last: bool, micro_batch: int,
-                    seq: int, trace: bool) -> dict[str, Any]:
-    role = rank.role
-    out: dict[str, Any] = {"traces": []}
-    with rank.run, models.quiet():
-        net = _stage_model(spec, role, plan, rank.comm, dt, last)
-        net.train()
-        params = [p for p in net.parameters() if p.requires_grad]
-        base = getattr(net, net.base_model_prefix, net)
-        emb = getattr(base, "embed_tokens", None)
-        out["params"] = sum(p.numel() for p in params) - (emb.weight.numel() if isinstance(emb, nn.Module)
-                                                          and hasattr(emb, "weight") else 0)
-        weights = rank.ledger.devices[0].allocated
-        with _scope(rank.device, trace) as rep:
-            start = rank.step_start()
-            if role.first:
-                ids = torch.empty((micro_batch, seq), dtype=torch.long, device="neuron")
-                res = net(input_ids=ids, labels=ids if last else None, use_cache=False)
-            else:
-                x = torch.empty((micro_batch, seq, spec.hidden), dtype=dt, device="neuron", requires_grad=True)
-                res = net(inputs_embeds=x, labels=torch.empty((micro_batch, seq), dtype=torch.long, device="neuron")
-                          if last else None, use_cache=False)
-            y = res.loss if last else res.last_hidden_state
-            out["forward_ticks"] = rank.step_end(start)
-        out["forward_report"] = summarise(rep[0], out["forward_ticks"])
-        with _scope(rank.device, trace) as rep:
-            start = rank.step_start()
-            y.backward(None if last else torch.empty_like(y))
-            out["backward_ticks"] = rank.step_end(start)
-        out["backward_report"] = summarise(rep[0], out["backward_ticks"])
-        if trace:
-            out["traces"] += [("forward", role, None), ("backward", role, rep[0])]
-        del y, res
-        grads = sum(p.numel() * p.element_size() for p in params)
-        start = rank.step_start()
-        rank.comm.charge("all-reduce", grads, plan.dp_group(role.rank), _torch_dtype_name(dt))
-        out["dp_ticks"] = rank.step_end(start)
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-        opt.step()  # the first step creates the optimizer state
-        start = rank.step_start()
-        opt.step()
-        out["optimizer_ticks"] = rank.step_end(start)
-        mem = rank.ledger.devices[0]
-        rank.run.sweep()
-        out["memory"] = RoleMemory(role.stage, role.ranks, weights, 0, mem.allocated - weights, mem.peak,
-                                   mem.capacity)
-    return out
+def _distinct(items: Any) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for x in items:
+        if not any(x is y for y in out):
+            out.append(x)
+    return tuple(out)
+
+
+def _check_fits(results: dict[int, dict[str, Any]], plan: Plan, spec: ModelConfig) -> None:
+    """A stage whose peak (one micro-batch measured, plus the activations of the others it holds
+    in flight) passes the logical core's HBM does not fit: an OOM, as the run would have."""
+    for r in plan.roles(spec.layers):
+        m = results[r.stage]["train_memory"]
+        if not m.fits:
+            raise torch.OutOfMemoryError(
+                f"neuron:0 out of memory: stage {m.stage} needs {m.peak} bytes ({format_quantity(m.peak, 'bytes')}) "
+                f"at its peak, {m.in_flight} micro-batches' activations of {format_quantity(m.activations, 'bytes')} "
+                f"each, of {m.capacity} capacity - timing-only: the tensors do not fit one logical core's HBM; "
+                f"recompute (--recompute full), shard the optimizer (--sharding zero1/fsdp) or the model (--tp / --pp)")
 
 
 def _torch_dtype_name(dt: torch.dtype) -> str:

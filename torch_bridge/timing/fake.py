@@ -357,13 +357,15 @@ class _Attention(torch.autograd.Function):
 
         s = k.shape[-2]
         kept = q.shape[:-1] + (s,) if run.target.attention_keeps_probabilities else q.shape[:-1]
-        ctx.p = q.new_empty(kept, dtype=torch.float32)  # P (as the eager kernel keeps it), or its statistics
+        p = q.new_empty(kept, dtype=torch.float32)  # P (as the eager kernel keeps it), or its statistics
         ctx.shapes = (q.shape, q.dtype, k.shape, v.shape, s)
         ctx.run = run
         key = ("fwd", q.shape, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal,
                scale)
         run.charge_specs(_index(q), FORWARD, key, lambda: lowering.attention_specs(q, attn_mask, is_causal, scale))
-        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        ctx.save_for_backward(q, k, v, out, p)  # what the backward reads (flash attention's saves, with the statistics)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:

@@ -25,9 +25,10 @@ Distributed's layers shard it, following the model's tensor-parallel plan in tra
   token) runs plain tensor parallelism, as NxD Inference's token generation does.
 
 :class:`Comm` charges each collective on the simulated rank's core: the call is simulated on the
-system's links for the real group (``trnsim.collectives.simulate_collective``, cached per
-call), launched on the core's collective stream once the compute before it is done, and the
-compute after it waits for its result.
+system's links for the real group beside the same call of its sibling groups (the plan's
+other TP or DP groups make it at the same time: ``trnsim.collectives.simulate_with_siblings``,
+cached per call), launched on the core's collective stream once the compute before it is done,
+and the compute after it waits for its result.
 """
 
 from __future__ import annotations
@@ -69,12 +70,16 @@ class Comm:
         return self.plan.tp_group(self.rank)
 
     def report(self, collective: str, nbytes: int, group: list[int], dtype: str) -> Any:
-        from trnsim.collectives import simulate_collective
+        """The call on ``group`` simulated beside the same call of its sibling groups in the plan
+        (every other TP group, or every other DP group, makes it at the same time in an SPMD
+        step: :func:`trnsim.collectives.simulate_with_siblings`), sharing links, HBM and DMA."""
+        from trnsim.collectives import simulate_with_siblings
 
         key = (collective, nbytes, tuple(group), dtype)
         rep = self.reports.get(key)
         if rep is None:
-            rep = self.reports[key] = simulate_collective(self.system, collective, nbytes, group=group, dtype=dtype)
+            rep = self.reports[key] = simulate_with_siblings(self.system, collective, nbytes, group,
+                                                             self.plan.size, dtype=dtype)[0]
         return rep
 
     def charge(self, collective: str, nbytes: int, group: list[int], dtype: str = "bf16") -> None:
@@ -93,7 +98,8 @@ class Comm:
             def simulate() -> Any:
                 return self.report(collective, nbytes, group, dtype)
             cached = getattr(self.device, "cached_collective", None)  # a CachedDevice: costs on disk
-            cost = cached(self.system, key[:4], self.rank, simulate) if cached is not None else \
+            cost = cached(self.system, (*key[:4], "siblings", self.plan.size), self.rank, simulate) \
+                if cached is not None else \
                 self.device.collective_cost(simulate(), self.rank)
             self.costs[key] = cost
         run.collective(self.core, collective.replace("-", "_"), cost)
@@ -268,6 +274,7 @@ class Shard:
     def __init__(self, plan: Plan, comm: Comm, role: Role | None = None, pipeline: bool = False):
         self.plan, self.comm, self.role, self.pipeline = plan, comm, role, pipeline
         self.replaced: dict[str, str] = {}
+        self.gather_logits = True  # False: the LM head's logits stay split (a vocab-parallel loss)
 
     def __call__(self, model: nn.Module) -> nn.Module:
         if self.plan.tp > 1:
@@ -306,7 +313,7 @@ class Shard:
             self.replaced[prefix + "embed_tokens"] = "embedding"
         head = getattr(model, "lm_head", None)
         if isinstance(head, nn.Linear) and head.out_features % tp == 0:
-            model.lm_head = ColumnParallelLinear(head, head.out_features // tp, self.comm, gather=True)
+            model.lm_head = ColumnParallelLinear(head, head.out_features // tp, self.comm, gather=self.gather_logits)
             self.replaced["lm_head"] = "colwise_gather_output"
         if sp:
             self._sequence_parallel(base)

@@ -847,7 +847,7 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
     colls = any(r.collective is not None for r in rep.rows)
     cols = ["op", "kernel", "calls", "time us", "share", "wait us", "MFU", "HBM MB", "bound"]
     if colls:
-        cols += ["bytes", "busbw GiB/s", "peers us"]
+        cols += ["bytes", "busbw GiB/s", "peers us", "shared"]
     rows = []
     for r in rep.rows:
         cells = [r.op, r.kernel + (" *" if r.generic else ""), f"{r.calls:,}", f"{r.time_us:,.1f}",
@@ -855,8 +855,8 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
                  f"{r.hbm_bytes / 1e6:,.2f}", r.bound]
         if colls:
             c = r.collective
-            cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}"] \
-                if c is not None else ["", "", ""]
+            cells += [_size(c.bytes), f"{c.busbw / 2**30:,.2f}", f"{c.peer_wait_us:,.1f}", f"{c.slowdown:.2f}x"] \
+                if c is not None else ["", "", "", ""]
         rows.append(cells)
     console.print(_fitted_table(f"neuron run report: {title}", cols, rows, names=("op", "kernel", "bound")))
     console.print(f"elapsed: {rep.elapsed_us:,.1f} us simulated; {rep.launches:,} launches: {rep.device_us:,.1f} us "
@@ -883,7 +883,8 @@ def render_run_report(rep: Any, title: str, console: Any) -> None:
     if colls:
         console.print("(collective rows: kernel is collective:algorithm of the NeuronLink model; bytes is nccl-tests' "
                       "S summed over calls; busbw over the model's time; peers: waiting for the group's last rank; "
-                      "bound: what held the collective back in the model)")
+                      "shared: the model's time over the same calls' alone, each simulated beside its sibling groups' "
+                      "(the other TP or DP groups of an SPMD step); bound: what held the collective back in the model)")
 
 
 def render_rank_report(rep: Any, title: str, console: Any) -> None:

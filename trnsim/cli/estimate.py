@@ -69,7 +69,12 @@ def render_inference(est: Any, console: Any) -> None:
     console.print(head, soft_wrap=True)
     console.print(f"  TTFT        {est.ttft_ms:,.2f} ms (prefill of {est.input_tokens:,} tokens and the first token)",
                   markup=False)
-    if est.output_tokens > 1:
+    if est.output_tokens > 1 and est.padding:
+        per = ", ".join(f"{ms:,.2f} ms over KV {b:,}" for b, (_, ms) in zip(est.padding["decode_kv_buckets"],
+                                                                          est.decode_samples))
+        console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: {per})",
+                      markup=False, soft_wrap=True)
+    elif est.output_tokens > 1:
         console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: "
                       f"{est.tpot_first_ms:,.2f} ms at KV {est.decode_samples[0][0]:,} -> {est.tpot_last_ms:,.2f} ms "
                       f"at KV {est.decode_samples[-1][0]:,})", markup=False, soft_wrap=True)
@@ -77,12 +82,29 @@ def render_inference(est: Any, console: Any) -> None:
                   f"(batch {est.batch} x DP {est.plan['dp']})", markup=False)
     for line in _memory_lines(est.memory):
         console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
+    if est.padding:
+        p = est.padding
+        console.print(f"  buckets     prefill {est.input_tokens:,} -> {p['prefill_tokens']:,} tokens "
+                      f"({p['prefill_padding_percent']:.1f}% padding); decode KV bucket"
+                      f"{'s' if len(p['decode_kv_buckets']) != 1 else ''} "
+                      f"{', '.join(f'{b:,}' for b in p['decode_kv_buckets']) or '-'} "
+                      f"({p['decode_kv_padding_percent']:.1f}% of the KV read is padding); batch {est.batch} -> "
+                      f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False, soft_wrap=True)
     console.print()
-    if est.output_tokens > 1:
-        mid = est.decode_samples[len(est.decode_samples) // 2][0]
-        _step_table(f"Decode step at KV {mid:,} (stage 0's rank)", est.decode, console)
+    for phase in ("decode", "prefill"):
+        if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
+            console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False, soft_wrap=True)
+    if est.lowering:
         console.print()
-    _step_table(f"Prefill of {est.input_tokens:,} tokens (stage 0's rank)", est.prefill, console)
+    if est.output_tokens > 1:
+        if est.decode_kv:
+            title = f"Decode step over the KV bucket of {est.decode_kv:,} (stage 0's rank)"
+        else:
+            title = f"Decode step at KV {est.decode_samples[len(est.decode_samples) // 2][0]:,} (stage 0's rank)"
+        _step_table(title, est.decode, console)
+        console.print()
+    what = f"{est.input_tokens:,} tokens" + (f" (bucket {est.padding['prefill_tokens']:,})" if est.padding else "")
+    _step_table(f"Prefill of {what} (stage 0's rank)", est.prefill, console)
     console.print()
     console.print(f"Simulated {est.roles_simulated} role(s) for {est.ranks} ranks; {est.kernels_simulated:,} kernels "
                   f"simulated, {est.cache_hits:,} costs from the cache; {est.wall_s:,.1f} s", markup=False)
@@ -103,8 +125,13 @@ def render_train(est: Any, console: Any) -> None:
     console.print(f"  throughput  {est.tokens_per_s:,.0f} tokens/s, {est.seq_per_s:,.2f} sequences/s", markup=False)
     console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
                   f"over the bf16 peak of {est.ranks} logical cores)", markup=False)
-    for line in _memory_lines(est.memory):
+    for line in ([ln for m in est.train_memory for ln in m.lines()] if est.train_memory else
+                 _memory_lines(est.memory)):
         console.print(f"  HBM         {line}", markup=False, soft_wrap=True)
+    if est.recipe:
+        from ..workload.training import Recipe
+
+        console.print(f"  recipe      {Recipe(**est.recipe).text()}", markup=False, soft_wrap=True)
     stages = ", ".join(f"{f:,.1f} + {b:,.1f}" for f, b in est.stage_ms)
     console.print(f"  stages      forward + backward ms per micro-batch: {stages}", markup=False)
     console.print()
@@ -130,6 +157,9 @@ def _precheck(args: argparse.Namespace) -> None:
     counts = [args.tp, args.pp, args.dp, 1 if args.layers is None else args.layers] + (
         [args.batch, args.input, args.output, args.samples] if inference else
         [args.micro_batch, args.seq, 1 if args.global_batch is None else args.global_batch])
+    if inference:
+        _bucket_args(args)
+        counts.append(args.ep)
     if min(counts) < 1 or args.dtype not in DTYPE_BYTES:
         return
     if args.layers is not None:
@@ -142,6 +172,39 @@ def _precheck(args: argparse.Namespace) -> None:
         replica = args.micro_batch * args.dp
         gbs = replica if args.global_batch is None else args.global_batch
         check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+
+
+def _bucket_args(args: argparse.Namespace) -> None:
+    """The kernel lowering's options checked (and bucket lists parsed) before torch is imported."""
+    from ..workload.buckets import BucketError, parse_buckets
+
+    for name in ("context_buckets", "kv_buckets", "batch_buckets"):
+        v = getattr(args, name)
+        if isinstance(v, str):
+            setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
+    for name in ("max_context", "max_model_len", "ep"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise BucketError(f"--{name.replace('_', '-')} {v}: expected a positive whole number")
+    if args.eager:
+        given = [n for n in ("max_context", "max_model_len", "context_buckets", "kv_buckets", "batch_buckets")
+                 if getattr(args, n) is not None] + (["ep"] if args.ep != 1 else [])
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')}: a kernel-lowering option; --eager runs every aten op "
+                             f"at its exact shape")
+    if args.sp and args.no_sp:
+        raise UsageError("--sp and --no-sp: give one of them")
+
+
+def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    sp = True if args.sp else False if args.no_sp else None
+    kw: dict[str, Any] = {"sp": sp, "eager": args.eager, "samples": args.samples, "replay": not args.no_replay}
+    if not args.eager:
+        kw["ep"] = args.ep
+        for n in ("max_context", "max_model_len", "context_buckets", "kv_buckets", "batch_buckets"):
+            if getattr(args, n) is not None:
+                kw[n] = getattr(args, n)
+    return kw
 
 
 def _failed_import(e: ImportError) -> str:
@@ -162,6 +225,10 @@ def _failed_import(e: ImportError) -> str:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from ..outputs.files import AtomicOutput
 
+    if args.mode == "train":
+        from ..workload.training import recipe_of_args
+
+        args.recipe = recipe_of_args(args)
     _precheck(args)
     try:
         import torch
@@ -175,15 +242,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         try:
             if args.mode == "inference":
                 est, traces = est_mod.estimate_inference(
-                    args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp, batch=args.batch,
+                    args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, batch=args.batch,
                     input_tokens=args.input, output_tokens=args.output, dtype=args.dtype, overrides=args.set,
-                    samples=args.samples, replay=not args.no_replay, cache_dir=cache, trace=trace is not None,
-                    layers=args.layers)
+                    cache_dir=cache, trace=trace is not None, layers=args.layers, **_inference_kwargs(args))
             else:
                 est, traces = est_mod.estimate_train(
                     args.model, args.system, tp=args.tp, pp=args.pp, dp=args.dp, sp=args.sp,
                     micro_batch=args.micro_batch, seq=args.seq, global_batch=args.global_batch, dtype=args.dtype,
-                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers)
+                    overrides=args.set, cache_dir=cache, trace=trace is not None, layers=args.layers,
+                    recipe=args.recipe)
         except torch.OutOfMemoryError as e:
             raise UsageError(f"estimate: {e}") from None
         except ImportError as e:  # the model's code (transformers imports it on demand) does not import
@@ -215,6 +282,9 @@ def add_parser(sub: Any) -> None:
     modes.required = True
     inf = modes.add_parser("inference", help="prefill and decode of one request batch")
     tr = modes.add_parser("train", help="one training step: forward, backward, gradient reduction, optimizer")
+    from .serve import add_mode
+
+    add_mode(modes)
     for p in (inf, tr):
         p.add_argument("--model", required=True, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
                                                       f"config.json path")
@@ -224,7 +294,8 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
         p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
         p.add_argument("--sp", action="store_true", help="sequence parallelism over the TP group (norms and "
-                                                          "residuals on seq/tp tokens)")
+                                                          "residuals on seq/tp tokens); inference: the default "
+                                                          "with --tp > 1 unless --eager")
         p.add_argument("--dtype", default="bf16", help="weights and activations: bf16, fp16 or fp32 (default bf16)")
         p.add_argument("--set", action="append", default=[], metavar="K=V",
                        help="dotted override of the system or its chip, e.g. core.dma.engine_bandwidth=40GB/s")
@@ -238,10 +309,28 @@ def add_parser(sub: Any) -> None:
     inf.add_argument("--output", type=int, default=128, help="generated tokens (default 128)")
     inf.add_argument("--samples", type=int, default=5, help="decode steps simulated along the output, KV lengths "
                                                             "evenly spaced (default 5)")
-    inf.add_argument("--no-replay", action="store_true", help="run every decoder layer (default: run the first, "
-                                                               "replay it for the identical others)")
+    inf.add_argument("--no-replay", action="store_true", help="with --eager: run every decoder layer (default: run "
+                                                               "the first, replay it for the identical others)")
+    inf.add_argument("--no-sp", action="store_true", help="prefill without sequence parallelism (all-reduces)")
+    inf.add_argument("--eager", action="store_true", help="every aten op its own kernel at its exact shape (default: "
+                                                          "the layers lowered to the NKI library kernels as NxD "
+                                                          "Inference runs them, at Neuron's buckets)")
+    inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
+                                                       "(default 1)")
+    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --input)")
+    inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
+                                                       "--output)")
+    inf.add_argument("--context-buckets", metavar="N,N,...", help="prompt buckets (default: powers of 2 from 128 "
+                                                                  "to --max-context, and it)")
+    inf.add_argument("--kv-buckets", metavar="N,N,...", help="decode KV buckets (default: powers of 2 from 128 to "
+                                                             "--max-model-len, and it)")
+    inf.add_argument("--batch-buckets", metavar="N,N,...", help="decode batch buckets (default: powers of 2 up to "
+                                                                "--batch, and it)")
     tr.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     tr.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     tr.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step (default micro-batch x dp: no gradient accumulation)")
+    from ..workload.training import add_recipe_arguments
+
+    add_recipe_arguments(tr)
 

@@ -12,7 +12,8 @@ See :mod:`trnsim.collectives.api` for concurrent calls, start times and running 
 """
 
 from .algorithms import ALGORITHMS, COLLECTIVES, CollectiveError
-from .api import estimate_collective, sibling_groups, simulate_beside_kernels, simulate_collective, simulate_collectives
+from .api import (estimate_collective, sibling_groups, simulate_beside_kernels, simulate_collective, simulate_collectives,
+                  simulate_with_siblings)
 from .engine import CollectiveCall, CollectiveEngine, CollectiveHandle
 from .network import ChipResources, Network
 from .report import AlphaBetaEstimate, CollectiveReport, EstimateStep
@@ -31,6 +32,7 @@ __all__ = [
     "Network",
     "estimate_collective",
     "sibling_groups",
+    "simulate_with_siblings",
     "simulate_beside_kernels",
     "simulate_collective",
     "simulate_collectives",

@@ -7,6 +7,9 @@ timing-only runs call). Torch-free; times are integer ticks of the chip config's
   α-β estimate of the same call.
 * :func:`simulate_collectives` — several calls at once on shared links, HBM and DMA engines
   (and CC cores: a rank runs at most ``cc_cores_per_core * lnc`` of them at a time).
+* :func:`simulate_with_siblings` — a call beside the same call of its sibling groups (an SPMD
+  program's other TP or DP groups, :func:`sibling_groups`), and the same call alone: what the
+  distributed backend and the estimate charge, and the slowdown they report.
 * :func:`estimate_collective` — the α-β estimate alone, without simulating.
 * :func:`simulate_beside_kernels` — calls and kernels in one simpy environment, sharing the
   kernels' HBM stacks and DMA engines (a collective beside a DMA-bound kernel slows both).
@@ -31,7 +34,7 @@ from .network import ChipResources
 from .report import AlphaBetaEstimate, CollectiveReport
 
 __all__ = ["simulate_collective", "simulate_collectives", "estimate_collective", "simulate_beside_kernels",
-           "sibling_groups"]
+           "sibling_groups", "simulate_with_siblings"]
 
 
 def sibling_groups(group: Sequence[int], world: int) -> list[tuple[int, ...]]:
@@ -39,18 +42,58 @@ def sibling_groups(group: Sequence[int], world: int) -> list[tuple[int, ...]]:
     translates by whole rank offsets that stay inside ``world`` ranks and overlap neither it nor
     each other, ``group`` first (a device mesh's other tensor-parallel groups for a TP group
     ``[0..7]`` of 64 ranks: ``[8..15]``, ...; for a data-parallel group ``[0, 8, ..., 56]``:
-    ``[1, 9, ..., 57]``, ...). A group no translate of which fits is alone."""
+    ``[1, 9, ..., 57]``, ...). The set is the same from any of its groups (``[1, 9, ..., 57]``
+    finds ``[0, 8, ..., 56]`` too): the translates of the group moved to rank 0, taken in order.
+    A group no translate of which fits is alone."""
     g = tuple(int(r) for r in group)
-    taken = set(g)
-    out = [g]
-    for shift in range(1, world):
-        cand = tuple(r + shift for r in g)
-        if cand[-1] >= world or max(cand) >= world:
-            continue
-        if taken.isdisjoint(cand):
-            out.append(cand)
-            taken.update(cand)
-    return out
+    if not g:
+        return []
+
+    def tile(first: tuple[int, ...]) -> list[tuple[int, ...]]:
+        taken = set(first)
+        out = [first]
+        for shift in range(1, world):
+            cand = tuple(r + shift for r in first)
+            if max(cand) >= world:
+                break
+            if taken.isdisjoint(cand):
+                out.append(cand)
+                taken.update(cand)
+        return out
+
+    base = min(g)
+    tiles = tile(tuple(r - base for r in g))
+    if g not in tiles:  # an irregular group: its own forward translates
+        tiles = tile(g)
+        return tiles
+    return [g] + [t for t in tiles if t != g and set(t).isdisjoint(g)]
+
+
+def simulate_with_siblings(system: SystemConfig | str, collective: str, nbytes: int, group: Sequence[int],
+                           world: int, *, dtype: str = "bf16", root: int | None = None, overrides: Any = None,
+                           trace: bool = False) -> tuple[CollectiveReport, CollectiveReport]:
+    """``collective`` on ``group`` beside the same call on each of its :func:`sibling_groups` in
+    ``world`` ranks, all from tick 0 (an SPMD step: every TP group all-reduces at once, every DP
+    group reduce-scatters at once), sharing links, HBM stacks and DMA engines; and the same call
+    alone. Returns (together, alone): the group's report in each (the same report when it has no
+    siblings). A ``root`` moves with its group."""
+    sysc = _system(system, overrides)
+    g = tuple(int(r) for r in group)
+    alone = simulate_collectives(sysc, [CollectiveCall(collective, nbytes, group=g, dtype=dtype, root=root)],
+                                 trace=trace)[0]
+    sibs = sibling_groups(g, world)
+    if len(sibs) < 2:
+        return alone, alone
+    rpc = sysc.ranks_per_chip
+    chips = [{r // rpc for r in s} for s in sibs]
+    if all(len(c) == 1 for c in chips) and len(set().union(*chips)) == len(sibs):
+        return alone, alone  # each group on a chip of its own: nothing shared (no link, stack or engine)
+    calls = []
+    for s in sibs:
+        r = None if root is None else s[g.index(root)]
+        calls.append(CollectiveCall(collective, nbytes, group=s, dtype=dtype, root=r))
+    together = simulate_collectives(sysc, calls, trace=trace)[0]
+    return together, alone
 
 
 def _system(system: SystemConfig | str, overrides: Any = None) -> SystemConfig:

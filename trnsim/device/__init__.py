@@ -117,6 +117,7 @@ class CollectiveLaunch(NamedTuple):
     network_ticks: int
     busbw_factor: float
     bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
+    alone_ticks: int = -1  # this rank's time had the group run alone (no sibling groups beside it); -1: it did
 
 
 @dataclass(frozen=True, eq=False)
@@ -558,18 +559,20 @@ class Device:
         return OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
                                  self.config.hbm_bandwidth_reachable)
 
-    def collective_cost(self, report: Any, rank: int) -> OpCost:
+    def collective_cost(self, report: Any, rank: int, alone: Any = None) -> OpCost:
         """A simulated collective (:class:`trnsim.collectives.CollectiveReport`) as a launch on
         ``rank``'s logical core: from the rank's start to its completion, with the bytes its DMA
         engines moved as its DMA demand (so kernels on other streams of the core share DMA with
-        it, and it with them)."""
+        it, and it with them). ``alone``: the same call simulated without the calls beside it
+        (its sibling groups'), kept for the report's slowdown."""
         i = report.group.index(rank)
         ticks = report.end_ticks[i] - report.start_ticks[i]
+        alone_ticks = -1 if alone is None else alone.end_ticks[i] - alone.start_ticks[i]
         dma = report.dma_bytes.get(rank, 0)
         demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
         busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
         info = CollectiveLaunch(report.collective, report.algorithm, len(report.group), report.nbytes, ticks,
-                                report.busbw_factor, report.bound.split(" ")[0])
+                                report.busbw_factor, report.bound.split(" ")[0], alone_ticks)
         return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
                       sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand, collective=info)
 
@@ -969,9 +972,10 @@ class Device:
                 co = a["coll"]
                 if co is None:
                     co = a["coll"] = {"collective": info.collective, "algorithm": info.algorithm, "ranks": info.ranks,
-                                      "bytes": 0, "net": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
+                                      "bytes": 0, "net": 0, "alone": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
                 co["bytes"] += calls * info.nbytes
                 co["net"] += calls * info.network_ticks
+                co["alone"] += calls * (info.network_ticks if info.alone_ticks < 0 else info.alone_ticks)
                 co["peer"] += peer_wait
                 co["bus_bytes"] += calls * info.nbytes * info.busbw_factor
                 co["bound"][info.bound] = co["bound"].get(info.bound, 0) + calls * info.network_ticks
@@ -999,7 +1003,8 @@ class Device:
                 net_s = co["net"] / hz
                 coll = CollectiveStats(collective=co["collective"], algorithm=co["algorithm"], ranks=co["ranks"],
                                        bytes=co["bytes"], network_us=net_s * 1e6, peer_wait_us=co["peer"] / hz * 1e6,
-                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0)
+                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0,
+                                       alone_us=co["alone"] / hz * 1e6)
                 top = max(co["bound"].values())
                 bound = min(k for k, v in co["bound"].items() if v == top)  # where most of its model time went
             rows.append(OpRow(

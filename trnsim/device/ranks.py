@@ -171,7 +171,8 @@ def _merge_rows(reports: Sequence[RunReport]) -> tuple[OpRow, ...]:
             coll = CollectiveStats(collective=cs[0].collective, algorithm=cs[0].algorithm, ranks=cs[0].ranks,
                                    bytes=sum(c.bytes for c in cs), network_us=net,
                                    peer_wait_us=sum(c.peer_wait_us for c in cs),
-                                   busbw=sum(c.busbw * c.network_us for c in cs) / net if net else 0.0)
+                                   busbw=sum(c.busbw * c.network_us for c in cs) / net if net else 0.0,
+                                   alone_us=sum(c.alone_us or c.network_us for c in cs))
             bound = max(rows, key=lambda r: r.time_us).bound
         else:
             bound = "launch" if wait >= t else busiest(engines)

@@ -24,7 +24,7 @@ from trnsim.native import dtypes, reference
 from trnsim.native.dtypes import Dtype, get_dtype
 from trnsim.native.reference import check_operands
 
-__all__ = ["matmul", "matmul_batched", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype",
+__all__ = ["matmul", "matmul_batched", "conv2d_grouped", "convert", "backend", "reference", "dtypes", "Dtype", "get_dtype",
            "batched_entry"]
 
 try:
@@ -222,6 +222,35 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
         ffi.from_buffer("float[]", out), M * N, N, 1,
         batch, K, M, N, int(k_chunk), 0, -1, _FMA_POLICIES["on"], _threads(),
     )
+    if rc != 0:
+        _raise_c_error(rc)
+    return out
+
+
+def conv2d_grouped(x: np.ndarray, w: np.ndarray, groups: int, stride: tuple[int, int], dilation: tuple[int, int],
+                   out_hw: tuple[int, int], *, k_chunk: int = 128) -> np.ndarray:
+    """A grouped 2-d convolution as TensorE computes its im2col matmuls: float32 [N, K, Ho, Wo],
+    bit for bit what one :func:`matmul` per group of ``weights[K/g, C/g*R*S]`` and the group's
+    patches ``[C/g*R*S, N*Ho*Wo]`` (im2col order: channel, filter row, column) gives, without
+    making the patches. For depthwise convolutions, whose per-group matmuls have one row.
+
+    Args:
+        x: float32 [N, C, H, W], already zero-padded (C = groups x C/g).
+        w: float32 [K, C/g, R, S].
+        out_hw: (Ho, Wo).
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    n, c, h, wd = x.shape
+    k, cg, r, s = w.shape
+    ho, wo = out_hw
+    out = np.empty((n, k, ho, wo), dtype=np.float32)
+    if backend() == "reference":
+        raise ValueError("conv2d_grouped has no reference backend: use matmul on the im2col patches")
+    lib, ffi = _lib(), _datapath.ffi
+    rc = lib.trn_conv2d_grouped(ffi.cast("float *", x.ctypes.data), n, c, h, wd, ffi.cast("float *", w.ctypes.data),
+                                k, cg, r, s, int(groups), int(stride[0]), int(stride[1]), int(dilation[0]),
+                                int(dilation[1]), ho, wo, int(k_chunk), ffi.from_buffer("float[]", out))
     if rc != 0:
         _raise_c_error(rc)
     return out

@@ -987,3 +987,90 @@ int trn_matmul(const void *s, int s_dt, int64_t s_sk, int64_t s_sm,
     return trn_matmul_batched(s, s_dt, 0, s_sk, s_sm, v, v_dt, 0, v_sk, v_sn, out, 0, o_sm, o_sn,
                               1, K, M, N, k_chunk, accumulate, isa, fma_policy, nthreads);
 }
+
+/* ---------------------------------------------------------------------------------------- */
+/* Grouped 2-d convolutions (depthwise ones above all) computed as the datapath computes their
+ * im2col matmuls, without the im2col: output element (n, k, ho, wo) of group g = k / (K/groups)
+ * is the matmul element weights[k, :] . patches[:, (n, ho, wo)] over the group's C/groups*R*S
+ * taps in im2col order (channel, then filter row, then column), chunked every k_chunk taps: each
+ * chunk from +0.0 with one fused multiply-add per tap, chunk results added to the output in
+ * order (reference.py's rules). The input comes zero-padded, so a padding tap is the same
+ * fmaf(w, +0.0, acc) the im2col matmul makes. Per element the operations are the matmul's, in
+ * its order, so the bits are too; one matmul per group with one output row each (depthwise) is
+ * what made the datapath slow here. */
+static inline __attribute__((always_inline)) void
+conv_grouped_body(const float *x, int64_t C, int64_t H, int64_t W, const float *w, int64_t K,
+                  int64_t CG, int64_t R, int64_t S, int64_t KG, int64_t sh, int64_t sw, int64_t dh,
+                  int64_t dw, int64_t Ho, int64_t Wo, int64_t k_chunk, int64_t n, int64_t k,
+                  float *o, float *acc) {
+    const int64_t ck = CG * R * S, g = k / KG, P = Ho * Wo;
+    for (int64_t c0 = 0; c0 < ck; c0 += k_chunk) {
+        const int64_t c1 = c0 + k_chunk < ck ? c0 + k_chunk : ck;
+        for (int64_t i = 0; i < P; i++) acc[i] = 0.0f;
+        for (int64_t kk = c0; kk < c1; kk++) {
+            const int64_t c = kk / (R * S), r = (kk / S) % R, s = kk % S;
+            const float wv = w[k * ck + kk];
+            const float *xc = x + ((n * C + g * CG + c) * H + r * dh) * W + s * dw;
+            for (int64_t ho = 0; ho < Ho; ho++) {
+                const float *xr = xc + ho * sh * W;
+                float *ar = acc + ho * Wo;
+                if (sw == 1) {
+                    for (int64_t wo = 0; wo < Wo; wo++) ar[wo] = fmaf(wv, xr[wo], ar[wo]);
+                } else {
+                    for (int64_t wo = 0; wo < Wo; wo++) ar[wo] = fmaf(wv, xr[wo * sw], ar[wo]);
+                }
+            }
+        }
+        if (c0 == 0) {
+            for (int64_t i = 0; i < P; i++) o[i] = acc[i];
+        } else {
+            for (int64_t i = 0; i < P; i++) o[i] = o[i] + acc[i];
+        }
+    }
+    for (int64_t i = 0; i < P; i++) o[i] = canon_f32(o[i]);
+}
+
+#define CONV_GROUPED(NAME, ATTR)                                                                 \
+    ATTR static void NAME(const float *x, int64_t N, int64_t C, int64_t H, int64_t W,            \
+                          const float *w, int64_t K, int64_t CG, int64_t R, int64_t S,           \
+                          int64_t KG, int64_t sh, int64_t sw, int64_t dh, int64_t dw,            \
+                          int64_t Ho, int64_t Wo, int64_t k_chunk, float *out, float *acc) {     \
+        for (int64_t n = 0; n < N; n++)                                                          \
+            for (int64_t k = 0; k < K; k++)                                                      \
+                conv_grouped_body(x, C, H, W, w, K, CG, R, S, KG, sh, sw, dh, dw, Ho, Wo,        \
+                                  k_chunk, n, k, out + (n * K + k) * Ho * Wo, acc);              \
+    }
+
+CONV_GROUPED(conv_grouped_generic, )
+#if TRN_X86
+CONV_GROUPED(conv_grouped_fma, __attribute__((target("avx2,fma"))))
+#endif
+
+int trn_conv2d_grouped(const float *x, int64_t N, int64_t C, int64_t H, int64_t W,
+                       const float *w, int64_t K, int64_t CG, int64_t R, int64_t S, int64_t groups,
+                       int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo,
+                       int64_t k_chunk, float *out) {
+    if (N < 0 || C < 0 || H < 0 || W < 0 || K < 0 || CG < 1 || R < 1 || S < 1 || groups < 1 ||
+        sh < 1 || sw < 1 || dh < 1 || dw < 1 || Ho < 0 || Wo < 0 || k_chunk < 1 ||
+        C != CG * groups || K % groups != 0 || (Ho > 0 && (Ho - 1) * sh + (R - 1) * dh >= H) ||
+        (Wo > 0 && (Wo - 1) * sw + (S - 1) * dw >= W))
+        return TRN_EARG;
+    if (N == 0 || K == 0 || Ho == 0 || Wo == 0) return TRN_OK;
+    float *acc = malloc((size_t)(Ho * Wo) * sizeof(float));
+    if (!acc) return TRN_ENOMEM;
+#if TRN_X86
+    const unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr((saved_csr & ~(0x8000u | 0x0040u | 0x6000u)) | 0x1f80u);
+    if (trn_best_isa() >= TRN_ISA_AVX2)
+        conv_grouped_fma(x, N, C, H, W, w, K, CG, R, S, K / groups, sh, sw, dh, dw, Ho, Wo, k_chunk,
+                         out, acc);
+    else
+#endif
+        conv_grouped_generic(x, N, C, H, W, w, K, CG, R, S, K / groups, sh, sw, dh, dw, Ho, Wo,
+                             k_chunk, out, acc);
+#if TRN_X86
+    _mm_setcsr(saved_csr);
+#endif
+    free(acc);
+    return TRN_OK;
+}

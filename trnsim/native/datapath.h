@@ -44,6 +44,14 @@ int trn_matmul_batched(const void *s, int s_dt, int64_t s_sb, int64_t s_sk, int6
                        int64_t B, int64_t K, int64_t M, int64_t N, int64_t k_chunk,
                        int accumulate, int isa, int fma_policy, int nthreads);
 
+/* A grouped 2-d convolution, out[N,K,Ho,Wo] (fp32), exactly as trn_matmul computes its im2col
+ * matmuls (one per group: weights[K/g, CG*R*S] @ patches[CG*R*S, N*Ho*Wo]), from x, the input
+ * already zero-padded [N,C,H,W] (C = CG*groups), and w [K,CG,R,S], both fp32 and contiguous. */
+int trn_conv2d_grouped(const float *x, int64_t N, int64_t C, int64_t H, int64_t W,
+                       const float *w, int64_t K, int64_t CG, int64_t R, int64_t S, int64_t groups,
+                       int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo,
+                       int64_t k_chunk, float *out);
+
 /* dst[i] = src[i] rounded to dst_dt (contiguous arrays of n elements). */
 int trn_convert(const void *src, int src_dt, void *dst, int dst_dt, int64_t n);
 

@@ -322,7 +322,10 @@ class CollectiveStats:
     rank's time in the NeuronLink model, from the group's start (the last rank's arrival) to its
     completion, summed (the row's ``time_us`` adds the stretch from sharing the core's DMA with
     compute beside it); ``peer_wait_us`` the time this rank had arrived and the group had not;
-    ``busbw`` in bytes/s, sum(S x factor) / network time (nccl-tests' definition)."""
+    ``busbw`` in bytes/s, sum(S x factor) / network time (nccl-tests' definition); ``alone_us``
+    the network time the same calls take with the group alone: each call is simulated beside the
+    same call of its sibling groups (an SPMD program's other TP or DP groups, which share its
+    links, HBM stacks and DMA engines), so ``network_us / alone_us`` is what sharing cost."""
 
     collective: str  # the NeuronLink model's name: all-reduce, all-gather, reduce-scatter, send-recv, ...
     algorithm: str
@@ -331,6 +334,12 @@ class CollectiveStats:
     network_us: float
     peer_wait_us: float
     busbw: float
+    alone_us: float = 0.0
+
+    @property
+    def slowdown(self) -> float:
+        """network time / the same calls' time alone (1.0: nothing beside them slowed them)."""
+        return self.network_us / self.alone_us if self.alone_us > 0 else 1.0
 
 
 @dataclass(frozen=True)

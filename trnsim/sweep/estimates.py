@@ -25,7 +25,7 @@ from ..config import ConfigError, SystemConfig
 
 __all__ = ["ESTIMATE_KEYS", "ESTIMATE_COLUMNS", "estimate_points", "run_estimate_point", "shape_text"]
 
-_COMMON = {"mode": None, "model": None, "tp": 1, "pp": 1, "dp": 1, "sp": False, "dtype": "bf16"}
+_COMMON = {"mode": None, "model": None, "tp": 1, "pp": 1, "dp": 1, "sp": None, "dtype": "bf16"}
 _INFERENCE = {"batch": 1, "input": 1024, "output": 128, "samples": 5}
 _TRAIN = {"micro_batch": 1, "seq": 2048, "global_batch": None}
 ESTIMATE_KEYS = tuple(_COMMON) + tuple(_INFERENCE) + tuple(_TRAIN)
@@ -60,11 +60,11 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
         loc = f"{loc} ({e['model']})"
         values = {**_COMMON, **own, **e}
         for k, v in values.items():
-            if k in ("mode", "model", "dtype", "sp") or (k == "global_batch" and v is None):
+            if k in ("mode", "model", "dtype", "sp") or (k in ("global_batch", "sp") and v is None):
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{loc}: {k}: expected a positive whole number, got {v!r}")
-        if not isinstance(values["sp"], bool):
+        if values["sp"] is not None and not isinstance(values["sp"], bool):
             raise ConfigError(f"{loc}: sp: expected true or false, got {values['sp']!r}")
         try:
             model = load_model(str(e["model"]))
@@ -96,13 +96,13 @@ def run_estimate_point(system: SystemConfig, model: str, shape: tuple[int, ...],
     p = dict(params)
     try:
         if p["mode"] == "inference":
-            est, _ = estimate_inference(model, system, tp=tp, pp=pp, dp=dp, sp=p.get("sp", False), batch=p["batch"],
+            est, _ = estimate_inference(model, system, tp=tp, pp=pp, dp=dp, sp=p.get("sp"), batch=p["batch"],
                                         input_tokens=p["input"], output_tokens=p["output"], dtype=dtype,
                                         samples=p["samples"])
             row = {"us": round(est.ttft_ms * 1e3, 4), "ttft_ms": round(est.ttft_ms, 4), "tpot_ms": round(est.tpot_ms, 4),
                    "tokens_per_s": round(est.system_tokens_per_s, 3), "bound": est.decode.bound}
         else:
-            est, _ = estimate_train(model, system, tp=tp, pp=pp, dp=dp, sp=p.get("sp", False),
+            est, _ = estimate_train(model, system, tp=tp, pp=pp, dp=dp, sp=bool(p.get("sp")),
                                     micro_batch=p["micro_batch"], seq=p["seq"], global_batch=p.get("global_batch"),
                                     dtype=dtype)
             row = {"us": round(est.step_ms * 1e3, 4), "step_ms": round(est.step_ms, 4),

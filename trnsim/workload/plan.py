@@ -189,6 +189,10 @@ KINDS = ("matmul", "attention", "collectives", "copies", "elementwise")
 COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all", "broadcast"})
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward"})
 _ENGINES = frozenset({"Tensor", "Vector", "Scalar", "GpSimd"})
+#: library kernels a lowered layer launches (torch_bridge.nxdi), by kind
+_KERNEL_KINDS = {"qkv": "matmul", "oproj": "matmul", "mlp": "matmul", "moe": "matmul", "moe_tkg": "matmul",
+                 "router_topk": "matmul", "matmul": "matmul", "attention_tkg": "attention",
+                 "attention_cte": "attention"}
 
 
 def kind_of(op: str) -> str:
@@ -196,6 +200,8 @@ def kind_of(op: str) -> str:
         return "collectives"
     if op in _MATMUL_OPS:
         return "matmul"
+    if op in _KERNEL_KINDS:
+        return _KERNEL_KINDS[op]
     if op.startswith("scaled_dot_product_attention"):
         return "attention"
     if op in ("_copy_from", "copy_", "_to_copy", "cat", "index_copy", "index_copy_"):
@@ -319,6 +325,12 @@ class InferenceEstimate:
     cache_hits: int
     wall_s: float
     assumptions: tuple[str, ...] = field(default=())
+    #: with the layers lowered to library kernels (not --eager): the calls a decode and a prefill
+    #: layer became, the buckets, the padding they add, the KV bucket of the decode breakdown
+    lowering: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    buckets: dict[str, list[int]] = field(default_factory=dict)
+    padding: dict[str, Any] = field(default_factory=dict)
+    decode_kv: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -355,6 +367,8 @@ class TrainEstimate:
     cache_hits: int
     wall_s: float
     assumptions: tuple[str, ...] = field(default=())
+    recipe: dict[str, Any] = field(default_factory=dict)  # trnsim.training.Recipe's fields
+    train_memory: tuple[Any, ...] = field(default=())  # trnsim.training.TrainMemory per simulated role
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,107 @@
+"""trnsim.serve: continuous batching, chunked prefill, prefix caching and KV admission against
+timelines worked by hand (constant step times), and the workloads."""
+
+import pytest
+
+from trnsim.buckets import Buckets
+from trnsim.serve import Request, ServeConfig, ServeError, poisson_requests, read_trace, simulate
+
+
+class Steps:
+    """Prefill 1.0 s, decode 0.5 s, whatever the shape; every call recorded."""
+
+    def __init__(self, prefill=1.0, decode=0.5):
+        self.p, self.d = prefill, decode
+        self.calls = []
+
+    def prefill(self, batch, tokens, prior=0):
+        self.calls.append(("prefill", batch, tokens, prior))
+        return self.p
+
+    def decode(self, batch, kv):
+        self.calls.append(("decode", batch, kv))
+        return self.d
+
+
+B = Buckets(context=(4, 8), kv=(128, 256), batch=(1, 2, 4))
+
+
+def cfg(**kw):
+    return ServeConfig(**{"max_batch": 4, "chunk": 8, "buckets": B, "kv_tokens": 1024, "block": 1, **kw})
+
+
+def test_two_requests_continuous_batching_by_hand():
+    """A (t=0, 4 in, 3 out) and B (t=1.2, 4 in, 2 out):
+    0.0-1.0 prefill A -> A's 1st token at 1.0;   1.0-1.5 decode [A] -> A's 2nd at 1.5 (B arrived at 1.2);
+    1.5-2.5 prefill B -> B's 1st at 2.5;          2.5-3.0 decode [A, B] -> A's 3rd, B's 2nd at 3.0: both done."""
+    steps = Steps()
+    res = simulate([Request(0.0, 4, 3), Request(1.2, 4, 2)], steps, cfg(), keep_requests=True)
+    assert steps.calls == [("prefill", 1, 4, 0), ("decode", 1, 128), ("prefill", 1, 4, 0), ("decode", 2, 128)]
+    a, b = res.per_request
+    assert (a["ttft_s"], a["e2e_s"]) == (1.0, 3.0) and (b["ttft_s"], b["e2e_s"]) == pytest.approx((1.3, 1.8))
+    assert res.duration_s == 3.0 and res.request_throughput == pytest.approx(2 / 3)
+    assert res.output_throughput == pytest.approx(5 / 3)
+    assert res.ttft.mean_ms == pytest.approx(1150) and res.e2e.mean_ms == pytest.approx(2400)
+    assert res.tpot.mean_ms == pytest.approx((1000 + 500) / 2)  # A: (3.0 - 1.0) / 2; B: (3.0 - 2.5) / 1
+    assert res.itl.mean_ms == pytest.approx((500 + 1500 + 500) / 3)  # A's gaps 0.5, 1.5; B's 0.5
+    assert (res.decode_steps, res.prefill_steps, res.mean_decode_batch, res.max_running) == (2, 2, 1.5, 2)
+
+
+def test_a_full_batch_makes_the_second_request_wait():
+    """max batch 1: B is admitted only when A's last token is out (2.0), then 2.0-3.0 prefill, 3.0-3.5 decode."""
+    res = simulate([Request(0.0, 4, 3), Request(1.2, 4, 2)], Steps(), cfg(max_batch=1), keep_requests=True)
+    a, b = res.per_request
+    assert a["e2e_s"] == 2.0 and b["ttft_s"] == pytest.approx(1.8) and b["e2e_s"] == pytest.approx(2.3)
+
+
+def test_kv_capacity_bounds_admission():
+    """7 + 6 tokens do not fit a 10-token cache: B waits for A's blocks though a batch slot is free."""
+    res = simulate([Request(0.0, 4, 3), Request(1.2, 4, 2)], Steps(), cfg(kv_tokens=10), keep_requests=True)
+    assert res.waited_for_kv == 1 and res.per_request[1]["ttft_s"] == pytest.approx(1.8)
+    with pytest.raises(ServeError, match="request 1: 7 tokens of KV cache, more than its capacity of 6 tokens"):
+        simulate([Request(0.0, 4, 3)], Steps(), cfg(kv_tokens=6))
+
+
+def test_chunked_prefill_and_its_buckets():
+    """A 10-token prompt with chunk 4: chunks of 4, 4 and 2 tokens (buckets 4, 4, 4) attending to 0, 4, 8 before."""
+    steps = Steps()
+    res = simulate([Request(0.0, 10, 2)], steps, cfg(chunk=4))
+    assert steps.calls[:3] == [("prefill", 1, 4, 0), ("prefill", 1, 4, 4), ("prefill", 1, 4, 8)]
+    assert res.ttft.mean_ms == pytest.approx(3000) and res.prefill_padding_percent == pytest.approx(100 * 2 / 12)
+
+
+def test_prefix_caching_skips_the_prefix_a_previous_request_prefilled():
+    steps = Steps()
+    reqs = [Request(0.0, 8, 2, prefix=6, prefix_id="sys"), Request(5.0, 8, 2, prefix=6, prefix_id="sys")]
+    res = simulate(reqs, steps, cfg(prefix_caching=True, block=2))
+    assert [c for c in steps.calls if c[0] == "prefill"] == [("prefill", 1, 8, 0), ("prefill", 1, 4, 6)]
+    assert res.cached_prefix_tokens == 6
+    steps = Steps()
+    simulate(reqs, steps, cfg(block=2))  # without prefix caching both prefill everything
+    assert [c for c in steps.calls if c[0] == "prefill"] == [("prefill", 1, 8, 0)] * 2
+
+
+def test_poisson_arrivals_are_seeded_and_traces_read(tmp_path):
+    a, b = poisson_requests(4.0, 50, 512, 128, seed=3), poisson_requests(4.0, 50, 512, 128, seed=3)
+    assert a == b and a != poisson_requests(4.0, 50, 512, 128, seed=4)
+    assert 8 < a[-1].arrival < 20  # 50 requests at 4 per second
+    assert all(r.arrival == 0 for r in poisson_requests(float("inf"), 5, 8, 2))
+    p = tmp_path / "t.csv"
+    p.write_text("arrival,input,output\n0.5,100,10\n0.1,200,20\n")
+    assert read_trace(p) == [Request(0.1, 200, 20), Request(0.5, 100, 10)]
+    j = tmp_path / "t.jsonl"
+    j.write_text('{"arrival": 0, "input": 8, "output": 2, "prefix": 4, "prefix_id": "x"}\n')
+    assert read_trace(j) == [Request(0.0, 8, 2, 4, "x")]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("arrival,input\n0,5\n", "request 1: missing 'output'"),
+    ("arrival,input,output\nsoon,5,5\n", "request 1: arrival must be a number"),
+    ("arrival,input,output\n-1,5,5\n", "request 1: expected arrival >= 0 s"),
+    ("arrival,input,output\n", "no requests"),
+])
+def test_bad_traces_are_one_line(tmp_path, text, message):
+    p = tmp_path / "t.csv"
+    p.write_text(text)
+    with pytest.raises(ServeError, match=message):
+        read_trace(p)

@@ -1,0 +1,132 @@
+"""`trnsim estimate inference` as Neuron serves a model: decoder layers lowered to the NKI library
+kernels by matching their modules (torch_bridge.nxdi), at Neuron's buckets (trnsim.buckets)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torch_bridge import nxdi
+from torch_bridge.estimate import estimate_inference
+from torch_bridge.estimate_kernels import lowered
+from trnsim.buckets import BucketError, default_buckets, power_buckets
+from trnsim.cli import main
+from trnsim.config import ConfigError, load_system
+from trnsim.costcache import CachedDevice, CostCache
+from trnsim.models import ModelConfig, load_model
+
+DATA = Path(__file__).parent.parent / "data"
+TINY = str(DATA / "tiny-llama.json")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("costs")
+
+
+def ops(calls):
+    return [c.op for c in calls]
+
+
+def test_a_llama_layer_becomes_the_library_kernels_nxdi_runs():
+    prog = lowered(load_model(TINY), nxdi.Shards(tp=4, sp=True))
+    layer = prog.layers[1]
+    assert layer.attention == nxdi.Attention("gqa", 8, 2, 32, 32) and layer.ffn.kind == "dense"
+    dec = nxdi.lower_layer(layer, prog.shards, batch=1, tokens=1, prior=0, cache=256, first=False, decode=True)
+    assert ops(dec) == ["qkv", "attention_tkg", "oproj", "all_reduce", "mlp", "all_reduce"]
+    qkv = dict(dec[0].spec.params)
+    assert dec[0].spec.shape == (1, 1, 256, 2, 1, 32)  # 8 heads / 4, 2 KV heads replicated to one per rank
+    assert qkv["residual"] and qkv["norm"] == "rmsnorm" and qkv["rope"]
+    assert dec[1].spec.shape == (1, 2, 1, 1, 256, 32) and dict(dec[1].spec.params)["cache_update"]
+    assert dec[4].spec.shape == (1, 1, 256, 128) and dec[3].nbytes == 256 * 2
+    pre = nxdi.lower_layer(layer, prog.shards, batch=1, tokens=128, prior=0, cache=128, first=False, decode=False)
+    assert ops(pre) == ["binary", "rmsnorm", "all_gather", "qkv", "attention_cte", "oproj", "reduce_scatter",
+                        "binary", "rmsnorm", "all_gather", "mlp", "reduce_scatter"]
+    assert pre[0].spec.shape == (32, 256) and dict(pre[3].spec.params)["norm"] == "none"
+    # a prompt TP does not divide runs without SP: the decode layout's fused norms and all-reduces
+    odd = nxdi.lower_layer(layer, prog.shards, batch=1, tokens=130, prior=0, cache=130, first=True, decode=False)
+    assert ops(odd) == ["qkv", "attention_cte", "oproj", "all_reduce", "mlp", "all_reduce"]
+    assert not dict(odd[0].spec.params)["residual"]  # the first layer has no residual to add
+
+
+def test_a_mixture_of_experts_layer_and_expert_parallelism():
+    spec = load_model(DATA / "tiny-mixtral.json")
+    prog = lowered(spec, nxdi.Shards(tp=2, ep=2))
+    f = prog.layers[0].ffn
+    assert (f.kind, f.experts, f.top_k) == ("moe", 4, 2)
+    dec = nxdi.lower_layer(prog.layers[0], prog.shards, batch=1, tokens=1, prior=0, cache=128, first=False,
+                           decode=True)
+    assert ops(dec)[-5:] == ["binary", "rmsnorm", "router_topk", "moe_tkg", "all_reduce"]
+    e = dec[-2].spec
+    assert e.shape[2:] == (f.inter, 2) and dict(e.params)["top_k"] == 1  # 2 of 4 experts here, 1 of a token's 2 picks
+    with pytest.raises(ConfigError, match="--ep 3: expert parallelism must divide --tp 2"):
+        nxdi.layer_weight_bytes(prog.layers[0], nxdi.Shards(tp=2, ep=3))
+
+
+def test_the_estimate_is_the_lowered_kernels_on_the_device(cache):
+    """The decode step launches exactly the lowered calls, and takes at least their kernels' time
+    back to back (the collectives wait for them)."""
+    est, _ = estimate_inference(TINY, tp=4, input_tokens=200, output_tokens=4, cache_dir=cache)
+    assert est.lowering["decode"][0].startswith("qkv 1x1x256x2x1x32")
+    assert est.padding["prefill_tokens"] == 200 and est.padding["decode_kv_buckets"] == [256]
+    assert est.buckets == {"context": [128, 200], "kv": [128, 256], "batch": [1]}
+    launches = 4 * 6 + 2 + 4  # 4 layers; embedding + all-gather; norm, LM head, max, all-gather
+    assert est.decode.launches == launches + 1  # and the step's one host dispatch
+    dev = CachedDevice(load_system("trn2.48xlarge").chip, CostCache(cache))
+    prog = lowered(load_model(TINY), nxdi.Shards(tp=4, sp=True))
+    kernel_ms = sum(dev.cost(c.spec).ticks for layer in range(4) for c in nxdi.lower_layer(
+        prog.layers[layer], prog.shards, batch=1, tokens=1, prior=0, cache=256, first=layer == 0, decode=True)
+        if c.spec is not None) / load_system("trn2.48xlarge").tick_hz * 1e3
+    assert kernel_ms < est.tpot_ms
+    eager, _ = estimate_inference(TINY, tp=4, input_tokens=200, output_tokens=4, cache_dir=cache, eager=True)
+    assert eager.decode.launches > 5 * est.decode.launches and not eager.lowering
+
+
+def test_buckets_follow_neurons_default_rule_and_pad():
+    assert power_buckets(128, 12288) == (128, 256, 512, 1024, 2048, 4096, 8192, 12288)
+    b = default_buckets(12288, 12800, 6, tp=64, sp=True)
+    assert b.context_for(10000) == 12288 and b.kv_for(10001) == 12800 and b.batch_for(3) == 4 and b.batch_for(5) == 6
+    assert default_buckets(1000, 2000, 1, tp=64, sp=True).context == (128, 256, 512, 1024)  # multiples of TP
+    with pytest.raises(BucketError, match="a prefill of 12,289: more than the largest context bucket 12,288"):
+        b.context_for(12289)
+    est, _ = estimate_inference(TINY, tp=2, input_tokens=100, output_tokens=60, context_buckets=[128, 512],
+                                kv_buckets=[128, 256], cache_dir=None)
+    assert est.padding["prefill_tokens"] == 128 and est.padding["prefill_padding_percent"] == pytest.approx(21.875)
+    assert est.padding["decode_kv_buckets"] == [128, 256] and len(est.decode_samples) == 2
+    assert est.decode_samples[0][1] < est.decode_samples[1][1]  # a longer KV bucket reads more
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "a quantised checkpoint (quantization_config.quant_method="
+                                                          "mxfp4): trnsim estimates bf16"),
+])
+def test_unsupported_features_are_refused_in_one_line(tmp_path, fields, message):
+    spec = load_model(TINY)
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps({**spec.fields, **fields}))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimate_inference(str(p), tp=2, input_tokens=64, output_tokens=2, cache_dir=None)
+
+
+def test_cli_prints_what_a_decode_and_a_prefill_layer_became(cache, capsys, monkeypatch):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    code = main(["estimate", "inference", "--model", TINY, "--tp", "4", "--input", "200", "--output", "4"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == ""
+    assert "A decode layer became: qkv 1x1x256x2x1x32" in out and "A prefill layer became: " in out
+    assert "buckets     prefill 200 -> 200 tokens (0.0% padding); decode KV bucket 256" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-buckets", "1,x"], "--kv-buckets '1,x': expected a comma-separated list"),
+    (["--max-context", "0"], "--max-context 0: expected a positive whole number"),
+    (["--eager", "--max-model-len", "512"], "--max-model-len: a kernel-lowering option; --eager"),
+    (["--sp", "--no-sp"], "--sp and --no-sp: give one of them"),
+    (["--max-context", "9000"], "--max-context 9,000: more than --max-model-len 1,152 (its default"),
+    (["--ep", "3"], "--ep 3: expert parallelism must divide --tp 4"),
+    (["--context-buckets", "64"], "a prefill of 1,024: more than the largest context bucket 64"),
+])
+def test_cli_bad_kernel_options_are_one_line(capsys, argv, message):
+    code = main(["estimate", "inference", "--model", TINY, "--tp", "4", "--no-cache", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.startswith("trnsim: error: " + message) and err.count("\n") == 1

@@ -1,0 +1,54 @@
+"""torch_bridge.hostprof: where a neuron run's host wall time goes. It measures host time only:
+the values and the simulated time are the same with it on or off (no wall time is asserted)."""
+
+import torch
+
+from torch_bridge import hostprof
+
+
+def _step(model, x):
+    model.zero_grad()
+    out, _ = model(x)
+    loss = out.square().sum()
+    loss.backward()
+    return loss.item(), [p.grad.cpu().clone() for p in model.parameters()]
+
+
+def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(8, 16, batch_first=True).to("neuron")
+    x = torch.randn(2, 5, 8, device="neuron")
+    from torch_bridge.runtime import runtime
+
+    device = runtime().device
+    _step(model, x)  # costs simulated once
+    t0 = device.now()
+    want = _step(model, x)
+    plain = device.now() - t0
+    t0 = device.now()
+    with hostprof.profile() as prof:
+        got = _step(model, x)
+    profiled = device.now() - t0
+    assert got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert profiled == plain
+    assert hostprof.active is None
+    parts = dict((k, c) for k, _, c in prof.parts())
+    assert parts["python _thnn_fused_lstm_cell"] == 5  # one cell per time step
+    assert "device model" in parts
+    s = prof.summary()
+    assert abs(sum(s.values()) - prof.wall) < 1e-9 and prof.wall > 0
+    text = prof.table(1, cpu_wall=0.001)
+    assert "_thnn_fused_lstm_cell" in text and "rest: fast path" in text
+    # the wrapped methods are restored
+    from trnsim.device import Device
+
+    assert not hasattr(Device.launch, "__wrapped__")
+
+
+def test_profiles_do_not_nest():
+    import pytest
+
+    with hostprof.profile():
+        with pytest.raises(RuntimeError, match="recording already"):
+            with hostprof.profile():
+                pass

@@ -1,0 +1,64 @@
+"""Convolution values on the datapath: tensore.conv_f32 gives, bit for bit, one datapath matmul
+per group of the weights and the im2col patches (the definition), whichever way it computes
+them (one matmul, a batch of them, or trnsim.native.conv2d_grouped for depthwise-like groups)."""
+
+import numpy as np
+import pytest
+import torch
+
+from torch_bridge import tensore
+from trnsim import native
+
+
+def _by_definition(x, w, stride, padding, dilation, groups):
+    one_d = x.dim() == 3
+    x2, w2, st, pad, dil = tensore._as_2d(x, w, stride, padding, dilation)
+    n, _, h, wd = x2.shape
+    k, cg, r, s = w2.shape
+    ho = (h + 2 * pad[0] - dil[0] * (r - 1) - 1) // st[0] + 1
+    wo = (wd + 2 * pad[1] - dil[1] * (s - 1) - 1) // st[1] + 1
+    cols = torch.nn.functional.unfold(x2, (r, s), dilation=dil, padding=pad, stride=st)
+    kg, ck = k // groups, cg * r * s
+    out = torch.empty((n, k, ho * wo), dtype=torch.float32)
+    for g in range(groups):
+        patches = cols[:, g * ck:(g + 1) * ck].permute(1, 0, 2).reshape(ck, -1)
+        res = tensore.matmul_f32(w2[g * kg:(g + 1) * kg].reshape(kg, ck), patches)
+        out[:, g * kg:(g + 1) * kg] = res.view(kg, n, -1).permute(1, 0, 2)
+    out = out.view(n, k, ho, wo)
+    return out.squeeze(2) if one_d else out
+
+
+CASES = [((2, 96, 9, 9), (96, 1, 3, 3), (1, 1), (1, 1), (1, 1), 96),
+         ((2, 32, 7, 11), (32, 1, 5, 5), (2, 2), (2, 2), (1, 1), 32),
+         ((2, 4, 12, 12), (8, 1, 3, 3), (3, 1), (2, 0), (1, 2), 4),
+         ((2, 8, 10, 10), (16, 2, 3, 3), (2, 2), (1, 1), (1, 1), 4),
+         ((1, 260, 5, 5), (260, 130, 3, 3), (1, 1), (1, 1), (1, 1), 2),  # 1170 taps: chunks of 128 added
+         ((1, 3, 9, 9), (6, 3, 5, 5), (1, 1), (2, 2), (1, 1), 1),
+         ((3, 12, 8), (24, 3, 3), (1,), (1,), (2,), 4),
+         ((1, 2, 3, 3), (2, 1, 3, 3), (1, 1), (0, 0), (1, 1), 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_conv_f32_is_one_datapath_matmul_per_group_bit_for_bit(case, dtype):
+    xs, ws, st, pad, dil, groups = CASES[case]
+    g = torch.Generator().manual_seed(case)
+    for scale in (1.0, 1e-20, 1e18):  # subnormal products; overflow to inf and inf - inf = NaN
+        x = (torch.randn(*xs, generator=g) * scale).to(dtype)
+        w = (torch.randn(*ws, generator=g) * scale).to(dtype)
+        if not (x.isfinite().all() and w.isfinite().all()):
+            continue
+        want = _by_definition(x, w, st, pad, dil, groups)
+        got = tensore.conv_f32(x, w, st, pad, dil, groups)
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_conv2d_grouped_refuses_bad_geometry_in_one_error():
+    x = np.zeros((1, 4, 5, 5), np.float32)
+    w = np.zeros((4, 1, 3, 3), np.float32)
+    assert native.conv2d_grouped(x, w, 4, (1, 1), (1, 1), (3, 3)).shape == (1, 4, 3, 3)
+    with pytest.raises(Exception):
+        native.conv2d_grouped(x, w, 4, (1, 1), (1, 1), (4, 4))  # reads past the padded input
+    with pytest.raises(Exception):
+        native.conv2d_grouped(x, w, 3, (1, 1), (1, 1), (3, 3))  # channels not groups x C/g

@@ -1,0 +1,135 @@
+"""Training as the frameworks run it (issue 29): the HBM of a step's recipe, worked by hand for a
+tiny Llama (hidden 256, 8 heads of 32, 2 KV heads, MLP 512, vocabulary 1024) at TP=2, 64 tokens.
+
+Per-layer saves, no recomputation, TP=2 (T = 64 tokens, h = 256; local: 4 query heads = 128
+features, 1 KV head = 32, MLP 256), bytes:
+
+* each RMSNorm: its fp32 input (T h 4 = 65,536), the rsqrt (T 4 = 256), the bf16 normalised
+  value the weight multiplies (T h 2 = 32,768): 98,560, twice;
+* the q/k/v projections' input (the norm's output, one tensor for the three): 32,768;
+* flash attention: q after RoPE (T 128 2 = 16,384), k (T 32 2 = 4,096), v (4,096), its output
+  (16,384), its softmax statistics (4 heads x T fp32 = 1,024): 41,984;
+* o_proj's input (the output made contiguous): 16,384;
+* the MLP's input (shared by gate and up): 32,768; SiLU's input, its output, up's output and the
+  product down_proj reads (T 256 2 = 32,768 each): 131,072.
+
+Sum: 452,096 per layer. Sequence parallel halves the norms' tokens and keeps the blocks' inputs
+as the rank's shard (gathered again in the backward), the attention and MLP at full length:
+2 x 49,280 + 16,384 + 41,984 + 16,384 + 16,384 + 131,072 = 320,768.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from torch_bridge.estimate import estimate_train
+from trnsim.cli import main
+from trnsim.training import Recipe, RecipeError, in_flight
+
+TINY = str(Path(__file__).parent.parent / "data" / "tiny-llama.json")
+T, H, V, TP = 64, 256, 1024, 2
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("costs")
+
+
+def _act(cache, layers, **kw):
+    est, _ = estimate_train(TINY, tp=TP, layers=layers, micro_batch=1, seq=T, global_batch=1, cache_dir=cache, **kw)
+    (m,) = est.train_memory
+    return m
+
+
+def _per_layer(cache, **kw):
+    return _act(cache, 4, **kw).activations - _act(cache, 2, **kw).activations
+
+
+@pytest.mark.parametrize("sp,recompute,expected", [
+    (False, "none", 452_096),
+    (True, "none", 320_768),
+    # full: a checkpointed layer keeps only its input (T h bf16; its shard with SP)
+    (False, "full", T * H * 2),
+    (True, "full", T // TP * H * 2),
+    # selective (NxDT's module list): each norm keeps its bf16 input (32,768 instead of 98,560) and
+    # the activation-multiply's SiLU output is recomputed (32,768 fewer)
+    (False, "selective", 452_096 - 2 * (98_560 - T * H * 2) - T * 256 * 2),
+])
+def test_recomputation_keeps_the_bytes_worked_by_hand(cache, sp, recompute, expected):
+    assert _per_layer(cache, sp=sp, recompute=recompute) / 2 == expected
+
+
+def test_vocab_parallel_loss_keeps_the_local_softmax_only(cache):
+    """Gathered: the loss's fp32 log-softmax over the whole vocabulary (T V 4) stays for the
+    backward; vocab-parallel: the fp32 softmax over the rank's V / tp (T V / 2 4). The gathered
+    loss also keeps its int64 labels (shifted and padded: about 2 T 8 bytes)."""
+    gathered = _act(cache, 2, loss="gathered").activations
+    split = _act(cache, 2, loss="vocab-parallel").activations
+    assert gathered - split == pytest.approx(T * V * 4 * (1 - 1 / TP), abs=2 * (T + 1) * 8 + 16)
+
+
+def test_zero1_and_fsdp_shard_the_optimizer_by_the_data_parallel_ranks(cache):
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="none")
+    whole = est.train_memory[0]
+    params = whole.master // 4  # the rank's parameters
+    assert whole.weights == pytest.approx(2 * params, abs=1024)  # bf16, and the rotary embedding's buffer
+    assert whole.optimizer == 8 * params and whole.gradients == 4 * params
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="zero1")
+    z = est.train_memory[0]
+    assert z.weights == whole.weights and z.gradients == whole.gradients
+    assert z.master == pytest.approx(whole.master / 4, abs=16) and z.optimizer == pytest.approx(whole.optimizer / 4,
+                                                                                              abs=32)
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="fsdp")
+    f = est.train_memory[0]
+    assert f.gradients == pytest.approx(whole.gradients / 4, abs=16) and f.master == z.master
+    assert f.peak < z.peak
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, precision="bf16",
+                            sharding="none")
+    b = est.train_memory[0]
+    assert b.master == 0 and b.optimizer == 4 * params and b.gradients == 2 * params
+
+
+def test_pipeline_stages_hold_the_micro_batches_in_flight(cache):
+    est, _ = estimate_train(TINY, tp=2, pp=2, micro_batch=1, seq=T, global_batch=4, cache_dir=cache)
+    first, last = est.train_memory
+    assert first.in_flight == 2 and last.in_flight == 1
+    assert in_flight(8, 0, 32) == 8 and in_flight(8, 7, 32) == 1 and in_flight(8, 0, 3) == 3
+
+
+def test_a_stage_whose_in_flight_activations_do_not_fit_is_an_oom(cache):
+    import torch
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"stage 0 needs .* at its peak, 4 micro-batches' activations"):
+        estimate_train(TINY, overrides=["chip.hbm.capacity=220MiB"], tp=2, pp=4, micro_batch=1, seq=2048,
+                       global_batch=8, cache_dir=cache)
+
+
+def test_recipe_errors_are_one_line():
+    with pytest.raises(RecipeError, match=r"^--recompute 'some': expected one of none, selective, full$"):
+        Recipe(recompute="some").check()
+    with pytest.raises(RecipeError, match=r"^recipe key 'zero': expected one of "):
+        Recipe.of({"zero": 1})
+    with pytest.raises(RecipeError, match=r"^--virtual-stages 2: only the interleaved schedule"):
+        Recipe(virtual_stages=2).check()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--loss", "full"], "trnsim: error: --loss 'full': expected one of vocab-parallel, gathered\n"),
+    (["--sharding", "zero3"], "trnsim: error: --sharding 'zero3': expected one of none, zero1, fsdp\n"),
+    (["--virtual-stages", "0", "--schedule", "interleaved"],
+     "trnsim: error: --virtual-stages 0: expected a whole number 1..64\n"),
+])
+def test_cli_recipe_errors(capsys, argv, message):
+    code = main(["estimate", "train", "--model", TINY, *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err == message
+
+
+def test_cli_prints_the_memory_breakdown(cache, capsys, monkeypatch):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    code = main(["estimate", "train", "--model", TINY, "--tp", "2", "--dp", "2", "--seq", "64", "--recompute", "full"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "HBM         stage 0 (4 ranks): weights " in out and "fp32 master" in out and "AdamW moments" in out
+    assert "activations " in out and "x 1 micro-batch" in out
+    assert "recipe      vocab-parallel loss, recompute full, ZeRO-1" in out
