@@ -54,6 +54,8 @@ FAST_MATMULS = ("mm", "addmm", "bmm")
 # Allocation and copies into the device, which the fast path serves itself in the common case
 # (csrc/neuron.cpp's fast_empty and fast_copy); their Python kernels, on SLOW_KEY, serve the rest.
 FAST_ALLOC = ("empty.memory_format", "empty_strided", "_copy_from")
+# nn.LSTM's cells (torch_bridge.cells), which the fast path computes itself (csrc/neuron.cpp's fast_cell)
+FAST_CELLS = ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl")
 
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,7 +131,8 @@ def register_kernels() -> None:
 
     kernels.update(CELLS)
     for name, fn in kernels.items():
-        impl.impl(name, _hidden(_traced(name, fn)), SLOW_KEY if name in FAST_MATMULS + FAST_ALLOC else "PrivateUse1")
+        native = name in FAST_MATMULS + FAST_ALLOC + FAST_CELLS  # the fast path's kernel is on PrivateUse1
+        impl.impl(name, _hidden(_traced(name, fn)), SLOW_KEY if native else "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
@@ -161,5 +164,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + FAST_MATMULS + FAST_ALLOC) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

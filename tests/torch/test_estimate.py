@@ -185,9 +185,9 @@ def test_cli_train_text(cache, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, llama-2-7b, llama-3.1-405b, "
-                             "llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, mixtral-8x7b, or a path to a Hugging Face "
-                             "config.json"),
+    (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, deepseek-v3, gpt-oss-120b, "
+                             "gpt-oss-20b, llama-2-7b, llama-3.1-405b, llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, "
+                             "mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, or a path to a Hugging Face config.json"),
     (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
                                                  "a multiple of 48"),
     (["--model", "llama-3.3-70b"], "trnsim: error: llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at "
@@ -297,3 +297,21 @@ def test_a_model_name_too_long_for_a_file_is_one_line(capsys):
     assert (code, out) == (2, "") and err.startswith("trnsim: error: unknown model 'xxxx") and err.count("\n") == 1
     code, out, err = run(capsys, "estimate", "train", "--model", "/" + "x" * 3000 + ".json")
     assert code == 2 and err.endswith(": cannot read it (File name too long)\n") and err.count("\n") == 1
+
+
+def test_a_plans_collective_is_charged_beside_its_sibling_groups():
+    """The estimate's DP all-reduce on a 2x2 plan of a trn1.32xlarge (groups [0, 2] and [1, 3],
+    both across chip 0 -> 1) is the call simulated beside its sibling, slower than alone; a TP
+    group on a chip of its own costs what it costs alone."""
+    from trnsim.collectives import simulate_with_siblings
+    from trnsim.device import Device
+    from torch_bridge.parallel import Comm
+
+    trn1 = load_system("trn1.32xlarge")
+    plan = Plan(tp=2, dp=2)
+    comm = Comm(trn1, Device(trn1.chip), 0, 0, plan)
+    dp = comm.report("all-reduce", 16 << 20, plan.dp_group(0), "bf16")
+    together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, plan.dp_group(0), plan.size)
+    assert plan.dp_group(0) == [0, 2] and dp.time_ticks == together.time_ticks > 1.1 * alone.time_ticks
+    tp = comm.report("all-reduce", 16 << 20, plan.tp_group(0), "bf16")
+    assert tp.time_ticks == simulate_collective(trn1, "all-reduce", 16 << 20, group=plan.tp_group(0)).time_ticks

@@ -130,3 +130,76 @@ def test_cli_bad_kernel_options_are_one_line(capsys, argv, message):
     code = main(["estimate", "inference", "--model", TINY, "--tp", "4", "--no-cache", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.startswith("trnsim: error: " + message) and err.count("\n") == 1
+
+
+# ---- the model families people serve (shipped configs from the published config.json values) -----------
+def short(name, layers):
+    return load_model(name).with_layers(layers)
+
+
+def test_qwen3_norms_q_and_k_before_rope():
+    prog = lowered(short("qwen3-32b", 2), nxdi.Shards(tp=64))
+    dec = nxdi.lower_layer(prog.layers[1], prog.shards, batch=1, tokens=1, prior=0, cache=1024, first=False,
+                           decode=True)
+    assert ops(dec)[:4] == ["qkv", "rmsnorm", "rope", "attention_tkg"]
+    assert not dict(dec[0].spec.params)["rope"]  # the QKV kernel's fused RoPE cannot take the q/k norm between
+    assert dec[0].spec.shape == (1, 1, 5120, 1, 1, 128)  # 64 heads / 64; 8 KV heads replicated to one per rank
+    assert dec[-2].spec.shape == (1, 1, 5120, 400)  # 25,600 / 64
+
+
+def test_qwen3_moe_routes_over_its_experts():
+    prog = lowered(short("qwen3-30b-a3b", 2), nxdi.Shards(tp=8, ep=8))
+    f = prog.layers[1].ffn
+    assert (f.kind, f.experts, f.top_k, f.inter, f.shared_inter) == ("moe", 128, 8, 768, 0)
+    dec = nxdi.lower_layer(prog.layers[1], prog.shards, batch=4, tokens=1, prior=0, cache=1024, first=False,
+                           decode=True)
+    router, experts = dec[-3].spec, dec[-2].spec
+    assert router.shape == (4, 2048, 128) and experts.shape == (4, 2048, 768, 16)  # 16 experts a rank, whole
+
+
+def test_gpt_oss_sinks_alternating_windows_and_biases():
+    prog = lowered(short("gpt-oss-120b", 4), nxdi.Shards(tp=16))
+    windows = [layer.attention.window for layer in prog.layers]
+    assert windows == [128, 0, 128, 0] and all(layer.attention.sinks for layer in prog.layers)
+    a, f = prog.layers[0].attention, prog.layers[0].ffn
+    assert a.qkv_bias and a.o_bias and f.router_bias and (f.experts, f.top_k) == (128, 4)
+    dec = nxdi.lower_layer(prog.layers[0], prog.shards, batch=1, tokens=1, prior=0, cache=2048, first=False,
+                           decode=True)
+    attn = dict(dec[1].spec.params)
+    assert attn["window"] == 128 and attn["sinks"] and dec[1].spec.shape == (1, 4, 1, 1, 2048, 64)
+
+
+def test_deepseek_v3_mla_and_shared_experts():
+    prog = lowered(short("deepseek-v3", 4), nxdi.Shards(tp=64, ep=64))
+    assert [layer.ffn.kind for layer in prog.layers] == ["dense", "dense", "dense", "moe"]  # first_k_dense_replace 3
+    a, f = prog.layers[3].attention, prog.layers[3].ffn
+    assert (a.kind, a.q_lora_rank, a.kv_lora_rank, a.rope_dim) == ("mla", 1536, 512, 64)
+    assert (f.experts, f.top_k, f.router_act, f.shared_inter) == (256, 8, "sigmoid", 2048)
+    dec = nxdi.lower_layer(prog.layers[3], prog.shards, batch=1, tokens=1, prior=0, cache=4096, first=False,
+                           decode=True)
+    assert "bmm" in ops(dec) and "attention_tkg" not in ops(dec)  # head dim 192: no library attention kernel
+    assert ops(dec)[-4:] == ["router_topk", "moe_tkg", "mlp", "all_reduce"]  # routed, then the shared expert
+    assert dec[-3].spec.shape[2:] == (2048, 4)  # 256 experts over EP 64, each whole
+    # the latent cache: 512 + 64 values a token a layer, on every rank
+    assert nxdi.kv_bytes_per_token(prog.layers[3], prog.shards) == 576 * 2
+
+
+def test_a_family_estimates_end_to_end(cache):
+    est, _ = estimate_inference("gpt-oss-120b", tp=16, layers=2, input_tokens=256, output_tokens=3, cache_dir=cache)
+    assert est.ttft_ms > 0 and est.tpot_ms > 0 and not [a for a in est.assumptions if "refused" in a]
+    assert "moe_tkg 1x2880x180x128" in "; ".join(est.lowering["decode"])
+
+
+def test_sweep_estimate_entries_take_the_lowering_options(tmp_path):
+    from trnsim.estimate_points import estimate_points, run_estimate_point
+
+    system = load_system("trn2.48xlarge")
+    (model, shape, dtype, params), = estimate_points(
+        [{"mode": "inference", "model": TINY, "tp": 2, "input": 100, "output": 3, "max_context": 128,
+          "max_model_len": 256}], "spec", system)
+    row = run_estimate_point(system, model, shape, dtype, dict(params))
+    direct, _ = estimate_inference(TINY, tp=2, input_tokens=100, output_tokens=3, max_context=128, max_model_len=256,
+                                   cache_dir=None)
+    assert row["error"] == "" and row["ttft_ms"] == pytest.approx(direct.ttft_ms, abs=1e-4)
+    with pytest.raises(ConfigError, match="eager: expected true or false"):
+        estimate_points([{"mode": "inference", "model": TINY, "eager": "yes"}], "spec", system)

@@ -4,6 +4,7 @@ device model sees exactly what the Python fallback would have launched (same row
 same memory figures, same values)."""
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -309,3 +310,40 @@ def test_matmuls_step_aside_for_what_python_handles(monkeypatch):
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.mm(x, x.to("neuron:1"))
     assert served(lambda: torch.mm(torch.empty(0, 8, device="neuron"), x)) == 0  # empty: no datapath call
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lstm_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit(bias, dtype):
+    """nn.LSTM's cells (fast_cell), its allocations (fast_empty) and copies (fast_copy): the same
+    values, bits, simulated time and memory figures as with every op on the Python path."""
+    def run():
+        gc.collect()
+        mem0 = torch.neuron.memory_allocated()
+        torch.manual_seed(0)
+        m = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True, bias=bias).to(dtype).to("neuron")
+        x = torch.randn(3, 5, 8).to(dtype).to("neuron").requires_grad_()
+        dev = runtime().device
+        t0 = dev.now()
+        res = []
+        for it in range(3):  # the first costs every signature, the later ones are served natively
+            state = None if it < 2 else (torch.randn(2, 3, 16).to(dtype).to("neuron"),) * 2
+            out, (h, c) = m(x, state)
+            (out.float().square().sum() + c.float().sum() * (it == 1)).backward()
+            res += [out.cpu(), h.cpu(), c.cpu(), x.grad.cpu()] + [p.grad.cpu() for p in m.parameters()]
+            m.zero_grad()
+            x.grad = None
+        gc.collect()
+        return res, dev.now() - t0, torch.neuron.memory_allocated() - mem0
+
+    with fast(False):
+        want, want_ticks, want_mem = run()
+    before = fastpath.hits()
+    got, ticks, mem = run()
+    assert fastpath.hits() - before > 100
+    assert ticks == want_ticks and mem == want_mem
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want))

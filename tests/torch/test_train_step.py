@@ -133,3 +133,44 @@ def test_cli_prints_the_memory_breakdown(cache, capsys, monkeypatch):
     assert "HBM         stage 0 (4 ranks): weights " in out and "fp32 master" in out and "AdamW moments" in out
     assert "activations " in out and "x 1 micro-batch" in out
     assert "recipe      vocab-parallel loss, recompute full, ZeRO-1" in out
+
+
+def test_a_gradient_bucket_hides_behind_the_backward():
+    """Two layers, hand-worked: the backward finishes layer 2's gradients (1 MiB) at tick 100 and
+    layer 1's at 200 (its end); a bucket holds one layer (cap 1 MiB); each bucket's reduction takes
+    60 ticks. Overlapped, bucket A runs 100-160 under layer 1's backward and only bucket B's 60
+    ticks (200-260) are exposed; after the backward, both run: 200-260-320, 120 exposed."""
+    from trnsim.training import gradient_buckets, overlap_buckets
+
+    mib = 2 ** 20
+    buckets = gradient_buckets([(100, mib), (200, mib)], mib)
+    assert buckets == [(100, mib), (200, mib)]
+    exposed, spans = overlap_buckets([t for t, _ in buckets], [60, 60], 200)
+    assert spans == [(100, 160), (200, 260)] and exposed == 60
+    exposed, spans = overlap_buckets([t for t, _ in buckets], [60, 60], 200, overlap=False)
+    assert spans == [(200, 260), (260, 320)] and exposed == 120
+    # a reduction longer than the rest of the backward delays the next bucket: 100-250, then 250-310
+    assert overlap_buckets([100, 200], [150, 60], 200) == (110, [(100, 250), (250, 310)])
+    # one bucket bigger than every gradient: it closes with the last one, nothing to hide behind
+    assert gradient_buckets([(100, mib), (200, mib)], 512 * mib) == [(200, 2 * mib)]
+
+
+def test_small_buckets_overlap_the_data_parallel_reduction_in_a_step(cache):
+    kw = dict(tp=2, dp=4, micro_batch=1, seq=256, cache_dir=cache)
+    after, _ = estimate_train(TINY, overlap=False, bucket_mb=1, **kw)
+    hidden, _ = estimate_train(TINY, overlap=True, bucket_mb=1, **kw)
+    assert after.backward.time_ms == hidden.backward.time_ms
+    assert 0 < hidden.dp_reduce_ms < after.dp_reduce_ms
+    assert hidden.step_ms == pytest.approx(after.step_ms - (after.dp_reduce_ms - hidden.dp_reduce_ms))
+
+
+def test_the_fused_lowering_runs_regions_and_one_optimizer_kernel(cache):
+    kw = dict(tp=2, dp=2, sp=True, micro_batch=1, seq=256, cache_dir=cache)
+    eager, _ = estimate_train(TINY, fused=False, **kw)
+    fused, _ = estimate_train(TINY, fused=True, **kw)
+    ops = {o[0]: o for o in fused.forward.ops + fused.backward.ops}
+    assert ops["fused_region"][1] == "fused" and "fused_region" not in {o[0] for o in eager.forward.ops}
+    assert fused.forward.launches < eager.forward.launches and fused.backward.launches < eager.backward.launches
+    assert fused.step_ms < eager.step_ms and fused.optimizer_ms < eager.optimizer_ms
+    # the same model computes the same matmuls either way (plus the fused norms' column sums on TensorE)
+    assert eager.forward.matmul_flops <= fused.forward.matmul_flops <= 1.001 * eager.forward.matmul_flops

@@ -6,6 +6,10 @@
 // are safe inside autograd's worker threads and while an exception unwinds.
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/rsub.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
@@ -558,7 +562,7 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 // (torch_bridge.values), registered on PrivateUse2 for this redispatch.
 // kWrites: in-place, out=; kMm/kAddmm/kBmm: the TensorE ops whose values the datapath computes
 enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
-               kEmptyStrided = 8, kCopyFrom = 9 };
+               kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -618,6 +622,8 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "empty" && s.overload_name() == "memory_format") f.kind = kEmpty;
   if (name == "empty_strided" && s.overload_name().empty()) f.kind = kEmptyStrided;
   if (name == "_copy_from" && s.overload_name().empty()) f.kind = kCopyFrom;
+  if (name == "_thnn_fused_lstm_cell" && s.overload_name().empty()) f.kind = kLstmCell;
+  if (name == "_thnn_fused_lstm_cell_backward_impl" && s.overload_name().empty()) f.kind = kLstmCellBackward;
   if (f.kind != kOther) return f;
   if (denied().count(name)) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
@@ -1039,6 +1045,139 @@ void fast_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_entry(0, index, handle);
 }
 
+// ---- LSTM cells ----------------------------------------------------------------------------------
+// nn.LSTM's gates off CPU: _thnn_fused_lstm_cell and its backward, which CPU has no kernel for.
+// torch_bridge/cells.py defines their values (CUDA's, in float32 for 16-bit inputs); these are the
+// same CPU ops in the same order on the arguments' aliases, so the same bits, with no Python on
+// the way. The cost is Python's (host_kernel teaches the handle for the call's signature).
+std::vector<at::Tensor> lstm_cell_values(const std::vector<at::Tensor>& a) {  // cells._lstm_cell
+  const at::Tensor &ig = a[0], &hg = a[1], &cx = a[2], &ib = a[3], &hb = a[4];
+  auto dt = ig.scalar_type();
+  at::Tensor gates = ig.to(at::kFloat) + hg.to(at::kFloat);
+  if (ib.defined()) gates = gates + ib.to(at::kFloat) + hb.to(at::kFloat);
+  auto ch = gates.chunk(4, 1);
+  at::Tensor i = ch[0].sigmoid(), f = ch[1].sigmoid(), g = ch[2].tanh(), o = ch[3].sigmoid();
+  at::Tensor cy = f * cx.to(at::kFloat) + i * g;
+  at::Tensor hy = o * cy.tanh();
+  at::Tensor workspace = at::cat({i, f, g, o}, 1);
+  return {hy.to(dt), cy.to(dt), workspace.to(dt)};
+}
+
+std::vector<at::Tensor> lstm_cell_backward_values(const std::vector<at::Tensor>& a, bool has_bias) {
+  const at::Tensor &grad_hy = a[0], &grad_cy = a[1], &cx = a[2], &cy = a[3], &workspace = a[4];
+  auto dt = workspace.scalar_type();  // cells._lstm_cell_backward
+  auto ch = workspace.to(at::kFloat).chunk(4, 1);
+  const at::Tensor &i = ch[0], &f = ch[1], &g = ch[2], &o = ch[3];
+  at::Tensor zeros = at::zeros(cx.sizes(), at::TensorOptions().dtype(at::kFloat));
+  at::Tensor go = grad_hy.defined() ? grad_hy.to(at::kFloat) : zeros;
+  at::Tensor gcy = grad_cy.defined() ? grad_cy.to(at::kFloat) : zeros;
+  at::Tensor tcy = cy.to(at::kFloat).tanh();
+  at::Tensor gog = go * tcy;
+  at::Tensor gc = go * o * at::rsub(tcy * tcy, 1) + gcy;
+  at::Tensor gig = gc * g * i * at::rsub(i, 1);
+  at::Tensor gfg = gc * cx.to(at::kFloat) * f * at::rsub(f, 1);
+  at::Tensor gcg = gc * i * at::rsub(g * g, 1);
+  gog = gog * o * at::rsub(o, 1);
+  at::Tensor grad_gates = at::cat({gig, gfg, gcg, gog}, 1);
+  at::Tensor grad_cx = gc * f;
+  at::Tensor grad_bias = has_bias ? grad_gates.sum(0).to(dt) : at::Tensor();
+  return {grad_gates.to(dt), grad_cx.to(dt), grad_bias};
+}
+
+void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
+  const size_t n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  const size_t tensors = 5;
+  if (n != (kind == kLstmCell ? 5u : 6u)) return slow(op, stack);
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  int index = -1;
+  std::vector<at::Tensor> cpu(tensors);
+  c10::SmallVector<const void*, 8> inputs;
+  for (size_t i = 0; i < tensors; ++i) {
+    const c10::IValue& v = (*stack)[base + i];
+    if (v.isNone()) {
+      key_int(key, 6);
+      continue;
+    }
+    if (!v.isTensor()) return slow(op, stack);
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {
+      key_int(key, 1);
+      continue;
+    }
+    if (t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
+      return slow(op, stack);
+    }
+    int ti = t.device().index() < 0 ? 0 : t.device().index();
+    if (index < 0) index = ti;
+    else if (ti != index) return slow(op, stack);
+    key_tensor(key, t, 0);
+    inputs.push_back(t.storage().data());
+    cpu[i] = cpu_alias(t);
+  }
+  bool has_bias = false;
+  if (kind == kLstmCellBackward) {
+    const c10::IValue& v = (*stack)[base + 5];
+    if (!v.isBool()) return slow(op, stack);
+    has_bias = v.toBool();
+    key_int(key, 4 + has_bias);
+  }
+  if (index < 0) return slow(op, stack);
+  if (kind == kLstmCell ? (!cpu[0].defined() || !cpu[1].defined() || !cpu[2].defined() ||
+                           cpu[3].defined() != cpu[4].defined())
+                        : (!cpu[2].defined() || !cpu[3].defined() || !cpu[4].defined())) {
+    return slow(op, stack);  // Python's path and its errors
+  }
+  std::vector<at::Tensor> out;
+  try {
+    HostScope host;
+    out = kind == kLstmCell ? lstm_cell_values(cpu) : lstm_cell_backward_values(cpu, has_bias);
+  } catch (...) {
+    return slow(op, stack);  // (shapes that do not fit: Python raises it, in its words)
+  }
+  for (const auto& t : out) {
+    if (!t.defined()) {
+      key_int(key, 52);
+      continue;
+    }
+    const void* data = t.storage().data();
+    for (const void* in : inputs) {  // (a result over an argument's memory: Python makes it a view)
+      if (data != nullptr && in == data) return slow(op, stack);
+    }
+    key_int(key, 51);
+    key_tensor(key, t, 0);
+  }
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);  // the values are computed again there
+  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].defined()) continue;
+    blocks[i] = count_block(out[i], index);
+    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
+      for (size_t j = 0; j < i; ++j) {
+        if (blocks[j] == nullptr) continue;
+        std::lock_guard<std::mutex> lock(g_mem_mutex);
+        FastBlock* b = blocks[j];
+        if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
+        if (b->next) b->next->prev = b->prev;
+        mem_sub_locked(g_pool[index], b->nbytes, true);
+        delete b;
+      }
+      return slow(op, stack);
+    }
+  }
+  torch::jit::drop(*stack, n);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (blocks[i] == nullptr) stack->emplace_back(out[i]);
+    else stack->emplace_back(to_device(out[i], blocks[i], index));
+  }
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax) {
@@ -1052,6 +1191,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
   if (f.kind == kEmpty || f.kind == kEmptyStrided) return fast_empty(op, stack, f.kind);
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
+  if (f.kind == kLstmCell || f.kind == kLstmCellBackward) return fast_cell(op, stack, f.kind);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();

@@ -140,18 +140,31 @@ class _ChargeEager(TorchDispatchMode):
         if info.is_view:
             self.rt.host_op(info.name)
             return out
+        # the cost of a call is a function of its signature (values._run's cache key; a matmul's
+        # operand layouts too): looked up once per signature, not lowered again on every call
+        if _torch.tracing():
+            return out  # (runtime.charge's rule: nothing is launched while torch.compile traces)
+        layout = None
         if info.name in _MATMULS:
             ia, ib = _MATMULS[info.name]
-            a, b = args[ia], args[ib]
-            batch, (m, k), n = (a.shape[0], a.shape[1:], b.shape[-1]) if a.dim() == 3 else (1, a.shape, b.shape[1])
-            ta, tb = lowering.matmul_layout(a, b)
-            spec = lowering.matmul_spec(batch, m, k, n, a.dtype, ta, tb)
-            self.rt.charge(self.index, self.op, spec, "empty matmul (launch only)")
-            return out
-        ins = lowering.flat_tensors(list(args) + list(kwargs.values()), [])
-        self.rt.charge(self.index, self.op, lowering.op_spec(info.name, args, kwargs, ins,
-                                                             lowering.flat_tensors(out, [])))
+            layout = lowering.matmul_layout(args[ia], args[ib])
+        key = (func, values._signature(args), values._signature(tuple(kwargs.items())), values._signature(out), layout)
+        cost = _eager_costs.get(key)
+        if cost is None:
+            if layout is not None:
+                a, b = args[ia], args[ib]
+                batch, (m, k), n = (a.shape[0], a.shape[1:], b.shape[-1]) if a.dim() == 3 else (1, a.shape, b.shape[1])
+                spec = lowering.matmul_spec(batch, m, k, n, a.dtype, *layout)
+                cost = self.rt.cost(spec, "empty matmul (launch only)")
+            else:
+                ins = lowering.flat_tensors(list(args) + list(kwargs.values()), [])
+                cost = self.rt.cost(lowering.op_spec(info.name, args, kwargs, ins, lowering.flat_tensors(out, [])))
+            _eager_costs[key] = cost
+        self.rt.charge(self.index, self.op, cost)
         return out
+
+
+_eager_costs: dict[tuple[Any, ...], Any] = {}  # _ChargeEager's call signature -> its cost
 
 
 # ---- the ops --------------------------------------------------------------------------------

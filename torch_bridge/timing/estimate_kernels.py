@@ -101,10 +101,17 @@ def step_calls(prog: nxdi.Program, role: Role, last: bool, *, batch: int, tokens
 def charge(rank: Any, calls: Sequence[Call], dtype: str) -> None:
     """Launch ``calls`` on the rank (inside its timing-only run): kernels on the compute stream,
     collectives over its TP group on the collective stream."""
+    from trnsim.isa import KernelError
+
     dev, run = rank.device, rank.run
     for c in calls:
         if c.spec is not None:
-            run.launch(0, c.op, dev.cost(c.spec))
+            try:
+                cost = dev.cost(c.spec)
+            except KernelError as e:
+                raise nxdi.Unsupported(f"the library kernel {c.text()} refused its shape ({e}); a larger --tp or "
+                                       f"--ep, or a shorter sequence, gives it one it takes") from None
+            run.launch(0, c.op, cost)
         else:
             rank.comm.charge(c.collective, c.nbytes, rank.comm.tp_group, dtype)
 
@@ -120,8 +127,13 @@ def _memory(prog: nxdi.Program, role: Role, last: bool, batch: int, kv_tokens: i
 
 def lowering_text(prog: nxdi.Program, *, batch: int, tokens: int, cache: int, decode: bool,
                   index: int | None = None) -> tuple[str, ...]:
-    """The calls a layer became (the first layer that is not layer 0, else layer 0; ``index`` picks one)."""
-    i = index if index is not None else (1 if len(prog.layers) > 1 else 0)
+    """The calls a layer became: the most common kind of layer (its first occurrence after layer 0,
+    which has no residual to add, where there is one; ``index`` picks one)."""
+    if index is None:
+        kinds = [layer for layer in prog.layers]
+        common = max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
+        index = next((i for i, k in enumerate(kinds) if k == common and i > 0), kinds.index(common))
+    i = index
     return nxdi.describe(_layer_calls(prog.layers[i], prog.shards, batch, tokens, 0, cache, i == 0, decode))
 
 
@@ -215,7 +227,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         out["memory"] = RoleMemory(role.stage, role.ranks, weights, kv, 0, mem.peak, mem.capacity)
         return out
 
-    results, traces, memory, kernels = _simulate_roles(spec, sysc, plan, cache, reports, run, refused)
+    try:
+        results, traces, memory, kernels = _simulate_roles(spec, sysc, plan, cache, reports, run, refused)
+    except nxdi.Unsupported as e:
+        raise EstimateError(str(e)) from None
     hz = sysc.tick_hz
     hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
     p2p_prefill = _send_recv_ticks(sysc, plan, bb * prompt * hidden_bytes, reports, dtype)

@@ -89,6 +89,11 @@ class Target:
     # (True), or only their softmax statistics, one fp32 value per query row, as a flash-attention
     # kernel does (False; the cost is the same, the HBM is not)
     attention_keeps_probabilities: bool = True
+    # the backward of fused attention: the eager kernels (its four matmuls and a softmax backward over
+    # the probabilities in HBM; False), or flash attention's backward, which recomputes the scores on
+    # chip (True): three passes of the library flash-attention kernel's instruction stream
+    # (recompute + dV, dP + dS + dQ, dK), six matmul passes for the backward's five
+    flash_backward: bool = False
 
     def core_of(self, index: int) -> int:
         return index if self.core is None else self.core
@@ -215,16 +220,31 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         index = _index(neuron[0]) if neuron else (dev.index or 0 if dev is not None else 0)
         target = self.run.target
         kind = facts.kind
+        fuser = self.run.fuser
         if facts.is_view or kind == "host":
             self.run.host_op(facts.name)
-            return self._call(func, facts, args, kwargs)
+            out = self._call(func, facts, args, kwargs)
+            if fuser is not None and fuser.pending and not fuser.flushing and facts.is_view:
+                fuser.record(target.core_of(index), func, args, kwargs, out, None)  # a region may read through it
+            return out
         if kind == "direct":
             return self._call(func, facts, args, kwargs)
         if kind == "composite":
             return self._composite(func, facts, args, kwargs)
-        if kind == "to_copy":
-            return self._to_copy(args, kwargs)
         core = target.core_of(index)
+        if kind == "to_copy":
+            src = args[0]
+            if fuser is not None and not fuser.flushing and is_neuron(src) and src.dtype.is_floating_point and \
+                    torch.device(kwargs.get("device") or src.device) == src.device and \
+                    (kwargs.get("dtype") or src.dtype).is_floating_point:
+                with self:  # a cast in a compiled region: recorded, launched when the region is lowered
+                    out = torch.empty_like(src, dtype=kwargs.get("dtype") or src.dtype,
+                                           memory_format=kwargs.get("memory_format") or torch.preserve_format)
+                cost = self._cost(("copy", "copy_d2d", _key(src), _key(out)),
+                                  lambda: lowering.copy_spec("copy_d2d", src, out))
+                fuser.record(core, func, args, kwargs, out, ("_copy_from", cost))
+                return out
+            return self._to_copy(args, kwargs)
         if kind == "copy":  # the device's copy hook (no meta kernel): the bytes move, the shape is dst's
             src, dst = args[0], args[1]
             if facts.name == "_copy_from_and_resize" and dst.shape != src.shape:
@@ -253,8 +273,12 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
                                               []) if t.device.type == _NEURON]
             outs = flat_tensors(out, [])
             key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs))
-            self.run.launch(core, facts.name,
-                            self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs, inputs, outs)))
+            cost = self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs, inputs, outs))
+            if fuser is not None and not fuser.flushing and fuser.fusable(func) and outs and \
+                    all(t.device.type == _NEURON for t in outs):
+                fuser.record(core, func, args, kwargs, out, (facts.name, cost))  # lowered with its region
+            else:
+                self.run.launch(core, facts.name, cost)
         return out
 
     # ---- running an op on fake tensors ---------------------------------------------------------
@@ -360,11 +384,15 @@ class _Attention(torch.autograd.Function):
         p = q.new_empty(kept, dtype=torch.float32)  # P (as the eager kernel keeps it), or its statistics
         ctx.shapes = (q.shape, q.dtype, k.shape, v.shape, s)
         ctx.run = run
+        ctx.flash = (attn_mask, is_causal, scale)
         key = ("fwd", q.shape, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal,
                scale)
         run.charge_specs(_index(q), FORWARD, key, lambda: lowering.attention_specs(q, attn_mask, is_causal, scale))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
-        ctx.save_for_backward(q, k, v, out, p)  # what the backward reads (flash attention's saves, with the statistics)
+        if run.target.attention_keeps_probabilities:
+            ctx.p = p  # as the eager kernel keeps them
+        else:
+            ctx.save_for_backward(q, k, v, out, p)  # what flash attention's backward reads: inputs, output, statistics
         return out
 
     @staticmethod
@@ -373,8 +401,13 @@ class _Attention(torch.autograd.Function):
 
         q_shape, dtype, k_shape, v_shape, s = ctx.shapes
         q = grad_out.new_empty(q_shape, dtype=dtype)
-        ctx.run.charge_specs(_index(grad_out), BACKWARD, ("bwd", q_shape, s, dtype),
-                             lambda: lowering.attention_backward_specs(q, s, dtype))
+        mask, causal, scale = ctx.flash
+        if ctx.run.target.flash_backward and mask is None and q_shape[-2] == s:
+            ctx.run.charge_specs(_index(grad_out), BACKWARD, ("flash-bwd", q_shape, dtype, causal, scale),
+                                 lambda: 3 * lowering.attention_specs(q, None, causal, scale))
+        else:
+            ctx.run.charge_specs(_index(grad_out), BACKWARD, ("bwd", q_shape, s, dtype),
+                                 lambda: lowering.attention_backward_specs(q, s, dtype))
         return (q, grad_out.new_empty(k_shape, dtype=dtype), grad_out.new_empty(v_shape, dtype=dtype),
                 None, None, None, None)
 
@@ -425,6 +458,7 @@ class TimingOnly:
         self.specs: dict[tuple[Any, ...], list[OpCost]] = {}
         self._thread: int | None = None  # the thread that entered the run
         self._oom: torch.OutOfMemoryError | None = None  # an OOM on another thread, raised on this one
+        self.fuser: Any = None  # a torch_bridge.fuse_regions.Fuser: elementwise ops lowered as compiled regions
 
     @property
     def target(self) -> Target:
@@ -463,7 +497,13 @@ class TimingOnly:
                 _lingering.discard(run)
 
     # ---- charging: every device interaction goes through these (and onto the tape) ---------------
+    def _flush(self) -> None:
+        f = self.fuser
+        if f is not None and f.pending and not f.flushing:
+            f.flush()
+
     def launch(self, core: int, op: str, cost: OpCost) -> None:
+        self._flush()
         t = self.target
         if t.charge:
             t.device.launch(core, op, cost)
@@ -478,6 +518,7 @@ class TimingOnly:
                 t.tape.append(("host", op))
 
     def synchronize(self, core: int) -> None:
+        self._flush()
         t = self.target
         if t.charge:
             t.device.synchronize(core)
@@ -487,6 +528,7 @@ class TimingOnly:
     def collective(self, core: int, op: str, cost: OpCost) -> None:
         """A collective on ``core``'s collective stream: it starts when the compute issued before
         it is done, and the compute issued after it waits for its result."""
+        self._flush()
         t = self.target
         if t.charge:
             dev = t.device

@@ -351,20 +351,9 @@ def step_weight_bytes(hidden: int, vocab: int, sh: Shards, first: bool, last: bo
 
 # ---- lowering --------------------------------------------------------------------------------------
 def _k(op: str, shape: Sequence[int], dtype: str, params: dict[str, Any] | None = None) -> Call:
-    spec = KernelSpec.of(op, shape, dtype, params or {}, label=op,
-                         fallback=KernelSpec.of("stream", (max(1, _elems(shape)),), dtype, {}, label=op, generic=True)
-                         if op not in _NO_FALLBACK else None)
-    return Call(op, spec)
-
-
-_NO_FALLBACK = frozenset({"stream"})
-
-
-def _elems(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    """A library kernel's call; a kernel that refuses the shape is refused by the estimate (no
+    stand-in: :func:`torch_bridge.estimate_kernels.charge` names it in one line)."""
+    return Call(op, KernelSpec.of(op, shape, dtype, params or {}, label=op))
 
 
 def _c(collective: str, nbytes: int) -> Call:
@@ -381,7 +370,7 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
     tokens each (decode: 1), ``prior`` tokens already cached per sequence (a prefill chunk's
     prefix), over a KV cache bucket of ``cache`` positions (decode; a multiple of 128).
     ``first``: the first layer (no residual add before its norm)."""
-    a, f, h = layer.attention, layer.ffn, layer.hidden
+    a, h = layer.attention, layer.hidden
     dt = _kdt(sh.dtype)
     tp = sh.tp
     b2 = sh.dtype_bytes
@@ -415,7 +404,7 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
             calls.append(_k("rmsnorm", (t * (nq + nkv), a.head_dim), dt, {"eps": layer.eps}))
             calls.append(_k("rope", (batch, nq + nkv, tokens, a.head_dim), dt))
         qk_d, v_d, kv_heads = a.head_dim, a.v_head_dim, nkv
-    else:  # MLA: projections as matmuls (no library MLA kernel), attention over the decompressed heads
+    else:  # MLA: no library kernel; its projections as matmuls, attention in the absorbed (latent) form
         if fused_norm:  # no fused norm for MLA: residual add and RMSNorm of their own
             if not first:
                 calls.append(_k("binary", (t, h), dt, {"op": "add"}))
@@ -426,23 +415,39 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
             calls.append(_k("matmul", (t, a.q_lora_rank, nq * a.head_dim), dt, {"transpose_a": True}))
         else:
             calls.append(_k("matmul", (t, h, nq * a.head_dim), dt, {"transpose_a": True}))
-        calls.append(_k("matmul", (t, h, a.kv_lora_rank + a.rope_dim), dt, {"transpose_a": True}))
+        latent = a.kv_lora_rank + a.rope_dim
+        calls.append(_k("matmul", (t, h, latent), dt, {"transpose_a": True}))
         calls.append(_k("rmsnorm", (t, a.kv_lora_rank), dt, {"eps": layer.eps}))
-        kv_rows = batch * (prior + tokens if not decode else cache)
-        calls.append(_k("matmul", (kv_rows, a.kv_lora_rank, nq * (a.head_dim - a.rope_dim + a.v_head_dim)), dt,
-                        {"transpose_a": True}))
         calls.append(_k("rope", (batch, nq + 1, tokens, a.rope_dim), dt))
-        qk_d, v_d, kv_heads = a.head_dim, a.v_head_dim, nq
+        nope = a.head_dim - a.rope_dim
+        keys = cache if decode else prior + tokens
+        rows = nq * tokens
+        calls.append(_k("bmm", (nq, t, nope, a.kv_lora_rank), dt))  # q_nope . W_uk: queries into the latent space
+        calls.append(_k("bmm", (batch, rows, latent, keys), dt))  # scores over the cached latents (+ rope keys)
+        calls.append(_k("softmax", (batch * rows, keys), dt))
+        calls.append(_k("bmm", (batch, rows, keys, a.kv_lora_rank), dt))  # . the latent values
+        calls.append(_k("bmm", (nq, t, a.kv_lora_rank, a.v_head_dim), dt))  # W_uv: back to each head's values
+        calls.append(_k("oproj", (batch, tokens, nq, a.v_head_dim, h), dt, {"bias": a.o_bias}))
+        calls.extend(reduce(act_bytes))
+        return _ffn(calls, layer, sh, batch, tokens, decode, pre_block, reduce, act_bytes)
     d_attn = max(qk_d, v_d)
     if decode:
         calls.append(_k("attention_tkg", (batch, nq, kv_heads, tokens, cache, d_attn), dt,
-                        {"window": a.window, "sinks": a.sinks, "cache_update": a.kind == "gqa"}))
+                        {"window": a.window, "sinks": a.sinks, "cache_update": True}))
     else:
         calls.append(_k("attention_cte", (batch, nq, kv_heads, tokens, d_attn), dt,
                         {"causal": True, "window": a.window, "sinks": a.sinks, "prior": prior}))
     calls.append(_k("oproj", (batch, tokens, nq, v_d, h), dt, {"bias": a.o_bias}))
     calls.extend(reduce(act_bytes))
-    # feed-forward block
+    return _ffn(calls, layer, sh, batch, tokens, decode, pre_block, reduce, act_bytes)
+
+
+def _ffn(calls: list[Call], layer: Layer, sh: Shards, batch: int, tokens: int, decode: bool, pre_block: Any,
+         reduce: Any, act_bytes: int) -> list[Call]:
+    """The feed-forward block's calls, appended to ``calls`` (see :func:`lower_layer`)."""
+    f, h, tp = layer.ffn, layer.hidden, sh.tp
+    dt = _kdt(sh.dtype)
+    t = batch * tokens
     fused_norm = pre_block(True)
     if f.kind == "dense":
         calls.append(_k("mlp", (batch, tokens, h, _div("intermediate_size", f.inter, tp)), dt,

@@ -140,6 +140,23 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
 
 
 # ---- sequence parallelism: keep the shard, gather again in the backward -------------------------
+class _Regather:
+    """A block's gathered input as its backward sees it: the shard (kept), gathered again once
+    (charged) when the first of the block's matmuls needs it, shared by the others."""
+
+    def __init__(self, local: torch.Tensor, nbytes: int, ref: StorageWeakRef, dtype: torch.dtype):
+        self.local, self.nbytes, self.ref, self.dtype = local, nbytes, ref, dtype
+        self._full: Any = None
+
+    def full(self, comm: Any) -> torch.Tensor:
+        if self._full is None:  # held until the block's last matmul has run its backward (this record dies)
+            comm.charge("all-gather", self.nbytes, comm.tp_group,
+                        {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"))
+            self._full = torch.empty(self.nbytes // self.local.element_size(), dtype=self.local.dtype,
+                                     device=self.local.device)
+        return self._full
+
+
 @contextlib.contextmanager
 def sequence_parallel_saves(comm: Any) -> Iterator[None]:
     """Within: a sequence-parallel block's gathered input, when autograd saves it, is kept as the
@@ -155,19 +172,23 @@ def sequence_parallel_saves(comm: Any) -> Iterator[None]:
         gathered[ref.cdata] = (x, full.untyped_storage().nbytes(), ref)
         return full
 
+    records: dict[int, _Regather] = {}
+
     def pack(t: torch.Tensor) -> Any:
         if t.device.type == "neuron":
-            hit = gathered.get(StorageWeakRef(t.untyped_storage()).cdata)
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            hit = gathered.get(key)
             if hit is not None and not hit[2].expired():
-                return ("sp", hit[0], hit[1], t.shape, t.stride(), t.dtype)
+                rec = records.get(key)
+                if rec is None or rec.ref.expired():
+                    rec = records[key] = _Regather(hit[0], hit[1], hit[2], t.dtype)
+                return (rec, t.storage_offset(), t.shape, t.stride())  # the matmuls of one block share one
         return t
 
     def unpack(p: Any) -> torch.Tensor:
-        if isinstance(p, tuple) and p and p[0] == "sp":
-            _, local, nbytes, shape, stride, dtype = p
-            comm.charge("all-gather", nbytes, comm.tp_group, {torch.bfloat16: "bf16", torch.float16: "fp16"}
-                        .get(dtype, "fp32"))
-            return torch.empty_strided(shape, stride, dtype=dtype, device=local.device)
+        if isinstance(p, tuple) and p and isinstance(p[0], _Regather):
+            rec, offset, shape, stride = p
+            return torch.as_strided(rec.full(comm), shape, stride, offset)
         return p
 
     comm.gather_sequence = gather_sequence
@@ -177,6 +198,7 @@ def sequence_parallel_saves(comm: Any) -> Iterator[None]:
     finally:
         comm.gather_sequence = original
         gathered.clear()
+        records.clear()
 
 
 # ---- the optimizer's state -----------------------------------------------------------------------
@@ -196,6 +218,8 @@ class OptimizerState:
         grad_numel = self.shard if recipe.sharding == "fsdp" and dp > 1 else self.numel
         self.grads = torch.empty(grad_numel, dtype=fp32 if recipe.grad_bytes == 4 else low, device="neuron")
         self._hooks: list[Any] = []
+        self.ready: list[tuple[int, int]] | None = None  # (tick, gradient bytes) as the backward finishes each
+        self.device: Any = None
         off = 0
         for p in params:
             n = p.numel()
@@ -220,6 +244,8 @@ class OptimizerState:
         dst = self.grads.narrow(0, min(lo, self.grads.numel() - n), n).view(src.shape)
         dst.add_(src)  # accumulated in fp32 as it arrives, in the gradient's layout; the bf16 gradient is freed
         p.grad = None
+        if self.ready is not None:
+            self.ready.append((self.device.now(0), p.numel() * p.element_size()))
 
     def nbytes(self) -> tuple[int, int, int]:
         """(master, gradients, moments) bytes."""
@@ -330,6 +356,11 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         state = OptimizerState(params, recipe, plan.dp)
         apply_recompute(layers, recipe.recompute, comm)
         sp = contextlib.nullcontext() if not (plan.sp and plan.tp > 1) else sequence_parallel_saves(comm)
+        if recipe.fused:  # the step lowered as the compiled path lowers it
+            from .fuse_regions import Fuser
+
+            rank.run.fuser = Fuser(rank.run)
+            rank.run.target.flash_backward = True
         before = _sweep_allocated(rank)
         rank.ledger.devices[0].reset_peak()
         with _scope(rank.device, trace) as rep:
@@ -350,12 +381,16 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
                 else:
                     y = res.loss
                 del res
+            rank.run._flush()
             out["forward_ticks"] = rank.step_end(start)
         out["forward_report"] = summarise(rep[0], out["forward_ticks"])
         activations = _sweep_allocated(rank) - before
+        state.ready, state.device = [], rank.device
         with _scope(rank.device, trace) as rep:
             start = rank.step_start()
+            state.ready.append((start, 0))
             y.backward(None if last else torch.empty_like(y))
+            rank.run._flush()
             out["backward_ticks"] = rank.step_end(start)
         out["backward_report"] = summarise(rep[0], out["backward_ticks"])
         if trace:
@@ -363,18 +398,29 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         del y
         grad_bytes = out["params_local"] = state.numel
         nbytes = grad_bytes * dt.itemsize  # gradients reduced in the compute dtype (NxD: bf16)
+        ready = [(t - start, n) for t, n in state.ready[1:]]
+        state.ready = None
+        out["dp_ticks"], out["buckets"] = 0, []
+        if fsdp is None and plan.dp > 1 and ready:  # FSDP reduce-scatters each layer in its backward
+            from trnsim.training import gradient_buckets, overlap_buckets
+
+            coll = "reduce-scatter" if recipe.sharding == "zero1" else "all-reduce"
+            buckets = gradient_buckets(ready, recipe.bucket_mb * 2 ** 20)
+            times = [round(comm.report(coll, n, dp_group, dname).time_s * comm.system.tick_hz) for _, n in buckets]
+            out["dp_ticks"], spans = overlap_buckets([t for t, _ in buckets], times, out["backward_ticks"],
+                                                     recipe.overlap)
+            out["buckets"] = [(n, a, b) for (_, n), (a, b) in zip(buckets, spans)]
         start = rank.step_start()
-        if fsdp is None:
-            if recipe.sharding == "zero1" and plan.dp > 1:
-                comm.charge("reduce-scatter", nbytes, dp_group, dname)
-            else:
-                comm.charge("all-reduce", nbytes, dp_group, dname)
-        out["dp_ticks"] = rank.step_end(start)
-        start = rank.step_start()
-        _optimizer_step(state, dt)
+        if recipe.fused:
+            _fused_optimizer_step(state, dt, rank)
+        else:
+            _optimizer_step(state, dt)
         if fsdp is None and recipe.sharding == "zero1" and plan.dp > 1:
             comm.charge("all-gather", nbytes, dp_group, dname)  # the updated parameters to every replica
+        rank.run._flush()
         out["optimizer_ticks"] = rank.step_end(start)
+        out["fused_regions"] = rank.run.fuser.regions if rank.run.fuser is not None else 0
+        rank.run.fuser = None
         mem = rank.ledger.devices[0]
         measured = mem.peak
         master, grads, moments = state.nbytes()
@@ -403,3 +449,24 @@ def _optimizer_step(state: OptimizerState, dt: torch.dtype) -> None:
     opt.step()
     if state.master is not None:
         torch.empty(state.shard, dtype=dt, device="neuron").copy_(master)  # master -> bf16 parameters
+
+
+def _fused_optimizer_step(state: OptimizerState, dt: torch.dtype, rank: Any) -> None:
+    """AdamW over this rank's shard as the compiled step runs it: one multi-tensor kernel
+    (:mod:`trnsim.kernels.foreach`, pattern ``adamw``) reading the master weights, gradients and
+    moments once and writing them back, and with mixed precision also writing the parameters in
+    their compute dtype (the cast as one more output of the same program)."""
+    from trnsim.device import KernelSpec
+    from trnsim.kernels.foreach import PATTERNS_INPLACE, pattern
+    from trnsim.kernels.fused import Program
+
+    from .lowering import tile_dtype
+
+    sdt = "fp32" if state.recipe.state_bytes == 4 else tile_dtype(dt).name
+    prog = pattern("adamw", sdt)
+    params: dict[str, Any] = {"pattern": "adamw"}
+    if state.master is not None and sdt != tile_dtype(dt).name:
+        prog = Program(prog.inputs, prog.steps, prog.outputs + ((prog.outputs[0][0], tile_dtype(dt).name),))
+        params = {"program": prog, "inplace": PATTERNS_INPLACE["adamw"]}
+    cost = rank.device.cost(KernelSpec.of("foreach_fused", (1, state.shard), sdt, params))
+    rank.run.launch(0, "_fused_adamw", cost)

@@ -89,11 +89,11 @@ def render_inference(est: Any, console: Any) -> None:
                       f"{'s' if len(p['decode_kv_buckets']) != 1 else ''} "
                       f"{', '.join(f'{b:,}' for b in p['decode_kv_buckets']) or '-'} "
                       f"({p['decode_kv_padding_percent']:.1f}% of the KV read is padding); batch {est.batch} -> "
-                      f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False, soft_wrap=True)
+                      f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False)
     console.print()
     for phase in ("decode", "prefill"):
         if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
-            console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False, soft_wrap=True)
+            console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False)
     if est.lowering:
         console.print()
     if est.output_tokens > 1:

@@ -26,7 +26,8 @@ from ..config import ConfigError, SystemConfig
 __all__ = ["ESTIMATE_KEYS", "ESTIMATE_COLUMNS", "estimate_points", "run_estimate_point", "shape_text"]
 
 _COMMON = {"mode": None, "model": None, "tp": 1, "pp": 1, "dp": 1, "sp": None, "dtype": "bf16"}
-_INFERENCE = {"batch": 1, "input": 1024, "output": 128, "samples": 5}
+_INFERENCE = {"batch": 1, "input": 1024, "output": 128, "samples": 5, "eager": False, "ep": 1, "max_context": None,
+              "max_model_len": None}
 _TRAIN = {"micro_batch": 1, "seq": 2048, "global_batch": None}
 ESTIMATE_KEYS = tuple(_COMMON) + tuple(_INFERENCE) + tuple(_TRAIN)
 #: CSV columns a spec with estimates adds after the kernel (and collective) columns
@@ -60,7 +61,12 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
         loc = f"{loc} ({e['model']})"
         values = {**_COMMON, **own, **e}
         for k, v in values.items():
-            if k in ("mode", "model", "dtype", "sp") or (k in ("global_batch", "sp") and v is None):
+            if k in ("mode", "model", "dtype", "sp") or (k in ("global_batch", "sp", "max_context", "max_model_len")
+                                                          and v is None):
+                continue
+            if k == "eager":
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{loc}: eager: expected true or false, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{loc}: {k}: expected a positive whole number, got {v!r}")
@@ -96,7 +102,11 @@ def run_estimate_point(system: SystemConfig, model: str, shape: tuple[int, ...],
     p = dict(params)
     try:
         if p["mode"] == "inference":
+            extra = {k: p[k] for k in ("max_context", "max_model_len") if p.get(k) is not None}
+            if not p.get("eager"):
+                extra["ep"] = p.get("ep", 1)
             est, _ = estimate_inference(model, system, tp=tp, pp=pp, dp=dp, sp=p.get("sp"), batch=p["batch"],
+                                        eager=bool(p.get("eager")), **extra,
                                         input_tokens=p["input"], output_tokens=p["output"], dtype=dtype,
                                         samples=p["samples"])
             row = {"us": round(est.ttft_ms * 1e3, 4), "ttft_ms": round(est.ttft_ms, 4), "tpot_ms": round(est.tpot_ms, 4),

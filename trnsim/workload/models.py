@@ -63,8 +63,12 @@ class ModelConfig:
         return str(self.fields.get("_source", self.path))
 
     def with_layers(self, layers: int) -> "ModelConfig":
-        """The same model with ``layers`` decoder layers (a shorter model: ``--layers``)."""
-        return ModelConfig(self.name, self.path, {**self.fields, "num_hidden_layers": layers})
+        """The same model with ``layers`` decoder layers (a shorter model: ``--layers``; a per-layer
+        ``layer_types`` list keeps its first ``layers``)."""
+        fields = {**self.fields, "num_hidden_layers": layers}
+        if isinstance(fields.get("layer_types"), list):
+            fields["layer_types"] = fields["layer_types"][:layers]
+        return ModelConfig(self.name, self.path, fields)
 
 
 def model_names() -> list[str]:

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from ..config import ConfigError, format_quantity
 
 __all__ = ["Recipe", "RecipeError", "TrainMemory", "LOSSES", "RECOMPUTE", "SHARDING", "PRECISIONS", "SCHEDULES",
-           "in_flight", "add_recipe_arguments", "recipe_of_args"]
+           "in_flight", "add_recipe_arguments", "recipe_of_args", "gradient_buckets", "overlap_buckets"]
 
 LOSSES = ("vocab-parallel", "gathered")
 RECOMPUTE = ("none", "selective", "full")
@@ -198,3 +198,33 @@ def recipe_of_args(args: Any) -> Recipe:
     if getattr(args, "no_overlap", False):
         fields["overlap"] = False
     return Recipe.of(fields)
+
+
+# ---- the data-parallel gradient buckets -----------------------------------------------------------
+def gradient_buckets(ready: list[tuple[int, int]], cap_bytes: int) -> list[tuple[int, int]]:
+    """The buckets of a backward's gradients: ``ready`` is (tick, bytes) per gradient in the order
+    the backward finishes them; a bucket closes when it holds ``cap_bytes`` (NxD's
+    ``ALLREDUCE_BUCKET_CAP_MB``), the last at the last gradient. Returns (ready tick, bytes) per
+    bucket."""
+    out: list[tuple[int, int]] = []
+    held = 0
+    for i, (tick, nbytes) in enumerate(ready):
+        held += nbytes
+        if held >= cap_bytes or i == len(ready) - 1:
+            out.append((tick, held))
+            held = 0
+    return out
+
+
+def overlap_buckets(ready: list[int], durations: list[int], backward_end: int, overlap: bool = True
+                    ) -> tuple[int, list[tuple[int, int]]]:
+    """Each bucket's collective on the collective stream, in order: it starts when its gradients
+    are ready (``overlap``; else when the backward ends) and the previous bucket's collective is
+    done. Returns (the ticks the last one ends after ``backward_end``: the exposed reduction, each
+    bucket's (start, end))."""
+    t, spans = 0, []
+    for r, d in zip(ready, durations):
+        start = max(r if overlap else backward_end, t)
+        t = start + d
+        spans.append((start, t))
+    return max(0, t - backward_end), spans
