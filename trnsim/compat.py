@@ -78,6 +78,7 @@ ALIASES: dict[str, str] = {
     "torch_bridge.nxdi": "torch_bridge.timing.nxdi",
     "torch_bridge.serve_costs": "torch_bridge.timing.serve_costs",
     "torch_bridge.train_step": "torch_bridge.timing.train_step",
+    "torch_bridge.fuse_regions": "torch_bridge.timing.fuse_regions",
 }
 
 

@@ -402,7 +402,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         state.ready = None
         out["dp_ticks"], out["buckets"] = 0, []
         if fsdp is None and plan.dp > 1 and ready:  # FSDP reduce-scatters each layer in its backward
-            from trnsim.training import gradient_buckets, overlap_buckets
+            from trnsim.workload.training import gradient_buckets, overlap_buckets
 
             coll = "reduce-scatter" if recipe.sharding == "zero1" else "all-reduce"
             buckets = gradient_buckets(ready, recipe.bucket_mb * 2 ** 20)
@@ -460,7 +460,7 @@ def _fused_optimizer_step(state: OptimizerState, dt: torch.dtype, rank: Any) -> 
     from trnsim.kernels.foreach import PATTERNS_INPLACE, pattern
     from trnsim.kernels.fused import Program
 
-    from .lowering import tile_dtype
+    from ..eager.lowering import tile_dtype
 
     sdt = "fp32" if state.recipe.state_bytes == 4 else tile_dtype(dt).name
     prog = pattern("adamw", sdt)

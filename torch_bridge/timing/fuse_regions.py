@@ -58,7 +58,7 @@ class Fuser:
     @staticmethod
     def fusable(func: Any) -> bool:
         """Whether the op may join a region (the fused kernel's programs have a step for it)."""
-        from .compile.fusion import STEPS
+        from ..compile.fusion import STEPS
 
         return func in STEPS
 
@@ -69,10 +69,10 @@ class Fuser:
             return type(x)(self._standin(y) for y in x)
         if not isinstance(x, torch.Tensor):
             return x
-        from torch._subclasses.fake_tensor import FakeTensor
+        from .. import _torch  # the private-API fence
 
         meta = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
-        return FakeTensor(self.run._fake, meta, x.device)
+        return _torch.FakeTensor(self.run._fake, meta, x.device)
 
     def _node(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -118,7 +118,7 @@ class Fuser:
             self._reset()
 
     def _lower(self) -> None:
-        from .compile.fusion import partition
+        from ..compile.fusion import partition
 
         live = [n for n, ref in self.order if ref() is not None]
         self.graph.output(tuple(live))
@@ -146,7 +146,7 @@ class Fuser:
                 self.run.launch(self.core, op, cost)
 
     def _region(self, region: Any) -> list[tuple[str, OpCost]]:
-        from . import lowering
+        from ..eager import lowering
 
         eager = [self.eager[n] for n in region.nodes if n in self.eager]
         prog = region.program
