@@ -6,7 +6,9 @@ table (:data:`torch_bridge.lowering.OPS`: the ops whose cost has a rule) and eve
 bridge registers a kernel for with PyTorch's dispatcher (PrivateUse1, the Python path's
 PrivateUse2 key, AutogradPrivateUse1: the fast path's own ops, the TensorE ops, attention, the
 ``_foreach_*`` ops, the CUDA-only cells, allocation and copies). A new entry in either is tested
-without touching this file. Everything else reaches the same boxed fallback.
+without touching this file. Everything else reaches the same boxed fallback. The table's one custom
+op, ``trnsim::mx_matmul`` (:data:`CUSTOM_OPS`), is served where the device has MX (run with
+``TRNSIM_CONFIG=trn3``; trn2 refuses it by design).
 
 **Which variants.** For each op, samples are drawn from its overloads' schemas: each argument's
 type and name decide what it gets (a tensor of the sample's shape and dtype, a broadcastable
@@ -69,6 +71,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
+import torch_bridge.mx  # noqa: F401  (registers trnsim::mx_matmul, one of CUSTOM_OPS)
 from torch_bridge import fastpath, lowering
 from torch_bridge.values import host_seed
 
@@ -153,6 +156,37 @@ _SKIP_TYPES = ("complex", "t", "List[t]", "List[str]", "Dimname", "List[Dimname]
                "List[complex]", "Any", "AnyEnumType", "Stream")
 
 
+# The bridge's own custom ops in the lowering table (not aten ops): packet -> namespace. Served
+# where the device runs them: mx_matmul needs NeuronCore-v4's MX matmul (a trn3 config; trn2
+# refuses it in one line by design), so a run under TRNSIM_CONFIG=trn3 tests it.
+CUSTOM_OPS = {"mx_matmul": "trnsim"}
+
+
+def _custom_served(packet: str) -> bool:
+    if packet == "mx_matmul":
+        import os
+
+        from torch_bridge import runtime as rt
+        from trnsim.config import load_config
+
+        if rt.is_initialized():
+            cfg = rt.runtime().config
+        else:  # the config the device will take, without fixing it (set_config stays possible)
+            name, overrides = rt._requested or (os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", None)
+            cfg = load_config(name, overrides)
+        return bool(cfg.core.tensor.mx_quad)
+    return False
+
+
+def packet_ops(packet: str) -> Any:
+    """The op packet ``packet`` names: aten's, or the bridge's own (:data:`CUSTOM_OPS`)."""
+    return getattr(getattr(torch.ops, CUSTOM_OPS.get(packet, "aten")), packet)
+
+
+def _unqualified(name: str) -> str:
+    return name.split("::", 1)[1]
+
+
 # ---- which ops ----------------------------------------------------------------------------------
 def served_ops() -> dict[str, str]:
     """Every aten op packet the bridge serves by name -> where it is named ("lowering",
@@ -174,18 +208,21 @@ def served_ops() -> dict[str, str]:
         found.pop(name, None)
     for name in USER_FACING:
         found.setdefault(name, set()).add("plumbing")
+    aten |= {name for name in CUSTOM_OPS if _custom_served(name)}
     return {name: "+".join(sorted(how)) for name, how in sorted(found.items()) if name in aten}
 
 
 def dead_table_names() -> list[str]:
-    """Lowering-table names no aten op has (they cost nothing, so nothing tests them)."""
+    """Lowering-table names no aten op has (they cost nothing, so nothing tests them), and the
+    bridge's own ops where the device does not serve them (mx_matmul on a config without MX)."""
     aten = {q[len("aten::"):].split(".")[0] for q in torch._C._dispatch_get_all_op_names() if q.startswith("aten::")}
+    aten |= {name for name in CUSTOM_OPS if _custom_served(name)}
     return sorted(n for n in lowering.OPS if n not in aten)
 
 
 def overloads(packet: str) -> list[Any]:
     """The overloads of ``packet`` this tester draws: tensors in or out, argument types it knows."""
-    pk = getattr(torch.ops.aten, packet)
+    pk = packet_ops(packet)
     out = []
     for name in pk.overloads():
         op = getattr(pk, name)
@@ -219,7 +256,7 @@ class Sample:
     @property
     def qualified(self) -> str:
         s = self.op._schema
-        return s.name[len("aten::"):] + (f".{s.overload_name}" if s.overload_name else "")
+        return _unqualified(s.name) + (f".{s.overload_name}" if s.overload_name else "")
 
     def describe(self) -> str:
         def one(x: Any) -> str:
@@ -992,6 +1029,23 @@ def _scaled_mm_recipe(a: Args) -> dict[str, Any]:
             "scale_result": None}
 
 
+def _mx_recipe(a: Args) -> dict[str, Any]:
+    """torch.neuron.mx_matmul in torchao's layout: fp8 operands (E4M3 or E5M2, each its own), one
+    E8M0 scale per 32 values along K (exponents near 1.0, or anywhere in E8M0's range), and an
+    output dtype; extreme operand values come from the generator as for every op."""
+    g = a.g
+    m, n, k = g.rng.choice((1, 2, 16, 33)), g.rng.choice((1, 3, 16, 40)), 32 * g.rng.choice((1, 2, 4))
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    x = g.tensor((m, k), torch.float32, layout="contiguous").to(g.rng.choice(fp8))
+    w = g.tensor((k, n), torch.float32, layout="contiguous").to(g.rng.choice(fp8))
+    lo, hi = (124, 131) if g.chance(0.8) else (0, 255)
+    gen = torch.Generator().manual_seed(g.rng.randrange(2**31))
+    sa = torch.randint(lo, hi, (m, k // 32), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    sb = torch.randint(lo, hi, (k // 32, n), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return {"a": x, "a_scale": sa, "b": w, "b_scale": sb,
+            "out_dtype": g.rng.choice((torch.bfloat16, torch.float32, torch.float16))}
+
+
 def _empty_strided_recipe(a: Args) -> dict[str, Any]:
     g = a.g
     size = list(g.shape())
@@ -1013,7 +1067,7 @@ def _slow_conv_recipe(a: Args) -> dict[str, Any]:
 
 
 RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
-    "_scaled_mm": _scaled_mm_recipe, "_slow_conv2d_forward": _slow_conv_recipe, "empty_strided": _empty_strided_recipe,
+    "_scaled_mm": _scaled_mm_recipe, "mx_matmul": _mx_recipe, "_slow_conv2d_forward": _slow_conv_recipe, "empty_strided": _empty_strided_recipe,
     "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
     "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
     "bucketize": _searchsorted_recipe, "convolution_overrideable": _conv_recipe,
@@ -1109,7 +1163,7 @@ REFERENCES["_thnn_fused_gru_cell_backward.out"] = _gru_cell_backward_cuda
 def _packet_random(packet: str) -> bool:
     from torch_bridge.values import RANDOM_WITHOUT_GENERATOR
 
-    pk = getattr(torch.ops.aten, packet)
+    pk = packet_ops(packet)
     return packet in RANDOM_WITHOUT_GENERATOR or any(
         "Generator" in str(a.type) for ov in pk.overloads() for a in getattr(pk, ov)._schema.arguments)
 
@@ -1478,7 +1532,7 @@ def _out_args(op: Any) -> list[Any]:
 def functional_of(op: Any) -> Any:
     """The functional overload an out= overload writes the results of (None if not found)."""
     s = op._schema
-    pk = getattr(torch.ops.aten, s.name[len("aten::"):])
+    pk = getattr(getattr(torch.ops, s.name.split("::", 1)[0]), _unqualified(s.name))
     want = [a.name for a in s.arguments if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
     for name in pk.overloads():
         o = getattr(pk, name)

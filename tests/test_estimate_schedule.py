@@ -76,7 +76,7 @@ def test_bad_configs_are_one_line(tmp_path, text, message):
 
 
 def test_unknown_names_and_paths(tmp_path):
-    with pytest.raises(ConfigError, match=r"^unknown model 'gpt-5': expected one of bert-large, deepseek-v3, .*mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, or a "
+    with pytest.raises(ConfigError, match=r"^unknown model 'gpt-5': expected one of bert-large, deepseek-v3, .*mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, qwen3-8b, or a "
                                           r"path to a Hugging Face config.json$"):
         load_model("gpt-5")
     with pytest.raises(ConfigError, match="^model config '/nonexistent/config.json' not found$"):

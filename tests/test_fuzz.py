@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-CASE_SECONDS = 30.0  # a hang, not a slow case: the slowest accepted case takes well under a second
+# A hang, not a slow case (the slowest accepted cases take a few seconds): a case may use
+# CASE_SECONDS of CPU time - its wall time on a machine of its own - and CASE_WALL_SECONDS of wall
+# time, the backstop for a case that waits on nothing (no CPU). On a shared machine wall time is
+# the work times the load (2 cores under 7 agents ran 5-8x slower), so a wall alarm of 30 s
+# counted cases of 4 s of work as hangs.
+CASE_SECONDS = 30.0
+CASE_WALL_SECONDS = 300.0
 CASE_RSS_BYTES = 400 * 2**20  # growth of peak RSS one case may cause
 ERROR_PREFIX = "trnsim: error: "
 
@@ -362,9 +368,11 @@ def _second_case(kind: str, rng: random.Random, d: Path) -> Case:
         argv = _collective_argv(rng, str(d / "sys.yaml"))
         argv[1], argv[3] = "all-reduce", rng.choice(["1MiB", "8B:1MiB", "64KiB"])  # the system is the bad input
         argv[argv.index("--ranks") + 1] = rng.choice(["8", "16", "4"])
-        # the line's other flags may be what is refused (a bad --set, --factor ...): named as such
+        # the line's other flags may be what is refused (a bad --set, --factor ...): named as such,
+        # a --set by its key (chip.lnc=3 is refused as 'trn2.yaml: chip.lnc = 3: expected a divisor ...')
+        sets = [argv[i + 1].split("=", 1)[0] for i, a in enumerate(argv[:-1]) if a == "--set"]
         return Case(kind, argv, ["sys.yaml", "override", "--set", "--factor", "--algo", "dtype", "--trace",
-                                 "--bytes", "--ranks", "argument"] + names)
+                                 "--bytes", "--ranks", "argument"] + names + [k for k in sets if k])
     if kind == "nki":
         (d / "kern.py").write_text(_nki_file(rng))
         shapes = rng.choice(["128x512", "128x512,128x512", "256x512,128x512", "128x512,64x512", "0x512", "128x512,x",
@@ -486,7 +494,7 @@ class Hang(BaseException):
 
 
 def _alarm(signum: int, frame: object) -> None:
-    raise Hang()
+    raise Hang("cpu" if signum == signal.SIGPROF else "wall")
 
 
 def max_rss() -> int:
@@ -502,10 +510,12 @@ def run_case(case: Case, cwd: Path) -> dict[str, object]:
     saved_cwd = os.getcwd()
     os.chdir(cwd)
     rss0 = max_rss()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outcome: dict[str, object] = {"kind": case.kind}
     signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
+    signal.signal(signal.SIGPROF, _alarm)
+    signal.setitimer(signal.ITIMER_PROF, CASE_SECONDS)  # CPU time of this process (user + system)
+    signal.setitimer(signal.ITIMER_REAL, CASE_WALL_SECONDS)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -513,13 +523,15 @@ def run_case(case: Case, cwd: Path) -> dict[str, object]:
             except SystemExit as e:  # argparse's usage errors
                 status = e.code if isinstance(e.code, int) else 1
         outcome["status"] = status
-    except Hang:
+    except Hang as e:
         outcome["result"] = "hang"
+        outcome["alarm"] = str(e)
     except BaseException as e:  # noqa: BLE001 - a traceback is what this test looks for
         outcome["result"] = "traceback"
         outcome["error"] = "".join(traceback.format_exception_only(type(e), e))[-500:]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
         os.chdir(saved_cwd)
         for k, v in saved_env.items():
             if v is None:
@@ -527,6 +539,7 @@ def run_case(case: Case, cwd: Path) -> dict[str, object]:
             else:
                 os.environ[k] = v
     outcome["seconds"] = round(time.perf_counter() - t0, 3)
+    outcome["cpu_seconds"] = round(time.process_time() - cpu0, 3)
     outcome["rss_growth"] = max_rss() - rss0
     text = err.getvalue()
     outcome["stderr"] = text[:300]
@@ -576,9 +589,14 @@ def drive(seed: int, cases: range, kinds: Sequence[str] = FIRST_KINDS) -> dict[s
                   for k in per_kind}
     bad = [r for r in results if r["result"] not in ("one-line", "accepted")]
     slowest = max(results, key=lambda r: r["seconds"])  # type: ignore[arg-type,return-value]
+    busiest = max(results, key=lambda r: r["cpu_seconds"])  # type: ignore[arg-type,return-value]
+    cpu_of = {k: max(float(r["cpu_seconds"]) for r in results if r["kind"] == k)  # type: ignore[arg-type]
+              for k in per_kind}
     return {"seed": seed, "counts": counts, "kinds": kinds, "per_kind": per_kind, "slowest_per_kind": slowest_of,
             "bad": bad[:20],
-            "slowest": {"case": slowest["case"], "seconds": slowest["seconds"]},
+            "slowest": {"case": slowest["case"], "seconds": slowest["seconds"], "cpu_seconds": slowest["cpu_seconds"]},
+            "slowest_cpu_per_kind": cpu_of,
+            "busiest": {"case": busiest["case"], "seconds": busiest["seconds"], "cpu_seconds": busiest["cpu_seconds"]},
             "max_rss_growth": max(int(r["rss_growth"]) for r in results)}  # type: ignore[call-overload]
 
 
@@ -636,6 +654,27 @@ def test_generated_bad_input_gets_one_line_errors_in_bounded_time_and_memory():
     assert counts["tried"] == 240 == counts.get("one-line", 0) + counts.get("accepted", 0)
     # the generator must mostly produce bad input, and every kind of it
     assert counts.get("one-line", 0) > 150 and set(summary["kinds"]) == {"config", "spec", "results", "cli", "env"}
+
+
+def test_a_case_that_spins_or_waits_is_a_hang(monkeypatch, tmp_path):
+    """The harness's own alarms: CPU time catches a case that computes for ever however loaded the
+    machine is, wall time one that waits on nothing."""
+    import trnsim.cli
+
+    monkeypatch.setitem(globals(), "CASE_SECONDS", 0.3)
+    monkeypatch.setitem(globals(), "CASE_WALL_SECONDS", 3.0)
+    def spin(argv):
+        while True:
+            pass
+    monkeypatch.setattr(trnsim.cli, "main", spin)
+    spin = run_case(Case("cli", ["info"]), tmp_path)
+    assert (spin["result"], spin["alarm"]) == ("hang", "cpu") and spin["cpu_seconds"] > 0.2  # (clock ticks)
+    monkeypatch.setitem(globals(), "CASE_WALL_SECONDS", 0.3)
+    monkeypatch.setattr(trnsim.cli, "main", lambda argv: time.sleep(30))
+    wait = run_case(Case("cli", ["info"]), tmp_path)
+    assert (wait["result"], wait["alarm"]) == ("hang", "wall") and wait["cpu_seconds"] < 0.3 <= wait["seconds"]
+    monkeypatch.setattr(trnsim.cli, "main", lambda argv: 0)
+    assert run_case(Case("cli", ["info"]), tmp_path)["result"] == "accepted"
 
 
 def test_the_second_surfaces_get_one_line_errors_in_bounded_time_and_memory():

@@ -1,6 +1,8 @@
 """System configs (configs/systems/*.yaml): loading, derived figures, overrides routed to the
 system or its chip, and the exact one-line errors users read."""
 
+from pathlib import Path
+
 import pytest
 
 from trnsim.config import ConfigError, load_system, system_names
@@ -99,6 +101,13 @@ def test_bad_files(tmp_path):
         load_system(p)
     with pytest.raises(ConfigError, match=r"^nope.yaml: no such system file$"):
         load_system("nope.yaml")
+    # the file's own chip, unknown: named with the file and its key (the fuzz harness's long run,
+    # seed 225, case 81: 'unknown config' alone did not say that the system file gave it)
+    shipped = (Path(__file__).resolve().parent.parent / "configs" / "systems" / "trn2.48xlarge.yaml").read_text()
+    p.write_text(shipped.replace("\nchip: trn2\n", "\nchip: 1B\n"))
+    with pytest.raises(ConfigError, match=rf"^{p}: chip: unknown config '1B': expected one of trn1, trn2, trn3 or a "
+                                          r"path to a .yaml file$"):
+        load_system(p)
 
 
 def test_a_system_name_too_long_for_a_file_is_one_line():

@@ -61,6 +61,51 @@ def test_the_tested_ops_are_the_ones_the_bridge_names():
     assert not any(name.startswith("c10d") for name in ops)
 
 
+_MX_ON_TRN3 = r"""
+import json, math, sys, importlib.util
+import torch
+spec = importlib.util.spec_from_file_location("difftest", sys.argv[1])
+dt = importlib.util.module_from_spec(spec); sys.modules["difftest"] = dt; spec.loader.exec_module(dt)
+out = {"served": "mx_matmul" in dt.served_ops(), "dead": "mx_matmul" in dt.dead_table_names()}
+stats = dt.run(["mx_matmul"], 20, dt.SEED, compile_every=1, echo=None, timing_every=5)
+out.update(samples=stats.by_op["mx_matmul"], compiled=stats.compiled, timing_only=stats.timing_only,
+           mismatches=[m.line() for m in stats.mismatches])
+from torch_bridge import values
+real = values.host_kernel
+def skewed(name, fn, args, kwargs):  # the device's values one ulp up: every device way must see it
+    r = real(name, fn, args, kwargs)
+    return torch.nextafter(r, torch.full_like(r, math.inf)) if name == "mx_matmul" else r
+values.host_kernel = skewed
+stats = dt.run(["mx_matmul"], 4, 7, compile_every=1, echo=None)
+out["skewed_modes"] = sorted({m.mode for m in stats.mismatches})
+print(json.dumps(out))
+"""
+
+
+def test_mx_matmul_is_tested_where_the_device_serves_it():
+    """The lowering table's one custom op, ``trnsim::mx_matmul`` (torch.neuron.mx_matmul), needs
+    NeuronCore-v4's MX matmul: a trn2 device refuses it in one line by design, so there it is
+    among the dead names; under TRNSIM_CONFIG=trn3 the tester serves it with its recipe (fp8
+    operands, E8M0 scales per 32 values, each output dtype): 20 samples agree with CPU on the
+    fast path, the Python path, compiled and timing-only, and a value one ulp off is seen."""
+    import json
+    import os
+    import subprocess
+
+    if not os.environ.get("TRNSIM_CONFIG"):
+        assert "mx_matmul" in dt.dead_table_names() and "mx_matmul" not in dt.served_ops()
+    env = {**os.environ, "TRNSIM_CONFIG": "trn3", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _MX_ON_TRN3, str(_PATH)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["served"] and not out["dead"]
+    assert out["samples"][0] == 20 and out["samples"][1] == 20 and not out["mismatches"], out
+    assert out["compiled"] >= 10 and out["timing_only"] >= 2
+    modes = {m.split(" (")[0] for m in out["skewed_modes"]}  # ('fast-path (first call)': its first call)
+    assert {"fast-path", "python-path", "compiled"} <= modes, out["skewed_modes"]
+
+
 # ---- the tester itself can fail ----------------------------------------------------------------
 def _sample(packet: str = "add") -> "dt.Sample":
     return dt.Sample(packet, torch.ops.aten.add.Tensor, [torch.ones(3), torch.ones(3)], {}, ["float32"], 7)

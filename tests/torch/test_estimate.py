@@ -187,7 +187,7 @@ def test_cli_train_text(cache, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, deepseek-v3, gpt-oss-120b, "
                              "gpt-oss-20b, llama-2-7b, llama-3.1-405b, llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, "
-                             "mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, or a path to a Hugging Face config.json"),
+                             "mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, qwen3-8b, or a path to a Hugging Face config.json"),
     (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
                                                  "a multiple of 48"),
     (["--model", "llama-3.3-70b"], "trnsim: error: llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at "
@@ -234,6 +234,15 @@ def test_a_mixture_of_experts_model(cache):
     (["train", "--global-batch", "100000000"], "--global-batch: 100,000,000 micro-batches per data-parallel replica "
                                                "and step; at most 4,096 (the pipeline schedule is simulated task by "
                                                "task)"),
+    # found by the fuzz harness's long run (seed 225): a batch past 2^63 elements was a PyTorch
+    # overflow traceback, a smaller one built the model and then ran out of memory
+    (["inference", "--batch", "99999999999999999999", "--input", "16", "--output", "2"],
+     "--batch 99,999,999,999,999,999,999: the KV cache of 99,999,999,999,999,999,999 x 18 tokens needs at least "
+     "1.63709e+09 PiB on each rank, more than a logical core's 24 GiB of HBM on trn2.48xlarge; a smaller --batch, "
+     "or shard it (--tp, --pp)"),
+    (["train", "--micro-batch", "3000000", "--seq", "32"],
+     "--micro-batch 3,000,000: one hidden state of 3,000,000 x 32 tokens needs 45.7764 GiB, more than a logical "
+     "core's 24 GiB of HBM on trn2.48xlarge; a smaller --micro-batch (--global-batch accumulates micro-batches)"),
 ])
 def test_size_options_are_bounded_by_the_model_before_torch_runs(capsys, monkeypatch, argv, message):
     """Issue 25: --layers 1000000000 printed nothing for ten minutes (and --samples, --global-batch
@@ -248,6 +257,18 @@ def test_size_options_are_bounded_by_the_model_before_torch_runs(capsys, monkeyp
     monkeypatch.setattr(est, "estimate_train", never)
     code, out, err = run(capsys, "estimate", argv[0], "--model", TINY, *argv[1:])
     assert (code, out, err) == (2, "", f"trnsim: error: {message}\n")
+
+
+def test_a_batch_no_core_holds_and_a_zero_dp_are_one_line_in_the_run_too():
+    """Found by the fuzz harness's long run (seed 225): ``estimate train --dp 0`` divided the
+    global batch by zero (ZeroDivisionError) before the plan was checked, and a batch past 2^63
+    elements reached torch.empty (an overflow traceback). The run checks them as the CLI does."""
+    with pytest.raises(ConfigError, match=r"^--dp 0: expected a positive whole number of ranks$"):
+        estimate_train(TINY, dp=0, seq=32, cache_dir=None)
+    with pytest.raises(ConfigError, match=r"^--batch 100,000,000,000,000,000,000: the KV cache of "):
+        estimate_inference(TINY, batch=10**20, input_tokens=16, output_tokens=2, samples=1, cache_dir=None)
+    with pytest.raises(ConfigError, match=r"^--micro-batch 10,000,000,000,000,000,000: one hidden state "):
+        estimate_train(TINY, micro_batch=10**19, seq=32, cache_dir=None)
 
 
 def test_a_model_whose_weights_no_rank_holds_is_refused_before_it_is_built(tmp_path):

@@ -68,8 +68,9 @@ def test_the_estimate_is_the_lowered_kernels_on_the_device(cache):
     back to back (the collectives wait for them)."""
     est, _ = estimate_inference(TINY, tp=4, input_tokens=200, output_tokens=4, cache_dir=cache)
     assert est.lowering["decode"][0].startswith("qkv 1x1x256x2x1x32")
-    assert est.padding["prefill_tokens"] == 200 and est.padding["decode_kv_buckets"] == [256]
-    assert est.buckets == {"context": [128, 200], "kv": [128, 256], "batch": [1]}
+    # Neuron's default buckets up to the sequence (prompt + output: 204), a multiple of TP with SP
+    assert est.padding["prefill_tokens"] == 204 and est.padding["decode_kv_buckets"] == [256]
+    assert est.buckets == {"context": [128, 204], "kv": [128, 256], "batch": [1]}
     launches = 4 * 6 + 2 + 4  # 4 layers; embedding + all-gather; norm, LM head, max, all-gather
     assert est.decode.launches == launches + 1  # and the step's one host dispatch
     dev = CachedDevice(load_system("trn2.48xlarge").chip, CostCache(cache))
@@ -114,7 +115,7 @@ def test_cli_prints_what_a_decode_and_a_prefill_layer_became(cache, capsys, monk
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     assert "A decode layer became: qkv 1x1x256x2x1x32" in out and "A prefill layer became: " in out
-    assert "buckets     prefill 200 -> 200 tokens (0.0% padding); decode KV bucket 256" in out
+    assert "buckets     prefill 200 -> 204 tokens (2.0% padding); decode KV bucket 256" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -203,3 +204,19 @@ def test_sweep_estimate_entries_take_the_lowering_options(tmp_path):
     assert row["error"] == "" and row["ttft_ms"] == pytest.approx(direct.ttft_ms, abs=1e-4)
     with pytest.raises(ConfigError, match="eager: expected true or false"):
         estimate_points([{"mode": "inference", "model": TINY, "eager": "yes"}], "spec", system)
+
+
+def test_the_kinds_of_layer_a_model_has():
+    from torch_bridge.estimate_kernels import layer_kinds
+
+    assert layer_kinds(lowered(short("gpt-oss-120b", 4), nxdi.Shards(tp=16))) == (
+        "2 x GQA (sinks, window 128), MoE 128 experts top 4 (every other layer from 0)",
+        "2 x GQA (sinks), MoE 128 experts top 4 (every other layer from 1)")
+    assert layer_kinds(lowered(short("deepseek-v3", 5), nxdi.Shards(tp=64, ep=64))) == (
+        "3 x MLA, dense MLP (layers 0-2)", "2 x MLA, MoE 256 experts top 8 + shared MLP (layers 3-4)")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_a_dtype_the_library_kernels_do_not_all_take_is_refused(dtype):
+    with pytest.raises(ConfigError, match=f"--dtype {dtype}: the library's transformer kernels take bf16; run --eager"):
+        estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=2, dtype=dtype, cache_dir=None)

@@ -97,6 +97,10 @@ def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch,
      "estimates[0] (llama-3.3-70b): llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at least 94.457 "
      "GiB on each of the --tp 1 x --pp 1 ranks holding them, more than a logical core's 24 GiB of HBM on "
      "trn2.48xlarge; shard it over more ranks (--tp, --pp) or run fewer --layers"),
+    ("{mode: inference, model: llama-3.1-8b, tp: 8, batch: 100000000000000000000}",
+     "estimates[0] (llama-3.1-8b): --batch 100,000,000,000,000,000,000: the KV cache of "
+     "100,000,000,000,000,000,000 x 1,152 tokens needs at least 1.67638e+12 PiB on each rank, more than a logical "
+     "core's 24 GiB of HBM on trn2.48xlarge; a smaller --batch, or shard it (--tp, --pp)"),
 ])
 def test_estimate_sizes_are_bounded_when_the_spec_loads(tmp_path, entry, message):
     """Issue 25: the bounds of ``trnsim estimate`` hold for a sweep's estimate entries too."""

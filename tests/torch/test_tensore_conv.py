@@ -35,7 +35,9 @@ CASES = [((2, 96, 9, 9), (96, 1, 3, 3), (1, 1), (1, 1), (1, 1), 96),
          ((1, 260, 5, 5), (260, 130, 3, 3), (1, 1), (1, 1), (1, 1), 2),  # 1170 taps: chunks of 128 added
          ((1, 3, 9, 9), (6, 3, 5, 5), (1, 1), (2, 2), (1, 1), 1),
          ((3, 12, 8), (24, 3, 3), (1,), (1,), (2,), 4),
-         ((1, 2, 3, 3), (2, 1, 3, 3), (1, 1), (0, 0), (1, 1), 2)]
+         ((1, 2, 3, 3), (2, 1, 3, 3), (1, 1), (0, 0), (1, 1), 2),
+         ((2, 300, 6, 6), (16, 300, 1, 1), (1, 1), (0, 0), (1, 1), 1),  # pointwise: the input is the patches
+         ((3, 24, 5, 7), (16, 24, 1, 1), (2, 1), (0, 0), (1, 1), 1)]  # strided 1x1: im2col
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -62,3 +64,15 @@ def test_conv2d_grouped_refuses_bad_geometry_in_one_error():
         native.conv2d_grouped(x, w, 4, (1, 1), (1, 1), (4, 4))  # reads past the padded input
     with pytest.raises(Exception):
         native.conv2d_grouped(x, w, 3, (1, 1), (1, 1), (3, 3))  # channels not groups x C/g
+
+
+def test_a_channels_last_input_gives_the_same_bits():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 32, 6, 6, generator=g)
+    xl = x.contiguous(memory_format=torch.channels_last)
+    for ws, pad in (((16, 32, 1, 1), (0, 0)), ((16, 32, 3, 3), (1, 1)), ((32, 1, 3, 3), (1, 1))):
+        w = torch.randn(*ws, generator=g)
+        groups = 32 if ws[1] == 1 else 1
+        want = _by_definition(x, w, (1, 1), pad, (1, 1), groups)
+        got = tensore.conv_f32(xl, w, (1, 1), pad, (1, 1), groups)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -174,3 +174,62 @@ def test_the_fused_lowering_runs_regions_and_one_optimizer_kernel(cache):
     assert fused.step_ms < eager.step_ms and fused.optimizer_ms < eager.optimizer_ms
     # the same model computes the same matmuls either way (plus the fused norms' column sums on TensorE)
     assert eager.forward.matmul_flops <= fused.forward.matmul_flops <= 1.001 * eager.forward.matmul_flops
+
+
+def test_shipped_plans_load_and_name_their_source():
+    from trnsim.training import load_plan, plan_names
+
+    names = plan_names()
+    assert {"nxd-llama3.1-8b-trn1-v9a", "nxd-llama3.1-70b-trn1-v9b", "nxd-llama2-7b-trn1-v9c",
+            "hf-bert-large-ph1-trn1-v10", "torchtitan-qwen3-8b-trn2", "nxdt-llama3-70b-trn2"} <= set(names)
+    for n in names:
+        p = load_plan(n)
+        assert p["model"] and isinstance(p["recipe"], Recipe)
+    v9b = load_plan("nxd-llama3.1-70b-trn1-v9b")
+    assert (v9b["tp"], v9b["pp"], v9b["dp"], v9b["seq"], v9b["global_batch"]) == (32, 8, 4, 8192, 1024)
+    assert v9b["recipe"].sharding == "zero1" and v9b["overrides"] == ["topology.efa.size=32"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("model: x\nfoo: 1\n", "unknown key 'foo': expected one of about, source, model"),
+    ("model: x\ntp: 0\n", "tp: expected a positive whole number, got 0"),
+    ("model: x\nrecipe: {recompute: most}\n", "recipe: --recompute 'most': expected one of none, selective, full"),
+    ("tp: 2\n", "model: expected a model name or config.json path"),
+])
+def test_bad_plan_files_are_one_line(tmp_path, capsys, text, message):
+    f = tmp_path / "plan.yaml"
+    f.write_text(text)
+    code = main(["estimate", "train", "--plan", str(f)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.startswith("trnsim: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_plan_runs_and_an_option_beside_it_changes_one_axis(cache, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
+    f = tmp_path / "tiny.yaml"
+    f.write_text(f"model: {TINY}\nsystem: trn2.48xlarge\ntp: 2\ndp: 2\nsp: true\nseq: 64\nglobal_batch: 4\n"
+                 f"recipe: {{recompute: full, sharding: zero1}}\n")
+    assert main(["estimate", "train", "--plan", str(f)]) == 0
+    out, _ = capsys.readouterr()
+    assert "TP=2 DP=2 SP, 4 ranks; micro-batch 1 x 64 tokens, global batch 4" in out and "recompute full" in out
+    assert main(["estimate", "train", "--plan", str(f), "--recompute", "none", "--dp", "1"]) == 0
+    out, _ = capsys.readouterr()
+    assert "TP=2 SP, 2 ranks" in out and "recompute none" in out and "ZeRO-1" in out
+
+
+def test_the_ledger_predicts_from_a_plan_with_the_row_keys_over_it(monkeypatch):
+    """A ledger row's ``plan:`` fills estimate_train's arguments; the row's own keys win."""
+    import torch_bridge.estimate as est_mod
+    from trnsim.validate import predictors
+
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        raise est_mod.EstimateError("stop")
+    monkeypatch.setattr(est_mod, "estimate_train", fake)
+    with pytest.raises(Exception, match="stop"):
+        predictors._estimate({"mode": "train", "plan": "nxd-llama3.1-8b-trn1-v9a", "recompute": "full",
+                              "set": ["chip.hbm.capacity=8GiB"]}, "trn1", [])
+    assert seen["tp"] == 32 and seen["dp"] == 32 and seen["recipe"].recompute == "full"
+    assert seen["overrides"] == ["topology.efa.size=32", "chip.hbm.capacity=8GiB"]

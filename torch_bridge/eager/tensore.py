@@ -75,6 +75,21 @@ def conv_on_datapath(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool
     return not transposed and x.dim() in (3, 4) and on_datapath(x, w)
 
 
+def _conv_batched(x2: torch.Tensor, w2: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    """An ungrouped convolution as one datapath matmul per image, weights[K, C*R*S] @ patches[C*R*S, L]
+    (``cols``: the im2col patches [N, C*R*S, L]; None for a 1x1 stride-1 convolution, whose
+    patches are the input itself), all in one call: the same numbers per element as one matmul
+    over N*L columns (the datapath blocks over columns without changing any element), without
+    copying the patches or the output into and out of that layout. float32 [N, K, L]."""
+    n, c = x2.shape[:2]
+    k = w2.shape[0]
+    moving = x2.reshape(n, c, -1) if cols is None else cols
+    ck = moving.shape[1]
+    stationary = _np(w2.reshape(k, ck).t())  # [C*R*S, K]
+    out = native.matmul_batched(np.broadcast_to(stationary, (n,) + stationary.shape), _np(moving), k_chunk=_k_chunk())
+    return torch.from_numpy(out)
+
+
 def conv_f32(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any, groups: int
              ) -> torch.Tensor:
     """A convolution (CPU tensors [N,C,(H,)W] and [K,C/groups,(R,)S]) as TensorE computes it:
@@ -88,17 +103,19 @@ def conv_f32(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilati
     k, cg, r, s = w2.shape
     ho = (h + 2 * pad[0] - dil[0] * (r - 1) - 1) // st[0] + 1
     wo = (wd + 2 * pad[1] - dil[1] * (s - 1) - 1) // st[1] + 1
-    cols = torch.nn.functional.unfold(x2, (r, s), dilation=dil, padding=pad, stride=st)  # [N, C*R*S, L]
     kg, ck = k // groups, cg * r * s
-    if groups == 1:
-        patches = cols.permute(1, 0, 2).reshape(ck, -1)  # [C*R*S, N*L]
-        out = matmul_f32(w2.reshape(k, ck), patches).view(k, n, -1).permute(1, 0, 2).contiguous()
+
+    def unfold() -> torch.Tensor:  # the im2col patches [N, C*R*S, L]
+        return torch.nn.functional.unfold(x2, (r, s), dilation=dil, padding=pad, stride=st)
+    if groups == 1:  # one matmul per image, in one call: its output is already [N, K, L]
+        pointwise = r == s == 1 and st == (1, 1) and pad == (0, 0)
+        out = _conv_batched(x2, w2, None if pointwise else unfold())
     elif k // groups <= 8 and native.backend() != "reference":  # depthwise and the like: one row per group
         xp = torch.nn.functional.pad(x2.float(), (pad[1], pad[1], pad[0], pad[0])).numpy()
         out = torch.from_numpy(native.conv2d_grouped(xp, w2.float().numpy(), groups, st, dil, (ho, wo),
                                                      k_chunk=_k_chunk())).view(n, k, -1)
     else:  # every group's matmul in one call to the datapath (each computed as matmul_f32 would)
-        patches = cols.view(n, groups, ck, -1).permute(1, 2, 0, 3).reshape(groups, ck, -1)  # [g, C/g*R*S, N*L]
+        patches = unfold().view(n, groups, ck, -1).permute(1, 2, 0, 3).reshape(groups, ck, -1)  # [g, C/g*R*S, N*L]
         res = bmm_f32(w2.reshape(groups, kg, ck), patches)  # [g, K/g, N*L]
         out = res.view(groups, kg, n, -1).permute(2, 0, 1, 3).contiguous().view(n, k, -1)
     out = out.view(n, k, ho, wo)

@@ -35,8 +35,8 @@ from torch import nn
 from trnsim.config import ConfigError, SystemConfig, load_system
 from trnsim.device.costcache import CachedDevice, CostCache, default_cache_dir
 from trnsim.device import no_work
-from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_plan, check_sizes, \
-    mean_decode, pipeline_1f1b, summarise
+from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_batch, check_plan, \
+    check_sizes, mean_decode, pipeline_1f1b, summarise
 from trnsim.workload.models import ModelConfig, load_model
 from trnsim.config import format_quantity
 from trnsim.workload.training import Recipe
@@ -44,6 +44,7 @@ from trnsim.workload.training import Recipe
 from . import models
 from .parallel import Comm, Shard
 from .fake import Ledger, Target, TimingOnly, replay_layers
+from .train_step import assumptions as train_assumptions
 from .train_step import run_train_role
 
 __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "EstimateError"]
@@ -56,13 +57,6 @@ INFERENCE_ASSUMPTIONS = (
     "attention is one fused kernel per layer (causal flash attention in prefill)",
     "KV cache preallocated for input + output tokens; a decode step attends over the tokens so far",
     "no speculative decoding, no serving stack (batching, tokenizer, network)",
-)
-TRAIN_ASSUMPTIONS = (
-    "each micro-batch forward and backward is one compiled graph: one host dispatch each",
-    "one kernel per aten op (no cross-op fusion); attention as one fused kernel forward and backward, keeping "
-    "only its softmax statistics for the backward (flash attention's memory)",
-    "1F1B pipeline schedule; activations sent stage to stage with send/recv on the links",
-    "data-parallel gradients reduced once per step after the last backward (no overlap), then AdamW op by op",
 )
 
 
@@ -278,6 +272,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     dt = _dtype(dtype)
     _check(spec, sysc, plan, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples)
+    check_batch(spec, sysc, plan.tp, plan.pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     prompt = input_tokens
     if sp and plan.tp > 1 and prompt % plan.tp:
@@ -393,13 +388,14 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     plan = Plan(tp, pp, dp, sp)
     _positive("--micro-batch", micro_batch)
     _positive("--seq", seq)
+    dt = _dtype(dtype)
+    _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
     gbs = micro_batch * dp if global_batch is None else _positive("--global-batch", global_batch)
     if gbs % (micro_batch * dp):
         raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}")
     micro = gbs // (micro_batch * dp)
-    dt = _dtype(dtype)
-    _check(spec, sysc, plan, dtype)
     check_sizes(spec, seq=seq, micro_batches=micro)
+    check_batch(spec, sysc, plan.tp, plan.pp, dtype, micro_batch=micro_batch, seq=seq)
     if sp and plan.tp > 1 and seq % plan.tp:
         raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
@@ -436,7 +432,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
         backward=stages[0]["backward_report"],
         stage_ms=tuple((s["forward_ticks"] / hz * 1e3, s["backward_ticks"] / hz * 1e3) for s in stages),
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall, assumptions=TRAIN_ASSUMPTIONS + tuple(refused),
+        wall_s=time.perf_counter() - t_wall, assumptions=train_assumptions(recipe) + tuple(refused),
         recipe=recipe.to_dict(), train_memory=_distinct(results[r.stage]["train_memory"] for r in plan.roles(spec.layers)))
     return est, traces
 

@@ -28,7 +28,7 @@ import torch
 from trnsim.workload.buckets import Buckets, default_buckets
 from trnsim.config import SystemConfig, load_system
 from trnsim.device.costcache import CostCache, default_cache_dir
-from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, check_plan, check_sizes, summarise
+from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
 from trnsim.workload.models import ModelConfig, load_model
 
 from . import models, nxdi
@@ -110,7 +110,7 @@ def charge(rank: Any, calls: Sequence[Call], dtype: str) -> None:
                 cost = dev.cost(c.spec)
             except KernelError as e:
                 raise nxdi.Unsupported(f"the library kernel {c.text()} refused its shape ({e}); a larger --tp or "
-                                       f"--ep, or a shorter sequence, gives it one it takes") from None
+                                       f"--ep, or a shorter sequence, may give it one it takes") from None
             run.launch(0, c.op, cost)
         else:
             rank.comm.charge(c.collective, c.nbytes, rank.comm.tp_group, dtype)
@@ -135,6 +135,27 @@ def lowering_text(prog: nxdi.Program, *, batch: int, tokens: int, cache: int, de
         index = next((i for i, k in enumerate(kinds) if k == common and i > 0), kinds.index(common))
     i = index
     return nxdi.describe(_layer_calls(prog.layers[i], prog.shards, batch, tokens, 0, cache, i == 0, decode))
+
+
+def layer_kinds(prog: nxdi.Program) -> tuple[str, ...]:
+    """The distinct kinds of decoder layer, most common first, one line each: ``58 x MLA, MoE 256
+    experts top 8 + shared MLP (layers 3-60)``."""
+    groups: dict[Layer, list[int]] = {}
+    for i, layer in enumerate(prog.layers):
+        groups.setdefault(layer, []).append(i)
+    out = []
+    for layer, idx in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        a, f = layer.attention, layer.ffn
+        extras = [x for x in ("q/k norm" if a.qk_norm else "", "sinks" if a.sinks else "",
+                              f"window {a.window}" if a.window else "") if x]
+        attn = ("MLA" if a.kind == "mla" else "GQA" if a.kv_heads < a.heads else "MHA") + \
+            (f" ({', '.join(extras)})" if extras else "")
+        ffn = f"MoE {f.experts} experts top {f.top_k}" + (" + shared MLP" if f.shared_inter else "") \
+            if f.kind == "moe" else "dense MLP"
+        span = f"layers {idx[0]}-{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else \
+            f"every other layer from {idx[0]}" if idx == list(range(idx[0], idx[-1] + 1, 2)) else f"{len(idx)} layers"
+        out.append(f"{len(idx)} x {attn}, {ffn} ({span})")
+    return tuple(out)
 
 
 @dataclass
@@ -165,13 +186,17 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens), ("--ep", ep)):
         _positive(name, v)
     dt = _dtype(dtype)
+    if dtype not in nxdi.KERNEL_DTYPES:
+        raise EstimateError(f"--dtype {dtype}: the library's transformer kernels take {' or '.join(nxdi.KERNEL_DTYPES)}; "
+                            f"run --eager for {dtype}")
     sp_on = (tp > 1) if sp is None else bool(sp)
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
-    mctx = min(input_tokens, mseq) if max_context is None else _positive("--max-context", max_context)
+    mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
     if total > mseq:
         raise EstimateError(f"--input {input_tokens:,} + --output {output_tokens:,} = {total:,} tokens, more than "
                             f"--max-model-len {mseq:,}")
@@ -189,9 +214,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
     prompt = buckets.context_for(input_tokens)
     bb = buckets.batch_for(batch)
-    # decode steps produce tokens 2..output: the step after j tokens attends over input + j + 1 positions
+    # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
+    # over input + k - 1 positions (as trnsim.serve's decode steps)
     per_bucket: dict[int, list[int]] = {}
-    for n in range(input_tokens + 2, total + 1):
+    for n in range(input_tokens + 1, total):
         per_bucket.setdefault(buckets.kv_for(n), []).append(n)
     kv_alloc = buckets.kv[-1]
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
@@ -251,7 +277,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                    100.0 * (kv_read - kv_used) / kv_read if kv_read else 0.0,
                "batch_bucket": bb, "batch_padding_percent": 100.0 * (bb - batch) / bb}
     lowering = {"decode": lowering_text(prog, batch=bb, tokens=1, cache=busiest or kv_alloc, decode=True),
-                "prefill": lowering_text(prog, batch=bb, tokens=prompt, cache=prompt, decode=False)}
+                "prefill": lowering_text(prog, batch=bb, tokens=prompt, cache=prompt, decode=False),
+                "layers": layer_kinds(prog)}
     notes = []
     if prompt != input_tokens:
         notes.append(f"prompt of {input_tokens:,} tokens run in the context bucket of {prompt:,}")

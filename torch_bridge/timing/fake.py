@@ -525,17 +525,20 @@ class TimingOnly:
             if t.tape is not None:
                 t.tape.append(("sync", core))
 
-    def collective(self, core: int, op: str, cost: OpCost) -> None:
+    def collective(self, core: int, op: str, cost: OpCost, early: bool = False) -> None:
         """A collective on ``core``'s collective stream: it starts when the compute issued before
-        it is done, and the compute issued after it waits for its result."""
+        it is done (``early``: as soon as the collective stream is free, its data being ready
+        long before, a prefetch), and the compute issued after it waits for its result."""
         self._flush()
         t = self.target
         if t.charge:
+            from trnsim.device import COLLECTIVE_STREAM
+
             dev = t.device
-            _, end = dev.launch_collective(core, op, cost)
+            _, end = dev.launch_collective(core, op, cost, after=COLLECTIVE_STREAM if early else None)
             dev.stream_wait(core, dev.cores[core].current_stream, end)
             if t.tape is not None:
-                t.tape.append(("collective", core, op, cost))
+                t.tape.append(("collective", core, op, cost, early))
 
     def replay(self, tape: list[tuple[Any, ...]]) -> None:
         """Issue a recorded tape's device interactions again, in order."""

@@ -53,7 +53,7 @@ from typing import Any, Sequence
 from trnsim.config import ConfigError
 from trnsim.device import KernelSpec
 
-__all__ = ["Unsupported", "Attention", "FeedForward", "Layer", "Call", "Shards", "match_model", "lower_layer",
+__all__ = ["Unsupported", "KERNEL_DTYPES", "Attention", "FeedForward", "Layer", "Call", "Shards", "match_model", "lower_layer",
            "lower_step", "layer_weight_bytes", "step_weight_bytes", "kv_bytes_per_token", "describe"]
 
 
@@ -360,8 +360,14 @@ def _c(collective: str, nbytes: int) -> Call:
     return Call(collective.replace("-", "_"), collective=collective, nbytes=int(nbytes))
 
 
+#: the dtypes every library kernel a lowered step launches takes (an estimate in another is refused)
+KERNEL_DTYPES = ("bf16",)
+
+
 def _kdt(dtype: str) -> str:
-    return "fp16" if dtype == "fp16" else "bf16"  # the library kernels run bf16 (fp16 where listed); fp32 as bf16
+    if dtype not in KERNEL_DTYPES:
+        raise Unsupported(f"--dtype {dtype}: the library's transformer kernels take {' or '.join(KERNEL_DTYPES)}")
+    return dtype
 
 
 def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int, cache: int, first: bool,

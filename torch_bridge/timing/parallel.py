@@ -82,7 +82,7 @@ class Comm:
                                                              self.plan.size, dtype=dtype)[0]
         return rep
 
-    def charge(self, collective: str, nbytes: int, group: list[int], dtype: str = "bf16") -> None:
+    def charge(self, collective: str, nbytes: int, group: list[int], dtype: str = "bf16", early: bool = False) -> None:
         """Charge ``collective`` of ``nbytes`` (nccl-tests' S) over ``group`` on this rank's core:
         it starts when the compute issued before it is done; the compute issued after it waits."""
         if len(group) < 2 or nbytes == 0:
@@ -102,7 +102,7 @@ class Comm:
                 if cached is not None else \
                 self.device.collective_cost(simulate(), self.rank)
             self.costs[key] = cost
-        run.collective(self.core, collective.replace("-", "_"), cost)
+        run.collective(self.core, collective.replace("-", "_"), cost, early)
 
     # ---- autograd-aware collectives on timing-only tensors ------------------------------------
     def all_reduce(self, x: torch.Tensor, group: list[int] | None = None) -> torch.Tensor:

@@ -27,6 +27,9 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     if tp % ep:
         raise ServeError(f"--ep {ep}: expert parallelism must divide --tp {tp}")
     sp = tp > 1
+    if args.dtype not in nxdi.KERNEL_DTYPES:
+        raise ServeError(f"--dtype {args.dtype}: the library's transformer kernels take "
+                         f"{' or '.join(nxdi.KERNEL_DTYPES)}")
     shards = nxdi.Shards(tp, ep, sp, args.dtype)
     longest = max(r.prompt + r.output for r in requests)
     mlen = args.max_model_len or longest

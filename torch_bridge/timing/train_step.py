@@ -150,8 +150,10 @@ class _Regather:
 
     def full(self, comm: Any) -> torch.Tensor:
         if self._full is None:  # held until the block's last matmul has run its backward (this record dies)
+            # issued ahead, as NxD's and Megatron's sequence-parallel linears issue it (async, beside the
+            # input-gradient matmul): it starts once the collective stream is free
             comm.charge("all-gather", self.nbytes, comm.tp_group,
-                        {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"))
+                        {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"), early=True)
             self._full = torch.empty(self.nbytes // self.local.element_size(), dtype=self.local.dtype,
                                      device=self.local.device)
         return self._full
@@ -470,3 +472,23 @@ def _fused_optimizer_step(state: OptimizerState, dt: torch.dtype, rank: Any) -> 
         params = {"program": prog, "inplace": PATTERNS_INPLACE["adamw"]}
     cost = rank.device.cost(KernelSpec.of("foreach_fused", (1, state.shard), sdt, params))
     rank.run.launch(0, "_fused_adamw", cost)
+
+
+def assumptions(recipe: Recipe) -> tuple[str, ...]:
+    """What an estimate of ``recipe`` assumes, one line each (printed with the estimate)."""
+    out = ["each micro-batch forward and backward is one compiled graph: one host dispatch each"]
+    if recipe.fused:
+        out.append("elementwise ops between two other launches lowered as the compile path lowers them (fused "
+                   "regions of the library's fused kernel; the rest one kernel per aten op); no horizontal fusion "
+                   "of matmuls (q/k/v and gate/up are separate matmuls)")
+        out.append("flash attention forward as the library kernel, backward as three passes of its instruction "
+                   "stream (six matmul passes for the backward's five)")
+        out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
+    else:
+        out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
+    out.append("1F1B pipeline schedule; activations sent stage to stage with send/recv on the links")
+    out.append(f"data-parallel gradients in {recipe.bucket_mb} MB buckets, " +
+               ("each reduced as soon as the backward has filled it (overlapped; the step pays what runs past "
+                "the last backward)" if recipe.overlap else "reduced after the last backward"))
+    out.append("the concurrent collectives of a step do not slow each other (links not shared between them)")
+    return tuple(out)

@@ -91,6 +91,9 @@ def render_inference(est: Any, console: Any) -> None:
                       f"({p['decode_kv_padding_percent']:.1f}% of the KV read is padding); batch {est.batch} -> "
                       f"{p['batch_bucket']} ({p['batch_padding_percent']:.1f}% padding)", markup=False)
     console.print()
+    kinds = est.lowering.get("layers", ())
+    if len(kinds) > 1:
+        console.print(f"Decoder layers: {'; '.join(kinds)}; the most common is shown", markup=False)
     for phase in ("decode", "prefill"):
         if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
             console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False)
@@ -120,7 +123,7 @@ def render_train(est: Any, console: Any) -> None:
         head += " (" + ", ".join(f"{k}={v}" for k, v in est.overrides.items()) + ")"
     console.print(head, soft_wrap=True)
     console.print(f"  step        {est.step_ms:,.1f} ms: pipeline {est.pipeline_ms:,.1f} ms (bubble "
-                  f"{est.bubble_percent:.1f}%), data-parallel gradient all-reduce {est.dp_reduce_ms:,.1f} ms, "
+                  f"{est.bubble_percent:.1f}%), data-parallel gradient reduction {est.dp_reduce_ms:,.1f} ms (past the backward), "
                   f"optimizer {est.optimizer_ms:,.1f} ms", markup=False)
     console.print(f"  throughput  {est.tokens_per_s:,.0f} tokens/s, {est.seq_per_s:,.2f} sequences/s", markup=False)
     console.print(f"  MFU         {est.mfu_percent:.1f}% ({est.model_flops_per_token / 1e9:,.1f} GFLOP per token "
@@ -149,7 +152,7 @@ def _precheck(args: argparse.Namespace) -> None:
     one line at once rather than after the imports (the run checks them again,
     :mod:`torch_bridge.estimate`, and names what is left: a non-positive number, a dtype)."""
     from ..config import load_system
-    from ..workload.plan import DTYPE_BYTES, check_plan, check_sizes
+    from ..workload.plan import DTYPE_BYTES, check_batch, check_plan, check_sizes
     from ..workload.models import load_model
 
     model = load_model(args.model)
@@ -165,13 +168,16 @@ def _precheck(args: argparse.Namespace) -> None:
     if args.layers is not None:
         check_sizes(model, layers=args.layers)
         model = model.with_layers(args.layers)
-    check_plan(model, load_system(args.system, args.set), args.tp, args.pp, args.dp, args.dtype)
+    system = load_system(args.system, args.set)
+    check_plan(model, system, args.tp, args.pp, args.dp, args.dtype)
     if inference:
         check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+        check_batch(model, system, args.tp, args.pp, args.dtype, batch=args.batch, tokens=args.input + args.output)
     else:
         replica = args.micro_batch * args.dp
         gbs = replica if args.global_batch is None else args.global_batch
         check_sizes(model, seq=args.seq, micro_batches=gbs // replica if gbs % replica == 0 else None)
+        check_batch(model, system, args.tp, args.pp, args.dtype, micro_batch=args.micro_batch, seq=args.seq)
 
 
 def _bucket_args(args: argparse.Namespace) -> None:
@@ -226,9 +232,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from ..outputs.files import AtomicOutput
 
     if args.mode == "train":
-        from ..workload.training import recipe_of_args
+        from ..workload.training import apply_plan
 
-        args.recipe = recipe_of_args(args)
+        apply_plan(args)
     _precheck(args)
     try:
         import torch
@@ -286,8 +292,8 @@ def add_parser(sub: Any) -> None:
 
     add_mode(modes)
     for p in (inf, tr):
-        p.add_argument("--model", required=True, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
-                                                      f"config.json path")
+        p.add_argument("--model", required=p is inf, help=f"a model ({', '.join(model_names())}) or a Hugging Face "
+                                                          f"config.json path" + ("" if p is inf else " (or --plan)"))
         p.add_argument("--system", default="trn2.48xlarge",
                        help=f"a system ({', '.join(system_names())}) or a YAML path; default trn2.48xlarge")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
@@ -317,7 +323,8 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
-    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --input)")
+    inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
+                                                           "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
                                                        "--output)")
     inf.add_argument("--context-buckets", metavar="N,N,...", help="prompt buckets (default: powers of 2 from 128 "
@@ -326,11 +333,12 @@ def add_parser(sub: Any) -> None:
                                                              "--max-model-len, and it)")
     inf.add_argument("--batch-buckets", metavar="N,N,...", help="decode batch buckets (default: powers of 2 up to "
                                                                 "--batch, and it)")
-    tr.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    tr.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    tr.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
+    tr.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     tr.add_argument("--global-batch", type=int, default=None,
                     help="sequences per step (default micro-batch x dp: no gradient accumulation)")
     from ..workload.training import add_recipe_arguments
 
     add_recipe_arguments(tr)
+    tr.set_defaults(system=None, tp=None, pp=None, dp=None, sp=None, dtype=None)  # a --plan's, else the defaults
 

@@ -72,8 +72,8 @@ def _check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if isinstance(v, str):
             setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
-    if args.dtype not in ("bf16", "fp16", "fp32"):
-        raise ServeError(f"--dtype {args.dtype}: expected one of bf16, fp16, fp32")
+    if args.dtype != "bf16":
+        raise ServeError(f"--dtype {args.dtype}: expected bf16 (the dtype every library kernel of a lowered step takes)")
     model = load_model(args.model)
     check_plan(model, load_system(args.system, args.set), args.tp, 1, 1, args.dtype)
 
@@ -197,7 +197,7 @@ def add_mode(modes: Any) -> None:
                                                              f"path; default trn2.48xlarge")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism within the TP group (default 1)")
-    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default bf16)")
+    p.add_argument("--dtype", default="bf16", help="bf16 (the library kernels' dtype; the default)")
     p.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted override of the system")
     p.add_argument("--rate", type=_rate, default=None, help="Poisson request rate per second, or inf: all at once "
                                                             "(default inf)")

@@ -1175,11 +1175,11 @@ def load_system(
     chip_ref = head.chip
     if chip_ref.endswith((".yaml", ".yml")) or "/" in chip_ref:
         chip_ref = str(path.parent / chip_ref)
-    if "chip" in sys_pairs:
-        try:
-            _resolve(chip_ref)
-        except ConfigError as e:
-            raise ConfigError(f"{where} (--set chip={sys_pairs['chip']}): chip: {e}") from None
+    try:
+        _resolve(chip_ref)
+    except ConfigError as e:  # named where it was given: the system's file or its --set
+        given = f" (--set chip={sys_pairs['chip']})" if "chip" in sys_pairs else ""
+        raise ConfigError(f"{where}{given}: chip: {e}") from None
     chip = load_config(chip_ref, dict(chip_pairs))
     return SystemConfig(name=head.name, description=head.description, chip=chip, topology=tuple(dims),
                         collectives=coll, source=str(path), overrides=tuple(pairs),

@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ChipConfig, ConfigError, clip_text, format_value, load_config, load_yaml_file
+from ..config import _resolve as _resolve_config
+from ..config import _resolve_system
 from ..config.extras import require
 from ..outputs.files import OutputError, check_output, lock_exclusive, write_atomic
 from ..isa import KernelError
@@ -333,10 +335,20 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
         if system is None and raw.get(section) is not None:
             raise ConfigError(f"{where}: {section} need a 'system' (e.g. system: trn2.48xlarge)")
     system = _config_ref(system, base_dir) if system is not None else None
+    if system is not None:
+        try:
+            _resolve_system(system)
+        except ConfigError as e:  # an unknown name or a missing file, named as the spec gives it
+            raise ConfigError(f"{where}: system: {e}") from None
     config = raw.get("config", "trn2")
     if not isinstance(config, str):
         raise ConfigError(f"{where}: config: expected a config name or a YAML path, got {format_value(config)}")
     config = _config_ref(config, base_dir)
+    if system is None:
+        try:
+            _resolve_config(config)
+        except ConfigError as e:  # an unknown name or a missing file, named as the spec gives it
+            raise ConfigError(f"{where}: config: {e}") from None
     out_path = Path(out) if out else _out_path(raw.get("out"), p, where)
     check_output(out_path, "sweep results", missing_dirs=True)  # a FIFO or a read-only directory: now
     _check_format(out_path, f"--out {clip_text(os.fspath(out))}" if out else f"{where}: out: {clip_text(str(raw.get('out')))}")

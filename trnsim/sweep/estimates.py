@@ -43,7 +43,7 @@ def shape_text(shape: tuple[int, ...]) -> str:
 def estimate_points(entries: Any, where: str, system: SystemConfig
                     ) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
     """(model, (tp, pp, dp), dtype, params) per entry, each checked on ``system``."""
-    from ..workload.plan import check_plan, check_sizes
+    from ..workload.plan import check_batch, check_plan, check_sizes
     from ..workload.models import load_model
 
     if not isinstance(entries, list) or not entries:
@@ -78,9 +78,13 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
             if e["mode"] == "inference":
                 check_sizes(model, input_tokens=values["input"], output_tokens=values["output"],
                             samples=values["samples"])
+                check_batch(model, system, values["tp"], values["pp"], str(values["dtype"]), batch=values["batch"],
+                            tokens=values["input"] + values["output"])
             else:
                 gbs = values["global_batch"] or values["micro_batch"] * values["dp"]
                 check_sizes(model, seq=values["seq"], micro_batches=gbs // (values["micro_batch"] * values["dp"]))
+                check_batch(model, system, values["tp"], values["pp"], str(values["dtype"]),
+                            micro_batch=values["micro_batch"], seq=values["seq"])
         except ConfigError as err:
             raise ConfigError(f"{loc}: {err}") from None
         params = tuple(sorted((k, v) for k, v in values.items()

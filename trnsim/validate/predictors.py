@@ -185,6 +185,13 @@ def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[st
     mode = a.pop("mode", None)
     a["overrides"] = _overrides(a, run)
     a.pop("set", None)
+    if "plan" in a and mode == "train":  # a published run's plan (configs/plans), the row's keys over it
+        from ..workload.training import Recipe, load_plan
+
+        base = load_plan(a.pop("plan"))
+        fields = {k: a.pop(k) for k in list(a) if k in Recipe.__dataclass_fields__}
+        a = {**base, **a, "overrides": list(base.pop("overrides", [])) + list(a["overrides"]),
+             "recipe": Recipe.of({**base["recipe"].to_dict(), **fields})}
     a.setdefault("cache_dir", None)  # a stale cost cache must never hide a model change from the ledger
     try:
         if mode == "inference":

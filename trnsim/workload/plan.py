@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 from ..config import ConfigError, SystemConfig
 
-__all__ = ["Plan", "PlanError", "Role", "check_plan", "check_sizes", "weight_bytes_floor", "MAX_DECODE_SAMPLES",
-           "MAX_MICRO_BATCHES", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
+__all__ = ["Plan", "PlanError", "Role", "check_batch", "check_plan", "check_sizes", "weight_bytes_floor",
+           "MAX_DECODE_SAMPLES", "MAX_MICRO_BATCHES", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
            "mean_decode", "summarise", "KINDS", "COLLECTIVE_OPS"]
 
 # ---- the parallelism plan ------------------------------------------------------------------------
@@ -156,6 +156,36 @@ def check_plan(model: Any, system: SystemConfig, tp: int, pp: int, dp: int, dtyp
         if model.kv_heads % tp and tp % model.kv_heads:
             raise PlanError(f"--tp {tp}: {model.name}'s {model.kv_heads} KV heads neither divide nor are divided "
                             f"by {tp}")
+
+
+def check_batch(model: Any, system: SystemConfig, tp: int, pp: int, dtype: str = "bf16", *,
+                batch: int | None = None, tokens: int | None = None, micro_batch: int | None = None,
+                seq: int | None = None) -> None:
+    """The batch options against a logical core's HBM, before anything is built: an inference's
+    KV cache (``batch`` x ``tokens`` = input + output, K and V, the largest stage's layers and a
+    rank's KV heads) or a training micro-batch's hidden state (``micro_batch`` x ``seq`` x
+    hidden) must fit, each counted as a lower bound of what the run allocates. A batch beyond it
+    was built first and failed later: out of memory, or (past 2^63 elements) an overflow in
+    PyTorch with a traceback. Positive integers; one-line :class:`PlanError` naming the option."""
+    from ..config import format_quantity
+
+    per_core = system.chip.chip.hbm.capacity // system.ranks_per_chip
+    width = DTYPE_BYTES.get(dtype, 2)
+    if batch is not None and tokens is not None:
+        layers = -(-model.layers // pp)
+        need = 2 * batch * tokens * max(1, model.kv_heads // tp) * model.head_dim * layers * width
+        if need > per_core:
+            raise PlanError(f"--batch {batch:,}: the KV cache of {batch:,} x {tokens:,} tokens needs at least "
+                            f"{format_quantity(need, 'bytes')} on each rank, more than a logical core's "
+                            f"{format_quantity(per_core, 'bytes')} of HBM on {system.name}; a smaller --batch, "
+                            f"or shard it (--tp, --pp)")
+    if micro_batch is not None and seq is not None:
+        need = micro_batch * seq * model.hidden * width
+        if need > per_core:
+            raise PlanError(f"--micro-batch {micro_batch:,}: one hidden state of {micro_batch:,} x {seq:,} tokens "
+                            f"needs {format_quantity(need, 'bytes')}, more than a logical core's "
+                            f"{format_quantity(per_core, 'bytes')} of HBM on {system.name}; a smaller --micro-batch "
+                            f"(--global-batch accumulates micro-batches)")
 
 
 def check_sizes(model: Any, *, layers: int | None = None, input_tokens: int | None = None,

@@ -22,12 +22,14 @@ Torch-free: the CLI checks a recipe before PyTorch is imported.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import ConfigError, format_quantity
 
 __all__ = ["Recipe", "RecipeError", "TrainMemory", "LOSSES", "RECOMPUTE", "SHARDING", "PRECISIONS", "SCHEDULES",
-           "in_flight", "add_recipe_arguments", "recipe_of_args", "gradient_buckets", "overlap_buckets"]
+           "in_flight", "add_recipe_arguments", "recipe_of_args", "gradient_buckets", "overlap_buckets", "load_plan",
+           "plan_names", "PLAN_DIR", "apply_plan"]
 
 LOSSES = ("vocab-parallel", "gathered")
 RECOMPUTE = ("none", "selective", "full")
@@ -184,11 +186,32 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--bucket-mb", type=int, default=None, help="data-parallel gradient bucket in MB (default 512)")
     p.add_argument("--eager", action="store_true", help="lower the step op by op (no fused regions, AdamW op by op)")
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
+    p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
+                                                f"options given beside it change one axis")
 
 
-def recipe_of_args(args: Any) -> Recipe:
-    """The recipe of ``trnsim estimate train``'s options (unset options keep the default)."""
-    fields: dict[str, Any] = {}
+#: ``trnsim estimate train``'s options a plan sets, with their defaults without one
+PLAN_DEFAULTS = {"model": None, "system": "trn2.48xlarge", "tp": 1, "pp": 1, "dp": 1, "sp": False, "micro_batch": 1,
+                 "seq": 2048, "global_batch": None, "dtype": "bf16"}
+
+
+def apply_plan(args: Any) -> None:
+    """Fill ``trnsim estimate train``'s options from ``--plan`` (those not given on the command
+    line), then the defaults; ``--set`` adds to the plan's overrides; sets ``args.recipe``."""
+    plan = load_plan(args.plan) if getattr(args, "plan", None) else {}
+    for key, default in PLAN_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, plan.get(key, default))
+    args.set = list(plan.get("overrides", [])) + list(args.set or [])
+    if args.model is None:
+        raise RecipeError("estimate train: give --model (or --plan, a published run)")
+    args.recipe = recipe_of_args(args, plan.get("recipe"))
+
+
+def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
+    """The recipe of ``trnsim estimate train``'s options (unset options keep ``base``'s, a plan's,
+    or the default)."""
+    fields: dict[str, Any] = dict(base.to_dict()) if base is not None else {}
     for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb"):
         v = getattr(args, name, None)
         if v is not None:
@@ -228,3 +251,73 @@ def overlap_buckets(ready: list[int], durations: list[int], backward_end: int, o
         t = start + d
         spans.append((start, t))
     return max(0, t - backward_end), spans
+
+
+# ---- published runs as plans ------------------------------------------------------------------------
+PLAN_DIR = Path(__file__).resolve().parent.parent / "configs" / "plans"
+#: a plan file's keys: what the run is, and ``trnsim estimate train``'s options
+PLAN_KEYS = ("about", "source", "model", "system", "set", "tp", "pp", "dp", "sp", "micro_batch", "seq",
+             "global_batch", "dtype", "recipe")
+
+
+def plan_names() -> list[str]:
+    """The shipped plans (``configs/plans/*.yaml``), by name."""
+    return sorted(p.stem for p in PLAN_DIR.glob("*.yaml"))
+
+
+def load_plan(name_or_path: str) -> dict[str, Any]:
+    """A shipped plan by name or a plan YAML path, as ``estimate_train``'s keyword arguments
+    (``model``, ``system``, ``overrides``, ``tp``, ..., ``recipe``: a :class:`Recipe`); every
+    problem is a one-line :class:`RecipeError`."""
+    from ..config import clip_text, load_yaml_file
+
+    text = str(name_or_path)
+    shown = clip_text(text)
+    if "/" not in text and not text.endswith((".yaml", ".yml")):
+        if text not in plan_names():
+            raise RecipeError(f"unknown plan '{shown}': expected one of {', '.join(plan_names())}, or a path to a "
+                              f"plan YAML")
+        path = PLAN_DIR / f"{text}.yaml"
+    else:
+        path = Path(text)
+    where = clip_text(path.name if path.parent == PLAN_DIR else str(path))
+    try:
+        raw = load_yaml_file(path, where, "plan")
+    except ConfigError as e:
+        raise RecipeError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: expected a mapping of {', '.join(PLAN_KEYS)}")
+    bad = sorted(str(k) for k in raw if k not in PLAN_KEYS)
+    if bad:
+        raise RecipeError(f"{where}: unknown key '{clip_text(bad[0])}': expected one of {', '.join(PLAN_KEYS)}")
+    if not isinstance(raw.get("model"), str):
+        raise RecipeError(f"{where}: model: expected a model name or config.json path")
+    out: dict[str, Any] = {"model": raw["model"]}
+    if "system" in raw:
+        if not isinstance(raw["system"], str):
+            raise RecipeError(f"{where}: system: expected a system name or YAML path")
+        out["system"] = raw["system"]
+    sets = raw.get("set", [])
+    if not isinstance(sets, list) or not all(isinstance(s, str) and "=" in s for s in sets):
+        raise RecipeError(f"{where}: set: expected a list of K=V overrides")
+    out["overrides"] = list(sets)
+    for key in ("tp", "pp", "dp", "micro_batch", "seq", "global_batch"):
+        if key in raw:
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise RecipeError(f"{where}: {key}: expected a positive whole number, got {clip_text(repr(v))}")
+            out[key] = v
+    if "sp" in raw:
+        if not isinstance(raw["sp"], bool):
+            raise RecipeError(f"{where}: sp: expected true or false")
+        out["sp"] = raw["sp"]
+    if "dtype" in raw:
+        out["dtype"] = raw["dtype"]
+    recipe = raw.get("recipe", {})
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"{where}: recipe: expected a mapping of {', '.join(Recipe.__dataclass_fields__)}")
+    try:
+        out["recipe"] = Recipe.of(recipe)
+    except RecipeError as e:
+        raise RecipeError(f"{where}: recipe: {e}") from None
+    return out
