@@ -31,10 +31,11 @@ same way, by matching the modules of the Hugging Face model (built on ``meta``: 
 
   Qwen3's q/k norm sits between the projection and RoPE, so its ``qkv`` runs without RoPE and
   the per-head ``rmsnorm`` and ``rope`` kernels follow (NxDI: the QKV kernel's fused RoPE is
-  incompatible with it). MLA (DeepSeek-V3) has no library kernel: its projections run as the
-  library ``matmul``, its latent norms as ``rmsnorm``, and attention as the library kernels over
-  the decompressed heads (a kernel that refuses a shape is costed as the generic streaming kernel
-  and the estimate says so).
+  incompatible with it). MLA (DeepSeek-V3) has no library kernel (its head dim, 192, is more than
+  the attention kernels' 128): its projections run as the library ``matmul``, its latent norms as
+  ``rmsnorm``, and attention in the absorbed form (queries into the latent space, scores over the
+  cached latents, ``softmax``, values, back through W_uv) as ``bmm`` kernels. A library kernel that
+  refuses a shape refuses the estimate, in one line naming it: nothing stands in for it.
 * :func:`lower_step` adds what surrounds the layers on the first and last pipeline stage: the
   embedding lookup (hidden-sharded, all-gathered), the final norm and the LM head on the last
   token of each sequence, and **on-device sampling** (NxDI's ``on_device_sampling``: each rank
