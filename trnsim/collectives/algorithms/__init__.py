@@ -7,7 +7,8 @@ must be for it to run. :data:`ALGORITHMS` gathers the records; nothing else list
 * :mod:`.flat` — ``ring``, ``bidir-ring``, ``rdh``, ``mesh``;
 * :mod:`.mesh` — ``two-step-mesh``, ``single-step-mesh``;
 * :mod:`.kangaring` — ``kangaring``;
-* :mod:`.compose` — ``per-dim-ring``, ``hierarchical``.
+* :mod:`.compose` — ``per-dim-ring``, ``hierarchical``;
+* :mod:`.flat_ring` — ``flat-ring`` (across instances, several channels).
 
 Sizes follow nccl-tests (notes/collectives.md §2): ``nbytes`` is the all-reduce buffer, the
 all-gather output, the reduce-scatter input, one rank's all-to-all send buffer, the
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..schedule import Schedule
-from . import compose, flat, kangaring, mesh
+from . import compose, flat, flat_ring, kangaring, mesh
 from .base import (COLLECTIVES, KINDS, Algorithm, CollectiveError, Context, busbw_factor, canonical_collective,
                    hierarchy_groups, levels_lanes)
 
@@ -32,7 +33,7 @@ __all__ = ["COLLECTIVES", "ALGORITHMS", "KINDS", "Algorithm", "Context", "Collec
            "hierarchy_groups", "levels_lanes"]
 
 #: every algorithm by name, in the order the CLI lists them
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for mod in (flat, mesh, kangaring, compose) for a in mod.ALGORITHMS}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for mod in (flat, mesh, kangaring, compose, flat_ring) for a in mod.ALGORITHMS}
 
 BUSBW_FACTORS = busbw_factor
 
