@@ -258,7 +258,7 @@ def overlap_buckets(ready: list[int], durations: list[int], backward_end: int, o
 
 
 # ---- published runs as plans ------------------------------------------------------------------------
-PLAN_DIR = Path(__file__).resolve().parent.parent / "configs" / "plans"
+PLAN_DIR = Path(__file__).resolve().parents[2] / "configs" / "plans"
 #: a plan file's keys: what the run is, and ``trnsim estimate train``'s options
 PLAN_KEYS = ("about", "source", "model", "system", "set", "tp", "pp", "dp", "sp", "micro_batch", "seq",
              "global_batch", "dtype", "recipe")
