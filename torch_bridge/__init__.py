@@ -13,12 +13,25 @@ The chip comes from ``TRNSIM_CONFIG`` (a config name or YAML path; default trn2)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch  # noqa: F401  (first: with autoload on, it loads .backend itself)
 
-from trnsim.report import OpRow, RunReport
+from trnsim.sim.report import OpRow, RunReport
 
 from .backend import register, register_or_report
 
 __all__ = ["register", "RunReport", "OpRow"]
 
 register_or_report()
+
+
+def __getattr__(name: str) -> Any:
+    """An old module name (``torch_bridge.values``) is the moved module (trnsim.compat's table)."""
+    from trnsim.compat import ALIASES
+
+    if f"torch_bridge.{name}" in ALIASES:
+        import importlib
+
+        return importlib.import_module(f"torch_bridge.{name}")
+    raise AttributeError(f"module 'torch_bridge' has no attribute '{name}'")

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from . import _native, _torch, memory
-from . import device as _device_module
+from . import _native, _torch
+from .eager import memory
+from .neuron import module as _device_module
 
 __all__ = ["register", "autoload"]
 
@@ -81,7 +82,7 @@ def register() -> None:
     register_kernels()
     _torch.patch_storage_to(_storage_to)
     torch.accelerator.synchronize = _accelerator_synchronize(torch.accelerator.synchronize)
-    from . import profiler
+    from .neuron import profiler
     from .compile.backend import divert_inductor
 
     _torch.hook_profiler(profiler.on_profiler_start, profiler.on_profiler_stop)
@@ -92,7 +93,7 @@ def register() -> None:
 
 
 def _create_process_group(opts: Any, backend_options: Any) -> Any:
-    from .distributed import create_process_group  # the backend itself loads on first use
+    from .dist.process_group import create_process_group  # the backend itself loads on first use
 
     return create_process_group(opts, backend_options)
 
@@ -113,7 +114,7 @@ MIXTRAL_MODULE = "transformers.models.mixtral.modeling_mixtral"
 def _use_moe_kernel(module: Any) -> None:
     """Transformers' Mixtral MoE block runs as one MoE op on neuron tensors (torch_bridge.moe,
     which defines the ops: loaded with the Mixtral model, not with torch)."""
-    from .moe import use_moe_kernel
+    from .ops.moe import use_moe_kernel
 
     use_moe_kernel(module)
 

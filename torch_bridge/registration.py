@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import _torch, alloc, values
-from .autocast import register_autocast
+from . import _torch
+from .eager import alloc, values
+from .eager.autocast import register_autocast
 
 __all__ = ["register_kernels", "WHOLE_OPS", "DIRECT_OPS", "FAST_MATMULS"]
 
@@ -126,7 +127,7 @@ def register_kernels() -> None:
         "convolution_backward_overrideable": values.convolution_backward,
         "histc": values.histc,
     }
-    from .cells import KERNELS as CELLS
+    from .ops.cells import KERNELS as CELLS
 
     kernels.update(CELLS)
     for name, fn in kernels.items():
@@ -155,12 +156,13 @@ def register_kernels() -> None:
     impl.impl("_copy_from", torch.library.fallthrough_kernel, "Negative")
     # attention as one op: an AutogradPrivateUse1 kernel beats the op's CompositeImplicitAutograd
     # math path; the PrivateUse1 one serves calls below autograd (inference mode)
-    from .attention import FORWARD, sdpa
+    from .ops.attention import FORWARD, sdpa
 
     for key in ("AutogradPrivateUse1", "PrivateUse1"):
         impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
-    from . import _native, fastpath
+    from . import _native
+    from .eager import fastpath
 
     fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

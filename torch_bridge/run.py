@@ -18,8 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from trnsim.files import AtomicOutput
-from trnsim.report import RunReport
+from trnsim.outputs.files import AtomicOutput
+from trnsim.sim.report import RunReport
 
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
@@ -119,10 +119,11 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
 
     import torch_bridge
     import torch_bridge.compile
-    from torch_bridge import device, profiler, runtime
-    from trnsim.files import reserve_all
-    from trnsim.metrics import reserve as reserve_metrics
-    from trnsim.plot import reserve as reserve_plot
+    from torch_bridge import runtime
+    from torch_bridge.neuron import module as device, profiler
+    from trnsim.outputs.files import reserve_all
+    from trnsim.outputs.metrics import reserve as reserve_metrics
+    from trnsim.outputs.plot import reserve as reserve_plot
 
     torch_bridge.register()
     torch_bridge.compile.register()  # backend="neuron" by name, even in a checkout without the entry point
@@ -156,7 +157,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
             except SystemExit as e:
                 status = _exit_status(e.code)
             except Exception as e:  # the user's script failed: show its traceback, keep the report
-                from .timing_only import TimingOnlyError
+                from .timing.fake import TimingOnlyError
 
                 if isinstance(e, TimingOnlyError):  # one line: where in the script, and which op
                     sys.stdout.flush()
@@ -183,7 +184,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
         if metrics_out is not None:
             report.to_parquet(metrics_out)
         if plot_out is not None:
-            from trnsim.plot import plot_run
+            from trnsim.outputs.plot import plot_run
 
             plot_run(report, plot_out, title=f"{script} on {report.config}: per-op device time and engine use")
     finally:
@@ -241,6 +242,6 @@ def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunRepor
     torch.profiler's host events: the simulated host's dispatch lane, the device's stream lanes
     and the engine lanes of ``expand``/``top`` kernels (:mod:`trnsim.run_trace`). Written through
     :class:`trnsim.files.AtomicOutput`; ``path`` may be one reserved before the run."""
-    from trnsim.run_trace import write_run_trace
+    from trnsim.outputs.run_trace import write_run_trace
 
     write_run_trace(path, report, expand=list(expand), top=top)

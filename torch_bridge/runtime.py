@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 from trnsim import ChipConfig, load_config
 from trnsim.device import Device, KernelSpec, OpCost, no_work
 
-from . import _torch, memory
+from . import _torch
+from .eager import memory
 
 __all__ = ["Runtime", "runtime", "set_config", "is_initialized"]
 
@@ -32,7 +33,7 @@ class Runtime:
 
         if _native.lib is not None:  # the native guard and hooks report the config's core count
             _native.lib.trnsim_set_device_count(config.logical_cores)
-            from . import fastpath
+            from .eager import fastpath
 
             fastpath.attach(self.device, config.core.tensor.max_contraction)  # the native fast path's launches
 

@@ -29,6 +29,6 @@ def test_the_bridge_uses_no_private_api_outside_the_fence():
 
     root = pathlib.Path(_torch.__file__).parent
     private = re.compile(r"\btorch\._[A-Za-z]|\._op\b|\._schema\b|_is_zerotensor")
-    offenders = [f"{p.name}:{i}" for p in sorted(root.glob("*.py")) if p.name != "_torch.py"
+    offenders = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "_torch.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert offenders == []

@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from .. import attention as eager_attention
-from .. import memory
+from ..ops import attention as eager_attention
+from ..eager import memory
 
 __all__ = ["use_attention_op", "sdpa"]
 

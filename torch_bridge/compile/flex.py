@@ -37,7 +37,8 @@ from trnsim.device import KernelSpec
 from trnsim.isa import KernelError
 from trnsim.kernels.fused import FULL, Program
 
-from .. import _torch, lowering, memory
+from .. import _torch
+from ..eager import lowering, memory
 from ..runtime import runtime
 from .fusion import Builder, Unfusable, _emit, _trn_dtype
 

@@ -33,7 +33,7 @@ from trnsim.device import FusedRegion, KernelSpec
 from trnsim.isa import KernelError
 from trnsim.kernels.fused import FULL, SCALAR, Program
 
-from .. import lowering, memory, values
+from ..eager import lowering, memory, values
 from ..runtime import runtime
 from .fusion import Builder, Unfusable, _prune, _scalar, _trn_dtype, _val
 

@@ -32,7 +32,7 @@ import torch.fx as fx
 from trnsim.device import FusedRegion, KernelSpec, OpCost
 from trnsim.isa import KernelError
 
-from .. import lowering, memory, tensore, values
+from ..eager import lowering, memory, tensore, values
 from ..runtime import runtime
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, partition

@@ -24,9 +24,9 @@ from typing import Any, Mapping, Sequence
 
 import simpy
 
-from ..bandwidth import BandwidthPipe
+from ..memory.bandwidth import BandwidthPipe
 from ..config import SystemConfig, load_system
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..memory.hbm import stack_bandwidth, stack_of_core
 from .analytic import estimate_resolved
 from .engine import CollectiveCall, CollectiveEngine, resolve_call

@@ -28,8 +28,8 @@ from ..config import SystemConfig, load_system
 from ..native.dtypes import get_dtype
 from .algorithms import (ALGORITHMS, BUSBW_FACTORS, CollectiveError, Context, build, canonical_algorithm,
                          canonical_collective)
-from ..bandwidth import BandwidthPipe
-from ..report import union_length
+from ..memory.bandwidth import BandwidthPipe
+from ..sim.report import union_length
 from .network import ChipResources, Network
 from .report import CollectiveReport
 from .schedule import Schedule, Transfer

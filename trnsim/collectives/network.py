@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import simpy
 
-from ..bandwidth import BandwidthPipe
+from ..memory.bandwidth import BandwidthPipe
 from ..config import SystemConfig
 from ..memory.dma import DmaSystem
 from ..memory.hbm import stack_bandwidth, stack_of_core
@@ -244,7 +244,7 @@ class Network:
         key = ("bf16", per_part)
         ticks = self._vec_cost.get(key)
         if ticks is None:
-            from ..kernel import Kernel
+            from ..builder.kernel import Kernel
 
             tile = min(per_part, 8192)
             k = Kernel("cc_reduce", self.config)

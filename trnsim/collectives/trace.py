@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..files import write_atomic
-from ..trace import _spread
+from ..outputs.files import write_atomic
+from ..outputs.trace import _spread
 from .report import CollectiveReport
 
 __all__ = ["collective_trace_events", "write_collective_trace"]

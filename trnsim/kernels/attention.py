@@ -52,7 +52,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, HbmAP, HbmTensor, KernelError, TileAP
-from ..kernel import Kernel, Replay, TilePool, ViewCache
+from ..builder.kernel import Kernel, Replay, TilePool, ViewCache
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims
@@ -377,7 +377,7 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
         inflight.insert(0, [])
         _advance(w, inflight, out)
     if sched:
-        from ..schedule import schedule as schedule_pass
+        from ..sim.list_schedule import schedule as schedule_pass
 
         return schedule_pass(kern)
     return kern

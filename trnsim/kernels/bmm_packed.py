@@ -28,7 +28,7 @@ from typing import Any
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from .matmul import _DTYPES, _PARAMS, _mm_inputs, _mm_reference, _out_dtype
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..chip import Chip, check_host_memory
+from ..sim.chip import Chip, check_host_memory
 from ..config import ChipConfig, load_config
 from ..isa import KernelError
 from .registry import KernelEntry
@@ -28,7 +28,7 @@ def check_entry(entry: KernelEntry, shape: tuple[int, ...], dtype: str, config: 
         raise KernelError(f"kernel '{entry.name}' has no reference to check against")
     kernel = entry.make(shape, dtype, cfg, merged)
     if schedule:
-        from ..schedule import schedule as schedule_pass
+        from ..sim.list_schedule import schedule as schedule_pass
 
         kernel = schedule_pass(kernel)
     # inputs (float32) and their rounded copies and the reference (float64): ~20 bytes an element

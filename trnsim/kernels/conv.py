@@ -28,7 +28,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
-from ..kernel import Kernel, ViewCache
+from ..builder.kernel import Kernel, ViewCache
 from ..native.dtypes import get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims

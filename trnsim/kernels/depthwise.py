@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from .conv import _padding
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import ACTIVATIONS, ALU_OPS, HbmAP, HbmTensor, KernelError, TileAP
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError
-from ..kernel import Kernel, checked_int
+from ..builder.kernel import Kernel, checked_int
 from ..native.dtypes import get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims

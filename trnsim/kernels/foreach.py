@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
 from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class, emission_slots, pipeline,
                     _tile_dtype, reference)

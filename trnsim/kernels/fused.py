@@ -47,7 +47,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import ACTIVATIONS, ALU_OPS, KernelError, TileAP
-from ..kernel import Kernel, TilePool
+from ..builder.kernel import Kernel, TilePool
 from ..native.dtypes import get_dtype
 from .elementwise import Piece, hbm_piece, row_pieces
 from .reference import round_to

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..config import ChipConfig
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
 
 __all__ = ["STREAM", "build_stream", "split_stream", "TILE_FREE"]

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, HbmAP, KernelError, TileAP
-from ..kernel import Kernel, Replay, TilePool, ViewCache, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
+from ..builder.kernel import Kernel, Replay, TilePool, ViewCache, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 

@@ -44,7 +44,7 @@ import numpy as np
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
 from ..isa import AP_MAX_SIZE
-from ..kernel import Kernel, TilePool, checked_dtype
+from ..builder.kernel import Kernel, TilePool, checked_dtype
 from ..native.dtypes import Dtype, get_dtype
 from .reference import default_tolerance, round_to
 from .registry import register_kernel, split_dims
@@ -509,7 +509,7 @@ def _rmsnorm_wide(kern: Kernel, plan: _Plan, x: HbmTensor, gamma: HbmTensor, y: 
 
 def _scheduled(kern: Kernel) -> Kernel:
     """The kernel list-scheduled (the wide layouts; see the module docstring)."""
-    from ..schedule import schedule
+    from ..sim.list_schedule import schedule
 
     return schedule(kern)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import HbmTensor, KernelError, TileAP
-from ..kernel import Kernel, TilePool
+from ..builder.kernel import Kernel, TilePool
 from ..native.dtypes import Dtype
 from .elementwise import (DTYPES, Piece, checked_bufs, checked_choice, compute_engines, hbm_piece,
                           kernel_dtype, row_pieces, tile_free_elems)

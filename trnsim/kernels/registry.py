@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import ChipConfig, clip_text, load_config
 from ..isa import KernelError
-from ..kernel import Kernel, gc_paused
+from ..builder.kernel import Kernel, gc_paused
 from ..native.dtypes import get_dtype
 from .generic import STREAM, build_stream, split_stream
 from .reference import default_tolerance

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from .elementwise import DTYPES, checked_bufs, kernel_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims

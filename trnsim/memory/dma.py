@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bandwidth import BandwidthPipe
+from .bandwidth import BandwidthPipe
 from ..config import ChipConfig
 from ..isa import AP, DmaGather, HbmAP, KernelError, TileAP
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
 from ..isa import _norm_index as _isa_norm_index
-from ..kernel import Kernel
+from ..builder.kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 
 

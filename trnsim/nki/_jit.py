@@ -33,13 +33,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..chip import Chip
+from ..sim.chip import Chip
 from ..config import ChipConfig, load_config
 from ..isa import HbmAP, KernelError
-from ..kernel import Kernel as BuilderKernel, gc_paused
+from ..builder.kernel import Kernel as BuilderKernel, gc_paused
 from ..native.dtypes import get_dtype
-from ..report import KernelReport
-from ..schedule import ScheduleStats, schedule, unbounded_kernel
+from ..sim.report import KernelReport
+from ..sim.list_schedule import ScheduleStats, schedule, unbounded_kernel
 from ._core import _HERE, NkiError, NkiTensor, Trace, _Store, _is_whole, nki_dtype
 
 __all__ = ["Kernel", "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "NkiRun",
@@ -414,7 +414,7 @@ class Benchmarked:
         self.benchmark_result = _BenchmarkResult(r.report)
         path = self.options.get("save_trace_name")
         if path:
-            from ..trace import write_trace
+            from ..outputs.trace import write_trace
 
             write_trace(path, r.report)
         return r.outputs

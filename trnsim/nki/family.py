@@ -28,10 +28,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..chip import Chip
+from ..sim.chip import Chip
 from ..config import ChipConfig
 from ..device import KernelSpec
-from ..kernel import Kernel as BuilderKernel
+from ..builder.kernel import Kernel as BuilderKernel
 from ..kernels.registry import register_family
 from ..native.dtypes import get_dtype
 from ._core import NkiError

@@ -84,7 +84,7 @@ class nc_version(enum.Enum):
 
 def get_nc_version() -> nc_version:
     """The NeuronCore generation of the chip the kernel is traced for."""
-    from ..kernel import _core_generation
+    from ..builder.kernel import _core_generation
 
     return nc_version(_core_generation(current().config))
 
@@ -690,7 +690,7 @@ def tensor_copy_predicated(*args: Any, **kwargs: Any) -> Any:
 def range_select(*args: Any, **kwargs: Any) -> Any:
     """VectorE: keep elements whose free index + ``range_start`` passes ``comp_op0 bound0`` and
     ``comp_op1 bound1``, else FP32_MIN; the row max into ``reduce_res``."""
-    from ..kernel import FP32_MIN
+    from ..builder.kernel import FP32_MIN
 
     what = "nisa.range_select"
     dst, args = _split(args, kwargs, 1)

@@ -176,7 +176,7 @@ class LibraryKernel(Kernel):
                 raise NkiError(f"nkilib.{self.lib_name}: argument '{n}' has shape {_t(v)}; the kernel takes {want}")
         outs = tuple(self.out_names) if len(self.out_names) > 1 else self.out_names[0]
         written = {n: arrays[n] for n in self.written}
-        from ..schedule import ScheduleStats
+        from ..sim.list_schedule import ScheduleStats
 
         stats = ScheduleStats(len(k.instructions), 0, 0, 0, 0, "as built", 0, 0)
         return Traced(k, k, cfg, inputs, outs, written, stats)

@@ -9,7 +9,7 @@ against drift (:mod:`.run`), and is the ``trnsim validate`` command (:mod:`.cli`
     results = run_rows(load_ledger().select(["kernels"], quick=True))
 """
 
-from ..ledger import Ledger, LedgerError, Row, load_ledger
+from ..config.ledger import Ledger, LedgerError, Row, load_ledger
 from .predictors import PREDICTORS, PredictionError, predict
 from .run import EXPECTED, Result, Summary, check_drift, expected_text, load_expected, run_rows, summarize
 

@@ -17,10 +17,10 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ..cli_base import UsageError
+from ..cli.base import UsageError
 from ..config import is_system_key, load_config, load_system
-from ..files import AtomicOutput, write_atomic
-from ..ledger import CATEGORIES, Row, load_ledger
+from ..outputs.files import AtomicOutput, write_atomic
+from ..config.ledger import CATEGORIES, Row, load_ledger
 from .run import EXPECTED, Result, check_drift, expected_text, load_expected, run_rows, summarize
 
 __all__ = ["add_parser", "cmd_validate", "render_summary", "summary_markdown"]
@@ -114,7 +114,7 @@ def _row_line(r: Result, w: int) -> str:
 def _write_rows(out: AtomicOutput, path: str, results: Sequence[Result]) -> None:
     docs = [r.to_dict() for r in results]
     if path.lower().endswith(".parquet"):
-        from ..extras import require
+        from ..config.extras import require
 
         pa = require("pyarrow", "metrics", "--out")
         pq = require("pyarrow.parquet", "metrics", "--out")
@@ -189,12 +189,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             if not args.out.lower().endswith((".csv", ".parquet")):
                 raise UsageError(f"validate: --out {args.out}: expected a .csv or .parquet file name")
             if args.out.lower().endswith(".parquet"):
-                from ..extras import require
+                from ..config.extras import require
 
                 require("pyarrow.parquet", "metrics", "--out")
             outs[0] = AtomicOutput(args.out, "--out", text=not args.out.lower().endswith(".parquet"))
         if args.plot:
-            from ..plot import reserve
+            from ..outputs.plot import reserve
 
             outs[1] = reserve(args.plot, "--plot")
         w = max([len(r.id) for r in rows] + [2])

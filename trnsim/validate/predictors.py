@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ConfigError, clip_text, format_value, load_config
 from ..isa import KernelError
-from ..ledger import VALIDATION_DIR, LedgerError
+from ..config.ledger import VALIDATION_DIR, LedgerError
 from .probes import PROBES, Figure
 
 __all__ = ["PREDICTORS", "predict", "PredictionError"]
@@ -76,7 +76,7 @@ def _shape(v: Any, what: str) -> tuple[int, ...]:
 
 
 def _kernel(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[str, Figure]:
-    from ..chip import Chip
+    from ..sim.chip import Chip
     from ..kernels import build_spec, split_spec
 
     _args(args, ("kernel", "shape", "dtype", "config", "params", "set", "cores"), "kernel")
@@ -177,16 +177,16 @@ def _collective(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[
 def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[str, Figure]:
     import torch  # the estimate runs fake tensors through the neuron device: an app may import it here
 
-    from torch_bridge.estimate import EstimateError, estimate_inference, estimate_train
+    from torch_bridge.timing.estimate import EstimateError, estimate_inference, estimate_train
 
-    from ..estimate import PlanError
+    from ..workload.plan import PlanError
 
     a = dict(args)
     mode = a.pop("mode", None)
     a["overrides"] = _overrides(a, run)
     a.pop("set", None)
     if "plan" in a and mode == "train":  # a published run's plan (configs/plans), the row's keys over it
-        from ..training import Recipe, load_plan
+        from ..workload.training import Recipe, load_plan
 
         base = load_plan(a.pop("plan"))
         fields = {k: a.pop(k) for k in list(a) if k in Recipe.__dataclass_fields__}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..chip import Chip
+from ..sim.chip import Chip
 from ..config import ChipConfig
 from ..isa import KernelError
 

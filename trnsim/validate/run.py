@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..config import format_value, load_yaml_file
-from ..ledger import CATEGORIES, ROLES, VALIDATION_DIR, LedgerError, Row, to_unit, unit_dimension
+from ..config.ledger import CATEGORIES, ROLES, VALIDATION_DIR, LedgerError, Row, to_unit, unit_dimension
 from .predictors import PredictionError, predict
 
 __all__ = ["Result", "Summary", "run_rows", "summarize", "EXPECTED", "DRIFT", "check_drift", "expected_text",

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...config import ChipConfig
 from ...isa import KernelError, TileAP
-from ...kernel import Kernel
+from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
 from .common import BOUNDS, P, Bound, Pools, flag, load_transposed, positive, shards

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...config import ChipConfig
 from ...isa import HbmAP, HbmTensor, KernelError, TileAP
-from ...kernel import Kernel, TilePool
+from ...builder.kernel import Kernel, TilePool
 from ...native.dtypes import Dtype, get_dtype
 from ..reference import round_to
 
@@ -618,7 +618,7 @@ def measure(kernel: str, shape: tuple[int, ...], params: Mapping[str, Any] | Non
             config: ChipConfig | str = "trn2", lnc: int | None = None) -> Measured:
     """Simulate ``kernel`` (timing only) on one logical core - its LNC split rule's parts on the
     physical cores at once, sharing their HBM stack - and set the time beside its bound."""
-    from ...chip import Chip
+    from ...sim.chip import Chip
     from ...config import load_config
     from ..registry import build_spec, get_kernel, split_parts
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...config import ChipConfig
 from ...isa import KernelError, TileAP
-from ...kernel import Kernel
+from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
 from .common import (BANK, BOUNDS, P, XT, Bound, Pools, Projection, RowPrologue, Seg, choice, k_tiles, positive,

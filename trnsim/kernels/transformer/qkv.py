@@ -33,7 +33,7 @@ import numpy as np
 
 from ...config import ChipConfig
 from ...isa import KernelError, TileAP
-from ...kernel import Kernel
+from ...builder.kernel import Kernel
 from ..reference import default_tolerance, round_to
 from ..registry import checked_dtype, register_kernel
 from .common import (BANK, BOUNDS, FP8, P, Bound, Pools, Projection, RowPrologue, Seg, choice, flag, k_tiles,

@@ -1,0 +1,122 @@
+"""Values of TensorE ops through trnsim's native datapath (the numbers the PE array and PSUM make).
+
+Operands are rounded to their dtype (they already are: a bf16 tensor holds bf16 values),
+products are exact in fp32, the contraction accumulates in fp32 in chunks of the PE array's
+contraction rows (``core.tensor.max_contraction``: one matmul instruction each), and PSUM is
+copied out with one round-to-nearest-even to the result dtype. Dtypes the PE array does not
+take (float64, integers, complex) are computed by the CPU kernel instead, as are transposed and
+3-d convolutions and convolution backward (their cost is still a TensorE matmul).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from trnsim import native
+
+__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "conv_f32", "conv_on_datapath"]
+
+DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_chunk: list[int] = []
+
+
+def _k_chunk() -> int:
+    """Contraction rows per matmul instruction on the configured chip (datasheet §4.2); the
+    config is fixed once the device is in use, so it is read once."""
+    if not _chunk:
+        from ..runtime import runtime
+
+        _chunk.append(runtime().config.core.tensor.max_contraction)
+    return _chunk[0]
+
+
+def on_datapath(*ts: torch.Tensor) -> bool:
+    """True when every operand is a non-empty tensor of one dtype the PE array reads."""
+    dt = ts[0].dtype
+    return dt in DATAPATH_DTYPES and all(t.dtype == dt and t.numel() > 0 for t in ts)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bf16 through ml_dtypes), keeping its strides."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]."""
+    out = native.matmul(_np(a.t()), _np(b), k_chunk=_k_chunk())
+    return torch.from_numpy(out)
+
+
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
+    [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath."""
+    out = native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk())
+    return torch.from_numpy(out)
+
+
+def _as_2d(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any
+           ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """A 1-d convolution as a 2-d one with height 1 (2-d passes through)."""
+    if x.dim() == 3:
+        return (x.unsqueeze(2), w.unsqueeze(2), (1, stride[0]), (0, padding[0]), (1, dilation[0]))
+    return x, w, tuple(stride), tuple(padding), tuple(dilation)  # type: ignore[return-value]
+
+
+def conv_on_datapath(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
+    """1-d and 2-d forward convolutions in a datapath dtype run as im2col matmuls on the datapath."""
+    return not transposed and x.dim() in (3, 4) and on_datapath(x, w)
+
+
+def _conv_batched(x2: torch.Tensor, w2: torch.Tensor, cols: torch.Tensor | None) -> torch.Tensor:
+    """An ungrouped convolution as one datapath matmul per image, weights[K, C*R*S] @ patches[C*R*S, L]
+    (``cols``: the im2col patches [N, C*R*S, L]; None for a 1x1 stride-1 convolution, whose
+    patches are the input itself), all in one call: the same numbers per element as one matmul
+    over N*L columns (the datapath blocks over columns without changing any element), without
+    copying the patches or the output into and out of that layout. float32 [N, K, L]."""
+    n, c = x2.shape[:2]
+    k = w2.shape[0]
+    moving = x2.reshape(n, c, -1) if cols is None else cols
+    ck = moving.shape[1]
+    stationary = _np(w2.reshape(k, ck).t())  # [C*R*S, K]
+    out = native.matmul_batched(np.broadcast_to(stationary, (n,) + stationary.shape), _np(moving), k_chunk=_k_chunk())
+    return torch.from_numpy(out)
+
+
+def conv_f32(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any, groups: int
+             ) -> torch.Tensor:
+    """A convolution (CPU tensors [N,C,(H,)W] and [K,C/groups,(R,)S]) as TensorE computes it:
+    per group, weights[K/g, C/g*R*S] @ patches[C/g*R*S, N*positions] with fp32 PSUM accumulation
+    (for a few output channels per group, as depthwise convolutions have, the datapath's
+    :func:`trnsim.native.conv2d_grouped` makes the same numbers without the patches).
+    Returns the float32 result [N,K,(Ho,)Wo]."""
+    one_d = x.dim() == 3
+    x2, w2, st, pad, dil = _as_2d(x, w, stride, padding, dilation)
+    n, c, h, wd = x2.shape
+    k, cg, r, s = w2.shape
+    ho = (h + 2 * pad[0] - dil[0] * (r - 1) - 1) // st[0] + 1
+    wo = (wd + 2 * pad[1] - dil[1] * (s - 1) - 1) // st[1] + 1
+    kg, ck = k // groups, cg * r * s
+
+    def unfold() -> torch.Tensor:  # the im2col patches [N, C*R*S, L]
+        return torch.nn.functional.unfold(x2, (r, s), dilation=dil, padding=pad, stride=st)
+    if groups == 1:  # one matmul per image, in one call: its output is already [N, K, L]
+        pointwise = r == s == 1 and st == (1, 1) and pad == (0, 0)
+        out = _conv_batched(x2, w2, None if pointwise else unfold())
+    elif k // groups <= 8 and native.backend() != "reference":  # depthwise and the like: one row per group
+        xp = torch.nn.functional.pad(x2.float(), (pad[1], pad[1], pad[0], pad[0])).numpy()
+        out = torch.from_numpy(native.conv2d_grouped(xp, w2.float().numpy(), groups, st, dil, (ho, wo),
+                                                     k_chunk=_k_chunk())).view(n, k, -1)
+    else:  # every group's matmul in one call to the datapath (each computed as matmul_f32 would)
+        patches = unfold().view(n, groups, ck, -1).permute(1, 2, 0, 3).reshape(groups, ck, -1)  # [g, C/g*R*S, N*L]
+        res = bmm_f32(w2.reshape(groups, kg, ck), patches)  # [g, K/g, N*L]
+        out = res.view(groups, kg, n, -1).permute(2, 0, 1, 3).contiguous().view(n, k, -1)
+    out = out.view(n, k, ho, wo)
+    return out.squeeze(2) if one_d else out

@@ -1,0 +1,677 @@
+"""Values of the `neuron` device's ops: every op computes its real numbers on the host.
+
+View and metadata ops redispatch to the CPU kernels on the neuron tensors themselves (they touch
+only metadata, so the result is a real neuron view; they launch nothing on the device). TensorE
+ops (mm, addmm, bmm, baddbmm and, through them, linear/matmul; convolutions) run through the
+native datapath (:mod:`torch_bridge.tensore`). Every other op runs its CPU kernel on zero-copy
+CPU views of the device memory; new results are relabelled as neuron tensors without a copy.
+
+Each op then charges its cost: :mod:`torch_bridge.lowering` turns the call's metadata into a
+kernel, and :func:`torch_bridge.runtime.Runtime.charge` launches it on the device model. That is
+the only costing the value path does.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable
+
+import torch
+
+from .. import _native, _torch
+from . import fastpath, lowering, memory
+from ..neuron import hostprof
+from ..neuron import profiler
+from . import tensore
+from ..neuron.generators import device_generator
+from .lowering import flat_tensors
+from ..runtime import runtime
+
+__all__ = ["NEURON", "fallback", "same_device_fallback", "foreach", "mm", "addmm", "bmm", "baddbmm", "out_variant",
+           "convolution", "convolution_backward", "call_traced", "host_seed", "host_kernel", "is_neuron",
+           "NEURON_DEVICES", "check_one_device", "same_device", "raise_devices"]
+
+NEURON = "neuron"
+_CPU_KEYS = _torch.CPU_KEYS
+
+# Ops that draw random numbers from the default generator without taking a Generator argument.
+RANDOM_WITHOUT_GENERATOR = frozenset({"native_dropout"})
+
+# ---- schema facts, cached per op ------------------------------------------------------------
+class _OpInfo:
+    """What the fallback needs to know about an op's schema."""
+
+    __slots__ = ("name", "qualified", "is_view", "out_names", "tensor_positions", "random", "generator_pos")
+
+    def __init__(self, op: Any):
+        schema = _torch.op_schema(op)
+        self.name = op.overloadpacket.__name__
+        self.qualified = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
+            self.name in ("set_", "is_set_to", "record_stream")
+        self.out_names = tuple(a.name for a in schema.arguments
+                               if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+        self.tensor_positions = tuple(i for i, a in enumerate(schema.arguments)
+                                      if str(a.type) in ("Tensor", "Optional[Tensor]") and not a.kwarg_only)
+        gens = [i for i, a in enumerate(schema.arguments) if str(a.type) in ("Optional[Generator]", "Generator")]
+        # where a generator argument sits positionally (-1: keyword-only or none)
+        self.generator_pos = gens[0] if gens and not schema.arguments[gens[0]].kwarg_only else -1
+        self.random = bool(gens) or self.name in RANDOM_WITHOUT_GENERATOR
+
+
+_infos: dict[Any, _OpInfo] = {}
+
+
+def op_info(op: Any) -> _OpInfo:
+    info = _infos.get(op)
+    if info is None:
+        info = _infos[op] = _OpInfo(op)
+    return info
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def is_neuron(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device in NEURON_DEVICES
+
+
+# Every neuron device a tensor can be on: ``t.device in NEURON_DEVICES`` is a third of the cost
+# of ``t.device.type == NEURON`` (building the type string), and the fallback asks it per argument.
+NEURON_DEVICES = frozenset(torch.device("privateuseone", i) for i in range(256))  # NEURON is not named yet
+
+
+def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and first.device in NEURON_DEVICES:  # the usual case, made cheap
+        return first.device.index or 0
+    for t in flat_tensors(list(args) + list(kwargs.values()), []):
+        if t.device.type == NEURON:
+            return t.device.index or 0
+    dev = kwargs.get("device")
+    if dev is not None:
+        dev = torch.device(dev)
+        if dev.type == NEURON:
+            return dev.index or 0
+    return _current_device()
+
+
+def _current_device() -> int:
+    return _native.lib.trnsim_current_device()  # kept by the native device guard, per thread
+
+
+class _ToCpu:
+    """Converts op arguments to CPU: neuron tensors become zero-copy views; remembers which."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, torch.Tensor] = {}  # id(cpu view) -> neuron tensor
+        self.same: dict[int, torch.Tensor] = {}  # id(neuron tensor) -> its CPU view
+        self.storages: dict[int, torch.Tensor] = {}  # device address -> a neuron tensor on that storage
+        self.device: torch.device | None = None  # the first neuron argument's device
+        self.other: torch.device | None = None  # a second device seen (another core, or host non-scalars)
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            dev = x.device
+            if dev not in NEURON_DEVICES:
+                if self.other is None and x.dim() and not x.is_meta:
+                    self.other = dev  # a host tensor that is not a 0-dim scalar
+                return x
+            if self.device is None:
+                self.device = dev
+            elif dev != self.device and self.other is None:
+                self.other = dev
+            v = self.same.get(id(x))  # one tensor passed twice is one CPU tensor, as on CPU (an empty
+            if v is None:  # one too: CPU's overlap check refuses it as its own source)
+                v = self.same[id(x)] = memory.cpu_view(x)  # may be the view another argument got (the same window)
+            self.views.setdefault(id(v), x)  # the first such argument (self of an in-place op) wins
+            ptr = x.untyped_storage().data_ptr()
+            if ptr:
+                self.storages.setdefault(ptr, x)
+            return v
+        if isinstance(x, (list, tuple)):
+            return type(x)(self(y) for y in x)
+        if isinstance(x, torch.device) and x.type == NEURON:
+            return torch.device("cpu")
+        return x
+
+
+def _back(x: Any, conv: _ToCpu, index: int) -> Any:
+    """Map a CPU result back to the device: an argument's view -> that neuron tensor; a result
+    over an argument's memory (an op whose schema does not say it aliases) -> a neuron view of
+    that storage, never a second owner of it; a new tensor -> relabelled in place of a copy."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x
+        mine = conv.views.get(id(x))
+        if mine is not None:
+            return mine
+        if _torch.is_zerotensor(x):  # an _efficientzerotensor (sgn's gradient) has no memory: materialise it
+            return memory.relabel(torch.zeros(x.shape, dtype=x.dtype), index)
+        owner = conv.storages.get(x.untyped_storage().data_ptr())
+        if owner is not None:
+            alias = torch.empty(0, dtype=x.dtype, device=owner.device)
+            return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, alias, owner.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+        return memory.relabel(x, index)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_back(y, conv, index) for y in x)
+    return x
+
+
+def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records,
+    its launches tied to that record (:func:`torch_bridge.profiler.traced`)."""
+    prof = hostprof.active
+    if prof is not None:  # timed as the op's Python path (torch_bridge.hostprof)
+        return prof.call("python " + label, _call_traced, (label, fn, args, kwargs), {})
+    return _call_traced(label, fn, args, kwargs)
+
+
+def _call_traced(label: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not _torch.profiler_enabled():
+        return fn(*args, **kwargs)
+    return profiler.traced(label, fn, args, kwargs)
+
+
+
+def _cpu_call(call: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """A Python-path op's CPU kernel (one function, for torch_bridge.hostprof to time)."""
+    return call(*args, **kwargs)
+
+
+# ---- the boxed fallback -----------------------------------------------------------------------
+def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The boxed PrivateUse1 fallback: any op without an explicit neuron kernel."""
+    info = op_info(op)
+    return call_traced(info.name, _run, op, info, args, kwargs)
+
+
+class _Draw:
+    """One random op's draw from a neuron generator (the one passed, or the device's default).
+
+    The generator's state is (seed, offset), Philox-style: the op's CPU kernel draws from a CPU
+    generator seeded with a mix of the two, and the offset then advances by the values drawn
+    (the outputs' elements, in multiples of 4 as one Philox round makes). So a seed gives the
+    same numbers every run, saving and restoring the state replays them, and neither CPU's
+    generator nor any other device's is touched. Ops without a generator argument (dropout)
+    draw from CPU's default generator, which is borrowed for the call and restored."""
+
+    __slots__ = ("gen", "saved")
+
+    def __init__(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], cargs: list[Any],
+                 ckwargs: dict[str, Any], index: int):
+        pos = info.generator_pos
+        gen = args[pos] if 0 <= pos < len(args) else kwargs.get("generator")
+        if gen is None or gen.device.type != NEURON:
+            gen = device_generator(index) if gen is None else gen
+        self.gen = gen
+        self.saved = None
+        seed = host_seed(gen.initial_seed(), gen.get_offset())
+        if info.name in RANDOM_WITHOUT_GENERATOR:
+            self.saved = torch.default_generator.get_state()
+            torch.default_generator.manual_seed(seed)
+            return
+        cpu = _scratch.manual_seed(seed)
+        if 0 <= pos < len(cargs):
+            cargs[pos] = cpu
+        else:
+            ckwargs["generator"] = cpu
+
+    def done(self, result: Any) -> None:
+        if self.saved is not None:
+            torch.default_generator.set_state(self.saved)
+        drawn = sum(t.numel() for t in flat_tensors(result, []))
+        self.gen.set_offset(self.gen.get_offset() + 4 * max(1, -(-drawn // 4)))
+
+
+_scratch = torch.Generator()
+_MASK = (1 << 64) - 1
+
+
+def host_seed(seed: int, offset: int) -> int:
+    """The host generator seed a neuron draw at (``seed``, ``offset``) uses: splitmix64 of the
+    two, 63 bits (manual_seed's range). Part of the device's RNG contract (tests rely on it)."""
+    z = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if info.is_view:  # metadata only: a host-side op, no device kernel
+        runtime().host_op(info.name)
+        if info.name == "record_stream":
+            return None
+        return op.redispatch(_CPU_KEYS, *args, **kwargs)
+    index = _device_of(args, kwargs)
+    conv = _ToCpu()
+    cargs = [conv(a) for a in args]
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    if conv.other is not None and conv.device is not None and info.name not in MIXED_DEVICE_OPS:
+        raise_devices(conv.device, conv.other)
+    fresh: dict[str, torch.Tensor] = {}
+    for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
+        out = kwargs.get(name)
+        if isinstance(out, torch.Tensor) and out.device.type == NEURON and out.numel() == 0:
+            fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype)
+    draw = None
+    if info.random:
+        draw = _Draw(info, args, kwargs, cargs, ckwargs, index)
+    call = _torch.cpp_op(op)  # the C++ callable (OpOverload.__call__ adds a Python frame)
+    n = len(args)
+    for i in info.tensor_positions:
+        if i < n and not isinstance(args[i], torch.Tensor) and isinstance(args[i], numbers.Number):
+            call = op.overloadpacket  # a C++ "wrapped number" arrives as a Python scalar
+            break
+    try:
+        try:
+            result = _cpu_call(call, cargs, ckwargs)
+        except RuntimeError as e:
+            outs = [n for n in info.out_names if is_neuron(kwargs.get(n)) and n not in fresh]
+            if "not resizable" not in str(e) or not outs:
+                raise
+            for name in outs:  # an out= of the wrong size: let the kernel allocate, then adopt it
+                fresh[name] = ckwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
+            result = call(*cargs, **ckwargs)
+    except NotImplementedError as e:  # no CPU kernel for these arguments: say so for neuron, in one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NotImplementedError(f"neuron: aten::{info.name} cannot run on the neuron device with these arguments "
+                                  f"({first}); run this op on CPU (move its tensors with .cpu())") from None
+    if draw is not None:
+        draw.done(result)
+    for t in flat_tensors(result, []):
+        if t.layout != torch.strided or t.is_nested:
+            kind = "nested" if t.is_nested else str(t.layout)
+            hint = NESTED_HINTS.get(info.name, "run this op on CPU (.cpu())")
+            raise NotImplementedError(f"neuron: aten::{info.name} returns a {kind} tensor, and the neuron device "
+                                      f"holds dense (strided) tensors only; {hint}")
+    for name, cpu_out in fresh.items():
+        dev_out = kwargs[name]
+        if cpu_out.numel() and not dev_out.untyped_storage().nbytes():
+            dev_out.set_(memory.relabel(cpu_out, index))  # an out without memory: it adopts the result's
+        else:
+            _write_out(dev_out, cpu_out)
+        conv.views[id(cpu_out)] = dev_out
+    for name in info.out_names:  # an out= kernel may restride its outputs in place (LAPACK's
+        dev_out = kwargs.get(name)  # column-major results): the neuron tensor takes the new layout
+        if name in fresh or not is_neuron(dev_out):
+            continue
+        view = ckwargs[name]
+        if view.stride() != dev_out.stride() or view.shape != dev_out.shape or \
+                view.storage_offset() != dev_out.storage_offset():
+            torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, dev_out, dev_out.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+    out = _back(result, conv, index)
+    rt = runtime()
+    key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
+    cost = _costs.get(key)
+    if cost is None:
+        inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])
+        neuron_inputs = [t for t in inputs if t.device.type == NEURON]
+        specs = lowering.fused_op_specs(info.name, args, kwargs, flat_tensors(out, []))
+        if specs is None:
+            cost = rt.cost(lowering.op_spec(info.name, args, kwargs, neuron_inputs, flat_tensors(out, [])))
+        else:  # a fused op (the eval fast paths): its kernels, launched one after the other
+            cost = tuple(rt.cost(sp) for sp in specs)
+        _costs[key] = cost
+    if type(cost) is tuple:
+        for c in cost:
+            rt.charge(index, info.name, c)
+    else:
+        if not fresh and draw is None:  # the native fast path may serve this call's signature from now on
+            fastpath.teach(info.qualified, info.name, cost)
+        rt.charge(index, info.name, cost)
+    if info.name == "_local_scalar_dense":  # item(): the host waits for the value
+        rt.device.synchronize(index)
+    return out
+
+
+def _write_out(dev: torch.Tensor, res: torch.Tensor) -> None:
+    """Put a result computed into a fresh host tensor where CPU would have written it: the out
+    resized in place (its storage grown under every view of it, its offset kept, as CPU's
+    resize_output does), laid out as the kernel laid the result out, then the values."""
+    if dev.shape != res.shape:
+        dev.resize_(res.shape)
+    if not res.numel():
+        return
+    if dev.stride() != res.stride():  # a kernel that lays its out out itself (LAPACK's column-major results)
+        extent = sum((n - 1) * st for n, st in zip(res.shape, res.stride())) + 1
+        need = (dev.storage_offset() + extent) * dev.element_size()
+        if need > dev.untyped_storage().nbytes():
+            dev.untyped_storage().resize_(need)
+        torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+            _CPU_KEYS, dev, dev.untyped_storage(), dev.storage_offset(), res.shape, res.stride())
+    memory.cpu_view(dev).copy_(res)
+
+
+# Where a nested tensor comes from without the user asking for one: what to do instead. (The
+# relabelled result failed inside PyTorch with "NestedTensorImpl doesn't support sizes".)
+_ENCODER_HINT = ("nn.TransformerEncoder builds one in eval mode from a src_key_padding_mask: construct it with "
+                 "enable_nested_tensor=False")
+NESTED_HINTS = {"_nested_tensor_from_mask": _ENCODER_HINT, "_nested_tensor_from_padded": _ENCODER_HINT}
+
+
+# (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call
+_costs: dict[tuple[Any, ...], Any] = {}
+
+
+def _signature(x: Any) -> Any:
+    """What of an argument can change the kernel: tensor shapes, dtypes and devices, ints, strings,
+    bools; not float values (a learning rate changes every step, the kernel does not). A
+    tensor's device is told apart by is_cpu/is_meta (else neuron: this torch build has no other
+    device), which is cheaper than building its ``torch.device``; it runs for every op call."""
+    tp = type(x)
+    if tp is tuple or tp is list:
+        return tuple([_signature(y) for y in x])
+    if tp is float:
+        return float
+    if tp is int or tp is str or tp is bool or x is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.is_cpu, x.is_meta)
+    if isinstance(x, (list, tuple)):
+        return tuple([_signature(y) for y in x])
+    if isinstance(x, float):
+        return float
+    if isinstance(x, (int, str, bool, torch.dtype)):
+        return x
+    return type(x)
+
+
+# Ops CUDA runs with host tensors beside device ones (index tensors that stay on the host).
+MIXED_DEVICE_OPS = frozenset({"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_",
+                              "_unsafe_index_put", "tensor_split", "ctc_loss", "_ctc_loss", "_ctc_loss_backward",
+                              "_local_scalar_dense", "_foreach_copy", "_foreach_copy_"})
+
+
+def raise_devices(a: torch.device, b: torch.device) -> None:
+    """CUDA's error for an op given tensors on two devices."""
+    a, b = sorted((a, b), key=str)
+    raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!")
+
+
+def same_device(*ts: torch.Tensor | None) -> None:
+    """The device check of an explicit kernel: every tensor given on one device."""
+    first = ts[0].device
+    for t in ts[1:]:
+        if t is not None and t.device != first:
+            raise_devices(first, t.device)
+
+
+def check_one_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The device check a composite would have made (TensorIterator's): one device, except 0-dim
+    CPU tensors, which act as scalars."""
+    devices = {t.device for t in flat_tensors(list(args) + list(kwargs.values()), [])
+               if t.device in NEURON_DEVICES or t.dim() > 0}
+    if len(devices) > 1:
+        a, b = sorted(devices, key=str)[:2]
+        raise_devices(a, b)
+
+
+def same_device_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The fallback for a claimed elementwise op (its composite's device check is the fallback's
+    own, made while converting the arguments)."""
+    return fallback(op, *args, **kwargs)
+
+
+def foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A ``_foreach_*`` op whole: the CPU foreach kernel over zero-copy views, charged as one
+    launch of a generic kernel over all its tensors (bytes and elements summed over each list),
+    as a fused multi-tensor kernel would run. PyTorch's slow path for a backend without foreach
+    kernels would split it into one device op per tensor: an AdamW step plus gradient clipping
+    on the demo's 28-tensor GPT-2 was ~330 launches, and is 12 this way."""
+    check_one_device(args, kwargs)
+    info = op_info(op)
+    return call_traced(info.name, _run_foreach, op, info, args, kwargs)
+
+
+def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    index = _device_of(args, kwargs)
+    conv = _ToCpu()
+    out = _back(_cpu_call(op, [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}), conv, index)
+    key = (op, _signature(args), _signature(tuple(kwargs.items())))
+    rt = runtime()
+    cost = _costs.get(key)
+    if cost is None:
+        lists = [list(a) for a in args if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a)]
+        cost = _costs[key] = rt.cost(lowering.fused_spec(info.name, lists, [a for a in args if is_neuron(a)],
+                                                         flat_tensors(out, [])))
+    fastpath.teach(info.qualified, info.name, cost)  # an in-place one: the fast path serves it from now on
+    rt.charge(index, info.name, cost)
+    return out
+
+
+def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> torch.Tensor:
+    """``torch.histc``; of an integer tensor too, which CPU lacks and CUDA counts (Hugging Face's
+    MoE code bins expert ids as int32 on accelerators): the ids are binned as fp32 (exact for
+    integers below 2**24) and the counts returned in the input's dtype, as CUDA does - a cast,
+    the histogram and a cast back, each charged as its kernel."""
+    op = torch.ops.aten.histc.default
+    if self.dtype.is_floating_point:
+        return fallback(op, self, bins, min, max)
+    return fallback(op, self.float(), bins, min, max).to(self.dtype)
+
+
+def host_kernel(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An explicit neuron kernel whose values ``fn`` computes from CPU views of its arguments
+    (tensors on one device); the results are relabelled and the call is charged as op ``name``."""
+    conv = _ToCpu()
+    cargs = [conv(a) for a in args]
+    ckwargs = {k: conv(v) for k, v in kwargs.items()}
+    if conv.other is not None and conv.device is not None:
+        raise_devices(conv.device, conv.other)
+    index = (conv.device.index or 0) if conv.device is not None else _current_device()
+    out = _back(fn(*cargs, **ckwargs), conv, index)
+    rt = runtime()
+    inputs = [t for t in flat_tensors(list(args) + list(kwargs.values()), []) if t.device.type == NEURON]
+    cost = rt.cost(lowering.op_spec(name, args, kwargs, inputs, flat_tensors(out, [])))
+    fastpath.teach("aten::" + name, name, cost)  # the LSTM cells: the native fast path serves the signature next
+    rt.charge(index, name, cost)
+    return out
+
+
+# ---- TensorE ops through the native datapath -----------------------------------------------
+def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype: torch.dtype,
+                 a: torch.Tensor, b: torch.Tensor) -> None:
+    """Charge a matmul; the operands' memory layouts pick the kernel's operand forms
+    (:func:`torch_bridge.lowering.matmul_layout`)."""
+    ta, tb = lowering.matmul_layout(a, b)
+    key = (batch, m, k, n, dtype, ta, tb)
+    rt = runtime()
+    cost = _mm_costs.get(key)
+    if cost is None:
+        cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
+    fastpath.teach(_MM_QUALIFIED.get(op, ""), op, cost)  # the fast path's float32 mm/addmm/bmm, when it asked
+    rt.charge(index, op, cost)
+
+
+_MM_QUALIFIED = {"mm": "aten::mm", "addmm": "aten::addmm", "bmm": "aten::bmm"}  # (their default overloads)
+
+
+# (batch, m, k, n, dtype, transpose flags) -> the matmul's OpCost (a spec is slower to build than to look up)
+_mm_costs: dict[tuple[Any, ...], Any] = {}
+
+
+def _mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and a.dtype == b.dtype
+
+
+def _bmm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]
+            and a.dtype == b.dtype)
+
+
+def _bias_ok(c: torch.Tensor, rows: tuple[int, ...]) -> bool:
+    """``c`` broadcasts to the product's shape ``rows`` the way addmm/baddbmm's self may."""
+    if c.dim() > len(rows):
+        return False
+    return all(cs in (1, rs) for cs, rs in zip(reversed(c.shape), reversed(rows)))
+
+
+def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    same_device(self, mat2)
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if not _mm_ok(a, b):
+        return torch.mm(a, b)  # CPU's error for these operands
+    if tensore.on_datapath(a, b):
+        res = tensore.matmul_f32(a, b).to(self.dtype)
+    else:
+        res = torch.mm(a, b)
+    _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
+    return memory.relabel(res, index)
+
+
+def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> torch.Tensor:
+    """``alpha * prod + beta * c`` in fp32 over the PSUM result, in place (addmm/baddbmm)."""
+    if alpha != 1:
+        prod.mul_(alpha)
+    if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
+        prod.add_(c.float() if beta == 1 else c.float() * beta)
+    return prod
+
+
+def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+          ) -> torch.Tensor:
+    same_device(mat1, mat2, self)
+    index = mat1.device.index or 0
+    a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
+    if not (_mm_ok(a, b) and _bias_ok(c, (a.shape[0], b.shape[1]))):
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
+    else:
+        res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype, mat1, mat2)
+    return memory.relabel(res, index)
+
+
+def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    same_device(self, mat2)
+    index = self.device.index or 0
+    a, b = memory.cpu_view(self), memory.cpu_view(mat2)
+    if not _bmm_ok(a, b):
+        return torch.bmm(a, b)  # CPU's error for these operands
+    if tensore.on_datapath(a, b):
+        res = tensore.bmm_f32(a, b).to(self.dtype)
+    else:
+        res = torch.bmm(a, b)
+    _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
+    return memory.relabel(res, index)
+
+
+def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+            ) -> torch.Tensor:
+    same_device(batch1, batch2, self)
+    index = batch1.device.index or 0
+    a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
+    if not (_bmm_ok(a, b) and _bias_ok(c, (a.shape[0], a.shape[1], b.shape[2]))):
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+        res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
+    else:
+        res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype,
+                 batch1, batch2)
+    return memory.relabel(res, index)
+
+
+def out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``op.out`` from its functional kernel: compute, then resize ``out`` and copy into it."""
+    def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        res = functional(*args, **kwargs)
+        if out.shape != res.shape:
+            out.resize_(res.shape)
+        memory.cpu_view(out).copy_(memory.cpu_view(res))
+        return out
+    return out_kernel
+
+
+# ---- convolution (aten sends non-CPU/CUDA convolutions to the *_overrideable ops) -------------
+def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
+               stride: Any = None, padding: Any = None, dilation: Any = None, transposed: bool = True) -> None:
+    rt = runtime()
+    for spec in lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed):
+        rt.charge(index, op, spec)
+
+
+def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format | None:
+    """The output layout CPU's convolution picks: channels-last when the input or the weight is
+    (``suggest_memory_format``), contiguous otherwise."""
+    if x.dim() == 4:
+        cl = torch.channels_last
+    elif x.dim() == 5:
+        cl = torch.channels_last_3d
+    else:
+        return None
+    if any(t.is_contiguous(memory_format=cl) and not t.is_contiguous() for t in (x, w)):
+        return cl
+    return torch.contiguous_format
+
+
+# a convolution's metadata -> None (CPU takes it) or (exception type, message): CPU's checks
+_conv_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
+
+
+def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> None:
+    """Raise what CPU's convolution raises for these arguments (channels that do not match the
+    weight, a bias of the wrong size, strides or paddings of the wrong length, ...), where the
+    datapath's im2col would compute something. CPU's own checks are the reference and no meta
+    kernel makes all of them, so the first call of each signature runs CPU's convolution on the
+    same host views (its result is dropped); later calls look the verdict up."""
+    key = (tuple((t.shape, t.stride(), t.dtype) for t in (x, w, b) if t is not None), b is None, _signature(params))
+    verdict = _conv_checked.get(key, False)
+    if verdict is False:
+        try:
+            torch.ops.aten.convolution.default(x, w, b, *params)
+            verdict = None
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            verdict = (type(e), str(e))
+        _conv_checked[key] = verdict
+    if verdict is not None:
+        raise verdict[0](verdict[1])
+
+
+def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any,
+                 dilation: Any, transposed: bool, output_padding: Any, groups: int) -> torch.Tensor:
+    same_device(input, weight, bias)
+    index = input.device.index or 0
+    x, w = memory.cpu_view(input), memory.cpu_view(weight)
+    cb = memory.cpu_view(bias) if bias is not None else None
+    _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
+    # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
+    # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
+    # are not all finite take CPU's convolution for their values
+    if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype) and \
+            bool(x.isfinite().all()) and bool(w.isfinite().all()):
+        acc = tensore.conv_f32(x, w, stride, padding, dilation, groups)
+        if cb is not None:
+            acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))
+        res = acc.to(input.dtype)
+    else:
+        res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
+                                                 groups)
+    fmt = _conv_memory_format(x, w)
+    if fmt is not None and not res.is_contiguous(memory_format=fmt):
+        res = res.contiguous(memory_format=fmt)
+    _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
+    return memory.relabel(res, index)
+
+
+def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: Any,
+                          padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                          output_mask: Any) -> tuple[Any, Any, Any]:
+    same_device(input, grad_output, weight)
+    index = input.device.index or 0
+    g, x, w = memory.cpu_view(grad_output), memory.cpu_view(input), memory.cpu_view(weight)
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
+                                                            transposed, output_padding, groups, output_mask)
+    rt = runtime()
+    for spec in lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation, transposed,
+                                             output_mask):
+        rt.charge(index, "convolution_backward", spec)
+    res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
+    if res[2] is not None:
+        runtime().charge(index, "convolution_backward",
+                         lowering.generic_spec("convolution_backward", [grad_output], [res[2]]))
+    return res  # type: ignore[return-value]

@@ -1,0 +1,170 @@
+"""Where a neuron run's host wall time goes: a profiling mode of the simulator itself.
+
+A program on the ``neuron`` device spends its wall time in: the CPU kernels that compute its
+values, the native fast path around them (``csrc/neuron.cpp``), the Python path of the ops the
+fast path steps aside for (:mod:`torch_bridge.values`, per op name), the device model placing
+launches on the simulated timeline (:class:`trnsim.device.Device`), building and simulating the
+kernels of new shapes (cost-cache misses), compiling graphs, and the program's own Python and
+autograd. :func:`profile` measures each of the simulator's parts by its own clock (time spent
+inside a part less the parts nested in it); what is left over is the fast path, the CPU kernels
+it runs and the program itself, which the caller compares with the same program's CPU wall time
+measured in the same run (``benchmarks/bench_zoo.py --split``)::
+
+    with torch_bridge.hostprof.profile() as prof:
+        step()
+    print(prof.table())
+
+It measures the simulator's host time, never the simulated time: cycles, values and the
+device's reports are the same with it on or off. Off (the default), the only cost is one
+attribute test per Python-path op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+__all__ = ["Profile", "profile", "active"]
+
+active: "Profile | None" = None  # the profile being recorded (read by values.call_traced)
+
+_clock = time.perf_counter
+
+
+class Profile:
+    """Exclusive host seconds per part, and calls per part, while recording."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.wall = 0.0
+        self.fast_hits = 0  # ops the native fast path served
+        self.datapath = 0.0  # the fast path's matmuls in trnsim's C datapath (part of the rest)
+        self.compile = 0.0  # seconds compiling graphs (the device's own count; its builds and
+        # simulations are counted in theirs, the rest of it in the rest)
+        self.simulated = 0  # kernels simulated (cost-cache misses)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def call(self, part: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)``, its time less that of nested parts counted as ``part``."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        frame = [0.0]
+        stack.append(frame)
+        t0 = _clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = _clock() - t0
+            stack.pop()
+            if stack:
+                stack[-1][0] += dt
+            with self._lock:
+                self.seconds[part] = self.seconds.get(part, 0.0) + dt - frame[0]
+                self.calls[part] = self.calls.get(part, 0) + 1
+
+    def parts(self) -> list[tuple[str, float, int]]:
+        """(part, seconds, calls), the largest first."""
+        return sorted(((k, v, self.calls.get(k, 0)) for k, v in self.seconds.items()), key=lambda r: -r[1])
+
+    def summary(self) -> dict[str, float]:
+        """Seconds per group: ``python path`` (every op's Python kernel, its CPU kernel apart),
+        ``cpu kernels (python path)``, ``device model``, ``build``, ``simulate``, ``compile`` and
+        ``rest`` (the fast path with its CPU kernels and the datapath, autograd, the program)."""
+        out: dict[str, float] = {}
+        for k, v in self.seconds.items():
+            group = "python path" if k.startswith("python ") else k
+            out[group] = out.get(group, 0.0) + v
+        out["rest"] = self.wall - sum(out.values())
+        return out
+
+    def table(self, steps: int = 1, top: int = 12, cpu_wall: float | None = None) -> str:
+        """The split as text, per step (``steps`` steps recorded); ``cpu_wall``: the same
+        program's CPU wall per step, to set the rest against."""
+        w = self.wall / steps
+        lines = [f"    wall {w * 1e3:9.1f} ms/step   fast-path ops {self.fast_hits / steps:,.0f}/step, "
+                 f"kernels simulated {self.simulated / steps:,.1f}/step"]
+
+        def row(name: str, s: float, calls: int | None = None) -> None:
+            c = f"{calls / steps:9.1f}" if calls is not None else " " * 9
+            lines.append(f"    {name:38s} {s / steps * 1e3:9.1f} ms {100 * s / self.wall if self.wall else 0:5.1f}%"
+                         f" {c}")
+
+        s = self.summary()
+        for group in ("build", "simulate", "device model", "compile", "cpu kernels (python path)"):
+            if s.get(group):
+                row(group, s[group], self.calls.get(group))
+        py = [(k, v, c) for k, v, c in self.parts() if k.startswith("python ")]
+        row("python path (all ops)", s.get("python path", 0.0), sum(c for _, _, c in py))
+        for k, v, c in py[:top]:
+            row("  " + k[len("python "):], v, c)
+        if len(py) > top:
+            row(f"  ({len(py) - top} more ops)", sum(v for _, v, _ in py[top:]), sum(c for _, _, c in py[top:]))
+        if self.datapath:
+            row("datapath (fast-path matmuls)", self.datapath)
+        row("rest: fast path + CPU kernels + program", s["rest"] - self.datapath)
+        if cpu_wall is not None:
+            lines.append(f"    (the same program on CPU: {cpu_wall * 1e3:.1f} ms/step; the rest less that: "
+                         f"{(s['rest'] - self.datapath) / steps * 1e3 - cpu_wall * 1e3:.1f} ms)")
+        return "\n".join(lines)
+
+
+def _wrap(owner: Any, name: str, part: str, undo: list[tuple[Any, str, Any]]) -> None:
+    original = owner.__dict__[name]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        prof = active
+        if prof is None:
+            return original(*args, **kwargs)
+        return prof.call(part, original, args, kwargs)
+
+    timed.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(owner, name, timed)
+    undo.append((owner, name, original))
+
+
+@contextmanager
+def profile() -> Iterator[Profile]:
+    """Record where the host's wall time goes until the block ends (one at a time)."""
+    global active
+    if active is not None:
+        raise RuntimeError("torch_bridge.hostprof.profile: a profile is recording already")
+    from trnsim.sim.chip import Chip
+    from trnsim.device import Device
+
+    from .. import runtime
+    from ..eager import fastpath
+    from ..eager import values
+
+    device = runtime.runtime().device
+    device.now()  # launches logged before the profile are placed outside it
+    undo: list[tuple[Any, str, Any]] = []
+    for owner, name, part in ((Device, "kernels_of", "build"), (Chip, "run_spmd", "simulate"),
+                              (Device, "_drain", "device model"), (Device, "launch", "device model"),
+                              (Device, "launch_graph", "device model"), (Device, "host_op", "device model"),
+                              (Device, "synchronize", "device model"), (Device, "now", "device model"),
+                              (values, "_cpu_call", "cpu kernels (python path)")):
+        _wrap(owner, name, part, undo)
+    prof = Profile()
+    hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
+    comp0 = device.recorders[0].compile_seconds
+    t0 = _clock()
+    active = prof
+    try:
+        yield prof
+    finally:
+        try:
+            device.now()  # the launches logged meanwhile are placed inside it
+        finally:
+            active = None
+            prof.wall = _clock() - t0
+            for owner, name, original in reversed(undo):
+                setattr(owner, name, original)
+            prof.fast_hits = fastpath.hits() - hits0
+            prof.datapath = fastpath.datapath_seconds() - dp0
+            prof.simulated = device.simulated - sim0
+            prof.compile = device.recorders[0].compile_seconds - comp0

@@ -1,0 +1,316 @@
+"""``F.scaled_dot_product_attention`` on neuron as one device op, forward and backward.
+
+PyTorch picks an SDPA backend through a C++ DispatchStub that Python cannot fill for
+PrivateUse1, so without this module attention runs as the math decomposition: about ten device
+ops per layer (bmm, scale, mask, softmax, bmm and their backwards), each dispatched from Python
+and charged as its own kernel. A Trainium backend runs a fused flash-attention kernel instead.
+
+``scaled_dot_product_attention`` is CompositeImplicitAutograd, and a kernel registered directly
+at AutogradPrivateUse1 takes precedence over the composite for neuron tensors (and one at
+PrivateUse1 serves calls below autograd, e.g. in inference mode). Both run
+:class:`_Attention`, a ``torch.autograd.Function`` whose forward and backward are each one op:
+
+* **values** - QKᵀ, P·V and the backward's four matmuls run through the TensorE datapath
+  (:func:`torch_bridge.tensore.bmm_f32`: operands in their dtype, fp32 PSUM accumulation); the
+  scaling, masking and softmax run as CPU torch ops in fp32 on zero-copy views, as PyTorch's
+  math path does (it upcasts bf16/fp16 to fp32 too). P is cast to the operand dtype before P·V,
+  as the PE array reads it.
+* **time** - the forward is charged as the library ``attention`` kernel (``causal`` when
+  ``is_causal``); an explicit mask runs the non-causal kernel plus a generic kernel that reads
+  the mask once. The backward keeps P from the forward (as the math path does) and is charged
+  as its four matmul kernels (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q) plus a generic
+  VectorE kernel for the softmax backward (reads P and dP, writes dS): five launches, where a
+  fused backward kernel would pay one.
+
+Calls the kernel cannot take (dropout, head dim over the PE array's 128 partitions, queries and
+keys of different lengths, different q/v head dims, non-datapath dtypes, a mask that needs a
+gradient, mismatched batch dims) run PyTorch's math path, op by op, as before; a boolean mask is
+first made the additive 0/-inf mask that path takes (:func:`additive_mask`), as CPU's
+``scaled_dot_product_attention`` does before it picks a backend (the math op itself adds a bool
+mask as 0/1).
+
+Every call is checked as CPU checks it first (:func:`check`): CPU's errors for what CPU refuses,
+and ``attn_mask`` with ``is_causal=True`` accepted where CPU accepts it (its fused kernel, which
+applies both: the mask and the causal -inf added to the scores) and refused where CPU refuses it
+(its math path).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import _torch
+from ..eager import lowering, memory, tensore, values
+from ..runtime import runtime
+
+__all__ = ["sdpa", "takes", "takes_meta", "check", "additive_mask", "forward_values", "backward_values",
+           "charge_forward", "charge_backward"]
+
+FORWARD = "scaled_dot_product_attention"
+BACKWARD = "scaled_dot_product_attention_backward"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+MAX_HEAD_DIM = 128  # the attention kernel's limit: D on the PE array's contraction partitions
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+          enable_gqa: bool) -> bool:
+    """True when the fused op computes this call; otherwise the math path does."""
+    if any(type(t) not in _PLAIN for t in (q, k, v, attn_mask) if t is not None):
+        return False  # fake or functional tensors (torch.compile tracing) have no memory to compute on
+    return takes_meta(q, k, v, attn_mask, dropout_p, enable_gqa)
+
+
+def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+               enable_gqa: bool) -> bool:
+    """:func:`takes` from metadata alone (a compiled graph's fake tensors)."""
+    if dropout_p > 0.0 or q.dim() < 3 or not q.dim() == k.dim() == v.dim():
+        return False
+    if not tensore.on_datapath(q, k, v) or q.is_nested or q.device != k.device or q.device != v.device:
+        return False
+    l, e = q.shape[-2:]
+    s, ev = v.shape[-2:]
+    if e > MAX_HEAD_DIM or ev != e or k.shape[-1] != e or k.shape[-2] != s or l != s:
+        return False
+    hq, hk = q.shape[-3], k.shape[-3]
+    if k.shape[:-3] != q.shape[:-3] or v.shape[:-2] != k.shape[:-2]:
+        return False
+    if hk != hq and not (enable_gqa and hk > 0 and hq % hk == 0):
+        return False
+    if attn_mask is not None:
+        if attn_mask.requires_grad or attn_mask.device != q.device:
+            return False
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            return False
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, q.shape[:-1] + (s,)) != q.shape[:-1] + (s,):
+                return False  # a mask that would widen the scores: the math path (and CPU's error)
+        except RuntimeError:
+            return False
+    return True
+
+
+CAUSAL_WITH_MASK = "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True"
+_FLASH = 1  # sdp::SDPBackend::flash_attention, as CPU's backend choice numbers it
+
+# the call's metadata -> None (CPU takes it) or (exception type, message) (CPU refuses it)
+_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
+
+
+def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _probe(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A host tensor of ``t``'s sizes and dtype whose last dim has stride 1 exactly when ``t``'s
+    does, over a few bytes (other strides 0): all of a tensor CPU's backend choice reads, bar
+    ``requires_grad``, which it keeps."""
+    if t is None:
+        return None
+    last = 1 if t.dim() == 0 or t.stride(-1) == 1 else 2
+    n = t.shape[-1] if t.dim() else 1
+    base = torch.empty((n - 1) * last + 1 if n else 0, dtype=t.dtype)
+    with torch.enable_grad():
+        base.requires_grad_(t.requires_grad)
+        return base.as_strided(t.shape, [0] * (t.dim() - 1) + [last] if t.dim() else [])
+
+
+def _refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+             is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[type, str] | None:
+    """CPU's verdict on a call, from metadata: the input checks of ``scaled_dot_product_attention``
+    (run on meta tensors of the same sizes, which share them) and CPU's backend choice
+    (``_fused_sdp_choice`` on :func:`_probe` tensors), which checks masks on its own and decides
+    ``attn_mask`` with ``is_causal``: its fused kernel takes the two together, its math path
+    refuses them."""
+    errors = (RuntimeError, ValueError, IndexError, TypeError)
+    try:
+        torch.ops.aten.scaled_dot_product_attention.default(
+            _meta(q), _meta(k), _meta(v), _meta(mask), dropout_p, is_causal and mask is None, scale=scale,
+            enable_gqa=enable_gqa)
+        meta_error = None
+    except errors as e:
+        meta_error = e
+    if meta_error is not None and str(meta_error).startswith(_INPUT_CHECKS):
+        return type(meta_error), str(meta_error)  # CPU checks the inputs before it picks a backend
+    try:  # CPU's choice has checks of its own (a 1-d mask is an IndexError there)
+        choice = _torch.fused_sdp_choice(_probe(q), _probe(k), _probe(v), _probe(mask), dropout_p, is_causal,
+                                         scale=scale, enable_gqa=enable_gqa)
+    except errors as e:
+        return type(e), str(e)
+    if meta_error is not None:  # the math path's own error (shapes that do not multiply, ...)
+        return type(meta_error), str(meta_error)
+    if is_causal and mask is not None and choice != _FLASH:
+        return RuntimeError, CAUSAL_WITH_MASK
+    return None
+
+
+# the messages of scaled_dot_product_attention's input checks (validate_sdpa_input), which CPU
+# runs before its backend choice
+_INPUT_CHECKS = ("Expected query, key, and value", "Expected query, key and value", "Expected attn_mask")
+
+
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+          is_causal: bool, scale: float | None, enable_gqa: bool) -> None:
+    """Raise CPU's error for a call CPU refuses (see :func:`_refusal`); cached by metadata."""
+    ts = (q, k, v) if mask is None else (q, k, v, mask)
+    if any(t.is_nested for t in ts):
+        return  # nested tensors: PyTorch's own path checks them
+    shapes = tuple(t.shape for t in ts)
+    if not all(type(d) is int for sh in shapes for d in sh):
+        return  # symbolic sizes (a dynamic-shape trace): no meta or host tensor can stand for them
+    key = (shapes, tuple(t.dtype for t in ts), tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
+           mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
+           torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    verdict = _checked.get(key, False)
+    if verdict is False:
+        # the checks' tensors are their own: real (also inside a compile's trace), unseen by the
+        # caller's modes (a flop counter would count the meta math path's matmuls)
+        with _torch.DisableTorchFunction(), _torch.disable_current_modes():
+            verdict = _checked[key] = _refusal(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    if verdict is not None:
+        raise verdict[0](verdict[1])
+
+
+def additive_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+                  ) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for PyTorch's math op: a boolean mask as 0 where True and -inf where
+    False in the query's dtype (CPU's ``convert_boolean_attn_mask``), and ``is_causal`` together
+    with a mask as that mask plus the causal -inf above the diagonal (the math op refuses the pair)."""
+    if attn_mask is None:
+        return None, is_causal
+    mask = attn_mask
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(mask.logical_not(), -math.inf)
+    if is_causal:
+        l, s = q.shape[-2], k.shape[-2]
+        above = torch.ones(l, s, dtype=torch.bool, device=mask.device).triu_(1)
+        mask = mask + torch.zeros(l, s, dtype=mask.dtype, device=mask.device).masked_fill_(above, -math.inf)
+    return mask, False
+
+
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V with each head repeated for the ``groups`` query heads that share it (GQA)."""
+    return x.repeat_interleave(groups, dim=-3) if groups > 1 else x
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+_causal: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _causal_bias(l: int, s: int) -> torch.Tensor:
+    """0 on and below the diagonal, -inf above: adding it is a tenth of the time of masked_fill_."""
+    bias = _causal.get((l, s))
+    if bias is None:
+        bias = _causal[(l, s)] = torch.zeros(l, s).masked_fill_(torch.ones(l, s, dtype=torch.bool).triu_(1),
+                                                               -math.inf)
+    return bias
+
+
+class _Attention(torch.autograd.Function):
+    """SDPA whose forward and backward each run as one neuron op (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                is_causal: bool, scale: float | None, groups: int) -> torch.Tensor:
+        index = q.device.index or 0
+        out, p, sc = forward_values(q, k, v, attn_mask, is_causal, scale, groups)
+        ctx.save_for_backward(q, k, v)
+        ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
+        ctx.scale, ctx.groups = sc, groups
+        charge_forward(index, q, attn_mask, is_causal, scale)
+        return memory.relabel(out, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v = ctx.saved_tensors
+        index = q.device.index or 0
+        dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
+        charge_backward(index, q, k.shape[-2], q.dtype)
+        return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
+                None, None, None, None)
+
+
+def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                   is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The forward's values from neuron tensors: (out, P, scale) as CPU tensors (P in fp32)."""
+    cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
+    l, e = q.shape[-2:]
+    s = k.shape[-2]
+    sc = scale if scale is not None else 1.0 / math.sqrt(e)
+    scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
+    scores.mul_(sc)
+    if is_causal:
+        scores.add_(_causal_bias(l, s))
+    if attn_mask is not None:  # with is_causal too: CPU's fused kernel applies both
+        m = memory.cpu_view(attn_mask)
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
+    p = torch.softmax(scores, -1)
+    if attn_mask is not None:  # a row that sees no key is zeros, as CPU's fused kernel writes it
+        dead = scores.amax(-1, keepdim=True) == -math.inf
+        if dead.any():
+            p.masked_fill_(dead, 0.0)
+    out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+    return out, p, sc
+
+
+def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,
+                    scale: float, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's values from neuron tensors (P from the forward): (dq, dk, dv) on CPU."""
+    dt = q.dtype
+    p = _flat(memory.cpu_view(p_dev))
+    do = _flat(memory.cpu_view(grad_out).to(dt))
+    cq = _flat(memory.cpu_view(q))
+    ck, cv = _flat(_heads(memory.cpu_view(k), groups)), _flat(_heads(memory.cpu_view(v), groups))
+    p_dt = p.to(dt)
+    dv = tensore.bmm_f32(p_dt.transpose(1, 2), do)
+    dp = tensore.bmm_f32(do, cv.transpose(1, 2))
+    ds = _torch.softmax_backward_data(dp, p, -1, torch.float32)
+    ds.mul_(scale)
+    ds_dt = ds.to(dt)
+    dq = tensore.bmm_f32(ds_dt, ck)
+    dk = tensore.bmm_f32(ds_dt.transpose(1, 2), cq)
+    kv_shape = q.shape[:-3] + (k.shape[-3], groups) + k.shape[-2:]
+    dk = dk.view(kv_shape).sum(-3) if groups > 1 else dk.view(k.shape)
+    dv = dv.view(kv_shape).sum(-3) if groups > 1 else dv.view(v.shape)
+    return dq.view(q.shape).to(dt), dk.to(dt), dv.to(dt)
+
+
+# (shapes, dtype, mask shape/dtype, causal, scale) -> the costs one forward / backward launches
+_charges: dict[tuple[Any, ...], list[Any]] = {}
+
+
+def _charge(index: int, op: str, key: tuple[Any, ...], specs: Any) -> None:
+    rt = runtime()
+    costs = _charges.get(key)
+    if costs is None:
+        costs = _charges[key] = [rt.cost(spec) for spec in specs()]
+    for cost in costs:
+        rt.charge(index, op, cost)
+
+
+def charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
+                    ) -> None:
+    key = ("fwd", q.shape, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
+    _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale))
+
+
+def charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:
+    _charge(index, BACKWARD, ("bwd", q.shape, s, dtype), lambda: lowering.attention_backward_specs(q, s, dtype))
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """The neuron kernel of ``aten::scaled_dot_product_attention``."""
+    values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
+    check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
+        mask, causal = additive_mask(query, key, attn_mask, is_causal)
+        return _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    groups = query.shape[-3] // key.shape[-3]
+    return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups)

@@ -1,0 +1,2 @@
+"""Timing-only runs: fake-tensor execution (:mod:`.fake`), parallel plans on one process
+(:mod:`.parallel`), whole-system estimates (:mod:`.estimate`) and weightless models (:mod:`.models`)."""

@@ -1,0 +1,345 @@
+"""``trnsim estimate inference`` as Neuron serves a model: each step is the NKI library kernels
+NxD Inference lowers its layers to (:mod:`torch_bridge.nxdi`), at Neuron's bucketed shapes
+(:mod:`trnsim.buckets`), charged on each simulated role's device model.
+
+The model is built on ``meta`` (no weights) and its decoder layers matched into
+:class:`~torch_bridge.nxdi.Layer` s; a step is the calls of the layers one rank holds plus the
+embedding, the LM head and on-device sampling, issued after the step's one host dispatch (a
+NEFF launch): kernels back to back on the compute stream, the TP collectives on the collective
+stream (each waits for the compute before it, the compute after it waits for it). Kernel and
+collective costs come from the cost cache (:mod:`trnsim.costcache`) or are simulated once per
+shape. Weights and the KV cache (allocated for the largest batch and KV bucket, as Neuron
+allocates it when the model loads) count against the rank's HBM.
+
+:class:`StepCosts` times any step shape of a lowered model on one rank - what ``trnsim estimate
+serve`` (:mod:`trnsim.serve`) builds its timeline from.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trnsim.workload.buckets import Buckets, default_buckets
+from trnsim.config import SystemConfig, load_system
+from trnsim.device.costcache import CostCache, default_cache_dir
+from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
+from trnsim.workload.models import ModelConfig, load_model
+
+from . import models, nxdi
+from .nxdi import Call, Layer, Shards
+
+__all__ = ["lowered", "estimate_inference_kernels", "StepCosts", "ASSUMPTIONS"]
+
+ASSUMPTIONS = (
+    "each step is one compiled graph (a NEFF at a bucketed shape): one host dispatch, kernels back to back",
+    "decoder layers lowered to the NKI library kernels as NxD Inference runs them (qkv, attention_tkg / attention_cte, "
+    "oproj, mlp; router_topk, moe_tkg / moe), TP collectives between them; prefill sequence-parallel by default",
+    "on-device greedy sampling: each rank's max over its vocabulary shard, values and indices gathered",
+    "KV cache allocated for the largest batch and KV bucket; a decode step attends over its KV bucket",
+    "MoE tokens spread evenly over the experts (balanced routing)",
+    "no speculative decoding, no serving stack (scheduler, tokenizer, network)",
+)
+
+
+@functools.lru_cache(maxsize=16)
+def _matched(path: str, fields_key: str, layers: int | None) -> tuple[tuple[Layer, ...], int, int, float, bool]:
+    import json
+
+    from .. import _torch
+
+    spec = ModelConfig(Path(path).stem, Path(path), json.loads(fields_key))
+    models.register()
+    cfg = models.hf_config(spec, layers)
+    cfg._attn_implementation = models.ATTENTION
+    from transformers import AutoModelForCausalLM
+
+    with _torch.no_dispatch_modes(), torch.device("meta"), models._default_dtype(torch.bfloat16), models.quiet():
+        net = AutoModelForCausalLM.from_config(cfg, attn_implementation=models.ATTENTION)
+    layers_ = tuple(nxdi.match_model(net))
+    norm = getattr(getattr(net, net.base_model_prefix, net), "norm", None)
+    eps = nxdi._eps(norm) if norm is not None else 1e-6
+    return layers_, int(cfg.hidden_size), int(cfg.vocab_size), eps, bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def lowered(spec: ModelConfig, shards: Shards) -> nxdi.Program:
+    """``spec``'s decoder layers matched from its modules (built on meta; cached per config) for ``shards``."""
+    import json
+
+    layers, hidden, vocab, eps, tied = _matched(str(spec.path), json.dumps(spec.fields, sort_keys=True), None)
+    prog = nxdi.Program(list(layers), shards, hidden, vocab, eps, tied)
+    for layer in layers:  # the per-rank sizes: an impossible split is one line now, not mid-run
+        nxdi.layer_weight_bytes(layer, shards)
+    return prog
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_calls(layer: Layer, sh: Shards, batch: int, tokens: int, prior: int, cache: int, first: bool,
+                 decode: bool) -> tuple[Call, ...]:
+    return tuple(nxdi.lower_layer(layer, sh, batch=batch, tokens=tokens, prior=prior, cache=cache, first=first,
+                                  decode=decode))
+
+
+def step_calls(prog: nxdi.Program, role: Role, last: bool, *, batch: int, tokens: int, prior: int, cache: int,
+               decode: bool) -> list[Call]:
+    """Every call of one rank's step: embedding, its layers, LM head and sampling."""
+    before, after = nxdi.lower_step(prog.hidden, prog.vocab, prog.shards, batch=batch, tokens=tokens,
+                                    first=role.first, last=last, eps=prog.eps)
+    out = list(before)
+    lo, hi = role.layers
+    for i in range(lo, hi):
+        out.extend(_layer_calls(prog.layers[i], prog.shards, batch, tokens, prior, cache, i == 0, decode))
+    out.extend(after)
+    return out
+
+
+def charge(rank: Any, calls: Sequence[Call], dtype: str) -> None:
+    """Launch ``calls`` on the rank (inside its timing-only run): kernels on the compute stream,
+    collectives over its TP group on the collective stream."""
+    from trnsim.isa import KernelError
+
+    dev, run = rank.device, rank.run
+    for c in calls:
+        if c.spec is not None:
+            try:
+                cost = dev.cost(c.spec)
+            except KernelError as e:
+                raise nxdi.Unsupported(f"the library kernel {c.text()} refused its shape ({e}); a larger --tp or "
+                                       f"--ep, or a shorter sequence, may give it one it takes") from None
+            run.launch(0, c.op, cost)
+        else:
+            rank.comm.charge(c.collective, c.nbytes, rank.comm.tp_group, dtype)
+
+
+def _memory(prog: nxdi.Program, role: Role, last: bool, batch: int, kv_tokens: int) -> tuple[int, int]:
+    lo, hi = role.layers
+    sh = prog.shards
+    weights = sum(nxdi.layer_weight_bytes(prog.layers[i], sh) for i in range(lo, hi)) + \
+        nxdi.step_weight_bytes(prog.hidden, prog.vocab, sh, role.first, last, prog.tied)
+    kv = batch * kv_tokens * sum(nxdi.kv_bytes_per_token(prog.layers[i], sh) for i in range(lo, hi))
+    return weights, kv
+
+
+def lowering_text(prog: nxdi.Program, *, batch: int, tokens: int, cache: int, decode: bool,
+                  index: int | None = None) -> tuple[str, ...]:
+    """The calls a layer became: the most common kind of layer (its first occurrence after layer 0,
+    which has no residual to add, where there is one; ``index`` picks one)."""
+    if index is None:
+        kinds = [layer for layer in prog.layers]
+        common = max(set(kinds), key=lambda k: (kinds.count(k), -kinds.index(k)))
+        index = next((i for i, k in enumerate(kinds) if k == common and i > 0), kinds.index(common))
+    i = index
+    return nxdi.describe(_layer_calls(prog.layers[i], prog.shards, batch, tokens, 0, cache, i == 0, decode))
+
+
+def layer_kinds(prog: nxdi.Program) -> tuple[str, ...]:
+    """The distinct kinds of decoder layer, most common first, one line each: ``58 x MLA, MoE 256
+    experts top 8 + shared MLP (layers 3-60)``."""
+    groups: dict[Layer, list[int]] = {}
+    for i, layer in enumerate(prog.layers):
+        groups.setdefault(layer, []).append(i)
+    out = []
+    for layer, idx in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        a, f = layer.attention, layer.ffn
+        extras = [x for x in ("q/k norm" if a.qk_norm else "", "sinks" if a.sinks else "",
+                              f"window {a.window}" if a.window else "") if x]
+        attn = ("MLA" if a.kind == "mla" else "GQA" if a.kv_heads < a.heads else "MHA") + \
+            (f" ({', '.join(extras)})" if extras else "")
+        ffn = f"MoE {f.experts} experts top {f.top_k}" + (" + shared MLP" if f.shared_inter else "") \
+            if f.kind == "moe" else "dense MLP"
+        span = f"layers {idx[0]}-{idx[-1]}" if idx == list(range(idx[0], idx[-1] + 1)) else \
+            f"every other layer from {idx[0]}" if idx == list(range(idx[0], idx[-1] + 1, 2)) else f"{len(idx)} layers"
+        out.append(f"{len(idx)} x {attn}, {ffn} ({span})")
+    return tuple(out)
+
+
+@dataclass
+class _Step:
+    ticks: int
+    report: Any
+
+
+def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemConfig = "trn2.48xlarge", *, tp: int = 1,
+                               pp: int = 1, dp: int = 1, ep: int = 1, sp: bool | None = None, batch: int = 1,
+                               input_tokens: int = 1024, output_tokens: int = 128, dtype: str = "bf16",
+                               overrides: Sequence[str] | None = None, cache_dir: str | Path | None | bool = True,
+                               trace: bool = False, layers: int | None = None, max_context: int | None = None,
+                               max_model_len: int | None = None, context_buckets: Sequence[int] | None = None,
+                               kv_buckets: Sequence[int] | None = None, batch_buckets: Sequence[int] | None = None,
+                               ) -> tuple[InferenceEstimate, list[Any]]:
+    """TTFT, TPOT and tokens/s with the layers lowered to the library kernels (module docstring).
+
+    ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
+    (default: the prompt) and ``max_model_len`` (default: prompt + output) set the default
+    buckets, ``*_buckets`` replace them."""
+    from .estimate import EstimateError, _dtype, _make_rank, _positive, _send_recv_ticks, _simulate_roles, \
+        _with_layers, _scope
+
+    t_wall = time.perf_counter()
+    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
+    sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
+    for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens), ("--ep", ep)):
+        _positive(name, v)
+    dt = _dtype(dtype)
+    if dtype not in nxdi.KERNEL_DTYPES:
+        raise EstimateError(f"--dtype {dtype}: the library's transformer kernels take {' or '.join(nxdi.KERNEL_DTYPES)}; "
+                            f"run --eager for {dtype}")
+    sp_on = (tp > 1) if sp is None else bool(sp)
+    plan = Plan(tp, pp, dp, sp_on)
+    check_plan(spec, sysc, tp, pp, dp, dtype)
+    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
+    total = input_tokens + output_tokens
+    mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
+    mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
+    if total > mseq:
+        raise EstimateError(f"--input {input_tokens:,} + --output {output_tokens:,} = {total:,} tokens, more than "
+                            f"--max-model-len {mseq:,}")
+    buckets = default_buckets(mctx, mseq, batch, tp=tp, sp=sp_on, context=context_buckets, kv=kv_buckets,
+                              batch=batch_buckets, seq_default=max_model_len is None)
+    if tp % ep:
+        raise EstimateError(f"--ep {ep}: expert parallelism must divide --tp {tp} (NxDI: moe_ep_degree x "
+                            f"moe_tp_degree = tp)")
+    shards = Shards(tp, ep, sp_on, dtype)
+    try:
+        prog = lowered(spec, shards)
+    except nxdi.Unsupported as e:
+        raise EstimateError(str(e)) from None
+    if ep > 1 and not any(layer.ffn.kind == "moe" for layer in prog.layers):
+        raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
+    prompt = buckets.context_for(input_tokens)
+    bb = buckets.batch_for(batch)
+    # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
+    # over input + k - 1 positions (as trnsim.serve's decode steps)
+    per_bucket: dict[int, list[int]] = {}
+    for n in range(input_tokens + 1, total):
+        per_bucket.setdefault(buckets.kv_for(n), []).append(n)
+    kv_alloc = buckets.kv[-1]
+    cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
+    reports: dict[tuple[Any, ...], Any] = {}
+    refused: list[str] = []
+
+    def run(rank: Any, last: bool) -> dict[str, Any]:
+        role = rank.role
+        out: dict[str, Any] = {"traces": []}
+        weights, kv = _memory(prog, role, last, bb, kv_alloc)
+        with rank.run:
+            rank.ledger.reserve(0, weights)
+            rank.ledger.reserve(0, kv)
+            with _scope(rank.device, trace) as rep:
+                start = rank.step_start()
+                charge(rank, step_calls(prog, role, last, batch=bb, tokens=prompt, prior=0, cache=prompt,
+                                        decode=False), dtype)
+                out["prefill_ticks"] = rank.step_end(start)
+            out["prefill_report"] = summarise(rep[0], out["prefill_ticks"])
+            if trace:
+                out["traces"].append(("prefill", role, rep[0]))
+            out["decode"] = {}
+            for i, kvb in enumerate(sorted(per_bucket)):
+                with _scope(rank.device, trace and i == 0) as rep:
+                    start = rank.step_start()
+                    charge(rank, step_calls(prog, role, last, batch=bb, tokens=1, prior=0, cache=kvb, decode=True),
+                           dtype)
+                    ticks = rank.step_end(start)
+                out["decode"][kvb] = (ticks, summarise(rep[0], ticks))
+                if trace and i == 0:
+                    out["traces"].append(("decode", role, rep[0]))
+        mem = rank.ledger.devices[0]
+        out["memory"] = RoleMemory(role.stage, role.ranks, weights, kv, 0, mem.peak, mem.capacity)
+        return out
+
+    try:
+        results, traces, memory, kernels = _simulate_roles(spec, sysc, plan, cache, reports, run, refused)
+    except nxdi.Unsupported as e:
+        raise EstimateError(str(e)) from None
+    hz = sysc.tick_hz
+    hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
+    p2p_prefill = _send_recv_ticks(sysc, plan, bb * prompt * hidden_bytes, reports, dtype)
+    p2p_decode = _send_recv_ticks(sysc, plan, bb * hidden_bytes, reports, dtype)
+    stages = [results[r.stage] for r in plan.roles(spec.layers)]
+    ttft = (sum(s["prefill_ticks"] for s in stages) + sum(p2p_prefill)) / hz * 1e3
+    decode = [(min(ns), (sum(s["decode"][kvb][0] for s in stages) + sum(p2p_decode)) / hz * 1e3, len(ns))
+              for kvb, ns in sorted(per_bucket.items())]
+    steps = sum(c for _, _, c in decode)
+    tpot = sum(ms * c for _, ms, c in decode) / steps if steps else 0.0
+    e2e_ms = ttft + (output_tokens - 1) * tpot
+    per_request = output_tokens / (e2e_ms / 1e3) if e2e_ms else 0.0
+    busiest = max(per_bucket, key=lambda k: len(per_bucket[k])) if per_bucket else None
+    kv_read = sum(kvb * len(ns) for kvb, ns in per_bucket.items())
+    kv_used = sum(sum(ns) for ns in per_bucket.values())
+    padding = {"prefill_tokens": prompt, "prefill_padding_percent": 100.0 * (prompt - input_tokens) / prompt,
+               "decode_kv_buckets": sorted(per_bucket), "decode_kv_padding_percent":
+                   100.0 * (kv_read - kv_used) / kv_read if kv_read else 0.0,
+               "batch_bucket": bb, "batch_padding_percent": 100.0 * (bb - batch) / bb}
+    lowering = {"decode": lowering_text(prog, batch=bb, tokens=1, cache=busiest or kv_alloc, decode=True),
+                "prefill": lowering_text(prog, batch=bb, tokens=prompt, cache=prompt, decode=False),
+                "layers": layer_kinds(prog)}
+    notes = []
+    if prompt != input_tokens:
+        notes.append(f"prompt of {input_tokens:,} tokens run in the context bucket of {prompt:,}")
+    if bb != batch:
+        notes.append(f"batch of {batch} run in the batch bucket of {bb}")
+    est = InferenceEstimate(
+        model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
+        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp_on, **({"ep": ep} if ep > 1 else {})}, ranks=plan.size,
+        batch=batch, input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype, ttft_ms=ttft, tpot_ms=tpot,
+        tpot_first_ms=decode[0][1] if decode else 0.0, tpot_last_ms=decode[-1][1] if decode else 0.0,
+        tokens_per_s=per_request, system_tokens_per_s=per_request * batch * dp,
+        decode_samples=tuple((n, ms) for n, ms, _ in decode),
+        prefill=stages[0]["prefill_report"],
+        decode=stages[0]["decode"][busiest][1] if busiest else stages[0]["prefill_report"],
+        memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
+        wall_s=time.perf_counter() - t_wall, assumptions=ASSUMPTIONS + tuple(notes) + tuple(refused),
+        lowering=lowering, buckets=buckets.to_dict(), padding=padding,
+        decode_kv=busiest or 0)
+    return est, traces
+
+
+class StepCosts:
+    """The time of any step shape of a lowered model on one simulated rank (stage 0 of a
+    one-stage plan), each shape simulated once: ``prefill(batch, tokens, prior)`` and
+    ``decode(batch, kv)`` in seconds. Kernel and collective costs come from the cost cache."""
+
+    def __init__(self, spec: ModelConfig, system: SystemConfig, plan: Plan, shards: Shards,
+                 cache_dir: str | Path | None | bool = True):
+        from .estimate import _make_rank
+
+        self.spec, self.system, self.plan, self.shards = spec, system, plan, shards
+        self.prog = lowered(spec, shards)
+        self.cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
+        role = plan.roles(spec.layers)[0]
+        self.role = Role(0, (0, spec.layers), role.rank, role.ranks)
+        self.rank = _make_rank(self.role, system, plan, self.cache, {})
+        self._times: dict[tuple[Any, ...], float] = {}
+        self.simulated_steps = 0
+
+    def memory(self, batch: int, kv_tokens: int) -> tuple[int, int]:
+        """(weights, KV-cache bytes) on the rank for a cache of ``batch x kv_tokens``."""
+        return _memory(self.prog, self.role, True, batch, kv_tokens)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(nxdi.kv_bytes_per_token(layer, self.shards) for layer in self.prog.layers)
+
+    def _time(self, key: tuple[Any, ...], **kw: Any) -> float:
+        t = self._times.get(key)
+        if t is None:
+            rank = self.rank
+            with rank.run:
+                start = rank.step_start()
+                charge(rank, step_calls(self.prog, self.role, True, **kw), self.shards.dtype)
+                ticks = rank.step_end(start)
+            t = self._times[key] = ticks / self.system.tick_hz
+            self.simulated_steps += 1
+        return t
+
+    def prefill(self, batch: int, tokens: int, prior: int = 0) -> float:
+        return self._time(("p", batch, tokens, prior), batch=batch, tokens=tokens, prior=prior, cache=tokens + prior,
+                          decode=False)
+
+    def decode(self, batch: int, kv: int) -> float:
+        return self._time(("d", batch, kv), batch=batch, tokens=1, prior=0, cache=kv, decode=True)

@@ -1,0 +1,546 @@
+"""One training step of one simulated rank, as the frameworks run it (timing-only).
+
+What :class:`trnsim.training.Recipe` asks, done with the tensors of the run (so HBM and time
+follow from what is live and what is launched, never from a formula):
+
+* **vocab-parallel cross-entropy** (NxD's ``parallel_cross_entropy``): the LM head's logits stay
+  split over the TP group; the loss takes the max, the target's logit and the sum of exponentials
+  each with an all-reduce over the group, in fp32 on ``tokens x vocab / tp`` values, and keeps the
+  softmax (fp32, local) for its backward, which is computed in place.
+* **recomputation**: ``full`` wraps each decoder layer in ``torch.utils.checkpoint`` (non-
+  reentrant: the layer keeps its input; its forward runs again in the backward, collectives
+  included); ``selective`` checkpoints NxDT's module list - the RMSNorms and the MLP's
+  activation-multiply - so their outputs are recomputed instead of kept.
+* **sequence parallelism's saves**: a block's all-gathered input is not kept for its backward;
+  the local shard is, and the backward all-gathers it again (NxD's and Megatron's linear layers),
+  by a saved-tensor hook.
+* **the optimizer**: fp32 master weights, fp32 gradient accumulation (each parameter's gradient
+  added into its slice of a flat fp32 buffer as the backward produces it, then freed) and fp32
+  AdamW moments; ``zero1`` keeps 1/dp of the master weights and moments, ``fsdp`` also of the
+  parameters and gradients (each decoder layer's parameters all-gathered for its forward and
+  again for its backward, its gradients reduce-scattered). All of it is allocated before the
+  step, as in a run's steady state, so the peak counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from trnsim.workload.training import Recipe, RecipeError
+
+__all__ = ["vocab_parallel_cross_entropy", "apply_recompute", "sequence_parallel_saves", "OptimizerState"]
+
+
+# ---- the loss ----------------------------------------------------------------------------------
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, comm: Any, group: list[int]) -> torch.Tensor:
+        rows = logits.numel() // logits.shape[-1]
+        f = logits.float()  # fp32 for the loss (NxD's mixed precision keeps it there)
+        m = f.amax(-1, keepdim=True)
+        comm.charge("all-reduce", rows * 4, group, "fp32")  # the max over the vocabulary
+        f.sub_(m)
+        target = torch.empty(f.shape[:-1] + (1,), dtype=torch.long, device=f.device)
+        picked = f.gather(-1, target)  # the target's logit (zero on the ranks that do not own it)
+        comm.charge("all-reduce", rows * 4, group, "fp32")
+        f.exp_()
+        s = f.sum(-1, keepdim=True)
+        comm.charge("all-reduce", rows * 4, group, "fp32")  # the sum of exponentials
+        loss = (s.log() - picked).mean()
+        f.div_(s)  # the softmax, kept for the backward
+        ctx.save_for_backward(f)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        (f,) = ctx.saved_tensors
+        f.mul_(g)  # softmax - one-hot at the target, times the loss's gradient (in place)
+        return f.to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, comm: Any) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` split over the vocabulary across the TP group."""
+    group = comm.tp_group
+    return _VocabParallelCE.apply(logits, comm, group)
+
+
+# ---- recomputation -----------------------------------------------------------------------------
+def _function_mode() -> Any:
+    """The timing-only run's function mode (fused attention) on this thread: the autograd engine's
+    thread, where a recompute runs, does not inherit it."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from .fake import _FunctionMode, active
+
+    run = active()
+    if run is None or any(isinstance(m, _FunctionMode) for m in _get_current_function_mode_stack()):
+        return contextlib.nullcontext()
+    return _FunctionMode(run)
+
+
+def _checkpointed(fn: Any, comm: Any = None) -> Any:
+    """``fn`` under non-reentrant checkpointing; its recompute in the backward runs with the
+    sequence-parallel state ``comm`` had in the forward (the blocks gather their input again)."""
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        sp = getattr(comm, "sp_active", False)
+
+        def again(*a: Any, **k: Any) -> Any:
+            with _function_mode():
+                if comm is None:
+                    return fn(*a, **k)
+                was, comm.sp_active = comm.sp_active, sp
+                try:
+                    return fn(*a, **k)
+                finally:
+                    comm.sp_active = was
+        return checkpoint(again, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+    return run
+
+
+def _act_mul(mlp: nn.Module) -> Any:
+    act = mlp.act_fn
+    inner = _checkpointed(lambda g, u: act(g) * u)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(inner(mlp.gate_proj(x), mlp.up_proj(x)))
+    return forward
+
+
+def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
+    """Recompute ``layers``' activations in the backward as ``mode`` says (module docstring)."""
+    if mode == "none":
+        return
+    if mode == "full":
+        for layer in layers:
+            layer.forward = _checkpointed(layer.forward, comm)
+        return
+    found = 0
+    for layer in layers:
+        for m in layer.modules():
+            name = type(m).__name__
+            if name.endswith("RMSNorm") or name.endswith("LayerNorm") or isinstance(m, nn.LayerNorm):
+                m.forward = _checkpointed(m.forward)
+                found += 1
+            elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                m.forward = _act_mul(m)
+                found += 1
+    if not found:
+        raise RecipeError("--recompute selective: the model's layers have no norms or gated MLP to recompute "
+                          "(NxDT's module list); use --recompute full or none")
+
+
+# ---- sequence parallelism: keep the shard, gather again in the backward -------------------------
+class _Regather:
+    """A block's gathered input as its backward sees it: the shard (kept), gathered again once
+    (charged) when the first of the block's matmuls needs it, shared by the others."""
+
+    def __init__(self, local: torch.Tensor, nbytes: int, ref: StorageWeakRef, dtype: torch.dtype):
+        self.local, self.nbytes, self.ref, self.dtype = local, nbytes, ref, dtype
+        self._full: Any = None
+
+    def full(self, comm: Any) -> torch.Tensor:
+        if self._full is None:  # held until the block's last matmul has run its backward (this record dies)
+            # issued ahead, as NxD's and Megatron's sequence-parallel linears issue it (async, beside the
+            # input-gradient matmul): it starts once the collective stream is free
+            comm.charge("all-gather", self.nbytes, comm.tp_group,
+                        {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32"), early=True)
+            self._full = torch.empty(self.nbytes // self.local.element_size(), dtype=self.local.dtype,
+                                     device=self.local.device)
+        return self._full
+
+
+@contextlib.contextmanager
+def sequence_parallel_saves(comm: Any) -> Iterator[None]:
+    """Within: a sequence-parallel block's gathered input, when autograd saves it, is kept as the
+    rank's shard, and all-gathered again (charged) when the backward unpacks it."""
+    gathered: dict[int, tuple[torch.Tensor, int, StorageWeakRef]] = {}
+    original = comm.gather_sequence
+
+    def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+        full = original(x)
+        ref = StorageWeakRef(full.untyped_storage())
+        for key in [k for k, v in gathered.items() if v[2].expired()]:
+            del gathered[key]  # a freed storage's address may come back for another tensor
+        gathered[ref.cdata] = (x, full.untyped_storage().nbytes(), ref)
+        return full
+
+    records: dict[int, _Regather] = {}
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.device.type == "neuron":
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            hit = gathered.get(key)
+            if hit is not None and not hit[2].expired():
+                rec = records.get(key)
+                if rec is None or rec.ref.expired():
+                    rec = records[key] = _Regather(hit[0], hit[1], hit[2], t.dtype)
+                return (rec, t.storage_offset(), t.shape, t.stride())  # the matmuls of one block share one
+        return t
+
+    def unpack(p: Any) -> torch.Tensor:
+        if isinstance(p, tuple) and p and isinstance(p[0], _Regather):
+            rec, offset, shape, stride = p
+            return torch.as_strided(rec.full(comm), shape, stride, offset)
+        return p
+
+    comm.gather_sequence = gather_sequence
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        comm.gather_sequence = original
+        gathered.clear()
+        records.clear()
+
+
+# ---- the optimizer's state -----------------------------------------------------------------------
+class OptimizerState:
+    """Master weights, gradient buffer and AdamW moments of one rank (module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], recipe: Recipe, dp: int):
+        self.params = params
+        self.recipe = recipe
+        self.dp = dp
+        self.numel = sum(p.numel() for p in params)
+        self.shard = -(-self.numel // dp) if recipe.sharding in ("zero1", "fsdp") and dp > 1 else self.numel
+        fp32, low = torch.float32, params[0].dtype if params else torch.bfloat16
+        self.master = torch.empty(self.shard, dtype=fp32, device="neuron") if recipe.master_bytes else None
+        state = fp32 if recipe.state_bytes == 4 else low
+        self.moments = [torch.empty(self.shard, dtype=state, device="neuron") for _ in range(2)]
+        grad_numel = self.shard if recipe.sharding == "fsdp" and dp > 1 else self.numel
+        self.grads = torch.empty(grad_numel, dtype=fp32 if recipe.grad_bytes == 4 else low, device="neuron")
+        self._hooks: list[Any] = []
+        self.ready: list[tuple[int, int]] | None = None  # (tick, gradient bytes) as the backward finishes each
+        self.device: Any = None
+        off = 0
+        for p in params:
+            n = p.numel()
+            if self.grads.numel() == self.numel:
+                view = (off, n)
+            else:  # FSDP: this rank's shard of the parameter's gradient
+                view = (off // dp, -(-n // dp))
+            off += n
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, view)))
+
+    def _accumulate(self, view: tuple[int, int], p: nn.Parameter) -> None:
+        g = p.grad
+        if g is None:
+            return
+        lo, n = view
+        if n == g.numel():
+            src = g
+        else:  # FSDP: the rank's rows of the (reduce-scattered) gradient
+            rows = max(1, -(-g.shape[0] // self.dp)) if g.dim() else 1
+            src = g.narrow(0, 0, rows) if g.dim() else g
+            n = src.numel()
+        dst = self.grads.narrow(0, min(lo, self.grads.numel() - n), n).view(src.shape)
+        dst.add_(src)  # accumulated in fp32 as it arrives, in the gradient's layout; the bf16 gradient is freed
+        p.grad = None
+        if self.ready is not None:
+            self.ready.append((self.device.now(0), p.numel() * p.element_size()))
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """(master, gradients, moments) bytes."""
+        m = self.master.untyped_storage().nbytes() if self.master is not None else 0
+        return m, self.grads.untyped_storage().nbytes(), sum(t.untyped_storage().nbytes() for t in self.moments)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+# ---- expert parallelism ---------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Any, group: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        comm.charge("all-to-all", x.numel() * x.element_size(), group, _dtype_name(x.dtype))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        ctx.comm.charge("all-to-all", g.numel() * g.element_size(), ctx.group, _dtype_name(g.dtype))
+        return g, None, None
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
+
+
+def expert_parallel(ep: int, plan: Any, comm: Any) -> Any:
+    """A ``then`` for the stage model: every experts module (3-d ``gate_up_proj`` / ``down_proj``)
+    keeps ``experts / ep`` experts, and its routed tokens go to the ranks of their experts and
+    back by all-to-all over ``ep`` data-parallel ranks (forward and backward)."""
+    d, p_i, t = plan.coords(comm.rank)
+    lo = d // ep * ep
+    group = [plan.rank(dd, p_i, t) for dd in range(lo, lo + ep)]
+
+    def send(x: torch.Tensor) -> torch.Tensor:
+        return _AllToAll.apply(x, comm, group)
+
+    def shard(net: nn.Module) -> nn.Module:
+        found = 0
+        for m in net.modules():
+            gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+            if isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3:
+                experts = gu.shape[0]
+                if experts % ep:
+                    raise RecipeError(f"--ep {ep}: the model has {experts} experts, not a multiple of {ep}")
+                for name, prm in (("gate_up_proj", gu), ("down_proj", dn)):
+                    setattr(m, name, nn.Parameter(torch.empty((experts // ep, *prm.shape[1:]), dtype=prm.dtype,
+                                                              device="meta"), requires_grad=prm.requires_grad))
+                m._trnsim_ep = send
+                found += 1
+        if not found:
+            raise RecipeError(f"--ep {ep}: the model has no experts to split (a mixture-of-experts model)")
+        return net
+    return shard
+
+
+# ---- FSDP: the parameters held as shards, gathered per layer --------------------------------------
+class _FullyShard:
+    """FSDP2 over the data-parallel group on a rank whose parameters were built whole: the ledger
+    keeps 1/dp of each decoder layer's parameters, and each layer's forward and backward hold its
+    whole parameters (all-gathered, charged) until the layer is done (reshard after forward)."""
+
+    def __init__(self, layers: nn.ModuleList, rank: Any, group: list[int], dtype: str):
+        self.rank, self.group, self.dtype = rank, group, dtype
+        self.dp = len(group)
+        ledger = rank.ledger
+        self.sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+        self.held = 0
+        for n in self.sizes:
+            ledger.release(0, n - -(-n // self.dp))  # the rank keeps its shard of each layer
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(functools.partial(self._gather, i)))
+            self.handles.append(layer.register_forward_hook(functools.partial(self._free, i)))
+            self.handles.append(layer.register_full_backward_pre_hook(functools.partial(self._gather_bwd, i)))
+            self.handles.append(layer.register_full_backward_hook(functools.partial(self._reduce, i)))
+
+    def _hold(self, i: int) -> None:
+        n = self.sizes[i]
+        self.rank.run._reserve(0, n - -(-n // self.dp))
+        self.rank.comm.charge("all-gather", n, self.group, self.dtype)
+
+    def _drop(self, i: int) -> None:
+        n = self.sizes[i]
+        self.rank.ledger.release(0, n - -(-n // self.dp))
+
+    def _gather(self, i: int, module: nn.Module, args: Any) -> None:
+        self._hold(i)
+
+    def _free(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
+        self._drop(i)
+
+    def _gather_bwd(self, i: int, module: nn.Module, grad_out: Any) -> None:
+        self._hold(i)
+
+    def _reduce(self, i: int, module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        self.rank.comm.charge("reduce-scatter", self.sizes[i], self.group, self.dtype)
+        self._drop(i)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for n in self.sizes:
+            self.rank.ledger.devices[0].add(n - -(-n // self.dp))  # whole again, as the storages are freed
+
+
+# ---- one role's step ------------------------------------------------------------------------------
+def _layers_of(net: nn.Module) -> nn.ModuleList:
+    """The repeated blocks of a model: a decoder's ``layers``, an encoder's ``encoder.layer``."""
+    base = getattr(net, net.base_model_prefix, net)
+    for path in ("layers", "encoder.layer", "h", "decoder.layers"):
+        mod: Any = base
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+        if isinstance(mod, nn.ModuleList) and len(mod):
+            return mod
+    raise RecipeError(f"model type '{net.config.model_type}' has no repeated layers (model.layers or "
+                      f"encoder.layer) to recompute or shard")
+
+
+def _sweep_allocated(rank: Any) -> int:
+    rank.run.sweep()
+    return rank.ledger.devices[0].allocated
+
+
+def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool, micro_batch: int, seq: int,
+                   trace: bool, recipe: Recipe, micro: int) -> dict[str, Any]:
+    """One micro-batch's forward and backward, the gradient reduction and the optimizer step of
+    ``rank``'s role, with the recipe's memory; returns the ticks, reports and memory."""
+    from trnsim.workload.plan import RoleMemory, summarise
+    from trnsim.workload.training import TrainMemory, in_flight
+
+    from . import models
+    from .estimate import _scope, _stage_model, _torch_dtype_name
+
+    role = rank.role
+    comm = rank.comm
+    vocab_parallel = recipe.loss == "vocab-parallel" and plan.tp > 1
+    out: dict[str, Any] = {"traces": []}
+    dname = _torch_dtype_name(dt)
+    dp_group = plan.dp_group(role.rank)
+    with rank.run, models.quiet():
+        if recipe.ep > 1 and plan.dp % recipe.ep:
+            raise RecipeError(f"--ep {recipe.ep}: expert parallelism splits the data-parallel ranks; --dp {plan.dp} "
+                              f"is not a multiple of it")
+        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel,
+                           then=expert_parallel(recipe.ep, plan, comm) if recipe.ep > 1 else None)
+        net.train()
+        params = [p for p in net.parameters() if p.requires_grad]
+        base = getattr(net, net.base_model_prefix, net)
+        emb = getattr(base, "embed_tokens", None)
+        out["params"] = sum(p.numel() for p in params) - (emb.weight.numel() if isinstance(emb, nn.Module)
+                                                          and hasattr(emb, "weight") else 0)
+        layers = _layers_of(net)
+        fsdp = _FullyShard(layers, rank, dp_group, dname) if recipe.sharding == "fsdp" and plan.dp > 1 else None
+        weights = _sweep_allocated(rank)
+        state = OptimizerState(params, recipe, plan.dp)
+        apply_recompute(layers, recipe.recompute, comm)
+        sp = contextlib.nullcontext() if not (plan.sp and plan.tp > 1) else sequence_parallel_saves(comm)
+        if recipe.fused:  # the step lowered as the compiled path lowers it
+            from .fuse_regions import Fuser
+
+            rank.run.fuser = Fuser(rank.run)
+            rank.run.target.flash_backward = True
+        before = _sweep_allocated(rank)
+        rank.ledger.devices[0].reset_peak()
+        with _scope(rank.device, trace) as rep:
+            start = rank.step_start()
+            with sp:
+                labels = torch.empty((micro_batch, seq), dtype=torch.long, device="neuron") \
+                    if last and not vocab_parallel else None
+                if role.first:
+                    ids = torch.empty((micro_batch, seq), dtype=torch.long, device="neuron")
+                    res = net(input_ids=ids, labels=labels, use_cache=False)
+                else:
+                    x = torch.empty((micro_batch, seq, spec.hidden), dtype=dt, device="neuron", requires_grad=True)
+                    res = net(inputs_embeds=x, labels=labels, use_cache=False)
+                if not last:
+                    y = res.last_hidden_state
+                elif vocab_parallel:
+                    y = vocab_parallel_cross_entropy(res.logits, comm)
+                else:
+                    y = res.loss
+                del res
+            rank.run._flush()
+            out["forward_ticks"] = rank.step_end(start)
+        out["forward_report"] = summarise(rep[0], out["forward_ticks"])
+        activations = _sweep_allocated(rank) - before
+        state.ready, state.device = [], rank.device
+        with _scope(rank.device, trace) as rep:
+            start = rank.step_start()
+            state.ready.append((start, 0))
+            y.backward(None if last else torch.empty_like(y))
+            rank.run._flush()
+            out["backward_ticks"] = rank.step_end(start)
+        out["backward_report"] = summarise(rep[0], out["backward_ticks"])
+        if trace:
+            out["traces"] += [("forward", role, None), ("backward", role, rep[0])]
+        del y
+        grad_bytes = out["params_local"] = state.numel
+        nbytes = grad_bytes * dt.itemsize  # gradients reduced in the compute dtype (NxD: bf16)
+        ready = [(t - start, n) for t, n in state.ready[1:]]
+        state.ready = None
+        out["dp_ticks"], out["buckets"] = 0, []
+        if fsdp is None and plan.dp > 1 and ready:  # FSDP reduce-scatters each layer in its backward
+            from trnsim.workload.training import gradient_buckets, overlap_buckets
+
+            coll = "reduce-scatter" if recipe.sharding == "zero1" else "all-reduce"
+            buckets = gradient_buckets(ready, recipe.bucket_mb * 2 ** 20)
+            times = [round(comm.report(coll, n, dp_group, dname).time_s * comm.system.tick_hz) for _, n in buckets]
+            out["dp_ticks"], spans = overlap_buckets([t for t, _ in buckets], times, out["backward_ticks"],
+                                                     recipe.overlap)
+            out["buckets"] = [(n, a, b) for (_, n), (a, b) in zip(buckets, spans)]
+        start = rank.step_start()
+        if recipe.fused:
+            _fused_optimizer_step(state, dt, rank)
+        else:
+            _optimizer_step(state, dt)
+        if fsdp is None and recipe.sharding == "zero1" and plan.dp > 1:
+            comm.charge("all-gather", nbytes, dp_group, dname)  # the updated parameters to every replica
+        rank.run._flush()
+        out["optimizer_ticks"] = rank.step_end(start)
+        out["fused_regions"] = rank.run.fuser.regions if rank.run.fuser is not None else 0
+        rank.run.fuser = None
+        mem = rank.ledger.devices[0]
+        measured = mem.peak
+        master, grads, moments = state.nbytes()
+        state.remove()
+        if fsdp is not None:
+            fsdp.close()
+        held = in_flight(plan.pp, role.stage, micro, recipe.virtual_stages)
+        fixed = weights + master + grads + moments
+        tm = out["train_memory"] = TrainMemory(
+            role.stage, role.ranks, weights, master, grads, moments, activations, held,
+            max(0, measured - fixed - activations), measured + (held - 1) * activations, mem.capacity)
+        out["memory"] = RoleMemory(role.stage, role.ranks, weights, 0, master + grads + moments, tm.peak, mem.capacity)
+        del state, net, params
+        rank.run.sweep()
+    return out
+
+
+def _optimizer_step(state: OptimizerState, dt: torch.dtype) -> None:
+    """AdamW over this rank's shard, op by op as torch.optim's foreach path launches it, then the
+    fp32 master weights cast into the parameters' dtype."""
+    master = state.master if state.master is not None else torch.empty(state.shard, dtype=dt, device="neuron")
+    p = nn.Parameter(master, requires_grad=True)
+    p.grad = state.grads.narrow(0, 0, state.shard).to(master.dtype)
+    opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+    opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": state.moments[0], "exp_avg_sq": state.moments[1]}
+    opt.step()
+    if state.master is not None:
+        torch.empty(state.shard, dtype=dt, device="neuron").copy_(master)  # master -> bf16 parameters
+
+
+def _fused_optimizer_step(state: OptimizerState, dt: torch.dtype, rank: Any) -> None:
+    """AdamW over this rank's shard as the compiled step runs it: one multi-tensor kernel
+    (:mod:`trnsim.kernels.foreach`, pattern ``adamw``) reading the master weights, gradients and
+    moments once and writing them back, and with mixed precision also writing the parameters in
+    their compute dtype (the cast as one more output of the same program)."""
+    from trnsim.device import KernelSpec
+    from trnsim.kernels.foreach import PATTERNS_INPLACE, pattern
+    from trnsim.kernels.fused import Program
+
+    from ..eager.lowering import tile_dtype
+
+    sdt = "fp32" if state.recipe.state_bytes == 4 else tile_dtype(dt).name
+    prog = pattern("adamw", sdt)
+    params: dict[str, Any] = {"pattern": "adamw"}
+    if state.master is not None and sdt != tile_dtype(dt).name:
+        prog = Program(prog.inputs, prog.steps, prog.outputs + ((prog.outputs[0][0], tile_dtype(dt).name),))
+        params = {"program": prog, "inplace": PATTERNS_INPLACE["adamw"]}
+    cost = rank.device.cost(KernelSpec.of("foreach_fused", (1, state.shard), sdt, params))
+    rank.run.launch(0, "_fused_adamw", cost)
+
+
+def assumptions(recipe: Recipe) -> tuple[str, ...]:
+    """What an estimate of ``recipe`` assumes, one line each (printed with the estimate)."""
+    out = ["each micro-batch forward and backward is one compiled graph: one host dispatch each"]
+    if recipe.fused:
+        out.append("elementwise ops between two other launches lowered as the compile path lowers them (fused "
+                   "regions of the library's fused kernel; the rest one kernel per aten op); no horizontal fusion "
+                   "of matmuls (q/k/v and gate/up are separate matmuls)")
+        out.append("flash attention forward as the library kernel, backward as three passes of its instruction "
+                   "stream (six matmul passes for the backward's five)")
+        out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
+    else:
+        out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
+    out.append("1F1B pipeline schedule; activations sent stage to stage with send/recv on the links")
+    out.append(f"data-parallel gradients in {recipe.bucket_mb} MB buckets, " +
+               ("each reduced as soon as the backward has filled it (overlapped; the step pays what runs past "
+                "the last backward)" if recipe.overlap else "reduced after the last backward"))
+    out.append("the concurrent collectives of a step do not slow each other (links not shared between them)")
+    return tuple(out)

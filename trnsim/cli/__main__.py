@@ -1,0 +1,7 @@
+"""``python -m trnsim.cli ...``: the ``trnsim`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

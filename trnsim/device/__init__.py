@@ -1,0 +1,1039 @@
+"""The device model: a chip's logical NeuronCores over time.
+
+Every front end charges its work here - the ``neuron`` PyTorch device's eager ops, compiled
+regions, timing-only runs, collectives - as *launches* of kernels whose cost the scheduler
+(:mod:`trnsim.sim`) simulated once and this module caches. Only this module knows time across
+kernels; only the scheduler knows time inside one. It needs no torch: a kernel is named by a
+:class:`KernelSpec` (a library kernel, its shape, dtype and parameters: metadata, never values).
+
+The model, in integer ticks of the chip config (``config.tick_hz``):
+
+* **Host.** One host thread issues every launch. A launch costs the host ``host.dispatch`` (a
+  config figure) and the host runs ahead of the device: it waits for the device only when the
+  program synchronises (:meth:`Device.synchronize`: reading a value, copying to the host, an
+  event's synchronize) or when ``host.max_inflight`` launches of a core are still unfinished (the
+  runtime's queue is full). Metadata-only ops (views) launch nothing: :meth:`Device.host_op`
+  counts them and they cost neither host nor device time.
+* **Streams.** Each logical core has streams (0 is the default). A kernel starts when its
+  stream's previous kernel has finished and the host has issued it, so the device idles,
+  *waiting on the host*, when its kernels are shorter than the host's dispatch time.
+* **LNC.** A logical core of LNC=2 runs each kernel on both of its physical cores: the op's work
+  is split the way the library's SPMD kernels split it (the registry's ``split`` rule) and the
+  halves are simulated together, sharing their HBM stack. A kernel that cannot be split runs on
+  one physical core.
+* **Concurrent streams share the core's engines** (an approximation). A kernel's demand on each
+  resource (TensorE, VectorE, ScalarE, GpSimd, DMA: busy ticks from its simulation) is taken as
+  spread evenly over its duration. A kernel that starts while kernels of other streams of its
+  core are running is stretched until, for every resource, its own demand plus theirs within its
+  window fits in the window (``lnc`` physical engines of each kind). Kernels already placed keep
+  their times: the later launch absorbs the contention. So two TensorE-bound kernels on two
+  streams take about as long as one after the other, while a TensorE-bound and a DMA-bound one
+  overlap. Logical cores do not contend with each other (at LNC=2 each has its own HBM stack).
+* **Graph launches.** A compiled graph (or a replayed sequence of eager ops) is one executable:
+  :meth:`Device.launch_graph` costs the host one ``host.dispatch`` for all its kernels, which run
+  back to back on one stream. :meth:`Device.graph` collects the launches a thread makes inside a
+  ``with`` block and issues them so; :meth:`Device.muted` discards them (a value computed for a
+  kernel charged another way).
+* **Adaptive eager** (opt-in, :meth:`Device.set_adaptive`). Launches are queued instead of issued
+  until the program synchronises (or the queue holds ``ADAPTIVE_QUEUE`` launches). A queued
+  sequence issued before (the same ops with the same kernels, in order) is replayed as one graph
+  launch; a new one is issued launch by launch, as the capture run of a CUDA graph is, and
+  remembered. Values and the order of kernels are unchanged; only the host's dispatches are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+
+from ..sim.chip import Chip
+from ..config import ChipConfig
+from ..isa import KernelError
+from ..builder.kernel import Kernel
+from ..sim.report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
+
+__all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "LaunchLog", "Recorder", "no_work", "ADAPTIVE_QUEUE",
+           "COLLECTIVE_STREAM"]
+
+#: launches adaptive eager queues at most before it issues them (a program that never syncs)
+ADAPTIVE_QUEUE = 4096
+
+# The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
+# collective launched with Device.launch_collective waits for the compute issued before it.
+COLLECTIVE_STREAM = -1
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """The kernel an op lowers to, as metadata: a library kernel by ``kernel`` name (or
+    ``"stream"``: :mod:`trnsim.kernels.generic`), its ``shape`` (the registry's dims), ``dtype``
+    (a trnsim dtype name) and ``params`` (sorted name/value pairs). ``label`` is what reports show
+    (default: the kernel's name), ``generic`` marks a kernel that stands in for an op no library
+    kernel expresses, and ``fallback`` is tried when the kernel refuses the shape."""
+
+    kernel: str
+    shape: tuple[int, ...]
+    dtype: str
+    params: tuple[tuple[str, Any], ...] = ()
+    label: str = ""
+    generic: bool = False
+    fallback: KernelSpec | None = None
+
+    @staticmethod
+    def of(kernel: str, shape: Sequence[int], dtype: str, params: Mapping[str, Any] | None = None, *,
+           label: str = "", generic: bool = False, fallback: KernelSpec | None = None) -> KernelSpec:
+        return KernelSpec(kernel, tuple(int(d) for d in shape), dtype, tuple(sorted((params or {}).items())),
+                          label, generic, fallback)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.kernel
+
+
+@dataclass(frozen=True)
+class FusedRegion:
+    """What one compiled region's kernel stands in for: the ``ops`` it fused (aten op names, in
+    graph order) and what they cost run one by one as eager kernels (launches, HBM bytes, device
+    ticks), so reports can say what fusing saved."""
+
+    ops: tuple[str, ...]
+    eager_launches: int
+    eager_hbm_bytes: int
+    eager_ticks: int
+
+
+class CollectiveLaunch(NamedTuple):
+    """What a collective launch moved, for its report row: the NeuronLink model's ``collective``
+    and ``algorithm``, the group's size, nccl-tests' S (``nbytes``), this rank's time in the model
+    (``network_ticks``, from the group's start to its completion) and the busbw factor."""
+
+    collective: str
+    algorithm: str
+    ranks: int
+    nbytes: int
+    network_ticks: int
+    busbw_factor: float
+    bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
+    alone_ticks: int = -1  # this rank's time had the group run alone (no sibling groups beside it); -1: it did
+
+
+@dataclass(frozen=True, eq=False)
+class OpCost:
+    """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
+    physical core's kernel), each resource's busy ticks summed over the ``cores`` physical cores
+    it ran on (engines by name, and ``"DMA"``: any queue moving data), HBM bytes and matmul FLOPs;
+    ``reports`` are the simulated kernels' own reports (one per physical core).
+
+    ``demand`` is what the kernel asks of each shared resource when streams run side by side: the
+    engines' busy ticks, and for ``"DMA"`` the ticks its bytes take at the full bandwidth one core
+    reaches (a queue can be active while moving a trickle, so active time overstates its share)."""
+
+    kernel: str
+    generic: bool
+    ticks: int
+    busy: dict[str, int]
+    cores: int
+    hbm_bytes: int
+    matmul_flops: int
+    demand: dict[str, int] = field(default_factory=dict)
+    reports: tuple[KernelReport, ...] = field(default=(), repr=False)
+    region: FusedRegion | None = None  # set when the kernel runs a compiled region
+    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    dma_bytes: int = 0
+    collective: CollectiveLaunch | None = None  # set on a collective's launch (Device.collective_cost)
+
+    @staticmethod
+    def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
+        """The cost of ``reports`` run side by side (one per physical core); ``dma_bytes_per_s``
+        is what one core's DMA reaches (its engines, capped by its HBM stack)."""
+        busy: dict[str, int] = {}
+        for r in reports:
+            for name, t in r.busy_ticks.items():
+                busy[name] = busy.get(name, 0) + t
+        demand = {name: t for name, t in busy.items() if name not in ("DMA", "Sync")}
+        demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
+        reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
+        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
+                      sum(r.matmul_flops for r in reports), demand, tuple(reports), hbm_read_bytes=reads,
+                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports),
+                      engine_flops=sum(r.engine_flops for r in reports))
+
+
+def no_work(label: str) -> OpCost:
+    """A launch with nothing for the device to do (an empty matmul): it costs the host only."""
+    return OpCost(label, False, 0, {}, 1, 0, 0, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# recording launches for reports
+# ---------------------------------------------------------------------------------------------
+
+
+class _CoreTally:
+    """One core's figures within one recorder: launches, host wait, and the union of its kernels'
+    intervals, kept as merged open intervals folded into ``busy`` once the host has passed them
+    (new kernels never start before the host's issue time)."""
+
+    __slots__ = ("launches", "wait", "busy", "open", "last_end", "ticks")
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.wait = 0
+        self.busy = 0
+        self.open: list[list[int]] = []
+        self.last_end = 0
+        self.ticks = 0  # its kernels' times summed: above the union when streams ran side by side
+
+    def add(self, start: int, end: int, host: int) -> None:
+        if end > self.last_end:
+            self.last_end = end
+        if end <= start:
+            return
+        self.ticks += end - start
+        live = self.open
+        if not live or start >= live[-1][1]:  # the usual case: after every open interval
+            while live and live[0][1] <= host:
+                lo, hi = live.pop(0)
+                self.busy += hi - lo
+            live.append([start, end])
+            return
+        merged = [start, end]  # overlaps or precedes an open interval (another stream's kernel)
+        keep = []
+        for iv in live:
+            if iv[1] < merged[0] or iv[0] > merged[1]:
+                keep.append(iv)
+            else:
+                merged = [min(iv[0], merged[0]), max(iv[1], merged[1])]
+        keep.append(merged)
+        keep.sort()
+        self.open = []
+        for iv in keep:
+            if iv[1] <= host:
+                self.busy += iv[1] - iv[0]
+            else:
+                self.open.append(iv)
+
+    def busy_ticks(self) -> int:
+        return self.busy + sum(hi - lo for lo, hi in self.open)
+
+
+class Recorder:
+    """Counts launches for one report scope (the device's whole run, or a ``with`` block).
+    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals.
+    ``trace`` keeps every launch (a timeline); ``sources`` sums each row's device ticks per
+    source line (what :meth:`Device.set_context` or ``Device.source_of`` said launched it)."""
+
+    def __init__(self, start: int, trace: bool = False, sources: bool = False):
+        self.start = start
+        # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
+        self.rows: dict[tuple[str, int], list[Any]] = {}
+        self.host_ops: dict[str, int] = {}
+        self.cores: dict[int, _CoreTally] = {}
+        self.host_ticks = 0
+        self.contention_ticks = 0  # kernels' time added by sharing a core's engines with other streams
+        self.dispatches = 0  # host dispatches: one per launch, one per graph launch
+        self.graph_launches = 0
+        self.compiled_graphs = 0
+        self.compile_seconds = 0.0  # wall time, never charged to the device
+        self.events: list[TraceEvent] | None = [] if trace else None
+        self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
+
+
+# a launch's context: (the Python line that launched it, its host call; -1: none)
+_NO_CONTEXT = ("", -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cores and the host
+# ---------------------------------------------------------------------------------------------
+
+
+class _Core:
+    """One logical NeuronCore's timeline: per-stream ready times, the kernels still in flight."""
+
+    def __init__(self, index: int, max_inflight: int):
+        self.index = index
+        self.ready: dict[int, int] = {0: 0}
+        self.busy_until = 0
+        self.current_stream = 0
+        self.inflight: deque[int] = deque()
+        self.max_inflight = max_inflight
+        # the latest kernels as (stream, start, end, demand), for sharing engines across streams:
+        # at most max_inflight of them are unfinished when the next one is issued
+        self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
+        self.streams: set[int] = set()  # streams that ever ran a kernel here
+        # collectives issued but not yet placed (their start waits for the group): [arrival, host wait]
+        self.pending: list[list[int]] = []
+
+    def fold_until(self, host: int) -> int:
+        """Up to when reports may fold this core's kernel intervals: the host's tick, or the
+        earliest arrival of a collective still to be placed (it may be placed before the host)."""
+        if not self.pending:
+            return host
+        return min(host, min(p[0] for p in self.pending))
+
+
+def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
+    """The fraction of [b_start, b_end) that falls inside [lo, hi)."""
+    span = b_end - b_start
+    if span <= 0:
+        return 0.0
+    return max(0, min(hi, b_end) - max(lo, b_start)) / span
+
+
+def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[int, int, int, dict[str, int]]],
+                     start: int, lanes: int) -> int:
+    """How long a kernel of ``ticks`` and per-resource ``demand`` takes from ``start`` when
+    ``others`` (kernels of other streams) run beside it on ``lanes`` engines of each kind: the
+    least window W >= ticks in which, for every resource, its demand plus theirs inside the window
+    fits in ``lanes * W`` (found by fixed-point iteration: W only grows and is bounded by the
+    others' end)."""
+    w = ticks
+    for _ in range(64):
+        need = ticks
+        for res, own in demand.items():
+            theirs = sum(d.get(res, 0) * _overlap(start, start + w, bs, be) for _, bs, be, d in others)
+            need = max(need, -(-int(own + theirs) // lanes))
+        if need <= w:
+            return w
+        w = need
+    return w
+
+
+class _Capture(list):  # type: ignore[type-arg]
+    """Launches collected by :meth:`Device.graph` (``keep``) or :meth:`Device.muted`."""
+
+    def __init__(self, keep: bool):
+        super().__init__()
+        self.keep = keep
+
+
+_Item = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context
+
+
+def _runs(items: Sequence[_Item]) -> Iterator[tuple[int, int, list[tuple[str, OpCost, tuple[str, int]]]]]:
+    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost, context), ...])."""
+    run: list[tuple[str, OpCost, tuple[str, int]]] = []
+    key: tuple[int, int] | None = None
+    for core, op, cost, s, ctx in items:
+        if key != (core, s) and run:
+            assert key is not None
+            yield key[0], key[1], run
+            run = []
+        key = (core, s)
+        run.append((op, cost, ctx))
+    if run:
+        assert key is not None
+        yield key[0], key[1], run
+
+
+def _on_fresh_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread (its result or exception comes back here)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="trnsim-simulate", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+class LaunchLog(Protocol):
+    """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
+    native fast path), for the device to issue exactly as if they had been: each entry is
+    (core, op, cost, (op, id(cost))) on the core's stream 0 with no launch context, or
+    (core, op, None, None) for a metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
+    anything else or reads any time, and tells the log (``gate``) whether launches may be logged
+    at all: only while nothing a launch depends on at the moment it is made (a graph capture,
+    adaptive eager, a launch context, a stream other than the default) is in effect."""
+
+    def pending(self) -> int: ...
+
+    def take(self) -> Iterable[tuple[int, str, OpCost | None, Any]]: ...
+
+    def gate(self, on: bool) -> None: ...
+
+
+class Device:
+    """A chip's logical NeuronCores, their streams and the host that feeds them, with a cache of
+    simulated kernel costs. Thread-safe: launches from several threads are serialised."""
+
+    def __init__(self, config: ChipConfig):
+        self.config = config
+        self.chip = Chip(config)
+        self.lnc = config.chip.lnc
+        self.dispatch = config.ps_to_ticks(config.host.dispatch)
+        self._host = 0  # the host's clock: when it will issue its next launch
+        self.cores = [_Core(i, config.host.max_inflight) for i in range(config.logical_cores)]
+        self.recorders: list[Recorder] = [Recorder(0)]  # [0]: since start (or the last reset)
+        self._costs: dict[KernelSpec, OpCost] = {}
+        self._rejected: set[KernelSpec] = set()
+        self.simulated = 0  # kernels actually simulated (cost-cache misses)
+        self._lock = threading.RLock()
+        self._local = threading.local()  # .capture: the launches this thread is collecting
+        self.adaptive = False
+        self._pending: list[_Item] = []
+        self._replays: dict[tuple[Any, ...], list[OpCost]] = {}
+        self._context = threading.local()  # per host thread: (source line, call) of its launches
+        # simulate cost-cache misses on a fresh thread: a Python profiler of the host (torch.profiler
+        # with_stack) follows only the threads that existed when it started, so it does not record
+        # the simulator's own calls, which a real host would not make
+        self.simulate_off_thread = False
+        # the source line of a launch its front end gave no context for (None: left blank); set
+        # by a front end only while something records lines, as it walks the host's stack
+        self._source_of: Callable[[], str] | None = None
+        self._log: LaunchLog | None = None  # launches made elsewhere, to issue first (attach_log)
+        self._captures = 0  # graph/muted blocks open, on any thread
+        self._ctx_threads: set[int] = set()  # threads whose launches carry a context
+
+    @property
+    def source_of(self) -> Callable[[], str] | None:
+        return self._source_of
+
+    @source_of.setter
+    def source_of(self, fn: Callable[[], str] | None) -> None:
+        with self._lock:
+            self._drain()
+            self._source_of = fn
+            self._update_gate()
+
+    # ---- launches made elsewhere -------------------------------------------------------------
+    def attach_log(self, log: LaunchLog | None) -> None:
+        """Issue ``log``'s launches (a front end's native fast path) before anything else."""
+        with self._lock:
+            self._drain()
+            self._log = log
+            self._update_gate()
+
+    def _drain(self) -> None:
+        """Issue what the launch log holds, in order, exactly as :meth:`launch` and
+        :meth:`host_op` would have when the launches were made."""
+        log = self._log
+        if log is None or not log.pending():
+            return
+        with self._lock:
+            recs = self.recorders
+            cores = self.cores
+            dispatch = self.dispatch
+            host = self._host  # kept here while entries are issued inline, in self._host otherwise
+            for core, op, cost, key in log.take():
+                if cost is None:
+                    for rec in recs:
+                        rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
+                    continue
+                c = cores[core]
+                streams = c.streams
+                if c.pending or (streams and (len(streams) > 1 or 0 not in streams)):
+                    self._host = host
+                    self._issue(core, 0, [(op, cost, _NO_CONTEXT)])  # engines shared, a collective to place
+                    host = self._host
+                    continue
+                # what self._issue(core, 0, [(op, cost, _NO_CONTEXT)]) does when stream 0 has the core
+                # to itself and no collective awaits its group, inline (this runs once per fast op)
+                prev = host
+                inflight = c.inflight
+                if len(inflight) >= c.max_inflight:
+                    oldest = inflight.popleft()
+                    if oldest > host:
+                        host = oldest
+                host += dispatch
+                ready = c.ready.get(0, 0)
+                start = ready if ready > host else host
+                busy = c.busy_until
+                wait = host - (ready if ready > busy else busy)
+                if wait < 0:
+                    wait = 0
+                ticks = cost.ticks
+                if not streams:
+                    streams.add(0)
+                end = start + ticks
+                if ticks:
+                    c.bookings.append((0, start, end, cost.demand))
+                for rec in recs:
+                    rec.host_ticks += host - prev
+                    row = rec.rows.get(key)
+                    if row is None:
+                        rec.rows[key] = [cost, 1, ticks, wait, 0]
+                    else:
+                        row[1] += 1
+                        row[2] += ticks
+                        row[3] += wait
+                    tally = rec.cores.get(core)
+                    if tally is None:
+                        tally = rec.cores[core] = _CoreTally()
+                    tally.launches += 1
+                    tally.wait += wait
+                    live = tally.open
+                    if end > start and live and start < live[-1][1]:
+                        tally.add(start, end, host)  # overlaps an open interval: the general merge
+                    else:  # what _CoreTally.add does for a kernel after every open interval
+                        if end > tally.last_end:
+                            tally.last_end = end
+                        if end > start:
+                            tally.ticks += end - start
+                            while live and live[0][1] <= host:
+                                lo, hi = live.pop(0)
+                                tally.busy += hi - lo
+                            live.append([start, end])
+                    if rec.events is not None:
+                        rec.events.append(TraceEvent(core, 0, op, cost.kernel, host, start, end, "", -1, cost.reports))
+                    rec.dispatches += 1
+                c.ready[0] = end
+                if end > busy:
+                    c.busy_until = end
+                if end > start:
+                    inflight.append(end)
+            self._host = host
+
+    def _update_gate(self) -> None:
+        """Tell the log whether launches may be made without :meth:`launch` now."""
+        if self._log is not None:
+            self._log.gate(not self.adaptive and not self._captures and not self._ctx_threads
+                           and self._source_of is None and all(c.current_stream == 0 for c in self.cores))
+
+    def set_current_stream(self, core: int, stream: int) -> None:
+        """Make ``stream`` the one ``core``'s launches go to when they name none."""
+        with self._lock:
+            self._drain()
+            self.cores[core].current_stream = stream
+            self._update_gate()
+
+    @property
+    def core_count(self) -> int:
+        return len(self.cores)
+
+    # ---- costs -----------------------------------------------------------------------------
+    def cost(self, spec: KernelSpec) -> OpCost:
+        """The cost of one launch of ``spec``, simulated once per spec (timing only) and cached.
+        A kernel that refuses the shape (``KernelError``) falls back to ``spec.fallback``."""
+        hit = self._costs.get(spec)
+        if hit is not None:
+            return hit
+        with self._lock:
+            try:
+                if spec in self._rejected:
+                    raise KernelError(f"kernel '{spec.kernel}' refused {spec.shape}")
+                cost = self._simulate(spec)
+            except KernelError:
+                if spec.fallback is None:
+                    raise
+                self._rejected.add(spec)
+                cost = self.cost(spec.fallback)
+            self._costs[spec] = cost
+            return cost
+
+    def refused(self) -> list[KernelSpec]:
+        """The specs whose kernel refused the shape and were costed as their fallback instead."""
+        return sorted(self._rejected, key=lambda sp: (sp.kernel, sp.shape, sp.dtype))
+
+    def kernels_of(self, spec: KernelSpec) -> list[Kernel]:
+        """The kernels ``spec`` runs as on one logical core: one per physical core it uses."""
+        from ..kernels.registry import build_spec, split_parts
+
+        params = dict(spec.params)
+        parts = split_parts(spec.kernel, spec.shape, params, self.lnc)
+        return [build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own}) for s, own in parts]
+
+    def _simulate(self, spec: KernelSpec) -> OpCost:
+        if self.simulate_off_thread:
+            return _on_fresh_thread(self._simulate_here, spec)
+        return self._simulate_here(spec)
+
+    def _simulate_here(self, spec: KernelSpec) -> OpCost:
+        kernels = self.kernels_of(spec)
+        results = self.chip.run_spmd(kernels, timing_only=True)
+        self.simulated += len(kernels)
+        return OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
+                                 self.config.hbm_bandwidth_reachable)
+
+    def collective_cost(self, report: Any, rank: int, alone: Any = None) -> OpCost:
+        """A simulated collective (:class:`trnsim.collectives.CollectiveReport`) as a launch on
+        ``rank``'s logical core: from the rank's start to its completion, with the bytes its DMA
+        engines moved as its DMA demand (so kernels on other streams of the core share DMA with
+        it, and it with them). ``alone``: the same call simulated without the calls beside it
+        (its sibling groups'), kept for the report's slowdown."""
+        i = report.group.index(rank)
+        ticks = report.end_ticks[i] - report.start_ticks[i]
+        alone_ticks = -1 if alone is None else alone.end_ticks[i] - alone.start_ticks[i]
+        dma = report.dma_bytes.get(rank, 0)
+        demand = {"DMA": -(-dma * self.config.tick_hz // int(self.config.hbm_bandwidth_reachable))}
+        busy = {"DMA": min(ticks * self.lnc, demand["DMA"])}
+        info = CollectiveLaunch(report.collective, report.algorithm, len(report.group), report.nbytes, ticks,
+                                report.busbw_factor, report.bound.split(" ")[0], alone_ticks)
+        return OpCost(f"{report.collective}:{report.algorithm}", False, ticks, busy, self.lnc,
+                      sum(report.hbm_bytes.values()) // max(1, len(report.group)), 0, demand, collective=info)
+
+    # ---- time ------------------------------------------------------------------------------
+    def set_context(self, source: str = "", call: int = -1) -> tuple[str, int]:
+        """Attribute the launches this thread issues from now on to Python line ``source`` and
+        host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
+        returns the previous context, to restore when the call ends."""
+        prev = getattr(self._context, "value", _NO_CONTEXT)
+        self._put_context((source, call) if source or call >= 0 else _NO_CONTEXT)
+        return prev
+
+    def restore_context(self, prev: tuple[str, int]) -> None:
+        """Put back a context :meth:`set_context` returned."""
+        self._put_context(prev)
+
+    def _put_context(self, ctx: tuple[str, int]) -> None:
+        with self._lock:
+            self._drain()
+            self._context.value = ctx
+            if ctx == _NO_CONTEXT:
+                self._ctx_threads.discard(threading.get_ident())
+            else:
+                self._ctx_threads.add(threading.get_ident())
+            self._update_gate()
+
+    def _launch_context(self) -> tuple[str, int]:
+        """This thread's context for a launch it makes now (taken when the launch is made, not
+        when a queued or collected launch is issued)."""
+        source, call = getattr(self._context, "value", _NO_CONTEXT)
+        if not source and self.source_of is not None:
+            source = self.source_of()
+        return source, call
+
+    @property
+    def host(self) -> int:
+        """The host's clock: when it will issue its next launch (queued launches issued first)."""
+        self._settle()
+        return self._host
+
+    def launch_collective(self, core: int, op: str, cost: OpCost, after: int | None = None) -> tuple[int, int]:
+        """Issue a collective's launch on ``core``'s :data:`COLLECTIVE_STREAM`: it starts once the
+        work already issued on compute stream ``after`` (default: the core's current stream)
+        has finished, as a collective waits for the data it sends, and overlaps what is issued
+        after it."""
+        with self._lock:
+            arrival = self.issue_collective(core, after)
+            return self.place_collective(core, op, cost, arrival, arrival)
+
+    def issue_collective(self, core: int, after: int | None = None) -> int:
+        """The host issues a collective on ``core`` whose start is not known yet (it waits for
+        the other ranks of its group): queued and collected launches are issued first, the host
+        pays the dispatch now, and the tick returned is the collective's *arrival* on this core:
+        issued, the work already issued on compute stream ``after`` (default: the current
+        stream) finished, and the core's earlier collectives done. :meth:`place_collective` puts
+        it on the timeline once its start is known; until then reports keep this core's
+        intervals from the arrival on open."""
+        with self._lock:
+            self._settle()
+            c = self.cores[core]
+            host = self._dispatch(c)
+            for rec in self.recorders:
+                rec.dispatches += 1
+            ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
+            arrival = ready if ready > host else host
+            c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
+            return arrival
+
+    def cancel_collective(self, core: int, arrival: int) -> None:
+        """Forget a collective issued by :meth:`issue_collective` that will not run (its group
+        disagreed): the host keeps the dispatch it paid; nothing is placed."""
+        with self._lock:
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is not None:
+                c.pending.remove(entry)
+
+    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
+        """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
+        ``core``'s :data:`COLLECTIVE_STREAM` from ``start`` (ticks; no earlier than the arrival:
+        when the last rank of the group arrived). The time between is the rank's wait for its
+        peers. Kernels already placed keep their times; this launch absorbs the sharing of the
+        core's DMA with them. Returns its (start, end) ticks."""
+        with self._lock:
+            self._settle()
+            c = self.cores[core]
+            entry = next((p for p in c.pending if p[0] == arrival), None)
+            if entry is None:
+                raise ValueError(f"no collective issued on core {core} arrives at tick {arrival}")
+            c.pending.remove(entry)
+            s = COLLECTIVE_STREAM
+            start = max(start, arrival)
+            end = self._book(c, core, s, op, cost, start, entry[1], arrival, self._launch_context(), start - arrival)
+            if end > c.ready.get(s, 0):
+                c.ready[s] = end
+            if end > c.busy_until:
+                c.busy_until = end
+            if end > start:
+                c.inflight.append(end)
+            return start, end
+
+    def launch(self, core: int, op: str, cost: OpCost, stream: int | None = None) -> tuple[int, int] | None:
+        """Issue one launch of ``cost`` for ``op`` on ``core``'s ``stream`` (default: the core's
+        current stream); returns its (start, end) ticks, or None when the launch was collected
+        (inside :meth:`graph`/:meth:`muted`) or queued (adaptive eager) to be issued later."""
+        with self._lock:
+            self._drain()
+            s = self.cores[core].current_stream if stream is None else stream
+            ctx = self._launch_context()
+            cap = getattr(self._local, "capture", None)
+            if cap is not None:
+                cap.append((core, op, cost, s, ctx))
+                return None
+            if self.adaptive:
+                self._pending.append((core, op, cost, s, ctx))
+                if len(self._pending) >= ADAPTIVE_QUEUE:
+                    self._flush_pending()
+                return None
+            return self._issue(core, s, [(op, cost, ctx)])[0]
+
+    def launch_graph(self, core: int, items: Sequence[tuple[str, OpCost]], stream: int | None = None
+                     ) -> list[tuple[int, int]]:
+        """Issue ``items`` ((op, cost) pairs) as one graph on ``core``'s ``stream``: the host pays
+        one dispatch for all of them and the kernels run back to back, each starting when the one
+        before it ends. Returns each kernel's (start, end) ticks."""
+        with self._lock:
+            self._settle()
+            s = self.cores[core].current_stream if stream is None else stream
+            ctx = self._launch_context()
+            return self._issue(core, s, [(op, cost, ctx) for op, cost in items])
+
+    def _dispatch(self, c: _Core) -> int:
+        """The host dispatches one launch to core ``c``: it waits for room in the runtime's queue
+        if it is full (for the oldest unfinished launch) and pays ``host.dispatch``; returns its
+        new tick (the host ticks are counted in the reports)."""
+        host = self._host
+        if len(c.inflight) >= c.max_inflight:  # the runtime's queue is full: wait for the oldest
+            oldest = c.inflight.popleft()
+            if oldest > host:
+                host = oldest
+        host += self.dispatch
+        for rec in self.recorders:
+            rec.host_ticks += host - self._host
+        self._host = host
+        return host
+
+    def _book(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, host: int,
+              ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0) -> int:
+        """Place one kernel on stream ``s`` of ``c`` from ``start`` (stretched by sharing the core's
+        engines with other streams' kernels) and record it; returns its end tick."""
+        ticks = cost.ticks
+        if s not in c.streams:
+            c.streams.add(s)
+        if len(c.streams) > 1:
+            others = [b for b in c.bookings if b[0] != s and b[2] > start]
+            if others:
+                ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+                if ticks > cost.ticks:
+                    for rec in self.recorders:
+                        rec.contention_ticks += ticks - cost.ticks
+        end = start + ticks
+        if ticks:
+            c.bookings.append((s, start, end, cost.demand))
+        self._record(core, s, op, cost, ticks, wait, host, start, end, ctx, peer_wait, c.fold_until(host))
+        return end
+
+    def _issue(self, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]]) -> list[tuple[int, int]]:
+        """One host dispatch for ``items`` ((op, cost, context)) on stream ``s`` of ``core`` (one
+        item: a plain launch)."""
+        c = self.cores[core]
+        host = self._dispatch(c)
+        ready = c.ready.get(s, 0)
+        t = ready if ready > host else host
+        wait = host - max(ready, c.busy_until)
+        if wait < 0:
+            wait = 0
+        graph = len(items) > 1
+        times = []
+        for op, cost, ctx in items:
+            start = t
+            end = self._book(c, core, s, op, cost, start, wait, host, ctx)
+            wait = 0  # kernels of one graph follow each other without the host
+            times.append((start, end))
+            t = end
+        c.ready[s] = t
+        if t > c.busy_until:
+            c.busy_until = t
+        if t > times[0][0]:
+            c.inflight.append(t)
+        for rec in self.recorders:
+            rec.dispatches += 1
+            rec.graph_launches += graph
+        return times
+
+    def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
+                end: int, ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0, fold: int | None = None) -> None:
+        key = (op, id(cost))
+        source, call = ctx
+        for rec in self.recorders:
+            row = rec.rows.get(key)
+            if row is None:
+                rec.rows[key] = [cost, 1, ticks, wait, peer_wait]
+            else:
+                row[1] += 1
+                row[2] += ticks
+                row[3] += wait
+                row[4] += peer_wait
+            tally = rec.cores.get(core)
+            if tally is None:
+                tally = rec.cores[core] = _CoreTally()
+            tally.launches += 1
+            tally.wait += wait
+            tally.add(start, end, host if fold is None else fold)
+            if rec.sources is not None and source:
+                lines = rec.sources.get(key)
+                if lines is None:
+                    lines = rec.sources[key] = {}
+                lines[source] = lines.get(source, 0) + ticks
+            if rec.events is not None:
+                rec.events.append(TraceEvent(core, s, op, cost.kernel, host, start, end, source, call, cost.reports))
+
+    # ---- collecting launches: compiled graphs, values charged another way, adaptive eager --
+    @contextlib.contextmanager
+    def graph(self) -> Iterator[list[_Item]]:
+        """Collect the launches this thread makes inside the block and issue them, when it ends,
+        as graph launches: one per run of consecutive launches on one (core, stream). A
+        synchronisation inside the block issues what was collected so far first."""
+        with self._collect(keep=True) as cap:
+            yield cap
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[list[_Item]]:
+        """Discard the launches this thread makes inside the block (their cost is charged some
+        other way, e.g. as one fused kernel)."""
+        with self._collect(keep=False) as cap:
+            yield cap
+
+    @contextlib.contextmanager
+    def _collect(self, keep: bool) -> Iterator[list[_Item]]:
+        cap = _Capture(keep)
+        prev = getattr(self._local, "capture", None)
+        with self._lock:
+            self._drain()
+            self._captures += 1
+            self._update_gate()
+        self._local.capture = cap
+        try:
+            yield cap
+        finally:
+            self._local.capture = prev
+            with self._lock:
+                self._captures -= 1
+                self._settle_capture(cap)
+                self._update_gate()
+
+    def _settle_capture(self, cap: "_Capture") -> None:
+        """Issue (or drop) what ``cap`` collected so far, as graph launches."""
+        items, cap[:] = list(cap), []
+        if cap.keep:
+            for core, s, run in _runs(items):
+                self._issue(core, s, run)
+
+    def set_adaptive(self, enabled: bool) -> None:
+        """Turn adaptive eager on or off (off issues what is queued first)."""
+        with self._lock:
+            self._drain()
+            self._flush_pending()
+            self.adaptive = bool(enabled)
+            self._update_gate()
+
+    def _flush_pending(self) -> None:
+        """Issue adaptive eager's queue: a run seen before as one graph launch (a replay), a new
+        one launch by launch (its capture), remembered for next time."""
+        items, self._pending = self._pending, []
+        for core, s, run in _runs(items):
+            key = (core, s, tuple((op, id(cost)) for op, cost, _ in run))
+            if len(run) > 1 and key in self._replays:
+                self._issue(core, s, run)
+                continue
+            for item in run:
+                self._issue(core, s, [item])
+            if len(run) > 1:
+                self._replays[key] = [cost for _, cost, _ in run]  # keeps the costs (and their ids) alive
+
+    def _settle(self) -> None:
+        """Before anything that reads or waits on time: issue logged, queued and collected launches."""
+        self._drain()
+        if self._pending:
+            with self._lock:
+                self._flush_pending()
+        cap = getattr(self._local, "capture", None)
+        if cap:
+            with self._lock:
+                self._settle_capture(cap)
+
+    def host_op(self, op: str) -> None:
+        """Count a metadata-only op: it runs on the host alone (no launch, no device time)."""
+        with self._lock:
+            self._drain()
+            for rec in self.recorders:
+                rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
+
+    def note_compile(self, seconds: float) -> None:
+        """Record one graph compiled in ``seconds`` of wall time (reported, never charged)."""
+        with self._lock:
+            for rec in self.recorders:
+                rec.compiled_graphs += 1
+                rec.compile_seconds += seconds
+
+    def synchronize(self, core: int | None = None, stream: int | None = None) -> None:
+        """The host waits until ``stream`` of ``core`` (every stream; every core) has finished."""
+        with self._lock:
+            self._settle()
+            cores = self.cores if core is None else [self.cores[core]]
+            for c in cores:
+                ready = c.ready.values() if stream is None else [c.ready.get(stream, 0)]
+                self._host = max(self._host, *ready)
+
+    def wait_host_until(self, tick: int) -> None:
+        """The host waits until simulated time ``tick`` (an event's synchronize)."""
+        with self._lock:
+            self._settle()
+            if tick > self._host:
+                self._host = tick
+
+    def stream_ready(self, core: int, stream: int) -> int:
+        """When the last work issued on ``stream`` of ``core`` finishes."""
+        self._settle()
+        return self.cores[core].ready.get(stream, 0)
+
+    def stream_wait(self, core: int, stream: int, tick: int) -> None:
+        """Work issued later on ``stream`` of ``core`` starts no earlier than ``tick``."""
+        with self._lock:
+            self._settle()
+            c = self.cores[core]
+            c.ready[stream] = max(c.ready.get(stream, 0), tick)
+
+    def now(self, core: int | None = None) -> int:
+        """The latest simulated time the host or any work on ``core`` (every core) reaches."""
+        self._settle()
+        cores = self.cores if core is None else [self.cores[core]]
+        return max([self._host, *(t for c in cores for t in c.ready.values())])
+
+    # ---- reports ---------------------------------------------------------------------------
+    def open_scope(self, trace: bool = False, sources: bool = False) -> Recorder:
+        """Start recording launches from now (a report scope); close it with :meth:`close_scope`."""
+        with self._lock:
+            self._settle()
+            rec = Recorder(self._host, trace, sources)
+            self.recorders.append(rec)
+            return rec
+
+    def close_scope(self, rec: Recorder) -> RunReport:
+        with self._lock:
+            self._settle()
+            self.recorders.remove(rec)
+            return self.report(rec)
+
+    def reset(self, trace: bool = False, sources: bool | None = None) -> None:
+        """Start the whole-run recorder afresh (``trace``: keep every launch for a timeline;
+        ``sources``: each row's device time per source line; None keeps the current choice, so a
+        program's own reset does not undo what its runner asked for)."""
+        with self._lock:
+            self._settle()
+            if sources is None:
+                sources = self.recorders[0].sources is not None
+            self.recorders[0] = Recorder(self._host, trace, sources)
+
+    def report(self, rec: Recorder | None = None) -> RunReport:
+        """The :class:`RunReport` of ``rec`` (default: the whole run since start or reset)."""
+        with self._lock:
+            self._settle()
+            return self._build_report(rec or self.recorders[0])
+
+    def _build_report(self, rec: Recorder) -> RunReport:
+        cfg = self.config
+        hz = cfg.tick_hz
+        peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
+        acc: dict[tuple[str, str], dict[str, Any]] = {}
+        for (op, cid), (cost, calls, ticks, wait, peer_wait) in rec.rows.items():
+            a = acc.get((op, cost.kernel))
+            if a is None:
+                a = acc[(op, cost.kernel)] = {"generic": cost.generic, "calls": 0, "ticks": 0, "wait": 0,
+                                              "lane_ticks": 0, "busy": {}, "hbm": 0, "flops": 0, "eflops": 0, "fused": (),
+                                              "eager_launches": 0, "eager_hbm": 0, "eager_ticks": 0,
+                                              "hbm_read": 0, "hbm_write": 0, "dma": 0, "sources": {}, "coll": None}
+            for line, t in (rec.sources or {}).get((op, cid), {}).items():
+                a["sources"][line] = a["sources"].get(line, 0) + t
+            a["hbm_read"] += calls * cost.hbm_read_bytes
+            a["hbm_write"] += calls * cost.hbm_write_bytes
+            a["dma"] += calls * cost.dma_bytes
+            a["calls"] += calls
+            a["ticks"] += ticks
+            a["wait"] += wait
+            if cost.collective is not None:
+                info = cost.collective
+                co = a["coll"]
+                if co is None:
+                    co = a["coll"] = {"collective": info.collective, "algorithm": info.algorithm, "ranks": info.ranks,
+                                      "bytes": 0, "net": 0, "alone": 0, "peer": 0, "bus_bytes": 0.0, "bound": {}}
+                co["bytes"] += calls * info.nbytes
+                co["net"] += calls * info.network_ticks
+                co["alone"] += calls * (info.network_ticks if info.alone_ticks < 0 else info.alone_ticks)
+                co["peer"] += peer_wait
+                co["bus_bytes"] += calls * info.nbytes * info.busbw_factor
+                co["bound"][info.bound] = co["bound"].get(info.bound, 0) + calls * info.network_ticks
+            a["lane_ticks"] += ticks * cost.cores
+            for name, t in cost.busy.items():
+                a["busy"][name] = a["busy"].get(name, 0) + calls * t
+            a["hbm"] += calls * cost.hbm_bytes
+            a["flops"] += calls * cost.matmul_flops
+            a["eflops"] += calls * cost.engine_flops
+            if cost.region is not None:
+                a["fused"] = cost.region.ops
+                a["eager_launches"] += calls * cost.region.eager_launches
+                a["eager_hbm"] += calls * cost.region.eager_hbm_bytes
+                a["eager_ticks"] += calls * cost.region.eager_ticks
+        device_ticks = sum(a["ticks"] for a in acc.values())
+        rows = []
+        for (op, kernel), a in acc.items():
+            lane = a["lane_ticks"]
+            engines = {n: 100.0 * b / lane for n, b in a["busy"].items()} if lane else {}
+            seconds = a["ticks"] / hz
+            bound = "launch" if a["wait"] >= a["ticks"] else busiest(engines)
+            co = a["coll"]
+            coll = None
+            if co is not None:
+                net_s = co["net"] / hz
+                coll = CollectiveStats(collective=co["collective"], algorithm=co["algorithm"], ranks=co["ranks"],
+                                       bytes=co["bytes"], network_us=net_s * 1e6, peer_wait_us=co["peer"] / hz * 1e6,
+                                       busbw=co["bus_bytes"] / net_s if net_s else 0.0,
+                                       alone_us=co["alone"] / hz * 1e6)
+                top = max(co["bound"].values())
+                bound = min(k for k, v in co["bound"].items() if v == top)  # where most of its model time went
+            rows.append(OpRow(
+                op=op, kernel=kernel, generic=a["generic"], calls=a["calls"], time_us=seconds * 1e6,
+                share_percent=100.0 * a["ticks"] / device_ticks if device_ticks else 0.0,
+                host_wait_us=a["wait"] / hz * 1e6, engine_percent=engines, hbm_bytes=a["hbm"],
+                matmul_flops=a["flops"], mfu_percent=100.0 * a["flops"] / (peak * seconds) if seconds else 0.0,
+                bound=bound, fused_ops=a["fused"], eager_launches=a["eager_launches"],
+                eager_hbm_bytes=a["eager_hbm"], eager_time_us=a["eager_ticks"] / hz * 1e6,
+                engine_flops=a["eflops"], hbm_read_bytes=a["hbm_read"], hbm_write_bytes=a["hbm_write"],
+                dma_bytes=a["dma"],
+                source_line=min(a["sources"].items(), key=lambda kv: (-kv[1], kv[0]))[0] if a["sources"] else "",
+                collective=coll))
+        rows.sort(key=lambda r: (-r.time_us, r.op, r.kernel))
+        end = max([self._host, *(t.last_end for t in rec.cores.values())])
+        elapsed = end - rec.start
+        cores = {i: CoreStats(elapsed_us=(t.last_end - rec.start) / hz * 1e6, busy_us=t.busy_ticks() / hz * 1e6,
+                              host_wait_us=t.wait / hz * 1e6, launches=t.launches, device_us=t.ticks / hz * 1e6)
+                 for i, t in sorted(rec.cores.items())}
+        flops = sum(r.matmul_flops for r in rows)
+        span = elapsed / hz * max(1, len(cores))
+        return RunReport(
+            config=cfg.name, rows=tuple(rows), host_ops=dict(sorted(rec.host_ops.items())), cores=cores,
+            elapsed_us=elapsed / hz * 1e6, device_us=device_ticks / hz * 1e6, host_us=rec.host_ticks / hz * 1e6,
+            host_wait_us=sum(t.wait for t in rec.cores.values()) / hz * 1e6,
+            launches=sum(r.calls for r in rows), hbm_bytes=sum(r.hbm_bytes for r in rows), matmul_flops=flops,
+            mfu_percent=100.0 * flops / (peak * span) if span else 0.0,
+            events=tuple(rec.events or ()), tick_hz=hz, dispatches=rec.dispatches,
+            graph_launches=rec.graph_launches, compiled_graphs=rec.compiled_graphs,
+            compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows),
+            contention_us=rec.contention_ticks / hz * 1e6)
+

@@ -1,0 +1,177 @@
+"""A kernel-cost cache on disk, so a repeated estimate does not simulate its kernels again.
+
+A cost is what :meth:`trnsim.device.Device.cost` computes for a :class:`~trnsim.device.KernelSpec`
+(or :meth:`~trnsim.device.Device.collective_cost` for a collective on a rank). It is stored under
+a key that holds everything the number depends on:
+
+* the code: a digest of every ``.py`` file of the ``trnsim`` package (a changed cost model, kernel
+  or scheduler is a different key; computed once per process);
+* the chip config: every figure, after overrides (its name, description and file path are not
+  part of it: two files with the same figures share costs);
+* the spec (kernel, shape, dtype, params, label, fallback) and the logical core's LNC, or for a
+  collective the system's figures, the call and the rank.
+
+Each entry is one small JSON file, ``<dir>/<key[:2]>/<key>.json``, written atomically
+(:func:`trnsim.files.write_atomic`): concurrent estimates and sweeps share the directory safely,
+a killed writer leaves no partial entry, and an unreadable entry is simulated again and
+rewritten. The directory is ``$TRNSIM_CACHE_DIR`` (``off`` disables the cache), else
+``$XDG_CACHE_HOME/trnsim/costs`` (``~/.cache/trnsim/costs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import ChipConfig
+from . import Device, KernelSpec, OpCost
+from ..outputs.files import OutputError, write_atomic
+from ..isa import KernelError
+
+__all__ = ["CostCache", "CachedDevice", "code_version", "default_cache_dir"]
+
+_CODE: list[str] = []
+
+
+def code_version() -> str:
+    """A digest of the trnsim package's Python sources (see the module docstring)."""
+    if not _CODE:
+        root = Path(__file__).resolve().parents[1]  # the trnsim package
+        h = hashlib.sha256()
+        for p in sorted(root.rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+        _CODE.append(h.hexdigest()[:20])
+    return _CODE[0]
+
+
+def _figures(obj: Any) -> Any:
+    """A config as plain data without the fields that name it rather than set its figures."""
+    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    if isinstance(d, dict):
+        return {k: _figures(v) for k, v in sorted(d.items()) if k not in ("name", "description", "source", "overrides")}
+    if isinstance(d, (list, tuple)):
+        return [_figures(v) for v in d]
+    return d
+
+
+def fingerprint(config: Any) -> str:
+    """A digest of a chip or system config's figures."""
+    return hashlib.sha256(json.dumps(_figures(config), sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _spec_data(spec: KernelSpec | None) -> Any:
+    if spec is None:
+        return None
+    return [spec.kernel, list(spec.shape), spec.dtype, [[k, repr(v)] for k, v in spec.params], spec.label,
+            spec.generic, _spec_data(spec.fallback)]
+
+
+def default_cache_dir() -> Path | None:
+    env = os.environ.get("TRNSIM_CACHE_DIR", "").strip()
+    if env.lower() == "off":
+        return None
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trnsim" / "costs"
+
+
+class CostCache:
+    """The on-disk cache (see the module docstring). ``hits``/``misses`` count lookups."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None):
+        self.dir = Path(directory) if directory is not None else None
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0  # entries that could not be written (a read-only or full disk): costs still right
+
+    def key(self, *parts: Any) -> str:
+        blob = json.dumps([code_version(), *parts], sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def _path(self, key: str) -> Path:
+        assert self.dir is not None
+        return self.dir / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        if self.dir is None:
+            return None
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError
+        except (OSError, ValueError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return data
+
+    def put(self, key: str, data: dict[str, Any]) -> None:
+        if self.dir is None:
+            return
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, lambda f: json.dump(data, f), "cost cache entry")
+        except (OSError, OutputError):
+            self.errors += 1
+
+
+def _cost_data(cost: OpCost) -> dict[str, Any]:
+    return {"kernel": cost.kernel, "generic": cost.generic, "ticks": cost.ticks, "busy": cost.busy,
+            "cores": cost.cores, "hbm_bytes": cost.hbm_bytes, "matmul_flops": cost.matmul_flops,
+            "demand": cost.demand}
+
+
+def _cost_of(data: dict[str, Any]) -> OpCost:
+    return OpCost(str(data["kernel"]), bool(data["generic"]), int(data["ticks"]),
+                  {str(k): int(v) for k, v in data["busy"].items()}, int(data["cores"]), int(data["hbm_bytes"]),
+                  int(data["matmul_flops"]), {str(k): int(v) for k, v in data["demand"].items()})
+
+
+class CachedDevice(Device):
+    """A :class:`~trnsim.device.Device` whose kernel and collective costs go through a
+    :class:`CostCache` (costs read back carry no per-kernel reports)."""
+
+    def __init__(self, config: ChipConfig, cache: CostCache):
+        super().__init__(config)
+        self.cache = cache
+        self._config_key = fingerprint(config)
+
+    def _simulate(self, spec: KernelSpec) -> OpCost:
+        key = self.cache.key("kernel", self._config_key, self.lnc, _spec_data(spec))
+        data = self.cache.get(key)
+        if data is not None:
+            try:
+                if "refused" in data:
+                    raise KernelError(str(data["refused"]))
+                return _cost_of(data)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                pass  # an entry from a damaged file: simulate again
+        try:
+            cost = super()._simulate(spec)
+        except KernelError as e:
+            self.cache.put(key, {"refused": str(e)})
+            raise
+        self.cache.put(key, _cost_data(cost))
+        return cost
+
+    def cached_collective(self, system: Any, call: tuple[Any, ...], rank: int, simulate: Any) -> OpCost:
+        """The launch cost of collective ``call`` on ``rank`` (``simulate()`` gives its
+        :class:`~trnsim.collectives.CollectiveReport` on a miss)."""
+        key = self.cache.key("collective", fingerprint(system), list(call), rank)
+        data = self.cache.get(key)
+        if data is not None:
+            try:
+                return _cost_of(data)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                pass
+        cost = self.collective_cost(simulate(), rank)
+        self.cache.put(key, _cost_data(cost))
+        return cost

@@ -1,0 +1,363 @@
+"""A serving simulation: requests arriving over time, scheduled as vLLM on Neuron schedules them, on
+step times of the simulated kernels (torch-free; the step times come from a :class:`StepCosts`,
+in ``trnsim estimate serve`` :class:`torch_bridge.estimate_kernels.StepCosts`, whose every step
+shape is the lowered model's kernels simulated once and cached - never a formula fitted to them).
+
+The scheduler (vLLM Neuron's, ``neuron-scheduler.md``): continuous batching - a request joins the
+running batch when its prefill ends and leaves it when its last token is out; prefill and decode
+are never mixed in one step, one prefill per step, prefills first (a waiting request is admitted
+as soon as there is room: fewer than ``max_batch`` running and its KV blocks free); a prompt longer
+than ``chunk`` tokens is prefilled in chunks of ``chunk`` (chunked prefill), each chunk a step of
+its own at the smallest context bucket that holds it, attending to the chunks before it
+(``prior``); a decode step runs every running request's next token at the batch bucket of the
+running count and the KV bucket of the longest sequence. Admission reserves a request's whole KV
+(prompt + output, in blocks of ``block`` tokens) so no request is ever preempted; with
+``prefix_caching`` a request's leading ``prefix`` tokens that an earlier request of the same
+``prefix_id`` already prefilled are not computed again (whole blocks; the cached blocks stay).
+
+What it reports is what ``vllm bench serve`` prints: request throughput, output and total token
+throughput, and mean / p50 / p90 / p99 of TTFT, TPOT (per request: ``(E2E - TTFT) / (output - 1)``),
+ITL (every gap between two tokens of a request) and E2E latency, plus the padding the buckets added.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from .buckets import Buckets
+from ..config import ConfigError
+
+__all__ = ["Request", "StepCosts", "ServeConfig", "ServeResult", "Latency", "ServeError", "poisson_requests",
+           "read_trace", "simulate", "PERCENTILES", "MAX_REQUESTS"]
+
+#: the percentiles reported beside the mean
+PERCENTILES = (50, 90, 99)
+#: requests one simulation takes at most (a trace or --requests)
+MAX_REQUESTS = 100_000
+
+
+class ServeError(ConfigError):
+    """A serving setup that cannot run as asked (one line)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: ``arrival`` seconds after the start, ``prompt`` and ``output`` tokens; its
+    first ``prefix`` prompt tokens are shared with every request of the same ``prefix_id``."""
+
+    arrival: float
+    prompt: int
+    output: int
+    prefix: int = 0
+    prefix_id: str = ""
+
+
+class StepCosts(Protocol):
+    """Seconds of one step: a prefill of ``batch x tokens`` with ``prior`` tokens cached before
+    them, a decode step of ``batch`` sequences over a KV bucket of ``kv`` positions."""
+
+    def prefill(self, batch: int, tokens: int, prior: int = 0) -> float: ...
+
+    def decode(self, batch: int, kv: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    max_batch: int
+    chunk: int  # max tokens per prefill step (vLLM's max_num_batched_tokens)
+    buckets: Buckets
+    kv_tokens: int  # KV-cache capacity, tokens (per sequence-parallel group: each rank holds its heads' share)
+    block: int = 32
+    prefix_caching: bool = False
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Mean and percentiles of one latency, milliseconds."""
+
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @staticmethod
+    def of(values: Sequence[float]) -> "Latency":
+        if not len(values):
+            return Latency(0.0, 0.0, 0.0, 0.0)
+        a = np.asarray(values, dtype=np.float64) * 1e3
+        p = np.percentile(a, PERCENTILES)
+        return Latency(float(a.mean()), float(p[0]), float(p[1]), float(p[2]))
+
+
+@dataclass
+class ServeResult:
+    """What a serving run gives (``vllm bench serve``'s figures, and more)."""
+
+    requests: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft: Latency
+    tpot: Latency
+    itl: Latency
+    e2e: Latency
+    prefill_steps: int
+    decode_steps: int
+    mean_decode_batch: float
+    max_running: int
+    prefill_padding_percent: float
+    decode_batch_padding_percent: float
+    decode_kv_padding_percent: float
+    cached_prefix_tokens: int
+    kv_capacity_tokens: int
+    waited_for_kv: int  # requests that waited for KV blocks with a batch slot free
+    per_request: list[dict[str, float]] = field(default_factory=list)
+    setup: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+def poisson_requests(rate: float, n: int, prompt: int, output: int, seed: int = 0, prefix: int = 0) -> list[Request]:
+    """``n`` requests of ``prompt`` / ``output`` tokens arriving as a Poisson process of ``rate``
+    per second (exponential gaps from ``numpy.random.default_rng(seed)``; ``rate`` inf: all at
+    once, as ``vllm bench serve --request-rate inf``); ``prefix`` leading tokens shared by all."""
+    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0):
+        raise ServeError(f"--rate {rate!r}: expected a positive number of requests per second (or inf)")
+    _count("--requests", n, MAX_REQUESTS)
+    if prefix > prompt:
+        raise ServeError(f"--prefix-len {prefix}: longer than --input {prompt}")
+    if math.isinf(rate):
+        times = np.zeros(n)
+    else:
+        times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+    return [Request(float(t), prompt, output, prefix, "shared" if prefix else "") for t in times]
+
+
+def _count(flag: str, v: Any, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise ServeError(f"{flag} {v!r}: expected a whole number in 1..{hi:,}")
+    return v
+
+
+def read_trace(path: str | Path) -> list[Request]:
+    """Requests from a trace file: CSV with a header, or JSON Lines, with ``arrival`` (seconds),
+    ``input`` and ``output`` tokens, optional ``prefix`` (shared leading tokens) and ``prefix_id``."""
+    from ..config import clip_text, read_bounded
+
+    p = Path(path)
+    where = clip_text(str(path))
+    text = read_bounded(p, where, "trace")
+    rows: list[dict[str, Any]] = []
+    if p.suffix.lower() in (".jsonl", ".json"):
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ServeError(f"{where}: line {i}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ServeError(f"{where}: line {i}: expected an object with arrival, input, output")
+            rows.append(obj)
+    else:
+        reader = csv.DictReader(text.splitlines())
+        rows = [dict(r) for r in reader]
+    if not rows:
+        raise ServeError(f"{where}: no requests (expected a CSV header arrival,input,output or JSON Lines)")
+    if len(rows) > MAX_REQUESTS:
+        raise ServeError(f"{where}: {len(rows):,} requests; at most {MAX_REQUESTS:,}")
+    out = []
+    for i, r in enumerate(rows, 1):
+        try:
+            arrival = float(r["arrival"])
+            prompt, output = int(str(r["input"])), int(str(r["output"]))
+            prefix = int(str(r.get("prefix") or 0))
+        except KeyError as e:
+            raise ServeError(f"{where}: request {i}: missing {e.args[0]!r} (expected arrival, input, output)") from None
+        except (TypeError, ValueError):
+            raise ServeError(f"{where}: request {i}: arrival must be a number of seconds and input, output, prefix "
+                             f"whole numbers") from None
+        if not math.isfinite(arrival) or arrival < 0 or prompt < 1 or output < 1 or not 0 <= prefix <= prompt:
+            raise ServeError(f"{where}: request {i}: expected arrival >= 0 s, input >= 1, output >= 1 and 0 <= prefix "
+                             f"<= input")
+        out.append(Request(arrival, prompt, output, prefix, str(r.get("prefix_id") or ("shared" if prefix else ""))))
+    out.sort(key=lambda q: q.arrival)
+    return out
+
+
+# ---- the scheduler ---------------------------------------------------------------------------------
+@dataclass
+class _Live:
+    req: Request
+    index: int
+    done: int = 0  # prompt tokens prefilled (cached prefix included)
+    generated: int = 0
+    times: list[float] = field(default_factory=list)  # each token's time
+    blocks: int = 0
+
+
+def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, keep_requests: bool = False
+             ) -> ServeResult:
+    """Serve ``requests`` (sorted by arrival) on ``costs`` under ``cfg`` (see the module docstring)."""
+    if not requests:
+        raise ServeError("no requests to serve")
+    b = cfg.buckets
+    block = cfg.block
+    cap_blocks = cfg.kv_tokens // block
+    for i, r in enumerate(requests):
+        need = r.prompt + r.output
+        if cfg.max_model_len and need > cfg.max_model_len:
+            raise ServeError(f"request {i + 1}: {r.prompt:,} + {r.output:,} tokens, more than --max-model-len "
+                             f"{cfg.max_model_len:,}")
+        if -(-need // block) > cap_blocks:
+            raise ServeError(f"request {i + 1}: {need:,} tokens of KV cache, more than its capacity of "
+                             f"{cfg.kv_tokens:,} tokens")
+    arrivals = deque(range(len(requests)))
+    waiting: deque[_Live] = deque()
+    running: list[_Live] = []
+    finished: list[_Live] = []
+    prefilling: _Live | None = None
+    cached: set[tuple[str, int]] = set()  # (prefix_id, cached tokens) ready to reuse
+    free = cap_blocks
+    t = 0.0
+    n_pre = n_dec = dec_seqs = max_run = waited = cached_tokens = 0
+    pad = {"pre_real": 0, "pre_run": 0, "bat_real": 0, "bat_run": 0, "kv_real": 0, "kv_run": 0}
+    waited_ids: set[int] = set()
+    while arrivals or waiting or running or prefilling is not None:
+        while arrivals and requests[arrivals[0]].arrival <= t:
+            i = arrivals.popleft()
+            waiting.append(_Live(requests[i], i))
+        if prefilling is None and waiting and len(running) < cfg.max_batch:
+            head = waiting[0]
+            need = -(-(head.req.prompt + head.req.output) // block)
+            if need <= free:
+                waiting.popleft()
+                free -= need
+                head.blocks = need
+                prefilling = head
+                if cfg.prefix_caching and head.req.prefix:
+                    reuse = head.req.prefix // block * block
+                    if (head.req.prefix_id, reuse) in cached and reuse:
+                        reuse = min(reuse, head.req.prompt - 1)  # the last prompt token is always computed
+                        head.done = reuse
+                        cached_tokens += reuse
+            elif head.index not in waited_ids:
+                waited_ids.add(head.index)
+                waited += 1
+        if prefilling is not None:
+            r = prefilling
+            chunk = min(cfg.chunk, r.req.prompt - r.done)
+            tokens = b.context_for(chunk)
+            t += costs.prefill(1, tokens, r.done)
+            n_pre += 1
+            pad["pre_real"] += chunk
+            pad["pre_run"] += tokens
+            r.done += chunk
+            if r.done == r.req.prompt:
+                if cfg.prefix_caching and r.req.prefix:
+                    cached.add((r.req.prefix_id, r.req.prefix // block * block))
+                r.generated = 1
+                r.times.append(t)
+                prefilling = None
+                if r.generated >= r.req.output:
+                    free += r.blocks
+                    finished.append(r)
+                else:
+                    running.append(r)
+                    max_run = max(max_run, len(running))
+            continue
+        if running:
+            n = len(running)
+            bb = b.batch_for(n)
+            longest = max(q.req.prompt + q.generated for q in running)  # positions after this step's token
+            kv = b.kv_for(longest)
+            t += costs.decode(bb, kv)
+            n_dec += 1
+            dec_seqs += n
+            pad["bat_real"] += n
+            pad["bat_run"] += bb
+            pad["kv_real"] += sum(q.req.prompt + q.generated for q in running)
+            pad["kv_run"] += kv * n
+            still = []
+            for q in running:
+                q.generated += 1
+                q.times.append(t)
+                if q.generated >= q.req.output:
+                    free += q.blocks
+                    finished.append(q)
+                else:
+                    still.append(q)
+            running = still
+            continue
+        if arrivals:  # idle until the next request arrives
+            t = max(t, requests[arrivals[0]].arrival)
+            continue
+        if waiting:  # pragma: no cover - every request fits the cache alone (checked above)
+            raise ServeError("a waiting request can never be admitted")
+    finished.sort(key=lambda q: q.index)
+    first = min(r.arrival for r in requests)
+    duration = max(q.times[-1] for q in finished) - first
+    ttft = [q.times[0] - q.req.arrival for q in finished]
+    e2e = [q.times[-1] - q.req.arrival for q in finished]
+    tpot = [(q.times[-1] - q.times[0]) / (q.req.output - 1) for q in finished if q.req.output > 1]
+    itl = [b2 - a for q in finished for a, b2 in zip(q.times, q.times[1:])]
+    tin = sum(q.req.prompt for q in finished)
+    tout = sum(q.req.output for q in finished)
+
+    def pct(real: int, run: int) -> float:
+        return 100.0 * (run - real) / run if run else 0.0
+
+    res = ServeResult(
+        requests=len(finished), duration_s=duration, input_tokens=tin, output_tokens=tout,
+        request_throughput=len(finished) / duration if duration else 0.0,
+        output_throughput=tout / duration if duration else 0.0,
+        total_token_throughput=(tin + tout) / duration if duration else 0.0,
+        ttft=Latency.of(ttft), tpot=Latency.of(tpot), itl=Latency.of(itl), e2e=Latency.of(e2e),
+        prefill_steps=n_pre, decode_steps=n_dec, mean_decode_batch=dec_seqs / n_dec if n_dec else 0.0,
+        max_running=max_run, prefill_padding_percent=pct(pad["pre_real"], pad["pre_run"]),
+        decode_batch_padding_percent=pct(pad["bat_real"], pad["bat_run"]),
+        decode_kv_padding_percent=pct(pad["kv_real"], pad["kv_run"]), cached_prefix_tokens=cached_tokens,
+        kv_capacity_tokens=cfg.kv_tokens, waited_for_kv=waited)
+    if keep_requests:
+        res.per_request = [{"arrival_s": q.req.arrival, "ttft_s": q.times[0] - q.req.arrival,
+                            "e2e_s": q.times[-1] - q.req.arrival, "tokens": len(q.times)} for q in finished]
+    return res
+
+
+def sweep_rates(rates: Sequence[float], make: Any) -> list[tuple[float, ServeResult]]:
+    """``make(rate)`` -> ServeResult for each rate (a latency-vs-rate sweep)."""
+    return [(r, make(r)) for r in rates]
+
+
+def plot_sweep(points: Sequence[tuple[float, ServeResult]], out: Any, title: str) -> None:
+    """Latency against request rate: TTFT and TPOT, p50 and p99 (``out``: a path or the
+    :func:`trnsim.plot.reserve` reservation made before the runs)."""
+    from ..outputs.plot import _figure, _save
+
+    fig = _figure(10, 4)
+    axes = fig.subplots(1, 2)
+    rates = [r for r, _ in points]
+    for ax, name in zip(axes, ("ttft", "tpot")):
+        for q, style in (("p50_ms", "o-"), ("p99_ms", "s--")):
+            ax.plot(rates, [getattr(getattr(res, name), q) for _, res in points], style,
+                    label=f"{name.upper()} {q[:3]}")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name.upper()} (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    _save(fig, out, "--plot")
