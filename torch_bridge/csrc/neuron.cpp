@@ -625,6 +625,10 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "_thnn_fused_lstm_cell" && s.overload_name().empty()) f.kind = kLstmCell;
   if (name == "_thnn_fused_lstm_cell_backward_impl" && s.overload_name().empty()) f.kind = kLstmCellBackward;
   if (f.kind != kOther) return f;
+  if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
+    f.kind = kView;
+    return f;
+  }
   if (denied().count(name)) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
