@@ -347,3 +347,18 @@ def test_lstm_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit
     assert fastpath.hits() - before > 100
     assert ticks == want_ticks and mem == want_mem
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want))
+
+
+def test_set_is_a_host_op_without_python_and_counts_as_before():
+    """set_ (a factory's fresh out adopted, storage swaps) is metadata only, natively as in Python."""
+    def run():
+        with torch.neuron.report_scope() as scope:
+            a = torch.arange(5, device="neuron")  # out= adopted through two set_ calls
+            t = torch.ones(3, 4, device="neuron")
+            t.set_(torch.zeros(2, 2, device="neuron"))
+        return dict(scope.report.host_ops), a.cpu(), t.shape
+
+    with fast(False):
+        want = run()
+    got = run()
+    assert got[0] == want[0] and got[0]["set_"] >= 3 and torch.equal(got[1], want[1]) and got[2] == want[2]

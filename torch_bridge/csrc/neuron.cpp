@@ -625,6 +625,10 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "_thnn_fused_lstm_cell" && s.overload_name().empty()) f.kind = kLstmCell;
   if (name == "_thnn_fused_lstm_cell_backward_impl" && s.overload_name().empty()) f.kind = kLstmCellBackward;
   if (f.kind != kOther) return f;
+  if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
+    f.kind = kView;
+    return f;
+  }
   if (denied().count(name)) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
@@ -851,6 +855,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
     key_strides(key, c);
     beta = vbeta.toScalar();
     alpha = valpha.toScalar();
+    if (alpha.toDouble() == 0) return slow(op, stack);  // BLAS's alpha == 0: values.addmm reads self only
   }
   key_int(key, 53);
   int64_t handle = cost_handle(key);
