@@ -332,3 +332,31 @@ def test_a_tensor_passed_twice_is_one_tensor_to_cpus_kernel():
         x = torch.empty(0, device=device)
         with pytest.raises(RuntimeError, match="refer to a single memory location"):
             torch.ops.aten._index_put_impl_(x, [torch.tensor([0], device=device)], x, False, False)
+
+
+@pytest.mark.parametrize("seed", [95836739971173, 190442727921741, 31720329505174])
+def test_addmm_with_alpha_zero_ignores_its_matrices_as_cpu_blas_does(seed):
+    """Found by the long run: CPU's float32 addmm is BLAS's sgemm, which never reads mat1 and mat2
+    when alpha == 0, so an inf or NaN there does not reach the result (beta * self, zeros when
+    beta == 0); the device multiplied the product by 0 and returned NaN, on the fast path (its own
+    addmm in C++), the Python path and compiled. bfloat16/float16 addmm and baddbmm multiply on
+    CPU too (NaN), and still do. Each seed is a long-run sample; its repro runs every way."""
+    assert dt.main(["--repro", "addmm", str(seed)]) == 0
+
+
+def test_addmm_alpha_zero_values_exactly():
+    nan, inf = math.nan, math.inf
+    cases = [(torch.tensor([[-0.0, nan]]), torch.tensor([[inf]]), torch.tensor([[1.0, 2.0]])),
+             (torch.tensor([[-0.0], [nan]]), torch.tensor([[inf], [1.0]]), torch.tensor([[1.0, 2.0]])),
+             (torch.tensor([3.0, -1.0]), torch.tensor([[nan, 1.0], [1.0, 1.0]]), torch.ones(2, 2))]
+    for dtype in (torch.float32, torch.bfloat16):
+        for c, a, b in cases:
+            c, a, b = c.to(dtype), a.to(dtype), b.to(dtype)
+            for beta in (1, 0, -1, 0.5):
+                want = torch.addmm(c, a, b, alpha=0, beta=beta)
+                for _ in range(3):  # the fast path learns the call, then serves it
+                    got = torch.addmm(c.to("neuron"), a.to("neuron"), b.to("neuron"), alpha=0, beta=beta).cpu()
+                    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+                        got.nan_to_num(7).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                        want.nan_to_num(7).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
+                        (dtype, beta, c, a, got, want)

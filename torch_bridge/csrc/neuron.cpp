@@ -855,6 +855,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
     key_strides(key, c);
     beta = vbeta.toScalar();
     alpha = valpha.toScalar();
+    if (alpha.toDouble() == 0) return slow(op, stack);  // BLAS's alpha == 0: values.addmm reads self only
   }
   key_int(key, 53);
   int64_t handle = cost_handle(key);

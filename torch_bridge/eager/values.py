@@ -537,7 +537,13 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
     a, b, c = memory.cpu_view(mat1), memory.cpu_view(mat2), memory.cpu_view(self)
     if not (_mm_ok(a, b) and _bias_ok(c, (a.shape[0], b.shape[1]))):
         return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
-    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+    if alpha == 0 and a.dtype == torch.float32 and c.dtype == a.dtype:
+        # CPU's float32 addmm is BLAS's sgemm, which never reads mat1 and mat2 when alpha == 0: an
+        # inf or NaN there does not reach the result (bfloat16/float16 and baddbmm multiply it by
+        # 0 and do). The result is beta * self, or zeros when beta == 0 (found by difftest)
+        rows = (a.shape[0], b.shape[1])
+        res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else (c if beta == 1 else c * beta).expand(rows).clone()
+    elif tensore.on_datapath(a, b) and c.dtype == a.dtype:
         res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
         res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
