@@ -269,3 +269,19 @@ def test_expert_parallelism_errors_are_one_line():
         estimate_train(TINY, dp=4, seq=64, ep=3)
     with pytest.raises(RecipeError, match=r"^--ep 2: the model has no experts to split"):
         estimate_train(TINY, dp=2, seq=64, ep=2)
+
+
+def test_the_interleaved_schedule_shrinks_the_bubble():
+    """4 ranks, forward 100 and backward 200 ticks a micro-batch, no transfer time: 1F1B takes
+    (m + p - 1) x 300; interleaving v chunks per rank shortens the bubble (Megatron's bound:
+    (p - 1) / v of the micro-batch time), never below the ideal m x 300; one chunk is 1F1B."""
+    from trnsim.workload.plan import pipeline_1f1b
+    from trnsim.workload.training import pipeline_interleaved
+
+    for m in (8, 32):
+        plain = pipeline_1f1b([100] * 4, [200] * 4, [0] * 3, [0] * 3, m)[0]
+        assert plain == (m + 3) * 300
+        assert pipeline_interleaved([100] * 4, [200] * 4, [0] * 3, m, 1)[0] == plain
+        two = pipeline_interleaved([100] * 4, [200] * 4, [0] * 3, m, 2)[0]
+        four = pipeline_interleaved([100] * 4, [200] * 4, [0] * 3, m, 4)[0]
+        assert m * 300 <= (m + 3 / 4) * 300 <= four < two < plain

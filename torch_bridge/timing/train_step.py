@@ -538,7 +538,9 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
         out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
     else:
         out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
-    out.append("1F1B pipeline schedule; activations sent stage to stage with send/recv on the links")
+    out.append(("1F1B pipeline schedule" if recipe.schedule == "1f1b" else
+                f"interleaved 1F1B with {recipe.virtual_stages} chunks per pipeline rank (list-scheduled in Megatron's "
+                f"order)") + "; activations sent stage to stage with send/recv on the links")
     out.append(f"data-parallel gradients in {recipe.bucket_mb} MB buckets, " +
                ("each reduced as soon as the backward has filled it (overlapped; the step pays what runs past "
                 "the last backward)" if recipe.overlap else "reduced after the last backward"))
