@@ -3,7 +3,7 @@ the values and the simulated time are the same with it on or off (no wall time i
 
 import torch
 
-from torch_bridge import hostprof
+from torch_bridge.neuron import hostprof
 
 
 def _step(model, x):
@@ -16,7 +16,7 @@ def _step(model, x):
 
 def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
     torch.manual_seed(0)
-    model = torch.nn.LSTM(8, 16, batch_first=True).to("neuron")
+    model = torch.nn.GRU(8, 16, batch_first=True).to("neuron")  # its cells take the Python path
     x = torch.randn(2, 5, 8, device="neuron")
     from torch_bridge.runtime import runtime
 
@@ -33,12 +33,12 @@ def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
     assert profiled == plain
     assert hostprof.active is None
     parts = dict((k, c) for k, _, c in prof.parts())
-    assert parts["python _thnn_fused_lstm_cell"] == 5  # one cell per time step
+    assert parts["python _thnn_fused_gru_cell"] == 5  # one cell per time step
     assert "device model" in parts
     s = prof.summary()
     assert abs(sum(s.values()) - prof.wall) < 1e-9 and prof.wall > 0
     text = prof.table(1, cpu_wall=0.001)
-    assert "_thnn_fused_lstm_cell" in text and "rest: fast path" in text
+    assert "_thnn_fused_gru_cell" in text and "rest: fast path" in text
     # the wrapped methods are restored
     from trnsim.device import Device
 
