@@ -18,7 +18,7 @@ program a second time with the fast path off (``TRNSIM_FASTPATH=0``) and checks 
 step's value and simulated time are bit-identical to the fast run's (speed work never changes
 a cycle or a value).
 
-``--split`` runs each program once more under :mod:`torch_bridge.hostprof` and prints, for the
+``--split`` runs each program once more under :mod:`torch_bridge.neuron.hostprof` and prints, for the
 first step and for the steady steps, the wall time of each part of the simulator (kernel builds
 and simulations, the device model, the Python path per op name, its CPU kernels) and the rest
 (the native fast path with the CPU kernels it runs, autograd, the program's own Python), beside
@@ -425,7 +425,7 @@ def run_one(name: str, quick: bool, rounds: int, steps: int, split: bool) -> dic
 
     prof = None
     if split:
-        from torch_bridge import hostprof
+        from torch_bridge.neuron import hostprof
 
         with hostprof.profile() as prof:
             out["neuron_first"] = neuron_step()
@@ -444,7 +444,7 @@ def run_one(name: str, quick: bool, rounds: int, steps: int, split: bool) -> dic
             cpu_cpu.append(time.process_time() - c)
         del neu_cpu[:]
         if split:
-            from torch_bridge import hostprof
+            from torch_bridge.neuron import hostprof
 
             with hostprof.profile() as prof:
                 neu_times = [neuron_step() for _ in range(steps)]

@@ -62,6 +62,7 @@ REQUIRED: dict[str, str] = {
     "torch._C._ForceDispatchKeyGuard": "autograd inside a custom op's kernel (the MoE block's backward)",
     "torch._C._dispatch_tls_local_include_set": "autograd inside a custom op's kernel (the MoE block's backward)",
     "torch._C._dispatch_tls_local_exclude_set": "autograd inside a custom op's kernel (the MoE block's backward)",
+    "torch.utils._python_dispatch.TorchDispatchMode": "charging the MoE block's eager ops as they run (a dispatch mode)",
 }
 
 # Private APIs of torch.compile's machinery. Importing it takes seconds, so these are resolved on
@@ -133,6 +134,7 @@ def dynamo_skip(code: Any) -> None:
     ef = resolve("torch._C._dynamo.eval_frame")
     ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT))
 disable_dynamo = torch._disable_dynamo
+TorchDispatchMode = resolve("torch.utils._python_dispatch.TorchDispatchMode")
 RecordFunctionFast = torch._C._profiler._RecordFunctionFast
 to_dlpack = torch._C._to_dlpack
 from_dlpack = torch._C._from_dlpack
@@ -248,6 +250,11 @@ def fsdp_storage() -> tuple[Any, Any]:
     """FSDP2's ``alloc_storage`` and ``free_storage`` (importing FSDP2 if it is not yet)."""
     return (dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage"),
             dist_api("torch.distributed.fsdp._fully_shard._fsdp_param.free_storage"))
+
+
+#: the FSDP2 module whose import the bridge waits for to patch its storage (it imports
+#: _fsdp_param's alloc_storage): torch_bridge.dist patches FSDP only once a program imports it
+FSDP_PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 
 def patch_fsdp_storage(alloc: Any, free: Any) -> None:

@@ -40,7 +40,7 @@ from trnsim.kernels.fused import FULL, Program
 from .. import _torch
 from ..eager import lowering, memory
 from ..runtime import runtime
-from .fusion import Builder, Unfusable, _emit, _trn_dtype
+from .fusion import Builder, Unfusable, emit_node, trn_dtype
 
 __all__ = ["FlexKernel", "ScoreMod", "score_program", "is_causal", "use_flex_kernels"]
 
@@ -122,9 +122,9 @@ def score_program(gm: fx.GraphModule) -> ScoreMod | str | None:
         kind = parse_score_input(roles[i - 1], metas)[0]
         dt = "fp32"
         if node.op == "call_function":
-            dt = _trn_dtype(node.args[0].meta["val"].dtype)
+            dt = trn_dtype(node.args[0].meta["val"].dtype)
         elif node in buffers:
-            dt = _trn_dtype(node.meta["val"].dtype)
+            dt = trn_dtype(node.meta["val"].dtype)
         b.inputs.append((node, kind, dt))
         b.kinds.append(kind)
         b.values[node] = i
@@ -132,7 +132,7 @@ def score_program(gm: fx.GraphModule) -> ScoreMod | str | None:
         for n in calls:
             if n in role_of:
                 continue
-            _emit(b, n)
+            emit_node(b, n)
         out = next(n for n in gm.graph.nodes if n.op == "output")
         res = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
         v = b.values.get(res)

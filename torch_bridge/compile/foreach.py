@@ -35,7 +35,7 @@ from trnsim.kernels.fused import FULL, SCALAR, Program
 
 from ..eager import lowering, memory, values
 from ..runtime import runtime
-from .fusion import Builder, Unfusable, _prune, _scalar, _trn_dtype, _val
+from .fusion import Builder, Unfusable, prune_inputs, scalar_arg, trn_dtype, node_value
 
 __all__ = ["ForeachRegion", "ForeachKernel", "partition_foreach", "FOREACH"]
 
@@ -60,7 +60,7 @@ def _reg(*names: str) -> Callable[[Handler], Handler]:
 def _num(x: Any) -> float:
     if isinstance(x, fx.Node):
         raise Unfusable("a tensor where a number was expected")
-    return _scalar(x)
+    return scalar_arg(x)
 
 
 def _mul_by(b: Builder, x: Any, c: float) -> Any:
@@ -178,7 +178,7 @@ def _length(n: fx.Node) -> int | None:
     except Unfusable:
         return None
     lens = {len(x) for x in lists}
-    vals = [_val(x) for lst in lists for x in lst]
+    vals = [node_value(x) for lst in lists for x in lst]
     if len(lens) != 1 or any(not isinstance(v, torch.Tensor) for v in vals):
         return None
     # on the device; a host scalar (a step count of a non-capturable optimizer) is the kernel's argument
@@ -225,25 +225,25 @@ class ForeachRegion:
         for c in consts:
             if any(u not in members for u in c.users):
                 raise Unfusable("a full_like read outside the region")
-        full = [lst for lst in lists_of.values() if _val(lst[0]).dim() > 0]
+        full = [lst for lst in lists_of.values() if node_value(lst[0]).dim() > 0]
         if not full:
             raise Unfusable("no parameter-sized list")
         sizes = []
         for i in range(self.length):
-            ns = {_val(lst[i]).numel() for lst in full}
-            if len(ns) != 1 or any(not _val(lst[i]).is_contiguous() for lst in full):
+            ns = {node_value(lst[i]).numel() for lst in full}
+            if len(ns) != 1 or any(not node_value(lst[i]).is_contiguous() for lst in full):
                 raise Unfusable(f"the tensors at index {i} differ in size or are not contiguous")
             sizes.append(ns.pop())
         for lst in lists_of.values():
-            if any((_val(x).dim() > 0) != (_val(lst[0]).dim() > 0) or _val(x).dtype != _val(lst[0]).dtype
-                   or not _val(x).dtype.is_floating_point for x in lst):
+            if any((node_value(x).dim() > 0) != (node_value(lst[0]).dim() > 0) or node_value(x).dtype != node_value(lst[0]).dtype
+                   or not node_value(x).dtype.is_floating_point for x in lst):
                 raise Unfusable("a list mixing scalars and tensors or dtypes, or of a non-float dtype")
-        t0 = _val(full[0][0])
+        t0 = node_value(full[0][0])
         b = Builder(("1", str(max(t0.numel(), 1))))
         for node in lists_of:
-            v = _val(node)
+            v = node_value(node)
             kind = SCALAR if v.dim() == 0 else FULL
-            b.inputs.append((node, kind, _trn_dtype(v.dtype)))
+            b.inputs.append((node, kind, trn_dtype(v.dtype)))
             b.kinds.append(kind)
             b.values[node] = len(b.inputs) - 1
         per: dict[fx.Node, Any] = {}  # node -> its index-0 value (an id, or a float constant)
@@ -269,7 +269,7 @@ class ForeachRegion:
             if any(u not in members and u is not c for u in dst.users):
                 raise Unfusable("an updated input read outside the region")
             k, i = pos[dst]
-            if i != src.args[1] or _val(dst).shape != _val(src).shape or _val(dst).dtype != _val(src).dtype:
+            if i != src.args[1] or node_value(dst).shape != node_value(src).shape or node_value(dst).dtype != node_value(src).dtype:
                 raise Unfusable("a copy_ into another index, shape or dtype")
             stores.setdefault((src.args[0], k), set()).add(i)
         outputs, inplace = [], []
@@ -283,9 +283,9 @@ class ForeachRegion:
             if n.target is not operator.getitem:
                 raise Unfusable("a whole result list read outside the region")
         for fe in dict.fromkeys(n.args[0] for n in self.outputs):
-            outputs.append((per[fe], _trn_dtype(_val(fe)[0].dtype)))
+            outputs.append((per[fe], trn_dtype(node_value(fe)[0].dtype)))
         prog = Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), tuple(outputs))
-        pruned, keep = _prune(prog)
+        pruned, keep = prune_inputs(prog)
         remap = {old: new for new, old in enumerate(sorted(keep))}
         self.program = pruned
         self.program.kinds()
@@ -297,10 +297,10 @@ class ForeachRegion:
                     self.inputs.append(a)
         self.sizes = tuple(sizes)
         # scalars the host holds (a non-capturable step's bias corrections): the kernel's arguments
-        scalar_lists = [lst for lst in lists_of.values() if _val(lst[0]).dim() == 0]
-        self.host_scalars = bool(scalar_lists) and all(_val(x).device.type == "cpu" for lst in scalar_lists
+        scalar_lists = [lst for lst in lists_of.values() if node_value(lst[0]).dim() == 0]
+        self.host_scalars = bool(scalar_lists) and all(node_value(x).device.type == "cpu" for lst in scalar_lists
                                                        for x in lst)
-        self.dtype = _trn_dtype(t0.dtype)
+        self.dtype = trn_dtype(t0.dtype)
 
 
 def partition_foreach(gm: fx.GraphModule) -> list[ForeachRegion]:
@@ -423,14 +423,14 @@ class ForeachKernel:
             if n.target is operator.getitem:
                 continue
             if n.target is aten.copy_.default:
-                specs.append(("_copy_from", lowering.copy_spec("copy_d2d", _meta(_val(n.args[1])),
-                                                               _meta(_val(n.args[0])))))
+                specs.append(("_copy_from", lowering.copy_spec("copy_d2d", _meta(node_value(n.args[1])),
+                                                               _meta(node_value(n.args[0])))))
             elif n.target is aten.full_like.default:
-                specs.append(("fill_", lowering.generic_spec("fill_", [], [_meta(_val(n))])))
+                specs.append(("fill_", lowering.generic_spec("fill_", [], [_meta(node_value(n))])))
             else:
-                lists = [[_meta(_val(x)) for x in a] for a in n.args if isinstance(a, (list, tuple))
+                lists = [[_meta(node_value(x)) for x in a] for a in n.args if isinstance(a, (list, tuple))
                          and a and isinstance(a[0], fx.Node)]
-                out = [_meta(v) for v in _val(n)] if isinstance(_val(n), (list, tuple)) else []
+                out = [_meta(v) for v in node_value(n)] if isinstance(node_value(n), (list, tuple)) else []
                 name = n.target.overloadpacket.__name__
                 specs.append((name, lowering.fused_spec(name, lists, [], out)))
         return specs

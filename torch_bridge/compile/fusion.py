@@ -34,7 +34,7 @@ class Unfusable(Exception):
     """A node (or a call of it) the program table cannot express."""
 
 
-def _val(x: Any) -> Any:
+def node_value(x: Any) -> Any:
     return x.meta.get("val") if isinstance(x, fx.Node) else None
 
 
@@ -85,7 +85,7 @@ class Builder:
     def input(self, node: fx.Node) -> int:
         if node in self.values:
             return self.values[node]
-        v = _val(node)
+        v = node_value(node)
         if not isinstance(v, torch.Tensor):
             raise Unfusable(f"input {node} is not a tensor")
         kind = kind_of(v, self.key)
@@ -94,7 +94,7 @@ class Builder:
         idx = len(self.inputs)
         if self.steps:
             raise AssertionError("inputs are added before steps")
-        self.inputs.append((node, kind, _trn_dtype(v.dtype)))
+        self.inputs.append((node, kind, trn_dtype(v.dtype)))
         self.kinds.append(kind)
         self.values[node] = idx
         return idx
@@ -131,7 +131,7 @@ class Builder:
         return self.ts(self.red("add", x), "multiply", "1/cols")
 
 
-def _trn_dtype(dt: torch.dtype) -> str:
+def trn_dtype(dt: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
 
 
@@ -148,7 +148,7 @@ def _reg(*targets: Any) -> Callable[[Handler], Handler]:
     return deco
 
 
-def _scalar(x: Any) -> float:
+def scalar_arg(x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise Unfusable(f"not a number: {x!r}")
     return float(x)
@@ -163,15 +163,15 @@ def _binary_op(alu: str, reverse: bool = False) -> Handler:
         if isinstance(y, fx.Node) and isinstance(x, fx.Node):
             vy = val(y)
             if alpha != 1:
-                vy = b.ts(vy, "multiply", _scalar(alpha))
+                vy = b.ts(vy, "multiply", scalar_arg(alpha))
             return b.tt(alu, val(x), vy)
         if isinstance(x, fx.Node):  # tensor op number
-            return b.ts(val(x), alu, _scalar(y) * (_scalar(alpha) if alu in ("add", "subtract") else 1.0))
+            return b.ts(val(x), alu, scalar_arg(y) * (scalar_arg(alpha) if alu in ("add", "subtract") else 1.0))
         if isinstance(y, fx.Node):  # number op tensor (rsub with a tensor second)
             vy = val(y)
             if alpha != 1:
-                vy = b.ts(vy, "multiply", _scalar(alpha))
-            return b.ts(vy, alu, _scalar(x), rev=True)
+                vy = b.ts(vy, "multiply", scalar_arg(alpha))
+            return b.ts(vy, alu, scalar_arg(x), rev=True)
         raise Unfusable("no tensor operand")
     return handle
 
@@ -191,7 +191,7 @@ def _div(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
     x, y = n.args[0], n.args[1]
     if isinstance(y, fx.Node):
         return b.tt("divide", val(x), val(y))
-    return b.ts(val(x), "multiply", 1.0 / _scalar(y))
+    return b.ts(val(x), "multiply", 1.0 / scalar_arg(y))
 
 
 def _act(fn: str) -> Handler:
@@ -228,7 +228,7 @@ def _gelu(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
 
 @_reg(aten.pow.Tensor_Scalar)
 def _pow(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
-    e = _scalar(n.args[1])
+    e = scalar_arg(n.args[1])
     x = val(n.args[0])
     if e == 2.0:
         return b.act("square", x)
@@ -272,7 +272,7 @@ def _silu_bwd(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
 @_reg(aten.threshold_backward.default)
 def _threshold_bwd(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
     # grad where x > threshold else 0, as grad * (x > threshold): equal for finite gradients
-    g, x, thr = val(n.args[0]), val(n.args[1]), _scalar(n.args[2])
+    g, x, thr = val(n.args[0]), val(n.args[1]), scalar_arg(n.args[2])
     return b.tt("multiply", g, b.ts(x, "greater", thr))
 
 
@@ -286,7 +286,7 @@ for _t in (aten.clone.default, aten.alias.default, aten.detach.default):
 
 @_reg(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
-    src, out = _val(n.args[0]), _val(n)
+    src, out = node_value(n.args[0]), node_value(n)
     if layout_of(src) != layout_of(out) or not src.is_contiguous():
         raise Unfusable("a view that changes the row layout")
     return val(n.args[0])
@@ -294,15 +294,15 @@ def _view(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
 
 @_reg(aten._to_copy.default)
 def _to_copy(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
-    src, out = _val(n.args[0]), _val(n)
+    src, out = node_value(n.args[0]), node_value(n)
     if out.device != src.device or not out.dtype.is_floating_point:
         raise Unfusable("a copy to another device or a non-float dtype")
     x = val(n.args[0])
-    return x if out.dtype == src.dtype else b.add("cast", x, _trn_dtype(out.dtype))
+    return x if out.dtype == src.dtype else b.add("cast", x, trn_dtype(out.dtype))
 
 
 def _last_dim(n: fx.Node, dim: Any) -> bool:
-    nd = _val(n.args[0]).dim()
+    nd = node_value(n.args[0]).dim()
     dims = [dim] if isinstance(dim, int) else list(dim or [])
     return len(dims) == 1 and dims[0] % nd == nd - 1
 
@@ -346,7 +346,7 @@ def _log_softmax_bwd(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
 
 def _reduction(op: str, mean: bool = False) -> Handler:
     def handle(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
-        src = _val(n.args[0])
+        src = node_value(n.args[0])
         dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
         keepdim = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
         if n.kwargs.get("dtype") is not None:
@@ -379,7 +379,7 @@ def _layer_norm(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> tuple[int,
     vx = val(x)
     mean = b.mean_row(vx)
     xc = b.tt("subtract", vx, mean)
-    rstd = b.act("rsqrt", b.ts(b.red("add", b.act("square", xc)), "multiply", "1/cols", "add", _scalar(eps)))
+    rstd = b.act("rsqrt", b.ts(b.red("add", b.act("square", xc)), "multiply", "1/cols", "add", scalar_arg(eps)))
     y = b.tt("multiply", xc, rstd)
     if w is not None:
         y = b.tt("multiply", y, val(w))
@@ -440,23 +440,23 @@ class Region:
             if head.target is aten.addmm.default:
                 beta, alpha = head.kwargs.get("beta", 1), head.kwargs.get("alpha", 1)
                 if alpha != 1:
-                    v = b.ts(v, "multiply", _scalar(alpha))
+                    v = b.ts(v, "multiply", scalar_arg(alpha))
                 if beta != 0:
                     c = b.values[head.args[0]]
                     if beta != 1:
-                        c = b.ts(c, "multiply", _scalar(beta))
+                        c = b.ts(c, "multiply", scalar_arg(beta))
                     v = b.tt("add", v, c)
             b.values[head] = v
         for n in self.nodes:
-            _emit(b, n)
+            emit_node(b, n)
         self.outputs = [n for n in ([self.head] if self.head is not None else []) + self.nodes
                         if any(u not in members for u in n.users) and b.values.get(n) is not None]
         for n in self.outputs:
-            v = _val(n)
+            v = node_value(n)
             if not isinstance(v, torch.Tensor):
                 raise Unfusable(f"region output {n} is not a tensor")
-        outs = tuple((b.values[n], _trn_dtype(_val(n).dtype)) for n in self.outputs)
-        self.program, keep = _prune(Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), outs))
+        outs = tuple((b.values[n], trn_dtype(node_value(n).dtype)) for n in self.outputs)
+        self.program, keep = prune_inputs(Program(tuple((k, d) for _, k, d in b.inputs), tuple(b.steps), outs))
         self.program.kinds()
         self.inputs = [a for a, _, _ in b.inputs if a is not None]
         # which of the region's inputs (after a head's two operands) the kernel's inputs are
@@ -469,12 +469,12 @@ class Region:
             raise Unfusable("a region of one op runs as that op's eager kernel")
 
 
-def _prune(p: Program) -> tuple[Program, set[int]]:
+def prune_inputs(p: Program) -> tuple[Program, set[int]]:
     """``p`` without the inputs no step or output reads (an op's argument its fused form does
     not need, e.g. a layer norm backward's bias); returns the kept input indices too."""
-    from trnsim.kernels.fused import _args
+    from trnsim.kernels.fused import step_args
 
-    used = {a for st in p.steps for a in _args(st)} | {v for v, _ in p.outputs} | {0}
+    used = {a for st in p.steps for a in step_args(st)} | {v for v, _ in p.outputs} | {0}
     n_in = len(p.inputs)
     keep = [i for i in range(n_in) if i in used]
     remap = {old: new for new, old in enumerate(keep)}
@@ -499,7 +499,7 @@ _IDENTITY = {operator.getitem, aten.clone.default, aten.alias.default, aten.deta
              aten._unsafe_view.default, aten.reshape.default}
 
 
-def _emit(b: Builder, n: fx.Node) -> None:
+def emit_node(b: Builder, n: fx.Node) -> None:
     if n.target is operator.getitem:
         src, i = n.args
         vals = b.values.get(src)
@@ -531,8 +531,8 @@ def _fusable(n: fx.Node) -> tuple[str, str] | None:
         return _fusable(src) if isinstance(src, fx.Node) else None
     if n.target not in STEPS:
         return None
-    tensors = [_val(a) for a in n.all_input_nodes]
-    out = _val(n)
+    tensors = [node_value(a) for a in n.all_input_nodes]
+    out = node_value(n)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     allv = [t for t in tensors + outs if isinstance(t, torch.Tensor)]
     if not allv or any(not isinstance(t, torch.Tensor) for t in tensors):
@@ -606,7 +606,7 @@ def _attach_matmuls(gm: fx.GraphModule, regions: list[Region], group: dict[fx.No
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in MATMULS:
             continue
-        out = _val(n)
+        out = node_value(n)
         if not isinstance(out, torch.Tensor) or out.device.type != "neuron" or out.dtype not in (
                 torch.float32, torch.bfloat16, torch.float16):
             continue

@@ -1259,9 +1259,6 @@ def _resize_works() -> bool:
         return False
 
 
-_FSDP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"  # imports _fsdp_param's alloc_storage
-
-
 def _patch_fsdp() -> None:
     """FSDP2 frees and re-allocates unsharded parameters by resizing their storage, which a
     Python PrivateUse1 device cannot do in torch 2.13: for neuron tensors the storage keeps its
@@ -1272,7 +1269,7 @@ def _patch_fsdp() -> None:
         return
     from ..imports import after_import
 
-    after_import(_FSDP_MODULE, lambda _module: _patch_fsdp_now())
+    after_import(_torch.FSDP_PARAM_GROUP_MODULE, lambda _module: _patch_fsdp_now())
 
 
 def _patch_fsdp_now() -> None:

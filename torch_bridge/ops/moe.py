@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trnsim.device import KernelSpec
 from trnsim.isa import KernelError
@@ -122,7 +121,7 @@ def moe_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize:
 _MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1)}
 
 
-class _ChargeEager(TorchDispatchMode):
+class _ChargeEager(_torch.TorchDispatchMode):
     """Charge every aten op run inside it (on CPU tensors) to logical core ``index`` as the
     kernel that op would launch on neuron (views as host-only ops), under the report name
     ``op``: how a computation done on CPU views is costed like the same ops run eagerly."""

@@ -37,8 +37,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from trnsim.nki import NkiError, NkiFamily, TensorSpec, tensor_spec
-from trnsim.nki._jit import _as_kernel
+from trnsim.nki import NkiError, NkiFamily, TensorSpec, as_kernel, tensor_spec
 
 from ..eager import memory, values
 from ..runtime import runtime
@@ -288,7 +287,7 @@ def nki_op(name: str, kernel: Any = None, *, mutates_args: Iterable[str] = (), o
         return lambda k: nki_op(name, k, mutates_args=mutates_args, outputs=outputs, schema=schema, backward=backward)
     if not isinstance(name, str) or "::" not in name or not all(name.split("::", 1)):
         raise NkiOpError(f"nki_op: the op name must be 'namespace::name', got {name!r}")
-    k = _as_kernel(kernel)
+    k = as_kernel(kernel)
     mutates = tuple(mutates_args)
     n_out = outputs if outputs is not None else (0 if mutates else 1)
     if isinstance(n_out, bool) or not isinstance(n_out, int) or n_out < 0:
@@ -312,7 +311,7 @@ def _register_backward(custom: Any, op: _Op, backward: Any) -> None:
     params = list(op.sig.parameters.values())
     tensor_params = [p.name for p in params if p.default is p.empty and p.kind is not p.KEYWORD_ONLY]
     const_params = [p.name for p in params if p.name not in tensor_params]
-    bwd_kernel = _as_kernel(backward)
+    bwd_kernel = as_kernel(backward)
     bwd_sig = inspect.signature(bwd_kernel.fn)
     n_grads = len([p for p in bwd_sig.parameters.values() if p.default is p.empty]) - len(tensor_params)
     if n_grads != max(op.outputs, 1):

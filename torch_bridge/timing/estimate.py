@@ -413,8 +413,14 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
     act = micro_batch * seq * spec.hidden * torch.empty((), dtype=dt).element_size()
     p2p = _send_recv_ticks(sysc, plan, act, reports, dtype)
-    pipe, _ = pipeline_1f1b([s["forward_ticks"] for s in stages], [s["backward_ticks"] for s in stages], p2p, p2p,
-                            micro)
+    if recipe.schedule == "interleaved" and plan.pp > 1:
+        from trnsim.workload.training import pipeline_interleaved
+
+        pipe, _ = pipeline_interleaved([s["forward_ticks"] for s in stages], [s["backward_ticks"] for s in stages],
+                                       p2p, micro, recipe.virtual_stages)
+    else:
+        pipe, _ = pipeline_1f1b([s["forward_ticks"] for s in stages], [s["backward_ticks"] for s in stages], p2p, p2p,
+                                micro)
     dp_ticks = max(s["dp_ticks"] for s in stages)
     opt_ticks = max(s["optimizer_ticks"] for s in stages)
     step = pipe + dp_ticks + opt_ticks

@@ -982,7 +982,7 @@ def _free_elems(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _tile_view(alloc: Allocation, shape: tuple[int, ...], dt: Dtype) -> TileAP:
+def tile_view(alloc: Allocation, shape: tuple[int, ...], dt: Dtype) -> TileAP:
     return TileAP(alloc, alloc.p_start, shape[0], 0, row_major(shape[1:] or (1,)), dt)
 
 
@@ -1076,7 +1076,7 @@ class Kernel:
         alloc = alloc_.allocate(name, partition_offset, shape[0], nbytes)
         self._allocs[alloc.uid] = alloc
         self._deps.allocated(alloc)
-        t = _tile_view(alloc, shape, dt)
+        t = tile_view(alloc, shape, dt)
         if scoped and self._scopes:
             self._scopes[-1].append(t)
         return t
@@ -2037,7 +2037,7 @@ class Kernel:
         bound1[p]``, else ``on_false`` (FP32_MIN, the only value the hardware takes); with
         ``reduce_res`` [P, 1] also the row max of the result. NC-v3 and newer."""
         what = "range_select"
-        if _core_generation(self.config) < 3:
+        if core_generation(self.config) < 3:
             raise KernelError(f"{what}: needs NeuronCore-v3 or newer, {self.config.name} is {self.config.core.version}")
         cmps = []
         for nm, c in (("cmp0", cmp0), ("cmp1", cmp1)):
@@ -2235,7 +2235,7 @@ def _arith_op(op: Any, what: str) -> str:
     return n
 
 
-def _core_generation(config: ChipConfig) -> int:
+def core_generation(config: ChipConfig) -> int:
     """2, 3, 4 for NeuronCore-v2, -v3, -v4 (from ``core.version``)."""
     digits = "".join(ch for ch in config.core.version.rsplit("v", 1)[-1] if ch.isdigit())
     return int(digits) if digits else 0

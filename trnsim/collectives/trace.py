@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..outputs.files import write_atomic
-from ..outputs.trace import _spread
+from ..outputs.trace import spread_lanes
 from .report import CollectiveReport
 
 __all__ = ["collective_trace_events", "write_collective_trace"]
@@ -24,7 +24,7 @@ __all__ = ["collective_trace_events", "write_collective_trace"]
 _CHIP = re.compile(r"chip (\d+)")
 
 
-def _chip_of_lane(lane: str, rpc: int) -> int:
+def chip_of_lane(lane: str, rpc: int) -> int:
     if lane.startswith("rank "):
         return int(lane.split()[1]) // rpc
     m = _CHIP.search(lane)
@@ -41,7 +41,7 @@ def collective_trace_events(reports: Iterable[CollectiveReport], ranks_per_chip:
     lanes: dict[tuple[int, str], list[tuple[int, int, str, int]]] = {}
     for n, rep in enumerate(reports):
         for lane, label, start, end in rep.timeline:
-            lanes.setdefault((_chip_of_lane(lane, ranks_per_chip), lane), []).append((start, end, label, n))
+            lanes.setdefault((chip_of_lane(lane, ranks_per_chip), lane), []).append((start, end, label, n))
     meta: list[dict[str, Any]] = []
     events: list[dict[str, Any]] = []
     tids: dict[tuple[int, str], int] = {}
@@ -53,7 +53,7 @@ def collective_trace_events(reports: Iterable[CollectiveReport], ranks_per_chip:
         return (key[0], 0 if key[1].startswith("rank") else 1, key[1])
 
     for (chip, lane), segs in sorted(lanes.items(), key=lambda kv: order(kv[0])):
-        for k, part in enumerate(_spread(segs)):
+        for k, part in enumerate(spread_lanes(segs)):
             name = lane if k == 0 else f"{lane} ({k + 1})"
             tid = tids.setdefault((chip, name), len(tids) + 1)
             meta.append({"ph": "M", "name": "thread_name", "pid": chip, "tid": tid, "args": {"name": name}})

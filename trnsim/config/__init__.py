@@ -39,11 +39,21 @@ __all__ = [
     "clip_text",
     "load_yaml",
     "load_yaml_file",
+    "file_kind",
     "env_int",
     "Calibration",
+    "shipped_dir",
 ]
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+def shipped_dir(name: str) -> Path:
+    """A data folder of the repository's top level (``configs``, ``validation``): the copy a wheel
+    carries in ``trnsim/shipped/`` (setup.py puts it there), else the checkout's own."""
+    here = Path(__file__).resolve().parents[1]
+    shipped = here / "shipped" / name
+    return shipped if shipped.is_dir() else here.parent / name
+
+
+CONFIG_DIR = shipped_dir("configs")
 
 
 class ConfigError(ValueError):
@@ -205,6 +215,19 @@ def load_yaml(text: str, where: str) -> Any:
             loader.dispose()
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
+
+
+def file_kind(mode: int) -> str:
+    """``"a FIFO"``, ``"a directory"``, ... for a ``st_mode`` (``"a regular file"``): what a path
+    names when it is not the regular file a reader (here) or a writer (:mod:`trnsim.outputs.files`) wants."""
+    for test, name in _FILE_KINDS:
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"
+
+
 def read_bounded(path: str | os.PathLike[str], where: str, what: str) -> str:
     """The text of a config-like file, read safely: a missing file, a FIFO or device (never
     opened: it could block forever), a file over the size limit or one that is not UTF-8 is a
@@ -219,8 +242,6 @@ def read_bounded(path: str | os.PathLike[str], where: str, what: str) -> str:
     except OSError as e:
         raise ConfigError(f"{what} '{shown}': cannot read it ({e.strerror or type(e).__name__})") from None
     if not stat.S_ISREG(st.st_mode):
-        from ..outputs.files import file_kind
-
         raise ConfigError(f"{what} '{shown}': it is {file_kind(st.st_mode)}, not a regular file")
     try:
         with open(name, "rb") as f:
@@ -623,7 +644,7 @@ def config_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
-def _resolve(name_or_path: str | os.PathLike[str]) -> Path:
+def resolve_config_path(name_or_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(name_or_path)
     p = Path(text)
     if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
@@ -860,7 +881,7 @@ def load_config(
         if not overrides:
             return name_or_path
         name_or_path = name_or_path.source
-    path = _resolve(name_or_path)
+    path = resolve_config_path(name_or_path)
     where = path.name if path.parent == CONFIG_DIR else str(path)
     raw = _read_config(path, where)
     if raw is None:
@@ -1035,7 +1056,7 @@ def system_names() -> list[str]:
     return sorted(p.stem for p in SYSTEM_DIR.glob("*.yaml"))
 
 
-def _resolve_system(text: str) -> Path:
+def resolve_system_path(text: str) -> Path:
     p = Path(text)
     shown = clip_text(text)
     if p.suffix in (".yaml", ".yml") or os.sep in text or "/" in text:
@@ -1126,7 +1147,7 @@ def load_system(
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ConfigError(f"a system is a name ({', '.join(system_names())}), a path to a .yaml file or a "
                           f"SystemConfig, got {type(name_or_path).__name__}")
-    path = _resolve_system(os.fspath(name_or_path))
+    path = resolve_system_path(os.fspath(name_or_path))
     where = path.name if path.parent == SYSTEM_DIR else str(path)
     raw = _read_system_yaml(path, where)
     if not isinstance(raw, dict):
@@ -1178,7 +1199,7 @@ def load_system(
     if chip_ref.endswith((".yaml", ".yml")) or "/" in chip_ref:
         chip_ref = str(path.parent / chip_ref)
     try:
-        _resolve(chip_ref)
+        resolve_config_path(chip_ref)
     except ConfigError as e:  # named where it was given: the system's file or its --set
         given = f" (--set chip={sys_pairs['chip']})" if "chip" in sys_pairs else ""
         raise ConfigError(f"{where}{given}: chip: {e}") from None

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import ConfigError, clip_text, format_value, load_yaml_file
+from . import ConfigError, clip_text, format_value, load_yaml_file, shipped_dir
 
 __all__ = [
     "LedgerError",
@@ -42,7 +42,7 @@ __all__ = [
     "to_unit",
 ]
 
-VALIDATION_DIR = Path(__file__).resolve().parents[2] / "validation"
+VALIDATION_DIR = shipped_dir("validation")
 
 #: the categories the summary reports, in its order
 CATEGORIES = ("kernels", "dma", "collectives", "inference", "training")

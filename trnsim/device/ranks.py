@@ -241,7 +241,7 @@ def link_segments(rank: int, placed: Iterable[tuple[str, int, Any]], ranks_per_c
     (``(op, start tick, CollectiveReport simulated from tick 0 with its timeline)``): its own CC
     DMA transfers, and the links leaving its chip when it is the group's lowest rank there (so
     each link of a call shows once). Ticks are absolute (shifted by each call's start)."""
-    from ..collectives.trace import _chip_of_lane
+    from ..collectives.trace import chip_of_lane
 
     chip = rank // ranks_per_chip
     out = []
@@ -249,7 +249,7 @@ def link_segments(rank: int, placed: Iterable[tuple[str, int, Any]], ranks_per_c
         shows_links = min(g for g in crep.group if g // ranks_per_chip == chip) == rank
         for lane, label, a, b in crep.timeline:
             if lane.startswith(f"rank {rank} ") or (shows_links and lane.startswith("link ")
-                                                     and _chip_of_lane(lane, ranks_per_chip) == chip):
+                                                     and chip_of_lane(lane, ranks_per_chip) == chip):
                 out.append((lane, f"{op}: {label}", start + a, start + b))
     return out
 

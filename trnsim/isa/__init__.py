@@ -153,7 +153,7 @@ class HbmTensor:
         return f"HbmTensor({self.name!r}, {self.shape}, {self.dtype.name}, {self.kind})"
 
 
-def _norm_index(idx: Any, ndim: int, error: type[KernelError] = KernelError) -> list[Any]:
+def norm_index(idx: Any, ndim: int, error: type[KernelError] = KernelError) -> list[Any]:
     """``idx`` as one item per dimension: ``...`` expanded, missing trailing ones as ``:``;
     too many items raise ``error`` (the NKI front end's own subclass there)."""
     if not isinstance(idx, tuple):
@@ -237,7 +237,7 @@ class HbmAP:
     def __getitem__(self, idx: Any) -> "HbmAP":
         ranges = _fast_ranges(idx, self.dims)
         if ranges is None:  # anything beyond ints and step-1 slices in bounds: check item by item
-            items = _norm_index(idx, len(self.dims))
+            items = norm_index(idx, len(self.dims))
             ranges = [_slice_dim(i, n, f"dim {k} of '{self.tensor.name}'")
                       for k, (i, (_, n)) in enumerate(zip(items, self.dims))]
         offset = self.offset
@@ -377,7 +377,7 @@ class TileAP:
         fast = _tile_slice_fast(self, idx)
         if fast is not None:
             return fast
-        items = _norm_index(idx, 1 + len(self.dims))
+        items = norm_index(idx, 1 + len(self.dims))
         r = _slice_dim(items[0], self.p_count, f"the partition dim of '{self.name}'")
         if isinstance(r, int):
             p_start, p_count = self.p_start + r, 1

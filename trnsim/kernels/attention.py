@@ -794,7 +794,7 @@ class _Work:
     def set_score_mod(self, program: Any, roles: Any, buffers: Any, b: int, h: int, s: int) -> None:
         """FlexAttention's score function as a tile program: input 0 the score, then ``roles``
         (see ``parse_score_input``; default q_idx, kv_idx) over captured ``buffers``."""
-        from .fused import FULL, _assign, _Emitter, _step_class
+        from .fused import FULL, assign_engines, Emitter, step_class
 
         roles = tuple(roles) if roles is not None else ("q_idx", "kv_idx")
         buffers = tuple(buffers or ())
@@ -809,7 +809,7 @@ class _Work:
         self.mod = program
         self.mod_roles, self.mod_inputs, self.mod_kinds = roles, parsed, kinds
         self.canon_of = None  # no replay (see _Groups): the pools' own views
-        self.mod_em = _Emitter(self.kern, program, kinds, _assign([_step_class(st, kinds, True) for st in program.steps],
+        self.mod_em = Emitter(self.kern, program, kinds, assign_engines([step_class(st, kinds, True) for st in program.steps],
                                                                   [1.0] * len(program.steps), self.kern.config))
         self.mod_bufs = []
         for i, (bshape, bdt) in enumerate(buffers):

@@ -29,7 +29,7 @@ from typing import Any
 from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..builder.kernel import Kernel
-from .matmul import _DTYPES, _PARAMS, _mm_inputs, _mm_reference, _out_dtype
+from .matmul import MATMUL_DTYPES, MATMUL_PARAMS, mm_inputs, mm_reference, matmul_out_dtype
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_bmm_packed", "fits_packed", "group_size"]
@@ -91,12 +91,12 @@ def build_bmm_packed(batch: int, m: int, k: int, n: int, dtype: str = "bf16", co
     checked_dims(name, B=batch, M=m, K=k, N=n)
     kern = Kernel(name, config)
     cfg = kern.config
-    dt = checked_dtype(name, dtype, _DTYPES)
+    dt = checked_dtype(name, dtype, MATMUL_DTYPES)
     if not fits_packed(m, k, n, cfg):
         t = cfg.core.tensor
         raise KernelError(f"{name}: items of M={m}, K={k}, N={n} do not fit one PE pass (M <= {t.stationary_max_free}, "
                           f"K <= {t.max_contraction}, N <= {cfg.core.psum.bank_bytes // 4}); use bmm")
-    odt = _out_dtype(name, dt, out_dtype)
+    odt = matmul_out_dtype(name, dt, out_dtype)
     g_max = group_size(batch, m, k, n, cfg, bool(transpose_a), bool(transpose_b))
     a = kern.input("a", (batch, m, k), dt) if transpose_a else kern.input("lhsT", (batch, k, m), dt)
     b = kern.input("b", (batch, n, k), dt) if transpose_b else kern.input("rhs", (batch, k, n), dt)
@@ -133,9 +133,9 @@ def build_bmm_packed(batch: int, m: int, k: int, n: int, dtype: str = "bf16", co
     return kern
 
 
-@register_kernel("bmm_packed", dims="BxMxKxN", dtypes=_DTYPES, default_shape=(192, 11, 16, 11),
+@register_kernel("bmm_packed", dims="BxMxKxN", dtypes=MATMUL_DTYPES, default_shape=(192, 11, 16, 11),
                  summary="many small matmuls (M,K<=128, N<=512): G items per DMA, PSUM bank and store",
-                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference, split=split_dims(0))
+                 params=MATMUL_PARAMS, inputs=mm_inputs, reference=mm_reference, split=split_dims(0))
 def _registered(batch: int, m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                 transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto") -> Kernel:
     return build_bmm_packed(batch, m, k, n, dtype, config, transpose_a, transpose_b, out_dtype)

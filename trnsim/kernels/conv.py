@@ -39,7 +39,7 @@ _W_SHARE = 3   # resident weights may use 1/3 of each SBUF partition
 _IO_SHARE = 3  # input and output bands (double-buffered) another 1/3
 
 
-def _padding(padding: Any, r: int, stride: int) -> tuple[int, int]:
+def conv_padding(padding: Any, r: int, stride: int) -> tuple[int, int]:
     """(before, after) zero padding of each spatial dim. The names follow PyTorch: "valid" is no
     padding, "same" keeps H x W (stride 1; an even filter's extra row/column goes after)."""
     word = padding.strip().lower() if isinstance(padding, str) else None
@@ -65,7 +65,7 @@ def _inputs(shape, dtype, params, rng):
 def _reference(inputs, shape, dtype, params):
     n, c, h, w, k, r = shape
     stride = int(params.get("stride", 1))
-    before, after = _padding(params.get("padding", "valid"), r, stride)
+    before, after = conv_padding(params.get("padding", "valid"), r, stride)
     x = np.pad(round_to(inputs["x"], dtype), ((0, 0), (0, 0), (before, after), (before, after)))
     wt = round_to(inputs["w"], dtype)
     ho = (h + before + after - r) // stride + 1
@@ -96,7 +96,7 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
     dt = get_dtype(dtype)
     if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
         raise KernelError(f"conv2d: stride must be an integer >= 1, got {stride!r}")
-    before, after = _padding(padding, r, stride)
+    before, after = conv_padding(padding, r, stride)
     hp, wp = h + before + after, w + before + after
     if r > hp or r > wp:
         raise KernelError(f"conv2d: filter {r}x{r} is larger than the padded input {hp}x{wp} "

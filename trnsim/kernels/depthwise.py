@@ -28,7 +28,7 @@ import numpy as np
 from ..config import ChipConfig
 from ..isa import KernelError
 from ..builder.kernel import Kernel
-from .conv import _padding
+from .conv import conv_padding
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
@@ -47,7 +47,7 @@ def _inputs(shape, dtype, params, rng):
 def _reference(inputs, shape, dtype, params):
     n, c, h, w, r = shape
     stride = int(params.get("stride", 1))
-    before, after = _padding(params.get("padding", "valid"), r, stride)
+    before, after = conv_padding(params.get("padding", "valid"), r, stride)
     x = np.pad(round_to(inputs["x"], dtype), ((0, 0), (0, 0), (before, after), (before, after)))
     wt = round_to(inputs["w"], dtype)[:, 0]
     ho = (h + before + after - r) // stride + 1
@@ -86,7 +86,7 @@ def build_depthwise_conv2d(n: int, c: int, h: int, w: int, r: int, dtype: str = 
     kern = Kernel(name, config)
     cfg = kern.config
     dt = checked_dtype(name, dtype, _DTYPES)
-    before, after = _padding(padding, r, stride)
+    before, after = conv_padding(padding, r, stride)
     hp, wp = h + before + after, w + before + after
     if r > hp or r > wp:
         raise KernelError(f"{name}: filter {r}x{r} is larger than the padded input {hp}x{wp}")

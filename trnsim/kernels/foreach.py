@@ -40,8 +40,8 @@ from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
-from .fused import (FULL, SCALAR, Program, _args, _assign, _Emitter, _levels, _step_class, emission_slots, pipeline,
-                    _tile_dtype, reference)
+from .fused import (FULL, SCALAR, Program, step_args, assign_engines, Emitter, step_levels, step_class, emission_slots, pipeline,
+                    tile_dtype, reference)
 from .registry import register_kernel
 
 #: pipeline stages at most (one per dependency level of the program)
@@ -90,7 +90,7 @@ def _phases(prog: Program, kinds: list[str]) -> list[str]:
     """``pre`` (scalars: once for all tensors, before the loop) or ``loop`` (per tile)."""
     phase = ["loop" if k == FULL else "pre" for k in kinds[:len(prog.inputs)]]
     for st in prog.steps:
-        phase.append("loop" if any(phase[a] == "loop" for a in _args(st)) else "pre")
+        phase.append("loop" if any(phase[a] == "loop" for a in step_args(st)) else "pre")
     return phase
 
 
@@ -177,10 +177,10 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
                 kern.tensor_copy(res[k][:, c0:c0 + w], ps[:, :w], engine="vector")
         kern.free(ps)
     g1 = True
-    cls = [_step_class(st, kinds, g1) for st in prog.steps]
+    cls = [step_class(st, kinds, g1) for st in prog.steps]
     weights = [1.0 if phase[n_in + j] == "loop" else 0.0 for j in range(len(prog.steps))]
-    engines = _assign(cls, weights, cfg)
-    em = _Emitter(kern, prog, kinds, engines)
+    engines = assign_engines(cls, weights, cfg)
+    em = Emitter(kern, prog, kinds, engines)
     for j in range(len(prog.steps)):
         v = n_in + j
         if phase[v] == "pre":
@@ -193,7 +193,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
 
     # ---- the tile loop over every tensor's pieces, software-pipelined
     loop_steps = [j for j in range(len(prog.steps)) if phase[n_in + j] == "loop"]
-    levels = _levels(prog, phase)
+    levels = step_levels(prog, phase)
     top = max((levels[j] for j in loop_steps), default=1)
     nstages = max(1, min(top, STAGES))
     stages = [[j for j in loop_steps if (levels[j] - 1) * nstages // top == si] for si in range(nstages)]
@@ -204,7 +204,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
     pos = {v: t for t, v in enumerate(order)}
     lastpos = {v: pos[v] for v in order}
     for j in loop_steps:
-        for a in _args(prog.steps[j]):
+        for a in step_args(prog.steps[j]):
             if phase[a] == "loop":
                 lastpos[a] = max(lastpos[a], pos[n_in + j])
     nslots, slot_of = emission_slots(order, lastpos)
@@ -243,9 +243,9 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
     pieces += [(p, sum(x[4] for x in pack), pack) for p, pack in sorted(packs.items()) if pack]
     # a pack reads each tensor's scalars as columns: expanded once, before the loop
     expand = [v for v in range(len(kinds)) if phase[v] == "pre" and
-              any(v in _args(prog.steps[j]) for j in loop_steps)]
+              any(v in step_args(prog.steps[j]) for j in loop_steps)]
     packed_kinds = [FULL if v in expand else k for v, k in enumerate(kinds)]
-    em_packed = _Emitter(kern, prog, packed_kinds, engines)
+    em_packed = Emitter(kern, prog, packed_kinds, engines)
     expanded: dict[int, dict[int, TileAP]] = {}
     turn = 0
     for q, (p, w, members) in enumerate(pieces):
@@ -285,7 +285,7 @@ def build_foreach_fused(tensors: int, elems: int, dtype: str = "fp32", config: C
                     tiles[v] = expanded[pi][v][:p, :w] if v in expand and packed else res[v][:p, i0:i0 + 1]
         for j in stages[si]:
             v = n_in + j
-            dt = _tile_dtype(prog, kinds, phase, v, out_of)
+            dt = tile_dtype(prog, kinds, phase, v, out_of)
             dst = slots[slot_of[v]].tile((P, width * 4 // get_dtype(dt).itemsize), dt)[:p, :w]
             (em_packed if packed else em).step(j, dst, tiles, p, 1, w, 0)
             tiles[v] = dst

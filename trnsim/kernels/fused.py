@@ -80,7 +80,7 @@ class Program:
             get_dtype(dt)
             kinds.append(kind)
         for j, st in enumerate(self.steps):
-            args = _args(st)
+            args = step_args(st)
             if any(not 0 <= a < len(kinds) for a in args):
                 raise KernelError(f"fused: step {j} {st[0]} reads a value not yet defined")
             k = [kinds[a] for a in args]
@@ -116,7 +116,7 @@ class Program:
         return not any(st[0] in ("red", "csum") for st in self.steps)
 
 
-def _args(st: tuple[Any, ...]) -> tuple[int, ...]:
+def step_args(st: tuple[Any, ...]) -> tuple[int, ...]:
     op = st[0]
     if op == "act":
         return (st[2],)
@@ -189,7 +189,7 @@ def _per_element(cfg: ChipConfig) -> dict[str, dict[str, float]]:
             "tts": {"vector": v, "gpsimd": g, "scalar": s}, "red": {"vector": v, "gpsimd": g}}
 
 
-def _assign(kinds_of_step: Sequence[str], weights: Sequence[float], cfg: ChipConfig,
+def assign_engines(kinds_of_step: Sequence[str], weights: Sequence[float], cfg: ChipConfig,
             psum: Sequence[bool] = ()) -> list[str]:
     """An engine for each step: heaviest steps first, each to the engine that ends least loaded
     (``psum[i]``: step i reads PSUM, which GpSimd cannot)."""
@@ -211,7 +211,7 @@ def _assign(kinds_of_step: Sequence[str], weights: Sequence[float], cfg: ChipCon
 # ---------------------------------------------------------------------------------------------
 
 
-class _Emitter:
+class Emitter:
     """Emits program steps over one layout of tiles: full values [p, g, c] (flat [p, g*c]),
     per-row values [p, g], per-column values as a resident [P, cols] tile (or [1, cols] after
     a column sum), scalars [P, 1]."""
@@ -300,7 +300,7 @@ class _Emitter:
             kern.tensor_tensor(dst, ta[:n], tb[:n], op, engine="gpsimd" if eng == "gpsimd" else "vector")
 
 
-def _step_class(st: tuple[Any, ...], kinds: list[str], g1: bool) -> str:
+def step_class(st: tuple[Any, ...], kinds: list[str], g1: bool) -> str:
     if st[0] != "tt":
         return st[0]
     ka, kb = kinds[st[2]], kinds[st[3]]
@@ -315,7 +315,7 @@ def _phases(program: Program, kinds: list[str]) -> list[str]:
     n_in = len(program.inputs)
     phase = ["loop" if k in (FULL, COL) else "pre" for k in kinds[:n_in]]
     for j, st in enumerate(program.steps):
-        args = _args(st)
+        args = step_args(st)
         kind = kinds[n_in + j]
         if st[0] == "csum":
             phase.append("post")
@@ -336,7 +336,7 @@ def _last_uses(program: Program, phase: list[str]) -> dict[int, int]:
     n_in = len(program.inputs)
     last: dict[int, int] = {}
     for j, st in enumerate(program.steps):
-        for a in _args(st):
+        for a in step_args(st):
             if phase[a] == "loop":
                 last[a] = j
     for v, _ in program.outputs:
@@ -378,7 +378,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
     depth = bufs
     budget = cfg.core.sbuf.partition_bytes * 7 // 8 - resident * cols * 4
     loop_steps = [j for j in range(len(prog.steps)) if phase[n_in + j] == "loop" or prog.steps[j][0] == "csum"]
-    levels = _levels(prog, phase)
+    levels = step_levels(prog, phase)
     top = max((levels[j] for j in loop_steps), default=1)
 
     def registers(depth: int, folded: Mapping[int, int]
@@ -407,7 +407,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
         end0 = max([pos[n_in + j] for j in stages[0] if n_in + j in pos] + [pos[v] for v in order if v < n_in] +
                    [0])
         for j in loop_steps:
-            for a in _args(prog.steps[j]):
+            for a in step_args(prog.steps[j]):
                 if a in lastpos:
                     lastpos[a] = max(lastpos[a], at[j])
         for v, _ in prog.outputs:  # an input passed through is stored at the end of stage 0
@@ -450,11 +450,11 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
         raise KernelError(f"{name}: column sums over {cols} columns need {_csum_banks(prog, cols, tn)} PSUM "
                           f"banks; {cfg.core.psum.banks} on {cfg.name}")
     g1 = all(pc.g == 1 for pc in pieces)
-    step_cls = [_step_class(st, kinds, g1) for st in prog.steps]
+    step_cls = [step_class(st, kinds, g1) for st in prog.steps]
     weights = [1.0 if phase[n_in + j] == "loop" else 0.0 for j in range(len(prog.steps))]
-    engines = ["" if st[0] == "csum" else e for st, e in zip(prog.steps, _assign(
+    engines = ["" if st[0] == "csum" else e for st, e in zip(prog.steps, assign_engines(
         ["ts" if st[0] == "csum" else c for st, c in zip(prog.steps, step_cls)], weights, cfg))]
-    em = _Emitter(kern, prog, kinds, engines)
+    em = Emitter(kern, prog, kinds, engines)
 
     # ---- resident values: per-column inputs broadcast to every partition, scalars, and steps on them
     res: dict[int, TileAP] = {}
@@ -477,7 +477,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
                                     for j in csums}
     ones: dict[str, TileAP] = {}
     for j in csums:
-        dt = _tile_dtype(prog, kinds, phase, prog.steps[j][1], out_of)
+        dt = tile_dtype(prog, kinds, phase, prog.steps[j][1], out_of)
         if dt not in ones:
             ones[dt] = kern.sbuf((P, 1), dt, name=f"ones_{dt}")
             kern.memset(ones[dt], 1.0)
@@ -522,7 +522,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
                 continue
             if j in folded.values():
                 continue  # emitted with the activation that produced its input
-            dt = _tile_dtype(prog, kinds, phase, v, out_of)
+            dt = tile_dtype(prog, kinds, phase, v, out_of)
             if kinds[v] == FULL:
                 dst = pools[slot_of[v]].tile((P, width * 4 // get_dtype(dt).itemsize), dt)[:p, :pc.free]
             else:
@@ -531,7 +531,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
             if j in folded:
                 rj = folded[j]
                 rv = n_in + rj
-                rdst = col_pools[col_slot_of[rv]].tile((P, cw), _tile_dtype(prog, kinds, phase, rv, out_of))[:p, :1]
+                rdst = col_pools[col_slot_of[rv]].tile((P, cw), tile_dtype(prog, kinds, phase, rv, out_of))[:p, :1]
                 tiles[rv] = rdst
                 red = (rdst, prog.steps[rj][1])
             em.step(j, dst, tiles, p, g, c, c0, red)
@@ -608,13 +608,13 @@ def _broadcast_row(kern: Kernel, vec: Any, parts: int, cols: int, dt: str, name:
     return out
 
 
-def _tile_dtype(prog: Program, kinds: list[str], phase: list[str], v: int, out_of: Mapping[int, list[int]]) -> str:
+def tile_dtype(prog: Program, kinds: list[str], phase: list[str], v: int, out_of: Mapping[int, list[int]]) -> str:
     """What a value's tile holds: an input its HBM dtype; an intermediate fp32; an output that no
     later step reads its output dtype (the producing engine rounds once, as it writes)."""
     n_in = len(prog.inputs)
     if v < n_in:
         return get_dtype(prog.inputs[v][1]).name
-    if v in out_of and not any(v in _args(st) for st in prog.steps[v - n_in + 1:]):
+    if v in out_of and not any(v in step_args(st) for st in prog.steps[v - n_in + 1:]):
         dts = {prog.outputs[o][1] for o in out_of[v]}
         if len(dts) == 1:
             return get_dtype(dts.pop()).name
@@ -659,11 +659,11 @@ def emission_slots(order: Sequence[int], lastpos: Mapping[int, int], pos: Mappin
     return n, slot_of
 
 
-def _levels(prog: Program, phase: list[str]) -> list[int]:
+def step_levels(prog: Program, phase: list[str]) -> list[int]:
     n_in = len(prog.inputs)
     level = [0] * (n_in + len(prog.steps))
     for j, st in enumerate(prog.steps):
-        level[n_in + j] = 1 + max((level[a] for a in _args(st) if phase[a] == "loop"), default=0)
+        level[n_in + j] = 1 + max((level[a] for a in step_args(st) if phase[a] == "loop"), default=0)
     return level[n_in:]
 
 
@@ -726,9 +726,9 @@ def build_matmul_fused(m: int, k: int, n: int, dtype: str = "fp32", config: Chip
     for j in range(len(prog.steps)):
         if phase[n_in + j] == "pre":
             raise KernelError(f"{name}: step {j} computes on per-column values only; fold it into the program's inputs")
-    cls = [_step_class(st, kinds, True) for st in prog.steps]
-    engines = _assign(cls, [1.0] * len(cls), cfg, [0 in _args(st) for st in prog.steps])
-    em = _Emitter(kern, prog, kinds, engines)
+    cls = [step_class(st, kinds, True) for st in prog.steps]
+    engines = assign_engines(cls, [1.0] * len(cls), cfg, [0 in step_args(st) for st in prog.steps])
+    em = Emitter(kern, prog, kinds, engines)
     out_of: dict[int, list[int]] = {}
     for j, (v, _) in enumerate(prog.outputs):
         out_of.setdefault(v, []).append(j)
@@ -765,7 +765,7 @@ def build_matmul_fused(m: int, k: int, n: int, dtype: str = "fp32", config: Chip
                 tiles[i] = t[:, c0:c0 + w] if kinds[i] == FULL else t
             for j in range(len(prog.steps)):
                 v = n_in + j
-                if v in out_of and not any(v in _args(st) for st in prog.steps[j + 1:]):
+                if v in out_of and not any(v in step_args(st) for st in prog.steps[j + 1:]):
                     dst = otiles[out_of[v][0]][:, c0:c0 + w]
                     direct.add(out_of[v][0])
                 elif kinds[v] == FULL:

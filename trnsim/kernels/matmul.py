@@ -44,15 +44,15 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, HbmAP, KernelError, TileAP
-from ..builder.kernel import Kernel, Replay, TilePool, ViewCache, _tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
+from ..builder.kernel import Kernel, Replay, TilePool, ViewCache, tile_view, checked_dtype as _pool_dtype, checked_shape as _pool_shape
 from ..native.dtypes import Dtype, get_dtype
 from .reference import round_to
 from .registry import checked_dims, checked_dtype, register_kernel, split_dims
 
 __all__ = ["build_matmul", "build_bmm", "plan_blocks"]
 
-_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
-_PARAMS = {"transpose_a": False, "transpose_b": False, "out_dtype": "auto"}
+MATMUL_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
+MATMUL_PARAMS = {"transpose_a": False, "transpose_b": False, "out_dtype": "auto"}
 _LHS_Q, _RHS_Q, _STORE_Q = 0, 1, 2  # DMA queue ids: loads of each operand and stores never share a queue
 _GROUP = 4  # k-tiles per on-chip-transpose slab and per streaming step
 _LHS_BUFS = 16 * _GROUP  # lhsT k-tiles in flight: loads run ahead of TensorE across DMA bursts
@@ -524,7 +524,7 @@ class _Mm:
                 t = pool._slots[(pool._next - count + i) % pool.bufs]
                 if t is None:
                     return
-                proto = _tile_view(t.alloc, shape, dt)
+                proto = tile_view(t.alloc, shape, dt)
                 if (t.p_start, t.p_count, t.offset, t.dims, t.dtype) != \
                         (proto.p_start, proto.p_count, proto.offset, proto.dims, proto.dtype):
                     return
@@ -566,7 +566,7 @@ class _Template:
     slots: list[tuple[TilePool, int, object, int]]
 
 
-def _out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
+def matmul_out_dtype(name: str, dt: Dtype, out_dtype: str | None) -> Dtype:
     """bf16 out for 16-bit and fp8 inputs, fp32 for fp32 (PSUM holds fp32 either way)."""
     if out_dtype in (None, "", "auto"):
         return get_dtype("float32" if dt.name == "float32" else "bfloat16")
@@ -583,8 +583,8 @@ def _setup(name: str, m: int, k: int, n: int, dtype: str, config: ChipConfig | s
             raise KernelError(f"{name}: {nm} must be true or false, got {flag!r}")
     kern = Kernel(name, config)
     cfg = kern.config
-    dt = checked_dtype(name, dtype, _DTYPES)
-    odt = _out_dtype(name, dt, out_dtype)
+    dt = checked_dtype(name, dtype, MATMUL_DTYPES)
+    odt = matmul_out_dtype(name, dt, out_dtype)
     plan = plan_blocks(m, k, n, dt, cfg, bool(transpose_a), bool(transpose_b))
     kt_n = -(-k // plan.tk)
     transposing = transpose_a or transpose_b
@@ -607,7 +607,7 @@ _check_dims = checked_dims
 # ---- matmul ---------------------------------------------------------------------------------
 
 
-def _mm_inputs(shape, dtype, params, rng):
+def mm_inputs(shape, dtype, params, rng):
     m, k, n = shape[-3:]
     batch = tuple(shape[:-3])
     a = (m, k) if params.get("transpose_a") else (k, m)
@@ -617,15 +617,15 @@ def _mm_inputs(shape, dtype, params, rng):
             names[1]: rng.standard_normal(batch + b, dtype=np.float32)}
 
 
-def _mm_reference(inputs, shape, dtype, params):
+def mm_reference(inputs, shape, dtype, params):
     a = round_to(inputs["a"], dtype) if "a" in inputs else np.swapaxes(round_to(inputs["lhsT"], dtype), -1, -2)
     b = np.swapaxes(round_to(inputs["b"], dtype), -1, -2) if "b" in inputs else round_to(inputs["rhs"], dtype)
     return {"out": a @ b}
 
 
-@register_kernel("matmul", dims="MxKxN", dtypes=_DTYPES, default_shape=(4096, 4096, 4096),
+@register_kernel("matmul", dims="MxKxN", dtypes=MATMUL_DTYPES, default_shape=(4096, 4096, 4096),
                  summary="out[M,N] = A @ B from lhsT[K,M] (or a[M,K]) and rhs[K,N] (or b[N,K]); any sizes",
-                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference,
+                 params=MATMUL_PARAMS, inputs=mm_inputs, reference=mm_reference,
                  split=lambda shape, params, n: split_dims(*((0, 2) if shape[0] >= shape[2] else (2, 0)))(shape, params, n))
 def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                  transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",
@@ -647,9 +647,9 @@ def build_matmul(m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig
 # ---- bmm ------------------------------------------------------------------------------------
 
 
-@register_kernel("bmm", dims="BxMxKxN", dtypes=_DTYPES, default_shape=(8, 1024, 1024, 1024),
+@register_kernel("bmm", dims="BxMxKxN", dtypes=MATMUL_DTYPES, default_shape=(8, 1024, 1024, 1024),
                  summary="out[B,M,N] = A[b] @ B[b] per batch, same operand options as matmul",
-                 params=_PARAMS, inputs=_mm_inputs, reference=_mm_reference,
+                 params=MATMUL_PARAMS, inputs=mm_inputs, reference=mm_reference,
                  split=lambda shape, params, n: split_dims(*((0, 1, 3) if shape[1] >= shape[3] else (0, 3, 1)))(shape, params, n))
 def build_bmm(batch: int, m: int, k: int, n: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
               transpose_a: bool = False, transpose_b: bool = False, out_dtype: str | None = "auto",

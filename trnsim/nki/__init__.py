@@ -29,12 +29,12 @@ of this module, with the instruction streams of :mod:`trnsim.kernels.transformer
 
 from . import isa, language, typing
 from ._core import NkiError, NkiTensor
-from ._jit import (Benchmarked, Kernel, NkiRun, TensorSpec, Traced, baremetal, benchmark, jit, run, simulate,
-                   simulate_kernel, tensor_spec, trace)
+from ._jit import (Benchmarked, Kernel, NkiRun, TensorSpec, Traced, as_kernel, baremetal, benchmark, jit, run,
+                   simulate, simulate_kernel, tensor_spec, trace)
 from .family import NkiFamily, family
 
 __all__ = [
     "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "tensor_spec",
     "Kernel", "NkiRun", "Traced", "TensorSpec", "Benchmarked", "NkiError", "NkiTensor",
-    "language", "isa", "typing", "family", "NkiFamily",
+    "language", "isa", "typing", "family", "NkiFamily", "as_kernel",
 ]

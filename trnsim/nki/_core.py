@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
-from ..isa import _norm_index as _isa_norm_index
+from ..isa import norm_index as _isa_norm_index
 from ..builder.kernel import Kernel
 from ..native.dtypes import Dtype, get_dtype
 
@@ -59,7 +59,7 @@ def provide(*, nl: Any = None, nisa: Any = None) -> None:
 
 __all__ = ["NkiError", "NkiTensor", "Trace", "current", "unsupported"]
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the trnsim package
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the trnsim package
 
 
 class NkiError(KernelError):
@@ -72,7 +72,7 @@ def call_site(skip_internal: bool = True) -> str:
     f = sys._getframe(1)
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
-        if not (skip_internal and fn.startswith(_HERE + os.sep)):
+        if not (skip_internal and fn.startswith(PACKAGE_DIR + os.sep)):
             return f"{os.path.basename(fn)}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return ""
@@ -95,7 +95,7 @@ def unsupported(name: str, why: str = "") -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Iter:
+class Iter:
     """One axis of an index space: ``0 .. size-1``. ``pos`` is its place in an ``nl.arange`` /
     ``nl.mgrid`` grid (None for the axis a slice makes), which orders the axes of a view."""
 
@@ -116,9 +116,9 @@ class Affine:
 
     __slots__ = ("const", "terms")
 
-    def __init__(self, const: int = 0, terms: Iterable[tuple[_Iter, int]] = ()):
+    def __init__(self, const: int = 0, terms: Iterable[tuple[Iter, int]] = ()):
         self.const = int(const)
-        merged: dict[_Iter, int] = {}
+        merged: dict[Iter, int] = {}
         for it, c in terms:
             merged[it] = merged.get(it, 0) + int(c)
         # a zero coefficient stays: the iterator is still an axis (``nl.arange(128)[:, None] * 0``
@@ -133,16 +133,16 @@ class Affine:
             raise NkiError(f"index expressions combine integers and nl.arange/nl.mgrid indices, got {type(x).__name__}")
         return Affine(int(x))
 
-    def iters(self) -> tuple[_Iter, ...]:
+    def iters(self) -> tuple[Iter, ...]:
         return tuple(it for it, _ in self.terms)
 
-    def coef(self, it: _Iter) -> int:
+    def coef(self, it: Iter) -> int:
         for i, c in self.terms:
             if i is it:
                 return c
         return 0
 
-    def subst(self, sub: dict[_Iter, "Affine"]) -> "Affine":
+    def subst(self, sub: dict[Iter, "Affine"]) -> "Affine":
         const, terms = self.const, []
         for it, c in self.terms:
             if it in sub:
@@ -153,7 +153,7 @@ class Affine:
                 terms.append((it, c))
         return Affine(const, terms)
 
-    def bounds(self, box: dict[_Iter, tuple[int, int]] | None = None) -> tuple[int, int]:
+    def bounds(self, box: dict[Iter, tuple[int, int]] | None = None) -> tuple[int, int]:
         """(min, max) over the iterators' ranges (inclusive)."""
         lo = hi = self.const
         for it, c in self.terms:
@@ -197,7 +197,7 @@ class Affine:
         slots = [i for i, k in enumerate(key) if isinstance(k, slice)]
         if len(slots) != 1 or any(k is not None for i, k in enumerate(key) if i != slots[0]):
             raise NkiError(f"nl.arange(n)[{key}]: expected one ':' and None elsewhere, e.g. [:, None]")
-        return Affine(0, [(_Iter(self.terms[0][0].size, slots[0]), 1)])
+        return Affine(0, [(Iter(self.terms[0][0].size, slots[0]), 1)])
 
     def _cmp(self, op: str, o: Any) -> "Predicate":
         return Predicate([(self - Affine.of(o), op)])
@@ -250,10 +250,10 @@ class Predicate:
         raise NkiError("a mask (a comparison of nl.arange/nl.mgrid indices) has no truth value at trace time; "
                        "pass it as mask=")
 
-    def box(self) -> dict[_Iter, tuple[int, int]] | None:
+    def box(self) -> dict[Iter, tuple[int, int]] | None:
         """The iterator ranges the mask keeps, or None when it keeps nothing. Each condition must
         bound one iterator: masks are boxes (per-axis ranges) in trnsim."""
-        box: dict[_Iter, tuple[int, int]] = {}
+        box: dict[Iter, tuple[int, int]] = {}
         for e, op in self.conds:
             if not e.terms:
                 v = e.const
@@ -304,7 +304,7 @@ class MGrid:
             start = 0 if k.start is None else int(k.start)
             if k.stop is None or int(k.stop) <= start:
                 raise NkiError(f"nl.mgrid[{key}]: each slice needs an end above its start")
-            exprs.append(Affine(start, [(_Iter(int(k.stop) - start, pos), 1)]))
+            exprs.append(Affine(start, [(Iter(int(k.stop) - start, pos), 1)]))
         return MGridResult(exprs)
 
 
@@ -333,7 +333,7 @@ def arange(start: int, stop: int | None = None) -> Affine:
     start, stop = int(start), int(stop)
     if stop <= start:
         raise NkiError(f"nl.arange({start}, {stop}) is empty")
-    return Affine(start, [(_Iter(stop - start), 1)])
+    return Affine(start, [(Iter(stop - start), 1)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def nki_dtype(dtype: Any, what: str = "dtype") -> Dtype:
         raise NkiError(f"{what}: {e}") from None
 
 
-class _Store:
+class Store:
     """The memory behind tensors: an HBM tensor (``hbm``) or a tile in SBUF/PSUM."""
 
     __slots__ = ("kind", "shape", "dtype", "strides", "tensor", "offset", "tile", "pdim", "zero_pending",
@@ -397,8 +397,8 @@ class NkiTensor:
 
     __slots__ = ("_st", "_exprs", "_axes", "_pending", "_updated", "__weakref__")
 
-    def __init__(self, st: _Store | None, exprs: tuple[Affine, ...], axes: tuple[_Iter, ...],
-                 pending: "_Pending | None" = None):
+    def __init__(self, st: Store | None, exprs: tuple[Affine, ...], axes: tuple[Iter, ...],
+                 pending: "Pending | None" = None):
         self._st = st
         self._exprs = exprs
         self._axes = axes
@@ -406,8 +406,8 @@ class NkiTensor:
         self._updated = False  # set on what ``x[i] += y`` returns: already written in place
 
     @staticmethod
-    def full(st: _Store) -> "NkiTensor":
-        its = tuple(_Iter(n) for n in st.shape)
+    def full(st: Store) -> "NkiTensor":
+        its = tuple(Iter(n) for n in st.shape)
         return NkiTensor(st, tuple(Affine(0, [(it, 1)]) for it in its), its)
 
     # ---- metadata (never materializes) -------------------------------------------------------
@@ -447,18 +447,18 @@ class NkiTensor:
         return f"NkiTensor({self.name}, shape={self.shape}, dtype={self.dtype}, buffer={self.buffer})"
 
     # ---- views ---------------------------------------------------------------------------------
-    def _store(self) -> _Store:
+    def _store(self) -> Store:
         if self._pending is not None:
             self._pending.materialize(self)
         return self._st  # type: ignore[return-value]
 
     def __getitem__(self, idx: Any) -> "NkiTensor":
         st = self._store()
-        items = _norm_index(idx, len(self._axes))
-        sub: dict[_Iter, Affine] = {}
-        new: list[tuple[float, int, _Iter]] = []  # (sort key, appearance, iterator)
+        items = norm_index(idx, len(self._axes))
+        sub: dict[Iter, Affine] = {}
+        new: list[tuple[float, int, Iter]] = []  # (sort key, appearance, iterator)
         onchip = st.kind != "hbm"
-        pidx = _partition_axis(self) if onchip else -1
+        pidx = partition_axis(self) if onchip else -1
         kept: list[int] = []
         for k, (it, e) in enumerate(zip(self._axes, items)):
             what = f"dim {k} of {self.name} (size {it.size})"
@@ -477,7 +477,7 @@ class NkiTensor:
                 n = max(0, -(-(stop - start) // step))
                 if n == 0:
                     raise NkiError(f"empty slice {e.start}:{e.stop} for {what}")
-                j = _Iter(n)
+                j = Iter(n)
                 sub[it] = Affine(start, [(j, step)])
                 new.append((k, len(new), j))
                 kept.append(k)
@@ -492,7 +492,7 @@ class NkiTensor:
                 if not 0 <= v < it.size:
                     raise NkiError(f"index {int(e)} out of range for {what}")
                 if k == pidx:  # the partition dim of an on-chip tile stays, at size 1
-                    j = _Iter(1)
+                    j = Iter(1)
                     sub[it] = Affine(v, [(j, 1)])
                     new.append((k, len(new), j))
                     kept.append(k)
@@ -509,7 +509,7 @@ class NkiTensor:
             # on-chip tensors stay at least 2-D: the last integer-indexed free dim comes back at size 1
             last = max((k for k in range(len(self._axes)) if k not in kept and k != pidx), default=None)
             if last is not None:
-                j = _Iter(1)
+                j = Iter(1)
                 sub[self._axes[last]] = sub[self._axes[last]] + Affine(0, [(j, 1)])
                 axes.append(j)
         exprs = tuple(e.subst(sub) for e in self._exprs)
@@ -526,11 +526,11 @@ class NkiTensor:
         st = self._store()
         if math.prod(shape) != self.size:
             raise NkiError(f"cannot reshape {self.shape} of {self.name} to {shape}")
-        if not _is_whole(self):
+        if not is_whole(self):
             raise NkiError(f"reshape of a view of {self.name} is not supported by trnsim.nki; reshape the whole tensor")
         if st.kind != "hbm" and (shape[0] != st.shape[st.pdim] or st.pdim != 0):
             raise NkiError(f"reshape of {self.name} must keep its partition dim {st.shape[st.pdim]} first, got {shape}")
-        ns = _Store(st.kind, shape, st.dtype, st.name)
+        ns = Store(st.kind, shape, st.dtype, st.name)
         ns.tensor, ns.offset, ns.tile = st.tensor, st.offset, st.tile
         ns.zero_pending, ns.mm_written = st.zero_pending, st.mm_written
         return NkiTensor.full(ns)
@@ -541,7 +541,7 @@ class NkiTensor:
         st = self._store()
         dt = nki_dtype(dtype, f"{self.name}.view")
         tr = current()
-        if st.kind != "hbm" or st.tensor is None or st.tensor.kind != "input" or not _is_whole(self) \
+        if st.kind != "hbm" or st.tensor is None or st.tensor.kind != "input" or not is_whole(self) \
                 or st.tensor.name not in tr.inputs:
             raise NkiError(f"{self.name}.view({dt.name}) is supported by trnsim.nki for whole HBM kernel inputs only")
         old = st.dtype
@@ -556,7 +556,7 @@ class NkiTensor:
             arr = tr.inputs[st.tensor.name]
             tr.inputs[name] = np.ascontiguousarray(arr).view(dt.np_dtype).reshape(shape) if isinstance(arr, np.ndarray) \
                 else arr
-        ns = _Store("hbm", shape, dt, name)
+        ns = Store("hbm", shape, dt, name)
         ns.tensor = tr.kernel.tensors[name]
         return NkiTensor.full(ns)
 
@@ -566,7 +566,7 @@ class NkiTensor:
         if len(shape) != len(self._axes):
             raise NkiError(f"broadcast_to: {self.name} has {len(self._axes)} dims, target {shape} has {len(shape)}")
         axes = []
-        sub: dict[_Iter, Affine] = {}
+        sub: dict[Iter, Affine] = {}
         for k, (it, n) in enumerate(zip(self._axes, shape)):
             if it.size == n:
                 axes.append(it)
@@ -574,7 +574,7 @@ class NkiTensor:
                 if k == 0 and self._st.kind != "hbm":  # type: ignore[union-attr]
                     raise NkiError(f"broadcast_to: cannot broadcast the partition dim of {self.name} (1 -> {n}); "
                                    f"broadcast across partitions with nl.matmul of a ones vector")
-                j = _Iter(n)
+                j = Iter(n)
                 sub[it] = Affine(0)
                 axes.append(j)
             else:
@@ -588,7 +588,7 @@ class NkiTensor:
             raise NkiError(f".ap({', '.join(kwargs)}=...): dynamic access patterns are not supported by trnsim.nki")
         st = self._store()
         pat = [(int(s), int(n)) for s, n in pattern]
-        axes = tuple(_Iter(n) for _, n in pat)
+        axes = tuple(Iter(n) for _, n in pat)
         base = int(offset) if offset is not None else _flat_offset(self)
         if st.kind == "hbm":
             flat = Affine(base, [(it, s) for it, (s, _) in zip(axes, pat)])
@@ -689,13 +689,13 @@ def _Updated(t: NkiTensor) -> NkiTensor:
     return u
 
 
-def _norm_index(idx: Any, ndim: int) -> list[Any]:
+def norm_index(idx: Any, ndim: int) -> list[Any]:
     if any(i is None for i in (idx if isinstance(idx, tuple) else (idx,))):
         raise NkiError("None (new axis) in an index is not supported by trnsim.nki; use nl.expand_dims")
     return _isa_norm_index(idx, ndim, NkiError)
 
 
-def _partition_axis(t: NkiTensor) -> int:
+def partition_axis(t: NkiTensor) -> int:
     """Which axis of the view carries the storage's partition dim (on-chip), or -1."""
     st = t._st
     if st is None or st.kind == "hbm":
@@ -707,7 +707,7 @@ def _partition_axis(t: NkiTensor) -> int:
     return -1
 
 
-def _is_whole(t: NkiTensor) -> bool:
+def is_whole(t: NkiTensor) -> bool:
     st = t._st
     return st is not None and tuple(it.size for it in t._axes) == st.shape and all(
         e.const == 0 and len(e.terms) == 1 and e.terms[0][0] is it and e.terms[0][1] == 1
@@ -721,7 +721,7 @@ def _flat_offset(t: NkiTensor) -> int:
     return sum(t._exprs[d].const * s for d, s in zip(dims, st.strides))
 
 
-def _unflatten(flat: Affine, st: _Store, partition: Affine | None = None) -> tuple[Affine, ...]:
+def _unflatten(flat: Affine, st: Store, partition: Affine | None = None) -> tuple[Affine, ...]:
     """Storage-dim expressions for a flat element expression: all of it on the innermost dim
     (exact for addressing; the storage strides then multiply by 1)."""
     exprs: list[Affine] = []
@@ -741,7 +741,7 @@ def _unflatten(flat: Affine, st: _Store, partition: Affine | None = None) -> tup
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -> HbmAP | TileAP:
+def resolve(t: NkiTensor, box: dict[Iter, tuple[int, int]] | None, what: str) -> HbmAP | TileAP:
     """The builder access pattern of view ``t`` with iterator ranges restricted by ``box``."""
     st = t._store()
     if st.zero_pending:  # a deferred nl.zeros in PSUM read or written by something else than a matmul
@@ -769,7 +769,7 @@ def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -
         return HbmAP(tensor, offset, tuple(dims) or ((1, 1),), _exact_box(t, st, rng))
     base = st.tile
     assert base is not None
-    k = _partition_axis(t)
+    k = partition_axis(t)
     pe = t._exprs[st.pdim]
     if k != 0:
         if k < 0 and len(pe.terms) == 0 and t._axes and t._axes[0].size == 1:
@@ -798,7 +798,7 @@ def resolve(t: NkiTensor, box: dict[_Iter, tuple[int, int]] | None, what: str) -
     return TileAP(base.alloc, base.p_start + p_lo, p_count, offset, tuple(dims), st.dtype)
 
 
-def _exact_box(t: NkiTensor, st: _Store, rng: dict[_Iter, tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
+def _exact_box(t: NkiTensor, st: Store, rng: dict[Iter, tuple[int, int]]) -> tuple[tuple[int, int], ...] | None:
     """The index box of an HBM view when it is exactly a box of the tensor (each dim indexed by a
     constant or by one unit-step iterator used nowhere else), for exact dependencies."""
     if st.tensor is None or st.shape != st.tensor.shape or st.offset:
@@ -829,7 +829,7 @@ def view_box_bytes(ap: TileAP) -> tuple[int, int, int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Pending:
+class Pending:
     """A result not written anywhere yet: ``emit(dst_view, accumulate)`` writes it."""
 
     __slots__ = ("shape", "dtype", "buffer", "emit", "matmul", "name", "site")
@@ -870,14 +870,14 @@ class _Pending:
 # The trace of one kernel
 # ---------------------------------------------------------------------------------------------
 
-_STACK: list["Trace"] = []
+STACK: list["Trace"] = []
 
 
 def current() -> "Trace":
-    if not _STACK:
+    if not STACK:
         raise NkiError("an NKI API was called outside a kernel: call it inside a function decorated with "
                        "@nki.jit, run through trnsim.nki")
-    return _STACK[-1]
+    return STACK[-1]
 
 
 class Trace:
@@ -893,24 +893,24 @@ class Trace:
         self.no_reorder: list[int | None] = []  # stack: last instruction emitted in each no_reorder block
         self.source_lines: list[str] = []
         self.constants: dict[str, np.ndarray] = {}  # HBM inputs nl.shared_constant made: name -> values
-        self.shared_hbm: list[_Store] = []  # HBM tensors allocated so far, shared by the programs of a grid
+        self.shared_hbm: list[Store] = []  # HBM tensors allocated so far, shared by the programs of a grid
         self.inputs: dict[str, Any] = {}  # the kernel's input arrays by tensor name (for view(dtype))
         self._hbm_seq = 0
         self._names = itertools.count()
 
     def __enter__(self) -> "Trace":
-        _STACK.append(self)
+        STACK.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _STACK.remove(self)
+        STACK.remove(self)
 
     # ---- memory ------------------------------------------------------------------------------
     def name(self, prefix: str) -> str:
         return f"{prefix}{next(self._names)}"
 
     def new_tile(self, shape: Sequence[int], dtype: Dtype, buffer: str, name: str = "", *, one_bank: bool = False
-                 ) -> _Store:
+                 ) -> Store:
         """Storage for an ``nl.ndarray``: an on-chip tile or an HBM tensor. ``one_bank``: a PSUM
         tile the kernel declares, which NKI limits to one accumulation bank per partition."""
         shape, pdim = _tile_shape(shape)
@@ -925,14 +925,14 @@ class Trace:
                 if shared[k].shape != shape or shared[k].dtype != dtype:
                     raise NkiError(f"HBM tensor {name} {shape} differs between SPMD programs ({shared[k].shape})")
                 return shared[k]
-            st = _Store("hbm", shape, dtype, name)
+            st = Store("hbm", shape, dtype, name)
             tname = name
             while tname in self.kernel.tensors:
                 tname = self.name(name + "_")
             st.tensor = self.kernel.scratch(tname, shape, dtype)
             shared.append(st)
             return st
-        st = _Store(buffer, shape, dtype, name)
+        st = Store(buffer, shape, dtype, name)
         st.pdim = pdim
         p = shape[pdim]
         cfg = self.config.core
@@ -992,7 +992,7 @@ class Trace:
             value._pending = None
             value._st, value._exprs, value._axes = dst._st, dst._exprs, dst._axes
             if p.matmul:
-                p.run(dst, _matmul_accumulates(self, dst))
+                p.run(dst, matmul_accumulates(self, dst))
             else:
                 p.run(dst)
             return
@@ -1019,7 +1019,7 @@ class Trace:
             self.pending = None
             value._pending = None
             value._st, value._exprs, value._axes = dst._st, dst._exprs, dst._axes
-            p.run(dst, _matmul_accumulates(self, dst))
+            p.run(dst, matmul_accumulates(self, dst))
             return
         self.flush()
         operand = value
@@ -1041,7 +1041,7 @@ def _check_assign_shape(dst: NkiTensor, shape: tuple[int, ...], what: str) -> No
                        f"must match (size-1 dims aside)")
 
 
-def _matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
+def matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
     """``accumulate=None``: the first matmul into a PSUM location starts its accumulation group,
     later ones add to it (nc_matmul docs). A deferred nl.zeros memset is then moot."""
     st = dst._store()
@@ -1065,7 +1065,7 @@ def _matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
     return written
 
 
-def zero_fill(tr: Trace, st: _Store) -> None:
+def zero_fill(tr: Trace, st: Store) -> None:
     """Emit the memset a deferred ``nl.zeros`` in PSUM owes."""
     st.zero_pending = False
     _api.nisa.memset(NkiTensor.full(st), 0.0)

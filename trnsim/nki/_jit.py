@@ -40,7 +40,7 @@ from ..builder.kernel import Kernel as BuilderKernel, gc_paused
 from ..native.dtypes import get_dtype
 from ..sim.report import KernelReport
 from ..sim.list_schedule import ScheduleStats, schedule, unbounded_kernel
-from ._core import _HERE, NkiError, NkiTensor, Trace, _Store, _is_whole, nki_dtype
+from ._core import PACKAGE_DIR, NkiError, NkiTensor, Trace, Store, is_whole, nki_dtype
 
 __all__ = ["Kernel", "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "NkiRun",
            "Traced", "TensorSpec", "tensor_spec"]
@@ -91,7 +91,7 @@ class NkiRun:
         return self.traced.schedule_stats
 
 
-def _config(config: Any) -> ChipConfig:
+def target_config(config: Any) -> ChipConfig:
     if config is not None:
         return load_config(config)
     env = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
@@ -105,7 +105,7 @@ def _config(config: Any) -> ChipConfig:
 def _where(tb: Any) -> str:
     """``file.py:LINE`` of the innermost frame of ``tb`` outside trnsim (the kernel's line)."""
     for fr in reversed(traceback.extract_tb(tb)):
-        if not os.path.abspath(fr.filename).startswith(_HERE + os.sep):
+        if not os.path.abspath(fr.filename).startswith(PACKAGE_DIR + os.sep):
             return f"{os.path.basename(fr.filename)}:{fr.lineno}"
     return ""
 
@@ -113,7 +113,7 @@ def _where(tb: Any) -> str:
 def _internal(tb: Any) -> bool:
     """Did the exception come from trnsim's own code (its innermost frame)?"""
     frames = traceback.extract_tb(tb)
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_HERE + os.sep)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(PACKAGE_DIR + os.sep)
 
 
 class Kernel:
@@ -185,7 +185,7 @@ class Kernel:
                 kw[pname] = v
             else:
                 pos.append(v)
-        shared: list[_Store] = []
+        shared: list[Store] = []
         every = self.programs()
         chosen = every if programs is None else [every[i] for i in programs]
         ret: Any = None
@@ -234,7 +234,7 @@ class Kernel:
         """Trace and schedule the kernel for these arguments (arrays or :func:`tensor_spec`);
         ``programs`` (indices into :meth:`programs`) traces only those programs of the grid, as
         one physical core of a logical core runs its share of an LNC=2 launch."""
-        cfg = _config(config if config is not None else self.config)
+        cfg = target_config(config if config is not None else self.config)
         k0, inputs, outputs, written, extra = self._trace(args, kwargs, cfg, programs)
         try:
             sched = schedule(k0, extra_deps={i: sorted(d) for i, d in extra.items()}, reorder=self.schedule)
@@ -248,9 +248,9 @@ class Kernel:
         """What the kernel returns for these arguments, as :class:`TensorSpec` in the structure
         it returns them (None for a kernel that returns nothing): traced, not scheduled or
         simulated (what a framework needs to allocate the outputs of a call)."""
-        cfg = _config(config if config is not None else self.config)
+        cfg = target_config(config if config is not None else self.config)
         k0, _, outputs, _, _ = self._trace(args, kwargs, cfg, None)
-        return _restructure(outputs, {n: TensorSpec(t.shape, t.dtype.name) for n, t in k0.tensors.items()})
+        return restructure(outputs, {n: TensorSpec(t.shape, t.dtype.name) for n, t in k0.tensors.items()})
 
     def run(self, *args: Any, config: Any = None, timing_only: bool = False, **kwargs: Any) -> NkiRun:
         """Trace, schedule and simulate: outputs (numpy) and the cycle report."""
@@ -260,7 +260,7 @@ class Kernel:
         result = Chip(t.config).run(t.kernel, None if timing_only else t.inputs, timing_only=timing_only)
         outs = None
         if not timing_only:
-            outs = _restructure(t.outputs, result.outputs or {})
+            outs = restructure(t.outputs, result.outputs or {})
             for pname, arr in t.written_inputs.items():  # inputs the kernel wrote: updated in place
                 if isinstance(arr, np.ndarray) and arr.dtype == result[pname].dtype and arr.flags.writeable:
                     np.copyto(arr, result[pname].reshape(arr.shape))
@@ -290,7 +290,7 @@ def _arg(k: BuilderKernel, name: str, value: Any, inputs: dict[str, Any]) -> Any
         return type(value)(_arg(k, f"{name}{i}", v, inputs) for i, v in enumerate(value))
     else:
         return value  # a compile-time value: passed as is
-    st = _Store("hbm", tuple(shape), dt, name)
+    st = Store("hbm", tuple(shape), dt, name)
     st.tensor = k.input(name, st.shape, dt)
     inputs[name] = arr
     return NkiTensor.full(st)
@@ -311,7 +311,7 @@ def _mark_outputs(name: str, ret: Any) -> Any:
         raise NkiError(f"{name} returned {ret.name} ({ret.buffer}); return whole HBM tensors (store on-chip tiles to "
                        f"one first)")
     st = ret._store()
-    if st.kind != "hbm" or not _is_whole(ret) or st.tensor is None:
+    if st.kind != "hbm" or not is_whole(ret) or st.tensor is None:
         raise NkiError(f"{name} returned {ret.name} ({ret.buffer}); return whole HBM tensors (store on-chip "
                        f"tiles to one first)")
     if st.tensor.kind == "scratch":
@@ -319,13 +319,13 @@ def _mark_outputs(name: str, ret: Any) -> Any:
     return st.tensor.name
 
 
-def _restructure(names: Any, values: dict[str, np.ndarray]) -> Any:
+def restructure(names: Any, values: dict[str, np.ndarray]) -> Any:
     if names is None:
         return None
     if isinstance(names, (tuple, list)):
-        return type(names)(_restructure(n, values) for n in names)
+        return type(names)(restructure(n, values) for n in names)
     if isinstance(names, dict):
-        return {k: _restructure(v, values) for k, v in names.items()}
+        return {k: restructure(v, values) for k, v in names.items()}
     return values[names]
 
 
@@ -337,7 +337,7 @@ def jit(fn: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     return Kernel(fn, **kwargs)
 
 
-def _as_kernel(kernel: Any) -> Kernel:
+def as_kernel(kernel: Any) -> Kernel:
     if isinstance(kernel, Kernel):
         return kernel
     if callable(kernel):
@@ -347,24 +347,24 @@ def _as_kernel(kernel: Any) -> Kernel:
 
 def run(kernel: Any, *args: Any, config: Any = None, timing_only: bool = False, **kwargs: Any) -> NkiRun:
     """Run ``kernel`` on trnsim: the outputs and the cycle report (:class:`NkiRun`)."""
-    return _as_kernel(kernel).run(*args, config=config, timing_only=timing_only, **kwargs)
+    return as_kernel(kernel).run(*args, config=config, timing_only=timing_only, **kwargs)
 
 
 def trace(kernel: Any, *args: Any, config: Any = None, **kwargs: Any) -> Traced:
     """Trace and schedule ``kernel`` for these arguments without running it."""
-    return _as_kernel(kernel).trace(*args, config=config, **kwargs)
+    return as_kernel(kernel).trace(*args, config=config, **kwargs)
 
 
 def simulate_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
     """``neuronxcc.nki.simulate_kernel(kernel, *args)``: the outputs, computed on trnsim (which
     also times them: see ``kernel.last_run.report``)."""
-    k = _as_kernel(kernel)
+    k = as_kernel(kernel)
     return k(*args, **kwargs)
 
 
 def simulate(kernel: Any) -> Callable[..., Any]:
     """``nki.simulate(kernel)(*args)``: the outputs, computed on trnsim."""
-    k = _as_kernel(kernel)
+    k = as_kernel(kernel)
     return k.__call__
 
 
@@ -372,8 +372,8 @@ def baremetal(kernel: Any = None, **options: Any) -> Any:
     """``nki.baremetal``: on trnsim, the same as calling the kernel (the virtual chip is the
     device)."""
     if kernel is None:
-        return lambda f: _as_kernel(f)
-    return _as_kernel(kernel)
+        return lambda f: as_kernel(f)
+    return as_kernel(kernel)
 
 
 class _Latency:
@@ -424,5 +424,5 @@ def benchmark(kernel: Any = None, **options: Any) -> Any:
     """``nki.benchmark(warmup=, iters=, save_trace_name=)`` as a decorator (or called with the
     kernel): a :class:`Benchmarked` kernel whose result carries the simulated latency."""
     if kernel is None:
-        return lambda f: Benchmarked(_as_kernel(f), options)
-    return Benchmarked(_as_kernel(kernel), options)
+        return lambda f: Benchmarked(as_kernel(f), options)
+    return Benchmarked(as_kernel(kernel), options)

@@ -35,7 +35,7 @@ from ..builder.kernel import Kernel as BuilderKernel
 from ..kernels.registry import register_family
 from ..native.dtypes import get_dtype
 from ._core import NkiError
-from ._jit import Kernel, TensorSpec, Traced, _as_kernel, _config, _restructure
+from ._jit import Kernel, TensorSpec, Traced, as_kernel, target_config, restructure
 
 __all__ = ["NkiFamily", "family", "FAMILY_PREFIX"]
 
@@ -100,7 +100,7 @@ class NkiFamily:
     kernel family ``nki:<name>`` of the device model. See the module docstring."""
 
     def __init__(self, kernel: Any, name: str):
-        self.kernel: Kernel = _as_kernel(kernel)
+        self.kernel: Kernel = as_kernel(kernel)
         self.name = name
         self.family = FAMILY_PREFIX + name
         self.label = f"nki:{getattr(self.kernel.fn, '__name__', name)}"
@@ -133,7 +133,7 @@ class NkiFamily:
                 config: ChipConfig | str | None = None) -> Any:
         """The kernel's outputs for these arguments as :class:`TensorSpec`, in the structure the
         kernel returns them (None if it returns nothing); traced once per signature."""
-        cfg = _config(config)
+        cfg = target_config(config)
         key = (self.signature(args, kwargs), cfg.name)
         hit = self._outputs.get(key)
         if hit is None:
@@ -150,7 +150,7 @@ class NkiFamily:
 
     # ---- values ------------------------------------------------------------------------------
     def _entry(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None, config: Any) -> _Entry:
-        cfg = _config(config)
+        cfg = target_config(config)
         key = (self.signature(args, kwargs), cfg.name)
         with self._lock:
             hit = self._traces.get(key)
@@ -199,7 +199,7 @@ class NkiFamily:
         if chip is None:
             chip = self._chips[t.config.name] = Chip(t.config)
         result = chip.execute(t.kernel, inputs)
-        return _restructure(t.outputs, result), {p: result[p] for p in t.written_inputs}
+        return restructure(t.outputs, result), {p: result[p] for p in t.written_inputs}
 
     # ---- the device model's build and split --------------------------------------------------
     def _build(self, first: int, end: int, dtype: str = "fp32", config: ChipConfig | str = "trn2",

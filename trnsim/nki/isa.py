@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..isa import TileAP, alu_op
-from ._core import Affine, NkiError, NkiTensor, Predicate, _Pending, _partition_axis, current, nki_dtype, resolve
+from ._core import Affine, NkiError, NkiTensor, Predicate, Pending, partition_axis, current, nki_dtype, resolve
 from ._core import provide
 from ._core import unsupported as _unsupported
 
@@ -84,9 +84,9 @@ class nc_version(enum.Enum):
 
 def get_nc_version() -> nc_version:
     """The NeuronCore generation of the chip the kernel is traced for."""
-    from ..builder.kernel import _core_generation
+    from ..builder.kernel import core_generation
 
-    return nc_version(_core_generation(current().config))
+    return nc_version(core_generation(current().config))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,14 +246,14 @@ def _run(what: str, dst: NkiTensor | None, shape: tuple[int, ...], dtype: Any, b
             raise NkiError(f"{what}: dst must be a tensor, got {type(dst).__name__}")
         tr.flush()
         if matmul:
-            from ._core import _matmul_accumulates
+            from ._core import matmul_accumulates
 
-            auto = _matmul_accumulates(tr, dst)  # also records the write (and settles a deferred nl.zeros)
+            auto = matmul_accumulates(tr, dst)  # also records the write (and settles a deferred nl.zeros)
             emit(dst, auto if emit.accumulate is None else emit.accumulate)  # type: ignore[attr-defined]
         else:
             emit(dst)
         return Instruction(len(tr.kernel.instructions) - 1)
-    p = _Pending(tuple(shape), nki_dtype(dtype, what), buffer, emit, matmul, what)
+    p = Pending(tuple(shape), nki_dtype(dtype, what), buffer, emit, matmul, what)
     return tr.defer(NkiTensor(None, (), (), p))
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from . import isa as nisa
-from ._core import (Affine, MGrid, NkiError, NkiTensor, ParDim, Trace, _Iter, arange, buffer_name, current,
+from ._core import (Affine, MGrid, NkiError, NkiTensor, ParDim, Trace, Iter, arange, buffer_name, current,
                     iter_range, nki_dtype)
 from ._core import provide
 from ._core import unsupported as _unsupported
@@ -76,9 +76,9 @@ class _TileSize:
 
     def _cfg(self) -> Any:
         from .. import load_config
-        from ._core import _STACK
+        from ._core import STACK
 
-        return _STACK[-1].config if _STACK else load_config("trn2")
+        return STACK[-1].config if STACK else load_config("trn2")
 
     @property
     def pmax(self) -> int:
@@ -202,10 +202,10 @@ def shared_constant(constant: Any, dtype: Any = None) -> NkiTensor:
 
 def tr_constant(tr: Trace, arr: np.ndarray, dtype: Any) -> NkiTensor:
     dt = nki_dtype(dtype if dtype is not None else arr.dtype, "nl.shared_constant")
-    from ._core import _Store
+    from ._core import Store
 
     name = tr.name("const")
-    st = _Store("hbm", tuple(arr.shape) or (1,), dt, name)
+    st = Store("hbm", tuple(arr.shape) or (1,), dt, name)
     st.tensor = tr.kernel.input(name, st.shape, dt)
     tr.constants[name] = arr.reshape(st.shape)  # type: ignore[attr-defined]
     return NkiTensor.full(st)
@@ -284,7 +284,7 @@ def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
     if a == 0 and x._st.kind != "hbm":  # type: ignore[union-attr]
         raise NkiError("nl.expand_dims: the partition dim of an on-chip tile stays first")
     axes = list(x._axes)
-    axes.insert(a, _Iter(1))
+    axes.insert(a, Iter(1))
     return NkiTensor(x._st, x._exprs, tuple(axes))
 
 

@@ -33,7 +33,7 @@ from ..config import ChipConfig
 from ..kernels.registry import build_spec, get_kernel, split_parts
 from ..native.dtypes import get_dtype
 from ._core import NkiError, NkiTensor
-from ._jit import Kernel, TensorSpec, Traced, _config, tensor_spec
+from ._jit import Kernel, TensorSpec, Traced, target_config, tensor_spec
 
 __all__ = ["kernel", "signature", "LibraryKernel", "KERNELS"]
 
@@ -77,7 +77,7 @@ def _names(name: str, params: Mapping[str, Any]) -> tuple[list[str], list[str], 
     """(inputs, outputs, inputs the kernel writes) of library kernel ``name`` under ``params``,
     from a build at a small shape (which tensors a kernel has depends on its parameters only)."""
     shape = KERNELS[name][2]
-    k = get_kernel(name).make(shape, "bf16", _config(None), dict(params))
+    k = get_kernel(name).make(shape, "bf16", target_config(None), dict(params))
     ins = [n for n, t in k.tensors.items() if t.kind in ("input", "inout")]
     outs = [n for n, t in k.tensors.items() if t.kind in ("output", "inout")]
     return ins, outs, [n for n, t in k.tensors.items() if t.kind == "inout"]
@@ -165,7 +165,7 @@ class LibraryKernel(Kernel):
             raise NkiError(f"nkilib.{self.lib_name}: {e}") from None
 
     def trace(self, *args: Any, config: Any = None, programs: Sequence[int] | None = None, **kwargs: Any) -> Traced:
-        cfg = _config(config if config is not None else self.config)
+        cfg = target_config(config if config is not None else self.config)
         arrays = self._bind_arrays(args, kwargs)
         program = None if programs is None or len(programs) != 1 or not self.grid else int(programs[0])
         k = self._build(arrays, cfg, program)
@@ -182,7 +182,7 @@ class LibraryKernel(Kernel):
         return Traced(k, k, cfg, inputs, outs, written, stats)
 
     def output_specs(self, *args: Any, config: Any = None, **kwargs: Any) -> Any:
-        cfg = _config(config if config is not None else self.config)
+        cfg = target_config(config if config is not None else self.config)
         k = self._build(self._bind_arrays(args, kwargs), cfg, None)
         specs = [tensor_spec(k.tensors[n].shape, k.tensors[n].dtype.name) for n in self.out_names]
         return tuple(specs) if len(specs) > 1 else specs[0]

@@ -33,23 +33,13 @@ import stat
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["OutputError", "AtomicOutput", "check_output", "write_atomic", "lock_exclusive", "file_kind", "reserve_all"]
+from ..config import file_kind
+
+__all__ = ["OutputError", "AtomicOutput", "check_output", "write_atomic", "lock_exclusive", "reserve_all"]
 
 
 class OutputError(ValueError):
     """An output file cannot be written where the user asked. The message is one line."""
-
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
-
-
-def file_kind(mode: int) -> str:
-    """``"a FIFO"``, ``"a directory"``, ... for a ``st_mode`` (``"a regular file"``)."""
-    for test, name in _KINDS:
-        if test(mode):
-            return name
-    return "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
 def _reason(e: OSError) -> str:

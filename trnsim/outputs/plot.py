@@ -55,7 +55,7 @@ def reserve(path: str | os.PathLike[str], what: str = "--plot") -> AtomicOutput:
     return AtomicOutput(path, what, text=False)
 
 
-def _figure(width: float, height: float) -> Any:
+def new_figure(width: float, height: float) -> Any:
     require("matplotlib", "plot", "plotting")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -65,7 +65,7 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _save(fig: Any, out: str | os.PathLike[str] | AtomicOutput, what: str) -> Path:
+def save_figure(fig: Any, out: str | os.PathLike[str] | AtomicOutput, what: str) -> Path:
     target = out if isinstance(out, AtomicOutput) else reserve(out, what)
     fmt = FORMATS.get(Path(target.shown).suffix.lower(), "png")
     return target.commit(lambda f: fig.savefig(f, format=fmt, dpi=_DPI))
@@ -185,7 +185,7 @@ def plot_sweep(results: str | os.PathLike[str], x: str, y: str, out: str | os.Pa
     for i, r in enumerate(rows):
         series.setdefault(tuple(r.get(c, "") for c in group_cols), []).append(i)
 
-    fig = _figure(10.0, 5.5)
+    fig = new_figure(10.0, 5.5)
     ax = fig.add_subplot()
     if axis is not None:
         xs, xunit = axis
@@ -213,7 +213,7 @@ def plot_sweep(results: str | os.PathLike[str], x: str, y: str, out: str | os.Pa
     if any(series):  # beside the axes, so it never hides a point
         fig.legend(title=", ".join(group_cols), fontsize="small", loc="outside right center")
     fig.suptitle(title or f"{y} vs {x}" + (f" by {hue}" if hue else "") + f" ({shown}, {len(rows)} points)")
-    return _save(fig, out, "-o")
+    return save_figure(fig, out, "-o")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def plot_kernel(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: 
 
     engines = [e for e in report.engines if e in _ENGINES] + ["DMA"]
     active = [report.engines[e].active_percent if e != "DMA" else report.dma.active_percent for e in engines]
-    fig = _figure(9.0, 6.0)
+    fig = new_figure(9.0, 6.0)
     top, bottom = fig.subplots(2, 1, height_ratios=[1, 1.2])
     bars = top.barh(engines, active, color=["#4c72b0" if e != "DMA" else "#dd8452" for e in engines])
     top.bar_label(bars, [f"{a:.1f}%" for a in active], padding=3, fontsize="small")
@@ -281,7 +281,7 @@ def plot_kernel(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: 
     fig.suptitle(title or f"Kernel '{report.kernel}' on {report.config}: {report.total_us:,.2f} us "
                           f"({report.total_cycles:,.0f} cycles), MFU {report.mfu_estimated_percent:.1f}%, "
                           f"bound by {bound_of(report)}")
-    return _save(fig, out, "--plot")
+    return save_figure(fig, out, "--plot")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def plot_run(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: str
         raise PlotError("--plot: the run launched nothing on the neuron device, so there is nothing to plot")
     rest = report.rows[top:]
     labels = [f"{r.op} ({r.kernel}{' *' if r.generic else ''})" for r in rows]
-    fig = _figure(13.0, max(3.5, 0.42 * len(rows) + 2.0))
+    fig = new_figure(13.0, max(3.5, 0.42 * len(rows) + 2.0))
     left, right = fig.subplots(1, 2, width_ratios=[1.4, 1])
     times = [r.time_us for r in rows]
     bars = left.barh(labels, times, color=[_BOUND_COLORS.get(r.bound, "#999999") for r in rows])
@@ -334,4 +334,4 @@ def plot_run(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: str
     fig.colorbar(img, ax=right, label="engine active (% of the row's device time)")
     fig.suptitle(title or f"neuron run on {report.config}: {report.elapsed_us:,.1f} us elapsed, {report.launches:,} "
                           f"launches, {report.device_us:,.1f} us device time, MFU {report.mfu_percent:.1f}%")
-    return _save(fig, out, "--plot")
+    return save_figure(fig, out, "--plot")

@@ -48,7 +48,7 @@ def ticks_to_us(ticks: int, tick_hz: int) -> float:
 
 
 
-def _spread(segments: list[tuple[int, int, str, int]]) -> list[list[tuple[int, int, str, int]]]:
+def spread_lanes(segments: list[tuple[int, int, str, int]]) -> list[list[tuple[int, int, str, int]]]:
     """Split (start, end, label, index) segments over the fewest lanes with no overlap in any
     lane (greedy interval partitioning: each segment goes to the first lane already free)."""
     lanes: list[list[tuple[int, int, str, int]]] = []
@@ -94,7 +94,7 @@ def lane_events(placed: Iterable[tuple[int, int, KernelReport, str, dict[str, An
         events.append({"ph": "X", "name": name, "cat": "kernel", "pid": pid, "tid": tid,
                        "ts": ticks_to_us(t0, tick_hz), "dur": ticks_to_us(t1 - t0, tick_hz), "args": args})
     for (pid, lane), segs in sorted(lanes.items(), key=lambda kv: (kv[0][0], _sort_key(kv[0][1]))):
-        for n, part in enumerate(_spread(segs)):
+        for n, part in enumerate(spread_lanes(segs)):
             name = lane if n == 0 else f"{lane} ({n + 1})"
             tid = tid_of(pid, name)
             named.append((pid, name))

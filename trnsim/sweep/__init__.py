@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ChipConfig, ConfigError, clip_text, format_value, load_config, load_yaml_file
-from ..config import _resolve as _resolve_config
-from ..config import _resolve_system
+from ..config import resolve_config_path as _resolve_config
+from ..config import resolve_system_path
 from ..config.extras import require
 from ..outputs.files import OutputError, check_output, lock_exclusive, write_atomic
 from ..isa import KernelError
@@ -337,7 +337,7 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     system = _config_ref(system, base_dir) if system is not None else None
     if system is not None:
         try:
-            _resolve_system(system)
+            resolve_system_path(system)
         except ConfigError as e:  # an unknown name or a missing file, named as the spec gives it
             raise ConfigError(f"{where}: system: {e}") from None
     config = raw.get("config", "trn2")

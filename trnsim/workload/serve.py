@@ -346,9 +346,9 @@ def sweep_rates(rates: Sequence[float], make: Any) -> list[tuple[float, ServeRes
 def plot_sweep(points: Sequence[tuple[float, ServeResult]], out: Any, title: str) -> None:
     """Latency against request rate: TTFT and TPOT, p50 and p99 (``out``: a path or the
     :func:`trnsim.plot.reserve` reservation made before the runs)."""
-    from ..outputs.plot import _figure, _save
+    from ..outputs.plot import new_figure, save_figure
 
-    fig = _figure(10, 4)
+    fig = new_figure(10, 4)
     axes = fig.subplots(1, 2)
     rates = [r for r, _ in points]
     for ax, name in zip(axes, ("ttft", "tpot")):
@@ -360,4 +360,4 @@ def plot_sweep(points: Sequence[tuple[float, ServeResult]], out: Any, title: str
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title, fontsize=9)
-    _save(fig, out, "--plot")
+    save_figure(fig, out, "--plot")

@@ -29,7 +29,7 @@ from ..config import ConfigError, format_quantity
 
 __all__ = ["Recipe", "RecipeError", "TrainMemory", "LOSSES", "RECOMPUTE", "SHARDING", "PRECISIONS", "SCHEDULES",
            "in_flight", "add_recipe_arguments", "recipe_of_args", "gradient_buckets", "overlap_buckets", "load_plan",
-           "plan_names", "PLAN_DIR", "apply_plan"]
+           "plan_names", "PLAN_DIR", "apply_plan", "pipeline_interleaved"]
 
 LOSSES = ("vocab-parallel", "gathered")
 RECOMPUTE = ("none", "selective", "full")
@@ -62,6 +62,7 @@ class Recipe:
     overlap: bool = True  # data-parallel gradient buckets reduced while the backward runs
     bucket_mb: int = 512  # NxD's ALLREDUCE_BUCKET_CAP_MB default
     ep: int = 1  # expert parallelism: MoE experts split over this many data-parallel ranks (all-to-all dispatch)
+    fused_projections: bool = True  # NxD's fused q/k/v and gate/up linears (TorchTitan keeps them apart)
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -73,7 +74,7 @@ class Recipe:
                                 ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
-        for flag, v in (("fused", self.fused), ("overlap", self.overlap)):
+        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections)):
             if not isinstance(v, bool):
                 raise RecipeError(f"{flag} {v!r}: expected true or false")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
@@ -112,6 +113,7 @@ class Recipe:
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
                  *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
+                 "fused q/k/v and gate/up" if self.fused_projections else "separate q/k/v and gate/up",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
@@ -190,6 +192,8 @@ def add_recipe_arguments(p: Any) -> None:
                                                         "data-parallel ranks, tokens sent to them by all-to-all")
     p.add_argument("--eager", action="store_true", help="lower the step op by op (no fused regions, AdamW op by op)")
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
+    p.add_argument("--separate-projections", action="store_true", help="q/k/v and gate/up as separate linears "
+                                                                      "(TorchTitan's; NxD fuses them)")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
                                                 f"options given beside it change one axis")
 
@@ -224,6 +228,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
         fields["fused"] = False
     if getattr(args, "no_overlap", False):
         fields["overlap"] = False
+    if getattr(args, "separate_projections", False):
+        fields["fused_projections"] = False
     return Recipe.of(fields)
 
 
@@ -325,3 +331,54 @@ def load_plan(name_or_path: str) -> dict[str, Any]:
     except RecipeError as e:
         raise RecipeError(f"{where}: recipe: {e}") from None
     return out
+
+
+# ---- the interleaved pipeline schedule ----------------------------------------------------------------
+def pipeline_interleaved(forward: list[int], backward: list[int], p2p: list[int], micro_batches: int,
+                         virtual: int) -> tuple[int, list[int]]:
+    """Interleaved 1F1B (Megatron's and NxD's ``TrainInterleavedSchedule``) simulated over its
+    tasks: each of the ``p`` pipeline ranks holds ``virtual`` model chunks (chunk ``c`` of rank
+    ``s`` is virtual stage ``c * p + s``), each chunk's forward and backward taking ``1 / virtual``
+    of the rank's; a micro-batch crosses every virtual stage in order (``p2p[s]`` ticks from rank
+    ``s`` to the next, the last rank's to rank 0's next chunk costing ``p2p[-1]`` or the first
+    boundary's). Each rank runs, whenever it is free, its ready task that comes first in the
+    schedule's order: a backward before a forward (1F1B's steady state), then Megatron's order
+    (micro-batches in groups of ``p``, a group through one chunk before the next; backwards through
+    the chunks in reverse). Returns (the step's ticks, each rank's busy ticks)."""
+    p, m, v = len(forward), micro_batches, virtual
+    if p == 0 or m < 1:
+        return 0, [0] * p
+    stages = p * v
+    f = [max(1, forward[j % p] // v) for j in range(stages)]
+    b = [max(1, backward[j % p] // v) for j in range(stages)]
+    hop = [(p2p[j % p] if j % p < len(p2p) else (p2p[0] if p2p else 0)) for j in range(stages)]
+    done: dict[tuple[str, int, int], int] = {}
+    free = [0] * p
+    left = {("F", i, j) for i in range(m) for j in range(stages)} | {("B", i, j) for i in range(m) for j in range(stages)}
+    while left:
+        best = None
+        for task in left:
+            kind, i, j = task
+            if kind == "F":
+                dep = 0 if j == 0 else done.get(("F", i, j - 1))
+                ready = None if dep is None else dep + (hop[j - 1] if j > 0 and p > 1 else 0)
+            else:
+                dep = done.get(("F", i, j)) if j == stages - 1 else done.get(("B", i, j + 1))
+                ready = None if dep is None else dep + (hop[j] if j < stages - 1 and p > 1 else 0)
+            if ready is None:
+                continue
+            d = j % p
+            start = max(free[d], ready)
+            c = j // p  # Megatron's order: micro-batches in groups of p, each group through a chunk at a time
+            order = i // p * stages + (c if kind == "F" else v - 1 - c) * p + i % p
+            key = (start, 0 if kind == "B" else 1, order)
+            if best is None or key < best[0]:
+                best = (key, task, start, d)
+        assert best is not None
+        _, task, start, d = best
+        kind, i, j = task
+        free[d] = start + (f[j] if kind == "F" else b[j])
+        done[task] = free[d]
+        left.discard(task)
+    busy = [m * (forward[s] + backward[s]) for s in range(p)]
+    return max(free), busy

@@ -174,7 +174,7 @@ def phase(kind: str, algo: str, s: Schedule, lanes: Sequence[Lane], itemsize: in
 # ---------------------------------------------------------------------------------------------
 
 
-def _ring_estimate(r: "Rates", kind: str, lanes: ELanes, bidir_: bool, label: str) -> "list[EstimateStep]":
+def ring_estimate(r: "Rates", kind: str, lanes: ELanes, bidir_: bool, label: str) -> "list[EstimateStep]":
     lanes = [(list(o), t) for o, t in lanes if len(o) > 1]
     if not lanes:
         return []
@@ -233,7 +233,7 @@ def _mesh_estimate(r: "Rates", kind: str, lanes: ELanes, label: str) -> "list[Es
 def phase_estimate(r: "Rates", kind: str, algo: str, lanes: ELanes, label: str) -> "list[EstimateStep]":
     """The α-β steps of :func:`phase` (``lanes`` as ``(ranks, bytes)``)."""
     if algo in ("ring", "bidir-ring"):
-        return _ring_estimate(r, kind, lanes, algo == "bidir-ring", label)
+        return ring_estimate(r, kind, lanes, algo == "bidir-ring", label)
     if algo == "rdh":
         return _rdh_estimate(r, kind, lanes, label)
     return _mesh_estimate(r, kind, lanes, label)

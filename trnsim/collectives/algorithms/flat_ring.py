@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..schedule import Schedule, pieces
 from .base import Algorithm, Context
-from .flat import _ring_estimate, phase
+from .flat import ring_estimate, phase
 
 if TYPE_CHECKING:
     from ..analytic import Rates
@@ -64,7 +64,7 @@ def _build(s: Schedule, ctx: Context) -> None:
 
 
 def _estimate(r: "Rates", ctx: Context) -> "list[EstimateStep]":
-    return _ring_estimate(r, _KIND[ctx.collective], _lanes(ctx), False, "flat ring")
+    return ring_estimate(r, _KIND[ctx.collective], _lanes(ctx), False, "flat ring")
 
 
 def _check(ctx: Context) -> str | None:
