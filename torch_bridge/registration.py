@@ -54,8 +54,9 @@ FAST_MATMULS = ("mm", "addmm", "bmm")
 # Allocation and copies into the device, which the fast path serves itself in the common case
 # (csrc/neuron.cpp's fast_empty and fast_copy); their Python kernels, on SLOW_KEY, serve the rest.
 FAST_ALLOC = ("empty.memory_format", "empty_strided", "_copy_from")
-# nn.LSTM's cells (torch_bridge.cells), which the fast path computes itself (csrc/neuron.cpp's fast_cell)
-FAST_CELLS = ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl")
+# nn.LSTM's and nn.GRU's cells (torch_bridge.ops.cells), which the fast path computes itself (csrc/neuron.cpp's fast_cell)
+FAST_CELLS = ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
+              "_thnn_fused_gru_cell_backward")
 
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -316,23 +316,27 @@ def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
 
+@pytest.mark.parametrize("rnn", [torch.nn.LSTM, torch.nn.GRU])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lstm_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit(bias, dtype):
-    """nn.LSTM's cells (fast_cell), its allocations (fast_empty) and copies (fast_copy): the same
-    values, bits, simulated time and memory figures as with every op on the Python path."""
+def test_rnn_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit(rnn, bias, dtype):
+    """nn.LSTM's and nn.GRU's cells (fast_cell), their allocations (fast_empty) and copies
+    (fast_copy): the same values, bits, simulated time and memory figures as with every op on
+    the Python path."""
     def run():
         gc.collect()
         mem0 = torch.neuron.memory_allocated()
         torch.manual_seed(0)
-        m = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True, bias=bias).to(dtype).to("neuron")
+        m = rnn(8, 16, num_layers=2, batch_first=True, bias=bias).to(dtype).to("neuron")
         x = torch.randn(3, 5, 8).to(dtype).to("neuron").requires_grad_()
         dev = runtime().device
         t0 = dev.now()
         res = []
         for it in range(3):  # the first costs every signature, the later ones are served natively
-            state = None if it < 2 else (torch.randn(2, 3, 16).to(dtype).to("neuron"),) * 2
-            out, (h, c) = m(x, state)
+            h0 = torch.randn(2, 3, 16).to(dtype).to("neuron")
+            state = None if it < 2 else (h0, h0) if rnn is torch.nn.LSTM else h0
+            out, hc = m(x, state)
+            h, c = hc if rnn is torch.nn.LSTM else (hc, hc)
             (out.float().square().sum() + c.float().sum() * (it == 1)).backward()
             res += [out.cpu(), h.cpu(), c.cpu(), x.grad.cpu()] + [p.grad.cpu() for p in m.parameters()]
             m.zero_grad()

@@ -562,7 +562,8 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 // (torch_bridge.values), registered on PrivateUse2 for this redispatch.
 // kWrites: in-place, out=; kMm/kAddmm/kBmm: the TensorE ops whose values the datapath computes
 enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
-               kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11 };
+               kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11,
+               kGruCell = 12, kGruCellBackward = 13 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -624,6 +625,8 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "_copy_from" && s.overload_name().empty()) f.kind = kCopyFrom;
   if (name == "_thnn_fused_lstm_cell" && s.overload_name().empty()) f.kind = kLstmCell;
   if (name == "_thnn_fused_lstm_cell_backward_impl" && s.overload_name().empty()) f.kind = kLstmCellBackward;
+  if (name == "_thnn_fused_gru_cell" && s.overload_name().empty()) f.kind = kGruCell;
+  if (name == "_thnn_fused_gru_cell_backward" && s.overload_name().empty()) f.kind = kGruCellBackward;
   if (f.kind != kOther) return f;
   if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
     f.kind = kView;
@@ -1051,7 +1054,7 @@ void fast_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // ---- LSTM cells ----------------------------------------------------------------------------------
-// nn.LSTM's gates off CPU: _thnn_fused_lstm_cell and its backward, which CPU has no kernel for.
+// nn.LSTM's and nn.GRU's gates off CPU: _thnn_fused_lstm_cell, _thnn_fused_gru_cell and their backwards, which CPU has no kernel for.
 // torch_bridge/cells.py defines their values (CUDA's, in float32 for 16-bit inputs); these are the
 // same CPU ops in the same order on the arguments' aliases, so the same bits, with no Python on
 // the way. The cost is Python's (host_kernel teaches the handle for the call's signature).
@@ -1089,11 +1092,48 @@ std::vector<at::Tensor> lstm_cell_backward_values(const std::vector<at::Tensor>&
   return {grad_gates.to(dt), grad_cx.to(dt), grad_bias};
 }
 
+std::vector<at::Tensor> gru_cell_values(const std::vector<at::Tensor>& a) {  // cells._gru_cell
+  const at::Tensor &hx = a[2], &ib = a[3], &hb = a[4];
+  auto dt = a[0].scalar_type();
+  at::Tensor ig = a[0].to(at::kFloat), hg = a[1].to(at::kFloat);
+  if (ib.defined()) {
+    ig = ig + ib.to(at::kFloat);
+    hg = hg + hb.to(at::kFloat);
+  }
+  auto ic = ig.chunk(3, 1), hc = hg.chunk(3, 1);
+  at::Tensor r = (ic[0] + hc[0]).sigmoid();
+  at::Tensor z = (ic[1] + hc[1]).sigmoid();
+  at::Tensor n = (ic[2] + r * hc[2]).tanh();
+  at::Tensor h = hx.to(at::kFloat);
+  at::Tensor hy = n + z * (h - n);
+  at::Tensor workspace = at::cat({r, z, n, h, hc[2]}, 1);
+  return {hy.to(dt), workspace.to(dt)};
+}
+
+std::vector<at::Tensor> gru_cell_backward_values(const std::vector<at::Tensor>& a, bool has_bias) {
+  const at::Tensor &grad_hy = a[0], &workspace = a[1];
+  auto dt = workspace.scalar_type();  // cells._gru_cell_backward
+  auto ch = workspace.to(at::kFloat).chunk(5, 1);
+  const at::Tensor &r = ch[0], &z = ch[1], &n = ch[2], &h = ch[3], &hn = ch[4];
+  at::Tensor go = grad_hy.to(at::kFloat);
+  at::Tensor gz = go * (h - n) * at::rsub(z, 1) * z;
+  at::Tensor ghx = go * z;
+  at::Tensor gn = go * at::rsub(z, 1) * at::rsub(n * n, 1);
+  at::Tensor ghn = gn * r;
+  at::Tensor gr = gn * hn * at::rsub(r, 1) * r;
+  at::Tensor grad_input = at::cat({gr, gz, gn}, 1);
+  at::Tensor grad_hidden = at::cat({gr, gz, ghn}, 1);
+  at::Tensor gib = has_bias ? grad_input.sum(0).to(dt) : at::Tensor();
+  at::Tensor ghb = has_bias ? grad_hidden.sum(0).to(dt) : at::Tensor();
+  return {grad_input.to(dt), grad_hidden.to(dt), ghx.to(dt), gib, ghb};
+}
+
 void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
   const size_t n = op.schema().arguments().size();
   const size_t base = stack->size() - n;
-  const size_t tensors = 5;
-  if (n != (kind == kLstmCell ? 5u : 6u)) return slow(op, stack);
+  const bool backward = kind == kLstmCellBackward || kind == kGruCellBackward;
+  const size_t tensors = kind == kGruCellBackward ? 2 : 5;  // then has_bias, for a backward
+  if (n != tensors + (backward ? 1 : 0)) return slow(op, stack);
   thread_local std::string t_key;
   std::string& key = t_key;
   key.clear();
@@ -1124,22 +1164,25 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
     cpu[i] = cpu_alias(t);
   }
   bool has_bias = false;
-  if (kind == kLstmCellBackward) {
-    const c10::IValue& v = (*stack)[base + 5];
+  if (backward) {
+    const c10::IValue& v = (*stack)[base + tensors];
     if (!v.isBool()) return slow(op, stack);
     has_bias = v.toBool();
     key_int(key, 4 + has_bias);
   }
   if (index < 0) return slow(op, stack);
-  if (kind == kLstmCell ? (!cpu[0].defined() || !cpu[1].defined() || !cpu[2].defined() ||
-                           cpu[3].defined() != cpu[4].defined())
-                        : (!cpu[2].defined() || !cpu[3].defined() || !cpu[4].defined())) {
+  bool complete = kind == kLstmCellBackward ? cpu[2].defined() && cpu[3].defined() && cpu[4].defined()
+                  : kind == kGruCellBackward ? cpu[0].defined() && cpu[1].defined()
+                  : cpu[0].defined() && cpu[1].defined() && cpu[2].defined() && cpu[3].defined() == cpu[4].defined();
+  if (!complete) {
     return slow(op, stack);  // Python's path and its errors
   }
   std::vector<at::Tensor> out;
   try {
     HostScope host;
-    out = kind == kLstmCell ? lstm_cell_values(cpu) : lstm_cell_backward_values(cpu, has_bias);
+    out = kind == kLstmCell ? lstm_cell_values(cpu)
+          : kind == kLstmCellBackward ? lstm_cell_backward_values(cpu, has_bias)
+          : kind == kGruCell ? gru_cell_values(cpu) : gru_cell_backward_values(cpu, has_bias);
   } catch (...) {
     return slow(op, stack);  // (shapes that do not fit: Python raises it, in its words)
   }
@@ -1157,7 +1200,8 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
   }
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);  // the values are computed again there
-  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
+  FastBlock* blocks[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (out.size() > 5) return slow(op, stack);
   for (size_t i = 0; i < out.size(); ++i) {
     if (!out[i].defined()) continue;
     blocks[i] = count_block(out[i], index);
@@ -1196,7 +1240,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
   if (f.kind == kEmpty || f.kind == kEmptyStrided) return fast_empty(op, stack, f.kind);
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
-  if (f.kind == kLstmCell || f.kind == kLstmCellBackward) return fast_cell(op, stack, f.kind);
+  if (f.kind >= kLstmCell && f.kind <= kGruCellBackward) return fast_cell(op, stack, f.kind);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();

@@ -259,6 +259,78 @@ class OptimizerState:
             h.remove()
 
 
+# ---- NxD's fused projections ------------------------------------------------------------------------
+class _FusedProjection(nn.Module):
+    """Several projections of one input as one linear (NxD's ``GQAQKVColumnParallelLinear`` with
+    ``fuse_qkv``, and its MLP's ``gate_up_proj``): one matmul over the concatenated weights, split
+    into the parts; the parts' modules call it with the same input one after the other, so the
+    matmul runs on the first call and the others take their slice of it."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        first = parts[0]
+        self.sizes = [m.out_features for m in parts]
+        self.column = not isinstance(first, nn.Linear)  # a ColumnParallelLinear: weight [in, out], collectives
+        total = sum(self.sizes)
+        shape = (first.in_features, total) if self.column else (total, first.in_features)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=first.weight.dtype, device="meta"),
+                                   requires_grad=first.weight.requires_grad)
+        biases = [m.bias for m in parts]
+        self.bias = nn.Parameter(torch.empty((total,), dtype=biases[0].dtype, device="meta")) \
+            if all(b is not None for b in biases) else None
+        self.comm = getattr(first, "comm", None)
+        self.sp = getattr(first, "sp", False)
+        self._key: Any = None
+        self._outs: list[torch.Tensor] = []
+        self._left = 0
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self._key is None or self._key() is not x or self._left == 0:
+            import weakref
+
+            if self.column:
+                from .parallel import _linear
+
+                xin = x if (self.sp and self.comm.sp_active) else self.comm.copy_to_group(x)
+                y = _linear(xin, self.weight, self.bias)
+            else:
+                y = nn.functional.linear(x, self.weight, self.bias)
+            self._key, self._outs, self._left = weakref.ref(x), list(torch.split(y, self.sizes, dim=-1)), len(self.sizes)
+        out = self._outs[i]
+        self._left -= 1
+        if self._left == 0:
+            self._outs = []  # the parts hold their slices; the module keeps nothing alive
+        return out
+
+
+class _Part(nn.Module):
+    def __init__(self, fused: _FusedProjection, index: int, out_features: int):
+        super().__init__()
+        self.fused = [fused]  # not a submodule: the fused weight is counted once, on the fused module
+        self.index, self.out_features = index, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused[0].part(x, self.index)
+
+
+def fuse_projections(net: nn.Module) -> nn.Module:
+    """q/k/v and gate/up of every layer as NxD's fused linears (on the meta model)."""
+    from .parallel import ColumnParallelLinear
+
+    for m in list(net.modules()):
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parts = [getattr(m, n, None) for n in names]
+            if not all(isinstance(p, (nn.Linear, ColumnParallelLinear)) for p in parts):
+                continue
+            if len({type(p) for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
+                continue
+            fused = _FusedProjection(parts)
+            setattr(m, "_trnsim_fused_" + names[0].split("_")[0], fused)
+            for i, (n, p) in enumerate(zip(names, parts)):
+                setattr(m, n, _Part(fused, i, p.out_features))
+    return net
+
+
 # ---- expert parallelism ---------------------------------------------------------------------------
 class _AllToAll(torch.autograd.Function):
     @staticmethod
@@ -396,8 +468,13 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         if recipe.ep > 1 and plan.dp % recipe.ep:
             raise RecipeError(f"--ep {recipe.ep}: expert parallelism splits the data-parallel ranks; --dp {plan.dp} "
                               f"is not a multiple of it")
-        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel,
-                           then=expert_parallel(recipe.ep, plan, comm) if recipe.ep > 1 else None)
+        ep = expert_parallel(recipe.ep, plan, comm) if recipe.ep > 1 else None
+
+        def then(m: nn.Module) -> nn.Module:
+            if recipe.fused_projections:
+                m = fuse_projections(m)
+            return ep(m) if ep is not None else m
+        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         base = getattr(net, net.base_model_prefix, net)
@@ -531,13 +608,14 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
     out = ["each micro-batch forward and backward is one compiled graph: one host dispatch each"]
     if recipe.fused:
         out.append("elementwise ops between two other launches lowered as the compile path lowers them (fused "
-                   "regions of the library's fused kernel; the rest one kernel per aten op); no horizontal fusion "
-                   "of matmuls (q/k/v and gate/up are separate matmuls)")
+                   "regions of the library's fused kernel; the rest one kernel per aten op)")
         out.append("flash attention forward as the library kernel, backward as three passes of its instruction "
                    "stream (six matmul passes for the backward's five)")
         out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
     else:
         out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
+    out.append("q/k/v and gate/up as one linear each (NxD's fused projections)" if recipe.fused_projections
+               else "q/k/v and gate/up as separate linears")
     out.append(("1F1B pipeline schedule" if recipe.schedule == "1f1b" else
                 f"interleaved 1F1B with {recipe.virtual_stages} chunks per pipeline rank (list-scheduled in Megatron's "
                 f"order)") + "; activations sent stage to stage with send/recv on the links")

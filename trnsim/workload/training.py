@@ -62,6 +62,7 @@ class Recipe:
     overlap: bool = True  # data-parallel gradient buckets reduced while the backward runs
     bucket_mb: int = 512  # NxD's ALLREDUCE_BUCKET_CAP_MB default
     ep: int = 1  # expert parallelism: MoE experts split over this many data-parallel ranks (all-to-all dispatch)
+    fused_projections: bool = True  # NxD's fused q/k/v and gate/up linears (TorchTitan keeps them apart)
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -73,7 +74,7 @@ class Recipe:
                                 ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
-        for flag, v in (("fused", self.fused), ("overlap", self.overlap)):
+        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections)):
             if not isinstance(v, bool):
                 raise RecipeError(f"{flag} {v!r}: expected true or false")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
@@ -112,6 +113,7 @@ class Recipe:
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
                  *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
+                 "fused q/k/v and gate/up" if self.fused_projections else "separate q/k/v and gate/up",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
@@ -190,6 +192,8 @@ def add_recipe_arguments(p: Any) -> None:
                                                         "data-parallel ranks, tokens sent to them by all-to-all")
     p.add_argument("--eager", action="store_true", help="lower the step op by op (no fused regions, AdamW op by op)")
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
+    p.add_argument("--separate-projections", action="store_true", help="q/k/v and gate/up as separate linears "
+                                                                      "(TorchTitan's; NxD fuses them)")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
                                                 f"options given beside it change one axis")
 
@@ -224,6 +228,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
         fields["fused"] = False
     if getattr(args, "no_overlap", False):
         fields["overlap"] = False
+    if getattr(args, "separate_projections", False):
+        fields["fused_projections"] = False
     return Recipe.of(fields)
 
 
