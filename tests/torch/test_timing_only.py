@@ -266,3 +266,23 @@ def test_a_composite_result_keeps_a_transposed_inputs_layout_as_cpu(name):
         assert getattr(torch, name)(y).stride() == want.stride()  # (the signature's layout, remembered)
     pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
     assert pick(fake.report) == pick(eager.report) and pick(eager.report)
+
+
+def test_a_composite_given_a_wrapped_scalar_runs_as_eager_does():
+    """Found by difftest's long run: take_along_dim's remainder.Scalar wraps its scalar in a tensor
+    that PyTorch hands to Python as a number; remainder.Tensor's composite refused it timing-only
+    ('Expected a value of type Tensor ... found type int'). Same shape, dtype and charges as eager."""
+    x, i = torch.randn(4), torch.tensor([3, 0, 1])
+    with torch.neuron.report_scope() as eager:
+        want = torch.take_along_dim(x.to("neuron"), i.to("neuron"), 0)
+    with torch.neuron.timing_only():
+        xx = torch.empty(4, device="neuron")
+        ii = torch.zeros(3, dtype=torch.long, device="neuron")
+        with torch.neuron.report_scope() as fake:
+            got = torch.take_along_dim(xx, ii, 0)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        for dtype, other in ((torch.int32, 4), (torch.bfloat16, 4.5), (torch.int32, 4.5)):
+            cpu = torch.remainder(torch.empty(3, dtype=dtype), other)
+            assert torch.remainder(torch.empty(3, dtype=dtype, device="neuron"), other).dtype == cpu.dtype
+    pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
+    assert pick(fake.report) == pick(eager.report) and pick(eager.report)
