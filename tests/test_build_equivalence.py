@@ -16,7 +16,8 @@ import pytest
 
 from trnsim import load_config
 from trnsim.isa import Instruction, KernelError
-from trnsim.kernel import (DependencyTracker, Kernel, NativeDependencyTracker, _deptrack, reference_build,
+from trnsim.builder.deps import _deptrack
+from trnsim.kernel import (DependencyTracker, Kernel, NativeDependencyTracker, reference_build,
                             stream_fingerprint)
 from trnsim.kernels import get_kernel, kernel_names
 

@@ -12,7 +12,8 @@ import pytest
 
 from trnsim import load_config
 from trnsim.isa import KernelError
-from trnsim.kernel import _deptrack, reference_build, stream_fingerprint
+from trnsim.builder.deps import _deptrack
+from trnsim.kernel import reference_build, stream_fingerprint
 from trnsim.kernels import get_kernel
 from trnsim.kernels import matmul as mm_mod
 

@@ -13,7 +13,8 @@ import pytest
 
 from trnsim import load_config
 from trnsim.isa import KernelError
-from trnsim.kernel import Kernel, _deptrack, reference_build, stream_fingerprint
+from trnsim.builder.deps import _deptrack
+from trnsim.kernel import Kernel, reference_build, stream_fingerprint
 from trnsim.kernels import attention as attn_mod
 from trnsim.kernels import get_kernel
 

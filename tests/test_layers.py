@@ -153,6 +153,7 @@ KNOWN_PRIVATE = {
     for n in ("_dtype", "_make_rank", "_positive", "_send_recv_ticks", "_simulate_roles", "_with_layers", "_scope")
 } | {
     "torch_bridge/timing/train_step.py imports torch_bridge.timing.fake._FunctionMode",
+    "torch_bridge/timing/train_step.py imports torch_bridge.timing.parallel._linear",
 } | {
     "torch_bridge/timing/train_step.py imports torch_bridge.timing.estimate." + n
     for n in ("_scope", "_stage_model", "_torch_dtype_name")

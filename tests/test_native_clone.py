@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
-from trnsim import kernel as kernel_mod
+from trnsim.builder import deps as deps_mod
 from trnsim.isa import DmaCopy, Instruction, MatMul
-from trnsim.kernel import Kernel, _cloner, slot_names, stream_fingerprint
+from trnsim.builder.replay import _cloner
+from trnsim.kernel import Kernel, slot_names, stream_fingerprint
 from trnsim.kernels import get_kernel
 
 _clone = pytest.importorskip("trnsim.native._clone")
@@ -122,7 +123,7 @@ def test_streams_same_without_the_module(monkeypatch: pytest.MonkeyPatch, name: 
     """The C copies change nothing in the stream: the same kernel built with the Python paths."""
     entry = get_kernel(name)
     fast = entry.make(shape, entry.default_dtype, "trn2")
-    monkeypatch.setattr(kernel_mod, "_clone", None)
+    monkeypatch.setattr(deps_mod, "native_clone", None)  # every builder module reads it there
     slow = entry.make(shape, entry.default_dtype, "trn2")
     assert stream_fingerprint(fast) == stream_fingerprint(slow)
     assert getattr(fast, "replays", 0) == getattr(slow, "replays", 0)

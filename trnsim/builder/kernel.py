@@ -24,20 +24,16 @@ from __future__ import annotations
 
 import array
 import contextlib
-import functools
-import gc
 import itertools
-import os
 
 import numpy as np
 from typing import Any, Iterator, Sequence
 
-from ..config import ChipConfig, env_int, load_config
+from ..config import ChipConfig, load_config
 from ..isa import (
     AP,
     AP_MAX_SIZE,
     AP_MAX_STRIDE,
-    BITWISE_OPS,
     Activation,
     AffineSelect,
     Allocation,
@@ -75,915 +71,21 @@ from ..memory.dma import plan_dma, plan_indirect, plan_transpose
 from ..memory.hbm import check_capacity
 from ..memory.psum import PsumAllocator, check_matmul_dst
 from ..memory.sbuf import OnChipAllocator
-from ..native.dtypes import Dtype, get_dtype
-
-__all__ = ["Kernel", "TilePool", "ViewCache"]
-
-_ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": "Vector", "scalar": "Scalar",
-                 "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
-                 "sp": "Sync"}
-_MATMUL_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
-FP32_MIN = -3.4028234663852886e38  # the fill value range_select takes (float32 min)
-_MX_DTYPES = frozenset({"float8_e5m2_x4", "float8_e4m3fn_x4", "float4_e2m1fn_x4"})
-_COMPARE_OPS = frozenset({"equal", "not_equal", "greater", "greater_equal", "less", "less_equal"})
-#: Instructions one kernel may hold unless TRNSIM_MAX_INSTRUCTIONS says more. Each costs about a
-#: kilobyte of host memory, so a mistyped shape (a 100000^3 matmul) stops with a one-line error
-#: instead of filling the host; a 16384^3 bf16 matmul has ~0.7 million.
-MAX_INSTRUCTIONS = 2_000_000
-
-
-def max_instructions() -> int:
-    """The per-kernel instruction limit: ``TRNSIM_MAX_INSTRUCTIONS`` or :data:`MAX_INSTRUCTIONS`."""
-    return env_int("TRNSIM_MAX_INSTRUCTIONS", MAX_INSTRUCTIONS, 1, 10**12, "a whole number of instructions")
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a kernel is built or simulated.
-
-    Building and simulating allocate hundreds of thousands of small, acyclic objects
-    (instructions, views, accesses, events); every 700 of them the collector walks the young
-    generation and, regularly, all of them - about a fifth of the time on a 42,000-instruction
-    matmul. Reference counting still frees everything; cycles made meanwhile are collected when
-    the block ends. Nested uses and a collector the caller disabled are left as they were."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def checked_shape(shape: Any, what: str) -> tuple[int, ...]:
-    """A shape given by a user: a non-empty sequence of positive ints."""
-    if type(shape) is tuple and shape and all(type(n) is int and n > 0 for n in shape):
-        return shape  # already a shape: the common case, checked without copying
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise KernelError(f"{what}: shape must be a tuple of sizes like (128, 512), got {shape!r}")
-    out = tuple(shape)
-    if not out or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1 for n in out):
-        raise KernelError(f"{what}: shape {out} must be positive integers")
-    return tuple(int(n) for n in out)
-
-
-def checked_dtype(dtype: Any, what: str) -> Dtype:
-    try:
-        return get_dtype(dtype)
-    except ValueError as e:
-        raise KernelError(f"{what}: {e}") from None
-
-
-def checked_int(x: Any, what: str, lo: int | None = None) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or (lo is not None and x < lo):
-        bound = f" >= {lo}" if lo is not None else ""
-        raise KernelError(f"{what} must be an integer{bound}, got {x!r}")
-    return int(x)
-
-
-def checked_number(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise KernelError(f"{what} must be a number, got {x!r}")
-    return float(x)
-
-
-def engine_name(name: str, allowed: Sequence[str], what: str) -> str:
-    canon = _ENGINE_NAMES.get(str(name).lower(), str(name))
-    if canon not in allowed:
-        raise KernelError(f"{what}: engine {name!r} cannot run this instruction; expected one of "
-                          f"{', '.join(a.lower() for a in allowed)}")
-    return canon
-
-
-# ---------------------------------------------------------------------------------------------
-# Dependency tracking
-# ---------------------------------------------------------------------------------------------
-
-
-# One instruction's access to a region, as a plain tuple (built once per operand, so a tuple
-# rather than an object): (box, instruction index, engine/queue key). ``box`` is flat
-# (lo0, hi0, lo1, hi1, ...).
-_Access = tuple  # (tuple[int, ...], int, str)
-
-
-def _overlap(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    if len(a) != len(b):  # an exact box vs a flat span of the same tensor: compare flat spans
-        return a[-2] < b[-1] and b[-2] < a[-1]
-    for i in range(0, len(a), 2):
-        if a[i] >= b[i + 1] or b[i] >= a[i + 1]:
-            return False
-    return True
-
-
-def _covers(outer: tuple[int, ...], inner: tuple[int, ...]) -> bool:
-    if len(outer) != len(inner):
-        return False
-    for i in range(0, len(outer), 2):
-        if inner[i] < outer[i] or inner[i + 1] > outer[i + 1]:
-            return False
-    return True
-
-
-class _History:
-    """The accesses still pending on one buffer. ``tile``: every box is an on-chip
-    (p_lo, p_hi, byte_lo, byte_hi) box, so overlap checks take the 4-comparison fast path."""
-
-    __slots__ = ("writes", "reads", "tile")
-
-    def __init__(self, tile: bool = False) -> None:
-        self.writes: list[_Access] = []
-        self.reads: list[_Access] = []
-        self.tile = tile
-
-
-class _Grave:
-    __slots__ = ("box", "hist", "alive")
-
-    def __init__(self, box: tuple[int, ...], hist: _History):
-        self.box = box
-        self.hist = hist
-        self.alive = True
-
-
-_GRAVE_CHUNK = 2048  # bytes per graveyard index bucket
-_READ_PRUNE_WINDOW = 8  # how many recent reads a new read may replace (pruning is an optimisation)
-
-
-class DependencyTracker:
-    """Derives RAW/WAR/WAW edges from the memory each instruction reads and writes.
-
-    Each live SBUF/PSUM allocation and each HBM tensor has its own access history, so checks
-    stay local. On-chip boxes are (absolute partition range, absolute byte range): when a tile
-    is freed its history moves to a graveyard, and the next allocation placed over the same
-    bytes inherits it, so a new tile's first write still waits for the old tile's readers.
-    HBM boxes are the logical index box of a sliced view (exact) or the flat element span
-    (e.g. the (0, n) of a raw access pattern, compared by span).
-
-    An access pattern's box is computed once and kept on the view (views are immutable), and
-    on-chip boxes are compared inline (four integer comparisons) rather than through
-    :func:`_overlap`/:func:`_covers`: the same edges, a fraction of the cost per instruction.
-    """
-
-    def __init__(self) -> None:
-        self._hbm: dict[int, _History] = {}
-        self._live: dict[int, _History] = {}
-        # freed regions still holding pending accesses, indexed by address chunk
-        self._graveyard: dict[str, dict[int, list[_Grave]]] = {"sbuf": {}, "psum": {}}
-
-    @staticmethod
-    def _alloc_box(a: Allocation) -> tuple[int, ...]:
-        return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
-
-    @staticmethod
-    def _chunks(box: tuple[int, ...]) -> range:
-        return range(box[2] // _GRAVE_CHUNK, (box[3] - 1) // _GRAVE_CHUNK + 1)
-
-    def allocated(self, alloc: Allocation) -> None:
-        h = _History(tile=True)
-        box = self._alloc_box(alloc)
-        buckets = self._graveyard[alloc.space]
-        seen: set[int] = set()
-        for c in self._chunks(box):
-            bucket = buckets.get(c)
-            if not bucket:
-                continue
-            for g in bucket:
-                if not g.alive or id(g) in seen:
-                    continue
-                seen.add(id(g))
-                if _overlap(box, g.box):
-                    h.writes.extend(g.hist.writes)
-                    h.reads.extend(g.hist.reads)
-                    if _covers(box, g.box):
-                        g.alive = False  # the new tile's history now carries it
-            buckets[c] = [g for g in bucket if g.alive]
-        if len(seen) > 1:  # graves that overlap each other carry the same accesses: keep each once
-            h.writes = list({id(a): a for a in h.writes}.values())
-            h.reads = list({id(a): a for a in h.reads}.values())
-        self._live[alloc.uid] = h
-
-    def freed(self, alloc: Allocation) -> None:
-        h = self._live.pop(alloc.uid)
-        if h.writes or h.reads:
-            box = self._alloc_box(alloc)
-            g = _Grave(box, h)
-            buckets = self._graveyard[alloc.space]
-            for c in self._chunks(box):
-                buckets.setdefault(c, []).append(g)
-
-    def _resolve(self, ap: AP) -> tuple[_History, tuple[int, ...]]:
-        box = ap._dep_box
-        if isinstance(ap, TileAP):
-            if box is None:
-                lo, hi = ap.byte_span()
-                box = ap._dep_box = (ap.p_start, ap.p_start + ap.p_count, lo, hi)
-            return self._live[ap.alloc.uid], box
-        h = self._hbm.get(ap.tensor.uid)
-        if h is None:
-            h = self._hbm[ap.tensor.uid] = _History()
-        if box is None:
-            lo, hi = ap.span()
-            if ap.box is not None:  # the trailing flat span serves mixed comparisons
-                box = tuple(x for lohi in ap.box for x in lohi) + (lo, hi)
-            else:
-                box = (lo, hi)
-            ap._dep_box = box
-        return h, box
-
-    def raw_deps(self, ap: AP) -> tuple[int, ...]:
-        """The writers an access to ``ap`` must wait for (read-after-write only)."""
-        h, box = self._resolve(ap)
-        return tuple(sorted({w[1] for w in h.writes if _overlap(w[0], box)}))
-
-    def record(self, ins: Instruction, key: str, first: AP | None = None) -> tuple[int, ...]:
-        """Record ``ins``'s accesses; return the instructions it must wait for. With ``first``
-        (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
-        deps: set[int] = set()
-        add = deps.add
-        idx = ins.index
-        dma = ins.is_dma
-        new_reads: list[tuple[_History, tuple[int, ...]]] = []
-        resolve = self._resolve
-        for ap in ins.reads:
-            h, box = resolve(ap)
-            if ap is first:
-                ins.first_deps = tuple(sorted({w[1] for w in h.writes if _overlap(w[0], box)}))
-                first = None
-            if h.tile:
-                p0, p1, b0, b1 = box
-                for w in h.writes:
-                    o = w[0]
-                    if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
-                        add(w[1])
-            else:
-                for w in h.writes:
-                    if _overlap(w[0], box):
-                        add(w[1])
-            new_reads.append((h, box))
-        for ap in ins.writes:
-            h, box = resolve(ap)
-            if h.tile:
-                p0, p1, b0, b1 = box
-                keep = []
-                for w in h.writes:
-                    o = w[0]
-                    if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
-                        add(w[1])
-                        if not (p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1):
-                            keep.append(w)
-                    else:
-                        keep.append(w)
-                keep.append((box, idx, key))
-                h.writes = keep
-                if h.reads:
-                    keep = []
-                    for r in h.reads:
-                        o = r[0]
-                        if o[0] < p1 and p0 < o[1] and o[2] < b1 and b0 < o[3]:
-                            # a compute engine's own earlier reads are done before it issues this
-                            # write (in order); a DMA queue only orders completions, so its reads
-                            # still need an edge
-                            if r[2] != key or dma:
-                                add(r[1])
-                            if not (p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1):
-                                keep.append(r)
-                        else:
-                            keep.append(r)
-                    h.reads = keep
-                continue
-            for w in h.writes:
-                if _overlap(w[0], box):
-                    add(w[1])
-            for r in h.reads:
-                if (r[2] != key or dma) and _overlap(r[0], box):
-                    add(r[1])
-            h.writes = [w for w in h.writes if not _covers(box, w[0])]
-            h.writes.append((box, idx, key))
-            if h.reads:
-                h.reads = [r for r in h.reads if not _covers(box, r[0])]
-        for h, box in new_reads:
-            reads = h.reads
-            n = len(reads)
-            if h.tile:
-                p0, p1, b0, b1 = box
-                for j in range(n - 1, max(-1, n - 1 - _READ_PRUNE_WINDOW), -1):
-                    r = reads[j]
-                    o = r[0]
-                    if r[2] == key and p0 <= o[0] and o[1] <= p1 and b0 <= o[2] and o[3] <= b1:
-                        del reads[j]
-            else:
-                for j in range(n - 1, max(-1, n - 1 - _READ_PRUNE_WINDOW), -1):
-                    r = reads[j]
-                    if r[2] == key and _covers(box, r[0]):
-                        del reads[j]
-            reads.append((box, idx, key))
-        if first is not None:  # not among the reads (never for TensorE's operands)
-            ins.first_deps = self.raw_deps(first)
-        deps.discard(idx)
-        return tuple(sorted(deps))
-
-
-try:  # the same tracker in C (trnsim/native/deptrack.c), built by setup.py beside the datapath
-    from ..native import _deptrack  # type: ignore[attr-defined]
-except ImportError:  # not built: the Python tracker does the same work, slower
-    _deptrack = None
-try:  # instruction copies and dependency tuples in C (trnsim/native/clone.c), built by setup.py too
-    from ..native import _clone  # type: ignore[attr-defined]
-except ImportError:  # not built: the same copies and tuples made in Python, slower
-    _clone = None
-
-
-_UNLOGGED = object()  # a record whose first_deps the C edge log does not have (equal to no tuple)
-_LOG_FIRST = getattr(_deptrack.lib, "dt_log_first", None) if _deptrack is not None else None
-
-
-def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
-    """The dependency box of an HBM view, as :meth:`DependencyTracker._resolve` makes it."""
-    box = ap._dep_box
-    if box is None:
-        lo, hi = ap.span()
-        if ap.box is not None:
-            box = tuple(x for lohi in ap.box for x in lohi) + (lo, hi)
-        else:
-            box = (lo, hi)
-        ap._dep_box = box
-    return box
-
-
-class NativeDependencyTracker:
-    """:class:`DependencyTracker` with its histories, boxes and scans in C (``_deptrack``).
-
-    The same algorithm access for access (``tests/test_build_equivalence.py`` compares the two
-    on every library kernel), so the same edges in the same order; Python keeps only the maps
-    from allocations and tensors to history ids and, on each view, the id of its region (made
-    once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
-
-    __slots__ = ("_t", "_lib", "_unpack", "_live", "_hbm", "_keys", "_out", "_out2", "_gen", "_g", "_dlog", "_flog",
-                 "__weakref__")
-
-    def __init__(self) -> None:
-        assert _deptrack is not None
-        lib, ffi = _deptrack.lib, _deptrack.ffi
-        t = lib.dt_new()
-        if t == ffi.NULL:
-            raise MemoryError("dependency tracker: out of memory")
-        self._t = ffi.gc(t, lib.dt_free)
-        self._lib = lib
-        self._unpack = ffi.unpack
-        self._live: dict[int, int] = {}  # allocation uid -> history id
-        self._hbm: dict[int, int] = {}  # HBM tensor uid -> history id
-        self._keys: dict[str, int] = {}  # engine / queue key -> small int
-        self._out = lib.dt_out(self._t)
-        self._out2 = self._out + 2  # where a record without `first` puts its edges
-        self._gen = lib.dt_outgen(self._t)
-        self._g = self._gen[0]
-        # the tuples each record returned / set, in record order; the C side logs their ints
-        # (dt_log_*): the simulator takes those arrays when the instructions still carry
-        # exactly these tuples (trnsim.sim._logged_edges)
-        self._dlog: list[Any] = []
-        self._flog: list[Any] = []
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A kernel pickles with its tracker: the C state as bytes (views drop their region ids,
-        and register again with the unpickled tracker)."""
-        assert _deptrack is not None
-        ffi = _deptrack.ffi
-        n = self._lib.dt_dump(self._t, ffi.NULL, 0)
-        buf = ffi.new("int64_t[]", n)
-        self._lib.dt_dump(self._t, buf, n)
-        return {"c": bytes(ffi.buffer(buf)), "live": self._live, "hbm": self._hbm, "keys": self._keys}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-        assert _deptrack is not None
-        raw = state["c"]
-        buf = _deptrack.ffi.from_buffer("int64_t[]", raw)
-        if self._lib.dt_load(self._t, buf, len(raw) // 8) != 0:
-            raise ValueError("dependency tracker: the pickled state is not a tracker's")
-        self._live, self._hbm, self._keys = dict(state["live"]), dict(state["hbm"]), dict(state["keys"])
-
-    @staticmethod
-    def _alloc_box(a: Allocation) -> tuple[int, int, int, int]:
-        return (a.p_start, a.p_start + a.p_count, a.addr, a.addr + max(a.nbytes, 1))
-
-    def allocated(self, alloc: Allocation) -> None:
-        hid = self._lib.dt_history(self._t, 1, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc))
-        if hid < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        self._live[alloc.uid] = hid
-
-    def freed(self, alloc: Allocation) -> None:
-        hid = self._live.pop(alloc.uid)
-        if self._lib.dt_freed(self._t, hid, 0 if alloc.space == "sbuf" else 1, *self._alloc_box(alloc)) < 0:
-            raise MemoryError("dependency tracker: out of memory")
-
-    def _region(self, ap: AP) -> int:
-        """The C region of ``ap`` (its history and box), made once and kept on the view."""
-        if isinstance(ap, TileAP):
-            hid = self._live[ap.alloc.uid]
-            lo, hi = ap.byte_span()
-            r = self._lib.dt_region4(self._t, hid, ap.p_start, ap.p_start + ap.p_count, lo, hi)
-        else:
-            hid = self._hbm.get(ap.tensor.uid)
-            if hid is None:
-                hid = self._hbm[ap.tensor.uid] = self._lib.dt_history(self._t, 0, 0, 0, 0, 0, 0)
-            box = _hbm_box(ap)
-            r = self._lib.dt_region(self._t, hid, box, len(box))
-        if r < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        ap._dep_h = (self, r)
-        return r
-
-    def _key(self, key: str) -> int:
-        """A new engine / queue key's small int."""
-        kid = self._keys[key] = len(self._keys)
-        return kid
-
-    def _results(self, n: int) -> list[int]:
-        """The ``n`` ints a C call left in its output buffer (which may have moved)."""
-        if n < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        if self._gen[0] != self._g:  # the C output buffer grew (moved)
-            self._out = self._lib.dt_out(self._t)
-            self._out2 = self._out + 2
-            self._g = self._gen[0]
-        return self._unpack(self._out, n)
-
-    def _raw(self, n: int) -> Any:
-        """The ``n`` ints of :meth:`_results` as a buffer over the C output (int32), valid
-        until the next C call: what ``_clone`` reads them from."""
-        if n < 0:
-            raise MemoryError("dependency tracker: out of memory")
-        if self._gen[0] != self._g:
-            self._out = self._lib.dt_out(self._t)
-            self._out2 = self._out + 2
-            self._g = self._gen[0]
-        return _deptrack.ffi.buffer(self._out, 4 * n)  # type: ignore[union-attr]
-
-    def _edges(self, n: int) -> tuple[int, ...]:
-        """The edges a record without ``first`` left in the output buffer (``n`` ints in all:
-        -1, the count, the edges), noted in the log as :meth:`record` notes them."""
-        if n <= 2:
-            if n < 0:
-                raise MemoryError("dependency tracker: out of memory")
-            self._dlog.append(())
-            self._flog.append(None)
-            return ()
-        if self._gen[0] != self._g:  # the C output buffer grew (moved)
-            self._out = self._lib.dt_out(self._t)
-            self._out2 = self._out + 2
-            self._g = self._gen[0]
-        deps = tuple(self._unpack(self._out2, n - 2))
-        self._dlog.append(deps)
-        self._flog.append(None)
-        return deps
-
-    def logged_edges(self) -> tuple[list[Any], list[Any], tuple[np.ndarray, ...]] | None:
-        """Every record so far, when they were instructions 0, 1, 2... in order: the deps and
-        first_deps tuples they returned / set, and their ints as the simulator's columns
-        (dep_off, deps, has_first, first_off, first); None when not."""
-        lib, ffi = self._lib, _deptrack.ffi
-        sizes = ffi.new("int64_t[3]")
-        if not hasattr(lib, "dt_log_size"):  # a _deptrack built before the log: read the objects
-            return None
-        if lib.dt_log_size(self._t, sizes) != 0 or sizes[0] != len(self._dlog):
-            return None
-        n, nd, nf = sizes[0], sizes[1], sizes[2]
-        cols = (np.empty(n + 1, np.int64), np.empty(max(nd, 1), np.int32), np.empty(max(n, 1), np.int8),
-                np.empty(n + 1, np.int64), np.empty(max(nf, 1), np.int32))
-        lib.dt_log_columns(self._t, *(ffi.from_buffer(t + "[]", c) for t, c in
-                                      zip(("int64_t", "int32_t", "int8_t", "int64_t", "int32_t"), cols)))
-        dep_off, deps, has_first, first_off, first = cols
-        return self._dlog, self._flog, (dep_off, deps[:nd], has_first[:n], first_off, first[:nf])
-
-    def raw_deps(self, ap: AP) -> tuple[int, ...]:
-        """The writers an access to ``ap`` must wait for (read-after-write only)."""
-        d = ap._dep_h
-        r = d[1] if d is not None and d[0] is self else self._region(ap)
-        return tuple(self._results(self._lib.dt_raw_deps(self._t, r)))
-
-    def record(self, ins: Instruction, key: str, first: AP | None = None) -> tuple[int, ...]:
-        """Record ``ins``'s accesses; return the instructions it must wait for. With ``first``
-        (one of its reads), also set ``ins.first_deps`` to what :meth:`raw_deps` of it would be."""
-        kid = self._keys.get(key)
-        if kid is None:
-            kid = self._key(key)
-        reads, writes = ins.reads, ins.writes
-        nr, nw = len(reads), len(writes)
-        if first is None and 0 < nr <= 3 and (nw == 1 or (nw == 2 and nr == 2)):
-            # the generic engine instructions: a short call per shape (regions made reads first,
-            # as below)
-            ap = reads[0]
-            d = ap._dep_h
-            r0 = d[1] if d is not None and d[0] is self else self._region(ap)
-            if nr > 1:
-                ap = reads[1]
-                d = ap._dep_h
-                r1 = d[1] if d is not None and d[0] is self else self._region(ap)
-                if nr > 2:
-                    ap = reads[2]
-                    d = ap._dep_h
-                    r2 = d[1] if d is not None and d[0] is self else self._region(ap)
-            ap = writes[0]
-            d = ap._dep_h
-            w0 = d[1] if d is not None and d[0] is self else self._region(ap)
-            lib = self._lib
-            if nw == 2:
-                ap = writes[1]
-                d = ap._dep_h
-                w1 = d[1] if d is not None and d[0] is self else self._region(ap)
-                return self._edges(lib.dt_record22(self._t, ins.index, kid, ins.is_dma, r0, r1, w0, w1))
-            if nr == 1:
-                return self._edges(lib.dt_record11(self._t, ins.index, kid, ins.is_dma, r0, w0))
-            if nr == 2:
-                return self._edges(lib.dt_record21(self._t, ins.index, kid, ins.is_dma, r0, r1, w0))
-            return self._edges(lib.dt_record31(self._t, ins.index, kid, ins.is_dma, r0, r1, r2, w0))
-        rs = []
-        for ap in ins.reads:
-            d = ap._dep_h
-            rs.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        ws = []
-        for ap in ins.writes:
-            d = ap._dep_h
-            ws.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        fpos = -1
-        if first is not None:
-            for i, ap in enumerate(ins.reads):
-                if ap is first:
-                    fpos = i
-                    break
-        nr, nw = len(rs), len(ws)
-        if nr == 1 and nw == 1 and fpos < 0:  # a DMA, a copy: the short call
-            n = self._lib.dt_record11(self._t, ins.index, kid, ins.is_dma, rs[0], ws[0])
-        elif nr > 6 or nw > 2:
-            n = self._lib.dt_record(self._t, ins.index, kid, ins.is_dma, rs, nr, ws, nw, fpos)
-        else:
-            rs.extend((0, 0, 0, 0, 0, 0))
-            ws.extend((0, 0))
-            n = self._lib.dt_record6(self._t, ins.index, kid, ins.is_dma, nr, rs[0], rs[1], rs[2], rs[3], rs[4],
-                                     rs[5], nw, ws[0], ws[1], fpos)
-        vals = self._results(n)  # [nfirst, ndeps, first..., deps...]
-        if vals[0] >= 0:
-            return self._with_first(ins, vals)
-        deps = tuple(vals[2:])
-        self._dlog.append(deps)
-        if first is not None:  # not among the reads (an operand view that is not one of them)
-            fd = ins.first_deps = self.raw_deps(first)
-            if _LOG_FIRST is not None and _LOG_FIRST(self._t, len(fd)) == 0:  # raw_deps' ints, still in dt_out
-                self._flog.append(fd)
-            else:
-                self._flog.append(_UNLOGGED)  # the C log has no first deps for it: never taken
-        else:
-            self._flog.append(None)
-        return deps
-
-    def _tensor_kid(self) -> int:
-        kid = self._keys.get("Tensor")
-        return kid if kid is not None else self._key("Tensor")
-
-    def _with_first(self, ins: Instruction, vals: list[int]) -> tuple[int, ...]:
-        """A record's results ``[nfirst, ndeps, first..., deps...]`` with first deps: set
-        ``ins.first_deps``, note both in the log (:meth:`logged_edges`), return the deps."""
-        nf = vals[0]
-        fd = ins.first_deps = tuple(vals[2:2 + nf])
-        deps = tuple(vals[2 + nf:])
-        self._dlog.append(deps)
-        self._flog.append(fd)
-        return deps
-
-    def record_matmul(self, ins: Instruction, st: AP, mv: AP, dst: AP, acc: bool) -> tuple[int, ...]:
-        """:meth:`record` of a matmul (reads ``st, mv`` and, accumulating, ``dst``; writes
-        ``dst``; ``first`` = ``st``), without the generic argument handling."""
-        d = st._dep_h
-        rs = d[1] if d is not None and d[0] is self else self._region(st)
-        d = mv._dep_h
-        rm = d[1] if d is not None and d[0] is self else self._region(mv)
-        d = dst._dep_h
-        rd = d[1] if d is not None and d[0] is self else self._region(dst)
-        kid = self._tensor_kid()
-        n = self._lib.dt_record6(self._t, ins.index, kid, 0, 3 if acc else 2, rs, rm, rd, 0, 0, 0, 1, rd, 0, 0)
-        vals = self._results(n)
-        return self._with_first(ins, vals)
-
-    def record_transpose(self, ins: Instruction, data: AP, dst: AP) -> tuple[int, ...]:
-        """:meth:`record` of a PE transpose (reads ``data``, writes ``dst``; ``first`` = ``data``)."""
-        d = data._dep_h
-        r = d[1] if d is not None and d[0] is self else self._region(data)
-        d = dst._dep_h
-        w = d[1] if d is not None and d[0] is self else self._region(dst)
-        kid = self._tensor_kid()
-        vals = self._results(self._lib.dt_record_first11(self._t, ins.index, kid, r, w))
-        return self._with_first(ins, vals)
-
-    def record_transposes(self, ins: Sequence[Transpose]) -> None:
-        """:meth:`record_transpose` of consecutive transposes (indices ``ins[0].index`` on) in one
-        C call; sets each one's ``deps`` and ``first_deps``."""
-        data, dst = [], []
-        for m in ins:
-            for ap, out in ((m.data, data), (m.dst, dst)):
-                d = ap._dep_h
-                out.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        kid = self._tensor_kid()
-        self._spread(ins, self._lib.dt_record_transposes(self._t, ins[0].index, kid, len(ins), data, dst))
-
-    def record_matmuls(self, ins: Sequence[MatMul]) -> None:
-        """:meth:`record_matmul` of consecutive matmuls (indices ``ins[0].index`` on) in one C
-        call; sets each one's ``deps`` and ``first_deps``."""
-        st, mv, dst = [], [], []
-        for m in ins:
-            for ap, out in ((m.stationary, st), (m.moving, mv), (m.dst, dst)):
-                d = ap._dep_h
-                out.append(d[1] if d is not None and d[0] is self else self._region(ap))
-        kid = self._tensor_kid()
-        self._spread(ins, self._lib.dt_record_matmuls(self._t, ins[0].index, kid, len(ins), st, mv, dst,
-                                                      [1 if m.accumulate else 0 for m in ins]))
-
-    def _spread(self, ins: Sequence[Instruction], n: int) -> None:
-        """Set each instruction's ``first_deps`` and ``deps`` from a batched record's ``n``
-        results, laid out one after the other as ``[nfirst, ndeps, first..., deps...]``, and
-        note them in the log (:meth:`logged_edges`)."""
-        if _clone is not None and type(ins) is list:
-            _clone.spread(ins, self._raw(n), self._dlog, self._flog)
-            return
-        vals = self._results(n)
-        p = 0
-        dlog, flog = self._dlog.append, self._flog.append
-        for m in ins:
-            nf, nd = vals[p], vals[p + 1]
-            p += 2
-            fd = m.first_deps = tuple(vals[p:p + nf])
-            p += nf
-            deps = m.deps = tuple(vals[p:p + nd])
-            p += nd
-            dlog(deps)
-            flog(fd)
-
-    def region(self, ap: AP) -> int:
-        """The C region id of ``ap`` (registered on first use, as :meth:`record` does)."""
-        d = ap._dep_h
-        return d[1] if d is not None and d[0] is self else self._region(ap)
-
-    def _record_many(self, idx0: int, n: int, spec: Any) -> int:
-        buf = _deptrack.ffi.from_buffer("int32_t[]", spec)  # type: ignore[union-attr]
-        return self._lib.dt_record_many(self._t, idx0, n, buf, len(spec))
-
-    def record_many_raw(self, idx0: int, n: int, spec: Any) -> Any:
-        """:meth:`record_many`'s results as :meth:`_raw` gives them (what ``_clone.replay`` reads)."""
-        return self._raw(self._record_many(idx0, n, spec))
-
-    def record_many(self, idx0: int, n: int, spec: Any) -> list[int]:
-        """:meth:`record` of ``n`` consecutive instructions (indices ``idx0`` on) in one C call:
-        ``spec`` (an int32 buffer) holds, per instruction, ``[key, dma, first, nr, reads..., nw,
-        writes...]`` as region ids. Returns ``2n+1`` offsets, then the values: instruction i's
-        ``first_deps`` are ``values[off[2i]:off[2i+1]]`` (none without a first operand), its
-        ``deps`` ``values[off[2i+1]:off[2i+2]]``."""
-        return self._results(self._record_many(idx0, n, spec))
-
-    def log_recorded(self, ins: Sequence[Instruction]) -> None:
-        """Note the ``deps``/``first_deps`` tuples that the caller of :meth:`record_many` gave
-        ``ins`` (made from its results; the C log already has their ints), so that
-        :meth:`logged_edges` still covers every instruction."""
-        self._dlog.extend([x.deps for x in ins])
-        self._flog.extend([x.first_deps for x in ins])
-
-
-_REFERENCE_BUILDS = 0  # > 0 inside reference_build()
-
-
-@contextlib.contextmanager
-def reference_build() -> Iterator[None]:
-    """Kernels made inside the block are built the reference way: the Python dependency tracker
-    and no batched fast paths (the library kernels emit one instruction at a time). The
-    instruction stream is the same (``tests/test_build_equivalence.py`` checks it); this is
-    what that test and ``benchmarks/bench_kernels.py`` compare the fast build against."""
-    global _REFERENCE_BUILDS
-    _REFERENCE_BUILDS += 1
-    try:
-        yield
-    finally:
-        _REFERENCE_BUILDS -= 1
-
-
-def new_tracker(reference: bool = False) -> DependencyTracker | NativeDependencyTracker:
-    """The C tracker when it is built, unless ``reference`` or ``TRNSIM_NATIVE=0`` asks for the
-    Python one (the two give the same edges)."""
-    if reference or _deptrack is None or os.environ.get("TRNSIM_NATIVE", "").strip() == "0":
-        return DependencyTracker()
-    return NativeDependencyTracker()
-
-
-def _fingerprint_operand(x: Any) -> Any:
-    if isinstance(x, TileAP):
-        a = x.alloc
-        return ("tile", a.space, a.uid, a.addr, a.nbytes, x.p_start, x.p_count, x.offset, x.dims, x.dtype.name)
-    if isinstance(x, HbmAP):
-        return ("hbm", x.tensor.name, x.offset, x.dims, x.box)
-    if isinstance(x, tuple):
-        return tuple(_fingerprint_operand(y) for y in x)
-    return x
-
-
-@functools.cache
-def slot_names(cls: type) -> tuple[str, ...]:
-    """Every slot of an instruction class: its classes' ``__slots__``, base class first, the
-    weak-reference list left out (what :func:`stream_fingerprint` reads and :func:`_cloner` copies)."""
-    return tuple(n for c in reversed(cls.__mro__) for n in getattr(c, "__slots__", ()) if n != "__weakref__")
-
-
-def stream_fingerprint(kern: "Kernel") -> list[tuple[Any, ...]]:
-    """Everything the simulator, the values path and the reports read of each instruction:
-    its type, opcode and every slot (index, engine, operands as memory and geometry, deps,
-    first_deps, load_stationary, DMA plan, ...). Two builds of a kernel made the same stream
-    when their fingerprints are equal (how fast builds are checked against the reference)."""
-    out = []
-    for ins in kern.instructions:
-        cls = type(ins)
-        out.append((cls.__name__, ins.opcode, ins.describe())
-                   + tuple((n, _fingerprint_operand(getattr(ins, n, None))) for n in slot_names(cls)))
-    return out
-
-
-class ViewCache:
-    """Operand views a kernel builder slices again and again, made once per kernel: ``get(key,
-    make)`` is ``make()``: slices (or lists of them) of the views in ``key`` that its ints name
-    (the caller keeps one meaning per key shape). Views are immutable and a :class:`TilePool`
-    hands out the same view for the same request, so a cached slice is the one slicing again
-    would make; a new allocation comes as a new view, hence a new key. In a
-    :func:`reference_build` every view is made afresh (so the equivalence test checks the cache
-    too)."""
-
-    __slots__ = ("_views",)
-
-    def __init__(self, kern: "Kernel"):
-        self._views: dict[tuple[Any, ...], Any] | None = None if kern.reference else {}
-
-    def get(self, key: tuple[Any, ...], make: Any) -> Any:
-        views = self._views
-        if views is None:
-            return make()
-        v = views.get(key)
-        if v is None:
-            v = views[key] = make()
-        return v
-
-
-# ---------------------------------------------------------------------------------------------
-# Tile pools
-# ---------------------------------------------------------------------------------------------
-
-
-class TilePool:
-    """``bufs`` rotating buffers: ``pool.tile(shape, dtype)`` returns the next one.
-
-    ``bufs=1`` makes every iteration wait for the previous one to finish with the buffer
-    (single buffering); ``bufs=2`` lets a DMA fill one buffer while compute reads the other.
-    """
-
-    def __init__(self, kernel: "Kernel", name: str, bufs: int, space: str):
-        bufs = checked_int(bufs, f"tile pool '{name}': bufs", lo=1)
-        self.kernel = kernel
-        self.name = name
-        self.bufs = bufs
-        self.space = space
-        self._slots: list[TileAP | None] = [None] * bufs
-        # the (shape, dtype) each slot's view was asked for: asked again (the same dtype object,
-        # an equal shape of ints), the same view serves (views are immutable, so its geometry
-        # number and dependency region stay valid); None in a reference build
-        self._asked: list[tuple[Any, Any] | None] = [None] * bufs
-        # (shape, dtype) as asked -> (shape, Dtype, bytes per partition, free dims), checked once
-        self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
-        self._reuse = not kernel.reference  # a reference build makes every view afresh
-        self._next = 0
-
-    def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
-        i = self._next
-        self._next = i + 1 if i + 1 < self.bufs else 0
-        old = self._slots[i]
-        if old is not None and type(shape) is tuple:
-            asked = self._asked[i]
-            if asked is not None and asked[1] is dtype:
-                for n in shape:  # plain ints only: 128.0 or True would compare equal to 128 or 1
-                    if type(n) is not int:
-                        break
-                else:
-                    if asked[0] == shape:
-                        # what the general path would make: a view of the whole old allocation
-                        # with the same partitions, dims and dtype, i.e. ``old`` itself
-                        return old
-        ask = c = None
-        if type(shape) is tuple:
-            for n in shape:
-                if type(n) is not int:
-                    break
-            else:
-                # a Dtype by identity (hashing the frozen dataclass hashes all its fields; the
-                # cached entry holds it, so its id stays its own), names and the rest as they are
-                ask = (shape, Dtype, id(dtype)) if type(dtype) is Dtype else (shape, dtype)
-                try:
-                    c = self._checked.get(ask)
-                except TypeError:  # an unhashable dtype: checked (and refused) below
-                    ask = None
-        if c is None:
-            what = f"tile pool '{self.name}'"
-            dt = checked_dtype(dtype, what)
-            shape = checked_shape(shape, what)
-            c = (shape, dt, _free_elems(shape) * dt.itemsize, row_major(shape[1:] or (1,)))
-            if ask is not None:
-                self._checked[ask] = c
-        asked_now = (shape, dtype) if ask is not None and self._reuse else None  # (shape as asked: all ints)
-        shape, dt, nbytes, dims = c
-        if old is not None and old.alloc.nbytes >= nbytes and old.p_count == shape[0]:
-            a = old.alloc
-            t = TileAP(a, a.p_start, shape[0], 0, dims, dt)
-        else:
-            if old is not None:
-                self.kernel._release(old)
-            t = self.kernel._allocate(self.space, shape, dt, name or f"{self.name}[{i}]", 0, scoped=False)
-        self._slots[i] = t
-        self._asked[i] = asked_now
-        return t
-
-    def release(self) -> None:
-        for t in self._slots:
-            if t is not None and t.alloc.live:
-                self.kernel._release(t)
-        self._slots = [None] * self.bufs
-        self._asked = [None] * self.bufs
-
-
-class Replay:
-    """A run of instructions a kernel emitted, to emit again with other HBM views on some DMAs'
-    HBM side (:meth:`Kernel.replay_template`, :meth:`Kernel.replay`): the instructions, their
-    accesses as the tracker's region ids (``[key, dma, first, nr, reads..., nw, writes...]``
-    each), the replaced sides ``(position, src?, index in spec)``, every tile allocation they
-    touch; what decides their LoadStationary flags (the allocations written before the first
-    matmul, its stationary's key and whether it loaded it) and the loaded stationary after them;
-    the tile operands a replay replaces, if any (``tile_sides``: a block of another buffer, read
-    the same way)."""
-
-    __slots__ = ("ins", "spec", "sides", "allocs", "unloads", "first_key", "first_loads", "loaded_after", "cloners",
-                 "firsts", "tile_sides")
-
-    def __init__(self, ins: list[Instruction], spec: "array.array[int]", sides: list[tuple[int, bool, int]],
-                 allocs: tuple[Allocation, ...], unloads: frozenset[int], first_key: tuple[Any, ...],
-                 first_loads: bool, loaded_after: tuple[Any, ...] | None,
-                 tile_sides: list[tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]]) -> None:
-        self.ins, self.spec, self.sides, self.allocs = ins, spec, sides, allocs
-        self.unloads, self.first_key, self.first_loads, self.loaded_after = unloads, first_key, first_loads, loaded_after
-        # tile operands to replace (replay_template's ``tiles``): (position, slot names holding
-        # the view, its indices in reads, its indices in the spec)
-        self.tile_sides = tile_sides
-        # matmuls and PE transposes have a first operand (stationary / data): their first_deps.
-        # The copies are made in C (_clone.replay) when every class is one it can copy, else by
-        # the generated Python cloners
-        self.firsts: bytes | None = bytes(type(x) in _FIRST_OPERAND for x in ins) if _clone is not None else None
-        if self.firsts is not None:
-            try:
-                for cls in {type(x) for x in ins}:
-                    _clone.layout(cls)
-            except TypeError:
-                self.firsts = None
-        self.cloners = None if self.firsts is not None else [_cloner(type(x), type(x) in _FIRST_OPERAND) for x in ins]
-
-
-def _stationary_key(s: TileAP) -> tuple[Any, ...]:
-    """What the builder compares to know a matmul's stationary is still loaded (``_loaded_stationary``)."""
-    return (s.alloc.uid, s.p_start, s.p_count, s.offset, s.dims, s.dtype.name)
-
-
-_CLONERS: dict[tuple[type, bool], Any] = {}
-_FIRST_OPERAND = (MatMul, Transpose)  # the instructions the tracker records with a first operand (reads[0])
-# VectorE / ScalarE / GpSimd instructions a template may hold: every operand a tile (reads and
-# writes), recorded under their engine's key without a first operand, no other state read
-_REPLAYABLE_OPS = frozenset((TensorCopy, Activation, TensorScalar, TensorTensor, TensorReduce, AffineSelect))
-
-
-def _cloner(cls: type, first: bool) -> Any:
-    """``clone(x, index, deps, first_deps)``: a copy of ``x`` (an instance of ``cls``, every
-    slot shallow) with those fields replaced (``first_deps`` None unless ``first``: the tracker
-    gave the instruction no first operand); one generated function per class, as copying a
-    slotted object attribute by attribute in a loop costs several times more."""
-    f = _CLONERS.get((cls, first))
-    if f is None:
-        names = [n for n in slot_names(cls) if n not in ("index", "deps", "first_deps")]
-        body = "".join(f"\n    y.{n} = x.{n}" for n in names)
-        ns: dict[str, Any] = {"new": object.__new__, "C": cls}
-        exec(f"def clone(x, i, d, f):\n    y = new(C)\n    y.index = i\n    y.deps = d\n    "
-             f"y.first_deps = {'f' if first else 'None'}{body}\n    return y", ns)
-        f = _CLONERS[(cls, first)] = ns["clone"]
-    return f
-
-
-def _free_elems(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape[1:]:
-        n *= s
-    return n
-
-
-def tile_view(alloc: Allocation, shape: tuple[int, ...], dt: Dtype) -> TileAP:
-    return TileAP(alloc, alloc.p_start, shape[0], 0, row_major(shape[1:] or (1,)), dt)
+from ..native.dtypes import Dtype
+from . import deps
+from .deps import DependencyTracker, NativeDependencyTracker, in_reference_build, new_tracker, reference_build
+from .pool import TilePool
+from .replay import (FIRST_OPERAND_OPS, REPLAYABLE_OPS, Replay, ViewCache, free_elems, slot_names, stationary_key,
+                     stream_fingerprint, tile_view)
+from .rules import (ENGINE_NAMES, FP32_MIN, MX_DTYPES, TENSORE_DTYPES, arith_op, check_alignment, check_per_partition,
+                    check_same_shape, checked_dtype, checked_int, checked_number, checked_shape, core_generation,
+                    engine_name, gc_paused, max_instructions, reduce_op_checked)
+
+# the builder's face: kernels, the NKI front end and tools import these from here; each is
+# defined in its own module of trnsim.builder (rules, deps, replay, pool)
+__all__ = ["Kernel", "TilePool", "ViewCache", "DependencyTracker", "NativeDependencyTracker", "reference_build",
+           "stream_fingerprint", "Replay", "gc_paused", "checked_shape", "checked_dtype", "checked_int", "checked_number",
+           "max_instructions", "core_generation", "tile_view", "FP32_MIN"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1007,7 +109,7 @@ class Kernel:
         self._psum = PsumAllocator(self.config, uids)
         self._allocs: dict[int, Allocation] = {}  # uid -> every allocation of this kernel, live or freed
         #: built the reference way (see :func:`reference_build`): no batched fast paths
-        self.reference = _REFERENCE_BUILDS > 0
+        self.reference = in_reference_build()
         self._deps = new_tracker(self.reference)
         self._scopes: list[list[TileAP]] = []
         self._loaded_stationary: tuple[Any, ...] | None = None
@@ -1072,7 +174,7 @@ class Kernel:
         if len(shape) > 5:
             raise KernelError(f"{space.upper()} tile '{name}': at most 4 free dimensions, got shape {shape}")
         alloc_ = self._sbuf if space == "sbuf" else self._psum
-        nbytes = _free_elems(shape) * dt.itemsize
+        nbytes = free_elems(shape) * dt.itemsize
         alloc = alloc_.allocate(name, partition_offset, shape[0], nbytes)
         self._allocs[alloc.uid] = alloc
         self._deps.allocated(alloc)
@@ -1283,7 +385,7 @@ class Kernel:
             raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
         if engine == "GpSimd" and ap.space == "psum":
             raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
-        _check_alignment(ap, what)
+        check_alignment(ap, what)
         for stride, size in ap.dims:
             if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
                 raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
@@ -1389,7 +491,7 @@ class Kernel:
         if indices.p_count != tile.p_count or indices.free_size != 1:
             raise KernelError(f"{what}: indices '{indices.name}' must be [{tile.p_count}, 1] (one row index per "
                               f"partition of '{tile.name}'), got {indices.shape}")
-        eng = _ENGINE_NAMES.get(str(engine).lower(), str(engine))
+        eng = ENGINE_NAMES.get(str(engine).lower(), str(engine))
         if eng != "GpSimd":
             raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only gpsimd "
                               f"(software DGE) can (datasheet §6)")
@@ -1512,7 +614,7 @@ class Kernel:
         """The instructions from ``i0`` to the end, as a :class:`Replay` (None when they are not
         replayable: a reference build, the Python tracker, no matmul, an instruction other than
         a DMA copy, a matmul, a PE transpose or one of the tile-only engine ops of
-        ``_REPLAYABLE_OPS``, an HBM operand other than the HBM side of the DMAs at positions
+        ``REPLAYABLE_OPS``, an HBM operand other than the HBM side of the DMAs at positions
         ``hbm``). ``tiles``: (position, view) of tile operands that :meth:`replay` replaces
         (``tiles=`` there, in this order): each must be read, not as a matmul's stationary or a
         transpose's data, and not written by its instruction. ``end``: (index, loaded stationary
@@ -1541,11 +643,11 @@ class Kernel:
                 key, first = x.engine, 0
                 if x.reads[0] is not x.data or x.first_deps is None:
                     return None
-            elif cls in _REPLAYABLE_OPS:
+            elif cls in REPLAYABLE_OPS:
                 key, first = x.engine, -1
             else:
                 return None
-            if cls not in _FIRST_OPERAND and x.first_deps is not None:
+            if cls not in FIRST_OPERAND_OPS and x.first_deps is not None:
                 return None
             kid = keys.get(key)
             if kid is None:
@@ -1575,7 +677,7 @@ class Kernel:
                 x = ins[j]
                 reads = x.reads
                 ri = (reads.index(t),) if reads.count(t) == 1 else tuple(i for i, ap in enumerate(reads) if ap is t)
-                if type(t) is not TileAP or not ri or t in x.writes or (type(x) in _FIRST_OPERAND and 0 in ri):
+                if type(t) is not TileAP or not ri or t in x.writes or (type(x) in FIRST_OPERAND_OPS and 0 in ri):
                     return None
                 names = tuple(n for n in slot_names(type(x)) if n not in base and getattr(x, n, None) is t)
                 tile_sides.append((j, names, ri, tuple(read_at[j] + i for i in ri)))
@@ -1586,7 +688,7 @@ class Kernel:
             return None
         unloads = frozenset(w.alloc.uid for x in ins[:ins.index(first)] for w in x.writes if type(w) is TileAP)
         return Replay(ins, array.array("i", spec), sides, tuple(allocs.values()), unloads,
-                      _stationary_key(first.stationary), first.load_stationary,
+                      stationary_key(first.stationary), first.load_stationary,
                       self._loaded_stationary if end is None else end[1], tile_sides)
 
     def replay(self, tpl: "Replay", views: Sequence[HbmAP], tiles: Sequence[TileAP] = ()) -> bool:
@@ -1640,7 +742,7 @@ class Kernel:
             for at in ats:
                 spec[at] = r
         if tpl.firsts is not None:  # the copies, their tuples and the log's entries in C
-            out = _clone.replay(tpl.ins, tpl.firsts, i0, tracker.record_many_raw(i0, n, spec), tracker._dlog,
+            out = deps.native_clone.replay(tpl.ins, tpl.firsts, i0, tracker.record_many_raw(i0, n, spec), tracker._dlog,
                                 tracker._flog)
         else:
             raw = tracker.record_many(i0, n, spec)
@@ -1679,7 +781,7 @@ class Kernel:
         for name, ap in (("stationary", stationary), ("moving", moving)):
             if ap.space != "sbuf":
                 raise KernelError(f"{what}: {name} '{ap.name}' is in {ap.space.upper()}; TensorE reads operands from SBUF only")
-            if ap.dtype.name not in _MATMUL_DTYPES:
+            if ap.dtype.name not in TENSORE_DTYPES:
                 raise KernelError(f"{what}: {name} dtype {ap.dtype.name} is not a TensorE input type; expected "
                                   f"bf16, fp16, fp32, fp8_e4m3, fp8_e4m3fn or fp8_e5m2")
         if dst.space != "psum":
@@ -1807,10 +909,10 @@ class Kernel:
         func = activation_fn(op)
         aps = [dst, data] + [x for x in (bias, scale, reduce_res) if isinstance(x, TileAP)]
         self._check_compute(what, "Scalar", aps)
-        _check_same_shape(what, dst, data)
+        check_same_shape(what, dst, data)
         for nm, x in (("bias", bias), ("scale", scale)):
             if isinstance(x, TileAP):
-                _check_per_partition(what, nm, x, data)
+                check_per_partition(what, nm, x, data)
             elif x is not None and not isinstance(x, (int, float)):
                 raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
         rop = None
@@ -1818,7 +920,7 @@ class Kernel:
             if reduce_op is None or reduce_res is None:
                 raise KernelError(f"{what}: reduce_op and reduce_res go together")
             rop = reduce_op_checked(reduce_op, ("add", "max", "min"), what)
-            _check_per_partition(what, "reduce_res", reduce_res, data)
+            check_per_partition(what, "reduce_res", reduce_res, data)
         return func, rop
 
     def tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, *, engine: str = "vector") -> TensorTensor:
@@ -1841,8 +943,8 @@ class Kernel:
         eng = engine_name(engine, ("Vector", "GpSimd"), what)
         opn = alu_op(op)
         self._check_compute(what, eng, (dst, data1, data2))
-        _check_same_shape(what, dst, data1)
-        _check_same_shape(what, dst, data2)
+        check_same_shape(what, dst, data1)
+        check_same_shape(what, dst, data2)
         return eng, opn
 
     def tensor_scalar(self, dst: TileAP, data: TileAP, op0: Any, operand0: TileAP | float, *, op1: Any = None,
@@ -1877,10 +979,10 @@ class Kernel:
             raise KernelError(f"{what}: op1 and operand1 go together")
         aps = [dst, data] + [x for x in (operand0, operand1) if isinstance(x, TileAP)]
         self._check_compute(what, eng, aps)
-        _check_same_shape(what, dst, data)
+        check_same_shape(what, dst, data)
         for nm, x in (("operand0", operand0), ("operand1", operand1)):
             if isinstance(x, TileAP):
-                _check_per_partition(what, nm, x, data)
+                check_per_partition(what, nm, x, data)
             elif x is not None and not isinstance(x, (int, float)):
                 raise KernelError(f"{what}: {nm} must be a number or a [P, 1] tile, got {type(x).__name__}")
         return eng, o0, o1
@@ -1941,7 +1043,7 @@ class Kernel:
         what = "tensor_copy"
         eng = engine_name(engine, ("Vector", "Scalar", "GpSimd"), what)
         self._check_compute(what, eng, (dst, src))
-        _check_same_shape(what, dst, src)
+        check_same_shape(what, dst, src)
         return eng
 
     def memset(self, dst: TileAP, value: float, *, engine: str = "vector") -> Memset:
@@ -1971,7 +1073,7 @@ class Kernel:
         if c not in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"):
             raise KernelError(f"{what}: cmp must be a comparison, got {cmp!r}")
         self._check_compute(what, "GpSimd", (dst, data))
-        _check_same_shape(what, dst, data)
+        check_same_shape(what, dst, data)
         pat = tuple(checked_int(x, f"{what}: pattern") for x in (pattern if pattern is not None else [1] * len(data.dims)))
         if len(pat) != len(data.dims):
             raise KernelError(f"{what}: pattern has {len(pat)} strides but data has {len(data.dims)} free dims")
@@ -1986,10 +1088,10 @@ class Kernel:
         """``dst[:, i] = op1(op0(data0[:, i], dst[:, i-1]), data1[:, i])`` along the free axis,
         ``dst[:, -1]`` being ``initial`` (an immediate or a [P, 1] tile)."""
         what = "tensor_tensor_scan"
-        o0, o1 = _arith_op(op0, what), _arith_op(op1, what)
+        o0, o1 = arith_op(op0, what), arith_op(op1, what)
         self._check_compute(what, "Vector", [dst, data0, data1] + ([initial] if isinstance(initial, TileAP) else []))
-        _check_same_shape(what, dst, data0)
-        _check_same_shape(what, dst, data1)
+        check_same_shape(what, dst, data0)
+        check_same_shape(what, dst, data1)
         if data0.space == data1.space == "psum":
             raise KernelError(f"{what}: data0 and data1 cannot both be in PSUM")
         init = self._scalar_or_column(what, "initial", initial, data0)
@@ -2000,10 +1102,10 @@ class Kernel:
         """``dst = (data op0 operand0) op1 operand1``: ``operand0`` an immediate or [P, 1] tile,
         ``operand1`` shaped like ``data``."""
         what = "scalar_tensor_tensor"
-        o0, o1 = _arith_op(op0, what), _arith_op(op1, what)
+        o0, o1 = arith_op(op0, what), arith_op(op1, what)
         self._check_compute(what, "Vector", [dst, data, operand1] + ([operand0] if isinstance(operand0, TileAP) else []))
-        _check_same_shape(what, dst, data)
-        _check_same_shape(what, dst, operand1)
+        check_same_shape(what, dst, data)
+        check_same_shape(what, dst, operand1)
         if data.space == operand1.space == "psum":
             raise KernelError(f"{what}: data and operand1 cannot both be in PSUM")
         op0v = self._scalar_or_column(what, "operand0", operand0, data)
@@ -2016,12 +1118,12 @@ class Kernel:
         ``dst`` keeps its values. ``src`` is a tile of dst's dtype or an immediate."""
         what = "tensor_copy_predicated"
         self._check_compute(what, "Vector", [dst, predicate] + ([src] if isinstance(src, TileAP) else []))
-        _check_same_shape(what, dst, predicate)
+        check_same_shape(what, dst, predicate)
         if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
             raise KernelError(f"{what}: predicate '{predicate.name}' is {predicate.dtype.short}; expected uint8, "
                               f"uint16 or uint32")
         if isinstance(src, TileAP):
-            _check_same_shape(what, dst, src)
+            check_same_shape(what, dst, src)
             if src.dtype != dst.dtype:
                 raise KernelError(f"{what}: src '{src.name}' is {src.dtype.short} but dst '{dst.name}' is "
                                   f"{dst.dtype.short}; they must share a dtype")
@@ -2047,15 +1149,15 @@ class Kernel:
             cmps.append(op)
         aps = [dst, data, bound0, bound1] + ([reduce_res] if reduce_res is not None else [])
         self._check_compute(what, "Vector", aps)
-        _check_same_shape(what, dst, data)
+        check_same_shape(what, dst, data)
         if not data.dtype.is_float:
             raise KernelError(f"{what}: data '{data.name}' must be a float tile, got {data.dtype.short}")
         for nm, b in (("bound0", bound0), ("bound1", bound1)):
-            _check_per_partition(what, nm, b, data)
+            check_per_partition(what, nm, b, data)
             if b.dtype.name != "float32":
                 raise KernelError(f"{what}: {nm} '{b.name}' must be fp32, got {b.dtype.short}")
         if reduce_res is not None:
-            _check_per_partition(what, "reduce_res", reduce_res, data)
+            check_per_partition(what, "reduce_res", reduce_res, data)
         if checked_number(on_false, f"{what}: on_false") != FP32_MIN:
             raise KernelError(f"{what}: on_false must be FP32_MIN (-3.4028235e+38), the only value the hardware "
                               f"takes, got {on_false!r}")
@@ -2068,7 +1170,7 @@ class Kernel:
         is one)."""
         what = "reciprocal"
         self._check_compute(what, "Vector", (dst, data))
-        _check_same_shape(what, dst, data)
+        check_same_shape(what, dst, data)
         return self._emit(Reciprocal(dst, data))  # type: ignore[return-value]
 
     def max8(self, dst: TileAP, data: TileAP) -> Max8:
@@ -2121,7 +1223,7 @@ class Kernel:
         if src.dtype != dst.dtype or dst.dtype.itemsize not in (2, 4):
             raise KernelError(f"{what}: src and dst must share a 2- or 4-byte dtype, got {src.dtype.short} -> "
                               f"{dst.dtype.short}")
-        _check_alignment(dst, what)
+        check_alignment(dst, what)
         eng = engine_name(engine, ("Sync", "Scalar", "GpSimd"), what)
         lane = self._dma_lane(eng, queue, what)
         ins = DmaTranspose(eng, dst, src, lane)
@@ -2140,7 +1242,7 @@ class Kernel:
                               f"it needs NeuronCore-v4)")
         self._check_compute(what, "Tensor", (dst, stationary, moving, stationary_scale, moving_scale))
         for nm, ap in (("stationary", stationary), ("moving", moving)):
-            if ap.space != "sbuf" or ap.dtype.name not in _MX_DTYPES:
+            if ap.space != "sbuf" or ap.dtype.name not in MX_DTYPES:
                 raise KernelError(f"{what}: {nm} '{ap.name}' must be an SBUF tile of float8_e5m2_x4, "
                                   f"float8_e4m3fn_x4 or float4_e2m1fn_x4, got {ap.space.upper()} {ap.dtype.name}")
         k, m, n = stationary.p_count, stationary.free_size, moving.free_size
@@ -2169,7 +1271,7 @@ class Kernel:
 
     def _scalar_or_column(self, what: str, name: str, x: Any, like: TileAP) -> TileAP | float:
         if isinstance(x, TileAP):
-            _check_per_partition(what, name, x, like)
+            check_per_partition(what, name, x, like)
             return x
         return checked_number(x, f"{what}: {name}")
 
@@ -2226,53 +1328,3 @@ def _dma_side(ap: AP) -> tuple[Any, ...]:
     if isinstance(ap, TileAP):
         return (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.itemsize)
     return ("hbm", ap.dims, ap.dtype.itemsize)
-
-
-def _arith_op(op: Any, what: str) -> str:
-    n = alu_op(op)
-    if n in BITWISE_OPS or n in _COMPARE_OPS:
-        raise KernelError(f"{what}: {op!r} is not an arithmetic op")
-    return n
-
-
-def core_generation(config: ChipConfig) -> int:
-    """2, 3, 4 for NeuronCore-v2, -v3, -v4 (from ``core.version``)."""
-    digits = "".join(ch for ch in config.core.version.rsplit("v", 1)[-1] if ch.isdigit())
-    return int(digits) if digits else 0
-
-
-def reduce_op_checked(op: Any, allowed: Sequence[str], what: str) -> str:
-    n = reduce_op(op)
-    if n not in allowed:
-        raise KernelError(f"{what}: reduce op {op!r} not supported here; expected one of {', '.join(allowed)}")
-    return n
-
-
-def _check_alignment(ap: TileAP, what: str) -> None:
-    """Partition start rules of datasheet §4.6: 65-128 partitions start at 0, 33-64 at 0/64,
-    1-32 at a multiple of 32."""
-    n, s = ap.p_count, ap.p_start
-    if n > 64:
-        ok, need = s == 0, "0"
-    elif n > 32:
-        ok, need = s in (0, 64), "0 or 64"
-    else:
-        ok, need = s % 32 == 0, "0, 32, 64 or 96"
-    if not ok:
-        raise KernelError(f"{what}: tile '{ap.name}' covers {n} partitions starting at {s}; "
-                          f"an access of {n} partitions must start at partition {need}")
-
-
-def _check_same_shape(what: str, dst: TileAP, src: TileAP) -> None:
-    if dst.p_count != src.p_count or dst.free_size != src.free_size:
-        raise KernelError(f"{what}: shape mismatch: '{dst.name}' {dst.shape} vs '{src.name}' {src.shape}")
-    if dst.p_start != src.p_start:
-        n = dst.p_count
-        if n > 64 or (n > 32 and {dst.p_start, src.p_start} != {0, 64}):
-            raise KernelError(f"{what}: moving {n} partitions from partition {src.p_start} to {dst.p_start}; "
-                              f"engines shift partitions only across halves (<=64) or quadrants (<=32)")
-
-
-def _check_per_partition(what: str, name: str, x: TileAP, data: TileAP) -> None:
-    if x.p_count != data.p_count or x.free_size != 1:
-        raise KernelError(f"{what}: {name} '{x.name}' must be a per-partition [{data.p_count}, 1] tile, got {x.shape}")
