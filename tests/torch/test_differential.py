@@ -370,3 +370,15 @@ def test_to_other_gets_a_device_tensor_as_other(seed):
     s = dt.make_sample("to", seed)
     assert "host-scalar" not in s.tags
     assert dt.main(["--repro", "to", str(seed)]) == 0
+
+
+@pytest.mark.parametrize("seed", [270523570142181, 142041825015452])
+def test_a_compiled_division_by_zero_gives_cpus_infinities(seed):
+    """Found by the long run: a fused region divided by a scalar as a multiply by 1.0 / scalar,
+    and 1.0 / 0 failed the compile (BackendCompilerFailed: ZeroDivisionError); the IEEE
+    reciprocal (+-inf) gives x / +-0 exactly."""
+    assert dt.main(["--repro", "div_", str(seed)]) == 0
+    x = torch.tensor([1.0, -2.0, 0.0, math.inf, math.nan], dtype=torch.float16)
+    f = torch.compile(lambda t, d: t / d, backend="neuron")
+    for d in (0, 0.0):  # (-0.0 after 0.0 reuses its graph: dynamo's guard, as on CPU)
+        assert torch.equal(f(x.to("neuron"), d).cpu().nan_to_num(7), (x / d).nan_to_num(7)), d

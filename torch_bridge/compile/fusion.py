@@ -191,7 +191,10 @@ def _div(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
     x, y = n.args[0], n.args[1]
     if isinstance(y, fx.Node):
         return b.tt("divide", val(x), val(y))
-    return b.ts(val(x), "multiply", 1.0 / scalar_arg(y))
+    d = scalar_arg(y)
+    # by zero: the IEEE reciprocal, +-inf, gives x / +-0 exactly (+-inf, NaN for 0 and NaN); 1.0 / 0
+    # was a ZeroDivisionError that failed the compile (found by difftest's long run: div_(0))
+    return b.ts(val(x), "multiply", 1.0 / d if d != 0 else math.copysign(math.inf, d))
 
 
 def _act(fn: str) -> Handler:
