@@ -604,7 +604,9 @@ class Args:
             dtype = g.rng.choice(DTYPES)
             g.tag("promotion")
         t = g.tensor(partner, dtype)
-        if t.dim() == 0 and g.chance(0.3):
+        # (to.other's other names the result's device and dtype: a host tensor there asks for a
+        # copy to the host, another call than CPU's, not a host scalar beside device tensors)
+        if t.dim() == 0 and g.chance(0.3) and not (self.base == "to" and name == "other"):
             g.tag("host-scalar")
             return _Host(t)
         if g.chance(0.05) and t.shape == p.shape and t.dtype == p.dtype and name != "out":

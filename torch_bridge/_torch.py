@@ -303,3 +303,10 @@ def has_kernel(op: Any, key: Any) -> bool:
 def run_composite(op: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
     """``op``'s composite kernel at ``key``: its inner ops dispatch again from the top."""
     return op.redispatch(DispatchKeySet(key), *args, **kwargs)
+
+
+def non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are a permutation of a contiguous layout (its elements fill its span)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+
+    return bool(is_non_overlapping_and_dense(t))

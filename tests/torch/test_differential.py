@@ -360,3 +360,13 @@ def test_addmm_alpha_zero_values_exactly():
                         got.nan_to_num(7).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                         want.nan_to_num(7).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
                         (dtype, beta, c, a, got, want)
+
+
+@pytest.mark.parametrize("seed", [156536206257829, 28160770053613])
+def test_to_other_gets_a_device_tensor_as_other(seed):
+    """The long run's to.other samples with a host 0-dim tensor as ``other`` were the tester's own
+    error: ``other`` names the result's device, so the device call copied to the host where CPU's
+    returned self (aliasing and strides 'differed'). ``other`` is never a host scalar now."""
+    s = dt.make_sample("to", seed)
+    assert "host-scalar" not in s.tags
+    assert dt.main(["--repro", "to", str(seed)]) == 0

@@ -247,3 +247,42 @@ def test_trnsim_run_names_the_line_of_a_numpy_call(tmp_path):
     out = _trnsim("run", str(bad), "--timing-only", cwd=tmp_path)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith(f"trnsim run: {bad}:3: timing-only: torch.save needs tensor values")
+
+
+@pytest.mark.parametrize("name", ["abs", "logical_not"])
+def test_a_composite_result_keeps_a_transposed_inputs_layout_as_cpu(name):
+    """Found by difftest's long run: abs and logical_not allocate an empty result and call their
+    out= form, whose meta kernel resizes it contiguous, so timing-only gave (12, 6, 3, 1) where CPU
+    (and eager neuron) keep the input's layout (12, 6, 1, 2); the charge is the eager one."""
+    x = torch.randn(1, 2, 3, 2).to(torch.bfloat16).transpose(2, 3)
+    want = getattr(torch, name)(x)
+    with torch.neuron.report_scope() as eager:
+        assert getattr(torch, name)(x.to("neuron")).stride() == want.stride()
+    with torch.neuron.timing_only():
+        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="neuron")
+        with torch.neuron.report_scope() as fake:
+            got = getattr(torch, name)(y)
+        assert got.stride() == want.stride() == (12, 6, 1, 2)
+        assert getattr(torch, name)(y).stride() == want.stride()  # (the signature's layout, remembered)
+    pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
+    assert pick(fake.report) == pick(eager.report) and pick(eager.report)
+
+
+def test_a_composite_given_a_wrapped_scalar_runs_as_eager_does():
+    """Found by difftest's long run: take_along_dim's remainder.Scalar wraps its scalar in a tensor
+    that PyTorch hands to Python as a number; remainder.Tensor's composite refused it timing-only
+    ('Expected a value of type Tensor ... found type int'). Same shape, dtype and charges as eager."""
+    x, i = torch.randn(4), torch.tensor([3, 0, 1])
+    with torch.neuron.report_scope() as eager:
+        want = torch.take_along_dim(x.to("neuron"), i.to("neuron"), 0)
+    with torch.neuron.timing_only():
+        xx = torch.empty(4, device="neuron")
+        ii = torch.zeros(3, dtype=torch.long, device="neuron")
+        with torch.neuron.report_scope() as fake:
+            got = torch.take_along_dim(xx, ii, 0)
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        for dtype, other in ((torch.int32, 4), (torch.bfloat16, 4.5), (torch.int32, 4.5)):
+            cpu = torch.remainder(torch.empty(3, dtype=dtype), other)
+            assert torch.remainder(torch.empty(3, dtype=dtype, device="neuron"), other).dtype == cpu.dtype
+    pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
+    assert pick(fake.report) == pick(eager.report) and pick(eager.report)

@@ -1237,8 +1237,10 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     log_entry(1, 0, f.name_id);
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
+  if ((f.kind == kEmpty || f.kind == kEmptyStrided) && !g_history.load()) {
+    return fast_empty(op, stack, f.kind);  // launches nothing: served whatever the launch gate says (compiled graphs)
+  }
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
-  if (f.kind == kEmpty || f.kind == kEmptyStrided) return fast_empty(op, stack, f.kind);
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
   if (f.kind >= kLstmCell && f.kind <= kGruCellBackward) return fast_cell(op, stack, f.kind);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);

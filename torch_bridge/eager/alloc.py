@@ -67,10 +67,11 @@ def copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     dst_view.copy_(src_view)
     kind = "copy_d2d" if src_dev and dst_dev else "copy_h2d" if dst_dev else "copy_d2h"
     rt = runtime()
-    cost = rt.cost(lowering.copy_spec(kind, self, dst))
-    if dst_dev:  # within the device or from the host: the native fast path serves the signature from now on
-        fastpath.teach("aten::_copy_from", "_copy_from", cost)
-    rt.charge(index, "_copy_from", cost)
+    if not _torch.tracing():  # a copy torch.compile makes while it traces is not the program's: nothing
+        cost = rt.cost(lowering.copy_spec(kind, self, dst))  # charged, nothing taught (runtime.charge's rule)
+        if dst_dev:  # within the device or from the host: the native fast path serves the signature from now on
+            fastpath.teach("aten::_copy_from", "_copy_from", cost)
+        rt.charge(index, "_copy_from", cost)
     if src_dev and not dst_dev and not (non_blocking and dst.is_pinned()):
         # device -> host: the host waits for the copy (and the work before it); into pinned
         # memory with non_blocking it does not (as on CUDA: synchronize before reading it)
