@@ -24,6 +24,7 @@ A new module lands in a folder; a new folder must be given a layer here.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -232,6 +233,7 @@ def test_no_import_cycles():
     assert _cycles(graph) == KNOWN_CYCLES
 
 
+@functools.cache
 def _extension(module: str) -> bool:
     """A compiled extension module (trnsim.native._deptrack): CPython's convention names it with
     an underscore, and the Python class that wraps it (the builder's C tracker, the scheduler's C
@@ -276,6 +278,7 @@ def test_the_layer_order_refuses_an_upward_import():
         layer_of("trnsim.nowhere")
 
 
+@functools.cache
 def _top_names(path: pathlib.Path) -> tuple[set[str], bool]:
     """Names a module defines at its top level (also under if/try/with), and whether it has a
     module ``__getattr__`` (then any name may exist)."""

@@ -586,7 +586,11 @@ thread_local Learn* t_learn = nullptr;
 const std::unordered_set<std::string>& denied() {
   static const std::unordered_set<std::string> names{
       "native_dropout", "_local_scalar_dense", "set_", "is_set_to", "record_stream", "item", "resize_",
-      "resize_as_", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "empty", "empty_strided"};
+      "resize_as_", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "empty", "empty_strided",
+      // writes its running_mean/running_var in training without saying so in its schema (no `(a!)`): read
+      // as a functional op, its first call ran the CPU kernel here and again in Python's path to learn the
+      // cost, so the running statistics moved twice (BatchNorm's first training step; fresh processes only)
+      "native_batch_norm"};
   return names;
 }
 

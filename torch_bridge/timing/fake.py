@@ -298,14 +298,14 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
 
     def _composite(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any(isinstance(v, (int, float, bool)) and str(a.type) == "Tensor"
-               for a, v in zip(func._schema.arguments, args)):
+               for a, v in zip(_torch.op_schema(func).arguments, args)):
             # PyTorch hands a composite's wrapped scalar (remainder.Scalar's at::remainder(self,
             # wrapped_scalar_tensor(other))) to Python as a number, which the composite's boxed
             # redispatch refuses: take_along_dim failed timing-only with 'aten::remainder()
             # Expected a value of type Tensor ... found type int' (found by difftest's long run).
             # A 0-dim host tensor promotes as the wrapped number does (its category, default dtype)
             args = tuple(torch.tensor(v) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
-                         for a, v in zip(func._schema.arguments, args)) + tuple(args[len(func._schema.arguments):])
+                         for a, v in zip(_torch.op_schema(func).arguments, args)) + tuple(args[len(_torch.op_schema(func).arguments):])
         with self:  # the composite's inner ops come back through this mode
             out = _torch.run_composite(func, facts.composite, *args, **kwargs)
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):
