@@ -67,6 +67,7 @@ from ..isa import (
     alu_op,
     reduce_op,
 )
+from ..cores.base import canonical_engine, engines_running
 from ..memory.dma import plan_dma, plan_indirect, plan_transpose
 from ..memory.hbm import check_capacity
 from ..memory.psum import PsumAllocator, check_matmul_dst
@@ -77,7 +78,7 @@ from .deps import DependencyTracker, NativeDependencyTracker, in_reference_build
 from .pool import TilePool
 from .replay import (FIRST_OPERAND_OPS, REPLAYABLE_OPS, Replay, ViewCache, free_elems, slot_names, stationary_key,
                      stream_fingerprint, tile_view)
-from .rules import (ENGINE_NAMES, FP32_MIN, MX_DTYPES, TENSORE_DTYPES, arith_op, check_alignment, check_per_partition,
+from .rules import (FP32_MIN, MX_DTYPES, TENSORE_DTYPES, arith_op, check_alignment, check_per_partition,
                     check_same_shape, checked_dtype, checked_int, checked_number, checked_shape, core_generation,
                     engine_name, gc_paused, max_instructions, reduce_op_checked)
 
@@ -414,7 +415,7 @@ class Kernel:
                     raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
             dst = dst.full() if isinstance(dst, HbmTensor) else dst
             src = src.full() if isinstance(src, HbmTensor) else src
-            eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
+            eng = engine_name(engine, DmaCopy, "dma_copy")
             lane = self._dma_lane(eng, queue, "dma_copy")
             if type(engine) is str and type(queue) is int:
                 self._lanes[(engine, queue)] = (eng, lane)
@@ -491,10 +492,11 @@ class Kernel:
         if indices.p_count != tile.p_count or indices.free_size != 1:
             raise KernelError(f"{what}: indices '{indices.name}' must be [{tile.p_count}, 1] (one row index per "
                               f"partition of '{tile.name}'), got {indices.shape}")
-        eng = ENGINE_NAMES.get(str(engine).lower(), str(engine))
-        if eng != "GpSimd":
-            raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only gpsimd "
-                              f"(software DGE) can (datasheet §6)")
+        eng = canonical_engine(engine)
+        if eng not in engines_running(DmaGather):
+            raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only "
+                              f"{', '.join(e.lower() for e in engines_running(DmaGather))} (software DGE) can "
+                              f"(datasheet §6)")
         if oob_mode not in ("error", "skip"):
             raise KernelError(f"{what}: oob_mode must be 'error' or 'skip', got {oob_mode!r}")
         return rows, self._dma_lane(eng, queue, what), eng, oob_mode
@@ -940,7 +942,7 @@ class Kernel:
     def _check_tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, engine: Any) -> tuple[str, str]:
         """:meth:`tensor_tensor`'s checks; returns (engine, op name)."""
         what = f"tensor_tensor({getattr(op, '__name__', op)})"
-        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        eng = engine_name(engine, TensorTensor, what)
         opn = alu_op(op)
         self._check_compute(what, eng, (dst, data1, data2))
         check_same_shape(what, dst, data1)
@@ -971,8 +973,7 @@ class Kernel:
                              engine: Any) -> tuple[str, str, str | None]:
         """:meth:`tensor_scalar`'s checks; returns (engine, op0 name, op1 name or None)."""
         what = f"tensor_scalar({getattr(op0, '__name__', op0)})"
-        allowed = ("Vector", "GpSimd", "Scalar")
-        eng = engine_name(engine, allowed, what)
+        eng = engine_name(engine, TensorScalar, what)
         o0 = alu_op(op0)
         o1 = alu_op(op1) if op1 is not None else None
         if (op1 is None) != (operand1 is None):
@@ -1005,7 +1006,7 @@ class Kernel:
                              ) -> tuple[str, str, tuple[int, ...]]:
         """:meth:`tensor_reduce`'s checks; returns (engine, op name, sorted axes)."""
         what = f"tensor_reduce({getattr(op, '__name__', op)})"
-        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        eng = engine_name(engine, TensorReduce, what)
         opn = reduce_op_checked(op, ("add", "max", "min", "multiply"), what)
         axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if hasattr(axis, "__iter__") else (axis,)
         axes = tuple(checked_int(a, f"{what}: axis") for a in axes)
@@ -1041,14 +1042,14 @@ class Kernel:
     def _check_tensor_copy(self, dst: TileAP, src: TileAP, engine: Any) -> str:
         """:meth:`tensor_copy`'s checks; returns the engine."""
         what = "tensor_copy"
-        eng = engine_name(engine, ("Vector", "Scalar", "GpSimd"), what)
+        eng = engine_name(engine, TensorCopy, what)
         self._check_compute(what, eng, (dst, src))
         check_same_shape(what, dst, src)
         return eng
 
     def memset(self, dst: TileAP, value: float, *, engine: str = "vector") -> Memset:
         what = "memset"
-        eng = engine_name(engine, ("Vector", "GpSimd", "Scalar"), what)
+        eng = engine_name(engine, Memset, what)
         self._check_compute(what, eng, (dst,))
         return self._emit(Memset(eng, dst, checked_number(value, "memset: value")))  # type: ignore[return-value]
 
@@ -1224,7 +1225,7 @@ class Kernel:
             raise KernelError(f"{what}: src and dst must share a 2- or 4-byte dtype, got {src.dtype.short} -> "
                               f"{dst.dtype.short}")
         check_alignment(dst, what)
-        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd"), what)
+        eng = engine_name(engine, DmaTranspose, what)
         lane = self._dma_lane(eng, queue, what)
         ins = DmaTranspose(eng, dst, src, lane)
         ins.plan = plan_transpose(dst, src, self.config)
