@@ -80,7 +80,7 @@ class EngineOps:
     def _check_tensor_tensor(self, dst: TileAP, data1: TileAP, data2: TileAP, op: Any, engine: Any) -> tuple[str, str]:
         """:meth:`tensor_tensor`'s checks; returns (engine, op name)."""
         what = f"tensor_tensor({getattr(op, '__name__', op)})"
-        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        eng = engine_name(engine, TensorTensor, what)
         opn = alu_op(op)
         self._check_compute(what, eng, (dst, data1, data2))
         check_same_shape(what, dst, data1)
@@ -111,8 +111,7 @@ class EngineOps:
                              engine: Any) -> tuple[str, str, str | None]:
         """:meth:`tensor_scalar`'s checks; returns (engine, op0 name, op1 name or None)."""
         what = f"tensor_scalar({getattr(op0, '__name__', op0)})"
-        allowed = ("Vector", "GpSimd", "Scalar")
-        eng = engine_name(engine, allowed, what)
+        eng = engine_name(engine, TensorScalar, what)
         o0 = alu_op(op0)
         o1 = alu_op(op1) if op1 is not None else None
         if (op1 is None) != (operand1 is None):
@@ -145,7 +144,7 @@ class EngineOps:
                              ) -> tuple[str, str, tuple[int, ...]]:
         """:meth:`tensor_reduce`'s checks; returns (engine, op name, sorted axes)."""
         what = f"tensor_reduce({getattr(op, '__name__', op)})"
-        eng = engine_name(engine, ("Vector", "GpSimd"), what)
+        eng = engine_name(engine, TensorReduce, what)
         opn = reduce_op_checked(op, ("add", "max", "min", "multiply"), what)
         axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if hasattr(axis, "__iter__") else (axis,)
         axes = tuple(checked_int(a, f"{what}: axis") for a in axes)
@@ -181,14 +180,14 @@ class EngineOps:
     def _check_tensor_copy(self, dst: TileAP, src: TileAP, engine: Any) -> str:
         """:meth:`tensor_copy`'s checks; returns the engine."""
         what = "tensor_copy"
-        eng = engine_name(engine, ("Vector", "Scalar", "GpSimd"), what)
+        eng = engine_name(engine, TensorCopy, what)
         self._check_compute(what, eng, (dst, src))
         check_same_shape(what, dst, src)
         return eng
 
     def memset(self, dst: TileAP, value: float, *, engine: str = "vector") -> Memset:
         what = "memset"
-        eng = engine_name(engine, ("Vector", "GpSimd", "Scalar"), what)
+        eng = engine_name(engine, Memset, what)
         self._check_compute(what, eng, (dst,))
         return self._emit(Memset(eng, dst, checked_number(value, "memset: value")))  # type: ignore[return-value]
 
@@ -364,7 +363,7 @@ class EngineOps:
             raise KernelError(f"{what}: src and dst must share a 2- or 4-byte dtype, got {src.dtype.short} -> "
                               f"{dst.dtype.short}")
         check_alignment(dst, what)
-        eng = engine_name(engine, ("Sync", "Scalar", "GpSimd"), what)
+        eng = engine_name(engine, DmaTranspose, what)
         lane = self._dma_lane(eng, queue, what)
         ins = DmaTranspose(eng, dst, src, lane)
         ins.plan = plan_transpose(dst, src, self.config)

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 from ..config import ChipConfig, load_config
 from ..isa import (AP, AP_MAX_SIZE, AP_MAX_STRIDE, Allocation, DmaCopy, DmaGather, DmaScatter, HbmAP, HbmTensor,
                    Instruction, KernelError, MatMul, TileAP, Transpose, row_major)
+from ..cores.base import canonical_engine, engines_running
 from ..memory.dma import plan_dma, plan_indirect
 from ..memory.hbm import check_capacity
 from ..memory.psum import PsumAllocator
@@ -40,7 +41,7 @@ from .engine_ops import EngineOps
 from .geometry import dma_geometry, geometry
 from .pool import TilePool
 from .replay import Replay, ViewCache, free_elems, slot_names, stream_fingerprint, tile_view
-from .rules import (ENGINE_NAMES, FP32_MIN, check_alignment, checked_dtype, checked_int, checked_number, checked_shape,
+from .rules import (FP32_MIN, check_alignment, checked_dtype, checked_int, checked_number, checked_shape,
                     core_generation, engine_name, gc_paused, max_instructions)
 from .tensor_ops import TensorEngineOps
 
@@ -378,7 +379,7 @@ class Kernel(TensorEngineOps, EngineOps):
                     raise KernelError(f"dma_copy: {nm} must be an HBM tensor or view or an SBUF tile, got {type(x).__name__}")
             dst = dst.full() if isinstance(dst, HbmTensor) else dst
             src = src.full() if isinstance(src, HbmTensor) else src
-            eng = engine_name(engine, ("Sync", "Scalar", "GpSimd", "Vector", "Tensor"), "dma_copy")
+            eng = engine_name(engine, DmaCopy, "dma_copy")
             lane = self._dma_lane(eng, queue, "dma_copy")
             if type(engine) is str and type(queue) is int:
                 self._lanes[(engine, queue)] = (eng, lane)
@@ -455,10 +456,11 @@ class Kernel(TensorEngineOps, EngineOps):
         if indices.p_count != tile.p_count or indices.free_size != 1:
             raise KernelError(f"{what}: indices '{indices.name}' must be [{tile.p_count}, 1] (one row index per "
                               f"partition of '{tile.name}'), got {indices.shape}")
-        eng = ENGINE_NAMES.get(str(engine).lower(), str(engine))
-        if eng != "GpSimd":
-            raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only gpsimd "
-                              f"(software DGE) can (datasheet §6)")
+        eng = canonical_engine(engine)
+        if eng not in engines_running(DmaGather):
+            raise KernelError(f"{what}: engine {engine!r} cannot generate indirect descriptors; only "
+                              f"{', '.join(e.lower() for e in engines_running(DmaGather))} (software DGE) can "
+                              f"(datasheet §6)")
         if oob_mode not in ("error", "skip"):
             raise KernelError(f"{what}: oob_mode must be 'error' or 'skip', got {oob_mode!r}")
         return rows, self._dma_lane(eng, queue, what), eng, oob_mode
