@@ -252,6 +252,8 @@ class HostConfig:
 
     dispatch: int = _q("time", lo=0, doc="host time to issue one launch, ps")
     max_inflight: int = _int(1, 1 << 20, doc="unfinished launches per logical core before the host waits")
+    serve_step: int = _q("time", lo=0, doc="host time of one serving-engine iteration (vLLM on Neuron: schedule, "
+                                             "prepare inputs, process outputs), ps")
 
 
 @dataclass(frozen=True)
