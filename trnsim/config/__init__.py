@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -572,18 +573,24 @@ class ChipConfig:
     # ---- derived figures ---------------------------------------------------------------------
     @property
     def engine_clocks(self) -> dict[str, int]:
+        return dict(self._clocks)
+
+    @functools.cached_property
+    def _clocks(self) -> dict[str, int]:
+        # worked out once per config (it is frozen): the simulator reads tick_hz thousands of
+        # times per kernel; a copy of it is what engine_clocks hands out
         c = self.core
         return {"Tensor": c.tensor.clock, "Vector": c.vector.clock, "Scalar": c.scalar.clock,
                 "GpSimd": c.gpsimd.clock, "Sync": c.sync.clock}
 
-    @property
+    @functools.cached_property
     def tick_hz(self) -> int:
         """Ticks per second of global simulated time: the LCM of every engine clock, so each
         engine cycle is a whole number of ticks and time stays an exact integer."""
-        return math.lcm(*self.engine_clocks.values())
+        return math.lcm(*self._clocks.values())
 
     def ticks_per_cycle(self, engine: str) -> int:
-        return self.tick_hz // self.engine_clocks[engine]
+        return self.tick_hz // self._clocks[engine]
 
     def ps_to_ticks(self, ps: int) -> int:
         """Convert picoseconds to ticks, rounding up (a latency is never shortened)."""
