@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 from ..config import ChipConfig
-from ..cores.base import Segment
+from ..cores.base import ENGINE_TYPES, Segment
 from ..isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
 __all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
@@ -118,12 +118,14 @@ class KernelReport:
 
 
 def busiest(busy: dict[str, float]) -> str:
-    """The one definition of what bounds a piece of work: of the engines (Sync, which only
-    triggers DMAs, aside) and the DMA system (``"DMA"``), the one busiest during it. The DMA system
-    is named ``"DMA/HBM"``: its transfers are what HBM bandwidth limits."""
+    """The one definition of what bounds a piece of work: of the engines with a datapath (Sync,
+    which only triggers DMAs, aside: ``Engine.datapath``) and the DMA system (``"DMA"``), the one
+    busiest during it. The DMA system is named ``"DMA/HBM"``: its transfers are what HBM
+    bandwidth limits."""
     best, top = "DMA/HBM", -1.0
     for name, value in busy.items():
-        if name == "Sync":
+        eng = ENGINE_TYPES.get(name)
+        if eng is not None and not eng.datapath:
             continue
         if value > top:
             best, top = ("DMA/HBM" if name == "DMA" else name), value
