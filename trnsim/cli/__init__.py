@@ -56,8 +56,8 @@ from ..config import ChipConfig, ConfigError, clip_text, config_names, format_qu
 from ..config.extras import MissingExtra
 from ..outputs.files import AtomicOutput, OutputError
 from ..isa import KernelError
-from ..sim.report import KernelReport
-from ..sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes, check_collective_ranks
+from ..sim.report import KernelReport, bound_of
+from ..sweep import DEFAULT_MAX_POINTS, SweepStopped, check_collective_bytes, check_collective_ranks
 
 if _SIGINT is signal.default_int_handler:
     signal.signal(signal.SIGINT, _SIGINT)
