@@ -5,14 +5,14 @@ full simulation reports."""
 import pytest
 
 from trnsim.collectives import CollectiveCall, simulate_collective
-from trnsim.collectives.engine import CollectiveEngine
+from trnsim.collectives.runner import CollectiveRunner
 from trnsim.config import load_system
 
 TRN2 = load_system("trn2.48xlarge")
 
 
 def run(system, call, symmetric):
-    e = CollectiveEngine(system, symmetric=symmetric)
+    e = CollectiveRunner(system, symmetric=symmetric)
     h = e.launch(call)
     return e.run()[0], h.sym
 
@@ -61,7 +61,7 @@ def test_calls_that_are_not_alike_run_in_full():
 
 
 def test_a_symmetric_engine_runs_one_call():
-    e = CollectiveEngine(TRN2, symmetric=True)
+    e = CollectiveRunner(TRN2, symmetric=True)
     e.launch(CollectiveCall("all-reduce", 1 << 20, ranks=8))
     with pytest.raises(RuntimeError, match="^a symmetric engine runs one call"):
         e.launch(CollectiveCall("all-reduce", 1 << 20, ranks=8))

@@ -7,7 +7,7 @@ transfer with the same bytes, operands and dependencies) and its resources onto 
 the same kind and rate (each transfer's bookings, position by position, onto the image's, one
 to one), the simulation is invariant under it: the network books the chunks that reach a
 resource at the same tick as one group that ends together, and the runtime serves same-tick
-issues and proxy turns the same way (network.py, engine.py), so which alike flow simpy ran
+issues and proxy turns the same way (network.py, runner.py), so which alike flow simpy ran
 first never matters, and alike transfers start and end on the same ticks.
 
 :func:`find` tries the permutations a collective's structure suggests (each instance's ring
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from .engine import CollectiveEngine, CollectiveHandle
+    from .runner import CollectiveRunner, CollectiveHandle
 
 __all__ = ["Symmetry", "find"]
 
@@ -86,7 +86,7 @@ def _rotations(orders: Sequence[Sequence[int]], d: int) -> dict[int, int]:
     return out
 
 
-def _candidates(engine: "CollectiveEngine", group: Sequence[int]) -> list[list[dict[int, int]]]:
+def _candidates(engine: "CollectiveRunner", group: Sequence[int]) -> list[list[dict[int, int]]]:
     """Families of rank permutations to try, each in increasing order of the subgroup they
     generate (the first that verifies in a family is kept)."""
     topo = engine.net.topo
@@ -121,7 +121,7 @@ def _candidates(engine: "CollectiveEngine", group: Sequence[int]) -> list[list[d
 class _Checker:
     """Verifies rank permutations against one handle's schedule and bookings."""
 
-    def __init__(self, engine: "CollectiveEngine", h: "CollectiveHandle"):
+    def __init__(self, engine: "CollectiveRunner", h: "CollectiveHandle"):
         self.engine = engine
         self.h = h
         ts = h.sched.transfers
@@ -202,7 +202,7 @@ class _Checker:
         return phi
 
 
-def find(engine: "CollectiveEngine", h: "CollectiveHandle") -> Symmetry | None:
+def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
     """The symmetry of ``h`` (launched alone on ``engine``), or None when no candidate
     permutation verifies or the call cannot be reduced (different start ticks, a proxy thread
     shared by several ranks)."""

@@ -1,6 +1,6 @@
 """Running collective calls: a call becomes a schedule, the schedule runs on the network.
 
-:class:`CollectiveEngine` owns a :class:`~trnsim.collectives.network.Network` in a simpy
+:class:`CollectiveRunner` owns a :class:`~trnsim.collectives.network.Network` in a simpy
 environment (its own, or one a device model shares with kernel timelines). ``launch`` resolves a
 :class:`CollectiveCall` (names, group, sizes, the algorithm and why), builds its schedule and
 starts its processes; each rank gets an event that fires when its part is done, so a device
@@ -24,6 +24,7 @@ from typing import Any, Generator, Mapping, Sequence
 
 import simpy
 
+from ..compat import renamed
 from ..config import SystemConfig, load_system
 from ..native.dtypes import get_dtype
 from .algorithms import (ALGORITHMS, BUSBW_FACTORS, CollectiveError, Context, build, canonical_algorithm,
@@ -34,7 +35,7 @@ from .network import ChipResources, Network
 from .report import CollectiveReport
 from .schedule import Schedule, Transfer
 
-__all__ = ["CollectiveCall", "CollectiveEngine", "CollectiveHandle", "resolve_call", "parse_sizes"]
+__all__ = ["CollectiveCall", "CollectiveRunner", "CollectiveHandle", "resolve_call", "parse_sizes"]
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,12 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
 class CollectiveHandle:
     """A launched call: ``done`` fires when every rank is done, ``rank_done[r]`` when rank r is."""
 
-    def __init__(self, engine: "CollectiveEngine", call: CollectiveCall, res: _Resolved, sched: Schedule):
-        self.engine = engine
+    def __init__(self, runner: "CollectiveRunner", call: CollectiveCall, res: _Resolved, sched: Schedule):
+        self.runner = runner
         self.call = call
         self.res = res
         self.sched = sched
-        env = engine.env
+        env = runner.env
         self.rank_done: dict[int, simpy.Event] = {r: env.event() for r in res.ctx.group}
         self.done = simpy.AllOf(env, list(self.rank_done.values())) if self.rank_done else env.event()
         ts = sched.transfers
@@ -230,7 +231,7 @@ class CollectiveHandle:
                 self.left[r] += 1
 
 
-class CollectiveEngine:
+class CollectiveRunner:
     """Collectives on one system, in one simpy environment (see the module docstring)."""
 
     def __init__(self, system: SystemConfig | str, env: simpy.Environment | None = None,
@@ -609,3 +610,7 @@ def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:
     if len(sizes) > 128:
         raise CollectiveError(f"{shown}: {len(sizes)} sizes; at most 128 (use a larger --factor)")
     return sizes
+
+
+def __getattr__(name: str) -> object:  # names renamed so one name means one thing (trnsim.compat.RENAMED)
+    return renamed(__name__, name)
