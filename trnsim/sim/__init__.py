@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, length_hint
-from typing import Any, Generator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import numpy as np
 import simpy
@@ -215,7 +215,7 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
     fields = _ScanFields()
-    types = None if timeline == "simpy" or _sched is None else [_type_column(k, fields) for k in kernels]
+    types = None if timeline == "simpy" or _sched is None else _once_per_kernel(kernels, lambda k: _type_column(k, fields))
     why = None if types is None else _native_unsupported(types)
     if timeline == "native" and why is not None:
         raise ValueError(f"simulate(timeline='native'): {why}; use timeline='simpy' or 'auto'")
@@ -230,6 +230,19 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "
     for c in cores:
         c.check_complete()
     return cores
+
+
+def _once_per_kernel(kernels: Sequence[Kernel], fn: Callable[[Kernel], Any]) -> list[Any]:
+    """``[fn(k) for k in kernels]``, calling ``fn`` once per distinct kernel object: the cores of
+    a logical core given the same share run one kernel (:meth:`trnsim.device.Device.kernels_of`),
+    and what ``fn`` reads of it is the same for each."""
+    seen: dict[int, Any] = {}
+    out = []
+    for k in kernels:
+        if id(k) not in seen:
+            seen[id(k)] = fn(k)
+        out.append(seen[id(k)])
+    return out
 
 
 class _Scan(NamedTuple):
@@ -754,7 +767,22 @@ class _NativeRun:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
         plans = _Plans()
-        cols = [_CoreColumns(tl, plans, t) for tl, t in zip(self.timelines, self.types)]
+        cols: list[_CoreColumns] = []
+        first: dict[int, tuple[_CoreColumns, CoreTimeline]] = {}
+        for tl, t in zip(self.timelines, self.types):
+            seen = first.get(id(tl.kernel))
+            if seen is None:
+                cols.append(_CoreColumns(tl, plans, t))
+                first[id(tl.kernel)] = (cols[-1], tl)
+                continue
+            # the same kernel on another core: its columns are a function of the kernel, fresh
+            # engines of one config and the plans already numbered, so they are the first
+            # core's; its engines are left in the state working them out leaves (ScalarE's table)
+            col, tl0 = seen
+            for name, e in tl.engines.items():
+                for a in e.cost_state:
+                    setattr(e, a, getattr(tl0.engines[name], a))
+            cols.append(col)
         ncores = len(cols)
         sizes = [c.n for c in cols]
         base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
