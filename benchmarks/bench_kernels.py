@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         segs = tls[0].segments  # the native loop's timelines make this list when it is first read
         t_segs = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sim_ref = simulate(cfg, [kern], engine="simpy")[0]  # the reference: every tick must agree
+        sim_ref = simulate(cfg, [kern], timeline="simpy")[0]  # the reference: every tick must agree
         t_sim_ref = time.perf_counter() - t0
         ticks = ((sim_ref.total_ticks, sim_ref.ready, sim_ref.end, sim_ref.segments)
                  == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs))

@@ -47,6 +47,8 @@ __all__ = [
     "env_int",
     "Calibration",
     "shipped_dir",
+    "ENGINE_SECTIONS",
+    "engine_section",
 ]
 
 def shipped_dir(name: str) -> Path:
@@ -64,6 +66,37 @@ CONFIG_DIR = shipped_dir("configs")
 # ---------------------------------------------------------------------------------------------
 # The chip schema
 # ---------------------------------------------------------------------------------------------
+
+#: engine name -> (the key of its section under ``core``, the section's dataclass), in the order
+#: the sections are declared: the config half of the engine table (trnsim.cores.base holds the
+#: other). Every engine clock (:attr:`ChipConfig.engine_clocks`) comes from here. The built-in
+#: engines' sections are fields of :class:`CoreConfig`; a section declared by another module (a
+#: new engine added without touching this file) is kept in ``CoreConfig.extra_engines`` and is
+#: read as ``core.<key>`` all the same, loaded, checked and overridden like the others.
+ENGINE_SECTIONS: dict[str, tuple[str, type]] = {}
+_SECTIONS_GENERATION = [0]  # bumped on every declaration: configs' clock memos are of one generation
+
+
+def engine_section(engine: str, key: str) -> Any:
+    """Class decorator: declare a frozen dataclass as engine ``engine``'s config section,
+    ``core.<key>`` in chip YAMLs. It must have a ``clock`` (Hz) field; every chip config then
+    needs the section."""
+
+    def register(cls: type) -> type:
+        if not dataclasses.is_dataclass(cls) or "clock" not in {f.name for f in dataclasses.fields(cls)}:
+            raise TypeError(f"engine_section({engine!r}): {cls.__name__} must be a dataclass with a clock field")
+        ENGINE_SECTIONS[engine] = (key, cls)
+        _SECTIONS_GENERATION[0] += 1
+        TYPES[cls.__name__] = cls
+        return cls
+
+    return register
+
+
+def _extra_sections() -> dict[str, type]:
+    """``core`` key -> dataclass of the engine sections that are not fields of CoreConfig."""
+    fields = {f.name for f in dataclasses.fields(CoreConfig)}
+    return {key: cls for key, cls in ENGINE_SECTIONS.values() if key not in fields}
 
 
 @dataclass(frozen=True)
@@ -91,6 +124,7 @@ class ChipLevelConfig:
     neuronlink: NeuronLinkConfig = field(default=None)  # type: ignore[assignment]
 
 
+@engine_section("Tensor", "tensor")
 @dataclass(frozen=True)
 class TensorEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
@@ -111,6 +145,7 @@ class TensorEngineConfig:
     throttle_idle_reset: int = _q("time", lo=0)
 
 
+@engine_section("Vector", "vector")
 @dataclass(frozen=True)
 class VectorEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
@@ -122,6 +157,7 @@ class VectorEngineConfig:
     max_free_psum: int = _int(1, 1 << 24, doc="elements per partition one instruction may touch in PSUM")
 
 
+@engine_section("Scalar", "scalar")
 @dataclass(frozen=True)
 class ScalarEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
@@ -132,6 +168,7 @@ class ScalarEngineConfig:
     table_switch_cycles: int = _int(0, 1000000)
 
 
+@engine_section("GpSimd", "gpsimd")
 @dataclass(frozen=True)
 class GpSimdEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
@@ -140,6 +177,7 @@ class GpSimdEngineConfig:
     dependency_latency_cycles: int = _int(0, 100000)
 
 
+@engine_section("Sync", "sync")
 @dataclass(frozen=True)
 class SyncEngineConfig:
     clock: int = _q("hz", lo=1e6, hi=1e11)
@@ -196,6 +234,18 @@ class CoreConfig:
     sbuf: SbufConfig = field(default=None)  # type: ignore[assignment]
     psum: PsumConfig = field(default=None)  # type: ignore[assignment]
     dma: DmaConfig = field(default=None)  # type: ignore[assignment]
+    #: (key, section) of the engines whose sections are declared outside this module
+    extra_engines: tuple[tuple[str, Any], ...] = field(default=(), metadata={"internal": True})
+
+    def __getattr__(self, key: str) -> Any:  # called only for names that are not attributes
+        for k, section in self.__dict__.get("extra_engines", ()):
+            if k == key:
+                return section
+        raise AttributeError(f"{type(self).__name__} has no attribute {key!r}")
+
+    def engine(self, name: str) -> Any:
+        """The config section of engine ``name`` (:data:`ENGINE_SECTIONS`)."""
+        return getattr(self, ENGINE_SECTIONS[name][0])
 
 
 @dataclass(frozen=True)
@@ -204,6 +254,8 @@ class HostConfig:
 
     dispatch: int = _q("time", lo=0, doc="host time to issue one launch, ps")
     max_inflight: int = _int(1, 1 << 20, doc="unfinished launches per logical core before the host waits")
+    serve_step: int = _q("time", lo=0, doc="host time of one serving-engine iteration (vLLM on Neuron: schedule, "
+                                             "prepare inputs, process outputs), ps")
 
 
 @dataclass(frozen=True)
@@ -223,18 +275,35 @@ class ChipConfig:
     # ---- derived figures ---------------------------------------------------------------------
     @property
     def engine_clocks(self) -> dict[str, int]:
-        c = self.core
-        return {"Tensor": c.tensor.clock, "Vector": c.vector.clock, "Scalar": c.scalar.clock,
-                "GpSimd": c.gpsimd.clock, "Sync": c.sync.clock}
+        """Hz per engine, every engine of :data:`ENGINE_SECTIONS`."""
+        return dict(self._clock_memo()[1])
+
+    def _clock_memo(self) -> tuple[int, dict[str, int], int]:
+        # (engine table generation, clocks, tick rate), worked out once per config and engine
+        # table (the config is frozen; a section declared later is another generation): the
+        # simulator reads tick_hz thousands of times per small kernel
+        memo = self.__dict__.get("_clocks")
+        if memo is None or memo[0] != _SECTIONS_GENERATION[0]:
+            c = self.core
+            clocks = {name: getattr(c, key).clock for name, (key, _) in ENGINE_SECTIONS.items()}
+            memo = (_SECTIONS_GENERATION[0], clocks, math.lcm(*clocks.values()))
+            object.__setattr__(self, "_clocks", memo)
+        return memo
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_clocks", None)  # another process numbers its engine table on its own
+        return state
 
     @property
     def tick_hz(self) -> int:
         """Ticks per second of global simulated time: the LCM of every engine clock, so each
         engine cycle is a whole number of ticks and time stays an exact integer."""
-        return math.lcm(*self.engine_clocks.values())
+        return self._clock_memo()[2]
 
     def ticks_per_cycle(self, engine: str) -> int:
-        return self.tick_hz // self.engine_clocks[engine]
+        memo = self._clock_memo()
+        return memo[2] // memo[1][engine]
 
     def ps_to_ticks(self, ps: int) -> int:
         """Convert picoseconds to ticks, rounding up (a latency is never shortened)."""
@@ -323,12 +392,21 @@ def _apply_override(raw: dict[str, Any], key: str, value: str, where: str) -> No
     cls: Any = ChipConfig
     for i, part in enumerate(parts):
         fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-        if part not in fields:
+        extra = _extra_sections() if cls is CoreConfig else {}
+        if part not in fields and part not in extra:
             path = ".".join(parts[:i]) or "<top level>"
             raise ConfigError(
                 f"{where}: unknown key '{clip_text(key)}': '{clip_text(part, 40)}' is not in {path}; expected one "
-                f"of {', '.join(fields)}"
+                f"of {', '.join([*fields, *extra])}"
             )
+        if part in extra:
+            if i == len(parts) - 1:
+                raise ConfigError(f"{where}: override '{clip_text(key)}' names a section, not a value")
+            sub = extra[part]
+            node[part] = dict(node[part]) if isinstance(node.get(part), dict) else {}
+            node = node[part]
+            cls = sub
+            continue
         f = fields[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else TYPES.get(f.type)):
@@ -419,12 +497,30 @@ def load_config(
     for key, value in pairs:
         if isinstance(raw, dict):
             _apply_override(raw, key, value, f"{where} (--set {clip_text(key)}={clip_text(value)})")
+    extra = _take_extra_sections(raw, where, dict(pairs))
     cfg = build(ChipConfig, raw, "", where, dict(pairs))
+    if extra:
+        cfg = dataclasses.replace(cfg, core=dataclasses.replace(cfg.core, extra_engines=extra))
     overridden = {k for k, _ in pairs}
     cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs),
                               calibrations=tuple(c for c in cals if c.key not in overridden))
     _check_consistency(cfg, where)
     return cfg
+
+
+def _take_extra_sections(raw: Any, where: str, from_set: Mapping[str, str]) -> tuple[tuple[str, Any], ...]:
+    """Build (and take out of ``raw``) the sections of the engines declared outside this module;
+    the rest of ``raw`` is the CoreConfig fields' (a malformed ``core`` is left to :func:`build`)."""
+    extra = _extra_sections()
+    core = raw.get("core") if isinstance(raw, dict) else None
+    if not extra or not isinstance(core, dict):
+        return ()
+    out = []
+    for key, cls in extra.items():
+        if key not in core:
+            raise ConfigError(f"{where}: missing key 'core.{key}'")
+        out.append((key, build(cls, core.pop(key), f"core.{key}", where, from_set)))
+    return tuple(out)
 
 
 _RAW_CACHE: dict[tuple[str, int, int, int], Any] = {}

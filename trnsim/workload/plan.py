@@ -361,6 +361,9 @@ class InferenceEstimate:
     buckets: dict[str, list[int]] = field(default_factory=dict)
     padding: dict[str, Any] = field(default_factory=dict)
     decode_kv: int = 0
+    #: the serving engine's host loop (trnsim.workload.serve.HostLoop) in TTFT and TPOT
+    serving: str = "none"
+    host_step_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
