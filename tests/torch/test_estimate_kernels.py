@@ -167,7 +167,19 @@ def test_gpt_oss_sinks_alternating_windows_and_biases():
     dec = nxdi.lower_layer(prog.layers[0], prog.shards, batch=1, tokens=1, prior=0, cache=2048, first=False,
                            decode=True)
     attn = dict(dec[1].spec.params)
-    assert attn["window"] == 128 and attn["sinks"] and dec[1].spec.shape == (1, 4, 1, 1, 2048, 64)
+    # a sliding-window layer's rolling cache holds its window (NxDI: rounded up to a multiple of 128),
+    # so its decode attention reads 128 positions of a 2,048 bucket; a full layer reads the bucket
+    assert attn["window"] == 128 and attn["sinks"] and dec[1].spec.shape == (1, 4, 1, 1, 128, 64)
+    full = nxdi.lower_layer(prog.layers[1], prog.shards, batch=1, tokens=1, prior=0, cache=2048, first=False,
+                            decode=True)
+    assert full[1].spec.shape == (1, 4, 1, 1, 2048, 64)
+    assert [nxdi.cache_positions(layer, 2048) for layer in prog.layers] == [128, 2048, 128, 2048]
+    assert nxdi.cache_positions(prog.layers[0], 100) == 100  # never more than the sequence
+    from torch_bridge.estimate_kernels import _memory
+    from trnsim.workload.plan import Role
+    per = nxdi.kv_bytes_per_token(prog.layers[0], prog.shards)
+    _, kv = _memory(prog, Role(0, (0, 4), 0, 16), True, 2, 2048)
+    assert kv == 2 * per * (128 + 2048 + 128 + 2048)
 
 
 def test_deepseek_v3_mla_and_shared_experts():
