@@ -74,6 +74,18 @@ def test_a_request_joining_breaks_the_async_flow():
     assert b["e2e_s"] == pytest.approx(4.3 - 1.5)
 
 
+def test_admission_holds_a_request_while_the_cache_holds_max_model_len_for_each_running():
+    """Neuron does not preempt: with 20 tokens of cache and max_model_len 8, at most 20 // 8 = 2
+    requests run, though a third's 6 tokens of blocks would fit. A, B, C (t=0, 4 in, 2 out):
+    prefill A 0-1, prefill B 1-2, decode [A, B] 2-2.5 (both done), then C: prefill 2.5-3.5,
+    decode [C] 3.5-4.0."""
+    res = simulate([Request(0.0, 4, 2)] * 3, Steps(), cfg(kv_tokens=20, max_model_len=8), keep_requests=True)
+    assert [r["e2e_s"] for r in res.per_request] == pytest.approx([2.5, 2.5, 4.0])
+    assert res.waited_for_kv == 1
+    free = simulate([Request(0.0, 4, 2)] * 3, Steps(), cfg(kv_tokens=24, max_model_len=8), keep_requests=True)
+    assert [r["e2e_s"] for r in free.per_request] == pytest.approx([3.5, 3.5, 3.5])  # 3 fit: one batch of 3
+
+
 def test_a_bad_engine_is_one_line():
     with pytest.raises(ServeError, match=r"--serving 'vllm': expected one of vllm-neuron, vllm-v0, none"):
         HostLoop.of("vllm", 0.1)

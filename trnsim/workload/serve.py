@@ -10,8 +10,11 @@ as soon as there is room: fewer than ``max_batch`` running and its KV blocks fre
 than ``chunk`` tokens is prefilled in chunks of ``chunk`` (chunked prefill), each chunk a step of
 its own at the smallest context bucket that holds it, attending to the chunks before it
 (``prior``); a decode step runs every running request's next token at the batch bucket of the
-running count and the KV bucket of the longest sequence. Admission reserves a request's whole KV
-(prompt + output, in blocks of ``block`` tokens) so no request is ever preempted; with
+running count and the KV bucket of the longest sequence. Preemption is not supported on Neuron
+(``neuron-scheduler.md``), so admission prevents it: a request is admitted only while fewer than
+``kv_tokens // max_model_len`` requests run or prefill (the scheduler's ``_max_kv_concurrent``:
+every running request may grow to ``max_model_len``), and it reserves its whole KV (prompt +
+output, in blocks of ``block`` tokens); with
 ``prefix_caching`` a request's leading ``prefix`` tokens that an earlier request of the same
 ``prefix_id`` already prefilled are not computed again (whole blocks; the cached blocks stay).
 
@@ -278,6 +281,8 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
     pad = {"pre_real": 0, "pre_run": 0, "bat_real": 0, "bat_run": 0, "kv_real": 0, "kv_run": 0}
     waited_ids: set[int] = set()
     last: tuple[int, ...] | None = None  # the requests the previous iteration decoded (None: it prefilled)
+    # Neuron's _max_kv_concurrent: requests the cache holds at max_model_len each (0 or less: no bound)
+    concurrent = (cfg.kv_tokens // cfg.max_model_len or cfg.max_batch) if cfg.max_model_len else cfg.max_batch
     while arrivals or waiting or running or prefilling is not None:
         while arrivals and requests[arrivals[0]].arrival <= t:
             i = arrivals.popleft()
@@ -285,7 +290,7 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
         if prefilling is None and waiting and len(running) < cfg.max_batch:
             head = waiting[0]
             need = -(-(head.req.prompt + head.req.output) // block)
-            if need <= free:
+            if need <= free and len(running) < concurrent:
                 waiting.popleft()
                 free -= need
                 head.blocks = need
