@@ -91,7 +91,7 @@ def test_buckets_follow_neurons_default_rule_and_pad():
     with pytest.raises(BucketError, match="a prefill of 12,289: more than the largest context bucket 12,288"):
         b.context_for(12289)
     est, _ = estimate_inference(TINY, tp=2, input_tokens=100, output_tokens=60, context_buckets=[128, 512],
-                                kv_buckets=[128, 256], cache_dir=None)
+                                kv_buckets=[128, 256], cache_dir=None, serving="none")  # the device's steps alone
     assert est.padding["prefill_tokens"] == 128 and est.padding["prefill_padding_percent"] == pytest.approx(21.875)
     assert est.padding["decode_kv_buckets"] == [128, 256] and len(est.decode_samples) == 2
     assert est.decode_samples[0][1] < est.decode_samples[1][1]  # a longer KV bucket reads more

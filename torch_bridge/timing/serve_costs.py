@@ -64,6 +64,7 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     cfg = ServeConfig(max_batch=args.max_batch, chunk=chunk, buckets=buckets, kv_tokens=int(kv_tokens),
                       prefix_caching=args.prefix_caching, max_model_len=mlen, host=host)
     setup = {"model": spec.name, "system": system.name, "config": system.chip.name, "tp": tp, "ep": ep,
+             "dp": getattr(args, "dp", 1),
              "dtype": args.dtype, "max_batch": args.max_batch, "chunk": chunk, "max_model_len": mlen,
              "buckets": buckets.to_dict(), "prefix_caching": args.prefix_caching, "serving": getattr(args, "serving", "vllm-neuron"),
              "host_step_ms": host.step_s * 1e3,
