@@ -129,7 +129,7 @@ out["engines"] = list(rep.engines)
 out["toy_busy_cycles"] = rep.engines["Toy"].busy_cycles
 out["toy_tpc"] = cfg.ticks_per_cycle("Toy")
 out["toy_clock"] = cfg.engine_clocks["Toy"]
-out["ticks"] = {e: simulate(cfg, [k], engine=e)[0].total_ticks for e in ("native", "simpy")}
+out["ticks"] = {e: simulate(cfg, [k], timeline=e)[0].total_ticks for e in ("native", "simpy")}
 out["bound"] = rep.bound
 row = kernel_rows([rep])[0]
 out["metric"] = row.get("toy_engine_active_time_percent")

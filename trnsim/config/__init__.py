@@ -74,6 +74,7 @@ CONFIG_DIR = shipped_dir("configs")
 #: new engine added without touching this file) is kept in ``CoreConfig.extra_engines`` and is
 #: read as ``core.<key>`` all the same, loaded, checked and overridden like the others.
 ENGINE_SECTIONS: dict[str, tuple[str, type]] = {}
+_SECTIONS_GENERATION = [0]  # bumped on every declaration: configs' clock memos are of one generation
 
 
 def engine_section(engine: str, key: str) -> Any:
@@ -85,6 +86,7 @@ def engine_section(engine: str, key: str) -> Any:
         if not dataclasses.is_dataclass(cls) or "clock" not in {f.name for f in dataclasses.fields(cls)}:
             raise TypeError(f"engine_section({engine!r}): {cls.__name__} must be a dataclass with a clock field")
         ENGINE_SECTIONS[engine] = (key, cls)
+        _SECTIONS_GENERATION[0] += 1
         TYPES[cls.__name__] = cls
         return cls
 
@@ -274,17 +276,34 @@ class ChipConfig:
     @property
     def engine_clocks(self) -> dict[str, int]:
         """Hz per engine, every engine of :data:`ENGINE_SECTIONS`."""
-        c = self.core
-        return {name: getattr(c, key).clock for name, (key, _) in ENGINE_SECTIONS.items()}
+        return dict(self._clock_memo()[1])
+
+    def _clock_memo(self) -> tuple[int, dict[str, int], int]:
+        # (engine table generation, clocks, tick rate), worked out once per config and engine
+        # table (the config is frozen; a section declared later is another generation): the
+        # simulator reads tick_hz thousands of times per small kernel
+        memo = self.__dict__.get("_clocks")
+        if memo is None or memo[0] != _SECTIONS_GENERATION[0]:
+            c = self.core
+            clocks = {name: getattr(c, key).clock for name, (key, _) in ENGINE_SECTIONS.items()}
+            memo = (_SECTIONS_GENERATION[0], clocks, math.lcm(*clocks.values()))
+            object.__setattr__(self, "_clocks", memo)
+        return memo
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_clocks", None)  # another process numbers its engine table on its own
+        return state
 
     @property
     def tick_hz(self) -> int:
         """Ticks per second of global simulated time: the LCM of every engine clock, so each
         engine cycle is a whole number of ticks and time stays an exact integer."""
-        return math.lcm(*self.engine_clocks.values())
+        return self._clock_memo()[2]
 
     def ticks_per_cycle(self, engine: str) -> int:
-        return self.tick_hz // self.engine_clocks[engine]
+        memo = self._clock_memo()
+        return memo[2] // memo[1][engine]
 
     def ps_to_ticks(self, ps: int) -> int:
         """Convert picoseconds to ticks, rounding up (a latency is never shortened)."""

@@ -546,7 +546,20 @@ class Device:
 
         params = dict(spec.params)
         parts = split_parts(spec.kernel, spec.shape, params, self.lnc)
-        return [build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own}) for s, own in parts]
+        # cores given the same share run the same kernel: a build is a function of its
+        # arguments, so it is made once and run on each of them (the simulator reads a kernel,
+        # never changes it)
+        built: list[tuple[tuple[Any, ...], Kernel]] = []
+        out = []
+        for s, own in parts:
+            for key, k in built:
+                if key == (s, own):
+                    break
+            else:
+                k = build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own})
+                built.append(((s, own), k))
+            out.append(k)
+        return out
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
         if self.simulate_off_thread:
