@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     base_rate = n_base / t_base
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
     print("simulator: " + ("native event loop" if native_available() else
-                           "simpy processes (trnsim.native._sched is not built)"))
+                           "simpy processes (trnsim.native.accel._sched is not built)"))
     print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8} "
           f"{'ref build s':>11} {'stream':>7} {'segs s':>7} {'simpy s':>8} {'ticks':>6}")
     ok = same_all = ticks_all = True
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         segs = tls[0].segments  # the native loop's timelines make this list when it is first read
         t_segs = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sim_ref = simulate(cfg, [kern], engine="simpy")[0]  # the reference: every tick must agree
+        sim_ref = simulate(cfg, [kern], timeline="simpy")[0]  # the reference: every tick must agree
         t_sim_ref = time.perf_counter() - t0
         ticks = ((sim_ref.total_ticks, sim_ref.ready, sim_ref.end, sim_ref.segments)
                  == (tls[0].total_ticks, tls[0].ready, tls[0].end, segs))

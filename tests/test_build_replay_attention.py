@@ -179,5 +179,5 @@ def test_replayed_groups_join_the_edge_log() -> None:
     kern = get_kernel("attention").make((1, 6, 1536, 64), "bf16", config)
     assert kern.replays > 0
     assert _logged_edges(kern, kern.instructions) is not None
-    native, ref = simulate(config, [kern])[0], simulate(config, [kern], engine="simpy")[0]
+    native, ref = simulate(config, [kern])[0], simulate(config, [kern], timeline="simpy")[0]
     assert (native.total_ticks, native.ready, native.end) == (ref.total_ticks, ref.ready, ref.end)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from trnsim.cli import main
-from trnsim.collectives.engine import parse_sizes
+from trnsim.collectives.runner import parse_sizes
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -107,7 +107,7 @@ def test_the_size_rule(collective, nbytes, ranks, algo, why):
         assert (r.algorithm, r.reason) == (algo, why)
     if ranks == 48:
         return
-    from trnsim.collectives.engine import CollectiveCall, resolve_call
+    from trnsim.collectives.runner import CollectiveCall, resolve_call
 
     res = resolve_call(system, CollectiveCall(collective, nbytes, ranks))
     assert (res.algorithm, res.reason) == (algo, why)

@@ -8,7 +8,7 @@ import simpy
 
 import trnsim
 from trnsim.bandwidth import BandwidthPipe
-from trnsim.collectives import ChipResources, CollectiveCall, CollectiveEngine, simulate_beside_kernels, \
+from trnsim.collectives import ChipResources, CollectiveCall, CollectiveRunner, simulate_beside_kernels, \
     simulate_collective
 from trnsim.collectives.trace import write_collective_trace
 from trnsim.config import load_system
@@ -51,13 +51,13 @@ def test_a_collective_beside_a_dma_bound_kernel_slows_both():
 
 
 def test_a_device_model_runs_collectives_in_its_own_environment():
-    """What the device model does: its own env and kernel timelines, a CollectiveEngine over
+    """What the device model does: its own env and kernel timelines, a CollectiveRunner over
     them, launches at given ticks, and per-rank completion events."""
     env = simpy.Environment()
     pipes = [BandwidthPipe(stack_bandwidth(CFG), CFG.tick_hz) for _ in range(CFG.chip.hbm.stacks)]
     idle = trnsim.Kernel("idle", CFG)
     tls = [CoreTimeline(env, CFG, idle, pipes[stack_of_core(CFG, c)], c) for c in range(CFG.chip.cores)]
-    engine = CollectiveEngine(TRN2, env, {0: ChipResources.from_timelines(tls, pipes)})
+    engine = CollectiveRunner(TRN2, env, {0: ChipResources.from_timelines(tls, pipes)})
     h = engine.launch(CollectiveCall("all-gather", 4 << 20, group=[0, 1, 2, 3], start=[0, 100, 200, 300]))
     seen = {}
 

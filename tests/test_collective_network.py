@@ -85,16 +85,18 @@ def test_one_transfer_exact_timeline():
 
 def test_two_flows_over_one_link_take_turns():
     """Ranks 0 (chip 0) and 4 (chip 1) both send 1 MiB to chip 2: the chip 1 -> chip 2 link
-    carries both, one 128 KiB chunk each in turn, so the second flow ends one chunk after the
-    first's last and the pair takes twice as long as one flow alone."""
+    carries both, their 128 KiB chunks reaching it at the same ticks: each pair of chunks is
+    served as one group that ends together (same-tick arrivals share, never the order simpy
+    ran them in), so both flows end on the link's last tick and the pair takes twice as long
+    as one flow alone."""
     k = _ticks()
     c = k["link"](128 << 10)
     both = simulate_collective(TRN2, "permute", 1 << 20, group=[0, 4, 8, 9], pairs=[(0, 8), (4, 9)], trace=True)
     alone = simulate_collective(TRN2, "permute", 1 << 20, group=[0, 4, 8, 9], pairs=[(0, 8)])
     shared = [(a, b) for lane, _, a, b in both.timeline if lane == "link chip 1 -> chip 2 (x+)"]
-    assert shared == [(6240 + i * c, 6240 + (i + 1) * c) for i in range(16)]
+    assert shared == [(6240 + 2 * i * c, 6240 + 2 * (i + 1) * c) for i in range(8)]
     assert alone.end_of(0) == 6240 + 8 * c + 2 * k["hop"] + k["done"] == 27920  # two hops, links in parallel
-    assert both.end_of(0) == 6240 + 15 * c + 2 * k["hop"] + k["done"]
+    assert both.end_of(0) == 6240 + 16 * c + 2 * k["hop"] + k["done"]
     assert both.end_of(4) == 6240 + 16 * c + k["hop"] + k["done"]
     assert both.time_ticks > 1.6 * alone.time_ticks
     assert both.link_bytes["chip 1 -> chip 2 (x+)"] == 2 << 20

@@ -15,7 +15,7 @@ from trnsim import Chip, load_config
 from trnsim.device import Device, KernelSpec
 from trnsim.extras import MissingExtra
 from trnsim.kernels import get_kernel
-from trnsim.metrics import COLUMNS, metrics_table, run_rows, write_kernel_metrics
+from trnsim.metrics import columns, metrics_table, run_rows, write_kernel_metrics
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -45,7 +45,7 @@ def kernel_report():
 
 def test_the_schema_uses_neuron_profiles_names_with_units(tmp_path, run_report):
     schema = pq.read_schema(run_report.to_parquet(tmp_path / "m.parquet"))
-    assert schema.names[:len(COLUMNS)] == [c[0] for c in COLUMNS]
+    assert schema.names[:len(columns())] == [c[0] for c in columns()]
     for name in ("tensor_engine_active_time_percent", "vector_engine_active_time_percent",
                  "dma_active_time_percent", "mfu_estimated_percent", "hbm_read_bytes", "hbm_write_bytes",
                  "dma_bytes", "bound", "source_line", "total_time"):

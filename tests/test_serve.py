@@ -4,7 +4,7 @@ timelines worked by hand (constant step times), and the workloads."""
 import pytest
 
 from trnsim.buckets import Buckets
-from trnsim.serve import Request, ServeConfig, ServeError, poisson_requests, read_trace, simulate
+from trnsim.serve import HostLoop, Request, ServeConfig, ServeError, poisson_requests, read_trace, simulate
 
 
 class Steps:
@@ -45,6 +45,38 @@ def test_two_requests_continuous_batching_by_hand():
     assert res.tpot.mean_ms == pytest.approx((1000 + 500) / 2)  # A: (3.0 - 1.0) / 2; B: (3.0 - 2.5) / 1
     assert res.itl.mean_ms == pytest.approx((500 + 1500 + 500) / 3)  # A's gaps 0.5, 1.5; B's 0.5
     assert (res.decode_steps, res.prefill_steps, res.mean_decode_batch, res.max_running) == (2, 2, 1.5, 2)
+
+
+def test_the_engine_host_loop_sync_and_async_by_hand():
+    """One request (4 in, 4 out), host 0.2 s per iteration, device prefill 1.0 s, decode 0.5 s.
+    vllm-v0 (sync): every step host + device: tokens at 1.2, 1.9, 2.6, 3.3.
+    vllm-neuron (async): the prefill and the first decode after it break the flow (the batch
+    changed): 1.2, 1.9; then the host prepares a step ahead: max(0.2, 0.5) = 0.5 each: 2.4, 2.9.
+    A host slower than the device (0.8 s) sets the pace: 1.8, 3.1, 3.9, 4.7."""
+    def run(mode, host):
+        res = simulate([Request(0.0, 4, 4)], Steps(), cfg(host=HostLoop.of(mode, host)), keep_requests=True)
+        return res.per_request[0]["ttft_s"], res.per_request[0]["e2e_s"]
+
+    assert run("vllm-v0", 0.2) == pytest.approx((1.2, 3.3))
+    assert run("vllm-neuron", 0.2) == pytest.approx((1.2, 2.9))
+    assert run("vllm-neuron", 0.8) == pytest.approx((1.8, 4.7))
+    assert run("none", 0.8) == pytest.approx((1.0, 2.5))  # no engine: the device steps alone
+
+
+def test_a_request_joining_breaks_the_async_flow():
+    """A (t=0, 4 in, 4 out), B (t=1.5, 4 in, 3 out); host 0.2 s, async. A: prefill to 1.2, decode
+    [A] 1.2-1.9 (flow broken by the prefill); B arrived: prefill B 1.9-3.1; decode [A, B] 3.1-3.8
+    (the batch changed: sync); decode [A, B] 3.8-4.3 (kept: max) -> A done (4 tokens), B done (3)."""
+    res = simulate([Request(0.0, 4, 4), Request(1.5, 4, 3)], Steps(), cfg(host=HostLoop.of("vllm-neuron", 0.2)),
+                   keep_requests=True)
+    a, b = res.per_request
+    assert a["e2e_s"] == pytest.approx(4.3) and b["ttft_s"] == pytest.approx(3.1 - 1.5)
+    assert b["e2e_s"] == pytest.approx(4.3 - 1.5)
+
+
+def test_a_bad_engine_is_one_line():
+    with pytest.raises(ServeError, match=r"--serving 'vllm': expected one of vllm-neuron, vllm-v0, none"):
+        HostLoop.of("vllm", 0.1)
 
 
 def test_a_full_batch_makes_the_second_request_wait():

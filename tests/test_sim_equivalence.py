@@ -1,5 +1,5 @@
-"""The native event loop (``simulate(..., engine="native")``, trnsim/native/sched.c) and the simpy
-processes it replaces (``engine="simpy"``, the reference) give the same simulation: total ticks,
+"""The native event loop (``simulate(..., timeline="native")``, trnsim/native/accel/sched.c) and the simpy
+processes it replaces (``timeline="simpy"``, the reference) give the same simulation: total ticks,
 every instruction's ready/end/trigger tick and owner, every trace segment in the same order, and
 the engines, DMA systems and HBM pipes left in the same state. On every registered library
 kernel (small ragged shapes, every dtype it takes) on trn1/trn2/trn3, on several cores sharing
@@ -19,7 +19,7 @@ from trnsim.sim import native_available, simulate
 
 from test_kernel_library import NEEDS_MX, SMALL  # one small ragged shape per kernel (partial tiles, loops)
 
-pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native._sched is not built")
+pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native.accel._sched is not built")
 
 
 def fingerprint(timelines: list[Any]) -> list[Any]:
@@ -39,8 +39,8 @@ def fingerprint(timelines: list[Any]) -> list[Any]:
 
 
 def assert_same(cfg: Any, kernels: list[Any]) -> None:
-    ref = fingerprint(simulate(cfg, kernels, engine="simpy"))
-    native = simulate(cfg, kernels, engine="native")
+    ref = fingerprint(simulate(cfg, kernels, timeline="simpy"))
+    native = simulate(cfg, kernels, timeline="native")
     assert all(type(t).__name__ == "_NativeTimeline" for t in native)  # not a fallback to simpy
     got = fingerprint(native)
     for core, (r, g) in enumerate(zip(ref, got)):
@@ -110,10 +110,12 @@ def test_tensor_and_dma_settings(overrides):
     assert_same(cfg, kernels)
 
 
-def test_engine_choice_is_checked():
+def test_the_timeline_choice_is_checked():
     cfg = load_config("trn2")
-    with pytest.raises(ValueError, match="simulate: engine must be one of auto, native, simpy, got 'fast'"):
-        simulate(cfg, [], engine="fast")
+    with pytest.raises(ValueError, match="simulate: timeline must be one of auto, native, simpy, got 'fast'"):
+        simulate(cfg, [], timeline="fast")
+    with pytest.raises(ValueError, match="simulate: timeline must be one of"):
+        simulate(cfg, [], engine="fast")  # its old name
 
 
 # ---- the builder's edge log (deps / first_deps as arrays from the C tracker) -------------------
@@ -265,4 +267,4 @@ def test_a_failing_cost_raises_the_first_error_in_program_order():
     late.engine = "Vector"  # no cost for an Activation; an engine costed before Sync's
     assert early.index < late.index
     with pytest.raises(NotImplementedError, match="^Sync engine has no cost for TensorScalar$"):
-        simulate(cfg, [kern], engine="native")
+        simulate(cfg, [kern], timeline="native")

@@ -1,4 +1,4 @@
-"""The simulator's one-pass C scan of a kernel's instructions (trnsim/native/scan.c, used by
+"""The simulator's one-pass C scan of a kernel's instructions (trnsim/native/accel/scan.c, used by
 ``trnsim.sim._type_column`` and the columns): numbering by the identity of each instruction's
 type, engine and cost fields gives exactly the columns (costs, lanes, labels, owners, DMA plans,
 edges) that the map() passes give instruction by instruction, and so the same simulation - on
@@ -22,7 +22,7 @@ from test_kernel_library import SMALL  # one small ragged shape per kernel (part
 from test_sim_equivalence import assert_same, fingerprint, library_kernels
 
 pytestmark = pytest.mark.skipif(not native_available() or sim._scan is None,
-                                reason="trnsim.native._sched or _scan is not built")
+                                reason="trnsim.native.accel._sched or _scan is not built")
 
 COLUMNS = ("engine", "kind", "busy", "lat", "ls", "owner", "plan", "dep_off", "deps", "has_first", "first_off",
            "first", "lanes", "labels", "owners")
@@ -50,8 +50,8 @@ def same_with_and_without_scan(cfg: Any, kern: Any, monkeypatch: Any) -> None:
         assert fast[name] == slow[name], f"column {name} differs"
     with monkeypatch.context() as m:
         m.setattr(sim, "_scan", None)
-        ref = fingerprint(simulate(cfg, [kern], engine="native"))
-    assert fingerprint(simulate(cfg, [kern], engine="native")) == ref
+        ref = fingerprint(simulate(cfg, [kern], timeline="native"))
+    assert fingerprint(simulate(cfg, [kern], timeline="native")) == ref
     assert_same(cfg, [kern])  # and both are the simpy reference's
 
 
@@ -103,10 +103,10 @@ def test_an_unknown_engine_is_the_same_error(monkeypatch):
     cfg, kern = _edited("none")
     kern.instructions[7].engine = "Nope"
     with pytest.raises(KeyError, match="^'Nope'$"):
-        simulate(cfg, [kern], engine="native")
+        simulate(cfg, [kern], timeline="native")
     monkeypatch.setattr(sim, "_scan", None)
     with pytest.raises(KeyError, match="^'Nope'$"):
-        simulate(cfg, [kern], engine="native")
+        simulate(cfg, [kern], timeline="native")
 
 
 def test_a_missing_operand_falls_back_to_the_map_passes(monkeypatch):
@@ -119,7 +119,7 @@ def test_a_missing_operand_falls_back_to_the_map_passes(monkeypatch):
     del m.moving
     assert sim._type_column(kern, sim._ScanFields())[2] is None
     with pytest.raises(AttributeError, match="moving"):
-        simulate(cfg, [kern], engine="native")
+        simulate(cfg, [kern], timeline="native")
 
 
 # ---- the C function itself -------------------------------------------------------------------

@@ -9,7 +9,8 @@ torch that lacks one fails with a message naming it and the pinned version inste
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +37,7 @@ REQUIRED: dict[str, str] = {
     "torch._guards.TracingContext.try_get": "no launch for kernels run while torch.compile traces",
     "torch._C._get_dispatch_mode": "no launch for kernels run while torch.compile traces",
     "torch._C._TorchDispatchModeKey": "no launch for kernels run while torch.compile traces",
+    "torch._guards._TLS": "telling the native fast path when torch.compile traces (watch_tracing)",
     "torch._C._dynamo.eval_frame.set_code_exec_strategy": "dynamo never compiling the kernels' own wrapper frame",
     "torch._C._dynamo.eval_frame._FrameExecStrategy": "dynamo never compiling the kernels' own wrapper frame",
     "torch._C._dynamo.eval_frame._FrameAction": "dynamo never compiling the kernels' own wrapper frame",
@@ -126,6 +128,35 @@ def tracing() -> bool:
     the graph on fake tensors, and run the real kernel of an op whose inputs are constants.
     Kernels run then are the compiler's, not the program's (two thread-local lookups)."""
     return _tracing_context() is not None or _dispatch_mode(_FAKE) is not None
+
+
+class _WatchedTLS(threading.local):
+    """torch._guards' thread-local state, telling :data:`_tracing_watchers` on the thread that
+    enters or leaves a TracingContext (``torch._guards.tracing`` sets ``tracing_context``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "tracing_context":
+            for notify in _tracing_watchers:
+                notify(value is not None)
+
+
+_tracing_watchers: list[Callable[[bool], None]] = []
+
+
+def watch_tracing(notify: Callable[[bool], None]) -> None:
+    """Call ``notify(on)`` on the thread that enters (True) or leaves (False) torch.compile's
+    trace. Native code cannot read the Python thread-local :func:`tracing` reads (the native fast
+    path must step aside while dynamo traces), so torch._guards' thread-local becomes one that
+    says when its ``tracing_context`` changes. Only ``torch._guards`` reads it (by its global name)."""
+    guards = importlib.import_module("torch._guards")
+    _tracing_watchers.append(notify)
+    if not isinstance(guards._TLS, _WatchedTLS):
+        watched = _WatchedTLS()
+        for name, value in vars(guards._TLS).items():  # this thread's state (others' is set later by them)
+            setattr(watched, name, value)
+        guards._TLS = watched
+    notify(_tracing_context() is not None)
 
 
 def dynamo_skip(code: Any) -> None:

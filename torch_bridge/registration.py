@@ -47,6 +47,13 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
               "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
               "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
               "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
+# Structured ops whose meta function builds a TensorIterator that does not take CPU scalars: left
+# to their CompositeExplicitAutogradNonFunctional kernels, a 0-dim host min/max beside device
+# tensors was refused ("Expected all tensors to be on the same device") where CPU computes with it
+# (found by difftest: clamp.Tensor). Claimed, they take the fallback's device check (0-dim host
+# tensors act as scalars, as for add) and CPU's kernel, so CPU's promotion and values.
+HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_min.Tensor", "clamp_min_.Tensor",
+                   "clamp_min.Tensor_out", "clamp_max.Tensor", "clamp_max_.Tensor", "clamp_max.Tensor_out")
 
 # TensorE ops whose float32 calls the fast path runs on the datapath itself (values.mm's, addmm's
 # and bmm's Python kernels, on SLOW_KEY, serve every other call).
@@ -137,8 +144,8 @@ def register_kernels() -> None:
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
-    for name in WHOLE_OPS + DIRECT_OPS:
-        kernel = functools.partial(values.same_device_fallback if name in DIRECT_OPS else values.fallback, _aten(name))
+    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS:
+        kernel = functools.partial(values.fallback if name in WHOLE_OPS else values.same_device_fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)
     fast_foreach = []  # in-place ones: the fast path's kernel, their Python one on SLOW_KEY
     for qualified in _torch.all_op_names():  # every functional/in-place _foreach_* op
@@ -165,5 +172,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

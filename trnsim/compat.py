@@ -19,7 +19,7 @@ import importlib.machinery
 import sys
 from types import ModuleType
 
-__all__ = ["ALIASES", "install", "resolve"]
+__all__ = ["ALIASES", "RENAMED", "install", "resolve", "renamed"]
 
 ALIASES: dict[str, str] = {
     # the model: config, isa, builder, memory, sim
@@ -30,6 +30,11 @@ ALIASES: dict[str, str] = {
     "trnsim.chip": "trnsim.sim.chip",
     "trnsim.report": "trnsim.sim.report",
     "trnsim.schedule": "trnsim.sim.list_schedule",
+    # the simulator's C accelerators, apart from the numerics (trnsim.native.accel)
+    "trnsim.native._sched": "trnsim.native.accel._sched",
+    "trnsim.native._scan": "trnsim.native.accel._scan",
+    "trnsim.native._deptrack": "trnsim.native.accel._deptrack",
+    "trnsim.native._clone": "trnsim.native.accel._clone",
     # the device model
     "trnsim.costcache": "trnsim.device.costcache",
     "trnsim.ranks": "trnsim.device.ranks",
@@ -50,6 +55,8 @@ ALIASES: dict[str, str] = {
     "trnsim.cli_estimate": "trnsim.cli.estimate",
     "trnsim.cli_serve": "trnsim.cli.serve",
     "trnsim.sweep_ray": "trnsim.sweep.on_ray",
+    # collectives: the runner of collectives on the network (was "engine", a word the cores own)
+    "trnsim.collectives.engine": "trnsim.collectives.runner",
     "trnsim.estimate_points": "trnsim.sweep.estimates",
     # torch_bridge: eager mechanisms, whole-op kernels, torch.neuron, distributed, timing-only
     "torch_bridge.values": "torch_bridge.eager.values",
@@ -80,6 +87,30 @@ ALIASES: dict[str, str] = {
     "torch_bridge.train_step": "torch_bridge.timing.train_step",
     "torch_bridge.fuse_regions": "torch_bridge.timing.fuse_regions",
 }
+
+
+#: Names renamed so that one name means one thing (issue 23), old dotted name -> new dotted name.
+#: The module that held the old name answers for it (its module ``__getattr__`` calls
+#: :func:`renamed`), so ``from trnsim.nki import Kernel`` keeps working; new code uses the new name.
+RENAMED: dict[str, str] = {
+    # a jitted NKI function, not the instruction-stream builder trnsim.Kernel
+    "trnsim.nki.Kernel": "trnsim.nki.JitKernel",
+    # runs collectives on the network; not an engine of a NeuronCore
+    "trnsim.collectives.CollectiveEngine": "trnsim.collectives.CollectiveRunner",
+    "trnsim.collectives.runner.CollectiveEngine": "trnsim.collectives.runner.CollectiveRunner",
+    # which timeline simulate() runs (the C loop or the simpy processes); not an engine either
+    "trnsim.sim.SIM_ENGINES": "trnsim.sim.TIMELINES",
+}
+
+
+def renamed(module: str, name: str) -> object:
+    """The object an old name of ``module`` now has (:data:`RENAMED`); AttributeError when
+    ``name`` is not an old name there (a module's ``__getattr__`` returns this)."""
+    new = RENAMED.get(f"{module}.{name}")
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    home, _, attr = new.rpartition(".")
+    return getattr(importlib.import_module(home), attr)
 
 
 def resolve(name: str) -> str:

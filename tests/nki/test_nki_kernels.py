@@ -49,7 +49,7 @@ def test_tiled_matmul_bf16_and_program_order():
     r = nki.run(K.tiled_matmul, a, b)
     want = a.astype(np.float32).T @ b.astype(np.float32)
     assert r.outputs.dtype == ml_dtypes.bfloat16 and rel_err(r.outputs, want) < 1e-2
-    plain = nki.Kernel(K.tiled_matmul.fn, schedule=False).run(a, b)
+    plain = nki.JitKernel(K.tiled_matmul.fn, schedule=False).run(a, b)
     assert plain.schedule_stats.policy == "program order"
     assert np.array_equal(plain.outputs.view(np.uint16), r.outputs.view(np.uint16))  # same values in any order
     assert plain.report.total_ticks == r.schedule_stats.as_built_ticks >= r.report.total_ticks

@@ -1,5 +1,7 @@
 """Ops given tensors on two devices raise CUDA's error, where they used to compute silently."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,43 @@ def test_host_scalars_and_host_indices_still_mix():
     assert x[torch.tensor([1, 3])].cpu().tolist() == [1.0, 3.0]  # host indices, as on CUDA
     x[torch.tensor([0])] = 9.0
     assert x.cpu().tolist() == [9.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_clamp_takes_host_scalar_bounds_as_cpu_does(fast):
+    """clamp's Tensor overloads with a 0-dim host min/max beside device tensors compute CPU's values
+    and dtypes (their structured meta refused them as two devices: found by difftest); a 1-d host
+    bound is another device, refused with CUDA's error."""
+    from torch_bridge import fastpath
+
+    before = fastpath.enabled()
+    fastpath.set_enabled(fast)
+    try:
+        torch.manual_seed(0)
+        for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+            x = (torch.randn(3, 4) * 4).to(dt)
+            for bdt in (torch.float32, torch.int64, torch.float16):
+                lo, hi = torch.tensor(-1.5).to(bdt), torch.tensor(2.5).to(bdt)
+                calls = {
+                    "clamp": lambda t: torch.clamp(t, lo, hi), "clamp_min": lambda t: torch.clamp(t, min=lo),
+                    "clamp_max": lambda t: torch.clamp_max(t, hi), "clamp_min_t": lambda t: torch.clamp_min(t, lo),
+                    "clamp_": lambda t: t.clone().clamp_(lo, hi), "clamp_max_": lambda t: t.clone().clamp_max_(hi),
+                    "out": lambda t: torch.clamp(t, lo, hi, out=torch.empty(0, dtype=t.dtype, device=t.device))}
+                for name, call in calls.items():
+                    for _ in range(2):  # (the fast path learns a signature's cost, then serves it)
+                        try:
+                            want = call(x)
+                        except RuntimeError as e:  # CPU refuses (an int out= for a float bound): so does neuron
+                            with pytest.raises(RuntimeError, match=re.escape(str(e).splitlines()[0])):
+                                call(x.to("neuron"))
+                            continue
+                        got = call(x.to("neuron"))
+                        assert got.device.type == "neuron" and got.dtype == want.dtype, (name, dt, bdt)
+                        assert torch.equal(got.cpu(), want), (name, dt, bdt)
+        with pytest.raises(RuntimeError, match=MSG.format("cpu", N0)):
+            torch.clamp(torch.ones(3, device="neuron"), torch.tensor([0.5]))
+    finally:
+        fastpath.set_enabled(before)
 
 
 def test_shape_errors_are_cpus():

@@ -392,3 +392,28 @@ def test_the_first_batch_norm_of_a_process_moves_the_running_statistics_once():
     r = subprocess.run([sys.executable, "-c", _FIRST_BATCH_NORM], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[True, True]"
+
+
+def test_the_fast_path_steps_aside_while_torch_compile_traces():
+    """Kernels torch.compile runs while it traces (constants evaluated for real, with or without a
+    fake mode on) are the compiler's: Python's path charges none of them. The native side cannot
+    read dynamo's TracingContext (a Python thread-local); it is told on entering and leaving it, and
+    a copy whose signature eager code taught is not charged inside a trace (issue 25)."""
+    from torch._guards import TracingContext, tracing
+
+    x = torch.randn(8, 4, device="neuron")
+    host = torch.randn(8, 4)
+    with fast(True):
+        assert served(lambda: (x.clone(), host.to("neuron"))) >= 2  # both copies' signatures taught
+        torch.neuron.synchronize()
+        with torch.neuron.report_scope() as scope:
+            with tracing(TracingContext(None)):
+                y, z = x.clone(), host.to("neuron")
+            torch.neuron.synchronize()
+        assert scope.report.launches == 0, [(r.op, r.calls) for r in scope.report.rows]
+        assert torch.equal(y.cpu(), x.cpu()) and torch.equal(z.cpu(), host)
+        with torch.neuron.report_scope() as after:  # and served again once the trace is left
+            before = fastpath.hits()
+            x.clone(), host.to("neuron")
+            torch.neuron.synchronize()
+        assert fastpath.hits() - before == 2 and after.report.launches == 2

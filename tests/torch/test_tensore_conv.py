@@ -2,6 +2,8 @@
 per group of the weights and the im2col patches (the definition), whichever way it computes
 them (one matmul, a batch of them, or trnsim.native.conv2d_grouped for depthwise-like groups)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -76,3 +78,26 @@ def test_a_channels_last_input_gives_the_same_bits():
         want = _by_definition(x, w, (1, 1), pad, (1, 1), groups)
         got = tensore.conv_f32(xl, w, (1, 1), pad, (1, 1), groups)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_a_neuron_convolution_takes_the_datapath_exactly_when_its_inputs_are_finite():
+    """values.convolution's test is 'every element finite', made by a sum first: finite elements
+    whose sum overflows still take the datapath, an infinity or NaN anywhere takes CPU's."""
+    from torch_bridge.eager.values import all_finite
+
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(2, 64, 6, 6, generator=g)
+    big[0, 0, 0, :2] = 3e38  # finite, but the sum overflows
+    assert all_finite(big) and not math.isfinite(big.sum().item())
+    assert not all_finite(big.new_tensor([1.0, float("nan")]))
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")]))  # sums to NaN
+    assert all_finite(torch.zeros(0)) and all_finite(torch.tensor([65504.0, 65504.0]).half())
+    w = torch.randn(8, 64, 3, 3, generator=g) * 1e-3
+    x = torch.randn(2, 64, 6, 6, generator=g)
+    for x, wt, datapath in ((big, w, True), (x, w.clone().index_fill_(0, torch.tensor([2]), float("inf")), False),
+                            (x.clone().index_fill_(3, torch.tensor([1]), float("nan")), w, False)):
+        want = tensore.conv_f32(x, wt, (1, 1), (1, 1), (1, 1), 1)
+        cpu = torch.nn.functional.conv2d(x, wt, padding=1)
+        assert not torch.equal(want.view(torch.int32), cpu.view(torch.int32))  # the two paths tell apart
+        got = torch.nn.functional.conv2d(x.to("neuron"), wt.to("neuron"), padding=1).cpu()
+        assert torch.equal(got.view(torch.int32), (want if datapath else cpu).view(torch.int32))

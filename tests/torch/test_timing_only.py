@@ -286,3 +286,30 @@ def test_a_composite_given_a_wrapped_scalar_runs_as_eager_does():
             assert torch.remainder(torch.empty(3, dtype=dtype, device="neuron"), other).dtype == cpu.dtype
     pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
     assert pick(fake.report) == pick(eager.report) and pick(eager.report)
+
+
+@pytest.mark.parametrize("name", ["_log_softmax_backward_data", "_softmax_backward_data"])
+def test_softmax_backwards_give_the_devices_dtype(name):
+    """Found by difftest's long run: _log_softmax_backward_data of an empty int64/bool gradient
+    raised timing-only (PyTorch's out= decomposition casts to input_dtype and refused the integer
+    out) where CPU returns it as it is; PyTorch's meta kernel also gives input_dtype where CPU and
+    CUDA give the gradient's dtype (bf16 gradient, fp32 input_dtype). Timing-only follows the
+    device: dtype, shape and contiguous strides as CPU's, the eager charge, CPU's refusal of a
+    non-empty integer gradient."""
+    op = getattr(torch.ops.aten, name).default
+    for dt, idt, n in ((torch.int64, torch.float32, 0), (torch.bool, torch.float16, 0), (torch.bfloat16, torch.float32, 3),
+                       (torch.float32, torch.int64, 3), (torch.float16, torch.float16, 3), (torch.float32, torch.float32, 0)):
+        g = torch.ones(n, 5, dtype=dt).t()
+        want = op(g, g, 0, idt)
+        with torch.neuron.report_scope() as eager:
+            op(g.to("neuron"), g.to("neuron"), 0, idt)
+        with torch.neuron.timing_only():
+            gg = torch.empty(n, 5, dtype=dt, device="neuron").t()
+            with torch.neuron.report_scope() as fake:
+                got = op(gg, gg, 0, idt)
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), (dt, idt, n)
+        pick = lambda rep: [(r.op, r.kernel, r.time_us) for r in rep.rows if r.op != "_copy_from"]  # noqa: E731
+        assert pick(fake.report) == pick(eager.report) and pick(eager.report), (dt, idt, n)
+    with torch.neuron.timing_only(), pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
+        gg = torch.empty(2, 5, dtype=torch.int64, device="neuron")
+        op(gg, gg, 1, torch.float32)

@@ -19,6 +19,7 @@
 #include <c10/core/GeneratorImpl.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <ATen/record_function.h>
@@ -575,6 +576,16 @@ std::unordered_map<std::string, int64_t> g_costs;  // signature -> Python's cost
 std::atomic<int> g_fast_master{0};  // the fast path is on (Python: TRNSIM_FASTPATH, tests)
 std::atomic<int> g_fast_launch{0};  // launches may be logged (the device model's gate)
 std::atomic<int64_t> g_fast_hits{0};
+// This thread is inside torch.compile's trace (Python sets it when dynamo's TracingContext is entered
+// or left: torch_bridge._torch.watch_tracing). Kernels run then - constants dynamo or the fake mode
+// evaluate for real - are the compiler's, not the program's: Python's path runs them and charges
+// nothing (runtime.charge's rule); served here, a signature eager code had taught was charged.
+thread_local int t_tracing = 0;
+
+bool tracing() {
+  return t_tracing != 0 ||
+         c10::impl::TorchDispatchModeTLS::get_mode(c10::impl::TorchDispatchModeKey::FAKE).has_value();
+}
 
 struct Learn {
   const c10::OperatorHandle* op = nullptr;
@@ -1233,7 +1244,7 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
 
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
-      g_log_count.load(std::memory_order_relaxed) >= kLogMax) {
+      g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
     return slow(op, stack);
   }
   const OpFast& f = op_fast(op);
@@ -1606,6 +1617,7 @@ void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chu
 }
 int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
+void trnsim_fast_tracing(int on) { t_tracing = on; }  // (the calling thread's)
 void trnsim_fast_history(int on) { g_history.store(on); }
 int64_t trnsim_fast_hits() { return g_fast_hits.load(); }
 int64_t* trnsim_log_count_ptr() { return reinterpret_cast<int64_t*>(&g_log_count); }

@@ -20,7 +20,9 @@ device takes the logged launches before it issues or reports anything, and issue
 as :meth:`~trnsim.device.Device.launch` would have, so reports, traces and cycles are the same
 with the fast path on or off. The device closes the log's gate while a launch would depend on
 more than its op and cost (graph capture, adaptive eager, a launch context, another stream), and
-the native side steps aside by itself while torch.profiler records or memory history is on.
+the native side steps aside by itself while torch.profiler records or memory history is on, and
+while torch.compile traces (a fake mode is on, or dynamo's TracingContext: :func:`torch_bridge._torch.watch_tracing`
+tells it), so the kernels the compiler runs then are Python's, which charges none of them.
 
 ``TRNSIM_FASTPATH=0`` turns the fast path off (every op runs the Python fallback).
 """
@@ -33,6 +35,8 @@ import threading
 from typing import Any, Iterator
 
 from trnsim.device import OpCost
+
+from .. import _torch
 
 __all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach", "datapath_seconds"]
 
@@ -97,6 +101,9 @@ def install(lib: Any, names: list[str]) -> None:
         raise RuntimeError("trnsim: registering the neuron device's native fast path failed")
     _lib = lib
     set_enabled(os.environ.get("TRNSIM_FASTPATH", "").strip() != "0")
+    # kernels torch.compile runs while it traces are Python's (which charges none of them): the
+    # native side cannot see dynamo's TracingContext, so it is told on entering and leaving it
+    _torch.watch_tracing(lambda on: lib.trnsim_fast_tracing(int(on)))
 
 
 def attach(device: Any, k_chunk: int) -> None:

@@ -56,7 +56,8 @@ INFERENCE_ASSUMPTIONS = (
     "one kernel per aten op (no cross-op fusion by the compiler; fused attention and matmul library kernels)",
     "attention is one fused kernel per layer (causal flash attention in prefill)",
     "KV cache preallocated for input + output tokens; a decode step attends over the tokens so far",
-    "no speculative decoding, no serving stack (batching, tokenizer, network)",
+    "no speculative decoding; of the serving stack only the engine's host loop (--serving), no batching, tokenizer or "
+    "network",
 )
 
 
@@ -233,7 +234,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
                        trace: bool = False, layers: int | None = None, eager: bool = False, ep: int = 1,
-                       **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
+                       serving: str = "vllm-neuron", **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
 
     By default the decoder layers run as NxD Inference runs them - the NKI library's kernels at
@@ -242,6 +243,9 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     ``context_buckets``, ``kv_buckets``, ``batch_buckets``; ``sp`` None is Neuron's default,
     sequence-parallel prefill when ``tp > 1``). ``eager`` runs every aten op as its own kernel
     instead (``sp`` None: off), as follows.
+
+    ``serving`` is the serving engine whose host loop TTFT and TPOT include
+    (:class:`trnsim.workload.serve.HostLoop`: ``vllm-neuron``, ``vllm-v0`` or ``none``).
 
     ``samples`` decode steps are simulated at evenly spaced KV lengths (the first and last
     included); ``cache_dir`` True uses the default cost cache, None or False none; ``layers``
@@ -255,7 +259,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
                                           input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
                                           overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
-                                          **buckets)
+                                          serving=serving, **buckets)
     if ep != 1:
         raise EstimateError(f"--ep {ep}: expert parallelism is a layout of the kernel lowering; --eager shards "
                             f"experts over --tp only")
@@ -271,6 +275,11 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                     ("--samples", samples)):
         _positive(name, v)
     dt = _dtype(dtype)
+    from trnsim.workload.serve import HostLoop, ServeError
+    try:
+        host = HostLoop.of(serving, sysc.chip.host.serve_step * 1e-12)
+    except ServeError as e:
+        raise EstimateError(str(e)) from None
     _check(spec, sysc, plan, dtype)
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples)
     check_batch(spec, sysc, plan.tp, plan.pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
@@ -297,6 +306,13 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     decode = [(n, (sum(s["decode_ticks"][i] for s in stages) + sum(p2p_decode)) / hz * 1e3)
               for i, n in enumerate(lengths)]
     tpot = mean_decode(decode, input_tokens + 1, input_tokens + output_tokens - 1) if decode else 0.0
+    # the engine's host loop (HostLoop): the prefill and the first decode step run with the flow
+    # broken, the later steps keep it; the mean step stands for each steady one
+    steps = output_tokens - 1
+    if decode and steps:
+        tpot = (host.step(tpot * 1e-3, True) * (steps - 1) + host.step(decode[0][1] * 1e-3, False)) / steps * 1e3
+        decode = [(n, host.step(ms * 1e-3, True) * 1e3) for n, ms in decode]
+    ttft = host.step(ttft * 1e-3, False) * 1e3
     e2e_ms = ttft + (output_tokens - 1) * tpot
     per_request = output_tokens / (e2e_ms / 1e3) if e2e_ms else 0.0
     middle = stages[0]["decode_reports"][len(lengths) // 2] if lengths else None
@@ -308,7 +324,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         tokens_per_s=per_request, system_tokens_per_s=per_request * batch * dp, decode_samples=tuple(decode),
         prefill=stages[0]["prefill_report"], decode=middle or stages[0]["prefill_report"],
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall,
+        wall_s=time.perf_counter() - t_wall, serving=serving, host_step_ms=host.step_s * 1e3,
         assumptions=INFERENCE_ASSUMPTIONS + ((f"prompt padded to {prompt} tokens for sequence parallelism",)
                                              if prompt != input_tokens else ()) + tuple(refused))
     return est, traces

@@ -30,6 +30,7 @@ from trnsim.config import SystemConfig, load_system
 from trnsim.device.costcache import CostCache, default_cache_dir
 from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
 from trnsim.workload.models import ModelConfig, load_model
+from trnsim.workload.serve import HostLoop, ServeError
 
 from . import models, nxdi
 from .nxdi import Call, Layer, Shards
@@ -43,8 +44,28 @@ ASSUMPTIONS = (
     "on-device greedy sampling: each rank's max over its vocabulary shard, values and indices gathered",
     "KV cache allocated for the largest batch and KV bucket; a decode step attends over its KV bucket",
     "MoE tokens spread evenly over the experts (balanced routing)",
-    "no speculative decoding, no serving stack (scheduler, tokenizer, network)",
+    "no speculative decoding; of the serving stack only the engine's host loop (--serving), no tokenizer or network",
 )
+
+
+def serving_times(host: HostLoop, prefill_ms: float, decode: Sequence[tuple[int, float, int]]
+                  ) -> tuple[float, list[tuple[int, float, int]], float]:
+    """(TTFT, decode steps as (KV, wall ms, count), the first decode step's wall ms) of one request
+    batch under the engine's host loop: the prefill and the first decode step after it run with
+    the flow broken (the batch changed), every later decode step keeps it."""
+    ms = 1e-3
+    ttft = host.step(prefill_ms * ms, False) / ms
+    steady = [(kv, host.step(d * ms, True) / ms, n) for kv, d, n in decode]
+    first = host.step(decode[0][1] * ms, False) / ms if decode else 0.0
+    return ttft, steady, first
+
+
+def mean_step(steady: Sequence[tuple[int, float, int]], first: float) -> float:
+    """The mean decode step of ``steady`` with its first step taking ``first``."""
+    steps = sum(n for _, _, n in steady)
+    if not steps:
+        return 0.0
+    return (sum(w * n for _, w, n in steady) - steady[0][1] + first) / steps
 
 
 @functools.lru_cache(maxsize=16)
@@ -171,7 +192,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                                trace: bool = False, layers: int | None = None, max_context: int | None = None,
                                max_model_len: int | None = None, context_buckets: Sequence[int] | None = None,
                                kv_buckets: Sequence[int] | None = None, batch_buckets: Sequence[int] | None = None,
-                               ) -> tuple[InferenceEstimate, list[Any]]:
+                               serving: str = "vllm-neuron") -> tuple[InferenceEstimate, list[Any]]:
     """TTFT, TPOT and tokens/s with the layers lowered to the library kernels (module docstring).
 
     ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
@@ -186,6 +207,10 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens), ("--ep", ep)):
         _positive(name, v)
     dt = _dtype(dtype)
+    try:
+        host = HostLoop.of(serving, sysc.chip.host.serve_step * 1e-12)
+    except ServeError as e:
+        raise EstimateError(str(e)) from None
     if dtype not in nxdi.KERNEL_DTYPES:
         raise EstimateError(f"--dtype {dtype}: the library's transformer kernels take {' or '.join(nxdi.KERNEL_DTYPES)}; "
                             f"run --eager for {dtype}")
@@ -262,11 +287,11 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     p2p_prefill = _send_recv_ticks(sysc, plan, bb * prompt * hidden_bytes, reports, dtype)
     p2p_decode = _send_recv_ticks(sysc, plan, bb * hidden_bytes, reports, dtype)
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
-    ttft = (sum(s["prefill_ticks"] for s in stages) + sum(p2p_prefill)) / hz * 1e3
-    decode = [(min(ns), (sum(s["decode"][kvb][0] for s in stages) + sum(p2p_decode)) / hz * 1e3, len(ns))
-              for kvb, ns in sorted(per_bucket.items())]
-    steps = sum(c for _, _, c in decode)
-    tpot = sum(ms * c for _, ms, c in decode) / steps if steps else 0.0
+    device_prefill = (sum(s["prefill_ticks"] for s in stages) + sum(p2p_prefill)) / hz * 1e3
+    device_decode = [(min(ns), (sum(s["decode"][kvb][0] for s in stages) + sum(p2p_decode)) / hz * 1e3, len(ns))
+                     for kvb, ns in sorted(per_bucket.items())]
+    ttft, decode, first_step = serving_times(host, device_prefill, device_decode)
+    tpot = mean_step(decode, first_step)
     e2e_ms = ttft + (output_tokens - 1) * tpot
     per_request = output_tokens / (e2e_ms / 1e3) if e2e_ms else 0.0
     busiest = max(per_bucket, key=lambda k: len(per_bucket[k])) if per_bucket else None
@@ -288,7 +313,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
         plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp_on, **({"ep": ep} if ep > 1 else {})}, ranks=plan.size,
         batch=batch, input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype, ttft_ms=ttft, tpot_ms=tpot,
-        tpot_first_ms=decode[0][1] if decode else 0.0, tpot_last_ms=decode[-1][1] if decode else 0.0,
+        tpot_first_ms=first_step, tpot_last_ms=decode[-1][1] if decode else 0.0,
         tokens_per_s=per_request, system_tokens_per_s=per_request * batch * dp,
         decode_samples=tuple((n, ms) for n, ms, _ in decode),
         prefill=stages[0]["prefill_report"],
@@ -296,7 +321,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
         wall_s=time.perf_counter() - t_wall, assumptions=ASSUMPTIONS + tuple(notes) + tuple(refused),
         lowering=lowering, buckets=buckets.to_dict(), padding=padding,
-        decode_kv=busiest or 0)
+        decode_kv=busiest or 0, serving=serving, host_step_ms=host.step_s * 1e3)
     return est, traces
 
 

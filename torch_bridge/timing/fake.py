@@ -143,6 +143,30 @@ _EXPLICIT = {"empty": "alloc", "empty_strided": "alloc", "resize_": "alloc", "_c
 _facts: dict[Any, _Facts] = {}
 
 
+_C10_NAMES = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+              torch.bool: "Bool"}  # (c10's names of the integer dtypes, as its kernels' errors say them)
+
+
+def _softmax_backward_result(name: str, grad_output: Any, output: Any, dim: int, input_dtype: Any) -> Any:
+    """The softmax backwards' result as the device gives it (CPU's and CUDA's structured meta
+    function): grad_output's dtype and shape, contiguous; half where a float gradient meets a half
+    input (softmax(x_fp16, dtype=float32)). PyTorch's meta kernel gives input_dtype instead, and its
+    out= decomposition refused the empty integer gradient CPU returns as it is (found by difftest's
+    long run: _log_softmax_backward_data timing-only on empty int64/bool). Non-empty integers are
+    refused as CPU's kernel refuses them."""
+    dtype = torch.half if grad_output.dtype == torch.float and input_dtype == torch.half else grad_output.dtype
+    if grad_output.numel() and not dtype.is_floating_point:
+        raise NotImplementedError(f'"{name}" not implemented for \'{_C10_NAMES.get(dtype, str(dtype)[6:])}\'')
+    return torch.empty(grad_output.shape, dtype=dtype, device=grad_output.device)
+
+
+# ops whose result the device makes otherwise than PyTorch's meta kernel (name -> the result, made
+# under the fake mode from the functional op's arguments)
+_DEVICE_RESULTS: dict[str, Callable[..., Any]] = {
+    "_softmax_backward_data": functools.partial(_softmax_backward_result, "softmax_backward_data"),
+    "_log_softmax_backward_data": functools.partial(_softmax_backward_result, "log_softmax_backward_data")}
+
+
 def _facts_of(op: Any) -> _Facts:
     f = _facts.get(op)
     if f is None:
@@ -232,6 +256,9 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             if fuser is not None and fuser.pending and not fuser.flushing and facts.is_view:
                 fuser.record(target.core_of(index), func, args, kwargs, out, None)  # a region may read through it
             return out
+        device_result = _DEVICE_RESULTS.get(facts.name) if not facts.out_names else None
+        if device_result is not None:
+            kind = "fallback"  # (charged as the op, as eager's fallback charges it)
         if kind == "direct":
             return self._call(func, facts, args, kwargs)
         if kind == "composite":
@@ -262,7 +289,11 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             if is_neuron(src) and not is_neuron(dst):  # to the host: the host waits for the device
                 self.run.synchronize(core)
             return dst
-        out = self._call(func, facts, args, kwargs)
+        if device_result is not None:
+            with self:  # (its allocation comes back through this mode, as a composite's do)
+                out = device_result(*args, **kwargs)
+        else:
+            out = self._call(func, facts, args, kwargs)
         if kind == "alloc":
             return out
         if kind == "matmul":

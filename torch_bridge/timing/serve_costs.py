@@ -11,7 +11,7 @@ from trnsim.workload.buckets import default_buckets
 from trnsim.config import load_system
 from trnsim.workload.plan import Plan
 from trnsim.workload.models import load_model
-from trnsim.workload.serve import Request, ServeConfig, ServeError
+from trnsim.workload.serve import HostLoop, Request, ServeConfig, ServeError
 
 from . import nxdi
 from .estimate_kernels import StepCosts
@@ -57,10 +57,12 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     if args.kv_tokens and args.kv_tokens > fits:
         raise ServeError(f"--kv-tokens {args.kv_tokens:,}: more than the {fits:,} tokens of KV cache one rank's HBM "
                          f"holds beside the weights")
+    host = HostLoop.of(getattr(args, "serving", "vllm-neuron"), system.chip.host.serve_step * 1e-12)
     cfg = ServeConfig(max_batch=args.max_batch, chunk=chunk, buckets=buckets, kv_tokens=int(kv_tokens),
-                      prefix_caching=args.prefix_caching, max_model_len=mlen)
+                      prefix_caching=args.prefix_caching, max_model_len=mlen, host=host)
     setup = {"model": spec.name, "system": system.name, "config": system.chip.name, "tp": tp, "ep": ep,
              "dtype": args.dtype, "max_batch": args.max_batch, "chunk": chunk, "max_model_len": mlen,
-             "buckets": buckets.to_dict(), "prefix_caching": args.prefix_caching,
+             "buckets": buckets.to_dict(), "prefix_caching": args.prefix_caching, "serving": getattr(args, "serving", "vllm-neuron"),
+             "host_step_ms": host.step_s * 1e3,
              "weights_bytes_per_rank": weights, "kv_bytes_per_token_per_rank": per_token}
     return costs, cfg, setup

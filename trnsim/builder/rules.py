@@ -11,14 +11,12 @@ import numpy as np
 from typing import Any, Iterator, Sequence
 
 from ..config import ChipConfig, env_int
+from ..cores.base import canonical_engine, engines_running
 from ..isa import BITWISE_OPS, KernelError, TileAP, alu_op, reduce_op
 from ..native.dtypes import Dtype, get_dtype
 
 
 
-ENGINE_NAMES = {"tensor": "Tensor", "pe": "Tensor", "vector": "Vector", "dve": "Vector", "scalar": "Scalar",
-                 "act": "Scalar", "activation": "Scalar", "gpsimd": "GpSimd", "pool": "GpSimd", "sync": "Sync",
-                 "sp": "Sync"}
 TENSORE_DTYPES = frozenset({"bfloat16", "float16", "float32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"})
 FP32_MIN = -3.4028234663852886e38  # the fill value range_select takes (float32 min)
 MX_DTYPES = frozenset({"float8_e5m2_x4", "float8_e4m3fn_x4", "float4_e2m1fn_x4"})
@@ -85,8 +83,11 @@ def checked_number(x: Any, what: str) -> float:
     return float(x)
 
 
-def engine_name(name: str, allowed: Sequence[str], what: str) -> str:
-    canon = ENGINE_NAMES.get(str(name).lower(), str(name))
+def engine_name(name: str, ins_type: type, what: str) -> str:
+    """The engine ``name`` means (:func:`canonical_engine`), checked to run ``ins_type`` (the
+    engine table: each engine's ``runs``)."""
+    canon = canonical_engine(name)
+    allowed = engines_running(ins_type)
     if canon not in allowed:
         raise KernelError(f"{what}: engine {name!r} cannot run this instruction; expected one of "
                           f"{', '.join(a.lower() for a in allowed)}")

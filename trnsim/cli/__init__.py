@@ -56,8 +56,8 @@ from ..config import ChipConfig, ConfigError, clip_text, config_names, format_qu
 from ..config.extras import MissingExtra
 from ..outputs.files import AtomicOutput, OutputError
 from ..isa import KernelError
-from ..sim.report import KernelReport
-from ..sweep import DEFAULT_MAX_POINTS, SweepStopped, bound_of, check_collective_bytes, check_collective_ranks
+from ..sim.report import KernelReport, bound_of
+from ..sweep import DEFAULT_MAX_POINTS, SweepStopped, check_collective_bytes, check_collective_ranks
 
 if _SIGINT is signal.default_int_handler:
     signal.signal(signal.SIGINT, _SIGINT)
@@ -465,9 +465,9 @@ def cmd_kernel(args: argparse.Namespace) -> int:
 
 
 def _is_nki(obj: Any) -> bool:
-    from ..nki import Kernel as NkiKernel
+    from ..nki import JitKernel
 
-    return isinstance(obj, NkiKernel)
+    return isinstance(obj, JitKernel)
 
 
 def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> int:
@@ -522,7 +522,7 @@ def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> in
     # a trace that cannot be written is refused now, before the run, not after it
     trace = AtomicOutput(args.trace, "--trace") if args.trace else None
     try:
-        run = nki.Kernel(kernel.fn, grid=kernel.grid, schedule=args.schedule is not False,
+        run = nki.JitKernel(kernel.fn, grid=kernel.grid, schedule=args.schedule is not False,
                          config=cfg).run(*arrays, **params)
         report, st = run.report, run.schedule_stats
         if trace is not None:
@@ -933,7 +933,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ..collectives import CollectiveError, simulate_collective
-    from ..collectives.engine import parse_sizes
+    from ..collectives.runner import parse_sizes
     from ..collectives.trace import write_collective_trace
     from ..config import load_system
 

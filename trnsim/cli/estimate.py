@@ -3,7 +3,8 @@ with :mod:`trnsim.cli`; the runs are :mod:`torch_bridge.estimate`'s).
 
     trnsim estimate inference --model llama-3.3-70b [--system trn2.48xlarge] [--tp 64] [--pp 1] [--dp 1]
                    [--sp] [--batch 1] [--input 10000] [--output 1500] [--dtype bf16] [--samples 5]
-                   [--set K=V ...] [--json] [--trace out.json] [--no-cache] [--no-replay]
+                   [--set K=V ...] [--serving vllm-neuron|vllm-v0|none] [--json] [--trace out.json]
+                   [--no-cache] [--no-replay]
     trnsim estimate train --model llama-3.1-8b [--system ...] [--tp 8] [--pp 1] [--dp 1] [--sp]
                    [--micro-batch 1] [--seq 2048] [--global-batch N] [--dtype bf16] [--set K=V ...]
                    [--json] [--trace out.json] [--no-cache]
@@ -78,6 +79,11 @@ def render_inference(est: Any, console: Any) -> None:
         console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: "
                       f"{est.tpot_first_ms:,.2f} ms at KV {est.decode_samples[0][0]:,} -> {est.tpot_last_ms:,.2f} ms "
                       f"at KV {est.decode_samples[-1][0]:,})", markup=False, soft_wrap=True)
+    if est.serving != "none":
+        how = "a step ahead of the device: max(host, device) per decode step" if est.serving == "vllm-neuron" else \
+            "between device steps: host + device per step"
+        console.print(f"  engine      {est.serving}: host {est.host_step_ms:,.2f} ms per iteration, {how}",
+                      markup=False)
     console.print(f"  tokens/s    {est.tokens_per_s:,.1f} per request; {est.system_tokens_per_s:,.1f} for the system "
                   f"(batch {est.batch} x DP {est.plan['dp']})", markup=False)
     for line in _memory_lines(est.memory):
@@ -204,7 +210,8 @@ def _bucket_args(args: argparse.Namespace) -> None:
 
 def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     sp = True if args.sp else False if args.no_sp else None
-    kw: dict[str, Any] = {"sp": sp, "eager": args.eager, "samples": args.samples, "replay": not args.no_replay}
+    kw: dict[str, Any] = {"sp": sp, "eager": args.eager, "samples": args.samples, "replay": not args.no_replay,
+                          "serving": args.serving}
     if not args.eager:
         kw["ep"] = args.ep
         for n in ("max_context", "max_model_len", "context_buckets", "kv_buckets", "batch_buckets"):
@@ -317,6 +324,10 @@ def add_parser(sub: Any) -> None:
                                                             "evenly spaced (default 5)")
     inf.add_argument("--no-replay", action="store_true", help="with --eager: run every decoder layer (default: run "
                                                                "the first, replay it for the identical others)")
+    inf.add_argument("--serving", default="vllm-neuron", choices=("vllm-neuron", "vllm-v0", "none"),
+                     help="the serving engine's host loop in TTFT and TPOT: vllm-neuron schedules a step ahead (a "
+                          "decode step takes max(host, device); the default), vllm-v0 runs host and device in turn, "
+                          "none charges no engine (a bare generation loop)")
     inf.add_argument("--no-sp", action="store_true", help="prefill without sequence parallelism (all-reduces)")
     inf.add_argument("--eager", action="store_true", help="every aten op its own kernel at its exact shape (default: "
                                                           "the layers lowered to the NKI library kernels as NxD "

@@ -5,7 +5,8 @@ model's simulated kernels, printed as ``vllm bench serve`` prints it.
                    [--rate 4 | --trace requests.csv] [--requests 200] [--input 512] [--output 128] [--seed 0]
                    [--max-batch 32] [--chunk 2048] [--max-model-len N] [--kv-tokens N]
                    [--prefix-caching] [--prefix-len N] [--context-buckets ...] [--kv-buckets ...]
-                   [--batch-buckets ...] [--sweep 1,2,4,8 --plot latency.png] [--json] [--no-cache]
+                   [--batch-buckets ...] [--sweep 1,2,4,8 --plot latency.png] [--serving vllm-neuron|vllm-v0|none]
+                   [--json] [--no-cache]
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def _render(res: Any, console: Any) -> None:
     head = (f"{s['model']} served on {s['system']} ({s['config']}): TP={s['tp']}"
             f"{' EP=' + str(s['ep']) if s.get('ep', 1) > 1 else ''}, {s['dtype']}; max batch {s['max_batch']}, "
             f"chunk {s['chunk']:,} tokens, KV capacity {res.kv_capacity_tokens:,} tokens; rate {s['rate']} req/s"
-            f"{', prefix caching' if s.get('prefix_caching') else ''}")
+            f"{', prefix caching' if s.get('prefix_caching') else ''}; engine {s.get('serving', 'none')}"
+            f"{' (host %.2f ms per iteration)' % s['host_step_ms'] if s.get('host_step_ms') else ''}")
     console.print(head, markup=False, soft_wrap=True)
     lines = [("=" * 12 + " Serving Benchmark Result " + "=" * 12, None),
              ("Successful requests:", f"{res.requests}"),
@@ -227,6 +229,10 @@ def add_mode(modes: Any) -> None:
     p.add_argument("--sweep", type=_rates, metavar="R,R,...", help="run each Poisson rate; print latency against "
                                                                    "rate")
     p.add_argument("--plot", metavar="OUT.png", help="with --sweep: plot TTFT and TPOT p50/p99 against the rate")
+    p.add_argument("--serving", default="vllm-neuron", choices=("vllm-neuron", "vllm-v0", "none"),
+                   help="the serving engine's host loop: vllm-neuron schedules a step ahead (a step takes max(host, "
+                        "device) while the batch is unchanged; the default), vllm-v0 runs host and device in turn, "
+                        "none charges no engine")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     p.add_argument("--no-cache", action="store_true", help="simulate every kernel again (no on-disk cost cache)")
     p.set_defaults(fn=cmd_serve)

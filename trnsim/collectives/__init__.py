@@ -11,10 +11,11 @@ The Python API::
 See :mod:`trnsim.collectives.api` for concurrent calls, start times and running beside kernels.
 """
 
+from ..compat import renamed
 from .algorithms import ALGORITHMS, COLLECTIVES, CollectiveError
 from .api import (estimate_collective, sibling_groups, simulate_beside_kernels, simulate_collective, simulate_collectives,
                   simulate_with_siblings)
-from .engine import CollectiveCall, CollectiveEngine, CollectiveHandle
+from .runner import CollectiveCall, CollectiveHandle, CollectiveRunner
 from .network import ChipResources, Network
 from .report import AlphaBetaEstimate, CollectiveReport, EstimateStep
 
@@ -24,7 +25,7 @@ __all__ = [
     "AlphaBetaEstimate",
     "ChipResources",
     "CollectiveCall",
-    "CollectiveEngine",
+    "CollectiveRunner",
     "CollectiveError",
     "CollectiveHandle",
     "CollectiveReport",
@@ -37,3 +38,7 @@ __all__ = [
     "simulate_collective",
     "simulate_collectives",
 ]
+
+
+def __getattr__(name: str) -> object:  # names renamed so one name means one thing (trnsim.compat.RENAMED)
+    return renamed(__name__, name)

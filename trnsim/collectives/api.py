@@ -13,7 +13,7 @@ timing-only runs call). Torch-free; times are integer ticks of the chip config's
 * :func:`estimate_collective` — the α-β estimate alone, without simulating.
 * :func:`simulate_beside_kernels` — calls and kernels in one simpy environment, sharing the
   kernels' HBM stacks and DMA engines (a collective beside a DMA-bound kernel slows both).
-* For a device model that owns its simpy environment: :class:`CollectiveEngine` with
+* For a device model that owns its simpy environment: :class:`CollectiveRunner` with
   ``env=`` and ``chips=`` (:class:`ChipResources` of its kernel timelines); ``launch`` returns a
   handle whose ``rank_done[r]`` event fires when rank r is done.
 """
@@ -29,7 +29,7 @@ from ..config import SystemConfig, load_system
 from ..builder.kernel import Kernel
 from ..memory.hbm import stack_bandwidth, stack_of_core
 from .analytic import estimate_resolved
-from .engine import CollectiveCall, CollectiveEngine, resolve_call
+from .runner import CollectiveCall, CollectiveRunner, resolve_call
 from .network import ChipResources
 from .report import AlphaBetaEstimate, CollectiveReport
 
@@ -105,20 +105,23 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
                         start: int | Sequence[int] = 0, root: int | None = None,
                         pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
                         trace: bool = False, counts: Sequence[Sequence[int]] | None = None,
-                        instances: int | None = None) -> CollectiveReport:
+                        instances: int | None = None, symmetry: bool = True) -> CollectiveReport:
     """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
-    nccl-tests' S, ``start`` in ticks) and return its report."""
+    nccl-tests' S, ``start`` in ticks) and return its report (``symmetry``: see
+    :func:`simulate_collectives`)."""
     call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances)
-    return simulate_collectives(_system(system, overrides), [call], trace=trace)[0]
+    return simulate_collectives(_system(system, overrides), [call], trace=trace, symmetry=symmetry)[0]
 
 
 def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveCall], *,
-                         trace: bool = False) -> list[CollectiveReport]:
-    """Simulate ``calls`` together in one environment; one report per call, in order."""
-    engine = CollectiveEngine(_system(system), trace=trace)
+                         trace: bool = False, symmetry: bool = True) -> list[CollectiveReport]:
+    """Simulate ``calls`` together in one environment; one report per call, in order. A lone
+    call without a trace runs its alike ranks once (``symmetry``, symmetry.py: the same report,
+    tick for tick, as the full run that ``symmetry=False`` makes)."""
+    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry and len(calls) == 1)
     for c in calls:
-        engine.launch(c)
-    return engine.run()
+        runner.launch(c)
+    return runner.run()
 
 
 def estimate_collective(system: SystemConfig | str, collective: str, nbytes: int, *, ranks: int | None = None,
@@ -160,10 +163,10 @@ def simulate_beside_kernels(system: SystemConfig | str, calls: Sequence[Collecti
                for c, k in enumerate(full)]
         timelines[chip] = tls
         chips[chip] = ChipResources.from_timelines(tls, pipes)
-    engine = CollectiveEngine(sysc, env, chips, trace)
+    runner = CollectiveRunner(sysc, env, chips, trace)
     for c in calls:
-        engine.launch(c)
-    reports = engine.run()
+        runner.launch(c)
+    reports = runner.run()
     for tls in timelines.values():
         for t in tls:
             t.check_complete()

@@ -109,6 +109,11 @@ class Network:
         self._vec_cost: dict[tuple[str, int], int] = {}
         #: chunk bookings made (for the benchmark's events per second)
         self.chunks = 0
+        #: what waits for this tick's end (see :meth:`at_tick_end`): transfers' chunks to book, and
+        #: the engine's transfer starts (``on_tick_end``: it books the runtime's costs the same way)
+        self._staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int]]]]] = []
+        self.on_tick_end: Callable[[int], None] | None = None
+        self._flush_due = False
 
     # ---- resources -----------------------------------------------------------------------------
     def chip(self, chip: int) -> ChipResources:
@@ -255,19 +260,22 @@ class Network:
             ticks = self._vec_cost[key] = -(-cycles * per_part // tile) * vec.tpc
         return ticks
 
-    def _chunk_plan(self, bookings: list[tuple[int, Any, float, float]], nbytes: int, rings: int | None = None
-                    ) -> list[tuple[int, list[tuple[int, Any, int, Any]]]]:
+    def _chunk_plan(self, bookings: Sequence[tuple[Any, ...]], nbytes: int, rings: int | None = None
+                    ) -> list[tuple[int, list[tuple[int, Any, int, Any, int]]]]:
         """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
-        resource, bytes, extra). A DMA system's extra is (engines, ticks on each): a transfer
-        spreads its data evenly over the collective's ``dma_rings`` rings of the core (kind 4
-        when that is all of its engines), one descriptor per CC packet; a VectorE's extra is its
-        ticks."""
+        resource, bytes, extra, multiplicity). A DMA system's extra is (engines, ticks on each):
+        a transfer spreads its data evenly over the collective's ``dma_rings`` rings of the core
+        (kind 4 when that is all of its engines), one descriptor per CC packet; a VectorE's extra
+        is its ticks. The multiplicity (a booking's fifth field, default 1) is how many alike
+        bookings of the same tick the resource stands for (symmetry.py)."""
         sizes = self.chunks_of(nbytes)
         k = len(sizes)
         out = []
         for size in sorted(set(sizes), reverse=True):
             todo = []
-            for kind, obj, w, dw in bookings:
+            for b in bookings:
+                kind, obj, w, dw = b[:4]
+                mult = b[4] if len(b) > 4 else 1
                 nb = math.ceil(size * w)
                 extra: Any = 0
                 if kind == 1:
@@ -281,12 +289,14 @@ class Network:
                         kind = 4
                 elif kind == 2:
                     extra = self.vector_ticks(obj, size * w)
-                todo.append((kind, obj, nb, extra))
+                else:  # a pipe: its service ticks, worked out once per chunk size
+                    extra = obj.ticks(nb)
+                todo.append((kind, obj, nb, extra, mult))
             out.append((sizes.count(size), todo))
         return out
 
     # ---- running a transfer --------------------------------------------------------------------
-    def start_transfer(self, nbytes: int, bookings: list[tuple[int, Any, float, float]], route_ticks: int,
+    def start_transfer(self, nbytes: int, bookings: Sequence[tuple[Any, ...]], route_ticks: int,
                        on_data: Callable[[int], None], on_done: Callable[[int], None],
                        limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None = None, delay: int = 0,
                        rings: Mapping[int, tuple[int, ...]] | None = None, nrings: int | None = None) -> None:
@@ -303,14 +313,126 @@ class Network:
         _TransferRun(self, self._chunk_plan(bookings, nbytes, nrings), route_ticks, on_data, on_done, limits, delay,
                      rings or {})
 
+    # ---- same-tick arrivals share ------------------------------------------------------------------
+    def at_tick_end(self) -> None:
+        """Make sure this tick's staged work is booked once everything else of the tick has run:
+        chunks (and, through ``on_tick_end``, the engine's transfer starts) that reach a resource
+        at the same tick are booked together, as one group that ends together (see
+        :meth:`_book_staged`), so which of them simpy happened to run first never matters. A
+        flush that stages more work at the same tick books it in a second group, after the first."""
+        if not self._flush_due:
+            self._flush_due = True
+            ev = simpy.Event(self.env)
+            ev._ok = True
+            ev._value = None
+            ev.callbacks.append(self._flush)
+            self.env.schedule(ev, 2, 0)  # priority 2: after the tick's normal and urgent events
+
+    def _flush(self, _: Any) -> None:
+        self._flush_due = False
+        now = int(self.env.now)
+        if self.on_tick_end is not None:
+            self.on_tick_end(now)
+        if self._staged:
+            staged, self._staged = self._staged, []
+            self._book_staged(staged, now)
+
+    def _book_staged(self, staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int]]]]], now: int
+                     ) -> None:
+        """Book the chunks staged at tick ``now``. Every resource serves the group that reached
+        it at this tick together: the group starts when the resource is free (or now) and all of
+        it is through at start + the sum of its members' service times (each rounded up as a
+        booking of its own would be), the end a FIFO gives its last member. Alike flows (a
+        ring's ranks, a mesh's peers) thus end alike, whatever order simpy ran them in."""
+        pipes: dict[int, list[Any]] = {}  # id -> [resource, ticks, bytes] (links, HBM; VectorE: bytes -1)
+        dmas: dict[int, list[Any]] = {}  # id -> [DmaSystem, {engine: ticks}, ticks on every engine]
+        default = self.ring_set(0)
+        for run, chunks in staged:
+            rings = run.rings
+            for todo in chunks:
+                for kind, obj, nb, extra, mult in todo:
+                    key = id(obj)
+                    if kind == 1 or kind == 4:
+                        d = dmas.get(key)
+                        if d is None:
+                            d = dmas[key] = [obj, {}, 0]
+                        if kind == 4:
+                            d[2] += extra[1] * mult
+                        else:
+                            per = d[1]
+                            eng = rings.get(key) or default
+                            per[eng] = per.get(eng, 0) + extra[1] * mult
+                    else:
+                        p = pipes.get(key)
+                        if p is None:
+                            p = pipes[key] = [obj, 0, 0 if kind != 2 else -1]
+                        p[1] += extra * mult
+                        if kind != 2:
+                            p[2] += nb * mult
+        ends: dict[Any, int] = {}
+        for key, (obj, ticks, nbytes) in pipes.items():
+            begin = obj.free if obj.free > now else now
+            obj.free = end = begin + ticks
+            if nbytes >= 0:  # a pipe keeps its counters and trace log
+                obj.bytes += nbytes
+                obj.busy_ticks += ticks
+                if obj.log is not None:
+                    obj.log.append((begin, end))
+            ends[key] = end
+        for key, (obj, per, spread) in dmas.items():
+            if not per:
+                ends[key] = obj.reserve_spread(spread, now)
+                continue
+            if obj._level is not None:
+                obj.engine_free = [obj._level] * len(obj.engine_free)
+                obj._level = None
+            free = obj.engine_free
+            if len(per) == 1 and not spread:  # one engine set (one CC stream): book just those
+                (engines, t), = per.items()
+                top = now
+                for e in engines:
+                    f = free[e] = (free[e] if free[e] > now else now) + t
+                    if f > top:
+                        top = f
+                ends[(key, engines)] = top
+                continue
+            add = [spread] * len(free)
+            for engines, t in per.items():
+                for e in engines:
+                    add[e] += t
+            for e, t in enumerate(add):
+                if t:
+                    free[e] = (free[e] if free[e] > now else now) + t
+            for engines in per:
+                ends[(key, engines)] = max(free[e] for e in engines)
+            ends[key] = max(free)  # what a booking on every engine (kind 4) waits for
+        for run, chunks in staged:
+            rings = run.rings
+            fins = []
+            for todo in chunks:
+                fin = now
+                held = None
+                for kind, obj, _, _, _ in todo:
+                    key = id(obj)
+                    if kind == 1:  # the end of its own engines' group
+                        e = ends[(key, rings.get(key) or default)]
+                    else:
+                        e = ends[key]
+                    if e >= fin:  # ties: the last on the path (its links), as a FIFO's later booking
+                        fin = e
+                        held = obj
+                fins.append((fin, held))
+            run.booked(fins, now)
+
 
 class _TransferRun:
     """The state of one running transfer: chunks left to book, those in flight, the last
     tick any of them is through."""
 
-    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits", "rings")
+    __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits", "rings",
+                 "staged")
 
-    def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any]]]], route_ticks: int,
+    def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any, int]]]], route_ticks: int,
                  on_data: Callable[[int], None], on_done: Callable[[int], None],
                  limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0,
                  rings: Mapping[int, tuple[int, ...]] | None = None):
@@ -325,6 +447,7 @@ class _TransferRun:
         self.on_data = on_data
         self.on_done = on_done
         self.limits = limits
+        self.staged = 0
         # always through an event, so a chain of instant transfers never recurses
         self.env.timeout(net.start_ticks + delay).callbacks.append(self._begin)
 
@@ -334,30 +457,26 @@ class _TransferRun:
         self._step(None)
 
     def _step(self, _: Any) -> None:
-        env = self.env
-        now = env.now
-        chunks = self.chunks
+        """Stage the chunks the window lets out now; they are booked at the tick's end."""
+        now = self.env.now
         inflight = self.inflight
-        window = self.net.window
         while inflight and inflight[0] <= now:
             inflight.popleft()
+        chunks = self.chunks
+        room = self.net.window - len(inflight)
+        if chunks and room > 0:
+            out = [chunks.pop() for _ in range(min(room, len(chunks)))]
+            self.net._staged.append((self, out))
+            self.net.at_tick_end()
+            return
+        self._next(now)
+
+    def booked(self, fins: list[tuple[int, Any]], now: int) -> None:
+        """The chunks staged at ``now`` are booked: each is through at its ``fin``, held back by
+        its ``held`` resource (None: a zero-cost chunk, which leaves its window slot free)."""
         limits = self.limits
-        while chunks and len(inflight) < window:
-            fin = now
-            held = None
-            for kind, obj, nb, extra in chunks.pop():
-                if kind == 4:
-                    e = obj.reserve_spread(extra[1], now)
-                elif kind == 1:
-                    e = obj.reserve_engines(self.rings.get(id(obj)) or self.net.ring_set(0), extra[1], now)
-                elif kind == 2:
-                    e = (obj.free if obj.free > now else now) + extra
-                    obj.free = e
-                else:
-                    e = obj.reserve(nb, now)
-                if e > fin:
-                    fin = e
-                    held = obj
+        inflight = self.inflight
+        for fin, held in fins:
             if fin <= now:
                 continue  # nothing to move (a zero-cost chunk)
             if limits is not None:
@@ -368,12 +487,18 @@ class _TransferRun:
             inflight.append(fin)
             if fin > self.last:
                 self.last = fin
-        if chunks:
-            env.timeout(inflight[0] - now).callbacks.append(self._step)
+        if self.chunks and len(inflight) < self.net.window:
+            self._step(None)  # zero-cost chunks left room: stage the next now
+            return
+        self._next(now)
+
+    def _next(self, now: int) -> None:
+        if self.chunks:
+            self.env.timeout(self.inflight[0] - now).callbacks.append(self._step)
             return
         end = self.last + self.route + self.net.done_ticks
         if end > now:
-            env.timeout(end - now).callbacks.append(self._done)
+            self.env.timeout(end - now).callbacks.append(self._done)
         else:
             self.on_done(now)
 

@@ -34,7 +34,7 @@ def collective_points(entries: Any, where: str, system: SystemConfig
                       ) -> list[tuple[str, tuple[int, int], str, tuple[tuple[str, Any], ...]]]:
     """(collective, (ranks, bytes), dtype, params) per point, each checked on ``system``."""
     from .algorithms import CollectiveError, canonical_collective
-    from .engine import CollectiveCall, parse_sizes, resolve_call
+    from .runner import CollectiveCall, parse_sizes, resolve_call
 
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: collectives: expected a non-empty list of {{name, bytes, ranks, algo, dtype}}")

@@ -10,6 +10,15 @@ An engine gives each instruction two things (DESIGN.md, "Two models, one instruc
 
 The scheduler (:mod:`trnsim.sim`) never computes data and knows no engine by name: engines
 register themselves with :func:`register_engine`, and adding one does not touch it.
+
+This registry is the one table of engines: each class says which instructions it may run
+(``runs``), the names a kernel may call it by (``aliases``), where it sits in tables and plots
+(``column``, ``title``, ``color``) and whether it has a datapath (``datapath``: Sync only
+triggers DMAs, so it never bounds a kernel). The builder's engine choices, the metrics columns,
+the plots, the traces and the estimate breakdowns read it (:func:`engine_names`,
+:func:`engines_running`, :func:`canonical_engine`); its config section is declared beside the
+config schema (:func:`trnsim.config.engine_section`). A new engine is its module, its config
+section and the chip YAMLs (tests/test_engine_table.py adds one).
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from typing import Any, Callable, ClassVar
 from ..config import ChipConfig
 from ..isa import DmaCopy, Instruction
 
-__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering", "view_fields"]
+__all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering", "view_fields", "engine_names",
+           "engines_running", "canonical_engine", "datapath_engines"]
 
 # (lane, label, start tick, end tick, instruction index)
 Segment = tuple[str, str, int, int, int]
@@ -44,8 +54,57 @@ def view_fields(*operands: str) -> tuple[str, ...]:
 
 
 def register_engine(cls: type["Engine"]) -> type["Engine"]:
+    """Add an engine class to the table (its ``name`` must be new; re-registering the same name
+    replaces it, as a reloaded module does)."""
     ENGINE_TYPES[cls.name] = cls
+    _VIEWS.clear()
     return cls
+
+
+#: what is derived from ENGINE_TYPES, kept until the next registration
+_VIEWS: dict[Any, Any] = {}
+
+
+def engine_names() -> tuple[str, ...]:
+    """The registered engines in table order (``column``, then registration): the order of
+    metrics columns, plots, trace lanes and messages. (The simulation numbers engines in
+    registration order, ENGINE_TYPES; this order is for people.)"""
+    v = _VIEWS.get("names")
+    if v is None:
+        order = {name: i for i, name in enumerate(ENGINE_TYPES)}
+        v = _VIEWS["names"] = tuple(sorted(ENGINE_TYPES, key=lambda n: (ENGINE_TYPES[n].column, order[n])))
+    return v  # type: ignore[no-any-return]
+
+
+def datapath_engines() -> tuple[str, ...]:
+    """The engines with a datapath, in table order: the ones whose busy time can bound a kernel."""
+    v = _VIEWS.get("datapath")
+    if v is None:
+        v = _VIEWS["datapath"] = tuple(n for n in engine_names() if ENGINE_TYPES[n].datapath)
+    return v  # type: ignore[no-any-return]
+
+
+def engines_running(ins_type: type) -> tuple[str, ...]:
+    """The engines that may run instructions of ``ins_type`` (their ``runs``), in table order."""
+    v = _VIEWS.get(ins_type)
+    if v is None:
+        v = _VIEWS[ins_type] = tuple(n for n in engine_names() if ins_type in ENGINE_TYPES[n].runs)
+    return v  # type: ignore[no-any-return]
+
+
+def canonical_engine(name: Any) -> str:
+    """The engine a kernel names: its registered name, in any case, or one of its ``aliases``
+    (NKI's ``pe``, ``act``, ``pool``...). A name that is none of these comes back as given (the
+    caller says what it expected)."""
+    table = _VIEWS.get("aliases")
+    if table is None:
+        table = {}
+        for n in engine_names():
+            for a in (n,) + ENGINE_TYPES[n].aliases:
+                table[a.lower()] = n
+        _VIEWS["aliases"] = table
+    text = str(name)
+    return table.get(text.lower(), text)  # type: ignore[no-any-return]
 
 
 class Engine:
@@ -53,6 +112,19 @@ class Engine:
     override :meth:`plan` when an instruction has internal overlap, as TensorE's LS/MM do)."""
 
     name: ClassVar[str] = "Engine"
+    #: the instruction types a kernel may put on this engine (every engine's sequencer may
+    #: trigger a DMA copy); the builder offers an instruction to exactly these engines
+    runs: ClassVar[frozenset[type]] = frozenset({DmaCopy})
+    #: other names a kernel may use for it besides its name in any case (NKI's, the ISA's)
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: where it sits in tables, plots, trace lanes and messages (see :func:`engine_names`)
+    column: ClassVar[int] = 100
+    #: how people call it (metrics column docs)
+    title: ClassVar[str] = ""
+    #: its colour in plots
+    color: ClassVar[str] = "#999999"
+    #: it has a datapath, so its busy time can be what bounds a kernel (Sync only triggers DMAs)
+    datapath: ClassVar[bool] = True
     #: dependencies on this engine's own earlier instructions are satisfied at their *end*
     #: (the engine pipelines them, e.g. PSUM accumulation) rather than after the latency.
     pipelines_own_results: ClassVar[bool] = False
@@ -85,6 +157,11 @@ class Engine:
 
     def lane(self, ins: Instruction) -> str:
         return self.name
+
+    @classmethod
+    def lanes(cls) -> tuple[str, ...]:
+        """Every lane :meth:`lane` and :meth:`plan` put segments on (trace lanes, in order)."""
+        return (cls.name,)
 
     @classmethod
     def cost_key(cls, ins_type: type) -> Callable[[Any], Any] | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import ALU_OPS, AffineSelect, Instruction, Iota, Memset, TensorCopy, TensorReduce, TensorScalar, TensorTensor
+from ..isa import ALU_OPS, AffineSelect, DmaGather, DmaScatter, DmaTranspose, Instruction, Iota, Memset, TensorCopy, TensorReduce, TensorScalar, TensorTensor
 from .alu import ElementwiseExec, store
 from .base import Engine, register_engine, view_fields as _v
 
@@ -27,6 +27,8 @@ def _affine_grid(p: int, dims: tuple[tuple[int, int], ...], base: int, cm: int, 
 @register_engine
 class GpSimdEngine(ElementwiseExec, Engine):
     name = "GpSimd"
+    aliases = ("pool",)
+    column, title, color = 3, "GpSimd", "#8172b2"
     cost_fields = {
         Iota: _v("dst"),
         AffineSelect: _v("dst"),
@@ -36,6 +38,8 @@ class GpSimdEngine(ElementwiseExec, Engine):
         TensorReduce: _v("data") + ("op",),
         Memset: _v("dst"),
     }
+    #: the only engine that generates indirect descriptors (software DGE, datasheet §6)
+    runs = Engine.runs | set(cost_fields) | {DmaTranspose, DmaGather, DmaScatter}
 
     def cycles(self, ins: Instruction) -> int:
         g = self.config.core.gpsimd

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import ACTIVATIONS, Activation, Instruction, Memset, TensorCopy, TensorScalar
+from ..isa import ACTIVATIONS, Activation, DmaTranspose, Instruction, Memset, TensorCopy, TensorScalar
 from .alu import ElementwiseExec, activation_values, load_f32, operand, store
 from .base import Engine, register_engine, view_fields as _v
 from .vector import ceil_div, is16
@@ -21,12 +21,15 @@ from .vector import ceil_div, is16
 @register_engine
 class ScalarEngine(ElementwiseExec, Engine):
     name = "Scalar"
+    aliases = ("act", "activation")
+    column, title, color = 2, "ScalarE", "#c44e52"
     cost_fields = {
         Activation: _v("dst", "data") + ("func", "reduce_op"),
         TensorCopy: _v("dst", "data"),
         TensorScalar: _v("dst", "data") + ("op0", "op1"),
         Memset: _v("dst"),
     }
+    runs = Engine.runs | set(cost_fields) | {DmaTranspose}
     cost_state = ("table",)
 
     def __init__(self, config: Any):

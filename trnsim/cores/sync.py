@@ -4,9 +4,14 @@ class, shared by every engine that can trigger a DMA."""
 
 from __future__ import annotations
 
+from ..isa import DmaTranspose
 from .base import Engine, register_engine
 
 
 @register_engine
 class SyncEngine(Engine):
     name = "Sync"
+    runs = Engine.runs | {DmaTranspose}
+    aliases = ("sp",)
+    column, title = 4, "Sync engine"
+    datapath = False  # triggers DMAs only: never what bounds a kernel

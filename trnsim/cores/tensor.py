@@ -42,7 +42,14 @@ LS_LANE = "Tensor (LS)"
 @register_engine
 class TensorEngine(Engine):
     name = "Tensor"
+    runs = Engine.runs | {MatMul, MatMulMx, Transpose}
+    aliases = ("pe",)
+    column, title, color = 0, "TensorE", "#4c72b0"
     pipelines_own_results = True
+
+    @classmethod
+    def lanes(cls) -> tuple[str, ...]:
+        return (cls.name, LS_LANE)
 
     def __init__(self, config: ChipConfig):
         super().__init__(config)

@@ -36,6 +36,8 @@ def ceil_div(a: int, b: int) -> int:
 @register_engine
 class VectorEngine(ElementwiseExec, Engine):
     name = "Vector"
+    aliases = ("dve",)
+    column, title, color = 1, "VectorE", "#55a868"
     cost_fields = {
         TensorCopy: _v("dst", "data"),
         TensorScalar: _v("dst", "data") + ("op0", "op1"),
@@ -51,6 +53,7 @@ class VectorEngine(ElementwiseExec, Engine):
         Max8: _v("data"),
         FindIndex8: _v("data"),
     }
+    runs = Engine.runs | set(cost_fields)
 
     def perf_copy(self, dst: TileAP, src: TileAP) -> int:
         v = self.config.core.vector

@@ -49,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
+from ..cores.base import datapath_engines
 from ..sim.chip import Chip
 from ..config import ChipConfig
 from ..isa import KernelError
@@ -155,7 +156,7 @@ class OpCost:
         for r in reports:
             for name, t in r.busy_ticks.items():
                 busy[name] = busy.get(name, 0) + t
-        demand = {name: t for name, t in busy.items() if name not in ("DMA", "Sync")}
+        demand = {name: t for name, t in busy.items() if name in datapath_engines()}
         demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
         reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
         return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
@@ -545,7 +546,20 @@ class Device:
 
         params = dict(spec.params)
         parts = split_parts(spec.kernel, spec.shape, params, self.lnc)
-        return [build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own}) for s, own in parts]
+        # cores given the same share run the same kernel: a build is a function of its
+        # arguments, so it is made once and run on each of them (the simulator reads a kernel,
+        # never changes it)
+        built: list[tuple[tuple[Any, ...], Kernel]] = []
+        out = []
+        for s, own in parts:
+            for key, k in built:
+                if key == (s, own):
+                    break
+            else:
+                k = build_spec(spec.kernel, s, spec.dtype, self.config, {**params, **own})
+                built.append(((s, own), k))
+            out.append(k)
+        return out
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
         if self.simulate_off_thread:

@@ -23,7 +23,6 @@ import numpy as np
 from ..native.dtypes import Dtype, get_dtype
 
 __all__ = [
-    "ENGINES",
     "HbmTensor",
     "HbmAP",
     "Allocation",
@@ -58,7 +57,6 @@ __all__ = [
     "KernelError",
 ]
 
-ENGINES = ("Tensor", "Vector", "Scalar", "GpSimd", "Sync")
 # The access-pattern encoding every engine instruction carries (datasheet §4.6, S8): up to 4 free
 # dimensions, uint16 sizes and int16 strides, counted in elements.
 MAX_FREE_DIMS = 4

@@ -305,14 +305,32 @@ def parse_params(items: list[str] | None, allowed: Mapping[str, Any] | None = No
     return out
 
 
-def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | None, config: ChipConfig,
-               params: Mapping[str, Any], what: str) -> Kernel:
-    """Call a build function with the library's convention, passing ``dtype``/``config`` only if
-    it takes them (a user's ``build_softmax(rows, cols, config)`` works as is)."""
+_SIGNATURES: dict[Any, Any] = {}  # build function -> its signature (None: it has none)
+
+
+def _signature(fn: Callable[..., Kernel]) -> inspect.Signature | None:
+    """``inspect.signature(fn)``, worked out once per function (a device builds thousands of
+    small kernels; reading a signature costs as much as building a small one's stream)."""
+    try:
+        return _SIGNATURES[fn]
+    except (KeyError, TypeError):
+        pass
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         sig = None
+    try:
+        _SIGNATURES[fn] = sig
+    except TypeError:  # an unhashable callable: ask again next time
+        pass
+    return sig
+
+
+def call_build(fn: Callable[..., Kernel], shape: tuple[int, ...], dtype: str | None, config: ChipConfig,
+               params: Mapping[str, Any], what: str) -> Kernel:
+    """Call a build function with the library's convention, passing ``dtype``/``config`` only if
+    it takes them (a user's ``build_softmax(rows, cols, config)`` works as is)."""
+    sig = _signature(fn)
     kwargs: dict[str, Any] = dict(params)
     takes_var_kw = sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     names = set() if sig is None else set(sig.parameters)

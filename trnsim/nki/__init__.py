@@ -27,14 +27,19 @@ attention for decode and prefill, MLP, output projection, RoPE, router, MoE expe
 of this module, with the instruction streams of :mod:`trnsim.kernels.transformer`.
 """
 
+from ..compat import renamed
 from . import isa, language, typing
 from ._core import NkiError, NkiTensor
-from ._jit import (Benchmarked, Kernel, NkiRun, TensorSpec, Traced, as_kernel, baremetal, benchmark, jit, run,
+from ._jit import (Benchmarked, JitKernel, NkiRun, TensorSpec, Traced, as_kernel, baremetal, benchmark, jit, run,
                    simulate, simulate_kernel, tensor_spec, trace)
 from .family import NkiFamily, family
 
 __all__ = [
     "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "tensor_spec",
-    "Kernel", "NkiRun", "Traced", "TensorSpec", "Benchmarked", "NkiError", "NkiTensor",
+    "JitKernel", "NkiRun", "Traced", "TensorSpec", "Benchmarked", "NkiError", "NkiTensor",
     "language", "isa", "typing", "family", "NkiFamily", "as_kernel",
 ]
+
+
+def __getattr__(name: str) -> object:  # names renamed so one name means one thing (trnsim.compat.RENAMED)
+    return renamed(__name__, name)

@@ -42,7 +42,7 @@ from ..sim.report import KernelReport
 from ..sim.list_schedule import ScheduleStats, schedule, unbounded_kernel
 from ._core import PACKAGE_DIR, NkiError, NkiTensor, Trace, Store, is_whole, nki_dtype
 
-__all__ = ["Kernel", "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "NkiRun",
+__all__ = ["JitKernel", "jit", "run", "trace", "simulate", "simulate_kernel", "baremetal", "benchmark", "NkiRun",
            "Traced", "TensorSpec", "tensor_spec"]
 
 _TARGETS = {"trn1": "trn1", "gen2": "trn1", "inf2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3",
@@ -116,7 +116,7 @@ def _internal(tb: Any) -> bool:
     return bool(frames) and os.path.abspath(frames[-1].filename).startswith(PACKAGE_DIR + os.sep)
 
 
-class Kernel:
+class JitKernel:
     """An ``@nki.jit`` kernel. Call it with arrays to run it on trnsim; ``kernel[grid]`` launches
     an SPMD grid; :meth:`run` and :meth:`trace` give the report and the instruction stream."""
 
@@ -135,14 +135,14 @@ class Kernel:
     def __repr__(self) -> str:
         return f"nki.jit({self.fn.__name__}{'' if not self.grid else list(self.grid)})"
 
-    def __getitem__(self, grid: Any) -> "Kernel":
+    def __getitem__(self, grid: Any) -> "JitKernel":
         if not isinstance(grid, tuple):
             grid = (grid,)
         for g in grid:
             if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
                 raise NkiError(f"{self.fn.__name__}[{grid}]: an SPMD grid is positive integers (multi-core LNC=2 "
                                f"launches with nl.nc are not supported by trnsim.nki)")
-        return Kernel(self.fn, grid=tuple(int(g) for g in grid), schedule=self.schedule, config=self.config,
+        return JitKernel(self.fn, grid=tuple(int(g) for g in grid), schedule=self.schedule, config=self.config,
                       **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -331,17 +331,17 @@ def restructure(names: Any, values: dict[str, np.ndarray]) -> Any:
 
 # ---- the NKI entry points -----------------------------------------------------------------------
 def jit(fn: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
-    """``@nki.jit`` / ``@nki.jit(mode=..., schedule=False, config="trn3")``: a :class:`Kernel`."""
+    """``@nki.jit`` / ``@nki.jit(mode=..., schedule=False, config="trn3")``: a :class:`JitKernel`."""
     if fn is None:
-        return lambda f: Kernel(f, **kwargs)
-    return Kernel(fn, **kwargs)
+        return lambda f: JitKernel(f, **kwargs)
+    return JitKernel(fn, **kwargs)
 
 
-def as_kernel(kernel: Any) -> Kernel:
-    if isinstance(kernel, Kernel):
+def as_kernel(kernel: Any) -> JitKernel:
+    if isinstance(kernel, JitKernel):
         return kernel
     if callable(kernel):
-        return Kernel(kernel)
+        return JitKernel(kernel)
     raise NkiError(f"expected an @nki.jit kernel or a function, got {type(kernel).__name__}")
 
 
@@ -400,7 +400,7 @@ class Benchmarked:
     change nothing (one simulation is exact); ``save_trace_name`` writes a Perfetto trace of
     the run (trnsim's Chrome trace format, not NTFF); no NEFF is written."""
 
-    def __init__(self, kernel: Kernel, options: dict[str, Any]):
+    def __init__(self, kernel: JitKernel, options: dict[str, Any]):
         unknown = set(options) - {"warmup", "iters", "save_neff_name", "save_trace_name", "additional_compile_opt",
                                   "device_count", "mode"}
         if unknown:

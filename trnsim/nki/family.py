@@ -35,7 +35,7 @@ from ..builder.kernel import Kernel as BuilderKernel
 from ..kernels.registry import register_family
 from ..native.dtypes import get_dtype
 from ._core import NkiError
-from ._jit import Kernel, TensorSpec, Traced, as_kernel, target_config, restructure
+from ._jit import JitKernel, TensorSpec, Traced, as_kernel, target_config, restructure
 
 __all__ = ["NkiFamily", "family", "FAMILY_PREFIX"]
 
@@ -100,7 +100,7 @@ class NkiFamily:
     kernel family ``nki:<name>`` of the device model. See the module docstring."""
 
     def __init__(self, kernel: Any, name: str):
-        self.kernel: Kernel = as_kernel(kernel)
+        self.kernel: JitKernel = as_kernel(kernel)
         self.name = name
         self.family = FAMILY_PREFIX + name
         self.label = f"nki:{getattr(self.kernel.fn, '__name__', name)}"

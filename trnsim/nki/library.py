@@ -33,7 +33,7 @@ from ..config import ChipConfig
 from ..kernels.registry import build_spec, get_kernel, split_parts
 from ..native.dtypes import get_dtype
 from ._core import NkiError, NkiTensor
-from ._jit import Kernel, TensorSpec, Traced, target_config, tensor_spec
+from ._jit import JitKernel, TensorSpec, Traced, target_config, tensor_spec
 
 __all__ = ["kernel", "signature", "LibraryKernel", "KERNELS"]
 
@@ -83,7 +83,7 @@ def _names(name: str, params: Mapping[str, Any]) -> tuple[list[str], list[str], 
     return ins, outs, [n for n, t in k.tensors.items() if t.kind == "inout"]
 
 
-class LibraryKernel(Kernel):
+class LibraryKernel(JitKernel):
     """Library kernel ``name`` with fixed parameters, as an ``@nki.jit`` kernel (see the module
     docstring): tracing it builds the library kernel for the tensors' shapes, unscheduled (it is
     scheduled by hand), so it runs the very instruction stream ``trnsim kernel`` runs."""

@@ -6,7 +6,7 @@ Needs pyarrow (the ``metrics`` extra); without it every writer raises
 **Run and kernel metrics** share one table layout, so files of runs and kernels can be read
 together: one row per (op, kernel) of a :class:`~trnsim.report.RunReport` (``level`` = ``"op"``)
 or per :class:`~trnsim.report.KernelReport` (``level`` = ``"kernel"``), with neuron-profile's
-metric names where it has one (:data:`COLUMNS`; a column that does not apply to a level is
+metric names where it has one (:func:`columns`; a column that does not apply to a level is
 null). Every column's unit is in its field metadata (``unit``), and the file's metadata
 ``trnsim`` holds the run's totals as JSON. Fields that other parts of trnsim add to ``OpRow``
 appear as extra columns after these, named after the field (a mapping ``f`` becomes ``f.key``,
@@ -26,16 +26,18 @@ from typing import IO, Any, Iterable, Mapping, Sequence
 
 from ..config import ConfigError
 from ..config.extras import require
+from ..cores.base import ENGINE_TYPES, engine_names
 from .files import AtomicOutput
 
-__all__ = ["reserve", "COLUMNS", "ENGINE_COLUMN", "run_rows", "kernel_rows", "write_run_metrics", "write_kernel_metrics",
+__all__ = ["reserve", "columns", "engine_column", "run_rows", "kernel_rows", "write_run_metrics", "write_kernel_metrics",
            "metrics_table", "unit_of", "is_parquet", "write_sweep_parquet", "read_sweep_parquet", "read_table",
            "PARQUET_SUFFIXES"]
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
-# (column, arrow type, unit, what it is). neuron-profile's names where it has one (datasheet §12).
-COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+# (column, arrow type, unit, what it is). neuron-profile's names where it has one (datasheet §12);
+# one activity column per engine of the engine table goes between these two parts (columns()).
+_HEAD: tuple[tuple[str, str, str, str], ...] = (
     ("level", "string", "", "'op': one (op, kernel) of a run; 'kernel': one simulated kernel"),
     ("config", "string", "", "chip config"),
     ("op", "string", "", "the PyTorch op (op rows)"),
@@ -48,11 +50,8 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("total_cycles", "double", "cycles", "TensorE-clock cycles of a kernel row"),
     ("share_percent", "double", "%", "of the run's device time"),
     ("host_wait_time", "double", "s", "device idle before these launches, waiting for the host"),
-    ("tensor_engine_active_time_percent", "double", "%", "TensorE busy / time"),
-    ("vector_engine_active_time_percent", "double", "%", "VectorE busy / time"),
-    ("scalar_engine_active_time_percent", "double", "%", "ScalarE busy / time"),
-    ("gpsimd_engine_active_time_percent", "double", "%", "GpSimd busy / time"),
-    ("sync_engine_active_time_percent", "double", "%", "Sync engine busy / time"),
+)
+_TAIL: tuple[tuple[str, str, str, str], ...] = (
     ("dma_active_time_percent", "double", "%", "any DMA queue moving data / time"),
     ("mfu_estimated_percent", "double", "%", "matmul FLOPs over the bf16 peak for the time"),
     ("hfu_estimated_percent", "double", "%", "BF16-equivalent hardware FLOPs over the peak (kernel rows)"),
@@ -74,12 +73,21 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("bound", "string", "", "what limits it: an engine, DMA/HBM, or launch (the host)"),
 )
 
-#: engine name (as reports key it) -> its activity column
-ENGINE_COLUMN = {"Tensor": "tensor_engine_active_time_percent", "Vector": "vector_engine_active_time_percent",
-                 "Scalar": "scalar_engine_active_time_percent", "GpSimd": "gpsimd_engine_active_time_percent",
-                 "Sync": "sync_engine_active_time_percent", "DMA": "dma_active_time_percent"}
 
-_UNITS = {name: unit for name, _, unit, _ in COLUMNS}
+def engine_column(engine: str) -> str:
+    """The activity column of an engine as reports key it (``"DMA"``: the DMA system)."""
+    return "dma_active_time_percent" if engine == "DMA" else f"{engine.lower()}_engine_active_time_percent"
+
+
+def columns() -> tuple[tuple[str, str, str, str], ...]:
+    """The run and kernel metrics columns, in order: one activity column per registered engine
+    (the engine table, :func:`trnsim.cores.base.engine_names`) among the fixed ones."""
+    engines = tuple((engine_column(n), "double", "%", f"{ENGINE_TYPES[n].title or n} busy / time")
+                    for n in engine_names())
+    return _HEAD + engines + _TAIL
+
+
+_UNITS = {name: unit for name, _, unit, _ in _HEAD + _TAIL}
 # OpRow fields these columns already hold (other fields become columns of their own)
 _OPROW_KNOWN = {"op", "kernel", "generic", "calls", "time_us", "share_percent", "host_wait_us", "engine_percent",
                 "hbm_bytes", "matmul_flops", "mfu_percent", "bound", "hbm_read_bytes", "hbm_write_bytes",
@@ -125,7 +133,7 @@ def run_rows(report: Any) -> list[dict[str, Any]]:
             "mm_arithmetic_intensity": _intensity(r.matmul_flops, r.hbm_bytes), "bound": r.bound,
         }
         for engine, pct in r.engine_percent.items():
-            row[ENGINE_COLUMN.get(engine, f"{engine.lower()}_engine_active_time_percent")] = pct
+            row[engine_column(engine)] = pct
         for f in dataclasses.fields(r):  # fields other parts of trnsim add to OpRow, as they are
             if f.name not in _OPROW_KNOWN:
                 _put(row, f.name, getattr(r, f.name))
@@ -165,18 +173,19 @@ def kernel_rows(reports: Iterable[Any]) -> list[dict[str, Any]]:
             "bound": rep.bound,
         }
         for engine, stats in rep.engines.items():
-            row[ENGINE_COLUMN.get(engine, f"{engine.lower()}_engine_active_time_percent")] = stats.active_percent
+            row[engine_column(engine)] = stats.active_percent
         rows.append(row)
     return rows
 
 
 def metrics_table(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> Any:
-    """A pyarrow Table of metric rows: :data:`COLUMNS` first (typed, with units), then any
+    """A pyarrow Table of metric rows: :func:`columns` first (typed, with units), then any
     other keys the rows hold (types inferred)."""
     pa = require("pyarrow", "metrics", "Parquet metrics")
+    cols = columns()
     fields = [pa.field(name, pa.type_for_alias(typ), metadata={"unit": unit, "doc": doc})
-              for name, typ, unit, doc in COLUMNS]
-    known = {name for name, *_ in COLUMNS}
+              for name, typ, unit, doc in cols]
+    known = {name for name, *_ in cols}
     extra: list[str] = []
     for row in rows:
         extra += [k for k in row if k not in known and k not in extra]

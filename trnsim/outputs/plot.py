@@ -26,15 +26,20 @@ from typing import Any, Sequence
 
 from ..config import ConfigError, clip_text, parse_quantity
 from ..config.extras import require
+from ..cores.base import ENGINE_TYPES, engine_names
 from .files import AtomicOutput
 
 __all__ = ["PlotError", "FORMATS", "reserve", "plot_sweep", "plot_kernel", "plot_run", "load_results"]
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 _DPI = 150
-_ENGINES = ("Tensor", "Vector", "Scalar", "GpSimd", "Sync", "DMA")
-_BOUND_COLORS = {"Tensor": "#4c72b0", "Vector": "#55a868", "Scalar": "#c44e52", "GpSimd": "#8172b2",
-                 "DMA/HBM": "#dd8452", "launch": "#937860"}
+#: colours of what bounds a row besides the engines (whose colours are in the engine table)
+_OTHER_BOUND_COLORS = {"DMA/HBM": "#dd8452", "launch": "#937860"}
+
+
+def _bound_colors() -> dict[str, str]:
+    return {**{n: ENGINE_TYPES[n].color for n in engine_names()}, **_OTHER_BOUND_COLORS}
+
 # friendlier axis labels for the sweep columns people plot most
 _LABELS = {"us": "kernel time (us)", "cycles": "kernel time (TensorE cycles)",
            "mfu_percent": "MFU (% of the bf16 peak)", "mbu_percent": "MBU (% of the HBM bandwidth one core reaches)",
@@ -252,7 +257,7 @@ def plot_kernel(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: 
 
     from ..sim.report import bound_of
 
-    engines = [e for e in report.engines if e in _ENGINES] + ["DMA"]
+    engines = list(report.engines) + ["DMA"]
     active = [report.engines[e].active_percent if e != "DMA" else report.dma.active_percent for e in engines]
     fig = new_figure(9.0, 6.0)
     top, bottom = fig.subplots(2, 1, height_ratios=[1, 1.2])
@@ -303,7 +308,8 @@ def plot_run(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: str
     fig = new_figure(13.0, max(3.5, 0.42 * len(rows) + 2.0))
     left, right = fig.subplots(1, 2, width_ratios=[1.4, 1])
     times = [r.time_us for r in rows]
-    bars = left.barh(labels, times, color=[_BOUND_COLORS.get(r.bound, "#999999") for r in rows])
+    colors = _bound_colors()
+    bars = left.barh(labels, times, color=[colors.get(r.bound, "#999999") for r in rows])
     left.bar_label(bars, [f"{r.share_percent:.1f}%" for r in rows], padding=3, fontsize="small")
     left.invert_yaxis()
     left.set_xlabel("device time, summed over calls (us)")
@@ -315,12 +321,12 @@ def plot_run(report: Any, out: str | os.PathLike[str] | AtomicOutput, title: str
             seen.append(r.bound)
     from matplotlib.patches import Patch
 
-    left.legend([Patch(color=_BOUND_COLORS.get(b, "#999999")) for b in seen], seen, title="bound", fontsize="small")
+    left.legend([Patch(color=colors.get(b, "#999999")) for b in seen], seen, title="bound", fontsize="small")
     if rest:
         left.set_ylabel(f"op (kernel); {len(rest)} more rows: {sum(r.share_percent for r in rest):.1f}% of device time")
     else:
         left.set_ylabel("op (kernel)")
-    engines = [e for e in _ENGINES if any(e in r.engine_percent for r in rows)]
+    engines = [e for e in engine_names() + ("DMA",) if any(e in r.engine_percent for r in rows)]
     grid = np.array([[r.engine_percent.get(e, 0.0) for e in engines] for r in rows])
     img = right.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=100)
     right.set_xticks(range(len(engines)), engines, rotation=45, ha="right")

@@ -1,7 +1,8 @@
 """Chrome trace-event JSON of kernel timelines, for ui.perfetto.dev and chrome://tracing.
 
 Layout, following Neuron Explorer's lanes: one process per NeuronCore, one thread (lane) per
-engine ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync") and per DMA queue
+engine in the engine table's order (each engine's ``lanes``: "Tensor", "Tensor (LS)", "Vector",
+"Scalar", "GpSimd", "Sync") and per DMA queue
 ("qSyncIO0", "qGpSimdIO0", ...), plus a "Kernel" lane with one span per kernel.
 
 A DMA queue keeps several transfers in flight, so its transfers overlap in time; trace viewers
@@ -21,22 +22,27 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..cores.base import ENGINE_TYPES, engine_names
 from .files import AtomicOutput
 from ..sim.report import KernelReport
 
 __all__ = ["trace_events", "trace_document", "write_trace", "lane_events", "tick_rate", "ticks_to_us"]
 
 KERNEL_LANE = "Kernel"
-_ENGINE_ORDER = ("Tensor", "Tensor (LS)", "Vector", "Scalar", "GpSimd", "Sync")
 
 
-def _sort_key(lane: str) -> tuple[int, str]:
-    """Kernel first, then engines in datapath order, then DMA queues by name."""
+def _sort_key(lane: str, order: dict[str, int]) -> tuple[int, str]:
+    """Kernel first, then engine lanes in the engine table's order (``order``: :func:`_lane_order`),
+    then DMA queues by name."""
     if lane == KERNEL_LANE:
         return (0, "")
-    if lane in _ENGINE_ORDER:
-        return (1 + _ENGINE_ORDER.index(lane), "")
-    return (1 + len(_ENGINE_ORDER), lane)
+    if lane in order:
+        return (1 + order[lane], "")
+    return (1 + len(order), lane)
+
+
+def _lane_order() -> dict[str, int]:
+    return {x: i for i, x in enumerate(x for n in engine_names() for x in ENGINE_TYPES[n].lanes())}
 
 
 def ticks_to_us(ticks: int, tick_hz: int) -> float:
@@ -93,7 +99,8 @@ def lane_events(placed: Iterable[tuple[int, int, KernelReport, str, dict[str, An
             named.append((pid, KERNEL_LANE))
         events.append({"ph": "X", "name": name, "cat": "kernel", "pid": pid, "tid": tid,
                        "ts": ticks_to_us(t0, tick_hz), "dur": ticks_to_us(t1 - t0, tick_hz), "args": args})
-    for (pid, lane), segs in sorted(lanes.items(), key=lambda kv: (kv[0][0], _sort_key(kv[0][1]))):
+    order = _lane_order()
+    for (pid, lane), segs in sorted(lanes.items(), key=lambda kv: (kv[0][0], _sort_key(kv[0][1], order))):
         for n, part in enumerate(spread_lanes(segs)):
             name = lane if n == 0 else f"{lane} ({n + 1})"
             tid = tid_of(pid, name)

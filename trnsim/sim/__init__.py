@@ -15,7 +15,7 @@ exactly reproducible. The scheduler never computes data.
 Two implementations of the same model. :class:`CoreTimeline`'s simpy processes are the
 reference, and the one collectives run beside (:func:`trnsim.collectives.simulate_beside_kernels`
 shares their environment). :func:`simulate` runs the same processes in a C event loop
-(``trnsim.native._sched``, sched.c) when it is built: the same events in the same order, ties
+(``trnsim.native.accel._sched``, sched.c) when it is built: the same events in the same order, ties
 broken as simpy breaks them (tick, priority, event id), so every tick, ready time and trace
 segment is identical (tests/test_sim_equivalence.py) at a fraction of the cost. The engine
 modules still give each instruction its costs; the loop keeps the state that moves with time.
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter, length_hint
-from typing import Any, Generator, NamedTuple, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import numpy as np
 import simpy
 
 from .. import cores as _cores  # noqa: F401  (registers the engine modules)
+from ..compat import renamed
 from ..config import ChipConfig
 from ..cores.base import ENGINE_TYPES, Engine, Numbering, Segment
 from ..cores.tensor import LS_LANE, TensorEngine
@@ -40,17 +41,18 @@ from ..memory.dma import BandwidthPipe, DmaSystem
 from ..memory.hbm import stack_bandwidth, stack_of_core
 
 try:
-    from ..native import _sched  # type: ignore[attr-defined]
+    from ..native.accel import _sched  # type: ignore[attr-defined]
 except ImportError:  # not built: simulate() runs the simpy processes
     _sched = None
 try:  # the per-instruction reads in one C pass each (scan.c); without it, map() passes
-    from ..native import _scan  # type: ignore[attr-defined]
+    from ..native.accel import _scan  # type: ignore[attr-defined]
 except ImportError:
     _scan = None
 
 __all__ = ["CoreTimeline", "simulate", "native_available"]
 
-SIM_ENGINES = ("auto", "native", "simpy")
+#: the timelines simulate() can run (not engines: those are a NeuronCore's, trnsim.cores)
+TIMELINES = ("auto", "native", "simpy")
 
 
 class CoreTimeline:
@@ -190,31 +192,35 @@ class CoreTimeline:
 
 
 def native_available() -> bool:
-    """True when the C event loop (``trnsim.native._sched``) is built."""
+    """True when the C event loop (``trnsim.native.accel._sched``) is built."""
     return _sched is not None
 
 
-def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "auto") -> list[CoreTimeline]:
+def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "auto",
+             engine: str | None = None) -> list[CoreTimeline]:
     """Run the timing model of ``kernels[c]`` on core ``c`` of one chip; return the timelines.
 
-    ``engine``: ``"native"`` (the C event loop), ``"simpy"`` (the reference processes) or
-    ``"auto"`` (native when built). Both give the same ticks and segments."""
-    if engine not in SIM_ENGINES:
-        raise ValueError(f"simulate: engine must be one of {', '.join(SIM_ENGINES)}, got {engine!r}")
+    ``timeline``: ``"native"`` (the C event loop), ``"simpy"`` (the reference processes) or
+    ``"auto"`` (native when built). Both give the same ticks and segments. (``engine=`` is its
+    old name, still taken.)"""
+    if engine is not None:
+        timeline = engine
+    if timeline not in TIMELINES:
+        raise ValueError(f"simulate: timeline must be one of {', '.join(TIMELINES)}, got {timeline!r}")
     if len(kernels) > config.chip.cores:
         raise ValueError(f"{len(kernels)} kernels for a chip with {config.chip.cores} cores")
-    if engine == "native" and _sched is None:
-        raise RuntimeError("simulate(engine='native'): trnsim.native._sched (the C event loop) is not built: "
+    if timeline == "native" and _sched is None:
+        raise RuntimeError("simulate(timeline='native'): trnsim.native.accel._sched (the C event loop) is not built: "
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
     fields = _ScanFields()
-    types = None if engine == "simpy" or _sched is None else [_type_column(k, fields) for k in kernels]
+    types = None if timeline == "simpy" or _sched is None else _once_per_kernel(kernels, lambda k: _type_column(k, fields))
     why = None if types is None else _native_unsupported(types)
-    if engine == "native" and why is not None:
-        raise ValueError(f"simulate(engine='native'): {why}; use engine='simpy' or 'auto'")
+    if timeline == "native" and why is not None:
+        raise ValueError(f"simulate(timeline='native'): {why}; use timeline='simpy' or 'auto'")
     with gc_paused():
-        if engine == "simpy" or _sched is None or why is not None:
+        if timeline == "simpy" or _sched is None or why is not None:
             env = simpy.Environment()
             cores = [CoreTimeline(env, config, k, pipes[stack_of_core(config, c)], c) for c, k in enumerate(kernels)]
             env.run()
@@ -224,6 +230,19 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, engine: str = "au
     for c in cores:
         c.check_complete()
     return cores
+
+
+def _once_per_kernel(kernels: Sequence[Kernel], fn: Callable[[Kernel], Any]) -> list[Any]:
+    """``[fn(k) for k in kernels]``, calling ``fn`` once per distinct kernel object: the cores of
+    a logical core given the same share run one kernel (:meth:`trnsim.device.Device.kernels_of`),
+    and what ``fn`` reads of it is the same for each."""
+    seen: dict[int, Any] = {}
+    out = []
+    for k in kernels:
+        if id(k) not in seen:
+            seen[id(k)] = fn(k)
+        out.append(seen[id(k)])
+    return out
 
 
 class _Scan(NamedTuple):
@@ -748,7 +767,22 @@ class _NativeRun:
         ffi, lib = _sched.ffi, _sched.lib
         cfg = self.config
         plans = _Plans()
-        cols = [_CoreColumns(tl, plans, t) for tl, t in zip(self.timelines, self.types)]
+        cols: list[_CoreColumns] = []
+        first: dict[int, tuple[_CoreColumns, CoreTimeline]] = {}
+        for tl, t in zip(self.timelines, self.types):
+            seen = first.get(id(tl.kernel))
+            if seen is None:
+                cols.append(_CoreColumns(tl, plans, t))
+                first[id(tl.kernel)] = (cols[-1], tl)
+                continue
+            # the same kernel on another core: its columns are a function of the kernel, fresh
+            # engines of one config and the plans already numbered, so they are the first
+            # core's; its engines are left in the state working them out leaves (ScalarE's table)
+            col, tl0 = seen
+            for name, e in tl.engines.items():
+                for a in e.cost_state:
+                    setattr(e, a, getattr(tl0.engines[name], a))
+            cols.append(col)
         ncores = len(cols)
         sizes = [c.n for c in cols]
         base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
@@ -897,3 +931,7 @@ class _NativeRun:
         for s_, p_ in enumerate(self.pipes):
             p_.free = int(pipe_free[s_])
         return self.timelines
+
+
+def __getattr__(name: str) -> object:  # names renamed so one name means one thing (trnsim.compat.RENAMED)
+    return renamed(__name__, name)

@@ -16,7 +16,7 @@ from ..native.cast import to_dtype
 from ..memory.hbm import check_capacity
 from ..memory.state import DeviceMemory
 from ..native import convert
-from .report import KernelReport, build_report
+from .report import KernelFigures, KernelReport, build_report, kernel_figures
 from . import CoreTimeline, simulate
 
 __all__ = ["Chip", "RunResult", "check_host_memory", "host_available_bytes"]
@@ -113,12 +113,18 @@ class Chip:
         outs = [None if timing_only else self._execute(k, None if inputs is None else inputs[c])
                 for c, k in enumerate(kernels)]
         timelines = simulate(self.config, list(kernels))
-        return [RunResult(outs[c], self._report(k, tl, c)) for c, (k, tl) in enumerate(zip(kernels, timelines))]
+        figures: dict[int, KernelFigures] = {}  # a kernel run on several cores is read once
+        for k in kernels:
+            if id(k) not in figures:
+                figures[id(k)] = kernel_figures(k.instructions, self.config)
+        return [RunResult(outs[c], self._report(k, tl, c, figures[id(k)]))
+                for c, (k, tl) in enumerate(zip(kernels, timelines))]
 
     # ---- internals -------------------------------------------------------------------------
-    def _report(self, kernel: Kernel, tl: CoreTimeline, core: int) -> KernelReport:
+    def _report(self, kernel: Kernel, tl: CoreTimeline, core: int, figures: KernelFigures | None = None
+                ) -> KernelReport:
         return build_report(kernel.name, kernel.instructions, tl.segments, tl.total_ticks, self.config, core,
-                            kernel.sbuf_peak_bytes, kernel.psum_peak_bytes)
+                            kernel.sbuf_peak_bytes, kernel.psum_peak_bytes, figures)
 
     def _check_kernel(self, kernel: Kernel, core: int) -> None:
         if not isinstance(kernel, Kernel):

@@ -21,13 +21,13 @@ Conventions (also in the README):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from ..config import ChipConfig
-from ..cores.base import Segment
+from ..cores.base import ENGINE_TYPES, Segment
 from ..isa import DmaCopy, Instruction, MatMul, MatMulMx, TileAP, Transpose
 
-__all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "union_length", "busiest", "bound_of",
+__all__ = ["KernelReport", "EngineStats", "DmaStats", "build_report", "kernel_figures", "KernelFigures", "union_length", "busiest", "bound_of",
            "RunReport", "OpRow", "CoreStats", "TraceEvent", "CollectiveStats"]
 
 
@@ -118,12 +118,14 @@ class KernelReport:
 
 
 def busiest(busy: dict[str, float]) -> str:
-    """The one definition of what bounds a piece of work: of the engines (Sync, which only
-    triggers DMAs, aside) and the DMA system (``"DMA"``), the one busiest during it. The DMA system
-    is named ``"DMA/HBM"``: its transfers are what HBM bandwidth limits."""
+    """The one definition of what bounds a piece of work: of the engines with a datapath (Sync,
+    which only triggers DMAs, aside: ``Engine.datapath``) and the DMA system (``"DMA"``), the one
+    busiest during it. The DMA system is named ``"DMA/HBM"``: its transfers are what HBM
+    bandwidth limits."""
     best, top = "DMA/HBM", -1.0
     for name, value in busy.items():
-        if name == "Sync":
+        eng = ENGINE_TYPES.get(name)
+        if eng is not None and not eng.datapath:
             continue
         if value > top:
             best, top = ("DMA/HBM" if name == "DMA" else name), value
@@ -186,51 +188,34 @@ def matmul_flops(ins: MatMul) -> int:
     return 2 * k * m * n
 
 
-def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Segment], total_ticks: int,
-                 config: ChipConfig, core: int, sbuf_peak: int, psum_peak: int) -> KernelReport:
-    tick_hz = config.tick_hz
-    total = max(total_ticks, 1)
-    seconds = total_ticks / tick_hz
-    by_engine: dict[str, list[tuple[int, int]]] = {}
+class KernelFigures(NamedTuple):
+    """What a report reads of a kernel's instructions alone (not of its timeline): the same for
+    every core that runs the kernel, so worked out once per kernel (:func:`kernel_figures`)."""
+
+    counts_engine: dict[str, int]
+    queues: dict[str, tuple[int, int]]  # queue -> (transfers, bytes)
+    dma_transfers: int
+    dma_bytes: int
+    counts: dict[str, int]
+    bytes: dict[str, int]
+    flops: int
+    eng_flops: int
+    hw_flops: float
+
+
+def kernel_figures(instrs: list[Instruction], config: ChipConfig) -> KernelFigures:
     counts_engine: dict[str, int] = {}
-    for lane, _, s, e, _ in segments:
-        by_engine.setdefault(_engine_of_lane(lane), []).append((s, e))
     for ins in instrs:
         counts_engine[ins.engine] = counts_engine.get(ins.engine, 0) + 1
-    clocks = config.engine_clocks
-    engines: dict[str, EngineStats] = {}
-    for name in clocks:
-        busy = union_length(by_engine.get(name, []))
-        engines[name] = EngineStats(
-            instructions=counts_engine.get(name, 0),
-            busy_ticks=busy,
-            busy_cycles=busy / config.ticks_per_cycle(name),
-            busy_us=busy / tick_hz * 1e6,
-            active_percent=100.0 * busy / total,
-        )
     dmas = [ins for ins in instrs if isinstance(ins, DmaCopy)]
     dma_bytes = sum(d.plan.bytes for d in dmas)
-    queues: dict[str, dict[str, float]] = {}
+    queues: dict[str, tuple[int, int]] = {}
     for d in dmas:
-        q = queues.setdefault(d.queue, {"transfers": 0, "bytes": 0, "busy_us": 0.0})
-        q["transfers"] += 1
-        q["bytes"] += d.plan.bytes
-    for lane in queues:
-        queues[lane]["busy_us"] = union_length((s, e) for ln, _, s, e, _ in segments if ln == lane) / tick_hz * 1e6
-    dma_busy = union_length(by_engine.get("DMA", []))
-    dma = DmaStats(
-        transfers=len(dmas),
-        busy_ticks=dma_busy,
-        bytes=dma_bytes,
-        average_bytes=dma_bytes / len(dmas) if dmas else 0.0,
-        active_percent=100.0 * dma_busy / total,
-        achieved_bytes_per_s=dma_bytes / seconds if seconds else 0.0,
-        queues=queues,
-    )
+        n, b = queues.get(d.queue, (0, 0))
+        queues[d.queue] = (n + 1, b + d.plan.bytes)
     counts: dict[str, int] = {}
     for ins in instrs:
         counts[ins.opcode] = counts.get(ins.opcode, 0) + 1
-    b = _bytes(instrs)
     flops = 0
     eng_flops = 0
     hw_flops = 0.0
@@ -244,6 +229,55 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
             hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size
         else:
             eng_flops += _alu_flops(ins)
+    return KernelFigures(counts_engine, queues, len(dmas), dma_bytes, counts, _bytes(instrs), flops, eng_flops,
+                         hw_flops)
+
+
+def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Segment], total_ticks: int,
+                 config: ChipConfig, core: int, sbuf_peak: int, psum_peak: int,
+                 figures: KernelFigures | None = None) -> KernelReport:
+    """The report of one core's run of a kernel; ``figures``: :func:`kernel_figures` of
+    ``instrs``, when the caller has them."""
+    if figures is None:
+        figures = kernel_figures(instrs, config)
+    tick_hz = config.tick_hz
+    total = max(total_ticks, 1)
+    seconds = total_ticks / tick_hz
+    by_engine: dict[str, list[tuple[int, int]]] = {}
+    counts_engine = figures.counts_engine
+    for lane, _, s, e, _ in segments:
+        by_engine.setdefault(_engine_of_lane(lane), []).append((s, e))
+    clocks = config.engine_clocks
+    engines: dict[str, EngineStats] = {}
+    for name in clocks:
+        busy = union_length(by_engine.get(name, []))
+        engines[name] = EngineStats(
+            instructions=counts_engine.get(name, 0),
+            busy_ticks=busy,
+            busy_cycles=busy / config.ticks_per_cycle(name),
+            busy_us=busy / tick_hz * 1e6,
+            active_percent=100.0 * busy / total,
+        )
+    dma_bytes = figures.dma_bytes
+    queues: dict[str, dict[str, float]] = {}
+    for lane, (n, b) in figures.queues.items():
+        queues[lane] = {"transfers": n, "bytes": b, "busy_us": 0.0}
+    for lane in queues:
+        queues[lane]["busy_us"] = union_length((s, e) for ln, _, s, e, _ in segments if ln == lane) / tick_hz * 1e6
+    dma_busy = union_length(by_engine.get("DMA", []))
+    ndma = figures.dma_transfers
+    dma = DmaStats(
+        transfers=ndma,
+        busy_ticks=dma_busy,
+        bytes=dma_bytes,
+        average_bytes=dma_bytes / ndma if ndma else 0.0,
+        active_percent=100.0 * dma_busy / total,
+        achieved_bytes_per_s=dma_bytes / seconds if seconds else 0.0,
+        queues=queues,
+    )
+    counts = dict(figures.counts)
+    b = figures.bytes
+    flops, eng_flops, hw_flops = figures.flops, figures.eng_flops, figures.hw_flops
     peak = config.peak_flops_per_core("bf16")
     hbm_bytes = b["hbm_read"] + b["hbm_write"]
     return KernelReport(

@@ -51,20 +51,13 @@ from ..builder.kernel import Kernel
 from ..kernels.registry import KernelEntry, call_build, get_kernel, parse_params, parse_shape
 from ..outputs.metrics import is_parquet, read_sweep_parquet, write_sweep_parquet
 from ..native.dtypes import get_dtype
-from ..sim.report import KernelReport
+from ..sim.report import bound_of  # the one definition (re-exported here: an old name)
 
 __all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
            "bound_of", "check_collective_bytes", "check_collective_ranks", "MAX_COLLECTIVE_RANKS", "DEFAULT_MAX_POINTS"]
 
 SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
 KERNEL_KEYS = ("name", "shape", "shapes", "dtype", "dtypes", "params")
-
-
-def bound_of(report: KernelReport) -> str:
-    """The resource that limits the kernel: the busiest engine or the DMA system."""
-    busy = {name: s.active_percent for name, s in report.engines.items() if name != "Sync"}
-    busy["DMA/HBM"] = report.dma.active_percent
-    return max(busy, key=lambda k: busy[k])
 
 
 # ---------------------------------------------------------------------------------------------

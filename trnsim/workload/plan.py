@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from ..config import ConfigError, SystemConfig
+from ..cores.base import datapath_engines
 
 __all__ = ["Plan", "PlanError", "Role", "check_batch", "check_plan", "check_sizes", "weight_bytes_floor",
            "MAX_DECODE_SAMPLES", "MAX_MICRO_BATCHES", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
@@ -218,7 +219,6 @@ def check_sizes(model: Any, *, layers: int | None = None, input_tokens: int | No
 KINDS = ("matmul", "attention", "collectives", "copies", "elementwise")
 COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all", "broadcast"})
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward"})
-_ENGINES = frozenset({"Tensor", "Vector", "Scalar", "GpSimd"})
 #: library kernels a lowered layer launches (torch_bridge.nxdi), by kind
 _KERNEL_KINDS = {"qkv": "matmul", "oproj": "matmul", "mlp": "matmul", "moe": "matmul", "moe_tkg": "matmul",
                  "router_topk": "matmul", "matmul": "matmul", "attention_tkg": "attention",
@@ -296,7 +296,7 @@ def summarise(report: Any, time_ticks: int, top: int = 12) -> StepReport:
             c = colls.setdefault((r.op, r.kernel.split(":")[-1]), [0, 0.0])
             c[0] += r.calls
             c[1] += r.time_us
-        elif r.bound in _ENGINES:
+        elif r.bound in datapath_engines():  # bound by an engine's compute, not memory
             compute += r.time_us
         else:
             memory += r.time_us
@@ -361,6 +361,9 @@ class InferenceEstimate:
     buckets: dict[str, list[int]] = field(default_factory=dict)
     padding: dict[str, Any] = field(default_factory=dict)
     decode_kv: int = 0
+    #: the serving engine's host loop (trnsim.workload.serve.HostLoop) in TTFT and TPOT
+    serving: str = "none"
+    host_step_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,16 @@ running count and the KV bucket of the longest sequence. Admission reserves a re
 ``prefix_caching`` a request's leading ``prefix`` tokens that an earlier request of the same
 ``prefix_id`` already prefilled are not computed again (whole blocks; the cached blocks stay).
 
+The serving engine's host work (:class:`HostLoop`): every iteration the host schedules, prepares
+the step's inputs and processes its outputs, ``host.serve_step`` of the chip config. vLLM's
+synchronous engine (the V0 engine of the Neuron fork, ``--serving vllm-v0``) does it between device
+steps, so a step takes host + device. vLLM Neuron (``vllm-neuron``, the default) schedules
+asynchronously (``async-scheduling-and-async-execution.md``): a queue of depth 2 and the sampled
+token fed back on the device let the host prepare step n + 1 while the device runs step n, so a
+step takes max(host, device) - unless the batch changed (a request joined or left, a prefill ran):
+then "the async flow must be broken" and that step runs synchronously, host + device. ``none``
+charges no engine (a bare NxDI or transformers-neuronx generation loop).
+
 What it reports is what ``vllm bench serve`` prints: request throughput, output and total token
 throughput, and mean / p50 / p90 / p99 of TTFT, TPOT (per request: ``(E2E - TTFT) / (output - 1)``),
 ITL (every gap between two tokens of a request) and E2E latency, plus the padding the buckets added.
@@ -35,7 +45,7 @@ import numpy as np
 from .buckets import Buckets
 from ..config import ConfigError
 
-__all__ = ["Request", "StepCosts", "ServeConfig", "ServeResult", "Latency", "ServeError", "poisson_requests",
+__all__ = ["Request", "StepCosts", "HostLoop", "SERVING", "ServeConfig", "ServeResult", "Latency", "ServeError", "poisson_requests",
            "read_trace", "simulate", "PERCENTILES", "MAX_REQUESTS"]
 
 #: the percentiles reported beside the mean
@@ -69,6 +79,35 @@ class StepCosts(Protocol):
     def decode(self, batch: int, kv: int) -> float: ...
 
 
+#: the serving engines ``--serving`` names: how each runs its host work beside the device's steps
+SERVING = {"vllm-neuron": "async", "vllm-v0": "sync", "none": "none"}
+
+
+@dataclass(frozen=True)
+class HostLoop:
+    """The serving engine's host work per iteration (module docstring): ``mode`` ``async`` (vLLM
+    Neuron's async scheduling), ``sync`` (vLLM's V0 engine) or ``none``; ``step_s`` seconds."""
+
+    mode: str = "none"
+    step_s: float = 0.0
+
+    @staticmethod
+    def of(serving: str, step_s: float) -> "HostLoop":
+        if serving not in SERVING:
+            raise ServeError(f"--serving {serving!r}: expected one of {', '.join(SERVING)}")
+        if not (math.isfinite(step_s) and step_s >= 0):
+            raise ServeError(f"host.serve_step {step_s!r} s: expected a time >= 0")
+        return HostLoop(SERVING[serving], step_s if SERVING[serving] != "none" else 0.0)
+
+    def step(self, device_s: float, same_batch: bool) -> float:
+        """Wall seconds of one engine iteration whose device step takes ``device_s``:
+        ``same_batch`` when it decodes the same requests as the iteration before (the only case
+        async scheduling keeps its one-step lead)."""
+        if self.mode == "async" and same_batch:
+            return max(self.step_s, device_s)
+        return self.step_s + device_s
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     max_batch: int
@@ -78,6 +117,7 @@ class ServeConfig:
     block: int = 32
     prefix_caching: bool = False
     max_model_len: int = 0
+    host: HostLoop = HostLoop()
 
 
 @dataclass(frozen=True)
@@ -237,6 +277,7 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
     n_pre = n_dec = dec_seqs = max_run = waited = cached_tokens = 0
     pad = {"pre_real": 0, "pre_run": 0, "bat_real": 0, "bat_run": 0, "kv_real": 0, "kv_run": 0}
     waited_ids: set[int] = set()
+    last: tuple[int, ...] | None = None  # the requests the previous iteration decoded (None: it prefilled)
     while arrivals or waiting or running or prefilling is not None:
         while arrivals and requests[arrivals[0]].arrival <= t:
             i = arrivals.popleft()
@@ -262,7 +303,8 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
             r = prefilling
             chunk = min(cfg.chunk, r.req.prompt - r.done)
             tokens = b.context_for(chunk)
-            t += costs.prefill(1, tokens, r.done)
+            t += cfg.host.step(costs.prefill(1, tokens, r.done), False)
+            last = None
             n_pre += 1
             pad["pre_real"] += chunk
             pad["pre_run"] += tokens
@@ -285,7 +327,9 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
             bb = b.batch_for(n)
             longest = max(q.req.prompt + q.generated for q in running)  # positions after this step's token
             kv = b.kv_for(longest)
-            t += costs.decode(bb, kv)
+            ids = tuple(q.index for q in running)
+            t += cfg.host.step(costs.decode(bb, kv), ids == last)
+            last = ids
             n_dec += 1
             dec_seqs += n
             pad["bat_real"] += n

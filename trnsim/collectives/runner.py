@@ -1,6 +1,6 @@
 """Running collective calls: a call becomes a schedule, the schedule runs on the network.
 
-:class:`CollectiveEngine` owns a :class:`~trnsim.collectives.network.Network` in a simpy
+:class:`CollectiveRunner` owns a :class:`~trnsim.collectives.network.Network` in a simpy
 environment (its own, or one a device model shares with kernel timelines). ``launch`` resolves a
 :class:`CollectiveCall` (names, group, sizes, the algorithm and why), builds its schedule and
 starts its processes; each rank gets an event that fires when its part is done, so a device
@@ -24,6 +24,7 @@ from typing import Any, Generator, Mapping, Sequence
 
 import simpy
 
+from ..compat import renamed
 from ..config import SystemConfig, load_system
 from ..native.dtypes import get_dtype
 from .algorithms import (ALGORITHMS, BUSBW_FACTORS, CollectiveError, Context, build, canonical_algorithm,
@@ -34,7 +35,7 @@ from .network import ChipResources, Network
 from .report import CollectiveReport
 from .schedule import Schedule, Transfer
 
-__all__ = ["CollectiveCall", "CollectiveEngine", "CollectiveHandle", "resolve_call", "parse_sizes"]
+__all__ = ["CollectiveCall", "CollectiveRunner", "CollectiveHandle", "resolve_call", "parse_sizes"]
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,12 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
 class CollectiveHandle:
     """A launched call: ``done`` fires when every rank is done, ``rank_done[r]`` when rank r is."""
 
-    def __init__(self, engine: "CollectiveEngine", call: CollectiveCall, res: _Resolved, sched: Schedule):
-        self.engine = engine
+    def __init__(self, runner: "CollectiveRunner", call: CollectiveCall, res: _Resolved, sched: Schedule):
+        self.runner = runner
         self.call = call
         self.res = res
         self.sched = sched
-        env = engine.env
+        env = runner.env
         self.rank_done: dict[int, simpy.Event] = {r: env.event() for r in res.ctx.group}
         self.done = simpy.AllOf(env, list(self.rank_done.values())) if self.rank_done else env.event()
         ts = sched.transfers
@@ -220,6 +221,7 @@ class CollectiveHandle:
         #: per resource (by id): (resource, intervals it held one of this call's chunks back)
         self.limits: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         self.pending = [len(t.deps) for t in ts]
+        self.sym: Any = None  # the call's Symmetry when only its representatives run (symmetry.py)
         self.dependents: list[list[int]] = [[] for _ in ts]
         self.left: dict[int, int] = {r: 0 for r in res.ctx.group}  # rank -> transfers not done
         for i, t in enumerate(ts):
@@ -229,12 +231,15 @@ class CollectiveHandle:
                 self.left[r] += 1
 
 
-class CollectiveEngine:
+class CollectiveRunner:
     """Collectives on one system, in one simpy environment (see the module docstring)."""
 
     def __init__(self, system: SystemConfig | str, env: simpy.Environment | None = None,
-                 chips: Mapping[int, ChipResources] | None = None, trace: bool = False):
+                 chips: Mapping[int, ChipResources] | None = None, trace: bool = False, symmetric: bool = False):
         self.system = load_system(system) if not isinstance(system, SystemConfig) else system
+        #: run a lone call's alike ranks once (symmetry.py): only for an engine that owns its
+        #: environment and resources and runs that one call, without a trace
+        self.symmetric = symmetric and env is None and not chips and not trace
         self.net = Network(self.system, env, chips, trace)
         self.env = self.net.env
         self.handles: list[CollectiveHandle] = []
@@ -244,20 +249,49 @@ class CollectiveEngine:
         self._issue_free: dict[tuple[int, int], int] = {}
         #: network proxy thread -> tick it is free
         self._proxy_free: dict[int, int] = {}
+        #: transfers whose dependencies completed this tick, started at its end (same-tick share)
+        self._starting: list[tuple[CollectiveHandle, int]] = []
+        self.net.on_tick_end = self._start_staged
 
     def launch(self, call: CollectiveCall) -> CollectiveHandle:
         res = resolve_call(self.system, call, self.net.topo)
         sched = Schedule(res.ctx.group)
         build(sched, res.ctx, res.algorithm)
         h = CollectiveHandle(self, call, res, sched)
+        if self.symmetric:
+            if self.handles:
+                raise RuntimeError("a symmetric runner runs one call; launch others on a runner of their own")
+            from .symmetry import find
+
+            sym = find(self, h)
+            if sym is not None:
+                self._reduce(h, sym)
         self.handles.append(h)
+        sym = h.sym
         for r, i in sched.start.items():
-            self.env.process(self._rank_start(h, r, i))
+            if sym is None or sym.rank_rep[r] == r:
+                self.env.process(self._rank_start(h, r, i))
         return h
+
+    def _reduce(self, h: CollectiveHandle, sym: Any) -> None:
+        """Run only ``sym``'s representative transfers: each waits for its dependencies'
+        representatives (the same ticks), and books resources' representatives with the
+        multiplicity its orbit brings to each (symmetry.py)."""
+        h.sym = sym
+        ts = h.sched.transfers
+        rep = sym.rep
+        h.dependents = [[] for _ in ts]
+        for k in sym.representatives():
+            for d in ts[k].deps:
+                h.dependents[rep[d]].append(k)
+        self._qplans: dict[int, tuple[list[tuple[Any, ...]], Any, int]] = {}
 
     def run(self) -> list[CollectiveReport]:
         """Run the environment to the end and report every launched call."""
         self.env.run()
+        for h in self.handles:
+            if h.sym is not None and not h.end:
+                self._finish_reduced(h)
         return [self.report(h) for h in self.handles]
 
     # ---- processes -----------------------------------------------------------------------------
@@ -278,7 +312,7 @@ class CollectiveEngine:
         if launch:  # the trigger reaching the CC core and its program starting
             yield env.timeout(launch)
         self._complete(h, node, int(env.now))
-        if h.left[rank] == 0:
+        if h.left[rank] == 0 and h.sym is None:
             self._rank_finished(h, rank, int(env.now))
 
     def _plan(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]:
@@ -288,42 +322,87 @@ class CollectiveEngine:
             p = self._plans[key] = self.net.plan(t)
         return p
 
-    def _runtime_delay(self, h: CollectiveHandle, t: Transfer, links: tuple[Any, ...]) -> int:
-        """Ticks from now until the runtime lets ``t``'s DMA start: the sender's CC core issues
-        it (one transfer at a time), the handshake with its peers, and for a transfer that
-        leaves the instance over EFA the sender's network proxy thread (runtime.py)."""
+    def _runtime_delays(self, todo: list[tuple[CollectiveHandle, int]], now: int) -> list[int]:
+        """Ticks from ``now`` until the runtime lets each transfer's DMA start: the sender's CC
+        core issues it, the handshake with its peers, and for a transfer that leaves the
+        instance over EFA the sender's network proxy thread (runtime.py). A CC core (or a proxy
+        thread) serves one transfer at a time; the transfers that reach it at the same tick are
+        served as one group that ends together (k issues after it is free), as the network books
+        same-tick chunks, so alike ranks stay alike."""
         rt = self.net.runtime
-        now = int(self.env.now)
-        at = now
+        at = [now] * len(todo)
+        # a representative transfer stands for |orbit| / |its sender's orbit| alike transfers of its sender
+        src_of, mult = [], []
+        for h, i in todo:
+            src = h.sched.transfers[i].src
+            sym = h.sym
+            if sym is None:
+                src_of.append(src)
+                mult.append(1)
+            else:
+                r = sym.rank_rep[src]
+                src_of.append(r)
+                mult.append(sym.size[i] // sym.rank_size[r])
         if rt.issue:
-            key = (t.src, h.stream.get(t.src, 0))
-            free = self._issue_free.get(key, 0)
-            at = (free if free > at else at) + rt.issue
-            self._issue_free[key] = at
-        at += rt.step_sync
+            groups: dict[tuple[int, int], list[int]] = {}
+            for n, (h, i) in enumerate(todo):
+                src = src_of[n]
+                groups.setdefault((src, h.stream.get(src, 0)), []).append(n)
+            for key, members in groups.items():
+                free = self._issue_free.get(key, 0)
+                end = (free if free > now else now) + rt.issue * sum(mult[n] for n in members)
+                self._issue_free[key] = end
+                for n in members:
+                    at[n] = end
+        if rt.step_sync:
+            at = [a + rt.step_sync for a in at]
         if rt.efa_proxy:
-            pkey = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
-            crosses = self._proxied.get(pkey)
-            if crosses is None:
-                dims = self.system.topology
-                crosses = self._proxied[pkey] = any(dims[k[0]].proxy for k in links)
-            if crosses:
-                thread = t.src // rt.ranks_per_proxy
-                free = self._proxy_free.get(thread, 0)
-                at = (free if free > at else at) + rt.efa_proxy
-                self._proxy_free[thread] = at
-        return at - now
+            dims = self.system.topology
+            waits: dict[int, dict[int, list[int]]] = {}  # proxy thread -> arrival tick -> transfers
+            for n, (h, i) in enumerate(todo):
+                t = h.sched.transfers[i]
+                pkey = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
+                crosses = self._proxied.get(pkey)
+                if crosses is None:
+                    crosses = self._proxied[pkey] = any(dims[k[0]].proxy for k in self._plan(t)[1])
+                if crosses:
+                    waits.setdefault(src_of[n] // rt.ranks_per_proxy, {}).setdefault(at[n], []).append(n)
+            for thread, by_tick in waits.items():
+                for tick in sorted(by_tick):
+                    members = by_tick[tick]
+                    free = self._proxy_free.get(thread, 0)
+                    end = (free if free > tick else tick) + rt.efa_proxy * sum(mult[n] for n in members)
+                    self._proxy_free[thread] = end
+                    for n in members:
+                        at[n] = end
+        return [a - now for a in at]
 
     def _transfer(self, h: CollectiveHandle, i: int) -> None:
+        """Start transfer ``i`` of ``h`` at this tick's end, with the tick's other starts."""
+        if not self._starting:
+            self.net.at_tick_end()
+        self._starting.append((h, i))
+
+    def _start_staged(self, now: int) -> None:
+        todo, self._starting = self._starting, []
+        if todo:
+            for (h, i), delay in zip(todo, self._runtime_delays(todo, now)):
+                self._run_transfer(h, i, delay)
+
+    def _run_transfer(self, h: CollectiveHandle, i: int, delay: int) -> None:
         t = h.sched.transfers[i]
         book, links, lat = self._plan(t)
-        delay = self._runtime_delay(h, t, links)
+        sym = h.sym
+        if sym is not None:  # the representatives of its resources, each with its multiplicity
+            book = self._quotient_plan(sym, i, book)
 
         def data(tick: int) -> None:
             h.data_start[i] = tick
 
         def done(end: int) -> None:
             self._complete(h, i, end)
+            if sym is not None:
+                return  # the ranks' ends are the representatives', set when the run is over
             left = h.left
             for r in set(t.ranks()):
                 left[r] -= 1
@@ -337,8 +416,48 @@ class CollectiveEngine:
             for r in (t.src, *(t.dsts[:1] if t.dst_reads else ())):
                 engines = net.ring_set(h.stream.get(r, 0), k)
                 for d in net.rank(r).dma:
-                    rings[id(d)] = engines
+                    rings[id(d if sym is None else sym.res_rep.get(id(d), (d,))[0])] = engines
         net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings, k)
+
+    def _quotient_plan(self, sym: Any, i: int, book: list[tuple[int, Any, float, float]]) -> list[tuple[Any, ...]]:
+        key = (id(book), sym.size[i])
+        got = self._qplans.get(key)
+        if got is None or got[1] is not book:
+            out = []
+            for kind, obj, w, dw in book:
+                r, n = sym.res_rep[id(obj)]
+                out.append((kind, r, w, dw, sym.size[i] // n))
+            got = self._qplans[key] = (out, book, 0)
+        return got[0]
+
+    def _finish_reduced(self, h: CollectiveHandle) -> None:
+        """After a reduced run: every transfer takes its representative's ticks, every rank its
+        representative's start and stream, and ends with its last transfer (or its launch)."""
+        sym = h.sym
+        rep = sym.rep
+        ts = h.sched.transfers
+        for j, r in enumerate(rep):
+            if r != j:
+                h.finish[j] = h.finish[r]
+                h.data_start[j] = h.data_start[r]
+        last: dict[int, int] = {}
+        for j, t in enumerate(ts):
+            if not t.is_node:
+                f = h.finish[j]
+                assert f is not None, "a reduced run left a transfer unfinished"
+                for r in t.ranks():
+                    if f > last.get(r, -1):
+                        last[r] = f
+        launch = self.net.runtime.launch
+        for r in h.res.ctx.group:
+            rr = sym.rank_rep[r]
+            h.begin[r] = h.begin[rr]
+            h.stream[r] = h.stream[rr]
+            h.end[r] = last.get(r, h.begin[r] + launch)
+        for rr in set(sym.rank_rep.values()):
+            req = h.requests.pop(rr, None)
+            if req is not None:
+                self.net.rank(rr).cc.release(req)
 
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending
@@ -418,16 +537,20 @@ class CollectiveEngine:
         # intervals from a chunk's booking to when that resource had served it)
         vec_owner = {id(v): r for r, rr in net._ranks.items() for v in rr.vector}
         busy: dict[str, int] = {}
-        for key, (obj, spans) in h.limits.items():
-            if key in owner:
-                name = f"DMA rank {owner[key]}"
-            elif key in vec_owner:
-                name = f"VectorE rank {vec_owner[key]}"
-            elif isinstance(obj, BandwidthPipe) and "HBM" in obj.name:
-                name = f"HBM {obj.name}"
-            else:
-                name = f"link {obj.name}"
-            busy[name] = busy.get(name, 0) + union_length(spans)
+        for key, (held, spans) in h.limits.items():
+            length = union_length(spans)
+            # a reduced run's representative stands for every resource of its orbit, alike
+            for obj in (h.sym.members[key] if h.sym is not None else (held,)):
+                k = id(obj)
+                if k in owner:
+                    name = f"DMA rank {owner[k]}"
+                elif k in vec_owner:
+                    name = f"VectorE rank {vec_owner[k]}"
+                elif isinstance(obj, BandwidthPipe) and "HBM" in obj.name:
+                    name = f"HBM {obj.name}"
+                else:
+                    name = f"link {obj.name}"
+                busy[name] = busy.get(name, 0) + length
         estimate = estimate_resolved(self.system, res)
         if busy and time > 0:
             top = max(busy.values())
@@ -487,3 +610,7 @@ def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:
     if len(sizes) > 128:
         raise CollectiveError(f"{shown}: {len(sizes)} sizes; at most 128 (use a larger --factor)")
     return sizes
+
+
+def __getattr__(name: str) -> object:  # names renamed so one name means one thing (trnsim.compat.RENAMED)
+    return renamed(__name__, name)

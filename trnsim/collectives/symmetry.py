@@ -1,0 +1,301 @@
+"""Ranks that behave alike, simulated once: the symmetry of one collective call.
+
+A ring all-reduce's ranks all do the same thing on different links; KangaRing's do it chip pair
+by chip pair along its snake; a hierarchical call does the same in every instance. When a
+permutation of the group's ranks maps the call's schedule onto itself (every transfer onto a
+transfer with the same bytes, operands and dependencies) and its resources onto resources of
+the same kind and rate (each transfer's bookings, position by position, onto the image's, one
+to one), the simulation is invariant under it: the network books the chunks that reach a
+resource at the same tick as one group that ends together, and the runtime serves same-tick
+issues and proxy turns the same way (network.py, runner.py), so which alike flow simpy ran
+first never matters, and alike transfers start and end on the same ticks.
+
+:func:`find` tries the permutations a collective's structure suggests (each instance's ring
+order turned by ``d`` ranks, the instances shifted one over, the whole group's ring order
+turned), keeps those that verify, and returns the orbits of the group they generate. The runner
+then runs one transfer per orbit (its *representative*), books each resource's representative
+with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
+resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
+orbit, all at the same tick), and copies the representatives' ticks to the rest. The result is
+identical to the full simulation's, tick for tick (tests/test_collective_symmetry.py; the
+benchmark checks it on the calls it times). A call with nothing to exploit runs in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from .runner import CollectiveRunner, CollectiveHandle
+
+__all__ = ["Symmetry", "find"]
+
+
+@dataclass
+class Symmetry:
+    """The orbits of one call under the permutations that verified (``generators``, rank maps)."""
+
+    generators: list[dict[int, int]]
+    #: transfer index -> its orbit's representative (the smallest index); orbit sizes by representative
+    rep: list[int]
+    size: dict[int, int]
+    #: rank -> representative rank, and rank orbit sizes by representative
+    rank_rep: dict[int, int]
+    rank_size: dict[int, int]
+    #: id(resource) -> (representative resource, its orbit size); orbit members by representative id
+    res_rep: dict[int, tuple[Any, int]]
+    members: dict[int, list[Any]]
+
+    @property
+    def order(self) -> int:
+        """The largest orbit of transfers: how many times fewer transfers run."""
+        return max(self.size.values(), default=1)
+
+    def representatives(self) -> list[int]:
+        return [i for i, r in enumerate(self.rep) if r == i]
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[Any, Any] = {}
+
+    def find(self, x: Any) -> Any:
+        p = self.parent
+        root = x
+        while p.get(root, root) != root:
+            root = p[root]
+        while p.get(x, x) != root:
+            p[x], x = root, p[x]
+        return root
+
+    def union(self, a: Any, b: Any, less: Callable[[Any, Any], bool]) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            if less(rb, ra):
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+
+
+def _rotations(orders: Sequence[Sequence[int]], d: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for o in orders:
+        n = len(o)
+        for i, r in enumerate(o):
+            out[r] = o[(i + d) % n]
+    return out
+
+
+def _candidates(engine: "CollectiveRunner", group: Sequence[int]) -> list[list[dict[int, int]]]:
+    """Families of rank permutations to try, each in increasing order of the subgroup they
+    generate (the first that verifies in a family is kept)."""
+    topo = engine.net.topo
+    by_inst: dict[int, list[int]] = {}
+    for r in group:
+        by_inst.setdefault(topo.instance_of(r), []).append(r)
+    parts = [topo.ring_order(v) for _, v in sorted(by_inst.items())]
+    fams: list[list[dict[int, int]]] = []
+    if len({len(p) for p in parts}) == 1 and len(parts[0]) > 1:
+        n = len(parts[0])
+        fams.append([_rotations(parts, d) for d in range(1, n) if n % d == 0])
+    if len(parts) > 1 and len({len(p) for p in parts}) == 1:
+        ir = topo.instance_ranks
+        insts = sorted(by_inst)
+        shift = {}
+        ok = True
+        for k, i in enumerate(insts):
+            j = insts[(k + 1) % len(insts)]
+            for r in by_inst[i]:
+                img = r - i * ir + j * ir
+                if img not in by_inst[j]:
+                    ok = False
+                shift[r] = img
+        if ok:
+            fams.append([shift])
+        fams.append([])  # the whole ring's turns: only when the instances gave nothing (see find)
+        whole = topo.ring_order(group)
+        n = len(whole)
+        fams.append([_rotations([whole], d) for d in range(1, n) if n % d == 0])
+    return fams
+
+
+class _Checker:
+    """Verifies rank permutations against one handle's schedule and bookings."""
+
+    def __init__(self, engine: "CollectiveRunner", h: "CollectiveHandle"):
+        self.engine = engine
+        self.h = h
+        ts = h.sched.transfers
+        self.ts = ts
+        for t in ts:  # every booking pattern (and so every link) exists before any is compared
+            if not t.is_node:
+                engine._plan(t)
+        self.index: dict[tuple[Any, ...], list[int]] = {}
+        for i, t in enumerate(ts):
+            self.index.setdefault(self._key(t, None), []).append(i)
+        self.deps = [sorted(t.deps) for t in ts]
+        #: per transfer, its plan's key (transfers with one key book the same resources)
+        self.pkey = [None if t.is_node else (t.src, t.dsts, t.reads, t.dst_reads, t.gather) for t in ts]
+        self.start_of = {i: r for r, i in h.sched.start.items()}
+        dims = engine.system.topology
+        self.link_kind: dict[int, tuple[Any, ...]] = {}
+        for k, pipe in engine.net.links.items():
+            d = dims[k[0]]
+            self.link_kind[id(pipe)] = (d.bandwidth, d.latency, d.proxy)
+
+    @staticmethod
+    def _key(t: Any, s: dict[int, int] | None) -> tuple[Any, ...]:
+        if t.src < 0:
+            return (-1, t.step, t.phase)
+        if s is None:
+            return (t.src, t.dsts, t.nbytes, t.reads, t.dst_reads, t.gather, t.step, t.phase)
+        return (s[t.src], tuple(s[x] for x in t.dsts), t.nbytes, tuple(s[x] for x in t.reads),
+                tuple(s[x] for x in t.dst_reads), t.gather, t.step, t.phase)
+
+    def transfer_map(self, s: dict[int, int]) -> list[int] | None:
+        ts = self.ts
+        tau = [-1] * len(ts)
+        used = [False] * len(ts)
+        start = self.h.sched.start
+        deps = self.deps
+        index = self.index
+        start_of = self.start_of
+        key = self._key
+        for i, t in enumerate(ts):
+            if i in start_of:
+                j = start[s[start_of[i]]]
+            else:
+                want = sorted([tau[d] for d in t.deps])
+                j = -1
+                for c in index.get(key(t, s), ()):
+                    if not used[c] and deps[c] == want and c not in start_of:
+                        j = c
+                        break
+                if j < 0:
+                    return None
+            if used[j]:
+                return None
+            used[j] = True
+            tau[i] = j
+        return tau
+
+    def resource_map(self, tau: list[int]) -> dict[int, Any] | None:
+        """id(resource) -> its image, from every transfer's bookings and theirs, or None when
+        they do not correspond one to one, kind for kind and rate for rate."""
+        plans = self.engine._plans
+        pkey = self.pkey
+        phi: dict[int, Any] = {}
+        back: dict[int, int] = {}
+        seen: set[tuple[Any, Any]] = set()
+        for i, k1 in enumerate(pkey):
+            if k1 is None:
+                continue
+            k2 = pkey[tau[i]]
+            if (k1, k2) in seen:  # the same bookings, mapped the same way
+                continue
+            seen.add((k1, k2))
+            b1, _, lat1 = plans[k1]
+            b2, _, lat2 = plans[k2]
+            if lat1 != lat2 or len(b1) != len(b2):
+                return None
+            for (k1, o1, w1, d1), (k2, o2, w2, d2) in zip(b1, b2):
+                if k1 != k2 or w1 != w2 or d1 != d2:
+                    return None
+                got = phi.get(id(o1))
+                if got is None:
+                    if back.get(id(o2), id(o1)) != id(o1):
+                        return None
+                    if k1 == 0 and self.link_kind.get(id(o1)) != self.link_kind.get(id(o2)):
+                        return None
+                    if k1 == 3 and (o1.num, o1.den) != (o2.num, o2.den):
+                        return None
+                    phi[id(o1)] = o2
+                    back[id(o2)] = id(o1)
+                elif got is not o2:
+                    return None
+        return phi
+
+
+def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
+    """The symmetry of ``h`` (launched alone on ``engine``), or None when no candidate
+    permutation verifies or the call cannot be reduced (different start ticks, a proxy thread
+    shared by several ranks)."""
+    res = h.res
+    group = res.ctx.group
+    if len(set(res.starts)) != 1 or len(group) < 2:
+        return None
+    rt = engine.net.runtime
+    if rt.efa_proxy and rt.ranks_per_proxy != 1:
+        return None
+    chk = _Checker(engine, h)
+    gens: list[tuple[dict[int, int], list[int], dict[int, Any]]] = []
+    rpc = engine.net.topo.rpc
+
+    def chips_to_chips(s: dict[int, int]) -> bool:
+        """Ranks of one chip share its HBM stacks, so their images must share a chip too."""
+        img: dict[int, int] = {}
+        return all(img.setdefault(r // rpc, s[r] // rpc) == s[r] // rpc for r in s)
+
+    for fam in _candidates(engine, group):
+        if not fam:  # the whole-ring turns follow: a flat call across instances needs them
+            if gens:
+                break
+            continue
+        for s in fam:
+            if not chips_to_chips(s):
+                continue
+            tau = chk.transfer_map(s)
+            if tau is None:
+                continue
+            phi = chk.resource_map(tau)
+            if phi is None:
+                continue
+            gens.append((s, tau, phi))
+            break
+    if not gens:
+        return None
+    n = len(chk.ts)
+    rep = list(range(n))  # union-find over transfer indices, the smallest index the root
+
+    def root(i: int) -> int:
+        while rep[i] != i:
+            rep[i] = rep[rep[i]]
+            i = rep[i]
+        return i
+
+    for _, tau, _ in gens:
+        for i in range(n):
+            a, b = root(i), root(tau[i])
+            if a != b:
+                if a < b:
+                    rep[b] = a
+                else:
+                    rep[a] = b
+    rep = [root(i) for i in range(n)]
+    size: dict[int, int] = {}
+    for r in rep:
+        size[r] = size.get(r, 0) + 1
+    start = h.sched.start
+    # a rank's representative is the rank whose start node represents its start node's orbit
+    rank_rep = {r: chk.start_of[rep[start[r]]] for r in group}
+    rank_size: dict[int, int] = {}
+    for r in rank_rep.values():
+        rank_size[r] = rank_size.get(r, 0) + 1
+    objs: dict[int, Any] = {}
+    order: dict[int, int] = {}  # id -> first seen (a deterministic representative)
+    for k in dict.fromkeys(x for x in chk.pkey if x is not None):
+        for _, o, _, _ in engine._plans[k][0]:
+            if id(o) not in objs:
+                objs[id(o)] = o
+                order[id(o)] = len(order)
+    rf = _UnionFind()
+    by_order = lambda a, b: order[a] < order[b]  # noqa: E731
+    for _, _, phi in gens:
+        for a, o in phi.items():
+            rf.union(a, id(o), by_order)
+    members: dict[int, list[Any]] = {}
+    for k in objs:
+        members.setdefault(rf.find(k), []).append(objs[k])
+    res_rep = {k: (objs[rf.find(k)], len(members[rf.find(k)])) for k in objs}
+    sym = Symmetry([s for s, _, _ in gens], rep, size, rank_rep, rank_size, res_rep, members)
+    return sym if sym.order > 1 else None
