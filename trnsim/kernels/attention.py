@@ -137,7 +137,7 @@ def _reference(inputs, shape, dtype, params):
     b, h, s, d = shape
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * _scale(params.get("scale"), d)
     if params.get("score_mod") is not None:
-        from .fused import reference as program_reference
+        from .program import reference as program_reference
 
         scores = np.stack([np.stack([
             program_reference(params["score_mod"], [scores[bi, hi].astype(np.float32)]
@@ -822,7 +822,7 @@ class _Work:
     def set_score_mod(self, program: Any, roles: Any, buffers: Any, b: int, h: int, s: int) -> None:
         """FlexAttention's score function as a tile program: input 0 the score, then ``roles``
         (see ``parse_score_input``; default q_idx, kv_idx) over captured ``buffers``."""
-        from .fused import FULL, assign_engines, Emitter, step_class
+        from .program import FULL, assign_engines, Emitter, step_class
 
         roles = tuple(roles) if roles is not None else ("q_idx", "kv_idx")
         buffers = tuple(buffers or ())
