@@ -29,7 +29,8 @@ class BuildPyWithData(build_py):
 setup(cmdclass={"build_py": BuildPyWithData},
       cffi_modules=["trnsim/native/build.py:ffibuilder", "trnsim/native/build.py:sched_ffibuilder",
                     "trnsim/native/build.py:deptrack_ffibuilder"],
-      ext_modules=[Extension("trnsim.native._clone", ["trnsim/native/clone.c"], depends=["trnsim/native/slots.h"],
-                             extra_compile_args=["-O2"]),
-                   Extension("trnsim.native._scan", ["trnsim/native/scan.c"], depends=["trnsim/native/slots.h"],
+      ext_modules=[Extension("trnsim.native.accel._clone", ["trnsim/native/accel/clone.c"],
+                             depends=["trnsim/native/accel/slots.h"], extra_compile_args=["-O2"]),
+                   Extension("trnsim.native.accel._scan", ["trnsim/native/accel/scan.c"],
+                             depends=["trnsim/native/accel/slots.h"],
                              extra_compile_args=["-O2", "-std=gnu11"])])

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     base_rate = n_base / t_base
     print(f"baseline: raw simpy, one timeout per instruction: {base_rate:,.0f} instr/s (trn2, best of {repeats})")
     print("simulator: " + ("native event loop" if native_available() else
-                           "simpy processes (trnsim.native._sched is not built)"))
+                           "simpy processes (trnsim.native.accel._sched is not built)"))
     print(f"{'kernel':<34} {'instrs':>8} {'build s':>8} {'sim s':>7} {'instr/s':>10} {'vs simpy':>9} {'total s':>8} "
           f"{'ref build s':>11} {'stream':>7} {'segs s':>7} {'simpy s':>8} {'ticks':>6}")
     ok = same_all = ticks_all = True

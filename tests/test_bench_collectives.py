@@ -14,3 +14,4 @@ def test_quick_benchmark_runs():
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     assert "growth with ranks" in r.stdout and "events/s" in r.stdout
+    assert "symmetry: alike ranks" in r.stdout and " NO " not in r.stdout

@@ -49,7 +49,7 @@ def test_a_symmetric_run_reports_exactly_what_the_full_run_does(system, call, or
 
 def test_calls_that_are_not_alike_run_in_full():
     """Ranks starting at different ticks, or a permute whose pairs break the ring, have no
-    symmetry to use: the engine runs every transfer."""
+    symmetry to use: the runner runs every transfer."""
     staggered = CollectiveCall("all-reduce", 1 << 20, ranks=8, start=[0, 10, 0, 0, 0, 0, 0, 0])
     full, _ = run(TRN2, staggered, False)
     reduced, sym = run(TRN2, staggered, True)
@@ -63,5 +63,5 @@ def test_calls_that_are_not_alike_run_in_full():
 def test_a_symmetric_engine_runs_one_call():
     e = CollectiveRunner(TRN2, symmetric=True)
     e.launch(CollectiveCall("all-reduce", 1 << 20, ranks=8))
-    with pytest.raises(RuntimeError, match="^a symmetric engine runs one call"):
+    with pytest.raises(RuntimeError, match="^a symmetric runner runs one call"):
         e.launch(CollectiveCall("all-reduce", 1 << 20, ranks=8))

@@ -294,7 +294,8 @@ def _serve_flags(rng: random.Random) -> list[str]:
     if rng.random() < 0.9:
         flag = rng.choice(["--rate", "--requests", "--input", "--output", "--max-batch", "--chunk", "--kv-tokens",
                            "--prefix-len", "--kv-buckets", "--batch-buckets", "--context-buckets", "--sweep", "--trace",
-                           "--ep", "--tp", "--max-model-len", "--seed", "--plot", "--dtype", "--layers"])
+                           "--ep", "--tp", "--max-model-len", "--seed", "--plot", "--dtype", "--layers", "--dp",
+                           "--serving"])
         argv += [flag, rng.choice(["0", "-1", "1000000000", "99999999999999999999", "x", "3", "65", "inf", "nan",
                                    "1,2,x", "", "1e3", "/dev/null", "no/such.csv", "p.txt", "2,4"])]
     if rng.random() < 0.2:

@@ -1,6 +1,6 @@
 """The nki.isa instructions beyond the core set: tensor_tensor_scan, scalar_tensor_tensor,
 tensor_copy_predicated and range_select (predicated ops), reciprocal, max8 and nc_find_index8
-(the top-k of the NKI library's router), dma_transpose,
+(the top-k of the NKI library's router), dropout, dma_transpose,
 element-strided DMA and the MX matmul of NC-v4. Each: values against numpy, and its cost pinned
 to the published "estimated instruction cost" (datasheet §7, S16) or DMA figure (§6).
 
@@ -175,6 +175,39 @@ def test_reciprocal_on_vector_costs_eight_cycles_an_element():
     r = chip.run(k, {"x": xs})
     assert np.array_equal(r["y"], (np.float32(1.0) / xs).astype(np.float32))
     assert vector_ticks(r) == [("Reciprocal", 1600 * 5)]  # max(MIN_II, 8N)
+
+
+def test_dropout_values_rate_and_cost():
+    chip = Chip("trn2")
+    k = chip.kernel("drop")
+    x = load(k, "x", (128, 300), "fp32")
+    y = k.sbuf((128, 300), "fp32")
+    k.dropout(y, x, 0.25, seed=3, offset=1000, row_stride=4096)
+    store(k, "y", y)
+    xs = RNG.random((128, 300), dtype=np.float32) + 0.5  # never zero: a zero out is a dropped element
+    r = chip.run(k, {"x": xs})
+    counters = 1000 + np.arange(128)[:, None] * 4096 + np.arange(300)[None, :]
+    # the draw of every element, written out here (splitmix32's finaliser of seed and counter)
+    x_ = (counters.astype(np.uint64) + np.uint64(3 * 0x9E3779B9)) & np.uint64(0xFFFFFFFF)
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x_ ^= x_ >> np.uint64(shift)
+        x_ = (x_ * np.uint64(mul)) & np.uint64(0xFFFFFFFF)
+    x_ ^= x_ >> np.uint64(16)
+    keep = x_ >= np.uint64(1 << 30)
+    assert np.array_equal(r["y"], np.where(keep, xs, 0.0).astype(np.float32))
+    assert abs((r["y"] == 0).mean() - 0.25) < 0.01  # the drop rate over 38,400 draws
+    assert vector_ticks(r) == [("Dropout", 300 * 5)]  # max(MIN_II, N)
+
+
+def test_dropout_checks():
+    k = Chip("trn2").kernel("drop")
+    x, i = k.sbuf((4, 8), "fp32"), k.sbuf((4, 8), "int32")
+    with pytest.raises(KernelError, match=r"^dropout: prob must be a probability in \[0, 1\], got 1.5$"):
+        k.dropout(x, x, 1.5)
+    with pytest.raises(KernelError, match=r"^dropout: data and dst must be float tiles"):
+        k.dropout(i, i, 0.1)
+    with pytest.raises(KernelError, match=r"^dropout: seed"):
+        k.dropout(x, x, 0.1, seed=-1)
 
 
 def test_max8_and_find_index8_values_and_cost():

@@ -38,6 +38,27 @@ def test_attention_custom_scale():
     _check("attention", (1, 1, 150, 64), "fp32", "trn2", {"scale": 0.5})
 
 
+@pytest.mark.parametrize("shape, dtype, causal, config", [
+    ((2, 3, 128, 64), "bf16", False, "trn1"),    # BERT's attention: heads of one tile each
+    ((1, 1, 640, 32), "fp32", True, "trn2"),     # two key tiles, the second ragged and partly masked
+])
+def test_attention_dropout_matches_reference(shape, dtype, causal, config):
+    # the reference drops the normalised probabilities at the same positions and scales by 1/(1-p)
+    _check("attention", shape, dtype, config, {"causal": causal, "dropout_p": 0.1, "dropout_seed": 5})
+
+
+def test_attention_dropout_is_one_vector_pass_per_score_tile():
+    def counts(p):
+        k = get_kernel("attention").make((1, 2, 1024, 64), "bf16", load_config("trn2"), {"dropout_p": p})
+        return Chip("trn2").run(k, timing_only=True).report.instruction_counts
+
+    # 8 query tiles x 2 key tiles of each of 2 heads: one dropout each, nothing else added
+    with_dropout, without = counts(0.1), counts(0.0)
+    assert with_dropout.pop("Dropout") == 2 * 8 * 2
+    assert "Dropout" not in without
+    assert with_dropout == without
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_key_blocks_are_loaded_once_per_head(causal):
     # 1300 keys in 512-key blocks: the blocks are the outer loop and every query tile walks each,
@@ -102,6 +123,7 @@ def test_attention_values_are_bit_identical_across_runs():
     ((1, 1, 128, 64), {"kv_block": 100}, "attention: kv_block must be 0 (auto) or a positive multiple of 512 keys, "
                                           "got 100"),
     ((1, 1, 128, 64), {"causal": "yes"}, "attention: causal must be true or false, got 'yes'"),
+    ((1, 1, 128, 64), {"dropout_p": 1.0}, "attention: dropout_p must be a probability in [0, 1), got 1.0"),
 ])
 def test_attention_bad_input(shape, params, message):
     with pytest.raises(KernelError, match=f"^{re.escape(message)}$"):

@@ -12,7 +12,7 @@ statement, lazy ones inside functions included; ``if TYPE_CHECKING:`` blocks asi
       builder/                       the Kernel builder
       cores/ memory/                 one module per engine; hbm, sbuf, psum, dma, bandwidth
       isa/                           instructions and access patterns
-      native/ config/ compat         numerics and C accelerators; typed configs; old module names
+      native/ config/ compat         numerics (native/accel/: the C accelerators); typed configs; old names
 
 * No cycle of imports between modules (files), lazy imports included.
 * No module imports another module's private name (``from x import _y``); a private submodule
@@ -235,7 +235,7 @@ def test_no_import_cycles():
 
 @functools.cache
 def _extension(module: str) -> bool:
-    """A compiled extension module (trnsim.native._deptrack): CPython's convention names it with
+    """A compiled extension module (trnsim.native.accel._deptrack): CPython's convention names it with
     an underscore, and the Python class that wraps it (the builder's C tracker, the scheduler's C
     loop) imports it; it has no Python names of its own to keep private."""
     import importlib.machinery

@@ -1,4 +1,4 @@
-"""trnsim.native._clone: the builder's instruction copies and dependency tuples in C.
+"""trnsim.native.accel._clone: the builder's instruction copies and dependency tuples in C.
 
 A replayed block's copies and a batched record's deps must be exactly what the Python paths
 make (every slot, the tuples, the tracker's log), reference counts must balance, and bad
@@ -18,7 +18,7 @@ from trnsim.builder.replay import _cloner
 from trnsim.kernel import Kernel, slot_names, stream_fingerprint
 from trnsim.kernels import get_kernel
 
-_clone = pytest.importorskip("trnsim.native._clone")
+_clone = pytest.importorskip("trnsim.native.accel._clone")
 
 
 def _slots(x: object) -> dict[str, object]:

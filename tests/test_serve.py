@@ -74,6 +74,36 @@ def test_a_request_joining_breaks_the_async_flow():
     assert b["e2e_s"] == pytest.approx(4.3 - 1.5)
 
 
+def test_admission_holds_a_request_while_the_cache_holds_max_model_len_for_each_running():
+    """Neuron does not preempt: with 20 tokens of cache and max_model_len 8, at most 20 // 8 = 2
+    requests run, though a third's 6 tokens of blocks would fit. A, B, C (t=0, 4 in, 2 out):
+    prefill A 0-1, prefill B 1-2, decode [A, B] 2-2.5 (both done), then C: prefill 2.5-3.5,
+    decode [C] 3.5-4.0."""
+    res = simulate([Request(0.0, 4, 2)] * 3, Steps(), cfg(kv_tokens=20, max_model_len=8), keep_requests=True)
+    assert [r["e2e_s"] for r in res.per_request] == pytest.approx([2.5, 2.5, 4.0])
+    assert res.waited_for_kv == 1
+    free = simulate([Request(0.0, 4, 2)] * 3, Steps(), cfg(kv_tokens=24, max_model_len=8), keep_requests=True)
+    assert [r["e2e_s"] for r in free.per_request] == pytest.approx([3.5, 3.5, 3.5])  # 3 fit: one batch of 3
+
+
+def test_data_parallel_replicas_by_hand():
+    """Two replicas, A (t=0, 4 in, 3 out), B (t=0.2, 4, 2), C (t=0.4, 4, 2); a request goes to the
+    replica with the fewest requests. A -> r0: prefill 0-1. B -> r1 (r0 has A): prefill 0.2-1.2,
+    decode [B] 1.2-1.7. C (r0 and r1 one each: r0) waits for r0's step at 1.0: prefill 1-2, decode
+    [A, C] 2-2.5 (C done), decode [A] 2.5-3 (A done)."""
+    reqs = [Request(0.0, 4, 3), Request(0.2, 4, 2), Request(0.4, 4, 2)]
+    res = simulate(reqs, Steps(), cfg(), keep_requests=True, dp=2)
+    a, b, c = res.per_request
+    assert (a["ttft_s"], a["e2e_s"]) == pytest.approx((1.0, 3.0))
+    assert (b["ttft_s"], b["e2e_s"]) == pytest.approx((1.0, 1.5))
+    assert (c["ttft_s"], c["e2e_s"]) == pytest.approx((1.6, 2.1))
+    assert (res.prefill_steps, res.decode_steps, res.duration_s) == (3, 3, 3.0)
+    one = simulate(reqs, Steps(), cfg(), keep_requests=True)  # one replica: B and C prefill after A
+    assert [r["e2e_s"] for r in one.per_request] == pytest.approx([4.0, 3.3, 3.1])
+    with pytest.raises(ServeError, match=r"--dp 0: expected a whole number in 1\.\.65,536"):
+        simulate(reqs, Steps(), cfg(), dp=0)
+
+
 def test_a_bad_engine_is_one_line():
     with pytest.raises(ServeError, match=r"--serving 'vllm': expected one of vllm-neuron, vllm-v0, none"):
         HostLoop.of("vllm", 0.1)

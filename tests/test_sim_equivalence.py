@@ -1,4 +1,4 @@
-"""The native event loop (``simulate(..., timeline="native")``, trnsim/native/sched.c) and the simpy
+"""The native event loop (``simulate(..., timeline="native")``, trnsim/native/accel/sched.c) and the simpy
 processes it replaces (``timeline="simpy"``, the reference) give the same simulation: total ticks,
 every instruction's ready/end/trigger tick and owner, every trace segment in the same order, and
 the engines, DMA systems and HBM pipes left in the same state. On every registered library
@@ -19,7 +19,7 @@ from trnsim.sim import native_available, simulate
 
 from test_kernel_library import NEEDS_MX, SMALL  # one small ragged shape per kernel (partial tiles, loops)
 
-pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native._sched is not built")
+pytestmark = pytest.mark.skipif(not native_available(), reason="trnsim.native.accel._sched is not built")
 
 
 def fingerprint(timelines: list[Any]) -> list[Any]:

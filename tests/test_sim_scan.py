@@ -1,4 +1,4 @@
-"""The simulator's one-pass C scan of a kernel's instructions (trnsim/native/scan.c, used by
+"""The simulator's one-pass C scan of a kernel's instructions (trnsim/native/accel/scan.c, used by
 ``trnsim.sim._type_column`` and the columns): numbering by the identity of each instruction's
 type, engine and cost fields gives exactly the columns (costs, lanes, labels, owners, DMA plans,
 edges) that the map() passes give instruction by instruction, and so the same simulation - on
@@ -22,7 +22,7 @@ from test_kernel_library import SMALL  # one small ragged shape per kernel (part
 from test_sim_equivalence import assert_same, fingerprint, library_kernels
 
 pytestmark = pytest.mark.skipif(not native_available() or sim._scan is None,
-                                reason="trnsim.native._sched or _scan is not built")
+                                reason="trnsim.native.accel._sched or _scan is not built")
 
 COLUMNS = ("engine", "kind", "busy", "lat", "ls", "owner", "plan", "dep_off", "deps", "has_first", "first_off",
            "first", "lanes", "labels", "owners")

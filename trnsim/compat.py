@@ -30,6 +30,11 @@ ALIASES: dict[str, str] = {
     "trnsim.chip": "trnsim.sim.chip",
     "trnsim.report": "trnsim.sim.report",
     "trnsim.schedule": "trnsim.sim.list_schedule",
+    # the simulator's C accelerators, apart from the numerics (trnsim.native.accel)
+    "trnsim.native._sched": "trnsim.native.accel._sched",
+    "trnsim.native._scan": "trnsim.native.accel._scan",
+    "trnsim.native._deptrack": "trnsim.native.accel._deptrack",
+    "trnsim.native._clone": "trnsim.native.accel._clone",
     # the device model
     "trnsim.costcache": "trnsim.device.costcache",
     "trnsim.ranks": "trnsim.device.ranks",

@@ -49,7 +49,8 @@ def test_tp4_collectives_are_what_trnsim_collective_simulates(cache, capsys):
 
 
 def test_the_estimate_of_a_small_model(cache):
-    est, _ = estimate_inference(TINY, eager=True, tp=4, input_tokens=128, output_tokens=16, samples=3, cache_dir=cache)
+    est, _ = estimate_inference(TINY, eager=True, tp=4, input_tokens=128, output_tokens=16, samples=3, cache_dir=cache,
+                                serving="none")  # the device's steps alone (the engine's host loop: test_serve)
     assert est.ranks == 4 and est.roles_simulated == 1 and est.plan == {"tp": 4, "pp": 1, "dp": 1, "sp": False}
     assert [n for n, _ in est.decode_samples] == [129, 136, 143]
     first, last = est.decode_samples[0][1], est.decode_samples[-1][1]

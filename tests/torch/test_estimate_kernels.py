@@ -91,7 +91,7 @@ def test_buckets_follow_neurons_default_rule_and_pad():
     with pytest.raises(BucketError, match="a prefill of 12,289: more than the largest context bucket 12,288"):
         b.context_for(12289)
     est, _ = estimate_inference(TINY, tp=2, input_tokens=100, output_tokens=60, context_buckets=[128, 512],
-                                kv_buckets=[128, 256], cache_dir=None)
+                                kv_buckets=[128, 256], cache_dir=None, serving="none")  # the device's steps alone
     assert est.padding["prefill_tokens"] == 128 and est.padding["prefill_padding_percent"] == pytest.approx(21.875)
     assert est.padding["decode_kv_buckets"] == [128, 256] and len(est.decode_samples) == 2
     assert est.decode_samples[0][1] < est.decode_samples[1][1]  # a longer KV bucket reads more
@@ -167,7 +167,19 @@ def test_gpt_oss_sinks_alternating_windows_and_biases():
     dec = nxdi.lower_layer(prog.layers[0], prog.shards, batch=1, tokens=1, prior=0, cache=2048, first=False,
                            decode=True)
     attn = dict(dec[1].spec.params)
-    assert attn["window"] == 128 and attn["sinks"] and dec[1].spec.shape == (1, 4, 1, 1, 2048, 64)
+    # a sliding-window layer's rolling cache holds its window (NxDI: rounded up to a multiple of 128),
+    # so its decode attention reads 128 positions of a 2,048 bucket; a full layer reads the bucket
+    assert attn["window"] == 128 and attn["sinks"] and dec[1].spec.shape == (1, 4, 1, 1, 128, 64)
+    full = nxdi.lower_layer(prog.layers[1], prog.shards, batch=1, tokens=1, prior=0, cache=2048, first=False,
+                            decode=True)
+    assert full[1].spec.shape == (1, 4, 1, 1, 2048, 64)
+    assert [nxdi.cache_positions(layer, 2048) for layer in prog.layers] == [128, 2048, 128, 2048]
+    assert nxdi.cache_positions(prog.layers[0], 100) == 100  # never more than the sequence
+    from torch_bridge.estimate_kernels import _memory
+    from trnsim.workload.plan import Role
+    per = nxdi.kv_bytes_per_token(prog.layers[0], prog.shards)
+    _, kv = _memory(prog, Role(0, (0, 4), 0, 16), True, 2, 2048)
+    assert kv == 2 * per * (128 + 2048 + 128 + 2048)
 
 
 def test_deepseek_v3_mla_and_shared_experts():

@@ -47,12 +47,22 @@ def test_json_step_times_are_the_simulated_steps(capsys):
     d = json.loads(out)
     assert code == 0 and d["requests"] == 12 and d["max_running"] <= 4
     # one request alone: TTFT is the prefill step of its context bucket, TPOT the decode step of batch 1
-    code, out, _ = run(capsys, *BASE[:6], "--requests", "1", "--input", "200", "--output", "8", "--json")
+    code, out, _ = run(capsys, *BASE[:6], "--requests", "1", "--input", "200", "--output", "8", "--json",
+                       "--serving", "none")
     one = json.loads(out)
     costs = StepCosts(load_model(TINY), load_system("trn2.48xlarge"), Plan(4, 1, 1, True),
                       nxdi.Shards(4, 1, True))
     assert one["ttft"]["mean_ms"] == pytest.approx(costs.prefill(1, 208) * 1e3)  # 208 = 200 + 8: the largest bucket
     assert one["tpot"]["mean_ms"] == pytest.approx(costs.decode(1, 256) * 1e3)
+    # vLLM Neuron's engine (the default): the prefill and the first decode after it pay the host's
+    # iteration in full, the later decodes max(host, device)
+    code, out, _ = run(capsys, *BASE[:6], "--requests", "1", "--input", "200", "--output", "8", "--json")
+    host = load_system("trn2.48xlarge").chip.host.serve_step * 1e-12
+    d = costs.decode(1, 256)
+    eng = json.loads(out)
+    assert eng["setup"]["serving"] == "vllm-neuron" and eng["setup"]["host_step_ms"] == pytest.approx(host * 1e3)
+    assert eng["ttft"]["mean_ms"] == pytest.approx((costs.prefill(1, 208) + host) * 1e3)
+    assert eng["tpot"]["mean_ms"] == pytest.approx((host + d + 6 * max(host, d)) / 7 * 1e3)
 
 
 def test_a_sweep_prints_latency_against_rate_and_plots_it(capsys, tmp_path):
@@ -65,8 +75,21 @@ def test_a_sweep_prints_latency_against_rate_and_plots_it(capsys, tmp_path):
     assert d[1]["ttft"]["p99_ms"] > d[0]["ttft"]["p99_ms"]  # requests queue behind each other
 
 
+def test_data_parallel_replicas_share_the_requests(capsys):
+    code, out, _ = run(capsys, *BASE, "--rate", "inf", "--json")
+    one = json.loads(out)
+    code, out, _ = run(capsys, *BASE, "--rate", "inf", "--json", "--dp", "2")
+    two = json.loads(out)
+    assert code == 0 and two["setup"]["dp"] == 2 and two["requests"] == 12
+    assert two["duration_s"] < one["duration_s"] and two["ttft"]["mean_ms"] < one["ttft"]["mean_ms"]
+    code, out, _ = run(capsys, *BASE, "--dp", "2")
+    assert code == 0 and "TP=4 x DP=2 replicas" in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--rate", "0"], "argument --rate: '0': expected a positive number"),
+    (["--dp", "0"], "--dp 0: expected a whole number in 1..4,096"),
+    (["--serving", "vllm"], "argument --serving: invalid choice: 'vllm'"),
     (["--requests", "1000000000"], "--requests 1000000000: expected a whole number in 1..100,000"),
     (["--max-batch", "0"], "--max-batch 0: expected a whole number in 1..1,024"),
     (["--kv-tokens", "10"], "request 1: 208 tokens of KV cache, more than its capacity of 10 tokens"),

@@ -27,6 +27,7 @@ from trnsim.cli import main
 from trnsim.training import Recipe, RecipeError, in_flight
 
 TINY = str(Path(__file__).parent.parent / "data" / "tiny-llama.json")
+BERT = str(Path(__file__).parent.parent / "data" / "tiny-bert.json")
 T, H, V, TP = 64, 256, 1024, 2
 
 
@@ -177,6 +178,25 @@ def test_the_fused_lowering_runs_regions_and_one_optimizer_kernel(cache):
     assert fused.step_ms < eager.step_ms and fused.optimizer_ms < eager.optimizer_ms
     # the same model computes the same matmuls either way (plus the fused norms' column sums on TensorE)
     assert eager.forward.matmul_flops <= fused.forward.matmul_flops <= 1.001 * eager.forward.matmul_flops
+
+
+def test_attention_dropout_runs_in_the_flash_kernel_when_the_step_is_compiled(cache):
+    # BERT's attention drops probabilities (p = 0.1): eager takes PyTorch's math path (batched
+    # matmuls, softmax, dropout as kernels of their own); the compiled step runs the flash kernel
+    # with VectorE's dropout in it, and its backward as the kernel's passes
+    kw = dict(dp=1, micro_batch=4, seq=128, cache_dir=cache, loss="gathered", sharding="none")
+    eager, _ = estimate_train(BERT, fused=False, **kw)
+    fused, _ = estimate_train(BERT, fused=True, **kw)
+    e_ops = {(o[0], o[1]) for o in eager.forward.ops + eager.backward.ops}
+    f_ops = {(o[0], o[1]) for o in fused.forward.ops + fused.backward.ops}
+    assert ("bmm", "bmm") in e_ops and ("scaled_dot_product_attention", "attention") not in e_ops
+    assert ("scaled_dot_product_attention", "attention") in f_ops
+    assert ("scaled_dot_product_attention_backward", "attention") in f_ops
+    assert not {o for o in f_ops if o[0] in ("bmm", "softmax", "_softmax_backward_data")}
+    # the hidden states' dropouts stay (2 per layer + the embeddings'), the attention's go
+    calls = {o[0]: o[2] for o in eager.forward.ops}, {o[0]: o[2] for o in fused.forward.ops}
+    assert calls[0]["native_dropout"] == 3 * 2 + 1 and calls[1]["native_dropout"] == 2 * 2 + 1
+    assert fused.step_ms < eager.step_ms
 
 
 def test_shipped_plans_load_and_name_their_source():

@@ -581,17 +581,19 @@ def fused_spec(op: str, lists: Sequence[Sequence[torch.Tensor]], singles: Sequen
     return generic_spec(op, inputs, outputs)
 
 
-def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
-                    ) -> list[KernelSpec]:
+def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
+                    dropout_p: float = 0.0) -> list[KernelSpec]:
     """The forward of fused attention: the library's flash-attention kernel (``causal`` when
-    asked), plus a generic kernel reading an explicit mask once."""
+    asked, dropping probabilities in the kernel with ``dropout_p``), plus a generic kernel
+    reading an explicit mask once."""
     heads = q.shape[-3]
     b = q.numel() // max(1, heads * q.shape[-2] * q.shape[-1])
     l, e = q.shape[-2:]
     meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
     generic = generic_spec("scaled_dot_product_attention", [meta, meta, meta], [meta])
     specs = [_library("attention", (b, heads, l, e), q.dtype,
-                      {"causal": bool(causal), "scale": scale, "kv_block": 0}, generic) or generic]
+                      {"causal": bool(causal), "scale": scale, "kv_block": 0,
+                       **({"dropout_p": float(dropout_p)} if dropout_p else {})}, generic) or generic]
     if mask is not None:
         specs.append(generic_spec("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype, device="meta")], []))
     return specs

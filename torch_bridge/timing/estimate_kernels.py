@@ -42,7 +42,8 @@ ASSUMPTIONS = (
     "decoder layers lowered to the NKI library kernels as NxD Inference runs them (qkv, attention_tkg / attention_cte, "
     "oproj, mlp; router_topk, moe_tkg / moe), TP collectives between them; prefill sequence-parallel by default",
     "on-device greedy sampling: each rank's max over its vocabulary shard, values and indices gathered",
-    "KV cache allocated for the largest batch and KV bucket; a decode step attends over its KV bucket",
+    "KV cache allocated for the largest batch and KV bucket; a decode step attends over its KV bucket (a "
+    "sliding-window layer keeps and reads a rolling cache of its window, rounded up to 128)",
     "MoE tokens spread evenly over the experts (balanced routing)",
     "no speculative decoding; of the serving stack only the engine's host loop (--serving), no tokenizer or network",
 )
@@ -142,7 +143,8 @@ def _memory(prog: nxdi.Program, role: Role, last: bool, batch: int, kv_tokens: i
     sh = prog.shards
     weights = sum(nxdi.layer_weight_bytes(prog.layers[i], sh) for i in range(lo, hi)) + \
         nxdi.step_weight_bytes(prog.hidden, prog.vocab, sh, role.first, last, prog.tied)
-    kv = batch * kv_tokens * sum(nxdi.kv_bytes_per_token(prog.layers[i], sh) for i in range(lo, hi))
+    kv = batch * sum(nxdi.cache_positions(prog.layers[i], kv_tokens) * nxdi.kv_bytes_per_token(prog.layers[i], sh)
+                     for i in range(lo, hi))
     return weights, kv
 
 
@@ -348,7 +350,16 @@ class StepCosts:
         return _memory(self.prog, self.role, True, batch, kv_tokens)
 
     def kv_bytes_per_token(self) -> int:
-        return sum(nxdi.kv_bytes_per_token(layer, self.shards) for layer in self.prog.layers)
+        """KV bytes per token of a sequence in the layers that cache every position (a
+        sliding-window layer's rolling cache is :meth:`kv_bytes_per_sequence`)."""
+        return sum(nxdi.kv_bytes_per_token(layer, self.shards) for layer in self.prog.layers
+                   if not layer.attention.window)
+
+    def kv_bytes_per_sequence(self, positions: int) -> int:
+        """KV bytes of one sequence of ``positions`` in the sliding-window layers (their rolling
+        caches, at most a window each)."""
+        return sum(nxdi.cache_positions(layer, positions) * nxdi.kv_bytes_per_token(layer, self.shards)
+                   for layer in self.prog.layers if layer.attention.window)
 
     def _time(self, key: tuple[Any, ...], **kw: Any) -> float:
         t = self._times.get(key)

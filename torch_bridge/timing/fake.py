@@ -94,6 +94,10 @@ class Target:
     # chip (True): three passes of the library flash-attention kernel's instruction stream
     # (recompute + dV, dP + dS + dQ, dK), six matmul passes for the backward's five
     flash_backward: bool = False
+    # attention with dropout: PyTorch's math path op by op, as eager runs it (False), or the flash
+    # kernel dropping probabilities on chip (True), as a compiled training step runs it (neuronx-cc
+    # and NKI's flash attention take dropout in the kernel; the backward regenerates the mask)
+    attention_dropout: bool = False
 
     def core_of(self, index: int) -> int:
         return index if self.core is None else self.core
@@ -441,7 +445,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                is_causal: bool, scale: float | None, run: "TimingOnly", flash: bool) -> torch.Tensor:
+                is_causal: bool, scale: float | None, run: "TimingOnly", dropout_p: float = 0.0,
+                flash: bool = False) -> torch.Tensor:
         from ..ops.attention import FORWARD, cpu_layout
 
         s = k.shape[-2]
@@ -449,10 +454,11 @@ class _Attention(torch.autograd.Function):
         p = q.new_empty(kept, dtype=torch.float32)  # P (as the eager kernel keeps it), or its statistics
         ctx.shapes = (q.shape, q.dtype, k.shape, v.shape, s)
         ctx.run = run
-        ctx.flash = (attn_mask, is_causal, scale)
+        ctx.flash = (attn_mask, is_causal, scale, dropout_p)
         key = ("fwd", q.shape, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal,
-               scale)
-        run.charge_specs(_index(q), FORWARD, key, lambda: lowering.attention_specs(q, attn_mask, is_causal, scale))
+               scale, dropout_p)
+        run.charge_specs(_index(q), FORWARD, key,
+                         lambda: lowering.attention_specs(q, attn_mask, is_causal, scale, dropout_p))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         laid = cpu_layout(q, out, flash)
         if laid is not None:  # as the eager kernel lays it out (CPU's flash kernel: as the query)
@@ -469,15 +475,16 @@ class _Attention(torch.autograd.Function):
 
         q_shape, dtype, k_shape, v_shape, s = ctx.shapes
         q = grad_out.new_empty(q_shape, dtype=dtype)
-        mask, causal, scale = ctx.flash
+        mask, causal, scale, dropout_p = ctx.flash
         if ctx.run.target.flash_backward and mask is None and q_shape[-2] == s:
-            ctx.run.charge_specs(_index(grad_out), BACKWARD, ("flash-bwd", q_shape, dtype, causal, scale),
-                                 lambda: 3 * lowering.attention_specs(q, None, causal, scale))
+            # each pass regenerates the forward's dropout mask from its seed, as flash attention does
+            ctx.run.charge_specs(_index(grad_out), BACKWARD, ("flash-bwd", q_shape, dtype, causal, scale, dropout_p),
+                                 lambda: 3 * lowering.attention_specs(q, None, causal, scale, dropout_p))
         else:
             ctx.run.charge_specs(_index(grad_out), BACKWARD, ("bwd", q_shape, s, dtype),
                                  lambda: lowering.attention_backward_specs(q, s, dtype))
         return (q, grad_out.new_empty(k_shape, dtype=dtype), grad_out.new_empty(v_shape, dtype=dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -631,9 +638,10 @@ class TimingOnly:
         if not all(is_neuron(t) for t in (q, k, v)):
             return None
         flash = check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
-        if not takes_meta(q, k, v, mask, dropout_p, enable_gqa):
+        dropout = float(dropout_p) if self.target.attention_dropout else 0.0
+        if not takes_meta(q, k, v, mask, dropout_p - dropout, enable_gqa):
             return None
-        return _Attention.apply(q, k, v, mask, is_causal, scale, self, flash)
+        return _Attention.apply(q, k, v, mask, is_causal, scale, self, dropout, flash)
 
     # ---- HBM -------------------------------------------------------------------------------------
     def track(self, out: Any) -> None:

@@ -55,7 +55,7 @@ from trnsim.config import ConfigError
 from trnsim.device import KernelSpec
 
 __all__ = ["Unsupported", "KERNEL_DTYPES", "Attention", "FeedForward", "Layer", "Call", "Shards", "match_model", "lower_layer",
-           "lower_step", "layer_weight_bytes", "step_weight_bytes", "kv_bytes_per_token", "describe"]
+           "lower_step", "layer_weight_bytes", "step_weight_bytes", "kv_bytes_per_token", "cache_positions", "describe"]
 
 
 class Unsupported(ConfigError):
@@ -307,6 +307,15 @@ def experts_on_rank(f: FeedForward, sh: Shards) -> tuple[int, int, int]:
     return e, inter, min(picks, e, 8)
 
 
+def cache_positions(layer: Layer, positions: int) -> int:
+    """KV-cache positions ``layer`` keeps of a sequence of ``positions``: a sliding-window layer
+    keeps a rolling cache of its window rounded up to a multiple of 128 (NxDI's
+    ``get_kernel_cache_size_bucket``: the attention kernels take multiples of 128; gpt-oss's KV
+    cache manager), never more than the sequence's."""
+    w = layer.attention.window
+    return min(positions, -(-w // 128) * 128) if w else positions
+
+
 def kv_bytes_per_token(layer: Layer, sh: Shards) -> int:
     """KV-cache bytes one token takes in one layer on one rank (K and V of the rank's kv heads;
     MLA: the compressed latent and the rope key, replicated on every rank)."""
@@ -439,7 +448,7 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
         return _ffn(calls, layer, sh, batch, tokens, decode, pre_block, reduce, act_bytes)
     d_attn = max(qk_d, v_d)
     if decode:
-        calls.append(_k("attention_tkg", (batch, nq, kv_heads, tokens, cache, d_attn), dt,
+        calls.append(_k("attention_tkg", (batch, nq, kv_heads, tokens, cache_positions(layer, cache), d_attn), dt,
                         {"window": a.window, "sinks": a.sinks, "cache_update": True}))
     else:
         calls.append(_k("attention_cte", (batch, nq, kv_heads, tokens, d_attn), dt,

@@ -49,7 +49,10 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     weights, _ = costs.memory(1, 0)
     capacity = system.chip.chip.hbm.capacity // system.ranks_per_chip
     per_token = costs.kv_bytes_per_token()
-    fits = (capacity - weights) // per_token if per_token else 0
+    # the sliding-window layers' rolling caches: one per sequence slot, allocated with the model
+    rolling = args.max_batch * costs.kv_bytes_per_sequence(buckets.kv[-1])
+    free = capacity - weights - rolling
+    fits = (free // per_token if per_token else args.max_batch * buckets.kv[-1]) if free > 0 else 0
     if fits < 1:
         raise ServeError(f"{spec.name} at --tp {tp}: its weights ({weights / 2**30:.1f} GiB per rank) leave no HBM for "
                          f"a KV cache on {system.name}; use a larger --tp")
@@ -61,8 +64,10 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     cfg = ServeConfig(max_batch=args.max_batch, chunk=chunk, buckets=buckets, kv_tokens=int(kv_tokens),
                       prefix_caching=args.prefix_caching, max_model_len=mlen, host=host)
     setup = {"model": spec.name, "system": system.name, "config": system.chip.name, "tp": tp, "ep": ep,
+             "dp": getattr(args, "dp", 1),
              "dtype": args.dtype, "max_batch": args.max_batch, "chunk": chunk, "max_model_len": mlen,
              "buckets": buckets.to_dict(), "prefix_caching": args.prefix_caching, "serving": getattr(args, "serving", "vllm-neuron"),
              "host_step_ms": host.step_s * 1e3,
-             "weights_bytes_per_rank": weights, "kv_bytes_per_token_per_rank": per_token}
+             "weights_bytes_per_rank": weights, "kv_bytes_per_token_per_rank": per_token,
+             "rolling_kv_bytes_per_rank": rolling}
     return costs, cfg, setup

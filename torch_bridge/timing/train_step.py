@@ -492,6 +492,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
 
             rank.run.fuser = Fuser(rank.run)
             rank.run.target.flash_backward = True
+            rank.run.target.attention_dropout = True
         before = _sweep_allocated(rank)
         rank.ledger.devices[0].reset_peak()
         with _scope(rank.device, trace) as rep:
@@ -610,7 +611,8 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
         out.append("elementwise ops between two other launches lowered as the compile path lowers them (fused "
                    "regions of the library's fused kernel; the rest one kernel per aten op)")
         out.append("flash attention forward as the library kernel, backward as three passes of its instruction "
-                   "stream (six matmul passes for the backward's five)")
+                   "stream (six matmul passes for the backward's five); attention dropout inside the kernel "
+                   "(VectorE dropout on each probability tile, the mask regenerated in the backward)")
         out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
     else:
         out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")

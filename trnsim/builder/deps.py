@@ -1,6 +1,6 @@
 """Dependency tracking: the RAW/WAR/WAW edges between a kernel's instructions on overlapping
 memory, derived as each instruction is built. :class:`DependencyTracker` is the definition (Python);
-:class:`NativeDependencyTracker` runs the same algorithm in C (trnsim/native/deptrack.c);
+:class:`NativeDependencyTracker` runs the same algorithm in C (trnsim/native/accel/deptrack.c);
 :func:`reference_build` makes every kernel built inside it use the Python one."""
 
 from __future__ import annotations
@@ -243,12 +243,12 @@ class DependencyTracker:
         return tuple(sorted(deps))
 
 
-try:  # the same tracker in C (trnsim/native/deptrack.c), built by setup.py beside the datapath
-    from ..native import _deptrack  # type: ignore[attr-defined]
+try:  # the same tracker in C (trnsim/native/accel/deptrack.c), built by setup.py beside the datapath
+    from ..native.accel import _deptrack  # type: ignore[attr-defined]
 except ImportError:  # not built: the Python tracker does the same work, slower
     _deptrack = None
-try:  # instruction copies and dependency tuples in C (trnsim/native/clone.c), built by setup.py too
-    from ..native import _clone as native_clone  # type: ignore[attr-defined]
+try:  # instruction copies and dependency tuples in C (trnsim/native/accel/clone.c), built by setup.py too
+    from ..native.accel import _clone as native_clone  # type: ignore[attr-defined]
 except ImportError:  # not built: the same copies and tuples made in Python, slower
     native_clone = None
 

@@ -8,8 +8,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..isa import (AP, Activation, AffineSelect, CopyPredicated, DmaTranspose, MatMulMx, RangeSelect, Reciprocal, Max8,
-                   FindIndex8, ScalarTensorTensor, TensorTensorScan, HbmAP, HbmTensor, Iota, KernelError, Memset,
+from ..isa import (AP, Activation, AffineSelect, CopyPredicated, DmaTranspose, Dropout, MatMulMx, RangeSelect,
+                   Reciprocal, Max8, FindIndex8, ScalarTensorTensor, TensorTensorScan, HbmAP, HbmTensor, Iota,
+                   KernelError, Memset,
                    TensorCopy, TensorReduce, TensorScalar, TensorTensor, TileAP, activation_fn, alu_op, reduce_op)
 from ..memory.dma import plan_transpose
 from ..memory.psum import check_matmul_dst
@@ -303,6 +304,25 @@ class EngineOps:
         start = checked_int(range_start, f"{what}: range_start", lo=0)
         ins = RangeSelect(dst, data, cmps[0], cmps[1], bound0, bound1, start, FP32_MIN, reduce_res)
         return self._emit(ins)  # type: ignore[return-value]
+
+    def dropout(self, dst: TileAP, data: TileAP, prob: float, *, seed: int = 0, offset: int = 0,
+                row_stride: int | None = None) -> Dropout:
+        """``dst = data`` with each element zeroed with probability ``prob`` (VectorE,
+        ``nisa.dropout``, ``max(MIN_II, N)`` cycles, datasheet §7); the kept values are not
+        rescaled. Element (p, i) draws with counter ``offset + p * row_stride + i`` (default
+        ``row_stride``: the tile's free size), see :class:`trnsim.isa.Dropout`."""
+        what = "dropout"
+        self._check_compute(what, "Vector", (dst, data))
+        check_same_shape(what, dst, data)
+        if not data.dtype.is_float or not dst.dtype.is_float:
+            raise KernelError(f"{what}: data and dst must be float tiles, got {data.dtype.short} -> {dst.dtype.short}")
+        p = checked_number(prob, f"{what}: prob")
+        if not 0.0 <= p <= 1.0:
+            raise KernelError(f"{what}: prob must be a probability in [0, 1], got {prob!r}")
+        seed = checked_int(seed, f"{what}: seed", lo=0)
+        offset = checked_int(offset, f"{what}: offset", lo=0)
+        stride = data.free_size if row_stride is None else checked_int(row_stride, f"{what}: row_stride", lo=0)
+        return self._emit(Dropout(dst, data, float(p), seed, offset, stride))  # type: ignore[return-value]
 
     def reciprocal(self, dst: TileAP, data: TileAP) -> Reciprocal:
         """``dst = 1 / data`` on VectorE (8 cycles an element; ScalarE's activation('reciprocal')

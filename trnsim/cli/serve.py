@@ -1,7 +1,7 @@
 """``trnsim estimate serve``: a serving run (:mod:`trnsim.serve`) on the step times of the lowered
 model's simulated kernels, printed as ``vllm bench serve`` prints it.
 
-    trnsim estimate serve --model llama-3.1-8b [--system trn2.48xlarge] [--tp 8] [--ep 1]
+    trnsim estimate serve --model llama-3.1-8b [--system trn2.48xlarge] [--tp 8] [--ep 1] [--dp 1]
                    [--rate 4 | --trace requests.csv] [--requests 200] [--input 512] [--output 128] [--seed 0]
                    [--max-batch 32] [--chunk 2048] [--max-model-len N] [--kv-tokens N]
                    [--prefix-caching] [--prefix-len N] [--context-buckets ...] [--kv-buckets ...]
@@ -56,7 +56,7 @@ def _check(args: argparse.Namespace) -> None:
     from ..workload.models import load_model
     from ..workload.serve import MAX_REQUESTS, ServeError
 
-    for name, lo, hi in (("tp", 1, 4096), ("ep", 1, 4096), ("requests", 1, MAX_REQUESTS), ("input", 1, 1 << 20),
+    for name, lo, hi in (("tp", 1, 4096), ("ep", 1, 4096), ("dp", 1, 4096), ("requests", 1, MAX_REQUESTS), ("input", 1, 1 << 20),
                          ("output", 1, 1 << 20), ("max_batch", 1, 1024), ("chunk", 1, 1 << 20),
                          ("max_model_len", 1, 1 << 22), ("kv_tokens", 1, 1 << 40), ("prefix_len", 0, 1 << 20),
                          ("seed", 0, 2 ** 63 - 1)):
@@ -75,8 +75,12 @@ def _check(args: argparse.Namespace) -> None:
             setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
     if args.dtype != "bf16":
         raise ServeError(f"--dtype {args.dtype}: expected bf16 (the dtype every library kernel of a lowered step takes)")
+    if args.dp > 1 and args.ep > 1:
+        raise ServeError(f"--dp {args.dp} with --ep {args.ep}: expert parallelism across replicas pads every replica's "
+                         f"batch to the largest and runs dummy batches (vLLM Neuron's DP with EP): not modelled; "
+                         f"give one of them")
     model = load_model(args.model)
-    check_plan(model, load_system(args.system, args.set), args.tp, 1, 1, args.dtype)
+    check_plan(model, load_system(args.system, args.set), args.tp, 1, args.dp, args.dtype)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -105,11 +109,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.sweep:
             points = []
             for r in args.sweep:
-                res = simulate(_requests(args, r), costs, cfg)
+                res = simulate(_requests(args, r), costs, cfg, dp=args.dp)
                 res.setup = {**setup, "rate": r}
                 points.append((r, res))
         else:
-            res = simulate(first, costs, cfg)
+            res = simulate(first, costs, cfg, dp=args.dp)
             res.setup = {**setup, "rate": args.rate if args.rate is not None else "trace" if args.trace else "inf"}
             points = [(args.rate, res)]
     except torch.OutOfMemoryError as e:
@@ -139,7 +143,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _render(res: Any, console: Any) -> None:
     s = res.setup
     head = (f"{s['model']} served on {s['system']} ({s['config']}): TP={s['tp']}"
-            f"{' EP=' + str(s['ep']) if s.get('ep', 1) > 1 else ''}, {s['dtype']}; max batch {s['max_batch']}, "
+            f"{' EP=' + str(s['ep']) if s.get('ep', 1) > 1 else ''}"
+            f"{' x DP=' + str(s['dp']) + ' replicas' if s.get('dp', 1) > 1 else ''}, {s['dtype']}; "
+            f"max batch {s['max_batch']}{' a replica' if s.get('dp', 1) > 1 else ''}, "
             f"chunk {s['chunk']:,} tokens, KV capacity {res.kv_capacity_tokens:,} tokens; rate {s['rate']} req/s"
             f"{', prefix caching' if s.get('prefix_caching') else ''}; engine {s.get('serving', 'none')}"
             f"{' (host %.2f ms per iteration)' % s['host_step_ms'] if s.get('host_step_ms') else ''}")
@@ -199,6 +205,9 @@ def add_mode(modes: Any) -> None:
                                                              f"path; default trn2.48xlarge")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism within the TP group (default 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the TP group, each with its own "
+                                                     "scheduler and KV cache; a request goes to the least loaded "
+                                                     "(default 1)")
     p.add_argument("--dtype", default="bf16", help="bf16 (the library kernels' dtype; the default)")
     p.add_argument("--set", action="append", default=[], metavar="K=V", help="dotted override of the system")
     p.add_argument("--rate", type=_rate, default=None, help="Poisson request rate per second, or inf: all at once "

@@ -105,17 +105,20 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
                         start: int | Sequence[int] = 0, root: int | None = None,
                         pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
                         trace: bool = False, counts: Sequence[Sequence[int]] | None = None,
-                        instances: int | None = None) -> CollectiveReport:
+                        instances: int | None = None, symmetry: bool = True) -> CollectiveReport:
     """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
-    nccl-tests' S, ``start`` in ticks) and return its report."""
+    nccl-tests' S, ``start`` in ticks) and return its report (``symmetry``: see
+    :func:`simulate_collectives`)."""
     call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances)
-    return simulate_collectives(_system(system, overrides), [call], trace=trace)[0]
+    return simulate_collectives(_system(system, overrides), [call], trace=trace, symmetry=symmetry)[0]
 
 
 def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveCall], *,
-                         trace: bool = False) -> list[CollectiveReport]:
-    """Simulate ``calls`` together in one environment; one report per call, in order."""
-    runner = CollectiveRunner(_system(system), trace=trace)
+                         trace: bool = False, symmetry: bool = True) -> list[CollectiveReport]:
+    """Simulate ``calls`` together in one environment; one report per call, in order. A lone
+    call without a trace runs its alike ranks once (``symmetry``, symmetry.py: the same report,
+    tick for tick, as the full run that ``symmetry=False`` makes)."""
+    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry and len(calls) == 1)
     for c in calls:
         runner.launch(c)
     return runner.run()

@@ -360,9 +360,8 @@ class Network:
                             d[2] += extra[1] * mult
                         else:
                             per = d[1]
-                            t = extra[1] * mult
-                            for e in rings.get(key) or default:
-                                per[e] = per.get(e, 0) + t
+                            eng = rings.get(key) or default
+                            per[eng] = per.get(eng, 0) + extra[1] * mult
                     else:
                         p = pipes.get(key)
                         if p is None:
@@ -380,7 +379,6 @@ class Network:
                 if obj.log is not None:
                     obj.log.append((begin, end))
             ends[key] = end
-        engine_ends: dict[int, list[int]] = {}
         for key, (obj, per, spread) in dmas.items():
             if not per:
                 ends[key] = obj.reserve_spread(spread, now)
@@ -389,11 +387,24 @@ class Network:
                 obj.engine_free = [obj._level] * len(obj.engine_free)
                 obj._level = None
             free = obj.engine_free
-            for e in range(len(free)):
-                t = per.get(e, 0) + spread
+            if len(per) == 1 and not spread:  # one engine set (one CC stream): book just those
+                (engines, t), = per.items()
+                top = now
+                for e in engines:
+                    f = free[e] = (free[e] if free[e] > now else now) + t
+                    if f > top:
+                        top = f
+                ends[(key, engines)] = top
+                continue
+            add = [spread] * len(free)
+            for engines, t in per.items():
+                for e in engines:
+                    add[e] += t
+            for e, t in enumerate(add):
                 if t:
                     free[e] = (free[e] if free[e] > now else now) + t
-            engine_ends[key] = free
+            for engines in per:
+                ends[(key, engines)] = max(free[e] for e in engines)
             ends[key] = max(free)  # what a booking on every engine (kind 4) waits for
         for run, chunks in staged:
             rings = run.rings
@@ -403,12 +414,8 @@ class Network:
                 held = None
                 for kind, obj, _, _, _ in todo:
                     key = id(obj)
-                    if kind == 1 and key in engine_ends:  # the end of its own engines' group
-                        engines = rings.get(key) or default
-                        e = ends.get((key, engines))
-                        if e is None:
-                            free = engine_ends[key]
-                            e = ends[(key, engines)] = max(free[x] for x in engines)
+                    if kind == 1:  # the end of its own engines' group
+                        e = ends[(key, rings.get(key) or default)]
                     else:
                         e = ends[key]
                     if e >= fin:  # ties: the last on the path (its links), as a FIFO's later booking

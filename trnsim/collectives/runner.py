@@ -260,7 +260,7 @@ class CollectiveRunner:
         h = CollectiveHandle(self, call, res, sched)
         if self.symmetric:
             if self.handles:
-                raise RuntimeError("a symmetric engine runs one call; launch others on an engine of their own")
+                raise RuntimeError("a symmetric runner runs one call; launch others on a runner of their own")
             from .symmetry import find
 
             sym = find(self, h)

@@ -12,7 +12,7 @@ first never matters, and alike transfers start and end on the same ticks.
 
 :func:`find` tries the permutations a collective's structure suggests (each instance's ring
 order turned by ``d`` ranks, the instances shifted one over, the whole group's ring order
-turned), keeps those that verify, and returns the orbits of the group they generate. The engine
+turned), keeps those that verify, and returns the orbits of the group they generate. The runner
 then runs one transfer per orbit (its *representative*), books each resource's representative
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
@@ -112,6 +112,7 @@ def _candidates(engine: "CollectiveRunner", group: Sequence[int]) -> list[list[d
                 shift[r] = img
         if ok:
             fams.append([shift])
+        fams.append([])  # the whole ring's turns: only when the instances gave nothing (see find)
         whole = topo.ring_order(group)
         n = len(whole)
         fams.append([_rotations([whole], d) for d in range(1, n) if n % d == 0])
@@ -132,6 +133,9 @@ class _Checker:
         self.index: dict[tuple[Any, ...], list[int]] = {}
         for i, t in enumerate(ts):
             self.index.setdefault(self._key(t, None), []).append(i)
+        self.deps = [sorted(t.deps) for t in ts]
+        #: per transfer, its plan's key (transfers with one key book the same resources)
+        self.pkey = [None if t.is_node else (t.src, t.dsts, t.reads, t.dst_reads, t.gather) for t in ts]
         self.start_of = {i: r for r, i in h.sched.start.items()}
         dims = engine.system.topology
         self.link_kind: dict[int, tuple[Any, ...]] = {}
@@ -153,14 +157,18 @@ class _Checker:
         tau = [-1] * len(ts)
         used = [False] * len(ts)
         start = self.h.sched.start
+        deps = self.deps
+        index = self.index
+        start_of = self.start_of
+        key = self._key
         for i, t in enumerate(ts):
-            if i in self.start_of:
-                j = start[s[self.start_of[i]]]
+            if i in start_of:
+                j = start[s[start_of[i]]]
             else:
-                want = sorted(tau[d] for d in t.deps)
+                want = sorted([tau[d] for d in t.deps])
                 j = -1
-                for c in self.index.get(self._key(t, s), ()):
-                    if not used[c] and c not in self.start_of and sorted(ts[c].deps) == want:
+                for c in index.get(key(t, s), ()):
+                    if not used[c] and deps[c] == want and c not in start_of:
                         j = c
                         break
                 if j < 0:
@@ -174,14 +182,20 @@ class _Checker:
     def resource_map(self, tau: list[int]) -> dict[int, Any] | None:
         """id(resource) -> its image, from every transfer's bookings and theirs, or None when
         they do not correspond one to one, kind for kind and rate for rate."""
-        eng = self.engine
+        plans = self.engine._plans
+        pkey = self.pkey
         phi: dict[int, Any] = {}
         back: dict[int, int] = {}
-        for i, t in enumerate(self.ts):
-            if t.is_node:
+        seen: set[tuple[Any, Any]] = set()
+        for i, k1 in enumerate(pkey):
+            if k1 is None:
                 continue
-            b1, _, lat1 = eng._plan(t)
-            b2, _, lat2 = eng._plan(self.ts[tau[i]])
+            k2 = pkey[tau[i]]
+            if (k1, k2) in seen:  # the same bookings, mapped the same way
+                continue
+            seen.add((k1, k2))
+            b1, _, lat1 = plans[k1]
+            b2, _, lat2 = plans[k2]
             if lat1 != lat2 or len(b1) != len(b2):
                 return None
             for (k1, o1, w1, d1), (k2, o2, w2, d2) in zip(b1, b2):
@@ -215,8 +229,21 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
         return None
     chk = _Checker(engine, h)
     gens: list[tuple[dict[int, int], list[int], dict[int, Any]]] = []
+    rpc = engine.net.topo.rpc
+
+    def chips_to_chips(s: dict[int, int]) -> bool:
+        """Ranks of one chip share its HBM stacks, so their images must share a chip too."""
+        img: dict[int, int] = {}
+        return all(img.setdefault(r // rpc, s[r] // rpc) == s[r] // rpc for r in s)
+
     for fam in _candidates(engine, group):
+        if not fam:  # the whole-ring turns follow: a flat call across instances needs them
+            if gens:
+                break
+            continue
         for s in fam:
+            if not chips_to_chips(s):
+                continue
             tau = chk.transfer_map(s)
             if tau is None:
                 continue
@@ -228,12 +255,23 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
     if not gens:
         return None
     n = len(chk.ts)
-    uf = _UnionFind()
-    lt = lambda a, b: a < b  # noqa: E731
+    rep = list(range(n))  # union-find over transfer indices, the smallest index the root
+
+    def root(i: int) -> int:
+        while rep[i] != i:
+            rep[i] = rep[rep[i]]
+            i = rep[i]
+        return i
+
     for _, tau, _ in gens:
         for i in range(n):
-            uf.union(i, tau[i], lt)
-    rep = [uf.find(i) for i in range(n)]
+            a, b = root(i), root(tau[i])
+            if a != b:
+                if a < b:
+                    rep[b] = a
+                else:
+                    rep[a] = b
+    rep = [root(i) for i in range(n)]
     size: dict[int, int] = {}
     for r in rep:
         size[r] = size.get(r, 0) + 1
@@ -245,12 +283,11 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
         rank_size[r] = rank_size.get(r, 0) + 1
     objs: dict[int, Any] = {}
     order: dict[int, int] = {}  # id -> first seen (a deterministic representative)
-    for i, t in enumerate(chk.ts):
-        if not t.is_node:
-            for _, o, _, _ in engine._plan(t)[0]:
-                if id(o) not in objs:
-                    objs[id(o)] = o
-                    order[id(o)] = len(order)
+    for k in dict.fromkeys(x for x in chk.pkey if x is not None):
+        for _, o, _, _ in engine._plans[k][0]:
+            if id(o) not in objs:
+                objs[id(o)] = o
+                order[id(o)] = len(order)
     rf = _UnionFind()
     by_order = lambda a, b: order[a] < order[b]  # noqa: E731
     for _, _, phi in gens:

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ..isa import (ALU_OPS, CopyPredicated, FindIndex8, Instruction, Max8, Memset, RangeSelect, Reciprocal,
-                   ScalarTensorTensor, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP)
+from ..isa import (ALU_OPS, CopyPredicated, Dropout, FindIndex8, Instruction, Max8, Memset, RangeSelect, Reciprocal,
+                   ScalarTensorTensor, TensorCopy, TensorReduce, TensorScalar, TensorTensor, TensorTensorScan, TileAP,
+                   dropout_keep)
 from .alu import ElementwiseExec, alu, load_any, load_f32, operand, store
 from .base import Engine, register_engine, view_fields as _v
 
@@ -47,6 +48,7 @@ class VectorEngine(ElementwiseExec, Engine):
         ScalarTensorTensor: _v("dst", "data", "operand1") + ("op0", "op1"),
         CopyPredicated: _v("dst", "predicate") + ("src",),  # src: a view (by identity) or a number
         RangeSelect: _v("data") + ("cmp0", "cmp1"),
+        Dropout: _v("data"),
         Reciprocal: _v("data"),
         Max8: _v("data"),
         FindIndex8: _v("data"),
@@ -97,7 +99,7 @@ class VectorEngine(ElementwiseExec, Engine):
             n = ins.dst.free_size
             both_sbuf = isinstance(ins.src, TileAP) and ins.src.space == ins.predicate.space == "sbuf"
             return max(mi, 2 * n if both_sbuf else n)
-        if isinstance(ins, RangeSelect):
+        if isinstance(ins, (RangeSelect, Dropout)):  # "dropout, range_select: N" (datasheet §7, S16)
             return max(mi, ins.data.free_size)
         if isinstance(ins, Reciprocal):
             return max(mi, 8 * ins.data.free_size)
@@ -150,6 +152,12 @@ class VectorEngine(ElementwiseExec, Engine):
         store(mem, ins.dst, out)
         if ins.reduce_res is not None:
             store(mem, ins.reduce_res, out.max(axis=1).reshape(-1, 1))
+
+    def exec_Dropout(self, ins: Dropout, mem: Any) -> None:
+        x = load_f32(mem, ins.data)
+        counters = ins.offset + np.arange(x.shape[0], dtype=np.int64)[:, None] * ins.row_stride \
+            + np.arange(x.shape[1], dtype=np.int64)[None, :]
+        store(mem, ins.dst, np.where(dropout_keep(ins.seed, counters, ins.prob), x, np.float32(0.0)))
 
     def exec_Max8(self, ins: Max8, mem: Any) -> None:
         x = load_f32(mem, ins.data)

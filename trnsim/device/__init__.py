@@ -45,327 +45,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from ..cores.base import datapath_engines
 from ..sim.chip import Chip
 from ..config import ChipConfig
 from ..isa import KernelError
 from ..builder.kernel import Kernel
-from ..sim.report import CollectiveStats, CoreStats, KernelReport, OpRow, RunReport, TraceEvent, busiest
+from ..sim.report import CollectiveStats, CoreStats, OpRow, RunReport, TraceEvent, busiest
+# what a launch is and costs, the recorder and the core timeline are their own modules (re-exported)
+from .ops import COLLECTIVE_STREAM, CollectiveLaunch, FusedRegion, KernelSpec, LaunchLog, OpCost, no_work
+from .recorder import NO_CONTEXT, CoreTally, Recorder
+from .timeline import Capture, CoreTimeline, LaunchItem, on_fresh_thread, shared_duration, stream_runs
 
 __all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", "LaunchLog", "Recorder", "no_work", "ADAPTIVE_QUEUE",
            "COLLECTIVE_STREAM"]
 
 #: launches adaptive eager queues at most before it issues them (a program that never syncs)
 ADAPTIVE_QUEUE = 4096
-
-# The stream collectives run on (a logical core's CC cores drive their DMA, beside compute): a
-# collective launched with Device.launch_collective waits for the compute issued before it.
-COLLECTIVE_STREAM = -1
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """The kernel an op lowers to, as metadata: a library kernel by ``kernel`` name (or
-    ``"stream"``: :mod:`trnsim.kernels.generic`), its ``shape`` (the registry's dims), ``dtype``
-    (a trnsim dtype name) and ``params`` (sorted name/value pairs). ``label`` is what reports show
-    (default: the kernel's name), ``generic`` marks a kernel that stands in for an op no library
-    kernel expresses, and ``fallback`` is tried when the kernel refuses the shape."""
-
-    kernel: str
-    shape: tuple[int, ...]
-    dtype: str
-    params: tuple[tuple[str, Any], ...] = ()
-    label: str = ""
-    generic: bool = False
-    fallback: KernelSpec | None = None
-
-    @staticmethod
-    def of(kernel: str, shape: Sequence[int], dtype: str, params: Mapping[str, Any] | None = None, *,
-           label: str = "", generic: bool = False, fallback: KernelSpec | None = None) -> KernelSpec:
-        return KernelSpec(kernel, tuple(int(d) for d in shape), dtype, tuple(sorted((params or {}).items())),
-                          label, generic, fallback)
-
-    @property
-    def name(self) -> str:
-        return self.label or self.kernel
-
-
-@dataclass(frozen=True)
-class FusedRegion:
-    """What one compiled region's kernel stands in for: the ``ops`` it fused (aten op names, in
-    graph order) and what they cost run one by one as eager kernels (launches, HBM bytes, device
-    ticks), so reports can say what fusing saved."""
-
-    ops: tuple[str, ...]
-    eager_launches: int
-    eager_hbm_bytes: int
-    eager_ticks: int
-
-
-class CollectiveLaunch(NamedTuple):
-    """What a collective launch moved, for its report row: the NeuronLink model's ``collective``
-    and ``algorithm``, the group's size, nccl-tests' S (``nbytes``), this rank's time in the model
-    (``network_ticks``, from the group's start to its completion) and the busbw factor."""
-
-    collective: str
-    algorithm: str
-    ranks: int
-    nbytes: int
-    network_ticks: int
-    busbw_factor: float
-    bound: str  # what held the call back in the model: link, HBM, DMA, VectorE or latency
-    alone_ticks: int = -1  # this rank's time had the group run alone (no sibling groups beside it); -1: it did
-
-
-@dataclass(frozen=True, eq=False)
-class OpCost:
-    """What one launch of a kernel costs on a logical core: its duration (``ticks``, the slowest
-    physical core's kernel), each resource's busy ticks summed over the ``cores`` physical cores
-    it ran on (engines by name, and ``"DMA"``: any queue moving data), HBM bytes and matmul FLOPs;
-    ``reports`` are the simulated kernels' own reports (one per physical core).
-
-    ``demand`` is what the kernel asks of each shared resource when streams run side by side: the
-    engines' busy ticks, and for ``"DMA"`` the ticks its bytes take at the full bandwidth one core
-    reaches (a queue can be active while moving a trickle, so active time overstates its share)."""
-
-    kernel: str
-    generic: bool
-    ticks: int
-    busy: dict[str, int]
-    cores: int
-    hbm_bytes: int
-    matmul_flops: int
-    demand: dict[str, int] = field(default_factory=dict)
-    reports: tuple[KernelReport, ...] = field(default=(), repr=False)
-    region: FusedRegion | None = None  # set when the kernel runs a compiled region
-    engine_flops: int = 0  # arithmetic on the Vector/Scalar/GpSimd engines
-    hbm_read_bytes: int = 0
-    hbm_write_bytes: int = 0
-    dma_bytes: int = 0
-    collective: CollectiveLaunch | None = None  # set on a collective's launch (Device.collective_cost)
-
-    @staticmethod
-    def of_reports(label: str, generic: bool, reports: Sequence[KernelReport], dma_bytes_per_s: float) -> OpCost:
-        """The cost of ``reports`` run side by side (one per physical core); ``dma_bytes_per_s``
-        is what one core's DMA reaches (its engines, capped by its HBM stack)."""
-        busy: dict[str, int] = {}
-        for r in reports:
-            for name, t in r.busy_ticks.items():
-                busy[name] = busy.get(name, 0) + t
-        demand = {name: t for name, t in busy.items() if name in datapath_engines()}
-        demand["DMA"] = sum(-(-r.dma.bytes * r.tick_hz // int(dma_bytes_per_s)) for r in reports)
-        reads, writes = sum(r.hbm_read_bytes for r in reports), sum(r.hbm_write_bytes for r in reports)
-        return OpCost(label, generic, max(r.total_ticks for r in reports), busy, len(reports), reads + writes,
-                      sum(r.matmul_flops for r in reports), demand, tuple(reports), hbm_read_bytes=reads,
-                      hbm_write_bytes=writes, dma_bytes=sum(r.dma.bytes for r in reports),
-                      engine_flops=sum(r.engine_flops for r in reports))
-
-
-def no_work(label: str) -> OpCost:
-    """A launch with nothing for the device to do (an empty matmul): it costs the host only."""
-    return OpCost(label, False, 0, {}, 1, 0, 0, {})
-
-
-# ---------------------------------------------------------------------------------------------
-# recording launches for reports
-# ---------------------------------------------------------------------------------------------
-
-
-class _CoreTally:
-    """One core's figures within one recorder: launches, host wait, and the union of its kernels'
-    intervals, kept as merged open intervals folded into ``busy`` once the host has passed them
-    (new kernels never start before the host's issue time)."""
-
-    __slots__ = ("launches", "wait", "busy", "open", "last_end", "ticks")
-
-    def __init__(self) -> None:
-        self.launches = 0
-        self.wait = 0
-        self.busy = 0
-        self.open: list[list[int]] = []
-        self.last_end = 0
-        self.ticks = 0  # its kernels' times summed: above the union when streams ran side by side
-
-    def add(self, start: int, end: int, host: int) -> None:
-        if end > self.last_end:
-            self.last_end = end
-        if end <= start:
-            return
-        self.ticks += end - start
-        live = self.open
-        if not live or start >= live[-1][1]:  # the usual case: after every open interval
-            while live and live[0][1] <= host:
-                lo, hi = live.pop(0)
-                self.busy += hi - lo
-            live.append([start, end])
-            return
-        merged = [start, end]  # overlaps or precedes an open interval (another stream's kernel)
-        keep = []
-        for iv in live:
-            if iv[1] < merged[0] or iv[0] > merged[1]:
-                keep.append(iv)
-            else:
-                merged = [min(iv[0], merged[0]), max(iv[1], merged[1])]
-        keep.append(merged)
-        keep.sort()
-        self.open = []
-        for iv in keep:
-            if iv[1] <= host:
-                self.busy += iv[1] - iv[0]
-            else:
-                self.open.append(iv)
-
-    def busy_ticks(self) -> int:
-        return self.busy + sum(hi - lo for lo, hi in self.open)
-
-
-class Recorder:
-    """Counts launches for one report scope (the device's whole run, or a ``with`` block).
-    ``add`` runs once per launch, so it only counts; :meth:`Device.report` makes the totals.
-    ``trace`` keeps every launch (a timeline); ``sources`` sums each row's device ticks per
-    source line (what :meth:`Device.set_context` or ``Device.source_of`` said launched it)."""
-
-    def __init__(self, start: int, trace: bool = False, sources: bool = False):
-        self.start = start
-        # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
-        self.rows: dict[tuple[str, int], list[Any]] = {}
-        self.host_ops: dict[str, int] = {}
-        self.cores: dict[int, _CoreTally] = {}
-        self.host_ticks = 0
-        self.contention_ticks = 0  # kernels' time added by sharing a core's engines with other streams
-        self.dispatches = 0  # host dispatches: one per launch, one per graph launch
-        self.graph_launches = 0
-        self.compiled_graphs = 0
-        self.compile_seconds = 0.0  # wall time, never charged to the device
-        self.events: list[TraceEvent] | None = [] if trace else None
-        self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
-
-
-# a launch's context: (the Python line that launched it, its host call; -1: none)
-_NO_CONTEXT = ("", -1)
-
-
-# ---------------------------------------------------------------------------------------------
-# the cores and the host
-# ---------------------------------------------------------------------------------------------
-
-
-class _Core:
-    """One logical NeuronCore's timeline: per-stream ready times, the kernels still in flight."""
-
-    def __init__(self, index: int, max_inflight: int):
-        self.index = index
-        self.ready: dict[int, int] = {0: 0}
-        self.busy_until = 0
-        self.current_stream = 0
-        self.inflight: deque[int] = deque()
-        self.max_inflight = max_inflight
-        # the latest kernels as (stream, start, end, demand), for sharing engines across streams:
-        # at most max_inflight of them are unfinished when the next one is issued
-        self.bookings: deque[tuple[int, int, int, dict[str, int]]] = deque(maxlen=max_inflight + 1)
-        self.streams: set[int] = set()  # streams that ever ran a kernel here
-        # collectives issued but not yet placed (their start waits for the group): [arrival, host wait]
-        self.pending: list[list[int]] = []
-
-    def fold_until(self, host: int) -> int:
-        """Up to when reports may fold this core's kernel intervals: the host's tick, or the
-        earliest arrival of a collective still to be placed (it may be placed before the host)."""
-        if not self.pending:
-            return host
-        return min(host, min(p[0] for p in self.pending))
-
-
-def _overlap(lo: int, hi: int, b_start: int, b_end: int) -> float:
-    """The fraction of [b_start, b_end) that falls inside [lo, hi)."""
-    span = b_end - b_start
-    if span <= 0:
-        return 0.0
-    return max(0, min(hi, b_end) - max(lo, b_start)) / span
-
-
-def _shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[int, int, int, dict[str, int]]],
-                     start: int, lanes: int) -> int:
-    """How long a kernel of ``ticks`` and per-resource ``demand`` takes from ``start`` when
-    ``others`` (kernels of other streams) run beside it on ``lanes`` engines of each kind: the
-    least window W >= ticks in which, for every resource, its demand plus theirs inside the window
-    fits in ``lanes * W`` (found by fixed-point iteration: W only grows and is bounded by the
-    others' end)."""
-    w = ticks
-    for _ in range(64):
-        need = ticks
-        for res, own in demand.items():
-            theirs = sum(d.get(res, 0) * _overlap(start, start + w, bs, be) for _, bs, be, d in others)
-            need = max(need, -(-int(own + theirs) // lanes))
-        if need <= w:
-            return w
-        w = need
-    return w
-
-
-class _Capture(list):  # type: ignore[type-arg]
-    """Launches collected by :meth:`Device.graph` (``keep``) or :meth:`Device.muted`."""
-
-    def __init__(self, keep: bool):
-        super().__init__()
-        self.keep = keep
-
-
-_Item = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context
-
-
-def _runs(items: Sequence[_Item]) -> Iterator[tuple[int, int, list[tuple[str, OpCost, tuple[str, int]]]]]:
-    """Consecutive launches on one (core, stream), as (core, stream, [(op, cost, context), ...])."""
-    run: list[tuple[str, OpCost, tuple[str, int]]] = []
-    key: tuple[int, int] | None = None
-    for core, op, cost, s, ctx in items:
-        if key != (core, s) and run:
-            assert key is not None
-            yield key[0], key[1], run
-            run = []
-        key = (core, s)
-        run.append((op, cost, ctx))
-    if run:
-        assert key is not None
-        yield key[0], key[1], run
-
-
-def _on_fresh_thread(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` on a new thread (its result or exception comes back here)."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append((True, fn(*args)))
-        except BaseException as e:  # handed to the caller's thread
-            out.append((False, e))
-
-    t = threading.Thread(target=run, name="trnsim-simulate", daemon=True)
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
-
-
-class LaunchLog(Protocol):
-    """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
-    native fast path), for the device to issue exactly as if they had been: each entry is
-    (core, op, cost, (op, id(cost))) on the core's stream 0 with no launch context, or
-    (core, op, None, None) for a metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
-    anything else or reads any time, and tells the log (``gate``) whether launches may be logged
-    at all: only while nothing a launch depends on at the moment it is made (a graph capture,
-    adaptive eager, a launch context, a stream other than the default) is in effect."""
-
-    def pending(self) -> int: ...
-
-    def take(self) -> Iterable[tuple[int, str, OpCost | None, Any]]: ...
-
-    def gate(self, on: bool) -> None: ...
 
 
 class Device:
@@ -378,7 +74,7 @@ class Device:
         self.lnc = config.chip.lnc
         self.dispatch = config.ps_to_ticks(config.host.dispatch)
         self._host = 0  # the host's clock: when it will issue its next launch
-        self.cores = [_Core(i, config.host.max_inflight) for i in range(config.logical_cores)]
+        self.cores = [CoreTimeline(i, config.host.max_inflight) for i in range(config.logical_cores)]
         self.recorders: list[Recorder] = [Recorder(0)]  # [0]: since start (or the last reset)
         self._costs: dict[KernelSpec, OpCost] = {}
         self._rejected: set[KernelSpec] = set()
@@ -386,7 +82,7 @@ class Device:
         self._lock = threading.RLock()
         self._local = threading.local()  # .capture: the launches this thread is collecting
         self.adaptive = False
-        self._pending: list[_Item] = []
+        self._pending: list[LaunchItem] = []
         self._replays: dict[tuple[Any, ...], list[OpCost]] = {}
         self._context = threading.local()  # per host thread: (source line, call) of its launches
         # simulate cost-cache misses on a fresh thread: a Python profiler of the host (torch.profiler
@@ -439,10 +135,10 @@ class Device:
                 streams = c.streams
                 if c.pending or (streams and (len(streams) > 1 or 0 not in streams)):
                     self._host = host
-                    self._issue(core, 0, [(op, cost, _NO_CONTEXT)])  # engines shared, a collective to place
+                    self._issue(core, 0, [(op, cost, NO_CONTEXT)])  # engines shared, a collective to place
                     host = self._host
                     continue
-                # what self._issue(core, 0, [(op, cost, _NO_CONTEXT)]) does when stream 0 has the core
+                # what self._issue(core, 0, [(op, cost, NO_CONTEXT)]) does when stream 0 has the core
                 # to itself and no collective awaits its group, inline (this runs once per fast op)
                 prev = host
                 inflight = c.inflight
@@ -474,13 +170,13 @@ class Device:
                         row[3] += wait
                     tally = rec.cores.get(core)
                     if tally is None:
-                        tally = rec.cores[core] = _CoreTally()
+                        tally = rec.cores[core] = CoreTally()
                     tally.launches += 1
                     tally.wait += wait
                     live = tally.open
                     if end > start and live and start < live[-1][1]:
                         tally.add(start, end, host)  # overlaps an open interval: the general merge
-                    else:  # what _CoreTally.add does for a kernel after every open interval
+                    else:  # what CoreTally.add does for a kernel after every open interval
                         if end > tally.last_end:
                             tally.last_end = end
                         if end > start:
@@ -563,7 +259,7 @@ class Device:
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
         if self.simulate_off_thread:
-            return _on_fresh_thread(self._simulate_here, spec)
+            return on_fresh_thread(self._simulate_here, spec)
         return self._simulate_here(spec)
 
     def _simulate_here(self, spec: KernelSpec) -> OpCost:
@@ -595,8 +291,8 @@ class Device:
         """Attribute the launches this thread issues from now on to Python line ``source`` and
         host call ``call`` (a front end's op record; -1: none), for traces and per-line reports;
         returns the previous context, to restore when the call ends."""
-        prev = getattr(self._context, "value", _NO_CONTEXT)
-        self._put_context((source, call) if source or call >= 0 else _NO_CONTEXT)
+        prev = getattr(self._context, "value", NO_CONTEXT)
+        self._put_context((source, call) if source or call >= 0 else NO_CONTEXT)
         return prev
 
     def restore_context(self, prev: tuple[str, int]) -> None:
@@ -607,7 +303,7 @@ class Device:
         with self._lock:
             self._drain()
             self._context.value = ctx
-            if ctx == _NO_CONTEXT:
+            if ctx == NO_CONTEXT:
                 self._ctx_threads.discard(threading.get_ident())
             else:
                 self._ctx_threads.add(threading.get_ident())
@@ -616,7 +312,7 @@ class Device:
     def _launch_context(self) -> tuple[str, int]:
         """This thread's context for a launch it makes now (taken when the launch is made, not
         when a queued or collected launch is issued)."""
-        source, call = getattr(self._context, "value", _NO_CONTEXT)
+        source, call = getattr(self._context, "value", NO_CONTEXT)
         if not source and self.source_of is not None:
             source = self.source_of()
         return source, call
@@ -718,7 +414,7 @@ class Device:
             ctx = self._launch_context()
             return self._issue(core, s, [(op, cost, ctx) for op, cost in items])
 
-    def _dispatch(self, c: _Core) -> int:
+    def _dispatch(self, c: CoreTimeline) -> int:
         """The host dispatches one launch to core ``c``: it waits for room in the runtime's queue
         if it is full (for the oldest unfinished launch) and pays ``host.dispatch``; returns its
         new tick (the host ticks are counted in the reports)."""
@@ -733,8 +429,8 @@ class Device:
         self._host = host
         return host
 
-    def _book(self, c: _Core, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, host: int,
-              ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0) -> int:
+    def _book(self, c: CoreTimeline, core: int, s: int, op: str, cost: OpCost, start: int, wait: int, host: int,
+              ctx: tuple[str, int] = NO_CONTEXT, peer_wait: int = 0) -> int:
         """Place one kernel on stream ``s`` of ``c`` from ``start`` (stretched by sharing the core's
         engines with other streams' kernels) and record it; returns its end tick."""
         ticks = cost.ticks
@@ -743,7 +439,7 @@ class Device:
         if len(c.streams) > 1:
             others = [b for b in c.bookings if b[0] != s and b[2] > start]
             if others:
-                ticks = _shared_duration(ticks, cost.demand, others, start, self.lnc)
+                ticks = shared_duration(ticks, cost.demand, others, start, self.lnc)
                 if ticks > cost.ticks:
                     for rec in self.recorders:
                         rec.contention_ticks += ticks - cost.ticks
@@ -782,7 +478,7 @@ class Device:
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
-                end: int, ctx: tuple[str, int] = _NO_CONTEXT, peer_wait: int = 0, fold: int | None = None) -> None:
+                end: int, ctx: tuple[str, int] = NO_CONTEXT, peer_wait: int = 0, fold: int | None = None) -> None:
         key = (op, id(cost))
         source, call = ctx
         for rec in self.recorders:
@@ -796,7 +492,7 @@ class Device:
                 row[4] += peer_wait
             tally = rec.cores.get(core)
             if tally is None:
-                tally = rec.cores[core] = _CoreTally()
+                tally = rec.cores[core] = CoreTally()
             tally.launches += 1
             tally.wait += wait
             tally.add(start, end, host if fold is None else fold)
@@ -810,7 +506,7 @@ class Device:
 
     # ---- collecting launches: compiled graphs, values charged another way, adaptive eager --
     @contextlib.contextmanager
-    def graph(self) -> Iterator[list[_Item]]:
+    def graph(self) -> Iterator[list[LaunchItem]]:
         """Collect the launches this thread makes inside the block and issue them, when it ends,
         as graph launches: one per run of consecutive launches on one (core, stream). A
         synchronisation inside the block issues what was collected so far first."""
@@ -818,15 +514,15 @@ class Device:
             yield cap
 
     @contextlib.contextmanager
-    def muted(self) -> Iterator[list[_Item]]:
+    def muted(self) -> Iterator[list[LaunchItem]]:
         """Discard the launches this thread makes inside the block (their cost is charged some
         other way, e.g. as one fused kernel)."""
         with self._collect(keep=False) as cap:
             yield cap
 
     @contextlib.contextmanager
-    def _collect(self, keep: bool) -> Iterator[list[_Item]]:
-        cap = _Capture(keep)
+    def _collect(self, keep: bool) -> Iterator[list[LaunchItem]]:
+        cap = Capture(keep)
         prev = getattr(self._local, "capture", None)
         with self._lock:
             self._drain()
@@ -842,11 +538,11 @@ class Device:
                 self._settle_capture(cap)
                 self._update_gate()
 
-    def _settle_capture(self, cap: "_Capture") -> None:
+    def _settle_capture(self, cap: "Capture") -> None:
         """Issue (or drop) what ``cap`` collected so far, as graph launches."""
         items, cap[:] = list(cap), []
         if cap.keep:
-            for core, s, run in _runs(items):
+            for core, s, run in stream_runs(items):
                 self._issue(core, s, run)
 
     def set_adaptive(self, enabled: bool) -> None:
@@ -861,7 +557,7 @@ class Device:
         """Issue adaptive eager's queue: a run seen before as one graph launch (a replay), a new
         one launch by launch (its capture), remembered for next time."""
         items, self._pending = self._pending, []
-        for core, s, run in _runs(items):
+        for core, s, run in stream_runs(items):
             key = (core, s, tuple((op, id(cost)) for op, cost, _ in run))
             if len(run) > 1 and key in self._replays:
                 self._issue(core, s, run)
@@ -1050,4 +746,3 @@ class Device:
             graph_launches=rec.graph_launches, compiled_graphs=rec.compiled_graphs,
             compile_seconds=rec.compile_seconds, engine_flops=sum(r.engine_flops for r in rows),
             contention_us=rec.contention_ticks / hz * 1e6)
-

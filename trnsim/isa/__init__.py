@@ -45,6 +45,8 @@ __all__ = [
     "ScalarTensorTensor",
     "CopyPredicated",
     "RangeSelect",
+    "Dropout",
+    "dropout_keep",
     "Reciprocal",
     "Max8",
     "FindIndex8",
@@ -1029,6 +1031,37 @@ class RangeSelect(Instruction):
 
     def describe(self) -> str:
         return f"RangeSelect[{self.cmp0},{self.cmp1}]"
+
+
+def dropout_keep(seed: int, counters: np.ndarray, prob: float) -> np.ndarray:
+    """Which elements :class:`Dropout` keeps: a counter-based generator (as flash attention's
+    Philox dropout is), so an element's draw depends only on ``seed`` and its counter, never on
+    how a kernel tiles the tensor. The draw is a 32-bit integer hash (splitmix32's finaliser) of
+    ``seed`` and the counter; an element is dropped when ``draw < prob * 2**32``."""
+    x = (np.asarray(counters, dtype=np.uint64) + np.uint64(seed & 0xFFFFFFFF) * np.uint64(0x9E3779B9)) \
+        & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(16)
+    return x >= np.uint64(min(1 << 32, int(round(prob * 2.0 ** 32))))
+
+
+class Dropout(Instruction):
+    """VectorE ``dst = data`` with each element replaced by zero with probability ``prob``
+    (``nisa.dropout``: no rescaling; the kernel scales the kept values). Which elements drop is
+    :func:`dropout_keep` of ``seed`` and the element's counter ``offset + p * row_stride + i``
+    (partition ``p``, flat free index ``i``); the hardware draws from its engine's generator
+    instead, so only the drop rate, not the pattern, is the hardware's."""
+
+    __slots__ = ("dst", "data", "prob", "seed", "offset", "row_stride")
+    opcode = "Dropout"
+
+    def __init__(self, dst: TileAP, data: TileAP, prob: float, seed: int, offset: int, row_stride: int):
+        super().__init__("Vector", (data,), (dst,))
+        self.dst, self.data, self.prob = dst, data, prob
+        self.seed, self.offset, self.row_stride = seed, offset, row_stride
 
 
 class Reciprocal(Instruction):

@@ -137,7 +137,7 @@ def _reference(inputs, shape, dtype, params):
     b, h, s, d = shape
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * _scale(params.get("scale"), d)
     if params.get("score_mod") is not None:
-        from .fused import reference as program_reference
+        from .program import reference as program_reference
 
         scores = np.stack([np.stack([
             program_reference(params["score_mod"], [scores[bi, hi].astype(np.float32)]
@@ -159,6 +159,12 @@ def _reference(inputs, shape, dtype, params):
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.where(empty, 0.0, np.exp(scores))
     p /= np.where(empty, 1.0, p.sum(axis=-1, keepdims=True))
+    drop = params.get("dropout_p") or 0.0
+    if drop:
+        from ..isa import dropout_keep
+
+        counters = np.arange(b * h * s * s, dtype=np.int64).reshape(b, h, s, s)
+        p = np.where(dropout_keep(params.get("dropout_seed") or 0, counters, drop), p, 0.0) / (1.0 - drop)
     return {"out": np.einsum("bhqk,bhkd->bhqd", p, v)}
 
 
@@ -242,12 +248,14 @@ class _Step:
 @register_kernel("attention", dims="BxHxSxD", dtypes=("bf16", "fp16", "fp32"), default_shape=(1, 8, 2048, 128),
                  summary="flash attention softmax(q k^T * scale + mask) v, online softmax per 128-query tile",
                  params={"causal": False, "scale": None, "kv_block": 0, "schedule": "auto", "score_mod": None,
-                         "score_inputs": None, "score_buffers": None, "block_mask": None},
+                         "score_inputs": None, "score_buffers": None, "block_mask": None, "dropout_p": 0.0,
+                         "dropout_seed": 0},
                  inputs=_inputs, reference=_reference, split=split_dims(1, 0))
 def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
                     causal: bool = False, scale: float | None = None, kv_block: int = 0,
                     schedule: bool | str = "auto", score_mod: Any = None, score_inputs: Any = None,
-                    score_buffers: Any = None, block_mask: Any = None, name: str = "attention") -> Kernel:
+                    score_buffers: Any = None, block_mask: Any = None, dropout_p: float = 0.0, dropout_seed: int = 0,
+                    name: str = "attention") -> Kernel:
     """``kv_block`` is how many keys stay in SBUF at once (a multiple of the 512-key tile); the
     default 0 takes as many as fit, so K and V of a head are loaded once when they can be.
     ``schedule`` list-schedules the instruction stream (:mod:`trnsim.schedule`); ``"auto"`` does
@@ -266,7 +274,15 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     blocks it attends to) makes the kernel visit only those key blocks: a query tile walks the
     runs of consecutive listed blocks, skipping every fully masked one; keys outside the listed
     blocks are masked; a query tile with none is stored as zeros. Both block sizes must be
-    multiples of 128 (a query tile, a key chunk of the p·v contraction)."""
+    multiples of 128 (a query tile, a key chunk of the p·v contraction).
+
+    ``dropout_p`` drops each attention probability with that probability, as training with
+    attention dropout does (``F.scaled_dot_product_attention(dropout_p=...)``): each tile of
+    ``exp`` values, once its row sum is taken (the softmax's denominator counts every key), goes
+    through VectorE's ``dropout`` before its transpose, and the store scales by ``1 / (1 - p)``
+    in the same instruction that divides by the sum. The drop pattern is the instruction's
+    counter-based draw at each score's position ``((b·H + h)·S + q)·S + k`` with
+    ``dropout_seed`` (:func:`trnsim.isa.dropout_keep`), so a backward regenerates it."""
     sched = {"auto": s <= _SCHEDULE_MAX_KEYS, "true": True, "false": False, True: True, False: False}.get(
         schedule.lower() if isinstance(schedule, str) else schedule)
     if sched is None:
@@ -281,6 +297,7 @@ def build_attention(b: int, h: int, s: int, d: int, dtype: str = "bf16", config:
     if not isinstance(causal, (bool, np.bool_)):
         raise KernelError(f"attention: causal must be true or false, got {causal!r}")
     w = _Work(kern, dt, d, _scale(scale, d), bool(causal))
+    w.set_dropout(dropout_p, dropout_seed, h, s)
     q = kern.input("q", (b, h, s, d), dt)
     k = kern.input("k", (b, h, s, d), dt)
     v = kern.input("v", (b, h, s, d), dt)
@@ -433,7 +450,8 @@ class _Groups:
     asked for the same shape and dtype). A replayed group makes the same tile() calls and sets
     the Python state (query tiles, steps, key blocks, the pipeline, the resident block, the
     evacuation count) as building it would have. Not replayed: a score function (its emitter's
-    own tiles are not noted), the key-blocks-outer plan, a reference build."""
+    own tiles are not noted), dropout (its draws are placed by each tile's position), the
+    key-blocks-outer plan, a reference build."""
 
     _MAX_TEMPLATES = 32  # templates kept per kernel (the default shape makes 10)
 
@@ -443,7 +461,7 @@ class _Groups:
         self.resident_ok = len(blocks) == 1
         # key -> templates (a built group's arguments to template() until a later group wants it)
         self.templates: dict[tuple[Any, ...], list[Any]] | None = \
-            None if w.kern.reference or w.mod is not None else {}
+            None if w.kern.reference or w.mod is not None or w.dropout else {}
         self.kept = 0
 
     def run(self, bi: int, hi: int, g0: int, specs: tuple[tuple[int, int], ...],
@@ -776,6 +794,7 @@ class _Work:
         self.pT_ps, self.pv_ps = sb("pT_psum", quarter, space="psum"), sb("pv_psum", quarter, space="psum")
         self.evac = 0
         self.mod: Any = None
+        self.dropout = 0.0  # attention dropout (set_dropout)
         # while a group is built to serve as a replay template (_Groups): every tile() call as
         # (pool, position, shape, dtype, view), every HBM view of a DMA as (view, what, ...), the
         # key blocks loaded; None otherwise
@@ -791,10 +810,19 @@ class _Work:
         # operand slices by (base view, which slice, ints...), made once per kernel
         self.view = ViewCache(kern).get
 
+    def set_dropout(self, p: Any, seed: Any, h: int, s: int) -> None:
+        """Attention dropout with probability ``p`` (0: none), draws placed by ``seed`` and each
+        score's position in the [B, H, S, S] scores."""
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise KernelError(f"attention: dropout_p must be a probability in [0, 1), got {p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise KernelError(f"attention: dropout_seed must be a whole number >= 0, got {seed!r}")
+        self.dropout, self.seed, self.heads, self.seq = float(p), seed, h, s
+
     def set_score_mod(self, program: Any, roles: Any, buffers: Any, b: int, h: int, s: int) -> None:
         """FlexAttention's score function as a tile program: input 0 the score, then ``roles``
         (see ``parse_score_input``; default q_idx, kv_idx) over captured ``buffers``."""
-        from .fused import FULL, assign_engines, Emitter, step_class
+        from .program import FULL, assign_engines, Emitter, step_class
 
         roles = tuple(roles) if roles is not None else ("q_idx", "kv_idx")
         buffers = tuple(buffers or ())
@@ -992,6 +1020,10 @@ class _Work:
         st.p = self.tile(self.p_pool, (qr, kw), self.dt)
         rowsum = self.tile(l_pool if qt.l is None else self.sum_pool, (qr, 1), "fp32")
         kern.activation(st.p, "exp", scores, scale=sc, bias=nm, reduce_op="add", reduce_res=rowsum)
+        if self.dropout:  # after the row sum: the softmax's denominator counts every key
+            s = self.seq
+            kern.dropout(st.p, st.p, self.dropout, seed=self.seed,
+                         offset=((qt.bi * self.heads + qt.hi) * s + qt.q0) * s + kt0, row_stride=s)
         if qt.nm is not None and qt.l is not None:
             st.alpha = self.tile(self.alpha_pool, (qr, 1), "fp32")
             kern.activation(st.alpha, "exp", qt.nm, scale=-1.0, bias=nm)
@@ -1050,7 +1082,10 @@ class _Work:
         """``out = o / l`` for one query tile, stored on GpSimd's DMA queue."""
         assert qt.o is not None and qt.l is not None
         res = self.tile(self.res_pool, (qt.qr, self.d), self.dt)
-        self.kern.tensor_scalar(res, qt.o, "divide", qt.l)
+        if self.dropout:  # the kept probabilities scaled by 1 / (1 - p) in the same instruction
+            self.kern.tensor_scalar(res, qt.o, "divide", qt.l, op1="multiply", operand1=1.0 / (1.0 - self.dropout))
+        else:
+            self.kern.tensor_scalar(res, qt.o, "divide", qt.l)
         dst = out[qt.bi, qt.hi, qt.q0:qt.q0 + qt.qr, :]
         if self.hbm is not None:
             self.hbm.append((dst, "out", qt))

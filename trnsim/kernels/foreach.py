@@ -40,8 +40,8 @@ from ..config import ChipConfig
 from ..isa import KernelError, TileAP
 from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
-from .fused import (FULL, SCALAR, Program, step_args, assign_engines, Emitter, step_levels, step_class, emission_slots, pipeline,
-                    tile_dtype, reference)
+from .program import (FULL, SCALAR, Program, step_args, assign_engines, Emitter, step_levels, step_class, emission_slots, pipeline,
+                      tile_dtype, reference)
 from .registry import register_kernel
 
 #: pipeline stages at most (one per dependency level of the program)

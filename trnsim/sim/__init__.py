@@ -15,7 +15,7 @@ exactly reproducible. The scheduler never computes data.
 Two implementations of the same model. :class:`CoreTimeline`'s simpy processes are the
 reference, and the one collectives run beside (:func:`trnsim.collectives.simulate_beside_kernels`
 shares their environment). :func:`simulate` runs the same processes in a C event loop
-(``trnsim.native._sched``, sched.c) when it is built: the same events in the same order, ties
+(``trnsim.native.accel._sched``, sched.c) when it is built: the same events in the same order, ties
 broken as simpy breaks them (tick, priority, event id), so every tick, ready time and trace
 segment is identical (tests/test_sim_equivalence.py) at a fraction of the cost. The engine
 modules still give each instruction its costs; the loop keeps the state that moves with time.
@@ -41,11 +41,11 @@ from ..memory.dma import BandwidthPipe, DmaSystem
 from ..memory.hbm import stack_bandwidth, stack_of_core
 
 try:
-    from ..native import _sched  # type: ignore[attr-defined]
+    from ..native.accel import _sched  # type: ignore[attr-defined]
 except ImportError:  # not built: simulate() runs the simpy processes
     _sched = None
 try:  # the per-instruction reads in one C pass each (scan.c); without it, map() passes
-    from ..native import _scan  # type: ignore[attr-defined]
+    from ..native.accel import _scan  # type: ignore[attr-defined]
 except ImportError:
     _scan = None
 
@@ -192,7 +192,7 @@ class CoreTimeline:
 
 
 def native_available() -> bool:
-    """True when the C event loop (``trnsim.native._sched``) is built."""
+    """True when the C event loop (``trnsim.native.accel._sched``) is built."""
     return _sched is not None
 
 
@@ -210,7 +210,7 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "
     if len(kernels) > config.chip.cores:
         raise ValueError(f"{len(kernels)} kernels for a chip with {config.chip.cores} cores")
     if timeline == "native" and _sched is None:
-        raise RuntimeError("simulate(timeline='native'): trnsim.native._sched (the C event loop) is not built: "
+        raise RuntimeError("simulate(timeline='native'): trnsim.native.accel._sched (the C event loop) is not built: "
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]

@@ -10,8 +10,11 @@ as soon as there is room: fewer than ``max_batch`` running and its KV blocks fre
 than ``chunk`` tokens is prefilled in chunks of ``chunk`` (chunked prefill), each chunk a step of
 its own at the smallest context bucket that holds it, attending to the chunks before it
 (``prior``); a decode step runs every running request's next token at the batch bucket of the
-running count and the KV bucket of the longest sequence. Admission reserves a request's whole KV
-(prompt + output, in blocks of ``block`` tokens) so no request is ever preempted; with
+running count and the KV bucket of the longest sequence. Preemption is not supported on Neuron
+(``neuron-scheduler.md``), so admission prevents it: a request is admitted only while fewer than
+``kv_tokens // max_model_len`` requests run or prefill (the scheduler's ``_max_kv_concurrent``:
+every running request may grow to ``max_model_len``), and it reserves its whole KV (prompt +
+output, in blocks of ``block`` tokens); with
 ``prefix_caching`` a request's leading ``prefix`` tokens that an earlier request of the same
 ``prefix_id`` already prefilled are not computed again (whole blocks; the cached blocks stay).
 
@@ -250,12 +253,113 @@ class _Live:
     blocks: int = 0
 
 
-def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, keep_requests: bool = False
-             ) -> ServeResult:
-    """Serve ``requests`` (sorted by arrival) on ``costs`` under ``cfg`` (see the module docstring)."""
+class _Replica:
+    """One model replica's scheduler (a DP rank of vLLM Neuron: its own queue, batch and KV cache)."""
+
+    def __init__(self, index: int, costs: StepCosts, cfg: ServeConfig, finished: list[_Live]):
+        self.index, self.costs, self.cfg, self.finished = index, costs, cfg, finished
+        self.waiting: deque[_Live] = deque()
+        self.running: list[_Live] = []
+        self.prefilling: _Live | None = None
+        self.cached: set[tuple[str, int]] = set()  # (prefix_id, cached tokens) ready to reuse
+        self.free = cfg.kv_tokens // cfg.block
+        self.t = 0.0
+        self.last: tuple[int, ...] | None = None  # the requests the previous iteration decoded (None: it prefilled)
+        # Neuron's _max_kv_concurrent: requests the cache holds at max_model_len each
+        self.concurrent = (cfg.kv_tokens // cfg.max_model_len or cfg.max_batch) if cfg.max_model_len else cfg.max_batch
+        self.n_pre = self.n_dec = self.dec_seqs = self.max_run = self.waited = self.cached_tokens = 0
+        self.pad = {"pre_real": 0, "pre_run": 0, "bat_real": 0, "bat_run": 0, "kv_real": 0, "kv_run": 0}
+        self.waited_ids: set[int] = set()
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running) + (self.prefilling is not None)
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling is not None)
+
+    def step(self) -> None:
+        """One engine iteration at ``self.t``: admit, then a prefill chunk or a decode step."""
+        cfg, b, block = self.cfg, self.cfg.buckets, self.cfg.block
+        if self.prefilling is None and self.waiting and len(self.running) < cfg.max_batch:
+            head = self.waiting[0]
+            need = -(-(head.req.prompt + head.req.output) // block)
+            if need <= self.free and len(self.running) < self.concurrent:
+                self.waiting.popleft()
+                self.free -= need
+                head.blocks = need
+                self.prefilling = head
+                if cfg.prefix_caching and head.req.prefix:
+                    reuse = head.req.prefix // block * block
+                    if (head.req.prefix_id, reuse) in self.cached and reuse:
+                        reuse = min(reuse, head.req.prompt - 1)  # the last prompt token is always computed
+                        head.done = reuse
+                        self.cached_tokens += reuse
+            elif head.index not in self.waited_ids:
+                self.waited_ids.add(head.index)
+                self.waited += 1
+        if self.prefilling is not None:
+            r = self.prefilling
+            chunk = min(cfg.chunk, r.req.prompt - r.done)
+            tokens = b.context_for(chunk)
+            self.t += cfg.host.step(self.costs.prefill(1, tokens, r.done), False)
+            self.last = None
+            self.n_pre += 1
+            self.pad["pre_real"] += chunk
+            self.pad["pre_run"] += tokens
+            r.done += chunk
+            if r.done == r.req.prompt:
+                if cfg.prefix_caching and r.req.prefix:
+                    self.cached.add((r.req.prefix_id, r.req.prefix // block * block))
+                r.generated = 1
+                r.times.append(self.t)
+                self.prefilling = None
+                if r.generated >= r.req.output:
+                    self.free += r.blocks
+                    self.finished.append(r)
+                else:
+                    self.running.append(r)
+                    self.max_run = max(self.max_run, len(self.running))
+            return
+        if self.running:
+            running = self.running
+            n = len(running)
+            bb = b.batch_for(n)
+            longest = max(q.req.prompt + q.generated for q in running)  # positions after this step's token
+            kv = b.kv_for(longest)
+            ids = tuple(q.index for q in running)
+            self.t += cfg.host.step(self.costs.decode(bb, kv), ids == self.last)
+            self.last = ids
+            self.n_dec += 1
+            self.dec_seqs += n
+            self.pad["bat_real"] += n
+            self.pad["bat_run"] += bb
+            self.pad["kv_real"] += sum(q.req.prompt + q.generated for q in running)
+            self.pad["kv_run"] += kv * n
+            still = []
+            for q in running:
+                q.generated += 1
+                q.times.append(self.t)
+                if q.generated >= q.req.output:
+                    self.free += q.blocks
+                    self.finished.append(q)
+                else:
+                    still.append(q)
+            self.running = still
+            return
+        # pragma: no cover - a waiting request every replica can admit alone (checked in simulate)
+        raise ServeError("a waiting request can never be admitted")
+
+
+def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, keep_requests: bool = False,
+             dp: int = 1) -> ServeResult:
+    """Serve ``requests`` (sorted by arrival) on ``costs`` under ``cfg`` (see the module docstring)
+    with ``dp`` replicas (vLLM Neuron's data parallelism without expert parallelism: a scheduler,
+    batch and KV cache of ``cfg`` each, never synchronised; a request goes, when it arrives, to the
+    replica with the fewest requests waiting, prefilling or running as of its last step, the
+    lowest-numbered on a tie)."""
     if not requests:
         raise ServeError("no requests to serve")
-    b = cfg.buckets
+    _count("--dp", dp, 1 << 16)
     block = cfg.block
     cap_blocks = cfg.kv_tokens // block
     for i, r in enumerate(requests):
@@ -267,91 +371,29 @@ def simulate(requests: Sequence[Request], costs: StepCosts, cfg: ServeConfig, ke
             raise ServeError(f"request {i + 1}: {need:,} tokens of KV cache, more than its capacity of "
                              f"{cfg.kv_tokens:,} tokens")
     arrivals = deque(range(len(requests)))
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []
     finished: list[_Live] = []
-    prefilling: _Live | None = None
-    cached: set[tuple[str, int]] = set()  # (prefix_id, cached tokens) ready to reuse
-    free = cap_blocks
-    t = 0.0
-    n_pre = n_dec = dec_seqs = max_run = waited = cached_tokens = 0
-    pad = {"pre_real": 0, "pre_run": 0, "bat_real": 0, "bat_run": 0, "kv_real": 0, "kv_run": 0}
-    waited_ids: set[int] = set()
-    last: tuple[int, ...] | None = None  # the requests the previous iteration decoded (None: it prefilled)
-    while arrivals or waiting or running or prefilling is not None:
-        while arrivals and requests[arrivals[0]].arrival <= t:
+    reps = [_Replica(k, costs, cfg, finished) for k in range(dp)]
+    while True:
+        busy = [r for r in reps if r.busy()]
+        if not arrivals and not busy:
+            break
+        nxt = min(busy, key=lambda r: (r.t, r.index)) if busy else None
+        if arrivals and (nxt is None or requests[arrivals[0]].arrival <= nxt.t):
             i = arrivals.popleft()
-            waiting.append(_Live(requests[i], i))
-        if prefilling is None and waiting and len(running) < cfg.max_batch:
-            head = waiting[0]
-            need = -(-(head.req.prompt + head.req.output) // block)
-            if need <= free:
-                waiting.popleft()
-                free -= need
-                head.blocks = need
-                prefilling = head
-                if cfg.prefix_caching and head.req.prefix:
-                    reuse = head.req.prefix // block * block
-                    if (head.req.prefix_id, reuse) in cached and reuse:
-                        reuse = min(reuse, head.req.prompt - 1)  # the last prompt token is always computed
-                        head.done = reuse
-                        cached_tokens += reuse
-            elif head.index not in waited_ids:
-                waited_ids.add(head.index)
-                waited += 1
-        if prefilling is not None:
-            r = prefilling
-            chunk = min(cfg.chunk, r.req.prompt - r.done)
-            tokens = b.context_for(chunk)
-            t += cfg.host.step(costs.prefill(1, tokens, r.done), False)
-            last = None
-            n_pre += 1
-            pad["pre_real"] += chunk
-            pad["pre_run"] += tokens
-            r.done += chunk
-            if r.done == r.req.prompt:
-                if cfg.prefix_caching and r.req.prefix:
-                    cached.add((r.req.prefix_id, r.req.prefix // block * block))
-                r.generated = 1
-                r.times.append(t)
-                prefilling = None
-                if r.generated >= r.req.output:
-                    free += r.blocks
-                    finished.append(r)
-                else:
-                    running.append(r)
-                    max_run = max(max_run, len(running))
+            rep = min(reps, key=lambda r: (r.load(), r.index))
+            if not rep.busy():  # idle until this request arrives
+                rep.t = max(rep.t, requests[i].arrival)
+            rep.waiting.append(_Live(requests[i], i))
             continue
-        if running:
-            n = len(running)
-            bb = b.batch_for(n)
-            longest = max(q.req.prompt + q.generated for q in running)  # positions after this step's token
-            kv = b.kv_for(longest)
-            ids = tuple(q.index for q in running)
-            t += cfg.host.step(costs.decode(bb, kv), ids == last)
-            last = ids
-            n_dec += 1
-            dec_seqs += n
-            pad["bat_real"] += n
-            pad["bat_run"] += bb
-            pad["kv_real"] += sum(q.req.prompt + q.generated for q in running)
-            pad["kv_run"] += kv * n
-            still = []
-            for q in running:
-                q.generated += 1
-                q.times.append(t)
-                if q.generated >= q.req.output:
-                    free += q.blocks
-                    finished.append(q)
-                else:
-                    still.append(q)
-            running = still
-            continue
-        if arrivals:  # idle until the next request arrives
-            t = max(t, requests[arrivals[0]].arrival)
-            continue
-        if waiting:  # pragma: no cover - every request fits the cache alone (checked above)
-            raise ServeError("a waiting request can never be admitted")
+        assert nxt is not None
+        nxt.step()
+    n_pre = sum(r.n_pre for r in reps)
+    n_dec = sum(r.n_dec for r in reps)
+    dec_seqs = sum(r.dec_seqs for r in reps)
+    max_run = max(r.max_run for r in reps)
+    waited = sum(r.waited for r in reps)
+    cached_tokens = sum(r.cached_tokens for r in reps)
+    pad = {k: sum(r.pad[k] for r in reps) for k in reps[0].pad}
     finished.sort(key=lambda q: q.index)
     first = min(r.arrival for r in requests)
     duration = max(q.times[-1] for q in finished) - first

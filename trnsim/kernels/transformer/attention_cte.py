@@ -36,7 +36,8 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, flag, load_transposed, positive, shards
+from .common import BOUNDS, P, Bound, Pools, flag, positive, shards
+from .projection import load_transposed
 
 __all__ = ["build_attention_cte", "attention_cte_reference", "attention_cte_bound"]
 

@@ -45,7 +45,8 @@ from ...isa import HbmTensor, KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, bcast, choice, flag, load_transposed, positive, shard_range, shards
+from .common import BOUNDS, P, Bound, Pools, bcast, choice, flag, positive, shard_range, shards
+from .projection import load_transposed
 
 __all__ = ["build_attention_tkg", "attention_tkg_reference", "attention_tkg_bound"]
 

@@ -34,8 +34,9 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import (BANK, BOUNDS, P, Bound, Exchange, Pools, Projection, RowPrologue, Seg, choice, flag, k_tiles,
-                     positive, rms_rows_reference, shard_range, shards)
+from .common import (BANK, BOUNDS, P, Bound, Pools, RowPrologue, choice, flag, k_tiles, positive, rms_rows_reference,
+                     shard_range, shards)
+from .projection import Exchange, Projection, Seg
 
 __all__ = ["build_mlp", "mlp_reference", "mlp_bound"]
 

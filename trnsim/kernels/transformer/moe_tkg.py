@@ -35,8 +35,8 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import (BANK, BOUNDS, P, XT, Bound, Pools, Projection, RowPrologue, Seg, choice, k_tiles, positive,
-                     shard_range, shards)
+from .common import BANK, BOUNDS, P, XT, Bound, Pools, RowPrologue, choice, k_tiles, positive, shard_range, shards
+from .projection import Projection, Seg
 
 __all__ = ["build_moe_tkg", "moe_tkg_reference", "moe_tkg_bound"]
 

@@ -23,8 +23,8 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import (BANK, BOUNDS, P, Bound, Pools, Projection, RowPrologue, Seg, flag, k_tiles, positive,
-                     row_vector, shard_range, shards)
+from .common import BANK, BOUNDS, P, Bound, Pools, RowPrologue, flag, k_tiles, positive, row_vector, shard_range, shards
+from .projection import Projection, Seg
 
 __all__ = ["build_oproj", "oproj_reference", "oproj_bound"]
 

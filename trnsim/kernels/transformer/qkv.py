@@ -36,8 +36,9 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import default_tolerance, round_to
 from ..registry import checked_dtype, register_kernel
-from .common import (BANK, BOUNDS, FP8, P, Bound, Pools, Projection, RowPrologue, Seg, choice, flag, k_tiles,
-                     positive, rms_rows_reference, row_vector, shard_range, shards, store_heads, Exchange)
+from .common import (BANK, BOUNDS, FP8, P, Bound, Pools, RowPrologue, choice, flag, k_tiles, positive,
+                     rms_rows_reference, row_vector, shard_range, shards, store_heads)
+from .projection import Projection, Seg, Exchange
 
 __all__ = ["build_qkv", "qkv_reference", "qkv_bound"]
 

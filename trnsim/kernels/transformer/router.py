@@ -27,7 +27,8 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, Projection, RowPrologue, Seg, choice, flag, k_tiles, positive, row_vector
+from .common import BOUNDS, P, Bound, Pools, RowPrologue, choice, flag, k_tiles, positive, row_vector
+from .projection import Projection, Seg
 
 __all__ = ["build_router_topk", "router_reference", "router_bound"]
 

@@ -1,4 +1,4 @@
-/* The kernel scheduler's event loop (trnsim.native._sched).
+/* The kernel scheduler's event loop (trnsim.native.accel._sched).
  *
  * It runs the processes of trnsim.sim's simpy model - one per engine and one per DMA queue of
  * every core - over the same event queue discipline as simpy 4: events ordered by (tick,

@@ -1,4 +1,4 @@
-/* The kernel scheduler's event loop in C (trnsim.native._sched): see sched.c. */
+/* The kernel scheduler's event loop in C (trnsim.native.accel._sched): see sched.c. */
 #ifndef TRNSIM_SCHED_H
 #define TRNSIM_SCHED_H
 

@@ -1,4 +1,4 @@
-/* trnsim.native._scan: the simulator's per-instruction reads in one C pass.
+/* trnsim.native.accel._scan: the simulator's per-instruction reads in one C pass.
  *
  * simulate() needs, for every instruction of a kernel, its type and engine, whether its deps /
  * first_deps are still the tuples the dependency tracker logged, and the few fields its cost

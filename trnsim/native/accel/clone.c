@@ -1,4 +1,4 @@
-/* trnsim.native._clone: instruction copies and dependency tuples for the kernel builder.
+/* trnsim.native.accel._clone: instruction copies and dependency tuples for the kernel builder.
  *
  * The builder's replay (trnsim.kernel.Kernel.replay) emits a recorded run of instructions
  * again: each copy is the template instruction, every slot shared, with a new index and the
