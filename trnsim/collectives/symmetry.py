@@ -130,12 +130,30 @@ class _Checker:
         for t in ts:  # every booking pattern (and so every link) exists before any is compared
             if not t.is_node:
                 engine._plan(t)
+        # a transfer's key: its ranks as ids of interned rank tuples, and the rest interned too,
+        # so a candidate maps each distinct tuple once rather than each transfer's
+        self.tuples: dict[tuple[int, ...], int] = {}
+        rests: dict[tuple[Any, ...], int] = {}
+        tup = self.tuples
+        self.parts: list[tuple[int, int, int, int, int] | None] = []
+        for t in ts:
+            if t.is_node:
+                self.parts.append(None)
+                continue
+            ids = [tup.setdefault(x, len(tup)) for x in (t.dsts, t.reads, t.dst_reads)]
+            rest = rests.setdefault((t.nbytes, t.gather, t.step, t.phase), len(rests))
+            self.parts.append((t.src, ids[0], ids[1], ids[2], rest))
+        self.tuple_list = list(tup)
         self.index: dict[tuple[Any, ...], list[int]] = {}
         for i, t in enumerate(ts):
-            self.index.setdefault(self._key(t, None), []).append(i)
-        self.deps = [sorted(t.deps) for t in ts]
-        #: per transfer, its plan's key (transfers with one key book the same resources)
+            pt = self.parts[i]
+            key = (-1, t.step, t.phase) if pt is None else pt
+            self.index.setdefault(key, []).append(i)
+        self.deps = [t.deps if len(t.deps) < 2 else sorted(t.deps) for t in ts]
+        #: per transfer, its plan's key (transfers with one key book the same resources) and plan
         self.pkey = [None if t.is_node else (t.src, t.dsts, t.reads, t.dst_reads, t.gather) for t in ts]
+        plans = engine._plans
+        self.plan = [None if k is None else plans[k] for k in self.pkey]
         self.start_of = {i: r for r, i in h.sched.start.items()}
         dims = engine.system.topology
         self.link_kind: dict[int, tuple[Any, ...]] = {}
@@ -143,16 +161,9 @@ class _Checker:
             d = dims[k[0]]
             self.link_kind[id(pipe)] = (d.bandwidth, d.latency, d.proxy)
 
-    @staticmethod
-    def _key(t: Any, s: dict[int, int] | None) -> tuple[Any, ...]:
-        if t.src < 0:
-            return (-1, t.step, t.phase)
-        if s is None:
-            return (t.src, t.dsts, t.nbytes, t.reads, t.dst_reads, t.gather, t.step, t.phase)
-        return (s[t.src], tuple(s[x] for x in t.dsts), t.nbytes, tuple(s[x] for x in t.reads),
-                tuple(s[x] for x in t.dst_reads), t.gather, t.step, t.phase)
-
     def transfer_map(self, s: dict[int, int]) -> list[int] | None:
+        """Transfer i -> the transfer ``s`` makes of it (same bytes, operands, step and
+        dependencies' images), or None when some transfer has no image."""
         ts = self.ts
         tau = [-1] * len(ts)
         used = [False] * len(ts)
@@ -160,14 +171,19 @@ class _Checker:
         deps = self.deps
         index = self.index
         start_of = self.start_of
-        key = self._key
+        tup = self.tuples
+        img = [tup.get(tuple([s[x] for x in t])) for t in self.tuple_list]
+        parts = self.parts
         for i, t in enumerate(ts):
             if i in start_of:
                 j = start[s[start_of[i]]]
             else:
-                want = sorted([tau[d] for d in t.deps])
+                pt = parts[i]
+                key = (-1, t.step, t.phase) if pt is None else (s[pt[0]], img[pt[1]], img[pt[2]], img[pt[3]], pt[4])
+                d = t.deps
+                want = [tau[d[0]]] if len(d) == 1 else sorted([tau[x] for x in d])
                 j = -1
-                for c in index.get(key(t, s), ()):
+                for c in index.get(key, ()):
                     if not used[c] and deps[c] == want and c not in start_of:
                         j = c
                         break
@@ -182,20 +198,20 @@ class _Checker:
     def resource_map(self, tau: list[int]) -> dict[int, Any] | None:
         """id(resource) -> its image, from every transfer's bookings and theirs, or None when
         they do not correspond one to one, kind for kind and rate for rate."""
-        plans = self.engine._plans
-        pkey = self.pkey
+        plan = self.plan
         phi: dict[int, Any] = {}
         back: dict[int, int] = {}
-        seen: set[tuple[Any, Any]] = set()
-        for i, k1 in enumerate(pkey):
-            if k1 is None:
+        seen: set[tuple[int, int]] = set()
+        for i, p1 in enumerate(plan):
+            if p1 is None:
                 continue
-            k2 = pkey[tau[i]]
-            if (k1, k2) in seen:  # the same bookings, mapped the same way
+            p2 = plan[tau[i]]
+            pair = (id(p1), id(p2))
+            if pair in seen:  # the same bookings, mapped the same way
                 continue
-            seen.add((k1, k2))
-            b1, _, lat1 = plans[k1]
-            b2, _, lat2 = plans[k2]
+            seen.add(pair)
+            b1, _, lat1 = p1
+            b2, _, lat2 = p2
             if lat1 != lat2 or len(b1) != len(b2):
                 return None
             for (k1, o1, w1, d1), (k2, o2, w2, d2) in zip(b1, b2):
