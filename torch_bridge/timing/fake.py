@@ -483,7 +483,7 @@ class _Attention(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-class _FunctionMode(TorchFunctionMode):
+class FunctionMode(TorchFunctionMode):
     """Catches ``F.scaled_dot_product_attention`` before dispatch decomposes it."""
 
     def __init__(self, run: "TimingOnly"):
@@ -543,7 +543,7 @@ class TimingOnly:
                    for f in warnings.filters):
             warnings.filterwarnings("ignore", message=_DATA_PTR_WARNING)
         self._fake = _torch.FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-        self._modes = [self._fake, _ChargeMode(self), _FunctionMode(self)]
+        self._modes = [self._fake, _ChargeMode(self), FunctionMode(self)]
         for m in self._modes:
             m.__enter__()
         self._thread, self._oom = threading.get_ident(), None
