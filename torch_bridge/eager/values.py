@@ -21,7 +21,6 @@ import torch
 
 from .. import _native, _torch
 from . import fastpath, lowering, memory
-from ..neuron import hostprof
 from ..neuron import profiler
 from . import tensore
 from ..neuron.generators import device_generator
@@ -158,11 +157,16 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
     return x
 
 
+#: the profile torch_bridge.neuron.hostprof is recording, which times each Python-path op (set and
+#: cleared by hostprof.profile(): the profiler instruments this module, which does not import it)
+host_profile: Any = None
+
+
 def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, shown in torch.profiler as ``neuron::<label>`` while it records,
     its launches tied to that record (:func:`torch_bridge.profiler.traced`)."""
-    prof = hostprof.active
-    if prof is not None:  # timed as the op's Python path (torch_bridge.hostprof)
+    prof = host_profile
+    if prof is not None:  # timed as the op's Python path (torch_bridge.neuron.hostprof)
         return prof.call("python " + label, _call_traced, (label, fn, args, kwargs), {})
     return _call_traced(label, fn, args, kwargs)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["Profile", "profile", "active"]
 
-active: "Profile | None" = None  # the profile being recorded (read by values.call_traced)
+active: "Profile | None" = None  # the profile being recorded (handed to values.host_profile too)
 
 _clock = time.perf_counter
 
@@ -153,14 +153,14 @@ def profile() -> Iterator[Profile]:
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
     t0 = _clock()
-    active = prof
+    active = values.host_profile = prof
     try:
         yield prof
     finally:
         try:
             device.now()  # the launches logged meanwhile are placed inside it
         finally:
-            active = None
+            active = values.host_profile = None
             prof.wall = _clock() - t0
             for owner, name, original in reversed(undo):
                 setattr(owner, name, original)

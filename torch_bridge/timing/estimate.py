@@ -23,33 +23,30 @@ result); the prefill too. Training runs every layer (its backward needs the grap
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from trnsim.config import ConfigError, SystemConfig, load_system
-from trnsim.device.costcache import CachedDevice, CostCache, default_cache_dir
-from trnsim.device import no_work
-from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, TrainEstimate, check_batch, check_plan, \
+from trnsim.config import SystemConfig, load_system
+from trnsim.device.costcache import CostCache, default_cache_dir
+from trnsim.workload.plan import InferenceEstimate, Plan, RoleMemory, TrainEstimate, check_batch, check_plan, \
     check_sizes, mean_decode, pipeline_1f1b, summarise
 from trnsim.workload.models import ModelConfig, load_model
 from trnsim.config import format_quantity
 from trnsim.workload.training import Recipe
 
 from . import models
-from .parallel import Comm, Shard
-from .fake import Ledger, Target, TimingOnly, replay_layers
+from .roles import DTYPES, EstimateError, Rank, dtype_of, positive, scope, send_recv_ticks, simulate_roles, stage_model, \
+    with_layers
+from .fake import replay_layers
 from .train_step import assumptions as train_assumptions
 from .train_step import run_train_role
 
 __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "EstimateError"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 INFERENCE_ASSUMPTIONS = (
     "each step is one compiled graph: one host dispatch, kernels back to back",
@@ -59,80 +56,6 @@ INFERENCE_ASSUMPTIONS = (
     "no speculative decoding; of the serving stack only the engine's host loop (--serving), no batching, tokenizer or "
     "network",
 )
-
-
-class EstimateError(ConfigError):
-    """An estimate that cannot run as asked (one line)."""
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise EstimateError(f"--dtype {name}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def _positive(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise EstimateError(f"{name} {v!r}: expected a positive whole number")
-    return v
-
-
-@dataclass
-class _Rank:
-    """One simulated role: its device model, HBM ledger, collectives and timing-only run."""
-
-    role: Role
-    device: CachedDevice
-    ledger: Ledger
-    comm: Comm
-    run: TimingOnly
-    dispatch: int
-
-    def step_start(self) -> int:
-        """One graph launch: the host dispatches the step once; returns the step's start tick."""
-        dev = self.device
-        dev.synchronize(0)
-        start = dev.now(0)
-        dev.dispatch = self.dispatch
-        dev.launch(0, "graph launch", no_work("one host dispatch per step"))
-        dev.dispatch = 0
-        return start
-
-    def step_end(self, start: int) -> int:
-        self.device.synchronize(0)
-        return self.device.now(0) - start
-
-
-def _make_rank(role: Role, system: SystemConfig, plan: Plan, cache: CostCache,
-               reports: dict[tuple[Any, ...], Any]) -> _Rank:
-    cfg = system.chip
-    dev = CachedDevice(cfg, cache)
-    dispatch, dev.dispatch = dev.dispatch, 0  # launches inside a step cost no dispatch (one graph)
-    ledger = Ledger(cfg.logical_cores, cfg.chip.hbm.capacity // cfg.logical_cores)
-    comm = Comm(system, dev, 0, role.rank, plan, reports)
-    target = Target(dev, 0, ledger, attention_keeps_probabilities=False)  # flash attention's memory
-    return _Rank(role, dev, ledger, comm, TimingOnly(target), dispatch)
-
-
-def _stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool,
-                 gather_logits: bool = True, then: Any = None) -> nn.Module:
-    """The stage's model: its decoder layers, the embedding on the first stage, the final norm
-    and LM head on the last; sharded for the rank before its weights get storage (the LM head's
-    logits all-gathered over the vocabulary unless ``gather_logits`` is False)."""
-    lo, hi = role.layers
-    shard = Shard(plan, comm, role)
-    shard.gather_logits = gather_logits
-
-    def trim(net: nn.Module) -> nn.Module:
-        base = getattr(net, net.base_model_prefix, net)
-        if not role.first:
-            base.embed_tokens = nn.Identity()  # activations arrive from the previous stage
-        if not last:
-            base.norm = nn.Identity()
-        net = shard(net)
-        return then(net) if then is not None else net  # more sharding (expert parallelism), still on meta
-
-    return models.from_config(spec, dtype, layers=hi - lo, head=last, shard=trim)
 
 
 def _decoder_layers(net: nn.Module) -> nn.ModuleList:
@@ -145,83 +68,6 @@ def _decoder_layers(net: nn.Module) -> nn.ModuleList:
 
 def _kv_heads(spec: ModelConfig, plan: Plan) -> int:
     return max(1, spec.kv_heads // plan.tp)
-
-
-@contextlib.contextmanager
-def _scope(dev: CachedDevice, trace: bool) -> Iterator[list[Any]]:
-    rec = dev.open_scope(trace)
-    out: list[Any] = []
-    try:
-        yield out
-    finally:
-        out.append(dev.close_scope(rec))
-
-
-def _send_recv_ticks(system: SystemConfig, plan: Plan, nbytes: int, reports: dict[tuple[Any, ...], Any],
-                     dtype: str) -> list[int]:
-    """Per stage boundary: the ticks to send ``nbytes`` of activations from the simulated rank
-    of stage s to its peer on stage s + 1."""
-    from trnsim.collectives import simulate_collective
-
-    out = []
-    for s in range(plan.pp - 1):
-        a, b = plan.rank(0, s, 0), plan.rank(0, s + 1, 0)
-        key = ("send-recv", nbytes, (a, b), dtype)
-        rep = reports.get(key)
-        if rep is None:
-            rep = reports[key] = simulate_collective(system, "send-recv", nbytes, group=[a, b], dtype=dtype)
-        out.append(rep.time_ticks)
-    return out
-
-
-def _roles(plan: Plan, layers: int) -> list[tuple[Role, bool, int]]:
-    """(role, is last stage, index of the role it repeats) for each stage: stages with the same
-    layers, neither first nor last, run the same program and are simulated once."""
-    roles = plan.roles(layers)
-    out: list[tuple[Role, bool, int]] = []
-    seen: dict[tuple[bool, bool, int], int] = {}
-    for i, r in enumerate(roles):
-        last = i == len(roles) - 1
-        key = (r.first, last, r.layers[1] - r.layers[0])
-        out.append((r, last, seen.setdefault(key, i)))
-    return out
-
-
-def _with_layers(spec: ModelConfig, layers: int | None) -> ModelConfig:
-    if layers is None:
-        return spec
-    _positive("--layers", layers)
-    check_sizes(spec, layers=layers)
-    return spec.with_layers(layers)
-
-
-def _simulate_roles(spec: ModelConfig, system: SystemConfig, plan: Plan, cache: CostCache,
-                    reports: dict[tuple[Any, ...], Any], run: Any, refused: list[str]
-                    ) -> tuple[dict[int, dict[str, Any]], list[Any], list[RoleMemory], int]:
-    """``run(rank, is_last_stage)`` once per distinct role, on a rank of its own; returns the
-    results per stage (repeated roles share theirs), the traces, each simulated role's memory
-    and the kernels simulated. Library kernels that refused their shape (costed as the generic
-    kernel instead) are added to ``refused`` as an assumption line each."""
-    results: dict[int, dict[str, Any]] = {}
-    traces: list[Any] = []
-    memory: list[RoleMemory] = []
-    kernels = 0
-    for role, last, same in _roles(plan, spec.layers):
-        if same in results:
-            results[role.stage] = results[same]
-            continue
-        rank = _make_rank(role, system, plan, cache, reports)
-        res = run(rank, last)
-        results[role.stage] = res
-        traces.extend(res.pop("traces"))
-        memory.append(res["memory"])
-        kernels += rank.device.simulated
-        for sp in rank.device.refused():
-            line = (f"library kernel {sp.kernel} {sp.dtype} {'x'.join(map(str, sp.shape))} refused its shape: costed "
-                    f"as the generic streaming kernel (an underestimate)")
-            if line not in refused:
-                refused.append(line)
-    return results, traces, memory, kernels
 
 
 def _check(spec: ModelConfig, system: SystemConfig, plan: Plan, dtype: str) -> None:
@@ -255,7 +101,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     if not eager:
         from .estimate_kernels import estimate_inference_kernels
 
-        _positive("--samples", samples)  # decode steps are timed per KV bucket: samples is not used
+        positive("--samples", samples)  # decode steps are timed per KV bucket: samples is not used
         return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
                                           input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
                                           overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
@@ -268,13 +114,13 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                             f"runs the exact shapes")
     sp = bool(sp)
     t_wall = time.perf_counter()
-    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
+    spec = with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens),
                     ("--samples", samples)):
-        _positive(name, v)
-    dt = _dtype(dtype)
+        positive(name, v)
+    dt = dtype_of(dtype)
     from trnsim.workload.serve import HostLoop, ServeError
     try:
         host = HostLoop.of(serving, sysc.chip.host.serve_step * 1e-12)
@@ -293,14 +139,14 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         if output_tokens > 1 else []
     lengths = [input_tokens + j for j in steps]  # KV length before the step's new token
     refused: list[str] = []
-    results, traces, memory, kernels = _simulate_roles(
+    results, traces, memory, kernels = simulate_roles(
         spec, sysc, plan, cache, reports,
         lambda rank, last: _run_inference_role(rank, spec, plan, dt, last, batch, prompt, total, lengths, replay, trace),
         refused)
     hz = sysc.tick_hz
     hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
-    p2p_prefill = _send_recv_ticks(sysc, plan, batch * prompt * hidden_bytes, reports, dtype)
-    p2p_decode = _send_recv_ticks(sysc, plan, batch * hidden_bytes, reports, dtype)
+    p2p_prefill = send_recv_ticks(sysc, plan, batch * prompt * hidden_bytes, reports, dtype)
+    p2p_decode = send_recv_ticks(sysc, plan, batch * hidden_bytes, reports, dtype)
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
     ttft = (sum(s["prefill_ticks"] for s in stages) + sum(p2p_prefill)) / hz * 1e3
     decode = [(n, (sum(s["decode_ticks"][i] for s in stages) + sum(p2p_decode)) / hz * 1e3)
@@ -330,13 +176,13 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     return est, traces
 
 
-def _run_inference_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dtype, last: bool, batch: int,
+def _run_inference_role(rank: Rank, spec: ModelConfig, plan: Plan, dt: torch.dtype, last: bool, batch: int,
                         prompt: int, total: int, lengths: list[int], replay: bool, trace: bool) -> dict[str, Any]:
     role = rank.role
     n_layers = role.layers[1] - role.layers[0]
     out: dict[str, Any] = {"traces": []}
     with rank.run, torch.no_grad(), models.quiet():
-        net = _stage_model(spec, role, plan, rank.comm, dt, last)
+        net = stage_model(spec, role, plan, rank.comm, dt, last)
         weights = rank.ledger.devices[0].allocated
         cache = models.kv_cache(total, n_layers, batch, _kv_heads(spec, plan), spec.head_dim, dt)
         kv = rank.ledger.devices[0].allocated - weights
@@ -354,7 +200,7 @@ def _run_inference_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dt
             if last:
                 torch.argmax(res.logits[:, -1], dim=-1)  # greedy sampling on the device
 
-        with _scope(rank.device, trace) as rep:
+        with scope(rank.device, trace) as rep:
             start = rank.step_start()
             forward(prompt)
             out["prefill_ticks"] = rank.step_end(start)
@@ -365,7 +211,7 @@ def _run_inference_role(rank: _Rank, spec: ModelConfig, plan: Plan, dt: torch.dt
         for i, n in enumerate(lengths):
             for layer in cache.layers:
                 layer.length = n
-            with _scope(rank.device, trace and i == 0) as rep:
+            with scope(rank.device, trace and i == 0) as rep:
                 start = rank.step_start()
                 forward(1)
                 ticks = rank.step_end(start)
@@ -400,14 +246,14 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     t_wall = time.perf_counter()
     recipe = (recipe or Recipe()).check() if not recipe_fields else Recipe.of({**(recipe or Recipe()).to_dict(),
                                                                                **recipe_fields})
-    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
+    spec = with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
-    _positive("--micro-batch", micro_batch)
-    _positive("--seq", seq)
-    dt = _dtype(dtype)
+    positive("--micro-batch", micro_batch)
+    positive("--seq", seq)
+    dt = dtype_of(dtype)
     _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
-    gbs = micro_batch * dp if global_batch is None else _positive("--global-batch", global_batch)
+    gbs = micro_batch * dp if global_batch is None else positive("--global-batch", global_batch)
     if gbs % (micro_batch * dp):
         raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}")
     micro = gbs // (micro_batch * dp)
@@ -418,7 +264,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
     reports: dict[tuple[Any, ...], Any] = {}
     refused: list[str] = []
-    results, traces, memory, kernels = _simulate_roles(
+    results, traces, memory, kernels = simulate_roles(
         spec, sysc, plan, cache, reports,
         lambda rank, last: run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace, recipe, micro), refused)
     _check_fits(results, plan, spec)
@@ -428,7 +274,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     hz = sysc.tick_hz
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
     act = micro_batch * seq * spec.hidden * torch.empty((), dtype=dt).element_size()
-    p2p = _send_recv_ticks(sysc, plan, act, reports, dtype)
+    p2p = send_recv_ticks(sysc, plan, act, reports, dtype)
     if recipe.schedule == "interleaved" and plan.pp > 1:
         from trnsim.workload.training import pipeline_interleaved
 
@@ -479,11 +325,6 @@ def _check_fits(results: dict[int, dict[str, Any]], plan: Plan, spec: ModelConfi
                 f"at its peak, {m.in_flight} micro-batches' activations of {format_quantity(m.activations, 'bytes')} "
                 f"each, of {m.capacity} capacity - timing-only: the tensors do not fit one logical core's HBM; "
                 f"recompute (--recompute full), shard the optimizer (--sharding zero1/fsdp) or the model (--tp / --pp)")
-
-
-def _torch_dtype_name(dt: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
-
 
 
 def write_trace(path: Any, traces: list[Any]) -> None:

@@ -200,15 +200,14 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
     (default: the prompt) and ``max_model_len`` (default: prompt + output) set the default
     buckets, ``*_buckets`` replace them."""
-    from .estimate import EstimateError, _dtype, _make_rank, _positive, _send_recv_ticks, _simulate_roles, \
-        _with_layers, _scope
+    from .roles import EstimateError, dtype_of, make_rank, positive, scope, send_recv_ticks, simulate_roles, with_layers
 
     t_wall = time.perf_counter()
-    spec = _with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
+    spec = with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     for name, v in (("--batch", batch), ("--input", input_tokens), ("--output", output_tokens), ("--ep", ep)):
-        _positive(name, v)
-    dt = _dtype(dtype)
+        positive(name, v)
+    dt = dtype_of(dtype)
     try:
         host = HostLoop.of(serving, sysc.chip.host.serve_step * 1e-12)
     except ServeError as e:
@@ -222,8 +221,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
     check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
-    mseq = total if max_model_len is None else _positive("--max-model-len", max_model_len)
-    mctx = mseq if max_context is None else _positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
+    mseq = total if max_model_len is None else positive("--max-model-len", max_model_len)
+    mctx = mseq if max_context is None else positive("--max-context", max_context)  # NxDI: max_context_length = seq_len
     if total > mseq:
         raise EstimateError(f"--input {input_tokens:,} + --output {output_tokens:,} = {total:,} tokens, more than "
                             f"--max-model-len {mseq:,}")
@@ -258,7 +257,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         with rank.run:
             rank.ledger.reserve(0, weights)
             rank.ledger.reserve(0, kv)
-            with _scope(rank.device, trace) as rep:
+            with scope(rank.device, trace) as rep:
                 start = rank.step_start()
                 charge(rank, step_calls(prog, role, last, batch=bb, tokens=prompt, prior=0, cache=prompt,
                                         decode=False), dtype)
@@ -268,7 +267,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                 out["traces"].append(("prefill", role, rep[0]))
             out["decode"] = {}
             for i, kvb in enumerate(sorted(per_bucket)):
-                with _scope(rank.device, trace and i == 0) as rep:
+                with scope(rank.device, trace and i == 0) as rep:
                     start = rank.step_start()
                     charge(rank, step_calls(prog, role, last, batch=bb, tokens=1, prior=0, cache=kvb, decode=True),
                            dtype)
@@ -281,13 +280,13 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         return out
 
     try:
-        results, traces, memory, kernels = _simulate_roles(spec, sysc, plan, cache, reports, run, refused)
+        results, traces, memory, kernels = simulate_roles(spec, sysc, plan, cache, reports, run, refused)
     except nxdi.Unsupported as e:
         raise EstimateError(str(e)) from None
     hz = sysc.tick_hz
     hidden_bytes = spec.hidden * torch.empty((), dtype=dt).element_size()
-    p2p_prefill = _send_recv_ticks(sysc, plan, bb * prompt * hidden_bytes, reports, dtype)
-    p2p_decode = _send_recv_ticks(sysc, plan, bb * hidden_bytes, reports, dtype)
+    p2p_prefill = send_recv_ticks(sysc, plan, bb * prompt * hidden_bytes, reports, dtype)
+    p2p_decode = send_recv_ticks(sysc, plan, bb * hidden_bytes, reports, dtype)
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
     device_prefill = (sum(s["prefill_ticks"] for s in stages) + sum(p2p_prefill)) / hz * 1e3
     device_decode = [(min(ns), (sum(s["decode"][kvb][0] for s in stages) + sum(p2p_decode)) / hz * 1e3, len(ns))
@@ -334,14 +333,14 @@ class StepCosts:
 
     def __init__(self, spec: ModelConfig, system: SystemConfig, plan: Plan, shards: Shards,
                  cache_dir: str | Path | None | bool = True):
-        from .estimate import _make_rank
+        from .roles import make_rank
 
         self.spec, self.system, self.plan, self.shards = spec, system, plan, shards
         self.prog = lowered(spec, shards)
         self.cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
         role = plan.roles(spec.layers)[0]
         self.role = Role(0, (0, spec.layers), role.rank, role.ranks)
-        self.rank = _make_rank(self.role, system, plan, self.cache, {})
+        self.rank = make_rank(self.role, system, plan, self.cache, {})
         self._times: dict[tuple[Any, ...], float] = {}
         self.simulated_steps = 0
 

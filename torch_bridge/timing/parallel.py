@@ -200,7 +200,7 @@ def _meta_param(shape: tuple[int, ...], like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"), requires_grad=like.requires_grad)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight + bias`` for a weight stored ``[in, out]``: the layout the PE array reads a
     static weight in (the compiler lays weights out once, at load), so no step transposes it."""
     y = torch.matmul(x, weight)
@@ -209,7 +209,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 class ColumnParallelLinear(nn.Module):
     """``y = x W_local + b_local`` with ``out_local`` of the output features (NxD's
-    ColumnParallelLinear; the weight is stored ``[in, out_local]``, see :func:`_linear`;
+    ColumnParallelLinear; the weight is stored ``[in, out_local]``, see :func:`sharded_linear`;
     ``gather`` all-gathers the output features, ``sp`` gathers the input sequence first)."""
 
     def __init__(self, base: nn.Linear, out_local: int, comm: Comm, gather: bool = False, sp: bool = False):
@@ -222,7 +222,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.sp and self.comm.sp_active):  # sequence parallel: its block gathered the input
             x = self.comm.copy_to_group(x)
-        y = _linear(x, self.weight, self.bias)
+        y = sharded_linear(x, self.weight, self.bias)
         return self.comm.all_gather(y, -1) if self.gather else y
 
     def extra_repr(self) -> str:
@@ -232,7 +232,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = reduce(x_local W_local) + b`` with ``in_local`` of the input features (NxD's
     RowParallelLinear: all-reduce, or reduce-scatter over the sequence with ``sp``; the weight is
-    stored ``[in_local, out]``, see :func:`_linear`)."""
+    stored ``[in_local, out]``, see :func:`sharded_linear`)."""
 
     def __init__(self, base: nn.Linear, in_local: int, comm: Comm, sp: bool = False):
         super().__init__()

@@ -77,12 +77,12 @@ def _function_mode() -> Any:
     thread, where a recompute runs, does not inherit it."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from .fake import _FunctionMode, active
+    from .fake import FunctionMode, active
 
     run = active()
-    if run is None or any(isinstance(m, _FunctionMode) for m in _get_current_function_mode_stack()):
+    if run is None or any(isinstance(m, FunctionMode) for m in _get_current_function_mode_stack()):
         return contextlib.nullcontext()
-    return _FunctionMode(run)
+    return FunctionMode(run)
 
 
 def _checkpointed(fn: Any, comm: Any = None) -> Any:
@@ -289,10 +289,10 @@ class _FusedProjection(nn.Module):
             import weakref
 
             if self.column:
-                from .parallel import _linear
+                from .parallel import sharded_linear
 
                 xin = x if (self.sp and self.comm.sp_active) else self.comm.copy_to_group(x)
-                y = _linear(xin, self.weight, self.bias)
+                y = sharded_linear(xin, self.weight, self.bias)
             else:
                 y = nn.functional.linear(x, self.weight, self.bias)
             self._key, self._outs, self._left = weakref.ref(x), list(torch.split(y, self.sizes, dim=-1)), len(self.sizes)
@@ -456,13 +456,13 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
     from trnsim.workload.training import TrainMemory, in_flight
 
     from . import models
-    from .estimate import _scope, _stage_model, _torch_dtype_name
+    from .roles import scope, stage_model, torch_dtype_name
 
     role = rank.role
     comm = rank.comm
     vocab_parallel = recipe.loss == "vocab-parallel" and plan.tp > 1
     out: dict[str, Any] = {"traces": []}
-    dname = _torch_dtype_name(dt)
+    dname = torch_dtype_name(dt)
     dp_group = plan.dp_group(role.rank)
     with rank.run, models.quiet():
         if recipe.ep > 1 and plan.dp % recipe.ep:
@@ -474,7 +474,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
             if recipe.fused_projections:
                 m = fuse_projections(m)
             return ep(m) if ep is not None else m
-        net = _stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then)
+        net = stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         base = getattr(net, net.base_model_prefix, net)
@@ -495,7 +495,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
             rank.run.target.attention_dropout = True
         before = _sweep_allocated(rank)
         rank.ledger.devices[0].reset_peak()
-        with _scope(rank.device, trace) as rep:
+        with scope(rank.device, trace) as rep:
             start = rank.step_start()
             with sp:
                 labels = torch.empty((micro_batch, seq), dtype=torch.long, device="neuron") \
@@ -518,7 +518,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         out["forward_report"] = summarise(rep[0], out["forward_ticks"])
         activations = _sweep_allocated(rank) - before
         state.ready, state.device = [], rank.device
-        with _scope(rank.device, trace) as rep:
+        with scope(rank.device, trace) as rep:
             start = rank.step_start()
             state.ready.append((start, 0))
             y.backward(None if last else torch.empty_like(y))

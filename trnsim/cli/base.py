@@ -7,7 +7,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["UsageError", "Out"]
+from ..outputs.files import AtomicOutput
+
+__all__ = ["UsageError", "Out", "reserve_outputs", "say_written"]
 
 
 class UsageError(Exception):
@@ -35,3 +37,26 @@ class Out:
         self._buf.truncate()
         sys.stdout.write("".join(line.rstrip() + "\n" for line in text.splitlines()))
         sys.stdout.flush()
+
+
+def reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:
+    """The output files a command writes, each refused now (not after the run) when it cannot be
+    written or needs an extra that is missing."""
+    from ..outputs.files import reserve_all
+    from ..outputs.metrics import reserve as reserve_metrics
+    from ..outputs.plot import reserve as reserve_plot
+
+    return reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,
+                        lambda: reserve_metrics(metrics, "--metrics") if metrics else None,
+                        lambda: reserve_plot(plot, "--plot") if plot else None])
+
+
+def say_written(console: Any, trace: str | None, metrics: str | None, plot: str | None) -> None:
+    from rich.markup import escape
+
+    if trace:
+        console.print(f"Trace written to {escape(trace)} (open it in ui.perfetto.dev or chrome://tracing)")
+    if metrics:
+        console.print(f"Metrics written to {escape(metrics)} (Parquet)")
+    if plot:
+        console.print(f"Plot written to {escape(plot)}")
