@@ -219,6 +219,19 @@ def test_resize_grows_the_storage_every_view_shares():
     assert b.cpu().tolist() == [1.0, 1.0]  # (was a new storage for a alone)
 
 
+def test_resize_to_the_sizes_a_strided_view_has_keeps_its_strides():
+    """Found by difftest's long run (resize_ 72760927155011): a strided view resized to its own
+    sizes was made contiguous, so it read other elements of its storage afterwards; CPU does
+    nothing (with memory_format given it restrides, as here)."""
+    for device in ("cpu", "neuron"):
+        base = torch.arange(10.0, device=device)
+        v = base[1::2]
+        assert v.resize_(5).stride() == (2,), device
+        assert v.cpu().tolist() == [1.0, 3.0, 5.0, 7.0, 9.0], device
+        assert v.resize_(5, memory_format=torch.contiguous_format).stride() == (1,), device
+        assert v.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0], device
+
+
 def test_resize_and_empty_refuse_preserve_format_like_cpu():
     for device in ("cpu", "neuron"):
         with pytest.raises(RuntimeError, match="(?i)unsupported memory format ?preserve"):

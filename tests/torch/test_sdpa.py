@@ -281,3 +281,37 @@ def test_torch_compile_traces_through_the_math_path():
     got.backward()
     torch.testing.assert_close(got.cpu(), loss(q, k, v).cpu(), rtol=1e-5, atol=1e-5)
     assert q.grad is not None and q.grad.device.type == "neuron"
+
+
+@pytest.mark.parametrize("keys", [S, S // 2], ids=["fused", "math-path"])
+def test_a_permuted_query_gives_cpus_output_layout(keys):
+    """Found by difftest's long run (scaled_dot_product_attention 15959956452718): CPU's flash
+    kernel writes into empty_like(query), so Hugging Face's query, view(B, L, H, E).transpose(1, 2),
+    gets an output of that layout (strides (L*H*E, E, H*E, 1)); it was contiguous here, on the
+    fused op and the math path alike. Values and gradients still CPU's; timing-only the same
+    layout; a contiguous query keeps a contiguous output."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, S, H, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(B, H, keys, D, generator=g), torch.randn(B, H, keys, D, generator=g)
+    mask = torch.rand(S, keys, generator=g) > 0.3
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q, k, v, m)
+        assert want.stride() == (S * H * D, D, H * D, 1)
+        qd = q.transpose(1, 2).to("neuron").transpose(1, 2).requires_grad_()
+        got = F.scaled_dot_product_attention(qd, k.to("neuron"), v.to("neuron"), None if m is None else m.to("neuron"))
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+        qc = q.clone().requires_grad_()
+        gy = torch.randn(want.shape, generator=g)
+        (gq,) = torch.autograd.grad(F.scaled_dot_product_attention(qc, k, v, m), qc, gy)
+        (gqd,) = torch.autograd.grad(got, qd, gy.to("neuron"))
+        torch.testing.assert_close(gqd.cpu(), gq, rtol=1e-5, atol=1e-5)
+        with torch.neuron.timing_only() as run:
+            qf = torch.empty(B, S, H, D, device="neuron").transpose(1, 2)
+            out = F.scaled_dot_product_attention(qf, torch.empty(B, H, keys, D, device="neuron"),
+                                                 torch.empty(B, H, keys, D, device="neuron"))
+            assert out.stride() == want.stride()
+            del qf, out
+            run.sweep()  # (nothing of this run stays counted in the device's HBM)
+    contiguous = F.scaled_dot_product_attention(*(t.to("neuron") for t in (q.contiguous(), k, v)))
+    assert contiguous.is_contiguous()

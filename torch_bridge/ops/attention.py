@@ -95,8 +95,8 @@ def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
 CAUSAL_WITH_MASK = "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True"
 _FLASH = 1  # sdp::SDPBackend::flash_attention, as CPU's backend choice numbers it
 
-# the call's metadata -> None (CPU takes it) or (exception type, message) (CPU refuses it)
-_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
+# the call's metadata -> (None (CPU takes it) or (exception type, message) (CPU refuses it), CPU's backend choice)
+_checked: dict[tuple[Any, ...], tuple[tuple[type, str] | None, int | None]] = {}
 
 
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,12 +118,12 @@ def _probe(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-             is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[type, str] | None:
-    """CPU's verdict on a call, from metadata: the input checks of ``scaled_dot_product_attention``
-    (run on meta tensors of the same sizes, which share them) and CPU's backend choice
-    (``_fused_sdp_choice`` on :func:`_probe` tensors), which checks masks on its own and decides
-    ``attn_mask`` with ``is_causal``: its fused kernel takes the two together, its math path
-    refuses them."""
+             is_causal: bool, scale: float | None, enable_gqa: bool) -> tuple[tuple[type, str] | None, int | None]:
+    """CPU's verdict on a call, from metadata, and its backend choice: the input checks of
+    ``scaled_dot_product_attention`` (run on meta tensors of the same sizes, which share them) and
+    CPU's backend choice (``_fused_sdp_choice`` on :func:`_probe` tensors), which checks masks on
+    its own and decides ``attn_mask`` with ``is_causal``: its fused kernel takes the two together,
+    its math path refuses them."""
     errors = (RuntimeError, ValueError, IndexError, TypeError)
     try:
         torch.ops.aten.scaled_dot_product_attention.default(
@@ -133,17 +133,17 @@ def _refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     except errors as e:
         meta_error = e
     if meta_error is not None and str(meta_error).startswith(_INPUT_CHECKS):
-        return type(meta_error), str(meta_error)  # CPU checks the inputs before it picks a backend
+        return (type(meta_error), str(meta_error)), None  # CPU checks the inputs before it picks a backend
     try:  # CPU's choice has checks of its own (a 1-d mask is an IndexError there)
         choice = _torch.fused_sdp_choice(_probe(q), _probe(k), _probe(v), _probe(mask), dropout_p, is_causal,
                                          scale=scale, enable_gqa=enable_gqa)
     except errors as e:
-        return type(e), str(e)
+        return (type(e), str(e)), None
     if meta_error is not None:  # the math path's own error (shapes that do not multiply, ...)
-        return type(meta_error), str(meta_error)
+        return (type(meta_error), str(meta_error)), choice
     if is_causal and mask is not None and choice != _FLASH:
-        return RuntimeError, CAUSAL_WITH_MASK
-    return None
+        return (RuntimeError, CAUSAL_WITH_MASK), choice
+    return None, choice
 
 
 # the messages of scaled_dot_product_attention's input checks (validate_sdpa_input), which CPU
@@ -152,25 +152,45 @@ _INPUT_CHECKS = ("Expected query, key, and value", "Expected query, key and valu
 
 
 def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-          is_causal: bool, scale: float | None, enable_gqa: bool) -> None:
-    """Raise CPU's error for a call CPU refuses (see :func:`_refusal`); cached by metadata."""
+          is_causal: bool, scale: float | None, enable_gqa: bool) -> bool:
+    """Raise CPU's error for a call CPU refuses (see :func:`_refusal`); cached by metadata. True
+    when CPU computes the call with its fused (flash) kernel, whose output is laid out as the query
+    is (:func:`laid_out_as_cpu`)."""
     ts = (q, k, v) if mask is None else (q, k, v, mask)
     if any(t.is_nested for t in ts):
-        return  # nested tensors: PyTorch's own path checks them
+        return False  # nested tensors: PyTorch's own path checks them
     shapes = tuple(t.shape for t in ts)
     if not all(type(d) is int for sh in shapes for d in sh):
-        return  # symbolic sizes (a dynamic-shape trace): no meta or host tensor can stand for them
+        return False  # symbolic sizes (a dynamic-shape trace): no meta or host tensor can stand for them
     key = (shapes, tuple(t.dtype for t in ts), tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
            mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
-    verdict = _checked.get(key, False)
-    if verdict is False:
+    known = _checked.get(key)
+    if known is None:
         # the checks' tensors are their own: real (also inside a compile's trace), unseen by the
         # caller's modes (a flop counter would count the meta math path's matmuls)
         with _torch.DisableTorchFunction(), _torch.disable_current_modes():
-            verdict = _checked[key] = _refusal(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+            known = _checked[key] = _refusal(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+    verdict, choice = known
     if verdict is not None:
         raise verdict[0](verdict[1])
+    return choice == _FLASH
+
+
+def _order(t: torch.Tensor, strides: Any) -> tuple[int, ...]:
+    """The strides that place elements (those of dims of size > 1: a size-1 dim's is arbitrary)."""
+    return tuple(st for n, st in zip(t.shape, strides) if n > 1)
+
+
+def cpu_layout(q: torch.Tensor, out: torch.Tensor, flash: bool) -> tuple[int, ...] | None:
+    """The strides CPU gives the output where they place its elements otherwise than ``out``'s,
+    else None. CPU's flash kernel writes into ``empty_like(query)``: a permuted query (Hugging
+    Face's ``view(B, L, H, E).transpose(1, 2)``) gets a permuted output; its math path's output
+    is contiguous (found by difftest's long run: (96, 8, 16, 1) on CPU, (96, 48, 8, 1) here)."""
+    if not flash or out.shape != q.shape:
+        return None
+    want = torch.empty_like(q, device="meta").stride()
+    return None if _order(out, want) == _order(out, out.stride()) else want
 
 
 def additive_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
@@ -216,9 +236,12 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                is_causal: bool, scale: float | None, groups: int) -> torch.Tensor:
+                is_causal: bool, scale: float | None, groups: int, flash: bool) -> torch.Tensor:
         index = q.device.index or 0
         out, p, sc = forward_values(q, k, v, attn_mask, is_causal, scale, groups)
+        laid = cpu_layout(q, out, flash)
+        if laid is not None:  # the kernel writes its output in the layout CPU's has
+            out = torch.empty_strided(out.shape, laid, dtype=out.dtype).copy_(out)
         ctx.save_for_backward(q, k, v)
         ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
         ctx.scale, ctx.groups = sc, groups
@@ -232,7 +255,7 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
         charge_backward(index, q, k.shape[-2], q.dtype)
         return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -308,9 +331,13 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          enable_gqa: bool = False) -> torch.Tensor:
     """The neuron kernel of ``aten::scaled_dot_product_attention``."""
     values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
-    check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    flash = check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
         mask, causal = additive_mask(query, key, attn_mask, is_causal)
-        return _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        laid = cpu_layout(query, out, flash)
+        # (op by op, the math path's result is a matmul's, contiguous: one more copy lays it out as CPU's)
+        return out if laid is None else torch.empty_strided(out.shape, laid, dtype=out.dtype,
+                                                            device=out.device).copy_(out)
     groups = query.shape[-3] // key.shape[-3]
-    return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups)
+    return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups, flash)

@@ -445,8 +445,9 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                is_causal: bool, scale: float | None, run: "TimingOnly", dropout_p: float = 0.0) -> torch.Tensor:
-        from ..ops.attention import FORWARD
+                is_causal: bool, scale: float | None, run: "TimingOnly", dropout_p: float = 0.0,
+                flash: bool = False) -> torch.Tensor:
+        from ..ops.attention import FORWARD, cpu_layout
 
         s = k.shape[-2]
         kept = q.shape[:-1] + (s,) if run.target.attention_keeps_probabilities else q.shape[:-1]
@@ -459,6 +460,9 @@ class _Attention(torch.autograd.Function):
         run.charge_specs(_index(q), FORWARD, key,
                          lambda: lowering.attention_specs(q, attn_mask, is_causal, scale, dropout_p))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        laid = cpu_layout(q, out, flash)
+        if laid is not None:  # as the eager kernel lays it out (CPU's flash kernel: as the query)
+            out = q.new_empty_strided(out.shape, laid)
         if run.target.attention_keeps_probabilities:
             ctx.p = p  # as the eager kernel keeps them
         else:
@@ -480,7 +484,7 @@ class _Attention(torch.autograd.Function):
             ctx.run.charge_specs(_index(grad_out), BACKWARD, ("bwd", q_shape, s, dtype),
                                  lambda: lowering.attention_backward_specs(q, s, dtype))
         return (q, grad_out.new_empty(k_shape, dtype=dtype), grad_out.new_empty(v_shape, dtype=dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class FunctionMode(TorchFunctionMode):
@@ -633,11 +637,11 @@ class TimingOnly:
         q, k, v, mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
         if not all(is_neuron(t) for t in (q, k, v)):
             return None
-        check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        flash = check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         dropout = float(dropout_p) if self.target.attention_dropout else 0.0
         if not takes_meta(q, k, v, mask, dropout_p - dropout, enable_gqa):
             return None
-        return _Attention.apply(q, k, v, mask, is_causal, scale, self, dropout)
+        return _Attention.apply(q, k, v, mask, is_causal, scale, self, dropout, flash)
 
     # ---- HBM -------------------------------------------------------------------------------------
     def track(self, out: Any) -> None:

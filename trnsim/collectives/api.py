@@ -115,10 +115,10 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
 
 def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveCall], *,
                          trace: bool = False, symmetry: bool = True) -> list[CollectiveReport]:
-    """Simulate ``calls`` together in one environment; one report per call, in order. A lone
-    call without a trace runs its alike ranks once (``symmetry``, symmetry.py: the same report,
-    tick for tick, as the full run that ``symmetry=False`` makes)."""
-    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry and len(calls) == 1)
+    """Simulate ``calls`` together in one environment; one report per call, in order. Without a
+    trace, alike ranks run once (``symmetry``, symmetry.py: a lone call's, or sibling calls' on
+    disjoint groups; the same reports, tick for tick, as the full run ``symmetry=False`` makes)."""
+    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry)
     for c in calls:
         runner.launch(c)
     return runner.run()
