@@ -73,3 +73,26 @@ def test_a_call_beside_its_siblings_is_slower_where_they_share_links():
     assert alone.time_ticks == simulate_collectives(trn1, [CollectiveCall("all-reduce", 16 << 20, group=[0, 4])])[0].time_ticks
     together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, [0, 1, 2, 3], 8)
     assert together.time_ticks == alone.time_ticks
+
+
+def test_siblings_in_other_instances_are_left_out_with_identical_reports():
+    """Groups in instances the call's group does not reach (directly or through groups that share
+    one with it) share no link, stack or engine with it: simulate_with_siblings leaves them out,
+    and the group's report is the one the whole set simulated together gives, tick for tick."""
+    from trnsim.collectives import simulate_with_siblings
+    from trnsim.collectives.api import _sharing
+
+    trn1 = load_system("trn1.32xlarge", ["topology.efa.size=4"])  # 4 instances of 32 ranks
+    # a TP group inside instance 0: its 15 siblings in instances 1-3 are left out, 3 kept
+    tp = [tuple(range(8 * k, 8 * k + 8)) for k in range(16)]
+    assert _sharing(tp, 32) == tp[:4]
+    # a DP pair across instances 0 and 1: the pairs on instances 2 and 3 are left out
+    dp = [(k, k + 32) for k in range(32)] + [(64 + k, 96 + k) for k in range(32)]
+    assert _sharing(dp, 32) == dp[:32]
+    # linked through a third group: [0, 32] shares instance 1 with [33, 64], which reaches 2
+    assert _sharing([(0, 32), (33, 64), (96, 97)], 32) == [(0, 32), (33, 64)]
+    for group, world, calls in ((list(range(8)), 128, tp), ([0, 32], 128, dp)):
+        together, _ = simulate_with_siblings(trn1, "all-reduce", 1 << 20, group, world)
+        full = simulate_collectives(trn1, [CollectiveCall("all-reduce", 1 << 20, group=list(g)) for g in calls])[0]
+        assert together.time_ticks == full.time_ticks and together.link_bytes == full.link_bytes
+        assert together.bound == full.bound
