@@ -86,6 +86,11 @@ class ToyEngine(ElementwiseExec, Engine):
     runs = Engine.runs | {TensorCopy}
     aliases = ("tx",)
     color = "#123456"
+    reaches_psum = False
+
+    @classmethod
+    def max_free(cls, config, space):
+        return 1000  # elements per partition one of its instructions may touch
 
     def cycles(self, ins):
         if isinstance(ins, TensorCopy):
@@ -121,6 +126,14 @@ try:
     k.tensor_tensor(b, a, a, "add", engine="toy")
 except KernelError as e:
     out["tt_error"] = str(e)
+try:
+    k.tensor_copy(k.psum((128, 64), "float32"), a[:, :64], engine="toy")
+except KernelError as e:
+    out["psum_error"] = str(e)
+try:
+    k.tensor_copy(k.sbuf((128, 1024), "float32"), k.sbuf((128, 1024), "float32"), engine="toy")
+except KernelError as e:
+    out["free_error"] = str(e)
 data = np.arange(128 * 1000, dtype=np.float32).reshape(128, 1000)
 run = Chip(cfg).run(k, {"x": data})
 rep = run.report
@@ -165,6 +178,8 @@ def test_a_new_engine_is_a_module_a_config_section_and_a_yaml(tmp_path):
     assert out["toy_busy_cycles"] == 50 + 1000  # its own cost formula, in its own clock
     assert out["ticks"]["native"] == out["ticks"]["simpy"]  # both timelines place it alike
     assert out["tt_error"].endswith("expected one of vector, gpsimd")  # it runs only what it says
+    assert "Toy cannot access PSUM" in out["psum_error"]  # and touches only what it says
+    assert "has 1024 elements per partition; a Toy instruction may touch at most 1000 in SBUF" in out["free_error"]
     assert out["in_columns"] and "toy_engine_active_time_percent" in out["parquet_names"]
     assert out["metric"] == out["active_percent"] > 0
     assert out["plot_has_toy"]

@@ -167,3 +167,22 @@ def test_bad_traces_are_one_line(tmp_path, text, message):
     p.write_text(text)
     with pytest.raises(ServeError, match=message):
         read_trace(p)
+
+
+def test_one_helper_declares_and_parses_the_bucket_flags_of_every_command():
+    import argparse
+
+    from trnsim.cli import estimate as cli_estimate, serve as cli_serve
+    from trnsim.workload.buckets import BUCKET_FLAGS, BucketError, add_bucket_flags, parse_bucket_flags
+
+    p = argparse.ArgumentParser()
+    add_bucket_flags(p, context=("prompt", "--max-context"), kv=("decode KV", "--max-model-len"), batch="--batch")
+    args = p.parse_args(["--kv-buckets", "512,128", "--batch-buckets", "4"])
+    parse_bucket_flags(args)
+    assert (args.context_buckets, args.kv_buckets, args.batch_buckets) == (None, (128, 512), (4,))
+    with pytest.raises(BucketError, match="--context-buckets '0': expected"):
+        parse_bucket_flags(p.parse_args(["--context-buckets", "0"]))
+    # both commands take them from the helper (their --help states each one's default rule)
+    for mod in (cli_estimate, cli_serve):
+        assert "add_bucket_flags" in vars(mod) and "parse_buckets" not in vars(mod)
+    assert BUCKET_FLAGS == ("context_buckets", "kv_buckets", "batch_buckets")

@@ -125,6 +125,8 @@ class Engine:
     color: ClassVar[str] = "#999999"
     #: it has a datapath, so its busy time can be what bounds a kernel (Sync only triggers DMAs)
     datapath: ClassVar[bool] = True
+    #: its instructions may read and write PSUM tiles (the builder refuses a PSUM operand if not)
+    reaches_psum: ClassVar[bool] = True
     #: dependencies on this engine's own earlier instructions are satisfied at their *end*
     #: (the engine pipelines them, e.g. PSUM accumulation) rather than after the latency.
     pipelines_own_results: ClassVar[bool] = False
@@ -157,6 +159,12 @@ class Engine:
 
     def lane(self, ins: Instruction) -> str:
         return self.name
+
+    @classmethod
+    def max_free(cls, config: ChipConfig, space: str) -> int | None:
+        """The most elements per partition one instruction may touch in ``space`` ("sbuf",
+        "psum"); None: no limit of its own (the builder checks operands against it)."""
+        return None
 
     @classmethod
     def lanes(cls) -> tuple[str, ...]:
