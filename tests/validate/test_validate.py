@@ -178,7 +178,7 @@ def test_overriding_a_calibrated_parameter_drops_its_provenance():
 
 
 def test_validate_package_imports_no_torch():
-    code = "import sys, trnsim.validate, trnsim.validate.cli; assert 'torch' not in sys.modules"
+    code = "import sys, trnsim.validate, trnsim.cli.validate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
