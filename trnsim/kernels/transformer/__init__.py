@@ -55,7 +55,7 @@ attention shares sequences, kv heads or (one sequence, one kv head) the cached k
 the end; ``router_topk`` the tokens; ``moe_tkg`` the tokens (selective) or the experts.
 
 How close each kernel gets to its HBM or TensorE bound (:func:`~.common.measure`) is pinned in
-``tests/test_kernels_transformer.py``.
+``tests/kernels/test_kernels_transformer.py``.
 """
 
 from . import attention_cte, attention_tkg, mlp, moe_tkg, oproj, qkv, rope, router  # noqa: F401

@@ -145,7 +145,7 @@ def test_fingerprint_sees_every_field() -> None:
 def test_bench_kernels_quick_checks_the_streams(capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark builds each kernel both ways and says whether the streams are identical
     (its exit status also carries a wall-clock budget, which a unit test does not assert)."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
