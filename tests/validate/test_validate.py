@@ -16,7 +16,7 @@ from trnsim.ledger import CATEGORIES, VALIDATION_DIR, LedgerError, load_ledger
 from trnsim.validate import check_drift, load_expected, run_rows, summarize
 from trnsim.validate.run import Result
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
