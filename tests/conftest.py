@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,8 +25,14 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
+# test modules share tables by module name across folders (the sim equivalence tests take
+# test_kernel_library's SMALL shapes): every test folder is on the import path, as the top one is
+for _folder in sorted(HERE.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 SLOW = {
-    "test_build_equivalence.py", "test_sim_equivalence.py", "test_sim_scan.py", "test_fuzz.py",
+    "builder/test_build_equivalence.py", "sim/test_sim_equivalence.py", "sim/test_sim_scan.py", "test_fuzz.py",
     "torch/test_opinfo_core.py", "torch/test_differential.py", "torch/test_model_zoo.py",
     "torch/test_parallel_training.py", "torch/test_compile_benchmark.py", "torch/test_compile_models.py",
     "torch/test_timing_only.py", "torch/test_models.py", "torch/test_costs.py", "torch/test_hf_integration.py",
@@ -33,9 +40,9 @@ SLOW = {
     "torch/test_sweep_estimates.py", "torch/test_streams_events.py", "torch/test_host_cache.py",
 }
 SUBPROCESS = {
-    "torch/test_distributed.py", "torch/test_cli_run.py", "torch/test_compile_cli.py", "test_sweep_ray.py",
-    "test_bench_collectives.py", "test_bench_sweep_executors.py", "torch/test_bench_datapath_step.py",
-    "torch/test_bench_distributed.py", "torch/test_bench_moe.py", "test_examples.py", "test_sweep_safety.py",
+    "torch/test_distributed.py", "torch/test_cli_run.py", "torch/test_compile_cli.py", "sweep/test_sweep_ray.py",
+    "collectives/test_bench_collectives.py", "sweep/test_bench_sweep_executors.py", "torch/test_bench_datapath_step.py",
+    "torch/test_bench_distributed.py", "torch/test_bench_moe.py", "test_examples.py", "sweep/test_sweep_safety.py",
 }
 _STARTS = re.compile(r"\bsubprocess\.|\bsys\.executable\b|\btorchrun\b|multiprocessing|ProcessPoolExecutor")
 

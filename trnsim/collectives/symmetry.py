@@ -17,7 +17,7 @@ then runs one transfer per orbit (its *representative*), books each resource's r
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
 orbit, all at the same tick), and copies the representatives' ticks to the rest. The result is
-identical to the full simulation's, tick for tick (tests/test_collective_symmetry.py; the
+identical to the full simulation's, tick for tick (tests/collectives/test_collective_symmetry.py; the
 benchmark checks it on the calls it times). A call with nothing to exploit runs in full.
 """
 

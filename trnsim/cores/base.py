@@ -18,7 +18,7 @@ triggers DMAs, so it never bounds a kernel). The builder's engine choices, the m
 the plots, the traces and the estimate breakdowns read it (:func:`engine_names`,
 :func:`engines_running`, :func:`canonical_engine`); its config section is declared beside the
 config schema (:func:`trnsim.config.engine_section`). A new engine is its module, its config
-section and the chip YAMLs (tests/test_engine_table.py adds one).
+section and the chip YAMLs (tests/cores/test_engine_table.py adds one).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class Engine:
     #: distinct key (its simpy reference asks for each instruction). A type not listed is
     #: costed instruction by instruction. Keep in step with cycles(): a field it reads that is
     #: missing here would give instructions that differ only there one cost
-    #: (tests/test_sim_equivalence.py compares the two on every library kernel).
+    #: (tests/sim/test_sim_equivalence.py compares the two on every library kernel).
     cost_fields: ClassVar[dict[type, tuple[str, ...]]] = {}
     #: the engine attributes :meth:`cycles` reads and changes (ScalarE's loaded table): with
     #: any, costs are worked out in program order per (key, state)

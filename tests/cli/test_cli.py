@@ -9,7 +9,7 @@ import pytest
 
 from trnsim.cli import main
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def run(capsys, *argv):
@@ -103,7 +103,7 @@ def test_ctrl_c_while_the_command_loads_is_one_line(module, tmp_path):
             "from trnsim.cli import main\n"
             "sys.exit(main(['info']))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert (r.returncode, r.stdout, r.stderr) == (-2, "", "trnsim: interrupted\n")
 
 
@@ -113,7 +113,7 @@ def test_the_package_loads_its_public_names_on_first_use():
             "from trnsim import Chip, Kernel, bfloat16\n"
             "assert trnsim.Chip is Chip and set(trnsim.__all__) <= set(dir(trnsim))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert r.returncode == 0, r.stderr
 
 

@@ -16,7 +16,7 @@ import trnsim.files as files
 from trnsim.cli import main
 from trnsim.files import AtomicOutput, OutputError, check_output, lock_exclusive, write_atomic
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_text(text):

@@ -13,7 +13,7 @@ from trnsim.report import union_length
 from trnsim.sweep import resolve_kernel
 from trnsim.trace import write_trace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = load_config("trn2")
 
 

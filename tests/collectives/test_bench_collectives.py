@@ -1,12 +1,12 @@
 """The collective benchmark's --quick variant runs (benchmarks/bench_collectives.py). Wall time
-is printed, never asserted. (The network against its closed form is tests/test_collective_forms.py;
+is printed, never asserted. (The network against its closed form is tests/collectives/test_collective_forms.py;
 the published figures are ledger rows, trnsim validate collectives.)"""
 
 import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_collectives.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_collectives.py"
 
 
 def test_quick_benchmark_runs():

@@ -11,7 +11,7 @@ import pytest
 from trnsim.cli import main
 from trnsim.config import MAX_YAML_BYTES, ConfigError, clip_text, format_value, load_config, load_yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRN2 = (ROOT / "configs" / "trn2.yaml").read_text()
 
 

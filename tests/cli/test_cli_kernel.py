@@ -22,8 +22,8 @@ from trnsim.kernel import Kernel
 from trnsim.kernels import get_kernel, kernel_names
 from trnsim.kernels.registry import KERNELS, KernelEntry
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SOFTMAX = str(ROOT / "examples" / "softmax_kernel.py") + ":build_softmax"
 
 

@@ -13,7 +13,7 @@ from trnsim import load_config
 from trnsim.device import CollectiveLaunch, Device, OpCost
 from trnsim.ranks import link_segments, merge_ranks, rank_trace_events, write_rank_trace
 
-GOLDEN = Path(__file__).parent / "golden" / "run_ranks_report.txt"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "run_ranks_report.txt"
 
 
 def _rank(skew: int) -> tuple[Device, list[int]]:

@@ -17,7 +17,7 @@ from trnsim.device import Device, KernelSpec
 from trnsim.kernels import get_kernel
 from trnsim.sweep import load_spec, run_sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = load_config("trn2")
 
 mpl = pytest.importorskip("matplotlib")

@@ -13,7 +13,7 @@ from trnsim.config import load_config
 from trnsim.kernels import get_kernel
 from trnsim.sweep import load_spec, run_sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "sweeps" / "sbuf_and_clock.yaml"
 
 # A user kernel file: its whole [128, cols] fp32 tile must fit one SBUF partition.

@@ -16,7 +16,7 @@ from trnsim.ledger import CATEGORIES, VALIDATION_DIR, LedgerError, load_ledger
 from trnsim.validate import check_drift, load_expected, run_rows, summarize
 from trnsim.validate.run import Result
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_overriding_a_calibrated_parameter_drops_its_provenance():
 
 
 def test_validate_package_imports_no_torch():
-    code = "import sys, trnsim.validate, trnsim.validate.cli; assert 'torch' not in sys.modules"
+    code = "import sys, trnsim.validate, trnsim.cli.validate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 

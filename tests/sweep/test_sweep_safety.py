@@ -19,7 +19,7 @@ from trnsim.cli import main
 from trnsim.config import ConfigError
 from trnsim.sweep import load_spec, run_sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A user kernel: one [128, cols] fp32 copy; TRNSIM_TEST_SLOW seconds of sleep per build (so a
 # subprocess sweep is caught mid-run); TRNSIM_TEST_DIE kills the worker process that builds it.

@@ -17,11 +17,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ..cli.base import UsageError
+from .base import UsageError
 from ..config import is_system_key, load_config, load_system
 from ..outputs.files import AtomicOutput, write_atomic
 from ..config.ledger import CATEGORIES, Row, load_ledger
-from .run import EXPECTED, Result, check_drift, expected_text, load_expected, run_rows, summarize
+from ..validate.run import EXPECTED, Result, check_drift, expected_text, load_expected, run_rows, summarize
 
 __all__ = ["add_parser", "cmd_validate", "render_summary", "summary_markdown"]
 

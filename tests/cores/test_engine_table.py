@@ -19,7 +19,7 @@ from trnsim.cores.base import ENGINE_TYPES, canonical_engine, datapath_engines, 
 from trnsim.isa import DmaGather, DmaTranspose, KernelError, Memset, TensorCopy, TensorScalar, TensorTensor
 from trnsim.kernels import get_kernel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_built_in_table():

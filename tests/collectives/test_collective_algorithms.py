@@ -183,7 +183,7 @@ def test_simulation_matches_the_alpha_beta_form_where_it_holds(system, collectiv
     one flow per link direction and switch port in every step, every rank its own HBM stack:
     within 2%. (Where a chip's ranks share a port, a flow's start latency hides behind the
     others' data and the simulation is faster than the step-by-step form; see
-    tests/test_collective_forms.py.)"""
+    tests/collectives/test_collective_forms.py.)"""
     net = load_system(system, network_only(system))
     for n in (8 << 10, 64 << 20):
         r = simulate_collective(net, collective, n, group=list(group), algorithm=algo)

@@ -85,7 +85,8 @@ SMALL = {"activation": (256, 1000), "binary": (300, 700), "conv2d": (1, 64, 10, 
          # the transformer kernels: a decode shape (or one 128-token block and a ragged one)
          "qkv": (1, 130, 256, 4, 1, 64), "mlp": (2, 1, 256, 384), "oproj": (1, 130, 2, 64, 256),
          "attention_tkg": (2, 4, 1, 2, 256, 64), "attention_cte": (1, 2, 1, 300, 64), "rope": (1, 2, 130, 64),
-         "router_topk": (130, 256, 16), "moe_tkg": (2, 256, 256, 8)}
+         "router_topk": (130, 256, 16), "moe_tkg": (2, 256, 256, 8),
+         "mla_tkg": (2, 2, 256, 256, 64, 128)}
 
 
 @pytest.mark.parametrize("name", sorted(kernel_names()))
@@ -145,7 +146,7 @@ def test_fingerprint_sees_every_field() -> None:
 def test_bench_kernels_quick_checks_the_streams(capsys: pytest.CaptureFixture[str]) -> None:
     """The benchmark builds each kernel both ways and says whether the streams are identical
     (its exit status also carries a wall-clock budget, which a unit test does not assert)."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_kernels.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

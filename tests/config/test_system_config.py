@@ -103,7 +103,7 @@ def test_bad_files(tmp_path):
         load_system("nope.yaml")
     # the file's own chip, unknown: named with the file and its key (the fuzz harness's long run,
     # seed 225, case 81: 'unknown config' alone did not say that the system file gave it)
-    shipped = (Path(__file__).resolve().parent.parent / "configs" / "systems" / "trn2.48xlarge.yaml").read_text()
+    shipped = (Path(__file__).resolve().parents[2] / "configs" / "systems" / "trn2.48xlarge.yaml").read_text()
     p.write_text(shipped.replace("\nchip: trn2\n", "\nchip: 1B\n"))
     with pytest.raises(ConfigError, match=rf"^{p}: chip: unknown config '1B': expected one of trn1, trn2, trn3 or a "
                                           r"path to a .yaml file$"):

@@ -8,7 +8,7 @@ import pytest
 from trnsim.cli import main
 from trnsim.collectives.runner import parse_sizes
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def run(capsys, *argv):
