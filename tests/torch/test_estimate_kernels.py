@@ -190,7 +190,13 @@ def test_deepseek_v3_mla_and_shared_experts():
     assert (f.experts, f.top_k, f.router_act, f.shared_inter) == (256, 8, "sigmoid", 2048)
     dec = nxdi.lower_layer(prog.layers[3], prog.shards, batch=1, tokens=1, prior=0, cache=4096, first=False,
                            decode=True)
-    assert "bmm" in ops(dec) and "attention_tkg" not in ops(dec)  # head dim 192: no library attention kernel
+    # decode attention is the MLA kernel over the latent cache (2 heads per rank), no bmm stand-ins;
+    # prefill keeps the absorbed form as bmm kernels
+    assert "mla_tkg" in ops(dec) and "bmm" not in ops(dec) and "attention_tkg" not in ops(dec)
+    assert dec[ops(dec).index("mla_tkg")].spec.shape == (1, 2, 4096, 512, 64, 128)
+    pre = nxdi.lower_layer(prog.layers[3], prog.shards, batch=1, tokens=256, prior=0, cache=4096, first=False,
+                           decode=False)
+    assert "bmm" in ops(pre) and "mla_tkg" not in ops(pre)
     assert ops(dec)[-4:] == ["router_topk", "moe_tkg", "mlp", "all_reduce"]  # routed, then the shared expert
     assert dec[-3].spec.shape[2:] == (2048, 4)  # 256 experts over EP 64, each whole
     # the latent cache: 512 + 64 values a token a layer, on every rank

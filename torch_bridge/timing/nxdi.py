@@ -31,10 +31,11 @@ same way, by matching the modules of the Hugging Face model (built on ``meta``: 
 
   Qwen3's q/k norm sits between the projection and RoPE, so its ``qkv`` runs without RoPE and
   the per-head ``rmsnorm`` and ``rope`` kernels follow (NxDI: the QKV kernel's fused RoPE is
-  incompatible with it). MLA (DeepSeek-V3) has no library kernel (its head dim, 192, is more than
-  the attention kernels' 128): its projections run as the library ``matmul``, its latent norms as
-  ``rmsnorm``, and attention in the absorbed form (queries into the latent space, scores over the
-  cached latents, ``softmax``, values, back through W_uv) as ``bmm`` kernels. A library kernel that
+  incompatible with it). MLA (DeepSeek-V3): its projections run as the library ``matmul``, its
+  latent norms as ``rmsnorm``; decode attention (one new token, nope dim = v dim) is the
+  ``mla_tkg`` kernel (absorbed W_uk/W_uv over the latent + rope-key cache); prefill (and decode
+  otherwise) runs the absorbed form as ``bmm`` kernels (queries into the latent space, scores over
+  the cached latents, ``softmax``, values, back through W_uv). A library kernel that
   refuses a shape refuses the estimate, in one line naming it: nothing stands in for it.
 * :func:`lower_step` adds what surrounds the layers on the first and last pipeline stage: the
   embedding lookup (hidden-sharded, all-gathered), the final norm and the LM head on the last
@@ -436,13 +437,17 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
         calls.append(_k("rmsnorm", (t, a.kv_lora_rank), dt, {"eps": layer.eps}))
         calls.append(_k("rope", (batch, nq + 1, tokens, a.rope_dim), dt))
         nope = a.head_dim - a.rope_dim
-        keys = cache if decode else prior + tokens
-        rows = nq * tokens
-        calls.append(_k("bmm", (nq, t, nope, a.kv_lora_rank), dt))  # q_nope . W_uk: queries into the latent space
-        calls.append(_k("bmm", (batch, rows, latent, keys), dt))  # scores over the cached latents (+ rope keys)
-        calls.append(_k("softmax", (batch * rows, keys), dt))
-        calls.append(_k("bmm", (batch, rows, keys, a.kv_lora_rank), dt))  # . the latent values
-        calls.append(_k("bmm", (nq, t, a.kv_lora_rank, a.v_head_dim), dt))  # W_uv: back to each head's values
+        if decode and tokens == 1 and nope == a.v_head_dim:
+            # the MLA decode kernel: absorbed W_uk / W_uv, scores and values over the latent cache
+            calls.append(_k("mla_tkg", (batch, nq, cache, a.kv_lora_rank, a.rope_dim, nope), dt))
+        else:
+            keys = cache if decode else prior + tokens
+            rows = nq * tokens
+            calls.append(_k("bmm", (nq, t, nope, a.kv_lora_rank), dt))  # q_nope . W_uk: queries into the latent space
+            calls.append(_k("bmm", (batch, rows, latent, keys), dt))  # scores over the cached latents (+ rope keys)
+            calls.append(_k("softmax", (batch * rows, keys), dt))
+            calls.append(_k("bmm", (batch, rows, keys, a.kv_lora_rank), dt))  # . the latent values
+            calls.append(_k("bmm", (nq, t, a.kv_lora_rank, a.v_head_dim), dt))  # W_uv: back to each head's values
         calls.append(_k("oproj", (batch, tokens, nq, a.v_head_dim, h), dt, {"bias": a.o_bias}))
         calls.extend(reduce(act_bytes))
         return _ffn(calls, layer, sh, batch, tokens, decode, pre_block, reduce, act_bytes)
