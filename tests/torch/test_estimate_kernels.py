@@ -238,3 +238,22 @@ def test_the_kinds_of_layer_a_model_has():
 def test_a_dtype_the_library_kernels_do_not_all_take_is_refused(dtype):
     with pytest.raises(ConfigError, match=f"--dtype {dtype}: the library's transformer kernels take bf16; run --eager"):
         estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=2, dtype=dtype, cache_dir=None)
+
+
+def test_moe_routing_busiest_ep_rank():
+    """The busiest EP rank's routed load: the expected maximum of Binomial loads (random) against a
+    Monte Carlo of distinct top-k picks, the mean share (balanced), EP=1 unchanged, a bad name refused."""
+    import numpy as np
+
+    f = nxdi.FeedForward("moe", 2048, experts=256, top_k=8)
+    sh = lambda r: nxdi.Shards(64, 64, True, "bf16", r)  # noqa: E731
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((300, 1024, 256)), axis=2)[:, :, :8] // 4  # rank of each pick (4 experts a rank)
+    mc = np.mean([np.bincount(p.ravel(), minlength=64).max() for p in picks])
+    assert abs(nxdi.expected_max_binomial(1024 * 8, 4 / 256, 64) - mc) < 0.01 * mc
+    assert nxdi.routed_load(f, sh("random"), 1024) == (155, 1)
+    assert nxdi.routed_load(f, sh("balanced"), 1024) == (128, 1)  # 1,024 x 8 pairs over 64 ranks
+    assert nxdi.routed_load(f, sh("random"), 1) == (1, 1)  # a decode token: some rank has one pick
+    assert nxdi.routed_load(f, nxdi.Shards(64, 1), 16) == (16, 8)  # every expert on every rank
+    with pytest.raises(nxdi.Unsupported, match="--moe-routing 'skewed'"):
+        nxdi.routed_load(f, sh("skewed"), 4)
