@@ -85,7 +85,8 @@ SMALL = {"activation": (256, 1000), "binary": (300, 700), "conv2d": (1, 64, 10, 
          # the transformer kernels: a decode shape (or one 128-token block and a ragged one)
          "qkv": (1, 130, 256, 4, 1, 64), "mlp": (2, 1, 256, 384), "oproj": (1, 130, 2, 64, 256),
          "attention_tkg": (2, 4, 1, 2, 256, 64), "attention_cte": (1, 2, 1, 300, 64), "rope": (1, 2, 130, 64),
-         "router_topk": (130, 256, 16), "moe_tkg": (2, 256, 256, 8)}
+         "router_topk": (130, 256, 16), "moe_tkg": (2, 256, 256, 8),
+         "mla_tkg": (2, 2, 256, 256, 64, 128)}
 
 
 @pytest.mark.parametrize("name", sorted(kernel_names()))

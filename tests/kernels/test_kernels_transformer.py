@@ -42,6 +42,11 @@ CHECKS = [
     ("moe_tkg", (2, 256, 384, 8), {"mode": "selective"}),
     ("moe_tkg", (4, 256, 384, 8), {"mode": "all"}),
     ("moe_tkg", (40, 256, 448, 8), {"top_k": 2}),
+    # MLA decode (absorbed): a partial last chunk of keys; small latent, explicit scale; two
+    # blocks of sequences (130 = 128 + 2)
+    ("mla_tkg", (3, 4, 640, 512, 64, 128), {}),
+    ("mla_tkg", (1, 16, 128, 128, 32, 64), {"scale": 0.1}),
+    ("mla_tkg", (130, 2, 256, 256, 64, 128), {}),
 ]
 
 # (kernel, shape, params, least fraction of the bound on trn2 at LNC=2): decode and prefill per
@@ -61,6 +66,12 @@ BOUNDS = [
     ("router_topk", (2048, 4096, 128), {"top_k": 8}, 0.5),
     ("moe_tkg", (4, 4096, 1792, 8), {"top_k": 2}, 0.75),
     ("moe_tkg", (8, 2048, 768, 128), {"top_k": 8}, 0.75),
+    # DeepSeek-V3 decode per rank at TP=64 (2 heads) and TP=8 (16 heads): the latent is both keys
+    # (contracted over R) and values (contracted over keys), so each 128-key tile read once is also
+    # PE-transposed (5 transposes beside 10 matmuls): TensorE and the per-chunk softmax chain, not
+    # HBM, set the time (the bound counts the cache read and the FLOPs only)
+    ("mla_tkg", (8, 2, 4096, 512, 64, 128), {}, 0.3),
+    ("mla_tkg", (2, 16, 8192, 512, 64, 128), {}, 0.22),
 ]
 
 
@@ -144,3 +155,12 @@ def test_moe_tkg_modes():
 def test_prefill_projections_fit_sbuf(name, shape, params):
     m = measure(name, shape, params)
     assert 0.3 < m.fraction <= 1.0
+
+
+def test_mla_tkg_errors_are_one_line():
+    build = get_kernel("mla_tkg").build
+    for shape, what in [((2, 2, 256, 200, 64, 128), "R=200"), ((2, 2, 250, 256, 64, 128), "SP=250"),
+                        ((2, 2, 256, 256, 64, 192), "D=192")]:
+        with pytest.raises(KernelError, match=what) as e:
+            build(*shape)
+        assert "\n" not in str(e.value)
