@@ -36,13 +36,16 @@ def test_the_built_in_table():
     assert canonical_engine("npu") == "npu"
 
 
-@pytest.mark.parametrize("name", ["matmul", "softmax", "rmsnorm", "embedding", "transpose", "attention_tkg"])
-def test_every_instruction_of_a_library_kernel_is_on_an_engine_that_runs_it(name):
-    from test_build_equivalence import SMALL
+# small shapes, one per kind of engine use (TensorE, ScalarE/VectorE, GpSimd gathers, DMA transposes)
+SHAPES = {"matmul": (128, 256, 512), "softmax": (200, 1000), "rmsnorm": (200, 1000), "embedding": (130, 1000, 256),
+          "transpose": (300, 700), "attention_tkg": (2, 4, 1, 2, 256, 64)}
 
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_instruction_of_a_library_kernel_is_on_an_engine_that_runs_it(name):
     cfg = load_config("trn2")
     entry = get_kernel(name)
-    k = entry.make(SMALL.get(name, entry.default_shape), entry.default_dtype, cfg)
+    k = entry.make(SHAPES[name], entry.default_dtype, cfg)
     seen = {(type(ins), ins.engine) for ins in k.instructions}
     assert seen
     for t, eng in seen:

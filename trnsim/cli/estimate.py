@@ -211,6 +211,7 @@ def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "serving": args.serving}
     if not args.eager:
         kw["ep"] = args.ep
+        kw["moe_routing"] = args.moe_routing
         for n in ("max_context", "max_model_len", *BUCKET_FLAGS):
             if getattr(args, n) is not None:
                 kw[n] = getattr(args, n)
@@ -331,6 +332,10 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
+    inf.add_argument("--moe-routing", choices=("random", "balanced"), default="random",
+                     help="how a step's routed tokens spread over the EP ranks, the busiest rank bounding the step: "
+                          "random (default: the expected busiest rank when each token's picks land uniformly at "
+                          "random) or balanced (every rank its mean share)")
     inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
                                                            "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
