@@ -1,4 +1,4 @@
-"""The attention kernel's group replay (``attention._Groups``, :meth:`Kernel.replay` with tile
+"""The attention kernel's group replay (``attention_groups.Groups``, :meth:`Kernel.replay` with tile
 operands replaced): a group of query tiles that starts in the builder state an earlier group
 started in is emitted by cloning that group's instructions with its own HBM views and, when its
 head's K/V block sits in other buffers, that block's slices. The stream must be exactly the
@@ -15,7 +15,7 @@ from trnsim import load_config
 from trnsim.isa import KernelError
 from trnsim.builder.deps import _deptrack
 from trnsim.kernel import Kernel, reference_build, stream_fingerprint
-from trnsim.kernels import attention as attn_mod
+from trnsim.kernels import attention_groups as attn_groups
 from trnsim.kernels import get_kernel
 
 from test_build_replay import _both as _both_kernels  # the reference build and this one, compared
@@ -83,7 +83,7 @@ def test_groups_off_phase_same_stream(what: str, monkeypatch: pytest.MonkeyPatch
     """A pool rotated one buffer, or the evacuation parity flipped, before a group in the
     middle of the kernel (in both builds): the replay must notice, and the stream stays the
     reference build's."""
-    run = attn_mod._Groups.run
+    run = attn_groups.Groups.run
 
     def perturbed(self, bi, hi, g0, specs, plan):
         if (bi, hi, g0) == (0, 3, 512):
@@ -96,7 +96,7 @@ def test_groups_off_phase_same_stream(what: str, monkeypatch: pytest.MonkeyPatch
                 w.evac += 1
         return run(self, bi, hi, g0, specs, plan)
 
-    monkeypatch.setattr(attn_mod._Groups, "run", perturbed)
+    monkeypatch.setattr(attn_groups.Groups, "run", perturbed)
     _, fast = _both((1, 6, 1536, 64))
     assert fast.replays > 0
 
