@@ -138,6 +138,8 @@ def load() -> ctypes.CDLL:
     for name in ("trnsim_fast_enable", "trnsim_fast_gate", "trnsim_fast_history", "trnsim_fast_tracing"):
         getattr(handle, name).argtypes = [ctypes.c_int]
     handle.trnsim_fast_hits.restype = i64
+    handle.trnsim_fast_kind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    handle.trnsim_fast_kind.restype = ctypes.c_int
     handle.trnsim_log_count_ptr.restype = ctypes.c_void_p
     handle.trnsim_log_take.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_log_take.restype = i64
