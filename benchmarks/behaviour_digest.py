@@ -39,7 +39,7 @@ def _h(obj: Any) -> str:
 
 
 def kernels(configs: tuple[str, ...]) -> list[str]:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "builder"))
     from test_build_equivalence import SMALL  # the set the build-equivalence test uses
 
     from trnsim import Chip, load_config

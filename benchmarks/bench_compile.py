@@ -24,6 +24,12 @@ dispatches a graph launch saves. Goal: compiled >= 1.5x faster in simulated time
 step. Losses are checked equal between the modes (exit status 1 if not): bit for bit against the
 eager run of the optimizer the compiled step computes.
 
+The compile-time baseline (issue 30; ``--no-inductor`` and ``--quick`` leave it out): the same step compiled by
+Inductor on CPU (model and optimizer step, Inductor's caches off), in the same run. What
+torch.compile adds to the first step (its wall less a steady step's) on neuron against what it
+adds on CPU with Inductor (goal <= 2x), and the steady compiled step's wall against eager's on
+neuron (goal <= 1x).
+
     OMP_NUM_THREADS=1 python3 benchmarks/bench_compile.py [--steps N] [--model gpt2|cnn|both]
     OMP_NUM_THREADS=1 python3 benchmarks/bench_compile.py --quick     # 3 steps each
 """
@@ -50,6 +56,7 @@ import torch_bridge.compile as neuron_compile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.5
+COMPILE_GOAL = 2.0  # torch.compile's first-step time on neuron against Inductor's on CPU (issue 30)
 WARMUP = 2  # steps left out of the steady state: the first compiles and simulates, the second AdamW's state
 
 
@@ -98,8 +105,8 @@ def gpt2_case(steps: int) -> Case:
     base = ex.make_model(128, 4, 256, 4)
     batches = list(ex.batches(8, 128, steps))
 
-    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x = x.to("neuron")
+    def loss(m: nn.Module, x: torch.Tensor, device: str = "neuron") -> torch.Tensor:
+        x = x.to(device)
         return m(x, labels=x, use_cache=False).loss
 
     return Case("small GPT-2 (4 layers, width 256, 4 heads), batch 8 x 128, AdamW",
@@ -115,9 +122,9 @@ def cnn_case(steps: int) -> Case:
     batches = [(torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen))
                for _ in range(steps)]
 
-    def loss(m: nn.Module, b: Any) -> torch.Tensor:
+    def loss(m: nn.Module, b: Any, device: str = "neuron") -> torch.Tensor:
         x, y = b
-        return nn.functional.cross_entropy(m(x.to("neuron")), y.to("neuron"))
+        return nn.functional.cross_entropy(m(x.to(device)), y.to(device))
 
     return Case("ResNet-style CNN (stem + 4 residual blocks, 32 channels), batch 16 x 3 x 32 x 32, SGD",
                 lambda: copy.deepcopy(base), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
@@ -150,6 +157,55 @@ def train(case: Case, compiled: bool) -> dict[str, Any]:
     steps = len(case.batches) - WARMUP
     return {"report": torch.neuron.report(), "steps": steps, "wall_ms": statistics.median(seconds[WARMUP:]) * 1e3,
             "first_s": seconds[0], "compile_s": compile_s, "losses": losses}
+
+
+def inductor_cpu(case: Case) -> dict[str, Any]:
+    """The same training step compiled by Inductor on CPU (model and optimizer step, its caches
+    off so it compiles from scratch as the neuron backend does): the compile-time baseline."""
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(0)
+    model = case.build()
+    opt = case.opt(model.parameters())
+    torch._dynamo.reset()
+    run, step = torch.compile(model), torch.compile(opt.step)
+    seconds = []
+    with _inductor_caches_off(inductor_config):
+        for batch in case.batches:
+            t0 = time.perf_counter()
+            loss = case.loss(run, batch, "cpu")
+            loss.backward()
+            step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+            seconds.append(time.perf_counter() - t0)
+    return {"first_s": seconds[0], "wall_ms": statistics.median(seconds[WARMUP:]) * 1e3}
+
+
+class _inductor_caches_off:
+    def __init__(self, config: Any):
+        self.config = config
+
+    def __enter__(self) -> None:
+        self.before = self.config.force_disable_caches
+        self.config.force_disable_caches = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.config.force_disable_caches = self.before
+
+
+def show_compile_time(eager: dict[str, Any], comp: dict[str, Any], ind: dict[str, Any]) -> None:
+    """What torch.compile adds to the first step (its wall less a steady compiled step's) on
+    neuron against Inductor on CPU, and the steady compiled step's wall against eager's."""
+    added = comp["first_s"] - comp["wall_ms"] / 1e3
+    added_ind = ind["first_s"] - ind["wall_ms"] / 1e3
+    ratio = added / added_ind if added_ind > 0 else float("inf")
+    print(f"  compile time: the first compiled step adds {added:.2f} s on neuron (the backend's own "
+          f"{comp['compile_s']:.2f} s), Inductor on CPU {added_ind:.2f} s (first step {ind['first_s']:.2f} s, "
+          f"steady {ind['wall_ms']:.1f} ms): {ratio:.2f}x (goal <= {COMPILE_GOAL:.0f}x: "
+          f"{'met' if ratio <= COMPILE_GOAL else 'missed'})")
+    wall = comp["wall_ms"] / eager["wall_ms"]
+    print(f"  steady compiled wall / eager wall on neuron: {wall:.2f}x (goal <= 1x: {'met' if wall <= 1 else 'missed'})")
 
 
 def show(case: Case, eager: dict[str, Any], comp: dict[str, Any], same: list[float] | None = None) -> bool:
@@ -209,6 +265,9 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="3 steps per model and mode")
     p.add_argument("--steps", type=int, default=None, help=f"steps per model and mode (default 5; > {WARMUP})")
     p.add_argument("--model", choices=("both", "gpt2", "cnn"), default="both")
+    p.add_argument("--no-inductor", action="store_true",
+                   help="leave out the compile-time baseline (the same step compiled by Inductor on CPU; "
+                        "--quick leaves it out too)")
     args = p.parse_args()
     if args.steps is not None and args.steps <= WARMUP:
         p.error(f"--steps must be more than {WARMUP} (the warm-up steps), got {args.steps}")
@@ -227,6 +286,8 @@ def main() -> int:
                 same = train(Case(case.name, case.build, case.same_as[1], case.batches, case.loss, case.goal),
                              False)["losses"]
             ok = show(case, eager, comp, same) and ok
+            if not (args.no_inductor or args.quick):
+                show_compile_time(eager, comp, inductor_cpu(case))
     return 0 if ok else 1
 
 

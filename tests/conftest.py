@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,8 +25,14 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
+# test modules share tables by module name across folders (the sim equivalence tests take
+# test_kernel_library's SMALL shapes): every test folder is on the import path, as the top one is
+for _folder in sorted(HERE.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 SLOW = {
-    "test_build_equivalence.py", "test_sim_equivalence.py", "test_sim_scan.py", "test_fuzz.py",
+    "builder/test_build_equivalence.py", "sim/test_sim_equivalence.py", "sim/test_sim_scan.py", "test_fuzz.py",
     "torch/test_opinfo_core.py", "torch/test_differential.py", "torch/test_model_zoo.py",
     "torch/test_parallel_training.py", "torch/test_compile_benchmark.py", "torch/test_compile_models.py",
     "torch/test_timing_only.py", "torch/test_models.py", "torch/test_costs.py", "torch/test_hf_integration.py",
@@ -33,10 +40,51 @@ SLOW = {
     "torch/test_sweep_estimates.py", "torch/test_streams_events.py", "torch/test_host_cache.py",
 }
 SUBPROCESS = {
-    "torch/test_distributed.py", "torch/test_cli_run.py", "torch/test_compile_cli.py", "test_sweep_ray.py",
-    "test_bench_collectives.py", "test_bench_sweep_executors.py", "torch/test_bench_datapath_step.py",
-    "torch/test_bench_distributed.py", "torch/test_bench_moe.py", "test_examples.py", "test_sweep_safety.py",
+    "torch/test_distributed.py", "torch/test_cli_run.py", "torch/test_compile_cli.py", "sweep/test_sweep_ray.py",
+    "collectives/test_bench_collectives.py", "sweep/test_bench_sweep_executors.py", "torch/test_bench_datapath_step.py",
+    "torch/test_bench_distributed.py", "torch/test_bench_moe.py", "test_examples.py", "sweep/test_sweep_safety.py",
 }
+# Single long tests (or long parameters of a test) that the inner loop leaves out: each is >= ~2 s
+# of CPU and its module keeps faster tests in the inner loop (CI runs them all). Chosen from
+# ``pytest -m "not slow and not subprocess" --durations=120``; a test id or its prefix.
+SLOW_TESTS = (
+    # the testers' whole op sample (flex_attention's formulas stay)
+    "torch/test_flop_rule.py::test_every_served_op_is_charged_the_flops_counted_on_the_testers_samples",
+    # compiled generation (eager left-padded generation stays)
+    "torch/test_compile_generate.py::test_left_padded_generate_gives_cpu_tokens[compiled-",
+    "torch/test_compile_generate.py::test_static_cache_generate_gives_cpu_tokens",
+    # HF static-cache generation (the dynamic-cache ones stay)
+    "torch/test_hf_masks.py::test_t5_padded_generate_matches_cpu[static]",
+    "torch/test_hf_masks.py::test_gpt2_left_padded_generate_matches_cpu[static]",
+    # RNN cells on the fast path: one of the eight dtype/bias/cell variants stays (float32, LSTM)
+    "torch/test_fastpath.py::test_rnn_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit[dtype1-",
+    "torch/test_fastpath.py::test_rnn_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit[dtype0-False-",
+    "torch/test_fastpath.py::test_rnn_cells_and_copies_and_allocations_are_the_python_path_s_bit_for_bit[dtype0-True-GRU]",
+    "torch/test_compile_flex.py::test_a_block_mask_skips_its_fully_masked_blocks",
+    "torch/test_moe.py::test_compiled_model_holds_each_block_as_one_node",
+    # the largest shapes of the kernel sweeps (the smaller shapes of each kernel stay)
+    "kernels/test_kernels_transformer.py::test_values_match_the_reference[attention_tkg-40x1x1x1x5120x64-",
+    "kernels/test_kernels_transformer.py::test_values_match_the_reference[attention_cte-1x2x1x2300x64-",
+    "kernels/test_kernels_transformer.py::test_time_is_near_the_bound[attention_cte-1x8x1x4096x128-",
+    "kernels/test_kernels_norm.py::test_hidden_32768_is_tiled_not_refused[layernorm]",
+    "kernels/test_kernels_norm.py::test_hidden_32768_is_tiled_not_refused[rmsnorm_fp8]",
+    "native/test_native.py::test_fp32_in_place_and_packed_paths",
+    "isa/test_functional.py::test_matmul_kernel_matches_the_datapath_definition",
+    # collectives: the largest closed-form comparisons (the other groups and systems stay)
+    "collectives/test_collective_algorithms.py::test_simulation_matches_the_alpha_beta_form_where_it_holds[trn2.48xlarge-all-gather-bidir-ring-group1]",
+    "collectives/test_collective_algorithms.py::test_per_dimension_and_hierarchical_compositions",
+    "collectives/test_collective_algorithms.py::test_bidirectional_ring_halves_the_link_bytes",
+    "collectives/test_collective_flat_ring.py::test_the_size_rule_does_not_pick_it_yet",
+    "collectives/test_collective_network.py::test_the_estimate_carries_the_runtime_costs",
+    "collectives/test_collective_forms.py::test_simulation_within_2_percent_of_the_form_where_it_holds[all-gather-ring-trn2.48xlarge]",
+    # replay: the largest variants (the other shapes and the same-stream checks stay)
+    "builder/test_build_replay.py::test_fp8_double_row_and_streaming_plan_never_replay",
+    "builder/test_build_replay_attention.py::test_variants_same_stream[shape5-",
+    "torch/test_compile_flex.py::test_compiled_flex_attention_matches_cpu_forward_and_backward",
+    # whole-command goldens whose commands keep faster tests (the digest pins their output too)
+    "cli/test_cli_collective.py::test_all_reduce_table_golden",
+    "cli/test_cli.py::test_demo_golden",
+)
 _STARTS = re.compile(r"\bsubprocess\.|\bsys\.executable\b|\btorchrun\b|multiprocessing|ProcessPoolExecutor")
 
 
@@ -75,7 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             rel = Path(str(item.fspath)).resolve().relative_to(HERE).as_posix()
         except ValueError:
             continue
-        if rel in SLOW:
+        if rel in SLOW or f"{rel}::{item.name}".startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
         if rel in SUBPROCESS or _starts_processes(item, cache):
             item.add_marker(pytest.mark.subprocess)

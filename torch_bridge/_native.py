@@ -137,6 +137,7 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_register.restype = ctypes.c_int
     for name in ("trnsim_fast_enable", "trnsim_fast_gate", "trnsim_fast_history", "trnsim_fast_tracing"):
         getattr(handle, name).argtypes = [ctypes.c_int]
+    handle.trnsim_fast_capture.argtypes = [i64]
     handle.trnsim_fast_hits.restype = i64
     handle.trnsim_fast_kind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     handle.trnsim_fast_kind.restype = ctypes.c_int

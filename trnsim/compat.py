@@ -58,6 +58,8 @@ ALIASES: dict[str, str] = {
     # collectives: the runner of collectives on the network (was "engine", a word the cores own)
     "trnsim.collectives.engine": "trnsim.collectives.runner",
     "trnsim.estimate_points": "trnsim.sweep.estimates",
+    # the CLI's subcommands live in cli/ (validate/ is the ledger run, below the CLI)
+    "trnsim.validate.cli": "trnsim.cli.validate",
     # torch_bridge: eager mechanisms, whole-op kernels, torch.neuron, distributed, timing-only
     "torch_bridge.values": "torch_bridge.eager.values",
     "torch_bridge.alloc": "torch_bridge.eager.alloc",

@@ -190,7 +190,13 @@ def test_deepseek_v3_mla_and_shared_experts():
     assert (f.experts, f.top_k, f.router_act, f.shared_inter) == (256, 8, "sigmoid", 2048)
     dec = nxdi.lower_layer(prog.layers[3], prog.shards, batch=1, tokens=1, prior=0, cache=4096, first=False,
                            decode=True)
-    assert "bmm" in ops(dec) and "attention_tkg" not in ops(dec)  # head dim 192: no library attention kernel
+    # decode attention is the MLA kernel over the latent cache (2 heads per rank), no bmm stand-ins;
+    # prefill keeps the absorbed form as bmm kernels
+    assert "mla_tkg" in ops(dec) and "bmm" not in ops(dec) and "attention_tkg" not in ops(dec)
+    assert dec[ops(dec).index("mla_tkg")].spec.shape == (1, 2, 4096, 512, 64, 128)
+    pre = nxdi.lower_layer(prog.layers[3], prog.shards, batch=1, tokens=256, prior=0, cache=4096, first=False,
+                           decode=False)
+    assert "bmm" in ops(pre) and "mla_tkg" not in ops(pre)
     assert ops(dec)[-4:] == ["router_topk", "moe_tkg", "mlp", "all_reduce"]  # routed, then the shared expert
     assert dec[-3].spec.shape[2:] == (2048, 4)  # 256 experts over EP 64, each whole
     # the latent cache: 512 + 64 values a token a layer, on every rank
@@ -232,3 +238,25 @@ def test_the_kinds_of_layer_a_model_has():
 def test_a_dtype_the_library_kernels_do_not_all_take_is_refused(dtype):
     with pytest.raises(ConfigError, match=f"--dtype {dtype}: the library's transformer kernels take bf16; run --eager"):
         estimate_inference(TINY, tp=2, input_tokens=64, output_tokens=2, dtype=dtype, cache_dir=None)
+
+
+def test_moe_routing_busiest_ep_rank():
+    """The busiest EP rank's routed load: the expected maximum of Binomial loads (random) against a
+    Monte Carlo of distinct top-k picks, the mean share (balanced), EP=1 unchanged, a bad name refused."""
+    import numpy as np
+
+    f = nxdi.FeedForward("moe", 2048, experts=256, top_k=8)
+    sh = lambda r: nxdi.Shards(64, 64, True, "bf16", r)  # noqa: E731
+    rng = np.random.default_rng(0)
+    picks = np.argsort(rng.random((300, 1024, 256)), axis=2)[:, :, :8] // 4  # rank of each pick (4 experts a rank)
+    mc = np.mean([np.bincount(p.ravel(), minlength=64).max() for p in picks])
+    assert abs(nxdi.expected_max_binomial(1024 * 8, 4 / 256, 64) - mc) < 0.01 * mc
+    assert nxdi.routed_load(f, sh("random"), 1024) == (155, 1)
+    assert nxdi.routed_load(f, sh("balanced"), 1024) == (128, 1)  # 1,024 x 8 pairs over 64 ranks
+    assert nxdi.routed_load(f, sh("random"), 1) == (1, 1)  # a decode token: some rank has one pick
+    assert nxdi.routed_load(f, nxdi.Shards(64, 1), 16) == (16, 8)  # every expert on every rank
+    with pytest.raises(nxdi.Unsupported, match="--moe-routing 'skewed'"):
+        nxdi.routed_load(f, sh("skewed"), 4)
+    from trnsim.workload.buckets import MOE_ROUTINGS
+
+    assert set(MOE_ROUTINGS) == set(nxdi.ROUTINGS)  # the CLI's choices are the lowering's

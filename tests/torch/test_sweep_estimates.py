@@ -18,7 +18,7 @@ SPEC = f"""\
     grid:
       core.dma.start_latency: [1300ns, 2600ns]
     estimates:
-      - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2}}
+      - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2, serving: none}}
       - {{mode: train, model: {TINY}, tp: 2, dp: 2, seq: 64}}
 """
 
@@ -36,7 +36,8 @@ def test_estimate_rows_match_direct_estimates(tmp_path, monkeypatch):
                                                              "mfu_percent_step", "hbm_peak_bytes"]
     rows = {(r["core.dma.start_latency"], r["shape"]): r for r in run_sweep(spec, jobs=1).rows}
     inf = rows[("1300ns", "tp=4 pp=1 dp=1")]
-    direct, _ = estimate_inference(str(TINY), "trn2.48xlarge", tp=4, input_tokens=64, output_tokens=4, samples=2)
+    direct, _ = estimate_inference(str(TINY), "trn2.48xlarge", tp=4, input_tokens=64, output_tokens=4, samples=2,
+                                   serving="none")  # the device's steps: what a hardware grid moves
     assert inf["error"] == "" and float(inf["ttft_ms"]) == pytest.approx(direct.ttft_ms, abs=1e-4)
     assert float(inf["tpot_ms"]) == pytest.approx(direct.tpot_ms, abs=1e-4)
     slow = rows[("2600ns", "tp=4 pp=1 dp=1")]
@@ -55,6 +56,8 @@ def test_estimate_rows_match_direct_estimates(tmp_path, monkeypatch):
                                                          "128 ranks, but trn2.48xlarge has 64"),
     ("{mode: inference, model: llama-3.1-8b, batch: 0}", "estimates[0] (llama-3.1-8b): batch: expected a positive "
                                                          "whole number, got 0"),
+    ("{mode: inference, model: llama-3.1-8b, serving: vllm}", "estimates[0] (llama-3.1-8b): serving: expected one of "
+                                                              "vllm-neuron, vllm-v0, none, got 'vllm'"),
 ])
 def test_bad_estimate_entries_are_one_line(tmp_path, entry, message):
     with pytest.raises(ConfigError, match="^" + re.escape("spec.yaml: " + message)):

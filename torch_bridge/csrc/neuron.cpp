@@ -543,7 +543,13 @@ std::mutex g_log_mutex;
 std::vector<int64_t> g_log;  // 3 int64 per entry
 std::atomic<int64_t> g_log_count{0};  // entries in the log (Python reads it in place)
 
+// The calling thread's graph capture (trnsim.device.Device.graph/muted; 0: none), set by Python
+// on entering and leaving one: a launch made inside it is logged as kind 2 + the capture's token,
+// so the device collects it into that capture, in order, rather than issuing it.
+thread_local int64_t t_capture = 0;
+
 void log_entry(int64_t kind, int64_t core, int64_t id) {
+  if (kind == 0 && t_capture != 0) kind = 2 + t_capture;
   std::lock_guard<std::mutex> lock(g_log_mutex);
   g_log.push_back(kind);
   g_log.push_back(core);
@@ -1618,6 +1624,7 @@ void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chu
 int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
 void trnsim_fast_tracing(int on) { t_tracing = on; }  // (the calling thread's)
+void trnsim_fast_capture(int64_t token) { t_capture = token; }  // (the calling thread's)
 // How the fast path classifies op `name` ("aten::add"), overload `overload` ("Tensor", "" for the
 // default): its OpKind (0: never served), or -1 where no such op is registered. Tests use it to hold
 // every op it serves to what its schema says it writes.

@@ -72,25 +72,29 @@ class NativeLog:
     def pending(self) -> int:
         return self._count.value
 
-    def take(self) -> Iterator[tuple[int, str, OpCost | None, Any]]:
+    def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep
         Python's garbage collector busy while the device issues them)."""
         n = self.lib.trnsim_log_take(self._buf, _LOG_MAX)
         flat = memoryview(self._buf).cast("B").cast("q")[:3 * n].tolist()
         table = _table
         for i in range(0, 3 * n, 3):
-            if flat[i] == 0:
+            kind = flat[i]
+            if kind != 1:  # a launch: 0 issued, 2 + token collected by that graph capture
                 op, cost, key = table[flat[i + 2]]
-                yield flat[i + 1], op, cost, key
+                yield flat[i + 1], op, cost, key, kind - 2 if kind else 0
             else:
                 ident = flat[i + 2]
                 name = _names.get(ident)
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
-                yield flat[i + 1], name, None, None
+                yield flat[i + 1], name, None, None, 0
 
     def gate(self, on: bool) -> None:
         self.lib.trnsim_fast_gate(int(on))
+
+    def capture(self, token: int) -> None:
+        self.lib.trnsim_fast_capture(int(token))
 
 
 def install(lib: Any, names: list[str]) -> None:

@@ -598,11 +598,37 @@ def out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.
 
 
 # ---- convolution (aten sends non-CPU/CUDA convolutions to the *_overrideable ops) -------------
+_conv_memo: dict[tuple[Any, ...], list[Any]] = {}  # a convolution's call signature -> its launches' costs
+_conv_memo_device: list[Any] = [None]  # the device model those costs are of
+
+
+def _conv_charges(index: int, op: str, key: tuple[Any, ...], specs: Callable[[], list[Any]]) -> None:
+    """Charge a convolution's kernels (``specs()``), worked out once per call signature ``key``:
+    the lowering reads only shapes, dtypes and the convolution's parameters, and a model calls
+    each of its convolutions with the same ones every step."""
+    rt = runtime()
+    if _torch.tracing():
+        return  # (runtime.charge's rule: nothing is launched while torch.compile traces)
+    if _conv_memo_device[0] is not rt.device:
+        _conv_memo.clear()
+        _conv_memo_device[0] = rt.device
+    costs = _conv_memo.get(key)
+    if costs is None:
+        costs = [rt.cost(spec) for spec in specs()]
+        _conv_memo[key] = costs
+    for cost in costs:
+        rt.charge(index, op, cost)
+
+
+def _conv_key(*items: Any) -> tuple[Any, ...]:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
+                 tuple(x) if isinstance(x, (list, tuple)) else x for x in items)
+
+
 def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
                stride: Any = None, padding: Any = None, dilation: Any = None, transposed: bool = True) -> None:
-    rt = runtime()
-    for spec in lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed):
-        rt.charge(index, op, spec)
+    _conv_charges(index, op, _conv_key("forward", inp, weight, out, groups, stride, padding, dilation, transposed),
+                  lambda: lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed))
 
 
 def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format | None:
@@ -685,10 +711,11 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
     bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
     gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding, dilation,
                                                             transposed, output_padding, groups, output_mask)
-    rt = runtime()
-    for spec in lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation, transposed,
-                                             output_mask):
-        rt.charge(index, "convolution_backward", spec)
+    _conv_charges(index, "convolution_backward",
+                  _conv_key("backward", input, weight, grad_output, groups, stride, padding, dilation, transposed,
+                            output_mask),
+                  lambda: lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation,
+                                                       transposed, output_mask))
     res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
     if res[2] is not None:
         runtime().charge(index, "convolution_backward",

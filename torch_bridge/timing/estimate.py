@@ -80,7 +80,8 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
                        trace: bool = False, layers: int | None = None, eager: bool = False, ep: int = 1,
-                       serving: str = "vllm-neuron", **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
+                       serving: str = "vllm-neuron", moe_routing: str = "random", **buckets: Any
+                       ) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
 
     By default the decoder layers run as NxD Inference runs them - the NKI library's kernels at
@@ -105,7 +106,7 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
                                           input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
                                           overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
-                                          serving=serving, **buckets)
+                                          serving=serving, moe_routing=moe_routing, **buckets)
     if ep != 1:
         raise EstimateError(f"--ep {ep}: expert parallelism is a layout of the kernel lowering; --eager shards "
                             f"experts over --tp only")

@@ -44,7 +44,8 @@ ASSUMPTIONS = (
     "on-device greedy sampling: each rank's max over its vocabulary shard, values and indices gathered",
     "KV cache allocated for the largest batch and KV bucket; a decode step attends over its KV bucket (a "
     "sliding-window layer keeps and reads a rolling cache of its window, rounded up to 128)",
-    "MoE tokens spread evenly over the experts (balanced routing)",
+    "MoE: the busiest expert-parallel rank bounds the step; its routed tokens by --moe-routing (default random: the "
+    "expected maximum load when each token's picks land uniformly at random; balanced: the mean share)",
     "no speculative decoding; of the serving stack only the engine's host loop (--serving), no tokenizer or network",
 )
 
@@ -194,7 +195,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                                trace: bool = False, layers: int | None = None, max_context: int | None = None,
                                max_model_len: int | None = None, context_buckets: Sequence[int] | None = None,
                                kv_buckets: Sequence[int] | None = None, batch_buckets: Sequence[int] | None = None,
-                               serving: str = "vllm-neuron") -> tuple[InferenceEstimate, list[Any]]:
+                               serving: str = "vllm-neuron", moe_routing: str = "random") -> tuple[InferenceEstimate, list[Any]]:
     """TTFT, TPOT and tokens/s with the layers lowered to the library kernels (module docstring).
 
     ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
@@ -231,7 +232,9 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     if tp % ep:
         raise EstimateError(f"--ep {ep}: expert parallelism must divide --tp {tp} (NxDI: moe_ep_degree x "
                             f"moe_tp_degree = tp)")
-    shards = Shards(tp, ep, sp_on, dtype)
+    if moe_routing not in nxdi.ROUTINGS:
+        raise EstimateError(f"--moe-routing {moe_routing!r}: expected one of {', '.join(nxdi.ROUTINGS)}")
+    shards = Shards(tp, ep, sp_on, dtype, moe_routing)
     try:
         prog = lowered(spec, shards)
     except nxdi.Unsupported as e:

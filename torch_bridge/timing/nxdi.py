@@ -31,10 +31,11 @@ same way, by matching the modules of the Hugging Face model (built on ``meta``: 
 
   Qwen3's q/k norm sits between the projection and RoPE, so its ``qkv`` runs without RoPE and
   the per-head ``rmsnorm`` and ``rope`` kernels follow (NxDI: the QKV kernel's fused RoPE is
-  incompatible with it). MLA (DeepSeek-V3) has no library kernel (its head dim, 192, is more than
-  the attention kernels' 128): its projections run as the library ``matmul``, its latent norms as
-  ``rmsnorm``, and attention in the absorbed form (queries into the latent space, scores over the
-  cached latents, ``softmax``, values, back through W_uv) as ``bmm`` kernels. A library kernel that
+  incompatible with it). MLA (DeepSeek-V3): its projections run as the library ``matmul``, its
+  latent norms as ``rmsnorm``; decode attention (one new token, nope dim = v dim) is the
+  ``mla_tkg`` kernel (absorbed W_uk/W_uv over the latent + rope-key cache); prefill (and decode
+  otherwise) runs the absorbed form as ``bmm`` kernels (queries into the latent space, scores over
+  the cached latents, ``softmax``, values, back through W_uv). A library kernel that
   refuses a shape refuses the estimate, in one line naming it: nothing stands in for it.
 * :func:`lower_step` adds what surrounds the layers on the first and last pipeline stage: the
   embedding lookup (hidden-sharded, all-gathered), the final norm and the LM head on the last
@@ -48,8 +49,11 @@ rank's device model, each kernel simulated once per shape and cached.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+import numpy as np
 
 from trnsim.config import ConfigError
 from trnsim.device import KernelSpec
@@ -134,6 +138,7 @@ class Shards:
     ep: int = 1
     sp: bool = False
     dtype: str = "bf16"
+    routing: str = "random"  # MoE token routing over the EP ranks (:data:`ROUTINGS`, :func:`routed_load`)
 
     @property
     def dtype_bytes(self) -> int:
@@ -296,8 +301,8 @@ def rank_heads(a: Attention, tp: int) -> tuple[int, int]:
 
 def experts_on_rank(f: FeedForward, sh: Shards) -> tuple[int, int, int]:
     """(experts, intermediate per expert, routed picks per token) on one rank: experts over EP,
-    each expert's intermediate over TP / EP; a token's top-k picks land evenly on the EP ranks
-    (balanced routing: the estimate cannot see the router's values)."""
+    each expert's intermediate over TP / EP; the most picks a token makes on this rank if its
+    top-k spread evenly (:func:`routed_load` says what the busiest rank's kernel runs)."""
     if sh.tp % sh.ep:
         raise Unsupported(f"--ep {sh.ep}: expert parallelism must divide --tp {sh.tp} (NxDI: moe_ep_degree x "
                           f"moe_tp_degree = tp)")
@@ -305,6 +310,49 @@ def experts_on_rank(f: FeedForward, sh: Shards) -> tuple[int, int, int]:
     inter = _div("the expert intermediate size", f.inter, sh.tp // sh.ep, "--tp / --ep")
     picks = max(1, -(-f.top_k * e // f.experts))
     return e, inter, min(picks, e, 8)
+
+
+#: how a step's routed tokens spread over the expert-parallel ranks (the busiest rank bounds the step)
+ROUTINGS = {
+    "random": "each token's picks land on the ranks' experts uniformly at random: the busiest EP rank "
+              "takes the expected maximum of the ranks' loads",
+    "balanced": "every EP rank takes its mean share of the step's token-expert pairs (rounded up)",
+}
+
+
+def expected_max_binomial(n: int, p: float, ranks: int) -> float:
+    """E[max of ``ranks`` independent Binomial(n, p)]: ``sum_j (1 - F(j)^ranks)``."""
+    if n <= 0 or p <= 0.0:
+        return 0.0
+    if p >= 1.0 or ranks <= 1:
+        return n * min(p, 1.0)
+    j = np.arange(n + 1, dtype=np.float64)
+    logpmf = (math.lgamma(n + 1) - np.array([math.lgamma(x + 1) for x in j]) -
+              np.array([math.lgamma(n - x + 1) for x in j]) + j * math.log(p) + (n - j) * math.log1p(-p))
+    cdf = np.minimum(np.cumsum(np.exp(logpmf)), 1.0)
+    return float(np.sum(1.0 - np.exp(ranks * np.log(np.maximum(cdf[:-1], 1e-300)))))
+
+
+def routed_load(f: FeedForward, sh: Shards, tokens: int) -> tuple[int, int]:
+    """(tokens, picks per token) the busiest EP rank's expert kernel runs for a step of
+    ``tokens`` routed tokens: the step's ``tokens x top_k`` token-expert pairs land on this rank's
+    experts with probability ``experts_on_rank / experts``; the rank's load is the mean share
+    (``balanced``) or the expected maximum over the EP ranks (``random``: independent picks,
+    rounded to whole pairs, never below the mean share), laid out as that many pairs over as
+    few tokens as the rank's experts allow (a token visits each expert at most once)."""
+    e, _, _ = experts_on_rank(f, sh)
+    k = min(f.top_k, f.experts)
+    cap = min(k, e, 8)
+    if sh.ep == 1:
+        return tokens, cap
+    if sh.routing not in ROUTINGS:
+        raise Unsupported(f"--moe-routing {sh.routing!r}: expected one of {', '.join(ROUTINGS)}")
+    pairs, p = tokens * k, e / f.experts
+    mean = math.ceil(pairs * p - 1e-9)
+    load = mean if sh.routing == "balanced" else max(mean, int(math.floor(expected_max_binomial(pairs, p, sh.ep) + 0.5)))
+    load = max(1, min(load, tokens * cap))
+    picks = min(cap, -(-load // tokens))
+    return min(tokens, -(-load // picks)), picks
 
 
 def cache_positions(layer: Layer, positions: int) -> int:
@@ -436,13 +484,17 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
         calls.append(_k("rmsnorm", (t, a.kv_lora_rank), dt, {"eps": layer.eps}))
         calls.append(_k("rope", (batch, nq + 1, tokens, a.rope_dim), dt))
         nope = a.head_dim - a.rope_dim
-        keys = cache if decode else prior + tokens
-        rows = nq * tokens
-        calls.append(_k("bmm", (nq, t, nope, a.kv_lora_rank), dt))  # q_nope . W_uk: queries into the latent space
-        calls.append(_k("bmm", (batch, rows, latent, keys), dt))  # scores over the cached latents (+ rope keys)
-        calls.append(_k("softmax", (batch * rows, keys), dt))
-        calls.append(_k("bmm", (batch, rows, keys, a.kv_lora_rank), dt))  # . the latent values
-        calls.append(_k("bmm", (nq, t, a.kv_lora_rank, a.v_head_dim), dt))  # W_uv: back to each head's values
+        if decode and tokens == 1 and nope == a.v_head_dim:
+            # the MLA decode kernel: absorbed W_uk / W_uv, scores and values over the latent cache
+            calls.append(_k("mla_tkg", (batch, nq, cache, a.kv_lora_rank, a.rope_dim, nope), dt))
+        else:
+            keys = cache if decode else prior + tokens
+            rows = nq * tokens
+            calls.append(_k("bmm", (nq, t, nope, a.kv_lora_rank), dt))  # q_nope . W_uk: queries into the latent space
+            calls.append(_k("bmm", (batch, rows, latent, keys), dt))  # scores over the cached latents (+ rope keys)
+            calls.append(_k("softmax", (batch * rows, keys), dt))
+            calls.append(_k("bmm", (batch, rows, keys, a.kv_lora_rank), dt))  # . the latent values
+            calls.append(_k("bmm", (nq, t, a.kv_lora_rank, a.v_head_dim), dt))  # W_uv: back to each head's values
         calls.append(_k("oproj", (batch, tokens, nq, a.v_head_dim, h), dt, {"bias": a.o_bias}))
         calls.extend(reduce(act_bytes))
         return _ffn(calls, layer, sh, batch, tokens, decode, pre_block, reduce, act_bytes)
@@ -470,16 +522,17 @@ def _ffn(calls: list[Call], layer: Layer, sh: Shards, batch: int, tokens: int, d
                         {"residual": fused_norm, "norm": "rmsnorm" if fused_norm else "none",
                          "act": f.act, "gated": f.gated, "eps": layer.eps}))
     else:
-        e, inter, picks = experts_on_rank(f, sh)
+        e, inter, _ = experts_on_rank(f, sh)
+        t_rank, picks = routed_load(f, sh, t)  # the busiest EP rank's routed tokens
         if fused_norm:
             calls.append(_k("binary", (t, h), dt, {"op": "add"}))
             calls.append(_k("rmsnorm", (t, h), dt, {"eps": layer.eps}))
         if decode and t <= 128:
             calls.append(_k("router_topk", (t, h, f.experts), dt,
                             {"top_k": min(f.top_k, 8), "act": f.router_act, "bias": f.router_bias}))
-            calls.append(_k("moe_tkg", (t, h, inter, e), dt, {"top_k": picks, "act": f.act}))
-        else:  # the library's blockwise MoE (router included) over every token, this rank's experts
-            calls.append(_k("moe", (t, h, inter, e), dt, {"top_k": picks}))
+            calls.append(_k("moe_tkg", (t_rank, h, inter, e), dt, {"top_k": picks, "act": f.act}))
+        else:  # the library's blockwise MoE over the tokens routed to this rank's experts
+            calls.append(_k("moe", (t_rank, h, inter, e), dt, {"top_k": picks}))
         if f.shared_inter:
             calls.append(_k("mlp", (batch, tokens, h, _div("the shared experts' intermediate size", f.shared_inter, tp)),
                             dt, {"residual": False, "norm": "none", "act": f.act}))

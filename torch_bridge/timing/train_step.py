@@ -624,5 +624,7 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
     out.append(f"data-parallel gradients in {recipe.bucket_mb} MB buckets, " +
                ("each reduced as soon as the backward has filled it (overlapped; the step pays what runs past "
                 "the last backward)" if recipe.overlap else "reduced after the last backward"))
-    out.append("the concurrent collectives of a step do not slow each other (links not shared between them)")
+    out.append("each collective simulated beside the same call of its sibling groups (the other TP or DP groups, "
+               "sharing links, HBM and DMA); different collectives of a step (a gradient bucket beside the TP "
+               "collectives) do not slow each other")
     return tuple(out)

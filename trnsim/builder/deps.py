@@ -273,7 +273,7 @@ def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
 class NativeDependencyTracker:
     """:class:`DependencyTracker` with its histories, boxes and scans in C (``_deptrack``).
 
-    The same algorithm access for access (``tests/test_build_equivalence.py`` compares the two
+    The same algorithm access for access (``tests/builder/test_build_equivalence.py`` compares the two
     on every library kernel), so the same edges in the same order; Python keeps only the maps
     from allocations and tensors to history ids and, on each view, the id of its region (made
     once per view and tracker). About 1 us an instruction instead of 10-15 in a big kernel."""
@@ -614,7 +614,7 @@ _REFERENCE_BUILDS = 0  # > 0 inside reference_build()
 def reference_build() -> Iterator[None]:
     """Kernels made inside the block are built the reference way: the Python dependency tracker
     and no batched fast paths (the library kernels emit one instruction at a time). The
-    instruction stream is the same (``tests/test_build_equivalence.py`` checks it); this is
+    instruction stream is the same (``tests/builder/test_build_equivalence.py`` checks it); this is
     what that test and ``benchmarks/bench_kernels.py`` compare the fast build against."""
     global _REFERENCE_BUILDS
     _REFERENCE_BUILDS += 1

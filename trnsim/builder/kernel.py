@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 from ..config import ChipConfig, load_config
 from ..isa import (AP, AP_MAX_SIZE, AP_MAX_STRIDE, Allocation, DmaCopy, DmaGather, DmaScatter, HbmAP, HbmTensor,
                    Instruction, KernelError, MatMul, TileAP, Transpose, row_major)
-from ..cores.base import canonical_engine, engines_running
+from ..cores.base import ENGINE_TYPES, canonical_engine, engines_running
 from ..memory.dma import plan_dma, plan_indirect
 from ..memory.hbm import check_capacity
 from ..memory.psum import PsumAllocator
@@ -348,19 +348,18 @@ class Kernel(TensorEngineOps, EngineOps):
                 raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got HBM view {ap!r}; "
                                   f"load it with dma_copy first")
             raise KernelError(f"{what}: operands must be SBUF/PSUM tiles, got {type(ap).__name__}")
-        if engine == "GpSimd" and ap.space == "psum":
-            raise KernelError(f"{what}: GpSimd cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
+        eng = ENGINE_TYPES[engine]  # the engine table's facts about what its instructions may touch
+        if ap.space == "psum" and not eng.reaches_psum:
+            raise KernelError(f"{what}: {engine} cannot access PSUM (tile '{ap.name}'); use the vector or scalar engine")
         check_alignment(ap, what)
         for stride, size in ap.dims:
             if size > AP_MAX_SIZE or not -AP_MAX_STRIDE - 1 <= stride <= AP_MAX_STRIDE:
                 raise KernelError(f"{what}: tile '{ap.name}' access pattern {list(ap.dims)} needs sizes <= "
                                   f"{AP_MAX_SIZE} and strides within {-AP_MAX_STRIDE - 1}..{AP_MAX_STRIDE} elements")
-        if engine == "Vector":
-            vec = self.config.core.vector
-            limit = vec.max_free_psum if ap.space == "psum" else vec.max_free_sbuf
-            if ap.free_size > limit:
-                raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
-                                  f"a VectorE instruction may touch at most {limit} in {ap.space.upper()}")
+        limit = eng.max_free(self.config, ap.space)
+        if limit is not None and ap.free_size > limit:
+            raise KernelError(f"{what}: tile '{ap.name}' has {ap.free_size} elements per partition; "
+                              f"a {eng.title or engine} instruction may touch at most {limit} in {ap.space.upper()}")
 
     # ---- DMA -------------------------------------------------------------------------------
     def dma_copy(self, dst: AP | HbmTensor, src: AP | HbmTensor, *, engine: str = "sync", queue: int = 0) -> DmaCopy:

@@ -18,7 +18,7 @@
                   [--algo ring] [--dtype bf16] [--set K=V ...] [--json] [--trace out.json]
     trnsim estimate inference|train --model llama-3.3-70b [--system ...] [--tp 64] ... (trnsim.cli_estimate)
     trnsim validate [CATEGORY|ROW ...] [--quick] [--list] [--json] [--out rows.csv] [--plot out.png] ...
-                  (trnsim.validate.cli)
+                  (trnsim.cli.validate)
 
 Bad input (unknown config, bad override, a kernel that breaks a hardware rule, an output path
 that is a FIFO or device) prints one line ``trnsim: error: ...`` on stderr and exits with status
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plot)
     add_collective_parser(sub)
     from .estimate import add_parser as _add_estimate_parser
-    from ..validate.cli import add_parser as _add_validate_parser
+    from .validate import add_parser as _add_validate_parser
 
     _add_estimate_parser(sub)
     _add_validate_parser(sub)

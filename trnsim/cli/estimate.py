@@ -18,6 +18,7 @@ from typing import Any
 
 from .base import Out as _Out, UsageError
 from ..config import format_quantity
+from ..workload.buckets import BUCKET_FLAGS, add_bucket_flags, add_moe_routing_flag
 
 __all__ = ["add_parser", "render_inference", "render_train"]
 
@@ -188,19 +189,15 @@ def _precheck(args: argparse.Namespace) -> None:
 
 def _bucket_args(args: argparse.Namespace) -> None:
     """The kernel lowering's options checked (and bucket lists parsed) before torch is imported."""
-    from ..workload.buckets import BucketError, parse_buckets
+    from ..workload.buckets import BucketError, parse_bucket_flags
 
-    for name in ("context_buckets", "kv_buckets", "batch_buckets"):
-        v = getattr(args, name)
-        if isinstance(v, str):
-            setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
+    parse_bucket_flags(args)
     for name in ("max_context", "max_model_len", "ep"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BucketError(f"--{name.replace('_', '-')} {v}: expected a positive whole number")
     if args.eager:
-        given = [n for n in ("max_context", "max_model_len", "context_buckets", "kv_buckets", "batch_buckets")
-                 if getattr(args, n) is not None] + (["ep"] if args.ep != 1 else [])
+        given = [n for n in ("max_context", "max_model_len", *BUCKET_FLAGS) if getattr(args, n) is not None] + (["ep"] if args.ep != 1 else [])
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')}: a kernel-lowering option; --eager runs every aten op "
                              f"at its exact shape")
@@ -214,7 +211,8 @@ def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "serving": args.serving}
     if not args.eager:
         kw["ep"] = args.ep
-        for n in ("max_context", "max_model_len", "context_buckets", "kv_buckets", "batch_buckets"):
+        kw["moe_routing"] = args.moe_routing
+        for n in ("max_context", "max_model_len", *BUCKET_FLAGS):
             if getattr(args, n) is not None:
                 kw[n] = getattr(args, n)
     return kw
@@ -334,16 +332,12 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
+    add_moe_routing_flag(inf)
     inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
                                                            "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "
                                                        "--output)")
-    inf.add_argument("--context-buckets", metavar="N,N,...", help="prompt buckets (default: powers of 2 from 128 "
-                                                                  "to --max-context, and it)")
-    inf.add_argument("--kv-buckets", metavar="N,N,...", help="decode KV buckets (default: powers of 2 from 128 to "
-                                                             "--max-model-len, and it)")
-    inf.add_argument("--batch-buckets", metavar="N,N,...", help="decode batch buckets (default: powers of 2 up to "
-                                                                "--batch, and it)")
+    add_bucket_flags(inf, context=("prompt", "--max-context"), kv=("decode KV", "--max-model-len"), batch="--batch")
     tr.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
     tr.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
     tr.add_argument("--global-batch", type=int, default=None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from .base import Out as _Out
 from .base import UsageError
+from ..workload.buckets import add_bucket_flags, add_moe_routing_flag
 
 __all__ = ["add_mode"]
 
@@ -50,7 +51,7 @@ def _requests(args: argparse.Namespace, rate: float) -> list[Any]:
 
 def _check(args: argparse.Namespace) -> None:
     """Every option checked before PyTorch is imported (one line each)."""
-    from ..workload.buckets import parse_buckets
+    from ..workload.buckets import parse_bucket_flags
     from ..config import load_system
     from ..workload.plan import check_plan
     from ..workload.models import load_model
@@ -69,10 +70,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--plot draws a --sweep of request rates: give --sweep 1,2,4,8")
     if args.prefix_len and args.prefix_len > args.input:
         raise ServeError(f"--prefix-len {args.prefix_len}: longer than --input {args.input}")
-    for name in ("context_buckets", "kv_buckets", "batch_buckets"):
-        v = getattr(args, name)
-        if isinstance(v, str):
-            setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
+    parse_bucket_flags(args)
     if args.dtype != "bf16":
         raise ServeError(f"--dtype {args.dtype}: expected bf16 (the dtype every library kernel of a lowered step takes)")
     if args.dp > 1 and args.ep > 1:
@@ -205,6 +203,7 @@ def add_mode(modes: Any) -> None:
                                                              f"path; default trn2.48xlarge")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism within the TP group (default 1)")
+    add_moe_routing_flag(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the TP group, each with its own "
                                                      "scheduler and KV cache; a request goes to the least loaded "
                                                      "(default 1)")
@@ -229,12 +228,7 @@ def add_mode(modes: Any) -> None:
                                                                  "prefilled")
     p.add_argument("--prefix-len", type=int, default=0, help="leading prompt tokens every Poisson request shares "
                                                              "(default 0)")
-    p.add_argument("--context-buckets", metavar="N,N,...", help="prefill buckets (default: powers of 2 from 128 to "
-                                                                "--chunk, and it)")
-    p.add_argument("--kv-buckets", metavar="N,N,...", help="KV buckets (default: powers of 2 from 128 to the max "
-                                                           "model len, and it)")
-    p.add_argument("--batch-buckets", metavar="N,N,...", help="decode batch buckets (default: powers of 2 up to "
-                                                              "--max-batch, and it)")
+    add_bucket_flags(p, context=("prefill", "--chunk"), kv=("KV", "the max model len"), batch="--max-batch")
     p.add_argument("--sweep", type=_rates, metavar="R,R,...", help="run each Poisson rate; print latency against "
                                                                    "rate")
     p.add_argument("--plot", metavar="OUT.png", help="with --sweep: plot TTFT and TPOT p50/p99 against the rate")

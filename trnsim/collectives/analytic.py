@@ -21,7 +21,7 @@ module holds the rates they are priced at. These are computed from the system co
 routes; the simulator is not consulted. Where the assumptions hold (every flow of a step keeps
 its share from start to end, each rank's HBM its own) the simulation must agree; where flows of
 unequal load share a link, or a step's flows finish at different times, the simulation differs
-and says how (tests/test_collective_forms.py checks both).
+and says how (tests/collectives/test_collective_forms.py checks both).
 """
 
 from __future__ import annotations

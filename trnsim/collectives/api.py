@@ -88,12 +88,34 @@ def simulate_with_siblings(system: SystemConfig | str, collective: str, nbytes: 
     chips = [{r // rpc for r in s} for s in sibs]
     if all(len(c) == 1 for c in chips) and len(set().union(*chips)) == len(sibs):
         return alone, alone  # each group on a chip of its own: nothing shared (no link, stack or engine)
+    sibs = _sharing(sibs, sysc.instance_chips * rpc)
+    if len(sibs) < 2:
+        return alone, alone
     calls = []
     for s in sibs:
         r = None if root is None else s[g.index(root)]
         calls.append(CollectiveCall(collective, nbytes, group=s, dtype=dtype, root=r))
     together = simulate_collectives(sysc, calls, trace=trace)[0]
     return together, alone
+
+
+def _sharing(groups: list[tuple[int, ...]], instance_ranks: int) -> list[tuple[int, ...]]:
+    """The groups of ``groups`` that can change the first one's timing: those linked to it
+    through groups sharing an instance. Every resource a call books belongs to a chip its
+    transfers start, end or pass on, and routes stay in the instances of their two ends (inside
+    an instance on its links; between two, through the switch ports of those two), so a group
+    whose instances no linked group touches shares nothing with them: its simulation runs beside
+    theirs without one tick of either changing."""
+    insts = [{r // instance_ranks for r in g} for g in groups]
+    linked, seen, grew = [0], set(insts[0]), True
+    while grew:
+        grew = False
+        for i, ins in enumerate(insts):
+            if i not in linked and not seen.isdisjoint(ins):
+                linked.append(i)
+                seen |= ins
+                grew = True
+    return [groups[i] for i in sorted(linked)]
 
 
 def _system(system: SystemConfig | str, overrides: Any = None) -> SystemConfig:
@@ -115,10 +137,10 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
 
 def simulate_collectives(system: SystemConfig | str, calls: Sequence[CollectiveCall], *,
                          trace: bool = False, symmetry: bool = True) -> list[CollectiveReport]:
-    """Simulate ``calls`` together in one environment; one report per call, in order. A lone
-    call without a trace runs its alike ranks once (``symmetry``, symmetry.py: the same report,
-    tick for tick, as the full run that ``symmetry=False`` makes)."""
-    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry and len(calls) == 1)
+    """Simulate ``calls`` together in one environment; one report per call, in order. Without a
+    trace, alike ranks run once (``symmetry``, symmetry.py: a lone call's, or sibling calls' on
+    disjoint groups; the same reports, tick for tick, as the full run ``symmetry=False`` makes)."""
+    runner = CollectiveRunner(_system(system), trace=trace, symmetric=symmetry)
     for c in calls:
         runner.launch(c)
     return runner.run()

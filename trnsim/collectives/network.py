@@ -111,7 +111,7 @@ class Network:
         self.chunks = 0
         #: what waits for this tick's end (see :meth:`at_tick_end`): transfers' chunks to book, and
         #: the engine's transfer starts (``on_tick_end``: it books the runtime's costs the same way)
-        self._staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int]]]]] = []
+        self._staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int, Any]]]]] = []
         self.on_tick_end: Callable[[int], None] | None = None
         self._flush_due = False
 
@@ -261,13 +261,14 @@ class Network:
         return ticks
 
     def _chunk_plan(self, bookings: Sequence[tuple[Any, ...]], nbytes: int, rings: int | None = None
-                    ) -> list[tuple[int, list[tuple[int, Any, int, Any, int]]]]:
+                    ) -> list[tuple[int, list[tuple[int, Any, int, Any, int, Any]]]]:
         """The chunks of a transfer as (how many, bookings of one): each booking is (kind,
-        resource, bytes, extra, multiplicity). A DMA system's extra is (engines, ticks on each):
+        resource, bytes, extra, multiplicity, the resource it stands for). A DMA system's extra is (engines, ticks on each):
         a transfer spreads its data evenly over the collective's ``dma_rings`` rings of the core
         (kind 4 when that is all of its engines), one descriptor per CC packet; a VectorE's extra
         is its ticks. The multiplicity (a booking's fifth field, default 1) is how many alike
-        bookings of the same tick the resource stands for (symmetry.py)."""
+        bookings of the same tick the resource stands for, and the sixth field the resource
+        whose orbit it represents (default itself; symmetry.py)."""
         sizes = self.chunks_of(nbytes)
         k = len(sizes)
         out = []
@@ -276,6 +277,7 @@ class Network:
             for b in bookings:
                 kind, obj, w, dw = b[:4]
                 mult = b[4] if len(b) > 4 else 1
+                orig = b[5] if len(b) > 5 else obj
                 nb = math.ceil(size * w)
                 extra: Any = 0
                 if kind == 1:
@@ -291,7 +293,7 @@ class Network:
                     extra = self.vector_ticks(obj, size * w)
                 else:  # a pipe: its service ticks, worked out once per chunk size
                     extra = obj.ticks(nb)
-                todo.append((kind, obj, nb, extra, mult))
+                todo.append((kind, obj, nb, extra, mult, orig))
             out.append((sizes.count(size), todo))
         return out
 
@@ -337,7 +339,7 @@ class Network:
             staged, self._staged = self._staged, []
             self._book_staged(staged, now)
 
-    def _book_staged(self, staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int]]]]], now: int
+    def _book_staged(self, staged: list[tuple["_TransferRun", list[list[tuple[int, Any, int, Any, int, Any]]]]], now: int
                      ) -> None:
         """Book the chunks staged at tick ``now``. Every resource serves the group that reached
         it at this tick together: the group starts when the resource is free (or now) and all of
@@ -350,7 +352,7 @@ class Network:
         for run, chunks in staged:
             rings = run.rings
             for todo in chunks:
-                for kind, obj, nb, extra, mult in todo:
+                for kind, obj, nb, extra, mult, _ in todo:
                     key = id(obj)
                     if kind == 1 or kind == 4:
                         d = dmas.get(key)
@@ -412,7 +414,7 @@ class Network:
             for todo in chunks:
                 fin = now
                 held = None
-                for kind, obj, _, _, _ in todo:
+                for kind, obj, _, _, _, orig in todo:
                     key = id(obj)
                     if kind == 1:  # the end of its own engines' group
                         e = ends[(key, rings.get(key) or default)]
@@ -420,7 +422,7 @@ class Network:
                         e = ends[key]
                     if e >= fin:  # ties: the last on the path (its links), as a FIFO's later booking
                         fin = e
-                        held = obj
+                        held = orig  # the resource itself, not the representative booked for it
                 fins.append((fin, held))
             run.booked(fins, now)
 
@@ -432,7 +434,7 @@ class _TransferRun:
     __slots__ = ("net", "env", "chunks", "inflight", "last", "route", "on_data", "on_done", "limits", "rings",
                  "staged")
 
-    def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any, int]]]], route_ticks: int,
+    def __init__(self, net: Network, plan: list[tuple[int, list[tuple[int, Any, int, Any, int, Any]]]], route_ticks: int,
                  on_data: Callable[[int], None], on_done: Callable[[int], None],
                  limits: dict[int, tuple[Any, list[tuple[int, int]]]] | None, delay: int = 0,
                  rings: Mapping[int, tuple[int, ...]] | None = None):

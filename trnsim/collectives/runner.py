@@ -221,7 +221,8 @@ class CollectiveHandle:
         #: per resource (by id): (resource, intervals it held one of this call's chunks back)
         self.limits: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         self.pending = [len(t.deps) for t in ts]
-        self.sym: Any = None  # the call's Symmetry when only its representatives run (symmetry.py)
+        self.sym: Any = None  # the calls' Symmetry when only representatives run (symmetry.py)
+        self.sym_call = 0  # which of the reduced calls this is (its transfers start at sym.offsets[sym_call])
         self.dependents: list[list[int]] = [[] for _ in ts]
         self.left: dict[int, int] = {r: 0 for r in res.ctx.group}  # rank -> transfers not done
         for i, t in enumerate(ts):
@@ -240,6 +241,8 @@ class CollectiveRunner:
         #: run a lone call's alike ranks once (symmetry.py): only for an engine that owns its
         #: environment and resources and runs that one call, without a trace
         self.symmetric = symmetric and env is None and not chips and not trace
+        self._started = False
+        self._qplans: dict[tuple[int, int], tuple[list[tuple[Any, ...]], Any, int]] = {}
         self.net = Network(self.system, env, chips, trace)
         self.env = self.net.env
         self.handles: list[CollectiveHandle] = []
@@ -258,36 +261,49 @@ class CollectiveRunner:
         sched = Schedule(res.ctx.group)
         build(sched, res.ctx, res.algorithm)
         h = CollectiveHandle(self, call, res, sched)
-        if self.symmetric:
-            if self.handles:
-                raise RuntimeError("a symmetric runner runs one call; launch others on a runner of their own")
-            from .symmetry import find
-
-            sym = find(self, h)
-            if sym is not None:
-                self._reduce(h, sym)
         self.handles.append(h)
-        sym = h.sym
+        if self.symmetric:  # started by run(), once every call is known
+            if self._started:
+                raise RuntimeError("a symmetric runner takes its calls before it runs; launch others on a runner of "
+                                   "their own")
+            return h
         for r, i in sched.start.items():
-            if sym is None or sym.rank_rep[r] == r:
-                self.env.process(self._rank_start(h, r, i))
+            self.env.process(self._rank_start(h, r, i))
         return h
 
-    def _reduce(self, h: CollectiveHandle, sym: Any) -> None:
-        """Run only ``sym``'s representative transfers: each waits for its dependencies'
-        representatives (the same ticks), and books resources' representatives with the
+    def _start_symmetric(self) -> None:
+        """Find the launched calls' symmetry (symmetry.py) and start the representative ranks
+        only, or every rank when there is none."""
+        from .symmetry import find
+
+        self._started = True
+        sym = find(self, self.handles)
+        for k, h in enumerate(self.handles):
+            if sym is not None:
+                self._reduce(h, sym, k)
+            for r, i in h.sched.start.items():
+                if sym is None or sym.rank_rep[r] == r:
+                    self.env.process(self._rank_start(h, r, i))
+
+    def _reduce(self, h: CollectiveHandle, sym: Any, call: int) -> None:
+        """Run only ``sym``'s representative transfers of call ``call`` (none when another call
+        stands for it, ``sym.base``): each waits for its dependencies' representatives (the same ticks), and books resources' representatives with the
         multiplicity its orbit brings to each (symmetry.py)."""
         h.sym = sym
+        h.sym_call = call
+        off = sym.offsets[call]
         ts = h.sched.transfers
         rep = sym.rep
         h.dependents = [[] for _ in ts]
-        for k in sym.representatives():
-            for d in ts[k].deps:
-                h.dependents[rep[d]].append(k)
-        self._qplans: dict[int, tuple[list[tuple[Any, ...]], Any, int]] = {}
+        for k in range(len(ts)):
+            if rep[off + k] == off + k:
+                for d in ts[k].deps:
+                    h.dependents[rep[off + d] - off].append(k)
 
     def run(self) -> list[CollectiveReport]:
         """Run the environment to the end and report every launched call."""
+        if self.symmetric and not self._started:
+            self._start_symmetric()
         self.env.run()
         for h in self.handles:
             if h.sym is not None and not h.end:
@@ -342,7 +358,7 @@ class CollectiveRunner:
             else:
                 r = sym.rank_rep[src]
                 src_of.append(r)
-                mult.append(sym.size[i] // sym.rank_size[r])
+                mult.append(sym.size[sym.offsets[h.sym_call] + i] // sym.rank_size[r])
         if rt.issue:
             groups: dict[tuple[int, int], list[int]] = {}
             for n, (h, i) in enumerate(todo):
@@ -394,7 +410,7 @@ class CollectiveRunner:
         book, links, lat = self._plan(t)
         sym = h.sym
         if sym is not None:  # the representatives of its resources, each with its multiplicity
-            book = self._quotient_plan(sym, i, book)
+            book = self._quotient_plan(sym, sym.offsets[h.sym_call] + i, book)
 
         def data(tick: int) -> None:
             h.data_start[i] = tick
@@ -419,14 +435,16 @@ class CollectiveRunner:
                     rings[id(d if sym is None else sym.res_rep.get(id(d), (d,))[0])] = engines
         net.start_transfer(t.nbytes, book, lat, data, done, h.limits, delay, rings, k)
 
-    def _quotient_plan(self, sym: Any, i: int, book: list[tuple[int, Any, float, float]]) -> list[tuple[Any, ...]]:
-        key = (id(book), sym.size[i])
+    def _quotient_plan(self, sym: Any, g: int, book: list[tuple[int, Any, float, float]]) -> list[tuple[Any, ...]]:
+        """``book`` (transfer number ``g``'s bookings) on its resources' representatives, each
+        with the multiplicity ``g``'s orbit brings to it, and the resource it stands for."""
+        key = (id(book), sym.size[g])
         got = self._qplans.get(key)
         if got is None or got[1] is not book:
             out = []
             for kind, obj, w, dw in book:
                 r, n = sym.res_rep[id(obj)]
-                out.append((kind, r, w, dw, sym.size[i] // n))
+                out.append((kind, r, w, dw, sym.size[g] // n, obj))
             got = self._qplans[key] = (out, book, 0)
         return got[0]
 
@@ -436,10 +454,14 @@ class CollectiveRunner:
         sym = h.sym
         rep = sym.rep
         ts = h.sched.transfers
-        for j, r in enumerate(rep):
-            if r != j:
-                h.finish[j] = h.finish[r]
-                h.data_start[j] = h.data_start[r]
+        off = sym.offsets[h.sym_call]
+        base = self.handles[sym.base[h.sym_call]]  # where the representatives ran
+        boff = sym.offsets[base.sym_call]
+        for j in range(len(ts)):
+            r = rep[off + j] - boff
+            if base is not h or r != j:
+                h.finish[j] = base.finish[r]
+                h.data_start[j] = base.data_start[r]
         last: dict[int, int] = {}
         for j, t in enumerate(ts):
             if not t.is_node:
@@ -451,8 +473,8 @@ class CollectiveRunner:
         launch = self.net.runtime.launch
         for r in h.res.ctx.group:
             rr = sym.rank_rep[r]
-            h.begin[r] = h.begin[rr]
-            h.stream[r] = h.stream[rr]
+            h.begin[r] = base.begin[rr]
+            h.stream[r] = base.stream[rr]
             h.end[r] = last.get(r, h.begin[r] + launch)
         for rr in set(sym.rank_rep.values()):
             req = h.requests.pop(rr, None)
@@ -537,10 +559,18 @@ class CollectiveRunner:
         # intervals from a chunk's booking to when that resource had served it)
         vec_owner = {id(v): r for r, rr in net._ranks.items() for v in rr.vector}
         busy: dict[str, int] = {}
-        for key, (held, spans) in h.limits.items():
-            length = union_length(spans)
-            # a reduced run's representative stands for every resource of its orbit, alike
-            for obj in (h.sym.members[key] if h.sym is not None else (held,)):
+        sym = h.sym
+        if sym is None:
+            held_back = [((held,), union_length(spans)) for held, spans in h.limits.values()]
+        else:  # a reduced run's chunks stand for their alike chunks on their resources' orbits
+            base = self.handles[sym.base[h.sym_call]]
+            orbits: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+            for held, spans in base.limits.values():
+                orbit = sym.stab[sym.base[h.sym_call]].get(id(held), [held])
+                orbits.setdefault(id(orbit[0]), (held, []))[1].extend(spans)
+            held_back = [(sym.images(held, h.sym_call), union_length(spans)) for held, spans in orbits.values()]
+        for objs, length in held_back:
+            for obj in objs:
                 k = id(obj)
                 if k in owner:
                     name = f"DMA rank {owner[k]}"

@@ -17,7 +17,7 @@ then runs one transfer per orbit (its *representative*), books each resource's r
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
 orbit, all at the same tick), and copies the representatives' ticks to the rest. The result is
-identical to the full simulation's, tick for tick (tests/test_collective_symmetry.py; the
+identical to the full simulation's, tick for tick (tests/collectives/test_collective_symmetry.py; the
 benchmark checks it on the calls it times). A call with nothing to exploit runs in full.
 """
 
@@ -34,18 +34,28 @@ __all__ = ["Symmetry", "find"]
 
 @dataclass
 class Symmetry:
-    """The orbits of one call under the permutations that verified (``generators``, rank maps)."""
+    """The orbits of one set of calls under the permutations that verified (``generators``,
+    rank maps). Transfers are numbered over the calls in launch order (``offsets[h]`` is the
+    first of call ``h``); every orbit's representative (its smallest number) is in the first
+    call when there are several (the permutations take it onto every other)."""
 
     generators: list[dict[int, int]]
-    #: transfer index -> its orbit's representative (the smallest index); orbit sizes by representative
+    #: transfer number -> its orbit's representative; orbit sizes by representative
     rep: list[int]
     size: dict[int, int]
     #: rank -> representative rank, and rank orbit sizes by representative
     rank_rep: dict[int, int]
     rank_size: dict[int, int]
-    #: id(resource) -> (representative resource, its orbit size); orbit members by representative id
+    #: id(resource) -> (representative resource, its orbit size)
     res_rep: dict[int, tuple[Any, int]]
-    members: dict[int, list[Any]]
+    #: per base call (below): id(resource) -> the resources of its orbit under the permutations
+    #: that keep that call in place (what the call's own chunks, alike, touch)
+    stab: dict[int, dict[int, list[Any]]]
+    offsets: list[int]
+    #: per call, the call whose representatives stand for it (the first of its orbit of calls),
+    #: and a resource map of a permutation taking that call onto it (None: the identity)
+    base: list[int]
+    trans: list[dict[int, Any] | None]
 
     @property
     def order(self) -> int:
@@ -54,6 +64,13 @@ class Symmetry:
 
     def representatives(self) -> list[int]:
         return [i for i, r in enumerate(self.rep) if r == i]
+
+    def images(self, held: Any, call: int) -> list[Any]:
+        """The resources of call ``call`` that a representative chunk held back by ``held``
+        stands for: ``held``'s orbit under the first call's stabiliser, taken onto call ``call``."""
+        out = self.stab[self.base[call]].get(id(held), [held])
+        t = self.trans[call]
+        return out if t is None else [t[id(o)] for o in out]
 
 
 class _UnionFind:
@@ -86,18 +103,43 @@ def _rotations(orders: Sequence[Sequence[int]], d: int) -> dict[int, int]:
     return out
 
 
-def _candidates(engine: "CollectiveRunner", group: Sequence[int]) -> list[list[dict[int, int]]]:
+def _candidates(engine: "CollectiveRunner", groups: Sequence[Sequence[int]]) -> list[list[dict[int, int]]]:
     """Families of rank permutations to try, each in increasing order of the subgroup they
-    generate (the first that verifies in a family is kept)."""
+    generate (the first that verifies in a family is kept). Several calls (siblings): their
+    ring orders turned together, the chips' cores turned, the chips moved along a dimension."""
     topo = engine.net.topo
-    by_inst: dict[int, list[int]] = {}
-    for r in group:
-        by_inst.setdefault(topo.instance_of(r), []).append(r)
-    parts = [topo.ring_order(v) for _, v in sorted(by_inst.items())]
     fams: list[list[dict[int, int]]] = []
-    if len({len(p) for p in parts}) == 1 and len(parts[0]) > 1:
-        n = len(parts[0])
-        fams.append([_rotations(parts, d) for d in range(1, n) if n % d == 0])
+    all_parts = []
+    for group in groups:
+        by_inst: dict[int, list[int]] = {}
+        for r in group:
+            by_inst.setdefault(topo.instance_of(r), []).append(r)
+        all_parts.append(([topo.ring_order(v) for _, v in sorted(by_inst.items())], by_inst))
+    sizes = {len(p) for parts, _ in all_parts for p in parts}
+    if len(sizes) == 1 and next(iter(sizes)) > 1:
+        n = next(iter(sizes))
+        flat = [p for parts, _ in all_parts for p in parts]
+        fams.append([_rotations(flat, d) for d in range(1, n) if n % d == 0])
+    if len(groups) > 1:  # the chips' cores turned, the chips moved along each dimension
+        ranks = {r for g in groups for r in g}
+        rpc = topo.rpc
+
+        def onto(f: Callable[[int], int]) -> dict[int, int] | None:
+            m = {r: f(r) for r in ranks}
+            return m if set(m.values()) == ranks else None
+
+        fams.append([m for d in range(1, rpc) if rpc % d == 0
+                     for m in [onto(lambda r, d=d: r - r % rpc + (r % rpc + d) % rpc)] if m])
+        for dim, size in enumerate(topo.sizes):
+            def move(r: int, dim: int = dim, size: int = size, t: int = 1) -> int:
+                c = list(topo.coords(r // rpc))
+                c[dim] = (c[dim] + t) % size
+                return topo.chip_at(c) * rpc + r % rpc
+            fams.append([m for t in range(1, size) if size % t == 0
+                         for m in [onto(lambda r, t=t: move(r, t=t))] if m])
+        return fams
+    group = groups[0]
+    parts, by_inst = all_parts[0]
     if len(parts) > 1 and len({len(p) for p in parts}) == 1:
         ir = topo.instance_ranks
         insts = sorted(by_inst)
@@ -122,10 +164,25 @@ def _candidates(engine: "CollectiveRunner", group: Sequence[int]) -> list[list[d
 class _Checker:
     """Verifies rank permutations against one handle's schedule and bookings."""
 
-    def __init__(self, engine: "CollectiveRunner", h: "CollectiveHandle"):
+    def __init__(self, engine: "CollectiveRunner", handles: Sequence["CollectiveHandle"]):
+        from .schedule import Transfer
+
         self.engine = engine
-        self.h = h
-        ts = h.sched.transfers
+        # the calls' transfers as one list, dependencies renumbered (their groups are disjoint,
+        # so a transfer's ranks say which call it is in)
+        ts: list[Any] = []
+        self.offsets: list[int] = []
+        self.start: dict[int, int] = {}
+        for h in handles:
+            off = len(ts)
+            self.offsets.append(off)
+            for t in h.sched.transfers:
+                if off:
+                    t = Transfer(t.src, t.dsts, t.nbytes, t.reads, t.dst_reads, [d + off for d in t.deps], t.step,
+                                 t.phase, t.gather)
+                ts.append(t)
+            for r, i in h.sched.start.items():
+                self.start[r] = i + off
         self.ts = ts
         for t in ts:  # every booking pattern (and so every link) exists before any is compared
             if not t.is_node:
@@ -154,7 +211,7 @@ class _Checker:
         self.pkey = [None if t.is_node else (t.src, t.dsts, t.reads, t.dst_reads, t.gather) for t in ts]
         plans = engine._plans
         self.plan = [None if k is None else plans[k] for k in self.pkey]
-        self.start_of = {i: r for r, i in h.sched.start.items()}
+        self.start_of = {i: r for r, i in self.start.items()}
         dims = engine.system.topology
         self.link_kind: dict[int, tuple[Any, ...]] = {}
         for k, pipe in engine.net.links.items():
@@ -167,7 +224,7 @@ class _Checker:
         ts = self.ts
         tau = [-1] * len(ts)
         used = [False] * len(ts)
-        start = self.h.sched.start
+        start = self.start
         deps = self.deps
         index = self.index
         start_of = self.start_of
@@ -232,18 +289,27 @@ class _Checker:
         return phi
 
 
-def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
-    """The symmetry of ``h`` (launched alone on ``engine``), or None when no candidate
-    permutation verifies or the call cannot be reduced (different start ticks, a proxy thread
+def find(engine: "CollectiveRunner", handles: Sequence["CollectiveHandle"]) -> Symmetry | None:
+    """The symmetry of ``handles`` (all the calls launched on ``engine``), or None when no
+    candidate permutation verifies or the calls cannot be reduced (different start ticks,
+    groups that overlap, several calls the permutations do not take onto each other, a proxy thread
     shared by several ranks)."""
-    res = h.res
-    group = res.ctx.group
-    if len(set(res.starts)) != 1 or len(group) < 2:
+    groups = [h.res.ctx.group for h in handles]
+    starts = {s for h in handles for s in h.res.starts}
+    ranks = [r for g in groups for r in g]
+    if len(starts) != 1 or len(ranks) < 2 or len(set(ranks)) != len(ranks):
         return None
     rt = engine.net.runtime
     if rt.efa_proxy and rt.ranks_per_proxy != 1:
         return None
-    chk = _Checker(engine, h)
+    several = len(handles) > 1
+    if several:
+        first = handles[0]
+        alike = (first.res.ctx.collective, first.res.ctx.nbytes, first.res.algorithm, first.res.dtype, len(groups[0]))
+        if any((h.res.ctx.collective, h.res.ctx.nbytes, h.res.algorithm, h.res.dtype, len(g)) != alike
+               for h, g in zip(handles, groups)):
+            return None
+    chk = _Checker(engine, handles)
     gens: list[tuple[dict[int, int], list[int], dict[int, Any]]] = []
     rpc = engine.net.topo.rpc
 
@@ -252,7 +318,7 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
         img: dict[int, int] = {}
         return all(img.setdefault(r // rpc, s[r] // rpc) == s[r] // rpc for r in s)
 
-    for fam in _candidates(engine, group):
+    for fam in _candidates(engine, groups):
         if not fam:  # the whole-ring turns follow: a flat call across instances needs them
             if gens:
                 break
@@ -270,8 +336,17 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
             break
     if not gens:
         return None
+    # how each permutation moves the calls (by their groups), and one permutation taking the
+    # first call onto each other call (a breadth-first walk over the calls)
+    where = {r: k for k, g in enumerate(groups) for r in g}
+    moves = []
+    for s, _, _ in gens:
+        mv = [where[s[g[0]]] for g in groups]
+        if any({s[r] for r in g} != set(groups[j]) for g, j in zip(groups, mv)):
+            return None
+        moves.append(mv)
     n = len(chk.ts)
-    rep = list(range(n))  # union-find over transfer indices, the smallest index the root
+    rep = list(range(n))  # union-find over transfer numbers, the smallest the root
 
     def root(i: int) -> int:
         while rep[i] != i:
@@ -291,27 +366,64 @@ def find(engine: "CollectiveRunner", h: "CollectiveHandle") -> Symmetry | None:
     size: dict[int, int] = {}
     for r in rep:
         size[r] = size.get(r, 0) + 1
-    start = h.sched.start
     # a rank's representative is the rank whose start node represents its start node's orbit
-    rank_rep = {r: chk.start_of[rep[start[r]]] for r in group}
+    rank_rep = {r: chk.start_of[rep[chk.start[r]]] for r in ranks}
     rank_size: dict[int, int] = {}
     for r in rank_rep.values():
         rank_size[r] = rank_size.get(r, 0) + 1
     objs: dict[int, Any] = {}
     order: dict[int, int] = {}  # id -> first seen (a deterministic representative)
-    for k in dict.fromkeys(x for x in chk.pkey if x is not None):
-        for _, o, _, _ in engine._plans[k][0]:
+    for x in chk.plan:
+        if x is None:
+            continue
+        for _, o, _, _ in x[0]:
             if id(o) not in objs:
                 objs[id(o)] = o
                 order[id(o)] = len(order)
-    rf = _UnionFind()
     by_order = lambda a, b: order[a] < order[b]  # noqa: E731
-    for _, _, phi in gens:
-        for a, o in phi.items():
-            rf.union(a, id(o), by_order)
-    members: dict[int, list[Any]] = {}
-    for k in objs:
-        members.setdefault(rf.find(k), []).append(objs[k])
-    res_rep = {k: (objs[rf.find(k)], len(members[rf.find(k)])) for k in objs}
-    sym = Symmetry([s for s, _, _ in gens], rep, size, rank_rep, rank_size, res_rep, members)
+
+    def orbits(maps: list[dict[int, Any]]) -> dict[int, list[Any]]:
+        uf = _UnionFind()
+        for phi in maps:
+            for a, o in phi.items():
+                uf.union(a, id(o), by_order)
+        members: dict[int, list[Any]] = {}
+        for k in objs:
+            members.setdefault(uf.find(k), []).append(objs[k])
+        return {k: members[uf.find(k)] for k in objs}
+
+    full = orbits([phi for _, _, phi in gens])
+    res_rep = {k: (full[k][0], len(full[k])) for k in objs}
+    # the calls' orbits: each walked breadth first from its first call (its base), keeping a
+    # permutation that takes the base onto each call; the base's stabiliser is generated by
+    # Schreier's t_j^-1 g t_k for each call k of the orbit and permutation g taking k to j
+    ident = {k: objs[k] for k in objs}
+    base = [-1] * len(handles)
+    tr: list[dict[int, Any]] = [ident] * len(handles)
+    stab: dict[int, dict[int, list[Any]]] = {}
+    for b in range(len(handles)):
+        if base[b] >= 0:
+            continue
+        base[b] = b
+        tr[b] = ident
+        walk, todo = [b], [b]
+        while todo:
+            k = todo.pop(0)
+            for (_, _, phi), mv in zip(gens, moves):
+                j = mv[k]
+                if base[j] < 0:
+                    base[j] = b
+                    tr[j] = {a: phi[id(o)] for a, o in tr[k].items()}
+                    walk.append(j)
+                    todo.append(j)
+        inv = {j: {id(o): objs[a] for a, o in tr[j].items()} for j in walk}
+        stab_gens = []
+        for (_, _, phi), mv in zip(gens, moves):
+            for k in walk:
+                m = {a: inv[mv[k]][id(phi[id(o)])] for a, o in tr[k].items()}
+                if any(id(o) != a for a, o in m.items()):
+                    stab_gens.append(m)
+        stab[b] = orbits(stab_gens)
+    sym = Symmetry([s for s, _, _ in gens], rep, size, rank_rep, rank_size, res_rep, stab, chk.offsets, base,
+                   [None if base[k] == k else t for k, t in enumerate(tr)])
     return sym if sym.order > 1 else None

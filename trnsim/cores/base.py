@@ -18,7 +18,7 @@ triggers DMAs, so it never bounds a kernel). The builder's engine choices, the m
 the plots, the traces and the estimate breakdowns read it (:func:`engine_names`,
 :func:`engines_running`, :func:`canonical_engine`); its config section is declared beside the
 config schema (:func:`trnsim.config.engine_section`). A new engine is its module, its config
-section and the chip YAMLs (tests/test_engine_table.py adds one).
+section and the chip YAMLs (tests/cores/test_engine_table.py adds one).
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ class Engine:
     color: ClassVar[str] = "#999999"
     #: it has a datapath, so its busy time can be what bounds a kernel (Sync only triggers DMAs)
     datapath: ClassVar[bool] = True
+    #: its instructions may read and write PSUM tiles (the builder refuses a PSUM operand if not)
+    reaches_psum: ClassVar[bool] = True
     #: dependencies on this engine's own earlier instructions are satisfied at their *end*
     #: (the engine pipelines them, e.g. PSUM accumulation) rather than after the latency.
     pipelines_own_results: ClassVar[bool] = False
@@ -134,7 +136,7 @@ class Engine:
     #: distinct key (its simpy reference asks for each instruction). A type not listed is
     #: costed instruction by instruction. Keep in step with cycles(): a field it reads that is
     #: missing here would give instructions that differ only there one cost
-    #: (tests/test_sim_equivalence.py compares the two on every library kernel).
+    #: (tests/sim/test_sim_equivalence.py compares the two on every library kernel).
     cost_fields: ClassVar[dict[type, tuple[str, ...]]] = {}
     #: the engine attributes :meth:`cycles` reads and changes (ScalarE's loaded table): with
     #: any, costs are worked out in program order per (key, state)
@@ -157,6 +159,12 @@ class Engine:
 
     def lane(self, ins: Instruction) -> str:
         return self.name
+
+    @classmethod
+    def max_free(cls, config: ChipConfig, space: str) -> int | None:
+        """The most elements per partition one instruction may touch in ``space`` ("sbuf",
+        "psum"); None: no limit of its own (the builder checks operands against it)."""
+        return None
 
     @classmethod
     def lanes(cls) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ class GpSimdEngine(ElementwiseExec, Engine):
     name = "GpSimd"
     aliases = ("pool",)
     column, title, color = 3, "GpSimd", "#8172b2"
+    reaches_psum = False
     cost_fields = {
         Iota: _v("dst"),
         AffineSelect: _v("dst"),

@@ -38,6 +38,11 @@ class VectorEngine(ElementwiseExec, Engine):
     name = "Vector"
     aliases = ("dve",)
     column, title, color = 1, "VectorE", "#55a868"
+
+    @classmethod
+    def max_free(cls, config: Any, space: str) -> int | None:
+        vec = config.core.vector
+        return vec.max_free_psum if space == "psum" else vec.max_free_sbuf
     cost_fields = {
         TensorCopy: _v("dst", "data"),
         TensorScalar: _v("dst", "data") + ("op0", "op1"),

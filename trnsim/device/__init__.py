@@ -94,6 +94,8 @@ class Device:
         self._source_of: Callable[[], str] | None = None
         self._log: LaunchLog | None = None  # launches made elsewhere, to issue first (attach_log)
         self._captures = 0  # graph/muted blocks open, on any thread
+        self._tokens: dict[int, Capture] = {}  # the open ones by token (LaunchLog.capture)
+        self._next_token = 0
         self._ctx_threads: set[int] = set()  # threads whose launches carry a context
 
     @property
@@ -126,10 +128,13 @@ class Device:
             cores = self.cores
             dispatch = self.dispatch
             host = self._host  # kept here while entries are issued inline, in self._host otherwise
-            for core, op, cost, key in log.take():
+            for core, op, cost, key, token in log.take():
                 if cost is None:
                     for rec in recs:
                         rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
+                    continue
+                if token:  # made inside a graph capture: collected there, as launch() does
+                    self._tokens[token].append((core, op, cost, 0, NO_CONTEXT))
                     continue
                 c = cores[core]
                 streams = c.streams
@@ -198,7 +203,7 @@ class Device:
     def _update_gate(self) -> None:
         """Tell the log whether launches may be made without :meth:`launch` now."""
         if self._log is not None:
-            self._log.gate(not self.adaptive and not self._captures and not self._ctx_threads
+            self._log.gate(not self.adaptive and not self._ctx_threads
                            and self._source_of is None and all(c.current_stream == 0 for c in self.cores))
 
     def set_current_stream(self, core: int, stream: int) -> None:
@@ -527,15 +532,24 @@ class Device:
         with self._lock:
             self._drain()
             self._captures += 1
+            self._next_token += 1
+            cap.token = self._next_token
+            self._tokens[cap.token] = cap
             self._update_gate()
         self._local.capture = cap
+        if self._log is not None:
+            self._log.capture(cap.token)  # this thread's logged launches are collected in cap
         try:
             yield cap
         finally:
+            if self._log is not None:
+                self._log.capture(0 if prev is None else prev.token)
             self._local.capture = prev
             with self._lock:
+                self._drain()  # (what the log holds of this block, into cap)
                 self._captures -= 1
                 self._settle_capture(cap)
+                del self._tokens[cap.token]
                 self._update_gate()
 
     def _settle_capture(self, cap: "Capture") -> None:

@@ -121,14 +121,19 @@ def no_work(label: str) -> OpCost:
 class LaunchLog(Protocol):
     """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
     native fast path), for the device to issue exactly as if they had been: each entry is
-    (core, op, cost, (op, id(cost))) on the core's stream 0 with no launch context, or
-    (core, op, None, None) for a metadata-only op (:meth:`Device.host_op`). The device takes them, in order, before it issues
-    anything else or reads any time, and tells the log (``gate``) whether launches may be logged
-    at all: only while nothing a launch depends on at the moment it is made (a graph capture,
-    adaptive eager, a launch context, a stream other than the default) is in effect."""
+    (core, op, cost, (op, id(cost)), token) on the core's stream 0 with no launch context, or
+    (core, op, None, None, 0) for a metadata-only op (:meth:`Device.host_op`). ``token`` is 0,
+    or the graph capture (:meth:`Device.graph`, :meth:`Device.muted`) the launching thread was
+    in, as the device told the log (``capture``) on that thread: the launch is collected there,
+    as :meth:`Device.launch` inside the block collects it. The device takes them, in order,
+    before it issues anything else or reads any time, and tells the log (``gate``) whether
+    launches may be logged at all: only while nothing a launch depends on at the moment it is
+    made (adaptive eager, a launch context, a stream other than the default) is in effect."""
 
     def pending(self) -> int: ...
 
-    def take(self) -> Iterable[tuple[int, str, OpCost | None, Any]]: ...
+    def take(self) -> Iterable[tuple[int, str, OpCost | None, Any, int]]: ...
 
     def gate(self, on: bool) -> None: ...
+
+    def capture(self, token: int) -> None: ...

@@ -74,6 +74,7 @@ class Capture(list):  # type: ignore[type-arg]
     def __init__(self, keep: bool):
         super().__init__()
         self.keep = keep
+        self.token = 0  # the number the launch log knows it by (Device._collect)
 
 
 LaunchItem = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context

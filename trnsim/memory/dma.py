@@ -16,7 +16,7 @@ Model (datasheet §6, §12.3):
   with other queued transfers. After the engines finish, ``transfer_latency`` (completion and
   the semaphore write on all engines) passes before dependents see the data.
 
-Calibration (tests/test_calibration.py): ``engine_bandwidth`` is the sustained per-engine rate of
+Calibration (tests/sim/test_calibration.py): ``engine_bandwidth`` is the sustained per-engine rate of
 the NKI DMA bandwidth guide (17/23/33 B/ns on Trn1/2/3, datasheet §6), which transfers of many
 KiB per partition settle at; one engine moving 32 KiB HBM->SBUF as [4, 4096] bf16 then takes
 1485 ns on Trn2 against the measured 1416 ns (datasheet V3, within 5%).

@@ -2,7 +2,7 @@
 
 This module is the (living) definition of the numbers a NeuronCore's TensorE produces. It is
 written to be read, not to be fast; :mod:`trnsim.native` dispatches to a C core that must match
-it bit for bit (``tests/test_native.py``).
+it bit for bit (``tests/native/test_native.py``).
 
 **Inputs.** Operands are numpy arrays already in their dtype: float32, float16, bfloat16,
 float8_e4m3 (IEEE-like, has Inf), float8_e4m3fn (OCP, no Inf) or float8_e5m2, as ml_dtypes

@@ -17,7 +17,7 @@ reference, and the one collectives run beside (:func:`trnsim.collectives.simulat
 shares their environment). :func:`simulate` runs the same processes in a C event loop
 (``trnsim.native.accel._sched``, sched.c) when it is built: the same events in the same order, ties
 broken as simpy breaks them (tick, priority, event id), so every tick, ready time and trace
-segment is identical (tests/test_sim_equivalence.py) at a fraction of the cost. The engine
+segment is identical (tests/sim/test_sim_equivalence.py) at a fraction of the cost. The engine
 modules still give each instruction its costs; the loop keeps the state that moves with time.
 """
 

@@ -20,6 +20,7 @@ Conventions (also in the README):
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, NamedTuple
 
@@ -152,6 +153,9 @@ def union_length(intervals: Iterable[tuple[int, int]]) -> int:
     return total
 
 
+_TIMELINE_ORDER = operator.itemgetter(2, 4, 0)  # a segment's start tick, instruction index, lane
+
+
 def _engine_of_lane(lane: str) -> str:
     if lane.startswith("q"):
         return "DMA"
@@ -243,10 +247,16 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
     tick_hz = config.tick_hz
     total = max(total_ticks, 1)
     seconds = total_ticks / tick_hz
-    by_engine: dict[str, list[tuple[int, int]]] = {}
-    counts_engine = figures.counts_engine
+    by_lane: dict[str, list[tuple[int, int]]] = {}
     for lane, _, s, e, _ in segments:
-        by_engine.setdefault(_engine_of_lane(lane), []).append((s, e))
+        spans = by_lane.get(lane)
+        if spans is None:
+            spans = by_lane[lane] = []
+        spans.append((s, e))
+    by_engine: dict[str, list[tuple[int, int]]] = {}
+    for lane, spans in by_lane.items():  # an engine's lanes together (union_length sorts them)
+        by_engine.setdefault(_engine_of_lane(lane), []).extend(spans)
+    counts_engine = figures.counts_engine
     clocks = config.engine_clocks
     engines: dict[str, EngineStats] = {}
     for name in clocks:
@@ -263,7 +273,7 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
     for lane, (n, b) in figures.queues.items():
         queues[lane] = {"transfers": n, "bytes": b, "busy_us": 0.0}
     for lane in queues:
-        queues[lane]["busy_us"] = union_length((s, e) for ln, _, s, e, _ in segments if ln == lane) / tick_hz * 1e6
+        queues[lane]["busy_us"] = union_length(by_lane.get(lane, ())) / tick_hz * 1e6
     dma_busy = union_length(by_engine.get("DMA", []))
     ndma = figures.dma_transfers
     dma = DmaStats(
@@ -305,7 +315,7 @@ def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Seg
         hbm_bytes_per_s=hbm_bytes / seconds if seconds else 0.0,
         sbuf_peak_bytes=sbuf_peak,
         psum_peak_bytes=psum_peak,
-        timeline=tuple(sorted(segments, key=lambda s: (s[2], s[4], s[0]))),
+        timeline=tuple(sorted(segments, key=_TIMELINE_ORDER)),
         engine_flops=eng_flops,
     )
 

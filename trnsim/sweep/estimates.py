@@ -27,7 +27,7 @@ __all__ = ["ESTIMATE_KEYS", "ESTIMATE_COLUMNS", "estimate_points", "run_estimate
 
 _COMMON = {"mode": None, "model": None, "tp": 1, "pp": 1, "dp": 1, "sp": None, "dtype": "bf16"}
 _INFERENCE = {"batch": 1, "input": 1024, "output": 128, "samples": 5, "eager": False, "ep": 1, "max_context": None,
-              "max_model_len": None}
+              "max_model_len": None, "serving": "vllm-neuron"}
 _TRAIN = {"micro_batch": 1, "seq": 2048, "global_batch": None}
 ESTIMATE_KEYS = tuple(_COMMON) + tuple(_INFERENCE) + tuple(_TRAIN)
 #: CSV columns a spec with estimates adds after the kernel (and collective) columns
@@ -63,6 +63,12 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
         for k, v in values.items():
             if k in ("mode", "model", "dtype", "sp") or (k in ("global_batch", "sp", "max_context", "max_model_len")
                                                           and v is None):
+                continue
+            if k == "serving":
+                from ..workload.serve import SERVING
+
+                if v not in SERVING:
+                    raise ConfigError(f"{loc}: serving: expected one of {', '.join(SERVING)}, got {v!r}")
                 continue
             if k == "eager":
                 if not isinstance(v, bool):
@@ -110,7 +116,7 @@ def run_estimate_point(system: SystemConfig, model: str, shape: tuple[int, ...],
             if not p.get("eager"):
                 extra["ep"] = p.get("ep", 1)
             est, _ = estimate_inference(model, system, tp=tp, pp=pp, dp=dp, sp=p.get("sp"), batch=p["batch"],
-                                        eager=bool(p.get("eager")), **extra,
+                                        eager=bool(p.get("eager")), serving=p.get("serving", "vllm-neuron"), **extra,
                                         input_tokens=p["input"], output_tokens=p["output"], dtype=dtype,
                                         samples=p["samples"])
             row = {"us": round(est.ttft_ms * 1e3, 4), "ttft_ms": round(est.ttft_ms, 4), "tpot_ms": round(est.tpot_ms, 4),

@@ -3,7 +3,7 @@ torch_bridge, lazily, for the ``estimate`` rows).
 
 The ledger's rows are data (:mod:`trnsim.ledger`, ``validation/*.yaml``); this package predicts
 them (:mod:`.predictors`, :mod:`.probes`), summarises the error by category and role and guards
-against drift (:mod:`.run`), and is the ``trnsim validate`` command (:mod:`.cli`)::
+against drift (:mod:`.run`); the ``trnsim validate`` command is :mod:`trnsim.cli.validate`::
 
     from trnsim.validate import load_ledger, run_rows, summarize
     results = run_rows(load_ledger().select(["kernels"], quick=True))

@@ -158,7 +158,7 @@ def summarize(results: Sequence[Result]) -> list[Summary]:
 
 _HEADER = """\
 # Recorded predictions of the ledger's quick rows (trnsim validate --quick), in each row's unit.
-# tests/test_validate.py runs the quick rows and fails when a prediction moves by more than 1% from
+# tests/validate/test_validate.py runs the quick rows and fails when a prediction moves by more than 1% from
 # the value here: a change that moves one updates this file in the same commit, so the move is seen
 # in review. Regenerate with:  trnsim validate --quick --record
 """

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 from ..config import ConfigError
 
-__all__ = ["Buckets", "BucketError", "default_buckets", "parse_buckets", "power_buckets", "MIN_BUCKET"]
+__all__ = ["Buckets", "BucketError", "default_buckets", "parse_buckets", "power_buckets", "MIN_BUCKET", "BUCKET_FLAGS",
+           "add_bucket_flags", "parse_bucket_flags"]
 
 MIN_BUCKET = 128
 
@@ -51,6 +52,29 @@ def power_buckets(lo: int, hi: int, multiple: int = 1) -> tuple[int, ...]:
         p *= 2
     out.append(hi)
     return tuple(sorted({_round_up(b, multiple) for b in out}))
+
+
+#: the bucket lists a command line may give (argparse destinations of --context/kv/batch-buckets)
+BUCKET_FLAGS = ("context_buckets", "kv_buckets", "batch_buckets")
+
+
+def add_bucket_flags(parser: Any, *, context: tuple[str, str], kv: tuple[str, str], batch: str) -> None:
+    """Add ``--context-buckets``, ``--kv-buckets`` and ``--batch-buckets`` to an argparse parser;
+    ``context`` and ``kv`` are (what the buckets are called, what their default rule runs up to),
+    ``batch`` what the batch buckets run up to (the default rule of :func:`default_buckets`)."""
+    for flag, (what, upto) in (("--context-buckets", context), ("--kv-buckets", kv)):
+        parser.add_argument(flag, metavar="N,N,...", help=f"{what} buckets (default: powers of 2 from {MIN_BUCKET} to "
+                                                          f"{upto}, and it)")
+    parser.add_argument("--batch-buckets", metavar="N,N,...", help=f"decode batch buckets (default: powers of 2 up to "
+                                                                   f"{batch}, and it)")
+
+
+def parse_bucket_flags(args: Any) -> None:
+    """The bucket lists of :func:`add_bucket_flags` parsed in place (a one-line BucketError each)."""
+    for name in BUCKET_FLAGS:
+        v = getattr(args, name)
+        if isinstance(v, str):
+            setattr(args, name, parse_buckets(v, "--" + name.replace("_", "-")))
 
 
 def parse_buckets(text: Any, flag: str) -> tuple[int, ...]:
@@ -121,3 +145,16 @@ def default_buckets(max_context: int, max_seq: int, max_batch: int, *, tp: int =
         power_buckets(MIN_BUCKET, _round_up(max_seq, MIN_BUCKET), MIN_BUCKET)
     bb = tuple(sorted(set(batch))) if batch else power_buckets(1, max_batch)
     return Buckets(ctx, kvb, bb)
+
+
+#: ``--moe-routing``: how a step's routed tokens spread over the expert-parallel ranks (the lowering's
+#: ``torch_bridge.timing.nxdi.ROUTINGS``; the busiest rank bounds the step)
+MOE_ROUTINGS = ("random", "balanced")
+
+
+def add_moe_routing_flag(p: Any) -> None:
+    """``--moe-routing`` for the commands that lower MoE layers (estimate inference, serve)."""
+    p.add_argument("--moe-routing", choices=MOE_ROUTINGS, default="random",
+                   help="how a step's routed tokens spread over the EP ranks, the busiest rank bounding the step: "
+                        "random (default: the expected busiest rank when each token's picks land uniformly at "
+                        "random) or balanced (every rank its mean share)")

@@ -33,6 +33,8 @@ a layer is::
     router_topk    (T, H, E_total)         top_k=..., act="softmax"|"sigmoid", norm=..., bias=...
     moe_tkg        (T, H, I, E)            decode: top_k=..., mode="auto"  (selective or all-expert)
     moe            (T, H, I, E)            prefill: the library's blockwise MoE (router included)
+    # DeepSeek's MLA at decode: the rank's heads over one shared latent cache, W_uk/W_uv absorbed
+    mla_tkg        (B, NQ, SP, R, DR, D)   R = kv_lora_rank, DR = rope dim, D = nope = v head dim
 
 ``rope`` ``(B, heads, S, D)`` is the standalone rotation for a model whose q/k norm sits between the
 projection and RoPE (Qwen3: ``qkv`` with ``rope=False``, then ``rope``).
@@ -55,10 +57,10 @@ attention shares sequences, kv heads or (one sequence, one kv head) the cached k
 the end; ``router_topk`` the tokens; ``moe_tkg`` the tokens (selective) or the experts.
 
 How close each kernel gets to its HBM or TensorE bound (:func:`~.common.measure`) is pinned in
-``tests/test_kernels_transformer.py``.
+``tests/kernels/test_kernels_transformer.py``.
 """
 
-from . import attention_cte, attention_tkg, mlp, moe_tkg, oproj, qkv, rope, router  # noqa: F401
+from . import attention_cte, attention_tkg, mla_tkg, mlp, moe_tkg, oproj, qkv, rope, router  # noqa: F401
 from .common import BOUNDS, Bound, Measured, measure
 
 __all__ = ["BOUNDS", "Bound", "Measured", "measure"]

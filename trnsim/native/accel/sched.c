@@ -6,7 +6,7 @@
  * every schedule, and the processes waiting on one event resumed in the order they began to
  * wait. So every reservation of a core's DMA engines and of an HBM stack happens in the order
  * the simpy model makes it, ties included, and every tick comes out the same
- * (tests/test_sim_equivalence.py compares the two on every library kernel).
+ * (tests/sim/test_sim_equivalence.py compares the two on every library kernel).
  *
  * What is per instruction and independent of the order of events - issue and latency ticks,
  * TensorE's LoadStationary / MultiplyMoving ticks, a DMA plan's per-engine ticks - is worked out

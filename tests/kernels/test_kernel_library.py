@@ -1,0 +1,66 @@
+"""Every registered kernel, on every shipped Trainium generation it targets, computes the same
+values as its numpy reference (the per-kernel test files go deeper; this one keeps the registry
+honest: a kernel added without a reference, or that breaks on trn3, fails here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnsim import KernelError, load_config
+from trnsim.kernels import kernel_names
+from trnsim.kernels import get_kernel
+from trnsim.kernels.check import check_entry
+
+# Kernels only NeuronCore-v4 runs: elsewhere they refuse in one line.
+NEEDS_MX = {"matmul_mx"}
+# One small, ragged shape per kernel (dims in the registry's order).
+SMALL = {
+    "activation": (130, 70),
+    "attention": (1, 2, 200, 64),
+    "attention_cte": (1, 4, 2, 200, 64),
+    "attention_tkg": (3, 4, 2, 2, 384, 64),
+    "binary": (130, 70),
+    "bmm": (2, 130, 70, 200),
+    "bmm_packed": (5, 20, 30, 40),
+    "conv2d": (1, 20, 9, 9, 24, 3),
+    "dwconv2d": (2, 20, 9, 9, 3),
+    "embedding": (130, 50, 96),
+    "foreach_fused": (3, 1000),
+    "fused": (130, 300),
+    "matmul_fused": (130, 200, 300),
+    "layernorm": (130, 300),
+    "matmul": (130, 200, 300),
+    "matmul_mx": (130, 640, 300),
+    "mlp": (3, 50, 256, 384),
+    "moe": (130, 160, 300, 4),
+    "moe_tkg": (3, 256, 384, 8),
+    "mla_tkg": (3, 2, 256, 256, 64, 128),
+    "oproj": (3, 50, 2, 64, 256),
+    "qkv": (3, 50, 256, 4, 2, 64),
+    "reduce": (130, 70),
+    "rope": (2, 3, 130, 64),
+    "router_topk": (130, 256, 64),
+    "rmsnorm": (130, 300),
+    "rmsnorm_fp8": (130, 300),
+    "softmax": (130, 300),
+    "transpose": (130, 70),
+    "unary": (130, 70),
+}
+
+
+def test_every_kernel_has_a_small_shape_here():
+    assert sorted(SMALL) == kernel_names()
+
+
+@pytest.mark.parametrize("config", ["trn2", "trn3"])
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_kernel_matches_reference(name, config):
+    entry = get_kernel(name)
+    if name in NEEDS_MX and not load_config(config).core.tensor.mx_quad:
+        with pytest.raises(KernelError, match=rf"^{name}: {config} has no MX matmul "):
+            entry.make(SMALL[name], entry.dtypes[0], load_config(config))
+        return
+    for dtype in entry.dtypes:
+        out = check_entry(entry, SMALL[name], dtype, config)
+        assert out["ok"], f"{name} {dtype} on {config}: errors {out['errors']}"
+        assert out["report"].total_cycles > 0
