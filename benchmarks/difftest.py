@@ -47,8 +47,21 @@ result's largest magnitude (per dtype: fp32 1e-5, bf16 2^-7, fp16 2^-10) plus ``
 A mismatch prints one line: what differs, the op, the sample's description and the command that
 reruns exactly that sample (``python benchmarks/difftest.py --repro <op> <seed>``).
 
+**First calls in fresh processes** (``--fresh``): each op's samples run in a process of their
+own, so the first sample is the first call the process makes (nothing taught to the fast path,
+no signature costed, no buffer moved before; the in-process run learns every op first, which hid
+the BatchNorm double update). :data:`STATEFUL` ops (served by the fallback, writing buffers their
+schema does not annotate) are tested too.
+
+**What the fast path may write** (``--write-guard N``): the native fast path runs an op's CPU
+kernel on its arguments' memory trusting the schema's ``(a!)`` annotations (and runs it once more
+in Python's path to learn a signature's cost); N samples of every aten op it serves by its schema
+run on CPU with every input's bytes compared before and after, and an argument written without
+an annotation is reported (the run fails if the fast path serves that op).
+
     OMP_NUM_THREADS=1 python benchmarks/difftest.py [--samples N] [--seed S] [--ops a,b]
         [--dtypes float32,int64] [--no-compile] [--compile-every K] [--json out.json] [--repro op seed]
+        [--fresh] [--write-guard N]
 
 The long run (the issue's >= 100,000 samples): ``--samples 400`` over every op.
 """
@@ -149,6 +162,10 @@ ALTERNATIVES: dict[str, Callable[[], Any]] = {"scaled_dot_product_attention": _s
 # that reach them, added below.
 PLUMBING = frozenset({"_copy_from", "_copy_from_and_resize", "_has_compatible_shallow_copy_type"})
 USER_FACING = ("copy_", "clone", "contiguous", "to")
+# Overloads whose CPU kernel is no reference: native_batch_norm.out of a non-contiguous input
+# (an expanded or transposed one) gives other values than the functional op on CPU, and other ones
+# on each run (it reads memory it never wrote: torch 2.13's own bug; the device runs the same kernel).
+NO_REFERENCE = frozenset({"native_batch_norm.out"})
 # Results that are uninitialised memory: shapes, dtypes and strides are compared, values are not.
 NO_VALUES = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"})
 # Overloads this tester does not draw (their schemas take no tensor or are TorchScript list/str ops)
@@ -209,7 +226,15 @@ def served_ops() -> dict[str, str]:
     for name in USER_FACING:
         found.setdefault(name, set()).add("plumbing")
     aten |= {name for name in CUSTOM_OPS if _custom_served(name)}
+    for name in STATEFUL:
+        found.setdefault(name, set()).add("stateful")
     return {name: "+".join(sorted(how)) for name, how in sorted(found.items()) if name in aten}
+
+
+# Ops the fallback serves that write buffers their schema does not annotate (native_batch_norm's
+# running statistics in training): the fast path must leave them to Python, and their first call
+# in a fresh process must move the buffers once (the BatchNorm double update, 2e3c152).
+STATEFUL = ("native_batch_norm",)
 
 
 def dead_table_names() -> list[str]:
@@ -234,6 +259,8 @@ def overloads(packet: str) -> list[Any]:
             continue
         if "hacked_twin" in name or name.endswith("_generator") or "dimname" in name.lower() or \
                 name.startswith("prim_"):  # (TorchScript's own overloads)
+            continue
+        if f"{packet}.{name}" in NO_REFERENCE:
             continue
         out.append(op)
     return out
@@ -1068,7 +1095,29 @@ def _slow_conv_recipe(a: Args) -> dict[str, Any]:
             "stride": [g.rng.choice((1, 2))] * 2, "padding": [g.rng.choice((0, 1))] * 2}
 
 
+def _batch_norm_recipe(a: Args) -> dict[str, Any]:
+    """An (N, C, ...) input and per-channel weight, bias and running statistics (each present or
+    None), training or not: the running statistics are what a training call writes, unannotated
+    in native_batch_norm's schema (the fast path's BatchNorm double update)."""
+    g = a.g
+    n, c = g.rng.randint(1, 4), g.rng.randint(1, 4)
+    x = g.tensor((n, c) + tuple(g.rng.randint(1, 3) for _ in range(g.rng.randint(0, 2))))
+    fdt = x.dtype if x.dtype.is_floating_point else torch.float32
+    stat = lambda low, high: g.tensor((c,), fdt, low=low, high=high, layout="contiguous")  # noqa: E731
+    training = g.chance(0.6)
+    # (eval mode without running statistics is a segmentation fault in CPU's kernel: F.batch_norm refuses it)
+    keep = [g.chance(0.8), g.chance(0.8)] + [True, True] if not training else [g.chance(0.8) for _ in range(4)]
+    preset = {"input": x, "weight": stat(0.5, 2.0) if keep[0] else None, "bias": stat(-1.0, 1.0) if keep[1] else None,
+              "running_mean": stat(-1.0, 1.0) if keep[2] else None,
+              "running_var": stat(0.5, 2.0) if keep[3] else None, "training": training,
+              "momentum": g.rng.choice((0.1, 0.5)), "eps": 1e-5}
+    if a.base.endswith("_backward"):
+        preset["grad_out"] = g.tensor(tuple(x.shape))
+    return preset
+
+
 RECIPES: dict[str, Callable[[Args], dict[str, Any] | None]] = {
+    "native_batch_norm": _batch_norm_recipe,
     "_scaled_mm": _scaled_mm_recipe, "mx_matmul": _mx_recipe, "_slow_conv2d_forward": _slow_conv_recipe, "empty_strided": _empty_strided_recipe,
     "mm": _matmul_recipe, "addmm": _matmul_recipe, "bmm": _matmul_recipe, "baddbmm": _matmul_recipe,
     "_foreach_mm": _foreach_mm_recipe, "where": _where_recipe, "searchsorted": _searchsorted_recipe,
@@ -1196,6 +1245,118 @@ def make_sample(packet: str, seed: int, dtypes: Sequence[torch.dtype] = DTYPES) 
                                                      a.alias_info.is_write for a in op._schema.arguments):
         gen.tag("out=")
     return Sample(packet, op, args, kwargs, gen.tags, seed, random=_packet_random(packet))
+
+
+# ---- what the native fast path may write ---------------------------------------------------------
+def fast_served_packets() -> list[str]:
+    """Every aten packet with an overload the native fast path serves by its schema (it runs the
+    CPU kernel on the arguments' memory, trusting the schema's ``(a!)`` annotations to say what is
+    written), plus native_batch_norm, the one op known to write without saying so (denied to it)."""
+    packets = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, name, None), overload or "default", None)
+        if op is not None and fastpath.kind(op) in ("functional", "writes"):
+            packets.add(name)
+    return sorted(packets | {"native_batch_norm"})
+
+
+def unannotated_writes(s: Sample) -> list[str]:
+    """The arguments of ``s`` that its op writes on CPU (their storage's bytes change) although
+    its schema annotates no argument sharing their storage as written (``Tensor(a!)``)."""
+    m = Materialised(s, "cpu")
+    named: list[tuple[str, torch.Tensor]] = []
+    schema_args = s.op._schema.arguments
+    for a, v in list(zip(schema_args, m.args)) + [(next(x for x in schema_args if x.name == k), v)
+                                                  for k, v in m.kwargs.items()]:
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor):
+                named.append((a.name, t))
+    if not named:
+        return []
+    written = {a.name for a in schema_args if a.alias_info is not None and a.alias_info.is_write}
+    allowed = {t.untyped_storage()._cdata for name, t in named if name in written}
+    before = {t.untyped_storage()._cdata: bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy())
+              for _, t in named}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s.op(*m.args, **m.kwargs)
+    except Exception:
+        return []
+    found = []
+    for name, t in named:
+        key = t.untyped_storage()._cdata
+        if key in allowed or name in found:
+            continue
+        if bytes(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()) != before[key]:
+            found.append(name)
+    return found
+
+
+def _guard_packet(packet: str, samples_per_op: int, seed: int) -> tuple[int, dict[str, list[str]]]:
+    ran, found = 0, {}
+    for i in range(samples_per_op):
+        s = make_sample(packet, sample_seed(seed, packet, i))
+        if s is None or _packet_random(packet):
+            continue
+        ran += 1
+        wrote = unannotated_writes(s)
+        if wrote:
+            found[s.qualified] = sorted(set(found.get(s.qualified, [])) | set(wrote))
+    return ran, found
+
+
+def write_guard(packets: Iterable[str], samples_per_op: int, seed: int = SEED
+                ) -> tuple[int, dict[str, tuple[str, list[str]]], list[str]]:
+    """Samples of ``packets`` run on CPU, each held to :func:`unannotated_writes`: (samples run,
+    {overload: (how the fast path serves it, arguments written without an annotation)}, packets
+    whose CPU kernel crashed the process on a drawn sample). Each packet runs in a forked child:
+    CPU's kernels of internal ops given arguments their callers never pass can crash (eval-mode
+    native_batch_norm without running statistics is a segmentation fault)."""
+    import os
+
+    def forked(chunk: list[str]) -> tuple[int, dict[str, list[str]]] | None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its findings as JSON, then out without Python's teardown
+            code = 0
+            try:
+                os.close(r)
+                n, got = 0, {}
+                for packet in chunk:
+                    k, more = _guard_packet(packet, samples_per_op, seed)
+                    n += k
+                    got.update(more)
+                os.write(w, json.dumps([n, got]).encode())
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        return json.loads(data) if data and status == 0 else None
+
+    ran, found, crashed = 0, {}, []
+    packets = list(packets)
+    for start in range(0, len(packets), 50):  # fifty to a child; a chunk that crashes, one by one
+        chunk = packets[start:start + 50]
+        results = [forked(chunk)]
+        if results[0] is None:
+            results = [forked([p]) for p in chunk]
+            crashed += [p for p, res in zip(chunk, results) if res is None]
+        for res in results:
+            if res is None:
+                continue
+            ran += res[0]
+            for key, wrote in res[1].items():
+                name, _, overload = key.partition(".")
+                found[key] = (fastpath.kind(getattr(getattr(torch.ops.aten, name), overload or "default")), wrote)
+    return ran, found, crashed
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -1880,6 +2041,68 @@ def run(ops: Iterable[str], samples_per_op: int, seed: int = SEED, dtypes: Seque
     return t.stats
 
 
+def run_fresh(ops: Sequence[str], argv: Sequence[str]) -> Stats:
+    """Each op's samples in a process of its own (this script, the same arguments, one op), so
+    its first sample is the first call the process makes: nothing taught to the fast path, no
+    signature costed, no buffer moved before (the in-process run learns every op first, which hid
+    the BatchNorm double update). The children's summaries are added up; their mismatch lines
+    are printed as they come."""
+    import os
+    import subprocess
+    import tempfile
+
+    keep, skip = [], False
+    for a in argv:  # the same arguments bar --fresh, --ops, --json and --progress
+        if skip:
+            skip = False
+            continue
+        if a in ("--ops", "--json"):
+            skip = True
+            continue
+        if a in ("--fresh", "--progress") or a.startswith(("--ops=", "--json=")):
+            continue
+        keep.append(a)
+    st = Stats()
+    with tempfile.TemporaryDirectory() as tmp:
+        for op in ops:
+            out = os.path.join(tmp, "child.json")
+            r = subprocess.run([sys.executable, __file__, *keep, "--ops", op, "--json", out], capture_output=True,
+                               text=True)
+            if not os.path.exists(out):
+                first = next((ln for ln in reversed(r.stderr.splitlines()) if ln.strip()), f"exit {r.returncode}")
+                line = f"MISMATCH [fresh process] {op}: the process failed: {first}"
+                print(line)
+                st.mismatches.append(_Reported(line))
+                continue
+            with open(out) as f:
+                got = json.load(f)
+            os.unlink(out)
+            st.samples += got["samples"]
+            st.cpu_errors += got["cpu_errors"]
+            st.compiled += got["compiled"]
+            st.fast_hits += got["fast_hits"]
+            st.torch_compile_differs += got["torch_compile_differs"]
+            for k, v in got["by_dtype"].items():
+                st.by_dtype[k] = st.by_dtype.get(k, 0) + v
+            st.by_op.update(got["by_op"])
+            for line in got["mismatches"]:
+                print(line)
+                st.mismatches.append(_Reported(line))
+    return st
+
+
+@dataclass
+class _Reported:
+    """A mismatch a child process reported (its line)."""
+
+    text: str
+    mode: str = "fresh process"
+    sample: Any = None
+
+    def line(self) -> str:
+        return self.text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=20, help="samples per op")
@@ -1895,6 +2118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--palette-share", type=float, default=0.8,
                    help="share of samples whose shape comes from the palette (the rest are drawn at random)")
     p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
+    p.add_argument("--fresh", action="store_true",
+                   help="each op in a fresh process: its first sample is the first call the process makes")
+    p.add_argument("--write-guard", type=int, default=0, metavar="N",
+                   help="instead: N samples on CPU of every op the fast path serves by its schema, each argument "
+                        "written without an (a!) annotation reported")
     ns = p.parse_args(argv)
     global PALETTE_SHARE
     PALETTE_SHARE = ns.palette_share
@@ -1911,10 +2139,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         t.flush_compiled()
         print("ok" if not t.stats.mismatches else f"{len(t.stats.mismatches)} mismatch(es)")
         return 1 if t.stats.mismatches else 0
+    if ns.write_guard:
+        packets = [o for o in ns.ops.split(",") if o] or fast_served_packets()
+        ran, found, crashed = write_guard(packets, ns.write_guard, ns.seed)
+        for key, (kind, wrote) in sorted(found.items()):
+            print(f"{key}: writes {', '.join(wrote)} without an annotation; the fast path serves it as: {kind}")
+        served = [k for k, (kind, _) in found.items() if kind not in ("python", None)]
+        print(f"difftest --write-guard: {len(packets)} ops, {ran} CPU samples; {len(found)} write unannotated "
+              f"arguments, {len(served)} of them served by the fast path"
+              + (f"; CPU's kernel crashed on samples of {', '.join(crashed)}" if crashed else ""))
+        return 1 if served else 0
     ops = [o for o in ns.ops.split(",") if o] or list(served_ops())
     t0 = time.perf_counter()
-    stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every, progress=ns.progress,
-                timing_every=ns.timing_every)
+    if ns.fresh:
+        stats = run_fresh(ops, argv if argv is not None else sys.argv[1:])
+    else:
+        stats = run(ops, ns.samples, ns.seed, dtypes, 0 if ns.no_compile else ns.compile_every,
+                    progress=ns.progress, timing_every=ns.timing_every)
     dt = time.perf_counter() - t0
     print(f"difftest: {len(ops)} ops, {stats.samples} samples ({stats.samples - stats.cpu_errors} valid, "
           f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, {stats.timing_only} timing-only, "
@@ -1929,7 +2170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  by dtype: " + ", ".join(f"{k} {v}" for k, v in sorted(stats.by_dtype.items())))
     bad = {}
     for m in stats.mismatches:
-        d = next((t for t in m.sample.tags if t in DTYPE_NAMES), "?")
+        d = next((t for t in (m.sample.tags if m.sample is not None else ()) if t in DTYPE_NAMES), "?")
         bad[(d, m.mode)] = bad.get((d, m.mode), 0) + 1
     print("  mismatches by dtype and mode: " + (", ".join(f"{d}/{mode} {n}" for (d, mode), n in sorted(bad.items()))
                                                or "none"))

@@ -139,6 +139,8 @@ def load() -> ctypes.CDLL:
         getattr(handle, name).argtypes = [ctypes.c_int]
     handle.trnsim_fast_capture.argtypes = [i64]
     handle.trnsim_fast_hits.restype = i64
+    handle.trnsim_fast_kind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    handle.trnsim_fast_kind.restype = ctypes.c_int
     handle.trnsim_log_count_ptr.restype = ctypes.c_void_p
     handle.trnsim_log_take.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_log_take.restype = i64

@@ -395,3 +395,36 @@ def test_a_compiled_division_by_zero_gives_cpus_infinities(seed):
     f = torch.compile(lambda t, d: t / d, backend="neuron")
     for d in (0, 0.0):  # (-0.0 after 0.0 reuses its graph: dynamo's guard, as on CPU)
         assert torch.equal(f(x.to("neuron"), d).cpu().nan_to_num(7), (x / d).nan_to_num(7)), d
+
+
+# ---- what the fast path may write, and first calls in fresh processes ----------------------------
+def test_no_op_the_fast_path_serves_writes_an_argument_its_schema_does_not_annotate():
+    """The native fast path runs an op's CPU kernel on its arguments' memory and, on the first call
+    of a signature, once more in Python's path to learn the cost: an op that writes an argument
+    without a `(a!)` annotation is written twice (BatchNorm's running statistics moved by 0.19
+    instead of 0.1, 2e3c152). Every op it serves by its schema (over 1,300 aten packets) runs 3
+    samples on CPU, every input's bytes compared before and after; the only writer found,
+    native_batch_norm, must be left to Python (and the probe must see it)."""
+    packets = dt.fast_served_packets()
+    assert len(packets) > 1000
+    ran, found, _ = dt.write_guard(packets, 3)
+    assert ran > 3000
+    served = {k: v for k, v in found.items() if v[0] not in ("python", None)}
+    assert not served, served
+    _, bn, _ = dt.write_guard(["native_batch_norm"], 20)
+    assert bn == {"native_batch_norm": ("python", ["running_mean", "running_var"])}
+
+
+def test_first_calls_in_fresh_processes_agree_with_cpu():
+    """difftest --fresh: each op in a process of its own, so its first sample is the first call
+    the process makes (the in-process run teaches every op before it compares, which hid the
+    BatchNorm double update): a stateful op, an in-place one, out= variants and the fast path's
+    own matmul."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(_PATH), "--fresh", "--ops", "native_batch_norm,add_,addmm",
+                        "--samples", "8", "--no-compile", "--timing-every", "0"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    summary = next(ln for ln in r.stdout.splitlines() if ln.startswith("difftest:"))
+    assert "3 ops, 24 samples" in summary and "0 mismatches" in summary, summary

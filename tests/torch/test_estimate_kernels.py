@@ -257,3 +257,6 @@ def test_moe_routing_busiest_ep_rank():
     assert nxdi.routed_load(f, nxdi.Shards(64, 1), 16) == (16, 8)  # every expert on every rank
     with pytest.raises(nxdi.Unsupported, match="--moe-routing 'skewed'"):
         nxdi.routed_load(f, sh("skewed"), 4)
+    from trnsim.workload.buckets import MOE_ROUTINGS
+
+    assert set(MOE_ROUTINGS) == set(nxdi.ROUTINGS)  # the CLI's choices are the lowering's

@@ -1625,6 +1625,14 @@ int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
 void trnsim_fast_tracing(int on) { t_tracing = on; }  // (the calling thread's)
 void trnsim_fast_capture(int64_t token) { t_capture = token; }  // (the calling thread's)
+// How the fast path classifies op `name` ("aten::add"), overload `overload` ("Tensor", "" for the
+// default): its OpKind (0: never served), or -1 where no such op is registered. Tests use it to hold
+// every op it serves to what its schema says it writes.
+int trnsim_fast_kind(const char* name, const char* overload) {
+  auto handle = c10::Dispatcher::singleton().findSchema(c10::OperatorName(name, overload));
+  if (!handle.has_value()) return -1;
+  return static_cast<int>(op_fast(*handle).kind);
+}
 void trnsim_fast_history(int on) { g_history.store(on); }
 int64_t trnsim_fast_hits() { return g_fast_hits.load(); }
 int64_t* trnsim_log_count_ptr() { return reinterpret_cast<int64_t*>(&g_log_count); }

@@ -157,6 +157,23 @@ def teach(qualified: str, op: str, cost: OpCost) -> None:
         _lib.trnsim_fast_learn(_handle(op, cost))
 
 
+# csrc/neuron.cpp's OpKind: how the fast path serves an op (0: it never does; Python's path serves it)
+KINDS = {0: "python", 1: "view", 2: "functional", 3: "writes", 4: "mm", 5: "addmm", 6: "bmm", 7: "empty",
+         8: "empty_strided", 9: "copy", 10: "lstm_cell", 11: "lstm_cell_backward", 12: "gru_cell",
+         13: "gru_cell_backward"}
+
+
+def kind(op: Any) -> str | None:
+    """How the native fast path serves ``op`` (an OpOverload): a :data:`KINDS` name ("functional":
+    it runs the CPU kernel on the arguments' memory, reading the schema's alias annotations to know
+    what it writes), or None without the native extension."""
+    if _lib is None:
+        return None
+    schema = _torch.op_schema(op)
+    code = _lib.trnsim_fast_kind(schema.name.encode(), schema.overload_name.encode())
+    return KINDS.get(code)
+
+
 def hits() -> int:
     """Ops the fast path has served in this process (tests use it)."""
     return int(_lib.trnsim_fast_hits()) if _lib is not None else 0

@@ -30,7 +30,7 @@ def serve_setup(args: Any, requests: Sequence[Request]) -> tuple[StepCosts, Serv
     if args.dtype not in nxdi.KERNEL_DTYPES:
         raise ServeError(f"--dtype {args.dtype}: the library's transformer kernels take "
                          f"{' or '.join(nxdi.KERNEL_DTYPES)}")
-    shards = nxdi.Shards(tp, ep, sp, args.dtype)
+    shards = nxdi.Shards(tp, ep, sp, args.dtype, getattr(args, "moe_routing", "random"))
     longest = max(r.prompt + r.output for r in requests)
     mlen = args.max_model_len or longest
     limit = spec.fields.get("max_position_embeddings")

@@ -18,7 +18,7 @@ from typing import Any
 
 from .base import Out as _Out, UsageError
 from ..config import format_quantity
-from ..workload.buckets import BUCKET_FLAGS, add_bucket_flags
+from ..workload.buckets import BUCKET_FLAGS, add_bucket_flags, add_moe_routing_flag
 
 __all__ = ["add_parser", "render_inference", "render_train"]
 
@@ -332,10 +332,7 @@ def add_parser(sub: Any) -> None:
                                                           "Inference runs them, at Neuron's buckets)")
     inf.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE experts split over EP of the TP ranks "
                                                        "(default 1)")
-    inf.add_argument("--moe-routing", choices=("random", "balanced"), default="random",
-                     help="how a step's routed tokens spread over the EP ranks, the busiest rank bounding the step: "
-                          "random (default: the expected busiest rank when each token's picks land uniformly at "
-                          "random) or balanced (every rank its mean share)")
+    add_moe_routing_flag(inf)
     inf.add_argument("--max-context", type=int, help="largest prompt bucket (default: --max-model-len, as "
                                                            "NxDI's max_context_length)")
     inf.add_argument("--max-model-len", type=int, help="largest sequence: KV buckets up to it (default: --input + "

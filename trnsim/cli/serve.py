@@ -19,7 +19,7 @@ from typing import Any
 
 from .base import Out as _Out
 from .base import UsageError
-from ..workload.buckets import add_bucket_flags
+from ..workload.buckets import add_bucket_flags, add_moe_routing_flag
 
 __all__ = ["add_mode"]
 
@@ -203,6 +203,7 @@ def add_mode(modes: Any) -> None:
                                                              f"path; default trn2.48xlarge")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism within the TP group (default 1)")
+    add_moe_routing_flag(p)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the TP group, each with its own "
                                                      "scheduler and KV cache; a request goes to the least loaded "
                                                      "(default 1)")

@@ -1,5 +1,5 @@
 """A sweep's spec: the YAML file (configs, systems, grid, kernels, collectives, estimates, output)
-checked and expanded into :class:`Point`\ s (:func:`load_spec`), and the configs of its variants,
+checked and expanded into :class:`Point` objects (:func:`load_spec`), and the configs of its variants,
 loaded once per process."""
 
 from __future__ import annotations

@@ -145,3 +145,16 @@ def default_buckets(max_context: int, max_seq: int, max_batch: int, *, tp: int =
         power_buckets(MIN_BUCKET, _round_up(max_seq, MIN_BUCKET), MIN_BUCKET)
     bb = tuple(sorted(set(batch))) if batch else power_buckets(1, max_batch)
     return Buckets(ctx, kvb, bb)
+
+
+#: ``--moe-routing``: how a step's routed tokens spread over the expert-parallel ranks (the lowering's
+#: ``torch_bridge.timing.nxdi.ROUTINGS``; the busiest rank bounds the step)
+MOE_ROUTINGS = ("random", "balanced")
+
+
+def add_moe_routing_flag(p: Any) -> None:
+    """``--moe-routing`` for the commands that lower MoE layers (estimate inference, serve)."""
+    p.add_argument("--moe-routing", choices=MOE_ROUTINGS, default="random",
+                   help="how a step's routed tokens spread over the EP ranks, the busiest rank bounding the step: "
+                        "random (default: the expected busiest rank when each token's picks land uniformly at "
+                        "random) or balanced (every rank its mean share)")

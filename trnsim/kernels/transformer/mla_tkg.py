@@ -137,9 +137,24 @@ def build_mla_tkg(b: int, nq: int, sp: int, r: int, dr: int, d: int, dtype: str 
                 kern.nc_matmul(ps, wuk[:, h, c * P:(c + 1) * P], qnT[:, h, :])
                 kern.tensor_copy(qlat[:, c, h, :], ps, engine="vector" if (h * rc + c) % 2 else "scalar")
         olat = pools("olat", 2).tile((P, rc, nq, P), dt)[:, :, :, :bb]
+        w = _Mla(kern, pools, cache=cache, sp=sp, r=r, dr=dr, rc=rc, nq=nq, sc=sc, dt=dt, chunks=chunks, qlat=qlat,
+                 qpT=qpT, pos_f=pos_f, olat=olat, ones_col=ones_col, ones_row=ones_row, q_=q_)
+        # software-pipelined over the block's (sequence, chunk) items: scores of item i + 1, then the
+        # softmax and values of item i
+        pending: tuple[_Seq, int, Any] | None = None
         for bi in range(bb):
-            _sequence(kern, pools, cache, b0 + bi, bi, sp, r, dr, rc, nq, sc, dt, chunks, qlat, qpT, pos_f,
-                      olat, ones_col, ones_row, q_)
+            st = w.start(b0 + bi, bi)
+            for ci, ch in enumerate(chunks):
+                a = w.scores(st, ch)
+                if pending is not None:
+                    ps_, pci, pa = pending
+                    w.softmax_pv(ps_, pa)
+                    if pci == ps_.last:
+                        w.finish(ps_)
+                pending = (st, ci, a)
+        assert pending is not None
+        w.softmax_pv(pending[0], pending[2])
+        w.finish(pending[0])
         # out [bb, NQ, D] = o_lat[h] W_uv[h], the block's sequences as rows
         res = pools("res", 2).tile((P, nq, d), dt)[:bb]
         for h in range(nq):
@@ -151,64 +166,99 @@ def build_mla_tkg(b: int, nq: int, sp: int, r: int, dr: int, d: int, dtype: str 
     return kern
 
 
-def _sequence(kern: Kernel, pools: Pools, cache: Any, b: int, bi: int, sp: int, r: int, dr: int, rc: int, nq: int,
-              sc: float, dt: Any, chunks: list[tuple[int, int]], qlat: TileAP, qpT: TileAP, pos_f: TileAP,
-              olat: TileAP, ones_col: TileAP, ones_row: TileAP, q_: Any) -> None:
-    ct = max(n for _, n in chunks)
-    """One sequence's attention over its cache: ``o_latᵀ`` into column ``bi`` of ``olat``."""
-    lat = r + dr
-    m = pools("m", 3).tile((P, 1), "fp32")[:nq]
-    kern.memset(m, NEG)
-    l_ = pools("l", 3).tile((1, P), "fp32")[:, :nq]
-    kern.memset(l_, 0.0)
-    o = pools("o", 2).tile((P, rc, nq), "fp32")
-    kern.memset(o, 0.0)
-    # this sequence's queries: [128, RC, NQ] latent part, [DR, NQ] rope part (columns of the block's tiles)
-    ql = _view(qlat, P, bi, tuple(qlat.dims[:-1]))
-    qp = _view(qpT, dr, bi, tuple(qpT.dims[:-1]))
-    pos_b = _view(pos_f, P, bi, ())
-    for t0, nt in chunks:
+class _Seq:
+    """One sequence's running softmax state: ``m`` [NQ, 1], ``l`` [1, NQ], ``o`` [128, RC, NQ] (fp32)."""
+
+    def __init__(self, b: int, bi: int, last: int):
+        self.b, self.bi, self.last = b, bi, last
+        self.m: Any = None
+        self.l: Any = None
+        self.o: Any = None
+
+
+class _Mla:
+    """The instruction emitters of :func:`build_mla_tkg` for one block of sequences: a chunk's
+    loads, scores, mask and max (:meth:`scores`) are issued before the previous chunk's softmax
+    and values (:meth:`softmax_pv`), so TensorE transposes the next keys while the chain runs."""
+
+    def __init__(self, kern: Kernel, pools: Pools, **kw: Any):
+        self.kern, self.pools = kern, pools
+        self.__dict__.update(kw)
+        self.ct = max(n for _, n in self.chunks)
+
+    def start(self, b: int, bi: int) -> _Seq:
+        kern, pools, nq, rc = self.kern, self.pools, self.nq, self.rc
+        st = _Seq(b, bi, len(self.chunks) - 1)
+        st.m = pools("m", 5).tile((P, 1), "fp32")[:nq]
+        kern.memset(st.m, NEG)
+        st.l = pools("l", 5).tile((1, P), "fp32")[:, :nq]
+        kern.memset(st.l, 0.0)
+        st.o = pools("o", 3).tile((P, rc, nq), "fp32")
+        kern.memset(st.o, 0.0)
+        return st
+
+    def scores(self, st: _Seq, chunk: tuple[int, int]) -> tuple[Any, ...]:
+        kern, pools, nq, rc, r, dr, dt, ct = self.kern, self.pools, self.nq, self.rc, self.r, self.dr, self.dt, self.ct
+        lat = r + dr
+        t0, nt = chunk
         k0 = t0 * P
+        bi = st.bi
+        # this sequence's queries: [128, RC, NQ] latent part, [DR, NQ] rope part (columns of the block's tiles)
+        ql = _view(self.qlat, P, bi, tuple(self.qlat.dims[:-1]))
+        qp = _view(self.qpT, dr, bi, tuple(self.qpT.dims[:-1]))
+        pos_b = _view(self.pos_f, P, bi, ())
         rows = pools("rows", 3).tile((P, ct, lat), dt)[:, :nt, :]
-        kern.dma_copy(rows, cache.ap((b * sp + k0) * lat, [[lat, P], [P * lat, nt], [1, lat]]), queue=q_())
+        kern.dma_copy(rows, self.cache.ap((st.b * self.sp + k0) * lat, [[lat, P], [P * lat, nt], [1, lat]]),
+                      queue=self.q_())
         s_ps = pools("s_ps", 2, "psum").tile((P, ct * nq), "fp32")[:, :nt * nq]
-        for t in range(nt):
-            # the tile's keys transposed: [R + DR, 128 keys] in 128-row pieces
-            tp = pools("kT_ps", 2, "psum").tile((P, rc + 1, P), dt)
-            pairs = [(tp[:, c, :], rows[:, t, c * P:(c + 1) * P]) for c in range(rc)]
-            pairs.append((tp[:dr, rc, :], rows[:, t, r:lat]))
-            kern.nc_transpose_many(pairs)
-            kT = pools("kT", 3).tile((P, rc + 1, P), dt)
-            kern.tensor_copy(kT[:, :rc, :], tp[:, :rc, :], engine="vector" if t % 2 else "scalar")
-            kern.tensor_copy(kT[:dr, rc, :], tp[:dr, rc, :], engine="scalar" if t % 2 else "vector")
-            dst = s_ps[:, t * nq:(t + 1) * nq]
-            for c in range(rc):
-                kern.nc_matmul(dst, kT[:, c, :], ql[:, c, :], accumulate=c > 0)
-            kern.nc_matmul(dst, kT[:dr, rc, :], qp, accumulate=True)
+        kTs: list[TileAP] = []
+        for t in range(nt + 1):
+            if t < nt:
+                # the tile's keys transposed: [R + DR, 128 keys] in 128-row pieces (a tile ahead of
+                # its scores, so TensorE is not waiting on the evacuation)
+                tp = pools("kT_ps", 2, "psum").tile((P, rc + 1, P), dt)
+                pairs = [(tp[:, c, :], rows[:, t, c * P:(c + 1) * P]) for c in range(rc)]
+                pairs.append((tp[:dr, rc, :], rows[:, t, r:lat]))
+                kern.nc_transpose_many(pairs)
+                kT = pools("kT", 3).tile((P, rc + 1, P), dt)
+                kern.tensor_copy(kT[:, :rc, :], tp[:, :rc, :], engine="vector" if t % 2 else "scalar")
+                kern.tensor_copy(kT[:dr, rc, :], tp[:dr, rc, :], engine="scalar" if t % 2 else "vector")
+                kTs.append(kT)
+            if t >= 1:
+                kT, dst = kTs[t - 1], s_ps[:, (t - 1) * nq:t * nq]
+                for c in range(rc):
+                    kern.nc_matmul(dst, kT[:, c, :], ql[:, c, :], accumulate=c > 0)
+                kern.nc_matmul(dst, kT[:dr, rc, :], qp, accumulate=True)
         # mask keys past pos, out of PSUM into fp32 SBUF
         kidx = pools("kidx", 2).tile((P, ct), "fp32")[:, :nt]
         kern.iota(kidx, base=k0, channel_multiplier=1, pattern=[P])
         bad = pools("bad", 2).tile((P, ct, nq), "fp32")[:, :nt, :]
         kern.tensor_tensor(bad, _view(kidx, P, 0, ((1, nt), (0, nq))), _view(pos_b, P, 0, ((0, nt), (0, nq))),
                            "greater", engine="gpsimd")
-        s_sb = pools("s_sb", 2).tile((P, ct * nq), "fp32")[:, :nt * nq]
+        s_sb = pools("s_sb", 3).tile((P, ct * nq), "fp32")[:, :nt * nq]
         kern.scalar_tensor_tensor(s_sb, bad.reshape(P, nt * nq), "multiply", NEG, "add", s_ps)
-        # the max over the chunk: over its tiles, then over the partitions (a transpose)
-        red = pools("red", 2).tile((P, nq), "fp32")
+        # the max over the chunk's tiles, per (key partition, head)
+        red = pools("red", 3).tile((P, nq), "fp32")
         if nt == 1:
             kern.tensor_copy(red, s_sb, engine="gpsimd")
         else:
             kern.tensor_reduce(red, "max", _view(s_sb, P, 0, ((1, nq), (nq, nt))), axis=2)
+        return nt, rows, s_sb, red
+
+    def softmax_pv(self, st: _Seq, a: tuple[Any, ...]) -> None:
+        kern, pools, nq, rc, sc, dt, ct = self.kern, self.pools, self.nq, self.rc, self.sc, self.dt, self.ct
+        nt, rows, s_sb, red = a
+        # the max over the partitions (a transpose), the running max and the rescale factor
         tr = pools("tr32", 1, "psum").tile((P, 2 * P), "fp32")[:nq, :P]
         kern.nc_transpose(tr, red)
-        m_new = pools("m", 3).tile((P, 1), "fp32")[:nq]
+        m_new = pools("m", 5).tile((P, 1), "fp32")[:nq]
         kern.tensor_reduce(m_new, "max", tr, axis=1)
-        kern.tensor_tensor(m_new, m_new, m, "max")
+        kern.tensor_tensor(m_new, m_new, st.m, "max")
         nm = pools("nm", 2).tile((P, 1), "fp32")[:nq]
         kern.tensor_scalar(nm, m_new, "multiply", -sc)
         alpha = pools("alpha", 2).tile((P, 1), "fp32")[:nq]
-        kern.activation(alpha, "exp", m, scale=sc, bias=nm)
-        m = m_new
+        kern.activation(alpha, "exp", st.m, scale=sc, bias=nm)
+        st.m = m_new
         bc = pools("bcast", 1, "psum").tile((P, 2 * P), "fp32")
         mb, ab = bc[:, :nq], bc[:, P:P + nq]
         kern.nc_transpose(mb, bcast(m_new, P))
@@ -225,20 +275,25 @@ def _sequence(kern: Kernel, pools: Pools, cache: Any, b: int, bi: int, sp: int, 
                 kern.nc_matmul(o_ps[:, c, :], rows[:, t, c * P:(c + 1) * P], p[:, t * nq:(t + 1) * nq],
                                accumulate=t > 0)
         for t in range(nt):
-            kern.nc_matmul(l_ps, ones_col, p[:, t * nq:(t + 1) * nq], accumulate=t > 0)
-        kern.tensor_tensor(o, o, _view(ab, P, 0, ((0, rc), (1, nq))), "multiply")
-        kern.tensor_tensor(o, o, o_ps, "add")
-        lr = pools("l", 3).tile((1, P), "fp32")[:, :nq]
-        kern.tensor_tensor(lr, l_, ab[0:1, :], "multiply")
+            kern.nc_matmul(l_ps, self.ones_col, p[:, t * nq:(t + 1) * nq], accumulate=t > 0)
+        kern.tensor_tensor(st.o, st.o, _view(ab, P, 0, ((0, rc), (1, nq))), "multiply")
+        kern.tensor_tensor(st.o, st.o, o_ps, "add")
+        lr = pools("l", 5).tile((1, P), "fp32")[:, :nq]
+        kern.tensor_tensor(lr, st.l, ab[0:1, :], "multiply")
         kern.tensor_tensor(lr, lr, l_ps, "add")
-        l_ = lr
-    # o_lat = o / l: 1/l broadcast to the partitions by a matmul with a ones row
-    rl = pools("rl", 2).tile((1, P), "fp32")[:, :nq]
-    kern.reciprocal(rl, l_)
-    rb = pools("tr32", 1, "psum").tile((P, 2 * P), "fp32")[:, :nq]
-    kern.nc_matmul(rb, ones_row, rl)
-    kern.tensor_tensor(_view(olat, P, bi, tuple(olat.dims[:-1])), o, _view(rb, P, 0, ((0, rc), (1, nq))),
-                       "multiply")
+        st.l = lr
+
+    def finish(self, st: _Seq) -> None:
+        """``o_lat = o / l`` into column ``bi`` of ``olat``: 1/l broadcast to the partitions by a
+        matmul with a ones row."""
+        kern, pools, nq, rc = self.kern, self.pools, self.nq, self.rc
+        rl = pools("rl", 2).tile((1, P), "fp32")[:, :nq]
+        kern.reciprocal(rl, st.l)
+        rb = pools("tr32", 1, "psum").tile((P, 2 * P), "fp32")[:, :nq]
+        kern.nc_matmul(rb, self.ones_row, rl)
+        olat = self.olat
+        kern.tensor_tensor(_view(olat, P, st.bi, tuple(olat.dims[:-1])), st.o, _view(rb, P, 0, ((0, rc), (1, nq))),
+                           "multiply")
 
 
 def mla_tkg_split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[Any] | None:
