@@ -87,6 +87,18 @@ SLOW_TESTS = (
     "sweep/test_sweep_parquet.py::test_a_second_sweep_on_the_same_parquet_file_is_refused",
     "sweep/test_sweep_parquet.py::test_a_killed_parquet_sweep_resumes_from_its_journal",
     "torch/test_compile_flex.py::test_inductor_hard_coded_for_flex_attention_runs_the_neuron_backend",
+    "collectives/test_collective_algorithms.py::test_simulation_matches_the_alpha_beta_form_where_it_holds[trn1.32xlarge-all-reduce-ring-group7]",
+    "collectives/test_collective_concurrency.py::test_tp_and_dp_collectives_of_one_step_slow_each_other_on_shared_links",
+    "sweep/test_sweep_collectives.py::test_collective_rows_match_direct_runs",
+    "torch/test_compile_foreach.py::test_compiled_step_is_one_kernel_with_eager_values[sgd momentum]",
+    "torch/test_compile_flex.py::test_a_score_mod_that_cannot_fuse_says_so_in_a_line",
+    "kernels/test_kernels_transformer.py::test_time_is_near_the_bound[moe_tkg-4x4096x1792x8-",
+    # the scheduler's random programs: seeds 0-6 and 11 stay
+    "sim/test_schedule.py::test_never_reorders_across_a_dependency[7]",
+    "sim/test_schedule.py::test_never_reorders_across_a_dependency[8]",
+    "sim/test_schedule.py::test_never_reorders_across_a_dependency[9]",
+    "sim/test_schedule.py::test_never_reorders_across_a_dependency[10]",
+    "builder/test_build_replay_attention.py::test_variants_same_stream[shape7-",
     # replay: the largest variants (the other shapes and the same-stream checks stay)
     "builder/test_build_replay.py::test_fp8_double_row_and_streaming_plan_never_replay",
     "builder/test_build_replay_attention.py::test_variants_same_stream[shape5-",
