@@ -291,6 +291,47 @@ def test_convolution_refuses_what_cpu_refuses():
                                                 [0, 0], 1)
 
 
+def test_convolution_output_layout_is_cpus_for_ambiguous_strides():
+    """Long-run finding (seed 120873051521927): an input (1, 2, 4, 1) with strides (2, 1, 2, 2) is
+    channels-last contiguous only through its size-1 dims; CPU's slow 2-d kernel asks
+    ``suggest_memory_format`` (contiguous here) and returns a contiguous output, the device made it
+    channels-last. Its repro, then every stride order of a few shapes with size-1 dims (2-d and
+    3-d, float32 and bfloat16, whose CPU backends differ) against CPU's output strides."""
+    import itertools
+
+    def strided(shape, order, gen):  # dense strides laid out in ``order`` (innermost first)
+        strides, step = [0] * len(shape), 1
+        for d in order:
+            strides[d] = step
+            step *= shape[d]
+        return torch.randn(step, generator=gen).as_strided(shape, strides)
+
+    def check(x, w, b, *params):
+        want = torch.ops.aten.convolution(x, w, b, *params)
+        got = torch.ops.aten.convolution_overrideable(
+            *(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="neuron").copy_(t) for t in (x, w, b)),
+            *params)
+        assert got.stride() == want.stride(), (x.shape, x.stride(), w.shape, w.stride(), got.stride(), want.stride())
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=1e-2)
+
+    x = torch.arange(8.0).as_strided((1, 2, 4, 1), (2, 1, 2, 2))
+    w = torch.tensor([1.0, -2.0, 0.5, 3.0]).as_strided((2, 2, 1, 1), (1, 2, 2, 2))
+    check(x, w, torch.zeros(2), [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    gen = torch.Generator().manual_seed(3)
+    cases = [((1, 2, 4, 1), (2, 2, 1, 1)), ((2, 3, 1, 1), (2, 3, 1, 1)), ((1, 1, 3, 3), (2, 1, 1, 1)),
+             ((1, 2, 1, 3, 1), (2, 2, 1, 1, 1))]
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for xs, ws in cases:
+            k = len(xs) - 2
+            for xo, wo in zip(itertools.permutations(range(len(xs))), itertools.cycle(
+                    itertools.permutations(range(len(ws))))):
+                check(strided(xs, xo, gen).to(dtype), strided(ws, wo, gen).to(dtype), torch.zeros(ws[0], dtype=dtype),
+                      [1] * k, [0] * k, [1] * k, False, [0] * k, 1)
+                checked += 1
+    assert checked == 2 * (3 * 24 + 120)
+
+
 def test_convolution_with_infinities_gives_cpus_values():
     """im2col multiplied an infinite weight by the padding's zeros: NaN at the border where CPU's
     convolution gives numbers."""

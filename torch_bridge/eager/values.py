@@ -631,41 +631,32 @@ def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out
                   lambda: lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed))
 
 
-def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format | None:
-    """The output layout CPU's convolution picks: channels-last when the input or the weight is
-    (``suggest_memory_format``), contiguous otherwise."""
-    if x.dim() == 4:
-        cl = torch.channels_last
-    elif x.dim() == 5:
-        cl = torch.channels_last_3d
-    else:
-        return None
-    if any(t.is_contiguous(memory_format=cl) and not t.is_contiguous() for t in (x, w)):
-        return cl
-    return torch.contiguous_format
+# a convolution's metadata -> CPU's output strides (CPU takes it) or (exception type, message): CPU's
+# checks and layout
+_conv_checked: dict[tuple[Any, ...], tuple[int, ...] | tuple[type, str]] = {}
 
 
-# a convolution's metadata -> None (CPU takes it) or (exception type, message): CPU's checks
-_conv_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
-
-
-def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> None:
+def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> tuple[int, ...]:
     """Raise what CPU's convolution raises for these arguments (channels that do not match the
     weight, a bias of the wrong size, strides or paddings of the wrong length, ...), where the
-    datapath's im2col would compute something. CPU's own checks are the reference and no meta
-    kernel makes all of them, so the first call of each signature runs CPU's convolution on the
-    same host views (its result is dropped); later calls look the verdict up."""
+    datapath's im2col would compute something; else return the strides of CPU's output. CPU's own
+    checks are the reference and no meta kernel makes all of them, so the first call of each
+    signature runs CPU's convolution on the same host views (its values are dropped); later calls
+    look the verdict up. The output layout is CPU's too: which memory format it picks depends on
+    the backend CPU's convolution selects (the slow 2-d kernel asks ``suggest_memory_format``,
+    oneDNN also takes a tensor that is channels-last contiguous only through its size-1
+    dimensions, 3-d inputs differ again), so it is read off CPU's result rather than re-derived."""
     key = (tuple((t.shape, t.stride(), t.dtype) for t in (x, w, b) if t is not None), b is None, _signature(params))
-    verdict = _conv_checked.get(key, False)
-    if verdict is False:
+    verdict = _conv_checked.get(key)
+    if verdict is None:
         try:
-            torch.ops.aten.convolution.default(x, w, b, *params)
-            verdict = None
+            verdict = tuple(torch.ops.aten.convolution.default(x, w, b, *params).stride())
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             verdict = (type(e), str(e))
         _conv_checked[key] = verdict
-    if verdict is not None:
+    if verdict and isinstance(verdict[0], type):
         raise verdict[0](verdict[1])
+    return verdict  # type: ignore[return-value]
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -682,7 +673,7 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     index = input.device.index or 0
     x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
-    _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
+    strides = _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
     # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
     # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
     # are not all finite take CPU's convolution for their values
@@ -695,9 +686,8 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
                                                  groups)
-    fmt = _conv_memory_format(x, w)
-    if fmt is not None and not res.is_contiguous(memory_format=fmt):
-        res = res.contiguous(memory_format=fmt)
+    if res.stride() != strides:  # (the datapath's result is contiguous; CPU's may be channels-last)
+        res = torch.empty_strided(res.shape, strides, dtype=res.dtype).copy_(res)
     _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
     return memory.relabel(res, index)
 
