@@ -332,6 +332,80 @@ def test_convolution_output_layout_is_cpus_for_ambiguous_strides():
     assert checked == 2 * (3 * 24 + 120)
 
 
+@pytest.mark.parametrize("seed", [188223455553162])
+def test_causal_attention_repro_from_the_long_run(seed):
+    """Long-run finding: attn_mask with is_causal=True, 5 queries over 4 keys, a NaN key above
+    the diagonal: CPU's flash kernel gives row 0 numbers, the device NaN (every way)."""
+    s = dt.make_sample("scaled_dot_product_attention", seed, dt.DTYPES)
+    t = dt.Tester(dt.SEED, dt.DTYPES, 1, echo=None)
+    t.run_sample(s)
+    t.flush_compiled()
+    assert not [m.line() for m in t.stats.mismatches]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_attention_writes_its_mask_over_nan_and_inf_scores_as_cpus_flash_kernel(dtype):
+    """CPU's flash kernel writes -inf over the scores above the diagonal before it scales them
+    and adds the mask, so a NaN or inf key there changes nothing; a boolean mask is added as
+    0/-inf, so a NaN score where it is False stays NaN. The device added the causal -inf (NaN
+    stays NaN: whole rows NaN) and filled the boolean mask. Both of its paths: the fused kernel
+    (L == S) and op by op (L != S), scale None, 0 and negative."""
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for l, s in ((4, 4), (5, 4), (3, 4), (1, 6)):
+        for where in ("k_nan", "k_inf", "v_inf", "mask_inf"):
+            for scale in (None, 0.0, -0.5):
+                for mk in ("none", "bool", "float"):
+                    q, k, v = (torch.randn(1, 2, n, 8, generator=g).to(dtype) for n in (l, s, s))
+                    if where == "k_nan":
+                        k[..., -1, 0] = math.nan
+                    elif where == "k_inf":
+                        k[..., s // 2, 1] = math.inf
+                    elif where == "v_inf":
+                        v[..., 1, 0] = math.inf
+                    mask = None if mk == "none" else (torch.rand(l, s, generator=g) > 0.3) if mk == "bool" \
+                        else torch.randn(l, s, generator=g).to(dtype)
+                    if where == "mask_inf" and mk == "float":
+                        mask[0, -1], mask[-1, 0] = math.inf, math.nan
+                    for causal in (False, True):
+                        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+                        got = F.scaled_dot_product_attention(
+                            q.to("neuron"), k.to("neuron"), v.to("neuron"),
+                            attn_mask=None if mask is None else mask.to("neuron"), is_causal=causal,
+                            scale=scale).cpu()
+                        what = (l, s, where, scale, mk, causal)
+                        assert torch.equal(got.isnan(), want.isnan()), what
+                        assert torch.equal(got.isinf(), want.isinf()), what
+                        fin = want.isfinite()
+                        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+                        torch.testing.assert_close(got[fin].float(), want[fin].float(), rtol=tol, atol=tol,
+                                                   msg=str(what))
+                        checked += 1
+    assert checked == 4 * 4 * 3 * 3 * 2
+
+
+@pytest.mark.parametrize("seed", [74854108674711, 204197738243539, 91416097824352])
+def test_scaled_mm_adds_an_expanded_bias_s_values(seed):
+    """Long-run finding: CPU's _scaled_mm reads a bias as contiguous whatever its strides, so an
+    expanded bias (stride 0) added memory past its one-element storage, on CPU and on the device
+    alike; the device adds the bias's values (the tester's reference is CPU's kernel with the bias
+    made contiguous)."""
+    s = dt.make_sample("_scaled_mm", seed, dt.DTYPES)
+    t = dt.Tester(dt.SEED, dt.DTYPES, 1, echo=None)
+    t.run_sample(s)
+    t.flush_compiled()
+    assert not [m.line() for m in t.stats.mismatches]
+    a = torch.randn(2, 32).to(torch.float8_e4m3fn)
+    w = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    bias = torch.tensor([3.0], dtype=torch.bfloat16).expand(16)
+    want = torch._scaled_mm(a, w, one, one, bias=bias.contiguous(), out_dtype=torch.bfloat16)
+    on = (lambda x: x.to("neuron"))
+    got = torch._scaled_mm(on(a), on(w), on(one), on(one), bias=on(torch.tensor([3.0], dtype=torch.bfloat16)).expand(16),
+                           out_dtype=torch.bfloat16)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_convolution_with_infinities_gives_cpus_values():
     """im2col multiplied an infinite weight by the padding's zeros: NaN at the border where CPU's
     convolution gives numbers."""

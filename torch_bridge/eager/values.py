@@ -456,6 +456,20 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> to
     return fallback(op, self.float(), bins, min, max).to(self.dtype)
 
 
+def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, **out: Any) -> torch.Tensor:
+    """``torch._scaled_mm`` (and its out= form) with the bias's values: CPU's kernel reads the bias
+    as if it were contiguous whatever its strides, so an expanded bias (stride 0, one element of
+    storage) added the memory past its storage (found by difftest's long run: other values on
+    each process, the device's as wrong as CPU's). A bias that is not contiguous is made so first
+    (one copy, charged as one)."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    op = torch.ops.aten._scaled_mm.out if out else torch.ops.aten._scaled_mm.default
+    return fallback(op, self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, **out)
+
+
 def host_kernel(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An explicit neuron kernel whose values ``fn`` computes from CPU views of its arguments
     (tensors on one device); the results are relabelled and the call is charged as op ``name``."""
