@@ -4,8 +4,8 @@
   tokens in and 1,500 out (the datasheet's V5 setup). **cold** on a fresh kernel-cost cache
   (every distinct kernel and collective simulated; goal <= 10 s), **warm** again on that cache
   (goal <= 2 s);
-* **training**: the estimate guide's Llama-3.1-8B step on trn1.32xlarge (TP=32, DP=32, sequence
-  8,192, global batch 1,024), cold (goal <= 30 s);
+* **training**: the datasheet's V9a run as its plan (``--plan nxd-llama3.1-8b-trn1-v9a``: NxD
+  Training's Llama-3.1-8B step on trn1.32xlarge instances), cold (goal <= 30 s);
 * **serving**: `trnsim estimate serve`'s Llama-3.1-8B TP=8 run of 200 Poisson requests (rate 4,
   512 in / 128 out): the step costs set up (cold, then warm), and the 200-request simulation on
   them (goal: it adds seconds - <= 10 s - not minutes).
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,8 +57,7 @@ FULL = dict(model="llama-3.3-70b", system="trn2.48xlarge", tp=64, sp=True, input
             samples=5)
 QUICK = dict(model="llama-3.1-8b", system="trn2.48xlarge", tp=8, sp=True, input_tokens=512, output_tokens=64, samples=3,
              layers=4)
-TRAIN = dict(model="llama-3.1-8b", system="trn1.32xlarge", overrides=["topology.efa.size=32"], tp=32, dp=32, seq=8192,
-             global_batch=1024)
+TRAIN = ["estimate", "train", "--plan", "nxd-llama3.1-8b-trn1-v9a"]
 SERVE = ["estimate", "serve", "--model", "llama-3.1-8b", "--system", "trn2.48xlarge", "--tp", "8", "--rate", "4",
          "--requests", "200", "--input", "512", "--output", "128"]
 
@@ -142,19 +142,26 @@ def inference(base: dict[str, Any], quick: bool) -> bool:
               f"the estimate adds {c - sim:.1f} s: cold = {c / sim if sim else float('inf'):.2f}x its simulations")
         w2, c2, (est2, _) = measured(lambda: estimate_inference(cache_dir=cache, **base))
         same = (est2.ttft_ms, est2.tpot_ms) == (est.ttft_ms, est.tpot_ms)
-        print(f"  warm  wall {w2:6.1f} s  CPU {c2:6.1f} s  ({est2.cache_hits} costs from the cache; {verdict(c2, WARM_GOAL_S)}); "
+        print(f"  warm  wall {w2:6.2f} s  CPU {c2:6.2f} s  ({est2.cache_hits} costs from the cache; {verdict(c2, WARM_GOAL_S)}); "
               f"baseline the cold run: {c / c2 if c2 else float('inf'):.0f}x less CPU, "
               f"{'the same' if same else 'A DIFFERENT'} estimate")
     return (quick or (c <= COLD_GOAL_S and c2 <= WARM_GOAL_S)) and same
 
 
 def training() -> bool:
+    from trnsim.cli import build_parser
+    from trnsim.workload.training import apply_plan
+
+    a = build_parser().parse_args(TRAIN)  # the command's own defaults (its recipe)
+    apply_plan(a)
     with tempfile.TemporaryDirectory() as cache:
         split = Split()
-        w, c, (est, _) = measured(lambda: estimate_train(cache_dir=cache, **TRAIN), split)
+        w, c, (est, _) = measured(lambda: estimate_train(
+            a.model, a.system, tp=a.tp, pp=a.pp, dp=a.dp, sp=a.sp, micro_batch=a.micro_batch, seq=a.seq,
+            global_batch=a.global_batch, dtype=a.dtype, overrides=a.set, cache_dir=cache, layers=a.layers,
+            recipe=a.recipe), split)
         sim = split.total()
-        print(f"training: {TRAIN['model']} on {TRAIN['system']}, TP={TRAIN['tp']} DP={TRAIN['dp']}, seq {TRAIN['seq']:,}, "
-              f"global batch {TRAIN['global_batch']:,}: step {est.step_ms:,.1f} ms, MFU {est.mfu_percent:.1f}%")
+        print(f"training: `trnsim {' '.join(TRAIN)}`: step {est.step_ms:,.1f} ms, MFU {est.mfu_percent:.1f}%")
         print(f"  cold  wall {w:6.1f} s  CPU {c:6.1f} s  ({verdict(c, TRAIN_GOAL_S)})")
         print(f"        baseline, its own kernels and collectives simulated: {sim:.1f} s CPU ({split.text()}); "
               f"the estimate adds {c - sim:.1f} s: cold = {c / sim if sim else float('inf'):.2f}x its simulations")
@@ -227,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "trnsim.cli", "estimate", "inference", "--model", base["model"], "--tp",
                    str(base["tp"]), "--sp", "--input", str(base["input_tokens"]), "--output", str(base["output_tokens"])]
             env = {**os.environ, "TRNSIM_CACHE_DIR": cache}
+            from torch_bridge import _native  # the native extension lives in that directory too: built, not timed
+
+            ext = _native.library_path()
+            if ext.exists():
+                shutil.copy2(ext, os.path.join(cache, ext.name))
             subprocess.run(cmd, capture_output=True, env=env, check=True)
             r0 = os.times()
             t = time.perf_counter()
