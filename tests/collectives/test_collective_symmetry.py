@@ -33,7 +33,8 @@ def test_alike_ranks_end_on_the_same_tick():
 
 
 @pytest.mark.parametrize("system,call,order", [
-    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 8),  # KangaRing: two chips along the snake
+    # KangaRing: two chips along the snake, and the mirror (its partners' cycle is its primaries' reversed)
+    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 16),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=64), 2),  # RDH
     (TRN2, CollectiveCall("all-gather", 4 << 20, ranks=16, dtype="fp32"), 2),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=16, algorithm="ring"), 4),  # one chip along the ring
