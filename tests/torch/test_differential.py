@@ -472,6 +472,18 @@ def test_addmm_with_alpha_zero_ignores_its_matrices_as_cpu_blas_does(seed):
     assert dt.main(["--repro", "addmm", str(seed)]) == 0
 
 
+def test_addmm_alpha_zero_of_a_transposed_self_is_contiguous_as_cpus():
+    """Long-run finding (addmm 77569792224220): with alpha == 0 the result was a clone of self,
+    keeping a transposed self's strides (1, 5) where CPU's addmm returns a new contiguous (4, 1)."""
+    assert dt.main(["--repro", "addmm", "77569792224220"]) == 0
+    c = torch.randn(4, 5).t()
+    for beta in (1, 2, 0):
+        want = torch.addmm(c, torch.randn(5, 3), torch.randn(3, 4), alpha=0, beta=beta)
+        got = torch.addmm(c.to("neuron"), torch.randn(5, 3, device="neuron"), torch.randn(3, 4, device="neuron"),
+                          alpha=0, beta=beta)
+        assert got.stride() == want.stride() == (4, 1) and torch.equal(got.cpu(), want), beta
+
+
 def test_addmm_alpha_zero_values_exactly():
     nan, inf = math.nan, math.inf
     cases = [(torch.tensor([[-0.0, nan]]), torch.tensor([[inf]]), torch.tensor([[1.0, 2.0]])),

@@ -561,7 +561,9 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
         # inf or NaN there does not reach the result (bfloat16/float16 and baddbmm multiply it by
         # 0 and do). The result is beta * self, or zeros when beta == 0 (found by difftest)
         rows = (a.shape[0], b.shape[1])
-        res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else (c if beta == 1 else c * beta).expand(rows).clone()
+        # (a new contiguous result, as CPU's: a transposed self's strides are not kept; found by difftest)
+        res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else \
+            torch.empty(rows, dtype=a.dtype).copy_((c if beta == 1 else c * beta).expand(rows))
     elif tensore.on_datapath(a, b) and c.dtype == a.dtype:
         res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
