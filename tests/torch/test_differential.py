@@ -276,6 +276,17 @@ def test_histc_counts_integers_in_every_form_and_refuses_bool():
         torch.histc(torch.ones(3, dtype=torch.bool, device="neuron"))
 
 
+def test_histc_of_integers_over_int64s_whole_range_does_not_wrap():
+    """Long-run finding (histc 165531027294353): an int64 input holding int64's max, auto range:
+    (x - min) * bins wrapped and the bin index went negative (bincount's error) where the values
+    binned as numbers give [8, 0, 0, 0, 1]."""
+    assert dt.main(["--repro", "histc", "165531027294353"]) == 0
+    x = torch.tensor([-3, -2, -1, 4, -5, 0, 1, -3, 2 ** 63 - 1])
+    assert torch.histc(x.to("neuron"), 5).cpu().tolist() == [8, 0, 0, 0, 1]
+    # a range of 2**63 at 4 bins: as numbers (float64), -5..4 all round into bin 2, int64's max is past it
+    assert torch.histc(x.to("neuron"), 4, -(2 ** 62), 2 ** 62).cpu().tolist() == [0, 0, 8, 0]
+
+
 def test_convolution_refuses_what_cpu_refuses():
     """The datapath's im2col computed a convolution of mismatched channels, and a 0-dim or 3-d
     bias, where CPU raises."""
