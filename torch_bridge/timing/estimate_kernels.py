@@ -195,7 +195,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                                trace: bool = False, layers: int | None = None, max_context: int | None = None,
                                max_model_len: int | None = None, context_buckets: Sequence[int] | None = None,
                                kv_buckets: Sequence[int] | None = None, batch_buckets: Sequence[int] | None = None,
-                               serving: str = "vllm-neuron", moe_routing: str = "random") -> tuple[InferenceEstimate, list[Any]]:
+                               serving: str = "vllm-neuron", moe_routing: str = "random",
+                               max_positions: int | None = None) -> tuple[InferenceEstimate, list[Any]]:
     """TTFT, TPOT and tokens/s with the layers lowered to the library kernels (module docstring).
 
     ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
@@ -219,7 +220,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     sp_on = (tp > 1) if sp is None else bool(sp)
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
-    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, max_positions=max_positions)
     check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else positive("--max-model-len", max_model_len)

@@ -3,7 +3,8 @@ with :mod:`trnsim.cli`; the runs are :mod:`torch_bridge.estimate`'s).
 
     trnsim estimate inference --model llama-3.3-70b [--system trn2.48xlarge] [--tp 64] [--pp 1] [--dp 1]
                    [--sp] [--batch 1] [--input 10000] [--output 1500] [--dtype bf16] [--samples 5]
-                   [--set K=V ...] [--serving vllm-neuron|vllm-v0|none] [--json] [--trace out.json]
+                   [--set K=V ...] [--serving vllm-neuron|vllm-v0|none] [--max-positions N] [--json]
+                   [--trace out.json]
                    [--no-cache] [--no-replay]
     trnsim estimate train --model llama-3.1-8b [--system ...] [--tp 8] [--pp 1] [--dp 1] [--sp]
                    [--micro-batch 1] [--seq 2048] [--global-batch N] [--dtype bf16] [--set K=V ...]
@@ -178,7 +179,8 @@ def _precheck(args: argparse.Namespace) -> None:
     system = load_system(args.system, args.set)
     check_plan(model, system, args.tp, args.pp, args.dp, args.dtype)
     if inference:
-        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples,
+                    max_positions=args.max_positions)
         check_batch(model, system, args.tp, args.pp, args.dtype, batch=args.batch, tokens=args.input + args.output)
     else:
         replica = args.micro_batch * args.dp
@@ -208,7 +210,7 @@ def _bucket_args(args: argparse.Namespace) -> None:
 def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     sp = True if args.sp else False if args.no_sp else None
     kw: dict[str, Any] = {"sp": sp, "eager": args.eager, "samples": args.samples, "replay": not args.no_replay,
-                          "serving": args.serving}
+                          "serving": args.serving, "max_positions": args.max_positions}
     if not args.eager:
         kw["ep"] = args.ep
         kw["moe_routing"] = args.moe_routing
@@ -326,6 +328,9 @@ def add_parser(sub: Any) -> None:
                      help="the serving engine's host loop in TTFT and TPOT: vllm-neuron schedules a step ahead (a "
                           "decode step takes max(host, device); the default), vllm-v0 runs host and device in turn, "
                           "none charges no engine (a bare generation loop)")
+    inf.add_argument("--max-positions", type=int, help="the serving framework's position limit where it differs from "
+                                                       "the model config's max_position_embeddings (transformers-"
+                                                       "neuronx's n_positions, NxDI's seq_len); RoPE models only")
     inf.add_argument("--no-sp", action="store_true", help="prefill without sequence parallelism (all-reduces)")
     inf.add_argument("--eager", action="store_true", help="every aten op its own kernel at its exact shape (default: "
                                                           "the layers lowered to the NKI library kernels as NxD "

@@ -56,6 +56,8 @@ class Symmetry:
     #: and a resource map of a permutation taking that call onto it (None: the identity)
     base: list[int]
     trans: list[dict[int, Any] | None]
+    #: a lone call built on its representatives directly (:func:`direct`): its resource orbits
+    direct: "Direct | None" = None
 
     @property
     def order(self) -> int:
@@ -186,7 +188,7 @@ class _Checker:
         self.ts = ts
         for t in ts:  # every booking pattern (and so every link) exists before any is compared
             if not t.is_node:
-                engine._plan(t)
+                engine.plan_of(t)
         # a transfer's key: its ranks as ids of interned rank tuples, and the rest interned too,
         # so a candidate maps each distinct tuple once rather than each transfer's
         self.tuples: dict[tuple[int, ...], int] = {}
@@ -427,3 +429,279 @@ def find(engine: "CollectiveRunner", handles: Sequence["CollectiveHandle"]) -> S
     sym = Symmetry([s for s, _, _ in gens], rep, size, rank_rep, rank_size, res_rep, stab, chk.offsets, base,
                    [None if base[k] == k else t for k, t in enumerate(tr)])
     return sym if sym.order > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# a lone call built on its representatives directly
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Direct:
+    """The resource orbits of a call built on its representatives (:func:`direct`), by address:
+    ``("dma", rank, i)``, ``("vec", rank, i)``, ``("hbm", chip, stack)``, ``("link", key)``.
+    ``addr`` maps the representatives' booked resources (by id) to their addresses, ``canon``
+    an address to its orbit's first, ``members`` that to the orbit."""
+
+    order: int
+    addr: dict[int, Any]
+    canon: dict[Any, Any]
+    members: dict[Any, list[Any]]
+
+
+def _closure(gens: list[dict[int, int]], group: Sequence[int], cap: int = 4096) -> list[tuple[int, ...]] | None:
+    """The group the rank maps ``gens`` generate, as tuples of images of ``group`` (None past
+    ``cap`` elements)."""
+    pos = {r: i for i, r in enumerate(group)}
+    gs = [tuple(pos[g[r]] for r in group) for g in gens]
+    ident = tuple(range(len(group)))
+    seen = {ident}
+    todo = [ident]
+    while todo:
+        e = todo.pop()
+        for g in gs:
+            x = tuple(g[i] for i in e)  # g after e
+            if x not in seen:
+                seen.add(x)
+                if len(seen) > cap:
+                    return None
+                todo.append(x)
+    return sorted(seen)
+
+
+def _apply(g: dict[int, int], d: tuple[Any, ...]) -> tuple[Any, ...]:
+    step, dsts, nbytes, reads, dst_reads, gather = d
+    return (step, tuple(g[x] for x in dsts), nbytes, tuple(g[x] for x in reads), tuple(g[x] for x in dst_reads),
+            gather)
+
+
+def _equivariant(q: Any, gens: Sequence[dict[int, int]], ranks: Sequence[int]) -> bool:
+    """Whether every rank of ``ranks`` sends, under each of ``gens``, what its image sends
+    (steps, receivers, bytes and operands, as multisets)."""
+    from collections import Counter
+
+    for g in gens:
+        for r in ranks:
+            mine = q.desc.get(r, [])
+            theirs = q.desc.get(g[r], [])
+            if len(mine) != len(theirs) or Counter(_apply(g, d) for d in mine) != Counter(theirs):
+                return False
+    return True
+
+
+def direct(runner: "CollectiveRunner", res: Any) -> tuple[Any, Symmetry] | None:
+    """A lone call's schedule built on orbit representatives only, and its :class:`Symmetry`;
+    None when its symmetry cannot be shown (the caller then builds and checks it in full).
+
+    The rank maps are the candidates :func:`find` tries. What is shown, before anything runs:
+
+    * the schedule: every representative rank sends, under each generator, exactly what its
+      image sends, step by step (its receivers, bytes and operands mapped); the schedule's
+      dependencies follow from its steps alone (a transfer waits for the frontiers of its
+      ranks), so they map too. A pipelined chain (explicit dependencies) is not shown: full.
+    * the resources: the group acts freely on the ranks (every orbit as large as the group), so
+      every transfer's orbit is the group's size; each generator maps every rank's DMA engines,
+      VectorEs and HBM stacks onto its image's, consistently (ranks sharing a stack map onto
+      ranks sharing one), and the route between every pair of chips in the orbits of the
+      representatives' pairs onto the route between their images, link for link, of the same
+      bandwidth, latency and proxy, consistently across pairs. A transfer's bookings are made
+      of those (Network.plan), so every transfer's image books the images of its resources.
+
+    Then the representatives run with the multiplicities their orbits bring (as :func:`find`'s
+    reduced runs do) and their ticks stand for their orbits'."""
+    from .algorithms import build
+    from .schedule import NotQuotient, Quotient, Schedule
+
+    ctx = res.ctx
+    group = tuple(ctx.group)
+    if len(group) < 2 or len(set(res.starts)) != 1:
+        return None
+    rt = runner.net.runtime
+    if rt.efa_proxy and rt.ranks_per_proxy != 1:
+        return None
+    topo = runner.net.topo
+    rpc = topo.rpc
+    fams = _candidates(runner, [group])
+    cands = [s for fam in fams for s in fam]
+    if not cands:
+        return None
+
+    def chips_to_chips(s: dict[int, int]) -> bool:
+        img: dict[int, int] = {}
+        return all(img.setdefault(r // rpc, s[r] // rpc) == s[r] // rpc for r in s)
+
+    def built(q: Quotient) -> Schedule | None:
+        sched = Schedule(group, q)
+        try:
+            build(sched, ctx, res.algorithm)
+        except NotQuotient:
+            return None
+        return sched
+
+    # first: which candidate of each family maps a seed rank's sends onto its image's
+    seed = group[0]
+    q1 = Quotient({r: -1 for r in group}, frozenset({seed, *(s[seed] for s in cands)}))
+    if built(q1) is None:
+        return None
+    gens: list[dict[int, int]] = []
+    for fam in fams:
+        if not fam:
+            if gens:
+                break
+            continue
+        for s in fam:
+            if chips_to_chips(s) and _equivariant(q1, [s], [seed]):
+                gens.append(s)
+                break
+    if not gens:
+        return None
+    elems = _closure(gens, group)
+    if elems is None:
+        return None
+    order = len(elems)
+    # the ranks' orbits: a free action (each orbit has the group's size), representatives the
+    # first of each orbit in the group's order
+    rank_rep: dict[int, int] = {}
+    for i, r in enumerate(group):
+        if r in rank_rep:
+            continue
+        orbit = {group[e[i]] for e in elems}
+        if len(orbit) != order:
+            return None
+        for x in orbit:
+            rank_rep[x] = r
+    reps = sorted(set(rank_rep.values()), key=group.index)
+    keep = frozenset({*reps, *(g[r] for g in gens for r in reps)})
+    q = Quotient(rank_rep, keep)
+    sched = built(q)
+    if sched is None or not _equivariant(q, gens, reps):
+        return None
+    found = _resources(runner, sched, gens, elems, group, order)
+    if found is None:
+        return None
+    res_rep, dinfo = found
+    n = len(sched.transfers)
+    sym = Symmetry(gens, list(range(n)), {i: order for i in range(n)}, rank_rep, {r: order for r in reps}, res_rep,
+                   {}, [0], [0], [None], dinfo)
+    return sched, sym
+
+
+def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]], elems: list[tuple[int, ...]],
+               group: Sequence[int], order: int) -> tuple[dict[int, tuple[Any, int]], Direct] | None:
+    """The resource orbits of a schedule on representatives (see :func:`direct`), or None when
+    a generator does not map the resources the call uses onto resources alike."""
+    from ..memory.hbm import stack_of_core
+
+    net = runner.net
+    topo = net.topo
+    cfg = net.config
+    rpc = topo.rpc
+    lnc = cfg.chip.lnc
+    dims = runner.system.topology
+
+    def stacks(r: int) -> list[int]:
+        out: list[int] = []
+        for c in range((r % rpc) * lnc, (r % rpc + 1) * lnc):
+            s = stack_of_core(cfg, c)
+            if s not in out:
+                out.append(s)
+        return out
+
+    # each generator on the ranks' resources: DMA engines and VectorEs by rank, HBM stacks
+    # through the ranks that use them (consistently)
+    maps: list[dict[Any, Any]] = []
+    for g in gens:
+        m: dict[Any, Any] = {}
+        for r in group:
+            gr = g[r]
+            for kind in ("dma", "vec"):
+                for i in range(lnc):
+                    m[(kind, r, i)] = (kind, gr, i)
+            a, b = stacks(r), stacks(gr)
+            if len(a) != len(b):
+                return None
+            for i, s in enumerate(a):
+                key, img = ("hbm", r // rpc, s), ("hbm", gr // rpc, b[i])
+                if m.setdefault(key, img) != img:
+                    return None
+        maps.append(m)
+    # the routes between the chips of every transfer's ends: the representatives' pairs and
+    # their images under the whole group, each route mapped link for link by each generator
+    pos = {r: i for i, r in enumerate(group)}
+    pairs: set[tuple[int, int]] = set()
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for d in dict.fromkeys(t.dsts):
+            if t.src // rpc != d // rpc:
+                pairs.add((t.src, d))
+    chip_pairs: set[tuple[int, int]] = set()
+    for a, b in pairs:
+        ia, ib = pos[a], pos[b]
+        for e in elems:
+            chip_pairs.add((group[e[ia]] // rpc, group[e[ib]] // rpc))
+    chip_of: list[dict[int, int]] = []
+    for g in gens:
+        cm: dict[int, int] = {}
+        for r in group:
+            cm[r // rpc] = g[r] // rpc
+        chip_of.append(cm)
+    for m, cm in zip(maps, chip_of):
+        for a, b in chip_pairs:
+            ra, rb = topo.route(a, b), topo.route(cm[a], cm[b])
+            if len(ra) != len(rb):
+                return None
+            for k1, k2 in zip(ra, rb):
+                d1, d2 = dims[k1[0]], dims[k2[0]]
+                if (d1.bandwidth, d1.latency, d1.proxy) != (d2.bandwidth, d2.latency, d2.proxy):
+                    return None
+                if m.setdefault(("link", k1), ("link", k2)) != ("link", k2):
+                    return None
+    for m in maps:  # one to one
+        if len(set(m.values())) != len(m):
+            return None
+    # the orbits of addresses
+    uf = _UnionFind()
+    rank_of = {a: i for i, a in enumerate(sorted(maps[0], key=repr))}
+    less = lambda a, b: rank_of[a] < rank_of[b]  # noqa: E731
+    for m in maps:
+        for a, b in m.items():
+            if b not in rank_of:
+                return None
+            uf.union(a, b, less)
+    members: dict[Any, list[Any]] = {}
+    for a in rank_of:
+        members.setdefault(uf.find(a), []).append(a)
+    # the representatives' booked resources, by address, and each orbit's booked representative
+    addr: dict[int, Any] = {}
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for r in {t.src, *t.dsts, *t.reads, *t.dst_reads}:
+            rr = net.rank(r)
+            for i, d in enumerate(rr.dma):
+                addr[id(d)] = ("dma", r, i)
+            for i, v in enumerate(rr.vector):
+                addr[id(v)] = ("vec", r, i)
+            chip = net.chip(r // rpc)
+            for s in stacks(r):
+                addr[id(chip.hbm[s])] = ("hbm", r // rpc, s)
+        for k in runner.plan_of(t)[1]:
+            addr[id(net.links[k])] = ("link", k)
+    res_rep: dict[int, tuple[Any, int]] = {}
+    booked: dict[Any, Any] = {}  # orbit -> its first booked resource
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for _, obj, _, _ in runner.plan_of(t)[0]:
+            a = addr.get(id(obj))
+            if a is None or a not in rank_of:
+                return None
+            root = uf.find(a)
+            first = booked.setdefault(root, obj)
+            size = len(members[root])
+            if order % size:
+                return None
+            res_rep[id(obj)] = (first, size)
+    canon = {a: uf.find(a) for a in rank_of}
+    return res_rep, Direct(order, addr, canon, members)

@@ -12,8 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from . import CONFIG_DIR, ChipConfig, load_config, resolve_config_path
 from .loader import ConfigError, clip_text, load_yaml_file
-from .schema import (TYPES, Calibration, build, check_calibrations, override_value, split_override,
-                     take_calibrations)
+from .schema import TYPES, Calibration, build, calibrations_of, override_pairs, override_value
 from .schema import bool_field as _bool
 from .schema import float_field as _num
 from .schema import int_field as _int
@@ -240,13 +239,8 @@ def load_system(
     raw = _read_system_yaml(path, where)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {', '.join(_SYSTEM_KEYS)}")
-    cals: list[Calibration] = []
-    take_calibrations(raw, "", where, cals)
-    check_calibrations(cals, where)
-    pairs: list[tuple[str, str]] = list(prior)
-    if overrides:
-        items = overrides.items() if isinstance(overrides, Mapping) else (split_override(o) for o in overrides)
-        pairs.extend((str(k), str(v)) for k, v in items)
+    cals = calibrations_of(raw, where)
+    pairs = override_pairs(prior, overrides)
     chip_pairs = [(k, v) for k, v in pairs if not is_system_key(k)]
     sys_pairs = {k: v for k, v in pairs if is_system_key(k)}
     for key, value in sys_pairs.items():
