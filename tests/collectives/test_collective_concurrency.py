@@ -120,3 +120,27 @@ def test_collectives_on_several_cc_streams_run_rings_where_the_runtime_has_no_mu
         simulate_collective(gen2, "all-gather", 4096, ranks=8).algorithm
     with pytest.raises(CollectiveError, match="streams must be a whole number of CC streams >= 1"):
         simulate_collective(TRN2, "all-reduce", 1024, group=group, streams=0)
+
+
+def test_a_call_beside_another_familys_running_call_and_siblings_is_slower_both_ways():
+    """What the distributed backend asks for a TP all-reduce that starts while the step's DP
+    reduce-scatter runs on another CC stream (NxD's multistream FSDP: stream 0 TP, stream 1
+    FSDP): simulate_with_siblings(beside=...) runs both families with their siblings, the
+    running one started earlier; each is slower than beside its own siblings only, and the
+    later call's report counts from its own start."""
+    from trnsim.collectives import simulate_with_siblings
+
+    tp, dp = list(range(8)), list(range(0, 64, 8))
+    tp_sibs, tp_alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64)
+    dp_sibs, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64)
+    tp_beside, alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                              beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 1000)])
+    assert alone.time_ticks == tp_alone.time_ticks
+    assert tp_beside.start_ticks[0] == 1000 and tp_beside.time_ticks > tp_sibs.time_ticks
+    dp_beside, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64,
+                                          beside=[("all-reduce", 4 << 20, tp, "bf16", None, 0)])
+    assert dp_beside.time_ticks > dp_sibs.time_ticks
+    # started long after the other family's calls ended: nothing shared in time, the same ticks
+    late, _ = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                     beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 10 * dp_sibs.time_ticks)])
+    assert late.time_ticks == tp_sibs.time_ticks
