@@ -11,8 +11,12 @@ issues and proxy turns the same way (network.py, runner.py), so which alike flow
 first never matters, and alike transfers start and end on the same ticks.
 
 :func:`find` tries the permutations a collective's structure suggests (each instance's ring
-order turned by ``d`` ranks, the instances shifted one over, the whole group's ring order
-turned), keeps those that verify, and returns the orbits of the group they generate. The runner
+order turned by ``d`` ranks, the instances shifted one over, KangaRing's pairs mirrored, the
+whole group's ring order turned), keeps those that verify against the schedule built in full,
+and returns the orbits of the group they generate. :func:`direct` does it for a lone call
+without building it in full: the schedule is built on the representatives only, and what makes
+the orbit reasoning exact is shown on them (see there); the call falls back to :func:`find`
+when it cannot be. The runner
 then runs one transfer per orbit (its *representative*), books each resource's representative
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
