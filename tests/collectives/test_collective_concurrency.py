@@ -96,3 +96,27 @@ def test_siblings_in_other_instances_are_left_out_with_identical_reports():
         full = simulate_collectives(trn1, [CollectiveCall("all-reduce", 1 << 20, group=list(g)) for g in calls])[0]
         assert together.time_ticks == full.time_ticks and together.link_bytes == full.link_bytes
         assert together.bound == full.bound
+
+
+def test_a_call_beside_another_familys_running_call_and_siblings_is_slower_both_ways():
+    """What the distributed backend asks for a TP all-reduce that starts while the step's DP
+    reduce-scatter runs on another CC stream (NxD's multistream FSDP: stream 0 TP, stream 1
+    FSDP): simulate_with_siblings(beside=...) runs both families with their siblings, the
+    running one started earlier; each is slower than beside its own siblings only, and the
+    later call's report counts from its own start."""
+    from trnsim.collectives import simulate_with_siblings
+
+    tp, dp = list(range(8)), list(range(0, 64, 8))
+    tp_sibs, tp_alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64)
+    dp_sibs, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64)
+    tp_beside, alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                              beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 1000)])
+    assert alone.time_ticks == tp_alone.time_ticks
+    assert tp_beside.start_ticks[0] == 1000 and tp_beside.time_ticks > tp_sibs.time_ticks
+    dp_beside, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64,
+                                          beside=[("all-reduce", 4 << 20, tp, "bf16", None, 0)])
+    assert dp_beside.time_ticks > dp_sibs.time_ticks
+    # started long after the other family's calls ended: nothing shared in time, the same ticks
+    late, _ = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                     beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 10 * dp_sibs.time_ticks)])
+    assert late.time_ticks == tp_sibs.time_ticks

@@ -9,9 +9,12 @@ For all-reduce, all-gather and reduce-scatter (notes/collectives.md §1.3, S21):
 * the thresholds are stated for ``collectives.rule_ranks`` ranks (64: Neuron's ranges are for a
   whole trn2.48xlarge); a group of p ranks switches at the same bytes per rank, so p/64 of them
   (the 16-rank nccom-test example picks rdh at 2 MiB and kangaring at 32 MiB);
-* otherwise below ``collectives.mesh_below`` (1 MB) a mesh: Neuron's **two-step-mesh** when the
-  group holds several ranks on each of several chips (chip chunks across, then an on-chip
-  broadcast), the direct **mesh** otherwise; **rdh** below ``collectives.rdh_below`` (56 MB) for
+* otherwise below ``collectives.mesh_below`` (1 MB) a mesh, for the collectives
+  ``collectives.mesh_collectives`` names: with ``all`` (Trn2's runtime) Neuron's
+  **two-step-mesh** when the group holds several ranks on each of several chips (chip chunks
+  across, then an on-chip broadcast), the direct **mesh** otherwise; with ``all-reduce`` (Trn1's
+  runtime, whose only mesh is its all-to-all all-reduce) the direct **mesh** for all-reduce, and
+  all-gather and reduce-scatter go on to the rules below; **rdh** below ``collectives.rdh_below`` (56 MB) for
   power-of-two groups; above that **kangaring** when the group holds pairs of ranks on its
   chips (Neuron: TP groups holding a chip's ranks) and the DMA can duplicate writes, else a ring: **bidir-ring** over torus links
   (Neuron runs cycles on mutually exclusive wires), **ring** elsewhere;
@@ -93,17 +96,24 @@ def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Seque
         pays, why = _single_step_pays(system, topo, nbytes, ranks)
         if pays:
             return "single-step-mesh", f"across instances: {why}"
-    if nbytes < mesh_below:
+    meshes = c.mesh_collectives == "all" or collective == c.mesh_collectives
+    if nbytes < mesh_below and meshes:
         why = f"{_mb(nbytes)} < mesh_below {_mb(c.mesh_below)}{scaled}"
+        if c.mesh_collectives != "all":  # Trn1's all-to-all all-reduce: every rank writes every peer
+            return "mesh", f"{why}, the runtime's all-to-all {collective}"
         counts = set(chips.values())
         if len(chips) > 1 and len(counts) == 1 and counts.pop() > 1:
             return "two-step-mesh", f"{why}, {p // len(chips)} ranks on each of {len(chips)} chips"
         return "mesh", why
     pow2 = p & (p - 1) == 0
-    if nbytes < rdh_below and pow2:
+    if mesh_below <= nbytes < rdh_below and pow2:
         return "rdh", f"{_mb(nbytes)} < rdh_below {_mb(c.rdh_below)}{scaled}, {p} ranks a power of two"
-    big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}{scaled}" if nbytes >= rdh_below else \
-        f"{p} ranks not a power of two"
+    if nbytes >= rdh_below:
+        big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}{scaled}"
+    elif not pow2:
+        big = f"{p} ranks not a power of two"
+    else:
+        big = f"{_mb(nbytes)} < mesh_below, no mesh {collective} on this runtime"
     pairs = topo.pairs(ranks)
     if pairs is not None and len(pairs) >= 2 and c.dma_duplication:
         return "kangaring", f"{big}, pairs of ranks on every chip"

@@ -149,6 +149,17 @@ def group_pairs(ctx: Context) -> list[tuple[int, int]] | None:
 def levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
     """The group's ranks split into lines along ``levels``: ranks that share every other
     level's coordinate, each in ring order."""
+    key = (tuple(ctx.group), tuple(levels))
+    memo = ctx.topo.lanes_memo  # the same lines are asked for by each phase and the estimate
+    got = memo.get(key)
+    if got is None:
+        if len(memo) > 1024:
+            memo.clear()
+        got = memo[key] = _levels_lanes(ctx, levels)
+    return [list(v) for v in got]
+
+
+def _levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
     lines: dict[tuple[int, ...], list[int]] = {}
     others = [i for i in range(len(ctx.topo.level_names)) if i not in levels]
     for r in ctx.group:
