@@ -33,11 +33,13 @@ def test_alike_ranks_end_on_the_same_tick():
 
 
 @pytest.mark.parametrize("system,call,order", [
-    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 8),  # KangaRing: two chips along the snake
+    # KangaRing: two chips along the snake, and the mirror (its partners' cycle is its primaries' reversed)
+    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 16),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=64), 2),  # RDH
     (TRN2, CollectiveCall("all-gather", 4 << 20, ranks=16, dtype="fp32"), 2),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=16, algorithm="ring"), 4),  # one chip along the ring
-    (load_system("trn1.32xlarge", ["topology.efa.size=2"]), CollectiveCall("all-reduce", 1 << 20, ranks=64), 4),
+    # hierarchical: rings in each instance (Trn1's runtime has no mesh reduce-scatter or all-gather), 2-rank AR across
+    (load_system("trn1.32xlarge", ["topology.efa.size=2"]), CollectiveCall("all-reduce", 1 << 20, ranks=64), 32),
     (load_system("trn2-ultraserver"), CollectiveCall("all-reduce", 4 << 20, ranks=256), 8),
 ])
 def test_a_symmetric_run_reports_exactly_what_the_full_run_does(system, call, order):

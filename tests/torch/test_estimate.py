@@ -351,14 +351,18 @@ def test_a_model_name_too_long_for_a_file_is_one_line(capsys):
 def test_a_plans_collective_is_charged_beside_its_sibling_groups():
     """The estimate's DP all-reduce on a 2x2 plan of a trn1.32xlarge (groups [0, 2] and [1, 3],
     both across chip 0 -> 1) is the call simulated beside its sibling, slower than alone; a TP
-    group on a chip of its own costs what it costs alone."""
+    group on a chip of its own costs what it costs alone. The plan's step is one compiled graph:
+    its calls pay the system's graph_launch, not the launch of a call run by itself."""
     from trnsim.collectives import simulate_with_siblings
+    from trnsim.collectives.runtime import in_graph
     from trnsim.device import Device
     from torch_bridge.parallel import Comm
 
     trn1 = load_system("trn1.32xlarge")
     plan = Plan(tp=2, dp=2)
     comm = Comm(trn1, Device(trn1.chip), 0, 0, plan)
+    assert comm.system.collectives.launch == trn1.collectives.graph_launch != trn1.collectives.launch
+    trn1 = in_graph(trn1)
     dp = comm.report("all-reduce", 16 << 20, plan.dp_group(0), "bf16")
     together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, plan.dp_group(0), plan.size)
     assert plan.dp_group(0) == [0, 2] and dp.time_ticks == together.time_ticks > 1.1 * alone.time_ticks

@@ -11,8 +11,12 @@ issues and proxy turns the same way (network.py, runner.py), so which alike flow
 first never matters, and alike transfers start and end on the same ticks.
 
 :func:`find` tries the permutations a collective's structure suggests (each instance's ring
-order turned by ``d`` ranks, the instances shifted one over, the whole group's ring order
-turned), keeps those that verify, and returns the orbits of the group they generate. The runner
+order turned by ``d`` ranks, the instances shifted one over, KangaRing's pairs mirrored, the
+whole group's ring order turned), keeps those that verify against the schedule built in full,
+and returns the orbits of the group they generate. :func:`direct` does it for a lone call
+without building it in full: the schedule is built on the representatives only, and what makes
+the orbit reasoning exact is shown on them (see there); the call falls back to :func:`find`
+when it cannot be. The runner
 then runs one transfer per orbit (its *representative*), books each resource's representative
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
@@ -142,6 +146,9 @@ def _candidates(engine: "CollectiveRunner", groups: Sequence[Sequence[int]]) -> 
         return fams
     group = groups[0]
     parts, by_inst = all_parts[0]
+    mirror = _mirror(topo, by_inst)
+    if len(parts) == 1 and mirror:
+        fams.append([mirror])
     if len(parts) > 1 and len({len(p) for p in parts}) == 1:
         ir = topo.instance_ranks
         insts = sorted(by_inst)
@@ -156,11 +163,33 @@ def _candidates(engine: "CollectiveRunner", groups: Sequence[Sequence[int]]) -> 
                 shift[r] = img
         if ok:
             fams.append([shift])
+        if mirror:
+            fams.append([mirror])
         fams.append([])  # the whole ring's turns: only when the instances gave nothing (see find)
         whole = topo.ring_order(group)
         n = len(whole)
         fams.append([_rotations([whole], d) for d in range(1, n) if n % d == 0])
     return fams
+
+
+def _mirror(topo: Any, by_inst: dict[int, list[int]]) -> dict[int, int] | None:
+    """Each instance's pairs of ranks on a chip (KangaRing's primaries and partners) mirrored:
+    the i-th primary in ring order onto the partner of the i-th from the end, and back (the
+    cycle over the partners runs the primaries' order reversed, so a KangaRing maps onto
+    itself). None when the group does not hold pairs on every chip."""
+    out: dict[int, int] = {}
+    for ranks in by_inst.values():
+        pairs = topo.pairs(ranks)
+        if not pairs or len(pairs) < 2:
+            return None
+        first = topo.ring_order([a for a, _ in pairs])
+        mate = {a: b for a, b in pairs}
+        q = len(first)
+        for i, a in enumerate(first):
+            b = mate[first[q - 1 - i]]
+            out[a] = b
+            out[b] = a
+    return out
 
 
 class _Checker:
@@ -460,7 +489,7 @@ def _closure(gens: list[dict[int, int]], group: Sequence[int], cap: int = 4096) 
     while todo:
         e = todo.pop()
         for g in gs:
-            x = tuple(g[i] for i in e)  # g after e
+            x = tuple(map(g.__getitem__, e))  # g after e
             if x not in seen:
                 seen.add(x)
                 if len(seen) > cap:
@@ -553,8 +582,22 @@ def direct(runner: "CollectiveRunner", res: Any) -> tuple[Any, Symmetry] | None:
             if chips_to_chips(s) and _equivariant(q1, [s], [seed]):
                 gens.append(s)
                 break
-    if not gens:
-        return None
+    # the generators as a whole: when they do not show (a seed rank alone can pass a map the
+    # rest of the group does not), the last one is dropped and the rest tried again
+    while gens:
+        got = _attempt(runner, res, gens, built)
+        if got is not None:
+            return got
+        gens.pop()
+    return None
+
+
+def _attempt(runner: "CollectiveRunner", res: Any, gens: list[dict[int, int]], built: Callable[[Any], Any]
+             ) -> tuple[Any, Symmetry] | None:
+    """:func:`direct` with the group ``gens`` generate, or None when it does not show."""
+    from .schedule import Quotient
+
+    group = tuple(res.ctx.group)
     elems = _closure(gens, group)
     if elems is None:
         return None
@@ -599,14 +642,19 @@ def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]
     lnc = cfg.chip.lnc
     dims = runner.system.topology
 
-    def stacks(r: int) -> list[int]:
+    slot_stacks: list[list[int]] = []  # the HBM stacks of a chip's k-th rank
+    for k in range(rpc):
         out: list[int] = []
-        for c in range((r % rpc) * lnc, (r % rpc + 1) * lnc):
-            s = stack_of_core(cfg, c)
-            if s not in out:
-                out.append(s)
-        return out
+        for c in range(k * lnc, (k + 1) * lnc):
+            st = stack_of_core(cfg, c)
+            if st not in out:
+                out.append(st)
+        slot_stacks.append(out)
 
+    def stacks(r: int) -> list[int]:
+        return slot_stacks[r % rpc]
+
+    kinds = ("dma", "vec") if net.vector_reduce else ("dma",)
     # each generator on the ranks' resources: DMA engines and VectorEs by rank, HBM stacks
     # through the ranks that use them (consistently)
     maps: list[dict[Any, Any]] = []
@@ -614,14 +662,14 @@ def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]
         m: dict[Any, Any] = {}
         for r in group:
             gr = g[r]
-            for kind in ("dma", "vec"):
+            for kind in kinds:
                 for i in range(lnc):
                     m[(kind, r, i)] = (kind, gr, i)
-            a, b = stacks(r), stacks(gr)
+            a, b = slot_stacks[r % rpc], slot_stacks[gr % rpc]
             if len(a) != len(b):
                 return None
-            for i, s in enumerate(a):
-                key, img = ("hbm", r // rpc, s), ("hbm", gr // rpc, b[i])
+            for i, st in enumerate(a):
+                key, img = ("hbm", r // rpc, st), ("hbm", gr // rpc, b[i])
                 if m.setdefault(key, img) != img:
                     return None
         maps.append(m)
@@ -660,18 +708,33 @@ def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]
     for m in maps:  # one to one
         if len(set(m.values())) != len(m):
             return None
-    # the orbits of addresses
-    uf = _UnionFind()
-    rank_of = {a: i for i, a in enumerate(sorted(maps[0], key=repr))}
-    less = lambda a, b: rank_of[a] < rank_of[b]  # noqa: E731
+    # the orbits of addresses (union-find over their numbers, the smallest the root)
+    rank_of = {a: i for i, a in enumerate(maps[0])}  # built in the group's order: deterministic
+    addrs = list(rank_of)
+    parent = list(range(len(addrs)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
     for m in maps:
         for a, b in m.items():
-            if b not in rank_of:
+            j = rank_of.get(b)
+            if j is None:
                 return None
-            uf.union(a, b, less)
+            x, y = root(rank_of[a]), root(j)
+            if x != y:
+                if x < y:
+                    parent[y] = x
+                else:
+                    parent[x] = y
+    roots = [addrs[root(i)] for i in range(len(addrs))]
     members: dict[Any, list[Any]] = {}
-    for a in rank_of:
-        members.setdefault(uf.find(a), []).append(a)
+    for a, rt in zip(addrs, roots):
+        members.setdefault(rt, []).append(a)
+    canon = dict(zip(addrs, roots))
     # the representatives' booked resources, by address, and each orbit's booked representative
     addr: dict[int, Any] = {}
     for t in sched.transfers:
@@ -697,11 +760,10 @@ def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]
             a = addr.get(id(obj))
             if a is None or a not in rank_of:
                 return None
-            root = uf.find(a)
-            first = booked.setdefault(root, obj)
-            size = len(members[root])
+            top = canon[a]
+            first = booked.setdefault(top, obj)
+            size = len(members[top])
             if order % size:
                 return None
             res_rep[id(obj)] = (first, size)
-    canon = {a: uf.find(a) for a in rank_of}
     return res_rep, Direct(order, addr, canon, members)

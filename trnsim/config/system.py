@@ -63,6 +63,9 @@ class CollectivesConfig:
     reduce_engine: str = _str(("dma", "vector"), doc="who adds: DMA accumulate or VectorE")
     dma_accumulate_rate: float = _num(0.01, 1.0, doc="DMA accumulate throughput as a fraction of a copy's")
     mesh_below: int = _q("bytes", lo=0, doc="Mesh below this size, bytes")
+    mesh_collectives: str = _str(("all", "all-reduce"), doc="what the runtime runs as a mesh below mesh_below: "
+                                 "all (Trn2's mesh family, two-step on multi-rank chips) or all-reduce (Trn1's "
+                                 "all-to-all all-reduce only; all-gather and reduce-scatter run rings)")
     rdh_below: int = _q("bytes", lo=0, doc="RDH below this size (and at least mesh_below), bytes")
     rule_ranks: int = _int(1, 1 << 20, doc="the group size mesh_below and rdh_below are stated for; other groups "
                                            "compare their bytes per rank")
@@ -70,7 +73,10 @@ class CollectivesConfig:
     dma_duplication: bool = _bool(doc="a DMA write can go to two destinations from one read (KangaRing needs it)")
     # the Neuron runtime's costs (trnsim.collectives.runtime): zero them, and dma_rings to a
     # core's engines, for the network alone
-    launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")
+    launch: int = _q("time", lo=0, doc="per call of a collective run by itself (nccom-test's ops, torch.distributed "
+                                      "calls): runtime -> CC core, before a rank's first transfer, ps")
+    graph_launch: int = _q("time", lo=0, doc="per call of a collective inside a compiled graph (trnsim estimate's "
+                                            "steps): the engines' trigger write reaching the CC core, ps")
     step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
     issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
     dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a collective's transfers share")
@@ -79,6 +85,8 @@ class CollectivesConfig:
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
     flat_ring_channels: int = _int(1, 64, doc="channels (cycles side by side, each leaving an instance "
                                                           "from a different chip) of a flat ring across instances")
+    multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
+                                       "RDH and KangaRing (false: rings only)")
 
 
 @dataclass(frozen=True)

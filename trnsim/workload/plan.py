@@ -385,6 +385,9 @@ class InferenceEstimate:
     #: the serving engine's host loop (trnsim.workload.serve.HostLoop) in TTFT and TPOT
     serving: str = "none"
     host_step_ms: float = 0.0
+    #: fused speculative decoding (trnsim.workload.speculation): draft, k, acceptance, its source,
+    #: tokens per step, the calls a draft decode layer became; empty without it
+    speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,14 +50,14 @@ def ring_steps(s: Schedule, lanes: Sequence[Lane], itemsize: int,
     work = [(tuple(o), pieces(total, len(o), itemsize)) for o, total in lanes if len(o) > 1]
     steps = max((len(o) for o, _ in work), default=1) - 1
     keep = s.keep  # a schedule on orbit representatives: the other ranks' sends are not written
+    at = [range(len(o)) if keep is None else [i for i, r in enumerate(o) if r in keep] for o, _ in work]
     for k in range(steps):
         s.begin_step()
-        for order, pc in work:
+        for (order, pc), idx in zip(work, at):
             p = len(order)
             if k < p - 1:
-                for i, r in enumerate(order):
-                    if keep is None or r in keep:
-                        send(k, p, i, r, order[(i + 1) % p], pc)
+                for i in idx:
+                    send(k, p, i, order[i], order[(i + 1) % p], pc)
         s.end_step()
 
 
