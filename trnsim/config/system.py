@@ -85,6 +85,8 @@ class CollectivesConfig:
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
     flat_ring_channels: int = _int(1, 64, doc="channels (cycles side by side, each leaving an instance "
                                                           "from a different chip) of a flat ring across instances")
+    multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
+                                       "RDH and KangaRing (false: rings only)")
 
 
 @dataclass(frozen=True)
