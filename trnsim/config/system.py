@@ -87,6 +87,8 @@ class CollectivesConfig:
                                                           "device): a flat ring's cycles side by side, each leaving an "
                                                           "instance from a different chip, and the cycles of a "
                                                           "hierarchical call's intra-instance rings")
+    multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
+                                       "RDH and KangaRing (false: rings only)")
 
 
 @dataclass(frozen=True)
