@@ -163,11 +163,12 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
                         start: int | Sequence[int] = 0, root: int | None = None,
                         pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
                         trace: bool = False, counts: Sequence[Sequence[int]] | None = None,
-                        instances: int | None = None, symmetry: bool = True) -> CollectiveReport:
+                        instances: int | None = None, symmetry: bool = True, streams: int = 1) -> CollectiveReport:
     """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
     nccl-tests' S, ``start`` in ticks) and return its report (``symmetry``: see
     :func:`simulate_collectives`)."""
-    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances)
+    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances,
+                          streams)
     return simulate_collectives(_system(system, overrides), [call], trace=trace, symmetry=symmetry)[0]
 
 

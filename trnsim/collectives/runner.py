@@ -52,7 +52,9 @@ class CollectiveCall:
     all-to-all (all-to-all-v) sends from the group's i-th rank to its j-th; ``nbytes`` is then
     the largest rank's send total. ``instances`` spreads ``ranks`` over that many instances, as
     nccom-test's ``-N`` (default: every instance of the system when the ranks divide over
-    them); a ``group`` places itself.
+    them); a ``group`` places itself. ``streams`` is how many CC streams the program runs
+    collectives on at once (nccom-test ``--streams-json``'s entries; NxD's TP and FSDP streams):
+    a system without ``collectives.multistream_mesh`` then runs it as a ring (select.py).
     """
 
     collective: str
@@ -67,6 +69,7 @@ class CollectiveCall:
     label: str = ""
     counts: Sequence[Sequence[int]] | None = None
     instances: int | None = None
+    streams: int = 1
 
 
 @dataclass
@@ -175,7 +178,11 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
             raise CollectiveError(f"{coll}: bytes={call.nbytes} but the largest rank sends {top} bytes by its "
                                   f"counts; give bytes={top}")
         nbytes = top
-    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group), counts=counts)
+    streams = call.streams
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise CollectiveError(f"{coll}: streams must be a whole number of CC streams >= 1, got {streams!r}")
+    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group), counts=counts,
+                  streams=streams)
     if call.algorithm is not None:
         algo = canonical_algorithm(call.algorithm, coll)
         reason = "forced"

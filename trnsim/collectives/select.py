@@ -18,6 +18,11 @@ For all-reduce, all-gather and reduce-scatter (notes/collectives.md §1.3, S21):
   power-of-two groups; above that **kangaring** when the group holds pairs of ranks on its
   chips (Neuron: TP groups holding a chip's ranks) and the DMA can duplicate writes, else a ring: **bidir-ring** over torus links
   (Neuron runs cycles on mutually exclusive wires), **ring** elsewhere;
+* with collectives on several CC streams at once (nccom-test ``--streams-json``, NxD's TP and
+  FSDP streams) and ``collectives.multistream_mesh`` false, the ring fallback only: the runtime
+  enabled Mesh "in multi-stream mode" on Trn3 Gen2 UltraServers only in SDK 2.32 ("so
+  multi-stream workloads can now use Mesh alongside Ring", runtime release notes, S21), so
+  multi-stream collectives elsewhere run rings;
 * between instances, an all-reduce runs **single-step-mesh** where the data it adds costs less
   than the hop it saves ("where the extra data transfer time is shorter than 15 us", S21): the
   extra (p-1)(p-2)/p·n over the tier's per-rank bandwidth against one step of its α.
@@ -80,11 +85,19 @@ def _single_step_pays(system: SystemConfig, topo: Topology, nbytes: int, ranks: 
     return extra < hop, f"{extra * 1e6:.2f} us of extra data < a {hop * 1e6:.2f} us hop"
 
 
+def _ring(topo: Topology, ranks: Sequence[int]) -> str:
+    """The ring fallback: cycles both ways over torus links, else one cycle."""
+    return "bidir-ring" if _ring_dims(topo, ranks) else "ring"
+
+
 def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Sequence[int],
-                topo: Topology) -> tuple[str, str]:
-    """The size rule on the group (or one tier's lane) ``ranks``: (algorithm, why)."""
+                topo: Topology, streams: int = 1) -> tuple[str, str]:
+    """The size rule on the group (or one tier's lane) ``ranks``: (algorithm, why). ``streams``
+    CC streams at once: without ``collectives.multistream_mesh`` the runtime runs rings only."""
     c = system.collectives
     p = len(ranks)
+    if streams > 1 and not c.multistream_mesh:
+        return _ring(topo, ranks), f"{streams} CC streams at once: rings only (collectives.multistream_mesh false)"
     chips = _per_chip(topo, ranks)
     # the ranges were measured on rule_ranks ranks: a group compares the same bytes per rank
     mesh_below = c.mesh_below * p // c.rule_ranks
@@ -117,7 +130,7 @@ def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Seque
     pairs = topo.pairs(ranks)
     if pairs is not None and len(pairs) >= 2 and c.dma_duplication:
         return "kangaring", f"{big}, pairs of ranks on every chip"
-    if _ring_dims(topo, ranks):
+    if _ring(topo, ranks) == "bidir-ring":
         return "bidir-ring", f"{big}, torus links run both ways"
     return "ring", big
 
@@ -150,4 +163,4 @@ def choose(ctx: "object") -> tuple[str, str]:
         if inter and len(topo.tiers(shape)) >= 2:
             names = "+".join(topo.level_names[lv] for lv in inter)
             return "hierarchical", f"the group spans instances ({names}): intra-instance, then inter-instance"
-    return flat_choice(system, c, n, group, topo)
+    return flat_choice(system, c, n, group, topo, ctx.streams)  # type: ignore[attr-defined]

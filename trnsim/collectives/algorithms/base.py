@@ -83,6 +83,8 @@ class Context:
     notes: list[str] = field(default_factory=list)
     #: an uneven all-to-all: bytes from the group's i-th rank (in ``group`` order) to its j-th
     counts: tuple[tuple[int, ...], ...] = ()
+    #: CC streams the program runs collectives on at once (nccom-test --streams-json's entries)
+    streams: int = 1
 
     def sends(self, src: int, dst: int, even: int) -> int:
         """Bytes ``src`` sends ``dst`` in an all-to-all: its count, or the even piece."""
