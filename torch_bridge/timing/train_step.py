@@ -288,7 +288,11 @@ class _FusedProjection(nn.Module):
         if self._key is None or self._key() is not x or self._left == 0:
             import weakref
 
-            if self.column:
+            if self.column and self.comm.tp_overlap and self.comm.plan.tp > 1:
+                from .parallel import async_linear
+
+                y = async_linear(x, self.weight, self.bias, self.comm)  # NxD's async linear (its backward)
+            elif self.column:
                 from .parallel import sharded_linear
 
                 xin = x if (self.sp and self.comm.sp_active) else self.comm.copy_to_group(x)
@@ -464,6 +468,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
     out: dict[str, Any] = {"traces": []}
     dname = torch_dtype_name(dt)
     dp_group = plan.dp_group(role.rank)
+    comm.tp_overlap = recipe.tp_overlap
     with rank.run, models.quiet():
         if recipe.ep > 1 and plan.dp % recipe.ep:
             raise RecipeError(f"--ep {recipe.ep}: expert parallelism splits the data-parallel ranks; --dp {plan.dp} "
@@ -616,8 +621,12 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
         out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
     else:
         out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
-    out.append("q/k/v and gate/up as one linear each (NxD's fused projections)" if recipe.fused_projections
-               else "q/k/v and gate/up as separate linears")
+    out.append(("q/k/v and gate/up as one linear each (NxD's fused projections)" +
+                ("; their backward as NxD's async linear: the sequence-parallel all-gather beside the input-gradient "
+                 "matmul, the input gradient's reduce-scatter (all-reduce without SP) beside the weight-gradient "
+                 "matmul, each waited on where its result is first read" if recipe.tp_overlap else
+                 "; their backward waits for each TP collective"))
+               if recipe.fused_projections else "q/k/v and gate/up as separate linears")
     out.append(("1F1B pipeline schedule" if recipe.schedule == "1f1b" else
                 f"interleaved 1F1B with {recipe.virtual_stages} chunks per pipeline rank (list-scheduled in Megatron's "
                 f"order)") + "; activations sent stage to stage with send/recv on the links")

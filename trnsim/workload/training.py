@@ -63,6 +63,7 @@ class Recipe:
     bucket_mb: int = 512  # NxD's ALLREDUCE_BUCKET_CAP_MB default
     ep: int = 1  # expert parallelism: MoE experts split over this many data-parallel ranks (all-to-all dispatch)
     fused_projections: bool = True  # NxD's fused q/k/v and gate/up linears (TorchTitan keeps them apart)
+    tp_overlap: bool = True  # the fused linears' backward overlaps its TP collectives with its matmuls (NxD's)
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -74,7 +75,8 @@ class Recipe:
                                 ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
-        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections)):
+        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections),
+                        ("tp_overlap", self.tp_overlap)):
             if not isinstance(v, bool):
                 raise RecipeError(f"{flag} {v!r}: expected true or false")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
@@ -113,7 +115,9 @@ class Recipe:
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
                  *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
-                 "fused q/k/v and gate/up" if self.fused_projections else "separate q/k/v and gate/up",
+                 ("fused q/k/v and gate/up" + (" (TP collectives of their backward beside its matmuls)"
+                                               if self.tp_overlap else "")) if self.fused_projections
+                 else "separate q/k/v and gate/up",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
@@ -194,6 +198,8 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
     p.add_argument("--separate-projections", action="store_true", help="q/k/v and gate/up as separate linears "
                                                                       "(TorchTitan's; NxD fuses them)")
+    p.add_argument("--no-tp-overlap", action="store_true", help="the fused linears' backward waits for each TP "
+                                                               "collective (NxD overlaps them with its matmuls)")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
                                                 f"options given beside it change one axis")
 
@@ -230,6 +236,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
         fields["overlap"] = False
     if getattr(args, "separate_projections", False):
         fields["fused_projections"] = False
+    if getattr(args, "no_tp_overlap", False):
+        fields["tp_overlap"] = False
     return Recipe.of(fields)
 
 
