@@ -107,6 +107,9 @@ def _checkpointed(fn: Any, comm: Any = None) -> Any:
     return run
 
 
+checkpointed = _checkpointed
+
+
 def _act_mul(mlp: nn.Module) -> Any:
     act = mlp.act_fn
     inner = _checkpointed(lambda g, u: act(g) * u)
@@ -128,6 +131,13 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
     for layer in layers:
         for m in layer.modules():
             name = type(m).__name__
+            if mode == "attention":  # NxD's CoreAttention and the example's activation-multiply
+                if name.endswith("Attention") and hasattr(m, "o_proj"):
+                    m._trnsim_recompute_core = True
+                    found += 1
+                elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                    m.forward = _act_mul(m)
+                continue
             if name.endswith("RMSNorm") or name.endswith("LayerNorm") or isinstance(m, nn.LayerNorm):
                 m.forward = _checkpointed(m.forward)
                 found += 1
@@ -135,6 +145,9 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
                 m.forward = _act_mul(m)
                 found += 1
     if not found:
+        if mode == "attention":
+            raise RecipeError("--recompute attention: the model's layers have no attention module with an o_proj to "
+                              "recompute; use --recompute full or none")
         raise RecipeError("--recompute selective: the model's layers have no norms or gated MLP to recompute "
                           "(NxDT's module list); use --recompute full or none")
 
@@ -479,7 +492,8 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
             if recipe.fused_projections:
                 m = fuse_projections(m)
             return ep(m) if ep is not None else m
-        net = stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then)
+        net = stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then,
+                          attention=models.CORE_ATTENTION if recipe.attention == "core" else models.ATTENTION)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         base = getattr(net, net.base_model_prefix, net)
