@@ -66,8 +66,8 @@ def test_recomputation_keeps_the_bytes_worked_by_hand(cache, sp, recompute, expe
 
 def test_core_attention_keeps_its_scores_unless_recomputed(cache):
     """NxD's CoreAttention (SDK 2.15's Llama-2 example; 4 local heads of T x T scores at TP=2)
-    keeps, per layer, the causal mask masked_fill reads (T T bool = 4,096), the fp32 softmax
-    (4 T T 4 = 65,536), the bf16 probabilities the value matmul reads (32,768) and the key and
+    keeps, per layer, the fp32 softmax (4 T T 4 = 65,536; the causal mask, one per run, is not a
+    layer's), the bf16 probabilities the value matmul reads (32,768) and the key and
     value heads repeated to the 4 query heads the two matmuls read (2 x 4 T 32 2 = 32,768, where
     the recomputed one keeps the one local KV head's, 2 x T 32 2 = 8,192); recomputing it
     (``--recompute attention``, with the example's activation-multiply: SiLU's output, T 256 2 =
@@ -75,7 +75,7 @@ def test_core_attention_keeps_its_scores_unless_recomputed(cache):
     core = _per_layer(cache, attention="core", recompute="none")
     again = _per_layer(cache, attention="core", recompute="attention")
     kv = 2 * 4 * T * 32 * 2 - 2 * T * 32 * 2
-    assert (core - again) / 2 == T * T + 4 * T * T * 4 + 4 * T * T * 2 + kv + T * 256 * 2
+    assert (core - again) / 2 == 4 * T * T * 4 + 4 * T * T * 2 + kv + T * 256 * 2
     assert again == _per_layer(cache, attention="flash", recompute="attention")
 
 
@@ -236,7 +236,7 @@ def test_shipped_plans_load_and_name_their_source():
 @pytest.mark.parametrize("text,message", [
     ("model: x\nfoo: 1\n", "unknown key 'foo': expected one of about, source, model"),
     ("model: x\ntp: 0\n", "tp: expected a positive whole number, got 0"),
-    ("model: x\nrecipe: {recompute: most}\n", "recipe: --recompute 'most': expected one of none, selective, full"),
+    ("model: x\nrecipe: {recompute: most}\n", "recipe: --recompute 'most': expected one of none, selective, attention, full"),
     ("tp: 2\n", "model: expected a model name or config.json path"),
 ])
 def test_bad_plan_files_are_one_line(tmp_path, capsys, text, message):

@@ -23,6 +23,7 @@ experts implementations an estimate runs them with.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -96,6 +97,27 @@ def core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return _core_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal)
 
 
+_MASKS: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _causal_mask(q_len: int, kv_len: int, device: Any) -> torch.Tensor:
+    """The causal mask NxD's CoreAttention fills: ``torch.triu(ones, 1 + kv - q)``, made once per
+    run and shape (a constant of the compiled graph). Marked ``_trnsim_causal`` (its diagonal): a
+    fused region computes it from the indices (GpSimd's affine_select) instead of reading it."""
+    from .fake import active
+
+    run = active()
+    cache = _MASKS.setdefault(run, {}) if run is not None else {}
+    key = (q_len, kv_len, str(device))
+    mask = cache.get(key)
+    if mask is None:
+        diag = 1 + kv_len - q_len
+        mask = torch.ones((1, 1, q_len, kv_len), dtype=torch.bool, device=device).triu(diag)
+        mask._trnsim_causal = diag
+        cache[key] = mask
+    return mask
+
+
 def _core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
                     is_causal: bool | None) -> tuple[torch.Tensor, None]:
@@ -108,8 +130,7 @@ def _core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if attention_mask is not None:
         scores = scores + attention_mask
     elif q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-        mask = torch.ones((1, 1, q_len, kv_len), dtype=torch.bool, device=query.device).triu(1 + kv_len - q_len)
-        scores = scores.masked_fill(mask, -10000.0)
+        scores = scores.masked_fill(_causal_mask(q_len, kv_len, query.device), -10000.0)
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if dropout:
         probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
