@@ -60,7 +60,7 @@ def neuron_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """Causal attention as one fused op ([B, H, L, D] in; [B, L, H, D] out, as transformers'
     attention functions return it)."""
     if getattr(module, "_trnsim_recompute_core", False) and torch.is_grad_enabled():
-        from .train_step import checkpointed  # recomputed in the backward (see core_attention)
+        from .checkpointing import checkpointed  # recomputed in the backward (see core_attention)
 
         return checkpointed(_neuron_attention)(module, query, key, value, attention_mask, dropout, scaling, is_causal)
     return _neuron_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal)
@@ -91,7 +91,7 @@ def core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     under non-reentrant checkpointing (NxD's ``activation_checkpoint_config=CoreAttention``): its
     backward recomputes it and nothing of it is kept but its inputs."""
     if getattr(module, "_trnsim_recompute_core", False) and torch.is_grad_enabled():
-        from .train_step import checkpointed
+        from .checkpointing import checkpointed
 
         return checkpointed(_core_attention)(module, query, key, value, attention_mask, dropout, scaling, is_causal)
     return _core_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal)
