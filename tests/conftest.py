@@ -81,8 +81,11 @@ SLOW_TESTS = (
     "collectives/test_collective_forms.py::test_simulation_within_2_percent_of_the_form_where_it_holds[reduce-scatter-ring-trn2.48xlarge]",
     "collectives/test_collective_algorithms.py::test_ranks_spread_over_instances_as_neuron_numbers_them",
     # the 8-rank symmetric runs (the 2- and 4-rank ones and the sibling-call runs stay)
-    "collectives/test_collective_symmetry.py::test_a_symmetric_run_reports_exactly_what_the_full_run_does[system0-call0-8]",
+    "collectives/test_collective_symmetry.py::test_a_symmetric_run_reports_exactly_what_the_full_run_does[system0-call0-16]",
     "collectives/test_collective_symmetry.py::test_a_symmetric_run_reports_exactly_what_the_full_run_does[system5-call5-8]",
+    "collectives/test_collective_symmetry.py::test_representatives_built_directly_are_exactly_the_orbits_of_the_full_schedule[system0-call0]",
+    "collectives/test_collective_symmetry.py::test_representatives_built_directly_are_exactly_the_orbits_of_the_full_schedule[system5-call5]",
+    "collectives/test_collective_concurrency.py::test_a_call_beside_another_familys_running_call_and_siblings_is_slower_both_ways",
     # Parquet sweeps that run a sweep twice (the rows, Ctrl-C, torn-journal and foreign-file tests stay)
     "sweep/test_sweep_parquet.py::test_a_second_sweep_on_the_same_parquet_file_is_refused",
     "sweep/test_sweep_parquet.py::test_a_killed_parquet_sweep_resumes_from_its_journal",

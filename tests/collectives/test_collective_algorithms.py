@@ -113,6 +113,35 @@ def test_the_size_rule(collective, nbytes, ranks, algo, why):
     assert (res.algorithm, res.reason) == (algo, why)
 
 
+@pytest.mark.parametrize("collective,nbytes,ranks,algo,why", [
+    ("all-reduce", 16 << 10, 32, "mesh", "16KiB < mesh_below 8MB, the runtime's all-to-all all-reduce"),
+    ("all-gather", 1 << 10, 32, "bidir-ring",
+     "1KiB < mesh_below, no mesh all-gather on this runtime, torus links run both ways"),
+    ("reduce-scatter", 1 << 20, 32, "bidir-ring",
+     "1MiB < mesh_below, no mesh reduce-scatter on this runtime, torus links run both ways"),
+    ("all-reduce", 32 << 20, 32, "bidir-ring", "32MiB >= rdh_below 8MB, torus links run both ways"),
+])
+def test_trn1s_runtime_meshes_only_its_all_reduce(collective, nbytes, ranks, algo, why):
+    """Trn1's runtime (2.14-2.15) has an all-to-all all-reduce and no mesh all-gather or
+    reduce-scatter, and no RDH (collectives.mesh_collectives: all-reduce, rdh_below = mesh_below)."""
+    from trnsim.collectives.runner import CollectiveCall, resolve_call
+
+    res = resolve_call(load_system("trn1.32xlarge"), CollectiveCall(collective, nbytes, ranks))
+    assert (res.algorithm, res.reason) == (algo, why)
+
+
+def test_a_compiled_graphs_collective_pays_graph_launch_not_launch():
+    from trnsim.collectives.runtime import in_graph
+
+    trn1 = load_system("trn1.32xlarge")
+    g = in_graph(trn1)
+    assert g.collectives.launch == trn1.collectives.graph_launch < trn1.collectives.launch
+    alone = simulate_collective(trn1, "all-reduce", 16 << 10, ranks=32)
+    inside = simulate_collective(g, "all-reduce", 16 << 10, ranks=32)
+    assert alone.time_ticks - inside.time_ticks == trn1.chip.ps_to_ticks(trn1.collectives.launch - g.collectives.launch)
+    assert in_graph(TRN2) is TRN2  # Trn2's graph_launch is its launch
+
+
 def test_one_rank_per_chip_groups_ring_not_kangaring():
     r = estimate_collective(TRN2, "all-reduce", 1 << 30, group=[0, 4, 8, 12])
     assert r.algorithm == "bidir-ring"

@@ -96,3 +96,51 @@ def test_siblings_in_other_instances_are_left_out_with_identical_reports():
         full = simulate_collectives(trn1, [CollectiveCall("all-reduce", 1 << 20, group=list(g)) for g in calls])[0]
         assert together.time_ticks == full.time_ticks and together.link_bytes == full.link_bytes
         assert together.bound == full.bound
+
+
+def test_collectives_on_several_cc_streams_run_rings_where_the_runtime_has_no_multistream_mesh():
+    """Neuron enabled Mesh in multi-stream mode on Trn3 Gen2 UltraServers only (SDK 2.32): a
+    call of a program with collectives on two CC streams runs the ring fallback on a
+    trn2.48xlarge (collectives.multistream_mesh false), the size rule's pick with one stream or
+    where the system keeps Mesh; a ring pays its p-1 steps, so it is slower at small sizes."""
+    import pytest
+
+    from trnsim.collectives import CollectiveError, simulate_collective
+
+    group = list(range(16))
+    one = simulate_collective(TRN2, "all-reduce", 1024, group=group)
+    two = simulate_collective(TRN2, "all-reduce", 1024, group=group, streams=2)
+    assert one.algorithm == "two-step-mesh" and two.algorithm == "bidir-ring"
+    assert "multistream_mesh" in two.reason and two.time_ticks > 3 * one.time_ticks
+    kept = simulate_collective(TRN2, "all-reduce", 1024, group=group, streams=2,
+                               overrides=["collectives.multistream_mesh=true"])
+    assert kept.algorithm == one.algorithm and kept.time_ticks == one.time_ticks
+    gen2 = load_system("trn3-ultraserver-gen2")
+    assert simulate_collective(gen2, "all-gather", 4096, ranks=8, streams=2).algorithm == \
+        simulate_collective(gen2, "all-gather", 4096, ranks=8).algorithm
+    with pytest.raises(CollectiveError, match="streams must be a whole number of CC streams >= 1"):
+        simulate_collective(TRN2, "all-reduce", 1024, group=group, streams=0)
+
+
+def test_a_call_beside_another_familys_running_call_and_siblings_is_slower_both_ways():
+    """What the distributed backend asks for a TP all-reduce that starts while the step's DP
+    reduce-scatter runs on another CC stream (NxD's multistream FSDP: stream 0 TP, stream 1
+    FSDP): simulate_with_siblings(beside=...) runs both families with their siblings, the
+    running one started earlier; each is slower than beside its own siblings only, and the
+    later call's report counts from its own start."""
+    from trnsim.collectives import simulate_with_siblings
+
+    tp, dp = list(range(8)), list(range(0, 64, 8))
+    tp_sibs, tp_alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64)
+    dp_sibs, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64)
+    tp_beside, alone = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                              beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 1000)])
+    assert alone.time_ticks == tp_alone.time_ticks
+    assert tp_beside.start_ticks[0] == 1000 and tp_beside.time_ticks > tp_sibs.time_ticks
+    dp_beside, _ = simulate_with_siblings(TRN2, "reduce-scatter", 8 << 20, dp, 64,
+                                          beside=[("all-reduce", 4 << 20, tp, "bf16", None, 0)])
+    assert dp_beside.time_ticks > dp_sibs.time_ticks
+    # started long after the other family's calls ended: nothing shared in time, the same ticks
+    late, _ = simulate_with_siblings(TRN2, "all-reduce", 4 << 20, tp, 64,
+                                     beside=[("reduce-scatter", 8 << 20, dp, "bf16", None, 10 * dp_sibs.time_ticks)])
+    assert late.time_ticks == tp_sibs.time_ticks

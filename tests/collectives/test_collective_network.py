@@ -177,8 +177,8 @@ def test_the_runtime_costs_each_add_their_ticks():
     k issues); each is the tick count of its config figure."""
     hz = TRN2.chip.tick_hz
     us = hz // 10**6  # ticks per microsecond
-    base = simulate_collective(TRN2, "all-gather", 64, ranks=4, algorithm="ring")
-    launched = simulate_collective(_with(launch="10us"), "all-gather", 64, ranks=4, algorithm="ring")
+    base = simulate_collective(_with(step_sync="0ns"), "all-gather", 64, ranks=4, algorithm="ring")
+    launched = simulate_collective(_with(launch="10us", step_sync="0ns"), "all-gather", 64, ranks=4, algorithm="ring")
     assert launched.time_ticks == base.time_ticks + 10 * us
     synced = simulate_collective(_with(step_sync="1us"), "all-gather", 64, ranks=4, algorithm="ring")
     assert synced.time_ticks == base.time_ticks + 3 * us  # 3 steps, each waits for its handshake

@@ -33,11 +33,13 @@ def test_alike_ranks_end_on_the_same_tick():
 
 
 @pytest.mark.parametrize("system,call,order", [
-    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 8),  # KangaRing: two chips along the snake
+    # KangaRing: two chips along the snake, and the mirror (its partners' cycle is its primaries' reversed)
+    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64), 16),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=64), 2),  # RDH
     (TRN2, CollectiveCall("all-gather", 4 << 20, ranks=16, dtype="fp32"), 2),
     (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=16, algorithm="ring"), 4),  # one chip along the ring
-    (load_system("trn1.32xlarge", ["topology.efa.size=2"]), CollectiveCall("all-reduce", 1 << 20, ranks=64), 4),
+    # hierarchical: rings in each instance (Trn1's runtime has no mesh reduce-scatter or all-gather), 2-rank AR across
+    (load_system("trn1.32xlarge", ["topology.efa.size=2"]), CollectiveCall("all-reduce", 1 << 20, ranks=64), 32),
     (load_system("trn2-ultraserver"), CollectiveCall("all-reduce", 4 << 20, ranks=256), 8),
 ])
 def test_a_symmetric_run_reports_exactly_what_the_full_run_does(system, call, order):
@@ -110,3 +112,97 @@ def test_calls_that_overlap_or_differ_run_in_full():
     other = CollectiveCall("all-reduce", 4 << 20, group=list(range(8, 16)))
     _, sym = run_all(TRN2, [tp, other], True)
     assert sym is None
+
+
+# ---- a lone call built on its representatives directly (symmetry.direct) ----------------------
+
+
+def full_schedule(system, call):
+    from trnsim.collectives.algorithms import build
+    from trnsim.collectives.schedule import Schedule
+
+    e = CollectiveRunner(system)
+    h = e.launch(call)
+    s = Schedule(h.res.ctx.group)
+    build(s, h.res.ctx, h.res.algorithm)
+    return s
+
+
+def descriptors(transfers, g=None):
+    from collections import Counter
+
+    m = (lambda x: x) if g is None else g.__getitem__
+    return Counter((t.step, m(t.src), tuple(map(m, t.dsts)), t.nbytes, tuple(map(m, t.reads)),
+                    tuple(map(m, t.dst_reads)), t.gather) for t in transfers if not t.is_node)
+
+
+@pytest.mark.parametrize("system,call", [
+    (TRN2, CollectiveCall("all-reduce", 64 << 20, ranks=64)),  # KangaRing
+    (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=64)),  # RDH
+    (TRN2, CollectiveCall("all-gather", 4 << 20, ranks=16, dtype="fp32")),
+    (TRN2, CollectiveCall("all-reduce", 1 << 20, ranks=16, algorithm="ring")),
+    (load_system("trn1.32xlarge", ["topology.efa.size=2"]), CollectiveCall("all-reduce", 1 << 20, ranks=64)),
+    (load_system("trn2-ultraserver"), CollectiveCall("all-reduce", 4 << 20, ranks=256)),  # RDH, then mesh over z
+])
+def test_representatives_built_directly_are_exactly_the_orbits_of_the_full_schedule(system, call):
+    """The orbit reasoning, checked against the schedule built in full: the representatives'
+    transfers taken by every element of the group the generators make are the full schedule's
+    transfers, each exactly once (so each representative stands for exactly its orbit, of the
+    group's size), and the run on them reports what the full run reports, tick for tick."""
+    from trnsim.collectives.symmetry import _closure, direct
+
+    e = CollectiveRunner(system, symmetric=True)
+    h = e.launch(call)
+    got = direct(e, h.res)
+    assert got is not None
+    sched, sym = got
+    group = h.res.ctx.group
+    elems = _closure(sym.generators, group)
+    assert len(elems) == sym.direct.order == sym.order
+    images = sum((descriptors(sched.transfers, {r: group[e[i]] for i, r in enumerate(group)}) for e in elems),
+                 start=descriptors([]))
+    assert images == descriptors(full_schedule(system, call).transfers)
+    full, _ = run(system, call, False)
+    reduced, s = run(system, call, True)
+    assert s.direct is not None
+    same(full, reduced)
+
+
+def test_a_call_whose_symmetry_cannot_be_shown_directly_is_checked_in_full():
+    """Pieces that are not all alike (an uneven split: a ring turned by a rank would carry
+    other sizes), a pipelined chain (explicit dependencies): not built on representatives; the
+    runner builds the call in full and finds what symmetry it has there, or runs it all."""
+    from trnsim.collectives.symmetry import direct
+
+    for call in (CollectiveCall("all-reduce", 2 * 1001, ranks=16, algorithm="ring"),
+                 CollectiveCall("broadcast", 1 << 20, ranks=8, algorithm="ring")):
+        e = CollectiveRunner(TRN2, symmetric=True)
+        h = e.launch(call)
+        assert direct(e, h.res) is None
+        full, _ = run(TRN2, call, False)
+        reduced, sym = run(TRN2, call, True)
+        assert sym is None or sym.direct is None
+        same(full, reduced)
+
+
+def test_a_join_node_does_not_stand_in_a_frontier_for_the_transfer_that_made_it():
+    """A send whose sender's frontier is long (after a mesh step) first joins it; the step's
+    frontier then holds the send, not the join, so the next step waits for the send (it once
+    held the join: a 256-rank all-reduce's all-gather started before its mesh's local add)."""
+    from trnsim.collectives.schedule import Schedule
+
+    s = Schedule(range(6))
+    s.begin_step()
+    for r in range(6):
+        for x in range(6):
+            if x != r:
+                s.send(r, x, 64)
+    s.end_step()
+    s.begin_step()
+    local = s.send(0, 0, 64, (0,) * 6)
+    s.end_step()
+    assert not s.transfers[local].is_node and s.transfers[s.transfers[local].deps[0]].phase == "join"
+    s.begin_step()
+    nxt = s.send(0, 1, 64)
+    s.end_step()
+    assert local in s.transfers[nxt].deps

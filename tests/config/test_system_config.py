@@ -50,8 +50,8 @@ def test_overrides_go_to_the_system_or_to_its_chip():
     (["collectives.speed=1"],
      "trn2.48xlarge.yaml (--set collectives.speed=1): unknown key 'collectives.speed': 'speed' is not in "
      "collectives; expected one of cc_cores_per_core, packet_bytes, max_chunks, window, reduce_engine, "
-     "dma_accumulate_rate, mesh_below, rdh_below, rule_ranks, pipeline_segments, dma_duplication, launch, "
-     "step_sync, issue, dma_rings, p2p_rings, efa_proxy, ranks_per_proxy, flat_ring_channels"),
+     "dma_accumulate_rate, mesh_below, mesh_collectives, rdh_below, rule_ranks, pipeline_segments, dma_duplication, "
+     "launch, graph_launch, step_sync, issue, dma_rings, p2p_rings, efa_proxy, ranks_per_proxy, flat_ring_channels, multistream_mesh"),
     (["topology.x.bandwidth=fast"],
      "trn2.48xlarge.yaml (--set topology.x.bandwidth=fast): topology.x.bandwidth = 'fast': expected a bandwidth "
      "quantity like '2.9TB/s'"),

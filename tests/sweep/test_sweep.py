@@ -161,3 +161,26 @@ def test_missing_spec_and_bad_jobs(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["sweep", str(spec), "--jobs", "two"])
     assert e.value.code == 2
+
+
+def test_a_pool_started_beside_other_threads_starts_its_workers_from_a_forkserver(tmp_path):
+    """A forked worker inherits the locks other threads hold at the fork (Ray's driver threads after
+    a Ray sweep in the same process hung a forked child on one): beside other threads the local pool
+    uses forkserver, and its rows are those of a run in this process."""
+    import threading
+
+    from trnsim.sweep import _pool_context
+
+    spec = load_spec(write_spec(tmp_path, SMALL))
+    direct = run_sweep(spec, jobs=1).rows
+    spec.out.unlink()
+    gate = threading.Event()
+    other = threading.Thread(target=gate.wait)
+    other.start()
+    try:
+        assert _pool_context().get_start_method() == "forkserver"
+        pooled = run_sweep(load_spec(tmp_path / "spec.yaml"), jobs=2)
+    finally:
+        gate.set()
+        other.join()
+    assert pooled.ran == 12 and pooled.rows == direct

@@ -102,6 +102,14 @@ def _head_and_table(on):
     return score_mod
 
 
+def _flex_float64(q, k, v):
+    """The same score function's attention in float64 on CPU, written out."""
+    s = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    h = torch.arange(q.shape[1], dtype=torch.float64)[None, :, None, None]
+    s = s * (h + 1) * 0.5 + HEAD_BIAS.double()[None, :, None, None] + TABLE.double()
+    return torch.softmax(s, -1) @ v.double()
+
+
 def _flex_rows(rep):
     return [(r.op, r.kernel, r.calls) for r in rep.rows if r.op.startswith("flex")]
 
@@ -118,7 +126,14 @@ def test_score_mod_with_the_head_index_and_captured_tensors_is_one_attention_lau
     with warnings.catch_warnings(record=True) as caught, torch.neuron.report_scope() as scope:
         warnings.simplefilter("always")
         got = f(*(t.to("neuron") for t in (q, k, v)))
-    assert torch.equal(got.cpu(), want)
+    # the attention is TensorE work: the PE array adds fp32 products in its own fixed order, CPU's
+    # BLAS in an order of its own that differs between CPUs (AVX2 vs AVX-512 machines), so neither is
+    # bit-for-bit the other. The tester's rule for the matmul family: no further from the float64
+    # result than CPU is, plus fp32's share (1e-5) of the largest magnitude.
+    exact = _flex_float64(q, k, v)
+    err_dev = (got.cpu().double() - exact).abs().max().item()
+    err_cpu = (want.double() - exact).abs().max().item()
+    assert err_dev <= err_cpu + 1e-5 * exact.abs().max().item(), (err_dev, err_cpu)
     assert _flex_rows(scope.report) == [("flex_attention", "attention", 1)]  # no extra S x S kernel
     assert not [w for w in caught if "trnsim" in str(w.message)]
 

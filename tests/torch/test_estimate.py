@@ -130,7 +130,11 @@ def test_a_backward_that_does_not_fit_is_an_oom_not_an_abort(cache):
                         "instances)"),
     (dict(pp=5), "--pp 5: the model has 4 decoder layers, fewer than the pipeline stages"),
     (dict(input_tokens=4096), "--input 4096 + --output 128 = 4224 tokens, more than tiny-llama's "
-                              "max_position_embeddings 4096"),
+                              "max_position_embeddings 4096 (a serving framework's larger position limit: "
+                              "--max-positions)"),
+    (dict(input_tokens=4096, max_positions=4200), "--input 4096 + --output 128 = 4224 tokens, more than "
+                                                  "--max-positions 4200"),
+    (dict(max_positions=0), "--max-positions 0: expected a positive whole number of positions"),
     (dict(dtype="fp8"), "--dtype fp8: expected one of bf16, fp16, fp32"),
     (dict(batch=0), "--batch 0: expected a positive whole number"),
 ])
@@ -138,6 +142,26 @@ def test_bad_plans_and_requests_are_one_line(kwargs, message):
     with pytest.raises(ConfigError) as info:
         estimate_inference(TINY, eager=True, **{"output_tokens": 128, **kwargs})
     assert str(info.value) == message
+
+
+def test_a_serving_frameworks_position_limit_lets_a_rope_model_run_past_its_config(cache, tmp_path):
+    """transformers-neuronx ran Llama-2-7b (max_position_embeddings 4096) at n_positions 8192: with
+    --max-positions a RoPE model runs past its config's figure, its decode steps over the longer
+    KV cache; a model with learned positions (no rope_theta) is refused beyond its table."""
+    from trnsim.workload.models import load_model
+    from trnsim.workload.plan import check_sizes
+
+    est, _ = estimate_inference(TINY, tp=2, input_tokens=128, output_tokens=3990, max_positions=8192, cache_dir=cache,
+                                serving="none", layers=1)
+    assert est.padding["decode_kv_buckets"][-1] > 4096 and est.tpot_ms > 0
+    learned = json.loads(Path(TINY).read_text())
+    del learned["rope_theta"]
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps(learned))
+    with pytest.raises(ConfigError) as info:
+        check_sizes(load_model(str(path)), input_tokens=4096, output_tokens=130, max_positions=8192)
+    assert str(info.value) == ("--max-positions 8,192: beyond learned's max_position_embeddings 4,096, and its "
+                               "config has no rotary positions (rope_theta) to run past a learned position table")
 
 
 def test_plan_places_tp_ranks_innermost():
@@ -230,7 +254,10 @@ def test_a_mixture_of_experts_model(cache):
     (["inference", "--samples", "1000000000"], "--samples 1,000,000,000: expected 1..64 decode steps simulated (the "
                                                "others are interpolated between them)"),
     (["inference", "--input", "4000", "--output", "97"], "--input 4000 + --output 97 = 4097 tokens, more than "
-                                                         "tiny-llama's max_position_embeddings 4096"),
+                                                         "tiny-llama's max_position_embeddings 4096 (a serving "
+                                                         "framework's larger position limit: --max-positions)"),
+    (["inference", "--input", "4000", "--output", "97", "--max-positions", "4096"],
+     "--input 4000 + --output 97 = 4097 tokens, more than --max-positions 4096"),
     (["train", "--seq", "1000000000"], "--seq 1000000000: more tokens than tiny-llama's max_position_embeddings 4096"),
     (["train", "--global-batch", "100000000"], "--global-batch: 100,000,000 micro-batches per data-parallel replica "
                                                "and step; at most 4,096 (the pipeline schedule is simulated task by "
@@ -324,14 +351,18 @@ def test_a_model_name_too_long_for_a_file_is_one_line(capsys):
 def test_a_plans_collective_is_charged_beside_its_sibling_groups():
     """The estimate's DP all-reduce on a 2x2 plan of a trn1.32xlarge (groups [0, 2] and [1, 3],
     both across chip 0 -> 1) is the call simulated beside its sibling, slower than alone; a TP
-    group on a chip of its own costs what it costs alone."""
+    group on a chip of its own costs what it costs alone. The plan's step is one compiled graph:
+    its calls pay the system's graph_launch, not the launch of a call run by itself."""
     from trnsim.collectives import simulate_with_siblings
+    from trnsim.collectives.runtime import in_graph
     from trnsim.device import Device
     from torch_bridge.parallel import Comm
 
     trn1 = load_system("trn1.32xlarge")
     plan = Plan(tp=2, dp=2)
     comm = Comm(trn1, Device(trn1.chip), 0, 0, plan)
+    assert comm.system.collectives.launch == trn1.collectives.graph_launch != trn1.collectives.launch
+    trn1 = in_graph(trn1)
     dp = comm.report("all-reduce", 16 << 20, plan.dp_group(0), "bf16")
     together, alone = simulate_with_siblings(trn1, "all-reduce", 16 << 20, plan.dp_group(0), plan.size)
     assert plan.dp_group(0) == [0, 2] and dp.time_ticks == together.time_ticks > 1.1 * alone.time_ticks

@@ -126,6 +126,10 @@ def test_cli_prints_what_a_decode_and_a_prefill_layer_became(cache, capsys, monk
     (["--max-context", "9000"], "--max-context 9,000: more than --max-model-len 1,152 (its default"),
     (["--ep", "3"], "--ep 3: expert parallelism must divide --tp 4"),
     (["--context-buckets", "64"], "a prefill of 1,024: more than the largest context bucket 64"),
+    (["--draft-model", TINY, "--speculation-length", "4"], "--draft-model: give --acceptance (the rate"),
+    (["--draft-model", TINY, "--speculation-length", "4", "--acceptance", "0.5", "--eager"],
+     "--draft-model: fused speculation runs the NKI library kernels as NxDI does; --eager runs one model op by op"),
+    (["--acceptance", "0.5"], "--acceptance: speculation needs a draft model (--draft-model)"),
 ])
 def test_cli_bad_kernel_options_are_one_line(capsys, argv, message):
     code = main(["estimate", "inference", "--model", TINY, "--tp", "4", "--no-cache", *argv])
@@ -260,3 +264,38 @@ def test_moe_routing_busiest_ep_rank():
     from trnsim.workload.buckets import MOE_ROUTINGS
 
     assert set(MOE_ROUTINGS) == set(nxdi.ROUTINGS)  # the CLI's choices are the lowering's
+
+
+def test_fused_speculation_is_k_draft_steps_and_the_target_over_k_tokens(cache, tmp_path):
+    """NxDI's fused speculation: one decode graph runs k single-token steps of the draft and the
+    target over k tokens (each sampled); TPOT is that step over the tokens it yields on average;
+    the prefill runs the draft's prefill after the target's; the draft's weights are held too."""
+    kw = dict(tp=2, input_tokens=200, output_tokens=20, cache_dir=cache, serving="none")
+    plain, _ = estimate_inference(TINY, **kw)
+    full, _ = estimate_inference(TINY, draft_model=TINY, speculation_length=3, acceptance=1.0, **kw)
+    none, _ = estimate_inference(TINY, draft_model=TINY, speculation_length=3, acceptance=0.0, **kw)
+    one_step = 4 * 6 + 2 + 4  # a single-token step's launches: 4 layers, embedding + all-gather, norm/head/max/gather
+    assert full.decode.launches == 3 * one_step + one_step + 1  # 3 draft steps, the target, one dispatch
+    target = [c for c in full.decode.ops if c[0] == "attention_tkg"]
+    assert target and full.speculation["draft_decode"][0].startswith("qkv 1x1x256x4x1x32")
+    step = full.decode_samples[0][1]
+    assert full.tpot_ms == pytest.approx(step / 3) and none.tpot_ms == pytest.approx(step)
+    assert step > plain.decode_samples[0][1]  # more work per step than one plain decode step
+    assert full.ttft_ms > plain.ttft_ms and full.ttft_ms == none.ttft_ms  # the acceptance does not enter TTFT
+    assert full.memory[0].weights_bytes > plain.memory[0].weights_bytes
+    assert full.speculation["tokens_per_step"] == 3.0
+    # a draft as big as the target: 4 single-token steps' work for 3 tokens, slower than not speculating
+    assert full.tokens_per_s == pytest.approx(20 / ((full.ttft_ms + 19 * full.tpot_ms) / 1e3))
+    assert full.tokens_per_s < plain.tokens_per_s
+    other = json.loads(Path(TINY).read_text())
+    other["vocab_size"] = 2048
+    path = tmp_path / "other-vocab.json"
+    path.write_text(json.dumps(other))
+    with pytest.raises(ConfigError) as info:
+        estimate_inference(TINY, draft_model=str(path), speculation_length=3, acceptance=0.5, **kw)
+    assert str(info.value) == ("--draft-model other-vocab: vocabulary of 2048 tokens, the target tiny-llama's has 1024; "
+                               "a draft shares the target's tokenizer")
+    with pytest.raises(ConfigError) as info:
+        estimate_inference(TINY, draft_model=TINY, speculation_length=3, acceptance=0.5, eager=True, **kw)
+    assert str(info.value) == ("--draft-model: fused speculation runs the NKI library kernels as NxDI does; --eager "
+                               "runs one model op by op")

@@ -38,12 +38,15 @@ def test_ledger_has_the_rows_the_issue_asks_for(ledger):
 def test_every_calibrated_parameter_names_calibration_rows_and_every_calibration_row_is_used(ledger):
     roles = {r.id: r.role for r in ledger.rows}
     used = set()
-    for cfg in [load_config(n) for n in config_names()] + [load_system(n) for n in system_names()]:
-        for cal in cfg.calibrations:
-            assert cal.fit
-            for rid in cal.rows:
-                assert roles[rid] == "calibration"
-                used.add(rid)
+    from trnsim.workload.speculation import acceptance_calibrations
+
+    cals = [c for cfg in [load_config(n) for n in config_names()] + [load_system(n) for n in system_names()]
+            for c in cfg.calibrations] + acceptance_calibrations()  # configs/speculation: the draft's acceptance
+    for cal in cals:
+        assert cal.fit
+        for rid in cal.rows:
+            assert roles[rid] == "calibration"
+            used.add(rid)
     assert used == {r.id for r in ledger.rows if r.role == "calibration"}
 
 
@@ -98,9 +101,9 @@ def test_list_json_out_and_a_row_run(tmp_path, capsys):
 
 
 def test_a_row_trnsim_cannot_predict_is_listed_with_its_reason(capsys):
-    assert main(["validate", "inf.trn2.llama-3.3-70b.tp64.fused-spec.tpot"]) == 0
+    assert main(["validate", "inf.trn2.llama-3.1-405b.tp64.fused-spec.tpot"]) == 0
     out = capsys.readouterr().out
-    assert "unsupported: fused speculative decoding" in out
+    assert "unsupported: the target's MLP weights are FP8" in out
 
 
 def test_plot(tmp_path, capsys):

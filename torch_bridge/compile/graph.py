@@ -41,6 +41,7 @@ __all__ = ["CompiledGraph", "RegionKernel", "rewrite"]
 
 aten = torch.ops.aten
 _WIDE = (torch.bfloat16, torch.float16)
+_NODE, _CONST, _LIST = 0, 1, 2  # a region node's argument: a node's value, a constant, a list holding nodes
 
 
 def _op_name(n: fx.Node) -> str:
@@ -91,6 +92,7 @@ class RegionKernel:
         self.label = "compiled:" + "+".join(dict.fromkeys(names))
         self.index = index
         self.plans: dict[tuple[Any, ...], _Plan] = {}
+        self._steps: list[tuple[Any, ...]] | None = None  # _compile_steps, on the first call
         self.__name__ = f"region{index}"
 
     def __repr__(self) -> str:
@@ -114,17 +116,17 @@ class RegionKernel:
             c = env[self.head.args[0]]
             beta, alpha = self.head.kwargs.get("beta", 1), self.head.kwargs.get("alpha", 1)
             env[self.head] = values._add_scaled(env[self.head], c, alpha, beta)
-        for n in self.nodes:
-            if n.target is operator.getitem:
-                env[n] = env[n.args[0]][n.args[1]]
+        steps = self._steps
+        if steps is None:
+            steps = self._steps = self._compile_steps()
+        for n, target, sargs, skw in steps:
+            if target is None:  # getitem
+                env[n] = env[sargs][skw]
                 continue
-            fargs = [_wide(env[a]) if isinstance(a, fx.Node) else _to_cpu(a) for a in n.args]
-            fargs = [_wide([env[x] if isinstance(x, fx.Node) else x for x in a]) if isinstance(a, (list, tuple))
-                     and any(isinstance(x, fx.Node) for x in a) else a for a in fargs]
-            kw = {k: (_wide(env[v]) if isinstance(v, fx.Node) else _to_cpu(v)) for k, v in n.kwargs.items()}
-            if n.target is aten._to_copy.default:
-                kw.pop("device", None)
-            env[n] = n.target(*fargs, **kw)
+            fargs = [_wide(env[a]) if kind == _NODE else a if kind == _CONST else
+                     _wide([env[x] if isinstance(x, fx.Node) else x for x in a]) for kind, a in sargs]
+            kw = {k: _wide(env[v]) if node else v for k, node, v in skw}
+            env[n] = target(*fargs, **kw)
         outs = []
         for n in self.outputs:
             want = n.meta["val"].dtype
@@ -142,6 +144,29 @@ class RegionKernel:
         if RegionKernel.record is not None:
             RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
         return tuple(outs)
+
+    def _compile_steps(self) -> list[tuple[Any, ...]]:
+        """The region's nodes as (node, target, args, kwargs) with what does not change between
+        calls worked out once: each argument is a node (its value, fp32-widened), a constant
+        (moved to CPU) or a list holding nodes; ``_to_copy``'s device is dropped (the values are
+        CPU views). A getitem is (node, None, source node, index)."""
+        steps: list[tuple[Any, ...]] = []
+        for n in self.nodes:
+            if n.target is operator.getitem:
+                steps.append((n, None, n.args[0], n.args[1]))
+                continue
+            sargs = []
+            for a in n.args:
+                if isinstance(a, fx.Node):
+                    sargs.append((_NODE, a))
+                    continue
+                c = _to_cpu(a)
+                holds = isinstance(c, (list, tuple)) and any(isinstance(x, fx.Node) for x in c)
+                sargs.append((_LIST if holds else _CONST, c))
+            skw = tuple((k, isinstance(v, fx.Node), v if isinstance(v, fx.Node) else _to_cpu(v))
+                        for k, v in n.kwargs.items() if not (n.target is aten._to_copy.default and k == "device"))
+            steps.append((n, n.target, tuple(sargs), skw))
+        return steps
 
     # ---- costs -----------------------------------------------------------------------------
     def _meta(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:

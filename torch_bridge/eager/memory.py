@@ -104,10 +104,18 @@ def _row_sub(row: Any, nbytes: int, undo: bool) -> None:
             row[at + 3] += n
 
 
+_loaded: list[Any] = []  # the native extension once loaded (it stays loaded: no import per call)
+
+
 def _lib() -> Any:
+    if _loaded:
+        return _loaded[0]
     from .. import _native
 
-    return _native.lib
+    lib = _native.lib
+    if lib is not None:
+        _loaded.append(lib)
+    return lib
 
 
 class MemoryStats:

@@ -80,8 +80,9 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
                        output_tokens: int = 128, dtype: str = "bf16", overrides: Sequence[str] | None = None,
                        samples: int = 5, replay: bool = True, cache_dir: str | Path | None | bool = True,
                        trace: bool = False, layers: int | None = None, eager: bool = False, ep: int = 1,
-                       serving: str = "vllm-neuron", moe_routing: str = "random", **buckets: Any
-                       ) -> tuple[InferenceEstimate, list[Any]]:
+                       serving: str = "vllm-neuron", moe_routing: str = "random", max_positions: int | None = None,
+                       draft_model: Any = None, speculation_length: int | None = None, acceptance: Any = None,
+                       **buckets: Any) -> tuple[InferenceEstimate, list[Any]]:
     """Estimate TTFT, TPOT and tokens/s of ``model`` on ``system`` (see the module docstring).
 
     By default the decoder layers run as NxD Inference runs them - the NKI library's kernels at
@@ -90,6 +91,13 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     ``context_buckets``, ``kv_buckets``, ``batch_buckets``; ``sp`` None is Neuron's default,
     sequence-parallel prefill when ``tp > 1``). ``eager`` runs every aten op as its own kernel
     instead (``sp`` None: off), as follows.
+
+    ``max_positions`` is the serving framework's position limit where the run set one
+    (transformers-neuronx's ``n_positions``, NxDI's ``seq_len``), in place of the model config's
+    ``max_position_embeddings`` (:func:`trnsim.workload.plan.position_limit`).
+
+    ``draft_model``, ``speculation_length`` and ``acceptance``: fused speculative decoding as NxDI
+    runs it (:mod:`trnsim.workload.speculation`; the kernel lowering only).
 
     ``serving`` is the serving engine whose host loop TTFT and TPOT include
     (:class:`trnsim.workload.serve.HostLoop`: ``vllm-neuron``, ``vllm-v0`` or ``none``).
@@ -106,7 +114,12 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
         return estimate_inference_kernels(model, system, tp=tp, pp=pp, dp=dp, ep=ep, sp=sp, batch=batch,
                                           input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype,
                                           overrides=overrides, cache_dir=cache_dir, trace=trace, layers=layers,
-                                          serving=serving, moe_routing=moe_routing, **buckets)
+                                          serving=serving, moe_routing=moe_routing, max_positions=max_positions,
+                                          draft_model=draft_model, speculation_length=speculation_length,
+                                          acceptance=acceptance, **buckets)
+    if draft_model is not None or speculation_length is not None or acceptance is not None:
+        raise EstimateError("--draft-model: fused speculation runs the NKI library kernels as NxDI does; --eager runs "
+                            "one model op by op")
     if ep != 1:
         raise EstimateError(f"--ep {ep}: expert parallelism is a layout of the kernel lowering; --eager shards "
                             f"experts over --tp only")
@@ -128,7 +141,8 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     except ServeError as e:
         raise EstimateError(str(e)) from None
     _check(spec, sysc, plan, dtype)
-    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples)
+    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, samples=samples,
+                max_positions=max_positions)
     check_batch(spec, sysc, plan.tp, plan.pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     prompt = input_tokens

@@ -31,11 +31,13 @@ from trnsim.device.costcache import CostCache, default_cache_dir
 from trnsim.workload.plan import InferenceEstimate, Plan, Role, RoleMemory, check_batch, check_plan, check_sizes, summarise
 from trnsim.workload.models import ModelConfig, load_model
 from trnsim.workload.serve import HostLoop, ServeError
+from trnsim.workload.speculation import Speculation, SpeculationError
 
 from . import models, nxdi
 from .nxdi import Call, Layer, Shards
 
-__all__ = ["lowered", "estimate_inference_kernels", "StepCosts", "ASSUMPTIONS"]
+__all__ = ["lowered", "estimate_inference_kernels", "StepCosts", "ASSUMPTIONS", "SPECULATION_ASSUMPTIONS",
+           "speculative_tpot"]
 
 ASSUMPTIONS = (
     "each step is one compiled graph (a NEFF at a bucketed shape): one host dispatch, kernels back to back",
@@ -48,6 +50,28 @@ ASSUMPTIONS = (
     "expected maximum load when each token's picks land uniformly at random; balanced: the mean share)",
     "no speculative decoding; of the serving stack only the engine's host loop (--serving), no tokenizer or network",
 )
+
+#: what an estimate with --draft-model says in place of ASSUMPTIONS' last line
+SPECULATION_ASSUMPTIONS = (
+    "of the serving stack only the engine's host loop (--serving), no tokenizer or network",
+    "fused speculation as NxDI runs it (enable_fused_speculation): the prefill is the target's then the draft's (no "
+    "sequence parallelism for the draft) in one graph; a decode step is k single-token draft steps and one target step "
+    "over k tokens with each position sampled, in one graph, over the KV bucket of the step's last position",
+    "the draft at the target's TP (NxDI copies the target's neuron config), its query heads padded to a multiple of "
+    "TP and its KV heads replicated (NxDI's get_shardable_head_counts); its weights and KV cache count against HBM",
+    "a step yields sum_{i<k} a^i tokens on average (each draft token accepted with probability a until the first "
+    "rejection); TPOT is the step's time over that, the engine's host loop paid once per step",
+)
+
+
+def speculative_tpot(steady: Sequence[tuple[int, float, int]], first: float, per_step: float) -> float:
+    """TPOT of a speculative decode: ``steady`` (KV bucket, a fused step's wall ms, output
+    positions in that bucket) each produce their positions in steps of ``per_step`` tokens; the
+    first step after the prefill takes ``first`` instead of its bucket's time."""
+    n = sum(c for _, _, c in steady)
+    if not n:
+        return 0.0
+    return (sum(w * c / per_step for _, w, c in steady) - steady[0][1] + first) / n
 
 
 def serving_times(host: HostLoop, prefill_ms: float, decode: Sequence[tuple[int, float, int]]
@@ -109,10 +133,11 @@ def _layer_calls(layer: Layer, sh: Shards, batch: int, tokens: int, prior: int, 
 
 
 def step_calls(prog: nxdi.Program, role: Role, last: bool, *, batch: int, tokens: int, prior: int, cache: int,
-               decode: bool) -> list[Call]:
-    """Every call of one rank's step: embedding, its layers, LM head and sampling."""
+               decode: bool, head_tokens: int = 1) -> list[Call]:
+    """Every call of one rank's step: embedding, its layers, LM head and sampling (on the last
+    ``head_tokens`` tokens of each sequence)."""
     before, after = nxdi.lower_step(prog.hidden, prog.vocab, prog.shards, batch=batch, tokens=tokens,
-                                    first=role.first, last=last, eps=prog.eps)
+                                    first=role.first, last=last, eps=prog.eps, head_tokens=head_tokens)
     out = list(before)
     lo, hi = role.layers
     for i in range(lo, hi):
@@ -195,12 +220,16 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                                trace: bool = False, layers: int | None = None, max_context: int | None = None,
                                max_model_len: int | None = None, context_buckets: Sequence[int] | None = None,
                                kv_buckets: Sequence[int] | None = None, batch_buckets: Sequence[int] | None = None,
-                               serving: str = "vllm-neuron", moe_routing: str = "random") -> tuple[InferenceEstimate, list[Any]]:
+                               serving: str = "vllm-neuron", moe_routing: str = "random",
+                               max_positions: int | None = None, draft_model: str | ModelConfig | None = None,
+                               speculation_length: int | None = None, acceptance: Any = None
+                               ) -> tuple[InferenceEstimate, list[Any]]:
     """TTFT, TPOT and tokens/s with the layers lowered to the library kernels (module docstring).
 
     ``sp`` None is Neuron's default (prefill sequence-parallel when ``tp > 1``); ``max_context``
     (default: the prompt) and ``max_model_len`` (default: prompt + output) set the default
-    buckets, ``*_buckets`` replace them."""
+    buckets, ``*_buckets`` replace them. ``draft_model``, ``speculation_length`` and
+    ``acceptance`` run fused speculative decoding (:mod:`trnsim.workload.speculation`)."""
     from .roles import EstimateError, dtype_of, make_rank, positive, scope, send_recv_ticks, simulate_roles, with_layers
 
     t_wall = time.perf_counter()
@@ -219,7 +248,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     sp_on = (tp > 1) if sp is None else bool(sp)
     plan = Plan(tp, pp, dp, sp_on)
     check_plan(spec, sysc, tp, pp, dp, dtype)
-    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens)
+    check_sizes(spec, input_tokens=input_tokens, output_tokens=output_tokens, max_positions=max_positions)
     check_batch(spec, sysc, tp, pp, dtype, batch=batch, tokens=input_tokens + output_tokens)
     total = input_tokens + output_tokens
     mseq = total if max_model_len is None else positive("--max-model-len", max_model_len)
@@ -239,6 +268,27 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         prog = lowered(spec, shards)
     except nxdi.Unsupported as e:
         raise EstimateError(str(e)) from None
+    try:
+        specu = Speculation.of(draft_model.name if isinstance(draft_model, ModelConfig) else draft_model,
+                               speculation_length, acceptance)
+    except SpeculationError as e:
+        raise EstimateError(str(e)) from None
+    dprog = None
+    k = 1
+    if specu is not None:
+        if pp > 1:
+            raise EstimateError(f"--draft-model with --pp {pp}: NxDI fuses the draft with a one-stage target")
+        dspec = draft_model if isinstance(draft_model, ModelConfig) else load_model(str(draft_model))
+        if dspec.fields.get("vocab_size") != spec.fields.get("vocab_size"):
+            raise EstimateError(f"--draft-model {dspec.name}: vocabulary of {dspec.fields.get('vocab_size')} tokens, "
+                                f"the target {spec.name}'s has {spec.fields.get('vocab_size')}; a draft shares the "
+                                f"target's tokenizer")
+        check_sizes(dspec, input_tokens=input_tokens, output_tokens=output_tokens, max_positions=max_positions)
+        try:
+            dprog = lowered(dspec, Shards(tp, 1, False, dtype, moe_routing, pad_heads=True))
+        except nxdi.Unsupported as e:
+            raise EstimateError(f"--draft-model {dspec.name}: {e}") from None
+        k = specu.k
     if ep > 1 and not any(layer.ffn.kind == "moe" for layer in prog.layers):
         raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
     prompt = buckets.context_for(input_tokens)
@@ -246,8 +296,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
     # over input + k - 1 positions (as trnsim.serve's decode steps)
     per_bucket: dict[int, list[int]] = {}
-    for n in range(input_tokens + 1, total):
-        per_bucket.setdefault(buckets.kv_for(n), []).append(n)
+    for n in range(input_tokens + 1, total):  # speculation: the step's k tokens sit at n .. n + k - 1
+        per_bucket.setdefault(buckets.kv_for(min(n + k - 1, buckets.kv[-1])), []).append(n)
     kv_alloc = buckets.kv[-1]
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
     reports: dict[tuple[Any, ...], Any] = {}
@@ -255,8 +305,12 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
 
     def run(rank: Any, last: bool) -> dict[str, Any]:
         role = rank.role
+        draft_role = Role(0, (0, len(dprog.layers)), role.rank, role.ranks) if dprog is not None else role
         out: dict[str, Any] = {"traces": []}
         weights, kv = _memory(prog, role, last, bb, kv_alloc)
+        if dprog is not None:
+            dw, dkv = _memory(dprog, Role(0, (0, len(dprog.layers)), role.rank, role.ranks), True, bb, kv_alloc)
+            weights, kv = weights + dw, kv + dkv
         with rank.run:
             rank.ledger.reserve(0, weights)
             rank.ledger.reserve(0, kv)
@@ -264,6 +318,9 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
                 start = rank.step_start()
                 charge(rank, step_calls(prog, role, last, batch=bb, tokens=prompt, prior=0, cache=prompt,
                                         decode=False), dtype)
+                if dprog is not None:
+                    charge(rank, step_calls(dprog, draft_role, True, batch=bb, tokens=prompt, prior=0, cache=prompt,
+                                            decode=False), dtype)
                 out["prefill_ticks"] = rank.step_end(start)
             out["prefill_report"] = summarise(rep[0], out["prefill_ticks"])
             if trace:
@@ -272,8 +329,12 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
             for i, kvb in enumerate(sorted(per_bucket)):
                 with scope(rank.device, trace and i == 0) as rep:
                     start = rank.step_start()
-                    charge(rank, step_calls(prog, role, last, batch=bb, tokens=1, prior=0, cache=kvb, decode=True),
-                           dtype)
+                    if dprog is not None:
+                        for _ in range(k):
+                            charge(rank, step_calls(dprog, draft_role, True, batch=bb, tokens=1, prior=0, cache=kvb,
+                                                    decode=True), dtype)
+                    charge(rank, step_calls(prog, role, last, batch=bb, tokens=k, prior=0, cache=kvb, decode=True,
+                                            head_tokens=k), dtype)
                     ticks = rank.step_end(start)
                 out["decode"][kvb] = (ticks, summarise(rep[0], ticks))
                 if trace and i == 0:
@@ -295,7 +356,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
     device_decode = [(min(ns), (sum(s["decode"][kvb][0] for s in stages) + sum(p2p_decode)) / hz * 1e3, len(ns))
                      for kvb, ns in sorted(per_bucket.items())]
     ttft, decode, first_step = serving_times(host, device_prefill, device_decode)
-    tpot = mean_step(decode, first_step)
+    tpot = mean_step(decode, first_step) if specu is None else \
+        speculative_tpot(decode, first_step, specu.tokens_per_step)
     e2e_ms = ttft + (output_tokens - 1) * tpot
     per_request = output_tokens / (e2e_ms / 1e3) if e2e_ms else 0.0
     busiest = max(per_bucket, key=lambda k: len(per_bucket[k])) if per_bucket else None
@@ -313,6 +375,13 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         notes.append(f"prompt of {input_tokens:,} tokens run in the context bucket of {prompt:,}")
     if bb != batch:
         notes.append(f"batch of {batch} run in the batch bucket of {bb}")
+    speculation: dict[str, Any] = {}
+    if specu is not None and dprog is not None:
+        speculation = {"draft": specu.draft, "k": k, "acceptance": specu.acceptance, "source": specu.source,
+                       "tokens_per_step": specu.tokens_per_step,
+                       "draft_decode": lowering_text(dprog, batch=bb, tokens=1, cache=busiest or kv_alloc, decode=True)}
+        notes.extend(SPECULATION_ASSUMPTIONS)
+        notes.append(f"acceptance {specu.acceptance:g} per draft token: {specu.source}")
     est = InferenceEstimate(
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
         plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp_on, **({"ep": ep} if ep > 1 else {})}, ranks=plan.size,
@@ -323,9 +392,9 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         prefill=stages[0]["prefill_report"],
         decode=stages[0]["decode"][busiest][1] if busiest else stages[0]["prefill_report"],
         memory=tuple(memory), roles_simulated=len(memory), kernels_simulated=kernels, cache_hits=cache.hits,
-        wall_s=time.perf_counter() - t_wall, assumptions=ASSUMPTIONS + tuple(notes) + tuple(refused),
+        wall_s=time.perf_counter() - t_wall, assumptions=(ASSUMPTIONS if not speculation else ASSUMPTIONS[:-1]) + tuple(notes) + tuple(refused),
         lowering=lowering, buckets=buckets.to_dict(), padding=padding,
-        decode_kv=busiest or 0, serving=serving, host_step_ms=host.step_s * 1e3)
+        decode_kv=busiest or 0, serving=serving, host_step_ms=host.step_s * 1e3, speculation=speculation)
     return est, traces
 
 

@@ -139,6 +139,7 @@ class Shards:
     sp: bool = False
     dtype: str = "bf16"
     routing: str = "random"  # MoE token routing over the EP ranks (:data:`ROUTINGS`, :func:`routed_load`)
+    pad_heads: bool = False  # query heads padded to a multiple of TP (:func:`rank_heads`; a fused draft model)
 
     @property
     def dtype_bytes(self) -> int:
@@ -286,10 +287,12 @@ def _div(what: str, n: int, tp: int, flag: str = "--tp") -> int:
     return n // tp
 
 
-def rank_heads(a: Attention, tp: int) -> tuple[int, int]:
+def rank_heads(a: Attention, tp: int, pad: bool = False) -> tuple[int, int]:
     """(query heads, kv heads) on one rank: heads split over TP; KV heads split when TP divides
-    them, else replicated so each rank holds one (NxDI's REPLICATE_TO_TP_DEGREE)."""
-    nq = _div("num_attention_heads", a.heads, tp)
+    them, else replicated so each rank holds one (NxDI's REPLICATE_TO_TP_DEGREE). ``pad``: query
+    heads TP does not divide are padded up to a multiple of it (NxDI's
+    ``get_shardable_head_counts``: a Llama-3.2-1B draft's 32 heads at TP 64 are 64, one a rank)."""
+    nq = -(-a.heads // tp) if pad and a.kind != "mla" else _div("num_attention_heads", a.heads, tp)
     if a.kind == "mla":
         return nq, nq
     if a.kv_heads % tp == 0:
@@ -370,14 +373,14 @@ def kv_bytes_per_token(layer: Layer, sh: Shards) -> int:
     a = layer.attention
     if a.kind == "mla":
         return (a.kv_lora_rank + a.rope_dim) * sh.dtype_bytes
-    _, nkv = rank_heads(a, sh.tp)
+    _, nkv = rank_heads(a, sh.tp, sh.pad_heads)
     return 2 * nkv * a.head_dim * sh.dtype_bytes
 
 
 def layer_weight_bytes(layer: Layer, sh: Shards) -> int:
     """Bytes of one rank's weights of ``layer`` (the projections, norms, router and experts it holds)."""
     a, f, h, b = layer.attention, layer.ffn, layer.hidden, sh.dtype_bytes
-    nq, nkv = rank_heads(a, sh.tp)
+    nq, nkv = rank_heads(a, sh.tp, sh.pad_heads)
     if a.kind == "gqa":
         attn = h * (nq + 2 * nkv) * a.head_dim + nq * a.v_head_dim * h
         attn += ((nq + 2 * nkv) * a.head_dim if a.qkv_bias else 0) + (h if a.o_bias else 0) + (nq if a.sinks else 0)
@@ -438,7 +441,7 @@ def lower_layer(layer: Layer, sh: Shards, *, batch: int, tokens: int, prior: int
     dt = _kdt(sh.dtype)
     tp = sh.tp
     b2 = sh.dtype_bytes
-    nq, nkv = rank_heads(a, tp)
+    nq, nkv = rank_heads(a, tp, sh.pad_heads)
     t = batch * tokens
     sp = sh.sp and not decode and tp > 1 and tokens % tp == 0
     calls: list[Call] = []
@@ -541,11 +544,13 @@ def _ffn(calls: list[Call], layer: Layer, sh: Shards, batch: int, tokens: int, d
 
 
 def lower_step(hidden: int, vocab: int, sh: Shards, *, batch: int, tokens: int, first: bool, last: bool,
-               eps: float = 1e-6) -> tuple[list[Call], list[Call]]:
+               eps: float = 1e-6, head_tokens: int = 1) -> tuple[list[Call], list[Call]]:
     """(calls before the layers, calls after them) of one rank's step: the embedding lookup of the
     step's tokens (hidden-sharded, all-gathered) on the first stage; on the last, the final norm
     and the LM head on each sequence's last token, and on-device greedy sampling (each rank's max
-    over its vocabulary shard, the values and indices all-gathered: NxDI's on-device sampling)."""
+    over its vocabulary shard, the values and indices all-gathered: NxDI's on-device sampling).
+    ``head_tokens``: the last tokens of each sequence the LM head and sampling run on (a fused
+    speculation step's target verifies ``k`` tokens: each gets the target's own next token)."""
     dt = _kdt(sh.dtype)
     tp, b2 = sh.tp, sh.dtype_bytes
     t = batch * tokens
@@ -556,12 +561,13 @@ def lower_step(hidden: int, vocab: int, sh: Shards, *, batch: int, tokens: int, 
         if tp > 1:
             before.append(_c("all-gather", t * hidden * b2))
     if last:
-        after.append(_k("rmsnorm", (batch, hidden), dt, {"eps": eps}))
+        rows = batch * head_tokens
+        after.append(_k("rmsnorm", (rows, hidden), dt, {"eps": eps}))
         v = -(-vocab // tp)
-        after.append(_k("matmul", (batch, hidden, v), dt, {"transpose_a": True}))
-        after.append(_k("reduce", (batch, v), dt, {"op": "max"}))
+        after.append(_k("matmul", (rows, hidden, v), dt, {"transpose_a": True}))
+        after.append(_k("reduce", (rows, v), dt, {"op": "max"}))
         if tp > 1:
-            after.append(_c("all-gather", batch * 8 * tp))
+            after.append(_c("all-gather", rows * 8 * tp))
     return before, after
 
 

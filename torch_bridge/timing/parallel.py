@@ -52,11 +52,15 @@ __all__ = ["Plan", "PlanError", "Comm", "Shard", "Role", "ColumnParallelLinear",
 # ---- collectives ---------------------------------------------------------------------------------
 class Comm:
     """The collectives of one simulated rank (see the module docstring). ``reports`` may be
-    shared between ranks' Comms: a call on the same group and bytes is simulated once."""
+    shared between ranks' Comms: a call on the same group and bytes is simulated once. The
+    plan's step is one compiled graph, so a call pays the system's ``graph_launch``, not the
+    ``launch`` of a collective run by itself (trnsim.collectives.runtime)."""
 
     def __init__(self, system: SystemConfig, device: Device, core: int, rank: int, plan: Plan,
                  reports: dict[tuple[Any, ...], Any] | None = None):
-        self.system = system
+        from trnsim.collectives.runtime import in_graph
+
+        self.system = in_graph(system)
         self.device = device
         self.core = core
         self.rank = rank

@@ -41,7 +41,8 @@ def cmd_collective(args: argparse.Namespace) -> int:
         for i, n in enumerate(sizes):
             trace = bool(args.trace) and i == len(sizes) - 1
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
-                                            algorithm=args.algo, trace=trace, instances=args.nodes))
+                                            algorithm=args.algo, trace=trace, instances=args.nodes,
+                                            streams=args.streams))
     except CollectiveError as e:
         raise UsageError(str(e)) from None
     last = reps[-1]
@@ -123,6 +124,10 @@ def add_collective_parser(sub: Any) -> None:
                                                       "default 8B:4GiB")
     c.add_argument("-N", "--nodes", type=int, help="instances the ranks spread over, equally, as nccom-test's -N "
                                                    "(default: every instance of the system when they divide)")
+    c.add_argument("--streams", type=int, default=1,
+                   help="CC streams the program runs collectives on at once, as nccom-test's --streams-json entries "
+                        "(default 1); where the runtime has no multi-stream mesh (collectives.multistream_mesh) "
+                        "they run rings")
     c.add_argument("--factor", type=int, default=2, help="growth factor of a MIN:MAX range (default 2)")
     c.add_argument("--algo", help=f"force an algorithm: {', '.join(ALGORITHMS)} (default: the size rule)")
     c.add_argument("--dtype", default="bf16", help="element type (default bf16; int64, uint64, fp64 move as 8-byte "

@@ -3,7 +3,8 @@ with :mod:`trnsim.cli`; the runs are :mod:`torch_bridge.estimate`'s).
 
     trnsim estimate inference --model llama-3.3-70b [--system trn2.48xlarge] [--tp 64] [--pp 1] [--dp 1]
                    [--sp] [--batch 1] [--input 10000] [--output 1500] [--dtype bf16] [--samples 5]
-                   [--set K=V ...] [--serving vllm-neuron|vllm-v0|none] [--json] [--trace out.json]
+                   [--set K=V ...] [--serving vllm-neuron|vllm-v0|none] [--max-positions N] [--json]
+                   [--draft-model M --speculation-length K --acceptance A] [--trace out.json]
                    [--no-cache] [--no-replay]
     trnsim estimate train --model llama-3.1-8b [--system ...] [--tp 8] [--pp 1] [--dp 1] [--sp]
                    [--micro-batch 1] [--seq 2048] [--global-batch N] [--dtype bf16] [--set K=V ...]
@@ -71,7 +72,14 @@ def render_inference(est: Any, console: Any) -> None:
     console.print(head, soft_wrap=True)
     console.print(f"  TTFT        {est.ttft_ms:,.2f} ms (prefill of {est.input_tokens:,} tokens and the first token)",
                   markup=False)
-    if est.output_tokens > 1 and est.padding:
+    spec_ = getattr(est, "speculation", None)
+    if est.output_tokens > 1 and est.padding and spec_:
+        per = ", ".join(f"{ms:,.2f} ms over KV {b:,}" for b, (_, ms) in zip(est.padding["decode_kv_buckets"],
+                                                                          est.decode_samples))
+        console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} tokens, fused steps of "
+                      f"{spec_['tokens_per_step']:.2f} tokens on average: {per} per step)", markup=False,
+                      soft_wrap=True)
+    elif est.output_tokens > 1 and est.padding:
         per = ", ".join(f"{ms:,.2f} ms over KV {b:,}" for b, (_, ms) in zip(est.padding["decode_kv_buckets"],
                                                                           est.decode_samples))
         console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: {per})",
@@ -80,6 +88,11 @@ def render_inference(est: Any, console: Any) -> None:
         console.print(f"  TPOT        {est.tpot_ms:,.2f} ms (mean of {est.output_tokens - 1:,} decode steps: "
                       f"{est.tpot_first_ms:,.2f} ms at KV {est.decode_samples[0][0]:,} -> {est.tpot_last_ms:,.2f} ms "
                       f"at KV {est.decode_samples[-1][0]:,})", markup=False, soft_wrap=True)
+    sp_ = getattr(est, "speculation", None)
+    if sp_:
+        console.print(f"  speculation fused, draft {sp_['draft']}: k={sp_['k']} (k draft steps + the target over k "
+                      f"tokens per step), acceptance {sp_['acceptance']:g} -> {sp_['tokens_per_step']:.2f} tokens per "
+                      f"step; acceptance from {sp_['source']}", markup=False, soft_wrap=True)
     if est.serving != "none":
         how = "a step ahead of the device: max(host, device) per decode step" if est.serving == "vllm-neuron" else \
             "between device steps: host + device per step"
@@ -104,6 +117,8 @@ def render_inference(est: Any, console: Any) -> None:
     for phase in ("decode", "prefill"):
         if est.lowering.get(phase) and (phase == "prefill" or est.output_tokens > 1):
             console.print(f"A {phase} layer became: " + "; ".join(est.lowering[phase]), markup=False)
+    if sp_ and est.output_tokens > 1:
+        console.print("A draft decode layer became: " + "; ".join(sp_["draft_decode"]), markup=False)
     if est.lowering:
         console.print()
     if est.output_tokens > 1:
@@ -178,7 +193,15 @@ def _precheck(args: argparse.Namespace) -> None:
     system = load_system(args.system, args.set)
     check_plan(model, system, args.tp, args.pp, args.dp, args.dtype)
     if inference:
-        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples)
+        check_sizes(model, input_tokens=args.input, output_tokens=args.output, samples=args.samples,
+                    max_positions=args.max_positions)
+        from ..workload.speculation import Speculation
+
+        if Speculation.of(args.draft_model, args.speculation_length, args.acceptance) is not None:
+            if args.eager:
+                raise UsageError("--draft-model: fused speculation runs the NKI library kernels as NxDI does; --eager "
+                                 "runs one model op by op")
+            load_model(args.draft_model)
         check_batch(model, system, args.tp, args.pp, args.dtype, batch=args.batch, tokens=args.input + args.output)
     else:
         replica = args.micro_batch * args.dp
@@ -208,7 +231,10 @@ def _bucket_args(args: argparse.Namespace) -> None:
 def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     sp = True if args.sp else False if args.no_sp else None
     kw: dict[str, Any] = {"sp": sp, "eager": args.eager, "samples": args.samples, "replay": not args.no_replay,
-                          "serving": args.serving}
+                          "serving": args.serving, "max_positions": args.max_positions}
+    if args.draft_model is not None or args.speculation_length is not None or args.acceptance is not None:
+        kw.update(draft_model=args.draft_model, speculation_length=args.speculation_length,
+                  acceptance=args.acceptance)
     if not args.eager:
         kw["ep"] = args.ep
         kw["moe_routing"] = args.moe_routing
@@ -326,6 +352,16 @@ def add_parser(sub: Any) -> None:
                      help="the serving engine's host loop in TTFT and TPOT: vllm-neuron schedules a step ahead (a "
                           "decode step takes max(host, device); the default), vllm-v0 runs host and device in turn, "
                           "none charges no engine (a bare generation loop)")
+    inf.add_argument("--max-positions", type=int, help="the serving framework's position limit where it differs from "
+                                                       "the model config's max_position_embeddings (transformers-"
+                                                       "neuronx's n_positions, NxDI's seq_len); RoPE models only")
+    inf.add_argument("--draft-model", help="fused speculative decoding as NxD Inference runs it: the draft model (a "
+                                           "name or config.json path), fused with the target in one graph")
+    inf.add_argument("--speculation-length", type=int, help="with --draft-model: draft steps and target tokens per "
+                                                            "fused step (NxDI's speculation_length)")
+    inf.add_argument("--acceptance", help="with --draft-model: the rate at which the target accepts a draft token, in "
+                                          "[0, 1], or a name from configs/speculation/acceptance.yaml (a property of "
+                                          "the models and prompts; no default)")
     inf.add_argument("--no-sp", action="store_true", help="prefill without sequence parallelism (all-reduces)")
     inf.add_argument("--eager", action="store_true", help="every aten op its own kernel at its exact shape (default: "
                                                           "the layers lowered to the NKI library kernels as NxD "

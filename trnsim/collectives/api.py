@@ -69,18 +69,32 @@ def sibling_groups(group: Sequence[int], world: int) -> list[tuple[int, ...]]:
     return [g] + [t for t in tiles if t != g and set(t).isdisjoint(g)]
 
 
+#: a call already running when another starts (simulate_with_siblings' ``beside``): collective,
+#: bytes, group, dtype, root, and how many ticks before the other it started
+Beside = tuple[str, int, Sequence[int], str, "int | None", int]
+
+
 def simulate_with_siblings(system: SystemConfig | str, collective: str, nbytes: int, group: Sequence[int],
                            world: int, *, dtype: str = "bf16", root: int | None = None, overrides: Any = None,
-                           trace: bool = False) -> tuple[CollectiveReport, CollectiveReport]:
+                           trace: bool = False, beside: Sequence[Beside] = ()
+                           ) -> tuple[CollectiveReport, CollectiveReport]:
     """``collective`` on ``group`` beside the same call on each of its :func:`sibling_groups` in
     ``world`` ranks, all from tick 0 (an SPMD step: every TP group all-reduces at once, every DP
     group reduce-scatters at once), sharing links, HBM stacks and DMA engines; and the same call
     alone. Returns (together, alone): the group's report in each (the same report when it has no
-    siblings). A ``root`` moves with its group."""
+    siblings). A ``root`` moves with its group.
+
+    ``beside``: calls of another family already running on other CC streams of the ranks (a DP
+    reduce-scatter a TP all-reduce starts beside, NxD's multistream FSDP), each with its own
+    sibling groups, each started the given ticks before this call; all are simulated together
+    (the CC streams of a rank hold rings of their own; they share links, HBM and the CC cores'
+    count), and ``together`` is this call's report from its own start."""
     sysc = _system(system, overrides)
     g = tuple(int(r) for r in group)
     alone = simulate_collectives(sysc, [CollectiveCall(collective, nbytes, group=g, dtype=dtype, root=root)],
                                  trace=trace)[0]
+    if beside:
+        return _together(sysc, collective, nbytes, g, world, dtype, root, trace, beside), alone
     sibs = sibling_groups(g, world)
     if len(sibs) < 2:
         return alone, alone
@@ -118,6 +132,28 @@ def _sharing(groups: list[tuple[int, ...]], instance_ranks: int) -> list[tuple[i
     return [groups[i] for i in sorted(linked)]
 
 
+def _together(sysc: SystemConfig, collective: str, nbytes: int, g: tuple[int, ...], world: int, dtype: str,
+              root: int | None, trace: bool, beside: Sequence[Beside]) -> CollectiveReport:
+    """``collective`` on ``g`` and its siblings beside the ``beside`` calls and theirs (see
+    :func:`simulate_with_siblings`): the report of ``g``'s call."""
+    first = max(int(b[5]) for b in beside)
+    if any(int(b[5]) < 0 for b in beside):
+        raise ValueError("a call beside this one started a whole number of ticks >= 0 before it")
+
+    def family(coll: str, nb: int, grp: Sequence[int], dt: str, rt: int | None, start: int) -> list[CollectiveCall]:
+        base = tuple(int(r) for r in grp)
+        out = []
+        for s in sibling_groups(base, world):
+            r = None if rt is None else s[base.index(rt)]
+            out.append(CollectiveCall(coll, nb, group=s, dtype=dt, root=r, start=start))
+        return out
+
+    calls = family(collective, nbytes, g, dtype, root, first)
+    for coll, nb, grp, dt, rt, since in beside:
+        calls += family(coll, nb, grp, dt, rt, first - int(since))
+    return simulate_collectives(sysc, calls, trace=trace)[0]
+
+
 def _system(system: SystemConfig | str, overrides: Any = None) -> SystemConfig:
     return load_system(system, overrides)
 
@@ -127,11 +163,12 @@ def simulate_collective(system: SystemConfig | str, collective: str, nbytes: int
                         start: int | Sequence[int] = 0, root: int | None = None,
                         pairs: Sequence[tuple[int, int]] | None = None, overrides: Any = None,
                         trace: bool = False, counts: Sequence[Sequence[int]] | None = None,
-                        instances: int | None = None, symmetry: bool = True) -> CollectiveReport:
+                        instances: int | None = None, symmetry: bool = True, streams: int = 1) -> CollectiveReport:
     """Simulate one collective (see :class:`CollectiveCall` for the arguments; ``nbytes`` is
     nccl-tests' S, ``start`` in ticks) and return its report (``symmetry``: see
     :func:`simulate_collectives`)."""
-    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances)
+    call = CollectiveCall(collective, nbytes, ranks, group, dtype, algorithm, start, root, pairs, "", counts, instances,
+                          streams)
     return simulate_collectives(_system(system, overrides), [call], trace=trace, symmetry=symmetry)[0]
 
 

@@ -52,7 +52,9 @@ class CollectiveCall:
     all-to-all (all-to-all-v) sends from the group's i-th rank to its j-th; ``nbytes`` is then
     the largest rank's send total. ``instances`` spreads ``ranks`` over that many instances, as
     nccom-test's ``-N`` (default: every instance of the system when the ranks divide over
-    them); a ``group`` places itself.
+    them); a ``group`` places itself. ``streams`` is how many CC streams the program runs
+    collectives on at once (nccom-test ``--streams-json``'s entries; NxD's TP and FSDP streams):
+    a system without ``collectives.multistream_mesh`` then runs it as a ring (select.py).
     """
 
     collective: str
@@ -67,6 +69,7 @@ class CollectiveCall:
     label: str = ""
     counts: Sequence[Sequence[int]] | None = None
     instances: int | None = None
+    streams: int = 1
 
 
 @dataclass
@@ -175,7 +178,11 @@ def resolve_call(system: SystemConfig, call: CollectiveCall, topo: Any = None) -
             raise CollectiveError(f"{coll}: bytes={call.nbytes} but the largest rank sends {top} bytes by its "
                                   f"counts; give bytes={top}")
         nbytes = top
-    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group), counts=counts)
+    streams = call.streams
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise CollectiveError(f"{coll}: streams must be a whole number of CC streams >= 1, got {streams!r}")
+    ctx = Context(system, topo, coll, group, nbytes, isz, root, pairs, order, topo.shape(group), counts=counts,
+                  streams=streams)
     if call.algorithm is not None:
         algo = canonical_algorithm(call.algorithm, coll)
         reason = "forced"
@@ -207,10 +214,16 @@ class CollectiveHandle:
         self.runner = runner
         self.call = call
         self.res = res
-        self.sched = sched
         env = runner.env
         self.rank_done: dict[int, simpy.Event] = {r: env.event() for r in res.ctx.group}
         self.done = simpy.AllOf(env, list(self.rank_done.values())) if self.rank_done else env.event()
+        self.set_schedule(sched)
+
+    def set_schedule(self, sched: Schedule) -> None:
+        """Take ``sched`` as the call's schedule (a symmetric runner builds it when it runs: in
+        full, or on orbit representatives)."""
+        res = self.res
+        self.sched = sched
         ts = sched.transfers
         self.finish: list[int | None] = [None] * len(ts)
         self.data_start: list[int] = [0] * len(ts)
@@ -258,15 +271,17 @@ class CollectiveRunner:
 
     def launch(self, call: CollectiveCall) -> CollectiveHandle:
         res = resolve_call(self.system, call, self.net.topo)
+        if self.symmetric:  # built and started by run(), once every call is known
+            if self._started:
+                raise RuntimeError("a symmetric runner takes its calls before it runs; launch others on a runner of "
+                                   "their own")
+            h = CollectiveHandle(self, call, res, Schedule(()))
+            self.handles.append(h)
+            return h
         sched = Schedule(res.ctx.group)
         build(sched, res.ctx, res.algorithm)
         h = CollectiveHandle(self, call, res, sched)
         self.handles.append(h)
-        if self.symmetric:  # started by run(), once every call is known
-            if self._started:
-                raise RuntimeError("a symmetric runner takes its calls before it runs; launch others on a runner of "
-                                   "their own")
-            return h
         for r, i in sched.start.items():
             self.env.process(self._rank_start(h, r, i))
         return h
@@ -274,9 +289,23 @@ class CollectiveRunner:
     def _start_symmetric(self) -> None:
         """Find the launched calls' symmetry (symmetry.py) and start the representative ranks
         only, or every rank when there is none."""
-        from .symmetry import find
+        from .symmetry import direct, find
 
         self._started = True
+        if len(self.handles) == 1:  # a lone call: built on its representatives when that is shown
+            h = self.handles[0]
+            got = direct(self, h.res)
+            if got is not None:
+                sched, sym = got
+                h.set_schedule(sched)
+                h.sym = sym
+                for r, i in sched.start.items():
+                    self.env.process(self._rank_start(h, r, i))
+                return
+        for h in self.handles:
+            sched = Schedule(h.res.ctx.group)
+            build(sched, h.res.ctx, h.res.algorithm)
+            h.set_schedule(sched)
         sym = find(self, self.handles)
         for k, h in enumerate(self.handles):
             if sym is not None:
@@ -307,7 +336,10 @@ class CollectiveRunner:
         self.env.run()
         for h in self.handles:
             if h.sym is not None and not h.end:
-                self._finish_reduced(h)
+                if h.sym.direct is not None:
+                    self._finish_direct(h)
+                else:
+                    self._finish_reduced(h)
         return [self.report(h) for h in self.handles]
 
     # ---- processes -----------------------------------------------------------------------------
@@ -331,7 +363,10 @@ class CollectiveRunner:
         if h.left[rank] == 0 and h.sym is None:
             self._rank_finished(h, rank, int(env.now))
 
-    def _plan(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]:
+    def plan_of(self, t: Transfer) -> tuple[list[tuple[int, Any, float, float]], tuple[Any, ...], int]:
+        """What transfer ``t`` books per byte (:meth:`Network.plan`: bookings, links, route
+        latency), worked out once per booking pattern (sender, receivers, operands) and shared
+        by every transfer with that pattern; symmetry.py compares patterns through it."""
         key = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
         p = self._plans.get(key)
         if p is None:
@@ -380,7 +415,7 @@ class CollectiveRunner:
                 pkey = (t.src, t.dsts, t.reads, t.dst_reads, t.gather)
                 crosses = self._proxied.get(pkey)
                 if crosses is None:
-                    crosses = self._proxied[pkey] = any(dims[k[0]].proxy for k in self._plan(t)[1])
+                    crosses = self._proxied[pkey] = any(dims[k[0]].proxy for k in self.plan_of(t)[1])
                 if crosses:
                     waits.setdefault(src_of[n] // rt.ranks_per_proxy, {}).setdefault(at[n], []).append(n)
             for thread, by_tick in waits.items():
@@ -407,7 +442,7 @@ class CollectiveRunner:
 
     def _run_transfer(self, h: CollectiveHandle, i: int, delay: int) -> None:
         t = h.sched.transfers[i]
-        book, links, lat = self._plan(t)
+        book, links, lat = self.plan_of(t)
         sym = h.sym
         if sym is not None:  # the representatives of its resources, each with its multiplicity
             book = self._quotient_plan(sym, sym.offsets[h.sym_call] + i, book)
@@ -481,6 +516,32 @@ class CollectiveRunner:
             if req is not None:
                 self.net.rank(rr).cc.release(req)
 
+    def _finish_direct(self, h: CollectiveHandle) -> None:
+        """After a run on representatives (symmetry.direct): every rank takes its
+        representative's start and stream, and ends with the last transfer of an orbit that
+        touches its orbit (the image of that transfer touching it ends then too)."""
+        sym = h.sym
+        rank_rep = sym.rank_rep
+        last: dict[int, int] = {}
+        for j, t in enumerate(h.sched.transfers):
+            if not t.is_node:
+                f = h.finish[j]
+                assert f is not None, "a run on representatives left a transfer unfinished"
+                for r in t.ranks():
+                    rr = rank_rep[r]
+                    if f > last.get(rr, -1):
+                        last[rr] = f
+        launch = self.net.runtime.launch
+        for r in h.res.ctx.group:
+            rr = rank_rep[r]
+            h.begin[r] = h.begin[rr]
+            h.stream[r] = h.stream[rr]
+            h.end[r] = last.get(rr, h.begin[rr] + launch)
+        for rr in set(rank_rep.values()):
+            req = h.requests.pop(rr, None)
+            if req is not None:
+                self.net.rank(rr).cc.release(req)
+
     def _complete(self, h: CollectiveHandle, i: int, tick: int) -> None:
         pending = h.pending
         deps = h.dependents
@@ -538,8 +599,14 @@ class CollectiveRunner:
                                  f"{t.phase + ' ' if t.phase else ''}step {t.step} -> {','.join(map(str, t.dsts))}",
                                  h.data_start[i], int(h.finish[i] or 0)))
         used: set[Any] = set()
+        sym = h.sym
+        dsym = None if sym is None else sym.direct
         for key, nbytes in per_plan.items():
             book, links, _ = self._plans[key]
+            if dsym is not None:  # a pattern on representatives stands for its orbit's
+                max_hops = max(max_hops, len(links))
+                self._direct_bytes(dsym, book, nbytes, link_bytes, hbm, dma)
+                continue
             max_hops = max(max_hops, len(links))
             used.update(links)
             for k in links:
@@ -559,8 +626,17 @@ class CollectiveRunner:
         # intervals from a chunk's booking to when that resource had served it)
         vec_owner = {id(v): r for r, rr in net._ranks.items() for v in rr.vector}
         busy: dict[str, int] = {}
-        sym = h.sym
-        if sym is None:
+        if dsym is not None:  # each orbit's spans stand for every member's
+            spans_of: dict[Any, list[tuple[int, int]]] = {}
+            for held, spans in h.limits.values():
+                spans_of.setdefault(dsym.canon[dsym.addr[id(held)]], []).extend(spans)
+            for root, spans in spans_of.items():
+                length = union_length(spans)
+                for a in dsym.members[root]:
+                    name = self._address_name(a)
+                    busy[name] = busy.get(name, 0) + length
+            held_back = []
+        elif sym is None:
             held_back = [((held,), union_length(spans)) for held, spans in h.limits.values()]
         else:  # a reduced run's chunks stand for their alike chunks on their resources' orbits
             base = self.handles[sym.base[h.sym_call]]
@@ -600,11 +676,49 @@ class CollectiveRunner:
             collective=ctx.collective, algorithm=res.algorithm, reason=res.reason, system=self.system.name,
             group=group, nbytes=ctx.nbytes, count=count, dtype=res.dtype, tick_hz=hz, start_ticks=starts,
             end_ticks=ends, time_ticks=time, algbw=algbw, busbw=algbw * factor, busbw_factor=factor,
-            steps=h.sched.steps, max_hops=max_hops, transfers=sum(1 for t in h.sched.transfers if not t.is_node),
-            chunks=sum(len(net.chunks_of(t.nbytes)) for t in h.sched.transfers if not t.is_node),
+            steps=h.sched.steps, max_hops=max_hops,
+            transfers=sum(1 for t in h.sched.transfers if not t.is_node) * (1 if dsym is None else dsym.order),
+            chunks=sum(len(net.chunks_of(t.nbytes)) for t in h.sched.transfers if not t.is_node)
+            * (1 if dsym is None else dsym.order),
             link_bytes=dict(sorted(link_bytes.items())), hbm_bytes=dict(sorted(hbm.items())), dma_bytes=dma,
             bound=name, bound_percent=pct, estimate=estimate,
             overrides=self.system.overrides, timeline=tuple(timeline), placement=net.topo.describe_placement(group))
+
+
+    def _address_name(self, a: tuple[Any, ...]) -> str:
+        """A resource's name in a report's bound, from its address (symmetry.Direct)."""
+        kind = a[0]
+        if kind == "dma":
+            return f"DMA rank {a[1]}"
+        if kind == "vec":
+            return f"VectorE rank {a[1]}"
+        if kind == "hbm":
+            return f"HBM chip {a[1]} HBM stack {a[2]}"
+        return f"link {self.net.topo.link_name(a[1])}"
+
+    def _direct_bytes(self, dsym: Any, book: list[tuple[int, Any, float, float]], nbytes: int,
+                      link_bytes: dict[str, int], hbm: dict[str, int], dma: dict[int, int]) -> None:
+        """What one booking pattern on representatives (``nbytes`` over its transfers) moves,
+        spread over its resources' orbits: the group's elements take it onto each member of an
+        orbit of size m order/m times, each image pattern moving the same bytes (rounded per
+        pattern, as the full report rounds)."""
+        for kind, obj, w, _ in book:
+            root = dsym.canon[dsym.addr[id(obj)]]
+            members = dsym.members[root]
+            times = dsym.order // len(members)
+            if kind == 0:
+                for a in members:
+                    name = self.net.topo.link_name(a[1])
+                    link_bytes[name] = link_bytes.get(name, 0) + nbytes * times
+            elif kind == 3:
+                b = round(nbytes * w) * times
+                for a in members:
+                    name = f"chip {a[1]} HBM stack {a[2]}"
+                    hbm[name] = hbm.get(name, 0) + b
+            elif kind == 1:
+                b = round(nbytes * w) * times
+                for a in members:
+                    dma[a[1]] = dma.get(a[1], 0) + b
 
 
 def parse_sizes(text: str, factor: int, what: str = "--bytes") -> list[int]:

@@ -7,8 +7,14 @@ use some of a core's DMA engines, and traffic between instances goes through a h
 thread that drives EFA. Each is a named parameter of the system's ``collectives:`` section, with
 its provenance (a datasheet section, ``estimate``, or the ledger rows it was calibrated on):
 
-``launch``          per call, per rank: the PseudoTriggerCollective2 write reaching the CC core
-                    and its program starting, before the rank's first transfer.
+``launch``          per call, per rank, of a collective run by itself (an nccom-test op, a
+                    torch.distributed call): the runtime starting it on the CC core and its
+                    program starting, before the rank's first transfer.
+``graph_launch``    the same for a collective that is one step of a compiled graph (a decode or
+                    prefill NEFF, a training step: ``trnsim estimate``): the compiler's
+                    PseudoTriggerCollective2, rewritten into writes in the engines' instruction
+                    stream, triggers the CC core with no runtime step between ops
+                    (:func:`in_graph` puts it in ``launch``'s place).
 ``step_sync``       per transfer: the semaphore handshake with its peers (the receiver's buffer
                     is free, the sender may write) before its data moves; a latency, paid by a
                     step's transfers side by side.
@@ -38,10 +44,11 @@ from dataclasses import dataclass
 
 from ..config import SystemConfig
 
-__all__ = ["RuntimeCosts", "network_only", "RUNTIME_KEYS", "POINT_TO_POINT"]
+__all__ = ["RuntimeCosts", "network_only", "in_graph", "RUNTIME_KEYS", "POINT_TO_POINT"]
 
 #: the collectives keys that are the runtime's costs (the rest are the network's and the size rule)
-RUNTIME_KEYS = ("launch", "step_sync", "issue", "dma_rings", "p2p_rings", "efa_proxy", "ranks_per_proxy")
+RUNTIME_KEYS = ("launch", "graph_launch", "step_sync", "issue", "dma_rings", "p2p_rings", "efa_proxy",
+                "ranks_per_proxy")
 #: the collectives that run as one channel of point-to-point writes
 POINT_TO_POINT = ("send-recv", "permute")
 
@@ -81,6 +88,18 @@ def network_only(system: SystemConfig | str) -> list[str]:
     from ..config import load_system
 
     sysc = system if isinstance(system, SystemConfig) else load_system(system)
-    return ["collectives.launch=0ns", "collectives.step_sync=0ns", "collectives.issue=0ns",
+    return ["collectives.launch=0ns", "collectives.graph_launch=0ns", "collectives.step_sync=0ns",
+            "collectives.issue=0ns",
             f"collectives.dma_rings={sysc.chip.core.dma.engines}", f"collectives.p2p_rings={sysc.chip.core.dma.engines}",
             "collectives.efa_proxy=0ns"]
+
+
+def in_graph(system: SystemConfig) -> SystemConfig:
+    """``system`` as a compiled graph's collectives see it: ``graph_launch`` in ``launch``'s
+    place (the runner charges ``launch`` per call and rank)."""
+    import dataclasses
+
+    c = system.collectives
+    if c.launch == c.graph_launch:
+        return system
+    return dataclasses.replace(system, collectives=dataclasses.replace(c, launch=c.graph_launch))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-__all__ = ["Transfer", "Schedule", "pieces"]
+__all__ = ["Transfer", "Schedule", "Quotient", "NotQuotient", "pieces"]
 
 #: a frontier longer than this is replaced by a join node, so a mesh step (a rank touching 2(p-1)
 #: transfers) does not give the next step's p-1 transfers 2(p-1) dependencies each
@@ -65,10 +65,35 @@ def pieces(nbytes: int, parts: int, itemsize: int) -> list[int]:
     return [(elems + (1 if i < rem else 0)) * itemsize for i in range(parts)]
 
 
-class Schedule:
-    """The DAG under construction for one collective over ``group``."""
+class NotQuotient(Exception):
+    """A schedule built on orbit representatives met what its orbits cannot stand for (a
+    pipelined chain's explicit dependencies): the call is built in full instead."""
 
-    def __init__(self, group: Sequence[int]):
+
+@dataclass
+class Quotient:
+    """What a schedule built on orbit representatives needs (symmetry.py): each rank's
+    representative (``rep``; the representatives map to themselves), and the ranks whose sends
+    are written down as descriptors (``keep``: the representatives and their images under the
+    generators, for the equivariance check). ``desc[rank]`` collects ``(step, dsts, nbytes,
+    reads, dst_reads, gather)`` of every send of a kept rank, in order."""
+
+    rep: dict[int, int]
+    keep: frozenset[int]
+    desc: dict[int, list[tuple[object, ...]]] = field(default_factory=dict)
+
+
+class Schedule:
+    """The DAG under construction for one collective over ``group``.
+
+    With a :class:`Quotient` it is built on orbit representatives: only the representatives'
+    sends become transfers (one per orbit of transfers), and frontiers are kept per
+    representative rank as orbits of transfers: a transfer waits for its sender's frontier and
+    for its receivers' representatives' (the transfer into a receiver of an orbit is the image
+    of one into its representative). Sends of ranks outside ``keep`` are dropped at once
+    (algorithms that loop over ranks skip them first: :attr:`keep`)."""
+
+    def __init__(self, group: Sequence[int], quotient: Quotient | None = None):
         self.group = tuple(group)
         self.transfers: list[Transfer] = []
         #: rank -> the node every transfer of that rank waits for first
@@ -77,7 +102,12 @@ class Schedule:
         self.steps = 0
         self.phase = ""
         self._step_touch: dict[int, list[int]] | None = None
+        self.quotient = quotient
+        #: the ranks whose sends matter (None: every rank); loops over ranks may skip the others
+        self.keep: frozenset[int] | None = None if quotient is None else quotient.keep
         for r in self.group:
+            if quotient is not None and quotient.rep[r] != r:
+                continue
             i = self._node([], "start")
             self.start[r] = i
             self.frontier[r] = [i]
@@ -116,9 +146,20 @@ class Schedule:
         received into its output). With explicit ``deps`` the transfer waits
         for those and for the start nodes of its ranks only, and the frontiers are updated to it
         (pipelined chains set their own edges)."""
+        q = self.quotient
+        if q is not None:
+            if deps is not None:
+                raise NotQuotient("a pipelined chain's explicit dependencies")
+            if src not in q.keep:
+                return -1
+            d = (dsts,) if isinstance(dsts, int) else tuple(dsts)
+            rd = (src,) if reads is None else tuple(reads)
+            q.desc.setdefault(src, []).append((self.steps, d, nbytes, rd, tuple(dst_reads), gather))
+            if q.rep[src] != src:
+                return -1
+            return self._send_rep(src, d, nbytes, rd, tuple(dst_reads), gather)
         d = (dsts,) if isinstance(dsts, int) else tuple(dsts)
         rd = (src,) if reads is None else tuple(reads)
-        idx = len(self.transfers)
         if deps is None:
             touch = self._step_touch
             assert touch is not None, "send outside a step needs explicit deps"
@@ -126,20 +167,45 @@ class Schedule:
             for r in d:
                 if r != src:
                     dep.extend(x for x in self._deps_of(r) if x not in dep)
+            idx = len(self.transfers)  # after any join node _deps_of added
             self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase, gather))
             for r in (src, *d):
                 lst = touch.setdefault(r, [])
                 if not lst or lst[-1] != idx:
                     lst.append(idx)
         else:
+            idx = len(self.transfers)
             dep = list(deps) + [self.start[src]] + [self.start[r] for r in d if r != src]
             self.transfers.append(Transfer(src, d, nbytes, rd, tuple(dst_reads), dep, self.steps, self.phase, gather))
             for r in (src, *d):
                 self.frontier[r] = [idx]
         return idx
 
+    def _send_rep(self, src: int, d: tuple[int, ...], nbytes: int, rd: tuple[int, ...], dr: tuple[int, ...],
+                  gather: bool) -> int:
+        """A representative's send on orbits: it waits for its sender's frontier and its
+        receivers' representatives' (orbits of transfers), and becomes part of theirs."""
+        touch = self._step_touch
+        if touch is None:
+            raise NotQuotient("a send outside a step")
+        rep = self.quotient.rep  # type: ignore[union-attr]
+        dep: list[int] = list(self._deps_of(src))
+        for r in d:
+            rr = rep[r]
+            if rr != src:
+                dep.extend(x for x in self._deps_of(rr) if x not in dep)
+        idx = len(self.transfers)  # after any join node _deps_of added
+        self.transfers.append(Transfer(src, d, nbytes, rd, dr, dep, self.steps, self.phase, gather))
+        for r in (src, *(rep[x] for x in d)):
+            lst = touch.setdefault(r, [])
+            if idx not in lst:
+                lst.append(idx)
+        return idx
+
     def sync(self, ranks: Iterable[int], ids: Iterable[int]) -> None:
         """Make ``ids`` the frontier of every rank in ``ranks`` (after a pipelined chain)."""
+        if self.quotient is not None:
+            raise NotQuotient("a pipelined chain's explicit dependencies")
         ids = list(ids)
         for r in ranks:
             self.frontier[r] = list(ids)

@@ -9,12 +9,20 @@ For all-reduce, all-gather and reduce-scatter (notes/collectives.md §1.3, S21):
 * the thresholds are stated for ``collectives.rule_ranks`` ranks (64: Neuron's ranges are for a
   whole trn2.48xlarge); a group of p ranks switches at the same bytes per rank, so p/64 of them
   (the 16-rank nccom-test example picks rdh at 2 MiB and kangaring at 32 MiB);
-* otherwise below ``collectives.mesh_below`` (1 MB) a mesh: Neuron's **two-step-mesh** when the
-  group holds several ranks on each of several chips (chip chunks across, then an on-chip
-  broadcast), the direct **mesh** otherwise; **rdh** below ``collectives.rdh_below`` (56 MB) for
+* otherwise below ``collectives.mesh_below`` (1 MB) a mesh, for the collectives
+  ``collectives.mesh_collectives`` names: with ``all`` (Trn2's runtime) Neuron's
+  **two-step-mesh** when the group holds several ranks on each of several chips (chip chunks
+  across, then an on-chip broadcast), the direct **mesh** otherwise; with ``all-reduce`` (Trn1's
+  runtime, whose only mesh is its all-to-all all-reduce) the direct **mesh** for all-reduce, and
+  all-gather and reduce-scatter go on to the rules below; **rdh** below ``collectives.rdh_below`` (56 MB) for
   power-of-two groups; above that **kangaring** when the group holds pairs of ranks on its
   chips (Neuron: TP groups holding a chip's ranks) and the DMA can duplicate writes, else a ring: **bidir-ring** over torus links
   (Neuron runs cycles on mutually exclusive wires), **ring** elsewhere;
+* with collectives on several CC streams at once (nccom-test ``--streams-json``, NxD's TP and
+  FSDP streams) and ``collectives.multistream_mesh`` false, the ring fallback only: the runtime
+  enabled Mesh "in multi-stream mode" on Trn3 Gen2 UltraServers only in SDK 2.32 ("so
+  multi-stream workloads can now use Mesh alongside Ring", runtime release notes, S21), so
+  multi-stream collectives elsewhere run rings;
 * between instances, an all-reduce runs **single-step-mesh** where the data it adds costs less
   than the hop it saves ("where the extra data transfer time is shorter than 15 us", S21): the
   extra (p-1)(p-2)/p·n over the tier's per-rank bandwidth against one step of its α.
@@ -77,11 +85,19 @@ def _single_step_pays(system: SystemConfig, topo: Topology, nbytes: int, ranks: 
     return extra < hop, f"{extra * 1e6:.2f} us of extra data < a {hop * 1e6:.2f} us hop"
 
 
+def _ring(topo: Topology, ranks: Sequence[int]) -> str:
+    """The ring fallback: cycles both ways over torus links, else one cycle."""
+    return "bidir-ring" if _ring_dims(topo, ranks) else "ring"
+
+
 def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Sequence[int],
-                topo: Topology) -> tuple[str, str]:
-    """The size rule on the group (or one tier's lane) ``ranks``: (algorithm, why)."""
+                topo: Topology, streams: int = 1) -> tuple[str, str]:
+    """The size rule on the group (or one tier's lane) ``ranks``: (algorithm, why). ``streams``
+    CC streams at once: without ``collectives.multistream_mesh`` the runtime runs rings only."""
     c = system.collectives
     p = len(ranks)
+    if streams > 1 and not c.multistream_mesh:
+        return _ring(topo, ranks), f"{streams} CC streams at once: rings only (collectives.multistream_mesh false)"
     chips = _per_chip(topo, ranks)
     # the ranges were measured on rule_ranks ranks: a group compares the same bytes per rank
     mesh_below = c.mesh_below * p // c.rule_ranks
@@ -93,21 +109,28 @@ def flat_choice(system: SystemConfig, collective: str, nbytes: int, ranks: Seque
         pays, why = _single_step_pays(system, topo, nbytes, ranks)
         if pays:
             return "single-step-mesh", f"across instances: {why}"
-    if nbytes < mesh_below:
+    meshes = c.mesh_collectives == "all" or collective == c.mesh_collectives
+    if nbytes < mesh_below and meshes:
         why = f"{_mb(nbytes)} < mesh_below {_mb(c.mesh_below)}{scaled}"
+        if c.mesh_collectives != "all":  # Trn1's all-to-all all-reduce: every rank writes every peer
+            return "mesh", f"{why}, the runtime's all-to-all {collective}"
         counts = set(chips.values())
         if len(chips) > 1 and len(counts) == 1 and counts.pop() > 1:
             return "two-step-mesh", f"{why}, {p // len(chips)} ranks on each of {len(chips)} chips"
         return "mesh", why
     pow2 = p & (p - 1) == 0
-    if nbytes < rdh_below and pow2:
+    if mesh_below <= nbytes < rdh_below and pow2:
         return "rdh", f"{_mb(nbytes)} < rdh_below {_mb(c.rdh_below)}{scaled}, {p} ranks a power of two"
-    big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}{scaled}" if nbytes >= rdh_below else \
-        f"{p} ranks not a power of two"
+    if nbytes >= rdh_below:
+        big = f"{_mb(nbytes)} >= rdh_below {_mb(c.rdh_below)}{scaled}"
+    elif not pow2:
+        big = f"{p} ranks not a power of two"
+    else:
+        big = f"{_mb(nbytes)} < mesh_below, no mesh {collective} on this runtime"
     pairs = topo.pairs(ranks)
     if pairs is not None and len(pairs) >= 2 and c.dma_duplication:
         return "kangaring", f"{big}, pairs of ranks on every chip"
-    if _ring_dims(topo, ranks):
+    if _ring(topo, ranks) == "bidir-ring":
         return "bidir-ring", f"{big}, torus links run both ways"
     return "ring", big
 
@@ -140,4 +163,4 @@ def choose(ctx: "object") -> tuple[str, str]:
         if inter and len(topo.tiers(shape)) >= 2:
             names = "+".join(topo.level_names[lv] for lv in inter)
             return "hierarchical", f"the group spans instances ({names}): intra-instance, then inter-instance"
-    return flat_choice(system, c, n, group, topo)
+    return flat_choice(system, c, n, group, topo, ctx.streams)  # type: ignore[attr-defined]

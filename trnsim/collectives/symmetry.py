@@ -11,8 +11,12 @@ issues and proxy turns the same way (network.py, runner.py), so which alike flow
 first never matters, and alike transfers start and end on the same ticks.
 
 :func:`find` tries the permutations a collective's structure suggests (each instance's ring
-order turned by ``d`` ranks, the instances shifted one over, the whole group's ring order
-turned), keeps those that verify, and returns the orbits of the group they generate. The runner
+order turned by ``d`` ranks, the instances shifted one over, KangaRing's pairs mirrored, the
+whole group's ring order turned), keeps those that verify against the schedule built in full,
+and returns the orbits of the group they generate. :func:`direct` does it for a lone call
+without building it in full: the schedule is built on the representatives only, and what makes
+the orbit reasoning exact is shown on them (see there); the call falls back to :func:`find`
+when it cannot be. The runner
 then runs one transfer per orbit (its *representative*), books each resource's representative
 with the multiplicity the orbit brings to it (a transfer of orbit size ``|T|`` booking a
 resource of orbit size ``|R|`` stands for ``|T| / |R|`` bookings of every resource in that
@@ -56,6 +60,8 @@ class Symmetry:
     #: and a resource map of a permutation taking that call onto it (None: the identity)
     base: list[int]
     trans: list[dict[int, Any] | None]
+    #: a lone call built on its representatives directly (:func:`direct`): its resource orbits
+    direct: "Direct | None" = None
 
     @property
     def order(self) -> int:
@@ -140,6 +146,9 @@ def _candidates(engine: "CollectiveRunner", groups: Sequence[Sequence[int]]) -> 
         return fams
     group = groups[0]
     parts, by_inst = all_parts[0]
+    mirror = _mirror(topo, by_inst)
+    if len(parts) == 1 and mirror:
+        fams.append([mirror])
     if len(parts) > 1 and len({len(p) for p in parts}) == 1:
         ir = topo.instance_ranks
         insts = sorted(by_inst)
@@ -154,11 +163,33 @@ def _candidates(engine: "CollectiveRunner", groups: Sequence[Sequence[int]]) -> 
                 shift[r] = img
         if ok:
             fams.append([shift])
+        if mirror:
+            fams.append([mirror])
         fams.append([])  # the whole ring's turns: only when the instances gave nothing (see find)
         whole = topo.ring_order(group)
         n = len(whole)
         fams.append([_rotations([whole], d) for d in range(1, n) if n % d == 0])
     return fams
+
+
+def _mirror(topo: Any, by_inst: dict[int, list[int]]) -> dict[int, int] | None:
+    """Each instance's pairs of ranks on a chip (KangaRing's primaries and partners) mirrored:
+    the i-th primary in ring order onto the partner of the i-th from the end, and back (the
+    cycle over the partners runs the primaries' order reversed, so a KangaRing maps onto
+    itself). None when the group does not hold pairs on every chip."""
+    out: dict[int, int] = {}
+    for ranks in by_inst.values():
+        pairs = topo.pairs(ranks)
+        if not pairs or len(pairs) < 2:
+            return None
+        first = topo.ring_order([a for a, _ in pairs])
+        mate = {a: b for a, b in pairs}
+        q = len(first)
+        for i, a in enumerate(first):
+            b = mate[first[q - 1 - i]]
+            out[a] = b
+            out[b] = a
+    return out
 
 
 class _Checker:
@@ -186,7 +217,7 @@ class _Checker:
         self.ts = ts
         for t in ts:  # every booking pattern (and so every link) exists before any is compared
             if not t.is_node:
-                engine._plan(t)
+                engine.plan_of(t)
         # a transfer's key: its ranks as ids of interned rank tuples, and the rest interned too,
         # so a candidate maps each distinct tuple once rather than each transfer's
         self.tuples: dict[tuple[int, ...], int] = {}
@@ -427,3 +458,312 @@ def find(engine: "CollectiveRunner", handles: Sequence["CollectiveHandle"]) -> S
     sym = Symmetry([s for s, _, _ in gens], rep, size, rank_rep, rank_size, res_rep, stab, chk.offsets, base,
                    [None if base[k] == k else t for k, t in enumerate(tr)])
     return sym if sym.order > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# a lone call built on its representatives directly
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Direct:
+    """The resource orbits of a call built on its representatives (:func:`direct`), by address:
+    ``("dma", rank, i)``, ``("vec", rank, i)``, ``("hbm", chip, stack)``, ``("link", key)``.
+    ``addr`` maps the representatives' booked resources (by id) to their addresses, ``canon``
+    an address to its orbit's first, ``members`` that to the orbit."""
+
+    order: int
+    addr: dict[int, Any]
+    canon: dict[Any, Any]
+    members: dict[Any, list[Any]]
+
+
+def _closure(gens: list[dict[int, int]], group: Sequence[int], cap: int = 4096) -> list[tuple[int, ...]] | None:
+    """The group the rank maps ``gens`` generate, as tuples of images of ``group`` (None past
+    ``cap`` elements)."""
+    pos = {r: i for i, r in enumerate(group)}
+    gs = [tuple(pos[g[r]] for r in group) for g in gens]
+    ident = tuple(range(len(group)))
+    seen = {ident}
+    todo = [ident]
+    while todo:
+        e = todo.pop()
+        for g in gs:
+            x = tuple(map(g.__getitem__, e))  # g after e
+            if x not in seen:
+                seen.add(x)
+                if len(seen) > cap:
+                    return None
+                todo.append(x)
+    return sorted(seen)
+
+
+def _apply(g: dict[int, int], d: tuple[Any, ...]) -> tuple[Any, ...]:
+    step, dsts, nbytes, reads, dst_reads, gather = d
+    return (step, tuple(g[x] for x in dsts), nbytes, tuple(g[x] for x in reads), tuple(g[x] for x in dst_reads),
+            gather)
+
+
+def _equivariant(q: Any, gens: Sequence[dict[int, int]], ranks: Sequence[int]) -> bool:
+    """Whether every rank of ``ranks`` sends, under each of ``gens``, what its image sends
+    (steps, receivers, bytes and operands, as multisets)."""
+    from collections import Counter
+
+    for g in gens:
+        for r in ranks:
+            mine = q.desc.get(r, [])
+            theirs = q.desc.get(g[r], [])
+            if len(mine) != len(theirs) or Counter(_apply(g, d) for d in mine) != Counter(theirs):
+                return False
+    return True
+
+
+def direct(runner: "CollectiveRunner", res: Any) -> tuple[Any, Symmetry] | None:
+    """A lone call's schedule built on orbit representatives only, and its :class:`Symmetry`;
+    None when its symmetry cannot be shown (the caller then builds and checks it in full).
+
+    The rank maps are the candidates :func:`find` tries. What is shown, before anything runs:
+
+    * the schedule: every representative rank sends, under each generator, exactly what its
+      image sends, step by step (its receivers, bytes and operands mapped); the schedule's
+      dependencies follow from its steps alone (a transfer waits for the frontiers of its
+      ranks), so they map too. A pipelined chain (explicit dependencies) is not shown: full.
+    * the resources: the group acts freely on the ranks (every orbit as large as the group), so
+      every transfer's orbit is the group's size; each generator maps every rank's DMA engines,
+      VectorEs and HBM stacks onto its image's, consistently (ranks sharing a stack map onto
+      ranks sharing one), and the route between every pair of chips in the orbits of the
+      representatives' pairs onto the route between their images, link for link, of the same
+      bandwidth, latency and proxy, consistently across pairs. A transfer's bookings are made
+      of those (Network.plan), so every transfer's image books the images of its resources.
+
+    Then the representatives run with the multiplicities their orbits bring (as :func:`find`'s
+    reduced runs do) and their ticks stand for their orbits'."""
+    from .algorithms import build
+    from .schedule import NotQuotient, Quotient, Schedule
+
+    ctx = res.ctx
+    group = tuple(ctx.group)
+    if len(group) < 2 or len(set(res.starts)) != 1:
+        return None
+    rt = runner.net.runtime
+    if rt.efa_proxy and rt.ranks_per_proxy != 1:
+        return None
+    topo = runner.net.topo
+    rpc = topo.rpc
+    fams = _candidates(runner, [group])
+    cands = [s for fam in fams for s in fam]
+    if not cands:
+        return None
+
+    def chips_to_chips(s: dict[int, int]) -> bool:
+        img: dict[int, int] = {}
+        return all(img.setdefault(r // rpc, s[r] // rpc) == s[r] // rpc for r in s)
+
+    def built(q: Quotient) -> Schedule | None:
+        sched = Schedule(group, q)
+        try:
+            build(sched, ctx, res.algorithm)
+        except NotQuotient:
+            return None
+        return sched
+
+    # first: which candidate of each family maps a seed rank's sends onto its image's
+    seed = group[0]
+    q1 = Quotient({r: -1 for r in group}, frozenset({seed, *(s[seed] for s in cands)}))
+    if built(q1) is None:
+        return None
+    gens: list[dict[int, int]] = []
+    for fam in fams:
+        if not fam:
+            if gens:
+                break
+            continue
+        for s in fam:
+            if chips_to_chips(s) and _equivariant(q1, [s], [seed]):
+                gens.append(s)
+                break
+    # the generators as a whole: when they do not show (a seed rank alone can pass a map the
+    # rest of the group does not), the last one is dropped and the rest tried again
+    while gens:
+        got = _attempt(runner, res, gens, built)
+        if got is not None:
+            return got
+        gens.pop()
+    return None
+
+
+def _attempt(runner: "CollectiveRunner", res: Any, gens: list[dict[int, int]], built: Callable[[Any], Any]
+             ) -> tuple[Any, Symmetry] | None:
+    """:func:`direct` with the group ``gens`` generate, or None when it does not show."""
+    from .schedule import Quotient
+
+    group = tuple(res.ctx.group)
+    elems = _closure(gens, group)
+    if elems is None:
+        return None
+    order = len(elems)
+    # the ranks' orbits: a free action (each orbit has the group's size), representatives the
+    # first of each orbit in the group's order
+    rank_rep: dict[int, int] = {}
+    for i, r in enumerate(group):
+        if r in rank_rep:
+            continue
+        orbit = {group[e[i]] for e in elems}
+        if len(orbit) != order:
+            return None
+        for x in orbit:
+            rank_rep[x] = r
+    reps = sorted(set(rank_rep.values()), key=group.index)
+    keep = frozenset({*reps, *(g[r] for g in gens for r in reps)})
+    q = Quotient(rank_rep, keep)
+    sched = built(q)
+    if sched is None or not _equivariant(q, gens, reps):
+        return None
+    found = _resources(runner, sched, gens, elems, group, order)
+    if found is None:
+        return None
+    res_rep, dinfo = found
+    n = len(sched.transfers)
+    sym = Symmetry(gens, list(range(n)), {i: order for i in range(n)}, rank_rep, {r: order for r in reps}, res_rep,
+                   {}, [0], [0], [None], dinfo)
+    return sched, sym
+
+
+def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]], elems: list[tuple[int, ...]],
+               group: Sequence[int], order: int) -> tuple[dict[int, tuple[Any, int]], Direct] | None:
+    """The resource orbits of a schedule on representatives (see :func:`direct`), or None when
+    a generator does not map the resources the call uses onto resources alike."""
+    from ..memory.hbm import stack_of_core
+
+    net = runner.net
+    topo = net.topo
+    cfg = net.config
+    rpc = topo.rpc
+    lnc = cfg.chip.lnc
+    dims = runner.system.topology
+
+    slot_stacks: list[list[int]] = []  # the HBM stacks of a chip's k-th rank
+    for k in range(rpc):
+        out: list[int] = []
+        for c in range(k * lnc, (k + 1) * lnc):
+            st = stack_of_core(cfg, c)
+            if st not in out:
+                out.append(st)
+        slot_stacks.append(out)
+
+    def stacks(r: int) -> list[int]:
+        return slot_stacks[r % rpc]
+
+    kinds = ("dma", "vec") if net.vector_reduce else ("dma",)
+    # each generator on the ranks' resources: DMA engines and VectorEs by rank, HBM stacks
+    # through the ranks that use them (consistently)
+    maps: list[dict[Any, Any]] = []
+    for g in gens:
+        m: dict[Any, Any] = {}
+        for r in group:
+            gr = g[r]
+            for kind in kinds:
+                for i in range(lnc):
+                    m[(kind, r, i)] = (kind, gr, i)
+            a, b = slot_stacks[r % rpc], slot_stacks[gr % rpc]
+            if len(a) != len(b):
+                return None
+            for i, st in enumerate(a):
+                key, img = ("hbm", r // rpc, st), ("hbm", gr // rpc, b[i])
+                if m.setdefault(key, img) != img:
+                    return None
+        maps.append(m)
+    # the routes between the chips of every transfer's ends: the representatives' pairs and
+    # their images under the whole group, each route mapped link for link by each generator
+    pos = {r: i for i, r in enumerate(group)}
+    pairs: set[tuple[int, int]] = set()
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for d in dict.fromkeys(t.dsts):
+            if t.src // rpc != d // rpc:
+                pairs.add((t.src, d))
+    chip_pairs: set[tuple[int, int]] = set()
+    for a, b in pairs:
+        ia, ib = pos[a], pos[b]
+        for e in elems:
+            chip_pairs.add((group[e[ia]] // rpc, group[e[ib]] // rpc))
+    chip_of: list[dict[int, int]] = []
+    for g in gens:
+        cm: dict[int, int] = {}
+        for r in group:
+            cm[r // rpc] = g[r] // rpc
+        chip_of.append(cm)
+    for m, cm in zip(maps, chip_of):
+        for a, b in chip_pairs:
+            ra, rb = topo.route(a, b), topo.route(cm[a], cm[b])
+            if len(ra) != len(rb):
+                return None
+            for k1, k2 in zip(ra, rb):
+                d1, d2 = dims[k1[0]], dims[k2[0]]
+                if (d1.bandwidth, d1.latency, d1.proxy) != (d2.bandwidth, d2.latency, d2.proxy):
+                    return None
+                if m.setdefault(("link", k1), ("link", k2)) != ("link", k2):
+                    return None
+    for m in maps:  # one to one
+        if len(set(m.values())) != len(m):
+            return None
+    # the orbits of addresses (union-find over their numbers, the smallest the root)
+    rank_of = {a: i for i, a in enumerate(maps[0])}  # built in the group's order: deterministic
+    addrs = list(rank_of)
+    parent = list(range(len(addrs)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for m in maps:
+        for a, b in m.items():
+            j = rank_of.get(b)
+            if j is None:
+                return None
+            x, y = root(rank_of[a]), root(j)
+            if x != y:
+                if x < y:
+                    parent[y] = x
+                else:
+                    parent[x] = y
+    roots = [addrs[root(i)] for i in range(len(addrs))]
+    members: dict[Any, list[Any]] = {}
+    for a, rt in zip(addrs, roots):
+        members.setdefault(rt, []).append(a)
+    canon = dict(zip(addrs, roots))
+    # the representatives' booked resources, by address, and each orbit's booked representative
+    addr: dict[int, Any] = {}
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for r in {t.src, *t.dsts, *t.reads, *t.dst_reads}:
+            rr = net.rank(r)
+            for i, d in enumerate(rr.dma):
+                addr[id(d)] = ("dma", r, i)
+            for i, v in enumerate(rr.vector):
+                addr[id(v)] = ("vec", r, i)
+            chip = net.chip(r // rpc)
+            for s in stacks(r):
+                addr[id(chip.hbm[s])] = ("hbm", r // rpc, s)
+        for k in runner.plan_of(t)[1]:
+            addr[id(net.links[k])] = ("link", k)
+    res_rep: dict[int, tuple[Any, int]] = {}
+    booked: dict[Any, Any] = {}  # orbit -> its first booked resource
+    for t in sched.transfers:
+        if t.is_node:
+            continue
+        for _, obj, _, _ in runner.plan_of(t)[0]:
+            a = addr.get(id(obj))
+            if a is None or a not in rank_of:
+                return None
+            top = canon[a]
+            first = booked.setdefault(top, obj)
+            size = len(members[top])
+            if order % size:
+                return None
+            res_rep[id(obj)] = (first, size)
+    return res_rep, Direct(order, addr, canon, members)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..config import SystemConfig
 
@@ -63,9 +63,15 @@ class Topology:
         self.ranks = system.ranks
         self._strides = tuple(math.prod(self.sizes[:i]) for i in range(len(self.sizes)))
         self.route = lru_cache(maxsize=1 << 16)(self._route)  # type: ignore[method-assign]
+        # pure functions asked again and again by the algorithms' lanes and their estimates
+        self.coords = lru_cache(maxsize=1 << 16)(self._coords)  # type: ignore[method-assign]
+        self._orders: dict[tuple[int, ...], list[int]] = {}
+        #: (group, levels) -> the group's lines along those levels (algorithms.base.levels_lanes)
+        self.lanes_memo: dict[tuple[Any, ...], list[list[int]]] = {}
+        self._link_names: dict[LinkKey, str] = {}
 
     # ---- coordinates ---------------------------------------------------------------------------
-    def coords(self, chip: int) -> tuple[int, ...]:
+    def _coords(self, chip: int) -> tuple[int, ...]:
         return tuple((chip // s) % n for s, n in zip(self._strides, self.sizes))
 
     def chip_at(self, coords: Sequence[int]) -> int:
@@ -170,6 +176,12 @@ class Topology:
         return self.dims[key[0]].bandwidth
 
     def link_name(self, key: LinkKey) -> str:
+        name = self._link_names.get(key)
+        if name is None:
+            name = self._link_names[key] = self._link_name(key)
+        return name
+
+    def _link_name(self, key: LinkKey) -> str:
         d, chip, way = key
         dim = self.dims[d]
         if dim.kind == "switch":
@@ -195,6 +207,15 @@ class Topology:
         """The group in snake (boustrophedon) order over its coordinates, slowest level first,
         so consecutive ranks are neighbours and the last one is next to the first on a torus:
         a ring over it crosses one link per step where it leaves a chip."""
+        key = tuple(group)
+        got = self._orders.get(key)
+        if got is None:
+            if len(self._orders) > 4096:
+                self._orders.clear()
+            got = self._orders[key] = self._ring_order(key)
+        return list(got)
+
+    def _ring_order(self, group: Sequence[int]) -> list[int]:
         coords = {r: self.rank_coords(r) for r in group}
         levels = len(self.dims) + 1
         values = [sorted({c[i] for c in coords.values()}) for i in range(levels)]

@@ -22,8 +22,8 @@ from typing import Any, Iterable, Mapping
 
 from .loader import (ERROR_VALUE_CHARS, MAX_YAML_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, ConfigError, clip_text,
                      env_int, file_kind, format_value, load_yaml, load_yaml_file, read_bounded)
-from .schema import (MAX_TICK_HZ, MAX_TIME_PS, TYPES, Calibration, build, check_calibrations, override_value,
-                     split_override, take_calibrations)
+from .schema import (MAX_TICK_HZ, MAX_TIME_PS, TYPES, Calibration, build, calibrations_of, override_pairs,
+                     override_value)
 from .schema import bool_field as _bool
 from .schema import float_field as _num
 from .schema import int_field as _int
@@ -487,13 +487,8 @@ def load_config(
     raw = _read_config(path, where)
     if raw is None:
         raw = {}
-    cals: list[Calibration] = []
-    take_calibrations(raw, "", where, cals)
-    check_calibrations(cals, where)
-    pairs: list[tuple[str, str]] = list(prior)
-    if overrides:
-        items = overrides.items() if isinstance(overrides, Mapping) else (split_override(o) for o in overrides)
-        pairs.extend((str(k), str(v)) for k, v in items)
+    cals = calibrations_of(raw, where)
+    pairs = override_pairs(prior, overrides)
     for key, value in pairs:
         if isinstance(raw, dict):
             _apply_override(raw, key, value, f"{where} (--set {clip_text(key)}={clip_text(value)})")

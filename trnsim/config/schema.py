@@ -202,6 +202,28 @@ def check_calibrations(cals: Iterable[Calibration], where: str) -> None:
 
 
 
+def calibrations_of(raw: Any, where: str) -> list[Calibration]:
+    """Take the provenance out of a config file's raw YAML (leaving the values) and check that every
+    row it names is a calibration row of the ledger."""
+    cals: list[Calibration] = []
+    take_calibrations(raw, "", where, cals)
+    check_calibrations(cals, where)
+    return cals
+
+
+def override_pairs(prior: Iterable[tuple[str, str]],
+                   overrides: Iterable[str] | Mapping[str, Any] | str | None) -> list[tuple[str, str]]:
+    """The overrides a loaded config already carries, then the new ones: ``"key=value"`` strings
+    (one or many, as the CLI takes them) or a mapping, in order."""
+    pairs = list(prior)
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    if overrides:
+        items = overrides.items() if isinstance(overrides, Mapping) else (split_override(o) for o in overrides)
+        pairs.extend((str(k), str(v)) for k, v in items)
+    return pairs
+
+
 def split_override(text: str) -> tuple[str, str]:
     if "=" not in text:
         raise ConfigError(f"bad override '{clip_text(text)}': expected KEY=VALUE, e.g. core.sbuf.partition_bytes=256KiB")

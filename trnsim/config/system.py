@@ -12,8 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from . import CONFIG_DIR, ChipConfig, load_config, resolve_config_path
 from .loader import ConfigError, clip_text, load_yaml_file
-from .schema import (TYPES, Calibration, build, check_calibrations, override_value, split_override,
-                     take_calibrations)
+from .schema import TYPES, Calibration, build, calibrations_of, override_pairs, override_value
 from .schema import bool_field as _bool
 from .schema import float_field as _num
 from .schema import int_field as _int
@@ -64,6 +63,9 @@ class CollectivesConfig:
     reduce_engine: str = _str(("dma", "vector"), doc="who adds: DMA accumulate or VectorE")
     dma_accumulate_rate: float = _num(0.01, 1.0, doc="DMA accumulate throughput as a fraction of a copy's")
     mesh_below: int = _q("bytes", lo=0, doc="Mesh below this size, bytes")
+    mesh_collectives: str = _str(("all", "all-reduce"), doc="what the runtime runs as a mesh below mesh_below: "
+                                 "all (Trn2's mesh family, two-step on multi-rank chips) or all-reduce (Trn1's "
+                                 "all-to-all all-reduce only; all-gather and reduce-scatter run rings)")
     rdh_below: int = _q("bytes", lo=0, doc="RDH below this size (and at least mesh_below), bytes")
     rule_ranks: int = _int(1, 1 << 20, doc="the group size mesh_below and rdh_below are stated for; other groups "
                                            "compare their bytes per rank")
@@ -71,7 +73,10 @@ class CollectivesConfig:
     dma_duplication: bool = _bool(doc="a DMA write can go to two destinations from one read (KangaRing needs it)")
     # the Neuron runtime's costs (trnsim.collectives.runtime): zero them, and dma_rings to a
     # core's engines, for the network alone
-    launch: int = _q("time", lo=0, doc="per call: host -> runtime -> CC core, before a rank's first transfer, ps")
+    launch: int = _q("time", lo=0, doc="per call of a collective run by itself (nccom-test's ops, torch.distributed "
+                                      "calls): runtime -> CC core, before a rank's first transfer, ps")
+    graph_launch: int = _q("time", lo=0, doc="per call of a collective inside a compiled graph (trnsim estimate's "
+                                            "steps): the engines' trigger write reaching the CC core, ps")
     step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
     issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
     dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a collective's transfers share")
@@ -80,6 +85,8 @@ class CollectivesConfig:
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
     flat_ring_channels: int = _int(1, 64, doc="channels (cycles side by side, each leaving an instance "
                                                           "from a different chip) of a flat ring across instances")
+    multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
+                                       "RDH and KangaRing (false: rings only)")
 
 
 @dataclass(frozen=True)
@@ -238,13 +245,8 @@ def load_system(
     raw = _read_system_yaml(path, where)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {', '.join(_SYSTEM_KEYS)}")
-    cals: list[Calibration] = []
-    take_calibrations(raw, "", where, cals)
-    check_calibrations(cals, where)
-    pairs: list[tuple[str, str]] = list(prior)
-    if overrides:
-        items = overrides.items() if isinstance(overrides, Mapping) else (split_override(o) for o in overrides)
-        pairs.extend((str(k), str(v)) for k, v in items)
+    cals = calibrations_of(raw, where)
+    pairs = override_pairs(prior, overrides)
     chip_pairs = [(k, v) for k, v in pairs if not is_system_key(k)]
     sys_pairs = {k: v for k, v in pairs if is_system_key(k)}
     for key, value in sys_pairs.items():

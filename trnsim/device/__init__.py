@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Sequence
 
 from ..sim.chip import Chip
@@ -78,6 +79,7 @@ class Device:
         self.recorders: list[Recorder] = [Recorder(0)]  # [0]: since start (or the last reset)
         self._costs: dict[KernelSpec, OpCost] = {}
         self._rejected: set[KernelSpec] = set()
+        self._streams: dict[tuple[Any, ...], OpCost] = {}  # stream kernels' costs by geometry
         self.simulated = 0  # kernels actually simulated (cost-cache misses)
         self._lock = threading.RLock()
         self._local = threading.local()  # .capture: the launches this thread is collecting
@@ -268,11 +270,34 @@ class Device:
         return self._simulate_here(spec)
 
     def _simulate_here(self, spec: KernelSpec) -> OpCost:
+        geometry = self._stream_geometry(spec)
+        if geometry is not None:
+            same = self._streams.get(geometry)
+            if same is not None:  # the same kernels, instruction for instruction: the same cost
+                return replace(same, busy=dict(same.busy), demand=dict(same.demand))
         kernels = self.kernels_of(spec)
         results = self.chip.run_spmd(kernels, timing_only=True)
         self.simulated += len(kernels)
-        return OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
+        cost = OpCost.of_reports(spec.name, spec.generic, [r.report for r in results],
                                  self.config.hbm_bandwidth_reachable)
+        if geometry is not None:
+            self._streams[geometry] = cost
+        return cost
+
+    def _stream_geometry(self, spec: KernelSpec) -> tuple[Any, ...] | None:
+        """For the generic stream kernel, everything its cost is a function of: the columns of
+        each core's share (:func:`trnsim.kernels.generic.stream_geometry`, what the builder
+        reads of the element counts), its dtype and parameters, and the report's name. A small
+        op's element count varies (an MoE expert's routed tokens) where its kernels do not."""
+        if spec.kernel != "stream" or spec.fallback is not None:  # (kernels.generic.STREAM)
+            return None
+        from ..kernels.generic import stream_geometry
+        from ..kernels.registry import split_parts
+
+        p = self.config.core.sbuf.partitions
+        parts = tuple((stream_geometry(s, p), tuple(sorted(own.items())))
+                      for s, own in split_parts(spec.kernel, spec.shape, dict(spec.params), self.lnc))
+        return (spec.name, spec.generic, spec.dtype, spec.params, parts)
 
     def collective_cost(self, report: Any, rank: int, alone: Any = None) -> OpCost:
         """A simulated collective (:class:`trnsim.collectives.CollectiveReport`) as a launch on

@@ -16,7 +16,7 @@ from ..config import ChipConfig
 from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
 
-__all__ = ["STREAM", "build_stream", "split_stream", "TILE_FREE"]
+__all__ = ["STREAM", "build_stream", "split_stream", "stream_geometry", "TILE_FREE"]
 
 STREAM = "stream"  # the name a KernelSpec uses for this kernel
 ENGINES = ("vector", "scalar", "gpsimd")
@@ -77,6 +77,14 @@ def build_stream(n_in: int, work: int, n_out: int, dtype: str, config: ChipConfi
                 k.memset(src_tile[:, :w], 0.0)
             k.dma_copy(y[:, c0:c0 + w], src_tile[:, :w], queue=1)
     return k
+
+
+def stream_geometry(shape: Sequence[int], partitions: int) -> tuple[int, ...]:
+    """What :func:`build_stream` reads of its (in, work, out) element counts: the columns each
+    takes on ``partitions`` partitions (0: none). Its kernel is a function of these, the dtype,
+    the config and the parameters only, so two shapes with the same geometry build the same
+    instructions and cost the same (:meth:`trnsim.device.Device.cost` simulates one of them)."""
+    return tuple(_cols(n, partitions) if n else 0 for n in shape)
 
 
 def split_stream(shape: Sequence[int], n: int) -> list[tuple[int, ...]]:

@@ -196,13 +196,24 @@ def native_available() -> bool:
     return _sched is not None
 
 
+#: "auto" runs the simpy processes when the kernels have this many instructions or fewer in all
+#: (over every core): the native loop's set-up - the C scan, numpy columns, cffi buffers - is a
+#: fixed ~0.6 ms, which the simpy processes' ~9 us per instruction only overtake at ~40
+#: instructions per core (measured on trn2, one and two cores: a 4-instruction elementwise kernel
+#: on two cores 0.65 -> 0.26 ms, a 32-instruction matmul 1.02 -> 0.69 ms; 48 instructions each
+#: 0.89 native against 1.19 simpy). Eager programs simulate thousands of such kernels (a new
+#: shape each), and both give the same ticks, segments and end state (tests/sim/test_sim_equivalence.py).
+SIMPY_MAX_INSTRUCTIONS = 64
+
+
 def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "auto",
              engine: str | None = None) -> list[CoreTimeline]:
     """Run the timing model of ``kernels[c]`` on core ``c`` of one chip; return the timelines.
 
     ``timeline``: ``"native"`` (the C event loop), ``"simpy"`` (the reference processes) or
-    ``"auto"`` (native when built). Both give the same ticks and segments. (``engine=`` is its
-    old name, still taken.)"""
+    ``"auto"`` (native when built, but the simpy processes for runs of at most
+    :data:`SIMPY_MAX_INSTRUCTIONS` instructions, where they are faster). Both give the same
+    ticks and segments. (``engine=`` is its old name, still taken.)"""
     if engine is not None:
         timeline = engine
     if timeline not in TIMELINES:
@@ -215,6 +226,8 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
     fields = _ScanFields()
+    if timeline == "auto" and sum(len(k.instructions) for k in kernels) <= SIMPY_MAX_INSTRUCTIONS:
+        timeline = "simpy"  # the same results, sooner (above)
     types = None if timeline == "simpy" or _sched is None else _once_per_kernel(kernels, lambda k: _type_column(k, fields))
     why = None if types is None else _native_unsupported(types)
     if timeline == "native" and why is not None:

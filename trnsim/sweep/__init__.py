@@ -425,10 +425,29 @@ def _run_into(spec: SweepSpec, out: Path, parquet: bool, jobs: int, progress: Ca
     return SweepResult([rows[pt.key()] for pt in spec.points], ran, torn)
 
 
+def _pool_context() -> Any:
+    """The platform's default start method, unless it is fork and this process runs other threads
+    (Ray's driver after a Ray sweep, OpenMP's pool, a user's own): a forked child inherits every lock
+    those threads held at the fork, unlocked by nobody, and can hang on the first one it takes.
+    forkserver starts workers from a clean single-threaded server instead."""
+    ctx = multiprocessing.get_context()
+    if ctx.get_start_method() == "fork" and _threads_running() > 1:
+        return multiprocessing.get_context("forkserver")
+    return ctx
+
+
+def _threads_running() -> int:
+    """This process's threads, C ones included (Ray's and OpenMP's are not Python threads)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def _run_on_pool(tasks: list[_Task], jobs: int, f: Any, record: Callable[[Point, dict[str, Any]], None],
                  stopped: Callable[[str, bool], SweepStopped]) -> None:
     """The points on a local process pool of ``jobs`` workers, each row recorded as it finishes."""
-    ctx = multiprocessing.get_context()
+    ctx = _pool_context()
     # a forked worker is this process's child and holds a copy of the locked file's
     # descriptor; a spawned or forkserver one is neither
     forked = ctx.get_start_method() == "fork"

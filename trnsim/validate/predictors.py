@@ -147,29 +147,30 @@ def _collective(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[
     from ..config import load_system
 
     _args(args, ("system", "collective", "bytes", "ranks", "group", "pairs", "dtype", "algorithm", "set", "counts",
-                 "instances", "concurrent"), "collective")
+                 "instances", "concurrent", "streams"), "collective")
     sysc = load_system(str(args.get("system", "")), _overrides(args, run))
     nbytes = args.get("bytes")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise LedgerError(f"predict how: collective: bytes = {format_value(nbytes)}: expected a positive integer "
                           f"(nccom-test's size(B))")
     pairs = args.get("pairs")
+    streams = args.get("streams", 1)  # CC streams the program runs at once: the row's call and every concurrent one
     call = CollectiveCall(str(args.get("collective")), nbytes, args.get("ranks"), args.get("group"),
                           str(args.get("dtype", "bf16")), args.get("algorithm"), 0, None,
                           [tuple(p) for p in pairs] if isinstance(pairs, list) else None, "", args.get("counts"),
-                          args.get("instances"))
+                          args.get("instances"), streams)
     others = args.get("concurrent") or []
     if not isinstance(others, list) or not all(isinstance(o, dict) for o in others):
         raise LedgerError("predict how: collective: concurrent: expected a list of calls "
                           "({collective, bytes, ranks, dtype}) that run at the same time")
     if others:  # the row's call beside others (another CC stream's): they share links, HBM and DMA
         calls = [call] + [CollectiveCall(str(o.get("collective")), o.get("bytes"), o.get("ranks"), o.get("group"),
-                                         str(o.get("dtype", "bf16"))) for o in others]
+                                         str(o.get("dtype", "bf16")), streams=streams) for o in others]
         r = simulate_collectives(sysc, calls)[0]
     else:
         r = simulate_collective(sysc, call.collective, nbytes, ranks=call.ranks, group=call.group, pairs=call.pairs,
                                 dtype=call.dtype, algorithm=call.algorithm, counts=call.counts,
-                                instances=call.instances)
+                                instances=call.instances, streams=streams)
     return {"time": ("time", r.time_s), "busbw": ("bandwidth", r.busbw),
             "algbw": ("bandwidth", r.nbytes / r.time_s)}
 

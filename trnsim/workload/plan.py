@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from ..config import ConfigError, SystemConfig
 from ..cores.base import datapath_engines
 
-__all__ = ["Plan", "PlanError", "Role", "check_batch", "check_plan", "check_sizes", "weight_bytes_floor",
+__all__ = ["Plan", "PlanError", "Role", "check_batch", "check_plan", "check_sizes", "position_limit", "weight_bytes_floor",
            "MAX_DECODE_SAMPLES", "MAX_MICRO_BATCHES", "OpKind", "StepReport", "RoleMemory", "InferenceEstimate", "TrainEstimate", "pipeline_1f1b",
            "mean_decode", "summarise", "KINDS", "COLLECTIVE_OPS"]
 
@@ -189,24 +189,45 @@ def check_batch(model: Any, system: SystemConfig, tp: int, pp: int, dtype: str =
                             f"(--global-batch accumulates micro-batches)")
 
 
+def position_limit(model: Any, max_positions: int | None = None) -> tuple[int | None, str]:
+    """(the most positions a sequence may take, what sets it): ``model``'s
+    ``max_position_embeddings``, or ``max_positions`` - the serving framework's own limit where a
+    published run set one (transformers-neuronx's ``n_positions``, NxDI's ``seq_len``). Rotary
+    positions are computed, not looked up, so a RoPE model (``rope_theta`` in its config) runs
+    past its config's figure at the same cost per token; a model without one (learned position
+    embeddings: a table of that many rows) is refused beyond it. One-line :class:`PlanError`."""
+    limit = model.fields.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    if max_positions is None:
+        return limit, f"{model.name}'s max_position_embeddings {limit}"
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise PlanError(f"--max-positions {max_positions!r}: expected a positive whole number of positions")
+    if limit is not None and max_positions > limit and "rope_theta" not in model.fields:
+        raise PlanError(f"--max-positions {max_positions:,}: beyond {model.name}'s max_position_embeddings "
+                        f"{limit:,}, and its config has no rotary positions (rope_theta) to run past a learned "
+                        f"position table")
+    return max_positions, f"--max-positions {max_positions}"
+
+
 def check_sizes(model: Any, *, layers: int | None = None, input_tokens: int | None = None,
                 output_tokens: int | None = None, samples: int | None = None, seq: int | None = None,
-                micro_batches: int | None = None) -> None:
+                micro_batches: int | None = None, max_positions: int | None = None) -> None:
     """The size-like options of an estimate against what ``model`` allows (its decoder layers,
-    its ``max_position_embeddings``) and what a run can simulate in reasonable time
+    its ``max_position_embeddings`` or the serving framework's ``max_positions``,
+    :func:`position_limit`) and what a run can simulate in reasonable time
     (:data:`MAX_DECODE_SAMPLES`, :data:`MAX_MICRO_BATCHES`); each given as a positive integer.
     One-line :class:`PlanError` naming the option as the CLI spells it."""
     if layers is not None and layers > model.layers:
         raise PlanError(f"--layers {layers:,}: {model.name} has {model.layers} decoder layers; expected 1.."
                         f"{model.layers} (--layers runs a shorter model)")
-    limit = model.fields.get("max_position_embeddings")
-    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    limit, what = position_limit(model, max_positions)
     if input_tokens is not None and output_tokens is not None and limit is not None \
             and input_tokens + output_tokens > limit:
+        hint = "" if max_positions is not None else " (a serving framework's larger position limit: --max-positions)"
         raise PlanError(f"--input {input_tokens} + --output {output_tokens} = {input_tokens + output_tokens} "
-                        f"tokens, more than {model.name}'s max_position_embeddings {limit}")
+                        f"tokens, more than {what}{hint}")
     if seq is not None and limit is not None and seq > limit:
-        raise PlanError(f"--seq {seq}: more tokens than {model.name}'s max_position_embeddings {limit}")
+        raise PlanError(f"--seq {seq}: more tokens than {what}")
     if samples is not None and samples > MAX_DECODE_SAMPLES:
         raise PlanError(f"--samples {samples:,}: expected 1..{MAX_DECODE_SAMPLES} decode steps simulated (the "
                         f"others are interpolated between them)")
@@ -364,6 +385,9 @@ class InferenceEstimate:
     #: the serving engine's host loop (trnsim.workload.serve.HostLoop) in TTFT and TPOT
     serving: str = "none"
     host_step_ms: float = 0.0
+    #: fused speculative decoding (trnsim.workload.speculation): draft, k, acceptance, its source,
+    #: tokens per step, the calls a draft decode layer became; empty without it
+    speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -83,6 +83,8 @@ class Context:
     notes: list[str] = field(default_factory=list)
     #: an uneven all-to-all: bytes from the group's i-th rank (in ``group`` order) to its j-th
     counts: tuple[tuple[int, ...], ...] = ()
+    #: CC streams the program runs collectives on at once (nccom-test --streams-json's entries)
+    streams: int = 1
 
     def sends(self, src: int, dst: int, even: int) -> int:
         """Bytes ``src`` sends ``dst`` in an all-to-all: its count, or the even piece."""
@@ -149,6 +151,17 @@ def group_pairs(ctx: Context) -> list[tuple[int, int]] | None:
 def levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
     """The group's ranks split into lines along ``levels``: ranks that share every other
     level's coordinate, each in ring order."""
+    key = (tuple(ctx.group), tuple(levels))
+    memo = ctx.topo.lanes_memo  # the same lines are asked for by each phase and the estimate
+    got = memo.get(key)
+    if got is None:
+        if len(memo) > 1024:
+            memo.clear()
+        got = memo[key] = _levels_lanes(ctx, levels)
+    return [list(v) for v in got]
+
+
+def _levels_lanes(ctx: Context, levels: Sequence[int]) -> list[list[int]]:
     lines: dict[tuple[int, ...], list[int]] = {}
     others = [i for i in range(len(ctx.topo.level_names)) if i not in levels]
     for r in ctx.group:

@@ -158,7 +158,7 @@ def hierarchical_plan(ctx: Context) -> tuple[list[list[int]], list[str]]:
     for k, g in enumerate(groups):
         line = levels_lanes(ctx, g)[0]
         kind = c if c != "all-reduce" or k == len(groups) - 1 else "reduce-scatter"
-        algo = flat_choice(ctx.system, kind, data, line, ctx.topo)[0]
+        algo = flat_choice(ctx.system, kind, data, line, ctx.topo, ctx.streams)[0]
         if algo == "single-step-mesh" and kind != "all-reduce":
             algo = "mesh"
         algos.append(algo)

@@ -49,13 +49,15 @@ def ring_steps(s: Schedule, lanes: Sequence[Lane], itemsize: int,
     calls ``send(k, p, i, rank, next rank, pieces)``; a lane of p ranks takes p-1 steps."""
     work = [(tuple(o), pieces(total, len(o), itemsize)) for o, total in lanes if len(o) > 1]
     steps = max((len(o) for o, _ in work), default=1) - 1
+    keep = s.keep  # a schedule on orbit representatives: the other ranks' sends are not written
+    at = [range(len(o)) if keep is None else [i for i, r in enumerate(o) if r in keep] for o, _ in work]
     for k in range(steps):
         s.begin_step()
-        for order, pc in work:
+        for (order, pc), idx in zip(work, at):
             p = len(order)
             if k < p - 1:
-                for i, r in enumerate(order):
-                    send(k, p, i, r, order[(i + 1) % p], pc)
+                for i in idx:
+                    send(k, p, i, order[i], order[(i + 1) % p], pc)
         s.end_step()
 
 
@@ -98,12 +100,14 @@ def _rdh_steps(s: Schedule, lanes: Sequence[Lane], itemsize: int, order_k: Seque
     work = [(tuple(o), [0, *itertools.accumulate(pieces(t, len(o), itemsize))], _rdh_ranges(len(o)))
             for o, t in lanes if len(o) > 1]
     L = max((int(math.log2(len(o))) for o, _, _ in work), default=0)
+    keep = s.keep
     for k in (range(L) if order_k is None else order_k):
         s.begin_step()
         for order, acc, ranges in work:
             if (1 << k) < len(order):
                 for i, r in enumerate(order):
-                    send(k, i, r, order[i ^ (1 << k)], acc, ranges)
+                    if keep is None or r in keep:
+                        send(k, i, r, order[i ^ (1 << k)], acc, ranges)
         s.end_step()
 
 
@@ -134,6 +138,8 @@ def mesh_reduce_scatter(s: Schedule, lanes: Sequence[Lane], itemsize: int) -> No
     for order, total in lanes:
         pc = pieces(total, len(order), itemsize)
         for r in order:
+            if s.keep is not None and r not in s.keep:
+                continue
             for j, d in enumerate(order):
                 if d != r:
                     s.send(r, d, pc[j], (r,), (d,))

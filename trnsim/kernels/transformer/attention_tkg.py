@@ -45,7 +45,7 @@ from ...isa import HbmTensor, KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, bcast, choice, flag, positive, shard_range, shards
+from .common import BOUNDS, P, Bound, Pools, bcast, choice, online_max, online_rescale, flag, positive, shard_range, shards
 from .projection import load_transposed
 
 __all__ = ["build_attention_tkg", "attention_tkg_reference", "attention_tkg_bound"]
@@ -370,24 +370,10 @@ class _Tkg:
     def softmax_pv(self, gs: _Group, st: tuple[Any, ...]) -> None:
         kern, pools, d, dt, n, sc = self.kern, self.pools, self.d, self.dt, gs.n, self.scale
         np_, tiles, s_sb, red, kv = st
-        # the max over the key partitions: transpose [keys, N] -> [N, keys], reduce
-        tp = pools("tkg_tr32", 1, "psum").tile((P, 2 * P), "fp32")[:n, :np_]
-        kern.nc_transpose(tp, red)
-        m_new = pools("m", 3).tile((P, 1), "fp32")[:n]
-        kern.tensor_reduce(m_new, "max", tp, axis=1)
-        kern.tensor_tensor(m_new, m_new, gs.m, "max")
-        # alpha = exp(scale * (m_old - m_new)): the rescale of what earlier chunks summed
-        nm = pools("nm", 2).tile((P, 1), "fp32")[:n]
-        kern.tensor_scalar(nm, m_new, "multiply", -sc)
-        alpha = pools("alpha", 2).tile((P, 1), "fp32")[:n]
-        kern.activation(alpha, "exp", gs.m, scale=sc, bias=nm)
+        # the running max over the key partitions and alpha = exp(scale * (m_old - m_new)), the
+        # rescale of what earlier chunks summed, broadcast over the partitions (keys; D)
+        m_new, mb, ab = online_max(kern, pools, red, gs.m, n, np_, d, sc, tr_pool="tkg_tr32", m_bufs=3)
         gs.m = m_new
-        # m and alpha broadcast over the partitions (keys; D) by transposing them repeated
-        # along the free axis (a stride-0 view): one PE instruction each
-        bc = pools("bcast", 1, "psum").tile((P, 2 * P), "fp32")
-        mb, ab = bc[:np_, :n], bc[:d, P:P + n]
-        kern.nc_transpose(mb, bcast(m_new, np_))
-        kern.nc_transpose(ab, bcast(alpha, d))
         # p = exp(scale * (s - m)) in the model dtype
         s3 = s_sb.reshape(np_, tiles, n)
         kern.tensor_tensor(s3, s3, TileAP(mb.alloc, mb.p_start, np_, mb.offset, ((0, tiles), (1, n)), mb.dtype),
@@ -405,12 +391,7 @@ class _Tkg:
                 pv = p[:, t * n + pr.c0:t * n + pr.c0 + pr.n]
                 kern.nc_matmul(l_ps[:, pr.c0:pr.c0 + pr.n], self.ones_col[:np_], pv, accumulate=t > 0)
         # o = o * alpha + oᵀ(chunk), l = l * alpha + l(chunk)
-        kern.tensor_tensor(gs.o, gs.o, ab, "multiply")
-        kern.tensor_tensor(gs.o, gs.o, o_ps, "add")
-        lr = pools("l", 3).tile((1, P), "fp32")[:, :n]
-        kern.tensor_tensor(lr, gs.l, ab[0:1, :], "multiply")
-        kern.tensor_tensor(lr, lr, l_ps, "add")
-        gs.l = lr
+        gs.l = online_rescale(kern, pools, gs.o, gs.l, ab, ab, o_ps, l_ps, n, l_bufs=3)
 
     # ---- the end of a group --------------------------------------------------------------------
     def combine_peer(self, gs: _Group) -> None:

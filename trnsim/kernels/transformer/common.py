@@ -117,6 +117,42 @@ def bcast(ap: TileAP, n: int) -> TileAP:
     return TileAP(ap.alloc, ap.p_start, ap.p_count, ap.offset, tuple(ap.dims) + ((0, n),), ap.dtype)
 
 
+def online_max(kern: Kernel, pools: "Pools", red: TileAP, m_old: TileAP, n: int, keys: int, parts: int,
+               scale: float, *, tr_pool: str, m_bufs: int) -> tuple[TileAP, TileAP, TileAP]:
+    """One chunk's step of the online softmax's running maximum (flash decoding). ``red`` [keys, n]
+    holds the chunk's per-partition maxima; one PE transpose to [n, keys] and a reduce give the
+    chunk's maximum, ``m = max(m_old, it)``, and ``alpha = exp(scale (m_old - m))`` is the rescale
+    of what the earlier chunks summed. Both are broadcast over the partitions by transposing them
+    repeated along the free axis (a stride-0 view, one PE instruction each): returns ``m``,
+    ``mb`` [keys, n] (to subtract from the scores) and ``ab`` [parts, n] (to rescale o and l)."""
+    tr = pools(tr_pool, 1, "psum").tile((P, 2 * P), "fp32")[:n, :keys]
+    kern.nc_transpose(tr, red)
+    m_new = pools("m", m_bufs).tile((P, 1), "fp32")[:n]
+    kern.tensor_reduce(m_new, "max", tr, axis=1)
+    kern.tensor_tensor(m_new, m_new, m_old, "max")
+    nm = pools("nm", 2).tile((P, 1), "fp32")[:n]
+    kern.tensor_scalar(nm, m_new, "multiply", -scale)
+    alpha = pools("alpha", 2).tile((P, 1), "fp32")[:n]
+    kern.activation(alpha, "exp", m_old, scale=scale, bias=nm)
+    bc = pools("bcast", 1, "psum").tile((P, 2 * P), "fp32")
+    mb, ab = bc[:keys, :n], bc[:parts, P:P + n]
+    kern.nc_transpose(mb, bcast(m_new, keys))
+    kern.nc_transpose(ab, bcast(alpha, parts))
+    return m_new, mb, ab
+
+
+def online_rescale(kern: Kernel, pools: "Pools", o: TileAP, l_old: TileAP, o_alpha: TileAP, ab: TileAP,
+                   o_ps: TileAP, l_ps: TileAP, n: int, *, l_bufs: int) -> TileAP:
+    """``o = o * alpha + o(chunk)`` in place and ``l = l * alpha + l(chunk)`` into a new tile
+    (returned); ``o_alpha`` is ``ab`` viewed over o's free dims."""
+    kern.tensor_tensor(o, o, o_alpha, "multiply")
+    kern.tensor_tensor(o, o, o_ps, "add")
+    lr = pools("l", l_bufs).tile((1, P), "fp32")[:, :n]
+    kern.tensor_tensor(lr, l_old, ab[0:1, :], "multiply")
+    kern.tensor_tensor(lr, lr, l_ps, "add")
+    return lr
+
+
 def xT_view(rows: TileAP, j: int, k1: int, kp: int = P) -> TileAP:
     """Columns ``j, j + K1, j + 2 K1, ...`` of a ``[tb, K]`` row tile: the ``[tb, kp]`` block
     whose transpose is k-tile ``j`` in the ``k = p * K1 + j`` layout."""

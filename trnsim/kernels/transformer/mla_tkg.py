@@ -46,7 +46,7 @@ from ...isa import KernelError, TileAP
 from ...builder.kernel import Kernel
 from ..reference import round_to
 from ..registry import checked_dtype, register_kernel
-from .common import BOUNDS, P, Bound, Pools, bcast, positive
+from .common import BOUNDS, P, Bound, Pools, online_max, online_rescale, positive
 
 __all__ = ["build_mla_tkg", "mla_tkg_reference", "mla_tkg_bound"]
 
@@ -249,20 +249,8 @@ class _Mla:
         kern, pools, nq, rc, sc, dt, ct = self.kern, self.pools, self.nq, self.rc, self.sc, self.dt, self.ct
         nt, rows, s_sb, red = a
         # the max over the partitions (a transpose), the running max and the rescale factor
-        tr = pools("tr32", 1, "psum").tile((P, 2 * P), "fp32")[:nq, :P]
-        kern.nc_transpose(tr, red)
-        m_new = pools("m", 5).tile((P, 1), "fp32")[:nq]
-        kern.tensor_reduce(m_new, "max", tr, axis=1)
-        kern.tensor_tensor(m_new, m_new, st.m, "max")
-        nm = pools("nm", 2).tile((P, 1), "fp32")[:nq]
-        kern.tensor_scalar(nm, m_new, "multiply", -sc)
-        alpha = pools("alpha", 2).tile((P, 1), "fp32")[:nq]
-        kern.activation(alpha, "exp", st.m, scale=sc, bias=nm)
+        m_new, mb, ab = online_max(kern, pools, red, st.m, nq, P, P, sc, tr_pool="tr32", m_bufs=5)
         st.m = m_new
-        bc = pools("bcast", 1, "psum").tile((P, 2 * P), "fp32")
-        mb, ab = bc[:, :nq], bc[:, P:P + nq]
-        kern.nc_transpose(mb, bcast(m_new, P))
-        kern.nc_transpose(ab, bcast(alpha, P))
         s3 = s_sb.reshape(P, nt, nq)
         kern.tensor_tensor(s3, s3, _view(mb, P, 0, ((0, nt), (1, nq))), "subtract")
         p = pools("p", 2).tile((P, ct * nq), dt)[:, :nt * nq]
@@ -276,12 +264,8 @@ class _Mla:
                                accumulate=t > 0)
         for t in range(nt):
             kern.nc_matmul(l_ps, self.ones_col, p[:, t * nq:(t + 1) * nq], accumulate=t > 0)
-        kern.tensor_tensor(st.o, st.o, _view(ab, P, 0, ((0, rc), (1, nq))), "multiply")
-        kern.tensor_tensor(st.o, st.o, o_ps, "add")
-        lr = pools("l", 5).tile((1, P), "fp32")[:, :nq]
-        kern.tensor_tensor(lr, st.l, ab[0:1, :], "multiply")
-        kern.tensor_tensor(lr, lr, l_ps, "add")
-        st.l = lr
+        st.l = online_rescale(kern, pools, st.o, st.l, _view(ab, P, 0, ((0, rc), (1, nq))), ab, o_ps, l_ps, nq,
+                              l_bufs=5)
 
     def finish(self, st: _Seq) -> None:
         """``o_lat = o / l`` into column ``bi`` of ``olat``: 1/l broadcast to the partitions by a
