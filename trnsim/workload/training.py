@@ -115,7 +115,6 @@ class Recipe:
 
     def text(self) -> str:
         parts = [f"{self.loss} loss", f"recompute {self.recompute}",
-                 "flash attention" if self.attention == "flash" else "core attention (scores and softmax op by op)",
                  {"none": "optimizer unsharded", "zero1": "ZeRO-1", "fsdp": "FSDP2"}[self.sharding],
                  {"mixed": "bf16 compute + fp32 master weights", "bf16": "bf16 + stochastic rounding"}[self.precision],
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
@@ -124,6 +123,7 @@ class Recipe:
                  ("fused q/k/v and gate/up" + (" (TP collectives of their backward beside its matmuls)"
                                                if self.tp_overlap else "")) if self.fused_projections
                  else "separate q/k/v and gate/up",
+                 "flash attention" if self.attention == "flash" else "core attention (scores and softmax in HBM)",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
