@@ -142,6 +142,32 @@ def test_a_compiled_graphs_collective_pays_graph_launch_not_launch():
     assert in_graph(TRN2) is TRN2  # Trn2's graph_launch is its launch
 
 
+def test_a_call_across_trn1_instances_runs_its_intra_instance_rings_on_channels():
+    """A communicator spanning instances has one channel per EFA device (flat_ring_channels, 8 on
+    trn1.32xlarge); a hierarchical call's intra-instance rings run a cycle per channel, as many
+    as it has whole elements per ring rank: 128 B of fp32 over 32 ranks is one channel, 256 B two,
+    1 KiB and up eight. The CC core issues every channel's transfers, so the floor rises with them."""
+    from trnsim.collectives.algorithms.base import hierarchy_groups
+    from trnsim.collectives.algorithms.compose import channels_of, hierarchical_plan
+    from trnsim.collectives.runner import CollectiveCall, resolve_call
+
+    two = load_system("trn1.32xlarge", ["topology.efa.size=2"])
+    got = {}
+    for n in (128, 256, 512, 1024, 1 << 20):
+        ctx = resolve_call(two, CollectiveCall("all-reduce", n, 64, dtype="fp32")).ctx
+        groups, algos = hierarchical_plan(ctx)
+        got[n] = [channels_of(ctx, groups, k, algos[k], 32, n) for k in range(len(groups))]
+    assert got == {128: [1, 1], 256: [2, 1], 512: [4, 1], 1024: [8, 1], 1 << 20: [8, 1]}
+    ctx = resolve_call(load_system("trn1.32xlarge"), CollectiveCall("all-reduce", 1 << 20, 32)).ctx
+    assert ctx.shape is not None and len(hierarchy_groups(ctx)) < 2  # one instance: no tiers, one channel
+
+
+def test_more_channels_cost_the_cc_core_more_issues():
+    two = load_system("trn1.32xlarge", ["topology.efa.size=2"])
+    t = {n: simulate_collective(two, "all-reduce", n, ranks=64, dtype="fp32").time_us for n in (128, 256, 1024)}
+    assert t[128] < t[256] < t[1024]
+
+
 def test_one_rank_per_chip_groups_ring_not_kangaring():
     r = estimate_collective(TRN2, "all-reduce", 1 << 30, group=[0, 4, 8, 12])
     assert r.algorithm == "bidir-ring"

@@ -412,3 +412,42 @@ def test_a_dp_all_reduce_beside_its_sibling_group_is_slower_and_the_report_says_
     assert table.returncode == 0, table.stderr[-3000:]
     line = next(ln for ln in table.stdout.splitlines() if "all_r" in ln)
     assert re.search(r"1\.[1-9]\dx", line), line  # the shared column: the slowdown against the call alone
+
+
+STREAMS = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("neuron", (2, 2), mesh_dim_names=("dp", "tp"))
+g = torch.ones(4 << 20, device="neuron")  # 16 MiB of fp32 gradients
+work = dist.all_reduce(g, group=mesh.get_group("dp"), async_op=True)  # DP: waited for later
+x = torch.ones(1 << 20, device="neuron")
+out = torch.empty(2 << 20, device="neuron")
+dist.all_gather_into_tensor(out, x, group=mesh.get_group("tp"))  # TP, issued while the DP all-reduce runs
+work.wait()
+torch.neuron.synchronize()
+"""
+
+
+def test_tp_beside_a_running_dp_collective_on_another_cc_stream_is_slower_and_the_report_says_so(tmp_path,
+                                                                                               monkeypatch):
+    """One rank per chip (trn1, LNC=2): the TP groups [0, 1], [2, 3] and the DP groups [0, 2],
+    [1, 3] share chip 0 -> chip 1 (DP's route to chip 2 passes chip 1). With NxD's multistream
+    collectives (stream 0 TP, stream 1 FSDP/DP) the TP all-gather starts while the async DP
+    all-reduce runs and is simulated beside it: its shared column is well above 1. On the
+    runtime's default single CC stream it waits for the DP all-reduce and runs alone (1.00x)."""
+    script = tmp_path / "streams.py"
+    script.write_text(textwrap.dedent(STREAMS))
+    args = ("run", "--nproc", "4", "--config", "trn1", "--set", "chip.lnc=2", "--system", "trn1.32xlarge", "--json",
+            str(script))
+    got = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("NEURON_NXD_FSDP_CC_MULTISTREAM", on)
+        run = _trnsim(*args, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        total = _json(run.stdout)["total"]
+        got[on] = ({r["op"]: r["collective"] for r in total["rows"] if r["collective"]}, total)
+    tp_on = next(c for op, c in got["1"][0].items() if op.startswith("all_gather"))
+    tp_off = next(c for op, c in got["0"][0].items() if op.startswith("all_gather"))
+    assert tp_on["network_us"] > 1.5 * tp_on["alone_us"] > 0
+    assert tp_off["network_us"] == pytest.approx(tp_off["alone_us"])
+    assert got["1"][0]["all_reduce"]["network_us"] == pytest.approx(got["0"][0]["all_reduce"]["network_us"])

@@ -211,8 +211,9 @@ def test_cli_train_text(cache, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "llama-9"], "trnsim: error: unknown model 'llama-9': expected one of bert-large, deepseek-v3, gpt-oss-120b, "
-                             "gpt-oss-20b, llama-2-7b, llama-3.1-405b, llama-3.1-70b, llama-3.1-8b, llama-3.3-70b, "
-                             "mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, qwen3-8b, or a path to a Hugging Face config.json"),
+                             "gpt-oss-20b, llama-2-7b, llama-3.1-405b, llama-3.1-70b, llama-3.1-8b, llama-3.2-1b, "
+                             "llama-3.3-70b, mixtral-8x7b, qwen3-30b-a3b, qwen3-32b, qwen3-8b, or a path to a Hugging Face "
+                             "config.json"),
     (["--model", "llama-3.3-70b", "--tp", "48"], "trnsim: error: --tp 48: llama-3.3-70b has 64 attention heads, not "
                                                  "a multiple of 48"),
     (["--model", "llama-3.3-70b"], "trnsim: error: llama-3.3-70b (80 layers, hidden 8,192, bf16): its weights need at "

@@ -4,6 +4,7 @@ steps this process took, for the step time the slowest rank saw."""
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -82,13 +83,34 @@ def device_of(tensors: Sequence[torch.Tensor]) -> tuple[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def multistream() -> bool:
+    """NxD's multistream collectives (``NEURON_NXD_FSDP_CC_MULTISTREAM=1``; JAX's
+    ``NEURON_FSDP_CC_MULTISTREAM=1``): CC stream 0 carries TP collectives, stream 1 FSDP/DP
+    (Neuron SDK ``neuron-runtime/explore/compute-comm-overlap.rst``). Off, the runtime's default:
+    one CC stream per core, so a rank's collectives run one after another."""
+    return any(os.environ.get(k, "").strip() == "1"
+               for k in ("NEURON_NXD_FSDP_CC_MULTISTREAM", "NEURON_FSDP_CC_MULTISTREAM"))
+
+
+def cc_lane(group: Sequence[int]) -> int:
+    """The CC stream a collective on ``group`` runs on: 0, or with :func:`multistream` 1 for a
+    data-parallel group (NxD numbers TP groups as consecutive ranks and DP groups strided by the
+    TP size: a group whose ranks are not consecutive is DP/FSDP)."""
+    if not multistream() or not group:
+        return 0
+    return 0 if max(group) - min(group) + 1 == len(group) else 1
+
+
 class _Clock:
     """Simulated collectives, cached: a call on its group is the same from any start (all ranks
     start together, at the latest arrival), so it is simulated once from tick 0. An SPMD program
     makes the same call on every sibling group at once (a 2D mesh's other TP groups, or other DP
     groups: :func:`trnsim.collectives.sibling_groups` in the world), so a collective call is
     simulated beside its siblings' on the links, HBM stacks and DMA engines they share, and alone
-    too: the report's ``shared`` column is the ratio (point-to-point calls run alone)."""
+    too: the report's ``shared`` column is the ratio (point-to-point calls run alone). With
+    :func:`multistream`, a call that starts while this rank's call of the other CC stream runs
+    (a TP all-reduce beside the DP reduce-scatter) is simulated beside that one and its siblings
+    too, from when each started (the running call's own time is the one placed already)."""
 
     def __init__(self) -> None:
         self.reports: dict[tuple[Any, ...], CollectiveReport] = {}
@@ -96,19 +118,32 @@ class _Clock:
         self.costs: dict[tuple[Any, ...], Any] = {}
         self.trace = False
         self.placed: list[tuple[str, int, CollectiveReport]] = []  # (op, start tick, report) while tracing
+        #: this rank's collectives placed, by CC stream: (lane, collective, bytes, group, dtype,
+        #: root, start, end) while they may still run when the next one starts
+        self.running: list[tuple[int, str, int, tuple[int, ...], str, int | None, int, int]] = []
         self.lock = threading.Lock()
 
+    def note(self, lane: int, collective: str, nbytes: int, group: tuple[int, ...], dtype: str, root: int | None,
+             start: int, end: int) -> None:
+        """A collective placed on CC stream ``lane`` from ``start`` to ``end`` (for the calls
+        that start beside it)."""
+        self.running = [x for x in self.running if x[7] > start] + [(lane, collective, nbytes, group, dtype, root,
+                                                                      start, end)]
+
     def report(self, collective: str, nbytes: int, group: tuple[int, ...], dtype: str, root: int | None,
-               pairs: tuple[tuple[int, int], ...] | None) -> CollectiveReport:
+               pairs: tuple[tuple[int, int], ...] | None, start: int = 0, lane: int = 0) -> CollectiveReport:
         world = int(world_size() or (max(group) + 1))
-        key = (collective, nbytes, group, dtype, root, pairs, self.trace, world)
+        beside = () if pairs is not None else tuple(
+            (c, nb, g, dt, rt, start - s0) for ln, c, nb, g, dt, rt, s0, e0 in self.running
+            if ln != lane and s0 <= start < e0)
+        key = (collective, nbytes, group, dtype, root, pairs, self.trace, world, beside)
         rep = self.reports.get(key)
         if rep is None:
             alone = None
             try:
-                if pairs is None:  # a collective: beside its sibling groups' same call
+                if pairs is None:  # a collective: beside its sibling groups' same call (and another stream's)
                     rep, alone = simulate_with_siblings(system(), collective, nbytes, group, world, dtype=dtype,
-                                                        root=root, trace=self.trace)
+                                                        root=root, trace=self.trace, beside=beside)
                 else:
                     rep = simulate_collective(system(), collective, nbytes, group=group, dtype=dtype, root=root,
                                               pairs=pairs, trace=self.trace)

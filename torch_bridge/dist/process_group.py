@@ -57,7 +57,7 @@ from trnsim.config import is_system_key
 from .. import _torch
 from ..eager.memory import cpu_view
 from ..runtime import runtime
-from .clock import (CLOCK, REDUCE_CODES, Call, collective_log, device_of, enable_trace, record_steps, reduce_name,
+from .clock import (CLOCK, REDUCE_CODES, Call, cc_lane, collective_log, device_of, enable_trace, record_steps, reduce_name,
                     runtime_started, shapes_text, sim_dtype, step_ticks, tensor_bytes)
 from .fsdp import patch_fsdp
 from .work import Work, note_backward
@@ -343,7 +343,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _collective(self, call: Call, run: Callable[[], Sequence[Any]], result: Any, keep: Any,
                     finish: Callable[[], None] | None = None, host_waits: bool = False) -> Work:
         dev = runtime().device if call.device == "neuron" else None
-        arrival = dev.issue_collective(call.core) if dev is not None else 0
+        lane = cc_lane(self.ranks) if call.pairs is None else 0
+        arrival = dev.issue_collective(call.core, lane=lane) if dev is not None else 0
         try:
             heads = self._exchange(call, arrival)
         except BaseException:
@@ -355,8 +356,10 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             start = max(h.arrival for h in heads)
             root = self.ranks[call.root] if call.root >= 0 else None
             nbytes = max(h.nbytes for h in heads) if call.uneven else call.nbytes
-            rep = CLOCK.report(call.collective, nbytes, self.ranks, sim_dtype(call.dtype), root, call.pairs)
-            _, end = dev.place_collective(call.core, call.op, CLOCK.cost(rep, self.global_rank), start, arrival)
+            dt = sim_dtype(call.dtype)
+            rep = CLOCK.report(call.collective, nbytes, self.ranks, dt, root, call.pairs, start, lane)
+            _, end = dev.place_collective(call.core, call.op, CLOCK.cost(rep, self.global_rank), start, arrival, lane)
+            CLOCK.note(lane, call.collective, nbytes, self.ranks, dt, root, start, end)
             if CLOCK.trace:
                 CLOCK.placed.append((call.op, start, rep))
         work = Work(self, call, run(), result, keep, finish, end, host_waits=host_waits)

@@ -366,7 +366,7 @@ def write_trace(path: Any, traces: list[Any]) -> None:
             if (pid, e.stream) not in named:
                 named.add((pid, e.stream))
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": e.stream,
-                               "args": {"name": "collectives" if e.stream == COLLECTIVE_STREAM else "compute"}})
+                               "args": {"name": "collectives" if e.stream <= COLLECTIVE_STREAM else "compute"}})
             events.append({"ph": "X", "name": e.op, "cat": phase, "pid": pid, "tid": e.stream,
                            "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
                            "args": {"kernel": e.kernel, "phase": phase}})

@@ -83,8 +83,10 @@ class CollectivesConfig:
     p2p_rings: int = _int(1, 1024, doc="DMA rings per physical core of a point-to-point transfer (send/recv, permute)")
     efa_proxy: int = _q("time", lo=0, doc="network proxy thread time per transfer that leaves the instance over EFA, ps")
     ranks_per_proxy: int = _int(1, 1 << 16, doc="ranks that share one network proxy thread")
-    flat_ring_channels: int = _int(1, 64, doc="channels (cycles side by side, each leaving an instance "
-                                                          "from a different chip) of a flat ring across instances")
+    flat_ring_channels: int = _int(1, 64, doc="channels of a communicator spanning instances (one per EFA "
+                                                          "device): a flat ring's cycles side by side, each leaving an "
+                                                          "instance from a different chip, and the cycles of a "
+                                                          "hierarchical call's intra-instance rings")
     multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
                                        "RDH and KangaRing (false: rings only)")
 

@@ -54,7 +54,7 @@ from ..isa import KernelError
 from ..builder.kernel import Kernel
 from ..sim.report import CollectiveStats, CoreStats, OpRow, RunReport, TraceEvent, busiest
 # what a launch is and costs, the recorder and the core timeline are their own modules (re-exported)
-from .ops import COLLECTIVE_STREAM, CollectiveLaunch, FusedRegion, KernelSpec, LaunchLog, OpCost, no_work
+from .ops import COLLECTIVE_STREAM, CollectiveLaunch, collective_stream, FusedRegion, KernelSpec, LaunchLog, OpCost, no_work
 from .recorder import NO_CONTEXT, CoreTally, Recorder
 from .timeline import Capture, CoreTimeline, LaunchItem, on_fresh_thread, shared_duration, stream_runs
 
@@ -362,12 +362,14 @@ class Device:
             arrival = self.issue_collective(core, after)
             return self.place_collective(core, op, cost, arrival, arrival)
 
-    def issue_collective(self, core: int, after: int | None = None) -> int:
+    def issue_collective(self, core: int, after: int | None = None, lane: int = 0) -> int:
         """The host issues a collective on ``core`` whose start is not known yet (it waits for
         the other ranks of its group): queued and collected launches are issued first, the host
         pays the dispatch now, and the tick returned is the collective's *arrival* on this core:
         issued, the work already issued on compute stream ``after`` (default: the current
-        stream) finished, and the core's earlier collectives done. :meth:`place_collective` puts
+        stream) finished, and the core's earlier collectives on its CC stream ``lane`` done
+        (:func:`collective_stream`: one CC stream by default, as the runtime runs; NxD's
+        multistream mode puts FSDP/DP collectives on a second). :meth:`place_collective` puts
         it on the timeline once its start is known; until then reports keep this core's
         intervals from the arrival on open."""
         with self._lock:
@@ -376,7 +378,8 @@ class Device:
             host = self._dispatch(c)
             for rec in self.recorders:
                 rec.dispatches += 1
-            ready = max(c.ready.get(COLLECTIVE_STREAM, 0), c.ready.get(c.current_stream if after is None else after, 0))
+            ready = max(c.ready.get(collective_stream(lane), 0),
+                        c.ready.get(c.current_stream if after is None else after, 0))
             arrival = ready if ready > host else host
             c.pending.append([arrival, max(0, host - max(ready, c.busy_until))])
             return arrival
@@ -390,7 +393,8 @@ class Device:
             if entry is not None:
                 c.pending.remove(entry)
 
-    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int) -> tuple[int, int]:
+    def place_collective(self, core: int, op: str, cost: OpCost, start: int, arrival: int,
+                         lane: int = 0) -> tuple[int, int]:
         """Put a collective issued by :meth:`issue_collective` (``arrival``: what it returned) on
         ``core``'s :data:`COLLECTIVE_STREAM` from ``start`` (ticks; no earlier than the arrival:
         when the last rank of the group arrived). The time between is the rank's wait for its
@@ -403,7 +407,7 @@ class Device:
             if entry is None:
                 raise ValueError(f"no collective issued on core {core} arrives at tick {arrival}")
             c.pending.remove(entry)
-            s = COLLECTIVE_STREAM
+            s = collective_stream(lane)
             start = max(start, arrival)
             end = self._book(c, core, s, op, cost, start, entry[1], arrival, self._launch_context(), start - arrival)
             if end > c.ready.get(s, 0):
@@ -467,7 +471,10 @@ class Device:
         if s not in c.streams:
             c.streams.add(s)
         if len(c.streams) > 1:
-            others = [b for b in c.bookings if b[0] != s and b[2] > start]
+            # collectives on two CC streams share the core's DMA inside the NeuronLink model
+            # (simulated together): not stretched again here
+            others = [b for b in c.bookings if b[0] != s and b[2] > start
+                      and not (s <= COLLECTIVE_STREAM and b[0] <= COLLECTIVE_STREAM)]
             if others:
                 ticks = shared_duration(ticks, cost.demand, others, start, self.lnc)
                 if ticks > cost.ticks:

@@ -15,6 +15,12 @@ from ..sim.report import KernelReport
 COLLECTIVE_STREAM = -1
 
 
+def collective_stream(lane: int) -> int:
+    """The device stream of a core's CC stream ``lane`` (0: :data:`COLLECTIVE_STREAM`; NxD's
+    multistream mode runs FSDP/DP collectives on lane 1): -1, -2, ..."""
+    return COLLECTIVE_STREAM - lane
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """The kernel an op lowers to, as metadata: a library kernel by ``kernel`` name (or

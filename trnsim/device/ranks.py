@@ -87,7 +87,7 @@ class MultiRankReport:
 
 
 def _intervals(events: Iterable[TraceEvent], collective: bool) -> list[tuple[int, int]]:
-    return [(e.start, e.end) for e in events if (e.stream == COLLECTIVE_STREAM) == collective and e.end > e.start]
+    return [(e.start, e.end) for e in events if (e.stream <= COLLECTIVE_STREAM) == collective and e.end > e.start]
 
 
 def _intersection(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
@@ -129,7 +129,7 @@ def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int
 def _stalled(events: Sequence[TraceEvent]) -> list[tuple[int, int]]:
     """When compute was stalled: a kernel issued and not yet started, none running (a kernel
     held back by its own stream's previous one has that one running)."""
-    waiting = [(e.issued, e.start) for e in events if e.stream != COLLECTIVE_STREAM and e.start > e.issued]
+    waiting = [(e.issued, e.start) for e in events if e.stream > COLLECTIVE_STREAM and e.start > e.issued]
     return _minus(waiting, _intervals(events, False))
 
 
@@ -262,6 +262,8 @@ def link_segments(rank: int, placed: Iterable[tuple[str, int, Any]], ranks_per_c
 def _lane_name(stream: int) -> str:
     if stream == COLLECTIVE_STREAM:
         return "collectives (CC cores)"
+    if stream < COLLECTIVE_STREAM:
+        return f"collectives (CC stream {COLLECTIVE_STREAM - stream})"
     return "default stream" if stream == 0 else f"stream {stream}"
 
 
@@ -297,12 +299,12 @@ def rank_trace_events(rep: MultiRankReport, links: Mapping[int, Sequence[tuple[s
     for r, evs in sorted(by_rank.items()):
         prev = None
         for e in evs:
-            t = tid(r, _lane_name(e.stream), 10_000 if e.stream == COLLECTIVE_STREAM else e.stream)
+            t = tid(r, _lane_name(e.stream), 10_000 - e.stream - 1 if e.stream <= COLLECTIVE_STREAM else e.stream)
             if prev is not None and e.issued > prev:
                 out.append({"ph": "X", "name": e.op, "cat": "dispatch", "pid": r, "tid": tid(r, "host", host_tid),
                             "ts": prev * to_us, "dur": (e.issued - prev) * to_us})
             prev = e.issued
-            out.append({"ph": "X", "name": e.op, "cat": "collective" if e.stream == COLLECTIVE_STREAM else e.kernel,
+            out.append({"ph": "X", "name": e.op, "cat": "collective" if e.stream <= COLLECTIVE_STREAM else e.kernel,
                         "pid": r, "tid": t, "ts": e.start * to_us, "dur": (e.end - e.start) * to_us,
                         "args": {"kernel": e.kernel, "issued_us": e.issued * to_us}})
     for r, segs in sorted(links.items()):

@@ -68,6 +68,8 @@ def stream_tid(stream: int) -> int:
 def _stream_name(stream: int) -> str:
     if stream == _COLLECTIVE_STREAM:
         return "collectives"
+    if stream < _COLLECTIVE_STREAM:
+        return f"collectives (CC stream {_COLLECTIVE_STREAM - stream})"
     return "stream 0 (default)" if stream == 0 else f"stream {stream}"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..schedule import Schedule
+from ..schedule import Schedule, pieces
 from .base import Algorithm, Context, hierarchy_groups, levels_lanes
 from .flat import phase, phase_estimate
 
@@ -49,7 +49,7 @@ def _compose(s: Schedule, ctx: Context, groups: Sequence[Sequence[int]], algos: 
         s.phase = f"{kind} {'+'.join(ctx.topo.level_names[i] for i in groups[k])} ({algo})"
         if algo in FLAT:
             order_of = sorted if algo == "rdh" else list
-            phase(kind, algo, s, [(order_of(v), total) for v in lanes[k]], isz)
+            phase(kind, algo, s, channel_lanes(ctx, groups, k, algo, [(order_of(v), total) for v in lanes[k]]), isz)
             return
         from . import ALGORITHMS
 
@@ -81,6 +81,42 @@ def _compose(s: Schedule, ctx: Context, groups: Sequence[Sequence[int]], algos: 
     s.phase = ""
 
 
+def channels_of(ctx: Context, groups: Sequence[Sequence[int]], k: int, algo: str, lane_ranks: int,
+                total: int) -> int:
+    """The channels a hierarchical call's tier ``k`` runs (``collectives.flat_ring_channels``):
+    a communicator spanning instances has one channel per EFA device (Trn1's runtime: 8-channel
+    support, network devices associated with channels, "global comm has less channels than this
+    replica group ... not enough EFA devices" [SDK release-notes/runtime/aws-neuronx-runtime-lib
+    2.9.64, 2.10.15, 2.16.8]), and its intra-instance rings run one cycle per channel, each on
+    its share; a ring channel moves a whole element per rank and step at least, so a call uses
+    as many channels as it has elements per rank of the ring (at most the system's). One channel
+    where the call stays in an instance, on the inter-instance tier, and for non-ring phases."""
+    ch = ctx.system.collectives.flat_ring_channels
+    topo = ctx.topo
+    if ch <= 1 or algo not in ("ring", "bidir-ring") or len(groups) < 2:
+        return 1
+    if any(topo.level_inter_instance(lv) for lv in groups[k]) or \
+            not any(topo.level_inter_instance(lv) for g in groups for lv in g):
+        return 1
+    return max(1, min(ch, total // (lane_ranks * ctx.itemsize)))
+
+
+def channel_lanes(ctx: Context, groups: Sequence[Sequence[int]], k: int, algo: str,
+                  lanes: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """Each lane of tier ``k`` as :func:`channels_of` cycles: channel c rotated by c/C of the
+    lane (its chain starts at a different rank), on its share of whole elements per rank."""
+    out = []
+    for order, total in lanes:
+        c = channels_of(ctx, groups, k, algo, len(order), total)
+        if c == 1:
+            out.append((order, total))
+            continue
+        for i, nb in enumerate(pieces(total, c, ctx.itemsize * len(order))):
+            shift = i * len(order) // c
+            out.append((order[shift:] + order[:shift], nb))
+    return out
+
+
 def _compose_estimate(r: "Rates", ctx: Context, groups: Sequence[Sequence[int]],
                       algos: Sequence[str]) -> "list[EstimateStep]":
     sizes = _sizes(ctx, groups)
@@ -92,7 +128,8 @@ def _compose_estimate(r: "Rates", ctx: Context, groups: Sequence[Sequence[int]],
 
     def ph(kind: str, k: int, data: float) -> "list[EstimateStep]":
         if algos[k] in FLAT:
-            return phase_estimate(r, kind, algos[k], [(v, data) for v in lanes[k]], names[k])
+            split = channel_lanes(ctx, groups, k, algos[k], [(v, int(data)) for v in lanes[k]])
+            return phase_estimate(r, kind, algos[k], [(v, float(nb)) for v, nb in split], names[k])
         from . import ALGORITHMS
 
         # the lines run side by side on links of their own: the first stands for all
