@@ -9,7 +9,9 @@ cache, BERT inference and ViT training. Each runs in a fresh process (so its fir
 first step): the first step on CPU, then on neuron, then ``--rounds`` rounds of ``--steps``
 steps on CPU and on neuron; a round's ratio is its median neuron step over its median CPU step,
 and the verdict is the median of the rounds (the machine is shared: a burst of load spoils a
-round, not the verdict); the same ratio in process CPU time (``cpu-t x``) is printed beside it. Every step ends in a value on the host (``loss.item()``, the tokens),
+round, not the verdict); the same ratio in process CPU time (``cpu-t x``) is printed beside it,
+and the first steps' process CPU times (``1st cpu-t s``: CPU/neuron, ``!`` past the goal), which
+load from other jobs does not inflate as it does wall time. Every step ends in a value on the host (``loss.item()``, the tokens),
 so the neuron step includes the device model's work.
 
 The issue's goals (30): every ratio <= 2x, their median <= 1.3x, the first step <= 3x CPU's first
@@ -404,9 +406,10 @@ def run_one(name: str, quick: bool, rounds: int, steps: int, split: bool) -> dic
     device = torch_bridge.runtime.runtime().device
     out: dict[str, Any] = {"name": name}
     cpu_step = make_step(model, "cpu")
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     cpu_first_value = cpu_step()
     out["cpu_first"] = time.perf_counter() - t0
+    out["cpu_first_cpu"] = time.process_time() - c0
     neu_step = make_step(dev_model, "neuron")
     values: list[Any] = []
     ticks: list[int] = []
@@ -432,6 +435,7 @@ def run_one(name: str, quick: bool, rounds: int, steps: int, split: bool) -> dic
         out["split_first"] = prof.table(1, cpu_wall=out["cpu_first"])
     else:
         out["neuron_first"] = neuron_step()
+    out["neuron_first_cpu"] = neu_cpu[0]
     out["kernels_first"] = device.simulated - sim0
     out["first_diff"] = _same(values[0], cpu_first_value)
     ratios, cpu_med, neu_med, cpu_ratios = [], [], [], []
@@ -480,6 +484,13 @@ def _child(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str
     return {"name": name, "error": err}
 
 
+def _first_ok(r: dict[str, Any], cpu_time: bool) -> bool:
+    """The first-step goal: neuron's first step <= 3x CPU's + 2 s (wall, or process CPU time)."""
+    if cpu_time:
+        return r["neuron_first_cpu"] <= 3 * r["cpu_first_cpu"] + 2
+    return r["neuron_first"] <= 3 * r["cpu_first"] + 2
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--programs", default=None, help=f"comma-separated, of: {', '.join(PROGRAMS)} (default: all)")
@@ -507,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zoo: {len(names)} programs, each in a fresh process; {args.rounds} round(s) of {args.steps} steps "
           f"per device; ratios are neuron / CPU wall in the same process")
     print(f"  {'program':18s} {'CPU ms':>8s} {'neuron ms':>10s} {'ratio':>6s} {'rounds':>16s} "
-          f"{'cpu-t x':>7s} {'CPU 1st s':>9s} {'neu 1st s':>9s} {'1st goal':>8s} {'kernels':>7s} {'sim us':>9s} "
+          f"{'cpu-t x':>7s} {'CPU 1st s':>9s} {'neu 1st s':>9s} {'1st goal':>8s} {'1st cpu-t s':>13s} {'kernels':>7s} "
+          f"{'sim us':>9s} "
           f"{'value diff':>10s}")
     results = []
     for name in names:
@@ -520,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = ",".join(f"{x:.2f}" for x in r["ratios"])
         print(f"  {name:18s} {r['cpu_step'] * 1e3:8.1f} {r['neuron_step'] * 1e3:10.1f} {r['ratio']:5.2f}x {rs:>16s} "
               f"{r['cpu_time_ratio']:6.2f}x {r['cpu_first']:9.2f} {r['neuron_first']:9.2f} {'ok' if r['neuron_first'] <= goal else 'over':>8s} "
+              f"{r['cpu_first_cpu']:5.2f}/{r['neuron_first_cpu']:5.2f}{'' if _first_ok(r, True) else '!':1s} "
               f"{r['kernels_first']:7d} {r['sim_us']:9.1f} {r['first_diff']:10.1e}", flush=True)
         if args.split:
             print(f"    -- first step --\n{r['split_first']}\n    -- steady steps --\n{r['split_steady']}", flush=True)
@@ -532,11 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in results if "error" not in r]
     if ok:
         ratios = [r["ratio"] for r in ok]
-        firsts = sum(r["neuron_first"] <= 3 * r["cpu_first"] + 2 for r in ok)
+        firsts = sum(_first_ok(r, False) for r in ok)
+        firsts_cpu = sum(_first_ok(r, True) for r in ok)
         print(f"median ratio {statistics.median(ratios):.2f}x (goal <= 1.3x; in process CPU time "
               f"{statistics.median(r['cpu_time_ratio'] for r in ok):.2f}x), worst {max(ratios):.2f}x "
               f"({max(ok, key=lambda r: r['ratio'])['name']}; goal <= 2x); "
-              f"first step within 3x CPU + 2 s: {firsts}/{len(ok)}")
+              f"first step within 3x CPU + 2 s: {firsts}/{len(ok)} (in process CPU time: {firsts_cpu}/{len(ok)})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     failed = len(ok) < len(results) or any(r.get("slow_same") is False for r in ok)

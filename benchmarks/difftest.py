@@ -143,6 +143,19 @@ def _histc_cuda(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0,
     return res
 
 
+def _scaled_mm_defined(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       bias: Any = None, *args: Any, **kw: Any) -> Any:
+    """CPU's _scaled_mm of a bias that is not contiguous, made contiguous: CPU's kernel reads the
+    bias as contiguous whatever its strides (an expanded one: memory past its storage, other
+    values each run), so it is no reference there; the device adds the bias's values."""
+    if isinstance(bias, torch.Tensor) and not bias.is_contiguous():
+        bias = bias.contiguous()
+    op = torch.ops.aten._scaled_mm.out if "out" in kw else torch.ops.aten._scaled_mm.default
+    return op(self, mat2, scale_a, scale_b, bias, *args, **kw)
+
+
+REFERENCES["_scaled_mm.default"] = _scaled_mm_defined
+REFERENCES["_scaled_mm.out"] = _scaled_mm_defined
 REFERENCES["histc.default"] = _histc_cuda
 REFERENCES["histc.out"] = _histc_cuda
 

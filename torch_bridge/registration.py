@@ -134,6 +134,8 @@ def register_kernels() -> None:
         "convolution_overrideable": values.convolution,
         "convolution_backward_overrideable": values.convolution_backward,
         "histc": values.histc,
+        "_scaled_mm": values.scaled_mm,
+        "_scaled_mm.out": values.scaled_mm,
     }
     from .ops.cells import KERNELS as CELLS
 

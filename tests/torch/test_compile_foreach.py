@@ -56,6 +56,11 @@ def test_compiled_step_is_one_kernel_with_eager_values(name):
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
     assert calls and all(spec.kernel == "foreach_fused" for _, spec, _, _ in calls)
+    # the CPU values are computed in place: every updated parameter and state tensor is written by
+    # an in-place foreach op, none by a copy of a functional result (same values as eager, above)
+    kernel = calls[-1][0]
+    n_copies = sum(1 for n in kernel.nodes if n.target is torch.ops.aten.copy_.default)
+    assert n_copies > 0 and kernel.in_place[0] and kernel.copies == 0
     rows = [r for r in rep.rows if r.is_region and r.kernel == "foreach_fused"]
     assert len(rows) == 1 and rows[0].calls == 2  # one launch per steady step
     row = rows[0]

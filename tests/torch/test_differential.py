@@ -276,6 +276,17 @@ def test_histc_counts_integers_in_every_form_and_refuses_bool():
         torch.histc(torch.ones(3, dtype=torch.bool, device="neuron"))
 
 
+def test_histc_of_integers_over_int64s_whole_range_does_not_wrap():
+    """Long-run finding (histc 165531027294353): an int64 input holding int64's max, auto range:
+    (x - min) * bins wrapped and the bin index went negative (bincount's error) where the values
+    binned as numbers give [8, 0, 0, 0, 1]."""
+    assert dt.main(["--repro", "histc", "165531027294353"]) == 0
+    x = torch.tensor([-3, -2, -1, 4, -5, 0, 1, -3, 2 ** 63 - 1])
+    assert torch.histc(x.to("neuron"), 5).cpu().tolist() == [8, 0, 0, 0, 1]
+    # a range of 2**63 at 4 bins: as numbers (float64), -5..4 all round into bin 2, int64's max is past it
+    assert torch.histc(x.to("neuron"), 4, -(2 ** 62), 2 ** 62).cpu().tolist() == [0, 0, 8, 0]
+
+
 def test_convolution_refuses_what_cpu_refuses():
     """The datapath's im2col computed a convolution of mismatched channels, and a 0-dim or 3-d
     bias, where CPU raises."""
@@ -289,6 +300,121 @@ def test_convolution_refuses_what_cpu_refuses():
         torch.ops.aten.convolution_overrideable(x.to("neuron"), torch.randn(3, 2, 3, 3, device="neuron"),
                                                 torch.randn((), device="neuron"), [1, 1], [0, 0], [1, 1], False,
                                                 [0, 0], 1)
+
+
+def test_convolution_output_layout_is_cpus_for_ambiguous_strides():
+    """Long-run finding (seed 120873051521927): an input (1, 2, 4, 1) with strides (2, 1, 2, 2) is
+    channels-last contiguous only through its size-1 dims; CPU's slow 2-d kernel asks
+    ``suggest_memory_format`` (contiguous here) and returns a contiguous output, the device made it
+    channels-last. Its repro, then every stride order of a few shapes with size-1 dims (2-d and
+    3-d, float32 and bfloat16, whose CPU backends differ) against CPU's output strides."""
+    import itertools
+
+    def strided(shape, order, gen):  # dense strides laid out in ``order`` (innermost first)
+        strides, step = [0] * len(shape), 1
+        for d in order:
+            strides[d] = step
+            step *= shape[d]
+        return torch.randn(step, generator=gen).as_strided(shape, strides)
+
+    def check(x, w, b, *params):
+        want = torch.ops.aten.convolution(x, w, b, *params)
+        got = torch.ops.aten.convolution_overrideable(
+            *(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="neuron").copy_(t) for t in (x, w, b)),
+            *params)
+        assert got.stride() == want.stride(), (x.shape, x.stride(), w.shape, w.stride(), got.stride(), want.stride())
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=1e-2)
+
+    x = torch.arange(8.0).as_strided((1, 2, 4, 1), (2, 1, 2, 2))
+    w = torch.tensor([1.0, -2.0, 0.5, 3.0]).as_strided((2, 2, 1, 1), (1, 2, 2, 2))
+    check(x, w, torch.zeros(2), [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    gen = torch.Generator().manual_seed(3)
+    cases = [((1, 2, 4, 1), (2, 2, 1, 1)), ((2, 3, 1, 1), (2, 3, 1, 1)), ((1, 1, 3, 3), (2, 1, 1, 1)),
+             ((1, 2, 1, 3, 1), (2, 2, 1, 1, 1))]
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for xs, ws in cases:
+            k = len(xs) - 2
+            for xo, wo in zip(itertools.permutations(range(len(xs))), itertools.cycle(
+                    itertools.permutations(range(len(ws))))):
+                check(strided(xs, xo, gen).to(dtype), strided(ws, wo, gen).to(dtype), torch.zeros(ws[0], dtype=dtype),
+                      [1] * k, [0] * k, [1] * k, False, [0] * k, 1)
+                checked += 1
+    assert checked == 2 * (3 * 24 + 120)
+
+
+@pytest.mark.parametrize("seed", [188223455553162])
+def test_causal_attention_repro_from_the_long_run(seed):
+    """Long-run finding: attn_mask with is_causal=True, 5 queries over 4 keys, a NaN key above
+    the diagonal: CPU's flash kernel gives row 0 numbers, the device NaN (every way)."""
+    s = dt.make_sample("scaled_dot_product_attention", seed, dt.DTYPES)
+    t = dt.Tester(dt.SEED, dt.DTYPES, 1, echo=None)
+    t.run_sample(s)
+    t.flush_compiled()
+    assert not [m.line() for m in t.stats.mismatches]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_attention_writes_its_mask_over_nan_and_inf_scores_as_cpus_flash_kernel(dtype):
+    """CPU's flash kernel writes -inf over the scores above the diagonal before it scales them
+    and adds the mask, so a NaN or inf key there changes nothing; a boolean mask is added as
+    0/-inf, so a NaN score where it is False stays NaN. The device added the causal -inf (NaN
+    stays NaN: whole rows NaN) and filled the boolean mask. Both of its paths: the fused kernel
+    (L == S) and op by op (L != S), scale None, 0 and negative."""
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for l, s in ((4, 4), (5, 4), (3, 4), (1, 6)):
+        for where in ("k_nan", "k_inf", "v_inf", "mask_inf"):
+            for scale in (None, 0.0, -0.5):
+                for mk in ("none", "bool", "float"):
+                    q, k, v = (torch.randn(1, 2, n, 8, generator=g).to(dtype) for n in (l, s, s))
+                    if where == "k_nan":
+                        k[..., -1, 0] = math.nan
+                    elif where == "k_inf":
+                        k[..., s // 2, 1] = math.inf
+                    elif where == "v_inf":
+                        v[..., 1, 0] = math.inf
+                    mask = None if mk == "none" else (torch.rand(l, s, generator=g) > 0.3) if mk == "bool" \
+                        else torch.randn(l, s, generator=g).to(dtype)
+                    if where == "mask_inf" and mk == "float":
+                        mask[0, -1], mask[-1, 0] = math.inf, math.nan
+                    for causal in (False, True):
+                        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+                        got = F.scaled_dot_product_attention(
+                            q.to("neuron"), k.to("neuron"), v.to("neuron"),
+                            attn_mask=None if mask is None else mask.to("neuron"), is_causal=causal,
+                            scale=scale).cpu()
+                        what = (l, s, where, scale, mk, causal)
+                        assert torch.equal(got.isnan(), want.isnan()), what
+                        assert torch.equal(got.isinf(), want.isinf()), what
+                        fin = want.isfinite()
+                        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+                        torch.testing.assert_close(got[fin].float(), want[fin].float(), rtol=tol, atol=tol,
+                                                   msg=str(what))
+                        checked += 1
+    assert checked == 4 * 4 * 3 * 3 * 2
+
+
+@pytest.mark.parametrize("seed", [74854108674711, 204197738243539, 91416097824352])
+def test_scaled_mm_adds_an_expanded_bias_s_values(seed):
+    """Long-run finding: CPU's _scaled_mm reads a bias as contiguous whatever its strides, so an
+    expanded bias (stride 0) added memory past its one-element storage, on CPU and on the device
+    alike; the device adds the bias's values (the tester's reference is CPU's kernel with the bias
+    made contiguous)."""
+    s = dt.make_sample("_scaled_mm", seed, dt.DTYPES)
+    t = dt.Tester(dt.SEED, dt.DTYPES, 1, echo=None)
+    t.run_sample(s)
+    t.flush_compiled()
+    assert not [m.line() for m in t.stats.mismatches]
+    a = torch.randn(2, 32).to(torch.float8_e4m3fn)
+    w = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    bias = torch.tensor([3.0], dtype=torch.bfloat16).expand(16)
+    want = torch._scaled_mm(a, w, one, one, bias=bias.contiguous(), out_dtype=torch.bfloat16)
+    on = (lambda x: x.to("neuron"))
+    got = torch._scaled_mm(on(a), on(w), on(one), on(one), bias=on(torch.tensor([3.0], dtype=torch.bfloat16)).expand(16),
+                           out_dtype=torch.bfloat16)
+    assert torch.equal(got.cpu(), want)
 
 
 def test_convolution_with_infinities_gives_cpus_values():
@@ -355,6 +481,18 @@ def test_addmm_with_alpha_zero_ignores_its_matrices_as_cpu_blas_does(seed):
     addmm in C++), the Python path and compiled. bfloat16/float16 addmm and baddbmm multiply on
     CPU too (NaN), and still do. Each seed is a long-run sample; its repro runs every way."""
     assert dt.main(["--repro", "addmm", str(seed)]) == 0
+
+
+def test_addmm_alpha_zero_of_a_transposed_self_is_contiguous_as_cpus():
+    """Long-run finding (addmm 77569792224220): with alpha == 0 the result was a clone of self,
+    keeping a transposed self's strides (1, 5) where CPU's addmm returns a new contiguous (4, 1)."""
+    assert dt.main(["--repro", "addmm", "77569792224220"]) == 0
+    c = torch.randn(4, 5).t()
+    for beta in (1, 2, 0):
+        want = torch.addmm(c, torch.randn(5, 3), torch.randn(3, 4), alpha=0, beta=beta)
+        got = torch.addmm(c.to("neuron"), torch.randn(5, 3, device="neuron"), torch.randn(3, 4, device="neuron"),
+                          alpha=0, beta=beta)
+        assert got.stride() == want.stride() == (4, 1) and torch.equal(got.cpu(), want), beta
 
 
 def test_addmm_alpha_zero_values_exactly():

@@ -28,17 +28,18 @@ SDPA = torch.nn.functional.scaled_dot_product_attention
 
 @torch.library.custom_op("trnsim::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
-              groups: int) -> tuple[Tensor, Tensor]:
-    """(out, P): the eager device's attention forward (P, fp32, is kept for the backward)."""
+              groups: int, flash: bool = True) -> tuple[Tensor, Tensor]:
+    """(out, P): the eager device's attention forward (P, fp32, is kept for the backward);
+    ``flash``: CPU computes the call with its flash kernel (its arithmetic, not the math path's)."""
     index = q.device.index or 0
-    out, p, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups)
+    out, p, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
     eager_attention.charge_forward(index, q, mask, causal, scale)
     return memory.relabel(out, index), memory.relabel(p, index)
 
 
 @attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
-      groups: int) -> tuple[Tensor, Tensor]:
+      groups: int, flash: bool = True) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1] + (k.shape[-2],), dtype=torch.float32)
 
 
@@ -58,7 +59,7 @@ def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, scale: float, gr
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, causal, scale, groups = inputs
+    q, k, v, mask, causal, scale, groups, _flash = inputs
     ctx.save_for_backward(q, k, v, output[1])
     ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
     ctx.groups = groups
@@ -67,7 +68,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> 
 def _backward(ctx: Any, grad_out: Tensor, grad_p: Tensor | None) -> tuple[Any, ...]:
     q, k, v, p = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad_out.contiguous(), q, k, v, p, float(ctx.scale), ctx.groups)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup)
@@ -79,8 +80,9 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
     the flash-attention kernel takes the call, PyTorch's math path otherwise."""
     if query.device.type == "neuron" and eager_attention.takes_meta(query, key, value, attn_mask, dropout_p,
                                                                      enable_gqa):
-        eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        return attention(query, key, value, attn_mask, bool(is_causal), scale, query.shape[-3] // key.shape[-3])[0]
+        flash = eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return attention(query, key, value, attn_mask, bool(is_causal), scale, query.shape[-3] // key.shape[-3],
+                         flash)[0]
     return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 

@@ -15,8 +15,10 @@ which costs the same) and run by the ``foreach_fused`` kernel over every tensor,
 becoming its in-place stores.
 
 :class:`ForeachKernel` computes the values with the ops' own CPU kernels on zero-copy views, in
-graph order, and copies the results into the inputs: bit for bit what the graph's ops compute
-when run one by one (eager), since they are the same kernels.
+graph order: bit for bit what the graph's ops compute when run one by one (eager), since they are
+the same kernels. An op whose result only replaces its first list (an input it stores into, or a
+temporary nothing reads again) runs as its in-place overload, as the optimizer's eager step does,
+so the ``copy_`` back becomes a no-op (:func:`_inplace_plan`); the charged kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -370,6 +372,91 @@ def _cpu(x: Any, env: dict[fx.Node, Any]) -> Any:
     return x
 
 
+def _inplace_plan(r: ForeachRegion) -> tuple[dict[fx.Node, Any], tuple[fx.Node, ...]]:
+    """Which foreach ops of ``r`` may run as their in-place overload on the CPU values, with the
+    same values: ``{op node: in-place overload}`` and the region inputs they write (which
+    :func:`_distinct` checks share memory with no other input).
+
+    ``_foreach_X(a, ...)`` may write its result into ``a`` when nothing reads ``a[i]``'s memory
+    after the op but the op's own result: ``a[i]`` a temporary (a functional op's fresh result,
+    or an in-place result on one), or an input the region stores into at the end (its ``copy_``),
+    read by nothing but that ``copy_``. A ``copy_`` whose source is by then its destination does
+    nothing (:meth:`ForeachKernel.__call__`). The in-place overload runs the same CPU kernel per
+    tensor as the functional one (the foreach ops on CPU loop over the tensors), so the values are
+    bit for bit the same; it saves an allocation per tensor per op and the pass of each ``copy_``
+    it makes redundant. Inductor's foreach kernel stores in place the same way."""
+    order = {n: i for i, n in enumerate(r.nodes)}
+    members = set(r.nodes)
+    outputs = set(r.outputs)
+    stored = {c.args[0] for c in r.nodes if c.target is aten.copy_.default}
+    root: dict[fx.Node, fx.Node] = {}  # a value -> the value that owns its memory
+    group: dict[fx.Node, list[fx.Node]] = {}  # an owner -> the values sharing its memory so far
+    ops: dict[fx.Node, Any] = {}
+    written: list[fx.Node] = []
+
+    def owner(x: fx.Node) -> fx.Node:
+        return root.get(x, x)
+
+    def read_after(x: fx.Node, n: fx.Node) -> bool:
+        """Is the memory of ``x`` read after ``n`` (but by a copy_ storing into the input it is)?"""
+        own = owner(x)
+        for y in group.get(own, [own]):
+            for u in y.users:
+                if u is n or order.get(u, len(order)) < order[n]:
+                    continue
+                if not (u.target is aten.copy_.default and u.args[0] is y and y is own and y not in members):
+                    return True
+        return False
+
+    for n in r.nodes:
+        if n.target is operator.getitem:
+            src = n.args[0]
+            if src in ops:  # an in-place op's result is its first list's tensor
+                root[n] = owner(src.args[0][n.args[1]])
+            group.setdefault(owner(n), []).append(n)
+            continue
+        if n.target not in FOREACH:
+            continue
+        inplace = _inplace_of(n)
+        getitems = [u for u in n.users if u.target is operator.getitem]
+        selfs = n.args[0] if n.args and isinstance(n.args[0], (list, tuple)) else ()
+        ok = bool(inplace is not None and selfs and all(isinstance(x, fx.Node) for x in selfs)
+                  and not any(u in outputs for u in getitems) and len(n.users) == len(getitems))
+        if ok:
+            res = node_value(n)
+            for i, x in enumerate(selfs):
+                v, own = node_value(x), owner(x)
+                fresh = own in members and own.target is operator.getitem  # a functional op's result
+                if (v.shape != res[i].shape or v.dtype != res[i].dtype or not (fresh or (own not in members and own in stored))
+                        or any(owner(y) is own and j != i for a in n.args if isinstance(a, (list, tuple))
+                               for j, y in enumerate(a) if isinstance(y, fx.Node))
+                        or read_after(x, n)):
+                    ok = False
+                    break
+        if ok:
+            ops[n] = inplace
+            written.extend(owner(x) for x in selfs if owner(x) not in members)
+    return ops, tuple(written)
+
+
+def _inplace_of(n: fx.Node) -> Any:
+    packet = getattr(aten, n.target.overloadpacket.__name__ + "_", None)
+    return getattr(packet, n.target._overloadname, None) if packet is not None else None
+
+
+def _distinct(env: dict[fx.Node, Any], written: tuple[fx.Node, ...]) -> bool:
+    """No tensor an in-place op writes shares memory with another input of the region (then the
+    writes would reach a tensor the graph reads as it was: run the functional ops instead)."""
+    if not written:
+        return True
+    seen: dict[int, int] = {}
+    for t in env.values():
+        if isinstance(t, torch.Tensor):
+            p = t.untyped_storage().data_ptr()
+            seen[p] = seen.get(p, 0) + 1
+    return all(seen[env[x].untyped_storage().data_ptr()] == 1 for x in written)
+
+
 def _meta(v: Any) -> torch.Tensor:
     return torch.empty(v.shape, dtype=v.dtype, device="meta")
 
@@ -390,6 +477,8 @@ class ForeachKernel:
         self.label = "compiled:foreach:" + "+".join(dict.fromkeys(nm.removeprefix("_foreach_") for nm in names))
         self.index = index
         self.plan: tuple[list[tuple[str, Any]], KernelSpec | None] | None = None
+        self.in_place: tuple[dict[fx.Node, Any], tuple[fx.Node, ...]] | None = None  # _inplace_plan's
+        self.copies = 0  # the copy_ stores the last call made (the others were made by in-place ops)
         self.__name__ = f"foreach_region{index}"
 
     def __repr__(self) -> str:
@@ -399,13 +488,27 @@ class ForeachKernel:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
         env: dict[fx.Node, Any] = {n: (memory.cpu_view(a) if values.is_neuron(a) else a)
                                    for n, a in zip(self.inputs, args)}
+        if self.in_place is None:
+            self.in_place = _inplace_plan(self.region)
+        ops = self.in_place[0] if _distinct(env, self.in_place[1]) else {}
+        self.copies = 0
         for n in self.nodes:
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
             elif n.target is aten.copy_.default:
-                env[n] = env[n.args[0]].copy_(env[n.args[1]])  # the kernel's in-place store
+                # the kernel's in-place store; already made by an in-place op (the same tensor)
+                dst, src = env[n.args[0]], env[n.args[1]]
+                if src is not dst:
+                    dst.copy_(src)
+                    self.copies += 1
+                env[n] = dst
             else:
-                env[n] = n.target(*_cpu(n.args, env), **{k: _cpu(v, env) for k, v in n.kwargs.items()})
+                a, kw = _cpu(n.args, env), {k: _cpu(v, env) for k, v in n.kwargs.items()}
+                if n in ops:
+                    ops[n](*a, **kw)  # an in-place foreach op returns nothing: its result is its first list
+                    env[n] = a[0]
+                else:
+                    env[n] = n.target(*a, **kw)
         outs = tuple(memory.relabel(env[n].contiguous(), device) for n in self.outputs)
         if self.plan is None:
             self.plan = self._plan()

@@ -456,6 +456,20 @@ def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> to
     return fallback(op, self.float(), bins, min, max).to(self.dtype)
 
 
+def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, use_fast_accum: bool = False, **out: Any) -> torch.Tensor:
+    """``torch._scaled_mm`` (and its out= form) with the bias's values: CPU's kernel reads the bias
+    as if it were contiguous whatever its strides, so an expanded bias (stride 0, one element of
+    storage) added the memory past its storage (found by difftest's long run: other values on
+    each process, the device's as wrong as CPU's). A bias that is not contiguous is made so first
+    (one copy, charged as one)."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    op = torch.ops.aten._scaled_mm.out if out else torch.ops.aten._scaled_mm.default
+    return fallback(op, self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, **out)
+
+
 def host_kernel(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An explicit neuron kernel whose values ``fn`` computes from CPU views of its arguments
     (tensors on one device); the results are relabelled and the call is charged as op ``name``."""
@@ -547,7 +561,9 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
         # inf or NaN there does not reach the result (bfloat16/float16 and baddbmm multiply it by
         # 0 and do). The result is beta * self, or zeros when beta == 0 (found by difftest)
         rows = (a.shape[0], b.shape[1])
-        res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else (c if beta == 1 else c * beta).expand(rows).clone()
+        # (a new contiguous result, as CPU's: a transposed self's strides are not kept; found by difftest)
+        res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else \
+            torch.empty(rows, dtype=a.dtype).copy_((c if beta == 1 else c * beta).expand(rows))
     elif tensore.on_datapath(a, b) and c.dtype == a.dtype:
         res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
@@ -631,41 +647,32 @@ def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out
                   lambda: lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed))
 
 
-def _conv_memory_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format | None:
-    """The output layout CPU's convolution picks: channels-last when the input or the weight is
-    (``suggest_memory_format``), contiguous otherwise."""
-    if x.dim() == 4:
-        cl = torch.channels_last
-    elif x.dim() == 5:
-        cl = torch.channels_last_3d
-    else:
-        return None
-    if any(t.is_contiguous(memory_format=cl) and not t.is_contiguous() for t in (x, w)):
-        return cl
-    return torch.contiguous_format
+# a convolution's metadata -> CPU's output strides (CPU takes it) or (exception type, message): CPU's
+# checks and layout
+_conv_checked: dict[tuple[Any, ...], tuple[int, ...] | tuple[type, str]] = {}
 
 
-# a convolution's metadata -> None (CPU takes it) or (exception type, message): CPU's checks
-_conv_checked: dict[tuple[Any, ...], tuple[type, str] | None] = {}
-
-
-def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> None:
+def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> tuple[int, ...]:
     """Raise what CPU's convolution raises for these arguments (channels that do not match the
     weight, a bias of the wrong size, strides or paddings of the wrong length, ...), where the
-    datapath's im2col would compute something. CPU's own checks are the reference and no meta
-    kernel makes all of them, so the first call of each signature runs CPU's convolution on the
-    same host views (its result is dropped); later calls look the verdict up."""
+    datapath's im2col would compute something; else return the strides of CPU's output. CPU's own
+    checks are the reference and no meta kernel makes all of them, so the first call of each
+    signature runs CPU's convolution on the same host views (its values are dropped); later calls
+    look the verdict up. The output layout is CPU's too: which memory format it picks depends on
+    the backend CPU's convolution selects (the slow 2-d kernel asks ``suggest_memory_format``,
+    oneDNN also takes a tensor that is channels-last contiguous only through its size-1
+    dimensions, 3-d inputs differ again), so it is read off CPU's result rather than re-derived."""
     key = (tuple((t.shape, t.stride(), t.dtype) for t in (x, w, b) if t is not None), b is None, _signature(params))
-    verdict = _conv_checked.get(key, False)
-    if verdict is False:
+    verdict = _conv_checked.get(key)
+    if verdict is None:
         try:
-            torch.ops.aten.convolution.default(x, w, b, *params)
-            verdict = None
+            verdict = tuple(torch.ops.aten.convolution.default(x, w, b, *params).stride())
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             verdict = (type(e), str(e))
         _conv_checked[key] = verdict
-    if verdict is not None:
+    if verdict and isinstance(verdict[0], type):
         raise verdict[0](verdict[1])
+    return verdict  # type: ignore[return-value]
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -682,7 +689,7 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     index = input.device.index or 0
     x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
-    _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
+    strides = _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
     # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
     # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
     # are not all finite take CPU's convolution for their values
@@ -695,9 +702,8 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     else:
         res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, dilation, transposed, output_padding,
                                                  groups)
-    fmt = _conv_memory_format(x, w)
-    if fmt is not None and not res.is_contiguous(memory_format=fmt):
-        res = res.contiguous(memory_format=fmt)
+    if res.stride() != strides:  # (the datapath's result is contiguous; CPU's may be channels-last)
+        res = torch.empty_strided(res.shape, strides, dtype=res.dtype).copy_(res)
     _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)
     return memory.relabel(res, index)
 

@@ -238,7 +238,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool, scale: float | None, groups: int, flash: bool) -> torch.Tensor:
         index = q.device.index or 0
-        out, p, sc = forward_values(q, k, v, attn_mask, is_causal, scale, groups)
+        out, p, sc = forward_values(q, k, v, attn_mask, is_causal, scale, groups, flash)
         laid = cpu_layout(q, out, flash)
         if laid is not None:  # the kernel writes its output in the layout CPU's has
             out = torch.empty_strided(out.shape, laid, dtype=out.dtype).copy_(out)
@@ -259,26 +259,96 @@ class _Attention(torch.autograd.Function):
 
 
 def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                   is_causal: bool, scale: float | None, groups: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The forward's values from neuron tensors: (out, P, scale) as CPU tensors (P in fp32)."""
+                   is_causal: bool, scale: float | None, groups: int, flash: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The forward's values from neuron tensors: (out, P, scale) as CPU tensors (P in fp32).
+
+    The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
+    flash kernel, else its math path), which differ where a score is NaN or infinite: see
+    :func:`masked_scores`."""
     cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
     l, e = q.shape[-2:]
     s = k.shape[-2]
     sc = scale if scale is not None else 1.0 / math.sqrt(e)
     scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
-    scores.mul_(sc)
-    if is_causal:
-        scores.add_(_causal_bias(l, s))
-    if attn_mask is not None:  # with is_causal too: CPU's fused kernel applies both
-        m = memory.cpu_view(attn_mask)
-        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
+    mask = None if attn_mask is None else memory.cpu_view(attn_mask)
+    scores = masked_scores(scores, mask, is_causal, sc, flash)
     p = torch.softmax(scores, -1)
-    if attn_mask is not None:  # a row that sees no key is zeros, as CPU's fused kernel writes it
+    if attn_mask is not None or is_causal:  # a row that sees no key is zeros, as CPU's kernels write it
         dead = scores.amax(-1, keepdim=True) == -math.inf
         if dead.any():
             p.masked_fill_(dead, 0.0)
     out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
     return out, p, sc
+
+
+KV_SPLIT = 512  # CPU's flash kernel's key block (kvSplitSize)
+
+
+def _q_split(l: int) -> int:
+    """CPU's flash kernel's query block (qSplitSize) for ``l`` queries."""
+    return 256 if l >= 768 else 64 if l >= 192 else 32
+
+
+def _skipped(l: int, s: int, device: Any = None) -> torch.Tensor:
+    """[l, s]: True at the keys CPU's causal flash kernel never computes for a query: those of
+    key blocks that start past the query block's last query (no mask is added there)."""
+    qs = min(_q_split(l), l)
+    rows = torch.arange(l, device=device)
+    num_keys = torch.clamp((rows // qs) * qs + qs, max=s)  # min(m + qBlockSize, kvSize)
+    starts = (torch.arange(s, device=device) // KV_SPLIT) * KV_SPLIT
+    return starts.unsqueeze(0) >= num_keys.unsqueeze(1)
+
+
+def masked_scores(raw: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, sc: float, flash: bool
+                  ) -> torch.Tensor:
+    """The scores softmax reads, from ``raw`` = Q Kᵀ in fp32 (written in place where it can be),
+    as CPU computes them. Both of CPU's kernels add the mask (a boolean mask as 0/-inf, so a NaN
+    or +inf score where it is False stays NaN); they differ on ``is_causal``:
+
+    * flash (``cpu_flash_attention``): the causal -inf is written over the scores above the
+      diagonal (a NaN or inf there is gone) before they are scaled (a scale of 0 makes it NaN),
+      then the mask is added; key blocks (of :data:`KV_SPLIT`) past a query block's last query
+      are never computed (-inf, unscaled, no mask);
+    * math (``_scaled_dot_product_attention_math``): the scaled scores plus the causal mask as
+      0/-inf (a NaN above the diagonal stays NaN); it refuses a mask with ``is_causal``.
+    """
+    l, s = raw.shape[-2:]
+    if is_causal and flash:
+        raw.masked_fill_(torch.ones(l, s, dtype=torch.bool, device=raw.device).triu_(1), -math.inf)
+    raw.mul_(sc)
+    if is_causal and not flash:
+        raw.add_(_causal_bias(l, s).to(raw.device))
+    if mask is not None:
+        raw = raw + additive(mask, raw.dtype)
+    if is_causal and flash and s > KV_SPLIT:  # never computed: not scaled, no mask added
+        raw.masked_fill_(_skipped(l, s, raw.device), -math.inf)
+    return raw
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask as the scores take it: a boolean one as 0 where True and -inf where False (CPU's
+    ``convert_boolean_attn_mask``), a float one as its values in ``dtype``."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), -math.inf)
+    return mask.to(dtype)
+
+
+def flash_decomposed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """CPU's flash kernel's arithmetic op by op on the device, for the calls CPU computes with it
+    that the library kernel does not take (queries and keys of different lengths, head dims over
+    128, ...): PyTorch's math path, which they ran before, scales Q and K instead of the scores,
+    adds the causal mask instead of writing it (:func:`masked_scores`), so a NaN or inf key above
+    the diagonal made whole rows NaN where CPU gives numbers."""
+    hq, hk = q.shape[-3], k.shape[-3]
+    if enable_gqa and hk != hq:
+        k, v = k.repeat_interleave(hq // hk, dim=-3), v.repeat_interleave(hq // hk, dim=-3)
+    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    raw = torch.matmul(q.float(), k.float().transpose(-2, -1))
+    scores = masked_scores(raw, mask, is_causal, sc, True)
+    p = torch.ops.aten._safe_softmax(scores, -1)  # (a row that sees no key: zeros, its gradient too)
+    return torch.matmul(p.to(q.dtype), v)
 
 
 def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,
@@ -333,8 +403,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
     flash = check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
-        mask, causal = additive_mask(query, key, attn_mask, is_causal)
-        out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+        if flash and dropout_p == 0.0:
+            out = flash_decomposed(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        else:
+            mask, causal = additive_mask(query, key, attn_mask, is_causal)
+            out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale,
+                                   enable_gqa=enable_gqa)[0]
         laid = cpu_layout(query, out, flash)
         # (op by op, the math path's result is a matmul's, contiguous: one more copy lays it out as CPU's)
         return out if laid is None else torch.empty_strided(out.shape, laid, dtype=out.dtype,

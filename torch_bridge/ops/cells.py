@@ -115,6 +115,9 @@ def _histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> t
         lo, hi = lo - 1, hi + 1
     if lo > hi:
         raise RuntimeError(f"torch.histc: max must be larger than min, but got min {lo} max {hi}")
+    if (hi - lo) * bins >= 2 ** 63:  # (x - lo) * bins would wrap in int64 (found by difftest: a range up to
+        # int64's max binned every value into the last bin but one): binned as numbers, in float64
+        return torch.histc(x.double(), bins, lo, hi).to(self.dtype)
     x = x[(x >= lo) & (x <= hi)]
     idx = ((x - lo) * bins).div((hi - lo), rounding_mode="floor").clamp_(max=bins - 1)
     return torch.bincount(idx, minlength=bins).to(self.dtype)
