@@ -48,6 +48,8 @@ SUBPROCESS = {
 # of CPU and its module keeps faster tests in the inner loop (CI runs them all). Chosen from
 # ``pytest -m "not slow and not subprocess" --durations=120``; a test id or its prefix.
 SLOW_TESTS = (
+    # two tiny Llama training estimates (~7 s; the hand-worked async timeline stays in the loop)
+    "torch/test_async_collectives.py::test_nxd_async_linear_overlaps_the_sequence_parallel_collectives_in_a_step",
     # three 64-rank two-instance all-reduces on 1-8 channels (the channel counts stay in the loop)
     "collectives/test_collective_algorithms.py::test_more_channels_cost_the_cc_core_more_issues",
     # the testers' whole op sample (flex_attention's formulas stay)

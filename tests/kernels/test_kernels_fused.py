@@ -41,3 +41,38 @@ def test_matmul_epilogue_must_be_elementwise():
     prog = Program(((FULL, "fp32"), (ROW, "fp32")), (("red", "add", 0),), ((2, "fp32"),))
     with pytest.raises(KernelError, match=r"^matmul_fused: a matmul epilogue must be elementwise"):
         build_matmul_fused(128, 128, 128, "fp32", "trn2", program=prog)
+
+
+@pytest.mark.parametrize("config", ["trn1", "trn2"])
+def test_a_causal_masked_softmax_matches_numpy_and_torch(config):
+    """NxD's CoreAttention's scale, causal mask and softmax as one region: the mask made by
+    GpSimd's affine_select from the indices (2 heads of 512 queries x 512 keys: row tiles of 128
+    partitions, a row each, sit inside one head's period; at LNC=2 the rows split at the head
+    boundary)."""
+    import numpy as np
+    import torch
+
+    from trnsim import Chip
+    from trnsim.kernels.fused import reference
+
+    heads, q, k = 2, 512, 512
+    steps = (("ts", 0, "multiply", 0.125, None, None, False), ("causal", 1, -10000.0, q, 1),
+             ("red", "max", 2), ("tt", "subtract", 2, 3), ("act", "exp", 4, 1.0, 0.0), ("red", "add", 5),
+             ("tt", "divide", 5, 6))
+    prog = Program(((FULL, "fp32"),), steps, ((7, "fp32"),))
+    out = check_entry(get_kernel("fused"), (heads * q, k), "fp32", config, {"program": prog})
+    assert out["ok"], out["errors"]
+    x = np.random.default_rng(0).standard_normal((heads * q, k)).astype(np.float32)
+    mask = torch.ones(1, 1, q, k, dtype=torch.bool).triu(1)
+    want = torch.softmax(torch.from_numpy(x).view(1, heads, q, k).mul(0.125).masked_fill(mask, -10000.0), -1)
+    (ref,) = reference(prog, [x], heads * q, k)
+    assert np.allclose(ref, want.reshape(heads * q, k).numpy(), rtol=1e-5, atol=1e-6)
+    kern = build_fused(heads * q, k, "fp32", config, program=prog)
+    res = Chip(config).run(kern, {"in0": x})
+    assert np.allclose(res.outputs["out0"], ref, rtol=1e-3, atol=1e-5)
+
+
+def test_a_causal_step_across_a_period_inside_one_row_tile_is_refused():
+    prog = Program(((FULL, "fp32"),), (("causal", 0, 0.0, 100, 1), ("tt", "add", 0, 1)), ((2, "fp32"),))
+    with pytest.raises(KernelError, match=r"^fused: a causal step needs row tiles inside one period of the mask"):
+        build_fused(400, 2048, "fp32", "trn2", program=prog)

@@ -64,6 +64,21 @@ def test_recomputation_keeps_the_bytes_worked_by_hand(cache, sp, recompute, expe
     assert _per_layer(cache, sp=sp, recompute=recompute) / 2 == expected
 
 
+def test_core_attention_keeps_its_scores_unless_recomputed(cache):
+    """NxD's CoreAttention (SDK 2.15's Llama-2 example; 4 local heads of T x T scores at TP=2)
+    keeps, per layer, the fp32 softmax (4 T T 4 = 65,536; the causal mask, one per run, is not a
+    layer's), the bf16 probabilities the value matmul reads (32,768) and the key and
+    value heads repeated to the 4 query heads the two matmuls read (2 x 4 T 32 2 = 32,768, where
+    the recomputed one keeps the one local KV head's, 2 x T 32 2 = 8,192); recomputing it
+    (``--recompute attention``, with the example's activation-multiply: SiLU's output, T 256 2 =
+    32,768) keeps only its inputs - what the checkpointed flash kernel keeps."""
+    core = _per_layer(cache, attention="core", recompute="none")
+    again = _per_layer(cache, attention="core", recompute="attention")
+    kv = 2 * 4 * T * 32 * 2 - 2 * T * 32 * 2
+    assert (core - again) / 2 == 4 * T * T * 4 + 4 * T * T * 2 + kv + T * 256 * 2
+    assert again == _per_layer(cache, attention="flash", recompute="attention")
+
+
 def test_vocab_parallel_loss_keeps_the_local_softmax_only(cache):
     """Gathered: the loss's fp32 log-softmax over the whole vocabulary (T V 4) stays for the
     backward; vocab-parallel: the fp32 softmax over the rank's V / tp (T V / 2 4). The gathered
@@ -110,8 +125,12 @@ def test_a_stage_whose_in_flight_activations_do_not_fit_is_an_oom(cache):
 
 
 def test_recipe_errors_are_one_line():
-    with pytest.raises(RecipeError, match=r"^--recompute 'some': expected one of none, selective, full$"):
+    with pytest.raises(RecipeError, match=r"^--recompute 'some': expected one of none, selective, attention, full$"):
         Recipe(recompute="some").check()
+    with pytest.raises(RecipeError, match=r"^--attention 'sdpa': expected one of flash, core$"):
+        Recipe(attention="sdpa").check()
+    with pytest.raises(RecipeError, match=r"^tp_overlap 1: expected true or false$"):
+        Recipe(tp_overlap=1).check()
     with pytest.raises(RecipeError, match=r"^recipe key 'zero': expected one of "):
         Recipe.of({"zero": 1})
     with pytest.raises(RecipeError, match=r"^--virtual-stages 2: only the interleaved schedule"):
@@ -217,7 +236,7 @@ def test_shipped_plans_load_and_name_their_source():
 @pytest.mark.parametrize("text,message", [
     ("model: x\nfoo: 1\n", "unknown key 'foo': expected one of about, source, model"),
     ("model: x\ntp: 0\n", "tp: expected a positive whole number, got 0"),
-    ("model: x\nrecipe: {recompute: most}\n", "recipe: --recompute 'most': expected one of none, selective, full"),
+    ("model: x\nrecipe: {recompute: most}\n", "recipe: --recompute 'most': expected one of none, selective, attention, full"),
     ("tp: 2\n", "model: expected a model name or config.json path"),
 ])
 def test_bad_plan_files_are_one_line(tmp_path, capsys, text, message):

@@ -295,6 +295,22 @@ def _view(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
     return val(n.args[0])
 
 
+@_reg(aten.masked_fill.Scalar)
+def _masked_fill(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
+    # only a causal mask (a node marked meta["causal"] = d: torch.triu(ones, d) over the last two
+    # dims, broadcast over the leading ones): GpSimd makes it from the indices, it is never loaded
+    x, mask, value = n.args[0], n.args[1], n.args[2]
+    diag, m, out = _causal(mask), node_value(mask), node_value(n)
+    if diag is None or m.dim() < 2 or out.dim() < 2 or tuple(m.shape[-2:]) != tuple(out.shape[-2:]) or \
+            any(d != 1 for d in m.shape[:-2]):
+        raise Unfusable("masked_fill by a mask that is not a causal one")
+    return b.add("causal", val(x), scalar_arg(value), int(out.shape[-2]), int(diag))
+
+
+def _causal(x: Any) -> int | None:
+    return x.meta.get("causal") if isinstance(x, fx.Node) else None
+
+
 @_reg(aten._to_copy.default)
 def _to_copy(b: Builder, n: fx.Node, val: Callable[[Any], Any]) -> int:
     src, out = node_value(n.args[0]), node_value(n)
@@ -434,7 +450,7 @@ class Region:
                 outside.append(head.args[0])
         for n in self.nodes:
             for a in n.all_input_nodes:
-                if a not in members and a not in outside:
+                if a not in members and a not in outside and _causal(a) is None:  # a causal mask is not read
                     outside.append(a)
         for a in outside:
             b.input(a)
@@ -534,7 +550,8 @@ def _fusable(n: fx.Node) -> tuple[str, str] | None:
         return _fusable(src) if isinstance(src, fx.Node) else None
     if n.target not in STEPS:
         return None
-    tensors = [node_value(a) for a in n.all_input_nodes]
+    tensors = [node_value(a) for a in n.all_input_nodes if not (n.target is aten.masked_fill.Scalar
+                                                                 and _causal(a) is not None)]
     out = node_value(n)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     allv = [t for t in tensors + outs if isinstance(t, torch.Tensor)]

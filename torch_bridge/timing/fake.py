@@ -250,6 +250,8 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         target = self.run.target
         kind = facts.kind
         fuser = self.run.fuser
+        if self.run._awaiting and neuron and not facts.is_view and kind not in ("host", "alloc", "direct"):
+            self.run.await_reads(neuron)  # an asynchronous collective's result read here: wait for it
         if facts.is_view or kind == "host":
             self.run.host_op(facts.name)
             out = self._call(func, facts, args, kwargs)
@@ -534,6 +536,9 @@ class TimingOnly:
         self._thread: int | None = None  # the thread that entered the run
         self._oom: torch.OutOfMemoryError | None = None  # an OOM on another thread, raised on this one
         self.fuser: Any = None  # a torch_bridge.fuse_regions.Fuser: elementwise ops lowered as compiled regions
+        # asynchronous collectives not yet waited on: their results' storages -> (weak ref, core, end tick);
+        # the first op that reads one waits for the collective's end (collective(result=...))
+        self._awaiting: dict[int, tuple[StorageWeakRef, int, int]] = {}
 
     @property
     def target(self) -> Target:
@@ -600,10 +605,14 @@ class TimingOnly:
             if t.tape is not None:
                 t.tape.append(("sync", core))
 
-    def collective(self, core: int, op: str, cost: OpCost, early: bool = False) -> None:
+    def collective(self, core: int, op: str, cost: OpCost, early: bool = False, result: Any = None) -> None:
         """A collective on ``core``'s collective stream: it starts when the compute issued before
         it is done (``early``: as soon as the collective stream is free, its data being ready
-        long before, a prefetch), and the compute issued after it waits for its result."""
+        long before, a prefetch), and the compute issued after it waits for its result - or,
+        given the ``result`` tensor(s) it writes (an asynchronous collective: issued, waited on
+        at the first read, as a compiled graph schedules a collective by its data), only the
+        first op that reads one of them waits; the compute between runs beside it, sharing the
+        core's DMA. A run recording a tape (a replay) waits at once."""
         self._flush()
         t = self.target
         if t.charge:
@@ -611,9 +620,33 @@ class TimingOnly:
 
             dev = t.device
             _, end = dev.launch_collective(core, op, cost, after=COLLECTIVE_STREAM if early else None)
-            dev.stream_wait(core, dev.cores[core].current_stream, end)
+            outs = [r for r in flat_tensors(result, []) if r.device.type == _NEURON] if result is not None else []
+            if outs and t.tape is None:
+                if len(self._awaiting) > 64:  # results dropped unread: forget them
+                    self._awaiting = {k: v for k, v in self._awaiting.items() if not v[0].expired()}
+                for r in outs:
+                    ref = StorageWeakRef(r.untyped_storage())
+                    self._awaiting[ref.cdata] = (ref, core, end)
+            else:
+                dev.stream_wait(core, dev.cores[core].current_stream, end)
             if t.tape is not None:
                 t.tape.append(("collective", core, op, cost, early))
+
+    def await_reads(self, tensors: Any) -> None:
+        """Before an op reading ``tensors`` runs: for each one an asynchronous collective writes
+        and has not been waited on, the core's current stream waits for the collective's end
+        (the region being fused is launched first: it was issued before the wait)."""
+        if not self._awaiting:
+            return
+        for x in tensors:
+            if not isinstance(x, torch.Tensor) or x.device.type != _NEURON:
+                continue
+            hit = self._awaiting.pop(StorageWeakRef(x.untyped_storage()).cdata, None)
+            if hit is None or hit[0].expired():
+                continue
+            self._flush()
+            dev = self.target.device
+            dev.stream_wait(hit[1], dev.cores[hit[1]].current_stream, hit[2])
 
     def replay(self, tape: list[tuple[Any, ...]]) -> None:
         """Issue a recorded tape's device interactions again, in order."""
@@ -638,6 +671,7 @@ class TimingOnly:
         if not all(is_neuron(t) for t in (q, k, v)):
             return None
         flash = check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        self.await_reads((q, k, v, mask))
         dropout = float(dropout_p) if self.target.attention_dropout else 0.0
         if not takes_meta(q, k, v, mask, dropout_p - dropout, enable_gqa):
             return None

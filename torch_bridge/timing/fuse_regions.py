@@ -81,6 +81,9 @@ class Fuser:
                 return hit[0]
             node = self.graph.placeholder(f"in{len(self.graph.nodes)}")
             node.meta["val"] = self._standin(x)
+            causal = getattr(x, "_trnsim_causal", None)
+            if causal is not None:  # torch.triu(ones, d): a region makes it from the indices (compile.fusion)
+                node.meta["causal"] = causal
             self.env[id(x)] = (node, weakref.ref(x))
             return node
         if isinstance(x, (list, tuple)):

@@ -23,6 +23,7 @@ experts implementations an estimate runs them with.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -36,6 +37,7 @@ __all__ = ["from_config", "hf_config", "kv_cache", "KVCache", "register", "neuro
            "quiet", "ATTENTION"]
 
 ATTENTION = "neuron"
+CORE_ATTENTION = "neuron-core"  # NxD's CoreAttention: the scores, softmax and probabilities op by op
 _registered: list[bool] = []
 
 
@@ -47,6 +49,7 @@ def register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     AttentionInterface.register(ATTENTION, neuron_attention)
+    AttentionInterface.register(CORE_ATTENTION, core_attention)
     ExpertsInterface.register(ATTENTION, neuron_experts)
     _registered.append(True)
 
@@ -56,6 +59,16 @@ def neuron_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Causal attention as one fused op ([B, H, L, D] in; [B, L, H, D] out, as transformers'
     attention functions return it)."""
+    if getattr(module, "_trnsim_recompute_core", False) and torch.is_grad_enabled():
+        from .checkpointing import checkpointed  # recomputed in the backward (see core_attention)
+
+        return checkpointed(_neuron_attention)(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+    return _neuron_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+
+
+def _neuron_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                      is_causal: bool | None) -> tuple[torch.Tensor, None]:
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = attention_mask is None and q_len > 1 and (is_causal if is_causal is not None
                                                        else getattr(module, "is_causal", True))
@@ -66,6 +79,62 @@ def neuron_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention as NxD's training examples of 2023 ran it (``CoreAttention`` in
+    neuronx-distributed's Llama-2 example, SDK 2.15-2.16): ``q k^T / sqrt(d)``, the causal mask
+    filled in (-10000), the softmax in fp32 cast back, the probabilities times ``v`` - each its own
+    op, the scores and probabilities in HBM. A module marked ``_trnsim_recompute_core`` runs it
+    under non-reentrant checkpointing (NxD's ``activation_checkpoint_config=CoreAttention``): its
+    backward recomputes it and nothing of it is kept but its inputs."""
+    if getattr(module, "_trnsim_recompute_core", False) and torch.is_grad_enabled():
+        from .checkpointing import checkpointed
+
+        return checkpointed(_core_attention)(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+    return _core_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+
+
+_MASKS: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _causal_mask(q_len: int, kv_len: int, device: Any) -> torch.Tensor:
+    """The causal mask NxD's CoreAttention fills: ``torch.triu(ones, 1 + kv - q)``, made once per
+    run and shape (a constant of the compiled graph). Marked ``_trnsim_causal`` (its diagonal): a
+    fused region computes it from the indices (GpSimd's affine_select) instead of reading it."""
+    from .fake import active
+
+    run = active()
+    cache = _MASKS.setdefault(run, {}) if run is not None else {}
+    key = (q_len, kv_len, str(device))
+    mask = cache.get(key)
+    if mask is None:
+        diag = 1 + kv_len - q_len
+        mask = torch.ones((1, 1, q_len, kv_len), dtype=torch.bool, device=device).triu(diag)
+        mask._trnsim_causal = diag
+        cache[key] = mask
+    return mask
+
+
+def _core_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                    is_causal: bool | None) -> tuple[torch.Tensor, None]:
+    q_len, kv_len, groups = query.shape[2], key.shape[2], query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped KV heads: repeated to the query's, as NxD's example did (repeat_kv)
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    elif q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        scores = scores.masked_fill(_causal_mask(q_len, kv_len, query.device), -10000.0)
+    probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def neuron_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -68,6 +68,8 @@ class Comm:
         self.reports = {} if reports is None else reports
         self.costs: dict[tuple[Any, ...], Any] = {}  # a call's launch cost on this rank
         self.sp_active = False  # this forward runs sequence-parallel (set by the first layer's hook)
+        self.tp_overlap = False  # NxD's fused linears overlap their backward's collectives with its matmuls
+        self._shards: dict[int, tuple[Any, Any]] = {}  # a gathered sequence's storage -> (its weak ref, the shard's)
 
     @property
     def tp_group(self) -> list[int]:
@@ -86,9 +88,13 @@ class Comm:
                                                              self.plan.size, dtype=dtype)[0]
         return rep
 
-    def charge(self, collective: str, nbytes: int, group: list[int], dtype: str = "bf16", early: bool = False) -> None:
+    def charge(self, collective: str, nbytes: int, group: list[int], dtype: str = "bf16", early: bool = False,
+               result: Any = None) -> None:
         """Charge ``collective`` of ``nbytes`` (nccl-tests' S) over ``group`` on this rank's core:
-        it starts when the compute issued before it is done; the compute issued after it waits."""
+        it starts when the compute issued before it is done (``early``: once the collective
+        stream is free); the compute issued after it waits - or, with ``result`` (the tensor(s)
+        it writes), only the first op reading them (an asynchronous collective,
+        :meth:`TimingOnly.collective`)."""
         if len(group) < 2 or nbytes == 0:
             return
         from .fake import active
@@ -106,7 +112,7 @@ class Comm:
                 if cached is not None else \
                 self.device.collective_cost(simulate(), self.rank)
             self.costs[key] = cost
-        run.collective(self.core, collective.replace("-", "_"), cost, early)
+        run.collective(self.core, collective.replace("-", "_"), cost, early, result)
 
     # ---- autograd-aware collectives on timing-only tensors ------------------------------------
     def all_reduce(self, x: torch.Tensor, group: list[int] | None = None) -> torch.Tensor:
@@ -124,7 +130,24 @@ class Comm:
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The full sequence of a sequence-parallel activation (a block's input)."""
-        return self.all_gather(x, 1)
+        full = self.all_gather(x, 1)
+        import weakref
+
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(full.untyped_storage())
+        self._shards = {k: v for k, v in self._shards.items() if not v[0].expired()}
+        self._shards[ref.cdata] = (ref, weakref.ref(x))
+        return full
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor | None:
+        """The rank's shard that :meth:`gather_sequence` gathered into ``full`` (None: not one)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        hit = self._shards.get(StorageWeakRef(full.untyped_storage()).cdata)
+        if hit is None or hit[0].expired() or full.shape[1] % self.plan.tp:
+            return None
+        return hit[1]()
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -197,6 +220,57 @@ class _Scatter(torch.autograd.Function):
         out = _resized(g, ctx.dim, comm.plan.tp)
         comm.charge("all-gather", _nbytes(out), comm.tp_group, _dtype(g))
         return out, None, None
+
+
+class _AsyncLinear(torch.autograd.Function):
+    """A column-parallel linear as NxD's ``LinearWithAsyncCommunication`` runs it. Forward:
+    ``x W (+ b)``. Backward, in NxD's order: with sequence parallelism (``local``, the rank's
+    shard of the gathered ``x``, is what the forward keeps) the all-gather of ``local`` is issued
+    first and runs beside the input-gradient matmul ``g W^T``; that gradient's reduce-scatter
+    (the shard's gradient) is issued next and runs beside the weight-gradient matmul ``x^T g``,
+    which waits for the all-gather's result; without it the input gradient's all-reduce runs
+    beside the weight-gradient matmul. Each collective is asynchronous: the first op that reads
+    its result waits for it (:meth:`Comm.charge` with ``result``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
+                local: torch.Tensor | None) -> torch.Tensor:
+        ctx.comm, ctx.sp, ctx.shape, ctx.bias = comm, local is not None, x.shape, bias is not None
+        ctx.save_for_backward(local if local is not None else x, weight)
+        return sharded_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        kept, weight = ctx.saved_tensors
+        comm = ctx.comm
+        full = kept
+        if ctx.sp:  # the forward kept the shard: gather it again, beside the input-gradient matmul
+            full = kept.new_empty(ctx.shape)
+            comm.charge("all-gather", _nbytes(full), comm.tp_group, _dtype(kept), early=True, result=full)
+        grad_in = None
+        if ctx.needs_input_grad[4 if ctx.sp else 0]:
+            gi = torch.matmul(g, weight.t())
+            if ctx.sp:
+                grad_in = _resized(gi, 1, 1 / comm.plan.tp)
+                comm.charge("reduce-scatter", _nbytes(gi), comm.tp_group, _dtype(gi), result=grad_in)
+            else:
+                grad_in = gi
+                comm.charge("all-reduce", _nbytes(gi), comm.tp_group, _dtype(gi), result=gi)
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = torch.matmul(full.reshape(-1, full.shape[-1]).t(), g2) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        return (None, gw, gb, None, grad_in) if ctx.sp else (grad_in, gw, gb, None, None)
+
+
+def async_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> torch.Tensor:
+    """A column-parallel linear of ``x`` (the block's gathered sequence with sequence
+    parallelism, else the replicated input) whose backward overlaps its collectives with its
+    matmuls (:class:`_AsyncLinear`); the sequence-parallel gather's own backward is not run
+    (the linear reduce-scatters its input's gradient itself)."""
+    local = comm.shard_of(x) if comm.sp_active else None
+    if local is not None:
+        return _AsyncLinear.apply(x.detach(), weight, bias, comm, local)
+    return _AsyncLinear.apply(x, weight, bias, comm, None)
 
 
 # ---- sharded layers ------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def make_rank(role: Role, system: SystemConfig, plan: Plan, cache: CostCache,
 
 
 def stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: torch.dtype, last: bool,
-                 gather_logits: bool = True, then: Any = None) -> nn.Module:
+                 gather_logits: bool = True, then: Any = None, attention: str | None = None) -> nn.Module:
     """The stage's model: its decoder layers, the embedding on the first stage, the final norm
     and LM head on the last; sharded for the rank before its weights get storage (the LM head's
     logits all-gathered over the vocabulary unless ``gather_logits`` is False)."""
@@ -100,7 +100,7 @@ def stage_model(spec: ModelConfig, role: Role, plan: Plan, comm: Comm, dtype: to
         net = shard(net)
         return then(net) if then is not None else net  # more sharding (expert parallelism), still on meta
 
-    return models.from_config(spec, dtype, layers=hi - lo, head=last, shard=trim)
+    return models.from_config(spec, dtype, layers=hi - lo, head=last, shard=trim, attention=attention or models.ATTENTION)
 
 
 @contextlib.contextmanager

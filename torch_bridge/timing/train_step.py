@@ -34,6 +34,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from trnsim.workload.training import Recipe, RecipeError
 
+from .checkpointing import checkpointed as _checkpointed
+
 __all__ = ["vocab_parallel_cross_entropy", "apply_recompute", "sequence_parallel_saves", "OptimizerState"]
 
 
@@ -72,39 +74,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, comm: Any) -> torch.Tenso
 
 
 # ---- recomputation -----------------------------------------------------------------------------
-def _function_mode() -> Any:
-    """The timing-only run's function mode (fused attention) on this thread: the autograd engine's
-    thread, where a recompute runs, does not inherit it."""
-    from torch.overrides import _get_current_function_mode_stack
-
-    from .fake import FunctionMode, active
-
-    run = active()
-    if run is None or any(isinstance(m, FunctionMode) for m in _get_current_function_mode_stack()):
-        return contextlib.nullcontext()
-    return FunctionMode(run)
-
-
-def _checkpointed(fn: Any, comm: Any = None) -> Any:
-    """``fn`` under non-reentrant checkpointing; its recompute in the backward runs with the
-    sequence-parallel state ``comm`` had in the forward (the blocks gather their input again)."""
-    from torch.utils.checkpoint import checkpoint
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        sp = getattr(comm, "sp_active", False)
-
-        def again(*a: Any, **k: Any) -> Any:
-            with _function_mode():
-                if comm is None:
-                    return fn(*a, **k)
-                was, comm.sp_active = comm.sp_active, sp
-                try:
-                    return fn(*a, **k)
-                finally:
-                    comm.sp_active = was
-        return checkpoint(again, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-    return run
 
 
 def _act_mul(mlp: nn.Module) -> Any:
@@ -128,6 +97,13 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
     for layer in layers:
         for m in layer.modules():
             name = type(m).__name__
+            if mode == "attention":  # NxD's CoreAttention and the example's activation-multiply
+                if name.endswith("Attention") and hasattr(m, "o_proj"):
+                    m._trnsim_recompute_core = True
+                    found += 1
+                elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                    m.forward = _act_mul(m)
+                continue
             if name.endswith("RMSNorm") or name.endswith("LayerNorm") or isinstance(m, nn.LayerNorm):
                 m.forward = _checkpointed(m.forward)
                 found += 1
@@ -135,6 +111,9 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
                 m.forward = _act_mul(m)
                 found += 1
     if not found:
+        if mode == "attention":
+            raise RecipeError("--recompute attention: the model's layers have no attention module with an o_proj to "
+                              "recompute; use --recompute full or none")
         raise RecipeError("--recompute selective: the model's layers have no norms or gated MLP to recompute "
                           "(NxDT's module list); use --recompute full or none")
 
@@ -288,7 +267,11 @@ class _FusedProjection(nn.Module):
         if self._key is None or self._key() is not x or self._left == 0:
             import weakref
 
-            if self.column:
+            if self.column and self.comm.tp_overlap and self.comm.plan.tp > 1:
+                from .parallel import async_linear
+
+                y = async_linear(x, self.weight, self.bias, self.comm)  # NxD's async linear (its backward)
+            elif self.column:
                 from .parallel import sharded_linear
 
                 xin = x if (self.sp and self.comm.sp_active) else self.comm.copy_to_group(x)
@@ -464,6 +447,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
     out: dict[str, Any] = {"traces": []}
     dname = torch_dtype_name(dt)
     dp_group = plan.dp_group(role.rank)
+    comm.tp_overlap = recipe.tp_overlap
     with rank.run, models.quiet():
         if recipe.ep > 1 and plan.dp % recipe.ep:
             raise RecipeError(f"--ep {recipe.ep}: expert parallelism splits the data-parallel ranks; --dp {plan.dp} "
@@ -474,7 +458,8 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
             if recipe.fused_projections:
                 m = fuse_projections(m)
             return ep(m) if ep is not None else m
-        net = stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then)
+        net = stage_model(spec, role, plan, comm, dt, last, gather_logits=not vocab_parallel, then=then,
+                          attention=models.CORE_ATTENTION if recipe.attention == "core" else models.ATTENTION)
         net.train()
         params = [p for p in net.parameters() if p.requires_grad]
         base = getattr(net, net.base_model_prefix, net)
@@ -616,8 +601,12 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
         out.append("AdamW as one multi-tensor kernel over the rank's optimizer shard")
     else:
         out.append("one kernel per aten op (no cross-op fusion); AdamW op by op")
-    out.append("q/k/v and gate/up as one linear each (NxD's fused projections)" if recipe.fused_projections
-               else "q/k/v and gate/up as separate linears")
+    out.append(("q/k/v and gate/up as one linear each (NxD's fused projections)" +
+                ("; their backward as NxD's async linear: the sequence-parallel all-gather beside the input-gradient "
+                 "matmul, the input gradient's reduce-scatter (all-reduce without SP) beside the weight-gradient "
+                 "matmul, each waited on where its result is first read" if recipe.tp_overlap else
+                 "; their backward waits for each TP collective"))
+               if recipe.fused_projections else "q/k/v and gate/up as separate linears")
     out.append(("1F1B pipeline schedule" if recipe.schedule == "1f1b" else
                 f"interleaved 1F1B with {recipe.virtual_stages} chunks per pipeline rank (list-scheduled in Megatron's "
                 f"order)") + "; activations sent stage to stage with send/recv on the links")

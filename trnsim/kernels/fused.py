@@ -19,7 +19,11 @@ weight), ``col`` [rows] (broadcast over cols: a row's statistic) or ``scalar``. 
   that produced ``x`` when one did;
 * ``("csum", x)``: sum down the columns -> ``row`` (a bias gradient, a norm weight's gradient):
   ``ones[rows]ᵀ @ x`` on TensorE, accumulated in PSUM over every row tile;
-* ``("cast", x, dtype)``: round to ``dtype`` (an explicit ``.to()`` in the graph).
+* ``("cast", x, dtype)``: round to ``dtype`` (an explicit ``.to()`` in the graph);
+* ``("causal", x, fill, period, diag)``: ``fill`` where ``col - (row mod period) >= diag``, else
+  ``x`` - a causal mask (``masked_fill`` with ``torch.triu(ones, diag)``) made on GpSimd by
+  ``affine_select`` from the indices, never loaded (one row per partition, row tiles inside one
+  period).
 
 Intermediates stay in SBUF in fp32 (the engines compute in fp32); only outputs are rounded to
 their dtype. That is where a fused region's numbers can differ from eager: there each op rounds
@@ -244,7 +248,7 @@ def build_fused(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | 
                 rdst = col_pools[col_slot_of[rv]].tile((P, cw), tile_dtype(prog, kinds, phase, rv, out_of))[:p, :1]
                 tiles[rv] = rdst
                 red = (rdst, prog.steps[rj][1])
-            em.step(j, dst, tiles, p, g, c, c0, red)
+            em.step(j, dst, tiles, p, g, c, c0, red, r0=pc.r0)
             tiles[v] = dst
             for vv in (v, *((n_in + folded[j],) if j in folded else ())):
                 for o in out_of.get(vv, []):
@@ -523,11 +527,22 @@ def _tolerance(dtype: str) -> tuple[float, float]:
     return {1: (0.13, 0.13), 2: (2e-2, 2e-2)}.get(size, (1e-4, 1e-4))
 
 
+def _split_rows(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[tuple[int, ...]] | None:
+    """Rows cut between the physical cores; a program with a causal step only at whole periods
+    of its mask (each core's kernel numbers its rows from 0), else on one core."""
+    prog = params.get("program")
+    periods = [st[3] for st in prog.steps if st[0] == "causal"] if isinstance(prog, Program) else []
+    parts = split_dims(0)(shape, params, n)
+    if parts and any(p[0] % q for p in parts[:-1] for q in periods):
+        return None
+    return parts
+
+
 @register_kernel("fused", dims="ROWSxCOLS", dtypes=("fp32", "bf16", "fp16"), default_shape=(1024, 1024),
                  summary="a compiled region's ops as one kernel (a tile program: elementwise, row reductions, column "
                          "sums); --param pattern=" + "/".join(PATTERNS),
                  params={"pattern": "bias_gelu", "program": None, "bufs": 3}, inputs=_fused_inputs,
-                 reference=_fused_reference, tolerance=_tolerance, split=split_dims(0))
+                 reference=_fused_reference, tolerance=_tolerance, split=_split_rows)
 def _fused_entry(rows: int, cols: int, dtype: str = "fp32", config: ChipConfig | str = "trn2",
                  pattern: str = "bias_gelu", program: Program | None = None, bufs: int = 3) -> Kernel:
     prog = _program_of((rows, cols), dtype, {"pattern": pattern, "program": program})

@@ -47,7 +47,13 @@ class Program:
                 raise KernelError(f"fused: step {j} {st[0]} reads a value not yet defined")
             k = [kinds[a] for a in args]
             op = st[0]
-            if op in ("act", "ts", "cast"):
+            if op == "causal":
+                if k[0] != FULL or len(st) != 5 or isinstance(st[3], bool) or not isinstance(st[3], int) or \
+                        st[3] < 1 or isinstance(st[4], bool) or not isinstance(st[4], int):
+                    raise KernelError(f"fused: step {j}: causal takes a full value, a fill, a row period >= 1 "
+                                      f"and a whole diagonal")
+                kinds.append(FULL)
+            elif op in ("act", "ts", "cast"):
                 kinds.append(k[0])
                 if op == "act" and st[1] not in ACTIVATIONS:
                     raise KernelError(f"fused: step {j}: unknown activation {st[1]!r}")
@@ -128,6 +134,10 @@ def reference(program: Program, arrays: Sequence[np.ndarray], rows: int, cols: i
             vals.append(fn(vals[st[2]], axis=1, keepdims=True))
         elif op == "csum":
             vals.append(np.sum(vals[st[1]], axis=0, keepdims=True))
+        elif op == "causal":  # fill where col - (row mod period) >= diag (torch.triu(ones, diag)'s ones)
+            x, fill, period, diag = st[1:]
+            above = (np.arange(cols)[None, :] - (np.arange(rows) % period)[:, None]) >= diag
+            vals.append(np.where(above, np.float64(fill), vals[x]))
         else:  # cast
             vals.append(round_to(vals[st[1]], st[2]))
     outs = []
@@ -148,7 +158,8 @@ def _per_element(cfg: ChipConfig) -> dict[str, dict[str, float]]:
     v, s, g = (1e9 / cfg.engine_clocks[n] for n in ("Vector", "Scalar", "GpSimd"))
     return {"act": {"scalar": s}, "ts": {"vector": v, "gpsimd": g, "scalar": s},
             "cast": {"vector": v, "gpsimd": g, "scalar": s}, "tt": {"vector": 2 * v, "gpsimd": 2 * g},
-            "tts": {"vector": v, "gpsimd": g, "scalar": s}, "red": {"vector": v, "gpsimd": g}}
+            "tts": {"vector": v, "gpsimd": g, "scalar": s}, "red": {"vector": v, "gpsimd": g},
+            "causal": {"gpsimd": g}}  # affine_select: GpSimd only
 
 
 def assign_engines(kinds_of_step: Sequence[str], weights: Sequence[float], cfg: ChipConfig,
@@ -198,12 +209,28 @@ class Emitter:
         return t[:p].broadcast_to(p, g, c) if g > 1 else t[:p].broadcast_to(p, c)
 
     def step(self, j: int, dst: TileAP, tiles: dict[int, TileAP], p: int, g: int, c: int, c0: int,
-             reduce_into: tuple[TileAP, str] | None = None) -> None:
-        """Emit step ``j`` writing ``dst`` (already shaped for the step's kind)."""
+             reduce_into: tuple[TileAP, str] | None = None, r0: int | None = None) -> None:
+        """Emit step ``j`` writing ``dst`` (already shaped for the step's kind); ``r0``: the
+        tile's first row (a causal step needs it)."""
         kern, st, eng = self.kern, self.program.steps[j], self.engines[j]
         op = st[0]
         kind = self.kinds[len(self.program.inputs) + j]
-        if op == "act":
+        if op == "causal":
+            # GpSimd's affine_select keeps x where (row mod period) + diag - 1 - col >= 0: with the
+            # tile's rows inside one period, row mod period = r0 mod period + g partition + i (its
+            # i-th of g rows), and the predicate is affine in (partition, i, column)
+            x, fill, period, diag = st[1:]
+            if r0 is None or r0 % period + p * g > period:
+                raise KernelError("fused: a causal step needs row tiles inside one period of the mask")
+            off = r0 % period + diag - 1 - c0
+            if g > 1:
+                kern.affine_select(self.full_view(dst, p, g, c), self.full_view(tiles[x], p, g, c),
+                                   cmp="greater_equal", offset=off, channel_multiplier=g, pattern=[1, -1],
+                                   on_false=float(fill))
+            else:
+                kern.affine_select(dst, tiles[x], cmp="greater_equal", offset=off, channel_multiplier=1,
+                                   pattern=[-1], on_false=float(fill))
+        elif op == "act":
             fn, x, scale, bias = st[1:]
             src = tiles[x]
             if reduce_into is not None:

@@ -3,7 +3,9 @@
 A :class:`Recipe` says how a framework (NxD Training, TorchTitan on Neuron) runs a step beside the
 parallelism plan: the loss (vocab-parallel cross-entropy: the logits are never gathered), the
 activation recomputation (``none``, ``selective``: NxDT's module list, the norms and the MLP's
-activation-multiply; ``full``: every decoder layer keeps only its input), the sharding of the
+activation-multiply; ``attention``: NxD's selective checkpointing of SDK 2.15, the core attention and
+the MLP's activation-multiply; ``full``: every decoder layer keeps only its input), the attention
+(``flash``: the fused kernel; ``core``: NxD's 2023 ``CoreAttention``, op by op), the sharding of the
 optimizer (``zero1``: fp32 master weights and AdamW's moments split over the data-parallel group;
 ``fsdp``: FSDP2, parameters and gradients split too, each layer's parameters all-gathered for its
 forward and again for its backward), and the precision (``mixed``: bf16 parameters and compute,
@@ -27,12 +29,13 @@ from typing import Any, Mapping
 
 from ..config import ConfigError, format_quantity
 
-__all__ = ["Recipe", "RecipeError", "TrainMemory", "LOSSES", "RECOMPUTE", "SHARDING", "PRECISIONS", "SCHEDULES",
+__all__ = ["Recipe", "RecipeError", "TrainMemory", "LOSSES", "RECOMPUTE", "ATTENTIONS", "SHARDING", "PRECISIONS", "SCHEDULES",
            "in_flight", "add_recipe_arguments", "recipe_of_args", "gradient_buckets", "overlap_buckets", "load_plan",
            "plan_names", "PLAN_DIR", "apply_plan", "pipeline_interleaved"]
 
 LOSSES = ("vocab-parallel", "gathered")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "attention", "full")
+ATTENTIONS = ("flash", "core")
 SHARDING = ("none", "zero1", "fsdp")
 PRECISIONS = ("mixed", "bf16")
 SCHEDULES = ("1f1b", "interleaved")
@@ -63,6 +66,8 @@ class Recipe:
     bucket_mb: int = 512  # NxD's ALLREDUCE_BUCKET_CAP_MB default
     ep: int = 1  # expert parallelism: MoE experts split over this many data-parallel ranks (all-to-all dispatch)
     fused_projections: bool = True  # NxD's fused q/k/v and gate/up linears (TorchTitan keeps them apart)
+    tp_overlap: bool = True  # the fused linears' backward overlaps its TP collectives with its matmuls (NxD's)
+    attention: str = "flash"  # flash: the fused kernel; core: NxD's CoreAttention of 2023, op by op
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -70,11 +75,13 @@ class Recipe:
         _choice("--sharding", self.sharding, SHARDING)
         _choice("--precision", self.precision, PRECISIONS)
         _choice("--schedule", self.schedule, SCHEDULES)
+        _choice("--attention", self.attention, ATTENTIONS)
         for flag, v, lo, hi in (("--virtual-stages", self.virtual_stages, 1, 64),
                                 ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
-        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections)):
+        for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections),
+                        ("tp_overlap", self.tp_overlap)):
             if not isinstance(v, bool):
                 raise RecipeError(f"{flag} {v!r}: expected true or false")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
@@ -113,7 +120,10 @@ class Recipe:
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
                  *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
-                 "fused q/k/v and gate/up" if self.fused_projections else "separate q/k/v and gate/up",
+                 ("fused q/k/v and gate/up" + (" (TP collectives of their backward beside its matmuls)"
+                                               if self.tp_overlap else "")) if self.fused_projections
+                 else "separate q/k/v and gate/up",
+                 "flash attention" if self.attention == "flash" else "core attention (scores and softmax in HBM)",
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
@@ -180,7 +190,11 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--loss", default=None, help=f"{' or '.join(LOSSES)} (default {d.loss}: the logits stay split "
                                                 f"over the TP group)")
     p.add_argument("--recompute", default=None, help=f"activation recomputation: {', '.join(RECOMPUTE)} "
-                                                     f"(default {d.recompute})")
+                                                     f"(default {d.recompute}; selective: NxDT's norms and "
+                                                     f"activation-multiply; attention: NxD's CoreAttention and "
+                                                     f"activation-multiply of SDK 2.15)")
+    p.add_argument("--attention", default=None, help=f"{' or '.join(ATTENTIONS)} (default {d.attention}; core: the "
+                                                     f"scores, softmax and probabilities op by op, NxD's CoreAttention)")
     p.add_argument("--sharding", default=None, help=f"optimizer/parameter sharding over DP: {', '.join(SHARDING)} "
                                                     f"(default {d.sharding})")
     p.add_argument("--precision", default=None, help="mixed (bf16 compute, fp32 master weights, gradients and AdamW "
@@ -194,6 +208,8 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
     p.add_argument("--separate-projections", action="store_true", help="q/k/v and gate/up as separate linears "
                                                                       "(TorchTitan's; NxD fuses them)")
+    p.add_argument("--no-tp-overlap", action="store_true", help="the fused linears' backward waits for each TP "
+                                                               "collective (NxD overlaps them with its matmuls)")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
                                                 f"options given beside it change one axis")
 
@@ -220,7 +236,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
     """The recipe of ``trnsim estimate train``'s options (unset options keep ``base``'s, a plan's,
     or the default)."""
     fields: dict[str, Any] = dict(base.to_dict()) if base is not None else {}
-    for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb", "ep"):
+    for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb", "ep",
+                 "attention"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v
@@ -230,6 +247,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
         fields["overlap"] = False
     if getattr(args, "separate_projections", False):
         fields["fused_projections"] = False
+    if getattr(args, "no_tp_overlap", False):
+        fields["tp_overlap"] = False
     return Recipe.of(fields)
 
 
