@@ -56,6 +56,8 @@ REQUIRED: dict[str, str] = {
     "torch.Tensor._is_zerotensor": "materialising efficient zero tensors",
     "torch._softmax_backward_data": "the attention backward's softmax gradient",
     "torch.ops.aten._scaled_dot_product_attention_math": "attention calls the fused op does not take",
+    "torch.ops.aten._safe_softmax": "attention rows that see no key: zeros, as CPU's math path gives",
+    "torch.ops.aten._scaled_mm": "fp8 matmuls with an expanded bias made contiguous first",
     "torch._fused_sdp_choice": "whether CPU's attention takes attn_mask with is_causal (its fused kernel does)",
     "torch.utils._python_dispatch._disable_current_modes":
         "attention's input checks on their own tensors, unseen by the caller's modes (fake, flop counter)",
@@ -174,6 +176,8 @@ conj_view = torch._conj
 neg_view = torch._neg_view
 softmax_backward_data = torch._softmax_backward_data
 sdpa_math = torch.ops.aten._scaled_dot_product_attention_math
+safe_softmax = torch.ops.aten._safe_softmax
+scaled_mm = torch.ops.aten._scaled_mm
 fused_sdp_choice = torch._fused_sdp_choice
 disable_current_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
 DisableTorchFunction = torch._C.DisableTorchFunction

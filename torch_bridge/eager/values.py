@@ -466,7 +466,7 @@ def scaled_mm(self: torch.Tensor, mat2: torch.Tensor, scale_a: torch.Tensor, sca
     (one copy, charged as one)."""
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    op = torch.ops.aten._scaled_mm.out if out else torch.ops.aten._scaled_mm.default
+    op = _torch.scaled_mm.out if out else _torch.scaled_mm.default
     return fallback(op, self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, **out)
 
 

@@ -347,7 +347,7 @@ def flash_decomposed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     raw = torch.matmul(q.float(), k.float().transpose(-2, -1))
     scores = masked_scores(raw, mask, is_causal, sc, True)
-    p = torch.ops.aten._safe_softmax(scores, -1)  # (a row that sees no key: zeros, its gradient too)
+    p = _torch.safe_softmax(scores, -1)  # (a row that sees no key: zeros, its gradient too)
     return torch.matmul(p.to(q.dtype), v)
 
 
