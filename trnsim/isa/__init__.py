@@ -128,7 +128,25 @@ class HbmTensor:
         return HbmAP(self, 0, self._dims, self._box)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
-        return self.full()[idx]
+        # ``full()[idx]`` without the whole-tensor view in between, for the everyday index (ints
+        # and step-1 slices within bounds): on the tensor's own dims the logical box of each
+        # dimension is its index range (HbmAP.__getitem__ with step 1 from box (0, n))
+        ranges = _fast_ranges(idx, self._dims)
+        if ranges is None:
+            return self.full()[idx]
+        offset = 0
+        dims: list[tuple[int, int]] = []
+        box: list[tuple[int, int]] = []
+        for r, sn in zip(ranges, self._dims):
+            if type(r) is int:
+                offset += r * sn[0]
+                box.append((r, r + 1))
+            else:
+                start, _, length = r  # type: ignore[misc]
+                offset += start * sn[0]
+                dims.append((sn[0], length))
+                box.append((start, start + length))
+        return HbmAP(self, offset, tuple(dims) if dims else ((1, 1),), tuple(box))
 
     def ap(self, offset: int, dims: Sequence[Sequence[int]]) -> "HbmAP":
         """A raw access pattern: element ``offset`` and ``[[stride, size], ...]`` (outer first)."""
@@ -243,10 +261,11 @@ class HbmAP:
         offset = self.offset
         dims: list[tuple[int, int]] = []
         # the logical box is only tracked for views whose dims are still the tensor's own dims
-        box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
+        tstrides = self.tensor.strides
+        box = list(self.box) if self.box is not None and len(self.dims) == len(tstrides) else None
         for k, (r, (s, n)) in enumerate(zip(ranges, self.dims)):
             # the parent view's step along this tensor dim, in logical indices
-            ts = self.tensor.strides[k]
+            ts = tstrides[k]
             step0 = s // ts if box is not None and ts and s % ts == 0 else None
             if box is not None and step0 is None:
                 box = None
