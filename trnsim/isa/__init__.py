@@ -436,6 +436,25 @@ class TileAP:
             raise KernelError(f"at most {MAX_FREE_DIMS} free dimensions, got {len(free)}")
         return TileAP(self.alloc, self.p_start, self.p_count, self.offset, row_major(free), self.dtype)
 
+    def bitcast(self, dtype: Any) -> "TileAP":
+        """The same bytes read as ``dtype`` (NKI's ``tile.view(dtype)``): an fp32 tile's bits as
+        int32, four fp8 bytes as one quad-packed ``float8_e4m3fn_x4`` word. Between sizes the
+        innermost free dim must have unit stride and whole elements of both dtypes."""
+        dt = get_dtype(dtype)
+        a, b = self.dtype.itemsize, dt.itemsize
+        if a == b:
+            return TileAP(self.alloc, self.p_start, self.p_count, self.offset, self.dims, dt)
+        s, n = self.dims[-1]
+        if s != 1 and n != 1:
+            raise KernelError(f"bitcast of '{self.name}' {self.dtype.short} -> {dt.short}: the innermost free dim "
+                              f"must have unit stride")
+        strides = [st * a for st, _ in self.dims[:-1]]
+        if (self.offset * a) % b or (n * a) % b or any(st % b for st in strides):
+            raise KernelError(f"bitcast of '{self.name}' {self.shape} {self.dtype.short} -> {dt.short}: the view is "
+                              f"not whole {dt.itemsize}-byte elements")
+        dims = tuple((st // b, m) for st, (_, m) in zip(strides, self.dims[:-1])) + ((1, n * a // b),)
+        return TileAP(self.alloc, self.p_start, self.p_count, self.offset * a // b, dims, dt)
+
     def broadcast_to(self, *shape: int) -> "TileAP":
         """Broadcast size-1 free dims to ``shape`` with stride 0 (e.g. a [P,1] bias to [P,N])."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
