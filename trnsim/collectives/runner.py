@@ -245,6 +245,22 @@ class CollectiveHandle:
                 self.left[r] += 1
 
 
+def _last_finish(transfers: Any, finish: list[int | None], rank_rep: dict[int, int] | None) -> dict[int, int]:
+    """The tick each rank's last transfer finished, after a run of a symmetric call on fewer
+    transfers; with ``rank_rep``, keyed by each rank's representative (the ranks it stands for)."""
+    last: dict[int, int] = {}
+    for j, t in enumerate(transfers):
+        if not t.is_node:
+            f = finish[j]
+            assert f is not None, "a run on representatives left a transfer unfinished"
+            for r in t.ranks():
+                if rank_rep is not None:
+                    r = rank_rep[r]
+                if f > last.get(r, -1):
+                    last[r] = f
+    return last
+
+
 class CollectiveRunner:
     """Collectives on one system, in one simpy environment (see the module docstring)."""
 
@@ -497,14 +513,7 @@ class CollectiveRunner:
             if base is not h or r != j:
                 h.finish[j] = base.finish[r]
                 h.data_start[j] = base.data_start[r]
-        last: dict[int, int] = {}
-        for j, t in enumerate(ts):
-            if not t.is_node:
-                f = h.finish[j]
-                assert f is not None, "a reduced run left a transfer unfinished"
-                for r in t.ranks():
-                    if f > last.get(r, -1):
-                        last[r] = f
+        last = _last_finish(ts, h.finish, None)
         launch = self.net.runtime.launch
         for r in h.res.ctx.group:
             rr = sym.rank_rep[r]
@@ -522,15 +531,7 @@ class CollectiveRunner:
         touches its orbit (the image of that transfer touching it ends then too)."""
         sym = h.sym
         rank_rep = sym.rank_rep
-        last: dict[int, int] = {}
-        for j, t in enumerate(h.sched.transfers):
-            if not t.is_node:
-                f = h.finish[j]
-                assert f is not None, "a run on representatives left a transfer unfinished"
-                for r in t.ranks():
-                    rr = rank_rep[r]
-                    if f > last.get(rr, -1):
-                        last[rr] = f
+        last = _last_finish(h.sched.transfers, h.finish, rank_rep)
         launch = self.net.runtime.launch
         for r in h.res.ctx.group:
             rr = rank_rep[r]

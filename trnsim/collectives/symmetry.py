@@ -28,7 +28,7 @@ benchmark checks it on the calls it times). A call with nothing to exploit runs 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 if TYPE_CHECKING:
     from .runner import CollectiveRunner, CollectiveHandle
@@ -98,6 +98,27 @@ class _UnionFind:
             if less(rb, ra):
                 ra, rb = rb, ra
             self.parent[rb] = ra
+
+
+def _classes(n: int, pairs: Iterable[tuple[int, int]]) -> list[int]:
+    """Union-find over the numbers ``0..n-1`` joining each pair: every number's class, named by
+    its smallest member (so the result does not depend on the order of the pairs)."""
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, j in pairs:
+        a, b = root(i), root(j)
+        if a != b:
+            if a < b:
+                parent[b] = a
+            else:
+                parent[a] = b
+    return [root(i) for i in range(n)]
 
 
 def _rotations(orders: Sequence[Sequence[int]], d: int) -> dict[int, int]:
@@ -377,23 +398,7 @@ def find(engine: "CollectiveRunner", handles: Sequence["CollectiveHandle"]) -> S
             return None
         moves.append(mv)
     n = len(chk.ts)
-    rep = list(range(n))  # union-find over transfer numbers, the smallest the root
-
-    def root(i: int) -> int:
-        while rep[i] != i:
-            rep[i] = rep[rep[i]]
-            i = rep[i]
-        return i
-
-    for _, tau, _ in gens:
-        for i in range(n):
-            a, b = root(i), root(tau[i])
-            if a != b:
-                if a < b:
-                    rep[b] = a
-                else:
-                    rep[a] = b
-    rep = [root(i) for i in range(n)]
+    rep = _classes(n, ((i, tau[i]) for _, tau, _ in gens for i in range(n)))  # the orbits of transfer numbers
     size: dict[int, int] = {}
     for r in rep:
         size[r] = size.get(r, 0) + 1
@@ -708,29 +713,12 @@ def _resources(runner: "CollectiveRunner", sched: Any, gens: list[dict[int, int]
     for m in maps:  # one to one
         if len(set(m.values())) != len(m):
             return None
-    # the orbits of addresses (union-find over their numbers, the smallest the root)
+    # the orbits of addresses (over their numbers)
     rank_of = {a: i for i, a in enumerate(maps[0])}  # built in the group's order: deterministic
     addrs = list(rank_of)
-    parent = list(range(len(addrs)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for m in maps:
-        for a, b in m.items():
-            j = rank_of.get(b)
-            if j is None:
-                return None
-            x, y = root(rank_of[a]), root(j)
-            if x != y:
-                if x < y:
-                    parent[y] = x
-                else:
-                    parent[x] = y
-    roots = [addrs[root(i)] for i in range(len(addrs))]
+    if any(b not in rank_of for m in maps for b in m.values()):
+        return None
+    roots = [addrs[k] for k in _classes(len(addrs), ((rank_of[a], rank_of[b]) for m in maps for a, b in m.items()))]
     members: dict[Any, list[Any]] = {}
     for a, rt in zip(addrs, roots):
         members.setdefault(rt, []).append(a)
