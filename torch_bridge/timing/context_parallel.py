@@ -51,12 +51,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
                 run: Any, dropout: float, comm: Any, group: list[int], flash: bool) -> torch.Tensor:
         from ..ops.attention import FORWARD, cpu_layout
-        from .fake import _index
 
         c = len(group)
         dt = tile_dtype(k.dtype).name
         kv = _nbytes(k, v)
-        core = _index(q)
+        core = q.device.index or 0
         out_shape = q.shape[:-1] + (v.shape[-1],)
         acc = lse = None
         cur = (k, v)
@@ -90,14 +89,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         from ..ops.attention import BACKWARD
-        from .fake import _index
 
         q, k, v, out, lse = ctx.saved_tensors
         causal, scale, run, dropout, comm, group = ctx.args
         c = len(group)
         dt = tile_dtype(k.dtype).name
         kv = _nbytes(k, v)
-        core = _index(grad_out)
+        core = grad_out.device.index or 0
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = None
         cur = (k, v)
