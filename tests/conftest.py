@@ -48,6 +48,11 @@ SUBPROCESS = {
 # of CPU and its module keeps faster tests in the inner loop (CI runs them all). Chosen from
 # ``pytest -m "not slow and not subprocess" --durations=120``; a test id or its prefix.
 SLOW_TESTS = (
+    # two one-layer MXFP8/bf16 training estimates on trn3 (~25 s cold; the CLI refusals and the
+    # mx_quantize kernel tests stay in the loop)
+    "torch/test_mxfp8_train.py::test_mxfp8_linears_are_charged_the_casts_and_the_mx_matmuls",
+    # the (130, 640)/(200, 2688) byte checks of every layout and dtype stay; e5m2 is the same program
+    "kernels/test_mx_quantize.py::test_mx_quantize_e5m2",
     # two tiny Llama training estimates (~7 s; the hand-worked async timeline stays in the loop)
     "torch/test_async_collectives.py::test_nxd_async_linear_overlaps_the_sequence_parallel_collectives_in_a_step",
     # three 64-rank two-instance all-reduces on 1-8 channels (the channel counts stay in the loop)

@@ -188,6 +188,46 @@ def test_same_rows_cycles_memory_and_values_as_the_python_path(block):
         assert fast_mem[key] == slow_mem[key], key
 
 
+def _figures(rep):
+    return (rep.rows, rep.host_ops, rep.cores, rep.elapsed_us, rep.device_us, rep.host_us, rep.dispatches)
+
+
+def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypatch):
+    """Without a trace the device lets the native log place its launches (Device._place, not a
+    Python loop per launch): every report figure is the loop's and the Python path's, in an outer
+    scope and an inner one (two recorders), with two cores' timelines."""
+    import trnsim.device as device
+
+    dev = runtime().device
+
+    def run(on: bool, place_min: int):
+        monkeypatch.setattr(device, "PLACE_MIN", place_min)
+        with fast(on):
+            _program(1)
+            torch.neuron.synchronize()
+            h0 = dev.host
+            with torch.neuron.report_scope() as outer:
+                _program(1)
+                with torch.neuron.report_scope() as inner:
+                    values = _program(1)
+                    torch.neuron.synchronize()
+                _program(1)
+                torch.neuron.synchronize()
+        timelines = [([(b[0], b[1] - h0, b[2] - h0, b[3]) for b in c.bookings], [t - h0 for t in c.inflight],
+                      c.ready[0] - h0, c.busy_until - h0, sorted(c.streams)) for c in dev.cores if c.streams]
+        return values, outer.report, inner.report, timelines
+
+    placed = run(True, 2)
+    looped = run(True, 10 ** 9)
+    slow = run(False, 2)
+    for other in (looped, slow):
+        for a, b in zip(placed[0], other[0]):
+            assert torch.equal(a, b)
+        assert _figures(placed[1]) == _figures(other[1])
+        assert _figures(placed[2]) == _figures(other[2])
+        assert placed[3] == other[3]  # the cores' in-flight kernels and bookings (streams side by side share them)
+
+
 def test_fast_blocks_are_counted_listed_and_freed():
     x, _ = tensors()
     x + 1

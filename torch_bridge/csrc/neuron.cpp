@@ -29,6 +29,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 #include <cstdlib>
@@ -822,6 +824,40 @@ void key_strides(std::string& key, const at::Tensor& t) {
   for (auto st : t.strides()) key_int(key, st);  // the layout picks the kernel's operand forms
 }
 
+// The largest |x| of a float32 tensor of at most 3 dims (any strides), NaN when it holds a NaN.
+double max_magnitude(const at::Tensor& t) {
+  const float* p = static_cast<const float*>(first_element(t));
+  const int64_t d = t.dim();
+  const int64_t n0 = d == 3 ? t.size(0) : 1, t0 = d == 3 ? t.stride(0) : 0;
+  const int64_t n1 = d >= 2 ? t.size(d - 2) : 1, t1 = d >= 2 ? t.stride(d - 2) : 0;
+  const int64_t n2 = d >= 1 ? t.size(d - 1) : 1, t2 = d >= 1 ? t.stride(d - 1) : 0;
+  float m = 0.0f;
+  for (int64_t i = 0; i < n0; ++i) {
+    for (int64_t j = 0; j < n1; ++j) {
+      const float* row = p + i * t0 + j * t1;
+      for (int64_t k = 0; k < n2; ++k) {
+        float v = std::fabs(row[k * t2]);
+        if (!(v <= m)) {
+          if (v != v) return std::nan("");
+          m = v;
+        }
+      }
+    }
+  }
+  return m;
+}
+
+// torch_bridge.tensore.bounded: k * max|a| * max|b| * |alpha| + |beta| * max|c| well below float32's
+// largest value, so no product or partial sum overflows in any order; otherwise (or with a NaN or
+// an infinity) Python's path takes CPU's kernel, whose +inf/-inf/NaN the datapath's fused sums
+// do not reproduce
+bool products_bounded(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t k, double alpha,
+                      double beta) {
+  double bound = static_cast<double>(k) * max_magnitude(a) * max_magnitude(b) * std::fabs(alpha);
+  if (c.defined() && beta != 0) bound += std::fabs(beta) * max_magnitude(c);
+  return bound < static_cast<double>(std::numeric_limits<float>::max()) / 4;
+}
+
 // The float32 PSUM result: host memory behind a neuron tensor, so it comes from the host cache
 // (HostScope, above) like the fast path's other CPU results; c10's plain CPU allocator
 // (posix_memalign) made each big result of the small GPT-2 fault its pages in again on every call
@@ -881,6 +917,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
     alpha = valpha.toScalar();
     if (alpha.toDouble() == 0) return slow(op, stack);  // BLAS's alpha == 0: values.addmm reads self only
   }
+  if (!products_bounded(a, b, c, K, alpha.toDouble(), beta.toDouble())) return slow(op, stack);
   key_int(key, 53);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
@@ -1535,6 +1572,23 @@ at::Generator default_generator_op(int64_t index) { return default_generator(sta
 
 TORCH_LIBRARY(trnsim, m) { m.def("default_generator(int index) -> Generator?", &default_generator_op); }
 
+// ---- placing the log's launches (trnsim.device.Device._drain, the common case) ----
+// The device model issues a logged launch on a core whose stream 0 has the core to itself (no
+// collective awaits its group) with a few lines of arithmetic: the host pays its dispatch (after
+// waiting for the oldest of max_inflight launches in flight), the kernel starts when the host and
+// the stream are both ready. This runs that arithmetic for the log's first entries, in order, and
+// hands back what changed, aggregated (per core, per cost handle, per host op), for Python to apply
+// to the device's state and its recorders: the same numbers its per-launch loop computes, without a
+// Python loop per launch. Each handle's ticks (OpCost.ticks) are told once (trnsim_fast_ticks).
+std::mutex g_ticks_mutex;
+std::vector<int64_t> g_ticks;  // cost handle -> its OpCost.ticks (-1: not told)
+
+constexpr int kPlaceIn = 16;    // per core in io: simple, max_inflight, ready0, busy_until, n_inflight,
+                                // inflight[8], last open end (any recorder), -, -
+constexpr int kPlaceOut = 64;   // per core out: core, launches, wait, ticks, max end, last host, folded,
+                                // n survivors, survivors[2 * 12], n bookings, bookings[3 * 9]
+constexpr int kSurvivors = 12, kBookings = 9, kInflight = 8;
+
 }  // namespace trnsim_neuron
 
 using namespace trnsim_neuron;
@@ -1643,6 +1697,157 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
   g_log.erase(g_log.begin(), g_log.begin() + n * 3);
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
   return n;
+}
+void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
+  std::lock_guard<std::mutex> lock(g_ticks_mutex);
+  if (handle < 0) return;
+  if (static_cast<size_t>(handle) >= g_ticks.size()) g_ticks.resize(static_cast<size_t>(handle) + 1, -1);
+  g_ticks[static_cast<size_t>(handle)] = ticks;
+}
+
+// io: [0] host (in/out), [1] dispatch, [2] cores, then kPlaceIn int64 per core from io[8] (ready0,
+// busy_until and the in-flight ends written back). Out: one kPlaceOut row per core the entries used,
+// in first-use order, into cores_out (*ncores_out of them); (handle, launches, ticks, wait) per
+// handle in first-use order into rows (*nrows); (name id, count) per host op into hops (*nhops).
+// Returns the entries consumed (0: the first one is not the common case; Python's loop takes it),
+// or -1 when a core's figures do not fit the rows (nothing consumed).
+int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* ncores_out, int64_t* rows, int64_t* nrows,
+                         int64_t* hops, int64_t* nhops) {
+  struct Core {
+    bool simple = false, used = false;
+    int64_t max_inflight = 0, ready0 = 0, busy = 0, last_open = 0;
+    std::vector<int64_t> inflight;  // front = oldest
+    int64_t launches = 0, wait = 0, ticks = 0, max_end = 0, last_host = -1, order = -1;
+    std::vector<std::pair<int64_t, int64_t>> fresh;  // new intervals with end > start, in order
+    std::vector<int64_t> bookings;                  // (start, end, handle) of the last kBookings ticking kernels
+  };
+  const int64_t ncores = io[2];
+  if (ncores < 1 || ncores > 64) return 0;
+  int64_t host = io[0];
+  const int64_t dispatch = io[1];
+  std::vector<Core> cs(static_cast<size_t>(ncores));
+  for (int64_t i = 0; i < ncores; ++i) {
+    const int64_t* in = io + 8 + i * kPlaceIn;
+    Core& c = cs[static_cast<size_t>(i)];
+    c.simple = in[0] != 0 && in[4] <= kInflight && in[1] >= 1 && in[1] + 1 <= kBookings;
+    c.max_inflight = in[1];
+    c.ready0 = in[2];
+    c.busy = in[3];
+    if (c.simple) c.inflight.assign(in + 5, in + 5 + in[4]);
+    c.last_open = in[13];
+  }
+  std::vector<int64_t> order;
+  std::unordered_map<int64_t, size_t> row_at, hop_at;
+  std::vector<int64_t> row_v, hop_v;
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  std::lock_guard<std::mutex> tlock(g_ticks_mutex);
+  const int64_t n = static_cast<int64_t>(g_log.size() / 3);
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
+    if (kind == 1) {  // a host op: counted by name
+      auto it = hop_at.find(id);
+      if (it == hop_at.end()) {
+        hop_at.emplace(id, hop_v.size());
+        hop_v.push_back(id);
+        hop_v.push_back(1);
+      } else {
+        hop_v[it->second + 1] += 1;
+      }
+      continue;
+    }
+    if (kind != 0 || core < 0 || core >= ncores || id < 0 || static_cast<size_t>(id) >= g_ticks.size()) break;
+    Core& c = cs[static_cast<size_t>(core)];
+    const int64_t ticks = g_ticks[static_cast<size_t>(id)];
+    if (!c.simple || ticks < 0) break;
+    // the launch, as Device._drain places it
+    int64_t h = host;
+    bool pop = static_cast<int64_t>(c.inflight.size()) >= c.max_inflight;
+    if (pop && c.inflight.front() > h) h = c.inflight.front();
+    h += dispatch;
+    const int64_t start = c.ready0 > h ? c.ready0 : h;
+    int64_t wait = h - (c.ready0 > c.busy ? c.ready0 : c.busy);
+    if (wait < 0) wait = 0;
+    const int64_t end = start + ticks;
+    if (end > start && c.last_open > start) break;  // overlaps an open interval: the general merge (Python's)
+    if (pop) c.inflight.erase(c.inflight.begin());
+    host = h;
+    if (!c.used) {
+      c.used = true;
+      c.order = static_cast<int64_t>(order.size());
+      order.push_back(core);
+    }
+    if (ticks) {
+      c.bookings.push_back(start);
+      c.bookings.push_back(end);
+      c.bookings.push_back(id);
+    }
+    auto it = row_at.find(id);
+    if (it == row_at.end()) {
+      row_at.emplace(id, row_v.size());
+      row_v.insert(row_v.end(), {id, 1, ticks, wait});
+    } else {
+      row_v[it->second + 1] += 1;
+      row_v[it->second + 2] += ticks;
+      row_v[it->second + 3] += wait;
+    }
+    c.launches += 1;
+    c.wait += wait;
+    if (end > c.max_end) c.max_end = end;
+    if (end > start) {
+      c.ticks += end - start;
+      c.last_host = h;
+      c.fresh.emplace_back(start, end);
+      c.last_open = end;
+      c.inflight.push_back(end);
+    }
+    c.ready0 = end;
+    if (end > c.busy) c.busy = end;
+  }
+  if (i == 0) return 0;
+  // per core: the fresh intervals a recorder folds (ended by the host of its last add) and the ones it keeps open
+  for (size_t k = 0; k < order.size(); ++k) {
+    Core& c = cs[static_cast<size_t>(order[k])];
+    int64_t* o = cores_out + k * kPlaceOut;
+    o[0] = order[k];
+    o[1] = c.launches;
+    o[2] = c.wait;
+    o[3] = c.ticks;
+    o[4] = c.max_end;
+    o[5] = c.last_host;
+    int64_t folded = 0, kept = 0;
+    for (const auto& iv : c.fresh) {
+      if (iv.second <= c.last_host) {
+        folded += iv.second - iv.first;
+      } else {
+        if (kept == kSurvivors) return -1;
+        o[8 + 2 * kept] = iv.first;
+        o[9 + 2 * kept] = iv.second;
+        ++kept;
+      }
+    }
+    o[6] = folded;
+    o[7] = kept;
+    const int64_t nb = static_cast<int64_t>(c.bookings.size() / 3);
+    const int64_t from = nb > kBookings ? nb - kBookings : 0;
+    o[32] = nb - from;
+    std::memcpy(o + 33, c.bookings.data() + 3 * from, static_cast<size_t>(3 * (nb - from)) * sizeof(int64_t));
+    int64_t* back = io + 8 + order[k] * kPlaceIn;
+    back[2] = c.ready0;
+    back[3] = c.busy;
+    back[4] = static_cast<int64_t>(c.inflight.size());
+    if (back[4] > kInflight) return -1;
+    std::memcpy(back + 5, c.inflight.data(), c.inflight.size() * sizeof(int64_t));
+  }
+  io[0] = host;
+  *ncores_out = static_cast<int64_t>(order.size());
+  *nrows = static_cast<int64_t>(row_v.size() / 4);
+  std::memcpy(rows, row_v.data(), row_v.size() * sizeof(int64_t));
+  *nhops = static_cast<int64_t>(hop_v.size() / 2);
+  std::memcpy(hops, hop_v.data(), hop_v.size() * sizeof(int64_t));
+  g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  return i;
 }
 const char* trnsim_fast_name(int64_t id) {
   std::lock_guard<std::mutex> lock(g_fast_mutex);

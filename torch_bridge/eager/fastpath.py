@@ -41,6 +41,7 @@ from .. import _torch
 __all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
+_PLACE_IN, _PLACE_OUT, _PLACE_CORES = 16, 64, 64  # trnsim_log_place's rows (kPlaceIn, kPlaceOut) and its core limit
 
 _lock = threading.Lock()
 _handles: dict[tuple[str, int], int] = {}  # (op, id(cost)) -> handle
@@ -58,6 +59,7 @@ def _handle(op: str, cost: OpCost) -> int:
         if h is None:
             h = _handles[key] = len(_table)
             _table.append((op, cost, key))
+            _lib.trnsim_fast_ticks(h, int(cost.ticks))  # (for the native placement: NativeLog.place)
         return h
 
 
@@ -68,9 +70,74 @@ class NativeLog:
         self.lib = lib
         self._count = ctypes.c_int64.from_address(lib.trnsim_log_count_ptr())
         self._buf = (ctypes.c_int64 * (3 * _LOG_MAX))()
+        self._io = (ctypes.c_int64 * (8 + _PLACE_IN * _PLACE_CORES))()
+        self._cores_out = (ctypes.c_int64 * (_PLACE_OUT * _PLACE_CORES))()
+        self._rows = (ctypes.c_int64 * (4 * _LOG_MAX))()
+        self._hops = (ctypes.c_int64 * (2 * _LOG_MAX))()
+        self._ncores, self._nrows, self._nhops = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
 
     def pending(self) -> int:
         return self._count.value
+
+    def place(self, host: int, dispatch: int, cores: list[tuple[bool, int, int, int, Any, int]]
+              ) -> tuple[int, int, list[Any], list[Any], list[Any]] | None:
+        """Place the log's first launches natively (``trnsim_log_place``: the arithmetic of
+        :meth:`trnsim.device.Device._drain`'s common case, for the entries up to the first it cannot
+        take). ``cores``: per core (simple, max_inflight, ready of stream 0, busy_until, in-flight
+        ends, the last open interval's end in any recorder). Returns None when it took nothing, else
+        (entries taken, the host's tick, per core used: (core, ready, busy_until, in-flight ends,
+        launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings), per cost:
+        (op, cost, row key, launches, ticks, wait), per host op: (name, count))."""
+        if len(cores) > _PLACE_CORES:
+            return None
+        io = self._io
+        io[0] = host
+        io[1] = dispatch
+        io[2] = len(cores)
+        for i, (simple, max_inflight, ready, busy, inflight, last_open) in enumerate(cores):
+            b = 8 + i * _PLACE_IN
+            n = len(inflight)
+            if n > 8:
+                simple = False
+            io[b] = int(simple)
+            io[b + 1] = max_inflight
+            io[b + 2] = ready
+            io[b + 3] = busy
+            io[b + 4] = n
+            if simple:
+                for k, end in enumerate(inflight):
+                    io[b + 5 + k] = end
+            io[b + 13] = last_open
+        got = self.lib.trnsim_log_place(io, self._cores_out, ctypes.byref(self._ncores), self._rows,
+                                        ctypes.byref(self._nrows), self._hops, ctypes.byref(self._nhops))
+        if got <= 0:
+            return None
+        table = _table
+        out = memoryview(self._cores_out).cast("B").cast("q")
+        used = []
+        for k in range(self._ncores.value):
+            o = out[k * _PLACE_OUT:(k + 1) * _PLACE_OUT].tolist()
+            core = o[0]
+            b = 8 + core * _PLACE_IN
+            inflight = list(io[b + 5:b + 5 + io[b + 4]])
+            keep = [[o[8 + 2 * j], o[9 + 2 * j]] for j in range(o[7])]
+            bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
+            used.append((core, io[b + 2], io[b + 3], inflight, o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
+        r = memoryview(self._rows).cast("B").cast("q")[:4 * self._nrows.value].tolist()
+        rows = []
+        for j in range(0, len(r), 4):
+            op, cost, key = table[r[j]]
+            rows.append((op, cost, key, r[j + 1], r[j + 2], r[j + 3]))
+        hops = []
+        if self._nhops.value:
+            hv = memoryview(self._hops).cast("B").cast("q")[:2 * self._nhops.value].tolist()
+            for j in range(0, len(hv), 2):
+                ident = hv[j]
+                name = _names.get(ident)
+                if name is None:
+                    name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
+                hops.append((name, hv[j + 1]))
+        return got, io[0], used, rows, hops
 
     def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep

@@ -25,7 +25,7 @@ from trnsim.kernels.generic import STREAM
 from trnsim.native.dtypes import get_dtype
 
 __all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
-           "matmul_spec", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec",
+           "matmul_spec", "mx_linear_specs", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec",
            "attention_specs", "attention_backward_specs", "fused_spec"]
 
 Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
@@ -404,6 +404,20 @@ def matmul_spec(batch: int, m: int, k: int, n: int, dtype: torch.dtype, transpos
             return KernelSpec.of("bmm_packed", (batch, m, k, n), matmul_dtype(dtype), params, fallback=bmm)
         return bmm
     return KernelSpec.of("matmul", (m, k, n), matmul_dtype(dtype), params)
+
+
+def mx_linear_specs(m: int, k: int, n: int, dtype: torch.dtype, transpose_a: bool, transpose_b: bool,
+                    fmt: str) -> list[KernelSpec]:
+    """A matmul [M,K] @ [K,N] of an MX linear (TorchAO's MXFP8 linear on trn3): each operand cast
+    to ``fmt`` along K by the library's ``mx_quantize`` kernel (``rows`` where K is its contiguous
+    dim: A row-major, B stored [N,K]; ``cols`` otherwise), then ``matmul_mx`` on the two; K
+    padded to a whole scale quadrant (128 values), as ``torch.neuron.mx_matmul`` charges it."""
+    kp = -(-k // 128) * 128
+    src = tile_dtype(dtype).name
+    out = "float32" if dtype == torch.float32 else "bfloat16"
+    return [KernelSpec.of("mx_quantize", (m, kp), src, {"fmt": fmt, "layout": "rows" if transpose_a else "cols"}),
+            KernelSpec.of("mx_quantize", (n, kp), src, {"fmt": fmt, "layout": "rows" if transpose_b else "cols"}),
+            KernelSpec.of("matmul_mx", (m, kp, n), fmt, {"out_dtype": out})]
 
 
 def matmul_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool, bool]:

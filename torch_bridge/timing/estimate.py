@@ -264,6 +264,13 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     spec = with_layers(model if isinstance(model, ModelConfig) else load_model(model), layers)
     sysc = system if isinstance(system, SystemConfig) else load_system(system, list(overrides or []))
     plan = Plan(tp, pp, dp, sp)
+    if recipe.mxfp8:
+        if not sysc.chip.core.tensor.mx_quad:
+            raise EstimateError(f"--mxfp8: {sysc.chip.name} has no MX matmul (nc_matmul_mx is NeuronCore-v4's: "
+                                f"core.tensor.mx_quad is false); use a trn3 system")
+        if dtype not in ("bf16", "bfloat16"):
+            raise EstimateError(f"--mxfp8: --dtype {dtype}: MXFP8 training casts bf16 linears (TorchAO's recipe); "
+                                f"use --dtype bf16")
     positive("--micro-batch", micro_batch)
     positive("--seq", seq)
     dt = dtype_of(dtype)

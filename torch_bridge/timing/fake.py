@@ -403,6 +403,12 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         else:
             batch, m, k, n = a.shape[0], a.shape[1], a.shape[2], b.shape[2]
         ta, tb = lowering.matmul_layout(a, b)
+        mx = self.run.mx
+        if mx is not None and name == "mm":
+            for i, spec in enumerate(lowering.mx_linear_specs(m, k, n, a.dtype, ta, tb, mx)):
+                self.run.launch(core, ("mx_quantize", "mx_quantize", "matmul_mx")[i],
+                                self._cost(("mx", m, k, n, a.dtype, ta, tb, mx, i), lambda s=spec: s))
+            return
         spec = functools.partial(lowering.matmul_spec, batch, m, k, n, a.dtype, ta, tb)
         self.run.launch(core, name, self._cost(("mm", batch, m, k, n, a.dtype, ta, tb), spec,
                                                "empty matmul (launch only)"))
@@ -536,6 +542,9 @@ class TimingOnly:
         self._thread: int | None = None  # the thread that entered the run
         self._oom: torch.OutOfMemoryError | None = None  # an OOM on another thread, raised on this one
         self.fuser: Any = None  # a torch_bridge.fuse_regions.Fuser: elementwise ops lowered as compiled regions
+        # an MX format ("mxfp8_e4m3fn") while an MX linear runs its matmuls (train_step.mx_linear): each
+        # 2-d matmul is charged as its operands' MX quantisation kernels and the MX matmul
+        self.mx: str | None = None
         # asynchronous collectives not yet waited on: their results' storages -> (weak ref, core, end tick);
         # the first op that reads one waits for the collective's end (collective(result=...))
         self._awaiting: dict[int, tuple[StorageWeakRef, int, int]] = {}

@@ -33,6 +33,7 @@ and the compute after it waits for its result.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from typing import Any
 
@@ -234,10 +235,11 @@ class _AsyncLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
-                local: torch.Tensor | None) -> torch.Tensor:
-        ctx.comm, ctx.sp, ctx.shape, ctx.bias = comm, local is not None, x.shape, bias is not None
+                local: torch.Tensor | None, mx: str | None = None) -> torch.Tensor:
+        ctx.comm, ctx.sp, ctx.shape, ctx.bias, ctx.mx = comm, local is not None, x.shape, bias is not None, mx
         ctx.save_for_backward(local if local is not None else x, weight)
-        return sharded_linear(x, weight, bias)
+        with mx_scope(mx):
+            return sharded_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -249,7 +251,8 @@ class _AsyncLinear(torch.autograd.Function):
             comm.charge("all-gather", _nbytes(full), comm.tp_group, _dtype(kept), early=True, result=full)
         grad_in = None
         if ctx.needs_input_grad[4 if ctx.sp else 0]:
-            gi = torch.matmul(g, weight.t())
+            with mx_scope(ctx.mx):
+                gi = torch.matmul(g, weight.t())
             if ctx.sp:
                 grad_in = _resized(gi, 1, 1 / comm.plan.tp)
                 comm.charge("reduce-scatter", _nbytes(gi), comm.tp_group, _dtype(gi), result=grad_in)
@@ -257,20 +260,75 @@ class _AsyncLinear(torch.autograd.Function):
                 grad_in = gi
                 comm.charge("all-reduce", _nbytes(gi), comm.tp_group, _dtype(gi), result=gi)
         g2 = g.reshape(-1, g.shape[-1])
-        gw = torch.matmul(full.reshape(-1, full.shape[-1]).t(), g2) if ctx.needs_input_grad[1] else None
+        with mx_scope(ctx.mx):
+            gw = torch.matmul(full.reshape(-1, full.shape[-1]).t(), g2) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
-        return (None, gw, gb, None, grad_in) if ctx.sp else (grad_in, gw, gb, None, None)
+        return (None, gw, gb, None, grad_in, None) if ctx.sp else (grad_in, gw, gb, None, None, None)
 
 
-def async_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> torch.Tensor:
+def async_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm,
+                 mx: str | None = None) -> torch.Tensor:
     """A column-parallel linear of ``x`` (the block's gathered sequence with sequence
     parallelism, else the replicated input) whose backward overlaps its collectives with its
     matmuls (:class:`_AsyncLinear`); the sequence-parallel gather's own backward is not run
     (the linear reduce-scatters its input's gradient itself)."""
     local = comm.shard_of(x) if comm.sp_active else None
     if local is not None:
-        return _AsyncLinear.apply(x.detach(), weight, bias, comm, local)
-    return _AsyncLinear.apply(x, weight, bias, comm, None)
+        return _AsyncLinear.apply(x.detach(), weight, bias, comm, local, mx)
+    return _AsyncLinear.apply(x, weight, bias, comm, None, mx)
+
+
+# ---- MX linears (TorchAO's MXFP8 training on trn3) --------------------------------------------------
+@contextlib.contextmanager
+def mx_scope(fmt: str | None) -> Any:
+    """Within: each 2-d matmul of the timing-only run is charged as an MX linear's (its operands'
+    ``mx_quantize`` kernels and ``matmul_mx``, :func:`torch_bridge.lowering.mx_linear_specs`)."""
+    from .fake import active
+
+    run = active() if fmt else None
+    if run is None:
+        yield
+        return
+    old, run.mx = run.mx, fmt
+    try:
+        yield
+    finally:
+        run.mx = old
+
+
+class _MxMatmul(torch.autograd.Function):
+    """``x @ w`` of an MX linear (``w`` stored ``[in, out]``; ``t``: stored ``[out, in]``, an
+    ``nn.Linear``'s, and used transposed): the forward, the input-gradient and the weight-gradient
+    matmuls each cast their two operands along their contraction (TorchAO's ``mx_mm``: six casts
+    and three MX matmuls a step). The weight gradient comes out in the weight's layout, as
+    autograd's matmul makes it; it keeps what that keeps (the bf16 ``x`` and ``w``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fmt: str, t: bool) -> torch.Tensor:
+        ctx.fmt, ctx.t = fmt, t
+        ctx.save_for_backward(x, w)
+        with mx_scope(fmt):
+            return torch.matmul(x, w.t() if t else w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        gx = gw = None
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        with mx_scope(ctx.fmt):
+            if ctx.needs_input_grad[0]:
+                gx = torch.matmul(g, w if ctx.t else w.t())
+            if ctx.needs_input_grad[1]:
+                gw = torch.matmul(g2.t(), x2) if ctx.t else torch.matmul(x2.t(), g2)
+        return gx, gw, None, None
+
+
+def mx_matmul(x: torch.Tensor, w: torch.Tensor, fmt: str | None, t: bool = False) -> torch.Tensor:
+    """``x @ w`` (``x @ w.T`` with ``t``), as an MX linear's matmuls with ``fmt`` (an MX format),
+    else as it is."""
+    if fmt:
+        return _MxMatmul.apply(x, w, fmt, t)
+    return torch.matmul(x, w.t() if t else w)
 
 
 # ---- sharded layers ------------------------------------------------------------------------------
@@ -278,14 +336,18 @@ def _meta_param(shape: tuple[int, ...], like: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"), requires_grad=like.requires_grad)
 
 
-def sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mx: str | None = None
+                   ) -> torch.Tensor:
     """``x @ weight + bias`` for a weight stored ``[in, out]``: the layout the PE array reads a
-    static weight in (the compiler lays weights out once, at load), so no step transposes it."""
-    y = torch.matmul(x, weight)
+    static weight in (the compiler lays weights out once, at load), so no step transposes it
+    (``mx``: as an MX linear, :func:`mx_matmul`)."""
+    y = mx_matmul(x, weight, mx)
     return y + bias if bias is not None else y
 
 
 class ColumnParallelLinear(nn.Module):
+    mx: str | None = None  # an MX format: the linear's matmuls as MX linears (train_step.apply_mx)
+
     """``y = x W_local + b_local`` with ``out_local`` of the output features (NxD's
     ColumnParallelLinear; the weight is stored ``[in, out_local]``, see :func:`sharded_linear`;
     ``gather`` all-gathers the output features, ``sp`` gathers the input sequence first)."""
@@ -300,7 +362,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.sp and self.comm.sp_active):  # sequence parallel: its block gathered the input
             x = self.comm.copy_to_group(x)
-        y = sharded_linear(x, self.weight, self.bias)
+        y = sharded_linear(x, self.weight, self.bias, self.mx)
         return self.comm.all_gather(y, -1) if self.gather else y
 
     def extra_repr(self) -> str:
@@ -308,6 +370,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
+    mx: str | None = None  # as ColumnParallelLinear.mx
+
     """``y = reduce(x_local W_local) + b`` with ``in_local`` of the input features (NxD's
     RowParallelLinear: all-reduce, or reduce-scatter over the sequence with ``sp``; the weight is
     stored ``[in_local, out]``, see :func:`sharded_linear`)."""
@@ -320,7 +384,7 @@ class RowParallelLinear(nn.Module):
         self.comm, self.sp = comm, sp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight)
+        y = mx_matmul(x, self.weight, self.mx)
         y = self.comm.reduce_scatter(y, 1) if self.sp and self.comm.sp_active else self.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -36,7 +36,7 @@ from trnsim.workload.training import Recipe, RecipeError
 
 from .checkpointing import checkpointed as _checkpointed
 
-__all__ = ["vocab_parallel_cross_entropy", "apply_recompute", "sequence_parallel_saves", "OptimizerState"]
+__all__ = ["vocab_parallel_cross_entropy", "apply_recompute", "apply_mx", "sequence_parallel_saves", "OptimizerState"]
 
 
 # ---- the loss ----------------------------------------------------------------------------------
@@ -116,6 +116,37 @@ def apply_recompute(layers: nn.ModuleList, mode: str, comm: Any = None) -> None:
                               "recompute; use --recompute full or none")
         raise RecipeError("--recompute selective: the model's layers have no norms or gated MLP to recompute "
                           "(NxDT's module list); use --recompute full or none")
+
+
+# ---- MXFP8 linears ---------------------------------------------------------------------------------
+MX_FORMAT = "mxfp8_e4m3fn"  # TorchAO's MXFP8 recipe: e4m3 for the inputs, weights and gradients
+
+
+def _mx_linear_forward(m: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
+    from .parallel import mx_matmul
+
+    y = mx_matmul(x, m.weight, fmt, t=True)
+    return y + m.bias if m.bias is not None else y
+
+
+def apply_mx(layers: nn.ModuleList, fmt: str = MX_FORMAT) -> int:
+    """The decoder layers' linears as MX linears (TorchAO's ``convert_to_float8``-style swap of
+    every ``nn.Linear`` in them; the LM head stays bf16, as TorchTitan's MX converter leaves
+    ``output``; MoE experts' grouped matmuls stay bf16): returns how many."""
+    from .parallel import ColumnParallelLinear, RowParallelLinear
+
+    found = 0
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, _FusedProjection)):
+                m.mx = fmt
+                found += 1
+            elif isinstance(m, nn.Linear):
+                m.forward = functools.partial(_mx_linear_forward, m, fmt)
+                found += 1
+    if not found:
+        raise RecipeError("--mxfp8: the model's layers have no linears to run in MXFP8")
+    return found
 
 
 # ---- sequence parallelism: keep the shard, gather again in the backward -------------------------
@@ -259,6 +290,7 @@ class _FusedProjection(nn.Module):
             if all(b is not None for b in biases) else None
         self.comm = getattr(first, "comm", None)
         self.sp = getattr(first, "sp", False)
+        self.mx: str | None = None  # an MX format: the fused linear's matmuls as MX linears (apply_mx)
         self._key: Any = None
         self._outs: list[torch.Tensor] = []
         self._left = 0
@@ -270,12 +302,17 @@ class _FusedProjection(nn.Module):
             if self.column and self.comm.tp_overlap and self.comm.plan.tp > 1:
                 from .parallel import async_linear
 
-                y = async_linear(x, self.weight, self.bias, self.comm)  # NxD's async linear (its backward)
+                y = async_linear(x, self.weight, self.bias, self.comm, self.mx)  # NxD's async linear (its backward)
             elif self.column:
                 from .parallel import sharded_linear
 
                 xin = x if (self.sp and self.comm.sp_active) else self.comm.copy_to_group(x)
-                y = sharded_linear(xin, self.weight, self.bias)
+                y = sharded_linear(xin, self.weight, self.bias, self.mx)
+            elif self.mx:
+                from .parallel import mx_matmul
+
+                y = mx_matmul(x, self.weight, self.mx, t=True)
+                y = y + self.bias if self.bias is not None else y
             else:
                 y = nn.functional.linear(x, self.weight, self.bias)
             self._key, self._outs, self._left = weakref.ref(x), list(torch.split(y, self.sizes, dim=-1)), len(self.sizes)
@@ -470,6 +507,8 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         fsdp = _FullyShard(layers, rank, dp_group, dname) if recipe.sharding == "fsdp" and plan.dp > 1 else None
         weights = _sweep_allocated(rank)
         state = OptimizerState(params, recipe, plan.dp)
+        if recipe.mxfp8:
+            apply_mx(layers)
         apply_recompute(layers, recipe.recompute, comm)
         sp = contextlib.nullcontext() if not (plan.sp and plan.tp > 1) else sequence_parallel_saves(comm)
         if recipe.fused:  # the step lowered as the compiled path lowers it
@@ -607,6 +646,11 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
                  "matmul, each waited on where its result is first read" if recipe.tp_overlap else
                  "; their backward waits for each TP collective"))
                if recipe.fused_projections else "q/k/v and gate/up as separate linears")
+    if recipe.mxfp8:
+        out.append("the decoder layers' linears in MXFP8 as TorchAO runs them: each matmul's two operands cast along "
+                   "its contraction by the mx_quantize kernel (six casts a linear a step: x, w, the output gradient, "
+                   "each twice), then matmul_mx on nc_matmul_mx, each its own launch (the fused NKI kernel would hide "
+                   "casts behind the matmul: not modelled); LM head and MoE experts bf16; MFU against the bf16 peak")
     out.append(("1F1B pipeline schedule" if recipe.schedule == "1f1b" else
                 f"interleaved 1F1B with {recipe.virtual_stages} chunks per pipeline rank (list-scheduled in Megatron's "
                 f"order)") + "; activations sent stage to stage with send/recv on the links")

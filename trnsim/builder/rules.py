@@ -32,6 +32,11 @@ def max_instructions() -> int:
     return env_int("TRNSIM_MAX_INSTRUCTIONS", MAX_INSTRUCTIONS, 1, 10**12, "a whole number of instructions")
 
 
+#: gc_paused hands what its block made to the oldest generation (below); False lets the next young
+#: collection walk it, as before (a same-run A/B of what that costs)
+_HANDOFF = True
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a kernel is built or simulated.
@@ -39,8 +44,8 @@ def gc_paused() -> Iterator[None]:
     Building and simulating allocate hundreds of thousands of small, acyclic objects
     (instructions, views, accesses, events); every 700 of them the collector walks the young
     generation and, regularly, all of them - about a fifth of the time on a 42,000-instruction
-    matmul. Reference counting still frees everything; cycles made meanwhile are collected when
-    the block ends. Nested uses and a collector the caller disabled are left as they were."""
+    matmul. Reference counting still frees everything; cycles made meanwhile are collected by
+    the next full collection. Nested uses and a collector the caller disabled are left as they were."""
     if not gc.isenabled():
         yield
         return
@@ -48,6 +53,15 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        if _HANDOFF and gc.get_freeze_count() == 0:
+            # hand the block's objects to the oldest generation unscanned (two list splices): the
+            # first young collection after it would otherwise walk every one of them (~0.5 us
+            # each, a fifth of building a matmul), to find no cycles - kernels, instructions and
+            # timelines are acyclic (freed by reference counting). Whatever cycles the block made
+            # are found by the next full collection, as for any long-lived object. Skipped when
+            # the program froze objects itself (unfreeze would thaw them).
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()
 
 

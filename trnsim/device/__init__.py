@@ -64,6 +64,9 @@ __all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", 
 #: launches adaptive eager queues at most before it issues them (a program that never syncs)
 ADAPTIVE_QUEUE = 4096
 
+#: logged launches from which :meth:`Device._drain` lets a log that can place them (``place``) do so
+PLACE_MIN = 2
+
 
 class Device:
     """A chip's logical NeuronCores, their streams and the host that feeds them, with a cache of
@@ -127,6 +130,10 @@ class Device:
             return
         with self._lock:
             recs = self.recorders
+            if log.pending() >= PLACE_MIN and hasattr(log, "place") and all(r.events is None for r in recs):
+                self._place(log)
+                if not log.pending():
+                    return
             cores = self.cores
             dispatch = self.dispatch
             host = self._host  # kept here while entries are issued inline, in self._host otherwise
@@ -201,6 +208,68 @@ class Device:
                 if end > start:
                     inflight.append(end)
             self._host = host
+
+    def _place(self, log: Any) -> None:
+        """The log's first launches placed by the log itself (``log.place``: the native fast path's
+        arithmetic of the loop in :meth:`_drain`, for the entries up to the first one it does not
+        take), their figures applied here in aggregate: the same state and the same recorder
+        figures as that loop leaves, without a Python loop per launch."""
+        recs = self.recorders
+        states = []
+        for i, c in enumerate(self.cores):
+            streams = c.streams
+            simple = not c.pending and not (streams and (len(streams) > 1 or 0 not in streams))
+            last = 0
+            for rec in recs:
+                tally = rec.cores.get(i)
+                if tally is not None and tally.open and tally.open[-1][1] > last:
+                    last = tally.open[-1][1]
+            states.append((simple, c.max_inflight, c.ready.get(0, 0), c.busy_until, c.inflight, last))
+        got = log.place(self._host, self.dispatch, states)
+        if got is None:
+            return
+        taken, host, used, rows, hops = got
+        launches = sum(u[4] for u in used)
+        for core, ready, busy, inflight, *_, bookings in used:
+            c = self.cores[core]
+            c.ready[0] = ready
+            c.busy_until = busy
+            c.inflight.clear()
+            c.inflight.extend(inflight)
+            c.bookings.extend(bookings)
+            if not c.streams:
+                c.streams.add(0)
+        delta = host - self._host
+        self._host = host
+        for rec in recs:
+            rec.host_ticks += delta
+            rec.dispatches += launches
+            for op, cost, key, n, ticks, wait in rows:
+                row = rec.rows.get(key)
+                if row is None:
+                    rec.rows[key] = [cost, n, ticks, wait, 0]
+                else:
+                    row[1] += n
+                    row[2] += ticks
+                    row[3] += wait
+            for name, n in hops:
+                rec.host_ops[name] = rec.host_ops.get(name, 0) + n
+            for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, _bk in used:
+                tally = rec.cores.get(core)
+                if tally is None:
+                    tally = rec.cores[core] = CoreTally()
+                tally.launches += n
+                tally.wait += wait
+                if last_end > tally.last_end:
+                    tally.last_end = last_end
+                if last_host >= 0:  # an interval was added: the ones the host has passed are folded
+                    tally.ticks += ticks
+                    live = tally.open
+                    while live and live[0][1] <= last_host:
+                        lo, hi = live.pop(0)
+                        tally.busy += hi - lo
+                    tally.busy += folded
+                    live.extend([lo, hi] for lo, hi in keep)
 
     def _update_gate(self) -> None:
         """Tell the log whether launches may be made without :meth:`launch` now."""

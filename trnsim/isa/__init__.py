@@ -128,7 +128,25 @@ class HbmTensor:
         return HbmAP(self, 0, self._dims, self._box)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
-        return self.full()[idx]
+        # ``full()[idx]`` without the whole-tensor view in between, for the everyday index (ints
+        # and step-1 slices within bounds): on the tensor's own dims the logical box of each
+        # dimension is its index range (HbmAP.__getitem__ with step 1 from box (0, n))
+        ranges = _fast_ranges(idx, self._dims)
+        if ranges is None:
+            return self.full()[idx]
+        offset = 0
+        dims: list[tuple[int, int]] = []
+        box: list[tuple[int, int]] = []
+        for r, sn in zip(ranges, self._dims):
+            if type(r) is int:
+                offset += r * sn[0]
+                box.append((r, r + 1))
+            else:
+                start, _, length = r  # type: ignore[misc]
+                offset += start * sn[0]
+                dims.append((sn[0], length))
+                box.append((start, start + length))
+        return HbmAP(self, offset, tuple(dims) if dims else ((1, 1),), tuple(box))
 
     def ap(self, offset: int, dims: Sequence[Sequence[int]]) -> "HbmAP":
         """A raw access pattern: element ``offset`` and ``[[stride, size], ...]`` (outer first)."""
@@ -243,10 +261,11 @@ class HbmAP:
         offset = self.offset
         dims: list[tuple[int, int]] = []
         # the logical box is only tracked for views whose dims are still the tensor's own dims
-        box = list(self.box) if self.box is not None and len(self.dims) == len(self.tensor.shape) else None
+        tstrides = self.tensor.strides
+        box = list(self.box) if self.box is not None and len(self.dims) == len(tstrides) else None
         for k, (r, (s, n)) in enumerate(zip(ranges, self.dims)):
             # the parent view's step along this tensor dim, in logical indices
-            ts = self.tensor.strides[k]
+            ts = tstrides[k]
             step0 = s // ts if box is not None and ts and s % ts == 0 else None
             if box is not None and step0 is None:
                 box = None
@@ -416,6 +435,25 @@ class TileAP:
         if len(free) > MAX_FREE_DIMS:
             raise KernelError(f"at most {MAX_FREE_DIMS} free dimensions, got {len(free)}")
         return TileAP(self.alloc, self.p_start, self.p_count, self.offset, row_major(free), self.dtype)
+
+    def bitcast(self, dtype: Any) -> "TileAP":
+        """The same bytes read as ``dtype`` (NKI's ``tile.view(dtype)``): an fp32 tile's bits as
+        int32, four fp8 bytes as one quad-packed ``float8_e4m3fn_x4`` word. Between sizes the
+        innermost free dim must have unit stride and whole elements of both dtypes."""
+        dt = get_dtype(dtype)
+        a, b = self.dtype.itemsize, dt.itemsize
+        if a == b:
+            return TileAP(self.alloc, self.p_start, self.p_count, self.offset, self.dims, dt)
+        s, n = self.dims[-1]
+        if s != 1 and n != 1:
+            raise KernelError(f"bitcast of '{self.name}' {self.dtype.short} -> {dt.short}: the innermost free dim "
+                              f"must have unit stride")
+        strides = [st * a for st, _ in self.dims[:-1]]
+        if (self.offset * a) % b or (n * a) % b or any(st % b for st in strides):
+            raise KernelError(f"bitcast of '{self.name}' {self.shape} {self.dtype.short} -> {dt.short}: the view is "
+                              f"not whole {dt.itemsize}-byte elements")
+        dims = tuple((st // b, m) for st, (_, m) in zip(strides, self.dims[:-1])) + ((1, n * a // b),)
+        return TileAP(self.alloc, self.p_start, self.p_count, self.offset * a // b, dims, dt)
 
     def broadcast_to(self, *shape: int) -> "TileAP":
         """Broadcast size-1 free dims to ``shape`` with stride 0 (e.g. a [P,1] bias to [P,N])."""

@@ -68,6 +68,7 @@ class Recipe:
     fused_projections: bool = True  # NxD's fused q/k/v and gate/up linears (TorchTitan keeps them apart)
     tp_overlap: bool = True  # the fused linears' backward overlaps its TP collectives with its matmuls (NxD's)
     attention: str = "flash"  # flash: the fused kernel; core: NxD's CoreAttention of 2023, op by op
+    mxfp8: bool = False  # TorchAO's MXFP8 linears (trn3): the decoder layers' linears quantised and on nc_matmul_mx
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -81,7 +82,7 @@ class Recipe:
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
         for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections),
-                        ("tp_overlap", self.tp_overlap)):
+                        ("tp_overlap", self.tp_overlap), ("mxfp8", self.mxfp8)):
             if not isinstance(v, bool):
                 raise RecipeError(f"{flag} {v!r}: expected true or false")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
@@ -124,6 +125,7 @@ class Recipe:
                                                if self.tp_overlap else "")) if self.fused_projections
                  else "separate q/k/v and gate/up",
                  "flash attention" if self.attention == "flash" else "core attention (scores and softmax in HBM)",
+                 *(["MXFP8 linears (mx_quantize kernels + nc_matmul_mx)"] if self.mxfp8 else []),
                  f"gradient buckets {self.bucket_mb} MB " + ("overlapped with the backward" if self.overlap else
                                                              "after the backward")]
         return ", ".join(parts)
@@ -210,6 +212,9 @@ def add_recipe_arguments(p: Any) -> None:
                                                                       "(TorchTitan's; NxD fuses them)")
     p.add_argument("--no-tp-overlap", action="store_true", help="the fused linears' backward waits for each TP "
                                                                "collective (NxD overlaps them with its matmuls)")
+    p.add_argument("--mxfp8", action="store_true", help="the decoder layers' linears in MXFP8 (TorchAO's MX linear "
+                                                        "on trn3's nc_matmul_mx, each operand's quantisation charged "
+                                                        "as its kernel); refused on trn1/trn2")
     p.add_argument("--plan", default=None, help=f"a published run as a plan ({', '.join(plan_names())}) or a plan YAML; "
                                                 f"options given beside it change one axis")
 
@@ -249,6 +254,8 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
         fields["fused_projections"] = False
     if getattr(args, "no_tp_overlap", False):
         fields["tp_overlap"] = False
+    if getattr(args, "mxfp8", False):
+        fields["mxfp8"] = True
     return Recipe.of(fields)
 
 

@@ -54,6 +54,7 @@ DTYPES = ("bf16", "fp16")
 PARAMS = {"window": 0, "sinks": False, "k_layout": "bhsd", "cache_update": False, "scale": 0.0, "shard": "0/1"}
 NEG = -30000.0  # a masked score: exp(scale * (NEG - max)) is 0 for any unmasked max
 _SCORE_BANKS = 2  # PSUM banks of scores per chunk (two chunks in flight: 4 of the 8 banks)
+_TR_GROUP = 8  # 128-key tiles of bf16 Kᵀ [D, 128] a 2 KiB PSUM bank holds (the PE-transpose path)
 
 
 def _scale(scale: Any, d: int) -> float:
@@ -122,8 +123,15 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
         kc.kind = vc.kind = "inout"
 
     pools = Pools(kern)
+    # bhsd K on a core without a DMA transpose (trn1): K is loaded as V is (one contiguous run
+    # per partition, key k0 + p*tiles + t) and each 128-key tile is transposed on TensorE, eight
+    # tiles into one PSUM bank and evacuated by one copy (the library's PE-transpose path); its
+    # two transpose banks come out of the scores' (one bank of scores per chunk)
+    pe_k = k_layout == "bhsd" and cfg.core.dma.transpose_rate_hbm <= 0
+    score_banks = 1 if pe_k else _SCORE_BANKS
     w = _Tkg(kern, pools, dt=dt, b=b, nq=nq, nkv=nkv, g=g, sa=sa, sp=sp, d=d, window=window, scale=sc,
-             q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, sinks=sink_t, out=out, bhds=k_layout == "bhds")
+             q=q, k=k, v=v, kc=kc, vc=vc, pos=pos, sinks=sink_t, out=out, bhds=k_layout == "bhds", pe_k=pe_k,
+             score_banks=score_banks)
     all_pairs = [(bi, h) for bi in range(b) for h in range(nkv)]
     # keys per chunk: up to 32 tiles of 128 (4096 keys; each chunk pays the softmax's chain of
     # dependent steps once, and a partition's run of V is >= 2 KiB from 8 tiles on); then as many
@@ -134,7 +142,7 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
     per_pair = tiles * (P + d) * dt.itemsize * 3 // 2 + tiles * npair * 10
     ppg = max(1, min(P // npair, len(all_pairs), 40 * 1024 // per_pair))
     n_tot = ppg * npair
-    tiles = max(1, min(tiles, _SCORE_BANKS * (512 // n_tot)))
+    tiles = max(1, min(tiles, score_banks * (512 // n_tot)))
     groups = [all_pairs[i:i + ppg] for i in range(0, len(all_pairs), ppg)]
     chunks = [(c0, min(tiles * P, k_hi - c0)) for c0 in range(k_lo, k_hi, tiles * P)]
     items: list[tuple[int, Any]] = []
@@ -161,6 +169,8 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
     group_state[0] = w.setup(groups[0], npair)  # q and the positions ahead of the first chunks' K and V
     load(0)
     load(1)
+    # the cache update's rows and indices (inputs only): loaded now, scattered after every read
+    staged = w.stage_update() if cache_update and first_core else []
     stage_a(0)
     for i in range(len(items)):
         load(i + 2)  # K and V two chunks ahead of their scores (the pools hold three)
@@ -174,8 +184,11 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
                 w.combine_peer(gs)
             if first_core:
                 w.store(gs)
-                if cache_update:
-                    w.update_cache(gs)
+    # the active tokens' K and V into the cache after every group's reads: the scatter's rows are
+    # known only when the kernel runs, so a write between two groups would hold the next group's
+    # loads of the same cache behind it (the rows it writes, at and past pos, are masked anyway)
+    for j, (idx, krows, vrows) in enumerate(staged):
+        w.update_cache(idx, krows, vrows, queue=12 + j % 4)
     return kern
 
 
@@ -204,6 +217,7 @@ class _Tkg:
         self.ones_col = kern_.sbuf((P, 1), self.dt, name="ones_col")      # sums p over the keys
         kern_.memset(self.ones_col, 1.0, engine="gpsimd")
         self.flip = 0
+        self.evac = 0
 
     # ---- per group -------------------------------------------------------------------------
     def setup(self, pairs_bk: list[tuple[int, int]], npair: int) -> _Group:
@@ -270,6 +284,19 @@ class _Tkg:
                 continue
             k0, nk = ck
             tiles = nk // P
+            vt = pools("v", npr).tile((P, tiles, d), dt)
+            base = ((bi * self.nkv + kvh) * self.sp + k0) * d
+            if self.pe_k:
+                # K rows as V's, in pieces of one transpose group's tiles (a run of 8 x D per
+                # partition) so the transposes can start on the first piece
+                kr = pools("k_rows", npr).tile((P, tiles, d), dt)
+                for t0 in range(0, tiles, _TR_GROUP):
+                    t1 = min(tiles, t0 + _TR_GROUP)
+                    kern.dma_copy(kr[:, t0:t1, :], self.kc.ap(base + t0 * d, [[tiles * d, P], [d, t1 - t0], [1, d]]),
+                                  queue=self._q())
+                kern.dma_copy(vt, self.vc.ap(base, [[tiles * d, P], [d, tiles], [1, d]]), queue=self._q())
+                kv.append((kr, vt, "rows"))
+                continue
             kT = pools("kT", npr).tile((P, tiles * P), dt)[:d, :nk]
             # K in pieces of whole key partitions' runs (>= 1024 keys each) so the scores can start
             # on the first piece: keys k0 + p*tiles + t, so piece [p0, p1) of the partitions
@@ -284,8 +311,6 @@ class _Tkg:
                 else:
                     load_transposed(kern, pools, kT[:, c0:c1], self.kc[bi, kvh, k0 + c0:k0 + c1, :], self._q(),
                                     "tkg_tr")
-            vt = pools("v", npr).tile((P, tiles, d), dt)
-            base = ((bi * self.nkv + kvh) * self.sp + k0) * d
             kern.dma_copy(vt, self.vc.ap(base, [[tiles * d, P], [d, tiles], [1, d]]), queue=self._q())
             kv.append((kT, vt, None))
         return kv
@@ -301,7 +326,7 @@ class _Tkg:
             np_, tiles = P, nk // P
         per_bank = max(1, 512 // n)
         n_banks = -(-tiles // per_bank)
-        s_ps = [pools("s_ps", 2 * _SCORE_BANKS, "psum").tile((P, 512), "fp32") for _ in range(n_banks)]
+        s_ps = [pools("s_ps", 2 * self.score_banks, "psum").tile((P, 512), "fp32") for _ in range(n_banks)]
         # PSUM: 4 banks of scores, 1 of bf16 transposes (q, active k), 1 of fp32 transposes,
         # 1 of broadcasts, 1 of p·v
         if active:
@@ -313,8 +338,11 @@ class _Tkg:
                 kern.tensor_copy(kT, tp, engine="scalar")
                 kv[j] = (kT, vt, kr)
         # s[key, tile, column] = k · q: K stationary (128 keys, key k0 + p*tiles + t at partition p)
-        for (kT, _, _), pr in zip(kv, gs.pairs):
+        for (kT, _, tag), pr in zip(kv, gs.pairs):
             qT = gs.qT[:, pr.c0:pr.c0 + pr.n]
+            if tag == "rows":
+                self._scores_pe_k(kT, tiles, per_bank, n, np_, pr, qT, s_ps)
+                continue
             for t in range(tiles):
                 bank, tl = divmod(t, per_bank)
                 dst = s_ps[bank][:np_, tl * n + pr.c0:tl * n + pr.c0 + pr.n]
@@ -361,6 +389,35 @@ class _Tkg:
             sv = TileAP(s_sb.alloc, s_sb.p_start, np_, s_sb.offset, ((1, n), (n, tiles)), s_sb.dtype)
             kern.tensor_reduce(red, "max", sv, axis=2)
         return (np_, tiles, s_sb, red, kv)
+
+    def _scores_pe_k(self, kr: TileAP, tiles: int, per_bank: int, n: int, np_: int, pr: _Pair, qT: TileAP,
+                     s_ps: list[TileAP]) -> None:
+        """The scores of one pair's chunk from K rows ``kr [128, tiles, D]`` (key ``k0 + p*tiles +
+        t`` at partition p): tile t's transpose is Kᵀ of keys ``k0 + p*tiles + t``, the stationary
+        of score tile t as it is. A group of 8 tiles is transposed into one PSUM bank and
+        evacuated by one copy (VectorE and ScalarE in turn); the transposes of group j + 1 are
+        issued before the score matmuls of group j, so TensorE transposes while the copy runs."""
+        kern, pools, d, dt = self.kern, self.pools, self.d, self.dt
+        spans = [(t0, min(tiles, t0 + _TR_GROUP)) for t0 in range(0, tiles, _TR_GROUP)]
+        kts: list[TileAP] = []
+
+        def transpose(j: int) -> None:
+            t0, t1 = spans[j]
+            ps = pools("k_tr", 2, "psum").tile((P, _TR_GROUP * P), dt)[:d, :(t1 - t0) * P]
+            kern.nc_transpose_many([(ps[:, (t - t0) * P:(t - t0 + 1) * P], kr[:, t, :]) for t in range(t0, t1)])
+            kt = pools("kT_grp", 4).tile((P, _TR_GROUP * P), dt)[:d, :(t1 - t0) * P]
+            self.evac += 1
+            kern.tensor_copy(kt, ps, engine="vector" if self.evac % 2 else "scalar")
+            kts.append(kt)
+
+        transpose(0)
+        for j, (t0, t1) in enumerate(spans):
+            if j + 1 < len(spans):
+                transpose(j + 1)
+            for t in range(t0, t1):
+                bank, tl = divmod(t, per_bank)
+                kern.nc_matmul(s_ps[bank][:np_, tl * n + pr.c0:tl * n + pr.c0 + pr.n],
+                               kts[j][:, (t - t0) * P:(t - t0 + 1) * P], qT)
 
     def _q(self) -> int:
         self.flip += 1
@@ -441,20 +498,46 @@ class _Tkg:
         r0 = (pr.b * self.nq + pr.kvh * self.g) * self.sa
         kern.dma_copy(self.out.ap(r0 * d, [[d, n], [1, d]]), res, engine="gpsimd", queue=14)
 
-    def update_cache(self, gs: _Group) -> None:
-        """The active keys and values into the cache rows ``pos .. pos + SA - 1`` of their sequence
-        (indirect DMA: the rows are known when the kernel runs)."""
+    def stage_update(self) -> list[tuple[TileAP, TileAP, TileAP]]:
+        """The cache update's operands, up to 128 rows a block (whole (batch, kv head) pairs):
+        the active K and V rows ``[B*NKV*SA, D]`` as they lie in ``k``/``v`` (one load each) and
+        each row's cache row ``((b*NKV + kvh)*SP + pos[b] + i``, from ``pos`` (a broadcast load
+        per pair) plus an iota per pair."""
         kern, pools, sa, d = self.kern, self.pools, self.sa, self.d
-        for pr in gs.pairs:
-            idx = pools("upd_idx", 2).tile((P, 1), "int32")[:sa]
-            kern.dma_copy(idx, self.pos.ap(pr.b, [[0, sa], [1, 1]]), engine="gpsimd", queue=15)
-            base = pools("upd_base", 2).tile((P, 1), "int32")[:sa]
-            kern.iota(base, base=(pr.b * self.nkv + pr.kvh) * self.sp, channel_multiplier=1, pattern=[0])
+        per = (P // sa) * sa
+        total = self.b * self.nkv * sa
+        n_blocks = -(-total // per)
+        out = []
+        for r0 in range(0, total, per):
+            n = min(per, total - r0)
+            idx = pools("upd_idx", n_blocks).tile((P, 1), "int32")[:n]
+            base = pools("upd_base", n_blocks).tile((P, 1), "int32")[:n]
+            for j in range(n // sa):
+                pair = r0 // sa + j
+                kern.dma_copy(idx[j * sa:(j + 1) * sa], self.pos.ap(pair // self.nkv, [[0, sa], [1, 1]]),
+                              engine="gpsimd", queue=12 + j % 4)
+            if sa == 1:  # row r0 + p is pair r0 + p: its cache row (r0 + p) * SP + pos
+                kern.iota(base, base=r0 * self.sp, channel_multiplier=self.sp, pattern=[0])
+            else:  # pair * SP + i for row pair * SA + i, a pair at a time (an iota starts at partition 0)
+                for j in range(n // sa):
+                    one = pools("upd_one", 2).tile((P, 1), "int32")[:sa]
+                    kern.iota(one, base=(r0 // sa + j) * self.sp, channel_multiplier=1, pattern=[0])
+                    kern.dma_copy(base[j * sa:(j + 1) * sa], one, engine="gpsimd", queue=12 + j % 4)
             kern.tensor_tensor(idx, idx, base, "add", engine="gpsimd")
-            for src, cache in ((self.k, self.kc), (self.v, self.vc)):
-                rows = pools("upd_rows", 2).tile((P, d), self.dt)[:sa]
-                kern.dma_copy(rows, src[pr.b, pr.kvh, :, :], engine="gpsimd", queue=15)
-                kern.dma_scatter(cache.reshape(self.b * self.nkv * self.sp, d), rows, idx, queue=15)
+            rows = []
+            for src in (self.k, self.v):
+                t = pools(f"upd_{src.name}", n_blocks).tile((P, d), self.dt)[:n]
+                kern.dma_copy(t, src.ap(r0 * d, [[d, n], [1, d]]), engine="gpsimd", queue=12 + len(out) % 4)
+                rows.append(t)
+            out.append((idx, rows[0], rows[1]))
+        return out
+
+    def update_cache(self, idx: TileAP, krows: TileAP, vrows: TileAP, queue: int = 15) -> None:
+        """The active keys and values into the cache rows ``pos .. pos + SA - 1`` of their sequence
+        (indirect DMA: the rows are known when the kernel runs), a block of rows in one scatter
+        per cache."""
+        for rows, cache in ((krows, self.kc), (vrows, self.vc)):
+            self.kern.dma_scatter(cache.reshape(self.b * self.nkv * self.sp, self.d), rows, idx, queue=queue)
 
 
 def attention_tkg_split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[Any] | None:
