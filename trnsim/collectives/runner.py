@@ -423,6 +423,11 @@ class CollectiveRunner:
                     at[n] = end
         if rt.step_sync:
             at = [a + rt.step_sync for a in at]
+        if rt.reduce_sync:  # a transfer that adds what it reads: the runtime's reduce step before it
+            for n, (h, i) in enumerate(todo):
+                t = h.sched.transfers[i]
+                if t.operands > 1 and not t.gather:
+                    at[n] += rt.reduce_sync
         if rt.efa_proxy:
             dims = self.system.topology
             waits: dict[int, dict[int, list[int]]] = {}  # proxy thread -> arrival tick -> transfers
