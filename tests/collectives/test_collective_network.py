@@ -199,6 +199,8 @@ def test_reduce_sync_delays_each_reduce_step_and_nothing_else():
         base = simulate_collective(TRN2, coll, 4096, ranks=ranks, algorithm=algo)
         synced = simulate_collective(_with(reduce_sync="1us"), coll, 4096, ranks=ranks, algorithm=algo)
         assert synced.time_ticks == base.time_ticks + steps * us, (coll, algo)
+        # the simulated call's alpha-beta estimate charges the same reduce steps
+        assert synced.estimate.time_s == pytest.approx(base.estimate.time_s + steps * 1e-6, abs=1e-9), (coll, algo)
 
 
 def test_the_efa_proxy_thread_serves_its_ranks_one_transfer_at_a_time():

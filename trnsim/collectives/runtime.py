@@ -22,6 +22,8 @@ its provenance (a datasheet section, ``estimate``, or the ledger rows it was cal
                     all-reduce): the runtime's own step before the reduction, on top of
                     ``step_sync``. Zero where the figures leave no room for it (SDK 2.32's ring
                     all-reduces); an earlier release's runtime may have it (``runtimes:``).
+                    A simulated call's α-β estimate charges it per reduce step of its
+                    schedule; ``estimate_collective`` alone (no schedule) does not.
 ``issue``           CC core time per transfer it starts (descriptors, semaphore set-up): a
                     rank's CC core issues one after another, so a mesh step's p-1 transfers
                     cost p-1 issues and a ring step one.
