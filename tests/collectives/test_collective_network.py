@@ -188,6 +188,21 @@ def test_the_runtime_costs_each_add_their_ticks():
     assert 0 <= mesh.time_ticks + 3 * us - issued.time_ticks <= 16
 
 
+def test_reduce_sync_delays_each_reduce_step_and_nothing_else():
+    """reduce_sync is paid by the transfers that add what they read: a 4-rank ring all-reduce's
+    two reduce steps (its first step sends a rank's own chunk), RDH's four halving steps and
+    KangaRing's seven on 16 ranks; an all-gather has none."""
+    us = TRN2.chip.tick_hz // 10**6
+    for coll, algo, ranks, steps in [("all-reduce", "ring", 4, 2), ("reduce-scatter", "ring", 4, 2),
+                                     ("all-gather", "ring", 4, 0), ("all-reduce", "two-step-mesh", 16, 2),
+                                     ("all-reduce", "rdh", 16, 4), ("all-reduce", "kangaring", 16, 7)]:
+        base = simulate_collective(TRN2, coll, 4096, ranks=ranks, algorithm=algo)
+        synced = simulate_collective(_with(reduce_sync="1us"), coll, 4096, ranks=ranks, algorithm=algo)
+        assert synced.time_ticks == base.time_ticks + steps * us, (coll, algo)
+        # the simulated call's alpha-beta estimate charges the same reduce steps
+        assert synced.estimate.time_s == pytest.approx(base.estimate.time_s + steps * 1e-6, abs=1e-9), (coll, algo)
+
+
 def test_the_efa_proxy_thread_serves_its_ranks_one_transfer_at_a_time():
     """A transfer that leaves the instance over EFA waits for its sender's proxy thread; ranks
     sharing one thread (ranks_per_proxy) take turns."""

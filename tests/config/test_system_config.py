@@ -51,7 +51,8 @@ def test_overrides_go_to_the_system_or_to_its_chip():
      "trn2.48xlarge.yaml (--set collectives.speed=1): unknown key 'collectives.speed': 'speed' is not in "
      "collectives; expected one of cc_cores_per_core, packet_bytes, max_chunks, window, reduce_engine, "
      "dma_accumulate_rate, mesh_below, mesh_collectives, rdh_below, rule_ranks, pipeline_segments, dma_duplication, "
-     "launch, graph_launch, step_sync, issue, dma_rings, p2p_rings, efa_proxy, ranks_per_proxy, flat_ring_channels, multistream_mesh"),
+     "launch, graph_launch, step_sync, reduce_sync, issue, dma_rings, p2p_rings, efa_proxy, ranks_per_proxy, "
+     "flat_ring_channels, multistream_mesh, sdk"),
     (["topology.x.bandwidth=fast"],
      "trn2.48xlarge.yaml (--set topology.x.bandwidth=fast): topology.x.bandwidth = 'fast': expected a bandwidth "
      "quantity like '2.9TB/s'"),
@@ -91,7 +92,7 @@ def test_bad_files(tmp_path):
     p.write_text("name: mine\ndescription: d\nchip: trn2\ntopology: {x: {kind: ring, size: 2, bandwidth: 1GB/s, "
                  "latency: 1ns, inter_instance: false}}\ncollectives: {}\nlinks: 3\n")
     with pytest.raises(ConfigError, match=rf"^{p}: unknown key 'links': expected one of name, description, chip, "
-                                          r"topology, collectives$"):
+                                          r"topology, collectives, runtimes$"):
         load_system(p)
     p.write_text("name: mine\ndescription: d\nchip: trn2\ntopology: {}\ncollectives: {}\n")
     with pytest.raises(ConfigError, match=r"topology must be a mapping of dimension name"):
@@ -107,6 +108,32 @@ def test_bad_files(tmp_path):
     p.write_text(shipped.replace("\nchip: trn2\n", "\nchip: 1B\n"))
     with pytest.raises(ConfigError, match=rf"^{p}: chip: unknown config '1B': expected one of trn1, trn2, trn3 or a "
                                           r"path to a .yaml file$"):
+        load_system(p)
+
+
+def test_an_sdk_release_selects_its_runtime_and_its_provenance(tmp_path):
+    """collectives.sdk names the release whose runtime the costs describe; another release of the
+    file's runtimes: puts its own values (and their calibration rows) in place of the file's; a
+    --set of the same key still wins; a release the file does not describe is a one-line error."""
+    base = load_system("trn2.48xlarge")
+    assert base.collectives.sdk == "2.32" and base.collectives.reduce_sync == 0
+    keys = {c.key for c in base.calibrations}
+    assert {"collectives.launch", "runtimes.2.24.launch", "runtimes.2.28.reduce_sync"} <= keys
+    old = load_system("trn2.48xlarge", ["collectives.sdk=2.24"])
+    assert old.collectives.sdk == "2.24" and old.collectives.launch < base.collectives.launch
+    assert old.collectives.step_sync == base.collectives.step_sync  # what 2.24 does not list stays
+    assert "collectives.launch" not in {c.key for c in old.calibrations}  # the file's launch no longer holds
+    r28 = load_system("trn2.48xlarge", ["collectives.sdk=2.28"])
+    assert r28.collectives.reduce_sync > 0 and r28.collectives.launch == base.collectives.launch
+    mine = load_system("trn2.48xlarge", ["collectives.sdk=2.28", "collectives.reduce_sync=1us"])
+    assert mine.collectives.reduce_sync == 10**6
+    with pytest.raises(ConfigError, match=r"^trn2.48xlarge.yaml \(--set collectives.sdk=2.26\): collectives.sdk = "
+                                          r"'2.26': expected a release this file describes: '2.32', '2.24', '2.28'$"):
+        load_system("trn2.48xlarge", ["collectives.sdk=2.26"])
+    shipped = (Path(__file__).resolve().parents[2] / "configs" / "systems" / "trn2.48xlarge.yaml").read_text()
+    p = tmp_path / "mine.yaml"
+    p.write_text(shipped.replace("    reduce_sync:\n      value: 141.66us", "    speed:\n      value: 141.66us"))
+    with pytest.raises(ConfigError, match=rf"^{p}: unknown key 'runtimes.2.28.speed': expected collectives keys"):
         load_system(p)
 
 

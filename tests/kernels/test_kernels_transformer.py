@@ -95,6 +95,7 @@ TRN1_CHECKS = [
     ((2, 4, 2, 1, 1024, 64), "bf16", {"cache_update": True}),
     ((1, 8, 1, 2, 1280, 128), "bf16", {"window": 300, "sinks": True}),
     ((2, 4, 1, 4, 640, 96), "fp16", {"cache_update": True}),
+    ((3, 8, 2, 3, 512, 128), "bf16", {"cache_update": True, "window": 100}),
 ]
 
 
@@ -104,13 +105,14 @@ def test_attention_tkg_on_trn1_matches_the_reference(shape, dtype, params):
     assert res["ok"], res["errors"]
 
 
-def test_attention_tkg_on_trn1_reaches_half_its_bound():
+def test_attention_tkg_on_trn1_is_near_its_bound():
     """Llama-2-7b's decode per rank at TP=32, batch 8, KV 8192 on trn1 (LNC=1): 32 MiB of cache
     in 256 KiB transfers (8 tiles of K or V per partition run), the K transposes on TensorE
-    hidden under them: 0.57 of the DMA bound (128-key row loads and one transpose bank: 0.22)."""
+    hidden under them, the cache update scattered once after every read: 0.82 of the DMA bound
+    (128-key row loads, one transpose bank and an update between sequences: 0.22)."""
     m = measure("attention_tkg", (8, 1, 1, 1, 8192, 128), {"cache_update": True}, config="trn1")
     assert m.cores == 1
-    assert 0.5 <= m.fraction <= 1.0, (m.fraction, m.seconds, m.bound_seconds)
+    assert 0.75 <= m.fraction <= 1.0, (m.fraction, m.seconds, m.bound_seconds)
 
 
 def test_qkv_on_trn3():

@@ -395,6 +395,78 @@ def test_causal_attention_writes_its_mask_over_nan_and_inf_scores_as_cpus_flash_
     assert checked == 4 * 4 * 3 * 3 * 2
 
 
+@pytest.mark.parametrize("seed", [167355199899617, 17573962839114])
+def test_attention_whose_scores_overflow_or_are_not_finite_gives_cpus_values(seed):
+    """Long-run findings, every way (fast path, Python path, compiled):
+    167355199899617 (fp32, CPU's math path: k not unit-stride): Q Kᵀ sums 1e30 * 1e30 and
+    -1e30 * 1e30; CPU's small bmm rounds each product to +-inf and gets NaN, the datapath's fused
+    multiply-add -inf. 17573962839114 (fp16, causal, GQA, 4 queries over 5 keys, NaN and inf
+    inputs): CPU's flash kernel's blocked online softmax and fp16 exponentials put NaNs elsewhere
+    (88 NaNs, the device 118); a compiled graph traced the op-by-op decomposition, which cannot
+    look at the values."""
+    s = dt.make_sample("scaled_dot_product_attention", seed, dt.DTYPES)
+    t = dt.Tester(dt.SEED, dt.DTYPES, 1, echo=None)
+    t.run_sample(s)
+    t.flush_compiled()
+    assert t.stats.compiled == 1
+    assert not [m.line() for m in t.stats.mismatches]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["mm", "bmm", "addmm", "baddbmm", "conv"])
+def test_matmuls_whose_products_overflow_give_cpus_infinities_and_nans(op, dtype):
+    """1e30 * 1e30 - 1e30 * 1e30: CPU's small bmm and its bf16 mm round each product to +-inf
+    (NaN); the datapath's fused multiply-add kept the product exact and gave -inf. Operands whose
+    products may overflow, or that hold a NaN or inf, take CPU's kernel (the fast path's float32
+    matmuls step aside to it too); finite bounded ones stay on the datapath."""
+    a = torch.zeros(1, 4, 8, dtype=dtype)
+    a[0, 0, 0], a[0, 0, 1], a[0, 1, 2] = -1e30, 1e30, 1e30
+    b = torch.full((1, 8, 4), 1e30, dtype=dtype)
+    c = torch.ones(1, 4, 4, dtype=dtype)
+    on = (lambda x: x.to("neuron"))
+    if op == "conv":  # a 1x1 convolution is the same sum: channels are the contraction
+        x, w = a[0].t().reshape(1, 8, 2, 2).contiguous(), b[0].t().reshape(4, 8, 1, 1).contiguous()
+        want, got = F.conv2d(x, w), F.conv2d(on(x), on(w)).cpu()
+    else:
+        args = {"mm": (a[0], b[0]), "bmm": (a, b), "addmm": (c[0], a[0], b[0]), "baddbmm": (c, a, b)}[op]
+        f = getattr(torch, op)
+        dev = list(map(on, args))
+        want, got = f(*args), f(*dev).cpu()
+        from torch_bridge.eager import fastpath
+        hits = fastpath.hits()
+        again = f(*dev).cpu()  # the second call of a signature: the native fast path's, for float32
+        assert fastpath.hits() == hits  # (it stepped aside to Python's path: CPU's kernel)
+        assert torch.equal(again.isnan(), want.isnan()) and torch.equal(again.isinf(), want.isinf())
+        if dtype == torch.float32:  # bounded operands of the same signature: the fast path's datapath
+            small = [on(x.clamp(-1, 1)) for x in args]
+            f(*small)
+            f(*small)
+            assert fastpath.hits() > hits
+    assert want.isnan().any() or want.isinf().any()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (got, want)
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_causal_attention_over_512_keys_with_a_plus_inf_mask_gives_cpus_values(dtype):
+    """CPU's flash kernel over more than 512 keys (its key block) runs an online softmax per
+    block, rounding fp16/bf16 exponentials: a +inf in a float mask left 18,528 NaNs of 19,200
+    where the device's one-pass softmax gave all 19,200; a non-positive scale and non-finite
+    inputs took other routes too. Such calls take CPU's kernel's values."""
+    g = torch.Generator().manual_seed(0)
+    n = 600
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(dtype) for _ in range(3))
+    mask = torch.zeros(n, n, dtype=dtype).masked_fill_(torch.rand(n, n, generator=g) < 0.05, math.inf)
+    on = (lambda x: x.to("neuron"))
+    k_nan = k.index_fill(2, torch.tensor([3]), math.nan)
+    for m, scale, kk in ((mask, None, k), (None, 0.0, k), (None, -0.5, k), (None, None, k_nan)):
+        want = F.scaled_dot_product_attention(q, kk, v, attn_mask=m, is_causal=True, scale=scale)
+        got = F.scaled_dot_product_attention(on(q), on(kk), on(v), attn_mask=None if m is None else on(m),
+                                             is_causal=True, scale=scale).cpu()
+        assert torch.equal(got.isnan(), want.isnan()), scale
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=2 ** -7, atol=2 ** -7)
+
+
 @pytest.mark.parametrize("seed", [74854108674711, 204197738243539, 91416097824352])
 def test_scaled_mm_adds_an_expanded_bias_s_values(seed):
     """Long-run finding: CPU's _scaled_mm reads a bias as contiguous whatever its strides, so an

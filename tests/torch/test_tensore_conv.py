@@ -81,8 +81,10 @@ def test_a_channels_last_input_gives_the_same_bits():
 
 
 def test_a_neuron_convolution_takes_the_datapath_exactly_when_its_inputs_are_finite():
-    """values.convolution's test is 'every element finite', made by a sum first: finite elements
-    whose sum overflows still take the datapath, an infinity or NaN anywhere takes CPU's."""
+    """all_finite is 'every element finite', made by a sum first (finite elements whose sum
+    overflows are finite). values.convolution takes the datapath when its products are bounded
+    (tensore.bounded: finite, and k * max|x| * max|w| far from overflow): an infinity or NaN
+    anywhere, or elements so large that products or partial sums may overflow, take CPU's."""
     from torch_bridge.eager.values import all_finite
 
     g = torch.Generator().manual_seed(5)
@@ -94,7 +96,8 @@ def test_a_neuron_convolution_takes_the_datapath_exactly_when_its_inputs_are_fin
     assert all_finite(torch.zeros(0)) and all_finite(torch.tensor([65504.0, 65504.0]).half())
     w = torch.randn(8, 64, 3, 3, generator=g) * 1e-3
     x = torch.randn(2, 64, 6, 6, generator=g)
-    for x, wt, datapath in ((big, w, True), (x, w.clone().index_fill_(0, torch.tensor([2]), float("inf")), False),
+    for x, wt, datapath in ((x, w, True), (big, w, False),
+                            (x, w.clone().index_fill_(0, torch.tensor([2]), float("inf")), False),
                             (x.clone().index_fill_(3, torch.tensor([1]), float("nan")), w, False)):
         want = tensore.conv_f32(x, wt, (1, 1), (1, 1), (1, 1), 1)
         cpu = torch.nn.functional.conv2d(x, wt, padding=1)

@@ -24,6 +24,7 @@ from ..eager import memory
 __all__ = ["use_attention_op", "sdpa"]
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
+ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default  # (a graph may call the op itself)
 
 
 @torch.library.custom_op("trnsim::attention", mutates_args=())
@@ -74,23 +75,61 @@ def _backward(ctx: Any, grad_out: Tensor, grad_p: Tensor | None) -> tuple[Any, .
 attention.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("trnsim::attention_values", mutates_args=())
+def attention_values(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                     scale: float | None) -> Tensor:
+    """``out``, the traced op-by-op flash arithmetic's result for a call CPU computes with its
+    flash kernel, with CPU's own kernel's values where the datapath's cannot be CPU's
+    (:func:`torch_bridge.ops.attention.datapath_exact`: inputs not finite, products that may
+    overflow, ...), which only the values decide, as the eager device does. No kernel of its
+    own (nothing is charged): the traced ops are the computation; the copy of ``out`` is there
+    because a custom op may not return its input."""
+    index = out.device.index or 0
+    hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
+    hm = None if mask is None else mask if mask.device.type == "cpu" else memory.cpu_view(mask)
+    res = memory.cpu_view(out).clone()
+    if not eager_attention.datapath_exact(hq, hk, hv, hm, scale):
+        res.copy_(eager_attention.cpu_kernel(hq, hk, hv, hm, causal, scale))
+    return memory.relabel(res, index)
+
+
+@attention_values.register_fake
+def _(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
+      ) -> Tensor:
+    return torch.empty_like(out)
+
+
+def _values_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+    return grad, None, None, None, None, None, None  # (the traced ops carry the gradients)
+
+
+attention_values.register_autograd(_values_backward)
+
+
 def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention`` as a compiled graph calls it: the attention op where
-    the flash-attention kernel takes the call, PyTorch's math path otherwise."""
+    the flash-attention kernel takes the call; otherwise the eager device's op-by-op path, traced
+    (CPU's flash arithmetic, or PyTorch's math path), and for CPU's flash calls
+    :func:`attention_values` after it."""
     if query.device.type == "neuron" and eager_attention.takes_meta(query, key, value, attn_mask, dropout_p,
                                                                      enable_gqa):
         flash = eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return attention(query, key, value, attn_mask, bool(is_causal), scale, query.shape[-3] // key.shape[-3],
                          flash)[0]
-    return SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    out = SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if query.device.type == "neuron" and dropout_p == 0.0 and \
+            all(t.device == query.device for t in (query, key, value)) and \
+            eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return attention_values(out, query, key, value, attn_mask, bool(is_causal), scale)
+    return out
 
 
 def use_attention_op(gm: fx.GraphModule) -> None:
     """Point ``gm``'s attention calls at :func:`sdpa` (in place)."""
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is SDPA:
+        if n.op == "call_function" and n.target in (SDPA, ATEN_SDPA):
             n.target = sdpa
             changed = True
     if changed:

@@ -105,8 +105,10 @@ class RegionKernel:
         rest = views
         if self.head is not None:
             a, b = views[0], views[1]
-            if tensore.on_datapath(a, b):
+            if tensore.on_datapath(a, b) and tensore.bounded(a.shape[-1], a, b):
                 env[self.head] = tensore.matmul_f32(a, b)  # fp32 PSUM; the program adds the bias
+            elif tensore.on_datapath(a, b):  # products that may overflow: CPU's kernel (tensore.bounded)
+                env[self.head] = torch.mm(a, b).float()
             else:
                 env[self.head] = torch.mm(a.float(), b.float())
             rest = views[2:]

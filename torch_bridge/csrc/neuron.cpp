@@ -37,6 +37,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 #include <cstdlib>
@@ -830,6 +832,40 @@ void key_strides(std::string& key, const at::Tensor& t) {
   for (auto st : t.strides()) key_int(key, st);  // the layout picks the kernel's operand forms
 }
 
+// The largest |x| of a float32 tensor of at most 3 dims (any strides), NaN when it holds a NaN.
+double max_magnitude(const at::Tensor& t) {
+  const float* p = static_cast<const float*>(first_element(t));
+  const int64_t d = t.dim();
+  const int64_t n0 = d == 3 ? t.size(0) : 1, t0 = d == 3 ? t.stride(0) : 0;
+  const int64_t n1 = d >= 2 ? t.size(d - 2) : 1, t1 = d >= 2 ? t.stride(d - 2) : 0;
+  const int64_t n2 = d >= 1 ? t.size(d - 1) : 1, t2 = d >= 1 ? t.stride(d - 1) : 0;
+  float m = 0.0f;
+  for (int64_t i = 0; i < n0; ++i) {
+    for (int64_t j = 0; j < n1; ++j) {
+      const float* row = p + i * t0 + j * t1;
+      for (int64_t k = 0; k < n2; ++k) {
+        float v = std::fabs(row[k * t2]);
+        if (!(v <= m)) {
+          if (v != v) return std::nan("");
+          m = v;
+        }
+      }
+    }
+  }
+  return m;
+}
+
+// torch_bridge.tensore.bounded: k * max|a| * max|b| * |alpha| + |beta| * max|c| well below float32's
+// largest value, so no product or partial sum overflows in any order; otherwise (or with a NaN or
+// an infinity) Python's path takes CPU's kernel, whose +inf/-inf/NaN the datapath's fused sums
+// do not reproduce
+bool products_bounded(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, int64_t k, double alpha,
+                      double beta) {
+  double bound = static_cast<double>(k) * max_magnitude(a) * max_magnitude(b) * std::fabs(alpha);
+  if (c.defined() && beta != 0) bound += std::fabs(beta) * max_magnitude(c);
+  return bound < static_cast<double>(std::numeric_limits<float>::max()) / 4;
+}
+
 // The float32 PSUM result: host memory behind a neuron tensor, so it comes from the host cache
 // (HostScope, above) like the fast path's other CPU results; c10's plain CPU allocator
 // (posix_memalign) made each big result of the small GPT-2 fault its pages in again on every call
@@ -889,6 +925,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
     alpha = valpha.toScalar();
     if (alpha.toDouble() == 0) return slow(op, stack);  // BLAS's alpha == 0: values.addmm reads self only
   }
+  if (!products_bounded(a, b, c, K, alpha.toDouble(), beta.toDouble())) return slow(op, stack);
   key_int(key, 53);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);

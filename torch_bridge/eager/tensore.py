@@ -10,6 +10,7 @@ take (float64, integers, complex) are computed by the CPU kernel instead, as are
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_dtypes
@@ -18,7 +19,7 @@ import torch
 
 from trnsim import native
 
-__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "conv_f32", "conv_on_datapath"]
+__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "conv_f32", "conv_on_datapath"]
 
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,6 +41,34 @@ def on_datapath(*ts: torch.Tensor) -> bool:
     """True when every operand is a non-empty tensor of one dtype the PE array reads."""
     dt = ts[0].dtype
     return dt in DATAPATH_DTYPES and all(t.dtype == dt and t.numel() > 0 for t in ts)
+
+
+# a quarter of float32's largest value: the margin covers the roundings of k fp32 additions
+BOUND = float(torch.finfo(torch.float32).max) / 4
+
+
+def magnitude(t: torch.Tensor) -> float:
+    """The largest ``|x|`` of ``t`` (0 for an empty tensor; NaN or inf when ``t`` holds one)."""
+    if t.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(t)
+    lo_f, hi_f = float(lo), float(hi)
+    if math.isnan(lo_f) or math.isnan(hi_f):
+        return math.nan
+    return max(-lo_f, hi_f)
+
+
+def bounded(k: int, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, extra: float = 0.0) -> bool:
+    """True when ``scale * (sum of k products a_i * b_i) + extra`` stays finite in every order
+    and whether or not a multiply and an add are fused: every element finite and
+    ``k * max|a| * max|b| * |scale| + extra`` well below float32's largest value. Only then does
+    the datapath's result differ from a CPU kernel's by rounding alone. Otherwise which of +inf,
+    -inf or NaN a sum gets depends on the kernel: the datapath's fused multiply-add keeps
+    ``1e30 * 1e30`` exact and adds it to a -inf accumulator as -inf, where CPU's small bmm (and its
+    bf16 mm) rounds the product to +inf first and gets NaN (found by difftest: SDPA 167355199899617);
+    callers take CPU's own kernel for such operands, as the convolution does for non-finite ones."""
+    bound = float(k) * magnitude(a) * magnitude(b) * abs(scale) + extra
+    return bound < BOUND  # (False for NaN)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

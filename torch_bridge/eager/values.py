@@ -532,9 +532,9 @@ def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _mm_ok(a, b):
         return torch.mm(a, b)  # CPU's error for these operands
-    if tensore.on_datapath(a, b):
+    if tensore.on_datapath(a, b) and tensore.bounded(a.shape[1], a, b):
         res = tensore.matmul_f32(a, b).to(self.dtype)
-    else:
+    else:  # (operands whose products may overflow or are not finite: CPU's kernel, see tensore.bounded)
         res = torch.mm(a, b)
     _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
     return memory.relabel(res, index)
@@ -547,6 +547,15 @@ def _add_scaled(prod: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> t
     if beta != 0:  # beta == 0 ignores self entirely (even NaN), as aten does
         prod.add_(c.float() if beta == 1 else c.float() * beta)
     return prod
+
+
+def _bias_bounded(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: Any, beta: Any) -> bool:
+    """addmm/baddbmm's ``alpha * a @ b + beta * c`` stays finite in every order (tensore.bounded)."""
+    try:
+        al, be = abs(complex(alpha)), abs(complex(beta))
+    except (TypeError, ValueError):
+        return False
+    return tensore.bounded(a.shape[-1], a, b, al, be * tensore.magnitude(c) if be else 0.0)
 
 
 def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
@@ -564,7 +573,7 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
         # (a new contiguous result, as CPU's: a transposed self's strides are not kept; found by difftest)
         res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else \
             torch.empty(rows, dtype=a.dtype).copy_((c if beta == 1 else c * beta).expand(rows))
-    elif tensore.on_datapath(a, b) and c.dtype == a.dtype:
+    elif tensore.on_datapath(a, b) and c.dtype == a.dtype and _bias_bounded(a, b, c, alpha, beta):
         res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
     else:
         res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
@@ -578,9 +587,9 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _bmm_ok(a, b):
         return torch.bmm(a, b)  # CPU's error for these operands
-    if tensore.on_datapath(a, b):
+    if tensore.on_datapath(a, b) and tensore.bounded(a.shape[2], a, b):
         res = tensore.bmm_f32(a, b).to(self.dtype)
-    else:
+    else:  # (see mm)
         res = torch.bmm(a, b)
     _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
     return memory.relabel(res, index)
@@ -593,7 +602,7 @@ def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
     if not (_bmm_ok(a, b) and _bias_ok(c, (a.shape[0], a.shape[1], b.shape[2]))):
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
-    if tensore.on_datapath(a, b) and c.dtype == a.dtype:
+    if tensore.on_datapath(a, b) and c.dtype == a.dtype and _bias_bounded(a, b, c, alpha, beta):
         res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
     else:
         res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
@@ -692,9 +701,10 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     strides = _check_convolution(x, w, cb, stride, padding, dilation, transposed, output_padding, groups)
     # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
     # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
-    # are not all finite take CPU's convolution for their values
+    # are not all finite, or whose products may overflow (tensore.bounded), take CPU's convolution
+    # for their values
     if tensore.conv_on_datapath(x, w, transposed) and (cb is None or cb.dtype == x.dtype) and \
-            all_finite(x) and all_finite(w):
+            tensore.bounded(w.numel() // w.shape[0], x, w, 1.0, 0.0 if cb is None else tensore.magnitude(cb)):
         acc = tensore.conv_f32(x, w, stride, padding, dilation, groups)
         if cb is not None:
             acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))

@@ -266,7 +266,8 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
     :func:`masked_scores`."""
-    cq, ck, cv = memory.cpu_view(q), _heads(memory.cpu_view(k), groups), _heads(memory.cpu_view(v), groups)
+    hq, hv = memory.cpu_view(q), memory.cpu_view(v)
+    cq, ck, cv = hq, _heads(memory.cpu_view(k), groups), _heads(hv, groups)
     l, e = q.shape[-2:]
     s = k.shape[-2]
     sc = scale if scale is not None else 1.0 / math.sqrt(e)
@@ -278,8 +279,40 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
         dead = scores.amax(-1, keepdim=True) == -math.inf
         if dead.any():
             p.masked_fill_(dead, 0.0)
-    out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+    if datapath_exact(hq, memory.cpu_view(k), hv, mask, scale):
+        out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+    else:
+        out = cpu_kernel(hq, memory.cpu_view(k), hv, mask, is_causal, scale)
     return out, p, sc
+
+
+def datapath_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None) -> bool:
+    """True when the datapath's attention differs from CPU's kernels by rounding alone (host
+    views): Q, K and V finite, no product or partial sum of Q Kᵀ (times the scale) or of P V
+    able to overflow (:func:`torch_bridge.tensore.bounded`), a positive finite scale, and no
+    +inf or NaN in a float mask (-inf, the masking value, is fine; causal fp16/bf16 calls over
+    512 keys gave other NaNs with +inf in the mask).
+    Otherwise where a score is +-inf or NaN depends on the kernel's summation order and fusion
+    (SDPA 167355199899617: 1e30 * 1e30 - 1e30 * 1e30 is NaN in CPU's small bmm, -inf on the
+    datapath), and CPU's flash kernel carries NaN, inf and a non-positive scale through its
+    blocked online softmax (key blocks of 512; fp16/bf16 exponentials rounded before P V) in
+    ways a one-pass softmax does not (SDPA 17573962839114): CPU's own kernel gives those values."""
+    e, s = q.shape[-1], k.shape[-2]
+    sc = scale if scale is not None else 1.0 / math.sqrt(e) if e else 1.0
+    if not (math.isfinite(sc) and sc > 0):
+        return False
+    if mask is not None and mask.is_floating_point() and mask.numel() and not float(mask.amax()) < math.inf:
+        return False
+    return tensore.bounded(e, q, k, sc) and float(s) * tensore.magnitude(v) < tensore.BOUND
+
+
+def cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+               scale: float | None) -> torch.Tensor:
+    """CPU's own scaled_dot_product_attention on host views (the kernel CPU picks for them)."""
+    with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.no_grad():
+        return torch.ops.aten.scaled_dot_product_attention.default(
+            q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
 
 
 KV_SPLIT = 512  # CPU's flash kernel's key block (kvSplitSize)
@@ -405,6 +438,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
         if flash and dropout_p == 0.0:
             out = flash_decomposed(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+            if all(type(t) in _PLAIN for t in (query, key, value, attn_mask, out) if t is not None):
+                hq, hk, hv = (memory.cpu_view(t) for t in (query, key, value))
+                mask = attn_mask if attn_mask is None or attn_mask.device.type == "cpu" else \
+                    memory.cpu_view(attn_mask)
+                if not datapath_exact(hq, hk, hv, mask, scale):  # CPU's flash kernel's values (see datapath_exact)
+                    memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, mask, is_causal, scale))
         else:
             mask, causal = additive_mask(query, key, attn_mask, is_causal)
             out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale,

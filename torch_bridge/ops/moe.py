@@ -68,7 +68,7 @@ def _cpu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` as a neuron ``mm(x, w.t())`` computes it (fp32 PSUM, one rounding)."""
     wt = w.t()
-    if tensore.on_datapath(x, wt):
+    if tensore.on_datapath(x, wt) and tensore.bounded(x.shape[-1], x, wt):
         return tensore.matmul_f32(x, wt).to(x.dtype)
     return torch.mm(x, wt)
 

@@ -275,27 +275,36 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     positive("--seq", seq)
     dt = dtype_of(dtype)
     _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
-    gbs = micro_batch * dp if global_batch is None else positive("--global-batch", global_batch)
-    if gbs % (micro_batch * dp):
-        raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}")
-    micro = gbs // (micro_batch * dp)
+    cp = recipe.cp
+    if cp > 1 and (dp % cp or seq % (2 * cp)):
+        raise EstimateError(f"--cp {cp}: context parallelism splits the data-parallel ranks and each sequence in "
+                            f"{2 * cp} load-balanced chunks; " + (f"--dp {dp} is not a multiple of {cp}" if dp % cp else
+                                                                  f"--seq {seq} is not a multiple of {2 * cp}"))
+    replicas = dp // cp  # the replicas that take different sequences (a CP group shares its sequences)
+    gbs = micro_batch * replicas if global_batch is None else positive("--global-batch", global_batch)
+    if gbs % (micro_batch * replicas):
+        raise EstimateError(f"--global-batch {gbs} is not a multiple of --micro-batch {micro_batch} x --dp {dp}" +
+                            (f" / --cp {cp}" if cp > 1 else ""))
+    micro = gbs // (micro_batch * replicas)
     check_sizes(spec, seq=seq, micro_batches=micro)
-    check_batch(spec, sysc, plan.tp, plan.pp, dtype, micro_batch=micro_batch, seq=seq)
-    if sp and plan.tp > 1 and seq % plan.tp:
-        raise EstimateError(f"--sp: --seq {seq} is not a multiple of --tp {plan.tp}")
+    local = seq // cp  # the tokens of each sequence a rank holds
+    check_batch(spec, sysc, plan.tp, plan.pp, dtype, micro_batch=micro_batch, seq=local)
+    if sp and plan.tp > 1 and local % plan.tp:
+        raise EstimateError(f"--sp: --seq {seq}" + (f" / --cp {cp}" if cp > 1 else "") +
+                            f" is not a multiple of --tp {plan.tp}")
     cache = CostCache(default_cache_dir() if cache_dir is True else (cache_dir or None))
     reports: dict[tuple[Any, ...], Any] = {}
     refused: list[str] = []
     results, traces, memory, kernels = simulate_roles(
         spec, sysc, plan, cache, reports,
-        lambda rank, last: run_train_role(rank, spec, plan, dt, last, micro_batch, seq, trace, recipe, micro), refused)
+        lambda rank, last: run_train_role(rank, spec, plan, dt, last, micro_batch, local, trace, recipe, micro), refused)
     _check_fits(results, plan, spec)
     params_total = 0
     for role in plan.roles(spec.layers):
         params_total += results[role.stage]["params"] * plan.tp  # the stage's parameters over its TP group
     hz = sysc.tick_hz
     stages = [results[r.stage] for r in plan.roles(spec.layers)]
-    act = micro_batch * seq * spec.hidden * torch.empty((), dtype=dt).element_size()
+    act = micro_batch * local * spec.hidden * torch.empty((), dtype=dt).element_size()
     p2p = send_recv_ticks(sysc, plan, act, reports, dtype)
     if recipe.schedule == "interleaved" and plan.pp > 1:
         from trnsim.workload.training import pipeline_interleaved

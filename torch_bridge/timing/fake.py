@@ -545,6 +545,9 @@ class TimingOnly:
         # an MX format ("mxfp8_e4m3fn") while an MX linear runs its matmuls (train_step.mx_linear): each
         # 2-d matmul is charged as its operands' MX quantisation kernels and the MX matmul
         self.mx: str | None = None
+        # (the rank's Comm, its CP group) while a context-parallel step runs: attention is ring
+        # attention over the group (torch_bridge.context_parallel)
+        self.ring: tuple[Any, list[int]] | None = None
         # asynchronous collectives not yet waited on: their results' storages -> (weak ref, core, end tick);
         # the first op that reads one waits for the collective's end (collective(result=...))
         self._awaiting: dict[int, tuple[StorageWeakRef, int, int]] = {}
@@ -682,6 +685,15 @@ class TimingOnly:
         flash = check(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         self.await_reads((q, k, v, mask))
         dropout = float(dropout_p) if self.target.attention_dropout else 0.0
+        if self.ring is not None:
+            if mask is not None or q.dim() != 4 or q.shape[-2] != k.shape[-2]:
+                from trnsim.workload.training import RecipeError
+
+                raise RecipeError(f"--cp {len(self.ring[1])}: ring attention takes self-attention without an explicit "
+                                  f"mask (causal or not); this model's attention passes one")
+            from .context_parallel import ring_attention
+
+            return ring_attention(q, k, v, bool(is_causal), scale, self, dropout, self.ring, flash)
         if not takes_meta(q, k, v, mask, dropout_p - dropout, enable_gqa):
             return None
         return _Attention.apply(q, k, v, mask, is_causal, scale, self, dropout, flash)

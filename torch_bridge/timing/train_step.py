@@ -509,6 +509,10 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         state = OptimizerState(params, recipe, plan.dp)
         if recipe.mxfp8:
             apply_mx(layers)
+        if recipe.cp > 1:  # the ring: the rank's CP group, cp consecutive data-parallel replicas (as EP's)
+            d, p_i, t = plan.coords(comm.rank)
+            lo = d // recipe.cp * recipe.cp
+            rank.run.ring = (comm, [plan.rank(dd, p_i, t) for dd in range(lo, lo + recipe.cp)])
         apply_recompute(layers, recipe.recompute, comm)
         sp = contextlib.nullcontext() if not (plan.sp and plan.tp > 1) else sequence_parallel_saves(comm)
         if recipe.fused:  # the step lowered as the compiled path lowers it
@@ -577,6 +581,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         out["optimizer_ticks"] = rank.step_end(start)
         out["fused_regions"] = rank.run.fuser.regions if rank.run.fuser is not None else 0
         rank.run.fuser = None
+        rank.run.ring = None
         mem = rank.ledger.devices[0]
         measured = mem.peak
         master, grads, moments = state.nbytes()
@@ -646,6 +651,11 @@ def assumptions(recipe: Recipe) -> tuple[str, ...]:
                  "matmul, each waited on where its result is first read" if recipe.tp_overlap else
                  "; their backward waits for each TP collective"))
                if recipe.fused_projections else "q/k/v and gate/up as separate linears")
+    if recipe.cp > 1:
+        out.append(f"context parallelism over {recipe.cp} data-parallel ranks: each holds 1/{recipe.cp} of every "
+                   f"sequence (load-balanced causal chunks); attention as ring attention: key/value blocks passed "
+                   f"around the group by permutes beside the attention of the block in hand, partial outputs merged "
+                   f"by their log-sum-exp; the backward passes the blocks and their gradients on")
     if recipe.mxfp8:
         out.append("the decoder layers' linears in MXFP8 as TorchAO runs them: each matmul's two operands cast along "
                    "its contraction by the mx_quantize kernel (six casts a linear a step: x, w, the output gradient, "

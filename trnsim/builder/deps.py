@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from itertools import chain
 
 import numpy as np
 from typing import Any, Iterator, Sequence
@@ -263,7 +264,7 @@ def _hbm_box(ap: HbmAP) -> tuple[int, ...]:
     if box is None:
         lo, hi = ap.span()
         if ap.box is not None:
-            box = tuple(x for lohi in ap.box for x in lohi) + (lo, hi)
+            box = tuple(chain.from_iterable(ap.box)) + (lo, hi)
         else:
             box = (lo, hi)
         ap._dep_box = box

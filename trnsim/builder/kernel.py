@@ -391,7 +391,28 @@ class Kernel(TensorEngineOps, EngineOps):
         if plan is None:
             plan = self._dma_plans[key] = plan_dma(dst, src, self.config)
         ins.plan = plan
-        return self._emit(ins, key=lane)  # type: ignore[return-value]
+        if el is None:
+            return self._emit(ins, key=lane)  # type: ignore[return-value]
+        # plain views (el: checked above): _emit with the ownership and liveness checks inline;
+        # anything out of the ordinary (and every error) goes through _emit
+        for ap in (src, dst):
+            if type(ap) is TileAP:
+                a = ap.alloc
+                if self._allocs.get(a.uid) is not a or not a.live:
+                    return self._emit(ins, key=lane)  # type: ignore[return-value]
+            elif self.tensors.get(ap.tensor.name) is not ap.tensor:
+                return self._emit(ins, key=lane)  # type: ignore[return-value]
+        instrs = self.instructions
+        idx = len(instrs)
+        if idx >= self._max_instructions:
+            return self._emit(ins, key=lane)  # type: ignore[return-value]
+        ins.index = idx
+        ins.deps = self._deps.record(ins, lane)
+        loaded = self._loaded_stationary
+        if loaded is not None and td is TileAP and dst.alloc.uid == loaded[0]:  # a write to the loaded stationary's tile unloads it
+            self._loaded_stationary = None
+        instrs.append(ins)
+        return ins
 
     def _dma_lane(self, eng: str, queue: Any, what: str) -> str:
         """The DMA queue lane ``engine``/``queue`` names, registering it (16 per kernel at most)."""

@@ -423,6 +423,11 @@ class CollectiveRunner:
                     at[n] = end
         if rt.step_sync:
             at = [a + rt.step_sync for a in at]
+        if rt.reduce_sync:  # a transfer that adds what it reads: the runtime's reduce step before it
+            for n, (h, i) in enumerate(todo):
+                t = h.sched.transfers[i]
+                if t.operands > 1 and not t.gather:
+                    at[n] += rt.reduce_sync
         if rt.efa_proxy:
             dims = self.system.topology
             waits: dict[int, dict[int, list[int]]] = {}  # proxy thread -> arrival tick -> transfers
@@ -659,6 +664,19 @@ class CollectiveRunner:
                     name = f"link {obj.name}"
                 busy[name] = busy.get(name, 0) + length
         estimate = estimate_resolved(self.system, res)
+        rt = self.net.runtime
+        if rt.reduce_sync and estimate.steps:  # the runtime's own step before each reduce step (runtime.py)
+            import dataclasses
+
+            from .report import EstimateStep
+
+            reducing = {(t.phase, t.step) for t in h.sched.transfers
+                        if not t.is_node and t.operands > 1 and not t.gather}
+            if reducing:
+                last = estimate.steps[-1]
+                estimate = dataclasses.replace(estimate, steps=estimate.steps + (EstimateStep(
+                    f"reduce_sync x {len(reducing)} reduce steps", len(reducing) * rt.reduce_sync_ps * 1e-12,
+                    0.0, 0.0, 0.0, last.hbm_bandwidth, 0.0, last.dma_bandwidth),))
         if busy and time > 0:
             top = max(busy.values())
             name = min(k for k, v in busy.items() if v == top)  # ties: the first by name

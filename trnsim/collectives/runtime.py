@@ -18,6 +18,12 @@ its provenance (a datasheet section, ``estimate``, or the ledger rows it was cal
 ``step_sync``       per transfer: the semaphore handshake with its peers (the receiver's buffer
                     is free, the sender may write) before its data moves; a latency, paid by a
                     step's transfers side by side.
+``reduce_sync``     per transfer that adds what it reads (a reduce step of a reduce-scatter or
+                    all-reduce): the runtime's own step before the reduction, on top of
+                    ``step_sync``. Zero where the figures leave no room for it (SDK 2.32's ring
+                    all-reduces); an earlier release's runtime may have it (``runtimes:``).
+                    A simulated call's α-β estimate charges it per reduce step of its
+                    schedule; ``estimate_collective`` alone (no schedule) does not.
 ``issue``           CC core time per transfer it starts (descriptors, semaphore set-up): a
                     rank's CC core issues one after another, so a mesh step's p-1 transfers
                     cost p-1 issues and a ring step one.
@@ -33,6 +39,11 @@ its provenance (a datasheet section, ``estimate``, or the ledger rows it was cal
                     completion); ``ranks_per_proxy`` ranks share one thread, which serves them
                     one transfer at a time.
 
+``collectives.sdk`` names the Neuron SDK release whose runtime these costs describe; a system
+file's ``runtimes:`` lists what another release's runtime does differently (its own values, each
+with its provenance), and ``collectives.sdk=<release>`` selects it: a ledger row measured on that
+release says so (``predict: {sdk: ...}``).
+
 The EFA tier's latency and bandwidth are the topology's ``efa`` dimension. With every cost at
 zero and ``dma_rings`` at a core's engine count the model is the network alone (links, HBM and
 DMA engines), which :func:`network_only` sets.
@@ -47,7 +58,7 @@ from ..config import SystemConfig
 __all__ = ["RuntimeCosts", "network_only", "in_graph", "RUNTIME_KEYS", "POINT_TO_POINT"]
 
 #: the collectives keys that are the runtime's costs (the rest are the network's and the size rule)
-RUNTIME_KEYS = ("launch", "graph_launch", "step_sync", "issue", "dma_rings", "p2p_rings", "efa_proxy",
+RUNTIME_KEYS = ("launch", "graph_launch", "step_sync", "reduce_sync", "issue", "dma_rings", "p2p_rings", "efa_proxy",
                 "ranks_per_proxy")
 #: the collectives that run as one channel of point-to-point writes
 POINT_TO_POINT = ("send-recv", "permute")
@@ -68,6 +79,8 @@ class RuntimeCosts:
     step_sync_ps: int
     issue_ps: int
     efa_proxy_ps: int
+    reduce_sync: int = 0
+    reduce_sync_ps: int = 0
 
     @classmethod
     def of(cls, system: SystemConfig) -> "RuntimeCosts":
@@ -75,7 +88,8 @@ class RuntimeCosts:
         t = system.chip.ps_to_ticks
         engines = system.chip.core.dma.engines
         return cls(t(c.launch), t(c.step_sync), t(c.issue), min(c.dma_rings, engines), min(c.p2p_rings, engines),
-                   t(c.efa_proxy), c.ranks_per_proxy, c.launch, c.step_sync, c.issue, c.efa_proxy)
+                   t(c.efa_proxy), c.ranks_per_proxy, c.launch, c.step_sync, c.issue, c.efa_proxy,
+                   t(c.reduce_sync), c.reduce_sync)
 
     def rings(self, collective: str) -> int:
         """DMA rings per physical core a call of ``collective`` holds."""
@@ -89,7 +103,7 @@ def network_only(system: SystemConfig | str) -> list[str]:
 
     sysc = system if isinstance(system, SystemConfig) else load_system(system)
     return ["collectives.launch=0ns", "collectives.graph_launch=0ns", "collectives.step_sync=0ns",
-            "collectives.issue=0ns",
+            "collectives.reduce_sync=0ns", "collectives.issue=0ns",
             f"collectives.dma_rings={sysc.chip.core.dma.engines}", f"collectives.p2p_rings={sysc.chip.core.dma.engines}",
             "collectives.efa_proxy=0ns"]
 

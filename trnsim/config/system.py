@@ -78,6 +78,9 @@ class CollectivesConfig:
     graph_launch: int = _q("time", lo=0, doc="per call of a collective inside a compiled graph (trnsim estimate's "
                                             "steps): the engines' trigger write reaching the CC core, ps")
     step_sync: int = _q("time", lo=0, doc="per transfer: the semaphore handshake with its peers before data moves, ps")
+    reduce_sync: int = _q("time", lo=0, doc="per transfer that adds what it reads (the reduce steps of a reduce-scatter "
+                                            "or all-reduce): the runtime's step before the reduction, on top of "
+                                            "step_sync, ps")
     issue: int = _q("time", lo=0, doc="CC core time to issue one transfer; a rank's CC core issues one at a time, ps")
     dma_rings: int = _int(1, 1024, doc="DMA rings (one engine each) per physical core a collective's transfers share")
     p2p_rings: int = _int(1, 1024, doc="DMA rings per physical core of a point-to-point transfer (send/recv, permute)")
@@ -89,6 +92,8 @@ class CollectivesConfig:
                                                           "hierarchical call's intra-instance rings")
     multistream_mesh: bool = _bool(doc="with collectives on several CC streams at once the runtime still runs Mesh, "
                                        "RDH and KangaRing (false: rings only)")
+    sdk: str = _str(doc="the Neuron SDK release whose runtime the costs above describe; the system file's runtimes: "
+                        "lists what other releases' runtimes do differently (collectives.sdk=<release> selects one)")
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,41 @@ def _apply_system_override(raw: dict[str, Any], key: str, value: str, where: str
     dim[parts[2]] = override_value(value, fields[parts[2]])
 
 
+def _apply_runtime(raw: dict[str, Any], base: Any, where: str, sys_pairs: Mapping[str, str]) -> set[str]:
+    """Another SDK release's runtime: where ``collectives.sdk`` names a release of the file's
+    ``runtimes:`` (each maps a release, a quoted string like '2.28', to the collectives keys its
+    runtime has other values of), those values in place of the file's (a ``--set`` of the same
+    key still wins). Returns the collectives keys replaced (their own provenance no longer holds)."""
+    runtimes = raw.get("runtimes", {})
+    if not isinstance(runtimes, dict) or not all(isinstance(k, str) and isinstance(v, dict) and v
+                                                 for k, v in runtimes.items()):
+        raise ConfigError(f"{where}: runtimes must map an SDK release (a quoted string like '2.28') to the "
+                          f"collectives keys its runtime has other values of")
+    fields = _fields_of(CollectivesConfig)
+    for rel, keys in runtimes.items():
+        for k in keys:
+            if k not in fields or k == "sdk":
+                raise ConfigError(f"{where}: unknown key 'runtimes.{clip_text(rel, 20)}.{clip_text(str(k), 40)}': "
+                                  f"expected collectives keys ({', '.join(f for f in fields if f != 'sdk')})")
+    coll = raw.get("collectives")
+    if not isinstance(coll, dict) or coll.get("sdk") == base:
+        return set()
+    sdk = coll.get("sdk")
+    if sdk not in runtimes:
+        given = f" (--set collectives.sdk={clip_text(str(sys_pairs['collectives.sdk']))})" \
+            if "collectives.sdk" in sys_pairs else ""
+        known = ", ".join(repr(r) for r in [base, *runtimes])
+        raise ConfigError(f"{where}{given}: collectives.sdk = {clip_text(repr(sdk))}: expected a release this file "
+                          f"describes: {known}")
+    raw["collectives"] = coll = dict(coll)
+    out = set()
+    for k, v in runtimes[sdk].items():
+        if f"collectives.{k}" not in sys_pairs:
+            coll[k] = v
+            out.add(f"collectives.{k}")
+    return out
+
+
 def _read_system_yaml(path: Path, where: str) -> Any:
     """A system file through the bounded YAML loader (aliases, depth, duplicate keys, size)."""
     return load_yaml_file(path, where, "system config")
@@ -251,11 +291,13 @@ def load_system(
     pairs = override_pairs(prior, overrides)
     chip_pairs = [(k, v) for k, v in pairs if not is_system_key(k)]
     sys_pairs = {k: v for k, v in pairs if is_system_key(k)}
+    base_sdk = raw["collectives"].get("sdk") if isinstance(raw.get("collectives"), dict) else None
     for key, value in sys_pairs.items():
         _apply_system_override(raw, key, value, f"{where} (--set {key}={value})")
     for key in raw:
-        if key not in _SYSTEM_KEYS:
-            raise ConfigError(f"{where}: unknown key '{key}': expected one of {', '.join(_SYSTEM_KEYS)}")
+        if key not in _SYSTEM_KEYS and key != "runtimes":
+            raise ConfigError(f"{where}: unknown key '{key}': expected one of {', '.join(_SYSTEM_KEYS)}, runtimes")
+    released = _apply_runtime(raw, base_sdk, where, sys_pairs)
     for key in _SYSTEM_KEYS:
         if key not in raw:
             raise ConfigError(f"{where}: missing key '{key}'")
@@ -296,4 +338,4 @@ def load_system(
     chip = load_config(chip_ref, dict(chip_pairs))
     return SystemConfig(name=head.name, description=head.description, chip=chip, topology=tuple(dims),
                         collectives=coll, source=str(path), overrides=tuple(pairs),
-                        calibrations=tuple(c for c in cals if c.key not in sys_pairs))
+                        calibrations=tuple(c for c in cals if c.key not in sys_pairs and c.key not in released))

@@ -253,6 +253,9 @@ class HbmAP:
         return span(self.offset, self.dims)
 
     def __getitem__(self, idx: Any) -> "HbmAP":
+        v = _hbm_slice_fast(self, idx)
+        if v is not None:
+            return v
         ranges = _fast_ranges(idx, self.dims)
         if ranges is None:  # anything beyond ints and step-1 slices in bounds: check item by item
             items = norm_index(idx, len(self.dims))
@@ -264,8 +267,9 @@ class HbmAP:
         tstrides = self.tensor.strides
         box = list(self.box) if self.box is not None and len(self.dims) == len(tstrides) else None
         for k, (r, (s, n)) in enumerate(zip(ranges, self.dims)):
-            # the parent view's step along this tensor dim, in logical indices
-            ts = tstrides[k]
+            # the parent view's step along this tensor dim, in logical indices (a view with more
+            # dims than its tensor, from ap(), has no box: no tensor dim k to read)
+            ts = tstrides[k] if box is not None else 0
             step0 = s // ts if box is not None and ts and s % ts == 0 else None
             if box is not None and step0 is None:
                 box = None
@@ -527,6 +531,61 @@ def _fast_ranges(idx: Any, dims: tuple[tuple[int, int], ...]) -> list[tuple[int,
             return None
         out.append(r if type(r) is int else (r[0], 1, r[1]))  # type: ignore[index]
     return out
+
+
+def _hbm_slice_fast(ap: HbmAP, idx: Any) -> HbmAP | None:
+    """``ap[idx]`` for the everyday index - ints and step-1 slices within bounds, at most one per
+    dimension - in one pass (what HbmAP.__getitem__ works out from :func:`_fast_ranges`, without
+    the list between); None sends anything else there."""
+    if type(idx) is not tuple:
+        idx = (idx,)
+    dims = ap.dims
+    nd, ni = len(dims), len(idx)
+    if ni > nd:
+        return None
+    tstrides = ap.tensor.strides
+    box0 = ap.box if ap.box is not None and nd == len(tstrides) else None
+    box: list[tuple[int, int]] | None = [] if box0 is not None else None
+    offset = ap.offset
+    out: list[tuple[int, int]] = []
+    for k in range(nd):
+        s, n = dims[k]
+        if k < ni:
+            i = idx[k]
+            if type(i) is slice:
+                if i.step is not None and i.step != 1:
+                    return None
+                a, b = i.start, i.stop
+                if a is None:
+                    a = 0
+                elif type(a) is not int or a < 0:
+                    return None
+                if b is None:
+                    b = n
+                elif type(b) is not int or b > n:
+                    return None
+                if a >= b:
+                    return None
+                pos, length = a, b - a
+            elif type(i) is int and 0 <= i < n:
+                pos, length = i, 0  # an int: the dim goes
+            else:
+                return None
+        else:
+            pos, length = 0, n
+        offset += pos * s
+        if length:
+            out.append((s, length))
+        if box is not None:
+            # the parent view's step along this tensor dim, in logical indices
+            ts = tstrides[k]
+            if ts and s % ts == 0:
+                step0 = s // ts
+                lo = box0[k][0] + pos * step0  # type: ignore[index]
+                box.append((lo, lo + (length - 1) * step0 + 1) if length else (lo, lo + 1))
+            else:
+                box = None
+    return HbmAP(ap.tensor, offset, tuple(out) if out else ((1, 1),), tuple(box) if box is not None else None)
 
 
 def _tile_slice_fast(ap: TileAP, idx: Any) -> TileAP | None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ChipConfig
-from ..isa import KernelError, TileAP
+from ..isa import DmaCopy, HbmAP, KernelError, TileAP
 from ..builder.kernel import Kernel, ViewCache
 from ..native.dtypes import get_dtype
 from .reference import round_to
@@ -151,6 +151,12 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
     acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
     evac = 0
     view = ViewCache(kern).get  # the matmul operands: a stationary per (weights, tap), a moving window per pixel tile
+    # a band emitted again (Kernel.replay) where an earlier band started in the same state: the
+    # same weights group, band geometry and evacuation parity, its pools' buffers in the same
+    # rotation; only its HBM views (x rows, out rows) differ. Unpadded bands only (a padded
+    # band's memsets are not replayable); none in a reference build (replay_template: None)
+    templates: dict[tuple[Any, ...], tuple[Any, ...]] | None = None if kern.reference or before or after else {}
+    band_pools = (x_pool, o_pool, acc_ps)
 
     for g0 in range(0, len(k_tiles), k_group):
         kts = k_tiles[g0:g0 + k_group]
@@ -181,6 +187,26 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                 # band rows [top, end) hold image rows; the rest and the padding columns are zero
                 top = min(in_rows, max(0, -lo))
                 end = max(top, min(in_rows, h - lo))
+
+                def band_hbm() -> list[Any]:
+                    """The band's HBM views in the order its DMAs take them: the x row slices
+                    (per slice, per channel tile), then the out rows per output-channel tile."""
+                    return [view(("x", ni, c0, cc, lo + y0, lo + min(end, y0 + load_rows)),
+                                 lambda: x[ni, c0:c0 + cc, lo + y0:lo + min(end, y0 + load_rows), :])
+                            for y0 in range(top, end, load_rows) for c0, cc in c_tiles] + \
+                        [view(("out", ni, k0, kk, oh0, oh1), lambda: out[ni, k0:k0 + kk, oh0:oh1, :]) for k0, kk in kts]
+
+                key = None
+                if templates is not None:
+                    key = (g0, oh1 - oh0, top, end, evac % 2,
+                           tuple((pool._next, tuple(map(_slot_key, pool._slots))) for pool in band_pools))
+                    tpl = templates.get(key)
+                    if tpl is not None and kern.replay(tpl[0], band_hbm()):
+                        for pool, (nxt, slots, asked) in zip(band_pools, tpl[2]):
+                            pool._next, pool._slots, pool._asked = nxt, list(slots), list(asked)
+                        evac += tpl[1]
+                        continue
+                i0, ev0 = len(kern.instructions), evac
                 xs = []
                 for c0, cc in c_tiles:
                     xt = x_pool.tile((cc, in_rows, wp), dt)
@@ -200,7 +226,7 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                 for y0 in range(top, end, load_rows):
                     y1 = min(end, y0 + load_rows)
                     for (c0, cc), xt in zip(c_tiles, xs):
-                        src = x[ni, c0:c0 + cc, lo + y0:lo + y1, :]
+                        src = view(("x", ni, c0, cc, lo + y0, lo + y1), lambda: x[ni, c0:c0 + cc, lo + y0:lo + y1, :])
                         if before or after:
                             stage = x_stage.tile((cc, y1 - y0, w), dt)
                             kern.dma_copy(stage, src, queue=0)
@@ -232,5 +258,34 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                             kern.tensor_copy(ob[:, a:a + nr, b0:b0 + nw], acc,
                                              engine="vector" if evac % 2 == 0 else "scalar")
                             evac += 1
-                    kern.dma_copy(out[ni, k0:k0 + kk, oh0:oh1, :], ob, engine="gpsimd")
+                    kern.dma_copy(view(("out", ni, k0, kk, oh0, oh1), lambda: out[ni, k0:k0 + kk, oh0:oh1, :]), ob,
+                                  engine="gpsimd")
+                if key is not None and len(templates) < 8:  # type: ignore[arg-type]
+                    _keep_band(kern, templates, key, i0, band_hbm(), evac - ev0, band_pools)  # type: ignore[arg-type]
     return kern
+
+
+def _slot_key(t: TileAP | None) -> tuple[Any, ...] | None:
+    """A pool buffer as a band's key sees it: its allocation and geometry (a view made again
+    has another id, and the same instructions)."""
+    return None if t is None else (t.alloc.uid, t.p_start, t.p_count, t.offset, t.dims, t.dtype.name)
+
+
+def _keep_band(kern: Kernel, templates: dict[tuple[Any, ...], tuple[Any, ...]], key: tuple[Any, ...], i0: int,
+               hbm: list[Any], evacs: int, pools: tuple[Any, ...]) -> None:
+    """Keep the band just emitted (instructions ``i0`` on) as the template for ``key`` when its
+    DMAs' HBM sides are exactly ``hbm``, in order (and it is replayable at all)."""
+    made = kern.instructions[i0:]
+    pos = [j for j, x in enumerate(made) if type(x) is DmaCopy and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
+    if len(pos) != len(hbm):
+        return
+    for j, v in zip(pos, hbm):
+        x = made[j]
+        if (type(x.src) is HbmAP) == (type(x.dst) is HbmAP) or (x.src if type(x.src) is HbmAP else x.dst) is not v:
+            return
+    rep = kern.replay_template(i0, pos)
+    if rep is None:
+        return
+    # the pools' rotation after the band, as a replay leaves them
+    after = [(pool._next, tuple(pool._slots), tuple(pool._asked)) for pool in pools]
+    templates[key] = (rep, evacs, after)

@@ -146,9 +146,13 @@ def _collective(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[
     from ..collectives import CollectiveCall, simulate_collective, simulate_collectives
     from ..config import load_system
 
-    _args(args, ("system", "collective", "bytes", "ranks", "group", "pairs", "dtype", "algorithm", "set", "counts",
-                 "instances", "concurrent", "streams"), "collective")
-    sysc = load_system(str(args.get("system", "")), _overrides(args, run))
+    _args(args, ("system", "sdk", "collective", "bytes", "ranks", "group", "pairs", "dtype", "algorithm", "set",
+                 "counts", "instances", "concurrent", "streams"), "collective")
+    sdk = args.get("sdk")  # the SDK release the row was measured on: its runtime (the system's runtimes:)
+    if sdk is not None and not isinstance(sdk, str):
+        raise LedgerError(f"predict how: collective: sdk = {format_value(sdk)}: expected a quoted release like '2.28'")
+    sdk_set = [] if sdk is None else [f"collectives.sdk={sdk}"]
+    sysc = load_system(str(args.get("system", "")), [*sdk_set, *_overrides(args, run)])
     nbytes = args.get("bytes")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
         raise LedgerError(f"predict how: collective: bytes = {format_value(nbytes)}: expected a positive integer "

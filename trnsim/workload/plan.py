@@ -238,7 +238,8 @@ def check_sizes(model: Any, *, layers: int | None = None, input_tokens: int | No
 
 #: what a launch's op is, for a step's breakdown
 KINDS = ("matmul", "quantize", "attention", "collectives", "copies", "elementwise")
-COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all", "broadcast"})
+COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all", "broadcast",
+                            "permute"})
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward"})
 #: library kernels a lowered layer launches (torch_bridge.nxdi), by kind
 _KERNEL_KINDS = {"qkv": "matmul", "oproj": "matmul", "mlp": "matmul", "moe": "matmul", "moe_tkg": "matmul",

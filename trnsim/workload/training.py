@@ -69,6 +69,7 @@ class Recipe:
     tp_overlap: bool = True  # the fused linears' backward overlaps its TP collectives with its matmuls (NxD's)
     attention: str = "flash"  # flash: the fused kernel; core: NxD's CoreAttention of 2023, op by op
     mxfp8: bool = False  # TorchAO's MXFP8 linears (trn3): the decoder layers' linears quantised and on nc_matmul_mx
+    cp: int = 1  # context parallelism: each sequence split over this many data-parallel ranks (ring attention)
 
     def check(self) -> "Recipe":
         _choice("--loss", self.loss, LOSSES)
@@ -78,7 +79,8 @@ class Recipe:
         _choice("--schedule", self.schedule, SCHEDULES)
         _choice("--attention", self.attention, ATTENTIONS)
         for flag, v, lo, hi in (("--virtual-stages", self.virtual_stages, 1, 64),
-                                ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16)):
+                                ("--bucket-mb", self.bucket_mb, 1, 1 << 20), ("--ep", self.ep, 1, 1 << 16),
+                                ("--cp", self.cp, 1, 1 << 16)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise RecipeError(f"{flag} {v!r}: expected a whole number {lo}..{hi:,}")
         for flag, v in (("fused", self.fused), ("overlap", self.overlap), ("fused_projections", self.fused_projections),
@@ -120,6 +122,7 @@ class Recipe:
                  {"mixed": "bf16 compute + fp32 master weights", "bf16": "bf16 + stochastic rounding"}[self.precision],
                  self.schedule + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""),
                  *([f"EP={self.ep} (all-to-all dispatch and combine)"] if self.ep > 1 else []),
+                 *([f"CP={self.cp} (ring attention)"] if self.cp > 1 else []),
                  "fused (compiled) lowering" if self.fused else "eager lowering (one kernel per aten op)",
                  ("fused q/k/v and gate/up" + (" (TP collectives of their backward beside its matmuls)"
                                                if self.tp_overlap else "")) if self.fused_projections
@@ -206,6 +209,9 @@ def add_recipe_arguments(p: Any) -> None:
     p.add_argument("--bucket-mb", type=int, default=None, help="data-parallel gradient bucket in MB (default 512)")
     p.add_argument("--ep", type=int, default=None, help="expert parallelism: MoE experts split over this many "
                                                         "data-parallel ranks, tokens sent to them by all-to-all")
+    p.add_argument("--cp", type=int, default=None, help="context parallelism: each sequence split over this many "
+                                                        "data-parallel ranks, attention as ring attention (key/value "
+                                                        "blocks passed around the group)")
     p.add_argument("--eager", action="store_true", help="lower the step op by op (no fused regions, AdamW op by op)")
     p.add_argument("--no-overlap", action="store_true", help="reduce the gradients after the backward, not during it")
     p.add_argument("--separate-projections", action="store_true", help="q/k/v and gate/up as separate linears "
@@ -242,7 +248,7 @@ def recipe_of_args(args: Any, base: Recipe | None = None) -> Recipe:
     or the default)."""
     fields: dict[str, Any] = dict(base.to_dict()) if base is not None else {}
     for name in ("loss", "recompute", "sharding", "precision", "schedule", "virtual_stages", "bucket_mb", "ep",
-                 "attention"):
+                 "attention", "cp"):
         v = getattr(args, name, None)
         if v is not None:
             fields[name] = v

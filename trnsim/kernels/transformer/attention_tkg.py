@@ -169,6 +169,8 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
     group_state[0] = w.setup(groups[0], npair)  # q and the positions ahead of the first chunks' K and V
     load(0)
     load(1)
+    # the cache update's rows and indices (inputs only): loaded now, scattered after every read
+    staged = w.stage_update() if cache_update and first_core else []
     stage_a(0)
     for i in range(len(items)):
         load(i + 2)  # K and V two chunks ahead of their scores (the pools hold three)
@@ -182,8 +184,11 @@ def build_attention_tkg(b: int, nq: int, nkv: int, sa: int, sp: int, d: int, dty
                 w.combine_peer(gs)
             if first_core:
                 w.store(gs)
-                if cache_update:
-                    w.update_cache(gs)
+    # the active tokens' K and V into the cache after every group's reads: the scatter's rows are
+    # known only when the kernel runs, so a write between two groups would hold the next group's
+    # loads of the same cache behind it (the rows it writes, at and past pos, are masked anyway)
+    for j, (idx, krows, vrows) in enumerate(staged):
+        w.update_cache(idx, krows, vrows, queue=12 + j % 4)
     return kern
 
 
@@ -493,20 +498,46 @@ class _Tkg:
         r0 = (pr.b * self.nq + pr.kvh * self.g) * self.sa
         kern.dma_copy(self.out.ap(r0 * d, [[d, n], [1, d]]), res, engine="gpsimd", queue=14)
 
-    def update_cache(self, gs: _Group) -> None:
-        """The active keys and values into the cache rows ``pos .. pos + SA - 1`` of their sequence
-        (indirect DMA: the rows are known when the kernel runs)."""
+    def stage_update(self) -> list[tuple[TileAP, TileAP, TileAP]]:
+        """The cache update's operands, up to 128 rows a block (whole (batch, kv head) pairs):
+        the active K and V rows ``[B*NKV*SA, D]`` as they lie in ``k``/``v`` (one load each) and
+        each row's cache row ``((b*NKV + kvh)*SP + pos[b] + i``, from ``pos`` (a broadcast load
+        per pair) plus an iota per pair."""
         kern, pools, sa, d = self.kern, self.pools, self.sa, self.d
-        for pr in gs.pairs:
-            idx = pools("upd_idx", 2).tile((P, 1), "int32")[:sa]
-            kern.dma_copy(idx, self.pos.ap(pr.b, [[0, sa], [1, 1]]), engine="gpsimd", queue=15)
-            base = pools("upd_base", 2).tile((P, 1), "int32")[:sa]
-            kern.iota(base, base=(pr.b * self.nkv + pr.kvh) * self.sp, channel_multiplier=1, pattern=[0])
+        per = (P // sa) * sa
+        total = self.b * self.nkv * sa
+        n_blocks = -(-total // per)
+        out = []
+        for r0 in range(0, total, per):
+            n = min(per, total - r0)
+            idx = pools("upd_idx", n_blocks).tile((P, 1), "int32")[:n]
+            base = pools("upd_base", n_blocks).tile((P, 1), "int32")[:n]
+            for j in range(n // sa):
+                pair = r0 // sa + j
+                kern.dma_copy(idx[j * sa:(j + 1) * sa], self.pos.ap(pair // self.nkv, [[0, sa], [1, 1]]),
+                              engine="gpsimd", queue=12 + j % 4)
+            if sa == 1:  # row r0 + p is pair r0 + p: its cache row (r0 + p) * SP + pos
+                kern.iota(base, base=r0 * self.sp, channel_multiplier=self.sp, pattern=[0])
+            else:  # pair * SP + i for row pair * SA + i, a pair at a time (an iota starts at partition 0)
+                for j in range(n // sa):
+                    one = pools("upd_one", 2).tile((P, 1), "int32")[:sa]
+                    kern.iota(one, base=(r0 // sa + j) * self.sp, channel_multiplier=1, pattern=[0])
+                    kern.dma_copy(base[j * sa:(j + 1) * sa], one, engine="gpsimd", queue=12 + j % 4)
             kern.tensor_tensor(idx, idx, base, "add", engine="gpsimd")
-            for src, cache in ((self.k, self.kc), (self.v, self.vc)):
-                rows = pools("upd_rows", 2).tile((P, d), self.dt)[:sa]
-                kern.dma_copy(rows, src[pr.b, pr.kvh, :, :], engine="gpsimd", queue=15)
-                kern.dma_scatter(cache.reshape(self.b * self.nkv * self.sp, d), rows, idx, queue=15)
+            rows = []
+            for src in (self.k, self.v):
+                t = pools(f"upd_{src.name}", n_blocks).tile((P, d), self.dt)[:n]
+                kern.dma_copy(t, src.ap(r0 * d, [[d, n], [1, d]]), engine="gpsimd", queue=12 + len(out) % 4)
+                rows.append(t)
+            out.append((idx, rows[0], rows[1]))
+        return out
+
+    def update_cache(self, idx: TileAP, krows: TileAP, vrows: TileAP, queue: int = 15) -> None:
+        """The active keys and values into the cache rows ``pos .. pos + SA - 1`` of their sequence
+        (indirect DMA: the rows are known when the kernel runs), a block of rows in one scatter
+        per cache."""
+        for rows, cache in ((krows, self.kc), (vrows, self.vc)):
+            self.kern.dma_scatter(cache.reshape(self.b * self.nkv * self.sp, self.d), rows, idx, queue=queue)
 
 
 def attention_tkg_split(shape: tuple[int, ...], params: Mapping[str, Any], n: int) -> list[Any] | None:
