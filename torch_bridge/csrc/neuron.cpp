@@ -7,7 +7,15 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
+#include <ATen/ops/add_ops.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/div_compositeexplicitautogradnonfunctional_dispatch.h>
+#include <ATen/ops/div_ops.h>
+#include <ATen/ops/mul_compositeexplicitautogradnonfunctional_dispatch.h>
+#include <ATen/ops/mul_ops.h>
+#include <ATen/ops/sub_compositeexplicitautogradnonfunctional_dispatch.h>
+#include <ATen/ops/sub_ops.h>
 #include <ATen/ops/rsub.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/Generator.h>
@@ -1442,7 +1450,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::Stack cstack(std::move(cargs));
   try {
     HostScope host;
-    op.callBoxed(&cstack);
+    // the CPU kernel itself: autograd, autocast and the modes were this call's, on the neuron tensors
+    // (the aliases need none of them, and nothing records them)
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &cstack);
   } catch (...) {  // (kernels check their arguments before they write: running it again is safe)
     return slow(op, stack);  // Python raises it, in its words (or retries an out= it must resize)
   }
@@ -1528,6 +1538,134 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   g_fast_hits++;
   log_entry(0, index, handle);
+}
+
+// ---- in-place binary ops -------------------------------------------------------------------------
+// A backend without its own `add_` gets PyTorch's CompositeExplicitAutogradNonFunctional kernel: the
+// op's structured meta (a TensorIterator over the neuron tensors: broadcasting, dtypes, overlap,
+// the written tensor's strides) and then `add.out(self, other, alpha, out=self)`, which the fast
+// path serves. When `other` has self's dtype and sizes, both are contiguous on one neuron device
+// and `other` shares no memory with self (or is self), the meta can only agree - nothing to
+// broadcast or promote, no overlap, strides as they are - so these go straight to the out= call:
+// the same call, the same dispatch above it (autograd, the version counter), the same values and
+// cost. Anything else takes PyTorch's kernel, with its checks and errors.
+bool plain_inplace(const at::Tensor& self, const at::Tensor& other) {
+  if (!self.defined() || !other.defined() || self.device().type() != kNeuron || other.device() != self.device() ||
+      self.layout() != c10::kStrided || other.layout() != c10::kStrided || self.scalar_type() != other.scalar_type() ||
+      self.sizes() != other.sizes() || !self.is_contiguous() || !other.is_contiguous() || self.is_conj() ||
+      self.is_neg() || other.is_conj() || other.is_neg() || self._is_zerotensor() || other._is_zerotensor()) {
+    return false;
+  }
+  return other.unsafeGetTensorImpl() == self.unsafeGetTensorImpl() || !other.storage().is_alias_of(self.storage());
+}
+
+// add's and sub's alpha_check passes (its errors are the meta's)
+bool plain_alpha(const at::Tensor& self, const c10::Scalar& alpha) {
+  auto dt = self.scalar_type();
+  return (!alpha.isBoolean() || dt == c10::kBool) &&
+         (c10::isFloatingType(dt) || c10::isComplexType(dt) || alpha.isIntegral(true));
+}
+
+// The out= call itself, for the fast path's common case, without boxing it: what fast_kernel does
+// for `OP.out(self, other[, alpha], out=self)` (same signature key, so the same cost handle; same
+// CPU kernel on the arguments' aliases; the same launch logged), or false when fast_kernel's checks
+// would not all pass here (the caller then makes the boxed call, which takes it from there).
+// `alpha`: nullptr for mul/div (no alpha argument).
+template <class Cpu>
+bool inplace_fast(const c10::OperatorHandle& out_op, at::Tensor& self, const at::Tensor& other,
+                  const c10::Scalar* alpha, Cpu cpu) {
+  if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
+      g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing() ||
+      !g_fast_launch.load(std::memory_order_relaxed) || g_history.load() || self.numel() == 0) {
+    return false;
+  }
+  const int index = self.device().index() < 0 ? 0 : self.device().index();
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&out_op.schema()));
+  key_tensor(key, self, 0);
+  key_tensor(key, other, 0);
+  if (alpha != nullptr) {  // as the boxed stack holds it (IValue(Scalar))
+    if (alpha->isSymbolic()) return false;
+    if (alpha->isFloatingPoint()) {
+      key_int(key, 3);
+    } else if (alpha->isComplex()) {
+      key_int(key, 9);
+    } else if (alpha->isBoolean()) {
+      key_int(key, 4 + alpha->toBool());
+    } else {
+      key_int(key, 2);
+      key_int(key, alpha->toLong());
+    }
+  }
+  key_tensor(key, self, 0);  // out=self
+  key_int(key, 50);
+  const int64_t handle = cost_handle(key);
+  if (handle < 0) return false;  // the boxed call learns it
+  try {
+    HostScope host;
+    at::Tensor a = cpu_alias(self);
+    at::Tensor b = other.unsafeGetTensorImpl() == self.unsafeGetTensorImpl() ? a : cpu_alias(other);
+    cpu(a, b);
+    c10::TensorImpl* dev = self.unsafeGetTensorImpl();  // an out= kernel may restride its output: as fast_kernel
+    if (a.sizes() != dev->sizes() || a.strides() != dev->strides() || a.storage_offset() != dev->storage_offset()) {
+      dev->set_sizes_and_strides(a.sizes(), a.strides(), a.storage_offset());
+    }
+  } catch (...) {
+    return false;  // (kernels check their arguments before they write: the boxed call runs it again)
+  }
+  g_fast_hits++;
+  log_entry(0, index, handle);
+  return true;
+}
+
+const c10::OperatorHandle& out_handle(const char* name) {
+  return *new c10::OperatorHandle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "out"));
+}
+
+at::Tensor& inplace_add(at::Tensor& self, const at::Tensor& other, const c10::Scalar& alpha) {
+  if (!plain_inplace(self, other) || !plain_alpha(self, alpha)) return at::compositeexplicitautogradnonfunctional::add_(self, other, alpha);
+  static const c10::OperatorHandle& op = out_handle("aten::add");
+  auto cpu = [&alpha](at::Tensor& a, const at::Tensor& b) {
+    at::_ops::add_out::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), a, b, alpha, a);
+  };
+  if (!inplace_fast(op, self, other, &alpha, cpu)) at::_ops::add_out::call(self, other, alpha, self);
+  return self;
+}
+
+at::Tensor& inplace_sub(at::Tensor& self, const at::Tensor& other, const c10::Scalar& alpha) {
+  if (!plain_inplace(self, other) || !plain_alpha(self, alpha) || self.scalar_type() == c10::kBool) {  // (bool: sub's error, from its meta)
+    return at::compositeexplicitautogradnonfunctional::sub_(self, other, alpha);
+  }
+  static const c10::OperatorHandle& op = out_handle("aten::sub");
+  auto cpu = [&alpha](at::Tensor& a, const at::Tensor& b) {
+    at::_ops::sub_out::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), a, b, alpha, a);
+  };
+  if (!inplace_fast(op, self, other, &alpha, cpu)) at::_ops::sub_out::call(self, other, alpha, self);
+  return self;
+}
+
+at::Tensor& inplace_mul(at::Tensor& self, const at::Tensor& other) {
+  if (!plain_inplace(self, other)) return at::compositeexplicitautogradnonfunctional::mul_(self, other);
+  static const c10::OperatorHandle& op = out_handle("aten::mul");
+  auto cpu = [](at::Tensor& a, const at::Tensor& b) {
+    at::_ops::mul_out::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), a, b, a);
+  };
+  if (!inplace_fast(op, self, other, nullptr, cpu)) at::_ops::mul_out::call(self, other, self);
+  return self;
+}
+
+at::Tensor& inplace_div(at::Tensor& self, const at::Tensor& other) {
+  if (!plain_inplace(self, other) || !c10::isFloatingType(self.scalar_type())) {  // (integers: true division promotes)
+    return at::compositeexplicitautogradnonfunctional::div_(self, other);
+  }
+  static const c10::OperatorHandle& op = out_handle("aten::div");
+  auto cpu = [](at::Tensor& a, const at::Tensor& b) {
+    at::_ops::div_out::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), a, b, a);
+  };
+  if (!inplace_fast(op, self, other, nullptr, cpu)) at::_ops::div_out::call(self, other, self);
+  return self;
 }
 
 std::vector<std::unique_ptr<torch::Library>> g_libs;
@@ -1660,6 +1798,10 @@ int trnsim_fast_register(const char* names, int64_t len) {
       if (!name.empty()) impl->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fast_kernel>());
       at = end + 1;
     }
+    impl->impl("add_.Tensor", TORCH_FN(inplace_add));
+    impl->impl("sub_.Tensor", TORCH_FN(inplace_sub));
+    impl->impl("mul_.Tensor", TORCH_FN(inplace_mul));
+    impl->impl("div_.Tensor", TORCH_FN(inplace_div));
     g_libs.push_back(std::move(fb));
     g_libs.push_back(std::move(impl));
   } catch (const std::exception&) {
