@@ -47,6 +47,10 @@ result's largest magnitude (per dtype: fp32 1e-5, bf16 2^-7, fp16 2^-10) plus ``
 A mismatch prints one line: what differs, the op, the sample's description and the command that
 reruns exactly that sample (``python benchmarks/difftest.py --repro <op> <seed>``).
 
+**Samples that crash CPU** (:data:`CRASHY`: CPU's fp16/bf16 oneDNN convolution segfaults for
+some shapes, a torch bug): those ops' reduced-precision samples run on CPU in a forked child
+first; where CPU crashes, the device must refuse the call (a crash or an answer is reported).
+
 **First calls in fresh processes** (``--fresh``): each op's samples run in a process of their
 own, so the first sample is the first call the process makes (nothing taught to the fast path,
 no signature costed, no buffer moved before; the in-process run learns every op first, which hid
@@ -63,7 +67,9 @@ an annotation is reported (the run fails if the fast path serves that op).
         [--dtypes float32,int64] [--no-compile] [--compile-every K] [--json out.json] [--repro op seed]
         [--fresh] [--write-guard N]
 
-The long run (the issue's >= 100,000 samples): ``--samples 400`` over every op.
+The long run (the issue's >= 100,000 samples): ``--samples 400`` over every op, or (as run on
+2026-12-03) 20 shards of ``--samples 20 --compile-every 8 --seed S`` one after another under
+``nice -n 10``, then ``--fresh`` and ``--write-guard`` passes.
 """
 
 from __future__ import annotations
