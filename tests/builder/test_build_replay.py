@@ -179,7 +179,8 @@ def test_conv_bands_replayed_same_stream(cfg: str) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("shape,params", [((6, 64, 30, 30, 64, 3), {"padding": 1}),   # memsets: never replayed
+@pytest.mark.parametrize("shape,params", [((14, 64, 30, 30, 64, 3), {"padding": 1}),  # memsets and staging copies
+                                          ((13, 3, 32, 32, 16, 3), {"padding": 1, "stride": 2}),
                                           ((6, 128, 57, 57, 64, 3), {"stride": 2}),
                                           ((10, 32, 70, 70, 32, 3), {}),              # ragged pixel tiles, acc pool period 3
                                           ((8, 512, 14, 14, 1024, 3), {}),            # several weight groups
@@ -187,4 +188,4 @@ def test_conv_bands_replayed_same_stream(cfg: str) -> None:
 def test_conv_bands_same_stream(shape: tuple[int, ...], params: dict[str, object]) -> None:
     _, fast = _both("conv2d", shape, **params)
     if params.get("padding"):
-        assert fast.replays == 0
+        assert fast.replays > 0

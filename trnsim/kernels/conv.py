@@ -151,12 +151,12 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
     acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
     evac = 0
     view = ViewCache(kern).get  # the matmul operands: a stationary per (weights, tap), a moving window per pixel tile
-    # a band emitted again (Kernel.replay) where an earlier band started in the same state: the
-    # same weights group, band geometry and evacuation parity, its pools' buffers in the same
-    # rotation; only its HBM views (x rows, out rows) differ. Unpadded bands only (a padded
-    # band's memsets are not replayable); none in a reference build (replay_template: None)
-    templates: dict[tuple[Any, ...], tuple[Any, ...]] | None = None if kern.reference or before or after else {}
-    band_pools = (x_pool, o_pool, acc_ps)
+    # a band emitted again (Kernel.replay) where an earlier band's instructions are this band's:
+    # the same weights group, band geometry (padding rows included) and evacuation parity, each
+    # tile() call getting the allocation that band's call got; only its HBM views (x rows, out
+    # rows) differ. None in a reference build (replay_template: None)
+    templates: dict[tuple[Any, ...], tuple[Any, ...]] | None = None if kern.reference else {}
+    band_pools = (x_pool, o_pool, acc_ps, x_stage)
 
     for g0 in range(0, len(k_tiles), k_group):
         kts = k_tiles[g0:g0 + k_group]
@@ -202,7 +202,9 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                 calls = [[((cc, in_rows, wp), in_rows * wp * isz) for _, cc in c_tiles],
                          [((kk, oh1 - oh0, wo), (oh1 - oh0) * wo * isz) for _, kk in kts],
                          [((kk, nr, nw), nr * nw * 4) for _, kk in kts for p0 in range(0, len(pix), group)
-                          for _, nr, _, nw in pix[p0:p0 + group]]]
+                          for _, nr, _, nw in pix[p0:p0 + group]],
+                         [((cc, min(end, y0 + load_rows) - y0, w), (min(end, y0 + load_rows) - y0) * w * isz)
+                          for y0 in range(top, end, load_rows) for _, cc in c_tiles] if before or after else []]
                 head = (g0, oh1 - oh0, top, end, evac % 2)
                 if templates is not None:
                     reuse = tuple(_reuses(pool, c) for pool, c in zip(band_pools, calls))
