@@ -467,6 +467,33 @@ def test_causal_attention_over_512_keys_with_a_plus_inf_mask_gives_cpus_values(d
         torch.testing.assert_close(got, want, equal_nan=True, rtol=2 ** -7, atol=2 ** -7)
 
 
+def test_a_timing_only_composite_promotes_a_number_with_a_0_dim_tensor_as_cpu():
+    """Long-run finding (timing-only; --repro now reruns that mode too): div.Scalar_mode of a
+    0-dim fp16 tensor by -1.5 came out float32: the composite's number was made a default-dtype
+    0-dim tensor, which outranks a 0-dim fp16 self where the wrapped number does not."""
+    assert dt.main(["--repro", "div", "237960526044720"]) == 0
+    with torch.neuron.timing_only():
+        for shape in ((), (3,)):
+            for dtype, num in ((torch.float16, -1.5), (torch.bfloat16, 2), (torch.int32, 3), (torch.int64, 2.5)):
+                x = torch.empty(shape, dtype=dtype, device="neuron")
+                want = torch.div(torch.ones(shape, dtype=dtype), num, rounding_mode="floor").dtype
+                assert torch.div(x, num, rounding_mode="floor").dtype == want, (shape, dtype, num)
+
+
+def test_a_sample_that_crashes_cpus_kernel_runs_in_a_child_and_the_device_must_refuse_it():
+    """CPU's fp16 oneDNN convolution segfaults for some shapes (a torch bug; long run seed 2412307,
+    convolution_overrideable 230417798230204): the shard died with it. Such samples (CRASHY ops in
+    fp16/bf16) run on CPU in a forked child; where CPU crashes the device must raise."""
+    import ctypes
+
+    assert dt._in_child(lambda: ctypes.string_at(0)) == "crashed"
+    assert dt._in_child(lambda: 1 / 0) == "raised"
+    assert dt._in_child(lambda: dt.Run(error=RuntimeError("refused"))) == "raised"
+    assert dt._in_child(lambda: dt.Run(result=1)) == "returned"
+    s = dt.make_sample("convolution_overrideable", 230417798230204, dt.DTYPES)
+    assert dt._may_crash(s)
+
+
 @pytest.mark.parametrize("seed", [74854108674711, 204197738243539, 91416097824352])
 def test_scaled_mm_adds_an_expanded_bias_s_values(seed):
     """Long-run finding: CPU's _scaled_mm reads a bias as contiguous whatever its strides, so an

@@ -167,6 +167,16 @@ _DEVICE_RESULTS: dict[str, Callable[..., Any]] = {
     "_log_softmax_backward_data": functools.partial(_softmax_backward_result, "log_softmax_backward_data")}
 
 
+def _wrapped(v: Any, ref: torch.Tensor | None) -> torch.Tensor:
+    """A Python number as a 0-dim host tensor that promotes with ``ref`` as the number does."""
+    if ref is not None:
+        try:
+            return torch.tensor(v, dtype=torch.result_type(ref, v))
+        except (RuntimeError, OverflowError):  # (a number the dtype cannot hold: no values here anyway)
+            pass
+    return torch.tensor(v)
+
+
 def _facts_of(op: Any) -> _Facts:
     f = _facts.get(op)
     if f is None:
@@ -340,9 +350,13 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             # wrapped_scalar_tensor(other))) to Python as a number, which the composite's boxed
             # redispatch refuses: take_along_dim failed timing-only with 'aten::remainder()
             # Expected a value of type Tensor ... found type int' (found by difftest's long run).
-            # A 0-dim host tensor promotes as the wrapped number does (its category, default dtype)
-            args = tuple(torch.tensor(v) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
-                         for a, v in zip(_torch.op_schema(func).arguments, args)) + tuple(args[len(_torch.op_schema(func).arguments):])
+            # A 0-dim host tensor of the dtype the wrapped number promotes to promotes as it does (a
+            # default-dtype one outranked a 0-dim self: div.Scalar_mode of a 0-dim fp16 tensor came
+            # out float32, found by difftest's long run: div 237960526044720)
+            ref = next((x for x in args if isinstance(x, torch.Tensor)), None)
+            args = tuple(_wrapped(v, ref) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
+                         for a, v in zip(_torch.op_schema(func).arguments, args)) + \
+                tuple(args[len(_torch.op_schema(func).arguments):])
         with self:  # the composite's inner ops come back through this mode
             out = _torch.run_composite(func, facts.composite, *args, **kwargs)
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):

@@ -16,6 +16,7 @@ from ..isa import (
     HbmAP,
     Instruction,
     MatMul,
+    Memset,
     TensorCopy,
     TensorReduce,
     TensorScalar,
@@ -130,7 +131,7 @@ _CLONERS: dict[tuple[type, bool], Any] = {}
 FIRST_OPERAND_OPS = (MatMul, Transpose)  # the instructions the tracker records with a first operand (reads[0])
 # VectorE / ScalarE / GpSimd instructions a template may hold: every operand a tile (reads and
 # writes), recorded under their engine's key without a first operand, no other state read
-REPLAYABLE_OPS = frozenset((TensorCopy, Activation, TensorScalar, TensorTensor, TensorReduce, AffineSelect))
+REPLAYABLE_OPS = frozenset((TensorCopy, Activation, TensorScalar, TensorTensor, TensorReduce, AffineSelect, Memset))
 
 
 def _cloner(cls: type, first: bool) -> Any:

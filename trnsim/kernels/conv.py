@@ -151,12 +151,12 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
     acc_ps = kern.tile_pool("acc", bufs=2 * group, space="psum")
     evac = 0
     view = ViewCache(kern).get  # the matmul operands: a stationary per (weights, tap), a moving window per pixel tile
-    # a band emitted again (Kernel.replay) where an earlier band started in the same state: the
-    # same weights group, band geometry and evacuation parity, its pools' buffers in the same
-    # rotation; only its HBM views (x rows, out rows) differ. Unpadded bands only (a padded
-    # band's memsets are not replayable); none in a reference build (replay_template: None)
-    templates: dict[tuple[Any, ...], tuple[Any, ...]] | None = None if kern.reference or before or after else {}
-    band_pools = (x_pool, o_pool, acc_ps)
+    # a band emitted again (Kernel.replay) where an earlier band's instructions are this band's:
+    # the same weights group, band geometry (padding rows included) and evacuation parity, each
+    # tile() call getting the allocation that band's call got; only its HBM views (x rows, out
+    # rows) differ. None in a reference build (replay_template: None)
+    templates: dict[tuple[Any, ...], tuple[Any, ...]] | None = None if kern.reference else {}
+    band_pools = (x_pool, o_pool, acc_ps, x_stage)
 
     for g0 in range(0, len(k_tiles), k_group):
         kts = k_tiles[g0:g0 + k_group]
@@ -196,16 +196,32 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                             for y0 in range(top, end, load_rows) for c0, cc in c_tiles] + \
                         [view(("out", ni, k0, kk, oh0, oh1), lambda: out[ni, k0:k0 + kk, oh0:oh1, :]) for k0, kk in kts]
 
-                key = None
+                pix = [(a, min(rows_per_tile, oh1 - oh0 - a), b0, nw)
+                       for a in range(0, oh1 - oh0, rows_per_tile) for b0, nw in col_tiles]
+                # the band's tile() calls per pool: (shape, bytes per partition), in order
+                calls = [[((cc, in_rows, wp), in_rows * wp * isz) for _, cc in c_tiles],
+                         [((kk, oh1 - oh0, wo), (oh1 - oh0) * wo * isz) for _, kk in kts],
+                         [((kk, nr, nw), nr * nw * 4) for _, kk in kts for p0 in range(0, len(pix), group)
+                          for _, nr, _, nw in pix[p0:p0 + group]],
+                         [((cc, min(end, y0 + load_rows) - y0, w), (min(end, y0 + load_rows) - y0) * w * isz)
+                          for y0 in range(top, end, load_rows) for _, cc in c_tiles] if before or after else []]
+                head = (g0, oh1 - oh0, top, end, evac % 2)
                 if templates is not None:
-                    key = (g0, oh1 - oh0, top, end, evac % 2,
-                           tuple((pool._next, tuple(map(_slot_key, pool._slots))) for pool in band_pools))
-                    tpl = templates.get(key)
+                    reuse = tuple(_reuses(pool, c) for pool, c in zip(band_pools, calls))
+                    tpl = templates.get(head + reuse) if None not in reuse else None
                     if tpl is not None and kern.replay(tpl[0], band_hbm()):
-                        for pool, (nxt, slots, asked) in zip(band_pools, tpl[2]):
-                            pool._next, pool._slots, pool._asked = nxt, list(slots), list(asked)
+                        for pool, (count, touched) in zip(band_pools, tpl[2]):
+                            at, bufs = pool._next, pool.bufs
+                            for j, (t, asked) in enumerate(touched):  # (r is the filter size)
+                                pool._slots[(at + j) % bufs], pool._asked[(at + j) % bufs] = t, asked
+                            pool._next = (at + count) % bufs
                         evac += tpl[1]
                         continue
+                starts, allocs0 = [pool._next for pool in band_pools], len(kern._allocs)
+                # buffers the calls find empty: allocated once each (more allocations: a buffer was replaced)
+                fresh = sum(len({(pool._next + j) % pool.bufs for j in range(len(c))
+                                 if pool._slots[(pool._next + j) % pool.bufs] is None})
+                            for pool, c in zip(band_pools, calls))
                 i0, ev0 = len(kern.instructions), evac
                 xs = []
                 for c0, cc in c_tiles:
@@ -233,8 +249,6 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                             kern.tensor_copy(xt[:, y0:y1, before:before + w], stage, engine="vector")
                         else:
                             kern.dma_copy(xt[:, y0:y1, :], src, queue=0)
-                pix = [(a, min(rows_per_tile, oh1 - oh0 - a), b0, nw)
-                       for a in range(0, oh1 - oh0, rows_per_tile) for b0, nw in col_tiles]
                 for ki, (k0, kk) in enumerate(kts):
                     ob = o_pool.tile((kk, oh1 - oh0, wo), dt)
                     for p0 in range(0, len(pix), group):
@@ -260,21 +274,42 @@ def build_conv2d(n: int, c: int, h: int, w: int, k: int, r: int, dtype: str = "b
                             evac += 1
                     kern.dma_copy(view(("out", ni, k0, kk, oh0, oh1), lambda: out[ni, k0:k0 + kk, oh0:oh1, :]), ob,
                                   engine="gpsimd")
-                if key is not None and len(templates) < 8:  # type: ignore[arg-type]
-                    _keep_band(kern, templates, key, i0, band_hbm(), evac - ev0, band_pools)  # type: ignore[arg-type]
+                if templates is not None and len(templates) < 8 and len(kern._allocs) - allocs0 == fresh:
+                    _keep_band(kern, templates, head, calls, starts, i0, band_hbm(), evac - ev0, band_pools)
     return kern
 
 
-def _slot_key(t: TileAP | None) -> tuple[Any, ...] | None:
-    """A pool buffer as a band's key sees it: its allocation and geometry (a view made again
-    has another id, and the same instructions)."""
-    return None if t is None else (t.alloc.uid, t.p_start, t.p_count, t.offset, t.dims, t.dtype.name)
+def _reuses(pool: Any, calls: list[tuple[tuple[int, ...], int]]) -> tuple[int, ...] | None:
+    """The allocation each of ``calls`` (shape, bytes per partition) to ``pool.tile`` would reuse,
+    from the pool as it is (tile() keeps a buffer whose allocation is large enough on the same
+    partitions); None when one would allocate."""
+    bufs, at, slots = pool.bufs, pool._next, pool._slots
+    now: dict[int, tuple[Any, int]] = {}
+    out = []
+    for j, (shape, nbytes) in enumerate(calls):
+        pos = (at + j) % bufs
+        got = now.get(pos)
+        if got is None:
+            t = slots[pos]
+            if t is None:
+                return None
+            got = (t.alloc, t.p_count)
+        a, parts = got
+        if a.nbytes < nbytes or parts != shape[0]:
+            return None
+        now[pos] = (a, shape[0])
+        out.append(a.uid)
+    return tuple(out)
 
 
-def _keep_band(kern: Kernel, templates: dict[tuple[Any, ...], tuple[Any, ...]], key: tuple[Any, ...], i0: int,
-               hbm: list[Any], evacs: int, pools: tuple[Any, ...]) -> None:
-    """Keep the band just emitted (instructions ``i0`` on) as the template for ``key`` when its
-    DMAs' HBM sides are exactly ``hbm``, in order (and it is replayable at all)."""
+def _keep_band(kern: Kernel, templates: dict[tuple[Any, ...], tuple[Any, ...]], head: tuple[Any, ...],
+               calls: list[list[tuple[tuple[int, ...], int]]], starts: list[int], i0: int, hbm: list[Any], evacs: int,
+               pools: tuple[Any, ...]) -> None:
+    """Keep the band just emitted (instructions ``i0`` on; its tile() calls ``calls`` per pool
+    started at ``starts``, none replacing a buffer) as a template when its DMAs' HBM sides are
+    exactly ``hbm``, in order (and it is replayable at all). Its key is the allocation each call
+    got: a later band whose calls would reuse exactly those (:func:`_reuses`) emits the same
+    instructions, with its own HBM views - whether this band allocated them or reused them."""
     made = kern.instructions[i0:]
     pos = [j for j, x in enumerate(made) if type(x) is DmaCopy and (type(x.src) is HbmAP or type(x.dst) is HbmAP)]
     if len(pos) != len(hbm):
@@ -283,9 +318,16 @@ def _keep_band(kern: Kernel, templates: dict[tuple[Any, ...], tuple[Any, ...]], 
         x = made[j]
         if (type(x.src) is HbmAP) == (type(x.dst) is HbmAP) or (x.src if type(x.src) is HbmAP else x.dst) is not v:
             return
-    rep = kern.replay_template(i0, pos)
-    if rep is None:
+    got, restore = [], []
+    for pool, c, at in zip(pools, calls, starts):
+        bufs = pool.bufs
+        got.append(tuple(pool._slots[(at + j) % bufs].alloc.uid for j in range(len(c))))
+        # what a replay leaves in the buffers the calls went through (the last call to each)
+        restore.append((len(c), [(pool._slots[(at + r) % bufs], pool._asked[(at + r) % bufs])
+                                 for r in range(min(len(c), bufs))]))
+    key = head + tuple(got)
+    if key in templates:
         return
-    # the pools' rotation after the band, as a replay leaves them
-    after = [(pool._next, tuple(pool._slots), tuple(pool._asked)) for pool in pools]
-    templates[key] = (rep, evacs, after)
+    rep = kern.replay_template(i0, pos)
+    if rep is not None:
+        templates[key] = (rep, evacs, restore)
