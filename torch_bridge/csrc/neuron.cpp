@@ -1847,14 +1847,17 @@ void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
   g_ticks[static_cast<size_t>(handle)] = ticks;
 }
 
-// io: [0] host (in/out), [1] dispatch, [2] cores, then kPlaceIn int64 per core from io[8] (ready0,
-// busy_until and the in-flight ends written back). Out: one kPlaceOut row per core the entries used,
-// in first-use order, into cores_out (*ncores_out of them); (handle, launches, ticks, wait) per
-// handle in first-use order into rows (*nrows); (name id, count) per host op into hops (*nhops).
+// io: [0] host (in/out), [1] dispatch, [2] cores, [3..5] out: the counts below; then kPlaceIn int64
+// per core from io[8] (ready0, busy_until and the in-flight ends written back). Out: one kPlaceOut row
+// per core the entries used, in first-use order, into cores_out (io[3] of them); (handle, launches,
+// ticks, wait) per handle in first-use order into rows (io[4]); (name id, count) per host op into
+// hops (io[5]).
 // Returns the entries consumed (0: the first one is not the common case; Python's loop takes it),
 // or -1 when a core's figures do not fit the rows (nothing consumed).
-int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* ncores_out, int64_t* rows, int64_t* nrows,
-                         int64_t* hops, int64_t* nhops) {
+int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t* hops) {
+  int64_t* ncores_out = io + 3;
+  int64_t* nrows = io + 4;
+  int64_t* nhops = io + 5;
   struct Core {
     bool simple = false, used = false;
     int64_t max_inflight = 0, ready0 = 0, busy = 0, last_open = 0;

@@ -29,6 +29,7 @@ tells it), so the kernels the compiler runs then are Python's, which charges non
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 import threading
@@ -42,6 +43,7 @@ __all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "a
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 _PLACE_IN, _PLACE_OUT, _PLACE_CORES = 16, 64, 64  # trnsim_log_place's rows (kPlaceIn, kPlaceOut) and its core limit
+_ZEROS = (0,) * 8
 
 _lock = threading.Lock()
 _handles: dict[tuple[str, int], int] = {}  # (op, id(cost)) -> handle
@@ -74,7 +76,10 @@ class NativeLog:
         self._cores_out = (ctypes.c_int64 * (_PLACE_OUT * _PLACE_CORES))()
         self._rows = (ctypes.c_int64 * (4 * _LOG_MAX))()
         self._hops = (ctypes.c_int64 * (2 * _LOG_MAX))()
-        self._ncores, self._nrows, self._nhops = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+        self._io_q, self._cores_q, self._rows_q, self._hops_q = (
+            memoryview(b).cast("B").cast("q") for b in (self._io, self._cores_out, self._rows, self._hops))
+        self._io_at, self._cores_at, self._rows_at, self._hops_at = (
+            ctypes.addressof(b) for b in (self._io, self._cores_out, self._rows, self._hops))
 
     def pending(self) -> int:
         return self._count.value
@@ -90,54 +95,45 @@ class NativeLog:
         (op, cost, row key, launches, ticks, wait), per host op: (name, count))."""
         if len(cores) > _PLACE_CORES:
             return None
-        io = self._io
-        io[0] = host
-        io[1] = dispatch
-        io[2] = len(cores)
-        for i, (simple, max_inflight, ready, busy, inflight, last_open) in enumerate(cores):
-            b = 8 + i * _PLACE_IN
+        vals = [host, dispatch, len(cores), 0, 0, 0, 0, 0]
+        for simple, max_inflight, ready, busy, inflight, last_open in cores:
             n = len(inflight)
-            if n > 8:
-                simple = False
-            io[b] = int(simple)
-            io[b + 1] = max_inflight
-            io[b + 2] = ready
-            io[b + 3] = busy
-            io[b + 4] = n
-            if simple:
-                for k, end in enumerate(inflight):
-                    io[b + 5 + k] = end
-            io[b + 13] = last_open
-        got = self.lib.trnsim_log_place(io, self._cores_out, ctypes.byref(self._ncores), self._rows,
-                                        ctypes.byref(self._nrows), self._hops, ctypes.byref(self._nhops))
+            if n > 8 or not simple:
+                vals += (0, max_inflight, ready, busy, 0, 0, 0, 0, 0, 0, 0, 0, 0, last_open, 0, 0)
+            else:
+                vals += (1, max_inflight, ready, busy, n, *inflight, *_ZEROS[n:], last_open, 0, 0)
+        io = self._io_q
+        io[:len(vals)] = array.array("q", vals)
+        got = self.lib.trnsim_log_place(self._io_at, self._cores_at, self._rows_at, self._hops_at)
         if got <= 0:
             return None
+        head = io[:8].tolist()
         table = _table
-        out = memoryview(self._cores_out).cast("B").cast("q")
+        out = self._cores_q
         used = []
-        for k in range(self._ncores.value):
+        for k in range(head[3]):
             o = out[k * _PLACE_OUT:(k + 1) * _PLACE_OUT].tolist()
             core = o[0]
             b = 8 + core * _PLACE_IN
-            inflight = list(io[b + 5:b + 5 + io[b + 4]])
+            st = io[b:b + _PLACE_IN].tolist()
             keep = [[o[8 + 2 * j], o[9 + 2 * j]] for j in range(o[7])]
             bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
-            used.append((core, io[b + 2], io[b + 3], inflight, o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
-        r = memoryview(self._rows).cast("B").cast("q")[:4 * self._nrows.value].tolist()
+            used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
+        r = self._rows_q[:4 * head[4]].tolist()
         rows = []
         for j in range(0, len(r), 4):
             op, cost, key = table[r[j]]
             rows.append((op, cost, key, r[j + 1], r[j + 2], r[j + 3]))
         hops = []
-        if self._nhops.value:
-            hv = memoryview(self._hops).cast("B").cast("q")[:2 * self._nhops.value].tolist()
+        if head[5]:
+            hv = self._hops_q[:2 * head[5]].tolist()
             for j in range(0, len(hv), 2):
                 ident = hv[j]
                 name = _names.get(ident)
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
                 hops.append((name, hv[j + 1]))
-        return got, io[0], used, rows, hops
+        return got, head[0], used, rows, hops
 
     def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep

@@ -65,7 +65,7 @@ __all__ = ["KernelSpec", "OpCost", "FusedRegion", "CollectiveLaunch", "Device", 
 ADAPTIVE_QUEUE = 4096
 
 #: logged launches from which :meth:`Device._drain` lets a log that can place them (``place``) do so
-PLACE_MIN = 2
+PLACE_MIN = 16
 
 
 class Device:
