@@ -494,6 +494,28 @@ def test_a_sample_that_crashes_cpus_kernel_runs_in_a_child_and_the_device_must_r
     assert dt._may_crash(s)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_of_overflowing_scores_are_cpus(dtype):
+    """The backward of a call whose forward took CPU's kernel's values (datapath_exact false:
+    here Q Kᵀ sums 1e30 * 1e30 and -1e30 * 1e30) is CPU's kernel's backward too: the datapath's
+    backward from P put NaNs in dK/dV where CPU's flash backward has 8 (32 here). The fused
+    op's path (L == S); op by op (L != S) and compiled backwards are not covered yet."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g).to(dtype) for _ in range(3))
+    q[0, 1, 0, :2] = 1e30
+    k[0, 1, :, 0], k[0, 1, :, 1] = 1e30, -1e30
+    go = torch.randn(1, 2, 4, 8, generator=g).to(dtype)
+    for causal in (False, True):
+        cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*cpu, is_causal=causal).backward(go)
+        dev = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*dev, is_causal=causal).backward(go.to("neuron"))
+        for a, b in zip(cpu, dev):
+            got = b.grad.cpu()
+            assert torch.equal(got.isnan(), a.grad.isnan()) and torch.equal(got.isinf(), a.grad.isinf()), causal
+            torch.testing.assert_close(got, a.grad, equal_nan=True)
+
+
 @pytest.mark.parametrize("seed", [74854108674711, 204197738243539, 91416097824352])
 def test_scaled_mm_adds_an_expanded_bias_s_values(seed):
     """Long-run finding: CPU's _scaled_mm reads a bias as contiguous whatever its strides, so an

@@ -245,6 +245,10 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
         ctx.scale, ctx.groups = sc, groups
+        mask = None if attn_mask is None else memory.cpu_view(attn_mask)
+        # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
+        ctx.cpu_call = None if datapath_exact(memory.cpu_view(q), memory.cpu_view(k), memory.cpu_view(v), mask,
+                                              scale) else (mask, is_causal, scale)
         charge_forward(index, q, attn_mask, is_causal, scale)
         return memory.relabel(out, index)
 
@@ -252,7 +256,15 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         index = q.device.index or 0
-        dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
+        if ctx.cpu_call is None:
+            dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
+        else:  # CPU's own kernel's backward (its flash backward recomputes from its blocked statistics)
+            mask, causal, scale = ctx.cpu_call
+            hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
+            with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
+                out = torch.ops.aten.scaled_dot_product_attention.default(
+                    hq, hk, hv, mask, 0.0, causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
+                dq, dk, dv = torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
         charge_backward(index, q, k.shape[-2], q.dtype)
         return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
                 None, None, None, None, None)
