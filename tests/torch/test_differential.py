@@ -695,6 +695,17 @@ def test_no_op_the_fast_path_serves_writes_an_argument_its_schema_does_not_annot
     assert out["bn"] == {"native_batch_norm": ["python", ["running_mean", "running_var"]]}
 
 
+def test_cov_which_writes_a_0_dim_input_is_left_to_pythons_path():
+    """The long run's write guard (--write-guard 5 --seed 2412397): CPU's cov centres a 0-dim
+    input in place (cov 35713836657508: self becomes 0) though its schema annotates no write;
+    the fast path served it as functional (its first call runs the kernel twice)."""
+    s = dt.make_sample("cov", 35713836657508, dt.DTYPES)
+    assert dt.unannotated_writes(s) == ["self"]
+    from torch_bridge.eager import fastpath
+
+    assert fastpath.kind(s.op) == "python"
+
+
 def test_first_calls_in_fresh_processes_agree_with_cpu():
     """difftest --fresh: each op in a process of its own, so its first sample is the first call
     the process makes (the in-process run teaches every op before it compares, which hid the
