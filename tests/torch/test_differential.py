@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -490,6 +491,10 @@ def test_a_sample_that_crashes_cpus_kernel_runs_in_a_child_and_the_device_must_r
     assert dt._in_child(lambda: 1 / 0) == "raised"
     assert dt._in_child(lambda: dt.Run(error=RuntimeError("refused"))) == "raised"
     assert dt._in_child(lambda: dt.Run(result=1)) == "returned"
+    assert dt._in_child(lambda: time.sleep(10), timeout=0.2) == "hung"  # killed, not waited for
+    # the child runs one thread: a forked child has none of the parent's OpenMP workers (CI hung)
+    assert dt._in_child(lambda: dt.Run(result=torch.get_num_threads())) == "returned"
+    assert dt._in_child(lambda: 1 / (torch.get_num_threads() - 1)) == "raised"
     s = dt.make_sample("convolution_overrideable", 230417798230204, dt.DTYPES)
     assert dt._may_crash(s)
 
