@@ -1741,6 +1741,7 @@ class Stats:
     timing_only: int = 0  # samples run on timing-only tensors
     meta_differs: int = 0  # timing-only samples that differ from CPU as PyTorch's meta kernels do
     cpu_crashes: int = 0  # samples CPU's own kernel crashes on (run in a child process: CRASHY)
+    cpu_crashes_undilated: int = 0  # of which the same convolution undilated is CPU's reference (_undilated)
     child_hangs: int = 0  # children (CRASHY samples) killed after their timeout: no verdict, left out
 
 
@@ -1791,6 +1792,34 @@ def _in_child(fn: Callable[[], Any], timeout: float = 30.0) -> str:
     if os.WIFSIGNALED(status):
         return "crashed"
     return "raised" if os.WEXITSTATUS(status) == 1 else "returned"
+
+
+def _undilated(s: Sample) -> Sample | None:
+    """``s`` (a convolution) with dilation 1 in its kernel's size-1 dimensions, where it had more:
+    the same convolution (a size-1 kernel's dilation moves no tap, the output size is the same),
+    which CPU computes where its fp16 kernel crashes on the dilated form; None for any other sample.
+    The device computes it too (torch_bridge.eager.values._cpu_dilation) and must give its values."""
+    names = [a.name for a in s.op._schema.arguments]
+    if "dilation" not in names or "weight" not in names:
+        return None
+    args, kwargs = list(s.args), dict(s.kwargs)
+
+    def get(name: str) -> Any:
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name)
+    w, dil = get("weight"), get("dilation")
+    w = w.t if isinstance(w, _Host) else w
+    if not isinstance(w, torch.Tensor) or not isinstance(dil, (list, tuple)) or len(dil) != w.dim() - 2:
+        return None
+    new = [1 if k == 1 and d > 1 else d for k, d in zip(w.shape[2:], dil)]
+    if new == list(dil):
+        return None
+    i = names.index("dilation")
+    if i < len(args):
+        args[i] = new
+    else:
+        kwargs["dilation"] = new
+    return dataclasses.replace(s, args=args, kwargs=kwargs)
 
 
 def _may_crash(s: Sample) -> bool:
@@ -1858,7 +1887,13 @@ class Tester:
             self.stats.child_hangs += 1
             return
         crashes = verdict == "crashed"
-        cpu = Run(error=RuntimeError("CPU's kernel crashes")) if crashes else run_on(s, "cpu", specs)
+        ref = s
+        if crashes:  # a dilated size-1 kernel dimension (fp16): the same convolution undilated is the reference
+            u = _undilated(s)
+            if u is not None and _in_child(lambda: run_on(u, "cpu", specs)) == "returned":
+                ref, crashes = u, False
+                self.stats.cpu_crashes_undilated += 1
+        cpu = Run(error=RuntimeError("CPU's kernel crashes")) if crashes else run_on(ref, "cpu", specs)
         st.samples += 1
         row = st.by_op.setdefault(s.packet, [0, 0])
         row[0] += 1
@@ -2177,6 +2212,7 @@ def run_fresh(ops: Sequence[str], argv: Sequence[str]) -> Stats:
             st.fast_hits += got["fast_hits"]
             st.cpu_crashes += got.get("cpu_crashes", 0)
             st.child_hangs += got.get("child_hangs", 0)
+            st.cpu_crashes_undilated += got.get("cpu_crashes_undilated", 0)
             st.torch_compile_differs += got["torch_compile_differs"]
             for k, v in got["by_dtype"].items():
                 st.by_dtype[k] = st.by_dtype.get(k, 0) + v
@@ -2260,6 +2296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(stats.mismatches)} mismatches; {dt:.0f} s ({time.process_time():.0f} s of CPU)")
     if stats.child_hangs:
         print(f"  {stats.child_hangs} child runs of crash-prone samples hung and were killed (left out)")
+    if stats.cpu_crashes_undilated:
+        print(f"  {stats.cpu_crashes_undilated} samples crash CPU's kernel only dilated over a size-1 kernel "
+              f"dimension: compared with the same convolution undilated")
     if stats.cpu_crashes:
         print(f"  {stats.cpu_crashes} samples crash CPU's own kernel (run in a child; the device must refuse them)")
     if stats.meta_differs:
@@ -2280,7 +2319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({"ops": len(ops), "samples": stats.samples, "cpu_errors": stats.cpu_errors,
                        "cpu_seconds": time.process_time(), "torch_compile_differs": stats.torch_compile_differs,
                        "fast_hits": stats.fast_hits, "cpu_crashes": stats.cpu_crashes,
-                       "child_hangs": stats.child_hangs,
+                       "child_hangs": stats.child_hangs, "cpu_crashes_undilated": stats.cpu_crashes_undilated,
                        "compiled": stats.compiled, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
                        "mismatches": [m.line() for m in stats.mismatches]}, f, indent=1)
     return 1 if stats.mismatches else 0

@@ -497,6 +497,28 @@ def test_a_sample_that_crashes_cpus_kernel_runs_in_a_child_and_the_device_must_r
     assert dt._in_child(lambda: 1 / (torch.get_num_threads() - 1)) == "raised"
     s = dt.make_sample("convolution_overrideable", 230417798230204, dt.DTYPES)
     assert dt._may_crash(s)
+    assert dt._undilated(s).args[5] == [1, 1] and s.args[5] == [2, 2]
+
+
+@pytest.mark.parametrize("seed", [230417798230204, 116800094049707])
+def test_a_convolution_whose_cpu_kernel_crashes_dilated_over_a_size_1_kernel_gives_its_undilated_values(seed):
+    """Long-run finding (seeds 2412307, 2412318): CPU's fp16 convolution segfaults for a dilated
+    size-1 kernel dimension (x (2,4,2,1), w (1,4,1,1), stride 2, padding 1, dilation 2), and so did
+    the device, which runs CPU's kernel for its checks. A size-1 kernel's dilation moves no tap: the
+    device hands CPU the same convolution undilated, and gives its values."""
+    assert dt.main(["--repro", "convolution_overrideable", str(seed)]) == 0
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 4, 2, 1, generator=g).half(), torch.randn(1, 4, 1, 1, generator=g).half()
+    want = torch.ops.aten.convolution.default(x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1)
+    got = torch.ops.aten.convolution.default(x.to("neuron"), w.to("neuron"), None, [2, 2], [1, 1], [2, 2], False,
+                                             [0, 0], 1)
+    torch.testing.assert_close(got.cpu(), want)
+    xg, wg = x.to("neuron").requires_grad_(), w.to("neuron").requires_grad_()
+    torch.nn.functional.conv2d(xg, wg, stride=2, padding=1, dilation=2).sum().backward()
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.nn.functional.conv2d(xc, wc, stride=2, padding=1, dilation=1).sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), xc.grad)
+    torch.testing.assert_close(wg.grad.cpu(), wc.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
