@@ -49,7 +49,10 @@ reruns exactly that sample (``python benchmarks/difftest.py --repro <op> <seed>`
 
 **Samples that crash CPU** (:data:`CRASHY`: CPU's fp16/bf16 oneDNN convolution segfaults for
 some shapes, a torch bug): those ops' reduced-precision samples run on CPU in a forked child
-first; where CPU crashes, the device must refuse the call (a crash or an answer is reported).
+first (on one thread, killed after 30 s); where CPU crashes on a convolution dilated over a
+size-1 kernel dimension, CPU's call undilated (the same convolution) is the reference the device
+must give; where it crashes otherwise, the device must refuse the call (a crash or an answer is
+reported).
 
 **First calls in fresh processes** (``--fresh``): each op's samples run in a process of their
 own, so the first sample is the first call the process makes (nothing taught to the fast path,
