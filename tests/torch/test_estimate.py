@@ -30,7 +30,12 @@ def run(capsys, *argv):
 
 def test_tp4_collectives_are_what_trnsim_collective_simulates(cache, capsys):
     """Every TP=4 all-reduce of a decode step (a 512-byte hidden state) and of the prefill (128
-    tokens: 64 KiB) costs the rank what `trnsim collective` gives for that size on 4 ranks."""
+    tokens: 64 KiB) costs the rank what `trnsim collective` gives for that size on 4 ranks, less
+    the runtime's per-op launch: inside a compiled graph a collective pays ``graph_launch``."""
+    from trnsim.collectives.runtime import in_graph
+
+    graph = in_graph(load_system("trn2.48xlarge"))
+    assert graph.collectives.launch == graph.collectives.graph_launch < load_system("trn2.48xlarge").collectives.launch
     est, _ = estimate_inference(TINY, eager=True, tp=4, input_tokens=128, output_tokens=8, samples=2, cache_dir=cache)
     code, out, _ = run(capsys, "collective", "all-reduce", "--ranks", "4", "--bytes", "512B,64KiB", "--json")
     assert code == 0
@@ -41,7 +46,7 @@ def test_tp4_collectives_are_what_trnsim_collective_simulates(cache, capsys):
         assert algo == cli[nbytes]["algorithm"] == rule  # 64 KiB on 4 ranks is 1 MiB per 64: past mesh
         # rank 0's own part: from its start to its completion, which the call's time (to the last
         # rank's completion, what the CLI prints) bounds
-        rep = simulate_collective("trn2.48xlarge", "all-reduce", nbytes, ranks=4)
+        rep = simulate_collective(graph, "all-reduce", nbytes, ranks=4)
         own = (rep.end_of(0) - rep.start_ticks[0]) * 1e6 / rep.tick_hz
         assert ms * 1e3 / calls == pytest.approx(own, rel=1e-9) and own <= cli[nbytes]["time:avg(us)"]
     gathers = {c[0]: c[2] for c in est.decode.collectives}
