@@ -86,7 +86,8 @@ def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch,
         out, err = capsys.readouterr()
         assert err == "" and f"{int(rerun)} from a previous run" in out
         row = next(line for line in out.splitlines() if "tp=4 pp=1 dp=1" in line)
-        assert "│ bf16  │        │ " in row and ("│ HBM" in row or "│ collectives" in row)  # no cycles, its time in us
+        # no cycles, its time in us, and what bounds its decode step
+        assert "│ bf16  │        │ " in row and any(f"│ {b}" in row for b in ("HBM", "collectives", "compute"))
 
 
 @pytest.mark.parametrize("entry,message", [

@@ -282,8 +282,11 @@ def test_an_moe_steps_all_to_all_scales_with_the_tokens_routed(cache):
     """Expert parallelism over 4 data-parallel ranks (TP=2: ranks 0, 2, 4, 6): each layer's routed
     tokens (seq x top_k rows of hidden 256, bf16) go to their experts' ranks and back, forward and
     backward; each all-to-all costs rank 0 what trnsim's collective model gives for those bytes, so
-    it grows with the tokens routed (sequence and top_k)."""
+    it grows with the tokens routed (sequence and top_k). The step is one compiled graph: its
+    collectives pay the system's graph_launch in place of a standalone call's launch."""
     from trnsim.collectives import simulate_collective
+    from trnsim.collectives.runtime import in_graph
+    from trnsim.config import load_system
     from trnsim.models import ModelConfig, load_model
 
     spec = load_model(Path(__file__).parent.parent / "data" / "tiny-mixtral.json")
@@ -294,7 +297,8 @@ def test_an_moe_steps_all_to_all_scales_with_the_tokens_routed(cache):
         for step in (est.forward, est.backward):
             ((op, _, calls, ms),) = [c for c in step.collectives if c[0] == "all_to_all"]
             assert calls == 2 * 2  # dispatch and combine in each of the 2 layers
-            rep = simulate_collective("trn2.48xlarge", "all-to-all", seq * k * 256 * 2, group=[0, 2, 4, 6], dtype="bf16")
+            rep = simulate_collective(in_graph(load_system("trn2.48xlarge")), "all-to-all", seq * k * 256 * 2,
+                                      group=[0, 2, 4, 6], dtype="bf16")
             own = (rep.end_of(0) - rep.start_ticks[0]) * 1e3 / rep.tick_hz
             # the launch carries the collective's DMA demand, shared with the core's other queues: within 10%
             assert ms / calls == pytest.approx(own, rel=0.1)
