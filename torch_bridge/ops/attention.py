@@ -396,6 +396,45 @@ def flash_decomposed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(p.to(q.dtype), v)
 
 
+def _host_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return mask if mask is None or mask.device.type == "cpu" else memory.cpu_view(mask)
+
+
+class _CpuValued(torch.autograd.Function):
+    """Attention op by op (:func:`flash_decomposed`: L != S, ...) whose values are CPU's kernel's
+    (``datapath_exact`` false: non-finite inputs, overflowing products, ...), with gradients: its
+    output is CPU's kernel's and its gradients are CPU's kernel's backward's (autograd through
+    CPU's SDPA on host views), as the fused path's are (``_Attention``). The op-by-op backward from
+    the datapath put NaNs elsewhere (causal, L != S: 40 NaNs in dK where CPU's has 8). The device
+    is charged what the op-by-op path runs: the forward's ops, and in the backward their recompute
+    and autograd, whose values are dropped."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+        out = flash_decomposed(q, k, v, mask, is_causal, scale, enable_gqa)
+        hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
+        memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, _host_mask(mask), is_causal, scale))
+        ctx.save_for_backward(q, k, v)
+        ctx.call = (mask, is_causal, scale, enable_gqa)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v = ctx.saved_tensors
+        mask, causal, scale, gqa = ctx.call
+        index = q.device.index or 0
+        with torch.enable_grad():  # the device's work (values dropped)
+            xs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
+        hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
+        with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
+            out = torch.ops.aten.scaled_dot_product_attention.default(
+                hq, hk, hv, _host_mask(mask), 0.0, causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
+            grads = torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
+        return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
+
+
 def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,
                     scale: float, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's values from neuron tensors (P from the forward): (dq, dk, dv) on CPU."""
@@ -449,13 +488,17 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     flash = check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
         if flash and dropout_p == 0.0:
-            out = flash_decomposed(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-            if all(type(t) in _PLAIN for t in (query, key, value, attn_mask, out) if t is not None):
+            exact = True
+            if all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None):
                 hq, hk, hv = (memory.cpu_view(t) for t in (query, key, value))
-                mask = attn_mask if attn_mask is None or attn_mask.device.type == "cpu" else \
-                    memory.cpu_view(attn_mask)
-                if not datapath_exact(hq, hk, hv, mask, scale):  # CPU's flash kernel's values (see datapath_exact)
-                    memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, mask, is_causal, scale))
+                exact = datapath_exact(hq, hk, hv, _host_mask(attn_mask), scale)
+            if not exact and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and \
+                    (attn_mask is None or not attn_mask.requires_grad):
+                out = _CpuValued.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+            else:
+                out = flash_decomposed(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+                if not exact:  # CPU's flash kernel's values (see datapath_exact)
+                    memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, _host_mask(attn_mask), is_causal, scale))
         else:
             mask, causal = additive_mask(query, key, attn_mask, is_causal)
             out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale,
