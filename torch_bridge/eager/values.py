@@ -710,8 +710,8 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     index = input.device.index or 0
     x, w = memory.cpu_view(input), memory.cpu_view(weight)
     cb = memory.cpu_view(bias) if bias is not None else None
-    strides = _check_convolution(x, w, cb, stride, padding, _cpu_dilation(x, w, dilation), transposed,
-                                 output_padding, groups)
+    cpu_dilation = _cpu_dilation(x, w, dilation)
+    strides = _check_convolution(x, w, cb, stride, padding, cpu_dilation, transposed, output_padding, groups)
     # im2col multiplies the weights by the zeros of the padding too, so an infinite weight made
     # NaN at the border where CPU's convolution (which skips padding) gives a number: inputs that
     # are not all finite, or whose products may overflow (tensore.bounded), take CPU's convolution
@@ -723,8 +723,8 @@ def convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             acc += cb.float().view(1, -1, *([1] * (acc.dim() - 2)))
         res = acc.to(input.dtype)
     else:
-        res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, _cpu_dilation(x, w, dilation), transposed,
-                                                 output_padding, groups)
+        res = torch.ops.aten.convolution.default(x, w, cb, stride, padding, cpu_dilation, transposed, output_padding,
+                                                 groups)
     if res.stride() != strides:  # (the datapath's result is contiguous; CPU's may be channels-last)
         res = torch.empty_strided(res.shape, strides, dtype=res.dtype).copy_(res)
     _conv_time(index, "convolution", input, weight, res, groups, stride, padding, dilation, transposed)

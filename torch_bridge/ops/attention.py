@@ -258,13 +258,8 @@ class _Attention(torch.autograd.Function):
         index = q.device.index or 0
         if ctx.cpu_call is None:
             dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
-        else:  # CPU's own kernel's backward (its flash backward recomputes from its blocked statistics)
-            mask, causal, scale = ctx.cpu_call
-            hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
-            with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
-                out = torch.ops.aten.scaled_dot_product_attention.default(
-                    hq, hk, hv, mask, 0.0, causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
-                dq, dk, dv = torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
+        else:  # CPU's own kernel's backward
+            dq, dk, dv = cpu_kernel_grads(q, k, v, *ctx.cpu_call, grad_out)
         charge_backward(index, q, k.shape[-2], q.dtype)
         return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
                 None, None, None, None, None)
@@ -325,6 +320,18 @@ def cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.no_grad():
         return torch.ops.aten.scaled_dot_product_attention.default(
             q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def cpu_kernel_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                     scale: float | None, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) on CPU of CPU's own scaled_dot_product_attention of the neuron tensors ``q``,
+    ``k``, ``v`` (autograd through the kernel CPU picks, on host views; its flash backward
+    recomputes from its blocked statistics); ``mask`` a host tensor or None."""
+    hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
+    with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
+        out = torch.ops.aten.scaled_dot_product_attention.default(
+            hq, hk, hv, mask, 0.0, is_causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
+        return torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
 
 
 KV_SPLIT = 512  # CPU's flash kernel's key block (kvSplitSize)
@@ -427,11 +434,7 @@ class _CpuValued(torch.autograd.Function):
         with torch.enable_grad():  # the device's work (values dropped)
             xs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
-        hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
-        with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
-            out = torch.ops.aten.scaled_dot_product_attention.default(
-                hq, hk, hv, _host_mask(mask), 0.0, causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
-            grads = torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
+        grads = cpu_kernel_grads(q, k, v, _host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
 
 
@@ -491,14 +494,15 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
             exact = True
             if all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None):
                 hq, hk, hv = (memory.cpu_view(t) for t in (query, key, value))
-                exact = datapath_exact(hq, hk, hv, _host_mask(attn_mask), scale)
+                hmask = _host_mask(attn_mask)
+                exact = datapath_exact(hq, hk, hv, hmask, scale)
             if not exact and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and \
                     (attn_mask is None or not attn_mask.requires_grad):
                 out = _CpuValued.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)
             else:
                 out = flash_decomposed(query, key, value, attn_mask, is_causal, scale, enable_gqa)
                 if not exact:  # CPU's flash kernel's values (see datapath_exact)
-                    memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, _host_mask(attn_mask), is_causal, scale))
+                    memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, hmask, is_causal, scale))
         else:
             mask, causal = additive_mask(query, key, attn_mask, is_causal)
             out = _torch.sdpa_math(query, key, value, mask, dropout_p, causal, None, scale=scale,
