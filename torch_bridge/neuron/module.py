@@ -191,6 +191,7 @@ def is_bf16_supported() -> bool:
 # ---- memory ---------------------------------------------------------------------------------
 def _memory(device: Any) -> _mem.MemoryStats:
     index = _check_index(device)  # first: it may configure the pool
+    _mem.settle()  # an ended timing-only run's tensors that died since: their bytes are free
     return _mem.pool.devices[index]
 
 

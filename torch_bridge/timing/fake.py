@@ -583,10 +583,7 @@ class TimingOnly:
             m.__enter__()
         self._thread, self._oom = threading.get_ident(), None
         _active.append(self)
-        for run in list(_lingering):
-            run.sweep()
-            if not run._live:
-                _lingering.discard(run)
+        sweep_lingering()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -596,11 +593,8 @@ class TimingOnly:
         self._modes = []
         self.sweep()
         if self._live:
-            _lingering.add(self)  # tensors that outlive the run: swept when the next run starts or ends
-        for run in list(_lingering):
-            run.sweep()
-            if not run._live:
-                _lingering.discard(run)
+            _lingering.add(self)  # tensors that outlive the run: swept when the next run starts or ends,
+        sweep_lingering()         # and when the device's allocated bytes are read
 
     # ---- charging: every device interaction goes through these (and onto the tape) ---------------
     def _flush(self) -> None:
@@ -794,6 +788,18 @@ class TimingOnly:
 
 _active: list[TimingOnly] = []
 _lingering: set[TimingOnly] = set()  # ended runs some of whose tensors were still alive
+
+
+def sweep_lingering() -> None:
+    """Release the bytes of ended runs' tensors that have died since (their ``_died`` callbacks
+    only queue a check for the run's next op, which an ended run never has)."""
+    for run in list(_lingering):
+        run.sweep()
+        if not run._live:
+            _lingering.discard(run)
+
+
+memory.settlers.append(sweep_lingering)
 
 
 def _died(dying: list[int], weak: dict[int, Any], key: int, ref: Any) -> None:
