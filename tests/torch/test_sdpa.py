@@ -240,6 +240,53 @@ def test_masks_compiled_match_cpu(lengths, kind):
         torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-5)
 
 
+def _nonfinite(l: int, s: int) -> list[torch.Tensor]:
+    q, k, v = _qkv((1, 2, l, 16), (1, 2, s, 16), (1, 2, s, 16), seed=5)
+    q[0, 0, 2, 3], k[0, 1, 4, 1] = float("inf"), float("nan")
+    return [q, k, v]
+
+
+def _same_nans(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a.isnan(), b.isnan())
+    torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_attention_over_non_finite_inputs_has_cpus_gradients():
+    """The compiled graph's attention op (L == S): a forward whose values were CPU's kernel's
+    (inputs not finite) has CPU's kernel's backward too, as eager's has (e2a8310); it took the
+    datapath's backward from P (dV: 256 NaNs where CPU's has 176)."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    qkv = _nonfinite(8, 8)
+    cpu = [t.clone().requires_grad_() for t in qkv]
+    dev = [t.to("neuron").requires_grad_() for t in qkv]
+    g = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(1))
+    want, got = attend(*cpu), torch.compile(attend, backend="neuron", fullgraph=True)(*dev)
+    want.backward(g)
+    got.backward(g.to("neuron"))
+    _same_nans(got.detach().cpu(), want.detach())
+    for a, b in zip(dev, cpu):
+        _same_nans(a.grad.cpu(), b.grad)
+
+
+def test_a_dynamic_shape_graph_gives_cpus_flash_values_and_refuses_their_gradients():
+    """A graph traced with symbolic sizes (the second length of a compiled function) could not
+    tell at trace time whether CPU computes the call with its flash kernel, so its non-finite
+    inputs got the math path's values (112 NaNs where CPU's flash kernel has 48): that is now
+    decided when the graph runs. With gradients the traced op-by-op backward cannot give CPU's
+    kernel's, so the call is refused in one line."""
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    fn = torch.compile(attend, backend="neuron", fullgraph=True)
+    for l, s in [(8, 8), (6, 10), (5, 12)]:  # the second and third run one dynamic-shape graph
+        qkv = _nonfinite(l, s)
+        _same_nans(fn(*[t.to("neuron") for t in qkv]).cpu(), attend(*qkv))
+    fn = torch.compile(attend, backend="neuron", fullgraph=True)
+    fn(*[t.to("neuron").requires_grad_() for t in _qkv((1, 2, 6, 16), (1, 2, 10, 16), (1, 2, 10, 16))])  # finite: fine
+    with pytest.raises(NotImplementedError, match="compiled graph with gradients, over inputs that are not finite"):
+        fn(*[t.to("neuron").requires_grad_() for t in _nonfinite(6, 10)])
+
+
 def test_report_shows_one_attention_kernel_per_call():
     qkv = [t.to("neuron").requires_grad_() for t in _qkv((B, H, S, D), (B, H, S, D), (B, H, S, D))]
     with torch.neuron.report_scope() as scope:

@@ -45,30 +45,42 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale:
 
 
 @torch.library.custom_op("trnsim::attention_backward", mutates_args=())
-def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, scale: float,
-                       groups: int) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None, causal: bool,
+                       scale: float | None, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager device's attention backward: from P, or, where the forward's values were CPU's
+    kernel's (:func:`torch_bridge.ops.attention.datapath_exact` false), CPU's kernel's backward."""
     index = q.device.index or 0
-    dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, scale, groups)
+    hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
+    hm = _host_mask(mask)
+    if eager_attention.datapath_exact(hq, hk, hv, hm, scale):
+        sc = scale if scale is not None else q.shape[-1] ** -0.5
+        dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, sc, groups)
+    else:
+        dq, dk, dv = eager_attention.cpu_kernel_grads(q, k, v, hm, causal, scale, grad)
     eager_attention.charge_backward(index, q, k.shape[-2], q.dtype)
     return memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index)
 
 
 @attention_backward.register_fake
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, scale: float, groups: int
-      ) -> tuple[Tensor, Tensor, Tensor]:
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None, causal: bool,
+      scale: float | None, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _host_mask(mask: Tensor | None) -> Tensor | None:
+    return None if mask is None else mask if mask.device.type == "cpu" else memory.cpu_view(mask)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, mask, causal, scale, groups, _flash = inputs
-    ctx.save_for_backward(q, k, v, output[1])
-    ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
-    ctx.groups = groups
+    ctx.save_for_backward(q, k, v, output[1], mask)
+    ctx.call = (causal, scale, groups)
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_p: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, p = ctx.saved_tensors
-    dq, dk, dv = attention_backward(grad_out.contiguous(), q, k, v, p, float(ctx.scale), ctx.groups)
+    q, k, v, p, mask = ctx.saved_tensors
+    causal, scale, groups = ctx.call
+    dq, dk, dv = attention_backward(grad_out.contiguous(), q, k, v, p, mask, causal, scale, groups)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -77,30 +89,37 @@ attention.register_autograd(_backward, setup_context=_setup)
 
 @torch.library.custom_op("trnsim::attention_values", mutates_args=())
 def attention_values(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
-                     scale: float | None) -> Tensor:
+                     scale: float | None, enable_gqa: bool, grads: bool = False) -> Tensor:
     """``out``, the traced op-by-op flash arithmetic's result for a call CPU computes with its
     flash kernel, with CPU's own kernel's values where the datapath's cannot be CPU's
     (:func:`torch_bridge.ops.attention.datapath_exact`: inputs not finite, products that may
     overflow, ...), which only the values decide, as the eager device does. No kernel of its
     own (nothing is charged): the traced ops are the computation; the copy of ``out`` is there
-    because a custom op may not return its input."""
+    because a custom op may not return its input. Whether CPU computes the call with its flash
+    kernel is decided here, on the call's sizes (a dynamic-shape graph's trace had symbols)."""
     index = out.device.index or 0
     hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
-    hm = None if mask is None else mask if mask.device.type == "cpu" else memory.cpu_view(mask)
+    hm = _host_mask(mask)
     res = memory.cpu_view(out).clone()
-    if not eager_attention.datapath_exact(hq, hk, hv, hm, scale):
+    if eager_attention.check(q, k, v, mask, 0.0, causal, scale, enable_gqa) and \
+            not eager_attention.datapath_exact(hq, hk, hv, hm, scale):
+        if grads:
+            raise NotImplementedError(
+                f"neuron: scaled_dot_product_attention in a compiled graph with gradients, over inputs that are not "
+                f"finite or whose products may overflow (q {tuple(q.shape)}, k {tuple(k.shape)}): its gradients "
+                f"would not be CPU's flash kernel's; run it eagerly (torch.compiler.disable) or with finite inputs")
         res.copy_(eager_attention.cpu_kernel(hq, hk, hv, hm, causal, scale))
     return memory.relabel(res, index)
 
 
 @attention_values.register_fake
-def _(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None
-      ) -> Tensor:
+def _(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+      enable_gqa: bool, grads: bool = False) -> Tensor:
     return torch.empty_like(out)
 
 
 def _values_backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
-    return grad, None, None, None, None, None, None  # (the traced ops carry the gradients)
+    return grad, None, None, None, None, None, None, None, None  # (the traced ops carry the gradients)
 
 
 attention_values.register_autograd(_values_backward)
@@ -120,9 +139,16 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
     out = SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if query.device.type == "neuron" and dropout_p == 0.0 and \
             all(t.device == query.device for t in (query, key, value)) and \
-            eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        return attention_values(out, query, key, value, attn_mask, bool(is_causal), scale)
+            (_symbolic(query, key, value, attn_mask) or
+             eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)):
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return attention_values(out, query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa), grads)
     return out
+
+
+def _symbolic(*ts: Tensor | None) -> bool:
+    """A dynamic-shape trace: which kernel CPU picks is known only at run time."""
+    return any(type(d) is not int for t in ts if t is not None for d in t.shape)
 
 
 def use_attention_op(gm: fx.GraphModule) -> None:
