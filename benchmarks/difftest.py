@@ -25,8 +25,8 @@ the device must refuse it too.
 sizes, strides, storage offsets and storage bytes (shared storages stay shared): with the native
 fast path on (twice: the first call teaches the fast path the call's cost, the second is served
 by it), with the fast path off (the Python path), and under ``torch.compile(backend="neuron")``
-(samples compiled together, :data:`COMPILE_BATCH` to a graph; a batch that fails is re-run one
-sample at a time); every ``--timing-every``-th also on timing-only tensors (no values: the same
+(samples compiled together, :data:`COMPILE_BATCH` to a graph, every second graph traced with
+symbolic sizes as ``dynamic=True`` traces it; a batch that fails is re-run one sample at a time); every ``--timing-every``-th also on timing-only tensors (no values: the same
 shapes, dtypes and strides, and no error where CPU has none). A compiled graph is held to what
 ``torch.compile`` gives on CPU (``aot_eager``) where that differs from eager CPU (out= into outs
 it must resize, say), and timing-only tensors to PyTorch's meta kernels where those differ from
@@ -1740,6 +1740,7 @@ class Stats:
     by_dtype: dict[str, int] = field(default_factory=dict)
     mismatches: list[Mismatch] = field(default_factory=list)
     unbuildable: dict[str, int] = field(default_factory=dict)
+    compiled_dynamic: int = 0  # of them traced with symbolic sizes
     torch_compile_differs: int = 0  # compiled samples where torch.compile on CPU differs from eager CPU alike
     timing_only: int = 0  # samples run on timing-only tensors
     meta_differs: int = 0  # timing-only samples that differ from CPU as PyTorch's meta kernels do
@@ -1841,6 +1842,7 @@ class Tester:
         self.seed = seed
         self.dtypes = tuple(dtypes)
         self.compile_every = compile_every
+        self._flushes = 0
         self.timing_every = timing_every
         self._timing_queue: list[tuple[Sample, Run]] = []
         self.stats = Stats()
@@ -1993,10 +1995,13 @@ class Tester:
         # it draws what the eager reference's seeded draw does
         plain = [q for q in queue if not q[0].random]
         queue = plain + [q for q in queue if q[0].random]
-        results = _compiled_runs([(s, sp) for s, sp, _ in plain]) if plain else []
-        results += [_compiled_runs([(s, sp)])[0] for s, sp, _ in queue[len(plain):]]
+        self._flushes += 1
+        dynamic = self._flushes % 2 == 0  # every second graph traced with symbolic sizes
+        results = _compiled_runs([(s, sp) for s, sp, _ in plain], dynamic) if plain else []
+        results += [_compiled_runs([(s, sp)], dynamic)[0] for s, sp, _ in queue[len(plain):]]
         for (s, specs, cpu), dev in zip(queue, results):
             self.stats.compiled += 1
+            self.stats.compiled_dynamic += dynamic
             exact_cache: list[Any] = []
 
             def exact(s: Sample = s, specs: Any = specs) -> Any:
@@ -2007,7 +2012,7 @@ class Tester:
             if why:
                 # torch.compile's own semantics (what CPU compiled with aot_eager gives) are the
                 # reference for a compiled graph; an eager CPU result they differ from is not the device's
-                ref = _compile_batch([(s, specs)], "cpu")
+                ref = _compile_batch([(s, specs)], "cpu", dynamic)
                 if ref is not None and self.check(s, ref[0], dev, "compiled", exact, specs, strides=False) is None:
                     self.stats.torch_compile_differs += 1
                     continue
@@ -2097,18 +2102,19 @@ def _compilable(s: Sample) -> bool:
     return s.packet != "resize_" and not any(t in s.tags for t in ("out-empty", "out-other-size"))
 
 
-def _compiled_runs(items: list[tuple[Sample, Any]]) -> list[Run]:
+def _compiled_runs(items: list[tuple[Sample, Any]], dynamic: bool = False) -> list[Run]:
     """Each sample run under torch.compile(backend="neuron"): all in one graph first; if that
     graph fails, each on its own (so one refusal cannot hide the others' values)."""
-    runs = _compile_batch(items)
+    runs = _compile_batch(items, dynamic=dynamic)
     if runs is not None:
         return runs
-    return [(_compile_batch([it]) or [Run(error=RuntimeError("compile failed"))])[0] for it in items]
+    return [(_compile_batch([it], dynamic=dynamic) or [Run(error=RuntimeError("compile failed"))])[0] for it in items]
 
 
-def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE) -> list[Run] | None:
+def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynamic: bool = False) -> list[Run] | None:
     """The samples as one compiled graph on ``device`` (neuron: backend "neuron"; cpu: the
-    reference, "aot_eager"); None when the graph of several fails."""
+    reference, "aot_eager"); None when the graph of several fails. ``dynamic``: traced with
+    symbolic sizes (``torch.compile(dynamic=True)``), as a function called at a second shape is."""
     mats = [Materialised(s, device, specs) for s, specs in items]
     calls = []
     for (s, _), m in zip(items, mats):
@@ -2147,7 +2153,8 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE) -> lis
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            outs = torch.compile(graph, backend="neuron" if device == DEVICE else "aot_eager")(*tensors)
+            outs = torch.compile(graph, backend="neuron" if device == DEVICE else "aot_eager",
+                                 dynamic=dynamic or None)(*tensors)
     except Exception as e:
         if len(items) == 1:
             return [Run(error=e)]
@@ -2212,6 +2219,7 @@ def run_fresh(ops: Sequence[str], argv: Sequence[str]) -> Stats:
             st.samples += got["samples"]
             st.cpu_errors += got["cpu_errors"]
             st.compiled += got["compiled"]
+            st.compiled_dynamic += got.get("compiled_dynamic", 0)
             st.fast_hits += got["fast_hits"]
             st.cpu_crashes += got.get("cpu_crashes", 0)
             st.child_hangs += got.get("child_hangs", 0)
@@ -2294,7 +2302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress=ns.progress, timing_every=ns.timing_every)
     dt = time.perf_counter() - t0
     print(f"difftest: {len(ops)} ops, {stats.samples} samples ({stats.samples - stats.cpu_errors} valid, "
-          f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled, {stats.timing_only} timing-only, "
+          f"{stats.cpu_errors} refused by CPU), {stats.compiled} compiled ({stats.compiled_dynamic} with symbolic "
+          f"sizes), {stats.timing_only} timing-only, "
           f"fast path served {stats.fast_hits}; "
           f"{len(stats.mismatches)} mismatches; {dt:.0f} s ({time.process_time():.0f} s of CPU)")
     if stats.child_hangs:
@@ -2323,7 +2332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "cpu_seconds": time.process_time(), "torch_compile_differs": stats.torch_compile_differs,
                        "fast_hits": stats.fast_hits, "cpu_crashes": stats.cpu_crashes,
                        "child_hangs": stats.child_hangs, "cpu_crashes_undilated": stats.cpu_crashes_undilated,
-                       "compiled": stats.compiled, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
+                       "compiled": stats.compiled, "compiled_dynamic": stats.compiled_dynamic, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
                        "mismatches": [m.line() for m in stats.mismatches]}, f, indent=1)
     return 1 if stats.mismatches else 0
 
