@@ -104,3 +104,31 @@ def test_a_neuron_convolution_takes_the_datapath_exactly_when_its_inputs_are_fin
         assert not torch.equal(want.view(torch.int32), cpu.view(torch.int32))  # the two paths tell apart
         got = torch.nn.functional.conv2d(x.to("neuron"), wt.to("neuron"), padding=1).cpu()
         assert torch.equal(got.view(torch.int32), (want if datapath else cpu).view(torch.int32))
+
+
+def test_im2col_gives_unfolds_patches_bit_for_bit():
+    """tensore.im2col (a strided view of the padded input, copied once) against F.unfold: the
+    same elements in the same order for random geometries, dtypes, layouts and NaNs."""
+    import random
+
+    rng = random.Random(7)
+    checked = 0
+    while checked < 300:
+        n, c, h, w = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 12), rng.randint(1, 12)
+        r, s = rng.randint(1, 4), rng.randint(1, 4)
+        st, pad, dil = ((rng.randint(1, 3), rng.randint(1, 3)), (rng.randint(0, 3), rng.randint(0, 3)),
+                        (rng.randint(1, 3), rng.randint(1, 3)))
+        ho = (h + 2 * pad[0] - dil[0] * (r - 1) - 1) // st[0] + 1
+        wo = (w + 2 * pad[1] - dil[1] * (s - 1) - 1) // st[1] + 1
+        if ho <= 0 or wo <= 0:
+            continue
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        x = torch.randn(n, c, h, 2 * w).to(dtype)
+        x = [x[..., :w].contiguous(), x[..., :w].contiguous(memory_format=torch.channels_last), x[..., ::2]][checked % 3]
+        if rng.random() < 0.3:
+            x[0, 0, 0, 0] = float("nan")
+        want = torch.nn.functional.unfold(x, (r, s), dilation=dil, padding=pad, stride=st)
+        got = tensore.im2col(x, (r, s), st, pad, dil, (ho, wo))
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert got.shape == want.shape and torch.equal(got.contiguous().view(bits), want.contiguous().view(bits))
+        checked += 1
