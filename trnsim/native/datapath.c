@@ -1004,11 +1004,43 @@ conv_grouped_body(const float *x, int64_t C, int64_t H, int64_t W, const float *
                   int64_t dw, int64_t Ho, int64_t Wo, int64_t k_chunk, int64_t n, int64_t k,
                   float *o, float *acc) {
     const int64_t ck = CG * R * S, g = k / KG, P = Ho * Wo;
+    if (P <= 16) {
+        /* a few output elements (the last stages of a small network): the same taps in the same
+         * order per element (so the same bits), each tap one pass over the elements at offsets
+         * worked out once, without a loop over rows and columns per tap, whose set-up cost more
+         * than the tap when a row is a few elements */
+        int64_t off[16];
+        for (int64_t ho = 0, p = 0; ho < Ho; ho++)
+            for (int64_t wo = 0; wo < Wo; wo++) off[p++] = ho * sh * W + wo * sw;
+        float a[16];
+        int64_t c = 0, r = 0, s = 0;
+        for (int64_t c0 = 0; c0 < ck; c0 += k_chunk) {
+            const int64_t c1 = c0 + k_chunk < ck ? c0 + k_chunk : ck;
+            for (int64_t p = 0; p < P; p++) a[p] = 0.0f;
+            for (int64_t kk = c0; kk < c1; kk++) {
+                const float wv = w[k * ck + kk];
+                const float *xc = x + ((n * C + g * CG + c) * H + r * dh) * W + s * dw;
+                for (int64_t p = 0; p < P; p++) a[p] = fmaf(wv, xc[off[p]], a[p]);
+                if (++s == S) {
+                    s = 0;
+                    if (++r == R) {
+                        r = 0;
+                        c++;
+                    }
+                }
+            }
+            for (int64_t p = 0; p < P; p++) o[p] = c0 == 0 ? a[p] : o[p] + a[p];
+        }
+        for (int64_t p = 0; p < P; p++) o[p] = canon_f32(o[p]);
+        return;
+    }
     for (int64_t c0 = 0; c0 < ck; c0 += k_chunk) {
         const int64_t c1 = c0 + k_chunk < ck ? c0 + k_chunk : ck;
         for (int64_t i = 0; i < P; i++) acc[i] = 0.0f;
+        /* the tap's (channel, row, column), stepped along with kk: a division per tap cost more
+         * than the tap's multiply-adds when the output is a few elements */
+        int64_t c = c0 / (R * S), r = (c0 / S) % R, s = c0 % S;
         for (int64_t kk = c0; kk < c1; kk++) {
-            const int64_t c = kk / (R * S), r = (kk / S) % R, s = kk % S;
             const float wv = w[k * ck + kk];
             const float *xc = x + ((n * C + g * CG + c) * H + r * dh) * W + s * dw;
             for (int64_t ho = 0; ho < Ho; ho++) {
@@ -1018,6 +1050,13 @@ conv_grouped_body(const float *x, int64_t C, int64_t H, int64_t W, const float *
                     for (int64_t wo = 0; wo < Wo; wo++) ar[wo] = fmaf(wv, xr[wo], ar[wo]);
                 } else {
                     for (int64_t wo = 0; wo < Wo; wo++) ar[wo] = fmaf(wv, xr[wo * sw], ar[wo]);
+                }
+            }
+            if (++s == S) {  /* the next tap in im2col order: column, then row, then channel */
+                s = 0;
+                if (++r == R) {
+                    r = 0;
+                    c++;
                 }
             }
         }
