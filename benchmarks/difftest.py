@@ -78,6 +78,7 @@ The long run (the issue's >= 100,000 samples): ``--samples 400`` over every op, 
 from __future__ import annotations
 
 import argparse
+import builtins
 import dataclasses
 import hashlib
 import json
@@ -141,11 +142,26 @@ REFERENCES: dict[str, Callable[..., Any]] = {
 
 
 def _histc_cuda(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, **kw: Any) -> Any:
-    """CUDA's histc of integers: the counts of the values binned as numbers, in the input's dtype."""
+    """CUDA's histc of integers, in exact integer arithmetic (CUDA's bin of a value, (v - min) *
+    bins // (max - min), the top edge in the last bin, computed without int64's wrap-around;
+    min == max: the data's range, widened by one each way where it is one value), counts in the
+    input's dtype. (A float64 histogram was the reference before: past 2**53 it rounds values
+    into other bins.) Bad arguments raise as CPU's float64 histc does."""
     if self.is_floating_point() or self.dtype == torch.bool:
         return torch.ops.aten.histc.default(self, bins, min, max) if not kw else \
             torch.ops.aten.histc.out(self, bins, min, max, **kw)
-    res = torch.histc(self.double(), bins, min, max).to(self.dtype)
+    res = torch.histc(self.double(), bins, min, max).to(self.dtype)  # (its errors, shape and dtype)
+    vals = self.reshape(-1).tolist()
+    lo, hi = int(min), int(max)
+    if lo == hi and vals:
+        lo, hi = builtins.min(vals), builtins.max(vals)
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    counts = [0] * bins
+    for v in vals:
+        if lo <= v <= hi:
+            counts[(v - lo) * bins // (hi - lo) if v < hi else bins - 1] += 1
+    res = torch.tensor(counts, dtype=self.dtype)
     if kw:
         kw["out"].resize_(res.shape).copy_(res)
         return kw["out"]

@@ -54,6 +54,19 @@ def test_integer_histc_counts_like_cuda():
     assert torch.histc(torch.tensor([0.5, 2.5], device="neuron"), 3, 0, 3).cpu().tolist() == [1.0, 0.0, 1.0]
 
 
+def test_integer_histc_near_int64s_limits_bins_exactly():
+    """CUDA's integer arithmetic without its wrap-around (found by difftest): int64's max alone
+    widens its range past int64 (it was counted nowhere); 2**62 alone sits in the middle bin
+    (a float64 histogram puts it one bin lower); a range of int64's width times the bins would
+    wrap (it put every value in the last bin but one)."""
+    def hist(values, bins, lo=0, hi=0):
+        return torch.histc(torch.tensor(values, device="neuron"), bins, lo, hi).cpu().tolist()
+    assert hist([2 ** 63 - 1], 3) == [0, 1, 0]
+    assert hist([-2 ** 63], 6) == [0, 0, 0, 1, 0, 0]
+    assert hist([2 ** 62], 6) == [0, 0, 0, 1, 0, 0]
+    assert hist([-2 ** 63, 0, 2 ** 63 - 1], 4) == [1, 0, 1, 1]
+
+
 def test_mixtral_style_expert_counts():
     # transformers' Mixtral routing: torch.histc(selected_experts, bins=num_experts, min=0, max=num_experts - 1)
     experts = torch.tensor([[0, 3], [3, 1], [2, 3]], device="neuron")

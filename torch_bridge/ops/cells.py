@@ -10,7 +10,8 @@ kernel (elementwise work on the vector engines), costed by :mod:`torch_bridge.lo
 
 ``histc`` on CPU has no integer kernel; CUDA's counts integers with integer bin arithmetic
 (``(x - min) * bins / (max - min)``, the top edge in the last bin), which Mixtral's default MoE
-routing in transformers relies on.
+routing in transformers relies on. The device computes it exactly, without int64's wrap-around
+where the product or the widened edges leave int64 (CUDA's would wrap).
 """
 
 from __future__ import annotations
@@ -115,9 +116,17 @@ def _histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0) -> t
         lo, hi = lo - 1, hi + 1
     if lo > hi:
         raise RuntimeError(f"torch.histc: max must be larger than min, but got min {lo} max {hi}")
-    if (hi - lo) * bins >= 2 ** 63:  # (x - lo) * bins would wrap in int64 (found by difftest: a range up to
-        # int64's max binned every value into the last bin but one): binned as numbers, in float64
-        return torch.histc(x.double(), bins, lo, hi).to(self.dtype)
+    if (hi - lo) * bins >= 2 ** 63 or lo < -2 ** 63 or hi >= 2 ** 63:
+        # (x - lo) * bins would wrap in int64 (found by difftest: a range up to int64's max binned
+        # every value into the last bin but one), or the edges widened around one extreme value
+        # lie outside int64 (found by difftest: int64's max alone was compared with a wrapped
+        # edge and counted nowhere): the same integer arithmetic with Python's integers, which
+        # do not wrap (a float64 histogram rounds values past 2**53 into other bins)
+        counts = [0] * bins
+        for v in x.tolist():
+            if lo <= v <= hi:
+                counts[(v - lo) * bins // (hi - lo) if v < hi else bins - 1] += 1
+        return torch.tensor(counts, dtype=self.dtype)
     x = x[(x >= lo) & (x <= hi)]
     idx = ((x - lo) * bins).div((hi - lo), rounding_mode="floor").clamp_(max=bins - 1)
     return torch.bincount(idx, minlength=bins).to(self.dtype)
