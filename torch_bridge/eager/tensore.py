@@ -113,7 +113,11 @@ def _conv_batched(x2: torch.Tensor, w2: torch.Tensor, cols: torch.Tensor | None)
     n, c = x2.shape[:2]
     k = w2.shape[0]
     moving = x2.reshape(n, c, -1) if cols is None else cols
-    ck = moving.shape[1]
+    ck, pixels = moving.shape[1], moving.shape[2]
+    if pixels < 8:  # a few pixels per image: one matmul over N*L columns packs the weights once, not per
+        # image (4x576 pixels into 144 channels: 0.29 -> 0.13 ms); the same numbers per element
+        res = matmul_f32(w2.reshape(k, ck), moving.permute(1, 0, 2).reshape(ck, n * pixels))
+        return res.view(k, n, pixels).permute(1, 0, 2).contiguous()
     stationary = _np(w2.reshape(k, ck).t())  # [C*R*S, K]
     out = native.matmul_batched(np.broadcast_to(stationary, (n,) + stationary.shape), _np(moving), k_chunk=_k_chunk())
     return torch.from_numpy(out)
