@@ -37,7 +37,6 @@ applies both: the mask and the causal -inf added to the scores) and refused wher
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from typing import Any
 
@@ -323,29 +322,19 @@ def cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=q.shape[-3] != k.shape[-3])
 
 
-_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradOther)
-
-
 def cpu_kernel_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
                      scale: float | None, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) on CPU of CPU's own scaled_dot_product_attention of the neuron tensors ``q``,
     ``k``, ``v`` (autograd through the kernel CPU picks, on host views; its flash backward
     recomputes from its blocked statistics); ``mask`` a host tensor or None. Inside a custom op
-    (a compiled graph's backward) autograd's dispatch keys are excluded on this thread: the
-    autograd then runs on a thread of its own."""
+    (a compiled graph's backward) autograd's dispatch keys are excluded: the guard lets autograd
+    record again there."""
     hq, hk, hv = (memory.cpu_view(t).detach().requires_grad_() for t in (q, k, v))
-    hg = memory.cpu_view(grad_out)
-
-    def grads() -> tuple[torch.Tensor, ...]:
-        with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad():
-            out = torch.ops.aten.scaled_dot_product_attention.default(
-                hq, hk, hv, mask, 0.0, is_causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
-            return torch.autograd.grad(out, (hq, hk, hv), hg.to(out.dtype))
-
-    if not any(torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _AUTOGRAD_KEYS):
-        return grads()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(grads).result()
+    with _torch.DisableTorchFunction(), _torch.disable_current_modes(), torch.enable_grad(), \
+            _torch.autograd_inside_op():
+        out = torch.ops.aten.scaled_dot_product_attention.default(
+            hq, hk, hv, mask, 0.0, is_causal, scale=scale, enable_gqa=hq.shape[-3] != hk.shape[-3])
+        return torch.autograd.grad(out, (hq, hk, hv), memory.cpu_view(grad_out).to(out.dtype))
 
 
 KV_SPLIT = 512  # CPU's flash kernel's key block (kvSplitSize)
