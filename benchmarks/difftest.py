@@ -26,8 +26,9 @@ sizes, strides, storage offsets and storage bytes (shared storages stay shared):
 fast path on (twice: the first call teaches the fast path the call's cost, the second is served
 by it), with the fast path off (the Python path), and under ``torch.compile(backend="neuron")``
 (samples compiled together, :data:`COMPILE_BATCH` to a graph, every second graph traced with
-symbolic sizes as ``dynamic=True`` traces it; a batch that fails is re-run one sample at a time); every ``--timing-every``-th also on timing-only tensors (no values: the same
-shapes, dtypes and strides, and no error where CPU has none). A compiled graph is held to what
+symbolic sizes as ``dynamic=True`` traces it; a batch that fails is re-run one sample at a
+time); every ``--timing-every``-th also on timing-only tensors (no values: the same shapes,
+dtypes and strides, and no error where CPU has none). A compiled graph is held to what
 ``torch.compile`` gives on CPU (``aot_eager``) where that differs from eager CPU (out= into outs
 it must resize, say), and timing-only tensors to PyTorch's meta kernels where those differ from
 CPU's: such samples are counted, not reported. Random ops draw on CPU from a generator seeded

@@ -51,7 +51,7 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor,
     kernel's (:func:`torch_bridge.ops.attention.datapath_exact` false), CPU's kernel's backward."""
     index = q.device.index or 0
     hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
-    hm = _host_mask(mask)
+    hm = eager_attention.host_mask(mask)
     if eager_attention.datapath_exact(hq, hk, hv, hm, scale):
         sc = scale if scale is not None else q.shape[-1] ** -0.5
         dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, sc, groups)
@@ -65,10 +65,6 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor,
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None, causal: bool,
       scale: float | None, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _host_mask(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask if mask.device.type == "cpu" else memory.cpu_view(mask)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
@@ -99,7 +95,7 @@ def attention_values(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
     kernel is decided here, on the call's sizes (a dynamic-shape graph's trace had symbols)."""
     index = out.device.index or 0
     hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
-    hm = _host_mask(mask)
+    hm = eager_attention.host_mask(mask)
     res = memory.cpu_view(out).clone()
     if eager_attention.check(q, k, v, mask, 0.0, causal, scale, enable_gqa) and \
             not eager_attention.datapath_exact(hq, hk, hv, hm, scale):

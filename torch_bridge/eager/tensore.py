@@ -127,8 +127,8 @@ def im2col(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], pa
            dilation: tuple[int, int], out: tuple[int, int]) -> torch.Tensor:
     """``F.unfold``'s patches [N, C*R*S, Ho*Wo] of a [N, C, H, W] tensor (rows in (C, R, S)
     order, columns in (Ho, Wo) order), as one strided view of the zero-padded input copied once:
-    the same elements, 5-10x faster than unfold's im2col on CPU (a 3-channel stride-2 stem:
-    4.5 ms against 0.5)."""
+    the same elements, 1.7-2.8x faster than unfold's im2col on CPU (8x64x56x56 3x3: 79 ms against
+    46; a 3-channel stride-2 stem: 4.5 against 1.5)."""
     (r, s), (ho, wo) = kernel, out
     n, c = x.shape[:2]
     if ho <= 0 or wo <= 0:

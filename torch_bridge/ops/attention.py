@@ -406,7 +406,8 @@ def flash_decomposed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(p.to(q.dtype), v)
 
 
-def _host_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+def host_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as a host tensor (a neuron mask's host view; a CPU mask or None as it is)."""
     return mask if mask is None or mask.device.type == "cpu" else memory.cpu_view(mask)
 
 
@@ -424,7 +425,7 @@ class _CpuValued(torch.autograd.Function):
                 is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
         out = flash_decomposed(q, k, v, mask, is_causal, scale, enable_gqa)
         hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
-        memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, _host_mask(mask), is_causal, scale))
+        memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, host_mask(mask), is_causal, scale))
         ctx.save_for_backward(q, k, v)
         ctx.call = (mask, is_causal, scale, enable_gqa)
         return out
@@ -437,7 +438,7 @@ class _CpuValued(torch.autograd.Function):
         with torch.enable_grad():  # the device's work (values dropped)
             xs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
-        grads = cpu_kernel_grads(q, k, v, _host_mask(mask), causal, scale, grad_out)
+        grads = cpu_kernel_grads(q, k, v, host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
 
 
@@ -497,7 +498,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
             exact = True
             if all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None):
                 hq, hk, hv = (memory.cpu_view(t) for t in (query, key, value))
-                hmask = _host_mask(attn_mask)
+                hmask = host_mask(attn_mask)
                 exact = datapath_exact(hq, hk, hv, hmask, scale)
             if not exact and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and \
                     (attn_mask is None or not attn_mask.requires_grad):

@@ -592,9 +592,9 @@ class TimingOnly:
             m.__exit__(*exc)
         self._modes = []
         self.sweep()
-        if self._live:
-            _lingering.add(self)  # tensors that outlive the run: swept when the next run starts or ends,
-        sweep_lingering()         # and when the device's allocated bytes are read
+        if self._live:  # tensors that outlive the run: swept when a run starts or ends and when the
+            _lingering.add(self)  # device's allocated bytes are read
+        sweep_lingering()
 
     # ---- charging: every device interaction goes through these (and onto the tape) ---------------
     def _flush(self) -> None:
