@@ -1319,6 +1319,11 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return aliases.back().second;
   };
   c10::SmallVector<std::pair<size_t, c10::TensorImpl*>, 4> writes;  // written argument -> its CPU alias
+  // out= arguments without memory (a composite op's `at::empty({0})`, e.g. arange, logical_not,
+  // index.Tensor): the kernel writes a fresh host tensor each, which the out then adopts (Python's
+  // `dev_out.set_(relabel(result))`); only when every written argument is one of these
+  c10::SmallVector<std::pair<size_t, at::Tensor>, 2> fresh;
+  size_t written_args = 0;
   c10::SmallVector<const void*, 8> inputs;  // the neuron arguments' memory
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[base + i];
@@ -1337,8 +1342,23 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         int ti = t.device().index() < 0 ? 0 : t.device().index();
         if (index < 0) index = ti;
         else if (ti != index) return slow(op, stack);  // two devices: Python's error
+        if (written) ++written_args;
         if (written && schema_args[i].kwarg_only() && t.numel() == 0) {
-          return slow(op, stack);  // Python computes into a fresh out
+          const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+          if (f.kind != kWrites || t.storage().nbytes() != 0 || !impl->allow_tensor_metadata_change()) {
+            return slow(op, stack);  // Python computes into a fresh out and writes it where CPU would
+          }
+          key_tensor(key, t, 0);
+          if (fresh.size() == 2) return slow(op, stack);
+          at::Tensor cpu;
+          {
+            HostScope host;  // (its memory, when the kernel resizes it, backs a neuron tensor)
+            cpu = at::empty({0}, at::TensorOptions().dtype(t.scalar_type()));
+          }
+          writes.emplace_back(i, cpu.unsafeGetTensorImpl());
+          fresh.emplace_back(i, cpu);
+          cargs.emplace_back(cpu);
+          continue;
         }
         key_tensor(key, t, 0);
         inputs.push_back(t.storage().data());
@@ -1387,6 +1407,34 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     } else if (v.isDoubleList()) {
       key_int(key, 12);
       key_int(key, static_cast<int64_t>(v.toDoubleList().size()));
+    } else if (v.isList() && !written && schema_args[i].type()->str() == "Tensor?[]") {
+      // index.Tensor's indices: each None or a tensor on the device, read through its CPU alias
+      auto l = v.toListRef();
+      key_int(key, 14);
+      key_int(key, static_cast<int64_t>(l.size()));
+      c10::List<std::optional<at::Tensor>> cpu;
+      cpu.reserve(l.size());
+      for (const c10::IValue& x : l) {
+        if (x.isNone()) {
+          key_int(key, 6);
+          cpu.push_back(std::nullopt);
+          continue;
+        }
+        if (!x.isTensor()) return slow(op, stack);
+        const at::Tensor& t = x.toTensor();
+        if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() ||
+            t.is_neg()) {
+          return slow(op, stack);
+        }
+        int ti = t.device().index() < 0 ? 0 : t.device().index();
+        if (index < 0) index = ti;
+        else if (ti != index) return slow(op, stack);
+        key_tensor(key, t, 0);
+        inputs.push_back(t.storage().data());
+        cpu.push_back(alias_of(t).toTensor());
+      }
+      cargs.emplace_back(std::move(cpu));
+      continue;
     } else if (v.isList() && !written && !v.isTensorList()) {  // a Scalar[] (a foreach op's per-tensor scalars)
       auto l = v.toListRef();
       key_int(key, 13);
@@ -1429,8 +1477,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     cargs.push_back(v);
   }
   if (index < 0) return slow(op, stack);
+  if (!fresh.empty() && fresh.size() != written_args) return slow(op, stack);
   int64_t handle = -1;
-  if (f.kind == kWrites) {  // the results are the written arguments: the signature is complete
+  if (f.kind == kWrites && fresh.empty()) {  // the results are the written arguments: the signature is complete
     key_int(key, 50);
     handle = cost_handle(key);
     if (handle < 0) return learn(op, stack, key);
@@ -1443,6 +1492,37 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &cstack);
   } catch (...) {  // (kernels check their arguments before they write: running it again is safe)
     return slow(op, stack);  // Python raises it, in its words (or retries an out= it must resize)
+  }
+  if (!fresh.empty()) {  // the signature is complete with the results' shapes; then the outs adopt them
+    key_int(key, 53);
+    for (const auto& fr : fresh) {
+      if (fr.second.numel() == 0) return slow(op, stack);  // an empty result: Python resizes the out
+      key_tensor(key, fr.second, 0);
+    }
+    handle = cost_handle(key);
+    if (handle < 0) return learn(op, stack, key);  // (the device outs are untouched so far)
+    FastBlock* got[2] = {nullptr, nullptr};
+    for (size_t j = 0; j < fresh.size(); ++j) {
+      got[j] = count_block(fresh[j].second, index);
+      if (got[j] == nullptr) {  // every result counted, or none: Python raises the OOM
+        for (size_t k = 0; k < j; ++k) {
+          std::lock_guard<std::mutex> lock(g_mem_mutex);
+          FastBlock* b = got[k];
+          if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
+          if (b->next) b->next->prev = b->prev;
+          mem_sub_locked(g_pool[index], b->nbytes, true);
+          delete b;
+        }
+        return slow(op, stack);
+      }
+    }
+    for (size_t j = 0; j < fresh.size(); ++j) {
+      const at::Tensor& cpu = fresh[j].second;
+      at::Tensor dev = to_device(cpu, got[j], index);
+      c10::TensorImpl* out = (*stack)[base + fresh[j].first].toTensor().unsafeGetTensorImpl();
+      out->set_storage_keep_dtype(dev.storage());
+      out->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+    }
   }
   if (f.kind == kWrites) {
     std::vector<c10::IValue> results;
@@ -1457,7 +1537,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       results.push_back(*dev);
     }
     for (const auto& w : writes) {  // an out= kernel may restride its outputs in place: the neuron
-      if (!schema_args[w.first].kwarg_only()) continue;  // tensor takes the new layout (Python's set_)
+      if (!schema_args[w.first].kwarg_only() || !fresh.empty()) continue;  // tensor takes the new layout (Python's set_)
       c10::TensorImpl* dev = (*stack)[base + w.first].toTensor().unsafeGetTensorImpl();
       c10::TensorImpl* cpu = w.second;
       if (cpu->sizes() != dev->sizes() || cpu->strides() != dev->strides() ||

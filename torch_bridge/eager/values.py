@@ -291,8 +291,10 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
                                       f"holds dense (strided) tensors only; {hint}")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
-        if cpu_out.numel() and not dev_out.untyped_storage().nbytes():
-            dev_out.set_(memory.relabel(cpu_out, index))  # an out without memory: it adopts the result's
+        if cpu_out.numel() and not dev_out.untyped_storage().nbytes():  # an out without memory: it adopts
+            res = memory.relabel(cpu_out, index)  # the result's (part of the op: no host op of its own)
+            torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU_KEYS, dev_out, res.untyped_storage(), res.storage_offset(), res.shape, res.stride())
         else:
             _write_out(dev_out, cpu_out)
         conv.views[id(cpu_out)] = dev_out
@@ -322,7 +324,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         for c in cost:
             rt.charge(index, info.name, c)
     else:
-        if not fresh and draw is None:  # the native fast path may serve this call's signature from now on
+        if draw is None:  # the native fast path may serve this call's signature from now on
             fastpath.teach(info.qualified, info.name, cost)
         rt.charge(index, info.name, cost)
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
