@@ -362,3 +362,19 @@ def test_a_permuted_query_gives_cpus_output_layout(keys):
             run.sweep()  # (nothing of this run stays counted in the device's HBM)
     contiguous = F.scaled_dot_product_attention(*(t.to("neuron") for t in (q.contiguous(), k, v)))
     assert contiguous.is_contiguous()
+
+
+@pytest.mark.parametrize("l,s", [(7, 7), (64, 64), (5, 9), (9, 5)])
+def test_the_causal_write_over_finite_scores_is_the_masked_fill_bit_for_bit(l, s):
+    """Finite scores take the flash causal write as an addition (-0.0 on and below the diagonal,
+    -inf above): the same bits as masked_fill_, signed zeros and huge values included."""
+    from torch_bridge.ops.attention import masked_scores
+    g = torch.Generator().manual_seed(l * 100 + s)
+    raw = torch.randn(2, 3, l, s, generator=g) * torch.tensor([1e-30, 1.0, 1e30])[torch.randint(0, 3, (2, 3, l, s),
+                                                                                            generator=g)]
+    raw[0, 0].view(-1)[::3] = 0.0
+    raw[0, 1].view(-1)[::2] = -0.0
+    for sc in (0.125, 1.0):
+        want = masked_scores(raw.clone(), None, True, sc, True)
+        got = masked_scores(raw.clone(), None, True, sc, True, finite=True)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
