@@ -65,3 +65,11 @@ def test_kernel_matches_reference(name, config):
         out = check_entry(entry, SMALL[name], dtype, config)
         assert out["ok"], f"{name} {dtype} on {config}: errors {out['errors']}"
         assert out["report"].total_cycles > 0
+
+
+def test_moe_takes_more_experts_than_partitions():
+    """The router's scan over experts multiplies by a row of ones E wide: with E > 128 (DeepSeek-V3's
+    256 on one rank) it sliced a 128-wide tile ("slice end 256 out of range") and refused."""
+    entry = get_kernel("moe")
+    out = check_entry(entry, (130, 128, 64, 200), "bf16", "trn2", params={"top_k": 8})
+    assert out["ok"], out["errors"]

@@ -177,10 +177,11 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
     kern.tensor_copy(iota_e, iota_i)
     iota_big = kern.sbuf((P, E), f32, name="iota_e_big")  # expert index - BIG
     kern.tensor_scalar(iota_big, iota_e, "subtract", _BIG)
-    ones = kern.sbuf((P, P), f32, name="ones")
+    ones = kern.sbuf((P, max(P, E)), f32, name="ones")  # (E columns: the scan over experts multiplies by them)
     kern.memset(ones, 1.0)
     upper = kern.sbuf((P, P), f32, name="upper")  # upper[p, f] = 1 where p < f: exclusive prefix
-    kern.affine_select(upper, ones, cmp="greater", offset=0, channel_multiplier=-1, pattern=[1], on_false=0.0)
+    kern.affine_select(upper, ones[:, :P], cmp="greater", offset=0, channel_multiplier=-1, pattern=[1],
+                       on_false=0.0)
     counts = kern.sbuf((P, E), f32, name="counts")  # slots per expert so far, on every partition
     kern.memset(counts, 0.0)
     # per token tile and slot: the chosen expert (as index - BIG), its rank among the expert's
