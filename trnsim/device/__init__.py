@@ -98,7 +98,6 @@ class Device:
         # by a front end only while something records lines, as it walks the host's stack
         self._source_of: Callable[[], str] | None = None
         self._log: LaunchLog | None = None  # launches made elsewhere, to issue first (attach_log)
-        self._captures = 0  # graph/muted blocks open, on any thread
         self._tokens: dict[int, Capture] = {}  # the open ones by token (LaunchLog.capture)
         self._next_token = 0
         self._ctx_threads: set[int] = set()  # threads whose launches carry a context
@@ -630,13 +629,11 @@ class Device:
     def _collect(self, keep: bool) -> Iterator[list[LaunchItem]]:
         cap = Capture(keep)
         prev = getattr(self._local, "capture", None)
-        with self._lock:
+        with self._lock:  # (the log's gate does not depend on captures: they take the log's launches too)
             self._drain()
-            self._captures += 1
             self._next_token += 1
             cap.token = self._next_token
             self._tokens[cap.token] = cap
-            self._update_gate()
         self._local.capture = cap
         if self._log is not None:
             self._log.capture(cap.token)  # this thread's logged launches are collected in cap
@@ -648,10 +645,8 @@ class Device:
             self._local.capture = prev
             with self._lock:
                 self._drain()  # (what the log holds of this block, into cap)
-                self._captures -= 1
                 self._settle_capture(cap)
                 del self._tokens[cap.token]
-                self._update_gate()
 
     def _settle_capture(self, cap: "Capture") -> None:
         """Issue (or drop) what ``cap`` collected so far, as graph launches."""
