@@ -226,6 +226,23 @@ def test_composite_out_ops_and_tensor_lists_are_served_as_the_python_path():
     assert served(lambda: x[x > 0]) == 3  # gt, the mask's nonzero, index
 
 
+def test_a_composite_out_that_does_not_fit_is_the_python_path_s_out_of_memory():
+    from torch_bridge.eager import memory
+    torch.arange(100, device="neuron")
+    torch.arange(100, device="neuron")  # costed and served: the next one would be too
+    stats = memory.pool.devices[0]
+    capacity = stats.capacity
+    stats.row[25] = stats.allocated + 64  # no room for 800 bytes
+    try:
+        hits, before = fastpath.hits(), torch.neuron.memory_stats()["num_ooms"]
+        with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate 800 bytes"):
+            torch.arange(100, device="neuron")
+        assert fastpath.hits() == hits and torch.neuron.memory_stats()["num_ooms"] == before + 1
+    finally:
+        stats.row[25] = capacity
+    assert torch.equal(torch.arange(100, device="neuron").cpu(), torch.arange(100))
+
+
 def _figures(rep):
     return (rep.rows, rep.host_ops, rep.cores, rep.elapsed_us, rep.device_us, rep.host_us, rep.dispatches)
 

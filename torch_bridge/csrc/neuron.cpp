@@ -978,6 +978,16 @@ FastBlock* count_block(const at::Tensor& cpu, int index) {
   return b;
 }
 
+// undo count_block for a block not handed out (nullptr: nothing to undo)
+void uncount_block(FastBlock* b, int index) {
+  if (b == nullptr) return;
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
+  if (b->next) b->next->prev = b->prev;
+  mem_sub_locked(g_pool[index], b->nbytes, true);
+  delete b;
+}
+
 bool fits(int index, int64_t nbytes) {
   std::lock_guard<std::mutex> lock(g_mem_mutex);
   return index < static_cast<int>(g_pool.size()) && g_pool[index][0] + nbytes <= g_pool[index][kCapacity];
@@ -1260,15 +1270,7 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
     if (!out[i].defined()) continue;
     blocks[i] = count_block(out[i], index);
     if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
-      for (size_t j = 0; j < i; ++j) {
-        if (blocks[j] == nullptr) continue;
-        std::lock_guard<std::mutex> lock(g_mem_mutex);
-        FastBlock* b = blocks[j];
-        if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
-        if (b->next) b->next->prev = b->prev;
-        mem_sub_locked(g_pool[index], b->nbytes, true);
-        delete b;
-      }
+      for (size_t j = 0; j < i; ++j) uncount_block(blocks[j], index);
       return slow(op, stack);
     }
   }
@@ -1325,6 +1327,20 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::SmallVector<std::pair<size_t, at::Tensor>, 2> fresh;
   size_t written_args = 0;
   c10::SmallVector<const void*, 8> inputs;  // the neuron arguments' memory
+  // a tensor of a list argument: on the device, keyed, its memory noted, its CPU alias in `alias`
+  // (false: Python's path takes the call)
+  auto list_tensor = [&](const at::Tensor& t, at::Tensor* alias) -> bool {
+    if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
+      return false;
+    }
+    int ti = t.device().index() < 0 ? 0 : t.device().index();
+    if (index < 0) index = ti;
+    else if (ti != index) return false;
+    key_tensor(key, t, 0);
+    inputs.push_back(t.storage().data());
+    *alias = alias_of(t).toTensor();
+    return true;
+  };
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[base + i];
     const c10::AliasInfo* ai = schema_args[i].alias_info();
@@ -1420,18 +1436,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           cpu.push_back(std::nullopt);
           continue;
         }
-        if (!x.isTensor()) return slow(op, stack);
-        const at::Tensor& t = x.toTensor();
-        if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() ||
-            t.is_neg()) {
-          return slow(op, stack);
-        }
-        int ti = t.device().index() < 0 ? 0 : t.device().index();
-        if (index < 0) index = ti;
-        else if (ti != index) return slow(op, stack);
-        key_tensor(key, t, 0);
-        inputs.push_back(t.storage().data());
-        cpu.push_back(alias_of(t).toTensor());
+        at::Tensor alias;
+        if (!x.isTensor() || !list_tensor(x.toTensor(), &alias)) return slow(op, stack);
+        cpu.push_back(std::move(alias));
       }
       cargs.emplace_back(std::move(cpu));
       continue;
@@ -1458,16 +1465,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       c10::List<at::Tensor> cpu;
       cpu.reserve(list.size());
       for (const at::Tensor& t : list) {
-        if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() ||
-            t.is_neg()) {
-          return slow(op, stack);
-        }
-        int ti = t.device().index() < 0 ? 0 : t.device().index();
-        if (index < 0) index = ti;
-        else if (ti != index) return slow(op, stack);
-        key_tensor(key, t, 0);
-        inputs.push_back(t.storage().data());
-        cpu.push_back(alias_of(t).toTensor());
+        at::Tensor alias;
+        if (!list_tensor(t, &alias)) return slow(op, stack);
+        cpu.push_back(std::move(alias));
       }
       cargs.emplace_back(std::move(cpu));
       continue;
@@ -1505,14 +1505,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (size_t j = 0; j < fresh.size(); ++j) {
       got[j] = count_block(fresh[j].second, index);
       if (got[j] == nullptr) {  // every result counted, or none: Python raises the OOM
-        for (size_t k = 0; k < j; ++k) {
-          std::lock_guard<std::mutex> lock(g_mem_mutex);
-          FastBlock* b = got[k];
-          if (b->prev) b->prev->next = b->next; else g_blocks = b->next;
-          if (b->next) b->next->prev = b->prev;
-          mem_sub_locked(g_pool[index], b->nbytes, true);
-          delete b;
-        }
+        for (size_t k = 0; k < j; ++k) uncount_block(got[k], index);
         return slow(op, stack);
       }
     }
