@@ -33,7 +33,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     """(out, P): the eager device's attention forward (P, fp32, is kept for the backward);
     ``flash``: CPU computes the call with its flash kernel (its arithmetic, not the math path's)."""
     index = q.device.index or 0
-    out, p, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
+    out, p, _, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
     eager_attention.charge_forward(index, q, mask, causal, scale)
     return memory.relabel(out, index), memory.relabel(p, index)
 

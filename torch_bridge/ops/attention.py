@@ -219,28 +219,18 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-_causal: dict[tuple[int, int], torch.Tensor] = {}
+_causal: dict[tuple[int, int, float], torch.Tensor] = {}
 
 
-def _causal_bias(l: int, s: int) -> torch.Tensor:
-    """0 on and below the diagonal, -inf above: adding it is a tenth of the time of masked_fill_."""
-    bias = _causal.get((l, s))
+def _causal_bias(l: int, s: int, zero: float = 0.0) -> torch.Tensor:
+    """``zero`` on and below the diagonal, -inf above: adding it is a tenth of the time of
+    masked_fill_. 0.0 is the math path's causal mask; -0.0 is the flash kernel's causal write
+    over finite scores (masked_scores)."""
+    key = (l, s, math.copysign(1.0, zero))
+    bias = _causal.get(key)
     if bias is None:
-        bias = _causal[(l, s)] = torch.zeros(l, s).masked_fill_(torch.ones(l, s, dtype=torch.bool).triu_(1),
-                                                               -math.inf)
-    return bias
-
-
-_causal_writes: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _causal_write(l: int, s: int) -> torch.Tensor:
-    """-0.0 on and below the diagonal, -inf above: added to finite scores, the flash kernel's
-    causal write (masked_scores)."""
-    bias = _causal_writes.get((l, s))
-    if bias is None:
-        bias = _causal_writes[(l, s)] = torch.full((l, s), -0.0).masked_fill_(
-            torch.ones(l, s, dtype=torch.bool).triu_(1), -math.inf)
+        bias = _causal[key] = torch.full((l, s), zero).masked_fill_(torch.ones(l, s, dtype=torch.bool).triu_(1),
+                                                                    -math.inf)
     return bias
 
 
@@ -251,7 +241,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool, scale: float | None, groups: int, flash: bool) -> torch.Tensor:
         index = q.device.index or 0
-        out, p, sc, exact = forward_values(q, k, v, attn_mask, is_causal, scale, groups, flash, with_exact=True)
+        out, p, sc, exact = forward_values(q, k, v, attn_mask, is_causal, scale, groups, flash)
         laid = cpu_layout(q, out, flash)
         if laid is not None:  # the kernel writes its output in the layout CPU's has
             out = torch.empty_strided(out.shape, laid, dtype=out.dtype).copy_(out)
@@ -278,10 +268,10 @@ class _Attention(torch.autograd.Function):
 
 
 def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                   is_causal: bool, scale: float | None, groups: int, flash: bool = True, with_exact: bool = False
-                   ) -> tuple[Any, ...]:
+                   is_causal: bool, scale: float | None, groups: int, flash: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
     """The forward's values from neuron tensors: (out, P, scale) as CPU tensors (P in fp32),
-    and with ``with_exact`` whether they are the datapath's (:func:`datapath_exact`).
+    and whether they are the datapath's (:func:`datapath_exact`).
 
     The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
@@ -304,7 +294,7 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
         out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
     else:
         out = cpu_kernel(hq, hk, hv, mask, is_causal, scale)
-    return (out, p, sc, exact) if with_exact else (out, p, sc)
+    return out, p, sc, exact
 
 
 def datapath_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -388,7 +378,7 @@ def masked_scores(raw: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
     """
     l, s = raw.shape[-2:]
     if is_causal and flash and finite:
-        raw.add_(_causal_write(l, s).to(raw.device))
+        raw.add_(_causal_bias(l, s, -0.0).to(raw.device))
     elif is_causal and flash:
         raw.masked_fill_(torch.ones(l, s, dtype=torch.bool, device=raw.device).triu_(1), -math.inf)
     raw.mul_(sc)
