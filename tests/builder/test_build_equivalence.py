@@ -79,7 +79,7 @@ def test_attention_same_stream(cfg: str, causal: bool) -> None:
 
 SMALL = {"activation": (256, 1000), "binary": (300, 700), "conv2d": (1, 64, 10, 10, 64, 3), "dwconv2d": (1, 32, 12, 12, 3),
          "embedding": (130, 1000, 256), "foreach_fused": (3, 5000), "fused": (200, 300), "layernorm": (200, 1000),
-         "matmul_fused": (200, 300, 600), "moe": (64, 256, 512, 4), "reduce": (300, 700), "rmsnorm": (200, 1000),
+         "matmul_fused": (200, 300, 600), "moe": (64, 256, 512, 4), "moe_backward": (64, 256, 512, 4), "reduce": (300, 700), "rmsnorm": (200, 1000),
          "rmsnorm_fp8": (200, 1000), "softmax": (200, 1000), "transpose": (300, 700), "unary": (300, 700),
          "bmm_packed": (20, 11, 16, 11),
          # the transformer kernels: a decode shape (or one 128-token block and a ragged one)

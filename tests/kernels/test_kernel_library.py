@@ -34,6 +34,7 @@ SMALL = {
     "mx_quantize": (130, 640),
     "mlp": (3, 50, 256, 384),
     "moe": (130, 160, 300, 4),
+    "moe_backward": (130, 160, 300, 4),
     "moe_tkg": (3, 256, 384, 8),
     "mla_tkg": (3, 2, 256, 256, 64, 128),
     "oproj": (3, 50, 2, 64, 256),
@@ -73,3 +74,21 @@ def test_moe_takes_more_experts_than_partitions():
     entry = get_kernel("moe")
     out = check_entry(entry, (130, 128, 64, 200), "bf16", "trn2", params={"top_k": 8})
     assert out["ok"], out["errors"]
+
+
+@pytest.mark.parametrize("shape,dtype,params", [
+    ((130, 160, 300, 4), "fp32", {}),                        # two token tiles, ragged dims
+    ((200, 640, 600, 8), "bf16", {}),                        # hidden over a PSUM bank, three ffn chunks
+    ((64, 128, 128, 8), "bf16", {"top_k": 8}),               # every expert chosen by every token
+    ((17, 130, 129, 2), "fp16", {"top_k": 1, "normalize": False}),
+])
+def test_moe_backward_matches_reference(shape, dtype, params):
+    """The block's backward (expert weight, input and routing-weight gradients) against numpy."""
+    out = check_entry(get_kernel("moe_backward"), shape, dtype, "trn2", params=params)
+    assert out["ok"], out["errors"]
+    assert set(out["errors"]) == {"grad_x", "grad_weights", "grad_w_gate", "grad_w_up", "grad_w_down"}
+
+
+def test_moe_backward_refuses_blocks_over_a_partition_per_token():
+    with pytest.raises(KernelError, match=r"^moe_backward: block 256 gives 256-token blocks; .*use block <= 128$"):
+        get_kernel("moe_backward").make((300, 64, 64, 4), "bf16", load_config("trn2"), {"block": 256})

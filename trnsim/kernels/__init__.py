@@ -4,7 +4,7 @@ Importing this package registers every built-in kernel (each module registers it
 """
 
 from . import (attention, bmm_packed, conv, depthwise, elementwise, embedding, foreach, fused, matmul,  # noqa: F401
-               matmul_mx, moe, mx_quantize, norm, reduce, transformer, transpose)
+               matmul_mx, moe, moe_backward, mx_quantize, norm, reduce, transformer, transpose)
 from .registry import KERNELS, KernelEntry, build_spec, get_kernel, kernel_names, register_kernel, split_spec
 
 __all__ = ["KERNELS", "KernelEntry", "build_spec", "get_kernel", "kernel_names", "register_kernel", "split_spec"]

@@ -170,6 +170,128 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
     ysort = kern.scratch("y", (NB, H), dt)      # expert outputs in expert-sorted order
     wg_rows, wu_rows, wd_rows = wg.reshape(E * H, F), wu.reshape(E * H, F), wd.reshape(E * F, H)
 
+    r = route(kern, x, wr, logits_out, perm, T, H, F, E, k, normalize, B, N, dt)
+    place, weight, bases_h, bases_f, tpsum = r.place, r.weight, r.bases_h, r.bases_f, r.tpsum
+
+    # ---- 3. experts, per block ------------------------------------------------------------------
+    rows_h = kern.sbuf((P, KT), i32, name="row_iota_h")  # p + kt*P
+    kern.iota(rows_h, base=0, channel_multiplier=1, pattern=[P])
+    rows_f = kern.sbuf((P, FT), i32, name="row_iota_f")
+    kern.iota(rows_f, base=0, channel_multiplier=1, pattern=[P])
+    with kern.scope():
+        idx_pool = kern.tile_pool("block_ids", bufs=2)
+        xg_pool = kern.tile_pool("block_rows", bufs=2)
+        # the block's rows transposed (hidden on partitions) and its SwiGLU output transposed
+        # (ffn on partitions): one tile per 128-row slab, reused by every block
+        xT = [kern.sbuf((P, B), dt, name=f"block_x_t{kt}") for kt in range(KT)]
+        hT = [kern.sbuf((P, B), dt, name=f"block_h_t{ft}") for ft in range(FT)]
+        gi_pool = kern.tile_pool("gate_up_rows", bufs=2)
+        di_pool = kern.tile_pool("down_rows", bufs=2)
+        w_pool = kern.tile_pool("weights", bufs=8)
+        silu_pool = kern.tile_pool("silu", bufs=2)
+        h_pool = kern.tile_pool("swiglu", bufs=2)
+        y_pool = kern.tile_pool("y", bufs=3)
+        gpsum = kern.tile_pool("gate_up_psum", bufs=2 * len(subs), space="psum")
+        opsum = kern.tile_pool("down_psum", bufs=len(subs), space="psum")
+        evac = 0
+        for b in range(N):
+            r0 = b * B
+            for s0, ns in subs:
+                ids = idx_pool.tile((P, 1), i32)[:ns]
+                kern.dma_copy(ids, perm[r0 + s0:r0 + s0 + ns, :], engine="sync", queue=1)
+                xg = xg_pool.tile((P, H), dt)[:ns]
+                kern.dma_gather(xg, x, ids, engine="gpsimd", queue=0)
+                _transpose_rows(kern, tpsum, xT, xg, ns, H, P, s0, dt)
+            gi = gi_pool.tile((P, KT), i32)
+            kern.tensor_scalar(gi, rows_h, "add", bases_h[:, b:b + 1])
+            di = di_pool.tile((P, FT), i32)
+            kern.tensor_scalar(di, rows_f, "add", bases_f[:, b:b + 1])
+            for f0 in range(0, F, TN):
+                fw = min(TN, F - f0)
+                pg = [gpsum.tile((P, TN), f32)[:ns, :fw] for _, ns in subs]
+                pu = [gpsum.tile((P, TN), f32)[:ns, :fw] for _, ns in subs]
+                for kt in range(KT):
+                    kw = min(P, H - kt * P)
+                    wgt = w_pool.tile((P, TN), dt)[:kw, :fw]
+                    kern.dma_gather(wgt, wg_rows[:, f0:f0 + fw], gi[:kw, kt:kt + 1], engine="gpsimd", queue=2)
+                    wut = w_pool.tile((P, TN), dt)[:kw, :fw]
+                    kern.dma_gather(wut, wu_rows[:, f0:f0 + fw], gi[:kw, kt:kt + 1], engine="gpsimd", queue=3)
+                    for (s0, ns), g, u in zip(subs, pg, pu):
+                        st = xT[kt][:kw, s0:s0 + ns]
+                        kern.nc_matmul(g, st, wgt, accumulate=kt > 0)
+                        kern.nc_matmul(u, st, wut, accumulate=kt > 0)
+                for (s0, ns), g, u in zip(subs, pg, pu):
+                    sg = silu_pool.tile((P, TN), f32)[:ns, :fw]
+                    kern.activation(sg, "silu", g)
+                    ht = h_pool.tile((P, TN), dt)[:ns, :fw]
+                    kern.tensor_tensor(ht, sg, u, "multiply")
+                    _transpose_cols(kern, tpsum, hT, ht, ns, fw, f0, P, s0, dt)
+            for h0 in range(0, H, TN):
+                hw = min(TN, H - h0)
+                po = [opsum.tile((P, TN), f32)[:ns, :hw] for _, ns in subs]
+                for ft in range(FT):
+                    fwi = min(P, F - ft * P)
+                    wdt = w_pool.tile((P, TN), dt)[:fwi, :hw]
+                    kern.dma_gather(wdt, wd_rows[:, h0:h0 + hw], di[:fwi, ft:ft + 1], engine="gpsimd", queue=4)
+                    for (s0, ns), o in zip(subs, po):
+                        kern.nc_matmul(o, hT[ft][:fwi, s0:s0 + ns], wdt, accumulate=ft > 0)
+                for (s0, ns), o in zip(subs, po):
+                    yt = y_pool.tile((P, TN), dt)[:ns, :hw]
+                    kern.tensor_copy(yt, o, engine="vector" if evac % 2 == 0 else "scalar")
+                    evac += 1
+                    kern.dma_copy(ysort[r0 + s0:r0 + s0 + ns, h0:h0 + hw], yt, engine="scalar", queue=2)
+
+    # ---- 4. combine: each token's k expert outputs, weighted ------------------------------------
+    with kern.scope():
+        yk_pool = kern.tile_pool("combine_rows", bufs=2 * k)
+        acc_pool = kern.tile_pool("combine_acc", bufs=2)
+        o_pool = kern.tile_pool("combine_out", bufs=2)
+        for j in range(n_tiles):
+            t0, n = j * P, min(P, T - j * P)
+            for h0 in range(0, H, _COMBINE_COLS):
+                hc = min(_COMBINE_COLS, H - h0)
+                acc = acc_pool.tile((P, _COMBINE_COLS), f32)[:n, :hc]
+                ot = o_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
+                for kk in range(k):
+                    yk = yk_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
+                    kern.dma_gather(yk, ysort[:, h0:h0 + hc], place(j, kk, n), engine="gpsimd", queue=5)
+                    dst = ot if kk == k - 1 else acc
+                    if kk == 0:
+                        kern.tensor_scalar(dst, yk, "multiply", weight(j, kk, n))
+                    else:
+                        kern.scalar_tensor_tensor(dst, yk, "multiply", weight(j, kk, n), "add", acc)
+                kern.dma_copy(out[t0:t0 + n, h0:h0 + hc], ot, engine="sync", queue=2)
+    return kern
+
+
+class Routing:
+    """What :func:`route` leaves on chip for the blocks: per token tile and slot the chosen
+    expert, its routing weight and (int) its place in the expert-sorted order; per block the
+    first weight row of its expert (``bases_h``: expert * H, ``bases_f``: expert * F)."""
+
+    def __init__(self, k: int, slots: list[Any], places: list[Any], bases_h: Any, bases_f: Any, tpsum: Any):
+        self.k, self.slots, self.places, self.bases_h, self.bases_f = k, slots, places, bases_h, bases_f
+        self.tpsum = tpsum  # the PSUM pool of PE transposes, kept for the blocks
+
+    def weight(self, j: int, kk: int, n: int) -> Any:
+        return self.slots[j][:n, 2 * self.k + kk:2 * self.k + kk + 1]
+
+    def place(self, j: int, kk: int, n: int) -> Any:
+        return self.places[j][:n, kk:kk + 1]
+
+
+def route(kern: Kernel, x: Any, wr: Any, logits_out: Any, perm: Any, T: int, H: int, F: int, E: int, k: int,
+          normalize: bool, B: int, N: int, dt: Any, wsort: Any = None) -> Routing:
+    """Phases 1 and 2 of the block (the module docstring): routing per 128-token tile (the
+    logits stored to ``logits_out``), then the grouping, which fills ``perm`` (expert-sorted
+    place -> token id, token 0 where a block is padded) and, when given, ``wsort`` (place ->
+    the slot's routing weight, 0.0 where padded: what the backward scales by)."""
+    cfg = kern.config
+    P = cfg.core.sbuf.partitions
+    KT = -(-H // P)
+    n_tiles = -(-T // P)
+    NB = N * B
+    f32, i32 = get_dtype("fp32"), get_dtype("int32")
     # ---- constants and routing state ----------------------------------------------------------
     iota_i = kern.sbuf((P, E), i32, name="iota_e_i")
     kern.iota(iota_i, base=0, channel_multiplier=0, pattern=[1])
@@ -198,6 +320,12 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
     for r0 in range(0, NB, P):  # the sorted-place table starts as token 0 everywhere
         n = min(P, NB - r0)
         kern.dma_copy(perm[r0:r0 + n, :], zeros[:n], engine="gpsimd", queue=1)
+    if wsort is not None:  # padded places scale by zero
+        zf = kern.sbuf((P, 1), f32, name="zeros_f")
+        kern.memset(zf, 0.0, engine="gpsimd")
+        for r0 in range(0, NB, P):
+            n = min(P, NB - r0)
+            kern.dma_copy(wsort[r0:r0 + n, :], zf[:n], engine="gpsimd", queue=1)
 
     def choice(j: int, kk: int, n: int) -> Any:
         return slots[j][:n, kk:kk + 1]
@@ -311,6 +439,8 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
                 kern.tensor_tensor(off[:n], off[:n], rank(j, kk, n), "add")
                 kern.tensor_copy(place(j, kk, n), off[:n])
                 kern.dma_scatter(perm, tok[:n], place(j, kk, n), engine="gpsimd", queue=1)
+                if wsort is not None:
+                    kern.dma_scatter(wsort, weight(j, kk, n), place(j, kk, n), engine="gpsimd", queue=1)
         # block b's expert: the number of experts whose blocks end at or before b*B (the tail
         # past the last expert's blocks is padding: clamped to the last expert)
         nc = max(1, min(N, _COMPARE_ELEMS // E))  # blocks per comparison
@@ -332,96 +462,7 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
             kern.tensor_copy(bases_h[:, c0:c0 + m], ebh[:, :m])
             kern.tensor_scalar(ebh[:, :m], eb[:, :m], "multiply", float(F))
             kern.tensor_copy(bases_f[:, c0:c0 + m], ebh[:, :m])
-
-    # ---- 3. experts, per block ------------------------------------------------------------------
-    rows_h = kern.sbuf((P, KT), i32, name="row_iota_h")  # p + kt*P
-    kern.iota(rows_h, base=0, channel_multiplier=1, pattern=[P])
-    rows_f = kern.sbuf((P, FT), i32, name="row_iota_f")
-    kern.iota(rows_f, base=0, channel_multiplier=1, pattern=[P])
-    with kern.scope():
-        idx_pool = kern.tile_pool("block_ids", bufs=2)
-        xg_pool = kern.tile_pool("block_rows", bufs=2)
-        # the block's rows transposed (hidden on partitions) and its SwiGLU output transposed
-        # (ffn on partitions): one tile per 128-row slab, reused by every block
-        xT = [kern.sbuf((P, B), dt, name=f"block_x_t{kt}") for kt in range(KT)]
-        hT = [kern.sbuf((P, B), dt, name=f"block_h_t{ft}") for ft in range(FT)]
-        gi_pool = kern.tile_pool("gate_up_rows", bufs=2)
-        di_pool = kern.tile_pool("down_rows", bufs=2)
-        w_pool = kern.tile_pool("weights", bufs=8)
-        silu_pool = kern.tile_pool("silu", bufs=2)
-        h_pool = kern.tile_pool("swiglu", bufs=2)
-        y_pool = kern.tile_pool("y", bufs=3)
-        gpsum = kern.tile_pool("gate_up_psum", bufs=2 * len(subs), space="psum")
-        opsum = kern.tile_pool("down_psum", bufs=len(subs), space="psum")
-        evac = 0
-        for b in range(N):
-            r0 = b * B
-            for s0, ns in subs:
-                ids = idx_pool.tile((P, 1), i32)[:ns]
-                kern.dma_copy(ids, perm[r0 + s0:r0 + s0 + ns, :], engine="sync", queue=1)
-                xg = xg_pool.tile((P, H), dt)[:ns]
-                kern.dma_gather(xg, x, ids, engine="gpsimd", queue=0)
-                _transpose_rows(kern, tpsum, xT, xg, ns, H, P, s0, dt)
-            gi = gi_pool.tile((P, KT), i32)
-            kern.tensor_scalar(gi, rows_h, "add", bases_h[:, b:b + 1])
-            di = di_pool.tile((P, FT), i32)
-            kern.tensor_scalar(di, rows_f, "add", bases_f[:, b:b + 1])
-            for f0 in range(0, F, TN):
-                fw = min(TN, F - f0)
-                pg = [gpsum.tile((P, TN), f32)[:ns, :fw] for _, ns in subs]
-                pu = [gpsum.tile((P, TN), f32)[:ns, :fw] for _, ns in subs]
-                for kt in range(KT):
-                    kw = min(P, H - kt * P)
-                    wgt = w_pool.tile((P, TN), dt)[:kw, :fw]
-                    kern.dma_gather(wgt, wg_rows[:, f0:f0 + fw], gi[:kw, kt:kt + 1], engine="gpsimd", queue=2)
-                    wut = w_pool.tile((P, TN), dt)[:kw, :fw]
-                    kern.dma_gather(wut, wu_rows[:, f0:f0 + fw], gi[:kw, kt:kt + 1], engine="gpsimd", queue=3)
-                    for (s0, ns), g, u in zip(subs, pg, pu):
-                        st = xT[kt][:kw, s0:s0 + ns]
-                        kern.nc_matmul(g, st, wgt, accumulate=kt > 0)
-                        kern.nc_matmul(u, st, wut, accumulate=kt > 0)
-                for (s0, ns), g, u in zip(subs, pg, pu):
-                    sg = silu_pool.tile((P, TN), f32)[:ns, :fw]
-                    kern.activation(sg, "silu", g)
-                    ht = h_pool.tile((P, TN), dt)[:ns, :fw]
-                    kern.tensor_tensor(ht, sg, u, "multiply")
-                    _transpose_cols(kern, tpsum, hT, ht, ns, fw, f0, P, s0, dt)
-            for h0 in range(0, H, TN):
-                hw = min(TN, H - h0)
-                po = [opsum.tile((P, TN), f32)[:ns, :hw] for _, ns in subs]
-                for ft in range(FT):
-                    fwi = min(P, F - ft * P)
-                    wdt = w_pool.tile((P, TN), dt)[:fwi, :hw]
-                    kern.dma_gather(wdt, wd_rows[:, h0:h0 + hw], di[:fwi, ft:ft + 1], engine="gpsimd", queue=4)
-                    for (s0, ns), o in zip(subs, po):
-                        kern.nc_matmul(o, hT[ft][:fwi, s0:s0 + ns], wdt, accumulate=ft > 0)
-                for (s0, ns), o in zip(subs, po):
-                    yt = y_pool.tile((P, TN), dt)[:ns, :hw]
-                    kern.tensor_copy(yt, o, engine="vector" if evac % 2 == 0 else "scalar")
-                    evac += 1
-                    kern.dma_copy(ysort[r0 + s0:r0 + s0 + ns, h0:h0 + hw], yt, engine="scalar", queue=2)
-
-    # ---- 4. combine: each token's k expert outputs, weighted ------------------------------------
-    with kern.scope():
-        yk_pool = kern.tile_pool("combine_rows", bufs=2 * k)
-        acc_pool = kern.tile_pool("combine_acc", bufs=2)
-        o_pool = kern.tile_pool("combine_out", bufs=2)
-        for j in range(n_tiles):
-            t0, n = j * P, min(P, T - j * P)
-            for h0 in range(0, H, _COMBINE_COLS):
-                hc = min(_COMBINE_COLS, H - h0)
-                acc = acc_pool.tile((P, _COMBINE_COLS), f32)[:n, :hc]
-                ot = o_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                for kk in range(k):
-                    yk = yk_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                    kern.dma_gather(yk, ysort[:, h0:h0 + hc], place(j, kk, n), engine="gpsimd", queue=5)
-                    dst = ot if kk == k - 1 else acc
-                    if kk == 0:
-                        kern.tensor_scalar(dst, yk, "multiply", weight(j, kk, n))
-                    else:
-                        kern.scalar_tensor_tensor(dst, yk, "multiply", weight(j, kk, n), "add", acc)
-                kern.dma_copy(out[t0:t0 + n, h0:h0 + hc], ot, engine="sync", queue=2)
-    return kern
+    return Routing(k, slots, places, bases_h, bases_f, tpsum)
 
 
 def _transpose_rows(kern: Kernel, tpsum: Any, dst: list[Any], rows: Any, n: int, width: int, P: int, c0: int,
