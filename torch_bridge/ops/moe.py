@@ -19,9 +19,13 @@ sync (``nonzero``) in the middle. A Trainium deployment runs the block as one Mo
   bank of logits), the call is charged as the block's ops run eagerly, as before. On CPU tensors
   it is the block's ops (Hugging Face's values).
 * **autograd**: the derivative is ``trnsim.moe_block_backward``, one op whose values are PyTorch's
-  CPU autograd of the block on the CPU views and whose charge is the eager kernels of the backward
-  ops that autograd runs (there is no fused MoE backward kernel in the library), shown in the run
-  report as ``moe_block_backward`` rows, one per kernel.
+  CPU autograd of the block on the CPU views and whose charge is what NxD Training runs: one launch
+  of the library ``moe_backward`` kernel (the experts' weight and input gradients and the routing
+  weights' gradient, by blocks, as NKI's blockwise backward) and the router's backward as eager
+  kernels (the ops autograd runs from the routing weights to the router's input and weight),
+  shown in the run report as ``moe_block_backward`` rows. Where the kernel refuses the shapes,
+  or only the router logits have a gradient, every backward op autograd runs is charged as an
+  eager kernel, as before the kernel existed.
 * **torch.compile**: both ops have fake implementations, so a compiled graph holds each as one
   node (no graph break at the data-dependent expert loop), run as in eager mode.
 * **the lowering point**: ``MixtralSparseMoeBlock.forward`` calls the op when its input is on
@@ -49,7 +53,7 @@ from .. import _torch
 from ..eager import lowering, memory, tensore, values
 from ..runtime import runtime
 
-__all__ = ["moe_block", "moe_block_backward", "moe_spec", "block_values", "use_moe_kernel", "original_forward",
+__all__ = ["moe_block", "moe_block_backward", "moe_spec", "moe_backward_spec", "block_values", "use_moe_kernel", "original_forward",
            "MIXTRAL_MODULE", "HF_IMPLEMENTATIONS", "OP", "BACKWARD_OP"]
 
 OP = "moe_block"
@@ -73,17 +77,24 @@ def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, wt)
 
 
+def _routing(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool,
+             linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``MixtralTopKRouter``'s ops: (logits, the top-k routing weights, their experts)."""
+    logits = linear(x, router_weight)
+    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return logits, weights, index
+
+
 def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                  top_k: int, normalize: bool, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _cpu_linear
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, router logits) of a Mixtral MoE block on CPU tensors, computed by the same ops in
     the same order as ``MixtralTopKRouter`` + ``MixtralExperts`` (so CPU values are Hugging
     Face's bit for bit); ``linear`` computes the three projections."""
-    logits = linear(x, router_weight)
-    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
-    weights, index = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
+    logits, weights, index = _routing(x, router_weight, top_k, normalize, linear)
     experts = gate_up_proj.shape[0]
     out = torch.zeros_like(x)
     with torch.no_grad():
@@ -115,6 +126,13 @@ def moe_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize:
     experts, two_f, _ = gate_up_proj.shape
     return KernelSpec.of("moe", (tokens, hidden, two_f // 2, experts), _KERNEL_DTYPES[x.dtype],
                          {"top_k": int(top_k), "normalize": bool(normalize)})
+
+
+def moe_backward_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize: bool
+                      ) -> KernelSpec | None:
+    """The library ``moe_backward`` kernel (the experts' gradients) for a block call's backward."""
+    spec = moe_spec(x, gate_up_proj, top_k, normalize)
+    return None if spec is None else KernelSpec.of("moe_backward", spec.shape, spec.dtype, dict(spec.params))
 
 
 # ---- eager charges of ops run on CPU views --------------------------------------------------
@@ -253,8 +271,37 @@ def _neuron_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, g
                      down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
                      top_k: int, normalize: bool) -> tuple[torch.Tensor, ...]:
     views = _views(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits)
-    grads = _backward_values(*views, top_k, normalize, index)
+    rt = runtime()
+    spec = None if grad_out is None else moe_backward_spec(x, gate_up_proj, top_k, normalize)
+    try:
+        cost = None if spec is None else rt.cost(spec)
+    except KernelError:
+        cost = None  # the kernel refuses these shapes: autograd's ops, charged as eager kernels
+    if cost is None:
+        grads = _backward_values(*views, top_k, normalize, index)
+    else:
+        grads = _backward_values(*views, top_k, normalize, None)
+        rt.charge(index, BACKWARD_OP, cost)
+        _charge_router_backward(index, views[0], views[1], views[5], top_k, normalize)
     return tuple(memory.relabel(g, index) for g in grads)
+
+
+def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, grad_logits: torch.Tensor | None,
+                            top_k: int, normalize: bool) -> None:
+    """Charge the router's part of the backward, which the ``moe_backward`` kernel leaves to the
+    ops around it (its ``grad_weights`` output -> normalise, top-k, softmax, the router linear,
+    and the input gradient's two parts added): those ops as autograd runs them, as eager
+    kernels. Their charges read only shapes, so they run on zero gradients; the gradients
+    themselves come from the block's whole autograd."""
+    leaves = [t.detach().requires_grad_() for t in (x, router_weight)]
+    with torch.enable_grad(), _torch.autograd_inside_op():
+        logits, weights, _ = _routing(*leaves, top_k, normalize, _cpu_linear)
+        outs = [weights] + ([logits] if grad_logits is not None else [])
+        zeros = [torch.zeros_like(o) for o in outs]  # (made outside the charges: not the device's ops)
+        with _ChargeEager(index, BACKWARD_OP):
+            gx, _ = torch.autograd.grad(outs, leaves, zeros, allow_unused=True)
+            if gx is not None:
+                gx + gx  # the router's and the experts' parts of the input gradient
 
 
 @moe_block_backward.register_fake
