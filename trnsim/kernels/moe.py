@@ -122,6 +122,57 @@ def _reference(inputs: Mapping[str, np.ndarray], shape: tuple[int, ...], dtype: 
     return {"out": out, "router_logits": logits}
 
 
+def checked_args(what: str, cfg: ChipConfig, dtype: str, tokens: int, hidden: int, ffn: int, experts: int,
+                 top_k: int, block: int) -> tuple[Any, int, int, int, int, int, int]:
+    """A block kernel's arguments, checked: (dtype, T, H, F, E, top_k, block)."""
+    dt = get_dtype(dtype)
+    if dt.short not in DTYPES:
+        raise KernelError(f"{what}: dtype {dt.short} not supported; expected one of {', '.join(DTYPES)}")
+    T, H, F, E = (checked_int(v, f"{what}: {n}", lo=1) for v, n in
+                  ((tokens, "tokens"), (hidden, "hidden"), (ffn, "ffn"), (experts, "experts")))
+    k = checked_int(top_k, f"{what}: top_k", lo=1)
+    block = checked_int(block, f"{what}: block", lo=1)
+    if block & (block - 1):
+        raise KernelError(f"{what}: block must be a power of two (tokens per expert block), got {block}")
+    TN = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)  # one fp32 PSUM bank of columns
+    if k > E:
+        raise KernelError(f"{what}: top_k {k} exceeds the {E} experts")
+    if E > TN:
+        raise KernelError(f"{what}: {E} experts; the router's logits take one PSUM bank, at most {TN} experts")
+    return dt, T, H, F, E, k, block
+
+
+def combine(kern: Kernel, rows: Any, out: Any, r: "Routing", T: int, H: int, k: int, dt: Any, weighted: bool) -> None:
+    """Each token's k rows of the expert-sorted ``rows`` [NB, H], gathered back (indirect DMA)
+    and summed in fp32 (each scaled by its routing weight when ``weighted``), rounded once to
+    ``out`` [T, H]."""
+    P = kern.config.core.sbuf.partitions
+    f32 = get_dtype("fp32")
+    yk_pool = kern.tile_pool("combine_rows", bufs=2 * k)
+    acc_pool = kern.tile_pool("combine_acc", bufs=2)
+    o_pool = kern.tile_pool("combine_out", bufs=2)
+    for j in range(-(-T // P)):
+        t0, n = j * P, min(P, T - j * P)
+        for h0 in range(0, H, _COMBINE_COLS):
+            hc = min(_COMBINE_COLS, H - h0)
+            acc = acc_pool.tile((P, _COMBINE_COLS), f32)[:n, :hc]
+            ot = o_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
+            for kk in range(k):
+                yk = yk_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
+                kern.dma_gather(yk, rows[:, h0:h0 + hc], r.place(j, kk, n), engine="gpsimd", queue=5)
+                dst = ot if kk == k - 1 else acc
+                if not weighted:
+                    if kk == 0:
+                        kern.tensor_copy(dst, yk)
+                    else:
+                        kern.tensor_tensor(dst, yk, acc, "add")
+                elif kk == 0:
+                    kern.tensor_scalar(dst, yk, "multiply", r.weight(j, kk, n))
+                else:
+                    kern.scalar_tensor_tensor(dst, yk, "multiply", r.weight(j, kk, n), "add", acc)
+            kern.dma_copy(out[t0:t0 + n, h0:h0 + hc], ot, engine="sync", queue=2)
+
+
 @register_kernel("moe", dims="TOKENSxHIDDENxFFNxEXPERTS", dtypes=DTYPES, default_shape=(128, 4096, 14336, 8),
                  summary="MoE block: router softmax + top-k, tokens grouped per expert by indirect DMA, "
                          "SwiGLU expert MLPs on TensorE, weighted combine", params=dict(_PARAMS),
@@ -130,26 +181,13 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
               top_k: int = 2, normalize: bool = True, block: int = 256, name: str = "moe") -> Kernel:
     kern = Kernel(name, config)
     cfg = kern.config
-    dt = get_dtype(dtype)
-    if dt.short not in DTYPES:
-        raise KernelError(f"moe: dtype {dt.short} not supported; expected one of {', '.join(DTYPES)}")
-    T, H, F, E = (checked_int(v, f"moe: {n}", lo=1) for v, n in
-                  ((tokens, "tokens"), (hidden, "hidden"), (ffn, "ffn"), (experts, "experts")))
-    k = checked_int(top_k, "moe: top_k", lo=1)
-    block = checked_int(block, "moe: block", lo=1)
-    if block & (block - 1):
-        raise KernelError(f"moe: block must be a power of two (tokens per expert block), got {block}")
+    dt, T, H, F, E, k, block = checked_args("moe", cfg, dtype, tokens, hidden, ffn, experts, top_k, block)
     P = cfg.core.sbuf.partitions
     TN = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)  # one fp32 PSUM bank of columns
-    if k > E:
-        raise KernelError(f"moe: top_k {k} exceeds the {E} experts")
-    if E > TN:
-        raise KernelError(f"moe: {E} experts; the router's logits take one PSUM bank, at most {TN} experts")
     B = moe_block_size(T, block)
     N = moe_blocks(T, E, k, block)
     NB = N * B
     KT, FT = -(-H // P), -(-F // P)
-    n_tiles = -(-T // P)
     subs = [(s * P, min(P, B - s * P)) for s in range(-(-B // P))]
     banks = cfg.core.psum.banks
     if 2 + 3 * len(subs) > banks:  # two for transposes, gate + up + down per 128-token sub-block
@@ -171,7 +209,7 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
     wg_rows, wu_rows, wd_rows = wg.reshape(E * H, F), wu.reshape(E * H, F), wd.reshape(E * F, H)
 
     r = route(kern, x, wr, logits_out, perm, T, H, F, E, k, normalize, B, N, dt)
-    place, weight, bases_h, bases_f, tpsum = r.place, r.weight, r.bases_h, r.bases_f, r.tpsum
+    bases_h, bases_f, tpsum = r.bases_h, r.bases_f, r.tpsum
 
     # ---- 3. experts, per block ------------------------------------------------------------------
     rows_h = kern.sbuf((P, KT), i32, name="row_iota_h")  # p + kt*P
@@ -243,24 +281,7 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
 
     # ---- 4. combine: each token's k expert outputs, weighted ------------------------------------
     with kern.scope():
-        yk_pool = kern.tile_pool("combine_rows", bufs=2 * k)
-        acc_pool = kern.tile_pool("combine_acc", bufs=2)
-        o_pool = kern.tile_pool("combine_out", bufs=2)
-        for j in range(n_tiles):
-            t0, n = j * P, min(P, T - j * P)
-            for h0 in range(0, H, _COMBINE_COLS):
-                hc = min(_COMBINE_COLS, H - h0)
-                acc = acc_pool.tile((P, _COMBINE_COLS), f32)[:n, :hc]
-                ot = o_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                for kk in range(k):
-                    yk = yk_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                    kern.dma_gather(yk, ysort[:, h0:h0 + hc], place(j, kk, n), engine="gpsimd", queue=5)
-                    dst = ot if kk == k - 1 else acc
-                    if kk == 0:
-                        kern.tensor_scalar(dst, yk, "multiply", weight(j, kk, n))
-                    else:
-                        kern.scalar_tensor_tensor(dst, yk, "multiply", weight(j, kk, n), "add", acc)
-                kern.dma_copy(out[t0:t0 + n, h0:h0 + hc], ot, engine="sync", queue=2)
+        combine(kern, ysort, out, r, T, H, k, dt, weighted=True)
     return kern
 
 

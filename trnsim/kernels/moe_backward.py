@@ -51,10 +51,10 @@ import numpy as np
 
 from ..config import ChipConfig
 from ..isa import KernelError
-from ..builder.kernel import Kernel, checked_int
+from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
-from .moe import DTYPES, _inputs as _forward_inputs, _transpose_cols, _transpose_rows, moe_block_size, moe_blocks, \
-    route
+from .moe import DTYPES, _inputs as _forward_inputs, _transpose_cols, _transpose_rows, checked_args, combine, \
+    moe_block_size, moe_blocks, route
 from .reference import round_to
 from .registry import register_kernel
 
@@ -62,7 +62,6 @@ __all__ = ["build_moe_backward", "moe_backward_reference"]
 
 _PARAMS = {"top_k": 2, "normalize": True, "block": 128}
 _ZERO_COLS = 2048  # columns of the zero tile the weight gradients are cleared from
-_COMBINE_COLS = 2048
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -138,22 +137,10 @@ def build_moe_backward(tokens: int, hidden: int, ffn: int, experts: int, dtype: 
                        name: str = "moe_backward") -> Kernel:
     kern = Kernel(name, config)
     cfg = kern.config
-    dt = get_dtype(dtype)
-    if dt.short not in DTYPES:
-        raise KernelError(f"moe_backward: dtype {dt.short} not supported; expected one of {', '.join(DTYPES)}")
-    T, H, F, E = (checked_int(v, f"moe_backward: {n}", lo=1) for v, n in
-                  ((tokens, "tokens"), (hidden, "hidden"), (ffn, "ffn"), (experts, "experts")))
-    k = checked_int(top_k, "moe_backward: top_k", lo=1)
-    block = checked_int(block, "moe_backward: block", lo=1)
-    if block & (block - 1):
-        raise KernelError(f"moe_backward: block must be a power of two (tokens per expert block), got {block}")
+    dt, T, H, F, E, k, block = checked_args("moe_backward", cfg, dtype, tokens, hidden, ffn, experts, top_k, block)
     P = cfg.core.sbuf.partitions
     TN = min(cfg.core.tensor.moving_max_free, cfg.core.psum.bank_bytes // 4)  # one fp32 PSUM bank of columns
     FC = max(P, TN // 2)  # ffn columns per chunk: half a bank keeps the chunk's transposed weights in SBUF
-    if k > E:
-        raise KernelError(f"moe_backward: top_k {k} exceeds the {E} experts")
-    if E > TN:
-        raise KernelError(f"moe_backward: {E} experts; the router's logits take one PSUM bank, at most {TN} experts")
     B = moe_block_size(T, block)
     if B > P:
         raise KernelError(f"moe_backward: block {block} gives {B}-token blocks; the backward takes at most {P} "
@@ -361,27 +348,12 @@ def build_moe_backward(tokens: int, hidden: int, ffn: int, experts: int, dtype: 
             kern.dma_copy(dxs[r0:r0 + B, :], dxb, engine="scalar", queue=2)
             kern.dma_copy(dws[r0:r0 + B, :], dwa[:B], engine="scalar", queue=3)
 
-    # ---- 3. combine: each token's k rows ------------------------------------------------------
+    # ---- 3. combine: each token's k rows and routing-weight gradients --------------------------
     with kern.scope():
-        yk_pool = kern.tile_pool("combine_rows", bufs=2 * k)
-        acc_pool = kern.tile_pool("combine_acc", bufs=2)
-        o_pool = kern.tile_pool("combine_out", bufs=2)
+        combine(kern, dxs, dx_out, r, T, H, k, dt, weighted=False)
         dw_pool = kern.tile_pool("combine_weights", bufs=2)
         for j in range(n_tiles):
             t0, n = j * P, min(P, T - j * P)
-            for h0 in range(0, H, _COMBINE_COLS):
-                hc = min(_COMBINE_COLS, H - h0)
-                acc = acc_pool.tile((P, _COMBINE_COLS), f32)[:n, :hc]
-                ot = o_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                for kk in range(k):
-                    yk = yk_pool.tile((P, _COMBINE_COLS), dt)[:n, :hc]
-                    kern.dma_gather(yk, dxs[:, h0:h0 + hc], r.place(j, kk, n), engine="gpsimd", queue=5)
-                    dst = ot if kk == k - 1 else acc
-                    if kk == 0:
-                        kern.tensor_copy(dst, yk)
-                    else:
-                        kern.tensor_tensor(dst, yk, acc, "add")
-                kern.dma_copy(dx_out[t0:t0 + n, h0:h0 + hc], ot, engine="sync", queue=2)
             dwt = dw_pool.tile((P, k), f32)[:n]
             for kk in range(k):
                 kern.dma_gather(dwt[:, kk:kk + 1], dws, r.place(j, kk, n), engine="gpsimd", queue=6)
