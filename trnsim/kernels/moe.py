@@ -53,7 +53,8 @@ from ..native.dtypes import get_dtype
 from .reference import round_to
 from .registry import register_kernel, split_dims
 
-__all__ = ["build_moe", "moe_blocks", "moe_block_size", "moe_reference"]
+__all__ = ["build_moe", "moe_blocks", "moe_block_size", "moe_reference", "route", "Routing", "checked_args", "combine",
+           "block_inputs", "transpose_rows", "transpose_cols"]
 
 DTYPES = ("bf16", "fp16", "fp32")
 _PARAMS = {"top_k": 2, "normalize": True, "block": 256}
@@ -106,7 +107,7 @@ def moe_reference(x: np.ndarray, w_router: np.ndarray, w_gate: np.ndarray, w_up:
     return round_to(out, dtype), logits
 
 
-def _inputs(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any], rng: np.random.Generator
+def block_inputs(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any], rng: np.random.Generator
             ) -> dict[str, np.ndarray]:
     t, h, f, e = shape
     g = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
@@ -176,7 +177,7 @@ def combine(kern: Kernel, rows: Any, out: Any, r: "Routing", T: int, H: int, k: 
 @register_kernel("moe", dims="TOKENSxHIDDENxFFNxEXPERTS", dtypes=DTYPES, default_shape=(128, 4096, 14336, 8),
                  summary="MoE block: router softmax + top-k, tokens grouped per expert by indirect DMA, "
                          "SwiGLU expert MLPs on TensorE, weighted combine", params=dict(_PARAMS),
-                 inputs=_inputs, reference=_reference, split=split_dims(0))
+                 inputs=block_inputs, reference=_reference, split=split_dims(0))
 def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf16", config: ChipConfig | str = "trn2",
               top_k: int = 2, normalize: bool = True, block: int = 256, name: str = "moe") -> Kernel:
     kern = Kernel(name, config)
@@ -239,7 +240,7 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
                 kern.dma_copy(ids, perm[r0 + s0:r0 + s0 + ns, :], engine="sync", queue=1)
                 xg = xg_pool.tile((P, H), dt)[:ns]
                 kern.dma_gather(xg, x, ids, engine="gpsimd", queue=0)
-                _transpose_rows(kern, tpsum, xT, xg, ns, H, P, s0, dt)
+                transpose_rows(kern, tpsum, xT, xg, ns, H, P, s0, dt)
             gi = gi_pool.tile((P, KT), i32)
             kern.tensor_scalar(gi, rows_h, "add", bases_h[:, b:b + 1])
             di = di_pool.tile((P, FT), i32)
@@ -263,7 +264,7 @@ def build_moe(tokens: int, hidden: int, ffn: int, experts: int, dtype: str = "bf
                     kern.activation(sg, "silu", g)
                     ht = h_pool.tile((P, TN), dt)[:ns, :fw]
                     kern.tensor_tensor(ht, sg, u, "multiply")
-                    _transpose_cols(kern, tpsum, hT, ht, ns, fw, f0, P, s0, dt)
+                    transpose_cols(kern, tpsum, hT, ht, ns, fw, f0, P, s0, dt)
             for h0 in range(0, H, TN):
                 hw = min(TN, H - h0)
                 po = [opsum.tile((P, TN), f32)[:ns, :hw] for _, ns in subs]
@@ -378,7 +379,7 @@ def route(kern: Kernel, x: Any, wr: Any, logits_out: Any, perm: Any, T: int, H: 
         xt = xpool.tile((P, H), dt)[:n]
         kern.dma_copy(xt, x[t0:t0 + n, :], engine="sync", queue=0)
         xT = [pool.tile((P, P), dt) for pool in xtpool]
-        _transpose_rows(kern, tpsum, xT, xt, n, H, P, 0, dt)
+        transpose_rows(kern, tpsum, xT, xt, n, H, P, 0, dt)
         lp = rpsum.tile((P, E), f32)[:n]
         for kt in range(KT):
             kw = min(P, H - kt * P)
@@ -486,7 +487,7 @@ def route(kern: Kernel, x: Any, wr: Any, logits_out: Any, perm: Any, T: int, H: 
     return Routing(k, slots, places, bases_h, bases_f, tpsum)
 
 
-def _transpose_rows(kern: Kernel, tpsum: Any, dst: list[Any], rows: Any, n: int, width: int, P: int, c0: int,
+def transpose_rows(kern: Kernel, tpsum: Any, dst: list[Any], rows: Any, n: int, width: int, P: int, c0: int,
                     dt: Any) -> None:
     """``dst[kt][:, c0 + i] = rows[i, kt*P + :]`` for each 128-column slab ``kt`` of the ``[n,
     width]`` rows: PE transposes, as many slabs to a PSUM bank as fit, evacuated by VectorE."""
@@ -503,7 +504,7 @@ def _transpose_rows(kern: Kernel, tpsum: Any, dst: list[Any], rows: Any, n: int,
             kern.tensor_copy(dst[kt][:kw, c0:c0 + n], pt[:kw, (kt - g0) * P:(kt - g0) * P + n])
 
 
-def _transpose_cols(kern: Kernel, tpsum: Any, dst: list[Any], tile: Any, n: int, fw: int, f0: int, P: int, c0: int,
+def transpose_cols(kern: Kernel, tpsum: Any, dst: list[Any], tile: Any, n: int, fw: int, f0: int, P: int, c0: int,
                     dt: Any) -> None:
     """The ``[n, fw]`` tile (columns ``f0..`` of the whole dim) into ``dst`` with its columns on
     partitions: ``dst[ft][:, c0 + i]`` for each 128-column slab ``ft``."""

@@ -53,7 +53,7 @@ from ..config import ChipConfig
 from ..isa import KernelError
 from ..builder.kernel import Kernel
 from ..native.dtypes import get_dtype
-from .moe import DTYPES, _inputs as _forward_inputs, _transpose_cols, _transpose_rows, checked_args, combine, \
+from .moe import DTYPES, block_inputs, transpose_cols, transpose_rows, checked_args, combine, \
     moe_block_size, moe_blocks, route
 from .reference import round_to
 from .registry import register_kernel
@@ -114,7 +114,7 @@ def moe_backward_reference(x: np.ndarray, w_router: np.ndarray, w_gate: np.ndarr
 def _inputs(shape: tuple[int, ...], dtype: str, params: Mapping[str, Any], rng: np.random.Generator
             ) -> dict[str, np.ndarray]:
     t, h, _, _ = shape
-    out = _forward_inputs(shape, dtype, params, rng)
+    out = block_inputs(shape, dtype, params, rng)
     out["grad_out"] = rng.standard_normal((t, h), dtype=np.float32)
     return out
 
@@ -237,8 +237,8 @@ def build_moe_backward(tokens: int, hidden: int, ffn: int, experts: int, dtype: 
             kern.dma_gather(xg, x, ids, engine="gpsimd", queue=0)
             gg = gg_pool.tile((P, H), dt)[:B]
             kern.dma_gather(gg, go, ids, engine="gpsimd", queue=1)
-            _transpose_rows(kern, tpsum, xT, xg, B, H, P, 0, dt)
-            _transpose_rows(kern, tpsum, gT, gg, B, H, P, 0, dt)
+            transpose_rows(kern, tpsum, xT, xg, B, H, P, 0, dt)
+            transpose_rows(kern, tpsum, gT, gg, B, H, P, 0, dt)
             gi = gi_pool.tile((P, KT), i32)
             kern.tensor_scalar(gi, rows_h, "add", r.bases_h[:, b:b + 1])
             di = di_pool.tile((P, FT), i32)
@@ -259,14 +259,14 @@ def build_moe_backward(tokens: int, hidden: int, ffn: int, experts: int, dtype: 
                     kern.dma_gather(wut, wu_rows[:, f0:f0 + fw], gi[:kw, kt:kt + 1], engine="gpsimd", queue=3)
                     kern.nc_matmul(pg, xT[kt][:kw, :B], wgt, accumulate=kt > 0)
                     kern.nc_matmul(pu, xT[kt][:kw, :B], wut, accumulate=kt > 0)
-                    _transpose_cols(kern, tpsum, wgT, wgt, kw, fw, 0, P, kt * P, dt)
-                    _transpose_cols(kern, tpsum, wuT, wut, kw, fw, 0, P, kt * P, dt)
+                    transpose_cols(kern, tpsum, wgT, wgt, kw, fw, 0, P, kt * P, dt)
+                    transpose_cols(kern, tpsum, wuT, wut, kw, fw, 0, P, kt * P, dt)
                 # grad_out @ w_down^T for the chunk: w_down's rows gathered, transposed per slab
                 for s, w in slabs:
                     ft = f0 // P + s
                     wdr = wdr_pool.tile((P, H), dt)[:w]
                     kern.dma_gather(wdr, wd_rows, di[:w, ft:ft + 1], engine="gpsimd", queue=4)
-                    _transpose_rows(kern, tpsum, wdT, wdr, w, H, P, s * P, dt)
+                    transpose_rows(kern, tpsum, wdT, wdr, w, H, P, s * P, dt)
                 pd = ppsum.tile((P, TN), f32)[:B, :fw]
                 for kt in range(KT):
                     kw = min(P, H - kt * P)
@@ -331,8 +331,8 @@ def build_moe_backward(tokens: int, hidden: int, ffn: int, experts: int, dtype: 
                         hw = min(TN, H - h0)
                         kern.dma_scatter(dwd_rows[:, h0:h0 + hw], cur, di[:w, ft:ft + 1], engine="gpsimd", queue=6)
                 # the rows' input gradient: dg @ w_gate^T + du @ w_up^T, over the chunk's slabs
-                _transpose_cols(kern, tpsum, dgT, dgd, B, fw, 0, P, 0, dt)
-                _transpose_cols(kern, tpsum, duT, dud, B, fw, 0, P, 0, dt)
+                transpose_cols(kern, tpsum, dgT, dgd, B, fw, 0, P, 0, dt)
+                transpose_cols(kern, tpsum, duT, dud, B, fw, 0, P, 0, dt)
                 for h0 in range(0, H, TN):
                     hw = min(TN, H - h0)
                     px = xpsum.tile((P, TN), f32)[:B, :hw]
