@@ -152,6 +152,7 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_learning.argtypes = [ctypes.c_char_p]
     handle.trnsim_fast_learning.restype = ctypes.c_int
     handle.trnsim_fast_learn.argtypes = [i64]
+    handle.trnsim_fast_learn_many.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_mem_set_pool.argtypes = [ctypes.c_void_p, ctypes.c_int]
     handle.trnsim_mem_reserve.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_mem_reserve.restype = ctypes.c_int
@@ -162,6 +163,7 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_freed.restype = i64
     handle.trnsim_fast_datapath.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, i64]
     handle.trnsim_fast_datapath_ns.restype = i64
+    handle.trnsim_fast_conv_datapath.argtypes = [ctypes.c_void_p]
     handle.trnsim_host_scope.argtypes = [ctypes.c_int]
     handle.trnsim_host_release.restype = i64
     handle.trnsim_host_stats.argtypes = [ctypes.c_void_p]

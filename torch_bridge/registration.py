@@ -65,6 +65,10 @@ FAST_ALLOC = ("empty.memory_format", "empty_strided", "_copy_from")
 FAST_CELLS = ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
               "_thnn_fused_gru_cell_backward")
 
+# float32 2-d convolutions on the datapath and every convolution's backward (CPU's kernel), which the
+# fast path computes itself (csrc/neuron.cpp's fast_conv, fast_conv_backward)
+FAST_CONVS = ("convolution_overrideable", "convolution_backward_overrideable")
+
 
 def _hidden(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` hidden from dynamo. Its wrapper swaps the eval-frame callback out and back on every
@@ -141,7 +145,7 @@ def register_kernels() -> None:
 
     kernels.update(CELLS)
     for name, fn in kernels.items():
-        native = name in FAST_MATMULS + FAST_ALLOC + FAST_CELLS  # the fast path's kernel is on PrivateUse1
+        native = name in FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS  # the fast path's kernel is on PrivateUse1
         impl.impl(name, _hidden(_traced(name, fn)), SLOW_KEY if native else "PrivateUse1")
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
@@ -174,5 +178,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

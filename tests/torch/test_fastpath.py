@@ -529,3 +529,137 @@ def test_the_fast_path_steps_aside_while_torch_compile_traces():
             x.clone(), host.to("neuron")
             torch.neuron.synchronize()
         assert fastpath.hits() - before == 2 and after.report.launches == 2
+
+
+# (input, weight, stride, padding, dilation, groups): pointwise (one image's few pixels, and many),
+# im2col with stride, padding and dilation, depthwise (trn_conv2d_grouped), and a grouped convolution
+# with more than 8 output channels per group (Python's bmm over the groups: the fast path steps aside)
+_CONVS = [((2, 4, 1, 1), (96, 4, 1, 1), 1, 0, 1, 1), ((2, 16, 8, 8), (24, 16, 1, 1), 1, 0, 1, 1),
+          ((2, 3, 9, 9), (8, 3, 3, 3), 2, 1, 1, 1), ((1, 5, 7, 6), (4, 5, 3, 2), (2, 1), (1, 0), (1, 2), 1),
+          ((2, 8, 8, 8), (8, 1, 5, 5), 2, 2, 1, 8), ((2, 8, 6, 6), (40, 2, 3, 3), 1, 1, 1, 4)]
+
+
+@pytest.mark.parametrize("case", _CONVS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convolutions_and_their_backward_are_the_python_path_s_bit_for_bit(case, bias, layout, dtype):
+    """fast_conv (float32 forward on the datapath) and fast_conv_backward (CPU's kernel, its
+    launches taught as a list): the same values, bits, strides, report rows, simulated time and
+    memory figures as with every op on the Python path."""
+    xs, ws, st, pad, dil, groups = case
+
+    def run():
+        gc.collect()
+        mem0 = torch.neuron.memory_allocated()
+        torch.manual_seed(0)
+        x = torch.randn(xs).to(dtype).to(memory_format=layout).to("neuron").requires_grad_()
+        w = torch.randn(ws).to(dtype).to("neuron").requires_grad_()
+        b = torch.randn(ws[0]).to(dtype).to("neuron").requires_grad_() if bias else None
+        dev = runtime().device
+        t0 = dev.now()
+        res = []
+        with torch.neuron.report_scope() as scope:
+            for _ in range(3):  # the first costs every signature, the later ones are served natively
+                y = torch.nn.functional.conv2d(x, w, b, st, pad, dil, groups)
+                y.float().square().sum().backward()
+                res += [y.cpu(), y.stride(), x.grad.cpu(), x.grad.stride(), w.grad.cpu()] + ([b.grad.cpu()] if bias else [])
+                x.grad = w.grad = None
+                if bias:
+                    b.grad = None
+            torch.neuron.synchronize()
+        gc.collect()
+        return res, dev.now() - t0, torch.neuron.memory_allocated() - mem0, scope.report.rows
+
+    with fast(False):
+        want, want_ticks, want_mem, want_rows = run()
+    got, ticks, mem, rows = run()
+    assert ticks == want_ticks and mem == want_mem and rows == want_rows
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(_bits(a), _bits(b)) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_convolutions_are_served_natively_where_python_would_take_the_datapath():
+    torch.manual_seed(1)
+    x, w = torch.randn(2, 3, 9, 9, device="neuron"), torch.randn(8, 3, 3, 3, device="neuron")
+    g = torch.randn(2, 8, 9, 9, device="neuron")
+    assert fastpath.kind(torch.ops.aten.convolution_overrideable.default) == "conv"
+    assert fastpath.kind(torch.ops.aten.convolution_backward_overrideable.default) == "conv_backward"
+    conv = lambda: torch.nn.functional.conv2d(x, w, padding=1)  # noqa: E731
+    assert served(conv) == 1
+    backward = lambda: torch.ops.aten.convolution_backward(g, x, w, [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,  # noqa: E731
+                                                           [True, True, True])
+    assert served(backward) == 1
+    # a bf16 forward rounds in Python; a grouped convolution with 10 output channels per group is one bmm there
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert served(lambda: torch.nn.functional.conv2d(xb, wb, padding=1)) == 0
+    x2, wg = x[:, :2].contiguous(), torch.randn(20, 1, 3, 3, device="neuron")
+    assert served(lambda: torch.nn.functional.conv2d(x2, wg, groups=2)) == 0
+    wt = w.transpose(0, 1).contiguous()
+    assert served(lambda: torch.nn.functional.conv_transpose2d(x, wt)) == 0
+
+
+def test_convolutions_step_aside_for_inputs_the_datapath_must_not_take_and_for_cpu_s_errors():
+    """Inputs whose products may overflow or that are not finite take CPU's convolution in Python
+    (tensore.bounded), here too; CPU's refusals come through in its words."""
+    torch.manual_seed(2)
+    w = torch.randn(4, 3, 3, 3)
+    for special in (float("inf"), float("nan"), 3e38):
+        x = torch.randn(1, 3, 6, 6)
+        x[0, 1, 2, 3] = special
+        xn, wn = x.to("neuron"), w.to("neuron")
+        conv = lambda: torch.nn.functional.conv2d(xn, wn, padding=1)  # noqa: E731
+        conv()
+        quick = conv()
+        with fast(False):
+            slow = conv()
+        assert torch.equal(quick.cpu(), slow.cpu()) or (quick.cpu().isnan() == slow.cpu().isnan()).all()
+        assert torch.equal(torch.nan_to_num(quick.cpu()), torch.nan_to_num(slow.cpu()))
+        assert torch.equal(torch.nan_to_num(quick.cpu()), torch.nan_to_num(torch.nn.functional.conv2d(x, w, padding=1)))
+    xn = torch.randn(1, 3, 6, 6, device="neuron")
+    with pytest.raises(RuntimeError, match="expected input"):
+        torch.nn.functional.conv2d(xn, torch.randn(4, 2, 3, 3, device="neuron"))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.nn.functional.conv2d(xn, torch.randn(4, 3, 3, 3, device="neuron:1"))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_is_the_python_path_s_bit_for_bit_and_moves_its_statistics_once(affine, track, dtype):
+    """fast_batch_norm: training and eval steps give the same outputs, gradients, running
+    statistics, report rows, simulated time and memory figures as the Python path."""
+    def run():
+        gc.collect()
+        mem0 = torch.neuron.memory_allocated()
+        torch.manual_seed(0)
+        m = torch.nn.BatchNorm2d(6, affine=affine, track_running_stats=track).to(dtype).to("neuron")
+        x = torch.randn(3, 6, 4, 5).to(dtype).to("neuron").requires_grad_()
+        dev = runtime().device
+        t0 = dev.now()
+        res = []
+        with torch.neuron.report_scope() as scope:
+            for it in range(4):  # the first costs every signature, the later ones are served natively
+                m.train(it != 2)
+                y = m(x)
+                y.float().square().sum().backward()
+                res += [y.cpu(), x.grad.cpu()] + [t.cpu() for t in (*m.parameters(), *m.buffers())]
+                x.grad = None
+            torch.neuron.synchronize()
+        gc.collect()
+        return res, dev.now() - t0, torch.neuron.memory_allocated() - mem0, scope.report.rows
+
+    with fast(False):
+        want, want_ticks, want_mem, want_rows = run()
+    before = fastpath.hits()
+    got, ticks, mem, rows = run()
+    assert fastpath.hits() > before
+    assert ticks == want_ticks and mem == want_mem and rows == want_rows
+    assert len(got) == len(want)
+    assert all(torch.equal(_bits(a), _bits(b)) if a.is_floating_point() else torch.equal(a, b) for a, b in zip(got, want))
+    assert fastpath.kind(torch.ops.aten.native_batch_norm.default) == "batch_norm"
+    x = torch.randn(2, 3, 4, device="neuron")
+    rm, rv = torch.zeros(3, device="neuron"), torch.ones(3, device="neuron")
+    bn = lambda: torch.ops.aten.native_batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5)  # noqa: E731
+    assert served(bn) == 1

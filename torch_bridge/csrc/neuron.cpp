@@ -9,11 +9,17 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/add_ops.h>
+#include <ATen/ops/aminmax.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/div_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/div_ops.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/mul_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/mul_ops.h>
+#include <ATen/ops/native_batch_norm.h>
+#include <ATen/ops/pad.h>
 #include <ATen/ops/sub_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/sub_ops.h>
 #include <ATen/ops/rsub.h>
@@ -35,6 +41,7 @@
 
 #include <pthread.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -580,7 +587,8 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 // kWrites: in-place, out=; kMm/kAddmm/kBmm: the TensorE ops whose values the datapath computes
 enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
                kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11,
-               kGruCell = 12, kGruCellBackward = 13 };
+               kGruCell = 12, kGruCellBackward = 13, kConv = 14,
+               kConvBackward = 15, kBatchNorm = 16 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -589,6 +597,7 @@ std::mutex g_fast_mutex;
 std::unordered_map<const c10::FunctionSchema*, OpFast> g_ops;
 std::vector<std::string> g_names;
 std::unordered_map<std::string, int64_t> g_costs;  // signature -> Python's cost handle
+std::unordered_map<std::string, std::vector<int64_t>> g_cost_lists;  // signature -> handles, one per launch
 std::atomic<int> g_fast_master{0};  // the fast path is on (Python: TRNSIM_FASTPATH, tests)
 std::atomic<int> g_fast_launch{0};  // launches may be logged (the device model's gate)
 std::atomic<int64_t> g_fast_hits{0};
@@ -607,6 +616,7 @@ struct Learn {
   const c10::OperatorHandle* op = nullptr;
   std::string key;
   int64_t handle = -1;
+  std::vector<int64_t> many;  // an op Python charges as several launches (trnsim_fast_learn_many), in order
 };
 thread_local Learn* t_learn = nullptr;
 
@@ -616,7 +626,8 @@ const std::unordered_set<std::string>& denied() {
       "resize_as_", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "empty", "empty_strided",
       // writes its running_mean/running_var in training without saying so in its schema (no `(a!)`): read
       // as a functional op, its first call ran the CPU kernel here and again in Python's path to learn the
-      // cost, so the running statistics moved twice (BatchNorm's first training step; fresh processes only)
+      // cost, so the running statistics moved twice (BatchNorm's first training step; fresh processes only).
+      // fast_batch_norm serves it (kBatchNorm, classified before this list is read)
       "native_batch_norm",
       // CPU's cov centres a 0-dim input in place (self becomes 0) without an annotation: found by
       // difftest --write-guard 5 --seed 2412397 (cov 35713836657508); written once, as on CPU, in Python's path
@@ -661,6 +672,9 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "_thnn_fused_lstm_cell_backward_impl" && s.overload_name().empty()) f.kind = kLstmCellBackward;
   if (name == "_thnn_fused_gru_cell" && s.overload_name().empty()) f.kind = kGruCell;
   if (name == "_thnn_fused_gru_cell_backward" && s.overload_name().empty()) f.kind = kGruCellBackward;
+  if (name == "convolution_overrideable" && s.overload_name().empty()) f.kind = kConv;
+  if (name == "convolution_backward_overrideable" && s.overload_name().empty()) f.kind = kConvBackward;
+  if (name == "native_batch_norm" && s.overload_name().empty()) f.kind = kBatchNorm;  // (not as a functional op: below)
   if (f.kind != kOther) return f;
   if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
     f.kind = kView;
@@ -723,6 +737,18 @@ int64_t cost_handle(const std::string& key) {
   return it->second;
 }
 
+// the launches Python charged for `key`, in order (nullptr: not learnt yet); entries are never removed
+const std::vector<int64_t>* cost_handles(const std::string& key) {
+  thread_local std::unordered_map<std::string, const std::vector<int64_t>*> mine;
+  auto hit = mine.find(key);
+  if (hit != mine.end()) return hit->second;
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  auto it = g_cost_lists.find(key);
+  if (it == g_cost_lists.end()) return nullptr;
+  mine.emplace(key, &it->second);
+  return &it->second;
+}
+
 void key_int(std::string& k, int64_t v) { k.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
 
 void key_tensor(std::string& k, const at::Tensor& t, int64_t device_class) {
@@ -751,7 +777,10 @@ void learn(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string 
     throw;
   }
   t_learn = prev;
-  if (mine.handle >= 0) {
+  if (!mine.many.empty()) {
+    std::lock_guard<std::mutex> lock(g_fast_mutex);
+    g_cost_lists.emplace(std::move(mine.key), std::move(mine.many));
+  } else if (mine.handle >= 0) {
     std::lock_guard<std::mutex> lock(g_fast_mutex);
     g_costs.emplace(std::move(mine.key), mine.handle);
   }
@@ -1283,6 +1312,360 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
   log_entry(0, index, handle);
 }
 
+// ---- convolution forward on the datapath ---------------------------------------------------------
+// torch_bridge.values.convolution for its common case, the same way: float32 2-d convolutions, not
+// transposed, on one device, whose products cannot overflow (tensore.bounded), as tensore.conv_f32
+// computes them: one datapath matmul per image of weights [K, C*R*S] and im2col patches (the input
+// itself for a 1x1 stride-1 convolution; one matmul over every image's columns when an image has
+// fewer than 8), or trn_conv2d_grouped for a few output channels per group (depthwise). The same
+// CPU ops on the same operands with the datapath called with the same arguments, so the same bits.
+// The output takes CPU's convolution's strides, read off CPU's own result once per signature (as
+// values._check_convolution does; it raises CPU's errors there, so a call CPU refuses is Python's).
+using GroupedFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+std::atomic<GroupedFn> g_grouped{nullptr};  // trnsim.native.grouped_entry()
+std::unordered_map<std::string, std::vector<int64_t>> g_conv_strides;  // signature -> CPU's output strides
+
+// tensore.magnitude: the largest |x| (NaN when t holds one)
+double magnitude(const at::Tensor& t) {
+  if (t.numel() == 0) return 0.0;
+  auto mm = at::aminmax(t);
+  double lo = std::get<0>(mm).item<double>(), hi = std::get<1>(mm).item<double>();
+  if (std::isnan(lo) || std::isnan(hi)) return std::nan("");
+  return std::max(-lo, hi);
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+bool conv_operand(const at::Tensor& t, int* index) {
+  if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
+      t.scalar_type() != c10::kFloat) {
+    return false;
+  }
+  int ti = t.device().index() < 0 ? 0 : t.device().index();
+  if (*index < 0) *index = ti;
+  return ti == *index;
+}
+
+void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  BatchedFn fn = g_batched.load();
+  GroupedFn grouped = g_grouped.load();
+  const int64_t k_chunk = g_k_chunk.load();
+  const int threads = datapath_threads();
+  bool native_set = false;
+  if (fn == nullptr || grouped == nullptr || k_chunk < 1 || threads == 0 ||
+      env_text("TRNSIM_NATIVE", &native_set) == "0") {
+    return slow(op, stack);
+  }
+  const size_t n = op.schema().arguments().size();  // input, weight, bias, stride, padding, dilation,
+  if (n != 9) return slow(op, stack);                // transposed, output_padding, groups
+  const size_t base = stack->size() - n;
+  const torch::jit::Stack& a = *stack;
+  if (!a[base].isTensor() || !a[base + 1].isTensor() || !(a[base + 2].isTensor() || a[base + 2].isNone()) ||
+      !a[base + 3].isIntList() || !a[base + 4].isIntList() || !a[base + 5].isIntList() || !a[base + 6].isBool() ||
+      !a[base + 7].isIntList() || !a[base + 8].isInt()) {
+    return slow(op, stack);
+  }
+  const at::Tensor& x = a[base].toTensor();
+  const at::Tensor& w = a[base + 1].toTensor();
+  at::Tensor b = a[base + 2].isTensor() ? a[base + 2].toTensor() : at::Tensor();
+  auto stride = a[base + 3].toIntVector(), padding = a[base + 4].toIntVector(), dilation = a[base + 5].toIntVector();
+  auto output_padding = a[base + 7].toIntVector();
+  const bool transposed = a[base + 6].toBool();
+  const int64_t groups = a[base + 8].toInt();
+  int index = -1;
+  if (transposed || !conv_operand(x, &index) || !conv_operand(w, &index) || (b.defined() && !conv_operand(b, &index)) ||
+      x.dim() != 4 || w.dim() != 4 || x.numel() == 0 || w.numel() == 0 || stride.size() != 2 || padding.size() != 2 ||
+      dilation.size() != 2 || groups < 1) {
+    return slow(op, stack);
+  }
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  key_strides(key, x);
+  key_strides(key, w);
+  if (b.defined()) key_strides(key, b);
+  else key_int(key, 6);
+  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) {
+    key_int(key, 7);
+    key_int(key, static_cast<int64_t>(l->size()));
+    for (int64_t v : *l) key_int(key, v);
+  }
+  key_int(key, groups);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  const at::Tensor xa = cpu_alias(x), wa = cpu_alias(w), ba = b.defined() ? cpu_alias(b) : at::Tensor();
+  std::vector<int64_t> strides;
+  {
+    thread_local std::unordered_map<std::string, std::vector<int64_t>> mine;
+    auto hit = mine.find(key);
+    if (hit == mine.end()) {
+      std::lock_guard<std::mutex> lock(g_fast_mutex);
+      auto it = g_conv_strides.find(key);
+      if (it != g_conv_strides.end()) hit = mine.emplace(key, it->second).first;
+    }
+    if (hit != mine.end()) {
+      strides = hit->second;
+    } else {
+      try {  // CPU's convolution on the same views (values dropped): its checks and its layout
+        at::Tensor probe = at::convolution(xa, wa, ba, stride, padding, dilation, false, output_padding, groups);
+        strides = probe.strides().vec();
+      } catch (...) {
+        return slow(op, stack);  // CPU refuses it: Python raises CPU's error
+      }
+      std::lock_guard<std::mutex> lock(g_fast_mutex);
+      g_conv_strides.emplace(key, strides);
+    }
+  }
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t K = w.size(0), CG = w.size(1), R = w.size(2), S = w.size(3);
+  const int64_t s0 = stride[0], s1 = stride[1], p0 = padding[0], p1 = padding[1], d0 = dilation[0], d1 = dilation[1];
+  if (s0 < 1 || s1 < 1) return slow(op, stack);
+  const int64_t ho = floor_div(H + 2 * p0 - d0 * (R - 1) - 1, s0) + 1, wo = floor_div(W + 2 * p1 - d1 * (S - 1) - 1, s1) + 1;
+  if (ho <= 0 || wo <= 0 || static_cast<int64_t>(strides.size()) != 4) return slow(op, stack);
+  at::Tensor out;  // float32 [N, K, Ho, Wo]
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    // tensore.bounded(w.numel() // K, x, w, 1.0, magnitude(bias)): the products cannot overflow
+    const double extra = ba.defined() ? magnitude(ba) : 0.0;
+    const double bound = static_cast<double>(w.numel() / K) * magnitude(xa) * magnitude(wa) * 1.0 + extra;
+    if (!(bound < static_cast<double>(std::numeric_limits<float>::max()) / 4)) return slow(op, stack);
+    int rc = 0;
+    if (groups == 1) {  // tensore._conv_batched
+      at::Tensor moving;
+      if (R == 1 && S == 1 && s0 == 1 && s1 == 1 && p0 == 0 && p1 == 0) {
+        moving = xa.reshape({N, C, -1});
+      } else {  // tensore.im2col
+        at::Tensor xp = (p0 != 0 || p1 != 0) ? at::pad(xa, {p1, p1, p0, p0}) : xa;
+        auto st = xp.strides();
+        moving = xp.as_strided({N, C, R, S, ho, wo}, {st[0], st[1], d0 * st[2], d1 * st[3], s0 * st[2], s1 * st[3]},
+                               xp.storage_offset())
+                     .reshape({N, C * R * S, ho * wo});
+      }
+      const int64_t ck = moving.size(1), pixels = moving.size(2);
+      at::Tensor w2 = wa.reshape({K, ck});  // stationary: its transpose [ck, K]
+      if (pixels < 8) {  // one matmul over N*L columns
+        at::Tensor mv = moving.permute({1, 0, 2}).reshape({ck, N * pixels});
+        const int64_t cols = N * pixels;
+        at::Tensor res = psum_result({K, cols});
+        rc = fn(w2.const_data_ptr(), g_f32_code.load(), 0, w2.stride(1), w2.stride(0), mv.const_data_ptr(),
+                g_f32_code.load(), 0, mv.stride(0), mv.stride(1), res.mutable_data_ptr<float>(), 0, cols, 1, 1, ck, K,
+                cols, k_chunk, 0, -1, g_fma_on.load(), threads);
+        if (rc == 0) {
+          HostScope host;
+          out = res.view({K, N, pixels}).permute({1, 0, 2}).contiguous();
+        }
+      } else {
+        out = psum_result({N, K, pixels});
+        rc = fn(w2.const_data_ptr(), g_f32_code.load(), 0, w2.stride(1), w2.stride(0), moving.const_data_ptr(),
+                g_f32_code.load(), moving.stride(0), moving.stride(1), moving.stride(2), out.mutable_data_ptr<float>(),
+                K * pixels, pixels, 1, N, ck, K, pixels, k_chunk, 0, -1, g_fma_on.load(), threads);
+      }
+    } else if (K / groups <= 8) {  // depthwise and the like: trn_conv2d_grouped on the padded input
+      at::Tensor xp = at::pad(xa, {p1, p1, p0, p0}).contiguous();
+      at::Tensor wc = wa.contiguous();
+      out = psum_result({N, K, ho, wo});
+      rc = grouped(xp.const_data_ptr<float>(), N, C, xp.size(2), xp.size(3), wc.const_data_ptr<float>(), K, CG, R, S,
+                   groups, s0, s1, d0, d1, ho, wo, k_chunk, out.mutable_data_ptr<float>());
+    } else {
+      return slow(op, stack);  // one bmm over the groups: Python's
+    }
+    if (rc != 0) return slow(op, stack);  // Python raises the datapath's error
+    out = out.view({N, K, ho, wo});
+    if (ba.defined()) out.add_(ba.view({1, -1, 1, 1}));
+    if (out.strides().vec() != strides) {  // CPU's layout (channels-last, or its own for size-1 dimensions)
+      HostScope host;
+      out = at::empty_strided(out.sizes(), strides, at::TensorOptions().dtype(at::kFloat)).copy_(out);
+    }
+  } catch (...) {
+    return slow(op, stack);  // (the host is out of memory, or a view refused: Python's path and its error)
+  }
+  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  FastBlock* block = count_block(out, index);
+  if (block == nullptr) return slow(op, stack);  // Python raises the OOM
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(to_device(out, block, index));
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
+// ---- convolution backward: CPU's kernel ------------------------------------------------------------
+// torch_bridge.values.convolution_backward: CPU's convolution_backward on the arguments' aliases
+// (16-bit inputs with values._cpu_dilation's undilated size-1 filter dimensions), its results
+// counted against HBM, and the launches Python charged for the signature (the input and weight
+// gradients' kernels, then the bias gradient's), which it teaches as a list.
+void fast_conv_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();  // grad_output, input, weight, stride, padding, dilation,
+  if (n != 10) return slow(op, stack);               // transposed, output_padding, groups, output_mask
+  const size_t base = stack->size() - n;
+  const torch::jit::Stack& a = *stack;
+  if (!a[base].isTensor() || !a[base + 1].isTensor() || !a[base + 2].isTensor() || !a[base + 3].isIntList() ||
+      !a[base + 4].isIntList() || !a[base + 5].isIntList() || !a[base + 6].isBool() || !a[base + 7].isIntList() ||
+      !a[base + 8].isInt() || !a[base + 9].isBoolList()) {
+    return slow(op, stack);
+  }
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  int index = -1;
+  at::Tensor cpu[3];
+  c10::SmallVector<const void*, 3> inputs;
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor& t = a[base + i].toTensor();
+    if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
+      return slow(op, stack);
+    }
+    int ti = t.device().index() < 0 ? 0 : t.device().index();
+    if (index < 0) index = ti;
+    else if (ti != index) return slow(op, stack);  // two devices: Python's error
+    key_strides(key, t);
+    inputs.push_back(t.storage().data());
+    cpu[i] = cpu_alias(t);
+  }
+  auto stride = a[base + 3].toIntVector(), padding = a[base + 4].toIntVector(), dilation = a[base + 5].toIntVector();
+  auto output_padding = a[base + 7].toIntVector();
+  const bool transposed = a[base + 6].toBool();
+  const int64_t groups = a[base + 8].toInt();
+  auto mask_list = a[base + 9].toBoolList();
+  if (mask_list.size() != 3) return slow(op, stack);
+  std::array<bool, 3> mask{mask_list.get(0), mask_list.get(1), mask_list.get(2)};
+  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) {
+    key_int(key, 7);
+    key_int(key, static_cast<int64_t>(l->size()));
+    for (int64_t v : *l) key_int(key, v);
+  }
+  key_int(key, 4 + transposed);
+  key_int(key, groups);
+  for (bool m : mask) key_int(key, 4 + m);
+  const std::vector<int64_t>* handles = cost_handles(key);
+  if (handles == nullptr) return learn(op, stack, key);
+  const at::Tensor &g = cpu[0], &x = cpu[1], &w = cpu[2];
+  // values._cpu_dilation: CPU's 16-bit oneDNN kernel is given dilation 1 in size-1 filter dimensions
+  if ((x.scalar_type() == c10::kHalf || x.scalar_type() == c10::kBFloat16) &&
+      static_cast<int64_t>(dilation.size()) == w.dim() - 2) {
+    for (size_t i = 0; i < dilation.size(); ++i) {
+      if (w.size(static_cast<int64_t>(i) + 2) == 1 && dilation[i] > 1) dilation[i] = 1;
+    }
+  }
+  if (w.dim() < 2) return slow(op, stack);
+  const int64_t bias_size = transposed ? w.size(1) * groups : w.size(0);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> res;
+  try {
+    HostScope host;
+    res = at::convolution_backward(g, x, w, std::vector<int64_t>{bias_size}, stride, padding, dilation, transposed,
+                                   output_padding, groups, mask);
+  } catch (...) {
+    return slow(op, stack);  // Python raises CPU's error
+  }
+  at::Tensor out[3] = {std::get<0>(res), std::get<1>(res), std::get<2>(res)};
+  for (const auto& t : out) {
+    if (!t.defined()) continue;
+    const void* data = t.storage().data();
+    for (const void* in : inputs) {  // (a result over an argument's memory)
+      if (data != nullptr && in == data) return slow(op, stack);
+    }
+  }
+  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < 3; ++i) {
+    if (!out[i].defined()) continue;
+    blocks[i] = count_block(out[i], index);
+    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
+      for (int j = 0; j < i; ++j) uncount_block(blocks[j], index);
+      return slow(op, stack);
+    }
+  }
+  torch::jit::drop(*stack, n);
+  for (int i = 0; i < 3; ++i) {
+    if (blocks[i] == nullptr) stack->emplace_back(out[i]);
+    else stack->emplace_back(to_device(out[i], blocks[i], index));
+  }
+  g_fast_hits++;
+  for (int64_t h : *handles) log_entry(0, index, h);
+}
+
+// ---- batch norm ---------------------------------------------------------------------------------------
+// native_batch_norm writes its running_mean and running_var in training without saying so in its
+// schema, so it is not served as a functional op (whose first call runs the CPU kernel here and
+// again in Python's path to learn the cost: the statistics would move twice). Here the cost is
+// looked up first, from the arguments alone; a signature not learnt yet runs only Python's path.
+// Then CPU's kernel on the arguments' aliases (the running statistics updated in place, in
+// device memory, as Python's path updates them) and its fresh results counted against HBM.
+void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();  // input, weight, bias, running_mean, running_var,
+  if (n != 8) return slow(op, stack);                // training, momentum, eps
+  const size_t base = stack->size() - n;
+  const torch::jit::Stack& a = *stack;
+  if (!a[base].isTensor() || !a[base + 5].isBool() || !a[base + 6].isDouble() || !a[base + 7].isDouble()) {
+    return slow(op, stack);
+  }
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  int index = -1;
+  at::Tensor cpu[5];
+  c10::SmallVector<const void*, 5> inputs;
+  for (int i = 0; i < 5; ++i) {
+    const c10::IValue& v = a[base + i];
+    if (v.isNone()) {
+      key_int(key, 6);
+      continue;
+    }
+    if (!v.isTensor()) return slow(op, stack);
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {
+      key_int(key, 1);
+      continue;
+    }
+    if (t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
+      return slow(op, stack);
+    }
+    int ti = t.device().index() < 0 ? 0 : t.device().index();
+    if (index < 0) index = ti;
+    else if (ti != index) return slow(op, stack);  // two devices: Python's error
+    key_strides(key, t);
+    inputs.push_back(t.storage().data());
+    cpu[i] = cpu_alias(t);
+  }
+  const bool training = a[base + 5].toBool();
+  key_int(key, 4 + training);
+  key_int(key, 3);  // momentum and eps: float values never change the kernel (Python's key ignores them too)
+  key_int(key, 3);
+  if (index < 0) return slow(op, stack);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> res;
+  try {
+    HostScope host;
+    res = at::native_batch_norm(cpu[0], cpu[1], cpu[2], cpu[3], cpu[4], training, a[base + 6].toDouble(),
+                                a[base + 7].toDouble());
+  } catch (...) {
+    return slow(op, stack);  // Python raises CPU's error (CPU checks before it writes the statistics)
+  }
+  at::Tensor out[3] = {std::get<0>(res), std::get<1>(res), std::get<2>(res)};
+  for (const auto& t : out) {
+    if (!t.defined()) return slow(op, stack);
+    const void* data = t.storage().data();
+    for (const void* in : inputs) {  // (a result over an argument's memory: Python makes it a view)
+      if (data != nullptr && in == data) return slow(op, stack);
+    }
+  }
+  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < 3; ++i) {
+    blocks[i] = count_block(out[i], index);
+    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
+      for (int j = 0; j < i; ++j) uncount_block(blocks[j], index);
+      return slow(op, stack);
+    }
+  }
+  torch::jit::drop(*stack, n);
+  for (int i = 0; i < 3; ++i) stack->emplace_back(to_device(out[i], blocks[i], index));
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
@@ -1299,6 +1682,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
   if (f.kind >= kLstmCell && f.kind <= kGruCellBackward) return fast_cell(op, stack, f.kind);
+  if (f.kind == kConv) return fast_conv(op, stack);
+  if (f.kind == kConvBackward) return fast_conv_backward(op, stack);
+  if (f.kind == kBatchNorm) return fast_batch_norm(op, stack);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
@@ -1879,6 +2265,8 @@ void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chu
   g_batched.store(reinterpret_cast<BatchedFn>(batched));
 }
 int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
+// trn_conv2d_grouped (trnsim.native.grouped_entry), for the fast path's convolutions
+void trnsim_fast_conv_datapath(void* grouped) { g_grouped.store(reinterpret_cast<GroupedFn>(grouped)); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }
 void trnsim_fast_tracing(int on) { t_tracing = on; }  // (the calling thread's)
 void trnsim_fast_capture(int64_t token) { t_capture = token; }  // (the calling thread's)
@@ -2069,6 +2457,11 @@ int trnsim_fast_learning(const char* name) {
 }
 void trnsim_fast_learn(int64_t handle) {
   if (t_learn != nullptr) t_learn->handle = handle;
+}
+void trnsim_fast_learn_many(const int64_t* handles, int64_t count) {
+  if (t_learn == nullptr || count < 1) return;
+  t_learn->many.assign(handles, handles + count);
+  t_learn->handle = handles[0];
 }
 void trnsim_mem_set_pool(int64_t** rows, int count) {
   std::lock_guard<std::mutex> lock(g_mem_mutex);

@@ -11,7 +11,8 @@ time it costed that call. In-place ``_foreach_*`` ops (the optimizer's) are writ
 like ``add_``: one CPU foreach kernel over the lists' aliases, one logged launch, nothing
 allocated. float32 ``mm``/``addmm``/``bmm`` call trnsim's C datapath directly, with the arguments
 :func:`trnsim.native.matmul` passes it (same values, same cost key as
-:func:`torch_bridge.values.mm`'s). View ops are redispatched to their CPU kernels on the neuron tensors
+:func:`torch_bridge.values.mm`'s), and so do float32 2-d convolutions (im2col matmuls, or the
+grouped kernel for depthwise ones, as :func:`torch_bridge.tensore.conv_f32` calls them). View ops are redispatched to their CPU kernels on the neuron tensors
 and logged as host ops. Everything else runs the Python fallback, registered on PrivateUse2 for
 the fast kernel to redispatch to.
 
@@ -39,7 +40,7 @@ from trnsim.device import OpCost
 
 from .. import _torch
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "hits", "install", "attach", "datapath_seconds"]
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "hits", "install", "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 _PLACE_IN, _PLACE_OUT, _PLACE_CORES = 16, 64, 64  # trnsim_log_place's rows (kPlaceIn, kPlaceOut) and its core limit
@@ -189,6 +190,7 @@ def attach(device: Any, k_chunk: int) -> None:
     except ImportError:  # the datapath is not built: the matmuls take Python's path (and its error)
         return
     _lib.trnsim_fast_datapath(address, f32, fma_on, int(k_chunk))
+    _lib.trnsim_fast_conv_datapath(native.grouped_entry())
 
 
 def datapath_seconds() -> float:
@@ -220,10 +222,19 @@ def teach(qualified: str, op: str, cost: OpCost) -> None:
         _lib.trnsim_fast_learn(_handle(op, cost))
 
 
+def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
+    """The Python fallback is costing ``qualified`` as the launches ``charges`` ((op, cost), in
+    order) for the fast kernel, which asked: teach it their handles for that call's signature."""
+    if _lib is not None and charges and _lib.trnsim_fast_learning(qualified.encode()):
+        handles = (ctypes.c_int64 * len(charges))(*[_handle(op, cost) for op, cost in charges])
+        _lib.trnsim_fast_learn_many(handles, len(charges))
+
+
 # csrc/neuron.cpp's OpKind: how the fast path serves an op (0: it never does; Python's path serves it)
 KINDS = {0: "python", 1: "view", 2: "functional", 3: "writes", 4: "mm", 5: "addmm", 6: "bmm", 7: "empty",
          8: "empty_strided", 9: "copy", 10: "lstm_cell", 11: "lstm_cell_backward", 12: "gru_cell",
-         13: "gru_cell_backward"}
+         13: "gru_cell_backward", 14: "conv",
+         15: "conv_backward", 16: "batch_norm"}
 
 
 def kind(op: Any) -> str | None:

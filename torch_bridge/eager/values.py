@@ -629,13 +629,14 @@ _conv_memo: dict[tuple[Any, ...], list[Any]] = {}  # a convolution's call signat
 _conv_memo_device: list[Any] = [None]  # the device model those costs are of
 
 
-def _conv_charges(index: int, op: str, key: tuple[Any, ...], specs: Callable[[], list[Any]]) -> None:
-    """Charge a convolution's kernels (``specs()``), worked out once per call signature ``key``:
-    the lowering reads only shapes, dtypes and the convolution's parameters, and a model calls
-    each of its convolutions with the same ones every step."""
+def _conv_costs(key: tuple[Any, ...], specs: Callable[[], list[Any]]) -> list[Any] | None:
+    """A convolution's launches' costs (of ``specs()``), worked out once per call signature
+    ``key``: the lowering reads only shapes, dtypes and the convolution's parameters, and a model
+    calls each of its convolutions with the same ones every step. None while torch.compile traces
+    (runtime.charge's rule: nothing is launched then)."""
     rt = runtime()
     if _torch.tracing():
-        return  # (runtime.charge's rule: nothing is launched while torch.compile traces)
+        return None
     if _conv_memo_device[0] is not rt.device:
         _conv_memo.clear()
         _conv_memo_device[0] = rt.device
@@ -643,8 +644,7 @@ def _conv_charges(index: int, op: str, key: tuple[Any, ...], specs: Callable[[],
     if costs is None:
         costs = [rt.cost(spec) for spec in specs()]
         _conv_memo[key] = costs
-    for cost in costs:
-        rt.charge(index, op, cost)
+    return costs
 
 
 def _conv_key(*items: Any) -> tuple[Any, ...]:
@@ -654,8 +654,15 @@ def _conv_key(*items: Any) -> tuple[Any, ...]:
 
 def _conv_time(index: int, op: str, inp: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
                stride: Any = None, padding: Any = None, dilation: Any = None, transposed: bool = True) -> None:
-    _conv_charges(index, op, _conv_key("forward", inp, weight, out, groups, stride, padding, dilation, transposed),
-                  lambda: lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed))
+    costs = _conv_costs(_conv_key("forward", inp, weight, out, groups, stride, padding, dilation, transposed),
+                        lambda: lowering.conv_specs(inp, weight, out, groups, stride, padding, dilation, transposed))
+    if costs is None:
+        return
+    if len(costs) == 1:  # the native fast path serves the signature next (csrc/neuron.cpp's fast_conv)
+        fastpath.teach("aten::convolution_overrideable", op, costs[0])
+    rt = runtime()
+    for cost in costs:
+        rt.charge(index, op, cost)
 
 
 # a convolution's metadata -> CPU's output strides (CPU takes it) or (exception type, message): CPU's
@@ -743,13 +750,18 @@ def convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight:
     gi, gw, gb = torch.ops.aten.convolution_backward.default(g, x, w, bias_sizes, stride, padding,
                                                             _cpu_dilation(x, w, dilation), transposed,
                                                             output_padding, groups, output_mask)
-    _conv_charges(index, "convolution_backward",
-                  _conv_key("backward", input, weight, grad_output, groups, stride, padding, dilation, transposed,
-                            output_mask),
-                  lambda: lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation,
-                                                       transposed, output_mask))
     res = tuple(memory.relabel(t, index) if t is not None else None for t in (gi, gw, gb))
-    if res[2] is not None:
-        runtime().charge(index, "convolution_backward",
-                         lowering.generic_spec("convolution_backward", [grad_output], [res[2]]))
+
+    def specs() -> list[Any]:  # the input and weight gradients' kernels, then the bias gradient's
+        bias = [lowering.generic_spec("convolution_backward", [grad_output], [res[2]])] if res[2] is not None else []
+        return lowering.conv_backward_specs(input, weight, grad_output, groups, stride, padding, dilation, transposed,
+                                            output_mask) + bias
+    costs = _conv_costs(_conv_key("backward", input, weight, grad_output, groups, stride, padding, dilation,
+                                  transposed, output_mask, res[2] is not None), specs)
+    if costs is not None:
+        op = "convolution_backward"
+        fastpath.teach_many("aten::convolution_backward_overrideable", [(op, c) for c in costs])
+        rt = runtime()
+        for cost in costs:
+            rt.charge(index, op, cost)
     return res  # type: ignore[return-value]

@@ -265,6 +265,13 @@ def batched_entry() -> tuple[int, int, int]:
     return address, _CODES["float32"], _FMA_POLICIES["on"]
 
 
+def grouped_entry() -> int:
+    """The address of ``trn_conv2d_grouped`` (datapath.h), for the torch bridge's C++ fast path,
+    which calls it as :func:`conv2d_grouped` does."""
+    lib, ffi = _lib(), _datapath.ffi
+    return int(ffi.cast("uintptr_t", ffi.addressof(lib, "trn_conv2d_grouped")))
+
+
 def _convert_native(x: Any, dtype: Any) -> np.ndarray:
     lib = _lib()
     target = reference._float_dtype(dtype, "target")
