@@ -663,3 +663,22 @@ def test_batch_norm_is_the_python_path_s_bit_for_bit_and_moves_its_statistics_on
     rm, rv = torch.zeros(3, device="neuron"), torch.ones(3, device="neuron")
     bn = lambda: torch.ops.aten.native_batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5)  # noqa: E731
     assert served(bn) == 1
+
+
+def test_the_finiteness_scan_of_a_matmul_result_finds_every_special_value_anywhere():
+    """all_finite_f32 (its AVX2 loop where the CPU has it): an infinity or a NaN at any position
+    of a result - the vector body or its tail - sends the matmul to Python's path."""
+    import numpy as np
+
+    from torch_bridge import _native
+
+    lib = _native.lib
+    for n in (*range(1, 40), 4096, 65536 + 5):
+        a = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 3e37
+        assert lib.trnsim_fast_all_finite(a.ctypes.data, n) == 1
+        for pos in {0, n // 2, n - 1, max(0, n - 8)}:
+            for special in (np.inf, -np.inf, np.nan, -np.nan):
+                b = a.copy()
+                b[pos] = special
+                assert lib.trnsim_fast_all_finite(b.ctypes.data, n) == 0
+    assert lib.trnsim_fast_all_finite(np.zeros(1, np.float32).ctypes.data, 0) == 1
