@@ -16,8 +16,7 @@ def _step(model, x):
 
 def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
     torch.manual_seed(0)
-    # a transposed convolution and a training batch norm take the Python path
-    model = torch.nn.Sequential(torch.nn.ConvTranspose1d(8, 16, 3), torch.nn.BatchNorm1d(16)).to("neuron")
+    model = torch.nn.ConvTranspose1d(8, 16, 3).to("neuron")  # a transposed convolution takes the Python path
     x = torch.randn(2, 8, 5, device="neuron")
     from torch_bridge.runtime import runtime
 
@@ -34,7 +33,7 @@ def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
     assert profiled == plain
     assert hostprof.active is None
     parts = dict((k, c) for k, _, c in prof.parts())
-    assert parts["python convolution_overrideable"] == 1 and parts["python native_batch_norm"] == 1
+    assert parts["python convolution_overrideable"] == 1 and parts["python _local_scalar_dense"] == 1  # (item())
     assert "device model" in parts
     s = prof.summary()
     assert abs(sum(s.values()) - prof.wall) < 1e-9 and prof.wall > 0
