@@ -110,6 +110,21 @@ def test_tiny_mixtral_forward_and_backward_match_cpu():
     # (its linear's two matmuls and the ops before them) as eager kernels, named so
     assert sum(r.calls for r in backward if r.kernel == "moe_backward") == LAYERS
     assert sum(r.calls for r in backward if r.kernel == "matmul") == LAYERS * 2
+    # the router's charges are recorded on a signature's first call and replayed after: the same
+    # rows, host ops and simulated time as recording them again
+    from torch_bridge.ops import moe
+
+    def step():
+        dev.zero_grad()
+        with torch.neuron.report_scope() as again:
+            dev(x.to("neuron"), labels=x.to("neuron")).loss.backward()
+            torch.neuron.synchronize()
+        return again.report
+    replayed = step()
+    moe._router_memo.clear()
+    recorded = step()
+    assert replayed.rows == recorded.rows and replayed.device_us == recorded.device_us
+    assert replayed.host_ops == recorded.host_ops
 
 
 def test_router_logits_reach_the_auxiliary_loss():

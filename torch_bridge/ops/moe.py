@@ -144,11 +144,12 @@ class _ChargeEager(_torch.TorchDispatchMode):
     kernel that op would launch on neuron (views as host-only ops), under the report name
     ``op``: how a computation done on CPU views is costed like the same ops run eagerly."""
 
-    def __init__(self, index: int, op: str):
+    def __init__(self, index: int, op: str, record: list[tuple[str, Any]] | None = None):
         super().__init__()
         self.index = index
         self.op = op
         self.rt = runtime()
+        self.record = record  # when a list: each host op ("host", name) and launch ("launch", cost), in order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -156,6 +157,8 @@ class _ChargeEager(_torch.TorchDispatchMode):
         info = values.op_info(func)
         if info.is_view:
             self.rt.host_op(info.name)
+            if self.record is not None and not _torch.tracing():
+                self.record.append(("host", info.name))
             return out
         # the cost of a call is a function of its signature (values._run's cache key; a matmul's
         # operand layouts too): looked up once per signature, not lowered again on every call
@@ -178,6 +181,8 @@ class _ChargeEager(_torch.TorchDispatchMode):
                 cost = self.rt.cost(lowering.op_spec(info.name, args, kwargs, ins, lowering.flat_tensors(out, [])))
             _eager_costs[key] = cost
         self.rt.charge(self.index, self.op, cost)
+        if self.record is not None:
+            self.record.append(("launch", cost))
         return out
 
 
@@ -292,16 +297,41 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
     ops around it (its ``grad_weights`` output -> normalise, top-k, softmax, the router linear,
     and the input gradient's two parts added): those ops as autograd runs them, as eager
     kernels. Their charges read only shapes, so they run on zero gradients; the gradients
-    themselves come from the block's whole autograd."""
+    themselves come from the block's whole autograd. Being a function of the shapes, layouts and
+    dtypes of ``x`` and the router's weight (and of ``top_k``, ``normalize`` and whether the
+    logits have a gradient), the sequence is recorded on a signature's first call and replayed
+    after: recomputing the router and its autograd under a dispatch mode cost ~5 ms a call."""
+    if _torch.tracing():
+        return  # (runtime.charge's rule: nothing is launched while torch.compile traces)
+    rt = runtime()
+    if _router_memo_device[0] is not rt.device:
+        _router_memo.clear()
+        _router_memo_device[0] = rt.device
+    key = (tuple(x.shape), x.stride(), x.dtype, tuple(router_weight.shape), router_weight.stride(), router_weight.dtype,
+           grad_logits is not None, top_k, normalize)
+    events = _router_memo.get(key)
+    if events is not None:
+        for kind, what in events:
+            if kind == "host":
+                rt.host_op(what)
+            else:
+                rt.charge(index, BACKWARD_OP, what)
+        return
+    events = []
     leaves = [t.detach().requires_grad_() for t in (x, router_weight)]
     with torch.enable_grad(), _torch.autograd_inside_op():
         logits, weights, _ = _routing(*leaves, top_k, normalize, _cpu_linear)
         outs = [weights] + ([logits] if grad_logits is not None else [])
         zeros = [torch.zeros_like(o) for o in outs]  # (made outside the charges: not the device's ops)
-        with _ChargeEager(index, BACKWARD_OP):
+        with _ChargeEager(index, BACKWARD_OP, events):
             gx, _ = torch.autograd.grad(outs, leaves, zeros, allow_unused=True)
             if gx is not None:
                 gx + gx  # the router's and the experts' parts of the input gradient
+    _router_memo[key] = events
+
+
+_router_memo: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}  # signature -> the router backward's charges
+_router_memo_device: list[Any] = [None]  # the device model those costs are of
 
 
 @moe_block_backward.register_fake
