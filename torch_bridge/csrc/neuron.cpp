@@ -1254,6 +1254,71 @@ std::vector<at::Tensor> gru_cell_backward_values(const std::vector<at::Tensor>& 
   return {grad_input.to(dt), grad_hidden.to(dt), ghx.to(dt), gib, ghb};
 }
 
+// ---- shared by the fast kernels that take a fixed list of tensor arguments -----------------------
+// The `count` tensor arguments from stack[base]: each None (keyed 6), undefined (keyed 1) or a
+// strided neuron tensor without conj/neg bits on the one device they all share (keyed by dtype and
+// sizes, and strides too with `strides`), its memory noted in `inputs`, its CPU alias in cpu[i].
+// False: Python's path takes the call (two devices: its error).
+bool tensor_args(const torch::jit::Stack& s, size_t base, size_t count, std::string& key, bool strides, int* index,
+                 at::Tensor* cpu, c10::SmallVectorImpl<const void*>& inputs) {
+  for (size_t i = 0; i < count; ++i) {
+    const c10::IValue& v = s[base + i];
+    if (v.isNone()) {
+      key_int(key, 6);
+      continue;
+    }
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) {
+      key_int(key, 1);
+      continue;
+    }
+    if (t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) return false;
+    int ti = t.device().index() < 0 ? 0 : t.device().index();
+    if (*index < 0) *index = ti;
+    else if (ti != *index) return false;
+    if (strides) key_strides(key, t);
+    else key_tensor(key, t, 0);
+    inputs.push_back(t.storage().data());
+    cpu[i] = cpu_alias(t);
+  }
+  return true;
+}
+
+// True when a defined result lies over an argument's memory (Python's path makes it a view)
+bool over_an_input(const at::Tensor* out, size_t count, const c10::SmallVectorImpl<const void*>& inputs) {
+  for (size_t i = 0; i < count; ++i) {
+    if (!out[i].defined()) continue;
+    const void* data = out[i].storage().data();
+    for (const void* in : inputs) {
+      if (data != nullptr && in == data) return true;
+    }
+  }
+  return false;
+}
+
+// The op's n arguments on the stack replaced by its `count` (<= 5) results, each defined one counted
+// against HBM on core `index` and made a neuron tensor; every one counted, or none (false: one did
+// not fit, and Python's path raises the OOM).
+bool push_results(torch::jit::Stack* stack, size_t n, const at::Tensor* out, size_t count, int index) {
+  FastBlock* blocks[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (count > 5) return false;
+  for (size_t i = 0; i < count; ++i) {
+    if (!out[i].defined()) continue;
+    blocks[i] = count_block(out[i], index);
+    if (blocks[i] == nullptr) {
+      for (size_t j = 0; j < i; ++j) uncount_block(blocks[j], index);
+      return false;
+    }
+  }
+  torch::jit::drop(*stack, n);
+  for (size_t i = 0; i < count; ++i) {
+    if (blocks[i] == nullptr) stack->emplace_back(out[i]);
+    else stack->emplace_back(to_device(out[i], blocks[i], index));
+  }
+  return true;
+}
+
 void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
   const size_t n = op.schema().arguments().size();
   const size_t base = stack->size() - n;
@@ -1267,28 +1332,7 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
   int index = -1;
   std::vector<at::Tensor> cpu(tensors);
   c10::SmallVector<const void*, 8> inputs;
-  for (size_t i = 0; i < tensors; ++i) {
-    const c10::IValue& v = (*stack)[base + i];
-    if (v.isNone()) {
-      key_int(key, 6);
-      continue;
-    }
-    if (!v.isTensor()) return slow(op, stack);
-    const at::Tensor& t = v.toTensor();
-    if (!t.defined()) {
-      key_int(key, 1);
-      continue;
-    }
-    if (t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
-      return slow(op, stack);
-    }
-    int ti = t.device().index() < 0 ? 0 : t.device().index();
-    if (index < 0) index = ti;
-    else if (ti != index) return slow(op, stack);
-    key_tensor(key, t, 0);
-    inputs.push_back(t.storage().data());
-    cpu[i] = cpu_alias(t);
-  }
+  if (!tensor_args(*stack, base, tensors, key, false, &index, cpu.data(), inputs)) return slow(op, stack);
   bool has_bias = false;
   if (backward) {
     const c10::IValue& v = (*stack)[base + tensors];
@@ -1312,35 +1356,18 @@ void fast_cell(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind k
   } catch (...) {
     return slow(op, stack);  // (shapes that do not fit: Python raises it, in its words)
   }
+  if (over_an_input(out.data(), out.size(), inputs)) return slow(op, stack);
   for (const auto& t : out) {
     if (!t.defined()) {
       key_int(key, 52);
       continue;
-    }
-    const void* data = t.storage().data();
-    for (const void* in : inputs) {  // (a result over an argument's memory: Python makes it a view)
-      if (data != nullptr && in == data) return slow(op, stack);
     }
     key_int(key, 51);
     key_tensor(key, t, 0);
   }
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);  // the values are computed again there
-  FastBlock* blocks[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (out.size() > 5) return slow(op, stack);
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!out[i].defined()) continue;
-    blocks[i] = count_block(out[i], index);
-    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
-      for (size_t j = 0; j < i; ++j) uncount_block(blocks[j], index);
-      return slow(op, stack);
-    }
-  }
-  torch::jit::drop(*stack, n);
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (blocks[i] == nullptr) stack->emplace_back(out[i]);
-    else stack->emplace_back(to_device(out[i], blocks[i], index));
-  }
+  if (!push_results(stack, n, out.data(), out.size(), index)) return slow(op, stack);
   g_fast_hits++;
   log_entry(0, index, handle);
 }
@@ -1545,17 +1572,9 @@ void fast_conv_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack)
   int index = -1;
   at::Tensor cpu[3];
   c10::SmallVector<const void*, 3> inputs;
-  for (int i = 0; i < 3; ++i) {
-    const at::Tensor& t = a[base + i].toTensor();
-    if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
-      return slow(op, stack);
-    }
-    int ti = t.device().index() < 0 ? 0 : t.device().index();
-    if (index < 0) index = ti;
-    else if (ti != index) return slow(op, stack);  // two devices: Python's error
-    key_strides(key, t);
-    inputs.push_back(t.storage().data());
-    cpu[i] = cpu_alias(t);
+  if (!tensor_args(*stack, base, 3, key, true, &index, cpu, inputs) || !cpu[0].defined() || !cpu[1].defined() ||
+      !cpu[2].defined()) {
+    return slow(op, stack);
   }
   auto stride = a[base + 3].toIntVector(), padding = a[base + 4].toIntVector(), dilation = a[base + 5].toIntVector();
   auto output_padding = a[base + 7].toIntVector();
@@ -1593,27 +1612,7 @@ void fast_conv_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack)
     return slow(op, stack);  // Python raises CPU's error
   }
   at::Tensor out[3] = {std::get<0>(res), std::get<1>(res), std::get<2>(res)};
-  for (const auto& t : out) {
-    if (!t.defined()) continue;
-    const void* data = t.storage().data();
-    for (const void* in : inputs) {  // (a result over an argument's memory)
-      if (data != nullptr && in == data) return slow(op, stack);
-    }
-  }
-  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
-  for (int i = 0; i < 3; ++i) {
-    if (!out[i].defined()) continue;
-    blocks[i] = count_block(out[i], index);
-    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
-      for (int j = 0; j < i; ++j) uncount_block(blocks[j], index);
-      return slow(op, stack);
-    }
-  }
-  torch::jit::drop(*stack, n);
-  for (int i = 0; i < 3; ++i) {
-    if (blocks[i] == nullptr) stack->emplace_back(out[i]);
-    else stack->emplace_back(to_device(out[i], blocks[i], index));
-  }
+  if (over_an_input(out, 3, inputs) || !push_results(stack, n, out, 3, index)) return slow(op, stack);
   g_fast_hits++;
   for (int64_t h : *handles) log_entry(0, index, h);
 }
@@ -1640,28 +1639,7 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   int index = -1;
   at::Tensor cpu[5];
   c10::SmallVector<const void*, 5> inputs;
-  for (int i = 0; i < 5; ++i) {
-    const c10::IValue& v = a[base + i];
-    if (v.isNone()) {
-      key_int(key, 6);
-      continue;
-    }
-    if (!v.isTensor()) return slow(op, stack);
-    const at::Tensor& t = v.toTensor();
-    if (!t.defined()) {
-      key_int(key, 1);
-      continue;
-    }
-    if (t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg()) {
-      return slow(op, stack);
-    }
-    int ti = t.device().index() < 0 ? 0 : t.device().index();
-    if (index < 0) index = ti;
-    else if (ti != index) return slow(op, stack);  // two devices: Python's error
-    key_strides(key, t);
-    inputs.push_back(t.storage().data());
-    cpu[i] = cpu_alias(t);
-  }
+  if (!tensor_args(*stack, base, 5, key, true, &index, cpu, inputs)) return slow(op, stack);
   const bool training = a[base + 5].toBool();
   key_int(key, 4 + training);
   key_int(key, 3);  // momentum and eps: float values never change the kernel (Python's key ignores them too)
@@ -1678,23 +1656,10 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return slow(op, stack);  // Python raises CPU's error (CPU checks before it writes the statistics)
   }
   at::Tensor out[3] = {std::get<0>(res), std::get<1>(res), std::get<2>(res)};
-  for (const auto& t : out) {
-    if (!t.defined()) return slow(op, stack);
-    const void* data = t.storage().data();
-    for (const void* in : inputs) {  // (a result over an argument's memory: Python makes it a view)
-      if (data != nullptr && in == data) return slow(op, stack);
-    }
+  if (!out[0].defined() || !out[1].defined() || !out[2].defined() || over_an_input(out, 3, inputs) ||
+      !push_results(stack, n, out, 3, index)) {
+    return slow(op, stack);
   }
-  FastBlock* blocks[3] = {nullptr, nullptr, nullptr};
-  for (int i = 0; i < 3; ++i) {
-    blocks[i] = count_block(out[i], index);
-    if (blocks[i] == nullptr) {  // every result counted, or none: Python raises the OOM
-      for (int j = 0; j < i; ++j) uncount_block(blocks[j], index);
-      return slow(op, stack);
-    }
-  }
-  torch::jit::drop(*stack, n);
-  for (int i = 0; i < 3; ++i) stack->emplace_back(to_device(out[i], blocks[i], index));
   g_fast_hits++;
   log_entry(0, index, handle);
 }
