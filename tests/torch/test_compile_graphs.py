@@ -126,3 +126,49 @@ def test_the_first_compiled_call_charges_what_every_call_runs_after_eager_code_t
     r = subprocess.run([sys.executable, "-c", _TAUGHT_THEN_COMPILED], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1].startswith("True"), r.stdout[-2000:]
+
+
+def test_regions_read_and_return_device_memory_natively_with_python_s_values_and_figures():
+    """A region's input views and its results' adoption run in C++ (trnsim.cpu_views,
+    trnsim.adopt) where they can: the same values, report rows, simulated time and memory
+    figures as memory.cpu_view and memory.relabel give."""
+    import gc
+
+    from torch_bridge.eager import memory
+    from torch_bridge.runtime import runtime
+
+    def model(x, w, b):
+        h = torch.nn.functional.gelu(x @ w + b)
+        return (h * 2 + 1).softmax(-1), h.sum(0)
+
+    torch.manual_seed(0)
+    args = [torch.randn(24, 40, device="neuron"), torch.randn(40, 56, device="neuron"), torch.randn(56, device="neuron")]
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="neuron")
+    f(*args)  # compiled and costed
+    native = list(memory._ops())
+    assert native[0] is not None and native[1] is not None
+
+    def run(ops):
+        memory._native_ops[:] = ops
+        try:
+            gc.collect()
+            mem0 = torch.neuron.memory_allocated()
+            dev = runtime().device
+            t0 = dev.now()
+            with torch.neuron.report_scope() as scope:
+                outs = f(*args)
+                torch.neuron.synchronize()
+            held = torch.neuron.memory_allocated() - mem0
+            values = [o.cpu() for o in outs]
+            del outs
+            gc.collect()
+            return values, held, torch.neuron.memory_allocated() - mem0, dev.now() - t0, scope.report.rows
+        finally:
+            memory._native_ops[:] = native
+
+    run(native)  # (the first call after compiling starts on an idle device: its time differs either way)
+    want = run([None, None])
+    got = run(native)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got[0], want[0]))
+    assert got[1:] == want[1:] and got[1] > 0 and got[2] == 0

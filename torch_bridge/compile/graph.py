@@ -100,7 +100,7 @@ class RegionKernel:
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
-        views = [memory.cpu_view(a) if values.is_neuron(a) else a for a in args]
+        views = memory.cpu_views(args)
         env: dict[fx.Node, Any] = {}
         rest = views
         if self.head is not None:
@@ -135,7 +135,7 @@ class RegionKernel:
             t = env[n]
             if t.dtype != want:
                 t = t.to(want)
-            outs.append(memory.relabel(t.contiguous(), device))
+            outs.append(memory.adopt(t.contiguous(), device))
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         plan = self.plans.get(key)
         if plan is None:

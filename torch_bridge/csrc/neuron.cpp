@@ -2153,7 +2153,40 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 // (PyTorch has no Python accessor for a PrivateUse1 backend's default generators).
 at::Generator default_generator_op(int64_t index) { return default_generator(static_cast<c10::DeviceIndex>(index)); }
 
-TORCH_LIBRARY(trnsim, m) { m.def("default_generator(int index) -> Generator?", &default_generator_op); }
+// torch.ops.trnsim.cpu_views(ts): a CPU tensor over each neuron tensor's memory (memory.cpu_view, in
+// one call for a compiled region's inputs; it does not own the memory). Only for strided tensors
+// without conj/neg bits, over memory that exists; Python's cpu_view takes the others.
+std::vector<at::Tensor> cpu_views_op(at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    TORCH_CHECK(t.defined() && t.device().type() == kNeuron && t.layout() == c10::kStrided && !t.is_conj() &&
+                    !t.is_neg() && t.storage().nbytes() > 0,
+                "trnsim.cpu_views: a strided neuron tensor over memory, without conj/neg bits, was expected");
+    out.push_back(cpu_alias(t));
+  }
+  return out;
+}
+
+// torch.ops.trnsim.adopt(cpu, index): the fresh host tensor `cpu` as a neuron:index tensor over the
+// same memory, counted against HBM (memory.relabel's effect, as the fast path's results are counted);
+// None when it does not fit (memory.relabel raises the OOM), while memory history records, or for a
+// tensor relabel treats specially (one that requires grad, conj/neg bits, not strided on the host).
+std::optional<at::Tensor> adopt_op(const at::Tensor& cpu, int64_t index) {
+  if (!cpu.defined() || !cpu.device().is_cpu() || cpu.layout() != c10::kStrided || cpu.is_conj() || cpu.is_neg() ||
+      cpu.requires_grad() || g_history.load() || index < 0) {
+    return std::nullopt;
+  }
+  FastBlock* block = count_block(cpu, static_cast<int>(index));
+  if (block == nullptr) return std::nullopt;
+  return to_device(cpu, block, static_cast<int>(index));
+}
+
+TORCH_LIBRARY(trnsim, m) {
+  m.def("default_generator(int index) -> Generator?", &default_generator_op);
+  m.def("cpu_views(Tensor[] ts) -> Tensor[]", &cpu_views_op);
+  m.def("adopt(Tensor cpu, int index) -> Tensor?", &adopt_op);
+}
 
 // ---- placing the log's launches (trnsim.device.Device._drain, the common case) ----
 // The device model issues a logged launch on a core whose stream 0 has the core to itself (no

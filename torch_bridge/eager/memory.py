@@ -30,7 +30,7 @@ from trnsim.config import format_quantity
 
 from .. import _torch
 
-__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "allocate", "pool"]
+__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "adopt", "allocate", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -524,3 +524,47 @@ def release_host_cache() -> int:
     """Give the host cache's kept blocks back to the system; returns the bytes released."""
     lib = _lib()
     return int(lib.trnsim_host_release()) if lib is not None else 0
+
+
+# ---- the native helpers of compiled regions (csrc/neuron.cpp's trnsim.cpu_views and trnsim.adopt) ----
+_native_ops: list[Any] = []  # [cpu_views, adopt] once looked up; [None, None] without them
+
+
+def _ops() -> list[Any]:
+    if not _native_ops:
+        ns = torch.ops.trnsim
+        try:
+            _native_ops.extend([ns.cpu_views.default, ns.adopt.default])
+        except (AttributeError, RuntimeError):
+            _native_ops.extend([None, None])
+    return _native_ops
+
+
+def cpu_views(args: Any) -> list[Any]:
+    """``args`` with each neuron tensor replaced by a CPU tensor over its memory (:func:`cpu_view`'s
+    windows; the common ones made in one native call, not cached), everything else as it is."""
+    native = _ops()[0]
+    common = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "neuron"
+              and a.layout == torch.strided and not a.is_conj() and not a.is_neg() and a.untyped_storage().nbytes()]
+    out = list(args)
+    if native is not None and common:
+        for i, v in zip(common, native([args[i] for i in common])):
+            out[i] = v
+    else:
+        common = []
+    done = set(common)
+    for i, a in enumerate(args):
+        if i not in done and isinstance(a, torch.Tensor) and a.device.type == "neuron":
+            out[i] = cpu_view(a)
+    return out
+
+
+def adopt(cpu: torch.Tensor, index: int) -> torch.Tensor:
+    """:func:`relabel` for a fresh host tensor (counted against HBM as the native fast path counts its
+    results; the same figures), in one native call where it can, else :func:`relabel` itself."""
+    native = _ops()[1]
+    if native is not None:
+        t = native(cpu, index)
+        if t is not None:
+            return t
+    return relabel(cpu, index)
