@@ -165,6 +165,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_datapath_ns.restype = i64
     handle.trnsim_fast_conv_datapath.argtypes = [ctypes.c_void_p]
     handle.trnsim_fast_all_finite.argtypes = [ctypes.c_void_p, i64]
+    handle.trnsim_fast_launch.argtypes = [i64, i64]
+    handle.trnsim_fast_launch.restype = ctypes.c_int
     handle.trnsim_fast_all_finite.restype = ctypes.c_int
     handle.trnsim_host_scope.argtypes = [ctypes.c_int]
     handle.trnsim_host_release.restype = i64

@@ -167,8 +167,19 @@ def test_regions_read_and_return_device_memory_natively_with_python_s_values_and
         finally:
             memory._native_ops[:] = native
 
+    from torch_bridge.eager import fastpath
+
     run(native)  # (the first call after compiling starts on an idle device: its time differs either way)
     want = run([None, None])
     got = run(native)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got[0], want[0]))
     assert got[1:] == want[1:] and got[1] > 0 and got[2] == 0
+    # the regions' fused launches are logged natively (fastpath.launch) with the fast path on,
+    # launched from Python with it off: the same figures
+    fastpath.set_enabled(False)
+    try:
+        slow = run(native)
+    finally:
+        fastpath.set_enabled(True)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(slow[0], want[0]))
+    assert slow[1:] == want[1:]

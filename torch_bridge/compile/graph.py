@@ -32,7 +32,7 @@ import torch.fx as fx
 from trnsim.device import FusedRegion, KernelSpec, OpCost
 from trnsim.isa import KernelError
 
-from ..eager import lowering, memory, tensore, values
+from ..eager import fastpath, lowering, memory, tensore, values
 from ..runtime import runtime
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, partition
@@ -142,7 +142,8 @@ class RegionKernel:
             plan = self.plans[key] = self._plan(args, env)
         rt = runtime()
         for op, cost in plan.costs:
-            rt.charge(device, op, cost)
+            if not fastpath.launch(device, op, cost):  # (logged natively, as the fast path's ops are)
+                rt.charge(device, op, cost)
         if RegionKernel.record is not None:
             RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
         return tuple(outs)

@@ -2296,6 +2296,19 @@ void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chu
   g_batched.store(reinterpret_cast<BatchedFn>(batched));
 }
 int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
+// Log one launch of `handle` on `core` as the fast path logs its ops' (inside a graph capture: collected
+// there), for Python code that would otherwise call Device.launch (a compiled region's fused kernel);
+// 0 when the fast path would not log it (off, the device's gate closed, torch.profiler, memory
+// history, torch.compile tracing, the log full): the caller launches it from Python then.
+int trnsim_fast_launch(int64_t core, int64_t handle) {
+  if (!g_fast_master.load(std::memory_order_relaxed) || !g_fast_launch.load(std::memory_order_relaxed) ||
+      g_history.load() || at::hasCallbacks() || g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing() ||
+      core < 0 || handle < 0) {
+    return 0;
+  }
+  log_entry(0, core, handle);
+  return 1;
+}
 int trnsim_fast_all_finite(const float* p, int64_t n) { return all_finite_f32(p, n) ? 1 : 0; }  // (for tests)
 // trn_conv2d_grouped (trnsim.native.grouped_entry), for the fast path's convolutions
 void trnsim_fast_conv_datapath(void* grouped) { g_grouped.store(reinterpret_cast<GroupedFn>(grouped)); }

@@ -40,7 +40,7 @@ from trnsim.device import OpCost
 
 from .. import _torch
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "hits", "install", "attach", "datapath_seconds"]
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "hits", "install", "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 _PLACE_IN, _PLACE_OUT, _PLACE_CORES = 16, 64, 64  # trnsim_log_place's rows (kPlaceIn, kPlaceOut) and its core limit
@@ -220,6 +220,14 @@ def teach(qualified: str, op: str, cost: OpCost) -> None:
     ``cost`` for the fast kernel, which asked: teach it the handle for that call's signature."""
     if _lib is not None and _lib.trnsim_fast_learning(qualified.encode()):
         _lib.trnsim_fast_learn(_handle(op, cost))
+
+
+def launch(core: int, op: str, cost: OpCost) -> bool:
+    """Log one launch of ``cost`` for ``op`` on ``core`` natively, as the fast path logs its ops'
+    (the device issues it in order, or its graph capture collects it, exactly as
+    :meth:`trnsim.device.Device.launch` would); False when the fast path would not log it now
+    (the caller launches it itself)."""
+    return _on and bool(_lib.trnsim_fast_launch(core, _handle(op, cost)))
 
 
 def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
