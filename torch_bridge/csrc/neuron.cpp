@@ -751,6 +751,13 @@ const std::vector<int64_t>* cost_handles(const std::string& key) {
 
 void key_int(std::string& k, int64_t v) { k.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
 
+// an int[] argument as the generic path keys it: its kind, length and values
+void key_int_list(std::string& k, c10::ArrayRef<int64_t> l) {
+  key_int(k, 7);
+  key_int(k, static_cast<int64_t>(l.size()));
+  for (int64_t v : l) key_int(k, v);
+}
+
 void key_tensor(std::string& k, const at::Tensor& t, int64_t device_class) {
   key_int(k, 100 + device_class);
   key_int(k, static_cast<int64_t>(t.scalar_type()));
@@ -868,8 +875,11 @@ void key_strides(std::string& key, const at::Tensor& t) {
 // datapath just wrote: the largest magnitude's bits, an integer max the compiler vectorizes).
 // The extension is built for any x86-64 (SSE2, which has no unsigned 32-bit max: its compare-and-
 // blend chain made this scan 9% of an LSTM training step, whose weight gradients are big results
-// of 8-deep contractions); CPUs with AVX2 run the same loop compiled for it, four accumulators deep.
-__attribute__((optimize("O3"))) bool all_finite_generic(const float* p, int64_t n) {
+// of 8-deep contractions); GCC also compiles it for AVX2 and the loader picks the CPU's version.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+__attribute__((optimize("O3"))) bool all_finite_f32(const float* p, int64_t n) {
   uint32_t top = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;
@@ -878,36 +888,6 @@ __attribute__((optimize("O3"))) bool all_finite_generic(const float* p, int64_t 
     top = b > top ? b : top;
   }
   return top < 0x7f800000u;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"), optimize("O3"))) bool all_finite_avx2(const float* p, int64_t n) {
-  uint32_t top[4] = {0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    for (int j = 0; j < 4; ++j) {
-      uint32_t b;
-      std::memcpy(&b, p + i + j, sizeof b);
-      b &= 0x7fffffffu;
-      top[j] = b > top[j] ? b : top[j];
-    }
-  }
-  for (; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, p + i, sizeof b);
-    b &= 0x7fffffffu;
-    top[0] = b > top[0] ? b : top[0];
-  }
-  return std::max(std::max(top[0], top[1]), std::max(top[2], top[3])) < 0x7f800000u;
-}
-#endif
-
-bool all_finite_f32(const float* p, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return all_finite_avx2(p, n);
-#endif
-  return all_finite_generic(p, n);
 }
 
 // The float32 PSUM result: host memory behind a neuron tensor, so it comes from the host cache
@@ -1397,16 +1377,6 @@ double magnitude(const at::Tensor& t) {
 
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
 
-bool conv_operand(const at::Tensor& t, int* index) {
-  if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
-      t.scalar_type() != c10::kFloat) {
-    return false;
-  }
-  int ti = t.device().index() < 0 ? 0 : t.device().index();
-  if (*index < 0) *index = ti;
-  return ti == *index;
-}
-
 void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   BatchedFn fn = g_batched.load();
   GroupedFn grouped = g_grouped.load();
@@ -1434,9 +1404,9 @@ void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool transposed = a[base + 6].toBool();
   const int64_t groups = a[base + 8].toInt();
   int index = -1;
-  if (transposed || !conv_operand(x, &index) || !conv_operand(w, &index) || (b.defined() && !conv_operand(b, &index)) ||
-      x.dim() != 4 || w.dim() != 4 || x.numel() == 0 || w.numel() == 0 || stride.size() != 2 || padding.size() != 2 ||
-      dilation.size() != 2 || groups < 1) {
+  if (transposed || !matmul_operand(x, 4, &index) || !matmul_operand(w, 4, &index) ||
+      (b.defined() && !matmul_operand(b, b.dim(), &index)) || x.numel() == 0 || w.numel() == 0 || stride.size() != 2 ||
+      padding.size() != 2 || dilation.size() != 2 || groups < 1) {
     return slow(op, stack);
   }
   thread_local std::string t_key;
@@ -1447,11 +1417,7 @@ void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   key_strides(key, w);
   if (b.defined()) key_strides(key, b);
   else key_int(key, 6);
-  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) {
-    key_int(key, 7);
-    key_int(key, static_cast<int64_t>(l->size()));
-    for (int64_t v : *l) key_int(key, v);
-  }
+  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) key_int_list(key, *l);
   key_int(key, groups);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
@@ -1583,11 +1549,7 @@ void fast_conv_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack)
   auto mask_list = a[base + 9].toBoolList();
   if (mask_list.size() != 3) return slow(op, stack);
   std::array<bool, 3> mask{mask_list.get(0), mask_list.get(1), mask_list.get(2)};
-  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) {
-    key_int(key, 7);
-    key_int(key, static_cast<int64_t>(l->size()));
-    for (int64_t v : *l) key_int(key, v);
-  }
+  for (const auto* l : {&stride, &padding, &dilation, &output_padding}) key_int_list(key, *l);
   key_int(key, 4 + transposed);
   key_int(key, groups);
   for (bool m : mask) key_int(key, 4 + m);
@@ -1789,10 +1751,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     } else if (v.isNone()) {
       key_int(key, 6);
     } else if (v.isIntList()) {
-      key_int(key, 7);
-      auto l = v.toIntList();
-      key_int(key, static_cast<int64_t>(l.size()));
-      for (int64_t x : l) key_int(key, x);
+      key_int_list(key, v.toIntVector());
     } else if (v.isString()) {
       key_int(key, 8);
       key.append(v.toStringRef());

@@ -544,18 +544,18 @@ def cpu_views(args: Any) -> list[Any]:
     """``args`` with each neuron tensor replaced by a CPU tensor over its memory (:func:`cpu_view`'s
     windows; the common ones made in one native call, not cached), everything else as it is."""
     native = _ops()[0]
-    common = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "neuron"
-              and a.layout == torch.strided and not a.is_conj() and not a.is_neg() and a.untyped_storage().nbytes()]
     out = list(args)
-    if native is not None and common:
+    common = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.device.type == "neuron":
+            if native is not None and a.layout == torch.strided and not a.is_conj() and not a.is_neg() \
+                    and a.untyped_storage().nbytes():
+                common.append(i)
+            else:
+                out[i] = cpu_view(a)
+    if common:
         for i, v in zip(common, native([args[i] for i in common])):
             out[i] = v
-    else:
-        common = []
-    done = set(common)
-    for i, a in enumerate(args):
-        if i not in done and isinstance(a, torch.Tensor) and a.device.type == "neuron":
-            out[i] = cpu_view(a)
     return out
 
 
