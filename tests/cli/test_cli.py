@@ -94,7 +94,10 @@ def test_console_script_runs():
 def test_ctrl_c_while_the_command_loads_is_one_line(module, tmp_path):
     """Issue 25: Ctrl-C in the first second or two (the command importing the simulator) printed a
     23-line import traceback. A Ctrl-C is delivered exactly while ``module`` loads."""
+    # (Python's own SIGINT handler, as a terminal's process has it: a test run started in the
+    # background by a shell without job control inherits SIGINT ignored, and no Ctrl-C would come)
     code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "class Interrupt:\n"
             "    def find_spec(self, name, path, target=None):\n"
             f"        if name == {module!r}:\n"
