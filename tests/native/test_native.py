@@ -367,7 +367,12 @@ def test_batched_is_each_item_as_matmul_computes_it(monkeypatch, backend):
         assert got.shape == (B, M, N) and got.dtype == np.float32
         for b in range(B):
             assert_same_bits(got[b], reference.matmul(s[b], v[b]))
+        out = np.full((B, M, N), np.nan, F32)  # a caller's buffer (the torch bridge's host cache): written whole
+        assert native.matmul_batched(s, v, out=out) is out
+        assert_same_bits(out, got)
     assert native.matmul_batched(np.zeros((0, K, M), F32), np.zeros((0, K, N), F32)).shape == (0, M, N)
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous float32 array of shape \(5, 20, 33\)"):
+        native.matmul_batched(*cases[0], out=np.zeros((B, N, M), F32).transpose(0, 2, 1))
     with pytest.raises(ValueError, match=r"must be 3-D with the same B, got shapes \(2, 4, 3\) and \(3, 4, 5\)"):
         native.matmul_batched(np.zeros((2, 4, 3), F32), np.zeros((3, 4, 5), F32))
 

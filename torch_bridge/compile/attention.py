@@ -33,7 +33,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     """(out, P): the eager device's attention forward (P, fp32, is kept for the backward);
     ``flash``: CPU computes the call with its flash kernel (its arithmetic, not the math path's)."""
     index = q.device.index or 0
-    out, p, _, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
+    with memory.host_scope():  # (its results and temporaries from the host cache, as call_traced's)
+        out, p, _, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
     eager_attention.charge_forward(index, q, mask, causal, scale)
     return memory.relabel(out, index), memory.relabel(p, index)
 
@@ -52,11 +53,12 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor,
     index = q.device.index or 0
     hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
     hm = eager_attention.host_mask(mask)
-    if eager_attention.datapath_exact(hq, hk, hv, hm, scale):
-        sc = scale if scale is not None else q.shape[-1] ** -0.5
-        dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, sc, groups)
-    else:
-        dq, dk, dv = eager_attention.cpu_kernel_grads(q, k, v, hm, causal, scale, grad)
+    with memory.host_scope():
+        if eager_attention.datapath_exact(hq, hk, hv, hm, scale):
+            sc = scale if scale is not None else q.shape[-1] ** -0.5
+            dq, dk, dv = eager_attention.backward_values(grad, q, k, v, p, sc, groups)
+        else:
+            dq, dk, dv = eager_attention.cpu_kernel_grads(q, k, v, hm, causal, scale, grad)
     eager_attention.charge_backward(index, q, k.shape[-2], q.dtype)
     return memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index)
 

@@ -485,6 +485,10 @@ class ForeachKernel:
         return f"<foreach region {self.index}: {self.label}>"
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        with memory.host_scope():  # the functional ops' new lists come from the host cache
+            return self._call(*args)
+
+    def _call(self, *args: Any) -> tuple[torch.Tensor, ...]:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
         env: dict[fx.Node, Any] = {n: (memory.cpu_view(a) if values.is_neuron(a) else a)
                                    for n, a in zip(self.inputs, args)}

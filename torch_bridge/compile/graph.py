@@ -92,6 +92,7 @@ class RegionKernel:
         self.label = "compiled:" + "+".join(dict.fromkeys(names))
         self.index = index
         self.plans: dict[tuple[Any, ...], _Plan] = {}
+        self._big: dict[tuple[Any, ...], bool] = {}  # input signature -> a tensor of host-cache size
         self._steps: list[tuple[Any, ...]] | None = None  # _compile_steps, on the first call
         self.__name__ = f"region{index}"
 
@@ -100,6 +101,17 @@ class RegionKernel:
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        big = self._big.get(key)
+        if big is None:  # tensors the host cache serves: its intermediates and results come from it
+            big = self._big[key] = any(isinstance(a, torch.Tensor) and a.numel() * a.element_size()
+                                       >= memory.HOST_CACHE_MIN for a in args)
+        if not big:
+            return self._call(device, key, args)
+        with memory.host_scope():
+            return self._call(device, key, args)
+
+    def _call(self, device: int, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         views = memory.cpu_views(args)
         env: dict[fx.Node, Any] = {}
         rest = views
@@ -136,7 +148,6 @@ class RegionKernel:
             if t.dtype != want:
                 t = t.to(want)
             outs.append(memory.adopt(t.contiguous(), device))
-        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._plan(args, env)

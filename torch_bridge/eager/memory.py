@@ -30,7 +30,7 @@ from trnsim.config import format_quantity
 
 from .. import _torch
 
-__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "adopt", "allocate", "pool"]
+__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "adopt", "allocate", "host_scope", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -388,25 +388,45 @@ class _History:
 history = _History()
 
 
+#: the smallest block the host cache serves (csrc/neuron.cpp's kCacheMin): glibc keeps smaller ones mapped
+HOST_CACHE_MIN = 64 * 1024
+
+
+class host_scope:
+    """While inside, this thread's CPU allocations back neuron memory: blocks of
+    :data:`HOST_CACHE_MIN` bytes or more come from the host cache of freed device blocks
+    (csrc/neuron.cpp, "host memory") instead of fresh pages, which glibc faults in again every
+    step. For host-side computations whose results become device tensors (a compiled region's
+    values and its intermediates, a foreach kernel's lists); values and the HBM ledger are
+    unaffected. Without the native extension it does nothing."""
+
+    __slots__ = ("_lib",)
+
+    def __enter__(self) -> "host_scope":
+        self._lib = _lib()
+        if self._lib is not None:
+            self._lib.trnsim_host_scope(1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._lib is not None:
+            self._lib.trnsim_host_scope(-1)
+
+
 def allocate(size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, index: int) -> torch.Tensor:
     """A new uninitialised ``neuron:index`` tensor; HBM capacity is checked first."""
     probe = torch.empty_strided(size, stride, dtype=dtype, device="meta") if stride is not None else \
         torch.empty(size, dtype=dtype, device="meta")
     pool.reserve(index, probe.untyped_storage().nbytes())
     nbytes = probe.untyped_storage().nbytes()
-    lib = _lib()
-    if lib is not None:  # the block comes from the host cache (csrc/neuron.cpp, "host memory")
-        lib.trnsim_host_scope(1)
     try:
-        cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
+        with host_scope():  # the block comes from the host cache
+            cpu = torch.empty_strided(size, probe.stride(), dtype=dtype)
     except RuntimeError as e:
         pool.unreserve(index, nbytes)
         raise torch.OutOfMemoryError(
             f"neuron:{index} out of memory: the host could not back {nbytes} bytes of device memory "
             f"({format_quantity(nbytes, 'bytes')}; the virtual HBM had room): {str(e).splitlines()[0]}") from None
-    finally:
-        if lib is not None:
-            lib.trnsim_host_scope(-1)
     return relabel(cpu, index, counted=True)
 
 

@@ -80,15 +80,17 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]."""
-    out = native.matmul(_np(a.t()), _np(b), k_chunk=_k_chunk())
-    return torch.from_numpy(out)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)  # (from the host cache in its scope)
+    native.matmul(_np(a.t()), _np(b), out=out.numpy(), k_chunk=_k_chunk())
+    return out
 
 
 def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
     [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath."""
-    out = native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk())
-    return torch.from_numpy(out)
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)  # (as matmul_f32's)
+    native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk(), out=out.numpy())
+    return out
 
 
 def _as_2d(x: torch.Tensor, w: torch.Tensor, stride: Any, padding: Any, dilation: Any
@@ -119,8 +121,10 @@ def _conv_batched(x2: torch.Tensor, w2: torch.Tensor, cols: torch.Tensor | None)
         res = matmul_f32(w2.reshape(k, ck), moving.permute(1, 0, 2).reshape(ck, n * pixels))
         return res.view(k, n, pixels).permute(1, 0, 2).contiguous()
     stationary = _np(w2.reshape(k, ck).t())  # [C*R*S, K]
-    out = native.matmul_batched(np.broadcast_to(stationary, (n,) + stationary.shape), _np(moving), k_chunk=_k_chunk())
-    return torch.from_numpy(out)
+    out = torch.empty((n, k, pixels), dtype=torch.float32)
+    native.matmul_batched(np.broadcast_to(stationary, (n,) + stationary.shape), _np(moving), k_chunk=_k_chunk(),
+                          out=out.numpy())
+    return out
 
 
 def im2col(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],

@@ -172,9 +172,12 @@ def call_traced(label: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
 
 
 def _call_traced(label: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not _torch.profiler_enabled():
-        return fn(*args, **kwargs)
-    return profiler.traced(label, fn, args, kwargs)
+    # the kernel's host-side results and temporaries (datapath outputs, softmax and its backward,
+    # copies) come from the host cache of freed device blocks, not from pages faulted in anew
+    with memory.host_scope():
+        if not _torch.profiler_enabled():
+            return fn(*args, **kwargs)
+        return profiler.traced(label, fn, args, kwargs)
 
 
 

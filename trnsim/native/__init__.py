@@ -184,7 +184,8 @@ def _matmul_native(
     return out
 
 
-def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int = 128) -> np.ndarray:
+def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int = 128,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """``stationary[b]ᵀ @ moving[b]`` for every b, each exactly as :func:`matmul` computes it:
     float32 [B, M, N]. One call for the batch: the operands are checked once and the C core
     runs the whole batch in one call (one set of packing buffers), so a batch of small matmuls
@@ -194,6 +195,8 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
         stationary: [B, K, M] array in any supported float format; any strides.
         moving: [B, K, N] array in any of those formats; any strides.
         k_chunk: rows of K per matmul instruction (partitions).
+        out: optional C-contiguous float32 [B, M, N] array, written and returned (a caller's own
+            buffer: the torch bridge passes memory from its host cache).
     """
     s, v = np.asarray(stationary), np.asarray(moving)
     if s.ndim != 3 or v.ndim != 3 or s.shape[0] != v.shape[0]:
@@ -203,7 +206,11 @@ def matmul_batched(stationary: np.ndarray, moving: np.ndarray, *, k_chunk: int =
                    v[0] if len(v) else np.empty(v.shape[1:], v.dtype), None, False, k_chunk)
     batch, K, M = s.shape
     N = v.shape[2]
-    out = np.empty((batch, M, N), dtype=np.float32)
+    if out is None:
+        out = np.empty((batch, M, N), dtype=np.float32)
+    elif out.shape != (batch, M, N) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {(batch, M, N)}, "
+                         f"got {out.dtype} {out.shape}")
     if backend() == "reference":
         for b in range(batch):
             reference.matmul(s[b], v[b], out=out[b], k_chunk=k_chunk)
