@@ -71,6 +71,9 @@ class _Plan:
 
     def __init__(self, label: str, costs: list[tuple[str, OpCost]], spec: KernelSpec | None = None):
         self.label, self.costs, self.spec = label, costs, spec  # costs: (op shown in reports, cost)
+        #: a value of the region (input, intermediate or result) is of a size the host cache serves:
+        #: later calls compute inside memory.host_scope (set by the first call, which made the plan)
+        self.big = False
 
 
 class RegionKernel:
@@ -92,7 +95,6 @@ class RegionKernel:
         self.label = "compiled:" + "+".join(dict.fromkeys(names))
         self.index = index
         self.plans: dict[tuple[Any, ...], _Plan] = {}
-        self._big: dict[tuple[Any, ...], bool] = {}  # input signature -> a tensor of host-cache size
         self._steps: list[tuple[Any, ...]] | None = None  # _compile_steps, on the first call
         self.__name__ = f"region{index}"
 
@@ -102,16 +104,14 @@ class RegionKernel:
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
-        big = self._big.get(key)
-        if big is None:  # tensors the host cache serves: its intermediates and results come from it
-            big = self._big[key] = any(isinstance(a, torch.Tensor) and a.numel() * a.element_size()
-                                       >= memory.HOST_CACHE_MIN for a in args)
-        if not big:
-            return self._call(device, key, args)
+        plan = self.plans.get(key)
+        if plan is None or not plan.big:  # (a scope costs ~1 us: small regions go without)
+            return self._call(device, key, plan, args)
         with memory.host_scope():
-            return self._call(device, key, args)
+            return self._call(device, key, plan, args)
 
-    def _call(self, device: int, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    def _call(self, device: int, key: tuple[Any, ...], plan: _Plan | None, args: tuple[Any, ...]
+              ) -> tuple[torch.Tensor, ...]:
         views = memory.cpu_views(args)
         env: dict[fx.Node, Any] = {}
         rest = views
@@ -148,9 +148,10 @@ class RegionKernel:
             if t.dtype != want:
                 t = t.to(want)
             outs.append(memory.adopt(t.contiguous(), device))
-        plan = self.plans.get(key)
         if plan is None:
             plan = self.plans[key] = self._plan(args, env)
+            plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.HOST_CACHE_MIN
+                           for v in env.values())
         rt = runtime()
         for op, cost in plan.costs:
             if not fastpath.launch(device, op, cost):  # (logged natively, as the fast path's ops are)
