@@ -449,6 +449,48 @@ def test_matmuls_whose_products_overflow_give_cpus_infinities_and_nans(op, dtype
     torch.testing.assert_close(got, want, equal_nan=True)
 
 
+def _unbounded_finite_operands():
+    """float32 operands past tensore.bounded's bound (k * max|a| * max|b| ~ 3e39) whose products
+    are all finite: 1e20 meets only 1e-21s, 1e17 only zeros; the rest random."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 16, 300, generator=g), torch.randn(2, 300, 24, generator=g)
+    a[:, 0, 0], b[:, 0, :], a[:, :, 1], b[:, 1, 0] = 1e20, 1e-21, 0.0, 1e17
+    c = torch.randn(2, 16, 24, generator=g)
+    return a, b, c
+
+
+@pytest.mark.parametrize("op", ["mm", "addmm", "bmm", "baddbmm", "compiled"])
+def test_a_finite_matmul_of_unbounded_operands_is_the_datapaths_on_every_path(op):
+    """The operands' bound (tensore.bounded) is a worst case: past it, a finite result still
+    differs from CPU's by rounding alone (an overflow would leave it non-finite). The native fast
+    path took such results from the datapath while Python's path and a compiled region's matmul
+    head took CPU's kernel: the same program gave other bits with the fast path off or compiled.
+    Each now keeps a finite datapath result (scanned after the bias), whatever the path."""
+    from torch_bridge.eager import fastpath, tensore
+
+    a, b, c = _unbounded_finite_operands()
+    assert not tensore.bounded(300, a, b)
+    dp = tensore.bmm_f32(a, b)
+    assert bool(dp.isfinite().all()) and not torch.equal(dp, torch.bmm(a, b))  # (the paths can differ)
+    args = {"mm": (a[0], b[0]), "addmm": (c[0], a[0], b[0]), "bmm": (a, b), "baddbmm": (c, a, b),
+            "compiled": (a[0], b[0], c[0, 0])}[op]
+    want = {"mm": dp[0], "addmm": dp[0] + c[0], "bmm": dp, "baddbmm": dp + c,
+            "compiled": torch.relu(dp[0] + c[0, 0])}[op]
+    dev = [x.to("neuron") for x in args]
+    if op == "compiled":
+        f = torch.compile(lambda x, w, bias: torch.relu(torch.addmm(bias, x, w)), backend="neuron")
+    else:
+        f = getattr(torch, op)
+    before = fastpath.enabled()
+    try:
+        for on in (True, False):
+            fastpath.set_enabled(on)
+            for _ in range(2):  # (the second call of a float32 signature is the fast path's)
+                assert torch.equal(f(*dev).cpu(), want), (op, on)
+    finally:
+        fastpath.set_enabled(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_causal_attention_over_512_keys_with_a_plus_inf_mask_gives_cpus_values(dtype):
     """CPU's flash kernel over more than 512 keys (its key block) runs an online softmax per

@@ -110,26 +110,33 @@ class RegionKernel:
         with memory.host_scope():
             return self._call(device, key, plan, args)
 
+    def _head(self, a: torch.Tensor, b: torch.Tensor, env: dict[fx.Node, Any]) -> torch.Tensor:
+        """The matmul head's fp32 result, with addmm's bias added (the program goes on from it):
+        the datapath's PSUM result, unless it is not finite and its operands' products may
+        overflow (:func:`tensore.bounded`), where CPU's kernel gives it (eager mm/addmm's rule)."""
+        addmm = self.head.target is aten.addmm.default
+        if addmm:
+            c = env[self.head.args[0]]
+            beta, alpha = self.head.kwargs.get("beta", 1), self.head.kwargs.get("alpha", 1)
+        if not tensore.on_datapath(a, b):
+            p = torch.mm(a.float(), b.float())
+        else:
+            p = tensore.matmul_f32(a, b)
+            if addmm:
+                p = values._add_scaled(p, c, alpha, beta)
+            if tensore.all_finite(p) or tensore.bounded(a.shape[-1], a, b):
+                return p
+            p = torch.mm(a, b).float()  # products that may overflow: CPU's kernel (tensore.bounded)
+        return values._add_scaled(p, c, alpha, beta) if addmm else p
+
     def _call(self, device: int, key: tuple[Any, ...], plan: _Plan | None, args: tuple[Any, ...]
               ) -> tuple[torch.Tensor, ...]:
         views = memory.cpu_views(args)
         env: dict[fx.Node, Any] = {}
-        rest = views
-        if self.head is not None:
-            a, b = views[0], views[1]
-            if tensore.on_datapath(a, b) and tensore.bounded(a.shape[-1], a, b):
-                env[self.head] = tensore.matmul_f32(a, b)  # fp32 PSUM; the program adds the bias
-            elif tensore.on_datapath(a, b):  # products that may overflow: CPU's kernel (tensore.bounded)
-                env[self.head] = torch.mm(a, b).float()
-            else:
-                env[self.head] = torch.mm(a.float(), b.float())
-            rest = views[2:]
-        for n, v in zip(self.inputs[2 if self.head is not None else 0:], rest):
+        for n, v in zip(self.inputs[2 if self.head is not None else 0:], views[2 if self.head is not None else 0:]):
             env[n] = v
-        if self.head is not None and self.head.target is aten.addmm.default:
-            c = env[self.head.args[0]]
-            beta, alpha = self.head.kwargs.get("beta", 1), self.head.kwargs.get("alpha", 1)
-            env[self.head] = values._add_scaled(env[self.head], c, alpha, beta)
+        if self.head is not None:
+            env[self.head] = self._head(views[0], views[1], env)
         steps = self._steps
         if steps is None:
             steps = self._steps = self._compile_steps()

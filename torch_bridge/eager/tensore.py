@@ -19,7 +19,8 @@ import torch
 
 from trnsim import native
 
-__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "conv_f32", "conv_on_datapath"]
+__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "all_finite", "conv_f32",
+           "conv_on_datapath"]
 
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -66,9 +67,31 @@ def bounded(k: int, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, extra:
     -inf or NaN a sum gets depends on the kernel: the datapath's fused multiply-add keeps
     ``1e30 * 1e30`` exact and adds it to a -inf accumulator as -inf, where CPU's small bmm (and its
     bf16 mm) rounds the product to +inf first and gets NaN (found by difftest: SDPA 167355199899617);
-    callers take CPU's own kernel for such operands, as the convolution does for non-finite ones."""
+    callers take CPU's own kernel for such operands, as the convolution does for non-finite ones.
+
+    Matmuls ask it only when the datapath's result is not finite (:func:`all_finite`, the rule the
+    native fast path follows too): a product or partial sum that overflows leaves the datapath's
+    result non-finite (fma keeps a product exact, and an infinite accumulator stays infinite or
+    NaN), so a finite result differs from CPU's by rounding alone, whatever the operands' bound;
+    scanning the result also reads far less than the operands (a weight on every call)."""
     bound = float(k) * magnitude(a) * magnitude(b) * abs(scale) + extra
     return bound < BOUND  # (False for NaN)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when every element of ``t`` is finite. A contiguous float32 tensor (a PSUM result) is
+    scanned by the fast path's own loop (csrc/neuron.cpp ``all_finite_f32``: one pass, no
+    allocation) when the extension is loaded. Otherwise a finite sum says so in one pass (an
+    infinity or a NaN anywhere makes the sum infinite or NaN); only a sum that is not finite
+    (that, or finite elements whose sum overflows) asks element by element, which on one CPU
+    thread costs 50x the sum."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        from .memory import _lib
+
+        lib = _lib()
+        if lib is not None:
+            return bool(lib.trnsim_fast_all_finite(t.data_ptr(), t.numel()))
+    return math.isfinite(t.sum().item()) or bool(t.isfinite().all())
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -537,9 +537,10 @@ def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _mm_ok(a, b):
         return torch.mm(a, b)  # CPU's error for these operands
-    if tensore.on_datapath(a, b) and tensore.bounded(a.shape[1], a, b):
-        res = tensore.matmul_f32(a, b).to(self.dtype)
-    else:  # (operands whose products may overflow or are not finite: CPU's kernel, see tensore.bounded)
+    p = tensore.matmul_f32(a, b) if tensore.on_datapath(a, b) else None
+    if p is not None and (tensore.all_finite(p) or tensore.bounded(a.shape[1], a, b)):
+        res = p.to(self.dtype)
+    else:  # (a non-finite product whose operands may overflow or are not finite: CPU's kernel, see tensore.bounded)
         res = torch.mm(a, b)
     _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
     return memory.relabel(res, index)
@@ -563,6 +564,23 @@ def _bias_bounded(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: Any,
     return tensore.bounded(a.shape[-1], a, b, al, be * tensore.magnitude(c) if be else 0.0)
 
 
+def _scaled_product(product: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    alpha: Any, beta: Any) -> torch.Tensor | None:
+    """addmm/baddbmm's ``alpha * a @ b + beta * c`` in fp32 on the datapath (``product``:
+    tensore.matmul_f32 or bmm_f32), or None where CPU's kernel gives the values: operands off
+    the datapath, a bias of another dtype, or a result that is not finite from operands whose
+    products may overflow (:func:`tensore.bounded`; the native fast path's rule: it scans the
+    result after the bias too)."""
+    if not (tensore.on_datapath(a, b) and c.dtype == a.dtype):
+        return None
+    try:
+        complex(alpha), complex(beta)
+    except (TypeError, ValueError):
+        return None  # (not numbers: CPU's kernel, and its error)
+    p = _add_scaled(product(a, b), c, alpha, beta)
+    return p if tensore.all_finite(p) or _bias_bounded(a, b, c, alpha, beta) else None
+
+
 def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
           ) -> torch.Tensor:
     same_device(mat1, mat2, self)
@@ -578,8 +596,8 @@ def addmm(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: A
         # (a new contiguous result, as CPU's: a transposed self's strides are not kept; found by difftest)
         res = torch.zeros(rows, dtype=a.dtype) if beta == 0 else \
             torch.empty(rows, dtype=a.dtype).copy_((c if beta == 1 else c * beta).expand(rows))
-    elif tensore.on_datapath(a, b) and c.dtype == a.dtype and _bias_bounded(a, b, c, alpha, beta):
-        res = _add_scaled(tensore.matmul_f32(a, b), c, alpha, beta).to(mat1.dtype)
+    elif (p := _scaled_product(tensore.matmul_f32, a, b, c, alpha, beta)) is not None:
+        res = p.to(mat1.dtype)
     else:
         res = torch.addmm(c, a, b, beta=beta, alpha=alpha)
     _matmul_time(index, "addmm", 1, mat1.shape[0], mat1.shape[1], mat2.shape[1], mat1.dtype, mat1, mat2)
@@ -592,8 +610,9 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _bmm_ok(a, b):
         return torch.bmm(a, b)  # CPU's error for these operands
-    if tensore.on_datapath(a, b) and tensore.bounded(a.shape[2], a, b):
-        res = tensore.bmm_f32(a, b).to(self.dtype)
+    p = tensore.bmm_f32(a, b) if tensore.on_datapath(a, b) else None
+    if p is not None and (tensore.all_finite(p) or tensore.bounded(a.shape[2], a, b)):
+        res = p.to(self.dtype)
     else:  # (see mm)
         res = torch.bmm(a, b)
     _matmul_time(index, "bmm", self.shape[0], self.shape[1], self.shape[2], mat2.shape[2], self.dtype, self, mat2)
@@ -607,8 +626,8 @@ def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
     a, b, c = memory.cpu_view(batch1), memory.cpu_view(batch2), memory.cpu_view(self)
     if not (_bmm_ok(a, b) and _bias_ok(c, (a.shape[0], a.shape[1], b.shape[2]))):
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)  # CPU's error for these operands
-    if tensore.on_datapath(a, b) and c.dtype == a.dtype and _bias_bounded(a, b, c, alpha, beta):
-        res = _add_scaled(tensore.bmm_f32(a, b), c, alpha, beta).to(batch1.dtype)
+    if (p := _scaled_product(tensore.bmm_f32, a, b, c, alpha, beta)) is not None:
+        res = p.to(batch1.dtype)
     else:
         res = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
     _matmul_time(index, "baddbmm", batch1.shape[0], batch1.shape[1], batch1.shape[2], batch2.shape[2], batch1.dtype,
@@ -696,12 +715,7 @@ def _check_convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return verdict  # type: ignore[return-value]
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """True when every element of ``t`` is finite. A finite sum says so in one pass without an
-    allocation (an infinity or a NaN anywhere makes the sum infinite or NaN); only a sum that is
-    not finite (that, or finite elements whose sum overflows) asks element by element, which on
-    one CPU thread costs 50x the sum."""
-    return math.isfinite(t.sum().item()) or bool(t.isfinite().all())
+all_finite = tensore.all_finite
 
 
 def _cpu_dilation(x: torch.Tensor, w: torch.Tensor, dilation: Any) -> Any:
