@@ -31,6 +31,24 @@ def test_a_freed_result_is_reused_for_the_next_one_of_its_size():
     torch.testing.assert_close(z.cpu(), x.cpu() * 2, rtol=0, atol=0)
 
 
+def test_the_smallest_block_served_is_the_extensions_own():
+    """The size below which host-side computations skip the cache (compiled regions decide it
+    once per signature) is the extension's kCacheMin, read from it, not a copy of it: a block
+    of that size is served from the cache, one byte less is not."""
+    m = memory.host_cache_min()
+    assert m == memory.host_cache()["min_bytes"] == 64 * 1024
+    for n, served in ((m, 1), (m - 4, 0)):
+        x = torch.ones(n // 4, device="neuron")
+        (x * 2).sum()
+        torch.neuron.synchronize()
+        del x
+        x = torch.ones(n // 4, device="neuron")
+        before = memory.host_cache()["reused"]
+        y = x * 2
+        assert memory.host_cache()["reused"] - before == served, n
+        del x, y
+
+
 def test_the_virtual_hbm_counts_as_before():
     x = torch.randn(BIG, device="neuron")
     torch.neuron.synchronize()

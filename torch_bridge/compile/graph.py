@@ -157,7 +157,7 @@ class RegionKernel:
             outs.append(memory.adopt(t.contiguous(), device))
         if plan is None:
             plan = self.plans[key] = self._plan(args, env)
-            plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.HOST_CACHE_MIN
+            plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.host_cache_min()
                            for v in env.values())
         rt = runtime()
         for op, cost in plan.costs:

@@ -2203,7 +2203,8 @@ int64_t trnsim_pinned_allocations() { return g_pinned_allocs.load(); }
 // ---- the host cache (see above) ----
 void trnsim_host_scope(int delta) { host_scope(delta); }
 int64_t trnsim_host_release() { return host_release_all(); }
-// [installed, bytes kept free, limit, allocations reused, fresh allocations, blocks owned]
+// [installed, bytes kept free, limit, allocations reused, fresh allocations, blocks owned,
+//  the smallest block it serves]
 void trnsim_host_stats(int64_t* out) {
   std::lock_guard<std::mutex> lock(g_host.mutex);
   out[0] = g_host_on.load() ? 1 : 0;
@@ -2212,6 +2213,7 @@ void trnsim_host_stats(int64_t* out) {
   out[3] = g_host.reused;
   out[4] = g_host.fresh;
   out[5] = static_cast<int64_t>(g_host.owned.size());
+  out[6] = static_cast<int64_t>(kCacheMin);
 }
 
 

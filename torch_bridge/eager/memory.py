@@ -388,13 +388,9 @@ class _History:
 history = _History()
 
 
-#: the smallest block the host cache serves (csrc/neuron.cpp's kCacheMin): glibc keeps smaller ones mapped
-HOST_CACHE_MIN = 64 * 1024
-
-
 class host_scope:
     """While inside, this thread's CPU allocations back neuron memory: blocks of
-    :data:`HOST_CACHE_MIN` bytes or more come from the host cache of freed device blocks
+    :func:`host_cache_min` bytes or more come from the host cache of freed device blocks
     (csrc/neuron.cpp, "host memory") instead of fresh pages, which glibc faults in again every
     step. For host-side computations whose results become device tensors (a compiled region's
     values and its intermediates, a foreach kernel's lists); values and the HBM ledger are
@@ -524,20 +520,31 @@ def install_resize_allocator(lib: Any) -> None:
 
 
 # trnsim_host_stats' row, in its order
-_HOST_KEYS = ("installed", "kept_bytes", "limit_bytes", "reused", "fresh", "blocks")
+_HOST_KEYS = ("installed", "kept_bytes", "limit_bytes", "reused", "fresh", "blocks", "min_bytes")
 
 
 def host_cache() -> dict[str, int]:
     """The host cache of freed device blocks (csrc/neuron.cpp, "host memory"): whether it is the
     CPU allocator yet, the bytes it keeps free for reuse and its limit, how many allocations it
-    served from kept blocks and how many took new memory, and the blocks it owns. Host-side only:
-    no HBM counter sees it."""
+    served from kept blocks and how many took new memory, the blocks it owns, and the smallest
+    block it serves (smaller ones glibc keeps mapped). Host-side only: no HBM counter sees it."""
     lib = _lib()
     if lib is None:
         return dict.fromkeys(_HOST_KEYS, 0)
     out = (ctypes.c_int64 * len(_HOST_KEYS))()
     lib.trnsim_host_stats(out)
     return dict(zip(_HOST_KEYS, out))
+
+
+_cache_min: list[int] = []
+
+
+def host_cache_min() -> int:
+    """The smallest block the host cache serves (csrc/neuron.cpp's ``kCacheMin``, as the
+    extension reports it; 64 KiB without the extension, when :class:`host_scope` does nothing)."""
+    if not _cache_min:
+        _cache_min.append(host_cache()["min_bytes"] or 64 * 1024)
+    return _cache_min[0]
 
 
 def release_host_cache() -> int:
