@@ -86,9 +86,9 @@ def all_finite(t: torch.Tensor) -> bool:
     (that, or finite elements whose sum overflows) asks element by element, which on one CPU
     thread costs 50x the sum."""
     if t.dtype == torch.float32 and t.is_contiguous():
-        from .memory import _lib
+        from .. import _native
 
-        lib = _lib()
+        lib = _native.lib  # (None until the extension is loaded: the sum below)
         if lib is not None:
             return bool(lib.trnsim_fast_all_finite(t.data_ptr(), t.numel()))
     return math.isfinite(t.sum().item()) or bool(t.isfinite().all())
