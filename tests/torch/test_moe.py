@@ -90,6 +90,25 @@ def test_on_neuron_values_are_the_blocks_ops_bit_for_bit_and_one_moe_launch():
     assert rep.device_us < op_by_op.report.device_us
 
 
+def test_a_finite_block_of_unbounded_operands_is_still_the_blocks_ops_bit_for_bit():
+    """A hidden state of 1e37 that meets only zero weights: past tensore.bounded's worst case,
+    every product finite. The block's own ops keep the datapath's finite results (values.mm),
+    so the one op must too (it took CPU's linear for such operands). Hidden 256: contractions
+    over two of the datapath's 128-row chunks, where its sums and CPU's part ways."""
+    block = _model(experts_implementation="eager", hidden_size=256).model.layers[0].mlp
+    with torch.no_grad():
+        block.gate.weight[:, 0] = 0.0
+        block.experts.gate_up_proj[:, :, 0] = 0.0
+    block = block.to("neuron")
+    h = torch.randn(2, SEQ, 256, generator=torch.Generator().manual_seed(6))
+    h[0, 0, 0] = 1e37
+    h = h.to("neuron")
+    want = moe.original_forward(type(block))(block, h)  # the block's ops, each a neuron kernel
+    got = block(h)
+    assert torch.isfinite(want.cpu()).all()
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_tiny_mixtral_forward_and_backward_match_cpu():
     cpu = _model()
     dev = copy.deepcopy(cpu).to("neuron")

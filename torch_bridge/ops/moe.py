@@ -70,10 +70,14 @@ def _cpu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` as a neuron ``mm(x, w.t())`` computes it (fp32 PSUM, one rounding)."""
+    """``F.linear(x, w)`` as a neuron ``mm(x, w.t())`` computes it (fp32 PSUM, one rounding): the
+    datapath's result when it is finite or the operands' products cannot overflow, else CPU's
+    kernel (values.mm's rule)."""
     wt = w.t()
-    if tensore.on_datapath(x, wt) and tensore.bounded(x.shape[-1], x, wt):
-        return tensore.matmul_f32(x, wt).to(x.dtype)
+    if tensore.on_datapath(x, wt):
+        p = tensore.matmul_f32(x, wt)
+        if tensore.all_finite(p) or tensore.bounded(x.shape[-1], x, wt):
+            return p.to(x.dtype)
     return torch.mm(x, wt)
 
 
