@@ -378,3 +378,50 @@ def test_the_causal_write_over_finite_scores_is_the_masked_fill_bit_for_bit(l, s
         want = masked_scores(raw.clone(), None, True, sc, True)
         got = masked_scores(raw.clone(), None, True, sc, True, finite=True)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+# ---- decode steps: the token-generation kernel --------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("active,keys,mask,causal", [(1, 300, None, False), (3, 40, "bool", False),
+                                                       (1, 129, "float", False), (2, 40, None, True)],
+                         ids=["one", "three-bool-mask", "float-mask", "causal"])
+def test_a_decode_step_is_one_attention_tkg_launch_with_cpus_values_and_gradients(dtype, active, keys, mask, causal):
+    """A few queries over a longer KV cache (Hugging Face's generate()) in bf16/fp16 run as the
+    fused op, charged as the library's attention_tkg (NxD Inference's decode attention), its
+    cache read in whole 128-key tiles; values and gradients as CPU's."""
+    g = torch.Generator().manual_seed(active * 1000 + keys)
+    qkv = [t.to(dtype) for t in _qkv((2, 8, active, 16), (2, 2, keys, 16), (2, 2, keys, 16), seed=keys)]
+    kw: dict[str, object] = {"is_causal": causal, "enable_gqa": True}
+    if mask == "bool":
+        m = torch.rand(2, 1, active, keys, generator=g) > 0.3
+        m[..., 0] = True
+        kw["attn_mask"] = m
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(2, 1, active, keys, generator=g).to(dtype)
+    with torch.neuron.report_scope() as scope:
+        out = _check(qkv, tol=2e-2, **kw)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"
+    fwd = [(r.kernel, r.calls) for r in scope.report.rows if r.op == "scaled_dot_product_attention"]
+    assert fwd[0] == ("attention_tkg", 1) and fwd[1:] == ([("generic:attn_mask", 1)] if mask else [])
+    assert not {r.op for r in scope.report.rows} & {"bmm", "_softmax", "_safe_softmax", "repeat_interleave"}
+
+
+def test_the_decode_kernel_reads_the_cache_in_whole_tiles():
+    from torch_bridge.eager import lowering
+    q = torch.empty(4, 8, 1, 64, dtype=torch.bfloat16, device="meta")
+    for keys, prior in ((2, 128), (129, 128), (130, 256), (300, 384)):
+        (spec,) = lowering.attention_specs(q, None, False, None, kv=(2, keys))
+        assert (spec.kernel, spec.shape) == ("attention_tkg", (4, 8, 2, 1, prior, 64))
+    assert lowering.attention_specs(q, None, False, None, kv=(8, 1))[0].kernel == "attention"  # as many keys
+
+
+@pytest.mark.parametrize("dtype,active", [(torch.float32, 1), (torch.bfloat16, 9)], ids=["fp32", "nine-active"])
+def test_decode_steps_the_kernel_does_not_take_run_op_by_op(dtype, active):
+    """attention_tkg takes bf16/fp16 and up to 8 active queries: other decode steps run as the ops
+    of CPU's flash arithmetic, as before, with CPU's values."""
+    qkv = [t.to(dtype) for t in _qkv((1, 4, active, 16), (1, 2, 40, 16), (1, 2, 40, 16))]
+    with torch.neuron.report_scope() as scope:
+        out_c, _, out_d, _ = _both(qkv, enable_gqa=True)
+    torch.testing.assert_close(out_d.cpu(), out_c, rtol=2e-2, atol=2e-2)
+    assert "attention_tkg" not in {r.kernel for r in scope.report.rows}
+    assert "bmm" in {r.op for r in scope.report.rows}

@@ -35,7 +35,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     index = q.device.index or 0
     with memory.host_scope():  # (its results and temporaries from the host cache, as call_traced's)
         out, p, _, _ = eager_attention.forward_values(q, k, v, mask, causal, scale, groups, flash)
-    eager_attention.charge_forward(index, q, mask, causal, scale)
+    eager_attention.charge_forward(index, q, k, mask, causal, scale)
     return memory.relabel(out, index), memory.relabel(p, index)
 
 

@@ -595,19 +595,32 @@ def fused_spec(op: str, lists: Sequence[Sequence[torch.Tensor]], singles: Sequen
     return generic_spec(op, inputs, outputs)
 
 
+TKG_BUCKET = 128  # attention_tkg reads the cached keys in whole 128-key tiles (a cache bucket)
+
+
 def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
-                    dropout_p: float = 0.0) -> list[KernelSpec]:
-    """The forward of fused attention: the library's flash-attention kernel (``causal`` when
-    asked, dropping probabilities in the kernel with ``dropout_p``), plus a generic kernel
-    reading an explicit mask once."""
+                    dropout_p: float = 0.0, kv: tuple[int, int] | None = None) -> list[KernelSpec]:
+    """The forward of fused attention, plus a generic kernel reading an explicit mask once.
+    Queries as many as the keys: the library's flash-attention kernel (``causal`` when asked,
+    dropping probabilities in the kernel with ``dropout_p``). ``kv`` = (key heads, keys) with
+    fewer queries than keys (decoding over a KV cache: :func:`torch_bridge.ops.attention.takes_meta`
+    admits up to ``TKG_MAX_ACTIVE``): the library's token-generation kernel ``attention_tkg``, the
+    last ``L`` keys its active tokens and the ``S - L`` before them its cache, read as the kernel
+    reads a cache, in whole tiles of :data:`TKG_BUCKET` keys (the ones past the sequence masked
+    in the kernel). Its cost does not depend on the scale or on which keys are masked."""
     heads = q.shape[-3]
     b = q.numel() // max(1, heads * q.shape[-2] * q.shape[-1])
     l, e = q.shape[-2:]
     meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
     generic = generic_spec("scaled_dot_product_attention", [meta, meta, meta], [meta])
-    specs = [_library("attention", (b, heads, l, e), q.dtype,
-                      {"causal": bool(causal), "scale": scale, "kv_block": 0,
-                       **({"dropout_p": float(dropout_p)} if dropout_p else {})}, generic) or generic]
+    if kv is not None and kv[1] != l:
+        nkv, s = kv
+        prior = -(-(s - l) // TKG_BUCKET) * TKG_BUCKET
+        specs = [_library("attention_tkg", (b, heads, nkv, l, prior, e), q.dtype, {}, generic) or generic]
+    else:
+        specs = [_library("attention", (b, heads, l, e), q.dtype,
+                          {"causal": bool(causal), "scale": scale, "kv_block": 0,
+                           **({"dropout_p": float(dropout_p)} if dropout_p else {})}, generic) or generic]
     if mask is not None:
         specs.append(generic_spec("attn_mask", [torch.empty(mask.shape, dtype=mask.dtype, device="meta")], []))
     return specs

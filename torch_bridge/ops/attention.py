@@ -17,13 +17,16 @@ PrivateUse1 serves calls below autograd, e.g. in inference mode). Both run
   as the PE array reads it.
 * **time** - the forward is charged as the library ``attention`` kernel (``causal`` when
   ``is_causal``); an explicit mask runs the non-causal kernel plus a generic kernel that reads
-  the mask once. The backward keeps P from the forward (as the math path does) and is charged
+  the mask once. A decode step (up to :data:`TKG_MAX_ACTIVE` queries over more keys, bf16 or
+  fp16: Hugging Face's ``generate()`` over its KV cache) is charged as the library's
+  token-generation kernel ``attention_tkg``, as NxD Inference runs decode attention, its cache
+  read in whole 128-key tiles (:func:`torch_bridge.eager.lowering.attention_specs`). The backward keeps P from the forward (as the math path does) and is charged
   as its four matmul kernels (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q) plus a generic
   VectorE kernel for the softmax backward (reads P and dP, writes dS): five launches, where a
   fused backward kernel would pay one.
 
-Calls the kernel cannot take (dropout, head dim over the PE array's 128 partitions, queries and
-keys of different lengths, different q/v head dims, non-datapath dtypes, a mask that needs a
+Calls the kernels cannot take (dropout, head dim over the PE array's 128 partitions, queries and
+keys of different lengths other than a decode step's, different q/v head dims, non-datapath dtypes, a mask that needs a
 gradient, mismatched batch dims) run PyTorch's math path, op by op, as before; a boolean mask is
 first made the additive 0/-inf mask that path takes (:func:`additive_mask`), as CPU's
 ``scaled_dot_product_attention`` does before it picks a backend (the math op itself adds a bool
@@ -53,6 +56,12 @@ FORWARD = "scaled_dot_product_attention"
 BACKWARD = "scaled_dot_product_attention_backward"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 MAX_HEAD_DIM = 128  # the attention kernel's limit: D on the PE array's contraction partitions
+# decoding over a KV cache (fewer queries than keys): the library's attention_tkg takes up to 8
+# active queries per sequence (speculative decoding's draft length), their query heads per kv
+# head times that at most 128 columns, in bf16 or fp16
+TKG_MAX_ACTIVE = 8
+TKG_COLUMNS = 128
+TKG_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
@@ -72,13 +81,16 @@ def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
         return False
     l, e = q.shape[-2:]
     s, ev = v.shape[-2:]
-    if e > MAX_HEAD_DIM or ev != e or k.shape[-1] != e or k.shape[-2] != s or l != s:
+    if e > MAX_HEAD_DIM or ev != e or k.shape[-1] != e or k.shape[-2] != s:
         return False
     hq, hk = q.shape[-3], k.shape[-3]
     if k.shape[:-3] != q.shape[:-3] or v.shape[:-2] != k.shape[:-2]:
         return False
     if hk != hq and not (enable_gqa and hk > 0 and hq % hk == 0):
         return False
+    if l != s and not (0 < l <= TKG_MAX_ACTIVE and s > l and q.dtype in TKG_DTYPES
+                       and (hq // max(hk, 1)) * l <= TKG_COLUMNS):
+        return False  # not a decode step the token-generation kernel takes: op by op
     if attn_mask is not None:
         if attn_mask.requires_grad or attn_mask.device != q.device:
             return False
@@ -251,7 +263,7 @@ class _Attention(torch.autograd.Function):
         mask = None if attn_mask is None else memory.cpu_view(attn_mask)
         # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
         ctx.cpu_call = None if exact else (mask, is_causal, scale)
-        charge_forward(index, q, attn_mask, is_causal, scale)
+        charge_forward(index, q, k, attn_mask, is_causal, scale)
         return memory.relabel(out, index)
 
     @staticmethod
@@ -487,10 +499,11 @@ def _charge(index: int, op: str, key: tuple[Any, ...], specs: Any) -> None:
         rt.charge(index, op, cost)
 
 
-def charge_forward(index: int, q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None
-                    ) -> None:
-    key = ("fwd", q.shape, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
-    _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale))
+def charge_forward(index: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                   scale: float | None) -> None:
+    kv = (k.shape[-3], k.shape[-2])
+    key = ("fwd", q.shape, kv, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
+    _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale, kv=kv))
 
 
 def charge_backward(index: int, q: torch.Tensor, s: int, dtype: torch.dtype) -> None:

@@ -51,7 +51,8 @@ __all__ = ["estimate_inference", "estimate_train", "write_trace", "DTYPES", "Est
 INFERENCE_ASSUMPTIONS = (
     "each step is one compiled graph: one host dispatch, kernels back to back",
     "one kernel per aten op (no cross-op fusion by the compiler; fused attention and matmul library kernels)",
-    "attention is one fused kernel per layer (causal flash attention in prefill)",
+    "attention is one fused kernel per layer (causal flash attention in prefill; in decode the token-generation "
+    "kernel, its cache read in 128-key tiles)",
     "KV cache preallocated for input + output tokens; a decode step attends over the tokens so far",
     "no speculative decoding; of the serving stack only the engine's host loop (--serving), no batching, tokenizer or "
     "network",

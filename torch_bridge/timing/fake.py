@@ -477,10 +477,11 @@ class _Attention(torch.autograd.Function):
         ctx.shapes = (q.shape, q.dtype, k.shape, v.shape, s)
         ctx.run = run
         ctx.flash = (attn_mask, is_causal, scale, dropout_p)
-        key = ("fwd", q.shape, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal,
-               scale, dropout_p)
+        kv = (k.shape[-3], s)
+        key = ("fwd", q.shape, kv, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype),
+               is_causal, scale, dropout_p)
         run.charge_specs(_index(q), FORWARD, key,
-                         lambda: lowering.attention_specs(q, attn_mask, is_causal, scale, dropout_p))
+                         lambda: lowering.attention_specs(q, attn_mask, is_causal, scale, dropout_p, kv=kv))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
         laid = cpu_layout(q, out, flash)
         if laid is not None:  # as the eager kernel lays it out (CPU's flash kernel: as the query)
