@@ -365,18 +365,22 @@ def test_foreach_steps_aside_for_what_python_handles():
         assert served(lambda: torch._foreach_add_(params, grads)) == 0
 
 
-def _matmuls():
+def _matmuls(dtype=torch.float32):
     torch.manual_seed(2)
     a, b, c = torch.randn(33, 70), torch.randn(70, 5), torch.randn(5)
-    an, bn, cn = a.to("neuron"), b.to("neuron"), c.to("neuron")
-    a3, b3 = torch.randn(3, 9, 130).to("neuron"), torch.randn(3, 130, 7).to("neuron")
+    an, bn, cn = (t.to(dtype).to("neuron") for t in (a, b, c))
+    a3, b3 = (torch.randn(*s).to(dtype).to("neuron") for s in ((3, 9, 130), (3, 130, 7)))
     return [lambda: torch.mm(an, bn), lambda: torch.mm(bn.t(), an.t()), lambda: torch.addmm(cn, an, bn),
             lambda: torch.addmm(cn.view(1, 5), an, bn, beta=0.5, alpha=2), lambda: torch.addmm(cn, an, bn, beta=0),
             lambda: torch.bmm(a3, b3), lambda: torch.bmm(b3.transpose(1, 2), a3.transpose(1, 2))]
 
 
-def test_float32_matmuls_run_the_datapath_natively_with_python_s_values_costs_and_memory():
-    calls = _matmuls()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matmuls_run_the_datapath_natively_with_python_s_values_costs_and_memory(dtype):
+    """mm/addmm/bmm of float32, bfloat16 and float16 operands: the datapath's float32 PSUM result
+    (addmm's bias added in float32), rounded to the operands' dtype, bit for bit as Python's path
+    computes it, with its costs and memory."""
+    calls = _matmuls(dtype)
     for f in calls:
         assert served(f) >= 1
         torch.neuron.synchronize()
@@ -388,7 +392,7 @@ def test_float32_matmuls_run_the_datapath_natively_with_python_s_values_costs_an
         with fast(False), torch.neuron.report_scope() as slow_scope:
             slow = f()
             torch.neuron.synchronize()
-        assert torch.equal(quick.cpu(), slow.cpu())  # bit for bit: the same datapath call
+        assert torch.equal(_bits(quick.cpu()), _bits(slow.cpu()))  # bit for bit: the same datapath call
         assert (quick.shape, quick.stride(), quick.dtype, quick.device) == (slow.shape, slow.stride(), slow.dtype,
                                                                             slow.device)
         assert fast_scope.report.rows == slow_scope.report.rows
@@ -404,7 +408,13 @@ def test_matmuls_step_aside_for_what_python_handles(monkeypatch):
     mm = lambda: x @ x  # noqa: E731
     assert served(mm) == 1
     xb = x.bfloat16()
-    assert served(lambda: torch.mm(xb, xb)) == 0  # bf16 rounds its PSUM result in Python
+    assert served(lambda: torch.mm(xb, xb)) == 1  # (its PSUM result rounded to bf16 natively)
+    with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"):  # CPU's error, from Python
+        torch.mm(xb, x)
+    with pytest.raises(RuntimeError, match="self and mat2 must have the same dtype"):
+        torch.addmm(x[0], xb, xb)
+    xd = x.double()
+    assert served(lambda: torch.mm(xd, xd)) == 0  # not a datapath dtype
     monkeypatch.setenv("TRNSIM_NATIVE", "0")  # the numpy reference
     assert served(mm) == 0
     monkeypatch.delenv("TRNSIM_NATIVE")

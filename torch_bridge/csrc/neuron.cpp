@@ -818,13 +818,16 @@ at::Tensor to_device(const at::Tensor& cpu, FastBlock* b, int index) {
 // The values torch_bridge.values.mm/addmm/bmm compute, the same way: trnsim's C datapath
 // (trn_matmul_batched, called with the arguments trnsim.native.matmul/matmul_batched pass it:
 // the left operand read transposed as the stationary one, a fresh contiguous float32 result), and
-// addmm's `alpha * prod + beta * self` by the same CPU kernels in the same order. float32 only (other
-// dtypes round the PSUM result through Python's `.to`); anything else steps aside.
+// addmm's `alpha * prod + beta * self` by the same CPU kernels in the same order (a bfloat16/float16
+// self upcast to float32 first, as values._add_scaled does), then a bfloat16/float16 product's float32
+// PSUM result rounded to its dtype by the same `.to`. Operands of float32, bfloat16 or float16 (both of
+// one dtype, and addmm's self too); anything else steps aside.
 using BatchedFn = int (*)(const void*, int, int64_t, int64_t, int64_t, const void*, int, int64_t, int64_t, int64_t,
                           float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
                           int);
 std::atomic<BatchedFn> g_batched{nullptr};  // trnsim.native.batched_entry()
 std::atomic<int> g_f32_code{0}, g_fma_on{1};
+std::atomic<int> g_f16_code{-1}, g_bf16_code{-1};  // datapath.h's float16 / bfloat16 codes (-1: not given)
 std::atomic<int64_t> g_k_chunk{0};  // the chip's contraction rows per matmul instruction (config)
 std::atomic<int64_t> g_datapath_ns{0};  // wall time in the datapath (the training benchmark reports it)
 
@@ -852,9 +855,20 @@ int datapath_threads() {
   return n >= 1 && n <= 64 ? n : 0;
 }
 
+// The datapath's format code of a matmul operand's dtype (float32, bfloat16, float16: the ones
+// torch_bridge.tensore.on_datapath takes), or -1.
+int datapath_code(c10::ScalarType st) {
+  switch (st) {
+    case c10::kFloat: return g_f32_code.load();
+    case c10::kBFloat16: return g_bf16_code.load();
+    case c10::kHalf: return g_f16_code.load();
+    default: return -1;
+  }
+}
+
 bool matmul_operand(const at::Tensor& t, int64_t dim, int* index) {
   if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
-      t.scalar_type() != c10::kFloat || t.dim() != dim) {
+      datapath_code(t.scalar_type()) < 0 || t.dim() != dim) {
     return false;
   }
   int ti = t.device().index() < 0 ? 0 : t.device().index();
@@ -917,9 +931,12 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   const at::Tensor& b = vb.toTensor();
   const int64_t dim = kind == kBmm ? 3 : 2;
   int index = -1;
-  if (!matmul_operand(a, dim, &index) || !matmul_operand(b, dim, &index) || a.numel() == 0 || b.numel() == 0) {
+  if (!matmul_operand(a, dim, &index) || !matmul_operand(b, dim, &index) || a.numel() == 0 || b.numel() == 0 ||
+      b.scalar_type() != a.scalar_type()) {
     return slow(op, stack);
   }
+  const c10::ScalarType dtype = a.scalar_type();
+  const int code = datapath_code(dtype);
   const int64_t B = dim == 3 ? a.size(0) : 1, M = a.size(dim - 2), K = a.size(dim - 1), N = b.size(dim - 1);
   if (b.size(dim - 2) != K || (dim == 3 && b.size(0) != B)) return slow(op, stack);
   thread_local std::string t_key;
@@ -938,7 +955,9 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
       return slow(op, stack);
     }
     c = vc.toTensor();
-    if (!c.defined() || c.dim() > 2 || !matmul_operand(c, c.dim(), &index)) return slow(op, stack);
+    if (!c.defined() || c.dim() > 2 || !matmul_operand(c, c.dim(), &index) || c.scalar_type() != dtype) {
+      return slow(op, stack);
+    }
     const int64_t rows[2] = {M, N};
     for (int64_t i = 0; i < c.dim(); ++i) {
       int64_t cs = c.size(c.dim() - 1 - i), rs = rows[1 - i];
@@ -962,7 +981,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
   const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
   auto t0 = std::chrono::steady_clock::now();
-  int rc = fn(first_element(a), g_f32_code.load(), s_sb, s_sk, s_sm, first_element(b), g_f32_code.load(), v_sb, v_sk,
+  int rc = fn(first_element(a), code, s_sb, s_sk, s_sm, first_element(b), code, v_sb, v_sk,
               v_sn, out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, k_chunk, 0, -1,
               g_fma_on.load(), threads);
   g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
@@ -971,6 +990,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
     if (alpha.toDouble() != 1) out.mul_(alpha);
     if (beta.toDouble() != 0) {  // beta == 0 ignores self entirely (even NaN), as aten does
       at::Tensor cc = cpu_alias(c);
+      if (dtype != c10::kFloat) cc = cc.to(c10::kFloat);  // (values._add_scaled: self in fp32, then scaled)
       out.add_(beta.toDouble() == 1 ? cc : cc.mul(beta));
     }
   }
@@ -981,6 +1001,14 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   // that overflows always leaves a non-finite result on the datapath (fma keeps it exact, and an
   // infinite accumulator stays infinite or NaN), bar sums within 2x of float32's largest value.
   if (!all_finite_f32(out.const_data_ptr<float>(), out.numel())) return slow(op, stack);
+  if (dtype != c10::kFloat) {  // the PSUM result rounded to the operands' dtype (values.mm: p.to(dtype))
+    try {
+      HostScope host;
+      out = out.to(dtype);
+    } catch (...) {
+      return slow(op, stack);
+    }
+  }
   auto nbytes = static_cast<int64_t>(out.storage().nbytes());
   FastBlock* block = nullptr;
   {  // counted against HBM, or Python raises the OOM (and counts it)
@@ -1404,7 +1432,9 @@ void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool transposed = a[base + 6].toBool();
   const int64_t groups = a[base + 8].toInt();
   int index = -1;
-  if (transposed || !matmul_operand(x, 4, &index) || !matmul_operand(w, 4, &index) ||
+  // (float32 only: the conv path's datapath calls and CPU kernels are float32's)
+  if (transposed || x.scalar_type() != c10::kFloat || w.scalar_type() != c10::kFloat ||
+      (b.defined() && b.scalar_type() != c10::kFloat) || !matmul_operand(x, 4, &index) || !matmul_operand(w, 4, &index) ||
       (b.defined() && !matmul_operand(b, b.dim(), &index)) || x.numel() == 0 || w.numel() == 0 || stride.size() != 2 ||
       padding.size() != 2 || dilation.size() != 2 || groups < 1) {
     return slow(op, stack);
@@ -2250,8 +2280,10 @@ int trnsim_fast_register(const char* names, int64_t len) {
 }
 void trnsim_fast_enable(int on) { g_fast_master.store(on); }
 // the datapath entry point (trnsim.native.batched_entry) and the chip's contraction rows per instruction
-void trnsim_fast_datapath(void* batched, int f32_code, int fma_on, int64_t k_chunk) {
+void trnsim_fast_datapath(void* batched, int f32_code, int f16_code, int bf16_code, int fma_on, int64_t k_chunk) {
   g_f32_code.store(f32_code);
+  g_f16_code.store(f16_code);
+  g_bf16_code.store(bf16_code);
   g_fma_on.store(fma_on);
   g_k_chunk.store(k_chunk);
   g_batched.store(reinterpret_cast<BatchedFn>(batched));

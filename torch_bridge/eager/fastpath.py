@@ -176,7 +176,7 @@ def install(lib: Any, names: list[str]) -> None:
 
 def attach(device: Any, k_chunk: int) -> None:
     """Feed ``device`` (the eager :class:`trnsim.device.Device`) from the native log, and give the
-    fast path's float32 mm/addmm/bmm the datapath (``k_chunk``: the chip's contraction rows per
+    fast path's mm/addmm/bmm (float32, bfloat16, float16) the datapath (``k_chunk``: the chip's contraction rows per
     matmul instruction, as :mod:`torch_bridge.tensore` passes it)."""
     global _device
     if _lib is None:
@@ -186,10 +186,10 @@ def attach(device: Any, k_chunk: int) -> None:
     from trnsim import native
 
     try:
-        address, f32, fma_on = native.batched_entry()
+        address, (f32, f16, bf16), fma_on = native.batched_entry()
     except ImportError:  # the datapath is not built: the matmuls take Python's path (and its error)
         return
-    _lib.trnsim_fast_datapath(address, f32, fma_on, int(k_chunk))
+    _lib.trnsim_fast_datapath(address, f32, f16, bf16, fma_on, int(k_chunk))
     _lib.trnsim_fast_conv_datapath(native.grouped_entry())
 
 

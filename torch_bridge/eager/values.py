@@ -504,7 +504,7 @@ def _matmul_time(index: int, op: str, batch: int, m: int, k: int, n: int, dtype:
     cost = _mm_costs.get(key)
     if cost is None:
         cost = _mm_costs[key] = rt.cost(lowering.matmul_spec(batch, m, k, n, dtype, ta, tb), "empty matmul (launch only)")
-    fastpath.teach(_MM_QUALIFIED.get(op, ""), op, cost)  # the fast path's float32 mm/addmm/bmm, when it asked
+    fastpath.teach(_MM_QUALIFIED.get(op, ""), op, cost)  # the fast path's mm/addmm/bmm, when it asked
     rt.charge(index, op, cost)
 
 

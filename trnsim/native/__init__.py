@@ -263,13 +263,13 @@ def conv2d_grouped(x: np.ndarray, w: np.ndarray, groups: int, stride: tuple[int,
     return out
 
 
-def batched_entry() -> tuple[int, int, int]:
+def batched_entry() -> tuple[int, tuple[int, int, int], int]:
     """For native callers that run the datapath themselves (the torch bridge's C++ fast path):
-    the address of ``trn_matmul_batched`` (datapath.h), the float32 format code and the "on"
-    FMA policy code, so they call it exactly as :func:`matmul_batched` does."""
+    the address of ``trn_matmul_batched`` (datapath.h), the float32, float16 and bfloat16 format
+    codes and the "on" FMA policy code, so they call it exactly as :func:`matmul_batched` does."""
     lib, ffi = _lib(), _datapath.ffi
     address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "trn_matmul_batched")))
-    return address, _CODES["float32"], _FMA_POLICIES["on"]
+    return address, (_CODES["float32"], _CODES["float16"], _CODES["bfloat16"]), _FMA_POLICIES["on"]
 
 
 def grouped_entry() -> int:
