@@ -302,7 +302,7 @@ def lstm(quick: bool):
     return _train(Net(), (x, y), lambda m, x, y: nn.functional.cross_entropy(m(x), y))
 
 
-def _llama_generate(quick: bool, cache: str | None):
+def _llama_generate(quick: bool, cache: str | None, dtype: Any = None):
     import torch
     import transformers
 
@@ -311,6 +311,8 @@ def _llama_generate(quick: bool, cache: str | None):
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
+    if dtype is not None:
+        model = model.to(dtype)
     prompt = _tokens(256, 1, 8)
     new = 8 if quick else 16
     kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -336,6 +338,13 @@ def llama_generate_dynamic(quick: bool):
 def llama_generate_static(quick: bool):
     """The same with cache_implementation="static" (a preallocated cache updated in place)."""
     return _llama_generate(quick, "static")
+
+
+def llama_generate_bf16(quick: bool):
+    """The dynamic-cache generate() with the model in bfloat16, as LLMs are served."""
+    import torch
+
+    return _llama_generate(quick, None, torch.bfloat16)
 
 
 def bert_infer(quick: bool):
@@ -380,6 +389,7 @@ PROGRAMS: dict[str, Callable[[bool], Any]] = {
     "nanogpt": nanogpt, "gpt2_train": gpt2_train, "resnet18": resnet18, "efficientnet_b0": efficientnet_b0,
     "mobilenetv3": mobilenetv3, "mamba": mamba, "mixtral": mixtral, "lstm": lstm,
     "llama_gen_dynamic": llama_generate_dynamic, "llama_gen_static": llama_generate_static,
+    "llama_gen_bf16": llama_generate_bf16,
     "bert_infer": bert_infer, "vit_train": vit_train,
 }
 QUICK = ("nanogpt", "lstm", "llama_gen_dynamic")
