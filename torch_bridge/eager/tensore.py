@@ -19,8 +19,10 @@ import torch
 
 from trnsim import native
 
-__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "all_finite", "conv_f32",
-           "conv_on_datapath"]
+from .. import _native
+
+__all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "all_finite", "datapath_product",
+           "conv_f32", "conv_on_datapath"]
 
 DATAPATH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -86,12 +88,21 @@ def all_finite(t: torch.Tensor) -> bool:
     (that, or finite elements whose sum overflows) asks element by element, which on one CPU
     thread costs 50x the sum."""
     if t.dtype == torch.float32 and t.is_contiguous():
-        from .. import _native
-
         lib = _native.lib  # (None until the extension is loaded: the sum below)
         if lib is not None:
             return bool(lib.trnsim_fast_all_finite(t.data_ptr(), t.numel()))
     return math.isfinite(t.sum().item()) or bool(t.isfinite().all())
+
+
+def datapath_product(product: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``product(a, b)`` (:func:`matmul_f32` or :func:`bmm_f32`) where the datapath gives a
+    matmul's values: operands on the datapath, and a finite result or operands whose products
+    cannot overflow (:func:`bounded`, asked only for a result that is not finite); else None, and
+    CPU's kernel gives them. The rule of mm, bmm, the MoE op's linears and the native fast path."""
+    if not on_datapath(a, b):
+        return None
+    p = product(a, b)
+    return p if all_finite(p) or bounded(a.shape[-1], a, b) else None
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

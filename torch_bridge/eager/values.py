@@ -537,10 +537,10 @@ def mm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _mm_ok(a, b):
         return torch.mm(a, b)  # CPU's error for these operands
-    p = tensore.matmul_f32(a, b) if tensore.on_datapath(a, b) else None
-    if p is not None and (tensore.all_finite(p) or tensore.bounded(a.shape[1], a, b)):
+    p = tensore.datapath_product(tensore.matmul_f32, a, b)
+    if p is not None:
         res = p.to(self.dtype)
-    else:  # (a non-finite product whose operands may overflow or are not finite: CPU's kernel, see tensore.bounded)
+    else:  # (off the datapath, or a non-finite product of operands that may overflow: tensore.datapath_product)
         res = torch.mm(a, b)
     _matmul_time(index, "mm", 1, self.shape[0], self.shape[1], mat2.shape[1], self.dtype, self, mat2)
     return memory.relabel(res, index)
@@ -610,8 +610,8 @@ def bmm(self: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     a, b = memory.cpu_view(self), memory.cpu_view(mat2)
     if not _bmm_ok(a, b):
         return torch.bmm(a, b)  # CPU's error for these operands
-    p = tensore.bmm_f32(a, b) if tensore.on_datapath(a, b) else None
-    if p is not None and (tensore.all_finite(p) or tensore.bounded(a.shape[2], a, b)):
+    p = tensore.datapath_product(tensore.bmm_f32, a, b)
+    if p is not None:
         res = p.to(self.dtype)
     else:  # (see mm)
         res = torch.bmm(a, b)

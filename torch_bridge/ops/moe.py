@@ -74,11 +74,8 @@ def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     datapath's result when it is finite or the operands' products cannot overflow, else CPU's
     kernel (values.mm's rule)."""
     wt = w.t()
-    if tensore.on_datapath(x, wt):
-        p = tensore.matmul_f32(x, wt)
-        if tensore.all_finite(p) or tensore.bounded(x.shape[-1], x, wt):
-            return p.to(x.dtype)
-    return torch.mm(x, wt)
+    p = tensore.datapath_product(tensore.matmul_f32, x, wt)
+    return torch.mm(x, wt) if p is None else p.to(x.dtype)
 
 
 def _routing(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool,
