@@ -161,7 +161,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_blocks.restype = i64
     handle.trnsim_fast_freed.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_fast_freed.restype = i64
-    handle.trnsim_fast_datapath.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64]
+    handle.trnsim_fast_datapath.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                            i64]
     handle.trnsim_fast_datapath_ns.restype = i64
     handle.trnsim_fast_conv_datapath.argtypes = [ctypes.c_void_p]
     handle.trnsim_fast_all_finite.argtypes = [ctypes.c_void_p, i64]

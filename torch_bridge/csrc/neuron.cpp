@@ -1434,9 +1434,9 @@ void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   int index = -1;
   // (float32 only: the conv path's datapath calls and CPU kernels are float32's)
   if (transposed || x.scalar_type() != c10::kFloat || w.scalar_type() != c10::kFloat ||
-      (b.defined() && b.scalar_type() != c10::kFloat) || !matmul_operand(x, 4, &index) || !matmul_operand(w, 4, &index) ||
-      (b.defined() && !matmul_operand(b, b.dim(), &index)) || x.numel() == 0 || w.numel() == 0 || stride.size() != 2 ||
-      padding.size() != 2 || dilation.size() != 2 || groups < 1) {
+      (b.defined() && b.scalar_type() != c10::kFloat) || !matmul_operand(x, 4, &index) ||
+      !matmul_operand(w, 4, &index) || (b.defined() && !matmul_operand(b, b.dim(), &index)) || x.numel() == 0 ||
+      w.numel() == 0 || stride.size() != 2 || padding.size() != 2 || dilation.size() != 2 || groups < 1) {
     return slow(op, stack);
   }
   thread_local std::string t_key;

@@ -176,8 +176,8 @@ def install(lib: Any, names: list[str]) -> None:
 
 def attach(device: Any, k_chunk: int) -> None:
     """Feed ``device`` (the eager :class:`trnsim.device.Device`) from the native log, and give the
-    fast path's mm/addmm/bmm (float32, bfloat16, float16) the datapath (``k_chunk``: the chip's contraction rows per
-    matmul instruction, as :mod:`torch_bridge.tensore` passes it)."""
+    fast path's mm/addmm/bmm (float32, bfloat16, float16) the datapath (``k_chunk``: the chip's
+    contraction rows per matmul instruction, as :mod:`torch_bridge.tensore` passes it)."""
     global _device
     if _lib is None:
         return

@@ -20,17 +20,18 @@ PrivateUse1 serves calls below autograd, e.g. in inference mode). Both run
   the mask once. A decode step (up to :data:`TKG_MAX_ACTIVE` queries over more keys, bf16 or
   fp16: Hugging Face's ``generate()`` over its KV cache) is charged as the library's
   token-generation kernel ``attention_tkg``, as NxD Inference runs decode attention, its cache
-  read in whole 128-key tiles (:func:`torch_bridge.eager.lowering.attention_specs`). The backward keeps P from the forward (as the math path does) and is charged
-  as its four matmul kernels (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q) plus a generic
-  VectorE kernel for the softmax backward (reads P and dP, writes dS): five launches, where a
-  fused backward kernel would pay one.
+  read in whole 128-key tiles (:func:`torch_bridge.eager.lowering.attention_specs`). The
+  backward keeps P from the forward (as the math path does) and is charged as its four matmul
+  kernels (dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K, dK = dSᵀ Q) plus a generic VectorE kernel for the
+  softmax backward (reads P and dP, writes dS): five launches, where a fused backward kernel
+  would pay one.
 
 Calls the kernels cannot take (dropout, head dim over the PE array's 128 partitions, queries and
-keys of different lengths other than a decode step's, different q/v head dims, non-datapath dtypes, a mask that needs a
-gradient, mismatched batch dims) run PyTorch's math path, op by op, as before; a boolean mask is
-first made the additive 0/-inf mask that path takes (:func:`additive_mask`), as CPU's
-``scaled_dot_product_attention`` does before it picks a backend (the math op itself adds a bool
-mask as 0/1).
+keys of different lengths other than a decode step's, different q/v head dims, non-datapath
+dtypes, a mask that needs a gradient, mismatched batch dims) run PyTorch's math path, op by op,
+as before; a boolean mask is first made the additive 0/-inf mask that path takes
+(:func:`additive_mask`), as CPU's ``scaled_dot_product_attention`` does before it picks a
+backend (the math op itself adds a bool mask as 0/1).
 
 Every call is checked as CPU checks it first (:func:`check`): CPU's errors for what CPU refuses,
 and ``attn_mask`` with ``is_causal=True`` accepted where CPU accepts it (its fused kernel, which
