@@ -74,3 +74,63 @@ def test_empty_matmuls_cost_only_the_launch():
         z = torch.ones(4, 0, device="neuron") @ torch.ones(0, 2, device="neuron")
     assert out.shape == (0, 3) and z.cpu().tolist() == [[0.0, 0.0]] * 4
     assert scope.report.row("mm").kernel == "empty matmul (launch only)"
+
+
+def _native_route(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """matmul_f32/bmm_f32's numpy route (trnsim.native), which the extension's op stands in for."""
+    from torch_bridge.eager import tensore
+    from trnsim import native
+
+    if a.dim() == 2:
+        out = torch.empty(a.shape[0], b.shape[1])
+        native.matmul(tensore._np(a.t()), tensore._np(b), out=out.numpy(), k_chunk=tensore._k_chunk())
+    else:
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[2])
+        native.matmul_batched(tensore._np(a.transpose(1, 2)), tensore._np(b), k_chunk=tensore._k_chunk(),
+                              out=out.numpy())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_extension_s_datapath_call_is_the_numpy_route_s_bit_for_bit(dtype):
+    """tensore.matmul_f32/bmm_f32 (attention's and the MoE op's matmuls) call the datapath through
+    the native extension's ``trnsim::datapath_f32``: the same float32 PSUM bits as trnsim.native's
+    route for every operand layout, non-finite results included (the caller decides on those)."""
+    from torch_bridge.eager import tensore
+
+    torch.ones(1, device="neuron")  # the extension is loaded with the device
+    op = tensore._datapath_op()
+    assert op is not None
+    g = torch.Generator().manual_seed(3)
+    for batch, m, k, n in ((4, 1, 16, 20), (3, 7, 300, 5), (2, 129, 130, 64), (1, 1, 1, 1)):
+        a = (torch.randn(batch, m, k, generator=g) * 4).to(dtype)
+        b = torch.randn(batch, k, n, generator=g).to(dtype)
+        a[0, 0, 0] = float("inf") if m > 1 else a[0, 0, 0]
+        for x in (a, a.transpose(1, 2).contiguous().transpose(1, 2)):
+            for y in (b, b.transpose(1, 2).contiguous().transpose(1, 2), b[:, :, :1].expand(batch, k, n)):
+                got, want = tensore.bmm_f32(x, y), _native_route(x, y)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+                got, want = tensore.matmul_f32(x[-1], y[-1]), _native_route(x[-1], y[-1])
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+                assert got.dtype == torch.float32 and got.is_contiguous()
+
+
+def test_the_extension_s_datapath_call_declines_what_the_numpy_route_decides(monkeypatch):
+    """None (the numpy route computes or raises) for operands it does not take, and under
+    TRNSIM_NATIVE=0 (the numpy reference) or a TRNSIM_NATIVE_THREADS Python refuses."""
+    from torch_bridge.eager import tensore
+
+    torch.ones(1, device="neuron")
+    op = tensore._datapath_op()
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    assert op(a, b) is not None
+    for x, y in ((a.double(), b.double()), (a, b.bfloat16()), (a.int(), b.int()), (a[:0], b), (a, b[:3]),
+                 (a.to("neuron"), b.to("neuron")), (a[None], b), (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 4, 5))):
+        assert op(x, y) is None
+    monkeypatch.setenv("TRNSIM_NATIVE", "0")
+    assert op(a, b) is None
+    monkeypatch.setenv("TRNSIM_NATIVE", "1")
+    monkeypatch.setenv("TRNSIM_NATIVE_THREADS", "lots")
+    assert op(a, b) is None
+    with pytest.raises(Exception, match="TRNSIM_NATIVE_THREADS"):
+        tensore.matmul_f32(a, b)

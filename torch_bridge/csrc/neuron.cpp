@@ -2171,10 +2171,55 @@ std::optional<at::Tensor> adopt_op(const at::Tensor& cpu, int64_t index) {
   return to_device(cpu, block, static_cast<int>(index));
 }
 
+// torch.ops.trnsim.datapath_f32(a, b): torch_bridge.tensore.matmul_f32 (a [M, K] @ b [K, N]) or
+// bmm_f32 (a [B, M, K] @ b [B, K, N]) of host tensors, as float32 PSUM results, by the datapath
+// called with the arguments fast_matmul passes it (a read transposed as the stationary operand; the
+// same bits as trnsim.native.matmul/matmul_batched give, whatever the strides). None for anything
+// else (host tensors of one datapath dtype, non-empty, shapes that multiply), when the datapath is
+// not registered, TRNSIM_NATIVE=0 (the numpy reference), a TRNSIM_NATIVE_THREADS Python must refuse,
+// or an error: the Python route then computes, or raises, as before. It saves that route's numpy
+// views and operand checks (~15 us of a small attention head's 20 us).
+std::optional<at::Tensor> datapath_f32_op(const at::Tensor& a, const at::Tensor& b) {
+  BatchedFn fn = g_batched.load();
+  const int64_t k_chunk = g_k_chunk.load();
+  const int threads = datapath_threads();
+  bool native_set = false;
+  if (fn == nullptr || k_chunk < 1 || threads == 0 || env_text("TRNSIM_NATIVE", &native_set) == "0") {
+    return std::nullopt;
+  }
+  const int64_t dim = a.defined() ? a.dim() : 0;
+  for (const at::Tensor* t : {&a, &b}) {
+    if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided || t->is_conj() || t->is_neg() ||
+        t->dim() != dim || t->numel() == 0 || t->scalar_type() != a.scalar_type()) {
+      return std::nullopt;
+    }
+  }
+  const int code = datapath_code(a.scalar_type());
+  if ((dim != 2 && dim != 3) || code < 0) return std::nullopt;
+  const int64_t B = dim == 3 ? a.size(0) : 1, M = a.size(dim - 2), K = a.size(dim - 1), N = b.size(dim - 1);
+  if (b.size(dim - 2) != K || (dim == 3 && b.size(0) != B)) return std::nullopt;
+  at::Tensor out;
+  try {
+    out = dim == 3 ? psum_result({B, M, N}) : psum_result({M, N});
+  } catch (...) {
+    return std::nullopt;
+  }
+  const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
+  const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = fn(first_element(a), code, s_sb, s_sk, s_sm, first_element(b), code, v_sb, v_sk, v_sn,
+              out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, k_chunk, 0, -1, g_fma_on.load(),
+              threads);
+  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  if (rc != 0) return std::nullopt;
+  return out;
+}
+
 TORCH_LIBRARY(trnsim, m) {
   m.def("default_generator(int index) -> Generator?", &default_generator_op);
   m.def("cpu_views(Tensor[] ts) -> Tensor[]", &cpu_views_op);
   m.def("adopt(Tensor cpu, int index) -> Tensor?", &adopt_op);
+  m.def("datapath_f32(Tensor a, Tensor b) -> Tensor?", &datapath_f32_op);
 }
 
 // ---- placing the log's launches (trnsim.device.Device._drain, the common case) ----

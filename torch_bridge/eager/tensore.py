@@ -112,8 +112,33 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+_native_op: list[Any] = []  # [torch.ops.trnsim.datapath_f32.default], or [None] without the extension
+
+
+def _datapath_op() -> Any:
+    """The native extension's ``trnsim::datapath_f32`` (csrc/neuron.cpp), or None before the
+    extension is loaded (looked up again then) or without it."""
+    if _native_op:
+        return _native_op[0]
+    if _native.lib is None:
+        return None
+    try:
+        op = torch.ops.trnsim.datapath_f32.default
+    except (AttributeError, RuntimeError):
+        op = None
+    _native_op.append(op)
+    return op
+
+
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]."""
+    """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]: the
+    native extension's call of the datapath where it takes the call, else trnsim.native's (the
+    same bits)."""
+    op = _native_op[0] if _native_op else _datapath_op()
+    if op is not None and not (a.requires_grad or b.requires_grad):  # (the op has no autograd formula)
+        out = op(a, b)
+        if out is not None:
+            return out
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)  # (from the host cache in its scope)
     native.matmul(_np(a.t()), _np(b), out=out.numpy(), k_chunk=_k_chunk())
     return out
@@ -121,7 +146,13 @@ def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
-    [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath."""
+    [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath (the native
+    extension's where it takes the call, as for matmul_f32)."""
+    op = _native_op[0] if _native_op else _datapath_op()
+    if op is not None and not (a.requires_grad or b.requires_grad):  # (the op has no autograd formula)
+        out = op(a, b)
+        if out is not None:
+            return out
     out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)  # (as matmul_f32's)
     native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk(), out=out.numpy())
     return out
