@@ -59,8 +59,9 @@ HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_m
 # and bmm's Python kernels, on SLOW_KEY, serve every other call).
 FAST_MATMULS = ("mm", "addmm", "bmm")
 # Allocation and copies into the device, which the fast path serves itself in the common case
-# (csrc/neuron.cpp's fast_empty and fast_copy); their Python kernels, on SLOW_KEY, serve the rest.
-FAST_ALLOC = ("empty.memory_format", "empty_strided", "_copy_from")
+# (csrc/neuron.cpp's fast_empty, fast_copy and fast_to_copy: a dtype or layout change within a
+# device); their Python kernels, on SLOW_KEY, serve the rest.
+FAST_ALLOC = ("empty.memory_format", "empty_strided", "_copy_from", "_to_copy")
 # nn.LSTM's and nn.GRU's cells (torch_bridge.ops.cells), which the fast path computes itself (csrc/neuron.cpp's fast_cell)
 FAST_CELLS = ("_thnn_fused_lstm_cell", "_thnn_fused_lstm_cell_backward_impl", "_thnn_fused_gru_cell",
               "_thnn_fused_gru_cell_backward")

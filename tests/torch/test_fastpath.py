@@ -692,3 +692,47 @@ def test_the_finiteness_scan_of_a_matmul_result_finds_every_special_value_anywhe
                 b[pos] = special
                 assert lib.trnsim_fast_all_finite(b.ctypes.data, n) == 0
     assert lib.trnsim_fast_all_finite(np.zeros(1, np.float32).ctypes.data, 0) == 1
+
+
+def _conversions():
+    x = torch.randn(4, 6, 5, 3, generator=torch.Generator().manual_seed(5)).to("neuron")
+    return [lambda: x.to(torch.bfloat16), lambda: x.to(torch.float16, memory_format=torch.channels_last),
+            lambda: x.transpose(0, 2).to(torch.bfloat16), lambda: x.to("neuron:0", torch.int32),
+            lambda: x.to(torch.bfloat16).float(), lambda: x.to(torch.float32, copy=True),
+            lambda: x[:, 1].to(dtype=torch.float64, memory_format=torch.contiguous_format)]
+
+
+def test_dtype_conversions_on_the_device_are_served_natively_as_python_s():
+    """Tensor.to(dtype) / .float() / .half() within a device (aten::_to_copy) take the fast path:
+    the calls Python's kernel makes (empty_like in the new dtype and format, then copy_), with its
+    values, strides, costs and memory, and no Python kernel on the way."""
+    from torch_bridge.neuron import hostprof
+
+    for f in _conversions():
+        f()
+        torch.neuron.synchronize()
+        allocated = torch.neuron.memory_allocated()
+        with hostprof.profile() as prof, torch.neuron.report_scope() as fast_scope:
+            quick = f()
+            torch.neuron.synchronize()
+        assert not [name for name, _, _ in prof.parts() if name.startswith("python")]
+        assert torch.neuron.memory_allocated() == allocated + quick.untyped_storage().nbytes()
+        with fast(False), torch.neuron.report_scope() as slow_scope:
+            slow = f()
+            torch.neuron.synchronize()
+        assert torch.equal(quick.cpu(), slow.cpu())
+        assert (quick.shape, quick.stride(), quick.dtype, quick.device) == (slow.shape, slow.stride(), slow.dtype,
+                                                                            slow.device)
+        assert fast_scope.report.rows == slow_scope.report.rows
+        assert fast_scope.report.device_us == slow_scope.report.device_us
+        del quick, slow
+
+
+def test_dtype_conversions_leave_other_devices_and_the_host_to_python():
+    x = torch.arange(12.0).view(3, 4).to("neuron")
+    assert torch.equal(x.to("cpu", torch.int64), torch.arange(12).view(3, 4))
+    y = x.to("neuron:1", torch.bfloat16)
+    assert y.device == torch.device("neuron:1") and torch.equal(y.cpu(), torch.arange(12.0).view(3, 4).bfloat16())
+    with torch.neuron.device(1):
+        z = x.to("neuron", torch.float16)  # "neuron" alone is the current device, as for CUDA
+    assert z.device == torch.device("neuron:1")

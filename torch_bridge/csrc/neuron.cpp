@@ -588,7 +588,7 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
                kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11,
                kGruCell = 12, kGruCellBackward = 13, kConv = 14,
-               kConvBackward = 15, kBatchNorm = 16 };
+               kConvBackward = 15, kBatchNorm = 16, kToCopy = 17 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -675,6 +675,7 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "convolution_overrideable" && s.overload_name().empty()) f.kind = kConv;
   if (name == "convolution_backward_overrideable" && s.overload_name().empty()) f.kind = kConvBackward;
   if (name == "native_batch_norm" && s.overload_name().empty()) f.kind = kBatchNorm;  // (not as a functional op: below)
+  if (name == "_to_copy" && s.overload_name().empty()) f.kind = kToCopy;
   if (f.kind != kOther) return f;
   if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
     f.kind = kView;
@@ -1187,6 +1188,44 @@ void fast_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_entry(0, index, handle);
 }
 
+// _to_copy(self, *, dtype, layout, device, pin_memory, non_blocking, memory_format) within one
+// neuron device (Tensor.to(dtype), .float(), .half(), ...): what torch_bridge.alloc.to_copy does, the
+// same two ops called the same way - empty_like in the new dtype and memory format, then copy_ -
+// each served (or stepped aside) by the dispatcher as when Python calls them: fast_empty, then
+// fast_copy's one copy_d2d launch. What it saves is the Python kernel around them (~6 us a call:
+// 248 calls in a bfloat16 Llama generate() step, its RMSNorms' upcasts). A copy to or from the host
+// (pinned or non-blocking memory), another device, a layout other than strided: Python's.
+void fast_to_copy(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const size_t base = stack->size() - n;
+  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[base + i]; };
+  if (n != 7 || !arg(0).isTensor()) return slow(op, stack);
+  const at::Tensor& self = arg(0).toTensor();
+  if (!self.defined() || self.device().type() != kNeuron || self.layout() != c10::kStrided || self.is_conj() ||
+      self.is_neg()) {
+    return slow(op, stack);
+  }
+  const c10::IValue &vdt = arg(1), &vlayout = arg(2), &vdev = arg(3), &vpin = arg(4), &vnb = arg(5), &vfmt = arg(6);
+  if (!(vdt.isNone() || vdt.isInt()) || !(vlayout.isNone() || (vlayout.isInt() &&
+      vlayout.toInt() == static_cast<int64_t>(c10::kStrided))) || !(vpin.isNone() || (vpin.isBool() && !vpin.toBool())) ||
+      !vnb.isBool() || !(vfmt.isNone() || vfmt.isInt())) {
+    return slow(op, stack);
+  }
+  if (!vdev.isNone()) {  // self's own device, by index ("neuron" alone means the current one: Python's)
+    if (!vdev.isDevice()) return slow(op, stack);
+    const c10::Device d = vdev.toDevice();
+    if (d.type() != kNeuron || d.index() < 0 || d.index() != self.device().index()) return slow(op, stack);
+  }
+  const c10::ScalarType dtype = vdt.isNone() ? self.scalar_type() : static_cast<c10::ScalarType>(vdt.toInt());
+  const c10::MemoryFormat fmt = vfmt.isNone() ? c10::MemoryFormat::Preserve
+                                              : static_cast<c10::MemoryFormat>(vfmt.toInt());
+  // (an error in either op is raised as Python's to_copy would raise it: the same op's error)
+  at::Tensor out = at::empty_like(self, self.options().dtype(dtype), fmt);
+  out.copy_(self, vnb.toBool());
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(out));
+}
+
 // ---- LSTM cells ----------------------------------------------------------------------------------
 // nn.LSTM's and nn.GRU's gates off CPU: _thnn_fused_lstm_cell, _thnn_fused_gru_cell and their backwards, which CPU has no kernel for.
 // torch_bridge/cells.py defines their values (CUDA's, in float32 for 16-bit inputs); these are the
@@ -1675,6 +1714,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kConv) return fast_conv(op, stack);
   if (f.kind == kConvBackward) return fast_conv_backward(op, stack);
   if (f.kind == kBatchNorm) return fast_batch_norm(op, stack);
+  if (f.kind == kToCopy) return fast_to_copy(op, stack);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
