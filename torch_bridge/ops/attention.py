@@ -253,19 +253,14 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                 is_causal: bool, scale: float | None, groups: int, flash: bool) -> torch.Tensor:
-        index = q.device.index or 0
-        out, p, sc, exact = forward_values(q, k, v, attn_mask, is_causal, scale, groups, flash)
-        laid = cpu_layout(q, out, flash)
-        if laid is not None:  # the kernel writes its output in the layout CPU's has
-            out = torch.empty_strided(out.shape, laid, dtype=out.dtype).copy_(out)
+        out, p, sc, exact = _forward(q, k, v, attn_mask, is_causal, scale, groups, flash)
         ctx.save_for_backward(q, k, v)
-        ctx.p = memory.relabel(p, index)  # kept on the device (counted), as the math path keeps it
+        ctx.p = p
         ctx.scale, ctx.groups = sc, groups
         mask = None if attn_mask is None else memory.cpu_view(attn_mask)
         # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
         ctx.cpu_call = None if exact else (mask, is_causal, scale)
-        charge_forward(index, q, k, attn_mask, is_causal, scale)
-        return memory.relabel(out, index)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -278,6 +273,20 @@ class _Attention(torch.autograd.Function):
         charge_backward(index, q, k.shape[-2], q.dtype)
         return (memory.relabel(dq, index), memory.relabel(dk, index), memory.relabel(dv, index),
                 None, None, None, None, None)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+             scale: float | None, groups: int, flash: bool) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+    """The fused forward on neuron tensors: (out, P, scale, exact) with out and P on the device
+    (P counted there, as the math path keeps it), the launch charged."""
+    index = q.device.index or 0
+    out, p, sc, exact = forward_values(q, k, v, attn_mask, is_causal, scale, groups, flash)
+    laid = cpu_layout(q, out, flash)
+    if laid is not None:  # the kernel writes its output in the layout CPU's has
+        out = torch.empty_strided(out.shape, laid, dtype=out.dtype).copy_(out)
+    p = memory.relabel(p, index)
+    charge_forward(index, q, k, attn_mask, is_causal, scale)
+    return memory.relabel(out, index), p, sc, exact
 
 
 def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -540,4 +549,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         return out if laid is None else torch.empty_strided(out.shape, laid, dtype=out.dtype,
                                                             device=out.device).copy_(out)
     groups = query.shape[-3] // key.shape[-3]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))):
+        # nothing to differentiate (inference, a decode step): the forward without autograd's
+        # Function machinery (~15 us a call); P is made, counted and let go as when the Function's
+        # context is dropped on return
+        return _forward(query, key, value, attn_mask, is_causal, scale, groups, flash)[0]
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups, flash)
