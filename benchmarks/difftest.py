@@ -114,12 +114,19 @@ PALETTE: tuple[tuple[int, ...], ...] = ((), (1,), (4,), (5,), (0,), (2, 3), (3, 
 PALETTE_SHARE = 0.8
 
 # The TensorE ops: their values come from the PE array's fp32 accumulation (torch_bridge.tensore),
-# which adds a dot product's terms in another order than CPU BLAS.
-TENSORE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution_overrideable",
+# which adds a dot product's terms in another order than CPU BLAS (and from a +0.0 accumulator: a
+# one-term sum of -0.0 is +0.0). linear and matmul are composites the device sees as mm/addmm/bmm.
+TENSORE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution_overrideable",
                          "convolution_backward_overrideable", "scaled_dot_product_attention"})
 # the error of a TensorE result beyond CPU's own, as a fraction of the result's largest magnitude
 TENSORE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 TENSORE_ATOL = 1e-4
+
+# The TensorE ops with an added self/bias: a 0-dim host tensor there is refused as CUDA refuses it
+# (addmm checks that every tensor is on the GPU; only TensorIterator ops take host scalars), in one
+# line, where CPU computes: the device's answer to such a sample is that refusal.
+HOST_SCALAR_REFUSED = frozenset({"linear", "addmm", "baddbmm"})
+SAME_DEVICE_ERROR = "Expected all tensors to be on the same device"
 
 # Ops CPU has no kernel for that the device serves as CUDA does: compared with the CUDA
 # semantics written out here (REFERENCES), not with CPU's refusal.
@@ -1614,6 +1621,9 @@ def compare(sample: Sample, cpu: Run, dev: Run, mode: str, exact: Callable[[], A
     if sample.packet in CUDA_ONLY and cpu.error is not None:
         return None  # no CPU reference: REFERENCES would be the comparison
     if cpu.error is not None or dev.error is not None:
+        if cpu.error is None and sample.packet.rstrip("_") in HOST_SCALAR_REFUSED and "host-scalar" in sample.tags \
+                and isinstance(dev.error, RuntimeError) and SAME_DEVICE_ERROR in str(dev.error):
+            return None  # CUDA's refusal (HOST_SCALAR_REFUSED)
         if cpu.error is None:
             return f"device raised {type(dev.error).__name__}: {_first(dev.error)}; CPU did not"
         if dev.error is None:
