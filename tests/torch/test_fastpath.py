@@ -708,6 +708,7 @@ def test_dtype_conversions_on_the_device_are_served_natively_as_python_s():
     values, strides, costs and memory, and no Python kernel on the way."""
     from torch_bridge.neuron import hostprof
 
+    assert fastpath.kind(torch.ops.aten._to_copy.default) == "to_copy"
     for f in _conversions():
         f()
         torch.neuron.synchronize()

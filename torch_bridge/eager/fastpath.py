@@ -242,7 +242,7 @@ def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
 KINDS = {0: "python", 1: "view", 2: "functional", 3: "writes", 4: "mm", 5: "addmm", 6: "bmm", 7: "empty",
          8: "empty_strided", 9: "copy", 10: "lstm_cell", 11: "lstm_cell_backward", 12: "gru_cell",
          13: "gru_cell_backward", 14: "conv",
-         15: "conv_backward", 16: "batch_norm"}
+         15: "conv_backward", 16: "batch_norm", 17: "to_copy"}
 
 
 def kind(op: Any) -> str | None:
