@@ -26,6 +26,8 @@ class Runtime:
     def __init__(self, config: ChipConfig):
         self.config = config
         self.device = Device(config)
+        self._no_work: dict[str, OpCost] = {}
+        self._native_launch = _no_native_launch
         if os.environ.get("TRNSIM_ADAPTIVE_EAGER", "").strip() == "1":  # torch.neuron.set_adaptive_eager's switch
             self.device.set_adaptive(True)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
@@ -36,28 +38,42 @@ class Runtime:
             from .eager import fastpath
 
             fastpath.attach(self.device, config.core.tensor.max_contraction)  # the native fast path's launches
+            self._native_launch = fastpath.launch_kept
 
     @property
     def device_count(self) -> int:
         return self.device.core_count
 
     def cost(self, spec: KernelSpec | None, label: str = "launch only") -> OpCost:
-        """The cost of one launch of ``spec`` (None: a launch with no device work)."""
-        return no_work(label) if spec is None else self.device.cost(spec)
+        """The cost of one launch of ``spec`` (None: a launch with no device work); the same
+        object for the same spec or label (the device caches its costs)."""
+        if spec is not None:
+            return self.device.cost(spec)
+        cost = self._no_work.get(label)
+        if cost is None:
+            cost = self._no_work[label] = no_work(label)
+        return cost
 
     def charge(self, index: int, op: str, spec: KernelSpec | OpCost | None, label: str = "launch only") -> None:
         """Launch ``spec`` for ``op`` on the current stream of logical core ``index`` (None: a
-        launch with no device work, shown as ``label``)."""
+        launch with no device work, shown as ``label``). Logged natively where the fast path's
+        own launches are (its log is issued in order, exactly as :meth:`Device.launch` issues:
+        ~1 us against ~12 us through the device model's Python), else launched on the device."""
         if _torch.tracing():
             return  # torch.compile ran the kernel while it traced (a constant, or a fake tensor's shapes)
         cost = spec if isinstance(spec, OpCost) else self.cost(spec, label)
-        self.device.launch(index, op, cost)
+        if not self._native_launch(index, op, cost):
+            self.device.launch(index, op, cost)
 
     def host_op(self, op: str) -> None:
         """A metadata-only op: counted in the report, no launch."""
         if _torch.tracing():
             return
         self.device.host_op(op)
+
+
+def _no_native_launch(core: int, op: str, cost: OpCost) -> bool:
+    return False
 
 
 _runtime: Runtime | None = None

@@ -737,3 +737,39 @@ def test_dtype_conversions_leave_other_devices_and_the_host_to_python():
     with torch.neuron.device(1):
         z = x.to("neuron", torch.float16)  # "neuron" alone is the current device, as for CUDA
     assert z.device == torch.device("neuron:1")
+
+
+def test_charges_made_from_python_are_logged_natively_with_the_device_s_figures():
+    """runtime.charge (the Python path's ops, attention, the MoE op) logs its launch where the fast
+    path logs its own, in order with them: the same timeline as Device.launch gives (fast path off);
+    the default stream only (another stream's launches take Device.launch, as the fast path's do)."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(2, 4, 8, 16).to("neuron") for _ in range(3))
+
+    def program():
+        out = F.scaled_dot_product_attention(q, k, v)  # the fused op: charged from Python
+        return (out * 2 + 1).sum().cpu()
+
+    program()
+    torch.neuron.synchronize()
+    log = runtime().device._log
+    F.scaled_dot_product_attention(q, k, v)
+    assert log.pending() >= 1  # (logged, not yet issued)
+    torch.neuron.synchronize()
+    reports = []
+    for on in (True, False):
+        with fast(on), torch.neuron.report_scope(trace=True) as scope:
+            value = program()
+            torch.neuron.synchronize()
+        t0 = scope.report.events[0].issued
+        reports.append((value, scope.report.rows, [(e.op, e.kernel, e.issued - t0, e.start - t0, e.end - t0)
+                                                   for e in scope.report.events]))
+    assert torch.equal(reports[0][0], reports[1][0])
+    assert reports[0][1:] == reports[1][1:]
+    s = torch.neuron.Stream()
+    with torch.neuron.stream(s):
+        before = log.pending()
+        F.scaled_dot_product_attention(q, k, v)
+        assert log.pending() == before  # Device.launch, on the stream
+    torch.neuron.synchronize()

@@ -40,7 +40,8 @@ from trnsim.device import OpCost
 
 from .. import _torch
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "hits", "install", "attach", "datapath_seconds"]
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "launch_kept", "hits", "install",
+           "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
 _PLACE_IN, _PLACE_OUT, _PLACE_CORES = 16, 64, 64  # trnsim_log_place's rows (kPlaceIn, kPlaceOut) and its core limit
@@ -228,6 +229,23 @@ def launch(core: int, op: str, cost: OpCost) -> bool:
     :meth:`trnsim.device.Device.launch` would); False when the fast path would not log it now
     (the caller launches it itself)."""
     return _on and bool(_lib.trnsim_fast_launch(core, _handle(op, cost)))
+
+
+_KEPT_MAX = 1 << 16  # distinct (op, cost) handles launch_kept makes; past it, Device.launch (a bound on _table)
+
+
+def launch_kept(core: int, op: str, cost: OpCost) -> bool:
+    """:func:`launch` for a charge made from Python (runtime.charge), whose costs are the device's
+    cached ones (a handle keeps its cost alive for the log): False, for the caller to launch it,
+    once :data:`_KEPT_MAX` handles exist and this pair has none."""
+    if not _on:
+        return False
+    h = _handles.get((op, id(cost)))
+    if h is None:
+        if len(_table) >= _KEPT_MAX:
+            return False
+        h = _handle(op, cost)
+    return bool(_lib.trnsim_fast_launch(core, h))
 
 
 def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
