@@ -271,8 +271,15 @@ def relabel(cpu: torch.Tensor, index: int, counted: bool = False) -> torch.Tenso
     """Turn the CPU tensor ``cpu`` into a ``neuron:index`` tensor over the same memory (no copy).
 
     Unless ``counted`` (the caller already reserved the bytes), its storage is counted now, which
-    may raise ``torch.OutOfMemoryError``.
+    may raise ``torch.OutOfMemoryError``. The common case is counted and relabelled in one native
+    call (:func:`adopt`'s: the fast path's own bookkeeping, the same figures, ~1 us against ~3).
     """
+    if not counted:
+        native = (_native_ops or _ops())[1]
+        if native is not None:
+            t = native(cpu, index)  # (None for what it does not take: the rest below, and its errors)
+            if t is not None:
+                return t
     if cpu.requires_grad:
         cpu = cpu.detach()
     if cpu.is_conj() or cpu.is_neg():  # DLPack carries no conj/neg bit: a lazily conjugated result
@@ -559,6 +566,8 @@ _native_ops: list[Any] = []  # [cpu_views, adopt] once looked up; [None, None] w
 
 def _ops() -> list[Any]:
     if not _native_ops:
+        if _lib() is None:
+            return [None, None]  # not loaded (yet): looked up again on the next call
         ns = torch.ops.trnsim
         try:
             _native_ops.extend([ns.cpu_views.default, ns.adopt.default])
@@ -588,10 +597,5 @@ def cpu_views(args: Any) -> list[Any]:
 
 def adopt(cpu: torch.Tensor, index: int) -> torch.Tensor:
     """:func:`relabel` for a fresh host tensor (counted against HBM as the native fast path counts its
-    results; the same figures), in one native call where it can, else :func:`relabel` itself."""
-    native = _ops()[1]
-    if native is not None:
-        t = native(cpu, index)
-        if t is not None:
-            return t
+    results; the same figures), in one native call where it can (as relabel now does itself)."""
     return relabel(cpu, index)
