@@ -455,3 +455,16 @@ def test_a_call_without_gradients_skips_autograd_but_counts_p_while_it_runs():
     assert torch.equal(out.cpu().view(torch.int16), out_grad.detach().cpu().view(torch.int16))
     assert scope.report.rows == recorded.report.rows
     assert scope.report.device_us == recorded.report.device_us
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_forward_mode_ad_through_the_fused_op_is_refused_not_dropped(grad):
+    """Dual inputs (forward-mode AD) take the Function, which has no jvp and says so: the call
+    without autograd's machinery (no input requiring grad) must not drop their tangents."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (t.to(torch.bfloat16).to("neuron") for t in _qkv((1, 4, 1, 16), (1, 2, 20, 16), (1, 2, 20, 16)))
+    with fwAD.dual_level(), (torch.enable_grad() if grad else torch.no_grad()):
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            F.scaled_dot_product_attention(dual, k, v, enable_gqa=True)

@@ -45,6 +45,7 @@ import math
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from .. import _torch
 from ..eager import lowering, memory, tensore, values
@@ -549,9 +550,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         return out if laid is None else torch.empty_strided(out.shape, laid, dtype=out.dtype,
                                                             device=out.device).copy_(out)
     groups = query.shape[-3] // key.shape[-3]
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))):
+    if _forward_ad._current_level < 0 and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))):
         # nothing to differentiate (inference, a decode step): the forward without autograd's
         # Function machinery (~15 us a call); P is made, counted and let go as when the Function's
-        # context is dropped on return
+        # context is dropped on return. Inside a forward-mode AD level the Function runs, which
+        # refuses dual inputs in one line (it has no jvp): a plain call would drop their tangents.
         return _forward(query, key, value, attn_mask, is_causal, scale, groups, flash)[0]
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale, groups, flash)
