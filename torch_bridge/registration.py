@@ -114,6 +114,16 @@ def _in_place_foreach(op: Any) -> bool:
             and all((a.alias_info is not None and a.alias_info.is_write) == (i == 0) for i, a in enumerate(args)))
 
 
+def _functional_foreach(op: Any) -> bool:
+    """``_foreach_*`` that writes nothing and returns one fresh tensor list (``_foreach_sqrt``,
+    ``_foreach_norm``): the native fast path serves it too (``classify_foreach``)."""
+    schema = _torch.op_schema(op)
+    rets = schema.returns
+    return (schema.name not in ("aten::_foreach_copy", "aten::_foreach_copy_") and len(rets) == 1
+            and str(rets[0].type) == "List[Tensor]" and rets[0].alias_info is None
+            and all(a.alias_info is None and "Generator" not in str(a.type) for a in schema.arguments))
+
+
 def register_kernels() -> None:
     """Register the fallback and explicit kernels once per process."""
     if _libs:
@@ -162,7 +172,7 @@ def register_kernels() -> None:
             info = values.op_info(op)
             if not info.out_names:  # out= variants keep the fallback's resizing of outs
                 key = "PrivateUse1"
-                if _in_place_foreach(op):
+                if _in_place_foreach(op) or _functional_foreach(op):
                     fast_foreach.append(name)
                     key = SLOW_KEY
                 impl.impl(name, _hidden(functools.partial(values.foreach, op)), key)

@@ -332,9 +332,9 @@ def test_in_place_foreach_ops_are_served_with_python_s_values_costs_and_memory()
     with torch.neuron.report_scope() as fast_scope:
         step()
         torch.neuron.synchronize()
-    # 8 in-place foreach ops, plus the 0-dim coefficient's cast (sqrt's result list is Python's)
-    assert fastpath.hits() - hits >= 8
-    assert torch.neuron.memory_allocated() == allocated  # nothing allocated, the ledger untouched
+    # 8 in-place foreach ops, sqrt's result list and the 0-dim coefficient's cast
+    assert fastpath.hits() - hits >= 9
+    assert torch.neuron.memory_allocated() == allocated  # nothing kept: sqrt's results are freed again
     with fast(False), torch.neuron.report_scope() as slow_scope:
         step()
         torch.neuron.synchronize()
@@ -350,11 +350,50 @@ def test_in_place_foreach_ops_are_served_with_python_s_values_costs_and_memory()
         assert torch.equal(a.cpu(), b)
 
 
+def _functional_foreach_calls(params, grads):
+    return [lambda: torch._foreach_sqrt(params), lambda: torch._foreach_add(params, grads, alpha=0.5),
+            lambda: torch._foreach_mul(grads, 3.0), lambda: torch._foreach_norm(grads),
+            lambda: torch._foreach_addcmul(params, grads, grads, [0.5] * len(params)),
+            lambda: torch._foreach_maximum(params, grads)]
+
+
+def test_functional_foreach_ops_are_served_with_python_s_values_costs_and_memory():
+    """A _foreach_* op that returns a fresh list (Adam's sqrt, clipping's norm) is served natively:
+    one CPU foreach kernel over the aliases, each result counted and adopted, one launch; the same
+    values, report rows, device time and bytes allocated as Python's path."""
+    params, grads = _adamw_lists("neuron")
+    params = [p.abs() for p in params]
+    cpu_params, cpu_grads = [p.cpu() for p in params], [g.cpu() for g in grads]
+    for f, cpu_f in zip(_functional_foreach_calls(params, grads), _functional_foreach_calls(cpu_params, cpu_grads)):
+        assert served(f) == 1
+        torch.neuron.synchronize()
+        before = torch.neuron.memory_stats()["allocated_bytes.all.allocated"]
+        with torch.neuron.report_scope() as fast_scope:
+            quick = f()
+            torch.neuron.synchronize()
+        fast_made = torch.neuron.memory_stats()["allocated_bytes.all.allocated"] - before
+        with fast(False), torch.neuron.report_scope() as slow_scope:
+            before = torch.neuron.memory_stats()["allocated_bytes.all.allocated"]
+            slow = f()
+            torch.neuron.synchronize()
+            slow_made = torch.neuron.memory_stats()["allocated_bytes.all.allocated"] - before
+        assert fast_made == slow_made == sum(t.untyped_storage().nbytes() for t in quick)
+        assert all(t.device == torch.device("neuron:0") for t in quick)
+        for a, b, c in zip(quick, slow, cpu_f()):
+            assert torch.equal(a.cpu(), b.cpu()) and torch.equal(a.cpu(), c)
+            assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        assert fast_scope.report.rows == slow_scope.report.rows
+        assert fast_scope.report.device_us == slow_scope.report.device_us
+        del quick, slow
+
+
 def test_foreach_steps_aside_for_what_python_handles():
     params, grads = _adamw_lists("neuron")
     assert served(lambda: torch._foreach_add_(params, grads)) == 1
     assert served(lambda: torch._foreach_copy_(params, grads)) == 0  # may copy from host tensors
-    assert served(lambda: torch._foreach_add(params, grads)) == 0  # functional: a list of fresh results
+    assert served(lambda: torch._foreach_add(params, grads)) == 1  # functional: a list of fresh results
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_add(params, [g.cpu() for g in grads])  # stepped aside: Python's error
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch._foreach_add_(params, [g.cpu() for g in grads])
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

@@ -640,12 +640,21 @@ bool is_tensor_list(const c10::TypePtr& t) {
 }
 
 // A `_foreach_*` op is served when it is in-place: its first argument the one written tensor list
-// (`Tensor(a!)[] self`), nothing returned (AdamW's mul_/lerp_/addcmul_/addcdiv_, clipping's mul_).
-// Functional ones return lists (Python relabels them) and out= ones have Python resize their
-// outs; _foreach_copy_ takes host tensors beside device ones. Those stay Python's.
+// (`Tensor(a!)[] self`), nothing returned (AdamW's mul_/lerp_/addcmul_/addcdiv_, clipping's mul_);
+// or functional: nothing written, one fresh Tensor[] returned (Adam's _foreach_sqrt, clipping's
+// _foreach_norm), each result counted and adopted as a single op's results are. out= ones have
+// Python resize their outs; _foreach_copy_ takes host tensors beside device ones. Those stay Python's.
 OpFast classify_foreach(const c10::FunctionSchema& s, OpFast f) {
   const auto& args = s.arguments();
-  if (!s.returns().empty() || args.empty() || s.name() == "aten::_foreach_copy_") return f;
+  if (args.empty() || s.name() == "aten::_foreach_copy_" || s.name() == "aten::_foreach_copy") return f;
+  if (s.returns().size() == 1 && is_tensor_list(s.returns()[0].type()) && s.returns()[0].alias_info() == nullptr) {
+    for (const auto& a : args) {
+      if (a.alias_info() != nullptr || a.type()->str().find("Generator") != std::string::npos) return f;
+    }
+    f.kind = kFunctional;
+    return f;
+  }
+  if (!s.returns().empty()) return f;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::AliasInfo* ai = args[i].alias_info();
     bool written = ai != nullptr && ai->isWrite();
@@ -1695,6 +1704,54 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_entry(0, index, handle);
 }
 
+// A functional _foreach_* op's results (a fresh Tensor[]): each keyed into the signature as a
+// single op's results are, counted against HBM (all or none: Python then raises the OOM), and
+// handed back as neuron tensors over their host memory; anything odd (a result over an argument's
+// memory, a zero tensor, ...) is Python's, which relabels each result.
+void push_list(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t n, const c10::IValue& list,
+               const c10::SmallVector<const void*, 8>& inputs, std::string& key, int index) {
+  std::vector<at::Tensor> res = list.toTensorVector();
+  for (const at::Tensor& t : res) {
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() ||
+        t.is_neg() || t._is_zerotensor() || t.requires_grad()) {
+      return slow(op, stack);
+    }
+    const void* data = t.storage().data();
+    for (const void* in : inputs) {
+      if (data != nullptr && in == data) return slow(op, stack);
+    }
+    key_int(key, 51);
+    key_tensor(key, t, 0);
+  }
+  key_int(key, 54);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  std::vector<FastBlock*> blocks(res.size(), nullptr);
+  {
+    std::lock_guard<std::mutex> lock(g_mem_mutex);
+    if (index >= static_cast<int>(g_pool.size())) return slow(op, stack);
+    int64_t* st = g_pool[index];
+    int64_t need = 0;
+    for (const at::Tensor& t : res) need += static_cast<int64_t>(t.storage().nbytes());
+    if (st[0] + need > st[kCapacity]) return slow(op, stack);
+    for (size_t i = 0; i < res.size(); ++i) {
+      auto nbytes = static_cast<int64_t>(res[i].storage().nbytes());
+      mem_add_locked(st, nbytes);
+      auto* b = blocks[i] = new FastBlock{res[i], index, nbytes};
+      b->next = g_blocks;
+      if (g_blocks) g_blocks->prev = b;
+      g_blocks = b;
+    }
+  }
+  c10::List<at::Tensor> out;
+  out.reserve(res.size());
+  for (size_t i = 0; i < res.size(); ++i) out.push_back(to_device(res[i], blocks[i], index));
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(std::move(out));
+  g_fast_hits++;
+  log_entry(0, index, handle);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
@@ -1957,6 +2014,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     log_entry(0, index, handle);
     return;
   }
+  if (cstack.size() == 1 && cstack[0].isTensorList()) return push_list(op, stack, n, cstack[0], inputs, key, index);
   for (const auto& r : cstack) {
     if (!r.isTensor()) return slow(op, stack);
     const at::Tensor& t = r.toTensor();
