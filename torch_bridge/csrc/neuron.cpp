@@ -923,14 +923,42 @@ at::Tensor psum_result(c10::IntArrayRef sizes) {
   return at::detail::empty_cpu(sizes, c10::kFloat);
 }
 
-void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
-  BatchedFn fn = g_batched.load();
-  int64_t k_chunk = g_k_chunk.load();
-  int threads = datapath_threads();
+// The datapath as the fast path calls it: its entry point (trnsim.native.batched_entry), the chip's
+// contraction rows per instruction and the thread count. False when Python's route must decide:
+// not registered, TRNSIM_NATIVE=0 (the numpy reference), a TRNSIM_NATIVE_THREADS Python refuses.
+struct Datapath {
+  BatchedFn fn = nullptr;
+  int64_t k_chunk = 0;
+  int threads = 0;
+};
+
+bool datapath_ready(Datapath* d) {
+  d->fn = g_batched.load();
+  d->k_chunk = g_k_chunk.load();
+  d->threads = datapath_threads();
   bool native_set = false;
-  if (fn == nullptr || k_chunk < 1 || threads == 0 || env_text("TRNSIM_NATIVE", &native_set) == "0") {
-    return slow(op, stack);  // (TRNSIM_NATIVE=0: the numpy reference, Python's)
-  }
+  return d->fn != nullptr && d->k_chunk >= 1 && d->threads != 0 && env_text("TRNSIM_NATIVE", &native_set) != "0";
+}
+
+// a [B,] M, K @ b [B,] K, N (dim 3 or 2, operands of the datapath format `code`) into the float32
+// PSUM result `out` [B,] M, N, with the arguments trnsim.native.matmul/matmul_batched pass: the
+// stationary operand is `a` read transposed ([B,] K, M), the moving one `b`. The datapath's status.
+int datapath_matmul(const Datapath& d, const at::Tensor& a, const at::Tensor& b, int code, int64_t dim,
+                    at::Tensor& out) {
+  const int64_t B = dim == 3 ? a.size(0) : 1, M = a.size(dim - 2), K = a.size(dim - 1), N = b.size(dim - 1);
+  const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
+  const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
+  auto t0 = std::chrono::steady_clock::now();
+  int rc = d.fn(first_element(a), code, s_sb, s_sk, s_sm, first_element(b), code, v_sb, v_sk, v_sn,
+                out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, d.k_chunk, 0, -1,
+                g_fma_on.load(), d.threads);
+  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return rc;
+}
+
+void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind kind) {
+  Datapath dp;
+  if (!datapath_ready(&dp)) return slow(op, stack);  // (TRNSIM_NATIVE=0: the numpy reference, Python's)
   const size_t n = op.schema().arguments().size();
   const size_t base = stack->size() - n;
   const size_t first = kind == kAddmm ? 1 : 0;
@@ -987,15 +1015,7 @@ void fast_matmul(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpKind
   } catch (...) {  // the host is out of memory: Python's path raises its own error
     return slow(op, stack);
   }
-  // stationary = a transposed: [B,] K, M; moving = b: [B,] K, N
-  const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
-  const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
-  auto t0 = std::chrono::steady_clock::now();
-  int rc = fn(first_element(a), code, s_sb, s_sk, s_sm, first_element(b), code, v_sb, v_sk,
-              v_sn, out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, k_chunk, 0, -1,
-              g_fma_on.load(), threads);
-  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  if (rc != 0) return slow(op, stack);  // Python raises the datapath's error
+  if (datapath_matmul(dp, a, b, code, dim, out) != 0) return slow(op, stack);  // Python raises the datapath's error
   if (kind == kAddmm) {  // values._add_scaled, over the PSUM result
     if (alpha.toDouble() != 1) out.mul_(alpha);
     if (beta.toDouble() != 0) {  // beta == 0 ignores self entirely (even NaN), as aten does
@@ -1056,6 +1076,30 @@ FastBlock* count_block(const at::Tensor& cpu, int index) {
   if (g_blocks) g_blocks->prev = b;
   g_blocks = b;
   return b;
+}
+
+// Count every defined tensor of `ts` against HBM on `index`, its block listed in `blocks` (nullptr
+// for an undefined one), or none: false, and Python then raises the OOM (and counts it).
+bool count_all(const at::Tensor* const* ts, size_t count, int index, FastBlock** blocks) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  if (index >= static_cast<int>(g_pool.size())) return false;
+  int64_t* st = g_pool[index];
+  int64_t need = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (ts[i]->defined()) need += static_cast<int64_t>(ts[i]->storage().nbytes());
+  }
+  if (st[0] + need > st[kCapacity]) return false;
+  for (size_t i = 0; i < count; ++i) {
+    blocks[i] = nullptr;
+    if (!ts[i]->defined()) continue;
+    auto nbytes = static_cast<int64_t>(ts[i]->storage().nbytes());
+    mem_add_locked(st, nbytes);
+    auto* b = blocks[i] = new FastBlock{*ts[i], index, nbytes};
+    b->next = g_blocks;
+    if (g_blocks) g_blocks->prev = b;
+    g_blocks = b;
+  }
+  return true;
 }
 
 // undo count_block for a block not handed out (nullptr: nothing to undo)
@@ -1454,15 +1498,12 @@ double magnitude(const at::Tensor& t) {
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
 
 void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  BatchedFn fn = g_batched.load();
+  Datapath dp;
   GroupedFn grouped = g_grouped.load();
-  const int64_t k_chunk = g_k_chunk.load();
-  const int threads = datapath_threads();
-  bool native_set = false;
-  if (fn == nullptr || grouped == nullptr || k_chunk < 1 || threads == 0 ||
-      env_text("TRNSIM_NATIVE", &native_set) == "0") {
-    return slow(op, stack);
-  }
+  if (grouped == nullptr || !datapath_ready(&dp)) return slow(op, stack);
+  const BatchedFn fn = dp.fn;
+  const int64_t k_chunk = dp.k_chunk;
+  const int threads = dp.threads;
   const size_t n = op.schema().arguments().size();  // input, weight, bias, stride, padding, dilation,
   if (n != 9) return slow(op, stack);                // transposed, output_padding, groups
   const size_t base = stack->size() - n;
@@ -1704,6 +1745,24 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_entry(0, index, handle);
 }
 
+// A defined result of the CPU kernel the fast path can hand back as a fresh neuron tensor, keyed into
+// the signature (its shape, dtype and layout); false for Python's path: not a plain strided host
+// tensor (a nested result has no sizes: Python refuses it in its words), or over an argument's
+// memory (Python makes it a view of that argument).
+bool key_result(const at::Tensor& t, const c10::SmallVector<const void*, 8>& inputs, std::string& key) {
+  if (!t.device().is_cpu() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() || t.is_neg() ||
+      t._is_zerotensor() || t.requires_grad()) {
+    return false;
+  }
+  const void* data = t.storage().data();
+  for (const void* in : inputs) {
+    if (data != nullptr && in == data) return false;
+  }
+  key_int(key, 51);
+  key_tensor(key, t, 0);
+  return true;
+}
+
 // A functional _foreach_* op's results (a fresh Tensor[]): each keyed into the signature as a
 // single op's results are, counted against HBM (all or none: Python then raises the OOM), and
 // handed back as neuron tensors over their host memory; anything odd (a result over an argument's
@@ -1712,37 +1771,16 @@ void push_list(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t n
                const c10::SmallVector<const void*, 8>& inputs, std::string& key, int index) {
   std::vector<at::Tensor> res = list.toTensorVector();
   for (const at::Tensor& t : res) {
-    if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() ||
-        t.is_neg() || t._is_zerotensor() || t.requires_grad()) {
-      return slow(op, stack);
-    }
-    const void* data = t.storage().data();
-    for (const void* in : inputs) {
-      if (data != nullptr && in == data) return slow(op, stack);
-    }
-    key_int(key, 51);
-    key_tensor(key, t, 0);
+    if (!t.defined() || !key_result(t, inputs, key)) return slow(op, stack);
   }
   key_int(key, 54);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
   std::vector<FastBlock*> blocks(res.size(), nullptr);
-  {
-    std::lock_guard<std::mutex> lock(g_mem_mutex);
-    if (index >= static_cast<int>(g_pool.size())) return slow(op, stack);
-    int64_t* st = g_pool[index];
-    int64_t need = 0;
-    for (const at::Tensor& t : res) need += static_cast<int64_t>(t.storage().nbytes());
-    if (st[0] + need > st[kCapacity]) return slow(op, stack);
-    for (size_t i = 0; i < res.size(); ++i) {
-      auto nbytes = static_cast<int64_t>(res[i].storage().nbytes());
-      mem_add_locked(st, nbytes);
-      auto* b = blocks[i] = new FastBlock{res[i], index, nbytes};
-      b->next = g_blocks;
-      if (g_blocks) g_blocks->prev = b;
-      g_blocks = b;
-    }
-  }
+  std::vector<const at::Tensor*> results;
+  results.reserve(res.size());
+  for (const at::Tensor& t : res) results.push_back(&t);
+  if (!count_all(results.data(), res.size(), index, blocks.data())) return slow(op, stack);
   c10::List<at::Tensor> out;
   out.reserve(res.size());
   for (size_t i = 0; i < res.size(); ++i) out.push_back(to_device(res[i], blocks[i], index));
@@ -2022,47 +2060,16 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       key_int(key, 52);
       continue;
     }
-    if (!t.device().is_cpu() || t.layout() != c10::kStrided || t.is_nested() || t.is_conj() || t.is_neg() ||
-        t._is_zerotensor() || t.requires_grad()) {
-      return slow(op, stack);  // (a nested result has no sizes: Python refuses it in its words)
-    }
-    const void* data = t.storage().data();
-    for (const void* in : inputs) {  // over an argument's memory: Python makes it a view of it
-      if (data != nullptr && in == data) return slow(op, stack);
-    }
-    key_int(key, 51);
-    key_tensor(key, t, 0);
+    if (!key_result(t, inputs, key)) return slow(op, stack);
   }
   handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);  // the value is computed again there
   FastBlock* blocks[8];
+  const at::Tensor* results[8];
   if (cstack.size() > 8) return slow(op, stack);
-  bool counted = false;
-  {  // count every result against HBM, or none (Python then raises the OOM, and counts it)
-    std::lock_guard<std::mutex> lock(g_mem_mutex);
-    if (index < static_cast<int>(g_pool.size())) {
-      int64_t* st = g_pool[index];
-      int64_t need = 0;
-      for (const auto& r : cstack) {
-        if (r.toTensor().defined()) need += static_cast<int64_t>(r.toTensor().storage().nbytes());
-      }
-      if (st[0] + need <= st[kCapacity]) {
-        for (size_t i = 0; i < cstack.size(); ++i) {
-          const at::Tensor& t = cstack[i].toTensor();
-          blocks[i] = nullptr;
-          if (!t.defined()) continue;
-          auto nbytes = static_cast<int64_t>(t.storage().nbytes());
-          mem_add_locked(st, nbytes);
-          auto* b = blocks[i] = new FastBlock{t, index, nbytes};
-          b->next = g_blocks;
-          if (g_blocks) g_blocks->prev = b;
-          g_blocks = b;
-        }
-        counted = true;
-      }
-    }
-  }
-  if (!counted) return slow(op, stack);  // (not under the ledger's lock: Python's allocation takes it)
+  for (size_t i = 0; i < cstack.size(); ++i) results[i] = &cstack[i].toTensor();
+  // (not under the ledger's lock: Python's allocation takes it)
+  if (!count_all(results, cstack.size(), index, blocks)) return slow(op, stack);
   torch::jit::drop(*stack, n);
   for (size_t i = 0; i < cstack.size(); ++i) {
     if (blocks[i] == nullptr) stack->push_back(cstack[i]);
@@ -2278,13 +2285,8 @@ std::optional<at::Tensor> adopt_op(const at::Tensor& cpu, int64_t index) {
 // or an error: the Python route then computes, or raises, as before. It saves that route's numpy
 // views and operand checks (~15 us of a small attention head's 20 us).
 std::optional<at::Tensor> datapath_f32_op(const at::Tensor& a, const at::Tensor& b) {
-  BatchedFn fn = g_batched.load();
-  const int64_t k_chunk = g_k_chunk.load();
-  const int threads = datapath_threads();
-  bool native_set = false;
-  if (fn == nullptr || k_chunk < 1 || threads == 0 || env_text("TRNSIM_NATIVE", &native_set) == "0") {
-    return std::nullopt;
-  }
+  Datapath dp;
+  if (!datapath_ready(&dp)) return std::nullopt;
   const int64_t dim = a.defined() ? a.dim() : 0;
   for (const at::Tensor* t : {&a, &b}) {
     if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided || t->is_conj() || t->is_neg() ||
@@ -2302,14 +2304,7 @@ std::optional<at::Tensor> datapath_f32_op(const at::Tensor& a, const at::Tensor&
   } catch (...) {
     return std::nullopt;
   }
-  const int64_t s_sb = dim == 3 ? a.stride(0) : 0, s_sk = a.stride(dim - 1), s_sm = a.stride(dim - 2);
-  const int64_t v_sb = dim == 3 ? b.stride(0) : 0, v_sk = b.stride(dim - 2), v_sn = b.stride(dim - 1);
-  auto t0 = std::chrono::steady_clock::now();
-  int rc = fn(first_element(a), code, s_sb, s_sk, s_sm, first_element(b), code, v_sb, v_sk, v_sn,
-              out.mutable_data_ptr<float>(), dim == 3 ? M * N : 0, N, 1, B, K, M, N, k_chunk, 0, -1, g_fma_on.load(),
-              threads);
-  g_datapath_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  if (rc != 0) return std::nullopt;
+  if (datapath_matmul(dp, a, b, code, dim, out) != 0) return std::nullopt;
   return out;
 }
 

@@ -130,15 +130,22 @@ def _datapath_op() -> Any:
     return op
 
 
+def _native_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` (2-d or 3-d) as the float32 PSUM result of the extension's datapath call, or None
+    where it does not take the call (then trnsim.native's route computes the same bits, or raises)."""
+    op = _datapath_op()
+    if op is None or a.requires_grad or b.requires_grad:  # (the op has no autograd formula)
+        return None
+    return op(a, b)
+
+
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[M,K] @ b[K,N]`` (CPU tensors, same datapath dtype) as a float32 PSUM result [M,N]: the
     native extension's call of the datapath where it takes the call, else trnsim.native's (the
     same bits)."""
-    op = _native_op[0] if _native_op else _datapath_op()
-    if op is not None and not (a.requires_grad or b.requires_grad):  # (the op has no autograd formula)
-        out = op(a, b)
-        if out is not None:
-            return out
+    out = _native_product(a, b)
+    if out is not None:
+        return out
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32)  # (from the host cache in its scope)
     native.matmul(_np(a.t()), _np(b), out=out.numpy(), k_chunk=_k_chunk())
     return out
@@ -148,11 +155,9 @@ def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a[B,M,K] @ b[B,K,N]`` (CPU tensors, same datapath dtype) as float32 PSUM results
     [B,M,N], each item as :func:`matmul_f32` computes it, in one call to the datapath (the native
     extension's where it takes the call, as for matmul_f32)."""
-    op = _native_op[0] if _native_op else _datapath_op()
-    if op is not None and not (a.requires_grad or b.requires_grad):  # (the op has no autograd formula)
-        out = op(a, b)
-        if out is not None:
-            return out
+    out = _native_product(a, b)
+    if out is not None:
+        return out
     out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.float32)  # (as matmul_f32's)
     native.matmul_batched(_np(a.transpose(1, 2)), _np(b), k_chunk=_k_chunk(), out=out.numpy())
     return out
