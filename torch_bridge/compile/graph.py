@@ -32,8 +32,10 @@ import torch.fx as fx
 from trnsim.device import FusedRegion, KernelSpec, OpCost
 from trnsim.isa import KernelError
 
+from .. import _torch
 from ..eager import fastpath, lowering, memory, tensore, values
 from ..runtime import runtime
+from .attention import call_values_directly
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, partition
 
@@ -74,6 +76,9 @@ class _Plan:
         #: a value of the region (input, intermediate or result) is of a size the host cache serves:
         #: later calls compute inside memory.host_scope (set by the first call, which made the plan)
         self.big = False
+        #: later calls of this signature: RegionKernel._call's steps as straight-line code
+        #: (RegionKernel._specialise), None until the first call has made it
+        self.run: Any = None
 
 
 class RegionKernel:
@@ -105,18 +110,22 @@ class RegionKernel:
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         plan = self.plans.get(key)
+        if plan is not None and plan.run is not None and RegionKernel.record is None:
+            if not plan.big:
+                return plan.run(args, device)
+            with memory.host_scope():
+                return plan.run(args, device)
         if plan is None or not plan.big:  # (a scope costs ~1 us: small regions go without)
             return self._call(device, key, plan, args)
         with memory.host_scope():
             return self._call(device, key, plan, args)
 
-    def _head(self, a: torch.Tensor, b: torch.Tensor, env: dict[fx.Node, Any]) -> torch.Tensor:
-        """The matmul head's fp32 result, with addmm's bias added (the program goes on from it):
+    def _head(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        """The matmul head's fp32 result, with addmm's bias ``c`` added (the program goes on from it):
         the datapath's PSUM result, unless it is not finite and its operands' products may
         overflow (:func:`tensore.bounded`), where CPU's kernel gives it (eager mm/addmm's rule)."""
         addmm = self.head.target is aten.addmm.default
         if addmm:
-            c = env[self.head.args[0]]
             beta, alpha = self.head.kwargs.get("beta", 1), self.head.kwargs.get("alpha", 1)
         if not tensore.on_datapath(a, b):
             p = torch.mm(a.float(), b.float())
@@ -136,7 +145,7 @@ class RegionKernel:
         for n, v in zip(self.inputs[2 if self.head is not None else 0:], views[2 if self.head is not None else 0:]):
             env[n] = v
         if self.head is not None:
-            env[self.head] = self._head(views[0], views[1], env)
+            env[self.head] = self._head(views[0], views[1], self._bias(env))
         steps = self._steps
         if steps is None:
             steps = self._steps = self._compile_steps()
@@ -159,6 +168,7 @@ class RegionKernel:
             plan = self.plans[key] = self._plan(args, env)
             plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.host_cache_min()
                            for v in env.values())
+            plan.run = self._specialise(plan, args, env)
         rt = runtime()
         for op, cost in plan.costs:
             if not fastpath.launch(device, op, cost):  # (logged natively, as the fast path's ops are)
@@ -166,6 +176,101 @@ class RegionKernel:
         if RegionKernel.record is not None:
             RegionKernel.record.append((self, plan.spec, args, tuple(outs)))
         return tuple(outs)
+
+    def _bias(self, env: dict[fx.Node, Any]) -> torch.Tensor | None:
+        """addmm's bias (an input of the region) for :meth:`_head`."""
+        return env[self.head.args[0]] if self.head.target is aten.addmm.default else None
+
+    def _specialise(self, plan: _Plan, args: Sequence[Any], env: dict[fx.Node, Any]) -> Any:
+        """:meth:`_call` for the later calls of ``plan``'s signature as one generated function
+        ``run(args, device)``: the same calls in the same order (views, head, steps, results,
+        launches) with what the first call found out written in. Which values are 16-bit floats
+        (widened to fp32 where a step reads them) and which results need a dtype conversion follow
+        from the signature's dtypes, as every op's result dtype follows from its arguments'; so the
+        code converts exactly where :meth:`_call` would. The inputs' CPU views come from one
+        native call when the first call's inputs were all neuron tensors it takes (any it refuses
+        later: :func:`memory.cpu_views`, as :meth:`_call`)."""
+        g: dict[str, Any] = {"memory": memory, "_wide": _wide, "fastpath": fastpath, "runtime": runtime}
+        names: dict[fx.Node, str] = {}
+
+        def const(v: Any) -> str:
+            name = f"k{len(g)}"
+            g[name] = v
+            return name
+
+        def read(node: fx.Node) -> str:  # a node's value as a step reads it (_wide)
+            v, name = env[node], names[node]
+            if isinstance(v, torch.Tensor):
+                return f"{name}.float()" if v.dtype in _WIDE else name
+            return f"_wide({name})" if isinstance(v, (list, tuple)) else name
+
+        def constant(v: Any) -> str:
+            return f"_wide({const(v)})" if isinstance(v, (torch.Tensor, list, tuple)) else const(v)
+
+        lines = ["def run(args, device):"]
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        native = memory.native_views()
+        view = [f"v{i}" for i in range(len(args))]
+        if native is not None and tensors and all(
+                values.is_neuron(args[i]) and args[i].layout == torch.strided and not args[i].is_conj()
+                and not args[i].is_neg() and args[i].untyped_storage().nbytes() for i in tensors):
+            g["_native"] = native
+            lines += ["    try:",
+                      f"        {', '.join(view[i] for i in tensors)}, = _native([{', '.join(f'args[{i}]' for i in tensors)}])",
+                      "    except RuntimeError:",
+                      f"        {', '.join(view)}, = memory.cpu_views(args)"]
+            lines += [f"    {view[i]} = args[{i}]" for i in range(len(args)) if i not in tensors]
+        else:
+            lines.append(f"    {', '.join(view)}, = memory.cpu_views(args)")
+        first = 2 if self.head is not None else 0
+        for i, n in enumerate(self.inputs):
+            names[n] = view[i]
+        if self.head is not None:
+            g["_head"] = self._head
+            bias = names[self.head.args[0]] if self.head.target is aten.addmm.default else "None"
+            names[self.head] = "h"
+            lines.append(f"    h = _head(v0, v1, {bias})")
+        assert all(n in names for n in self.inputs[first:])
+        for j, (n, target, sargs, skw) in enumerate(self._steps or ()):
+            out = names[n] = f"n{j}"
+            if target is None:  # getitem
+                lines.append(f"    {out} = {names[sargs]}[{const(skw)}]")
+                continue
+            parts = []
+            for kind, a in sargs:
+                if kind == _NODE:
+                    parts.append(read(a))
+                elif kind == _CONST:
+                    parts.append(const(a))
+                else:  # a list holding nodes: _wide of the list (16-bit tensors in it widened)
+                    items = [read(x) if isinstance(x, fx.Node) else constant(x) for x in a]
+                    body = ", ".join(items) + ("," if len(items) == 1 else "")
+                    parts.append(f"[{body}]" if type(a) is list else f"({body})" if type(a) is tuple
+                                 else f"{const(type(a))}(({body}))")
+            for k, node, v in skw:
+                parts.append(f"{k}={read(v) if node else const(v)}")
+            fn = const(_torch.cpp_op(target) if hasattr(target, "overloadpacket") else target)  # (an OpOverload)
+            lines.append(f"    {out} = {fn}({', '.join(parts)})")
+        outs = []
+        for n in self.outputs:
+            want = n.meta["val"].dtype
+            conv = f".to({const(want)})" if env[n].dtype != want else ""
+            outs.append(f"memory.adopt({names[n]}{conv}.contiguous(), device)")
+        lines.append(f"    outs = ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
+        if plan.costs and fastpath.handle(*plan.costs[0]) is not None:
+            for op, cost in plan.costs:
+                lines.append(f"    if not fastpath.launch_handle(device, {const(fastpath.handle(op, cost))}):")
+                lines.append(f"        runtime().charge(device, {const(op)}, {const(cost)})")
+        else:
+            for op, cost in plan.costs:
+                lines.append(f"    if not fastpath.launch(device, {const(op)}, {const(cost)}):")
+                lines.append(f"        runtime().charge(device, {const(op)}, {const(cost)})")
+        lines.append("    return outs")
+        src = "\n".join(lines)
+        exec(compile(src, f"<region {self.index}: {self.label}>", "exec"), g)
+        run = g["run"]
+        run.source = src
+        return run
 
     def _compile_steps(self) -> list[tuple[Any, ...]]:
         """The region's nodes as (node, target, args, kwargs) with what does not change between
@@ -341,7 +446,7 @@ class CompiledGraph:
 
         use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
         self.regions: list[Region | ForeachRegion] = [*partition(gm), *partition_foreach(gm)]
-        self.module = rewrite(gm, self.regions) if self.regions else gm
+        self.module = call_values_directly(rewrite(gm, self.regions) if self.regions else gm)
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, *args: Any) -> Any:

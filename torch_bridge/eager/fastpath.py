@@ -40,7 +40,8 @@ from trnsim.device import OpCost
 
 from .. import _torch
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "launch_kept", "hits", "install",
+__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "launch_kept", "handle",
+           "launch_handle", "hits", "install",
            "attach", "datapath_seconds"]
 
 _LOG_MAX = 1 << 15  # entries the native log holds (kLogMax)
@@ -229,6 +230,17 @@ def launch(core: int, op: str, cost: OpCost) -> bool:
     :meth:`trnsim.device.Device.launch` would); False when the fast path would not log it now
     (the caller launches it itself)."""
     return _on and bool(_lib.trnsim_fast_launch(core, _handle(op, cost)))
+
+
+def handle(op: str, cost: OpCost) -> int | None:
+    """The native log's handle for launches of ``cost`` for ``op`` (None without the fast path's
+    library), for a caller that launches one pair many times (:func:`launch_handle`)."""
+    return _handle(op, cost) if _lib is not None else None
+
+
+def launch_handle(core: int, h: int) -> bool:
+    """:func:`launch` of the pair :func:`handle` gave ``h`` for."""
+    return _on and bool(_lib.trnsim_fast_launch(core, h))
 
 
 _KEPT_MAX = 1 << 16  # distinct (op, cost) handles launch_kept makes; past it, Device.launch (a bound on _table)

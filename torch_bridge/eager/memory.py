@@ -30,7 +30,7 @@ from trnsim.config import format_quantity
 
 from .. import _torch
 
-__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "adopt", "allocate", "host_scope", "pool"]
+__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "native_views", "adopt", "allocate", "host_scope", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -574,6 +574,13 @@ def _ops() -> list[Any]:
         except (AttributeError, RuntimeError):
             _native_ops.extend([None, None])
     return _native_ops
+
+
+def native_views() -> Any:
+    """The native op :func:`cpu_views` uses for the common windows (a list of strided neuron
+    tensors without conj/neg bits, over memory that exists; it raises ``RuntimeError`` for any
+    other), or None without the extension."""
+    return _ops()[0]
 
 
 def cpu_views(args: Any) -> list[Any]:

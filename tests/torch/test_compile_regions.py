@@ -1,0 +1,153 @@
+"""A compiled region's later calls run its generated code (RegionKernel._specialise): the same
+values, bit for bit, and the same launches, report rows and ticks as its first call's path
+(RegionKernel._call), which every call takes while ``RegionKernel.record`` is set."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import torch_bridge.compile as neuron_compile
+from torch_bridge import fastpath
+from torch_bridge.compile.graph import RegionKernel
+
+neuron_compile.register()
+F = nn.functional
+
+
+def _rmsnorm(x, w):
+    return w * (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+# name -> (function, input shapes, dtype)
+PROGRAMS = {
+    "fp32 chain": (lambda x, b: torch.tanh(x + b) * 0.5 - x, [(64, 96), (96,)], torch.float32),
+    "bf16 chain": (lambda x, b: torch.tanh(x + b) * 0.5 - x, [(64, 96), (96,)], torch.bfloat16),
+    "bf16 rms norm": (_rmsnorm, [(32, 128), (128,)], torch.bfloat16),
+    "fp16 softmax": (lambda x: torch.softmax(x * 0.125, -1) + 1.0, [(16, 80)], torch.float16),
+    "linear epilogue": (lambda x, w, b: torch.tanh(F.linear(x, w, b)) * 0.5 + x[:, :1], [(32, 48), (40, 48), (40,)],
+                        torch.float32),
+    "bf16 linear epilogue": (lambda x, w, b: F.silu(F.linear(x, w, b)) * 2.0, [(16, 32), (24, 32), (24,)],
+                             torch.bfloat16),
+    "layer norm": (lambda x, w, b: F.layer_norm(x * 2.0, (64,), w, b) + 1.0, [(24, 64), (64,), (64,)], torch.float32),
+}
+
+
+@contextlib.contextmanager
+def _generic():
+    """Every region call takes RegionKernel._call (the path whose results the generated code must give)."""
+    RegionKernel.record = []
+    try:
+        yield RegionKernel.record
+    finally:
+        RegionKernel.record = None
+
+
+def _figures(rep):
+    return (rep.rows, rep.host_ops, rep.elapsed_us, rep.device_us, rep.dispatches)
+
+
+def _calls(compiled, args, n):
+    outs, figs = [], []
+    for _ in range(n):
+        with torch.neuron.report_scope() as scope:
+            out = compiled(*args)
+            torch.neuron.synchronize()
+        outs.append(out.cpu())
+        figs.append(_figures(scope.report))
+    return outs, figs
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_later_calls_give_the_first_calls_values_and_figures(name, fast):
+    fn, shapes, dtype = PROGRAMS[name]
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen).to(dtype).to("neuron") for s in shapes]
+    before = fastpath.enabled()
+    fastpath.set_enabled(fast)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="neuron")
+        with _generic() as rec:
+            first, first_figs = _calls(compiled, args, 2)
+        kernels = {r[0] for r in rec}
+        assert kernels, f"{name}: nothing fused"
+        later, later_figs = _calls(compiled, args, 2)
+        assert all(p.run is not None for k in kernels for p in k.plans.values())
+    finally:
+        fastpath.set_enabled(before)
+    for got in first[1:] + later:
+        assert got.dtype == first[0].dtype
+        assert torch.equal(got.view(torch.uint8) if got.dtype != torch.bool else got,
+                           first[0].view(torch.uint8) if got.dtype != torch.bool else first[0]), name
+    for figs in first_figs[1:] + later_figs:
+        assert figs == first_figs[1], name  # (the first call also made the plans: its own figures)
+    # and the values are the program's on CPU within the region's documented rounding
+    cpu = fn(*[a.cpu() for a in args])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(later[-1].float(), cpu.float(), **tol)
+
+
+def test_an_input_the_native_views_refuse_takes_the_generic_views():
+    """A later call whose input carries a neg bit (the native views refuse it) computes from
+    memory.cpu_views' windows: the same values as the plain input."""
+    fn, shapes, dtype = PROGRAMS["fp32 chain"]
+    gen = torch.Generator().manual_seed(1)
+    args = [torch.randn(s, generator=gen).to("neuron") for s in shapes]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="neuron")
+    with _generic() as rec:
+        compiled(*args)
+    rk, _spec, rargs, routs = rec[0]
+    plan = next(iter(rk.plans.values()))
+    assert plan.run is not None
+    neg = [torch._neg_view(a.neg()) if isinstance(a, torch.Tensor) else a for a in rargs]
+    assert any(isinstance(a, torch.Tensor) and a.is_neg() for a in neg)
+    plain = rk(*rargs)
+    refused = rk(*neg)
+    for a, b, c in zip(routs, plain, refused):
+        assert torch.equal(a.cpu(), b.cpu()) and torch.equal(a.cpu(), c.cpu())
+
+
+def test_a_graphs_attention_values_call_the_function_directly():
+    """A compiled graph's ``trnsim::attention_values`` node calls its computation directly
+    (compile.attention.values_call: the aot graph runs without autograd), with the values of the
+    eager device's attention, bit for bit, and of a non-finite query CPU's kernel's, as the op gave."""
+    from torch_bridge.compile.attention import values_call
+    from torch_bridge.compile.graph import CompiledGraph
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, m) * 2.0
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 16, generator=gen) for n in (1, 23, 23))
+    m = torch.rand(1, 1, 1, 23, generator=gen) > 0.3
+    args = [t.to("neuron") for t in (q, k, v, m)]
+    torch._dynamo.reset()
+    made: list[CompiledGraph] = []
+    init = CompiledGraph.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    CompiledGraph.__init__ = record
+    try:
+        compiled = torch.compile(fn, backend="neuron")
+        outs = [compiled(*args).cpu() for _ in range(2)]
+    finally:
+        CompiledGraph.__init__ = init
+    assert any(n.target is values_call for g in made for n in g.module.graph.nodes)
+    eager = fn(*args).cpu()
+    assert torch.equal(outs[0], eager) and torch.equal(outs[1], eager)
+    torch.testing.assert_close(outs[0], fn(q, k, v, m), rtol=1e-5, atol=1e-5)
+    q[0, 0, 0, 0] = float("inf")
+    args[0] = q.to("neuron")
+    got = compiled(*args).cpu()
+    assert not got.isfinite().all()
+    torch.testing.assert_close(got, fn(*args).cpu(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, fn(q, k, v, m), rtol=1e-5, atol=1e-5, equal_nan=True)
