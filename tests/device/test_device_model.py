@@ -168,6 +168,56 @@ def test_a_graph_launch_costs_one_dispatch_and_runs_its_kernels_back_to_back():
     assert _timeline(dev)[-1] == (96, 108, 128)
 
 
+def _state(dev: Device, recs) -> list:
+    """Everything a launch changes: each core's timeline and each recorder's figures."""
+    out: list = [dev._host]
+    for c in dev.cores:
+        out.append((dict(c.ready), c.busy_until, list(c.inflight), list(c.bookings), set(c.streams)))
+    for rec in recs:
+        out.append(({k: list(v) for k, v in rec.rows.items()}, rec.host_ticks, rec.dispatches, rec.graph_launches,
+                    {i: (t.launches, t.wait, t.busy, [list(iv) for iv in t.open], t.last_end, t.ticks)
+                     for i, t in rec.cores.items()}))
+    return out
+
+
+def test_a_graph_on_a_stream_of_its_own_is_recorded_in_aggregate_with_the_same_figures(monkeypatch):
+    """Device._issue_run (a graph whose stream has its core to itself, no trace) leaves the state
+    and figures that booking and recording each kernel leaves: two recorders, zero-tick kernels,
+    repeated costs, a queue that fills, two cores, a second stream afterwards."""
+    tiny, zero, big, mid = _cost(20, Vector=20), _cost(0), _cost(1000, Tensor=990), _cost(300, DMA=250)
+
+    def scenario() -> list:
+        dev = _device()
+        outer = dev.recorders[0]
+        dev.launch(0, "add", tiny)
+        inner = dev.open_scope()
+        for i in range(6):
+            dev.launch_graph(0, [("add", tiny), ("nop", zero), ("mm", big), ("add", tiny), ("mm", big), ("nop", zero)])
+            dev.launch(0, "mul", tiny)
+            dev.launch_graph(1, [("copy", mid)] * (i + 2))
+            if i == 3:
+                dev.synchronize(1)
+        dev.launch_graph(0, [("nop", zero), ("nop", zero)])
+        dev.launch_graph(0, [("copy", mid), ("add", tiny)], stream=1)  # a second stream: booked one by one
+        dev.launch_graph(0, [("copy", mid), ("add", tiny)])
+        state = _state(dev, [outer, inner])
+        rep = dev.close_scope(inner)
+        return state + [rep, dev.report()]
+
+    aggregate = scenario()
+    calls = []
+    real = Device._issue_run
+
+    def spy(self, *a):
+        calls.append(1)
+        return real(self, *a)
+
+    monkeypatch.setattr(Device, "_issue_run", spy)
+    assert scenario() == aggregate and len(calls) == 13  # (the graphs before stream 1 of core 0 was used)
+    monkeypatch.setattr(Device, "_issue_run", Device._issue_each)
+    assert scenario() == aggregate
+
+
 def test_a_graph_counts_once_against_max_inflight():
     dev = _device()
     dev.reset(trace=True)

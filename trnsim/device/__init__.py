@@ -565,6 +565,16 @@ class Device:
         if wait < 0:
             wait = 0
         graph = len(items) > 1
+        recs = self.recorders
+        if graph and (not c.streams or (len(c.streams) == 1 and s in c.streams)) \
+                and all(r.events is None and r.sources is None for r in recs):
+            return self._issue_run(c, core, s, items, host, t, wait)
+        return self._issue_each(c, core, s, items, host, t, wait)
+
+    def _issue_each(self, c: CoreTimeline, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]],
+                    host: int, t: int, wait: int) -> list[tuple[int, int]]:
+        """:meth:`_issue`'s kernels booked and recorded one by one."""
+        graph = len(items) > 1
         times = []
         for op, cost, ctx in items:
             start = t
@@ -580,6 +590,76 @@ class Device:
         for rec in self.recorders:
             rec.dispatches += 1
             rec.graph_launches += graph
+        return times
+
+    def _issue_run(self, c: CoreTimeline, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]],
+                   host: int, t: int, wait: int) -> list[tuple[int, int]]:
+        """:meth:`_issue`'s loop for a graph on a stream that has its core to itself, with no
+        recorder keeping a trace or source lines: the kernels run back to back, none stretched,
+        so their figures are summed per row and applied once per recorder, leaving the state and
+        figures the per-kernel :meth:`_book` and :meth:`_record` leave."""
+        c.streams.add(s)
+        bookings = c.bookings
+        times = []
+        rows: dict[tuple[str, int], list[Any]] = {}
+        first = t
+        wait0 = wait
+        busy = 0
+        for op, cost, _ctx in items:
+            ticks = cost.ticks
+            end = t + ticks
+            if ticks:
+                bookings.append((s, t, end, cost.demand))
+                busy += ticks
+            times.append((t, end))
+            key = (op, id(cost))
+            row = rows.get(key)
+            if row is None:
+                rows[key] = [cost, 1, ticks, wait]
+            else:
+                row[1] += 1
+                row[2] += ticks
+                row[3] += wait
+            wait = 0  # kernels of one graph follow each other without the host
+            t = end
+        fold = c.fold_until(host)
+        n = len(items)
+        spans = [[lo, hi] for lo, hi in times if hi > lo]
+        for rec in self.recorders:
+            for key, (cost, calls, ticks, w) in rows.items():
+                row = rec.rows.get(key)
+                if row is None:
+                    rec.rows[key] = [cost, calls, ticks, w, 0]
+                else:
+                    row[1] += calls
+                    row[2] += ticks
+                    row[3] += w
+            tally = rec.cores.get(core)
+            if tally is None:
+                tally = rec.cores[core] = CoreTally()
+            tally.launches += n
+            tally.wait += wait0
+            live = tally.open
+            if spans and live and spans[0][0] < live[-1][1]:  # (an open interval overlaps: the general merge)
+                for lo, hi in times:
+                    tally.add(lo, hi, fold)
+                continue
+            if t > tally.last_end:
+                tally.last_end = t
+            if spans:  # CoreTally.add of each kernel after every open interval: one fold, then the intervals
+                tally.ticks += busy
+                while live and live[0][1] <= fold:
+                    lo, hi = live.pop(0)
+                    tally.busy += hi - lo
+                live.extend([lo, hi] for lo, hi in spans)
+        c.ready[s] = t
+        if t > c.busy_until:
+            c.busy_until = t
+        if t > first:
+            c.inflight.append(t)
+        for rec in self.recorders:
+            rec.dispatches += 1
+            rec.graph_launches += 1
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
