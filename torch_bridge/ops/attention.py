@@ -299,7 +299,7 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
     :func:`masked_scores`."""
-    hq, hk, hv = memory.cpu_view(q), memory.cpu_view(k), memory.cpu_view(v)
+    hq, hk, hv = memory.cpu_views((q, k, v))  # (one native call: a decode step's tensors are new each time)
     cq, ck, cv = hq, _heads(hk, groups), _heads(hv, groups)
     l, e = q.shape[-2:]
     s = k.shape[-2]
@@ -531,7 +531,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         if flash and dropout_p == 0.0:
             exact = True
             if all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None):
-                hq, hk, hv = (memory.cpu_view(t) for t in (query, key, value))
+                hq, hk, hv = memory.cpu_views((query, key, value))
                 hmask = host_mask(attn_mask)
                 exact = datapath_exact(hq, hk, hv, hmask, scale)
             if not exact and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and \
