@@ -243,14 +243,7 @@ class Device:
         for rec in recs:
             rec.host_ticks += delta
             rec.dispatches += launches
-            for op, cost, key, n, ticks, wait in rows:
-                row = rec.rows.get(key)
-                if row is None:
-                    rec.rows[key] = [cost, n, ticks, wait, 0]
-                else:
-                    row[1] += n
-                    row[2] += ticks
-                    row[3] += wait
+            rec.add_rows((key, cost, n, ticks, wait) for _op, cost, key, n, ticks, wait in rows)
             for name, n in hops:
                 rec.host_ops[name] = rec.host_ops.get(name, 0) + n
             for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, _bk in used:
@@ -626,14 +619,7 @@ class Device:
         n = len(items)
         spans = [[lo, hi] for lo, hi in times if hi > lo]
         for rec in self.recorders:
-            for key, (cost, calls, ticks, w) in rows.items():
-                row = rec.rows.get(key)
-                if row is None:
-                    rec.rows[key] = [cost, calls, ticks, w, 0]
-                else:
-                    row[1] += calls
-                    row[2] += ticks
-                    row[3] += w
+            rec.add_rows((key, *row) for key, row in rows.items())
             tally = rec.cores.get(core)
             if tally is None:
                 tally = rec.cores[core] = CoreTally()

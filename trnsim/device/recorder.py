@@ -82,6 +82,18 @@ class Recorder:
         self.events: list[TraceEvent] | None = [] if trace else None
         self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
 
+    def add_rows(self, rows: Any) -> None:
+        """Count launches summed per report row: (row key, cost, launches, ticks, host wait) each."""
+        table = self.rows
+        for key, cost, n, ticks, wait in rows:
+            row = table.get(key)
+            if row is None:
+                table[key] = [cost, n, ticks, wait, 0]
+            else:
+                row[1] += n
+                row[2] += ticks
+                row[3] += wait
+
 
 # a launch's context: (the Python line that launched it, its host call; -1: none)
 NO_CONTEXT = ("", -1)
