@@ -52,3 +52,33 @@ def test_profiles_do_not_nest():
         with pytest.raises(RuntimeError, match="recording already"):
             with hostprof.profile():
                 pass
+
+
+def test_a_compiled_graphs_time_is_split_into_its_regions_and_its_other_ops():
+    """A compiled function's calls: its regions' host values and the graph's other ops are parts
+    of their own (one call each per run of the function), values and ticks as without the profile."""
+    import torch_bridge.compile as neuron_compile
+    from torch_bridge.compile.graph import CompiledGraph, RegionKernel
+    from torch_bridge.runtime import runtime
+
+    neuron_compile.register()
+
+    def fn(x, w):
+        return torch.tanh(x @ w) * 0.5 + x.sum()
+
+    x, w = torch.randn(16, 32, device="neuron"), torch.randn(32, 32, device="neuron")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="neuron")
+    want = compiled(x, w).cpu()  # compiled and costed
+    device = runtime().device
+    t0 = device.now()
+    compiled(x, w).cpu()
+    plain = device.now() - t0
+    t0 = device.now()
+    with hostprof.profile() as prof:
+        got = compiled(x, w).cpu()
+    assert torch.equal(got, want) and device.now() - t0 == plain
+    parts = dict((k, c) for k, _, c in prof.parts())
+    assert parts[hostprof.GRAPHS] == 1 and parts[hostprof.REGIONS] >= 1
+    assert hostprof.REGIONS in prof.table() and hostprof.GRAPHS in prof.table()
+    assert not hasattr(RegionKernel.__call__, "__wrapped__") and not hasattr(CompiledGraph.__call__, "__wrapped__")

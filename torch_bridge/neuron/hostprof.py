@@ -4,8 +4,9 @@ A program on the ``neuron`` device spends its wall time in: the CPU kernels that
 values, the native fast path around them (``csrc/neuron.cpp``), the Python path of the ops the
 fast path steps aside for (:mod:`torch_bridge.values`, per op name), the device model placing
 launches on the simulated timeline (:class:`trnsim.device.Device`), building and simulating the
-kernels of new shapes (cost-cache misses), compiling graphs, and the program's own Python and
-autograd. :func:`profile` measures each of the simulator's parts by its own clock (time spent
+kernels of new shapes (cost-cache misses), compiling graphs, running compiled graphs (their
+regions' values on the host, and their other ops), and the program's own Python and autograd.
+:func:`profile` measures each of the simulator's parts by its own clock (time spent
 inside a part less the parts nested in it); what is left over is the fast path, the CPU kernels
 it runs and the program itself, which the caller compares with the same program's CPU wall time
 measured in the same run (``benchmarks/bench_zoo.py --split``)::
@@ -29,6 +30,12 @@ from typing import Any, Callable, Iterator
 __all__ = ["Profile", "profile", "active"]
 
 active: "Profile | None" = None  # the profile being recorded (handed to values.host_profile too)
+
+#: compiled graphs' regions computing their values on the host (RegionKernel, ForeachKernel calls)
+REGIONS = "compiled regions (values)"
+#: the rest of a compiled graph's run: its other ops (fast path or Python path, unless counted as
+#: such), attention's values, the graph module's own Python
+GRAPHS = "compiled graphs (other ops)"
 
 _clock = time.perf_counter
 
@@ -95,7 +102,7 @@ class Profile:
                          f" {c}")
 
         s = self.summary()
-        for group in ("build", "simulate", "device model", "compile", "cpu kernels (python path)"):
+        for group in ("build", "simulate", "device model", "compile", REGIONS, GRAPHS, "cpu kernels (python path)"):
             if s.get(group):
                 row(group, s[group], self.calls.get(group))
         py = [(k, v, c) for k, v, c in self.parts() if k.startswith("python ")]
@@ -137,6 +144,8 @@ def profile() -> Iterator[Profile]:
     from trnsim.device import Device
 
     from .. import runtime
+    from ..compile.foreach import ForeachKernel
+    from ..compile.graph import CompiledGraph, RegionKernel
     from ..eager import fastpath
     from ..eager import values
 
@@ -147,6 +156,9 @@ def profile() -> Iterator[Profile]:
                               (Device, "_drain", "device model"), (Device, "launch", "device model"),
                               (Device, "launch_graph", "device model"), (Device, "host_op", "device model"),
                               (Device, "synchronize", "device model"), (Device, "now", "device model"),
+                              (Device, "_settle_capture", "device model"),
+                              (RegionKernel, "__call__", REGIONS), (ForeachKernel, "__call__", REGIONS),
+                              (CompiledGraph, "__call__", GRAPHS),
                               (values, "_cpu_call", "cpu kernels (python path)")):
         _wrap(owner, name, part, undo)
     prof = Profile()
