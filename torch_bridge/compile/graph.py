@@ -168,7 +168,10 @@ class RegionKernel:
             plan = self.plans[key] = self._plan(args, env)
             plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.host_cache_min()
                            for v in env.values())
-            plan.run = self._specialise(plan, args, env)
+            try:
+                plan.run = self._specialise(plan, args, env)
+            except Exception:  # (a structure it does not write out: every call walks the ops, as before)
+                plan.run = None
         rt = runtime()
         for op, cost in plan.costs:
             if not fastpath.launch(device, op, cost):  # (logged natively, as the fast path's ops are)
@@ -220,7 +223,7 @@ class RegionKernel:
                       "    except RuntimeError:",
                       f"        {', '.join(view)}, = memory.cpu_views(args)"]
             lines += [f"    {view[i]} = args[{i}]" for i in range(len(args)) if i not in tensors]
-        else:
+        elif args:
             lines.append(f"    {', '.join(view)}, = memory.cpu_views(args)")
         first = 2 if self.head is not None else 0
         for i, n in enumerate(self.inputs):
