@@ -2138,14 +2138,9 @@ def _compiled_runs(items: list[tuple[Sample, Any]], dynamic: bool = False) -> li
     return [(_compile_batch([it], dynamic=dynamic) or [Run(error=RuntimeError("compile failed"))])[0] for it in items]
 
 
-def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynamic: bool = False) -> list[Run] | None:
-    """The samples as one compiled graph on ``device`` (neuron: backend "neuron"; cpu: the
-    reference, "aot_eager"); None when the graph of several fails. ``dynamic``: traced with
-    symbolic sizes (``torch.compile(dynamic=True)``), as a function called at a second shape is."""
-    mats = [Materialised(s, device, specs) for s, specs in items]
-    calls = []
-    for (s, _), m in zip(items, mats):
-        calls.append((s.op, m.args, m.kwargs))
+def _lift(items: list[tuple[Sample, Any]], mats: list["Materialised"]) -> tuple[list[Any], list[torch.Tensor]]:
+    """The samples' calls with each tensor argument replaced by ("__t", its index among the graph's
+    inputs), and those inputs, each tensor once, in order of first appearance."""
     tensors: list[torch.Tensor] = []
     index: dict[int, int] = {}
 
@@ -2160,7 +2155,16 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
         if isinstance(x, tuple):
             return tuple(lift(y) for y in x)
         return x
-    specs = [(op, lift(a), {k: lift(v) for k, v in kw.items()}) for op, a, kw in calls]
+    specs = [(s.op, lift(m.args), {k: lift(v) for k, v in m.kwargs.items()}) for (s, _), m in zip(items, mats)]
+    return specs, tensors
+
+
+def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynamic: bool = False) -> list[Run] | None:
+    """The samples as one compiled graph on ``device`` (neuron: backend "neuron"; cpu: the
+    reference, "aot_eager"); None when the graph of several fails. ``dynamic``: traced with
+    symbolic sizes (``torch.compile(dynamic=True)``), as a function called at a second shape is."""
+    mats = [Materialised(s, device, specs) for s, specs in items]
+    specs, tensors = _lift(items, mats)
 
     def drop(x: Any, ts: Sequence[torch.Tensor]) -> Any:
         if isinstance(x, tuple) and len(x) == 2 and x[0] == "__t":
@@ -2199,22 +2203,7 @@ def _second_call(items: list[tuple[Sample, Any]], fn: Any, runs: list[Run]) -> N
     run its generated code (torch_bridge.compile.graph.RegionKernel._specialise), its first call
     walked the ops. Each result must be the first call's bit for bit; a sample whose result is
     not gets an error in its run (a mismatch, as CPU raised nothing)."""
-    mats = [Materialised(s, DEVICE, specs) for s, specs in items]
-    tensors: list[torch.Tensor] = []
-    seen: set[int] = set()
-
-    def walk(x: Any) -> None:  # the graph's inputs in _compile_batch's order (its lift)
-        if isinstance(x, torch.Tensor):
-            if id(x) not in seen:
-                seen.add(id(x))
-                tensors.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-
-    for m in mats:
-        walk(m.args)
-        walk(list(m.kwargs.values()))
+    _, tensors = _lift(items, [Materialised(s, DEVICE, specs) for s, specs in items])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

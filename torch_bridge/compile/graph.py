@@ -214,9 +214,7 @@ class RegionKernel:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         native = memory.native_views()
         view = [f"v{i}" for i in range(len(args))]
-        if native is not None and tensors and all(
-                values.is_neuron(args[i]) and args[i].layout == torch.strided and not args[i].is_conj()
-                and not args[i].is_neg() and args[i].untyped_storage().nbytes() for i in tensors):
+        if native is not None and tensors and all(memory.native_viewable(args[i]) for i in tensors):
             g["_native"] = native
             lines += ["    try:",
                       f"        {', '.join(view[i] for i in tensors)}, = _native([{', '.join(f'args[{i}]' for i in tensors)}])",
@@ -225,7 +223,6 @@ class RegionKernel:
             lines += [f"    {view[i]} = args[{i}]" for i in range(len(args)) if i not in tensors]
         elif args:
             lines.append(f"    {', '.join(view)}, = memory.cpu_views(args)")
-        first = 2 if self.head is not None else 0
         for i, n in enumerate(self.inputs):
             names[n] = view[i]
         if self.head is not None:
@@ -233,7 +230,6 @@ class RegionKernel:
             bias = names[self.head.args[0]] if self.head.target is aten.addmm.default else "None"
             names[self.head] = "h"
             lines.append(f"    h = _head(v0, v1, {bias})")
-        assert all(n in names for n in self.inputs[first:])
         for j, (n, target, sargs, skw) in enumerate(self._steps or ()):
             out = names[n] = f"n{j}"
             if target is None:  # getitem
@@ -260,14 +256,12 @@ class RegionKernel:
             conv = f".to({const(want)})" if env[n].dtype != want else ""
             outs.append(f"memory.adopt({names[n]}{conv}.contiguous(), device)")
         lines.append(f"    outs = ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
-        if plan.costs and fastpath.handle(*plan.costs[0]) is not None:
-            for op, cost in plan.costs:
-                lines.append(f"    if not fastpath.launch_handle(device, {const(fastpath.handle(op, cost))}):")
-                lines.append(f"        runtime().charge(device, {const(op)}, {const(cost)})")
-        else:
-            for op, cost in plan.costs:
-                lines.append(f"    if not fastpath.launch(device, {const(op)}, {const(cost)}):")
-                lines.append(f"        runtime().charge(device, {const(op)}, {const(cost)})")
+        for op, cost in plan.costs:  # (a handle looked up now; without the fast path's library, launch's lookup)
+            h = fastpath.handle(op, cost)
+            launch = f"fastpath.launch(device, {const(op)}, {const(cost)})" if h is None else \
+                f"fastpath.launch_handle(device, {const(h)})"
+            lines.append(f"    if not {launch}:")
+            lines.append(f"        runtime().charge(device, {const(op)}, {const(cost)})")
         lines.append("    return outs")
         src = "\n".join(lines)
         exec(compile(src, f"<region {self.index}: {self.label}>", "exec"), g)

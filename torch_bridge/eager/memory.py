@@ -30,7 +30,7 @@ from trnsim.config import format_quantity
 
 from .. import _torch
 
-__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "native_views", "adopt", "allocate", "host_scope", "pool"]
+__all__ = ["MemoryStats", "Pool", "relabel", "cpu_view", "cpu_views", "native_views", "native_viewable", "adopt", "allocate", "host_scope", "pool"]
 
 _KDL_EXT_DEV = 12  # DLPack's kDLExtDev: PyTorch reads it as PrivateUse1
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -577,10 +577,16 @@ def _ops() -> list[Any]:
 
 
 def native_views() -> Any:
-    """The native op :func:`cpu_views` uses for the common windows (a list of strided neuron
-    tensors without conj/neg bits, over memory that exists; it raises ``RuntimeError`` for any
-    other), or None without the extension."""
+    """The native op :func:`cpu_views` uses for the common windows (a list of tensors
+    :func:`native_viewable` takes; it raises ``RuntimeError`` for any other), or None without the
+    extension."""
     return _ops()[0]
+
+
+def native_viewable(t: torch.Tensor) -> bool:
+    """A neuron tensor the native views take: strided, without conj/neg bits, over memory that exists."""
+    return t.device.type == "neuron" and t.layout == torch.strided and not t.is_conj() and not t.is_neg() \
+        and bool(t.untyped_storage().nbytes())
 
 
 def cpu_views(args: Any) -> list[Any]:
@@ -591,8 +597,7 @@ def cpu_views(args: Any) -> list[Any]:
     common = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.device.type == "neuron":
-            if native is not None and a.layout == torch.strided and not a.is_conj() and not a.is_neg() \
-                    and a.untyped_storage().nbytes():
+            if native is not None and native_viewable(a):
                 common.append(i)
             else:
                 out[i] = cpu_view(a)

@@ -557,17 +557,14 @@ class Device:
         wait = host - max(ready, c.busy_until)
         if wait < 0:
             wait = 0
-        graph = len(items) > 1
-        recs = self.recorders
-        if graph and (not c.streams or (len(c.streams) == 1 and s in c.streams)) \
-                and all(r.events is None and r.sources is None for r in recs):
+        if len(items) > 1 and (not c.streams or (len(c.streams) == 1 and s in c.streams)) \
+                and all(r.events is None and r.sources is None for r in self.recorders):
             return self._issue_run(c, core, s, items, host, t, wait)
         return self._issue_each(c, core, s, items, host, t, wait)
 
     def _issue_each(self, c: CoreTimeline, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]],
                     host: int, t: int, wait: int) -> list[tuple[int, int]]:
         """:meth:`_issue`'s kernels booked and recorded one by one."""
-        graph = len(items) > 1
         times = []
         for op, cost, ctx in items:
             start = t
@@ -575,15 +572,23 @@ class Device:
             wait = 0  # kernels of one graph follow each other without the host
             times.append((start, end))
             t = end
+        self._close_dispatch(c, s, times)
+        return times
+
+    def _close_dispatch(self, c: CoreTimeline, s: int, times: list[tuple[int, int]]) -> None:
+        """After one dispatch's kernels (``times``: their (start, end)) are booked: stream ``s``
+        of ``c`` is ready at the last end, the dispatch is in flight if it took time, and each
+        recorder counts it (a graph launch when it held several kernels)."""
+        t = times[-1][1]
         c.ready[s] = t
         if t > c.busy_until:
             c.busy_until = t
         if t > times[0][0]:
             c.inflight.append(t)
+        graph = len(times) > 1
         for rec in self.recorders:
             rec.dispatches += 1
             rec.graph_launches += graph
-        return times
 
     def _issue_run(self, c: CoreTimeline, core: int, s: int, items: list[tuple[str, OpCost, tuple[str, int]]],
                    host: int, t: int, wait: int) -> list[tuple[int, int]]:
@@ -595,7 +600,6 @@ class Device:
         bookings = c.bookings
         times = []
         rows: dict[tuple[str, int], list[Any]] = {}
-        first = t
         wait0 = wait
         busy = 0
         for op, cost, _ctx in items:
@@ -638,14 +642,7 @@ class Device:
                     lo, hi = live.pop(0)
                     tally.busy += hi - lo
                 live.extend([lo, hi] for lo, hi in spans)
-        c.ready[s] = t
-        if t > c.busy_until:
-            c.busy_until = t
-        if t > first:
-            c.inflight.append(t)
-        for rec in self.recorders:
-            rec.dispatches += 1
-            rec.graph_launches += 1
+        self._close_dispatch(c, s, times)
         return times
 
     def _record(self, core: int, s: int, op: str, cost: OpCost, ticks: int, wait: int, host: int, start: int,
