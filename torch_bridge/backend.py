@@ -137,12 +137,20 @@ def register_or_report() -> bool:
         register()
         return True
     except _native.NativeBuildError as e:
-        if not _reported:
-            import sys
-
-            _reported.append(str(e))
-            print(f"{e} (the neuron device is not registered; CPU-only torch is unaffected)", file=sys.stderr)
+        _report(f"{e} (the neuron device is not registered; CPU-only torch is unaffected)")
         return False
+    except Exception as e:  # a bug of ours: one line, and import torch still works
+        _report(f"trnsim: registering the neuron device failed ({type(e).__name__}: {e}); the neuron device may "
+                f"not work in this process, CPU-only torch is unaffected")
+        return False
+
+
+def _report(line: str) -> None:
+    if not _reported:
+        import sys
+
+        _reported.append(line)
+        print(line, file=sys.stderr)
 
 
 def autoload() -> None:

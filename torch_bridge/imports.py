@@ -11,7 +11,7 @@ import importlib.machinery
 import sys
 from typing import Any, Callable
 
-__all__ = ["after_import"]
+__all__ = ["after_import", "run_pending"]
 
 
 class _AfterImport:
@@ -40,9 +40,52 @@ class _AfterImport:
         return spec
 
 
-def after_import(name: str, fn: Callable[[Any], None]) -> None:
-    """``fn(module)`` now if module ``name`` is imported, else right after it is (once)."""
-    if name in sys.modules:
+def _initializing(module: Any) -> bool:
+    """True while ``module``'s code is still running (it is in sys.modules from its first line)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+class _Pending:
+    """A meta-path finder that finds nothing: at each import after a module that was still
+    running when :func:`after_import` was asked for it, it runs that module's functions once
+    the module has finished (:func:`run_pending`)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        run_pending()
+        return None
+
+
+_pending: list[tuple[str, Callable[[Any], None]]] = []
+_finder = _Pending()
+
+
+def run_pending() -> None:
+    """Run the functions of :func:`after_import` whose module was still running when asked and
+    has finished since (also called when the device starts: a program may import nothing more)."""
+    done = [(n, fn) for n, fn in _pending if n in sys.modules and not _initializing(sys.modules[n])]
+    if not done:
+        return
+    for item in done:
+        _pending.remove(item)
+    if not _pending and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    for name, fn in done:
         fn(sys.modules[name])
+
+
+def after_import(name: str, fn: Callable[[Any], None]) -> None:
+    """``fn(module)`` now if module ``name`` is imported, else right after it is (once).
+
+    A module that is in sys.modules but still running its code (it imported torch, which loaded
+    the bridge, which asked for it: ``import transformers.models.mixtral.modeling_mixtral``
+    before torch) is not finished: ``fn`` runs once it is, at the next import or when the device
+    starts (:func:`run_pending`)."""
+    module = sys.modules.get(name)
+    if module is not None and not _initializing(module):
+        fn(module)
+    elif module is not None:
+        _pending.append((name, fn))
+        if _finder not in sys.meta_path:
+            sys.meta_path.insert(0, _finder)
     elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(name, fn))

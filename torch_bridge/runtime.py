@@ -90,6 +90,9 @@ def runtime() -> Runtime:
     if _runtime is None:
         name, overrides = _requested or (os.environ.get("TRNSIM_CONFIG", "").strip() or "trn2", None)
         _runtime = Runtime(load_config(name, overrides))
+        from .imports import run_pending
+
+        run_pending()  # a module that was still running when the bridge loaded (imports.after_import)
     return _runtime
 
 

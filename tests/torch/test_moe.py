@@ -6,6 +6,9 @@ torch.compile, router logits for the auxiliary loss, and the blocks that keep ru
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -58,6 +61,22 @@ def test_the_block_is_patched_and_cpu_models_are_untouched():
         got = block(h)
     assert scope.report.launches == 0  # CPU tensors: the block's own forward
     assert torch.equal(got, moe.original_forward(cls)(block, h))
+
+
+def test_importing_the_mixtral_module_before_torch_loads_and_patches_the_block():
+    """transformers' Mixtral module imports torch on its first lines, which loads the bridge while
+    the module is still running: the bridge waits for it to finish (``import torch`` failed here,
+    the block not yet defined), and patches it at the next import or when the device starts."""
+    code = (
+        "from transformers.models.mixtral import modeling_mixtral as m\n"
+        "cls = m.MixtralSparseMoeBlock\n"
+        "import torch\n"
+        "x = torch.ones(2, device='neuron')\n"
+        "print(hasattr(cls.forward, '_trnsim_original'), torch.nn.Linear(2, 2)(torch.ones(2)).shape)\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tempfile.gettempdir())
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split() == ["True", "torch.Size([2])"], got.stdout
 
 
 def test_op_on_cpu_tensors_is_the_blocks_own_values():

@@ -191,3 +191,29 @@ def test_the_library_is_cached_per_source_and_torch():
     path = _native.library_path()
     assert path.is_file() and path.name.startswith("neuron_ext-")
     assert _native.library_path() == path
+
+
+def test_a_failing_registration_is_one_line_and_import_torch_still_works(monkeypatch, capsys):
+    """The entry point runs inside ``import torch``: whatever goes wrong in registering the device
+    (a bug of ours included) is one line on stderr, once, never an exception out of it."""
+    from torch_bridge import _native, backend
+
+    def broken() -> None:
+        raise AttributeError("module has no attribute 'X'")
+
+    monkeypatch.setattr(backend, "register", broken)
+    monkeypatch.setattr(backend, "_reported", [])
+    assert backend.register_or_report() is False
+    assert backend.register_or_report() is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["trnsim: registering the neuron device failed (AttributeError: module has no attribute 'X'); "
+                   "the neuron device may not work in this process, CPU-only torch is unaffected"]
+
+    def unbuilt() -> None:
+        raise _native.NativeBuildError("trnsim: no C++ compiler")
+
+    monkeypatch.setattr(backend, "register", unbuilt)
+    monkeypatch.setattr(backend, "_reported", [])
+    assert backend.register_or_report() is False
+    assert capsys.readouterr().err.strip() == ("trnsim: no C++ compiler (the neuron device is not registered; "
+                                               "CPU-only torch is unaffected)")
