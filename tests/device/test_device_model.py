@@ -329,3 +329,44 @@ def test_a_collective_issued_now_is_placed_when_its_group_has_arrived():
     assert [(e.op, e.stream) for e in rep.events] == [("mm", 0), ("add", 0), ("all_reduce", COLLECTIVE_STREAM)]
     # the core's busy time is the union: mm, then add and the collective side by side
     assert rep.cores[0].busy_us == pytest.approx((1000 + (end - (d + 1000))) / 4.8e9 * 1e6)
+
+
+def test_deferred_rows_are_the_rows_added_one_by_one():
+    """A native placement's rows are deferred (Recorder.defer_rows) and added when read: the same
+    rows, in the same order, as adding each in turn; a report reads them; a direct launch after
+    them, a folding limit and add_rows all keep the order."""
+    from trnsim.device import recorder
+    from trnsim.device.recorder import Recorder
+
+    costs = [_cost(10 * (i + 1), Vector=5) for i in range(3)]
+    table = [(f"op{i}", c, (f"op{i}", id(c))) for i, c in enumerate(costs)]
+    batches = [[2, 1, 30, 4, 0, 2, 20, 0], [1, 1, 20, 0, 2, 3, 90, 7], [0, 5, 50, 1]]
+
+    def one_by_one() -> Recorder:
+        rec = Recorder(0)
+        for flat in batches:
+            for j in range(0, len(flat), 4):
+                op, cost, key = table[flat[j]]
+                rec.add_rows([(key, cost, *flat[j + 1:j + 4])])
+        return rec
+
+    want = list(one_by_one().rows.items())
+    assert [k for k, _ in want] == [table[2][2], table[0][2], table[1][2]]
+    for limit in (recorder.DEFER_MAX, 1):
+        old, recorder.DEFER_MAX = recorder.DEFER_MAX, limit
+        try:
+            rec = Recorder(0)
+            for flat in batches:
+                rec.defer_rows(flat, table)
+        finally:
+            recorder.DEFER_MAX = old
+        rec.fold()
+        assert list(rec.rows.items()) == want
+    dev = _device()
+    rec = dev.recorders[0]
+    rec.defer_rows(batches[0], table)
+    dev.launch(0, "op1", costs[1])  # folds the deferred rows first: op2 and op0 keep their places
+    rec.defer_rows(batches[1], table)
+    rep = dev.report()
+    assert [(r.op, r.calls) for r in sorted(rep.rows, key=lambda r: r.op)] == [("op0", 2), ("op1", 2), ("op2", 4)]
+    assert list(rec.rows) == [table[2][2], table[0][2], table[1][2]]

@@ -250,13 +250,16 @@ def _figures(rep):
 def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypatch):
     """Without a trace the device lets the native log place its launches (Device._place, not a
     Python loop per launch): every report figure is the loop's and the Python path's, in an outer
-    scope and an inner one (two recorders), with two cores' timelines."""
+    scope and an inner one (two recorders), with two cores' timelines; the placements' rows are
+    added when a report reads them, or whenever a few are deferred (Recorder.defer_rows)."""
     import trnsim.device as device
+    from trnsim.device import recorder
 
     dev = runtime().device
 
-    def run(on: bool, place_min: int):
+    def run(on: bool, place_min: int, defer_max: int = recorder.DEFER_MAX):
         monkeypatch.setattr(device, "PLACE_MIN", place_min)
+        monkeypatch.setattr(recorder, "DEFER_MAX", defer_max)
         with fast(on):
             _program(1)
             torch.neuron.synchronize()
@@ -273,9 +276,10 @@ def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypat
         return values, outer.report, inner.report, timelines
 
     placed = run(True, 2)
+    folding = run(True, 2, defer_max=1)  # every placement's rows added at once
     looped = run(True, 10 ** 9)
     slow = run(False, 2)
-    for other in (looped, slow):
+    for other in (folding, looped, slow):
         for a, b in zip(placed[0], other[0]):
             assert torch.equal(a, b)
         assert _figures(placed[1]) == _figures(other[1])

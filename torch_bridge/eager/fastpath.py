@@ -94,8 +94,9 @@ class NativeLog:
         take). ``cores``: per core (simple, max_inflight, ready of stream 0, busy_until, in-flight
         ends, the last open interval's end in any recorder). Returns None when it took nothing, else
         (entries taken, the host's tick, per core used: (core, ready, busy_until, in-flight ends,
-        launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings), per cost:
-        (op, cost, row key, launches, ticks, wait), per host op: (name, count))."""
+        launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings), the rows
+        as (flat ints: handle, launches, ticks, wait per cost; the table whose entry ``handle`` is
+        (op, cost, row key)), per host op: (name, count))."""
         if len(cores) > _PLACE_CORES:
             return None
         vals = [host, dispatch, len(cores), 0, 0, 0, 0, 0]
@@ -122,11 +123,7 @@ class NativeLog:
             keep = [[o[8 + 2 * j], o[9 + 2 * j]] for j in range(o[7])]
             bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
             used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
-        r = self._rows_q[:4 * head[4]].tolist()
-        rows = []
-        for j in range(0, len(r), 4):
-            op, cost, key = table[r[j]]
-            rows.append((op, cost, key, r[j + 1], r[j + 2], r[j + 3]))
+        rows = self._rows_q[:4 * head[4]].tolist()  # (handle, launches, ticks, wait) per row: Recorder.defer_rows
         hops = []
         if head[5]:
             hv = self._hops_q[:2 * head[5]].tolist()
@@ -136,7 +133,7 @@ class NativeLog:
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
                 hops.append((name, hv[j + 1]))
-        return got, head[0], used, rows, hops
+        return got, head[0], used, (rows, table), hops
 
     def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep

@@ -133,6 +133,8 @@ class Device:
                 self._place(log)
                 if not log.pending():
                     return
+            for rec in recs:
+                rec.fold()  # (rows a placement deferred come first)
             cores = self.cores
             dispatch = self.dispatch
             host = self._host  # kept here while entries are issued inline, in self._host otherwise
@@ -227,7 +229,7 @@ class Device:
         got = log.place(self._host, self.dispatch, states)
         if got is None:
             return
-        taken, host, used, rows, hops = got
+        taken, host, used, (rows, table), hops = got
         launches = sum(u[4] for u in used)
         for core, ready, busy, inflight, *_, bookings in used:
             c = self.cores[core]
@@ -243,7 +245,7 @@ class Device:
         for rec in recs:
             rec.host_ticks += delta
             rec.dispatches += launches
-            rec.add_rows((key, cost, n, ticks, wait) for _op, cost, key, n, ticks, wait in rows)
+            rec.defer_rows(rows, table)
             for name, n in hops:
                 rec.host_ops[name] = rec.host_ops.get(name, 0) + n
             for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, _bk in used:
@@ -650,6 +652,7 @@ class Device:
         key = (op, id(cost))
         source, call = ctx
         for rec in self.recorders:
+            rec.fold()
             row = rec.rows.get(key)
             if row is None:
                 rec.rows[key] = [cost, 1, ticks, wait, peer_wait]
@@ -835,6 +838,7 @@ class Device:
         hz = cfg.tick_hz
         peak = cfg.peak_flops_per_core("bf16") * self.lnc  # a logical core: its physical cores' peak
         acc: dict[tuple[str, str], dict[str, Any]] = {}
+        rec.fold()
         for (op, cid), (cost, calls, ticks, wait, peer_wait) in rec.rows.items():
             a = acc.get((op, cost.kernel))
             if a is None:

@@ -71,6 +71,8 @@ class Recorder:
         self.start = start
         # (op, id(cost)) -> [cost, calls, ticks, host wait, peer wait (collectives: waiting for the group)]
         self.rows: dict[tuple[str, int], list[Any]] = {}
+        self._deferred: list[tuple[list[int], Any]] = []  # rows not yet in self.rows (defer_rows)
+        self._deferred_n = 0
         self.host_ops: dict[str, int] = {}
         self.cores: dict[int, CoreTally] = {}
         self.host_ticks = 0
@@ -82,8 +84,47 @@ class Recorder:
         self.events: list[TraceEvent] | None = [] if trace else None
         self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
 
+    def defer_rows(self, flat: list[int], table: Any) -> None:
+        """Count launches later (:meth:`fold`): ``flat`` holds (handle, launches, ticks, host wait)
+        per row, ``table[handle]`` is its (op, cost, row key). What a native placement gives: a
+        step's dozen placements add their rows once, when a report reads them (or past
+        :data:`DEFER_MAX` deferred ints), instead of a dict update per row per placement."""
+        self._deferred.append((flat, table))
+        self._deferred_n += len(flat)
+        if self._deferred_n > DEFER_MAX:
+            self.fold()
+
+    def fold(self) -> None:
+        """Add the deferred rows to :attr:`rows`, exactly as adding each in turn would: first
+        appearances in order (a row's place in the dict), sums per row. Everything that reads or
+        writes :attr:`rows` calls this first."""
+        batches = self._deferred
+        if not batches:
+            return
+        self._deferred, self._deferred_n = [], 0
+        i = 0
+        while i < len(batches):  # runs of batches from one table (there is one: the fast path's)
+            table = batches[i][1]
+            acc: dict[int, list[int]] = {}
+            while i < len(batches) and batches[i][1] is table:
+                flat = batches[i][0]
+                for j in range(0, len(flat), 4):
+                    a = acc.get(flat[j])
+                    if a is None:
+                        acc[flat[j]] = [flat[j + 1], flat[j + 2], flat[j + 3]]
+                    else:
+                        a[0] += flat[j + 1]
+                        a[1] += flat[j + 2]
+                        a[2] += flat[j + 3]
+                i += 1
+            self._add((table[h][2], table[h][1], n, ticks, wait) for h, (n, ticks, wait) in acc.items())
+
     def add_rows(self, rows: Any) -> None:
         """Count launches summed per report row: (row key, cost, launches, ticks, host wait) each."""
+        self.fold()
+        self._add(rows)
+
+    def _add(self, rows: Any) -> None:
         table = self.rows
         for key, cost, n, ticks, wait in rows:
             row = table.get(key)
@@ -94,6 +135,8 @@ class Recorder:
                 row[2] += ticks
                 row[3] += wait
 
+
+DEFER_MAX = 1 << 16  # deferred row ints a recorder holds before it folds them (a bound on its memory)
 
 # a launch's context: (the Python line that launched it, its host call; -1: none)
 NO_CONTEXT = ("", -1)
