@@ -88,6 +88,16 @@ def test_bad_flags_exit_2(capsys):
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "trnsim.cli", "info", "trn1"], capture_output=True, text=True)
     assert r.returncode == 0 and "trn1: AWS Trainium1" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "trnsim", "kernel", "nosuch"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("trnsim: error: unknown kernel 'nosuch'") and r.stdout == ""
+
+
+def test_version(capsys):
+    import trnsim
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"trnsim {trnsim.__version__}\n"
 
 
 @pytest.mark.parametrize("module", ["trnsim.isa", "trnsim.sweep", "argparse"])

@@ -349,6 +349,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trnsim", description="A cycle-approximate virtual AWS Trainium.")
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"trnsim {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
     i = sub.add_parser("info", help="print a chip config: cores, clocks, peak TFLOP/s, memories, DMA, links")
