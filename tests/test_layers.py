@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("trnsim", "torch_bridge")
 
 LAYERS = [  # top first; a module may import from its own layer and those after it
-    ("trnsim.cli", "trnsim.sweep", "trnsim.validate"),
+    ("trnsim.__main__", "trnsim.cli", "trnsim.sweep", "trnsim.validate"),  # (__main__: python -m trnsim)
     ("torch_bridge",),
     ("trnsim.nki",),
     ("trnsim.device", "trnsim.workload"),
