@@ -1,6 +1,10 @@
 """torch_bridge.hostprof: where a neuron run's host wall time goes. It measures host time only:
 the values and the simulated time are the same with it on or off (no wall time is asserted)."""
 
+import subprocess
+import sys
+import tempfile
+
 import torch
 
 from torch_bridge.neuron import hostprof
@@ -82,3 +86,29 @@ def test_a_compiled_graphs_time_is_split_into_its_regions_and_its_other_ops():
     assert parts[hostprof.GRAPHS] == 1 and parts[hostprof.REGIONS] >= 1
     assert hostprof.REGIONS in prof.table() and hostprof.GRAPHS in prof.table()
     assert not hasattr(RegionKernel.__call__, "__wrapped__") and not hasattr(CompiledGraph.__call__, "__wrapped__")
+
+
+def test_a_profile_loads_no_compiler_module_and_times_a_graph_compiled_inside_it():
+    """A profile in a program that has not compiled imports nothing of the compiler (its custom
+    ops stay unregistered); a function compiled inside the profile is still split into its
+    regions and its other ops, and the wrappers are gone afterwards. A fresh process: this test
+    run has compiled already."""
+    code = """
+import sys, torch
+from torch_bridge.neuron import hostprof
+x = torch.ones(4, device="neuron")
+with hostprof.profile() as prof:
+    (x + 1).sum().item()
+    before = "torch_bridge.compile.graph" in sys.modules, hasattr(torch.ops.trnsim, "attention")
+    f = torch.compile(lambda a: torch.tanh(a) * 2 + 1, backend="neuron")
+    f(x).cpu()
+    f(x).cpu()
+parts = dict((k, c) for k, _, c in prof.parts())
+from torch_bridge.compile.graph import CompiledGraph, RegionKernel
+print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS),
+      hasattr(CompiledGraph.__call__, "__wrapped__") or hasattr(RegionKernel.__call__, "__wrapped__"))
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tempfile.gettempdir())
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split() == ["(False,", "False)", "2", "2", "False"], got.stdout

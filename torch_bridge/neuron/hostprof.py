@@ -22,6 +22,7 @@ attribute test per Python-path op.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -120,6 +121,18 @@ class Profile:
         return "\n".join(lines)
 
 
+GRAPH_MODULE = "torch_bridge.compile.graph"
+_undo: list[tuple[Any, str, Any]] | None = None  # the recording profile's wrappers, to undo at its end
+
+
+def _wrap_graphs(module: Any) -> None:
+    """Time the compiled graphs' regions and their other ops, if a profile is recording."""
+    undo = _undo
+    if undo is not None:
+        _wrap(module.RegionKernel, "__call__", REGIONS, undo)
+        _wrap(module.CompiledGraph, "__call__", GRAPHS, undo)
+
+
 def _wrap(owner: Any, name: str, part: str, undo: list[tuple[Any, str, Any]]) -> None:
     original = owner.__dict__[name]
 
@@ -137,7 +150,7 @@ def _wrap(owner: Any, name: str, part: str, undo: list[tuple[Any, str, Any]]) ->
 @contextmanager
 def profile() -> Iterator[Profile]:
     """Record where the host's wall time goes until the block ends (one at a time)."""
-    global active
+    global active, _undo
     if active is not None:
         raise RuntimeError("torch_bridge.hostprof.profile: a profile is recording already")
     from trnsim.sim.chip import Chip
@@ -145,9 +158,9 @@ def profile() -> Iterator[Profile]:
 
     from .. import runtime
     from ..compile.foreach import ForeachKernel
-    from ..compile.graph import CompiledGraph, RegionKernel
     from ..eager import fastpath
     from ..eager import values
+    from ..imports import after_import
 
     device = runtime.runtime().device
     device.now()  # launches logged before the profile are placed outside it
@@ -157,10 +170,16 @@ def profile() -> Iterator[Profile]:
                               (Device, "launch_graph", "device model"), (Device, "host_op", "device model"),
                               (Device, "synchronize", "device model"), (Device, "now", "device model"),
                               (Device, "_settle_capture", "device model"),
-                              (RegionKernel, "__call__", REGIONS), (ForeachKernel, "__call__", REGIONS),
-                              (CompiledGraph, "__call__", GRAPHS),
+                              (ForeachKernel, "__call__", REGIONS),
                               (values, "_cpu_call", "cpu kernels (python path)")):
         _wrap(owner, name, part, undo)
+    _undo = undo
+    # the compiled graphs' classes: wrapped now if the program has compiled, else when it first
+    # does (importing the module now would register its custom ops in a program that never compiles)
+    if GRAPH_MODULE in sys.modules:
+        _wrap_graphs(sys.modules[GRAPH_MODULE])
+    else:
+        after_import(GRAPH_MODULE, _wrap_graphs)
     prof = Profile()
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
@@ -173,6 +192,7 @@ def profile() -> Iterator[Profile]:
             device.now()  # the launches logged meanwhile are placed inside it
         finally:
             active = values.host_profile = None
+            _undo = None
             prof.wall = _clock() - t0
             for owner, name, original in reversed(undo):
                 setattr(owner, name, original)
