@@ -22,7 +22,6 @@ attribute test per Python-path op.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -176,10 +175,7 @@ def profile() -> Iterator[Profile]:
     _undo = undo
     # the compiled graphs' classes: wrapped now if the program has compiled, else when it first
     # does (importing the module now would register its custom ops in a program that never compiles)
-    if GRAPH_MODULE in sys.modules:
-        _wrap_graphs(sys.modules[GRAPH_MODULE])
-    else:
-        after_import(GRAPH_MODULE, _wrap_graphs)
+    after_import(GRAPH_MODULE, _wrap_graphs)
     prof = Profile()
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
