@@ -451,3 +451,42 @@ def test_tp_beside_a_running_dp_collective_on_another_cc_stream_is_slower_and_th
     assert tp_on["network_us"] > 1.5 * tp_on["alone_us"] > 0
     assert tp_off["network_us"] == pytest.approx(tp_off["alone_us"])
     assert got["1"][0]["all_reduce"]["network_us"] == pytest.approx(got["0"][0]["all_reduce"]["network_us"])
+
+
+ENV_PROBE = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("neuron")
+open(os.path.join(sys.argv[1], sys.argv[2] + str(dist.get_rank())), "w").write(
+    f"{os.environ.get('TRNSIM_PROBE')} {os.getppid()}")
+dist.destroy_process_group()
+"""
+
+LAUNCH_TWICE = """
+import os, sys
+from torch_bridge.dist.launch import run_ranks
+if __name__ == "__main__":  # (a forkserver's workers import the launching script, as spawn's do)
+    script, out = sys.argv[1:]
+    os.environ["TRNSIM_PROBE"] = "first"
+    run_ranks(script, [out, "a"], 2)
+    os.environ["TRNSIM_PROBE"] = "second"
+    run_ranks(script, [out, "b"], 2)
+    print(os.getpid())
+"""
+
+
+def test_the_workers_are_not_forked_from_the_launcher_and_see_its_trnsim_variables(tmp_path):
+    """A plain fork copied the launcher with its rendezvous threads, and a lock one held stayed
+    held in a worker (a CI run hung in a rank's store client): the workers come from a
+    forkserver. Its workers would see the server's environment, from when it started: a process
+    that launches twice hands the second launch's TRNSIM_* variables on."""
+    script, driver = tmp_path / "env_probe.py", tmp_path / "twice.py"
+    script.write_text(textwrap.dedent(ENV_PROBE))
+    driver.write_text(textwrap.dedent(LAUNCH_TWICE))
+    run = subprocess.run([sys.executable, str(driver), str(script), str(tmp_path)], capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    launcher = run.stdout.split()[-1]
+    seen = {f"{w}{r}": (tmp_path / f"{w}{r}").read_text().split() for w in "ab" for r in range(2)}
+    assert {k: v[0] for k, v in seen.items()} == {"a0": "first", "a1": "first", "b0": "second", "b1": "second"}
+    assert all(ppid != launcher for _, ppid in seen.values())

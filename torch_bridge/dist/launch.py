@@ -2,7 +2,7 @@
 merged report.
 
 The launcher is torch's own (``torch.distributed.launcher.api.elastic_launch``, what
-``torchrun --standalone`` runs): a c10d rendezvous on localhost, one spawned worker per rank,
+``torchrun --standalone`` runs): a c10d rendezvous on localhost, one worker per rank (forked by a forkserver),
 the environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), and the whole
 group stopped when one rank fails. Each worker fixes the chip and the system, runs the script
 as ``__main__`` and hands back its :class:`~trnsim.report.RunReport` (the launcher returns each
@@ -48,8 +48,10 @@ class RankFailure(Exception):
 
 
 def _worker(script: str, args: Sequence[str], config: str | None, chip_overrides: Sequence[str], system: str,
-            system_overrides: Sequence[str], trace: bool, timeout: float | None, exits: str) -> dict[str, Any]:
-    """One rank (runs in a worker process the launcher spawned)."""
+            system_overrides: Sequence[str], trace: bool, timeout: float | None, exits: str,
+            environ: dict[str, str]) -> dict[str, Any]:
+    """One rank (runs in a worker process the launcher started)."""
+    _adopt_environ(environ)
     import torch_bridge
     from torch_bridge import runtime
     from torch_bridge.neuron import module as device
@@ -172,17 +174,40 @@ def _failure(err: Any, exits: Path) -> RankFailure:
     return RankFailure(f"rank {rank} failed ({first[:300]}){others}", False, code or 1)
 
 
+#: what the forkserver imports once, before it forks the workers: torch and what _worker imports
+_PRELOAD = ["torch", "torch_bridge", "torch_bridge.runtime", "torch_bridge.neuron.module",
+            "torch_bridge.dist.process_group", "torch_bridge.dist.launch"]
+
+
 def _start_method() -> str:
-    """Fork where the platform has it: the workers then start with torch already imported (the
-    parent has not started the neuron device or any thread of its own), seconds faster per rank
-    than spawn, which re-imports torch in every worker."""
+    """The forkserver where the platform has it, else spawn; never a plain fork.
+
+    A plain fork copied the launcher's process: torch's elastic agent runs its rendezvous
+    TCPStore server and keep-alive threads in it, and a lock one of them held at the fork stays
+    held in the child forever (a CI run hung: one rank of four idle in its store client's
+    constructor, the other three waiting for it in gloo's rendezvous). The forkserver is a fresh
+    single-threaded interpreter that imports torch and the bridge once (:data:`_PRELOAD`) and
+    forks each worker from itself: the workers still start with torch imported (spawn re-imports
+    it in every worker, seconds per rank), and the server costs one import of torch a launch."""
     import multiprocessing
 
-    from ..runtime import is_initialized
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+        return "forkserver"
+    return "spawn"
 
-    if is_initialized():  # a forked worker would inherit this process's device and its clock
-        return "spawn"
-    return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+
+def _trnsim_environ() -> dict[str, str]:
+    """This process's ``TRNSIM_*`` variables, handed to each worker: a forkserver's workers
+    inherit the server's environment, which is this process's when the server started (a
+    process that launches twice may have changed them since)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("TRNSIM_")}
+
+
+def _adopt_environ(environ: dict[str, str]) -> None:
+    for k in [k for k in os.environ if k.startswith("TRNSIM_") and k not in environ]:
+        del os.environ[k]
+    os.environ.update(environ)
 
 
 def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None = None,
@@ -192,7 +217,9 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
     trn2.48xlarge) and return the merged report. ``overrides`` are dotted keys of the chip or,
     under ``topology.``/``collectives.``, of the system. Raises :class:`RankFailure` when a rank
     fails, ValueError for a world the system cannot hold, FileNotFoundError for a missing
-    script; with ``trace``, writes one Perfetto process per rank with NeuronLink lanes."""
+    script; with ``trace``, writes one Perfetto process per rank with NeuronLink lanes. The
+    workers import the calling program's main script, as multiprocessing's spawn does: a script
+    that calls this runs it under ``if __name__ == "__main__":``."""
     from trnsim.outputs.files import AtomicOutput
 
     from .process_group import DEFAULT_SYSTEM
@@ -215,6 +242,7 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
         raise ValueError(f"--nproc {nproc} does not fit {sysc.name}: it has {sysc.ranks} ranks ({sysc.chips} chips x "
                          f"{sysc.ranks_per_chip} logical NeuronCores); use fewer ranks or a larger system (--system)")
     out = AtomicOutput(trace, "--trace") if trace is not None else None  # refused now, not after the run
+    start_method = _start_method()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -228,13 +256,14 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
         with tempfile.TemporaryDirectory(prefix="trnsim_ranks_") as logs:
             cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                                rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                               monitor_interval=0.1, start_method=_start_method(),
+                               monitor_interval=0.1, start_method=start_method,
                                logs_specs=DefaultLogsSpecs(log_dir=logs))
             exits = Path(logs, "exits")
             exits.mkdir()
             try:
                 results = elastic_launch(cfg, _worker)(script, list(args), config, chip_overrides, sysc.source,
-                                                       sys_overrides, trace is not None, timeout, str(exits))
+                                                       sys_overrides, trace is not None, timeout, str(exits),
+                                                       _trnsim_environ())
             except ChildFailedError as e:
                 raise _failure(e, exits) from None
         by_rank = {r["rank"]: r for r in results.values()}
