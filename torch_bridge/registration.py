@@ -55,6 +55,38 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
 HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_min.Tensor", "clamp_min_.Tensor",
                    "clamp_min.Tensor_out", "clamp_max.Tensor", "clamp_max_.Tensor", "clamp_max.Tensor_out")
 
+
+
+def layout_ops() -> tuple[str, ...]:
+    """The functional pointwise ops of two or more tensors that would reach the device through
+    their CompositeExplicitAutogradNonFunctional kernel (structured: its meta function, then the
+    op's out= variant): claimed like DIRECT_OPS, so CPU's kernel runs on the host views and the
+    result has CPU's layout. The composite's TensorIterator ordered the dims on the device tensors
+    as they are, where CPU's first casts an input of another dtype to the common one (a dense
+    copy): ``ne(a, b)`` of an expanded int64 ``a`` and a permuted bfloat16 ``b`` came out with
+    ``b``'s strides (1, 4, 4, 2) where CPU's are (6, 2, 2, 1), the same values (found by difftest:
+    ne 277120007080837; 57 such op and dtype pairs, every comparison and binary math op that
+    promotes). Chosen by their tags and kernels, so a new op of the kind is claimed without
+    touching this file; the unary ones lay out as CPU does (scanned) and stay composite."""
+    out = []
+    for qualified in _torch.all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        if not (_torch.has_kernel_for(qualified, "CompositeExplicitAutogradNonFunctional")
+                and _torch.has_kernel_for(qualified, "CPU") and not _torch.has_kernel_for(qualified, "PrivateUse1")):
+            continue
+        name = qualified[len("aten::"):]
+        op = _aten(name)
+        if torch.Tag.pointwise not in op.tags:
+            continue
+        schema = _torch.op_schema(op)
+        if len(schema.returns) != 1 or any(a.alias_info is not None for a in schema.arguments):
+            continue  # in-place and out= variants write a tensor whose layout is the caller's
+        if sum(str(a.type) in ("Tensor", "Optional[Tensor]") for a in schema.arguments) >= 2:
+            out.append(name)
+    return tuple(sorted(out))
+
+
 # TensorE ops whose float32 calls the fast path runs on the datapath itself (values.mm's, addmm's
 # and bmm's Python kernels, on SLOW_KEY, serve every other call).
 FAST_MATMULS = ("mm", "addmm", "bmm")
@@ -161,7 +193,8 @@ def register_kernels() -> None:
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
-    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS:
+    layout = tuple(n for n in layout_ops() if n not in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS)
+    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + layout:
         kernel = functools.partial(values.fallback if name in WHOLE_OPS else values.same_device_fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)
     fast_foreach = []  # in-place ones: the fast path's kernel, their Python one on SLOW_KEY
@@ -189,5 +222,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + layout + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

@@ -817,3 +817,41 @@ def test_first_calls_in_fresh_processes_agree_with_cpu():
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     summary = next(ln for ln in r.stdout.splitlines() if ln.startswith("difftest:"))
     assert "3 ops, 24 samples" in summary and "0 mismatches" in summary, summary
+
+
+def test_pointwise_ops_of_two_dtypes_lay_out_their_result_as_cpu():
+    """Long-run finding (ne 277120007080837): ``ne`` of an expanded int64 tensor and a permuted
+    bfloat16 one came out with the bfloat16 operand's strides (1, 4, 4, 2) where CPU's are
+    (6, 2, 2, 1), the values the same: its composite kernel ordered the dims on the operands as
+    they are, where CPU's first casts the int64 one to the common dtype (a dense copy)."""
+    assert dt.main(["--repro", "ne", "277120007080837"]) == 0
+
+    def pair(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.arange(2, device=device).as_strided((2, 3, 1, 2), (0, 0, 2, 1))
+        b = (torch.arange(24, device=device) % 5 + 1).to(torch.bfloat16).as_strided((2, 3, 1, 2), (1, 4, 4, 2))
+        return a, b
+
+    for op in (torch.ne, torch.lt, torch.ge, torch.maximum, torch.atan2, torch.pow, torch.xlogy, torch.fmod):
+        want, got = op(*pair("cpu")), op(*pair("neuron"))
+        assert got.stride() == want.stride(), op.__name__
+        assert torch.equal(got.cpu(), want), op.__name__
+
+
+def test_every_pointwise_op_of_several_tensors_is_claimed_from_its_composite_kernel():
+    """Each functional pointwise op of two or more tensors with a CPU kernel and a
+    CompositeExplicitAutogradNonFunctional one (registration.layout_ops) has the bridge's kernel
+    on the device: a new one in a torch release is claimed, or shows here."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    kind = []
+    for n in torch._C._dispatch_get_all_op_names():
+        if not (n.startswith("aten::") and has(n, "CompositeExplicitAutogradNonFunctional") and has(n, "CPU")):
+            continue
+        packet, _, overload = n[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        schema = op._schema
+        if (torch.Tag.pointwise in op.tags and len(schema.returns) == 1
+                and all(a.alias_info is None for a in schema.arguments)
+                and sum(str(a.type) in ("Tensor", "Optional[Tensor]") for a in schema.arguments) >= 2):
+            kind.append(n)
+    assert len(kind) > 40 and "aten::ne.Tensor" in kind and "aten::addcmul" in kind
+    assert [n for n in kind if not has(n, "PrivateUse1")] == []

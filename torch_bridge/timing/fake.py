@@ -114,6 +114,23 @@ _NEURON = "neuron"
 _CPU = torch.device("cpu")
 
 
+def _unwrap_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` with a number given for a Tensor argument as a 0-dim host tensor. PyTorch hands a
+    composite's wrapped scalar (remainder.Scalar's at::remainder(self, wrapped_scalar_tensor(other)))
+    to Python as a number, which the op's boxed call refuses: take_along_dim failed timing-only
+    with 'aten::remainder() Expected a value of type Tensor ... found type int' (found by
+    difftest's long run), and so did xlogy.Scalar_Other once xlogy.Tensor had a kernel of its own
+    (registration.layout_ops). A 0-dim host tensor of the dtype the wrapped number promotes to
+    promotes as it does (a default-dtype one outranked a 0-dim self: div.Scalar_mode of a 0-dim
+    fp16 tensor came out float32, found by difftest's long run: div 237960526044720)."""
+    schema_args = _torch.op_schema(func).arguments
+    if not any(isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" for a, v in zip(schema_args, args)):
+        return args
+    ref = next((x for x in args if isinstance(x, torch.Tensor)), None)
+    return tuple(_wrapped(v, ref) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
+                 for a, v in zip(schema_args, args)) + tuple(args[len(schema_args):])
+
+
 class _Facts:
     """What the charge mode needs to know about an op, read once from its schema and the
     neuron device's dispatch table."""
@@ -331,6 +348,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
 
     # ---- running an op on fake tensors ---------------------------------------------------------
     def _call(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args = _unwrap_numbers(func, args)
         try:
             out = func(*args, **kwargs)
         except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException):
@@ -344,19 +362,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         return out
 
     def _composite(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if any(isinstance(v, (int, float, bool)) and str(a.type) == "Tensor"
-               for a, v in zip(_torch.op_schema(func).arguments, args)):
-            # PyTorch hands a composite's wrapped scalar (remainder.Scalar's at::remainder(self,
-            # wrapped_scalar_tensor(other))) to Python as a number, which the composite's boxed
-            # redispatch refuses: take_along_dim failed timing-only with 'aten::remainder()
-            # Expected a value of type Tensor ... found type int' (found by difftest's long run).
-            # A 0-dim host tensor of the dtype the wrapped number promotes to promotes as it does (a
-            # default-dtype one outranked a 0-dim self: div.Scalar_mode of a 0-dim fp16 tensor came
-            # out float32, found by difftest's long run: div 237960526044720)
-            ref = next((x for x in args if isinstance(x, torch.Tensor)), None)
-            args = tuple(_wrapped(v, ref) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
-                         for a, v in zip(_torch.op_schema(func).arguments, args)) + \
-                tuple(args[len(_torch.op_schema(func).arguments):])
+        args = _unwrap_numbers(func, args)
         with self:  # the composite's inner ops come back through this mode
             out = _torch.run_composite(func, facts.composite, *args, **kwargs)
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):
