@@ -855,3 +855,14 @@ def test_every_pointwise_op_of_several_tensors_is_claimed_from_its_composite_ker
             kind.append(n)
     assert len(kind) > 40 and "aten::ne.Tensor" in kind and "aten::addcmul" in kind
     assert [n for n in kind if not has(n, "PrivateUse1")] == []
+
+
+def test_an_empty_out_keeps_its_sizes_for_ops_that_check_them():
+    """Long-run finding (normal.Tensor_float_out): an empty neuron out was handed to CPU's kernel
+    as a (0,) stand-in, and ``normal`` with an empty (0, 5, 1, 3) mean, which checks its out
+    against the mean instead of resizing it, raised on the first call where CPU computes."""
+    for device in ("cpu", "neuron"):
+        mean = torch.zeros(0, 5, 1, 3, dtype=torch.bool, device=device)
+        out = torch.empty(0, 5, 1, 3, device=device)
+        assert torch.normal(mean, 0.5, out=out).stride() == (15, 3, 3, 1)
+        assert out.shape == (0, 5, 1, 3)
