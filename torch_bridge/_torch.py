@@ -33,8 +33,6 @@ REQUIRED: dict[str, str] = {
     "torch._C.DispatchKeySet": "redispatching to CPU kernels and excluding autocast",
     "torch._C._ExcludeDispatchKeyGuard": "running an autocast op with autocast excluded",
     "torch._C._dispatch_get_all_op_names": "claiming every _foreach_ op",
-    "torch._C._dispatch_has_kernel_for_dispatch_key": "claiming the pointwise ops of several tensors whose "
-                                                      "composite kernel lays out the result otherwise than CPU",
     "torch._C._dynamo.eval_frame.get_eval_frame_callback": "calling kernels directly when dynamo is off",
     "torch._guards.TracingContext.try_get": "no launch for kernels run while torch.compile traces",
     "torch._C._get_dispatch_mode": "no launch for kernels run while torch.compile traces",
@@ -121,7 +119,6 @@ AUTOCAST_KEYS = DispatchKeySet(getattr(DispatchKey, "AutocastPrivateUse1"))  # m
 register_device_module = torch._register_device_module
 ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 all_op_names = torch._C._dispatch_get_all_op_names
-has_kernel_for = torch._C._dispatch_has_kernel_for_dispatch_key  # (qualified op name, dispatch key name)
 eval_frame_callback = resolve("torch._C._dynamo.eval_frame.get_eval_frame_callback")
 _tracing_context = resolve("torch._guards.TracingContext.try_get")
 _dispatch_mode = resolve("torch._C._get_dispatch_mode")

@@ -56,36 +56,29 @@ HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_m
                    "clamp_min.Tensor_out", "clamp_max.Tensor", "clamp_max_.Tensor", "clamp_max.Tensor_out")
 
 
-
-def layout_ops() -> tuple[str, ...]:
-    """The functional pointwise ops of two or more tensors that would reach the device through
-    their CompositeExplicitAutogradNonFunctional kernel (structured: its meta function, then the
-    op's out= variant): claimed like DIRECT_OPS, so CPU's kernel runs on the host views and the
-    result has CPU's layout. The composite's TensorIterator ordered the dims on the device tensors
-    as they are, where CPU's first casts an input of another dtype to the common one (a dense
-    copy): ``ne(a, b)`` of an expanded int64 ``a`` and a permuted bfloat16 ``b`` came out with
-    ``b``'s strides (1, 4, 4, 2) where CPU's are (6, 2, 2, 1), the same values (found by difftest:
-    ne 277120007080837; 57 such op and dtype pairs, every comparison and binary math op that
-    promotes). Chosen by their tags and kernels, so a new op of the kind is claimed without
-    touching this file; the unary ones lay out as CPU does (scanned) and stay composite."""
-    out = []
-    for qualified in _torch.all_op_names():
-        if not qualified.startswith("aten::"):
-            continue
-        if not (_torch.has_kernel_for(qualified, "CompositeExplicitAutogradNonFunctional")
-                and _torch.has_kernel_for(qualified, "CPU") and not _torch.has_kernel_for(qualified, "PrivateUse1")):
-            continue
-        name = qualified[len("aten::"):]
-        op = _aten(name)
-        if torch.Tag.pointwise not in op.tags:
-            continue
-        schema = _torch.op_schema(op)
-        if len(schema.returns) != 1 or any(a.alias_info is not None for a in schema.arguments):
-            continue  # in-place and out= variants write a tensor whose layout is the caller's
-        if sum(str(a.type) in ("Tensor", "Optional[Tensor]") for a in schema.arguments) >= 2:
-            out.append(name)
-    return tuple(sorted(out))
-
+# The functional pointwise ops of two or more tensors that would otherwise reach the device through
+# their CompositeExplicitAutogradNonFunctional kernel (structured: its meta function, then the op's
+# out= variant): claimed as DIRECT_OPS are, so CPU's kernel runs on the host views and the result
+# has CPU's layout. The composite's TensorIterator ordered the dims on the device tensors as they
+# are, where CPU's first casts an input of another dtype to the common one (a dense copy):
+# ne(a, b) of an expanded int64 a and a permuted bfloat16 b came out with b's strides (1, 4, 4, 2)
+# where CPU's are (6, 2, 2, 1), the same values (found by difftest: ne 277120007080837; 57 such op
+# and dtype pairs, every comparison and binary math op that promotes). The unary ones lay out as
+# CPU does (scanned) and stay composite. The rest of the kind is claimed by the lists above
+# (add.Tensor, eq.Tensor, clamp.Tensor, gelu_backward, ...). A literal list, as WHOLE_OPS is:
+# finding the kind by tag and kernel took ~15 ms of every `import torch`;
+# tests/torch/test_differential.py keeps it complete, as a torch release adds to the kind.
+LAYOUT_OPS = ("addcdiv", "addcmul", "atan2", "bitwise_and.Tensor", "bitwise_left_shift.Tensor", "bitwise_or.Tensor",
+              "bitwise_right_shift.Tensor", "bitwise_xor.Tensor", "copysign.Tensor", "div.Tensor_mode", "fmax", "fmin",
+              "fmod.Tensor", "gcd", "ge.Tensor", "gt.Tensor", "heaviside", "hypot", "igamma", "igammac", "lcm",
+              "le.Tensor", "lerp.Scalar", "lerp.Tensor", "logaddexp", "logaddexp2", "logit_backward", "lt.Tensor",
+              "maximum", "minimum", "ne.Tensor", "nextafter", "pow.Tensor_Tensor", "remainder.Tensor",
+              "sigmoid_backward", "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u",
+              "special_chebyshev_polynomial_v", "special_chebyshev_polynomial_w", "special_hermite_polynomial_h",
+              "special_hermite_polynomial_he", "special_laguerre_polynomial_l", "special_legendre_polynomial_p",
+              "special_shifted_chebyshev_polynomial_t", "special_shifted_chebyshev_polynomial_u",
+              "special_shifted_chebyshev_polynomial_v", "special_shifted_chebyshev_polynomial_w", "special_xlog1py",
+              "special_zeta", "tanh_backward", "xlogy.Tensor")
 
 # TensorE ops whose float32 calls the fast path runs on the datapath itself (values.mm's, addmm's
 # and bmm's Python kernels, on SLOW_KEY, serve every other call).
@@ -193,8 +186,7 @@ def register_kernels() -> None:
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
-    layout = tuple(n for n in layout_ops() if n not in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS)
-    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + layout:
+    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS:
         kernel = functools.partial(values.fallback if name in WHOLE_OPS else values.same_device_fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)
     fast_foreach = []  # in-place ones: the fast path's kernel, their Python one on SLOW_KEY
@@ -222,5 +214,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + layout + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
+    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

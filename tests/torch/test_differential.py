@@ -839,7 +839,7 @@ def test_pointwise_ops_of_two_dtypes_lay_out_their_result_as_cpu():
 
 def test_every_pointwise_op_of_several_tensors_is_claimed_from_its_composite_kernel():
     """Each functional pointwise op of two or more tensors with a CPU kernel and a
-    CompositeExplicitAutogradNonFunctional one (registration.layout_ops) has the bridge's kernel
+    CompositeExplicitAutogradNonFunctional one (registration.LAYOUT_OPS and the lists before it) has the bridge's kernel
     on the device: a new one in a torch release is claimed, or shows here."""
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     kind = []
