@@ -114,34 +114,35 @@ _NEURON = "neuron"
 _CPU = torch.device("cpu")
 
 
-def _unwrap_numbers(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _unwrap_numbers(facts: "_Facts", args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``args`` with a number given for a Tensor argument as a 0-dim host tensor. PyTorch hands a
     composite's wrapped scalar (remainder.Scalar's at::remainder(self, wrapped_scalar_tensor(other)))
     to Python as a number, which the op's boxed call refuses: take_along_dim failed timing-only
     with 'aten::remainder() Expected a value of type Tensor ... found type int' (found by
     difftest's long run), and so did xlogy.Scalar_Other once xlogy.Tensor had a kernel of its own
-    (registration.layout_ops). A 0-dim host tensor of the dtype the wrapped number promotes to
+    (registration.LAYOUT_OPS). A 0-dim host tensor of the dtype the wrapped number promotes to
     promotes as it does (a default-dtype one outranked a 0-dim self: div.Scalar_mode of a 0-dim
     fp16 tensor came out float32, found by difftest's long run: div 237960526044720)."""
-    schema_args = _torch.op_schema(func).arguments
-    if not any(isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" for a, v in zip(schema_args, args)):
+    numbers = [i for i in facts.tensor_args if i < len(args) and isinstance(args[i], (int, float, bool))]
+    if not numbers:
         return args
     ref = next((x for x in args if isinstance(x, torch.Tensor)), None)
-    return tuple(_wrapped(v, ref) if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor" else v
-                 for a, v in zip(schema_args, args)) + tuple(args[len(schema_args):])
+    return tuple(_wrapped(v, ref) if i in numbers else v for i, v in enumerate(args))
 
 
 class _Facts:
     """What the charge mode needs to know about an op, read once from its schema and the
     neuron device's dispatch table."""
 
-    __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent")
+    __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent", "tensor_args")
 
     def __init__(self, op: Any):
         info = op_info(op)  # the eager fallback's reading of the schema: views, out= arguments
         self.name, self.is_view, self.out_names = info.name, info.is_view, info.out_names
         tags = set(op.tags)
         self.data_dependent = (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags)
+        # positions of the Tensor arguments (a wrapped number may arrive there: _unwrap_numbers)
+        self.tensor_args = tuple(i for i, a in enumerate(_torch.op_schema(op).arguments) if str(a.type) == "Tensor")
         explicit = _torch.has_kernel(op, _torch.DispatchKey.PrivateUse1)
         self.composite = next((k for k in _torch.COMPOSITE_EXPLICIT if _torch.has_kernel(op, k)), None)
         self.kind = _EXPLICIT.get(self.name if not self.out_names else self.name + ".out", "fallback") if explicit \
@@ -348,7 +349,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
 
     # ---- running an op on fake tensors ---------------------------------------------------------
     def _call(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args = _unwrap_numbers(func, args)
+        args = _unwrap_numbers(facts, args)
         try:
             out = func(*args, **kwargs)
         except (_torch.DataDependentOutputException, _torch.DynamicOutputShapeException):
@@ -362,7 +363,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         return out
 
     def _composite(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args = _unwrap_numbers(func, args)
+        args = _unwrap_numbers(facts, args)
         with self:  # the composite's inner ops come back through this mode
             out = _torch.run_composite(func, facts.composite, *args, **kwargs)
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):
