@@ -15,11 +15,12 @@ __all__ = ["after_import", "run_pending"]
 
 
 class _AfterImport:
-    """A meta-path finder that runs ``fn(module)`` once module ``name`` has executed."""
+    """A meta-path finder that runs each of ``fns`` on module ``name`` once it has executed, in
+    the order they were asked for."""
 
     def __init__(self, name: str, fn: Callable[[Any], None]):
         self.name = name
-        self.fn = fn
+        self.fns = [fn]
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != self.name:
@@ -30,11 +31,12 @@ class _AfterImport:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
-        fn = self.fn
+        fns = self.fns
 
         def run(module: Any) -> None:
             exec_module(module)
-            fn(module)
+            for fn in fns:
+                fn(module)
 
         loader.exec_module = run  # type: ignore[method-assign]
         return spec
@@ -84,8 +86,13 @@ def after_import(name: str, fn: Callable[[Any], None]) -> None:
     if module is not None and not _initializing(module):
         fn(module)
     elif module is not None:
-        _pending.append((name, fn))
+        if (name, fn) not in _pending:
+            _pending.append((name, fn))
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(name, fn))
+    else:
+        finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport) and f.name == name), None)
+        if finder is None:
+            sys.meta_path.insert(0, _AfterImport(name, fn))
+        elif fn not in finder.fns:  # another function for the same module: it runs too, after the first
+            finder.fns.append(fn)
