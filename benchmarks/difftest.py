@@ -2185,6 +2185,8 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fn = torch.compile(graph, backend="neuron" if device == DEVICE else "aot_eager", dynamic=dynamic or None)
+            for m in mats:  # (storages are compared over what they held before the call, as eager runs' are)
+                m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
             outs = fn(*tensors)
     except Exception as e:
         if len(items) == 1:
@@ -2192,7 +2194,7 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
         return None
     runs = []
     for (s, _), m, r in zip(items, mats, outs):
-        runs.append(Run(result=r, aliases=_aliases(r, m.inputs), storages=m.storage_bytes(), inputs=m.inputs))
+        runs.append(Run(result=r, aliases=_aliases(r, m.inputs), storages=m.storage_bytes(m.sizes), inputs=m.inputs))
     if device == DEVICE and not seeds:
         _second_call(items, fn, runs)
     return runs

@@ -197,6 +197,20 @@ def test_the_repro_line_reruns_one_sample(capsys):
 # ---- findings, each kept as its regression test ------------------------------------------------
 
 
+def test_a_compiled_batch_compares_a_grown_out_over_what_it_held_as_eager_runs_do():
+    """Found by the long run (seed 20261206): nll_loss2d_backward with an empty grad_input, compiled
+    in one graph with a nextafter.out, grew the out's storage (the device and CPU's aot_eager wrote
+    the same bytes); the harness compared a compiled run's storages whole and eager CPU's over
+    their size before the call, and reported the 64 grown bytes as a write outside the view."""
+    t = dt.Tester(20261206, dt.DTYPES, 1)
+    t._flushes = 0  # (the graph was traced with static sizes)
+    for packet, seed in (("nextafter", 147974546940508), ("nll_loss2d_backward", 218721670307601)):
+        t.run_sample(dt.make_sample(packet, seed))
+    assert len(t._compile_queue) == 2
+    t.flush_compiled()
+    assert t.stats.compiled == 2 and [m.line() for m in t.stats.mismatches] == []
+
+
 def test_out_into_a_view_writes_where_cpu_writes():
     """An out= of the wrong size (or empty) was given fresh memory on the device: a view of the
     out's storage kept its old values, where CPU resizes the out in place and writes there."""
