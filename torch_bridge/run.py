@@ -24,8 +24,10 @@ from trnsim.sim.report import RunReport
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
 
 RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--timing-only",
-               "--metrics", "--plot", "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout")
-RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--timing-only", "--trace-stack")  # options without a value
+               "--metrics", "--plot", "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout",
+               "--host-profile")
+RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--timing-only", "--trace-stack",
+             "--host-profile")  # options without a value
 _REPEATED = ("--set", "--expand")
 
 
@@ -84,8 +86,8 @@ class _StdoutToStderr:
 def run_script(script: str, args: Sequence[str], config: str | None = None, overrides: Sequence[str] = (),
                trace: str | None = None, eager: bool = False, adaptive: bool = False, metrics: str | None = None,
                plot: str | None = None, expand: Sequence[str] = (), expand_top: int = 3,
-               trace_stack: bool = False, quiet_stdout: bool = False, timing_only: bool = False
-               ) -> tuple[int, RunReport]:
+               trace_stack: bool = False, quiet_stdout: bool = False, timing_only: bool = False,
+               host_profile: list[Any] | None = None) -> tuple[int, RunReport]:
     """Run ``script`` with ``args`` on the neuron device; returns (exit status, report).
 
     ``eager`` runs every ``torch.compile``d function eagerly (``torch.compiler.set_stance(
@@ -104,12 +106,15 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     Python call of the script, its imports included, so traces grow by orders of magnitude; the
     launches name their source line either way).
     With ``quiet_stdout`` the script's standard output goes to standard error (the caller
-    prints data on stdout).
+    prints data on stdout). ``host_profile``: a list the run's
+    :class:`torch_bridge.neuron.hostprof.Profile` is appended to: the script runs under
+    ``hostprof.profile()``, which splits the host's wall time into the simulator's parts (it reads
+    the host's clock only: the report and the values are the same without it).
     """
     if quiet_stdout:
         with _StdoutToStderr():
             return run_script(script, args, config, overrides, trace, eager, adaptive, metrics, plot, expand,
-                              expand_top, trace_stack, timing_only=timing_only)
+                              expand_top, trace_stack, timing_only=timing_only, host_profile=host_profile)
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"no such script: {script}")
@@ -147,10 +152,18 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     status = 0
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     prof = _profile(trace_stack) if trace is not None else contextlib.nullcontext()
+    if host_profile is not None:
+        from torch_bridge.neuron import hostprof
+
+        host = hostprof.profile()
+    else:
+        host = contextlib.nullcontext()
     tracking = profiler.tracking
     profiler.track_sources(tracking or metrics is not None)
     try:
-        with prof:
+        with prof, host as recorded:
+            if host_profile is not None:
+                host_profile.append(recorded)
             try:
                 with stance, (device.timing_only() if timing_only else contextlib.nullcontext()):
                     runpy.run_path(str(path), run_name="__main__")

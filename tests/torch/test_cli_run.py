@@ -96,3 +96,29 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_script_runs(tmp_pa
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text())["traceEvents"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo.json", "link.json", "real.json", "s.py"]
+
+
+def test_host_profile_splits_the_wall_time_and_leaves_the_report_as_it_is(tmp_path):
+    """`--host-profile` prints where the host's wall time went (the simulator's parts); the
+    simulated report is the one the same run gives without it."""
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = _trnsim("run", str(script), "--host-profile", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "neuron run report" in out.stdout and "Where the host's wall time went" in out.stdout
+    table = out.stdout.split("Where the host's wall time went", 1)[1]
+    assert all(p in table for p in ("build", "simulate", "python path (all ops)", "rest: fast path"))
+    plain = json.loads(_trnsim("run", "--json", str(script), cwd=tmp_path).stdout)
+    profiled = json.loads(_trnsim("run", str(script), "--json", "--host-profile", cwd=tmp_path).stdout)
+    host = profiled.pop("host_profile")
+    assert profiled == plain  # (each a fresh process: the same kernels simulated, the same report)
+    assert host["wall_s"] > 0 and host["kernels_simulated"] >= 2
+    parts = {p["part"]: p for p in host["parts"]}
+    assert parts["build"]["seconds"] > 0 and parts["simulate"]["calls"] >= 1
+    assert sum(p["seconds"] for p in host["parts"]) + host["rest_s"] + host["datapath_s"] == \
+        __import__("pytest").approx(host["wall_s"])
+    for extra in ("--nproc=2", "--compare-eager", f"--trace={tmp_path / 't.json'}"):
+        bad = _trnsim("run", str(script), "--host-profile", extra, cwd=tmp_path)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+        assert bad.stderr.startswith("trnsim: error: run: --host-profile ")
+    assert not (tmp_path / "t.json").exists()

@@ -89,6 +89,16 @@ class Profile:
         out["rest"] = self.wall - sum(out.values())
         return out
 
+    def to_dict(self) -> dict[str, Any]:
+        """The split as plain data (``trnsim run --host-profile --json``): seconds of wall time,
+        ops the fast path served, kernels simulated, the fast path's datapath seconds, each part's
+        exclusive seconds and calls (the Python path per op as ``python <op>``), and the rest
+        (the fast path with its CPU kernels, autograd, the program; the datapath apart)."""
+        rest = self.summary()["rest"] - self.datapath
+        return {"wall_s": self.wall, "fast_path_ops": self.fast_hits, "kernels_simulated": self.simulated,
+                "datapath_s": self.datapath, "rest_s": rest,
+                "parts": [{"part": k, "seconds": v, "calls": c} for k, v, c in self.parts()]}
+
     def table(self, steps: int = 1, top: int = 12, cpu_wall: float | None = None) -> str:
         """The split as text, per step (``steps`` steps recorded); ``cpu_wall``: the same
         program's CPU wall per step, to set the rest against."""

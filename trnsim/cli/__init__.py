@@ -11,7 +11,7 @@
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
                   [--executor pool|ray] [--address HOST:PORT [--timeout S]]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
-                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--json]
+                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--host-profile] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
@@ -253,6 +253,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     nproc = opts.get("nproc", args.nproc)
     system = opts.get("system", args.system)
     timing_only = bool(opts.get("timing_only", args.timing_only))
+    host = bool(opts.get("host_profile", args.host_profile))
+    if host and (compare or nproc is not None):
+        raise UsageError(f"run: --host-profile profiles one process running the script once; leave out "
+                         f"{'--compare-eager' if compare else '--nproc'}")
+    if host and trace:
+        raise UsageError("run: --host-profile times the simulator's parts, and under --trace torch.profiler's own "
+                         "time lands inside them: run with one, then the other")
     if timing_only and (compare or nproc is not None):
         raise UsageError(f"run: --timing-only runs one process once; leave out {'--compare-eager' if compare else '--nproc'}"
                          f" (trnsim estimate simulates a whole system without values)")
@@ -280,15 +287,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides,
                                                quiet_stdout=bool(as_json))
         else:
+            hosts: list[Any] | None = [] if host else None
             status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
                                      metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
                                      trace_stack=bool(opts.get("trace_stack", args.trace_stack)),
-                                     quiet_stdout=bool(as_json), timing_only=timing_only)
+                                     quiet_stdout=bool(as_json), timing_only=timing_only, host_profile=hosts)
     except (FileNotFoundError, RuntimeError) as e:
         raise UsageError(f"run: {e}") from None
     if as_json:
         data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
+        if host and hosts:
+            data["host_profile"] = hosts[0].to_dict()
         print(json.dumps(data, indent=2))
         return status
     print_run_report(rep, f"{args.script} on {rep.config}" + (" (compiled)" if compare else ""))
@@ -296,6 +306,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         console = _Out(width=RUN_REPORT_WIDTH)
         console.print()
         render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
+    if host and hosts:
+        print(f"\nWhere the host's wall time went (the simulator's own time, not the device's; "
+              f"{hosts[0].wall:.2f} s in all, the script's imports included):")
+        print(hosts[0].table())
     say_written(_Out(width=RUN_REPORT_WIDTH), trace, metrics, plot)
     return status
 
@@ -428,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch eager launches: a repeated sequence between syncs is replayed as one graph launch")
     r.add_argument("--timing-only", action="store_true", help="run on tensors without values (shapes only): every "
                    "op is charged, nothing is computed, no host memory is taken (torch.neuron.timing_only)")
+    r.add_argument("--host-profile", action="store_true",
+                   help="also print where the host's wall time went: kernel builds and simulations, the device "
+                        "model, the Python path per op, compiled graphs, the fast path and the program "
+                        "(torch_bridge.neuron.hostprof; the report and the values are the same without it)")
     r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
                                                 "rank, rank r on NeuronCore r) and print one merged report")
     r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "
