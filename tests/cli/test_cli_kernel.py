@@ -24,7 +24,14 @@ from trnsim.kernels.registry import KERNELS, KernelEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-SOFTMAX = str(ROOT / "examples" / "softmax_kernel.py") + ":build_softmax"
+# relative to the checkout (the tests run from it, _at_root): the name is quoted whole in one-line errors
+# and in the report's title, which an absolute path of a deep checkout would shorten or wrap
+SOFTMAX = "examples/softmax_kernel.py:build_softmax"
+
+
+@pytest.fixture(autouse=True)
+def _at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
 
 
 def run(capsys, *argv):

@@ -76,10 +76,14 @@ def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch,
     from trnsim.cli import main
 
     monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path / "costs"))
-    spec = write(tmp_path, f"""\
+    # the model by a short relative path: the table's row names it, and a deep checkout's
+    # absolute path wrapped the row over two lines
+    (tmp_path / "tiny.json").write_text(TINY.read_text())
+    monkeypatch.chdir(tmp_path)
+    spec = write(tmp_path, """\
         system: trn2.48xlarge
         estimates:
-          - {{mode: inference, model: {TINY}, tp: 4, input: 64, output: 4, samples: 2}}
+          - {mode: inference, model: tiny.json, tp: 4, input: 64, output: 4, samples: 2}
     """)
     for rerun in (False, True):
         assert main(["sweep", str(spec), "--jobs", "1"]) == 0
