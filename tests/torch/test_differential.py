@@ -211,6 +211,15 @@ def test_a_compiled_batch_compares_a_grown_out_over_what_it_held_as_eager_runs_d
     assert t.stats.compiled == 2 and [m.line() for m in t.stats.mismatches] == []
 
 
+def test_nextafter_with_a_host_scalar_refused_by_torch_compile_is_torchs_rule(capsys):
+    """Found by a --fresh long run (seed 20261207): torch.compile refuses nextafter(neuron tensor,
+    host 0-dim tensor) while tracing (PyTorch's fake tensors do not take a CPU scalar for the ops
+    CUDA's kernels refuse it for), which CPU's compiled reference cannot show; the eager device
+    computes it as CPU does. Counted with torch's compile semantics, not as the device's mismatch."""
+    assert dt.main(["--repro", "nextafter", "127748837082229"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "ok"
+
+
 def test_out_into_a_view_writes_where_cpu_writes():
     """An out= of the wrong size (or empty) was given fresh memory on the device: a view of the
     out's storage kept its old values, where CPU resizes the out in place and writes there."""
