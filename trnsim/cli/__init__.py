@@ -11,7 +11,8 @@
     trnsim sweep SPEC.yaml [--out results.{csv,parquet}] [--jobs N] [--max-points N]
                   [--executor pool|ray] [--address HOST:PORT [--timeout S]]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
-                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only] [--host-profile] [--json]
+                  [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only]
+                  [--host-profile] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
