@@ -186,7 +186,8 @@ def register_kernels() -> None:
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
-    for name in WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS:
+    claimed = WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS
+    for name in claimed:
         kernel = functools.partial(values.fallback if name in WHOLE_OPS else values.same_device_fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)
     fast_foreach = []  # in-place ones: the fast path's kernel, their Python one on SLOW_KEY
@@ -214,5 +215,5 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
+    fastpath.install(_native.load(), list(claimed + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
     register_autocast(impl, fallback, _hidden)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import sys
     import torch
@@ -116,7 +118,7 @@ def test_host_profile_splits_the_wall_time_and_leaves_the_report_as_it_is(tmp_pa
     parts = {p["part"]: p for p in host["parts"]}
     assert parts["build"]["seconds"] > 0 and parts["simulate"]["calls"] >= 1
     assert sum(p["seconds"] for p in host["parts"]) + host["rest_s"] + host["datapath_s"] == \
-        __import__("pytest").approx(host["wall_s"])
+        pytest.approx(host["wall_s"])
     for extra in ("--nproc=2", "--compare-eager", f"--trace={tmp_path / 't.json'}"):
         bad = _trnsim("run", str(script), "--host-profile", extra, cwd=tmp_path)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -283,12 +283,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise UsageError(f"--expand-top {top}: expected a number of kernels >= 0") from None
+    hosts: list[Any] | None = [] if host else None  # run_script appends the run's host profile
     try:  # with --json the script's own output goes to stderr: stdout is the JSON alone
         if compare:
             status, eager, rep = compare_eager(args.script, script_args, config=config, overrides=overrides,
                                                quiet_stdout=bool(as_json))
         else:
-            hosts: list[Any] | None = [] if host else None
             status, rep = run_script(args.script, script_args, config=config, overrides=overrides,
                                      trace=trace, adaptive=opts.get("adaptive_eager", args.adaptive_eager),
                                      metrics=metrics, plot=plot, expand=args.expand + opts["expand"], expand_top=top,
@@ -298,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"run: {e}") from None
     if as_json:
         data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
-        if host and hosts:
+        if hosts:
             data["host_profile"] = hosts[0].to_dict()
         print(json.dumps(data, indent=2))
         return status
@@ -307,7 +307,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         console = _Out(width=RUN_REPORT_WIDTH)
         console.print()
         render_comparison(eager, rep, f"{args.script} on {rep.config}", console)
-    if host and hosts:
+    if hosts:
         print(f"\nWhere the host's wall time went (the simulator's own time, not the device's; "
               f"{hosts[0].wall:.2f} s in all, the script's imports included):")
         print(hosts[0].table())
