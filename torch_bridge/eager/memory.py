@@ -548,9 +548,9 @@ _cache_min: list[int] = []
 
 def host_cache_min() -> int:
     """The smallest block the host cache serves (csrc/neuron.cpp's ``kCacheMin``, as the
-    extension reports it; 64 KiB without the extension, when :class:`host_scope` does nothing)."""
+    extension reports it; 4 KiB without the extension, when :class:`host_scope` does nothing)."""
     if not _cache_min:
-        _cache_min.append(host_cache()["min_bytes"] or 64 * 1024)
+        _cache_min.append(host_cache()["min_bytes"] or 4 * 1024)
     return _cache_min[0]
 
 
