@@ -15,9 +15,11 @@ from torch_bridge.compile.foreach import ForeachKernel
 neuron_compile.register()
 
 
-def _train(make_opt, compiled: bool, steps: int = 4):
+def _train(make_opt, compiled: bool, steps: int = 4, widths: tuple[int, int, int] = (16, 48, 4)):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.LayerNorm(48), nn.Linear(48, 4)).to("neuron")
+    width_in, hidden, width_out = widths
+    model = nn.Sequential(nn.Linear(width_in, hidden), nn.GELU(), nn.LayerNorm(hidden),
+                          nn.Linear(hidden, width_out)).to("neuron")
     opt = make_opt(model.parameters())
     torch._dynamo.reset()
     step = torch.compile(opt.step, backend="neuron") if compiled else opt.step
@@ -27,7 +29,7 @@ def _train(make_opt, compiled: bool, steps: int = 4):
         if i == 2:  # steady state: the first step creates the state (another graph), the second compiles
             torch.neuron.synchronize()
             torch.neuron.reset_report()
-        loss = model(torch.randn(8, 16, generator=gen).to("neuron")).square().mean()
+        loss = model(torch.randn(8, width_in, generator=gen).to("neuron")).square().mean()
         loss.backward()
         step()
         opt.zero_grad(set_to_none=True)
@@ -61,6 +63,8 @@ def test_compiled_step_is_one_kernel_with_eager_values(name):
     kernel = calls[-1][0]
     n_copies = sum(1 for n in kernel.nodes if n.target is torch.ops.aten.copy_.default)
     assert n_copies > 0 and kernel.in_place[0] and kernel.copies == 0
+    # capturable AdamW's lerp weight (a full_like per parameter) is held as one broadcast element
+    assert bool(kernel.immediates) == (name == "adamw")
     rows = [r for r in rep.rows if r.is_region and r.kernel == "foreach_fused"]
     assert len(rows) == 1 and rows[0].calls == 2  # one launch per steady step
     row = rows[0]
@@ -77,3 +81,14 @@ def test_adamw_compiled_close_to_default_eager():
     _, eager, _ = _train(make, False)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_broadcast_lerp_weight_matches_eager_at_odd_sizes():
+    """Parameters whose element counts leave every remainder after the CPU kernels' vector
+    stretches (13 x 37, 37, 37 x 5, 5, ...): the compiled step, which reads the lerp weight as one
+    broadcast element, equals eager capturable AdamW bit for bit."""
+    compiled_opt, eager_opt = OPTIMIZERS["adamw"]
+    losses, params, _ = _train(compiled_opt, True, steps=5, widths=(13, 37, 5))
+    eager_losses, eager_params, _ = _train(eager_opt, False, steps=5, widths=(13, 37, 5))
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
