@@ -112,3 +112,28 @@ print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS),
                          cwd=tempfile.gettempdir())
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.split() == ["(False,", "False)", "2", "2", "False"], got.stdout
+
+
+def test_a_parts_time_leaves_out_the_fast_paths_datapath(monkeypatch):
+    """The fast path's matmuls inside a part (a compiled graph's mm nodes) are the datapath row's:
+    a part's seconds leave them out, nested parts' too, so the rest (wall less the parts less the
+    datapath) is not counted twice. Fake clocks: a part running 7 s with 5 s of datapath is 2 s."""
+    now, dp = [0.0], [0.0]
+
+    def spend(wall, datapath=0.0):
+        now[0] += wall
+        dp[0] += datapath
+
+    monkeypatch.setattr(hostprof, "_clock", lambda: now[0])
+    prof = hostprof.Profile()
+    prof._datapath = lambda: dp[0]
+    prof.call("graphs", spend, (7.0, 5.0), {})
+    assert prof.seconds["graphs"] == 2.0
+
+    def outer():
+        spend(1.0)
+        prof.call("regions", spend, (3.0, 2.0), {})  # nested: 1 s its own
+        spend(2.0, 1.0)  # a datapath call in the outer part itself
+
+    prof.call("outer", outer, (), {})
+    assert prof.seconds["regions"] == 1.0 and prof.seconds["outer"] == 2.0

@@ -48,30 +48,41 @@ class Profile:
         self.calls: dict[str, int] = {}
         self.wall = 0.0
         self.fast_hits = 0  # ops the native fast path served
-        self.datapath = 0.0  # the fast path's matmuls in trnsim's C datapath (part of the rest)
+        # seconds in trnsim's C datapath called from the extension (the fast path's matmuls and
+        # convolutions, compiled regions' matmul heads, attention's products): in the rest, no part counts it
+        self.datapath = 0.0
         self.compile = 0.0  # seconds compiling graphs (the device's own count; its builds and
         # simulations are counted in theirs, the rest of it in the rest)
         self.simulated = 0  # kernels simulated (cost-cache misses)
         self._local = threading.local()
         self._lock = threading.Lock()
+        #: the datapath's seconds so far (:func:`fastpath.datapath_seconds`), read around each part:
+        #: the matmuls a part runs (a compiled graph's mm nodes, a region's head) are the ``datapath``
+        #: row's, not the part's
+        self._datapath: Callable[[], float] = lambda: 0.0
 
     def call(self, part: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``fn(*args, **kwargs)``, its time less that of nested parts counted as ``part``."""
+        """``fn(*args, **kwargs)``, its time less that of nested parts and of the fast path's
+        datapath (its own row), counted as ``part``."""
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
-        frame = [0.0]
+        frame = [0.0, 0.0]  # nested parts' seconds, and the datapath's within them
         stack.append(frame)
+        datapath = self._datapath
+        d0 = datapath()
         t0 = _clock()
         try:
             return fn(*args, **kwargs)
         finally:
             dt = _clock() - t0
+            dd = datapath() - d0
             stack.pop()
             if stack:
                 stack[-1][0] += dt
+                stack[-1][1] += dd
             with self._lock:
-                self.seconds[part] = self.seconds.get(part, 0.0) + dt - frame[0]
+                self.seconds[part] = self.seconds.get(part, 0.0) + dt - frame[0] - (dd - frame[1])
                 self.calls[part] = self.calls.get(part, 0) + 1
 
     def parts(self) -> list[tuple[str, float, int]]:
@@ -122,7 +133,7 @@ class Profile:
         if len(py) > top:
             row(f"  ({len(py) - top} more ops)", sum(v for _, v, _ in py[top:]), sum(c for _, _, c in py[top:]))
         if self.datapath:
-            row("datapath (fast-path matmuls)", self.datapath)
+            row("datapath (matmul values)", self.datapath)
         row("rest: fast path + CPU kernels + program", s["rest"] - self.datapath)
         if cpu_wall is not None:
             lines.append(f"    (the same program on CPU: {cpu_wall * 1e3:.1f} ms/step; the rest less that: "
@@ -187,6 +198,7 @@ def profile() -> Iterator[Profile]:
     # does (importing the module now would register its custom ops in a program that never compiles)
     after_import(GRAPH_MODULE, _wrap_graphs)
     prof = Profile()
+    prof._datapath = fastpath.datapath_seconds
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
     t0 = _clock()
