@@ -100,14 +100,18 @@ class Profile:
         out["rest"] = self.wall - sum(out.values())
         return out
 
+    def rest(self) -> float:
+        """The rest with the datapath apart: the fast path with its CPU kernels, autograd, the
+        program's own Python (what :meth:`table` and :meth:`to_dict` show as the rest)."""
+        return self.summary()["rest"] - self.datapath
+
     def to_dict(self) -> dict[str, Any]:
         """The split as plain data (``trnsim run --host-profile --json``): seconds of wall time,
         ops the fast path served, kernels simulated, the fast path's datapath seconds, each part's
         exclusive seconds and calls (the Python path per op as ``python <op>``), and the rest
         (the fast path with its CPU kernels, autograd, the program; the datapath apart)."""
-        rest = self.summary()["rest"] - self.datapath
         return {"wall_s": self.wall, "fast_path_ops": self.fast_hits, "kernels_simulated": self.simulated,
-                "datapath_s": self.datapath, "rest_s": rest,
+                "datapath_s": self.datapath, "rest_s": self.rest(),
                 "parts": [{"part": k, "seconds": v, "calls": c} for k, v, c in self.parts()]}
 
     def table(self, steps: int = 1, top: int = 12, cpu_wall: float | None = None) -> str:
@@ -134,10 +138,11 @@ class Profile:
             row(f"  ({len(py) - top} more ops)", sum(v for _, v, _ in py[top:]), sum(c for _, _, c in py[top:]))
         if self.datapath:
             row("datapath (matmul values)", self.datapath)
-        row("rest: fast path + CPU kernels + program", s["rest"] - self.datapath)
+        rest = self.rest()
+        row("rest: fast path + CPU kernels + program", rest)
         if cpu_wall is not None:
             lines.append(f"    (the same program on CPU: {cpu_wall * 1e3:.1f} ms/step; the rest less that: "
-                         f"{(s['rest'] - self.datapath) / steps * 1e3 - cpu_wall * 1e3:.1f} ms)")
+                         f"{rest / steps * 1e3 - cpu_wall * 1e3:.1f} ms)")
         return "\n".join(lines)
 
 
