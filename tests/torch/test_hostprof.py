@@ -125,8 +125,7 @@ def test_a_parts_time_leaves_out_the_fast_paths_datapath(monkeypatch):
         dp[0] += datapath
 
     monkeypatch.setattr(hostprof, "_clock", lambda: now[0])
-    prof = hostprof.Profile()
-    prof._datapath = lambda: dp[0]
+    prof = hostprof.Profile(datapath=lambda: dp[0])
     prof.call("graphs", spend, (7.0, 5.0), {})
     assert prof.seconds["graphs"] == 2.0
 

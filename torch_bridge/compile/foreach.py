@@ -454,8 +454,7 @@ def _immediates(nodes: Sequence[fx.Node], inplace: dict[fx.Node, Any]) -> frozen
     the same bits; a filled copy per parameter cost the small GPT-2's compiled AdamW step ~1.5 ms
     of host time (52 fills of 12.8 MB in all) that the eager step, whose lerp takes a number,
     never spends. The charged kernel is unchanged (it reads the weight as an immediate)."""
-    written = {x for n, _ in inplace.items() for x in (n.args[0] if n.args and isinstance(n.args[0], (list, tuple))
-                                                        else ())}
+    written = {x for n in inplace for x in (n.args[0] if n.args and isinstance(n.args[0], (list, tuple)) else ())}
     out = []
     for n in nodes:
         if n.target is not aten.full_like.default or n in written or len(n.args) != 2:

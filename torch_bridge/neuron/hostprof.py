@@ -43,7 +43,7 @@ _clock = time.perf_counter
 class Profile:
     """Exclusive host seconds per part, and calls per part, while recording."""
 
-    def __init__(self) -> None:
+    def __init__(self, datapath: Callable[[], float] = lambda: 0.0) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.wall = 0.0
@@ -59,11 +59,11 @@ class Profile:
         #: the datapath's seconds so far (:func:`fastpath.datapath_seconds`), read around each part:
         #: the matmuls a part runs (a compiled graph's mm nodes, a region's head) are the ``datapath``
         #: row's, not the part's
-        self._datapath: Callable[[], float] = lambda: 0.0
+        self._datapath = datapath
 
     def call(self, part: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``fn(*args, **kwargs)``, its time less that of nested parts and of the fast path's
-        datapath (its own row), counted as ``part``."""
+        """``fn(*args, **kwargs)``, its time less that of nested parts and of the datapath (its
+        own row), counted as ``part``."""
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
@@ -202,8 +202,7 @@ def profile() -> Iterator[Profile]:
     # the compiled graphs' classes: wrapped now if the program has compiled, else when it first
     # does (importing the module now would register its custom ops in a program that never compiles)
     after_import(GRAPH_MODULE, _wrap_graphs)
-    prof = Profile()
-    prof._datapath = fastpath.datapath_seconds
+    prof = Profile(fastpath.datapath_seconds)
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
     t0 = _clock()
