@@ -71,6 +71,12 @@ class Runtime:
             return
         self.device.host_op(op)
 
+    def host_ops(self, counts: dict[str, int]) -> None:
+        """:meth:`host_op` for ``counts[op]`` ops of each name, in one call to the device."""
+        if _torch.tracing() or not counts:
+            return
+        self.device.host_ops(counts)
+
 
 def _no_native_launch(core: int, op: str, cost: OpCost) -> bool:
     return False

@@ -98,6 +98,19 @@ def test_metadata_only_ops_cost_nothing():
     assert rep.host_ops == {"view": 3} and rep.launches == 0 and rep.device_us == 0 and dev.host == 0
 
 
+def test_host_ops_counted_at_once_as_one_by_one():
+    """Device.host_ops (a replay's views, counted in one call) leaves the report host_op would."""
+    one, many = _device(), _device()
+    for dev in (one, many):
+        dev.launch(0, "k", _cost(100, Vector=100))
+    for op in ("view", "t", "view"):
+        one.host_op(op)
+    many.host_ops({"view": 2, "t": 1})
+    a, b = one.report(), many.report()
+    assert a.host_ops == b.host_ops == {"view": 2, "t": 1}
+    assert (a.launches, a.device_us, one.host) == (b.launches, b.device_us, many.host)
+
+
 def test_report_scope_sees_only_its_launches():
     dev = _device()
     dev.launch(0, "before", _cost(100, Vector=100))

@@ -310,13 +310,12 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
         _router_memo_device[0] = rt.device
     key = (tuple(x.shape), x.stride(), x.dtype, tuple(router_weight.shape), router_weight.stride(), router_weight.dtype,
            grad_logits is not None, top_k, normalize)
-    events = _router_memo.get(key)
-    if events is not None:
-        for kind, what in events:
-            if kind == "host":
-                rt.host_op(what)
-            else:
-                rt.charge(index, BACKWARD_OP, what)
+    memo = _router_memo.get(key)
+    if memo is not None:
+        launches, hosts = memo
+        for cost in launches:
+            rt.charge(index, BACKWARD_OP, cost)
+        rt.host_ops(hosts)  # (counted at once: a host op per view cost ~5 us, each draining the device's log)
         return
     events = []
     leaves = [t.detach().requires_grad_() for t in (x, router_weight)]
@@ -328,10 +327,15 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
             gx, _ = torch.autograd.grad(outs, leaves, zeros, allow_unused=True)
             if gx is not None:
                 gx + gx  # the router's and the experts' parts of the input gradient
-    _router_memo[key] = events
+    hosts: dict[str, int] = {}
+    for kind, what in events:
+        if kind == "host":
+            hosts[what] = hosts.get(what, 0) + 1
+    _router_memo[key] = ([what for kind, what in events if kind == "launch"], hosts)
 
 
-_router_memo: dict[tuple[Any, ...], list[tuple[str, Any]]] = {}  # signature -> the router backward's charges
+# signature -> the router backward's charges: its launches' costs in order, and its host ops counted by name
+_router_memo: dict[tuple[Any, ...], tuple[list[Any], dict[str, int]]] = {}
 _router_memo_device: list[Any] = [None]  # the device model those costs are of
 
 

@@ -761,6 +761,17 @@ class Device:
             for rec in self.recorders:
                 rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
 
+    def host_ops(self, counts: dict[str, int]) -> None:
+        """:meth:`host_op` for ``counts[op]`` ops of each name, counted at once (one drain: a host
+        op has no time, so the counts a recorder ends with do not depend on where they fall among
+        the launches made around them)."""
+        with self._lock:
+            self._drain()
+            for rec in self.recorders:
+                got = rec.host_ops
+                for op, n in counts.items():
+                    got[op] = got.get(op, 0) + n
+
     def note_compile(self, seconds: float) -> None:
         """Record one graph compiled in ``seconds`` of wall time (reported, never charged)."""
         with self._lock:
