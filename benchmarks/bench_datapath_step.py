@@ -33,6 +33,8 @@ import torch  # noqa: E402
 from trnsim import native  # noqa: E402
 from trnsim.native import reference  # noqa: E402
 
+from _args import whole  # noqa: E402  (the script beside this one)
+
 K_CHUNK = 128  # trn2's PE array contraction rows (configs: core.tensor.max_contraction)
 
 
@@ -111,7 +113,7 @@ def check(a: torch.Tensor, b: torch.Tensor, got: torch.Tensor) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=9, help="timed rounds per shape (best of; default 9)")
+    p.add_argument("--repeats", type=whole(1, 1000), default=9, help="timed rounds per shape (best of; default 9)")
     p.add_argument("--quick", action="store_true", help="3 repeats (the test suite's smoke run)")
     args = p.parse_args()
     repeats = 3 if args.quick else args.repeats

@@ -23,6 +23,8 @@ import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
 from torch import nn
 
+from _args import whole  # (the script beside this one)
+
 # (expand ratio, kernel, stride, output channels, repeats): EfficientNet-B0, Tan & Le 2019, Table 1
 B0 = ((1, 3, 1, 16, 1), (6, 3, 2, 24, 2), (6, 5, 2, 40, 2), (6, 3, 2, 80, 3), (6, 5, 1, 112, 3), (6, 5, 2, 192, 4),
       (6, 3, 1, 320, 1))
@@ -91,8 +93,9 @@ def run(batch: int, size: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--batch", type=whole(1, 1024), default=8)
+    p.add_argument("--size", type=whole(64, 1024), default=224,
+                   help="image side (EfficientNet-B0 halves it 5 times: 64 leaves 2x2, which batch norm takes at batch 1)")
     p.add_argument("--quick", action="store_true", help="batch 1 at 64x64")
     args = p.parse_args(argv)
     if args.quick:

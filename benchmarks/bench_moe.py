@@ -29,6 +29,8 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TRN
 
 import torch  # noqa: E402  (after the thread pins)
 
+from _args import whole  # noqa: E402  (the script beside this one)
+
 MIXTRAL_8X7B = dict(tokens=512, hidden=4096, ffn=14336, experts=8, top_k=2)
 QUICK = dict(tokens=256, hidden=512, ffn=1024, experts=8, top_k=2)
 
@@ -72,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"a small layer: {QUICK}")
     for k, v in MIXTRAL_8X7B.items():
-        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} ({QUICK[k]} quick)")
+        ap.add_argument("--" + k.replace("_", "-"), type=whole(1, 1 << 20), default=None, help=f"default {v} ({QUICK[k]} quick)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     args = ap.parse_args(argv)
     dims = dict(QUICK if args.quick else MIXTRAL_8X7B)
     for k in dims:
         if getattr(args, k) is not None:
             dims[k] = getattr(args, k)
+    if dims["top_k"] > dims["experts"]:
+        ap.error(f"--top-k {dims['top_k']}: expected at most the {dims['experts']} experts")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     from torch_bridge import moe

@@ -38,6 +38,8 @@ import argparse
 import os
 import sys
 
+from _args import whole  # (the script beside this one)
+
 _BLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_VERBOSE")
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -45,8 +47,8 @@ _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="256^3 instead of 1024^3")
-    p.add_argument("--size", type=int, default=None, help="M = N = K (default 1024)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per case (median; default 7, 3 with --quick)")
+    p.add_argument("--size", type=whole(1, 8192), default=None, help="M = N = K (default 1024)")
+    p.add_argument("--repeats", type=whole(1, 1000), default=None, help="timed runs per case (median; default 7, 3 with --quick)")
     p.add_argument(
         "--keep-blas-env",
         action="store_true",

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 import torch_bridge  # noqa: F401  (registers the device where autoload is off)
 
+from _args import whole  # (the script beside this one)
+
 GOAL_US = 10.0
 RATIO_GOAL = 2.0
 
@@ -56,7 +58,7 @@ def per_op_us(fn: Callable[[torch.Tensor, torch.Tensor], object], device: str, i
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--iters", type=whole(1, 10_000_000), default=5000)
     p.add_argument("--quick", action="store_true", help="500 iterations")
     args = p.parse_args(argv)
     iters = 500 if args.quick else args.iters

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from _args import whole  # (the script beside this one)
+
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "ZOO_RESULT "
 
@@ -505,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--programs", default=None, help=f"comma-separated, of: {', '.join(PROGRAMS)} (default: all)")
     p.add_argument("--quick", action="store_true", help=f"smaller configs, {', '.join(QUICK)}, one round of 2 steps")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of steps on CPU then neuron (default 3)")
-    p.add_argument("--steps", type=int, default=None, help="steps per round and device (default 5)")
+    p.add_argument("--rounds", type=whole(1, 100), default=None, help="rounds of steps on CPU then neuron (default 3)")
+    p.add_argument("--steps", type=whole(1, 1000), default=None, help="steps per round and device (default 5)")
     p.add_argument("--split", action="store_true", help="where the neuron wall time goes (torch_bridge.hostprof)")
     p.add_argument("--check-slow", action="store_true",
                    help="run each program again with TRNSIM_FASTPATH=0: values and ticks must be identical")

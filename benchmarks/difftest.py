@@ -91,6 +91,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -2347,28 +2348,41 @@ class _Reported:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (tests load this file by its path)
+    from _args import share, whole
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=20, help="samples per op")
+    p.add_argument("--samples", type=whole(1), default=20, help="samples per op")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--ops", default="", help="comma-separated op packets (default: every op the bridge serves)")
     p.add_argument("--dtypes", default=",".join(str(d)[6:] for d in DTYPES))
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--compile-every", type=int, default=1, help="compile every k-th valid sample")
+    p.add_argument("--compile-every", type=whole(0), default=1, help="compile every k-th valid sample (0: none)")
     p.add_argument("--json", default="")
     p.add_argument("--progress", action="store_true", help="a line after each op")
-    p.add_argument("--timing-every", type=int, default=10,
+    p.add_argument("--timing-every", type=whole(0), default=10,
                    help="also run every k-th valid sample on timing-only tensors (0: none)")
-    p.add_argument("--palette-share", type=float, default=0.8,
+    p.add_argument("--palette-share", type=share, default=0.8,
                    help="share of samples whose shape comes from the palette (the rest are drawn at random)")
     p.add_argument("--repro", nargs=2, metavar=("OP", "SEED"))
     p.add_argument("--fresh", action="store_true",
                    help="each op in a fresh process: its first sample is the first call the process makes")
-    p.add_argument("--write-guard", type=int, default=0, metavar="N",
+    p.add_argument("--write-guard", type=whole(0), default=0, metavar="N",
                    help="instead: N samples on CPU of every op the fast path serves by its schema, each argument "
                         "written without an (a!) annotation reported")
     ns = p.parse_args(argv)
     global PALETTE_SHARE
     PALETTE_SHARE = ns.palette_share
+    unknown = [d for d in ns.dtypes.split(",") if d and d not in DTYPE_NAMES]
+    if unknown or not any(ns.dtypes.split(",")):
+        p.error(f"--dtypes {ns.dtypes!r}: expected comma-separated names of {', '.join(DTYPE_NAMES)}")
+    for o in (o for o in ns.ops.split(",") if o):
+        if o in CUSTOM_OPS and not _custom_served(o):
+            p.error(f"--ops: {o} is not served by this config's device (it refuses it in one line); "
+                    f"run with TRNSIM_CONFIG=trn3")
+        if o not in CUSTOM_OPS and not hasattr(torch.ops.aten, o):
+            p.error(f"--ops: {o!r} is not an aten op packet (e.g. add, matmul, index_put) or one of "
+                    f"{', '.join(CUSTOM_OPS)}")
     dtypes = [DTYPE_NAMES[d] for d in ns.dtypes.split(",") if d]
     if ns.repro:
         packet, seed = ns.repro[0], int(ns.repro[1])

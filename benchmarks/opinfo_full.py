@@ -679,12 +679,15 @@ def run_all_dtypes(passthrough: list[str], out: Any = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (tests load this file by its path)
+    from _args import whole
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
     p.add_argument("--some-ops", action="store_true", help=argparse.SUPPRESS)  # --ops names may lack this dtype
     p.add_argument("--all-dtypes", action="store_true",
                    help=f"every dtype ({', '.join(ALL_DTYPES)}), one process each, a line per dtype")
-    p.add_argument("--limit", type=int, default=None, help="at most N samples per op")
+    p.add_argument("--limit", type=whole(1), default=None, help="at most N samples per op")
     p.add_argument("--quick", action="store_true", help=f"every op, first {QUICK_LIMIT} samples each")
     p.add_argument("--ops", default=None, help="comma-separated op names (or name.variant)")
     p.add_argument("--grad", action="store_true", help="also compare gradients (backward)")

@@ -13,6 +13,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _bench(name: str):
+    if str(BENCH) not in sys.path:  # (a script's siblings, as when it runs: _args)
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

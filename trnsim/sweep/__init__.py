@@ -47,7 +47,7 @@ from .spec import (DEFAULT_MAX_POINTS, KERNEL_KEYS, MAX_COLLECTIVE_RANKS, SPEC_K
                    check_collective_bytes, check_collective_ranks, load_chip_variant, load_spec, load_system_variant,
                    params_text)
 
-__all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep",
+__all__ = ["KernelRef", "Point", "SweepSpec", "SweepResult", "SweepStopped", "resolve_kernel", "load_spec", "run_sweep", "check_jobs",
            "bound_of", "check_collective_bytes", "check_collective_ranks", "MAX_COLLECTIVE_RANKS", "DEFAULT_MAX_POINTS"]
 
 
@@ -270,6 +270,20 @@ def _open_locked(path: Path, shown: str) -> Any:
     raise OutputError(f"sweep results {shown}: cannot lock it (its lock file keeps being replaced)")  # pragma: no cover
 
 
+def check_jobs(jobs: int | None) -> int:
+    """The number of worker processes a sweep runs (``None``: one per CPU), or :class:`ConfigError`
+    for one that is not a whole number from 1 to ``max(8, 4 x CPUs)``."""
+    cpus = os.cpu_count() or 1
+    if jobs is None:
+        return cpus
+    max_jobs = max(8, 4 * cpus)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= max_jobs:
+        raise ConfigError(f"--jobs {jobs}: expected a positive number of worker processes, at most {max_jobs} "
+                          f"on this machine ({cpus} CPUs)" if isinstance(jobs, int) and jobs > max_jobs else
+                          f"--jobs {jobs}: expected a positive number of worker processes")
+    return jobs
+
+
 def run_sweep(spec: SweepSpec, jobs: int | None = None,
               progress: Callable[[int, int], None] | None = None, executor: str = "pool",
               address: str | None = None, timeout: float | None = None) -> SweepResult:
@@ -288,14 +302,7 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
     atomically (every :data:`PARQUET_FLUSH_SECONDS` and at the end) from a journal beside it,
     ``.<name>.journal``, which takes each row at once with the CSV's guarantees and is removed
     when the sweep ends; a killed Parquet sweep's rows are in the two together."""
-    cpus = os.cpu_count() or 1
-    if jobs is None:
-        jobs = cpus
-    max_jobs = max(8, 4 * cpus)
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= max_jobs:
-        raise ConfigError(f"--jobs {jobs}: expected a positive number of worker processes, at most {max_jobs} "
-                          f"on this machine ({cpus} CPUs)" if isinstance(jobs, int) and jobs > max_jobs else
-                          f"--jobs {jobs}: expected a positive number of worker processes")
+    jobs = check_jobs(jobs)
     if executor not in EXECUTORS:
         raise ConfigError(f"--executor {clip_text(executor)}: expected one of {', '.join(EXECUTORS)}")
     if address is not None and executor != "ray":
