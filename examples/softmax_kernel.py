@@ -41,11 +41,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--cols", type=int, default=2048)
     args = ap.parse_args()
-    if args.rows % 128:
-        ap.error(f"--rows must be a multiple of 128, got {args.rows}")
+    if args.rows < 128 or args.rows % 128:
+        ap.error(f"--rows must be a positive multiple of 128, got {args.rows}")
+    if args.cols < 1:
+        ap.error(f"--cols must be a positive integer, got {args.cols}")
     x = np.random.default_rng(0).standard_normal((args.rows, args.cols), dtype=np.float32)
     chip = trnsim.Chip(args.config)
-    result = chip.run(build_softmax(args.rows, args.cols, chip.config), {"x": x})
+    try:
+        result = chip.run(build_softmax(args.rows, args.cols, chip.config), {"x": x})
+    except trnsim.KernelError as e:  # a shape the kernel cannot take (a row over one access pattern, SBUF)
+        ap.error(f"--rows {args.rows} --cols {args.cols}: {e}")
     xf = x.astype(trnsim.bfloat16.np_dtype).astype(np.float64)
     ref = np.exp(xf - xf.max(axis=1, keepdims=True))
     ref /= ref.sum(axis=1, keepdims=True)

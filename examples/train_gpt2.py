@@ -90,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    scores = args.batch * 4 * args.seq * args.seq * 4  # each block's attention scores, fp32, 4 heads
+    if scores > 1 << 30:
+        p.error(f"--batch {args.batch} --seq {args.seq}: the attention scores take {scores / 2**30:.1f} GiB a block; "
+                f"expected at most 1 GiB (batch x seq^2 up to {(1 << 30) // 16:,})")
     config = use_config(args.config)
     torch.neuron.reset_report()
     print(f"GPT-2 (2 layers, width 64, 4 heads, byte vocabulary) on neuron ({config}): "

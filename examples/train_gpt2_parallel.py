@@ -292,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "batch", "seq", "microbatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.parallel != "none" and not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        p.error(f"--parallel {args.parallel} runs one process per rank: start it with torchrun --nproc-per-node 2 "
+                f"or trnsim run --nproc 2 (or use --parallel none)")
     if args.parallel != "none":
         import torch.distributed as dist
 

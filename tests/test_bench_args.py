@@ -1,6 +1,7 @@
 """The benchmarks refuse a bad number in one line, exit status 2, before they run anything
 (benchmarks/_args.py): a zero count used to run with the default, divide by zero, or report a run
-of nothing as clean."""
+of nothing as clean. The examples likewise refuse what they cannot run (a kernel's limit, a host
+allocation of a terabyte, a distributed run started without a launcher)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ def test_a_bad_number_is_refused_in_one_line(script, args, says):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert len(errors) == 1 and says in errors[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not out.stdout.strip()
+
+
+EXAMPLES = BENCH.parent / "examples"
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("softmax_kernel.py", ["--cols", "0"], "--cols must be a positive integer, got 0"),
+    ("softmax_kernel.py", ["--cols", "100000"], "--rows 1024 --cols 100000: tensor_reduce(max): tile 'io[0]' access"),
+    ("train_gpt2.py", ["--seq", "100000"], "the attention scores take 1192.1 GiB a block; expected at most 1 GiB"),
+    ("train_gpt2_parallel.py", ["--parallel", "ddp"], "--parallel ddp runs one process per rank: start it with torchrun"),
+])
+def test_an_example_refuses_what_it_cannot_run_in_one_line(script, args, says):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                         timeout=300, env=env)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len(errors) == 1 and says in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
