@@ -29,6 +29,20 @@ def test_scoped_report_counts_only_the_block():
     assert "mm" in str(rep) and rep.to_dict()["rows"][0]["op"] == rep.rows[0].op
 
 
+def test_a_scope_misused_says_so_in_one_line():
+    scope = torch.neuron.report_scope()
+    with pytest.raises(RuntimeError, match="closed without being opened"):
+        scope.__exit__(None, None, None)
+    with scope:
+        with pytest.raises(RuntimeError, match="already open"):
+            scope.__enter__()
+        torch.ones(3, device="neuron").sum()
+    assert scope.report.row("sum").calls == 1
+    with scope:  # (a closed scope may be opened again: its report is the new block's)
+        torch.ones(3, device="neuron").neg()
+    assert "neg" in {r.op for r in scope.report.rows} and "sum" not in {r.op for r in scope.report.rows}
+
+
 def test_row_time_is_the_simulated_kernel_on_both_physical_cores():
     """trn2 runs LNC=2: the op's matmul is split between the logical core's two physical cores
     (N, the larger dim, in halves) and the row's time is the pair simulated together."""

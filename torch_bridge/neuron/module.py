@@ -555,12 +555,18 @@ class report_scope:
         self.report: RunReport | None = None
 
     def __enter__(self) -> "report_scope":
+        if self._recorder is not None:
+            raise RuntimeError("torch.neuron.report_scope: this scope is already open (use a new report_scope "
+                               "for a nested block)")
         self._recorder = runtime().device.open_scope(self._trace)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._recorder is not None
-        self.report = runtime().device.close_scope(self._recorder)
+        rec, self._recorder = self._recorder, None
+        if rec is None:
+            raise RuntimeError("torch.neuron.report_scope: closed without being opened (use it as "
+                               "`with torch.neuron.report_scope() as scope:`)")
+        self.report = runtime().device.close_scope(rec)
 
 
 # ---- adaptive eager ---------------------------------------------------------------------------
