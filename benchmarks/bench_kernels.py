@@ -54,6 +54,7 @@ from trnsim.kernels import get_kernel, kernel_names  # noqa: E402
 from trnsim.sim import native_available, simulate  # noqa: E402
 
 from bench_scheduler import raw_simpy  # noqa: E402  (the same baseline, from the script beside this one)
+from _args import whole  # noqa: E402  (the script beside this one)
 
 BUDGET_S = 2.0
 END_TO_END_GOAL = 200_000  # instructions built + simulated per second, over all the kernels
@@ -80,16 +81,6 @@ def best2(fn, repeats: int) -> tuple[float, float, object]:
     return t_best, c_best, out
 
 
-def _rounds(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 100:
-        raise argparse.ArgumentTypeError(f"expected a whole number of rounds from 1 to 100, got {text!r}")
-    return n
-
-
 def timed_round(cases: list[tuple[str, tuple[int, ...]]], cfg, repeats: int, n_base: int
                 ) -> tuple[float, float, list[float]]:
     """One more round of the timed work only: instructions built and simulated per second over
@@ -112,10 +103,10 @@ def timed_round(cases: list[tuple[str, tuple[int, ...]]], cfg, repeats: int, n_b
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="matmul 4096^3 and a small bmm, one repeat, no CLI run")
-    ap.add_argument("--rounds", type=_rounds, default=1, metavar="N",
+    ap.add_argument("--rounds", type=whole(1, 100), default=1, metavar="N",
                     help="time build + simulate of every kernel N times in all (the checks run once) and print "
                          "the median end-to-end rate: one run on a shared machine varies by up to 1.5x")
-    ap.add_argument("--repeats", type=_rounds, default=None, metavar="N",
+    ap.add_argument("--repeats", type=whole(1, 100), default=None, metavar="N",
                     help="time build and simulate of each kernel N times and keep the best (default 3, 1 with "
                          "--quick): on a loaded machine the best of 3 still varies by 1.5x or more")
     args = ap.parse_args(argv)
