@@ -26,8 +26,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from trnsim.config import ConfigError  # noqa: E402
 from trnsim.sweep import check_jobs, load_spec, run_sweep  # noqa: E402
 
-from _args import whole  # noqa: E402  (the script beside this one)
-
 FULL = """config: trn2
 grid:
   core.tensor.clock: [2.0GHz, 2.2GHz, 2.4GHz, 2.6GHz, 2.8GHz]
@@ -53,10 +51,10 @@ kernels:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 points instead of 200")
-    ap.add_argument("--jobs", type=whole(1), default=os.cpu_count() or 1, help="pool workers and Ray CPUs (default: CPUs)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="pool workers and Ray CPUs (default: CPUs)")
     args = ap.parse_args(argv)
     try:
-        check_jobs(args.jobs)  # (run_sweep's own check, made before anything is printed)
+        check_jobs(args.jobs)  # (run_sweep's own check, both bounds, made before anything is printed)
     except ConfigError as e:
         ap.error(str(e))
     try:
