@@ -756,10 +756,7 @@ class Device:
 
     def host_op(self, op: str) -> None:
         """Count a metadata-only op: it runs on the host alone (no launch, no device time)."""
-        with self._lock:
-            self._drain()
-            for rec in self.recorders:
-                rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
+        self.host_ops({op: 1})
 
     def host_ops(self, counts: dict[str, int]) -> None:
         """:meth:`host_op` for ``counts[op]`` ops of each name, counted at once (one drain: a host
