@@ -2037,7 +2037,7 @@ class Tester:
                     exact_cache.append(_exact(s, specs))
                 return exact_cache[0]
             why = self.check(s, cpu, dev, "compiled", exact, specs, strides=False)
-            if why and _fake_device_rule(s, dev):
+            if why and (_fake_device_rule(s, dev) or _any_device_rule(s, specs, dev, dynamic)):
                 self.stats.torch_compile_differs += 1  # (PyTorch's fake tensors refuse the host scalar)
                 continue
             if why:
@@ -2160,6 +2160,32 @@ def _fake_device_rule(s: Sample, dev: Run) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def _innermost(e: BaseException) -> BaseException:
+    """The first exception in ``e``'s chain of causes (what dynamo wrapped)."""
+    seen = set()
+    while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return e
+
+
+def _any_device_rule(s: Sample, specs: Any, dev: Run, dynamic: bool) -> bool:
+    """The compiled run failed tracing where PyTorch fails for any device but CPU: a host 0-dim
+    tensor beside device tensors that a reference torch.compile traces refuses itself
+    (``torch._refs.copysign`` checks that both tensors are on one device; dynamo takes the
+    reference with symbolic sizes). Shown without trnsim: the same graph compiled with
+    aot_eager on the meta device raises the same error, the device's name aside. CPU's compiled
+    reference has no second device, so cannot show it."""
+    if dev.error is None or not any(isinstance(a, _Host) for a in list(s.args) + list(s.kwargs.values())):
+        return False
+    ref = _compile_batch([(s, specs)], "meta", dynamic)
+    if ref is None or ref[0].error is None:
+        return False
+    mine, theirs = _innermost(dev.error), _innermost(ref[0].error)
+    return type(mine) is type(theirs) and \
+        str(mine).replace(f"{DEVICE}:0", "meta").replace(DEVICE, "meta") == str(theirs)
 
 
 def _lift(items: list[tuple[Sample, Any]], mats: list["Materialised"]) -> tuple[list[Any], list[torch.Tensor]]:

@@ -889,3 +889,21 @@ def test_an_empty_out_keeps_its_sizes_for_ops_that_check_them():
         out = torch.empty(0, 5, 1, 3, device=device)
         assert torch.normal(mean, 0.5, out=out).stride() == (15, 3, 3, 1)
         assert out.shape == (0, 5, 1, 3)
+
+
+def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
+    """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
+    host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s
+    own device check, while CPU's compiled reference (one device) runs. PyTorch fails so for any
+    device but CPU: the meta device, without trnsim, gives the same error. The rule that excuses
+    it asks exactly that, so an error of the device's own is still a mismatch."""
+    bf = torch.bfloat16
+    s = dt.Sample("copysign", torch.ops.aten.copysign.Tensor,
+                  [torch.randn(1, 3, 1, dtype=bf), dt._Host(torch.tensor(-2.0, dtype=bf))], {}, ["host-scalar"], 0)
+    dev = dt._compile_batch([(s, None)], dt.DEVICE, dynamic=True)[0]
+    assert dev.error is not None and "to be on the same device" in str(dt._innermost(dev.error))
+    assert dt._any_device_rule(s, None, dev, True)
+    assert not dt._any_device_rule(s, None, dt.Run(error=RuntimeError("neuron: something of its own")), True)
+    host_only = dt.Sample("copysign", torch.ops.aten.copysign.Tensor,
+                          [torch.randn(1, 3, 1, dtype=bf), torch.tensor(-2.0, dtype=bf)], {}, [], 0)
+    assert not dt._any_device_rule(host_only, None, dev, True)  # no host 0-dim argument: not this rule
