@@ -25,3 +25,17 @@ def test_compile_benchmark_quick():
     assert ratio > 1.2  # fusion and graph launches save time on the GPT-2 step
     assert "largest relative difference 0.0e+00" in text  # the CNN: SGD's compiled step is eager's
     assert "losses against eager capturable AdamW (the form the compiled step computes): equal bit for bit" in text
+
+
+def test_compile_benchmark_llama_quick():
+    """``--model llama``: Hugging Face's Llama at the GPT-2's size (grouped-query attention,
+    SwiGLU, RMSNorm, rotary positions) trains compiled with the losses of its eager capturable
+    AdamW, bit for bit, and fewer launches and dispatches than eager."""
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--model", "llama"], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert text.count("simulated step us (elapsed)") == 1 and "small Llama (4 layers" in text
+    launches = re.search(r"kernel launches per step\s+([\d,]+)\s+([\d,]+)", text)
+    assert int(launches[2].replace(",", "")) < int(launches[1].replace(",", ""))
+    assert "losses against eager capturable AdamW (the form the compiled step computes): equal bit for bit" in text
