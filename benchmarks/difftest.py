@@ -2149,26 +2149,32 @@ def _fake_device_rule(s: Sample, dev: Run) -> bool:
     FakeTensorDeviceMismatchError, which dynamo reports as "Tensor device mismatch". CPU's compiled
     reference has no second device, so cannot show it; the eager device takes the scalar as CPU's
     kernel does. torch.compile's semantics, not the device's."""
-    err = dev.error
-    if err is None or not any(isinstance(a, _Host) for a in list(s.args) + list(s.kwargs.values())):
+    if dev.error is None or not _has_host(s):
         return False
     mismatch = getattr(torch._subclasses.fake_tensor, "FakeTensorDeviceMismatchError", ())
+    return any((mismatch and isinstance(err, mismatch)) or str(err).startswith("Tensor device mismatch")
+               for err in _causes(dev.error))
+
+
+def _has_host(s: Sample) -> bool:
+    """Whether the sample has a host 0-dim tensor among its arguments."""
+    return any(isinstance(a, _Host) for a in list(s.args) + list(s.kwargs.values()))
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """``e``, then what it was raised from (``__cause__``, else ``__context__``), and so on: each once."""
     seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if (mismatch and isinstance(err, mismatch)) or str(err).startswith("Tensor device mismatch"):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
 
 
 def _innermost(e: BaseException) -> BaseException:
     """The first exception in ``e``'s chain of causes (what dynamo wrapped)."""
-    seen = set()
-    while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-    return e
+    *_, last = _causes(e)
+    return last
 
 
 def _any_device_rule(s: Sample, specs: Any, dev: Run, dynamic: bool) -> bool:
@@ -2178,7 +2184,7 @@ def _any_device_rule(s: Sample, specs: Any, dev: Run, dynamic: bool) -> bool:
     reference with symbolic sizes). Shown without trnsim: the same graph compiled with
     aot_eager on the meta device raises the same error, the device's name aside. CPU's compiled
     reference has no second device, so cannot show it."""
-    if dev.error is None or not any(isinstance(a, _Host) for a in list(s.args) + list(s.kwargs.values())):
+    if dev.error is None or not _has_host(s):
         return False
     try:
         ref = _compile_batch([(s, specs)], "meta", dynamic)
