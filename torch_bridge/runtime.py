@@ -67,9 +67,7 @@ class Runtime:
 
     def host_op(self, op: str) -> None:
         """A metadata-only op: counted in the report, no launch."""
-        if _torch.tracing():
-            return
-        self.device.host_op(op)
+        self.host_ops({op: 1})
 
     def host_ops(self, counts: dict[str, int]) -> None:
         """:meth:`host_op` for ``counts[op]`` ops of each name, in one call to the device."""
