@@ -60,6 +60,7 @@ import torch_bridge.compile as neuron_compile  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.5
 COMPILE_GOAL = 2.0  # torch.compile's first-step time on neuron against Inductor's on CPU (issue 30)
+MODEL_SETS = {"both": ("gpt2", "cnn"), "all": ("gpt2", "cnn", "llama")}  # --model's names for several
 WARMUP = 2  # steps left out of the steady state: the first compiles and simulates, the second AdamW's state
 
 
@@ -311,8 +312,9 @@ def main() -> int:
     print(f"1 thread, torch {torch.__version__}, neuron on {torch.neuron.config().name}; {steps} steps per mode, "
           f"figures per steady-state step (after {WARMUP})")
     ok = True
+    wanted = MODEL_SETS.get(args.model, (args.model,))
     for name, make in (("gpt2", gpt2_case), ("cnn", cnn_case), ("llama", llama_case)):
-        if args.model == name or args.model == "all" or (args.model == "both" and name != "llama"):
+        if name in wanted:
             case = make(steps)
             eager, comp = train(case, False), train(case, True)
             same = None
