@@ -199,3 +199,43 @@ def test_random_chains_give_their_first_calls_values(seed):
     for got in first[1:] + later:
         assert torch.equal(got.view(torch.uint8), first[0].view(torch.uint8))
     assert all(f == first_figs[1] for f in later_figs)
+
+
+def test_last_uses_names_each_intermediate_once_after_its_last_reader():
+    """graph.last_uses (the region code's and the foreach region's drops): an intermediate read
+    twice goes after its second reader; inputs and outputs are never dropped."""
+    from torch_bridge.compile.fusion import last_uses
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.tanh.default, (x,))
+    b = g.call_function(torch.ops.aten.mul.Tensor, (a, 0.5))
+    c = g.call_function(torch.ops.aten.mul.Tensor, (b, a))
+    d = g.call_function(torch.ops.aten.sub.Tensor, (c, x))
+    g.output(d)
+    nodes = [a, b, c, d]
+    assert last_uses(nodes, (x, d)) == {2: [a, b], 3: [c]}
+    assert last_uses(nodes, (x, c, d)) == {2: [a, b]}
+
+
+def test_generated_code_drops_intermediates_as_it_goes():
+    """The region's generated code deletes each intermediate after the step that reads it last
+    (held to the end, a big region's values outgrow the cache), never an input or a result."""
+    def fn(x, b):
+        t = torch.tanh(x + b)
+        return t * 0.5 - t * x
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(64, 96, generator=gen).to("neuron"), torch.randn(96, generator=gen).to("neuron")]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="neuron")
+    with _generic() as rec:
+        first = compiled(*args).cpu()
+    rk = rec[0][0]
+    src = next(iter(rk.plans.values())).run.source
+    dropped = [name.strip() for line in src.splitlines() if line.strip().startswith("del ")
+               for name in line.strip()[4:].split(",")]
+    assert dropped and len(dropped) == len(set(dropped)), src
+    assert all(name.startswith("n") for name in dropped), src  # steps only: no input view (v*) or head
+    later = compiled(*args).cpu()
+    assert torch.equal(later, first)
+    torch.testing.assert_close(later, fn(*[a.cpu() for a in args]), rtol=1e-5, atol=1e-5)

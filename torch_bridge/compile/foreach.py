@@ -37,7 +37,7 @@ from trnsim.kernels.fused import FULL, SCALAR, Program
 
 from ..eager import lowering, memory, values
 from ..runtime import runtime
-from .fusion import Builder, Unfusable, prune_inputs, scalar_arg, trn_dtype, node_value
+from .fusion import Builder, Unfusable, last_uses, prune_inputs, scalar_arg, trn_dtype, node_value
 
 __all__ = ["ForeachRegion", "ForeachKernel", "partition_foreach", "FOREACH"]
 
@@ -507,6 +507,7 @@ class ForeachKernel:
         self.immediates: frozenset[fx.Node] = frozenset()  # _immediates(), with the in-place plan
         self._splats: dict[fx.Node, tuple[Any, torch.Tensor]] = {}  # their values, kept between calls
         self.copies = 0  # the copy_ stores the last call made (the others were made by in-place ops)
+        self._drop: dict[int, list[fx.Node]] | None = None  # graph.last_uses of the nodes, on the first call
         self.__name__ = f"foreach_region{index}"
 
     def __repr__(self) -> str:
@@ -525,8 +526,11 @@ class ForeachKernel:
             self.immediates = _immediates(self.nodes, self.in_place[0])
         ops = self.in_place[0] if _distinct(env, self.in_place[1]) else {}
         immediates = self.immediates
+        if self._drop is None:
+            self._drop = last_uses(self.nodes, (*self.inputs, *self.outputs))
+        drop = self._drop
         self.copies = 0
-        for n in self.nodes:
+        for i, n in enumerate(self.nodes):
             if n.target is operator.getitem:
                 env[n] = env[n.args[0]][n.args[1]]
             elif n.target is aten.copy_.default:
@@ -545,6 +549,8 @@ class ForeachKernel:
                     env[n] = a[0]
                 else:
                     env[n] = n.target(*a, **kw)
+            for x in drop.get(i, ()):  # (a list of parameter-sized tensors read for the last time)
+                del env[x]
         outs = tuple(memory.relabel(env[n].contiguous(), device) for n in self.outputs)
         if self.plan is None:
             self.plan = self._plan()

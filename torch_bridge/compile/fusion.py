@@ -71,6 +71,25 @@ def kind_of(t: torch.Tensor, key: tuple[str, str]) -> str | None:
 
 
 # ---- the program builder --------------------------------------------------------------------
+def last_uses(nodes: Sequence[fx.Node], keep: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
+    """For each position in ``nodes``, the values (nodes) read there for the last time, ``keep``'s
+    left out: a region's code drops an intermediate once the op that reads it last has run, as
+    FX's own code does. Held to the region's end, its values make a working set far larger than
+    eager's, whose results die as they are read: the small GPT-2's GELU region (ten 4 MiB steps)
+    then ran each op from memory rather than from the cache, twice as slow (its backward region
+    2.1 -> 1.25 ms). Only references go: the values are the same."""
+    last: dict[fx.Node, int] = {}
+    for j, n in enumerate(nodes):
+        for x in n.all_input_nodes:
+            last[x] = j
+    kept = set(keep)
+    out: dict[int, list[fx.Node]] = {}
+    for x, j in last.items():
+        if x not in kept:
+            out.setdefault(j, []).append(x)
+    return out
+
+
 class Builder:
     """Accumulates a region's program: region inputs (outside values) and steps."""
 

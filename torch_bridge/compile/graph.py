@@ -37,7 +37,7 @@ from ..eager import fastpath, lowering, memory, tensore, values
 from ..runtime import runtime
 from .attention import call_values_directly
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
-from .fusion import Region, partition
+from .fusion import Region, last_uses, partition
 
 __all__ = ["CompiledGraph", "RegionKernel", "rewrite"]
 
@@ -230,10 +230,14 @@ class RegionKernel:
             bias = names[self.head.args[0]] if self.head.target is aten.addmm.default else "None"
             names[self.head] = "h"
             lines.append(f"    h = _head(v0, v1, {bias})")
-        for j, (n, target, sargs, skw) in enumerate(self._steps or ()):
+        steps = self._steps or ()
+        drop = last_uses(self.nodes, (*self.inputs, *self.outputs))
+        for j, (n, target, sargs, skw) in enumerate(steps):
             out = names[n] = f"n{j}"
             if target is None:  # getitem
                 lines.append(f"    {out} = {names[sargs]}[{const(skw)}]")
+                if j in drop:
+                    lines.append(f"    del {', '.join(names[x] for x in drop[j])}")
                 continue
             parts = []
             for kind, a in sargs:
@@ -250,6 +254,8 @@ class RegionKernel:
                 parts.append(f"{k}={read(v) if node else const(v)}")
             fn = const(_torch.cpp_op(target) if hasattr(target, "overloadpacket") else target)  # (an OpOverload)
             lines.append(f"    {out} = {fn}({', '.join(parts)})")
+            if j in drop:
+                lines.append(f"    del {', '.join(names[x] for x in drop[j])}")
         outs = []
         for n in self.outputs:
             want = n.meta["val"].dtype
