@@ -37,6 +37,8 @@ def test_whole_and_share():
     ("bench_zoo.py", ["--rounds", "0"], "argument --rounds: expected a whole number from 1 to 100"),
     ("bench_native.py", ["--repeats", "0"], "argument --repeats: expected a whole number from 1 to 1000"),
     ("bench_op_overhead.py", ["--iters", "0"], "argument --iters: expected a whole number"),
+    ("bench_compile.py", ["--steps", "2"], "argument --steps: expected a whole number from 3 to 1000, got '2'"),
+    ("bench_compile.py", ["--pairs", "0"], "argument --pairs: expected a whole number from 1 to 1000, got '0'"),
     ("bench_import.py", ["--runs", "0"], "argument --runs: expected a whole number from 1 to 100, got '0'"),
     ("bench_sweep_executors.py", ["--jobs", "100000"], "--jobs 100000: expected a positive number of worker"),
     ("difftest.py", ["--samples", "0"], "argument --samples: expected a whole number of at least 1"),
