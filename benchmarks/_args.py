@@ -26,6 +26,18 @@ def whole(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def wholes(lo: int, hi: int | None = None) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated whole numbers, each from ``lo`` (to ``hi``)."""
+    one = whole(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [one(part) for part in text.split(",")]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e} (comma-separated)") from None
+    return parse
+
+
 def share(text: str) -> float:
     """An argparse ``type``: a number from 0 to 1."""
     try:

@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
+from _args import whole, wholes  # noqa: E402  (the script beside this one)
+
 MODELS = {"small": dict(layers=4, embd=256, heads=4, seq=128, batch=8),
           "demo": dict(layers=2, embd=64, heads=4, seq=64, batch=8)}
 
@@ -107,8 +109,9 @@ def measure(model: str, steps: int, ranks: int, distributed: bool) -> Run:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="AdamW steps per run, the first left out (default 5)")
-    p.add_argument("--ranks", default="2,4", help="world sizes to run (default 2,4)")
+    p.add_argument("--steps", type=whole(2, 1000), default=5, help="AdamW steps per run, the first left out (default 5)")
+    p.add_argument("--ranks", type=wholes(2, 64), default=[2, 4],
+                   help="world sizes to run, each dividing the global batch of 8 (default 2,4)")
     p.add_argument("--model", choices=sorted(MODELS), default="small", help="GPT-2 size (default small)")
     p.add_argument("--quick", action="store_true", help="the demo GPT-2 on 2 ranks, 2 steps (what the test runs)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
@@ -118,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.model, args.steps, args.distributed)
         return 0
     if args.quick:
-        args.model, args.steps, args.ranks = "demo", 2, "2"
-    if args.steps < 2:
-        p.error("--steps must be at least 2 (the first step is left out)")
-    worlds = [int(w) for w in args.ranks.split(",")]
+        args.model, args.steps, args.ranks = "demo", 2, [2]
     m = MODELS[args.model]
+    uneven = [w for w in args.ranks if m["batch"] % w]
+    if uneven:  # (each rank takes an equal share of the global batch)
+        p.error(f"--ranks {uneven[0]}: expected world sizes that divide the global batch of {m['batch']} "
+                f"({', '.join(str(w) for w in range(2, m['batch'] + 1) if m['batch'] % w == 0)})")
+    worlds = args.ranks
     print(f"DDP step of the {args.model} GPT-2 ({m['layers']} layers, width {m['embd']}, {m['heads']} heads, sequence "
           f"{m['seq']}, global batch {m['batch']}) on trn2.48xlarge; {args.steps - 1} measured steps per run")
     base = measure(args.model, args.steps, 1, False)

@@ -50,6 +50,8 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TRN
 
 import torch  # noqa: E402  (after the thread pins)
 
+from _args import whole  # noqa: E402  (the script beside this one)
+
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.3  # issue 8: steady-state step within 1.3x of CPU
 WARMUP = 2  # steps of each round left out of its steady state: at first kernel simulation and AdamW's state,
@@ -244,16 +246,12 @@ def run(example: Any, size: Model, steps: int, rounds: int, datapath: DatapathCl
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (demo 6, small 3)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per round, device and model "
-                   "(default: demo 20, small 8; > 2)")
-    p.add_argument("--rounds", type=int, default=None, help="measurement rounds (CPU's steps, then neuron's) "
+    p.add_argument("--steps", type=whole(WARMUP + 1, 1000), default=None, help="training steps per round, device "
+                   f"and model (default: demo 20, small 8; > {WARMUP}, the warm-up steps)")
+    p.add_argument("--rounds", type=whole(1, 100), default=None, help="measurement rounds (CPU's steps, then neuron's) "
                    "per model; the verdict is the median of their ratios (default: demo 3, small 5; --quick 1)")
     p.add_argument("--model", choices=("both", *MODELS), default="both", help="which GPT-2 to train (default both)")
     args = p.parse_args()
-    if args.steps is not None and args.steps <= WARMUP:
-        p.error(f"--steps must be more than {WARMUP} (the warm-up steps), got {args.steps}")
-    if args.rounds is not None and args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
     torch.set_num_threads(1)
     example = _example()
     datapath = DatapathClock()

@@ -39,6 +39,13 @@ def test_whole_and_share():
     ("bench_op_overhead.py", ["--iters", "0"], "argument --iters: expected a whole number"),
     ("bench_compile.py", ["--steps", "2"], "argument --steps: expected a whole number from 3 to 1000, got '2'"),
     ("bench_compile.py", ["--pairs", "0"], "argument --pairs: expected a whole number from 1 to 1000, got '0'"),
+    ("bench_torch_train.py", ["--steps", "2"], "argument --steps: expected a whole number from 3 to 1000, got '2'"),
+    ("bench_torch_train.py", ["--rounds", "0"], "argument --rounds: expected a whole number from 1 to 100, got '0'"),
+    ("bench_distributed.py", ["--steps", "1"], "argument --steps: expected a whole number from 2 to 1000, got '1'"),
+    ("bench_distributed.py", ["--ranks", "2,x"], "argument --ranks: '2,x': expected a whole number from 2 to 64, "
+                                                  "got 'x' (comma-separated)"),
+    ("bench_distributed.py", ["--ranks", "3"], "--ranks 3: expected world sizes that divide the global batch of 8 "
+                                               "(2, 4, 8)"),
     ("bench_import.py", ["--runs", "0"], "argument --runs: expected a whole number from 1 to 100, got '0'"),
     ("bench_sweep_executors.py", ["--jobs", "100000"], "--jobs 100000: expected a positive number of worker"),
     ("difftest.py", ["--samples", "0"], "argument --samples: expected a whole number of at least 1"),
