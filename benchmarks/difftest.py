@@ -2383,7 +2383,9 @@ class _Reported:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (tests load this file by its path)
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # (tests load this file by its path, and may call main() again)
+        sys.path.insert(0, here)
     from _args import share, whole
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -679,7 +679,9 @@ def run_all_dtypes(passthrough: list[str], out: Any = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (tests load this file by its path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # (tests load this file by its path, and may call main() again)
+        sys.path.insert(0, here)
     from _args import whole
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
