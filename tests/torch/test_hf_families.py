@@ -7,9 +7,12 @@ families with their own attention variants (Qwen2/3 with grouped-query attention
 Gemma 2's sliding windows, Gemma's and OLMo 2's norms, Phi's partial rotary, GPT-NeoX's parallel
 residual, Falcon's fused QKV, BLOOM's ALiBi, OPT's learned positions, a Qwen3 MoE), encoder-decoders
 (T5's relative position buckets, BART), encoders (DistilBERT, RoBERTa) and Whisper's convolutional
-audio encoder. Bounds: fp32 within 1e-5 (the TensorE datapath rounds its fp32 sums in another order
-than MKL: the runs differ by ~1e-7); bf16 within 2e-2 relative (one or two bf16 steps of the loss);
-greedy tokens identical. Dropout is off: the two devices' generators draw differently.
+audio encoder; and vision and audio models trained a few steps (ConvNeXt, Swin's shifted windows,
+Hugging Face's ResNet, DeiT, MobileViT, SegFormer, CLIP's contrastive loss, wav2vec 2.0's
+convolutional feature encoder with CTC). Bounds: fp32 within 1e-5 (the TensorE datapath rounds its
+fp32 sums in another order than MKL: the runs differ by ~1e-7); bf16 within 2e-2 relative (one or
+two bf16 steps of the loss); greedy tokens identical. Dropout (and wav2vec 2.0's time masking,
+stochastic depth) is off: the two devices' generators draw differently.
 """
 
 from __future__ import annotations
@@ -64,12 +67,61 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Any, str]] = {
 COMPILED = ("qwen3_moe", "gemma2", "t5", "falcon")  # one of each kind of attention and block the backend fuses
 
 
+# name -> (config factory, model class, kind of inputs): trained in fp32 against CPU
+VISION_AUDIO: dict[str, tuple[Callable[[], Any], Any, str]] = {
+    "convnext": (lambda: T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=5,
+                                          image_size=32), T.ConvNextForImageClassification, "image"),
+    "swin": (lambda: T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                  window_size=4, num_labels=5), T.SwinForImageClassification, "image"),
+    "resnet": (lambda: T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5),
+               T.ResNetForImageClassification, "image"),
+    "deit": (lambda: T.DeiTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128, num_labels=5),
+             T.DeiTForImageClassification, "image"),
+    "mobilevit": (lambda: T.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                            neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_labels=5),
+                  T.MobileViTForImageClassification, "image"),
+    "segformer": (lambda: T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                            hidden_sizes=[16, 32], num_attention_heads=[1, 2], decoder_hidden_size=32,
+                                            num_labels=5),
+                  T.SegformerForSemanticSegmentation, "segmentation"),
+    "clip": (lambda: T.CLIPConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   max_position_embeddings=16),
+                                  vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4), projection_dim=16),
+             T.CLIPModel, "contrastive"),
+    "wav2vec2": (lambda: T.Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 2),
+                                          conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                          num_conv_pos_embedding_groups=4, mask_time_prob=0.0),
+                 T.Wav2Vec2ForCTC, "ctc"),
+}
+
+
+def _vision_audio_inputs(kind: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    if kind == "image":
+        return dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), labels=torch.tensor([1, 3]))
+    if kind == "segmentation":
+        return dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g),
+                    labels=torch.randint(0, 5, (2, 32, 32), generator=g))
+    if kind == "contrastive":
+        return dict(input_ids=torch.randint(0, 64, (2, 8), generator=g),
+                    pixel_values=torch.randn(2, 3, 32, 32, generator=g), return_loss=True)
+    return dict(input_values=torch.randn(2, 400, generator=g), labels=torch.randint(1, 32, (2, 5), generator=g))
+
+
+def _no_dropout(cfg: Any) -> Any:
+    for key, value in cfg.to_dict().items():  # the devices' generators would draw different masks
+        if any(w in key for w in ("dropout", "drop_path", "layerdrop")) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
 def _model(name: str, dtype: torch.dtype = torch.float32) -> Any:
     make, cls, _ = FAMILIES[name]
-    cfg = make()
-    for key, value in cfg.to_dict().items():  # the devices' generators would draw different masks
-        if "dropout" in key and isinstance(value, float):
-            setattr(cfg, key, 0.0)
+    cfg = _no_dropout(make())
     torch.manual_seed(0)
     return cls(cfg).to(dtype)
 
@@ -162,3 +214,24 @@ def test_compiled_training_matches_cpus_compiled_training(name):
     cpu = _train(name, base, "cpu", torch.float32, compiled=True)
     neuron = _train(name, base, "neuron", torch.float32, compiled=True)
     assert _rel(cpu, neuron) < 1e-5, (cpu, neuron)
+
+
+@pytest.mark.parametrize("name", list(VISION_AUDIO))
+def test_vision_and_audio_training_matches_cpu(name):
+    make, cls, kind = VISION_AUDIO[name]
+    torch.manual_seed(0)
+    base = cls(_no_dropout(make()))
+    inputs = _vision_audio_inputs(kind)
+    losses = {}
+    for device in ("cpu", "neuron"):
+        model = copy.deepcopy(base).to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = []
+        for _ in range(3):
+            loss = model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses[device] = run
+    assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
