@@ -38,6 +38,7 @@ SLOW = {
     "torch/test_timing_only.py", "torch/test_models.py", "torch/test_costs.py", "torch/test_hf_integration.py",
     "torch/test_estimate.py", "torch/test_estimate_kernels.py", "torch/test_train_step.py",
     "torch/test_sweep_estimates.py", "torch/test_streams_events.py", "torch/test_host_cache.py",
+    "torch/test_hf_families.py",
 }
 SUBPROCESS = {
     "torch/test_distributed.py", "torch/test_cli_run.py", "torch/test_compile_cli.py", "sweep/test_sweep_ray.py",
