@@ -239,3 +239,31 @@ def test_generated_code_drops_intermediates_as_it_goes():
     later = compiled(*args).cpu()
     assert torch.equal(later, first)
     torch.testing.assert_close(later, fn(*[a.cpu() for a in args]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_result_that_views_an_input_keeps_that_memory():
+    """A region whose result is a view of one of its inputs (here ``view`` of a matmul's result,
+    which no other node keeps) returns a view of that input, not a relabelled host view: a host
+    view does not own its memory, so the result pointed at memory the graph then freed, and new
+    allocations overwrote it (found with Gemma 2's static-cache generate: tokens went to 0 from
+    the second decode step)."""
+    def fn(x, w, r):
+        h = torch.mm(x, w).view(2, 4, 64)
+        var = h.pow(2).mean(-1, keepdim=True)
+        return (h + r) * torch.rsqrt(var + 1e-6), h.view(8, 64)
+
+    gen = torch.Generator().manual_seed(4)
+    host = [torch.randn(8, 32, generator=gen), torch.randn(32, 64, generator=gen), torch.randn(2, 4, 64, generator=gen)]
+    want = fn(*host)
+    args = [t.to("neuron") for t in host]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="neuron")
+    with _generic() as rec:
+        first = compiled(*args)  # RegionKernel._call
+    assert any("view" in r[0].label for r in rec)
+    later = compiled(*args)  # the generated code
+    junk = [torch.full((8, 64), 7.0, device="neuron") for _ in range(32)]  # reuses freed memory
+    for got in (first, later):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+    assert all(j.cpu().eq(7.0).all() for j in junk)

@@ -65,6 +65,8 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Any, str]] = {
                 T.WhisperForConditionalGeneration, "speech"),
 }
 COMPILED = ("qwen3_moe", "gemma2", "t5", "falcon")  # one of each kind of attention and block the backend fuses
+# generate() with a static cache: transformers compiles the decode step itself on a neuron model
+STATIC = ("gemma2", "qwen2", "mistral", "t5")
 
 
 # name -> (config factory, model class, kind of inputs): trained in fp32 against CPU
@@ -235,3 +237,20 @@ def test_vision_and_audio_training_matches_cpu(name):
             run.append(loss.item())
         losses[device] = run
     assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
+
+
+@pytest.mark.parametrize("name", STATIC)
+def test_static_cache_generate_gives_cpus_tokens(name):
+    """``cache_implementation="static"``: on neuron transformers compiles the decode step (the
+    neuron backend), on CPU it runs eagerly; the greedy tokens are CPU's. (Gemma 2's went to 0
+    from the second step while a fused region's view result pointed at freed memory.)"""
+    model = _model(name).eval()
+    prompt = _ids(10)
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), **kw)
+        on = copy.deepcopy(model).to("neuron")
+        p = prompt.to("neuron")
+        torch._dynamo.reset()
+        have = on.generate(p, attention_mask=torch.ones_like(p), **kw)
+    assert have.cpu().tolist() == want.tolist()

@@ -551,7 +551,8 @@ class ForeachKernel:
                     env[n] = n.target(*a, **kw)
             for x in drop.get(i, ()):  # (a list of parameter-sized tensors read for the last time)
                 del env[x]
-        outs = tuple(memory.relabel(env[n].contiguous(), device) for n in self.outputs)
+        # (an in-place op's list is its input's: a result in an input's memory is a view of that input)
+        outs = tuple(values.result_over(env[n].contiguous(), args, device) for n in self.outputs)
         if self.plan is None:
             self.plan = self._plan()
         rt = runtime()

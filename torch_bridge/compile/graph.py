@@ -163,7 +163,8 @@ class RegionKernel:
             t = env[n]
             if t.dtype != want:
                 t = t.to(want)
-            outs.append(memory.adopt(t.contiguous(), device))
+            # (a view op's result over an input: a view of that input, never a second owner)
+            outs.append(values.result_over(t.contiguous(), args, device))
         if plan is None:
             plan = self.plans[key] = self._plan(args, env)
             plan.big = any(isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= memory.host_cache_min()
@@ -257,10 +258,13 @@ class RegionKernel:
             if j in drop:
                 lines.append(f"    del {', '.join(names[x] for x in drop[j])}")
         outs = []
+        g["_over"] = values.result_over
         for n in self.outputs:
             want = n.meta["val"].dtype
             conv = f".to({const(want)})" if env[n].dtype != want else ""
-            outs.append(f"memory.adopt({names[n]}{conv}.contiguous(), device)")
+            # a result that may lie in an input's memory (views of an input) is checked as _call does
+            own = "_over({}, args, device)" if self._input_view(n) else "memory.adopt({}, device)"
+            outs.append(own.format(f"{names[n]}{conv}.contiguous()"))
         lines.append(f"    outs = ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
         for op, cost in plan.costs:  # (a handle looked up now; without the fast path's library, launch's lookup)
             h = fastpath.handle(op, cost)
@@ -274,6 +278,22 @@ class RegionKernel:
         run = g["run"]
         run.source = src
         return run
+
+    def _input_view(self, n: fx.Node) -> bool:
+        """Whether node ``n``'s value may lie in an input's memory: an input itself, or reached from
+        one through view ops (``_unsafe_view`` too, which aliases though its schema does not say so)
+        and getitems. Every other op's CPU kernel writes a new tensor; the matmul head's result is new."""
+        inputs = set(self.inputs)
+        while isinstance(n, fx.Node):
+            if n in inputs:
+                return True
+            if n is self.head or n.op != "call_function":
+                return False
+            if not (n.target is operator.getitem or n.target is aten._unsafe_view.default
+                    or values.op_info(n.target).is_view):
+                return False
+            n = n.args[0]
+        return False
 
     def _compile_steps(self) -> list[tuple[Any, ...]]:
         """The region's nodes as (node, target, args, kwargs) with what does not change between

@@ -134,6 +134,29 @@ class _ToCpu:
         return x
 
 
+def view_of(owner: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A neuron tensor laid out as the host tensor ``x`` over the storage of the neuron tensor
+    ``owner``, whose memory ``x`` lies in (a view of owner's host view): a view of that storage,
+    never a second owner of it (host views do not own their memory; relabelling one would leave
+    the result pointing at memory ``owner`` frees, and count its bytes twice). No launch, no host op."""
+    alias = torch.empty(0, dtype=x.dtype, device=owner.device)
+    return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU_KEYS, alias, owner.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+
+def result_over(x: torch.Tensor, args: Any, index: int) -> torch.Tensor:
+    """A host-side computation's result ``x`` as a neuron tensor: a view of the neuron argument of
+    ``args`` whose memory ``x`` lies in (:func:`view_of`: a view op's result over an input's host
+    view), else ``x`` itself relabelled (:func:`memory.adopt`)."""
+    st = x.untyped_storage()
+    if st.nbytes():
+        ptr = st.data_ptr()
+        for a in args:
+            if is_neuron(a) and a.untyped_storage().data_ptr() == ptr:
+                return view_of(a, x)
+    return memory.adopt(x, index)
+
+
 def _back(x: Any, conv: _ToCpu, index: int) -> Any:
     """Map a CPU result back to the device: an argument's view -> that neuron tensor; a result
     over an argument's memory (an op whose schema does not say it aliases) -> a neuron view of
@@ -148,9 +171,7 @@ def _back(x: Any, conv: _ToCpu, index: int) -> Any:
             return memory.relabel(torch.zeros(x.shape, dtype=x.dtype), index)
         owner = conv.storages.get(x.untyped_storage().data_ptr())
         if owner is not None:
-            alias = torch.empty(0, dtype=x.dtype, device=owner.device)
-            return torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
-                _CPU_KEYS, alias, owner.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+            return view_of(owner, x)
         return memory.relabel(x, index)
     if isinstance(x, (list, tuple)):
         return type(x)(_back(y, conv, index) for y in x)
