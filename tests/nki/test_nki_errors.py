@@ -109,6 +109,19 @@ def test_the_kernel_must_return_hbm_tensors():
         k(X)
 
 
+def test_the_kernel_may_not_return_its_argument():
+    """Returning an input (its memory the caller's) was a KeyError from deep in the run; on the
+    neuron device such an output would have been a second, non-owning tensor over that memory."""
+    @nki.jit
+    def k(x):
+        return x
+
+    with pytest.raises(NkiError, match=r"^k returned its argument x; a kernel returns HBM tensors it allocates "
+                                       r"\(nl.ndarray\(\.\.\., buffer=nl.shared_hbm\)\), and writes an argument it "
+                                       r"changes in place$"):
+        k(X)
+
+
 def test_out_of_range_index_under_its_mask():
     @nki.jit
     def k(x):

@@ -314,6 +314,9 @@ def _mark_outputs(name: str, ret: Any) -> Any:
     if st.kind != "hbm" or not is_whole(ret) or st.tensor is None:
         raise NkiError(f"{name} returned {ret.name} ({ret.buffer}); return whole HBM tensors (store on-chip "
                        f"tiles to one first)")
+    if st.tensor.kind in ("input", "inout"):
+        raise NkiError(f"{name} returned its argument {ret.name}; a kernel returns HBM tensors it allocates "
+                       f"(nl.ndarray(..., buffer=nl.shared_hbm)), and writes an argument it changes in place")
     if st.tensor.kind == "scratch":
         st.tensor.kind = "output"
     return st.tensor.name
