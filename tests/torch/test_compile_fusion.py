@@ -106,3 +106,19 @@ def test_pattern_is_one_kernel_with_fewer_bytes(name):
         assert row.calls < row.eager_launches, row
     if grad:
         assert any("backward" in r.op or "sum" in r.op for r in rep.regions), [r.op for r in rep.regions]
+
+
+def test_a_matmul_whose_result_feeds_its_consumer_twice_does_not_head_it():
+    """CLIP's ``e / e.norm(dim=-1)``: the division's region reads the matmul's result directly and
+    through the norm (its own region, then a ``pow`` outside). Made the division's head, the
+    matmul would sit in a region that needs the norm, which needs the matmul: the graph failed to
+    compile ("compiled regions form a cycle"). It stays a plain matmul; the values are CPU's."""
+    def fn(x, w):
+        e = x @ w
+        return e / e.norm(p=2, dim=-1, keepdim=True)
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(4, 32, generator=gen), torch.randn(32, 16, generator=gen)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="neuron")(x.to("neuron"), w.to("neuron")).cpu()
+    torch.testing.assert_close(got, fn(x, w), rtol=1e-5, atol=1e-6)

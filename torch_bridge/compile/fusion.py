@@ -663,5 +663,41 @@ def _attach_matmuls(gm: fx.GraphModule, regions: list[Region], group: dict[fx.No
                 continue
             if any(gi in anc.get(a, frozenset()) for a in n.all_input_nodes):
                 continue
+            if _feeds_back(n, gi, regions, group):
+                continue
             r.head = n
+            group[n] = gi  # (a later head's check sees it in its region)
             break
+
+
+def _feeds_back(n: fx.Node, gi: int, regions: list[Region], group: dict[fx.Node, int]) -> bool:
+    """Whether the matmul ``n``, moved into region ``gi`` as its head, would feed that region back:
+    a user of ``n`` outside it from which a path (through plain nodes and whole regions, each
+    run at once) leads into region ``gi``. CLIP's ``image_embeds / image_embeds.norm()``: the
+    projection matmul heads the division's region, whose divisor (the norm's region, then a
+    ``pow``) reads the matmul: the two regions then need each other."""
+    r = regions[gi]
+    members = set(r.nodes)
+    members.add(n)
+    seen_nodes: set[fx.Node] = set()
+    seen_regions: set[int] = set()
+    todo = [u for m in members for u in m.users if u not in members]
+    while todo:
+        u = todo.pop()
+        if u in members:
+            return True
+        if u in seen_nodes:
+            continue
+        seen_nodes.add(u)
+        k = group.get(u)
+        if k is None or k == gi:
+            todo.extend(u.users)
+            continue
+        if k in seen_regions:
+            continue
+        seen_regions.add(k)
+        other = regions[k]
+        for m in other.nodes + ([other.head] if other.head is not None else []):
+            seen_nodes.add(m)
+            todo.extend(m.users)
+    return False
