@@ -29,9 +29,8 @@ REQUIRED: dict[str, str] = {
     "torch._register_device_module": "torch.neuron",
     "torch._utils._to": "storage.to('neuron') and torch.load onto neuron",
     "torch.storage._to": "storage.to('neuron') and torch.load onto neuron",
-    "torch._C.DispatchKey": "redispatching to CPU kernels and excluding autocast",
-    "torch._C.DispatchKeySet": "redispatching to CPU kernels and excluding autocast",
-    "torch._C._ExcludeDispatchKeyGuard": "running an autocast op with autocast excluded",
+    "torch._C.DispatchKey": "redispatching to CPU kernels",
+    "torch._C.DispatchKeySet": "redispatching to CPU kernels",
     "torch._C._dispatch_get_all_op_names": "claiming every _foreach_ op",
     "torch._C._dynamo.eval_frame.get_eval_frame_callback": "calling kernels directly when dynamo is off",
     "torch._guards.TracingContext.try_get": "no launch for kernels run while torch.compile traces",
@@ -115,9 +114,7 @@ for _path in REQUIRED:  # fail at import, naming the missing API, rather than in
 DispatchKey = torch._C.DispatchKey
 DispatchKeySet = torch._C.DispatchKeySet
 CPU_KEYS = DispatchKeySet(DispatchKey.CPU)
-AUTOCAST_KEYS = DispatchKeySet(getattr(DispatchKey, "AutocastPrivateUse1"))  # missing from the stubs
 register_device_module = torch._register_device_module
-ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 all_op_names = torch._C._dispatch_get_all_op_names
 eval_frame_callback = resolve("torch._C._dynamo.eval_frame.get_eval_frame_callback")
 _tracing_context = resolve("torch._guards.TracingContext.try_get")

@@ -216,4 +216,4 @@ def register_kernels() -> None:
     from .eager import fastpath
 
     fastpath.install(_native.load(), list(claimed + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
-    register_autocast(impl, fallback, _hidden)
+    register_autocast(fallback)

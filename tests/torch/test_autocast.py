@@ -32,3 +32,33 @@ def test_autocast_fp16_conv_and_disabled_region():
         assert conv(x).dtype == torch.float16
         with torch.autocast("neuron", enabled=False):
             assert conv(x).dtype == torch.float32
+
+
+def test_autocast_follows_the_accelerator_policy():
+    """PyTorch's shared autocast lists, as CUDA, XPU and the others run them: precision-sensitive
+    ops in float32, mixed inputs promoted, the rest as they come."""
+    x = torch.randn(4, 8, device="neuron")
+    w = torch.randn(8, 8, device="neuron")
+    target = torch.tensor([1, 2, 3, 4], device="neuron")
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        y = x @ w
+        assert y.dtype == torch.bfloat16
+        for out in (torch.softmax(y, -1), torch.log_softmax(y, -1), torch.exp(y), y.pow(2), y.norm(),
+                    y.sum(), nn.functional.layer_norm(y, (8,)), nn.functional.cross_entropy(y, target),
+                    nn.functional.mse_loss(y, y.detach() + 1)):
+            assert out.dtype == torch.float32
+        assert torch.addcmul(x, y, y).dtype == torch.float32  # promoted to the widest input
+        assert (y + 1).dtype == torch.bfloat16 and torch.relu(y).dtype == torch.bfloat16
+        assert torch.softmax(y, -1, dtype=torch.bfloat16).dtype == torch.bfloat16  # an explicit dtype wins
+
+
+def test_autocast_cross_entropy_is_float32_over_the_bf16_logits():
+    """A bf16 model's loss under autocast: CPU's kernels on the logits cast to float32, bit for bit
+    (the loss was a bf16 log_softmax, 1e-3 off, before the float32 list)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(24, 128, generator=g) * 0.5).bfloat16()
+    target = torch.randint(0, 128, (24,), generator=g)
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        got = nn.functional.cross_entropy(logits.to("neuron"), target.to("neuron"))
+    assert got.dtype == torch.float32
+    assert torch.equal(got.cpu(), nn.functional.cross_entropy(logits.float(), target))

@@ -7,6 +7,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/add_ops.h>
 #include <ATen/ops/aminmax.h>
@@ -2337,6 +2338,37 @@ constexpr int kPlaceOut = 64;   // per core out: core, launches, wait, ticks, ma
 constexpr int kSurvivors = 12, kBookings = 9, kInflight = 8;
 
 }  // namespace trnsim_neuron
+
+// ---- torch.autocast("neuron") -----------------------------------------------------------------
+// The policy every other accelerator's autocast follows (CUDA, XPU, MPS, MTIA: PyTorch's shared op
+// lists in ATen/autocast_mode.h, "so other backends can reuse" them): TensorE ops in the autocast
+// dtype, the precision-sensitive ones (exp, pow, norms, softmax and log_softmax, the losses, ...)
+// in float32, the ops that mix inputs at the widest input type. With only the first list the
+// device ran a bf16 model's cross-entropy on bf16 logits: DistilBERT's loss 8e-3 off where CPU's
+// autocast is 4e-5 off (now 3e-5). Other ops fall through (torch_bridge.eager.autocast registers
+// the fallback).
+namespace at::autocast {  // (the lists name Tensor, Scalar, ... unqualified, as autocast_mode.cpp reads them)
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define TRNSIM_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define TRNSIM_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define TRNSIM_FP32_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define TRNSIM_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_LOWER_PRECISION_FP(TRNSIM_LOWER)
+  AT_FORALL_FP32(TRNSIM_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(TRNSIM_FP32_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(TRNSIM_PROMOTE)
+  // as XPU's and CPU's autocast add them: cross_entropy's own decomposition asks log_softmax for
+  // the logits' dtype, so without it a bf16 model's loss was a bf16 log_softmax (1e-3 off)
+  KERNEL_PRIVATEUSEONE(binary_cross_entropy, fp32)
+  KERNEL_PRIVATEUSEONE(cross_entropy_loss, fp32)
+  KERNEL_PRIVATEUSEONE(nll_loss_nd, fp32)
+#undef TRNSIM_LOWER
+#undef TRNSIM_FP32
+#undef TRNSIM_FP32_DTYPE
+#undef TRNSIM_PROMOTE
+}
+}  // namespace at::autocast
 
 using namespace trnsim_neuron;
 
