@@ -62,3 +62,25 @@ def test_autocast_cross_entropy_is_float32_over_the_bf16_logits():
         got = nn.functional.cross_entropy(logits.to("neuron"), target.to("neuron"))
     assert got.dtype == torch.float32
     assert torch.equal(got.cpu(), nn.functional.cross_entropy(logits.float(), target))
+
+
+def test_compiled_attention_under_autocast_casts_its_inputs():
+    """In a compiled graph the device's attention stands in for F.scaled_dot_product_attention
+    below autocast: it casts its floating inputs to the autocast dtype as the eager call's
+    autocast kernel does (a float32 query beside a bf16 value, as a rotary embedding leaves them,
+    failed to compile), and gives eager autocast's values."""
+    import torch_bridge.compile as neuron_compile
+
+    neuron_compile.register()
+
+    def fn(q, k, v):
+        return nn.functional.scaled_dot_product_attention(q * 1.0, k, v.to(torch.bfloat16), is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g).to("neuron") for _ in range(3))
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        want = fn(q, k, v)
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="neuron")(q, k, v)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got.cpu(), want.cpu())

@@ -136,7 +136,14 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
     """``F.scaled_dot_product_attention`` as a compiled graph calls it: the attention op where
     the flash-attention kernel takes the call; otherwise the eager device's op-by-op path, traced
     (CPU's flash arithmetic, or PyTorch's math path), and for CPU's flash calls
-    :func:`attention_values` after it."""
+    :func:`attention_values` after it. Under ``torch.autocast("neuron")`` its floating arguments
+    are first cast to the autocast dtype, as the eager call's autocast kernel casts them
+    (attention is a lower-precision op): this function stands in for that call in the graph,
+    and a rotary-embedded query in float32 beside a bf16 value otherwise failed to compile."""
+    if query.device.type == "neuron" and torch.is_autocast_enabled("neuron"):
+        dt = torch.get_autocast_dtype("neuron")
+        query, key, value, attn_mask = (t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+                                        else t for t in (query, key, value, attn_mask))
     if query.device.type == "neuron" and eager_attention.takes_meta(query, key, value, attn_mask, dropout_p,
                                                                      enable_gqa):
         flash = eager_attention.check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
