@@ -70,7 +70,6 @@ def kind_of(t: torch.Tensor, key: tuple[str, str]) -> str | None:
     return None
 
 
-# ---- the program builder --------------------------------------------------------------------
 def last_uses(nodes: Sequence[fx.Node], keep: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
     """For each position in ``nodes``, the values (nodes) read there for the last time, ``keep``'s
     left out: a region's code drops an intermediate once the op that reads it last has run, as
@@ -90,6 +89,7 @@ def last_uses(nodes: Sequence[fx.Node], keep: Sequence[fx.Node]) -> dict[int, li
     return out
 
 
+# ---- the program builder --------------------------------------------------------------------
 class Builder:
     """Accumulates a region's program: region inputs (outside values) and steps."""
 
@@ -690,7 +690,7 @@ def _feeds_back(n: fx.Node, gi: int, regions: list[Region], group: dict[fx.Node,
             continue
         seen_nodes.add(u)
         k = group.get(u)
-        if k is None or k == gi:
+        if k is None:  # (a node of region gi is a member: returned above)
             todo.extend(u.users)
             continue
         if k in seen_regions:

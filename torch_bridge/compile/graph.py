@@ -231,15 +231,7 @@ class RegionKernel:
             bias = names[self.head.args[0]] if self.head.target is aten.addmm.default else "None"
             names[self.head] = "h"
             lines.append(f"    h = _head(v0, v1, {bias})")
-        steps = self._steps or ()
-        drop = last_uses(self.nodes, (*self.inputs, *self.outputs))
-        for j, (n, target, sargs, skw) in enumerate(steps):
-            out = names[n] = f"n{j}"
-            if target is None:  # getitem
-                lines.append(f"    {out} = {names[sargs]}[{const(skw)}]")
-                if j in drop:
-                    lines.append(f"    del {', '.join(names[x] for x in drop[j])}")
-                continue
+        def call(target: Any, sargs: Any, skw: Any) -> str:  # a step's op called on its arguments
             parts = []
             for kind, a in sargs:
                 if kind == _NODE:
@@ -254,7 +246,13 @@ class RegionKernel:
             for k, node, v in skw:
                 parts.append(f"{k}={read(v) if node else const(v)}")
             fn = const(_torch.cpp_op(target) if hasattr(target, "overloadpacket") else target)  # (an OpOverload)
-            lines.append(f"    {out} = {fn}({', '.join(parts)})")
+            return f"{fn}({', '.join(parts)})"
+
+        drop = last_uses(self.nodes, (*self.inputs, *self.outputs))
+        for j, (n, target, sargs, skw) in enumerate(self._steps or ()):
+            out = names[n] = f"n{j}"
+            value = f"{names[sargs]}[{const(skw)}]" if target is None else call(target, sargs, skw)  # (None: getitem)
+            lines.append(f"    {out} = {value}")
             if j in drop:
                 lines.append(f"    del {', '.join(names[x] for x in drop[j])}")
         outs = []
