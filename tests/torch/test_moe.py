@@ -198,6 +198,43 @@ def test_compiled_model_holds_each_block_as_one_node():
            "compiled down_proj grad")
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])
+def test_under_autocast_the_op_is_the_blocks_ops_bit_for_bit(impl):
+    """autocast runs the router's linear in bf16 and, but for grouped_mm's ``_grouped_mm``, the
+    experts' linears too (as CPU's autocast does): the one op takes those dtypes, so its values
+    are the block's own ops under autocast bit for bit (it ran every linear in float32)."""
+    block = copy.deepcopy(_model(experts_implementation=impl).model.layers[0].mlp).to("neuron")
+    h = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(7)).to("neuron")
+    router = []
+    block.gate.register_forward_hook(lambda m, a, o: router.append(o[0]))
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        with torch.neuron.report_scope() as scope:
+            got = block(h)
+        block.gate._forward_pre_hooks[0] = lambda *a: None  # something observes the router: op by op
+        want = block(h)
+        del block.gate._forward_pre_hooks[0]
+    assert scope.report.row("moe_block").kernel == "moe"
+    spec = moe.moe_spec(h.view(-1, 64), block.experts.gate_up_proj, 2, True,
+                        None if impl == "grouped_mm" else torch.bfloat16)  # charged in the experts' dtype
+    assert spec.dtype == ("fp32" if impl == "grouped_mm" else "bf16")
+    assert scope.report.row("moe_block").time_us == pytest.approx(
+        runtime().cost(spec).ticks / runtime().config.tick_hz * 1e6, rel=1e-9)
+    assert router[0].dtype == router[1].dtype == torch.bfloat16 and torch.equal(router[0].cpu(), router[1].cpu())
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got.cpu(), want.cpu())
+    # the backward: the block's autograd under the same casts (CPU's, so a few ulps from the ops');
+    # batched_mm's own gathers the experts' bf16 weights per token, so its weight gradients are
+    # sums of bf16 terms, a bf16 step at their scale from the loop's
+    tol = 8e-3 if impl == "batched_mm" else 1e-3
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        got_grads = torch.autograd.grad(block(h).square().sum(), list(block.parameters()))
+    block.gate._forward_pre_hooks[0] = lambda *a: None
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        want_grads = torch.autograd.grad(block(h).square().sum(), list(block.parameters()))
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.cpu(), w.cpu(), rtol=2e-3, atol=tol * w.abs().max().item())
+
+
 def test_blocks_the_op_does_not_take_run_op_by_op():
     cpu = _model(experts_implementation="eager", hidden_act="gelu")  # the kernel's experts are SwiGLU
     dev = copy.deepcopy(cpu).to("neuron")

@@ -26,6 +26,11 @@ sync (``nonzero``) in the middle. A Trainium deployment runs the block as one Mo
   shown in the run report as ``moe_block_backward`` rows. Where the kernel refuses the shapes,
   or only the router logits have a gradient, every backward op autograd runs is charged as an
   eager kernel, as before the kernel existed.
+* **autocast**: inside ``torch.autocast("neuron")`` the block's own ops would run its router's
+  linear in autocast's dtype, and its experts' linears too unless the implementation is
+  ``grouped_mm`` (``torch._grouped_mm`` is on no autocast list, on CPU or here). The op takes
+  those two dtypes (:func:`autocast_dtypes`), so its values are the block's ops under autocast
+  bit for bit, and the kernel is charged in the experts' dtype.
 * **torch.compile**: both ops have fake implementations, so a compiled graph holds each as one
   node (no graph break at the data-dependent expert loop), run as in eager mode.
 * **the lowering point**: ``MixtralSparseMoeBlock.forward`` calls the op when its input is on
@@ -53,7 +58,8 @@ from .. import _torch
 from ..eager import lowering, memory, tensore, values
 from ..runtime import runtime
 
-__all__ = ["moe_block", "moe_block_backward", "moe_spec", "moe_backward_spec", "block_values", "use_moe_kernel", "original_forward",
+__all__ = ["moe_block", "moe_block_backward", "moe_spec", "moe_backward_spec", "block_values", "autocast_dtypes",
+           "use_moe_kernel", "original_forward",
            "MIXTRAL_MODULE", "HF_IMPLEMENTATIONS", "OP", "BACKWARD_OP"]
 
 OP = "moe_block"
@@ -78,10 +84,17 @@ def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, wt) if p is None else p.to(x.dtype)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as an autocast region's matmul takes it: in ``dtype`` (None: as it is)."""
+    return t if dtype is None else t.to(dtype)
+
+
 def _routing(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool,
-             linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``MixtralTopKRouter``'s ops: (logits, the top-k routing weights, their experts)."""
-    logits = linear(x, router_weight)
+             linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             router_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """``MixtralTopKRouter``'s ops: (logits, the top-k routing weights, their experts); the
+    router's linear in ``router_dtype`` (autocast's, None: the operands' own)."""
+    logits = linear(_cast(x, router_dtype), _cast(router_weight, router_dtype))
     probs = torch.nn.functional.softmax(logits.float(), dim=-1)
     weights, index = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -90,12 +103,15 @@ def _routing(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize
 
 
 def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                 top_k: int, normalize: bool, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _cpu_linear
+                 top_k: int, normalize: bool, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _cpu_linear,
+                 router_dtype: torch.dtype | None = None, expert_dtype: torch.dtype | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, router logits) of a Mixtral MoE block on CPU tensors, computed by the same ops in
     the same order as ``MixtralTopKRouter`` + ``MixtralExperts`` (so CPU values are Hugging
-    Face's bit for bit); ``linear`` computes the three projections."""
-    logits, weights, index = _routing(x, router_weight, top_k, normalize, linear)
+    Face's bit for bit); ``linear`` computes the three projections, the router's operands cast
+    to ``router_dtype`` and the experts' to ``expert_dtype`` where not None (what autocast
+    does to those linears; see :func:`autocast_dtypes`)."""
+    logits, weights, index = _routing(x, router_weight, top_k, normalize, linear, router_dtype)
     experts = gate_up_proj.shape[0]
     out = torch.zeros_like(x)
     with torch.no_grad():
@@ -107,9 +123,9 @@ def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: tor
             continue
         pos, tok = torch.where(mask[e])
         state = x[tok]
-        gate, up = linear(state, gate_up_proj[e]).chunk(2, dim=-1)
+        gate, up = linear(_cast(state, expert_dtype), _cast(gate_up_proj[e], expert_dtype)).chunk(2, dim=-1)
         h = torch.nn.functional.silu(gate) * up
-        h = linear(h, down_proj[e])
+        h = linear(_cast(h, expert_dtype), _cast(down_proj[e], expert_dtype))
         h = h * weights[tok, pos, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out, logits
@@ -118,21 +134,23 @@ def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: tor
 _KERNEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def moe_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize: bool) -> KernelSpec | None:
-    """The library ``moe`` kernel for a block call: ``(tokens, hidden, ffn, experts)`` (None for
-    a dtype the kernel lacks)."""
-    if x.dtype not in _KERNEL_DTYPES:
+def moe_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize: bool,
+             expert_dtype: torch.dtype | None = None) -> KernelSpec | None:
+    """The library ``moe`` kernel for a block call: ``(tokens, hidden, ffn, experts)`` in the
+    experts' dtype (``expert_dtype``, else ``x``'s; None for a dtype the kernel lacks)."""
+    dtype = expert_dtype or x.dtype
+    if dtype not in _KERNEL_DTYPES:
         return None
     tokens, hidden = x.shape
     experts, two_f, _ = gate_up_proj.shape
-    return KernelSpec.of("moe", (tokens, hidden, two_f // 2, experts), _KERNEL_DTYPES[x.dtype],
+    return KernelSpec.of("moe", (tokens, hidden, two_f // 2, experts), _KERNEL_DTYPES[dtype],
                          {"top_k": int(top_k), "normalize": bool(normalize)})
 
 
-def moe_backward_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize: bool
-                      ) -> KernelSpec | None:
+def moe_backward_spec(x: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, normalize: bool,
+                      expert_dtype: torch.dtype | None = None) -> KernelSpec | None:
     """The library ``moe_backward`` kernel (the experts' gradients) for a block call's backward."""
-    spec = moe_spec(x, gate_up_proj, top_k, normalize)
+    spec = moe_spec(x, gate_up_proj, top_k, normalize, expert_dtype)
     return None if spec is None else KernelSpec.of("moe_backward", spec.shape, spec.dtype, dict(spec.params))
 
 
@@ -207,22 +225,27 @@ def _views(*ts: torch.Tensor | None) -> list[Any]:
 
 @torch.library.custom_op("trnsim::moe_block", mutates_args=())
 def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-              top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Mixtral MoE block over tokens ``x [T, H]``: (out [T, H], router logits [T, E]) - see
-    the module docstring."""
+              top_k: int, normalize: bool, router_dtype: torch.dtype | None = None,
+              expert_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mixtral MoE block over tokens ``x [T, H]``: (out [T, H], router logits [T, E]), the
+    router's and the experts' linears in ``router_dtype`` and ``expert_dtype`` where given (an
+    autocast region's: :func:`autocast_dtypes`) - see the module docstring."""
     index = _device(OP, x, router_weight, gate_up_proj, down_proj)
     if index is None:
-        out, logits = block_values(x, router_weight, gate_up_proj, down_proj, top_k, normalize)
+        out, logits = block_values(x, router_weight, gate_up_proj, down_proj, top_k, normalize, _cpu_linear,
+                                   router_dtype, expert_dtype)
         return out, logits
-    return values.call_traced(OP, _neuron_forward, index, x, router_weight, gate_up_proj, down_proj, top_k, normalize)
+    return values.call_traced(OP, _neuron_forward, index, x, router_weight, gate_up_proj, down_proj, top_k, normalize,
+                              router_dtype, expert_dtype)
 
 
 def _neuron_forward(index: int, x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    down_proj: torch.Tensor, top_k: int, normalize: bool, router_dtype: torch.dtype | None,
+                    expert_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     cx, cr, cg, cd = _views(x, router_weight, gate_up_proj, down_proj)
-    out, logits = block_values(cx, cr, cg, cd, top_k, normalize, _datapath_linear)
+    out, logits = block_values(cx, cr, cg, cd, top_k, normalize, _datapath_linear, router_dtype, expert_dtype)
     rt = runtime()
-    spec = moe_spec(x, gate_up_proj, top_k, normalize)
+    spec = moe_spec(x, gate_up_proj, top_k, normalize, expert_dtype)
     try:
         cost = None if spec is None else rt.cost(spec)
     except KernelError:
@@ -231,39 +254,44 @@ def _neuron_forward(index: int, x: torch.Tensor, router_weight: torch.Tensor, ga
         rt.charge(index, OP, cost)
     else:
         with _ChargeEager(index, OP):
-            block_values(cx, cr, cg, cd, top_k, normalize)
+            block_values(cx, cr, cg, cd, top_k, normalize, _cpu_linear, router_dtype, expert_dtype)
     return memory.relabel(out, index), memory.relabel(logits, index)
 
 
 @moe_block.register_fake
 def _moe_block_fake(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.new_empty(x.shape), x.new_empty((x.shape[0], router_weight.shape[0]))
+                    down_proj: torch.Tensor, top_k: int, normalize: bool, router_dtype: torch.dtype | None = None,
+                    expert_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], router_weight.shape[0]), dtype=router_dtype or x.dtype)
 
 
 @torch.library.custom_op("trnsim::moe_block_backward", mutates_args=())
 def moe_block_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                        down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
-                       top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       top_k: int, normalize: bool, router_dtype: torch.dtype | None = None,
+                       expert_dtype: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`moe_block`'s (out, logits) for (x, router_weight, gate_up_proj,
     down_proj) - see the module docstring."""
     index = _device(BACKWARD_OP, x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits)
+    dtypes = (router_dtype, expert_dtype)
     if index is None:
         return _backward_values(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits, top_k, normalize,
-                                None)
+                                dtypes, None)
     return values.call_traced(BACKWARD_OP, _neuron_backward, index, x, router_weight, gate_up_proj, down_proj,
-                              grad_out, grad_logits, top_k, normalize)
+                              grad_out, grad_logits, top_k, normalize, dtypes)
 
 
 def _backward_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
-                     top_k: int, normalize: bool, index: int | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CPU autograd of the block (recomputed on CPU tensors); with ``index``, the backward's
-    ops are charged to that logical core as eager kernels (the recomputation is not)."""
+                     top_k: int, normalize: bool, dtypes: tuple[torch.dtype | None, torch.dtype | None],
+                     index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU autograd of the block (recomputed on CPU tensors, its router's and experts' linears
+    in ``dtypes``); with ``index``, the backward's ops are charged to that logical core as eager
+    kernels (the recomputation is not)."""
     leaves = [t.detach().requires_grad_() for t in (x, router_weight, gate_up_proj, down_proj)]
     with torch.enable_grad(), _torch.autograd_inside_op():
-        out, logits = block_values(*leaves, top_k, normalize)
+        out, logits = block_values(*leaves, top_k, normalize, _cpu_linear, *dtypes)
         pairs = [(o, g) for o, g in ((out, grad_out), (logits, grad_logits)) if g is not None]
         if index is None:
             grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
@@ -275,25 +303,26 @@ def _backward_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
 
 def _neuron_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
-                     top_k: int, normalize: bool) -> tuple[torch.Tensor, ...]:
+                     top_k: int, normalize: bool, dtypes: tuple[torch.dtype | None, torch.dtype | None]
+                     ) -> tuple[torch.Tensor, ...]:
     views = _views(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits)
     rt = runtime()
-    spec = None if grad_out is None else moe_backward_spec(x, gate_up_proj, top_k, normalize)
+    spec = None if grad_out is None else moe_backward_spec(x, gate_up_proj, top_k, normalize, dtypes[1])
     try:
         cost = None if spec is None else rt.cost(spec)
     except KernelError:
         cost = None  # the kernel refuses these shapes: autograd's ops, charged as eager kernels
     if cost is None:
-        grads = _backward_values(*views, top_k, normalize, index)
+        grads = _backward_values(*views, top_k, normalize, dtypes, index)
     else:
-        grads = _backward_values(*views, top_k, normalize, None)
+        grads = _backward_values(*views, top_k, normalize, dtypes, None)
         rt.charge(index, BACKWARD_OP, cost)
-        _charge_router_backward(index, views[0], views[1], views[5], top_k, normalize)
+        _charge_router_backward(index, views[0], views[1], views[5], top_k, normalize, dtypes[0])
     return tuple(memory.relabel(g, index) for g in grads)
 
 
 def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, grad_logits: torch.Tensor | None,
-                            top_k: int, normalize: bool) -> None:
+                            top_k: int, normalize: bool, router_dtype: torch.dtype | None) -> None:
     """Charge the router's part of the backward, which the ``moe_backward`` kernel leaves to the
     ops around it (its ``grad_weights`` output -> normalise, top-k, softmax, the router linear,
     and the input gradient's two parts added): those ops as autograd runs them, as eager
@@ -309,7 +338,7 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
         _router_memo.clear()
         _router_memo_device[0] = rt.device
     key = (tuple(x.shape), x.stride(), x.dtype, tuple(router_weight.shape), router_weight.stride(), router_weight.dtype,
-           grad_logits is not None, top_k, normalize)
+           grad_logits is not None, top_k, normalize, router_dtype)
     memo = _router_memo.get(key)
     if memo is not None:
         launches, hosts = memo
@@ -320,7 +349,7 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
     events = []
     leaves = [t.detach().requires_grad_() for t in (x, router_weight)]
     with torch.enable_grad(), _torch.autograd_inside_op():
-        logits, weights, _ = _routing(*leaves, top_k, normalize, _cpu_linear)
+        logits, weights, _ = _routing(*leaves, top_k, normalize, _cpu_linear, router_dtype)
         outs = [weights] + ([logits] if grad_logits is not None else [])
         zeros = [torch.zeros_like(o) for o in outs]  # (made outside the charges: not the device's ops)
         with _ChargeEager(index, BACKWARD_OP, events):
@@ -342,22 +371,24 @@ _router_memo_device: list[Any] = [None]  # the device model those costs are of
 @moe_block_backward.register_fake
 def _moe_block_backward_fake(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                              down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
-                             top_k: int, normalize: bool) -> tuple[torch.Tensor, ...]:
+                             top_k: int, normalize: bool, router_dtype: torch.dtype | None = None,
+                             expert_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty_like(t) for t in (x, router_weight, gate_up_proj, down_proj))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, router_weight, gate_up_proj, down_proj, top_k, normalize = inputs
+    x, router_weight, gate_up_proj, down_proj, top_k, normalize, router_dtype, expert_dtype = inputs
     ctx.save_for_backward(x, router_weight, gate_up_proj, down_proj)
-    ctx.top_k, ctx.normalize = top_k, normalize
+    ctx.top_k, ctx.normalize, ctx.dtypes = top_k, normalize, (router_dtype, expert_dtype)
 
 
 def _derivative(ctx: Any, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None) -> tuple[Any, ...]:
     x, router_weight, gate_up_proj, down_proj = ctx.saved_tensors
     grads = moe_block_backward(x, router_weight, gate_up_proj, down_proj,
                                None if grad_out is None else grad_out.contiguous(),
-                               None if grad_logits is None else grad_logits.contiguous(), ctx.top_k, ctx.normalize)
-    return (*grads, None, None)
+                               None if grad_logits is None else grad_logits.contiguous(), ctx.top_k, ctx.normalize,
+                               *ctx.dtypes)
+    return (*grads, None, None, None, None)
 
 
 moe_block.register_autograd(_derivative, setup_context=_setup_context)
@@ -379,6 +410,22 @@ def _takes(block: Any, hidden: torch.Tensor) -> bool:
     return True
 
 
+#: the experts implementations whose linears autocast runs in its dtype (``F.linear``, ``bmm``);
+#: ``grouped_mm``'s ``torch._grouped_mm`` is on no autocast list and stays in the weights' dtype
+_AUTOCAST_EXPERTS = (None, "eager", "batched_mm")
+
+
+def autocast_dtypes(block: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(router, experts) dtypes of a block's linears under the neuron autocast region in force:
+    what its own ops would compute in, as CPU's autocast runs them (the router's ``F.linear``
+    in autocast's dtype; the experts' by their implementation); (None, None) outside one."""
+    if not torch.is_autocast_enabled("neuron"):
+        return None, None
+    dtype = torch.get_autocast_dtype("neuron")
+    impl = getattr(getattr(block.experts, "config", None), "_experts_implementation", None)
+    return dtype, (dtype if impl in _AUTOCAST_EXPERTS else None)
+
+
 def _mixtral_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         if not _takes(self, hidden_states):
@@ -386,7 +433,7 @@ def _mixtral_forward(original: Callable[..., torch.Tensor]) -> Callable[..., tor
         b, s, h = hidden_states.shape
         x = hidden_states.reshape(-1, h)
         out, logits = torch.ops.trnsim.moe_block(x, self.gate.weight, self.experts.gate_up_proj,
-                                                 self.experts.down_proj, self.gate.top_k, True)
+                                                 self.experts.down_proj, self.gate.top_k, True, *autocast_dtypes(self))
         for hook in self.gate._forward_hooks.values():  # output_router_logits records the logits so
             hook(self.gate, (x,), (logits, None, None))
         return out.reshape(b, s, h)
