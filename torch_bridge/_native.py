@@ -144,6 +144,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_log_count_ptr.restype = ctypes.c_void_p
     handle.trnsim_log_take.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_log_take.restype = i64
+    handle.trnsim_log_take_captured.argtypes = [ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_void_p]
+    handle.trnsim_log_take_captured.restype = i64
     handle.trnsim_fast_name.argtypes = [i64]
     handle.trnsim_fast_ticks.argtypes = [i64, i64]
     handle.trnsim_log_place.argtypes = [ctypes.c_void_p] * 4

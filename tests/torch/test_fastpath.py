@@ -287,6 +287,34 @@ def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypat
         assert placed[3] == other[3]  # the cores' in-flight kernels and bookings (streams side by side share them)
 
 
+@pytest.mark.parametrize("trace", [False, True])
+def test_captured_launches_taken_in_bulk_leave_the_figures_of_the_python_loop(monkeypatch, trace):
+    """Inside graph captures (a compiled graph's run) the device takes the log's captured launches
+    and host ops in bulk (Device._take_captured), not one entry at a time: the same values, report
+    figures and graph launches as the loop, with eager launches logged between the captures."""
+    import trnsim.device as device
+
+    def run(captured_min: int):
+        monkeypatch.setattr(device, "CAPTURED_MIN", captured_min)
+        with fast(True):
+            _program(1)
+            torch.neuron.synchronize()
+            with torch.neuron.report_scope(trace=trace) as scope:
+                with _in_graph():
+                    values = _program(1)
+                values += _program(2)  # eager, between graphs
+                with _in_graph():
+                    values += _program(3)
+                torch.neuron.synchronize()
+        return values, scope.report
+
+    bulk, loop = run(1), run(10 ** 9)
+    for a, b in zip(bulk[0], loop[0]):
+        assert torch.equal(a, b)
+    assert _figures(bulk[1]) == _figures(loop[1])
+    assert bulk[1].graph_launches == loop[1].graph_launches > 0 and bulk[1].host_ops
+
+
 def test_fast_blocks_are_counted_listed_and_freed():
     x, _ = tensors()
     x + 1

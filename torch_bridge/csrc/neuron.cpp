@@ -2501,6 +2501,44 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
   return n;
 }
+// The log's first entries while they are launches made inside a graph capture (kind 2 + token) or
+// host ops: the launches, in order, as (core, cost handle, token) into `launches` (at most `cap`),
+// the host ops counted by name id in first-use order as (name id, count) into `hops` (at most `cap`
+// names). counts[0], counts[1]: how many of each were written. Returns the entries consumed. What
+// Device._drain's loop does with these entries is to collect the launches into their capture and
+// count the host ops, neither of which depends on the entries' order across the two kinds.
+int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, int64_t* counts) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  const int64_t n = static_cast<int64_t>(g_log.size() / 3);
+  int64_t i = 0, nl = 0, nh = 0;
+  std::unordered_map<int64_t, int64_t> hop_at;
+  for (; i < n; ++i) {
+    const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
+    if (kind == 1) {
+      auto it = hop_at.find(id);
+      if (it != hop_at.end()) {
+        ++hops[2 * it->second + 1];
+        continue;
+      }
+      if (nh == cap) break;
+      hop_at.emplace(id, nh);
+      hops[2 * nh] = id;
+      hops[2 * nh + 1] = 1;
+      ++nh;
+      continue;
+    }
+    if (kind < 2 || nl == cap) break;
+    launches[3 * nl] = core;
+    launches[3 * nl + 1] = id;
+    launches[3 * nl + 2] = kind - 2;
+    ++nl;
+  }
+  g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  counts[0] = nl;
+  counts[1] = nh;
+  return i;
+}
 void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
   std::lock_guard<std::mutex> lock(g_ticks_mutex);
   if (handle < 0) return;

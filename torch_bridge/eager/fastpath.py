@@ -83,6 +83,10 @@ class NativeLog:
             memoryview(b).cast("B").cast("q") for b in (self._io, self._cores_out, self._rows, self._hops))
         self._io_at, self._cores_at, self._rows_at, self._hops_at = (
             ctypes.addressof(b) for b in (self._io, self._cores_out, self._rows, self._hops))
+        self._counts = (ctypes.c_int64 * 2)()  # take_captured's launches and host-op names
+        self._counts_at = ctypes.addressof(self._counts)
+        self._buf_q = memoryview(self._buf).cast("B").cast("q")
+        self._buf_at = ctypes.addressof(self._buf)
 
     def pending(self) -> int:
         return self._count.value
@@ -134,6 +138,29 @@ class NativeLog:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
                 hops.append((name, hv[j + 1]))
         return got, head[0], used, (rows, table), hops
+
+    def take_captured(self) -> tuple[list[tuple[int, int, str, OpCost]], list[tuple[str, int]]] | None:
+        """The log's first entries while they are launches made inside a graph capture or host ops
+        (``trnsim_log_take_captured``): (the launches in order as (capture token, core, op, cost),
+        the host ops counted by name in first-use order), or None when the first entry is neither.
+        Collecting the one kind and counting the other is all :meth:`trnsim.device.Device._drain`
+        does with them, so it needs no loop over the entries' tuples (~1 us each) for them."""
+        counts = self._counts
+        if self.lib.trnsim_log_take_captured(self._buf_at, _LOG_MAX, self._hops_at, self._counts_at) <= 0:
+            return None
+        flat = self._buf_q[:3 * counts[0]].tolist()
+        table = _table
+        launches = [(flat[i + 2], flat[i], *table[flat[i + 1]][:2]) for i in range(0, len(flat), 3)]
+        hops = []
+        if counts[1]:
+            hv = self._hops_q[:2 * counts[1]].tolist()
+            for j in range(0, len(hv), 2):
+                ident = hv[j]
+                name = _names.get(ident)
+                if name is None:
+                    name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
+                hops.append((name, hv[j + 1]))
+        return launches, hops
 
     def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep

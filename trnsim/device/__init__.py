@@ -66,6 +66,9 @@ ADAPTIVE_QUEUE = 4096
 
 #: logged launches from which :meth:`Device._drain` lets a log that can place them (``place``) do so
 PLACE_MIN = 16
+#: logged entries from which :meth:`Device._drain` lets a log take a prefix of captured launches and
+#: host ops in bulk (``take_captured``)
+CAPTURED_MIN = 8
 
 
 class Device:
@@ -129,8 +132,13 @@ class Device:
             return
         with self._lock:
             recs = self.recorders
-            if log.pending() >= PLACE_MIN and hasattr(log, "place") and all(r.events is None for r in recs):
-                self._place(log)
+            while True:  # prefixes the log handles in bulk, each the same as the loop below
+                if log.pending() >= PLACE_MIN and hasattr(log, "place") and all(r.events is None for r in recs):
+                    self._place(log)
+                    if not log.pending():
+                        return
+                if not (log.pending() >= CAPTURED_MIN and hasattr(log, "take_captured") and self._take_captured(log)):
+                    break
                 if not log.pending():
                     return
             for rec in recs:
@@ -209,6 +217,25 @@ class Device:
                 if end > start:
                     inflight.append(end)
             self._host = host
+
+    def _take_captured(self, log: Any) -> bool:
+        """Take the log's first entries while they are launches made inside a graph capture or
+        host ops (``log.take_captured``): the launches collected into their captures in order,
+        the host ops counted, as :meth:`_drain`'s loop does one entry at a time (a host op has no
+        time and a captured launch waits for its capture's end, so neither depends on where the
+        other falls). False when the first entry is neither."""
+        got = log.take_captured()
+        if got is None:
+            return False
+        launches, hops = got
+        tokens = self._tokens
+        for token, core, op, cost in launches:
+            tokens[token].append((core, op, cost, 0, NO_CONTEXT))
+        for rec in self.recorders:
+            counts = rec.host_ops
+            for name, n in hops:
+                counts[name] = counts.get(name, 0) + n
+        return True
 
     def _place(self, log: Any) -> None:
         """The log's first launches placed by the log itself (``log.place``: the native fast path's

@@ -134,7 +134,9 @@ class LaunchLog(Protocol):
     as :meth:`Device.launch` inside the block collects it. The device takes them, in order,
     before it issues anything else or reads any time, and tells the log (``gate``) whether
     launches may be logged at all: only while nothing a launch depends on at the moment it is
-    made (adaptive eager, a launch context, a stream other than the default) is in effect."""
+    made (adaptive eager, a launch context, a stream other than the default) is in effect.
+    A log may also offer ``place`` (the common case's placement, natively) and ``take_captured``
+    (a prefix of captured launches and host ops in bulk); the device uses them where they apply."""
 
     def pending(self) -> int: ...
 
