@@ -59,6 +59,15 @@ def _to_cpu(x: Any) -> Any:
     return x
 
 
+def _concrete(val: Any) -> bool:
+    """A graph value whose sizes are all numbers (a tensor's; anything else is one)."""
+    if isinstance(val, torch.Tensor):
+        return all(type(d) is int for d in val.shape)
+    if isinstance(val, (list, tuple)):
+        return all(_concrete(v) for v in val)
+    return not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def _wide(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.dtype in _WIDE:
         return x.float()
@@ -102,15 +111,28 @@ class RegionKernel:
         self.plans: dict[tuple[Any, ...], _Plan] = {}
         self._steps: list[tuple[Any, ...]] | None = None  # _compile_steps, on the first call
         self.__name__ = f"region{index}"
+        #: every input's shape is a number in the graph (no symbol): each call has the first call's
+        #: signature and device (the graph's guards), so calls after it go straight to its plan
+        self._static = all(_concrete(n.meta.get("val")) for n in self.inputs)
+        self._only: tuple[_Plan, int] | None = None  # (the plan, the device), once it has its run
 
     def __repr__(self) -> str:
         return f"<region {self.index}: {self.label}>"
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        only = self._only
+        if only is not None and RegionKernel.record is None:  # (a static region's later calls)
+            plan, device = only
+            if not plan.big:
+                return plan.run(args, device)
+            with memory.host_scope():
+                return plan.run(args, device)
         device = next((a.device.index or 0 for a in args if values.is_neuron(a)), 0)
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         plan = self.plans.get(key)
         if plan is not None and plan.run is not None and RegionKernel.record is None:
+            if self._static:
+                self._only = (plan, device)
             if not plan.big:
                 return plan.run(args, device)
             with memory.host_scope():
