@@ -594,6 +594,16 @@ def cpu_views(args: Any) -> list[Any]:
     windows; the common ones made in one native call, not cached), everything else as it is."""
     native = _ops()[0]
     out = list(args)
+    if native is not None:  # the native op first: it takes the common windows and refuses the rest
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device.type == "neuron"]
+        try:
+            views = native([args[i] for i in at]) if at else ()
+        except RuntimeError:  # one it does not take: each tensor on its own, as below
+            pass
+        else:
+            for i, v in zip(at, views):
+                out[i] = v
+            return out
     common = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.device.type == "neuron":
