@@ -51,8 +51,7 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: Tensor,
     """The eager device's attention backward: from P, or, where the forward's values were CPU's
     kernel's (:func:`torch_bridge.ops.attention.datapath_exact` false), CPU's kernel's backward."""
     index = q.device.index or 0
-    hq, hk, hv = (memory.cpu_view(t) for t in (q, k, v))
-    hm = eager_attention.host_mask(mask)
+    hq, hk, hv, hm = memory.cpu_views((q, k, v, mask))  # (one native call; a host mask as it is)
     with memory.host_scope():
         if eager_attention.datapath_exact(hq, hk, hv, hm, scale):
             sc = scale if scale is not None else q.shape[-1] ** -0.5
@@ -104,8 +103,7 @@ def values_call(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     (:func:`call_values_directly`: its graphs run without autograd, so the op's dispatch and
     autograd layers only cost time, ~10 us a call)."""
     index = out.device.index or 0
-    hq, hk, hv, ho = memory.cpu_views((q, k, v, out))
-    hm = eager_attention.host_mask(mask)
+    hq, hk, hv, ho, hm = memory.cpu_views((q, k, v, out, mask))  # (one native call; a host mask as it is)
     res = ho.clone()
     if eager_attention.check(q, k, v, mask, 0.0, causal, scale, enable_gqa) and \
             not eager_attention.datapath_exact(hq, hk, hv, hm, scale):

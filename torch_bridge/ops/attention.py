@@ -299,12 +299,12 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
     :func:`masked_scores`."""
-    hq, hk, hv = memory.cpu_views((q, k, v))  # (one native call: a decode step's tensors are new each time)
+    # (one native call: a decode step's tensors are new each time; a host mask as it is)
+    hq, hk, hv, mask = memory.cpu_views((q, k, v, attn_mask))
     cq, ck, cv = hq, _heads(hk, groups), _heads(hv, groups)
     l, e = q.shape[-2:]
     s = k.shape[-2]
     sc = scale if scale is not None else 1.0 / math.sqrt(e)
-    mask = None if attn_mask is None else memory.cpu_view(attn_mask)
     exact = datapath_exact(hq, hk, hv, mask, scale)
     scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
     scores = masked_scores(scores, mask, is_causal, sc, flash, finite=exact)
@@ -531,8 +531,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         if flash and dropout_p == 0.0:
             exact = True
             if all(type(t) in _PLAIN for t in (query, key, value, attn_mask) if t is not None):
-                hq, hk, hv = memory.cpu_views((query, key, value))
-                hmask = host_mask(attn_mask)
+                hq, hk, hv, hmask = memory.cpu_views((query, key, value, attn_mask))
                 exact = datapath_exact(hq, hk, hv, hmask, scale)
             if not exact and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and \
                     (attn_mask is None or not attn_mask.requires_grad):
