@@ -128,16 +128,7 @@ class NativeLog:
             bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
             used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
         rows = self._rows_q[:4 * head[4]].tolist()  # (handle, launches, ticks, wait) per row: Recorder.defer_rows
-        hops = []
-        if head[5]:
-            hv = self._hops_q[:2 * head[5]].tolist()
-            for j in range(0, len(hv), 2):
-                ident = hv[j]
-                name = _names.get(ident)
-                if name is None:
-                    name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
-                hops.append((name, hv[j + 1]))
-        return got, head[0], used, (rows, table), hops
+        return got, head[0], used, (rows, table), self._host_ops(head[5])
 
     def take_captured(self) -> tuple[list[tuple[int, int, str, OpCost]], list[tuple[str, int]]] | None:
         """The log's first entries while they are launches made inside a graph capture or host ops
@@ -151,16 +142,21 @@ class NativeLog:
         flat = self._buf_q[:3 * counts[0]].tolist()
         table = _table
         launches = [(flat[i + 2], flat[i], *table[flat[i + 1]][:2]) for i in range(0, len(flat), 3)]
+        return launches, self._host_ops(counts[1])
+
+    def _host_ops(self, n: int) -> list[tuple[str, int]]:
+        """The first ``n`` (name id, count) pairs the native side wrote into the host-op buffer,
+        as (name, count)."""
         hops = []
-        if counts[1]:
-            hv = self._hops_q[:2 * counts[1]].tolist()
+        if n:
+            hv = self._hops_q[:2 * n].tolist()
             for j in range(0, len(hv), 2):
                 ident = hv[j]
                 name = _names.get(ident)
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
                 hops.append((name, hv[j + 1]))
-        return launches, hops
+        return hops
 
     def take(self) -> Iterator[tuple[int, str, OpCost | None, Any, int]]:
         """The entries, oldest first, one at a time (a list of thousands of tuples would keep
