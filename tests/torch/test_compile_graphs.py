@@ -183,3 +183,45 @@ def test_regions_read_and_return_device_memory_natively_with_python_s_values_and
         fastpath.set_enabled(True)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(slow[0], want[0]))
     assert slow[1:] == want[1:]
+
+
+class _NormConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(4, 16)
+        self.conv = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.pad = torch.nn.ReflectionPad2d(1)
+
+    def forward(self, x):
+        return self.conv(self.norm(self.pad(x)[..., 1:-1, 1:-1]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_channels_last_convolution_runs_in_the_layout_the_graph_was_traced_with(dynamic):
+    """A fake convolution on a PrivateUse1 device is contiguous (the backend's memory format,
+    ConvBackend::Overrideable); the device's kernel keeps a channels-last input's layout as CPU's
+    does. The graph after it was traced against the fake's: group norm's backward was traced with
+    a contiguous copy of its input beside the convolution's gradient taken for contiguous, and
+    CPU's kernel then read a channels-last gradient as contiguous (a diffusers UNet's input and
+    norm gradients were 100% off). Compiled results and gradients are eager's again."""
+    torch.manual_seed(0)
+    model = _NormConv()
+    x = torch.randn(2, 16, 6, 6).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(2, 16, 6, 6)
+    got = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        m = _copy(model).to("neuron")
+        xn = x.clone().to("neuron").requires_grad_()
+        fn = torch.compile(m, backend="neuron", dynamic=dynamic) if compiled else m
+        out = fn(xn)
+        out.backward(g.to("neuron"))
+        got.append([out.detach().cpu(), xn.grad.cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for e, c in zip(*got):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5 * max(e.abs().max().item(), 1.0))
+
+
+def _copy(m):
+    import copy
+
+    return copy.deepcopy(m)

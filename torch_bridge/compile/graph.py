@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from trnsim.device import FusedRegion, KernelSpec, OpCost
 from trnsim.isa import KernelError
@@ -479,6 +480,97 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[Region | ForeachRegion]) -> fx
     return fx.GraphModule(gm, new)
 
 
+# ---- layouts as traced ---------------------------------------------------------------------
+#: ops whose neuron kernels lay their results out as CPU's kernels do (the eager device's contract,
+#: which difftest holds it to) where the fake tensors a graph is traced with lay them out otherwise:
+#: PyTorch's fake convolution asks the backend's memory format, which for a PrivateUse1 device
+#: (ConvBackend::Overrideable) is contiguous, where CPU's convolution keeps a channels-last input's
+#: layout; the reflection and replication paddings' backwards are CPU's channels-last too
+#: (found with the fake and real strides of 26 CNN ops side by side: these six differ)
+_CPU_LAYOUT_OPS = frozenset(
+    getattr(aten, name).default for name in (
+        "convolution", "convolution_backward", "reflection_pad1d_backward", "reflection_pad2d_backward",
+        "reflection_pad3d_backward", "replication_pad1d_backward", "replication_pad2d_backward",
+        "replication_pad3d_backward") if hasattr(aten, name))
+def _dims_inner_first(fmt: Any, rank: int) -> list[int] | None:
+    if fmt is torch.contiguous_format:
+        return list(range(rank - 1, -1, -1))
+    if (fmt is torch.channels_last and rank == 4) or (fmt is torch.channels_last_3d and rank == 5):
+        return [1, *range(rank - 1, 1, -1), 0]
+    return None
+
+
+def _traced_format(val: Any) -> Any:
+    """The memory format a traced value is dense in: contiguous, channels-last or channels-last-3d
+    (None: none of them, or not a tensor). Read off its sizes and strides, symbolic ones too (a
+    dynamic-shape graph's), where they say so without a guard: each dimension of size other than 1
+    has the stride the format gives it."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    shape, stride = val.shape, val.stride()
+    for fmt in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        dims = _dims_inner_first(fmt, len(shape))
+        if dims is None:
+            continue
+        want: Any = 1
+        for d in dims:
+            if not statically_known_true(shape[d] == 1) and not statically_known_true(stride[d] == want):
+                break
+            want = want * shape[d]
+        else:
+            return fmt
+    return None
+
+
+class _AsTraced:
+    """An op of :data:`_CPU_LAYOUT_OPS` as a compiled graph calls it: each result in the memory
+    format the graph was traced with, where the kernel laid it out otherwise.
+
+    The rest of the graph was traced against those layouts: native_group_norm's backward on a
+    channels-last input was traced as a contiguous clone of the input beside the convolution's
+    gradient, which the trace took for contiguous too (autograd's formula makes both contiguous
+    off CPU), so at run time CPU's kernel read a channels-last gradient as a contiguous one: a
+    diffusers UNet's compiled gradients were 100% off from its eager ones. The relayout is a host
+    copy, like the one the eager convolution makes to give CPU's layout: it is no kernel of the
+    program (a compiler lays the result out as it planned), so it is not charged."""
+
+    def __init__(self, op: Any, formats: tuple[Any, ...]):
+        self.op = op
+        self.formats = formats
+        self.__name__ = "as_traced_" + str(op).replace("aten.", "", 1).replace(".", "_")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.op(*args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(_relayout(t, f) for t, f in zip(out, self.formats))
+        return _relayout(out, self.formats[0])
+
+
+def _relayout(t: Any, fmt: Any) -> Any:
+    if fmt is None or not isinstance(t, torch.Tensor) or t.is_contiguous(memory_format=fmt):
+        return t
+    if not values.is_neuron(t):
+        return t.contiguous(memory_format=fmt)
+    return memory.relabel(memory.cpu_view(t).contiguous(memory_format=fmt), t.device.index or 0)
+
+
+def keep_traced_layouts(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its :data:`_CPU_LAYOUT_OPS` calls made through :class:`_AsTraced` (a copy;
+    ``gm`` itself if it has none)."""
+    if not any(n.op == "call_function" and n.target in _CPU_LAYOUT_OPS for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _CPU_LAYOUT_OPS:
+            val = n.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            formats = tuple(_traced_format(v) for v in vals)
+            if any(f is not None for f in formats):
+                n.target = _AsTraced(n.target, formats)
+    return fx.GraphModule(gm, graph)
+
+
 class _DirectOp(functools.partial):
     """An aten op as a graph calls it: its C++ callable behind a C-level call, skipping the
     OpOverload's Python ``__call__`` frame (~0.2 us of a ~2 us small op). The names are for the
@@ -527,7 +619,8 @@ class CompiledGraph:
 
         use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
         self.regions: list[Region | ForeachRegion] = [*partition(gm), *partition_foreach(gm)]
-        self.module = call_ops_directly(call_values_directly(rewrite(gm, self.regions) if self.regions else gm))
+        self.module = call_ops_directly(keep_traced_layouts(
+            call_values_directly(rewrite(gm, self.regions) if self.regions else gm)))
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, *args: Any) -> Any:
