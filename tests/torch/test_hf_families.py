@@ -245,6 +245,36 @@ def test_vision_and_audio_training_matches_cpu(name, compiled):
     assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
 
 
+@pytest.mark.parametrize("name", ["resnet", "convnext", "mobilevit"])
+def test_channels_last_compiled_training_matches_cpu(name):
+    """``model.to(memory_format=torch.channels_last)`` with channels-last images, compiled: three
+    AdamW steps against CPU's eager ones. The graph's convolutions ran in CPU's layout where it
+    was traced with PyTorch's fake (contiguous) one: a view of a result failed ("view size is not
+    compatible"), and a group norm after one gave wrong gradients."""
+    make, cls, kind = VISION_AUDIO[name]
+    torch.manual_seed(0)
+    base = cls(_no_dropout(make())).to(memory_format=torch.channels_last)
+    inputs = _vision_audio_inputs(kind)
+    inputs["pixel_values"] = inputs["pixel_values"].contiguous(memory_format=torch.channels_last)
+    losses = {}
+    for device in ("cpu", "neuron"):
+        model = copy.deepcopy(base).to(device).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = model
+        if device == "neuron":
+            torch._dynamo.reset()
+            step = torch.compile(model, backend="neuron")
+        run = []
+        for _ in range(3):
+            loss = step(**{k: v.to(device) for k, v in inputs.items()}).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses[device] = run
+    assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
+
+
 def test_compiled_autocast_training_is_within_autocasts_rounding():
     """torch.compile under torch.autocast("neuron"): Qwen2's rotary embedding leaves the query in
     float32 beside a bf16 value, which failed to compile; the loss is as close to float32 as eager
