@@ -212,6 +212,8 @@ def register_kernels() -> None:
     for key in ("AutogradPrivateUse1", "PrivateUse1"):
         impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
+    for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
+        fallback.fallback(_hidden(values.sparse_fallback), key)
     from . import _native
     from .eager import fastpath
 

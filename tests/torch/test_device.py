@@ -78,6 +78,30 @@ def test_unsupported_op_names_itself():
         torch.ones(2, 2, device="neuron").to_sparse()
 
 
+@pytest.mark.parametrize("make", ["coo", "to", "embedding", "csr"])
+def test_sparse_tensors_on_neuron_are_refused_in_one_line(make):
+    """PyTorch said it in 51 lines (no kernel for the 'Sparseneuron' backend)."""
+    import warnings
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (PyTorch's beta and invariant-check warnings)
+            if make == "coo":
+                torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (3,), device="neuron")
+            elif make == "to":
+                torch.eye(3).to_sparse().to("neuron")
+            elif make == "embedding":
+                emb = torch.nn.Embedding(10, 4, sparse=True).to("neuron")
+                emb(torch.tensor([1, 2], device="neuron")).sum().backward()
+            else:
+                torch.eye(3).to_sparse_csr().to("neuron").to_dense()
+
+    with pytest.raises(NotImplementedError, match=r"^neuron: aten::\w+ with a sparse tensor on the neuron device, which "
+                                                  r"holds dense \(strided\) tensors only; keep sparse tensors on CPU") as e:
+        run()
+    assert "\n" not in str(e.value)
+
+
 def _python(code: str, **env: str) -> str:
     """Run ``code`` in a fresh interpreter outside the source tree (an in-tree *.egg-info written by
     an older install would hide the package's current entry points)."""

@@ -385,6 +385,18 @@ _ENCODER_HINT = ("nn.TransformerEncoder builds one in eval mode from a src_key_p
 NESTED_HINTS = {"_nested_tensor_from_mask": _ENCODER_HINT, "_nested_tensor_from_padded": _ENCODER_HINT}
 
 
+SPARSE_HINT = "keep sparse tensors on CPU (nn.Embedding and nn.EmbeddingBag: sparse=False gives dense gradients)"
+
+
+def sparse_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The boxed kernel of the neuron device's sparse dispatch keys: making or using a sparse tensor
+    on neuron (a COO tensor's ``.to("neuron")``, ``sparse_coo_tensor(device="neuron")``, the
+    gradient of ``nn.Embedding(sparse=True)``, any op on a CSR tensor moved there) is refused in
+    one line, where PyTorch said it in 51 (no kernel for the 'Sparseneuron' backend)."""
+    raise NotImplementedError(f"neuron: aten::{op_info(op).name} with a sparse tensor on the neuron device, which "
+                              f"holds dense (strided) tensors only; {SPARSE_HINT}")
+
+
 # (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call
 _costs: dict[tuple[Any, ...], Any] = {}
 
