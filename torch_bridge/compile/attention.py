@@ -21,7 +21,7 @@ from torch import Tensor
 from ..ops import attention as eager_attention
 from ..eager import memory
 
-__all__ = ["use_attention_op", "sdpa", "call_values_directly", "values_call"]
+__all__ = ["use_attention_op", "sdpa", "values_call"]
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default  # (a graph may call the op itself)
@@ -100,8 +100,8 @@ def attention_values(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
 def values_call(out: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                 scale: float | None, enable_gqa: bool, grads: bool = False) -> Tensor:
     """:func:`attention_values`' computation, which a compiled graph calls directly
-    (:func:`call_values_directly`: its graphs run without autograd, so the op's dispatch and
-    autograd layers only cost time, ~10 us a call)."""
+    (:func:`torch_bridge.compile.graph.runnable`: its graphs run without autograd, so the op's
+    dispatch and autograd layers only cost time, ~10 us a call)."""
     index = out.device.index or 0
     hq, hk, hv, ho, hm = memory.cpu_views((q, k, v, out, mask))  # (one native call; a host mask as it is)
     res = ho.clone()
@@ -155,21 +155,6 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = N
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return attention_values(out, query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa), grads)
     return out
-
-
-def call_values_directly(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its :func:`attention_values` calls pointed at :func:`values_call` (a copy; ``gm``
-    itself if it has none): an aot graph runs without autograd, and the function is the op's
-    whole computation."""
-    op = torch.ops.trnsim.attention_values.default
-    if not any(n.op == "call_function" and n.target is op for n in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target is op:
-            n.target = values_call
-    return fx.GraphModule(gm, graph)
 
 
 def _symbolic(*ts: Tensor | None) -> bool:

@@ -37,11 +37,11 @@ from trnsim.isa import KernelError
 from .. import _torch
 from ..eager import fastpath, lowering, memory, tensore, values
 from ..runtime import runtime
-from .attention import call_values_directly
+from .attention import values_call
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, last_uses, partition
 
-__all__ = ["CompiledGraph", "RegionKernel", "rewrite"]
+__all__ = ["CompiledGraph", "RegionKernel", "rewrite", "runnable"]
 
 aten = torch.ops.aten
 _WIDE = (torch.bfloat16, torch.float16)
@@ -486,12 +486,15 @@ def rewrite(gm: fx.GraphModule, regions: Sequence[Region | ForeachRegion]) -> fx
 #: PyTorch's fake convolution asks the backend's memory format, which for a PrivateUse1 device
 #: (ConvBackend::Overrideable) is contiguous, where CPU's convolution keeps a channels-last input's
 #: layout; the reflection and replication paddings' backwards are CPU's channels-last too
-#: (found with the fake and real strides of 26 CNN ops side by side: these six differ)
+#: (found with the fake and real strides of 26 CNN ops side by side: every convolution, forward and
+#: backward, and the reflection padding's backward; the replication padding's backward too, checked)
 _CPU_LAYOUT_OPS = frozenset(
     getattr(aten, name).default for name in (
         "convolution", "convolution_backward", "reflection_pad1d_backward", "reflection_pad2d_backward",
         "reflection_pad3d_backward", "replication_pad1d_backward", "replication_pad2d_backward",
         "replication_pad3d_backward") if hasattr(aten, name))
+
+
 def _dims_inner_first(fmt: Any, rank: int) -> list[int] | None:
     if fmt is torch.contiguous_format:
         return list(range(rank - 1, -1, -1))
@@ -554,23 +557,6 @@ def _relayout(t: Any, fmt: Any) -> Any:
     return memory.relabel(memory.cpu_view(t).contiguous(memory_format=fmt), t.device.index or 0)
 
 
-def keep_traced_layouts(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its :data:`_CPU_LAYOUT_OPS` calls made through :class:`_AsTraced` (a copy;
-    ``gm`` itself if it has none)."""
-    if not any(n.op == "call_function" and n.target in _CPU_LAYOUT_OPS for n in gm.graph.nodes):
-        return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target in _CPU_LAYOUT_OPS:
-            val = n.meta.get("val")
-            vals = val if isinstance(val, (tuple, list)) else (val,)
-            formats = tuple(_traced_format(v) for v in vals)
-            if any(f is not None for f in formats):
-                n.target = _AsTraced(n.target, formats)
-    return fx.GraphModule(gm, graph)
-
-
 class _DirectOp(functools.partial):
     """An aten op as a graph calls it: its C++ callable behind a C-level call, skipping the
     OpOverload's Python ``__call__`` frame (~0.2 us of a ~2 us small op). The names are for the
@@ -592,18 +578,25 @@ def _direct(op: Any) -> _DirectOp:
     return d
 
 
-def call_ops_directly(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its aten op calls made through :class:`_DirectOp` (a copy; ``gm`` itself if it
-    has none). Only the calling convention changes: the same op, the same dispatch."""
-    def direct(n: fx.Node) -> bool:
-        return n.op == "call_function" and hasattr(n.target, "overloadpacket") and n.target.namespace == "aten"
-
-    if not any(direct(n) for n in gm.graph.nodes):
-        return gm
+def runnable(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as a :class:`CompiledGraph` runs it (a copy): each ``trnsim::attention_values`` call
+    made to :func:`~torch_bridge.compile.attention.values_call`, the op's whole computation (an aot
+    graph runs without autograd, so the op's dispatch and autograd layers only cost time, ~10 us a
+    call); each :data:`_CPU_LAYOUT_OPS` call through :class:`_AsTraced`, its results in the traced
+    layouts; every other aten call through :class:`_DirectOp` (the same op and dispatch)."""
+    values_op = torch.ops.trnsim.attention_values.default
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for n in graph.nodes:
-        if direct(n):
+        if n.op != "call_function":
+            continue
+        if n.target is values_op:
+            n.target = values_call
+        elif n.target in _CPU_LAYOUT_OPS:
+            val = n.meta.get("val")
+            formats = tuple(_traced_format(v) for v in (val if isinstance(val, (tuple, list)) else (val,)))
+            n.target = _AsTraced(n.target, formats) if any(f is not None for f in formats) else _direct(n.target)
+        elif hasattr(n.target, "overloadpacket") and n.target.namespace == "aten":
             n.target = _direct(n.target)
     return fx.GraphModule(gm, graph)
 
@@ -619,8 +612,7 @@ class CompiledGraph:
 
         use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
         self.regions: list[Region | ForeachRegion] = [*partition(gm), *partition_foreach(gm)]
-        self.module = call_ops_directly(keep_traced_layouts(
-            call_values_directly(rewrite(gm, self.regions) if self.regions else gm)))
+        self.module = runnable(rewrite(gm, self.regions) if self.regions else gm)
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, *args: Any) -> Any:
