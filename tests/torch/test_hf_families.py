@@ -224,8 +224,12 @@ def test_vision_and_audio_training_matches_cpu(name, compiled):
     normalised embeddings failed to compile: "compiled regions form a cycle")."""
     make, cls, kind = VISION_AUDIO[name]
     torch.manual_seed(0)
-    base = cls(_no_dropout(make()))
-    inputs = _vision_audio_inputs(kind)
+    losses = _vision_losses(cls(_no_dropout(make())), _vision_audio_inputs(kind), compiled)
+    assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
+
+
+def _vision_losses(base: Any, inputs: dict[str, Any], compiled: bool) -> dict[str, list[float]]:
+    """Three AdamW steps of ``base`` on CPU (eager) and on neuron (compiled if asked): the losses."""
     losses = {}
     for device in ("cpu", "neuron"):
         model = copy.deepcopy(base).to(device).train()
@@ -242,7 +246,7 @@ def test_vision_and_audio_training_matches_cpu(name, compiled):
             opt.zero_grad()
             run.append(loss.item())
         losses[device] = run
-    assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
+    return losses
 
 
 @pytest.mark.parametrize("name", ["resnet", "convnext", "mobilevit"])
@@ -256,22 +260,7 @@ def test_channels_last_compiled_training_matches_cpu(name):
     base = cls(_no_dropout(make())).to(memory_format=torch.channels_last)
     inputs = _vision_audio_inputs(kind)
     inputs["pixel_values"] = inputs["pixel_values"].contiguous(memory_format=torch.channels_last)
-    losses = {}
-    for device in ("cpu", "neuron"):
-        model = copy.deepcopy(base).to(device).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = model
-        if device == "neuron":
-            torch._dynamo.reset()
-            step = torch.compile(model, backend="neuron")
-        run = []
-        for _ in range(3):
-            loss = step(**{k: v.to(device) for k, v in inputs.items()}).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses[device] = run
+    losses = _vision_losses(base, inputs, True)
     assert _rel(losses["cpu"], losses["neuron"]) < 1e-5, losses
 
 
