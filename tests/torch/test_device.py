@@ -127,3 +127,22 @@ def _logical(name: str) -> int:
     from trnsim import load_config
 
     return load_config(name).logical_cores
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_lcm_that_would_trap_on_cpu_is_refused_in_one_line(dtype):
+    """CPU's lcm computes a / gcd(a, b) * b; for the int32/int64 minimum and an odd b its gcd comes
+    out -1 (abs of the minimum is the minimum) and the division traps: the process dies (SIGFPE), on
+    CPU too (difftest --seed 20261214 died at lcm 136296707370916). The device refuses just those
+    arguments; the minimum with 0, 2 or -1 does not trap, and gives CPU's values."""
+    low = torch.iinfo(dtype).min
+    a = torch.tensor([[-5, -4, low, 4]], dtype=dtype)
+    b = torch.tensor([[7, 0, -5, -3]], dtype=dtype)
+    with pytest.raises(RuntimeError, match=rf"^neuron: aten::lcm would compute {low} / gcd\({low}, -5\) = {low} / -1, "
+                                           r"which overflows: CPU's kernel traps there \(SIGFPE"):
+        torch.lcm(a.to("neuron"), b.to("neuron"))
+    with pytest.raises(RuntimeError, match=r"^neuron: aten::lcm"):
+        a.to("neuron").lcm_(b.to("neuron"))
+    ok_a = torch.tensor([low, low, low, 6, -4, 9], dtype=dtype)
+    ok_b = torch.tensor([2, 0, -1, 4, 6, -6], dtype=dtype)
+    assert torch.equal(torch.lcm(ok_a.to("neuron"), ok_b.to("neuron")).cpu(), torch.lcm(ok_a, ok_b))

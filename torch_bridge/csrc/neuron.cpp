@@ -636,7 +636,10 @@ const std::unordered_set<std::string>& denied() {
       "native_batch_norm",
       // CPU's cov centres a 0-dim input in place (self becomes 0) without an annotation: found by
       // difftest --write-guard 5 --seed 2412397 (cov 35713836657508); written once, as on CPU, in Python's path
-      "cov"};
+      "cov",
+      // CPU's lcm divides an int32/int64 minimum by a gcd of -1 and the process dies (SIGFPE): Python's
+      // path refuses those arguments first (values._lcm_traps; difftest --seed 20261214, lcm 136296707370916)
+      "lcm", "lcm_"};
   return names;
 }
 

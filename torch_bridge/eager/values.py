@@ -265,7 +265,34 @@ def host_seed(seed: int, offset: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def _lcm_traps(a: Any, b: Any) -> str | None:
+    """Where CPU's ``lcm`` kernel would kill the process, what it would divide: it computes
+    ``a / gcd(a, b) * b`` elementwise, with a gcd that comes out -1 for the int32/int64 minimum and
+    an odd number (``abs`` of the minimum is the minimum), and the minimum divided by -1 traps
+    (SIGFPE). CPU crashes there too; the device refuses the call instead. None where it does not."""
+    ta, tb = (x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
+    dtype = torch.result_type(ta, tb)
+    if dtype not in (torch.int32, torch.int64):
+        return None
+    ta, tb = ta.to(dtype), tb.to(dtype)
+    low = torch.iinfo(dtype).min
+    at = ta == low
+    if not bool(at.any()):
+        return None
+    bad = at & (torch.gcd(ta, tb) == -1)  # (CPU's gcd has no division that traps)
+    if not bool(bad.any()):
+        return None
+    other = torch.broadcast_to(tb, bad.shape)[bad][0].item()
+    return f"{low} / gcd({low}, {other}) = {low} / -1"
+
+
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if info.name in ("lcm", "lcm_") and len(args) >= 2:
+        hosts = [memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]]
+        trap = _lcm_traps(*hosts)
+        if trap is not None:
+            raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
+                               f"traps there (SIGFPE: the process dies on CPU too)")
     if info.is_view:  # metadata only: a host-side op, no device kernel
         runtime().host_op(info.name)
         if info.name == "record_stream":
