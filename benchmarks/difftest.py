@@ -49,7 +49,7 @@ A mismatch prints one line: what differs, the op, the sample's description and t
 reruns exactly that sample (``python benchmarks/difftest.py --repro <op> <seed>``).
 
 **Samples that crash CPU** (:data:`CRASHY`: CPU's fp16/bf16 oneDNN convolution segfaults for
-some shapes, a torch bug; :data:`CRASHY_INT`: CPU's int32/int64 lcm traps on the minimum): those
+some shapes, a torch bug; :data:`CRASHY_INT`: CPU's int32/int64 lcm and truncating division trap on the minimum): those
 ops' reduced-precision (integer) samples run on CPU in a forked child first (on one thread, killed after 30 s); where CPU crashes on a convolution dilated over a
 size-1 kernel dimension, CPU's call undilated (the same convolution) is the reference the device
 must give; where it crashes otherwise, the device must refuse the call (a crash or an answer is
@@ -1783,8 +1783,8 @@ class Stats:
 # device must refuse the call (raise), not crash and not answer (no reference to compare with).
 CRASHY = frozenset({"convolution_overrideable", "convolution_backward_overrideable", "_slow_conv2d_forward"})
 # ... and for some int32/int64 arguments: CPU's lcm divides the minimum by a gcd of -1 (SIGFPE; seed
-# 20261214 killed the whole run at lcm 136296707370916)
-CRASHY_INT = frozenset({"lcm", "lcm_"})
+# 20261214 killed the whole run at lcm 136296707370916), its div with rounding_mode="trunc" divides it by -1
+CRASHY_INT = frozenset({"lcm", "lcm_", "div", "div_"})
 
 
 def _in_child(fn: Callable[[], Any], timeout: float = 30.0) -> str:

@@ -146,3 +146,22 @@ def test_lcm_that_would_trap_on_cpu_is_refused_in_one_line(dtype):
     ok_a = torch.tensor([low, low, low, 6, -4, 9], dtype=dtype)
     ok_b = torch.tensor([2, 0, -1, 4, 6, -6], dtype=dtype)
     assert torch.equal(torch.lcm(ok_a.to("neuron"), ok_b.to("neuron")).cpu(), torch.lcm(ok_a, ok_b))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_truncating_division_of_the_minimum_by_minus_one_is_refused_in_one_line(dtype):
+    """CPU's div(..., rounding_mode="trunc") divides the int32/int64 minimum by -1 and the process
+    dies (SIGFPE); floor division and the other integer divisions handle it. The device refuses
+    just those arguments, tensor or scalar divisor, and keeps every other division CPU's."""
+    low = torch.iinfo(dtype).min
+    a = torch.tensor([low, 7, -7], dtype=dtype)
+    for other in (torch.tensor([-1, 2, 2], dtype=dtype).to("neuron"), -1):
+        with pytest.raises(RuntimeError, match=rf"^neuron: aten::div would compute {low} / -1, which overflows"):
+            torch.div(a.to("neuron"), other, rounding_mode="trunc")
+    b = torch.tensor([-1, 2, -2], dtype=dtype)
+    for mode in ("floor", None):
+        assert torch.equal(torch.div(a.to("neuron"), b.to("neuron"), rounding_mode=mode).cpu(),
+                           torch.div(a, b, rounding_mode=mode))
+    c = torch.tensor([low + 1, 7, -7], dtype=dtype)
+    assert torch.equal(torch.div(c.to("neuron"), b.to("neuron"), rounding_mode="trunc").cpu(),
+                       torch.div(c, b, rounding_mode="trunc"))

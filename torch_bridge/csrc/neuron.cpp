@@ -699,6 +699,9 @@ OpFast classify(const c10::OperatorHandle& op) {
     return f;
   }
   if (denied().count(name)) return f;
+  // a division with a rounding mode: CPU's "trunc" divides the int32/int64 minimum by -1 and the process
+  // dies (SIGFPE); Python's path refuses those arguments first (values._trunc_traps)
+  if ((name == "div" || name == "div_") && s.overload_name().find("mode") != std::string::npos) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
     f.kind = name == "mm" ? kMm : name == "addmm" ? kAddmm : kBmm;

@@ -265,6 +265,9 @@ def host_seed(seed: int, offset: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+_TRAPPING = frozenset({"lcm", "lcm_", "div", "div_"})  # ops _refuse_traps looks at
+
+
 def _lcm_traps(a: Any, b: Any) -> str | None:
     """Where CPU's ``lcm`` kernel would kill the process, what it would divide: it computes
     ``a / gcd(a, b) * b`` elementwise, with a gcd that comes out -1 for the int32/int64 minimum and
@@ -286,13 +289,36 @@ def _lcm_traps(a: Any, b: Any) -> str | None:
     return f"{low} / gcd({low}, {other}) = {low} / -1"
 
 
-def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _trunc_traps(a: Any, b: Any) -> str | None:
+    """Where CPU's ``div(..., rounding_mode="trunc")`` would kill the process: the int32/int64
+    minimum divided by -1 traps (SIGFPE; ``floor`` and the other integer divisions handle it)."""
+    ta, tb = (x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
+    dtype = torch.result_type(ta, tb)
+    if dtype not in (torch.int32, torch.int64):
+        return None
+    low = torch.iinfo(dtype).min
+    ta, tb = ta.to(dtype), tb.to(dtype)
+    if not bool(((ta == low) & (tb == -1)).any()):
+        return None
+    return f"{low} / -1"
+
+
+def _refuse_traps(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise in one line for the arguments on which CPU's kernel of this op kills the process
+    (integer division traps), which the native fast path leaves to this path."""
+    trap = None
     if info.name in ("lcm", "lcm_") and len(args) >= 2:
-        hosts = [memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]]
-        trap = _lcm_traps(*hosts)
-        if trap is not None:
-            raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
-                               f"traps there (SIGFPE: the process dies on CPU too)")
+        trap = _lcm_traps(*(memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]))
+    elif info.name in ("div", "div_") and len(args) >= 2 and kwargs.get("rounding_mode") == "trunc":
+        trap = _trunc_traps(*(memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]))
+    if trap is not None:
+        raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
+                           f"traps there (SIGFPE: the process dies on CPU too)")
+
+
+def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if info.name in _TRAPPING:
+        _refuse_traps(info, args, kwargs)
     if info.is_view:  # metadata only: a host-side op, no device kernel
         runtime().host_op(info.name)
         if info.name == "record_stream":
