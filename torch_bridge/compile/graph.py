@@ -525,6 +525,11 @@ def _traced_format(val: Any) -> Any:
     return None
 
 
+def _code_name(op: Any) -> str:
+    """An aten overload's name as an identifier of a graph's generated code (``add_Tensor``)."""
+    return str(op).replace("aten.", "", 1).replace(".", "_")
+
+
 class _AsTraced:
     """An op of :data:`_CPU_LAYOUT_OPS` as a compiled graph calls it: each result in the memory
     format the graph was traced with, where the kernel laid it out otherwise.
@@ -540,7 +545,7 @@ class _AsTraced:
     def __init__(self, op: Any, formats: tuple[Any, ...]):
         self.op = op
         self.formats = formats
-        self.__name__ = "as_traced_" + str(op).replace("aten.", "", 1).replace(".", "_")
+        self.__name__ = "as_traced_" + _code_name(op)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.op(*args, **kwargs)
@@ -573,7 +578,7 @@ def _direct(op: Any) -> _DirectOp:
     if d is None:
         d = _direct_ops[op] = _DirectOp(_torch.cpp_op(op))
         d.op = op
-        d.__name__ = "aten_" + str(op).replace("aten.", "", 1).replace(".", "_")
+        d.__name__ = "aten_" + _code_name(op)
         d.__module__ = __name__
     return d
 

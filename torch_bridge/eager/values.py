@@ -265,20 +265,25 @@ def host_seed(seed: int, offset: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-_TRAPPING = frozenset({"lcm", "lcm_", "div", "div_"})  # ops _refuse_traps looks at
-
-
-def _lcm_traps(a: Any, b: Any) -> str | None:
-    """Where CPU's ``lcm`` kernel would kill the process, what it would divide: it computes
-    ``a / gcd(a, b) * b`` elementwise, with a gcd that comes out -1 for the int32/int64 minimum and
-    an odd number (``abs`` of the minimum is the minimum), and the minimum divided by -1 traps
-    (SIGFPE). CPU crashes there too; the device refuses the call instead. None where it does not."""
+def _int_operands(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Host operands ``a``, ``b`` as tensors of their int32/int64 result dtype, and its minimum
+    (None for any other result dtype: nothing of theirs traps)."""
     ta, tb = (x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
     dtype = torch.result_type(ta, tb)
     if dtype not in (torch.int32, torch.int64):
         return None
-    ta, tb = ta.to(dtype), tb.to(dtype)
-    low = torch.iinfo(dtype).min
+    return ta.to(dtype), tb.to(dtype), torch.iinfo(dtype).min
+
+
+def _lcm_traps(a: Any, b: Any, kwargs: dict[str, Any]) -> str | None:
+    """Where CPU's ``lcm`` kernel would kill the process, what it would divide: it computes
+    ``a / gcd(a, b) * b`` elementwise, with a gcd that comes out -1 for the int32/int64 minimum and
+    an odd number (``abs`` of the minimum is the minimum), and the minimum divided by -1 traps
+    (SIGFPE). CPU crashes there too; the device refuses the call instead. None where it does not."""
+    ops = _int_operands(a, b)
+    if ops is None:
+        return None
+    ta, tb, low = ops
     at = ta == low
     if not bool(at.any()):
         return None
@@ -289,36 +294,28 @@ def _lcm_traps(a: Any, b: Any) -> str | None:
     return f"{low} / gcd({low}, {other}) = {low} / -1"
 
 
-def _trunc_traps(a: Any, b: Any) -> str | None:
+def _trunc_traps(a: Any, b: Any, kwargs: dict[str, Any]) -> str | None:
     """Where CPU's ``div(..., rounding_mode="trunc")`` would kill the process: the int32/int64
     minimum divided by -1 traps (SIGFPE; ``floor`` and the other integer divisions handle it)."""
-    ta, tb = (x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
-    dtype = torch.result_type(ta, tb)
-    if dtype not in (torch.int32, torch.int64):
+    ops = None if kwargs.get("rounding_mode") != "trunc" else _int_operands(a, b)
+    if ops is None:
         return None
-    low = torch.iinfo(dtype).min
-    ta, tb = ta.to(dtype), tb.to(dtype)
-    if not bool(((ta == low) & (tb == -1)).any()):
-        return None
-    return f"{low} / -1"
+    ta, tb, low = ops
+    return f"{low} / -1" if bool(((ta == low) & (tb == -1)).any()) else None
 
 
-def _refuse_traps(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise in one line for the arguments on which CPU's kernel of this op kills the process
-    (integer division traps), which the native fast path leaves to this path."""
-    trap = None
-    if info.name in ("lcm", "lcm_") and len(args) >= 2:
-        trap = _lcm_traps(*(memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]))
-    elif info.name in ("div", "div_") and len(args) >= 2 and kwargs.get("rounding_mode") == "trunc":
-        trap = _trunc_traps(*(memory.cpu_view(x) if is_neuron(x) else x for x in args[:2]))
-    if trap is not None:
-        raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
-                           f"traps there (SIGFPE: the process dies on CPU too)")
+# ops whose CPU kernel kills the process for some arguments (integer division traps), which the
+# native fast path leaves to this path -> what finds those arguments (their first two)
+_TRAPS = {"lcm": _lcm_traps, "lcm_": _lcm_traps, "div": _trunc_traps, "div_": _trunc_traps}
 
 
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if info.name in _TRAPPING:
-        _refuse_traps(info, args, kwargs)
+    traps = _TRAPS.get(info.name)
+    if traps is not None and len(args) >= 2:
+        trap = traps(*memory.cpu_views(args[:2]), kwargs)
+        if trap is not None:
+            raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
+                               f"traps there (SIGFPE: the process dies on CPU too)")
     if info.is_view:  # metadata only: a host-side op, no device kernel
         runtime().host_op(info.name)
         if info.name == "record_stream":
