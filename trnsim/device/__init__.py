@@ -232,9 +232,7 @@ class Device:
         for token, core, op, cost in launches:
             tokens[token].append((core, op, cost, 0, NO_CONTEXT))
         for rec in self.recorders:
-            counts = rec.host_ops
-            for name, n in hops:
-                counts[name] = counts.get(name, 0) + n
+            rec.count_host_ops(hops)
         return True
 
     def _place(self, log: Any) -> None:
@@ -273,8 +271,7 @@ class Device:
             rec.host_ticks += delta
             rec.dispatches += launches
             rec.defer_rows(rows, table)
-            for name, n in hops:
-                rec.host_ops[name] = rec.host_ops.get(name, 0) + n
+            rec.count_host_ops(hops)
             for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, _bk in used:
                 tally = rec.cores.get(core)
                 if tally is None:
@@ -792,9 +789,7 @@ class Device:
         with self._lock:
             self._drain()
             for rec in self.recorders:
-                got = rec.host_ops
-                for op, n in counts.items():
-                    got[op] = got.get(op, 0) + n
+                rec.count_host_ops(counts.items())
 
     def note_compile(self, seconds: float) -> None:
         """Record one graph compiled in ``seconds`` of wall time (reported, never charged)."""

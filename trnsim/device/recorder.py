@@ -3,7 +3,7 @@ waits and the union of the kernels' intervals between two points of a program.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from ..sim.report import TraceEvent
 
@@ -83,6 +83,13 @@ class Recorder:
         self.compile_seconds = 0.0  # wall time, never charged to the device
         self.events: list[TraceEvent] | None = [] if trace else None
         self.sources: dict[tuple[str, int], dict[str, int]] | None = {} if sources else None
+
+    def count_host_ops(self, counts: Iterable[tuple[str, int]]) -> None:
+        """Add ``n`` host ops of each (name, n): the order they came in does not matter (a host op
+        has no time), only each name's first appearance, which keeps its place in the dict."""
+        got = self.host_ops
+        for name, n in counts:
+            got[name] = got.get(name, 0) + n
 
     def defer_rows(self, flat: list[int], table: Any) -> None:
         """Count launches later (:meth:`fold`): ``flat`` holds (handle, launches, ticks, host wait)
