@@ -570,6 +570,27 @@ std::atomic<int64_t> g_log_count{0};  // entries in the log (Python reads it in 
 // so the device collects it into that capture, in order, rather than issuing it.
 thread_local int64_t t_capture = 0;
 
+// Host ops counted by name id in first-use order, as the log's bulk readers hand them to Python:
+// (name id, count) pairs. (Distinct names are op names: far fewer than the buffers' kLogMax pairs.)
+struct HostOpCounts {
+  std::unordered_map<int64_t, size_t> at;
+  std::vector<int64_t> pairs;
+  void add(int64_t id) {
+    auto it = at.find(id);
+    if (it == at.end()) {
+      at.emplace(id, pairs.size());
+      pairs.push_back(id);
+      pairs.push_back(1);
+    } else {
+      pairs[it->second + 1] += 1;
+    }
+  }
+  int64_t write(int64_t* out) const {  // the pairs into `out`; returns how many
+    std::memcpy(out, pairs.data(), pairs.size() * sizeof(int64_t));
+    return static_cast<int64_t>(pairs.size() / 2);
+  }
+};
+
 void log_entry(int64_t kind, int64_t core, int64_t id) {
   if (kind == 0 && t_capture != 0) kind = 2 + t_capture;
   std::lock_guard<std::mutex> lock(g_log_mutex);
@@ -2509,28 +2530,19 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
 }
 // The log's first entries while they are launches made inside a graph capture (kind 2 + token) or
 // host ops: the launches, in order, as (core, cost handle, token) into `launches` (at most `cap`),
-// the host ops counted by name id in first-use order as (name id, count) into `hops` (at most `cap`
-// names). counts[0], counts[1]: how many of each were written. Returns the entries consumed. What
-// Device._drain's loop does with these entries is to collect the launches into their capture and
-// count the host ops, neither of which depends on the entries' order across the two kinds.
+// the host ops counted as HostOpCounts pairs into `hops`. counts[0], counts[1]: how many of each were
+// written. Returns the entries consumed. What Device._drain's loop does with these entries is to
+// collect the launches into their capture and count the host ops, neither of which depends on the
+// entries' order across the two kinds.
 int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, int64_t* counts) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   const int64_t n = static_cast<int64_t>(g_log.size() / 3);
-  int64_t i = 0, nl = 0, nh = 0;
-  std::unordered_map<int64_t, int64_t> hop_at;
+  int64_t i = 0, nl = 0;
+  HostOpCounts hop;
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {
-      auto it = hop_at.find(id);
-      if (it != hop_at.end()) {
-        ++hops[2 * it->second + 1];
-        continue;
-      }
-      if (nh == cap) break;
-      hop_at.emplace(id, nh);
-      hops[2 * nh] = id;
-      hops[2 * nh + 1] = 1;
-      ++nh;
+      hop.add(id);
       continue;
     }
     if (kind < 2 || nl == cap) break;
@@ -2542,7 +2554,7 @@ int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, 
   g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
   counts[0] = nl;
-  counts[1] = nh;
+  counts[1] = hop.write(hops);
   return i;
 }
 void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
@@ -2587,8 +2599,9 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     c.last_open = in[13];
   }
   std::vector<int64_t> order;
-  std::unordered_map<int64_t, size_t> row_at, hop_at;
-  std::vector<int64_t> row_v, hop_v;
+  std::unordered_map<int64_t, size_t> row_at;
+  std::vector<int64_t> row_v;
+  HostOpCounts hop;
   std::lock_guard<std::mutex> lock(g_log_mutex);
   std::lock_guard<std::mutex> tlock(g_ticks_mutex);
   const int64_t n = static_cast<int64_t>(g_log.size() / 3);
@@ -2596,14 +2609,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {  // a host op: counted by name
-      auto it = hop_at.find(id);
-      if (it == hop_at.end()) {
-        hop_at.emplace(id, hop_v.size());
-        hop_v.push_back(id);
-        hop_v.push_back(1);
-      } else {
-        hop_v[it->second + 1] += 1;
-      }
+      hop.add(id);
       continue;
     }
     if (kind != 0 || core < 0 || core >= ncores || id < 0 || static_cast<size_t>(id) >= g_ticks.size()) break;
@@ -2693,8 +2699,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
   *ncores_out = static_cast<int64_t>(order.size());
   *nrows = static_cast<int64_t>(row_v.size() / 4);
   std::memcpy(rows, row_v.data(), row_v.size() * sizeof(int64_t));
-  *nhops = static_cast<int64_t>(hop_v.size() / 2);
-  std::memcpy(hops, hop_v.data(), hop_v.size() * sizeof(int64_t));
+  *nhops = hop.write(hops);
   g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
   return i;
