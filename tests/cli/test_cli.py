@@ -136,3 +136,23 @@ def test_every_pinned_report_fits_a_120_column_terminal():
     wide = {p.name: max(len(line) for line in p.read_text(encoding="utf-8").splitlines())
             for p in sorted(GOLDEN.glob("*.txt"))}
     assert wide and all(w <= 120 for w in wide.values()), wide
+
+
+def test_json_reaches_a_non_blocking_pipe_whole(tmp_path):
+    """Stop 51's CI: ``trnsim run --nproc 2 --json`` printed 80 KB into a pipe another process had
+    made non-blocking, and ``print`` dropped all past the pipe's 64 KiB with exit status 0. Here
+    stdout is made non-blocking and read only after the command has filled the pipe."""
+    import os
+    import time
+
+    code = ("import os, sys\n"
+            "os.set_blocking(1, False)\n"
+            "from trnsim.cli import main\n"
+            "sys.exit(main(['validate', '--list', '--json']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    first = os.read(p.stdout.fileno(), 1)  # the command is writing; let the pipe fill before reading on
+    time.sleep(0.5)
+    out, err = p.communicate(timeout=120)
+    rows = json.loads(first + out)
+    assert p.returncode == 0 and err == b"" and len(first + out) > 2 ** 17 and rows and all("id" in r for r in rows)

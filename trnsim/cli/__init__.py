@@ -52,7 +52,7 @@ import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, NoReturn, Sequence  # noqa: E402
 
-from .base import Out as _Out, UsageError, say_written
+from .base import Out as _Out, UsageError, emit, say_written
 from ..config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
 from ..config.extras import MissingExtra
 from ..outputs.files import AtomicOutput, OutputError
@@ -91,7 +91,7 @@ def _console() -> Any:
 def cmd_info(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     if args.json:
-        print(json.dumps(info_data(cfg), indent=2))
+        emit(json.dumps(info_data(cfg), indent=2))
     else:
         render_info(cfg, _console())
     return 0
@@ -300,7 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         data = {"eager": eager.to_dict(), "compiled": rep.to_dict()} if compare else rep.to_dict()
         if hosts:
             data["host_profile"] = hosts[0].to_dict()
-        print(json.dumps(data, indent=2))
+        emit(json.dumps(data, indent=2))
         return status
     print_run_report(rep, f"{args.script} on {rep.config}" + (" (compiled)" if compare else ""))
     if compare:
@@ -335,12 +335,12 @@ def _run_ranks(script: str, script_args: list[str], nproc: Any, config: str | No
         print(f"trnsim: {'error: ' if e.usage else ''}{_one_line(e.message)}", file=sys.stderr)
         return e.status
     if as_json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        emit(json.dumps(rep.to_dict(), indent=2))
         return 0
     render_rank_report(rep, f"{script} on {rep.world} ranks of {rep.system}", _Out(width=run_report_width(rep.total)))
     if trace:
-        print(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
-              f"lanes (open it in ui.perfetto.dev)")
+        emit(f"Trace written to {trace}: one process per rank, with its streams, its collectives and NeuronLink "
+             f"lanes (open it in ui.perfetto.dev)")
     return 0
 
 

@@ -4,12 +4,14 @@ subcommands living in modules of their own (:mod:`trnsim.cli_estimate`) need not
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from typing import Any
 
 from ..outputs.files import AtomicOutput
 
-__all__ = ["UsageError", "Out", "reserve_outputs", "say_written"]
+__all__ = ["UsageError", "Out", "emit", "reserve_outputs", "say_written"]
 
 
 class UsageError(Exception):
@@ -35,8 +37,27 @@ class Out:
         text = self._buf.getvalue()
         self._buf.seek(0)
         self._buf.truncate()
-        sys.stdout.write("".join(line.rstrip() + "\n" for line in text.splitlines()))
-        sys.stdout.flush()
+        emit("".join(line.rstrip() + "\n" for line in text.splitlines()), end="")
+
+
+def emit(text: str, end: str = "\n") -> None:
+    """Write ``text`` to stdout whole. A descriptor another process has made non-blocking (a pipe
+    shared with the ranks of ``trnsim run --nproc``) makes ``print`` drop what does not fit the
+    pipe, silently and with exit status 0; here a full pipe is waited on instead."""
+    out = sys.stdout
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (captured in tests)
+        out.write(text + end)
+        out.flush()
+        return
+    out.flush()
+    data = memoryview((text + end).encode(out.encoding or "utf-8", errors=out.errors or "strict"))
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            select.select([], [fd], [])
 
 
 def reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from .base import Out, UsageError
+from .base import Out, UsageError, emit
 from ..config import clip_text, format_quantity
 from ..sweep import check_collective_bytes, check_collective_ranks
 from .render import REPORT_WIDTH
@@ -59,7 +59,7 @@ def cmd_collective(args: argparse.Namespace) -> int:
                             "algbw(GiB/s)": r.algbw / 2**30, "busbw(GiB/s)": r.busbw / 2**30,
                             "algorithm": r.algorithm, "estimate(us)": r.estimate.time_us, "report": r.to_dict()}
                            for r in reps]}
-        print(json.dumps(doc, indent=2))
+        emit(json.dumps(doc, indent=2))
         return 0
     console = Out(width=REPORT_WIDTH)
     cfg = system.chip

@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from .base import Out as _Out, UsageError
+from .base import Out as _Out, UsageError, emit
 from ..config import format_quantity
 from ..workload.buckets import BUCKET_FLAGS, add_bucket_flags, add_moe_routing_flag
 
@@ -299,7 +299,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if trace is not None:
             trace.discard()
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        emit(json.dumps(est.to_dict(), indent=2))
         return 0
     console = _Out(width=120)
     (render_inference if args.mode == "inference" else render_train)(est, console)

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from .base import Out, UsageError, reserve_outputs, say_written
+from .base import Out, UsageError, emit, reserve_outputs, say_written
 from ..config import ChipConfig, clip_text, format_quantity, load_config
 from ..outputs.files import AtomicOutput
 from ..isa import KernelError
@@ -34,7 +34,7 @@ def cmd_kernel_list(args: argparse.Namespace) -> int:
 
     data = _list_data()
     if args.json:
-        print(json.dumps(data, indent=2))
+        emit(json.dumps(data, indent=2))
         return 0
     t = Table(title=f"{len(data)} kernels: trnsim kernel NAME [--shape ...] [--dtype ...] [--param K=V ...]",
               title_justify="left", show_header=False, box=None, padding=(0, 2, 1, 0))
@@ -121,7 +121,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         if check is not None:
             doc["check"] = {"ok": ok, "max_error": check["errors"]}
         doc["report"] = report.to_dict()
-        print(json.dumps(doc, indent=2))
+        emit(json.dumps(doc, indent=2))
         return 0 if ok else 1
     console = Out()
     what = f"{ref.entry.shape_doc} = " if ref.entry else ""
@@ -222,7 +222,7 @@ def cmd_kernel_nki(args: argparse.Namespace, kernel: Any, cfg: ChipConfig) -> in
         doc = {"kernel": args.name, "shapes": [list(s) for s in shapes], "dtype": dt.short, "config": cfg.name,
                "overrides": dict(cfg.overrides), "params": params, "bound": bound_of(report), "schedule": sched,
                "outputs": summary, "report": report.to_dict()}
-        print(json.dumps(doc, indent=2))
+        emit(json.dumps(doc, indent=2))
         return 0
     console = Out()
     dims = ", ".join(f"{n}={'x'.join(map(str, s))}" for n, s in zip(tensors, shapes))

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .base import Out as _Out
-from .base import UsageError
+from .base import UsageError, emit
 from ..workload.buckets import add_bucket_flags, add_moe_routing_flag
 
 __all__ = ["add_mode"]
@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  f"max batch {cfg.max_batch}")
     if args.json:
         out = [res.to_dict() for _, res in points]
-        print(json.dumps(out if args.sweep else out[0], indent=2))
+        emit(json.dumps(out if args.sweep else out[0], indent=2))
         return 0
     console = _Out(width=120)
     for _, res in points:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .base import UsageError
+from .base import UsageError, emit
 from ..config import is_system_key, load_config, load_system
 from ..outputs.files import AtomicOutput, write_atomic
 from ..config.ledger import CATEGORIES, Row, load_ledger
@@ -67,10 +67,10 @@ def _check_overrides(overrides: Sequence[str]) -> None:
 
 def _list(rows: Sequence[Row], as_json: bool) -> None:
     if as_json:
-        print(json.dumps([{"id": r.id, "category": r.category, "role": r.role, "kind": r.kind, "chip": r.chip,
-                           "system": r.system, "conditions": dict(r.conditions), "metric": r.metric,
-                           "value": r.value, "unit": r.unit, "tolerance": r.tolerance, "quick": r.quick,
-                           "predict": dict(r.predict), "source": r.cite(), "notes": r.notes} for r in rows],
+        emit(json.dumps([{"id": r.id, "category": r.category, "role": r.role, "kind": r.kind, "chip": r.chip,
+                          "system": r.system, "conditions": dict(r.conditions), "metric": r.metric,
+                          "value": r.value, "unit": r.unit, "tolerance": r.tolerance, "quick": r.quick,
+                          "predict": dict(r.predict), "source": r.cite(), "notes": r.notes} for r in rows],
                          indent=2, default=str))
         return
     print(f"{len(rows)} rows (validation/*.yaml); 'how' is the predictor, or why trnsim cannot predict it yet")
@@ -222,8 +222,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.record:
         write_atomic(EXPECTED, lambda f: f.write(expected_text(results)), "validation/expected.yaml")
     if args.json:
-        print(json.dumps({"rows": [r.to_dict() for r in results], "summary": [s.to_dict() for s in summarize(results)],
-                          "seconds": round(wall, 2), "drift": drift}, indent=2))
+        emit(json.dumps({"rows": [r.to_dict() for r in results], "summary": [s.to_dict() for s in summarize(results)],
+                         "seconds": round(wall, 2), "drift": drift}, indent=2))
     elif args.markdown:
         print()
         print(summary_markdown(results))
