@@ -53,7 +53,10 @@ some shapes, a torch bug; :data:`CRASHY_INT`: CPU's int32/int64 lcm and truncati
 ops' reduced-precision (integer) samples run on CPU in a forked child first (on one thread, killed after 30 s); where CPU crashes on a convolution dilated over a
 size-1 kernel dimension, CPU's call undilated (the same convolution) is the reference the device
 must give; where it crashes otherwise, the device must refuse the call (a crash or an answer is
-reported).
+reported). **Samples CPU runs for ever on** (:data:`HANGY`: the Legendre and Laguerre polynomials
+of a huge integer degree) are run the same way, killed after :data:`HANG_S`; the device must
+refuse those too, and may refuse the ones CPU's child takes over :data:`SLOW_S` to answer (it
+counts a call's steps from above).
 
 **First calls in fresh processes** (``--fresh``): each op's samples run in a process of their
 own, so the first sample is the first call the process makes (nothing taught to the fast path,
@@ -1785,6 +1788,16 @@ CRASHY = frozenset({"convolution_overrideable", "convolution_backward_overrideab
 # ... and for some int32/int64 arguments: CPU's lcm divides the minimum by a gcd of -1 (SIGFPE; seed
 # 20261214 killed the whole run at lcm 136296707370916), its div with rounding_mode="trunc" divides it by -1
 CRASHY_INT = frozenset({"lcm", "lcm_", "div", "div_"})
+# ... or runs for ever: CPU's Legendre and Laguerre kernels loop once per degree for each element (seed 99,
+# int64, stalled at legendre_polynomial_p 196759261572661: n = 2^62). Their integer samples run on CPU
+# in a child first, killed after HANG_S; where CPU runs past that, the device must refuse the call
+HANGY = frozenset({"special_legendre_polynomial_p", "special_laguerre_polynomial_l"})
+HANG_S = 10.0
+# The device counts a call's steps from above (a float32 recurrence can break down into a NaN after ~1e9
+# steps, CPU's loop stopping there: laguerre_polynomial_l(4, 2**62) returns NaN in 4.4 s): where CPU's child
+# took more than SLOW_S, the device may refuse the call instead of answering (its one line names the recurrence)
+SLOW_S = 1.0
+RECURRENCE_REFUSAL = "would run its recurrence"
 
 
 def _in_child(fn: Callable[[], Any], timeout: float = 30.0) -> str:
@@ -1859,7 +1872,7 @@ def _undilated(s: Sample) -> Sample | None:
 
 def _may_crash(s: Sample) -> bool:
     return (s.packet in CRASHY and any(t in s.tags for t in ("float16", "bfloat16"))) or \
-        (s.packet in CRASHY_INT and any(t in s.tags for t in ("int32", "int64")))
+        (s.packet in CRASHY_INT | HANGY and any(t in s.tags for t in ("int32", "int64")))
 
 
 def _set_fast(on: bool) -> None:
@@ -1880,6 +1893,7 @@ class Tester:
         self.stats = Stats()
         self.echo = echo
         self._compile_queue: list[tuple[Sample, Any, Run]] = []
+        self._slow = False  # the sample being run: CPU's child took over SLOW_S (HANGY)
 
     def report(self, m: Mismatch) -> None:
         self.stats.mismatches.append(m)
@@ -1903,6 +1917,8 @@ class Tester:
               strides: bool = True) -> str | None:
         """:func:`compare`, also against CPU's other answer where CPU has two (ALTERNATIVES)."""
         why = compare(s, cpu, dev, mode, exact, strides)
+        if why and self._slow and cpu.error is None and RECURRENCE_REFUSAL in str(dev.error):
+            return None  # (a call CPU runs for seconds: the device may refuse it, see SLOW_S)
         if why and s.packet in ALTERNATIVES:
             with ALTERNATIVES[s.packet]():
                 other = run_on(s, "cpu", specs)
@@ -1919,11 +1935,15 @@ class Tester:
             probe = run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None else None
             specs = out_specs(s, probe.result if probe is not None and probe.error is None else None,
                               random.Random(s.seed))
-        verdict = _in_child(lambda: run_on(s, "cpu", specs)) if _may_crash(s) else "returned"
-        if verdict == "hung":  # no verdict either way: left out (counted), not run here where it may crash
+        hangy = s.packet in HANGY
+        started = time.monotonic()
+        verdict = _in_child(lambda: run_on(s, "cpu", specs), HANG_S if hangy else 30.0) if _may_crash(s) else \
+            "returned"
+        self._slow = hangy and verdict == "returned" and time.monotonic() - started > SLOW_S
+        if verdict == "hung" and not hangy:  # no verdict either way: left out (counted), not run here where it may crash
             self.stats.child_hangs += 1
             return
-        crashes = verdict == "crashed"
+        crashes = verdict in ("crashed", "hung")
         ref = s
         if crashes:  # a dilated size-1 kernel dimension (fp16): the same convolution undilated is the reference
             u = _undilated(s)
@@ -1944,11 +1964,12 @@ class Tester:
                     _set_fast(fast)
                     return run_on(s, DEVICE, specs)
                 got = _in_child(dev_run)
-                if got == "hung":
+                if got == "hung" and not hangy:
                     st.child_hangs += 1
                 elif got != "raised":
-                    self.report(Mismatch(s, label, f"CPU's own kernel crashes on this sample (a torch bug); the "
-                                                   f"device {got} instead of refusing it"))
+                    cpu_does = f"runs past {HANG_S:g} s" if verdict == "hung" else "crashes"
+                    self.report(Mismatch(s, label, f"CPU's own kernel {cpu_does} on this sample; the device "
+                                                   f"{got} instead of refusing it"))
                     break
             return
         if cpu.error is None:
@@ -1981,9 +2002,10 @@ class Tester:
         if why:
             self.report(Mismatch(s, "python-path", why))
         if self.timing_every and cpu.error is None and (st.samples % self.timing_every == 0) and \
-                not any(t.startswith("out-") for t in s.tags) and not s.random:
+                not any(t.startswith("out-") for t in s.tags) and not s.random and not self._slow:
             self._timing_queue.append((s, cpu))
-        if self.compile_every and cpu.error is None and (st.samples % self.compile_every == 0) and _compilable(s):
+        if self.compile_every and cpu.error is None and (st.samples % self.compile_every == 0) and _compilable(s) \
+                and not self._slow:
             self._compile_queue.append((s, specs, cpu))
             if len(self._compile_queue) >= COMPILE_BATCH:
                 self.flush_compiled()

@@ -165,3 +165,29 @@ def test_truncating_division_of_the_minimum_by_minus_one_is_refused_in_one_line(
     c = torch.tensor([low + 1, 7, -7], dtype=dtype)
     assert torch.equal(torch.div(c.to("neuron"), b.to("neuron"), rounding_mode="trunc").cpu(),
                        torch.div(c, b, rounding_mode="trunc"))
+
+
+def test_polynomials_of_a_huge_degree_are_refused_in_one_line():
+    """CPU's Legendre and Laguerre kernels loop once per degree for each element, stopping early
+    only at a NaN: a degree of 2^62 runs for centuries, on CPU and on the device alike (difftest
+    --seed 99 --dtypes int64 stalled at legendre_polynomial_p). The device refuses calls of more
+    than 2^30 steps; where a closed form or an early overflow ends CPU's loop, it answers as CPU."""
+    huge = torch.tensor([2 ** 62])
+    legendre, laguerre = torch.special.legendre_polynomial_p, torch.special.laguerre_polynomial_l
+    for fn, x in ((legendre, torch.tensor([0.3, 1.0])), (laguerre, torch.tensor([2.0, 0.0])),
+                  (laguerre, torch.tensor([4], dtype=torch.int64))):
+        with pytest.raises(RuntimeError, match=rf"^neuron: aten::special_{fn.__name__[8:]} would run its recurrence "
+                                               r"4.61e\+18 times .*a call may run 2\^30 steps"):
+            fn(x.to("neuron"), huge.to("neuron"))
+    with pytest.raises(RuntimeError, match=r"would run its recurrence 1.1e\+12 times"):
+        legendre(0.3, torch.tensor([2 ** 40]).to("neuron"))  # (a scalar x; the fast path leaves these to Python)
+    with pytest.raises(RuntimeError, match=r"would run its recurrence"):
+        laguerre(torch.tensor([2.0]).to("neuron"), 2 ** 40)
+    # CPU's loop never starts (|x| = 1, x = 0, NaN, a degree past int64 cast to its minimum) or overflows
+    # into a NaN within a few hundred steps (|x| = 3, x = -1e4): CPU's values, at once
+    for fn, x, n in ((legendre, [1.0, -1.0, float("nan"), 3.0, -3.0], [2 ** 62] * 5),
+                     (laguerre, [0.0, float("nan"), -1e4, 1e4], [2 ** 62] * 4),
+                     (legendre, [0.5], [2.0 ** 70]),
+                     (legendre, torch.linspace(-1, 1, 64).tolist(), list(range(64)))):
+        a, b = torch.tensor(x, dtype=torch.float64), torch.tensor(n, dtype=torch.float64)
+        assert torch.allclose(fn(a.to("neuron"), b.to("neuron")).cpu(), fn(a, b), rtol=0, atol=0, equal_nan=True)

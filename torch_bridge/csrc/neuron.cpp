@@ -660,7 +660,11 @@ const std::unordered_set<std::string>& denied() {
       "cov",
       // CPU's lcm divides an int32/int64 minimum by a gcd of -1 and the process dies (SIGFPE): Python's
       // path refuses those arguments first (values._lcm_traps; difftest --seed 20261214, lcm 136296707370916)
-      "lcm", "lcm_"};
+      "lcm", "lcm_",
+      // CPU's Legendre and Laguerre kernels loop once per degree for each element: a degree of 2^62 runs for
+      // centuries. Python's path refuses calls of more than 2^30 steps first (values._recurrence; difftest
+      // --seed 99 --dtypes int64, legendre_polynomial_p 196759261572661)
+      "special_legendre_polynomial_p", "special_laguerre_polynomial_l"};
   return names;
 }
 

@@ -291,7 +291,7 @@ def _lcm_traps(a: Any, b: Any, kwargs: dict[str, Any]) -> str | None:
     if not bool(bad.any()):
         return None
     other = torch.broadcast_to(tb, bad.shape)[bad][0].item()
-    return f"{low} / gcd({low}, {other}) = {low} / -1"
+    return _trap(f"{low} / gcd({low}, {other}) = {low} / -1")
 
 
 def _trunc_traps(a: Any, b: Any, kwargs: dict[str, Any]) -> str | None:
@@ -301,21 +301,86 @@ def _trunc_traps(a: Any, b: Any, kwargs: dict[str, Any]) -> str | None:
     if ops is None:
         return None
     ta, tb, low = ops
-    return f"{low} / -1" if bool(((ta == low) & (tb == -1)).any()) else None
+    return _trap(f"{low} / -1") if bool(((ta == low) & (tb == -1)).any()) else None
 
 
-# ops whose CPU kernel kills the process for some arguments (integer division traps), which the
-# native fast path leaves to this path -> what finds those arguments (their first two)
-_TRAPS = {"lcm": _lcm_traps, "lcm_": _lcm_traps, "div": _trunc_traps, "div_": _trunc_traps}
+def _trap(division: str) -> str:
+    return f"would compute {division}, which overflows: CPU's kernel traps there (SIGFPE: the process dies on CPU too)"
+
+
+#: recurrence steps a call of a polynomial below may run in all (~5 s of CPU's kernel, ~4.5 ns a step)
+RECURRENCE_STEPS = 2 ** 30
+_EMULATED = 1024  # steps of a polynomial's recurrence run here to find the arguments that overflow early
+
+
+class _Recurrence:
+    """What refuses a call of a polynomial whose CPU kernel runs a three-term recurrence once per
+    degree for each element, stopping early only at a NaN: a degree of 2^62 runs for centuries, on
+    CPU and on the device alike (difftest --seed 99, int64: legendre_polynomial_p with
+    n = 4611686018427387904 hung the run). The steps a call would run are counted as CPU's loop
+    runs them: in the op's computing dtype (integers become the default float), the degree cast to
+    int64 as CPU's kernel casts it (one past int64's range makes no loop), no loop where the
+    polynomial has a closed form, and each element's loop cut where its values overflow into a NaN
+    (the recurrence itself run for :data:`_EMULATED` steps; past that, the polynomial's growth
+    rate). Calls of more than :data:`RECURRENCE_STEPS` steps are refused; None for the rest."""
+
+    def __init__(self, first: Callable[[torch.Tensor], torch.Tensor], step: Callable[..., torch.Tensor],
+                 closed: Callable[[torch.Tensor], torch.Tensor], overflows: Callable[[torch.Tensor, float], torch.Tensor]):
+        self.first, self.step, self.closed, self.overflows = first, step, closed, overflows
+
+    def __call__(self, x: Any, n: Any, kwargs: dict[str, Any]) -> str | None:
+        tx, tn = (t if isinstance(t, torch.Tensor) else torch.tensor(t) for t in (x, n))
+        if tn.numel() == 0 or tx.numel() == 0 or tx.is_complex() or tn.is_complex():
+            return None
+        dtype = torch.result_type(x, n)
+        dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+        deg = tn.to(dtype).double()
+        deg = torch.where(deg.isfinite() & (deg.abs() < 2.0 ** 63), deg.trunc(), -1.0)  # (else INT64_MIN)
+        steps = torch.where(deg > 1, deg - 1, 0.0)  # (degrees 0 and 1 have closed forms too)
+        top = float(steps.max())
+        if top * math.prod(torch.broadcast_shapes(tx.shape, tn.shape)) <= RECURRENCE_STEPS:
+            return None  # (a bound of the count below, met by nearly every call)
+        xs, where = torch.unique(tx.to(dtype), return_inverse=True)
+        total = float(torch.minimum(steps, self._until_nan(xs)[where]).sum())
+        if total <= RECURRENCE_STEPS:
+            return None
+        return (f"would run its recurrence {total:.3g} times (once per degree for each element, as CPU's kernel "
+                f"does, which runs as long); a call may run 2^30 steps: lower the degree n (the largest here: "
+                f"{top + 1:.3g})")
+
+    def _until_nan(self, x: torch.Tensor) -> torch.Tensor:
+        """For each value of ``x``, the steps its loop runs before a NaN stops it (inf: never)."""
+        p, q = torch.ones_like(x), self.first(x)
+        until = torch.where(q.isnan() | self.closed(x), 0.0, math.inf).double()
+        for k in range(1, _EMULATED + 1):
+            p, q = q, self.step(x, p, q, k)
+            until = torch.where(until.isinf() & q.isnan(), float(k), until)
+            if k % 64 == 0 and not bool(until.isinf().any()):
+                break
+        big = math.log(torch.finfo(x.dtype).max)
+        return torch.where(until.isinf(), self.overflows(x.double(), big), until)
+
+
+_legendre = _Recurrence(  # P_n: r = ((2k + 1) x q - k p) / (k + 1); closed at |x| = 1; grows as e^(n acosh|x|)
+    lambda x: x, lambda x, p, q, k: ((k + k + 1) * x * q - k * p) / (k + 1), lambda x: x.abs() == 1,
+    lambda x, big: torch.where(x.abs() > 1, big / torch.acosh(x.abs().clamp(min=1)) + 2, math.inf))
+_laguerre = _Recurrence(  # L_n: r = ((2k + 1 - x) q - k p) / (k + 1); closed at 0; grows as e^(2 sqrt(-n x)) for x < 0
+    lambda x: 1 - x, lambda x, p, q, k: (((k + k) + (1 - x)) * q - k * p) / (k + 1), lambda x: x == 0,
+    lambda x, big: torch.where(x < 0, big * big / (4 * -x) + 2, math.inf))
+
+# ops whose CPU kernel kills the process (integer division traps) or runs for ever for some
+# arguments, which the native fast path leaves to this path -> what finds those arguments (their
+# first two) and says what the call would do
+_REFUSED_ARGS = {"lcm": _lcm_traps, "lcm_": _lcm_traps, "div": _trunc_traps, "div_": _trunc_traps,
+                 "special_legendre_polynomial_p": _legendre, "special_laguerre_polynomial_l": _laguerre}
 
 
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    traps = _TRAPS.get(info.name)
-    if traps is not None and len(args) >= 2:
-        trap = traps(*memory.cpu_views(args[:2]), kwargs)
-        if trap is not None:
-            raise RuntimeError(f"neuron: aten::{info.name} would compute {trap}, which overflows: CPU's kernel "
-                               f"traps there (SIGFPE: the process dies on CPU too)")
+    refuses = _REFUSED_ARGS.get(info.name)
+    if refuses is not None and len(args) >= 2:
+        why = refuses(*memory.cpu_views(args[:2]), kwargs)
+        if why is not None:
+            raise RuntimeError(f"neuron: aten::{info.name} {why}")
     if info.is_view:  # metadata only: a host-side op, no device kernel
         runtime().host_op(info.name)
         if info.name == "record_stream":
