@@ -338,7 +338,11 @@ class _Recurrence:
         deg = torch.where(deg.isfinite() & (deg.abs() < 2.0 ** 63), deg.trunc(), -1.0)  # (else INT64_MIN)
         steps = torch.where(deg > 1, deg - 1, 0.0)  # (degrees 0 and 1 have closed forms too)
         top = float(steps.max())
-        if top * math.prod(torch.broadcast_shapes(tx.shape, tn.shape)) <= RECURRENCE_STEPS:
+        try:
+            elements = math.prod(torch.broadcast_shapes(tx.shape, tn.shape))
+        except RuntimeError:
+            return None  # (shapes that do not broadcast: the op's own error)
+        if top * elements <= RECURRENCE_STEPS:
             return None  # (a bound of the count below, met by nearly every call)
         xs, where = torch.unique(tx.to(dtype), return_inverse=True)
         total = float(torch.minimum(steps, self._until_nan(xs)[where]).sum())
