@@ -117,8 +117,7 @@ def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: tor
     with torch.no_grad():
         mask = torch.nn.functional.one_hot(index, num_classes=experts + 1).permute(2, 1, 0)
         hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in hit:
-        e = e[0]
+    for e in _experts_hit(hit):
         if e == experts:
             continue
         pos, tok = torch.where(mask[e])
@@ -129,6 +128,16 @@ def block_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: tor
         h = h * weights[tok, pos, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out, logits
+
+
+def _experts_hit(hit: torch.Tensor) -> Any:
+    """The experts ``hit`` ([n, 1]) names, as :func:`block_values`' loop takes them: HF's own
+    iteration (each a 0-d tensor, compared and indexed with through ``item()``) where a dispatch
+    mode sees the ops (the eager charges of :class:`_ChargeEager`, a user's mode), else the same
+    numbers as ints (the same values, without the ~40 us of host ops a call)."""
+    if torch._C._len_torch_dispatch_stack():
+        return (e[0] for e in hit)
+    return hit.flatten().tolist()
 
 
 _KERNEL_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
