@@ -214,6 +214,7 @@ def register_kernels() -> None:
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fallback.fallback(_hidden(values.sparse_fallback), key)
+    fallback.fallback(_hidden(values.quantized_fallback), "QuantizedPrivateUse1")
     from . import _native
     from .eager import fastpath
 

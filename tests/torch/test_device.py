@@ -78,6 +78,36 @@ def test_unsupported_op_names_itself():
         torch.ones(2, 2, device="neuron").to_sparse()
 
 
+@pytest.mark.parametrize("make", ["to", "per_channel", "quantize", "dynamic"])
+def test_quantized_tensors_on_neuron_are_refused_in_one_line(make):
+    """A quantized tensor moved to neuron: PyTorch said it in 52 lines (no kernel for the
+    'Quantizedneuron' backend); one quantized on neuron came back as a neuron tensor that failed
+    later, at its first read. Fake quantization (QAT) and a dynamically quantized module, whose
+    packed weights stay on CPU, still give CPU's values."""
+    import warnings
+
+    x = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch's deprecation of quantized tensors)
+        with pytest.raises(NotImplementedError, match=r"^neuron: aten::\w+ (with|returns) a quantized tensor.* "
+                                                      r"holds unquantized tensors only; keep quantized tensors on "
+                                                      r"CPU, or dequantize\(\) them first$"):
+            if make == "to":
+                torch.quantize_per_tensor(x, 0.1, 0, torch.qint8).to("neuron")
+            elif make == "per_channel":
+                torch.quantize_per_channel(x, torch.ones(4), torch.zeros(4, dtype=torch.long), 0, torch.quint8).to("neuron")
+            elif make == "quantize":
+                torch.quantize_per_tensor(x.to("neuron"), 0.1, 0, torch.qint8)
+            else:
+                torch.quantize_per_tensor_dynamic(x.to("neuron"), torch.quint8, False)
+        assert torch.equal(torch.fake_quantize_per_tensor_affine(x.to("neuron"), 0.1, 0, -128, 127).cpu(),
+                           torch.fake_quantize_per_tensor_affine(x, 0.1, 0, -128, 127))
+        model = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(4, 4)), {torch.nn.Linear},
+                                                       dtype=torch.qint8)
+        want = model(x)
+        assert torch.equal(model.to("neuron")(x.to("neuron")).cpu(), want)
+
+
 @pytest.mark.parametrize("make", ["coo", "to", "embedding", "csr"])
 def test_sparse_tensors_on_neuron_are_refused_in_one_line(make):
     """PyTorch said it in 51 lines (no kernel for the 'Sparseneuron' backend)."""

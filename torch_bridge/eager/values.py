@@ -431,11 +431,12 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if draw is not None:
         draw.done(result)
     for t in flat_tensors(result, []):
-        if t.layout != torch.strided or t.is_nested:
-            kind = "nested" if t.is_nested else str(t.layout)
-            hint = NESTED_HINTS.get(info.name, "run this op on CPU (.cpu())")
+        if t.layout != torch.strided or t.is_nested or t.is_quantized:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout)
+            hint = QUANTIZED_HINT if t.is_quantized else NESTED_HINTS.get(info.name, "run this op on CPU (.cpu())")
+            holds = "unquantized" if t.is_quantized else "dense (strided)"
             raise NotImplementedError(f"neuron: aten::{info.name} returns a {kind} tensor, and the neuron device "
-                                      f"holds dense (strided) tensors only; {hint}")
+                                      f"holds {holds} tensors only; {hint}")
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
         if cpu_out.numel() and not dev_out.untyped_storage().nbytes():  # an out without memory: it adopts
@@ -514,6 +515,18 @@ def sparse_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     one line, where PyTorch said it in 51 (no kernel for the 'Sparseneuron' backend)."""
     raise NotImplementedError(f"neuron: aten::{op_info(op).name} with a sparse tensor on the neuron device, which "
                               f"holds dense (strided) tensors only; {SPARSE_HINT}")
+
+
+QUANTIZED_HINT = "keep quantized tensors on CPU, or dequantize() them first"
+
+
+def quantized_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The boxed kernel of the neuron device's quantized dispatch key: a quantized tensor
+    (``torch.quantize_per_tensor``'s qint8, quint8, qint32...) moved to or made on neuron is refused
+    in one line, where PyTorch said it in 52 (no kernel for the 'Quantizedneuron' backend).
+    (A dynamically quantized module's own ops run on CPU views: its packed weights stay on CPU.)"""
+    raise NotImplementedError(f"neuron: aten::{op_info(op).name} with a quantized tensor on the neuron device, which "
+                              f"holds unquantized tensors only; {QUANTIZED_HINT}")
 
 
 # (op, argument signature) -> its OpCost: skips re-deriving the kernel spec of a repeated call
