@@ -66,6 +66,7 @@ REQUIRED: dict[str, str] = {
     "torch._C._dispatch_tls_local_include_set": "autograd inside a custom op's kernel (the MoE block's backward)",
     "torch._C._dispatch_tls_local_exclude_set": "autograd inside a custom op's kernel (the MoE block's backward)",
     "torch.utils._python_dispatch.TorchDispatchMode": "charging the MoE block's eager ops as they run (a dispatch mode)",
+    "torch._C._len_torch_dispatch_stack": "the MoE block's loop: HF's own ops where a dispatch mode watches them",
 }
 
 # Private APIs of torch.compile's machinery. Importing it takes seconds, so these are resolved on
@@ -177,6 +178,7 @@ safe_softmax = torch.ops.aten._safe_softmax
 scaled_mm = torch.ops.aten._scaled_mm
 fused_sdp_choice = torch._fused_sdp_choice
 disable_current_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
+dispatch_modes = resolve("torch._C._len_torch_dispatch_stack")  # how many dispatch modes are in force
 DisableTorchFunction = torch._C.DisableTorchFunction
 _profiler = torch.autograd.profiler
 InductorWrapper = torch._TorchCompileInductorWrapper

@@ -135,7 +135,7 @@ def _experts_hit(hit: torch.Tensor) -> Any:
     iteration (each a 0-d tensor, compared and indexed with through ``item()``) where a dispatch
     mode sees the ops (the eager charges of :class:`_ChargeEager`, a user's mode), else the same
     numbers as ints (the same values, without the ~40 us of host ops a call)."""
-    if torch._C._len_torch_dispatch_stack():
+    if _torch.dispatch_modes():
         return (e[0] for e in hit)
     return hit.flatten().tolist()
 
