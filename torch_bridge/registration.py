@@ -215,6 +215,9 @@ def register_kernels() -> None:
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fallback.fallback(_hidden(values.sparse_fallback), key)
     fallback.fallback(_hidden(values.quantized_fallback), "QuantizedPrivateUse1")
+    from .eager import memory
+
+    memory.install_process_transfer()
     from . import _native
     from .eager import fastpath
 

@@ -221,3 +221,38 @@ def test_polynomials_of_a_huge_degree_are_refused_in_one_line():
                      (legendre, torch.linspace(-1, 1, 64).tolist(), list(range(64)))):
         a, b = torch.tensor(x, dtype=torch.float64), torch.tensor(n, dtype=torch.float64)
         assert torch.allclose(fn(a.to("neuron"), b.to("neuron")).cpu(), fn(a, b), rtol=0, atol=0, equal_nan=True)
+
+
+class _OnDevice(torch.utils.data.Dataset):
+    """Each item made on the neuron device, as a dataset that moves its samples there does."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.arange(6.0, device="neuron").view(2, 3) * i, "i": torch.tensor(i)}
+
+
+def test_a_dataloader_worker_sends_neuron_batches_and_other_sends_are_refused_in_one_line():
+    """torch's reducer shares a tensor's memory with the receiving process (a file descriptor on
+    CPU, CUDA IPC on a GPU); a neuron tensor's failed in the queue's feeder thread, and a
+    DataLoader whose dataset returned neuron tensors waited for that batch for ever. A worker's
+    batch now arrives as a neuron tensor (a copy: batches are fresh); anywhere else a neuron
+    tensor is refused in one line, where a copy would silently stop sharing (a model shared for
+    Hogwild training); CPU tensors keep torch's reducer."""
+    from multiprocessing.reduction import ForkingPickler
+
+    loader = torch.utils.data.DataLoader(_OnDevice(), batch_size=2, num_workers=2,
+                                         multiprocessing_context="fork", timeout=60)
+    batches = list(loader)
+    assert [b["x"].device.type for b in batches] == ["neuron"] * 3
+    assert [b["i"].device.type for b in batches] == ["cpu"] * 3
+    want = torch.stack([torch.arange(6.0).view(2, 3) * i for i in range(6)])
+    assert torch.equal(torch.cat([b["x"].cpu() for b in batches]), want)
+    for t, what in ((torch.ones(3, device="neuron"), "a neuron tensor"),
+                    (torch.nn.Linear(2, 2).to("neuron").weight, "a tensor that requires grad")):
+        with pytest.raises(RuntimeError, match=rf"^neuron: {what} cannot be sent to another process: device memory "
+                                               r"is not shared between processes here"):
+            ForkingPickler.dumps(t)
+    cpu = torch.arange(4.0)
+    assert torch.equal(ForkingPickler.loads(ForkingPickler.dumps(cpu)), cpu)

@@ -621,3 +621,41 @@ def adopt(cpu: torch.Tensor, index: int) -> torch.Tensor:
     """:func:`relabel` for a fresh host tensor (counted against HBM as the native fast path counts its
     results; the same figures), in one native call where it can (as relabel now does itself)."""
     return relabel(cpu, index)
+
+
+# ---- neuron tensors sent to another process ---------------------------------------------------
+def install_process_transfer() -> None:
+    """Let ``multiprocessing`` send neuron tensors the one way their meaning survives: a
+    DataLoader worker's batch. torch's reducer shares a tensor's memory with the receiving
+    process (a file descriptor on CPU, CUDA IPC on a GPU); a neuron tensor's memory is neither,
+    and the reducer's ``_share_fd_`` failed in the queue's feeder thread, so a DataLoader whose
+    dataset returned neuron tensors waited for that batch for ever. In a DataLoader worker the
+    batch is now sent as a copy (through CPU shared memory, a neuron tensor again on the same
+    device index in the receiver: the batch arrives on the device); anywhere else a neuron
+    tensor is refused in one line, since a copy would silently break what sharing means there
+    (Hogwild-style training of a model shared with ``share_memory()``). CPU tensors keep torch's
+    own reducer."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    torch_reduce = reductions.reduce_tensor
+
+    def reduce_tensor(tensor: torch.Tensor) -> Any:
+        if tensor.device.type != "neuron":
+            return torch_reduce(tensor)
+        if torch.utils.data.get_worker_info() is None or tensor.requires_grad:
+            raise RuntimeError(
+                f"neuron: a {'tensor that requires grad' if tensor.requires_grad else 'neuron tensor'} cannot be "
+                f"sent to another process: device memory is not shared between processes here (CUDA shares it "
+                f"through IPC); send CPU tensors (share_memory_() to share them) and move them to the device in the "
+                f"receiving process")
+        return _rebuild_on_device, (tensor.detach().cpu(), tensor.device.index or 0)
+
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        if ForkingPickler._extra_reducers.get(cls) is torch_reduce:
+            ForkingPickler.register(cls, reduce_tensor)
+
+
+def _rebuild_on_device(cpu: torch.Tensor, index: int) -> torch.Tensor:
+    return cpu.to(torch.device("neuron", index))
