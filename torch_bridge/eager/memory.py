@@ -652,8 +652,9 @@ def install_process_transfer() -> None:
                 f"receiving process")
         return _rebuild_on_device, (tensor.detach().cpu(), tensor.device.index or 0)
 
+    reducers = getattr(ForkingPickler, "_extra_reducers", {})  # (CPython's table of them; torch registers there)
     for cls in (torch.Tensor, torch.nn.Parameter):
-        if ForkingPickler._extra_reducers.get(cls) is torch_reduce:
+        if reducers.get(cls) is torch_reduce:
             ForkingPickler.register(cls, reduce_tensor)
 
 

@@ -134,7 +134,8 @@ def _experts_hit(hit: torch.Tensor) -> Any:
     """The experts ``hit`` ([n, 1]) names, as :func:`block_values`' loop takes them: HF's own
     iteration (each a 0-d tensor, compared and indexed with through ``item()``) where a dispatch
     mode sees the ops (the eager charges of :class:`_ChargeEager`, a user's mode), else the same
-    numbers as ints (the same values, without the ~40 us of host ops a call)."""
+    numbers as ints (the same values without the unbind, ``eq`` and ``item()`` calls: a ~360 us
+    call of 64 tokens over 4 experts takes ~200 us)."""
     if _torch.dispatch_modes():
         return (e[0] for e in hit)
     return hit.flatten().tolist()
