@@ -134,6 +134,7 @@ def load() -> ctypes.CDLL:
     handle.trnsim_pinned_allocations.restype = ctypes.c_int64
     i64, p64 = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
     handle.trnsim_fast_register.argtypes = [ctypes.c_char_p, i64]
+    handle.trnsim_fast_screen.argtypes = [ctypes.c_char_p, i64]
     handle.trnsim_fast_register.restype = ctypes.c_int
     for name in ("trnsim_fast_enable", "trnsim_fast_gate", "trnsim_fast_history", "trnsim_fast_tracing"):
         getattr(handle, name).argtypes = [ctypes.c_int]

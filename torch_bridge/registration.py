@@ -221,5 +221,6 @@ def register_kernels() -> None:
     from . import _native
     from .eager import fastpath
 
-    fastpath.install(_native.load(), list(claimed + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach)
+    fastpath.install(_native.load(), list(claimed + FAST_MATMULS + FAST_ALLOC + FAST_CELLS + FAST_CONVS) + fast_foreach,
+                     values.screened_overloads())
     register_autocast(fallback)

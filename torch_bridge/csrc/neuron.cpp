@@ -657,14 +657,16 @@ const std::unordered_set<std::string>& denied() {
       "native_batch_norm",
       // CPU's cov centres a 0-dim input in place (self becomes 0) without an annotation: found by
       // difftest --write-guard 5 --seed 2412397 (cov 35713836657508); written once, as on CPU, in Python's path
-      "cov",
-      // CPU's lcm divides an int32/int64 minimum by a gcd of -1 and the process dies (SIGFPE): Python's
-      // path refuses those arguments first (values._lcm_traps; difftest --seed 20261214, lcm 136296707370916)
-      "lcm", "lcm_",
-      // CPU's Legendre and Laguerre kernels loop once per degree for each element: a degree of 2^62 runs for
-      // centuries. Python's path refuses calls of more than 2^30 steps first (values._recurrence; difftest
-      // --seed 99 --dtypes int64, legendre_polynomial_p 196759261572661)
-      "special_legendre_polynomial_p", "special_laguerre_polynomial_l"};
+      "cov"};
+  return names;
+}
+
+// Overloads ("name.overload", the default one "name.") whose arguments Python's path screens before CPU's
+// kernel may run (values._REFUSED_ARGS: lcm and truncating division of the integer minimum kill the
+// process, Legendre and Laguerre polynomials of a huge degree run for centuries), set once by Python
+// (trnsim_fast_screen) before any op is classified: the fast path leaves them to Python.
+std::unordered_set<std::string>& screened() {
+  static auto& names = *new std::unordered_set<std::string>();
   return names;
 }
 
@@ -723,10 +725,7 @@ OpFast classify(const c10::OperatorHandle& op) {
     f.kind = kView;
     return f;
   }
-  if (denied().count(name)) return f;
-  // a division with a rounding mode: CPU's "trunc" divides the int32/int64 minimum by -1 and the process
-  // dies (SIGFPE); Python's path refuses those arguments first (values._trunc_traps)
-  if ((name == "div" || name == "div_") && s.overload_name().find("mode") != std::string::npos) return f;
+  if (denied().count(name) || screened().count(name + "." + s.overload_name())) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
     f.kind = name == "mm" ? kMm : name == "addmm" ? kAddmm : kBmm;
@@ -2455,6 +2454,17 @@ void trnsim_host_stats(int64_t* out) {
 // ---- the fast path and the ledger (see above) ----
 // register the fast kernel: the PrivateUse1 fallback, and `names` (NUL-separated aten
 // "op.overload" names) whose own PrivateUse1 kernel it is; their Python kernels go to PrivateUse2
+void trnsim_fast_screen(const char* names, int64_t len) {
+  std::lock_guard<std::mutex> lock(g_fast_mutex);
+  std::string all(names, static_cast<size_t>(len));
+  size_t at = 0;
+  while (at < all.size()) {
+    size_t end = all.find('\0', at);
+    if (end == std::string::npos) end = all.size();
+    if (end > at) screened().insert(all.substr(at, end - at));
+    at = end + 1;
+  }
+}
 int trnsim_fast_register(const char* names, int64_t len) {
   if (!g_libs.empty()) return 0;
   try {

@@ -183,9 +183,13 @@ class NativeLog:
         self.lib.trnsim_fast_capture(int(token))
 
 
-def install(lib: Any, names: list[str]) -> None:
-    """Register the native kernel (the PrivateUse1 fallback and ``names``' own kernels) once."""
+def install(lib: Any, names: list[str], screened: list[str]) -> None:
+    """Register the native kernel (the PrivateUse1 fallback and ``names``' own kernels) once,
+    leaving the ``screened`` overloads ("name.overload") to Python's path, which screens their
+    arguments first (:func:`torch_bridge.eager.values.screened_overloads`)."""
     global _lib
+    listed = "\0".join(screened).encode()
+    lib.trnsim_fast_screen(listed, len(listed))  # (before any op is classified: classifications are kept)
     blob = "\0".join(names).encode()
     if lib.trnsim_fast_register(blob, len(blob)) != 0:
         raise RuntimeError("trnsim: registering the neuron device's native fast path failed")

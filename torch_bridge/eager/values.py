@@ -377,6 +377,22 @@ _laguerre = _Recurrence(  # L_n: r = ((2k + 1 - x) q - k p) / (k + 1); closed at
 # first two) and says what the call would do
 _REFUSED_ARGS = {"lcm": _lcm_traps, "lcm_": _lcm_traps, "div": _trunc_traps, "div_": _trunc_traps,
                  "special_legendre_polynomial_p": _legendre, "special_laguerre_polynomial_l": _laguerre}
+# ... the argument a screen reads, where only the overloads that have it can trap (div's rounding modes)
+_SCREENED_ARGUMENT = {"div": "rounding_mode", "div_": "rounding_mode"}
+
+
+def screened_overloads() -> list[str]:
+    """Every overload of :data:`_REFUSED_ARGS`' ops whose arguments :func:`_run` screens, as
+    "name.overload" (the default one "name."): the native fast path leaves these to this path."""
+    out = []
+    for name in _REFUSED_ARGS:
+        packet = getattr(torch.ops.aten, name)
+        needs = _SCREENED_ARGUMENT.get(name)
+        for overload in packet.overloads():
+            schema = _torch.op_schema(getattr(packet, overload))
+            if needs is None or any(a.name == needs for a in schema.arguments):
+                out.append(f"{name}.{schema.overload_name}")
+    return out
 
 
 def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
