@@ -267,3 +267,69 @@ def test_a_result_that_views_an_input_keeps_that_memory():
         for g, w in zip(got, want):
             torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
     assert all(j.cpu().eq(7.0).all() for j in junk)
+
+
+def test_dead_intermediates_take_the_results_of_pointwise_steps_in_place():
+    """The generated code writes a pointwise step's result into its first operand when that is
+    an intermediate of the region read there for the last time (RegionKernel._reuse): the first
+    call's values bit for bit. Inputs and results are left alone (here ``y``, a result of the
+    region: its slice ``z`` is taken outside it and read at the end)."""
+    def fn(x, b):
+        y = x * 2.0 + b
+        z = y.view(-1)[:96]
+        w = torch.tanh(y * 3.0) * 0.5
+        return w + 1.0 - z.view(1, 96)
+
+    gen = torch.Generator().manual_seed(5)
+    host = [torch.randn(64, 96, generator=gen), torch.randn(96, generator=gen)]
+    args = [t.to("neuron") for t in host]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="neuron")
+    with _generic() as rec:
+        first = compiled(*args).cpu()
+    later = [compiled(*args).cpu() for _ in range(2)]
+    assert all(torch.equal(x, first) for x in later)
+    assert torch.equal(first, fn(*host))  # (the same kernels one by one)
+    rk = rec[0][0]
+    run = next(iter(rk.plans.values())).run
+    steps = rk._steps
+    reused = {str(steps[j][1]) for j in run.reused}
+    assert "aten.tanh.default" in reused, run.source
+    for j in run.reused:
+        a = steps[j][2][0][1]
+        assert a not in rk.inputs and a not in rk.outputs
+    by_three = [j for j, s in enumerate(steps) if s[1] is torch.ops.aten.mul.Tensor and 3.0 in [a for _, a in s[2]]]
+    assert by_three and not set(by_three) & set(run.reused)  # y, a result
+
+
+def test_reuse_leaves_an_intermediate_whose_view_is_read_later():
+    """RegionKernel._reuse on a hand-made region: ``tanh(a)`` may not write into ``a`` while a
+    view of ``a`` is read after it, and may when none is; inputs and results are never written."""
+    from torch_bridge.compile.fusion import last_uses
+
+    aten = torch.ops.aten
+
+    def plan(with_view):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        a = g.call_function(aten.mul.Tensor, (x, 2.0))
+        nodes = [a]
+        v = None
+        if with_view:
+            v = g.call_function(aten.view.default, (a, [6, 8]))
+            nodes.append(v)
+        b = g.call_function(aten.tanh.default, (a,))
+        c = g.call_function(aten.add.Tensor, (b, v if with_view else b))
+        nodes += [b, c]
+        g.output(c)
+        rk = RegionKernel.__new__(RegionKernel)
+        rk.nodes, rk.inputs, rk.outputs, rk.head = nodes, [x], [c], None
+        rk._steps = rk._compile_steps()
+        xs = torch.randn(6, 8)
+        env = {x: xs}
+        for n in nodes:
+            env[n] = n.target(*[env[y] if isinstance(y, torch.fx.Node) else y for y in n.args])
+        return {str(rk._steps[j][1]) for j in rk._reuse(env, last_uses(nodes, (x, c)))}
+
+    assert plan(False) == {"aten.tanh.default"}  # (add's operand b is read twice there: not freed)
+    assert plan(True) == {"aten.add.Tensor"}  # a's view is read by add: tanh leaves a alone
