@@ -172,6 +172,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_launch.argtypes = [i64, i64]
     handle.trnsim_fast_launch.restype = ctypes.c_int
     handle.trnsim_fast_all_finite.restype = ctypes.c_int
+    handle.trnsim_fast_max_abs.argtypes = [ctypes.c_void_p, i64, ctypes.c_int]
+    handle.trnsim_fast_max_abs.restype = ctypes.c_double
     handle.trnsim_host_scope.argtypes = [ctypes.c_int]
     handle.trnsim_host_release.restype = i64
     handle.trnsim_host_stats.argtypes = [ctypes.c_void_p]

@@ -134,3 +134,35 @@ def test_the_extension_s_datapath_call_declines_what_the_numpy_route_decides(mon
     assert op(a, b) is None
     with pytest.raises(Exception, match="TRNSIM_NATIVE_THREADS"):
         tensore.matmul_f32(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_magnitude_scans_as_aminmax_gives_it(dtype):
+    """tensore.magnitude (the exactness checks' max |x|) by the extension's one-pass scan of the
+    bits: aminmax's value at every length around the vector widths, with an infinity, a NaN,
+    signed zeros, subnormals and the format's largest value; a strided tensor takes aminmax."""
+    import math
+
+    from torch_bridge import _native
+    from torch_bridge.eager import tensore
+
+    torch.zeros(1, device="neuron") + 1  # (the extension loaded)
+    assert _native.lib is not None
+
+    def by_aminmax(t):
+        lo, hi = (float(x) for x in torch.aminmax(t))
+        return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+    g = torch.Generator().manual_seed(0)
+    big = float(torch.finfo(dtype).max)
+    for n in (1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 1000, 4097):
+        for special in (None, math.inf, -math.inf, math.nan, -0.0, 1e-41, -big, big):
+            t = (torch.randn(n, generator=g) * 100).to(dtype)
+            if special is not None:
+                t[int(torch.randint(0, n, (1,), generator=g))] = special
+            got, want = tensore.magnitude(t), by_aminmax(t)
+            assert (math.isnan(got) and math.isnan(want)) or got == want, (n, special, got, want)
+    assert tensore.magnitude(torch.full((9,), -0.0, dtype=dtype)) == 0.0
+    assert tensore.magnitude(torch.empty(0, dtype=dtype)) == 0.0
+    t = torch.randn(6, 5, generator=g).to(dtype).t()
+    assert tensore.magnitude(t) == by_aminmax(t)

@@ -949,6 +949,22 @@ __attribute__((optimize("O3"))) bool all_finite_f32(const float* p, int64_t n) {
   return top < 0x7f800000u;
 }
 
+// The largest magnitude's bits of n contiguous 16- or 32-bit floats at p, sign bits cleared
+// (`mask`: 0x7fff or 0x7fffffff): magnitudes' bits order as their values, and a NaN's cleared
+// bits are above the infinity's, so one integer max (which the compiler vectorizes) says both.
+template <typename U>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+__attribute__((optimize("O3"))) U top_bits(const U* p, int64_t n, U mask) {
+  U top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    U b = static_cast<U>(p[i] & mask);
+    top = b > top ? b : top;
+  }
+  return top;
+}
+
 // The float32 PSUM result: host memory behind a neuron tensor, so it comes from the host cache
 // (HostScope, above) like the fast path's other CPU results; c10's plain CPU allocator
 // (posix_memalign) made each big result of the small GPT-2 fault its pages in again on every call
@@ -2518,6 +2534,29 @@ int trnsim_fast_launch(int64_t core, int64_t handle) {
   return 1;
 }
 int trnsim_fast_all_finite(const float* p, int64_t n) { return all_finite_f32(p, n) ? 1 : 0; }  // (for tests)
+// max |x| of n contiguous floats at p (code 0: float32, 1: bfloat16, 2: float16) as a double, NaN
+// when one is NaN, inf when one is infinite: torch_bridge.tensore.magnitude's value in one pass
+// (its aminmax made two of a tensor and a reduction's set-up; attention's exactness check reads
+// Q, K and V on every call)
+double trnsim_fast_max_abs(const void* p, int64_t n, int code) {
+  if (code == 0) {
+    uint32_t top = top_bits(static_cast<const uint32_t*>(p), n, uint32_t{0x7fffffffu});
+    if (top > 0x7f800000u) return std::nan("");
+    float f;
+    std::memcpy(&f, &top, sizeof f);
+    return f;
+  }
+  uint16_t top = top_bits(static_cast<const uint16_t*>(p), n, uint16_t{0x7fff});
+  if (code == 1) {
+    if (top > 0x7f80) return std::nan("");
+    uint32_t w = static_cast<uint32_t>(top) << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof f);
+    return f;
+  }
+  if (top > 0x7c00) return std::nan("");
+  return static_cast<float>(c10::Half(top, c10::Half::from_bits()));
+}
 // trn_conv2d_grouped (trnsim.native.grouped_entry), for the fast path's convolutions
 void trnsim_fast_conv_datapath(void* grouped) { g_grouped.store(reinterpret_cast<GroupedFn>(grouped)); }
 void trnsim_fast_gate(int on) { g_fast_launch.store(on); }

@@ -19,7 +19,7 @@ import torch
 
 from trnsim import native
 
-from .. import _native
+from .. import _native, _torch
 
 __all__ = ["DATAPATH_DTYPES", "matmul_f32", "bmm_f32", "on_datapath", "bounded", "all_finite", "datapath_product",
            "conv_f32", "conv_on_datapath"]
@@ -50,10 +50,22 @@ def on_datapath(*ts: torch.Tensor) -> bool:
 BOUND = float(torch.finfo(torch.float32).max) / 4
 
 
+_MAX_ABS_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # trnsim_fast_max_abs's formats
+
+
 def magnitude(t: torch.Tensor) -> float:
-    """The largest ``|x|`` of ``t`` (0 for an empty tensor; NaN or inf when ``t`` holds one)."""
-    if t.numel() == 0:
+    """The largest ``|x|`` of ``t`` (0 for an empty tensor; NaN or inf when ``t`` holds one). A
+    contiguous float32/bfloat16/float16 host tensor is scanned by the fast path's own loop
+    (csrc/neuron.cpp ``trnsim_fast_max_abs``: one pass over the bits, the same value) when the
+    extension is loaded; otherwise ``aminmax``."""
+    n = t.numel()
+    if n == 0:
         return 0.0
+    code = _MAX_ABS_CODES.get(t.dtype)
+    if code is not None and t.device.type == "cpu" and t.is_contiguous() and not _torch.is_zerotensor(t):
+        lib = _native.lib
+        if lib is not None:
+            return float(lib.trnsim_fast_max_abs(t.data_ptr(), n, code))
     lo, hi = torch.aminmax(t)
     lo_f, hi_f = float(lo), float(hi)
     if math.isnan(lo_f) or math.isnan(hi_f):
