@@ -728,7 +728,11 @@ class Args:
 
     def attn_mask(self) -> torch.Tensor:
         g = self.g
-        q, k = self.values["query"], self.values["key"]
+        q, k = (x.t if isinstance(x, _Host) else x for x in (self.values["query"], self.values["key"]))
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2):
+            # (an op whose query and key were drawn without SDPA's recipe, e.g. a 0-d host tensor:
+            # any mask, which CPU refuses where it does not fit; it crashed the sample's build)
+            return g.tensor((2, 2))
         l, s = q.shape[-2], k.shape[-2]
         shape = g.rng.choice(((l, s), (s,), (1, s), (q.shape[0], 1, 1, s) if q.dim() == 4 else (1, s),
                               tuple(q.shape[:-1]) + (s,)))
