@@ -129,7 +129,9 @@ def test_compiled_regions_and_foreach_steps_take_their_memory_from_it():
     x = torch.randn(BIG, device="neuron")
     fn = torch.compile(lambda t: torch.tanh(t * 2 + 1) * t, backend="neuron")  # one region: mul+add+tanh+mul
     fresh, reused = _steady(lambda: fn(x))
-    assert fresh == 0 and reused >= 3  # its intermediates and result, from kept blocks (none before)
+    # its first step's result from a kept block (none fresh), which the later steps write in
+    # place (RegionKernel._reuse: before that each step's result took a block of its own)
+    assert fresh == 0 and reused >= 1
     params = [torch.randn(BIG, device="neuron", requires_grad=True) for _ in range(2)]
     opt = torch.optim.AdamW(params, capturable=True)
     step = torch.compile(opt.step, backend="neuron")
