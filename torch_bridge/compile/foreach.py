@@ -476,31 +476,30 @@ def _immediates(nodes: Sequence[fx.Node], inplace: dict[fx.Node, Any]) -> frozen
     return frozenset(out)
 
 
-def _distinct(env: dict[fx.Node, Any], written: tuple[fx.Node, ...]) -> bool:
-    """No tensor an in-place op writes shares memory with another input of the region (then the
-    writes would reach a tensor the graph reads as it was: run the functional ops instead)."""
-    if not written:
-        return True
+def _storages(env: dict[fx.Node, Any]) -> dict[int, int]:
+    """How many of the region's tensor inputs lie in each storage (by its address): read once a
+    call by :func:`_distinct` and :func:`_apart`."""
     seen: dict[int, int] = {}
     for t in env.values():
         if isinstance(t, torch.Tensor):
             p = t.untyped_storage().data_ptr()
             seen[p] = seen.get(p, 0) + 1
-    return all(seen[env[x].untyped_storage().data_ptr()] == 1 for x in written)
+    return seen
 
 
-def _apart(env: dict[fx.Node, Any]) -> bool:
-    """Every tensor input in memory of its own (no two share a storage): then a group's stores
-    reach no tensor a later group reads, and running the chain group by group is running it
-    over whole lists. Parameters in one flat buffer run over whole lists."""
-    seen = set()
-    for t in env.values():
-        if isinstance(t, torch.Tensor):
-            p = t.untyped_storage().data_ptr()
-            if p in seen:
-                return False
-            seen.add(p)
-    return True
+def _distinct(env: dict[fx.Node, Any], written: tuple[fx.Node, ...], storages: dict[int, int]) -> bool:
+    """No tensor an in-place op writes shares memory with another input of the region (then the
+    writes would reach a tensor the graph reads as it was: run the functional ops instead);
+    ``storages``: :func:`_storages` of ``env``."""
+    return all(storages[env[x].untyped_storage().data_ptr()] == 1 for x in written)
+
+
+def _apart(storages: dict[int, int]) -> bool:
+    """Every tensor input in memory of its own (no two share a storage; ``storages``:
+    :func:`_storages`): then a group's stores reach no tensor a later group reads, and running
+    the chain group by group is running it over whole lists. Parameters in one flat buffer run
+    over whole lists."""
+    return all(c == 1 for c in storages.values())
 
 
 def _meta(v: Any) -> torch.Tensor:
@@ -545,11 +544,13 @@ class ForeachKernel:
         if self.in_place is None:
             self.in_place = _inplace_plan(self.region)
             self.immediates = _immediates(self.nodes, self.in_place[0])
-        ops = self.in_place[0] if _distinct(env, self.in_place[1]) else {}
         if self._groups is False:
             self._groups = self._group_plan()
+        # (each input's storage, read once: the in-place ops' and the groups' conditions)
+        storages = _storages(env) if self.in_place[1] or self._groups is not None else {}
+        ops = self.in_place[0] if _distinct(env, self.in_place[1], storages) else {}
         self.copies = 0
-        if self._groups is not None and _apart(env):
+        if self._groups is not None and _apart(storages):
             self._run_groups(env, ops, self._groups)
         else:
             self._run(env, ops)
