@@ -930,40 +930,32 @@ void key_strides(std::string& key, const at::Tensor& t) {
   for (auto st : t.strides()) key_int(key, st);  // the layout picks the kernel's operand forms
 }
 
-// True when none of the n floats at p is an infinity or a NaN (one pass over the result the
-// datapath just wrote: the largest magnitude's bits, an integer max the compiler vectorizes).
-// The extension is built for any x86-64 (SSE2, which has no unsigned 32-bit max: its compare-and-
-// blend chain made this scan 9% of an LSTM training step, whose weight gradients are big results
-// of 8-deep contractions); GCC also compiles it for AVX2 and the loader picks the CPU's version.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-__attribute__((optimize("O3"))) bool all_finite_f32(const float* p, int64_t n) {
-  uint32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, p + i, sizeof b);
-    b &= 0x7fffffffu;
-    top = b > top ? b : top;
-  }
-  return top < 0x7f800000u;
-}
-
 // The largest magnitude's bits of n contiguous 16- or 32-bit floats at p, sign bits cleared
 // (`mask`: 0x7fff or 0x7fffffff): magnitudes' bits order as their values, and a NaN's cleared
-// bits are above the infinity's, so one integer max (which the compiler vectorizes) says both.
+// bits are above the infinity's, so one integer max says both (read through memcpy, an integer
+// max the compiler vectorizes). The extension is built for any x86-64 (SSE2, which has no
+// unsigned 32-bit max: its compare-and-blend chain made the finiteness scan 9% of an LSTM training
+// step, whose weight gradients are big results of 8-deep contractions); GCC also compiles it for
+// AVX2 and the loader picks the CPU's version.
 template <typename U>
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-__attribute__((optimize("O3"))) U top_bits(const U* p, int64_t n, U mask) {
+__attribute__((optimize("O3"))) U top_bits(const void* p, int64_t n, U mask) {
+  const char* bytes = static_cast<const char*>(p);
   U top = 0;
   for (int64_t i = 0; i < n; ++i) {
-    U b = static_cast<U>(p[i] & mask);
+    U b;
+    std::memcpy(&b, bytes + i * static_cast<int64_t>(sizeof(U)), sizeof b);
+    b = static_cast<U>(b & mask);
     top = b > top ? b : top;
   }
   return top;
 }
+
+// True when none of the n floats at p is an infinity or a NaN (one pass over the result the
+// datapath just wrote).
+bool all_finite_f32(const float* p, int64_t n) { return top_bits(p, n, uint32_t{0x7fffffffu}) < 0x7f800000u; }
 
 // The float32 PSUM result: host memory behind a neuron tensor, so it comes from the host cache
 // (HostScope, above) like the fast path's other CPU results; c10's plain CPU allocator
@@ -2468,8 +2460,7 @@ void trnsim_host_stats(int64_t* out) {
 
 
 // ---- the fast path and the ledger (see above) ----
-// register the fast kernel: the PrivateUse1 fallback, and `names` (NUL-separated aten
-// "op.overload" names) whose own PrivateUse1 kernel it is; their Python kernels go to PrivateUse2
+// the overloads Python's path screens (NUL-separated "op.overload" names: screened(), above)
 void trnsim_fast_screen(const char* names, int64_t len) {
   std::lock_guard<std::mutex> lock(g_fast_mutex);
   std::string all(names, static_cast<size_t>(len));
@@ -2481,6 +2472,8 @@ void trnsim_fast_screen(const char* names, int64_t len) {
     at = end + 1;
   }
 }
+// register the fast kernel: the PrivateUse1 fallback, and `names` (NUL-separated aten
+// "op.overload" names) whose own PrivateUse1 kernel it is; their Python kernels go to PrivateUse2
 int trnsim_fast_register(const char* names, int64_t len) {
   if (!g_libs.empty()) return 0;
   try {
@@ -2540,13 +2533,13 @@ int trnsim_fast_all_finite(const float* p, int64_t n) { return all_finite_f32(p,
 // Q, K and V on every call)
 double trnsim_fast_max_abs(const void* p, int64_t n, int code) {
   if (code == 0) {
-    uint32_t top = top_bits(static_cast<const uint32_t*>(p), n, uint32_t{0x7fffffffu});
+    uint32_t top = top_bits(p, n, uint32_t{0x7fffffffu});
     if (top > 0x7f800000u) return std::nan("");
     float f;
     std::memcpy(&f, &top, sizeof f);
     return f;
   }
-  uint16_t top = top_bits(static_cast<const uint16_t*>(p), n, uint16_t{0x7fff});
+  uint16_t top = top_bits(p, n, uint16_t{0x7fff});
   if (code == 1) {
     if (top > 0x7f80) return std::nan("");
     uint32_t w = static_cast<uint32_t>(top) << 16;
