@@ -36,6 +36,7 @@ def test_whole_and_share():
     ("bench_zoo.py", ["--steps", "0"], "argument --steps: expected a whole number from 1 to 1000, got '0'"),
     ("bench_zoo.py", ["--rounds", "0"], "argument --rounds: expected a whole number from 1 to 100"),
     ("bench_native.py", ["--repeats", "0"], "argument --repeats: expected a whole number from 1 to 1000"),
+    ("bench_lstm.py", ["--steps", "0"], "argument --steps: expected a whole number from 1 to 1000, got '0'"),
     ("bench_op_overhead.py", ["--iters", "0"], "argument --iters: expected a whole number"),
     ("bench_compile.py", ["--steps", "2"], "argument --steps: expected a whole number from 3 to 1000, got '2'"),
     ("bench_compile.py", ["--pairs", "0"], "argument --pairs: expected a whole number from 1 to 1000, got '0'"),
