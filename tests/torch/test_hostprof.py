@@ -37,7 +37,8 @@ def test_a_profile_names_the_python_path_ops_and_changes_no_value_or_tick():
     assert profiled == plain
     assert hostprof.active is None
     parts = dict((k, c) for k, _, c in prof.parts())
-    assert parts["python convolution_overrideable"] == 1 and parts["python _local_scalar_dense"] == 1  # (item())
+    assert parts["python convolution_overrideable"] == 1
+    assert "python _local_scalar_dense" not in parts  # item(): served natively, its wait taken from the log
     assert "device model" in parts
     s = prof.summary()
     assert abs(sum(s.values()) - prof.wall) < 1e-9 and prof.wall > 0

@@ -558,7 +558,8 @@ void fast_free(void* ctx) {
 // ---- the launch log ---------------------------------------------------------------------------
 // What the fast path did, in order, for the device model (trnsim.device.Device) to issue exactly
 // as if Python had launched it: (kind, core, id) with kind 0 a launch of cost handle `id`, kind 1
-// a metadata-only op named `id`. Python drains it (under the device's lock) before it launches
+// a metadata-only op named `id`, kind -1 the host waiting for core `core`'s work (an item(): what
+// Device.synchronize(core) does, taken in its place in the log). Python drains it (under the device's lock) before it launches
 // anything itself or reads any time, so nothing sees the device's state with launches missing.
 constexpr int64_t kLogMax = 1 << 15;
 std::mutex g_log_mutex;
@@ -614,7 +615,7 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
 enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAddmm = 5, kBmm = 6, kEmpty = 7,
                kEmptyStrided = 8, kCopyFrom = 9, kLstmCell = 10, kLstmCellBackward = 11,
                kGruCell = 12, kGruCellBackward = 13, kConv = 14,
-               kConvBackward = 15, kBatchNorm = 16, kToCopy = 17 };
+               kConvBackward = 15, kBatchNorm = 16, kToCopy = 17, kLocalScalar = 18 };
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
@@ -648,7 +649,7 @@ thread_local Learn* t_learn = nullptr;
 
 const std::unordered_set<std::string>& denied() {
   static const std::unordered_set<std::string> names{
-      "native_dropout", "_local_scalar_dense", "set_", "is_set_to", "record_stream", "item", "resize_",
+      "native_dropout", "set_", "is_set_to", "record_stream", "item", "resize_",
       "resize_as_", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "empty", "empty_strided",
       // writes its running_mean/running_var in training without saying so in its schema (no `(a!)`): read
       // as a functional op, its first call ran the CPU kernel here and again in Python's path to learn the
@@ -720,6 +721,7 @@ OpFast classify(const c10::OperatorHandle& op) {
   if (name == "convolution_backward_overrideable" && s.overload_name().empty()) f.kind = kConvBackward;
   if (name == "native_batch_norm" && s.overload_name().empty()) f.kind = kBatchNorm;  // (not as a functional op: below)
   if (name == "_to_copy" && s.overload_name().empty()) f.kind = kToCopy;
+  if (name == "_local_scalar_dense" && s.overload_name().empty()) f.kind = kLocalScalar;
   if (f.kind != kOther) return f;
   if (name == "set_") {  // metadata only, as Python's fallback treats it (values._OpInfo.is_view): a host op
     f.kind = kView;
@@ -1833,6 +1835,41 @@ void push_list(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t n
   log_entry(0, index, handle);
 }
 
+// item() (aten::_local_scalar_dense) of a one-element neuron tensor: the value read from its memory,
+// the launch Python charges for the signature logged, then the host's wait for the core logged in
+// its place (kind -1) rather than done now: the device takes it in order, as Device.synchronize(index)
+// after the launch, whenever it next issues or reads time, so the same ticks without a drain of the
+// log per item(). Inside a graph capture (synchronize settles the capture) and for a conj or neg view
+// (its alias would drop the bit) Python's path runs it.
+void fast_item(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (t_capture != 0 || op.schema().arguments().size() != 1 || !stack->back().isTensor()) return slow(op, stack);
+  const at::Tensor& t = stack->back().toTensor();
+  if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.numel() != 1 ||
+      t.is_conj() || t.is_neg() || t._is_zerotensor()) {
+    return slow(op, stack);
+  }
+  const int index = t.device().index() < 0 ? 0 : t.device().index();
+  thread_local std::string t_key;
+  std::string& key = t_key;
+  key.clear();
+  key_int(key, reinterpret_cast<int64_t>(&op.schema()));
+  key_tensor(key, t, 0);
+  key_int(key, index);
+  int64_t handle = cost_handle(key);
+  if (handle < 0) return learn(op, stack, key);
+  c10::Scalar value;
+  try {
+    value = at::_local_scalar_dense(cpu_alias(t));
+  } catch (...) {
+    return slow(op, stack);
+  }
+  stack->pop_back();
+  stack->emplace_back(value);
+  g_fast_hits++;
+  log_entry(0, index, handle);
+  log_entry(-1, index, 0);
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
@@ -1853,6 +1890,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kConvBackward) return fast_conv_backward(op, stack);
   if (f.kind == kBatchNorm) return fast_batch_norm(op, stack);
   if (f.kind == kToCopy) return fast_to_copy(op, stack);
+  if (f.kind == kLocalScalar) return fast_item(op, stack);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
@@ -2614,7 +2652,7 @@ void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
 // per core from io[8] (ready0, busy_until and the in-flight ends written back). Out: one kPlaceOut row
 // per core the entries used, in first-use order, into cores_out (io[3] of them); (handle, launches,
 // ticks, wait) per handle in first-use order into rows (io[4]); (name id, count) per host op into
-// hops (io[5]).
+// hops (io[5]); the ticks the host waited at kind -1 entries (io[6]).
 // Returns the entries consumed (0: the first one is not the common case; Python's loop takes it),
 // or -1 when a core's figures do not fit the rows (nothing consumed).
 int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t* hops) {
@@ -2644,6 +2682,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     if (c.simple) c.inflight.assign(in + 5, in + 5 + in[4]);
     c.last_open = in[13];
   }
+  int64_t waited = 0;  // ticks the host spent in kind -1 waits (not dispatching: apart from host_ticks)
   std::vector<int64_t> order;
   std::unordered_map<int64_t, size_t> row_at;
   std::vector<int64_t> row_v;
@@ -2656,6 +2695,15 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {  // a host op: counted by name
       hop.add(id);
+      continue;
+    }
+    if (kind == -1) {  // the host waits for the core's work (Device.synchronize): no dispatch of its own
+      if (core < 0 || core >= ncores || !cs[static_cast<size_t>(core)].simple) break;
+      const int64_t ready = cs[static_cast<size_t>(core)].ready0;
+      if (ready > host) {
+        waited += ready - host;
+        host = ready;
+      }
       continue;
     }
     if (kind != 0 || core < 0 || core >= ncores || id < 0 || static_cast<size_t>(id) >= g_ticks.size()) break;
@@ -2742,6 +2790,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     std::memcpy(back + 5, c.inflight.data(), c.inflight.size() * sizeof(int64_t));
   }
   io[0] = host;
+  io[6] = waited;
   *ncores_out = static_cast<int64_t>(order.size());
   *nrows = static_cast<int64_t>(row_v.size() / 4);
   std::memcpy(rows, row_v.data(), row_v.size() * sizeof(int64_t));

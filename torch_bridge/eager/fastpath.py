@@ -92,7 +92,7 @@ class NativeLog:
         return self._count.value
 
     def place(self, host: int, dispatch: int, cores: list[tuple[bool, int, int, int, Any, int]]
-              ) -> tuple[int, int, list[Any], list[Any], list[Any]] | None:
+              ) -> tuple[int, int, list[Any], list[Any], list[Any], int] | None:
         """Place the log's first launches natively (``trnsim_log_place``: the arithmetic of
         :meth:`trnsim.device.Device._drain`'s common case, for the entries up to the first it cannot
         take). ``cores``: per core (simple, max_inflight, ready of stream 0, busy_until, in-flight
@@ -100,7 +100,8 @@ class NativeLog:
         (entries taken, the host's tick, per core used: (core, ready, busy_until, in-flight ends,
         launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings), the rows
         as (flat ints: handle, launches, ticks, wait per cost; the table whose entry ``handle`` is
-        (op, cost, row key)), per host op: (name, count))."""
+        (op, cost, row key)), per host op: (name, count), the ticks the host waited for a core's
+        work (item(): the log's waits, which are not dispatch time))."""
         if len(cores) > _PLACE_CORES:
             return None
         vals = [host, dispatch, len(cores), 0, 0, 0, 0, 0]
@@ -128,7 +129,7 @@ class NativeLog:
             bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
             used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
         rows = self._rows_q[:4 * head[4]].tolist()  # (handle, launches, ticks, wait) per row: Recorder.defer_rows
-        return got, head[0], used, (rows, table), self._host_ops(head[5])
+        return got, head[0], used, (rows, table), self._host_ops(head[5]), head[6]
 
     def take_captured(self) -> tuple[list[tuple[int, int, str, OpCost]], list[tuple[str, int]]] | None:
         """The log's first entries while they are launches made inside a graph capture or host ops
@@ -166,7 +167,9 @@ class NativeLog:
         table = _table
         for i in range(0, 3 * n, 3):
             kind = flat[i]
-            if kind != 1:  # a launch: 0 issued, 2 + token collected by that graph capture
+            if kind == -1:  # the host waits for the core's work (an item() served natively)
+                yield flat[i + 1], None, None, None, 0
+            elif kind != 1:  # a launch: 0 issued, 2 + token collected by that graph capture
                 op, cost, key = table[flat[i + 2]]
                 yield flat[i + 1], op, cost, key, kind - 2 if kind else 0
             else:
@@ -296,7 +299,7 @@ def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
 KINDS = {0: "python", 1: "view", 2: "functional", 3: "writes", 4: "mm", 5: "addmm", 6: "bmm", 7: "empty",
          8: "empty_strided", 9: "copy", 10: "lstm_cell", 11: "lstm_cell_backward", 12: "gru_cell",
          13: "gru_cell_backward", 14: "conv",
-         15: "conv_backward", 16: "batch_norm", 17: "to_copy"}
+         15: "conv_backward", 16: "batch_norm", 17: "to_copy", 18: "item"}
 
 
 def kind(op: Any) -> str | None:

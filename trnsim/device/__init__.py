@@ -148,6 +148,11 @@ class Device:
             host = self._host  # kept here while entries are issued inline, in self._host otherwise
             for core, op, cost, key, token in log.take():
                 if cost is None:
+                    if op is None:  # the host waits for the core's work, as synchronize(core) does
+                        for ready in cores[core].ready.values():
+                            if ready > host:
+                                host = ready
+                        continue
                     for rec in recs:
                         rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
                     continue
@@ -254,7 +259,7 @@ class Device:
         got = log.place(self._host, self.dispatch, states)
         if got is None:
             return
-        taken, host, used, (rows, table), hops = got
+        taken, host, used, (rows, table), hops, waited = got
         launches = sum(u[4] for u in used)
         for core, ready, busy, inflight, *_, bookings in used:
             c = self.cores[core]
@@ -265,7 +270,7 @@ class Device:
             c.bookings.extend(bookings)
             if not c.streams:
                 c.streams.add(0)
-        delta = host - self._host
+        delta = host - self._host - waited  # (waits for a core's work are no dispatch time, as in synchronize)
         self._host = host
         for rec in recs:
             rec.host_ticks += delta

@@ -128,7 +128,9 @@ class LaunchLog(Protocol):
     """Launches a front end made without calling :meth:`Device.launch` (the ``neuron`` device's
     native fast path), for the device to issue exactly as if they had been: each entry is
     (core, op, cost, (op, id(cost)), token) on the core's stream 0 with no launch context, or
-    (core, op, None, None, 0) for a metadata-only op (:meth:`Device.host_op`). ``token`` is 0,
+    (core, op, None, None, 0) for a metadata-only op (:meth:`Device.host_op`), or (core, None,
+    None, None, 0) for the host waiting for the core's work (:meth:`Device.synchronize` of that core,
+    made where the entry stands: a front end's ``item()``). ``token`` is 0,
     or the graph capture (:meth:`Device.graph`, :meth:`Device.muted`) the launching thread was
     in, as the device told the log (``capture``) on that thread: the launch is collected there,
     as :meth:`Device.launch` inside the block collects it. The device takes them, in order,
