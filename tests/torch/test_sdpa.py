@@ -380,6 +380,39 @@ def test_the_causal_write_over_finite_scores_is_the_masked_fill_bit_for_bit(l, s
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups,l,s", [(2, 1, 24), (4, 3, 40), (2, 16, 16), (3, 7, 130), (1, 5, 5)])
+def test_gqa_forward_reads_each_kv_head_once_with_the_repeated_heads_values(dtype, groups, l, s):
+    """The forward's GQA matmuls take a K/V head's query heads as the rows of one datapath call
+    (no K and V repeated per query head): the same scores, P and output, bit for bit, as with
+    K and V repeated, for decode steps, prefills, odd head groups and a permuted query."""
+    from torch_bridge.eager import memory, tensore
+    from torch_bridge.ops.attention import _flat, _heads, forward_values, masked_scores
+
+    g = torch.Generator().manual_seed(groups * 1000 + l * 10 + s)
+    hk, e = 2, 32
+    q = torch.randn(2, l, hk * groups, e, generator=g).to(dtype).transpose(1, 2)  # Hugging Face's permuted query
+    k, v = (torch.randn(2, hk, s, e, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(2, 1, l, s, generator=g) > 0.2
+    for m, causal in ((None, False), (mask, False), (None, l <= s)):
+        dq, dk, dv = (t.to("neuron") for t in (q, k, v))
+        dm = None if m is None else m.to("neuron")
+        out, p, sc, exact = forward_values(dq, dk, dv, dm, causal, None, groups)
+        assert exact
+        # the repeated-heads computation, as the forward ran it before
+        cq, ck, cv = q, _heads(k, groups), _heads(v, groups)
+        scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
+        scores = masked_scores(scores, m, causal, sc, True, finite=True)
+        want_p = torch.softmax(scores, -1)
+        if m is not None or causal:
+            dead = scores.amax(-1, keepdim=True) == float("-inf")
+            want_p.masked_fill_(dead, 0.0)
+        want = tensore.bmm_f32(_flat(want_p.to(dtype)), _flat(cv)).view(q.shape).to(dtype)
+        assert torch.equal(memory.cpu_view(p) if p.device.type == "neuron" else p, want_p)
+        assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
 # ---- decode steps: the token-generation kernel --------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("active,keys,mask,causal", [(1, 300, None, False), (3, 40, "bool", False),

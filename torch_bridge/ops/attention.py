@@ -171,15 +171,16 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     when CPU computes the call with its fused (flash) kernel, whose output is laid out as the query
     is (:func:`laid_out_as_cpu`)."""
     ts = (q, k, v) if mask is None else (q, k, v, mask)
-    if any(t.is_nested for t in ts):
+    if q.is_nested or k.is_nested or v.is_nested or (mask is not None and mask.is_nested):
         return False  # nested tensors: PyTorch's own path checks them
-    shapes = tuple(t.shape for t in ts)
-    if not all(type(d) is int for sh in shapes for d in sh):
-        return False  # symbolic sizes (a dynamic-shape trace): no meta or host tensor can stand for them
-    key = (shapes, tuple(t.dtype for t in ts), tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
+    key = (tuple(t.shape for t in ts), tuple(t.dtype for t in ts),
+           tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
            mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
-    known = _checked.get(key)
+    try:
+        known = _checked.get(key)
+    except TypeError:  # an unhashable symbolic size (a dynamic-shape trace): no meta or host tensor can stand for it
+        return False
     if known is None:
         # the checks' tensors are their own: real (also inside a compile's trace), unseen by the
         # caller's modes (a flop counter would count the meta math path's matmuls)
@@ -203,8 +204,22 @@ def cpu_layout(q: torch.Tensor, out: torch.Tensor, flash: bool) -> tuple[int, ..
     is contiguous (found by difftest's long run: (96, 8, 16, 1) on CPU, (96, 48, 8, 1) here)."""
     if not flash or out.shape != q.shape:
         return None
-    want = torch.empty_like(q, device="meta").stride()
-    return None if _order(out, want) == _order(out, out.stride()) else want
+    key = (q.shape, q.stride(), out.stride())
+    try:
+        got = _layouts.get(key, _UNSEEN)
+    except TypeError:  # symbolic sizes or strides (a dynamic-shape trace): worked out, not kept
+        got = key = None
+    if got is _UNSEEN or key is None:
+        want = torch.empty_like(q, device="meta").stride()
+        got = None if _order(out, want) == _order(out, out.stride()) else want
+        if key is not None:
+            _layouts[key] = got
+    return got
+
+
+# (query sizes, query strides, output strides) -> cpu_layout's answer: a decode loop's calls repeat a few
+_layouts: dict[tuple[Any, ...], tuple[int, ...] | None] = {}
+_UNSEEN = object()
 
 
 def additive_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
@@ -231,6 +246,18 @@ def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Query-side rows ``x [..., H, L, N]`` as ``[batch * H / groups, groups * L, N]``: the
+    ``groups`` query heads that share a K/V head (GQA, query head ``h`` reads K/V head ``h //
+    groups``) as the rows of one matmul against that head, instead of K and V repeated per query
+    head (:func:`_heads`). Each product element is the same dot product, accumulated the same way:
+    the datapath computes an element from its row and column alone, whatever rows and columns
+    share the call."""
+    if groups == 1:
+        return _flat(x)
+    return x.reshape(-1, groups * x.shape[-2], x.shape[-1])
 
 
 _causal: dict[tuple[int, int, float], torch.Tensor] = {}
@@ -301,12 +328,11 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     :func:`masked_scores`."""
     # (one native call: a decode step's tensors are new each time; a host mask as it is)
     hq, hk, hv, mask = memory.cpu_views((q, k, v, attn_mask))
-    cq, ck, cv = hq, _heads(hk, groups), _heads(hv, groups)
     l, e = q.shape[-2:]
     s = k.shape[-2]
     sc = scale if scale is not None else 1.0 / math.sqrt(e)
     exact = datapath_exact(hq, hk, hv, mask, scale)
-    scores = tensore.bmm_f32(_flat(cq), _flat(ck).transpose(1, 2)).view(q.shape[:-1] + (s,))
+    scores = tensore.bmm_f32(_grouped(hq, groups), _flat(hk).transpose(1, 2)).view(q.shape[:-1] + (s,))
     scores = masked_scores(scores, mask, is_causal, sc, flash, finite=exact)
     p = torch.softmax(scores, -1)
     if attn_mask is not None or is_causal:  # a row that sees no key is zeros, as CPU's kernels write it
@@ -314,7 +340,7 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
         if dead.any():
             p.masked_fill_(dead, 0.0)
     if exact:
-        out = tensore.bmm_f32(_flat(p.to(q.dtype)), _flat(cv)).view(q.shape).to(q.dtype)
+        out = tensore.bmm_f32(_grouped(p.to(q.dtype), groups), _flat(hv)).view(q.shape).to(q.dtype)
     else:
         out = cpu_kernel(hq, hk, hv, mask, is_causal, scale)
     return out, p, sc, exact
