@@ -561,7 +561,9 @@ def release_host_cache() -> int:
 
 
 # ---- the native helpers of compiled regions (csrc/neuron.cpp's trnsim.cpu_views and trnsim.adopt) ----
-_native_ops: list[Any] = []  # [cpu_views, adopt] once looked up; [None, None] without them
+# [cpu_views, adopt] once looked up, as their C++ callables (OpOverload.__call__ adds a Python frame
+# to calls made several times per region and attention call); [None, None] without them
+_native_ops: list[Any] = []
 
 
 def _ops() -> list[Any]:
@@ -570,7 +572,7 @@ def _ops() -> list[Any]:
             return [None, None]  # not loaded (yet): looked up again on the next call
         ns = torch.ops.trnsim
         try:
-            _native_ops.extend([ns.cpu_views.default, ns.adopt.default])
+            _native_ops.extend([_torch.cpp_op(ns.cpu_views.default), _torch.cpp_op(ns.adopt.default)])
         except (AttributeError, RuntimeError):
             _native_ops.extend([None, None])
     return _native_ops

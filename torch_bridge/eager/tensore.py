@@ -124,7 +124,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-_native_op: list[Any] = []  # [torch.ops.trnsim.datapath_f32.default], or [None] without the extension
+_native_op: list[Any] = []  # [trnsim::datapath_f32's C++ callable], or [None] without the extension
 
 
 def _datapath_op() -> Any:
@@ -135,7 +135,7 @@ def _datapath_op() -> Any:
     if _native.lib is None:
         return None
     try:
-        op = torch.ops.trnsim.datapath_f32.default
+        op = _torch.cpp_op(torch.ops.trnsim.datapath_f32.default)  # (its C++ callable: no OpOverload.__call__ frame)
     except (AttributeError, RuntimeError):
         op = None
     _native_op.append(op)
