@@ -853,3 +853,32 @@ def test_charges_made_from_python_are_logged_natively_with_the_device_s_figures(
         F.scaled_dot_product_attention(q, k, v)
         assert log.pending() == before  # Device.launch, on the stream
     torch.neuron.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
+                                   torch.uint8, torch.int64, torch.bool, torch.complex64])
+def test_item_is_served_natively_with_cpus_value_for_every_dtype(dtype):
+    """item() reads the value from the device memory natively: CPU's value and type (NaN, inf and
+    a signed zero included) for every dtype, a one-element view of a bigger tensor included; a
+    conjugated view and a tensor of more than one element take Python's path (its value, CPU's
+    error)."""
+    import math
+
+    floats = dtype.is_floating_point or dtype.is_complex
+    for v in ([1.5, -2.25, float("nan"), float("inf"), -0.0] if floats else [3, 0, 1]):
+        cpu = torch.tensor([[7, v]], dtype=torch.float64).to(dtype)[0, 1:]
+        dev = cpu.to("neuron")
+        dev.item()  # (the signature costed once)
+        before = fastpath.hits()
+        got, want = dev.item(), cpu.item()
+        assert fastpath.hits() - before == 1
+        assert type(got) is type(want)
+        parts = (lambda x: (x.real, x.imag)) if isinstance(want, complex) else (lambda x: (x,))
+        for g, w in zip(parts(got), parts(want)):
+            assert (math.isnan(g) and math.isnan(w)) if isinstance(w, float) and math.isnan(w) else \
+                (g == w and str(g) == str(w))  # (str tells -0.0 from 0.0)
+    if dtype.is_complex:
+        z = torch.tensor([1 + 2j], dtype=dtype)
+        assert z.to("neuron").conj().item() == z.conj().item() == 1 - 2j
+    with pytest.raises(RuntimeError, match="a Tensor with 2 elements cannot be converted to Scalar"):
+        torch.ones(2, dtype=dtype, device="neuron").item()
