@@ -214,6 +214,13 @@ def register_kernels() -> None:
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fallback.fallback(_hidden(values.sparse_fallback), key)
+    # a CSR/CSC/BSR/BSC tensor is made on neuron through this factory (``.to("neuron")``,
+    # ``sparse_csr_tensor(device="neuron")``), whose composite kernel would build one without
+    # asking the device: refused there, as a COO tensor's move is, so none exists to fail later
+    # (``.cpu()`` of one said "col_indices expected sparse row compressed tensor layout")
+    unsafe = _aten("_sparse_compressed_tensor_unsafe")
+    impl.impl("_sparse_compressed_tensor_unsafe", _hidden(functools.partial(values.sparse_fallback, unsafe)),
+              "SparseCsrPrivateUse1")
     fallback.fallback(_hidden(values.quantized_fallback), "QuantizedPrivateUse1")
     from .eager import memory
 

@@ -108,9 +108,11 @@ def test_quantized_tensors_on_neuron_are_refused_in_one_line(make):
         assert torch.equal(model.to("neuron")(x.to("neuron")).cpu(), want)
 
 
-@pytest.mark.parametrize("make", ["coo", "to", "embedding", "csr"])
+@pytest.mark.parametrize("make", ["coo", "to", "embedding", "csr", "bsc", "csr_tensor"])
 def test_sparse_tensors_on_neuron_are_refused_in_one_line(make):
-    """PyTorch said it in 51 lines (no kernel for the 'Sparseneuron' backend)."""
+    """PyTorch said it in 51 lines (no kernel for the 'Sparseneuron' backend). A compressed
+    (CSR, CSC, BSR, BSC) tensor is refused when it would be made on neuron: one moved there had
+    no op that worked, not even ``.cpu()``."""
     import warnings
 
     def run():
@@ -123,8 +125,13 @@ def test_sparse_tensors_on_neuron_are_refused_in_one_line(make):
             elif make == "embedding":
                 emb = torch.nn.Embedding(10, 4, sparse=True).to("neuron")
                 emb(torch.tensor([1, 2], device="neuron")).sum().backward()
+            elif make == "csr":
+                torch.eye(3).to_sparse_csr().to("neuron")
+            elif make == "bsc":
+                torch.eye(4).to_sparse_bsc((2, 2)).to("neuron")
             else:
-                torch.eye(3).to_sparse_csr().to("neuron").to_dense()
+                torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([1, 0]), torch.tensor([1.0, 2.0]),
+                                        device="neuron")
 
     with pytest.raises(NotImplementedError, match=r"^neuron: aten::\w+ with a sparse tensor on the neuron device, which "
                                                   r"holds dense \(strided\) tensors only; keep sparse tensors on CPU") as e:
