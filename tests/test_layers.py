@@ -8,11 +8,12 @@ statement, lazy ones inside functions included; ``if TYPE_CHECKING:`` blocks asi
       nki/                           the NKI front end
       device/ workload/              the device model; what an estimate runs (data)
       kernels/ collectives/          built-in kernels; NeuronLink collectives
-      sim/ outputs/                  the scheduler, chip and reports; traces, metrics, plots, files
+      sim/ outputs/                  the scheduler, chip, reports and their metrics tables; traces, plots
       builder/                       the Kernel builder
       cores/ memory/                 one module per engine; hbm, sbuf, psum, dma, bandwidth
       isa/                           instructions and access patterns
-      native/ config/ compat         numerics (native/accel/: the C accelerators); typed configs; old names
+      native/ config/ compat         numerics (native/accel/: the C accelerators); typed configs, files read and
+                                     written with care; old names
 
 * No cycle of imports between modules (files), lazy imports included.
 * No module imports another module's private name (``from x import _y``); a private submodule

@@ -5,7 +5,7 @@ The chip is fixed before the script starts, the script runs as ``__main__`` with
 path the script runs under torch.profiler and one Perfetto trace holds the host's aten events
 (and Python frames, with ``trace_stack``), the device's stream lanes and the engine lanes of
 expanded kernels (:mod:`trnsim.run_trace`); ``metrics`` writes the report's rows as Parquet
-(:mod:`trnsim.metrics`, with each row's source line) and ``plot`` draws them
+(:mod:`trnsim.sim.metrics`, with each row's source line) and ``plot`` draws them
 (:mod:`trnsim.plot`). Rendering the report is the CLI's job.
 """
 
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from trnsim.outputs.files import AtomicOutput
+from trnsim.config.files import AtomicOutput
 from trnsim.sim.report import RunReport
 
 __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_OPTIONS", "RUN_FLAGS"]
@@ -98,7 +98,7 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     ran); ``sys.exit("message")`` prints the message and gives status 1, as ``python script.py``
     does. An output path that cannot be written (a FIFO, a device, a missing or read-only
     directory) or that needs a missing extra (pyarrow for ``metrics``, matplotlib for ``plot``) is
-    refused with :class:`trnsim.files.OutputError` /
+    refused with :class:`trnsim.config.files.OutputError` /
     :class:`trnsim.extras.MissingExtra` before the script starts. Under ``trace`` the script runs
     inside trnsim's torch.profiler session, so it must not start one of its own (torch allows one
     at a time); ``expand``/``expand_top`` choose the kernels whose engine lanes the trace draws;
@@ -126,8 +126,8 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
     import torch_bridge.compile
     from torch_bridge import runtime
     from torch_bridge.neuron import module as device, profiler
-    from trnsim.outputs.files import reserve_all
-    from trnsim.outputs.metrics import reserve as reserve_metrics
+    from trnsim.config.files import reserve_all
+    from trnsim.sim.metrics import reserve as reserve_metrics
     from trnsim.outputs.plot import reserve as reserve_plot
 
     torch_bridge.register()
@@ -254,7 +254,7 @@ def write_op_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunRepor
     """The trace of a report that kept its launches (``report_scope(trace=True)``), without
     torch.profiler's host events: the simulated host's dispatch lane, the device's stream lanes
     and the engine lanes of ``expand``/``top`` kernels (:mod:`trnsim.run_trace`). Written through
-    :class:`trnsim.files.AtomicOutput`; ``path`` may be one reserved before the run."""
+    :class:`trnsim.config.files.AtomicOutput`; ``path`` may be one reserved before the run."""
     from trnsim.outputs.run_trace import write_run_trace
 
     write_run_trace(path, report, expand=list(expand), top=top)

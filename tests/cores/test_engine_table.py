@@ -111,7 +111,7 @@ import toy_engine  # noqa: F401  (the module alone registers the engine and its 
 from trnsim import Chip, Kernel, load_config
 from trnsim.isa import KernelError
 from trnsim.sim import simulate
-from trnsim.outputs.metrics import columns, kernel_rows, write_kernel_metrics
+from trnsim.sim.metrics import columns, kernel_rows, write_kernel_metrics
 from trnsim.outputs.plot import plot_kernel
 from trnsim.outputs.trace import trace_events
 

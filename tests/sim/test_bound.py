@@ -11,7 +11,7 @@ import trnsim.cli
 import trnsim.sweep
 from trnsim import Chip, load_config
 from trnsim.kernels import get_kernel
-from trnsim.outputs.metrics import kernel_rows
+from trnsim.sim.metrics import kernel_rows
 from trnsim.sim.report import bound_of, busiest
 from trnsim.sweep import load_spec, run_sweep
 

@@ -220,7 +220,7 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
     script; with ``trace``, writes one Perfetto process per rank with NeuronLink lanes. The
     workers import the calling program's main script, as multiprocessing's spawn does: a script
     that calls this runs it under ``if __name__ == "__main__":``."""
-    from trnsim.outputs.files import AtomicOutput
+    from trnsim.config.files import AtomicOutput
 
     from .process_group import DEFAULT_SYSTEM
 

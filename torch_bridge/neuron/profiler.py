@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from trnsim.outputs.files import AtomicOutput
+from trnsim.config.files import AtomicOutput
 from trnsim.sim.report import RunReport
 from trnsim.outputs.run_trace import HostCall, run_trace_document
 
@@ -243,8 +243,8 @@ def export_trace(prof: Any, path: str | os.PathLike[str] | AtomicOutput, *, expa
 
     ``expand`` names ops or kernels whose engine and DMA-queue lanes are drawn (the longest
     launch of each); ``top`` adds the busiest ``top`` (op, kernel) rows of the session. The file
-    is written through :class:`trnsim.files.AtomicOutput`; a path that cannot be written is a
-    :class:`trnsim.files.OutputError`."""
+    is written through :class:`trnsim.config.files.AtomicOutput`; a path that cannot be written is a
+    :class:`trnsim.config.files.OutputError`."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"torch.neuron.profiler: top={top!r}: expected a number of kernels >= 0")
     out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")

@@ -366,7 +366,7 @@ def write_trace(path: Any, traces: list[Any]) -> None:
     import json as _json
 
     from trnsim.device import COLLECTIVE_STREAM
-    from trnsim.outputs.files import AtomicOutput
+    from trnsim.config.files import AtomicOutput
 
     events: list[dict[str, Any]] = []
     named: set[tuple[int, int]] = set()

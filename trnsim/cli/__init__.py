@@ -55,7 +55,7 @@ from typing import Any, NoReturn, Sequence  # noqa: E402
 from .base import Out as _Out, UsageError, emit, say_written
 from ..config import ChipConfig, ConfigError, clip_text, config_names, format_quantity, load_config
 from ..config.extras import MissingExtra
-from ..outputs.files import AtomicOutput, OutputError
+from ..config.files import AtomicOutput, OutputError
 from ..isa import KernelError
 from ..sim.report import KernelReport, bound_of
 from .collective import add_collective_parser, cmd_collective

@@ -9,7 +9,7 @@ import select
 import sys
 from typing import Any
 
-from ..outputs.files import AtomicOutput
+from ..config.files import AtomicOutput
 
 __all__ = ["UsageError", "Out", "emit", "reserve_outputs", "say_written"]
 
@@ -63,8 +63,8 @@ def emit(text: str, end: str = "\n") -> None:
 def reserve_outputs(trace: str | None, metrics: str | None, plot: str | None) -> list[Any]:
     """The output files a command writes, each refused now (not after the run) when it cannot be
     written or needs an extra that is missing."""
-    from ..outputs.files import reserve_all
-    from ..outputs.metrics import reserve as reserve_metrics
+    from ..config.files import reserve_all
+    from ..sim.metrics import reserve as reserve_metrics
     from ..outputs.plot import reserve as reserve_plot
 
     return reserve_all([lambda: AtomicOutput(trace, "--trace") if trace else None,

@@ -260,7 +260,7 @@ def _failed_import(e: ImportError) -> str:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from ..outputs.files import AtomicOutput
+    from ..config.files import AtomicOutput
 
     if args.mode == "train":
         from ..workload.training import apply_plan

@@ -10,7 +10,7 @@ from typing import Any
 
 from .base import Out, UsageError, emit, reserve_outputs, say_written
 from ..config import ChipConfig, clip_text, format_quantity, load_config
-from ..outputs.files import AtomicOutput
+from ..config.files import AtomicOutput
 from ..isa import KernelError
 from ..sim.report import bound_of
 from .render import render_dma_queues, render_report
@@ -102,7 +102,7 @@ def cmd_kernel(args: argparse.Namespace) -> int:
         if trace is not None:
             write_trace(trace, report)
         if metrics is not None:
-            from ..outputs.metrics import write_kernel_metrics
+            from ..sim.metrics import write_kernel_metrics
 
             write_kernel_metrics(metrics, [report], {"shape": list(shape), "dtype": dtype, "params": params,
                                                      "overrides": dict(cfg.overrides)})

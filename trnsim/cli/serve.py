@@ -82,7 +82,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..outputs.files import AtomicOutput
+    from ..config.files import AtomicOutput
 
     _check(args)
     plot = None

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from .base import UsageError, emit
 from ..config import is_system_key, load_config, load_system
-from ..outputs.files import AtomicOutput, write_atomic
+from ..config.files import AtomicOutput, write_atomic
 from ..config.ledger import CATEGORIES, Row, load_ledger
 from ..validate.run import EXPECTED, Result, check_drift, expected_text, load_expected, run_rows, summarize
 

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..outputs.files import write_atomic
+from ..config.files import write_atomic
 from ..outputs.trace import spread_lanes
 from .report import CollectiveReport
 
@@ -67,7 +67,7 @@ def collective_trace_events(reports: Iterable[CollectiveReport], ranks_per_chip:
 
 def write_collective_trace(path: str | os.PathLike[str], reports: Iterable[CollectiveReport],
                            ranks_per_chip: int) -> Path:
-    """Write the trace to ``path`` atomically (:func:`trnsim.files.write_atomic`: never half a
+    """Write the trace to ``path`` atomically (:func:`trnsim.config.files.write_atomic`: never half a
     trace, never over a FIFO or device)."""
     reps = list(reports)
     doc = {"traceEvents": collective_trace_events(reps, ranks_per_chip), "displayTimeUnit": "ns",

@@ -8,6 +8,10 @@ the file, the key, the value and what was expected.
 
 Overrides use dotted keys (``core.sbuf.partition_bytes=256KiB``) and are applied to the raw
 YAML before validation, so they get the same checks and the same messages.
+
+Beside the configs, the package holds how trnsim treats a user's files: :mod:`.loader` reads
+them with bounds and one-line errors, :mod:`.files` writes every output atomically (traces,
+metrics, sweep results, caches), so the layers above share one set of rules.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S
 
 def file_kind(mode: int) -> str:
     """``"a FIFO"``, ``"a directory"``, ... for a ``st_mode`` (``"a regular file"``): what a path
-    names when it is not the regular file a reader (here) or a writer (:mod:`trnsim.outputs.files`) wants."""
+    names when it is not the regular file a reader (here) or a writer (:mod:`trnsim.config.files`) wants."""
     for test, name in _FILE_KINDS:
         if test(mode):
             return name

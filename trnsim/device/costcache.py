@@ -12,7 +12,7 @@ a key that holds everything the number depends on:
   collective the system's figures, the call and the rank.
 
 Each entry is one small JSON file, ``<dir>/<key[:2]>/<key>.json``, written atomically
-(:func:`trnsim.files.write_atomic`): concurrent estimates and sweeps share the directory safely,
+(:func:`trnsim.config.files.write_atomic`): concurrent estimates and sweeps share the directory safely,
 a killed writer leaves no partial entry, and an unreadable entry is simulated again and
 rewritten. The directory is ``$TRNSIM_CACHE_DIR`` (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/trnsim/costs`` (``~/.cache/trnsim/costs``).
@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config import ChipConfig
 from . import Device, KernelSpec, OpCost
-from ..outputs.files import OutputError, write_atomic
+from ..config.files import OutputError, write_atomic
 from ..isa import KernelError
 
 __all__ = ["CostCache", "CachedDevice", "code_version", "default_cache_dir"]

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..outputs.files import AtomicOutput
+from ..config.files import AtomicOutput
 from ..sim.report import CollectiveStats, CoreStats, OpRow, RunReport, TraceEvent, busiest, union_length
 
 __all__ = ["RankSummary", "MultiRankReport", "merge_ranks", "summarize", "link_segments", "rank_trace_events",

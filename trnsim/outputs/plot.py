@@ -3,7 +3,7 @@
 Needs matplotlib (the ``plot`` extra); without it every function raises
 :class:`trnsim.extras.MissingExtra`, one line naming the extra. Figures are drawn with
 matplotlib's object API on the Agg canvas (no window, no global pyplot state) and written
-through :class:`trnsim.files.AtomicOutput`; the format follows the file's suffix (``.png``,
+through :class:`trnsim.config.files.AtomicOutput`; the format follows the file's suffix (``.png``,
 ``.svg``, ``.pdf``). Every figure has a title and axis labels with units.
 
 * :func:`plot_sweep` - ``trnsim plot results.{csv,parquet} --x KEY --y METRIC [--hue KEY]``: one
@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from ..config import ConfigError, clip_text, parse_quantity
 from ..config.extras import require
 from ..cores.base import ENGINE_TYPES, engine_names
-from .files import AtomicOutput
+from ..config.files import AtomicOutput
 
 __all__ = ["PlotError", "FORMATS", "reserve", "plot_sweep", "plot_kernel", "plot_run", "load_results"]
 
@@ -85,7 +85,7 @@ def load_results(path: str | os.PathLike[str]) -> tuple[list[str], list[dict[str
     """(columns, rows as text, units by column) of a sweep's CSV or Parquet results file or a
     metrics Parquet file. A CSV row with the wrong number of cells (a torn last line of a
     sweep still writing) is skipped."""
-    from .metrics import is_parquet, read_table, unit_of
+    from ..sim.metrics import is_parquet, read_table, unit_of
 
     shown = os.fspath(path)
     if is_parquet(path):

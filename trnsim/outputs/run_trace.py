@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .files import AtomicOutput
+from ..config.files import AtomicOutput
 from ..sim.report import RunReport, TraceEvent
 from .trace import lane_events, ticks_to_us
 
@@ -344,7 +344,7 @@ def run_trace_document(report: RunReport, host_trace: dict[str, Any] | None = No
 
 
 def write_run_trace(path: str | os.PathLike[str] | AtomicOutput, report: RunReport, **kwargs: Any) -> Path:
-    """Write :func:`run_trace_document` of ``report`` through :class:`trnsim.files.AtomicOutput`
+    """Write :func:`run_trace_document` of ``report`` through :class:`trnsim.config.files.AtomicOutput`
     (a temporary file renamed into place; ``path`` may be one reserved before the run)."""
     import json
 

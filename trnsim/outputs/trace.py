@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..cores.base import ENGINE_TYPES, engine_names
-from .files import AtomicOutput
+from ..config.files import AtomicOutput
 from ..sim.report import KernelReport
 
 __all__ = ["trace_events", "trace_document", "write_trace", "lane_events", "tick_rate", "ticks_to_us"]
@@ -158,10 +158,10 @@ def trace_document(reports: KernelReport | Iterable[KernelReport]) -> dict[str, 
 def write_trace(path: str | os.PathLike[str] | AtomicOutput, reports: KernelReport | Iterable[KernelReport]) -> Path:
     """Write ``reports`` as a Chrome trace-event JSON file at ``path``.
 
-    The file is written through :mod:`trnsim.files`: to a temporary name in the same directory,
+    The file is written through :mod:`trnsim.config.files`: to a temporary name in the same directory,
     renamed into place (an error, or a reader opening it meanwhile, never sees half a trace), a
-    symlink followed, a FIFO or device refused with an :class:`~trnsim.files.OutputError`.
-    ``path`` may be an :class:`~trnsim.files.AtomicOutput` reserved before a long run."""
+    symlink followed, a FIFO or device refused with an :class:`~trnsim.config.files.OutputError`.
+    ``path`` may be an :class:`~trnsim.config.files.AtomicOutput` reserved before a long run."""
     doc = trace_document(reports)
     out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "trace")
     return out.commit(lambda f: json.dump(doc, f, separators=(",", ":")))

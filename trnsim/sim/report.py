@@ -97,8 +97,8 @@ class KernelReport:
 
     def to_parquet(self, path: Any) -> Any:
         """Write this kernel's metrics as one Parquet row with neuron-profile's names (needs
-        pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
-        from ..outputs.metrics import write_kernel_metrics
+        pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.sim.metrics`."""
+        from .metrics import write_kernel_metrics
 
         return write_kernel_metrics(path, [self])
 
@@ -499,8 +499,8 @@ class RunReport:
 
     def to_parquet(self, path: Any) -> Any:
         """Write one row per (op, kernel) with neuron-profile's metric names as a Parquet file
-        (needs pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.metrics`."""
-        from ..outputs.metrics import write_run_metrics
+        (needs pyarrow: ``pip install 'trnsim[metrics]'``); see :mod:`trnsim.sim.metrics`."""
+        from .metrics import write_run_metrics
 
         return write_run_metrics(path, self)
 

@@ -38,9 +38,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ConfigError, clip_text
 from ..config.extras import require
-from ..outputs.files import OutputError, check_output, lock_exclusive, write_atomic
+from ..config.files import OutputError, check_output, lock_exclusive, write_atomic
 from ..isa import KernelError
-from ..outputs.metrics import is_parquet, read_sweep_parquet, write_sweep_parquet
+from ..sim.metrics import is_parquet, read_sweep_parquet, write_sweep_parquet
 from ..sim.report import bound_of  # the one definition (re-exported here: an old name)
 from .kernels import KernelRef, resolve_kernel, shape_text  # noqa: F401 - their own modules; re-exported
 from .spec import (DEFAULT_MAX_POINTS, KERNEL_KEYS, MAX_COLLECTIVE_RANKS, SPEC_KEYS, Point, SweepSpec,  # noqa: F401
@@ -296,7 +296,7 @@ def run_sweep(spec: SweepSpec, jobs: int | None = None,
     results file is touched, so a cluster that cannot be joined leaves nothing behind. ``progress(done, total)`` is called once before and after each point.
 
     The results file is safe to kill, share and resume: it is locked against a second sweep
-    (an :class:`~trnsim.files.OutputError`), each row is appended whole, a torn last row is
+    (an :class:`~trnsim.config.files.OutputError`), each row is appended whole, a torn last row is
     dropped and rerun, and Ctrl-C or a dead worker ends the sweep with :class:`SweepStopped`
     after every finished row is in the file. A ``.parquet`` results file is rewritten
     atomically (every :data:`PARQUET_FLUSH_SECONDS` and at the end) from a journal beside it,

@@ -15,10 +15,10 @@ from typing import Any, Sequence
 from ..config import ChipConfig, ConfigError, clip_text, format_value, load_config, load_yaml_file
 from ..config import resolve_config_path as _resolve_config
 from ..config import resolve_system_path
-from ..outputs.files import check_output
+from ..config.files import check_output
 from ..isa import KernelError
 from ..kernels.registry import parse_params, parse_shape
-from ..outputs.metrics import is_parquet
+from ..sim.metrics import is_parquet
 from .kernels import KernelRef, resolve_kernel, shape_text
 
 SPEC_KEYS = ("config", "system", "grid", "kernels", "collectives", "estimates", "out")
@@ -270,7 +270,7 @@ def _out_path(value: Any, spec: Path, where: str) -> Path:
 def _check_format(path: Path, what: str) -> None:
     """Results are CSV or Parquet, chosen by the suffix: any other name (``res.xlsx``) would get
     CSV text under a name that promises something else, so it is refused."""
-    from ..outputs.metrics import PARQUET_SUFFIXES
+    from ..sim.metrics import PARQUET_SUFFIXES
 
     if path.suffix.lower() != ".csv" and not is_parquet(path):
         got = f"'{clip_text(path.suffix, 20)}'" if path.suffix else "no suffix"

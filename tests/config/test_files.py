@@ -1,4 +1,4 @@
-"""Output files (trnsim.files): regular files replaced atomically with the user's mode, symlinks
+"""Output files (trnsim.config.files): regular files replaced atomically with the user's mode, symlinks
 followed, FIFOs/directories refused in one line before any long run, nothing left behind.
 Special files are FIFOs in a temporary directory, never real device nodes."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import trnsim.chip
-import trnsim.files as files
+import trnsim.config.files as files
 from trnsim.cli import main
-from trnsim.files import AtomicOutput, OutputError, check_output, lock_exclusive, write_atomic
+from trnsim.config.files import AtomicOutput, OutputError, check_output, lock_exclusive, write_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 

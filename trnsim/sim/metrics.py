@@ -27,7 +27,7 @@ from typing import IO, Any, Iterable, Mapping, Sequence
 from ..config import ConfigError
 from ..config.extras import require
 from ..cores.base import ENGINE_TYPES, engine_names
-from .files import AtomicOutput
+from ..config.files import AtomicOutput
 
 __all__ = ["reserve", "columns", "engine_column", "run_rows", "kernel_rows", "write_run_metrics", "write_kernel_metrics",
            "metrics_table", "unit_of", "is_parquet", "write_sweep_parquet", "read_sweep_parquet", "read_table",

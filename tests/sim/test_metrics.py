@@ -15,7 +15,7 @@ from trnsim import Chip, load_config
 from trnsim.device import Device, KernelSpec
 from trnsim.extras import MissingExtra
 from trnsim.kernels import get_kernel
-from trnsim.metrics import columns, metrics_table, run_rows, write_kernel_metrics
+from trnsim.sim.metrics import columns, metrics_table, run_rows, write_kernel_metrics
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ..config import file_kind
+from .loader import file_kind
 
 __all__ = ["OutputError", "AtomicOutput", "check_output", "write_atomic", "lock_exclusive", "reserve_all"]
 
