@@ -208,13 +208,17 @@ def cpu_layout(q: torch.Tensor, out: torch.Tensor, flash: bool) -> tuple[int, ..
     try:
         got = _layouts.get(key, _UNSEEN)
     except TypeError:  # symbolic sizes or strides (a dynamic-shape trace): worked out, not kept
-        got = key = None
-    if got is _UNSEEN or key is None:
-        want = torch.empty_like(q, device="meta").stride()
-        got = None if _order(out, want) == _order(out, out.stride()) else want
-        if key is not None:
-            _layouts[key] = got
+        return _flash_layout(q, out)
+    if got is _UNSEEN:
+        got = _layouts[key] = _flash_layout(q, out)
     return got
+
+
+def _flash_layout(q: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
+    """:func:`cpu_layout` of a flash call, worked out: ``empty_like(q)``'s strides where they place
+    the elements otherwise than ``out``'s."""
+    want = torch.empty_like(q, device="meta").stride()
+    return None if _order(out, want) == _order(out, out.stride()) else want
 
 
 # (query sizes, query strides, output strides) -> cpu_layout's answer: a decode loop's calls repeat a few
