@@ -1854,7 +1854,6 @@ void fast_item(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   key.clear();
   key_int(key, reinterpret_cast<int64_t>(&op.schema()));
   key_tensor(key, t, 0);
-  key_int(key, index);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
   c10::Scalar value;
