@@ -317,6 +317,84 @@ def test_captured_launches_taken_in_bulk_leave_the_figures_of_the_python_loop(mo
     assert bulk[1].graph_launches == loop[1].graph_launches > 0 and bulk[1].host_ops
 
 
+def _graphs(seed: int):
+    """Graph captures as a compiled program runs them, with every launch of each in the log: fast
+    ops on two cores (runs of one and of several launches per core), an empty capture, and eager
+    launches between the captures; and one with a muted block inside (its end drains the log)."""
+    dev = runtime().device
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, generator=g).to("neuron")
+    y = torch.randn(64, generator=g).to("neuron:1")
+    out = []
+    for _ in range(3):
+        with dev.graph():
+            a = (x * 2 + 1).relu()
+            b = (y * 3).exp()  # another core: a run of its own
+            c = a.exp() + x
+            b = b - y  # core 1 again
+        with dev.graph():
+            pass  # launches nothing
+        with dev.graph():  # a muted block's end drains the log: this one is issued at its end
+            c = c * 2
+            with dev.muted():
+                (c + 1).neg_()
+        d = (c * c).sum()  # eager, between the captures
+        with dev.graph():
+            e = d + 1  # a run of one launch
+        out += [c, d, e, b]
+    return [t.cpu() for t in out]
+
+
+def test_a_graph_s_launches_placed_at_its_close_in_the_log_leave_the_figures_of_the_block_s_end(monkeypatch):
+    """A capture whose launches are all in the log is closed there (NativeLog.close) and issued
+    when the log is drained, natively (Device._place) or by the Python loop, instead of at the
+    block's end: the same values, report figures, graph launches and cores' timelines as the
+    block's end issuing them (the close off) and as the Python path; no capture is left behind."""
+    import trnsim.device as device
+    from torch_bridge.eager.fastpath import NativeLog
+
+    dev = runtime().device
+    close, place = NativeLog.close, NativeLog.place
+    placed_natively = []  # (closes, graph launches) of each native placement
+
+    def counted(self, *args):
+        got = place(self, *args)
+        if got is not None:
+            placed_natively.append((got[6], sum(u[13] for u in got[2])))
+        return got
+
+    monkeypatch.setattr(NativeLog, "place", counted)
+
+    def run(on: bool, place_min: int, closes: bool):
+        monkeypatch.setattr(device, "PLACE_MIN", place_min)
+        monkeypatch.setattr(NativeLog, "close", close if closes else lambda self, token: False)
+        with fast(on):
+            _graphs(1)
+            torch.neuron.synchronize()
+            h0 = dev.host
+            with torch.neuron.report_scope() as outer:
+                _graphs(1)
+                with torch.neuron.report_scope() as inner:
+                    values = _graphs(1)
+                    torch.neuron.synchronize()
+                torch.neuron.synchronize()
+        assert not dev._tokens and not dev._closed
+        timelines = [([(b[0], b[1] - h0, b[2] - h0, b[3]) for b in c.bookings], [t - h0 for t in c.inflight],
+                      c.ready[0] - h0, c.busy_until - h0, sorted(c.streams)) for c in dev.cores[:2]]
+        return values, outer.report, inner.report, timelines
+
+    placed = run(True, 2, True)
+    assert placed[1].graph_launches > 0
+    assert sum(c for c, _ in placed_natively) >= 18 and sum(g for _, g in placed_natively) >= 6
+    for other in (run(True, 10 ** 9, True), run(True, 2, False), run(False, 2, True)):
+        for a, b in zip(placed[0], other[0], strict=True):
+            assert torch.equal(a, b)
+        for rep, orep in ((placed[1], other[1]), (placed[2], other[2])):
+            assert _figures(rep) == _figures(orep)
+            assert rep.graph_launches == orep.graph_launches
+        assert placed[3] == other[3]
+
+
 def test_fast_blocks_are_counted_listed_and_freed():
     x, _ = tensors()
     x + 1

@@ -559,7 +559,9 @@ void fast_free(void* ctx) {
 // What the fast path did, in order, for the device model (trnsim.device.Device) to issue exactly
 // as if Python had launched it: (kind, core, id) with kind 0 a launch of cost handle `id`, kind 1
 // a metadata-only op named `id`, kind -1 the host waiting for core `core`'s work (an item(): what
-// Device.synchronize(core) does, taken in its place in the log). Python drains it (under the device's lock) before it launches
+// Device.synchronize(core) does, taken in its place in the log), kind 2 + token a launch made inside
+// graph capture `token`, kind -2 the end of capture `core` (its launches are issued there:
+// trnsim_log_close). Python drains it (under the device's lock) before it launches
 // anything itself or reads any time, so nothing sees the device's state with launches missing.
 constexpr int64_t kLogMax = 1 << 15;
 std::mutex g_log_mutex;
@@ -591,6 +593,17 @@ struct HostOpCounts {
     return static_cast<int64_t>(pairs.size() / 2);
   }
 };
+
+int64_t g_log_closes = 0;  // kind -2 entries in the log (under g_log_mutex)
+
+// the log's first n entries gone (under g_log_mutex)
+void erase_log_locked(int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (g_log[3 * j] == -2) --g_log_closes;
+  }
+  g_log.erase(g_log.begin(), g_log.begin() + 3 * n);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+}
 
 void log_entry(int64_t kind, int64_t core, int64_t id) {
   if (kind == 0 && t_capture != 0) kind = 2 + t_capture;
@@ -2607,12 +2620,25 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   int64_t n = std::min<int64_t>(static_cast<int64_t>(g_log.size() / 3), cap);
   std::memcpy(out, g_log.data(), static_cast<size_t>(n) * 3 * sizeof(int64_t));
-  g_log.erase(g_log.begin(), g_log.begin() + n * 3);
-  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  erase_log_locked(n);
   return n;
 }
-// The log's first entries while they are launches made inside a graph capture (kind 2 + token) or
-// host ops: the launches, in order, as (core, cost handle, token) into `launches` (at most `cap`),
+// Device.graph's block ends on this thread: capture `token` is closed here in the log (kind -2), all its
+// launches logged before it, to be issued where the close stands. 0 (nothing logged) when the log is
+// full: the device then collects and issues them itself.
+int trnsim_log_close(int64_t token) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  if (static_cast<int64_t>(g_log.size() / 3) >= kLogMax || token <= 0) return 0;
+  g_log.push_back(-2);
+  g_log.push_back(token);
+  g_log.push_back(0);
+  ++g_log_closes;
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  return 1;
+}
+// The log's first entries while they are launches made inside a graph capture still open (kind 2 +
+// token; a closed one's are placed at its close) or host ops: the launches, in order, as (core, cost
+// handle, token) into `launches` (at most `cap`),
 // the host ops counted as HostOpCounts pairs into `hops`. counts[0], counts[1]: how many of each were
 // written. Returns the entries consumed. What Device._drain's loop does with these entries is to
 // collect the launches into their capture and count the host ops, neither of which depends on the
@@ -2622,20 +2648,25 @@ int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, 
   const int64_t n = static_cast<int64_t>(g_log.size() / 3);
   int64_t i = 0, nl = 0;
   HostOpCounts hop;
+  std::unordered_set<int64_t> closed;
+  if (g_log_closes > 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (g_log[3 * j] == -2) closed.insert(g_log[3 * j + 1]);
+    }
+  }
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {
       hop.add(id);
       continue;
     }
-    if (kind < 2 || nl == cap) break;
+    if (kind < 2 || nl == cap || closed.count(kind - 2) != 0) break;
     launches[3 * nl] = core;
     launches[3 * nl + 1] = id;
     launches[3 * nl + 2] = kind - 2;
     ++nl;
   }
-  g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
-  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  erase_log_locked(i);
   counts[0] = nl;
   counts[1] = hop.write(hops);
   return i;
@@ -2651,7 +2682,12 @@ void trnsim_fast_ticks(int64_t handle, int64_t ticks) {
 // per core from io[8] (ready0, busy_until and the in-flight ends written back). Out: one kPlaceOut row
 // per core the entries used, in first-use order, into cores_out (io[3] of them); (handle, launches,
 // ticks, wait) per handle in first-use order into rows (io[4]); (name id, count) per host op into
-// hops (io[5]); the ticks the host waited at kind -1 entries (io[6]).
+// hops (io[5]); the ticks the host waited at kind -1 entries (io[6]); the captures' ends (kind -2) it
+// took (io[7]). A graph capture closed in the log (kind -2, trnsim_log_close) is placed at its close: its launches
+// (kind 2 + token, wherever they stand before it) as Device._settle_capture issues them, one dispatch
+// per run of consecutive launches on a core, the kernels of a run back to back (Device._issue_run).
+// Its launches are consumed only with its close: a stop between them gives the placement back to
+// where the first of them stood (Python's loop takes it from there).
 // Returns the entries consumed (0: the first one is not the common case; Python's loop takes it),
 // or -1 when a core's figures do not fit the rows (nothing consumed).
 int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t* hops) {
@@ -2663,17 +2699,28 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     int64_t max_inflight = 0, ready0 = 0, busy = 0, last_open = 0;
     std::vector<int64_t> inflight;  // front = oldest
     int64_t launches = 0, wait = 0, ticks = 0, max_end = 0, last_host = -1, order = -1;
+    int64_t dispatches = 0, graphs = 0;             // host dispatches; graph launches (runs of 2+ kernels)
     std::vector<std::pair<int64_t, int64_t>> fresh;  // new intervals with end > start, in order
     std::vector<int64_t> bookings;                  // (start, end, handle) of the last kBookings ticking kernels
   };
+  struct State {  // everything the placement has done so far (a closed capture's checkpoint copies it)
+    std::vector<Core> cs;
+    int64_t host = 0, waited = 0;  // waited: ticks the host spent in kind -1 waits (apart from host_ticks)
+    int64_t closes = 0;            // captures' ends placed
+    std::vector<int64_t> order;
+    std::unordered_map<int64_t, size_t> row_at;
+    std::vector<int64_t> row_v;
+    HostOpCounts hop;
+  };
   const int64_t ncores = io[2];
   if (ncores < 1 || ncores > 64) return 0;
-  int64_t host = io[0];
   const int64_t dispatch = io[1];
-  std::vector<Core> cs(static_cast<size_t>(ncores));
+  State st;
+  st.host = io[0];
+  st.cs.resize(static_cast<size_t>(ncores));
   for (int64_t i = 0; i < ncores; ++i) {
     const int64_t* in = io + 8 + i * kPlaceIn;
-    Core& c = cs[static_cast<size_t>(i)];
+    Core& c = st.cs[static_cast<size_t>(i)];
     c.simple = in[0] != 0 && in[4] <= kInflight && in[1] >= 1 && in[1] + 1 <= kBookings;
     c.max_inflight = in[1];
     c.ready0 = in[2];
@@ -2681,67 +2728,58 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     if (c.simple) c.inflight.assign(in + 5, in + 5 + in[4]);
     c.last_open = in[13];
   }
-  int64_t waited = 0;  // ticks the host spent in kind -1 waits (not dispatching: apart from host_ticks)
-  std::vector<int64_t> order;
-  std::unordered_map<int64_t, size_t> row_at;
-  std::vector<int64_t> row_v;
-  HostOpCounts hop;
-  std::lock_guard<std::mutex> lock(g_log_mutex);
-  std::lock_guard<std::mutex> tlock(g_ticks_mutex);
-  const int64_t n = static_cast<int64_t>(g_log.size() / 3);
-  int64_t i = 0;
-  for (; i < n; ++i) {
-    const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
-    if (kind == 1) {  // a host op: counted by name
-      hop.add(id);
-      continue;
+  auto use = [&st](Core& c, int64_t core) {
+    if (!c.used) {
+      c.used = true;
+      c.order = static_cast<int64_t>(st.order.size());
+      st.order.push_back(core);
     }
-    if (kind == -1) {  // the host waits for the core's work (Device.synchronize): no dispatch of its own
-      if (core < 0 || core >= ncores || !cs[static_cast<size_t>(core)].simple) break;
-      const int64_t ready = cs[static_cast<size_t>(core)].ready0;
-      if (ready > host) {
-        waited += ready - host;
-        host = ready;
-      }
-      continue;
+  };
+  auto row = [&st](int64_t id, int64_t ticks, int64_t wait) {
+    auto it = st.row_at.find(id);
+    if (it == st.row_at.end()) {
+      st.row_at.emplace(id, st.row_v.size());
+      st.row_v.insert(st.row_v.end(), {id, 1, ticks, wait});
+    } else {
+      st.row_v[it->second + 1] += 1;
+      st.row_v[it->second + 2] += ticks;
+      st.row_v[it->second + 3] += wait;
     }
-    if (kind != 0 || core < 0 || core >= ncores || id < 0 || static_cast<size_t>(id) >= g_ticks.size()) break;
-    Core& c = cs[static_cast<size_t>(core)];
+  };
+  auto book = [](Core& c, int64_t start, int64_t end, int64_t id) {
+    c.bookings.push_back(start);
+    c.bookings.push_back(end);
+    c.bookings.push_back(id);
+  };
+  // The host dispatches to core c (Device._dispatch): its tick after, and whether the oldest in-flight
+  // launch leaves the queue.
+  auto dispatch_to = [&st, dispatch](const Core& c, bool* pop) {
+    int64_t h = st.host;
+    *pop = static_cast<int64_t>(c.inflight.size()) >= c.max_inflight;
+    if (*pop && c.inflight.front() > h) h = c.inflight.front();
+    return h + dispatch;
+  };
+  // one launch of `id` on `core`, as Device._drain places it; false where Python's loop must
+  auto launch = [&](int64_t core, int64_t id) {
+    if (core < 0 || core >= ncores || id < 0 || static_cast<size_t>(id) >= g_ticks.size()) return false;
+    Core& c = st.cs[static_cast<size_t>(core)];
     const int64_t ticks = g_ticks[static_cast<size_t>(id)];
-    if (!c.simple || ticks < 0) break;
-    // the launch, as Device._drain places it
-    int64_t h = host;
-    bool pop = static_cast<int64_t>(c.inflight.size()) >= c.max_inflight;
-    if (pop && c.inflight.front() > h) h = c.inflight.front();
-    h += dispatch;
+    if (!c.simple || ticks < 0) return false;
+    bool pop;
+    const int64_t h = dispatch_to(c, &pop);
     const int64_t start = c.ready0 > h ? c.ready0 : h;
     int64_t wait = h - (c.ready0 > c.busy ? c.ready0 : c.busy);
     if (wait < 0) wait = 0;
     const int64_t end = start + ticks;
-    if (end > start && c.last_open > start) break;  // overlaps an open interval: the general merge (Python's)
+    if (end > start && c.last_open > start) return false;  // overlaps an open interval: the general merge (Python's)
     if (pop) c.inflight.erase(c.inflight.begin());
-    host = h;
-    if (!c.used) {
-      c.used = true;
-      c.order = static_cast<int64_t>(order.size());
-      order.push_back(core);
-    }
-    if (ticks) {
-      c.bookings.push_back(start);
-      c.bookings.push_back(end);
-      c.bookings.push_back(id);
-    }
-    auto it = row_at.find(id);
-    if (it == row_at.end()) {
-      row_at.emplace(id, row_v.size());
-      row_v.insert(row_v.end(), {id, 1, ticks, wait});
-    } else {
-      row_v[it->second + 1] += 1;
-      row_v[it->second + 2] += ticks;
-      row_v[it->second + 3] += wait;
-    }
+    st.host = h;
+    use(c, core);
+    if (ticks) book(c, start, end, id);
+    row(id, ticks, wait);
     c.launches += 1;
     c.wait += wait;
+    c.dispatches += 1;
     if (end > c.max_end) c.max_end = end;
     if (end > start) {
       c.ticks += end - start;
@@ -2752,13 +2790,126 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     }
     c.ready0 = end;
     if (end > c.busy) c.busy = end;
+    return true;
+  };
+  // a run of 2+ launches on `core` as one graph launch (Device._issue_run); false where Python must
+  auto graph_run = [&](int64_t core, const std::vector<int64_t>& ids) {
+    if (core < 0 || core >= ncores) return false;
+    Core& c = st.cs[static_cast<size_t>(core)];
+    if (!c.simple) return false;
+    int64_t total = 0;
+    for (int64_t id : ids) {
+      if (id < 0 || static_cast<size_t>(id) >= g_ticks.size() || g_ticks[static_cast<size_t>(id)] < 0) return false;
+      total += g_ticks[static_cast<size_t>(id)];
+    }
+    bool pop;
+    const int64_t h = dispatch_to(c, &pop);
+    const int64_t t0 = c.ready0 > h ? c.ready0 : h;
+    int64_t wait = h - (c.ready0 > c.busy ? c.ready0 : c.busy);
+    if (wait < 0) wait = 0;
+    if (total > 0 && c.last_open > t0) return false;  // its first kernel overlaps an open interval (Python's merge)
+    if (pop) c.inflight.erase(c.inflight.begin());
+    st.host = h;
+    use(c, core);
+    int64_t t = t0, w = wait;
+    for (int64_t id : ids) {
+      const int64_t ticks = g_ticks[static_cast<size_t>(id)];
+      const int64_t end = t + ticks;
+      if (ticks) book(c, t, end, id);
+      row(id, ticks, w);
+      w = 0;  // kernels of one graph follow each other without the host
+      t = end;
+    }
+    c.launches += static_cast<int64_t>(ids.size());
+    c.wait += wait;
+    c.dispatches += 1;
+    c.graphs += 1;
+    if (t > c.max_end) c.max_end = t;
+    if (total > 0) {  // its kernels' intervals, back to back: one interval of the union (CoreTally's busy)
+      c.ticks += total;
+      c.last_host = h;
+      c.fresh.emplace_back(t0, t);
+      c.last_open = t;
+    }
+    c.ready0 = t;
+    if (t > c.busy) c.busy = t;
+    if (t > t0) c.inflight.push_back(t);
+    return true;
+  };
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  std::lock_guard<std::mutex> tlock(g_ticks_mutex);
+  const int64_t n = static_cast<int64_t>(g_log.size() / 3);
+  std::unordered_set<int64_t> closed;  // captures whose close is in the log
+  if (g_log_closes > 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (g_log[3 * j] == -2) closed.insert(g_log[3 * j + 1]);
+    }
+  }
+  std::unordered_map<int64_t, std::vector<std::pair<int64_t, int64_t>>> open;  // token -> its (core, handle)s so far
+  State ckpt;
+  int64_t ckpt_i = -1;
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
+    if (kind == 1) {  // a host op: counted by name
+      st.hop.add(id);
+      continue;
+    }
+    if (kind == -1) {  // the host waits for the core's work (Device.synchronize): no dispatch of its own
+      if (core < 0 || core >= ncores || !st.cs[static_cast<size_t>(core)].simple) break;
+      const int64_t ready = st.cs[static_cast<size_t>(core)].ready0;
+      if (ready > st.host) {
+        st.waited += ready - st.host;
+        st.host = ready;
+      }
+      continue;
+    }
+    if (kind >= 2) {  // made inside capture kind - 2: placed at its close, if that is in the log
+      if (closed.count(kind - 2) == 0) break;  // still open: Python collects it
+      if (open.empty()) {
+        ckpt = st;
+        ckpt_i = i;
+      }
+      open[kind - 2].emplace_back(core, id);
+      continue;
+    }
+    if (kind == -2) {  // capture `core` closed: its launches issued here, one dispatch per run on a core
+      auto it = open.find(core);
+      if (it == open.end()) {  // it launched nothing (a closed capture's launches are all in the log)
+        ++st.closes;
+        continue;
+      }
+      const auto& got = it->second;
+      bool ok = true;
+      for (size_t a = 0; ok && a < got.size();) {
+        size_t b = a + 1;
+        while (b < got.size() && got[b].first == got[a].first) ++b;
+        if (b - a == 1) {
+          ok = launch(got[a].first, got[a].second);
+        } else {
+          std::vector<int64_t> ids;
+          for (size_t k = a; k < b; ++k) ids.push_back(got[k].second);
+          ok = graph_run(got[a].first, ids);
+        }
+        a = b;
+      }
+      if (!ok) break;
+      open.erase(it);
+      ++st.closes;
+      continue;
+    }
+    if (kind != 0 || !launch(core, id)) break;
+  }
+  if (!open.empty()) {  // a capture's launches without its close: back to where the first of them stood
+    st = std::move(ckpt);
+    i = ckpt_i;
   }
   if (i == 0) return 0;
   // per core: the fresh intervals a recorder folds (ended by the host of its last add) and the ones it keeps open
-  for (size_t k = 0; k < order.size(); ++k) {
-    Core& c = cs[static_cast<size_t>(order[k])];
+  for (size_t k = 0; k < st.order.size(); ++k) {
+    Core& c = st.cs[static_cast<size_t>(st.order[k])];
     int64_t* o = cores_out + k * kPlaceOut;
-    o[0] = order[k];
+    o[0] = st.order[k];
     o[1] = c.launches;
     o[2] = c.wait;
     o[3] = c.ticks;
@@ -2781,21 +2932,23 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     const int64_t from = nb > kBookings ? nb - kBookings : 0;
     o[32] = nb - from;
     std::memcpy(o + 33, c.bookings.data() + 3 * from, static_cast<size_t>(3 * (nb - from)) * sizeof(int64_t));
-    int64_t* back = io + 8 + order[k] * kPlaceIn;
+    o[60] = c.dispatches;
+    o[61] = c.graphs;
+    int64_t* back = io + 8 + st.order[k] * kPlaceIn;
     back[2] = c.ready0;
     back[3] = c.busy;
     back[4] = static_cast<int64_t>(c.inflight.size());
     if (back[4] > kInflight) return -1;
     std::memcpy(back + 5, c.inflight.data(), c.inflight.size() * sizeof(int64_t));
   }
-  io[0] = host;
-  io[6] = waited;
-  *ncores_out = static_cast<int64_t>(order.size());
-  *nrows = static_cast<int64_t>(row_v.size() / 4);
-  std::memcpy(rows, row_v.data(), row_v.size() * sizeof(int64_t));
-  *nhops = hop.write(hops);
-  g_log.erase(g_log.begin(), g_log.begin() + 3 * i);
-  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  io[0] = st.host;
+  io[6] = st.waited;
+  io[7] = st.closes;
+  *ncores_out = static_cast<int64_t>(st.order.size());
+  *nrows = static_cast<int64_t>(st.row_v.size() / 4);
+  std::memcpy(rows, st.row_v.data(), st.row_v.size() * sizeof(int64_t));
+  *nhops = st.hop.write(hops);
+  erase_log_locked(i);
   return i;
 }
 const char* trnsim_fast_name(int64_t id) {

@@ -98,10 +98,12 @@ class NativeLog:
         take). ``cores``: per core (simple, max_inflight, ready of stream 0, busy_until, in-flight
         ends, the last open interval's end in any recorder). Returns None when it took nothing, else
         (entries taken, the host's tick, per core used: (core, ready, busy_until, in-flight ends,
-        launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings), the rows
+        launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings, host
+        dispatches, graph launches), the rows
         as (flat ints: handle, launches, ticks, wait per cost; the table whose entry ``handle`` is
         (op, cost, row key)), per host op: (name, count), the ticks the host waited for a core's
-        work (item(): the log's waits, which are not dispatch time))."""
+        work (item(): the log's waits, which are not dispatch time), the graph captures whose end
+        (``close``) it took)."""
         if len(cores) > _PLACE_CORES:
             return None
         vals = [host, dispatch, len(cores), 0, 0, 0, 0, 0]
@@ -127,9 +129,10 @@ class NativeLog:
             st = io[b:b + _PLACE_IN].tolist()
             keep = [[o[8 + 2 * j], o[9 + 2 * j]] for j in range(o[7])]
             bookings = [(0, o[33 + 3 * j], o[34 + 3 * j], table[o[35 + 3 * j]][1].demand) for j in range(o[32])]
-            used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings))
+            used.append((core, st[2], st[3], st[5:5 + st[4]], o[1], o[2], o[3], o[4], o[5], o[6], keep, bookings,
+                         o[60], o[61]))
         rows = self._rows_q[:4 * head[4]].tolist()  # (handle, launches, ticks, wait) per row: Recorder.defer_rows
-        return got, head[0], used, (rows, table), self._host_ops(head[5]), head[6]
+        return got, head[0], used, (rows, table), self._host_ops(head[5]), head[6], head[7]
 
     def take_captured(self) -> tuple[list[tuple[int, int, str, OpCost]], list[tuple[str, int]]] | None:
         """The log's first entries while they are launches made inside a graph capture or host ops
@@ -169,6 +172,8 @@ class NativeLog:
             kind = flat[i]
             if kind == -1:  # the host waits for the core's work (an item() served natively)
                 yield flat[i + 1], None, None, None, 0
+            elif kind == -2:  # graph capture flat[i + 1] ends here (close)
+                yield -1, None, None, None, flat[i + 1]
             elif kind != 1:  # a launch: 0 issued, 2 + token collected by that graph capture
                 op, cost, key = table[flat[i + 2]]
                 yield flat[i + 1], op, cost, key, kind - 2 if kind else 0
@@ -181,6 +186,11 @@ class NativeLog:
 
     def gate(self, on: bool) -> None:
         self.lib.trnsim_fast_gate(int(on))
+
+    def close(self, token: int) -> bool:
+        """Capture ``token`` ends here (``trnsim_log_close``): its launches, all in the log, are
+        issued where this entry stands; False (nothing logged) when the log is full."""
+        return bool(self.lib.trnsim_log_close(int(token)))
 
     def capture(self, token: int) -> None:
         self.lib.trnsim_fast_capture(int(token))

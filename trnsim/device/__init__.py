@@ -43,6 +43,7 @@ The model, in integer ticks of the chip config (``config.tick_hz``):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from dataclasses import replace
@@ -101,7 +102,8 @@ class Device:
         # by a front end only while something records lines, as it walks the host's stack
         self._source_of: Callable[[], str] | None = None
         self._log: LaunchLog | None = None  # launches made elsewhere, to issue first (attach_log)
-        self._tokens: dict[int, Capture] = {}  # the open ones by token (LaunchLog.capture)
+        self._tokens: dict[int, Capture] = {}  # the open ones by token (LaunchLog.capture), and the closed
+        self._closed: collections.deque[int] = collections.deque()  # ... ones whose close the log holds, in its order
         self._next_token = 0
         self._ctx_threads: set[int] = set()  # threads whose launches carry a context
 
@@ -148,6 +150,12 @@ class Device:
             host = self._host  # kept here while entries are issued inline, in self._host otherwise
             for core, op, cost, key, token in log.take():
                 if cost is None:
+                    if op is None and core < 0:  # capture `token` ended here: what it collected, issued
+                        self._closed.popleft()
+                        self._host = host
+                        self._settle_capture(self._tokens.pop(token))
+                        host = self._host
+                        continue
                     if op is None:  # the host waits for the core's work, as synchronize(core) does
                         for ready in cores[core].ready.values():
                             if ready > host:
@@ -259,9 +267,12 @@ class Device:
         got = log.place(self._host, self.dispatch, states)
         if got is None:
             return
-        taken, host, used, (rows, table), hops, waited = got
-        launches = sum(u[4] for u in used)
-        for core, ready, busy, inflight, *_, bookings in used:
+        taken, host, used, (rows, table), hops, waited, closes = got
+        for _ in range(closes):  # (captures the log ended and placed)
+            del self._tokens[self._closed.popleft()]
+        dispatches = sum(u[12] for u in used)
+        graphs = sum(u[13] for u in used)
+        for core, ready, busy, inflight, *_, bookings, _d, _g in used:
             c = self.cores[core]
             c.ready[0] = ready
             c.busy_until = busy
@@ -274,10 +285,11 @@ class Device:
         self._host = host
         for rec in recs:
             rec.host_ticks += delta
-            rec.dispatches += launches
+            rec.dispatches += dispatches
+            rec.graph_launches += graphs
             rec.defer_rows(rows, table)
             rec.count_host_ops(hops)
-            for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, _bk in used:
+            for core, _r, _b, _i, n, wait, ticks, last_end, last_host, folded, keep, *_ in used:
                 tally = rec.cores.get(core)
                 if tally is None:
                     tally = rec.cores[core] = CoreTally()
@@ -724,8 +736,7 @@ class Device:
     def _collect(self, keep: bool) -> Iterator[list[LaunchItem]]:
         cap = Capture(keep)
         prev = getattr(self._local, "capture", None)
-        with self._lock:  # (the log's gate does not depend on captures: they take the log's launches too)
-            self._drain()
+        with self._lock:  # (what the log holds from before the block stays ahead of the block's launches in it)
             self._next_token += 1
             cap.token = self._next_token
             self._tokens[cap.token] = cap
@@ -739,9 +750,15 @@ class Device:
                 self._log.capture(0 if prev is None else prev.token)
             self._local.capture = prev
             with self._lock:
-                self._drain()  # (what the log holds of this block, into cap)
-                self._settle_capture(cap)
-                del self._tokens[cap.token]
+                # every launch of the block still in the log (none collected here): the log ends the
+                # capture in its place, where the launches are issued when it is drained
+                close = getattr(self._log, "close", None) if cap.keep and not cap else None
+                if close is not None and close(cap.token):
+                    self._closed.append(cap.token)
+                else:
+                    self._drain()  # (what the log holds of this block, into cap)
+                    self._settle_capture(cap)
+                    del self._tokens[cap.token]
 
     def _settle_capture(self, cap: "Capture") -> None:
         """Issue (or drop) what ``cap`` collected so far, as graph launches."""
