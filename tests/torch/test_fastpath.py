@@ -249,6 +249,13 @@ def _figures(rep):
     return (rep.rows, rep.host_ops, rep.cores, rep.elapsed_us, rep.device_us, rep.host_us, rep.dispatches)
 
 
+def _timelines(dev, h0: int, cores=(0, 1)):
+    """Two cores' bookings, in-flight ends, ready and busy ticks (from host tick ``h0``) and
+    streams: what the device's next launches are placed against."""
+    return [([(b[0], b[1] - h0, b[2] - h0, b[3]) for b in c.bookings], [t - h0 for t in c.inflight],
+             c.ready[0] - h0, c.busy_until - h0, sorted(c.streams)) for c in (dev.cores[i] for i in cores)]
+
+
 def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypatch):
     """Without a trace the device lets the native log place its launches (Device._place, not a
     Python loop per launch): every report figure is the loop's and the Python path's, in an outer
@@ -273,9 +280,7 @@ def test_natively_placed_launches_leave_the_figures_of_the_python_loop(monkeypat
                     torch.neuron.synchronize()
                 _program(1)
                 torch.neuron.synchronize()
-        timelines = [([(b[0], b[1] - h0, b[2] - h0, b[3]) for b in c.bookings], [t - h0 for t in c.inflight],
-                      c.ready[0] - h0, c.busy_until - h0, sorted(c.streams)) for c in dev.cores[:2]]
-        return values, outer.report, inner.report, timelines
+        return values, outer.report, inner.report, _timelines(dev, h0)
 
     placed = run(True, 2)
     folding = run(True, 2, defer_max=1)  # every placement's rows added at once
@@ -323,8 +328,8 @@ def _graphs(seed: int):
     launches between the captures; and one with a muted block inside (its end drains the log)."""
     dev = runtime().device
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(64, generator=g).to("neuron")
-    y = torch.randn(64, generator=g).to("neuron:1")
+    x = torch.randn(64, generator=g).to("neuron:2")  # (cores no other test gives a second stream: the
+    y = torch.randn(64, generator=g).to("neuron:3")  # native placement takes a core's launches only then)
     out = []
     for _ in range(3):
         with dev.graph():
@@ -379,9 +384,7 @@ def test_a_graph_s_launches_placed_at_its_close_in_the_log_leave_the_figures_of_
                     torch.neuron.synchronize()
                 torch.neuron.synchronize()
         assert not dev._tokens and not dev._closed
-        timelines = [([(b[0], b[1] - h0, b[2] - h0, b[3]) for b in c.bookings], [t - h0 for t in c.inflight],
-                      c.ready[0] - h0, c.busy_until - h0, sorted(c.streams)) for c in dev.cores[:2]]
-        return values, outer.report, inner.report, timelines
+        return values, outer.report, inner.report, _timelines(dev, h0, (2, 3))
 
     placed = run(True, 2, True)
     assert placed[1].graph_launches > 0
