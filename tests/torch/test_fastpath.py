@@ -398,6 +398,65 @@ def test_a_graph_s_launches_placed_at_its_close_in_the_log_leave_the_figures_of_
         assert placed[3] == other[3]
 
 
+def _after_a_stream(seed: int):
+    """Eager launches on the default stream of a core that has run a kernel on another stream
+    (the first round's matmul overlaps them; later rounds' do not), and the host waiting for the
+    core's work (item(): every stream's)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 256, generator=g).to("neuron:3")
+    s = torch.neuron.Stream("neuron:3")
+    seen = 0.0
+    for _ in range(3):
+        with torch.neuron.stream(s):
+            y = x @ x  # another stream
+        z = x
+        for _ in range(12):
+            z = (z * 0.5 + 1).relu()
+        seen += z.sum().item() + y[0, 0].item()
+        torch.neuron.synchronize()
+    return [z.cpu(), torch.tensor(seen)]
+
+
+def test_a_core_that_ran_another_stream_is_still_placed_natively(monkeypatch):
+    """Once a core has run a kernel on a second stream, its default stream's launches are still
+    placed by the native log where they start after that stream's kernels end (nothing to share
+    the engines with), and by the Python loop where they would run beside them: the same values,
+    report figures and cores' timelines as the Python loop and the Python path."""
+    import trnsim.device as device
+    from torch_bridge.eager.fastpath import NativeLog
+
+    dev = runtime().device
+    place = NativeLog.place
+    natively = []  # launches each native placement took on core 3
+
+    def counted(self, *args):
+        got = place(self, *args)
+        if got is not None:
+            natively.append(sum(u[4] for u in got[2] if u[0] == 3))
+        return got
+
+    monkeypatch.setattr(NativeLog, "place", counted)
+
+    def run(on: bool, place_min: int):
+        monkeypatch.setattr(device, "PLACE_MIN", place_min)
+        with fast(on):
+            _after_a_stream(1)
+            torch.neuron.synchronize()
+            h0 = dev.host
+            with torch.neuron.report_scope() as scope:
+                values = _after_a_stream(1)
+                torch.neuron.synchronize()
+        return values, scope.report, _timelines(dev, h0, (3,))[0][:4]  # (each run makes its own streams)
+
+    placed = run(True, 2)
+    assert len(dev.cores[3].streams) > 1 and sum(natively) >= 24
+    for other in (run(True, 10 ** 9), run(False, 2)):
+        for a, b in zip(placed[0], other[0], strict=True):
+            assert torch.equal(a, b)
+        assert _figures(placed[1]) == _figures(other[1])
+        assert placed[2] == other[2]
+
+
 def test_fast_blocks_are_counted_listed_and_freed():
     x, _ = tensors()
     x + 1

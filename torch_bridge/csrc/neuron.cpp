@@ -2420,7 +2420,8 @@ std::mutex g_ticks_mutex;
 std::vector<int64_t> g_ticks;  // cost handle -> its OpCost.ticks (-1: not told)
 
 constexpr int kPlaceIn = 16;    // per core in io: simple, max_inflight, ready0, busy_until, n_inflight,
-                                // inflight[8], last open end (any recorder), -, -
+                                // inflight[8], last open end (any recorder), the last end of another
+                                // stream's booked kernel, the latest ready of its other streams
 constexpr int kPlaceOut = 64;   // per core out: core, launches, wait, ticks, max end, last host, folded,
                                 // n survivors, survivors[2 * 12], n bookings, bookings[3 * 9]
 constexpr int kSurvivors = 12, kBookings = 9, kInflight = 8;
@@ -2697,6 +2698,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
   struct Core {
     bool simple = false, used = false;
     int64_t max_inflight = 0, ready0 = 0, busy = 0, last_open = 0;
+    int64_t others = 0, ready_other = 0;  // other streams: their kernels' last end (booked), their latest ready
     std::vector<int64_t> inflight;  // front = oldest
     int64_t launches = 0, wait = 0, ticks = 0, max_end = 0, last_host = -1, order = -1;
     int64_t dispatches = 0, graphs = 0;             // host dispatches; graph launches (runs of 2+ kernels)
@@ -2727,6 +2729,8 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     c.busy = in[3];
     if (c.simple) c.inflight.assign(in + 5, in + 5 + in[4]);
     c.last_open = in[13];
+    c.others = in[14];
+    c.ready_other = in[15];
   }
   auto use = [&st](Core& c, int64_t core) {
     if (!c.used) {
@@ -2772,6 +2776,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     if (wait < 0) wait = 0;
     const int64_t end = start + ticks;
     if (end > start && c.last_open > start) return false;  // overlaps an open interval: the general merge (Python's)
+    if (c.others > start) return false;  // beside another stream's kernel: they share the engines (Device._book)
     if (pop) c.inflight.erase(c.inflight.begin());
     st.host = h;
     use(c, core);
@@ -2808,6 +2813,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     int64_t wait = h - (c.ready0 > c.busy ? c.ready0 : c.busy);
     if (wait < 0) wait = 0;
     if (total > 0 && c.last_open > t0) return false;  // its first kernel overlaps an open interval (Python's merge)
+    if (c.others > t0) return false;  // beside another stream's kernel (Device._book's sharing)
     if (pop) c.inflight.erase(c.inflight.begin());
     st.host = h;
     use(c, core);
@@ -2857,7 +2863,8 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     }
     if (kind == -1) {  // the host waits for the core's work (Device.synchronize): no dispatch of its own
       if (core < 0 || core >= ncores || !st.cs[static_cast<size_t>(core)].simple) break;
-      const int64_t ready = st.cs[static_cast<size_t>(core)].ready0;
+      const Core& c = st.cs[static_cast<size_t>(core)];
+      const int64_t ready = c.ready0 > c.ready_other ? c.ready0 : c.ready_other;  // every stream's work
       if (ready > st.host) {
         st.waited += ready - st.host;
         st.host = ready;

@@ -96,7 +96,8 @@ class NativeLog:
         """Place the log's first launches natively (``trnsim_log_place``: the arithmetic of
         :meth:`trnsim.device.Device._drain`'s common case, for the entries up to the first it cannot
         take). ``cores``: per core (simple, max_inflight, ready of stream 0, busy_until, in-flight
-        ends, the last open interval's end in any recorder). Returns None when it took nothing, else
+        ends, the last open interval's end in any recorder, the last end of another stream's kernel
+        it keeps, the latest ready tick of its other streams). Returns None when it took nothing, else
         (entries taken, the host's tick, per core used: (core, ready, busy_until, in-flight ends,
         launches, wait, ticks, last end, last host, ticks folded, open intervals, bookings, host
         dispatches, graph launches), the rows
@@ -107,12 +108,12 @@ class NativeLog:
         if len(cores) > _PLACE_CORES:
             return None
         vals = [host, dispatch, len(cores), 0, 0, 0, 0, 0]
-        for simple, max_inflight, ready, busy, inflight, last_open in cores:
+        for simple, max_inflight, ready, busy, inflight, last_open, others, ready_other in cores:
             n = len(inflight)
             if n > 8 or not simple:
                 vals += (0, max_inflight, ready, busy, 0, 0, 0, 0, 0, 0, 0, 0, 0, last_open, 0, 0)
             else:
-                vals += (1, max_inflight, ready, busy, n, *inflight, *_ZEROS[n:], last_open, 0, 0)
+                vals += (1, max_inflight, ready, busy, n, *inflight, *_ZEROS[n:], last_open, others, ready_other)
         io = self._io_q
         io[:len(vals)] = array.array("q", vals)
         got = self.lib.trnsim_log_place(self._io_at, self._cores_at, self._rows_at, self._hops_at)

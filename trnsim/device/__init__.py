@@ -256,14 +256,20 @@ class Device:
         recs = self.recorders
         states = []
         for i, c in enumerate(self.cores):
-            streams = c.streams
-            simple = not c.pending and not (streams and (len(streams) > 1 or 0 not in streams))
             last = 0
             for rec in recs:
                 tally = rec.cores.get(i)
                 if tally is not None and tally.open and tally.open[-1][1] > last:
                     last = tally.open[-1][1]
-            states.append((simple, c.max_inflight, c.ready.get(0, 0), c.busy_until, c.inflight, last))
+            # another stream's kernels: a launch of stream 0 may be placed natively from where the last
+            # of them ends (nothing of theirs to share the engines with: _book stretches nothing) and
+            # the host's wait for the core (item()) waits for every stream's
+            others = ready = 0
+            if c.streams and (len(c.streams) > 1 or 0 not in c.streams):
+                others = max((b[2] for b in c.bookings if b[0] != 0), default=0)
+                ready = max((t for s, t in c.ready.items() if s != 0), default=0)
+            states.append((not c.pending, c.max_inflight, c.ready.get(0, 0), c.busy_until, c.inflight, last, others,
+                           ready))
         got = log.place(self._host, self.dispatch, states)
         if got is None:
             return
@@ -279,8 +285,7 @@ class Device:
             c.inflight.clear()
             c.inflight.extend(inflight)
             c.bookings.extend(bookings)
-            if not c.streams:
-                c.streams.add(0)
+            c.streams.add(0)
         delta = host - self._host - waited  # (waits for a core's work are no dispatch time, as in synchronize)
         self._host = host
         for rec in recs:
