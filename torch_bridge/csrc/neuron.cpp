@@ -560,8 +560,8 @@ void fast_free(void* ctx) {
 // as if Python had launched it: (kind, core, id) with kind 0 a launch of cost handle `id`, kind 1
 // a metadata-only op named `id`, kind -1 the host waiting for core `core`'s work (an item(): what
 // Device.synchronize(core) does, taken in its place in the log), kind 2 + token a launch made inside
-// graph capture `token`, kind -2 the end of capture `core` (its launches are issued there:
-// trnsim_log_close). Python drains it (under the device's lock) before it launches
+// graph capture `token`, kind -2 the end of capture `core` (its launches are issued there, or dropped
+// where `id` is 0, a muted block's: trnsim_log_close). Python drains it (under the device's lock) before it launches
 // anything itself or reads any time, so nothing sees the device's state with launches missing.
 constexpr int64_t kLogMax = 1 << 15;
 std::mutex g_log_mutex;
@@ -2624,15 +2624,15 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
   erase_log_locked(n);
   return n;
 }
-// Device.graph's block ends on this thread: capture `token` is closed here in the log (kind -2), all its
-// launches logged before it, to be issued where the close stands. 0 (nothing logged) when the log is
-// full: the device then collects and issues them itself.
-int trnsim_log_close(int64_t token) {
+// Device.graph's (or, `keep` 0, Device.muted's) block ends on this thread: capture `token` is closed here in
+// the log (kind -2), all its launches logged before it, to be issued (or dropped) where the close stands.
+// 0 (nothing logged) when the log is full: the device then collects and issues them itself.
+int trnsim_log_close(int64_t token, int keep) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   if (static_cast<int64_t>(g_log.size() / 3) >= kLogMax || token <= 0) return 0;
   g_log.push_back(-2);
   g_log.push_back(token);
-  g_log.push_back(0);
+  g_log.push_back(keep != 0 ? 1 : 0);
   ++g_log_closes;
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
   return 1;
@@ -2882,7 +2882,8 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
     }
     if (kind == -2) {  // capture `core` closed: its launches issued here, one dispatch per run on a core
       auto it = open.find(core);
-      if (it == open.end()) {  // it launched nothing (a closed capture's launches are all in the log)
+      if (it == open.end() || id == 0) {  // it launched nothing (a closed capture's launches are all in the
+        if (it != open.end()) open.erase(it);  // log), or it was muted: its launches dropped
         ++st.closes;
         continue;
       }

@@ -188,10 +188,11 @@ class NativeLog:
     def gate(self, on: bool) -> None:
         self.lib.trnsim_fast_gate(int(on))
 
-    def close(self, token: int) -> bool:
+    def close(self, token: int, keep: bool = True) -> bool:
         """Capture ``token`` ends here (``trnsim_log_close``): its launches, all in the log, are
-        issued where this entry stands; False (nothing logged) when the log is full."""
-        return bool(self.lib.trnsim_log_close(int(token)))
+        issued where this entry stands (dropped where not ``keep``: a muted block's); False (nothing
+        logged) when the log is full."""
+        return bool(self.lib.trnsim_log_close(int(token), int(bool(keep))))
 
     def capture(self, token: int) -> None:
         self.lib.trnsim_fast_capture(int(token))

@@ -756,9 +756,9 @@ class Device:
             self._local.capture = prev
             with self._lock:
                 # every launch of the block still in the log (none collected here): the log ends the
-                # capture in its place, where the launches are issued when it is drained
-                close = getattr(self._log, "close", None) if cap.keep and not cap else None
-                if close is not None and close(cap.token):
+                # capture in its place, where the launches are issued (or, muted, dropped) when it is drained
+                close = getattr(self._log, "close", None) if not cap else None
+                if close is not None and close(cap.token, cap.keep):
                     self._closed.append(cap.token)
                 else:
                     self._drain()  # (what the log holds of this block, into cap)

@@ -138,10 +138,11 @@ class LaunchLog(Protocol):
     launches may be logged at all: only while nothing a launch depends on at the moment it is
     made (adaptive eager, a launch context, a stream other than the default) is in effect.
     A log may also offer ``place`` (the common case's placement, natively), ``take_captured``
-    (a prefix of captured launches and host ops in bulk) and ``close(token)`` (the end of a
-    graph capture whose launches are all in the log, logged in its place: ``take`` gives it as
-    (-1, None, None, None, token), where the device issues what the capture collected, as the
-    block's end would have; False when it was not logged); the device uses them where they apply."""
+    (a prefix of captured launches and host ops in bulk) and ``close(token, keep)`` (the end of a
+    capture whose launches are all in the log, logged in its place: ``take`` gives it as (-1, None,
+    None, None, token), where the device issues what the capture collected, or drops it for a
+    muted block, as the block's end would have; False when it was not logged); the device uses
+    them where they apply."""
 
     def pending(self) -> int: ...
 
