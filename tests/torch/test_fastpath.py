@@ -322,6 +322,24 @@ def test_captured_launches_taken_in_bulk_leave_the_figures_of_the_python_loop(mo
     assert bulk[1].graph_launches == loop[1].graph_launches > 0 and bulk[1].host_ops
 
 
+def _native_places(monkeypatch, what):
+    """``what(got)`` of each native placement that took entries (NativeLog.place), in a list that
+    fills as the test runs."""
+    from torch_bridge.eager.fastpath import NativeLog
+
+    place = NativeLog.place
+    seen = []
+
+    def counted(self, *args):
+        got = place(self, *args)
+        if got is not None:
+            seen.append(what(got))
+        return got
+
+    monkeypatch.setattr(NativeLog, "place", counted)
+    return seen
+
+
 def _graphs(seed: int):
     """Graph captures as a compiled program runs them, with every launch of each in the log: fast
     ops on two cores (runs of one and of several launches per core), an empty capture, one with a
@@ -361,16 +379,9 @@ def test_a_graph_s_launches_placed_at_its_close_in_the_log_leave_the_figures_of_
     from torch_bridge.eager.fastpath import NativeLog
 
     dev = runtime().device
-    close, place = NativeLog.close, NativeLog.place
-    placed_natively = []  # (closes, graph launches) of each native placement
-
-    def counted(self, *args):
-        got = place(self, *args)
-        if got is not None:
-            placed_natively.append((got[6], sum(u[13] for u in got[2])))
-        return got
-
-    monkeypatch.setattr(NativeLog, "place", counted)
+    close = NativeLog.close
+    # (closes, graph launches) of each native placement
+    placed_natively = _native_places(monkeypatch, lambda got: (got[6], sum(u[13] for u in got[2])))
 
     def run(on: bool, place_min: int, closes: bool):
         monkeypatch.setattr(device, "PLACE_MIN", place_min)
@@ -427,19 +438,9 @@ def test_a_core_that_ran_another_stream_is_still_placed_natively(monkeypatch):
     the engines with), and by the Python loop where they would run beside them: the same values,
     report figures and cores' timelines as the Python loop and the Python path."""
     import trnsim.device as device
-    from torch_bridge.eager.fastpath import NativeLog
 
     dev = runtime().device
-    place = NativeLog.place
-    natively = []  # launches each native placement took on core 3
-
-    def counted(self, *args):
-        got = place(self, *args)
-        if got is not None:
-            natively.append(sum(u[4] for u in got[2] if u[0] == 3))
-        return got
-
-    monkeypatch.setattr(NativeLog, "place", counted)
+    natively = _native_places(monkeypatch, lambda got: sum(u[4] for u in got[2] if u[0] == 3))  # on core 3
 
     def run(on: bool, place_min: int):
         monkeypatch.setattr(device, "PLACE_MIN", place_min)

@@ -136,9 +136,10 @@ class NativeLog:
         return got, head[0], used, (rows, table), self._host_ops(head[5]), head[6], head[7]
 
     def take_captured(self) -> tuple[list[tuple[int, int, str, OpCost]], list[tuple[str, int]]] | None:
-        """The log's first entries while they are launches made inside a graph capture or host ops
-        (``trnsim_log_take_captured``): (the launches in order as (capture token, core, op, cost),
-        the host ops counted by name in first-use order), or None when the first entry is neither.
+        """The log's first entries while they are launches made inside a graph capture still open
+        (a closed one's wait for its close) or host ops (``trnsim_log_take_captured``): (the
+        launches in order as (capture token, core, op, cost), the host ops counted by name in
+        first-use order), or None when the first entry is neither.
         Collecting the one kind and counting the other is all :meth:`trnsim.device.Device._drain`
         does with them, so it needs no loop over the entries' tuples (~1 us each) for them."""
         counts = self._counts
