@@ -2,6 +2,8 @@
 steps, model configs by name or path (one-line errors), and the on-disk kernel-cost cache."""
 
 import json
+import pickle
+from pathlib import Path
 
 import pytest
 
@@ -102,8 +104,71 @@ def test_a_cached_cost_is_the_simulated_one(tmp_path):
     warm = CachedDevice(cfg, CostCache(tmp_path))
     b = warm.cost(SPEC)
     assert warm.simulated == 0 and warm.cache.hits == 1
-    assert (b.ticks, b.busy, b.demand, b.hbm_bytes, b.matmul_flops, b.cores) == \
-        (a.ticks, a.busy, a.demand, a.hbm_bytes, a.matmul_flops, a.cores)
+    figures = ("kernel", "generic", "ticks", "busy", "demand", "hbm_bytes", "matmul_flops", "cores", "engine_flops",
+               "hbm_read_bytes", "hbm_write_bytes", "dma_bytes")
+    assert [getattr(b, f) for f in figures] == [getattr(a, f) for f in figures]
+    assert a.hbm_read_bytes > 0 and a.hbm_write_bytes > 0 and a.dma_bytes > 0  # (the split kept, not zeros)
+    assert b.reports == ()  # an estimate's device reads no kernel reports
+
+
+def test_a_cached_cost_can_simulate_its_reports_when_read(tmp_path):
+    """The neuron device's cache (lazy_reports): a cost read back simulates its kernels' reports
+    when something reads them (a trace's engine lanes), the reports the cold run had."""
+    cfg = load_config("trn2")
+    a = CachedDevice(cfg, CostCache(tmp_path), lazy_reports=True).cost(SPEC)
+    warm = CachedDevice(cfg, CostCache(tmp_path), lazy_reports=True)
+    b = warm.cost(SPEC)
+    assert warm.simulated == 0 and len(a.reports) == 2
+    assert [r.total_cycles for r in b.reports] == [r.total_cycles for r in a.reports]
+    assert warm.simulated == 2 and b.reports == a.reports
+    assert pickle.loads(pickle.dumps(b.reports)) == tuple(b.reports)  # sent as the reports themselves
+
+
+def test_an_entry_without_a_figure_is_simulated_again(tmp_path):
+    """An entry written before the cache kept the read/write split is a miss, not zeros."""
+    cfg = load_config("trn2")
+    CachedDevice(cfg, CostCache(tmp_path)).cost(SPEC)
+    (entry,) = tmp_path.rglob("*.json")
+    old = json.loads(entry.read_text())
+    for k in ("engine_flops", "hbm_read_bytes", "hbm_write_bytes", "dma_bytes"):
+        del old[k]
+    entry.write_text(json.dumps(old))
+    dev = CachedDevice(cfg, CostCache(tmp_path))
+    assert dev.cost(SPEC).hbm_read_bytes > 0 and dev.simulated == 2
+    assert "dma_bytes" in json.loads(entry.read_text())  # rewritten whole
+
+
+def test_the_code_digest_covers_the_c_loops(tmp_path, monkeypatch):
+    """The simulator's C loops (the scheduler, the dependency tracker) make the ticks too: a
+    changed .c file is another key."""
+    from trnsim.device import costcache
+
+    root = Path(costcache.__file__).resolve().parents[1]
+    assert list(root.rglob("sched.c"))
+    monkeypatch.setattr(costcache, "_CODE", [])
+    before = costcache.code_version()
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + (b"//" if self.name == "sched.c" else b""))
+    monkeypatch.setattr(costcache, "_CODE", [])
+    assert costcache.code_version() != before
+
+
+def test_the_device_cache_is_asked_for(tmp_path, monkeypatch):
+    """$TRNSIM_COST_CACHE: off unless set; on/1 the estimates' directory; else a directory."""
+    from trnsim.device.costcache import default_cache_dir, device_cache_dir
+
+    for off in (None, "", "off", "OFF", "0"):
+        if off is None:
+            monkeypatch.delenv("TRNSIM_COST_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("TRNSIM_COST_CACHE", off)
+        assert device_cache_dir() is None
+    monkeypatch.setenv("TRNSIM_CACHE_DIR", str(tmp_path / "shared"))
+    for on in ("on", "1"):
+        monkeypatch.setenv("TRNSIM_COST_CACHE", on)
+        assert device_cache_dir() == default_cache_dir() == tmp_path / "shared"
+    monkeypatch.setenv("TRNSIM_COST_CACHE", str(tmp_path / "mine"))
+    assert device_cache_dir() == tmp_path / "mine"
 
 
 def test_the_key_holds_the_figures_not_the_name(tmp_path):

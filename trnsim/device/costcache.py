@@ -4,8 +4,9 @@ A cost is what :meth:`trnsim.device.Device.cost` computes for a :class:`~trnsim.
 (or :meth:`~trnsim.device.Device.collective_cost` for a collective on a rank). It is stored under
 a key that holds everything the number depends on:
 
-* the code: a digest of every ``.py`` file of the ``trnsim`` package (a changed cost model, kernel
-  or scheduler is a different key; computed once per process);
+* the code: a digest of every ``.py``, ``.c`` and ``.h`` file of the ``trnsim`` package (a changed
+  cost model, kernel or scheduler, in Python or in its C loops, is a different key; computed once
+  per process);
 * the chip config: every figure, after overrides (its name, description and file path are not
   part of it: two files with the same figures share costs);
 * the spec (kernel, shape, dtype, params, label, fallback) and the logical core's LNC, or for a
@@ -16,6 +17,13 @@ Each entry is one small JSON file, ``<dir>/<key[:2]>/<key>.json``, written atomi
 a killed writer leaves no partial entry, and an unreadable entry is simulated again and
 rewritten. The directory is ``$TRNSIM_CACHE_DIR`` (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/trnsim/costs`` (``~/.cache/trnsim/costs``).
+
+The `neuron` device of PyTorch programs uses the same cache when ``$TRNSIM_COST_CACHE`` asks for
+it (:func:`device_cache_dir`): a script run again, or another script with the same kernels, takes
+its kernels' costs from the disk instead of building and simulating them in its first step. A cost
+read back carries every figure of the simulated one; its kernels' own reports (the engine lanes a
+trace draws) are simulated again if something reads them (:class:`CachedDevice`'s
+``lazy_reports``).
 """
 
 from __future__ import annotations
@@ -25,14 +33,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from ..config import ChipConfig
 from . import Device, KernelSpec, OpCost
 from ..config.files import OutputError, write_atomic
 from ..isa import KernelError
 
-__all__ = ["CostCache", "CachedDevice", "code_version", "default_cache_dir"]
+__all__ = ["CostCache", "CachedDevice", "code_version", "default_cache_dir", "device_cache_dir"]
 
 _CODE: list[str] = []
 
@@ -42,7 +50,7 @@ def code_version() -> str:
     if not _CODE:
         root = Path(__file__).resolve().parents[1]  # the trnsim package
         h = hashlib.sha256()
-        for p in sorted(root.rglob("*.py")):
+        for p in sorted(q for ext in ("*.py", "*.c", "*.h") for q in root.rglob(ext)):
             h.update(str(p.relative_to(root)).encode())
             h.update(p.read_bytes())
         _CODE.append(h.hexdigest()[:20])
@@ -79,6 +87,20 @@ def default_cache_dir() -> Path | None:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "trnsim" / "costs"
+
+
+def device_cache_dir() -> Path | None:
+    """The cost cache of the `neuron` device (PyTorch programs), from ``$TRNSIM_COST_CACHE``:
+    unset, empty, ``off`` or ``0``: none (each process simulates its kernels; the default);
+    ``on`` or ``1``: :func:`default_cache_dir` (the estimates' cache); anything else: that
+    directory. One line for a value that names no directory is the caller's (the path is made
+    on the first write; a write that fails is counted, never raised)."""
+    env = os.environ.get("TRNSIM_COST_CACHE", "").strip()
+    if env.lower() in ("", "off", "0"):
+        return None
+    if env.lower() in ("on", "1"):
+        return default_cache_dir()
+    return Path(env)
 
 
 class CostCache:
@@ -126,22 +148,65 @@ class CostCache:
 def _cost_data(cost: OpCost) -> dict[str, Any]:
     return {"kernel": cost.kernel, "generic": cost.generic, "ticks": cost.ticks, "busy": cost.busy,
             "cores": cost.cores, "hbm_bytes": cost.hbm_bytes, "matmul_flops": cost.matmul_flops,
-            "demand": cost.demand}
+            "demand": cost.demand, "engine_flops": cost.engine_flops, "hbm_read_bytes": cost.hbm_read_bytes,
+            "hbm_write_bytes": cost.hbm_write_bytes, "dma_bytes": cost.dma_bytes}
 
 
 def _cost_of(data: dict[str, Any]) -> OpCost:
+    """The cost an entry holds (KeyError for an entry without one of its figures, such as one
+    written before the read/write split was kept: simulated again and rewritten)."""
     return OpCost(str(data["kernel"]), bool(data["generic"]), int(data["ticks"]),
                   {str(k): int(v) for k, v in data["busy"].items()}, int(data["cores"]), int(data["hbm_bytes"]),
-                  int(data["matmul_flops"]), {str(k): int(v) for k, v in data["demand"].items()})
+                  int(data["matmul_flops"]), {str(k): int(v) for k, v in data["demand"].items()},
+                  engine_flops=int(data["engine_flops"]), hbm_read_bytes=int(data["hbm_read_bytes"]),
+                  hbm_write_bytes=int(data["hbm_write_bytes"]), dma_bytes=int(data["dma_bytes"]))
+
+
+class _LazyReports(Sequence[Any]):
+    """A cost's kernel reports, simulated when first read (a cost read from the cache has none):
+    the same reports the simulation that wrote the entry made, since a simulation is a
+    function of the spec, the config and the code the entry's key names. Pickled as the reports."""
+
+    def __init__(self, device: Device, spec: KernelSpec):
+        self._device, self._spec = device, spec
+        self._reports: tuple[Any, ...] | None = None
+
+    def _get(self) -> tuple[Any, ...]:
+        if self._reports is None:
+            with self._device._lock:  # (as Device.cost simulates)
+                self._reports = Device._simulate(self._device, self._spec).reports
+        return self._reports
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._get()[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> Any:
+        return (tuple, (self._get(),))
+
+    def __repr__(self) -> str:
+        return "<kernel reports, simulated when read>" if self._reports is None else repr(self._reports)
 
 
 class CachedDevice(Device):
     """A :class:`~trnsim.device.Device` whose kernel and collective costs go through a
-    :class:`CostCache` (costs read back carry no per-kernel reports)."""
+    :class:`CostCache`. Costs read back carry no per-kernel reports, unless ``lazy_reports``:
+    then their ``reports`` are simulated when something reads them (a trace's engine lanes)."""
 
-    def __init__(self, config: ChipConfig, cache: CostCache):
+    def __init__(self, config: ChipConfig, cache: CostCache, lazy_reports: bool = False):
         super().__init__(config)
         self.cache = cache
+        self.lazy_reports = lazy_reports
         self._config_key = fingerprint(config)
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
@@ -151,7 +216,8 @@ class CachedDevice(Device):
             try:
                 if "refused" in data:
                     raise KernelError(str(data["refused"]))
-                return _cost_of(data)
+                cost = _cost_of(data)
+                return dataclasses.replace(cost, reports=_LazyReports(self, spec)) if self.lazy_reports else cost
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # an entry from a damaged file: simulate again
         try:
