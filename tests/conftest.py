@@ -15,6 +15,7 @@ the markers.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
@@ -24,6 +25,11 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
+
+# the neuron device's on-disk cost cache (trnsim.device.costcache.device_cache_dir) stays off in
+# tests, whatever the shell asks: a test's kernels are simulated by the code under test, and the
+# processes tests start inherit this. Tests of the cache name their own directory.
+os.environ.pop("TRNSIM_COST_CACHE", None)
 
 # test modules share tables by module name across folders (the sim equivalence tests take
 # test_kernel_library's SMALL shapes): every test folder is on the import path, as the top one is

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from trnsim import ChipConfig, load_config
 from trnsim.device import Device, KernelSpec, OpCost, no_work
+from trnsim.device.costcache import CachedDevice, CostCache, device_cache_dir
 
 from . import _torch
 from .eager import memory
@@ -25,7 +26,8 @@ class Runtime:
 
     def __init__(self, config: ChipConfig):
         self.config = config
-        self.device = Device(config)
+        cache = device_cache_dir()  # $TRNSIM_COST_CACHE: kernel costs shared across runs through the disk
+        self.device = Device(config) if cache is None else CachedDevice(config, CostCache(cache), lazy_reports=True)
         self._no_work: dict[str, OpCost] = {}
         self._native_launch = _no_native_launch
         if os.environ.get("TRNSIM_ADAPTIVE_EAGER", "").strip() == "1":  # torch.neuron.set_adaptive_eager's switch
