@@ -26,7 +26,14 @@ and simulations, the device model, the Python path per op name, its CPU kernels)
 (the native fast path with the CPU kernels it runs, autograd, the program's own Python), beside
 the same program's CPU step.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_zoo.py [--programs lstm,mamba] [--quick] [--split] [--check-slow]
+``--warm`` runs each program twice more on neuron with one new on-disk cost cache
+(``TRNSIM_COST_CACHE``, :func:`trnsim.device.costcache.device_cache_dir`): the first of them
+simulates its kernels and stores their costs, the second reads them, and its first step is what a
+script run again costs. Both runs' values and simulated times must be identical to the main run's.
+Without ``--warm`` the cache is off in the programs' processes whatever the shell sets, so first
+steps are cold.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_zoo.py [--programs lstm,mamba] [--quick] [--split] [--check-slow] [--warm]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -512,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", action="store_true", help="where the neuron wall time goes (torch_bridge.hostprof)")
     p.add_argument("--check-slow", action="store_true",
                    help="run each program again with TRNSIM_FASTPATH=0: values and ticks must be identical")
+    p.add_argument("--warm", action="store_true",
+                   help="run each program twice more with one on-disk cost cache: cold, then warm first steps")
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -526,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_zoo: error: unknown program {bad[0]!r}; expected one of {', '.join(PROGRAMS)}", file=sys.stderr)
         return 2
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("TRNSIM_COST_CACHE", None)  # (cold first steps; --warm names its own cache)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q])
     print(f"zoo: {len(names)} programs, each in a fresh process; {args.rounds} round(s) of {args.steps} steps "
           f"per device; ratios are neuron / CPU wall in the same process")
@@ -554,6 +565,21 @@ def main(argv: list[str] | None = None) -> int:
             r["slow_same"] = same
             print(f"    fast path off: values and ticks {'identical' if same else 'DIFFER'}"
                   f" (neuron step {slow.get('neuron_step', float('nan')) * 1e3:.1f} ms)", flush=True)
+        if args.warm:
+            with tempfile.TemporaryDirectory(prefix="zoo-costs-") as d:
+                runs = [_child(name, args, dict(env, TRNSIM_COST_CACHE=d)) for _ in range(2)]
+            bad = next((x["error"] for x in runs if "error" in x), None)
+            if bad is not None:
+                r["warm_same"] = False
+                print(f"    cost cache: error: {bad}", flush=True)
+                continue
+            same = all(x["values"] == r["values"] and x["ticks"] == r["ticks"] for x in runs)
+            r["warm_same"], r["neuron_first_warm"], r["kernels_first_warm"] = same, runs[1]["neuron_first"], \
+                runs[1]["kernels_first"]
+            print(f"    cost cache: neuron first step {runs[0]['neuron_first']:.2f} s storing "
+                  f"({runs[0]['kernels_first']} kernels simulated), {runs[1]['neuron_first']:.2f} s reading "
+                  f"({runs[1]['kernels_first']} simulated); CPU's {r['cpu_first']:.2f} s; values and ticks "
+                  f"{'identical' if same else 'DIFFER'}", flush=True)
     ok = [r for r in results if "error" not in r]
     if ok:
         ratios = [r["ratio"] for r in ok]
@@ -565,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
               f"first step within 3x CPU + 2 s: {firsts}/{len(ok)} (in process CPU time: {firsts_cpu}/{len(ok)})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    failed = len(ok) < len(results) or any(r.get("slow_same") is False for r in ok)
+    failed = len(ok) < len(results) or any(r.get("slow_same") is False or r.get("warm_same") is False for r in ok)
     return 1 if failed else 0
 
 
