@@ -37,11 +37,15 @@ print(json.dumps({"loss": loss.item().hex(), "weights": digest([p.detach().cpu()
 """
 
 
-def _run(cache: str | None) -> dict:
+def _process(cache: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRNSIM_COST_CACHE"}
     if cache is not None:
         env["TRNSIM_COST_CACHE"] = cache
-    out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _run(cache: str | None) -> dict:
+    out = _process(cache)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -58,3 +62,13 @@ def test_a_second_run_reads_its_costs_and_reports_the_same(tmp_path):
     same = ("loss", "weights", "report", "figures", "trace", "events")
     assert [cold[k] for k in same] == [off[k] for k in same]
     assert [warm[k] for k in same] == [off[k] for k in same]  # the trace's engine lanes simulated when read
+
+
+def test_a_cache_that_is_a_file_is_refused_in_one_line(tmp_path):
+    f = tmp_path / "costs"
+    f.write_text("not a directory")
+    out = _process(str(f))
+    assert out.returncode != 0 and not out.stdout.strip()
+    last = out.stderr.strip().splitlines()[-1]
+    assert f"TRNSIM_COST_CACHE={f} is not a directory" in last and "'on'" in last
+    assert f.read_text() == "not a directory"
