@@ -9,6 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # (every test starts Python processes)
+
 PROGRAM = r"""
 import hashlib, json, torch
 from torch import nn
