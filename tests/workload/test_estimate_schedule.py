@@ -216,3 +216,22 @@ def test_the_cache_can_be_off(tmp_path, monkeypatch):
     dev = CachedDevice(load_config("trn2"), CostCache(None))
     dev.cost(SPEC)
     assert dev.simulated == 2 and not list(tmp_path.iterdir())
+
+
+def test_a_kernel_registered_at_run_time_is_never_cached(tmp_path):
+    """A user's NKI kernel (a kernel family) may change between runs under the same name: its
+    cost is simulated every time and never written; a library kernel beside it is cached."""
+    from trnsim import nki
+    from trnsim.costcache import cacheable
+    import nki_kernels as K
+
+    fam = nki.family(K.fused_softmax, "test_costcache::softmax")
+    spec = KernelSpec.of(fam.family, (0, 1), "fp32", {"args": (("T", (128, 64), "float32"),), "kwargs": ()})
+    assert not cacheable(spec) and cacheable(SPEC)
+    assert not cacheable(KernelSpec.of("matmul", (128, 128, 128), "bf16", {"x": object()}))
+    assert not cacheable(KernelSpec.of("matmul", (128, 128, 128), "bf16", {}, fallback=spec))
+    cfg = load_config("trn2")
+    a = CachedDevice(cfg, CostCache(tmp_path)).cost(spec)
+    assert not list(tmp_path.rglob("*.json"))
+    again = CachedDevice(cfg, CostCache(tmp_path))
+    assert again.cost(spec).ticks == a.ticks and again.simulated > 0 and again.cache.hits == again.cache.misses == 0

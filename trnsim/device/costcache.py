@@ -12,6 +12,10 @@ a key that holds everything the number depends on:
 * the spec (kernel, shape, dtype, params, label, fallback) and the logical core's LNC, or for a
   collective the system's figures, the call and the rank.
 
+A kernel whose cost depends on more than that is never cached (:func:`cacheable`): a kernel family
+registered at run time (an NKI kernel of the user's, whose code may change between runs under the
+same name) or a parameter that prints as an object's address.
+
 Each entry is one small JSON file, ``<dir>/<key[:2]>/<key>.json``, written atomically
 (:func:`trnsim.config.files.write_atomic`): concurrent estimates and sweeps share the directory safely,
 a killed writer leaves no partial entry, and an unreadable entry is simulated again and
@@ -40,7 +44,7 @@ from . import Device, KernelSpec, OpCost
 from ..config.files import OutputError, write_atomic
 from ..isa import KernelError
 
-__all__ = ["CostCache", "CachedDevice", "code_version", "default_cache_dir", "device_cache_dir"]
+__all__ = ["CostCache", "CachedDevice", "cacheable", "code_version", "default_cache_dir", "device_cache_dir"]
 
 _CODE: list[str] = []
 
@@ -198,6 +202,21 @@ class _LazyReports(Sequence[Any]):
         return "<kernel reports, simulated when read>" if self._reports is None else repr(self._reports)
 
 
+def cacheable(spec: KernelSpec) -> bool:
+    """True when everything ``spec``'s cost depends on is in its key: a library kernel (or the
+    generic stream kernel) whose parameters print as their contents. Not a kernel family
+    registered at run time (a user's NKI kernel, whose code is not trnsim's and may change from
+    one run to the next under the same name), nor a parameter printed as an object's address.
+    Those are simulated every time, as without the cache."""
+    from ..kernels.registry import FAMILIES
+
+    while spec is not None:
+        if spec.kernel in FAMILIES or any(" at 0x" in repr(v) for _, v in spec.params):
+            return False
+        spec = spec.fallback
+    return True
+
+
 class CachedDevice(Device):
     """A :class:`~trnsim.device.Device` whose kernel and collective costs go through a
     :class:`CostCache`. Costs read back carry no per-kernel reports, unless ``lazy_reports``:
@@ -210,6 +229,8 @@ class CachedDevice(Device):
         self._config_key = fingerprint(config)
 
     def _simulate(self, spec: KernelSpec) -> OpCost:
+        if not cacheable(spec):
+            return super()._simulate(spec)
         key = self.cache.key("kernel", self._config_key, self.lnc, _spec_data(spec))
         data = self.cache.get(key)
         if data is not None:
