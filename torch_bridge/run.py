@@ -25,9 +25,9 @@ __all__ = ["run_script", "compare_eager", "split_args", "write_op_trace", "RUN_O
 
 RUN_OPTIONS = ("--config", "--set", "--trace", "--json", "--compare-eager", "--adaptive-eager", "--timing-only",
                "--metrics", "--plot", "--expand", "--expand-top", "--trace-stack", "--nproc", "--system", "--timeout",
-               "--host-profile")
+               "--host-profile", "--cost-cache")
 RUN_FLAGS = ("--json", "--compare-eager", "--adaptive-eager", "--timing-only", "--trace-stack",
-             "--host-profile")  # options without a value
+             "--host-profile", "--cost-cache")  # options without a value
 _REPEATED = ("--set", "--expand")
 
 

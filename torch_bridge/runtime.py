@@ -26,10 +26,10 @@ class Runtime:
 
     def __init__(self, config: ChipConfig):
         self.config = config
-        cache = device_cache_dir()  # $TRNSIM_COST_CACHE: kernel costs shared across runs through the disk
-        if cache is not None and cache.exists() and not cache.is_dir():
-            raise RuntimeError(f"TRNSIM_COST_CACHE={cache} is not a directory; expected a directory for the "
-                               f"neuron device's kernel costs, 'on' (~/.cache/trnsim/costs) or 'off'")
+        try:
+            cache = device_cache_dir()  # $TRNSIM_COST_CACHE: kernel costs shared across runs through the disk
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
         self.device = Device(config) if cache is None else CachedDevice(config, CostCache(cache), lazy_reports=True)
         self._no_work: dict[str, OpCost] = {}
         self._native_launch = _no_native_launch

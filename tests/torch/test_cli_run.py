@@ -124,3 +124,33 @@ def test_host_profile_splits_the_wall_time_and_leaves_the_report_as_it_is(tmp_pa
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
         assert bad.stderr.startswith("trnsim: error: run: --host-profile ")
     assert not (tmp_path / "t.json").exists()
+
+
+def test_cost_cache_keeps_the_kernels_costs_for_the_next_run(tmp_path):
+    """``--cost-cache`` (after the script too): the second run reads every kernel's cost and
+    prints the same report; a cache that is a file is refused in one line before the script runs."""
+    import os
+
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    costs = tmp_path / "costs"
+    env = {**os.environ, "TRNSIM_COST_CACHE": str(costs)}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trnsim.cli", "run", *argv], capture_output=True, text=True,
+                              timeout=180, cwd=tmp_path, env=env)
+
+    first = run(str(script), "--cost-cache", "--json")
+    assert first.returncode == 0, first.stderr
+    assert list(costs.rglob("*.json"))
+    second = run("--cost-cache", "--json", str(script))
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout) == json.loads(first.stdout)
+    plain = _trnsim("run", "--json", str(script), cwd=tmp_path)
+    assert json.loads(plain.stdout) == json.loads(first.stdout)
+    env["TRNSIM_COST_CACHE"] = str(script)
+    bad = run("--cost-cache", str(script))
+    assert bad.returncode == 2 and "args" not in bad.stdout
+    assert bad.stderr.strip() == (f"trnsim: error: run: TRNSIM_COST_CACHE={script}: {script} is not a directory; "
+                                  f"expected a directory for the neuron device's kernel costs, 'on' (the estimates' "
+                                  f"cache) or 'off'")

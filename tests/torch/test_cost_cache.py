@@ -74,5 +74,5 @@ def test_a_cache_that_is_a_file_is_refused_in_one_line(tmp_path):
     out = _process(str(f))
     assert out.returncode != 0 and not out.stdout.strip()
     last = out.stderr.strip().splitlines()[-1]
-    assert f"TRNSIM_COST_CACHE={f} is not a directory" in last and "'on'" in last
+    assert f"TRNSIM_COST_CACHE={f}: {f} is not a directory" in last and "'on'" in last
     assert f.read_text() == "not a directory"

@@ -12,7 +12,7 @@
                   [--executor pool|ray] [--address HOST:PORT [--timeout S]]
     trnsim run SCRIPT.py [ARGS ...] [--config trn3] [--trace out.json [--trace-stack]] [--expand OP ...] [--expand-top N]
                   [--metrics out.parquet] [--plot out.png] [--compare-eager] [--adaptive-eager] [--timing-only]
-                  [--host-profile] [--json]
+                  [--host-profile] [--cost-cache] [--json]
     trnsim run --nproc N [--system trn2.48xlarge] [--timeout S] SCRIPT.py [ARGS ...]
     trnsim plot RESULTS.{csv,parquet} --x KEY --y METRIC [--hue KEY] [--where K=V ...] -o out.png
     trnsim collective all-reduce [--system trn2.48xlarge] [--ranks 64] [--bytes 8B:4GiB] [--factor 2]
@@ -255,6 +255,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     system = opts.get("system", args.system)
     timing_only = bool(opts.get("timing_only", args.timing_only))
     host = bool(opts.get("host_profile", args.host_profile))
+    from trnsim.device.costcache import device_cache_dir
+
+    try:
+        if opts.get("cost_cache", args.cost_cache) and device_cache_dir() is None:
+            os.environ["TRNSIM_COST_CACHE"] = "on"  # (the ranks of --nproc inherit it)
+        device_cache_dir()
+    except ValueError as e:
+        raise UsageError(f"run: {e}") from None
     if host and (compare or nproc is not None):
         raise UsageError(f"run: --host-profile profiles one process running the script once; leave out "
                          f"{'--compare-eager' if compare else '--nproc'}")
@@ -447,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print where the host's wall time went: kernel builds and simulations, the device "
                         "model, the Python path per op, compiled graphs, the fast path and the program "
                         "(torch_bridge.neuron.hostprof; the report and the values are the same without it)")
+    r.add_argument("--cost-cache", action="store_true",
+                   help="keep the kernels' costs on disk and read them in later runs instead of simulating them "
+                        "again (TRNSIM_COST_CACHE=on: the estimates' cache, ~/.cache/trnsim/costs; set "
+                        "TRNSIM_COST_CACHE to a directory for another); the report and the values are the same")
     r.add_argument("--nproc", metavar="N", help="run the script on N ranks (torchrun's launcher, one process per "
                                                 "rank, rank r on NeuronCore r) and print one merged report")
     r.add_argument("--system", default=None, help="the system the ranks run on (default: $TRNSIM_SYSTEM or "

@@ -96,15 +96,17 @@ def default_cache_dir() -> Path | None:
 def device_cache_dir() -> Path | None:
     """The cost cache of the `neuron` device (PyTorch programs), from ``$TRNSIM_COST_CACHE``:
     unset, empty, ``off`` or ``0``: none (each process simulates its kernels; the default);
-    ``on`` or ``1``: :func:`default_cache_dir` (the estimates' cache); anything else: that
-    directory. One line for a value that names no directory is the caller's (the path is made
-    on the first write; a write that fails is counted, never raised)."""
+    ``on`` or ``1``: :func:`default_cache_dir` (the estimates' cache; None when that is off);
+    anything else: that directory, made on the first write (a write that fails is counted, never
+    raised). ValueError, in one line, when the path is a file."""
     env = os.environ.get("TRNSIM_COST_CACHE", "").strip()
     if env.lower() in ("", "off", "0"):
         return None
-    if env.lower() in ("on", "1"):
-        return default_cache_dir()
-    return Path(env)
+    where = default_cache_dir() if env.lower() in ("on", "1") else Path(env)
+    if where is not None and where.exists() and not where.is_dir():
+        raise ValueError(f"TRNSIM_COST_CACHE={env}: {where} is not a directory; expected a directory for the neuron "
+                         f"device's kernel costs, 'on' (the estimates' cache) or 'off'")
+    return where
 
 
 class CostCache:
