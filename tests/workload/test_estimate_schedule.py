@@ -235,3 +235,26 @@ def test_a_kernel_registered_at_run_time_is_never_cached(tmp_path):
     assert not list(tmp_path.rglob("*.json"))
     again = CachedDevice(cfg, CostCache(tmp_path))
     assert again.cost(spec).ticks == a.ticks and again.simulated > 0 and again.cache.hits == again.cache.misses == 0
+
+
+def test_an_entry_holds_every_figure_of_a_cost():
+    """Every field of OpCost but the kernel reports (simulated again when read) and a compiled
+    region's description (set by its caller) survives an entry, a collective's row included: a
+    warm estimate's collective rows said DMA/HBM where the cold one said latency. A field added
+    to OpCost and forgotten here fails this test."""
+    import dataclasses
+
+    from trnsim.device import CollectiveLaunch, OpCost
+    from trnsim.device.costcache import _cost_data, _cost_of
+
+    coll = CollectiveLaunch("all-reduce", "ring", 8, 1 << 20, 12345, 1.75, "latency", 11111)
+    cost = OpCost("all-reduce:ring", False, 12345, {"DMA": 99}, 2, 4096, 0, {"DMA": 120}, engine_flops=7,
+                  hbm_read_bytes=3000, hbm_write_bytes=1096, dma_bytes=5000, collective=coll)
+    back = _cost_of(json.loads(json.dumps(_cost_data(cost))))
+    skipped = {"reports", "region"}
+    for f in dataclasses.fields(OpCost):
+        if f.name not in skipped:
+            assert getattr(back, f.name) == getattr(cost, f.name), f.name
+    assert back.collective.bound == "latency" and isinstance(back.collective, CollectiveLaunch)
+    kernel = dataclasses.replace(cost, collective=None)
+    assert _cost_of(json.loads(json.dumps(_cost_data(kernel)))).collective is None

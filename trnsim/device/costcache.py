@@ -41,6 +41,7 @@ from typing import Any, Iterator, Sequence
 
 from ..config import ChipConfig
 from . import Device, KernelSpec, OpCost
+from .ops import CollectiveLaunch
 from ..config.files import OutputError, write_atomic
 from ..isa import KernelError
 
@@ -155,17 +156,20 @@ def _cost_data(cost: OpCost) -> dict[str, Any]:
     return {"kernel": cost.kernel, "generic": cost.generic, "ticks": cost.ticks, "busy": cost.busy,
             "cores": cost.cores, "hbm_bytes": cost.hbm_bytes, "matmul_flops": cost.matmul_flops,
             "demand": cost.demand, "engine_flops": cost.engine_flops, "hbm_read_bytes": cost.hbm_read_bytes,
-            "hbm_write_bytes": cost.hbm_write_bytes, "dma_bytes": cost.dma_bytes}
+            "hbm_write_bytes": cost.hbm_write_bytes, "dma_bytes": cost.dma_bytes,
+            "collective": None if cost.collective is None else list(cost.collective)}
 
 
 def _cost_of(data: dict[str, Any]) -> OpCost:
     """The cost an entry holds (KeyError for an entry without one of its figures, such as one
-    written before the read/write split was kept: simulated again and rewritten)."""
+    written before the read/write split and a collective's row were kept: simulated again and
+    rewritten)."""
     return OpCost(str(data["kernel"]), bool(data["generic"]), int(data["ticks"]),
                   {str(k): int(v) for k, v in data["busy"].items()}, int(data["cores"]), int(data["hbm_bytes"]),
                   int(data["matmul_flops"]), {str(k): int(v) for k, v in data["demand"].items()},
                   engine_flops=int(data["engine_flops"]), hbm_read_bytes=int(data["hbm_read_bytes"]),
-                  hbm_write_bytes=int(data["hbm_write_bytes"]), dma_bytes=int(data["dma_bytes"]))
+                  hbm_write_bytes=int(data["hbm_write_bytes"]), dma_bytes=int(data["dma_bytes"]),
+                  collective=None if data["collective"] is None else CollectiveLaunch(*data["collective"]))
 
 
 class _LazyReports(Sequence[Any]):
