@@ -208,6 +208,8 @@ def test_mx_matmul_is_refused_where_the_core_has_no_mx():
 
 def test_zoo_benchmark_runs_a_program_against_cpu_and_the_slow_path(capsys):
     assert _bench("bench_zoo").main(["--quick", "--programs", "lstm", "--rounds", "1", "--steps", "1",
-                                     "--check-slow"]) == 0
+                                     "--check-slow", "--warm"]) == 0
     out = capsys.readouterr().out
-    assert "lstm" in out and "median ratio" in out and "values and ticks identical" in out
+    assert "lstm" in out and "median ratio" in out and "fast path off: values and ticks identical" in out
+    warm = next(line for line in out.splitlines() if "cost cache:" in line)  # (--warm: two runs, one cache)
+    assert "(0 simulated)" in warm and warm.endswith("values and ticks identical") and "storing (0" not in warm
