@@ -37,7 +37,8 @@ sim = dev.simulated
 trace = run_trace_document(r, top=3)  # (engine lanes of the 3 busiest rows: their kernels' reports)
 print(json.dumps({"loss": loss.item().hex(), "weights": digest([p.detach().cpu().tolist() for p in m.parameters()]),
                   "report": digest(str(r)), "figures": digest(r.to_dict()), "trace": digest(trace),
-                  "events": len(trace["traceEvents"]), "simulated": sim, "device": type(dev).__name__}))
+                  "events": len(trace["traceEvents"]), "simulated": sim, "after_trace": dev.simulated,
+                  "device": type(dev).__name__}))
 """
 
 
@@ -66,9 +67,14 @@ def test_a_second_run_reads_its_costs_and_reports_the_same(tmp_path):
     same = ("loss", "weights", "report", "figures", "trace", "events")
     assert [cold[k] for k in same] == [off[k] for k in same]
     assert [warm[k] for k in same] == [off[k] for k in same]  # the trace's engine lanes simulated when read
+    # ... and only theirs: the 3 expanded launches' kernels (2 physical cores each on trn2), not every
+    # launch the trace asks whether it ran a kernel
+    assert 0 < warm["after_trace"] <= 3 * 2 < off["simulated"]
 
 
-def test_a_cache_that_is_a_file_is_refused_in_one_line(tmp_path):
+def test_a_cache_that_is_a_file_is_refused_naming_the_variable(tmp_path):
+    """At the device's first use, before anything is written (trnsim run turns it into one line:
+    test_cli_run)."""
     f = tmp_path / "costs"
     f.write_text("not a directory")
     out = _process(str(f))

@@ -1,6 +1,7 @@
 """The torch-free parts of estimates: the 1F1B pipeline schedule, the mean of interpolated decode
 steps, model configs by name or path (one-line errors), and the on-disk kernel-cost cache."""
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -119,6 +120,7 @@ def test_a_cached_cost_can_simulate_its_reports_when_read(tmp_path):
     warm = CachedDevice(cfg, CostCache(tmp_path), lazy_reports=True)
     b = warm.cost(SPEC)
     assert warm.simulated == 0 and len(a.reports) == 2
+    assert len(b.reports) == 2 and b.reports and warm.simulated == 0  # (counted without simulating)
     assert [r.total_cycles for r in b.reports] == [r.total_cycles for r in a.reports]
     assert warm.simulated == 2 and b.reports == a.reports
     assert pickle.loads(pickle.dumps(b.reports)) == tuple(b.reports)  # sent as the reports themselves
@@ -169,6 +171,13 @@ def test_the_device_cache_is_asked_for(tmp_path, monkeypatch):
         assert device_cache_dir() == default_cache_dir() == tmp_path / "shared"
     monkeypatch.setenv("TRNSIM_COST_CACHE", str(tmp_path / "mine"))
     assert device_cache_dir() == tmp_path / "mine"
+    for word, want in (("true", tmp_path / "shared"), ("YES", tmp_path / "shared"), ("false", None), ("no", None)):
+        monkeypatch.setenv("TRNSIM_COST_CACHE", word)
+        assert device_cache_dir() == want
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRNSIM_COST_CACHE", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match=r"^TRNSIM_COST_CACHE=.*file is not a directory; expected a directory "):
+        device_cache_dir()
 
 
 def test_the_key_holds_the_figures_not_the_name(tmp_path):
@@ -218,7 +227,7 @@ def test_the_cache_can_be_off(tmp_path, monkeypatch):
     assert dev.simulated == 2 and not list(tmp_path.iterdir())
 
 
-def test_a_kernel_registered_at_run_time_is_never_cached(tmp_path):
+def test_a_kernel_registered_at_run_time_is_never_cached(tmp_path, monkeypatch):
     """A user's NKI kernel (a kernel family) may change between runs under the same name: its
     cost is simulated every time and never written; a library kernel beside it is cached."""
     from trnsim import nki
@@ -230,6 +239,12 @@ def test_a_kernel_registered_at_run_time_is_never_cached(tmp_path):
     assert not cacheable(spec) and cacheable(SPEC)
     assert not cacheable(KernelSpec.of("matmul", (128, 128, 128), "bf16", {"x": object()}))
     assert not cacheable(KernelSpec.of("matmul", (128, 128, 128), "bf16", {}, fallback=spec))
+    from trnsim.kernels import registry
+
+    outside = dataclasses.replace(registry.KERNELS["matmul"], build=lambda *a, **k: None)
+    outside.build.__module__ = "my_kernels"
+    monkeypatch.setitem(registry.KERNELS, "my_matmul", outside)  # register_kernel from a user's module
+    assert not cacheable(KernelSpec.of("my_matmul", (128, 128, 128), "bf16", {}))
     cfg = load_config("trn2")
     a = CachedDevice(cfg, CostCache(tmp_path)).cost(spec)
     assert not list(tmp_path.rglob("*.json"))

@@ -4,9 +4,9 @@ A cost is what :meth:`trnsim.device.Device.cost` computes for a :class:`~trnsim.
 (or :meth:`~trnsim.device.Device.collective_cost` for a collective on a rank). It is stored under
 a key that holds everything the number depends on:
 
-* the code: a digest of every ``.py``, ``.c`` and ``.h`` file of the ``trnsim`` package (a changed
-  cost model, kernel or scheduler, in Python or in its C loops, is a different key; computed once
-  per process);
+* the code: a digest of every ``.py``, ``.c`` and ``.h`` file of the ``trnsim`` package and of its
+  built C modules (a changed cost model, kernel or scheduler, in Python or in its C loops, is a
+  different key, and so is a C source edited but not yet rebuilt; computed once per process);
 * the chip config: every figure, after overrides (its name, description and file path are not
   part of it: two files with the same figures share costs);
 * the spec (kernel, shape, dtype, params, label, fallback) and the logical core's LNC, or for a
@@ -55,7 +55,7 @@ def code_version() -> str:
     if not _CODE:
         root = Path(__file__).resolve().parents[1]  # the trnsim package
         h = hashlib.sha256()
-        for p in sorted(q for ext in ("*.py", "*.c", "*.h") for q in root.rglob(ext)):
+        for p in sorted(q for ext in ("*.py", "*.c", "*.h", "*.so", "*.pyd") for q in root.rglob(ext)):
             h.update(str(p.relative_to(root)).encode())
             h.update(p.read_bytes())
         _CODE.append(h.hexdigest()[:20])
@@ -94,16 +94,20 @@ def default_cache_dir() -> Path | None:
     return Path(base) / "trnsim" / "costs"
 
 
+_OFF, _ON = ("", "off", "0", "false", "no"), ("on", "1", "true", "yes")
+
+
 def device_cache_dir() -> Path | None:
     """The cost cache of the `neuron` device (PyTorch programs), from ``$TRNSIM_COST_CACHE``:
-    unset, empty, ``off`` or ``0``: none (each process simulates its kernels; the default);
-    ``on`` or ``1``: :func:`default_cache_dir` (the estimates' cache; None when that is off);
+    unset, empty, ``off``, ``0``, ``false`` or ``no``: none (each process simulates its kernels;
+    the default); ``on``, ``1``, ``true`` or ``yes``: :func:`default_cache_dir` (the estimates'
+    cache; None when that is off);
     anything else: that directory, made on the first write (a write that fails is counted, never
     raised). ValueError, in one line, when the path is a file."""
     env = os.environ.get("TRNSIM_COST_CACHE", "").strip()
-    if env.lower() in ("", "off", "0"):
+    if env.lower() in _OFF:
         return None
-    where = default_cache_dir() if env.lower() in ("on", "1") else Path(env)
+    where = default_cache_dir() if env.lower() in _ON else Path(env)
     if where is not None and where.exists() and not where.is_dir():
         raise ValueError(f"TRNSIM_COST_CACHE={env}: {where} is not a directory; expected a directory for the neuron "
                          f"device's kernel costs, 'on' (the estimates' cache) or 'off'")
@@ -175,10 +179,11 @@ def _cost_of(data: dict[str, Any]) -> OpCost:
 class _LazyReports(Sequence[Any]):
     """A cost's kernel reports, simulated when first read (a cost read from the cache has none):
     the same reports the simulation that wrote the entry made, since a simulation is a
-    function of the spec, the config and the code the entry's key names. Pickled as the reports."""
+    function of the spec, the config and the code the entry's key names. Their number (one per
+    physical core) is known without simulating. Pickled as the reports."""
 
-    def __init__(self, device: Device, spec: KernelSpec):
-        self._device, self._spec = device, spec
+    def __init__(self, device: Device, spec: KernelSpec, count: int):
+        self._device, self._spec, self._count = device, spec, count  # (one report per physical core)
         self._reports: tuple[Any, ...] | None = None
 
     def _get(self) -> tuple[Any, ...]:
@@ -187,8 +192,11 @@ class _LazyReports(Sequence[Any]):
                 self._reports = Device._simulate(self._device, self._spec).reports
         return self._reports
 
-    def __len__(self) -> int:
-        return len(self._get())
+    def __len__(self) -> int:  # (not simulated: a trace asks every launch whether it ran a kernel)
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
 
     def __getitem__(self, i: Any) -> Any:
         return self._get()[i]
@@ -212,12 +220,15 @@ def cacheable(spec: KernelSpec) -> bool:
     """True when everything ``spec``'s cost depends on is in its key: a library kernel (or the
     generic stream kernel) whose parameters print as their contents. Not a kernel family
     registered at run time (a user's NKI kernel, whose code is not trnsim's and may change from
-    one run to the next under the same name), nor a parameter printed as an object's address.
-    Those are simulated every time, as without the cache."""
-    from ..kernels.registry import FAMILIES
+    one run to the next under the same name), nor a kernel registered from outside trnsim, nor
+    a parameter printed as an object's address. Those are simulated every time, as without the
+    cache."""
+    from ..kernels.registry import FAMILIES, KERNELS
 
     while spec is not None:
-        if spec.kernel in FAMILIES or any(" at 0x" in repr(v) for _, v in spec.params):
+        entry = KERNELS.get(spec.kernel)
+        if spec.kernel in FAMILIES or any(" at 0x" in repr(v) for _, v in spec.params) or \
+                (entry is not None and not getattr(entry.build, "__module__", "").startswith("trnsim.")):
             return False
         spec = spec.fallback
     return True
@@ -244,7 +255,8 @@ class CachedDevice(Device):
                 if "refused" in data:
                     raise KernelError(str(data["refused"]))
                 cost = _cost_of(data)
-                return dataclasses.replace(cost, reports=_LazyReports(self, spec)) if self.lazy_reports else cost
+                return dataclasses.replace(cost, reports=_LazyReports(self, spec, cost.cores)) if self.lazy_reports \
+                    else cost
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # an entry from a damaged file: simulate again
         try:
