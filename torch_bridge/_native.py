@@ -63,7 +63,7 @@ def _flags() -> list[str]:
 
 def _cache_dir() -> Path:
     base = os.environ.get("TRNSIM_CACHE_DIR", "").strip()
-    if base:
+    if base and base.lower() != "off":  # ("off" turns the estimates' cost cache off; the build stays where it is)
         return Path(base)
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     return (Path(xdg) if xdg else Path.home() / ".cache") / "trnsim"

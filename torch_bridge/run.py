@@ -47,6 +47,8 @@ def split_args(rest: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         name, eq, val = a.partition("=")
         if name in RUN_OPTIONS:
             if name in RUN_FLAGS:
+                if eq:
+                    raise ValueError(f"{name} takes no value (got {a!r})")
                 opts[name[2:].replace("-", "_")] = True
                 i += 1
                 continue

@@ -127,30 +127,47 @@ def test_host_profile_splits_the_wall_time_and_leaves_the_report_as_it_is(tmp_pa
 
 
 def test_cost_cache_keeps_the_kernels_costs_for_the_next_run(tmp_path):
-    """``--cost-cache`` (after the script too): the second run reads every kernel's cost and
-    prints the same report; a cache that is a file is refused in one line before the script runs."""
+    """``--cost-cache`` (before or after the script): the costs go to the estimates' cache
+    ($XDG_CACHE_HOME/trnsim/costs here), the second run simulates no kernel and prints the same
+    report as the first and as a run without the cache. Refused in one line before the script
+    runs: a value given to the flag, a cache that is a file, the flag with the cost cache off."""
     import os
 
-    script = tmp_path / "s.py"
-    script.write_text(SCRIPT)
-    costs = tmp_path / "costs"
-    env = {**os.environ, "TRNSIM_COST_CACHE": str(costs)}
+    from torch_bridge import _native
 
-    def run(*argv: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT + "from torch_bridge.runtime import runtime\n"
+                               "print('simulated', runtime().device.simulated, type(runtime().device).__name__)\n")
+    home = tmp_path / "xdg"
+    (home / "trnsim").mkdir(parents=True)
+    built = _native.library_path()  # the native extension this machine built, where the moved cache looks for it
+    (home / "trnsim" / built.name).symlink_to(built)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRNSIM_COST_CACHE", "TRNSIM_CACHE_DIR")}
+    env["XDG_CACHE_HOME"] = str(home)
+
+    def run(*argv: str, **more: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "trnsim.cli", "run", *argv], capture_output=True, text=True,
-                              timeout=180, cwd=tmp_path, env=env)
+                              timeout=180, cwd=tmp_path, env={**env, **more})
 
     first = run(str(script), "--cost-cache", "--json")
     assert first.returncode == 0, first.stderr
-    assert list(costs.rglob("*.json"))
+    assert "CachedDevice" in first.stderr and "simulated 0 " not in first.stderr
+    assert list((home / "trnsim" / "costs").rglob("*.json"))
     second = run("--cost-cache", "--json", str(script))
     assert second.returncode == 0, second.stderr
+    assert "simulated 0 CachedDevice" in second.stderr
     assert json.loads(second.stdout) == json.loads(first.stdout)
-    plain = _trnsim("run", "--json", str(script), cwd=tmp_path)
+    plain = run("--json", str(script))
+    assert "simulated 0 " not in plain.stderr and " Device" in plain.stderr
     assert json.loads(plain.stdout) == json.loads(first.stdout)
-    env["TRNSIM_COST_CACHE"] = str(script)
-    bad = run("--cost-cache", str(script))
-    assert bad.returncode == 2 and "args" not in bad.stdout
-    assert bad.stderr.strip() == (f"trnsim: error: run: TRNSIM_COST_CACHE={script}: {script} is not a directory; "
-                                  f"expected a directory for the neuron device's kernel costs, 'on' (the estimates' "
-                                  f"cache) or 'off'")
+    one_line = [
+        (run(str(script), "--cost-cache=/elsewhere"), "run: --cost-cache takes no value (got '--cost-cache=/elsewhere')"),
+        (run("--cost-cache", str(script), TRNSIM_COST_CACHE=str(script)),
+         f"run: TRNSIM_COST_CACHE={script}: {script} is not a directory; expected a directory for the neuron "
+         f"device's kernel costs, 'on' (the estimates' cache) or 'off'"),
+        (run("--cost-cache", str(script), TRNSIM_CACHE_DIR="off"),
+         "run: --cost-cache: the cost cache is off (TRNSIM_CACHE_DIR=off); set TRNSIM_COST_CACHE to a directory for it"),
+    ]
+    for out, message in one_line:
+        assert out.returncode == 2 and "args" not in out.stdout + out.stderr
+        assert out.stderr.strip() == f"trnsim: error: {message}"

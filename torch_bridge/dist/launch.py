@@ -15,6 +15,7 @@ failure prints the rank's traceback (from the worker) and a line naming the rank
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import runpy
@@ -106,6 +107,8 @@ def _worker(script: str, args: Sequence[str], config: str | None, chip_overrides
     rank = int(info.get("rank", os.environ.get("RANK", "0")))
     sysc = nd.system()
     rep = device.report()
+    if not trace:  # the launcher merges rows and events: only a trace draws the kernels' engine lanes
+        rep = dataclasses.replace(rep, events=tuple(dataclasses.replace(e, reports=()) for e in rep.events))
     links = link_segments(rank, nd.collective_log(), sysc.ranks_per_chip) if trace else []
     return {"rank": rank, "report": rep, "chip": rank // sysc.ranks_per_chip, "steps": nd.step_ticks(),
             "system": sysc.name, "links": links}

@@ -260,6 +260,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if opts.get("cost_cache", args.cost_cache) and device_cache_dir() is None:
             os.environ["TRNSIM_COST_CACHE"] = "on"  # (the ranks of --nproc inherit it)
+            if device_cache_dir() is None:
+                raise UsageError("run: --cost-cache: the cost cache is off (TRNSIM_CACHE_DIR=off); set "
+                                 "TRNSIM_COST_CACHE to a directory for it")
         device_cache_dir()
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
