@@ -143,14 +143,21 @@ dist.destroy_process_group()
 
 
 def test_the_same_script_on_the_same_ranks_gives_the_same_cycles(tmp_path):
+    """... twice, and twice more with the ranks sharing one on-disk cost cache (--cost-cache:
+    the first of those stores the kernels' costs, from both ranks at once, the second reads them)."""
+    import os
+
     script = tmp_path / "ddp.py"
     script.write_text(textwrap.dedent(DDP))
     reps = []
-    for _ in range(2):
-        run = _trnsim("run", "--nproc", "2", "--json", str(script), cwd=tmp_path)
+    cache = tmp_path / "costs"
+    for flags, env in [((), None)] * 2 + [(("--cost-cache",), {**os.environ, "TRNSIM_COST_CACHE": str(cache)})] * 2:
+        run = subprocess.run([sys.executable, "-m", "trnsim.cli", "run", "--nproc", "2", *flags, "--json", str(script)],
+                             capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path, env=env)
         assert run.returncode == 0, run.stderr[-3000:]
         reps.append(_json(run.stdout))
-    assert reps[0] == reps[1]
+    assert list(cache.rglob("*.json"))
+    assert reps[1] == reps[0] and reps[2] == reps[0] and reps[3] == reps[0]
     rows = {r["op"]: r for r in reps[0]["total"]["rows"]}
     assert rows["all_reduce"]["calls"] == 6 and len(reps[0]["step_times_us"]) == 3  # a bucket per step per rank
 
