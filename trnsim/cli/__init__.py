@@ -257,13 +257,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     host = bool(opts.get("host_profile", args.host_profile))
     from trnsim.device.costcache import device_cache_dir
 
-    try:
-        if opts.get("cost_cache", args.cost_cache) and device_cache_dir() is None:
+    try:  # (checked before the script runs: a cache that is a file is one line here)
+        cache = device_cache_dir()
+        if cache is None and opts.get("cost_cache", args.cost_cache):
             os.environ["TRNSIM_COST_CACHE"] = "on"  # (the ranks of --nproc inherit it)
             if device_cache_dir() is None:
                 raise UsageError("run: --cost-cache: the cost cache is off (TRNSIM_CACHE_DIR=off); set "
                                  "TRNSIM_COST_CACHE to a directory for it")
-        device_cache_dir()
     except ValueError as e:
         raise UsageError(f"run: {e}") from None
     if host and (compare or nproc is not None):

@@ -14,7 +14,8 @@ a key that holds everything the number depends on:
 
 A kernel whose cost depends on more than that is never cached (:func:`cacheable`): a kernel family
 registered at run time (an NKI kernel of the user's, whose code may change between runs under the
-same name) or a parameter that prints as an object's address.
+same name), a kernel registered from outside trnsim, or a parameter that prints as an object's
+address.
 
 Each entry is one small JSON file, ``<dir>/<key[:2]>/<key>.json``, written atomically
 (:func:`trnsim.config.files.write_atomic`): concurrent estimates and sweeps share the directory safely,
