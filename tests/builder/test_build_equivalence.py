@@ -11,6 +11,7 @@ import itertools
 import pathlib
 import pickle
 import sys
+from typing import Any
 
 import pytest
 
@@ -291,3 +292,43 @@ def test_cached_op_checks_still_refuse() -> None:
     # a pickled kernel drops the geometry-keyed caches (another process numbers geometries anew)
     again = pickle.loads(pickle.dumps(k))
     assert again._op_ok == {} and again._compute_ok == set()
+
+
+def test_dma_plans_are_shared_across_kernels_of_one_core_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels of one core config share their copies' plans (an eager first step builds
+    hundreds of small kernels moving the same shapes); a reference build plans its own, a copy
+    that plan_dma refuses is refused in every kernel, a plan_dma replaced at run time is called
+    again, and another core config gets plans of its own."""
+    import trnsim.builder.kernel as kmod
+
+    trn2 = load_config("trn2")
+
+    def build(config: Any = trn2) -> Kernel:
+        k = Kernel("copy", config)
+        x = k.input("x", (128, 512), "bf16")
+        t = k.sbuf((128, 512), "bf16")
+        k.dma_copy(t, x)
+        return k
+
+    a, b = build(), build()
+    assert a.instructions[0].plan is b.instructions[0].plan
+    with reference_build():
+        ref = build()
+    assert ref.instructions[0].plan is not a.instructions[0].plan and ref.instructions[0].plan == a.instructions[0].plan
+    assert build("trn3").instructions[0].plan is not a.instructions[0].plan
+    for _ in range(2):
+        k = Kernel("bad", trn2)
+        with pytest.raises(KernelError, match="shapes must match"):
+            k.dma_copy(k.sbuf((128, 256), "bf16"), k.input("x", (128, 512), "bf16"))
+    calls = []
+
+    def counted(dst, src, config):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return kmod.plan_dma.__wrapped__(dst, src, config)
+
+    import trnsim.memory.dma as dma_mod
+
+    counted.__wrapped__ = dma_mod.plan_dma  # type: ignore[attr-defined]
+    monkeypatch.setattr(kmod, "plan_dma", counted)
+    c = build()
+    assert calls == [1] and c.instructions[0].plan == a.instructions[0].plan

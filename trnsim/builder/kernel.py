@@ -58,6 +58,11 @@ __all__ = ["Kernel", "TilePool", "ViewCache", "DependencyTracker", "NativeDepend
 # ---------------------------------------------------------------------------------------------
 
 
+#: id(core config) -> (that core config, plan_dma, {(dst geometry, src geometry): plan}): the DMA
+#: plans of every kernel of the process (:meth:`Kernel._plan_dma`)
+_SHARED_PLANS: dict[int, tuple[Any, Any, dict[tuple[int, int], Any]]] = {}
+
+
 class Kernel(TensorEngineOps, EngineOps):
     """An instruction stream for one NeuronCore, built against a chip config."""
 
@@ -389,7 +394,7 @@ class Kernel(TensorEngineOps, EngineOps):
         key = (dst._geo or dma_geometry(dst), src._geo or dma_geometry(src))
         plan = self._dma_plans.get(key)
         if plan is None:
-            plan = self._dma_plans[key] = plan_dma(dst, src, self.config)
+            plan = self._dma_plans[key] = self._plan_dma(key, dst, src)
         ins.plan = plan
         if el is None:
             return self._emit(ins, key=lane)  # type: ignore[return-value]
@@ -413,6 +418,29 @@ class Kernel(TensorEngineOps, EngineOps):
             self._loaded_stationary = None
         instrs.append(ins)
         return ins
+
+    def _plan_dma(self, key: tuple[int, int], dst: AP, src: AP) -> Any:
+        """``plan_dma(dst, src, config)``, shared by the kernels of a process built for one core
+        config: ``key`` is the two sides' interned geometries (everything the plan reads of
+        them, :func:`dma_geometry`), and a plan is a frozen function of them and the core
+        config. An eager program's first step builds hundreds of small kernels moving the same
+        shapes, each planning its copies afresh otherwise. A reference build plans every copy
+        itself; a ``plan_dma`` replaced at run time starts a new table."""
+        if self.reference:
+            return plan_dma(dst, src, self.config)
+        core = self.config.core
+        got = _SHARED_PLANS.get(id(core))
+        if got is None or got[0] is not core or got[1] is not plan_dma:
+            if len(_SHARED_PLANS) >= 16:
+                _SHARED_PLANS.clear()
+            got = _SHARED_PLANS[id(core)] = (core, plan_dma, {})  # (holding the config keeps its id its own)
+        plans = got[2]
+        plan = plans.get(key)
+        if plan is None:
+            if len(plans) >= 65536:
+                plans.clear()
+            plan = plans[key] = plan_dma(dst, src, self.config)
+        return plan
 
     def _dma_lane(self, eng: str, queue: Any, what: str) -> str:
         """The DMA queue lane ``engine``/``queue`` names, registering it (16 per kernel at most)."""

@@ -290,6 +290,18 @@ class DmaSystem:
             ticks = -(-ticks * plan.rate.denominator // plan.rate.numerator)
         return ticks
 
+    def engine_ticks_of(self, plan: DmaPlan) -> tuple[tuple[int, int], ...]:
+        """``((engine, engine_ticks(bytes, chunks, plan)), ...)`` over the plan's engines, each
+        distinct (bytes, chunks) worked out once (a copy's engines mostly move equal shares)."""
+        memo: dict[tuple[int, int], int] = {}
+        out = []
+        for e, b, c in plan.engines:
+            t = memo.get((b, c))
+            if t is None:
+                t = memo[(b, c)] = self.engine_ticks(b, c, plan)
+            out.append((e, t))
+        return tuple(out)
+
     def reserve(self, plan: DmaPlan, start: int) -> tuple[int, int]:
         """Book the engines and the HBM pipe from ``start``; return (when data starts moving,
         when the transfer is complete and visible)."""
@@ -301,8 +313,7 @@ class DmaSystem:
         free = self.engine_free
         got = self._plan_ticks.get(id(plan))
         if got is None or got[0] is not plan:  # kernels share plans between copies of one geometry
-            got = self._plan_ticks[id(plan)] = (plan, tuple((e, self.engine_ticks(b, c, plan))
-                                                            for e, b, c in plan.engines), plan.hbm_bus_bytes)
+            got = self._plan_ticks[id(plan)] = (plan, self.engine_ticks_of(plan), plan.hbm_bus_bytes)
         _, engine_ticks, hbm_bytes = got
         for e, ticks in engine_ticks:
             s = free[e] if free[e] > start else start

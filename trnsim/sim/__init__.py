@@ -550,9 +550,13 @@ class _CoreColumns:
             inst_qid = k_qid[key]
             for q, k in qid_of.items():
                 self.queues.append((q, np.flatnonzero(inst_qid == k)))
+        k_lat = np.zeros(nk, dtype=np.int64)
+        if generic.any():
+            _keyed_costs(scan, key_eng, engines, generic, k_busy, k_lat, k_lane, k_label)
         self.kind, self.busy, self.ls, self.plan, self.owner = k_kind[key], k_busy[key], k_ls[key], k_plan[key], \
             k_owner[key]
         self.lanes, self.labels, self.owners = k_lane[key], k_label[key], k_owners[key]
+        self.lat = k_lat[key]
         return np.flatnonzero(generic[key])
 
     def _by_instruction(self, instrs: Sequence[Instruction], tid: np.ndarray, type_id: Numbering, names: list[str],
@@ -625,6 +629,50 @@ def _tensor_ticks(t: type, on: np.ndarray, engines: list[Engine], items: Any
     ids, cycles = te.cycles_by_shape(items(), transpose)
     tab = np.array(cycles, dtype=np.int64).reshape(-1, 2) * te.tpc
     return tab[ids, 0], tab[ids, 1], "Transpose" if transpose else "MultiplyMoving"
+
+
+def _keyed_costs(scan: _Scan, key_eng: np.ndarray, engines: list[Engine], generic: np.ndarray, k_busy: np.ndarray,
+                 k_lat: np.ndarray, k_lane: np.ndarray, k_label: np.ndarray) -> None:
+    """The costs of the generic instructions of engines without a cost state, worked out per
+    scan key (:class:`_Scan`: the same type, engine and cost fields, so the same costs) into the
+    per-key columns, whose keys are then no longer ``generic``: what :func:`_generic_costs` gives
+    them, without its per-instruction passes. The cost methods run once per cost key, in program
+    order of first use (scan keys are numbered in that order, and each cost key's first
+    instruction is its first scan key's), each key's label that first instruction's. An engine
+    with a cost state, a type without a cost key (each instruction its own key), or a cost
+    method that raises is left to :func:`_generic_costs` (which meets the error in program order)."""
+    reps = scan.reps
+    by_engine: dict[int, list[int]] = {}
+    for u in np.flatnonzero(generic).tolist():
+        by_engine.setdefault(int(key_eng[u]), []).append(u)
+    for j, keys in by_engine.items():
+        e = engines[j]
+        if e.cost_state:
+            continue
+        fns: dict[type, Any] = {}
+        for u in keys:
+            t = type(reps[u])
+            if t not in fns:
+                fns[t] = e.cost_key(t)
+        if None in fns.values():
+            continue
+        tpc = e.tpc
+        memo: dict[tuple[type, Any], tuple[int, int, str, str]] = {}
+        got = []
+        try:
+            for u in keys:
+                ins = reps[u]
+                t = type(ins)
+                ck = (t, fns[t](ins))
+                c = memo.get(ck)
+                if c is None:
+                    c = memo[ck] = (e.cycles(ins) * tpc, e.latency_cycles(ins) * tpc, e.lane(ins), ins.describe())
+                got.append(c)
+        except Exception:  # noqa: BLE001 - _generic_costs asks again, in program order
+            continue
+        for u, (b, lt, ln, lb) in zip(keys, got):
+            k_busy[u], k_lat[u], k_lane[u], k_label[u] = b, lt, ln, lb
+            generic[u] = False
 
 
 def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarray, types: list[type],
@@ -705,15 +753,16 @@ class _Plans:
               ) -> tuple[np.ndarray, int, int]:
         """Plan indices of ``plans`` and the HBM bytes and ticks they book in all (``plans[i]``
         standing for ``weights[i]`` transfers)."""
-        known = len(self.number)
-        ids = np.fromiter(map(self.number.__getitem__, map(id, plans)), dtype=np.int32, count=len(plans))
-        new, at = np.unique(ids[ids >= known], return_index=True)
-        where = np.flatnonzero(ids >= known)
-        for k, j in sorted(zip(new.tolist(), where[at].tolist())):
-            plan = plans[j]
-            for e, b, ch in plan.engines:
+        id_list = list(map(self.number.__getitem__, map(id, plans)))
+        ids = np.array(id_list, dtype=np.int32)
+        # the new plans in number order: numbers are given in order of first appearance, so
+        # the first appearance of each new number comes in increasing order
+        for k, plan in zip(id_list, plans):
+            if k < len(self.off) - 1:  # known, or added already in this call
+                continue
+            for e, t in dma.engine_ticks_of(plan):
                 self.engine.append(e)
-                self.ticks.append(dma.engine_ticks(b, ch, plan))
+                self.ticks.append(t)
             self.off.append(len(self.engine))
             hb = plan.hbm_bus_bytes
             self.hbm.append(1 if hb else 0)
