@@ -162,25 +162,6 @@ def _engine_of_lane(lane: str) -> str:
     return lane.split(" ")[0]
 
 
-def _bytes(instrs: Iterable[Instruction]) -> dict[str, int]:
-    out = dict.fromkeys(("hbm_read", "hbm_write", "sbuf_read", "sbuf_write", "psum_read", "psum_write"), 0)
-    for ins in instrs:
-        if isinstance(ins, DmaCopy):
-            p = ins.plan
-            out["hbm_read"] += p.hbm_read_bytes
-            out["hbm_write"] += p.hbm_write_bytes
-            out["sbuf_read"] += p.sbuf_read_bytes
-            out["sbuf_write"] += p.sbuf_write_bytes
-            continue
-        for ap in ins.reads:
-            if isinstance(ap, TileAP):
-                out[f"{ap.space}_read"] += ap.nbytes
-        for ap in ins.writes:
-            if isinstance(ap, TileAP):
-                out[f"{ap.space}_write"] += ap.nbytes
-    return out
-
-
 def matmul_flops(ins: MatMul) -> int:
     if isinstance(ins, MatMulMx):  # quad-packed: each partition carries four rows of K
         return 2 * 4 * ins.stationary.p_count * ins.stationary.free_size * ins.moving.free_size
@@ -208,33 +189,54 @@ class KernelFigures(NamedTuple):
 
 
 def kernel_figures(instrs: list[Instruction], config: ChipConfig) -> KernelFigures:
+    """What a report reads of ``instrs``, in one pass over them (every count in order of first
+    appearance, the FLOPs summed in program order)."""
     counts_engine: dict[str, int] = {}
-    for ins in instrs:
-        counts_engine[ins.engine] = counts_engine.get(ins.engine, 0) + 1
-    dmas = [ins for ins in instrs if isinstance(ins, DmaCopy)]
-    dma_bytes = sum(d.plan.bytes for d in dmas)
-    queues: dict[str, tuple[int, int]] = {}
-    for d in dmas:
-        n, b = queues.get(d.queue, (0, 0))
-        queues[d.queue] = (n + 1, b + d.plan.bytes)
     counts: dict[str, int] = {}
-    for ins in instrs:
-        counts[ins.opcode] = counts.get(ins.opcode, 0) + 1
-    flops = 0
-    eng_flops = 0
+    queues: dict[str, tuple[int, int]] = {}
+    out = dict.fromkeys(("hbm_read", "hbm_write", "sbuf_read", "sbuf_write", "psum_read", "psum_write"), 0)
+    kinds: dict[type, int] = {}  # 0 DMA copy, 1 matmul, 2 PE transpose, 3 other
+    ndma = dma_bytes = flops = eng_flops = 0
     hw_flops = 0.0
     for ins in instrs:
-        if isinstance(ins, MatMul):
-            f = matmul_flops(ins)
+        eng = ins.engine
+        counts_engine[eng] = counts_engine.get(eng, 0) + 1
+        op = ins.opcode
+        counts[op] = counts.get(op, 0) + 1
+        t = type(ins)
+        kind = kinds.get(t)
+        if kind is None:
+            kind = kinds[t] = 0 if issubclass(t, DmaCopy) else 1 if issubclass(t, MatMul) else \
+                2 if issubclass(t, Transpose) else 3
+        if kind == 0:
+            p = ins.plan  # type: ignore[attr-defined]
+            b = p.bytes
+            ndma += 1
+            dma_bytes += b
+            n, qb = queues.get(ins.queue, (0, 0))  # type: ignore[attr-defined]
+            queues[ins.queue] = (n + 1, qb + b)  # type: ignore[attr-defined]
+            out["hbm_read"] += p.hbm_read_bytes
+            out["hbm_write"] += p.hbm_write_bytes
+            out["sbuf_read"] += p.sbuf_read_bytes
+            out["sbuf_write"] += p.sbuf_write_bytes
+            continue
+        for ap in ins.reads:
+            if isinstance(ap, TileAP):
+                out[f"{ap.space}_read"] += ap.nbytes
+        for ap in ins.writes:
+            if isinstance(ap, TileAP):
+                out[f"{ap.space}_write"] += ap.nbytes
+        if kind == 1:
+            f = matmul_flops(ins)  # type: ignore[arg-type]
             flops += f
-            rate = config.tensor_rate("mx" if isinstance(ins, MatMulMx) else ins.stationary.dtype.name)
+            rate = config.tensor_rate("mx" if isinstance(ins, MatMulMx) else ins.stationary.dtype.name)  # type: ignore[attr-defined]
             hw_flops += f / rate
-        elif isinstance(ins, Transpose):
-            hw_flops += 2 * ins.data.p_count * ins.data.p_count * ins.data.free_size
+        elif kind == 2:
+            d = ins.data  # type: ignore[attr-defined]
+            hw_flops += 2 * d.p_count * d.p_count * d.free_size
         else:
             eng_flops += _alu_flops(ins)
-    return KernelFigures(counts_engine, queues, len(dmas), dma_bytes, counts, _bytes(instrs), flops, eng_flops,
-                         hw_flops)
+    return KernelFigures(counts_engine, queues, ndma, dma_bytes, counts, out, flops, eng_flops, hw_flops)
 
 
 def build_report(kernel_name: str, instrs: list[Instruction], segments: list[Segment], total_ticks: int,
