@@ -332,3 +332,28 @@ def test_dma_plans_are_shared_across_kernels_of_one_core_config(monkeypatch: pyt
     monkeypatch.setattr(kmod, "plan_dma", counted)
     c = build()
     assert calls == [1] and c.instructions[0].plan == a.instructions[0].plan
+
+
+def test_a_plans_engine_ticks_follow_the_engine_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared plan's engine ticks are worked out once per process for the same DMA figures:
+    a config with other figures (a faster engine, more descriptor overhead) gets its own, and
+    an engine_ticks replaced at run time is called again."""
+    from trnsim.memory.dma import BandwidthPipe, DmaSystem
+
+    trn2 = load_config("trn2")
+    k = Kernel("copy", trn2)
+    x = k.input("x", (128, 4096), "bf16")
+    t = k.sbuf((128, 4096), "bf16")
+    plan = k.dma_copy(t, x).plan
+
+    def ticks(cfg: Any) -> tuple[tuple[int, int], ...]:
+        return DmaSystem(cfg, BandwidthPipe(10**12, cfg.tick_hz)).engine_ticks_of(plan)
+
+    base = ticks(trn2)
+    assert ticks(trn2) is base and [e for e, _ in base] == [e for e, _, _ in plan.engines]
+    d = trn2.core.dma
+    fast = ticks(load_config("trn2", [f"core.dma.engine_bandwidth={2 * d.engine_bandwidth}B/s"]))
+    slow = ticks(load_config("trn2", [f"core.dma.descriptor_overhead={d.descriptor_overhead + 1000}ps"]))
+    assert all(f < b < s for (_, f), (_, b), (_, s) in zip(fast, base, slow))
+    monkeypatch.setattr(DmaSystem, "engine_ticks", lambda self, nbytes, chunks, plan=None: 7)
+    assert {t for _, t in ticks(trn2)} == {7}
