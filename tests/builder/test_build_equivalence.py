@@ -357,3 +357,27 @@ def test_a_plans_engine_ticks_follow_the_engine_figures(monkeypatch: pytest.Monk
     assert all(f < b < s for (_, f), (_, b), (_, s) in zip(fast, base, slow))
     monkeypatch.setattr(DmaSystem, "engine_ticks", lambda self, nbytes, chunks, plan=None: 7)
     assert {t for _, t in ticks(trn2)} == {7}
+
+
+def test_op_checks_are_shared_by_the_kernels_of_one_core_config() -> None:
+    """Checks that passed for an operand geometry are shared by the kernels of one core config
+    (an eager first step builds hundreds of small kernels with the same geometries); ownership
+    and liveness are still checked in each kernel, a reference build checks on its own, and
+    another core config has tables of its own."""
+    trn2 = load_config("trn2")
+    a, b = Kernel("a", trn2), Kernel("b", trn2)
+    assert a._op_ok is b._op_ok and a._compute_ok is b._compute_ok and a._matmul_ok is b._matmul_ok
+    with reference_build():
+        ref = Kernel("ref", trn2)
+    assert ref._op_ok is not a._op_ok and Kernel("c", load_config("trn3"))._op_ok is not a._op_ok
+    t, c = a.sbuf((128, 256), "fp32"), a.sbuf((128, 1), "fp32")
+    a.tensor_scalar(t, t, "multiply", c)
+    with pytest.raises(KernelError, match="belongs to another kernel"):
+        b.tensor_scalar(t, t, "multiply", c)
+    u, d = b.sbuf((128, 256), "fp32"), b.sbuf((128, 1), "fp32")
+    b.free(u)
+    with pytest.raises(KernelError, match="was freed before this instruction"):
+        b.tensor_scalar(u, u, "multiply", d)
+    with pytest.raises(KernelError, match="shape mismatch"):
+        b.tensor_copy(d, b.sbuf((128, 256), "fp32"))
+    assert len(b.instructions) == 0 and len(a.instructions) == 1

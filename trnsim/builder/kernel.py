@@ -27,7 +27,7 @@ import contextlib
 import itertools
 from typing import Any, Iterator, Sequence
 
-from ..config import ChipConfig, load_config
+from ..config import _SECTIONS_GENERATION, ChipConfig, load_config
 from ..isa import (AP, AP_MAX_SIZE, AP_MAX_STRIDE, Allocation, DmaCopy, DmaGather, DmaScatter, HbmAP, HbmTensor,
                    Instruction, KernelError, MatMul, TileAP, Transpose, row_major)
 from ..cores.base import ENGINE_TYPES, canonical_engine, engines_running
@@ -63,6 +63,22 @@ __all__ = ["Kernel", "TilePool", "ViewCache", "DependencyTracker", "NativeDepend
 _SHARED_PLANS: dict[int, tuple[Any, Any, dict[tuple[int, int], Any]]] = {}
 
 
+#: id(core config) -> (that core config, the engine table's generation, the checks that passed:
+#: matmul geometries, transpose geometries, (engine, geometry) of compute operands, engine op
+#: arguments): what :meth:`Kernel.__init__` shares between the kernels of one core config
+_SHARED_CHECKS: dict[int, tuple[Any, int, tuple[Any, ...]]] = {}
+
+
+def _shared_checks(config: ChipConfig) -> tuple[Any, ...]:
+    core, gen = config.core, _SECTIONS_GENERATION[0]
+    got = _SHARED_CHECKS.get(id(core))
+    if got is None or got[0] is not core or got[1] != gen or sum(len(c) for c in got[2]) > 200_000:
+        if len(_SHARED_CHECKS) >= 16:
+            _SHARED_CHECKS.clear()
+        got = _SHARED_CHECKS[id(core)] = (core, gen, ({}, set(), set(), {}))  # (holding the config keeps its id its own)
+    return got[2]
+
+
 class Kernel(TensorEngineOps, EngineOps):
     """An instruction stream for one NeuronCore, built against a chip config."""
 
@@ -87,16 +103,20 @@ class Kernel(TensorEngineOps, EngineOps):
         self._uid = 0
         self._max_instructions = max_instructions()
         self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
-        self._matmul_ok: dict[tuple[Any, ...], bool] = {}  # matmul operand geometries checked -> double_row
-        self._transpose_ok: set[tuple[int, ...]] = set()  # nc_transpose operand geometries checked
+        # checks that passed, by operand geometry: functions of the geometries, the core config
+        # and the engine table, so shared by the kernels of a process built for one core config
+        # (:func:`_shared_checks`; a reference build checks on its own)
+        checks = _shared_checks(self.config) if not self.reference else ({}, set(), set(), {})
+        self._matmul_ok: dict[tuple[Any, ...], bool] = checks[0]  # matmul operand geometries checked -> double_row
+        self._transpose_ok: set[tuple[int, ...]] = checks[1]  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
-        self._compute_ok: set[tuple[str, int]] = set()  # (engine, view geometry) that passed _check_compute
+        self._compute_ok: set[tuple[str, int]] = checks[2]  # (engine, view geometry) that passed _check_compute
         #: runs of instructions emitted by :meth:`replay` (a matmul's repeated row blocks)
         self.replays = 0
         # an engine op's arguments as far as its checks read them (op and engine names, operand
         # geometries or number types) -> what the checks made of them (engine, op names), for
         # calls that passed: a repeat skips the checks (a failing call is checked each time)
-        self._op_ok: dict[tuple[Any, ...], Any] = {}
+        self._op_ok: dict[tuple[Any, ...], Any] = checks[3]
 
     def __getstate__(self) -> dict[str, Any]:
         # the check and plan caches are keyed by geometry numbers, which belong to one process
