@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 
 
+#: the tile() requests every pool of the process has checked (TilePool._checked): (shape, dtype)
+#: as asked -> what the checks made of it
+_CHECKED: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
+
+
 class TilePool:
     """``bufs`` rotating buffers: ``pool.tile(shape, dtype)`` returns the next one.
 
@@ -40,7 +45,9 @@ class TilePool:
         # number and dependency region stay valid); None in a reference build
         self._asked: list[tuple[Any, Any] | None] = [None] * bufs
         # (shape, dtype) as asked -> (shape, Dtype, bytes per partition, free dims), checked once
-        self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = {}
+        # per process (a function of the two alone; a reference build checks in each pool)
+        self._checked: dict[tuple[Any, Any], tuple[tuple[int, ...], Dtype, int, tuple[tuple[int, int], ...]]] = \
+            _CHECKED if not kernel.reference else {}
         self._reuse = not kernel.reference  # a reference build makes every view afresh
         self._next = 0
 
@@ -78,6 +85,8 @@ class TilePool:
             shape = checked_shape(shape, what)
             c = (shape, dt, free_elems(shape) * dt.itemsize, row_major(shape[1:] or (1,)))
             if ask is not None:
+                if len(self._checked) >= 65536:
+                    self._checked.clear()
                 self._checked[ask] = c
         asked_now = (shape, dtype) if ask is not None and self._reuse else None  # (shape as asked: all ints)
         shape, dt, nbytes, dims = c

@@ -33,7 +33,10 @@ class OnChipAllocator:
         self.live: list[Allocation] = []
         self.peak_bytes = 0  # peak bytes in use on the fullest partition
         self.high_water = 0  # highest byte address any allocation reached, +1 (what values need)
-        self._usage = [0] * partitions  # bytes in use per partition
+        # bytes in use per partition: while every allocation so far spans all the partitions
+        # (most do), one level stands for them all and the list is made at the first that does not
+        self._usage: list[int] | None = None
+        self._level = 0
         self._spans: list[tuple[int, int, int, int]] = []
         self._uids = uids if uids is not None else itertools.count(1)  # unique across memories
 
@@ -82,11 +85,21 @@ class OnChipAllocator:
         self.live.append(alloc)
         bisect.insort(self._spans, (addr, addr + size, p_start, p_end))
         self.high_water = max(self.high_water, addr + size)
-        use = self._usage
+        if self._usage is None and p_start == 0 and p_end == self.partitions:
+            self._level += size
+            if self._level > self.peak_bytes:
+                self.peak_bytes = self._level
+            return alloc
+        use = self._per_partition()
         now = [u + size for u in use[p_start:p_end]]  # a slice at once: a tile spans up to 128 partitions
         use[p_start:p_end] = now
         self.peak_bytes = max(self.peak_bytes, max(now))
         return alloc
+
+    def _per_partition(self) -> list[int]:
+        if self._usage is None:
+            self._usage = [self._level] * self.partitions
+        return self._usage
 
     def _first_fit(self, p_start: int, p_end: int, size: int) -> int:
         addr = 0
@@ -108,8 +121,14 @@ class OnChipAllocator:
         size = self._round(alloc.nbytes)
         self._spans.remove((alloc.addr, alloc.addr + size, alloc.p_start, alloc.p_start + alloc.p_count))
         p0, p1 = alloc.p_start, alloc.p_start + alloc.p_count
-        self._usage[p0:p1] = [u - size for u in self._usage[p0:p1]]
+        if self._usage is None and p0 == 0 and p1 == self.partitions:
+            self._level -= size
+            return
+        use = self._per_partition()
+        use[p0:p1] = [u - size for u in use[p0:p1]]
 
     def used_bytes(self, p_start: int, p_count: int) -> int:
         """Bytes in use on the fullest partition of the range."""
+        if self._usage is None:
+            return self._level
         return max(self._usage[p_start:p_start + p_count])
