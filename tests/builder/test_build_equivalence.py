@@ -359,11 +359,11 @@ def test_a_plans_engine_ticks_follow_the_engine_figures(monkeypatch: pytest.Monk
     assert {t for _, t in ticks(trn2)} == {7}
 
 
-def test_op_checks_are_shared_by_the_kernels_of_one_core_config() -> None:
+def test_op_checks_are_shared_by_the_kernels_of_one_core_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checks that passed for an operand geometry are shared by the kernels of one core config
     (an eager first step builds hundreds of small kernels with the same geometries); ownership
     and liveness are still checked in each kernel, a reference build checks on its own, and
-    another core config has tables of its own."""
+    another core config or another engine table has tables of its own."""
     trn2 = load_config("trn2")
     a, b = Kernel("a", trn2), Kernel("b", trn2)
     assert a._op_ok is b._op_ok and a._compute_ok is b._compute_ok and a._matmul_ok is b._matmul_ok
@@ -381,3 +381,11 @@ def test_op_checks_are_shared_by_the_kernels_of_one_core_config() -> None:
     with pytest.raises(KernelError, match="shape mismatch"):
         b.tensor_copy(d, b.sbuf((128, 256), "fp32"))
     assert len(b.instructions) == 0 and len(a.instructions) == 1
+    from trnsim.cores.base import ENGINE_TYPES
+    from trnsim.cores.vector import VectorEngine
+
+    class Other(VectorEngine):
+        pass
+
+    monkeypatch.setitem(ENGINE_TYPES, "Vector", Other)
+    assert Kernel("d", trn2)._op_ok is not a._op_ok

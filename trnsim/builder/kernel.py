@@ -27,7 +27,7 @@ import contextlib
 import itertools
 from typing import Any, Iterator, Sequence
 
-from ..config import _SECTIONS_GENERATION, ChipConfig, load_config
+from ..config import ChipConfig, load_config, sections_generation
 from ..isa import (AP, AP_MAX_SIZE, AP_MAX_STRIDE, Allocation, DmaCopy, DmaGather, DmaScatter, HbmAP, HbmTensor,
                    Instruction, KernelError, MatMul, TileAP, Transpose, row_major)
 from ..cores.base import ENGINE_TYPES, canonical_engine, engines_running
@@ -66,11 +66,12 @@ _SHARED_PLANS: dict[int, tuple[Any, Any, dict[tuple[int, int], Any]]] = {}
 #: id(core config) -> (that core config, the engine table's generation, the checks that passed:
 #: matmul geometries, transpose geometries, (engine, geometry) of compute operands, engine op
 #: arguments): what :meth:`Kernel.__init__` shares between the kernels of one core config
-_SHARED_CHECKS: dict[int, tuple[Any, int, tuple[Any, ...]]] = {}
+_SHARED_CHECKS: dict[int, tuple[Any, Any, tuple[Any, ...]]] = {}
 
 
 def _shared_checks(config: ChipConfig) -> tuple[Any, ...]:
-    core, gen = config.core, _SECTIONS_GENERATION[0]
+    # the engine table as it is now: its sections' generation and its engine classes
+    core, gen = config.core, (sections_generation(), tuple(ENGINE_TYPES.values()))
     got = _SHARED_CHECKS.get(id(core))
     if got is None or got[0] is not core or got[1] != gen or sum(len(c) for c in got[2]) > 200_000:
         if len(_SHARED_CHECKS) >= 16:

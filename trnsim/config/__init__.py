@@ -81,6 +81,12 @@ ENGINE_SECTIONS: dict[str, tuple[str, type]] = {}
 _SECTIONS_GENERATION = [0]  # bumped on every declaration: configs' clock memos are of one generation
 
 
+def sections_generation() -> int:
+    """A number that changes whenever an engine's config section is declared: what was worked
+    out from one engine table stays valid while it is the same."""
+    return _SECTIONS_GENERATION[0]
+
+
 def engine_section(engine: str, key: str) -> Any:
     """Class decorator: declare a frozen dataclass as engine ``engine``'s config section,
     ``core.<key>`` in chip YAMLs. It must have a ``clock`` (Hz) field; every chip config then
