@@ -389,3 +389,26 @@ def test_op_checks_are_shared_by_the_kernels_of_one_core_config(monkeypatch: pyt
 
     monkeypatch.setitem(ENGINE_TYPES, "Vector", Other)
     assert Kernel("d", trn2)._op_ok is not a._op_ok
+
+
+def test_scalar_tensor_tensor_checks_once_and_still_refuses() -> None:
+    """scalar_tensor_tensor (a depthwise convolution's op for every tap) checks an operand
+    geometry once: the same instruction as the checked path, and bad calls still refused."""
+    k = Kernel("stt", "trn2")
+    t, u, c = k.sbuf((128, 64), "fp32"), k.sbuf((128, 64), "fp32"), k.sbuf((128, 1), "fp32")
+    for _ in range(2):
+        k.scalar_tensor_tensor(t, u, "multiply", c, "add", t)
+        k.scalar_tensor_tensor(t, u, "multiply", 2, "add", t)
+    a, b = k.instructions[-2:]
+    assert (a.op0, a.op1, a.operand0, a.reads) == ("multiply", "add", c, (u, t, c))
+    assert b.operand0 == 2.0 and type(b.operand0) is float and b.reads == (u, t)
+    for bad, match in ((dict(operand0=True), "must be a number"), (dict(operand0=u), r"must be a per-partition"),
+                       (dict(op0="bitwise_and"), "not an arithmetic op"), (dict(operand1=k.sbuf((128, 32), "fp32")),
+                                                                         "shape mismatch")):
+        args = dict(dst=t, data=u, op0="multiply", operand0=c, op1="add", operand1=t) | bad
+        with pytest.raises(KernelError, match=match):
+            k.scalar_tensor_tensor(**args)
+    k.free(u)
+    with pytest.raises(KernelError, match="was freed before this instruction"):
+        k.scalar_tensor_tensor(t, u, "multiply", c, "add", t)
+    assert len(k.instructions) == 4

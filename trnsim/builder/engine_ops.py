@@ -18,7 +18,7 @@ from .geometry import arg_key, geometry
 from .rules import (FP32_MIN, MX_DTYPES, arith_op, check_alignment, check_per_partition, check_same_shape, checked_int,
                     checked_number, core_generation, engine_name, reduce_op_checked)
 
-_ACT, _TT, _TS, _TR, _TC = range(5)  # which op a Kernel._op_ok key is of
+_ACT, _TT, _TS, _TR, _TC, _STT = range(6)  # which op a Kernel._op_ok key is of
 
 
 class EngineOps:
@@ -241,6 +241,29 @@ class EngineOps:
                              operand1: TileAP, *, reverse0: bool = False, reverse1: bool = False) -> ScalarTensorTensor:
         """``dst = (data op0 operand0) op1 operand1``: ``operand0`` an immediate or [P, 1] tile,
         ``operand1`` shaped like ``data``."""
+        # what the checks read of the ops: their names (nl.add too); of operand0, a [P, 1] tile's
+        # geometry or a number's type (a depthwise convolution emits this op for every tap)
+        o0n = op0 if type(op0) is str else getattr(op0, "__name__", None)
+        o1n = op1 if type(op1) is str else getattr(op1, "__name__", None)
+        t0 = type(operand0)
+        if type(o0n) is str and type(o1n) is str and type(dst) is TileAP and type(data) is TileAP and \
+                type(operand1) is TileAP and (t0 is TileAP or t0 is float or t0 is int):
+            key = (_STT, o0n, o1n, dst._geo or geometry(dst), data._geo or geometry(data), arg_key(operand0),
+                   operand1._geo or geometry(operand1))
+            done = self._op_ok.get(key)
+            if done is None:
+                done = self._op_ok[key] = self._check_scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1)
+            ins = ScalarTensorTensor(dst, data, done[0], operand0 if t0 is TileAP else float(operand0), done[1],
+                                     operand1, bool(reverse0), bool(reverse1))
+            return self._emit_op(ins)  # type: ignore[return-value]
+        o0, o1 = self._check_scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1)
+        op0v = self._scalar_or_column("scalar_tensor_tensor", "operand0", operand0, data)
+        ins = ScalarTensorTensor(dst, data, o0, op0v, o1, operand1, bool(reverse0), bool(reverse1))
+        return self._emit(ins)  # type: ignore[return-value]
+
+    def _check_scalar_tensor_tensor(self, dst: TileAP, data: TileAP, op0: Any, operand0: Any, op1: Any,
+                                    operand1: Any) -> tuple[str, str]:
+        """:meth:`scalar_tensor_tensor`'s checks; returns (op0 name, op1 name)."""
         what = "scalar_tensor_tensor"
         o0, o1 = arith_op(op0, what), arith_op(op1, what)
         self._check_compute(what, "Vector", [dst, data, operand1] + ([operand0] if isinstance(operand0, TileAP) else []))
@@ -248,9 +271,8 @@ class EngineOps:
         check_same_shape(what, dst, operand1)
         if data.space == operand1.space == "psum":
             raise KernelError(f"{what}: data and operand1 cannot both be in PSUM")
-        op0v = self._scalar_or_column(what, "operand0", operand0, data)
-        ins = ScalarTensorTensor(dst, data, o0, op0v, o1, operand1, bool(reverse0), bool(reverse1))
-        return self._emit(ins)  # type: ignore[return-value]
+        self._scalar_or_column(what, "operand0", operand0, data)
+        return o0, o1
 
     def tensor_copy_predicated(self, dst: TileAP, src: TileAP | float, predicate: TileAP, *,
                                reverse_pred: bool = False) -> CopyPredicated:
