@@ -389,6 +389,10 @@ def test_op_checks_are_shared_by_the_kernels_of_one_core_config(monkeypatch: pyt
 
     monkeypatch.setitem(ENGINE_TYPES, "Vector", Other)
     assert Kernel("d", trn2)._op_ok is not a._op_ok
+    # a pool's checked requests are the process's: a pickled pool carries none
+    pool = a.tile_pool("p", bufs=2)
+    pool.tile((128, 8), "fp32")
+    assert pool._checked and pickle.loads(pickle.dumps(pool))._checked == {}
 
 
 def test_scalar_tensor_tensor_checks_once_and_still_refuses() -> None:

@@ -4,11 +4,16 @@ few ints instead of hashing views."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ..isa import AP, TileAP
 
 _GEOMETRIES: dict[tuple[Any, ...], int] = {}  # a tile view's geometry -> a small int (process-wide)
+# the numbers: next() and dict.setdefault on a tuple of ints and strings are each one step under
+# the GIL, so two threads interning two geometries at once never get one number (the check and
+# plan caches shared by a process's kernels key on them)
+_NUMBERS = itertools.count(1)
 
 
 def arg_key(x: Any) -> Any:
@@ -25,7 +30,7 @@ def geometry(ap: TileAP) -> int:
     g = (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.name)
     n = _GEOMETRIES.get(g)
     if n is None:
-        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+        n = _GEOMETRIES.setdefault(g, next(_NUMBERS))
     ap._geo = n
     return n
 
@@ -38,7 +43,7 @@ def dma_geometry(ap: AP) -> int:
     g = dma_side(ap)
     n = _GEOMETRIES.get(g)
     if n is None:
-        n = _GEOMETRIES[g] = len(_GEOMETRIES) + 1
+        n = _GEOMETRIES.setdefault(g, next(_NUMBERS))
     ap._geo = n
     return n
 

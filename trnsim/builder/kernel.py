@@ -73,8 +73,8 @@ def _shared_checks(config: ChipConfig) -> tuple[Any, ...]:
     # the engine table as it is now: its sections' generation and its engine classes
     core, gen = config.core, (sections_generation(), tuple(ENGINE_TYPES.values()))
     got = _SHARED_CHECKS.get(id(core))
-    if got is None or got[0] is not core or got[1] != gen or sum(len(c) for c in got[2]) > 200_000:
-        if len(_SHARED_CHECKS) >= 16:
+    if got is None or got[0] is not core or got[1] != gen or sum(len(c) for c in got[2]) > 50_000:
+        if len(_SHARED_CHECKS) >= 4:
             _SHARED_CHECKS.clear()
         got = _SHARED_CHECKS[id(core)] = (core, gen, ({}, set(), set(), {}))  # (holding the config keeps its id its own)
     return got[2]
@@ -452,13 +452,13 @@ class Kernel(TensorEngineOps, EngineOps):
         core = self.config.core
         got = _SHARED_PLANS.get(id(core))
         if got is None or got[0] is not core or got[1] is not plan_dma:
-            if len(_SHARED_PLANS) >= 16:
+            if len(_SHARED_PLANS) >= 4:
                 _SHARED_PLANS.clear()
             got = _SHARED_PLANS[id(core)] = (core, plan_dma, {})  # (holding the config keeps its id its own)
         plans = got[2]
         plan = plans.get(key)
         if plan is None:
-            if len(plans) >= 65536:
+            if len(plans) >= 8192:  # (~2 KB a plan)
                 plans.clear()
             plan = plans[key] = plan_dma(dst, src, self.config)
         return plan

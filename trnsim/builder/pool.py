@@ -51,6 +51,12 @@ class TilePool:
         self._reuse = not kernel.reference  # a reference build makes every view afresh
         self._next = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the checked requests are the process's (keyed by id() of dtypes too): not pickled
+        state = self.__dict__.copy()
+        state["_checked"] = {}
+        return state
+
     def tile(self, shape: Sequence[int], dtype: Any, *, name: str | None = None) -> TileAP:
         i = self._next
         self._next = i + 1 if i + 1 < self.bufs else 0
@@ -85,7 +91,7 @@ class TilePool:
             shape = checked_shape(shape, what)
             c = (shape, dt, free_elems(shape) * dt.itemsize, row_major(shape[1:] or (1,)))
             if ask is not None:
-                if len(self._checked) >= 65536:
+                if len(self._checked) >= 16384:
                     self._checked.clear()
                 self._checked[ask] = c
         asked_now = (shape, dtype) if ask is not None and self._reuse else None  # (shape as asked: all ints)

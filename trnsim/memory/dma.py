@@ -256,6 +256,7 @@ def execute_indirect_dma(ins: Any, mem: Any) -> None:
 #: id(plan) -> (the plan, the engine figures its ticks were worked out with (bandwidth, tick
 #: rate, descriptor ticks, the engine_ticks method), its engines' ticks): DmaSystem.engine_ticks_of
 _PLAN_TICKS: dict[int, tuple[DmaPlan, tuple[Any, ...], tuple[tuple[int, int], ...]]] = {}
+_PLAN_TICKS_MAX = 8192  # entries (a few KB each: the plan is kept alive with them) before it starts again
 
 
 class DmaSystem:
@@ -312,7 +313,7 @@ class DmaSystem:
                 t = memo[(b, c)] = self.engine_ticks(b, c, plan)
             out.append((e, t))
         ticks = tuple(out)
-        if len(_PLAN_TICKS) >= 65536:
+        if len(_PLAN_TICKS) >= _PLAN_TICKS_MAX:  # (a DMA transpose or gather makes a plan per copy)
             _PLAN_TICKS.clear()
         _PLAN_TICKS[id(plan)] = (plan, params, ticks)  # (holding the plan keeps its id its own)
         return ticks
