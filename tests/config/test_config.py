@@ -142,3 +142,28 @@ def test_the_longest_time_and_an_odd_whole_mhz_clock_still_simulate():
     cfg = load_config("trn2", ["core.dma.start_latency=1s", "core.tensor.clock=2401MHz", "core.vector.clock=961MHz"])
     report = Chip(cfg).run(build_matmul(128, 128, 512, "bf16", cfg), timing_only=True).report
     assert report.total_us > 1e6  # a second of DMA start latency, counted exactly
+
+
+def test_a_config_loaded_again_is_the_same_object_until_its_file_changes(tmp_path):
+    """Configs are frozen, so loading one again (the same file as it is now, the same
+    overrides) gives the same object: what the builder shares tables by. Other overrides give
+    another config, a file edited on disk is read again, and bad overrides fail as before."""
+    import os
+
+    assert load_config("trn2") is load_config("trn2")
+    big = load_config("trn2", ["core.sbuf.partition_bytes=256KiB"])
+    assert big is load_config("trn2", {"core.sbuf.partition_bytes": "256KiB"}) and big is not load_config("trn2")
+    assert big.core.sbuf.partition_bytes == 256 * 1024 and load_config("trn2").core.sbuf.partition_bytes == 224 * 1024
+    p = tmp_path / "mine.yaml"
+    text = open(load_config("trn2").source).read()
+    p.write_text(text)
+    first = load_config(p)
+    assert load_config(p) is first and first.core.sbuf.partition_bytes == 224 * 1024
+    p.write_text(text.replace("partition_bytes: 224KiB", "partition_bytes: 192KiB"))
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # (a coarse clock could give it the old time)
+    again = load_config(p)
+    assert again is not first and again.core.sbuf.partition_bytes == 192 * 1024
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+            load_config("trn2", ["core.sbuf.partition_bytes"])

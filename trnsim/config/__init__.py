@@ -493,6 +493,11 @@ def load_config(
             return name_or_path
         name_or_path = name_or_path.source
     path = resolve_config_path(name_or_path)
+    cache_key = _config_key(path, prior, overrides)
+    if cache_key is not None:
+        got = _CONFIG_CACHE.get(cache_key)
+        if got is not None:
+            return got
     where = path.name if path.parent == CONFIG_DIR else str(path)
     raw = _read_config(path, where)
     if raw is None:
@@ -510,7 +515,32 @@ def load_config(
     cfg = dataclasses.replace(cfg, source=str(path), overrides=tuple(pairs),
                               calibrations=tuple(c for c in cals if c.key not in overridden))
     _check_consistency(cfg, where)
+    if cache_key is not None:
+        if len(_CONFIG_CACHE) >= 64:
+            _CONFIG_CACHE.pop(next(iter(_CONFIG_CACHE)))
+        _CONFIG_CACHE[cache_key] = cfg
     return cfg
+
+
+#: a loaded config by everything it is a function of (:func:`_config_key`): configs are frozen,
+#: so a config loaded again is the same object (~0.5 ms saved a load; the builder's shared
+#: tables and the simulator's memos are per config object)
+_CONFIG_CACHE: dict[tuple[Any, ...], ChipConfig] = {}
+
+
+def _config_key(path: Path, prior: tuple[tuple[str, str], ...], overrides: Any) -> tuple[Any, ...] | None:
+    """What :func:`load_config` makes a config of: the file as it is now (its identity and
+    modification time, as :func:`_read_config` keys its YAML), the overrides, and the engine
+    sections declared (a section declared later is another generation). None when the
+    overrides are not plain (their error, if any, is met where it always was)."""
+    try:
+        st = os.stat(path)
+        pairs = tuple(override_pairs(prior, overrides))
+        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size, pairs, _SECTIONS_GENERATION[0])
+        hash(key)
+    except (OSError, ConfigError, TypeError, ValueError):
+        return None
+    return key
 
 
 def _take_extra_sections(raw: Any, where: str, from_set: Mapping[str, str]) -> tuple[tuple[str, Any], ...]:
