@@ -58,25 +58,25 @@ __all__ = ["Kernel", "TilePool", "ViewCache", "DependencyTracker", "NativeDepend
 # ---------------------------------------------------------------------------------------------
 
 
-#: id(core config) -> (that core config, plan_dma, {(dst geometry, src geometry): plan}): the DMA
-#: plans of every kernel of the process (:meth:`Kernel._plan_dma`)
-_SHARED_PLANS: dict[int, tuple[Any, Any, dict[tuple[int, int], Any]]] = {}
+#: id(core config) -> (that core config, what its tables were made with, the tables: the DMA
+#: plans by (dst geometry, src geometry), and the checks that passed: matmul geometries,
+#: transpose geometries, (engine, geometry) of compute operands, engine op arguments): what
+#: :meth:`Kernel.__init__` shares between the kernels of one core config (:func:`_shared_tables`)
+_SHARED: dict[int, tuple[Any, Any, tuple[Any, ...]]] = {}
 
 
-#: id(core config) -> (that core config, the engine table's generation, the checks that passed:
-#: matmul geometries, transpose geometries, (engine, geometry) of compute operands, engine op
-#: arguments): what :meth:`Kernel.__init__` shares between the kernels of one core config
-_SHARED_CHECKS: dict[int, tuple[Any, Any, tuple[Any, ...]]] = {}
-
-
-def _shared_checks(config: ChipConfig) -> tuple[Any, ...]:
-    # the engine table as it is now: its sections' generation and its engine classes
-    core, gen = config.core, (sections_generation(), tuple(ENGINE_TYPES.values()))
-    got = _SHARED_CHECKS.get(id(core))
-    if got is None or got[0] is not core or got[1] != gen or sum(len(c) for c in got[2]) > 50_000:
-        if len(_SHARED_CHECKS) >= 4:
-            _SHARED_CHECKS.clear()
-        got = _SHARED_CHECKS[id(core)] = (core, gen, ({}, set(), set(), {}))  # (holding the config keeps its id its own)
+def _shared_tables(config: ChipConfig) -> tuple[Any, ...]:
+    """The plan and check tables of ``config``'s core: functions of the operand geometries,
+    the core config, the engine table (its sections' generation and its engine classes) and
+    ``plan_dma`` (one replaced at run time starts new tables). An eager program's first step
+    builds hundreds of small kernels moving and checking the same shapes."""
+    core, made_with = config.core, (sections_generation(), tuple(ENGINE_TYPES.values()), plan_dma)
+    got = _SHARED.get(id(core))
+    if got is None or got[0] is not core or got[1] != made_with or len(got[2][0]) > 8192 \
+            or sum(len(c) for c in got[2][1:]) > 50_000:  # (~2 KB a plan)
+        if len(_SHARED) >= 4:
+            _SHARED.clear()
+        got = _SHARED[id(core)] = (core, made_with, ({}, {}, set(), set(), {}))  # (holding the config keeps its id its own)
     return got[2]
 
 
@@ -103,21 +103,21 @@ class Kernel(TensorEngineOps, EngineOps):
         self._hbm_bytes = 0
         self._uid = 0
         self._max_instructions = max_instructions()
-        self._dma_plans: dict[tuple[Any, ...], Any] = {}  # plan_dma's inputs -> its (frozen) plan
-        # checks that passed, by operand geometry: functions of the geometries, the core config
-        # and the engine table, so shared by the kernels of a process built for one core config
-        # (:func:`_shared_checks`; a reference build checks on its own)
-        checks = _shared_checks(self.config) if not self.reference else ({}, set(), set(), {})
-        self._matmul_ok: dict[tuple[Any, ...], bool] = checks[0]  # matmul operand geometries checked -> double_row
-        self._transpose_ok: set[tuple[int, ...]] = checks[1]  # nc_transpose operand geometries checked
+        # DMA plans and checks that passed, by operand geometry: shared by the kernels of a
+        # process built for one core config (:func:`_shared_tables`; a reference build plans and
+        # checks on its own)
+        tables = _shared_tables(self.config) if not self.reference else ({}, {}, set(), set(), {})
+        self._dma_plans: dict[tuple[Any, ...], Any] = tables[0]  # plan_dma's inputs -> its (frozen) plan
+        self._matmul_ok: dict[tuple[Any, ...], bool] = tables[1]  # matmul operand geometries checked -> double_row
+        self._transpose_ok: set[tuple[int, ...]] = tables[2]  # nc_transpose operand geometries checked
         self._lanes: dict[tuple[str, int], tuple[str, str]] = {}  # dma_copy (engine, queue) -> (engine, lane) checked
-        self._compute_ok: set[tuple[str, int]] = checks[2]  # (engine, view geometry) that passed _check_compute
+        self._compute_ok: set[tuple[str, int]] = tables[3]  # (engine, view geometry) that passed _check_compute
         #: runs of instructions emitted by :meth:`replay` (a matmul's repeated row blocks)
         self.replays = 0
         # an engine op's arguments as far as its checks read them (op and engine names, operand
         # geometries or number types) -> what the checks made of them (engine, op names), for
         # calls that passed: a repeat skips the checks (a failing call is checked each time)
-        self._op_ok: dict[tuple[Any, ...], Any] = checks[3]
+        self._op_ok: dict[tuple[Any, ...], Any] = tables[4]
 
     def __getstate__(self) -> dict[str, Any]:
         # the check and plan caches are keyed by geometry numbers, which belong to one process
@@ -411,11 +411,12 @@ class Kernel(TensorEngineOps, EngineOps):
         else:
             eng, lane = el
         ins = DmaCopy(eng, dst, src, lane)
-        # a kernel moves the same shapes between the same partitions over and over: plan each once
+        # kernels move the same shapes between the same partitions over and over: plan each once
+        # (the table is shared by the kernels of one core config, :func:`_shared_tables`)
         key = (dst._geo or dma_geometry(dst), src._geo or dma_geometry(src))
         plan = self._dma_plans.get(key)
         if plan is None:
-            plan = self._dma_plans[key] = self._plan_dma(key, dst, src)
+            plan = self._dma_plans[key] = plan_dma(dst, src, self.config)
         ins.plan = plan
         if el is None:
             return self._emit(ins, key=lane)  # type: ignore[return-value]
@@ -439,29 +440,6 @@ class Kernel(TensorEngineOps, EngineOps):
             self._loaded_stationary = None
         instrs.append(ins)
         return ins
-
-    def _plan_dma(self, key: tuple[int, int], dst: AP, src: AP) -> Any:
-        """``plan_dma(dst, src, config)``, shared by the kernels of a process built for one core
-        config: ``key`` is the two sides' interned geometries (everything the plan reads of
-        them, :func:`dma_geometry`), and a plan is a frozen function of them and the core
-        config. An eager program's first step builds hundreds of small kernels moving the same
-        shapes, each planning its copies afresh otherwise. A reference build plans every copy
-        itself; a ``plan_dma`` replaced at run time starts a new table."""
-        if self.reference:
-            return plan_dma(dst, src, self.config)
-        core = self.config.core
-        got = _SHARED_PLANS.get(id(core))
-        if got is None or got[0] is not core or got[1] is not plan_dma:
-            if len(_SHARED_PLANS) >= 4:
-                _SHARED_PLANS.clear()
-            got = _SHARED_PLANS[id(core)] = (core, plan_dma, {})  # (holding the config keeps its id its own)
-        plans = got[2]
-        plan = plans.get(key)
-        if plan is None:
-            if len(plans) >= 8192:  # (~2 KB a plan)
-                plans.clear()
-            plan = plans[key] = plan_dma(dst, src, self.config)
-        return plan
 
     def _dma_lane(self, eng: str, queue: Any, what: str) -> str:
         """The DMA queue lane ``engine``/``queue`` names, registering it (16 per kernel at most)."""
