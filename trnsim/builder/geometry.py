@@ -16,6 +16,11 @@ _GEOMETRIES: dict[tuple[Any, ...], int] = {}  # a tile view's geometry -> a smal
 _NUMBERS = itertools.count(1)
 
 
+def _number(g: tuple[Any, ...]) -> int:
+    """``g``'s number, given it now if it has none."""
+    return _GEOMETRIES.setdefault(g, next(_NUMBERS))
+
+
 def arg_key(x: Any) -> Any:
     """What an op's checks read of an operand that is a [P, 1] tile or a number: the tile's
     geometry number (an int), or the number's type (the checks take int and float)."""
@@ -28,9 +33,7 @@ def geometry(ap: TileAP) -> int:
     """The number of ``ap``'s geometry as the matmul checks see it (memory, partitions, free
     dims, dtype; not the address), interned once per view: a key part that hashes as one int."""
     g = (ap.alloc.space, ap.p_start, ap.p_count, ap.dims, ap.dtype.name)
-    n = _GEOMETRIES.get(g)
-    if n is None:
-        n = _GEOMETRIES.setdefault(g, next(_NUMBERS))
+    n = _GEOMETRIES.get(g) or _number(g)
     ap._geo = n
     return n
 
@@ -41,9 +44,7 @@ def dma_geometry(ap: AP) -> int:
     if isinstance(ap, TileAP):
         return geometry(ap)
     g = dma_side(ap)
-    n = _GEOMETRIES.get(g)
-    if n is None:
-        n = _GEOMETRIES.setdefault(g, next(_NUMBERS))
+    n = _GEOMETRIES.get(g) or _number(g)
     ap._geo = n
     return n
 

@@ -533,14 +533,24 @@ def _config_key(path: Path, prior: tuple[tuple[str, str], ...], overrides: Any) 
     modification time, as :func:`_read_config` keys its YAML), the overrides, and the engine
     sections declared (a section declared later is another generation). None when the
     overrides are not plain (their error, if any, is met where it always was)."""
+    file = _file_key(path)
+    if file is None:
+        return None
+    try:
+        pairs = tuple(override_pairs(prior, overrides))
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return file + (pairs, _SECTIONS_GENERATION[0])
+
+
+def _file_key(path: Path) -> tuple[Any, ...] | None:
+    """A config file as it is now: its real path, inode, modification time and size (None if it
+    cannot be stat'ed): what the YAML and config caches key on, so an edited file is read again."""
     try:
         st = os.stat(path)
-        pairs = tuple(override_pairs(prior, overrides))
-        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size, pairs, _SECTIONS_GENERATION[0])
-        hash(key)
-    except (OSError, ConfigError, TypeError, ValueError):
+        return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
         return None
-    return key
 
 
 def _take_extra_sections(raw: Any, where: str, from_set: Mapping[str, str]) -> tuple[tuple[str, Any], ...]:
@@ -564,11 +574,7 @@ _RAW_CACHE: dict[tuple[str, int, int, int], Any] = {}
 def _read_config(path: Path, where: str) -> Any:
     """The parsed YAML of a config file, cached by its identity and modification time (a sweep
     loads one file once per variant; parsing costs ~10x the check). Callers get a copy."""
-    try:
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
-    except OSError:
-        key = None
+    key = _file_key(path)
     if key is not None and key in _RAW_CACHE:
         return copy.deepcopy(_RAW_CACHE[key])
     raw = load_yaml_file(path, where, "config")

@@ -488,12 +488,11 @@ class _CoreColumns:
                         setattr(e, a, v)
                 bl, ll, lal, lbl = [], [], [], []
                 for i in gidx.tolist():
-                    ins = instrs[i]
-                    e = engines[eng[i]]
-                    bl.append(e.cycles(ins) * e.tpc)
-                    ll.append(e.latency_cycles(ins) * e.tpc)
-                    lal.append(e.lane(ins))
-                    lbl.append(ins.describe())
+                    b, lt, ln, lb = _cost_row(engines[eng[i]], instrs[i])
+                    bl.append(b)
+                    ll.append(lt)
+                    lal.append(ln)
+                    lbl.append(lb)
                 busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
         self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
         for j in range(len(names)):
@@ -631,6 +630,11 @@ def _tensor_ticks(t: type, on: np.ndarray, engines: list[Engine], items: Any
     return tab[ids, 0], tab[ids, 1], "Transpose" if transpose else "MultiplyMoving"
 
 
+def _cost_row(e: Engine, ins: Instruction) -> tuple[int, int, str, str]:
+    """``ins``'s busy ticks, latency ticks, lane and label on engine ``e``, from its cost methods."""
+    return e.cycles(ins) * e.tpc, e.latency_cycles(ins) * e.tpc, e.lane(ins), ins.describe()
+
+
 def _keyed_costs(scan: _Scan, key_eng: np.ndarray, engines: list[Engine], generic: np.ndarray, k_busy: np.ndarray,
                  k_lat: np.ndarray, k_lane: np.ndarray, k_label: np.ndarray) -> None:
     """The costs of the generic instructions of engines without a cost state, worked out per
@@ -656,7 +660,6 @@ def _keyed_costs(scan: _Scan, key_eng: np.ndarray, engines: list[Engine], generi
                 fns[t] = e.cost_key(t)
         if None in fns.values():
             continue
-        tpc = e.tpc
         memo: dict[tuple[type, Any], tuple[int, int, str, str]] = {}
         got = []
         try:
@@ -666,7 +669,7 @@ def _keyed_costs(scan: _Scan, key_eng: np.ndarray, engines: list[Engine], generi
                 ck = (t, fns[t](ins))
                 c = memo.get(ck)
                 if c is None:
-                    c = memo[ck] = (e.cycles(ins) * tpc, e.latency_cycles(ins) * tpc, e.lane(ins), ins.describe())
+                    c = memo[ck] = _cost_row(e, ins)
                 got.append(c)
         except Exception:  # noqa: BLE001 - _generic_costs asks again, in program order
             continue
@@ -701,10 +704,6 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
             kid[pos] = np.fromiter(map(number.__getitem__, map(key, _pick(instrs, idx[pos]))), dtype=np.int64,
                                    count=len(pos)) + nkeys
         nkeys += len(number)
-    tpc = e.tpc
-
-    def costs(ins: Instruction) -> tuple[int, int, str, str]:
-        return e.cycles(ins) * tpc, e.latency_cycles(ins) * tpc, e.lane(ins), ins.describe()
 
     if not e.cost_state:
         _, first = np.unique(kid, return_index=True)  # first[k]: where key k is first used
@@ -712,7 +711,7 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
         # keys numbered in order of first use, so the cost methods run in program order
         renum = np.empty(nkeys, dtype=np.int64)
         renum[kid[order]] = np.arange(len(order))
-        table = [costs(instrs[i]) for i in idx[order].tolist()]
+        table = [_cost_row(e, instrs[i]) for i in idx[order].tolist()]
         at = renum[kid]
     else:
         names = e.cost_state
@@ -724,7 +723,7 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
             if hit is None:
                 for a, v in zip(names, state):
                     setattr(e, a, v)
-                table.append(costs(instrs[int(idx[p])]))
+                table.append(_cost_row(e, instrs[int(idx[p])]))
                 hit = memo[(k, state)] = (len(table) - 1, tuple(getattr(e, a) for a in names))
             at_l.append(hit[0])
             state = hit[1]
