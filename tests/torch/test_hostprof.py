@@ -85,6 +85,7 @@ def test_a_compiled_graphs_time_is_split_into_its_regions_and_its_other_ops():
     assert torch.equal(got, want) and device.now() - t0 == plain
     parts = dict((k, c) for k, _, c in prof.parts())
     assert parts[hostprof.GRAPHS] == 1 and parts[hostprof.REGIONS] >= 1
+    assert hostprof.COMPILE not in parts  # compiled before the profile
     assert hostprof.REGIONS in prof.table() and hostprof.GRAPHS in prof.table()
     assert not hasattr(RegionKernel.__call__, "__wrapped__") and not hasattr(CompiledGraph.__call__, "__wrapped__")
 
@@ -106,13 +107,18 @@ with hostprof.profile() as prof:
     f(x).cpu()
 parts = dict((k, c) for k, _, c in prof.parts())
 from torch_bridge.compile.graph import CompiledGraph, RegionKernel
-print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS),
-      hasattr(CompiledGraph.__call__, "__wrapped__") or hasattr(RegionKernel.__call__, "__wrapped__"))
+from torch._dynamo import convert_frame
+print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS), parts.get(hostprof.COMPILE),
+      prof.summary()[hostprof.COMPILE] > 0, "compile (Dynamo" in prof.table(),
+      any(hasattr(f, "__wrapped__") for f in (CompiledGraph.__call__, RegionKernel.__call__, CompiledGraph.__init__,
+                                                convert_frame._compile)))
 """
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=tempfile.gettempdir())
     assert got.returncode == 0, got.stderr[-2000:]
-    assert got.stdout.split() == ["(False,", "False)", "2", "2", "False"], got.stdout
+    # compile: Dynamo's compile of the frame, and inside it the backend's graph (once: the second
+    # call runs the compiled graph)
+    assert got.stdout.split() == ["(False,", "False)", "2", "2", "2", "True", "True", "False"], got.stdout
 
 
 def test_a_parts_time_leaves_out_the_fast_paths_datapath(monkeypatch):

@@ -36,6 +36,10 @@ REGIONS = "compiled regions (values)"
 #: the rest of a compiled graph's run: its other ops (fast path or Python path, unless counted as
 #: such), attention's values, the graph module's own Python
 GRAPHS = "compiled graphs (other ops)"
+#: torch.compile's own work: Dynamo tracing a frame, AOT autograd, the neuron backend partitioning
+#: the graph and planning its regions (a backward graph's compile too, which AOT autograd makes at
+#: the first backward); the kernels it builds and simulates are counted in theirs
+COMPILE = "compile"
 
 _clock = time.perf_counter
 
@@ -127,9 +131,9 @@ class Profile:
                          f" {c}")
 
         s = self.summary()
-        for group in ("build", "simulate", "device model", "compile", REGIONS, GRAPHS, "cpu kernels (python path)"):
+        for group in ("build", "simulate", "device model", COMPILE, REGIONS, GRAPHS, "cpu kernels (python path)"):
             if s.get(group):
-                row(group, s[group], self.calls.get(group))
+                row("compile (Dynamo, AOT, backend)" if group == COMPILE else group, s[group], self.calls.get(group))
         py = [(k, v, c) for k, v, c in self.parts() if k.startswith("python ")]
         row("python path (all ops)", s.get("python path", 0.0), sum(c for _, _, c in py))
         for k, v, c in py[:top]:
@@ -147,15 +151,26 @@ class Profile:
 
 
 GRAPH_MODULE = "torch_bridge.compile.graph"
+DYNAMO_MODULE = "torch._dynamo.convert_frame"  # where Dynamo compiles a frame (its ``_compile``)
 _undo: list[tuple[Any, str, Any]] | None = None  # the recording profile's wrappers, to undo at its end
 
 
 def _wrap_graphs(module: Any) -> None:
-    """Time the compiled graphs' regions and their other ops, if a profile is recording."""
+    """Time the compiled graphs' regions, their other ops and their compiles, if a profile is
+    recording."""
     undo = _undo
     if undo is not None:
         _wrap(module.RegionKernel, "__call__", REGIONS, undo)
         _wrap(module.CompiledGraph, "__call__", GRAPHS, undo)
+        _wrap(module.CompiledGraph, "__init__", COMPILE, undo)
+
+
+def _wrap_dynamo(module: Any) -> None:
+    """Time Dynamo's compile of a frame (tracing, AOT autograd, the backend), if a profile is
+    recording and this torch has it where it had it (else it stays in the rest)."""
+    undo = _undo
+    if undo is not None and callable(module.__dict__.get("_compile")):
+        _wrap(module, "_compile", COMPILE, undo)
 
 
 def _wrap(owner: Any, name: str, part: str, undo: list[tuple[Any, str, Any]]) -> None:
@@ -202,6 +217,7 @@ def profile() -> Iterator[Profile]:
     # the compiled graphs' classes: wrapped now if the program has compiled, else when it first
     # does (importing the module now would register its custom ops in a program that never compiles)
     after_import(GRAPH_MODULE, _wrap_graphs)
+    after_import(DYNAMO_MODULE, _wrap_dynamo)
     prof = Profile(fastpath.datapath_seconds)
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
