@@ -188,16 +188,20 @@ def train(case: Case, compiled: bool) -> dict[str, Any]:
         compile_s += scope.report.compile_seconds
     steps = len(case.batches) - WARMUP
 
-    def more(batch: Any) -> tuple[float, float]:
-        """One more step of this run (its model and optimizer state carry on): (wall s, process CPU s)."""
+    def more(batch: Any) -> tuple[float, float, tuple[float, float, float]]:
+        """One more step of this run (its model and optimizer state carry on): (wall s, process CPU
+        s, the process CPU s of its forward, backward and optimizer step)."""
         t0, c0 = time.perf_counter(), time.process_time()
         with torch.neuron.report_scope():
             loss = case.loss(run, batch)
+            c1 = time.process_time()
             loss.backward()
+            c2 = time.process_time()
             step()
             opt.zero_grad(set_to_none=True)
+            c3 = time.process_time()
             loss.item()
-        return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0, (c1 - c0, c2 - c1, c3 - c2)
 
     return {"report": torch.neuron.report(), "steps": steps, "wall_ms": statistics.median(seconds[WARMUP:]) * 1e3,
             "cpu_ms": statistics.median(cpu[WARMUP:]) * 1e3,
@@ -210,7 +214,7 @@ def interleaved(case: Case, eager: dict[str, Any], comp: dict[str, Any], pairs: 
     a pair meet the same load on a shared machine; the medians of the pairs' ratios. (The runs'
     own figures above come from their separate phases, minutes apart: a load change between them
     moves that ratio by 5% or more, this one by ~1%.)"""
-    wall, cpu = [], []
+    wall, cpu, phases_e, phases_c = [], [], [], []
     for i in range(pairs):
         batch = case.batches[(WARMUP + i) % len(case.batches)]
         if i % 2:
@@ -219,7 +223,12 @@ def interleaved(case: Case, eager: dict[str, Any], comp: dict[str, Any], pairs: 
             ec, ce = eager["more"](batch), comp["more"](batch)
         wall.append(ce[0] / ec[0])
         cpu.append(ce[1] / ec[1])
-    return {"pairs": pairs, "wall": statistics.median(wall), "cpu": statistics.median(cpu)}
+        phases_e.append(ec[2])
+        phases_c.append(ce[2])
+    # each phase's median over the pairs, per mode (ms of process CPU): where a difference is
+    return {"pairs": pairs, "wall": statistics.median(wall), "cpu": statistics.median(cpu),
+            "phases": [(name, statistics.median(e) * 1e3, statistics.median(c) * 1e3) for name, e, c in
+                       zip(("forward", "backward", "optimizer step"), zip(*phases_e), zip(*phases_c))]}
 
 
 def inductor_cpu(case: Case) -> dict[str, Any]:
@@ -273,6 +282,8 @@ def show_steady(pair: dict[str, float]) -> None:
     """The steady compiled step against eager's (:func:`interleaved`), issue 30's goal."""
     print(f"  steady compiled wall / eager wall on neuron, {pair['pairs']} interleaved pairs: {pair['wall']:.3f}x "
           f"(goal <= 1x: {'met' if pair['wall'] <= 1 else 'missed'}); process CPU {pair['cpu']:.3f}x")
+    print("    by phase, process CPU ms (eager -> compiled, medians of the pairs): " +
+          "; ".join(f"{name} {e:,.1f} -> {c:,.1f}" for name, e, c in pair["phases"]))
 
 
 def show(case: Case, eager: dict[str, Any], comp: dict[str, Any], same: list[float] | None = None) -> bool:

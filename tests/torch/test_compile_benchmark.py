@@ -23,6 +23,9 @@ def test_compile_benchmark_quick():
     assert len(re.findall(r"compile wall time \d+\.\d\d s", text)) == 2
     # the steady compiled step against eager's, from interleaved pairs (a ratio, never judged by the test)
     assert len(re.findall(r"steady compiled wall / eager wall on neuron, 2 interleaved pairs: \d+\.\d{3}x", text)) == 2
+    # ... split into the step's phases, each a CPU time per mode
+    assert len(re.findall(r"by phase, process CPU ms \(eager -> compiled, medians of the pairs\): forward [\d,.]+ -> "
+                          r"[\d,.]+; backward [\d,.]+ -> [\d,.]+; optimizer step [\d,.]+ -> [\d,.]+", text)) == 2
     ratio = float(re.search(r"compiled / eager: (\d+\.\d\d)x faster in simulated time \(goal >= 1\.5x", text)[1])
     assert ratio > 1.2  # fusion and graph launches save time on the GPT-2 step
     assert "largest relative difference 0.0e+00" in text  # the CNN: SGD's compiled step is eager's
