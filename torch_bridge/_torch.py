@@ -78,7 +78,12 @@ COMPILE_REQUIRED: dict[str, str] = {
         "recomputing cheap ops in the backward instead of saving them (fewer region outputs)",
     "torch._functorch.aot_autograd.make_boxed_func": "the boxed calling convention of compiled graphs",
     "torch.nn.attention.flex_attention._validate_device": "FlexAttention on neuron tensors",
+    "torch._dynamo.convert_frame._compile": "timing torch.compile's own work in the host profile (hostprof)",
 }
+
+#: where Dynamo compiles a frame: the module and the function its callers look up there at each
+#: call, which the host profile wraps while it records (torch_bridge.neuron.hostprof)
+DYNAMO_COMPILE_MODULE, DYNAMO_COMPILE_NAME = "torch._dynamo.convert_frame", "_compile"
 
 
 def compile_api(name: str) -> Any:

@@ -27,6 +27,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from .._torch import DYNAMO_COMPILE_MODULE, DYNAMO_COMPILE_NAME
+
 __all__ = ["Profile", "profile", "active"]
 
 active: "Profile | None" = None  # the profile being recorded (handed to values.host_profile too)
@@ -151,7 +153,6 @@ class Profile:
 
 
 GRAPH_MODULE = "torch_bridge.compile.graph"
-DYNAMO_MODULE = "torch._dynamo.convert_frame"  # where Dynamo compiles a frame (its ``_compile``)
 _undo: list[tuple[Any, str, Any]] | None = None  # the recording profile's wrappers, to undo at its end
 
 
@@ -169,8 +170,8 @@ def _wrap_dynamo(module: Any) -> None:
     """Time Dynamo's compile of a frame (tracing, AOT autograd, the backend), if a profile is
     recording and this torch has it where it had it (else it stays in the rest)."""
     undo = _undo
-    if undo is not None and callable(module.__dict__.get("_compile")):
-        _wrap(module, "_compile", COMPILE, undo)
+    if undo is not None and callable(module.__dict__.get(DYNAMO_COMPILE_NAME)):
+        _wrap(module, DYNAMO_COMPILE_NAME, COMPILE, undo)
 
 
 def _wrap(owner: Any, name: str, part: str, undo: list[tuple[Any, str, Any]]) -> None:
@@ -217,7 +218,7 @@ def profile() -> Iterator[Profile]:
     # the compiled graphs' classes: wrapped now if the program has compiled, else when it first
     # does (importing the module now would register its custom ops in a program that never compiles)
     after_import(GRAPH_MODULE, _wrap_graphs)
-    after_import(DYNAMO_MODULE, _wrap_dynamo)
+    after_import(DYNAMO_COMPILE_MODULE, _wrap_dynamo)
     prof = Profile(fastpath.datapath_seconds)
     hits0, dp0, sim0 = fastpath.hits(), fastpath.datapath_seconds(), device.simulated
     comp0 = device.recorders[0].compile_seconds
