@@ -108,8 +108,10 @@ with hostprof.profile() as prof:
 parts = dict((k, c) for k, _, c in prof.parts())
 from torch_bridge.compile.graph import CompiledGraph, RegionKernel
 from torch._dynamo import convert_frame
+s = prof.summary()
 print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS), parts.get(hostprof.COMPILE),
-      prof.summary()[hostprof.COMPILE] > 0, "compile (Dynamo" in prof.table(),
+      0 < prof.compile <= s[hostprof.COMPILE] and prof.to_dict()["backend_compile_s"] == prof.compile,
+      "compile (Dynamo" in prof.table() and "of which the backend, with AOT" in prof.table(),
       any(hasattr(f, "__wrapped__") for f in (CompiledGraph.__call__, RegionKernel.__call__, CompiledGraph.__init__,
                                                 convert_frame._compile)))
 """
@@ -117,7 +119,7 @@ print(before, parts.get(hostprof.REGIONS), parts.get(hostprof.GRAPHS), parts.get
                          cwd=tempfile.gettempdir())
     assert got.returncode == 0, got.stderr[-2000:]
     # compile: Dynamo's compile of the frame, and inside it the backend's graph (once: the second
-    # call runs the compiled graph)
+    # call runs the compiled graph); the backend's own share (the device's count) is within it
     assert got.stdout.split() == ["(False,", "False)", "2", "2", "2", "True", "True", "False"], got.stdout
 
 

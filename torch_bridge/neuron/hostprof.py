@@ -57,8 +57,9 @@ class Profile:
         # seconds in trnsim's C datapath called from the extension (the fast path's matmuls and
         # convolutions, compiled regions' matmul heads, attention's products): in the rest, no part counts it
         self.datapath = 0.0
-        self.compile = 0.0  # seconds compiling graphs (the device's own count; its builds and
-        # simulations are counted in theirs, the rest of it in the rest)
+        # seconds in the neuron backend's calls (AOT autograd, partitioning, planning: the device's
+        # own count, Device.note_compile), within the ``compile`` part
+        self.compile = 0.0
         self.simulated = 0  # kernels simulated (cost-cache misses)
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -113,11 +114,12 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The split as plain data (``trnsim run --host-profile --json``): seconds of wall time,
-        ops the fast path served, kernels simulated, the fast path's datapath seconds, each part's
-        exclusive seconds and calls (the Python path per op as ``python <op>``), and the rest
-        (the fast path with its CPU kernels, autograd, the program; the datapath apart)."""
+        ops the fast path served, kernels simulated, the fast path's datapath seconds, the neuron
+        backend's compile seconds (within the ``compile`` part), each part's exclusive seconds and
+        calls (the Python path per op as ``python <op>``), and the rest (the fast path with its CPU
+        kernels, autograd, the program; the datapath apart)."""
         return {"wall_s": self.wall, "fast_path_ops": self.fast_hits, "kernels_simulated": self.simulated,
-                "datapath_s": self.datapath, "rest_s": self.rest(),
+                "datapath_s": self.datapath, "rest_s": self.rest(), "backend_compile_s": self.compile,
                 "parts": [{"part": k, "seconds": v, "calls": c} for k, v, c in self.parts()]}
 
     def table(self, steps: int = 1, top: int = 12, cpu_wall: float | None = None) -> str:
@@ -136,6 +138,8 @@ class Profile:
         for group in ("build", "simulate", "device model", COMPILE, REGIONS, GRAPHS, "cpu kernels (python path)"):
             if s.get(group):
                 row("compile (Dynamo, AOT, backend)" if group == COMPILE else group, s[group], self.calls.get(group))
+                if group == COMPILE and self.compile > 0:  # the device's own count of its backend calls
+                    row("  of which the backend, with AOT", min(self.compile, s[group]))
         py = [(k, v, c) for k, v, c in self.parts() if k.startswith("python ")]
         row("python path (all ops)", s.get("python path", 0.0), sum(c for _, _, c in py))
         for k, v, c in py[:top]:
