@@ -493,13 +493,14 @@ def load_config(
             return name_or_path
         name_or_path = name_or_path.source
     path = resolve_config_path(name_or_path)
-    cache_key = _config_key(path, prior, overrides)
+    file = _file_key(path)  # (stat'ed once: the config's key and the YAML's)
+    cache_key = _config_key(file, prior, overrides)
     if cache_key is not None:
         got = _CONFIG_CACHE.get(cache_key)
         if got is not None:
             return got
     where = path.name if path.parent == CONFIG_DIR else str(path)
-    raw = _read_config(path, where)
+    raw = _read_config(path, where, file)
     if raw is None:
         raw = {}
     cals = calibrations_of(raw, where)
@@ -528,12 +529,13 @@ def load_config(
 _CONFIG_CACHE: dict[tuple[Any, ...], ChipConfig] = {}
 
 
-def _config_key(path: Path, prior: tuple[tuple[str, str], ...], overrides: Any) -> tuple[Any, ...] | None:
-    """What :func:`load_config` makes a config of: the file as it is now (its identity and
-    modification time, as :func:`_read_config` keys its YAML), the overrides, and the engine
-    sections declared (a section declared later is another generation). None when the
-    overrides are not plain (their error, if any, is met where it always was)."""
-    file = _file_key(path)
+def _config_key(file: tuple[Any, ...] | None, prior: tuple[tuple[str, str], ...], overrides: Any
+                ) -> tuple[Any, ...] | None:
+    """What :func:`load_config` makes a config of: the file as it is now (``file``, its
+    :func:`_file_key`, as :func:`_read_config` keys its YAML), the overrides, and the engine
+    sections declared (a section declared later is another generation). None when the file
+    cannot be stat'ed or the overrides are not plain (their error, if any, is met where it
+    always was)."""
     if file is None:
         return None
     try:
@@ -571,10 +573,10 @@ def _take_extra_sections(raw: Any, where: str, from_set: Mapping[str, str]) -> t
 _RAW_CACHE: dict[tuple[str, int, int, int], Any] = {}
 
 
-def _read_config(path: Path, where: str) -> Any:
-    """The parsed YAML of a config file, cached by its identity and modification time (a sweep
-    loads one file once per variant; parsing costs ~10x the check). Callers get a copy."""
-    key = _file_key(path)
+def _read_config(path: Path, where: str, key: tuple[Any, ...] | None) -> Any:
+    """The parsed YAML of a config file, cached by its identity and modification time (``key``,
+    its :func:`_file_key`; a sweep loads one file once per variant; parsing costs ~10x the
+    check). Callers get a copy."""
     if key is not None and key in _RAW_CACHE:
         return copy.deepcopy(_RAW_CACHE[key])
     raw = load_yaml_file(path, where, "config")
