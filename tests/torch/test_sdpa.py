@@ -501,3 +501,91 @@ def test_forward_mode_ad_through_the_fused_op_is_refused_not_dropped(grad):
         dual = fwAD.make_dual(q, torch.randn_like(q))
         with pytest.raises(NotImplementedError, match="jvp"):
             F.scaled_dot_product_attention(dual, k, v, enable_gqa=True)
+
+
+# ---- a long generation: one check, one price per cache bucket ----------------------------------
+def _decode_cases() -> list[tuple[str, dict[str, object], tuple[int, ...]]]:
+    """Decode-shaped calls (no mask, more keys than queries), CPU taking or refusing them, each
+    with the query sizes, the K/V sizes past the key count and the arguments."""
+    cases = []
+    for dtype, kdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float16), (torch.bfloat16, torch.float32)):
+        for hq, hk, gqa in ((4, 2, True), (4, 2, False), (4, 4, False), (6, 4, True), (4, 1, True)):
+            for l in (1, 3, 8):
+                for e, ek in ((16, 16), (16, 8), (160, 160)):
+                    for causal, scale, p in ((False, None, 0.0), (True, 0.3, 0.0), (False, None, 0.1)):
+                        for dims in (4, 3):
+                            cases.append((f"{dtype}/{kdtype} h{hq}/{hk} gqa={gqa} l{l} e{e}/{ek} causal={causal} "
+                                          f"scale={scale} p={p} {dims}d",
+                                          dict(dtype=dtype, kdtype=kdtype, hq=hq, hk=hk, gqa=gqa, l=l, e=e, ek=ek,
+                                               causal=causal, scale=scale, p=p, dims=dims), ()))
+    return cases
+
+
+def _decode_call(c: dict, s: int, transposed: bool = False) -> tuple[torch.Tensor, ...]:
+    lead = (2, c["hq"]) if c["dims"] == 4 else (2 * c["hq"],)
+    klead = (2, c["hk"]) if c["dims"] == 4 else (2 * c["hk"],)
+    q = torch.empty(lead + (c["l"], c["e"]), dtype=c["dtype"])
+    if transposed:  # Hugging Face's query: [B, L, H, E] viewed as [B, H, L, E] (last dim still unit stride)
+        q = torch.empty((2, c["l"], c["hq"], c["e"]), dtype=c["dtype"]).transpose(1, 2) if c["dims"] == 4 else q
+    k = torch.empty(klead + (s, c["ek"]), dtype=c["kdtype"])
+    v = torch.empty(klead + (s, c["ek"]), dtype=c["kdtype"])
+    return q, k, v
+
+
+def test_a_decode_steps_verdict_does_not_depend_on_its_key_count():
+    """check() keys a decode step (no mask, more keys than queries) by its sizes without the key
+    count, so that a generation, one key more each token, runs CPU's checks once: every verdict
+    (CPU's error and message, or its backend choice) must then be the same for every key count.
+    Swept over CPU's takes and refusals: dtypes mixed or not, GQA heads dividing or not, with and
+    without enable_gqa, head dims unequal or over 128, causal, scale, dropout, 3-d inputs."""
+    from torch_bridge.ops import attention as attn
+    differ = []
+    for name, c, _ in _decode_cases():
+        for transposed in (False, True):
+            verdicts = {}
+            for s in (c["l"] + 1, c["l"] + 2, 17, 128, 129, 513, 1030):
+                q, k, v = _decode_call(c, s, transposed)
+                key = attn._shapes(q, k, v, None)
+                assert "keys > queries" in key, name
+                verdicts[s] = attn._refusal(q, k, v, None, c["p"], c["causal"], c["scale"], c["gqa"])
+            if len(set(map(repr, verdicts.values()))) != 1:
+                differ.append((name, transposed, verdicts))
+    assert not differ, differ[:3]
+
+
+def test_calls_the_decode_key_does_not_cover_keep_every_size():
+    from torch_bridge.ops import attention as attn
+    q, k = torch.empty(1, 4, 1, 16), torch.empty(1, 2, 9, 16)
+    for args in ((q, k, torch.empty(1, 2, 8, 16), None),  # values and keys of different counts
+                 (q, k, k, torch.ones(1, 1, 1, 9, dtype=torch.bool)),  # a mask
+                 (torch.empty(1, 4, 9, 16), k, k, None),  # as many queries as keys
+                 (torch.empty(1, 4, 12, 16), k, k, None)):  # more queries than keys
+        assert "keys > queries" not in attn._shapes(*args)
+        assert attn._shapes(*args) == tuple(t.shape for t in args if t is not None)
+
+
+def test_a_long_generation_checks_once_and_prices_each_cache_bucket_once(monkeypatch):
+    """Decode steps over one key more each (a generation's tokens): CPU's checks run once and the
+    launch is priced once per 128-key bucket of the cache, not once a token (each took ~1 ms);
+    values as CPU's, and each step still one attention_tkg launch of its bucket."""
+    from torch_bridge.ops import attention as attn
+    refusals = []
+    real = attn._refusal
+    monkeypatch.setattr(attn, "_refusal", lambda *a: refusals.append(a[1].shape[-2]) or real(*a))
+    monkeypatch.setattr(attn, "_checked", {})
+    monkeypatch.setattr(attn, "_charges", {})
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 1, 4, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+    cache = torch.randn(2, 1, 2, 300, 16, generator=g).to(torch.bfloat16)
+    nq = q.to("neuron")
+    with torch.neuron.report_scope() as scope, torch.no_grad():
+        for s in range(120, 140):
+            k, v = cache[0, :, :, :s], cache[1, :, :, :s]
+            out = F.scaled_dot_product_attention(nq, k.to("neuron"), v.to("neuron"), enable_gqa=True)
+            torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                       rtol=2e-2, atol=2e-2)
+    assert refusals == [120]
+    assert sorted(key[2] for key in attn._charges) == [(2, ("cache", 128)), (2, ("cache", 256))]  # keys 120-129, 130-139
+    rows = [(r.kernel, r.calls) for r in scope.report.rows if r.op == "scaled_dot_product_attention"]
+    assert rows == [("attention_tkg", 20)]

@@ -26,7 +26,7 @@ from trnsim.native.dtypes import get_dtype
 
 __all__ = ["OPS", "Op", "TileDtype", "tile_dtype", "matmul_dtype", "flat_tensors", "op_spec", "generic_spec",
            "matmul_spec", "mx_linear_specs", "fused_op_specs", "conv_specs", "conv_backward_specs", "depthwise_spec", "copy_spec",
-           "attention_specs", "attention_backward_specs", "fused_spec"]
+           "attention_specs", "attention_backward_specs", "fused_spec", "tkg_prior", "kv_cost_key"]
 
 Route = Optional[tuple[str, tuple[int, ...], dict[str, Any]]]
 
@@ -598,6 +598,20 @@ def fused_spec(op: str, lists: Sequence[Sequence[torch.Tensor]], singles: Sequen
 TKG_BUCKET = 128  # attention_tkg reads the cached keys in whole 128-key tiles (a cache bucket)
 
 
+def tkg_prior(s: int, l: int) -> int:
+    """The cached keys ``attention_tkg`` reads for ``l`` active queries over ``s`` keys: the
+    ``s - l`` before them, rounded up to whole :data:`TKG_BUCKET` tiles."""
+    return -(-(s - l) // TKG_BUCKET) * TKG_BUCKET
+
+
+def kv_cost_key(kv: tuple[int, int], l: int) -> tuple[Any, ...]:
+    """``kv`` = (key heads, keys) as :func:`attention_specs`' kernels depend on it for ``l``
+    queries: a decode step's keys by the bucket its cache is read in, so a cost memo keyed by it
+    holds one entry per bucket of a generation's tokens, not one per token."""
+    nkv, s = kv
+    return (nkv, ("cache", tkg_prior(s, l)) if s != l else s)
+
+
 def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float | None,
                     dropout_p: float = 0.0, kv: tuple[int, int] | None = None) -> list[KernelSpec]:
     """The forward of fused attention, plus a generic kernel reading an explicit mask once.
@@ -615,8 +629,7 @@ def attention_specs(q: torch.Tensor, mask: torch.Tensor | None, causal: bool, sc
     generic = generic_spec("scaled_dot_product_attention", [meta, meta, meta], [meta])
     if kv is not None and kv[1] != l:
         nkv, s = kv
-        prior = -(-(s - l) // TKG_BUCKET) * TKG_BUCKET
-        specs = [_library("attention_tkg", (b, heads, nkv, l, prior, e), q.dtype, {}, generic) or generic]
+        specs = [_library("attention_tkg", (b, heads, nkv, l, tkg_prior(s, l), e), q.dtype, {}, generic) or generic]
     else:
         specs = [_library("attention", (b, heads, l, e), q.dtype,
                           {"causal": bool(causal), "scale": scale, "kv_block": 0,

@@ -173,7 +173,7 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     ts = (q, k, v) if mask is None else (q, k, v, mask)
     if q.is_nested or k.is_nested or v.is_nested or (mask is not None and mask.is_nested):
         return False  # nested tensors: PyTorch's own path checks them
-    key = (tuple(t.shape for t in ts), tuple(t.dtype for t in ts),
+    key = (_shapes(q, k, v, mask), tuple(t.dtype for t in ts),
            tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
            mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
@@ -190,6 +190,20 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     if verdict is not None:
         raise verdict[0](verdict[1])
     return choice == _FLASH
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[Any, ...]:
+    """The sizes :func:`check`'s verdict is keyed by. A decode step over a KV cache (no mask,
+    queries, keys and values of one rank over 1, more keys than queries: each generated token
+    has one key more than the last) is keyed by its sizes with the key count left out, so a
+    long generation checks once, not once a token: CPU's checks read the key count only as
+    nonzero and as equal to the value count or not (``tests/torch/test_sdpa.py`` sweeps CPU's
+    verdicts over key counts). Other calls by all their sizes."""
+    if mask is None and q.dim() == k.dim() == v.dim() > 1:
+        s, l = k.shape[-2], q.shape[-2]
+        if type(s) is int and type(l) is int and s > l and v.shape[-2] == s:  # (not symbolic sizes)
+            return (q.shape, k.shape[:-2], k.shape[-1], v.shape[:-2], v.shape[-1], "keys > queries")
+    return tuple(t.shape for t in ((q, k, v) if mask is None else (q, k, v, mask)))
 
 
 def _order(t: torch.Tensor, strides: Any) -> tuple[int, ...]:
@@ -543,7 +557,8 @@ def _charge(index: int, op: str, key: tuple[Any, ...], specs: Any) -> None:
 def charge_forward(index: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool,
                    scale: float | None) -> None:
     kv = (k.shape[-3], k.shape[-2])
-    key = ("fwd", q.shape, kv, q.dtype, None if mask is None else (mask.shape, mask.dtype), causal, scale)
+    key = ("fwd", q.shape, lowering.kv_cost_key(kv, q.shape[-2]), q.dtype,
+           None if mask is None else (mask.shape, mask.dtype), causal, scale)
     _charge(index, FORWARD, key, lambda: lowering.attention_specs(q, mask, causal, scale, kv=kv))
 
 

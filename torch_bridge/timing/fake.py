@@ -485,8 +485,8 @@ class _Attention(torch.autograd.Function):
         ctx.run = run
         ctx.flash = (attn_mask, is_causal, scale, dropout_p)
         kv = (k.shape[-3], s)
-        key = ("fwd", q.shape, kv, q.dtype, None if attn_mask is None else (attn_mask.shape, attn_mask.dtype),
-               is_causal, scale, dropout_p)
+        key = ("fwd", q.shape, lowering.kv_cost_key(kv, q.shape[-2]), q.dtype,
+               None if attn_mask is None else (attn_mask.shape, attn_mask.dtype), is_causal, scale, dropout_p)
         run.charge_specs(_index(q), FORWARD, key,
                          lambda: lowering.attention_specs(q, attn_mask, is_causal, scale, dropout_p, kv=kv))
         out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
