@@ -544,7 +544,7 @@ def test_a_decode_steps_verdict_does_not_depend_on_its_key_count():
     for name, c, _ in _decode_cases():
         for transposed in (False, True):
             verdicts = {}
-            for s in (c["l"] + 1, c["l"] + 2, 17, 128, 129, 513, 1030):
+            for s in (c["l"] + 1, 129, 513, 1030):  # (one past the queries, past a 128-key tile and CPU's 512-key block)
                 q, k, v = _decode_call(c, s, transposed)
                 key = attn._shapes(q, k, v, None)
                 assert "keys > queries" in key, name
