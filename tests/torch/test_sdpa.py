@@ -514,7 +514,7 @@ def _decode_cases() -> list[tuple[str, dict[str, object], tuple[int, ...]]]:
             for l in (1, 3, 8):
                 for e, ek in ((16, 16), (16, 8), (160, 160)):
                     for causal, scale, p in ((False, None, 0.0), (True, 0.3, 0.0), (False, None, 0.1)):
-                        for dims in (4, 3):
+                        for dims in ((4, 3, 2) if (hq, hk) == (4, 4) else (4, 3)):  # (2-d: heads do not apply)
                             cases.append((f"{dtype}/{kdtype} h{hq}/{hk} gqa={gqa} l{l} e{e}/{ek} causal={causal} "
                                           f"scale={scale} p={p} {dims}d",
                                           dict(dtype=dtype, kdtype=kdtype, hq=hq, hk=hk, gqa=gqa, l=l, e=e, ek=ek,
@@ -523,8 +523,8 @@ def _decode_cases() -> list[tuple[str, dict[str, object], tuple[int, ...]]]:
 
 
 def _decode_call(c: dict, s: int, transposed: bool = False) -> tuple[torch.Tensor, ...]:
-    lead = (2, c["hq"]) if c["dims"] == 4 else (2 * c["hq"],)
-    klead = (2, c["hk"]) if c["dims"] == 4 else (2 * c["hk"],)
+    lead = (2, c["hq"]) if c["dims"] == 4 else (2 * c["hq"],) if c["dims"] == 3 else ()
+    klead = (2, c["hk"]) if c["dims"] == 4 else (2 * c["hk"],) if c["dims"] == 3 else ()
     q = torch.empty(lead + (c["l"], c["e"]), dtype=c["dtype"])
     if transposed:  # Hugging Face's query: [B, L, H, E] viewed as [B, H, L, E] (last dim still unit stride)
         q = torch.empty((2, c["l"], c["hq"], c["e"]), dtype=c["dtype"]).transpose(1, 2) if c["dims"] == 4 else q
@@ -534,11 +534,12 @@ def _decode_call(c: dict, s: int, transposed: bool = False) -> tuple[torch.Tenso
 
 
 def test_a_decode_steps_verdict_does_not_depend_on_its_key_count():
-    """check() keys a decode step (no mask, more keys than queries) by its sizes without the key
-    count, so that a generation, one key more each token, runs CPU's checks once: every verdict
-    (CPU's error and message, or its backend choice) must then be the same for every key count.
-    Swept over CPU's takes and refusals: dtypes mixed or not, GQA heads dividing or not, with and
-    without enable_gqa, head dims unequal or over 128, causal, scale, dropout, 3-d inputs."""
+    """check() keeps CPU's verdict on a decode step CPU takes (no mask, more keys than queries)
+    under its sizes without the key count, so that a generation, one key more each token, runs
+    CPU's checks once: whether CPU takes the call, the error type it refuses it with and the
+    kernel it picks must then be the same for every key count. Swept over CPU's takes and
+    refusals: dtypes mixed or not, GQA heads dividing or not, with and without enable_gqa, head
+    dims unequal or over 128, causal, scale, dropout, 3-d and 2-d inputs."""
     from torch_bridge.ops import attention as attn
     differ = []
     for name, c, _ in _decode_cases():
@@ -546,12 +547,23 @@ def test_a_decode_steps_verdict_does_not_depend_on_its_key_count():
             verdicts = {}
             for s in (c["l"] + 1, 129, 513, 1030):  # (one past the queries, past a 128-key tile and CPU's 512-key block)
                 q, k, v = _decode_call(c, s, transposed)
-                key = attn._shapes(q, k, v, None)
-                assert "keys > queries" in key, name
-                verdicts[s] = attn._refusal(q, k, v, None, c["p"], c["causal"], c["scale"], c["gqa"])
-            if len(set(map(repr, verdicts.values()))) != 1:
+                assert attn._decode_sizes(q, k, v, None) is not None, name
+                refusal, choice = attn._refusal(q, k, v, None, c["p"], c["causal"], c["scale"], c["gqa"])
+                verdicts[s] = (None if refusal is None else refusal[0], choice)
+            if len(set(verdicts.values())) != 1:
                 differ.append((name, transposed, verdicts))
     assert not differ, differ[:3]
+
+
+def test_a_decode_step_cpu_refuses_gets_the_message_of_its_own_key_count():
+    """A refusal is kept by every size: its message may name the key count (2-d inputs whose
+    head dims differ), and each call gets its own, not the first token's."""
+    for s in (9, 10):
+        q, k = torch.zeros(1, 16), torch.zeros(s, 8)
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, k, k)
+        with pytest.raises(RuntimeError, match=rf"\b8\D+{s}\b"):
+            F.scaled_dot_product_attention(q.to("neuron"), k.to("neuron"), k.to("neuron"))
 
 
 def test_calls_the_decode_key_does_not_cover_keep_every_size():
@@ -561,8 +573,7 @@ def test_calls_the_decode_key_does_not_cover_keep_every_size():
                  (q, k, k, torch.ones(1, 1, 1, 9, dtype=torch.bool)),  # a mask
                  (torch.empty(1, 4, 9, 16), k, k, None),  # as many queries as keys
                  (torch.empty(1, 4, 12, 16), k, k, None)):  # more queries than keys
-        assert "keys > queries" not in attn._shapes(*args)
-        assert attn._shapes(*args) == tuple(t.shape for t in args if t is not None)
+        assert attn._decode_sizes(*args) is None
 
 
 def test_a_long_generation_checks_once_and_prices_each_cache_bucket_once(monkeypatch):

@@ -173,12 +173,15 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     ts = (q, k, v) if mask is None else (q, k, v, mask)
     if q.is_nested or k.is_nested or v.is_nested or (mask is not None and mask.is_nested):
         return False  # nested tensors: PyTorch's own path checks them
-    key = (_shapes(q, k, v, mask), tuple(t.dtype for t in ts),
-           tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
-           mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
-           torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    rest = (tuple(t.dtype for t in ts), tuple(t.stride(-1) == 1 if t.dim() else True for t in ts),
+            mask is not None and mask.requires_grad, dropout_p > 0.0, bool(is_causal), scale is None, bool(enable_gqa),
+            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    decode = _decode_sizes(q, k, v, mask)
     try:
-        known = _checked.get(key)
+        known = None if decode is None else _checked.get((decode,) + rest)
+        if known is None:
+            key = (tuple(t.shape for t in ts),) + rest
+            known = _checked.get(key)
     except TypeError:  # an unhashable symbolic size (a dynamic-shape trace): no meta or host tensor can stand for it
         return False
     if known is None:
@@ -186,24 +189,28 @@ def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         # caller's modes (a flop counter would count the meta math path's matmuls)
         with _torch.DisableTorchFunction(), _torch.disable_current_modes():
             known = _checked[key] = _refusal(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        if decode is not None and known[0] is None:
+            _checked[(decode,) + rest] = known  # (a refusal's message may name the key count: kept by its sizes)
     verdict, choice = known
     if verdict is not None:
         raise verdict[0](verdict[1])
     return choice == _FLASH
 
 
-def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple[Any, ...]:
-    """The sizes :func:`check`'s verdict is keyed by. A decode step over a KV cache (no mask,
-    queries, keys and values of one rank over 1, more keys than queries: each generated token
-    has one key more than the last) is keyed by its sizes with the key count left out, so a
-    long generation checks once, not once a token: CPU's checks read the key count only as
-    nonzero and as equal to the value count or not (``tests/torch/test_sdpa.py`` sweeps CPU's
-    verdicts over key counts). Other calls by all their sizes."""
+def _decode_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                  ) -> tuple[Any, ...] | None:
+    """A decode step's sizes without its key count, or None for any other call. A decode step
+    over a KV cache (no mask, queries, keys and values of one rank over 1, more keys than
+    queries) has one key more at each generated token: :func:`check` keeps CPU's verdict on
+    such a call, when CPU takes it, under these sizes too, so a long generation checks once,
+    not once a token. CPU takes or refuses it, and picks its kernel, whatever the key count
+    (``tests/torch/test_sdpa.py`` sweeps it); a refusal stays keyed by every size, as its
+    message may name the key count ("got [1, 16] X [8, 1030]")."""
     if mask is None and q.dim() == k.dim() == v.dim() > 1:
         s, l = k.shape[-2], q.shape[-2]
         if type(s) is int and type(l) is int and s > l and v.shape[-2] == s:  # (not symbolic sizes)
             return (q.shape, k.shape[:-2], k.shape[-1], v.shape[:-2], v.shape[-1], "keys > queries")
-    return tuple(t.shape for t in ((q, k, v) if mask is None else (q, k, v, mask)))
+    return None
 
 
 def _order(t: torch.Tensor, strides: Any) -> tuple[int, ...]:
