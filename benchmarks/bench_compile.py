@@ -225,7 +225,7 @@ def interleaved(case: Case, eager: dict[str, Any], comp: dict[str, Any], pairs: 
         cpu.append(ce[1] / ec[1])
         phases_e.append(ec[2])
         phases_c.append(ce[2])
-    # each phase's median over the pairs, per mode (ms of process CPU): where a difference is
+    # each phase's median over the pairs, per mode (ms of process CPU): which phase a difference is in
     return {"pairs": pairs, "wall": statistics.median(wall), "cpu": statistics.median(cpu),
             "phases": [(name, statistics.median(e) * 1e3, statistics.median(c) * 1e3) for name, e, c in
                        zip(("forward", "backward", "optimizer step"), zip(*phases_e), zip(*phases_c))]}
