@@ -6,6 +6,7 @@
 // are safe inside autograd's worker threads and while an exception unwinds.
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/InferenceMode.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
@@ -632,6 +633,9 @@ enum OpKind { kOther = 0, kView = 1, kFunctional = 2, kWrites = 3, kMm = 4, kAdd
 struct OpFast {
   OpKind kind = kOther;
   int64_t name_id = -1;  // the op's name (its overload packet's, as Python's reports show it)
+  // an in-place `_foreach_*_`: each element of the written list has its version counter bumped,
+  // as CPU's kernel (the composite's loop of per-tensor in-place ops) bumps it (see fast_kernel)
+  bool bump_list = false;
 };
 std::mutex g_fast_mutex;
 std::unordered_map<const c10::FunctionSchema*, OpFast> g_ops;
@@ -712,6 +716,7 @@ OpFast classify_foreach(const c10::FunctionSchema& s, OpFast f) {
     if (args[i].type()->str().find("Generator") != std::string::npos) return f;
   }
   f.kind = kWrites;
+  f.bump_list = true;
   return f;
 }
 
@@ -853,10 +858,40 @@ void learn(const c10::OperatorHandle& op, torch::jit::Stack* stack, std::string 
   }
 }
 
+// The CPU aliases one call makes share a CPU storage wherever their neuron tensors share memory (the
+// same address and size, as memory.cpu_view's storages are keyed in Python): a CPU kernel's overlap
+// checks (TensorIterator's partial-overlap error for an out= or copy_ whose destination overlaps a
+// source, index ops' no-overlap checks) compare storages, and one storage per alias hid every overlap
+// from them, so a call CPU refuses computed a value. A scope lives for one call on this thread; an
+// alias made outside any scope gets a storage of its own.
+struct AliasScope {
+  c10::SmallVector<std::pair<std::pair<const void*, size_t>, c10::Storage>, 6> storages;
+  AliasScope* prev;
+  static AliasScope*& current() {
+    thread_local AliasScope* scope = nullptr;
+    return scope;
+  }
+  AliasScope() : prev(current()) { current() = this; }
+  ~AliasScope() { current() = prev; }
+  AliasScope(const AliasScope&) = delete;
+  AliasScope& operator=(const AliasScope&) = delete;
+};
+
 at::Tensor cpu_alias(const at::Tensor& t) {
   const c10::Storage& st = t.storage();
-  c10::Storage cs(c10::Storage::use_byte_size_t(), st.nbytes(), c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
-                  nullptr, false);
+  std::pair<const void*, size_t> where(st.data(), st.nbytes());
+  AliasScope* scope = AliasScope::current();
+  c10::Storage cs;
+  if (scope != nullptr && where.first != nullptr) {
+    for (const auto& s : scope->storages) {
+      if (s.first == where) cs = s.second;
+    }
+  }
+  if (!cs) {
+    cs = c10::Storage(c10::Storage::use_byte_size_t(), st.nbytes(),
+                      c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)), nullptr, false);
+    if (scope != nullptr && where.first != nullptr) scope->storages.emplace_back(where, cs);
+  }
   auto cpu = at::detail::make_tensor<c10::TensorImpl>(std::move(cs), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                       t.dtype());
   cpu.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
@@ -1887,6 +1922,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
     return slow(op, stack);
   }
+  AliasScope scope;  // this call's CPU aliases share a storage where their tensors share memory
   const OpFast& f = op_fast(op);
   if (f.kind == kView) {  // metadata only: a host-side op, the CPU kernel on the neuron tensors
     log_entry(1, 0, f.name_id);
@@ -2080,6 +2116,13 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (index < 0) return slow(op, stack);
   if (!fresh.empty() && fresh.size() != written_args) return slow(op, stack);
   int64_t handle = -1;
+  if (f.bump_list && !c10::InferenceMode::is_enabled()) {
+    // CPU bumps each element after writing it, and an inference tensor's bump outside inference
+    // mode raises: the elements before it written, the rest not. Python's path does that.
+    for (const at::Tensor& t : (*stack)[base].toTensorList()) {
+      if (t.is_inference()) return slow(op, stack);
+    }
+  }
   if (f.kind == kWrites && fresh.empty()) {  // the results are the written arguments: the signature is complete
     key_int(key, 50);
     handle = cost_handle(key);
@@ -2129,6 +2172,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       TORCH_INTERNAL_ASSERT(dev != nullptr, "neuron fast path: ", op.schema().name(),
                             "'s CPU kernel returned a tensor other than its written arguments");
       results.push_back(*dev);
+    }
+    if (f.bump_list) {  // once per element, duplicates too (CPU's loop writes and bumps each)
+      for (const at::Tensor& t : (*stack)[base].toTensorList()) t.unsafeGetTensorImpl()->bump_version();
     }
     for (const auto& w : writes) {  // an out= kernel may restride its outputs in place: the neuron
       if (!schema_args[w.first].kwarg_only() || !fresh.empty()) continue;  // tensor takes the new layout (Python's set_)
@@ -2344,6 +2390,7 @@ at::Generator default_generator_op(int64_t index) { return default_generator(sta
 // one call for a compiled region's inputs; it does not own the memory). Only for strided tensors
 // without conj/neg bits, over memory that exists; Python's cpu_view takes the others.
 std::vector<at::Tensor> cpu_views_op(at::TensorList ts) {
+  AliasScope scope;  // views of one memory share a CPU storage, as Python's cpu_view gives them
   std::vector<at::Tensor> out;
   out.reserve(ts.size());
   for (const auto& t : ts) {

@@ -41,7 +41,8 @@ RANDOM_WITHOUT_GENERATOR = frozenset({"native_dropout"})
 class _OpInfo:
     """What the fallback needs to know about an op's schema."""
 
-    __slots__ = ("name", "qualified", "is_view", "out_names", "tensor_positions", "random", "generator_pos")
+    __slots__ = ("name", "qualified", "is_view", "out_names", "tensor_positions", "random", "generator_pos",
+                 "bump_lists")
 
     def __init__(self, op: Any):
         schema = _torch.op_schema(op)
@@ -57,6 +58,13 @@ class _OpInfo:
         # where a generator argument sits positionally (-1: keyword-only or none)
         self.generator_pos = gens[0] if gens and not schema.arguments[gens[0]].kwarg_only else -1
         self.random = bool(gens) or self.name in RANDOM_WITHOUT_GENERATOR
+        # the tensor lists a ``_foreach_*`` op writes (its self, or an out= list), as (position,
+        # name): CPU runs these ops as their composite, a loop of per-tensor in-place ops, each of
+        # which bumps its tensor's version counter; a kernel registered for the device replaces
+        # that loop, so it bumps them itself (:func:`bump_written`)
+        self.bump_lists = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                                if a.alias_info is not None and a.alias_info.is_write
+                                and str(a.type) == "List[Tensor]") if self.name.startswith("_foreach_") else ()
 
 
 _infos: dict[Any, _OpInfo] = {}
@@ -395,7 +403,10 @@ def screened_overloads() -> list[str]:
     return out
 
 
-def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], bump: bool = True) -> Any:
+    if bump and info.bump_lists and _written_inference(info, args, kwargs) is not None:
+        return _stop_at_inference(_run, op, info, args, kwargs)  # (_foreach_copy_, out= foreach ops)
+    before = written_versions(info, args, kwargs) if bump and info.bump_lists else None
     refuses = _REFUSED_ARGS.get(info.name)
     if refuses is not None and len(args) >= 2:
         why = refuses(*memory.cpu_views(args[:2]), kwargs)
@@ -472,6 +483,8 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
                 _CPU_KEYS, dev_out, dev_out.untyped_storage(), view.storage_offset(), view.shape, view.stride())
     out = _back(result, conv, index)
+    if before:  # (_foreach_copy_ and out= foreach ops run here)
+        bump_written(before)
     rt = runtime()
     key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out))
     cost = _costs.get(key)
@@ -619,10 +632,85 @@ def foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
     return call_traced(info.name, _run_foreach, op, info, args, kwargs)
 
 
-def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _written_lists(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for i, name in info.bump_lists:
+        ts = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(t for t in ts or () if isinstance(t, torch.Tensor))
+    return out
+
+
+def written_versions(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, list[Any]]:
+    """Before a ``_foreach_*`` op that writes lists runs: each written tensor (by id) with its
+    version and how many times the lists name it (:func:`bump_written`)."""
+    seen: dict[int, list[Any]] = {}
+    for t in _written_lists(info, args, kwargs):
+        if t.is_inference():
+            continue  # (no version counter: nothing to bump)
+        got = seen.get(id(t))
+        if got is None:
+            seen[id(t)] = [t, t._version, 1]
+        else:
+            got[2] += 1
+    return seen
+
+
+def bump_written(before: dict[int, list[Any]]) -> None:
+    """After the op: each tensor it wrote bumped up to one version per time the lists name it, as
+    CPU's per-tensor loop bumps them (``before``: :func:`written_versions`). A tensor autograd saved
+    and a foreach op then changed (an optimizer step between a forward and its backward) makes the
+    backward refuse, as on CPU, instead of computing from the new values. An out the call already
+    bumped (resized and adopted) is bumped the rest of the way. An inference tensor has no version
+    to bump inside inference mode; outside it, :func:`_stop_at_inference` takes the call."""
+    for t, version, times in before.values():
+        missing = version + times - t._version
+        if missing > 0:
+            torch.autograd.graph.increment_version([t] * missing)
+
+
+def _written_inference(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int] | None:
+    """(written list, position) of the first inference tensor a ``_foreach_*`` op writes outside
+    inference mode, else None. CPU's loop writes and bumps each tensor in turn, and bumping an
+    inference tensor there raises: the tensors before it are written (and bumped), it is written,
+    the rest are not."""
+    if not info.bump_lists or torch.is_inference_mode_enabled():
+        return None
+    for i, name in info.bump_lists:
+        ts = args[i] if i < len(args) else kwargs.get(name)
+        for k, t in enumerate(ts or ()):
+            if isinstance(t, torch.Tensor) and t.is_inference():
+                return ts, k
+    return None
+
+
+def _stop_at_inference(run: Any, op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The part of a ``_foreach_*`` call CPU's loop runs before it raises (:func:`_written_inference`),
+    then CPU's error: the tensors before the inference tensor bumped, every list of the written
+    list's length cut after it and the call ``run`` on those (the inference tensor written too;
+    its view may raise the error itself), and the error raised."""
+    written, k = _written_inference(info, args, kwargs)  # type: ignore[misc]
+    n = len(written)
+
+    def cut(a: Any) -> Any:
+        return type(a)(a[:k + 1]) if isinstance(a, (list, tuple)) and len(a) == n else a
+
+    torch.autograd.graph.increment_version([t for t in written[:k] if isinstance(t, torch.Tensor)])
+    run(op, info, tuple(cut(a) for a in args), {key: cut(v) for key, v in kwargs.items()}, bump=False)
+    with torch.inference_mode():
+        t = torch.zeros(1)
+    t.add_(0)  # CPU's own error (the version counter's): an inference tensor written outside inference mode
+    raise AssertionError("an inference tensor written outside inference mode did not raise")
+
+
+def _run_foreach(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], bump: bool = True) -> Any:
+    if bump and info.bump_lists and _written_inference(info, args, kwargs) is not None:
+        return _stop_at_inference(_run_foreach, op, info, args, kwargs)
     index = _device_of(args, kwargs)
+    before = written_versions(info, args, kwargs) if bump and info.bump_lists else None
     conv = _ToCpu()
     out = _back(_cpu_call(op, [conv(a) for a in args], {k: conv(v) for k, v in kwargs.items()}), conv, index)
+    if before:
+        bump_written(before)
     key = (op, _signature(args), _signature(tuple(kwargs.items())))
     rt = runtime()
     cost = _costs.get(key)
