@@ -36,9 +36,13 @@ SLOW_KEY = "PrivateUse2"
 # silu_backward, mish_backward and native_channel_shuffle have CPU kernels and a
 # CompositeImplicitAutograd decomposition that every other device runs: on neuron SiLU's backward
 # came out of five elementwise ops, an ulp off CPU's, and took integer tensors CPU refuses
-# (tests/torch/test_registration.py keeps this list complete).
+# (tests/torch/test_differential.py keeps this list complete). pixel_shuffle and pixel_unshuffle
+# have CPU kernels and a CompositeExplicitAutogradNonFunctional decomposition (reshape, permute,
+# clone) that lays a channels-last input's result out contiguous where CPU's kernel keeps it
+# channels-last (found by an adversarial values hunt: the same values, strides (192, 192, 16, 1)
+# against CPU's (192, 1, 16, 1)).
 WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values", "silu_backward", "mish_backward",
-             "native_channel_shuffle")
+             "native_channel_shuffle", "pixel_shuffle", "pixel_unshuffle")
 # Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
 # trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
 # mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
