@@ -225,3 +225,22 @@ def _copy(m):
     import copy
 
     return copy.deepcopy(m)
+
+
+def test_a_decomposed_op_s_compiled_values_are_aot_eager_s_on_cpu():
+    """A graph's ops are aot_autograd's, after PyTorch's decompositions: bilinear interpolation and
+    addcdiv decompose into other steps than their CPU kernels, so compiled fp32 values differ from
+    eager ones in the last bits, on CPU as on neuron; neuron's equal CPU's aot_eager bit for bit."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(1)
+    x, a, b = (torch.randn(1, 2, 5, 5, generator=gen) for _ in range(3))
+
+    def f(x, a, b):
+        return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False), torch.addcdiv(x, a, b, value=0.3)
+
+    torch._dynamo.reset()
+    want = torch.compile(f, backend="aot_eager")(x, a, b)
+    got = torch.compile(f, backend="neuron")(*(t.to("neuron") for t in (x, a, b)))
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
