@@ -39,8 +39,10 @@ with the device generator's contract
 type, or say ``neuron:`` in a NotImplementedError only where the op holds dense tensors); else
 the results' structure, dtypes, shapes, strides (where CPU defines them: eager runs; compiled
 graphs only promise values), devices, values, which results are inputs or views of inputs'
-memory, and every input's whole storage afterwards (an in-place op on a view must write exactly
-where CPU writes). Values must be bit-identical (NaNs compare equal whatever their payload), except
+memory, every input's whole storage afterwards (an in-place op on a view must write exactly
+where CPU writes), and, in eager runs, which inputs' version counters moved (autograd refuses a
+backward through a saved tensor whose version moved: a ``_foreach_*`` write that moved none gave
+gradients from the new values where CPU refuses). Values must be bit-identical (NaNs compare equal whatever their payload), except
 the TensorE ops (:data:`TENSORE_OPS`: the PE array adds fp32 products in its own fixed order):
 their error against a float64 result may exceed CPU's own by :data:`TENSORE_RTOL` of the
 result's largest magnitude (per dtype: fp32 1e-5, bf16 2^-7, fp16 2^-10) plus ``atol``.
@@ -1424,6 +1426,8 @@ class Run:
     storages: list[torch.Tensor] = field(default_factory=list)  # every input storage's bytes, after
     aliases: list[Any] = field(default_factory=list)  # per result tensor: ("is", i) / ("view", i) / None
     inputs: list[torch.Tensor] = field(default_factory=list)
+    # how far each input's version counter moved (None: an inference tensor, which has none)
+    versions: list[int | None] = field(default_factory=list)
 
 
 class Materialised:
@@ -1529,6 +1533,7 @@ def run_on(sample: Sample, device: str, out_specs: list[Any] | None = None, fn: 
             kwargs["generator"] = gen
     run = Run(inputs=m.inputs)
     m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
+    before = [None if t.is_inference() else t._version for t in m.inputs]
     if fn is None and device == "cpu":
         fn = REFERENCES.get(sample.qualified if "." in sample.qualified else sample.qualified + ".default")
     try:
@@ -1540,6 +1545,7 @@ def run_on(sample: Sample, device: str, out_specs: list[Any] | None = None, fn: 
         return run
     run.aliases = _aliases(run.result, m.inputs)
     run.storages = m.storage_bytes(m.sizes)
+    run.versions = [None if v is None else t._version - v for t, v in zip(m.inputs, before)]
     return run
 
 
@@ -1675,6 +1681,11 @@ def compare(sample: Sample, cpu: Run, dev: Run, mode: str, exact: Callable[[], A
             return f"result {i}: values differ ({_diff(gc, w.detach())})"
     if cpu.aliases != dev.aliases and mode != "compiled":
         return f"aliasing: results alias inputs as {dev.aliases}, CPU {cpu.aliases}"
+    if mode != "compiled" and [v is not None and v > 0 for v in cpu.versions] != \
+            [v is not None and v > 0 for v in dev.versions]:
+        # (autograd refuses a backward through a saved tensor whose version moved: whether each
+        # input's moved is what a program can tell)
+        return f"version counters: inputs moved by {dev.versions}, CPU {cpu.versions}"
     if not tensore and sample.packet not in NO_VALUES:
         for j, (a, b) in enumerate(zip(cpu.storages, dev.storages)):
             if not torch.equal(a, b):
