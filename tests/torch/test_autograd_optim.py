@@ -69,3 +69,20 @@ def test_autograd_grad_matches_cpu():
     (gc,) = torch.autograd.grad(f(xc), xc)
     (gn,) = torch.autograd.grad(f(xn), xn)
     torch.testing.assert_close(gn.cpu(), gc)
+
+
+@pytest.mark.parametrize("make", [lambda p, **kw: torch.optim.NAdam(p, lr=1e-2, **kw),
+                                  lambda p, **kw: torch.optim.ASGD(p, lr=1e-2, t0=2, **kw)], ids=["nadam", "asgd"])
+def test_optimizers_default_to_foreach_on_the_device_as_on_cuda(make):
+    """PyTorch's optimizers default to their foreach implementation on an accelerator (CUDA, XPU,
+    the PrivateUse1 device) and to the for-loop on CPU; the two round differently (NAdam, ASGD).
+    The device's default steps are CPU's foreach=True steps bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    p0, grads = torch.randn(50, generator=gen), [torch.randn(50, generator=gen) for _ in range(5)]
+    pc, pn = p0.clone().requires_grad_(), p0.to("neuron").requires_grad_()
+    oc, on = make([pc], foreach=True), make([pn])
+    for g in grads:
+        pc.grad, pn.grad = g, g.to("neuron")
+        oc.step()
+        on.step()
+        assert torch.equal(pn.detach().cpu(), pc.detach())
