@@ -16,7 +16,8 @@ partner, an index in range, a dim of the tensor's rank, a mask, a scalar, a dtyp
 string, ...). Every sample then takes one of the variants the issue lists: the five dtypes
 (float32, bfloat16, float16, int64, bool), broadcasting, boolean and float masks, non-contiguous
 inputs (transposed, strided, expanded) and storage offsets, in-place ops on views of a larger
-tensor, ``out=`` (of the right size, empty, of another size, non-contiguous), empty and 0-dim
+tensor, ``out=`` (of the right size, empty, of another size, non-contiguous, partially
+overlapping the first argument), empty and 0-dim
 tensors, host 0-dim scalars beside device tensors, inputs that alias each other, and extreme
 values (NaN, +-inf, +-0, huge and tiny values, ties). Where CPU refuses a sample it still counts:
 the device must refuse it too.
@@ -1721,9 +1722,26 @@ def _first(e: BaseException) -> str:
 
 
 # ---- out= tensors -------------------------------------------------------------------------------
+def _overlapping(sample: Sample, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An out of ``shape`` over the first tensor argument's storage, one element past (or before)
+    that argument's first element: it partially overlaps what the op reads, which CPU refuses
+    where it checks (and the device must refuse as CPU does). None where the storage has no room."""
+    a0 = next((x for x in sample.args if isinstance(x, torch.Tensor)), None)
+    n = math.prod(shape)
+    if a0 is None or a0.dtype != dtype or a0.numel() < 2 or n < 2:
+        return None
+    elems = a0.untyped_storage().nbytes() // a0.element_size()
+    for o in (a0.storage_offset() + 1, a0.storage_offset() - 1):
+        if 0 <= o and o + n <= elems:
+            strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            return torch.empty(0, dtype=dtype).set_(a0.untyped_storage(), o, shape, strides)
+    return None
+
+
 def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[tuple[str, Any]] | None:
     """The out= tensors of an out overload: of the result's size, empty (resized), of another
-    size, or non-contiguous (a transposed or strided view); None when the op has none."""
+    size, non-contiguous (a transposed or strided view), or partially overlapping the first
+    argument (where its storage has room; else of the result's size); None when the op has none."""
     outs = _out_args(sample.op)
     if not outs:
         return None
@@ -1731,7 +1749,12 @@ def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[t
     specs: list[tuple[str, Any]] = []
     g = Gen(sample.seed + 1, sample.args[0].dtype if sample.args and isinstance(sample.args[0], torch.Tensor)
             else torch.float32)
-    kind = gen.choice(("exact", "exact", "empty", "other-size", "strided"))
+    kind = gen.choice(("exact", "exact", "empty", "other-size", "strided", "overlap"))
+    if kind == "overlap":
+        r0 = results[0] if results and isinstance(results[0], torch.Tensor) else None
+        if r0 is None or len(outs) != 1 or str(outs[0].type) != "Tensor" or \
+                _overlapping(sample, tuple(r0.shape), r0.dtype) is None:
+            kind = "exact"
     sample.tags.append(f"out-{kind}")
     for i, a in enumerate(outs):
         r = results[i] if i < len(results) and isinstance(results[i], torch.Tensor) else None
@@ -1743,7 +1766,9 @@ def out_specs(sample: Sample, cpu_functional: Any, gen: random.Random) -> list[t
             continue
         dtype = r.dtype if r is not None else torch.float32
         shape = tuple(r.shape) if r is not None else (0,)
-        if kind == "empty" or r is None:
+        if kind == "overlap":
+            t = _overlapping(sample, shape, dtype)
+        elif kind == "empty" or r is None:
             t = torch.empty(0, dtype=dtype)
         elif kind == "other-size":
             t = g.tensor((max(1, math.prod(shape)) + 2,), dtype, layout="contiguous")
