@@ -504,14 +504,10 @@ def test_a_finite_matmul_of_unbounded_operands_is_the_datapaths_on_every_path(op
         f = torch.compile(lambda x, w, bias: torch.relu(torch.addmm(bias, x, w)), backend="neuron")
     else:
         f = getattr(torch, op)
-    before = fastpath.enabled()
-    try:
-        for on in (True, False):
-            fastpath.set_enabled(on)
+    for on in (True, False):
+        with fastpath.turned(on):
             for _ in range(2):  # (the second call of a float32 signature is the fast path's)
                 assert torch.equal(f(*dev).cpu(), want), (op, on)
-    finally:
-        fastpath.set_enabled(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

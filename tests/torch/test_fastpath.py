@@ -13,15 +13,7 @@ from torch_bridge import fastpath
 from torch_bridge.runtime import runtime
 
 
-@contextlib.contextmanager
-def fast(on: bool):
-    before = fastpath.enabled()
-    fastpath.set_enabled(on)
-    try:
-        yield
-    finally:
-        fastpath.set_enabled(before)
-
+fast = fastpath.turned
 
 def served(fn) -> int:
     """How many ops of ``fn()`` the fast path served (each signature is costed once first)."""

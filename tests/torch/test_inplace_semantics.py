@@ -13,22 +13,10 @@ native fast path on and off (its second call of a signature is the fast path's):
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from torch_bridge import fastpath
-
-
-@contextlib.contextmanager
-def fast(on: bool):
-    before = fastpath.enabled()
-    fastpath.set_enabled(on)
-    try:
-        yield
-    finally:
-        fastpath.set_enabled(before)
 
 
 def _foreach_overloads() -> list[tuple[str, str]]:
@@ -104,7 +92,7 @@ def test_every_foreach_write_bumps_versions_as_cpu(on):
     twice, so that the fast path serves the second call."""
     assert len(FOREACH_WRITES) > 100
     differ = []
-    with fast(on):
+    with fastpath.turned(on):
         for name, ov in FOREACH_WRITES:
             want = _call(name, ov, "cpu")
             for _ in range(2):
@@ -128,7 +116,7 @@ def test_a_saved_tensor_changed_by_a_foreach_op_refuses_the_backward_as_on_cpu(o
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
 
-    with fast(on):
+    with fastpath.turned(on):
         for _ in range(2):
             run("cpu")
             run("neuron")
@@ -149,7 +137,7 @@ def test_an_optimizer_step_before_a_second_backward_refuses_it_as_on_cpu(on):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(out, x)
 
-    with fast(on):
+    with fastpath.turned(on):
         for _ in range(2):
             run("cpu")
             run("neuron")
@@ -169,7 +157,7 @@ def test_a_foreach_write_stops_at_an_inference_tensor_as_cpu_s_loop(on):
             torch._foreach_add_([a, i], 1.0)
         return str(e.value), [t.cpu().tolist() for t in (a, i, n)], (a._version, n._version)
 
-    with fast(on):
+    with fastpath.turned(on):
         want = run("cpu")
         assert want[1] == [[3.0] * 3, [3.0] * 3, [1.0] * 3] and want[2] == (2, 0)
         for _ in range(2):
@@ -204,7 +192,7 @@ def test_a_destination_overlapping_a_source_is_refused_as_on_cpu(on, case):
             call(x, x)
         return str(e.value).splitlines()[0], x.cpu().tolist(), b.cpu().tolist()
 
-    with fast(on):
+    with fastpath.turned(on):
         want = run("cpu")
         assert "refer to a single memory location" in want[0], want[0]
         for _ in range(2):
@@ -223,7 +211,7 @@ def test_disjoint_windows_of_one_storage_and_a_full_overlap_compute_cpu_s_values
         m[0].copy_(m[1])
         return x.cpu(), m.cpu()
 
-    with fast(on):
+    with fastpath.turned(on):
         want = run("cpu")
         for _ in range(2):
             got = run("neuron")

@@ -31,6 +31,7 @@ tells it), so the kernels the compiler runs then are Python's, which charges non
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import os
 import threading
@@ -40,7 +41,7 @@ from trnsim.device import OpCost
 
 from .. import _torch
 
-__all__ = ["NativeLog", "enabled", "set_enabled", "teach", "teach_many", "launch", "launch_kept", "handle",
+__all__ = ["NativeLog", "enabled", "set_enabled", "turned", "teach", "teach_many", "launch", "launch_kept", "handle",
            "launch_handle", "hits", "install",
            "attach", "datapath_seconds"]
 
@@ -255,6 +256,17 @@ def set_enabled(on: bool) -> None:
         _device.now()  # takes the log
     _on = bool(on)
     _lib.trnsim_fast_enable(int(_on))
+
+
+@contextlib.contextmanager
+def turned(on: bool) -> Iterator[None]:
+    """The fast path on or off inside the block (:func:`set_enabled`), as it was after it."""
+    before = enabled()
+    set_enabled(on)
+    try:
+        yield
+    finally:
+        set_enabled(before)
 
 
 def teach(qualified: str, op: str, cost: OpCost) -> None:
