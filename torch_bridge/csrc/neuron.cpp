@@ -1922,7 +1922,6 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
     return slow(op, stack);
   }
-  AliasScope scope;  // this call's CPU aliases share a storage where their tensors share memory
   const OpFast& f = op_fast(op);
   if (f.kind == kView) {  // metadata only: a host-side op, the CPU kernel on the neuron tensors
     log_entry(1, 0, f.name_id);
@@ -1932,13 +1931,14 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return fast_empty(op, stack, f.kind);  // launches nothing: served whatever the launch gate says (compiled graphs)
   }
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
+  if (f.kind == kToCopy) return fast_to_copy(op, stack);  // (one tensor each: no alias to share)
+  if (f.kind == kLocalScalar) return fast_item(op, stack);
+  AliasScope scope;  // this call's CPU aliases share a storage where their tensors share memory
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
   if (f.kind >= kLstmCell && f.kind <= kGruCellBackward) return fast_cell(op, stack, f.kind);
   if (f.kind == kConv) return fast_conv(op, stack);
   if (f.kind == kConvBackward) return fast_conv_backward(op, stack);
   if (f.kind == kBatchNorm) return fast_batch_norm(op, stack);
-  if (f.kind == kToCopy) return fast_to_copy(op, stack);
-  if (f.kind == kLocalScalar) return fast_item(op, stack);
   if (f.kind >= kMm) return fast_matmul(op, stack, f.kind);
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
