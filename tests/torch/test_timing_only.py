@@ -327,3 +327,32 @@ def test_softmax_backwards_give_the_devices_dtype(name):
     with torch.neuron.timing_only(), pytest.raises(NotImplementedError, match="not implemented for 'Long'"):
         gg = torch.empty(2, 5, dtype=torch.int64, device="neuron")
         op(gg, gg, 1, torch.float32)
+
+
+def test_a_tensor_made_outside_the_run_is_never_left_silently_wrong():
+    """A write to a tensor that has values (made outside the block) would reach a timing-only copy
+    and leave the tensor as it was; a real parameter read while autograd records would get a
+    gradient without values, and later real steps would then change nothing (found by a values
+    hunt). Both are refused in one line; a real model's forward under no_grad runs, and the model
+    trains as before after the block."""
+    torch.manual_seed(0)
+    real_n, real_c = torch.ones(3, device="neuron"), torch.ones(3)
+    model = torch.nn.Linear(3, 3).to("neuron")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with torch.neuron.timing_only():
+        for t in (real_n, real_c):
+            with pytest.raises(TimingOnlyError, match=r"^timing-only: aten::add_ writes a tensor made outside"):
+                t.add_(1)
+        x = torch.randn(2, 3, device="neuron")
+        with pytest.raises(TimingOnlyError, match=r"^timing-only: aten::\w+ reads a tensor made outside the "
+                                                  r"timing-only block that requires grad"):
+            model(x)
+        with torch.no_grad():
+            y = model(x)
+        assert is_timing_only(y) and y.shape == (2, 3)
+    assert real_n.cpu().tolist() == real_c.tolist() == [1.0, 1.0, 1.0]
+    assert model.weight.grad is None
+    w0 = model.weight.detach().cpu().clone()
+    model(torch.randn(2, 3, device="neuron")).sum().backward()
+    opt.step()
+    assert not torch.equal(w0, model.weight.detach().cpu())

@@ -134,7 +134,7 @@ class _Facts:
     """What the charge mode needs to know about an op, read once from its schema and the
     neuron device's dispatch table."""
 
-    __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent", "tensor_args")
+    __slots__ = ("name", "is_view", "out_names", "kind", "composite", "data_dependent", "tensor_args", "written")
 
     def __init__(self, op: Any):
         info = op_info(op)  # the eager fallback's reading of the schema: views, out= arguments
@@ -143,6 +143,9 @@ class _Facts:
         self.data_dependent = (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags)
         # positions of the Tensor arguments (a wrapped number may arrive there: _unwrap_numbers)
         self.tensor_args = tuple(i for i, a in enumerate(_torch.op_schema(op).arguments) if str(a.type) == "Tensor")
+        # the arguments it writes, as (position, name) (in-place self, out=, a foreach op's list)
+        self.written = tuple((i, a.name) for i, a in enumerate(_torch.op_schema(op).arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
         explicit = _torch.has_kernel(op, _torch.DispatchKey.PrivateUse1)
         self.composite = next((k for k in _torch.COMPOSITE_EXPLICIT if _torch.has_kernel(op, k)), None)
         self.kind = _EXPLICIT.get(self.name if not self.out_names else self.name + ".out", "fallback") if explicit \
@@ -219,6 +222,29 @@ _WHY = {"_local_scalar_dense": ".item(), bool(), int() or float() of a tensor",
         "index": "indexing with a boolean mask: its output's shape is the count of True values"}
 
 
+def _real_tensors(facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]) -> None:
+    """Refuse, in one line, an op that would leave a tensor made outside the run (one with values;
+    a meta tensor has none either) silently wrong: writing it (the write would reach a timing-only copy, the tensor keeping its
+    old values), or reading one that requires grad while autograd records (a real model's
+    parameter: its ``.grad`` would become a tensor without values, and later real steps would
+    accumulate into it and change nothing)."""
+    for i, name in facts.written:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and not isinstance(t, _torch.FakeTensor) and t.device.type != "meta":
+                raise TimingOnlyError(
+                    f"timing-only: aten::{facts.name} writes a tensor made outside the timing-only block, which "
+                    f"would keep its values (timing-only ops compute none): make it inside the block, or run "
+                    f"this with values")
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad and not isinstance(t, _torch.FakeTensor) and t.device.type != "meta":
+                raise TimingOnlyError(
+                    f"timing-only: aten::{facts.name} reads a tensor made outside the timing-only block that "
+                    f"requires grad (a model's parameter), whose gradient would have no values: build the model "
+                    f"inside the block (torch_bridge.timing.models.from_config), or run it under torch.no_grad()")
+
+
 def _data_error(name: str, why: str | None = None) -> TimingOnlyError:
     why = why or _WHY.get(name, "its result depends on the tensors' values")
     shown = name if "." in name else f"aten::{name}"
@@ -266,6 +292,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             return func(*args, **kwargs)
         facts = _facts_of(func)
         tensors = flat_tensors(list(args) + list(kwargs.values()), [])
+        _real_tensors(facts, args, kwargs, tensors)
         neuron = [t for t in tensors if t.device.type == _NEURON]
         dev = _device_kwarg(kwargs)
         if not neuron and not (dev is not None and dev.type == _NEURON):
