@@ -55,6 +55,9 @@ SUBPROCESS = {
 # of CPU and its module keeps faster tests in the inner loop (CI runs them all). Chosen from
 # ``pytest -m "not slow and not subprocess" --durations=120``; a test id or its prefix.
 SLOW_TESTS = (
+    # every library kernel built at its default shape, on trn2 and trn3 (~5 s each; the small-shape
+    # reference checks of every kernel stay in the loop)
+    "kernels/test_kernel_library.py::test_every_kernel_builds_at_the_default_shape_it_lists",
     # two one-layer training estimates with and without CP (~20 s cold; the CP refusals stay in the loop)
     "torch/test_context_parallel.py::test_ring_attention_step_worked_by_hand",
     # two one-layer MXFP8/bf16 training estimates on trn3 (~25 s cold; the CLI refusals and the

@@ -49,11 +49,17 @@ def build_rope(b: int, h: int, s: int, d: int, dtype: str = "bf16", config: Chip
     sin = kern.input("sin", (b * s, half), dt)
     out = kern.output("out", (b, h, s, d), dt)
     cap = kern.config.core.sbuf.partition_bytes
+    room = cap - 16 * 1024
+
+    def need(r: int) -> int:  # a partition's bytes of every pool _block takes at r tokens a partition:
+        return dt.itemsize * r * d * (8 * h + 3)  # x and o (3 bufs each), cos/sin (3), ta and tb (2 each)
+
     # tokens per partition: up to 8 (2 KiB runs), a divisor of S, within the block buffers
     r = 1
-    while r < 8 and s % (2 * r) == 0 and s // (2 * r) >= P // 2 and 3 * h * 2 * r * d * dt.itemsize <= cap // 2:
+    while r < 8 and s % (2 * r) == 0 and s // (2 * r) >= P // 2 and 3 * h * 2 * r * d * dt.itemsize <= cap // 2 \
+            and need(2 * r) <= room:
         r *= 2
-    if 3 * h * r * d * dt.itemsize * 2 > cap - 16 * 1024:
+    if need(r) > room:
         raise KernelError(f"rope: {h} heads x D={d} per token do not fit SBUF on {kern.config.name}")
     pools = Pools(kern)
     if s == 1:  # decode: one token per sequence, the sequences on the partitions
