@@ -109,6 +109,26 @@ def test_unsupported_features_are_refused_in_one_line(tmp_path, fields, message)
         estimate_inference(str(p), tp=2, input_tokens=64, output_tokens=2, cache_dir=None)
 
 
+@pytest.mark.parametrize("fields,why", [
+    ({"hidden_act": "weird"}, "KeyError: 'weird'"),
+    ({"head_dim": 15}, "StrictDataclassClassValidationError"),
+    ({"mlp_bias": "no"}, "StrictDataclassFieldValidationError"),
+    ({"rope_theta": "big"}, "TypeError"),
+])
+def test_a_config_transformers_refuses_is_one_line_naming_the_file(tmp_path, capsys, fields, why):
+    """transformers raises its own exceptions for a bad field, from deep in its code (found by the
+    hardening hunt: 40-60 lines of traceback and status 1): one line naming the file, status 2."""
+    from trnsim.cli import main
+
+    spec = load_model(TINY)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**spec.fields, **fields}))
+    code = main(["estimate", "inference", "--model", str(p), "--input", "64", "--output", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"trnsim: error: {p}: transformers cannot build a model from this config (") and why in err[0]
+
+
 def test_cli_prints_what_a_decode_and_a_prefill_layer_became(cache, capsys, monkeypatch):
     monkeypatch.setenv("TRNSIM_CACHE_DIR", str(cache))
     code = main(["estimate", "inference", "--model", TINY, "--tp", "4", "--input", "200", "--output", "4"])

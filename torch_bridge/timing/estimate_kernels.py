@@ -106,7 +106,8 @@ def _matched(path: str, fields_key: str, layers: int | None) -> tuple[tuple[Laye
     cfg._attn_implementation = models.ATTENTION
     from transformers import AutoModelForCausalLM
 
-    with _torch.no_dispatch_modes(), torch.device("meta"), models._default_dtype(torch.bfloat16), models.quiet():
+    with _torch.no_dispatch_modes(), torch.device("meta"), models._default_dtype(torch.bfloat16), models.quiet(), \
+            models.refused_by_transformers(path):
         net = AutoModelForCausalLM.from_config(cfg, attn_implementation=models.ATTENTION)
     layers_ = tuple(nxdi.match_model(net))
     norm = getattr(getattr(net, net.base_model_prefix, net), "norm", None)

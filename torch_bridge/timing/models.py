@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -169,6 +170,32 @@ def neuron_experts(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_ind
     return hook(out) if hook is not None else out
 
 
+@contextlib.contextmanager
+def refused_by_transformers(where: Any) -> Iterator[None]:
+    """transformers refusing a model config (an activation it lacks, an odd rotary dim, a
+    rope_scaling without its factor, a field of the wrong type: a KeyError, ValueError, TypeError,
+    AttributeError or huggingface_hub's StrictDataclassError from deep in its code) as one line
+    naming the config, a :class:`~trnsim.config.ConfigError` (the CLI's status 2), instead of a
+    traceback. The exception's type and first line stay in the message."""
+    from trnsim.config import ConfigError
+
+    try:
+        yield
+    except (ConfigError, ImportError):  # (a transformers that does not import is said where it is caught)
+        raise
+    except Exception as e:  # noqa: BLE001  (what transformers raises for a bad field is not one type)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{where}: transformers cannot build a model from this config "
+                          f"({type(e).__name__}: {text[:200]})") from None
+
+
+def _where(model: Any) -> str:
+    """What a model argument names in an error: a config's path, a shipped name, a config class."""
+    if isinstance(model, ModelConfig):
+        return str(model.path)
+    return str(model) if isinstance(model, (str, Path)) else type(model).__name__
+
+
 def hf_config(model: str | ModelConfig | Any, layers: int | None = None) -> Any:
     """A transformers config from a shipped name, a config.json path, a :class:`ModelConfig` or
     a ``PretrainedConfig`` (``layers`` overrides ``num_hidden_layers``)."""
@@ -183,7 +210,8 @@ def hf_config(model: str | ModelConfig | Any, layers: int | None = None) -> Any:
             from trnsim.config import ConfigError
 
             raise ConfigError(f"{spec.path}: model_type '{spec.model_type}' is not a transformers model type")
-        cfg = CONFIG_MAPPING[spec.model_type].from_dict(fields)
+        with refused_by_transformers(spec.path):
+            cfg = CONFIG_MAPPING[spec.model_type].from_dict(fields)
     if layers is not None:
         cfg.num_hidden_layers = layers
     return cfg
@@ -227,7 +255,8 @@ def from_config(model: str | ModelConfig | Any, dtype: torch.dtype = torch.bfloa
     cfg._attn_implementation = attention
     if hasattr(cfg, "num_local_experts"):
         cfg._experts_implementation = attention
-    with _torch.no_dispatch_modes(), torch.device("meta"), _default_dtype(dtype), quiet():  # plain meta: ~10x faster
+    with _torch.no_dispatch_modes(), torch.device("meta"), _default_dtype(dtype), quiet(), \
+            refused_by_transformers(_where(model)):  # (plain meta: ~10x faster)
         net = (AutoModelForCausalLM if head else AutoModel).from_config(cfg, attn_implementation=attention)
     net.eval()
     if shard is not None:
