@@ -156,3 +156,21 @@ def test_json_reaches_a_non_blocking_pipe_whole(tmp_path):
     out, err = p.communicate(timeout=120)
     rows = json.loads(first + out)
     assert p.returncode == 0 and err == b"" and len(first + out) > 2 ** 17 and rows and all("id" in r for r in rows)
+
+
+@pytest.mark.parametrize("argv,script,rest", [
+    (["run", "s.py", "--", "--json"], "s.py", ["--", "--json"]),
+    (["run", "s.py", "--", "a", "--config", "trn3"], "s.py", ["--", "a", "--config", "trn3"]),
+    (["run", "--config", "trn3", "s.py", "--"], "s.py", ["--"]),
+    (["run", "s.py", "a", "--", "--json"], "s.py", ["a", "--", "--json"]),
+    (["run", "s.py", "--json"], "s.py", ["--json"]),
+])
+def test_run_keeps_the_separator_after_the_script(argv, script, rest):
+    """`trnsim run s.py -- --json`: argparse took the `--` right after the script for its own, so
+    --json became trnsim's and the script got [] (found by the hardening hunt); it is put back for
+    split_args, which gives the script everything after it."""
+    from trnsim.cli import _keep_script_separator, build_parser
+
+    args = build_parser().parse_args(argv)
+    _keep_script_separator(args, argv)
+    assert args.script == script and args.args == rest

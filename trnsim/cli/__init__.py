@@ -506,12 +506,27 @@ def _check_environment() -> None:
     max_instructions()
 
 
+def _keep_script_separator(args: argparse.Namespace, raw: Sequence[str]) -> None:
+    """``trnsim run s.py -- --json``: argparse takes a ``--`` right after the script for its own
+    end of options and hands the rest as the script's arguments without it, so ``split_args``
+    read ``--json`` as trnsim's. The arguments are the tail of the command line; where the token
+    before them is that ``--`` and the one before it the script, the ``--`` is put back."""
+    rest = list(getattr(args, "args", None) or [])
+    n = len(rest)
+    if len(raw) >= n + 2 and raw[len(raw) - n - 1] == "--" and raw[len(raw) - n - 2] == args.script \
+            and list(raw[len(raw) - n:]) == rest:
+        args.args = ["--", *rest]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(raw)
     except KeyboardInterrupt:
         print("trnsim: interrupted", file=sys.stderr)
         return 130
+    if getattr(args, "command", None) == "run":
+        _keep_script_separator(args, raw)
     if getattr(args, "config", None) == "trnsim-default":
         args.config = "trn2"
     try:
