@@ -122,6 +122,10 @@ def test_a_copied_config_with_overrides_is_a_new_chip(tmp_path):
      "trn2.yaml (--set core.dma.start_latency=1e15s): core.dma.start_latency = '1e15s': out of range, expected "
      "0ps..1s"),
     (["host.dispatch=2s"], "trn2.yaml (--set host.dispatch=2s): host.dispatch = '2s': out of range, expected 0ps..1s"),
+    # (a capacity past 2^64 bytes wrapped in the device's 64-bit memory ledger: 65540PiB became
+    # 1PiB a core, 40000PiB a negative capacity; found by the hardening hunt)
+    (["chip.hbm.capacity=65540PiB"], "trn2.yaml (--set chip.hbm.capacity=65540PiB): chip.hbm.capacity = '65540PiB': "
+                                     "out of range, expected 1B..1024PiB"),
     (["core.tensor.clock=2400000001Hz", "core.vector.clock=2399999999Hz"],
      "trn2.yaml: the engine clocks (tensor 2,400,000,001 Hz, vector 2,399,999,999 Hz, scalar 1,200,000,000 Hz, "
      "gpsimd 1,200,000,000 Hz, sync 1,200,000,000 Hz) have no common tick of at least 0.1 fs (their least common "
@@ -129,7 +133,8 @@ def test_a_copied_config_with_overrides_is_a_new_chip(tmp_path):
 ])
 def test_times_and_the_tick_are_bounded_when_the_config_loads(overrides, message):
     """Issue 25: start_latency: 1e15s passed ``trnsim info`` and then overflowed the simulator's
-    64-bit ticks in ``trnsim kernel``; clocks without a common tick did the same."""
+    64-bit ticks in ``trnsim kernel``; clocks without a common tick did the same; so did an HBM
+    capacity in the memory ledger."""
     with pytest.raises(ConfigError) as e:
         load_config("trn2", overrides)
     assert str(e.value) == message

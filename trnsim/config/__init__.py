@@ -111,7 +111,9 @@ def _extra_sections() -> dict[str, type]:
 
 @dataclass(frozen=True)
 class HbmConfig:
-    capacity: int = _q("bytes", doc="device memory per chip, bytes")
+    # (at most 1 EiB: the device's native memory ledger counts bytes in 64-bit integers, and a
+    # capacity past 2^64 wrapped there to another, even a negative, one)
+    capacity: int = _q("bytes", hi=2**60, doc="device memory per chip, bytes")
     bandwidth: int = _q("bandwidth", doc="chip total, bytes/s")
     stacks: int = _int(1, 64, doc="HBM stacks; cores are attached evenly to stacks")
 
