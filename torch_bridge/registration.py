@@ -226,6 +226,7 @@ def register_kernels() -> None:
     impl.impl("_sparse_compressed_tensor_unsafe", _hidden(functools.partial(values.sparse_fallback, unsafe)),
               "SparseCsrPrivateUse1")
     fallback.fallback(_hidden(values.quantized_fallback), "QuantizedPrivateUse1")
+    fallback.fallback(_hidden(values.nested_fallback), "NestedTensorPrivateUse1")
     from .eager import memory
 
     memory.install_process_transfer()

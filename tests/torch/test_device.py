@@ -78,6 +78,27 @@ def test_unsupported_op_names_itself():
         torch.ones(2, 2, device="neuron").to_sparse()
 
 
+@pytest.mark.parametrize("op", ["relu", "cpu", "add", "sum"])
+def test_a_strided_nested_tensor_s_ops_are_refused_in_one_line_and_jagged_ones_run(op):
+    """A nested tensor of the strided layout made on neuron has no kernel there: each op said so in
+    ~60 lines of PyTorch's dispatcher (found by a hardening hunt). One line now; the jagged layout,
+    dense neuron tensors under a Python subclass, runs with CPU's values."""
+    import warnings
+
+    parts = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch's prototype warning for the strided layout)
+        nt = torch.nested.nested_tensor(parts, device="neuron")
+    fn = {"relu": lambda t: t.relu(), "cpu": lambda t: t.cpu(), "add": lambda t: t + t, "sum": lambda t: t.sum()}[op]
+    with pytest.raises(NotImplementedError, match=r"^neuron: aten::\w+ with a nested tensor of the strided layout on "
+                                                  r"the neuron device, which holds dense tensors and jagged nested "
+                                                  r"tensors only; make it with layout=torch.jagged, or keep it on CPU$"):
+        fn(nt)
+    jagged = torch.nested.nested_tensor(parts, layout=torch.jagged, device="neuron")
+    want = torch.nested.nested_tensor(parts, layout=torch.jagged).relu()
+    assert torch.equal(jagged.relu().values().cpu(), want.values())
+
+
 @pytest.mark.parametrize("make", ["to", "per_channel", "quantize", "dynamic"])
 def test_quantized_tensors_on_neuron_are_refused_in_one_line(make):
     """A quantized tensor moved to neuron: PyTorch said it in 52 lines (no kernel for the

@@ -549,6 +549,18 @@ def sparse_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
 QUANTIZED_HINT = "keep quantized tensors on CPU, or dequantize() them first"
 
 
+def nested_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The boxed kernel of the neuron device's nested-tensor dispatch key: a nested tensor of the
+    strided layout moved to or made on neuron (``torch.nested.nested_tensor(..., device="neuron")``)
+    gets no kernel there, and each op on it said so in ~60 lines (no kernel for the
+    'NestedTensorneuron' backend) or as an "Internal error ... please file an issue" (found by a
+    hardening hunt); refused in one line now. The jagged layout is a Python subclass over dense
+    neuron tensors and never reaches this key."""
+    raise NotImplementedError(f"neuron: aten::{op_info(op).name} with a nested tensor of the strided layout on the "
+                              f"neuron device, which holds dense tensors and jagged nested tensors only; make it "
+                              f"with layout=torch.jagged, or keep it on CPU")
+
+
 def quantized_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     """The boxed kernel of the neuron device's quantized dispatch key: a quantized tensor
     (``torch.quantize_per_tensor``'s qint8, quint8, qint32...) moved to or made on neuron is refused
