@@ -356,3 +356,28 @@ def test_a_tensor_made_outside_the_run_is_never_left_silently_wrong():
     model(torch.randn(2, 3, device="neuron")).sum().backward()
     opt.step()
     assert not torch.equal(w0, model.weight.detach().cpu())
+
+
+def test_integer_indexing_runs_and_costs_what_eager_charges():
+    """aten::index is tagged data-dependent for its boolean-mask form, and timing-only refused
+    x[idx] with integer indices too, saying it was a mask (found by a hardening hunt): its output's
+    shape is the indices'. It runs now, charged as eager charges it; a mask still needs values."""
+    def step(x, i):
+        return x[i], x[:, i], x[i, 1:]
+
+    x, i = torch.randn(6, 5, device="neuron"), torch.tensor([0, 3, 3], device="neuron")
+    torch.neuron.synchronize()
+    with torch.neuron.report_scope() as scope:
+        want = [t.shape for t in step(x, i)]
+        torch.neuron.synchronize()
+    eager = scope.report
+    with torch.neuron.timing_only():
+        fx, fi = torch.empty(6, 5, device="neuron"), torch.empty(3, dtype=torch.long, device="neuron")
+        torch.neuron.synchronize()
+        with torch.neuron.report_scope() as scope:
+            got = [t.shape for t in step(fx, fi)]
+            torch.neuron.synchronize()
+        with pytest.raises(TimingOnlyError, match="indexing with a boolean mask"):
+            fx[fx > 0]
+    assert got == want and _rows(scope.report) == _rows(eager)
+    assert scope.report.device_us == pytest.approx(eager.device_us, rel=1e-12)

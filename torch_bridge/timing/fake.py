@@ -245,6 +245,16 @@ def _real_tensors(facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any], 
                     f"inside the block (torch_bridge.timing.models.from_config), or run it under torch.no_grad()")
 
 
+#: ops tagged data-dependent for their boolean-mask form alone: with integer indices the output's
+#: shape is the indices' (``x[idx]``, as index_select), so they run timing-only
+_MASKED_ONLY = frozenset({"index", "_unsafe_index"})
+
+
+def _has_mask(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A boolean or uint8 index tensor among an index op's indices (its output's shape is then a count)."""
+    return any(t.dtype in (torch.bool, torch.uint8) for t in flat_tensors(list(args[1:]) + list(kwargs.values()), []))
+
+
 def _data_error(name: str, why: str | None = None) -> TimingOnlyError:
     why = why or _WHY.get(name, "its result depends on the tensors' values")
     shown = name if "." in name else f"aten::{name}"
@@ -297,7 +307,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         dev = _device_kwarg(kwargs)
         if not neuron and not (dev is not None and dev.type == _NEURON):
             return self._call(func, facts, args, kwargs)  # a CPU (or meta) op: no device, no charge
-        if facts.data_dependent:
+        if facts.data_dependent and not (facts.name in _MASKED_ONLY and not _has_mask(args, kwargs)):
             raise _data_error(facts.name)
         if not neuron and tensors and facts.composite is not None:
             return self._composite(func, facts, args, kwargs)  # a CPU op making a neuron tensor (x.to("neuron"))
