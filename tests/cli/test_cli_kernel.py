@@ -245,6 +245,22 @@ def test_a_missing_output_directory_is_made_when_written_as_sweep_does(tmp_path,
     assert (tmp_path / "c" / "d" / "r.csv").read_text().startswith("kernel,")
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--trace", "same.out", "--metrics", "same.out"],
+     "--trace and --metrics name the same file same.out; give each output a file of its own"),
+    (["--trace", "p.png", "--plot", "./p.png"], "--trace and --plot name the same file ./p.png; "),
+    (["--metrics", "m.csv"], "--metrics m.csv: the metrics are written as Parquet, not CSV; give a .parquet file"),
+])
+def test_outputs_that_would_clobber_each_other_or_lie_about_their_format_are_refused(tmp_path, capsys, monkeypatch,
+                                                                                    flags, message):
+    """`--trace X --metrics X` ran, and the trace was replaced by Parquet; `--metrics m.csv` wrote
+    Parquet under a CSV name (found by the hardening hunt). Refused before the run, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "kernel", "softmax", "--shape", "128x128", *flags)
+    assert code == 2 and out == "" and err.startswith("trnsim: error: " + message), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_kernel_file_imports_its_neighbours_from_any_directory(tmp_path, capsys, monkeypatch):
     """Issue 25: a kernel file importing a module beside it loaded only when the working
     directory was its own (and under python -m, not the trnsim command)."""

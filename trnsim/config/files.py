@@ -216,7 +216,13 @@ def reserve_all(makers: "list[Callable[[], AtomicOutput | None]]") -> "list[Atom
     reserved: list[AtomicOutput | None] = []
     try:
         for make in makers:
-            reserved.append(make())
+            out = make()
+            for earlier in reserved:  # two outputs renamed over one file: the last would win, silently
+                if out is not None and earlier is not None and earlier.path == out.path:
+                    out.discard()
+                    raise OutputError(f"{earlier.what} and {out.what} name the same file {out.shown}; give each "
+                                      f"output a file of its own")
+            reserved.append(out)
     except BaseException:
         for out in reserved:
             if out is not None:

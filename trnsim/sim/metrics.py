@@ -27,7 +27,7 @@ from typing import IO, Any, Iterable, Mapping, Sequence
 from ..config import ConfigError
 from ..config.extras import require
 from ..cores.base import ENGINE_TYPES, engine_names
-from ..config.files import AtomicOutput
+from ..config.files import AtomicOutput, OutputError
 
 __all__ = ["reserve", "columns", "engine_column", "run_rows", "kernel_rows", "write_run_metrics", "write_kernel_metrics",
            "metrics_table", "unit_of", "is_parquet", "write_sweep_parquet", "read_sweep_parquet", "read_table",
@@ -97,8 +97,16 @@ _OPROW_KNOWN = {"op", "kernel", "generic", "calls", "time_us", "share_percent", 
 def reserve(path: str | os.PathLike[str], what: str = "--metrics") -> AtomicOutput:
     """Check that pyarrow is there and ``path`` can be written, before any work: the
     reservation to pass to a ``write_*`` function."""
+    suffix = Path(os.fspath(path)).suffix.lower()
+    if suffix in _NOT_PARQUET:  # (Parquet bytes under a .csv name fool every reader of the file)
+        raise OutputError(f"{what} {os.fspath(path)}: the metrics are written as Parquet, not {suffix[1:].upper()}; "
+                          f"give a .parquet file")
     require("pyarrow.parquet", "metrics", what)
     return AtomicOutput(path, what, text=False)
+
+
+#: suffixes of other formats a --metrics file is refused under (any other name is written as given)
+_NOT_PARQUET = (".csv", ".json", ".jsonl", ".tsv", ".txt", ".png", ".svg", ".pdf", ".yaml", ".yml")
 
 
 def unit_of(column: str) -> str:
