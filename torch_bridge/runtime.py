@@ -18,7 +18,7 @@ from trnsim.device.costcache import CachedDevice, CostCache, device_cache_dir
 from . import _torch
 from .eager import memory
 
-__all__ = ["Runtime", "runtime", "set_config", "is_initialized"]
+__all__ = ["Runtime", "runtime", "set_config", "is_initialized", "check_env"]
 
 
 class Runtime:
@@ -26,6 +26,7 @@ class Runtime:
 
     def __init__(self, config: ChipConfig):
         self.config = config
+        check_env()
         try:
             cache = device_cache_dir()  # $TRNSIM_COST_CACHE: kernel costs shared across runs through the disk
         except ValueError as e:
@@ -79,6 +80,18 @@ class Runtime:
         if _torch.tracing() or not counts:
             return
         self.device.host_ops(counts)
+
+
+def check_env() -> None:
+    """The device's TRNSIM_* switches, refused in one line (a ConfigError naming the variable and
+    what it takes) when the device is first used; a value they do not take was read as the
+    default without a word (TRNSIM_FASTPATH=false left the fast path on). Not at ``import torch``:
+    a bad setting must not break a CPU program."""
+    from trnsim.config.loader import env_int
+
+    env_int("TRNSIM_FASTPATH", 1, 0, 1, "0 (every op through the Python path) or 1 (the native fast path)")
+    env_int("TRNSIM_ADAPTIVE_EAGER", 0, 0, 1, "1 (adaptive eager on) or 0")
+    env_int("TRNSIM_HOST_CACHE_MB", 2048, 0, 1 << 30, "the megabytes of freed host memory kept for reuse (0: none)")
 
 
 def _no_native_launch(core: int, op: str, cost: OpCost) -> bool:

@@ -284,3 +284,23 @@ def test_a_dataloader_worker_sends_neuron_batches_and_other_sends_are_refused_in
             ForkingPickler.dumps(t)
     cpu = torch.arange(4.0)
     assert torch.equal(ForkingPickler.loads(ForkingPickler.dumps(cpu)), cpu)
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("TRNSIM_FASTPATH", "false", "0 (every op through the Python path) or 1 (the native fast path), 0..1"),
+    ("TRNSIM_ADAPTIVE_EAGER", "yes", "1 (adaptive eager on) or 0, 0..1"),
+    ("TRNSIM_HOST_CACHE_MB", "2G", "the megabytes of freed host memory kept for reuse (0: none), 0..1,073,741,824"),
+])
+def test_a_device_switch_it_does_not_take_is_one_line_at_first_use(monkeypatch, name, value, expected):
+    """These were read as their default when they held anything else (TRNSIM_FASTPATH=false left the
+    fast path on; found by a hardening hunt). The runtime checks them when the device is first used
+    (never at ``import torch``: a CPU program must not break)."""
+    from trnsim.config import ConfigError
+    from torch_bridge.runtime import check_env
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        check_env()
+    assert str(e.value) == f"{name}={value!r}: expected {expected}"
+    monkeypatch.setenv(name, "0")
+    check_env()
