@@ -119,7 +119,8 @@ def run_script(script: str, args: Sequence[str], config: str | None = None, over
                               expand_top, trace_stack, timing_only=timing_only, host_profile=host_profile)
     path = Path(script)
     if not path.is_file():
-        raise FileNotFoundError(f"no such script: {script}")
+        raise FileNotFoundError(f"{script}: a directory, not a Python script" if Path(script).is_dir()
+                                else f"no such script: {script}")
     import contextlib
 
     import torch

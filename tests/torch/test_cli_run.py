@@ -45,6 +45,8 @@ def test_run_json_and_errors(tmp_path):
     missing = _trnsim("run", str(tmp_path / "nope.py"), cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"trnsim: error: run: no such script: {tmp_path / 'nope.py'}"
+    a_dir = _trnsim("run", str(tmp_path), cwd=tmp_path)  # (it said "no such script" of a directory that exists)
+    assert a_dir.returncode == 2 and a_dir.stderr.strip() == f"trnsim: error: run: {tmp_path}: a directory, not a Python script"
     bad = _trnsim("run", str(script), "--config", "trn9", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("trnsim: error: ") and len(bad.stderr.strip().splitlines()) == 1
 

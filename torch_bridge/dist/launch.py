@@ -228,7 +228,8 @@ def run_ranks(script: str, args: Sequence[str], nproc: int, config: str | None =
     from .process_group import DEFAULT_SYSTEM
 
     if not Path(script).is_file():
-        raise FileNotFoundError(f"no such script: {script}")
+        raise FileNotFoundError(f"{script}: a directory, not a Python script" if Path(script).is_dir()
+                                else f"no such script: {script}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc {nproc}: expected a whole number of ranks >= 1")
     if system is not None and not system.strip():
