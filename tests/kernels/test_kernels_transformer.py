@@ -191,3 +191,14 @@ def test_mla_tkg_errors_are_one_line():
         with pytest.raises(KernelError, match=what) as e:
             build(*shape)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("config", ["trn2", "trn3"])
+@pytest.mark.parametrize("shape", [(1, 4, 4, 128, 64), (4, 1, 1, 4, 4), (1, 3, 3, 4, 4), (2, 4, 2, 128, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_cte_keeps_each_kv_pair_until_its_last_unit(config, shape, causal):
+    """Pairs of (batch, kv head) with fewer units than the pipeline is deep: a pair's K and V
+    buffers were loaded over by the pair two loads later before its last units' p·v read them
+    (errors up to 1.9x the largest output; found by a values hunt). The load now waits for them."""
+    out = check_entry(get_kernel("attention_cte"), shape, "bf16", config, {"causal": causal})
+    assert out["ok"], out["errors"]

@@ -126,12 +126,22 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
                         units.append((kv_key, item, sec, si == 0, si == len(secs) - 1))
     loaded: dict[tuple[int, int], Any] = {}
     st: dict[int, Any] = {}
+    last_unit = {u[0]: i for i, u in enumerate(units)}  # each pair's K and V are read up to its last unit's p·v
+    held: list[tuple[int, int]] = []  # the pairs in the K/V buffers, oldest first (kv_bufs of them)
+    done = [0, 0]  # units whose softmax / p·v have been emitted
 
     def s1(i: int) -> None:
         kv_key, item, sec, first, last = units[i]
         if kv_key not in loaded:
+            if len(held) == w.kv_bufs:
+                # the load takes the buffers of the oldest pair held: its last units' softmax and
+                # p·v go first, or they would read this pair's K and V (a pair of fewer units than
+                # the pipeline is deep, or one buffer of each: found by a values hunt, errors up to
+                # 1.9x the largest output)
+                drain(last_unit[held.pop(0)])
             loaded.clear()
             loaded[kv_key] = w.load_kv(k, v, *kv_key)
+            held.append(kv_key)
         st[i] = w.scores(loaded[kv_key], item, sec, first)
 
     def s2(i: int) -> None:
@@ -141,14 +151,25 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
         kv_key, item, sec, first, last = units[i]
         w.pv(loaded.get(kv_key) or w.kv_of[kv_key], item, st.pop(i), first, last)
 
+    def drain(upto: int) -> None:
+        """Emit the softmax and then the p·v of every unit up to ``upto`` not emitted yet, in order."""
+        while done[0] <= upto:
+            s2(done[0])
+            done[0] += 1
+        while done[1] <= upto:
+            s3(done[1])
+            done[1] += 1
+
     n = len(units)
     for step in range(n + DEPTH - 1):  # scores DEPTH-1 steps ahead of p·v, the softmax in between
         if step < n:
             s1(step)
-        if 0 <= step - (DEPTH - 2) < n:
+        if done[0] <= step - (DEPTH - 2) < n:
             s2(step - (DEPTH - 2))
-        if 0 <= step - (DEPTH - 1) < n:
+            done[0] += 1
+        if done[1] <= step - (DEPTH - 1) < n:
             s3(step - (DEPTH - 1))
+            done[1] += 1
     return kern
 
 
