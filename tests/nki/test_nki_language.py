@@ -261,3 +261,22 @@ def test_mx_matmul_through_nisa_on_trn3():
     ss, sm = np.full((128, 128), 127, np.uint8), np.full((128, 512), 128, np.uint8)  # scales 1 and 2
     r = nki.run(k, st, mv, ss, sm)
     assert np.array_equal(r.outputs, np.full((128, 512), 512 * 2.0, np.float32))  # K = 512 ones, times 2
+
+
+def test_free_dims_broadcast_in_binary_ops_and_a_mismatch_says_so():
+    """nl.add of [128, 4, 16] and [128, 1, 16] was refused as 'nl.all is not supported': the
+    broadcast check called all(), which in this module is the unsupported nl.all (found by a
+    hunt); a true mismatch got the same line."""
+    import trnsim.nki as nki_mod
+    import trnsim.nki.language as nl_mod
+
+    @nki_mod.jit
+    def add(x, y):
+        out = nl_mod.ndarray(x.shape, dtype=x.dtype, buffer=nl_mod.shared_hbm)
+        nl_mod.store(out, value=nl_mod.add(nl_mod.load(x), nl_mod.load(y)))
+        return out
+
+    x, y = np.ones((128, 4, 16), np.float32), np.arange(16, dtype=np.float32).reshape(1, 1, 16).repeat(128, 0)
+    assert np.array_equal(add(x, y), x + y)
+    with pytest.raises(nki_mod.NkiError, match=r"nl\.add: cannot broadcast shapes \(128, 64\) and \(128, 65\)$"):
+        add(np.ones((128, 64), np.float32), np.ones((128, 65), np.float32))
