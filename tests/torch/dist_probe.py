@@ -134,6 +134,10 @@ for name, call in {
         out["errors"][name] = None
     except NeuronDistError as e:
         out["errors"][name] = str(e)
+try:  # a root past the group's ranks: gloo's own refusal, made before any rank exchanges (was an IndexError)
+    dist.broadcast(torch.ones(4, device=dev), src=5)
+except ValueError as e:
+    out["errors"]["bad_root"] = str(e)
 ok = torch.ones(2, device=dev)
 dist.all_reduce(ok)
 v["after_errors"] = ok.cpu().tolist()

@@ -109,6 +109,8 @@ def test_ranks_that_disagree_get_the_same_one_line_error(probe):
     assert a["errors"]["roots"] == where.format(op="broadcast", n=27) + (
         "the ranks name different roots: rank 0 names 0, rank 1 names 1")
     assert "rank 0 has float32[4], rank 1 has bfloat16[4]" in a["errors"]["dtypes"]
+    assert a["errors"]["bad_root"] == b["errors"]["bad_root"] == (
+        "ProcessGroupGloo::broadcast: invalid root rank: 5 (the group's ranks are 0..1)")
     assert a["errors"]["send_recv"] == b["errors"]["send_recv"] == (
         "neuron backend: send from rank 0 to rank 1: rank 0 sends float32[3] (12 bytes) but rank 1 receives into "
         "float32[4] (16 bytes); both must name tensors of the same shapes and dtypes")

@@ -366,8 +366,18 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         note_backward(work)
         return work
 
+    def _root(self, op: str, root: int) -> int:
+        """A rooted collective's root: a rank of the group, or gloo's own refusal in one line (an
+        index past the group's ranks was an IndexError traceback; found by a hardening hunt)."""
+        if not 0 <= root < self._size:
+            raise ValueError(f"ProcessGroupGloo::{op}: invalid root rank: {root} (the group's ranks are "
+                             f"0..{self._size - 1})")
+        return root
+
     def _call(self, op: str, collective: str, tensors: Sequence[torch.Tensor], nbytes: int, signature: str,
               root: int = -1, reduce: str = "", pairs: tuple[tuple[int, int], ...] | None = None) -> Call:
+        if root != -1:
+            self._root(op, root)
         device, core = device_of(tensors)
         dtype = tensors[0].dtype if tensors else None
         return Call(op, collective, nbytes, dtype, signature, device, core, root, reduce, pairs)
@@ -575,7 +585,7 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> Work:
         opts = opts or dist.ScatterOptions()
-        root = opts.rootRank
+        root = self._root("scatter", opts.rootRank)
         g = self.ranks
         call = self._call("scatter", "permute", output_tensors, tensor_bytes(output_tensors), shapes_text(output_tensors),
                           root=root, pairs=tuple((g[root], r) for r in g if r != g[root]))
@@ -587,7 +597,7 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> Work:
         opts = opts or dist.GatherOptions()
-        root = opts.rootRank
+        root = self._root("gather", opts.rootRank)
         g = self.ranks
         call = self._call("gather", "permute", input_tensors, tensor_bytes(input_tensors), shapes_text(input_tensors),
                           root=root, pairs=tuple((r, g[root]) for r in g if r != g[root]))
