@@ -109,6 +109,9 @@ def test_ranks_that_disagree_get_the_same_one_line_error(probe):
     assert a["errors"]["roots"] == where.format(op="broadcast", n=27) + (
         "the ranks name different roots: rank 0 names 0, rank 1 names 1")
     assert "rank 0 has float32[4], rank 1 has bfloat16[4]" in a["errors"]["dtypes"]
+    assert a["errors"]["splits"] == b["errors"]["splits"] == where.format(op="all_to_all_single", n=29) + (
+        "rank 0 sends 2 rows to rank 1, which expects 1; each rank's output_split_sizes must be what the others' "
+        "input_split_sizes send it")
     assert a["errors"]["bad_root"] == b["errors"]["bad_root"] == (
         "ProcessGroupGloo::broadcast: invalid root rank: 5 (the group's ranks are 0..1)")
     assert a["errors"]["send_recv"] == b["errors"]["send_recv"] == (

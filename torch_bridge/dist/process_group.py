@@ -341,12 +341,17 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     # ---- the common path of a collective ---------------------------------------------------
     def _collective(self, call: Call, run: Callable[[], Sequence[Any]], result: Any, keep: Any,
-                    finish: Callable[[], None] | None = None, host_waits: bool = False) -> Work:
+                    finish: Callable[[], None] | None = None, host_waits: bool = False,
+                    check: Callable[[int], None] | None = None) -> Work:
+        """``check(seq)``: more agreement to check once the ranks agree on the call (the headers
+        exchanged), before gloo moves any data."""
         dev = runtime().device if call.device == "neuron" else None
         lane = cc_lane(self.ranks) if call.pairs is None else 0
         arrival = dev.issue_collective(call.core, lane=lane) if dev is not None else 0
         try:
             heads = self._exchange(call, arrival)
+            if check is not None:
+                check(heads[0].fields[1])
         except BaseException:
             if dev is not None:
                 dev.cancel_collective(call.core, arrival)
@@ -556,7 +561,33 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         o, i = cpu_view(output), cpu_view(input)
         return self._collective(call, lambda: [self.gloo.alltoall_base(o, i, list(output_split_sizes),
                                                                       list(input_split_sizes), opts)],
-                                [output], (output, input, o, i))
+                                [output], (output, input, o, i),
+                                check=lambda seq: self._check_splits(call, seq, output, input, output_split_sizes,
+                                                                     input_split_sizes))
+
+    def _check_splits(self, call: Call, seq: int, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]) -> None:
+        """Every rank's splits (an all-gather, once the ranks agree they are at this call): rank
+        r's output split for rank j must be rank j's input split for rank r. gloo met splits that
+        disagree by aborting the process in C++ (~30 lines and a thread dump; found by a hardening
+        hunt); every rank raises the same line instead."""
+        n = self._size
+        ins = list(input_split_sizes) or [input.shape[0] // n if input.dim() else 0] * n
+        outs = list(output_split_sizes) or [output.shape[0] // n if output.dim() else 0] * n
+        if len(ins) != n or len(outs) != n:
+            return  # (gloo's own error names the split count)
+        mine = torch.tensor(ins + outs, dtype=torch.int64)
+        every = [torch.zeros(2 * n, dtype=torch.int64) for _ in range(n)]
+        self._wait_gloo(self.gloo.allgather([every], [mine]), call, seq)
+        rows = [e.tolist() for e in every]
+        for r in range(n):
+            for j in range(n):
+                sent, expected = rows[j][r], rows[r][n + j]
+                if sent != expected:
+                    raise NeuronDistError(
+                        f"neuron backend: {call.op} #{seq} on ranks {list(self.ranks)}: rank {self.ranks[j]} sends "
+                        f"{sent} rows to rank {self.ranks[r]}, which expects {expected}; each rank's "
+                        f"output_split_sizes must be what the others' input_split_sizes send it")
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
