@@ -151,25 +151,25 @@ def build_attention_cte(b: int, nq: int, nkv: int, s: int, d: int, dtype: str = 
         kv_key, item, sec, first, last = units[i]
         w.pv(loaded.get(kv_key) or w.kv_of[kv_key], item, st.pop(i), first, last)
 
-    def drain(upto: int) -> None:
-        """Emit the softmax and then the p·v of every unit up to ``upto`` not emitted yet, in order."""
-        while done[0] <= upto:
+    n = len(units)
+
+    def advance(soft: int, pv: int) -> None:
+        """Emit, in order, the softmax of every unit up to ``soft`` and then the p·v of every unit
+        up to ``pv`` not emitted yet."""
+        while done[0] <= min(soft, n - 1):
             s2(done[0])
             done[0] += 1
-        while done[1] <= upto:
+        while done[1] <= min(pv, n - 1):
             s3(done[1])
             done[1] += 1
 
-    n = len(units)
+    def drain(upto: int) -> None:
+        advance(upto, upto)
+
     for step in range(n + DEPTH - 1):  # scores DEPTH-1 steps ahead of p·v, the softmax in between
         if step < n:
             s1(step)
-        if done[0] <= step - (DEPTH - 2) < n:
-            s2(step - (DEPTH - 2))
-            done[0] += 1
-        if done[1] <= step - (DEPTH - 1) < n:
-            s3(step - (DEPTH - 1))
-            done[1] += 1
+        advance(step - (DEPTH - 2), step - (DEPTH - 1))
     return kern
 
 
