@@ -131,6 +131,9 @@ for name, call in {
     # rank 0 sends 2 rows to rank 1, which expects 1 (gloo aborted the process in C++)
     "splits": lambda: dist.all_to_all_single(torch.empty(2, device=dev), torch.ones(3 - r, device=dev), [1, 1],
                                              [[1, 2], [1, 1]][r]),
+    # rank 0 gives three input splits for two ranks (gloo refused it on rank 0 alone; rank 1 waited)
+    "split_count": lambda: dist.all_to_all_single(torch.empty(2, device=dev), torch.ones(2, device=dev), [1, 1],
+                                                  [1, 1, 0] if r == 0 else [1, 1]),
 }.items():
     try:
         call()

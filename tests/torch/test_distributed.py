@@ -112,6 +112,8 @@ def test_ranks_that_disagree_get_the_same_one_line_error(probe):
     assert a["errors"]["splits"] == b["errors"]["splits"] == where.format(op="all_to_all_single", n=29) + (
         "rank 0 sends 2 rows to rank 1, which expects 1; each rank's output_split_sizes must be what the others' "
         "input_split_sizes send it")
+    assert a["errors"]["split_count"] == b["errors"]["split_count"] == where.format(op="all_to_all_single", n=30) + (
+        "rank 0 gives 3 input splits and 2 output splits; each rank gives one of each per rank of the group (2)")
     assert a["errors"]["bad_root"] == b["errors"]["bad_root"] == (
         "ProcessGroupGloo::broadcast: invalid root rank: 5 (the group's ranks are 0..1)")
     assert a["errors"]["send_recv"] == b["errors"]["send_recv"] == (

@@ -381,8 +381,6 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _call(self, op: str, collective: str, tensors: Sequence[torch.Tensor], nbytes: int, signature: str,
               root: int = -1, reduce: str = "", pairs: tuple[tuple[int, int], ...] | None = None) -> Call:
-        if root != -1:
-            self._root(op, root)
         device, core = device_of(tensors)
         dtype = tensors[0].dtype if tensors else None
         return Call(op, collective, nbytes, dtype, signature, device, core, root, reduce, pairs)
@@ -440,7 +438,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     # ---- broadcast -------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or dist.BroadcastOptions()
-        call = self._call("broadcast", "broadcast", tensors, tensor_bytes(tensors), shapes_text(tensors), root=opts.rootRank)
+        call = self._call("broadcast", "broadcast", tensors, tensor_bytes(tensors), shapes_text(tensors),
+                          root=self._root("broadcast", opts.rootRank))
         views = [cpu_view(t) for t in tensors]
         return self._collective(call, lambda: [self.gloo.broadcast(views, opts)], tensors, (tensors, views))
 
@@ -572,22 +571,30 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         disagree by aborting the process in C++ (~30 lines and a thread dump; found by a hardening
         hunt); every rank raises the same line instead."""
         n = self._size
+        if n == 1:
+            return  # (no peer to disagree with: gloo checks the split count)
         ins = list(input_split_sizes) or [input.shape[0] // n if input.dim() else 0] * n
         outs = list(output_split_sizes) or [output.shape[0] // n if output.dim() else 0] * n
-        if len(ins) != n or len(outs) != n:
-            return  # (gloo's own error names the split count)
-        mine = torch.tensor(ins + outs, dtype=torch.int64)
+        # every rank all-gathers, whatever its splits (one that skipped it would leave the others'
+        # all-gather to meet gloo's all-to-all); a wrong split count goes as [-1, inputs, outputs]
+        counted = len(ins) == len(outs) == n
+        mine = torch.tensor(ins + outs if counted else [-1, len(ins), len(outs)] + [0] * (2 * n - 3), dtype=torch.int64)
         every = [torch.zeros(2 * n, dtype=torch.int64) for _ in range(n)]
         self._wait_gloo(self.gloo.allgather([every], [mine]), call, seq)
         rows = [e.tolist() for e in every]
+        where = f"neuron backend: {call.op} #{seq} on ranks {list(self.ranks)}"
+        for rank, row in zip(self.ranks, rows):
+            if row[0] < 0:
+                raise NeuronDistError(f"{where}: rank {rank} gives {row[1]} input splits and {row[2]} output splits; "
+                                      f"each rank gives one of each per rank of the group ({n})")
         for r in range(n):
             for j in range(n):
                 sent, expected = rows[j][r], rows[r][n + j]
                 if sent != expected:
                     raise NeuronDistError(
-                        f"neuron backend: {call.op} #{seq} on ranks {list(self.ranks)}: rank {self.ranks[j]} sends "
-                        f"{sent} rows to rank {self.ranks[r]}, which expects {expected}; each rank's "
-                        f"output_split_sizes must be what the others' input_split_sizes send it")
+                        f"{where}: rank {self.ranks[j]} sends {sent} rows to rank {self.ranks[r]}, which expects "
+                        f"{expected}; each rank's output_split_sizes must be what the others' input_split_sizes "
+                        f"send it")
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
@@ -639,7 +646,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts or dist.ReduceOptions()
-        call = self._call("reduce", "reduce", tensors, tensor_bytes(tensors), shapes_text(tensors), root=opts.rootRank,
+        call = self._call("reduce", "reduce", tensors, tensor_bytes(tensors), shapes_text(tensors),
+                          root=self._root("reduce", opts.rootRank),
                           reduce=reduce_name(opts.reduceOp))
         views = [cpu_view(t) for t in tensors]
         g, finish = self._reduce_opts(opts, views, dist.ReduceOptions)
