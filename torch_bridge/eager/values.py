@@ -644,19 +644,16 @@ def foreach(op: Any, *args: Any, **kwargs: Any) -> Any:
     return call_traced(info.name, _run_foreach, op, info, args, kwargs)
 
 
-def _written_lists(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for i, name in info.bump_lists:
-        ts = args[i] if i < len(args) else kwargs.get(name)
-        out.extend(t for t in ts or () if isinstance(t, torch.Tensor))
-    return out
+def _written_lists(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The lists a ``_foreach_*`` op writes (:attr:`_OpInfo.bump_lists`), positional or keyword."""
+    return [ts for ts in (args[i] if i < len(args) else kwargs.get(name) for i, name in info.bump_lists) if ts]
 
 
 def written_versions(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, list[Any]]:
     """Before a ``_foreach_*`` op that writes lists runs: each written tensor (by id) with its
     version and how many times the lists name it (:func:`bump_written`)."""
     seen: dict[int, list[Any]] = {}
-    for t in _written_lists(info, args, kwargs):
+    for t in (t for ts in _written_lists(info, args, kwargs) for t in ts if isinstance(t, torch.Tensor)):
         if t.is_inference():
             continue  # (no version counter: nothing to bump)
         got = seen.get(id(t))
@@ -687,9 +684,8 @@ def _written_inference(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, A
     the rest are not."""
     if not info.bump_lists or torch.is_inference_mode_enabled():
         return None
-    for i, name in info.bump_lists:
-        ts = args[i] if i < len(args) else kwargs.get(name)
-        for k, t in enumerate(ts or ()):
+    for ts in _written_lists(info, args, kwargs):
+        for k, t in enumerate(ts):
             if isinstance(t, torch.Tensor) and t.is_inference():
                 return ts, k
     return None

@@ -224,10 +224,10 @@ _WHY = {"_local_scalar_dense": ".item(), bool(), int() or float() of a tensor",
 
 def _real_tensors(facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Any]) -> None:
     """Refuse, in one line, an op that would leave a tensor made outside the run (one with values;
-    a meta tensor has none either) silently wrong: writing it (the write would reach a timing-only copy, the tensor keeping its
-    old values), or reading one that requires grad while autograd records (a real model's
-    parameter: its ``.grad`` would become a tensor without values, and later real steps would
-    accumulate into it and change nothing)."""
+    a meta tensor has none either) silently wrong: writing it (the write would reach a timing-only
+    copy, the tensor keeping its old values), or reading one that requires grad while autograd
+    records (a real model's parameter: its ``.grad`` would become a tensor without values, and
+    later real steps would accumulate into it and change nothing)."""
     for i, name in facts.written:
         v = args[i] if i < len(args) else kwargs.get(name)
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
