@@ -100,6 +100,11 @@ def test_plot_errors_are_one_line(results, tmp_path, capsys):
     assert capsys.readouterr().err == f"trnsim: error: -o {tmp_path / 'x.jpg'}: expected a .png, .svg or .pdf file name\n"
     assert main(["plot", str(tmp_path / "none.csv"), "--x", "a", "--y", "b", "-o", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err == f"trnsim: error: {tmp_path / 'none.csv'}: no such file\n"
+    (tmp_path / "spec.yaml").write_text("grid: {core.tensor.clock: [2.4GHz]}\n")
+    assert main(["plot", str(tmp_path / "spec.yaml"), "--x", "a", "--y", "b", "-o", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == (f"trnsim: error: {tmp_path / 'spec.yaml'}: expected a sweep's results or a "
+                                       "metrics file, .csv or Parquet (.parquet, .pq), got '.yaml'\n")
+    (tmp_path / "spec.yaml").unlink()
     assert list(tmp_path.iterdir()) == []
 
 

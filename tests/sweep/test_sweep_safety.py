@@ -266,6 +266,12 @@ def test_the_point_count_is_limited_before_anything_is_listed(tmp_path, capsys):
 @pytest.mark.parametrize("text,message", [
     ("grid: {core.tensor.clock: [2.4GHz, 3GHz, 2.4GHz]}\nkernels: [{name: matmul}]\n",
      "spec.yaml: grid.core.tensor.clock: 2.4GHz is listed twice"),
+    ("grid: {core.tensor.clock: [2.4GHz, 2400MHz]}\nkernels: [{name: matmul}]\n",
+     "spec.yaml: grid: core.tensor.clock=2400MHz is the same config as core.tensor.clock=2.4GHz; list each value once"),
+    ("grid: {core.tensor.clock: [2.4GHz, 2.8GHz], core.sbuf.partition_bytes: [192KiB, 196608B]}\n"
+     "kernels: [{name: matmul}]\n",
+     "spec.yaml: grid: core.tensor.clock=2.4GHz, core.sbuf.partition_bytes=196608B is the same config as "
+     "core.tensor.clock=2.4GHz, core.sbuf.partition_bytes=192KiB; list each value once"),
     ("grid: {core.tensor.clock: [2.4GHz, null]}\nkernels: [{name: matmul}]\n",
      "spec.yaml: grid.core.tensor.clock: expected a value, got None"),
     ("grid: {core.tensor.clock: [{a: 1}]}\nkernels: [{name: matmul}]\n",

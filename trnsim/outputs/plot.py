@@ -85,7 +85,7 @@ def load_results(path: str | os.PathLike[str]) -> tuple[list[str], list[dict[str
     """(columns, rows as text, units by column) of a sweep's CSV or Parquet results file or a
     metrics Parquet file. A CSV row with the wrong number of cells (a torn last line of a
     sweep still writing) is skipped."""
-    from ..sim.metrics import is_parquet, read_table, unit_of
+    from ..sim.metrics import PARQUET_SUFFIXES, is_parquet, read_table, unit_of
 
     shown = os.fspath(path)
     if is_parquet(path):
@@ -97,6 +97,10 @@ def load_results(path: str | os.PathLike[str]) -> tuple[list[str], list[dict[str
             units[field.name] = (meta.get(b"unit") or b"").decode() or unit_of(field.name)
         rows = [{c: "" if v is None else str(v) for c, v in r.items()} for r in table.to_pylist()]
         return columns, rows, units
+    if Path(shown).suffix.lower() != ".csv":  # a spec.yaml read as CSV named its first line as columns
+        got = f"'{Path(shown).suffix}'" if Path(shown).suffix else "no suffix"
+        raise PlotError(f"{shown}: expected a sweep's results or a metrics file, .csv or Parquet "
+                        f"({', '.join(PARQUET_SUFFIXES)}), got {got}")
     try:
         with open(shown, encoding="utf-8", newline="") as f:
             text = f.read()

@@ -4,6 +4,7 @@ loaded once per process."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -240,11 +241,16 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
                           f"= {n_points:,} points, more than the limit of {max_points:,}; check the grid, or pass "
                           f"--max-points {n_points} to run them all")
     variants = [tuple(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+    loaded: dict[Any, tuple[tuple[str, str], ...]] = {}
     for variant in variants:
         try:
-            load_chip_variant(config, variant) if system is None else load_system_variant(system, variant)
+            cfg = load_chip_variant(config, variant) if system is None else load_system_variant(system, variant)
         except ConfigError as e:
             raise ConfigError(f"{where}: grid: {e}") from None
+        same = loaded.setdefault(_physical(cfg), variant)
+        if same is not variant:  # 2.4GHz and 2400MHz: two texts, one chip, run twice
+            raise ConfigError(f"{where}: grid: {clip_text(_variant_text(variant))} is the same config as "
+                              f"{clip_text(_variant_text(same))}; list each value once")
     seen: set[tuple[Any, ...]] = set()
     for e in entries:
         for c in e.combos():
@@ -257,6 +263,18 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
     points += [Point(v, *c, kind="collective") for v in variants for c in coll]
     points += [Point(v, *c, kind="estimate") for v in variants for c in ests]
     return SweepSpec(p, system or config, grid, points, out_path, tuple(base_cfg.engine_clocks), system)
+
+
+def _physical(cfg: Any) -> Any:
+    """A loaded chip or system config less the override texts it records: two grid values that
+    spell one quantity (``2.4GHz``, ``2400MHz``) load to equal configs."""
+    if hasattr(cfg, "topology"):
+        return dataclasses.replace(cfg, overrides=(), chip=_physical(cfg.chip))
+    return dataclasses.replace(cfg, overrides=())
+
+
+def _variant_text(variant: tuple[tuple[str, str], ...]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant)
 
 
 def _out_path(value: Any, spec: Path, where: str) -> Path:
