@@ -275,6 +275,21 @@ def work_base() -> Any:
     return dist_api("torch.distributed._Work")
 
 
+_interpreters = resolve("torch._C._functorch.peek_interpreter_stack")
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, vmap, jacrev, ...) is running: its tensors are
+    wrappers whose values only its own interpreters read, and an ``autograd.Function`` without a
+    ``setup_context`` is refused inside one (a fused op runs its composite there instead)."""
+    return _interpreters() is not None
+
+
+def keep_graph() -> bool:
+    """Inside a backward: whether this graph task keeps the graph (``retain_graph``)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
 def graph_task_id() -> int:
     """The running backward pass's id (-1 outside one)."""
     return int(dist_api("torch._C._current_graph_task_id")())

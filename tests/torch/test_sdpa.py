@@ -600,3 +600,16 @@ def test_a_long_generation_checks_once_and_prices_each_cache_bucket_once(monkeyp
     assert sorted(key[2] for key in attn._charges) == [(2, ("cache", 128)), (2, ("cache", 256))]  # keys 120-129, 130-139
     rows = [(r.kernel, r.calls) for r in scope.report.rows if r.op == "scaled_dot_product_attention"]
     assert rows == [("attention_tkg", 20)]
+
+
+def test_inside_a_torch_func_transform_it_is_refused_in_one_line():
+    """Its values are CPU's kernels' on the device memory, which torch.func's wrapped tensors do
+    not expose (PyTorch's own error named requires_grad_, or a TensorWrapper's storage)."""
+    from torch.func import grad
+
+    from torch_bridge.ops.attention import FUNCTORCH
+
+    q = torch.randn(1, 2, 4, 8, device="neuron")
+    with pytest.raises(RuntimeError) as e:
+        grad(lambda q: F.scaled_dot_product_attention(q, q, q).sum())(q)
+    assert str(e.value) == FUNCTORCH and "\n" not in FUNCTORCH

@@ -106,6 +106,9 @@ def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
     return True
 
 
+FUNCTORCH = ("scaled_dot_product_attention on neuron does not run inside a torch.func transform (grad, vmap, "
+             "jacrev, ...): its values are CPU's kernels' on the device's memory, which the transform's wrapped "
+             "tensors do not expose; run the transform on CPU tensors, or differentiate with torch.autograd")
 CAUSAL_WITH_MASK = "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True"
 _FLASH = 1  # sdp::SDPBackend::flash_attention, as CPU's backend choice numbers it
 
@@ -577,6 +580,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
          enable_gqa: bool = False) -> torch.Tensor:
     """The neuron kernel of ``aten::scaled_dot_product_attention``."""
+    if _torch.functorch_active():  # (PyTorch's own error there named requires_grad_, or a TensorWrapper's storage)
+        raise RuntimeError(FUNCTORCH)
     values.same_device(query, key, value, attn_mask if attn_mask is not None and attn_mask.dim() else None)
     flash = check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not takes(query, key, value, attn_mask, dropout_p, enable_gqa):
