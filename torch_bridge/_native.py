@@ -173,6 +173,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_fast_all_finite.argtypes = [ctypes.c_void_p, i64]
     handle.trnsim_fast_launch.argtypes = [i64, i64]
     handle.trnsim_fast_launch.restype = ctypes.c_int
+    handle.trnsim_fast_launch_many.argtypes = [i64, ctypes.c_void_p, i64]
+    handle.trnsim_fast_launch_many.restype = ctypes.c_int
     handle.trnsim_fast_all_finite.restype = ctypes.c_int
     handle.trnsim_fast_max_abs.argtypes = [ctypes.c_void_p, i64, ctypes.c_int]
     handle.trnsim_fast_max_abs.restype = ctypes.c_double

@@ -2624,6 +2624,25 @@ int trnsim_fast_launch(int64_t core, int64_t handle) {
   log_entry(0, core, handle);
   return 1;
 }
+// trnsim_fast_launch of `count` handles in order, logged under one lock (an op replaying the launches
+// its composite would make: torch_bridge.ops.rnn); 0, none logged, where trnsim_fast_launch would log
+// none now or the log has no room for them all (the caller launches them one by one)
+int trnsim_fast_launch_many(int64_t core, const int64_t* handles, int64_t count) {
+  if (!g_fast_master.load(std::memory_order_relaxed) || !g_fast_launch.load(std::memory_order_relaxed) ||
+      g_history.load() || at::hasCallbacks() || tracing() || core < 0 || count < 1 ||
+      g_log_count.load(std::memory_order_relaxed) + count >= kLogMax) {
+    return 0;
+  }
+  const int64_t kind = t_capture != 0 ? 2 + t_capture : 0;
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  for (int64_t i = 0; i < count; ++i) {
+    g_log.push_back(kind);
+    g_log.push_back(core);
+    g_log.push_back(handles[i]);
+  }
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+  return 1;
+}
 int trnsim_fast_all_finite(const float* p, int64_t n) { return all_finite_f32(p, n) ? 1 : 0; }  // (for tests)
 // max |x| of n contiguous floats at p (code 0: float32, 1: bfloat16, 2: float16) as a double, NaN
 // when one is NaN, inf when one is infinite: torch_bridge.tensore.magnitude's value in one pass

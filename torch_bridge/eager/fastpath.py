@@ -312,6 +312,21 @@ def launch_kept(core: int, op: str, cost: OpCost) -> bool:
     return bool(_lib.trnsim_fast_launch(core, h))
 
 
+def batch(charges: list[tuple[str, OpCost]]) -> Any:
+    """The native log's handles for ``charges`` ((op, cost), in order), for :func:`launch_batch`
+    to log them all in one call; None without the fast path's library or once
+    :data:`_KEPT_MAX` handles exist."""
+    if _lib is None or len(_table) + len(charges) >= _KEPT_MAX:
+        return None
+    return (ctypes.c_int64 * len(charges))(*[_handle(op, cost) for op, cost in charges])
+
+
+def launch_batch(core: int, handles: Any) -> bool:
+    """:func:`launch_kept` of every launch :func:`batch` made ``handles`` for, in order, in one
+    call; False when none was logged (the caller launches them itself)."""
+    return _on and bool(_lib.trnsim_fast_launch_many(core, handles, len(handles)))
+
+
 def teach_many(qualified: str, charges: list[tuple[str, OpCost]]) -> None:
     """The Python fallback is costing ``qualified`` as the launches ``charges`` ((op, cost), in
     order) for the fast kernel, which asked: teach it their handles for that call's signature."""

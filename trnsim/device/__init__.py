@@ -738,6 +738,32 @@ class Device:
             yield cap
 
     @contextlib.contextmanager
+    def recorded(self) -> Iterator[tuple[list[LaunchItem], dict[str, int]]]:
+        """Learn what a computation launches without issuing or counting any of it: yields
+        (launches, host-op counts) that this thread's launches and host ops inside the block fill,
+        in order, when it ends. What the launch log holds from before the block is issued first
+        (queued and collected launches stay where they are: a graph capture around the block, or
+        adaptive eager's queue, is not cut short). A caller replays the list where the computation
+        would have run (a fused op whose values are computed another way, charged exactly as its
+        ops would have been). Other threads' launches inside the block are issued but not counted."""
+        with self._lock:
+            self._drain()
+            shield = Recorder(self._host)
+            recorders, self.recorders = self.recorders, [shield]
+        launches: list[LaunchItem] = []
+        try:
+            with self._collect(keep=False) as cap:
+                try:
+                    yield launches, shield.host_ops
+                finally:
+                    with self._lock:
+                        self._drain()  # (the log's share of the block: into cap and shield)
+                        launches.extend(cap)
+        finally:
+            with self._lock:
+                self.recorders = recorders
+
+    @contextlib.contextmanager
     def _collect(self, keep: bool) -> Iterator[list[LaunchItem]]:
         cap = Capture(keep)
         prev = getattr(self._local, "capture", None)
