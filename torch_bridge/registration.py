@@ -215,6 +215,12 @@ def register_kernels() -> None:
 
     for key in ("AutogradPrivateUse1", "PrivateUse1"):
         impl.impl(FORWARD, _hidden(_traced(FORWARD, sdpa)), key)
+    # nn.LSTM/GRU/RNN as one op each (CPU's kernel's values, the composite's launches): the same two keys
+    from .ops import rnn
+
+    for name in rnn.RNNS:
+        for key in ("AutogradPrivateUse1", "PrivateUse1"):
+            impl.impl(f"{name}.input", _hidden(_traced(name, rnn.kernel(name))), key)
     fallback.fallback(_hidden(values.fallback), SLOW_KEY)
     for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
         fallback.fallback(_hidden(values.sparse_fallback), key)
