@@ -269,3 +269,23 @@ def test_integer_histc_counts_as_cuda_does():
     got = torch.histc(ids.to("neuron"), bins=4, min=0, max=3)
     assert got.dtype == torch.int32 and got.cpu().tolist() == [1, 2, 1, 3]
     assert torch.histc(ids.float().to("neuron"), bins=4, min=0, max=3).cpu().equal(torch.histc(ids.float(), 4, 0, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_recomputes_the_forward_the_device_computed(dtype):
+    """The backward recomputes the block from its inputs. With CPU's linears there, its router
+    logits were CPU's (a summation order apart from the datapath's), so a logit a rounding apart
+    could send a token to other experts than the forward did (1 token in ~400k in bf16) and its
+    gradient to experts it never reached. The recomputation now takes the forward's values."""
+    torch.manual_seed(5)
+    x = torch.randn(2048, 256).to(dtype)
+    w = (torch.randn(8, 256) * 0.05).to(dtype)
+    gate_up = (torch.randn(8, 2 * 32, 256) * 0.05).to(dtype)
+    down = (torch.randn(8, 256, 32) * 0.05).to(dtype)
+    out, logits = torch.ops.trnsim.moe_block(x.to("neuron"), w.to("neuron"), gate_up.to("neuron"),
+                                             down.to("neuron"), 2, True)
+    again = moe._routing(x, w, 2, True, moe._recompute_linear)[0]
+    cpu = moe._routing(x, w, 2, True, moe._cpu_linear)[0]
+    assert torch.equal(again, logits.cpu())
+    if dtype == torch.float32:  # (in bf16 a logit differs rarely: 8 of 65k at [8192, 256] x [256, 8])
+        assert not torch.equal(cpu, logits.cpu())  # what the backward recomputed before

@@ -19,7 +19,9 @@ sync (``nonzero``) in the middle. A Trainium deployment runs the block as one Mo
   bank of logits), the call is charged as the block's ops run eagerly, as before. On CPU tensors
   it is the block's ops (Hugging Face's values).
 * **autograd**: the derivative is ``trnsim.moe_block_backward``, one op whose values are PyTorch's
-  CPU autograd of the block on the CPU views and whose charge is what NxD Training runs: one launch
+  CPU autograd of the block recomputed on the CPU views as the forward computed it (its linears'
+  values the datapath's, with CPU's derivative of a linear: so the backward routes every token
+  as the forward did) and whose charge is what NxD Training runs: one launch
   of the library ``moe_backward`` kernel (the experts' weight and input gradients and the routing
   weights' gradient, by blocks, as NKI's blockwise backward) and the router's backward as eager
   kernels (the ops autograd runs from the routing weights to the router's input and weight),
@@ -82,6 +84,32 @@ def _datapath_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     wt = w.t()
     p = tensore.datapath_product(tensore.matmul_f32, x, wt)
     return torch.mm(x, wt) if p is None else p.to(x.dtype)
+
+
+class _DatapathLinear(torch.autograd.Function):
+    """:func:`_datapath_linear` with CPU's derivative of ``F.linear`` (``linear_backward``:
+    ``grad @ w``, ``grad^T @ x``, contiguous as CPU's): autograd of the block as the device computed its forward. The backward
+    recomputes the block from its inputs; with CPU's linears there, a router logit a rounding
+    apart could route a token to other experts than the forward did (1 token in ~400k in bf16),
+    and that token's gradient went to experts it never reached."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return _datapath_linear(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w = ctx.saved_tensors
+        gx = grad.mm(w) if ctx.needs_input_grad[0] else None
+        gw = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def _recompute_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The backward's recomputation of a linear: the forward's values (the datapath's, where it
+    computes the dtype) with CPU's derivative."""
+    return _DatapathLinear.apply(x, w) if tensore.on_datapath(x, w) else F.linear(x, w)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -295,13 +323,14 @@ def moe_block_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_pro
 def _backward_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None,
                      top_k: int, normalize: bool, dtypes: tuple[torch.dtype | None, torch.dtype | None],
-                     index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CPU autograd of the block (recomputed on CPU tensors, its router's and experts' linears
-    in ``dtypes``); with ``index``, the backward's ops are charged to that logical core as eager
-    kernels (the recomputation is not)."""
+                     index: int | None, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _cpu_linear
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU autograd of the block (recomputed on CPU tensors by ``linear``, its router's and
+    experts' linears in ``dtypes``); with ``index``, the backward's ops are charged to that
+    logical core as eager kernels (the recomputation is not)."""
     leaves = [t.detach().requires_grad_() for t in (x, router_weight, gate_up_proj, down_proj)]
     with torch.enable_grad(), _torch.autograd_inside_op():
-        out, logits = block_values(*leaves, top_k, normalize, _cpu_linear, *dtypes)
+        out, logits = block_values(*leaves, top_k, normalize, linear, *dtypes)
         pairs = [(o, g) for o, g in ((out, grad_out), (logits, grad_logits)) if g is not None]
         if index is None:
             grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
@@ -323,9 +352,9 @@ def _neuron_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, g
     except KernelError:
         cost = None  # the kernel refuses these shapes: autograd's ops, charged as eager kernels
     if cost is None:
-        grads = _backward_values(*views, top_k, normalize, dtypes, index)
+        grads = _backward_values(*views, top_k, normalize, dtypes, index, _recompute_linear)
     else:
-        grads = _backward_values(*views, top_k, normalize, dtypes, None)
+        grads = _backward_values(*views, top_k, normalize, dtypes, None, _recompute_linear)
         rt.charge(index, BACKWARD_OP, cost)
         _charge_router_backward(index, views[0], views[1], views[5], top_k, normalize, dtypes[0])
     return tuple(memory.relabel(g, index) for g in grads)
