@@ -1924,7 +1924,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   const OpFast& f = op_fast(op);
   if (f.kind == kView) {  // metadata only: a host-side op, the CPU kernel on the neuron tensors
-    log_entry(1, 0, f.name_id);
+    log_entry(1, t_capture, f.name_id);  // (inside Device.recorded, its capture counts it: the token)
     return op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
   if ((f.kind == kEmpty || f.kind == kEmptyStrided) && !g_history.load()) {
@@ -2724,6 +2724,7 @@ int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, 
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {
+      if (core != 0) break;  // a host op made inside a capture (its token): Python's loop counts it there
       hop.add(id);
       continue;
     }
@@ -2924,6 +2925,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {  // a host op: counted by name
+      if (core != 0) break;  // made inside a capture (its token): Python's loop counts it there
       st.hop.add(id);
       continue;
     }

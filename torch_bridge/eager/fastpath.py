@@ -185,7 +185,7 @@ class NativeLog:
                 name = _names.get(ident)
                 if name is None:
                     name = _names[ident] = self.lib.trnsim_fast_name(ident).decode()
-                yield flat[i + 1], name, None, None, 0
+                yield 0, name, None, None, flat[i + 1]  # a host op (made inside capture flat[i + 1] where not 0)
 
     def gate(self, on: bool) -> None:
         self.lib.trnsim_fast_gate(int(on))

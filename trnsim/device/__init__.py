@@ -161,6 +161,10 @@ class Device:
                             if ready > host:
                                 host = ready
                         continue
+                    cap = self._tokens.get(token) if token else None
+                    if cap is not None and cap.hosts is not None:  # inside Device.recorded: learned, not counted
+                        cap.hosts[op] = cap.hosts.get(op, 0) + 1
+                        continue
                     for rec in recs:
                         rec.host_ops[op] = rec.host_ops.get(op, 0) + 1
                     continue
@@ -745,27 +749,23 @@ class Device:
         (queued and collected launches stay where they are: a graph capture around the block, or
         adaptive eager's queue, is not cut short). A caller replays the list where the computation
         would have run (a fused op whose values are computed another way, charged exactly as its
-        ops would have been). Other threads' launches inside the block are issued but not counted."""
+        ops would have been). Other threads' launches and host ops are issued and counted as
+        usual: the block's are told apart by its capture's token, in the launch log too."""
         with self._lock:
             self._drain()
-            shield = Recorder(self._host)
-            recorders, self.recorders = self.recorders, [shield]
         launches: list[LaunchItem] = []
-        try:
-            with self._collect(keep=False) as cap:
-                try:
-                    yield launches, shield.host_ops
-                finally:
-                    with self._lock:
-                        self._drain()  # (the log's share of the block: into cap and shield)
-                        launches.extend(cap)
-        finally:
-            with self._lock:
-                self.recorders = recorders
+        hosts: dict[str, int] = {}
+        with self._collect(keep=False, hosts=hosts) as cap:
+            try:
+                yield launches, hosts
+            finally:
+                with self._lock:
+                    self._drain()  # (the log's share of the block: into cap and hosts)
+                    launches.extend(cap)
 
     @contextlib.contextmanager
-    def _collect(self, keep: bool) -> Iterator[list[LaunchItem]]:
-        cap = Capture(keep)
+    def _collect(self, keep: bool, hosts: dict[str, int] | None = None) -> Iterator[list[LaunchItem]]:
+        cap = Capture(keep, hosts)
         prev = getattr(self._local, "capture", None)
         with self._lock:  # (what the log holds from before the block stays ahead of the block's launches in it)
             self._next_token += 1
@@ -839,6 +839,11 @@ class Device:
         """:meth:`host_op` for ``counts[op]`` ops of each name, counted at once (one drain: a host
         op has no time, so the counts a recorder ends with do not depend on where they fall among
         the launches made around them)."""
+        cap = getattr(self._local, "capture", None)
+        if cap is not None and cap.hosts is not None:  # inside Device.recorded: learned, not counted
+            for name, n in counts.items():
+                cap.hosts[name] = cap.hosts.get(name, 0) + n
+            return
         with self._lock:
             self._drain()
             for rec in self.recorders:

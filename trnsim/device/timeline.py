@@ -71,10 +71,11 @@ def shared_duration(ticks: int, demand: Mapping[str, int], others: list[tuple[in
 class Capture(list):  # type: ignore[type-arg]
     """Launches collected by :meth:`Device.graph` (``keep``) or :meth:`Device.muted`."""
 
-    def __init__(self, keep: bool):
+    def __init__(self, keep: bool, hosts: dict[str, int] | None = None):
         super().__init__()
         self.keep = keep
         self.token = 0  # the number the launch log knows it by (Device._collect)
+        self.hosts = hosts  # Device.recorded's: the block's host ops, counted here instead of in the reports
 
 
 LaunchItem = tuple[int, str, OpCost, int, tuple[str, int]]  # a collected launch: core, op, cost, stream, context
