@@ -119,6 +119,7 @@ for _path in REQUIRED:  # fail at import, naming the missing API, rather than in
 
 DispatchKey = torch._C.DispatchKey
 DispatchKeySet = torch._C.DispatchKeySet
+COMPOSITE_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd  # (run_composite's key for a C++ composite)
 CPU_KEYS = DispatchKeySet(DispatchKey.CPU)
 register_device_module = torch._register_device_module
 all_op_names = torch._C._dispatch_get_all_op_names
@@ -283,6 +284,15 @@ def functorch_active() -> bool:
     wrappers whose values only its own interpreters read, and an ``autograd.Function`` without a
     ``setup_context`` is refused inside one (a fused op runs its composite there instead)."""
     return _interpreters() is not None
+
+
+_saved_hooks = resolve("torch._C._autograd._top_saved_tensors_default_hooks")
+
+
+def saved_tensor_hooks() -> bool:
+    """Whether default saved-tensor hooks are in force (``torch.autograd.graph.save_on_cpu``,
+    non-reentrant ``torch.utils.checkpoint``): what autograd keeps of a forward is theirs."""
+    return _saved_hooks(False) is not None
 
 
 def keep_graph() -> bool:

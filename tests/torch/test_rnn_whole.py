@@ -208,3 +208,49 @@ def test_recorded_collects_launches_and_host_ops_without_issuing_or_counting_the
     assert [op for _, op, *_ in launches] == ["add", "sum"] and host == {"view": 1}
     assert [r.op for r in rep.rows] == ["mul"] and rep.launches == 2 and "view" not in rep.host_ops
     assert torch.equal(y.cpu(), torch.full((16,), 2.0)) and before is not None and after is not None
+
+
+def test_saved_tensor_hooks_run_the_composite():
+    """save_on_cpu and non-reentrant checkpointing decide what autograd keeps; the op's host
+    graph reads views of device memory the hooks let go of (its gradients were garbage)."""
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(6)
+    cpu = nn.Sequential(nn.Linear(5, 5), nn.LSTM(5, 6))
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = torch.randn(4, 2, 5)
+    cpu[1](cpu[0](x))[0].square().sum().backward()
+    learned = len(rnn.LEARNED)
+    with torch.autograd.graph.save_on_cpu():
+        out = dev[1](dev[0](x.to("neuron")))[0]
+    junk = [torch.randn(64, 64, device="neuron") for _ in range(8)]  # (reuses freed device memory)
+    out.square().sum().backward()
+    out = cp.checkpoint(lambda t: dev[1](dev[0](t))[0], x.to("neuron"), use_reentrant=False)
+    out.square().sum().backward()
+    assert len(rnn.LEARNED) == learned and junk
+    for a, b in zip(dev.parameters(), cpu.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), 2 * b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gradient_penalty_differentiates_the_gradients():
+    torch.manual_seed(7)
+    cpu = nn.GRU(3, 4)
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = torch.randn(5, 2, 3)
+    for m, xx in ((cpu, x), (dev, x.to("neuron"))):
+        xx = xx.clone().requires_grad_()
+        out = m(xx)[0]
+        g, = torch.autograd.grad(out.square().sum(), xx, create_graph=True)
+        (out.sum() + g.square().sum()).backward()
+    for a, b in zip(dev.parameters(), cpu.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cpu_autocast_region_is_not_the_device_s():
+    torch.manual_seed(8)
+    cpu = nn.LSTM(5, 6)
+    dev = copy.deepcopy(cpu).to("neuron")
+    x = torch.randn(4, 2, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dev(x.to("neuron"))[0]
+    assert got.dtype == torch.float32 and torch.equal(got.cpu(), cpu(x)[0])

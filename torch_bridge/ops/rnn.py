@@ -37,11 +37,13 @@ composite's matmuls, and so its outputs, take autocast's dtype), dropout between
 (``torch.compile``, timing-only runs), a dispatch mode, forward-mode AD level or ``torch.func``
 transform in force, and
 tensors on different devices (the composite's own error). Packed sequences (``lstm.data``) run
-the composite too. A double backward is refused, as the composite's fused cells refuse it.
+the composite too. A backward with ``create_graph`` (double backward) runs the composite's
+backward on the device, so its gradients are differentiable, their values the composite's.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -55,7 +57,6 @@ from ..runtime import runtime
 __all__ = ["RNNS", "kernel", "takes", "LEARNED", "enabled"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 #: the recurrent ops taken whole: ``aten::<name>.input`` -> CPU's function of the same arguments.
 #: ``lstm`` takes its state as a list (h, c), the others as one tensor.
 RNNS = {"lstm": torch.lstm, "gru": torch.gru, "rnn_tanh": torch.rnn_tanh, "rnn_relu": torch.rnn_relu}
@@ -77,13 +78,15 @@ class _Call:
         return ts[0], hx if self.listed else hx[0], list(ts[1 + self.n_hx:])
 
     def cpu(self, ts: Any) -> tuple[torch.Tensor, ...]:
-        """CPU's own op on host tensors ``ts``."""
-        return RNNS[self.name](*self.split(ts), *self.flags)
+        """CPU's own op on host tensors ``ts`` (a CPU autocast region around the neuron call is
+        not the device's: the composite's ops on neuron tensors never see it)."""
+        with torch.autocast("cpu", enabled=False):
+            return RNNS[self.name](*self.split(ts), *self.flags)
 
     def composite(self, ts: Any) -> tuple[torch.Tensor, ...]:
         """PyTorch's C++ composite (what a neuron call ran before this op; ``OpOverload.decompose``
         would take the Python decomposition torch.export registers for lstm)."""
-        return _torch.run_composite(_op(self.name), _COMPOSITE, *self.split(ts), *self.flags)
+        return _torch.run_composite(_op(self.name), _torch.COMPOSITE_IMPLICIT, *self.split(ts), *self.flags)
 
 
 def _op(name: str) -> Any:
@@ -131,6 +134,8 @@ class _Learned:
 
 #: signature -> what the composite launches for it (learned once, replayed on every call)
 LEARNED: dict[tuple[Any, ...], _Learned] = {}
+#: one learning run at a time (each resets the device's peak and reads its memory counters)
+_LEARNING = threading.RLock()
 
 
 def takes(ts: list[torch.Tensor], dropout: float, train: bool, num_layers: int) -> bool:
@@ -145,8 +150,10 @@ def takes(ts: list[torch.Tensor], dropout: float, train: bool, num_layers: int) 
         return False
     if torch.is_autocast_enabled("neuron"):
         return False  # the composite's matmuls run in autocast's dtype (its output too), CPU's kernel would not
+    # saved-tensor hooks (save_on_cpu, non-reentrant checkpointing) decide what autograd keeps:
+    # the host graph's views of device memory would outlive the device tensors they replace
     return not (_torch.tracing() or _torch.dispatch_modes() or _forward_ad._current_level >= 0
-                or _torch.functorch_active())
+                or _torch.functorch_active() or _torch.saved_tensor_hooks())
 
 
 def _signature(call: _Call, tensors: tuple[torch.Tensor, ...], needs: tuple[bool, ...]) -> tuple[Any, ...]:
@@ -180,6 +187,12 @@ def _composite(call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...
 
 
 def _learn_forward(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...]) -> _Learned:
+    with _LEARNING:
+        return _learn_forward_locked(index, call, ts, needs)
+
+
+def _learn_forward_locked(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...]
+                          ) -> _Learned:
     dev = runtime().device
     mem = _Unmeasured(index)
     stats = memory.pool.devices[index]
@@ -205,6 +218,12 @@ def _touch_peak(index: int, start: int, peak: int) -> None:
 
 def _learn_backward(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
                     graded: tuple[bool, ...], layouts: tuple[Any, ...], keep: bool) -> _Launches:
+    with _LEARNING:
+        return _learn_backward_locked(index, call, ts, needs, graded, layouts, keep)
+
+
+def _learn_backward_locked(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
+                           graded: tuple[bool, ...], layouts: tuple[Any, ...], keep: bool) -> _Launches:
     dev = runtime().device
     mem = _Unmeasured(index)
     stats = memory.pool.devices[index]
@@ -287,7 +306,6 @@ class _Recurrent(torch.autograd.Function):
         return result
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         tensors = ctx.saved_tensors
         learned, call, index = ctx.call
@@ -295,6 +313,8 @@ class _Recurrent(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[2:])
         if not any(graded):
             return (None,) * (2 + len(tensors))
+        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+            return (None,) * 2 + _differentiable_grads(call, tensors, needs, grads)
         keep = _torch.keep_graph()
         layouts = tuple((g.shape, g.stride(), g.dtype) for g in grads if g is not None)
         back = learned.backward.get((layouts, graded, keep))
@@ -304,8 +324,9 @@ class _Recurrent(torch.autograd.Function):
         start = memory.pool.devices[index].allocated
         outs, leaves = ctx.host
         used = [(o, memory.cpu_view(g)) for o, g in zip(outs, grads) if g is not None]
-        got = iter(torch.autograd.grad([o for o, _ in used], leaves, [g for _, g in used], retain_graph=True,
-                                       allow_unused=True))
+        with torch.autocast("cpu", enabled=False):
+            got = iter(torch.autograd.grad([o for o, _ in used], leaves, [g for _, g in used], retain_graph=True,
+                                           allow_unused=True))
         back.replay(index)
         if not keep:  # the composite's backward frees its saved activations as it goes
             ctx.kept.release()
@@ -315,6 +336,21 @@ class _Recurrent(torch.autograd.Function):
             out.append(None if g is None else memory.relabel(_own(g), index))
         _touch_peak(index, start, back.peak)
         return (None,) * 2 + tuple(out)
+
+
+def _differentiable_grads(call: _Call, tensors: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
+                          grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """A backward with ``create_graph`` (a gradient penalty, double backward): the composite's
+    backward on the device, whose gradients carry a graph back to the op's inputs, as the
+    composite's do (their values the composite's, within the datapath's rounding of CPU's). The
+    forward is run again to differentiate, its launches dropped: the composite saved it."""
+    with _LEARNING, runtime().device.recorded():
+        outs = call.composite(tensors)
+    used = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    wanted = [t for t, n in zip(tensors, needs) if n]
+    got = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=True,
+                                   allow_unused=True))
+    return tuple(next(got) if n else None for n in needs)
 
 
 def kernel(name: str) -> Any:
