@@ -264,3 +264,25 @@ def test_integer_activations_that_stay_integral_and_explicit_dtypes_run():
     a, b = k(x)
     assert a.dtype == np.int32 and (a == 3).all()
     np.testing.assert_allclose(b, np.exp(3.0), rtol=1e-6)
+
+
+def test_a_runaway_loop_is_refused_after_its_first_iteration(monkeypatch):
+    """``nl.sequential_range(10**9)`` was traced at ~50 us an instruction for ~100 s before the
+    builder's limit stopped it; a loop whose length would pass the limit stops after one."""
+    @nki.jit
+    def k(x, n):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        for _ in nl.sequential_range(n):
+            nl.store(out, nl.load(x))
+        return out
+
+    with pytest.raises(NkiError) as e:
+        k(X, 10**9)
+    assert str(e.value) == (f"{line_of(k, 'sequential_range')}: a loop of 1,000,000,000 iterations emitted 2 "
+                            f"instruction(s) in its first: the kernel would pass its 2,000,000-instruction limit; "
+                            f"check the loop's bounds, or raise the limit with TRNSIM_MAX_INSTRUCTIONS=N")
+    monkeypatch.setenv("TRNSIM_MAX_INSTRUCTIONS", "20000")
+    assert k(X, 5000) is not None  # 10,000 instructions: within it
+    monkeypatch.setenv("TRNSIM_MAX_INSTRUCTIONS", "9000")
+    with pytest.raises(NkiError, match="a loop of 5,000 iterations emitted 2 instruction"):
+        k(X, 5000)

@@ -1116,4 +1116,30 @@ def iter_range(*args: Any) -> Iterator[int]:
         if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
             raise NkiError(f"loop bounds must be integers at trace time, got {type(a).__name__} (dynamic loops are "
                            f"not supported by trnsim.nki)")
-    return iter(range(*(int(a) for a in args)))
+    r = range(*(int(a) for a in args))
+    if not STACK or len(r) < _LONG_LOOP:
+        return iter(r)
+    return _bounded(r, STACK[-1].kernel)
+
+
+#: iterations from which a loop is checked against the instruction limit after its first one
+_LONG_LOOP = 4096
+
+
+def _bounded(r: range, kernel: Kernel) -> Iterator[int]:
+    """``r``'s iterations, refused after the first when it emitted instructions and the loop's
+    length would take the kernel past its instruction limit: a runaway bound
+    (``nl.sequential_range(10**9)``) was traced at ~50 us an instruction for ~100 s before the
+    builder's own limit stopped it."""
+    from ..builder.rules import max_instructions
+
+    start = len(kernel)
+    for n, i in enumerate(r):
+        yield i
+        if n == 0:
+            per = len(kernel) - start
+            limit = max_instructions()
+            if per and len(kernel) + per * (len(r) - 1) > limit:
+                raise NkiError(f"a loop of {len(r):,} iterations emitted {per:,} instruction(s) in its first: the "
+                               f"kernel would pass its {limit:,}-instruction limit; check the loop's bounds, or raise "
+                               f"the limit with TRNSIM_MAX_INSTRUCTIONS=N")
