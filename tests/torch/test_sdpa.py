@@ -613,3 +613,14 @@ def test_inside_a_torch_func_transform_it_is_refused_in_one_line():
     with pytest.raises(RuntimeError) as e:
         grad(lambda q: F.scaled_dot_product_attention(q, q, q).sum())(q)
     assert str(e.value) == FUNCTORCH and "\n" not in FUNCTORCH
+
+
+def test_a_head_dim_of_zero_gives_cpu_s_empty_output():
+    """CPU's scale is 1/sqrt(0) (inf) and reads no score; the device's divided by zero."""
+    q = torch.randn(1, 2, 4, 0, requires_grad=True)
+    want = F.scaled_dot_product_attention(q, q, q)
+    qn = q.detach().to("neuron").requires_grad_()
+    got = F.scaled_dot_product_attention(qn, qn, qn)
+    assert got.shape == want.shape == (1, 2, 4, 0) and got.device.type == "neuron"
+    got.sum().backward()
+    assert qn.grad.shape == q.shape

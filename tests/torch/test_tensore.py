@@ -166,3 +166,25 @@ def test_magnitude_scans_as_aminmax_gives_it(dtype):
     assert tensore.magnitude(torch.empty(0, dtype=dtype)) == 0.0
     t = torch.randn(6, 5, generator=g).to(dtype).t()
     assert tensore.magnitude(t) == by_aminmax(t)
+
+
+@pytest.mark.parametrize("op", ["mm", "addmm", "bmm", "baddbmm", "matmul"])
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.float16, torch.bfloat16, torch.float64])
+def test_an_out_of_another_dtype_is_refused_as_cpu_refuses_it(op, out_dtype):
+    """The out= kernels resized ``out`` and copied the result into it, which casts: an int32 out
+    got truncated values where CPU refuses the call (found by a values hunt)."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    calls = {"mm": lambda a, b, out: torch.mm(a, b, out=out),
+             "addmm": lambda a, b, out: torch.addmm(torch.ones(3, 5, device=a.device), a, b, out=out),
+             "bmm": lambda a, b, out: torch.bmm(a[None], b[None], out=out),
+             "baddbmm": lambda a, b, out: torch.baddbmm(torch.ones(1, 3, 5, device=a.device), a[None], b[None], out=out),
+             "matmul": lambda a, b, out: torch.matmul(a, b, out=out)}
+    shape = (1, 3, 5) if op in ("bmm", "baddbmm") else (3, 5)
+    errors = []
+    for device in ("cpu", "neuron", "neuron"):  # (the second neuron call: the same signature again)
+        out = torch.full(shape, 7, dtype=out_dtype, device=device)
+        with pytest.raises(RuntimeError) as e:
+            calls[op](a.to(device), b.to(device), out)
+        errors.append(str(e.value))
+        assert torch.equal(out.cpu(), torch.full(shape, 7, dtype=out_dtype))  # untouched
+    assert errors[1] == errors[2] == errors[0] and errors[0].startswith("Expected out tensor to have dtype float")

@@ -916,10 +916,37 @@ def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
     return memory.relabel(res, index)
 
 
+def _out_dtype_error(want: torch.dtype, got: torch.dtype) -> str:
+    """CPU's message for a matmul's ``out`` of dtype ``got`` where the result is ``want`` (its
+    dtype names are C++'s: float, c10::Half, ...), taken from CPU's own ``mm.out`` once a pair."""
+    msg = _out_dtype_errors.get((want, got))
+    if msg is None:
+        try:
+            torch.mm(torch.zeros(1, 1, dtype=want), torch.zeros(1, 1, dtype=want), out=torch.empty(1, 1, dtype=got))
+            msg = f"Expected out tensor to have dtype {want}, but got {got} instead"
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+        if not msg.startswith("Expected out tensor to have dtype"):
+            msg = f"Expected out tensor to have dtype {want}, but got {got} instead"
+        _out_dtype_errors[(want, got)] = msg
+    return msg
+
+
+_out_dtype_errors: dict[tuple[torch.dtype, torch.dtype], str] = {}
+
+
 def out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``op.out`` from its functional kernel: compute, then resize ``out`` and copy into it."""
+    """``op.out`` from its functional kernel (a matmul's): compute, then resize ``out`` and copy
+    into it. An ``out`` of another dtype than the result's is refused with CPU's error, before
+    anything runs, as CPU's structured kernels refuse it (``copy_`` would have cast the result
+    into it: an int32 ``out`` got truncated values)."""
     def out_kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        if len(dtypes) == 1 and out.dtype not in dtypes:  # (mixed operands: the functional's own error)
+            raise RuntimeError(_out_dtype_error(next(iter(dtypes)), out.dtype))
         res = functional(*args, **kwargs)
+        if out.dtype != res.dtype:
+            raise RuntimeError(_out_dtype_error(res.dtype, out.dtype))
         if out.shape != res.shape:
             out.resize_(res.shape)
         memory.cpu_view(out).copy_(memory.cpu_view(res))
