@@ -254,3 +254,20 @@ def test_a_cpu_autocast_region_is_not_the_device_s():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = dev(x.to("neuron"))[0]
     assert got.dtype == torch.float32 and torch.equal(got.cpu(), cpu(x)[0])
+
+
+def test_a_call_mixing_devices_gets_cpu_s_error_when_cpu_would_refuse_it():
+    """The composite checks devices before sizes; CPU's tensors share one device, so CPU's error
+    for a bad call is about its sizes (found by difftest: a 0-dim input, a host hidden state)."""
+    args = (torch.tensor(1.0), torch.tensor(0.0), [torch.randn(1, 4), torch.randn(5, 3)], False, 1, 0.0, True, False,
+            True)
+    with pytest.raises(IndexError) as want:
+        torch.rnn_tanh(*args)
+    with pytest.raises(IndexError) as got:
+        torch.rnn_tanh(args[0].to("neuron"), args[1], [p.to("neuron") for p in args[2]], *args[3:])
+    assert str(got.value) == str(want.value)
+    # a valid call with a host hidden state keeps the composite's (CUDA's) device error
+    m = nn.LSTM(3, 4).to("neuron")
+    h = torch.zeros(1, 1, 4)
+    with pytest.raises(RuntimeError, match="Input and hidden tensors are not at the same device"):
+        m(torch.randn(2, 1, 3, device="neuron"), (h, h))

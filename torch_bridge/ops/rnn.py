@@ -353,6 +353,15 @@ def _differentiable_grads(call: _Call, tensors: tuple[torch.Tensor, ...], needs:
     return tuple(next(got) if n else None for n in needs)
 
 
+def _cpu_checks_first(call: _Call, tensors: tuple[torch.Tensor, ...]) -> None:
+    """A call mixing devices (a host hidden state, say) fails the composite's device check before
+    anything else; CPU, whose tensors share one device, checks sizes and dtypes first. Run the
+    composite on meta tensors of the same layouts for those checks, and raise CPU's error."""
+    metas = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors)
+    with _torch.disable_current_modes():
+        call.composite(metas)
+
+
 def kernel(name: str) -> Any:
     """The neuron kernel of ``aten::<name>.input`` (at AutogradPrivateUse1 and PrivateUse1)."""
     listed = name == "lstm"
@@ -363,6 +372,8 @@ def kernel(name: str) -> Any:
         call = _Call(name, listed, (has_biases, num_layers, dropout, train, bidirectional, batch_first), len(state))
         tensors = (input, *state, *params)
         if not takes(list(tensors), dropout, train, num_layers):
+            if any(t.device != input.device for t in tensors):
+                _cpu_checks_first(call, tensors)
             return call.composite(tensors)
         grad = torch.is_grad_enabled()
         needs = tuple(grad and t.requires_grad for t in tensors)
