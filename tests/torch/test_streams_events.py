@@ -147,3 +147,20 @@ def test_the_report_shows_what_streams_overlapped_and_what_sharing_cost(capsys):
     assert one.report.overlap_us == 0 and one.report.contention_us == 0
     print_run_report(one.report, "one stream")
     assert "streams:" not in capsys.readouterr().out
+
+
+def test_a_neuron_stream_is_a_torch_stream():
+    """What takes a ``torch.Stream`` takes it: ``record_stream`` (CUDA code keeps a tensor alive
+    for a side stream's use), ``isinstance`` checks; it failed with "argument 'stream' must be
+    Stream, not Stream"."""
+    s = torch.neuron.Stream(priority=-1)
+    assert isinstance(s, torch.Stream) and s.device_type == 20 and s.device == torch.device("neuron", 0)
+    assert s.priority == -1 and s.stream_id != 0
+    x = torch.ones(4, device="neuron")
+    with torch.neuron.stream(s):
+        y = x * 2
+        y.record_stream(torch.neuron.current_stream())
+        assert torch.neuron.current_stream() == s
+    x.record_stream(s)
+    assert torch.equal(y.cpu(), torch.full((4,), 2.0))
+    assert torch.neuron.default_stream().stream_id == 0 and torch.neuron.default_stream() != s

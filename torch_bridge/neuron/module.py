@@ -409,17 +409,25 @@ def _new_stream_id() -> int:
         return next(_stream_ids)
 
 
-class Stream:
-    """A queue of work on one NeuronCore; streams of a core overlap on its simulated timeline."""
+_PRIVATEUSE1 = 20  # c10::DeviceType::PrivateUse1, as torch.Stream takes a device type
+
+
+class Stream(torch.Stream):
+    """A queue of work on one NeuronCore; streams of a core overlap on its simulated timeline.
+    A ``torch.Stream`` (device type ``neuron``), so what takes one takes it:
+    ``tensor.record_stream(s)``, ``isinstance(s, torch.Stream)``."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, *, _id: int | None = None) -> "Stream":
+        index = _check_index(device)
+        sid = _new_stream_id() if _id is None else _id
+        return super().__new__(cls, stream_id=sid, device_index=index, device_type=_PRIVATEUSE1)
 
     def __init__(self, device: Any = None, priority: int = 0, *, _id: int | None = None):
-        self.device_index = _check_index(device)
-        self.priority = priority
-        self.stream_id = _new_stream_id() if _id is None else _id
+        self._priority = priority
 
     @property
-    def device(self) -> torch.device:
-        return torch.device("neuron", self.device_index)
+    def priority(self) -> int:  # type: ignore[override]
+        return self._priority
 
     def wait_event(self, event: "Event") -> None:
         event.wait(self)
