@@ -119,3 +119,22 @@ def test_bf16_regions_round_once():
     assert torch.equal(got, want)
     assert not torch.equal(got, eager)
     torch.testing.assert_close(got.float(), eager.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: (x.half() * 30000).float() / 30000,  # eager's fp16 product overflows to -inf
+    lambda x: (x.bfloat16() + 1000).float() - 1000,  # bf16 absorbs the small part
+    lambda x: (x.bfloat16() * 3).float().sum(),
+    lambda x: ((x.bfloat16() * 7).half() * 3).float(),  # bf16 then fp16: rounded twice, as eager
+], ids=["fp16-overflow", "bf16-absorbs", "bf16-sum", "bf16-to-fp16"])
+def test_an_explicit_cast_reads_its_operand_rounded_as_eager_does(f):
+    """A region keeps intermediates in fp32, but a cast of a 16-bit value reads it rounded to its
+    dtype: ``(x.half() * 30000).float()`` read the finite fp32 product (found by a values hunt)."""
+    x = torch.tensor([1.5, -0.3, -2.2, 0.6])
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="neuron")
+    want = f(x)
+    for _ in range(2):  # (the second call: the region's specialised code)
+        got = compiled(x.to("neuron")).cpu()
+        assert torch.equal(got, want), (got, want)
+    assert torch.equal(f(x.to("neuron")).cpu(), want)

@@ -12,9 +12,11 @@ dispatch for it, as on Neuron, where a compiled graph is one NEFF.
 
 A region's values are its ops' own results, computed on CPU views of the device memory with
 16-bit float operands widened to fp32 and the outputs rounded once to their dtypes (what its
-fused kernel computes: intermediates stay in fp32 in SBUF); a matmul head runs on the TensorE
+fused kernel computes: intermediates stay in fp32 in SBUF), except that an explicit cast rounds
+its 16-bit operand to its dtype first, as eager has it; a matmul head runs on the TensorE
 datapath and its fp32 PSUM result feeds the rest. So for fp32 graphs compiled values equal eager
-values bit for bit; for bf16/fp16 they differ where eager rounds an intermediate. The region's
+values bit for bit; for bf16/fp16 they differ where eager rounds an intermediate that no cast
+reads. The region's
 time is one launch of its fused kernel, simulated once per input shape; the report row also
 carries what its ops would have cost as eager kernels.
 """
@@ -45,7 +47,9 @@ __all__ = ["CompiledGraph", "RegionKernel", "rewrite", "runnable"]
 
 aten = torch.ops.aten
 _WIDE = (torch.bfloat16, torch.float16)
-_NODE, _CONST, _LIST = 0, 1, 2  # a region node's argument: a node's value, a constant, a list holding nodes
+# a region node's argument: a node's value (fp32-widened), a constant, a list holding nodes, or a
+# node's value rounded to its graph dtype first (what an explicit cast reads: see _compile_steps)
+_NODE, _CONST, _LIST, _ROUNDED = 0, 1, 2, 3
 
 
 def _op_name(n: fx.Node) -> str:
@@ -178,6 +182,7 @@ class RegionKernel:
                 env[n] = env[sargs][skw]
                 continue
             fargs = [_wide(env[a]) if kind == _NODE else a if kind == _CONST else
+                     env[a[0]].to(a[1]) if kind == _ROUNDED else
                      _wide([env[x] if isinstance(x, fx.Node) else x for x in a]) for kind, a in sargs]
             kw = {k: _wide(env[v]) if node else v for k, node, v in skw}
             env[n] = target(*fargs, **kw)
@@ -260,6 +265,8 @@ class RegionKernel:
             for kind, a in sargs:
                 if kind == _NODE:
                     parts.append(read(a))
+                elif kind == _ROUNDED:
+                    parts.append(f"{names[a[0]]}.to({const(a[1])})")
                 elif kind == _CONST:
                     parts.append(const(a))
                 else:  # a list holding nodes: _wide of the list (16-bit tensors in it widened)
@@ -385,16 +392,27 @@ class RegionKernel:
         """The region's nodes as (node, target, args, kwargs) with what does not change between
         calls worked out once: each argument is a node (its value, fp32-widened), a constant
         (moved to CPU) or a list holding nodes; ``_to_copy``'s device is dropped (the values are
-        CPU views). A getitem is (node, None, source node, index)."""
+        CPU views). A getitem is (node, None, source node, index).
+
+        An explicit cast (``_to_copy``: ``.float()``, ``.half()``) of a 16-bit value reads it
+        rounded to its dtype, as eager has it: the region keeps other intermediates in fp32, but
+        ``(x.half() * 30000).float()`` read the fp32 product (45,000, finite) where eager's fp16
+        one is inf, and errors of ~1,000 fp32 ulps reached fp32 outputs (found by a values hunt;
+        Inductor's ``emulate_precision_casts`` rounds at casts the same way)."""
         steps: list[tuple[Any, ...]] = []
         for n in self.nodes:
             if n.target is operator.getitem:
                 steps.append((n, None, n.args[0], n.args[1]))
                 continue
             sargs = []
-            for a in n.args:
+            for i, a in enumerate(n.args):
                 if isinstance(a, fx.Node):
-                    sargs.append((_NODE, a))
+                    val = a.meta.get("val")
+                    if i == 0 and n.target is aten._to_copy.default and isinstance(val, torch.Tensor) \
+                            and val.dtype in _WIDE:
+                        sargs.append((_ROUNDED, (a, val.dtype)))
+                    else:
+                        sargs.append((_NODE, a))
                     continue
                 c = _to_cpu(a)
                 holds = isinstance(c, (list, tuple)) and any(isinstance(x, fx.Node) for x in c)
