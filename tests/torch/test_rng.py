@@ -102,3 +102,23 @@ def test_checkpoint_replays_dropout_in_recompute():
     out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
     out.sum().backward()
     assert torch.equal(out.cpu(), ref.cpu()) and torch.equal(x.grad.cpu(), want.cpu())
+
+
+def test_a_generator_of_another_device_is_refused_in_cuda_s_words():
+    """A CPU generator on a neuron op read "CPU Generator does not use offset"; a neuron one on
+    an op that makes host tensors (its key sends the op to the device) drew host values from it
+    without a word, or failed in the allocator (found by a values hunt)."""
+    cpu_gen, gen = torch.Generator(), torch.Generator(device="neuron")
+    calls = [lambda g: torch.randn(3, device="neuron", generator=g),
+             lambda g: torch.ones(3, device="neuron").normal_(generator=g),
+             lambda g: torch.randperm(5, device="neuron", generator=g)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"^Expected a 'neuron' device type for generator but found 'cpu'$"):
+            call(cpu_gen)
+        assert call(gen).device.type == "neuron"
+    offset = gen.get_offset()
+    for host in (lambda: torch.rand(3, generator=gen), lambda: torch.randperm(4, generator=gen),
+                 lambda: torch.empty(3).normal_(generator=gen)):
+        with pytest.raises(RuntimeError, match=r"^Expected a 'cpu' device type for generator but found 'neuron'$"):
+            host()
+    assert gen.get_offset() == offset  # nothing drawn

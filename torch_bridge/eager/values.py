@@ -102,6 +102,14 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
     return _current_device()
 
 
+def _on_neuron(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a call works on neuron: a neuron tensor among its arguments, or ``device=neuron``."""
+    if any(t.device.type == NEURON for t in flat_tensors(list(args) + list(kwargs.values()), [])):
+        return True
+    dev = kwargs.get("device")
+    return dev is not None and torch.device(dev).type == NEURON
+
+
 def _current_device() -> int:
     return _native.lib.trnsim_current_device()  # kept by the native device guard, per thread
 
@@ -238,8 +246,17 @@ class _Draw:
                  ckwargs: dict[str, Any], index: int):
         pos = info.generator_pos
         gen = args[pos] if 0 <= pos < len(args) else kwargs.get("generator")
-        if gen is None or gen.device.type != NEURON:
-            gen = device_generator(index) if gen is None else gen
+        if gen is not None:
+            # a generator of another device, or a neuron one on an op that makes host tensors (its
+            # key sent the op here): refused as CPU and CUDA refuse them, in their words. The first
+            # read "CPU Generator does not use offset"; the second drew host values from the
+            # neuron generator without a word.
+            if gen.device.type != NEURON:
+                raise RuntimeError(f"Expected a 'neuron' device type for generator but found '{gen.device.type}'")
+            if not _on_neuron(args, kwargs):
+                raise RuntimeError("Expected a 'cpu' device type for generator but found 'neuron'")
+        else:
+            gen = device_generator(index)
         self.gen = gen
         self.saved = None
         seed = host_seed(gen.initial_seed(), gen.get_offset())
