@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from trnsim.kernels.fused import COL, FULL, ROW, SCALAR, Program
 
@@ -578,6 +579,8 @@ def _fusable(n: fx.Node) -> tuple[str, str] | None:
         return None
     if any(t.device.type != "neuron" for t in allv):
         return None
+    if any(free_unbacked_symbols(t) for t in allv):
+        return None  # sizes only the run knows (x[x > 0]): layout checks would guard on them, and fail
     big = max(allv, key=lambda t: (t.dim() > 0, _numel_key(t)))
     key = layout_of(big)
     if key is None:
