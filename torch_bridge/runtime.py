@@ -18,7 +18,20 @@ from trnsim.device.costcache import CachedDevice, CostCache, device_cache_dir
 from . import _torch
 from .eager import memory
 
-__all__ = ["Runtime", "runtime", "set_config", "is_initialized", "check_env"]
+__all__ = ["Runtime", "Replay", "runtime", "set_config", "is_initialized", "check_env"]
+
+
+class Replay:
+    """Launches recorded once, as (op, cost) pairs in order, and host ops counted by name: what
+    :meth:`Runtime.replay` charges again each time the computation they stand for runs (a fused
+    op's composite, MoE's router backward)."""
+
+    __slots__ = ("items", "host", "handles")
+
+    def __init__(self, items: Iterable[tuple[str, OpCost]], host: Mapping[str, int] | None = None):
+        self.items = list(items)
+        self.host = dict(host or {})
+        self.handles: Any = None  # the native log's handles for the items (made on the first replay; False: none)
 
 
 class Runtime:
@@ -34,6 +47,7 @@ class Runtime:
         self.device = Device(config) if cache is None else CachedDevice(config, CostCache(cache), lazy_reports=True)
         self._no_work: dict[str, OpCost] = {}
         self._native_launch = _no_native_launch
+        self._native_batch: tuple[Any, Any] | None = None  # fastpath's (batch, launch_batch)
         if os.environ.get("TRNSIM_ADAPTIVE_EAGER", "").strip() == "1":  # torch.neuron.set_adaptive_eager's switch
             self.device.set_adaptive(True)
         memory.pool.configure(config.logical_cores, config.chip.hbm.capacity // config.logical_cores)
@@ -45,6 +59,7 @@ class Runtime:
 
             fastpath.attach(self.device, config.core.tensor.max_contraction)  # the native fast path's launches
             self._native_launch = fastpath.launch_kept
+            self._native_batch = (fastpath.batch, fastpath.launch_batch)
 
     @property
     def device_count(self) -> int:
@@ -70,6 +85,19 @@ class Runtime:
         cost = spec if isinstance(spec, OpCost) else self.cost(spec, label)
         if not self._native_launch(index, op, cost):
             self.device.launch(index, op, cost)
+
+    def replay(self, index: int, r: Replay) -> None:
+        """Charge ``r``'s launches to logical core ``index`` and count its host ops, exactly as
+        :meth:`charge` and :meth:`host_ops` would one by one: through the native log in one call
+        where it takes them all (the same entries in the same order, ~1 us a launch less)."""
+        batch = self._native_batch
+        if r.handles is None:
+            r.handles = (batch[0](r.items) if batch is not None else None) or False
+        if not (r.handles and batch[1](index, r.handles)):  # type: ignore[index]
+            for op, cost in r.items:
+                self.charge(index, op, cost)
+        if r.host:
+            self.host_ops(r.host)
 
     def host_op(self, op: str) -> None:
         """A metadata-only op: counted in the report, no launch."""

@@ -58,7 +58,7 @@ from trnsim.isa import KernelError
 
 from .. import _torch
 from ..eager import lowering, memory, tensore, values
-from ..runtime import runtime
+from ..runtime import Replay, runtime
 
 __all__ = ["moe_block", "moe_block_backward", "moe_spec", "moe_backward_spec", "block_values", "autocast_dtypes",
            "use_moe_kernel", "original_forward",
@@ -380,10 +380,7 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
            grad_logits is not None, top_k, normalize, router_dtype)
     memo = _router_memo.get(key)
     if memo is not None:
-        launches, hosts = memo
-        for cost in launches:
-            rt.charge(index, BACKWARD_OP, cost)
-        rt.host_ops(hosts)  # (counted at once: a host op per view cost ~5 us, each draining the device's log)
+        rt.replay(index, memo)  # (host ops counted at once: one per view cost ~5 us, each draining the device's log)
         return
     events = []
     leaves = [t.detach().requires_grad_() for t in (x, router_weight)]
@@ -399,11 +396,11 @@ def _charge_router_backward(index: int, x: torch.Tensor, router_weight: torch.Te
     for kind, what in events:
         if kind == "host":
             hosts[what] = hosts.get(what, 0) + 1
-    _router_memo[key] = ([what for kind, what in events if kind == "launch"], hosts)
+    _router_memo[key] = Replay([(BACKWARD_OP, what) for kind, what in events if kind == "launch"], hosts)
 
 
 # signature -> the router backward's charges: its launches' costs in order, and its host ops counted by name
-_router_memo: dict[tuple[Any, ...], tuple[list[Any], dict[str, int]]] = {}
+_router_memo: dict[tuple[Any, ...], Replay] = {}
 _router_memo_device: list[Any] = [None]  # the device model those costs are of
 
 

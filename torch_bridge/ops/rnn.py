@@ -51,8 +51,8 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from .. import _torch
-from ..eager import fastpath, memory
-from ..runtime import runtime
+from ..eager import memory
+from ..runtime import Replay, runtime
 
 __all__ = ["RNNS", "kernel", "takes", "LEARNED", "enabled"]
 
@@ -93,43 +93,26 @@ def _op(name: str) -> Any:
     return getattr(torch.ops.aten, name).input
 
 
-class _Launches:
-    """What a computation launched, in order, and its host ops by name (Device.recorded), to
-    charge again: through the native log in one call where it takes them (the same log and order
-    as the launches one by one, ~1 us a launch less), else launch by launch."""
-
-    __slots__ = ("items", "host", "handles", "peak")
-
-    def __init__(self, recorded: list[Any], host: dict[str, int], peak: int = 0):
-        self.items = [(op, cost) for _core, op, cost, _stream, _ctx in recorded]
-        self.host = dict(host)
-        self.peak = peak  # the most bytes it had allocated at once over what was allocated at its start
-        self.handles: Any = None  # fastpath.batch's, made on the first replay (None: not yet; False: none)
-
-    def replay(self, index: int) -> None:
-        if self.handles is None:
-            self.handles = fastpath.batch(self.items) or False
-        if not (self.handles and fastpath.launch_batch(index, self.handles)):
-            rt = runtime()
-            for op, cost in self.items:
-                rt.charge(index, op, cost)
-        if self.host:
-            runtime().host_ops(self.host)
-
-
 class _Learned:
     """A signature's composite launches: ``forward``, the bytes it keeps for the backward, and
     ``backward`` by the gradients it receives (the composite's backward graph starts only from
-    the outputs that have one, and its first ops read their layout)."""
+    the outputs that have one, and its first ops read their layout). A peak is the most bytes
+    the composite had allocated at once over what was allocated at its start."""
 
     __slots__ = ("forward", "kept", "peak", "backward")
 
-    def __init__(self, forward: _Launches, kept: int, peak: int):
+    def __init__(self, forward: Replay, kept: int, peak: int):
         self.forward = forward
         self.kept = kept  # bytes the composite's forward leaves allocated for its backward
-        self.peak = peak  # the most bytes its forward had allocated at once (outputs included)
-        # (the gradients' layouts, which outputs have one, retain_graph) -> the backward's launches
-        self.backward: dict[tuple[Any, ...], _Launches] = {}
+        self.peak = peak  # (its forward's, outputs included)
+        # (the gradients' layouts, which outputs have one, retain_graph) -> the backward's launches and peak
+        self.backward: dict[tuple[Any, ...], tuple[Replay, int]] = {}
+
+
+def _replay(recorded: tuple[list[Any], dict[str, int]]) -> Replay:
+    """What :meth:`Device.recorded` collected, to charge again."""
+    launches, host = recorded
+    return Replay(((op, cost) for _core, op, cost, _stream, _ctx in launches), host)
 
 
 #: signature -> what the composite launches for it (learned once, replayed on every call)
@@ -188,23 +171,17 @@ def _composite(call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...
 
 def _learn_forward(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...]) -> _Learned:
     with _LEARNING:
-        return _learn_forward_locked(index, call, ts, needs)
-
-
-def _learn_forward_locked(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...]
-                          ) -> _Learned:
-    dev = runtime().device
-    mem = _Unmeasured(index)
-    stats = memory.pool.devices[index]
-    start = stats.allocated
-    stats.reset_peak()
-    with dev.recorded() as forward:
-        outs = _composite(call, ts, needs)[0] if any(needs) else call.composite(ts)
-        kept = stats.allocated - start - sum(memory._storage_nbytes(o) for o in outs)
-        peak = stats.peak - start
-    del outs
-    mem.restore()
-    return _Learned(_Launches(*forward), max(kept, 0) if any(needs) else 0, peak)
+        mem = _Unmeasured(index)
+        stats = memory.pool.devices[index]
+        start = stats.allocated
+        stats.reset_peak()
+        with runtime().device.recorded() as forward:
+            outs = _composite(call, ts, needs)[0] if any(needs) else call.composite(ts)
+            kept = stats.allocated - start - sum(memory._storage_nbytes(o) for o in outs)
+            peak = stats.peak - start
+        del outs
+        mem.restore()
+    return _Learned(_replay(forward), max(kept, 0) if any(needs) else 0, peak)
 
 
 def _touch_peak(index: int, start: int, peak: int) -> None:
@@ -217,32 +194,29 @@ def _touch_peak(index: int, start: int, peak: int) -> None:
 
 
 def _learn_backward(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
-                    graded: tuple[bool, ...], layouts: tuple[Any, ...], keep: bool) -> _Launches:
-    with _LEARNING:
-        return _learn_backward_locked(index, call, ts, needs, graded, layouts, keep)
-
-
-def _learn_backward_locked(index: int, call: _Call, ts: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
-                           graded: tuple[bool, ...], layouts: tuple[Any, ...], keep: bool) -> _Launches:
+                    graded: tuple[bool, ...], layouts: tuple[Any, ...], keep: bool) -> tuple[Replay, int]:
+    """The composite's backward's launches and peak for gradients of ``layouts`` on the outputs
+    ``graded`` marks."""
     dev = runtime().device
-    mem = _Unmeasured(index)
-    stats = memory.pool.devices[index]
-    with dev.recorded():  # the forward again, for a graph to differentiate (its launches dropped)
-        outs, leaves = _composite(call, ts, needs)
-        with torch.enable_grad():  # (a backward runs with grad mode off)
-            root = _Seed.apply(index, layouts, *[o for o, g in zip(outs, graded) if g])
-        seed = _blank((), None, torch.float32, index)
-    start = stats.allocated
-    stats.reset_peak()
-    with dev.recorded() as backward:
-        got = torch.autograd.grad(root, leaves, seed, retain_graph=keep, allow_unused=True)
-    # (the outputs' gradients were made at the backward's start here, in a real run before it)
-    grads = sum(torch.empty_strided(size, stride, dtype=dtype, device="meta").untyped_storage().nbytes()
-                for size, stride, dtype in layouts)
-    launches = _Launches(*backward, peak=stats.peak - start - grads)
-    del outs, leaves, root, seed, got
-    mem.restore()
-    return launches
+    with _LEARNING:
+        mem = _Unmeasured(index)
+        stats = memory.pool.devices[index]
+        with dev.recorded():  # the forward again, for a graph to differentiate (its launches dropped)
+            outs, leaves = _composite(call, ts, needs)
+            with torch.enable_grad():  # (a backward runs with grad mode off)
+                root = _Seed.apply(index, layouts, *[o for o, g in zip(outs, graded) if g])
+            seed = _blank((), None, torch.float32, index)
+        start = stats.allocated
+        stats.reset_peak()
+        with dev.recorded() as backward:
+            got = torch.autograd.grad(root, leaves, seed, retain_graph=keep, allow_unused=True)
+        # (the outputs' gradients were made at the backward's start here, in a real run before it)
+        grads = sum(torch.empty_strided(size, stride, dtype=dtype, device="meta").untyped_storage().nbytes()
+                    for size, stride, dtype in layouts)
+        peak = stats.peak - start - grads
+        del outs, leaves, root, seed, got
+        mem.restore()
+    return _replay(backward), peak
 
 
 def _blank(size: Any, stride: Any, dtype: torch.dtype, index: int) -> torch.Tensor:
@@ -295,7 +269,7 @@ class _Recurrent(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [h.detach().requires_grad_(n) for h, n in zip(hosts, needs)]
             outs = call.cpu(leaves)
-        learned.forward.replay(index)
+        runtime().replay(index, learned.forward)
         result = tuple(memory.relabel(o.detach().clone(), index) for o in outs)
         ctx.kept = _Kept(index, learned.kept)
         _touch_peak(index, start, learned.peak)
@@ -321,20 +295,21 @@ class _Recurrent(torch.autograd.Function):
         if back is None:
             back = learned.backward[(layouts, graded, keep)] = _learn_backward(index, call, tensors, needs, graded,
                                                                               layouts, keep)
+        launches, peak = back
         start = memory.pool.devices[index].allocated
         outs, leaves = ctx.host
         used = [(o, memory.cpu_view(g)) for o, g in zip(outs, grads) if g is not None]
         with torch.autocast("cpu", enabled=False):
             got = iter(torch.autograd.grad([o for o, _ in used], leaves, [g for _, g in used], retain_graph=True,
                                            allow_unused=True))
-        back.replay(index)
+        runtime().replay(index, launches)
         if not keep:  # the composite's backward frees its saved activations as it goes
             ctx.kept.release()
         out = []
         for n in needs:
             g = next(got) if n else None
             out.append(None if g is None else memory.relabel(_own(g), index))
-        _touch_peak(index, start, back.peak)
+        _touch_peak(index, start, peak)
         return (None,) * 2 + tuple(out)
 
 
@@ -386,7 +361,7 @@ def kernel(name: str) -> Any:
             return _Recurrent.apply(learned, call, *tensors)
         start = memory.pool.devices[index].allocated
         outs = call.cpu(memory.cpu_views(list(tensors)))
-        learned.forward.replay(index)
+        runtime().replay(index, learned.forward)
         result = tuple(memory.relabel(o.clone(), index) for o in outs)
         _touch_peak(index, start, learned.peak)
         return result
