@@ -2615,12 +2615,15 @@ int64_t trnsim_fast_datapath_ns() { return g_datapath_ns.load(); }
 // there), for Python code that would otherwise call Device.launch (a compiled region's fused kernel);
 // 0 when the fast path would not log it (off, the device's gate closed, torch.profiler, memory
 // history, torch.compile tracing, the log full): the caller launches it from Python then.
+// Whether Python may log launches on `core` now, the log holding fewer than kLogMax - `more` entries
+// (trnsim_fast_launch's and trnsim_fast_launch_many's conditions, in one place)
+bool python_launch_open(int64_t core, int64_t more) {
+  return g_fast_master.load(std::memory_order_relaxed) && g_fast_launch.load(std::memory_order_relaxed) &&
+         !g_history.load() && !at::hasCallbacks() && g_log_count.load(std::memory_order_relaxed) + more < kLogMax &&
+         !tracing() && core >= 0;
+}
 int trnsim_fast_launch(int64_t core, int64_t handle) {
-  if (!g_fast_master.load(std::memory_order_relaxed) || !g_fast_launch.load(std::memory_order_relaxed) ||
-      g_history.load() || at::hasCallbacks() || g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing() ||
-      core < 0 || handle < 0) {
-    return 0;
-  }
+  if (!python_launch_open(core, 0) || handle < 0) return 0;
   log_entry(0, core, handle);
   return 1;
 }
@@ -2628,12 +2631,8 @@ int trnsim_fast_launch(int64_t core, int64_t handle) {
 // its composite would make: torch_bridge.ops.rnn); 0, none logged, where trnsim_fast_launch would log
 // none now or the log has no room for them all (the caller launches them one by one)
 int trnsim_fast_launch_many(int64_t core, const int64_t* handles, int64_t count) {
-  if (!g_fast_master.load(std::memory_order_relaxed) || !g_fast_launch.load(std::memory_order_relaxed) ||
-      g_history.load() || at::hasCallbacks() || tracing() || core < 0 || count < 1 ||
-      g_log_count.load(std::memory_order_relaxed) + count >= kLogMax) {
-    return 0;
-  }
-  const int64_t kind = t_capture != 0 ? 2 + t_capture : 0;
+  if (count < 1 || !python_launch_open(core, count)) return 0;
+  const int64_t kind = t_capture != 0 ? 2 + t_capture : 0;  // (log_entry's kind of a launch)
   std::lock_guard<std::mutex> lock(g_log_mutex);
   for (int64_t i = 0; i < count; ++i) {
     g_log.push_back(kind);

@@ -91,6 +91,13 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
     first = args[0] if args else None
     if isinstance(first, torch.Tensor) and first.device in NEURON_DEVICES:  # the usual case, made cheap
         return first.device.index or 0
+    index = _neuron_index(args, kwargs)
+    return _current_device() if index is None else index
+
+
+def _neuron_index(args: Any, kwargs: dict[str, Any]) -> int | None:
+    """The neuron device a call works on: its first neuron tensor's, or ``device=``'s; None for
+    neither (a factory call on the current device, or one that makes host tensors)."""
     for t in flat_tensors(list(args) + list(kwargs.values()), []):
         if t.device.type == NEURON:
             return t.device.index or 0
@@ -99,15 +106,7 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
         dev = torch.device(dev)
         if dev.type == NEURON:
             return dev.index or 0
-    return _current_device()
-
-
-def _on_neuron(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a call works on neuron: a neuron tensor among its arguments, or ``device=neuron``."""
-    if any(t.device.type == NEURON for t in flat_tensors(list(args) + list(kwargs.values()), [])):
-        return True
-    dev = kwargs.get("device")
-    return dev is not None and torch.device(dev).type == NEURON
+    return None
 
 
 def _current_device() -> int:
@@ -253,7 +252,7 @@ class _Draw:
             # neuron generator without a word.
             if gen.device.type != NEURON:
                 raise RuntimeError(f"Expected a 'neuron' device type for generator but found '{gen.device.type}'")
-            if not _on_neuron(args, kwargs):
+            if _neuron_index(args, kwargs) is None:
                 raise RuntimeError("Expected a 'cpu' device type for generator but found 'neuron'")
         else:
             gen = device_generator(index)

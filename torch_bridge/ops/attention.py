@@ -116,6 +116,12 @@ _FLASH = 1  # sdp::SDPBackend::flash_attention, as CPU's backend choice numbers 
 _checked: dict[tuple[Any, ...], tuple[tuple[type, str] | None, int | None]] = {}
 
 
+def _scale(scale: float | None, e: int) -> float:
+    """The scores' scale as CPU takes it: ``scale``, else 1/sqrt(E) (inf for E = 0, where no
+    score is read: CPU's 1/sqrt(0))."""
+    return scale if scale is not None else 1.0 / math.sqrt(e) if e else math.inf
+
+
 def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
@@ -358,7 +364,7 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     hq, hk, hv, mask = memory.cpu_views((q, k, v, attn_mask))
     l, e = q.shape[-2:]
     s = k.shape[-2]
-    sc = scale if scale is not None else 1.0 / math.sqrt(e) if e else math.inf  # (CPU's 1/sqrt(0))
+    sc = _scale(scale, e)
     exact = datapath_exact(hq, hk, hv, mask, scale)
     scores = tensore.bmm_f32(_grouped(hq, groups), _flat(hk).transpose(1, 2)).view(q.shape[:-1] + (s,))
     scores = masked_scores(scores, mask, is_causal, sc, flash, finite=exact)
@@ -486,8 +492,7 @@ def flash_decomposed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     hq, hk = q.shape[-3], k.shape[-3]
     if enable_gqa and hk != hq:
         k, v = k.repeat_interleave(hq // hk, dim=-3), v.repeat_interleave(hq // hk, dim=-3)
-    e = q.shape[-1]
-    sc = scale if scale is not None else 1.0 / math.sqrt(e) if e else math.inf  # (CPU's 1/sqrt(0): no score is read)
+    sc = _scale(scale, q.shape[-1])
     raw = torch.matmul(q.float(), k.float().transpose(-2, -1))
     scores = masked_scores(raw, mask, is_causal, sc, True)
     p = _torch.safe_softmax(scores, -1)  # (a row that sees no key: zeros, its gradient too)
