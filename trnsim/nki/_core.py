@@ -35,6 +35,7 @@ import numpy as np
 from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
 from ..isa import norm_index as _isa_norm_index
 from ..builder.kernel import Kernel
+from ..builder.rules import max_instructions
 from ..native.dtypes import Dtype, get_dtype
 
 
@@ -1131,8 +1132,6 @@ def _bounded(r: range, kernel: Kernel) -> Iterator[int]:
     length would take the kernel past its instruction limit: a runaway bound
     (``nl.sequential_range(10**9)``) was traced at ~50 us an instruction for ~100 s before the
     builder's own limit stopped it."""
-    from ..builder.rules import max_instructions
-
     start = len(kernel)
     for n, i in enumerate(r):
         yield i

@@ -97,8 +97,9 @@ def load_results(path: str | os.PathLike[str]) -> tuple[list[str], list[dict[str
             units[field.name] = (meta.get(b"unit") or b"").decode() or unit_of(field.name)
         rows = [{c: "" if v is None else str(v) for c, v in r.items()} for r in table.to_pylist()]
         return columns, rows, units
-    if Path(shown).suffix.lower() != ".csv":  # a spec.yaml read as CSV named its first line as columns
-        got = f"'{Path(shown).suffix}'" if Path(shown).suffix else "no suffix"
+    suffix = Path(shown).suffix
+    if suffix.lower() != ".csv":  # a spec.yaml read as CSV named its first line as columns
+        got = f"'{suffix}'" if suffix else "no suffix"
         raise PlotError(f"{shown}: expected a sweep's results or a metrics file, .csv or Parquet "
                         f"({', '.join(PARQUET_SUFFIXES)}), got {got}")
     try:
