@@ -216,3 +216,52 @@ def test_disjoint_windows_of_one_storage_and_a_full_overlap_compute_cpu_s_values
         for _ in range(2):
             got = run("neuron")
             assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# out= over part of an input CPU does not refuse (its check is for dense tensors in TensorIterator
+# ops): CPU's values then follow its kernel's write order and threads. The device refuses each in
+# CPU's words and writes nothing (difftest: triu.out over a strided int64 input, one element of six
+# differing between CPU's run and the device's, CPU's rows being written in parallel).
+CPU_RUNS_OVERLAPPING = {  # (as OVERLAPPING: reading `a`, writing `b`; overlapping when one tensor)
+    "triu out= one element on": lambda a, b: torch.triu(a[:6].view(2, 3), out=b[1:7].view(2, 3)),
+    "neg out= strided, shared elements": lambda a, b: torch.neg(a[0:8:2], out=b[2:10:2]),
+    "cumsum out= strided, shared elements": lambda a, b: torch.cumsum(a[0:8:2], 0, out=b[4:12:2]),
+    "mm out= over its operand": lambda a, b: torch.mm(a[:4].view(2, 2), a[8:12].view(2, 2), out=b[1:5].view(2, 2)),
+}
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["fast", "python"])
+@pytest.mark.parametrize("case", list(CPU_RUNS_OVERLAPPING))
+def test_an_out_over_part_of_an_input_is_refused_where_cpu_runs_it(on, case):
+    call = CPU_RUNS_OVERLAPPING[case]
+    x = torch.arange(12.0)
+    call(x, x)  # CPU runs it (and its values are its kernel's write order)
+    with fastpath.turned(on):
+        for _ in range(2):  # (the second call of a signature is the fast path's)
+            call(torch.arange(12.0, device="neuron"), torch.zeros(12, device="neuron"))  # legal: teaches the signature
+            x = torch.arange(12.0, device="neuron")
+            with pytest.raises(RuntimeError, match="refer to a single memory location"):
+                call(x, x)
+            assert x.cpu().tolist() == list(range(12))
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["fast", "python"])
+def test_an_out_interleaved_with_its_input_or_on_it_runs_with_cpu_s_values(on):
+    """A strided out between an input's elements shares no element; an out of the input's own
+    layout is CPU's in-place case; an in-place copy between overlapping windows is not an out=."""
+    def run(device: str):
+        x = torch.arange(12.0, device=device)
+        torch.neg(x[0::2], out=x[1::2])
+        torch.cumsum(x[0::3], 0, out=x[1::3])
+        m = torch.arange(6.0, device=device).view(2, 3)
+        torch.triu(m, out=m.view(2, 3))
+        torch.triu(m, 1, out=m)
+        y = torch.arange(8.0, device=device).view(2, 4)
+        y[:, 1:] = y[:, :-1]
+        return x.cpu(), m.cpu(), y.cpu()
+
+    with fastpath.turned(on):
+        want = run("cpu")
+        for _ in range(2):
+            got = run("neuron")
+            assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -1490,6 +1490,63 @@ bool over_an_input(const at::Tensor* out, size_t count, const c10::SmallVectorIm
   return false;
 }
 
+// True when an out= argument shares its storage with a tensor the op reads, over a byte range they
+// both cover, without being that tensor's very layout (Python's path then checks element by element
+// and refuses a partial overlap with CPU's words: CPU's values there depend on the order its kernel
+// writes in, and on its threads - triu runs its rows in parallel). The same layout is CPU's in-place
+// case, served here.
+bool out_over_input(const std::vector<c10::Argument>& args, const torch::jit::Stack& stack, size_t base,
+                    size_t n) {
+  auto extent = [](const at::Tensor& t, int64_t* lo, int64_t* hi) {
+    int64_t a = t.storage_offset(), b = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) (t.stride(d) < 0 ? a : b) += (t.size(d) - 1) * t.stride(d);
+    *lo = a * static_cast<int64_t>(t.element_size());
+    *hi = (b + 1) * static_cast<int64_t>(t.element_size());
+  };
+  auto same_layout = [](const at::Tensor& a, const at::Tensor& b) {
+    if (a.scalar_type() != b.scalar_type() || a.storage_offset() != b.storage_offset() || a.sizes() != b.sizes()) {
+      return false;
+    }
+    for (int64_t d = 0; d < a.dim(); ++d) {
+      if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+    }
+    return true;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const c10::AliasInfo* ai = args[i].alias_info();
+    const c10::IValue& v = stack[base + i];
+    if (ai == nullptr || !ai->isWrite() || !args[i].kwarg_only() || !v.isTensor()) continue;
+    const at::Tensor& out = v.toTensor();
+    if (!out.defined() || out.numel() == 0 || out.storage().data() == nullptr) continue;
+    int64_t o0, o1;
+    extent(out, &o0, &o1);
+    for (size_t j = 0; j < n; ++j) {
+      const c10::AliasInfo* aj = args[j].alias_info();
+      if (j == i || (aj != nullptr && aj->isWrite())) continue;
+      const c10::IValue& w = stack[base + j];
+      c10::SmallVector<at::Tensor, 4> read;
+      if (w.isTensor()) {
+        read.push_back(w.toTensor());
+      } else if (w.isTensorList()) {
+        for (const at::Tensor& t : w.toTensorList()) read.push_back(t);
+      } else if (w.isList()) {
+        for (const c10::IValue& x : w.toListRef()) {
+          if (x.isTensor()) read.push_back(x.toTensor());
+        }
+      }
+      for (const at::Tensor& t : read) {
+        if (!t.defined() || t.numel() == 0 || t.storage().data() != out.storage().data() || same_layout(out, t)) {
+          continue;
+        }
+        int64_t t0, t1;
+        extent(t, &t0, &t1);
+        if (o0 < t1 && t0 < o1) return true;
+      }
+    }
+  }
+  return false;
+}
+
 // The op's n arguments on the stack replaced by its `count` (<= 5) results, each defined one counted
 // against HBM on core `index` and made a neuron tensor; every one counted, or none (false: one did
 // not fit, and Python's path raises the OOM).
@@ -2115,6 +2172,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (index < 0) return slow(op, stack);
   if (!fresh.empty() && fresh.size() != written_args) return slow(op, stack);
+  if (f.kind == kWrites && out_over_input(schema_args, *stack, base, n)) return slow(op, stack);
   int64_t handle = -1;
   if (f.bump_list && !c10::InferenceMode::is_enabled()) {
     // CPU bumps each element after writing it, and an inference tensor's bump outside inference

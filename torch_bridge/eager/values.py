@@ -29,7 +29,8 @@ from ..runtime import runtime
 
 __all__ = ["NEURON", "fallback", "same_device_fallback", "foreach", "mm", "addmm", "bmm", "baddbmm", "out_variant",
            "convolution", "convolution_backward", "call_traced", "host_seed", "host_kernel", "is_neuron",
-           "NEURON_DEVICES", "check_one_device", "same_device", "raise_devices"]
+           "NEURON_DEVICES", "check_one_device", "same_device", "raise_devices", "OVERLAP_ERROR", "partial_overlap",
+           "refuse_overlapping_out"]
 
 NEURON = "neuron"
 _CPU_KEYS = _torch.CPU_KEYS
@@ -439,6 +440,9 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     ckwargs = {k: conv(v) for k, v in kwargs.items()}
     if conv.other is not None and conv.device is not None and info.name not in MIXED_DEVICE_OPS:
         raise_devices(conv.device, conv.other)
+    if info.out_names:
+        refuse_overlapping_out([kwargs.get(n) for n in info.out_names],
+                               (args, [v for k, v in kwargs.items() if k not in info.out_names]))
     fresh: dict[str, torch.Tensor] = {}
     for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
         out = kwargs.get(name)
@@ -932,6 +936,60 @@ def baddbmm(self: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tensor, *, b
     return memory.relabel(res, index)
 
 
+# ---- out= over an input's memory ----------------------------------------------------------------
+# CPU's own words (TensorIterator's partial-overlap check) for an out= over part of an input.
+OVERLAP_ERROR = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                 "single memory location. Please clone() the tensor before performing the operation.")
+
+
+def _byte_starts(t: torch.Tensor) -> Any:
+    """The sorted byte offsets, in ``t``'s storage, of each of ``t``'s elements (numpy int64)."""
+    import numpy as np
+
+    offs = np.zeros((), dtype=np.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offs = np.add.outer(offs, np.arange(n, dtype=np.int64) * st)
+    return np.sort((offs.reshape(-1) + t.storage_offset()) * t.element_size())
+
+
+def partial_overlap(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``out`` writes some element ``t`` reads without being ``t``'s very layout: CPU's
+    values then depend on the order its kernel writes in, and on its threads (triu runs its rows
+    in parallel: difftest found the device's run and CPU's differing). CPU refuses this where both
+    are dense (TensorIterator's check), the device everywhere: a strided out that only interleaves
+    with an input's elements, never sharing one, still runs."""
+    if not out.numel() or not t.numel() or out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        return False
+    if out.dtype == t.dtype and out.storage_offset() == t.storage_offset() and out.shape == t.shape and \
+            all(a == b for n, a, b in zip(out.shape, out.stride(), t.stride()) if n > 1):
+        return False  # the same elements in the same places: CPU's in-place case
+    def extent(x: torch.Tensor) -> tuple[int, int]:
+        lo = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s < 0)
+        hi = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s > 0)
+        return lo * x.element_size(), (hi + 1) * x.element_size()
+    (a0, a1), (b0, b1) = extent(out), extent(t)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    import numpy as np
+
+    w, r = _byte_starts(out), _byte_starts(t)
+    # the last element of out starting before each of t's elements ends, and whether it reaches into it
+    i = np.searchsorted(w, r + t.element_size(), side="left") - 1
+    hit = i >= 0
+    return bool(np.any(w[i[hit]] + out.element_size() > r[hit]))
+
+
+def refuse_overlapping_out(outs: Any, inputs: Any) -> None:
+    """Raise CPU's partial-overlap error when an out= tensor of ``outs`` overlaps a neuron tensor
+    of ``inputs`` (:func:`partial_overlap`)."""
+    written = [o for o in flat_tensors(outs, []) if o.device.type == NEURON]
+    if not written:
+        return
+    for t in flat_tensors(inputs, []):
+        if t.device.type == NEURON and any(partial_overlap(o, t) for o in written):
+            raise RuntimeError(OVERLAP_ERROR)
+
+
 def _out_dtype_error(want: torch.dtype, got: torch.dtype) -> str:
     """CPU's message for a matmul's ``out`` of dtype ``got`` where the result is ``want`` (its
     dtype names are C++'s: float, c10::Half, ...), taken from CPU's own ``mm.out`` once a pair."""
@@ -960,6 +1018,7 @@ def out_variant(functional: Callable[..., torch.Tensor]) -> Callable[..., torch.
         dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
         if len(dtypes) == 1 and out.dtype not in dtypes:  # (mixed operands: the functional's own error)
             raise RuntimeError(_out_dtype_error(next(iter(dtypes)), out.dtype))
+        refuse_overlapping_out(out, (args, kwargs))
         res = functional(*args, **kwargs)
         if out.dtype != res.dtype:
             raise RuntimeError(_out_dtype_error(res.dtype, out.dtype))
