@@ -289,3 +289,38 @@ def test_the_backward_recomputes_the_forward_the_device_computed(dtype):
     assert torch.equal(again, logits.cpu())
     if dtype == torch.float32:  # (in bf16 a logit differs rarely: 8 of 65k at [8192, 256] x [256, 8])
         assert not torch.equal(cpu, logits.cpu())  # what the backward recomputed before
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "autocast", "signed zeros", "one token", "tied router", "logits too"])
+def test_the_written_out_backward_is_autograd_of_the_block_bit_for_bit(dtype, case):
+    """The kernel path's gradients are the block's derivative written out (no graph built or
+    walked): the same bits as autograd of the recomputed block, the input's gradient summed in
+    autograd's order and -0 where autograd keeps it, for both normalisations and top-k 1 and 2."""
+    g = torch.Generator().manual_seed(7)
+    tokens, hidden, ffn, experts = (1 if case == "one token" else 40), 32, 24, 4
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g) * 0.3).to(dtype)
+    gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, ffn, generator=g) * 0.2).to(dtype)
+    grad_out = torch.randn(tokens, hidden, generator=g).to(dtype)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    dtypes = (other, other) if case == "autocast" else (None, None)
+    grad_logits = torch.randn(tokens, experts, generator=g).to(dtypes[0] or dtype) if case == "logits too" else None
+    if case == "signed zeros":
+        x[::3] = -0.0
+        grad_out[1::2] = -0.0
+        down[1] = -0.0
+    if case == "tied router":
+        w.zero_()
+    for top_k, normalize in ((1, True), (2, True), (2, False)):
+        want = moe._backward_values(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize, dtypes, None,
+                                    moe._recompute_linear)
+        got = moe._direct_backward(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize, dtypes)
+        for name, a, b in zip(("x", "router", "gate_up", "down"), want, got):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(_bits(a), _bits(b)), (name, top_k, normalize)
