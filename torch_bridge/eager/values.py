@@ -982,11 +982,17 @@ def partial_overlap(out: torch.Tensor, t: torch.Tensor) -> bool:
 def refuse_overlapping_out(outs: Any, inputs: Any) -> None:
     """Raise CPU's partial-overlap error when an out= tensor of ``outs`` overlaps a neuron tensor
     of ``inputs`` (:func:`partial_overlap`)."""
-    written = [o for o in flat_tensors(outs, []) if o.device.type == NEURON]
-    if not written:
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for o in flat_tensors(outs, []):
+        if o.device.type == NEURON and o.numel():
+            by_storage.setdefault(o.untyped_storage().data_ptr(), []).append(o)
+    if not by_storage:
         return
     for t in flat_tensors(inputs, []):
-        if t.device.type == NEURON and any(partial_overlap(o, t) for o in written):
+        if t.device.type != NEURON:
+            continue
+        same = by_storage.get(t.untyped_storage().data_ptr())
+        if same is not None and any(partial_overlap(o, t) for o in same):
             raise RuntimeError(OVERLAP_ERROR)
 
 
