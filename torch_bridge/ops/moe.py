@@ -406,7 +406,7 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     else:
         g_raw = g_weights
     g_probs = torch.zeros_like(probs).scatter(-1, index, g_raw)
-    g_logits = torch.ops.aten._softmax_backward_data(g_probs, probs, -1, torch.float32).to(logits.dtype)
+    g_logits = _torch.softmax_backward_data(g_probs, probs, -1, torch.float32).to(logits.dtype)
     if grad_logits is not None:
         g_logits = g_logits + grad_logits
     g_xr, g_wr = _linear_grads(g_logits, xr, wr)
