@@ -504,3 +504,72 @@ def test_the_workers_are_not_forked_from_the_launcher_and_see_its_trnsim_variabl
     seen = {f"{w}{r}": (tmp_path / f"{w}{r}").read_text().split() for w in "ab" for r in range(2)}
     assert {k: v[0] for k, v in seen.items()} == {"a0": "first", "a1": "first", "b0": "second", "b1": "second"}
     assert all(ppid != launcher for _, ppid in seen.values())
+
+
+THREE_RANKS = """
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("neuron", timeout=timedelta(seconds=60), device_id=torch.device("neuron:0"))
+r = dist.get_rank()
+out = {}
+# scatter from a root to two ranks (the network's permute took one send per rank: it was refused)
+got = torch.zeros(2, device="neuron")
+dist.scatter(got, [torch.full((2,), 10.0 * j + 1, device="neuron") for j in range(3)] if r == 0 else None, src=0)
+out["scatter"] = got.cpu().tolist()
+# list all_to_all of uneven sizes that agree: rank r sends rank j r + j + 1 elements
+ins = [torch.full((r + j + 1,), 10.0 * r + j, device="neuron") for j in range(3)]
+outs = [torch.zeros(j + r + 1, device="neuron") for j in range(3)]
+dist.all_to_all(outs, ins)
+out["a2a"] = [o.cpu().tolist() for o in outs]
+# ... and that disagree: rank 0 sends rank 1 one element where rank 1 posts two (it got an
+# uninitialised element back)
+ins = [torch.full((1 if r == 0 and j == 1 else 2,), 1.0, device="neuron") for j in range(3)]
+try:
+    dist.all_to_all([torch.zeros(2, device="neuron") for _ in range(3)], ins)
+    out["a2a_disagree"] = "no error"
+except Exception as e:
+    out["a2a_disagree"] = str(e)
+# a split after a group that leaves rank 0 out (torch's names for it differ between the ranks)
+dist.new_group([1, 2])
+g01 = dist.split_group(split_ranks=[[0, 1], [2]])
+if r in (0, 1):
+    t = torch.full((2,), float(r + 1), device="neuron")
+    dist.all_reduce(t, group=g01)
+    out["split"] = t.cpu().tolist()
+# a send and recv, then the group destroyed (the process aborted at exit)
+if r == 0:
+    dist.send(torch.arange(4.0, device="neuron"), 1)
+elif r == 1:
+    t = torch.zeros(4, device="neuron")
+    dist.recv(t, 0)
+    out["recv"] = t.cpu().tolist()
+dist.barrier()
+with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_scatter_uneven_all_to_all_splits_and_send_recv_on_three_ranks(tmp_path):
+    """A distributed values hunt's findings, on 3 ranks: scatter runs; a list all_to_all whose
+    sizes disagree is refused on every rank (it returned uninitialised memory); a split after a
+    group that left a rank out returns (two members waited under different keys for ever); a
+    process that sent and received exits 0 after destroy_process_group (it aborted)."""
+    script = tmp_path / "three.py"
+    script.write_text(textwrap.dedent(THREE_RANKS))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    for r in range(3):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["scatter"] == [10.0 * r + 1] * 2
+        assert got["a2a"] == [[10.0 * j + r] * (j + r + 1) for j in range(3)]
+        assert got["a2a_disagree"] == (
+            "neuron backend: all_to_all #3 on ranks [0, 1, 2]: rank 0 sends 1 elements to rank 1, which expects 2; "
+            "each rank's output_tensor_list[j] must hold as many elements as rank j's input_tensor_list sends it")
+        if r < 2:
+            assert got["split"] == [3.0, 3.0]
+        if r == 1:
+            assert got["recv"] == [0.0, 1.0, 2.0, 3.0]

@@ -148,6 +148,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._lock = threading.RLock()
         self._fp = ""
         self._peers: dict[int, queue.Queue[_P2P | None]] = {}
+        self._threads: list[threading.Thread] = []  # their workers
+        self._splits = 0  # the groups split from this one so far (split_group)
         self._pending: list[_P2P] = []
 
     # ---- identity (the trampolined methods C++ calls) ------------------------------------------
@@ -176,9 +178,20 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.gloo.abort()
 
     def shutdown(self) -> None:
-        for q in self._peers.values():
+        """Stop the point-to-point workers and let their gloo works go before gloo shuts down
+        (a send/recv's work outliving it aborted the process at exit: "terminate called without
+        an active exception", found by a distributed values hunt)."""
+        with self._lock:
+            peers, self._peers = self._peers, {}
+            threads, self._threads = self._threads, []
+        for q in peers.values():
             q.put(None)
+        for t in threads:  # (a worker still waiting on a send or recv its peer never matched is
+            t.join(timeout=_JOIN_S)  # freed by gloo's shutdown below)
+        self._pending = []
         self.gloo.shutdown()
+        for t in threads:
+            t.join(timeout=_JOIN_S)
 
     def __repr__(self) -> str:
         return f"<NeuronProcessGroup rank {self._rank} of ranks {list(self.ranks)}>"
@@ -221,10 +234,16 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         """The group of this group's ``ranks`` (group ranks) that contains this rank, or None for
         a rank outside it; every member calls it (``torch.distributed.split_group``)."""
         members = sorted(int(r) for r in ranks)
+        with self._lock:  # every rank of this group makes every split, in the same order
+            self._splits += 1
+            nth = self._splits
         if self._rank not in members:
             return None
         name = group_name or f"{self._group_name}:split:{','.join(map(str, members))}"
-        store = dist.PrefixStore(f"neuron_split/{name}/", self.group_store)
+        # the members meet under a key every one of them computes alike: torch's name for the group
+        # hashes in how many groups the rank knows, which differs between ranks after a group that
+        # left some out (two members waited under different keys for ever; a distributed hunt)
+        store = dist.PrefixStore(f"neuron_split/{nth}/{','.join(map(str, members))}/", self.group_store)
         pg = NeuronProcessGroup(store, members.index(self._rank), len(members), timeout or self.timeout,
                                 [self.ranks[r] for r in members], name)
         pg.store = self.store
@@ -564,8 +583,10 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                                 check=lambda seq: self._check_splits(call, seq, output, input, output_split_sizes,
                                                                      input_split_sizes))
 
-    def _check_splits(self, call: Call, seq: int, output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]) -> None:
+    def _check_splits(self, call: Call, seq: int, output: torch.Tensor | None, input: torch.Tensor | None,
+                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int], unit: str = "rows",
+                      hint: str = "each rank's output_split_sizes must be what the others' input_split_sizes "
+                                  "send it") -> None:
         """Every rank's splits (an all-gather, once the ranks agree they are at this call): rank
         r's output split for rank j must be rank j's input split for rank r. gloo met splits that
         disagree by aborting the process in C++ (~30 lines and a thread dump; found by a hardening
@@ -592,9 +613,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 sent, expected = rows[j][r], rows[r][n + j]
                 if sent != expected:
                     raise NeuronDistError(
-                        f"{where}: rank {self.ranks[j]} sends {sent} rows to rank {self.ranks[r]}, which expects "
-                        f"{expected}; each rank's output_split_sizes must be what the others' input_split_sizes "
-                        f"send it")
+                        f"{where}: rank {self.ranks[j]} sends {sent} {unit} to rank {self.ranks[r]}, which expects "
+                        f"{expected}; {hint}")
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
@@ -603,6 +623,16 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Work:
         opts = opts or dist.AllToAllOptions()
+        n = self._size
+        if len(input_tensors) != n or len(output_tensors) != n:
+            raise NeuronDistError(f"neuron backend: all_to_all on ranks {list(self.ranks)}: {len(input_tensors)} input "
+                                  f"and {len(output_tensors)} output tensors; give one of each per rank of the group "
+                                  f"({n})")
+        dtypes = {t.dtype for t in (*input_tensors, *output_tensors)}
+        if len(dtypes) > 1:
+            raise NeuronDistError(f"neuron backend: all_to_all on ranks {list(self.ranks)}: tensors of "
+                                  f"{', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}; every input "
+                                  f"and output tensor must have one dtype")
         dtype = input_tensors[0].dtype
         sig = f"{len(input_tensors)} {str(dtype).replace('torch.', '')} tensors"
         call = self._call("all_to_all", "all-to-all", input_tensors, tensor_bytes(input_tensors), sig)
@@ -615,9 +645,15 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         def done() -> None:
             for o, part in zip(outs, flat_out.split(out_sizes)):
                 o.copy_(part.view_as(o))
-        return self._collective(call, lambda: [self.gloo.alltoall_base(flat_out, flat_in, out_sizes,
-                                                                      [t.numel() for t in input_tensors], opts)],
-                                output_tensors, (output_tensors, input_tensors, flat_in, flat_out, outs), done)
+        in_sizes = [t.numel() for t in input_tensors]
+        # (each rank's sizes, once the ranks agree on the call: a receiver's tensor larger than what
+        # its peer sent kept uninitialised elements, a smaller one aborted the process in gloo)
+        return self._collective(call, lambda: [self.gloo.alltoall_base(flat_out, flat_in, out_sizes, in_sizes, opts)],
+                                output_tensors, (output_tensors, input_tensors, flat_in, flat_out, outs), done,
+                                check=lambda seq: self._check_splits(
+                                    call, seq, None, None, out_sizes, in_sizes, "elements",
+                                    "each rank's output_tensor_list[j] must hold as many elements as rank j's "
+                                    "input_tensor_list sends it"))
 
     # ---- rooted: scatter, gather, reduce ---------------------------------------------------
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -625,8 +661,14 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         opts = opts or dist.ScatterOptions()
         root = self._root("scatter", opts.rootRank)
         g = self.ranks
+        # two ranks: the root's one send. More: timed as the gather of the same bytes, mirrored. The
+        # network's permute takes one send per rank (a root sending to two was refused: scatter
+        # failed on 3 ranks and more), and NeuronLink's links carry the same bandwidth each way,
+        # so the root's sends take the time its receives would
+        pairs = ((g[root], next(r for r in g if r != g[root])),) if len(g) == 2 else \
+            tuple((r, g[root]) for r in g if r != g[root])
         call = self._call("scatter", "permute", output_tensors, tensor_bytes(output_tensors), shapes_text(output_tensors),
-                          root=root, pairs=tuple((g[root], r) for r in g if r != g[root]))
+                          root=root, pairs=pairs)
         outs = [cpu_view(t) for t in output_tensors]
         ins = [[cpu_view(t) for t in lst] for lst in input_tensors]
         return self._collective(call, lambda: [self.gloo.scatter(outs, ins, opts)], output_tensors,
@@ -737,8 +779,10 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             q = self._peers.get(peer)
             if q is None:
                 q = self._peers[peer] = queue.Queue()
-                threading.Thread(target=self._p2p_worker, args=(peer, q), daemon=True,
-                                 name=f"neuron-p2p-{self.global_rank}-{self.ranks[peer]}").start()
+                t = threading.Thread(target=self._p2p_worker, args=(peer, q), daemon=True,
+                                     name=f"neuron-p2p-{self.global_rank}-{self.ranks[peer]}")
+                t.start()
+                self._threads.append(t)
             return q
 
     def _p2p_worker(self, peer: int, q: "queue.Queue[_P2P | None]") -> None:
@@ -759,6 +803,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             finally:
                 task.done.set()
 
+
+_JOIN_S = 5.0  # how long shutdown waits for a point-to-point worker to finish its calls
 
 _P2P_DIMS = 8  # dims a point-to-point header carries (for the message when the two sides differ)
 
