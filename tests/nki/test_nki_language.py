@@ -280,3 +280,79 @@ def test_free_dims_broadcast_in_binary_ops_and_a_mismatch_says_so():
     assert np.array_equal(add(x, y), x + y)
     with pytest.raises(nki_mod.NkiError, match=r"nl\.add: cannot broadcast shapes \(128, 64\) and \(128, 65\)$"):
         add(np.ones((128, 64), np.float32), np.ones((128, 65), np.float32))
+
+
+# ---- an NKI values hunt's findings ------------------------------------------------------------
+def test_assigning_a_matmul_overwrites_and_plus_equals_adds_to_any_earlier_write():
+    """``res[...] = nc_matmul`` into a PSUM tile an earlier matmul wrote overwrote nothing (it
+    added); ``acc += nc_matmul`` onto what a memset, a copy or a vector op left in PSUM dropped
+    it (only earlier matmuls counted)."""
+    @nki.jit
+    def k(x, y, b):
+        out = nl.ndarray((4, 128, 64), dtype=nl.float32, buffer=nl.shared_hbm)
+        res = nl.ndarray((128, 64), dtype=nl.float32, buffer=nl.psum)
+        for o in nl.sequential_range(2):
+            res[...] = nisa.nc_matmul(nl.load(x[o]), nl.load(y))
+            nl.store(out[o], nl.copy(res))
+        acc = nl.full((128, 64), 1.0, dtype=nl.float32, buffer=nl.psum)
+        acc += nisa.nc_matmul(nl.load(x[0]), nl.load(y))
+        nl.store(out[2], acc)
+        acc2 = nl.zeros((128, 64), dtype=nl.float32, buffer=nl.psum)
+        acc2 += nl.load(b)
+        acc2 += nisa.nc_matmul(nl.load(x[1]), nl.load(y))
+        nl.store(out[3], acc2)
+        return out
+
+    x = RNG.standard_normal((2, 128, 128)).astype(np.float32)
+    y = RNG.standard_normal((128, 64)).astype(np.float32)
+    b = RNG.standard_normal((128, 64)).astype(np.float32)
+    mm = [x[o].T.astype(np.float64) @ y for o in range(2)]
+    want = np.stack([mm[0], mm[1], mm[0] + 1.0, mm[1] + b])
+    np.testing.assert_allclose(k(x, y, b), want, rtol=1e-4, atol=1e-3)
+
+
+def test_mixed_dtypes_promote_and_fractional_scalars_stay_fractional():
+    """NKI's type promotion (a tile of each dtype, a weakly typed Python number) and fp32
+    arithmetic wherever an operand is fractional: the result took the first tile's dtype, and an
+    int tile times 0.5 cut the 0.5 to 0."""
+    @nki.jit
+    def k(a, i, h, c):
+        o = nl.ndarray((4,) + a.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        oi = nl.ndarray((2,) + a.shape, dtype=nl.int32, buffer=nl.shared_hbm)
+        ta, ti, th = nl.load(a), nl.load(i), nl.load(h)
+        s = nl.add(th, ta)           # bf16 + fp32 -> fp32
+        t = nl.add(ti, ta)           # int32 + fp32 -> fp32
+        u = nl.multiply(ti, 0.5)     # int32 * weak float -> fp32
+        v = nl.multiply(th, 3)       # bf16 * weak int -> bf16
+        assert (str(s.dtype), str(t.dtype), str(u.dtype), str(v.dtype)) == ("float32", "float32", "float32", "bfloat16")
+        nl.store(o[0], s)
+        nl.store(o[1], t)
+        nl.store(o[2], u)
+        nl.store(o[3], v)
+        nl.store(oi[0], nisa.tensor_scalar(ti, nl.multiply, 2.6, dtype=nl.int32))
+        nl.store(oi[1], nisa.tensor_scalar(ti, nl.multiply, nl.load(c), dtype=nl.int32))
+        return o, oi
+
+    a = (RNG.standard_normal((128, 16)) * 0.37).astype(np.float32)
+    i = np.tile(np.arange(1, 17, dtype=np.int32), (128, 1))
+    h = RNG.standard_normal((128, 16)).astype(ml_dtypes.bfloat16)
+    c = np.full((128, 1), 0.5, np.float32)
+    got, goti = k(a, i, h, c)
+    hf = h.astype(np.float32)
+    np.testing.assert_array_equal(got[0], hf + a)
+    np.testing.assert_array_equal(got[1], i.astype(np.float32) + a)
+    np.testing.assert_array_equal(got[2], i * np.float32(0.5))
+    np.testing.assert_array_equal(got[3], (hf * 3).astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(goti[0], np.rint(i.astype(np.float32) * np.float32(2.6)).astype(np.int32))
+    np.testing.assert_array_equal(goti[1], np.rint(i.astype(np.float32) * np.float32(0.5)).astype(np.int32))
+
+
+def test_where_takes_any_non_zero_condition_as_true():
+    @nki.jit
+    def k(c):
+        out = nl.ndarray(c.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, nl.where(nl.load(c), 10.0, -10.0))
+        return out
+
+    c = np.tile(np.array([0.3, -2.0, 1.0, 0.0, 0.5, -0.4, 7.0, np.nan], np.float32), (128, 1))
+    np.testing.assert_array_equal(k(c), np.where(c != 0, 10.0, -10.0).astype(np.float32))

@@ -64,6 +64,15 @@ def activation_values(func: str, x: np.ndarray) -> np.ndarray:
         return np.asarray(fn(x.astype(np.float64)), dtype=np.float64).astype(np.float32)
 
 
+def _integral(x: Any) -> bool:
+    """An operand integer arithmetic takes as it is: none, an integer tile, or a whole number."""
+    if x is None:
+        return True
+    if isinstance(x, TileAP):
+        return not x.dtype.is_float
+    return float(x).is_integer()
+
+
 def int_mode_for(*aps: TileAP) -> bool:
     return _is_int(*(a.dtype for a in aps))
 
@@ -86,7 +95,10 @@ class ElementwiseExec:
         store(mem, ins.dst, alu(ins.op, a, b, im))
 
     def exec_TensorScalar(self, ins: Any, mem: Any) -> None:
-        im = int_mode_for(ins.dst, ins.data)
+        # integer arithmetic only where every operand is an integer: a fractional immediate or a
+        # float [P,1] operand is fp32 arithmetic (int tile * 0.5 cut the 0.5 to 0; an NKI hunt)
+        im = int_mode_for(ins.dst, ins.data) and _integral(ins.operand0) and \
+            (ins.op1 is None or _integral(ins.operand1))
         x = load_any(mem, ins.data, im)
         o0 = operand(mem, ins.operand0, ins.data, im)
         x = alu(ins.op0, o0, x, im) if ins.reverse0 else alu(ins.op0, x, o0, im)

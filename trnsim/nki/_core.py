@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..isa import HbmAP, HbmTensor, KernelError, TileAP, span
+from ..isa import HbmAP, HbmTensor, KernelError, MatMul, TileAP, span
 from ..isa import norm_index as _isa_norm_index
 from ..builder.kernel import Kernel
 from ..builder.rules import max_instructions
@@ -369,7 +369,7 @@ class Store:
     """The memory behind tensors: an HBM tensor (``hbm``) or a tile in SBUF/PSUM."""
 
     __slots__ = ("kind", "shape", "dtype", "strides", "tensor", "offset", "tile", "pdim", "zero_pending",
-                 "mm_written", "name", "__weakref__")
+                 "mm_written", "other_written", "name", "__weakref__")
 
     def __init__(self, kind: str, shape: tuple[int, ...], dtype: Dtype, name: str):
         self.kind = kind
@@ -382,6 +382,7 @@ class Store:
         self.pdim = 0
         self.zero_pending = False  # nl.zeros in PSUM: the memset is deferred (a first matmul makes it moot)
         self.mm_written: list[tuple[int, int, int, int]] = []  # PSUM boxes matmuls have written
+        self.other_written: list[tuple[int, int, int, int]] = []  # ... and other instructions (Trace.emit)
         # element strides of each dim within a partition (on-chip) or in the tensor (HBM)
         dims = [n for i, n in enumerate(shape) if kind == "hbm" or i != self.pdim]
         acc, st = 1, []
@@ -533,7 +534,7 @@ class NkiTensor:
             raise NkiError(f"reshape of {self.name} must keep its partition dim {st.shape[st.pdim]} first, got {shape}")
         ns = Store(st.kind, shape, st.dtype, st.name)
         ns.tensor, ns.offset, ns.tile = st.tensor, st.offset, st.tile
-        ns.zero_pending, ns.mm_written = st.zero_pending, st.mm_written
+        ns.zero_pending, ns.mm_written, ns.other_written = st.zero_pending, st.mm_written, st.other_written
         return NkiTensor.full(ns)
 
     def view(self, dtype: Any) -> "NkiTensor":
@@ -893,6 +894,9 @@ class Trace:
         self.extra_deps: dict[int, set[int]] = {}
         self.no_reorder: list[int | None] = []  # stack: last instruction emitted in each no_reorder block
         self.source_lines: list[str] = []
+        # a PSUM tile's allocation -> the boxes instructions other than matmuls wrote in it (its
+        # Store's other_written): a first `+=` of a matmul there adds to them
+        self.psum_boxes: dict[int, list[tuple[int, int, int, int]]] = {}
         self.constants: dict[str, np.ndarray] = {}  # HBM inputs nl.shared_constant made: name -> values
         self.shared_hbm: list[Store] = []  # HBM tensors allocated so far, shared by the programs of a grid
         self.inputs: dict[str, Any] = {}  # the kernel's input arrays by tensor name (for view(dtype))
@@ -949,6 +953,8 @@ class Trace:
                            f"partition; a PSUM tile is one bank, at most {cfg.psum.bank_bytes:,} bytes per partition "
                            f"(nl.tile_size.psum_fmax fp32 elements): tile the free dim")
         st.tile = self.kernel._allocate(buffer, (p, free), dtype, name, 0, scoped=False)
+        if buffer == "psum":
+            self.psum_boxes[id(st.tile.alloc)] = st.other_written
         return st
 
     # ---- emission ----------------------------------------------------------------------------
@@ -973,6 +979,13 @@ class Trace:
         site = call_site()
         for i in range(n0, len(k.instructions)):
             self.source_lines.append(site)
+            made = k.instructions[i]
+            if not isinstance(made, MatMul):  # a PSUM box a later `+=` of a matmul adds to
+                for w in made.writes:
+                    if isinstance(w, TileAP) and w.alloc.space == "psum":
+                        boxes = self.psum_boxes.get(id(w.alloc))
+                        if boxes is not None:
+                            boxes.append(view_box_bytes(w))
             if self.no_reorder:
                 prev = self.no_reorder[-1]
                 if prev is not None:
@@ -992,8 +1005,9 @@ class Trace:
             self.pending = None
             value._pending = None
             value._st, value._exprs, value._axes = dst._st, dst._exprs, dst._axes
-            if p.matmul:
-                p.run(dst, matmul_accumulates(self, dst))
+            if p.matmul:  # `dst[...] = matmul`: it writes dst (only `+=` adds to what is there)
+                matmul_accumulates(self, dst)
+                p.run(dst, False)
             else:
                 p.run(dst)
             return
@@ -1052,7 +1066,8 @@ def matmul_accumulates(tr: Trace, dst: NkiTensor) -> bool:
     ap = resolve(dst, None, "nc_matmul")
     assert isinstance(ap, TileAP)
     box = view_box_bytes(ap)
-    written = any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3] for b in st.mm_written)
+    written = any(b[0] < box[1] and box[0] < b[1] and b[2] < box[3] and box[2] < b[3]
+                  for b in (*st.mm_written, *st.other_written))
     if pending_zero:
         base = st.tile
         assert base is not None

@@ -351,10 +351,52 @@ def _is_column(c: NkiTensor, like: NkiTensor) -> bool:
     return len(c.shape) >= 2 and c.shape[0] == like.shape[0] and math.prod(c.shape[1:]) == 1 and like.shape != c.shape
 
 
+# NKI's type promotion of two tiles (the programming model's "NKI Type Promotion"): a float and
+# an integer give the float; two floats the wider, float16 with bfloat16 float32, an fp8 with a
+# 16-bit float that float, e4m3 with e5m2 bfloat16; two integers the wider, or a widened type
+# that holds both ranges (int32 with uint32: float32, the hardware has no int64)
+_FLOAT_RANK = {"float8_e4m3": 0, "float8_e4m3fn": 0, "float8_e5m2": 0, "bfloat16": 1, "float16": 1, "float32": 2}
+
+
+def promote(a: Any, b: Any) -> Any:
+    """The dtype NKI gives an arithmetic op on tiles of dtypes ``a`` and ``b`` (trnsim Dtypes)."""
+    if a.name == b.name:
+        return a
+    if a.is_float != b.is_float:
+        return a if a.is_float else b
+    if a.is_float:
+        ra, rb = _FLOAT_RANK.get(a.name, 2), _FLOAT_RANK.get(b.name, 2)
+        if ra != rb:
+            return a if ra > rb else b
+        return nki_dtype("float32") if ra == 1 else nki_dtype("bfloat16")  # (f16, bf16); (e4m3, e5m2)
+    sa, sb = not a.name.startswith("uint"), not b.name.startswith("uint")
+    if sa == sb:
+        return a if a.itemsize >= b.itemsize else b
+    signed, unsigned = (a, b) if sa else (b, a)
+    if signed.itemsize > unsigned.itemsize:
+        return signed
+    widened = {1: "int16", 2: "int32"}.get(unsigned.itemsize)
+    return nki_dtype(widened) if widened is not None else nki_dtype("float32")
+
+
+def _dtype_of(v: Any) -> Any:
+    """A tile's dtype, a numpy scalar's, or a weakly typed Python scalar's as NKI infers it: the
+    widest the hardware has of its kind (bool uint8, int int32, float float32)."""
+    if isinstance(v, NkiTensor):
+        return nki_dtype(v.dtype)
+    if isinstance(v, (bool, np.bool_)):
+        return nki_dtype("uint8")
+    if isinstance(v, np.generic) and v.dtype not in (np.float64, np.int64):  # (numpy's defaults count as weak)
+        return nki_dtype(v.dtype)
+    return nki_dtype("int32" if isinstance(v, (int, np.integer)) else "float32")
+
+
 def _binary(op: Any, x: Any, y: Any, dtype: Any, mask: Any, what: str) -> NkiTensor:
     tx, ty = isinstance(x, NkiTensor), isinstance(y, NkiTensor)
     if not tx and not ty:
         raise NkiError(f"{what}: at least one operand must be a tensor")
+    if dtype is None:
+        dtype = promote(_dtype_of(x), _dtype_of(y))
     if tx and ty:
         if x.shape == y.shape:
             return nisa.tensor_tensor(x, y, op, dtype=dtype, mask=mask)
@@ -508,8 +550,10 @@ def rms_norm(x: NkiTensor, w: NkiTensor, axis: int, n: int, epsilon: float = 1e-
 
 
 def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, *, mask: Any = None) -> NkiTensor:
-    """``x`` where ``condition`` (1.0 / 0.0) is true, else ``y``: ``y`` copied (or filled), the
-    condition cast to a uint8 predicate, then VectorE ``tensor_copy_predicated`` of ``x``."""
+    """``x`` where ``condition`` is true (non-zero, as numpy.where), else ``y``: ``y`` copied
+    (or filled), the condition compared with 0 into a uint8 predicate, then VectorE
+    ``tensor_copy_predicated`` of ``x``. (A cast to uint8 rounded 0.3 and -2.0 to a false
+    predicate.)"""
     cond = nisa._tensor(condition, "nl.where", "condition")
     like = x if isinstance(x, NkiTensor) else y if isinstance(y, NkiTensor) else cond
     dt = dtype or like.dtype
@@ -518,9 +562,13 @@ def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, *, mask: Any 
         nisa.tensor_copy(out, y, mask=mask)
     else:
         nisa.memset(out, float(y), mask=mask)
-    pred = nisa.tensor_copy(cond, dtype=uint8, mask=mask)
+    pred = nisa.tensor_scalar(cond, not_equal, 0, dtype=uint8, mask=mask)
     pred._store()
-    src = nisa.tensor_copy(x, dtype=dt) if isinstance(x, NkiTensor) and nki_dtype(x.dtype) != nki_dtype(dt) else x
+    if isinstance(x, NkiTensor):
+        src = nisa.tensor_copy(x, dtype=dt) if nki_dtype(x.dtype) != nki_dtype(dt) else x
+    else:  # a number: a tile of it (the predicated copy takes a tile)
+        src = ndarray(cond.shape, dt, sbuf)
+        nisa.memset(src, float(x), mask=mask)
     nisa.tensor_copy_predicated(out, src, pred, mask=mask)
     return out
 
