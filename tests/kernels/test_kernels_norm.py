@@ -167,3 +167,26 @@ def test_lnc_split_and_v7_shape_sits_above_its_floors():
               "VectorE": max(r.engines["Vector"].busy_us for r in reports)}
     sim = max(r.total_us for r in reports)
     assert max(floors.values()) <= sim <= 1.5 * max(floors.values())
+
+
+def test_the_check_fails_a_softmax_that_writes_zeros():
+    """The check's absolute tolerance is relative to the largest reference value however small:
+    floored at 1, it let an all-zero bf16 softmax of 4096 columns (every value under 0.005)
+    pass (a library-kernel values hunt)."""
+    import dataclasses
+
+    from trnsim.builder.kernel import Kernel
+
+    def zeros(rows, cols, dtype="bf16", config="trn2"):
+        k = Kernel("softmax_zeros", config)
+        k.input("x", (rows, cols), dtype)
+        y = k.output("y", (rows, cols), dtype)
+        t = k.sbuf((128, cols), dtype)
+        k.memset(t, 0.0)
+        for r in range(0, rows, 128):
+            k.dma_copy(y[r:r + 128, :], t)
+        return k
+
+    entry = get_kernel("softmax")
+    assert check_entry(entry, (128, 4096), "bf16")["ok"]
+    assert not check_entry(dataclasses.replace(entry, build=zeros), (128, 4096), "bf16")["ok"]
