@@ -617,6 +617,9 @@ def attention_tkg_reference(inputs: Mapping[str, np.ndarray], shape: tuple[int, 
         kc_new, vc_new = kc.copy(), vc.copy()
         for bi in range(b):
             ps = int(pos[bi])
+            if not 0 <= ps <= sp - sa:  # (the kernel's scatter would write into the next sequence's rows)
+                raise KernelError(f"attention_tkg: cache_update: pos[{bi}] = {ps} leaves no room for {sa} active "
+                                  f"rows in a cache of {sp}; expected 0 <= pos <= {sp - sa}")
             kc_new[bi, :, ps:ps + sa] = k[bi]
             vc_new[bi, :, ps:ps + sa] = v[bi]
         res["k_cache"], res["v_cache"] = kc_new, vc_new
