@@ -665,8 +665,8 @@ class NeuronProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # network's permute takes one send per rank (a root sending to two was refused: scatter
         # failed on 3 ranks and more), and NeuronLink's links carry the same bandwidth each way,
         # so the root's sends take the time its receives would
-        pairs = ((g[root], next(r for r in g if r != g[root])),) if len(g) == 2 else \
-            tuple((r, g[root]) for r in g if r != g[root])
+        others = [r for r in g if r != g[root]]
+        pairs = tuple((g[root], r) if len(others) == 1 else (r, g[root]) for r in others)
         call = self._call("scatter", "permute", output_tensors, tensor_bytes(output_tensors), shapes_text(output_tensors),
                           root=root, pairs=pairs)
         outs = [cpu_view(t) for t in output_tensors]

@@ -17,6 +17,7 @@ import math
 import numbers
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .. import _native, _torch
@@ -944,8 +945,6 @@ OVERLAP_ERROR = ("unsupported operation: some elements of the input tensor and t
 
 def _byte_starts(t: torch.Tensor) -> Any:
     """The sorted byte offsets, in ``t``'s storage, of each of ``t``'s elements (numpy int64)."""
-    import numpy as np
-
     offs = np.zeros((), dtype=np.int64)
     for n, st in zip(t.shape, t.stride()):
         offs = np.add.outer(offs, np.arange(n, dtype=np.int64) * st)
@@ -970,8 +969,6 @@ def partial_overlap(out: torch.Tensor, t: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = extent(out), extent(t)
     if a1 <= b0 or b1 <= a0:
         return False
-    import numpy as np
-
     w, r = _byte_starts(out), _byte_starts(t)
     # the last element of out starting before each of t's elements ends, and whether it reaches into it
     i = np.searchsorted(w, r + t.element_size(), side="left") - 1

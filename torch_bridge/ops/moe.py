@@ -361,8 +361,9 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     derivative as autograd's formula for it, in the block's dtypes (a cast's derivative casts back;
     ``h * weights`` promotes to float32, so its input's gradient is cast to ``h``'s dtype). The
     same numbers as autograd of the recomputed block (:func:`_backward_values`), the input's
-    gradient summed in autograd's order, bit for bit; without building and walking the graph, which took ~1.5 ms of a 4-expert
-    block's ~1.9 ms backward on the host (the Mixtral zoo program's step: 2.1x CPU's)."""
+    gradient summed in autograd's order, bit for bit; without building and walking the graph,
+    which took about half of a 4-expert block's backward on the host (the Mixtral zoo program's
+    step was 2.1x CPU's)."""
     router_dtype, expert_dtype = dtypes
     xr, wr = _cast(x, router_dtype), _cast(router_weight, router_dtype)
     logits = _forward_linear(xr, wr)

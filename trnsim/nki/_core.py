@@ -980,7 +980,7 @@ class Trace:
         for i in range(n0, len(k.instructions)):
             self.source_lines.append(site)
             made = k.instructions[i]
-            if not isinstance(made, MatMul):  # a PSUM box a later `+=` of a matmul adds to
+            if self.psum_boxes and not isinstance(made, MatMul):  # a PSUM box a later `+=` of a matmul adds to
                 for w in made.writes:
                     if isinstance(w, TileAP) and w.alloc.space == "psum":
                         boxes = self.psum_boxes.get(id(w.alloc))

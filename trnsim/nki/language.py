@@ -403,14 +403,14 @@ def _binary(op: Any, x: Any, y: Any, dtype: Any, mask: Any, what: str) -> NkiTen
         if _is_column(y, x):
             return nisa.tensor_scalar(x, op, y, dtype=dtype, mask=mask)
         if _is_column(x, y):
-            return nisa.tensor_scalar(y, op, x, reverse0=True, dtype=dtype or x.dtype, mask=mask)
+            return nisa.tensor_scalar(y, op, x, reverse0=True, dtype=dtype, mask=mask)
         if x.shape[0] != y.shape[0]:
             raise NkiError(f"{what}: shapes {x.shape} and {y.shape} differ in the partition dim; broadcasting across "
                            f"partitions is not supported (use nl.matmul with a ones vector)")
         if len(x.shape) == len(y.shape) and builtins.all(a == b or b == 1 for a, b in zip(x.shape, y.shape)):
             return nisa.tensor_tensor(x, y.broadcast_to(x.shape), op, dtype=dtype, mask=mask)
         if len(x.shape) == len(y.shape) and builtins.all(a == b or a == 1 for a, b in zip(x.shape, y.shape)):
-            return nisa.tensor_tensor(x.broadcast_to(y.shape), y, op, dtype=dtype or x.dtype, mask=mask)
+            return nisa.tensor_tensor(x.broadcast_to(y.shape), y, op, dtype=dtype, mask=mask)
         raise NkiError(f"{what}: cannot broadcast shapes {x.shape} and {y.shape}")
     if tx:
         return nisa.tensor_scalar(x, op, y, dtype=dtype, mask=mask)
