@@ -381,3 +381,83 @@ def test_integer_indexing_runs_and_costs_what_eager_charges():
             fx[fx > 0]
     assert got == want and _rows(scope.report) == _rows(eager)
     assert scope.report.device_us == pytest.approx(eager.device_us, rel=1e-12)
+
+
+def _same_run(program_eager, program_timed):
+    """(eager report, timing-only report) of two runs of one program."""
+    torch.neuron.synchronize()
+    with torch.neuron.report_scope() as scope:
+        program_eager()
+        torch.neuron.synchronize()
+    eager = scope.report
+    with torch.neuron.timing_only():
+        torch.neuron.synchronize()
+        with torch.neuron.report_scope() as scope:
+            program_timed()
+            torch.neuron.synchronize()
+    return eager, scope.report
+
+
+def test_tied_embeddings_stay_one_weight_with_and_without_values():
+    """GPT-2 ties its output projection to its token embedding. A model from a config gave each
+    module's parameter its own timing-only tensor, which untied them (found by comparing model
+    families with and without values): the tied matrix counted twice against HBM and a training
+    step lost the gradient sum of its two uses. Shared parameters now stay one tensor."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    models.register()
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "neuron"
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    real = GPT2LMHeadModel(cfg).to("neuron")
+    real_bytes = sum(p.numel() * p.element_size() for p in real.parameters())
+    with torch.neuron.timing_only():
+        before = torch.neuron.memory_allocated()
+        fake = models.from_config(cfg, torch.float32)
+        fake_bytes = torch.neuron.memory_allocated() - before - sum(b.numel() * b.element_size()
+                                                                    for b in fake.buffers())
+        assert fake.lm_head.weight is fake.transformer.wte.weight
+        assert len(list(fake.parameters())) == len(list(real.parameters()))
+    assert fake_bytes == real_bytes
+    fake.train()
+    x = ids.to("neuron")
+    with torch.neuron.timing_only():
+        fx = ids.to("neuron")
+    eager, timed = _same_run(lambda: _train_step(real, x), lambda: _train_step(fake, fx))
+    assert _rows(timed) == _rows(eager)
+    assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)
+
+
+def test_attention_with_dropout_charges_the_softmax_kernel_as_eager():
+    """Attention with dropout runs PyTorch's math path, whose _safe_softmax calls softmax from
+    C++ below autograd: timing-only charged that implicit composite as one generic kernel, where
+    eager takes it apart into _softmax and runs the library softmax kernel (found by comparing
+    model families in training). Such a composite is now taken apart in timing-only too."""
+    def program(make):
+        q, k, v = (make((2, 4, 16, 16)) for _ in range(3))
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1).sum().backward()
+
+    eager, timed = _same_run(lambda: program(lambda s: torch.zeros(s, device="neuron", requires_grad=True)),
+                             lambda: program(lambda s: torch.zeros(s, device="neuron", requires_grad=True)))
+    assert _rows(eager)[("_softmax", "softmax")] == 1  # the math path's softmax, as the library kernel
+    assert _rows(timed) == _rows(eager)
+    assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)
+
+
+def test_host_index_tensors_run_as_eager_runs_them():
+    """x[host_index] and x[host_index] = v with the index on the host (as CUDA allows) failed in
+    timing-only with FakeTensor's device-mismatch error (found by the same comparison). Indexing
+    copies each host index to the device, as eager does (charged); index_put reads it where it is."""
+    def program(x):
+        i = torch.tensor([0, 2, 2])
+        y = x[i]
+        x[torch.tensor([1, 3])] = 0.0
+        return x[i, torch.tensor([1, 0, 1])], y
+
+    eager, timed = _same_run(lambda: program(torch.empty(4, 5, device="neuron")),
+                             lambda: program(torch.empty(4, 5, device="neuron")))
+    assert _rows(eager)[("_copy_from", "generic:copy_h2d")] == 3  # x[i] once, x[i, j] twice
+    assert _rows(timed) == _rows(eager)
+    assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)

@@ -148,8 +148,12 @@ class _Facts:
                              if a.alias_info is not None and a.alias_info.is_write)
         explicit = _torch.has_kernel(op, _torch.DispatchKey.PrivateUse1)
         self.composite = next((k for k in _torch.COMPOSITE_EXPLICIT if _torch.has_kernel(op, k)), None)
+        # an implicit composite that reaches the mode (one a composite's C++ calls below autograd:
+        # _safe_softmax's at::softmax) is taken apart as the dispatcher takes it apart for a neuron
+        # tensor, so its inner ops are charged (softmax -> _softmax, the library kernel), not the op
+        implicit = self.composite is None and _torch.has_kernel(op, _torch.DispatchKey.CompositeImplicitAutograd)
         self.kind = _EXPLICIT.get(self.name if not self.out_names else self.name + ".out", "fallback") if explicit \
-            else ("composite" if self.composite is not None else "fallback")
+            else ("composite" if self.composite is not None else "implicit" if implicit else "fallback")
         if explicit and self.name.startswith("_foreach_"):
             self.kind = "foreach" if not self.out_names else "fallback"
 
@@ -248,6 +252,17 @@ def _real_tensors(facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any], 
 #: ops tagged data-dependent for their boolean-mask form alone: with integer indices the output's
 #: shape is the indices' (``x[idx]``, as index_select), so they run timing-only
 _MASKED_ONLY = frozenset({"index", "_unsafe_index"})
+# ops that take host index tensors beside a device ``self``, as CUDA's do (values.MIXED_DEVICE_OPS):
+# index moves them to the device first (its meta function's make_info: a host-to-device copy each,
+# charged in eager), the index_put family reads them where they are (eager charges no copy)
+_HOST_INDEX_MOVED = frozenset({"index", "_unsafe_index"})
+_HOST_INDEX_READ = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
+
+
+def _host_indices(args: tuple[Any, ...]) -> bool:
+    """A host tensor among an index op's indices (its second argument, a list)."""
+    return len(args) > 1 and isinstance(args[1], (list, tuple)) and \
+        any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in args[1])
 
 
 def _has_mask(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -330,6 +345,13 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             return self._call(func, facts, args, kwargs)
         if kind == "composite":
             return self._composite(func, facts, args, kwargs)
+        if facts.name in _HOST_INDEX_MOVED | _HOST_INDEX_READ and _host_indices(args):
+            return self._host_index_op(func, facts, args, kwargs, core_of=target.core_of(index))
+        if kind == "implicit":
+            with self:  # the decomposition's ops come back through this mode
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         core = target.core_of(index)
         if kind == "to_copy":
             src = args[0]
@@ -382,6 +404,37 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
                 fuser.record(core, func, args, kwargs, out, (facts.name, cost))  # lowered with its region
             else:
                 self.run.launch(core, facts.name, cost)
+        return out
+
+    def _host_index_op(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       core_of: int) -> Any:
+        """An index op given host index tensors beside a device tensor, as eager runs it (a
+        FakeTensor op refuses the mix): ``index`` copies each host index to the device (charged)
+        and indexes with the copies; the ``index_put`` family reads them on the host, so its
+        kernel is charged without them (as the eager fallback charges only device tensors)."""
+        device = args[0].device
+        moved = facts.name in _HOST_INDEX_MOVED
+        target = self.run.target
+        charging = target.charge
+        if not moved:
+            target.charge = False  # (their device twins only give the meta kernel its devices)
+        try:
+            with self:  # (as make_info's index.to(self.device()): a _to_copy, an empty and a copy)
+                indices = [torch.ops.aten._to_copy.default(t, device=device)
+                           if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t for t in args[1]]
+        finally:
+            target.charge = charging
+        new_args = (args[0], indices, *args[2:])
+        if moved:
+            with self:  # the op on device indices comes back through this mode, as any op
+                return func(*new_args, **kwargs)
+        out = self._call(func, facts, new_args, kwargs)
+        inputs = [t for t in flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in facts.out_names], [])
+                  if t.device.type == _NEURON]
+        outs = flat_tensors(out, [])
+        key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs))
+        self.run.launch(core_of, facts.name, self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs,
+                                                                                     inputs, outs)))
         return out
 
     # ---- running an op on fake tensors ---------------------------------------------------------
@@ -872,23 +925,31 @@ def timing_only() -> TimingOnly:
 def materialize(module: torch.nn.Module, device: Any = "neuron", dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Give ``module``'s meta parameters and buffers timing-only storage on ``device`` (inside a
     timing-only run): their HBM counts, no op is charged, no value exists (a model built under
-    ``torch.device("meta")`` had its weights never allocated; this puts them on the device)."""
+    ``torch.device("meta")`` had its weights never allocated; this puts them on the device).
+    A parameter or buffer that several modules share (tied input and output embeddings) stays
+    one tensor, as ``module.to(device)`` keeps it: its HBM counts once, and autograd sums the
+    gradients of its uses into it, as in the run with values."""
     run = active()
     if run is None:
         raise TimingOnlyError("timing-only: materialize() runs inside a timing-only run "
                               "(with torch.neuron.timing_only(): ...)")
     target = run.target
     charging, target.charge = target.charge, False
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a meta tensor -> (it, its replacement)
     try:
         for mod in module.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None:
-                    dt = dtype if dtype is not None and p.is_floating_point() else p.dtype
-                    mod._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device=device, dtype=dt),
-                                                               requires_grad=p.requires_grad)
+                    if id(p) not in made:
+                        dt = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                        made[id(p)] = (p, torch.nn.Parameter(torch.empty_like(p, device=device, dtype=dt),
+                                                             requires_grad=p.requires_grad))
+                    mod._parameters[name] = made[id(p)][1]
             for name, b in list(mod._buffers.items()):
                 if b is not None:
-                    mod._buffers[name] = torch.empty_like(b, device=device)
+                    if id(b) not in made:
+                        made[id(b)] = (b, torch.empty_like(b, device=device))
+                    mod._buffers[name] = made[id(b)][1]
     finally:
         target.charge = charging
     return module
