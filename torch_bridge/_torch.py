@@ -356,6 +356,14 @@ DynamicOutputShapeException = resolve("torch._subclasses.fake_tensor.DynamicOutp
 UnsupportedOperatorException = resolve("torch._subclasses.fake_tensor.UnsupportedOperatorException")
 TorchDispatchMode = resolve("torch.utils._python_dispatch.TorchDispatchMode")
 no_dispatch_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
+
+
+def forget_constant(t: Any) -> None:
+    """Drop the values a FakeTensor made from data keeps (its ``constant``): fake mode runs an op
+    on such a tensor for real too, to keep the result's values, so a copy of it to the device
+    would also run, and be charged, on the real device (timing_only's tensors from data)."""
+    if isinstance(t, FakeTensor):
+        t.constant = None
 COMPOSITE_EXPLICIT = (DispatchKey.CompositeExplicitAutograd, DispatchKey.CompositeExplicitAutogradNonFunctional)
 
 

@@ -461,3 +461,29 @@ def test_host_index_tensors_run_as_eager_runs_them():
     assert _rows(eager)[("_copy_from", "generic:copy_h2d")] == 3  # x[i] once, x[i, j] twice
     assert _rows(timed) == _rows(eager)
     assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)
+
+
+def test_tensors_from_data_cost_one_copy_to_the_device_as_in_eager():
+    """torch.tensor(data, device="neuron"), a list index (x[[0, 2]]) and a host tensor made from
+    data then moved: eager copies each from the host once. Timing-only charged nothing for the
+    first two (fake mode made them on the device directly) and two copies for a number moved
+    (fake mode ran the copy of its held value on the real device too); a Mistral decode step was
+    13 us off. Each is one charged copy now, and the host tensor keeps its value (.item())."""
+    def program():
+        a = torch.tensor([1.0, 2.0], device="neuron")
+        b = torch.tensor(3.0, device="neuron")
+        n = torch.tensor(5)
+        c = n.to("neuron")
+        x = torch.empty(4, 4, device="neuron")
+        d = x[[0, 2]]
+        x[[1, 3]] = 0.0
+        x[0].copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        return n, (a, b, c, d)
+
+    eager, timed = _same_run(program, program)
+    assert _rows(eager)[("_copy_from", "generic:copy_h2d")] == 6
+    assert _rows(timed) == _rows(eager)
+    assert timed.elapsed_us == pytest.approx(eager.elapsed_us, rel=1e-12)
+    with torch.neuron.timing_only():
+        n, _ = program()
+        assert n.item() == 5

@@ -332,6 +332,13 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         fuser = self.run.fuser
         if self.run._awaiting and neuron and not facts.is_view and kind not in ("host", "alloc", "direct"):
             self.run.await_reads(neuron)  # an asynchronous collective's result read here: wait for it
+        if facts.name == "lift_fresh" and neuron:
+            # a tensor made from data on the device by PyTorch's C++ (a list index, x[[0, 2]]): fake
+            # mode made it there directly; eager copies it from the host, one charged copy
+            src = args[0]
+            self.run.launch(target.core_of(index), "_copy_from",
+                            self._cost(("copy", "copy_h2d", _key(src), _key(src)),
+                                       lambda: lowering.copy_spec("copy_h2d", src, src)))
         if facts.is_view or kind == "host":
             self.run.host_op(facts.name)
             out = self._call(func, facts, args, kwargs)
@@ -624,10 +631,66 @@ class FunctionMode(TorchFunctionMode):
             done = self.run.attention(*args, **kwargs)
             if done is not None:
                 return done
+        if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor) and \
+                _is_neuron_device(kwargs.get("device")):
+            return _from_data(func, args, kwargs)
+        held = _held_values(func, args, kwargs)
+        if held is not None:  # a host tensor from data moved to the device: one copy, as in eager
+            t, constant = held
+            _torch.forget_constant(t)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                t.constant = constant
         out = func(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward or func is torch.autograd.grad:
             self.run.raise_deferred_oom()
         return out
+
+
+# tensors made from Python data (lists, numbers, numpy arrays)
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+def _is_neuron_device(device: Any) -> bool:
+    if device is None:
+        return False
+    try:
+        return torch.device(device).type == _NEURON
+    except (RuntimeError, TypeError):
+        return False  # (the op itself gives its error)
+
+
+def _held_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """(tensor, its values) for ``t.to(<neuron>)`` or ``<neuron tensor>.copy_(t)`` of a host
+    tensor made from data inside the run, whose values fake mode keeps (``torch.tensor(0)``):
+    fake mode would run that copy for real too, and the real device would charge it a second
+    time. The caller hides the values for the copy, and gives them back (``t.item()`` still
+    works)."""
+    if func is torch.Tensor.to and args:
+        t = args[0]
+        moved = any(_is_neuron_device(a) if isinstance(a, (str, torch.device)) else
+                    isinstance(a, torch.Tensor) and a.device.type == _NEURON for a in args[1:]) or \
+            _is_neuron_device(kwargs.get("device"))
+    elif func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        t, moved = args[1], args[0].device.type == _NEURON
+    else:
+        return None
+    constant = getattr(t, "constant", None) if isinstance(t, _torch.FakeTensor) else None
+    return (t, constant) if moved and constant is not None and t.device.type == "cpu" else None
+
+
+def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``torch.tensor(data, device="neuron")`` as eager makes it: the values on the host, then
+    one host-to-device copy (charged). Made directly, PyTorch's fake mode took a device tensor
+    from below the charge mode: nothing was charged for a list, and a number went through the
+    real device (a copy charged there as device to device)."""
+    device = kwargs["device"]
+    grad = bool(kwargs.get("requires_grad", False))
+    host = func(*args, **{k: v for k, v in kwargs.items() if k not in ("device", "requires_grad", "pin_memory")})
+    _torch.forget_constant(host)  # (else the copy also runs, and is charged, on the real device)
+    out = host.to(device)
+    return out.requires_grad_() if grad else out
 
 
 def _sdpa_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
