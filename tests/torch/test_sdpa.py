@@ -624,3 +624,39 @@ def test_a_head_dim_of_zero_gives_cpu_s_empty_output():
     assert got.shape == want.shape == (1, 2, 4, 0) and got.device.type == "neuron"
     got.sum().backward()
     assert qn.grad.shape == q.shape
+
+
+def _penalty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """A gradient penalty through attention: the task loss plus the squared query gradient, both
+    differentiated (create_graph), as WGAN-GP and R1 penalties do."""
+    out = F.scaled_dot_product_attention(q, k, v)
+    gq, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    (out.sum() + gq.pow(2).sum()).backward()
+    return [gq, q.grad, k.grad, v.grad]
+
+
+def test_a_gradient_penalty_through_cpus_math_path_has_its_second_order_terms():
+    """3-d inputs: CPU runs its math path, whose backward is differentiable. The fused op's
+    backward returned gradients without history, so the penalty's second-order terms were dropped
+    without an error (q.grad 9.9 off where it is 8.8 at most)."""
+    qkv = _qkv((3, 5, 8), (3, 5, 8), (3, 5, 8), seed=4)
+    want = _penalty(*[t.clone().requires_grad_() for t in qkv])
+    got = _penalty(*[t.to("neuron").requires_grad_() for t in qkv])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("queries", [5, 3], ids=["fused", "op-by-op-cpu-valued"])
+def test_a_gradient_penalty_through_cpus_flash_kernel_is_refused_as_on_cpu(queries):
+    """4-d inputs: CPU's flash kernel has no double backward and CPU refuses; the device computed
+    the penalty's gradients without their second-order terms. Also where the call runs op by op
+    with CPU's kernel's values (keys of another length, a non-finite query)."""
+    from torch_bridge.ops.attention import FLASH_DOUBLE_BACKWARD
+
+    q, k, v = _qkv((2, 3, queries, 8), (2, 3, 5, 8), (2, 3, 5, 8), seed=5)
+    if queries != 5:
+        q[0, 0, 0, 0] = float("inf")
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        with pytest.raises(RuntimeError, match=FLASH_DOUBLE_BACKWARD):
+            _penalty(*ts)

@@ -319,6 +319,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.p = p
         ctx.scale, ctx.groups = sc, groups
+        ctx.call = (attn_mask, is_causal, scale, flash)  # (for a backward that builds a graph)
         mask = None if attn_mask is None else memory.cpu_view(attn_mask)
         # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
         ctx.cpu_call = None if exact else (mask, is_causal, scale)
@@ -327,6 +328,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the gradients must be differentiable
+            mask, causal, scale, flash = ctx.call
+            return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
+                (None,) * 5
         index = q.device.index or 0
         if ctx.cpu_call is None:
             dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
@@ -527,12 +532,36 @@ class _CpuValued(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         mask, causal, scale, gqa = ctx.call
+        if torch.is_grad_enabled():  # create_graph: CPU's flash kernel has no double backward
+            return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, gqa, True) + (None,) * 4
         index = q.device.index or 0
         with torch.enable_grad():  # the device's work (values dropped)
             xs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
         grads = cpu_kernel_grads(q, k, v, host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
+
+
+FLASH_DOUBLE_BACKWARD = "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"
+
+
+def differentiable_grads(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                         mask: torch.Tensor | None, causal: bool, scale: float | None, gqa: bool, flash: bool
+                         ) -> tuple[Any, ...]:
+    """The gradients of a backward that builds a graph (``create_graph=True``: a gradient penalty,
+    a Hessian-vector product). The fused backward's gradients are new tensors without history, so
+    a second differentiation took them as constants and silently dropped their terms. Where CPU
+    runs the call with its flash kernel, whose backward has no derivative, CPU's error; where it
+    runs its math path, that path recomputed on the device and differentiated with
+    ``create_graph``, as CPU's autograd differentiates it (the composite's ops' values)."""
+    if flash:
+        raise RuntimeError(FLASH_DOUBLE_BACKWARD)
+    need = ctx.needs_input_grad[:3]
+    xs = [t for t, n in zip((q, k, v), need) if n]
+    m, c = additive_mask(q, k, mask, causal)
+    out = _torch.sdpa_math(q, k, v, m, 0.0, c, None, scale=scale, enable_gqa=gqa)[0]
+    got = iter(torch.autograd.grad(out, xs, grad_out, create_graph=True))
+    return tuple(next(got) if n else None for n in need)
 
 
 def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,
