@@ -660,3 +660,21 @@ def test_a_gradient_penalty_through_cpus_flash_kernel_is_refused_as_on_cpu(queri
         ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
         with pytest.raises(RuntimeError, match=FLASH_DOUBLE_BACKWARD):
             _penalty(*ts)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 3, 5, 8)], ids=["math", "flash"])
+def test_gradients_batched_by_vmap_are_cpu_s(shape):
+    """``is_grads_batched`` and ``jacobian(vectorize=True)`` vmap the backward over output
+    gradients without memory of their own: the fused backward raised "Cannot access storage of
+    BatchedTensorImpl" where CPU computes them."""
+    q, k, v = _qkv(shape, shape, shape, seed=6)
+    gs = torch.randn((4,) + shape, generator=torch.Generator().manual_seed(7))
+    got = []
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        batched = torch.autograd.grad(F.scaled_dot_product_attention(*ts), ts, gs.to(dev), is_grads_batched=True)
+        jac = torch.autograd.functional.jacobian(lambda t: F.scaled_dot_product_attention(t, t, t), q.to(dev),
+                                                 vectorize=True)
+        got.append([t.cpu() for t in batched] + [jac.cpu()])
+    for a, b in zip(got[1], got[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -328,7 +328,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the gradients must be differentiable
+        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
             mask, causal, scale, flash = ctx.call
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
                 (None,) * 5
@@ -532,7 +532,7 @@ class _CpuValued(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         mask, causal, scale, gqa = ctx.call
-        if torch.is_grad_enabled():  # create_graph: CPU's flash kernel has no double backward
+        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, gqa, True) + (None,) * 4
         index = q.device.index or 0
         with torch.enable_grad():  # the device's work (values dropped)
@@ -540,6 +540,18 @@ class _CpuValued(torch.autograd.Function):
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
         grads = cpu_kernel_grads(q, k, v, host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
+
+
+def _batched(grad_out: torch.Tensor) -> bool:
+    """True for an output gradient vmapped by autograd (``is_grads_batched``, ``jacobian(vectorize=True)``)
+    or a torch.func transform: a wrapper without memory of its own."""
+    if _torch.functorch_active():
+        return True
+    try:
+        grad_out.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
 
 
 FLASH_DOUBLE_BACKWARD = "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"
@@ -553,14 +565,25 @@ def differentiable_grads(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     a second differentiation took them as constants and silently dropped their terms. Where CPU
     runs the call with its flash kernel, whose backward has no derivative, CPU's error; where it
     runs its math path, that path recomputed on the device and differentiated with
-    ``create_graph``, as CPU's autograd differentiates it (the composite's ops' values)."""
-    if flash:
-        raise RuntimeError(FLASH_DOUBLE_BACKWARD)
+    ``create_graph``, as CPU's autograd differentiates it (the composite's ops' values).
+
+    Also the gradients of a backward vmapped over its output gradients (``is_grads_batched``,
+    ``jacobian(vectorize=True)``), whose batched ``grad_out`` has no memory for the fused
+    backward to read ("Cannot access storage of BatchedTensorImpl"): the math path recomputed
+    and differentiated, each batch entry as CPU's kernel's backward (within the composite's
+    rounding)."""
     need = ctx.needs_input_grad[:3]
-    xs = [t for t, n in zip((q, k, v), need) if n]
-    m, c = additive_mask(q, k, mask, causal)
-    out = _torch.sdpa_math(q, k, v, m, 0.0, c, None, scale=scale, enable_gqa=gqa)[0]
-    got = iter(torch.autograd.grad(out, xs, grad_out, create_graph=True))
+    if torch.is_grad_enabled():
+        if flash:
+            raise RuntimeError(FLASH_DOUBLE_BACKWARD)
+        xs = [t for t, n in zip((q, k, v), need) if n]
+    else:
+        q, k, v = (t.detach().requires_grad_(n) for t, n in zip((q, k, v), need))
+        xs = [t for t in (q, k, v) if t.requires_grad]
+    with torch.enable_grad():
+        m, c = additive_mask(q, k, mask, causal)
+        out = _torch.sdpa_math(q, k, v, m, 0.0, c, None, scale=scale, enable_gqa=gqa)[0]
+        got = iter(torch.autograd.grad(out, xs, grad_out, create_graph=torch.is_grad_enabled()))
     return tuple(next(got) if n else None for n in need)
 
 
