@@ -678,3 +678,17 @@ def test_gradients_batched_by_vmap_are_cpu_s(shape):
         got.append([t.cpu() for t in batched] + [jac.cpu()])
     for a, b in zip(got[1], got[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hessian_of_self_attention_counts_each_use_of_its_input_once():
+    """One tensor as query, key and value, differentiated twice (``hessian`` builds a graph): the
+    recomputed math path's gradient with respect to that tensor sums all three uses, and returned
+    once for each of q, k and v it was summed three times (the Hessian 10.1 off, twice its size)."""
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(8))
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(t, t, t).pow(2).sum()
+
+    want = torch.autograd.functional.hessian(f, x)
+    got = torch.autograd.functional.hessian(f, x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

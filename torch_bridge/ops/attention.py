@@ -576,10 +576,12 @@ def differentiable_grads(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if torch.is_grad_enabled():
         if flash:
             raise RuntimeError(FLASH_DOUBLE_BACKWARD)
-        xs = [t for t, n in zip((q, k, v), need) if n]
+        # each input through a view of its own: one tensor passed as q, k and v (self-attention's
+        # F.scaled_dot_product_attention(x, x, x)) gets each use's gradient once, not their sum thrice
+        q, k, v = (t.view_as(t) if n else t for t, n in zip((q, k, v), need))
     else:
         q, k, v = (t.detach().requires_grad_(n) for t, n in zip((q, k, v), need))
-        xs = [t for t in (q, k, v) if t.requires_grad]
+    xs = [t for t, n in zip((q, k, v), need) if n]
     with torch.enable_grad():
         m, c = additive_mask(q, k, mask, causal)
         out = _torch.sdpa_math(q, k, v, m, 0.0, c, None, scale=scale, enable_gqa=gqa)[0]
