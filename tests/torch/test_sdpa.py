@@ -692,3 +692,43 @@ def test_a_hessian_of_self_attention_counts_each_use_of_its_input_once():
     want = torch.autograd.functional.hessian(f, x)
     got = torch.autograd.functional.hessian(f, x.to("neuron"))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["flash", "flash-non-finite", "math", "flash-bool-mask"])
+def test_a_mask_written_in_place_after_the_forward_is_refused_where_cpu_refuses(case):
+    """CPU's flash kernel saves its float mask for the backward, so writing the mask in place
+    before the backward is refused there; the device's backward from CPU's kernel (inputs not
+    finite) read the written mask and gave other gradients without a word. CPU's math path (3-d)
+    and a boolean mask (which CPU converts to a copy first) compute, as the device does."""
+    shape = (2, 4, 8) if case == "math" else (2, 2, 4, 8)
+    q, k, v = _qkv(shape, shape, shape, seed=11)
+    if case == "flash-non-finite":
+        q[0, 0, 0, 0] = 1e30
+    g = torch.Generator().manual_seed(12)
+    mask = torch.rand(4, 4, generator=g) > 0.3 if case == "flash-bool-mask" else torch.randn(4, 4, generator=g)
+    mask[:, 0] = True if mask.dtype == torch.bool else mask[:, 0]
+    refuses = case in ("flash", "flash-non-finite")
+    got = []
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        m = mask.clone().to(dev)
+        out = F.scaled_dot_product_attention(*ts, attn_mask=m)
+        m.logical_not_() if m.dtype == torch.bool else m.mul_(5)
+        if refuses:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.square().sum().backward()
+        else:
+            got.append([g.cpu() for g in torch.autograd.grad(out.square().sum(), ts)])
+    for a, b in zip(*got) if got else ():
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_made_in_inference_mode_still_runs_where_cpu_runs_it():
+    """An inference tensor has no version counter to keep: CPU's math path (3-d) takes such a mask."""
+    with torch.inference_mode():
+        mask = torch.randn(4, 4, generator=torch.Generator().manual_seed(13)).to("neuron")
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(14))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(*[q.requires_grad_()] * 3, attn_mask=mask.cpu()).sum(), q)
+    qn = q.detach().to("neuron").requires_grad_()
+    got = torch.autograd.grad(F.scaled_dot_product_attention(qn, qn, qn, attn_mask=mask).sum(), qn)
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-5)

@@ -320,6 +320,7 @@ class _Attention(torch.autograd.Function):
         ctx.p = p
         ctx.scale, ctx.groups = sc, groups
         ctx.call = (attn_mask, is_causal, scale, flash)  # (for a backward that builds a graph)
+        ctx.mask_version = _version(attn_mask)
         mask = None if attn_mask is None else memory.cpu_view(attn_mask)
         # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
         ctx.cpu_call = None if exact else (mask, is_causal, scale)
@@ -328,8 +329,13 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
+        mask, causal, scale, flash = ctx.call
+        # a backward that reads the mask, or CPU's flash kernel's, which saves the very mask (a
+        # boolean one, or one of another dtype, it converts first: a copy, which it does not check)
+        if ctx.cpu_call is not None or torch.is_grad_enabled() or _batched(grad_out) or \
+                (flash and mask is not None and mask.dtype == q.dtype):
+            check_mask_version(mask, ctx.mask_version)
         if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
-            mask, causal, scale, flash = ctx.call
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
                 (None,) * 5
         index = q.device.index or 0
@@ -526,12 +532,14 @@ class _CpuValued(torch.autograd.Function):
         memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, host_mask(mask), is_causal, scale))
         ctx.save_for_backward(q, k, v)
         ctx.call = (mask, is_causal, scale, enable_gqa)
+        ctx.mask_version = _version(mask)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         mask, causal, scale, gqa = ctx.call
+        check_mask_version(mask, ctx.mask_version)
         if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, gqa, True) + (None,) * 4
         index = q.device.index or 0
@@ -540,6 +548,24 @@ class _CpuValued(torch.autograd.Function):
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
         grads = cpu_kernel_grads(q, k, v, host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
+
+
+def _version(mask: torch.Tensor | None) -> int | None:
+    """The mask's version counter (None without a mask, or for an inference tensor, which has none)."""
+    return None if mask is None or mask.is_inference() else mask._version
+
+
+def check_mask_version(mask: torch.Tensor | None, version: int | None) -> None:
+    """Autograd's refusal of a mask written in place between the forward and a backward that reads
+    it: CPU's flash kernel saves the mask for its backward and refuses so; the device's backward
+    (CPU's kernel's where the inputs are not finite, the math path recomputed for create_graph or
+    batched gradients) read the written mask and gave other gradients without a word. A backward
+    from P alone does not read it and runs where CPU's math path does."""
+    if version is not None and mask is not None and mask._version != version:
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                           f"inplace operation: [{mask.type()} {list(mask.shape)}] is at version {mask._version}; "
+                           f"expected version {version} instead. Hint: the attention mask of "
+                           "scaled_dot_product_attention was written in place after the forward")
 
 
 def _batched(grad_out: torch.Tensor) -> bool:
