@@ -115,6 +115,38 @@ def test_storage_resize_keeps_the_bytes_it_keeps():
     assert t.untyped_storage().nbytes() == 32 and t.cpu().tolist() == [0, 1, 2, 3]
 
 
+_FREED = r"^neuron: a tensor of \d+ elements over \d+ bytes of memory \(it needs \d+\): its storage was freed"
+
+
+@pytest.mark.parametrize("kept", [0, 8])
+def test_a_tensor_whose_storage_was_freed_or_shrunk_is_refused_not_read(kept):
+    # After storage.resize_(0) (FSDP2's free) a tensor still has its sizes but no memory. The
+    # Python path's CPU view got a fresh uninitialised storage (garbage from .cpu(), .tolist(),
+    # clone, mm, copy_; writes into it lost) and the fast path read freed memory or crashed
+    ops = {
+        "cpu": lambda x: x.cpu(), "tolist": lambda x: x.tolist(), "clone": lambda x: x.clone(),
+        "add": lambda x: x + 1, "sum": lambda x: x.sum(), "mm": lambda x: x.view(32, 32) @ x.view(32, 32),
+        "copy_from": lambda x: torch.zeros(1024, device="neuron").copy_(x),
+        "copy_into": lambda x: x.copy_(torch.zeros(1024)), "mul_": lambda x: x.mul_(2),
+        "conv": lambda x: nn.functional.conv2d(x.view(1, 1, 32, 32), torch.ones(1, 1, 3, 3, device="neuron")),
+    }
+    for name, op in ops.items():
+        for taught in (False, True):  # a signature's first call (Python's path), then the fast path's
+            if taught:
+                op(torch.ones(1024, device="neuron"))
+            x = torch.ones(1024, device="neuron")
+            x.untyped_storage().resize_(kept)
+            with pytest.raises(RuntimeError, match=_FREED):
+                op(x)
+            assert x.untyped_storage().nbytes() == kept, name
+    x = torch.arange(1024.0, device="neuron")
+    x.untyped_storage().resize_(kept)
+    assert x[:kept // 4].cpu().tolist() == list(range(kept // 4))  # the bytes it kept still read
+    x.untyped_storage().resize_(4096)  # re-allocated: usable again
+    x.copy_(torch.arange(1024.0))
+    assert (x + 1).sum().item() == sum(range(1, 1025))
+
+
 def test_storage_resize_past_hbm_is_out_of_memory():
     t = torch.ones(1, device="neuron")
     with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate"):

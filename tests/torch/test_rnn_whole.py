@@ -271,3 +271,23 @@ def test_a_call_mixing_devices_gets_cpu_s_error_when_cpu_would_refuse_it():
     h = torch.zeros(1, 1, 4)
     with pytest.raises(RuntimeError, match="Input and hidden tensors are not at the same device"):
         m(torch.randn(2, 1, 3, device="neuron"), (h, h))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_gradients_batched_by_vmap_are_cpu_s(cls):
+    """``autograd.grad(..., is_grads_batched=True)`` and ``jacobian(vectorize=True)`` vmap the
+    backward over output gradients, which have no memory of their own: the op's backward read
+    them as host views and raised "Cannot access storage of BatchedTensorImpl" where CPU computes
+    them. They run the composite's backward now."""
+    torch.manual_seed(0)
+    m = cls(4, 3, batch_first=True)
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))
+    gs = torch.randn(6, 2, 5, 3, generator=torch.Generator().manual_seed(2))
+    got = []
+    for dev in ("cpu", "neuron"):
+        md, xd = copy.deepcopy(m).to(dev), x.to(dev).requires_grad_()
+        batched = torch.autograd.grad(md(xd)[0], xd, gs.to(dev), is_grads_batched=True)[0]
+        jac = torch.autograd.functional.jacobian(lambda t: md(t)[0], xd.detach()[:1, :2], vectorize=True)
+        got.append((batched.cpu(), jac.cpu()))
+    for a, b in zip(got[1], got[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

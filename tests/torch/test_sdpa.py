@@ -624,3 +624,111 @@ def test_a_head_dim_of_zero_gives_cpu_s_empty_output():
     assert got.shape == want.shape == (1, 2, 4, 0) and got.device.type == "neuron"
     got.sum().backward()
     assert qn.grad.shape == q.shape
+
+
+def _penalty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """A gradient penalty through attention: the task loss plus the squared query gradient, both
+    differentiated (create_graph), as WGAN-GP and R1 penalties do."""
+    out = F.scaled_dot_product_attention(q, k, v)
+    gq, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    (out.sum() + gq.pow(2).sum()).backward()
+    return [gq, q.grad, k.grad, v.grad]
+
+
+def test_a_gradient_penalty_through_cpus_math_path_has_its_second_order_terms():
+    """3-d inputs: CPU runs its math path, whose backward is differentiable. The fused op's
+    backward returned gradients without history, so the penalty's second-order terms were dropped
+    without an error (q.grad 9.9 off where it is 8.8 at most)."""
+    qkv = _qkv((3, 5, 8), (3, 5, 8), (3, 5, 8), seed=4)
+    want = _penalty(*[t.clone().requires_grad_() for t in qkv])
+    got = _penalty(*[t.to("neuron").requires_grad_() for t in qkv])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("queries", [5, 3], ids=["fused", "op-by-op-cpu-valued"])
+def test_a_gradient_penalty_through_cpus_flash_kernel_is_refused_as_on_cpu(queries):
+    """4-d inputs: CPU's flash kernel has no double backward and CPU refuses; the device computed
+    the penalty's gradients without their second-order terms. Also where the call runs op by op
+    with CPU's kernel's values (keys of another length, a non-finite query)."""
+    from torch_bridge.ops.attention import FLASH_DOUBLE_BACKWARD
+
+    q, k, v = _qkv((2, 3, queries, 8), (2, 3, 5, 8), (2, 3, 5, 8), seed=5)
+    if queries != 5:
+        q[0, 0, 0, 0] = float("inf")
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        with pytest.raises(RuntimeError, match=FLASH_DOUBLE_BACKWARD):
+            _penalty(*ts)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 3, 5, 8)], ids=["math", "flash"])
+def test_gradients_batched_by_vmap_are_cpu_s(shape):
+    """``is_grads_batched`` and ``jacobian(vectorize=True)`` vmap the backward over output
+    gradients without memory of their own: the fused backward raised "Cannot access storage of
+    BatchedTensorImpl" where CPU computes them."""
+    q, k, v = _qkv(shape, shape, shape, seed=6)
+    gs = torch.randn((4,) + shape, generator=torch.Generator().manual_seed(7))
+    got = []
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        batched = torch.autograd.grad(F.scaled_dot_product_attention(*ts), ts, gs.to(dev), is_grads_batched=True)
+        jac = torch.autograd.functional.jacobian(lambda t: F.scaled_dot_product_attention(t, t, t), q.to(dev),
+                                                 vectorize=True)
+        got.append([t.cpu() for t in batched] + [jac.cpu()])
+    for a, b in zip(got[1], got[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hessian_of_self_attention_counts_each_use_of_its_input_once():
+    """One tensor as query, key and value, differentiated twice (``hessian`` builds a graph): the
+    recomputed math path's gradient with respect to that tensor sums all three uses, and returned
+    once for each of q, k and v it was summed three times (the Hessian 10.1 off, twice its size)."""
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(8))
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(t, t, t).pow(2).sum()
+
+    want = torch.autograd.functional.hessian(f, x)
+    got = torch.autograd.functional.hessian(f, x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["flash", "flash-non-finite", "math", "flash-bool-mask"])
+def test_a_mask_written_in_place_after_the_forward_is_refused_where_cpu_refuses(case):
+    """CPU's flash kernel saves its float mask for the backward, so writing the mask in place
+    before the backward is refused there; the device's backward from CPU's kernel (inputs not
+    finite) read the written mask and gave other gradients without a word. CPU's math path (3-d)
+    and a boolean mask (which CPU converts to a copy first) compute, as the device does."""
+    shape = (2, 4, 8) if case == "math" else (2, 2, 4, 8)
+    q, k, v = _qkv(shape, shape, shape, seed=11)
+    if case == "flash-non-finite":
+        q[0, 0, 0, 0] = 1e30
+    g = torch.Generator().manual_seed(12)
+    mask = torch.rand(4, 4, generator=g) > 0.3 if case == "flash-bool-mask" else torch.randn(4, 4, generator=g)
+    mask[:, 0] = True if mask.dtype == torch.bool else mask[:, 0]
+    refuses = case in ("flash", "flash-non-finite")
+    got = []
+    for dev in ("cpu", "neuron"):
+        ts = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        m = mask.clone().to(dev)
+        out = F.scaled_dot_product_attention(*ts, attn_mask=m)
+        m.logical_not_() if m.dtype == torch.bool else m.mul_(5)
+        if refuses:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.square().sum().backward()
+        else:
+            got.append([g.cpu() for g in torch.autograd.grad(out.square().sum(), ts)])
+    for a, b in zip(*got) if got else ():
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_made_in_inference_mode_still_runs_where_cpu_runs_it():
+    """An inference tensor has no version counter to keep: CPU's math path (3-d) takes such a mask."""
+    with torch.inference_mode():
+        mask = torch.randn(4, 4, generator=torch.Generator().manual_seed(13)).to("neuron")
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(14))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(*[q.requires_grad_()] * 3, attn_mask=mask.cpu()).sum(), q)
+    qn = q.detach().to("neuron").requires_grad_()
+    got = torch.autograd.grad(F.scaled_dot_product_attention(qn, qn, qn, attn_mask=mask).sum(), qn)
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-5)

@@ -877,7 +877,31 @@ struct AliasScope {
   AliasScope& operator=(const AliasScope&) = delete;
 };
 
+// The bytes of its storage a strided tensor's elements reach (0 for an empty tensor). A tensor whose
+// storage holds fewer - one whose memory `untyped_storage().resize_(0)` freed, as FSDP2 frees its
+// unsharded parameters - has no memory to read or write: its CPU alias read freed or foreign memory
+// (garbage values from .cpu(), .tolist(), copy_, mm; a crash from add) where CPU refuses or crashes.
+int64_t reach_bytes(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return (last + 1) * static_cast<int64_t>(t.itemsize());
+}
+
+bool within_storage(const at::Tensor& t) {
+  return static_cast<int64_t>(t.storage().nbytes()) >= reach_bytes(t);
+}
+
+// memory.cpu_view's refusal, in the same words
+void check_within_storage(const at::Tensor& t) {
+  TORCH_CHECK(within_storage(t), "neuron: a tensor of ", t.numel(), " elements over ", t.storage().nbytes(),
+              " bytes of memory (it needs ", reach_bytes(t),
+              "): its storage was freed or shrunk (untyped_storage().resize_()); re-allocate it "
+              "(untyped_storage().resize_(n)) before using the tensor");
+}
+
 at::Tensor cpu_alias(const at::Tensor& t) {
+  check_within_storage(t);
   const c10::Storage& st = t.storage();
   std::pair<const void*, size_t> where(st.data(), st.nbytes());
   AliasScope* scope = AliasScope::current();
@@ -963,8 +987,8 @@ int datapath_code(c10::ScalarType st) {
 
 bool matmul_operand(const at::Tensor& t, int64_t dim, int* index) {
   if (!t.defined() || t.device().type() != kNeuron || t.layout() != c10::kStrided || t.is_conj() || t.is_neg() ||
-      datapath_code(t.scalar_type()) < 0 || t.dim() != dim) {
-    return false;
+      datapath_code(t.scalar_type()) < 0 || t.dim() != dim || !within_storage(t)) {
+    return false;  // (a tensor without its memory: Python's path refuses it)
   }
   int ti = t.device().index() < 0 ? 0 : t.device().index();
   if (*index < 0) *index = ti;

@@ -453,6 +453,23 @@ def _fresh_view(t: torch.Tensor, cst: Any, offset: int, size: Any, stride: Any) 
     return v
 
 
+def check_within_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Refuse a tensor whose storage (of ``nbytes``) holds fewer bytes than its elements reach: one
+    whose memory ``untyped_storage().resize_(0)`` freed (FSDP2 frees its unsharded parameters so)
+    or shrank. Its CPU view got a fresh, uninitialised storage of the size it needed (``set_`` grows
+    a resizable one), so ``.cpu()``, ``.tolist()``, ``copy_`` and ``mm`` read garbage and writes were
+    lost, where CPU refuses (``item``, ``mm``, ``to``) or crashes; the native fast path refuses it
+    in the same words (csrc/neuron.cpp ``check_within_storage``)."""
+    n = t.numel()
+    if not n:
+        return
+    need = (t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    if nbytes < need:
+        raise RuntimeError(f"neuron: a tensor of {n} elements over {nbytes} bytes of memory (it needs {need}): "
+                           "its storage was freed or shrunk (untyped_storage().resize_()); re-allocate it "
+                           "(untyped_storage().resize_(n)) before using the tensor")
+
+
 def cpu_view(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor over the same memory as the neuron tensor ``t`` (same sizes, strides, offset,
     conj/neg bits). It does not own the memory: keep ``t`` alive while it is used. The same
@@ -461,6 +478,7 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
     st = t.untyped_storage()
     ptr, nbytes, offset, size, stride = st.data_ptr(), st.nbytes(), t.storage_offset(), t.shape, t.stride()
     if nbytes == 0:
+        check_within_storage(t, nbytes)
         # distinct empty tensors share a null window: a cached view would make them one tensor,
         # and in-place kernels would then refuse them as overlapping (put/take on empty inputs)
         return _fresh_view(t, torch.empty(0, dtype=torch.uint8).untyped_storage(), offset, size, stride)
@@ -469,6 +487,7 @@ def cpu_view(t: torch.Tensor) -> torch.Tensor:
     if v is not None and v.storage_offset() == offset and v.shape == size and v.stride() == stride \
             and v.untyped_storage().data_ptr() == ptr:
         return v
+    check_within_storage(t, nbytes)
     key = (ptr, nbytes)
     cst = _aliases.get(key)
     if cst is None:

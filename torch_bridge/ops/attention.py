@@ -319,6 +319,8 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         ctx.p = p
         ctx.scale, ctx.groups = sc, groups
+        ctx.call = (attn_mask, is_causal, scale, flash)  # (for a backward that builds a graph)
+        ctx.mask_version = _version(attn_mask)
         mask = None if attn_mask is None else memory.cpu_view(attn_mask)
         # inputs whose values are CPU's kernel's (datapath_exact): so are their gradients
         ctx.cpu_call = None if exact else (mask, is_causal, scale)
@@ -327,6 +329,15 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
+        mask, causal, scale, flash = ctx.call
+        # a backward that reads the mask, or CPU's flash kernel's, which saves the very mask (a
+        # boolean one, or one of another dtype, it converts first: a copy, which it does not check)
+        if ctx.cpu_call is not None or torch.is_grad_enabled() or _batched(grad_out) or \
+                (flash and mask is not None and mask.dtype == q.dtype):
+            check_mask_version(mask, ctx.mask_version)
+        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
+            return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
+                (None,) * 5
         index = q.device.index or 0
         if ctx.cpu_call is None:
             dq, dk, dv = backward_values(grad_out, q, k, v, ctx.p, ctx.scale, ctx.groups)
@@ -521,18 +532,87 @@ class _CpuValued(torch.autograd.Function):
         memory.cpu_view(out).copy_(cpu_kernel(hq, hk, hv, host_mask(mask), is_causal, scale))
         ctx.save_for_backward(q, k, v)
         ctx.call = (mask, is_causal, scale, enable_gqa)
+        ctx.mask_version = _version(mask)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         mask, causal, scale, gqa = ctx.call
+        check_mask_version(mask, ctx.mask_version)
+        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
+            return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, gqa, True) + (None,) * 4
         index = q.device.index or 0
         with torch.enable_grad():  # the device's work (values dropped)
             xs = tuple(t.detach().requires_grad_() for t in (q, k, v))
             torch.autograd.grad(flash_decomposed(*xs, mask, causal, scale, gqa), xs, grad_out)
         grads = cpu_kernel_grads(q, k, v, host_mask(mask), causal, scale, grad_out)
         return tuple(memory.relabel(g, index) for g in grads) + (None, None, None, None)
+
+
+def _version(mask: torch.Tensor | None) -> int | None:
+    """The mask's version counter (None without a mask, or for an inference tensor, which has none)."""
+    return None if mask is None or mask.is_inference() else mask._version
+
+
+def check_mask_version(mask: torch.Tensor | None, version: int | None) -> None:
+    """Autograd's refusal of a mask written in place between the forward and a backward that reads
+    it: CPU's flash kernel saves the mask for its backward and refuses so; the device's backward
+    (CPU's kernel's where the inputs are not finite, the math path recomputed for create_graph or
+    batched gradients) read the written mask and gave other gradients without a word. A backward
+    from P alone does not read it and runs where CPU's math path does."""
+    if version is not None and mask is not None and mask._version != version:
+        raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                           f"inplace operation: [{mask.type()} {list(mask.shape)}] is at version {mask._version}; "
+                           f"expected version {version} instead. Hint: the attention mask of "
+                           "scaled_dot_product_attention was written in place after the forward")
+
+
+def _batched(grad_out: torch.Tensor) -> bool:
+    """True for an output gradient vmapped by autograd (``is_grads_batched``, ``jacobian(vectorize=True)``)
+    or a torch.func transform: a wrapper without memory of its own."""
+    if _torch.functorch_active():
+        return True
+    try:
+        grad_out.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
+FLASH_DOUBLE_BACKWARD = "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"
+
+
+def differentiable_grads(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                         mask: torch.Tensor | None, causal: bool, scale: float | None, gqa: bool, flash: bool
+                         ) -> tuple[Any, ...]:
+    """The gradients of a backward that builds a graph (``create_graph=True``: a gradient penalty,
+    a Hessian-vector product). The fused backward's gradients are new tensors without history, so
+    a second differentiation took them as constants and silently dropped their terms. Where CPU
+    runs the call with its flash kernel, whose backward has no derivative, CPU's error; where it
+    runs its math path, that path recomputed on the device and differentiated with
+    ``create_graph``, as CPU's autograd differentiates it (the composite's ops' values).
+
+    Also the gradients of a backward vmapped over its output gradients (``is_grads_batched``,
+    ``jacobian(vectorize=True)``), whose batched ``grad_out`` has no memory for the fused
+    backward to read ("Cannot access storage of BatchedTensorImpl"): the math path recomputed
+    and differentiated, each batch entry as CPU's kernel's backward (within the composite's
+    rounding)."""
+    need = ctx.needs_input_grad[:3]
+    if torch.is_grad_enabled():
+        if flash:
+            raise RuntimeError(FLASH_DOUBLE_BACKWARD)
+        # each input through a view of its own: one tensor passed as q, k and v (self-attention's
+        # F.scaled_dot_product_attention(x, x, x)) gets each use's gradient once, not their sum thrice
+        q, k, v = (t.view_as(t) if n else t for t, n in zip((q, k, v), need))
+    else:
+        q, k, v = (t.detach().requires_grad_(n) for t, n in zip((q, k, v), need))
+    xs = [t for t, n in zip((q, k, v), need) if n]
+    with torch.enable_grad():
+        m, c = additive_mask(q, k, mask, causal)
+        out = _torch.sdpa_math(q, k, v, m, 0.0, c, None, scale=scale, enable_gqa=gqa)[0]
+        got = iter(torch.autograd.grad(out, xs, grad_out, create_graph=torch.is_grad_enabled()))
+    return tuple(next(got) if n else None for n in need)
 
 
 def backward_values(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p_dev: torch.Tensor,

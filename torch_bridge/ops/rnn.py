@@ -287,7 +287,10 @@ class _Recurrent(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[2:])
         if not any(graded):
             return (None,) * (2 + len(tensors))
-        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+        if torch.is_grad_enabled() or any(_batched(g) for g in grads if g is not None):
+            # create_graph: gradients that are themselves differentiable; or output gradients
+            # vmapped by autograd (is_grads_batched, jacobian(vectorize=True)), which have no
+            # memory for CPU's kernel's backward to read ("Cannot access storage of BatchedTensorImpl")
             return (None,) * 2 + _differentiable_grads(call, tensors, needs, grads)
         keep = _torch.keep_graph()
         layouts = tuple((g.shape, g.stride(), g.dtype) for g in grads if g is not None)
@@ -313,18 +316,35 @@ class _Recurrent(torch.autograd.Function):
         return (None,) * 2 + tuple(out)
 
 
+def _batched(grad: torch.Tensor) -> bool:
+    """True for an output gradient batched by vmap (autograd's ``is_grads_batched`` or a torch.func
+    transform): a wrapper without memory of its own."""
+    if _torch.functorch_active():
+        return True
+    try:
+        grad.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
 def _differentiable_grads(call: _Call, tensors: tuple[torch.Tensor, ...], needs: tuple[bool, ...],
                           grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """A backward with ``create_graph`` (a gradient penalty, double backward): the composite's
     backward on the device, whose gradients carry a graph back to the op's inputs, as the
     composite's do (their values the composite's, within the datapath's rounding of CPU's). The
-    forward is run again to differentiate, its launches dropped: the composite saved it."""
-    with _LEARNING, runtime().device.recorded():
+    forward is run again to differentiate, its launches dropped: the composite saved it. Output
+    gradients batched by vmap (without ``create_graph``) take the same path on detached inputs."""
+    graph = torch.is_grad_enabled()
+    if not graph:
+        tensors = tuple(t.detach().requires_grad_(n) for t, n in zip(tensors, needs))
+    with torch.enable_grad(), _LEARNING, runtime().device.recorded():
         outs = call.composite(tensors)
     used = [(o, g) for o, g in zip(outs, grads) if g is not None]
     wanted = [t for t, n in zip(tensors, needs) if n]
-    got = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=True,
-                                   allow_unused=True))
+    with torch.enable_grad():
+        got = iter(torch.autograd.grad([o for o, _ in used], wanted, [g for _, g in used], create_graph=graph,
+                                       allow_unused=True))
     return tuple(next(got) if n else None for n in needs)
 
 
