@@ -186,3 +186,15 @@ def test_one_helper_declares_and_parses_the_bucket_flags_of_every_command():
     for mod in (cli_estimate, cli_serve):
         assert "add_bucket_flags" in vars(mod) and "parse_buckets" not in vars(mod)
     assert BUCKET_FLAGS == ("context_buckets", "kv_buckets", "batch_buckets")
+
+
+def test_a_length_over_the_largest_bucket_names_the_flag_that_gives_buckets():
+    """It said 'raise KV', which is no flag."""
+    from trnsim.workload.buckets import Buckets, BucketError
+
+    b = Buckets((128,), (128,), (1, 2))
+    with pytest.raises(BucketError, match=r"^a KV cache of 129: more than the largest KV bucket 128; give --kv-buckets a "
+                                          r"larger one, or raise the maximum its default rule runs to$"):
+        b.kv_for(129)
+    with pytest.raises(BucketError, match=r"^a batch of 3: more than the largest batch bucket 2; give --batch-buckets "):
+        b.batch_for(3)
