@@ -115,3 +115,11 @@ def test_estimate_sizes_are_bounded_when_the_spec_loads(tmp_path, entry, message
     with pytest.raises(ConfigError) as e:
         load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n"))
     assert str(e.value) == f"spec.yaml: {message}"
+
+
+def test_an_estimate_listed_twice_is_refused_when_the_spec_loads(tmp_path):
+    """It ran twice and wrote two rows of one key (kernel points listed twice were refused)."""
+    entry = "{mode: inference, model: llama-3.2-1b, input: 64, output: 4}"
+    with pytest.raises(ConfigError, match=r"^spec.yaml: estimates: llama-3.2-1b tp=1 pp=1 dp=1 bf16 batch=1;.* is "
+                                          r"listed twice$"):
+        load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n  - {entry}\n"))
