@@ -67,12 +67,16 @@ def _overrides(args: Mapping[str, Any], run: Sequence[str]) -> list[str]:
     own = args.get("set", [])
     if not isinstance(own, list) or not all(isinstance(s, str) for s in own):
         raise LedgerError(f"predict: set = {format_value(own)}: expected a list of K=V strings")
-    for o in own:
+    _uncalibrated(own, "predict: set")
+    return [*own, *run]
+
+
+def _uncalibrated(overrides: Sequence[str], what: str) -> None:
+    for o in overrides:
         key = split_override(o)[0].strip()
         if key in _calibrated_keys():
-            raise LedgerError(f"predict: set {clip_text(o, 80)}: {key} is a calibrated parameter (its config names "
-                              f"the calibration rows that set it); a row's prediction may not move it")
-    return [*own, *run]
+            raise LedgerError(f"{what} {clip_text(o, 80)}: {key} is a calibrated parameter (its config names the "
+                              f"calibration rows that set it); a row's prediction may not move it")
 
 
 def _kernel_figures(reports: Sequence[Any]) -> dict[str, Figure]:
@@ -213,7 +217,9 @@ def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[st
     if "plan" in a and mode == "train":  # a published run's plan (configs/plans), the row's keys over it
         from ..workload.training import Recipe, load_plan
 
-        base = load_plan(a.pop("plan"))
+        plan = a.pop("plan")
+        base = load_plan(plan)
+        _uncalibrated(base["overrides"], f"predict: plan {clip_text(str(plan), 60)}: set")  # its set is the row's
         fields = {k: a.pop(k) for k in list(a) if k in Recipe.__dataclass_fields__}
         a = {**base, **a, "overrides": list(base.pop("overrides", [])) + list(a["overrides"]),
              "recipe": Recipe.of({**base["recipe"].to_dict(), **fields})}
