@@ -85,6 +85,16 @@ def test_bad_flags_exit_2(capsys):
     assert err.endswith(" characters) (see 'trnsim --help')\n") and len(err) < 400
 
 
+def test_a_bad_argument_names_the_whole_subcommand_for_help(capsys):
+    """'trnsim serve --help' (the last word of 'trnsim estimate serve') is no command."""
+    with pytest.raises(SystemExit):
+        main(["estimate", "serve", "--model", "llama-3.1-8b", "--rate", "0"])
+    assert capsys.readouterr().err.endswith(" (see 'trnsim estimate serve --help')\n")
+    with pytest.raises(SystemExit):
+        main(["collective", "all-reduce", "--factor", "x"])
+    assert capsys.readouterr().err.endswith(" (see 'trnsim collective --help')\n")
+
+
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "trnsim.cli", "info", "trn1"], capture_output=True, text=True)
     assert r.returncode == 0 and "trn1: AWS Trainium1" in r.stdout

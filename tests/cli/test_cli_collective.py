@@ -50,6 +50,20 @@ def test_trace_is_written(tmp_path, capsys):
     assert json.loads(path.read_text())["otherData"]["collectives"] == ["all-reduce"]
 
 
+def test_an_unwritable_trace_is_refused_before_any_size_is_simulated(tmp_path, capsys, monkeypatch):
+    """It was refused after every size had run (seconds to minutes for the default 8B:4GiB)."""
+    import trnsim.collectives as collectives
+
+    def never(*a, **k):
+        raise AssertionError("simulated before the --trace path was checked")
+
+    monkeypatch.setattr(collectives, "simulate_collective", never)
+    (tmp_path / "f").write_text("")
+    code, out, err = run(capsys, "collective", "all-reduce", "--trace", str(tmp_path / "f" / "t.json"))
+    assert (code, out) == (2, "") and err.startswith(f"trnsim: error: --trace {tmp_path / 'f' / 't.json'}: ")
+    assert err.count("\n") == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
 def test_bytes_specs():
     assert parse_sizes("8B:64B", 2) == [8, 16, 32, 64]
     assert parse_sizes("1KiB:1MiB", 32) == [1024, 32768, 1048576]

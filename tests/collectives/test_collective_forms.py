@@ -85,3 +85,12 @@ def test_the_network_alone_agrees_with_astra_sims_analytical_backend(system, set
         astra = _astra_sim(collective, len(group), r.nbytes, hops, dim.latency * 1e-12,
                            (dma.start_latency + dma.transfer_latency) * 1e-12, dim.bandwidth / 2**30)
         assert r.time_s == pytest.approx(astra, rel=0.002), (n, r.time_us, astra * 1e6, r.bound)
+
+
+@pytest.mark.parametrize("system", ["trn2.48xlarge", "trn1.32xlarge"])
+def test_a_one_rank_call_is_its_launch_in_the_simulation_and_the_form_alike(system):
+    """The event model charged the launch of a one-rank call (no steps) and the form did not, so
+    `trnsim collective --ranks 1` printed time 4.99 us beside a-b 0.00."""
+    for collective in ("all-reduce", "all-gather", "permute"):
+        rep = simulate_collective(system, collective, 1 << 20, ranks=1)
+        assert rep.time_us > 0 and rep.estimate.time_us == pytest.approx(rep.time_us, rel=1e-3)

@@ -102,6 +102,8 @@ def test_bad_files(tmp_path):
         load_system(p)
     with pytest.raises(ConfigError, match=r"^nope.yaml: no such system file$"):
         load_system("nope.yaml")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: it is a directory, not a regular file$"):
+        load_system(str(tmp_path))  # it was 'no such system file', of a path that exists
     # the file's own chip, unknown: named with the file and its key (the fuzz harness's long run,
     # seed 225, case 81: 'unknown config' alone did not say that the system file gave it)
     shipped = (Path(__file__).resolve().parents[2] / "configs" / "systems" / "trn2.48xlarge.yaml").read_text()

@@ -72,6 +72,14 @@ def test_collective_rows_match_direct_runs(tmp_path, capsys):
     ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, ranks: 4, algo: per-dim-ring}]\n",
      "spec.yaml: collectives[0] (all-reduce): algorithm 'per-dim-ring' cannot run all-reduce on 4 ranks of "
      "trn2.48xlarge: it needs a group spanning at least 2 levels (chip cores, x, y, efa); this one spans chip"),
+    # a traceback (AttributeError: 'list' object has no attribute 'strip')
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, algo: [ring]}]\n",
+     "spec.yaml: collectives[0] (all-reduce): algo: expected one algorithm's name, e.g. ring, got ['ring']"),
+    # ran twice, two rows of one key in the results file (kernel points listed twice are refused)
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, bytes: [1MiB, 1MiB], ranks: 8}]\n",
+     "spec.yaml: collectives: all-reduce 8 ranks, 1048576 B bf16 is listed twice"),
+    ("system: trn2.48xlarge\ncollectives: [{name: all-reduce, ranks: 8}, {name: allr, ranks: 8}]\n",
+     "spec.yaml: collectives: all-reduce 8 ranks, 1048576 B bf16 is listed twice"),
 ])
 def test_bad_collective_specs_fail_before_running(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:

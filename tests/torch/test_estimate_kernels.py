@@ -143,9 +143,12 @@ def test_cli_prints_what_a_decode_and_a_prefill_layer_became(cache, capsys, monk
     (["--max-context", "0"], "--max-context 0: expected a positive whole number"),
     (["--eager", "--max-model-len", "512"], "--max-model-len: a kernel-lowering option; --eager"),
     (["--sp", "--no-sp"], "--sp and --no-sp: give one of them"),
+    (["--no-replay"], "--no-replay: an --eager option (the kernel lowering runs every decoder layer's kernels"),
     (["--max-context", "9000"], "--max-context 9,000: more than --max-model-len 1,152 (its default"),
     (["--ep", "3"], "--ep 3: expert parallelism must divide --tp 4"),
     (["--context-buckets", "64"], "a prefill of 1,024: more than the largest context bucket 64"),
+    # was run with the last decode steps clamped into the 128 bucket (-788% of the KV read "padding")
+    (["--kv-buckets", "100"], "a KV cache of 1,151: more than the largest KV bucket 128"),
     (["--draft-model", TINY, "--speculation-length", "4"], "--draft-model: give --acceptance (the rate"),
     (["--draft-model", TINY, "--speculation-length", "4", "--acceptance", "0.5", "--eager"],
      "--draft-model: fused speculation runs the NKI library kernels as NxDI does; --eager runs one model op by op"),

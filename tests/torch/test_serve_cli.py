@@ -96,6 +96,7 @@ def test_data_parallel_replicas_share_the_requests(capsys):
     (["--trace", "no/such.csv", "--rate", "2"], "--trace gives the arrivals: not with --rate or --sweep"),
     (["--trace", "no/such.csv"], "trace 'no/such.csv' not found"),
     (["--plot", "x.png"], "--plot draws a --sweep of request rates"),
+    (["--rate", "5", "--sweep", "1,2"], "--sweep gives the request rates: not with --rate"),  # --rate was dropped
     (["--prefix-len", "300"], "--prefix-len 300: longer than --input 200"),
     (["--ep", "2"], "--ep 2: tiny-llama has no MoE experts to split"),
     (["--kv-buckets", "1,x"], "--kv-buckets '1,x': expected a comma-separated list"),

@@ -109,9 +109,22 @@ def test_the_cli_summary_shows_estimate_rows_on_every_run(tmp_path, monkeypatch,
      "estimates[0] (llama-3.1-8b): --batch 100,000,000,000,000,000,000: the KV cache of "
      "100,000,000,000,000,000,000 x 1,152 tokens needs at least 1.67638e+12 PiB on each rank, more than a logical "
      "core's 24 GiB of HBM on trn2.48xlarge; a smaller --batch, or shard it (--tp, --pp)"),
+    # ran, every variant's row recording "--dtype 5: expected one of ..."
+    ("{mode: inference, model: llama-3.1-8b, tp: 8, dtype: 5}",
+     "estimates[0] (llama-3.1-8b): dtype: expected one of bf16, fp16, fp32, got 5"),
+    ("{mode: train, model: llama-3.1-8b, tp: 8, dtype: fp8}",
+     "estimates[0] (llama-3.1-8b): dtype: expected one of bf16, fp16, fp32, got 'fp8'"),
 ])
 def test_estimate_sizes_are_bounded_when_the_spec_loads(tmp_path, entry, message):
     """Issue 25: the bounds of ``trnsim estimate`` hold for a sweep's estimate entries too."""
     with pytest.raises(ConfigError) as e:
         load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n"))
     assert str(e.value) == f"spec.yaml: {message}"
+
+
+def test_an_estimate_listed_twice_is_refused_when_the_spec_loads(tmp_path):
+    """It ran twice and wrote two rows of one key (kernel points listed twice were refused)."""
+    entry = "{mode: inference, model: llama-3.2-1b, input: 64, output: 4}"
+    with pytest.raises(ConfigError, match=r"^spec.yaml: estimates: llama-3.2-1b tp=1 pp=1 dp=1 bf16 batch=1;.* is "
+                                          r"listed twice$"):
+        load_spec(write(tmp_path, f"system: trn2.48xlarge\nestimates:\n  - {entry}\n  - {entry}\n"))

@@ -142,6 +142,10 @@ def test_recipe_errors_are_one_line():
     (["--sharding", "zero3"], "trnsim: error: --sharding 'zero3': expected one of none, zero1, fsdp\n"),
     (["--virtual-stages", "0", "--schedule", "interleaved"],
      "trnsim: error: --virtual-stages 0: expected a whole number 1..64\n"),
+    # was scheduled: 2 layers a stage as 3 chunks of 2/3 of a layer each
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3"],
+     "trnsim: error: --virtual-stages 3: pipeline stage 0's 2 decoder layers do not split into 3 model chunks "
+     "(Megatron and NxD need its layers a multiple of the chunks)\n"),
 ])
 def test_cli_recipe_errors(capsys, argv, message):
     code = main(["estimate", "train", "--model", TINY, *argv])

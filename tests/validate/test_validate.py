@@ -237,6 +237,30 @@ def test_ledger_mamba_kernel_matches_the_recurrence(version):
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def test_a_row_may_not_move_a_calibrated_parameter_for_its_own_prediction(tmp_path):
+    """A row's ``predict: {set: [...]}`` moved any parameter, calibrated ones included, so a
+    validation row could be fitted (core.dma.engine_bandwidth=21.9GB/s took dma.trn2.one-engine-32kib
+    from 1.05 to 1.10) outside the configs' provenance. The setup a row was measured on stays
+    allowed; the run's own --set (a what-if) too. A training row's plan's set is the row's."""
+    from trnsim.validate import predict
+
+    probe = {"probe": "dma_copy", "partitions": 4, "bytes_per_partition": 8192, "config": "trn2"}
+    for key in ("core.dma.engine_bandwidth=21.9GB/s", "host.dispatch=1us"):
+        with pytest.raises(LedgerError, match=rf"^predict: set {key}: {key.split('=')[0]} is a calibrated parameter "):
+            predict("probe", {**probe, "set": [key]}, "trn2")
+    with pytest.raises(LedgerError, match=r"^predict: set collectives.launch=1us: collectives.launch is a calibrated "):
+        predict("collective", {"system": "trn2.48xlarge", "collective": "all-reduce", "bytes": 1024, "ranks": 8,
+                               "set": ["collectives.launch=1us"]}, "trn2")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text((ROOT / "configs" / "plans" / "nxd-llama3.1-8b-trn1-v9a.yaml").read_text().replace(
+        "set: [topology.efa.size=32]", "set: [topology.efa.size=32, host.dispatch=1us]"))
+    with pytest.raises(LedgerError, match=r"^predict: plan .*: set host.dispatch=1us: host.dispatch is a "
+                                          r"calibrated parameter "):
+        predict("estimate", {"mode": "train", "plan": str(plan)}, "trn1")
+    assert predict("probe", {**probe, "set": ["chip.hbm.bandwidth=3TB/s"]}, "trn2")
+    assert predict("probe", probe, "trn2", ["core.dma.engine_bandwidth=21.9GB/s"])
+
+
 def test_predictors_run_an_nki_file_and_refuse_bad_arguments():
     from trnsim.validate import predict
 

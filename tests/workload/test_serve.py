@@ -148,6 +148,9 @@ def test_poisson_arrivals_are_seeded_and_traces_read(tmp_path):
     assert a == b and a != poisson_requests(4.0, 50, 512, 128, seed=4)
     assert 8 < a[-1].arrival < 20  # 50 requests at 4 per second
     assert all(r.arrival == 0 for r in poisson_requests(float("inf"), 5, 8, 2))
+    with pytest.raises(ServeError, match=r"^--rate 1e-300: 2 requests arrive over 1.7e\+300 s, more than 1e\+07 s; a "
+                                         r"higher --rate or fewer --requests$"):
+        poisson_requests(1e-300, 2, 8, 2)
     p = tmp_path / "t.csv"
     p.write_text("arrival,input,output\n0.5,100,10\n0.1,200,20\n")
     assert read_trace(p) == [Request(0.1, 200, 20), Request(0.5, 100, 10)]
@@ -161,6 +164,8 @@ def test_poisson_arrivals_are_seeded_and_traces_read(tmp_path):
     ("arrival,input,output\nsoon,5,5\n", "request 1: arrival must be a number"),
     ("arrival,input,output\n-1,5,5\n", "request 1: expected arrival >= 0 s"),
     ("arrival,input,output\n", "no requests"),
+    # was run: the step times added to 1e300 s vanished (TTFT 0.00 ms, benchmark duration 0.00 s)
+    ("arrival,input,output\n0,5,5\n1e300,5,5\n", r"request 2: arrival 1e\+300 s, later than 1e\+07 s"),
 ])
 def test_bad_traces_are_one_line(tmp_path, text, message):
     p = tmp_path / "t.csv"
@@ -186,3 +191,15 @@ def test_one_helper_declares_and_parses_the_bucket_flags_of_every_command():
     for mod in (cli_estimate, cli_serve):
         assert "add_bucket_flags" in vars(mod) and "parse_buckets" not in vars(mod)
     assert BUCKET_FLAGS == ("context_buckets", "kv_buckets", "batch_buckets")
+
+
+def test_a_length_over_the_largest_bucket_names_the_flag_that_gives_buckets():
+    """It said 'raise KV', which is no flag."""
+    from trnsim.workload.buckets import Buckets, BucketError
+
+    b = Buckets((128,), (128,), (1, 2))
+    with pytest.raises(BucketError, match=r"^a KV cache of 129: more than the largest KV bucket 128; give --kv-buckets a "
+                                          r"larger one, or raise the maximum its default rule runs to$"):
+        b.kv_for(129)
+    with pytest.raises(BucketError, match=r"^a batch of 3: more than the largest batch bucket 2; give --batch-buckets "):
+        b.batch_for(3)

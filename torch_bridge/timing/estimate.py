@@ -276,6 +276,14 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     positive("--seq", seq)
     dt = dtype_of(dtype)
     _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
+    v = recipe.virtual_stages
+    if recipe.schedule == "interleaved" and plan.pp > 1 and v > 1:  # else scheduled as chunks of fractional layers
+        for role in plan.roles(spec.layers):
+            n = role.layers[1] - role.layers[0]
+            if n % v:
+                raise EstimateError(f"--virtual-stages {v}: pipeline stage {role.stage}'s {n} decoder layers do not "
+                                    f"split into {v} model chunks (Megatron and NxD need its layers a multiple of the "
+                                    f"chunks)")
     cp = recipe.cp
     if cp > 1 and (dp % cp or seq % (2 * cp)):
         raise EstimateError(f"--cp {cp}: context parallelism splits the data-parallel ranks and each sequence in "

@@ -294,6 +294,8 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         raise EstimateError(f"--ep {ep}: {spec.name} has no MoE experts to split")
     prompt = buckets.context_for(input_tokens)
     bb = buckets.batch_for(batch)
+    if output_tokens > 1:  # the last decode step attends over total - 1 positions: a given --kv-buckets must hold it
+        buckets.kv_for(total - 1)  # (the loop below clamps only a fused step's drafts past the sequence)
     # decode steps produce tokens 2..output: the one producing token k feeds token k - 1 and attends
     # over input + k - 1 positions (as trnsim.serve's decode steps)
     per_bucket: dict[int, list[int]] = {}

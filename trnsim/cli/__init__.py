@@ -74,8 +74,7 @@ __all__ = ["main", "render_info", "render_report", "render_run_report", "render_
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         message = _one_line(message, 300)  # argparse quotes the user's arguments whole
-        print(f"trnsim: error: {message} (see 'trnsim {self.prog.split()[-1]} --help')"
-              if " " in self.prog else f"trnsim: error: {message} (see 'trnsim --help')", file=sys.stderr)
+        print(f"trnsim: error: {message} (see '{self.prog} --help')", file=sys.stderr)  # prog: 'trnsim estimate serve'
         raise SystemExit(2)
 
 

@@ -30,9 +30,11 @@ def cmd_collective(args: argparse.Namespace) -> int:
     from ..collectives.runner import parse_sizes
     from ..collectives.trace import write_collective_trace
     from ..config import load_system
+    from ..config.files import AtomicOutput
 
     system = load_system(args.system, args.set)
     reps = []
+    out = AtomicOutput(args.trace, "--trace") if args.trace else None  # refused now, not after the run
     try:
         sizes = parse_sizes(args.bytes, args.factor)
         check_collective_ranks(system, args.ranks, "--ranks" if args.ranks is not None else args.collective)
@@ -43,14 +45,16 @@ def cmd_collective(args: argparse.Namespace) -> int:
             reps.append(simulate_collective(system, args.collective, n, ranks=args.ranks, dtype=args.dtype,
                                             algorithm=args.algo, trace=trace, instances=args.nodes,
                                             streams=args.streams))
+        if out is not None:
+            write_collective_trace(out, [reps[-1]], system.ranks_per_chip)
     except CollectiveError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
+    finally:
+        if out is not None:
+            out.discard()  # a no-op once committed
     last = reps[-1]
-    if args.trace:
-        try:
-            write_collective_trace(args.trace, [last], system.ranks_per_chip)
-        except OSError as e:
-            raise UsageError(f"--trace {args.trace}: cannot write it ({e.strerror or type(e).__name__})") from None
     if args.json:
         doc = {"collective": last.collective, "system": system.name, "ranks": last.ranks, "dtype": last.dtype,
                "placement": last.placement,

@@ -226,6 +226,9 @@ def _bucket_args(args: argparse.Namespace) -> None:
                              f"at its exact shape")
     if args.sp and args.no_sp:
         raise UsageError("--sp and --no-sp: give one of them")
+    if args.no_replay and not args.eager:  # else ignored: the kernel lowering replays nothing
+        raise UsageError("--no-replay: an --eager option (the kernel lowering runs every decoder layer's kernels, "
+                         "none replayed)")
 
 
 def _inference_kwargs(args: argparse.Namespace) -> dict[str, Any]:

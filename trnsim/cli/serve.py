@@ -66,6 +66,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ServeError(f"--{name.replace('_', '-')} {v}: expected a whole number in {lo}..{hi:,}")
     if args.trace and (args.rate is not None or args.sweep):
         raise UsageError("--trace gives the arrivals: not with --rate or --sweep")
+    if args.sweep and args.rate is not None:  # else --rate was dropped without a word
+        raise UsageError("--sweep gives the request rates: not with --rate")
     if args.plot and not args.sweep:
         raise UsageError("--plot draws a --sweep of request rates: give --sweep 1,2,4,8")
     if args.prefix_len and args.prefix_len > args.input:

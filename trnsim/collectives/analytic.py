@@ -105,7 +105,7 @@ def estimate_resolved(system: SystemConfig, res: Any) -> AlphaBetaEstimate:
     algo: str = res.algorithm
     rates = Rates(system, ctx.topo, ctx.collective)
     steps = estimate_steps(rates, ctx, algo)
-    if steps and rates.runtime.launch_ps:
+    if rates.runtime.launch_ps:  # the event model launches a call with no steps too (one rank)
         steps.insert(0, EstimateStep("launch", rates.runtime.launch_ps * 1e-12, 0.0, 0.0, 0.0, rates.hbm, 0.0,
                                      rates.dma))
     assumptions = ("every flow of a step moves at once at its share of the links it crosses; each rank's HBM "

@@ -60,6 +60,8 @@ def collective_points(entries: Any, where: str, system: SystemConfig
             ranks: Sequence[Any] = rk if isinstance(rk, list) else [rk]
             dtype = str(e.get("dtype", "bf16"))
             algo = e.get("algo")
+            if algo is not None and not isinstance(algo, str):
+                raise CollectiveError(f"algo: expected one algorithm's name, e.g. ring, got {algo!r}")
             params: tuple[tuple[str, Any], ...] = (("algo", str(algo)),) if algo is not None else ()
             for r in ranks:
                 if isinstance(r, bool) or not isinstance(r, int):

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..config.files import write_atomic
+from ..config.files import AtomicOutput
 from ..outputs.trace import spread_lanes
 from .report import CollectiveReport
 
@@ -65,11 +65,13 @@ def collective_trace_events(reports: Iterable[CollectiveReport], ranks_per_chip:
     return meta + events
 
 
-def write_collective_trace(path: str | os.PathLike[str], reports: Iterable[CollectiveReport],
+def write_collective_trace(path: str | os.PathLike[str] | AtomicOutput, reports: Iterable[CollectiveReport],
                            ranks_per_chip: int) -> Path:
     """Write the trace to ``path`` atomically (:func:`trnsim.config.files.write_atomic`: never half a
-    trace, never over a FIFO or device)."""
+    trace, never over a FIFO or device); an :class:`AtomicOutput` is a path reserved before the
+    run, so a bad one is refused before any simulating."""
     reps = list(reports)
     doc = {"traceEvents": collective_trace_events(reps, ranks_per_chip), "displayTimeUnit": "ns",
            "otherData": {"generator": "trnsim", "collectives": [r.collective for r in reps]}}
-    return write_atomic(path, lambda f: json.dump(doc, f, separators=(",", ":")), "--trace")
+    out = path if isinstance(path, AtomicOutput) else AtomicOutput(path, "--trace")
+    return out.commit(lambda f: json.dump(doc, f, separators=(",", ":")))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from . import CONFIG_DIR, ChipConfig, load_config, resolve_config_path
-from .loader import ConfigError, clip_text, load_yaml_file
+from .loader import ConfigError, clip_text, file_kind, load_yaml_file
 from .schema import TYPES, Calibration, build, calibrations_of, override_pairs, override_value
 from .schema import bool_field as _bool
 from .schema import float_field as _num
@@ -165,7 +165,11 @@ def resolve_system_path(text: str) -> Path:
         except OSError as e:  # e.g. a name too long for the file system
             raise ConfigError(f"{shown}: cannot read it ({e.strerror or type(e).__name__})") from None
         if not found:
-            raise ConfigError(f"{shown}: no such system file")
+            try:
+                st = os.stat(p)
+            except OSError:
+                raise ConfigError(f"{shown}: no such system file") from None
+            raise ConfigError(f"{shown}: it is {file_kind(st.st_mode)}, not a regular file")  # it exists
         return p
     if text in system_names():  # a name, not a probe of the file system (a 3,000-character name is not a file)
         return SYSTEM_DIR / f"{text}.yaml"

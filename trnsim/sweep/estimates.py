@@ -43,7 +43,7 @@ def shape_text(shape: tuple[int, ...]) -> str:
 def estimate_points(entries: Any, where: str, system: SystemConfig
                     ) -> list[tuple[str, tuple[int, ...], str, tuple[tuple[str, Any], ...]]]:
     """(model, (tp, pp, dp), dtype, params) per entry, each checked on ``system``."""
-    from ..workload.plan import check_batch, check_plan, check_sizes
+    from ..workload.plan import DTYPE_BYTES, check_batch, check_plan, check_sizes
     from ..workload.models import load_model
 
     if not isinstance(entries, list) or not entries:
@@ -78,6 +78,8 @@ def estimate_points(entries: Any, where: str, system: SystemConfig
                 raise ConfigError(f"{loc}: {k}: expected a positive whole number, got {v!r}")
         if values["sp"] is not None and not isinstance(values["sp"], bool):
             raise ConfigError(f"{loc}: sp: expected true or false, got {values['sp']!r}")
+        if values["dtype"] not in DTYPE_BYTES:  # else every variant's row records the same error
+            raise ConfigError(f"{loc}: dtype: expected one of {', '.join(DTYPE_BYTES)}, got {values['dtype']!r}")
         try:
             model = load_model(str(e["model"]))
             check_plan(model, system, values["tp"], values["pp"], values["dp"], str(values["dtype"]))

@@ -258,6 +258,13 @@ def load_spec(path: str | os.PathLike[str], out: str | os.PathLike[str] | None =
                 what = " ".join(x for x in (c[0], shape_text(c[1]), c[2], params_text(c[3])) if x)
                 raise ConfigError(f"{where}: kernels: {clip_text(what)} is listed twice")
             seen.add(c)
+    for kind, pts in (("collective", coll), ("estimate", ests)):  # e.g. allr and all-reduce: one point, run twice
+        once: set[tuple[str, ...]] = set()
+        for c in pts:
+            key = Point((), *c, kind=kind).key()
+            if key in once:
+                raise ConfigError(f"{where}: {kind}s: {clip_text(' '.join(x for x in key if x))} is listed twice")
+            once.add(key)
     combos = [c for e in entries for c in e.build(base_cfg)]
     points = [Point(v, *c) for v in variants for c in combos]
     points += [Point(v, *c, kind="collective") for v in variants for c in coll]

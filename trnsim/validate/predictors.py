@@ -24,9 +24,11 @@ Figures of a kernel run: ``latency``; ``tensor_active``, ``vector_active``, ``sc
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from ..config import ConfigError, clip_text, format_value, load_config
+from ..config.schema import split_override
 from ..isa import KernelError
 from ..config.ledger import VALIDATION_DIR, LedgerError
 from .probes import PROBES, Figure
@@ -48,11 +50,33 @@ def _args(args: Mapping[str, Any], allowed: Sequence[str], how: str) -> None:
                               f"{', '.join(allowed)}")
 
 
+@functools.cache
+def _calibrated_keys() -> frozenset[str]:
+    """The keys of every shipped chip and system config's calibrated parameters."""
+    from ..config import config_names, load_system
+    from ..config.system import system_names
+
+    cfgs = [load_config(n) for n in config_names()] + [load_system(n) for n in system_names()]
+    return frozenset(c.key for cfg in cfgs for c in cfg.calibrations)
+
+
 def _overrides(args: Mapping[str, Any], run: Sequence[str]) -> list[str]:
+    """The row's own ``set`` (the setup it was measured on, e.g. how many instances), then the
+    run's ``--set``. A row may not move a calibrated parameter for its own prediction: that would
+    fit the parameter to the row outside the config's provenance (docs/fidelity.md, two roles)."""
     own = args.get("set", [])
     if not isinstance(own, list) or not all(isinstance(s, str) for s in own):
         raise LedgerError(f"predict: set = {format_value(own)}: expected a list of K=V strings")
+    _uncalibrated(own, "predict: set")
     return [*own, *run]
+
+
+def _uncalibrated(overrides: Sequence[str], what: str) -> None:
+    for o in overrides:
+        key = split_override(o)[0].strip()
+        if key in _calibrated_keys():
+            raise LedgerError(f"{what} {clip_text(o, 80)}: {key} is a calibrated parameter (its config names the "
+                              f"calibration rows that set it); a row's prediction may not move it")
 
 
 def _kernel_figures(reports: Sequence[Any]) -> dict[str, Figure]:
@@ -193,7 +217,9 @@ def _estimate(args: Mapping[str, Any], chip: str, run: Sequence[str]) -> dict[st
     if "plan" in a and mode == "train":  # a published run's plan (configs/plans), the row's keys over it
         from ..workload.training import Recipe, load_plan
 
-        base = load_plan(a.pop("plan"))
+        plan = a.pop("plan")
+        base = load_plan(plan)
+        _uncalibrated(base["overrides"], f"predict: plan {clip_text(str(plan), 60)}: set")  # its set is the row's
         fields = {k: a.pop(k) for k in list(a) if k in Recipe.__dataclass_fields__}
         a = {**base, **a, "overrides": list(base.pop("overrides", [])) + list(a["overrides"]),
              "recipe": Recipe.of({**base["recipe"].to_dict(), **fields})}

@@ -107,8 +107,8 @@ class Buckets:
         for b in which:
             if b >= n:
                 return b
-        raise BucketError(f"{what} {n:,}: more than the largest {flag} bucket {which[-1]:,}; raise {flag} (or give a "
-                          f"larger bucket)")
+        raise BucketError(f"{what} {n:,}: more than the largest {flag} bucket {which[-1]:,}; give --{flag.lower()}-buckets "
+                          f"a larger one, or raise the maximum its default rule runs to")
 
     def context_for(self, n: int) -> int:
         return self._pick(self.context, n, "a prefill of", "context")

@@ -49,12 +49,15 @@ from .buckets import Buckets
 from ..config import ConfigError
 
 __all__ = ["Request", "StepCosts", "HostLoop", "SERVING", "ServeConfig", "ServeResult", "Latency", "ServeError", "poisson_requests",
-           "read_trace", "simulate", "PERCENTILES", "MAX_REQUESTS"]
+           "read_trace", "simulate", "PERCENTILES", "MAX_REQUESTS", "MAX_ARRIVAL_S"]
 
 #: the percentiles reported beside the mean
 PERCENTILES = (50, 90, 99)
 #: requests one simulation takes at most (a trace or --requests)
 MAX_REQUESTS = 100_000
+#: the latest arrival a run takes, in seconds (~116 days). Times are float seconds, which resolve
+#: ~2 ns here; at 1e300 s a step added to an arrival was lost whole (TTFT 0.00 ms, duration 0)
+MAX_ARRIVAL_S = 1e7
 
 
 class ServeError(ConfigError):
@@ -187,6 +190,9 @@ def poisson_requests(rate: float, n: int, prompt: int, output: int, seed: int = 
         times = np.zeros(n)
     else:
         times = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+        if not times[-1] <= MAX_ARRIVAL_S:
+            raise ServeError(f"--rate {rate:g}: {n:,} requests arrive over {times[-1]:.3g} s, more than "
+                             f"{MAX_ARRIVAL_S:g} s; a higher --rate or fewer --requests")
     return [Request(float(t), prompt, output, prefix, "shared" if prefix else "") for t in times]
 
 
@@ -237,6 +243,9 @@ def read_trace(path: str | Path) -> list[Request]:
         if not math.isfinite(arrival) or arrival < 0 or prompt < 1 or output < 1 or not 0 <= prefix <= prompt:
             raise ServeError(f"{where}: request {i}: expected arrival >= 0 s, input >= 1, output >= 1 and 0 <= prefix "
                              f"<= input")
+        if arrival > MAX_ARRIVAL_S:
+            raise ServeError(f"{where}: request {i}: arrival {arrival:g} s, later than {MAX_ARRIVAL_S:g} s (times are "
+                             f"float seconds: a later one loses the step times added to it)")
         out.append(Request(arrival, prompt, output, prefix, str(r.get("prefix_id") or ("shared" if prefix else ""))))
     out.sort(key=lambda q: q.arrival)
     return out
