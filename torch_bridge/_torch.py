@@ -286,6 +286,19 @@ def functorch_active() -> bool:
     return _interpreters() is not None
 
 
+def batched_grad(grad: Any) -> bool:
+    """True for an output gradient batched by vmap (autograd's ``is_grads_batched``,
+    ``jacobian(vectorize=True)``, or a torch.func transform): a wrapper without memory of its own,
+    which a fused op's backward cannot read as a host view (it differentiates its composite)."""
+    if functorch_active():
+        return True
+    try:
+        grad.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
 _saved_hooks = resolve("torch._C._autograd._top_saved_tensors_default_hooks")
 
 

@@ -332,10 +332,10 @@ class _Attention(torch.autograd.Function):
         mask, causal, scale, flash = ctx.call
         # a backward that reads the mask, or CPU's flash kernel's, which saves the very mask (a
         # boolean one, or one of another dtype, it converts first: a copy, which it does not check)
-        if ctx.cpu_call is not None or torch.is_grad_enabled() or _batched(grad_out) or \
+        if ctx.cpu_call is not None or torch.is_grad_enabled() or _torch.batched_grad(grad_out) or \
                 (flash and mask is not None and mask.dtype == q.dtype):
             check_mask_version(mask, ctx.mask_version)
-        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
+        if torch.is_grad_enabled() or _torch.batched_grad(grad_out):  # create_graph, or vmapped gradients
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
                 (None,) * 5
         index = q.device.index or 0
@@ -540,7 +540,7 @@ class _CpuValued(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         mask, causal, scale, gqa = ctx.call
         check_mask_version(mask, ctx.mask_version)
-        if torch.is_grad_enabled() or _batched(grad_out):  # create_graph, or vmapped gradients
+        if torch.is_grad_enabled() or _torch.batched_grad(grad_out):  # create_graph, or vmapped gradients
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, gqa, True) + (None,) * 4
         index = q.device.index or 0
         with torch.enable_grad():  # the device's work (values dropped)
@@ -566,18 +566,6 @@ def check_mask_version(mask: torch.Tensor | None, version: int | None) -> None:
                            f"inplace operation: [{mask.type()} {list(mask.shape)}] is at version {mask._version}; "
                            f"expected version {version} instead. Hint: the attention mask of "
                            "scaled_dot_product_attention was written in place after the forward")
-
-
-def _batched(grad_out: torch.Tensor) -> bool:
-    """True for an output gradient vmapped by autograd (``is_grads_batched``, ``jacobian(vectorize=True)``)
-    or a torch.func transform: a wrapper without memory of its own."""
-    if _torch.functorch_active():
-        return True
-    try:
-        grad_out.untyped_storage()
-    except (NotImplementedError, RuntimeError):
-        return True
-    return False
 
 
 FLASH_DOUBLE_BACKWARD = "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"

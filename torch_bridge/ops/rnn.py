@@ -287,7 +287,7 @@ class _Recurrent(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[2:])
         if not any(graded):
             return (None,) * (2 + len(tensors))
-        if torch.is_grad_enabled() or any(_batched(g) for g in grads if g is not None):
+        if torch.is_grad_enabled() or any(_torch.batched_grad(g) for g in grads if g is not None):
             # create_graph: gradients that are themselves differentiable; or output gradients
             # vmapped by autograd (is_grads_batched, jacobian(vectorize=True)), which have no
             # memory for CPU's kernel's backward to read ("Cannot access storage of BatchedTensorImpl")
@@ -314,18 +314,6 @@ class _Recurrent(torch.autograd.Function):
             out.append(None if g is None else memory.relabel(_own(g), index))
         _touch_peak(index, start, peak)
         return (None,) * 2 + tuple(out)
-
-
-def _batched(grad: torch.Tensor) -> bool:
-    """True for an output gradient batched by vmap (autograd's ``is_grads_batched`` or a torch.func
-    transform): a wrapper without memory of its own."""
-    if _torch.functorch_active():
-        return True
-    try:
-        grad.untyped_storage()
-    except (NotImplementedError, RuntimeError):
-        return True
-    return False
 
 
 def _differentiable_grads(call: _Call, tensors: tuple[torch.Tensor, ...], needs: tuple[bool, ...],

@@ -256,6 +256,7 @@ _MASKED_ONLY = frozenset({"index", "_unsafe_index"})
 # index moves them to the device first (its meta function's make_info: a host-to-device copy each,
 # charged in eager), the index_put family reads them where they are (eager charges no copy)
 _HOST_INDEX_MOVED = frozenset({"index", "_unsafe_index"})
+_ATEN = torch.ops.aten
 _HOST_INDEX_READ = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
 
 
@@ -427,7 +428,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             target.charge = False  # (their device twins only give the meta kernel its devices)
         try:
             with self:  # (as make_info's index.to(self.device()): a _to_copy, an empty and a copy)
-                indices = [torch.ops.aten._to_copy.default(t, device=device)
+                indices = [_ATEN._to_copy.default(t, device=device)
                            if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t for t in args[1]]
         finally:
             target.charge = charging
