@@ -403,29 +403,59 @@ def expert_parallel(ep: int, plan: Any, comm: Any) -> Any:
 class _FullyShard:
     """FSDP2 over the data-parallel group on a rank whose parameters were built whole: the ledger
     keeps 1/dp of each decoder layer's parameters, and each layer's forward and backward hold its
-    whole parameters (all-gathered, charged) until the layer is done (reshard after forward)."""
+    whole parameters (all-gathered, charged) until the layer is done (reshard after forward).
 
-    def __init__(self, layers: nn.ModuleList, rank: Any, group: list[int], dtype: str):
+    The parameters outside the layers (embedding, final norm, LM head: ``net``'s own) are the root
+    unit, as TorchTitan's ``fully_shard(model)`` makes them after the blocks: kept as 1/dp shards,
+    all-gathered when the forward starts and held through the backward (FSDP2 does not reshard the
+    root after forward), their gradients reduce-scattered when the backward ends
+    (:meth:`finish_backward`)."""
+
+    def __init__(self, layers: nn.ModuleList, rank: Any, group: list[int], dtype: str, net: nn.Module | None = None):
         self.rank, self.group, self.dtype = rank, group, dtype
         self.dp = len(group)
         ledger = rank.ledger
         self.sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+        inner = {id(p) for layer in layers for p in layer.parameters()}
+        root = sum(p.numel() * p.element_size() for p in (net.parameters() if net is not None else ())
+                   if id(p) not in inner)
+        self.root = len(self.sizes)  # the root unit's index in sizes (when it has parameters)
+        if root:
+            self.sizes.append(root)
         self.held = 0
+        self.gathered_root = False
         for n in self.sizes:
-            ledger.release(0, n - -(-n // self.dp))  # the rank keeps its shard of each layer
+            ledger.release(0, n - -(-n // self.dp))  # the rank keeps its shard of each unit
         self.handles = []
         for i, layer in enumerate(layers):
             self.handles.append(layer.register_forward_pre_hook(functools.partial(self._gather, i)))
             self.handles.append(layer.register_forward_hook(functools.partial(self._free, i)))
             self.handles.append(layer.register_full_backward_pre_hook(functools.partial(self._gather_bwd, i)))
             self.handles.append(layer.register_full_backward_hook(functools.partial(self._reduce, i)))
+        if root:
+            self.handles.append(net.register_forward_pre_hook(functools.partial(self._gather, self.root)))
+
+    def root_held(self) -> int:
+        """The bytes the root unit's gathered parameters hold beyond its shard now."""
+        if self.root < len(self.sizes) and self.gathered_root:
+            n = self.sizes[self.root]
+            return n - -(-n // self.dp)
+        return 0
+
+    def finish_backward(self) -> None:
+        """The end of the backward: the root unit's gradients reduce-scattered, its parameters
+        resharded (nothing for a stage without parameters outside its layers)."""
+        if self.root < len(self.sizes):
+            self._reduce(self.root, None, None, None)
 
     def _hold(self, i: int) -> None:
+        self.gathered_root = self.gathered_root or i == self.root
         n = self.sizes[i]
         self.rank.run._reserve(0, n - -(-n // self.dp))
         self.rank.comm.charge("all-gather", n, self.group, self.dtype)
 
     def _drop(self, i: int) -> None:
+        self.gathered_root = self.gathered_root and i != self.root
         n = self.sizes[i]
         self.rank.ledger.release(0, n - -(-n // self.dp))
 
@@ -504,7 +534,7 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
         out["params"] = sum(p.numel() for p in params) - (emb.weight.numel() if isinstance(emb, nn.Module)
                                                           and hasattr(emb, "weight") else 0)
         layers = _layers_of(net)
-        fsdp = _FullyShard(layers, rank, dp_group, dname) if recipe.sharding == "fsdp" and plan.dp > 1 else None
+        fsdp = _FullyShard(layers, rank, dp_group, dname, net) if recipe.sharding == "fsdp" and plan.dp > 1 else None
         weights = _sweep_allocated(rank)
         state = OptimizerState(params, recipe, plan.dp)
         if recipe.mxfp8:
@@ -544,12 +574,16 @@ def run_train_role(rank: Any, spec: Any, plan: Any, dt: torch.dtype, last: bool,
             rank.run._flush()
             out["forward_ticks"] = rank.step_end(start)
         out["forward_report"] = summarise(rep[0], out["forward_ticks"])
-        activations = _sweep_allocated(rank) - before
+        # (FSDP's root unit, gathered when the forward started and held into the backward, is not an
+        # activation: its bytes count in the peak, under temporaries)
+        activations = _sweep_allocated(rank) - before - (fsdp.root_held() if fsdp is not None else 0)
         state.ready, state.device = [], rank.device
         with scope(rank.device, trace) as rep:
             start = rank.step_start()
             state.ready.append((start, 0))
             y.backward(None if last else torch.empty_like(y))
+            if fsdp is not None:
+                fsdp.finish_backward()
             rank.run._flush()
             out["backward_ticks"] = rank.step_end(start)
         out["backward_report"] = summarise(rep[0], out["backward_ticks"])
