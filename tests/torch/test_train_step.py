@@ -19,6 +19,7 @@ as the rank's shard (gathered again in the backward), the attention and MLP at f
 2 x 49,280 + 16,384 + 41,984 + 16,384 + 131,072 = 304,384.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,29 @@ def test_zero1_and_fsdp_shard_the_optimizer_by_the_data_parallel_ranks(cache):
                             sharding="none")
     b = est.train_memory[0]
     assert b.master == 0 and b.optimizer == 4 * params and b.gradients == 2 * params
+
+
+def test_fsdp_shards_and_reduces_the_parameters_outside_the_layers_too(cache):
+    """FSDP2 as TorchTitan applies it shards every decoder block and then the root module: the
+    embedding, final norm and LM head are a unit too, all-gathered when the forward starts and
+    reduce-scattered when the backward ends. The estimate left them out (found by a hunt): their
+    weights counted whole, and no data-parallel reduction of their gradients was charged at all,
+    so an FSDP step came out faster than a ZeRO-1 one that reduces every gradient."""
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="zero1")
+    z = est.train_memory[0]
+    est, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="fsdp")
+    f = est.train_memory[0]
+    assert f.weights == pytest.approx(z.weights / 4, abs=4096)  # every parameter as its 1/dp shard
+    assert f.activations == z.activations  # (the gathered root is a temporary, not an activation)
+
+    def calls(est, part, name):
+        return sum(c[2] for c in getattr(est, part).collectives if c[0] == name)
+
+    layers = json.loads(Path(TINY).read_text())["num_hidden_layers"]
+    zero1, _ = estimate_train(TINY, tp=2, dp=4, micro_batch=1, seq=T, cache_dir=cache, sharding="zero1")
+    # one gather and one reduction per unit: each layer, and the root
+    assert calls(est, "forward", "all_gather") == calls(zero1, "forward", "all_gather") + layers + 1
+    assert calls(est, "backward", "reduce_scatter") == calls(zero1, "backward", "reduce_scatter") + layers + 1
 
 
 def test_pipeline_stages_hold_the_micro_batches_in_flight(cache):
@@ -348,3 +372,22 @@ def test_nxd_fused_projections_are_one_matmul_each(cache):
     assert fused.forward.matmul_flops == apart.forward.matmul_flops
     assert fused.train_memory[0].weights == apart.train_memory[0].weights
     assert fused.step_ms < apart.step_ms
+
+
+def test_qwen3_q_and_k_norms_stay_whole_and_sum_their_gradients_over_tp(cache, tmp_path):
+    """Transformers' Qwen3 TP plan marks the per-head q/k norms 'replicated_with_grad_allreduce';
+    the TP sharding refused that style, so the shipped TorchTitan Qwen3 plan stopped with an error
+    (found by a hunt). Such a module stays whole on every rank, and its weight's gradient is
+    all-reduced over the TP group when the backward reaches it."""
+    cfg = json.loads(Path(TINY).read_text())
+    cfg.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
+    path = tmp_path / "tiny-qwen3.json"
+    path.write_text(json.dumps(cfg))
+    est, _ = estimate_train(str(path), tp=2, dp=1, micro_batch=1, seq=T, cache_dir=cache, sharding="none")
+
+    def calls(part):
+        return sum(c[2] for c in getattr(est, part).collectives if c[0] == "all_reduce")
+
+    llama, _ = estimate_train(TINY, tp=2, dp=1, micro_batch=1, seq=T, cache_dir=cache, sharding="none")
+    more = calls("backward") - sum(c[2] for c in llama.backward.collectives if c[0] == "all_reduce")
+    assert more == 2 * cfg["num_hidden_layers"]  # q_norm's and k_norm's, in each layer

@@ -499,6 +499,16 @@ class Shard:
             if style == "moe_tp_experts":
                 mod._trnsim_after = self.comm.all_reduce  # the experts' row-parallel output
                 self.replaced[name] = style
+        elif mod is not None and style == "replicated_with_grad_allreduce":
+            # (Qwen3's q/k norms over each head: whole on every rank, their gradients summed over
+            # the TP group when the backward reaches them, as DTensor reduces a Replicate weight's)
+            nbytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+            comm = self.comm
+            if nbytes:
+                mod.register_full_backward_hook(
+                    lambda m, gi, go: comm.charge("all-reduce", nbytes, comm.tp_group,
+                                                  _dtype(next(m.parameters()))))
+            self.replaced[name] = style
         elif mod is not None:
             raise PlanError(f"--tp {tp}: {name}: transformers' plan style '{style}' is not one trnsim shards")
 
