@@ -225,7 +225,8 @@ def add_mode(modes: Any) -> None:
                                                            "prefilled in chunks (default 2048)")
     p.add_argument("--max-model-len", type=int, help="longest sequence (default: the longest request)")
     p.add_argument("--kv-tokens", type=int, help="KV-cache capacity in tokens (default: what the rank's HBM holds "
-                                                 "beside the weights, at most max batch x max model len)")
+                                                 "beside the weights, at most max batch x the largest KV bucket, "
+                                                 "as Neuron allocates the cache)")
     p.add_argument("--prefix-caching", action="store_true", help="reuse the KV of a prefix an earlier request "
                                                                  "prefilled")
     p.add_argument("--prefix-len", type=int, default=0, help="leading prompt tokens every Poisson request shares "
