@@ -324,3 +324,28 @@ def test_the_written_out_backward_is_autograd_of_the_block_bit_for_bit(dtype, ca
         for name, a, b in zip(("x", "router", "gate_up", "down"), want, got):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert torch.equal(_bits(a), _bits(b)), (name, top_k, normalize)
+
+
+def test_a_gradient_penalty_through_the_block_is_cpus():
+    """A backward with create_graph (a gradient penalty) through the block: the op's derivative
+    has none of its own, so the second backward was refused in one line where CPU computes it
+    (found by a hunt). It now recomputes the block's ops on the device and differentiates them."""
+    cpu = _model()
+    dev = copy.deepcopy(cpu).to("neuron")
+
+    def penalty(block, device):
+        x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        loss = g.square().sum()
+        loss.backward()
+        return loss, x.grad, [p.grad for p in block.parameters()]
+
+    loss_c, x_c, grads_c = penalty(cpu.model.layers[0].mlp, "cpu")
+    loss_n, x_n, grads_n = penalty(dev.model.layers[0].mlp, "neuron")
+    _close(loss_n, loss_c, "penalty")
+    _close(x_n, x_c, "input gradient")
+    for g_n, g_c in zip(grads_n, grads_c):
+        assert g_c is not None
+        _close(g_n, g_c, "weight gradient")

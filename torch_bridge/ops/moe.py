@@ -495,11 +495,32 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _derivative(ctx: Any, grad_out: torch.Tensor | None, grad_logits: torch.Tensor | None) -> tuple[Any, ...]:
     x, router_weight, gate_up_proj, down_proj = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a backward with create_graph: gradients that carry a graph
+        return (*_differentiable_grads(ctx, (x, router_weight, gate_up_proj, down_proj), grad_out, grad_logits),
+                None, None, None, None)
     grads = moe_block_backward(x, router_weight, gate_up_proj, down_proj,
                                None if grad_out is None else grad_out.contiguous(),
                                None if grad_logits is None else grad_logits.contiguous(), ctx.top_k, ctx.normalize,
                                *ctx.dtypes)
     return (*grads, None, None, None, None)
+
+
+def _differentiable_grads(ctx: Any, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None,
+                          grad_logits: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a backward with ``create_graph`` (a gradient penalty, a Hessian): the
+    block's ops recomputed on the device (:func:`block_values`, each op its own launch, as the
+    block runs where the op does not take it) and differentiated, so the gradients carry a graph
+    back to the inputs. ``moe_block_backward`` has no derivative of its own: through it the
+    second-order terms were refused where CPU computes them."""
+    wanted = [t.requires_grad for t in inputs]
+    out, logits = block_values(*inputs, ctx.top_k, ctx.normalize, _cpu_linear, *ctx.dtypes)
+    pairs = [(o, g) for o, g in ((out, grad_out), (logits, grad_logits)) if g is not None]
+    wrt = [t for t, w in zip(inputs, wanted) if w]
+    if not pairs or not wrt:
+        return (None,) * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
+                                   allow_unused=True))
+    return tuple(next(got) if w else None for w in wanted)
 
 
 moe_block.register_autograd(_derivative, setup_context=_setup_context)
