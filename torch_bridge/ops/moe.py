@@ -29,7 +29,9 @@ sync (``nonzero``) in the middle. A Trainium deployment runs the block as one Mo
   kernels (the ops autograd runs from the routing weights to the router's input and weight),
   shown in the run report as ``moe_block_backward`` rows. Where the kernel refuses the shapes,
   or only the router logits have a gradient, every backward op autograd runs is charged as an
-  eager kernel, as before the kernel existed.
+  eager kernel, as before the kernel existed. A backward with ``create_graph`` (a gradient
+  penalty) recomputes the block's ops and differentiates them, each op its own launch
+  (:func:`_differentiable_grads`): the one op has no derivative of its own.
 * **autocast**: inside ``torch.autocast("neuron")`` the block's own ops would run its router's
   linear in autocast's dtype, and its experts' linears too unless the implementation is
   ``grouped_mm`` (``torch._grouped_mm`` is on no autocast list, on CPU or here). The op takes
