@@ -8,6 +8,7 @@ torch that lacks one fails with a message naming it and the pinned version inste
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from typing import Any, Callable
@@ -371,12 +372,32 @@ TorchDispatchMode = resolve("torch.utils._python_dispatch.TorchDispatchMode")
 no_dispatch_modes = resolve("torch.utils._python_dispatch._disable_current_modes")
 
 
-def forget_constant(t: Any) -> None:
-    """Drop the values a FakeTensor made from data keeps (its ``constant``): fake mode runs an op
-    on such a tensor for real too, to keep the result's values, so a copy of it to the device
+def held_constant(t: Any) -> Any:
+    """The values a FakeTensor made from data keeps (its ``constant``), or None. Fake mode runs an
+    op on such a tensor for real too, to keep the result's values, so a copy of it to the device
     would also run, and be charged, on the real device (timing_only's tensors from data)."""
+    return getattr(t, "constant", None) if isinstance(t, FakeTensor) else None
+
+
+def forget_constant(t: Any) -> None:
+    """Drop :func:`held_constant`'s values of ``t`` for good (a host tensor made only to be copied)."""
     if isinstance(t, FakeTensor):
         t.constant = None
+
+
+@contextlib.contextmanager
+def constant_hidden(t: Any) -> Any:
+    """:func:`held_constant`'s values of ``t`` hidden from fake mode inside the block, given back after
+    (``t.item()`` still works)."""
+    held = held_constant(t)
+    if held is None:
+        yield
+        return
+    t.constant = None
+    try:
+        yield
+    finally:
+        t.constant = held
 COMPOSITE_EXPLICIT = (DispatchKey.CompositeExplicitAutograd, DispatchKey.CompositeExplicitAutogradNonFunctional)
 
 

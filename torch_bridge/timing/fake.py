@@ -256,8 +256,8 @@ _MASKED_ONLY = frozenset({"index", "_unsafe_index"})
 # index moves them to the device first (its meta function's make_info: a host-to-device copy each,
 # charged in eager), the index_put family reads them where they are (eager charges no copy)
 _HOST_INDEX_MOVED = frozenset({"index", "_unsafe_index"})
-_ATEN = torch.ops.aten
 _HOST_INDEX_READ = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"})
+_ATEN = torch.ops.aten
 
 
 def _host_indices(args: tuple[Any, ...]) -> bool:
@@ -637,12 +637,8 @@ class FunctionMode(TorchFunctionMode):
             return _from_data(func, args, kwargs)
         held = _held_values(func, args, kwargs)
         if held is not None:  # a host tensor from data moved to the device: one copy, as in eager
-            t, constant = held
-            _torch.forget_constant(t)
-            try:
+            with _torch.constant_hidden(held):
                 return func(*args, **kwargs)
-            finally:
-                t.constant = constant
         out = func(*args, **kwargs)
         if func is torch.Tensor.backward or func is torch.autograd.backward or func is torch.autograd.grad:
             self.run.raise_deferred_oom()
@@ -662,12 +658,11 @@ def _is_neuron_device(device: Any) -> bool:
         return False  # (the op itself gives its error)
 
 
-def _held_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-    """(tensor, its values) for ``t.to(<neuron>)`` or ``<neuron tensor>.copy_(t)`` of a host
-    tensor made from data inside the run, whose values fake mode keeps (``torch.tensor(0)``):
-    fake mode would run that copy for real too, and the real device would charge it a second
-    time. The caller hides the values for the copy, and gives them back (``t.item()`` still
-    works)."""
+def _held_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The host tensor of ``t.to(<neuron>)`` or ``<neuron tensor>.copy_(t)`` when it was made from
+    data inside the run and fake mode keeps its values (``torch.tensor(0)``): fake mode would run
+    that copy for real too, and the real device would charge it a second time. The caller hides
+    the values for the copy (:func:`_torch.constant_hidden`); else None."""
     if func is torch.Tensor.to and args:
         t = args[0]
         moved = any(_is_neuron_device(a) if isinstance(a, (str, torch.device)) else
@@ -677,8 +672,7 @@ def _held_values(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tu
         t, moved = args[1], args[0].device.type == _NEURON
     else:
         return None
-    constant = getattr(t, "constant", None) if isinstance(t, _torch.FakeTensor) else None
-    return (t, constant) if moved and constant is not None and t.device.type == "cpu" else None
+    return t if moved and _torch.held_constant(t) is not None and t.device.type == "cpu" else None
 
 
 def _from_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
