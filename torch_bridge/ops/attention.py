@@ -330,12 +330,12 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v = ctx.saved_tensors
         mask, causal, scale, flash = ctx.call
+        composite = torch.is_grad_enabled() or _torch.batched_grad(grad_out)  # create_graph, or vmapped gradients
         # a backward that reads the mask, or CPU's flash kernel's, which saves the very mask (a
         # boolean one, or one of another dtype, it converts first: a copy, which it does not check)
-        if ctx.cpu_call is not None or torch.is_grad_enabled() or _torch.batched_grad(grad_out) or \
-                (flash and mask is not None and mask.dtype == q.dtype):
+        if ctx.cpu_call is not None or composite or (flash and mask is not None and mask.dtype == q.dtype):
             check_mask_version(mask, ctx.mask_version)
-        if torch.is_grad_enabled() or _torch.batched_grad(grad_out):  # create_graph, or vmapped gradients
+        if composite:
             return differentiable_grads(ctx, q, k, v, grad_out, mask, causal, scale, ctx.groups > 1, flash) + \
                 (None,) * 5
         index = q.device.index or 0

@@ -402,11 +402,8 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         elif kind == "foreach":
             self._foreach(core, facts.name, func, args, kwargs, out)
         else:
-            inputs = [t for t in flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in facts.out_names],
-                                              []) if t.device.type == _NEURON]
             outs = flat_tensors(out, [])
-            key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs))
-            cost = self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs, inputs, outs))
+            cost = self._op_cost(func, facts, args, kwargs, outs)
             if fuser is not None and not fuser.flushing and fuser.fusable(func) and outs and \
                     all(t.device.type == _NEURON for t in outs):
                 fuser.record(core, func, args, kwargs, out, (facts.name, cost))  # lowered with its region
@@ -437,13 +434,16 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
             with self:  # the op on device indices comes back through this mode, as any op
                 return func(*new_args, **kwargs)
         out = self._call(func, facts, new_args, kwargs)
+        self.run.launch(core_of, facts.name, self._op_cost(func, facts, args, kwargs, flat_tensors(out, [])))
+        return out
+
+    def _op_cost(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 outs: list[Any]) -> OpCost:
+        """An op's charge as the eager fallback prices it: its kernel over its device tensors."""
         inputs = [t for t in flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in facts.out_names], [])
                   if t.device.type == _NEURON]
-        outs = flat_tensors(out, [])
         key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs))
-        self.run.launch(core_of, facts.name, self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs,
-                                                                                     inputs, outs)))
-        return out
+        return self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs, inputs, outs))
 
     # ---- running an op on fake tensors ---------------------------------------------------------
     def _call(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -422,10 +422,9 @@ class _FullyShard:
         self.root = len(self.sizes)  # the root unit's index in sizes (when it has parameters)
         if root:
             self.sizes.append(root)
-        self.held = 0
-        self.gathered_root = False
-        for n in self.sizes:
-            ledger.release(0, n - -(-n // self.dp))  # the rank keeps its shard of each unit
+        self.root_gathered = False
+        for i in range(len(self.sizes)):
+            ledger.release(0, self._gathered(i))  # the rank keeps its shard of each unit
         self.handles = []
         for i, layer in enumerate(layers):
             self.handles.append(layer.register_forward_pre_hook(functools.partial(self._gather, i)))
@@ -433,31 +432,34 @@ class _FullyShard:
             self.handles.append(layer.register_full_backward_pre_hook(functools.partial(self._gather_bwd, i)))
             self.handles.append(layer.register_full_backward_hook(functools.partial(self._reduce, i)))
         if root:
-            self.handles.append(net.register_forward_pre_hook(functools.partial(self._gather, self.root)))
+            self.handles.append(net.register_forward_pre_hook(self._gather_root))
+
+    def _gathered(self, i: int) -> int:
+        """The bytes unit ``i`` holds gathered beyond its shard."""
+        n = self.sizes[i]
+        return n - -(-n // self.dp)
+
+    def _gather_root(self, module: nn.Module, args: Any) -> None:
+        self._hold(self.root)
+        self.root_gathered = True
 
     def root_held(self) -> int:
         """The bytes the root unit's gathered parameters hold beyond its shard now."""
-        if self.root < len(self.sizes) and self.gathered_root:
-            n = self.sizes[self.root]
-            return n - -(-n // self.dp)
-        return 0
+        return self._gathered(self.root) if self.root_gathered else 0
 
     def finish_backward(self) -> None:
         """The end of the backward: the root unit's gradients reduce-scattered, its parameters
         resharded (nothing for a stage without parameters outside its layers)."""
-        if self.root < len(self.sizes):
+        if self.root_gathered:
             self._reduce(self.root, None, None, None)
+            self.root_gathered = False
 
     def _hold(self, i: int) -> None:
-        self.gathered_root = self.gathered_root or i == self.root
-        n = self.sizes[i]
-        self.rank.run._reserve(0, n - -(-n // self.dp))
-        self.rank.comm.charge("all-gather", n, self.group, self.dtype)
+        self.rank.run._reserve(0, self._gathered(i))
+        self.rank.comm.charge("all-gather", self.sizes[i], self.group, self.dtype)
 
     def _drop(self, i: int) -> None:
-        self.gathered_root = self.gathered_root and i != self.root
-        n = self.sizes[i]
-        self.rank.ledger.release(0, n - -(-n // self.dp))
+        self.rank.ledger.release(0, self._gathered(i))
 
     def _gather(self, i: int, module: nn.Module, args: Any) -> None:
         self._hold(i)
@@ -475,8 +477,8 @@ class _FullyShard:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-        for n in self.sizes:
-            self.rank.ledger.devices[0].add(n - -(-n // self.dp))  # whole again, as the storages are freed
+        for i in range(len(self.sizes)):
+            self.rank.ledger.devices[0].add(self._gathered(i))  # whole again, as the storages are freed
 
 
 # ---- one role's step ------------------------------------------------------------------------------
