@@ -42,6 +42,7 @@ from ..runtime import runtime
 from .attention import values_call
 from .foreach import ForeachKernel, ForeachRegion, partition_foreach
 from .fusion import Region, last_uses, partition
+from .reinplace import reinplace_input_updates
 
 __all__ = ["CompiledGraph", "RegionKernel", "rewrite", "runnable"]
 
@@ -712,6 +713,7 @@ class CompiledGraph:
         from .flex import use_flex_kernels
 
         use_flex_kernels(gm)  # FlexAttention's higher-order ops run as one flash-attention launch each
+        reinplace_input_updates(gm)  # a graph input's scatter (a KV-cache update) writes in place
         self.regions: list[Region | ForeachRegion] = [*partition(gm), *partition_foreach(gm)]
         self.module = runnable(rewrite(gm, self.regions) if self.regions else gm)
         self.compile_seconds = time.perf_counter() - t0

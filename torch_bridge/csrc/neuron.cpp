@@ -2099,7 +2099,11 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         }
         key_tensor(key, t, 0);
         inputs.push_back(t.storage().data());
+        size_t known = aliases.size();
         const c10::IValue& found = alias_of(t);
+        // an out= that is also an input (index_copy_ is index_copy.out(self, .., out=self)) costs other than a
+        // fresh out: an in-place scatter writes only its rows (Python's key tells the two apart too)
+        if (written && aliases.size() == known) key_int(key, 13);
         cargs.push_back(found);
         if (written) writes.emplace_back(i, found.toTensor().unsafeGetTensorImpl());
       } else if (t.device().is_cpu() && t.dim() == 0 && !written) {  // a host scalar
@@ -2360,6 +2364,7 @@ bool inplace_fast(const c10::OperatorHandle& out_op, at::Tensor& self, const at:
     }
   }
   key_tensor(key, self, 0);  // out=self
+  key_int(key, 13);  // (an out= that is an input: fast_kernel's mark)
   key_int(key, 50);
   const int64_t handle = cost_handle(key);
   if (handle < 0) return false;  // the boxed call learns it

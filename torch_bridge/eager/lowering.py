@@ -317,6 +317,56 @@ _add(["gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put"
       "arange", "tril", "triu", "tril_", "triu_", "unique", "_unique2", "take", "take_along_dim",
       "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "searchsorted",
       "bucketize", "native_dropout", "roll", "flip"], Op(None, "gpsimd"))
+
+
+def _touched(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], self_: torch.Tensor) -> int | None:
+    """How many of ``self_``'s elements an in-place scatter writes (None where the call's indices
+    do not tell without their values: a boolean mask)."""
+    if name not in ("index_put_", "_index_put_impl_"):
+        name = name.rstrip("_")  # (an in-place call reaches its cost by either name)
+    if name in ("index_copy", "index_add"):
+        return _arg(args, kwargs, 3, "source").numel()
+    if name in ("scatter", "scatter_add", "scatter_reduce"):
+        return _arg(args, kwargs, 2, "index").numel()
+    if name == "index_fill":
+        index, dim = _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 1, "dim")
+        size = self_.shape[dim] if self_.dim() else 1
+        return index.numel() * (self_.numel() // size) if size else 0
+    indices = _arg(args, kwargs, 1, "indices")  # index_put_ / _index_put_impl_
+    if any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype in (torch.bool, torch.uint8))
+           for t in indices):
+        return None
+    shape = torch.broadcast_shapes(*(tuple(t.shape) for t in indices if t is not None))
+    rest = [d for i, d in enumerate(self_.shape) if i >= len(indices) or indices[i] is None]
+    return math.prod(shape) * math.prod(rest)
+
+
+def _scatter_inplace(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Sequence[torch.Tensor],
+                     outputs: Sequence[torch.Tensor]) -> KernelSpec | None:
+    """An in-place scatter (``index_copy_``, ``index_put_``, ``scatter_``, ...: a KV cache's
+    update) moves only what it writes: its indices and sources in, and the elements it writes out
+    (with those elements read first where it accumulates), an indirect DMA on GpSimd. The rest of
+    the tensor it writes into is not read or written. None (the generic kernel over every tensor,
+    a full pass over ``self``) for the out-of-place forms, which copy ``self`` first, and where
+    the indices are a boolean mask."""
+    self_ = args[0] if args else None
+    if not isinstance(self_, torch.Tensor) or not outputs or outputs[0] is not self_:
+        return None
+    touched = _touched(name, args, kwargs, self_)
+    if touched is None or touched >= self_.numel():
+        return None
+    base = name if name in ("index_put_", "_index_put_impl_") else name.rstrip("_")
+    accumulate = base in ("index_add", "scatter_add", "scatter_reduce") or \
+        (base in ("index_put_", "_index_put_impl_") and bool(_arg(args, kwargs, 3, "accumulate", False))) or \
+        (base == "scatter" and _arg(args, kwargs, 4, "reduce") is not None)
+    written = torch.empty(touched, dtype=self_.dtype, device="meta")
+    moved = [t for t in inputs if t is not self_] + ([written] if accumulate else [])
+    return generic_spec(name, moved, [written])
+
+
+for _name in ("index_copy", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_fill"):
+    _add([_name], Op(None, "gpsimd", spec=_scatter_inplace), inplace=True)
+_add(["index_put_", "_index_put_impl_"], Op(None, "gpsimd", spec=_scatter_inplace))
 _DEFAULT = Op()
 
 
