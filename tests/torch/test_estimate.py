@@ -96,6 +96,16 @@ def test_sequence_parallel_prefill(cache):
     assert plain == {"all_gather", "all_reduce"}  # one token: plain tensor parallelism
 
 
+def test_sequence_parallelism_over_one_rank_is_none(cache):
+    """--sp with --tp 1 splits nothing (Megatron turns it off): the estimate does not say SP."""
+    train, _ = estimate_train(TINY, tp=1, sp=True, micro_batch=1, seq=64, cache_dir=cache)
+    infer, _ = estimate_inference(TINY, eager=True, tp=1, sp=True, input_tokens=32, output_tokens=2, samples=1,
+                                  cache_dir=cache)
+    kernels, _ = estimate_inference(TINY, tp=1, sp=True, input_tokens=32, output_tokens=2, samples=1, cache_dir=cache)
+    assert [e.plan["sp"] for e in (train, infer, kernels)] == [False, False, False]
+    assert estimate_train(TINY, tp=1, micro_batch=1, seq=64, cache_dir=cache)[0].step_ms == train.step_ms
+
+
 def test_pipeline_stages_add_up(cache):
     one, _ = estimate_inference(TINY, eager=True, tp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)
     two, _ = estimate_inference(TINY, eager=True, tp=2, pp=2, input_tokens=64, output_tokens=2, samples=1, cache_dir=cache)

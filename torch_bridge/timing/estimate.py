@@ -180,7 +180,8 @@ def estimate_inference(model: str | ModelConfig, system: str | SystemConfig = "t
     middle = stages[0]["decode_reports"][len(lengths) // 2] if lengths else None
     est = InferenceEstimate(
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
-        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp}, ranks=plan.size, batch=batch, input_tokens=input_tokens,
+        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp and plan.tp > 1}, ranks=plan.size, batch=batch,
+        input_tokens=input_tokens,
         output_tokens=output_tokens, dtype=dtype, ttft_ms=ttft, tpot_ms=tpot,
         tpot_first_ms=decode[0][1] if decode else 0.0, tpot_last_ms=decode[-1][1] if decode else 0.0,
         tokens_per_s=per_request, system_tokens_per_s=per_request * batch * dp, decode_samples=tuple(decode),
@@ -333,7 +334,7 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     peak = sysc.chip.peak_flops_per_core("bf16") * sysc.chip.chip.lnc * plan.size
     est = TrainEstimate(
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
-        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp}, ranks=plan.size, micro_batch=micro_batch, seq=seq,
+        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp and plan.tp > 1}, ranks=plan.size, micro_batch=micro_batch, seq=seq,
         global_batch=gbs, micro_batches=micro, dtype=dtype, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
         seq_per_s=gbs / step_s, mfu_percent=100.0 * tokens * flops / step_s / peak, model_flops_per_token=flops,
         pipeline_ms=pipe / hz * 1e3, bubble_percent=100.0 * (pipe - ideal) / pipe if pipe else 0.0,

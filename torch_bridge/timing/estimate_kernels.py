@@ -387,7 +387,7 @@ def estimate_inference_kernels(model: str | ModelConfig, system: str | SystemCon
         notes.append(f"acceptance {specu.acceptance:g} per draft token: {specu.source}")
     est = InferenceEstimate(
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
-        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp_on, **({"ep": ep} if ep > 1 else {})}, ranks=plan.size,
+        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp_on and tp > 1, **({"ep": ep} if ep > 1 else {})}, ranks=plan.size,
         batch=batch, input_tokens=input_tokens, output_tokens=output_tokens, dtype=dtype, ttft_ms=ttft, tpot_ms=tpot,
         tpot_first_ms=first_step, tpot_last_ms=decode[-1][1] if decode else 0.0,
         tokens_per_s=per_request, system_tokens_per_s=per_request * batch * dp,
