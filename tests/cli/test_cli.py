@@ -74,7 +74,7 @@ def test_bad_flags_exit_2(capsys):
         main(["info", "--frobnicate"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim --help')\n"
+    assert err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim info --help')\n"
     with pytest.raises(SystemExit):
         main(["bogus"])
     assert capsys.readouterr().err.startswith("trnsim: error: argument COMMAND: invalid choice: 'bogus'")
@@ -93,6 +93,10 @@ def test_a_bad_argument_names_the_whole_subcommand_for_help(capsys):
     with pytest.raises(SystemExit):
         main(["collective", "all-reduce", "--factor", "x"])
     assert capsys.readouterr().err.endswith(" (see 'trnsim collective --help')\n")
+    with pytest.raises(SystemExit):  # an option the subcommand does not have: its help, not trnsim's
+        main(["estimate", "train", "--model", "llama-3.1-8b", "--bogus"])
+    assert capsys.readouterr().err == ("trnsim: error: unrecognized arguments: --bogus "
+                                       "(see 'trnsim estimate train --help')\n")
 
 
 def test_console_script_runs():

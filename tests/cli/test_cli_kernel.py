@@ -161,7 +161,7 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["kernel", "matmul", "--frobnicate"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim --help')\n"
+    assert capsys.readouterr().err == "trnsim: error: unrecognized arguments: --frobnicate (see 'trnsim kernel --help')\n"
 
 
 USER_KERNELS = '''

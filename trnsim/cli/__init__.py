@@ -520,7 +520,11 @@ def _keep_script_separator(args: argparse.Namespace, raw: Sequence[str]) -> None
 def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(raw)
+        args, extra = build_parser().parse_known_args(raw)
+        if extra:  # (argparse's own message names the top parser: point at the command's help instead)
+            prog = " ".join(["trnsim", *[str(v) for v in (getattr(args, "command", None), getattr(args, "mode", None))
+                                         if v]])
+            _Parser(prog=prog).error(f"unrecognized arguments: {' '.join(extra)}")
     except KeyboardInterrupt:
         print("trnsim: interrupted", file=sys.stderr)
         return 130
