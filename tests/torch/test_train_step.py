@@ -166,6 +166,10 @@ def test_recipe_errors_are_one_line():
     (["--sharding", "zero3"], "trnsim: error: --sharding 'zero3': expected one of none, zero1, fsdp\n"),
     (["--virtual-stages", "0", "--schedule", "interleaved"],
      "trnsim: error: --virtual-stages 0: expected a whole number 1..64\n"),
+    # was accepted, and ran the one stage as it runs without a schedule
+    (["--schedule", "interleaved", "--virtual-stages", "2"],
+     "trnsim: error: --schedule interleaved: one pipeline stage (--pp 1) has no schedule to interleave; use --pp 2 "
+     "or more, or --schedule 1f1b\n"),
     # was scheduled: 2 layers a stage as 3 chunks of 2/3 of a layer each
     (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3"],
      "trnsim: error: --virtual-stages 3: pipeline stage 0's 2 decoder layers do not split into 3 model chunks "

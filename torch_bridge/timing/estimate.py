@@ -277,6 +277,9 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     positive("--seq", seq)
     dt = dtype_of(dtype)
     _check(spec, sysc, plan, dtype)  # the plan first: --dp divides the global batch below
+    if recipe.schedule == "interleaved" and plan.pp == 1:  # (Megatron refuses it too)
+        raise EstimateError("--schedule interleaved: one pipeline stage (--pp 1) has no schedule to interleave; use "
+                            "--pp 2 or more, or --schedule 1f1b")
     v = recipe.virtual_stages
     if recipe.schedule == "interleaved" and plan.pp > 1 and v > 1:  # else scheduled as chunks of fractional layers
         for role in plan.roles(spec.layers):
