@@ -57,7 +57,7 @@ def _flat(args: object) -> list[object]:
     return out
 
 
-def _rewrite_window(graph: fx.Graph, window: fx.Node, scatter: fx.Node, view: object) -> bool:
+def _rewrite_window(window: fx.Node, scatter: fx.Node, view: object) -> bool:
     """``x[5:6] = k`` functionalized reads the window it writes: ``w = slice(x, ..)``,
     ``c = copy(w, k)`` (k broadcast and cast to the window), ``slice_scatter(x, c, ..)``. Where that
     is the whole of it, ``c`` becomes ``w.copy_(k)``, the write itself (True); False otherwise."""
@@ -69,6 +69,12 @@ def _rewrite_window(graph: fx.Graph, window: fx.Node, scatter: fx.Node, view: ob
         return False
     new.target = aten.copy_.default  # (its value, the window, is read by nothing: the scatter goes)
     return True
+
+
+def _alike(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and \
+        va.shape == vb.shape
 
 
 def reinplace_input_updates(gm: fx.GraphModule) -> int:
@@ -90,32 +96,23 @@ def reinplace_input_updates(gm: fx.GraphModule) -> int:
         if any(a is dst for a in _flat(src.args[1:])) or any(a is dst for a in _flat(list(src.kwargs.values()))):
             continue
         others = set(dst.users) - {src, node}
-        if others:  # only the window the view's new values are made in (below), else not sound
-            if view is None or len(others) != 1 or not _rewrite_window(graph, others.pop(), src, view):
+        if others:  # a view's scatter may read the window it writes (_rewrite_window); any other read is unsound
+            if view is None or len(others) != 1 or not _rewrite_window(others.pop(), src, view):
                 continue
-            src.replace_all_uses_with(dst)
+        elif not _alike(src, dst) or (view is not None and (src.kwargs or len(src.args) < 2)):
+            continue
+        elif inplace is not None:
+            src.target = inplace  # returns its self: the input, now holding what the copy_ would write
             graph.erase_node(node)
-            graph.erase_node(src)
             done += 1
             continue
-        src_val, dst_val = src.meta.get("val"), dst.meta.get("val")
-        if not (isinstance(src_val, torch.Tensor) and isinstance(dst_val, torch.Tensor)
-                and src_val.dtype == dst_val.dtype and src_val.shape == dst_val.shape):
-            continue
-        if inplace is not None:
-            src.target = inplace  # returns its self: the input, now holding what the copy_ would write
         else:
-            if src.kwargs or len(src.args) < 2:
-                continue
             with graph.inserting_before(src):
                 window = graph.call_function(view, (dst, *src.args[2:]))
                 graph.call_function(aten.copy_.default, (window, src.args[1]))
-            src.replace_all_uses_with(dst)
-            graph.erase_node(node)
-            graph.erase_node(src)
-            done += 1
-            continue
+        src.replace_all_uses_with(dst)  # (the copy_ back too, which goes with the scatter)
         graph.erase_node(node)
+        graph.erase_node(src)
         done += 1
     if done:
         graph.lint()
