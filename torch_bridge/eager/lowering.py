@@ -364,9 +364,10 @@ def _scatter_inplace(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], i
     return generic_spec(name, moved, [written])
 
 
-for _name in ("index_copy", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_fill"):
-    _add([_name], Op(None, "gpsimd", spec=_scatter_inplace), inplace=True)
-_add(["index_put_", "_index_put_impl_"], Op(None, "gpsimd", spec=_scatter_inplace))
+# (the names their calls are costed by: index_copy_ is index_copy.out(out=self), costed as "index_copy",
+# index_fill_ as itself)
+_add(["index_copy", "index_add", "scatter", "scatter_add", "scatter_reduce", "index_fill", "index_fill_", "index_put_",
+      "_index_put_impl_"], Op(None, "gpsimd", spec=_scatter_inplace))
 _DEFAULT = Op()
 
 
