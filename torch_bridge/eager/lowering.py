@@ -319,11 +319,16 @@ _add(["gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put"
       "bucketize", "native_dropout", "roll", "flip"], Op(None, "gpsimd"))
 
 
+def out_is_self(args: tuple[Any, ...], kwargs: dict[str, Any], out_names: Sequence[str]) -> bool:
+    """An out= call whose out is its first argument: the in-place form (``index_copy_`` is
+    ``index_copy.out(self, .., out=self)``), which a cost key tells apart from the same call into
+    a fresh out (:func:`_scatter_inplace` costs the two differently)."""
+    return bool(out_names) and bool(args) and any(kwargs.get(n) is args[0] for n in out_names)
+
+
 def _touched(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], self_: torch.Tensor) -> int | None:
-    """How many of ``self_``'s elements an in-place scatter writes (None where the call's indices
-    do not tell without their values: a boolean mask)."""
-    if name not in ("index_put_", "_index_put_impl_"):
-        name = name.rstrip("_")  # (an in-place call reaches its cost by either name)
+    """How many of ``self_``'s elements the in-place scatter ``name`` (its base name) writes (None
+    where the call's indices do not tell without their values: a boolean mask)."""
     if name in ("index_copy", "index_add"):
         return _arg(args, kwargs, 3, "source").numel()
     if name in ("scatter", "scatter_add", "scatter_reduce"):
@@ -352,10 +357,11 @@ def _scatter_inplace(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], i
     self_ = args[0] if args else None
     if not isinstance(self_, torch.Tensor) or not outputs or outputs[0] is not self_:
         return None
-    touched = _touched(name, args, kwargs, self_)
+    # (index_fill_ is costed by its own name, the others by their base's)
+    base = name if name in ("index_put_", "_index_put_impl_") else name.rstrip("_")
+    touched = _touched(base, args, kwargs, self_)
     if touched is None or touched >= self_.numel():
         return None
-    base = name if name in ("index_put_", "_index_put_impl_") else name.rstrip("_")
     accumulate = base in ("index_add", "scatter_add", "scatter_reduce") or \
         (base in ("index_put_", "_index_put_impl_") and bool(_arg(args, kwargs, 3, "accumulate", False))) or \
         (base == "scatter" and _arg(args, kwargs, 4, "reduce") is not None)

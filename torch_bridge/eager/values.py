@@ -507,9 +507,8 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if before:  # (_foreach_copy_ and out= foreach ops run here)
         bump_written(before)
     rt = runtime()
-    # (an out= that is its self, as index_copy_'s index_copy.out(self, out=self), costs otherwise)
     key = (op, _signature(args), _signature(tuple(kwargs.items())), _signature(out),
-           bool(info.out_names) and bool(args) and any(kwargs.get(n) is args[0] for n in info.out_names))
+           lowering.out_is_self(args, kwargs, info.out_names))
     cost = _costs.get(key)
     if cost is None:
         inputs = flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in info.out_names], [])

@@ -337,7 +337,8 @@ def estimate_train(model: str | ModelConfig, system: str | SystemConfig = "trn2.
     peak = sysc.chip.peak_flops_per_core("bf16") * sysc.chip.chip.lnc * plan.size
     est = TrainEstimate(
         model=spec.name, system=sysc.name, config=sysc.chip.name, overrides=dict(sysc.overrides),
-        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp and plan.tp > 1}, ranks=plan.size, micro_batch=micro_batch, seq=seq,
+        plan={"tp": tp, "pp": pp, "dp": dp, "sp": sp and plan.tp > 1}, ranks=plan.size, micro_batch=micro_batch,
+        seq=seq,
         global_batch=gbs, micro_batches=micro, dtype=dtype, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
         seq_per_s=gbs / step_s, mfu_percent=100.0 * tokens * flops / step_s / peak, model_flops_per_token=flops,
         pipeline_ms=pipe / hz * 1e3, bubble_percent=100.0 * (pipe - ideal) / pipe if pipe else 0.0,

@@ -442,8 +442,8 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         """An op's charge as the eager fallback prices it: its kernel over its device tensors."""
         inputs = [t for t in flat_tensors(list(args) + [v for k, v in kwargs.items() if k not in facts.out_names], [])
                   if t.device.type == _NEURON]
-        key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs),  # (an out= that is its self: values.py)
-               bool(facts.out_names) and bool(args) and any(kwargs.get(n) is args[0] for n in facts.out_names))
+        key = (func, _key(args), _key(tuple(kwargs.items())), _key(outs),
+               lowering.out_is_self(args, kwargs, facts.out_names))
         return self._cost(key, lambda: lowering.op_spec(facts.name, args, kwargs, inputs, outs))
 
     # ---- running an op on fake tensors ---------------------------------------------------------
