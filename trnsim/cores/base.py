@@ -24,6 +24,8 @@ section and the chip YAMLs (tests/cores/test_engine_table.py adds one).
 from __future__ import annotations
 
 import operator
+
+import numpy as np
 from typing import Any, Callable, ClassVar
 
 from ..config import ChipConfig
@@ -36,6 +38,18 @@ __all__ = ["Engine", "Segment", "register_engine", "ENGINE_TYPES", "Numbering", 
 Segment = tuple[str, str, int, int, int]
 
 ENGINE_TYPES: dict[str, type["Engine"]] = {}
+
+
+def first_uses(ids: np.ndarray) -> np.ndarray:
+    """Where each number of ``ids`` first appears, number by number, for numbers given in order of
+    first use (:class:`Numbering`: 0, then each new one the next): ``np.unique(ids,
+    return_index=True)[1]`` without its sort (a new number is one above every earlier one)."""
+    if not len(ids):
+        return np.zeros(0, dtype=np.int64)
+    new = np.empty(len(ids), dtype=bool)
+    new[0] = True
+    np.greater(ids[1:], np.maximum.accumulate(ids)[:-1], out=new[1:])
+    return new.nonzero()[0]
 
 
 class Numbering(dict):  # type: ignore[type-arg]

@@ -34,7 +34,7 @@ from ..config import ChipConfig
 from ..isa import Instruction, MatMul, MatMulMx, Transpose
 from ..native import convert, matmul as native_matmul
 from ..native.cast import to_dtype
-from .base import Engine, Numbering, Segment, register_engine
+from .base import Engine, Numbering, Segment, first_uses, register_engine
 
 LS_LANE = "Tensor (LS)"
 
@@ -127,8 +127,7 @@ class TensorEngine(Engine):
             if len(numbering) * 4 <= head:  # reused: number the rest the same way
                 vid[head:] = np.fromiter(map(numbering.__getitem__, map(ident, instrs[head:])), dtype=np.int64,
                                          count=n - head)
-                _, first = np.unique(vid, return_index=True)
-                ids, cycles = self._cycles_by_geometry([instrs[j] for j in first.tolist()], transpose)
+                ids, cycles = self._cycles_by_geometry([instrs[j] for j in first_uses(vid).tolist()], transpose)
                 return ids[vid], cycles
         return self._cycles_by_geometry(instrs, transpose)
 
@@ -142,8 +141,7 @@ class TensorEngine(Engine):
             key = self.KEY_MATMUL_SINGLE_ROW
         numbering = Numbering()
         ids = np.fromiter(map(numbering.__getitem__, map(key, instrs)), dtype=np.int64, count=len(instrs))
-        _, first = np.unique(ids, return_index=True)  # an instruction of each geometry
-        return ids, [self.shape_cycles(instrs[j]) for j in first.tolist()]
+        return ids, [self.shape_cycles(instrs[j]) for j in first_uses(ids).tolist()]  # an instruction of each geometry
 
     def utilisation_limit(self, t_start: int) -> float:
         tc = self.config.core.tensor

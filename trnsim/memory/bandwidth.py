@@ -26,8 +26,8 @@ class BandwidthPipe:
     __slots__ = ("num", "den", "tick_hz", "free", "bytes", "busy_ticks", "log", "name")
 
     def __init__(self, bandwidth: Fraction | int, tick_hz: int, name: str = ""):
-        bw = Fraction(bandwidth)
-        if bw <= 0:
+        bw = bandwidth if type(bandwidth) is Fraction else Fraction(bandwidth)
+        if bw.numerator <= 0:  # (a Fraction's denominator is positive; comparing it to 0 costs ~1 us)
             raise ValueError(f"bandwidth pipe '{name}': bandwidth must be positive, got {bw}")
         self.num = bw.numerator
         self.den = bw.denominator

@@ -6,6 +6,7 @@ stack on Trn2, datasheet §1/S20), modelled in :mod:`trnsim.sim` as a FIFO bandw
 
 from __future__ import annotations
 
+import functools
 from fractions import Fraction
 
 from ..config import ChipConfig, format_quantity
@@ -21,7 +22,15 @@ def stack_of_core(config: ChipConfig, core: int) -> int:
 
 def stack_bandwidth(config: ChipConfig) -> Fraction:
     """Bytes/s of one stack (the chip total split evenly), exact."""
-    return Fraction(config.chip.hbm.bandwidth, config.chip.hbm.stacks)
+    hbm = config.chip.hbm
+    return _stack_bandwidth(hbm.bandwidth, hbm.stacks)
+
+
+@functools.lru_cache(maxsize=64)
+def _stack_bandwidth(bandwidth: int, stacks: int) -> Fraction:
+    # (every simulate() call makes its pipes from it: a Fraction's normalisation each time was
+    # ~5% of simulating a small kernel)
+    return Fraction(bandwidth, stacks)
 
 
 def check_capacity(config: ChipConfig, nbytes: int, what: str) -> None:

@@ -225,7 +225,7 @@ def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "
                            "run `pip install -e .` (needs gcc and cffi)")
     n_stacks = config.chip.hbm.stacks
     pipes = [BandwidthPipe(stack_bandwidth(config), config.tick_hz) for _ in range(n_stacks)]
-    fields = _ScanFields()
+    fields = _scan_fields()
     if timeline == "auto" and sum(len(k.instructions) for k in kernels) <= SIMPY_MAX_INSTRUCTIONS:
         timeline = "simpy"  # the same results, sooner (above)
     types = None if timeline == "simpy" or _sched is None else _once_per_kernel(kernels, lambda k: _type_column(k, fields))
@@ -279,8 +279,8 @@ class _ScanFields(dict):  # type: ignore[type-arg]
     and engine: TensorE's operands (:attr:`TensorEngine.OPERANDS_MATMUL`), a DMA's queue and
     plan, the first step of every path a cost key reads (:attr:`Engine.cost_fields`), for every
     registered engine. A superset of what each path below reads, so the scan's numbering is at
-    least as fine as each one's key. Made per :func:`simulate` call (engines may be registered
-    at any time)."""
+    least as fine as each one's key. Kept while the registered engines stay the same
+    (:func:`_scan_fields`; engines may be registered at any time)."""
 
     def __missing__(self, t: type) -> tuple[str, ...]:
         names: dict[str, None] = {}
@@ -293,6 +293,18 @@ class _ScanFields(dict):  # type: ignore[type-arg]
                 names[path.split(".", 1)[0]] = None
         v = self[t] = tuple(names)
         return v
+
+
+_FIELDS_MADE: list[Any] = [None, None]  # (the engines it was made for, the _ScanFields)
+
+
+def _scan_fields() -> _ScanFields:
+    """The :class:`_ScanFields` of the engines registered now: one kept while they stay the same
+    (made anew, as each simulate() call made it before, when one is registered or replaced)."""
+    engines = tuple(ENGINE_TYPES.items())
+    if _FIELDS_MADE[0] != engines:
+        _FIELDS_MADE[:] = [engines, _ScanFields()]
+    return _FIELDS_MADE[1]
 
 
 def _edge_log(kernel: Kernel, n: int) -> tuple[Any, ...] | None:
@@ -332,17 +344,23 @@ def _renumber(keys: np.ndarray, nkeys: int) -> tuple[np.ndarray, np.ndarray]:
     position among them: np.unique(return_inverse=True) without the sort."""
     present = np.zeros(nkeys, dtype=bool)
     present[keys] = True
-    uniq = np.flatnonzero(present)
+    uniq = _where(present)
     at = np.empty(nkeys, dtype=np.int64)
     at[uniq] = np.arange(len(uniq))
     return uniq, at[keys]
+
+
+def _where(mask: np.ndarray) -> np.ndarray:
+    """The positions of the true (non-zero) entries of a 1-d array: ``np.flatnonzero`` without
+    its ravel() wrapper (~2 us a call, a dozen calls per simulated kernel)."""
+    return mask.nonzero()[0]
 
 
 def _distinct(small: np.ndarray) -> np.ndarray:
     """``np.unique`` of small non-negative ints (engine, type and key numbers), by counting:
     plain np.unique looks at ``np.ma`` and so imports numpy.ma on its first call in a process
     (~13 ms, more than simulating a small kernel)."""
-    return np.flatnonzero(np.bincount(small)) if len(small) else np.zeros(0, dtype=np.int64)
+    return _where(np.bincount(small)) if len(small) else np.zeros(0, dtype=np.int64)
 
 
 def _objects(items: list[Any]) -> np.ndarray:
@@ -495,10 +513,13 @@ class _CoreColumns:
                     lbl.append(lb)
                 busy[gidx], lat[gidx], lanes[gidx], labels[gidx] = bl, ll, lal, lbl
         self.processes: list[tuple[int, np.ndarray]] = []  # (engine id, or -1 for a queue; instructions)
-        for j in range(len(names)):
-            on = np.flatnonzero(eng == j)
-            if len(on):
-                self.processes.append((j, on))
+        # each engine's instructions in program order: the stable sort by engine, cut at the counts
+        by_engine = np.argsort(eng, kind="stable")
+        lo = 0
+        for j, c in enumerate(np.bincount(eng, minlength=len(names)).tolist()):
+            if c:
+                self.processes.append((j, by_engine[lo:lo + c]))
+                lo += c
         self.processes.extend((-1, q_idx) for _, q_idx in self.queues)
 
     def _by_key(self, scan: _Scan, key_eng: np.ndarray, type_id: Numbering, names: list[str], engines: list[Engine],
@@ -512,14 +533,14 @@ class _CoreColumns:
         k_ls = np.zeros(nk, dtype=np.int64)
         k_plan = np.full(nk, -1, dtype=np.int32)
         k_owner = key_eng.copy()
-        k_lane = np.array(names, dtype=object)[key_eng]  # each instruction's main segment: lane and label
+        k_lane = _names_array(names)[key_eng]  # each instruction's main segment: lane and label
         k_label = np.empty(nk, dtype=object)
         k_owners = k_lane.copy()                       # CoreTimeline.owner: engine, or queue of a DMA
         k_qid = np.full(nk, -1, dtype=np.int32)
         generic = np.ones(nk, dtype=bool)
         dma_parts: list[np.ndarray] = []
         for t, j in type_id.items():
-            kt = np.flatnonzero(scan.key_type == j)  # this type's keys, in order of first use
+            kt = _where(scan.key_type == j)  # this type's keys, in order of first use
             if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
                 dma_parts.append(kt)
                 generic[kt] = False
@@ -548,7 +569,7 @@ class _CoreColumns:
             k_plan[dk], self.hbm_bytes, self.hbm_ticks = plans.index(list(map(_PLAN_OF, dmas)), dma, count)
             inst_qid = k_qid[key]
             for q, k in qid_of.items():
-                self.queues.append((q, np.flatnonzero(inst_qid == k)))
+                self.queues.append((q, _where(inst_qid == k)))
         k_lat = np.zeros(nk, dtype=np.int64)
         if generic.any():
             _keyed_costs(scan, key_eng, engines, generic, k_busy, k_lat, k_lane, k_label)
@@ -556,7 +577,7 @@ class _CoreColumns:
             k_owner[key]
         self.lanes, self.labels, self.owners = k_lane[key], k_label[key], k_owners[key]
         self.lat = k_lat[key]
-        return np.flatnonzero(generic[key])
+        return _where(generic[key])
 
     def _by_instruction(self, instrs: Sequence[Instruction], tid: np.ndarray, type_id: Numbering, names: list[str],
                         engines: list[Engine], plans: "_Plans", dma: DmaSystem) -> np.ndarray:
@@ -575,7 +596,7 @@ class _CoreColumns:
         generic: list[np.ndarray] = []
         dma_parts: list[np.ndarray] = []
         for t, j in type_id.items():
-            idx = np.flatnonzero(tid == j)
+            idx = _where(tid == j)
             if issubclass(t, DmaCopy):  # a trigger on its engine, a transfer on its queue
                 dma_parts.append(idx)
                 continue
@@ -606,6 +627,19 @@ class _CoreColumns:
         if not generic:
             return np.zeros(0, dtype=np.int64)
         return np.sort(np.concatenate(generic)) if len(generic) > 1 else generic[0]
+
+
+_NAMES_ARRAYS: dict[tuple[str, ...], np.ndarray] = {}
+
+
+def _names_array(names: list[str]) -> np.ndarray:
+    """``np.array(names, dtype=object)``, made once per list of engine names (indexing gives a
+    new array: the kept one is never written)."""
+    key = tuple(names)
+    a = _NAMES_ARRAYS.get(key)
+    if a is None:
+        a = _NAMES_ARRAYS[key] = np.array(names, dtype=object)
+    return a
 
 
 def _queue_owners(queues: Numbering, names: list[str]) -> np.ndarray:
@@ -647,7 +681,7 @@ def _keyed_costs(scan: _Scan, key_eng: np.ndarray, engines: list[Engine], generi
     method that raises is left to :func:`_generic_costs` (which meets the error in program order)."""
     reps = scan.reps
     by_engine: dict[int, list[int]] = {}
-    for u in np.flatnonzero(generic).tolist():
+    for u in _where(generic).tolist():
         by_engine.setdefault(int(key_eng[u]), []).append(u)
     for j, keys in by_engine.items():
         e = engines[j]
@@ -689,7 +723,7 @@ def _generic_costs(instrs: Sequence[Instruction], idx: np.ndarray, tid: np.ndarr
     kid = np.empty(n, dtype=np.int64)
     nkeys = 0
     for j in _distinct(tid).tolist():
-        pos = np.flatnonzero(tid == j)
+        pos = _where(tid == j)
         key = e.cost_key(types[j])
         if key is None:
             kid[pos] = np.arange(nkeys, nkeys + len(pos))
@@ -770,8 +804,8 @@ class _Plans:
         if weights is None:
             count = np.bincount(ids, minlength=len(self.hbm_bytes))
         else:
-            count = np.zeros(len(self.hbm_bytes), dtype=np.int64)
-            np.add.at(count, ids, weights)
+            # (counts: whole numbers far below 2**53, so the float sums are exact)
+            count = np.bincount(ids, weights=weights, minlength=len(self.hbm_bytes)).astype(np.int64)
         nbytes = sum(c * b for c, b in zip(count.tolist(), self.hbm_bytes) if c)
         nticks = sum(c * t for c, t in zip(count.tolist(), self.hbm_ticks) if c)
         return ids, nbytes, nticks
@@ -846,7 +880,7 @@ class _NativeRun:
             cols.append(col)
         ncores = len(cols)
         sizes = [c.n for c in cols]
-        base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if ncores else np.zeros(1, np.int64)
+        base = np.array([0, *accumulate(sizes)], dtype=np.int64)
         n = int(base[-1])
 
         def cat(name: str, dtype: Any) -> np.ndarray:
@@ -879,35 +913,29 @@ class _NativeRun:
                 proc_core.append(c)
                 eng = self.timelines[c].engines[names[j]] if j >= 0 else None
                 proc_own.append(j if eng is not None and eng.pipelines_own_results else -1)
-                proc_parts.append(idx + base[c])
+                proc_parts.append(idx + base[c] if c else idx)
                 proc_engine.append((c, eng))
         nproc = len(proc_queue)
-        proc_off = np.zeros(nproc + 1, dtype=np.int64)
-        if nproc:
-            proc_off[1:] = np.cumsum([len(x) for x in proc_parts])
         r = ffi.new("sched_run_t *")
         r.n = n
-        r.kind = ptr("int8_t", cat("kind", np.int8))
-        r.busy = ptr("int64_t", cat("busy", np.int64))
-        r.lat = ptr("int64_t", cat("lat", np.int64))
-        r.ls = ptr("int64_t", cat("ls", np.int64))
-        r.owner = ptr("int32_t", cat("owner", np.int32))
-        r.dep_off = ptr("int64_t", offsets("dep_off", "deps"))
-        r.deps = ptr("int32_t", cat("deps", np.int32))
-        r.first_off = ptr("int64_t", offsets("first_off", "first"))
-        r.first_deps = ptr("int32_t", cat("first", np.int32))
-        r.has_first = ptr("int8_t", cat("has_first", np.int8))
-        r.plan = ptr("int32_t", cat("plan", np.int32))
         r.nproc = nproc
-        r.proc_queue = ptr("int8_t", np.array(proc_queue, dtype=np.int8))
-        r.proc_core = ptr("int32_t", np.array(proc_core, dtype=np.int32))
-        r.proc_own = ptr("int32_t", np.array(proc_own, dtype=np.int32))
-        r.proc_off = ptr("int64_t", proc_off)
-        r.proc_instr = ptr("int32_t", np.ascontiguousarray(np.concatenate(proc_parts) if proc_parts else
-                                                           np.zeros(0), dtype=np.int32))
-        r.core_base = ptr("int64_t", base)
+        # the loop's inputs, each copied into one buffer per C type (one cffi buffer each, every
+        # field a pointer into it: ~25 buffers made ~10% of simulating a small kernel)
+        inputs: list[tuple[str, Any, Any]] = [
+            ("kind", np.int8, cat("kind", np.int8)), ("busy", np.int64, cat("busy", np.int64)),
+            ("lat", np.int64, cat("lat", np.int64)), ("ls", np.int64, cat("ls", np.int64)),
+            ("owner", np.int32, cat("owner", np.int32)), ("dep_off", np.int64, offsets("dep_off", "deps")),
+            ("deps", np.int32, cat("deps", np.int32)), ("first_off", np.int64, offsets("first_off", "first")),
+            ("first_deps", np.int32, cat("first", np.int32)), ("has_first", np.int8, cat("has_first", np.int8)),
+            ("plan", np.int32, cat("plan", np.int32)), ("proc_queue", np.int8, proc_queue),
+            ("proc_core", np.int32, proc_core), ("proc_own", np.int32, proc_own),
+            ("proc_off", np.int64, [0, *accumulate(map(len, proc_parts))]),
+            ("proc_instr", np.int32, np.concatenate(proc_parts) if proc_parts else ()),
+            ("core_base", np.int64, base)]
         t = cfg.core.tensor
-        tensor_eng = TensorEngine(cfg)  # the ramp's figures in ticks, as TensorEngine has them
+        # the ramp's figures in ticks, as TensorEngine has them (the timelines' own where it is one)
+        tensor_eng = next((e for tl in self.timelines for e in tl.engines.values() if type(e) is TensorEngine), None) \
+            or TensorEngine(cfg)
         r.overlap_ls = 1 if t.overlap_load_stationary else 0
         r.drain_ticks = tensor_eng.drain_cycles * tensor_eng.tpc
         r.ramp_ticks = tensor_eng.ramp_ticks
@@ -919,34 +947,35 @@ class _NativeRun:
         d0 = self.timelines[0].dma if self.timelines else DmaSystem(cfg, self.pipes[0])
         r.start_latency = d0.start_latency
         r.transfer_latency = d0.transfer_latency
-        r.core_stack = ptr("int32_t", np.array(self.stacks, dtype=np.int32))
-        r.plan_off = ptr("int64_t", np.array(plans.off, dtype=np.int64))
-        r.plan_engine = ptr("int32_t", np.array(plans.engine, dtype=np.int32))
-        r.plan_ticks = ptr("int64_t", np.array(plans.ticks, dtype=np.int64))
-        r.plan_hbm = ptr("int8_t", np.array(plans.hbm, dtype=np.int8))
-        r.plan_hbm_ticks = ptr("int64_t", np.array(plans.hbm_ticks, dtype=np.int64))
-        engine_free = np.zeros(max(nproc, 1), dtype=np.int64)
-        tensor_state = np.zeros(max(6 * nproc, 1), dtype=np.int64)
-        dma_free = np.zeros(max(ncores * n_dma, 1), dtype=np.int64)
+        inputs += [("core_stack", np.int32, self.stacks), ("plan_off", np.int64, plans.off),
+                   ("plan_engine", np.int32, plans.engine), ("plan_ticks", np.int64, plans.ticks),
+                   ("plan_hbm", np.int8, plans.hbm), ("plan_hbm_ticks", np.int64, plans.hbm_ticks)]
+        for dtype, ctype in ((np.int64, "int64_t"), (np.int32, "int32_t"), (np.int8, "int8_t")):
+            group = [(name, a) for name, dt, a in inputs if dt is dtype]
+            at = [0, *accumulate(len(a) for _, a in group)]
+            buf = np.empty(at[-1] + 1, dtype=dtype)  # (+1: never an empty buffer)
+            for (_, a), lo, hi in zip(group, at, at[1:]):
+                buf[lo:hi] = a
+            p = ptr(ctype, buf)
+            for (name, _), lo in zip(group, at):
+                setattr(r, name, p + lo)
+        # the loop's int64 state and results: slices of one zeroed buffer (one allocation and one
+        # cffi buffer for the eight, each then a pointer into it)
+        sizes64 = (max(nproc, 1), max(6 * nproc, 1), max(ncores * n_dma, 1), max(n, 1), max(n, 1), max(n, 1),
+                   max(2 * n, 1), max(2 * n, 1))
+        work = np.zeros(sum(sizes64), dtype=np.int64)
+        at64 = [0, *accumulate(sizes64)]
+        engine_free, tensor_state, dma_free, ready, end, trigger, seg_start, seg_end = (
+            work[a:b] for a, b in zip(at64, at64[1:]))
+        wp = ptr("int64_t", work)
+        r.engine_free, r.tensor_state, r.dma_free, r.ready, r.end, r.trigger, r.seg_start, r.seg_end = (
+            wp + a for a in at64[:-1])
         pipe_free = np.array([p.free for p in self.pipes] or [0], dtype=np.int64)
-        ready = np.zeros(max(n, 1), dtype=np.int64)
-        end = np.zeros(max(n, 1), dtype=np.int64)
-        trigger = np.zeros(max(n, 1), dtype=np.int64)
         seg_index = np.zeros(max(2 * n, 1), dtype=np.int32)
         seg_kind = np.zeros(max(2 * n, 1), dtype=np.int8)
-        seg_start = np.zeros(max(2 * n, 1), dtype=np.int64)
-        seg_end = np.zeros(max(2 * n, 1), dtype=np.int64)
-        r.engine_free = ptr("int64_t", engine_free)
-        r.tensor_state = ptr("int64_t", tensor_state)
-        r.dma_free = ptr("int64_t", dma_free)
         r.pipe_free = ptr("int64_t", pipe_free)
-        r.ready = ptr("int64_t", ready)
-        r.end = ptr("int64_t", end)
-        r.trigger = ptr("int64_t", trigger)
         r.seg_index = ptr("int32_t", seg_index)
         r.seg_kind = ptr("int8_t", seg_kind)
-        r.seg_start = ptr("int64_t", seg_start)
-        r.seg_end = ptr("int64_t", seg_end)
         if lib.sched_run(r) != 0:
             raise MemoryError("simulate: the native event loop ran out of memory")
         nseg = r.nseg
@@ -958,14 +987,12 @@ class _NativeRun:
         for c, (tl, col) in enumerate(zip(self.timelines, cols)):
             b0, b1 = int(base[c]), int(base[c + 1])
             rd = ready[b0:b1]
-            missing = np.flatnonzero(rd < 0)
+            missing = _where(rd < 0)
             if len(missing):  # pragma: no cover - CoreTimeline.check_complete's error, from the arrays
                 raise RuntimeError(f"simulation stalled: {len(missing)} instructions never ran, first #{missing[0]}")
             tl.ready = rd.tolist()
             tl.end = end[b0:b1].tolist()
-            tr = trigger[b0:b1].astype(object)
-            tr[trigger[b0:b1] < 0] = None
-            tl.trigger = tr.tolist()
+            tl.trigger = [None if x < 0 else x for x in trigger[b0:b1].tolist()]
             tl.owner = col.owners.tolist()
             if seg_core is None:
                 li, ki, si, ei = g, k, starts, ends
