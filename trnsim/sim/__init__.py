@@ -198,12 +198,14 @@ def native_available() -> bool:
 
 #: "auto" runs the simpy processes when the kernels have this many instructions or fewer in all
 #: (over every core): the native loop's set-up - the C scan, numpy columns, cffi buffers - is a
-#: fixed ~0.6 ms, which the simpy processes' ~9 us per instruction only overtake at ~40
-#: instructions per core (measured on trn2, one and two cores: a 4-instruction elementwise kernel
-#: on two cores 0.65 -> 0.26 ms, a 32-instruction matmul 1.02 -> 0.69 ms; 48 instructions each
-#: 0.89 native against 1.19 simpy). Eager programs simulate thousands of such kernels (a new
-#: shape each), and both give the same ticks, segments and end state (tests/sim/test_sim_equivalence.py).
-SIMPY_MAX_INSTRUCTIONS = 64
+#: fixed cost, which the simpy processes' cost per instruction overtakes at about this many
+#: (callgrind, instructions executed per simulate() call on trn2, one core, after e1ff13f cut the
+#: set-up by a fifth: softmax of 20 instructions 1.67M native / 1.35M simpy, of 40 1.80M / 2.37M,
+#: of 80 1.87M / 4.56M; a 32-instruction matmul 1.82M / 1.83M). Two cores running one kernel
+#: share the native set-up, so the crossing comes no later in all. Eager programs simulate
+#: thousands of such kernels (a new shape each), and both give the same ticks, segments and end
+#: state (tests/sim/test_sim_equivalence.py).
+SIMPY_MAX_INSTRUCTIONS = 32
 
 
 def simulate(config: ChipConfig, kernels: Sequence[Kernel], *, timeline: str = "auto",
