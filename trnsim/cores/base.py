@@ -24,9 +24,9 @@ section and the chip YAMLs (tests/cores/test_engine_table.py adds one).
 from __future__ import annotations
 
 import operator
+from typing import Any, Callable, ClassVar
 
 import numpy as np
-from typing import Any, Callable, ClassVar
 
 from ..config import ChipConfig
 from ..isa import DmaCopy, Instruction

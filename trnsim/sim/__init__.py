@@ -885,19 +885,19 @@ class _NativeRun:
         base = np.array([0, *accumulate(sizes)], dtype=np.int64)
         n = int(base[-1])
 
-        def cat(name: str, dtype: Any) -> np.ndarray:
+        # (each column is copied, in its C type, into its type's buffer below: no conversion here)
+        def cat(name: str) -> Any:
             if ncores == 1:
-                return np.ascontiguousarray(getattr(cols[0], name), dtype=dtype)
-            parts = [getattr(c, name) for c in cols]
-            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0), dtype=dtype)
+                return getattr(cols[0], name)
+            return np.concatenate([getattr(c, name) for c in cols]) if cols else ()
 
-        def offsets(name: str, flat: str) -> np.ndarray:
+        def offsets(name: str, flat: str) -> Any:
             parts, shift = [], 0
             for k, c in enumerate(cols):
                 o = getattr(c, name)
                 parts.append((o[:-1] if k < ncores - 1 else o) + shift)
                 shift += len(getattr(c, flat))
-            return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(1), dtype=np.int64)
+            return np.concatenate(parts) if parts else (0,)
 
         keep: list[Any] = []
 
@@ -924,13 +924,12 @@ class _NativeRun:
         # the loop's inputs, each copied into one buffer per C type (one cffi buffer each, every
         # field a pointer into it: ~25 buffers made ~10% of simulating a small kernel)
         inputs: list[tuple[str, Any, Any]] = [
-            ("kind", np.int8, cat("kind", np.int8)), ("busy", np.int64, cat("busy", np.int64)),
-            ("lat", np.int64, cat("lat", np.int64)), ("ls", np.int64, cat("ls", np.int64)),
-            ("owner", np.int32, cat("owner", np.int32)), ("dep_off", np.int64, offsets("dep_off", "deps")),
-            ("deps", np.int32, cat("deps", np.int32)), ("first_off", np.int64, offsets("first_off", "first")),
-            ("first_deps", np.int32, cat("first", np.int32)), ("has_first", np.int8, cat("has_first", np.int8)),
-            ("plan", np.int32, cat("plan", np.int32)), ("proc_queue", np.int8, proc_queue),
-            ("proc_core", np.int32, proc_core), ("proc_own", np.int32, proc_own),
+            ("kind", np.int8, cat("kind")), ("busy", np.int64, cat("busy")), ("lat", np.int64, cat("lat")),
+            ("ls", np.int64, cat("ls")), ("owner", np.int32, cat("owner")),
+            ("dep_off", np.int64, offsets("dep_off", "deps")), ("deps", np.int32, cat("deps")),
+            ("first_off", np.int64, offsets("first_off", "first")), ("first_deps", np.int32, cat("first")),
+            ("has_first", np.int8, cat("has_first")), ("plan", np.int32, cat("plan")),
+            ("proc_queue", np.int8, proc_queue), ("proc_core", np.int32, proc_core), ("proc_own", np.int32, proc_own),
             ("proc_off", np.int64, [0, *accumulate(map(len, proc_parts))]),
             ("proc_instr", np.int32, np.concatenate(proc_parts) if proc_parts else ()),
             ("core_base", np.int64, base)]
