@@ -89,6 +89,9 @@ def register() -> None:
     divert_inductor()  # torch.compile's default (Inductor) on neuron tensors runs the neuron backend
     _register_distributed()
     _use_moe_kernel_on_import()
+    from .eager import settle
+
+    settle.register()  # autograd's device threads finish what they hold before the interpreter finalizes
     _registered = True
 
 
