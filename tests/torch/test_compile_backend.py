@@ -145,6 +145,58 @@ def test_compile_time_is_reported_once_and_not_charged():
     assert first.report.launches == second.report.launches  # compiling launched nothing
 
 
+def _aliased_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.tensor([6e4, 6e4, 6e4, 6e4, 6e4, 0.5, -2.0, 3.0], dtype=torch.float16, device="neuron")
+    return s[4:], torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float16, device="neuron")
+
+
+def _compiled_run(fn, *args):
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught, torch.neuron.report_scope() as scope:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="neuron")(*args)
+    return out, scope.report.compiled_graphs, [str(w.message) for w in caught if "overlap" in str(w.message)]
+
+
+def test_a_graph_writing_one_of_two_overlapping_inputs_runs_its_ops_and_gives_eagers_values():
+    """PyTorch's AOTAutograd (2.13, every device and backend: CPU's aot_eager too) merges two
+    overlapping inputs one of which is written into one base; an in-place op on another input
+    (x, a view at offset 4) then returned x's storage at offset 0: 60000 where eager gives tanh(x).
+    The neuron backend runs such a graph op by op, with one warning."""
+    def fn(x, b, v):
+        return torch.tanh_(x), v.mul_(2), b + 0
+
+    x, b = _aliased_inputs()
+    want = fn(x.clone(), *(lambda c: (c, c[1:3]))(b.clone()))
+    out, graphs, warned = _compiled_run(fn, x, b, b[1:3])
+    assert out[0].data_ptr() == x.data_ptr()  # the input itself, as eager returns it
+    for got, ref in zip(out, want):
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert graphs == 0 and warned == [neuron_compile.backend.ALIASED_WARNING]
+    assert "\n" not in neuron_compile.backend.ALIASED_WARNING
+
+
+@pytest.mark.parametrize("case", ["overlapping-read-only", "written-apart"])
+def test_overlapping_inputs_read_only_or_written_apart_still_compile(case):
+    """Only overlap and a write together leave a graph uncompiled: views of one tensor that are
+    only read, or written where they do not overlap, compile as before."""
+    x, b = _aliased_inputs()
+    if case == "overlapping-read-only":
+        def fn(x, b, v):
+            return torch.tanh(x), v * 2, b + 0
+        args = (x, b, b[1:3])
+    else:
+        def fn(x, lo, hi):
+            return torch.tanh_(x), lo.mul_(2), hi.mul_(3)
+        args = (x, b[:2], b[2:])
+    eager_args = tuple(a.clone() for a in args)
+    want = fn(*eager_args)
+    out, graphs, warned = _compiled_run(fn, *args)
+    for got, ref in zip(out, want):
+        assert torch.equal(got.cpu(), ref.cpu())
+    assert graphs >= 1 and warned == []
+
+
 def test_compile_private_apis_resolve_and_stay_fenced():
     for path in _torch.COMPILE_REQUIRED:
         assert _torch.resolve(path) is not None, path

@@ -42,8 +42,13 @@ def _compiler(kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Any]:
 def neuron_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Any:
     """The dynamo backend: aot_autograd with the min-cut partitioner (it recomputes cheap ops
     in the backward instead of saving them, so regions write fewer tensors), each graph run as a
-    :class:`CompiledGraph`. ``options`` (``mode``, Inductor options) are accepted and ignored."""
+    :class:`CompiledGraph`. ``options`` (``mode``, Inductor options) are accepted and ignored.
+    A graph two of whose inputs overlap in memory and which writes in place runs its ops one by
+    one instead, with a warning (:func:`_aliased_and_written`: AOTAutograd's values are wrong there)."""
     t0 = time.perf_counter()
+    if _aliased_and_written(gm, example_inputs):
+        warnings.warn(ALIASED_WARNING, UserWarning, stacklevel=2)
+        return gm.forward  # its ops run one by one on the device, as dynamo's "eager" backend runs them
     from .attention import use_attention_op
 
     use_attention_op(gm)
@@ -53,6 +58,67 @@ def neuron_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **options:
              partition_fn=mincut, keep_inference_input_mutations=True)
     runtime().device.note_compile(time.perf_counter() - t0)
     return fn
+
+
+ALIASED_WARNING = ("torch.compile: a graph whose tensor inputs overlap in memory and which writes in place runs "
+                   "its ops one by one on the neuron device, not compiled: PyTorch's AOTAutograd can return a wrong "
+                   "tensor for such a graph on every device (docs/compile.md)")
+
+# dynamo's names for Python's in-place operators (``x += y`` is ``operator.iadd``)
+_INPLACE_OPERATORS = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior",
+                      "ixor", "ilshift", "irshift", "imatmul"}
+
+
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    """Whether any op of the dynamo graph may write into a tensor it was given: an in-place method
+    or function (a name ending in one underscore), an out= argument, an operator such as ``+=``
+    or item assignment, or a mutable aten overload. Over-approximates: a write into an
+    intermediate counts too."""
+    for n in gm.graph.nodes:
+        if n.op not in ("call_method", "call_function"):
+            continue
+        if "out" in n.kwargs:
+            return True
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") or name in _INPLACE_OPERATORS:
+            return True
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+def _aliased_and_written(gm: fx.GraphModule, inputs: Sequence[Any]) -> bool:
+    """Two tensor inputs overlap in one storage and the graph writes in place. AOTAutograd merges
+    such a pair into one base when one of them is written, and then an in-place op on another
+    input returns that input's storage re-viewed at offset 0 (PyTorch 2.13, on every device;
+    a difftest finding). Sizes that are symbols count as overlapping."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    spans: dict[Any, list[tuple[int, int] | None]] = {}
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            continue
+        try:
+            key = StorageWeakRef(t.untyped_storage())
+        except Exception:  # noqa: BLE001 - a tensor without a storage (a wrapper subclass) aliases nothing here
+            continue
+        dims = (*t.shape, *t.stride(), t.storage_offset())
+        span: tuple[int, int] | None = None  # symbolic sizes (read without adding a guard): assume the worst
+        if not any(isinstance(d, torch.SymInt) for d in dims):
+            if 0 in t.shape:
+                continue
+            lo = t.storage_offset()
+            hi = lo + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+            span = (lo * t.element_size(), hi * t.element_size())
+        spans.setdefault(key, []).append(span)
+    overlap = False
+    for group in spans.values():
+        for i, a in enumerate(group):
+            for b in group[:i]:
+                if a is None or b is None or (a[0] < b[1] and b[0] < a[1]):
+                    overlap = True
+    return overlap and _writes_in_place(gm)
 
 
 def register() -> None:
