@@ -2121,9 +2121,10 @@ class Tester:
                     self.stats.torch_compile_differs += 1
                     continue
                 # compiled beside other samples, a sample can differ where alone it does not: the same
-                # graph compiled on CPU is then the reference (PyTorch functionalizes a graph of several
-                # 16-bit in-place and out= calls on views into other values than eager CPU's, with
-                # aot_eager on CPU as on the device: --seed 7017 --samples 8 --dtypes bfloat16,float16)
+                # graph compiled on CPU is then the reference (AOTAutograd's synthetic base for two
+                # overlapping inputs, one written, re-viewed another input's in-place result on every
+                # device; the neuron backend now runs such a graph op by op, so that case no longer
+                # reaches here, but others of the kind would: --seed 7017 --samples 8)
                 if i < len(plain) and len(plain) > 1:
                     if not batch_ref:
                         batch_ref.append(_compile_batch([(p, sp) for p, sp, _ in plain], "cpu", dynamic))

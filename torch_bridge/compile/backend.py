@@ -95,6 +95,8 @@ def _aliased_and_written(gm: fx.GraphModule, inputs: Sequence[Any]) -> bool:
     a difftest finding). Sizes that are symbols count as overlapping."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from ..eager.values import byte_extent
+
     spans: dict[Any, list[tuple[int, int] | None]] = {}
     for t in inputs:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
@@ -108,17 +110,12 @@ def _aliased_and_written(gm: fx.GraphModule, inputs: Sequence[Any]) -> bool:
         if not any(isinstance(d, torch.SymInt) for d in dims):
             if 0 in t.shape:
                 continue
-            lo = t.storage_offset()
-            hi = lo + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-            span = (lo * t.element_size(), hi * t.element_size())
-        spans.setdefault(key, []).append(span)
-    overlap = False
-    for group in spans.values():
-        for i, a in enumerate(group):
-            for b in group[:i]:
-                if a is None or b is None or (a[0] < b[1] and b[0] < a[1]):
-                    overlap = True
-    return overlap and _writes_in_place(gm)
+            span = byte_extent(t)
+        for other in spans.setdefault(key, []):
+            if span is None or other is None or (span[0] < other[1] and other[0] < span[1]):
+                return _writes_in_place(gm)
+        spans[key].append(span)
+    return False
 
 
 def register() -> None:

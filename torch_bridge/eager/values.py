@@ -952,6 +952,13 @@ def _byte_starts(t: torch.Tensor) -> Any:
     return np.sort((offs.reshape(-1) + t.storage_offset()) * t.element_size())
 
 
+def byte_extent(x: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a non-empty tensor's elements span: [first, end)."""
+    lo = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s < 0)
+    hi = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s > 0)
+    return lo * x.element_size(), (hi + 1) * x.element_size()
+
+
 def partial_overlap(out: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``out`` writes some element ``t`` reads without being ``t``'s very layout: CPU's
     values then depend on the order its kernel writes in, and on its threads (triu runs its rows
@@ -963,11 +970,7 @@ def partial_overlap(out: torch.Tensor, t: torch.Tensor) -> bool:
     if out.dtype == t.dtype and out.storage_offset() == t.storage_offset() and out.shape == t.shape and \
             all(a == b for n, a, b in zip(out.shape, out.stride(), t.stride()) if n > 1):
         return False  # the same elements in the same places: CPU's in-place case
-    def extent(x: torch.Tensor) -> tuple[int, int]:
-        lo = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s < 0)
-        hi = x.storage_offset() + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if s > 0)
-        return lo * x.element_size(), (hi + 1) * x.element_size()
-    (a0, a1), (b0, b1) = extent(out), extent(t)
+    (a0, a1), (b0, b1) = byte_extent(out), byte_extent(t)
     if a1 <= b0 or b1 <= a0:
         return False
     w, r = _byte_starts(out), _byte_starts(t)
