@@ -732,3 +732,54 @@ def test_a_mask_made_in_inference_mode_still_runs_where_cpu_runs_it():
     qn = q.detach().to("neuron").requires_grad_()
     got = torch.autograd.grad(F.scaled_dot_product_attention(qn, qn, qn, attn_mask=mask).sum(), qn)
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-5)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["decode", "decode-gqa", "bool", "bool-dead", "float", "permuted", "square",
+                                  "scale", "big", "nan", "inf-mask"])
+def test_the_native_forward_values_are_the_python_paths_bit_for_bit(dtype, case, monkeypatch):
+    """forward_values without is_causal runs in one native call (trnsim::sdpa_values) when it
+    takes the call: out and P must be the Python path's bits, and the calls it does not take
+    (non-finite operands, +inf in a mask) must reach the Python path."""
+    from torch_bridge.ops import attention
+
+    g = torch.Generator().manual_seed(11)
+    hq, hk, l, s, e = (8, 2, 1, 37, 16) if case == "decode-gqa" else (4, 4, 2, 19, 8) if case != "square" else (4, 4, 9, 9, 8)
+    q = torch.randn(2, hq, l, e, generator=g)
+    k, v = torch.randn(2, hk, s, e, generator=g), torch.randn(2, hk, s, e, generator=g)
+    mask, scale = None, None
+    if case in ("bool", "bool-dead"):
+        mask = torch.rand(2, 1, l, s, generator=g) > 0.4
+        mask[..., 0] = case == "bool"  # "bool-dead": rows that may see no key
+        if case == "bool-dead":
+            mask[0, 0, 0] = False
+    elif case in ("float", "inf-mask"):
+        mask = torch.randn(1, hq, l, s, generator=g).to(dtype)
+        if case == "inf-mask":
+            mask[0, 0, 0, 3] = float("inf")
+    elif case == "scale":
+        scale = 0.07
+    elif case == "big":
+        q = q * 1e37  # products that may overflow float32 (inf in float16): CPU's kernel's values
+    elif case == "nan":
+        k[1, 0, 3, 2] = float("nan")
+    dev = [t.to(dtype).to("neuron") for t in (q, k, v)]
+    if case == "permuted":  # Hugging Face's view(B, L, H, E).transpose(1, 2)
+        dev[0] = dev[0].transpose(1, 2).contiguous().transpose(1, 2)
+    m = None if mask is None else mask.to("neuron")
+    groups = hq // hk
+    native = attention._values_op()
+    assert native is not None
+    taken = bool(native(*dev, m, scale, groups))
+    assert taken == (case not in ("big", "nan", "inf-mask"))
+    got = attention.forward_values(*dev, m, False, scale, groups, True)
+    monkeypatch.setattr(attention, "_native_values", [None])
+    want = attention.forward_values(*dev, m, False, scale, groups, True)
+    assert got[2:] == want[2:]
+    for a, b in zip(got[:2], want[:2]):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(_bits(a), _bits(b))

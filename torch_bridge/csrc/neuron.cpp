@@ -9,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/add_ops.h>
 #include <ATen/ops/aminmax.h>
@@ -2535,11 +2536,89 @@ std::optional<at::Tensor> datapath_f32_op(const at::Tensor& a, const at::Tensor&
   return out;
 }
 
+// tensore.magnitude as Python computes it: trnsim_fast_max_abs's scan for a contiguous float32,
+// bfloat16 or float16 host tensor, else aminmax (the same value either way)
+extern "C" double trnsim_fast_max_abs(const void* p, int64_t n, int code);
+double host_magnitude(const at::Tensor& t) {
+  const int64_t n = t.numel();
+  if (n == 0) return 0.0;
+  const c10::ScalarType st = t.scalar_type();
+  const int code = st == c10::kFloat ? 0 : st == c10::kBFloat16 ? 1 : st == c10::kHalf ? 2 : -1;
+  if (code >= 0 && t.is_contiguous() && !t._is_zerotensor()) return trnsim_fast_max_abs(t.const_data_ptr(), n, code);
+  return magnitude(t);
+}
+
+// torch.ops.trnsim.sdpa_values(q, k, v, mask, scale, groups): ops/attention.py's forward_values
+// for a call without is_causal whose values are the datapath's (datapath_exact), as [out, P] host
+// tensors: the same ATen calls in the same order, on the same host views, from C++ (a decode step's
+// ~17 small host ops took ~180 us from Python, ~50 us here, measured). An empty list where Python's own
+// path must run: a torch function or dispatch mode active (they see Python's calls), a tensor the
+// host views do not take, operands whose values are CPU's kernel's (datapath_exact false), or a
+// product the datapath call does not take (Python's route computes the same bits, or raises).
+std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const std::optional<at::Tensor>& mask, std::optional<double> scale,
+                                            int64_t groups) {
+  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+      groups < 1) {
+    return {};
+  }
+  const bool masked = mask.has_value() && mask->defined();
+  c10::SmallVector<const at::Tensor*, 4> devs{&q, &k, &v};
+  if (masked) devs.push_back(&*mask);
+  for (const at::Tensor* t : devs) {
+    if (!t->defined() || t->device().type() != kNeuron || t->layout() != c10::kStrided || t->is_conj() ||
+        t->is_neg() || t->storage().nbytes() == 0 || t->dim() < 1) {
+      return {};
+    }
+  }
+  if (q.dim() < 3) return {};
+  AliasScope scope;  // views of one memory share a CPU storage (memory.cpu_views)
+  const at::Tensor hq = cpu_alias(q), hk = cpu_alias(k), hv = cpu_alias(v);
+  const at::Tensor hmask = masked ? cpu_alias(*mask) : at::Tensor();
+  const int64_t l = q.size(-2), e = q.size(-1), s = k.size(-2);
+  if (e <= 0) return {};
+  // datapath_exact
+  const double sc = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(e));
+  if (!(std::isfinite(sc) && sc > 0)) return {};
+  if (masked && hmask.is_floating_point() && hmask.numel() &&
+      !(hmask.amax().item<double>() < std::numeric_limits<double>::infinity())) {
+    return {};
+  }
+  const double bound = static_cast<double>(std::numeric_limits<float>::max()) / 4;  // tensore.BOUND
+  if (!(static_cast<double>(e) * host_magnitude(hq) * host_magnitude(hk) * std::fabs(sc) + 0.0 < bound) ||
+      !(static_cast<double>(s) * host_magnitude(hv) < bound)) {
+    return {};
+  }
+  // the scores: Q Kᵀ on the datapath, scaled, the mask added (masked_scores without is_causal)
+  std::optional<at::Tensor> raw = datapath_f32_op(hq.reshape({-1, groups * l, e}), hk.reshape({-1, s, e}).transpose(1, 2));
+  if (!raw.has_value()) return {};
+  std::vector<int64_t> score_sizes(q.sizes().begin(), q.sizes().end());
+  score_sizes.back() = s;
+  at::Tensor scores = raw->view(score_sizes);
+  scores.mul_(sc);
+  if (masked) {
+    scores = scores + (hmask.scalar_type() == c10::kBool
+                           ? at::zeros(hmask.sizes(), at::TensorOptions().dtype(c10::kFloat))
+                                 .masked_fill_(hmask.logical_not(), -std::numeric_limits<double>::infinity())
+                           : hmask.to(c10::kFloat));
+  }
+  at::Tensor p = scores.softmax(-1);
+  if (masked) {  // a row that sees no key is zeros, as CPU's kernels write it
+    at::Tensor dead = scores.amax({-1}, true).eq(-std::numeric_limits<double>::infinity());
+    if (dead.any().item<bool>()) p.masked_fill_(dead, 0.0);
+  }
+  std::optional<at::Tensor> out = datapath_f32_op(p.to(q.scalar_type()).reshape({-1, groups * l, s}), hv.reshape({-1, s, e}));
+  if (!out.has_value()) return {};
+  return {out->view(q.sizes()).to(q.scalar_type()), p};
+}
+
 TORCH_LIBRARY(trnsim, m) {
   m.def("default_generator(int index) -> Generator?", &default_generator_op);
   m.def("cpu_views(Tensor[] ts) -> Tensor[]", &cpu_views_op);
   m.def("adopt(Tensor cpu, int index) -> Tensor?", &adopt_op);
   m.def("datapath_f32(Tensor a, Tensor b) -> Tensor?", &datapath_f32_op);
+  m.def("sdpa_values(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale, int groups) -> Tensor[]",
+        &sdpa_values_op);
 }
 
 // ---- placing the log's launches (trnsim.device.Device._drain, the common case) ----

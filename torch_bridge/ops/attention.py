@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from .. import _torch
+from .. import _native, _torch
 from ..eager import lowering, memory, tensore, values
 from ..runtime import runtime
 
@@ -98,12 +98,21 @@ def takes_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
             return False
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             return False
-        try:
-            if torch.broadcast_shapes(attn_mask.shape, q.shape[:-1] + (s,)) != q.shape[:-1] + (s,):
-                return False  # a mask that would widen the scores: the math path (and CPU's error)
-        except RuntimeError:
-            return False
+        if not _fits(tuple(attn_mask.shape), tuple(q.shape[:-1]) + (s,)):
+            return False  # a mask that would widen the scores: the math path (and CPU's error)
     return True
+
+
+def _fits(mask: tuple[Any, ...], scores: tuple[Any, ...]) -> bool:
+    """True when ``mask`` broadcasts to ``scores`` without widening it. Integer sizes are compared
+    here (``torch.broadcast_shapes`` costs ~20 us a call, a decode step's attention ~80); symbolic
+    ones (a compile's trace) by ``torch.broadcast_shapes``, which adds no guard."""
+    if all(type(n) is int for n in mask) and all(type(n) is int for n in scores):
+        return len(mask) <= len(scores) and all(m == 1 or m == n for m, n in zip(reversed(mask), reversed(scores)))
+    try:
+        return torch.broadcast_shapes(mask, scores) == scores
+    except RuntimeError:
+        return False
 
 
 FUNCTORCH = ("scaled_dot_product_attention on neuron does not run inside a torch.func transform (grad, vmap, "
@@ -371,6 +380,11 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     The scores follow the arithmetic of the CPU kernel that computes the call (``flash``: CPU's
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
     :func:`masked_scores`."""
+    if not is_causal:  # the common case (a decode step, a padded batch) in one native call, if it takes it
+        op = _values_op()
+        got = op(q, k, v, attn_mask, scale, groups) if op is not None else None
+        if got:
+            return got[0], got[1], _scale(scale, q.shape[-1]), True
     # (one native call: a decode step's tensors are new each time; a host mask as it is)
     hq, hk, hv, mask = memory.cpu_views((q, k, v, attn_mask))
     l, e = q.shape[-2:]
@@ -389,6 +403,26 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     else:
         out = cpu_kernel(hq, hk, hv, mask, is_causal, scale)
     return out, p, sc, exact
+
+
+_native_values: list[Any] = []  # [trnsim::sdpa_values's C++ callable], or [None] without the extension
+
+
+def _values_op() -> Any:
+    """The native extension's ``trnsim::sdpa_values`` (csrc/neuron.cpp): :func:`forward_values`
+    without ``is_causal`` where its values are the datapath's, the same ATen calls in the same
+    order from C++; an empty list where it does not take the call (then the Python below runs).
+    None before the extension is loaded (looked up again then) or without it."""
+    if _native_values:
+        return _native_values[0]
+    if _native.lib is None:
+        return None
+    try:
+        op = _torch.cpp_op(torch.ops.trnsim.sdpa_values.default)
+    except (AttributeError, RuntimeError):
+        op = None
+    _native_values.append(op)
+    return op
 
 
 def datapath_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
