@@ -321,9 +321,48 @@ def test_the_written_out_backward_is_autograd_of_the_block_bit_for_bit(dtype, ca
         want = moe._backward_values(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize, dtypes, None,
                                     moe._recompute_linear)
         got = moe._direct_backward(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize, dtypes)
+        if dtypes == (None, None):  # (computed by the native op, trnsim::moe_backward_values)
+            assert moe._native_op(moe._native_backward, "moe_backward_values")(x, w, gate_up, down, grad_out,
+                                                                                grad_logits, top_k, normalize)
         for name, a, b in zip(("x", "router", "gate_up", "down"), want, got):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert torch.equal(_bits(a), _bits(b)), (name, top_k, normalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "signed zeros", "one token", "tied router", "unbounded", "float64"])
+def test_the_native_forward_is_the_blocks_ops_with_datapath_linears_bit_for_bit(dtype, case, monkeypatch):
+    """The forward's values come from one native call (trnsim::moe_forward_values) where it takes
+    them: the same bits as block_values with the datapath's linears, for both normalisations and
+    top-k 1 and 2; operands off the datapath (float64) take CPU's mm there too."""
+    g = torch.Generator().manual_seed(8)
+    tokens, hidden, ffn, experts = (1 if case == "one token" else 40), 32, 24, 4
+    x = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(experts, hidden, generator=g) * 0.3
+    gate_up = torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.2
+    down = torch.randn(experts, hidden, ffn, generator=g) * 0.2
+    if case == "signed zeros":
+        x[::3] = -0.0
+        down[1] = -0.0
+    if case == "tied router":
+        w.zero_()
+    if case == "unbounded":  # past tensore.bounded's worst case, every product finite
+        x[0, 0] = 1e37 if dtype != torch.float16 else 6e4
+        w[:, 0] = 0.0
+        gate_up[:, :, 0] = 0.0
+    x, w, gate_up, down = (t.to(dtype) for t in (x, w, gate_up, down))
+    if case == "float64":
+        x, w, gate_up, down = (t.double() for t in (x, w, gate_up, down))
+    op = moe._native_op(moe._native_forward, "moe_forward_values")
+    for top_k, normalize in ((1, True), (2, True), (2, False)):
+        # (the Python path first: its first datapath call registers the datapath the native op calls)
+        want = moe.block_values(x, w, gate_up, down, top_k, normalize, moe._datapath_linear)
+        got = op(x, w, gate_up, down, top_k, normalize)
+        assert got
+        for name, a, b in zip(("out", "logits"), want, got):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a.view(torch.int64) if a.dtype == torch.float64 else _bits(a),
+                               b.view(torch.int64) if b.dtype == torch.float64 else _bits(b)), (name, top_k, normalize)
 
 
 def test_a_gradient_penalty_through_the_block_is_cpus():

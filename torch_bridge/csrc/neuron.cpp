@@ -2612,6 +2612,154 @@ std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k,
   return {out->view(q.sizes()).to(q.scalar_type()), p};
 }
 
+// ops/moe.py's linears as the device computes them. On the datapath (_datapath_linear): the
+// datapath's fp32 result of x @ w.t() cast to x's dtype where it is finite or the operands' products
+// cannot overflow (tensore.datapath_product), else CPU's mm; undefined where the datapath call does
+// not take it (Python's route must decide). Off it: F.linear (_forward_linear, the backward's
+// recompute), or with `forward` CPU's mm (_datapath_linear itself, the forward's).
+at::Tensor moe_linear(const at::Tensor& x, const at::Tensor& w, bool forward = false) {
+  const c10::ScalarType dt = x.scalar_type();
+  const bool on_datapath = (dt == c10::kFloat || dt == c10::kBFloat16 || dt == c10::kHalf) && w.scalar_type() == dt &&
+                           x.numel() > 0 && w.numel() > 0;
+  const at::Tensor wt = w.t();
+  if (!on_datapath) return forward ? x.mm(wt) : at::linear(x, w);
+  std::optional<at::Tensor> p = datapath_f32_op(x, wt);
+  if (!p.has_value()) return at::Tensor();
+  const double bound = static_cast<double>(std::numeric_limits<float>::max()) / 4;  // tensore.BOUND
+  const bool finite = p->is_contiguous() ? all_finite_f32(p->const_data_ptr<float>(), p->numel())
+                                         : p->isfinite().all().item<bool>();
+  if (finite || static_cast<double>(x.size(-1)) * host_magnitude(x) * host_magnitude(wt) * 1.0 + 0.0 < bound) {
+    return p->to(dt);
+  }
+  return x.mm(wt);
+}
+
+// torch.ops.trnsim.moe_forward_values(...): ops/moe.py's block_values with _datapath_linear and
+// without autocast dtypes, on host tensors, as [out, logits]: the same ATen calls in the same order
+// from C++ (the experts as ints: _experts_hit without a dispatch mode). An empty list where Python's
+// own path must run (as moe_backward_values).
+std::vector<at::Tensor> moe_forward_values_op(const at::Tensor& x, const at::Tensor& router_weight,
+                                              const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                                              int64_t top_k, bool normalize) {
+  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return {};
+  }
+  for (const at::Tensor* t : {&x, &router_weight, &gate_up_proj, &down_proj}) {
+    if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided) return {};
+  }
+  const at::Tensor logits = moe_linear(x, router_weight, true);
+  if (!logits.defined()) return {};
+  const at::Tensor probs = logits.to(c10::kFloat).softmax(-1);
+  auto [weights, index] = at::topk(probs, top_k, -1);
+  if (normalize) weights.div_(weights.sum({-1}, true));
+  const int64_t experts = gate_up_proj.size(0);
+  at::Tensor out = at::zeros_like(x);
+  at::Tensor mask, hit;
+  {
+    at::NoGradGuard no_grad;
+    mask = at::one_hot(index, experts + 1).permute({2, 1, 0});
+    hit = at::greater(mask.sum({-1, -2}), 0).nonzero().flatten().contiguous();
+  }
+  for (int64_t i = 0; i < hit.numel(); ++i) {
+    const int64_t e = hit.const_data_ptr<int64_t>()[i];
+    if (e == experts) continue;
+    std::vector<at::Tensor> where = at::where(mask.select(0, e));
+    c10::List<std::optional<at::Tensor>> by_tok, by_tok_pos;
+    by_tok.push_back(where[1]);
+    by_tok_pos.push_back(where[1]);
+    by_tok_pos.push_back(where[0]);
+    const at::Tensor state = at::index(x, by_tok);
+    const at::Tensor gate_up = moe_linear(state, gate_up_proj.select(0, e), true);
+    if (!gate_up.defined()) return {};
+    std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    at::Tensor h = moe_linear(at::silu(halves[0]) * halves[1], down_proj.select(0, e), true);
+    if (!h.defined()) return {};
+    h = h * at::index(weights, by_tok_pos).unsqueeze(-1);
+    out.index_add_(0, where[1], h.to(out.scalar_type()));
+  }
+  return {out, logits};
+}
+
+// torch.ops.trnsim.moe_backward_values(...): ops/moe.py's _direct_backward without autocast dtypes,
+// on host tensors, as [gx, g_router, g_gate_up, g_down]: the same ATen calls in the same order from
+// C++ (a 4-expert block's ~110 small host ops took ~2.3 ms from Python). An empty list where
+// Python's own path must run: a torch function or dispatch mode active (they see Python's calls),
+// or a linear the datapath call does not take.
+std::vector<at::Tensor> moe_backward_values_op(const at::Tensor& x, const at::Tensor& router_weight,
+                                               const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                                               const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_logits,
+                                               int64_t top_k, bool normalize) {
+  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return {};
+  }
+  for (const at::Tensor* t : {&x, &router_weight, &gate_up_proj, &down_proj, &grad_out}) {
+    if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided) return {};
+  }
+  const at::Tensor logits = moe_linear(x, router_weight);
+  if (!logits.defined()) return {};
+  const at::Tensor probs = logits.to(c10::kFloat).softmax(-1);
+  auto [raw, index] = at::topk(probs, top_k, -1);
+  const at::Tensor total = normalize ? raw.sum({-1}, true) : at::Tensor();
+  const at::Tensor weights = normalize ? raw / total : raw;
+  const int64_t experts = gate_up_proj.size(0);
+  at::Tensor gx = at::zeros_like(x);
+  at::Tensor g_gate_up = at::zeros_like(gate_up_proj);
+  at::Tensor g_down = at::zeros_like(down_proj);
+  at::Tensor g_weights = at::zeros_like(weights);
+  const at::Tensor mask = at::one_hot(index, experts + 1).permute({2, 1, 0});
+  const at::Tensor hit = at::greater(mask.sum({-1, -2}), 0).nonzero().flatten().contiguous();
+  std::vector<int64_t> ran;
+  for (int64_t i = 0; i < hit.numel(); ++i) {
+    const int64_t e = hit.const_data_ptr<int64_t>()[i];
+    if (e != experts) ran.push_back(e);
+  }
+  for (auto it = ran.rbegin(); it != ran.rend(); ++it) {  // autograd reaches the last expert's ops first
+    const int64_t e = *it;
+    std::vector<at::Tensor> where = at::where(mask.select(0, e));
+    const at::Tensor& pos = where[0];
+    const at::Tensor& tok = where[1];
+    c10::List<std::optional<at::Tensor>> by_tok;
+    by_tok.push_back(tok);
+    const at::Tensor state = at::index(x, by_tok);
+    const at::Tensor w_gate_up = gate_up_proj.select(0, e), w_down = down_proj.select(0, e);
+    const at::Tensor gate_up = moe_linear(state, w_gate_up);
+    if (!gate_up.defined()) return {};
+    std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    const at::Tensor& gate = halves[0];
+    const at::Tensor& up = halves[1];
+    const at::Tensor act = at::silu(gate);
+    const at::Tensor mid = act * up;
+    const at::Tensor h = moe_linear(mid, w_down);
+    if (!h.defined()) return {};
+    c10::List<std::optional<at::Tensor>> by_tok_pos;
+    by_tok_pos.push_back(tok);
+    by_tok_pos.push_back(pos);
+    const at::Tensor scale = at::index(weights, by_tok_pos).unsqueeze(-1);
+    const at::Tensor g = at::index(grad_out, by_tok).to(at::result_type(h, scale));
+    g_weights.index_put_(by_tok_pos, (g * h).sum({-1}), true);
+    const at::Tensor g_h = (g * scale).to(h.scalar_type());
+    const at::Tensor g_mid = g_h.mm(w_down), g_w_down = g_h.t().mm(mid);
+    const at::Tensor g_gate = at::silu_backward(g_mid * up, gate);
+    const at::Tensor both = at::cat({g_gate, g_mid * act}, -1);
+    const at::Tensor g_state = both.mm(w_gate_up), g_w_gate_up = both.t().mm(state);
+    g_gate_up.select(0, e).copy_(g_w_gate_up);
+    g_down.select(0, e).copy_(g_w_down);
+    gx.index_add_(0, tok, g_state.to(x.scalar_type()));
+  }
+  if (ran.size() > 1) {  // autograd sums the experts' whole-weight gradients: 0 + -0 is +0
+    g_gate_up.add_(0.0);
+    g_down.add_(0.0);
+  }
+  const at::Tensor g_raw = normalize ? g_weights / total + (-g_weights * ((raw / total) / total)).sum({-1}, true)
+                                     : g_weights;
+  const at::Tensor g_probs = at::zeros_like(probs).scatter(-1, index, g_raw);
+  at::Tensor g_logits = at::_softmax_backward_data(g_probs, probs, -1, c10::kFloat).to(logits.scalar_type());
+  if (grad_logits.has_value() && grad_logits->defined()) g_logits = g_logits + *grad_logits;
+  const at::Tensor g_xr = g_logits.mm(router_weight), g_wr = g_logits.t().mm(x);
+  gx = gx + g_xr.to(x.scalar_type());
+  return {gx, g_wr.to(router_weight.scalar_type()), g_gate_up, g_down};
+}
+
 TORCH_LIBRARY(trnsim, m) {
   m.def("default_generator(int index) -> Generator?", &default_generator_op);
   m.def("cpu_views(Tensor[] ts) -> Tensor[]", &cpu_views_op);
@@ -2619,6 +2767,12 @@ TORCH_LIBRARY(trnsim, m) {
   m.def("datapath_f32(Tensor a, Tensor b) -> Tensor?", &datapath_f32_op);
   m.def("sdpa_values(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale, int groups) -> Tensor[]",
         &sdpa_values_op);
+  m.def("moe_backward_values(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, Tensor grad_out, "
+        "Tensor? grad_logits, int top_k, bool normalize) -> Tensor[]",
+        &moe_backward_values_op);
+  m.def("moe_forward_values(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int top_k, "
+        "bool normalize) -> Tensor[]",
+        &moe_forward_values_op);
 }
 
 // ---- placing the log's launches (trnsim.device.Device._drain, the common case) ----

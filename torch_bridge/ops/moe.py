@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from trnsim.device import KernelSpec
 from trnsim.isa import KernelError
 
-from .. import _torch
+from .. import _native, _torch
 from ..eager import lowering, memory, tensore, values
 from ..runtime import Replay, runtime
 
@@ -281,11 +281,26 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.
                               router_dtype, expert_dtype)
 
 
+def _forward_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, top_k: int, normalize: bool, router_dtype: torch.dtype | None,
+                    expert_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's values as the device computes them (host tensors): :func:`block_values` with
+    :func:`_datapath_linear`, in one native call (``trnsim::moe_forward_values``: the same ATen
+    calls in the same order) without autocast dtypes, where it takes the call."""
+    if router_dtype is None and expert_dtype is None:
+        op = _native_op(_native_forward, "moe_forward_values")
+        got = op(x, router_weight, gate_up_proj, down_proj, top_k, normalize) if op is not None else None
+        if got:
+            return got[0], got[1]
+    return block_values(x, router_weight, gate_up_proj, down_proj, top_k, normalize, _datapath_linear, router_dtype,
+                        expert_dtype)
+
+
 def _neuron_forward(index: int, x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor, top_k: int, normalize: bool, router_dtype: torch.dtype | None,
                     expert_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     cx, cr, cg, cd = _views(x, router_weight, gate_up_proj, down_proj)
-    out, logits = block_values(cx, cr, cg, cd, top_k, normalize, _datapath_linear, router_dtype, expert_dtype)
+    out, logits = _forward_values(cx, cr, cg, cd, top_k, normalize, router_dtype, expert_dtype)
     rt = runtime()
     spec = moe_spec(x, gate_up_proj, top_k, normalize, expert_dtype)
     try:
@@ -367,6 +382,12 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     which took about half of a 4-expert block's backward on the host (the Mixtral zoo program's
     step was 2.1x CPU's)."""
     router_dtype, expert_dtype = dtypes
+    if dtypes == (None, None):  # the same ATen calls in the same order in one native call, where it takes them
+        op = _native_op(_native_backward, "moe_backward_values")
+        got = op(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits, top_k, normalize) \
+            if op is not None else None
+        if got:
+            return tuple(got)  # type: ignore[return-value]
     xr, wr = _cast(x, router_dtype), _cast(router_weight, router_dtype)
     logits = _forward_linear(xr, wr)
     probs = F.softmax(logits.float(), dim=-1)
@@ -415,6 +436,28 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     g_xr, g_wr = _linear_grads(g_logits, xr, wr)
     gx = gx + g_xr.to(x.dtype)
     return gx, g_wr.to(router_weight.dtype), g_gate_up, g_down
+
+
+# [the C++ callable of trnsim::moe_forward_values / moe_backward_values], or [None] without the extension
+_native_forward: list[Any] = []
+_native_backward: list[Any] = []
+
+
+def _native_op(cache: list[Any], name: str) -> Any:
+    """The native extension's ``trnsim::<name>`` (csrc/neuron.cpp: :func:`_forward_values`' and
+    :func:`_direct_backward`'s ops without autocast dtypes, the same ATen calls in the same order
+    from C++; an empty list where one does not take the call, then the Python runs), kept in
+    ``cache``. None before the extension is loaded (looked up again then) or without it."""
+    if cache:
+        return cache[0]
+    if _native.lib is None:
+        return None
+    try:
+        op = _torch.cpp_op(getattr(torch.ops.trnsim, name).default)
+    except (AttributeError, RuntimeError):
+        op = None
+    cache.append(op)
+    return op
 
 
 def _neuron_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
