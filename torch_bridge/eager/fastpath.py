@@ -196,6 +196,12 @@ class NativeLog:
         logged) when the log is full."""
         return bool(self.lib.trnsim_log_close(int(token), int(bool(keep))))
 
+    def learning(self, token: int, on: bool) -> None:
+        """Capture ``token`` learns its host ops (``Device.recorded``) while ``on``: the natively
+        handled prefixes (:meth:`place`, :meth:`take_captured`) stop at them; any other capture's
+        host ops count as made outside it, as Device._drain's loop counts them."""
+        self.lib.trnsim_log_learning(int(token), int(bool(on)))
+
     def capture(self, token: int) -> None:
         self.lib.trnsim_fast_capture(int(token))
 

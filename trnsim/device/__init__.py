@@ -772,8 +772,12 @@ class Device:
             cap.token = self._next_token
             self._tokens[cap.token] = cap
         self._local.capture = cap
-        if self._log is not None:
-            self._log.capture(cap.token)  # this thread's logged launches are collected in cap
+        log = self._log
+        learning = getattr(log, "learning", None) if hosts is not None else None
+        if learning is not None:
+            learning(cap.token, True)  # (the log's native prefixes leave this block's host ops to the loop)
+        if log is not None:
+            log.capture(cap.token)  # this thread's logged launches are collected in cap
         try:
             yield cap
         finally:
@@ -790,6 +794,8 @@ class Device:
                     self._drain()  # (what the log holds of this block, into cap)
                     self._settle_capture(cap)
                     del self._tokens[cap.token]
+                if learning is not None:
+                    learning(cap.token, False)
 
     def _settle_capture(self, cap: "Capture") -> None:
         """Issue (or drop) what ``cap`` collected so far, as graph launches."""
