@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,6 +106,31 @@ def _build(target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+_ops: dict[str, Any] = {}  # name -> the C++ callable of torch.ops.trnsim.<name>, or None without it
+
+
+def op(name: str) -> Any:
+    """The C++ callable of the extension's ``torch.ops.trnsim.<name>`` (csrc/neuron.cpp: calling it
+    skips OpOverload.__call__'s frame), or None before the extension is loaded (looked up again
+    then) or where it lacks the op."""
+    got = _ops.get(name, _UNSEEN)
+    if got is not _UNSEEN:
+        return got
+    if lib is None:
+        return None
+    from . import _torch
+
+    try:
+        got = _torch.cpp_op(getattr(torch.ops.trnsim, name).default)
+    except (AttributeError, RuntimeError):
+        got = None
+    _ops[name] = got
+    return got
+
+
+_UNSEEN = object()
 
 
 def load() -> ctypes.CDLL:

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from torch_bridge import moe
+from torch_bridge import _native, moe
 from torch_bridge.runtime import runtime
 
 transformers = pytest.importorskip("transformers")
@@ -322,8 +322,7 @@ def test_the_written_out_backward_is_autograd_of_the_block_bit_for_bit(dtype, ca
                                     moe._recompute_linear)
         got = moe._direct_backward(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize, dtypes)
         if dtypes == (None, None):  # (computed by the native op, trnsim::moe_backward_values)
-            assert moe._native_op(moe._native_backward, "moe_backward_values")(x, w, gate_up, down, grad_out,
-                                                                                grad_logits, top_k, normalize)
+            assert _native.op("moe_backward_values")(x, w, gate_up, down, grad_out, grad_logits, top_k, normalize)
         for name, a, b in zip(("x", "router", "gate_up", "down"), want, got):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert torch.equal(_bits(a), _bits(b)), (name, top_k, normalize)
@@ -353,7 +352,7 @@ def test_the_native_forward_is_the_blocks_ops_with_datapath_linears_bit_for_bit(
     x, w, gate_up, down = (t.to(dtype) for t in (x, w, gate_up, down))
     if case == "float64":
         x, w, gate_up, down = (t.double() for t in (x, w, gate_up, down))
-    op = moe._native_op(moe._native_forward, "moe_forward_values")
+    op = _native.op("moe_forward_values")
     for top_k, normalize in ((1, True), (2, True), (2, False)):
         # (the Python path first: its first datapath call registers the datapath the native op calls)
         want = moe.block_values(x, w, gate_up, down, top_k, normalize, moe._datapath_linear)

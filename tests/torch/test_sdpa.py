@@ -745,6 +745,7 @@ def test_the_native_forward_values_are_the_python_paths_bit_for_bit(dtype, case,
     """forward_values without is_causal runs in one native call (trnsim::sdpa_values) when it
     takes the call: out and P must be the Python path's bits, and the calls it does not take
     (non-finite operands, +inf in a mask) must reach the Python path."""
+    from torch_bridge import _native
     from torch_bridge.ops import attention
 
     g = torch.Generator().manual_seed(11)
@@ -772,12 +773,12 @@ def test_the_native_forward_values_are_the_python_paths_bit_for_bit(dtype, case,
         dev[0] = dev[0].transpose(1, 2).contiguous().transpose(1, 2)
     m = None if mask is None else mask.to("neuron")
     groups = hq // hk
-    native = attention._values_op()
+    native = _native.op("sdpa_values")
     assert native is not None
     taken = bool(native(*dev, m, scale, groups))
     assert taken == (case not in ("big", "nan", "inf-mask"))
     got = attention.forward_values(*dev, m, False, scale, groups, True)
-    monkeypatch.setattr(attention, "_native_values", [None])
+    monkeypatch.setitem(_native._ops, "sdpa_values", None)
     want = attention.forward_values(*dev, m, False, scale, groups, True)
     assert got[2:] == want[2:]
     for a, b in zip(got[:2], want[:2]):

@@ -78,6 +78,7 @@ def test_empty_matmuls_cost_only_the_launch():
 
 def _native_route(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """matmul_f32/bmm_f32's numpy route (trnsim.native), which the extension's op stands in for."""
+    from torch_bridge import _native
     from torch_bridge.eager import tensore
     from trnsim import native
 
@@ -96,10 +97,11 @@ def test_the_extension_s_datapath_call_is_the_numpy_route_s_bit_for_bit(dtype):
     """tensore.matmul_f32/bmm_f32 (attention's and the MoE op's matmuls) call the datapath through
     the native extension's ``trnsim::datapath_f32``: the same float32 PSUM bits as trnsim.native's
     route for every operand layout, non-finite results included (the caller decides on those)."""
+    from torch_bridge import _native
     from torch_bridge.eager import tensore
 
     torch.ones(1, device="neuron")  # the extension is loaded with the device
-    op = tensore._datapath_op()
+    op = _native.op("datapath_f32")
     assert op is not None
     g = torch.Generator().manual_seed(3)
     for batch, m, k, n in ((4, 1, 16, 20), (3, 7, 300, 5), (2, 129, 130, 64), (1, 1, 1, 1)):
@@ -118,10 +120,11 @@ def test_the_extension_s_datapath_call_is_the_numpy_route_s_bit_for_bit(dtype):
 def test_the_extension_s_datapath_call_declines_what_the_numpy_route_decides(monkeypatch):
     """None (the numpy route computes or raises) for operands it does not take, and under
     TRNSIM_NATIVE=0 (the numpy reference) or a TRNSIM_NATIVE_THREADS Python refuses."""
+    from torch_bridge import _native
     from torch_bridge.eager import tensore
 
     torch.ones(1, device="neuron")
-    op = tensore._datapath_op()
+    op = _native.op("datapath_f32")
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     assert op(a, b) is not None
     for x, y in ((a.double(), b.double()), (a, b.bfloat16()), (a.int(), b.int()), (a[:0], b), (a, b[:3]),
@@ -143,6 +146,7 @@ def test_magnitude_scans_as_aminmax_gives_it(dtype):
     signed zeros, subnormals and the format's largest value; a strided tensor takes aminmax."""
     import math
 
+    from torch_bridge import _native
     from torch_bridge import _native
     from torch_bridge.eager import tensore
 

@@ -124,28 +124,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-_native_op: list[Any] = []  # [trnsim::datapath_f32's C++ callable], or [None] without the extension
-
-
-def _datapath_op() -> Any:
-    """The native extension's ``trnsim::datapath_f32`` (csrc/neuron.cpp), or None before the
-    extension is loaded (looked up again then) or without it."""
-    if _native_op:
-        return _native_op[0]
-    if _native.lib is None:
-        return None
-    try:
-        op = _torch.cpp_op(torch.ops.trnsim.datapath_f32.default)  # (its C++ callable: no OpOverload.__call__ frame)
-    except (AttributeError, RuntimeError):
-        op = None
-    _native_op.append(op)
-    return op
-
-
 def _native_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b`` (2-d or 3-d) as the float32 PSUM result of the extension's datapath call, or None
     where it does not take the call (then trnsim.native's route computes the same bits, or raises)."""
-    op = _datapath_op()
+    op = _native.op("datapath_f32")  # (None before the extension is loaded, or without it)
     if op is None or a.requires_grad or b.requires_grad:  # (the op has no autograd formula)
         return None
     return op(a, b)

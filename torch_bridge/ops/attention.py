@@ -381,7 +381,9 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     flash kernel, else its math path), which differ where a score is NaN or infinite: see
     :func:`masked_scores`."""
     if not is_causal:  # the common case (a decode step, a padded batch) in one native call, if it takes it
-        op = _values_op()
+        # (trnsim::sdpa_values, csrc/neuron.cpp: the same ATen calls in the same order as below, from
+        # C++, where the values are the datapath's; an empty list where it does not take the call)
+        op = _native.op("sdpa_values")
         got = op(q, k, v, attn_mask, scale, groups) if op is not None else None
         if got:
             return got[0], got[1], _scale(scale, q.shape[-1]), True
@@ -403,26 +405,6 @@ def forward_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     else:
         out = cpu_kernel(hq, hk, hv, mask, is_causal, scale)
     return out, p, sc, exact
-
-
-_native_values: list[Any] = []  # [trnsim::sdpa_values's C++ callable], or [None] without the extension
-
-
-def _values_op() -> Any:
-    """The native extension's ``trnsim::sdpa_values`` (csrc/neuron.cpp): :func:`forward_values`
-    without ``is_causal`` where its values are the datapath's, the same ATen calls in the same
-    order from C++; an empty list where it does not take the call (then the Python below runs).
-    None before the extension is loaded (looked up again then) or without it."""
-    if _native_values:
-        return _native_values[0]
-    if _native.lib is None:
-        return None
-    try:
-        op = _torch.cpp_op(torch.ops.trnsim.sdpa_values.default)
-    except (AttributeError, RuntimeError):
-        op = None
-    _native_values.append(op)
-    return op
 
 
 def datapath_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -288,7 +288,7 @@ def _forward_values(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: 
     :func:`_datapath_linear`, in one native call (``trnsim::moe_forward_values``: the same ATen
     calls in the same order) without autocast dtypes, where it takes the call."""
     if router_dtype is None and expert_dtype is None:
-        op = _native_op(_native_forward, "moe_forward_values")
+        op = _native.op("moe_forward_values")
         got = op(x, router_weight, gate_up_proj, down_proj, top_k, normalize) if op is not None else None
         if got:
             return got[0], got[1]
@@ -383,7 +383,7 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     step was 2.1x CPU's)."""
     router_dtype, expert_dtype = dtypes
     if dtypes == (None, None):  # the same ATen calls in the same order in one native call, where it takes them
-        op = _native_op(_native_backward, "moe_backward_values")
+        op = _native.op("moe_backward_values")
         got = op(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits, top_k, normalize) \
             if op is not None else None
         if got:
@@ -436,28 +436,6 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     g_xr, g_wr = _linear_grads(g_logits, xr, wr)
     gx = gx + g_xr.to(x.dtype)
     return gx, g_wr.to(router_weight.dtype), g_gate_up, g_down
-
-
-# [the C++ callable of trnsim::moe_forward_values / moe_backward_values], or [None] without the extension
-_native_forward: list[Any] = []
-_native_backward: list[Any] = []
-
-
-def _native_op(cache: list[Any], name: str) -> Any:
-    """The native extension's ``trnsim::<name>`` (csrc/neuron.cpp: :func:`_forward_values`' and
-    :func:`_direct_backward`'s ops without autocast dtypes, the same ATen calls in the same order
-    from C++; an empty list where one does not take the call, then the Python runs), kept in
-    ``cache``. None before the extension is loaded (looked up again then) or without it."""
-    if cache:
-        return cache[0]
-    if _native.lib is None:
-        return None
-    try:
-        op = _torch.cpp_op(getattr(torch.ops.trnsim, name).default)
-    except (AttributeError, RuntimeError):
-        op = None
-    cache.append(op)
-    return op
 
 
 def _neuron_backward(index: int, x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
