@@ -382,7 +382,9 @@ def _direct_backward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     which took about half of a 4-expert block's backward on the host (the Mixtral zoo program's
     step was 2.1x CPU's)."""
     router_dtype, expert_dtype = dtypes
-    if dtypes == (None, None):  # the same ATen calls in the same order in one native call, where it takes them
+    if dtypes == (None, None) and grad_out is not None:
+        # the same ATen calls in the same order in one native call, where it takes them
+        # (trnsim::moe_backward_values, csrc/neuron.cpp)
         op = _native.op("moe_backward_values")
         got = op(x, router_weight, gate_up_proj, down_proj, grad_out, grad_logits, top_k, normalize) \
             if op is not None else None
