@@ -2555,13 +2555,13 @@ double host_magnitude(const at::Tensor& t) {
 // torch.ops.trnsim.sdpa_values(q, k, v, mask, scale, groups): ops/attention.py's forward_values
 // for a call without is_causal whose values are the datapath's (datapath_exact), as [out, P] host
 // tensors: the same ATen calls in the same order, on the same host views, from C++ (a decode step's
-// ~17 small host ops took ~180 us from Python, ~50 us here, measured). An empty list where Python's own
-// path must run: a torch function or dispatch mode active (they see Python's calls), a tensor the
+// ~17 small host ops took ~180 us from Python, ~50 us here, measured). An empty list where Python's
+// own path must run: a torch function or dispatch mode active (they see Python's calls), a tensor the
 // host views do not take, operands whose values are CPU's kernel's (datapath_exact false), or a
 // product the datapath call does not take (Python's route computes the same bits, or raises).
 std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            const std::optional<at::Tensor>& mask, std::optional<double> scale,
-                                            int64_t groups) {
+                                       const std::optional<at::Tensor>& mask, std::optional<double> scale,
+                                       int64_t groups) {
   if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
       groups < 1) {
     return {};
@@ -2594,7 +2594,8 @@ std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k,
     return {};
   }
   // the scores: Q Kᵀ on the datapath, scaled, the mask added (masked_scores without is_causal)
-  std::optional<at::Tensor> raw = datapath_f32_op(hq.reshape({-1, groups * l, e}), hk.reshape({-1, s, e}).transpose(1, 2));
+  std::optional<at::Tensor> raw =
+      datapath_f32_op(hq.reshape({-1, groups * l, e}), hk.reshape({-1, s, e}).transpose(1, 2));
   if (!raw.has_value()) return {};
   std::vector<int64_t> score_sizes(q.sizes().begin(), q.sizes().end());
   score_sizes.back() = s;
@@ -2611,7 +2612,8 @@ std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k,
     at::Tensor dead = scores.amax({-1}, true).eq(-std::numeric_limits<double>::infinity());
     if (dead.any().item<bool>()) p.masked_fill_(dead, 0.0);
   }
-  std::optional<at::Tensor> out = datapath_f32_op(p.to(q.scalar_type()).reshape({-1, groups * l, s}), hv.reshape({-1, s, e}));
+  std::optional<at::Tensor> out =
+      datapath_f32_op(p.to(q.scalar_type()).reshape({-1, groups * l, s}), hv.reshape({-1, s, e}));
   if (!out.has_value()) return {};
   return {out->view(q.sizes()).to(q.scalar_type()), p};
 }
