@@ -109,6 +109,7 @@ def _build(target: Path) -> None:
 
 
 _ops: dict[str, Any] = {}  # name -> the C++ callable of torch.ops.trnsim.<name>, or None without it
+_UNSEEN = object()
 
 
 def op(name: str) -> Any:
@@ -128,9 +129,6 @@ def op(name: str) -> Any:
         got = None
     _ops[name] = got
     return got
-
-
-_UNSEEN = object()
 
 
 def load() -> ctypes.CDLL:
@@ -178,8 +176,8 @@ def load() -> ctypes.CDLL:
     handle.trnsim_log_place.argtypes = [ctypes.c_void_p] * 4
     handle.trnsim_log_place.restype = i64
     handle.trnsim_log_close.argtypes = [i64, ctypes.c_int]
-    handle.trnsim_log_learning.argtypes = [i64, ctypes.c_int]
     handle.trnsim_log_close.restype = ctypes.c_int
+    handle.trnsim_log_learning.argtypes = [i64, ctypes.c_int]
     handle.trnsim_fast_name.restype = ctypes.c_char_p
     handle.trnsim_fast_learning.argtypes = [ctypes.c_char_p]
     handle.trnsim_fast_learning.restype = ctypes.c_int

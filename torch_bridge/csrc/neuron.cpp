@@ -1665,9 +1665,21 @@ using GroupedFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, cons
 std::atomic<GroupedFn> g_grouped{nullptr};  // trnsim.native.grouped_entry()
 std::unordered_map<std::string, std::vector<int64_t>> g_conv_strides;  // signature -> CPU's output strides
 
-// tensore.magnitude: the largest |x| (NaN when t holds one)
+// The bound tensore.bounded compares against (tensore.BOUND): a quarter of float32's largest value.
+constexpr double kBound = static_cast<double>(std::numeric_limits<float>::max()) / 4;
+
+extern "C" double trnsim_fast_max_abs(const void* p, int64_t n, int code);
+
+// tensore.magnitude: the largest |x| (NaN when t holds one); trnsim_fast_max_abs's scan for a
+// contiguous float32, bfloat16 or float16 host tensor, else aminmax (the same value either way)
 double magnitude(const at::Tensor& t) {
-  if (t.numel() == 0) return 0.0;
+  const int64_t n = t.numel();
+  if (n == 0) return 0.0;
+  const c10::ScalarType st = t.scalar_type();
+  const int code = st == c10::kFloat ? 0 : st == c10::kBFloat16 ? 1 : st == c10::kHalf ? 2 : -1;
+  if (code >= 0 && t.device().is_cpu() && t.is_contiguous() && !t._is_zerotensor()) {
+    return trnsim_fast_max_abs(t.const_data_ptr(), n, code);
+  }
   auto mm = at::aminmax(t);
   double lo = std::get<0>(mm).item<double>(), hi = std::get<1>(mm).item<double>();
   if (std::isnan(lo) || std::isnan(hi)) return std::nan("");
@@ -1754,7 +1766,7 @@ void fast_conv(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // tensore.bounded(w.numel() // K, x, w, 1.0, magnitude(bias)): the products cannot overflow
     const double extra = ba.defined() ? magnitude(ba) : 0.0;
     const double bound = static_cast<double>(w.numel() / K) * magnitude(xa) * magnitude(wa) * 1.0 + extra;
-    if (!(bound < static_cast<double>(std::numeric_limits<float>::max()) / 4)) return slow(op, stack);
+    if (!(bound < kBound)) return slow(op, stack);
     int rc = 0;
     if (groups == 1) {  // tensore._conv_batched
       at::Tensor moving;
@@ -2540,16 +2552,10 @@ std::optional<at::Tensor> datapath_f32_op(const at::Tensor& a, const at::Tensor&
   return out;
 }
 
-// tensore.magnitude as Python computes it: trnsim_fast_max_abs's scan for a contiguous float32,
-// bfloat16 or float16 host tensor, else aminmax (the same value either way)
-extern "C" double trnsim_fast_max_abs(const void* p, int64_t n, int code);
-double host_magnitude(const at::Tensor& t) {
-  const int64_t n = t.numel();
-  if (n == 0) return 0.0;
-  const c10::ScalarType st = t.scalar_type();
-  const int code = st == c10::kFloat ? 0 : st == c10::kBFloat16 ? 1 : st == c10::kHalf ? 2 : -1;
-  if (code >= 0 && t.is_contiguous() && !t._is_zerotensor()) return trnsim_fast_max_abs(t.const_data_ptr(), n, code);
-  return magnitude(t);
+// A torch function or dispatch mode is active on this thread: it sees the ATen calls Python makes,
+// so a native op that would make them from C++ leaves the call to Python.
+bool modes_active() {
+  return at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0;
 }
 
 // torch.ops.trnsim.sdpa_values(q, k, v, mask, scale, groups): ops/attention.py's forward_values
@@ -2562,10 +2568,7 @@ double host_magnitude(const at::Tensor& t) {
 std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::optional<at::Tensor>& mask, std::optional<double> scale,
                                        int64_t groups) {
-  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
-      groups < 1) {
-    return {};
-  }
+  if (modes_active() || groups < 1) return {};
   const bool masked = mask.has_value() && mask->defined();
   c10::SmallVector<const at::Tensor*, 4> devs{&q, &k, &v};
   if (masked) devs.push_back(&*mask);
@@ -2588,9 +2591,8 @@ std::vector<at::Tensor> sdpa_values_op(const at::Tensor& q, const at::Tensor& k,
       !(hmask.amax().item<double>() < std::numeric_limits<double>::infinity())) {
     return {};
   }
-  const double bound = static_cast<double>(std::numeric_limits<float>::max()) / 4;  // tensore.BOUND
-  if (!(static_cast<double>(e) * host_magnitude(hq) * host_magnitude(hk) * std::fabs(sc) + 0.0 < bound) ||
-      !(static_cast<double>(s) * host_magnitude(hv) < bound)) {
+  if (!(static_cast<double>(e) * magnitude(hq) * magnitude(hk) * std::fabs(sc) + 0.0 < kBound) ||
+      !(static_cast<double>(s) * magnitude(hv) < kBound)) {
     return {};
   }
   // the scores: Q Kᵀ on the datapath, scaled, the mask added (masked_scores without is_causal)
@@ -2631,10 +2633,8 @@ at::Tensor moe_linear(const at::Tensor& x, const at::Tensor& w, bool forward = f
   if (!on_datapath) return forward ? x.mm(wt) : at::linear(x, w);
   std::optional<at::Tensor> p = datapath_f32_op(x, wt);
   if (!p.has_value()) return at::Tensor();
-  const double bound = static_cast<double>(std::numeric_limits<float>::max()) / 4;  // tensore.BOUND
-  const bool finite = p->is_contiguous() ? all_finite_f32(p->const_data_ptr<float>(), p->numel())
-                                         : p->isfinite().all().item<bool>();
-  if (finite || static_cast<double>(x.size(-1)) * host_magnitude(x) * host_magnitude(wt) * 1.0 + 0.0 < bound) {
+  if (all_finite_f32(p->const_data_ptr<float>(), p->numel()) ||  // (psum_result: contiguous)
+      static_cast<double>(x.size(-1)) * magnitude(x) * magnitude(wt) * 1.0 + 0.0 < kBound) {
     return p->to(dt);
   }
   return x.mm(wt);
@@ -2647,9 +2647,7 @@ at::Tensor moe_linear(const at::Tensor& x, const at::Tensor& w, bool forward = f
 std::vector<at::Tensor> moe_forward_values_op(const at::Tensor& x, const at::Tensor& router_weight,
                                               const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
                                               int64_t top_k, bool normalize) {
-  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return {};
-  }
+  if (modes_active()) return {};
   for (const at::Tensor* t : {&x, &router_weight, &gate_up_proj, &down_proj}) {
     if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided) return {};
   }
@@ -2695,9 +2693,7 @@ std::vector<at::Tensor> moe_backward_values_op(const at::Tensor& x, const at::Te
                                                const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
                                                const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_logits,
                                                int64_t top_k, bool normalize) {
-  if (at::impl::PythonTorchFunctionTLS::stack_len() > 0 || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return {};
-  }
+  if (modes_active()) return {};
   for (const at::Tensor* t : {&x, &router_weight, &gate_up_proj, &down_proj, &grad_out}) {
     if (!t->defined() || !t->device().is_cpu() || t->layout() != c10::kStrided) return {};
   }
@@ -3015,9 +3011,6 @@ int64_t trnsim_log_take(int64_t* out, int64_t cap) {
   erase_log_locked(n);
   return n;
 }
-// Device.graph's (or, `keep` 0, Device.muted's) block ends on this thread: capture `token` is closed here in
-// the log (kind -2), all its launches logged before it, to be issued (or dropped) where the close stands.
-// 0 (nothing logged) when the log is full: the device then collects and issues them itself.
 // Capture `token` learns its host ops (Device.recorded) while `on`: the native prefixes stop at them.
 void trnsim_log_learning(int64_t token, int on) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
@@ -3027,6 +3020,9 @@ void trnsim_log_learning(int64_t token, int on) {
     g_learning.erase(token);
   }
 }
+// Device.graph's (or, `keep` 0, Device.muted's) block ends on this thread: capture `token` is closed here in
+// the log (kind -2), all its launches logged before it, to be issued (or dropped) where the close stands.
+// 0 (nothing logged) when the log is full: the device then collects and issues them itself.
 int trnsim_log_close(int64_t token, int keep) {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   if (static_cast<int64_t>(g_log.size() / 3) >= kLogMax || token <= 0) return 0;
