@@ -120,6 +120,31 @@ def test_a_tensor_that_outlives_its_run_frees_its_bytes_when_it_dies():
     assert torch.neuron.memory_allocated() == before
 
 
+def test_an_ended_run_s_dead_tensor_does_not_make_an_allocation_fail():
+    """An allocation that fits once an ended run's dead tensors are released succeeds, without a
+    read of the allocated bytes first (the refusal settles them and tries again; it raised
+    OutOfMemoryError for the dead bytes before), and counts no OOM."""
+    from torch_bridge import memory
+
+    gc.collect()
+    with torch.neuron.timing_only():
+        kept = torch.empty(1000, device="neuron")
+    del kept
+    gc.collect()  # dead, not yet swept: the ledger still counts its 4000 bytes
+    stats = memory.pool.devices[0]
+    ooms, capacity = stats.ooms, stats.capacity
+    stats.row[25] = stats.allocated - 4000 + 64  # room for 64 bytes once the dead ones are gone
+    try:
+        y = torch.empty(16, device="neuron")
+        assert stats.ooms == ooms
+        with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate 4 bytes"):
+            torch.empty(1, device="neuron")
+        assert stats.ooms == ooms + 1  # one refusal, one OOM (not one per try)
+        del y
+    finally:
+        stats.row[25] = capacity
+
+
 def test_hbm_capacity_is_enforced_with_a_hint_to_shard():
     cap = torch.neuron.mem_get_info()[1]
     with torch.neuron.timing_only():

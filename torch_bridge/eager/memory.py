@@ -231,13 +231,24 @@ class Pool:
     def reserve(self, index: int, nbytes: int) -> None:
         """Count ``nbytes`` on device ``index`` or raise ``torch.OutOfMemoryError``."""
         mem = self.devices[index]
-        if not mem.try_add(nbytes):
+        if not mem.try_add(nbytes) and not self._settled_retry(mem, nbytes):
             allocated, capacity = mem.allocated, mem.capacity
             raise torch.OutOfMemoryError(
                 f"neuron:{index} out of memory: tried to allocate {nbytes} bytes "
                 f"({format_quantity(nbytes, 'bytes')}); {allocated} bytes in use of {capacity} capacity "
                 f"({format_quantity(capacity - allocated, 'bytes')} free)"
             )
+
+    @staticmethod
+    def _settled_retry(mem: MemoryStats, nbytes: int) -> bool:
+        """After a refusal: release the bytes of storages already dead but not yet swept
+        (:func:`settle`) and try once more. Without this, an ended timing-only run's dead tensors
+        could make an allocation that fits fail. One refusal counts one OOM."""
+        if not settlers:
+            return False
+        mem.ooms -= 1  # the retry counts it again if it fails too
+        settle()
+        return mem.try_add(nbytes)
 
     def unreserve(self, index: int, nbytes: int) -> None:
         """Undo a :meth:`reserve` whose allocation the host could not back (an OOM, not a free)."""
