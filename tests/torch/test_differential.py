@@ -905,6 +905,22 @@ def test_an_empty_out_keeps_its_sizes_for_ops_that_check_them():
         assert out.shape == (0, 5, 1, 3)
 
 
+def test_an_empty_out_view_at_an_offset_raises_cpu_s_error():
+    """An empty out's stand-in had a 0-byte storage: ``index_copy_`` into an empty view at an
+    offset, which restrides its out before it checks the index, raised a RuntimeError (setStorage
+    out of bounds) where CPU raises IndexError. The stand-in has the out's storage size and
+    offset now; an in-range copy into a non-empty view is unchanged."""
+    for device in ("cpu", "neuron"):
+        x = torch.zeros(10, 4, device=device)
+        src = torch.ones(1, 4, device=device)
+        with pytest.raises(IndexError, match=r"^index_copy_\(\): index 0 is out of bounds for dimension 0 with size 0$"):
+            x[3:3].index_copy_(0, torch.tensor([0], device=device), src)
+        x[5:5].index_add_(0, torch.tensor([0], device=device), src)  # CPU's: no check, nothing added
+        assert x.sum().item() == 0
+        x[3:5].index_copy_(0, torch.tensor([1], device=device), src)
+        assert x.sum().item() == 4 and x[4].tolist() == [1.0] * 4
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s

@@ -451,8 +451,11 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             # of the out's own sizes and strides: an op that checks its out against its inputs
             # instead of resizing it refused a (0,) stand-in for a (0, 5, 1, 3) out (difftest:
             # normal.Tensor_float_out, an empty mean), and one that keeps a fitting out's strides
-            # keeps these
-            fresh[name] = ckwargs[name] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype)
+            # keeps these. Over a storage of the out's own size at its offset: an op that restrides
+            # its out (index_copy_ on an empty view) checks the bounds CPU would check, then raises
+            # CPU's error (IndexError), not a setStorage error for a 0-byte storage
+            fresh[name] = ckwargs[name] = torch.empty(0, dtype=out.dtype).set_(
+                torch.UntypedStorage(out.untyped_storage().nbytes()), out.storage_offset(), out.shape, out.stride())
     draw = None
     if info.random:
         draw = _Draw(info, args, kwargs, cargs, ckwargs, index)
