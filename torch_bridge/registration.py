@@ -50,7 +50,7 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
               "sqrt", "rsqrt", "relu", "gelu", "silu", "sigmoid", "tanh", "pow.Tensor_Scalar", "where.self",
               "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
               "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
-              "_softmax_backward_data", "mse_loss", "smooth_l1_loss")
+              "_softmax_backward_data", "mse_loss", "smooth_l1_loss", "cat")
 # Structured ops whose meta function builds a TensorIterator that does not take CPU scalars: left
 # to their CompositeExplicitAutogradNonFunctional kernels, a 0-dim host min/max beside device
 # tensors was refused ("Expected all tensors to be on the same device") where CPU computes with it
