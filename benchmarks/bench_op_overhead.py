@@ -34,6 +34,7 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "x.sum()": lambda x, y: x.sum(),
     "x.view(4, 4)": lambda x, y: x.view(4, 4),
     "x.add_(y)": lambda x, y: x.add_(y),
+    "cat((x, y))": lambda x, y: torch.cat((x, y)),  # a dynamic KV cache's append
     "x[3].item()": lambda x, y: x[3].item(),  # a select, then the host waits for the device (a sync)
 }
 
