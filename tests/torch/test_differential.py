@@ -913,7 +913,8 @@ def test_an_empty_out_view_at_an_offset_raises_cpu_s_error():
     for device in ("cpu", "neuron"):
         x = torch.zeros(10, 4, device=device)
         src = torch.ones(1, 4, device=device)
-        with pytest.raises(IndexError, match=r"^index_copy_\(\): index 0 is out of bounds for dimension 0 with size 0$"):
+        msg = r"^index_copy_\(\): index 0 is out of bounds for dimension 0 with size 0$"
+        with pytest.raises(IndexError, match=msg):
             x[3:3].index_copy_(0, torch.tensor([0], device=device), src)
         x[5:5].index_add_(0, torch.tensor([0], device=device), src)  # CPU's: no check, nothing added
         assert x.sum().item() == 0
