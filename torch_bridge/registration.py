@@ -59,6 +59,12 @@ DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scala
 HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_min.Tensor", "clamp_min_.Tensor",
                    "clamp_min.Tensor_out", "clamp_max.Tensor", "clamp_max_.Tensor", "clamp_max.Tensor_out")
 
+# Ops whose CompositeExplicitAutograd kernel (what a device without its own runs) skips a check
+# CPU's kernel makes: all/any over several dims reduce one dim at a time into bool temporaries and
+# copy into the out, so a float out= CPU refuses ("all only supports bool tensor for result, got:
+# Float") was filled with 1.0/0.0 (found by difftest: all 13945163706620). Claimed, they take
+# CPU's kernel on the host views: its checks, its messages, its values.
+CPU_CHECKED_OPS = ("all.dims", "all.dims_out", "any.dims", "any.dims_out")
 
 # The functional pointwise ops of two or more tensors that would otherwise reach the device through
 # their CompositeExplicitAutogradNonFunctional kernel (structured: its meta function, then the op's
@@ -190,7 +196,7 @@ def register_kernels() -> None:
     impl.impl("_has_compatible_shallow_copy_type", _hidden(alloc.has_compatible_shallow_copy_type), "PrivateUse1")
     # The fallback and these ops' kernels are the native fast path's (torch_bridge.fastpath); the
     # Python ones it redispatches to when it steps aside sit on PrivateUse2, a key nothing else uses.
-    claimed = WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS
+    claimed = WHOLE_OPS + DIRECT_OPS + HOST_SCALAR_OPS + LAYOUT_OPS + CPU_CHECKED_OPS
     for name in claimed:
         kernel = functools.partial(values.fallback if name in WHOLE_OPS else values.same_device_fallback, _aten(name))
         impl.impl(name, _hidden(kernel), SLOW_KEY)

@@ -922,6 +922,22 @@ def test_an_empty_out_view_at_an_offset_raises_cpu_s_error():
         assert x.sum().item() == 4 and x[4].tolist() == [1.0] * 4
 
 
+def test_all_and_any_over_several_dims_refuse_a_float_out_as_cpu_does():
+    """Found by difftest (all 13945163706620): all/any over several dims reached the device through
+    PyTorch's CompositeExplicitAutograd kernel, which reduces one dim at a time and copies into the
+    out, so a float out= CPU refuses was filled with 1.0. Claimed, CPU's kernel checks it; the
+    values over several dims are CPU's."""
+    for device in ("cpu", "neuron"):
+        x = torch.tensor([[1.0, 0.0, 2.0], [3.0, 4.0, 5.0]], device=device)
+        for op in (torch.ops.aten.all.dims_out, torch.ops.aten.any.dims_out):
+            with pytest.raises(RuntimeError, match=r"only supports bool tensor for result, got: Float"):
+                op(x, [0, 1], False, out=torch.empty((), device=device))
+        got = [torch.all(x, dim=(0, 1)), torch.any(x == 0, dim=(0, 1), keepdim=True), torch.all(x, dim=(1,)),
+               torch.all(torch.empty(0, 3, device=device), dim=(0,))]
+        assert [t.tolist() for t in got] == [False, [[True]], [False, True], [True, True, True]]
+        assert all(t.dtype == torch.bool for t in got)
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s
