@@ -86,17 +86,28 @@ def test_python_errors_come_through_unchanged():
         x * torch.ones(3, device="neuron")
 
 
-def test_out_of_memory_is_the_python_path_s_error():
-    from torch_bridge import memory
+@contextlib.contextmanager
+def _room(nbytes: int):
+    """Device 0's capacity set to the bytes in use plus ``nbytes`` (no host memory spent),
+    restored after. An earlier test's ended timing-only run's dead tensors are released first,
+    not mid-test (a refused allocation releases them and fits)."""
+    from torch_bridge.eager import memory
 
+    stats = memory.pool.devices[0]
+    capacity = stats.capacity
+    memory.settle()
+    stats.row[memory._CAPACITY] = stats.allocated + nbytes
+    try:
+        yield
+    finally:
+        stats.row[memory._CAPACITY] = capacity
+
+
+def test_out_of_memory_is_the_python_path_s_error():
     x, _ = tensors()
     x + 1
     x + 1  # costed: the next one takes the fast path
-    stats = memory.pool.devices[0]
-    capacity = stats.capacity
-    memory.settle()  # an earlier test's ended timing-only run's dead tensors: released now, not mid-test
-    stats.row[25] = stats.allocated + 64  # room for one more 16-float result (no host memory spent)
-    try:
+    with _room(64):  # room for one more 16-float result
         hits = fastpath.hits()
         keep = x + 1
         assert fastpath.hits() == hits + 1
@@ -106,8 +117,6 @@ def test_out_of_memory_is_the_python_path_s_error():
         assert torch.neuron.memory_stats()["num_ooms"] == before + 1
         del keep
         assert (x + 1).device == x.device
-    finally:
-        stats.row[25] = capacity
 
 
 def _program(seed: int):
@@ -266,20 +275,13 @@ def test_cat_is_claimed_directly_with_the_composite_s_rows_and_cpu_s_values():
 
 
 def test_a_composite_out_that_does_not_fit_is_the_python_path_s_out_of_memory():
-    from torch_bridge.eager import memory
     torch.arange(100, device="neuron")
     torch.arange(100, device="neuron")  # costed and served: the next one would be too
-    stats = memory.pool.devices[0]
-    capacity = stats.capacity
-    memory.settle()  # an earlier test's ended timing-only run's dead tensors: released now, not mid-test
-    stats.row[25] = stats.allocated + 64  # no room for 800 bytes
-    try:
+    with _room(64):  # no room for 800 bytes
         hits, before = fastpath.hits(), torch.neuron.memory_stats()["num_ooms"]
         with pytest.raises(torch.OutOfMemoryError, match=r"^neuron:0 out of memory: tried to allocate 800 bytes"):
             torch.arange(100, device="neuron")
         assert fastpath.hits() == hits and torch.neuron.memory_stats()["num_ooms"] == before + 1
-    finally:
-        stats.row[25] = capacity
     assert torch.equal(torch.arange(100, device="neuron").cpu(), torch.arange(100))
 
 

@@ -134,7 +134,7 @@ def test_an_ended_run_s_dead_tensor_does_not_make_an_allocation_fail():
     gc.collect()  # dead, not yet swept: the ledger still counts its 4000 bytes
     stats = memory.pool.devices[0]
     ooms, capacity = stats.ooms, stats.capacity
-    stats.row[25] = stats.allocated - 4000 + 64  # room for 64 bytes once the dead ones are gone
+    stats.row[memory._CAPACITY] = stats.allocated - 4000 + 64  # room for 64 bytes once the dead ones are gone
     try:
         y = torch.empty(16, device="neuron")
         assert stats.ooms == ooms
@@ -143,7 +143,7 @@ def test_an_ended_run_s_dead_tensor_does_not_make_an_allocation_fail():
         assert stats.ooms == ooms + 1  # one refusal, one OOM (not one per try)
         del y
     finally:
-        stats.row[25] = capacity
+        stats.row[memory._CAPACITY] = capacity
 
 
 def test_hbm_capacity_is_enforced_with_a_hint_to_shard():
