@@ -46,11 +46,15 @@ WHOLE_OPS = ("native_layer_norm", "native_group_norm", "embedding", "mode.values
 # Frequent functional ops claimed directly, so they skip the composite `empty` + `op.out` round
 # trip (one allocation and one dispatch fewer per call; the values are the same CPU kernels).
 # mse_loss's and smooth_l1_loss's CPU out= kernels also warn that they resized their output, on every call.
+# cat (~176 a dynamic-cache generate() step: the KV cache) and isin ... eq.Scalar (a generate()
+# step's stopping criteria, masks and rotary embedding: 16-49 calls each) are the ones a zoo step
+# made most often through that round trip.
 DIRECT_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor", "add.Scalar", "mul.Scalar", "neg", "exp",
               "sqrt", "rsqrt", "relu", "gelu", "silu", "sigmoid", "tanh", "pow.Tensor_Scalar", "where.self",
               "_softmax", "_log_softmax", "sum.dim_IntList", "mean.dim", "eq.Tensor", "ne.Scalar", "gt.Scalar",
               "lt.Scalar", "masked_fill.Scalar", "clamp", "threshold_backward", "gelu_backward",
-              "_softmax_backward_data", "mse_loss", "smooth_l1_loss", "cat")
+              "_softmax_backward_data", "mse_loss", "smooth_l1_loss", "cat", "isin.Tensor_Tensor", "all", "all.dim",
+              "any", "any.dim", "isneginf", "cos", "sin", "argmax", "bitwise_not", "eq.Scalar")
 # Structured ops whose meta function builds a TensorIterator that does not take CPU scalars: left
 # to their CompositeExplicitAutogradNonFunctional kernels, a 0-dim host min/max beside device
 # tensors was refused ("Expected all tensors to be on the same device") where CPU computes with it

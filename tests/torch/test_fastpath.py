@@ -274,6 +274,94 @@ def test_cat_is_claimed_directly_with_the_composite_s_rows_and_cpu_s_values():
         torch.cat([torch.randn(2).to("neuron"), torch.randn(2)])
 
 
+# The ops a generate() step made most often through their composite's empty + op.out (stopping
+# criteria, masks, rotary embeddings), each as its functional call and that explicit round trip.
+_DIRECT_CASES = {
+    "isin": (lambda x, n: torch.isin(n, n[:3]),
+             lambda x, n: torch.ops.aten.isin.Tensor_Tensor_out(n, n[:3], out=torch.empty(n.shape, dtype=torch.bool,
+                                                                                          device="neuron"))),
+    "all": (lambda x, n: torch.all(x), lambda x, n: torch.ops.aten.all.all_out(x, out=_empty((), torch.bool))),
+    "all.dim": (lambda x, n: torch.all(x, 1),
+                lambda x, n: torch.ops.aten.all.out(x, 1, out=_empty((x.shape[0],), torch.bool))),
+    "any": (lambda x, n: torch.any(x), lambda x, n: torch.ops.aten.any.all_out(x, out=_empty((), torch.bool))),
+    "any.dim": (lambda x, n: torch.any(x, 1),
+                lambda x, n: torch.ops.aten.any.out(x, 1, out=_empty((x.shape[0],), torch.bool))),
+    "isneginf": (lambda x, n: torch.isneginf(x),
+                 lambda x, n: torch.ops.aten.isneginf.out(x, out=_empty(x.shape, torch.bool))),
+    "cos": (lambda x, n: torch.cos(x), lambda x, n: torch.ops.aten.cos.out(x, out=_empty(x.shape, x.dtype))),
+    "sin": (lambda x, n: torch.sin(x), lambda x, n: torch.ops.aten.sin.out(x, out=_empty(x.shape, x.dtype))),
+    "argmax": (lambda x, n: torch.argmax(x, -1),
+               lambda x, n: torch.ops.aten.argmax.out(x, -1, out=_empty((x.shape[0],), torch.int64))),
+    "bitwise_not": (lambda x, n: torch.bitwise_not(n),
+                    lambda x, n: torch.ops.aten.bitwise_not.out(n, out=_empty(n.shape, n.dtype))),
+    "eq.Scalar": (lambda x, n: torch.eq(n, 2),
+                  lambda x, n: torch.ops.aten.eq.Scalar_out(n, 2, out=_empty(n.shape, torch.bool))),
+}
+
+
+def _empty(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="neuron")
+
+
+@pytest.mark.parametrize("name", sorted(_DIRECT_CASES))
+def test_generate_s_frequent_functional_ops_are_claimed_with_the_composite_s_rows_and_cpu_s_values(name):
+    """isin, all, any, isneginf, cos, sin, argmax, bitwise_not and eq.Scalar are one device
+    dispatch each (they came as their composite's empty + op.out), with the same report rows and
+    cycles as that explicit round trip, and CPU's values, dtypes and strides: float32, bfloat16 and
+    int inputs, transposed, channels-last and empty ones."""
+    functional, round_trip = _DIRECT_CASES[name]
+    x, n = torch.randn(8, 6).to("neuron"), torch.randint(0, 4, (8, 6)).to("neuron")
+
+    def rows(fn):
+        fn()
+        torch.neuron.synchronize()
+        with torch.neuron.report_scope() as scope:
+            fn()
+            torch.neuron.synchronize()
+        return _figures(scope.report)
+
+    assert rows(lambda: functional(x, n)) == rows(lambda: round_trip(x, n))
+    assert served(lambda: functional(x, n)) == 1
+
+    def empties(*args):
+        with torch.profiler.profile() as prof:
+            functional(*args)
+        return [e.name for e in prof.events()].count("aten::empty")
+
+    assert empties(x, n) == empties(x.cpu(), n.cpu())  # CPU's own kernel's, not the composite's empty + op.out
+    g = torch.Generator().manual_seed(5)
+    floats = torch.randn(2, 3, 4, 5, generator=g)
+    floats[0, 1, 2] = float("-inf")
+    ints = torch.randint(-3, 4, (2, 3, 4, 5), generator=g)
+    for x, n in [(floats, ints), (floats.bfloat16(), ints.to(torch.int16)),
+                 (floats.transpose(1, 3), ints.transpose(1, 3)),
+                 (floats.contiguous(memory_format=torch.channels_last), ints.contiguous(memory_format=torch.channels_last)),
+                 (floats[:, :0], ints[:, :0])]:
+        if name == "argmax" and x.shape[-1] == 0:
+            continue
+        want = functional(x, n)
+        got = functional(x.to("neuron"), n.to("neuron"))
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)  # cos(-inf) is nan
+
+
+def test_claimed_functional_ops_raise_cpu_s_errors():
+    """Claimed, argmax of an empty tensor, bitwise_not of a float, all over a dim out of range and cos into
+    an int out= raise CPU's error type with CPU's message (a kernel CPU lacks is also named as the
+    device's)."""
+    cases = [(lambda d: torch.argmax(torch.empty(0, device=d)), IndexError, "numel"),
+             (lambda d: torch.bitwise_not(torch.ones(3, device=d)), RuntimeError, "not implemented for 'Float'"),
+             (lambda d: torch.all(torch.ones(3, 2, device=d), 2), IndexError, "Dimension out of range"),
+             (lambda d: torch.cos(torch.ones(3, device=d), out=torch.empty(3, dtype=torch.int64, device=d)),
+              RuntimeError, "result type")]
+    for fn, exc, part in cases:
+        with pytest.raises(exc, match=part) as want:
+            fn("cpu")
+        with pytest.raises(exc) as got:
+            fn("neuron")
+        assert type(got.value) is type(want.value) and str(want.value) in str(got.value)  # ours names the device
+
+
 def test_a_composite_out_that_does_not_fit_is_the_python_path_s_out_of_memory():
     torch.arange(100, device="neuron")
     torch.arange(100, device="neuron")  # costed and served: the next one would be too
