@@ -67,8 +67,14 @@ HOST_SCALAR_OPS = ("clamp.Tensor", "clamp_.Tensor", "clamp.Tensor_out", "clamp_m
 # CPU's kernel makes: all/any over several dims reduce one dim at a time into bool temporaries and
 # copy into the out, so a float out= CPU refuses ("all only supports bool tensor for result, got:
 # Float") was filled with 1.0/0.0 (found by difftest: all 13945163706620). Claimed, they take
-# CPU's kernel on the host views: its checks, its messages, its values.
-CPU_CHECKED_OPS = ("all.dims", "all.dims_out", "any.dims", "any.dims_out")
+# CPU's kernel on the host views: its checks, its messages, its values. A scan for the rest of the
+# kind (a CPU kernel and a CompositeExplicitAutograd one) found three more, each off CPU: addr's
+# composite (outer, mul, add) rounded otherwise than CPU's one expression (bfloat16 up to 0.016)
+# and took a float beta for integer tensors CPU refuses; linalg._powsum's (abs, pow, sum) summed
+# otherwise (bfloat16 up to 1.0); _stack's (cat of unsqueezed) took unequal sizes CPU refuses and
+# wrote an out= of another size. tests/torch/test_differential.py keeps the list complete.
+CPU_CHECKED_OPS = ("all.dims", "all.dims_out", "any.dims", "any.dims_out", "addr", "addr.out", "linalg__powsum",
+                   "_stack", "_stack.out")
 
 # The functional pointwise ops of two or more tensors that would otherwise reach the device through
 # their CompositeExplicitAutogradNonFunctional kernel (structured: its meta function, then the op's

@@ -938,6 +938,45 @@ def test_all_and_any_over_several_dims_refuse_a_float_out_as_cpu_does():
         assert all(t.dtype == torch.bool for t in got)
 
 
+def test_every_op_with_a_cpu_kernel_and_a_composite_explicit_one_is_claimed():
+    """An op with a CPU kernel and a CompositeExplicitAutograd one runs that composite on any other
+    device unless claimed, and the composite may check, round or lay out otherwise than CPU's
+    kernel (all/any over several dims, addr, linalg._powsum, _stack: registration.CPU_CHECKED_OPS);
+    a new one in a torch release shows here."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    kind = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")
+            and has(n, "CompositeExplicitAutograd") and has(n, "CPU")]
+    assert "aten::addr" in kind and "aten::all.dims" in kind
+    assert [n for n in kind if not has(n, "PrivateUse1")] == []
+
+
+def test_addr_powsum_and_stack_are_cpu_s_kernels():
+    """Found by scanning for that kind: addr's composite (outer, mul, add) rounded otherwise than
+    CPU's kernel and took a float beta for integer tensors; linalg._powsum's (abs, pow, sum)
+    summed otherwise; _stack's (cat of unsqueezed) took unequal sizes and kept an out= of another
+    size. Claimed: CPU's values, dtypes and errors."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        s, a, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((5, 7), (5,), (7,)))
+        want = torch.addr(s, a, b, beta=0.7, alpha=1.3)
+        got = torch.addr(s.to("neuron"), a.to("neuron"), b.to("neuron"), beta=0.7, alpha=1.3)
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want), dtype
+        x = torch.randn(6, 7, generator=g).to(dtype)
+        for ord_, kw in ((2, dict(dim=1)), (3, {}), (-1, dict(dim=1)), (1, dict(dtype=torch.float32))):
+            want = torch.linalg._powsum(x, ord_, **kw)
+            got = torch.linalg._powsum(x.to("neuron"), ord_, **kw)
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want), (dtype, ord_, kw)
+    for device in ("cpu", "neuron"):
+        ints = torch.ones(3, 3, dtype=torch.int64, device=device)
+        with pytest.raises(RuntimeError, match="argument beta must not be a floating point number"):
+            torch.addr(ints, ints[0], ints[0], beta=0.5)
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            torch._stack([torch.ones(4, 2, 3, device=device), torch.ones(0, device=device)])
+        out = torch.empty(2, 3, device=device)
+        torch._stack([torch.ones(2, 3, device=device)], -1, out=out)
+        assert out.shape == (2, 3, 1)
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s
