@@ -409,6 +409,25 @@ def test_integer_indexing_runs_and_costs_what_eager_charges():
     assert scope.report.device_us == pytest.approx(eager.device_us, rel=1e-12)
 
 
+def test_repeat_runs_and_costs_what_eager_charges():
+    """Found by difftest (repeat 24210140990398): torch 2.13's repeat builds its permutation on the
+    host (arange, stack) and reads it; timing-only made that temporary without values and every
+    repeat failed ("its data is not allocated yet"). A composite's own host temporaries have values
+    now; repeat and tile give eager's shapes, strides and charges."""
+    def step(x):
+        return x.repeat(2, 1), x.repeat(1, 2, 2), torch.tile(x, (3,)), x.unsqueeze(0).repeat(2, 1, 1)
+
+    x = torch.randn(2, 3, device="neuron")
+    want = [(t.shape, t.stride()) for t in step(x)]
+    eager, timed = _same_run(lambda: step(x), lambda: step(torch.empty(2, 3, device="neuron")))
+    with torch.neuron.timing_only():
+        got = [(t.shape, t.stride()) for t in step(torch.empty(2, 3, device="neuron"))]
+        assert torch.arange(3).dtype == torch.long  # a host tensor of the user's still has no values
+        with pytest.raises(TimingOnlyError):
+            torch.arange(3).tolist()
+    assert got == want and _rows(timed) == _rows(eager) and _rows(eager)
+
+
 def _same_run(program_eager, program_timed):
     """(eager report, timing-only report) of two runs of one program."""
     torch.neuron.synchronize()

@@ -310,6 +310,7 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         self.run = run
         self.costs: dict[tuple[Any, ...], OpCost] = {}
         self._layouts: dict[tuple[Any, ...], Any] = {}  # composite signature -> the functional layout, or None
+        self._composites = 0  # how many composite kernels are running (nested)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -322,6 +323,11 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         neuron = [t for t in tensors if t.device.type == _NEURON]
         dev = _device_kwarg(kwargs)
         if not neuron and not (dev is not None and dev.type == _NEURON):
+            if self._composites and not any(isinstance(t, _torch.FakeTensor) for t in tensors):
+                # a composite's own host temporary (torch 2.13's repeat builds its permutation with
+                # arange and stack and reads it): made with values, as eager makes it; nothing charged
+                with _torch.disable_current_modes():
+                    return func(*args, **kwargs)
             return self._call(func, facts, args, kwargs)  # a CPU (or meta) op: no device, no charge
         if facts.data_dependent and not (facts.name in _MASKED_ONLY and not _has_mask(args, kwargs)):
             raise _data_error(facts.name)
@@ -463,8 +469,12 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
 
     def _composite(self, func: Any, facts: _Facts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         args = _unwrap_numbers(facts, args)
-        with self:  # the composite's inner ops come back through this mode
-            out = _torch.run_composite(func, facts.composite, *args, **kwargs)
+        self._composites += 1
+        try:
+            with self:  # the composite's inner ops come back through this mode
+                out = _torch.run_composite(func, facts.composite, *args, **kwargs)
+        finally:
+            self._composites -= 1
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):
             if isinstance(out, torch.Tensor) and not facts.out_names and not facts.is_view and out.is_contiguous():
                 self._functional_layout(func, args, kwargs, out)
