@@ -977,6 +977,23 @@ def test_addr_powsum_and_stack_are_cpu_s_kernels():
         assert out.shape == (2, 3, 1)
 
 
+def test_median_over_a_repeated_dim_is_the_median_on_every_call():
+    """Found by difftest (nanmedian 36194534138583): CPU's median.dim / nanmedian.dim read outside
+    an input that repeats elements along the reduced dim (an expanded tensor, stride 0), and the
+    device ran that kernel on its memory: other values on each call. The device gives the median
+    of the same values laid out densely, on every call, eagerly, into out= and compiled."""
+    base = torch.tensor([[1.0], [2.0], [float("nan")]])
+    for op in (torch.median, torch.nanmedian):
+        want = op(base.expand(3, 4).contiguous(), 1)
+        x = base.to("neuron").expand(3, 4)
+        compiled = torch.compile(lambda t, op=op: op(t, 1), backend="neuron", fullgraph=True)
+        values, indices = torch.empty(3, device="neuron"), torch.empty(3, dtype=torch.long, device="neuron")
+        got = [tuple(op(x, 1)) for _ in range(3)] + [tuple(compiled(x)), op(x, 1, out=(values, indices))]
+        for v, i in got:
+            torch.testing.assert_close(v.cpu(), want.values, rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(i.cpu(), want.indices)
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s
