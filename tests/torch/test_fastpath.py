@@ -230,6 +230,16 @@ def test_composite_out_ops_and_tensor_lists_are_served_as_the_python_path():
     assert served(lambda: x[x > 0]) == 3  # gt, the mask's nonzero, index
 
 
+def _second_call_figures(fn):
+    """The report figures of ``fn()``'s second call (the first costs its signatures)."""
+    fn()
+    torch.neuron.synchronize()
+    with torch.neuron.report_scope() as scope:
+        fn()
+        torch.neuron.synchronize()
+    return _figures(scope.report)
+
+
 def test_cat_is_claimed_directly_with_the_composite_s_rows_and_cpu_s_values():
     """torch.cat is one device dispatch (it came as its composite's empty + cat.out, ~3x CPU's time
     for a KV cache's cat) with the same report rows and cycles as that explicit empty + cat.out,
@@ -237,16 +247,8 @@ def test_cat_is_claimed_directly_with_the_composite_s_rows_and_cpu_s_values():
     and mixed layouts, transposed operands."""
     ts = [torch.randn(4, 3, 5).to("neuron"), torch.randn(4, 2, 5).to("neuron")]
 
-    def rows(fn):
-        fn()
-        torch.neuron.synchronize()
-        with torch.neuron.report_scope() as scope:
-            fn()
-            torch.neuron.synchronize()
-        return _figures(scope.report)
-
-    composite = rows(lambda: torch.ops.aten.cat.out(ts, 1, out=torch.empty(4, 5, 5, device="neuron")))
-    assert rows(lambda: torch.cat(ts, 1)) == composite
+    composite = _second_call_figures(lambda: torch.ops.aten.cat.out(ts, 1, out=torch.empty(4, 5, 5, device="neuron")))
+    assert _second_call_figures(lambda: torch.cat(ts, 1)) == composite
     assert served(lambda: torch.cat(ts, 1)) == 1
     with torch.profiler.profile() as prof:
         torch.cat(ts, 1)
@@ -312,15 +314,7 @@ def test_generate_s_frequent_functional_ops_are_claimed_with_the_composite_s_row
     functional, round_trip = _DIRECT_CASES[name]
     x, n = torch.randn(8, 6).to("neuron"), torch.randint(0, 4, (8, 6)).to("neuron")
 
-    def rows(fn):
-        fn()
-        torch.neuron.synchronize()
-        with torch.neuron.report_scope() as scope:
-            fn()
-            torch.neuron.synchronize()
-        return _figures(scope.report)
-
-    assert rows(lambda: functional(x, n)) == rows(lambda: round_trip(x, n))
+    assert _second_call_figures(lambda: functional(x, n)) == _second_call_figures(lambda: round_trip(x, n))
     assert served(lambda: functional(x, n)) == 1
 
     def empties(*args):
@@ -333,9 +327,10 @@ def test_generate_s_frequent_functional_ops_are_claimed_with_the_composite_s_row
     floats = torch.randn(2, 3, 4, 5, generator=g)
     floats[0, 1, 2] = float("-inf")
     ints = torch.randint(-3, 4, (2, 3, 4, 5), generator=g)
+    cl = torch.channels_last
     for x, n in [(floats, ints), (floats.bfloat16(), ints.to(torch.int16)),
                  (floats.transpose(1, 3), ints.transpose(1, 3)),
-                 (floats.contiguous(memory_format=torch.channels_last), ints.contiguous(memory_format=torch.channels_last)),
+                 (floats.contiguous(memory_format=cl), ints.contiguous(memory_format=cl)),
                  (floats[:, :0], ints[:, :0])]:
         if name == "argmax" and x.shape[-1] == 0:
             continue
