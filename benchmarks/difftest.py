@@ -1820,6 +1820,7 @@ class Stats:
     cpu_crashes_undilated: int = 0  # of which the same convolution undilated is CPU's reference (_undilated)
     overlap_refused: int = 0  # out= over part of an input, which CPU ran and the device refuses (OVERLAP_ERROR)
     child_hangs: int = 0  # children (CRASHY samples) killed after their timeout: no verdict, left out
+    cpu_reads_outside: int = 0  # samples CPU's kernel reads past an input or leaves output unwritten on
 
 
 # Ops whose CPU kernel crashes the process for some reduced-precision arguments (a torch bug: an
@@ -1929,9 +1930,25 @@ def _dense_reference(s: Sample) -> Sample | None:
     return dataclasses.replace(s, args=[x.contiguous(), *s.args[1:]])
 
 
+def _reads_outside(s: Sample) -> bool:
+    """True for a sample whose CPU kernel reads past an input's memory or leaves part of its
+    output unwritten, so its values are no reference and the device must refuse it
+    (torch_bridge.eager.values._weight_norm_g): a ``_weight_norm_interface`` given a ``g`` of
+    other than ``v.size(dim)`` elements, or a ``v`` or ``g`` that is not contiguous (read as if it
+    were)."""
+    if s.packet != "_weight_norm_interface" or len(s.args) < 2:
+        return False
+    v, g = (a.t if isinstance(a, _Host) else a for a in s.args[:2])
+    dim = s.args[2] if len(s.args) > 2 else s.kwargs.get("dim", 0)
+    return (isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) and isinstance(dim, int) and v.dim() > 0
+            and dim in (0, v.dim() - 1) and v.shape[dim] > 0  # (empty there: CPU's kernel crashes, _may_crash)
+            and (g.numel() != v.shape[dim] or not v.is_contiguous() or not g.is_contiguous()))
+
+
 def _may_crash(s: Sample) -> bool:
     return (s.packet in CRASHY and any(t in s.tags for t in ("float16", "bfloat16"))) or \
-        (s.packet in CRASHY_INT | HANGY and any(t in s.tags for t in ("int32", "int64")))
+        (s.packet in CRASHY_INT | HANGY and any(t in s.tags for t in ("int32", "int64"))) or \
+        (s.packet == "_weight_norm_interface" and "empty" in s.tags)  # CPU's kernel divides by zero (SIGFPE)
 
 
 def _set_fast(on: bool) -> None:
@@ -1995,7 +2012,7 @@ class Tester:
         outs = _out_args(s.op)
         if outs:
             fn = functional_of(s.op)
-            probe = run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None else None
+            probe = run_on(dataclasses.replace(s, op=fn), "cpu") if fn is not None and not _may_crash(s) else None
             specs = out_specs(s, probe.result if probe is not None and probe.error is None else None,
                               random.Random(s.seed))
         hangy = s.packet in HANGY
@@ -2013,6 +2030,18 @@ class Tester:
             if u is not None and _in_child(lambda: run_on(u, "cpu", specs)) == "returned":
                 ref, crashes = u, False
                 self.stats.cpu_crashes_undilated += 1
+        if _reads_outside(s):  # no reference (CPU's values are reads past an input): the device must refuse it
+            st.samples += 1
+            st.cpu_errors += 1
+            st.cpu_reads_outside += 1
+            for label, fast in (("fast-path (first call)", True), ("python-path", False)):
+                _set_fast(fast)
+                got = run_on(s, DEVICE, specs)
+                if got.error is None or not str(got.error).startswith("neuron:"):
+                    self.report(Mismatch(s, label, "CPU's kernel reads past an input or leaves output unwritten on "
+                                                   "this sample; the device did not refuse it"))
+                    break
+            return
         cpu = Run(error=RuntimeError("CPU's kernel crashes")) if crashes else run_on(ref, "cpu", specs)
         if ref is not s and not crashes and cpu.storages:  # the dense reference's input: the sample's own
             cpu.storages[0] = torch.empty(0, dtype=torch.uint8).set_(s.args[0].untyped_storage()).clone()
@@ -2465,6 +2494,7 @@ def run_fresh(ops: Sequence[str], argv: Sequence[str]) -> Stats:
             st.cpu_crashes += got.get("cpu_crashes", 0)
             st.child_hangs += got.get("child_hangs", 0)
             st.cpu_crashes_undilated += got.get("cpu_crashes_undilated", 0)
+            st.cpu_reads_outside += got.get("cpu_reads_outside", 0)
             st.overlap_refused += got.get("overlap_refused", 0)
             st.torch_compile_differs += got["torch_compile_differs"]
             for k, v in got["by_dtype"].items():
@@ -2568,6 +2598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(stats.mismatches)} mismatches; {dt:.0f} s ({time.process_time():.0f} s of CPU)")
     if stats.child_hangs:
         print(f"  {stats.child_hangs} child runs of crash-prone samples hung and were killed (left out)")
+    if stats.cpu_reads_outside:
+        print(f"  {stats.cpu_reads_outside} samples CPU's kernel computes by reading past an input or leaving "
+              f"output unwritten, which the device refuses")
     if stats.cpu_crashes_undilated:
         print(f"  {stats.cpu_crashes_undilated} samples crash CPU's kernel only dilated over a size-1 kernel "
               f"dimension: compared with the same convolution undilated")
@@ -2595,6 +2628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "cpu_seconds": time.process_time(), "torch_compile_differs": stats.torch_compile_differs,
                        "fast_hits": stats.fast_hits, "cpu_crashes": stats.cpu_crashes,
                        "child_hangs": stats.child_hangs, "cpu_crashes_undilated": stats.cpu_crashes_undilated,
+                       "cpu_reads_outside": stats.cpu_reads_outside,
                        "overlap_refused": stats.overlap_refused,
                        "compiled": stats.compiled, "compiled_dynamic": stats.compiled_dynamic, "seconds": dt, "by_op": stats.by_op, "by_dtype": stats.by_dtype,
                        "mismatches": [m.line() for m in stats.mismatches]}, f, indent=1)

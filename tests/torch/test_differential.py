@@ -994,6 +994,33 @@ def test_median_over_a_repeated_dim_is_the_median_on_every_call():
             assert torch.equal(i.cpu(), want.indices)
 
 
+def test_weight_norm_interface_refuses_what_cpu_s_kernel_reads_wrong():
+    """Found by difftest (_weight_norm_interface 141929214407897, 79453927807880, 70024408592883):
+    CPU's kernel reads v.size(dim) elements of g and writes as many norms, unchecked, and reads v
+    and g as contiguous; run on the device's memory it gave other values on each call. Such calls,
+    and a v empty along dim (CPU's kernel divides by zero: SIGFPE), are refused in one line; a
+    well-formed call, and torch.nn.utils' weight norm (which calls it), give CPU's values."""
+    g = torch.Generator().manual_seed(4)
+    v, gain = torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+    for dim, gg in ((0, gain), (1, torch.randn(1, 4, generator=g))):
+        want = torch._weight_norm_interface(v, gg, dim)
+        got = torch._weight_norm_interface(v.to("neuron"), gg.to("neuron"), dim)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    dv, dg = v.to("neuron"), gain.to("neuron")
+    bad = [(dv, torch.tensor(2.0, device="neuron"), 0, "needs g with v.size\\(0\\) = 3 elements and got 1"),
+           (dv, torch.randn(2, 3, device="neuron"), 1, "needs g with v.size\\(1\\) = 4 elements and got 6"),
+           (dv.t().contiguous().t(), dg, 0, "takes contiguous v and g"),
+           (dv, torch.randn(6, 1, device="neuron")[::2], 0, "takes contiguous v and g"),
+           (torch.randn(0, 4, device="neuron"), torch.randn(0, 1, device="neuron"), 0,
+            "of a v \\(0, 4\\) empty along dim 0: CPU's kernel divides by zero")]
+    for vv, gg, dim, msg in bad:
+        with pytest.raises(RuntimeError, match="^neuron: aten::_weight_norm_interface " + msg):
+            torch._weight_norm_interface(vv, gg, dim)
+    normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3))  # (its fused path: this op)
+    want = normed.weight.detach().clone()
+    assert torch.equal(normed.to("neuron").weight.detach().cpu(), want)
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s

@@ -426,16 +426,48 @@ def _dense_input(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
         cargs[0] = cargs[0].contiguous()
 
 
-# ops whose CPU kernel gives wrong values for some input layouts -> what gives it one it computes
-# right (in place on the host arguments); the native fast path leaves them to this path
-_DENSE_INPUT = {"median": _dense_input, "nanmedian": _dense_input}
+def _weight_norm_g(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_weight_norm_interface: CPU's kernel reads ``v.size(dim)`` elements of ``g`` and writes as
+    many norms into an output shaped as ``g``, without checking that g has that many: with fewer
+    it reads past g's memory, with more the rest of the norms output is left unwritten (found by
+    difftest: _weight_norm_interface 141929214407897, a 0-dim g; 79453927807880, g of 6 for 3).
+    Either way some values are undefined: refused in one line. So are a v empty along dim, where
+    CPU's kernel divides by zero and kills the process (SIGFPE), and a v or g that is not
+    contiguous, which CPU's kernel reads as if it were (other values than the same tensors made
+    contiguous)."""
+    v = cargs[0] if cargs else ckwargs.get("v")
+    g = cargs[1] if len(cargs) > 1 else ckwargs.get("g")
+    dim = cargs[2] if len(cargs) > 2 else ckwargs.get("dim", 0)
+    if not (isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) and isinstance(dim, int) and v.dim()):
+        return
+    if dim not in (0, v.dim() - 1):
+        return  # CPU's own assertion refuses it
+    need = v.shape[dim]
+    if need == 0:
+        raise RuntimeError(f"neuron: aten::_weight_norm_interface of a v {tuple(v.shape)} empty along dim {dim}: "
+                           f"CPU's kernel divides by zero there and kills the process; weight-normalize a non-empty "
+                           f"weight")
+    if not (v.is_contiguous() and g.is_contiguous()):
+        raise RuntimeError("neuron: aten::_weight_norm_interface takes contiguous v and g (CPU's kernel reads them as "
+                           "contiguous and gives other values for these strides); pass v.contiguous() and "
+                           "g.contiguous(), or call torch._weight_norm")
+    if g.numel() != need:
+        raise RuntimeError(f"neuron: aten::_weight_norm_interface needs g with v.size({dim}) = {need} elements "
+                           f"and got {g.numel()} (CPU's kernel would read past g or leave norms unwritten: "
+                           f"undefined values); give g v.size({dim}) elements, as torch.nn.utils.weight_norm does")
+
+
+# ops whose CPU kernel reads outside its inputs (or leaves outputs unwritten) for some arguments ->
+# what gives it arguments it computes right (in place on the host arguments) or refuses the call
+# in one line; the native fast path leaves them to this path
+_HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g}
 
 
 def screened_overloads() -> list[str]:
     """Every overload of :data:`_REFUSED_ARGS`' ops whose arguments :func:`_run` screens, and of
-    :data:`_DENSE_INPUT`'s, as "name.overload" (the default one "name."): the native fast path
+    :data:`_HOST_SCREENS`', as "name.overload" (the default one "name."): the native fast path
     leaves these to this path."""
-    out = [f"{name}.{overload if overload != 'default' else ''}" for name in _DENSE_INPUT
+    out = [f"{name}.{overload if overload != 'default' else ''}" for name in _HOST_SCREENS
            for overload in getattr(torch.ops.aten, name).overloads()]
     for name in _REFUSED_ARGS:
         packet = getattr(torch.ops.aten, name)
@@ -467,9 +499,9 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     ckwargs = {k: conv(v) for k, v in kwargs.items()}
     if conv.other is not None and conv.device is not None and info.name not in MIXED_DEVICE_OPS:
         raise_devices(conv.device, conv.other)
-    dense = _DENSE_INPUT.get(info.name)
-    if dense is not None:
-        dense(cargs, ckwargs)
+    screen = _HOST_SCREENS.get(info.name)
+    if screen is not None:
+        screen(cargs, ckwargs)
     if info.out_names:
         refuse_overlapping_out([kwargs.get(n) for n in info.out_names],
                                (args, [v for k, v in kwargs.items() if k not in info.out_names]))
