@@ -285,6 +285,33 @@ def served_ops() -> dict[str, str]:
     return {name: "+".join(sorted(how)) for name, how in sorted(found.items()) if name in aten}
 
 
+# packet prefixes of other backends' kernels, test-only ops and layouts the device does not hold,
+# which --wide leaves out (the device refuses them in one line, or they are plumbing)
+_NOT_WIDE = ("cudnn", "_cudnn", "miopen", "mkldnn", "_mkldnn", "mps", "_mps", "_nested", "_test", "_foreach",
+             "quantize", "q_", "_sparse", "sparse", "_fake_quant", "fake_quant", "_triton", "_nnpack", "to_mkldnn",
+             "_weight_int", "_dyn_quant", "_convert_weight", "_make_per", "_empty_affine", "_empty_per",
+             "_fused_moving", "_print", "_assert", "_functional_", "_pin_memory", "is_pinned", "from_file",
+             "_lazy_clone", "_lstm_mps", "lstm_mps", "_local_scalar_dense", "_copy_from", "_to_dense",
+             "_to_sparse", "to_padded_tensor", "_jagged", "_padded_dense", "_cudnn", "sym_constrain",
+             "_make_dep_token", "_efficientzerotensor", "_has_same_storage", "resize", "set", "_resize_output",
+             "_convert_indices", "_ctc_loss", "_convolution")
+
+
+def wide_ops() -> list[str]:
+    """:func:`served_ops` and every other aten op packet with a CPU or CompositeExplicitAutograd
+    kernel (the boxed fallback serves those on the device too), bar :data:`_NOT_WIDE`'s: what
+    ``--wide`` samples. A scan of the ops the default list leaves to the fallback found the
+    median, repeat and _weight_norm_interface bugs."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    ops = set(served_ops())
+    for q in torch._C._dispatch_get_all_op_names():
+        if q.startswith("aten::") and (has(q, "CPU") or has(q, "CompositeExplicitAutograd")):
+            packet = q[len("aten::"):].split(".")[0]
+            if not packet.startswith(_NOT_WIDE):
+                ops.add(packet)
+    return sorted(ops)
+
+
 # Ops the fallback serves that write buffers their schema does not annotate (native_batch_norm's
 # running statistics in training): the fast path must leave them to Python, and their first call
 # in a fresh process must move the buffers once (the BatchNorm double update, 2e3c152).
@@ -1935,7 +1962,12 @@ def _reads_outside(s: Sample) -> bool:
     output unwritten, so its values are no reference and the device must refuse it
     (torch_bridge.eager.values._weight_norm_g): a ``_weight_norm_interface`` given a ``g`` of
     other than ``v.size(dim)`` elements, or a ``v`` or ``g`` that is not contiguous (read as if it
-    were)."""
+    were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
+    ``input.size(0)`` columns of input's dtype."""
+    if s.packet == "_compute_linear_combination" and len(s.args) >= 2:  # (values._linear_combination)
+        x, c = (a.t if isinstance(a, _Host) else a for a in s.args[:2])
+        return (isinstance(x, torch.Tensor) and isinstance(c, torch.Tensor) and x.dim() > 0
+                and (c.dim() != 2 or c.shape[1] > x.shape[0] or c.dtype != x.dtype))
     if s.packet != "_weight_norm_interface" or len(s.args) < 2:
         return False
     v, g = (a.t if isinstance(a, _Host) else a for a in s.args[:2])
@@ -2528,6 +2560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=whole(1), default=20, help="samples per op")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--ops", default="", help="comma-separated op packets (default: every op the bridge serves)")
+    p.add_argument("--wide", action="store_true",
+                   help="also every other aten op with a CPU kernel, which reaches the device through its fallback")
     p.add_argument("--dtypes", default=",".join(str(d)[6:] for d in DTYPES))
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-every", type=whole(0), default=1, help="compile every k-th valid sample (0: none)")
@@ -2583,7 +2617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"arguments, {len(served)} of them served by the fast path"
               + (f"; CPU's kernel crashed on samples of {', '.join(crashed)}" if crashed else ""))
         return 1 if served else 0
-    ops = [o for o in ns.ops.split(",") if o] or list(served_ops())
+    ops = [o for o in ns.ops.split(",") if o] or (wide_ops() if ns.wide else list(served_ops()))
     t0 = time.perf_counter()
     if ns.fresh:
         stats = run_fresh(ops, argv if argv is not None else sys.argv[1:])

@@ -1021,6 +1021,38 @@ def test_weight_norm_interface_refuses_what_cpu_s_kernel_reads_wrong():
     assert torch.equal(normed.to("neuron").weight.detach().cpu(), want)
 
 
+def test_batch_norm_without_update_runs_as_cpu_runs_it():
+    """Found by difftest --wide: _batch_norm_no_update's composite kernel (an exported model's eval
+    BatchNorm) calls CPU's batch_norm_cpu itself, so on neuron every call raised "Expected tensor
+    to have CPU Backend". Claimed: CPU's values and errors."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b, rm = (torch.randn(*shape, generator=g) for shape in ((2, 3, 4), (3,), (3,), (3,)))
+    rv = torch.rand(3, generator=g) + 0.5
+    want = torch.ops.aten._batch_norm_no_update(x, w, b, rm, rv, 0.1, 1e-5)
+    got = torch.ops.aten._batch_norm_no_update(*(t.to("neuron") for t in (x, w, b, rm, rv)), 0.1, 1e-5)
+    assert all(a.shape == c.shape and torch.equal(a.cpu(), c) for a, c in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="running_mean and running_var must either both be None"):
+        torch.ops.aten._batch_norm_no_update(x.to("neuron"), None, None, rm.to("neuron"), None, 0.1, 1e-5)
+
+
+def test_linear_combination_refuses_what_cpu_s_kernel_reads_past():
+    """Found by difftest --wide: _compute_linear_combination (matrix_exp's) reads
+    coefficients.size(1) matrices of input and reads coefficients as a matrix of input's dtype,
+    unchecked, so more columns than matrices, another rank or another dtype read past memory (other
+    values on each call). Refused in one line; well-formed calls, strided ones included, and
+    linalg.matrix_exp give CPU's values."""
+    f = torch.ops.aten._compute_linear_combination
+    g = torch.Generator().manual_seed(7)
+    x, c = torch.randn(3, 5, 4, generator=g).transpose(1, 2), torch.randn(3, 2, generator=g).t()
+    assert torch.equal(f(x.to("neuron"), c.to("neuron")).cpu(), f(x, c))
+    m = torch.randn(2, 4, 4, generator=g) * 0.3
+    assert torch.equal(torch.linalg.matrix_exp(m.to("neuron")).cpu(), torch.linalg.matrix_exp(m))
+    dx = x.to("neuron")
+    for coefficients in (torch.randn(2, 4), torch.randn(2, 3, 1), torch.ones(2, 3, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match="^neuron: aten::_compute_linear_combination needs 2-d coefficients"):
+            f(dx, coefficients.to("neuron"))
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s

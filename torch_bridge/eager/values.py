@@ -457,10 +457,27 @@ def _weight_norm_g(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
                            f"undefined values); give g v.size({dim}) elements, as torch.nn.utils.weight_norm does")
 
 
+def _linear_combination(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_compute_linear_combination (matrix_exp's): CPU's kernel sums ``coefficients.size(1)``
+    matrices of ``input`` per output row and reads coefficients as a matrix of input's dtype,
+    unchecked: with more columns than input has matrices, coefficients of another rank or of
+    another dtype (bool read as float16), it reads past its inputs' memory (found by difftest
+    --wide: 7689060658771, 198780606277640). Refused in one line."""
+    x = cargs[0] if cargs else ckwargs.get("input")
+    c = cargs[1] if len(cargs) > 1 else ckwargs.get("coefficients")
+    if not (isinstance(x, torch.Tensor) and isinstance(c, torch.Tensor) and x.dim()):
+        return
+    if c.dim() != 2 or c.shape[1] > x.shape[0] or c.dtype != x.dtype:
+        raise RuntimeError(f"neuron: aten::_compute_linear_combination needs 2-d coefficients of input's dtype "
+                           f"({x.dtype}) and at most input.size(0) = {x.shape[0]} columns, and got {tuple(c.shape)} "
+                           f"{c.dtype} (CPU's kernel would read past its inputs' memory: undefined values)")
+
+
 # ops whose CPU kernel reads outside its inputs (or leaves outputs unwritten) for some arguments ->
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
-_HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g}
+_HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
+                 "_compute_linear_combination": _linear_combination}
 
 
 def screened_overloads() -> list[str]:
