@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -1051,6 +1052,32 @@ def test_linear_combination_refuses_what_cpu_s_kernel_reads_past():
     for coefficients in (torch.randn(2, 4), torch.randn(2, 3, 1), torch.ones(2, 3, dtype=torch.bool)):
         with pytest.raises(RuntimeError, match="^neuron: aten::_compute_linear_combination needs 2-d coefficients"):
             f(dx, coefficients.to("neuron"))
+
+
+_KAISER = r"""
+import torch, torch_bridge
+w = torch.kaiser_window(6, True, 3.0, device="neuron")  # the process's first use of the device
+assert w.device.type == "neuron" and torch.equal(w.cpu(), torch.kaiser_window(6, True, 3.0))
+print("ok")
+"""
+
+
+def test_kaiser_window_is_made_on_the_device_as_cpu_makes_it():
+    """Found by difftest --wide: kaiser_window's composite calls a kernel stub the device has no
+    entry for, so torch.kaiser_window(..., device="neuron") failed an INTERNAL ASSERT. Claimed: CPU's
+    values, dtypes and errors, also as a process's first call on the device."""
+    for args in ((5,), (5, False, 2.0), (0,), (1,)):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            want = torch.kaiser_window(*args, dtype=dtype)
+            got = torch.kaiser_window(*args, dtype=dtype, device="neuron")
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want), (args, dtype)
+    out = torch.empty(2, device="neuron")
+    torch.ops.aten.kaiser_window.beta_out(4, True, 1.0, out=out)
+    assert torch.equal(out.cpu(), torch.kaiser_window(4, True, 1.0))
+    with pytest.raises(RuntimeError, match="kaiser_window expects floating point dtypes"):
+        torch.kaiser_window(5, dtype=torch.int64, device="neuron")
+    run = subprocess.run([sys.executable, "-c", _KAISER], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():

@@ -511,6 +511,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return None
         return op.redispatch(_CPU_KEYS, *args, **kwargs)
     index = _device_of(args, kwargs)
+    runtime()  # (a factory, kaiser_window(device="neuron"), may be the process's first use: its memory is set up here)
     conv = _ToCpu()
     cargs = [conv(a) for a in args]
     ckwargs = {k: conv(v) for k, v in kwargs.items()}
