@@ -428,6 +428,27 @@ def test_repeat_runs_and_costs_what_eager_charges():
     assert got == want and _rows(timed) == _rows(eager) and _rows(eager)
 
 
+def test_in_place_view_ops_apply_once_on_a_signature_s_first_call():
+    """Found by difftest --wide (rot90 244818402208278): timing-only ran an in-place composite a
+    second time to learn its functional layout, on the same tensor, so a signature's first
+    unsqueeze_ or transpose_ applied twice (rot90 over dims [-3, -2] kept its input's shape).
+    Shapes and strides now equal eager's on every call."""
+    def step(x):
+        a, b, c, d = torch.neg(x), torch.neg(x), torch.neg(x), torch.neg(x)
+        a.unsqueeze_(0)
+        b.transpose_(0, 1)
+        c.swapdims_(0, 2)
+        d.squeeze_(2)
+        return [a, b, c, d, torch.rot90(x, 1, [-3, -2]), torch.rot90(x, 3, [0, 2])]
+
+    want = [(t.shape, t.stride()) for t in step(torch.randn(1, 3, 1, device="neuron"))]
+    for _ in range(2):  # (each block's first call of a signature, then a second one)
+        with torch.neuron.timing_only():
+            x = torch.empty(1, 3, 1, device="neuron")
+            assert [(t.shape, t.stride()) for t in step(x)] == want
+            assert [(t.shape, t.stride()) for t in step(x)] == want
+
+
 def _same_run(program_eager, program_timed):
     """(eager report, timing-only report) of two runs of one program."""
     torch.neuron.synchronize()

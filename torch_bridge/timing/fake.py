@@ -476,7 +476,10 @@ class _ChargeMode(_torch.TorchDispatchMode):  # type: ignore[misc]
         finally:
             self._composites -= 1
         if all(isinstance(t, _torch.FakeTensor) for t in flat_tensors(out, [])):
-            if isinstance(out, torch.Tensor) and not facts.out_names and not facts.is_view and out.is_contiguous():
+            if isinstance(out, torch.Tensor) and not facts.out_names and not facts.is_view and not facts.written \
+                    and out.is_contiguous():
+                # (an in-place op's result is its input, laid out as it is: running it again for the
+                # layout applied unsqueeze_ or transpose_ twice on a signature's first call)
                 self._functional_layout(func, args, kwargs, out)
             return out
         # a composite that builds its result on the TensorImpl itself (_unsafe_view, ...): eager
