@@ -74,7 +74,13 @@ in Python's path to learn a signature's cost); N samples of every aten op it ser
 run on CPU with every input's bytes compared before and after, and an argument written without
 an annotation is reported (the run fails if the fast path serves that op).
 
-    OMP_NUM_THREADS=1 python benchmarks/difftest.py [--samples N] [--seed S] [--ops a,b]
+**The ops the fallback serves unnamed** (``--wide``): every other aten op with a CPU kernel
+reaches the device through the boxed fallback too (~600 packets: pooling, windows, internal
+helpers such as ``_weight_norm_interface``); ``--wide`` samples them beside the default list, each
+of their CPU samples in a child process first (CPU kernels of internal ops crash on arguments they
+do not check). A device run that crashes still ends the run.
+
+    OMP_NUM_THREADS=1 python benchmarks/difftest.py [--samples N] [--seed S] [--ops a,b | --wide]
         [--dtypes float32,int64] [--no-compile] [--compile-every K] [--json out.json] [--repro op seed]
         [--fresh] [--write-guard N]
 
