@@ -1080,6 +1080,20 @@ def test_kaiser_window_is_made_on_the_device_as_cpu_makes_it():
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
+def test_a_fused_layer_call_of_other_ranks_gets_cpu_s_outcome():
+    """Found by difftest --wide (_transformer_encoder_layer_fwd 141759608960686): a 1-d src, which
+    CPU's kernel takes or refuses itself, made the fused layer's cost lowering fail with our own
+    IndexError (tuple index out of range). Other ranks are charged as the generic kernel now."""
+    from torch_bridge.eager import lowering
+
+    t = dt.Tester(dt.SEED, dt.DTYPES, 0, timing_every=1)
+    t.run_sample(dt.make_sample("_transformer_encoder_layer_fwd", 141759608960686, dt.DTYPES))
+    assert not t.stats.mismatches, [m.line() for m in t.stats.mismatches]
+    one_d = torch.empty(0, device="meta")
+    assert lowering.fused_op_specs("_transformer_encoder_layer_fwd", (one_d, 3, 1), {}, []) is None
+    assert lowering.fused_op_specs("_native_multi_head_attention", (one_d, one_d, one_d, 4, 2), {}, []) is None
+
+
 def test_a_compile_refusal_is_excused_only_where_pytorch_gives_it_for_any_device():
     """Found by difftest's long run (copysign 143426224335169): copysign of a neuron tensor and a
     host 0-dim tensor, compiled with symbolic sizes, fails tracing in ``torch._refs.copysign``'s

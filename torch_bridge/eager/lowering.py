@@ -609,6 +609,8 @@ def fused_op_specs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out
     feed-forward matmuls on TensorE, attention as the library kernel, norms and residual adds on
     their library kernels - what the same layer costs in train mode, not one generic kernel with
     no FLOPs. None for every other op."""
+    if any(isinstance(t, torch.Tensor) and t.dim() not in (2, 3) for t in args[:2]):
+        return None  # not a [B, L, E] (or [L, E]) activation: the generic kernel's charge
     if name == "_native_multi_head_attention":
         q, k = args[0], args[1]
         embed, heads = int(args[3]), int(args[4])
