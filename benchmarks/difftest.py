@@ -1970,6 +1970,12 @@ def _reads_outside(s: Sample) -> bool:
     other than ``v.size(dim)`` elements, or a ``v`` or ``g`` that is not contiguous (read as if it
     were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
     ``input.size(0)`` columns of input's dtype."""
+    if s.packet == "_batch_norm_no_update" and s.args:  # (values._batch_norm_args)
+        x, *rest = (a.t if isinstance(a, _Host) else a for a in list(s.args[:5]) + [None] * (5 - len(s.args[:5])))
+        if not isinstance(x, torch.Tensor) or (rest[2] is None) != (rest[3] is None):
+            return False
+        return rest[2] is None or x.dim() < 2 or any(
+            isinstance(t, torch.Tensor) and (t.numel() != x.shape[1] or not t.is_floating_point()) for t in rest)
     if s.packet == "_compute_linear_combination" and len(s.args) >= 2:  # (values._linear_combination)
         x, c = (a.t if isinstance(a, _Host) else a for a in s.args[:2])
         return (isinstance(x, torch.Tensor) and isinstance(c, torch.Tensor) and x.dim() > 0
@@ -1992,7 +1998,8 @@ _CHILD_FIRST: set[str] = set()
 def _may_crash(s: Sample) -> bool:
     return s.packet in _CHILD_FIRST or (s.packet in CRASHY and any(t in s.tags for t in ("float16", "bfloat16"))) or \
         (s.packet in CRASHY_INT | HANGY and any(t in s.tags for t in ("int32", "int64"))) or \
-        (s.packet == "_weight_norm_interface" and "empty" in s.tags)  # CPU's kernel divides by zero (SIGFPE)
+        (s.packet == "_weight_norm_interface" and "empty" in s.tags) or \
+        s.packet == "_batch_norm_no_update"  # CPU's kernels divide by zero (SIGFPE) / crash without statistics
 
 
 def _set_fast(on: bool) -> None:
@@ -2078,6 +2085,9 @@ class Tester:
             st.samples += 1
             st.cpu_errors += 1
             st.cpu_reads_outside += 1
+            st.by_op.setdefault(s.packet, [0, 0])[0] += 1
+            dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
+            st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
             for label, fast in (("fast-path (first call)", True), ("python-path", False)):
                 _set_fast(fast)
                 got = run_on(s, DEVICE, specs)

@@ -1025,7 +1025,8 @@ def test_weight_norm_interface_refuses_what_cpu_s_kernel_reads_wrong():
 def test_batch_norm_without_update_runs_as_cpu_runs_it():
     """Found by difftest --wide: _batch_norm_no_update's composite kernel (an exported model's eval
     BatchNorm) calls CPU's batch_norm_cpu itself, so on neuron every call raised "Expected tensor
-    to have CPU Backend". Claimed: CPU's values and errors."""
+    to have CPU Backend". Claimed: CPU's values and errors; the calls CPU's kernel crashes on or
+    reads past (it skips batch_norm's checks) are refused in one line."""
     g = torch.Generator().manual_seed(6)
     x, w, b, rm = (torch.randn(*shape, generator=g) for shape in ((2, 3, 4), (3,), (3,), (3,)))
     rv = torch.rand(3, generator=g) + 0.5
@@ -1034,6 +1035,13 @@ def test_batch_norm_without_update_runs_as_cpu_runs_it():
     assert all(a.shape == c.shape and torch.equal(a.cpu(), c) for a, c in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="running_mean and running_var must either both be None"):
         torch.ops.aten._batch_norm_no_update(x.to("neuron"), None, None, rm.to("neuron"), None, 0.1, 1e-5)
+    # what CPU's kernel crashes on (no statistics: SIGSEGV) or reads past (other sizes), refused
+    dx, drm, drv = x.to("neuron"), rm.to("neuron"), rv.to("neuron")
+    for args, msg in (((dx, None, None, None, None), "needs running_mean and running_var"),
+                      ((dx, torch.ones(2, device="neuron"), None, drm, drv), "needs a floating-point weight of"),
+                      ((dx, None, None, drm.long(), drv), "needs a floating-point running_mean of")):
+        with pytest.raises(RuntimeError, match="^neuron: aten::_batch_norm_no_update " + msg):
+            torch.ops.aten._batch_norm_no_update(*args, 0.1, 1e-5)
 
 
 def test_linear_combination_refuses_what_cpu_s_kernel_reads_past():

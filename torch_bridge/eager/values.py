@@ -473,11 +473,37 @@ def _linear_combination(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
                            f"{c.dtype} (CPU's kernel would read past its inputs' memory: undefined values)")
 
 
+_BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var")
+
+
+def _batch_norm_args(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_batch_norm_no_update: its composite calls CPU's batch_norm_cpu without the checks
+    ``batch_norm`` makes first. Without running statistics it dereferences them (SIGSEGV), and
+    a weight, bias or statistic of another size than the input's channels, or not floating point,
+    is read past its memory (found by difftest: 8601). Refused in one line."""
+    x, *rest = (cargs[i] if len(cargs) > i else ckwargs.get(n) for i, n in enumerate(_BN_ARGS))
+    if not isinstance(x, torch.Tensor) or (rest[2] is None) != (rest[3] is None):
+        return  # (CPU's own check refuses one statistic without the other)
+    why = None
+    if rest[2] is None:
+        why = "needs running_mean and running_var (CPU's kernel reads them: it crashes without)"
+    elif x.dim() < 2:
+        why = f"needs an input of at least 2 dims (N, C, ...), got {tuple(x.shape)}"
+    else:
+        for name, t in zip(_BN_ARGS[1:], rest):
+            if isinstance(t, torch.Tensor) and (t.numel() != x.shape[1] or not t.is_floating_point()):
+                why = (f"needs a floating-point {name} of input.size(1) = {x.shape[1]} elements, got "
+                       f"{tuple(t.shape)} {t.dtype} (CPU's kernel would read past it: undefined values)")
+                break
+    if why is not None:
+        raise RuntimeError(f"neuron: aten::_batch_norm_no_update {why}")
+
+
 # ops whose CPU kernel reads outside its inputs (or leaves outputs unwritten) for some arguments ->
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
-                 "_compute_linear_combination": _linear_combination}
+                 "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args}
 
 
 def screened_overloads() -> list[str]:
