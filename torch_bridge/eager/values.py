@@ -450,7 +450,7 @@ def _weight_norm_g(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     if not (v.is_contiguous() and g.is_contiguous()):
         raise RuntimeError("neuron: aten::_weight_norm_interface takes contiguous v and g (CPU's kernel reads them as "
                            "contiguous and gives other values for these strides); pass v.contiguous() and "
-                           "g.contiguous(), or call torch._weight_norm")
+                           "g.contiguous()")
     if g.numel() != need:
         raise RuntimeError(f"neuron: aten::_weight_norm_interface needs g with v.size({dim}) = {need} elements "
                            f"and got {g.numel()} (CPU's kernel would read past g or leave norms unwritten: "
