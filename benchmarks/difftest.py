@@ -2081,13 +2081,14 @@ class Tester:
             if u is not None and _in_child(lambda: run_on(u, "cpu", specs)) == "returned":
                 ref, crashes = u, False
                 self.stats.cpu_crashes_undilated += 1
+        st.samples += 1
+        row = st.by_op.setdefault(s.packet, [0, 0])
+        row[0] += 1
+        dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
+        st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
         if _reads_outside(s):  # no reference (CPU's values are reads past an input): the device must refuse it
-            st.samples += 1
             st.cpu_errors += 1
             st.cpu_reads_outside += 1
-            st.by_op.setdefault(s.packet, [0, 0])[0] += 1
-            dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
-            st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
             for label, fast in (("fast-path (first call)", True), ("python-path", False)):
                 _set_fast(fast)
                 got = run_on(s, DEVICE, specs)
@@ -2099,11 +2100,6 @@ class Tester:
         cpu = Run(error=RuntimeError("CPU's kernel crashes")) if crashes else run_on(ref, "cpu", specs)
         if ref is not s and not crashes and cpu.storages:  # the dense reference's input: the sample's own
             cpu.storages[0] = torch.empty(0, dtype=torch.uint8).set_(s.args[0].untyped_storage()).clone()
-        st.samples += 1
-        row = st.by_op.setdefault(s.packet, [0, 0])
-        row[0] += 1
-        dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
-        st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
         if crashes:  # no reference: the device must refuse it (each way it runs), in a child too
             st.cpu_crashes += 1
             st.cpu_errors += 1

@@ -280,8 +280,7 @@ def test_cat_is_claimed_directly_with_the_composite_s_rows_and_cpu_s_values():
 # criteria, masks, rotary embeddings), each as its functional call and that explicit round trip.
 _DIRECT_CASES = {
     "isin": (lambda x, n: torch.isin(n, n[:3]),
-             lambda x, n: torch.ops.aten.isin.Tensor_Tensor_out(n, n[:3], out=torch.empty(n.shape, dtype=torch.bool,
-                                                                                          device="neuron"))),
+             lambda x, n: torch.ops.aten.isin.Tensor_Tensor_out(n, n[:3], out=_empty(n.shape, torch.bool))),
     "all": (lambda x, n: torch.all(x), lambda x, n: torch.ops.aten.all.all_out(x, out=_empty((), torch.bool))),
     "all.dim": (lambda x, n: torch.all(x, 1),
                 lambda x, n: torch.ops.aten.all.out(x, 1, out=_empty((x.shape[0],), torch.bool))),

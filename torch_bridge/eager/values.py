@@ -93,6 +93,7 @@ def _device_of(args: Any, kwargs: dict[str, Any]) -> int:
     first = args[0] if args else None
     if isinstance(first, torch.Tensor) and first.device in NEURON_DEVICES:  # the usual case, made cheap
         return first.device.index or 0
+    runtime()  # (a factory, kaiser_window(device="neuron"), may be the process's first use: its memory is set up here)
     index = _neuron_index(args, kwargs)
     return _current_device() if index is None else index
 
@@ -537,7 +538,6 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             return None
         return op.redispatch(_CPU_KEYS, *args, **kwargs)
     index = _device_of(args, kwargs)
-    runtime()  # (a factory, kaiser_window(device="neuron"), may be the process's first use: its memory is set up here)
     conv = _ToCpu()
     cargs = [conv(a) for a in args]
     ckwargs = {k: conv(v) for k, v in kwargs.items()}
