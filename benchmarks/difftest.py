@@ -1946,12 +1946,27 @@ def _undilated(s: Sample) -> Sample | None:
     return dataclasses.replace(s, args=args, kwargs=kwargs)
 
 
+# CPU's flash attention kernels read these positional operands' last dim as contiguous
+_FLASH_OPERANDS = {"_scaled_dot_product_flash_attention_for_cpu": (0, 1, 2),
+                   "_scaled_dot_product_flash_attention_for_cpu_backward": (1, 2, 3, 4)}
+
+
 def _dense_reference(s: Sample) -> Sample | None:
-    """``s`` (median.dim / nanmedian.dim of an input that repeats elements along the reduced dim,
-    stride 0) with that input laid out densely: CPU's kernel reads outside such an input (torch
-    2.13 gives other values on each call, 4.6e-41 for the median of [5, 5, 5]), so the same values
-    densely are the reference; the device computes them so (torch_bridge.eager.values._dense_input).
-    None for any other sample."""
+    """``s`` with the inputs CPU's kernel reads outside of laid out densely, the same values:
+    median.dim / nanmedian.dim of an input that repeats elements along the reduced dim (stride 0;
+    torch 2.13 gives other values on each call, 4.6e-41 for the median of [5, 5, 5]), and CPU's
+    flash attention kernels' query/key/value (the backward's out too) whose last dim is not
+    contiguous (read as if it were: past the operand, or its neighbours' values). The same values
+    densely are the reference; the device computes them so (torch_bridge.eager.values._dense_input,
+    _flash_rows). None for any other sample."""
+    flash = _FLASH_OPERANDS.get(s.packet)
+    if flash is not None:
+        args = list(s.args)
+        for i in flash:
+            t = args[i] if i < len(args) else None
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+                args[i] = t.contiguous()
+        return dataclasses.replace(s, args=args) if any(a is not b for a, b in zip(args, s.args)) else None
     if s.packet not in ("median", "nanmedian") or len(s.args) < 2:
         return None
     x, dim = s.args[0], s.args[1]
@@ -1961,6 +1976,40 @@ def _dense_reference(s: Sample) -> Sample | None:
     if x.stride(d) != 0 or x.shape[d] <= 1:
         return None
     return dataclasses.replace(s, args=[x.contiguous(), *s.args[1:]])
+
+
+def _input_tensors(sample: Sample, specs: list[Any] | None) -> list[torch.Tensor]:
+    """The tensors :class:`Materialised` makes inputs of, in its order (each object once)."""
+    flat = _flat(list(sample.args)) + _flat(list(sample.kwargs.values())) + _flat([v for _, v in specs or []])
+    seen: set[int] = set()
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Tensor) and id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _own_storages(s: Sample, ref: Sample, cpu: Run, specs: list[Any] | None) -> list[torch.Tensor]:
+    """The input storages afterwards of ``cpu`` (a run of ``s``'s dense reference ``ref``), as
+    ``s``'s own storages in ``s``'s order: the reference's for an input it kept, and for one it
+    replaced by a dense copy the sample's own bytes (the ops with a dense reference do not write
+    their inputs), so the device's storages compare against the sample's own."""
+    mine, theirs = _input_tensors(s, specs), _input_tensors(ref, specs)
+    if len(mine) != len(theirs):
+        return cpu.storages
+    index: dict[int, int] = {}
+    for t in theirs:
+        index.setdefault(t.untyped_storage()._cdata, len(index))
+    out, seen = [], set()
+    for a, b in zip(mine, theirs):
+        key = a.untyped_storage()._cdata
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(cpu.storages[index[b.untyped_storage()._cdata]] if a is b else
+                   torch.empty(0, dtype=torch.uint8).set_(a.untyped_storage()).clone())
+    return out
 
 
 def _reads_outside(s: Sample) -> bool:
@@ -2098,8 +2147,8 @@ class Tester:
                     break
             return
         cpu = Run(error=RuntimeError("CPU's kernel crashes")) if crashes else run_on(ref, "cpu", specs)
-        if ref is not s and not crashes and cpu.storages:  # the dense reference's input: the sample's own
-            cpu.storages[0] = torch.empty(0, dtype=torch.uint8).set_(s.args[0].untyped_storage()).clone()
+        if ref is not s and not crashes and cpu.storages:  # the dense reference's inputs: the sample's own
+            cpu.storages = _own_storages(s, ref, cpu, specs)
         if crashes:  # no reference: the device must refuse it (each way it runs), in a child too
             st.cpu_crashes += 1
             st.cpu_errors += 1

@@ -995,6 +995,39 @@ def test_median_over_a_repeated_dim_is_the_median_on_every_call():
             assert torch.equal(i.cpu(), want.indices)
 
 
+def test_flash_attention_kernels_read_a_strided_last_dim_as_its_dense_copy():
+    """Found by difftest (seed 8802, 111498464434879): CPU's _scaled_dot_product_flash_attention_for_cpu
+    and its backward read the last dim of query, key and value (and the backward's out) as
+    contiguous whatever its stride: past the operand for stride 2, its neighbours for stride 0.
+    Run on the device's memory that gave other values on each call. The device gives what CPU
+    gives for the same values laid out densely, on every call, eagerly and compiled."""
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    out, lse = fwd(q, k, v, 0.0, False)
+    grad = torch.randn(2, 2, 5, 4, generator=g)
+    want_bwd = bwd(grad, q, k, v, out, lse, 0.0, False)
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # the same values, the last dim of stride 2
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], device="neuron")
+        wide[..., ::2] = t.to("neuron")
+        return wide[..., ::2]
+
+    dev = [t.to("neuron") for t in (q, k, v)]
+    compiled = torch.compile(lambda a, b, c: fwd(a, b, c, 0.0, False)[0], backend="neuron", fullgraph=True)
+    for i in range(3):
+        args = list(dev)
+        args[i] = strided((q, k, v)[i])
+        got = [fwd(*args, 0.0, False)[0] for _ in range(3)] + [compiled(*args)]
+        assert all(torch.equal(o.cpu(), out) for o in got)
+        grads = bwd(grad.to("neuron"), *args, strided(out), lse.to("neuron"), 0.0, False)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(grads, want_bwd))
+    expanded = torch.randn(2, 2, 5, 1, generator=g).expand(2, 2, 5, 4)
+    assert torch.equal(fwd(expanded.to("neuron"), dev[1], dev[2], 0.0, False)[0].cpu(),
+                       fwd(expanded.contiguous(), k, v, 0.0, False)[0])
+
+
 def test_weight_norm_interface_refuses_what_cpu_s_kernel_reads_wrong():
     """Found by difftest (_weight_norm_interface 141929214407897, 79453927807880, 70024408592883):
     CPU's kernel reads v.size(dim) elements of g and writes as many norms, unchecked, and reads v

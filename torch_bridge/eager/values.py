@@ -474,6 +474,35 @@ def _linear_combination(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
                            f"{c.dtype} (CPU's kernel would read past its inputs' memory: undefined values)")
 
 
+# CPU's flash attention kernels read the last dim of these operands (position, name) as contiguous:
+# the forward's query/key/value, the backward's and its out (its grad_out is read by its strides)
+_FLASH_ROWS = {"_scaled_dot_product_flash_attention_for_cpu": ((0, "query"), (1, "key"), (2, "value")),
+               "_scaled_dot_product_flash_attention_for_cpu_backward": ((1, "query"), (2, "key"), (3, "value"),
+                                                                        (4, "out"))}
+
+
+def _flash_rows(name: str) -> Any:
+    """_scaled_dot_product_flash_attention_for_cpu (and its backward): CPU's kernel reads the
+    last dim of query, key and value (and the backward's out) as contiguous whatever its stride,
+    so a last dim of stride 2 read past the operand (4e26 in a float32 result) and one of stride 0
+    (an expanded tensor) read its neighbours' values (torch 2.13; found by difftest: seed 8802,
+    111498464434879: other values on each call). Those operands get a dense copy, so the device
+    gives what CPU gives for the same values laid out densely, the same on every call.
+    ``F.scaled_dot_product_attention`` itself never sends such operands to this kernel on CPU."""
+    operands = _FLASH_ROWS[name]
+
+    def screen(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+        for i, arg in operands:
+            in_args = i < len(cargs)
+            t = cargs[i] if in_args else ckwargs.get(arg)
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+                if in_args:
+                    cargs[i] = t.contiguous()
+                else:
+                    ckwargs[arg] = t.contiguous()
+    return screen
+
+
 _BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var")
 
 
@@ -504,7 +533,8 @@ def _batch_norm_args(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
-                 "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args}
+                 "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args,
+                 **{name: _flash_rows(name) for name in _FLASH_ROWS}}
 
 
 def screened_overloads() -> list[str]:
