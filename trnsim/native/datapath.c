@@ -477,16 +477,14 @@ a2_tile(const int mr, const int nv, const int fused, int64_t kc, const float *a,
         _Pragma("GCC unroll 2") for (int h = 0; h < nv; h++) {
             float *d = dst + i * ldd + A2_VW * h;
             const __m256i m = h ? m1 : m0;
+            const int full = h ? full1 : full0;
             __m256 r = c[i][h];
-            if (h ? full1 : full0) {
-                if (add) r = _mm256_add_ps(_mm256_loadu_ps(d), r);
-                r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+            if (add) r = _mm256_add_ps(full ? _mm256_loadu_ps(d) : _mm256_maskload_ps(d, m), r);
+            r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+            if (full)
                 _mm256_storeu_ps(d, r);
-            } else {
-                if (add) r = _mm256_add_ps(_mm256_maskload_ps(d, m), r);
-                r = _mm256_blendv_ps(r, canon, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+            else
                 _mm256_maskstore_ps(d, m, r);
-            }
         }
     }
 }
