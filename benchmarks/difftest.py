@@ -2012,13 +2012,18 @@ def _own_storages(s: Sample, ref: Sample, cpu: Run, specs: list[Any] | None) -> 
     return out
 
 
-def _reads_outside(s: Sample) -> bool:
+def _reads_outside(s: Sample, specs: Any = None) -> bool:
     """True for a sample whose CPU kernel reads past an input's memory or leaves part of its
     output unwritten, so its values are no reference and the device must refuse it
     (torch_bridge.eager.values._weight_norm_g): a ``_weight_norm_interface`` given a ``g`` of
     other than ``v.size(dim)`` elements, or a ``v`` or ``g`` that is not contiguous (read as if it
     were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
-    ``input.size(0)`` columns of input's dtype."""
+    ``input.size(0)`` columns of input's dtype; a ``_logcumsumexp.out`` whose out (``specs``) is of
+    another dtype than its input (CPU's kernel writes the input's dtype into it)."""
+    if s.packet == "_logcumsumexp" and specs and s.args:  # (values._logcumsumexp_out)
+        x, out = s.args[0], dict(specs).get("out")
+        x = x.t if isinstance(x, _Host) else x
+        return isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.dtype != x.dtype
     if s.packet == "_batch_norm_no_update" and s.args:  # (values._batch_norm_args)
         x, *rest = (a.t if isinstance(a, _Host) else a for a in list(s.args[:5]) + [None] * (5 - len(s.args[:5])))
         if not isinstance(x, torch.Tensor) or (rest[2] is None) != (rest[3] is None):
@@ -2135,7 +2140,7 @@ class Tester:
         row[0] += 1
         dt = next((t for t in s.tags if t in DTYPE_NAMES), "?")
         st.by_dtype[dt] = st.by_dtype.get(dt, 0) + 1
-        if _reads_outside(s):  # no reference (CPU's values are reads past an input): the device must refuse it
+        if _reads_outside(s, specs):  # no reference (CPU's values are reads past an input): the device must refuse it
             st.cpu_errors += 1
             st.cpu_reads_outside += 1
             for label, fast in (("fast-path (first call)", True), ("python-path", False)):

@@ -1028,6 +1028,50 @@ def test_flash_attention_kernels_read_a_strided_last_dim_as_its_dense_copy():
                        fwd(expanded.contiguous(), k, v, 0.0, False)[0])
 
 
+def test_an_out_that_must_grow_under_its_own_input_is_refused():
+    """Found by difftest (--wide, seed 9101: addr_ 246918285969438): ``addr_`` is ``addr.out(self,
+    .., out=self)``. With a self of another shape than the outer product the out must grow, and
+    the device's first try resized the shared host view before its storage refused: the second
+    try read that view past its memory (1.1e32 where CPU raised). CPU grows the out under its own
+    input, so its kernel reads rows it has written (addr) or refuses the overlap (cat). The device
+    refuses all such calls in CPU's overlap words, and still serves the well-formed ones."""
+    import warnings
+
+    b, c = torch.arange(5.0), torch.arange(5.0) - 2
+    for shape in ((5,), (5, 1), (1, 5), (1,)):
+        a = (torch.arange(float(math.prod(shape))) + 1).reshape(shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (CPU's warning for a resized out)
+            for call in (lambda x, y, z: x.addr_(y, z), lambda x, y, z: torch.addr(x, y, z, out=x),
+                         lambda x, y, z: torch.cat([x, x], out=x)):
+                da = a.to("neuron")
+                with pytest.raises(RuntimeError, match="refer to a single memory location"):
+                    call(da, b.to("neuron"), c.to("neuron"))
+                assert da.shape == a.shape and torch.equal(da.cpu(), a)  # untouched
+    square = torch.ones(5, 5)
+    got = square.to("neuron").addr_(b.to("neuron"), c.to("neuron"))
+    assert torch.equal(got.cpu(), square.clone().addr_(b, c))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.empty(3, device="neuron")
+        torch.addr(torch.ones(5, device="neuron"), b.to("neuron"), c.to("neuron"), out=out)  # an out of its own
+    assert torch.equal(out.cpu(), torch.addr(torch.ones(5), b, c))
+
+
+def test_logcumsumexp_out_of_another_dtype_is_refused():
+    """Found by difftest (--wide, seed 9101: _logcumsumexp 223123473756641): CPU's private
+    ``_logcumsumexp.out`` writes its input's dtype into the out whatever the out's dtype (2.1e36 in
+    a float32 out of float16 values, each call another). Refused in the public op's words; an out
+    of the input's dtype gives CPU's values."""
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(3)).half()
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"neuron: aten::_logcumsumexp.out: expected scalar_type Half but found"):
+            torch.ops.aten._logcumsumexp.out(x.to("neuron"), 1, out=torch.empty(2, 6, dtype=dtype, device="neuron"))
+    out = torch.empty(2, 6, dtype=torch.half, device="neuron")
+    torch.ops.aten._logcumsumexp.out(x.to("neuron"), 1, out=out)
+    assert torch.equal(out.cpu(), torch.ops.aten._logcumsumexp(x, 1))
+
+
 def test_weight_norm_interface_refuses_what_cpu_s_kernel_reads_wrong():
     """Found by difftest (_weight_norm_interface 141929214407897, 79453927807880, 70024408592883):
     CPU's kernel reads v.size(dim) elements of g and writes as many norms, unchecked, and reads v

@@ -529,11 +529,32 @@ def _batch_norm_args(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
         raise RuntimeError(f"neuron: aten::_batch_norm_no_update {why}")
 
 
+def _logcumsumexp_out(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_logcumsumexp.out: CPU's kernel writes ``self``'s dtype into the out whatever the out's dtype
+    (its public ``logcumsumexp.out`` checks first): a float32 out of a float16 input gets half-precision
+    bit patterns in its float32 elements and keeps its old bytes in the rest (found by difftest:
+    _logcumsumexp 223123473756641, 2.1e36 where CPU's own garbage was 2.2e-41). Refused in one line,
+    with the public op's check's words."""
+    x = cargs[0] if cargs else ckwargs.get("self")
+    out = ckwargs.get("out")
+    if isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.dtype != x.dtype:
+        raise RuntimeError(f"neuron: aten::_logcumsumexp.out: expected scalar_type {_C_TYPE_NAMES.get(x.dtype, x.dtype)} "
+                           f"but found {_C_TYPE_NAMES.get(out.dtype, out.dtype)} (CPU's kernel writes the input's dtype "
+                           f"into any out; give an out of the input's dtype)")
+
+
+# C++'s names of the dtypes, as CPU's scalar-type checks print them
+_C_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                 torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble", torch.int64: "Long",
+                 torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
+
+
 # ops whose CPU kernel reads outside its inputs (or leaves outputs unwritten) for some arguments ->
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
                  "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args,
+                 "_logcumsumexp": _logcumsumexp_out,
                  **{name: _flash_rows(name) for name in _FLASH_ROWS}}
 
 
@@ -607,6 +628,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             outs = [n for n in info.out_names if is_neuron(kwargs.get(n)) and n not in fresh]
             if "not resizable" not in str(e) or not outs:
                 raise
+            _refuse_resized_input(kwargs, outs, args, info.out_names)
             for name in outs:  # an out= of the wrong size: let the kernel allocate, then adopt it
                 fresh[name] = ckwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
             result = call(*cargs, **ckwargs)
@@ -623,6 +645,13 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             holds = "unquantized" if t.is_quantized else "dense (strided)"
             raise NotImplementedError(f"neuron: aten::{info.name} returns a {kind} tensor, and the neuron device "
                                       f"holds {holds} tensors only; {hint}")
+    inputs = None
+    for name, cpu_out in fresh.items():  # (checked before any out is written: nothing half-written)
+        if cpu_out.shape != kwargs[name].shape:
+            inputs = flat_tensors((args, [v for k, v in kwargs.items() if k not in info.out_names]), []) \
+                if inputs is None else inputs
+            if any(t is kwargs[name] for t in inputs):  # an empty out= that is also an input, and must grow
+                raise RuntimeError(OVERLAP_ERROR)  # (addr_ of empty vectors: _refuse_resized_input's case)
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
         if cpu_out.numel() and not dev_out.untyped_storage().nbytes():  # an out without memory: it adopts
@@ -667,6 +696,20 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if info.name == "_local_scalar_dense":  # item(): the host waits for the value
         rt.device.synchronize(index)
     return out
+
+
+def _refuse_resized_input(kwargs: dict[str, Any], outs: list[str], args: tuple[Any, ...],
+                          out_names: Any) -> None:
+    """An out= that must grow and is also read by the op (``addr_`` is ``addr.out(self, .., out=self)``;
+    ``cat([a, a], out=a)``): CPU grows it under the input's own tensor, so its kernel then reads memory
+    it writes (addr's rows after the first read the first row's results) or refuses the overlap
+    (cat). The device's first try resized the shared host view before its storage refused, so a
+    second try read that view past its memory (difftest: addr_ 246918285969438, 1.1e32 where CPU
+    raised). Refused in CPU's overlap words: no value here is the one CPU's write order gives."""
+    grown = {kwargs[n].untyped_storage().data_ptr() for n in outs}
+    for t in flat_tensors((args, [v for k, v in kwargs.items() if k not in out_names]), []):
+        if is_neuron(t) and t.untyped_storage().data_ptr() in grown:
+            raise RuntimeError(OVERLAP_ERROR)
 
 
 def _write_out(dev: torch.Tensor, res: torch.Tensor) -> None:
