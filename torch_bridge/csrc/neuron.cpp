@@ -12,6 +12,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/add_ops.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
 #include <ATen/ops/aminmax.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/convolution.h>
@@ -617,6 +618,15 @@ void log_entry(int64_t kind, int64_t core, int64_t id) {
   g_log.push_back(kind);
   g_log.push_back(core);
   g_log.push_back(id);
+  g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
+}
+
+// item()'s two entries (its launch, then the host's wait for `core`) under one lock: log_entry(0, ..)
+// then log_entry(-1, core, 0), outside a capture (fast_item runs only there)
+void log_launch_and_wait(int64_t core, int64_t id) {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  const int64_t entries[6] = {0, core, id, -1, core, 0};
+  g_log.insert(g_log.end(), entries, entries + 6);
   g_log_count.store(static_cast<int64_t>(g_log.size() / 3));
 }
 
@@ -2010,17 +2020,23 @@ void fast_item(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   key_tensor(key, t, 0);
   int64_t handle = cost_handle(key);
   if (handle < 0) return learn(op, stack, key);
+  // the element must lie in memory the storage holds (a freed one: Python's error, as cpu_alias's check)
+  if (t.storage().data() == nullptr ||
+      (t.storage_offset() + 1) * static_cast<int64_t>(t.itemsize()) > static_cast<int64_t>(t.storage().nbytes())) {
+    return slow(op, stack);
+  }
   c10::Scalar value;
   try {
-    value = at::_local_scalar_dense(cpu_alias(t));
+    // CPU's own kernel for _local_scalar_dense, reading the element where the device keeps it (host
+    // memory): the same value the CPU dispatch of an alias gives, without making the alias
+    value = at::native::_local_scalar_dense_cpu(t);
   } catch (...) {
     return slow(op, stack);
   }
   stack->pop_back();
   stack->emplace_back(value);
   g_fast_hits++;
-  log_entry(0, index, handle);
-  log_entry(-1, index, 0);
+  log_launch_and_wait(index, handle);
 }
 
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
