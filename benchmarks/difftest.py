@@ -131,7 +131,8 @@ PALETTE_SHARE = 0.8
 # which adds a dot product's terms in another order than CPU BLAS (and from a +0.0 accumulator: a
 # one-term sum of -0.0 is +0.0). linear and matmul are composites the device sees as mm/addmm/bmm.
 TENSORE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution_overrideable",
-                         "convolution_backward_overrideable", "scaled_dot_product_attention"})
+                         "convolution_backward_overrideable", "scaled_dot_product_attention",
+                         "_euclidean_dist"})  # (a composite: its x1 @ x2.T runs on the device's mm)
 # the error of a TensorE result beyond CPU's own, as a fraction of the result's largest magnitude
 TENSORE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 TENSORE_ATOL = 1e-4
@@ -1562,10 +1563,15 @@ def run_on(sample: Sample, device: str, out_specs: list[Any] | None = None, fn: 
            ) -> Run:
     m = Materialised(sample, device, out_specs)
     kwargs = dict(m.kwargs)
+    args = m.args
     if sample.random:
         gen = _seed_random(sample, device)
-        if gen is not None and any(a.name == "generator" for a in sample.op._schema.arguments):
-            kwargs["generator"] = gen
+        where = next((i for i, a in enumerate(sample.op._schema.arguments) if a.name == "generator"), None)
+        if gen is not None and where is not None:
+            if where < len(args):  # given in place (--wide's samples pass every argument): the seeded one there
+                args = [*args[:where], gen, *args[where + 1:]]
+            else:
+                kwargs["generator"] = gen
     run = Run(inputs=m.inputs)
     m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
     before = [None if t.is_inference() else t._version for t in m.inputs]
@@ -1574,7 +1580,7 @@ def run_on(sample: Sample, device: str, out_specs: list[Any] | None = None, fn: 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            run.result = (fn or sample.op)(*m.args, **kwargs)
+            run.result = (fn or sample.op)(*args, **kwargs)
     except Exception as e:  # the comparison is of what each device raises
         run.error = e
         return run
@@ -2485,6 +2491,16 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
             for m in mats:  # (storages are compared over what they held before the call, as eager runs' are)
                 m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
             outs = fn(*tensors)
+            if device == DEVICE and any(_fake_falls_back(x) for x in seeds):
+                # the compile ran the op's device kernel on zeros (no meta kernel: PyTorch's fake-tensor
+                # fallback), which drew from the device generator, as on any device with an offset-counted
+                # generator: the draws under test are the compiled graph's, seeded again as eager's were
+                mats = [Materialised(s, device, specs) for s, specs in items]
+                _, tensors = _lift(items, mats)
+                for m in mats:
+                    m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
+                _seed_random(seeds[0], device)
+                outs = fn(*tensors)
     except Exception as e:
         if len(items) == 1:
             return [Run(error=e)]
@@ -2495,6 +2511,12 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
     if device == DEVICE and not seeds:
         _second_call(items, fn, runs)
     return runs
+
+
+def _fake_falls_back(s: Sample) -> bool:
+    """The sample's op has no meta kernel, so tracing it runs its real kernel on zeros
+    (torch._subclasses.fake_tensor's fallback: a random op draws from the device generator then)."""
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(s.op.name(), "Meta")
 
 
 def _second_call(items: list[tuple[Sample, Any]], fn: Any, runs: list[Run]) -> None:
