@@ -1962,9 +1962,12 @@ def _dense_reference(s: Sample) -> Sample | None:
     median.dim / nanmedian.dim of an input that repeats elements along the reduced dim (stride 0;
     torch 2.13 gives other values on each call, 4.6e-41 for the median of [5, 5, 5]), and CPU's
     flash attention kernels' query/key/value (the backward's out too) whose last dim is not
-    contiguous (read as if it were: past the operand, or its neighbours' values). The same values
-    densely are the reference; the device computes them so (torch_bridge.eager.values._dense_input,
-    _flash_rows). None for any other sample."""
+    contiguous (read as if it were: past the operand, or its neighbours' values), and a native batch
+    norm's strided weight, bias or statistics it only reads (read as if contiguous too). The same
+    values densely are the reference; the device computes them so (torch_bridge.eager.values._dense_input,
+    _flash_rows, _batch_norm_family). None for any other sample."""
+    if s.packet in BN_FAMILY and s.args:
+        return _bn_dense(s)
     flash = _FLASH_OPERANDS.get(s.packet)
     if flash is not None:
         args = list(s.args)
@@ -2018,6 +2021,68 @@ def _own_storages(s: Sample, ref: Sample, cpu: Run, specs: list[Any] | None) -> 
     return out
 
 
+BN_FAMILY = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                       "_native_batch_norm_legit_functional", "native_batch_norm_backward", "batch_norm_backward"})
+
+
+def _bn_reads_outside(s: Sample) -> bool:
+    """A native batch norm (or its backward) whose kernel reads a statistic or the weight at
+    input.size(1) places though it holds fewer, or dereferences statistics it was not given: the
+    running ones of an evaluation, the saved ones of a training backward (CPU crashes there)."""
+    names = [a.name for a in s.op._schema.arguments]
+    vals = dict(zip(names, [a.t if isinstance(a, _Host) else a for a in s.args]))
+    vals.update({k: (v.t if isinstance(v, _Host) else v) for k, v in s.kwargs.items()})
+    x = vals.get("input")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return False
+    packet = s.packet
+    if packet == "_native_batch_norm_legit_functional":  # (a composite: _native_batch_norm_legit on clones)
+        packet = "_native_batch_norm_legit"
+        vals.update({n: vals[n].clone() for n in ("running_mean", "running_var") if isinstance(vals.get(n), torch.Tensor)})
+    if (vals.get("running_mean") is None) != (vals.get("running_var") is None) and not s.packet.endswith("_backward"):
+        return False  # (CPU's kernel refuses one statistic without the other itself)
+    backward = packet.endswith("_backward")
+    if backward and x.numel() == 0:
+        return True  # (CPU's kernels crash on an empty input's backward)
+    train = vals.get("update", vals.get("train")) if backward else \
+        (False if packet == "_native_batch_norm_legit_no_training" else vals.get("training"))
+    saved = ("save_mean", "save_var" if "save_var" in vals else "save_invstd")
+    if backward:
+        needed = saved if train else ("running_mean", "running_var")
+        used = ("weight", *needed)
+    else:
+        needed = () if train else ("running_mean", "running_var")
+        used = ("weight", "bias", "running_mean", "running_var")
+    if any(vals.get(n) is None for n in needed):
+        return True
+    written = ("running_mean", "running_var") if not backward and train else ()
+    if any(isinstance(vals.get(n), torch.Tensor) and not vals[n].is_contiguous() and (vals[n].dim() != 1 or n in written)
+           for n in used):
+        return True  # (read as if contiguous: refused, but for a 1-D one only read: _bn_dense)
+    return any(isinstance(vals.get(n), torch.Tensor) and vals[n].numel() < x.shape[1] for n in used)
+
+
+def _bn_dense(s: Sample) -> Sample | None:
+    """A native batch norm's (or its backward's) weight, bias and statistics that its kernel only
+    reads, laid out densely where they are strided (CPU's kernel reads them as if contiguous)."""
+    names = [a.name for a in s.op._schema.arguments]
+    vals = dict(zip(names, s.args))
+    x = vals.get("input")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return None  # (CPU's own checks: the device passes such a call on as it is)
+    if not s.packet.endswith("_backward") and (vals.get("running_mean") is None) != (vals.get("running_var") is None):
+        return None
+    backward = s.packet.endswith("_backward")
+    train = dict(zip(names, s.args)).get("update", dict(zip(names, s.args)).get("train" if backward else "training"))
+    # (the functional form's running statistics are cloned, so only read, by _native_batch_norm_legit)
+    read = {"weight", "running_mean", "running_var", "save_mean", "save_invstd", "save_var"} if backward else \
+        ({"weight", "bias"} if train and s.packet != "_native_batch_norm_legit_no_training" else
+         {"weight", "bias", "running_mean", "running_var"})
+    args = [a.contiguous() if i < len(names) and names[i] in read and isinstance(a, torch.Tensor)
+            and a.dim() == 1 and not a.is_contiguous() else a for i, a in enumerate(s.args)]
+    return dataclasses.replace(s, args=args) if any(a is not b for a, b in zip(args, s.args)) else None
+
+
 def _reads_outside(s: Sample, specs: Any = None) -> bool:
     """True for a sample whose CPU kernel reads past an input's memory or leaves part of its
     output unwritten, so its values are no reference and the device must refuse it
@@ -2026,6 +2091,8 @@ def _reads_outside(s: Sample, specs: Any = None) -> bool:
     were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
     ``input.size(0)`` columns of input's dtype; a ``_logcumsumexp.out`` whose out (``specs``) is of
     another dtype than its input (CPU's kernel writes the input's dtype into it)."""
+    if s.packet in BN_FAMILY and s.args:  # (values._batch_norm_family)
+        return _bn_reads_outside(s)
     if s.packet == "_logcumsumexp" and specs and s.args:  # (values._logcumsumexp_out)
         x, out = s.args[0], dict(specs).get("out")
         x = x.t if isinstance(x, _Host) else x

@@ -1058,6 +1058,53 @@ def test_an_out_that_must_grow_under_its_own_input_is_refused():
     assert torch.equal(out.cpu(), torch.addr(torch.ones(5), b, c))
 
 
+def test_native_batch_norms_refuse_statistics_their_kernels_read_past_or_lack():
+    """Found by difftest (--wide, seeds 9101 and 9103): CPU's native batch norms read each statistic
+    and the weight at input.size(1) places unchecked (a 0-dim bias: -1.3e23 on CPU, other values
+    on the device), and dereference the running statistics of an evaluation or the saved ones of a
+    training backward when they are missing (SIGSEGV, on CPU and on the device). Refused in one
+    line; longer statistics (their first elements) and well-formed calls give CPU's values."""
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(9)
+    x, gy = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    w, b, rm, rv = torch.randn(3, generator=g), torch.randn(3, generator=g), torch.zeros(3), torch.ones(3)
+    sm, si = torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5
+    reserve = torch.empty(0, dtype=torch.uint8)
+    d = lambda t: t.to("neuron") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    refused = [
+        lambda f: aten.native_batch_norm(f(x), f(w), f(b), None, None, False, 0.1, 1e-5),
+        lambda f: aten._native_batch_norm_legit.no_stats(f(x), f(w), f(b), False, 0.1, 1e-5),
+        lambda f: aten._native_batch_norm_legit.no_stats(f(x), f(w), f(torch.tensor(0.5)), True, 0.1, 1e-5),
+        lambda f: aten._native_batch_norm_legit(f(x), f(w[:2]), f(b), f(rm.clone()), f(rv.clone()), True, 0.1, 1e-5),
+        lambda f: aten._native_batch_norm_legit_no_training(f(x), f(w), f(b), f(rm[:1]), f(rv), 0.1, 1e-5),
+        lambda f: aten.native_batch_norm_backward(f(gy), f(x), f(w), f(rm), f(rv), None, None, True, 1e-5,
+                                                  [True, True, True]),
+        lambda f: aten.native_batch_norm_backward(f(gy), f(x), f(w), None, None, f(sm), f(si), False, 1e-5,
+                                                  [True, True, True]),
+        lambda f: aten.native_batch_norm_backward(f(gy), f(x), f(w), f(rm), f(rv), f(sm[:1]), f(si), True, 1e-5,
+                                                  [True, True, True]),
+        lambda f: aten.batch_norm_backward(f(gy), f(x), f(w), f(rm), f(rv), None, None, True, 1e-5,
+                                           [True, True, True], f(reserve)),
+    ]
+    for call in refused:
+        with pytest.raises(RuntimeError, match=r"^neuron: aten::\w+ needs "):
+            call(d)
+    served = [
+        lambda f: aten.native_batch_norm(f(x), f(w), f(b), f(rm.clone()), f(rv.clone()), True, 0.1, 1e-5),
+        lambda f: aten.native_batch_norm(f(x), f(w), f(b), f(rm), f(rv), False, 0.1, 1e-5),
+        lambda f: aten.native_batch_norm(f(x), f(torch.randn(5, generator=torch.Generator().manual_seed(2))), f(b),
+                                         None, None, True, 0.1, 1e-5),  # (a longer weight: its first 3)
+        lambda f: aten._native_batch_norm_legit.no_stats(f(x), None, None, True, 0.1, 1e-5),
+        lambda f: aten.native_batch_norm_backward(f(gy), f(x), f(w), None, None, f(sm), f(si), True, 1e-5,
+                                                  [True, True, True]),
+        lambda f: aten.native_batch_norm_backward(f(gy), f(x), None, f(rm), f(rv), None, None, False, 1e-5,
+                                                  [True, True, True]),
+    ]
+    for call in served:
+        want, got = call(lambda t: t), call(d)
+        assert all(torch.equal(a.cpu(), e) for a, e in zip(got, want))
+
+
 def test_logcumsumexp_out_of_another_dtype_is_refused():
     """Found by difftest (--wide, seed 9101: _logcumsumexp 223123473756641): CPU's private
     ``_logcumsumexp.out`` writes its input's dtype into the out whatever the out's dtype (2.1e36 in

@@ -1930,6 +1930,11 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::Tensor cpu[5];
   c10::SmallVector<const void*, 5> inputs;
   if (!tensor_args(*stack, base, 5, key, true, &index, cpu, inputs)) return slow(op, stack);
+  // CPU's kernel reads a strided weight, bias or statistic as if it were contiguous: Python's screen gives
+  // those a dense copy or refuses them (values._batch_norm_family), whatever cost its signature has learnt
+  for (int i = 1; i < 5; ++i) {
+    if (cpu[i].defined() && cpu[i].dim() == 1 && !cpu[i].is_contiguous()) return slow(op, stack);
+  }
   const bool training = a[base + 5].toBool();
   key_int(key, 4 + training);
   key_int(key, 3);  // momentum and eps: float values never change the kernel (Python's key ignores them too)

@@ -529,6 +529,90 @@ def _batch_norm_args(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
         raise RuntimeError(f"neuron: aten::_batch_norm_no_update {why}")
 
 
+def _arg(cargs: list[Any], ckwargs: dict[str, Any], i: int, name: str) -> Any:
+    return cargs[i] if len(cargs) > i else ckwargs.get(name)
+
+
+def _batch_norm_family(name: str) -> Callable[[list[Any], dict[str, Any]], None]:
+    """The native batch norms and their backwards: CPU's kernels read each statistic and the
+    weight at ``input.size(1)`` places without checking that they hold that many (the public
+    ``batch_norm`` checks first), so a shorter one is read past its memory (found by difftest
+    --wide, seed 9103: _native_batch_norm_legit.no_stats_out with a 0-dim bias, -1.3e23 on CPU,
+    other values on the device); and they dereference the running statistics an evaluation uses
+    and the saved ones a training backward uses without checking they were given (SIGSEGV: the
+    device crashed where CPU crashes). Both are refused in one line; what CPU computes with
+    defined values (longer statistics: their first elements) is served. CPU's kernels also read a
+    strided weight, bias or statistic as if it were contiguous (torch 2.13: wrong values on CPU,
+    its neighbours or memory past it): a 1-D one it only reads gets a dense copy of the same
+    values; the others (running statistics a training forward updates, statistics of more dims)
+    are refused. An empty input's
+    backward (CPU's kernels crash) is refused too."""
+    backward = name in ("native_batch_norm_backward", "batch_norm_backward")
+
+    def screen(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+        x = _arg(cargs, ckwargs, 1 if backward else 0, "input")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return  # (CPU's own checks refuse it)
+        if backward and x.numel() == 0:
+            raise RuntimeError(f"neuron: aten::{name} of an empty input {tuple(x.shape)} (CPU's kernel crashes there)")
+        if backward:
+            names = _BN_BACKWARD_ARGS if name == "native_batch_norm_backward" else (*_BN_BACKWARD_ARGS[:6], "save_var")
+            stats = {n: _arg(cargs, ckwargs, i, n) for i, n in enumerate(names) if i >= 2}
+            train = _arg(cargs, ckwargs, 7, "update" if name == "batch_norm_backward" else "train")
+            used = ("weight", "save_mean", names[6]) if train else ("weight", "running_mean", "running_var")
+            needed, read_only = used[1:], used
+            mode = "a training backward" if train else "an evaluation backward"
+        else:
+            names = _BN_ARGS
+            no_stats = name == "_native_batch_norm_legit" and len(cargs) > 3 and isinstance(cargs[3], bool)
+            stats = {n: (None if no_stats and i > 2 else _arg(cargs, ckwargs, i, n)) for i, n in enumerate(_BN_ARGS) if i}
+            if (stats["running_mean"] is None) != (stats["running_var"] is None):
+                return  # (CPU's kernel refuses one statistic without the other, in its words)
+            train = False if name == "_native_batch_norm_legit_no_training" else \
+                _arg(cargs, ckwargs, 3 if no_stats else 5, "training")
+            used = tuple(stats)
+            needed, mode = () if train else ("running_mean", "running_var"), "evaluation"
+            read_only = ("weight", "bias") if train else used  # (training updates the running statistics)
+        why = None
+        missing = [n for n in needed if stats.get(n) is None]
+        if missing:
+            why = f"needs {' and '.join(missing)} for {mode} (CPU's kernel reads them: it crashes without)"
+        else:
+            c = x.shape[1]
+            for n in used:
+                t = stats.get(n)
+                if isinstance(t, torch.Tensor) and t.numel() < c:
+                    why = (f"needs a {n} of input.size(1) = {c} elements, got {tuple(t.shape)} (CPU's kernel would "
+                           f"read past it: undefined values)")
+                    break
+        if why is None:  # strided: read as if contiguous. Only a 1-D one it only reads gets a dense copy (below)
+            bad = [n for n in used if isinstance(stats.get(n), torch.Tensor) and not stats[n].is_contiguous()
+                   and (stats[n].dim() != 1 or n not in read_only)]
+            if bad:
+                why = (f"takes a contiguous {' and '.join(bad)}{' in training' if train and not backward else ''} "
+                       f"(CPU's kernel reads a strided one as if it were contiguous: other values)")
+        if why is not None:
+            raise RuntimeError(f"neuron: aten::{name} {why}")
+        # the rest are only read: a strided one is read as if it were contiguous (CPU's values are
+        # its neighbours', or past it when expanded), so it gets a dense copy of the same values
+        for i, n in enumerate(names if backward else _BN_ARGS):
+            t = _arg(cargs, ckwargs, i, n) if i >= (2 if backward else 1) and n in read_only else None
+            if isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_contiguous():
+                if i < len(cargs):
+                    cargs[i] = t.contiguous()
+                else:
+                    ckwargs[n] = t.contiguous()
+    return screen
+
+
+# native_batch_norm_backward's arguments (batch_norm_backward names its seventh save_var, its eighth update)
+_BN_BACKWARD_ARGS = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd")
+# (_native_batch_norm_legit_functional is a composite for every device: it clones the running statistics
+# and calls _native_batch_norm_legit, which is screened)
+_BN_FAMILY = ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+              "native_batch_norm_backward", "batch_norm_backward")
+
+
 def _logcumsumexp_out(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     """_logcumsumexp.out: CPU's kernel writes ``self``'s dtype into the out whatever the out's dtype
     (its public ``logcumsumexp.out`` checks first): a float32 out of a float16 input gets half-precision
@@ -554,7 +638,7 @@ _C_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16:
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
                  "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args,
-                 "_logcumsumexp": _logcumsumexp_out,
+                 "_logcumsumexp": _logcumsumexp_out, **{name: _batch_norm_family(name) for name in _BN_FAMILY},
                  **{name: _flash_rows(name) for name in _FLASH_ROWS}}
 
 
