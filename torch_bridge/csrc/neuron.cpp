@@ -651,6 +651,9 @@ struct OpFast {
   // an in-place `_foreach_*_`: each element of the written list has its version counter bumped,
   // as CPU's kernel (the composite's loop of per-tensor in-place ops) bumps it (see fast_kernel)
   bool bump_list = false;
+  // the native batch norms: their weight, bias and statistics are the arguments from this position on
+  // (0: not one of them), which batch_norm_plain checks before CPU's kernel may run
+  size_t params_from = 0;
 };
 std::mutex g_fast_mutex;
 std::unordered_map<const c10::FunctionSchema*, OpFast> g_ops;
@@ -768,6 +771,8 @@ OpFast classify(const c10::OperatorHandle& op) {
     f.kind = kView;
     return f;
   }
+  if (name == "native_batch_norm_backward" || name == "batch_norm_backward") f.params_from = 2;
+  if (name == "_native_batch_norm_legit" || name == "_native_batch_norm_legit_no_training") f.params_from = 1;
   if (denied().count(name) || screened().count(name + "." + s.overload_name())) return f;
   if (name.rfind("_foreach_", 0) == 0) return classify_foreach(s, f);
   if (s.overload_name().empty() && (name == "mm" || name == "addmm" || name == "bmm")) {
@@ -2044,6 +2049,45 @@ void fast_item(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_launch_and_wait(index, handle);
 }
 
+// A native batch norm's call the fast path may run CPU's kernel on (else Python's screen,
+// values._batch_norm_family, gives a dense copy or refuses it; this only has to be as strict):
+// an input of 2 dims or more that is not empty, its weight, bias and statistics 1-D, contiguous
+// and of input.size(1) elements or more (CPU's kernels read that many, as if contiguous), and the
+// statistics the call dereferences given (an evaluation's running ones, a training backward's saved
+// ones). A functional op's kernel runs before its signature's cost is looked up, so without this a
+// refused call (one that crashes CPU) would reach CPU's kernel.
+bool batch_norm_plain(const OpFast& f, const c10::OperatorHandle& op, const torch::jit::Stack& s, size_t base) {
+  const size_t n = op.schema().arguments().size();
+  const bool backward = f.params_from == 2;
+  const c10::IValue& xv = s[base + f.params_from - 1];
+  if (!xv.isTensor()) return false;
+  const at::Tensor& x = xv.toTensor();
+  if (!x.defined() || x.dim() < 2 || x.numel() == 0) return false;
+  const int64_t c = x.size(1);
+  const size_t to = backward ? 7 : 5;  // (weight, running_mean, running_var, save_mean, save_*; weight, bias, running_*)
+  size_t flag = backward ? 7 : 5;  // train / update / training
+  if (!backward && n > 3 && s[base + 3].isBool()) flag = 3;  // _native_batch_norm_legit.no_stats: no statistics
+  const size_t last = std::min(flag, to);
+  for (size_t i = f.params_from; i < last && i < n; ++i) {
+    const c10::IValue& v = s[base + i];
+    if (v.isNone()) continue;
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) continue;
+    if (t.dim() != 1 || !t.is_contiguous() || t.numel() < c) return false;
+  }
+  bool training = true;  // _native_batch_norm_legit_no_training has no flag: an evaluation
+  if (flag < n && s[base + flag].isBool()) training = s[base + flag].toBool();
+  else if (!backward) training = false;
+  const size_t need[2] = {backward ? (training ? 5u : 3u) : 3u, backward ? (training ? 6u : 4u) : 4u};
+  if (backward || !training) {
+    for (size_t i : need) {
+      if (i >= last || !s[base + i].isTensor() || !s[base + i].toTensor().defined()) return false;
+    }
+  }
+  return true;
+}
+
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
@@ -2060,6 +2104,9 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
   if (f.kind == kToCopy) return fast_to_copy(op, stack);  // (one tensor each: no alias to share)
   if (f.kind == kLocalScalar) return fast_item(op, stack);
+  if (f.params_from != 0 && !batch_norm_plain(f, op, *stack, stack->size() - op.schema().arguments().size())) {
+    return slow(op, stack);
+  }
   AliasScope scope;  // this call's CPU aliases share a storage where their tensors share memory
   if (f.kind == kCopyFrom) return fast_copy(op, stack);
   if (f.kind >= kLstmCell && f.kind <= kGruCellBackward) return fast_cell(op, stack, f.kind);

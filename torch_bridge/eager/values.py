@@ -645,8 +645,11 @@ _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_nor
 def screened_overloads() -> list[str]:
     """Every overload of :data:`_REFUSED_ARGS`' ops whose arguments :func:`_run` screens, and of
     :data:`_HOST_SCREENS`', as "name.overload" (the default one "name."): the native fast path
-    leaves these to this path."""
-    out = [f"{name}.{overload if overload != 'default' else ''}" for name in _HOST_SCREENS
+    leaves these to this path. The native batch norms (:data:`_BN_FAMILY`) stay the fast path's:
+    what their screen refuses never teaches it a cost (the signature's key tells those calls
+    apart: shapes, None), and the one thing the key cannot tell, a strided weight or statistic, it
+    leaves to this path itself (csrc/neuron.cpp ``params_from``)."""
+    out = [f"{name}.{overload if overload != 'default' else ''}" for name in _HOST_SCREENS if name not in _BN_FAMILY
            for overload in getattr(torch.ops.aten, name).overloads()]
     for name in _REFUSED_ARGS:
         packet = getattr(torch.ops.aten, name)
