@@ -2091,6 +2091,12 @@ def _reads_outside(s: Sample, specs: Any = None) -> bool:
     were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
     ``input.size(0)`` columns of input's dtype; a ``_logcumsumexp.out`` whose out (``specs``) is of
     another dtype than its input (CPU's kernel writes the input's dtype into it)."""
+    if s.packet == "_weight_norm_interface_backward" and len(s.args) >= 5:  # (values._weight_norm_grads)
+        gw, v, g, n, dim = (a.t if isinstance(a, _Host) else a for a in s.args[:5])
+        if not all(isinstance(t, torch.Tensor) for t in (gw, v, g, n)) or not isinstance(dim, int) or not v.dim() \
+                or dim not in (0, v.dim() - 1) or not (v.is_contiguous() and g.is_contiguous() and n.is_contiguous()):
+            return False  # (CPU's own checks)
+        return not gw.is_contiguous() or gw.shape != v.shape or min(g.numel(), n.numel()) < v.shape[dim]
     if s.packet in BN_FAMILY and s.args:  # (values._batch_norm_family)
         return _bn_reads_outside(s)
     if s.packet == "_logcumsumexp" and specs and s.args:  # (values._logcumsumexp_out)

@@ -1105,6 +1105,35 @@ def test_native_batch_norms_refuse_statistics_their_kernels_read_past_or_lack():
         assert all(torch.equal(a.cpu(), e) for a, e in zip(got, want))
 
 
+def test_weight_norm_backward_refuses_what_cpu_s_kernel_reads_wrong():
+    """Found by difftest (--wide, seed 9111): CPU's _weight_norm_interface_backward checks its saved
+    tensors are contiguous but reads grad_w as if it were too (4.7e30 on the device where CPU gave
+    4.6e-41), reads v.size(dim) elements of saved_g and saved_norms unchecked, and divides by
+    zero on an empty saved_v. Refused in one line; a well-formed call gives CPU's values, and
+    weight norm's own backward runs."""
+    op = torch.ops.aten._weight_norm_interface_backward
+    g = torch.Generator().manual_seed(6)
+    v, gain = torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+    _, norms = torch._weight_norm_interface(v, gain, 0)
+    gw = torch.randn(3, 4, generator=g)
+    d = [t.to("neuron") for t in (gw, v, gain, norms)]
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(op(*d, 0), op(gw, v, gain, norms, 0)))
+    strided = torch.zeros(3, 8, device="neuron")[:, ::2]
+    for args in ((strided, *d[1:]), (d[0][:2], *d[1:]), (d[0], d[1], d[2][:2].contiguous(), d[3]),
+                 (torch.empty(0, device="neuron"),) * 4):
+        with pytest.raises(RuntimeError, match=r"^neuron: aten::_weight_norm_interface_backward "):
+            op(*args, 0)
+    lin = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3))
+    lin_d = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3))
+    lin_d.load_state_dict(lin.state_dict())
+    lin_d = lin_d.to("neuron")
+    x = torch.randn(5, 4, generator=g)
+    lin(x).square().sum().backward()
+    lin_d(x.to("neuron")).square().sum().backward()
+    for p, q in zip(lin.parameters(), lin_d.parameters()):  # (the linear's matmuls are TensorE's: fp32 order)
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_logcumsumexp_out_of_another_dtype_is_refused():
     """Found by difftest (--wide, seed 9101: _logcumsumexp 223123473756641): CPU's private
     ``_logcumsumexp.out`` writes its input's dtype into the out whatever the out's dtype (2.1e36 in

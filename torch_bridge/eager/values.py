@@ -458,6 +458,33 @@ def _weight_norm_g(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
                            f"undefined values); give g v.size({dim}) elements, as torch.nn.utils.weight_norm does")
 
 
+def _weight_norm_grads(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_weight_norm_interface_backward: CPU's kernel checks that saved_v, saved_g and saved_norms
+    are contiguous, but reads grad_w as if it were too, and reads v.size(dim) elements of saved_g
+    and saved_norms and v.numel() of grad_w without checking they hold that many (found by
+    difftest --wide, seed 9111: a strided grad_w, 4.7e30 on the device where CPU gave 4.6e-41),
+    and an empty saved_v kills the process. Refused in one line; a well-formed call (what
+    autograd makes) gives CPU's values."""
+    names = ("grad_w", "saved_v", "saved_g", "saved_norms", "dim")
+    gw, v, g, norms, dim = (_arg(cargs, ckwargs, i, n) for i, n in enumerate(names))
+    if not all(isinstance(t, torch.Tensor) for t in (gw, v, g, norms)) or not isinstance(dim, int) or not v.dim():
+        return
+    if dim not in (0, v.dim() - 1) or not (v.is_contiguous() and g.is_contiguous() and norms.is_contiguous()):
+        return  # CPU's own checks refuse it
+    why = None
+    if v.numel() == 0:
+        why = f"of an empty saved_v {tuple(v.shape)} (CPU's kernel divides by zero there and kills the process)"
+    elif not gw.is_contiguous():
+        why = "takes a contiguous grad_w (CPU's kernel reads it as if it were: other values)"
+    elif gw.shape != v.shape:
+        why = f"needs grad_w of saved_v's shape {tuple(v.shape)}, got {tuple(gw.shape)} (CPU's kernel would read past it)"
+    elif g.numel() < v.shape[dim] or norms.numel() < v.shape[dim]:
+        why = (f"needs saved_g and saved_norms of v.size({dim}) = {v.shape[dim]} elements, got {g.numel()} and "
+               f"{norms.numel()} (CPU's kernel would read past them: undefined values)")
+    if why is not None:
+        raise RuntimeError(f"neuron: aten::_weight_norm_interface_backward {why}")
+
+
 def _linear_combination(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     """_compute_linear_combination (matrix_exp's): CPU's kernel sums ``coefficients.size(1)``
     matrices of ``input`` per output row and reads coefficients as a matrix of input's dtype,
@@ -637,6 +664,7 @@ _C_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16:
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
+                 "_weight_norm_interface_backward": _weight_norm_grads,
                  "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args,
                  "_logcumsumexp": _logcumsumexp_out, **{name: _batch_norm_family(name) for name in _BN_FAMILY},
                  **{name: _flash_rows(name) for name in _FLASH_ROWS}}
