@@ -2091,6 +2091,8 @@ def _reads_outside(s: Sample, specs: Any = None) -> bool:
     were); a ``_compute_linear_combination`` whose coefficients are not a matrix of at most
     ``input.size(0)`` columns of input's dtype; a ``_logcumsumexp.out`` whose out (``specs``) is of
     another dtype than its input (CPU's kernel writes the input's dtype into it)."""
+    if s.packet == "_slow_conv2d_backward":  # (values._slow_conv2d_lists: read as two values each)
+        return any(isinstance(a, (list, tuple)) and len(a) != 2 for a in s.args[3:6])
     if s.packet == "_weight_norm_interface_backward" and len(s.args) >= 5:  # (values._weight_norm_grads)
         gw, v, g, n, dim = (a.t if isinstance(a, _Host) else a for a in s.args[:5])
         if not all(isinstance(t, torch.Tensor) for t in (gw, v, g, n)) or not isinstance(dim, int) or not v.dim() \

@@ -1134,6 +1134,23 @@ def test_weight_norm_backward_refuses_what_cpu_s_kernel_reads_wrong():
         torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_slow_conv2d_backward_refuses_short_lists():
+    """Found by difftest (--wide, seeds 9103 and 9111): CPU's _slow_conv2d_backward reads two values
+    of kernel_size, stride and padding without the check its forward makes (a crash for an empty
+    stride; a padding of whatever lies past a one-element list). Refused in one line; a well-formed
+    call gives CPU's values."""
+    op = torch.ops.aten._slow_conv2d_backward.output_mask
+    g = torch.Generator().manual_seed(8)
+    gy, x, w = torch.randn(1, 2, 3, 3, generator=g), torch.randn(1, 3, 5, 5, generator=g), torch.randn(2, 3, 3, 3, generator=g)
+    mask = [True, True, True]
+    d = [t.to("neuron") for t in (gy, x, w)]
+    want = op(gy, x, w, [3, 3], [1, 1], [0, 0], mask)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(op(*d, [3, 3], [1, 1], [0, 0], mask), want))
+    for lists in (([3, 3], [], [0, 0]), ([3, 3], [1, 1], [0]), ([3], [1, 1], [0, 0])):
+        with pytest.raises(RuntimeError, match=r"^neuron: aten::_slow_conv2d_backward: 2D \w+ expected"):
+            op(*d, *lists, mask)
+
+
 def test_logcumsumexp_out_of_another_dtype_is_refused():
     """Found by difftest (--wide, seed 9101: _logcumsumexp 223123473756641): CPU's private
     ``_logcumsumexp.out`` writes its input's dtype into the out whatever the out's dtype (2.1e36 in

@@ -485,6 +485,18 @@ def _weight_norm_grads(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
         raise RuntimeError(f"neuron: aten::_weight_norm_interface_backward {why}")
 
 
+def _slow_conv2d_lists(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
+    """_slow_conv2d_backward: CPU's kernel reads two values of kernel_size, stride and padding
+    (``SymInt[2]``) without the check its forward makes, so a shorter list is read past its end
+    (a crash, or a padding of whatever lies there; found by difftest --wide, seeds 9103 and 9111:
+    the device crashed where CPU did). Refused in one line, in the forward's words."""
+    for i, name in ((3, "kernel_size"), (4, "stride"), (5, "padding")):
+        v = _arg(cargs, ckwargs, i, name)
+        if isinstance(v, (list, tuple)) and len(v) != 2:
+            raise RuntimeError(f"neuron: aten::_slow_conv2d_backward: 2D {name} expected, got {list(v)} (CPU's "
+                               f"kernel reads two values unchecked)")
+
+
 def _linear_combination(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     """_compute_linear_combination (matrix_exp's): CPU's kernel sums ``coefficients.size(1)``
     matrices of ``input`` per output row and reads coefficients as a matrix of input's dtype,
@@ -664,7 +676,7 @@ _C_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16:
 # what gives it arguments it computes right (in place on the host arguments) or refuses the call
 # in one line; the native fast path leaves them to this path
 _HOST_SCREENS = {"median": _dense_input, "nanmedian": _dense_input, "_weight_norm_interface": _weight_norm_g,
-                 "_weight_norm_interface_backward": _weight_norm_grads,
+                 "_weight_norm_interface_backward": _weight_norm_grads, "_slow_conv2d_backward": _slow_conv2d_lists,
                  "_compute_linear_combination": _linear_combination, "_batch_norm_no_update": _batch_norm_args,
                  "_logcumsumexp": _logcumsumexp_out, **{name: _batch_norm_family(name) for name in _BN_FAMILY},
                  **{name: _flash_rows(name) for name in _FLASH_ROWS}}
