@@ -584,8 +584,7 @@ def _batch_norm_family(name: str) -> Callable[[list[Any], dict[str, Any]], None]
     strided weight, bias or statistic as if it were contiguous (torch 2.13: wrong values on CPU,
     its neighbours or memory past it): a 1-D one it only reads gets a dense copy of the same
     values; the others (running statistics a training forward updates, statistics of more dims)
-    are refused. An empty input's
-    backward (CPU's kernels crash) is refused too."""
+    are refused. An empty input's backward (CPU's kernels crash) is refused too."""
     backward = name in ("native_batch_norm_backward", "batch_norm_backward")
 
     def screen(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
