@@ -1913,6 +1913,43 @@ void fast_conv_backward(const c10::OperatorHandle& op, torch::jit::Stack* stack)
 }
 
 // ---- batch norm ---------------------------------------------------------------------------------------
+// A native batch norm's call the fast path may run CPU's kernel on as it is (anything else goes to
+// Python's screen, values._batch_norm_family, which gives it a dense copy or refuses it):
+// an input of 2 dims or more that is not empty, its weight, bias and statistics 1-D, contiguous
+// and of input.size(1) elements or more (CPU's kernels read that many, as if contiguous), and the
+// statistics the call dereferences given (an evaluation's running ones, a training backward's saved
+// ones). A functional op's kernel runs before its signature's cost is looked up, so without this a
+// refused call (one that crashes CPU) would reach CPU's kernel.
+bool batch_norm_plain(size_t params_from, const c10::OperatorHandle& op, const torch::jit::Stack& s, size_t base) {
+  const size_t n = op.schema().arguments().size();
+  const bool backward = params_from == 2;
+  const c10::IValue& xv = s[base + params_from - 1];
+  if (!xv.isTensor()) return false;
+  const at::Tensor& x = xv.toTensor();
+  if (!x.defined() || x.dim() < 2 || x.numel() == 0) return false;
+  const int64_t c = x.size(1);
+  const size_t to = backward ? 7 : 5;  // (weight, running_mean, running_var, save_mean, save_*; weight, bias, running_*)
+  size_t flag = backward ? 7 : 5;  // train / update / training
+  if (!backward && n > 3 && s[base + 3].isBool()) flag = 3;  // _native_batch_norm_legit.no_stats: no statistics
+  const size_t last = std::min(flag, to);
+  for (size_t i = params_from; i < last && i < n; ++i) {
+    const c10::IValue& v = s[base + i];
+    if (v.isNone()) continue;
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) continue;
+    if (t.dim() != 1 || !t.is_contiguous() || t.numel() < c) return false;
+  }
+  // (_native_batch_norm_legit_no_training has no flag there: an evaluation)
+  const bool training = flag < n && s[base + flag].isBool() && s[base + flag].toBool();
+  if (!backward && training) return true;  // (a training forward dereferences no statistic)
+  const size_t first = backward && training ? 5 : 3;  // the saved statistics, or the running ones
+  for (size_t i = first; i < first + 2; ++i) {
+    if (i >= last || !s[base + i].isTensor() || !s[base + i].toTensor().defined()) return false;
+  }
+  return true;
+}
+
 // native_batch_norm writes its running_mean and running_var in training without saying so in its
 // schema, so it is not served as a functional op (whose first call runs the CPU kernel here and
 // again in Python's path to learn the cost: the statistics would move twice). Here the cost is
@@ -1935,11 +1972,9 @@ void fast_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::Tensor cpu[5];
   c10::SmallVector<const void*, 5> inputs;
   if (!tensor_args(*stack, base, 5, key, true, &index, cpu, inputs)) return slow(op, stack);
-  // CPU's kernel reads a strided weight, bias or statistic as if it were contiguous: Python's screen gives
-  // those a dense copy or refuses them (values._batch_norm_family), whatever cost its signature has learnt
-  for (int i = 1; i < 5; ++i) {
-    if (cpu[i].defined() && cpu[i].dim() == 1 && !cpu[i].is_contiguous()) return slow(op, stack);
-  }
+  // (a strided weight or statistic: Python's screen gives it a dense copy, then teaches the cost of this
+  // signature, which must not let the kernel read it here as it is)
+  if (!batch_norm_plain(1, op, *stack, base)) return slow(op, stack);
   const bool training = a[base + 5].toBool();
   key_int(key, 4 + training);
   key_int(key, 3);  // momentum and eps: float values never change the kernel (Python's key ignores them too)
@@ -2049,45 +2084,6 @@ void fast_item(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   log_launch_and_wait(index, handle);
 }
 
-// A native batch norm's call the fast path may run CPU's kernel on (else Python's screen,
-// values._batch_norm_family, gives a dense copy or refuses it; this only has to be as strict):
-// an input of 2 dims or more that is not empty, its weight, bias and statistics 1-D, contiguous
-// and of input.size(1) elements or more (CPU's kernels read that many, as if contiguous), and the
-// statistics the call dereferences given (an evaluation's running ones, a training backward's saved
-// ones). A functional op's kernel runs before its signature's cost is looked up, so without this a
-// refused call (one that crashes CPU) would reach CPU's kernel.
-bool batch_norm_plain(const OpFast& f, const c10::OperatorHandle& op, const torch::jit::Stack& s, size_t base) {
-  const size_t n = op.schema().arguments().size();
-  const bool backward = f.params_from == 2;
-  const c10::IValue& xv = s[base + f.params_from - 1];
-  if (!xv.isTensor()) return false;
-  const at::Tensor& x = xv.toTensor();
-  if (!x.defined() || x.dim() < 2 || x.numel() == 0) return false;
-  const int64_t c = x.size(1);
-  const size_t to = backward ? 7 : 5;  // (weight, running_mean, running_var, save_mean, save_*; weight, bias, running_*)
-  size_t flag = backward ? 7 : 5;  // train / update / training
-  if (!backward && n > 3 && s[base + 3].isBool()) flag = 3;  // _native_batch_norm_legit.no_stats: no statistics
-  const size_t last = std::min(flag, to);
-  for (size_t i = f.params_from; i < last && i < n; ++i) {
-    const c10::IValue& v = s[base + i];
-    if (v.isNone()) continue;
-    if (!v.isTensor()) return false;
-    const at::Tensor& t = v.toTensor();
-    if (!t.defined()) continue;
-    if (t.dim() != 1 || !t.is_contiguous() || t.numel() < c) return false;
-  }
-  bool training = true;  // _native_batch_norm_legit_no_training has no flag: an evaluation
-  if (flag < n && s[base + flag].isBool()) training = s[base + flag].toBool();
-  else if (!backward) training = false;
-  const size_t need[2] = {backward ? (training ? 5u : 3u) : 3u, backward ? (training ? 6u : 4u) : 4u};
-  if (backward || !training) {
-    for (size_t i : need) {
-      if (i >= last || !s[base + i].isTensor() || !s[base + i].toTensor().defined()) return false;
-    }
-  }
-  return true;
-}
-
 void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!g_fast_master.load(std::memory_order_relaxed) || at::hasCallbacks() ||
       g_log_count.load(std::memory_order_relaxed) >= kLogMax || tracing()) {
@@ -2104,7 +2100,7 @@ void fast_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (f.kind == kOther || !g_fast_launch.load(std::memory_order_relaxed) || g_history.load()) return slow(op, stack);
   if (f.kind == kToCopy) return fast_to_copy(op, stack);  // (one tensor each: no alias to share)
   if (f.kind == kLocalScalar) return fast_item(op, stack);
-  if (f.params_from != 0 && !batch_norm_plain(f, op, *stack, stack->size() - op.schema().arguments().size())) {
+  if (f.params_from != 0 && !batch_norm_plain(f.params_from, op, *stack, stack->size() - op.schema().arguments().size())) {
     return slow(op, stack);
   }
   AliasScope scope;  // this call's CPU aliases share a storage where their tensors share memory

@@ -416,6 +416,11 @@ def _reduced_dim_expanded(x: Any, dim: Any) -> bool:
     return x.stride(d) == 0 and x.shape[d] > 1
 
 
+def _arg(cargs: list[Any], ckwargs: dict[str, Any], i: int, name: str) -> Any:
+    """A screen's argument: the ``i``-th positional one, else the keyword ``name``."""
+    return cargs[i] if len(cargs) > i else ckwargs.get(name)
+
+
 def _dense_input(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     """median.dim / nanmedian.dim: CPU's kernel reads outside its input when the input repeats
     elements along the reduced dim (an expanded tensor, stride 0: torch 2.13 returns other values
@@ -568,10 +573,6 @@ def _batch_norm_args(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
         raise RuntimeError(f"neuron: aten::_batch_norm_no_update {why}")
 
 
-def _arg(cargs: list[Any], ckwargs: dict[str, Any], i: int, name: str) -> Any:
-    return cargs[i] if len(cargs) > i else ckwargs.get(name)
-
-
 def _batch_norm_family(name: str) -> Callable[[list[Any], dict[str, Any]], None]:
     """The native batch norms and their backwards: CPU's kernels read each statistic and the
     weight at ``input.size(1)`` places without checking that they hold that many (the public
@@ -657,18 +658,16 @@ def _logcumsumexp_out(cargs: list[Any], ckwargs: dict[str, Any]) -> None:
     bit patterns in its float32 elements and keeps its old bytes in the rest (found by difftest:
     _logcumsumexp 223123473756641, 2.1e36 where CPU's own garbage was 2.2e-41). Refused in one line,
     with the public op's check's words."""
-    x = cargs[0] if cargs else ckwargs.get("self")
-    out = ckwargs.get("out")
-    if isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.dtype != x.dtype:
-        raise RuntimeError(f"neuron: aten::_logcumsumexp.out: expected scalar_type {_C_TYPE_NAMES.get(x.dtype, x.dtype)} "
-                           f"but found {_C_TYPE_NAMES.get(out.dtype, out.dtype)} (CPU's kernel writes the input's dtype "
-                           f"into any out; give an out of the input's dtype)")
-
-
-# C++'s names of the dtypes, as CPU's scalar-type checks print them
-_C_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-                 torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble", torch.int64: "Long",
-                 torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
+    x, out = _arg(cargs, ckwargs, 0, "self"), ckwargs.get("out")
+    if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.dtype != x.dtype):
+        return
+    try:  # the public op's check, on empty tensors of the two dtypes, says it in CPU's words
+        torch.logcumsumexp(torch.empty(0, dtype=x.dtype), 0, out=torch.empty(0, dtype=out.dtype))
+        why = f"expected an out of {x.dtype}, got {out.dtype}"
+    except RuntimeError as e:
+        why = str(e).splitlines()[0]
+    raise RuntimeError(f"neuron: aten::_logcumsumexp.out: {why} (CPU's kernel writes the input's dtype into any out; "
+                       f"give an out of the input's dtype)")
 
 
 # ops whose CPU kernel reads outside its inputs (or leaves outputs unwritten) for some arguments ->
@@ -724,8 +723,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if screen is not None:
         screen(cargs, ckwargs)
     if info.out_names:
-        refuse_overlapping_out([kwargs.get(n) for n in info.out_names],
-                               (args, [v for k, v in kwargs.items() if k not in info.out_names]))
+        refuse_overlapping_out([kwargs.get(n) for n in info.out_names], _read_args(args, kwargs, info.out_names))
     fresh: dict[str, torch.Tensor] = {}
     for name in info.out_names:  # device-aliased outs cannot be resized: compute into fresh ones
         out = kwargs.get(name)
@@ -754,7 +752,7 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             outs = [n for n in info.out_names if is_neuron(kwargs.get(n)) and n not in fresh]
             if "not resizable" not in str(e) or not outs:
                 raise
-            _refuse_resized_input(kwargs, outs, args, info.out_names)
+            _refuse_grown_input([kwargs[n] for n in outs], _read_args(args, kwargs, info.out_names))
             for name in outs:  # an out= of the wrong size: let the kernel allocate, then adopt it
                 fresh[name] = ckwargs[name] = torch.empty(0, dtype=kwargs[name].dtype)
             result = call(*cargs, **ckwargs)
@@ -771,13 +769,9 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
             holds = "unquantized" if t.is_quantized else "dense (strided)"
             raise NotImplementedError(f"neuron: aten::{info.name} returns a {kind} tensor, and the neuron device "
                                       f"holds {holds} tensors only; {hint}")
-    inputs = None
-    for name, cpu_out in fresh.items():  # (checked before any out is written: nothing half-written)
-        if cpu_out.shape != kwargs[name].shape:
-            inputs = flat_tensors((args, [v for k, v in kwargs.items() if k not in info.out_names]), []) \
-                if inputs is None else inputs
-            if any(t is kwargs[name] for t in inputs):  # an empty out= that is also an input, and must grow
-                raise RuntimeError(OVERLAP_ERROR)  # (addr_ of empty vectors: _refuse_resized_input's case)
+    grown = [kwargs[name] for name, cpu_out in fresh.items() if cpu_out.shape != kwargs[name].shape]
+    if grown:  # (checked before any out is written: nothing half-written)
+        _refuse_grown_input(grown, _read_args(args, kwargs, info.out_names))
     for name, cpu_out in fresh.items():
         dev_out = kwargs[name]
         if cpu_out.numel() and not dev_out.untyped_storage().nbytes():  # an out without memory: it adopts
@@ -824,17 +818,23 @@ def _run(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return out
 
 
-def _refuse_resized_input(kwargs: dict[str, Any], outs: list[str], args: tuple[Any, ...],
-                          out_names: Any) -> None:
+def _read_args(args: tuple[Any, ...], kwargs: dict[str, Any], out_names: Any) -> tuple[Any, Any]:
+    """What an op reads: its arguments but its out= ones (for :func:`flat_tensors`)."""
+    return args, [v for k, v in kwargs.items() if k not in out_names]
+
+
+def _refuse_grown_input(grown: list[torch.Tensor], reads: Any) -> None:
     """An out= that must grow and is also read by the op (``addr_`` is ``addr.out(self, .., out=self)``;
     ``cat([a, a], out=a)``): CPU grows it under the input's own tensor, so its kernel then reads memory
     it writes (addr's rows after the first read the first row's results) or refuses the overlap
     (cat). The device's first try resized the shared host view before its storage refused, so a
     second try read that view past its memory (difftest: addr_ 246918285969438, 1.1e32 where CPU
-    raised). Refused in CPU's overlap words: no value here is the one CPU's write order gives."""
-    grown = {kwargs[n].untyped_storage().data_ptr() for n in outs}
-    for t in flat_tensors((args, [v for k, v in kwargs.items() if k not in out_names]), []):
-        if is_neuron(t) and t.untyped_storage().data_ptr() in grown:
+    raised). Refused in CPU's overlap words: no value here is the one CPU's write order gives.
+    An out of ``grown`` is read when a tensor of ``reads`` lies in its storage, or, for an empty
+    out (no memory to share), when it is that very tensor (addr_ of empty vectors)."""
+    ptrs = {o.untyped_storage().data_ptr() for o in grown if o.numel()}
+    for t in flat_tensors(reads, []):
+        if any(t is o for o in grown) or (is_neuron(t) and t.untyped_storage().data_ptr() in ptrs):
             raise RuntimeError(OVERLAP_ERROR)
 
 
