@@ -2025,27 +2025,36 @@ BN_FAMILY = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native
                        "_native_batch_norm_legit_functional", "native_batch_norm_backward", "batch_norm_backward"})
 
 
-def _bn_reads_outside(s: Sample) -> bool:
-    """A native batch norm (or its backward) whose kernel reads a statistic or the weight at
-    input.size(1) places though it holds fewer, or dereferences statistics it was not given: the
-    running ones of an evaluation, the saved ones of a training backward (CPU crashes there)."""
+def _bn_call(s: Sample) -> tuple[dict[str, Any], bool, Any] | None:
+    """A native batch norm's (or its backward's) arguments by name, host scalars unwrapped, whether
+    it is a backward, and its training flag; None where CPU's own checks answer (an input of under
+    2 dims, one running statistic without the other)."""
     names = [a.name for a in s.op._schema.arguments]
     vals = dict(zip(names, [a.t if isinstance(a, _Host) else a for a in s.args]))
     vals.update({k: (v.t if isinstance(v, _Host) else v) for k, v in s.kwargs.items()})
     x = vals.get("input")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+    backward = s.packet.endswith("_backward")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or \
+            (not backward and (vals.get("running_mean") is None) != (vals.get("running_var") is None)):
+        return None
+    train = vals.get("update", vals.get("train")) if backward else \
+        (False if s.packet == "_native_batch_norm_legit_no_training" else vals.get("training"))
+    return vals, backward, train
+
+
+def _bn_reads_outside(s: Sample) -> bool:
+    """A native batch norm (or its backward) whose kernel reads a statistic or the weight at
+    input.size(1) places though it holds fewer, or dereferences statistics it was not given: the
+    running ones of an evaluation, the saved ones of a training backward (CPU crashes there)."""
+    call = _bn_call(s)
+    if call is None:
         return False
-    packet = s.packet
-    if packet == "_native_batch_norm_legit_functional":  # (a composite: _native_batch_norm_legit on clones)
-        packet = "_native_batch_norm_legit"
+    vals, backward, train = call
+    x = vals["input"]
+    if s.packet == "_native_batch_norm_legit_functional":  # (a composite: _native_batch_norm_legit on clones)
         vals.update({n: vals[n].clone() for n in ("running_mean", "running_var") if isinstance(vals.get(n), torch.Tensor)})
-    if (vals.get("running_mean") is None) != (vals.get("running_var") is None) and not s.packet.endswith("_backward"):
-        return False  # (CPU's kernel refuses one statistic without the other itself)
-    backward = packet.endswith("_backward")
     if backward and x.numel() == 0:
         return True  # (CPU's kernels crash on an empty input's backward)
-    train = vals.get("update", vals.get("train")) if backward else \
-        (False if packet == "_native_batch_norm_legit_no_training" else vals.get("training"))
     saved = ("save_mean", "save_var" if "save_var" in vals else "save_invstd")
     if backward:
         needed = saved if train else ("running_mean", "running_var")
@@ -2065,19 +2074,14 @@ def _bn_reads_outside(s: Sample) -> bool:
 def _bn_dense(s: Sample) -> Sample | None:
     """A native batch norm's (or its backward's) weight, bias and statistics that its kernel only
     reads, laid out densely where they are strided (CPU's kernel reads them as if contiguous)."""
-    names = [a.name for a in s.op._schema.arguments]
-    vals = dict(zip(names, s.args))
-    x = vals.get("input")
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+    call = _bn_call(s)
+    if call is None:
         return None  # (CPU's own checks: the device passes such a call on as it is)
-    if not s.packet.endswith("_backward") and (vals.get("running_mean") is None) != (vals.get("running_var") is None):
-        return None
-    backward = s.packet.endswith("_backward")
-    train = dict(zip(names, s.args)).get("update", dict(zip(names, s.args)).get("train" if backward else "training"))
-    # (the functional form's running statistics are cloned, so only read, by _native_batch_norm_legit)
+    _, backward, train = call
+    # (a training forward updates its running statistics; the functional form's are clones, dense already)
     read = {"weight", "running_mean", "running_var", "save_mean", "save_invstd", "save_var"} if backward else \
-        ({"weight", "bias"} if train and s.packet != "_native_batch_norm_legit_no_training" else
-         {"weight", "bias", "running_mean", "running_var"})
+        ({"weight", "bias"} if train else {"weight", "bias", "running_mean", "running_var"})
+    names = [a.name for a in s.op._schema.arguments]
     args = [a.contiguous() if i < len(names) and names[i] in read and isinstance(a, torch.Tensor)
             and a.dim() == 1 and not a.is_contiguous() else a for i, a in enumerate(s.args)]
     return dataclasses.replace(s, args=args) if any(a is not b for a, b in zip(args, s.args)) else None
@@ -2556,25 +2560,23 @@ def _compile_batch(items: list[tuple[Sample, Any]], device: str = DEVICE, dynami
     def graph(*ts: torch.Tensor) -> list[Any]:
         return [op(*drop(a, ts), **{k: drop(v, ts) for k, v in kw.items()}) for op, a, kw in specs]
     seeds = [s for s, _ in items if s.random]
-    if seeds:
-        _seed_random(seeds[0], device)
+    # the compile runs a random op without a meta kernel on zeros (PyTorch's fake-tensor fallback), which
+    # draws from the device generator as on any device with an offset-counted generator: then the draws
+    # under test are a second call's, on fresh inputs, seeded again as eager's were
+    calls = 2 if device == DEVICE and any(_fake_falls_back(x) for x in seeds) else 1
     torch._dynamo.reset()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fn = torch.compile(graph, backend="neuron" if device == DEVICE else "aot_eager", dynamic=dynamic or None)
-            for m in mats:  # (storages are compared over what they held before the call, as eager runs' are)
-                m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
-            outs = fn(*tensors)
-            if device == DEVICE and any(_fake_falls_back(x) for x in seeds):
-                # the compile ran the op's device kernel on zeros (no meta kernel: PyTorch's fake-tensor
-                # fallback), which drew from the device generator, as on any device with an offset-counted
-                # generator: the draws under test are the compiled graph's, seeded again as eager's were
-                mats = [Materialised(s, device, specs) for s, specs in items]
-                _, tensors = _lift(items, mats)
-                for m in mats:
+            for call in range(calls):
+                if call:
+                    mats = [Materialised(s, device, specs) for s, specs in items]
+                    _, tensors = _lift(items, mats)
+                if seeds:
+                    _seed_random(seeds[0], device)
+                for m in mats:  # (storages are compared over what they held before the call, as eager runs' are)
                     m.sizes = [t.untyped_storage().nbytes() for t in m.inputs]
-                _seed_random(seeds[0], device)
                 outs = fn(*tensors)
     except Exception as e:
         if len(items) == 1:
